@@ -1,0 +1,254 @@
+//! The finished-request record a dispatcher pushes into its completion ring
+//! and a response process decodes: which server answered, the block-hash
+//! chains that are now warm there, and optionally the response to cache.
+//!
+//! ```text
+//! u8 version · u8 flags (1 = has response) · u16 server slot · u32 generation
+//! u32 prompt tokens · u32 output tokens · u32 #prompt blocks · u32 #full blocks
+//! [u128 response key · u32 response len]          if flags & 1
+//! u64 × #prompt blocks · u64 × #full blocks · response bytes
+//! ```
+//! All integers little-endian.
+
+use crate::response_log::ResponseKey;
+use crate::server_table::ServerRef;
+
+const VERSION: u8 = 1;
+const HAS_RESPONSE: u8 = 1;
+
+/// A finished request, borrowed for encoding on the dispatcher side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CompletionRecord<'a> {
+    /// The server that answered.
+    pub server: ServerRef,
+    /// Prompt length in tokens.
+    pub prompt_tokens: u32,
+    /// Generated length in tokens.
+    pub output_tokens: u32,
+    /// Chain hashes of the prompt's full blocks.
+    pub prompt_blocks: &'a [u64],
+    /// Chain hashes of prompt + generated text (what the server now caches).
+    pub full_blocks: &'a [u64],
+    /// The response to cache, under its exact-request key.
+    pub response: Option<(ResponseKey, &'a [u8])>,
+}
+
+/// A decoded record, owned (the responder reuses one across pops).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Completion {
+    /// The server that answered (`None` only in a default value).
+    pub server: Option<ServerRef>,
+    /// Prompt length in tokens.
+    pub prompt_tokens: u32,
+    /// Generated length in tokens.
+    pub output_tokens: u32,
+    /// Chain hashes of the prompt's full blocks.
+    pub prompt_blocks: Vec<u64>,
+    /// Chain hashes of prompt + generated text.
+    pub full_blocks: Vec<u64>,
+    /// Key of the response to cache, if any.
+    pub response_key: Option<ResponseKey>,
+    /// The response bytes (empty if none).
+    pub response: Vec<u8>,
+}
+
+/// A record that does not decode.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// Shorter than its header or its counts say.
+    #[error("completion record truncated: need {need} bytes, have {have}")]
+    Truncated {
+        /// Bytes needed.
+        need: usize,
+        /// Bytes present.
+        have: usize,
+    },
+    /// Written by another record version.
+    #[error("completion record version {0} is not supported")]
+    Version(u8),
+    /// Bytes left over after the last field.
+    #[error("completion record has {0} trailing bytes")]
+    Trailing(usize),
+}
+
+impl CompletionRecord<'_> {
+    /// Encoded length in bytes.
+    pub fn encoded_len(&self) -> usize {
+        24 + self.response.map_or(0, |(_, r)| 20 + r.len())
+            + 8 * (self.prompt_blocks.len() + self.full_blocks.len())
+    }
+
+    /// Appends the encoding to `out` (cleared first).
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.clear();
+        out.reserve(self.encoded_len());
+        out.push(VERSION);
+        out.push(if self.response.is_some() {
+            HAS_RESPONSE
+        } else {
+            0
+        });
+        out.extend_from_slice(&self.server.slot.to_le_bytes());
+        out.extend_from_slice(&self.server.generation.to_le_bytes());
+        for n in [
+            self.prompt_tokens,
+            self.output_tokens,
+            self.prompt_blocks.len() as u32,
+            self.full_blocks.len() as u32,
+        ] {
+            out.extend_from_slice(&n.to_le_bytes());
+        }
+        if let Some((key, bytes)) = self.response {
+            out.extend_from_slice(&key.0.to_le_bytes());
+            out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+        }
+        for h in self.prompt_blocks.iter().chain(self.full_blocks) {
+            out.extend_from_slice(&h.to_le_bytes());
+        }
+        if let Some((_, bytes)) = self.response {
+            out.extend_from_slice(bytes);
+        }
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        let end = self.at.checked_add(n).filter(|e| *e <= self.bytes.len());
+        let end = end.ok_or(DecodeError::Truncated {
+            need: self.at.saturating_add(n),
+            have: self.bytes.len(),
+        })?;
+        let s = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        Ok(self.take(N)?.try_into().expect("take returned N bytes"))
+    }
+
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        self.array().map(u32::from_le_bytes)
+    }
+
+    fn u64s(&mut self, n: u32, out: &mut Vec<u64>) -> Result<(), DecodeError> {
+        let bytes = self.take(n as usize * 8)?;
+        out.clear();
+        out.extend(
+            bytes
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))),
+        );
+        Ok(())
+    }
+}
+
+impl Completion {
+    /// Decodes `bytes` into `self`, reusing its buffers.
+    pub fn decode_from(&mut self, bytes: &[u8]) -> Result<(), DecodeError> {
+        let mut r = Reader { bytes, at: 0 };
+        let [version, flags] = r.array()?;
+        if version != VERSION {
+            return Err(DecodeError::Version(version));
+        }
+        let slot = u16::from_le_bytes(r.array()?);
+        let generation = r.u32()?;
+        self.server = Some(ServerRef { slot, generation });
+        self.prompt_tokens = r.u32()?;
+        self.output_tokens = r.u32()?;
+        let (np, nf) = (r.u32()?, r.u32()?);
+        let response = if flags & HAS_RESPONSE != 0 {
+            Some((ResponseKey(u128::from_le_bytes(r.array()?)), r.u32()?))
+        } else {
+            None
+        };
+        r.u64s(np, &mut self.prompt_blocks)?;
+        r.u64s(nf, &mut self.full_blocks)?;
+        self.response.clear();
+        self.response_key = None;
+        if let Some((key, len)) = response {
+            self.response.extend_from_slice(r.take(len as usize)?);
+            self.response_key = Some(key);
+        }
+        match bytes.len() - r.at {
+            0 => Ok(()),
+            n => Err(DecodeError::Trailing(n)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_with_and_without_response() {
+        let server = ServerRef {
+            slot: 7,
+            generation: 99,
+        };
+        let rec = CompletionRecord {
+            server,
+            prompt_tokens: 300,
+            output_tokens: 42,
+            prompt_blocks: &[1, 2, 3],
+            full_blocks: &[1, 2, 3, 4, 5],
+            response: Some((ResponseKey(u128::MAX - 5), b"{\"choices\":[]}")),
+        };
+        let mut buf = Vec::new();
+        rec.encode_into(&mut buf);
+        assert_eq!(buf.len(), rec.encoded_len());
+        let mut c = Completion::default();
+        c.decode_from(&buf).unwrap();
+        assert_eq!(c.server, Some(server));
+        assert_eq!((c.prompt_tokens, c.output_tokens), (300, 42));
+        assert_eq!(c.full_blocks, vec![1, 2, 3, 4, 5]);
+        assert_eq!(c.response_key, Some(ResponseKey(u128::MAX - 5)));
+        assert_eq!(c.response, b"{\"choices\":[]}");
+
+        let bare = CompletionRecord {
+            response: None,
+            ..rec
+        };
+        bare.encode_into(&mut buf);
+        c.decode_from(&buf).unwrap();
+        assert_eq!((c.response_key, c.response.len()), (None, 0));
+    }
+
+    #[test]
+    fn bad_records_are_errors_not_panics() {
+        let mut c = Completion::default();
+        assert!(matches!(
+            c.decode_from(&[]),
+            Err(DecodeError::Truncated { .. })
+        ));
+        assert_eq!(c.decode_from(&[9, 0]), Err(DecodeError::Version(9)));
+        let rec = CompletionRecord {
+            server: ServerRef {
+                slot: 1,
+                generation: 1,
+            },
+            prompt_tokens: 1,
+            output_tokens: 1,
+            prompt_blocks: &[1],
+            full_blocks: &[],
+            response: None,
+        };
+        let mut buf = Vec::new();
+        rec.encode_into(&mut buf);
+        for cut in 0..buf.len() {
+            assert!(c.decode_from(&buf[..cut]).is_err());
+        }
+        buf.push(0);
+        assert_eq!(c.decode_from(&buf), Err(DecodeError::Trailing(1)));
+        // Huge counts must not allocate or overflow.
+        let mut evil = buf[..24].to_vec();
+        evil[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(c.decode_from(&evil).is_err());
+    }
+}

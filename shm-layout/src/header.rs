@@ -1,0 +1,327 @@
+//! The segment header: the first 320 bytes of every segment.
+//!
+//! It is written once by the creator, with the `state` word stored last
+//! (`Release`); openers load `state` first (`Acquire`) and then trust the
+//! rest only after checking magic, version, size, checksum and region
+//! bounds. The field offsets are frozen by compile-time asserts below; any
+//! change to them must bump [`LAYOUT_VERSION`].
+
+use std::mem::{offset_of, size_of};
+
+use crate::plan::{
+    BUCKET_BYTES, HEADER_BYTES, LEDGER_CELL_BYTES, LOG_CONTROL_BYTES, LayoutPlan, PAGE,
+    PROCESS_SLOT_BYTES, PROCESS_SLOTS, REGION_COUNT, RING_CONTROL_BYTES, RING_COUNT, Region,
+    RegionKind, SERVER_SLOT_BYTES, SERVER_SLOTS,
+};
+use crate::sync::{AtomicU64, Ordering};
+
+/// `b"SEMLBSHM"` read as a little-endian `u64`.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"SEMLBSHM");
+/// Version of the layout described in the crate docs. Bump on any change.
+pub const LAYOUT_VERSION: u64 = 1;
+/// `state` while the creator initialises the segment (the zero of a new object).
+pub const STATE_INITIALISING: u64 = 0;
+/// `state` once the segment may be used (`b"READY\0\0\0"`).
+pub const STATE_READY: u64 = u64::from_le_bytes(*b"READY\0\0\0");
+
+/// One region descriptor as stored: 4 words.
+#[repr(C)]
+#[derive(Debug)]
+pub(crate) struct RawRegion {
+    offset: AtomicU64,
+    bytes: AtomicU64,
+    count: AtomicU64,
+    param: AtomicU64,
+}
+
+/// The header as stored at offset 0.
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub(crate) struct RawHeader {
+    magic: AtomicU64,
+    layout_version: AtomicU64,
+    segment_bytes: AtomicU64,
+    state: AtomicU64,
+    created_unix_ms: AtomicU64,
+    created_monotonic_ns: AtomicU64,
+    creator_pid: AtomicU64,
+    header_checksum: AtomicU64,
+    seed: [AtomicU64; 4],
+    regions: [RawRegion; REGION_COUNT],
+}
+
+// The layout freeze: these numbers are the documented field table.
+const _: () = assert!(size_of::<RawRegion>() == 32);
+const _: () = assert!(size_of::<RawHeader>() == 320);
+const _: () = assert!(size_of::<RawHeader>() as u64 <= HEADER_BYTES);
+const _: () = assert!(offset_of!(RawHeader, magic) == 0);
+const _: () = assert!(offset_of!(RawHeader, layout_version) == 8);
+const _: () = assert!(offset_of!(RawHeader, segment_bytes) == 16);
+const _: () = assert!(offset_of!(RawHeader, state) == 24);
+const _: () = assert!(offset_of!(RawHeader, created_unix_ms) == 32);
+const _: () = assert!(offset_of!(RawHeader, created_monotonic_ns) == 40);
+const _: () = assert!(offset_of!(RawHeader, creator_pid) == 48);
+const _: () = assert!(offset_of!(RawHeader, header_checksum) == 56);
+const _: () = assert!(offset_of!(RawHeader, seed) == 64);
+const _: () = assert!(offset_of!(RawHeader, regions) == 96);
+
+/// A plain copy of the header, as read from a segment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeaderInfo {
+    /// Must be [`MAGIC`].
+    pub magic: u64,
+    /// Must be [`LAYOUT_VERSION`].
+    pub layout_version: u64,
+    /// Total bytes of the segment.
+    pub segment_bytes: u64,
+    /// [`STATE_READY`] once usable.
+    pub state: u64,
+    /// Wall-clock creation time, ms since the Unix epoch.
+    pub created_unix_ms: u64,
+    /// `CLOCK_MONOTONIC` at creation, ns: the origin of every stamp in the tables.
+    pub created_monotonic_ns: u64,
+    /// Pid of the creating process.
+    pub creator_pid: u64,
+    /// Checksum of every field but `state` and itself.
+    pub header_checksum: u64,
+    /// Random per-segment seed keying slot fingerprints and record checksums.
+    pub seed: [u64; 4],
+    /// Region placements, indexed by [`RegionKind`].
+    pub regions: [Region; REGION_COUNT],
+}
+
+/// What the creator knows when it writes the header.
+pub(crate) struct HeaderInit {
+    pub created_unix_ms: u64,
+    pub created_monotonic_ns: u64,
+    pub creator_pid: u64,
+    pub seed: [u64; 4],
+}
+
+impl HeaderInfo {
+    fn from_plan(plan: &LayoutPlan, init: &HeaderInit) -> Self {
+        let mut info = HeaderInfo {
+            magic: MAGIC,
+            layout_version: LAYOUT_VERSION,
+            segment_bytes: plan.segment_bytes,
+            state: STATE_INITIALISING,
+            created_unix_ms: init.created_unix_ms,
+            created_monotonic_ns: init.created_monotonic_ns,
+            creator_pid: init.creator_pid,
+            header_checksum: 0,
+            seed: init.seed,
+            regions: plan.regions,
+        };
+        info.header_checksum = info.checksum();
+        info
+    }
+
+    /// Checksum over every field except `state` and `header_checksum`.
+    pub fn checksum(&self) -> u64 {
+        let mut words = Vec::with_capacity(12 + 4 * REGION_COUNT);
+        words.extend_from_slice(&[
+            self.magic,
+            self.layout_version,
+            self.segment_bytes,
+            self.created_unix_ms,
+            self.created_monotonic_ns,
+            self.creator_pid,
+        ]);
+        words.extend_from_slice(&self.seed);
+        for r in &self.regions {
+            words.extend_from_slice(&[r.offset, r.bytes, r.count, r.param]);
+        }
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        seahash::hash(&bytes)
+    }
+
+    /// One region's placement.
+    pub fn region(&self, kind: RegionKind) -> Region {
+        self.regions[kind as usize]
+    }
+
+    /// Checks that the regions fit the segment, do not overlap, and hold
+    /// what their counts say, so that attaching the tables cannot go out of
+    /// bounds whatever bytes the header holds.
+    pub(crate) fn check_regions(&self) -> Result<(), String> {
+        let mut end = HEADER_BYTES;
+        for kind in RegionKind::ALL {
+            let r = self.region(kind);
+            let name = kind.name();
+            if r.offset % PAGE != 0 || r.offset < end {
+                return Err(format!("{name} region at offset {} is misplaced", r.offset));
+            }
+            let Some(r_end) = r
+                .offset
+                .checked_add(r.bytes)
+                .filter(|e| *e <= self.segment_bytes)
+            else {
+                return Err(format!(
+                    "{name} region ({} bytes at {}) runs past the segment",
+                    r.bytes, r.offset
+                ));
+            };
+            end = r_end;
+            let need = match kind {
+                RegionKind::Servers => fixed(r, u64::from(SERVER_SLOTS), SERVER_SLOT_BYTES),
+                RegionKind::Ledger => {
+                    if r.param != u64::from(SERVER_SLOTS) {
+                        return Err(format!(
+                            "{name} rows have {} cells, expected {SERVER_SLOTS}",
+                            r.param
+                        ));
+                    }
+                    fixed(
+                        r,
+                        u64::from(SERVER_SLOTS * PROCESS_SLOTS),
+                        LEDGER_CELL_BYTES,
+                    )
+                }
+                RegionKind::Registry => fixed(r, u64::from(PROCESS_SLOTS), PROCESS_SLOT_BYTES),
+                RegionKind::Rings => {
+                    if !r.param.is_power_of_two() || r.param < 4096 {
+                        return Err(format!(
+                            "{name}: ring size {} is not a power of two >= 4096",
+                            r.param
+                        ));
+                    }
+                    fixed(r, u64::from(RING_COUNT), RING_CONTROL_BYTES + r.param)
+                }
+                RegionKind::ResponseIndex | RegionKind::Prefix => {
+                    Some(r.count.saturating_mul(BUCKET_BYTES))
+                }
+                RegionKind::ResponseLog => {
+                    if r.count % 8 != 0 || r.param == 0 || r.param > r.count / 2 || r.param % 8 != 0
+                    {
+                        return Err(format!(
+                            "{name}: log of {} bytes with values up to {}",
+                            r.count, r.param
+                        ));
+                    }
+                    Some(LOG_CONTROL_BYTES.saturating_add(r.count))
+                }
+            };
+            match need {
+                Some(n) if n <= r.bytes && r.count > 0 => {}
+                _ => {
+                    return Err(format!(
+                        "{name} region of {} bytes cannot hold {} elements",
+                        r.bytes, r.count
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `count * elem` if `count` is the fixed count this layout version uses.
+fn fixed(r: Region, expected: u64, elem: u64) -> Option<u64> {
+    (r.count == expected).then(|| expected * elem)
+}
+
+impl RawHeader {
+    /// Writes every field but `state`; the caller publishes with [`Self::publish`]
+    /// once the regions are initialised.
+    pub(crate) fn write(&self, plan: &LayoutPlan, init: &HeaderInit) {
+        let info = HeaderInfo::from_plan(plan, init);
+        let r = Ordering::Relaxed;
+        self.magic.store(info.magic, r);
+        self.layout_version.store(info.layout_version, r);
+        self.segment_bytes.store(info.segment_bytes, r);
+        self.created_unix_ms.store(info.created_unix_ms, r);
+        self.created_monotonic_ns
+            .store(info.created_monotonic_ns, r);
+        self.creator_pid.store(info.creator_pid, r);
+        for (dst, v) in self.seed.iter().zip(info.seed) {
+            dst.store(v, r);
+        }
+        for (dst, v) in self.regions.iter().zip(info.regions) {
+            dst.offset.store(v.offset, r);
+            dst.bytes.store(v.bytes, r);
+            dst.count.store(v.count, r);
+            dst.param.store(v.param, r);
+        }
+        self.header_checksum.store(info.header_checksum, r);
+    }
+
+    /// Marks the segment ready: the last write of the creator.
+    pub(crate) fn publish(&self) {
+        self.state.store(STATE_READY, Ordering::Release);
+    }
+
+    /// Reads the header, `state` first.
+    pub(crate) fn read(&self) -> HeaderInfo {
+        let state = self.state.load(Ordering::Acquire);
+        let r = Ordering::Relaxed;
+        let mut regions = [Region::default(); REGION_COUNT];
+        for (dst, src) in regions.iter_mut().zip(&self.regions) {
+            *dst = Region {
+                offset: src.offset.load(r),
+                bytes: src.bytes.load(r),
+                count: src.count.load(r),
+                param: src.param.load(r),
+            };
+        }
+        HeaderInfo {
+            magic: self.magic.load(r),
+            layout_version: self.layout_version.load(r),
+            segment_bytes: self.segment_bytes.load(r),
+            state,
+            created_unix_ms: self.created_unix_ms.load(r),
+            created_monotonic_ns: self.created_monotonic_ns.load(r),
+            creator_pid: self.creator_pid.load(r),
+            header_checksum: self.header_checksum.load(r),
+            seed: std::array::from_fn(|i| self.seed[i].load(r)),
+            regions,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info() -> HeaderInfo {
+        let plan = LayoutPlan::for_size(64 << 20).unwrap();
+        let init = HeaderInit {
+            created_unix_ms: 1,
+            created_monotonic_ns: 2,
+            creator_pid: 3,
+            seed: [4, 5, 6, 7],
+        };
+        HeaderInfo::from_plan(&plan, &init)
+    }
+
+    #[test]
+    fn plan_regions_pass_the_open_checks() {
+        assert_eq!(info().check_regions(), Ok(()));
+    }
+
+    #[test]
+    fn checksum_covers_regions_and_seed() {
+        let a = info();
+        let mut b = a.clone();
+        b.regions[3].param += 1;
+        assert_ne!(a.checksum(), b.checksum());
+        let mut c = a.clone();
+        c.seed[0] ^= 1;
+        assert_ne!(a.checksum(), c.checksum());
+        let mut d = a.clone();
+        d.state = STATE_READY;
+        assert_eq!(a.checksum(), d.checksum(), "state is not covered");
+    }
+
+    #[test]
+    fn impossible_regions_are_rejected() {
+        let mut a = info();
+        a.regions[RegionKind::Prefix as usize].bytes = u64::MAX;
+        assert!(a.check_regions().is_err());
+        let mut b = info();
+        b.regions[RegionKind::Rings as usize].offset = 0;
+        assert!(b.check_regions().is_err());
+        let mut c = info();
+        c.regions[RegionKind::Prefix as usize].count *= 2;
+        assert!(c.check_regions().is_err());
+    }
+}

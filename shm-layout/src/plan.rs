@@ -1,0 +1,310 @@
+//! How a segment of a given size is carved into regions.
+//!
+//! Everything is derived from the size the operator gives (`--shm-size`),
+//! so two processes that agree on the size agree on the layout; the header
+//! records the result anyway, and openers use the header.
+//!
+//! | region | size | derived how |
+//! | --- | --- | --- |
+//! | header | 4 KiB | fixed |
+//! | server table | [`SERVER_SLOTS`] × 384 B | fixed |
+//! | in-flight ledger | [`PROCESS_SLOTS`] × [`SERVER_SLOTS`] × 16 B | fixed (256 KiB) |
+//! | process registry | [`PROCESS_SLOTS`] × 64 B | fixed |
+//! | completion rings | [`RING_COUNT`] × (256 B + ring bytes) | ring bytes = 1/8 of the rest / [`RING_COUNT`], rounded down to a power of two, clamped to 16 KiB ..= 4 MiB |
+//! | response index | 1/64 of what is left after the rings | 64-byte buckets of 4 slots |
+//! | response log | 31/64 of what is left, less 256 B of control | byte ring; one value may take at most `max_response_fraction` of it (default 1/8) |
+//! | prefix table | the other half | 64-byte buckets of 4 slots |
+//!
+//! Every region starts on a 4 KiB boundary. For `--shm-size 256MiB` this
+//! gives 3.9 M prefix slots (≈ 63 M tokens of prefix at 16 tokens a block),
+//! a 119 MiB response log with 31 K index buckets, and 64 rings of 256 KiB.
+
+use crate::error::PlanError;
+
+/// Page size regions are aligned to.
+pub const PAGE: u64 = 4096;
+/// Bytes of the header region.
+pub const HEADER_BYTES: u64 = PAGE;
+/// Inference-server slots in the server table (and lanes of the ledger).
+pub const SERVER_SLOTS: u32 = 128;
+/// Process slots in the registry (and rows of the in-flight ledger).
+pub const PROCESS_SLOTS: u32 = 128;
+/// Number of completion rings: one per dispatcher slot.
+pub const RING_COUNT: u32 = 64;
+/// Smallest segment accepted.
+pub const MIN_SEGMENT_BYTES: u64 = 8 << 20;
+/// Largest segment accepted.
+pub const MAX_SEGMENT_BYTES: u64 = 1 << 40;
+/// Default share of the response log one cached value may take.
+pub const DEFAULT_MAX_RESPONSE_FRACTION: f64 = 0.125;
+
+pub(crate) const SERVER_SLOT_BYTES: u64 = 384;
+pub(crate) const LEDGER_CELL_BYTES: u64 = 16;
+pub(crate) const PROCESS_SLOT_BYTES: u64 = 64;
+pub(crate) const RING_CONTROL_BYTES: u64 = 256;
+pub(crate) const LOG_CONTROL_BYTES: u64 = 256;
+pub(crate) const BUCKET_BYTES: u64 = 64;
+const MIN_RING_BYTES: u64 = 16 << 10;
+const MAX_RING_BYTES: u64 = 4 << 20;
+
+/// The regions of a segment, in address order. The discriminant is the
+/// region's index in the header's region table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(usize)]
+pub enum RegionKind {
+    /// Inference-server slots.
+    Servers = 0,
+    /// Per-process, per-server in-flight counts (crash accounting).
+    Ledger = 1,
+    /// Process registry.
+    Registry = 2,
+    /// Completion rings.
+    Rings = 3,
+    /// Response-cache index buckets.
+    ResponseIndex = 4,
+    /// Response-cache record log.
+    ResponseLog = 5,
+    /// Prefix-table buckets.
+    Prefix = 6,
+}
+
+/// Number of regions.
+pub const REGION_COUNT: usize = 7;
+
+impl RegionKind {
+    /// All regions in address order.
+    pub const ALL: [RegionKind; REGION_COUNT] = [
+        RegionKind::Servers,
+        RegionKind::Ledger,
+        RegionKind::Registry,
+        RegionKind::Rings,
+        RegionKind::ResponseIndex,
+        RegionKind::ResponseLog,
+        RegionKind::Prefix,
+    ];
+
+    /// Human name, as `semlb shm inspect` prints it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            RegionKind::Servers => "servers",
+            RegionKind::Ledger => "in-flight ledger",
+            RegionKind::Registry => "process registry",
+            RegionKind::Rings => "completion rings",
+            RegionKind::ResponseIndex => "response index",
+            RegionKind::ResponseLog => "response log",
+            RegionKind::Prefix => "prefix table",
+        }
+    }
+}
+
+/// One region: where it is, how big, how many elements, and one parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Region {
+    /// Byte offset from the segment start (multiple of [`PAGE`]).
+    pub offset: u64,
+    /// Bytes reserved for the region.
+    pub bytes: u64,
+    /// Element count: slots, buckets, rings or log bytes.
+    pub count: u64,
+    /// Region-specific: ring bytes (rings), max value bytes (response log),
+    /// server slots per ledger row (ledger); 0 otherwise.
+    pub param: u64,
+}
+
+/// The full layout for one segment size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayoutPlan {
+    /// Total segment bytes.
+    pub segment_bytes: u64,
+    /// The regions, indexed by [`RegionKind`].
+    pub regions: [Region; REGION_COUNT],
+}
+
+/// Options beyond the size.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PlanOptions {
+    /// Largest share of the response log one value may take; larger values
+    /// are refused, never truncated.
+    pub max_response_fraction: f64,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        Self {
+            max_response_fraction: DEFAULT_MAX_RESPONSE_FRACTION,
+        }
+    }
+}
+
+const fn align_up(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+const fn align_down(x: u64, a: u64) -> u64 {
+    x / a * a
+}
+
+impl LayoutPlan {
+    /// The layout for `segment_bytes` with default options.
+    pub fn for_size(segment_bytes: u64) -> Result<Self, PlanError> {
+        Self::new(segment_bytes, PlanOptions::default())
+    }
+
+    /// The layout for `segment_bytes`.
+    pub fn new(segment_bytes: u64, options: PlanOptions) -> Result<Self, PlanError> {
+        if segment_bytes < MIN_SEGMENT_BYTES {
+            return Err(PlanError::TooSmall {
+                requested: segment_bytes,
+                min: MIN_SEGMENT_BYTES,
+            });
+        }
+        if segment_bytes > MAX_SEGMENT_BYTES {
+            return Err(PlanError::TooLarge {
+                requested: segment_bytes,
+                max: MAX_SEGMENT_BYTES,
+            });
+        }
+        let f = options.max_response_fraction;
+        if !(f > 0.0 && f <= 0.5) {
+            return Err(PlanError::BadResponseFraction { value: f });
+        }
+        let size = align_down(segment_bytes, PAGE);
+        let mut regions = [Region::default(); REGION_COUNT];
+        let mut cursor = HEADER_BYTES;
+        let mut place = |kind: RegionKind, bytes: u64, count: u64, param: u64| {
+            regions[kind as usize] = Region {
+                offset: cursor,
+                bytes,
+                count,
+                param,
+            };
+            cursor += align_up(bytes, PAGE);
+            cursor
+        };
+        let servers = u64::from(SERVER_SLOTS);
+        let processes = u64::from(PROCESS_SLOTS);
+        place(RegionKind::Servers, servers * SERVER_SLOT_BYTES, servers, 0);
+        place(
+            RegionKind::Ledger,
+            processes * servers * LEDGER_CELL_BYTES,
+            processes * servers,
+            servers,
+        );
+        let fixed_end = place(
+            RegionKind::Registry,
+            processes * PROCESS_SLOT_BYTES,
+            processes,
+            0,
+        );
+
+        let rings = u64::from(RING_COUNT);
+        let per_ring = ((size - fixed_end) / 8 / rings).clamp(MIN_RING_BYTES, MAX_RING_BYTES);
+        let ring_bytes = 1u64 << (63 - per_ring.leading_zeros());
+        let rings_end = place(
+            RegionKind::Rings,
+            rings * (RING_CONTROL_BYTES + ring_bytes),
+            rings,
+            ring_bytes,
+        );
+
+        let response_share = align_down((size - rings_end) / 2, PAGE);
+        let index_bytes = align_down(response_share / 64, PAGE).max(PAGE);
+        place(
+            RegionKind::ResponseIndex,
+            index_bytes,
+            index_bytes / BUCKET_BYTES,
+            0,
+        );
+        let log_bytes = align_down(response_share - index_bytes - PAGE, PAGE);
+        let max_value = align_down((log_bytes as f64 * f) as u64, 8);
+        let log_end = place(
+            RegionKind::ResponseLog,
+            LOG_CONTROL_BYTES + log_bytes,
+            log_bytes,
+            max_value,
+        );
+
+        let prefix_bytes = align_down(size - log_end, PAGE);
+        let cursor = place(
+            RegionKind::Prefix,
+            prefix_bytes,
+            prefix_bytes / BUCKET_BYTES,
+            0,
+        );
+        debug_assert!(cursor <= size);
+        Ok(Self {
+            segment_bytes: size,
+            regions,
+        })
+    }
+
+    /// One region's placement.
+    pub fn region(&self, kind: RegionKind) -> Region {
+        self.regions[kind as usize]
+    }
+
+    /// Prefix-table slots (4 per bucket).
+    pub fn prefix_slots(&self) -> u64 {
+        self.region(RegionKind::Prefix).count * crate::bucket::WAYS as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_are_ordered_aligned_and_inside() {
+        for size in [
+            MIN_SEGMENT_BYTES,
+            64 << 20,
+            256 << 20,
+            (1 << 30) + 12345,
+            16 << 30,
+        ] {
+            let plan = LayoutPlan::for_size(size).unwrap();
+            let mut end = HEADER_BYTES;
+            for kind in RegionKind::ALL {
+                let r = plan.region(kind);
+                assert_eq!(r.offset % PAGE, 0, "{kind:?} at {size}");
+                assert!(r.offset >= end, "{kind:?} overlaps at {size}");
+                assert!(r.count > 0, "{kind:?} empty at {size}");
+                end = r.offset + r.bytes;
+            }
+            assert!(end <= plan.segment_bytes);
+            let log = plan.region(RegionKind::ResponseLog);
+            assert!(log.param > 0 && log.param <= log.count / 8);
+        }
+    }
+
+    #[test]
+    fn sizes_scale_with_the_segment() {
+        let small = LayoutPlan::for_size(64 << 20).unwrap();
+        let big = LayoutPlan::for_size(256 << 20).unwrap();
+        assert!(big.prefix_slots() > 3 * small.prefix_slots());
+        assert_eq!(big.region(RegionKind::Rings).param, 256 << 10);
+    }
+
+    #[test]
+    fn rejects_bad_sizes_and_fractions() {
+        assert!(matches!(
+            LayoutPlan::for_size(1 << 20),
+            Err(PlanError::TooSmall { .. })
+        ));
+        assert!(matches!(
+            LayoutPlan::for_size(u64::MAX),
+            Err(PlanError::TooLarge { .. })
+        ));
+        let bad = PlanOptions {
+            max_response_fraction: 0.9,
+        };
+        assert!(matches!(
+            LayoutPlan::new(64 << 20, bad),
+            Err(PlanError::BadResponseFraction { .. })
+        ));
+        let nan = PlanOptions {
+            max_response_fraction: f64::NAN,
+        };
+        assert!(LayoutPlan::new(64 << 20, nan).is_err());
+    }
+}

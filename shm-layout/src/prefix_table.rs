@@ -1,0 +1,491 @@
+//! The prefix table: which inference servers hold the KV cache of which
+//! token-block prefix.
+//!
+//! Key: the 64-bit hash of a token-block prefix chain (block `i`'s hash
+//! covers blocks `0..=i`). Value: up to [`LANES`] servers, most recently
+//! refreshed first, and a 16-bit recency [`Stamp`]. Each entry is one
+//! self-validating 128-bit slot (see `bucket`), 4 slots to a 64-byte
+//! bucket; a key lives in the bucket its hash selects.
+//!
+//! ```text
+//!  value (high 64 bits)                               key half (low 64 bits)
+//! ┌──────────┬──────────┬──────────┬──────────┐      ┌───────────────────────────┐
+//! │ stamp:16 │ lane2:16 │ lane1:16 │ lane0:16 │      │ key ^ mix64(value ^ seed) │
+//! └──────────┴──────────┴──────────┴──────────┘      └───────────────────────────┘
+//!   lane = generation tag:6 | (server slot + 1):10, 0 = empty; lane0 = most recent
+//! ```
+//!
+//! * Readers load a bucket (one cache line) and never wait or retry.
+//! * Writers read the bucket, compute the new slot and install it with one
+//!   compare-and-swap; on a lost race they re-read (bounded attempts, then
+//!   they give up and report [`InsertOutcome::Contended`]: the table is a
+//!   cache, a lost refresh costs nothing but a little affinity).
+//! * When a bucket is full the stalest entry (largest `now - stamp`,
+//!   wrapping) is replaced, so memory is fixed and the table never grows.
+//! * A process killed at any instruction either installed its slot or did
+//!   not: there is no lock and no multi-step update to leave half done.
+//!
+//! The generation tag in each lane stops a reused server slot from
+//! inheriting the old server's affinity: [`ServerTag::gen_tag`] must match
+//! the server table's current generation for the lane to count as live.
+
+use crate::bucket::{Bucket, SlotCodec, WAYS, bucket_index};
+use crate::server_table::{ServerRef, ServerTag};
+
+pub use crate::bucket::WAYS as PREFIX_WAYS;
+
+/// Servers remembered per prefix.
+pub const LANES: usize = 3;
+
+/// Attempts a writer makes before reporting contention.
+const MAX_ATTEMPTS: usize = 16;
+
+/// A coarse recency stamp: seconds since the segment was created, modulo
+/// 2^16. Compared with wrapping arithmetic, so ages up to 18 hours order
+/// correctly; an older entry may look fresh, which only affects which entry
+/// a full bucket evicts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Stamp(pub u16);
+
+impl Stamp {
+    /// How long ago `self` was, seen from `now`.
+    #[inline]
+    pub fn age(self, now: Stamp) -> u16 {
+        now.0.wrapping_sub(self.0)
+    }
+}
+
+/// The servers of one entry, most recently refreshed first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ServerSet {
+    lanes: [u16; LANES],
+}
+
+impl ServerSet {
+    fn from_value(value: u64) -> Self {
+        Self {
+            lanes: std::array::from_fn(|i| (value >> (16 * i)) as u16),
+        }
+    }
+
+    fn bits(self) -> u64 {
+        self.lanes
+            .iter()
+            .enumerate()
+            .map(|(i, l)| u64::from(*l) << (16 * i))
+            .sum()
+    }
+
+    /// The servers, most recent first.
+    pub fn iter(&self) -> impl Iterator<Item = ServerTag> + '_ {
+        self.lanes.iter().filter_map(|l| ServerTag::from_lane(*l))
+    }
+
+    /// Number of servers.
+    pub fn len(&self) -> usize {
+        self.lanes.iter().filter(|l| **l != 0).count()
+    }
+
+    /// True if no server is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.lanes[0] == 0
+    }
+
+    /// Whether `tag` (same slot and generation) is in the set.
+    pub fn contains(&self, tag: ServerTag) -> bool {
+        self.lanes.contains(&tag.lane())
+    }
+
+    /// `tag` moved (or added) to the front; other lanes of the same server
+    /// slot (older generations) dropped; the least recent falls off if full.
+    fn with_front(self, tag: ServerTag) -> Self {
+        let mut lanes = [0u16; LANES];
+        lanes[0] = tag.lane();
+        let mut n = 1;
+        for l in self.lanes {
+            match ServerTag::from_lane(l) {
+                Some(t) if t.slot() != tag.slot() && n < LANES => {
+                    lanes[n] = l;
+                    n += 1;
+                }
+                _ => {}
+            }
+        }
+        Self { lanes }
+    }
+
+    /// The set without any lane of `tag`'s server slot.
+    fn without(self, tag: ServerTag) -> Self {
+        let mut lanes = [0u16; LANES];
+        for (dst, l) in lanes
+            .iter_mut()
+            .zip(self.lanes.iter().filter(|l| **l != 0 && **l != tag.lane()))
+        {
+            *dst = *l;
+        }
+        Self { lanes }
+    }
+}
+
+/// One entry as read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixEntry {
+    /// Servers that hold the prefix, most recent first.
+    pub servers: ServerSet,
+    /// When the entry was last refreshed.
+    pub stamp: Stamp,
+}
+
+fn pack_value(servers: ServerSet, stamp: Stamp) -> u64 {
+    servers.bits() | (u64::from(stamp.0) << 48)
+}
+
+fn unpack_value(value: u64) -> PrefixEntry {
+    PrefixEntry {
+        servers: ServerSet::from_value(value & 0xffff_ffff_ffff),
+        stamp: Stamp((value >> 48) as u16),
+    }
+}
+
+/// What an insert did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InsertOutcome {
+    /// A new entry in an empty slot.
+    Inserted,
+    /// A new entry that evicted the stalest entry of a full bucket.
+    Evicted,
+    /// The key was present; the server moved to the front and the stamp renewed.
+    Refreshed,
+    /// Nothing changed: the server was already first and the stamp current.
+    Unchanged,
+    /// Lost the compare-and-swap race [`MAX_ATTEMPTS`] times in a row.
+    Contended,
+}
+
+/// For each server that holds the first block of a chain: how many leading
+/// blocks it holds without a gap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefixMatch {
+    entries: [(u16, u32); LANES],
+    len: usize,
+}
+
+impl PrefixMatch {
+    /// `(server, leading blocks held)` pairs, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (ServerTag, u32)> + '_ {
+        self.entries[..self.len]
+            .iter()
+            .filter_map(|(l, n)| ServerTag::from_lane(*l).map(|t| (t, *n)))
+    }
+
+    /// The server with the most leading blocks (the first on ties).
+    pub fn best(&self) -> Option<(ServerTag, u32)> {
+        self.iter().fold(None, |best, (t, n)| match best {
+            Some((_, m)) if m >= n => best,
+            _ => Some((t, n)),
+        })
+    }
+
+    /// Blocks held by `tag`, 0 if none.
+    pub fn blocks_for(&self, tag: ServerTag) -> u32 {
+        self.iter().find(|(t, _)| *t == tag).map_or(0, |(_, n)| n)
+    }
+
+    /// True when no server holds even the first block.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// The prefix table over its buckets (in shared memory or on the heap).
+#[derive(Debug, Clone, Copy)]
+pub struct PrefixTable<'a> {
+    buckets: &'a [Bucket],
+    codec: SlotCodec,
+}
+
+impl<'a> PrefixTable<'a> {
+    /// A table over `buckets`, fingerprinted with `seed`.
+    pub(crate) fn new(buckets: &'a [Bucket], seed: u64) -> Self {
+        assert!(
+            !buckets.is_empty(),
+            "a prefix table needs at least one bucket"
+        );
+        Self {
+            buckets,
+            codec: SlotCodec::new(seed),
+        }
+    }
+
+    /// Slots in the table.
+    pub fn capacity(&self) -> u64 {
+        (self.buckets.len() * WAYS) as u64
+    }
+
+    #[inline]
+    fn bucket(&self, key: u64) -> &'a Bucket {
+        &self.buckets[bucket_index(key, self.buckets.len())]
+    }
+
+    /// The entry for `key`, if any. Never waits, never allocates.
+    #[inline]
+    pub fn lookup(&self, key: u64) -> Option<PrefixEntry> {
+        let bucket = self.bucket(key);
+        bucket
+            .load()
+            .into_iter()
+            .find_map(|slot| self.codec.value_for(slot, key))
+            .map(unpack_value)
+    }
+
+    /// Records that `server` holds the prefix `key`, as of `now`.
+    pub fn insert(&self, key: u64, server: ServerRef, now: Stamp) -> InsertOutcome {
+        let tag = server.tag();
+        let bucket = self.bucket(key);
+        for _ in 0..MAX_ATTEMPTS {
+            let slots = bucket.load();
+            if let Some((i, value)) = slots
+                .iter()
+                .enumerate()
+                .find_map(|(i, s)| self.codec.value_for(*s, key).map(|v| (i, v)))
+            {
+                let entry = unpack_value(value);
+                let new = pack_value(entry.servers.with_front(tag), now);
+                if new == value {
+                    return InsertOutcome::Unchanged;
+                }
+                if bucket.cas(i, slots[i], self.codec.pack(key, new)) {
+                    return InsertOutcome::Refreshed;
+                }
+                continue;
+            }
+            let victim = self.victim(&slots, now);
+            let fresh = pack_value(ServerSet::default().with_front(tag), now);
+            if bucket.cas(victim, slots[victim], self.codec.pack(key, fresh)) {
+                return if slots[victim] == 0 {
+                    InsertOutcome::Inserted
+                } else {
+                    InsertOutcome::Evicted
+                };
+            }
+        }
+        InsertOutcome::Contended
+    }
+
+    /// The slot to overwrite: the first empty one, else the stalest.
+    fn victim(&self, slots: &[u128; WAYS], now: Stamp) -> usize {
+        if let Some(i) = slots.iter().position(|s| *s == 0) {
+            return i;
+        }
+        (0..WAYS)
+            .max_by_key(|i| unpack_value((slots[*i] >> 64) as u64).stamp.age(now))
+            .unwrap_or(0)
+    }
+
+    /// Records `server` for every hash of `chain` (a responder's write-back).
+    pub fn insert_chain(&self, chain: &[u64], server: ServerRef, now: Stamp) {
+        for key in chain {
+            self.insert(*key, server, now);
+        }
+    }
+
+    /// Forgets that `server` holds `key` (its KV blocks were evicted). The
+    /// entry goes when its last server does. Returns whether it was there.
+    pub fn remove(&self, key: u64, server: ServerTag) -> bool {
+        let bucket = self.bucket(key);
+        for _ in 0..MAX_ATTEMPTS {
+            let slots = bucket.load();
+            let Some((i, value)) = slots
+                .iter()
+                .enumerate()
+                .find_map(|(i, s)| self.codec.value_for(*s, key).map(|v| (i, v)))
+            else {
+                return false;
+            };
+            let entry = unpack_value(value);
+            if !entry.servers.contains(server) {
+                return false;
+            }
+            let rest = entry.servers.without(server);
+            let new = if rest.is_empty() {
+                0
+            } else {
+                self.codec.pack(key, pack_value(rest, entry.stamp))
+            };
+            if bucket.cas(i, slots[i], new) {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Longest-prefix match: for each server `live` accepts that holds
+    /// `chain[0]`, how many leading blocks of `chain` it holds without a gap.
+    /// Stops looking as soon as no candidate is left, so a miss costs one
+    /// bucket read. Never allocates.
+    pub fn longest_prefix_match(
+        &self,
+        chain: &[u64],
+        live: impl Fn(ServerTag) -> bool,
+    ) -> PrefixMatch {
+        let mut m = PrefixMatch::default();
+        let Some((first, rest)) = chain.split_first() else {
+            return m;
+        };
+        let Some(entry) = self.lookup(*first) else {
+            return m;
+        };
+        for tag in entry.servers.iter().filter(|t| live(*t)) {
+            m.entries[m.len] = (tag.lane(), 1);
+            m.len += 1;
+        }
+        let mut active = m.len;
+        for (depth, key) in rest.iter().enumerate() {
+            if active == 0 {
+                break;
+            }
+            let servers = self.lookup(*key).map(|e| e.servers).unwrap_or_default();
+            for (lane, blocks) in m.entries[..m.len].iter_mut() {
+                if *blocks as usize == depth + 1 {
+                    if servers.lanes.contains(lane) {
+                        *blocks += 1;
+                    } else {
+                        active -= 1;
+                    }
+                }
+            }
+        }
+        m
+    }
+
+    /// Occupied slots (a full scan: for `semlb shm inspect` and tests, not
+    /// for the request path).
+    pub fn occupancy(&self) -> u64 {
+        self.buckets
+            .iter()
+            .map(|b| b.load().iter().filter(|s| **s != 0).count() as u64)
+            .sum()
+    }
+
+    /// Scans every slot and returns the decodable `(key, entry)` pairs
+    /// whose servers are well formed. For tests and inspection.
+    pub fn entries(&self) -> impl Iterator<Item = (u64, PrefixEntry)> + 'a {
+        let codec = self.codec;
+        self.buckets.iter().flat_map(move |b| {
+            b.load()
+                .into_iter()
+                .filter_map(move |s| codec.unpack(s).map(|(k, v)| (k, unpack_value(v))))
+        })
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn table(buckets: usize) -> (Vec<Bucket>, u64) {
+        ((0..buckets).map(|_| Bucket::new()).collect(), 0x5eed)
+    }
+
+    fn srv(slot: u16, generation: u32) -> ServerRef {
+        ServerRef { slot, generation }
+    }
+
+    #[test]
+    fn insert_then_lookup_and_refresh_moves_to_front() {
+        let (b, seed) = table(16);
+        let t = PrefixTable::new(&b, seed);
+        assert_eq!(t.lookup(7), None);
+        assert_eq!(t.insert(7, srv(1, 1), Stamp(10)), InsertOutcome::Inserted);
+        assert_eq!(t.insert(7, srv(2, 1), Stamp(11)), InsertOutcome::Refreshed);
+        assert_eq!(t.insert(7, srv(2, 1), Stamp(11)), InsertOutcome::Unchanged);
+        let e = t.lookup(7).unwrap();
+        let got: Vec<u16> = e.servers.iter().map(|s| s.slot()).collect();
+        assert_eq!(got, vec![2, 1]);
+        assert_eq!(e.stamp, Stamp(11));
+        t.insert(7, srv(3, 1), Stamp(12));
+        t.insert(7, srv(4, 1), Stamp(13));
+        let got: Vec<u16> = t
+            .lookup(7)
+            .unwrap()
+            .servers
+            .iter()
+            .map(|s| s.slot())
+            .collect();
+        assert_eq!(got, vec![4, 3, 2], "least recent server falls off");
+    }
+
+    #[test]
+    fn a_new_generation_replaces_the_old_lane() {
+        let (b, seed) = table(4);
+        let t = PrefixTable::new(&b, seed);
+        t.insert(9, srv(5, 1), Stamp(0));
+        t.insert(9, srv(5, 2), Stamp(0));
+        let e = t.lookup(9).unwrap();
+        assert_eq!(e.servers.len(), 1);
+        assert!(e.servers.contains(srv(5, 2).tag()));
+        assert!(!e.servers.contains(srv(5, 1).tag()));
+    }
+
+    #[test]
+    fn full_bucket_evicts_the_stalest() {
+        let (b, seed) = table(1);
+        let t = PrefixTable::new(&b, seed);
+        for (k, s) in [(1u64, 5u16), (2, 1), (3, 9), (4, 7)] {
+            assert_eq!(t.insert(k, srv(0, 0), Stamp(s)), InsertOutcome::Inserted);
+        }
+        assert_eq!(t.insert(5, srv(0, 0), Stamp(10)), InsertOutcome::Evicted);
+        assert_eq!(t.lookup(2), None, "stamp 1 was the stalest");
+        assert!(t.lookup(1).is_some() && t.lookup(5).is_some());
+        assert_eq!(t.occupancy(), 4);
+    }
+
+    #[test]
+    fn stalest_is_judged_with_wrapping_stamps() {
+        let (b, seed) = table(1);
+        let t = PrefixTable::new(&b, seed);
+        // now = 3 after a wrap: 65530 is 9 s old, 1 is 2 s old.
+        for (k, s) in [(1u64, 65_530u16), (2, 1), (3, 2), (4, 3)] {
+            t.insert(k, srv(0, 0), Stamp(s));
+        }
+        t.insert(5, srv(0, 0), Stamp(3));
+        assert_eq!(t.lookup(1), None);
+    }
+
+    #[test]
+    fn remove_drops_a_server_then_the_entry() {
+        let (b, seed) = table(4);
+        let t = PrefixTable::new(&b, seed);
+        t.insert(1, srv(1, 0), Stamp(0));
+        t.insert(1, srv(2, 0), Stamp(0));
+        assert!(t.remove(1, srv(1, 0).tag()));
+        assert!(!t.remove(1, srv(1, 0).tag()));
+        assert_eq!(t.lookup(1).unwrap().servers.len(), 1);
+        assert!(t.remove(1, srv(2, 0).tag()));
+        assert_eq!(t.lookup(1), None);
+        assert_eq!(t.occupancy(), 0);
+    }
+
+    #[test]
+    fn longest_prefix_match_counts_leading_blocks_per_server() {
+        let (b, seed) = table(64);
+        let t = PrefixTable::new(&b, seed);
+        // Spread over buckets like real hashes do.
+        let chain: Vec<u64> = (100..110u64)
+            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .collect();
+        t.insert_chain(&chain[..7], srv(1, 0), Stamp(0));
+        t.insert_chain(&chain[..3], srv(2, 0), Stamp(0));
+        t.insert_chain(&chain[5..], srv(3, 0), Stamp(0)); // no block 0: no match
+        t.insert(chain[9], srv(2, 0), Stamp(0)); // a hole at 3..9: stays 3
+        let m = t.longest_prefix_match(&chain, |_| true);
+        assert_eq!(m.blocks_for(srv(1, 0).tag()), 7);
+        assert_eq!(m.blocks_for(srv(2, 0).tag()), 3);
+        assert_eq!(m.blocks_for(srv(3, 0).tag()), 0);
+        assert_eq!(m.best(), Some((srv(1, 0).tag(), 7)));
+        let only2 = t.longest_prefix_match(&chain, |s| s.slot() == 2);
+        assert_eq!(only2.best(), Some((srv(2, 0).tag(), 3)));
+        assert!(t.longest_prefix_match(&[1, 2, 3], |_| true).is_empty());
+        assert!(t.longest_prefix_match(&[], |_| true).is_empty());
+    }
+}

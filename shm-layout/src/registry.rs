@@ -1,0 +1,284 @@
+//! The process registry: one slot per child process of the supervisor, so
+//! the supervisor and `semlb status` can see who is alive.
+//!
+//! ```text
+//! ProcessSlot (64 B)
+//! ┌ state (incarnation:32 | role:8 | state:8) · pid · heartbeat_ms · started_ms · restarts · pad
+//! ```
+//!
+//! The supervisor [`claim`](Registry::claim)s a slot before starting a child
+//! (bumping the incarnation), the child [`attach`](Registry::attach)es with
+//! its pid and [`heartbeat`](Registry::heartbeat)s, and the supervisor marks
+//! it [`exited`](Registry::mark_exited) when it reaps it. Every write after
+//! the claim names the incarnation, so a late write from a previous
+//! incarnation of the slot is ignored. No step holds a lock.
+
+use crate::sync::{AtomicU64, Ordering};
+
+/// What a process does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Role {
+    /// The supervisor itself.
+    Supervisor = 1,
+    /// An HTTP dispatcher.
+    Dispatcher = 2,
+    /// A response (write-back) process.
+    Responder = 3,
+    /// A tool attached for inspection or benchmarking.
+    Tool = 4,
+}
+
+/// Life-cycle state of a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ProcessState {
+    /// Never used.
+    Free = 0,
+    /// Claimed by the supervisor; the child has not attached yet.
+    Starting = 1,
+    /// The child attached.
+    Running = 2,
+    /// The child exited or was reaped.
+    Exited = 3,
+}
+
+/// A copy of one registry slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessInfo {
+    /// Slot index.
+    pub slot: u16,
+    /// Bumped on every claim.
+    pub incarnation: u32,
+    /// Role of the current incarnation, if set.
+    pub role: Option<Role>,
+    /// State of the current incarnation.
+    pub state: ProcessState,
+    /// Pid, 0 until attached.
+    pub pid: u32,
+    /// Last heartbeat, segment milliseconds.
+    pub heartbeat_ms: u64,
+    /// When the incarnation was claimed, segment milliseconds.
+    pub started_ms: u64,
+    /// Claims of this slot after the first (restarts).
+    pub restarts: u64,
+}
+
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub(crate) struct ProcessSlot {
+    state: AtomicU64,
+    pid: AtomicU64,
+    heartbeat_ms: AtomicU64,
+    started_ms: AtomicU64,
+    restarts: AtomicU64,
+    _pad: [u64; 3],
+}
+
+const _: () = assert!(std::mem::size_of::<ProcessSlot>() as u64 == crate::plan::PROCESS_SLOT_BYTES);
+
+#[cfg(test)]
+impl ProcessSlot {
+    pub(crate) fn new() -> Self {
+        Self {
+            state: AtomicU64::new(0),
+            pid: AtomicU64::new(0),
+            heartbeat_ms: AtomicU64::new(0),
+            started_ms: AtomicU64::new(0),
+            restarts: AtomicU64::new(0),
+            _pad: [0; 3],
+        }
+    }
+}
+
+fn word(incarnation: u32, role: Role, state: ProcessState) -> u64 {
+    (u64::from(incarnation) << 32) | ((role as u64) << 8) | state as u64
+}
+
+fn role_of(w: u64) -> Option<Role> {
+    Some(match (w >> 8) as u8 {
+        1 => Role::Supervisor,
+        2 => Role::Dispatcher,
+        3 => Role::Responder,
+        4 => Role::Tool,
+        _ => return None,
+    })
+}
+
+fn state_of(w: u64) -> ProcessState {
+    match w as u8 {
+        1 => ProcessState::Starting,
+        2 => ProcessState::Running,
+        3 => ProcessState::Exited,
+        _ => ProcessState::Free,
+    }
+}
+
+/// The registry over its slots.
+#[derive(Debug, Clone, Copy)]
+pub struct Registry<'a> {
+    slots: &'a [ProcessSlot],
+}
+
+impl<'a> Registry<'a> {
+    pub(crate) fn new(slots: &'a [ProcessSlot]) -> Self {
+        Self { slots }
+    }
+
+    /// Number of slots.
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// A slot no process is using (free or exited).
+    pub fn find_free(&self) -> Option<u16> {
+        self.slots
+            .iter()
+            .position(|s| {
+                matches!(
+                    state_of(s.state.load(Ordering::Acquire)),
+                    ProcessState::Free | ProcessState::Exited
+                )
+            })
+            .map(|i| i as u16)
+    }
+
+    /// Starts a new incarnation of `slot` for a child with `role`; returns
+    /// the incarnation the child must attach with.
+    pub fn claim(&self, slot: u16, role: Role, now_ms: u64) -> u32 {
+        let s = &self.slots[usize::from(slot)];
+        let old = s.state.load(Ordering::Acquire);
+        let incarnation = ((old >> 32) as u32).wrapping_add(1);
+        if state_of(old) != ProcessState::Free {
+            s.restarts.fetch_add(1, Ordering::Relaxed);
+        }
+        s.pid.store(0, Ordering::Relaxed);
+        s.started_ms.store(now_ms, Ordering::Relaxed);
+        s.heartbeat_ms.store(now_ms, Ordering::Relaxed);
+        s.state.store(
+            word(incarnation, role, ProcessState::Starting),
+            Ordering::Release,
+        );
+        incarnation
+    }
+
+    fn transition(
+        &self,
+        slot: u16,
+        incarnation: u32,
+        from: &[ProcessState],
+        to: ProcessState,
+    ) -> bool {
+        let s = &self.slots[usize::from(slot)];
+        let w = s.state.load(Ordering::Acquire);
+        let Some(role) = role_of(w) else { return false };
+        if (w >> 32) as u32 != incarnation || !from.contains(&state_of(w)) {
+            return false;
+        }
+        s.state
+            .compare_exchange(
+                w,
+                word(incarnation, role, to),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok()
+    }
+
+    /// Called by the child: records its pid and marks it running.
+    pub fn attach(&self, slot: u16, incarnation: u32, pid: u32, now_ms: u64) -> bool {
+        let s = &self.slots[usize::from(slot)];
+        let w = s.state.load(Ordering::Acquire);
+        if (w >> 32) as u32 != incarnation || state_of(w) != ProcessState::Starting {
+            return false;
+        }
+        s.pid.store(u64::from(pid), Ordering::Relaxed);
+        s.heartbeat_ms.store(now_ms, Ordering::Relaxed);
+        self.transition(
+            slot,
+            incarnation,
+            &[ProcessState::Starting],
+            ProcessState::Running,
+        )
+    }
+
+    /// Called by the child periodically. False if the slot moved on.
+    pub fn heartbeat(&self, slot: u16, incarnation: u32, now_ms: u64) -> bool {
+        let s = &self.slots[usize::from(slot)];
+        if (s.state.load(Ordering::Acquire) >> 32) as u32 != incarnation {
+            return false;
+        }
+        s.heartbeat_ms.fetch_max(now_ms, Ordering::Relaxed);
+        true
+    }
+
+    /// Called by the supervisor once the child is reaped.
+    pub fn mark_exited(&self, slot: u16, incarnation: u32) -> bool {
+        self.transition(
+            slot,
+            incarnation,
+            &[ProcessState::Starting, ProcessState::Running],
+            ProcessState::Exited,
+        )
+    }
+
+    /// Whether that incarnation is starting or running.
+    pub fn is_alive(&self, slot: u16, incarnation: u32) -> bool {
+        let i = self.get(slot);
+        i.incarnation == incarnation
+            && matches!(i.state, ProcessState::Starting | ProcessState::Running)
+    }
+
+    /// A copy of `slot`.
+    pub fn get(&self, slot: u16) -> ProcessInfo {
+        let s = &self.slots[usize::from(slot)];
+        let w = s.state.load(Ordering::Acquire);
+        ProcessInfo {
+            slot,
+            incarnation: (w >> 32) as u32,
+            role: role_of(w),
+            state: state_of(w),
+            pid: s.pid.load(Ordering::Relaxed) as u32,
+            heartbeat_ms: s.heartbeat_ms.load(Ordering::Relaxed),
+            started_ms: s.started_ms.load(Ordering::Relaxed),
+            restarts: s.restarts.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Every slot that was ever used.
+    pub fn processes(&self) -> impl Iterator<Item = ProcessInfo> + '_ {
+        (0..self.slots.len() as u16)
+            .map(|i| self.get(i))
+            .filter(|p| p.state != ProcessState::Free)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn life_cycle_and_stale_incarnations() {
+        let slots: Vec<ProcessSlot> = (0..4).map(|_| ProcessSlot::new()).collect();
+        let r = Registry::new(&slots);
+        let slot = r.find_free().unwrap();
+        let inc = r.claim(slot, Role::Dispatcher, 10);
+        assert!(r.is_alive(slot, inc));
+        assert!(r.attach(slot, inc, 4242, 11));
+        assert!(r.heartbeat(slot, inc, 20));
+        let info = r.get(slot);
+        assert_eq!(
+            (info.pid, info.state, info.role, info.heartbeat_ms),
+            (4242, ProcessState::Running, Some(Role::Dispatcher), 20)
+        );
+        assert!(r.mark_exited(slot, inc));
+        assert!(!r.is_alive(slot, inc));
+        let inc2 = r.claim(slot, Role::Dispatcher, 30);
+        assert_eq!(inc2, inc + 1);
+        assert_eq!(r.get(slot).restarts, 1);
+        assert!(!r.heartbeat(slot, inc, 40), "old incarnation ignored");
+        assert!(!r.attach(slot, inc, 1, 40));
+        assert!(!r.mark_exited(slot, inc));
+        assert_eq!(r.processes().count(), 1);
+    }
+}

@@ -1,0 +1,535 @@
+//! The segment: POSIX shared memory (or a heap buffer with the same format),
+//! its creation, validation on open, and the typed views of its regions.
+//!
+//! Creation is exclusive (`O_CREAT | O_EXCL`, mode 0600), the memory is
+//! reserved up front with `posix_fallocate` (a full /dev/shm is a clear
+//! [`CreateError::NoSpace`] at start, never a SIGBUS later), the header is
+//! written, and its `state` word is stored last. [`Segment::open`] checks
+//! everything before handing out tables.
+//!
+//! [`Segment::heap`] gives the same format in private memory: unit tests run
+//! one body against both backings.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::fs::File;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::ptr::NonNull;
+
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sys::mman::{shm_open, shm_unlink};
+use nix::sys::stat::{Mode, fchmod, fstat};
+
+use crate::bucket::Bucket;
+use crate::completion_ring::{CompletionRing, RingControl};
+use crate::error::{CreateError, NameError, OpenError, RemoveError};
+use crate::header::{HeaderInfo, HeaderInit, LAYOUT_VERSION, MAGIC, RawHeader, STATE_READY};
+use crate::plan::{
+    HEADER_BYTES, LOG_CONTROL_BYTES, LayoutPlan, PAGE, RING_CONTROL_BYTES, RegionKind,
+};
+use crate::prefix_table::{PrefixTable, Stamp};
+use crate::registry::{ProcessSlot, Registry};
+use crate::response_log::{LogControl, ResponseLog};
+use crate::server_table::{LedgerCell, ServerSlot, ServerTable};
+use crate::sync::{AtomicU64, u128_is_lock_free};
+
+/// Longest segment name accepted (without the leading `/`).
+pub const MAX_NAME_LEN: usize = 200;
+
+/// Checks a segment name and returns it with its leading `/`.
+pub fn shm_path(name: &str) -> Result<String, NameError> {
+    let bare = name.strip_prefix('/').unwrap_or(name);
+    let reason = if bare.is_empty() {
+        Some("it is empty")
+    } else if bare.len() > MAX_NAME_LEN {
+        Some("it is longer than 200 bytes")
+    } else if bare.contains('/') {
+        Some("it contains '/' after the first character")
+    } else if bare.contains('\0') {
+        Some("it contains a NUL byte")
+    } else if bare == "." || bare == ".." {
+        Some("it is '.' or '..'")
+    } else {
+        None
+    };
+    match reason {
+        Some(reason) => Err(NameError {
+            name: name.to_owned(),
+            reason,
+        }),
+        None => Ok(format!("/{bare}")),
+    }
+}
+
+enum Memory {
+    Heap { ptr: NonNull<u8>, layout: Layout },
+    Shm(memmap2::MmapRaw),
+}
+
+/// A mapped segment with a validated header.
+pub struct Segment {
+    memory: Memory,
+    len: usize,
+    info: HeaderInfo,
+    name: Option<String>,
+}
+
+// SAFETY: the segment's memory is only ever accessed through atomics (the
+// views in `tables()` are slices of atomic types), which are Sync; the
+// mapping itself is immutable once made.
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segment")
+            .field("name", &self.name)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        if let Memory::Heap { ptr, layout } = self.memory {
+            // SAFETY: allocated in `heap` with this layout and not freed since.
+            unsafe { dealloc(ptr.as_ptr(), layout) };
+        }
+    }
+}
+
+fn monotonic_ns() -> u64 {
+    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .expect("CLOCK_MONOTONIC is always available");
+    t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn random_seed() -> [u64; 4] {
+    let mut buf = [0u8; 32];
+    let mut filled = 0;
+    while filled < buf.len() {
+        // SAFETY: the pointer and length describe the unfilled tail of `buf`.
+        let n =
+            unsafe { libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0) };
+        if n > 0 {
+            filled += n as usize;
+        } else if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            // No entropy source: fall back to time and pid (still unique per segment).
+            let t = monotonic_ns() ^ unix_ms().rotate_left(32) ^ u64::from(std::process::id());
+            return std::array::from_fn(|i| {
+                crate::mix::mix64(t.wrapping_add(i as u64 * 0x9e37_79b9_7f4a_7c15))
+            });
+        }
+    }
+    std::array::from_fn(|i| u64::from_le_bytes(buf[i * 8..i * 8 + 8].try_into().expect("8 bytes")))
+}
+
+/// Milliseconds and prefix stamps relative to the segment's creation, from
+/// `CLOCK_MONOTONIC`, which every process on the host shares.
+#[derive(Debug, Clone, Copy)]
+pub struct SegmentClock {
+    origin_ns: u64,
+}
+
+impl SegmentClock {
+    /// Milliseconds since the segment was created.
+    pub fn now_ms(&self) -> u64 {
+        monotonic_ns().saturating_sub(self.origin_ns) / 1_000_000
+    }
+
+    /// The current prefix-table stamp (seconds since creation, mod 2^16).
+    pub fn stamp(&self) -> Stamp {
+        Stamp((self.now_ms() / 1000) as u16)
+    }
+}
+
+/// Typed views of every region of one segment.
+#[derive(Debug, Clone, Copy)]
+pub struct Tables<'a> {
+    /// Prefix hash → servers.
+    pub prefix: PrefixTable<'a>,
+    /// Exact request → cached response.
+    pub responses: ResponseLog<'a>,
+    /// Inference servers and their load.
+    pub servers: ServerTable<'a>,
+    /// Child processes.
+    pub registry: Registry<'a>,
+    rings: &'a [u8],
+    ring_bytes: usize,
+    ring_count: usize,
+    seed: [u64; 4],
+}
+
+impl<'a> Tables<'a> {
+    /// Number of completion rings.
+    pub fn ring_count(&self) -> usize {
+        self.ring_count
+    }
+
+    /// Completion ring `i` (panics if `i >= ring_count()`).
+    pub fn ring(&self, i: usize) -> CompletionRing<'a> {
+        assert!(i < self.ring_count, "ring {i} out of {}", self.ring_count);
+        let stride = RING_CONTROL_BYTES as usize + self.ring_bytes;
+        let at = &self.rings[i * stride..(i + 1) * stride];
+        // SAFETY: `at` lies inside the validated rings region, is 64-byte
+        // aligned (region and stride are multiples of 64), and is long enough
+        // for a control block followed by `ring_bytes / 8` words; both types
+        // are atomics, valid for any bit pattern.
+        let (control, data) = unsafe {
+            (
+                &*(at.as_ptr() as *const RingControl),
+                std::slice::from_raw_parts(
+                    at.as_ptr().add(RING_CONTROL_BYTES as usize) as *const AtomicU64,
+                    self.ring_bytes / 8,
+                ),
+            )
+        };
+        CompletionRing::new(control, data, self.seed)
+    }
+}
+
+impl Segment {
+    /// Creates the shm segment `name` with `plan`'s layout, exclusively,
+    /// mode 0600, with all of its memory reserved.
+    pub fn create(name: &str, plan: &LayoutPlan) -> Result<Self, CreateError> {
+        let path = shm_path(name)?;
+        if !u128_is_lock_free() {
+            return Err(CreateError::Unsupported);
+        }
+        let os = |step: &'static str, e: Errno| CreateError::Os {
+            name: path.clone(),
+            step,
+            source: e.into(),
+        };
+        let fd: OwnedFd = match shm_open(
+            path.as_str(),
+            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
+            Mode::from_bits_truncate(0o600),
+        ) {
+            Ok(fd) => fd,
+            Err(Errno::EEXIST) => return Err(CreateError::AlreadyExists { name: path }),
+            Err(Errno::EACCES) => return Err(CreateError::PermissionDenied { name: path }),
+            Err(e) => return Err(os("shm_open", e)),
+        };
+        let result = Self::format(fd, &path, plan);
+        if result.is_err() {
+            let _ = shm_unlink(path.as_str());
+        }
+        result
+    }
+
+    fn format(fd: OwnedFd, path: &str, plan: &LayoutPlan) -> Result<Self, CreateError> {
+        let os = |step: &'static str, e: Errno| CreateError::Os {
+            name: path.to_owned(),
+            step,
+            source: e.into(),
+        };
+        fchmod(&fd, Mode::from_bits_truncate(0o600)).map_err(|e| os("fchmod", e))?;
+        let size = plan.segment_bytes;
+        nix::unistd::ftruncate(&fd, size as i64).map_err(|e| os("ftruncate", e))?;
+        match nix::fcntl::posix_fallocate(&fd, 0, size as i64) {
+            Ok(()) => {}
+            Err(Errno::ENOSPC | Errno::ENOMEM) => {
+                let available = nix::sys::statvfs::fstatvfs(&fd)
+                    .map(|s| s.blocks_available() as u64 * s.fragment_size() as u64)
+                    .unwrap_or(0);
+                return Err(CreateError::NoSpace {
+                    name: path.to_owned(),
+                    requested: size,
+                    available,
+                });
+            }
+            Err(e) => return Err(os("posix_fallocate", e)),
+        }
+        let file = File::from(fd);
+        let map = memmap2::MmapOptions::new()
+            .len(size as usize)
+            .map_raw(&file)
+            .map_err(|e| CreateError::Os {
+                name: path.to_owned(),
+                step: "mmap",
+                source: e,
+            })?;
+        let init = HeaderInit {
+            created_unix_ms: unix_ms(),
+            created_monotonic_ns: monotonic_ns(),
+            creator_pid: u64::from(std::process::id()),
+            seed: random_seed(),
+        };
+        let mut seg = Self {
+            len: size as usize,
+            memory: Memory::Shm(map),
+            info: placeholder_info(),
+            name: Some(path.to_owned()),
+        };
+        seg.write_header(plan, &init);
+        Ok(seg)
+    }
+
+    /// A segment with `plan`'s layout in private heap memory: the same format
+    /// and tables, for unit tests and single-process tools.
+    pub fn heap(plan: &LayoutPlan) -> Self {
+        let layout = Layout::from_size_align(plan.segment_bytes as usize, PAGE as usize)
+            .expect("valid layout");
+        // SAFETY: the layout has a non-zero size (plans are at least 8 MiB).
+        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) })
+            .unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        let init = HeaderInit {
+            created_unix_ms: unix_ms(),
+            created_monotonic_ns: monotonic_ns(),
+            creator_pid: u64::from(std::process::id()),
+            seed: random_seed(),
+        };
+        let mut seg = Self {
+            len: layout.size(),
+            memory: Memory::Heap { ptr, layout },
+            info: placeholder_info(),
+            name: None,
+        };
+        seg.write_header(plan, &init);
+        seg
+    }
+
+    fn write_header(&mut self, plan: &LayoutPlan, init: &HeaderInit) {
+        let header = self.raw_header();
+        header.write(plan, init);
+        // Every region's empty state is all-zero, which a new shm object
+        // and `alloc_zeroed` both are: nothing else to initialise.
+        header.publish();
+        self.info = header.read();
+    }
+
+    /// Opens the existing shm segment `name` and validates it.
+    pub fn open(name: &str) -> Result<Self, OpenError> {
+        let path = shm_path(name)?;
+        let os = |step: &'static str, e: io::Error| OpenError::Os {
+            name: path.clone(),
+            step,
+            source: e,
+        };
+        let fd = match shm_open(path.as_str(), OFlag::O_RDWR, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::ENOENT) => return Err(OpenError::NotFound { name: path }),
+            Err(Errno::EACCES) => return Err(OpenError::PermissionDenied { name: path }),
+            Err(e) => return Err(os("shm_open", e.into())),
+        };
+        let st = fstat(&fd).map_err(|e| os("fstat", e.into()))?;
+        let mode = st.st_mode & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(OpenError::InsecureMode { name: path, mode });
+        }
+        let actual = st.st_size as u64;
+        if actual < HEADER_BYTES {
+            return Err(OpenError::Truncated {
+                name: path,
+                bytes: actual,
+            });
+        }
+        let file = File::from(fd);
+        let map = memmap2::MmapOptions::new()
+            .len(actual as usize)
+            .map_raw(&file)
+            .map_err(|e| os("mmap", e))?;
+        let mut seg = Self {
+            len: actual as usize,
+            memory: Memory::Shm(map),
+            info: placeholder_info(),
+            name: Some(path.clone()),
+        };
+        let info = seg.raw_header().read();
+        if info.state != STATE_READY && (info.magic == 0 || info.magic == MAGIC) {
+            return Err(OpenError::NotReady {
+                name: path,
+                creator_pid: info.creator_pid,
+            });
+        }
+        if info.magic != MAGIC {
+            return Err(OpenError::BadMagic {
+                name: path,
+                found: info.magic,
+            });
+        }
+        if info.layout_version != LAYOUT_VERSION {
+            return Err(OpenError::VersionMismatch {
+                name: path,
+                found: info.layout_version,
+                expected: LAYOUT_VERSION,
+            });
+        }
+        if info.segment_bytes != actual {
+            return Err(OpenError::SizeMismatch {
+                name: path,
+                header: info.segment_bytes,
+                actual,
+            });
+        }
+        if info.checksum() != info.header_checksum {
+            return Err(OpenError::Corrupt {
+                name: path,
+                reason: "header checksum mismatch".into(),
+            });
+        }
+        info.check_regions().map_err(|reason| OpenError::Corrupt {
+            name: path.clone(),
+            reason,
+        })?;
+        if !u128_is_lock_free() {
+            return Err(OpenError::Unsupported);
+        }
+        seg.info = info;
+        Ok(seg)
+    }
+
+    /// Removes the shm segment `name`. Processes that have it mapped keep
+    /// their mapping; new opens fail with [`OpenError::NotFound`].
+    pub fn remove(name: &str) -> Result<(), RemoveError> {
+        let path = shm_path(name)?;
+        match shm_unlink(path.as_str()) {
+            Ok(()) => Ok(()),
+            Err(Errno::ENOENT) => Err(RemoveError::NotFound { name: path }),
+            Err(e) => Err(RemoveError::Os {
+                name: path,
+                source: e.into(),
+            }),
+        }
+    }
+
+    fn base(&self) -> *mut u8 {
+        match &self.memory {
+            Memory::Heap { ptr, .. } => ptr.as_ptr(),
+            Memory::Shm(map) => map.as_mut_ptr(),
+        }
+    }
+
+    fn raw_header(&self) -> &RawHeader {
+        // SAFETY: every segment is at least HEADER_BYTES long and page
+        // aligned; RawHeader is a repr(C) struct of atomics, valid for any
+        // bit pattern.
+        unsafe { &*(self.base() as *const RawHeader) }
+    }
+
+    /// The shm name (with its leading `/`), or `None` for a heap segment.
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    /// The header as validated when the segment was created or opened.
+    pub fn header(&self) -> &HeaderInfo {
+        &self.info
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: segments are at least 8 MiB.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The segment's clock.
+    pub fn clock(&self) -> SegmentClock {
+        SegmentClock {
+            origin_ns: self.info.created_monotonic_ns,
+        }
+    }
+
+    /// A region as a slice of `T`, checked against the segment's bounds.
+    fn region<T>(&self, kind: RegionKind, skip_bytes: u64, count: u64) -> &[T] {
+        let r = self.info.region(kind);
+        let start = r.offset + skip_bytes;
+        let bytes = count * std::mem::size_of::<T>() as u64;
+        assert!(
+            start + bytes <= r.offset + r.bytes && r.offset + r.bytes <= self.len as u64,
+            "region out of bounds"
+        );
+        // SAFETY: `base + start` is in bounds (asserted above; the header
+        // was validated at open), aligned for T (regions start on a page,
+        // `skip_bytes` is a multiple of 64 and T's alignment is at most 64;
+        // debug-asserted below), and T is a repr(C) aggregate of atomics,
+        // valid for any bit pattern and safe to share across threads and
+        // processes. The mapping lives as long as `self`.
+        unsafe {
+            let ptr = self.base().add(start as usize);
+            debug_assert_eq!(ptr as usize % std::mem::align_of::<T>(), 0);
+            std::slice::from_raw_parts(ptr as *const T, count as usize)
+        }
+    }
+
+    /// Typed views of every region.
+    pub fn tables(&self) -> Tables<'_> {
+        let seed = self.info.seed;
+        let servers = self.info.region(RegionKind::Servers);
+        let ledger = self.info.region(RegionKind::Ledger);
+        let registry = self.info.region(RegionKind::Registry);
+        let rings = self.info.region(RegionKind::Rings);
+        let index = self.info.region(RegionKind::ResponseIndex);
+        let log = self.info.region(RegionKind::ResponseLog);
+        let prefix = self.info.region(RegionKind::Prefix);
+        let control: &[LogControl] = self.region(RegionKind::ResponseLog, 0, 1);
+        Tables {
+            prefix: PrefixTable::new(
+                self.region::<Bucket>(RegionKind::Prefix, 0, prefix.count),
+                seed[0],
+            ),
+            responses: ResponseLog::new(
+                &control[0],
+                self.region::<Bucket>(RegionKind::ResponseIndex, 0, index.count),
+                self.region::<AtomicU64>(RegionKind::ResponseLog, LOG_CONTROL_BYTES, log.count / 8),
+                log.param as usize,
+                seed,
+            ),
+            servers: ServerTable::new(
+                self.region::<ServerSlot>(RegionKind::Servers, 0, servers.count),
+                self.region::<LedgerCell>(RegionKind::Ledger, 0, ledger.count),
+                seed[2],
+            ),
+            registry: Registry::new(self.region::<ProcessSlot>(
+                RegionKind::Registry,
+                0,
+                registry.count,
+            )),
+            rings: self.region::<u8>(
+                RegionKind::Rings,
+                0,
+                rings.count * (RING_CONTROL_BYTES + rings.param),
+            ),
+            ring_bytes: rings.param as usize,
+            ring_count: rings.count as usize,
+            seed,
+        }
+    }
+
+    /// The whole segment as atomic words, for diagnostics and
+    /// fault-injection tests (e.g. flipping bits of a live segment).
+    #[doc(hidden)]
+    pub fn raw_words(&self) -> &[AtomicU64] {
+        // SAFETY: the mapping is `len` bytes (a multiple of 8), page aligned,
+        // and only ever accessed through atomics.
+        unsafe { std::slice::from_raw_parts(self.base() as *const AtomicU64, self.len / 8) }
+    }
+}
+
+fn placeholder_info() -> HeaderInfo {
+    HeaderInfo {
+        magic: 0,
+        layout_version: 0,
+        segment_bytes: 0,
+        state: 0,
+        created_unix_ms: 0,
+        created_monotonic_ns: 0,
+        creator_pid: 0,
+        header_checksum: 0,
+        seed: [0; 4],
+        regions: Default::default(),
+    }
+}

@@ -1,0 +1,670 @@
+//! The server table: one fixed slot per inference server, and the in-flight
+//! ledger that keeps load counters right when a dispatcher dies.
+//!
+//! ```text
+//! ServerSlot (384 B, 64-aligned)
+//! ┌ line 0 ─ state (generation:32 | state:8) · id · address meta (len | check) · registered_ms
+//! ├ line 1 ─ in-flight requests · in-flight prompt tokens · scraped load (128-bit)
+//! └ lines 2-5 ─ address, up to 256 bytes
+//! ```
+//!
+//! * A slot's address and id change only while it is `Configuring`, and
+//!   every (re)registration bumps the 32-bit generation. Readers load the
+//!   state word, copy the fields, and re-load the state: equal generation
+//!   means a consistent copy. The address also carries a keyed check.
+//! * [`ServerRef`] (slot + generation) names one registration. Counters are
+//!   only touched through a `ServerRef` whose generation is current, and
+//!   prefix-table lanes carry the low 6 bits of it ([`ServerTag`]), so a
+//!   reused slot inherits neither load nor cache affinity.
+//! * In-flight counts are global atomics (one load per routing decision)
+//!   shadowed by a per-process ledger row. When a process dies, the
+//!   supervisor calls [`ServerTable::reclaim_process`], which subtracts the
+//!   dead process's row from the globals. The shadow is updated after the
+//!   global on begin and before it on end, so a kill between the two leaves
+//!   at most one request per server counted high until the slot is
+//!   retired; readers clamp at zero.
+
+use crate::mix::mix64;
+use crate::plan::{PROCESS_SLOTS, SERVER_SLOTS};
+use crate::sync::{AtomicU64, AtomicU128, Ordering, fence};
+use crate::words::{load_bytes, store_bytes, words_for};
+
+/// Longest server address stored (bytes of UTF-8).
+pub const MAX_ADDRESS_BYTES: usize = 256;
+
+/// One registration of one server: its slot and the slot's generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ServerRef {
+    /// Slot index in the server table.
+    pub slot: u16,
+    /// Registration generation of that slot.
+    pub generation: u32,
+}
+
+impl ServerRef {
+    /// The 16-bit form stored in prefix-table lanes.
+    pub fn tag(self) -> ServerTag {
+        debug_assert!(u32::from(self.slot) < SERVER_SLOTS);
+        ServerTag(((self.generation as u16 & 0x3f) << 10) | (self.slot + 1))
+    }
+}
+
+/// A server as the prefix table stores it: slot and generation modulo 64.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ServerTag(u16);
+
+impl ServerTag {
+    pub(crate) fn from_lane(lane: u16) -> Option<Self> {
+        (lane & 0x3ff != 0).then_some(Self(lane))
+    }
+
+    pub(crate) fn lane(self) -> u16 {
+        self.0
+    }
+
+    /// Server-table slot.
+    pub fn slot(self) -> u16 {
+        (self.0 & 0x3ff) - 1
+    }
+
+    /// Low 6 bits of the registration generation.
+    pub fn gen_tag(self) -> u8 {
+        (self.0 >> 10) as u8
+    }
+}
+
+/// Administrative state of a server slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ServerState {
+    /// Unused.
+    Free = 0,
+    /// Being (re)registered; readers ignore it.
+    Configuring = 1,
+    /// Taking requests.
+    Up = 2,
+    /// Finishing its requests, taking no new ones.
+    Draining = 3,
+    /// Failing health checks.
+    Down = 4,
+}
+
+impl ServerState {
+    fn from_bits(b: u8) -> Option<Self> {
+        Some(match b {
+            0 => Self::Free,
+            1 => Self::Configuring,
+            2 => Self::Up,
+            3 => Self::Draining,
+            4 => Self::Down,
+            _ => return None,
+        })
+    }
+}
+
+/// Load figures scraped from a server's metrics endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoadFigures {
+    /// Requests queued in the engine (saturates at 2^24 - 1).
+    pub waiting: u32,
+    /// Requests in the running batch (saturates at 2^24 - 1).
+    pub running: u32,
+    /// KV-cache usage in units of 0.01 % (10000 = full).
+    pub kv_usage_permyriad: u16,
+    /// When scraped, in segment milliseconds; 0 = never.
+    pub scraped_at_ms: u64,
+}
+
+impl LoadFigures {
+    const MAX24: u32 = (1 << 24) - 1;
+
+    fn pack(self) -> u128 {
+        let lo = u64::from(self.waiting.min(Self::MAX24))
+            | (u64::from(self.running.min(Self::MAX24)) << 24)
+            | (u64::from(self.kv_usage_permyriad) << 48);
+        (u128::from(self.scraped_at_ms) << 64) | u128::from(lo)
+    }
+
+    fn unpack(v: u128) -> Self {
+        let lo = v as u64;
+        Self {
+            waiting: (lo & u64::from(Self::MAX24)) as u32,
+            running: ((lo >> 24) & u64::from(Self::MAX24)) as u32,
+            kv_usage_permyriad: (lo >> 48) as u16,
+            scraped_at_ms: (v >> 64) as u64,
+        }
+    }
+}
+
+/// A consistent copy of one server slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerInfo {
+    /// Which registration this is.
+    pub server: ServerRef,
+    /// Its state.
+    pub state: ServerState,
+    /// Operator-facing id (e.g. a hash of its configured name).
+    pub id: u64,
+    /// Base URL or `host:port`.
+    pub address: String,
+    /// When registered, segment milliseconds.
+    pub registered_ms: u64,
+    /// Requests the gateway has in flight to it.
+    pub inflight_requests: u64,
+    /// Prompt tokens of those requests.
+    pub inflight_tokens: u64,
+    /// Last scraped load.
+    pub load: LoadFigures,
+}
+
+/// Why a server could not be registered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegisterError {
+    /// Every slot is taken.
+    #[error("the server table is full ({SERVER_SLOTS} servers)")]
+    Full,
+    /// The address is longer than [`MAX_ADDRESS_BYTES`].
+    #[error("server address of {len} bytes is longer than {MAX_ADDRESS_BYTES}")]
+    AddressTooLong {
+        /// Its length.
+        len: usize,
+    },
+}
+
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub(crate) struct ServerSlot {
+    state: AtomicU64,
+    id: AtomicU64,
+    address_meta: AtomicU64,
+    registered_ms: AtomicU64,
+    _line0: [u64; 4],
+    inflight_requests: AtomicU64,
+    inflight_tokens: AtomicU64,
+    load: AtomicU128,
+    _line1: [u64; 4],
+    address: [AtomicU64; MAX_ADDRESS_BYTES / 8],
+}
+
+const _: () = assert!(std::mem::size_of::<ServerSlot>() as u64 == crate::plan::SERVER_SLOT_BYTES);
+const _: () = assert!(std::mem::offset_of!(ServerSlot, inflight_requests) == 64);
+const _: () = assert!(std::mem::offset_of!(ServerSlot, load) == 80);
+const _: () = assert!(std::mem::offset_of!(ServerSlot, address) == 128);
+
+/// One ledger cell: what one process has in flight to one server.
+#[repr(C, align(16))]
+#[derive(Debug)]
+pub(crate) struct LedgerCell {
+    requests: AtomicU64,
+    tokens: AtomicU64,
+}
+
+const _: () = assert!(std::mem::size_of::<LedgerCell>() as u64 == crate::plan::LEDGER_CELL_BYTES);
+
+#[cfg(test)]
+impl ServerSlot {
+    pub(crate) fn new() -> Self {
+        Self {
+            state: AtomicU64::new(0),
+            id: AtomicU64::new(0),
+            address_meta: AtomicU64::new(0),
+            registered_ms: AtomicU64::new(0),
+            _line0: [0; 4],
+            inflight_requests: AtomicU64::new(0),
+            inflight_tokens: AtomicU64::new(0),
+            load: AtomicU128::new(0),
+            _line1: [0; 4],
+            address: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+}
+
+#[cfg(test)]
+impl LedgerCell {
+    pub(crate) fn new() -> Self {
+        Self {
+            requests: AtomicU64::new(0),
+            tokens: AtomicU64::new(0),
+        }
+    }
+}
+
+fn state_word(generation: u32, state: ServerState) -> u64 {
+    (u64::from(generation) << 32) | state as u64
+}
+
+fn split_state(word: u64) -> (u32, Option<ServerState>) {
+    ((word >> 32) as u32, ServerState::from_bits(word as u8))
+}
+
+/// Clamp for counters that a crash may have left one too low.
+fn clamp(v: u64) -> u64 {
+    if (v as i64) < 0 { 0 } else { v }
+}
+
+/// The server table and its ledger.
+#[derive(Debug, Clone, Copy)]
+pub struct ServerTable<'a> {
+    slots: &'a [ServerSlot],
+    ledger: &'a [LedgerCell],
+    seed: u64,
+}
+
+impl<'a> ServerTable<'a> {
+    pub(crate) fn new(slots: &'a [ServerSlot], ledger: &'a [LedgerCell], seed: u64) -> Self {
+        assert_eq!(ledger.len(), slots.len() * PROCESS_SLOTS as usize);
+        Self {
+            slots,
+            ledger,
+            seed,
+        }
+    }
+
+    /// Number of slots.
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn address_check(&self, generation: u32, bytes: &[u8]) -> u64 {
+        let mut h = mix64(self.seed ^ u64::from(generation) ^ (bytes.len() as u64) << 40);
+        for c in bytes.chunks(8) {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            h = mix64(h ^ u64::from_le_bytes(w)).rotate_left(17);
+        }
+        h >> 16
+    }
+
+    fn cell(&self, process: u16, slot: u16) -> &'a LedgerCell {
+        &self.ledger[usize::from(process) * self.slots.len() + usize::from(slot)]
+    }
+
+    /// Registers a server in the first free slot, with a new generation.
+    pub fn register(
+        &self,
+        id: u64,
+        address: &str,
+        now_ms: u64,
+    ) -> Result<ServerRef, RegisterError> {
+        let bytes = address.as_bytes();
+        if bytes.len() > MAX_ADDRESS_BYTES {
+            return Err(RegisterError::AddressTooLong { len: bytes.len() });
+        }
+        for (i, slot) in self.slots.iter().enumerate() {
+            let word = slot.state.load(Ordering::Acquire);
+            let (generation, state) = split_state(word);
+            if !matches!(
+                state,
+                Some(ServerState::Free | ServerState::Configuring) | None
+            ) {
+                continue;
+            }
+            let generation = generation.wrapping_add(1);
+            let claim = state_word(generation, ServerState::Configuring);
+            if slot
+                .state
+                .compare_exchange(word, claim, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                continue;
+            }
+            let server = ServerRef {
+                slot: i as u16,
+                generation,
+            };
+            self.zero_counters(server.slot);
+            slot.load.store(0, Ordering::Relaxed);
+            slot.id.store(id, Ordering::Relaxed);
+            slot.registered_ms.store(now_ms, Ordering::Relaxed);
+            store_bytes(&slot.address[..words_for(bytes.len())], bytes);
+            let meta = bytes.len() as u64 | (self.address_check(generation, bytes) << 16);
+            slot.address_meta.store(meta, Ordering::Relaxed);
+            slot.state
+                .store(state_word(generation, ServerState::Up), Ordering::Release);
+            return Ok(server);
+        }
+        Err(RegisterError::Full)
+    }
+
+    fn zero_counters(&self, slot: u16) {
+        let s = &self.slots[usize::from(slot)];
+        s.inflight_requests.store(0, Ordering::Relaxed);
+        s.inflight_tokens.store(0, Ordering::Relaxed);
+        for p in 0..PROCESS_SLOTS as u16 {
+            let c = self.cell(p, slot);
+            c.requests.store(0, Ordering::Relaxed);
+            c.tokens.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Changes the state of a current registration (not to `Free` or
+    /// `Configuring`: see [`Self::retire`]). False if `server` is stale.
+    pub fn set_state(&self, server: ServerRef, state: ServerState) -> bool {
+        if matches!(state, ServerState::Free | ServerState::Configuring) {
+            return false;
+        }
+        let slot = &self.slots[usize::from(server.slot)];
+        let word = slot.state.load(Ordering::Acquire);
+        match split_state(word) {
+            (g, Some(ServerState::Up | ServerState::Draining | ServerState::Down))
+                if g == server.generation =>
+            {
+                slot.state
+                    .compare_exchange(
+                        word,
+                        state_word(g, state),
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    )
+                    .is_ok()
+            }
+            _ => false,
+        }
+    }
+
+    /// Frees the slot of a current registration. False if `server` is stale.
+    pub fn retire(&self, server: ServerRef) -> bool {
+        let slot = &self.slots[usize::from(server.slot)];
+        let word = slot.state.load(Ordering::Acquire);
+        match split_state(word) {
+            (g, Some(s)) if g == server.generation && s != ServerState::Free => slot
+                .state
+                .compare_exchange(
+                    word,
+                    state_word(g, ServerState::Free),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_ok(),
+            _ => false,
+        }
+    }
+
+    /// The current registration of `slot`, if it is registered.
+    pub fn current(&self, slot: u16) -> Option<(ServerRef, ServerState)> {
+        let (generation, state) = split_state(
+            self.slots
+                .get(usize::from(slot))?
+                .state
+                .load(Ordering::Acquire),
+        );
+        match state? {
+            ServerState::Free | ServerState::Configuring => None,
+            s => Some((ServerRef { slot, generation }, s)),
+        }
+    }
+
+    /// Whether the tagged server is registered, `Up`, and of that generation:
+    /// the filter for [`crate::PrefixTable::longest_prefix_match`].
+    #[inline]
+    pub fn is_live(&self, tag: ServerTag) -> bool {
+        self.current(tag.slot()).is_some_and(|(s, st)| {
+            st == ServerState::Up && (s.generation & 0x3f) as u8 == tag.gen_tag()
+        })
+    }
+
+    /// A consistent copy of `slot`, or `None` if free, being configured, or
+    /// failing its address check.
+    pub fn get(&self, slot: u16) -> Option<ServerInfo> {
+        let s = self.slots.get(usize::from(slot))?;
+        for _ in 0..4 {
+            let before = s.state.load(Ordering::Acquire);
+            let (generation, state) = split_state(before);
+            let state = state?;
+            if matches!(state, ServerState::Free | ServerState::Configuring) {
+                return None;
+            }
+            let meta = s.address_meta.load(Ordering::Relaxed);
+            let len = (meta & 0xffff) as usize;
+            if len > MAX_ADDRESS_BYTES {
+                return None;
+            }
+            let mut bytes = Vec::with_capacity(len);
+            load_bytes(&s.address, len, &mut bytes);
+            let id = s.id.load(Ordering::Relaxed);
+            let registered_ms = s.registered_ms.load(Ordering::Relaxed);
+            fence(Ordering::Acquire);
+            let after = s.state.load(Ordering::Relaxed);
+            if split_state(after).0 != generation {
+                continue;
+            }
+            if meta >> 16 != self.address_check(generation, &bytes) {
+                return None;
+            }
+            let address = String::from_utf8(bytes).ok()?;
+            let server = ServerRef { slot, generation };
+            let (inflight_requests, inflight_tokens) = self.inflight(server);
+            return Some(ServerInfo {
+                server,
+                state: split_state(after).1.unwrap_or(state),
+                id,
+                address,
+                registered_ms,
+                inflight_requests,
+                inflight_tokens,
+                load: self.load(server),
+            });
+        }
+        None
+    }
+
+    /// Every registered server.
+    pub fn servers(&self) -> impl Iterator<Item = ServerInfo> + '_ {
+        (0..self.slots.len() as u16).filter_map(|i| self.get(i))
+    }
+
+    fn is_current(&self, server: ServerRef) -> bool {
+        self.current(server.slot)
+            .is_some_and(|(s, _)| s.generation == server.generation)
+    }
+
+    /// Counts a request of `process` to `server` as in flight. False (and
+    /// nothing counted) if `server` is stale.
+    pub fn begin_request(&self, process: u16, server: ServerRef, prompt_tokens: u64) -> bool {
+        if !self.is_current(server) {
+            return false;
+        }
+        let s = &self.slots[usize::from(server.slot)];
+        s.inflight_requests.fetch_add(1, Ordering::Relaxed);
+        s.inflight_tokens
+            .fetch_add(prompt_tokens, Ordering::Relaxed);
+        let c = self.cell(process, server.slot);
+        c.requests.fetch_add(1, Ordering::Relaxed);
+        c.tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
+        true
+    }
+
+    /// Ends what [`Self::begin_request`] began. Ignored if `server` is stale
+    /// (its counters were reset when the slot was reused).
+    pub fn end_request(&self, process: u16, server: ServerRef, prompt_tokens: u64) {
+        if !self.is_current(server) {
+            return;
+        }
+        let c = self.cell(process, server.slot);
+        c.requests.fetch_sub(1, Ordering::Relaxed);
+        c.tokens.fetch_sub(prompt_tokens, Ordering::Relaxed);
+        let s = &self.slots[usize::from(server.slot)];
+        s.inflight_requests.fetch_sub(1, Ordering::Relaxed);
+        s.inflight_tokens
+            .fetch_sub(prompt_tokens, Ordering::Relaxed);
+    }
+
+    /// `(requests, prompt tokens)` in flight to `server` from all processes.
+    pub fn inflight(&self, server: ServerRef) -> (u64, u64) {
+        let s = &self.slots[usize::from(server.slot)];
+        (
+            clamp(s.inflight_requests.load(Ordering::Relaxed)),
+            clamp(s.inflight_tokens.load(Ordering::Relaxed)),
+        )
+    }
+
+    /// What `process` has in flight to `server` (its ledger cell).
+    pub fn inflight_of(&self, process: u16, server: ServerRef) -> (u64, u64) {
+        let c = self.cell(process, server.slot);
+        (
+            clamp(c.requests.load(Ordering::Relaxed)),
+            clamp(c.tokens.load(Ordering::Relaxed)),
+        )
+    }
+
+    /// Takes a dead process's in-flight counts out of every server's totals
+    /// and zeroes its ledger row. Idempotent.
+    pub fn reclaim_process(&self, process: u16) {
+        for (i, s) in self.slots.iter().enumerate() {
+            let c = self.cell(process, i as u16);
+            let r = c.requests.swap(0, Ordering::AcqRel);
+            let t = c.tokens.swap(0, Ordering::AcqRel);
+            s.inflight_requests.fetch_sub(r, Ordering::Relaxed);
+            s.inflight_tokens.fetch_sub(t, Ordering::Relaxed);
+        }
+    }
+
+    /// Stores freshly scraped figures. False if `server` is stale.
+    pub fn store_load(&self, server: ServerRef, figures: LoadFigures) -> bool {
+        if !self.is_current(server) {
+            return false;
+        }
+        self.slots[usize::from(server.slot)]
+            .load
+            .store(figures.pack(), Ordering::Release);
+        true
+    }
+
+    /// The last scraped figures of `server`'s slot.
+    pub fn load(&self, server: ServerRef) -> LoadFigures {
+        LoadFigures::unpack(
+            self.slots[usize::from(server.slot)]
+                .load
+                .load(Ordering::Acquire),
+        )
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn parts() -> (Vec<ServerSlot>, Vec<LedgerCell>) {
+        let n = SERVER_SLOTS as usize;
+        (
+            (0..n).map(|_| ServerSlot::new()).collect(),
+            (0..n * PROCESS_SLOTS as usize)
+                .map(|_| LedgerCell::new())
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn tags_round_trip() {
+        for slot in [0u16, 1, 127] {
+            for generation in [0u32, 1, 63, 64, 1000] {
+                let t = ServerRef { slot, generation }.tag();
+                assert_eq!(t.slot(), slot);
+                assert_eq!(t.gen_tag(), (generation % 64) as u8);
+                assert_eq!(ServerTag::from_lane(t.lane()), Some(t));
+            }
+        }
+        assert_eq!(ServerTag::from_lane(0), None);
+    }
+
+    #[test]
+    fn load_figures_pack_and_saturate() {
+        let f = LoadFigures {
+            waiting: 3,
+            running: 70_000,
+            kv_usage_permyriad: 9_999,
+            scraped_at_ms: 1 << 40,
+        };
+        assert_eq!(LoadFigures::unpack(f.pack()), f);
+        let big = LoadFigures {
+            waiting: u32::MAX,
+            ..f
+        };
+        assert_eq!(LoadFigures::unpack(big.pack()).waiting, (1 << 24) - 1);
+    }
+
+    #[test]
+    fn register_get_retire_reuse_bumps_generation() {
+        let (s, l) = parts();
+        let t = ServerTable::new(&s, &l, 1);
+        let a = t.register(11, "http://10.0.0.1:8000", 5).unwrap();
+        let b = t.register(12, "http://10.0.0.2:8000", 6).unwrap();
+        assert_ne!(a.slot, b.slot);
+        let info = t.get(a.slot).unwrap();
+        assert_eq!(
+            (info.id, info.address.as_str(), info.state),
+            (11, "http://10.0.0.1:8000", ServerState::Up)
+        );
+        assert!(t.is_live(a.tag()));
+        assert!(t.set_state(a, ServerState::Down));
+        assert!(!t.is_live(a.tag()));
+        assert!(t.retire(a));
+        assert!(t.get(a.slot).is_none());
+        let a2 = t.register(13, "http://10.0.0.3:8000", 7).unwrap();
+        assert_eq!(a2.slot, a.slot);
+        assert_eq!(a2.generation, a.generation + 1);
+        assert!(!t.is_live(a.tag()), "old generation is not live");
+        assert!(!t.set_state(a, ServerState::Up), "stale ref refused");
+        assert_eq!(t.servers().count(), 2);
+    }
+
+    #[test]
+    fn inflight_counts_and_reclaim_after_a_crash() {
+        let (s, l) = parts();
+        let t = ServerTable::new(&s, &l, 1);
+        let a = t.register(1, "a", 0).unwrap();
+        assert!(t.begin_request(3, a, 100));
+        assert!(t.begin_request(3, a, 50));
+        assert!(t.begin_request(4, a, 10));
+        assert_eq!(t.inflight(a), (3, 160));
+        t.end_request(4, a, 10);
+        assert_eq!(t.inflight(a), (2, 150));
+        t.reclaim_process(3); // process 3 died with two requests
+        assert_eq!(t.inflight(a), (0, 0));
+        assert_eq!(t.inflight_of(3, a), (0, 0));
+        t.reclaim_process(3);
+        assert_eq!(t.inflight(a), (0, 0), "idempotent");
+    }
+
+    #[test]
+    fn stale_refs_touch_nothing() {
+        let (s, l) = parts();
+        let t = ServerTable::new(&s, &l, 1);
+        let a = t.register(1, "a", 0).unwrap();
+        assert!(t.begin_request(0, a, 5));
+        t.retire(a);
+        let b = t.register(2, "b", 0).unwrap();
+        assert_eq!(t.inflight(b), (0, 0), "a reused slot starts from zero");
+        t.end_request(0, a, 5);
+        assert_eq!(t.inflight(b), (0, 0));
+        assert!(!t.begin_request(0, a, 5));
+        assert!(!t.store_load(a, LoadFigures::default()));
+        let f = LoadFigures {
+            waiting: 1,
+            running: 2,
+            kv_usage_permyriad: 3,
+            scraped_at_ms: 4,
+        };
+        assert!(t.store_load(b, f));
+        assert_eq!(t.load(b), f);
+    }
+
+    #[test]
+    fn long_addresses_and_full_tables_are_refused() {
+        let (s, l) = parts();
+        let t = ServerTable::new(&s, &l, 1);
+        let long = "x".repeat(MAX_ADDRESS_BYTES + 1);
+        assert_eq!(
+            t.register(0, &long, 0),
+            Err(RegisterError::AddressTooLong {
+                len: MAX_ADDRESS_BYTES + 1
+            })
+        );
+        for i in 0..SERVER_SLOTS {
+            t.register(u64::from(i), &"y".repeat(MAX_ADDRESS_BYTES), 0)
+                .unwrap();
+        }
+        assert_eq!(t.register(0, "z", 0), Err(RegisterError::Full));
+        assert_eq!(t.get(5).unwrap().address.len(), MAX_ADDRESS_BYTES);
+    }
+}
