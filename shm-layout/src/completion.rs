@@ -74,8 +74,7 @@ pub enum DecodeError {
 impl CompletionRecord<'_> {
     /// Encoded length in bytes.
     pub fn encoded_len(&self) -> usize {
-        24 + self.response.map_or(0, |(_, r)| 20 + r.len())
-            + 8 * (self.prompt_blocks.len() + self.full_blocks.len())
+        24 + self.response.map_or(0, |(_, r)| 20 + r.len()) + 8 * (self.prompt_blocks.len() + self.full_blocks.len())
     }
 
     /// Appends the encoding to `out` (cleared first).
@@ -83,11 +82,7 @@ impl CompletionRecord<'_> {
         out.clear();
         out.reserve(self.encoded_len());
         out.push(VERSION);
-        out.push(if self.response.is_some() {
-            HAS_RESPONSE
-        } else {
-            0
-        });
+        out.push(if self.response.is_some() { HAS_RESPONSE } else { 0 });
         out.extend_from_slice(&self.server.slot.to_le_bytes());
         out.extend_from_slice(&self.server.generation.to_le_bytes());
         for n in [
@@ -211,10 +206,7 @@ mod tests {
         assert_eq!(c.response_key, Some(ResponseKey(u128::MAX - 5)));
         assert_eq!(c.response, b"{\"choices\":[]}");
 
-        let bare = CompletionRecord {
-            response: None,
-            ..rec
-        };
+        let bare = CompletionRecord { response: None, ..rec };
         bare.encode_into(&mut buf);
         c.decode_from(&buf).unwrap();
         assert_eq!((c.response_key, c.response.len()), (None, 0));
@@ -223,16 +215,10 @@ mod tests {
     #[test]
     fn bad_records_are_errors_not_panics() {
         let mut c = Completion::default();
-        assert!(matches!(
-            c.decode_from(&[]),
-            Err(DecodeError::Truncated { .. })
-        ));
+        assert!(matches!(c.decode_from(&[]), Err(DecodeError::Truncated { .. })));
         assert_eq!(c.decode_from(&[9, 0]), Err(DecodeError::Version(9)));
         let rec = CompletionRecord {
-            server: ServerRef {
-                slot: 1,
-                generation: 1,
-            },
+            server: ServerRef { slot: 1, generation: 1 },
             prompt_tokens: 1,
             output_tokens: 1,
             prompt_blocks: &[1],

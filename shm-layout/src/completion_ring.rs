@@ -162,10 +162,9 @@ impl<'a> CompletionRing<'a> {
     /// Records which process produces into this ring (registry slot and
     /// incarnation), for [`Self::owner`].
     pub fn set_owner(&self, slot: u16, incarnation: u32) {
-        self.control.owner.store(
-            (u64::from(incarnation) << 16) | u64::from(slot),
-            Ordering::Release,
-        );
+        self.control
+            .owner
+            .store((u64::from(incarnation) << 16) | u64::from(slot), Ordering::Release);
     }
 
     /// `(registry slot, incarnation)` of the producer.
@@ -189,11 +188,7 @@ impl<'a> CompletionRing<'a> {
         let (t, gap) = loop {
             let t = c.tail.load(Ordering::Acquire);
             let h = c.head.load(Ordering::Acquire);
-            let gap = if t % cap + size > cap {
-                cap - t % cap
-            } else {
-                0
-            };
+            let gap = if t % cap + size > cap { cap - t % cap } else { 0 };
             if t + gap + size - h > cap {
                 c.dropped.fetch_add(1, Ordering::Relaxed);
                 return Err(PushError::Full);
@@ -242,9 +237,7 @@ impl<'a> CompletionRing<'a> {
             let len = meta & LEN_MASK;
             let size = match meta >> 30 {
                 KIND_PAD => cap - h % cap,
-                KIND_RECORD
-                    if h % cap + record_size(len) <= cap && len as usize <= self.max_record() =>
-                {
+                KIND_RECORD if h % cap + record_size(len) <= cap && len as usize <= self.max_record() => {
                     record_size(len)
                 }
                 _ => {
@@ -301,9 +294,7 @@ impl<'a> CompletionRing<'a> {
             let meta = w[2].load(Ordering::Relaxed);
             match meta >> 30 {
                 KIND_PAD => h + (cap - h % cap),
-                KIND_RECORD if h % cap + record_size(meta & LEN_MASK) <= cap => {
-                    h + record_size(meta & LEN_MASK)
-                }
+                KIND_RECORD if h % cap + record_size(meta & LEN_MASK) <= cap => h + record_size(meta & LEN_MASK),
                 _ => t,
             }
         } else {
@@ -340,10 +331,7 @@ mod tests {
     use super::*;
 
     fn parts(words: usize) -> (RingControl, Vec<AtomicU64>) {
-        (
-            RingControl::new(),
-            (0..words).map(|_| AtomicU64::new(0)).collect(),
-        )
+        (RingControl::new(), (0..words).map(|_| AtomicU64::new(0)).collect())
     }
 
     #[test]
@@ -376,13 +364,7 @@ mod tests {
         let mut out = Vec::new();
         assert_eq!(r.pop(&mut out), Pop::Record);
         assert!(r.push(&rec).is_ok(), "room again after a pop");
-        assert_eq!(
-            r.push(&[0; 2000]),
-            Err(PushError::TooLarge {
-                len: 2000,
-                max: 992
-            })
-        );
+        assert_eq!(r.push(&[0; 2000]), Err(PushError::TooLarge { len: 2000, max: 992 }));
     }
 
     #[test]

@@ -145,9 +145,7 @@ pub enum OpenError {
         expected: u64,
     },
     /// The creator has not finished initialising it (or died doing so).
-    #[error(
-        "shm segment {name:?} is not ready (its creator, pid {creator_pid}, has not finished initialising it)"
-    )]
+    #[error("shm segment {name:?} is not ready (its creator, pid {creator_pid}, has not finished initialising it)")]
     NotReady {
         /// The segment name.
         name: String,

@@ -9,9 +9,8 @@
 use std::mem::{offset_of, size_of};
 
 use crate::plan::{
-    BUCKET_BYTES, HEADER_BYTES, LEDGER_CELL_BYTES, LOG_CONTROL_BYTES, LayoutPlan, PAGE,
-    PROCESS_SLOT_BYTES, PROCESS_SLOTS, REGION_COUNT, RING_CONTROL_BYTES, RING_COUNT, Region,
-    RegionKind, SERVER_SLOT_BYTES, SERVER_SLOTS,
+    BUCKET_BYTES, HEADER_BYTES, LEDGER_CELL_BYTES, LOG_CONTROL_BYTES, LayoutPlan, PAGE, PROCESS_SLOT_BYTES,
+    PROCESS_SLOTS, REGION_COUNT, RING_CONTROL_BYTES, RING_COUNT, Region, RegionKind, SERVER_SLOT_BYTES, SERVER_SLOTS,
 };
 use crate::sync::{AtomicU64, Ordering};
 
@@ -148,14 +147,10 @@ impl HeaderInfo {
         for kind in RegionKind::ALL {
             let r = self.region(kind);
             let name = kind.name();
-            if r.offset % PAGE != 0 || r.offset < end {
+            if !r.offset.is_multiple_of(PAGE) || r.offset < end {
                 return Err(format!("{name} region at offset {} is misplaced", r.offset));
             }
-            let Some(r_end) = r
-                .offset
-                .checked_add(r.bytes)
-                .filter(|e| *e <= self.segment_bytes)
-            else {
+            let Some(r_end) = r.offset.checked_add(r.bytes).filter(|e| *e <= self.segment_bytes) else {
                 return Err(format!(
                     "{name} region ({} bytes at {}) runs past the segment",
                     r.bytes, r.offset
@@ -166,32 +161,20 @@ impl HeaderInfo {
                 RegionKind::Servers => fixed(r, u64::from(SERVER_SLOTS), SERVER_SLOT_BYTES),
                 RegionKind::Ledger => {
                     if r.param != u64::from(SERVER_SLOTS) {
-                        return Err(format!(
-                            "{name} rows have {} cells, expected {SERVER_SLOTS}",
-                            r.param
-                        ));
+                        return Err(format!("{name} rows have {} cells, expected {SERVER_SLOTS}", r.param));
                     }
-                    fixed(
-                        r,
-                        u64::from(SERVER_SLOTS * PROCESS_SLOTS),
-                        LEDGER_CELL_BYTES,
-                    )
+                    fixed(r, u64::from(SERVER_SLOTS * PROCESS_SLOTS), LEDGER_CELL_BYTES)
                 }
                 RegionKind::Registry => fixed(r, u64::from(PROCESS_SLOTS), PROCESS_SLOT_BYTES),
                 RegionKind::Rings => {
                     if !r.param.is_power_of_two() || r.param < 4096 {
-                        return Err(format!(
-                            "{name}: ring size {} is not a power of two >= 4096",
-                            r.param
-                        ));
+                        return Err(format!("{name}: ring size {} is not a power of two >= 4096", r.param));
                     }
                     fixed(r, u64::from(RING_COUNT), RING_CONTROL_BYTES + r.param)
                 }
-                RegionKind::ResponseIndex | RegionKind::Prefix => {
-                    Some(r.count.saturating_mul(BUCKET_BYTES))
-                }
+                RegionKind::ResponseIndex | RegionKind::Prefix => Some(r.count.saturating_mul(BUCKET_BYTES)),
                 RegionKind::ResponseLog => {
-                    if r.count % 8 != 0 || r.param == 0 || r.param > r.count / 2 || r.param % 8 != 0
+                    if !r.count.is_multiple_of(8) || r.param == 0 || r.param > r.count / 2 || !r.param.is_multiple_of(8)
                     {
                         return Err(format!(
                             "{name}: log of {} bytes with values up to {}",
@@ -230,8 +213,7 @@ impl RawHeader {
         self.layout_version.store(info.layout_version, r);
         self.segment_bytes.store(info.segment_bytes, r);
         self.created_unix_ms.store(info.created_unix_ms, r);
-        self.created_monotonic_ns
-            .store(info.created_monotonic_ns, r);
+        self.created_monotonic_ns.store(info.created_monotonic_ns, r);
         self.creator_pid.store(info.creator_pid, r);
         for (dst, v) in self.seed.iter().zip(info.seed) {
             dst.store(v, r);

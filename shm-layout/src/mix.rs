@@ -32,8 +32,7 @@ impl Checksum {
 
     /// Checksum of `ident` words followed by `payload` bytes.
     pub(crate) fn of(&self, ident: &[u64], payload: &[u8]) -> u64 {
-        let mut h =
-            seahash::SeaHasher::with_seeds(self.seed[0], self.seed[1], self.seed[2], self.seed[3]);
+        let mut h = seahash::SeaHasher::with_seeds(self.seed[0], self.seed[1], self.seed[2], self.seed[3]);
         use std::hash::Hasher;
         for w in ident {
             h.write_u64(*w);
@@ -50,11 +49,7 @@ mod tests {
 
     #[test]
     fn mix64_is_not_identity_and_avalanches() {
-        assert_eq!(
-            mix64(0),
-            0,
-            "murmur fmix maps 0 to 0; callers key it with the seed"
-        );
+        assert_eq!(mix64(0), 0, "murmur fmix maps 0 to 0; callers key it with the seed");
         let a = mix64(1);
         let b = mix64(1 | 1 << 40);
         assert!((a ^ b).count_ones() > 16);

@@ -190,12 +190,7 @@ impl LayoutPlan {
             processes * servers,
             servers,
         );
-        let fixed_end = place(
-            RegionKind::Registry,
-            processes * PROCESS_SLOT_BYTES,
-            processes,
-            0,
-        );
+        let fixed_end = place(RegionKind::Registry, processes * PROCESS_SLOT_BYTES, processes, 0);
 
         let rings = u64::from(RING_COUNT);
         let per_ring = ((size - fixed_end) / 8 / rings).clamp(MIN_RING_BYTES, MAX_RING_BYTES);
@@ -209,12 +204,7 @@ impl LayoutPlan {
 
         let response_share = align_down((size - rings_end) / 2, PAGE);
         let index_bytes = align_down(response_share / 64, PAGE).max(PAGE);
-        place(
-            RegionKind::ResponseIndex,
-            index_bytes,
-            index_bytes / BUCKET_BYTES,
-            0,
-        );
+        place(RegionKind::ResponseIndex, index_bytes, index_bytes / BUCKET_BYTES, 0);
         let log_bytes = align_down(response_share - index_bytes - PAGE, PAGE);
         let max_value = align_down((log_bytes as f64 * f) as u64, 8);
         let log_end = place(
@@ -225,12 +215,7 @@ impl LayoutPlan {
         );
 
         let prefix_bytes = align_down(size - log_end, PAGE);
-        let cursor = place(
-            RegionKind::Prefix,
-            prefix_bytes,
-            prefix_bytes / BUCKET_BYTES,
-            0,
-        );
+        let cursor = place(RegionKind::Prefix, prefix_bytes, prefix_bytes / BUCKET_BYTES, 0);
         debug_assert!(cursor <= size);
         Ok(Self {
             segment_bytes: size,
@@ -255,13 +240,7 @@ mod tests {
 
     #[test]
     fn regions_are_ordered_aligned_and_inside() {
-        for size in [
-            MIN_SEGMENT_BYTES,
-            64 << 20,
-            256 << 20,
-            (1 << 30) + 12345,
-            16 << 30,
-        ] {
+        for size in [MIN_SEGMENT_BYTES, 64 << 20, 256 << 20, (1 << 30) + 12345, 16 << 30] {
             let plan = LayoutPlan::for_size(size).unwrap();
             let mut end = HEADER_BYTES;
             for kind in RegionKind::ALL {
@@ -287,10 +266,7 @@ mod tests {
 
     #[test]
     fn rejects_bad_sizes_and_fractions() {
-        assert!(matches!(
-            LayoutPlan::for_size(1 << 20),
-            Err(PlanError::TooSmall { .. })
-        ));
+        assert!(matches!(LayoutPlan::for_size(1 << 20), Err(PlanError::TooSmall { .. })));
         assert!(matches!(
             LayoutPlan::for_size(u64::MAX),
             Err(PlanError::TooLarge { .. })

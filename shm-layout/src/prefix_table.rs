@@ -207,10 +207,7 @@ pub struct PrefixTable<'a> {
 impl<'a> PrefixTable<'a> {
     /// A table over `buckets`, fingerprinted with `seed`.
     pub(crate) fn new(buckets: &'a [Bucket], seed: u64) -> Self {
-        assert!(
-            !buckets.is_empty(),
-            "a prefix table needs at least one bucket"
-        );
+        assert!(!buckets.is_empty(), "a prefix table needs at least one bucket");
         Self {
             buckets,
             codec: SlotCodec::new(seed),
@@ -323,11 +320,7 @@ impl<'a> PrefixTable<'a> {
     /// `chain[0]`, how many leading blocks of `chain` it holds without a gap.
     /// Stops looking as soon as no candidate is left, so a miss costs one
     /// bucket read. Never allocates.
-    pub fn longest_prefix_match(
-        &self,
-        chain: &[u64],
-        live: impl Fn(ServerTag) -> bool,
-    ) -> PrefixMatch {
+    pub fn longest_prefix_match(&self, chain: &[u64], live: impl Fn(ServerTag) -> bool) -> PrefixMatch {
         let mut m = PrefixMatch::default();
         let Some((first, rest)) = chain.split_first() else {
             return m;
@@ -405,13 +398,7 @@ mod tests {
         assert_eq!(e.stamp, Stamp(11));
         t.insert(7, srv(3, 1), Stamp(12));
         t.insert(7, srv(4, 1), Stamp(13));
-        let got: Vec<u16> = t
-            .lookup(7)
-            .unwrap()
-            .servers
-            .iter()
-            .map(|s| s.slot())
-            .collect();
+        let got: Vec<u16> = t.lookup(7).unwrap().servers.iter().map(|s| s.slot()).collect();
         assert_eq!(got, vec![4, 3, 2], "least recent server falls off");
     }
 
@@ -471,9 +458,7 @@ mod tests {
         let (b, seed) = table(64);
         let t = PrefixTable::new(&b, seed);
         // Spread over buckets like real hashes do.
-        let chain: Vec<u64> = (100..110u64)
-            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
-            .collect();
+        let chain: Vec<u64> = (100..110u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
         t.insert_chain(&chain[..7], srv(1, 0), Stamp(0));
         t.insert_chain(&chain[..3], srv(2, 0), Stamp(0));
         t.insert_chain(&chain[5..], srv(3, 0), Stamp(0)); // no block 0: no match

@@ -155,20 +155,12 @@ impl<'a> Registry<'a> {
         s.pid.store(0, Ordering::Relaxed);
         s.started_ms.store(now_ms, Ordering::Relaxed);
         s.heartbeat_ms.store(now_ms, Ordering::Relaxed);
-        s.state.store(
-            word(incarnation, role, ProcessState::Starting),
-            Ordering::Release,
-        );
+        s.state
+            .store(word(incarnation, role, ProcessState::Starting), Ordering::Release);
         incarnation
     }
 
-    fn transition(
-        &self,
-        slot: u16,
-        incarnation: u32,
-        from: &[ProcessState],
-        to: ProcessState,
-    ) -> bool {
+    fn transition(&self, slot: u16, incarnation: u32, from: &[ProcessState], to: ProcessState) -> bool {
         let s = &self.slots[usize::from(slot)];
         let w = s.state.load(Ordering::Acquire);
         let Some(role) = role_of(w) else { return false };
@@ -176,12 +168,7 @@ impl<'a> Registry<'a> {
             return false;
         }
         s.state
-            .compare_exchange(
-                w,
-                word(incarnation, role, to),
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            )
+            .compare_exchange(w, word(incarnation, role, to), Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
     }
 
@@ -194,12 +181,7 @@ impl<'a> Registry<'a> {
         }
         s.pid.store(u64::from(pid), Ordering::Relaxed);
         s.heartbeat_ms.store(now_ms, Ordering::Relaxed);
-        self.transition(
-            slot,
-            incarnation,
-            &[ProcessState::Starting],
-            ProcessState::Running,
-        )
+        self.transition(slot, incarnation, &[ProcessState::Starting], ProcessState::Running)
     }
 
     /// Called by the child periodically. False if the slot moved on.
@@ -225,8 +207,7 @@ impl<'a> Registry<'a> {
     /// Whether that incarnation is starting or running.
     pub fn is_alive(&self, slot: u16, incarnation: u32) -> bool {
         let i = self.get(slot);
-        i.incarnation == incarnation
-            && matches!(i.state, ProcessState::Starting | ProcessState::Running)
+        i.incarnation == incarnation && matches!(i.state, ProcessState::Starting | ProcessState::Running)
     }
 
     /// A copy of `slot`.

@@ -162,11 +162,7 @@ impl<'a> ResponseLog<'a> {
         let cap = self.cap();
         let pos = loop {
             let t = self.control.tail.load(Ordering::Relaxed);
-            let gap = if t % cap + size > cap {
-                cap - t % cap
-            } else {
-                0
-            };
+            let gap = if t % cap + size > cap { cap - t % cap } else { 0 };
             let start = t + gap;
             if self
                 .control
@@ -206,9 +202,7 @@ impl<'a> ResponseLog<'a> {
         for _ in 0..MAX_ATTEMPTS {
             let slots = bucket.load();
             let tail = self.control.tail.load(Ordering::Relaxed);
-            let same = slots
-                .iter()
-                .position(|s| self.codec.value_for(*s, key.lo()).is_some());
+            let same = slots.iter().position(|s| self.codec.value_for(*s, key.lo()).is_some());
             if let Some(i) = same
                 && (slots[i] >> 64) as u64 > pos + 1
             {
@@ -217,16 +211,14 @@ impl<'a> ResponseLog<'a> {
             }
             // Same key, else empty, else the oldest position (lapped ones
             // first; a position beyond the tail is garbage and goes first).
-            let victim = same
-                .or_else(|| slots.iter().position(|s| *s == 0))
-                .unwrap_or_else(|| {
-                    (0..WAYS)
-                        .min_by_key(|i| {
-                            let p = (slots[*i] >> 64) as u64;
-                            if p > tail { 0 } else { p }
-                        })
-                        .unwrap_or(0)
-                });
+            let victim = same.or_else(|| slots.iter().position(|s| *s == 0)).unwrap_or_else(|| {
+                (0..WAYS)
+                    .min_by_key(|i| {
+                        let p = (slots[*i] >> 64) as u64;
+                        if p > tail { 0 } else { p }
+                    })
+                    .unwrap_or(0)
+            });
             if bucket.cas(victim, slots[victim], new) {
                 return true;
             }
@@ -323,13 +315,7 @@ mod tests {
     }
 
     fn log(p: &Parts) -> ResponseLog<'_> {
-        ResponseLog::new(
-            &p.control,
-            &p.index,
-            &p.log,
-            p.log.len() * 8 / 4,
-            [1, 2, 3, 4],
-        )
+        ResponseLog::new(&p.control, &p.index, &p.log, p.log.len() * 8 / 4, [1, 2, 3, 4])
     }
 
     #[test]
@@ -342,10 +328,7 @@ mod tests {
         assert_eq!(l.get(ResponseKey(1)).as_deref(), Some(&b"first"[..]));
         assert_eq!(l.get(ResponseKey(2)).as_deref(), Some(&b""[..]));
         l.put(ResponseKey(1), b"second, longer").unwrap();
-        assert_eq!(
-            l.get(ResponseKey(1)).as_deref(),
-            Some(&b"second, longer"[..])
-        );
+        assert_eq!(l.get(ResponseKey(1)).as_deref(), Some(&b"second, longer"[..]));
         // Same low half, other high half: a different key, a miss.
         assert_eq!(l.get(ResponseKey(1 | 1 << 64)), None);
     }
@@ -360,9 +343,7 @@ mod tests {
         }
         assert_eq!(l.get(ResponseKey(0)), None, "lapped");
         assert_eq!(l.get(ResponseKey(39)).as_deref(), Some(&value[..]));
-        let live = (0..40u128)
-            .filter(|k| l.get(ResponseKey(*k)).is_some())
-            .count();
+        let live = (0..40u128).filter(|k| l.get(ResponseKey(*k)).is_some()).count();
         assert!(live > 0 && live < 10, "{live} records survive in 1 KiB");
     }
 

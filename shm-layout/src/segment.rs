@@ -25,9 +25,7 @@ use crate::bucket::Bucket;
 use crate::completion_ring::{CompletionRing, RingControl};
 use crate::error::{CreateError, NameError, OpenError, RemoveError};
 use crate::header::{HeaderInfo, HeaderInit, LAYOUT_VERSION, MAGIC, RawHeader, STATE_READY};
-use crate::plan::{
-    HEADER_BYTES, LOG_CONTROL_BYTES, LayoutPlan, PAGE, RING_CONTROL_BYTES, RegionKind,
-};
+use crate::plan::{HEADER_BYTES, LOG_CONTROL_BYTES, LayoutPlan, PAGE, RING_CONTROL_BYTES, RegionKind};
 use crate::prefix_table::{PrefixTable, Stamp};
 use crate::registry::{ProcessSlot, Registry};
 use crate::response_log::{LogControl, ResponseLog};
@@ -101,8 +99,7 @@ impl Drop for Segment {
 }
 
 fn monotonic_ns() -> u64 {
-    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
-        .expect("CLOCK_MONOTONIC is always available");
+    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC is always available");
     t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64
 }
 
@@ -117,16 +114,13 @@ fn random_seed() -> [u64; 4] {
     let mut filled = 0;
     while filled < buf.len() {
         // SAFETY: the pointer and length describe the unfilled tail of `buf`.
-        let n =
-            unsafe { libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0) };
+        let n = unsafe { libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0) };
         if n > 0 {
             filled += n as usize;
         } else if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
             // No entropy source: fall back to time and pid (still unique per segment).
             let t = monotonic_ns() ^ unix_ms().rotate_left(32) ^ u64::from(std::process::id());
-            return std::array::from_fn(|i| {
-                crate::mix::mix64(t.wrapping_add(i as u64 * 0x9e37_79b9_7f4a_7c15))
-            });
+            return std::array::from_fn(|i| crate::mix::mix64(t.wrapping_add(i as u64 * 0x9e37_79b9_7f4a_7c15)));
         }
     }
     std::array::from_fn(|i| u64::from_le_bytes(buf[i * 8..i * 8 + 8].try_into().expect("8 bytes")))
@@ -239,7 +233,7 @@ impl Segment {
             Ok(()) => {}
             Err(Errno::ENOSPC | Errno::ENOMEM) => {
                 let available = nix::sys::statvfs::fstatvfs(&fd)
-                    .map(|s| s.blocks_available() as u64 * s.fragment_size() as u64)
+                    .map(|s| s.blocks_available() * s.fragment_size())
                     .unwrap_or(0);
                 return Err(CreateError::NoSpace {
                     name: path.to_owned(),
@@ -277,11 +271,10 @@ impl Segment {
     /// A segment with `plan`'s layout in private heap memory: the same format
     /// and tables, for unit tests and single-process tools.
     pub fn heap(plan: &LayoutPlan) -> Self {
-        let layout = Layout::from_size_align(plan.segment_bytes as usize, PAGE as usize)
-            .expect("valid layout");
+        let layout = Layout::from_size_align(plan.segment_bytes as usize, PAGE as usize).expect("valid layout");
         // SAFETY: the layout has a non-zero size (plans are at least 8 MiB).
-        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) })
-            .unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        let ptr =
+            NonNull::new(unsafe { alloc_zeroed(layout) }).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         let init = HeaderInit {
             created_unix_ms: unix_ms(),
             created_monotonic_ns: monotonic_ns(),
@@ -477,10 +470,7 @@ impl Segment {
         let prefix = self.info.region(RegionKind::Prefix);
         let control: &[LogControl] = self.region(RegionKind::ResponseLog, 0, 1);
         Tables {
-            prefix: PrefixTable::new(
-                self.region::<Bucket>(RegionKind::Prefix, 0, prefix.count),
-                seed[0],
-            ),
+            prefix: PrefixTable::new(self.region::<Bucket>(RegionKind::Prefix, 0, prefix.count), seed[0]),
             responses: ResponseLog::new(
                 &control[0],
                 self.region::<Bucket>(RegionKind::ResponseIndex, 0, index.count),
@@ -493,16 +483,8 @@ impl Segment {
                 self.region::<LedgerCell>(RegionKind::Ledger, 0, ledger.count),
                 seed[2],
             ),
-            registry: Registry::new(self.region::<ProcessSlot>(
-                RegionKind::Registry,
-                0,
-                registry.count,
-            )),
-            rings: self.region::<u8>(
-                RegionKind::Rings,
-                0,
-                rings.count * (RING_CONTROL_BYTES + rings.param),
-            ),
+            registry: Registry::new(self.region::<ProcessSlot>(RegionKind::Registry, 0, registry.count)),
+            rings: self.region::<u8>(RegionKind::Rings, 0, rings.count * (RING_CONTROL_BYTES + rings.param)),
             ring_bytes: rings.param as usize,
             ring_count: rings.count as usize,
             seed,

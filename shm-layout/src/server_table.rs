@@ -253,11 +253,7 @@ pub struct ServerTable<'a> {
 impl<'a> ServerTable<'a> {
     pub(crate) fn new(slots: &'a [ServerSlot], ledger: &'a [LedgerCell], seed: u64) -> Self {
         assert_eq!(ledger.len(), slots.len() * PROCESS_SLOTS as usize);
-        Self {
-            slots,
-            ledger,
-            seed,
-        }
+        Self { slots, ledger, seed }
     }
 
     /// Number of slots.
@@ -280,12 +276,7 @@ impl<'a> ServerTable<'a> {
     }
 
     /// Registers a server in the first free slot, with a new generation.
-    pub fn register(
-        &self,
-        id: u64,
-        address: &str,
-        now_ms: u64,
-    ) -> Result<ServerRef, RegisterError> {
+    pub fn register(&self, id: u64, address: &str, now_ms: u64) -> Result<ServerRef, RegisterError> {
         let bytes = address.as_bytes();
         if bytes.len() > MAX_ADDRESS_BYTES {
             return Err(RegisterError::AddressTooLong { len: bytes.len() });
@@ -293,10 +284,7 @@ impl<'a> ServerTable<'a> {
         for (i, slot) in self.slots.iter().enumerate() {
             let word = slot.state.load(Ordering::Acquire);
             let (generation, state) = split_state(word);
-            if !matches!(
-                state,
-                Some(ServerState::Free | ServerState::Configuring) | None
-            ) {
+            if !matches!(state, Some(ServerState::Free | ServerState::Configuring) | None) {
                 continue;
             }
             let generation = generation.wrapping_add(1);
@@ -346,18 +334,10 @@ impl<'a> ServerTable<'a> {
         let slot = &self.slots[usize::from(server.slot)];
         let word = slot.state.load(Ordering::Acquire);
         match split_state(word) {
-            (g, Some(ServerState::Up | ServerState::Draining | ServerState::Down))
-                if g == server.generation =>
-            {
-                slot.state
-                    .compare_exchange(
-                        word,
-                        state_word(g, state),
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    )
-                    .is_ok()
-            }
+            (g, Some(ServerState::Up | ServerState::Draining | ServerState::Down)) if g == server.generation => slot
+                .state
+                .compare_exchange(word, state_word(g, state), Ordering::AcqRel, Ordering::Acquire)
+                .is_ok(),
             _ => false,
         }
     }
@@ -382,12 +362,7 @@ impl<'a> ServerTable<'a> {
 
     /// The current registration of `slot`, if it is registered.
     pub fn current(&self, slot: u16) -> Option<(ServerRef, ServerState)> {
-        let (generation, state) = split_state(
-            self.slots
-                .get(usize::from(slot))?
-                .state
-                .load(Ordering::Acquire),
-        );
+        let (generation, state) = split_state(self.slots.get(usize::from(slot))?.state.load(Ordering::Acquire));
         match state? {
             ServerState::Free | ServerState::Configuring => None,
             s => Some((ServerRef { slot, generation }, s)),
@@ -398,9 +373,8 @@ impl<'a> ServerTable<'a> {
     /// the filter for [`crate::PrefixTable::longest_prefix_match`].
     #[inline]
     pub fn is_live(&self, tag: ServerTag) -> bool {
-        self.current(tag.slot()).is_some_and(|(s, st)| {
-            st == ServerState::Up && (s.generation & 0x3f) as u8 == tag.gen_tag()
-        })
+        self.current(tag.slot())
+            .is_some_and(|(s, st)| st == ServerState::Up && (s.generation & 0x3f) as u8 == tag.gen_tag())
     }
 
     /// A consistent copy of `slot`, or `None` if free, being configured, or
@@ -466,8 +440,7 @@ impl<'a> ServerTable<'a> {
         }
         let s = &self.slots[usize::from(server.slot)];
         s.inflight_requests.fetch_add(1, Ordering::Relaxed);
-        s.inflight_tokens
-            .fetch_add(prompt_tokens, Ordering::Relaxed);
+        s.inflight_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
         let c = self.cell(process, server.slot);
         c.requests.fetch_add(1, Ordering::Relaxed);
         c.tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
@@ -485,8 +458,7 @@ impl<'a> ServerTable<'a> {
         c.tokens.fetch_sub(prompt_tokens, Ordering::Relaxed);
         let s = &self.slots[usize::from(server.slot)];
         s.inflight_requests.fetch_sub(1, Ordering::Relaxed);
-        s.inflight_tokens
-            .fetch_sub(prompt_tokens, Ordering::Relaxed);
+        s.inflight_tokens.fetch_sub(prompt_tokens, Ordering::Relaxed);
     }
 
     /// `(requests, prompt tokens)` in flight to `server` from all processes.
@@ -532,11 +504,7 @@ impl<'a> ServerTable<'a> {
 
     /// The last scraped figures of `server`'s slot.
     pub fn load(&self, server: ServerRef) -> LoadFigures {
-        LoadFigures::unpack(
-            self.slots[usize::from(server.slot)]
-                .load
-                .load(Ordering::Acquire),
-        )
+        LoadFigures::unpack(self.slots[usize::from(server.slot)].load.load(Ordering::Acquire))
     }
 }
 
@@ -548,9 +516,7 @@ mod tests {
         let n = SERVER_SLOTS as usize;
         (
             (0..n).map(|_| ServerSlot::new()).collect(),
-            (0..n * PROCESS_SLOTS as usize)
-                .map(|_| LedgerCell::new())
-                .collect(),
+            (0..n * PROCESS_SLOTS as usize).map(|_| LedgerCell::new()).collect(),
         )
     }
 
@@ -576,10 +542,7 @@ mod tests {
             scraped_at_ms: 1 << 40,
         };
         assert_eq!(LoadFigures::unpack(f.pack()), f);
-        let big = LoadFigures {
-            waiting: u32::MAX,
-            ..f
-        };
+        let big = LoadFigures { waiting: u32::MAX, ..f };
         assert_eq!(LoadFigures::unpack(big.pack()).waiting, (1 << 24) - 1);
     }
 
@@ -661,8 +624,7 @@ mod tests {
             })
         );
         for i in 0..SERVER_SLOTS {
-            t.register(u64::from(i), &"y".repeat(MAX_ADDRESS_BYTES), 0)
-                .unwrap();
+            t.register(u64::from(i), &"y".repeat(MAX_ADDRESS_BYTES), 0).unwrap();
         }
         assert_eq!(t.register(0, "z", 0), Err(RegisterError::Full));
         assert_eq!(t.get(5).unwrap().address.len(), MAX_ADDRESS_BYTES);
