@@ -1,1 +1,132 @@
-fn main() {}
+//! Criterion benches of the shm tables' single operations, on a real
+//! 256 MiB POSIX shm segment populated so the prefix table is far larger
+//! than the CPU caches (as in production): prefix lookup hit and miss,
+//! insert, longest-prefix match over a 64-block chain, response-cache get
+//! and put of 4 KiB, and a completion-ring push + pop. Reads run before
+//! the insert benches, which evict the populated entries as a full table does.
+//!
+//! `cargo bench --bench tables`. Figures are reported in issue notes as
+//! medians; nothing here asserts a speed.
+
+use std::hint::black_box;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use shm_layout::{Pop, ResponseKey, Stamp};
+
+mod support;
+use support::{BenchSegment, chain, key, populate, servers};
+
+const CHAINS: u64 = 16_384;
+const CHAIN_LEN: usize = 64;
+
+fn prefix(c: &mut Criterion) {
+    let bench = BenchSegment::create("prefix", 256 << 20);
+    let seg = &bench.segment;
+    let srv = servers(seg, 8);
+    populate(seg, &srv, CHAINS, CHAIN_LEN); // 1 M entries, ~27% of the slots
+    let t = seg.tables();
+    let hits: Vec<u64> = (0..1 << 16)
+        .map(|i| chain(key(i) % CHAINS, CHAIN_LEN)[(i % 64) as usize])
+        .collect();
+    let misses: Vec<u64> = (0..1 << 16).map(|i| key(i + (1 << 40))).collect();
+    let chains: Vec<Vec<u64>> = (0..1024).map(|i| chain(key(i) % CHAINS, CHAIN_LEN)).collect();
+    let mut g = c.benchmark_group("prefix");
+    let mut i = 0usize;
+    g.bench_function("lookup_hit", |b| {
+        b.iter(|| {
+            i = (i + 1) & 0xffff;
+            black_box(t.prefix.lookup(hits[i]))
+        })
+    });
+    g.bench_function("lookup_miss", |b| {
+        b.iter(|| {
+            i = (i + 1) & 0xffff;
+            black_box(t.prefix.lookup(misses[i]))
+        })
+    });
+    g.bench_function("longest_prefix_match_64", |b| {
+        b.iter(|| {
+            i = (i + 1) & 1023;
+            black_box(t.prefix.longest_prefix_match(&chains[i], |s| t.servers.is_live(s)))
+        })
+    });
+    g.bench_function("longest_prefix_match_64_miss", |b| {
+        b.iter(|| {
+            i = (i + 1) & 0xffff;
+            black_box(
+                t.prefix
+                    .longest_prefix_match(&misses[i..(i + 64).min(misses.len())], |s| t.servers.is_live(s)),
+            )
+        })
+    });
+    let mut n = 0u64;
+    g.bench_function("insert_refresh", |b| {
+        b.iter(|| {
+            n += 1;
+            let k = hits[(n & 0xffff) as usize];
+            black_box(t.prefix.insert(k, srv[(n % 8) as usize], Stamp((n >> 16) as u16)))
+        })
+    });
+    g.bench_function("insert_new", |b| {
+        b.iter(|| {
+            n += 1;
+            black_box(t.prefix.insert(key(n | 1 << 50), srv[(n % 8) as usize], Stamp(2)))
+        })
+    });
+    g.finish();
+}
+
+fn responses(c: &mut Criterion) {
+    let bench = BenchSegment::create("responses", 256 << 20);
+    let t = bench.segment.tables();
+    let value: Vec<u8> = (0..4096u32).map(|i| (i * 31) as u8).collect();
+    let keys: Vec<ResponseKey> = (0..4096u64)
+        .map(|i| ResponseKey(u128::from(key(i)) << 64 | u128::from(i)))
+        .collect();
+    for k in &keys {
+        t.responses.put(*k, &value).unwrap();
+    }
+    let mut g = c.benchmark_group("responses");
+    let mut buf = Vec::with_capacity(8192);
+    let mut i = 0usize;
+    g.bench_function("get_4k_hit", |b| {
+        b.iter(|| {
+            i = (i + 1) & 4095;
+            black_box(t.responses.get_into(keys[i], &mut buf).map(|v| v.len()))
+        })
+    });
+    g.bench_function("get_miss", |b| {
+        b.iter(|| {
+            i = (i + 1) & 4095;
+            black_box(
+                t.responses
+                    .get_into(ResponseKey(keys[i].0 ^ 1 << 127), &mut buf)
+                    .is_some(),
+            )
+        })
+    });
+    g.bench_function("put_4k", |b| {
+        b.iter(|| {
+            i = (i + 1) & 4095;
+            black_box(t.responses.put(keys[i], &value))
+        })
+    });
+    g.finish();
+}
+
+fn rings(c: &mut Criterion) {
+    let bench = BenchSegment::create("rings", 64 << 20);
+    let t = bench.segment.tables();
+    let ring = t.ring(0);
+    let record = vec![7u8; 600]; // ~64 block hashes and a little metadata
+    let mut buf = Vec::with_capacity(1024);
+    c.bench_function("ring/push_pop_600B", |b| {
+        b.iter(|| {
+            ring.push(&record).unwrap();
+            assert_eq!(ring.pop(&mut buf), Pop::Record);
+        })
+    });
+}
+
+criterion_group!(benches, prefix, responses, rings);
+criterion_main!(benches);

@@ -1,1 +1,68 @@
-fn main() {}
+//! # semlb
+//!
+//! The `semlb` binary. At this stage it manages the shared-memory segment
+//! and runs a demo of the tables; the gateway (`semlb serve`: supervisor,
+//! dispatchers, responders) comes with later work.
+//!
+//! # Layout
+//!
+//! | module | concept |
+//! | --- | --- |
+//! | [`cli`] | the command line as clap derive types (parsing only) |
+//! | [`size`] | human byte sizes (`256MiB`, `100MB`) for `--shm-size` |
+//! | [`shm_cmd`] | `semlb shm create / inspect / remove` over [`shm_layout::Segment`] |
+//! | [`report`] | a snapshot of a segment, rendered as text or JSON |
+//! | [`demo`] | `semlb demo`: synthetic conversations routed through a throw-away segment |
+//!
+//! # Flow
+//!
+//! `main` parses [`cli::Cli`] (clap prints usage errors and exits 2), hands
+//! the command to [`shm_cmd::run`] or [`demo::run`], and prints what they
+//! produce. Errors travel as `anyhow::Error` from the commands to here,
+//! and only here are they printed: `error: <message>` with its causes, exit
+//! status 1. The `shm_layout` error enums carry precise messages, so they
+//! are passed on as they are. `anyhow` is used in this binary only; the
+//! library and the modules' own error types (e.g. [`size::SizeError`]) are
+//! typed.
+
+mod cli;
+mod demo;
+mod report;
+mod shm_cmd;
+mod size;
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::Parser;
+
+use crate::cli::{Cli, Command};
+
+fn run(cli: Cli) -> Result<()> {
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    match cli.command {
+        Command::Shm(command) => out.write_all(shm_cmd::run(command)?.as_bytes())?,
+        Command::Demo(args) => demo::run(&args, &mut out)?,
+    }
+    out.flush()?;
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // A closed stdout (`semlb shm inspect | head -1`) is not worth a message.
+            let broken_pipe = e
+                .downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe);
+            if !broken_pipe {
+                let _ = writeln!(std::io::stderr(), "error: {e:#}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}

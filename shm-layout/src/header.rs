@@ -9,10 +9,13 @@
 use std::mem::{offset_of, size_of};
 
 use crate::plan::{
-    BUCKET_BYTES, HEADER_BYTES, LEDGER_CELL_BYTES, LOG_CONTROL_BYTES, LayoutPlan, PAGE, PROCESS_SLOT_BYTES,
-    PROCESS_SLOTS, REGION_COUNT, RING_CONTROL_BYTES, RING_COUNT, Region, RegionKind, SERVER_SLOT_BYTES, SERVER_SLOTS,
+    BUCKET_BYTES, HEADER_BYTES, LEDGER_CELL_BYTES, LOG_CONTROL_BYTES, LayoutPlan, MAX_RING_BYTES, PAGE,
+    PROCESS_SLOT_BYTES, PROCESS_SLOTS, REGION_COUNT, RING_CONTROL_BYTES, RING_COUNT, Region, RegionKind,
+    SERVER_SLOT_BYTES, SERVER_SLOTS,
 };
-use crate::sync::{AtomicU64, Ordering};
+// The header is only ever used in a real segment, never in a loom model,
+// so it takes std atomics directly (and its size asserts hold under loom).
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// `b"SEMLBSHM"` read as a little-endian `u64`.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"SEMLBSHM");
@@ -102,14 +105,14 @@ impl HeaderInfo {
         let mut info = HeaderInfo {
             magic: MAGIC,
             layout_version: LAYOUT_VERSION,
-            segment_bytes: plan.segment_bytes,
+            segment_bytes: plan.segment_bytes(),
             state: STATE_INITIALISING,
             created_unix_ms: init.created_unix_ms,
             created_monotonic_ns: init.created_monotonic_ns,
             creator_pid: init.creator_pid,
             header_checksum: 0,
             seed: init.seed,
-            regions: plan.regions,
+            regions: *plan.regions(),
         };
         info.header_checksum = info.checksum();
         info
@@ -167,12 +170,15 @@ impl HeaderInfo {
                 }
                 RegionKind::Registry => fixed(r, u64::from(PROCESS_SLOTS), PROCESS_SLOT_BYTES),
                 RegionKind::Rings => {
-                    if !r.param.is_power_of_two() || r.param < 4096 {
-                        return Err(format!("{name}: ring size {} is not a power of two >= 4096", r.param));
+                    if !r.param.is_power_of_two() || !(4096..=MAX_RING_BYTES).contains(&r.param) {
+                        return Err(format!(
+                            "{name}: ring size {} is not a power of two in 4 KiB ..= 4 MiB",
+                            r.param
+                        ));
                     }
                     fixed(r, u64::from(RING_COUNT), RING_CONTROL_BYTES + r.param)
                 }
-                RegionKind::ResponseIndex | RegionKind::Prefix => Some(r.count.saturating_mul(BUCKET_BYTES)),
+                RegionKind::ResponseIndex | RegionKind::Prefix => r.count.checked_mul(BUCKET_BYTES),
                 RegionKind::ResponseLog => {
                     if !r.count.is_multiple_of(8) || r.param == 0 || r.param > r.count / 2 || !r.param.is_multiple_of(8)
                     {
@@ -181,7 +187,7 @@ impl HeaderInfo {
                             r.count, r.param
                         ));
                     }
-                    Some(LOG_CONTROL_BYTES.saturating_add(r.count))
+                    LOG_CONTROL_BYTES.checked_add(r.count)
                 }
             };
             match need {
@@ -198,9 +204,10 @@ impl HeaderInfo {
     }
 }
 
-/// `count * elem` if `count` is the fixed count this layout version uses.
+/// `count * elem` if `count` is the fixed count this layout version uses
+/// (`None`, i.e. corrupt, on a wrong count or an overflow).
 fn fixed(r: Region, expected: u64, elem: u64) -> Option<u64> {
-    (r.count == expected).then(|| expected * elem)
+    (r.count == expected).then(|| expected.checked_mul(elem)).flatten()
 }
 
 impl RawHeader {

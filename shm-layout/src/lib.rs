@@ -85,12 +85,17 @@
 //! `words` and `sync` are the private building blocks.
 
 #![deny(unsafe_op_in_unsafe_fn)]
+// Under loom only the table code is compiled (no segment), so some
+// constructors have no caller there.
+#![cfg_attr(loom, allow(dead_code))]
 
 mod bucket;
 pub mod completion;
 pub mod completion_ring;
 pub mod error;
 pub mod header;
+#[cfg(all(test, loom))]
+mod loom_models;
 mod mix;
 pub mod plan;
 pub mod prefix_table;
@@ -107,7 +112,7 @@ pub use completion_ring::{CompletionRing, Pop, PushError, RingStats};
 pub use error::{CreateError, NameError, OpenError, PlanError, RemoveError};
 pub use header::{HeaderInfo, LAYOUT_VERSION, MAGIC, STATE_READY};
 pub use plan::{LayoutPlan, PlanOptions, Region, RegionKind};
-pub use prefix_table::{InsertOutcome, PrefixEntry, PrefixMatch, PrefixTable, ServerSet, Stamp};
+pub use prefix_table::{InsertOutcome, MATCH_CAPACITY, PrefixEntry, PrefixMatch, PrefixTable, ServerSet, Stamp};
 pub use registry::{ProcessInfo, ProcessState, Registry, Role};
 pub use response_log::{PutError, ResponseKey, ResponseLog, ResponseLogStats};
 #[cfg(not(loom))]

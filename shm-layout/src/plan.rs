@@ -45,7 +45,7 @@ pub(crate) const RING_CONTROL_BYTES: u64 = 256;
 pub(crate) const LOG_CONTROL_BYTES: u64 = 256;
 pub(crate) const BUCKET_BYTES: u64 = 64;
 const MIN_RING_BYTES: u64 = 16 << 10;
-const MAX_RING_BYTES: u64 = 4 << 20;
+pub(crate) const MAX_RING_BYTES: u64 = 4 << 20;
 
 /// The regions of a segment, in address order. The discriminant is the
 /// region's index in the header's region table.
@@ -111,13 +111,13 @@ pub struct Region {
     pub param: u64,
 }
 
-/// The full layout for one segment size.
+/// The full layout for one segment size. Only [`LayoutPlan::new`] makes
+/// one, so every plan in existence is valid (the fields are private on
+/// purpose: a hand-made plan could describe regions past the segment's end).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayoutPlan {
-    /// Total segment bytes.
-    pub segment_bytes: u64,
-    /// The regions, indexed by [`RegionKind`].
-    pub regions: [Region; REGION_COUNT],
+    segment_bytes: u64,
+    regions: [Region; REGION_COUNT],
 }
 
 /// Options beyond the size.
@@ -221,6 +221,16 @@ impl LayoutPlan {
             segment_bytes: size,
             regions,
         })
+    }
+
+    /// Total segment bytes (the requested size rounded down to a page).
+    pub fn segment_bytes(&self) -> u64 {
+        self.segment_bytes
+    }
+
+    /// Every region, indexed by [`RegionKind`].
+    pub fn regions(&self) -> &[Region; REGION_COUNT] {
+        &self.regions
     }
 
     /// One region's placement.

@@ -37,6 +37,9 @@ pub use crate::bucket::WAYS as PREFIX_WAYS;
 /// Servers remembered per prefix.
 pub const LANES: usize = 3;
 
+/// Buckets a longest-prefix match fetches ahead of the one it reads.
+const PREFETCH_AHEAD: usize = 8;
+
 /// Attempts a writer makes before reporting contention.
 const MAX_ATTEMPTS: usize = 16;
 
@@ -162,23 +165,26 @@ pub enum InsertOutcome {
     Contended,
 }
 
-/// For each server that holds the first block of a chain: how many leading
-/// blocks it holds without a gap.
+/// Servers a [`PrefixMatch`] reports at most.
+pub const MATCH_CAPACITY: usize = 8;
+
+/// For each server the table knows to hold part of a chain: how many leading
+/// blocks of it the server holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PrefixMatch {
-    entries: [(u16, u32); LANES],
+    entries: [(u16, u32); MATCH_CAPACITY],
     len: usize,
 }
 
 impl PrefixMatch {
-    /// `(server, leading blocks held)` pairs, in no particular order.
+    /// `(server, leading blocks held)` pairs, in the order first seen.
     pub fn iter(&self) -> impl Iterator<Item = (ServerTag, u32)> + '_ {
         self.entries[..self.len]
             .iter()
             .filter_map(|(l, n)| ServerTag::from_lane(*l).map(|t| (t, *n)))
     }
 
-    /// The server with the most leading blocks (the first on ties).
+    /// The server with the most leading blocks (the first seen on ties).
     pub fn best(&self) -> Option<(ServerTag, u32)> {
         self.iter().fold(None, |best, (t, n)| match best {
             Some((_, m)) if m >= n => best,
@@ -191,9 +197,49 @@ impl PrefixMatch {
         self.iter().find(|(t, _)| *t == tag).map_or(0, |(_, n)| n)
     }
 
-    /// True when no server holds even the first block.
+    /// True when no live server holds any block of the chain.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Records that `lane` holds `depth` leading blocks. When full, the
+    /// server with the fewest blocks (the first of them) gives way to a
+    /// deeper one.
+    fn record(&mut self, lane: u16, depth: u32) {
+        if let Some(e) = self.entries[..self.len].iter_mut().find(|(l, _)| *l == lane) {
+            e.1 = e.1.max(depth);
+        } else if self.len < MATCH_CAPACITY {
+            self.entries[self.len] = (lane, depth);
+            self.len += 1;
+        } else if let Some(e) = self
+            .entries
+            .iter_mut()
+            .min_by_key(|(_, n)| *n)
+            .filter(|(_, n)| *n < depth)
+        {
+            *e = (lane, depth);
+        }
+    }
+}
+
+/// Remembers `live` verdicts during one match, so each server is asked once.
+struct LiveMemo<F> {
+    live: F,
+    seen: [(u16, bool); 2 * MATCH_CAPACITY],
+    len: usize,
+}
+
+impl<F: Fn(ServerTag) -> bool> LiveMemo<F> {
+    fn is_live(&mut self, tag: ServerTag) -> bool {
+        if let Some((_, v)) = self.seen[..self.len].iter().find(|(l, _)| *l == tag.lane()) {
+            return *v;
+        }
+        let v = (self.live)(tag);
+        if self.len < self.seen.len() {
+            self.seen[self.len] = (tag.lane(), v);
+            self.len += 1;
+        }
+        v
     }
 }
 
@@ -316,35 +362,38 @@ impl<'a> PrefixTable<'a> {
         false
     }
 
-    /// Longest-prefix match: for each server `live` accepts that holds
-    /// `chain[0]`, how many leading blocks of `chain` it holds without a gap.
-    /// Stops looking as soon as no candidate is left, so a miss costs one
-    /// bucket read. Never allocates.
+    /// Longest-prefix match: for each server `live` accepts, how many
+    /// leading blocks of `chain` it holds.
+    ///
+    /// Block `i`'s hash covers blocks `0..=i`, and engines cache prefixes,
+    /// so a server recorded for block `i` holds the whole prefix up to it:
+    /// its match is the deepest block it is recorded for. (Only 3 servers
+    /// fit in one entry, so a shared system prompt cached on many servers
+    /// lists just the most recent three; the deeper, conversation-specific
+    /// blocks still name the server that holds them.) The scan stops at the
+    /// first block the table knows nothing about, so a miss costs one bucket
+    /// read. At most [`MATCH_CAPACITY`] servers are reported, the deepest
+    /// ones. Never allocates.
     pub fn longest_prefix_match(&self, chain: &[u64], live: impl Fn(ServerTag) -> bool) -> PrefixMatch {
         let mut m = PrefixMatch::default();
-        let Some((first, rest)) = chain.split_first() else {
-            return m;
+        let mut memo = LiveMemo {
+            live,
+            seen: [(0, false); 2 * MATCH_CAPACITY],
+            len: 0,
         };
-        let Some(entry) = self.lookup(*first) else {
-            return m;
-        };
-        for tag in entry.servers.iter().filter(|t| live(*t)) {
-            m.entries[m.len] = (tag.lane(), 1);
-            m.len += 1;
+        // Keep PREFETCH_AHEAD bucket fetches in flight: the lookups of a
+        // chain are independent, so their cache misses can overlap.
+        for key in chain.iter().skip(1).take(PREFETCH_AHEAD) {
+            self.bucket(*key).prefetch();
         }
-        let mut active = m.len;
-        for (depth, key) in rest.iter().enumerate() {
-            if active == 0 {
-                break;
+        for (depth, key) in chain.iter().enumerate() {
+            if let Some(ahead) = chain.get(depth + 1 + PREFETCH_AHEAD) {
+                self.bucket(*ahead).prefetch();
             }
-            let servers = self.lookup(*key).map(|e| e.servers).unwrap_or_default();
-            for (lane, blocks) in m.entries[..m.len].iter_mut() {
-                if *blocks as usize == depth + 1 {
-                    if servers.lanes.contains(lane) {
-                        *blocks += 1;
-                    } else {
-                        active -= 1;
-                    }
+            let Some(entry) = self.lookup(*key) else { break };
+            for tag in entry.servers.iter() {
+                if memo.is_live(tag) {
+                    m.record(tag.lane(), depth as u32 + 1);
                 }
             }
         }
@@ -461,16 +510,46 @@ mod tests {
         let chain: Vec<u64> = (100..110u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
         t.insert_chain(&chain[..7], srv(1, 0), Stamp(0));
         t.insert_chain(&chain[..3], srv(2, 0), Stamp(0));
-        t.insert_chain(&chain[5..], srv(3, 0), Stamp(0)); // no block 0: no match
-        t.insert(chain[9], srv(2, 0), Stamp(0)); // a hole at 3..9: stays 3
         let m = t.longest_prefix_match(&chain, |_| true);
         assert_eq!(m.blocks_for(srv(1, 0).tag()), 7);
         assert_eq!(m.blocks_for(srv(2, 0).tag()), 3);
-        assert_eq!(m.blocks_for(srv(3, 0).tag()), 0);
         assert_eq!(m.best(), Some((srv(1, 0).tag(), 7)));
         let only2 = t.longest_prefix_match(&chain, |s| s.slot() == 2);
         assert_eq!(only2.best(), Some((srv(2, 0).tag(), 3)));
         assert!(t.longest_prefix_match(&[1, 2, 3], |_| true).is_empty());
         assert!(t.longest_prefix_match(&[], |_| true).is_empty());
+    }
+
+    #[test]
+    fn a_shared_prefix_on_many_servers_still_matches_deep_blocks() {
+        let (b, seed) = table(256);
+        let t = PrefixTable::new(&b, seed);
+        let system: Vec<u64> = (0..4u64).map(|i| (i + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+        // Six servers each cache the system prompt plus their own conversation.
+        let chains: Vec<Vec<u64>> = (0..6u64)
+            .map(|s| {
+                let own = (0..5u64).map(|i| ((s + 10) << 32 | i).wrapping_mul(0xbf58_476d_1ce4_e5b9));
+                system.iter().copied().chain(own).collect()
+            })
+            .collect();
+        for (s, c) in chains.iter().enumerate() {
+            t.insert_chain(c, srv(s as u16, 0), Stamp(0));
+        }
+        // The system blocks list only the three most recent servers, yet
+        // server 0's own conversation still matches in full.
+        assert_eq!(t.lookup(system[0]).unwrap().servers.len(), LANES);
+        let m = t.longest_prefix_match(&chains[0], |_| true);
+        assert_eq!(m.best(), Some((srv(0, 0).tag(), 9)));
+        assert_eq!(
+            m.blocks_for(srv(5, 0).tag()),
+            4,
+            "a recent server holds the system prompt"
+        );
+        // A hole in the table ends the scan: nothing deeper is trusted.
+        assert!(t.remove(chains[0][6], srv(0, 0).tag()));
+        assert_eq!(
+            t.longest_prefix_match(&chains[0], |_| true).blocks_for(srv(0, 0).tag()),
+            6
+        );
     }
 }

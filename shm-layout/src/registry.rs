@@ -29,6 +29,18 @@ pub enum Role {
     Tool = 4,
 }
 
+impl Role {
+    /// Lower-case name, as `semlb shm inspect` and `semlb status` print it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Supervisor => "supervisor",
+            Self::Dispatcher => "dispatcher",
+            Self::Responder => "responder",
+            Self::Tool => "tool",
+        }
+    }
+}
+
 /// Life-cycle state of a slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -41,6 +53,18 @@ pub enum ProcessState {
     Running = 2,
     /// The child exited or was reaped.
     Exited = 3,
+}
+
+impl ProcessState {
+    /// Lower-case name, as `semlb shm inspect` and `semlb status` print it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Free => "free",
+            Self::Starting => "starting",
+            Self::Running => "running",
+            Self::Exited => "exited",
+        }
+    }
 }
 
 /// A copy of one registry slot.
@@ -75,6 +99,7 @@ pub(crate) struct ProcessSlot {
     _pad: [u64; 3],
 }
 
+#[cfg(not(loom))]
 const _: () = assert!(std::mem::size_of::<ProcessSlot>() as u64 == crate::plan::PROCESS_SLOT_BYTES);
 
 #[cfg(test)]

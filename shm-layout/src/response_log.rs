@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! control (256 B): tail (own line) · records · refused · index misses
-//! index:  64-byte buckets of 4 slots; slot = (pos + 1) | key.lo ^ mix64((pos + 1) ^ seed)
+//! index:  64-byte buckets of 4 slots; slot = (pos + 1) | fold(key) ^ mix64((pos + 1) ^ seed)
 //! log:    a byte ring of `cap` bytes addressed by an ever-growing logical
 //!         position; record at logical `pos` lives at `pos % cap`:
 //!
@@ -28,7 +28,7 @@
 //! are refused with [`PutError::TooLarge`], never truncated.
 
 use crate::bucket::{Bucket, SlotCodec, WAYS, bucket_index};
-use crate::mix::Checksum;
+use crate::mix::{Checksum, mix64};
 use crate::sync::{AtomicU64, Ordering, fence};
 use crate::words::{load_bytes, store_bytes, words_for};
 
@@ -48,6 +48,11 @@ impl ResponseKey {
     }
     fn hi(self) -> u64 {
         (self.0 >> 64) as u64
+    }
+    /// The 64 bits the index works with: both halves mixed, so a key that
+    /// varies in only one half still spreads over the buckets.
+    fn folded(self) -> u64 {
+        self.lo() ^ mix64(self.hi() ^ 0x9e37_79b9_7f4a_7c15)
     }
 }
 
@@ -76,6 +81,7 @@ pub(crate) struct LogControl {
     _rest: [u64; 16],
 }
 
+#[cfg(not(loom))]
 const _: () = assert!(std::mem::size_of::<LogControl>() as u64 == crate::plan::LOG_CONTROL_BYTES);
 
 #[cfg(test)]
@@ -197,12 +203,14 @@ impl<'a> ResponseLog<'a> {
     }
 
     fn index_insert(&self, key: ResponseKey, pos: u64) -> bool {
-        let bucket = &self.index[bucket_index(key.lo(), self.index.len())];
-        let new = self.codec.pack(key.lo(), pos + 1);
+        let bucket = &self.index[bucket_index(key.folded(), self.index.len())];
+        let new = self.codec.pack(key.folded(), pos + 1);
         for _ in 0..MAX_ATTEMPTS {
             let slots = bucket.load();
             let tail = self.control.tail.load(Ordering::Relaxed);
-            let same = slots.iter().position(|s| self.codec.value_for(*s, key.lo()).is_some());
+            let same = slots
+                .iter()
+                .position(|s| self.codec.value_for(*s, key.folded()).is_some());
             if let Some(i) = same
                 && (slots[i] >> 64) as u64 > pos + 1
             {
@@ -229,11 +237,11 @@ impl<'a> ResponseLog<'a> {
     /// The value stored under `key`, copied into `out`; `None` on a miss.
     /// Never waits.
     pub fn get_into<'b>(&self, key: ResponseKey, out: &'b mut Vec<u8>) -> Option<&'b [u8]> {
-        let bucket = &self.index[bucket_index(key.lo(), self.index.len())];
+        let bucket = &self.index[bucket_index(key.folded(), self.index.len())];
         let pos = bucket
             .load()
             .into_iter()
-            .filter_map(|s| self.codec.value_for(s, key.lo()))
+            .filter_map(|s| self.codec.value_for(s, key.folded()))
             .max()?
             - 1;
         let cap = self.cap();
@@ -285,6 +293,11 @@ impl<'a> ResponseLog<'a> {
             refused: self.control.refused.load(Ordering::Relaxed),
             unindexed: self.control.unindexed.load(Ordering::Relaxed),
         }
+    }
+
+    /// Index slots.
+    pub fn index_capacity(&self) -> u64 {
+        (self.index.len() * WAYS) as u64
     }
 
     /// Index slots in use (a full scan, for inspection).

@@ -227,7 +227,7 @@ impl Segment {
             source: e.into(),
         };
         fchmod(&fd, Mode::from_bits_truncate(0o600)).map_err(|e| os("fchmod", e))?;
-        let size = plan.segment_bytes;
+        let size = plan.segment_bytes();
         nix::unistd::ftruncate(&fd, size as i64).map_err(|e| os("ftruncate", e))?;
         match nix::fcntl::posix_fallocate(&fd, 0, size as i64) {
             Ok(()) => {}
@@ -271,7 +271,7 @@ impl Segment {
     /// A segment with `plan`'s layout in private heap memory: the same format
     /// and tables, for unit tests and single-process tools.
     pub fn heap(plan: &LayoutPlan) -> Self {
-        let layout = Layout::from_size_align(plan.segment_bytes as usize, PAGE as usize).expect("valid layout");
+        let layout = Layout::from_size_align(plan.segment_bytes() as usize, PAGE as usize).expect("valid layout");
         // SAFETY: the layout has a non-zero size (plans are at least 8 MiB).
         let ptr =
             NonNull::new(unsafe { alloc_zeroed(layout) }).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
@@ -453,7 +453,7 @@ impl Segment {
         // processes. The mapping lives as long as `self`.
         unsafe {
             let ptr = self.base().add(start as usize);
-            debug_assert_eq!(ptr as usize % std::mem::align_of::<T>(), 0);
+            assert_eq!(ptr as usize % std::mem::align_of::<T>(), 0, "misaligned region");
             std::slice::from_raw_parts(ptr as *const T, count as usize)
         }
     }

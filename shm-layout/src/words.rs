@@ -33,18 +33,19 @@ pub(crate) fn store_bytes(dst: &[AtomicU64], bytes: &[u8]) {
     }
 }
 
-/// Copies `len` bytes out of `src` into `out` (cleared first).
+/// Copies `len` bytes out of `src` into `out` (replacing its contents).
 pub(crate) fn load_bytes(src: &[AtomicU64], len: usize, out: &mut Vec<u8>) {
     debug_assert!(src.len() >= words_for(len));
     out.clear();
-    out.reserve(len);
-    let full = len / 8;
-    for w in &src[..full] {
-        out.extend_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
+    out.resize(len, 0);
+    let mut chunks = out.chunks_exact_mut(8);
+    for (dst, w) in (&mut chunks).zip(src) {
+        dst.copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
     }
-    let rest = len % 8;
-    if rest != 0 {
-        out.extend_from_slice(&src[full].load(Ordering::Relaxed).to_le_bytes()[..rest]);
+    let rest = chunks.into_remainder();
+    if !rest.is_empty() {
+        let n = rest.len();
+        rest.copy_from_slice(&src[len / 8].load(Ordering::Relaxed).to_le_bytes()[..n]);
     }
 }
 

@@ -1,0 +1,64 @@
+//! Shared set-up for the benches: a uniquely named shm segment that is
+//! removed on drop, a deterministic key generator, and table population.
+
+#![allow(dead_code)]
+
+use shm_layout::{LayoutPlan, Segment, ServerRef, Stamp};
+
+/// A shm segment removed when dropped.
+pub struct BenchSegment {
+    pub segment: Segment,
+}
+
+impl BenchSegment {
+    pub fn create(tag: &str, bytes: u64) -> Self {
+        let name = format!("semlb-bench-{tag}-{}", std::process::id());
+        let _ = Segment::remove(&name);
+        let plan = LayoutPlan::for_size(bytes).expect("bench plan");
+        Self {
+            segment: Segment::create(&name, &plan).expect("create bench segment"),
+        }
+    }
+}
+
+impl Drop for BenchSegment {
+    fn drop(&mut self) {
+        if let Some(name) = self.segment.name() {
+            let _ = Segment::remove(name);
+        }
+    }
+}
+
+/// SplitMix64: deterministic, well-spread 64-bit keys.
+pub fn key(i: u64) -> u64 {
+    let mut z = i.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A chain of `len` block hashes for conversation `c`.
+pub fn chain(c: u64, len: usize) -> Vec<u64> {
+    (0..len as u64).map(|b| key(c << 16 | b)).collect()
+}
+
+/// Registers `n` servers and returns them.
+pub fn servers(segment: &Segment, n: usize) -> Vec<ServerRef> {
+    let t = segment.tables();
+    (0..n)
+        .map(|i| {
+            t.servers
+                .register(i as u64, &format!("http://127.0.0.1:{}", 8000 + i), 0)
+                .expect("register")
+        })
+        .collect()
+}
+
+/// Inserts `chains` chains of `len` blocks, spread over `servers`.
+pub fn populate(segment: &Segment, servers: &[ServerRef], chains: u64, len: usize) {
+    let t = segment.tables();
+    for c in 0..chains {
+        t.prefix
+            .insert_chain(&chain(c, len), servers[(c as usize) % servers.len()], Stamp(1));
+    }
+}

@@ -1,0 +1,255 @@
+//! End-to-end tests of the `semlb` binary: `shm create / inspect / remove`
+//! and `demo`, run as a user would run them, against real POSIX shared
+//! memory. Every test uses its own segment name (test name + pid) and a
+//! guard that removes the segment however the test ends.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use shm_layout::Segment;
+
+/// A unique segment name for one test, removed on drop.
+struct TestSegment {
+    name: String,
+}
+
+impl TestSegment {
+    fn new(test: &str) -> Self {
+        let name = format!("semlb-test-cli-{test}-{}", std::process::id());
+        // A leftover of an earlier run with the same pid would confuse the test.
+        let _ = Segment::remove(&name);
+        Self { name }
+    }
+
+    fn path(&self) -> PathBuf {
+        PathBuf::from("/dev/shm").join(&self.name)
+    }
+}
+
+impl Drop for TestSegment {
+    fn drop(&mut self) {
+        let _ = Segment::remove(&self.name);
+    }
+}
+
+fn semlb(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_semlb"))
+        .args(args)
+        .env_remove("SEMLB_SHM_NAME")
+        .env_remove("SEMLB_SHM_SIZE")
+        .output()
+        .expect("run the semlb binary")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[track_caller]
+fn assert_ok(o: &Output) -> String {
+    assert!(
+        o.status.success(),
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        stdout(o),
+        stderr(o)
+    );
+    stdout(o)
+}
+
+/// Asserts a non-zero exit whose stderr contains every one of `needles`.
+#[track_caller]
+fn assert_fails_with(o: &Output, needles: &[&str]) {
+    assert!(
+        !o.status.success(),
+        "expected failure, got success\nstdout:\n{}",
+        stdout(o)
+    );
+    let err = stderr(o);
+    for needle in needles {
+        assert!(err.contains(needle), "stderr lacks {needle:?}:\n{err}");
+    }
+    assert!(!err.contains("panicked"), "the binary panicked:\n{err}");
+}
+
+#[test]
+fn shm_create_inspect_remove_life_cycle() {
+    let seg = TestSegment::new("life");
+    let name = seg.name.as_str();
+
+    let out = assert_ok(&semlb(&["shm", "create", "--shm-name", name, "--shm-size", "16MiB"]));
+    assert!(
+        out.starts_with(&format!("created shm segment /{name} (16 MiB)")),
+        "{out}"
+    );
+    assert_eq!(out.lines().count(), 1, "one-line summary: {out}");
+    let meta = std::fs::metadata(seg.path()).expect("the segment file exists");
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    assert_eq!(meta.len(), 16 << 20);
+
+    let out = assert_ok(&semlb(&["shm", "inspect", "--shm-name", name]));
+    for needle in [
+        "magic           ok",
+        "state           ready",
+        "size            16777216 bytes (16 MiB)",
+        // The creator (the `shm create` process) has exited by now.
+        "(not running)",
+        "prefix table      0 /",
+        "servers           0",
+        "processes         0",
+    ] {
+        assert!(out.contains(needle), "{needle:?} missing from inspect:\n{out}");
+    }
+    for region in [
+        "servers",
+        "in-flight ledger",
+        "process registry",
+        "completion rings",
+        "response index",
+        "response log",
+        "prefix table",
+    ] {
+        assert!(
+            out.contains(&format!("\n  {region} ")),
+            "region {region:?} missing from inspect:\n{out}"
+        );
+    }
+
+    let json = assert_ok(&semlb(&["shm", "inspect", "--shm-name", name, "--json"]));
+    let v: serde_json::Value = serde_json::from_str(&json).expect("inspect --json prints JSON");
+    assert_eq!(v["name"], format!("/{name}"));
+    assert_eq!(v["header"]["state"], "ready");
+    assert_eq!(v["header"]["magic_ok"], true);
+    assert_eq!(v["header"]["segment_bytes"], 16u64 << 20);
+    assert_eq!(v["regions"].as_array().map(Vec::len), Some(7));
+    assert_eq!(v["completion_rings"]["count"], 64);
+
+    assert_fails_with(
+        &semlb(&["shm", "create", "--shm-name", name, "--shm-size", "16MiB"]),
+        &["error:", "already exists", name],
+    );
+    assert!(
+        seg.path().exists(),
+        "a failed create must not remove the existing segment"
+    );
+
+    assert_ok(&semlb(&["shm", "remove", "--shm-name", name]));
+    assert!(!seg.path().exists());
+    assert_fails_with(
+        &semlb(&["shm", "inspect", "--shm-name", name]),
+        &["does not exist", name],
+    );
+    assert_fails_with(
+        &semlb(&["shm", "remove", "--shm-name", name]),
+        &["does not exist", name],
+    );
+}
+
+#[test]
+fn bad_sizes_are_refused_with_clear_messages() {
+    let seg = TestSegment::new("sizes");
+    let name = seg.name.as_str();
+    let o = semlb(&["shm", "create", "--shm-name", name, "--shm-size", "12XB"]);
+    assert_fails_with(&o, &["12XB", "unknown unit"]);
+    assert_eq!(o.status.code(), Some(2), "a usage error");
+    assert_fails_with(
+        &semlb(&["shm", "create", "--shm-name", name, "--shm-size", "1MiB"]),
+        &["error:", "1 MiB", "too small"],
+    );
+    assert_fails_with(
+        &semlb(&[
+            "shm",
+            "create",
+            "--shm-name",
+            name,
+            "--shm-size",
+            "16MiB",
+            "--max-response-fraction",
+            "0.9",
+        ]),
+        &["error:", "0.9", "out of range"],
+    );
+    assert!(!seg.path().exists(), "refused sizes create nothing");
+}
+
+#[test]
+fn bad_names_are_refused() {
+    assert_fails_with(
+        &semlb(&["shm", "inspect", "--shm-name", "a/b"]),
+        &["invalid shm name", "a/b"],
+    );
+    assert_fails_with(
+        &semlb(&["shm", "create", "--shm-name", ""]),
+        &["invalid shm name", "empty"],
+    );
+}
+
+#[test]
+fn demo_routes_hits_the_response_cache_and_cleans_up() {
+    let seg = TestSegment::new("demo");
+    let out = assert_ok(&semlb(&["demo", "--shm-name", &seg.name]));
+    assert!(out.contains("response-cache hit"), "{out}");
+    assert!(out.contains("(prefix)"), "some turn follows its prefix:\n{out}");
+    assert!(
+        out.contains("fewest in flight"),
+        "some turn goes to the least-loaded server:\n{out}"
+    );
+    assert!(
+        out.contains("state           ready"),
+        "the demo ends with the inspect report:\n{out}"
+    );
+    assert!(out.contains("servers           4"), "{out}");
+    assert!(out.contains(&format!("removed shm segment /{}", seg.name)), "{out}");
+    assert!(!seg.path().exists(), "the demo removes its segment");
+}
+
+/// The routing log: from the "routing" line to the inspect report.
+fn routing_log(out: &str) -> Vec<&str> {
+    out.lines()
+        .skip_while(|l| !l.starts_with("routing"))
+        .take_while(|l| !l.starts_with("--- semlb shm inspect"))
+        .collect()
+}
+
+#[test]
+fn demo_is_deterministic() {
+    let (a, b) = (TestSegment::new("det-a"), TestSegment::new("det-b"));
+    let run_a = assert_ok(&semlb(&["demo", "--shm-name", &a.name]));
+    let run_b = assert_ok(&semlb(&["demo", "--shm-name", &b.name, "--shm-size", "32MiB"]));
+    let (log_a, log_b) = (routing_log(&run_a), routing_log(&run_b));
+    assert!(log_a.len() > 10, "{run_a}");
+    assert_eq!(log_a, log_b);
+}
+
+#[test]
+fn demo_never_removes_a_segment_it_did_not_create() {
+    let seg = TestSegment::new("demo-taken");
+    assert_ok(&semlb(&[
+        "shm",
+        "create",
+        "--shm-name",
+        &seg.name,
+        "--shm-size",
+        "8MiB",
+    ]));
+    assert_fails_with(
+        &semlb(&["demo", "--shm-name", &seg.name]),
+        &["error:", "already exists"],
+    );
+    assert!(seg.path().exists(), "the existing segment survives the failed demo");
+}
+
+#[test]
+fn demo_with_a_too_small_segment_fails_cleanly() {
+    let seg = TestSegment::new("demo-small");
+    assert_fails_with(
+        &semlb(&["demo", "--shm-name", &seg.name, "--shm-size", "4MiB"]),
+        &["error:", "too small"],
+    );
+    assert!(!seg.path().exists());
+}
