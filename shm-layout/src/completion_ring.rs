@@ -8,7 +8,8 @@
 //! blocks: a full ring drops the record and counts the drop.
 //!
 //! ```text
-//! control (256 B): tail (own line) · head (own line) · counters · owner
+//! control (256 B): tail (own line) · head (own line) · owner (slot,
+//!                  incarnation, tail when it took over) · counters
 //! record at logical pos (32-byte aligned, never straddling the ring end):
 //!   word 0    word 1     word 2            word 3     word 4 ..
 //! ┌────────┬──────────┬─────────────────┬──────────┬─────────────────┐
@@ -23,12 +24,13 @@
 //! (Words 0 and 1 hold `pos + 1` so that zeroed memory never looks
 //! committed.) The consumer reads word 0: equal to `head + 1` means committed. A record
 //! that is reserved but not committed is [`Pop::Pending`]; if its producer
-//! is dead (the registry says so), [`CompletionRing::skip_abandoned`] steps
-//! over it using word 1-2, or, if even those were never written, drops
+//! is gone (it reserved before the current owner took the ring over, or
+//! the registry says the owner is dead), [`CompletionRing::recover`] steps
+//! over it using words 1-2, or, if even those were never written, drops
 //! everything up to `tail`. No state is ever locked by a process.
 
 use crate::mix::Checksum;
-use crate::sync::{AtomicU64, Ordering, fence};
+use crate::sync::{AtomicU64, AtomicU128, Ordering, fence};
 use crate::words::{load_bytes, store_bytes};
 
 const HEADER_WORDS: usize = 4;
@@ -45,17 +47,22 @@ pub(crate) struct RingControl {
     _line0: [u64; 7],
     head: AtomicU64,
     _line1: [u64; 7],
+    /// `from:64 | incarnation:32 | slot:16`: the producer, and the tail when
+    /// it took the ring over (every reservation below `from` is an earlier
+    /// incarnation's).
+    owner: AtomicU128,
     pushed: AtomicU64,
     dropped: AtomicU64,
     skipped: AtomicU64,
     corrupt: AtomicU64,
-    owner: AtomicU64,
-    _line2: [u64; 3],
+    _line2: [u64; 2],
     _line3: [u64; 8],
 }
 
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::size_of::<RingControl>() as u64 == crate::plan::RING_CONTROL_BYTES);
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::offset_of!(RingControl, owner) == 128);
 
 #[cfg(test)]
 impl RingControl {
@@ -65,12 +72,12 @@ impl RingControl {
             _line0: [0; 7],
             head: AtomicU64::new(0),
             _line1: [0; 7],
+            owner: AtomicU128::new(0),
             pushed: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             skipped: AtomicU64::new(0),
             corrupt: AtomicU64::new(0),
-            owner: AtomicU64::new(0),
-            _line2: [0; 3],
+            _line2: [0; 2],
             _line3: [0; 8],
         }
     }
@@ -160,12 +167,14 @@ impl<'a> CompletionRing<'a> {
         &self.data[((pos % self.cap()) / 8) as usize..]
     }
 
-    /// Records which process produces into this ring (registry slot and
-    /// incarnation), for [`Self::owner`].
+    /// Makes `(slot, incarnation)` (a registry slot and incarnation) the
+    /// ring's producer. A producer calls it once, before its first push;
+    /// every reservation made before it belongs to an earlier incarnation,
+    /// which is dead, so [`Self::recover`] may skip it.
     pub fn set_owner(&self, slot: u16, incarnation: u32) {
-        self.control
-            .owner
-            .store((u64::from(incarnation) << 16) | u64::from(slot), Ordering::Release);
+        let from = self.control.tail.load(Ordering::Acquire);
+        let word = (u128::from(from) << 64) | (u128::from(incarnation) << 16) | u128::from(slot);
+        self.control.owner.store(word, Ordering::Release);
     }
 
     /// `(registry slot, incarnation)` of the producer.
@@ -187,10 +196,12 @@ impl<'a> CompletionRing<'a> {
         let size = record_size(payload.len() as u64);
         let cap = self.cap();
         let (t, gap) = loop {
-            let t = c.tail.load(Ordering::Acquire);
+            // Head first: head never passes tail, so `h <= t` below.
             let h = c.head.load(Ordering::Acquire);
+            let t = c.tail.load(Ordering::Acquire);
             let gap = if t % cap + size > cap { cap - t % cap } else { 0 };
-            if t + gap + size - h > cap {
+            // `saturating_sub`: a head corrupted past the tail must not panic.
+            if (t + gap + size).saturating_sub(h) > cap {
                 c.dropped.fetch_add(1, Ordering::Relaxed);
                 return Err(PushError::Full);
             }
@@ -229,6 +240,11 @@ impl<'a> CompletionRing<'a> {
             let t = c.tail.load(Ordering::Acquire);
             if h >= t {
                 return Pop::Empty;
+            }
+            if !h.is_multiple_of(ALIGN) {
+                // Only corruption misaligns the head: drop what is pending.
+                self.discard_to(h, t);
+                continue;
             }
             let w = self.words(h);
             if w[0].load(Ordering::Acquire) != h + 1 {
@@ -276,10 +292,17 @@ impl<'a> CompletionRing<'a> {
         }
     }
 
-    /// Steps over a reservation whose producer is known to be dead. Returns
-    /// whether anything was skipped. Call only when [`Self::pop`] returned
-    /// [`Pop::Pending`] and the registry shows the owner is gone.
-    pub fn skip_abandoned(&self) -> bool {
+    /// Steps over the record at the head if it is reserved but not
+    /// committed and its producer is gone: either it was reserved before
+    /// the current owner took the ring over ([`Self::set_owner`]), or the
+    /// owner is no longer alive according to `is_alive(slot, incarnation)`
+    /// (the registry's [`crate::Registry::is_alive`]). Call it when
+    /// [`Self::pop`] returns [`Pop::Pending`]. Returns whether it skipped.
+    ///
+    /// It skips one record if the reservation wrote its length, else
+    /// everything up to the tail (the producer died in the few instructions
+    /// between reserving and writing the length).
+    pub fn recover(&self, is_alive: impl Fn(u16, u32) -> bool) -> bool {
         let c = self.control;
         let cap = self.cap();
         let h = c.head.load(Ordering::Acquire);
@@ -287,8 +310,17 @@ impl<'a> CompletionRing<'a> {
         if h >= t {
             return false;
         }
+        if !h.is_multiple_of(ALIGN) {
+            self.discard_to(h, t);
+            return true;
+        }
         let w = self.words(h);
         if w[0].load(Ordering::Acquire) == h + 1 {
+            return false;
+        }
+        let owner = c.owner.load(Ordering::Acquire);
+        let (slot, incarnation, from) = (owner as u16, (owner >> 16) as u32, (owner >> 64) as u64);
+        if h >= from && is_alive(slot, incarnation) {
             return false;
         }
         let next = if w[1].load(Ordering::Acquire) == h + 1 {
@@ -301,14 +333,14 @@ impl<'a> CompletionRing<'a> {
         } else {
             t
         };
-        let ok = c
+        let skipped = c
             .head
             .compare_exchange(h, next.min(t), Ordering::AcqRel, Ordering::Relaxed)
             .is_ok();
-        if ok {
+        if skipped {
             c.skipped.fetch_add(1, Ordering::Relaxed);
         }
-        ok
+        skipped
     }
 
     /// Counters.
@@ -382,7 +414,8 @@ mod tests {
         assert_eq!(r.pop(&mut out), Pop::Record);
         assert_eq!(out, b"before");
         assert_eq!(r.pop(&mut out), Pop::Pending);
-        assert!(r.skip_abandoned());
+        assert!(!r.recover(|_, _| true), "a live owner's reservation is waited for");
+        assert!(r.recover(|_, _| false));
         assert_eq!(r.pop(&mut out), Pop::Record);
         assert_eq!(out, b"after", "the record after the hole survives");
         assert_eq!(r.stats().skipped, 1);
@@ -397,8 +430,25 @@ mod tests {
         d[1].store(0, Ordering::Relaxed);
         let mut out = Vec::new();
         assert_eq!(r.pop(&mut out), Pop::Pending);
-        assert!(r.skip_abandoned());
+        assert!(r.recover(|_, _| false));
         assert_eq!(r.pop(&mut out), Pop::Empty);
+    }
+
+    #[test]
+    fn a_new_owner_lets_the_dead_incarnations_reservation_go() {
+        let (c, d) = parts(512);
+        let r = CompletionRing::new(&c, &d, [9; 4]);
+        r.set_owner(1, 1);
+        r.push(b"torn").unwrap();
+        d[0].store(0, Ordering::Relaxed); // killed before its commit
+        r.set_owner(1, 2); // restarted into the same registry slot
+        r.push(b"after restart").unwrap();
+        let mut out = Vec::new();
+        assert_eq!(r.pop(&mut out), Pop::Pending);
+        assert_eq!(r.owner(), (1, 2));
+        assert!(r.recover(|_, _| true), "reserved before the live owner took over");
+        assert_eq!(r.pop(&mut out), Pop::Record);
+        assert_eq!(out, b"after restart");
     }
 
     #[test]

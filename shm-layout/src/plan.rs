@@ -11,13 +11,14 @@
 //! | in-flight ledger | [`PROCESS_SLOTS`] × [`SERVER_SLOTS`] × 16 B | fixed (256 KiB) |
 //! | process registry | [`PROCESS_SLOTS`] × 64 B | fixed |
 //! | completion rings | [`RING_COUNT`] × (256 B + ring bytes) | ring bytes = 1/8 of the rest / [`RING_COUNT`], rounded down to a power of two, clamped to 16 KiB ..= 4 MiB |
-//! | response index | 1/64 of what is left after the rings | 64-byte buckets of 4 slots |
-//! | response log | 31/64 of what is left, less 256 B of control | byte ring; one value may take at most `max_response_fraction` of it (default 1/8) |
+//! | response index | 1/128 of what is left after the rings | 64-byte buckets of 4 slots |
+//! | response log | the rest of that half, less a page of control | byte ring; one value may take at most `max_response_fraction` of it (default 1/8) |
 //! | prefix table | the other half | 64-byte buckets of 4 slots |
 //!
 //! Every region starts on a 4 KiB boundary. For `--shm-size 256MiB` this
-//! gives 3.9 M prefix slots (≈ 63 M tokens of prefix at 16 tokens a block),
-//! a 119 MiB response log with 31 K index buckets, and 64 rings of 256 KiB.
+//! gives 7.85 M prefix slots (≈ 125 M tokens of prefix at 16 tokens a
+//! block), a 118 MiB response log with 122 K index slots, and 64 rings of
+//! 256 KiB (`semlb shm inspect` prints the figures of any segment).
 
 use crate::error::PlanError;
 

@@ -327,7 +327,13 @@ impl<'a> PrefixTable<'a> {
 
     /// Records `server` for every hash of `chain` (a responder's write-back).
     pub fn insert_chain(&self, chain: &[u64], server: ServerRef, now: Stamp) {
-        for key in chain {
+        for key in chain.iter().take(PREFETCH_AHEAD) {
+            self.bucket(*key).prefetch();
+        }
+        for (i, key) in chain.iter().enumerate() {
+            if let Some(ahead) = chain.get(i + PREFETCH_AHEAD) {
+                self.bucket(*ahead).prefetch();
+            }
             self.insert(*key, server, now);
         }
     }

@@ -229,17 +229,19 @@ impl<'a> Registry<'a> {
         )
     }
 
-    /// Whether that incarnation is starting or running.
+    /// Whether that incarnation is starting or running (false for a slot
+    /// beyond the registry, as a corrupt owner word may name).
     pub fn is_alive(&self, slot: u16, incarnation: u32) -> bool {
-        let i = self.get(slot);
-        i.incarnation == incarnation && matches!(i.state, ProcessState::Starting | ProcessState::Running)
+        self.get(slot).is_some_and(|i| {
+            i.incarnation == incarnation && matches!(i.state, ProcessState::Starting | ProcessState::Running)
+        })
     }
 
-    /// A copy of `slot`.
-    pub fn get(&self, slot: u16) -> ProcessInfo {
-        let s = &self.slots[usize::from(slot)];
+    /// A copy of `slot`, `None` beyond the registry.
+    pub fn get(&self, slot: u16) -> Option<ProcessInfo> {
+        let s = self.slots.get(usize::from(slot))?;
         let w = s.state.load(Ordering::Acquire);
-        ProcessInfo {
+        Some(ProcessInfo {
             slot,
             incarnation: (w >> 32) as u32,
             role: role_of(w),
@@ -248,13 +250,13 @@ impl<'a> Registry<'a> {
             heartbeat_ms: s.heartbeat_ms.load(Ordering::Relaxed),
             started_ms: s.started_ms.load(Ordering::Relaxed),
             restarts: s.restarts.load(Ordering::Relaxed),
-        }
+        })
     }
 
     /// Every slot that was ever used.
     pub fn processes(&self) -> impl Iterator<Item = ProcessInfo> + '_ {
         (0..self.slots.len() as u16)
-            .map(|i| self.get(i))
+            .filter_map(|i| self.get(i))
             .filter(|p| p.state != ProcessState::Free)
     }
 }
@@ -272,7 +274,7 @@ mod tests {
         assert!(r.is_alive(slot, inc));
         assert!(r.attach(slot, inc, 4242, 11));
         assert!(r.heartbeat(slot, inc, 20));
-        let info = r.get(slot);
+        let info = r.get(slot).unwrap();
         assert_eq!(
             (info.pid, info.state, info.role, info.heartbeat_ms),
             (4242, ProcessState::Running, Some(Role::Dispatcher), 20)
@@ -281,7 +283,9 @@ mod tests {
         assert!(!r.is_alive(slot, inc));
         let inc2 = r.claim(slot, Role::Dispatcher, 30);
         assert_eq!(inc2, inc + 1);
-        assert_eq!(r.get(slot).restarts, 1);
+        assert_eq!(r.get(slot).unwrap().restarts, 1);
+        assert_eq!(r.get(999), None);
+        assert!(!r.is_alive(999, inc2));
         assert!(!r.heartbeat(slot, inc, 40), "old incarnation ignored");
         assert!(!r.attach(slot, inc, 1, 40));
         assert!(!r.mark_exited(slot, inc));

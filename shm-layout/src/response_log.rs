@@ -243,7 +243,7 @@ impl<'a> ResponseLog<'a> {
             .into_iter()
             .filter_map(|s| self.codec.value_for(s, key.folded()))
             .max()?
-            - 1;
+            .checked_sub(1)?;
         let cap = self.cap();
         let tail = self.control.tail.load(Ordering::Acquire);
         if pos % 8 != 0 || pos > tail || tail - pos > cap || pos % cap + HEADER_BYTES > cap {

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! ServerSlot (384 B, 64-aligned)
-//! ┌ line 0 ─ state (generation:32 | state:8) · id · address meta (len | check) · registered_ms
+//! ┌ line 0 ─ state (generation:32 | check:24 | state:8) · id · address meta (len | check) · registered_ms
 //! ├ line 1 ─ in-flight requests · in-flight prompt tokens · scraped load (128-bit)
 //! └ lines 2-5 ─ address, up to 256 bytes
 //! ```
@@ -11,7 +11,10 @@
 //! * A slot's address and id change only while it is `Configuring`, and
 //!   every (re)registration bumps the 32-bit generation. Readers load the
 //!   state word, copy the fields, and re-load the state: equal generation
-//!   means a consistent copy. The address also carries a keyed check.
+//!   means a consistent copy. The state word carries a 24-bit keyed check of
+//!   generation and state, and the address word a 48-bit keyed check of
+//!   generation, id, registration time and address, so a corrupt slot reads
+//!   as absent, never as another valid server or state.
 //! * [`ServerRef`] (slot + generation) names one registration. Counters are
 //!   only touched through a `ServerRef` whose generation is current, and
 //!   prefix-table lanes carry the low 6 bits of it ([`ServerTag`]), so a
@@ -245,14 +248,6 @@ impl LedgerCell {
     }
 }
 
-fn state_word(generation: u32, state: ServerState) -> u64 {
-    (u64::from(generation) << 32) | state as u64
-}
-
-fn split_state(word: u64) -> (u32, Option<ServerState>) {
-    ((word >> 32) as u32, ServerState::from_bits(word as u8))
-}
-
 /// Clamp for counters that a crash may have left one too low.
 fn clamp(v: u64) -> u64 {
     if (v as i64) < 0 { 0 } else { v }
@@ -277,8 +272,28 @@ impl<'a> ServerTable<'a> {
         self.slots.len()
     }
 
-    fn address_check(&self, generation: u32, bytes: &[u8]) -> u64 {
+    /// The state word: `generation:32 | check:24 | state:8`, the check keyed
+    /// with the segment seed so a flipped bit makes the slot unreadable
+    /// (never a different, valid-looking state).
+    fn state_word(&self, generation: u32, state: ServerState) -> u64 {
+        let gs = (u64::from(generation) << 8) | state as u64;
+        let check = mix64(self.seed ^ 0x5354_4154_4500_0000 ^ gs) >> 40;
+        (u64::from(generation) << 32) | (check << 8) | state as u64
+    }
+
+    /// `(generation, state)` of a state word; the state is `None` if the
+    /// word fails its check (a corrupt or never-written slot).
+    fn split_state(&self, word: u64) -> (u32, Option<ServerState>) {
+        let generation = (word >> 32) as u32;
+        let state = ServerState::from_bits(word as u8).filter(|s| self.state_word(generation, *s) == word);
+        (generation, state)
+    }
+
+    /// Keyed check over everything a registration writes once: generation,
+    /// id, registration time and address.
+    fn address_check(&self, generation: u32, id: u64, registered_ms: u64, bytes: &[u8]) -> u64 {
         let mut h = mix64(self.seed ^ u64::from(generation) ^ (bytes.len() as u64) << 40);
+        h = mix64(h ^ id).wrapping_add(mix64(h ^ registered_ms));
         for c in bytes.chunks(8) {
             let mut w = [0u8; 8];
             w[..c.len()].copy_from_slice(c);
@@ -292,6 +307,9 @@ impl<'a> ServerTable<'a> {
     }
 
     /// Registers a server in the first free slot, with a new generation.
+    /// One process (the supervisor) registers servers; a slot left
+    /// `Configuring` by a registrant that died is taken by the next
+    /// registration.
     pub fn register(&self, id: u64, address: &str, now_ms: u64) -> Result<ServerRef, RegisterError> {
         let bytes = address.as_bytes();
         if bytes.len() > MAX_ADDRESS_BYTES {
@@ -299,12 +317,12 @@ impl<'a> ServerTable<'a> {
         }
         for (i, slot) in self.slots.iter().enumerate() {
             let word = slot.state.load(Ordering::Acquire);
-            let (generation, state) = split_state(word);
+            let (generation, state) = self.split_state(word);
             if !matches!(state, Some(ServerState::Free | ServerState::Configuring) | None) {
                 continue;
             }
             let generation = generation.wrapping_add(1);
-            let claim = state_word(generation, ServerState::Configuring);
+            let claim = self.state_word(generation, ServerState::Configuring);
             if slot
                 .state
                 .compare_exchange(word, claim, Ordering::AcqRel, Ordering::Acquire)
@@ -321,10 +339,10 @@ impl<'a> ServerTable<'a> {
             slot.id.store(id, Ordering::Relaxed);
             slot.registered_ms.store(now_ms, Ordering::Relaxed);
             store_bytes(&slot.address[..words_for(bytes.len())], bytes);
-            let meta = bytes.len() as u64 | (self.address_check(generation, bytes) << 16);
+            let meta = bytes.len() as u64 | (self.address_check(generation, id, now_ms, bytes) << 16);
             slot.address_meta.store(meta, Ordering::Relaxed);
             slot.state
-                .store(state_word(generation, ServerState::Up), Ordering::Release);
+                .store(self.state_word(generation, ServerState::Up), Ordering::Release);
             return Ok(server);
         }
         Err(RegisterError::Full)
@@ -349,10 +367,10 @@ impl<'a> ServerTable<'a> {
         }
         let slot = &self.slots[usize::from(server.slot)];
         let word = slot.state.load(Ordering::Acquire);
-        match split_state(word) {
+        match self.split_state(word) {
             (g, Some(ServerState::Up | ServerState::Draining | ServerState::Down)) if g == server.generation => slot
                 .state
-                .compare_exchange(word, state_word(g, state), Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange(word, self.state_word(g, state), Ordering::AcqRel, Ordering::Acquire)
                 .is_ok(),
             _ => false,
         }
@@ -362,12 +380,12 @@ impl<'a> ServerTable<'a> {
     pub fn retire(&self, server: ServerRef) -> bool {
         let slot = &self.slots[usize::from(server.slot)];
         let word = slot.state.load(Ordering::Acquire);
-        match split_state(word) {
+        match self.split_state(word) {
             (g, Some(s)) if g == server.generation && s != ServerState::Free => slot
                 .state
                 .compare_exchange(
                     word,
-                    state_word(g, ServerState::Free),
+                    self.state_word(g, ServerState::Free),
                     Ordering::AcqRel,
                     Ordering::Acquire,
                 )
@@ -378,7 +396,7 @@ impl<'a> ServerTable<'a> {
 
     /// The current registration of `slot`, if it is registered.
     pub fn current(&self, slot: u16) -> Option<(ServerRef, ServerState)> {
-        let (generation, state) = split_state(self.slots.get(usize::from(slot))?.state.load(Ordering::Acquire));
+        let (generation, state) = self.split_state(self.slots.get(usize::from(slot))?.state.load(Ordering::Acquire));
         match state? {
             ServerState::Free | ServerState::Configuring => None,
             s => Some((ServerRef { slot, generation }, s)),
@@ -399,7 +417,7 @@ impl<'a> ServerTable<'a> {
         let s = self.slots.get(usize::from(slot))?;
         for _ in 0..4 {
             let before = s.state.load(Ordering::Acquire);
-            let (generation, state) = split_state(before);
+            let (generation, state) = self.split_state(before);
             let state = state?;
             if matches!(state, ServerState::Free | ServerState::Configuring) {
                 return None;
@@ -415,10 +433,10 @@ impl<'a> ServerTable<'a> {
             let registered_ms = s.registered_ms.load(Ordering::Relaxed);
             fence(Ordering::Acquire);
             let after = s.state.load(Ordering::Relaxed);
-            if split_state(after).0 != generation {
+            if self.split_state(after).0 != generation {
                 continue;
             }
-            if meta >> 16 != self.address_check(generation, &bytes) {
+            if meta >> 16 != self.address_check(generation, id, registered_ms, &bytes) {
                 return None;
             }
             let address = String::from_utf8(bytes).ok()?;
@@ -426,7 +444,7 @@ impl<'a> ServerTable<'a> {
             let (inflight_requests, inflight_tokens) = self.inflight(server);
             return Some(ServerInfo {
                 server,
-                state: split_state(after).1.unwrap_or(state),
+                state: self.split_state(after).1.unwrap_or(state),
                 id,
                 address,
                 registered_ms,

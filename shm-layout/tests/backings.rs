@@ -469,13 +469,13 @@ fn registry_life_cycle_and_stale_incarnations() {
         assert_eq!(r.processes().count(), 0);
         let slot = r.find_free().unwrap();
         assert_eq!(slot, 0);
-        let info = r.get(slot);
+        let info = r.get(slot).unwrap();
         assert_eq!((info.state, info.role, info.incarnation), (ProcessState::Free, None, 0));
 
         let inc = r.claim(slot, Role::Responder, 100);
         assert_eq!(inc, 1);
         assert!(r.is_alive(slot, inc));
-        let info = r.get(slot);
+        let info = r.get(slot).unwrap();
         assert_eq!(
             (info.state, info.role, info.pid, info.started_ms, info.restarts),
             (ProcessState::Starting, Some(Role::Responder), 0, 100, 0)
@@ -487,7 +487,7 @@ fn registry_life_cycle_and_stale_incarnations() {
         assert!(!r.attach(slot, inc, 4243, 106), "attach happens once");
         assert!(r.heartbeat(slot, inc, 200));
         assert!(r.heartbeat(slot, inc, 150), "an older heartbeat is accepted ...");
-        let info = r.get(slot);
+        let info = r.get(slot).unwrap();
         assert_eq!(info.heartbeat_ms, 200, "... but never moves time back");
         assert_eq!((info.pid, info.state), (4242, ProcessState::Running));
         assert_eq!(r.processes().count(), 1);
@@ -495,20 +495,20 @@ fn registry_life_cycle_and_stale_incarnations() {
         assert!(r.mark_exited(slot, inc));
         assert!(!r.mark_exited(slot, inc));
         assert!(!r.is_alive(slot, inc));
-        assert_eq!(r.get(slot).state, ProcessState::Exited);
+        assert_eq!(r.get(slot).unwrap().state, ProcessState::Exited);
         assert_eq!(r.find_free(), Some(slot), "an exited slot is free again");
 
         // A new incarnation: late writes of the old one are ignored.
         let inc2 = r.claim(slot, Role::Dispatcher, 300);
         assert_eq!(inc2, inc + 1);
-        let info = r.get(slot);
+        let info = r.get(slot).unwrap();
         assert_eq!((info.restarts, info.role, info.pid), (1, Some(Role::Dispatcher), 0));
         assert!(!r.heartbeat(slot, inc, 999));
         assert!(!r.attach(slot, inc, 1, 999));
         assert!(!r.mark_exited(slot, inc));
         assert!(!r.is_alive(slot, inc));
         assert!(r.is_alive(slot, inc2));
-        assert_eq!(r.get(slot).heartbeat_ms, 300);
+        assert_eq!(r.get(slot).unwrap().heartbeat_ms, 300);
 
         // Other slots are independent.
         let other = r.find_free().unwrap();

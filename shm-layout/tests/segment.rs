@@ -325,7 +325,7 @@ fn two_mappings_in_one_process_share_the_data() {
 
     let inc = w.registry.claim(2, shm_layout::Role::Dispatcher, 0);
     assert!(r.registry.attach(2, inc, 1234, 1), "a write through the reader ...");
-    assert_eq!(w.registry.get(2).pid, 1234, "... is seen by the writer");
+    assert_eq!(w.registry.get(2).unwrap().pid, 1234, "... is seen by the writer");
 
     w.ring(0).push(b"through the writer").unwrap();
     let mut out = Vec::new();
