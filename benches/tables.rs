@@ -1,6 +1,8 @@
 //! Criterion benches of the shm tables' single operations, on a real
 //! 256 MiB POSIX shm segment populated so the prefix table is far larger
-//! than the CPU caches (as in production): prefix lookup hit and miss,
+//! than the CPU caches (as in production). `_cold` variants draw from all
+//! 1 M entries (most reads miss the caches); the others from a 64 K-entry
+//! hot set. Operations: prefix lookup hit and miss,
 //! insert, longest-prefix match over a 64-block chain, response-cache get
 //! and put of 4 KiB, and a completion-ring push + pop. Reads run before
 //! the insert benches, which evict the populated entries as a full table does.
@@ -30,12 +32,25 @@ fn prefix(c: &mut Criterion) {
         .collect();
     let misses: Vec<u64> = (0..1 << 16).map(|i| key(i + (1 << 40))).collect();
     let chains: Vec<Vec<u64>> = (0..1024).map(|i| chain(key(i) % CHAINS, CHAIN_LEN)).collect();
+    // Cold: every populated entry, in random order, so most bucket reads
+    // miss the CPU caches (1 M entries spread over a 120 MiB table).
+    let cold_hits: Vec<u64> = (0..1u64 << 20)
+        .map(|i| chain(key(i) % CHAINS, CHAIN_LEN)[(key(i) >> 58) as usize])
+        .collect();
+    let cold_chains: Vec<Vec<u64>> = (0..CHAINS).map(|i| chain(key(i) % CHAINS, CHAIN_LEN)).collect();
     let mut g = c.benchmark_group("prefix");
     let mut i = 0usize;
     g.bench_function("lookup_hit", |b| {
         b.iter(|| {
             i = (i + 1) & 0xffff;
             black_box(t.prefix.lookup(hits[i]))
+        })
+    });
+    let mut j = 0usize;
+    g.bench_function("lookup_hit_cold", |b| {
+        b.iter(|| {
+            j = (j + 1) & ((1 << 20) - 1);
+            black_box(t.prefix.lookup(cold_hits[j]))
         })
     });
     g.bench_function("lookup_miss", |b| {
@@ -48,6 +63,12 @@ fn prefix(c: &mut Criterion) {
         b.iter(|| {
             i = (i + 1) & 1023;
             black_box(t.prefix.longest_prefix_match(&chains[i], |s| t.servers.is_live(s)))
+        })
+    });
+    g.bench_function("longest_prefix_match_64_cold", |b| {
+        b.iter(|| {
+            j = (j + 1) % cold_chains.len();
+            black_box(t.prefix.longest_prefix_match(&cold_chains[j], |s| t.servers.is_live(s)))
         })
     });
     g.bench_function("longest_prefix_match_64_miss", |b| {

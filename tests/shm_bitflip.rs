@@ -53,6 +53,9 @@
 //! The tests at the end are minimal reproductions of defects this sweep
 //! found in shm-layout (all fixed); they stay as regression tests.
 
+mod support;
+use support::{Rng, mix};
+
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -71,39 +74,14 @@ const SEED: u64 = 0x5eed_b17f_11b5;
 // ---------------------------------------------------------------------------
 // Helpers
 
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        mix(self.0)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn index(&mut self, n: usize) -> usize {
-        self.below(n as u64) as usize
-    }
-    fn bytes(&mut self, len: usize) -> Vec<u8> {
-        (0..len).map(|_| self.next() as u8).collect()
-    }
-    /// A non-zero corruption pattern: one bit, one random byte, or 64 random bits.
-    fn pattern(&mut self) -> u64 {
-        let p = match self.below(4) {
-            0 | 1 => 1 << self.below(64),
-            2 => (self.next() & 0xff) << (8 * self.below(8)),
-            _ => self.next(),
-        };
-        if p == 0 { 1 } else { p }
-    }
+/// A non-zero corruption pattern: one bit, one random byte, or 64 random bits.
+fn pattern(rng: &mut Rng) -> u64 {
+    let p = match rng.below(4) {
+        0 | 1 => 1 << rng.below(64),
+        2 => (rng.next() & 0xff) << (8 * rng.below(8)),
+        _ => rng.next(),
+    };
+    if p == 0 { 1 } else { p }
 }
 
 /// Removes a shm segment when dropped.
@@ -490,7 +468,7 @@ fn random_sweep(backing: &str) {
                 } else {
                     all.start + rng.index(all.len())
                 };
-                flip(&seg, word, rng.pattern());
+                flip(&seg, word, pattern(&mut rng));
                 flips += 1;
             }
             let at = format!("{backing}, epoch {epoch}, round {round}");
@@ -712,12 +690,12 @@ fn corrupt_header_fails_open_with_an_error() {
         }
     }
     for _ in 0..500 {
-        attempt(rng.index(HEADER_BYTES / 8), rng.pattern());
+        attempt(rng.index(HEADER_BYTES / 8), pattern(&mut rng));
     }
     eprintln!("header corruption refused as {errors:?}");
     // The rest of the header page is reserved: flips there are ignored.
     for word in HEADER_BYTES / 8..4096 / 8 {
-        flip(&seg, word, rng.pattern());
+        flip(&seg, word, pattern(&mut rng));
     }
     let again = Segment::open(&name).expect("reserved header bytes are ignored");
     assert_eq!(again.header(), seg.header());

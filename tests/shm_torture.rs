@@ -77,6 +77,9 @@
 //! defects found while writing this test (both fixed); they stay as
 //! regression tests.
 
+mod support;
+use support::{Rng, mix};
+
 use std::collections::HashMap;
 use std::io::Read;
 use std::os::fd::OwnedFd;
@@ -113,32 +116,6 @@ const BEAT_MS: u64 = 20;
 
 // ---------------------------------------------------------------------------
 // Deterministic randomness
-
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        mix(self.0)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn index(&mut self, n: usize) -> usize {
-        self.below(n as u64) as usize
-    }
-    fn one_in(&mut self, n: u64) -> bool {
-        self.below(n) == 0
-    }
-}
 
 fn fill_bytes(seed: u64, out: &mut Vec<u8>, len: usize) {
     let mut r = Rng(seed);

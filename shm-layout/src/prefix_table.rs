@@ -161,7 +161,7 @@ pub enum InsertOutcome {
     Refreshed,
     /// Nothing changed: the server was already first and the stamp current.
     Unchanged,
-    /// Lost the compare-and-swap race [`MAX_ATTEMPTS`] times in a row.
+    /// Lost the compare-and-swap race 16 times in a row.
     Contended,
 }
 

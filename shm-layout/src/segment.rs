@@ -252,19 +252,13 @@ impl Segment {
                 step: "mmap",
                 source: e,
             })?;
-        let init = HeaderInit {
-            created_unix_ms: unix_ms(),
-            created_monotonic_ns: monotonic_ns(),
-            creator_pid: u64::from(std::process::id()),
-            seed: random_seed(),
-        };
         let mut seg = Self {
             len: size as usize,
             memory: Memory::Shm(map),
             info: placeholder_info(),
             name: Some(path.to_owned()),
         };
-        seg.write_header(plan, &init);
+        seg.write_header(plan);
         Ok(seg)
     }
 
@@ -275,25 +269,27 @@ impl Segment {
         // SAFETY: the layout has a non-zero size (plans are at least 8 MiB).
         let ptr =
             NonNull::new(unsafe { alloc_zeroed(layout) }).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        let init = HeaderInit {
-            created_unix_ms: unix_ms(),
-            created_monotonic_ns: monotonic_ns(),
-            creator_pid: u64::from(std::process::id()),
-            seed: random_seed(),
-        };
         let mut seg = Self {
             len: layout.size(),
             memory: Memory::Heap { ptr, layout },
             info: placeholder_info(),
             name: None,
         };
-        seg.write_header(plan, &init);
+        seg.write_header(plan);
         seg
     }
 
-    fn write_header(&mut self, plan: &LayoutPlan, init: &HeaderInit) {
+    /// Writes a new header (this process as creator, now, a fresh seed) and
+    /// publishes the segment.
+    fn write_header(&mut self, plan: &LayoutPlan) {
+        let init = HeaderInit {
+            created_unix_ms: unix_ms(),
+            created_monotonic_ns: monotonic_ns(),
+            creator_pid: u64::from(std::process::id()),
+            seed: random_seed(),
+        };
         let header = self.raw_header();
-        header.write(plan, init);
+        header.write(plan, &init);
         // Every region's empty state is all-zero, which a new shm object
         // and `alloc_zeroed` both are: nothing else to initialise.
         header.publish();
