@@ -1,10 +1,38 @@
 //! # semlb-workers
 //!
-//! The inference-worker side of semlb. This crate will hold the simulated
-//! OpenAI-compatible engine (prefix KV cache, continuous batching, vLLM-style
-//! metrics) that tests and benchmarks route to on machines without GPUs
-//! (issue 3), and `workers/recipes/` the launch recipes for real engines
-//! (vLLM, SGLang, llama.cpp).
+//! The inference-worker side of semlb: `semlb-sim`, a simulated
+//! OpenAI-compatible inference engine that behaves like vLLM where routing
+//! matters, for tests, benchmarks and trying a gateway without GPUs
+//! (recipes for real engines live in `workers/recipes/`).
 //!
-//! Nothing is implemented here yet: the crate exists so the workspace has the
-//! layout the project asked for from the first commit.
+//! # Layout
+//!
+//! | module | concept |
+//! | --- | --- |
+//! | [`config`] | every model parameter and flag, with defaults and why they are realistic |
+//! | [`tokenize`] | the real HF tokenizer, chat rendering, deterministic output tokens |
+//! | [`prefix_cache`] | vLLM-style block KV cache: chained block hashes, LRU of unreferenced blocks |
+//! | [`engine`] | continuous batching: FIFO queue, batch limits, prefill/decode timing, stats |
+//! | [`metrics`] | histograms and the Prometheus text exposition (vLLM and SGLang names) |
+//! | [`api`] | OpenAI request/response types, validation, error bodies |
+//! | [`faults`] | fault injection: 500s, mid-stream resets, delay, hang, exit |
+//! | [`server`] | the HTTP front: routes, JSON and SSE responses |
+//!
+//! # Flow
+//!
+//! `server` parses a request with `api`, renders and tokenizes the prompt
+//! with `tokenize`, draws the output tokens, and submits both to the
+//! `engine`. The engine queues the request until the batch has room,
+//! looks its prompt up in the `prefix_cache`, sleeps the simulated prefill
+//! and decode time (scaled by `time_scale`), and streams events back; the
+//! server turns them into a JSON body or SSE chunks. `/metrics` renders the
+//! engine's stats with `metrics`.
+
+pub mod api;
+pub mod config;
+pub mod engine;
+pub mod faults;
+pub mod metrics;
+pub mod prefix_cache;
+pub mod server;
+pub mod tokenize;

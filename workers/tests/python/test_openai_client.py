@@ -1,0 +1,311 @@
+#!/usr/bin/env python3
+"""semlb-sim against the official `openai` Python client.
+
+Starts the simulator itself (the binary named by the environment variable
+SEMLB_SIM, default target/debug/semlb-sim) with
+`--listen 127.0.0.1:0 --time-scale 0.001`, reads the address from its first
+stdout line (`semlb-sim listening on http://ADDR`), runs the checks with
+`openai.OpenAI(base_url=..., api_key="x")`, stops the simulator with SIGTERM
+and waits for it. Prints one line per check and a final
+`N passed, M failed`; exits non-zero when a check failed.
+
+Plain python3, no pytest:
+
+    python3 -m venv target/pyenv && target/pyenv/bin/pip install openai
+    SEMLB_SIM=target/debug/semlb-sim target/pyenv/bin/python workers/tests/python/test_openai_client.py
+
+Only loopback traffic: the simulator listens on 127.0.0.1.
+"""
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+import openai
+
+STARTUP_TIMEOUT_S = 60.0
+SHUTDOWN_TIMEOUT_S = 15.0
+LISTEN_LINE = re.compile(r"^semlb-sim listening on (http://\S+)\s*$")
+# What the simulator generates: common English words, each with a leading space.
+WORDS_TEXT = re.compile(r"^\s*[a-z]+( [a-z]+)*\s*$")
+# The simulator's default KV block size (vLLM's --block-size 16).
+BLOCK_SIZE = 16
+
+
+def start_sim(binary):
+    """Starts the simulator; returns (process, base URL of the API)."""
+    cmd = [binary, "--listen", "127.0.0.1:0", "--time-scale", "0.001"]
+    print("starting: " + " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    line = ""
+    while not line.endswith("\n"):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            stop_sim(proc)
+            raise RuntimeError(f"no listening line within {STARTUP_TIMEOUT_S:.0f} s (got {line!r})")
+        ready, _, _ = select.select([proc.stdout], [], [], remaining)
+        if not ready:
+            continue
+        chunk = proc.stdout.readline()
+        if chunk == "":
+            code = proc.wait()
+            raise RuntimeError(f"semlb-sim exited with {code} before listening (stdout {line!r})")
+        line += chunk
+    match = LISTEN_LINE.match(line)
+    if not match:
+        stop_sim(proc)
+        raise RuntimeError(f"unexpected first stdout line {line!r}")
+
+    # Keep draining stdout so that the simulator never blocks on a full pipe.
+    def drain():
+        for rest in proc.stdout:
+            print("  [sim] " + rest.rstrip("\n"), flush=True)
+
+    threading.Thread(target=drain, daemon=True).start()
+    return proc, match.group(1).rstrip("/")
+
+
+def stop_sim(proc):
+    """SIGTERM, then wait; SIGKILL if it does not exit in time. Returns the exit code or None."""
+    if proc.poll() is not None:
+        return proc.returncode
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+def check_usage(usage, max_completion=None):
+    check(usage is not None, "usage is missing")
+    check(usage.prompt_tokens > 0, f"prompt_tokens = {usage.prompt_tokens}")
+    check(usage.completion_tokens > 0, f"completion_tokens = {usage.completion_tokens}")
+    if max_completion is not None:
+        check(usage.completion_tokens <= max_completion, f"completion_tokens {usage.completion_tokens} > max_tokens")
+    check(
+        usage.total_tokens == usage.prompt_tokens + usage.completion_tokens,
+        f"total_tokens {usage.total_tokens} != {usage.prompt_tokens} + {usage.completion_tokens}",
+    )
+
+
+def check_text(text):
+    check(isinstance(text, str) and text.strip() != "", f"empty text {text!r}")
+    check(WORDS_TEXT.match(text) is not None, f"text is not generated words: {text!r}")
+
+
+def check_answer(text, reason, usage, max_tokens):
+    """A max_tokens below the default output length (128): exactly max_tokens words, "length"."""
+    check_text(text)
+    check(usage.completion_tokens == max_tokens, f"completion_tokens {usage.completion_tokens} != {max_tokens}")
+    # Every generated token is one word with its leading space.
+    check(len(text.split()) == usage.completion_tokens, f"{len(text.split())} words for {max_tokens} tokens")
+    check(reason == "length", f"finish_reason {reason!r} at max_tokens")
+
+
+def cached_tokens(usage):
+    details = getattr(usage, "prompt_tokens_details", None)
+    return 0 if details is None or details.cached_tokens is None else details.cached_tokens
+
+
+class Checks:
+    def __init__(self, client):
+        self.client = client
+        self.model = None
+
+    def test_models_list(self):
+        models = self.client.models.list().data
+        check(len(models) >= 1, "no model listed")
+        self.model = models[0].id
+        check(isinstance(self.model, str) and self.model, f"model id {self.model!r}")
+
+    def test_chat(self):
+        resp = self.client.chat.completions.create(
+            model=self.model,
+            messages=[
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Say something."},
+            ],
+            max_tokens=8,
+        )
+        check(resp.object == "chat.completion", f"object {resp.object!r}")
+        check(len(resp.choices) == 1, f"{len(resp.choices)} choices")
+        choice = resp.choices[0]
+        check(choice.message.role == "assistant", f"role {choice.message.role!r}")
+        check_usage(resp.usage, max_completion=8)
+        check_answer(choice.message.content, choice.finish_reason, resp.usage, 8)
+
+    def test_chat_without_max_tokens_stops(self):
+        resp = self.client.chat.completions.create(
+            model=self.model, messages=[{"role": "user", "content": "Talk freely."}]
+        )
+        check_text(resp.choices[0].message.content)
+        check_usage(resp.usage)
+        check(resp.choices[0].finish_reason == "stop", f"finish_reason {resp.choices[0].finish_reason!r}")
+
+    def test_chat_stream(self):
+        stream = self.client.chat.completions.create(
+            model=self.model,
+            messages=[{"role": "user", "content": "Stream something."}],
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, finish, usage, chunks = "", None, None, 0
+        for chunk in stream:
+            chunks += 1
+            check(chunk.object == "chat.completion.chunk", f"object {chunk.object!r}")
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    text += choice.delta.content
+                if choice.finish_reason is not None:
+                    check(finish is None, "two finish_reasons")
+                    finish = choice.finish_reason
+        check(chunks >= 2, f"only {chunks} chunk(s)")
+        check_usage(usage, max_completion=12)
+        check_answer(text, finish, usage, 12)
+
+    def test_completions(self):
+        resp = self.client.completions.create(model=self.model, prompt="Once upon a time", max_tokens=10)
+        check(resp.object == "text_completion", f"object {resp.object!r}")
+        check(len(resp.choices) == 1, f"{len(resp.choices)} choices")
+        check_usage(resp.usage, max_completion=10)
+        check_answer(resp.choices[0].text, resp.choices[0].finish_reason, resp.usage, 10)
+
+    def test_completions_stream(self):
+        stream = self.client.completions.create(
+            model=self.model,
+            prompt="The weather today is",
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, finish, usage = "", None, None
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                text += choice.text or ""
+                if choice.finish_reason is not None:
+                    finish = choice.finish_reason
+        check_usage(usage, max_completion=6)
+        check_answer(text, finish, usage, 6)
+
+    def test_repeated_prompt_is_cached(self):
+        # A prompt of many KV blocks, sent twice: the second is a cache hit.
+        question = "Please summarise the following notes. " + " ".join(
+            f"Note {i}: the river flows past the old stone house near the city." for i in range(30)
+        )
+        messages = [{"role": "user", "content": question}]
+        first = self.client.chat.completions.create(model=self.model, messages=messages, max_tokens=4)
+        second = self.client.chat.completions.create(model=self.model, messages=messages, max_tokens=4)
+        check_usage(first.usage)
+        check_usage(second.usage)
+        check(first.usage.prompt_tokens == second.usage.prompt_tokens, "same prompt, different prompt_tokens")
+        check(first.usage.prompt_tokens >= 8 * BLOCK_SIZE, f"prompt only {first.usage.prompt_tokens} tokens")
+        cached = cached_tokens(second.usage)
+        check(second.usage.prompt_tokens_details is not None, "prompt_tokens_details missing")
+        check(0 < cached <= second.usage.prompt_tokens, f"cached_tokens {cached} of {second.usage.prompt_tokens}")
+        # Everything but the last partial block is reusable.
+        reusable = (second.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+        check(cached >= reusable, f"cached_tokens {cached} < {reusable} (whole blocks of the prompt)")
+
+    def test_next_turn_reuses_previous_turn(self):
+        # Turn 2 = turn 1 + the answer + a new question: the KV cache of turn
+        # 1's prompt (and of the generated answer) is reused.
+        turn1 = [
+            {"role": "system", "content": "You answer in long detail. " * 8},
+            {"role": "user", "content": "Describe a quiet morning by the lake, please, in many words."},
+        ]
+        first = self.client.chat.completions.create(model=self.model, messages=turn1, max_tokens=48)
+        answer = first.choices[0].message.content
+        turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And the evening?"}]
+        second = self.client.chat.completions.create(model=self.model, messages=turn2, max_tokens=4)
+        check(
+            second.usage.prompt_tokens > first.usage.prompt_tokens,
+            f"turn 2 prompt {second.usage.prompt_tokens} not longer than turn 1's {first.usage.prompt_tokens}",
+        )
+        # The answer re-tokenizes to the generated ids, so the whole blocks of
+        # turn 1's prompt + answer are cache hits (as in vLLM, which caches
+        # the blocks filled during decoding too).
+        cached = cached_tokens(second.usage)
+        turn1_tokens = first.usage.prompt_tokens + first.usage.completion_tokens
+        whole_blocks = turn1_tokens // BLOCK_SIZE * BLOCK_SIZE
+        check(
+            cached >= whole_blocks,
+            f"turn 2 cached_tokens {cached} < {whole_blocks} (whole blocks of turn 1's {turn1_tokens} tokens)",
+        )
+
+    def test_bad_request_raises(self):
+        try:
+            self.client.chat.completions.create(
+                model=self.model, messages=[{"role": "user", "content": "hi"}], max_tokens=-1
+            )
+        except openai.BadRequestError as err:
+            check(err.status_code == 400, f"status {err.status_code}")
+            return
+        raise AssertionError("max_tokens=-1 was accepted")
+
+    def test_bad_completion_request_raises(self):
+        try:
+            self.client.completions.create(model=self.model, prompt="hi", max_tokens=-1)
+        except openai.BadRequestError as err:
+            check(err.status_code == 400, f"status {err.status_code}")
+            return
+        raise AssertionError("max_tokens=-1 was accepted")
+
+
+def main():
+    binary = os.environ.get("SEMLB_SIM", "target/debug/semlb-sim")
+    passed, failed = 0, 0
+    try:
+        proc, base = start_sim(binary)
+    except Exception as err:  # noqa: BLE001 - reported as a failed check
+        print(f"FAIL start semlb-sim: {err}", flush=True)
+        print("0 passed, 1 failed")
+        return 1
+    print(f"semlb-sim at {base}", flush=True)
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=30.0)
+        checks = Checks(client)
+        names = [name for name in Checks.__dict__ if name.startswith("test_")]
+        for name in names:
+            if checks.model is None and name != "test_models_list":
+                checks.model = "semlb-sim"
+            try:
+                getattr(checks, name)()
+            except Exception:  # noqa: BLE001 - every failure is reported
+                failed += 1
+                print(f"FAIL {name}", flush=True)
+                traceback.print_exc(file=sys.stdout)
+            else:
+                passed += 1
+                print(f"ok   {name}", flush=True)
+    finally:
+        code = stop_sim(proc)
+    if code is None:
+        failed += 1
+        print(f"FAIL semlb-sim did not exit within {SHUTDOWN_TIMEOUT_S:.0f} s of SIGTERM (killed)")
+    else:
+        print(f"semlb-sim exited with {code} after SIGTERM")
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
