@@ -3,7 +3,7 @@
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::size::ByteSize;
+use semlb::size::ByteSize;
 
 /// semlb: a semantic, cache-aware load balancer for LLM inference servers.
 #[derive(Debug, Parser)]

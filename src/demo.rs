@@ -35,7 +35,7 @@ use shm_layout::{ResponseKey, Role, Segment, ServerRef, Tables};
 use crate::cli::DemoArgs;
 use crate::report::Report;
 use crate::shm_cmd;
-use crate::size::ByteSize;
+use semlb::size::ByteSize;
 
 /// Tokens per prefix block.
 pub const BLOCK_TOKENS: usize = 16;

@@ -29,7 +29,6 @@ mod cli;
 mod demo;
 mod report;
 mod shm_cmd;
-mod size;
 
 use std::io::Write;
 use std::process::ExitCode;

@@ -16,7 +16,7 @@ use shm_layout::{
     ServerInfo,
 };
 
-use crate::size::ByteSize;
+use semlb::size::ByteSize;
 
 /// Everything `semlb shm inspect` shows, copied out of a segment.
 #[derive(Debug, Clone)]

@@ -9,7 +9,7 @@ use shm_layout::{LayoutPlan, PlanOptions, RegionKind, Segment};
 
 use crate::cli::{CreateArgs, InspectArgs, NameArg, ShmCommand};
 use crate::report::Report;
-use crate::size::ByteSize;
+use semlb::size::ByteSize;
 
 /// Runs one `shm` subcommand and returns what to print.
 pub fn run(command: ShmCommand) -> Result<String> {

@@ -1,0 +1,205 @@
+//! The dispatch path of one request, stage by stage, for a ~2 000-token
+//! chat prompt: what a dispatcher does between receiving a request and
+//! sending it upstream (the HTTP parts aside).
+//!
+//! 1. `parse_render`: parse the JSON body and render the chat messages;
+//! 2. `tokenize`: the real tokenizer (bundled phi-2; Qwen3 too when
+//!    ../shared holds it);
+//! 3. `hash_blocks`: the 16-token block chain;
+//! 4. `cache_lookup`: the response-cache key and a (missing) lookup;
+//! 5. `prefix_lookup`: longest-prefix match of the chain in a 256 MiB shm
+//!    segment holding 500 such conversations on 4 servers;
+//! 6. `choose`: gather the live servers and run the cache-aware policy;
+//! 7. `total`: all of it.
+//!
+//! The prompts are real dialogues (Anthropic HH-RLHF, ../shared/data/prompts)
+//! concatenated to ~2 000 tokens, or a fixed text when ../shared is absent.
+//! `cargo bench --bench dispatch`. It prints figures; it asserts nothing.
+
+use std::hint::black_box;
+use std::path::Path;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use semlb::blocks::BlockHasher;
+use semlb::prompt::{Endpoint, RoutingInput, parse};
+use semlb::response_cache::{Tenant, key};
+use semlb::routing::{self, PolicyConfig, RouteInput, live_candidates};
+use semlb_workers::tokenize::{ChatTemplate, Tokenizer};
+use shm_layout::{LayoutPlan, Segment, Stamp};
+
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/data");
+
+/// Chat bodies of about `target` tokens each: real dialogues if available.
+fn bodies(tokenizer: &Tokenizer, count: usize, target: usize) -> Vec<String> {
+    let source = std::fs::read_to_string(Path::new(SHARED).join("prompts/hh-rlhf-helpful-base-test.jsonl"))
+        .ok()
+        .map(|s| {
+            s.lines()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .filter_map(|v| v["chosen"].as_str().map(str::to_owned))
+                .collect::<Vec<_>>()
+        })
+        .filter(|d| !d.is_empty())
+        .unwrap_or_else(|| {
+            (0..64)
+                .map(|i| {
+                    format!(
+                        "Human: question {i} about caching, routing and batching? Assistant: {}",
+                        "an answer that goes on ".repeat(20)
+                    )
+                })
+                .collect()
+        });
+    let mut out = Vec::with_capacity(count);
+    let mut next = 0usize;
+    for c in 0..count {
+        let mut text = format!("Conversation {c}.\n");
+        while tokenizer.encode(&text).len() < target {
+            text.push_str(&source[next % source.len()]);
+            next += 1;
+        }
+        let body = serde_json::json!({
+            "model": "semlb-sim",
+            "temperature": 0,
+            "messages": [
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": text},
+            ],
+        });
+        out.push(body.to_string());
+    }
+    out
+}
+
+fn dispatch(c: &mut Criterion) {
+    let template = ChatTemplate::canonical();
+    let mut tokenizers = vec![("phi2", Tokenizer::bundled())];
+    if let Ok(q) = Tokenizer::from_file(&Path::new(SHARED).join("tokenizers/qwen3-tokenizer.json")) {
+        tokenizers.push(("qwen3", q));
+    }
+    let name = format!("semlb-bench-dispatch-{}", std::process::id());
+    let _ = Segment::remove(&name);
+    let seg = Segment::create(&name, &LayoutPlan::for_size(256 << 20).unwrap()).expect("segment");
+    let t = seg.tables();
+    let servers: Vec<_> = (0..4)
+        .map(|i| {
+            t.servers
+                .register(i, &format!("http://127.0.0.1:{}", 8000 + i), 0)
+                .unwrap()
+        })
+        .collect();
+    let policy = routing::build(&PolicyConfig::default());
+    let hasher = BlockHasher::new(BlockHasher::root_for("semlb-sim", seg.header().seed[0]), 16);
+    let mut buf = Vec::new();
+    let mut candidates = Vec::new();
+
+    for (tok_name, tokenizer) in &tokenizers {
+        let bodies = bodies(tokenizer, 500, 2000);
+        // Warm the table: every conversation cached on one of the servers.
+        let mut chain = Vec::new();
+        let mut texts = Vec::new();
+        for (i, b) in bodies.iter().enumerate() {
+            let parsed = parse(Endpoint::ChatCompletions, b.as_bytes(), &template).unwrap();
+            let RoutingInput::Text(text) = parsed.input else {
+                unreachable!("chat renders text")
+            };
+            hasher.chain(&tokenizer.encode(&text), &mut chain);
+            t.prefix.insert_chain(&chain, servers[i % 4], Stamp(1));
+            texts.push(text);
+        }
+        let tokens = tokenizer.encode(&texts[0]);
+        eprintln!(
+            "{tok_name}: prompt of {} tokens, {} blocks",
+            tokens.len(),
+            tokens.len() / 16
+        );
+        let mut g = c.benchmark_group(format!("dispatch_2k_{tok_name}"));
+        let mut i = 0usize;
+        g.bench_function("parse_render", |b| {
+            b.iter(|| {
+                i = (i + 1) % bodies.len();
+                black_box(parse(Endpoint::ChatCompletions, bodies[i].as_bytes(), &template).unwrap())
+            })
+        });
+        g.bench_function("tokenize", |b| {
+            b.iter(|| {
+                i = (i + 1) % texts.len();
+                black_box(tokenizer.encode(&texts[i]))
+            })
+        });
+        let all_tokens: Vec<Vec<u32>> = texts.iter().map(|x| tokenizer.encode(x)).collect();
+        g.bench_function("hash_blocks", |b| {
+            b.iter(|| {
+                i = (i + 1) % all_tokens.len();
+                hasher.chain(&all_tokens[i], &mut chain);
+                black_box(chain.len())
+            })
+        });
+        let parsed: Vec<_> = bodies
+            .iter()
+            .map(|b| parse(Endpoint::ChatCompletions, b.as_bytes(), &template).unwrap())
+            .collect();
+        g.bench_function("cache_lookup", |b| {
+            b.iter(|| {
+                i = (i + 1) % parsed.len();
+                let k = key(Tenant::ANONYMOUS, Endpoint::ChatCompletions, &parsed[i].body);
+                black_box(t.responses.get_into(k, &mut buf).is_some())
+            })
+        });
+        let chains: Vec<Vec<u64>> = all_tokens
+            .iter()
+            .map(|x| {
+                let mut ch = Vec::new();
+                hasher.chain(x, &mut ch);
+                ch
+            })
+            .collect();
+        g.bench_function("prefix_lookup", |b| {
+            b.iter(|| {
+                i = (i + 1) % chains.len();
+                black_box(t.prefix.longest_prefix_match(&chains[i], |s| t.servers.is_live(s)))
+            })
+        });
+        let matches: Vec<_> = chains
+            .iter()
+            .map(|ch| t.prefix.longest_prefix_match(ch, |s| t.servers.is_live(s)))
+            .collect();
+        g.bench_function("choose", |b| {
+            b.iter(|| {
+                i = (i + 1) % matches.len();
+                live_candidates(&t, &mut candidates);
+                let input = RouteInput {
+                    prompt_blocks: chains[i].len() as u32,
+                    prefix: &matches[i],
+                    candidates: &candidates,
+                };
+                black_box(policy.choose(&input))
+            })
+        });
+        g.bench_function("total", |b| {
+            b.iter(|| {
+                i = (i + 1) % bodies.len();
+                let p = parse(Endpoint::ChatCompletions, bodies[i].as_bytes(), &template).unwrap();
+                let RoutingInput::Text(text) = &p.input else {
+                    unreachable!()
+                };
+                hasher.chain(&tokenizer.encode(text), &mut chain);
+                let k = key(Tenant::ANONYMOUS, Endpoint::ChatCompletions, &p.body);
+                let hit = t.responses.get_into(k, &mut buf).is_some();
+                let m = t.prefix.longest_prefix_match(&chain, |s| t.servers.is_live(s));
+                live_candidates(&t, &mut candidates);
+                let input = RouteInput {
+                    prompt_blocks: chain.len() as u32,
+                    prefix: &m,
+                    candidates: &candidates,
+                };
+                black_box((hit, policy.choose(&input)))
+            })
+        });
+        g.finish();
+    }
+    let _ = Segment::remove(&name);
+}
+
+criterion_group!(benches, dispatch);
+criterion_main!(benches);

@@ -1,0 +1,178 @@
+//! Token ids → the chain of block hashes the shm prefix table is keyed by.
+//!
+//! A prompt's tokens are cut into blocks of `block_size` tokens (default
+//! 16, vLLM's KV block size, so a gateway block is exactly a block the engine
+//! can reuse). Block `i`'s hash covers blocks `0..=i`:
+//!
+//! ```text
+//! h[-1] = root                      (per model and segment: chains of different
+//!                                    models never meet, and the segment's
+//!                                    random seed keeps hashes unguessable)
+//! h[i]  = seahash(h[i-1] LE ‖ tokens of block i as LE u32)
+//! ```
+//!
+//! Only full blocks are hashed: a partial last block is not reusable on the
+//! engine either. Hashing is incremental ([`BlockHasher::extend`]): the
+//! chain of prompt + answer continues the prompt's chain, which is what
+//! lets the next turn of a conversation match the server that produced
+//! this turn's answer.
+
+/// Tokens per block unless configured.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+
+/// Hashes token blocks into chains for one model on one segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockHasher {
+    root: u64,
+    block_size: usize,
+}
+
+impl BlockHasher {
+    /// A hasher whose chains start from `root` (see [`Self::root_for`]).
+    ///
+    /// # Panics
+    /// If `block_size` is 0 (the configuration rejects it earlier).
+    pub fn new(root: u64, block_size: usize) -> Self {
+        assert!(block_size > 0, "block size must be at least 1");
+        Self { root, block_size }
+    }
+
+    /// The chain root for `model` under a segment's `seed`.
+    pub fn root_for(model: &str, seed: u64) -> u64 {
+        seahash::hash_seeded(
+            model.as_bytes(),
+            seed,
+            seed.rotate_left(17),
+            0x5345_4d4c_4220_726f,
+            0x6f74_2d76_3100_0000,
+        )
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Full blocks in `tokens` tokens.
+    pub fn full_blocks(&self, tokens: usize) -> usize {
+        tokens / self.block_size
+    }
+
+    /// The chain of `tokens`' full blocks, written into `out` (cleared first).
+    pub fn chain(&self, tokens: &[u32], out: &mut Vec<u64>) {
+        out.clear();
+        self.extend(tokens, out);
+    }
+
+    /// Continues `out`, the chain of a prefix of `tokens`, to all of
+    /// `tokens`' full blocks: blocks `out.len()..` are hashed from the last
+    /// hash in `out`. `tokens` must start with the tokens `out` was made from.
+    pub fn extend(&self, tokens: &[u32], out: &mut Vec<u64>) {
+        let mut prev = out.last().copied().unwrap_or(self.root);
+        let mut buf = [0u8; 8 + 4 * 64];
+        for block in tokens.chunks_exact(self.block_size).skip(out.len()) {
+            prev = if self.block_size <= 64 {
+                buf[..8].copy_from_slice(&prev.to_le_bytes());
+                for (dst, t) in buf[8..].chunks_exact_mut(4).zip(block) {
+                    dst.copy_from_slice(&t.to_le_bytes());
+                }
+                seahash::hash(&buf[..8 + 4 * self.block_size])
+            } else {
+                let mut bytes = Vec::with_capacity(8 + 4 * self.block_size);
+                bytes.extend_from_slice(&prev.to_le_bytes());
+                block.iter().for_each(|t| bytes.extend_from_slice(&t.to_le_bytes()));
+                seahash::hash(&bytes)
+            };
+            out.push(prev);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hasher() -> BlockHasher {
+        BlockHasher::new(BlockHasher::root_for("qwen3-8b", 42), 16)
+    }
+
+    #[test]
+    fn only_full_blocks_are_hashed() {
+        let h = hasher();
+        let mut out = Vec::new();
+        h.chain(&(0..15).collect::<Vec<u32>>(), &mut out);
+        assert!(out.is_empty());
+        h.chain(&(0..47).collect::<Vec<u32>>(), &mut out);
+        assert_eq!(out.len(), 2);
+        assert_eq!(h.full_blocks(47), 2);
+    }
+
+    #[test]
+    fn each_hash_covers_its_whole_prefix() {
+        let h = hasher();
+        let a: Vec<u32> = (0..64).collect();
+        let mut b = a.clone();
+        b[3] = 999; // differs in block 0 only
+        let (mut ca, mut cb) = (Vec::new(), Vec::new());
+        h.chain(&a, &mut ca);
+        h.chain(&b, &mut cb);
+        assert!(
+            ca.iter().zip(&cb).all(|(x, y)| x != y),
+            "a change in block 0 changes every later hash"
+        );
+        let mut c = a.clone();
+        c[40] = 999; // block 2
+        let mut cc = Vec::new();
+        h.chain(&c, &mut cc);
+        assert_eq!(ca[..2], cc[..2]);
+        assert_ne!(ca[2], cc[2]);
+        assert_ne!(ca[3], cc[3]);
+    }
+
+    #[test]
+    fn extending_equals_hashing_the_whole() {
+        let h = hasher();
+        let prompt: Vec<u32> = (0..100).map(|i| i * 7).collect();
+        let mut whole: Vec<u32> = prompt.clone();
+        whole.extend(500..560);
+        let mut inc = Vec::new();
+        h.chain(&prompt, &mut inc);
+        assert_eq!(inc.len(), 6);
+        h.extend(&whole, &mut inc);
+        let mut all = Vec::new();
+        h.chain(&whole, &mut all);
+        assert_eq!(inc, all);
+        assert_eq!(all.len(), 10);
+    }
+
+    #[test]
+    fn models_and_segments_do_not_share_chains() {
+        let tokens: Vec<u32> = (0..32).collect();
+        let mut a = Vec::new();
+        let mut b = Vec::new();
+        let mut c = Vec::new();
+        BlockHasher::new(BlockHasher::root_for("m1", 1), 16).chain(&tokens, &mut a);
+        BlockHasher::new(BlockHasher::root_for("m2", 1), 16).chain(&tokens, &mut b);
+        BlockHasher::new(BlockHasher::root_for("m1", 2), 16).chain(&tokens, &mut c);
+        assert_ne!(a, b);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn large_blocks_hash_like_small_ones_would() {
+        // The >64-token path must be the same function as the buffered one.
+        let tokens: Vec<u32> = (0..200).collect();
+        let h = BlockHasher::new(7, 100);
+        let mut out = Vec::new();
+        h.chain(&tokens, &mut out);
+        let mut manual = Vec::new();
+        let mut prev = 7u64;
+        for block in tokens.chunks_exact(100) {
+            let mut bytes = prev.to_le_bytes().to_vec();
+            block.iter().for_each(|t| bytes.extend_from_slice(&t.to_le_bytes()));
+            prev = seahash::hash(&bytes);
+            manual.push(prev);
+        }
+        assert_eq!(out, manual);
+    }
+}

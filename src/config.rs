@@ -1,0 +1,1764 @@
+//! Configuration of `semlb serve`: a TOML file, command-line flags over it,
+//! and validation.
+//!
+//! # Sources and precedence
+//!
+//! Defaults < the file < flags. [`ServeConfig::load`] reads the file (no
+//! file: the defaults), [`ServeConfig::apply`] puts the flags
+//! ([`ServeOverrides`]) over it, and [`ServeConfig::validate`] checks the
+//! result; [`ServeConfig::resolve`] does all three. `--backend` replaces the
+//! file's whole `[[backend]]` list rather than adding to it, so a command
+//! line always says exactly which servers are used.
+//!
+//! Every table rejects keys it does not know, so a misspelt key is an error
+//! rather than a silently ignored setting; parse errors come from the TOML
+//! parser and name the key, the line and the column, with the line quoted.
+//! Relative `tokenizer` and `chat_template` paths in a file are relative to
+//! the file's directory (a service's working directory is usually `/`);
+//! relative paths given as flags are relative to the working directory, as
+//! usual. `systemd/semlb.toml` is a commented example with every key.
+//!
+//! # Keys
+//!
+//! | key | type | default | meaning |
+//! | --- | --- | --- | --- |
+//! | `listen` | `"ip:port"` | `"0.0.0.0:8080"` | where the dispatchers accept OpenAI-compatible HTTP |
+//! | `dispatchers` | integer | CPU cores, at most 64 | dispatcher processes (1 to 64: one completion ring each) |
+//! | `responders` | integer | `1` | response (write-back) processes (1 to `dispatchers`) |
+//! | `shm_name` | string | `"semlb"` | shared-memory segment name (`/dev/shm/NAME`) |
+//! | `shm_size` | size | `"256MiB"` | segment size, 8 MiB to 1 TiB (see [`crate::size`]) |
+//! | `tokenizer` | path | bundled tokenizer | a Hugging Face `tokenizer.json` |
+//! | `chat_template` | path | the tokenizer's, else none | a Hugging Face `tokenizer_config.json` with a `chat_template` |
+//! | `block_size` | integer | `16` | tokens per prefix block: the engines' KV block size (1 to 1024) |
+//! | `drain_timeout_secs` | integer | `30` | on SIGTERM, how long requests in flight may still run |
+//! | `[[backend]]` | table, repeated | none (required) | one inference server each, at most 128 |
+//! | `backend.url` | string | required | `http://host:port`, no path |
+//! | `backend.name` | string | `host:port` | name in logs and metrics (`A-Z a-z 0-9 . _ : -`, at most 64 bytes) |
+//! | `backend.metrics_flavor` | `auto`, `vllm`, `sglang`, `llamacpp` | `auto` | how its `/metrics` is read; `auto` tells from the metric names |
+//! | `[policy]` | table | | the routing policy, [`crate::routing::PolicyConfig`] |
+//! | `policy.kind` | `cache_aware`, `least_load`, `round_robin`, `random` | `cache_aware` | which policy ([`crate::routing`]) |
+//! | `[policy.cache_aware]` | table | | thresholds of the `cache_aware` policy, checked whatever the kind ([`crate::routing::cache_aware::CacheAwareParams`]) |
+//! | `policy.cache_aware.cache_threshold` | float | `0.5` | share of the prompt's blocks (0 to 1) a server must hold, strictly more than, to get the request for its cache |
+//! | `policy.cache_aware.balance_abs_threshold` | integer | `32` | load is imbalanced only if the busiest server has more than this many requests in flight above the least busy ... |
+//! | `policy.cache_aware.balance_rel_threshold` | float | `1.1` | ... and more than this multiple (at least 1) of its load; then the least loaded server gets the request |
+//! | `[response_cache]` | table | | the exact-response cache |
+//! | `response_cache.enabled` | bool | `true` | answer repeated deterministic requests from the cache |
+//! | `response_cache.ttl_secs` | integer | `300` | how long a cached response is served (1 s to 1 year) |
+//! | `response_cache.scope` | `tenant`, `global` | `tenant` | who shares cached responses: callers with the same API key, or everyone |
+//! | `response_cache.max_value_fraction` | float | `0.125` | largest share of the response log one response may take, in (0, 0.5] |
+//! | `response_cache.cache_nondeterministic` | bool | `false` | also cache requests that sample (`temperature` > 0, no `seed`) |
+//! | `[limits]` | table | | request limits |
+//! | `limits.max_body_bytes` | size | `"16MiB"` | largest request body accepted (larger: 413) |
+//! | `limits.request_timeout_secs` | integer | `600` | whole-request deadline towards a backend (1 s to 1 day) |
+//! | `limits.connect_timeout_ms` | integer | `2000` | TCP connect deadline to a backend (at most the request timeout) |
+//! | `limits.retries` | integer | `2` | other backends tried when one cannot be reached, before any byte was answered (0 to 10) |
+//!
+//! Sizes are strings such as `"256MiB"`, `"1.5GiB"` or `"100MB"`, or an
+//! integer number of bytes.
+//!
+//! # Flags
+//!
+//! [`ServeOverrides`] has one field per flag: `--listen`, `--dispatchers`,
+//! `--responders`, `--shm-name`, `--shm-size`, `--backend URL`
+//! (repeatable), `--tokenizer`, `--chat-template`, `--block-size` and
+//! `--policy`.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::Deserialize;
+use shm_layout::plan::{
+    DEFAULT_MAX_RESPONSE_FRACTION, MAX_SEGMENT_BYTES, MIN_SEGMENT_BYTES, PROCESS_SLOTS, RING_COUNT, SERVER_SLOTS,
+};
+use shm_layout::server_table::MAX_ADDRESS_BYTES;
+
+use crate::routing::{PolicyConfig, PolicyKind};
+use crate::size::ByteSize;
+
+/// Default `listen` address.
+pub const DEFAULT_LISTEN: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::UNSPECIFIED), 8080);
+/// Default `shm_name`.
+pub const DEFAULT_SHM_NAME: &str = "semlb";
+/// Default `shm_size`: 256 MiB (about 7.85 M prefix slots and a 118 MiB
+/// response log; see [`shm_layout::plan`]).
+pub const DEFAULT_SHM_SIZE: ByteSize = ByteSize(256 << 20);
+/// Default `block_size`, in tokens (see [`ServeConfig::block_size`]).
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+/// Largest `block_size` accepted.
+pub const MAX_BLOCK_SIZE: usize = 1024;
+/// Most dispatchers: one completion ring each ([`RING_COUNT`]).
+pub const MAX_DISPATCHERS: usize = RING_COUNT as usize;
+/// Most backends: the server table's slots ([`SERVER_SLOTS`]).
+pub const MAX_BACKENDS: usize = SERVER_SLOTS as usize;
+/// Longest backend `name`, in bytes.
+pub const MAX_BACKEND_NAME_BYTES: usize = 64;
+/// Longest `response_cache.ttl_secs`: one year.
+pub const MAX_TTL_SECS: u64 = 365 * 24 * 3600;
+/// Longest `limits.request_timeout_secs` and `drain_timeout_secs`: one day.
+pub const MAX_TIMEOUT_SECS: u64 = 24 * 3600;
+/// Most `limits.retries`.
+pub const MAX_RETRIES: u32 = 10;
+
+/// Why a configuration could not be loaded or is not usable. Every message
+/// names the file or the key.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read configuration file {}: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML or does not fit the schema (unknown key,
+    /// wrong type, bad size...).
+    #[error("invalid configuration file {}: {message}", path.display())]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The TOML parser's message: what is wrong, with the line and
+        /// column, the line quoted and the key marked.
+        message: String,
+    },
+    /// A value is out of range or inconsistent with another.
+    #[error("invalid configuration: {field} = {value}: {reason}")]
+    Invalid {
+        /// The key as written in the file, with its table
+        /// (`limits.retries`; `backend[1].url` counts the `[[backend]]`
+        /// tables from 0).
+        field: String,
+        /// The offending value, as TOML would write it.
+        value: String,
+        /// Why it is refused.
+        reason: String,
+    },
+}
+
+impl ConfigError {
+    fn invalid(field: impl Into<String>, value: impl fmt::Display, reason: impl Into<String>) -> Self {
+        Self::Invalid {
+            field: field.into(),
+            value: value.to_string(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// The whole configuration of `semlb serve`. See the [module docs](self) for
+/// a table of the keys.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServeConfig {
+    /// Address the dispatchers accept HTTP on (they share it with
+    /// `SO_REUSEPORT`). An IP address and a port; port 0 picks a free one.
+    #[serde(deserialize_with = "socket_addr")]
+    pub listen: SocketAddr,
+    /// Number of dispatcher processes. Default: the number of CPU cores
+    /// (`std::thread::available_parallelism`), at most [`MAX_DISPATCHERS`].
+    pub dispatchers: usize,
+    /// Number of response (write-back) processes; each drains the
+    /// completion rings of one or more dispatchers. Default 1.
+    pub responders: usize,
+    /// Name of the shared-memory segment (`/dev/shm/NAME`), as for
+    /// `semlb shm --shm-name`. Default `semlb`.
+    pub shm_name: String,
+    /// Size of the shared-memory segment. Default 256 MiB.
+    pub shm_size: ByteSize,
+    /// A Hugging Face `tokenizer.json` to count prompt tokens with; `None`
+    /// uses the tokenizer bundled with semlb. It should be the served
+    /// model's, so that blocks fall where the engines' blocks fall.
+    pub tokenizer: Option<PathBuf>,
+    /// A Hugging Face `tokenizer_config.json` whose `chat_template` renders
+    /// chat messages into the prompt text; `None` uses the tokenizer's
+    /// own, if it has one.
+    pub chat_template: Option<PathBuf>,
+    /// Tokens per prefix block. Default 16: vLLM's default KV-cache block
+    /// size on GPUs, which is the granularity at which its automatic prefix
+    /// caching hashes and reuses a prompt's KV cache. SGLang's radix cache
+    /// is token-granular (its `--page-size` resolves to 1 unless an
+    /// attention backend needs larger pages), so any block size lines up
+    /// with it and 16 costs it nothing. Hashing prompts at the engine's
+    /// block size makes the gateway's blocks line up with what the engine
+    /// can reuse: `n` matching blocks in the prefix table are `n` blocks the
+    /// engine can skip recomputing, with no partial block counted that the
+    /// engine would recompute anyway. Set it to the engines' `--block-size`
+    /// (vLLM) or `--page-size` (SGLang) when they use another one.
+    pub block_size: usize,
+    /// The inference servers (`[[backend]]` tables in the file). Required:
+    /// there is no default.
+    #[serde(rename = "backend")]
+    pub backends: Vec<BackendConfig>,
+    /// The routing policy and its parameters (`[policy]`).
+    pub policy: PolicyConfig,
+    /// The exact-response cache (`[response_cache]`).
+    pub response_cache: ResponseCacheConfig,
+    /// Request limits (`[limits]`).
+    pub limits: LimitsConfig,
+    /// On SIGTERM the dispatchers stop accepting and let requests in flight
+    /// finish for up to this many seconds before the supervisor stops them.
+    /// Default 30.
+    pub drain_timeout_secs: u64,
+}
+
+/// One inference server (a `[[backend]]` table).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendConfig {
+    /// Its base URL: `http://host:port`, where host is a name, an IPv4
+    /// address or a bracketed IPv6 address. The port is required (engines
+    /// listen on 8000, 30000 or 8080, never on 80 by default), and there is
+    /// no path: the client's path (`/v1/...`) is forwarded as it is.
+    pub url: String,
+    /// Its name in logs and metrics; default `host:port`.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// How its `/metrics` is read. Default `auto`.
+    #[serde(default)]
+    pub metrics_flavor: MetricsFlavor,
+}
+
+impl BackendConfig {
+    /// A backend with this URL, no name and `metrics_flavor = "auto"`
+    /// (what `--backend URL` gives).
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            name: None,
+            metrics_flavor: MetricsFlavor::Auto,
+        }
+    }
+
+    /// Its URL taken apart; errors say what is wrong with it.
+    pub fn parsed_url(&self) -> Result<BackendUrl, String> {
+        self.url.parse()
+    }
+
+    /// Its name: `name` if given, else the URL's `host:port` (the URL as
+    /// written if it does not parse).
+    pub fn display_name(&self) -> String {
+        match (&self.name, self.parsed_url()) {
+            (Some(name), _) => name.clone(),
+            (None, Ok(url)) => url.authority(),
+            (None, Err(_)) => self.url.clone(),
+        }
+    }
+}
+
+/// Which metrics an engine exposes on `/metrics`, for the load figures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MetricsFlavor {
+    /// Tell from the metric names (`vllm:`, `sglang:`, `llamacpp:`).
+    #[default]
+    Auto,
+    /// vLLM (`vllm:num_requests_running`, ...).
+    Vllm,
+    /// SGLang (`sglang:num_running_reqs`, ...).
+    Sglang,
+    /// llama.cpp's `llama-server --metrics` (`llamacpp:requests_processing`, ...).
+    Llamacpp,
+}
+
+/// A backend URL taken apart: `http://host:port`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BackendUrl {
+    /// Host name in lower case, or an IP address as Rust prints it
+    /// (an IPv6 address without its brackets).
+    pub host: String,
+    /// Port.
+    pub port: u16,
+}
+
+impl BackendUrl {
+    /// `host:port`, with an IPv6 host in brackets: what to connect to and
+    /// the `Host` header.
+    pub fn authority(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+}
+
+impl fmt::Display for BackendUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "http://{}", self.authority())
+    }
+}
+
+/// Whether `host` is a DNS name: dot-separated labels of letters, digits,
+/// `-` and `_` (container names), 1 to 63 bytes each, not starting or ending
+/// with `-`; 253 bytes in all at most.
+fn is_host_name(host: &str) -> bool {
+    host.len() <= 253
+        && host.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        })
+}
+
+impl FromStr for BackendUrl {
+    type Err = String;
+
+    /// Parses `http://host:port` (an optional trailing `/` is allowed).
+    /// The error is the reason only; the caller names the field and value.
+    fn from_str(url: &str) -> Result<Self, String> {
+        if url.len() > MAX_ADDRESS_BYTES {
+            return Err(format!(
+                "it is longer than {MAX_ADDRESS_BYTES} bytes (the server table's address limit)"
+            ));
+        }
+        let Some((scheme, rest)) = url.split_once("://") else {
+            return Err("expected http://host:port".into());
+        };
+        if !scheme.eq_ignore_ascii_case("http") {
+            return Err(format!(
+                "the scheme must be http, not {scheme:?} (semlb speaks plain HTTP to inference servers)"
+            ));
+        }
+        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(end);
+        if !tail.is_empty() && tail != "/" {
+            return Err(format!(
+                "it must not have a path, query or fragment (found {tail:?}): the client's path is forwarded as it is"
+            ));
+        }
+        if authority.contains('@') {
+            return Err("it must not contain user information (user@)".into());
+        }
+        let bracketed = authority.starts_with('[');
+        let (host, port) = if let Some(inner) = authority.strip_prefix('[') {
+            let Some((ip, port)) = inner.split_once(']') else {
+                return Err("an IPv6 address must be closed with ']'".into());
+            };
+            let ip: Ipv6Addr = ip.parse().map_err(|_| format!("{ip:?} is not an IPv6 address"))?;
+            match port.strip_prefix(':') {
+                Some(port) => (ip.to_string(), Some(port)),
+                None if port.is_empty() => (ip.to_string(), None),
+                None => return Err(format!("expected ':port' after the IPv6 address, found {port:?}")),
+            }
+        } else {
+            match authority.rsplit_once(':') {
+                Some((host, port)) => (host.to_ascii_lowercase(), Some(port)),
+                None => (authority.to_ascii_lowercase(), None),
+            }
+        };
+        if host.is_empty() {
+            return Err("the host is missing".into());
+        }
+        if !bracketed && host.contains(':') {
+            return Err("an IPv6 address must be in brackets: http://[::1]:8000".into());
+        }
+        if !bracketed && host.parse::<Ipv4Addr>().is_err() && !is_host_name(&host) {
+            return Err(format!("{host:?} is not a host name or IP address"));
+        }
+        let Some(port) = port.filter(|p| !p.is_empty()) else {
+            return Err("the port is missing (expected http://host:port)".into());
+        };
+        if !port.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(format!("port {port:?} is not a number"));
+        }
+        let port = port
+            .parse::<u16>()
+            .ok()
+            .filter(|&p| p != 0)
+            .ok_or_else(|| format!("port {port} is not in 1..=65535"))?;
+        Ok(Self { host, port })
+    }
+}
+
+/// Who may be answered with a cached response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheScope {
+    /// Callers with the same API key (the key is hashed into the cache key;
+    /// requests without a key share one tenant).
+    #[default]
+    Tenant,
+    /// Every caller: a cached answer to one tenant may be returned to
+    /// another. Only for deployments with a single trust domain.
+    Global,
+}
+
+/// The exact-response cache (`[response_cache]`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ResponseCacheConfig {
+    /// Answer repeated requests from the cache. Default true.
+    pub enabled: bool,
+    /// Seconds a cached response is served; older entries are misses.
+    /// Default 300.
+    pub ttl_secs: u64,
+    /// Who shares cached responses. Default `tenant`.
+    pub scope: CacheScope,
+    /// Largest share of the shared-memory response log one response may
+    /// take; larger responses are not cached. In (0, 0.5]; default 0.125.
+    pub max_value_fraction: f64,
+    /// Also cache requests whose output is sampled (`temperature` > 0 and
+    /// no `seed`), so repeats get the first sample instead of a new one.
+    /// Default false.
+    pub cache_nondeterministic: bool,
+}
+
+impl Default for ResponseCacheConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            ttl_secs: 300,
+            scope: CacheScope::Tenant,
+            max_value_fraction: DEFAULT_MAX_RESPONSE_FRACTION,
+            cache_nondeterministic: false,
+        }
+    }
+}
+
+impl ResponseCacheConfig {
+    /// [`ttl_secs`](Self::ttl_secs) as a duration.
+    pub fn ttl(&self) -> Duration {
+        Duration::from_secs(self.ttl_secs)
+    }
+}
+
+/// Request limits (`[limits]`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Largest request body accepted; larger requests get 413. Default 16 MiB.
+    pub max_body_bytes: ByteSize,
+    /// Deadline of a whole request towards a backend, streaming included.
+    /// Default 600 s (long generations take minutes).
+    pub request_timeout_secs: u64,
+    /// Deadline of the TCP connect to a backend. Default 2000 ms.
+    pub connect_timeout_ms: u64,
+    /// How many other backends are tried when one cannot be reached or
+    /// fails before answering anything (never after a byte of the response
+    /// was sent). Default 2.
+    pub retries: u32,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: ByteSize(16 << 20),
+            request_timeout_secs: 600,
+            connect_timeout_ms: 2000,
+            retries: 2,
+        }
+    }
+}
+
+impl LimitsConfig {
+    /// [`request_timeout_secs`](Self::request_timeout_secs) as a duration.
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_secs(self.request_timeout_secs)
+    }
+
+    /// [`connect_timeout_ms`](Self::connect_timeout_ms) as a duration.
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
+    }
+}
+
+/// The default number of dispatchers: one per CPU core, at most
+/// [`MAX_DISPATCHERS`].
+pub fn default_dispatchers() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, std::num::NonZero::get)
+        .min(MAX_DISPATCHERS)
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            listen: DEFAULT_LISTEN,
+            dispatchers: default_dispatchers(),
+            responders: 1,
+            shm_name: DEFAULT_SHM_NAME.to_owned(),
+            shm_size: DEFAULT_SHM_SIZE,
+            tokenizer: None,
+            chat_template: None,
+            block_size: DEFAULT_BLOCK_SIZE,
+            backends: Vec::new(),
+            policy: PolicyConfig::default(),
+            response_cache: ResponseCacheConfig::default(),
+            limits: LimitsConfig::default(),
+            drain_timeout_secs: 30,
+        }
+    }
+}
+
+/// Command-line flags of `semlb serve` that override the file; `None` (or
+/// an absent flag) keeps the file's value.
+#[derive(Debug, Clone, Default)]
+pub struct ServeOverrides {
+    /// `--listen ADDR`.
+    pub listen: Option<SocketAddr>,
+    /// `--dispatchers N`.
+    pub dispatchers: Option<usize>,
+    /// `--responders N`.
+    pub responders: Option<usize>,
+    /// `--shm-name NAME`.
+    pub shm_name: Option<String>,
+    /// `--shm-size SIZE`.
+    pub shm_size: Option<ByteSize>,
+    /// `--backend URL`, repeatable: when given, these replace the file's
+    /// `[[backend]]` list (with no names and `metrics_flavor = "auto"`).
+    pub backends: Option<Vec<String>>,
+    /// `--tokenizer PATH`.
+    pub tokenizer: Option<PathBuf>,
+    /// `--chat-template PATH`.
+    pub chat_template: Option<PathBuf>,
+    /// `--block-size N`.
+    pub block_size: Option<usize>,
+    /// `--policy KIND`: the policy kind; its parameters stay the file's.
+    pub policy: Option<PolicyKind>,
+}
+
+impl ServeConfig {
+    /// Reads and parses the configuration file at `path`; with no path, the
+    /// defaults. Does not validate: flags may still complete it (e.g. with
+    /// `--backend`), see [`resolve`](Self::resolve).
+    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
+        let Some(path) = path else {
+            return Ok(Self::default());
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::from_toml(&text, path)
+    }
+
+    /// Parses a configuration read from `path` (used in messages, and as
+    /// the base of relative `tokenizer` and `chat_template` paths). Does not
+    /// validate.
+    pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let mut config: Self = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string().trim_end().to_owned(),
+        })?;
+        let base = path.parent().unwrap_or(Path::new(""));
+        for file in [&mut config.tokenizer, &mut config.chat_template].into_iter().flatten() {
+            if file.is_relative() {
+                *file = base.join(&*file);
+            }
+        }
+        Ok(config)
+    }
+
+    /// Puts the flags over the configuration.
+    pub fn apply(&mut self, overrides: ServeOverrides) {
+        let ServeOverrides {
+            listen,
+            dispatchers,
+            responders,
+            shm_name,
+            shm_size,
+            backends,
+            tokenizer,
+            chat_template,
+            block_size,
+            policy,
+        } = overrides;
+        if let Some(v) = listen {
+            self.listen = v;
+        }
+        if let Some(v) = dispatchers {
+            self.dispatchers = v;
+        }
+        if let Some(v) = responders {
+            self.responders = v;
+        }
+        if let Some(v) = shm_name {
+            self.shm_name = v;
+        }
+        if let Some(v) = shm_size {
+            self.shm_size = v;
+        }
+        if let Some(urls) = backends {
+            self.backends = urls.into_iter().map(BackendConfig::new).collect();
+        }
+        if let Some(v) = tokenizer {
+            self.tokenizer = Some(v);
+        }
+        if let Some(v) = chat_template {
+            self.chat_template = Some(v);
+        }
+        if let Some(v) = block_size {
+            self.block_size = v;
+        }
+        if let Some(kind) = policy {
+            self.policy.kind = kind;
+        }
+    }
+
+    /// The configuration `semlb serve` runs with: the file (if any), the
+    /// flags over it, validated.
+    pub fn resolve(path: Option<&Path>, overrides: ServeOverrides) -> Result<Self, ConfigError> {
+        let mut config = Self::load(path)?;
+        config.apply(overrides);
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// [`drain_timeout_secs`](Self::drain_timeout_secs) as a duration.
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_secs(self.drain_timeout_secs)
+    }
+
+    /// Checks every value and the relations between them; the first
+    /// problem found is returned, naming the key, the value and the reason.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        use ConfigError as E;
+
+        if self.dispatchers == 0 {
+            return Err(E::invalid("dispatchers", 0, "must be at least 1"));
+        }
+        if self.dispatchers > MAX_DISPATCHERS {
+            return Err(E::invalid(
+                "dispatchers",
+                self.dispatchers,
+                format!("must be at most {MAX_DISPATCHERS} (the segment has one completion ring per dispatcher)"),
+            ));
+        }
+        if self.responders == 0 {
+            return Err(E::invalid("responders", 0, "must be at least 1"));
+        }
+        if self.responders > self.dispatchers {
+            return Err(E::invalid(
+                "responders",
+                self.responders,
+                format!(
+                    "must be at most dispatchers = {} (a responder drains at least one dispatcher's ring; more would idle)",
+                    self.dispatchers
+                ),
+            ));
+        }
+        let processes = self.dispatchers + self.responders + 1;
+        if processes > PROCESS_SLOTS as usize {
+            return Err(E::invalid(
+                "responders",
+                self.responders,
+                format!(
+                    "dispatchers + responders + the supervisor = {processes} processes, more than the segment's {PROCESS_SLOTS} process slots"
+                ),
+            ));
+        }
+        if let Err(e) = shm_layout::shm_path(&self.shm_name) {
+            return Err(E::invalid("shm_name", quoted(&self.shm_name), e.reason));
+        }
+        let size = self.shm_size.bytes();
+        if !(MIN_SEGMENT_BYTES..=MAX_SEGMENT_BYTES).contains(&size) {
+            return Err(E::invalid(
+                "shm_size",
+                quoted(&self.shm_size.to_string()),
+                format!(
+                    "must be between {} and {}",
+                    ByteSize(MIN_SEGMENT_BYTES),
+                    ByteSize(MAX_SEGMENT_BYTES)
+                ),
+            ));
+        }
+        for (field, path) in [("tokenizer", &self.tokenizer), ("chat_template", &self.chat_template)] {
+            if path.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+                return Err(E::invalid(
+                    field,
+                    "\"\"",
+                    "must not be empty (leave it out for the default)",
+                ));
+            }
+        }
+        if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE {
+            return Err(E::invalid(
+                "block_size",
+                self.block_size,
+                format!("must be between 1 and {MAX_BLOCK_SIZE} tokens (the engines' KV block size, usually 16)"),
+            ));
+        }
+        self.validate_backends()?;
+        if let Err(message) = self.policy.validate() {
+            // `PolicyConfig` says `key = value: reason` relative to its table.
+            let parts = message
+                .split_once(" = ")
+                .and_then(|(key, rest)| Some((key, rest.split_once(": ")?)));
+            return Err(match parts {
+                Some((key, (value, reason))) => E::invalid(format!("policy.{key}"), value, reason),
+                None => E::invalid("policy.kind", quoted(self.policy.kind.name()), message),
+            });
+        }
+        self.validate_response_cache()?;
+        self.validate_limits()?;
+        if self.drain_timeout_secs > MAX_TIMEOUT_SECS {
+            return Err(E::invalid(
+                "drain_timeout_secs",
+                self.drain_timeout_secs,
+                format!("must be at most {MAX_TIMEOUT_SECS} (one day)"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_backends(&self) -> Result<(), ConfigError> {
+        use ConfigError as E;
+
+        if self.backends.is_empty() {
+            return Err(E::invalid(
+                "backend",
+                "[]",
+                "at least one backend is needed ([[backend]] url = \"http://host:port\", or --backend URL)",
+            ));
+        }
+        if self.backends.len() > MAX_BACKENDS {
+            return Err(E::invalid(
+                "backend",
+                format!("[{} tables]", self.backends.len()),
+                format!("at most {MAX_BACKENDS} backends fit the segment's server table"),
+            ));
+        }
+        let mut urls: HashMap<BackendUrl, usize> = HashMap::new();
+        let mut names: HashMap<String, usize> = HashMap::new();
+        for (i, backend) in self.backends.iter().enumerate() {
+            let url = backend
+                .parsed_url()
+                .map_err(|reason| E::invalid(format!("backend[{i}].url"), quoted(&backend.url), reason))?;
+            if let Some(first) = urls.insert(url, i) {
+                return Err(E::invalid(
+                    format!("backend[{i}].url"),
+                    quoted(&backend.url),
+                    format!("the same server as backend[{first}].url"),
+                ));
+            }
+            if let Some(name) = &backend.name {
+                let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-');
+                if name.is_empty() || name.len() > MAX_BACKEND_NAME_BYTES || !name.chars().all(ok_char) {
+                    return Err(E::invalid(
+                        format!("backend[{i}].name"),
+                        quoted(name),
+                        format!(
+                            "must be 1 to {MAX_BACKEND_NAME_BYTES} letters, digits or . _ : - (it is a metrics label)"
+                        ),
+                    ));
+                }
+            }
+            let name = backend.display_name();
+            if let Some(first) = names.insert(name.clone(), i) {
+                return Err(E::invalid(
+                    format!("backend[{i}].name"),
+                    quoted(&name),
+                    format!("backend[{first}] has that name already; names must be unique"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_response_cache(&self) -> Result<(), ConfigError> {
+        use ConfigError as E;
+
+        let cache = &self.response_cache;
+        if cache.ttl_secs == 0 || cache.ttl_secs > MAX_TTL_SECS {
+            return Err(E::invalid(
+                "response_cache.ttl_secs",
+                cache.ttl_secs,
+                format!("must be between 1 and {MAX_TTL_SECS} (one year); to turn the cache off, set enabled = false"),
+            ));
+        }
+        let f = cache.max_value_fraction;
+        if !(f > 0.0 && f <= 0.5) {
+            return Err(E::invalid(
+                "response_cache.max_value_fraction",
+                f,
+                "must be greater than 0 and at most 0.5 (a share of the response log)",
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_limits(&self) -> Result<(), ConfigError> {
+        use ConfigError as E;
+
+        let limits = &self.limits;
+        if limits.max_body_bytes.bytes() == 0 {
+            return Err(E::invalid(
+                "limits.max_body_bytes",
+                quoted(&limits.max_body_bytes.to_string()),
+                "must be greater than 0 (every request would be refused)",
+            ));
+        }
+        if limits.request_timeout_secs == 0 || limits.request_timeout_secs > MAX_TIMEOUT_SECS {
+            return Err(E::invalid(
+                "limits.request_timeout_secs",
+                limits.request_timeout_secs,
+                format!("must be between 1 and {MAX_TIMEOUT_SECS} (one day)"),
+            ));
+        }
+        if limits.connect_timeout_ms == 0 {
+            return Err(E::invalid("limits.connect_timeout_ms", 0, "must be at least 1"));
+        }
+        if limits.connect_timeout_ms > limits.request_timeout_secs * 1000 {
+            return Err(E::invalid(
+                "limits.connect_timeout_ms",
+                limits.connect_timeout_ms,
+                format!(
+                    "must be at most limits.request_timeout_secs = {} in milliseconds ({})",
+                    limits.request_timeout_secs,
+                    limits.request_timeout_secs * 1000
+                ),
+            ));
+        }
+        if limits.retries > MAX_RETRIES {
+            return Err(E::invalid(
+                "limits.retries",
+                limits.retries,
+                format!("must be at most {MAX_RETRIES} (more retries only multiply the load on failing servers)"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `listen`: a socket address, with a message saying what one looks like.
+fn socket_addr<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<SocketAddr, D::Error> {
+    let text = String::deserialize(deserializer)?;
+    text.parse().map_err(|_| {
+        serde::de::Error::custom(format_args!(
+            "invalid address {text:?}: expected an IP address and a port, such as \"0.0.0.0:8080\" or \"[::]:8080\" \
+             (host names are not accepted)"
+        ))
+    })
+}
+
+/// A string as TOML writes it, for error messages.
+fn quoted(s: &str) -> String {
+    format!("{s:?}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = include_str!("../systemd/semlb.toml");
+    const EXAMPLE_PATH: &str = "/etc/semlb/semlb.toml";
+
+    fn parse(text: &str) -> Result<ServeConfig, ConfigError> {
+        ServeConfig::from_toml(text, Path::new("/etc/semlb/test.toml"))
+    }
+
+    fn parse_err(text: &str) -> String {
+        match parse(text) {
+            Err(e @ ConfigError::Parse { .. }) => e.to_string(),
+            other => panic!("expected a parse error for {text:?}, got {other:?}"),
+        }
+    }
+
+    /// The defaults plus one backend: valid.
+    fn valid() -> ServeConfig {
+        let mut config = ServeConfig::default();
+        config.backends.push(BackendConfig::new("http://127.0.0.1:8000"));
+        config
+    }
+
+    fn invalid(config: &ServeConfig) -> (String, String, String, String) {
+        match config.validate() {
+            Err(e @ ConfigError::Invalid { .. }) => {
+                let shown = e.to_string();
+                let ConfigError::Invalid { field, value, reason } = e else {
+                    unreachable!()
+                };
+                (field, value, reason, shown)
+            }
+            other => panic!("expected a validation error, got {other:?}"),
+        }
+    }
+
+    /// The example with its commented-out settings (`# key = value`) turned on.
+    fn example_uncommented() -> String {
+        EXAMPLE
+            .lines()
+            .map(|line| {
+                let body = line.strip_prefix('#').map(str::trim_start);
+                match body {
+                    Some(body) if is_setting(body) => body,
+                    _ => line,
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// `key = ...` with a lower-case key: a setting rather than prose.
+    fn is_setting(line: &str) -> bool {
+        line.split_once(" = ")
+            .is_some_and(|(key, _)| !key.is_empty() && key.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'))
+    }
+
+    #[test]
+    fn defaults() {
+        let c = ServeConfig::default();
+        assert_eq!(c.listen, "0.0.0.0:8080".parse().unwrap());
+        let cores = std::thread::available_parallelism().unwrap().get();
+        assert_eq!(c.dispatchers, cores.min(64));
+        assert!(c.dispatchers >= 1);
+        assert_eq!(c.responders, 1);
+        assert_eq!(c.shm_name, "semlb");
+        assert_eq!(c.shm_size, ByteSize(256 << 20));
+        assert_eq!(c.tokenizer, None);
+        assert_eq!(c.chat_template, None);
+        assert_eq!(c.block_size, 16);
+        assert!(c.backends.is_empty());
+        assert_eq!(c.policy, PolicyConfig::default());
+        assert_eq!(c.policy.kind, PolicyKind::CacheAware);
+        assert_eq!(
+            c.response_cache,
+            ResponseCacheConfig {
+                enabled: true,
+                ttl_secs: 300,
+                scope: CacheScope::Tenant,
+                max_value_fraction: 0.125,
+                cache_nondeterministic: false,
+            }
+        );
+        assert_eq!(
+            c.limits,
+            LimitsConfig {
+                max_body_bytes: ByteSize(16 << 20),
+                request_timeout_secs: 600,
+                connect_timeout_ms: 2000,
+                retries: 2,
+            }
+        );
+        assert_eq!(c.drain_timeout_secs, 30);
+        assert_eq!(c.drain_timeout(), Duration::from_secs(30));
+        assert_eq!(c.limits.request_timeout(), Duration::from_secs(600));
+        assert_eq!(c.limits.connect_timeout(), Duration::from_millis(2000));
+        assert_eq!(c.response_cache.ttl(), Duration::from_secs(300));
+
+        // An empty file and no file are the defaults too.
+        assert_eq!(parse("").unwrap(), c);
+        assert_eq!(ServeConfig::load(None).unwrap(), c);
+        // The defaults lack only a backend.
+        let (field, ..) = invalid(&c);
+        assert_eq!(field, "backend");
+        valid().validate().unwrap();
+    }
+
+    #[test]
+    fn example_file_parses_validates_and_shows_the_defaults() {
+        let c = ServeConfig::from_toml(EXAMPLE, Path::new(EXAMPLE_PATH)).unwrap();
+        c.validate().unwrap();
+        // Every value it sets is the default, so it documents them truly.
+        let defaults = ServeConfig {
+            backends: c.backends.clone(),
+            ..ServeConfig::default()
+        };
+        assert_eq!(c, defaults);
+        let flavors: Vec<MetricsFlavor> = c.backends.iter().map(|b| b.metrics_flavor).collect();
+        assert_eq!(
+            flavors,
+            [MetricsFlavor::Vllm, MetricsFlavor::Auto, MetricsFlavor::Llamacpp]
+        );
+    }
+
+    #[test]
+    fn example_file_with_every_commented_setting_enabled_parses() {
+        let text = example_uncommented();
+        assert_ne!(
+            text.trim_end(),
+            EXAMPLE.trim_end(),
+            "the example should have commented-out settings"
+        );
+        let c = ServeConfig::from_toml(&text, Path::new(EXAMPLE_PATH)).unwrap();
+        c.validate().unwrap();
+        assert!(c.tokenizer.is_some() && c.chat_template.is_some(), "{c:?}");
+        assert!(c.backends.iter().any(|b| b.name.is_some()), "{c:?}");
+        // Every key of the schema appears in the example.
+        for key in [
+            "listen",
+            "dispatchers",
+            "responders",
+            "shm_name",
+            "shm_size",
+            "tokenizer",
+            "chat_template",
+            "block_size",
+            "drain_timeout_secs",
+            "[[backend]]",
+            "url",
+            "name",
+            "metrics_flavor",
+            "[policy]",
+            "kind",
+            "[policy.cache_aware]",
+            "cache_threshold",
+            "balance_abs_threshold",
+            "balance_rel_threshold",
+            "[response_cache]",
+            "enabled",
+            "ttl_secs",
+            "scope",
+            "max_value_fraction",
+            "cache_nondeterministic",
+            "[limits]",
+            "max_body_bytes",
+            "request_timeout_secs",
+            "connect_timeout_ms",
+            "retries",
+        ] {
+            let present = text
+                .lines()
+                .any(|l| l.trim() == key || l.split_once(" = ").is_some_and(|(k, _)| k.trim() == key));
+            assert!(present, "{key} is missing from systemd/semlb.toml");
+        }
+    }
+
+    #[test]
+    fn full_file_parses() {
+        let text = r#"
+listen = "127.0.0.1:9000"
+dispatchers = 4
+responders = 2
+shm_name = "semlb-test"
+shm_size = "1GiB"
+tokenizer = "tok/tokenizer.json"
+chat_template = "/models/qwen/tokenizer_config.json"
+block_size = 32
+drain_timeout_secs = 5
+
+[[backend]]
+url = "http://10.0.0.1:8000"
+name = "gpu-0"
+metrics_flavor = "vllm"
+
+[[backend]]
+url = "http://[::1]:30000/"
+metrics_flavor = "sglang"
+
+[[backend]]
+url = "HTTP://Llama.Local:8080"
+metrics_flavor = "llamacpp"
+
+[response_cache]
+enabled = false
+ttl_secs = 60
+scope = "global"
+max_value_fraction = 0.25
+cache_nondeterministic = true
+
+[limits]
+max_body_bytes = "1MiB"
+request_timeout_secs = 120
+connect_timeout_ms = 500
+retries = 0
+"#;
+        let c = parse(text).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.listen, "127.0.0.1:9000".parse().unwrap());
+        assert_eq!((c.dispatchers, c.responders), (4, 2));
+        assert_eq!(c.shm_name, "semlb-test");
+        assert_eq!(c.shm_size, ByteSize(1 << 30));
+        // Relative to the file's directory; absolute paths stay.
+        assert_eq!(c.tokenizer, Some(PathBuf::from("/etc/semlb/tok/tokenizer.json")));
+        assert_eq!(
+            c.chat_template,
+            Some(PathBuf::from("/models/qwen/tokenizer_config.json"))
+        );
+        assert_eq!(c.block_size, 32);
+        assert_eq!(c.drain_timeout_secs, 5);
+        assert_eq!(
+            c.backends[0],
+            BackendConfig {
+                url: "http://10.0.0.1:8000".into(),
+                name: Some("gpu-0".into()),
+                metrics_flavor: MetricsFlavor::Vllm,
+            }
+        );
+        let names: Vec<String> = c.backends.iter().map(BackendConfig::display_name).collect();
+        assert_eq!(names, ["gpu-0", "[::1]:30000", "llama.local:8080"]);
+        let flavors: Vec<MetricsFlavor> = c.backends.iter().map(|b| b.metrics_flavor).collect();
+        assert_eq!(
+            flavors,
+            [MetricsFlavor::Vllm, MetricsFlavor::Sglang, MetricsFlavor::Llamacpp]
+        );
+        assert_eq!(
+            c.response_cache,
+            ResponseCacheConfig {
+                enabled: false,
+                ttl_secs: 60,
+                scope: CacheScope::Global,
+                max_value_fraction: 0.25,
+                cache_nondeterministic: true,
+            }
+        );
+        assert_eq!(
+            c.limits,
+            LimitsConfig {
+                max_body_bytes: ByteSize(1 << 20),
+                request_timeout_secs: 120,
+                connect_timeout_ms: 500,
+                retries: 0,
+            }
+        );
+    }
+
+    #[test]
+    fn policy_table() {
+        let c = parse("[policy]\nkind = \"round_robin\"\n").unwrap();
+        assert_eq!(
+            c.policy,
+            PolicyConfig {
+                kind: PolicyKind::RoundRobin,
+                ..PolicyConfig::default()
+            }
+        );
+        let c = parse("[policy.cache_aware]\nbalance_abs_threshold = 64\n").unwrap();
+        assert_eq!(c.policy.kind, PolicyKind::CacheAware);
+        assert_eq!(c.policy.cache_aware.balance_abs_threshold, 64);
+        assert_eq!(c.policy.cache_aware.cache_threshold, 0.5);
+        let msg = parse_err("[policy]\nkind = \"fastest\"\n");
+        assert!(
+            msg.contains("unknown variant `fastest`") && msg.contains("line 2"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn partial_tables_keep_the_other_defaults() {
+        let c = parse("[limits]\nretries = 5\n[response_cache]\nscope = \"global\"\n").unwrap();
+        assert_eq!(
+            c.limits,
+            LimitsConfig {
+                retries: 5,
+                ..LimitsConfig::default()
+            }
+        );
+        assert_eq!(
+            c.response_cache,
+            ResponseCacheConfig {
+                scope: CacheScope::Global,
+                ..ResponseCacheConfig::default()
+            }
+        );
+        assert_eq!(c.block_size, DEFAULT_BLOCK_SIZE);
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected_naming_key_and_line() {
+        let cases: &[(&str, &str, usize)] = &[
+            ("listen = \"0.0.0.0:1\"\nlisten_addr = \"x\"\n", "listen_addr", 2),
+            ("\n\n[limits]\nretries = 1\nmax_retries = 3\n", "max_retries", 5),
+            ("[response_cache]\nttl = 5\n", "ttl", 2),
+            ("[[backend]]\nurl = \"http://a:1\"\nweight = 2\n", "weight", 3),
+            ("[policy]\nthreshhold = 0.5\n", "threshhold", 2),
+            ("[policy.cache_aware]\nthreshold = 0.5\n", "threshold", 2),
+            ("[caches]\nenabled = true\n", "caches", 1),
+            // The list is `[[backend]]`, not `backends`.
+            ("[[backends]]\nurl = \"http://a:1\"\n", "backends", 1),
+        ];
+        for (text, key, line) in cases {
+            let msg = parse_err(text);
+            assert!(msg.contains(&format!("unknown field `{key}`")), "{key}: {msg}");
+            assert!(msg.contains(&format!("line {line}")), "{key}: {msg}");
+            assert!(msg.contains("/etc/semlb/test.toml"), "{msg}");
+        }
+    }
+
+    #[test]
+    fn wrong_types_are_rejected_with_the_line() {
+        let cases: &[(&str, usize, &str)] = &[
+            ("# comment\n\ndispatchers = \"four\"\n", 3, "invalid type"),
+            ("listen = 8080\n", 1, "invalid type"),
+            (
+                "listen = \"localhost:8080\"\n",
+                1,
+                "invalid address \"localhost:8080\": expected an IP address and a port",
+            ),
+            ("responders = -1\n", 1, "-1"),
+            ("[response_cache]\nenabled = \"yes\"\n", 2, "invalid type"),
+            (
+                "[response_cache]\nscope = \"everyone\"\n",
+                2,
+                "unknown variant `everyone`",
+            ),
+            (
+                "[[backend]]\nurl = \"http://a:1\"\nmetrics_flavor = \"tgi\"\n",
+                3,
+                "unknown variant `tgi`",
+            ),
+            ("[[backend]]\nname = \"a\"\n", 1, "missing field `url`"),
+            ("backend = \"http://a:1\"\n", 1, "invalid type"),
+            ("[limits]\nretries = 1.5\n", 2, "invalid type"),
+            ("block_size = 16\nblock_size = 32\n", 2, "duplicate key"),
+            ("shm_size = 256MiB\n", 1, "TOML parse error"),
+        ];
+        for (text, line, what) in cases {
+            let msg = parse_err(text);
+            assert!(msg.contains(&format!("line {line}")), "{text:?}: {msg}");
+            assert!(msg.contains(what), "{text:?}: {msg}");
+        }
+    }
+
+    #[test]
+    fn sizes_parse_from_strings_and_integers() {
+        let cases: &[(&str, u64)] = &[
+            ("\"256MiB\"", 256 << 20),
+            ("\"1.5GiB\"", 3 << 29),
+            ("\"100MB\"", 100_000_000),
+            ("\"64 m\"", 64 << 20),
+            ("\"16777216\"", 16 << 20),
+            ("268435456", 256 << 20),
+        ];
+        for (value, want) in cases {
+            let c = parse(&format!("shm_size = {value}\n[limits]\nmax_body_bytes = {value}\n")).unwrap();
+            assert_eq!(c.shm_size, ByteSize(*want), "{value}");
+            assert_eq!(c.limits.max_body_bytes, ByteSize(*want), "{value}");
+        }
+        let cases: &[(&str, &[&str])] = &[
+            ("\"12XB\"", &["\"12XB\"", "unknown unit \"XB\""]),
+            ("\"\"", &["it is empty"]),
+            ("\"1.5\"", &["not a whole number of bytes"]),
+            ("\"99999999999TiB\"", &["larger than"]),
+            ("-5", &["cannot be negative"]),
+            ("1.5", &["invalid type"]),
+            ("true", &["invalid type"]),
+        ];
+        for (value, wants) in cases {
+            let msg = parse_err(&format!("\n[limits]\nmax_body_bytes = {value}\n"));
+            assert!(msg.contains("line 3"), "{value}: {msg}");
+            for want in *wants {
+                assert!(msg.contains(want), "{value}: {msg}");
+            }
+        }
+    }
+
+    #[test]
+    fn unreadable_file_is_a_read_error_naming_it() {
+        let path = Path::new("/nonexistent/semlb/semlb.toml");
+        let err = ServeConfig::load(Some(path)).unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::Read { path: p, source } if p == path && source.kind() == std::io::ErrorKind::NotFound)
+        );
+        assert!(err.to_string().contains("/nonexistent/semlb/semlb.toml"), "{err}");
+    }
+
+    #[test]
+    fn invalid_error_names_field_value_and_reason() {
+        let mut c = valid();
+        c.dispatchers = 0;
+        let err = c.validate().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid configuration: dispatchers = 0: must be at least 1"
+        );
+    }
+
+    #[test]
+    fn each_validation_rule() {
+        type Mutate = fn(&mut ServeConfig);
+        let cases: &[(&str, Mutate, &str, &str, &str)] = &[
+            ("dispatchers", |c| c.dispatchers = 0, "dispatchers", "0", "at least 1"),
+            ("dispatchers", |c| c.dispatchers = 65, "dispatchers", "65", "at most 64"),
+            ("responders", |c| c.responders = 0, "responders", "0", "at least 1"),
+            (
+                "responders",
+                |c| {
+                    c.dispatchers = 2;
+                    c.responders = 3
+                },
+                "responders",
+                "3",
+                "at most dispatchers = 2",
+            ),
+            (
+                "processes",
+                |c| {
+                    c.dispatchers = 64;
+                    c.responders = 64
+                },
+                "responders",
+                "64",
+                "129 processes",
+            ),
+            ("shm_name", |c| c.shm_name = String::new(), "shm_name", "\"\"", "empty"),
+            ("shm_name", |c| c.shm_name = "a/b".into(), "shm_name", "\"a/b\"", "'/'"),
+            (
+                "shm_name",
+                |c| c.shm_name = "x".repeat(201),
+                "shm_name",
+                "xxx",
+                "longer than 200",
+            ),
+            (
+                "shm_size",
+                |c| c.shm_size = ByteSize(4 << 20),
+                "shm_size",
+                "\"4 MiB\"",
+                "between 8 MiB and 1 TiB",
+            ),
+            (
+                "shm_size",
+                |c| c.shm_size = ByteSize(2 << 40),
+                "shm_size",
+                "\"2 TiB\"",
+                "between 8 MiB and 1 TiB",
+            ),
+            (
+                "tokenizer",
+                |c| c.tokenizer = Some(PathBuf::new()),
+                "tokenizer",
+                "\"\"",
+                "empty",
+            ),
+            (
+                "chat_template",
+                |c| c.chat_template = Some(PathBuf::new()),
+                "chat_template",
+                "\"\"",
+                "empty",
+            ),
+            (
+                "block_size",
+                |c| c.block_size = 0,
+                "block_size",
+                "0",
+                "between 1 and 1024",
+            ),
+            (
+                "block_size",
+                |c| c.block_size = 1025,
+                "block_size",
+                "1025",
+                "between 1 and 1024",
+            ),
+            (
+                "no backend",
+                |c| c.backends.clear(),
+                "backend",
+                "[]",
+                "at least one backend",
+            ),
+            (
+                "too many backends",
+                |c| c.backends = (1..=129).map(|p| BackendConfig::new(format!("http://h:{p}"))).collect(),
+                "backend",
+                "129",
+                "at most 128",
+            ),
+            (
+                "bad url",
+                |c| c.backends.push(BackendConfig::new("https://h:1")),
+                "backend[1].url",
+                "\"https://h:1\"",
+                "scheme must be http",
+            ),
+            (
+                "duplicate url",
+                |c| c.backends.push(BackendConfig::new("http://127.0.0.1:8000/")),
+                "backend[1].url",
+                "\"http://127.0.0.1:8000/\"",
+                "same server as backend[0].url",
+            ),
+            (
+                "duplicate name",
+                |c| {
+                    c.backends[0].name = Some("gpu".into());
+                    c.backends.push(BackendConfig {
+                        name: Some("gpu".into()),
+                        ..BackendConfig::new("http://b:1")
+                    })
+                },
+                "backend[1].name",
+                "\"gpu\"",
+                "backend[0] has that name",
+            ),
+            (
+                "name clashing with a default name",
+                |c| {
+                    c.backends.push(BackendConfig {
+                        name: Some("h:2".into()),
+                        ..BackendConfig::new("http://h:1")
+                    });
+                    c.backends.push(BackendConfig::new("http://h:2"))
+                },
+                "backend[2].name",
+                "\"h:2\"",
+                "backend[1] has that name",
+            ),
+            (
+                "bad name",
+                |c| c.backends[0].name = Some("gpu 0".into()),
+                "backend[0].name",
+                "\"gpu 0\"",
+                "letters, digits",
+            ),
+            (
+                "empty name",
+                |c| c.backends[0].name = Some(String::new()),
+                "backend[0].name",
+                "\"\"",
+                "1 to 64",
+            ),
+            (
+                "ttl 0",
+                |c| c.response_cache.ttl_secs = 0,
+                "response_cache.ttl_secs",
+                "0",
+                "enabled = false",
+            ),
+            (
+                "ttl huge",
+                |c| c.response_cache.ttl_secs = MAX_TTL_SECS + 1,
+                "response_cache.ttl_secs",
+                "31536001",
+                "one year",
+            ),
+            (
+                "fraction 0",
+                |c| c.response_cache.max_value_fraction = 0.0,
+                "response_cache.max_value_fraction",
+                "0",
+                "greater than 0",
+            ),
+            (
+                "fraction big",
+                |c| c.response_cache.max_value_fraction = 0.75,
+                "response_cache.max_value_fraction",
+                "0.75",
+                "at most 0.5",
+            ),
+            (
+                "fraction NaN",
+                |c| c.response_cache.max_value_fraction = f64::NAN,
+                "response_cache.max_value_fraction",
+                "NaN",
+                "at most 0.5",
+            ),
+            (
+                "body 0",
+                |c| c.limits.max_body_bytes = ByteSize(0),
+                "limits.max_body_bytes",
+                "\"0 B\"",
+                "greater than 0",
+            ),
+            (
+                "request timeout 0",
+                |c| c.limits.request_timeout_secs = 0,
+                "limits.request_timeout_secs",
+                "0",
+                "between 1 and 86400",
+            ),
+            (
+                "request timeout huge",
+                |c| c.limits.request_timeout_secs = u64::MAX,
+                "limits.request_timeout_secs",
+                "18446744073709551615",
+                "between 1 and 86400",
+            ),
+            (
+                "connect timeout 0",
+                |c| c.limits.connect_timeout_ms = 0,
+                "limits.connect_timeout_ms",
+                "0",
+                "at least 1",
+            ),
+            (
+                "connect timeout over the request timeout",
+                |c| {
+                    c.limits.request_timeout_secs = 2;
+                    c.limits.connect_timeout_ms = 2001
+                },
+                "limits.connect_timeout_ms",
+                "2001",
+                "(2000)",
+            ),
+            (
+                "retries",
+                |c| c.limits.retries = 11,
+                "limits.retries",
+                "11",
+                "at most 10",
+            ),
+            (
+                "policy threshold",
+                |c| c.policy.cache_aware.cache_threshold = 1.5,
+                "policy.cache_aware.cache_threshold",
+                "1.5",
+                "between 0.0 and 1.0",
+            ),
+            (
+                "policy ratio",
+                |c| c.policy.cache_aware.balance_rel_threshold = 0.5,
+                "policy.cache_aware.balance_rel_threshold",
+                "0.5",
+                ">= 1.0",
+            ),
+            (
+                "drain timeout",
+                |c| c.drain_timeout_secs = MAX_TIMEOUT_SECS + 1,
+                "drain_timeout_secs",
+                "86401",
+                "at most 86400",
+            ),
+        ];
+        for (name, mutate, field, value, reason) in cases {
+            let mut c = valid();
+            mutate(&mut c);
+            let (f, v, r, shown) = invalid(&c);
+            assert_eq!(f, *field, "{name}: {shown}");
+            assert!(v.contains(value), "{name}: value {v:?} lacks {value:?}: {shown}");
+            assert!(r.contains(reason), "{name}: reason {r:?} lacks {reason:?}: {shown}");
+            assert!(shown.contains(&format!("{f} = {v}: {r}")), "{name}: {shown}");
+        }
+    }
+
+    #[test]
+    fn boundary_values_are_accepted() {
+        type Mutate = fn(&mut ServeConfig);
+        let cases: &[Mutate] = &[
+            |c| c.dispatchers = 64,
+            |c| {
+                c.dispatchers = 64;
+                c.responders = 63
+            },
+            |c| {
+                c.dispatchers = 1;
+                c.responders = 1
+            },
+            |c| c.shm_size = ByteSize(MIN_SEGMENT_BYTES),
+            |c| c.shm_size = ByteSize(MAX_SEGMENT_BYTES),
+            |c| c.shm_name = "/semlb".into(),
+            |c| c.block_size = 1,
+            |c| c.block_size = MAX_BLOCK_SIZE,
+            |c| c.backends = (1..=128).map(|p| BackendConfig::new(format!("http://h:{p}"))).collect(),
+            |c| c.response_cache.max_value_fraction = 0.5,
+            |c| c.response_cache.ttl_secs = MAX_TTL_SECS,
+            |c| c.limits.connect_timeout_ms = c.limits.request_timeout_secs * 1000,
+            |c| c.limits.request_timeout_secs = MAX_TIMEOUT_SECS,
+            |c| c.limits.retries = MAX_RETRIES,
+            |c| c.limits.max_body_bytes = ByteSize(1),
+            |c| c.drain_timeout_secs = 0,
+            |c| c.listen = "[::]:0".parse().unwrap(),
+            |c| c.backends[0].name = Some("gpu-0.rack_1:a".into()),
+        ];
+        for (i, mutate) in cases.iter().enumerate() {
+            let mut c = valid();
+            mutate(&mut c);
+            assert!(c.validate().is_ok(), "case {i}: {:?}", c.validate());
+        }
+    }
+
+    #[test]
+    fn valid_sizes_give_a_valid_segment_layout() {
+        for size in [MIN_SEGMENT_BYTES, 256 << 20, 3 << 29] {
+            for fraction in [f64::MIN_POSITIVE, 0.125, 0.5] {
+                let mut c = valid();
+                c.shm_size = ByteSize(size);
+                c.response_cache.max_value_fraction = fraction;
+                c.validate().unwrap();
+                let options = shm_layout::PlanOptions {
+                    max_response_fraction: fraction,
+                };
+                shm_layout::LayoutPlan::new(size, options).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn backend_urls() {
+        let good: &[(&str, &str, u16)] = &[
+            ("http://127.0.0.1:8000", "127.0.0.1", 8000),
+            ("http://127.0.0.1:8000/", "127.0.0.1", 8000),
+            ("HTTP://Worker-1.Example.com:30000", "worker-1.example.com", 30000),
+            ("http://vllm_0:8000", "vllm_0", 8000),
+            ("http://[::1]:8080", "::1", 8080),
+            ("http://[fe80:0:0::1]:1", "fe80::1", 1),
+            ("http://h:65535", "h", 65535),
+        ];
+        for (url, host, port) in good {
+            let parsed: BackendUrl = url.parse().unwrap_or_else(|e| panic!("{url}: {e}"));
+            assert_eq!((parsed.host.as_str(), parsed.port), (*host, *port), "{url}");
+        }
+        assert_eq!(
+            "http://[::1]:8080".parse::<BackendUrl>().unwrap().authority(),
+            "[::1]:8080"
+        );
+        assert_eq!("http://A:1/".parse::<BackendUrl>().unwrap().to_string(), "http://a:1");
+
+        let bad: &[(&str, &str)] = &[
+            ("", "expected http://host:port"),
+            ("127.0.0.1:8000", "expected http://host:port"),
+            ("https://h:443", "scheme must be http, not \"https\""),
+            ("grpc://h:1", "scheme must be http"),
+            ("http://h", "port is missing"),
+            ("http://h:", "port is missing"),
+            ("http://h:0", "not in 1..=65535"),
+            ("http://h:65536", "not in 1..=65535"),
+            ("http://h:+80", "not a number"),
+            ("http://h:80x", "not a number"),
+            ("http://:8000", "host is missing"),
+            ("http://h:1/v1", "path, query or fragment (found \"/v1\")"),
+            ("http://h:1?x=1", "path, query or fragment"),
+            ("http://h:1#f", "path, query or fragment"),
+            ("http://user:pw@h:1", "user information"),
+            ("http://::1:8000", "must be in brackets"),
+            ("http://[::1:8000", "closed with ']'"),
+            ("http://[::g]:8000", "not an IPv6 address"),
+            ("http://[::1]8000", "expected ':port'"),
+            ("http://[::1]", "port is missing"),
+            ("http://bad host:1", "not a host name"),
+            ("http://-h:1", "not a host name"),
+            ("http://a..b:1", "not a host name"),
+        ];
+        for (url, want) in bad {
+            let err = url.parse::<BackendUrl>().unwrap_err();
+            assert!(err.contains(want), "{url}: {err}");
+        }
+        let long = format!("http://{}:1", "a.".repeat(130));
+        assert!(
+            long.parse::<BackendUrl>()
+                .unwrap_err()
+                .contains("longer than 256 bytes")
+        );
+    }
+
+    #[test]
+    fn overrides_win_over_the_file() {
+        let mut c = parse(
+            r#"
+listen = "127.0.0.1:1"
+dispatchers = 2
+responders = 2
+shm_name = "from-file"
+shm_size = "64MiB"
+tokenizer = "file-tokenizer.json"
+chat_template = "file-template.json"
+block_size = 32
+[[backend]]
+url = "http://file:1"
+[limits]
+retries = 3
+[policy]
+kind = "least_load"
+[policy.cache_aware]
+cache_threshold = 0.25
+"#,
+        )
+        .unwrap();
+        let policy = c.policy;
+        assert_eq!(policy.kind, PolicyKind::LeastLoad);
+        assert_eq!(policy.cache_aware.cache_threshold, 0.25);
+        c.apply(ServeOverrides {
+            listen: Some("127.0.0.1:2".parse().unwrap()),
+            dispatchers: Some(8),
+            responders: Some(3),
+            shm_name: Some("from-flags".into()),
+            shm_size: Some("1GiB".parse().unwrap()),
+            backends: None,
+            tokenizer: Some("flag-tokenizer.json".into()),
+            chat_template: Some("flag-template.json".into()),
+            block_size: Some(64),
+            policy: Some(PolicyKind::RoundRobin),
+        });
+        c.validate().unwrap();
+        assert_eq!(c.listen, "127.0.0.1:2".parse().unwrap());
+        assert_eq!((c.dispatchers, c.responders), (8, 3));
+        assert_eq!(c.shm_name, "from-flags");
+        assert_eq!(c.shm_size, ByteSize(1 << 30));
+        // Flag paths are taken as given (relative to the working directory).
+        assert_eq!(c.tokenizer, Some(PathBuf::from("flag-tokenizer.json")));
+        assert_eq!(c.chat_template, Some(PathBuf::from("flag-template.json")));
+        assert_eq!(c.block_size, 64);
+        assert_eq!(c.policy.kind, PolicyKind::RoundRobin);
+        // The file's policy parameters stay.
+        assert_eq!(c.policy.cache_aware, policy.cache_aware);
+        // Not overridden: the file's.
+        assert_eq!(c.backends, [BackendConfig::new("http://file:1")]);
+        assert_eq!(c.limits.retries, 3);
+    }
+
+    #[test]
+    fn absent_overrides_keep_the_file() {
+        let text = "dispatchers = 3\nblock_size = 8\ntokenizer = \"t.json\"\n[[backend]]\nurl = \"http://a:1\"\n";
+        let mut c = parse(text).unwrap();
+        c.apply(ServeOverrides::default());
+        assert_eq!(c, parse(text).unwrap());
+    }
+
+    #[test]
+    fn backend_flags_replace_the_file_list() {
+        let mut c = parse(
+            "[[backend]]\nurl = \"http://a:1\"\nname = \"a\"\nmetrics_flavor = \"vllm\"\n\
+             [[backend]]\nurl = \"http://b:1\"\n",
+        )
+        .unwrap();
+        c.apply(ServeOverrides {
+            backends: Some(vec!["http://c:1".into(), "http://a:1".into()]),
+            ..ServeOverrides::default()
+        });
+        assert_eq!(
+            c.backends,
+            [BackendConfig::new("http://c:1"), BackendConfig::new("http://a:1")]
+        );
+        c.validate().unwrap();
+
+        // Flags are validated like the file.
+        c.apply(ServeOverrides {
+            backends: Some(vec!["http://c:1".into(), "http://c:1/".into()]),
+            ..ServeOverrides::default()
+        });
+        let (field, ..) = invalid(&c);
+        assert_eq!(field, "backend[1].url");
+    }
+
+    #[test]
+    fn resolve_reads_applies_and_validates() {
+        let dir = std::env::temp_dir().join(format!("semlb-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("semlb.toml");
+        std::fs::write(
+            &path,
+            "dispatchers = 2\ntokenizer = \"tok.json\"\n[[backend]]\nurl = \"http://a:1\"\n",
+        )
+        .unwrap();
+
+        let c = ServeConfig::resolve(Some(&path), ServeOverrides::default()).unwrap();
+        assert_eq!(c.dispatchers, 2);
+        assert_eq!(c.tokenizer, Some(dir.join("tok.json")));
+
+        let flags = ServeOverrides {
+            dispatchers: Some(0),
+            ..ServeOverrides::default()
+        };
+        let err = ServeConfig::resolve(Some(&path), flags).unwrap_err();
+        assert!(err.to_string().contains("dispatchers = 0: must be at least 1"), "{err}");
+
+        // No file: flags alone make a configuration.
+        let flags = ServeOverrides {
+            backends: Some(vec!["http://b:2".into()]),
+            ..ServeOverrides::default()
+        };
+        let c = ServeConfig::resolve(None, flags).unwrap();
+        assert_eq!(c.backends, [BackendConfig::new("http://b:2")]);
+        assert!(ServeConfig::resolve(None, ServeOverrides::default()).is_err());
+
+        std::fs::write(&path, "dispatchers = 2\nbogus = 1\n").unwrap();
+        let err = ServeConfig::resolve(Some(&path), ServeOverrides::default()).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&path.display().to_string()) && msg.contains("unknown field `bogus`"),
+            "{msg}"
+        );
+        assert!(msg.contains("line 2"), "{msg}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,32 @@
+//! # semlb (library)
+//!
+//! The parts of the gateway that the `semlb` binary's processes share,
+//! kept in a library so they are unit-tested and benchmarked on their own.
+//!
+//! # Layout: the dispatch path, in request order
+//!
+//! | module | concept |
+//! | --- | --- |
+//! | [`prompt`] | the routing text of an OpenAI request: completions prompt forms, rendered chat messages |
+//! | [`blocks`] | token ids → the chain of block hashes the shm prefix table is keyed by |
+//! | [`response_cache`] | the exact-request key of the response cache, tenants, cacheability, TTL-stamped entries |
+//! | [`routing`] | policies that choose a server from the prefix match and the shared load figures |
+//! | [`responder`] | what a response process does with a completion record: prefix write-back, response caching |
+//! | [`config`] | `semlb serve` configuration: TOML file, flags over it, validation |
+//! | [`size`] | human byte sizes (`256MiB`) |
+//!
+//! A dispatcher turns a request body into routing text ([`prompt`]),
+//! tokenizes it (the same tokenizer code as the simulator,
+//! `semlb_workers::tokenize`), hashes the tokens into a block chain
+//! ([`blocks`]), looks up the response cache under the request's key
+//! ([`response_cache`]), then the prefix table, asks the configured
+//! [`routing`] policy for a server, proxies, and pushes a completion record
+//! that a response process applies ([`responder`]).
+
+pub mod blocks;
+pub mod config;
+pub mod prompt;
+pub mod responder;
+pub mod response_cache;
+pub mod routing;
+pub mod size;

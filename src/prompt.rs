@@ -1,0 +1,497 @@
+//! The routing text of an OpenAI request: what a dispatcher tokenizes to
+//! find the servers that hold the request's prefix.
+//!
+//! * `POST /v1/completions`: the `prompt` — a string, a list of strings, a
+//!   list of token ids, or a list of token-id lists. For a list of several
+//!   prompts (a batch), the first one routes the request: they go to one
+//!   server together.
+//! * `POST /v1/chat/completions`: the `messages` rendered with the model's
+//!   chat template (from a tokenizer_config.json) or, without one, the
+//!   canonical rendering of `semlb_workers::tokenize::ChatTemplate`, which
+//!   keeps message boundaries so that turn N+1's prompt extends turn N's
+//!   prompt and answer. A message's `content` may be a string, a list of
+//!   parts (`{"type": "text", "text": ...}`; other part types are skipped for
+//!   routing), or null (an assistant message with tool calls).
+//!
+//! The body is parsed once into a `serde_json::Value` and kept: the
+//! dispatcher forwards the original bytes, and the response-cache key is
+//! derived from the same value. Malformed input is a [`RequestError`], an
+//! OpenAI-style 400, never a panic.
+
+use semlb_workers::tokenize::{ChatMessage, ChatTemplate};
+use serde_json::{Map, Value};
+
+/// Which OpenAI endpoint a request is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    /// `POST /v1/completions`.
+    Completions,
+    /// `POST /v1/chat/completions`.
+    ChatCompletions,
+}
+
+impl Endpoint {
+    /// The request path.
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::ChatCompletions => "/v1/chat/completions",
+        }
+    }
+}
+
+/// What the dispatcher tokenizes (or already has as tokens).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RoutingInput {
+    /// Text to tokenize.
+    Text(String),
+    /// Token ids given by the client.
+    Tokens(Vec<u32>),
+}
+
+/// A parsed and checked request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParsedRequest {
+    /// The endpoint.
+    pub endpoint: Endpoint,
+    /// The `model` field.
+    pub model: String,
+    /// Whether the client asked for SSE.
+    pub stream: bool,
+    /// What routes it.
+    pub input: RoutingInput,
+    /// The whole body.
+    pub body: Map<String, Value>,
+}
+
+/// A request the gateway refuses: an OpenAI-style `invalid_request_error`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct RequestError {
+    /// Human-readable message.
+    pub message: String,
+    /// The offending parameter, if one.
+    pub param: Option<&'static str>,
+}
+
+impl RequestError {
+    fn new(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        Self {
+            message: message.into(),
+            param,
+        }
+    }
+
+    /// The JSON error body (`{"error": {...}}`).
+    pub fn body(&self) -> Value {
+        serde_json::json!({
+            "error": {
+                "message": self.message,
+                "type": "invalid_request_error",
+                "param": self.param,
+                "code": null,
+            }
+        })
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Parses and checks a request body for `endpoint`, rendering chat messages
+/// with `template`.
+pub fn parse(endpoint: Endpoint, body: &[u8], template: &ChatTemplate) -> Result<ParsedRequest, RequestError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| RequestError::new(format!("the request body is not valid JSON: {e}"), None))?;
+    let Value::Object(body) = value else {
+        return Err(RequestError::new(
+            format!("the request body must be a JSON object, not {}", kind(&value)),
+            None,
+        ));
+    };
+    let model = match body.get("model") {
+        Some(Value::String(m)) if !m.is_empty() => m.clone(),
+        Some(Value::String(_)) => return Err(RequestError::new("'model' must not be empty", Some("model"))),
+        Some(v) => {
+            return Err(RequestError::new(
+                format!("'model' must be a string, not {}", kind(v)),
+                Some("model"),
+            ));
+        }
+        None => return Err(RequestError::new("'model' is required", Some("model"))),
+    };
+    let stream = match body.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => {
+            return Err(RequestError::new(
+                format!("'stream' must be a boolean, not {}", kind(v)),
+                Some("stream"),
+            ));
+        }
+    };
+    check_numbers(&body)?;
+    let input = match endpoint {
+        Endpoint::Completions => completions_input(body.get("prompt"))?,
+        Endpoint::ChatCompletions => RoutingInput::Text(chat_text(body.get("messages"), template)?),
+    };
+    Ok(ParsedRequest {
+        endpoint,
+        model,
+        stream,
+        input,
+        body,
+    })
+}
+
+/// Generation parameters every engine validates; checking their types here
+/// turns a wrong type into a 400 from the gateway instead of a backend error.
+fn check_numbers(body: &Map<String, Value>) -> Result<(), RequestError> {
+    const NUMBERS: [&str; 6] = [
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "n",
+    ];
+    const COUNTS: [&str; 2] = ["max_tokens", "max_completion_tokens"];
+    for name in NUMBERS.into_iter().chain(COUNTS) {
+        match body.get(name) {
+            None | Some(Value::Null) => {}
+            Some(Value::Number(n)) => {
+                let param = Some(name);
+                if COUNTS.contains(&name) && n.as_u64().is_none_or(|v| v == 0) {
+                    return Err(RequestError::new(
+                        format!("'{name}' must be a positive integer, not {n}"),
+                        param,
+                    ));
+                }
+                if name == "n" && n.as_u64().is_none_or(|v| v == 0) {
+                    return Err(RequestError::new(
+                        format!("'n' must be a positive integer, not {n}"),
+                        param,
+                    ));
+                }
+            }
+            Some(v) => {
+                let param = NUMBERS.iter().chain(&COUNTS).find(|p| **p == name).copied();
+                return Err(RequestError::new(
+                    format!("'{name}' must be a number, not {}", kind(v)),
+                    param,
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
+    items
+        .iter()
+        .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect()
+}
+
+fn completions_input(prompt: Option<&Value>) -> Result<RoutingInput, RequestError> {
+    let param = Some("prompt");
+    let bad = |what: String| Err(RequestError::new(what, param));
+    match prompt {
+        None | Some(Value::Null) => bad("'prompt' is required".into()),
+        Some(Value::String(s)) if s.is_empty() => bad("'prompt' must not be empty".into()),
+        Some(Value::String(s)) => Ok(RoutingInput::Text(s.clone())),
+        Some(Value::Array(items)) => match items.first() {
+            None => bad("'prompt' must not be an empty list".into()),
+            Some(Value::String(_)) => match items.iter().position(|v| !v.is_string()) {
+                Some(i) => bad(format!("'prompt' mixes strings with {} at index {i}", kind(&items[i]))),
+                None if items[0].as_str().is_some_and(str::is_empty) => bad("'prompt' must not be empty".into()),
+                None => Ok(RoutingInput::Text(items[0].as_str().unwrap_or_default().to_owned())),
+            },
+            Some(Value::Number(_)) => match token_ids(items) {
+                Some(ids) => Ok(RoutingInput::Tokens(ids)),
+                None => bad("'prompt' token ids must be integers from 0 to 4294967295".into()),
+            },
+            Some(Value::Array(first)) => {
+                if items.iter().any(|v| !v.is_array()) {
+                    return bad("'prompt' mixes token-id lists with other values".into());
+                }
+                match token_ids(first) {
+                    Some(ids) if !ids.is_empty() => Ok(RoutingInput::Tokens(ids)),
+                    Some(_) => bad("'prompt' must not be an empty token list".into()),
+                    None => bad("'prompt' token ids must be integers from 0 to 4294967295".into()),
+                }
+            }
+            Some(v) => bad(format!(
+                "'prompt' must be a string, a list of strings or token ids, not a list of {}",
+                kind(v).trim_start_matches("a ").trim_start_matches("an ")
+            )),
+        },
+        Some(v) => bad(format!(
+            "'prompt' must be a string, a list of strings or token ids, not {}",
+            kind(v)
+        )),
+    }
+}
+
+fn message_text(i: usize, content: Option<&Value>) -> Result<String, RequestError> {
+    let param = Some("messages");
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                let Value::Object(part) = part else {
+                    return Err(RequestError::new(
+                        format!("messages[{i}].content[{j}] must be an object"),
+                        param,
+                    ));
+                };
+                match (part.get("type").and_then(Value::as_str), part.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                    (Some("text"), _) => {
+                        return Err(RequestError::new(
+                            format!("messages[{i}].content[{j}].text must be a string"),
+                            param,
+                        ));
+                    }
+                    (Some(_), _) => {} // images, audio, ...: not part of the routing text
+                    (None, _) => {
+                        return Err(RequestError::new(
+                            format!("messages[{i}].content[{j}] needs a 'type'"),
+                            param,
+                        ));
+                    }
+                }
+            }
+            Ok(text)
+        }
+        Some(v) => Err(RequestError::new(
+            format!(
+                "messages[{i}].content must be a string, a list of parts or null, not {}",
+                kind(v)
+            ),
+            param,
+        )),
+    }
+}
+
+fn chat_text(messages: Option<&Value>, template: &ChatTemplate) -> Result<String, RequestError> {
+    let param = Some("messages");
+    let messages = match messages {
+        None | Some(Value::Null) => return Err(RequestError::new("'messages' is required", param)),
+        Some(Value::Array(m)) if m.is_empty() => {
+            return Err(RequestError::new("'messages' must not be empty", param));
+        }
+        Some(Value::Array(m)) => m,
+        Some(v) => {
+            return Err(RequestError::new(
+                format!("'messages' must be a list, not {}", kind(v)),
+                param,
+            ));
+        }
+    };
+    let mut rendered = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let Value::Object(m) = m else {
+            return Err(RequestError::new(
+                format!("messages[{i}] must be an object, not {}", kind(m)),
+                param,
+            ));
+        };
+        let role = match m.get("role") {
+            Some(Value::String(r)) if !r.is_empty() => r.clone(),
+            _ => {
+                return Err(RequestError::new(
+                    format!("messages[{i}].role must be a non-empty string"),
+                    param,
+                ));
+            }
+        };
+        rendered.push(ChatMessage {
+            role,
+            content: message_text(i, m.get("content"))?,
+        });
+    }
+    template
+        .render(&rendered)
+        .map_err(|e| RequestError::new(e.to_string(), param))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Result<ParsedRequest, RequestError> {
+        parse(Endpoint::ChatCompletions, body.as_bytes(), &ChatTemplate::canonical())
+    }
+
+    fn completion(body: &str) -> Result<ParsedRequest, RequestError> {
+        parse(Endpoint::Completions, body.as_bytes(), &ChatTemplate::canonical())
+    }
+
+    #[test]
+    fn completion_prompt_forms() {
+        let text = |b: &str| completion(b).unwrap().input;
+        assert_eq!(text(r#"{"model":"m","prompt":"hi"}"#), RoutingInput::Text("hi".into()));
+        assert_eq!(
+            text(r#"{"model":"m","prompt":["a","b"]}"#),
+            RoutingInput::Text("a".into())
+        );
+        assert_eq!(
+            text(r#"{"model":"m","prompt":[1,2,3]}"#),
+            RoutingInput::Tokens(vec![1, 2, 3])
+        );
+        assert_eq!(
+            text(r#"{"model":"m","prompt":[[4,5],[6]]}"#),
+            RoutingInput::Tokens(vec![4, 5])
+        );
+        let r = completion(r#"{"model":"m","prompt":"x","stream":true,"extra":{"k":1}}"#).unwrap();
+        assert!(r.stream);
+        assert_eq!(r.model, "m");
+        assert_eq!(r.body["extra"]["k"], 1, "unknown fields are kept for the backend");
+    }
+
+    #[test]
+    fn chat_is_rendered_with_the_template_and_turns_extend() {
+        let one =
+            r#"{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}]}"#;
+        let RoutingInput::Text(t1) = chat(one).unwrap().input else {
+            panic!("text")
+        };
+        assert_eq!(t1, "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n");
+        let two = r#"{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"},
+            {"role":"assistant","content":"Hello!"},{"role":"user","content":[{"type":"text","text":"How"},{"type":"image_url","image_url":{}},{"type":"text","text":" are you?"}]}]}"#;
+        let RoutingInput::Text(t2) = chat(two).unwrap().input else {
+            panic!("text")
+        };
+        assert!(t2.starts_with(&format!("{t1}Hello!\n")), "{t2:?}");
+        assert!(t2.contains("How are you?"));
+        // A tool-calling assistant message has null content.
+        assert!(chat(r#"{"model":"m","messages":[{"role":"assistant","content":null,"tool_calls":[]}]}"#).is_ok());
+    }
+
+    #[test]
+    fn malformed_requests_are_400s_naming_the_parameter() {
+        let cases: &[(Endpoint, &str, Option<&str>)] = &[
+            (Endpoint::Completions, "", None),
+            (Endpoint::Completions, "{", None),
+            (Endpoint::Completions, "[]", None),
+            (Endpoint::Completions, "42", None),
+            (Endpoint::Completions, r#"{"prompt":"x"}"#, Some("model")),
+            (Endpoint::Completions, r#"{"model":7,"prompt":"x"}"#, Some("model")),
+            (Endpoint::Completions, r#"{"model":"","prompt":"x"}"#, Some("model")),
+            (Endpoint::Completions, r#"{"model":"m"}"#, Some("prompt")),
+            (Endpoint::Completions, r#"{"model":"m","prompt":""}"#, Some("prompt")),
+            (Endpoint::Completions, r#"{"model":"m","prompt":[]}"#, Some("prompt")),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":{"a":1}}"#,
+                Some("prompt"),
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":["a",1]}"#,
+                Some("prompt"),
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":[1,-2]}"#,
+                Some("prompt"),
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":[1,2.5]}"#,
+                Some("prompt"),
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":[[1],2]}"#,
+                Some("prompt"),
+            ),
+            (Endpoint::Completions, r#"{"model":"m","prompt":[[]]}"#, Some("prompt")),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":"x","stream":"yes"}"#,
+                Some("stream"),
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":"x","max_tokens":0}"#,
+                Some("max_tokens"),
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":"x","max_tokens":-5}"#,
+                Some("max_tokens"),
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":"x","max_tokens":"10"}"#,
+                Some("max_tokens"),
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":"x","temperature":"hot"}"#,
+                Some("temperature"),
+            ),
+            (Endpoint::Completions, r#"{"model":"m","prompt":"x","n":0}"#, Some("n")),
+            (Endpoint::ChatCompletions, r#"{"model":"m"}"#, Some("messages")),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","messages":[]}"#,
+                Some("messages"),
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","messages":"hi"}"#,
+                Some("messages"),
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","messages":["hi"]}"#,
+                Some("messages"),
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","messages":[{"content":"hi"}]}"#,
+                Some("messages"),
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","messages":[{"role":"user","content":5}]}"#,
+                Some("messages"),
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","messages":[{"role":"user","content":[5]}]}"#,
+                Some("messages"),
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","messages":[{"role":"user","content":[{"text":"x"}]}]}"#,
+                Some("messages"),
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":1}]}]}"#,
+                Some("messages"),
+            ),
+        ];
+        assert!(cases.len() >= 20);
+        for (endpoint, body, param) in cases {
+            let err = parse(*endpoint, body.as_bytes(), &ChatTemplate::canonical()).expect_err(body);
+            assert_eq!(err.param, *param, "{body}: {}", err.message);
+            assert_eq!(err.body()["error"]["type"], "invalid_request_error");
+            assert!(!err.message.is_empty());
+        }
+    }
+}

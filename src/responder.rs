@@ -1,0 +1,256 @@
+//! What a response process does: it drains completion rings and writes
+//! what each finished request teaches back into the shared tables.
+//!
+//! For each record (a [`shm_layout::Completion`] pushed by a dispatcher):
+//! if its server registration is still current, the prompt's block chain
+//! and the chain of prompt + generated text are inserted (refreshing
+//! existing entries) for that server, so the conversation's next turn
+//! matches it; if the record carries a cacheable response, it is stored in
+//! the response log as a TTL-stamped entry
+//! ([`crate::response_cache::encode_entry`]). A record whose server was
+//! retired or re-registered meanwhile teaches nothing about the new
+//! registration and is dropped (counted).
+//!
+//! Responder `j` of `m` owns the rings `i` with `i % m == j`
+//! ([`rings_for`]); a ring whose producer died mid-record is unblocked with
+//! [`shm_layout::CompletionRing::recover`] using the registry's liveness.
+
+use shm_layout::{Completion, Pop, Stamp, Tables};
+
+use crate::response_cache::encode_entry;
+
+/// The rings responder `index` of `responders` consumes.
+pub fn rings_for(index: usize, responders: usize, ring_count: usize) -> impl Iterator<Item = usize> {
+    (0..ring_count).filter(move |i| responders > 0 && i % responders == index)
+}
+
+/// What one response process has done (exported as metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ResponderStats {
+    /// Records applied.
+    pub records: u64,
+    /// Block hashes inserted or refreshed.
+    pub blocks: u64,
+    /// Responses stored in the response log.
+    pub responses_stored: u64,
+    /// Responses refused by the log (larger than its limit).
+    pub responses_too_large: u64,
+    /// Records whose server registration is no longer current.
+    pub stale_server: u64,
+    /// Records that did not decode.
+    pub undecodable: u64,
+    /// Abandoned reservations skipped.
+    pub recovered: u64,
+}
+
+/// A response process's write-back over one segment's tables.
+#[derive(Debug)]
+pub struct Responder<'a> {
+    tables: Tables<'a>,
+    buf: Vec<u8>,
+    record: Completion,
+    entry: Vec<u8>,
+    stats: ResponderStats,
+}
+
+impl<'a> Responder<'a> {
+    /// A responder writing into `tables`.
+    pub fn new(tables: Tables<'a>) -> Self {
+        Self {
+            tables,
+            buf: Vec::new(),
+            record: Completion::default(),
+            entry: Vec::new(),
+            stats: ResponderStats::default(),
+        }
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> ResponderStats {
+        self.stats
+    }
+
+    /// Applies one decoded record at prefix stamp `now` and segment time
+    /// `now_ms`. Returns false if it was dropped as stale.
+    pub fn apply(&mut self, record: &Completion, now: Stamp, now_ms: u64) -> bool {
+        let Some(server) = record.server else { return false };
+        let current = self
+            .tables
+            .servers
+            .current(server.slot)
+            .is_some_and(|(s, _)| s == server);
+        if !current {
+            self.stats.stale_server += 1;
+            return false;
+        }
+        let prefix = &self.tables.prefix;
+        prefix.insert_chain(&record.prompt_blocks, server, now);
+        // The full chain starts with the prompt's full blocks: refresh only
+        // what the answer added.
+        let shared = record.prompt_blocks.len().min(record.full_blocks.len());
+        let extends = record.full_blocks[..shared] == record.prompt_blocks[..shared];
+        let from = if extends { shared } else { 0 };
+        prefix.insert_chain(&record.full_blocks[from..], server, now);
+        self.stats.blocks += (record.prompt_blocks.len() + record.full_blocks.len() - from) as u64;
+        if let Some(key) = record.response_key {
+            encode_entry(now_ms, &record.response, &mut self.entry);
+            match self.tables.responses.put(key, &self.entry) {
+                Ok(()) => self.stats.responses_stored += 1,
+                Err(_) => self.stats.responses_too_large += 1,
+            }
+        }
+        self.stats.records += 1;
+        true
+    }
+
+    /// Pops and applies every committed record of ring `ring`, stepping over
+    /// reservations whose producer is gone (`is_alive(slot, incarnation)`
+    /// is the registry's liveness). Returns the number of records applied.
+    pub fn drain(&mut self, ring: usize, now: Stamp, now_ms: u64, is_alive: impl Fn(u16, u32) -> bool) -> usize {
+        let ring = self.tables.ring(ring);
+        let mut applied = 0;
+        loop {
+            match ring.pop(&mut self.buf) {
+                Pop::Record => {
+                    let mut record = std::mem::take(&mut self.record);
+                    match record.decode_from(&self.buf) {
+                        Ok(()) => applied += usize::from(self.apply(&record, now, now_ms)),
+                        Err(_) => self.stats.undecodable += 1,
+                    }
+                    self.record = record;
+                }
+                Pop::Empty => return applied,
+                Pop::Pending => {
+                    if !ring.recover(&is_alive) {
+                        return applied;
+                    }
+                    self.stats.recovered += 1;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use shm_layout::{CompletionRecord, LayoutPlan, ResponseKey, Segment};
+
+    use super::*;
+    use crate::response_cache::fresh_body;
+
+    fn segment() -> Segment {
+        Segment::heap(&LayoutPlan::for_size(8 << 20).unwrap())
+    }
+
+    #[test]
+    fn ring_assignment_partitions_the_rings() {
+        let all: Vec<usize> = (0..3).flat_map(|j| rings_for(j, 3, 64)).collect();
+        let mut sorted = all.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..64).collect::<Vec<_>>());
+        assert_eq!(rings_for(0, 1, 4).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+        assert_eq!(rings_for(0, 0, 4).count(), 0);
+    }
+
+    #[test]
+    fn a_record_warms_prompt_and_answer_and_caches_the_response() {
+        let seg = segment();
+        let t = seg.tables();
+        let server = t.servers.register(1, "http://a", 0).unwrap();
+        // Spread like real chain hashes (small integers would share a bucket).
+        let h = |i: u64| i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let prompt = [h(11), h(12), h(13)];
+        let full = [h(11), h(12), h(13), h(14), h(15)];
+        let rec = CompletionRecord {
+            server,
+            prompt_tokens: 50,
+            output_tokens: 40,
+            prompt_blocks: &prompt,
+            full_blocks: &full,
+            response: Some((ResponseKey(9), b"{\"ok\":true}")),
+        };
+        let mut buf = Vec::new();
+        rec.encode_into(&mut buf);
+        t.ring(2).push(&buf).unwrap();
+        let mut r = Responder::new(t);
+        assert_eq!(r.drain(2, Stamp(5), 1_000, |_, _| true), 1);
+        let m = t.prefix.longest_prefix_match(&full, |s| t.servers.is_live(s));
+        assert_eq!(
+            m.best(),
+            Some((server.tag(), 5)),
+            "the next turn matches prompt + answer"
+        );
+        let entry = t.responses.get(ResponseKey(9)).unwrap();
+        assert_eq!(fresh_body(&entry, 1_100, 300_000), Some(&b"{\"ok\":true}"[..]));
+        assert_eq!(
+            r.stats(),
+            ResponderStats {
+                records: 1,
+                blocks: 5,
+                responses_stored: 1,
+                ..Default::default()
+            }
+        );
+    }
+
+    #[test]
+    fn stale_servers_and_garbage_teach_nothing() {
+        let seg = segment();
+        let t = seg.tables();
+        let old = t.servers.register(1, "http://a", 0).unwrap();
+        t.servers.retire(old);
+        let new = t.servers.register(2, "http://b", 0).unwrap();
+        assert_eq!(new.slot, old.slot);
+        let rec = CompletionRecord {
+            server: old,
+            prompt_tokens: 1,
+            output_tokens: 1,
+            prompt_blocks: &[1, 2],
+            full_blocks: &[1, 2, 3],
+            response: None,
+        };
+        let mut buf = Vec::new();
+        rec.encode_into(&mut buf);
+        t.ring(0).push(&buf).unwrap();
+        t.ring(0).push(b"not a record").unwrap();
+        let mut r = Responder::new(t);
+        assert_eq!(r.drain(0, Stamp(1), 0, |_, _| true), 0);
+        assert_eq!(t.prefix.lookup(1), None, "the new registration inherits nothing");
+        assert_eq!(r.stats().stale_server, 1);
+        assert_eq!(r.stats().undecodable, 1);
+    }
+
+    #[test]
+    fn a_dead_producers_hole_is_stepped_over() {
+        let seg = segment();
+        let t = seg.tables();
+        let server = t.servers.register(1, "http://a", 0).unwrap();
+        let ring = t.ring(1);
+        ring.set_owner(7, 1);
+        let rec = CompletionRecord {
+            server,
+            prompt_tokens: 1,
+            output_tokens: 1,
+            prompt_blocks: &[21],
+            full_blocks: &[21],
+            response: None,
+        };
+        let mut buf = Vec::new();
+        rec.encode_into(&mut buf);
+        ring.push(&buf).unwrap();
+        // Kill the commit word of the first record: its producer died mid-push.
+        let rings = seg.header().region(shm_layout::RegionKind::Rings);
+        let word = ((rings.offset + (rings.param + 256) + 256) / 8) as usize;
+        seg.raw_words()[word].store(0, std::sync::atomic::Ordering::Relaxed);
+        ring.push(&buf).unwrap();
+        let mut r = Responder::new(t);
+        assert_eq!(
+            r.drain(1, Stamp(1), 0, |_, _| true),
+            0,
+            "a live owner's pending record is waited for"
+        );
+        assert_eq!(r.drain(1, Stamp(1), 0, |_, _| false), 1);
+        assert_eq!(r.stats().recovered, 1);
+        assert!(t.prefix.lookup(21).is_some());
+    }
+}

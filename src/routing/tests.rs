@@ -1,0 +1,230 @@
+//! Tests of the routing module as a whole: configuration, the factory, and
+//! properties every policy keeps.
+
+use super::least_load::load_key;
+use super::test_support::{Fixture, cand, choice, input};
+use super::*;
+
+#[test]
+fn kind_names_round_trip() {
+    for k in PolicyKind::ALL {
+        assert_eq!(k.to_string(), k.name());
+        assert_eq!(k.name().parse::<PolicyKind>(), Ok(k));
+        assert_eq!(serde_json::to_string(&k).unwrap(), format!("\"{}\"", k.name()));
+        assert_eq!(serde_json::from_str::<PolicyKind>(&format!("\"{k}\"")).unwrap(), k);
+    }
+    assert_eq!(PolicyKind::default(), PolicyKind::CacheAware);
+    let e = "cache-aware".parse::<PolicyKind>().unwrap_err();
+    assert!(
+        e.contains("\"cache-aware\"") && e.contains("cache_aware, least_load"),
+        "{e}"
+    );
+}
+
+#[test]
+fn build_returns_each_kind() {
+    for kind in PolicyKind::ALL {
+        let p = build(&PolicyConfig {
+            kind,
+            ..PolicyConfig::default()
+        });
+        assert_eq!(p.name(), kind.name());
+    }
+    // The cache-aware parameters reach the policy: with threshold 0.0 a
+    // one-block match of ten routes by prefix, with the default it does not.
+    let f = Fixture::new(2);
+    let chain = Fixture::chain(1, 10);
+    f.hold(1, &chain[..1]);
+    let m = f.matched(&chain);
+    let cands = [cand(f.s[0], 0, 0), cand(f.s[1], 1, 0)];
+    let eager = PolicyConfig {
+        cache_aware: CacheAwareParams {
+            cache_threshold: 0.0,
+            ..CacheAwareParams::default()
+        },
+        ..PolicyConfig::default()
+    };
+    let c = build(&eager).choose(&input(10, &m, &cands)).unwrap();
+    assert_eq!(c, choice(f.s[1], Reason::Prefix { blocks: 1 }));
+    let c = build(&PolicyConfig::default()).choose(&input(10, &m, &cands)).unwrap();
+    assert_eq!(c, choice(f.s[0], Reason::LeastLoad));
+}
+
+#[test]
+fn validate_accepts_the_defaults_and_the_range_ends() {
+    assert_eq!(PolicyConfig::default().validate(), Ok(()));
+    for (t, rel) in [(0.0, 1.0), (1.0, 1.0), (0.3, 1.5), (1.0, 1e9)] {
+        let c = PolicyConfig {
+            cache_aware: CacheAwareParams {
+                cache_threshold: t,
+                balance_abs_threshold: 0,
+                balance_rel_threshold: rel,
+            },
+            ..PolicyConfig::default()
+        };
+        assert_eq!(c.validate(), Ok(()), "{t} {rel}");
+    }
+}
+
+#[test]
+fn validate_errors_name_field_value_and_reason() {
+    let with = |cache_threshold, balance_rel_threshold| PolicyConfig {
+        kind: PolicyKind::RoundRobin, // validated whatever the kind
+        cache_aware: CacheAwareParams {
+            cache_threshold,
+            balance_rel_threshold,
+            ..CacheAwareParams::default()
+        },
+    };
+    for (t, shown) in [(1.5, "1.5"), (-0.1, "-0.1"), (f64::NAN, "NaN")] {
+        let e = with(t, 1.1).validate().unwrap_err();
+        assert!(
+            e.starts_with(&format!("cache_aware.cache_threshold = {shown}: ")),
+            "{e}"
+        );
+        assert!(e.contains("between 0.0 and 1.0"), "{e}");
+    }
+    for (rel, shown) in [(0.99, "0.99"), (0.0, "0"), (f64::INFINITY, "inf"), (f64::NAN, "NaN")] {
+        let e = with(0.5, rel).validate().unwrap_err();
+        assert!(
+            e.starts_with(&format!("cache_aware.balance_rel_threshold = {shown}: ")),
+            "{e}"
+        );
+        assert!(e.contains(">= 1.0"), "{e}");
+    }
+}
+
+#[test]
+fn config_deserializes_with_defaults() {
+    let c: PolicyConfig = serde_json::from_str("{}").unwrap();
+    assert_eq!(c, PolicyConfig::default());
+    let c: PolicyConfig = serde_json::from_str(r#"{"kind": "least_load"}"#).unwrap();
+    assert_eq!(
+        c,
+        PolicyConfig {
+            kind: PolicyKind::LeastLoad,
+            ..PolicyConfig::default()
+        }
+    );
+    let c: PolicyConfig =
+        serde_json::from_str(r#"{"cache_aware": {"cache_threshold": 0.3, "balance_abs_threshold": 64}}"#).unwrap();
+    assert_eq!(c.kind, PolicyKind::CacheAware);
+    assert_eq!(
+        c.cache_aware,
+        CacheAwareParams {
+            cache_threshold: 0.3,
+            balance_abs_threshold: 64,
+            balance_rel_threshold: 1.1
+        }
+    );
+    // Integers are accepted for the float fields.
+    let c: PolicyConfig = serde_json::from_str(r#"{"cache_aware": {"balance_rel_threshold": 2}}"#).unwrap();
+    assert_eq!(c.cache_aware.balance_rel_threshold, 2.0);
+    // And it serializes back to the same.
+    let back: PolicyConfig = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
+    assert_eq!(back, c);
+}
+
+#[test]
+fn config_rejects_unknown_fields_and_kinds() {
+    for (json, needle) in [
+        (r#"{"policy": "random"}"#, "policy"),
+        (r#"{"cache_aware": {"threshold": 0.5}}"#, "threshold"),
+        (r#"{"kind": "power_of_two"}"#, "power_of_two"),
+        (r#"{"cache_aware": {"balance_abs_threshold": -1}}"#, "-1"),
+    ] {
+        let e = serde_json::from_str::<PolicyConfig>(json).unwrap_err().to_string();
+        assert!(e.contains(needle), "{json}: {e}");
+    }
+}
+
+/// SplitMix64, for generating test cases.
+struct Gen(u64);
+
+impl Gen {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Every policy, on random servers, loads and prefix holdings: it chooses
+/// a candidate (never a server outside the list, never `None` unless the
+/// list is empty), and its reason is true of the choice.
+#[test]
+fn choices_always_come_from_the_candidates_and_reasons_hold() {
+    const SERVERS: usize = 10;
+    let f = Fixture::new(SERVERS);
+    let mut g = Gen(0x5eed);
+    let tight = CacheAwareParams {
+        cache_threshold: 0.2,
+        balance_abs_threshold: 3,
+        balance_rel_threshold: 1.2,
+    };
+    let policies: Vec<(Box<dyn Policy>, Option<CacheAwareParams>)> = vec![
+        (
+            Box::new(cache_aware::CacheAware::default()),
+            Some(CacheAwareParams::default()),
+        ),
+        (Box::new(cache_aware::CacheAware::new(tight)), Some(tight)),
+        (Box::new(least_load::LeastLoad::new()), None),
+        (Box::new(round_robin::RoundRobin::new()), None),
+        (Box::new(random::Random::with_seed(7)), None),
+    ];
+    let mut prefix_choices = 0;
+    for round in 0..3000u64 {
+        let prompt_blocks = g.below(17) as usize;
+        let chain = Fixture::chain(round + 1000, prompt_blocks.max(1));
+        // Up to 5 servers hold some leading part of the chain.
+        for _ in 0..g.below(6) {
+            let depth = 1 + g.below(chain.len() as u64) as usize;
+            f.hold(g.below(SERVERS as u64) as usize, &chain[..depth]);
+        }
+        let m = f.matched(&chain);
+        // A random subset of the servers (possibly none) are candidates;
+        // loads are small so that ties and both balance regimes occur.
+        let mut candidates = Vec::new();
+        for s in &f.s {
+            if g.below(3) != 0 {
+                candidates.push(cand(*s, g.below(12), g.below(3) * 100));
+            }
+        }
+        let min_key = candidates.iter().map(load_key).min();
+        let min_load = candidates.iter().map(|c| c.inflight).min().unwrap_or(0);
+        let route = input(prompt_blocks as u32, &m, &candidates);
+        for (p, params) in &policies {
+            let Some(choice) = p.choose(&route) else {
+                assert!(candidates.is_empty(), "{} chose nothing", p.name());
+                continue;
+            };
+            let Some(chosen) = candidates.iter().find(|c| c.server == choice.server) else {
+                panic!("{} chose {:?}, not a candidate", p.name(), choice.server);
+            };
+            match choice.reason {
+                Reason::Prefix { blocks } => {
+                    let params = params.expect("only cache_aware routes by prefix");
+                    prefix_choices += 1;
+                    assert!(blocks > 0 && blocks == m.blocks_for(chosen.server.tag()));
+                    assert!(f64::from(blocks) > params.cache_threshold * prompt_blocks as f64);
+                    assert!(!params.overloaded(chosen.inflight, min_load));
+                    // No candidate holds more.
+                    assert!(candidates.iter().all(|c| m.blocks_for(c.server.tag()) <= blocks));
+                }
+                Reason::LeastLoad => assert_eq!(Some(load_key(chosen)), min_key, "{}", p.name()),
+                Reason::RoundRobin => assert_eq!(p.name(), "round_robin"),
+                Reason::Random => assert_eq!(p.name(), "random"),
+            }
+        }
+    }
+    assert!(
+        prefix_choices > 500,
+        "prefix routing exercised only {prefix_choices} times"
+    );
+}
