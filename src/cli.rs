@@ -1,8 +1,15 @@
 //! The command line, as clap derive types. Parsing only: the commands run
-//! in [`crate::shm_cmd`] and [`crate::demo`].
+//! in [`crate::shm_cmd`], [`crate::demo`], [`crate::supervisor`] and
+//! [`crate::child`].
 
-use clap::{Args, Parser, Subcommand};
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::path::PathBuf;
 
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use semlb::config::ServeOverrides;
+use semlb::routing::PolicyKind;
 use semlb::size::ByteSize;
 
 /// semlb: a semantic, cache-aware load balancer for LLM inference servers.
@@ -23,6 +30,170 @@ pub enum Command {
     /// Replay synthetic conversations through a throw-away segment and show
     /// the routing decisions and the response cache.
     Demo(DemoArgs),
+    /// Run the gateway: the supervisor creates the shm segment and keeps
+    /// the dispatcher and response processes running.
+    Serve(ServeArgs),
+    /// A process the supervisor starts (not for direct use).
+    #[command(name = "__child", hide = true)]
+    Child(ChildArgs),
+    /// A simulated engine the supervisor starts for `serve --demo` (not
+    /// for direct use; the full simulator is `semlb-sim`).
+    #[command(name = "__sim", hide = true)]
+    Sim(SimArgs),
+}
+
+/// `semlb serve`: every flag overrides the configuration file's key of the
+/// same name (see `systemd/semlb.toml` for all keys and their defaults).
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// The TOML configuration file.
+    #[arg(long, value_name = "FILE", env = "SEMLB_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address to accept HTTP on (port 0 picks a free port).
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<SocketAddr>,
+    /// Dispatcher processes [default: number of cores].
+    #[arg(long, value_name = "N")]
+    pub dispatchers: Option<usize>,
+    /// Response processes [default: 1].
+    #[arg(long, value_name = "N")]
+    pub responders: Option<usize>,
+    /// Shared-memory segment name [default: semlb].
+    #[arg(long, value_name = "NAME")]
+    pub shm_name: Option<String>,
+    /// Shared-memory segment size [default: 256MiB].
+    #[arg(long, value_name = "SIZE")]
+    pub shm_size: Option<ByteSize>,
+    /// An inference server, `http://host:port` (repeatable; replaces the
+    /// file's `[[backend]]` list).
+    #[arg(long = "backend", value_name = "URL")]
+    pub backends: Vec<String>,
+    /// A tokenizer.json [default: the bundled phi-2 tokenizer].
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+    /// A HF tokenizer_config.json whose chat template renders chat prompts
+    /// [default: the canonical rendering].
+    #[arg(long, value_name = "PATH")]
+    pub chat_template: Option<PathBuf>,
+    /// Tokens per hashed block [default: 16].
+    #[arg(long, value_name = "N")]
+    pub block_size: Option<usize>,
+    /// Routing policy: cache_aware, least_load, round_robin or random.
+    #[arg(long, value_name = "KIND")]
+    pub policy: Option<PolicyKind>,
+    /// Also start N simulated engines (default 3) on loopback and use them
+    /// as the backends: the gateway runs on one machine with no GPU.
+    #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "3")]
+    pub demo: Option<usize>,
+    /// `--time-scale` of the demo's simulated engines (0.05: 20x faster
+    /// than an A100).
+    #[arg(long, value_name = "F", default_value_t = 0.05)]
+    pub demo_time_scale: f64,
+}
+
+impl ServeArgs {
+    /// The flags as configuration overrides.
+    pub fn overrides(&self) -> ServeOverrides {
+        ServeOverrides {
+            listen: self.listen,
+            dispatchers: self.dispatchers,
+            responders: self.responders,
+            shm_name: self.shm_name.clone(),
+            shm_size: self.shm_size,
+            backends: (!self.backends.is_empty()).then(|| self.backends.clone()),
+            tokenizer: self.tokenizer.clone(),
+            chat_template: self.chat_template.clone(),
+            block_size: self.block_size,
+            policy: self.policy,
+        }
+    }
+
+    /// The flags again, for a child process (never `--demo`: children use
+    /// the backends the supervisor hands them).
+    pub fn to_args(&self) -> Vec<OsString> {
+        let mut out: Vec<OsString> = Vec::new();
+        let mut push = |flag: &str, value: String| {
+            out.push(flag.into());
+            out.push(value.into());
+        };
+        if let Some(v) = &self.config {
+            push("--config", v.display().to_string());
+        }
+        if let Some(v) = self.listen {
+            push("--listen", v.to_string());
+        }
+        if let Some(v) = self.dispatchers {
+            push("--dispatchers", v.to_string());
+        }
+        if let Some(v) = self.responders {
+            push("--responders", v.to_string());
+        }
+        if let Some(v) = &self.shm_name {
+            push("--shm-name", v.clone());
+        }
+        if let Some(v) = self.shm_size {
+            push("--shm-size", v.0.to_string());
+        }
+        for b in &self.backends {
+            push("--backend", b.clone());
+        }
+        if let Some(v) = &self.tokenizer {
+            push("--tokenizer", v.display().to_string());
+        }
+        if let Some(v) = &self.chat_template {
+            push("--chat-template", v.display().to_string());
+        }
+        if let Some(v) = self.block_size {
+            push("--block-size", v.to_string());
+        }
+        if let Some(v) = self.policy {
+            push("--policy", v.to_string());
+        }
+        out
+    }
+}
+
+/// The roles of child processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ChildRole {
+    /// HTTP front and routing.
+    Dispatcher,
+    /// Write-back of completion records.
+    Responder,
+}
+
+/// `semlb __child`: how the supervisor starts a child.
+#[derive(Debug, Args)]
+pub struct ChildArgs {
+    /// What the child does.
+    #[arg(long)]
+    pub role: ChildRole,
+    /// Its registry slot.
+    #[arg(long)]
+    pub slot: u16,
+    /// Its registry incarnation.
+    #[arg(long)]
+    pub incarnation: u32,
+    /// Dispatcher: its completion ring. Responder: its index among the responders.
+    #[arg(long)]
+    pub index: usize,
+    /// The supervisor's configuration flags.
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+/// `semlb __sim`: a simulated engine with default parameters.
+#[derive(Debug, Args)]
+pub struct SimArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Real duration of one simulated second.
+    #[arg(long, default_value_t = 0.05)]
+    pub time_scale: f64,
+    /// The served model name.
+    #[arg(long, default_value = "semlb-sim")]
+    pub model: String,
 }
 
 /// `semlb shm …`.

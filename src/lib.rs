@@ -25,6 +25,7 @@
 
 pub mod blocks;
 pub mod config;
+pub mod dispatcher;
 pub mod prompt;
 pub mod responder;
 pub mod response_cache;

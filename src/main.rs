@@ -25,10 +25,12 @@
 //! library and the modules' own error types (e.g. [`size::SizeError`]) are
 //! typed.
 
+mod child;
 mod cli;
 mod demo;
 mod report;
 mod shm_cmd;
+mod supervisor;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -44,6 +46,9 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Shm(command) => out.write_all(shm_cmd::run(command)?.as_bytes())?,
         Command::Demo(args) => demo::run(&args, &mut out)?,
+        Command::Serve(args) => supervisor::run(&args)?,
+        Command::Child(args) => child::run(&args)?,
+        Command::Sim(args) => child::run_sim(&args)?,
     }
     out.flush()?;
     Ok(())

@@ -1,0 +1,207 @@
+//! The processes the supervisor starts: `semlb __child --role dispatcher`,
+//! `--role responder`, and `semlb __sim` for `serve --demo`.
+//!
+//! A child resolves the same configuration as the supervisor (the same
+//! flags are passed on), opens the segment, attaches to its registry slot
+//! with the incarnation it was given, and heartbeats while it works.
+//! SIGTERM makes a dispatcher stop accepting and drain, and a responder
+//! drain its rings once more; both then exit 0.
+
+use std::os::fd::FromRawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use semlb::config::ServeConfig;
+use semlb::dispatcher::{self, Dispatcher, Identity};
+use semlb::responder::{Responder, rings_for};
+use semlb_workers::tokenize::{ChatTemplate, Tokenizer};
+use shm_layout::{OpenError, Segment};
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::cli::{ChildArgs, ChildRole, SimArgs};
+use crate::supervisor::LISTEN_FD;
+
+const HEARTBEAT: Duration = Duration::from_millis(500);
+
+/// Runs a child role to completion.
+pub fn run(args: &ChildArgs) -> Result<()> {
+    let config = ServeConfig::resolve(args.serve.config.as_deref(), args.serve.overrides())?;
+    let segment = Arc::new(open_segment(&config.shm_name)?);
+    let tables = segment.tables();
+    let clock = segment.clock();
+    if !tables
+        .registry
+        .attach(args.slot, args.incarnation, std::process::id(), clock.now_ms())
+    {
+        bail!(
+            "registry slot {} incarnation {} is not mine to attach",
+            args.slot,
+            args.incarnation
+        );
+    }
+    match args.role {
+        ChildRole::Dispatcher => run_dispatcher(segment, args, config),
+        ChildRole::Responder => run_responder(&segment, args, &config),
+    }
+}
+
+/// Opens the segment, waiting briefly if the supervisor is still creating it.
+fn open_segment(name: &str) -> Result<Segment> {
+    for _ in 0..50 {
+        match Segment::open(name) {
+            Err(OpenError::NotReady { .. }) => std::thread::sleep(Duration::from_millis(20)),
+            other => return other.with_context(|| format!("opening shm segment {name}")),
+        }
+    }
+    bail!("shm segment {name} did not become ready")
+}
+
+fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) -> Result<()> {
+    let tokenizer = match &config.tokenizer {
+        Some(path) => Tokenizer::from_file(path)?,
+        None => Tokenizer::bundled(),
+    };
+    let template = match &config.chat_template {
+        Some(path) => ChatTemplate::from_tokenizer_config(path)?,
+        None => ChatTemplate::canonical(),
+    };
+    let identity = Identity {
+        slot: args.slot,
+        incarnation: args.incarnation,
+        ring: args.index,
+    };
+    segment
+        .tables()
+        .ring(identity.ring)
+        .set_owner(identity.slot, identity.incarnation);
+    // SAFETY: the supervisor put the listening socket on LISTEN_FD for this
+    // process (dup2 before exec) and nothing else in this process owns it.
+    let std_listener = unsafe { std::net::TcpListener::from_raw_fd(LISTEN_FD) };
+    std_listener.set_nonblocking(true)?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::from_std(std_listener)?;
+        let heartbeat_segment = segment.clone();
+        let (slot, incarnation) = (identity.slot, identity.incarnation);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(HEARTBEAT);
+            loop {
+                tick.tick().await;
+                let s = &heartbeat_segment;
+                s.tables().registry.heartbeat(slot, incarnation, s.clock().now_ms());
+            }
+        });
+        let mut term = signal(SignalKind::terminate())?;
+        let dispatcher = Arc::new(Dispatcher::new(
+            segment,
+            identity,
+            Arc::new(config),
+            tokenizer,
+            template,
+        ));
+        dispatcher::serve(listener, dispatcher, async move {
+            term.recv().await;
+        })
+        .await?;
+        Ok(())
+    })
+}
+
+fn run_responder(segment: &Segment, args: &ChildArgs, config: &ServeConfig) -> Result<()> {
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        stop_on(sig).context("installing signal handlers")?;
+    }
+    let tables = segment.tables();
+    let clock = segment.clock();
+    let rings: Vec<usize> = rings_for(args.index, config.responders, config.dispatchers).collect();
+    let mut responder = Responder::new(tables);
+    let mut idle = Duration::from_micros(50);
+    let mut last_beat = 0u64;
+    loop {
+        let stopping = STOP.load(Ordering::Relaxed);
+        let now_ms = clock.now_ms();
+        let stamp = clock.stamp();
+        let applied: usize = rings
+            .iter()
+            .map(|r| responder.drain(*r, stamp, now_ms, |slot, inc| tables.registry.is_alive(slot, inc)))
+            .sum();
+        if now_ms >= last_beat + HEARTBEAT.as_millis() as u64 {
+            tables.registry.heartbeat(args.slot, args.incarnation, now_ms);
+            last_beat = now_ms;
+        }
+        if stopping {
+            return Ok(());
+        }
+        // Poll with a backoff: no cross-process wake-up exists for ring pushes,
+        // and a responder is off the request path.
+        idle = if applied > 0 {
+            Duration::from_micros(50)
+        } else {
+            (idle * 2).min(Duration::from_millis(5))
+        };
+        std::thread::sleep(idle);
+    }
+}
+
+/// Set by SIGTERM/SIGINT in a responder.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_stop(_: libc::c_int) {
+    STOP.store(true, Ordering::Relaxed);
+}
+
+/// Makes `sig` set [`STOP`] (an atomic store is async-signal-safe).
+fn stop_on(sig: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe;
+    // the sigaction struct is fully initialised before use.
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = on_stop as extern "C" fn(libc::c_int) as usize;
+        libc::sigemptyset(&mut action.sa_mask);
+        if libc::sigaction(sig, &action, std::ptr::null_mut()) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// `semlb __sim`: a simulated engine with default parameters.
+pub fn run_sim(args: &SimArgs) -> Result<()> {
+    use semlb_workers::config::EngineConfig;
+    use semlb_workers::engine::Engine;
+    use semlb_workers::faults::FaultConfig;
+    use semlb_workers::metrics::MetricsFlavor;
+    use semlb_workers::server::{Sim, serve};
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let config = EngineConfig {
+            model_name: args.model.clone(),
+            time_scale: args.time_scale,
+            ..EngineConfig::default()
+        };
+        config.validate().map_err(anyhow::Error::msg)?;
+        let engine = Engine::start(config);
+        let sim = Sim::new(
+            engine,
+            Tokenizer::bundled(),
+            ChatTemplate::canonical(),
+            FaultConfig::default(),
+            MetricsFlavor::Vllm,
+        );
+        let listener = tokio::net::TcpListener::bind(args.listen).await?;
+        println!("semlb-sim listening on http://{}", listener.local_addr()?);
+        use std::io::Write;
+        std::io::stdout().flush()?;
+        let mut term = signal(SignalKind::terminate())?;
+        serve(listener, Arc::new(sim), async move {
+            term.recv().await;
+        })
+        .await?;
+        Ok(())
+    })
+}

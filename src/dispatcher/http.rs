@@ -1,0 +1,161 @@
+//! HTTP plumbing shared by the dispatcher's handlers: the response body
+//! type, OpenAI-style error responses, and which headers cross the proxy.
+//!
+//! Errors the gateway produces itself have OpenAI's body,
+//! `{"error": {"message", "type", "param", "code"}}`, with `type`
+//! `invalid_request_error` for 4xx and `server_error` for 5xx.
+
+use std::convert::Infallible;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Response, StatusCode};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full};
+
+/// Error type of response bodies.
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A response body: a full buffer, a relayed upstream body, or a replay.
+pub(crate) type Body = UnsyncBoxBody<Bytes, BoxError>;
+
+/// Header naming where an inference answer came from: a server address or `cache`.
+pub(crate) const BACKEND_HEADER: &str = "x-semlb-backend";
+/// Header telling what the response cache did: `hit`, `miss` or `bypass`.
+pub(crate) const CACHE_HEADER: &str = "x-semlb-cache";
+
+/// A body of `bytes`.
+pub(crate) fn full_body(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into())
+        .map_err(|never: Infallible| match never {})
+        .boxed_unsync()
+}
+
+/// A response with `status`, a content type and a full body.
+pub(crate) fn full_response(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Response<Body> {
+    let mut response = Response::new(full_body(body));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    response
+}
+
+/// A JSON response.
+pub(crate) fn json_response(status: StatusCode, value: &serde_json::Value) -> Response<Body> {
+    full_response(status, "application/json", value.to_string())
+}
+
+/// An OpenAI-style error response.
+pub(crate) fn error_response(status: StatusCode, message: impl Into<String>, code: Option<&str>) -> Response<Body> {
+    let kind = if status.is_server_error() {
+        "server_error"
+    } else {
+        "invalid_request_error"
+    };
+    let body = serde_json::json!({
+        "error": {
+            "message": message.into(),
+            "type": kind,
+            "param": null,
+            "code": code,
+        }
+    });
+    json_response(status, &body)
+}
+
+/// Sets a header from a string, skipping values that are not valid header text.
+pub(crate) fn set_header(headers: &mut HeaderMap, name: &'static str, value: &str) {
+    if let Ok(value) = HeaderValue::from_str(value) {
+        headers.insert(HeaderName::from_static(name), value);
+    }
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) and the ones the proxy sets itself:
+/// never copied across.
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+    )
+}
+
+/// The client's headers to send upstream: end-to-end headers except `Host`
+/// and `Content-Length` (the client sets them for the upstream request) and
+/// `Accept-Encoding` (the dispatcher reads the answer, so it must not be
+/// compressed), plus any header the `Connection` header lists.
+pub(crate) fn upstream_request_headers(from: &HeaderMap) -> HeaderMap {
+    let listed = connection_listed(from);
+    let mut out = HeaderMap::with_capacity(from.len());
+    for (name, value) in from {
+        if is_hop_by_hop(name)
+            || name == header::HOST
+            || name == header::CONTENT_LENGTH
+            || name == header::ACCEPT_ENCODING
+            || listed.iter().any(|l| l == name.as_str())
+        {
+            continue;
+        }
+        out.append(name.clone(), value.clone());
+    }
+    out
+}
+
+/// The upstream response headers to send to the client (end-to-end only;
+/// `Content-Length` is left to the relayed body's exact size).
+pub(crate) fn client_response_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    let listed = connection_listed(from);
+    for (name, value) in from {
+        if is_hop_by_hop(name) || name == header::CONTENT_LENGTH || listed.iter().any(|l| l == name.as_str()) {
+            continue;
+        }
+        to.append(name.clone(), value.clone());
+    }
+}
+
+fn connection_listed(headers: &HeaderMap) -> Vec<String> {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|s| s.trim().to_ascii_lowercase())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_do_not_cross() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, x-private"));
+        h.insert("x-private", HeaderValue::from_static("1"));
+        h.insert(header::HOST, HeaderValue::from_static("gw"));
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
+        h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("gzip"));
+        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        let out = upstream_request_headers(&h);
+        let names: Vec<&str> = out.keys().map(HeaderName::as_str).collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+        assert!(out.contains_key(header::AUTHORIZATION) && out.contains_key(header::CONTENT_TYPE));
+    }
+
+    #[test]
+    fn errors_have_the_openai_shape() {
+        let r = error_response(StatusCode::BAD_GATEWAY, "down", None);
+        assert_eq!(r.status(), StatusCode::BAD_GATEWAY);
+        assert_eq!(r.headers()[header::CONTENT_TYPE], "application/json");
+    }
+}

@@ -1,0 +1,285 @@
+//! A dispatcher process's HTTP front: the OpenAI-compatible API, the
+//! request pipeline and the pooled upstream client.
+//!
+//! # Routes
+//!
+//! | route | answer |
+//! | --- | --- |
+//! | `POST /v1/completions`, `POST /v1/chat/completions` | the inference pipeline below (JSON or SSE) |
+//! | `GET /v1/models` | the live servers' model lists merged, deduplicated by `id` |
+//! | `GET /health` | 200 when at least one server is live, else 503 |
+//! | any other `/v1/...` | proxied to the least loaded live server |
+//!
+//! Other paths get 404, wrong methods 405 (with `Allow`), all with an
+//! OpenAI error body.
+//!
+//! # The inference pipeline
+//!
+//! 1. **Body**: at most `limits.max_body_bytes` (413, from `Content-Length`
+//!    or while reading), parsed by [`crate::prompt::parse`] (400).
+//! 2. **Tokens**: the routing text is tokenized (on the blocking pool when
+//!    longer than 4 KiB), token-id prompts are taken as given; the tokens are
+//!    hashed into a block chain ([`crate::blocks`]) rooted at the model and
+//!    the segment's seed.
+//! 3. **Response cache**: the tenant (API key, or global), the exact key and
+//!    the cacheability ([`crate::response_cache`]); a fresh entry answers
+//!    at once without a server — as stored for JSON, replayed as SSE chunks
+//!    for a streaming request (`sse::replay`).
+//! 4. **Routing**: the live servers ([`crate::routing::live_candidates`]),
+//!    the longest prefix match of the chain, the configured policy. No
+//!    server: 503 with `Retry-After: 1`.
+//! 5. **Proxy**: the request is counted in flight to the server in the shm
+//!    ledger (a drop guard ends it exactly once), the original body and the
+//!    end-to-end headers go to `<server><path>`; a connection failure or a
+//!    5xx head (nothing sent to the client yet) is retried on another server
+//!    up to `limits.retries` times, then 502. The answer is streamed through
+//!    as it arrives (`relay::Relay`); a client that leaves drops the
+//!    upstream request.
+//! 6. **Learning**: a complete 2xx answer becomes a completion record —
+//!    prompt chain, chain of prompt + answer, token counts and, for a
+//!    cacheable non-streaming 200, the body — pushed into this dispatcher's
+//!    ring for a response process ([`crate::responder`]). Streamed answers
+//!    are learned from (prefix) but not cached: only non-streaming answers
+//!    are stored, and a streaming repeat of one is replayed from it.
+//!
+//! Every inference answer carries `x-semlb-cache: hit|miss|bypass` (`miss`:
+//! looked up or refreshed and may be stored; `bypass`: the cache was not
+//! involved) and `x-semlb-backend: <server address | cache>`.
+//!
+//! # Serving
+//!
+//! [`serve`] accepts HTTP/1.1 (keep-alive, `TCP_NODELAY`) until its
+//! shutdown future resolves, then stops accepting, asks every connection to
+//! close after its current request, and waits for them up to the drain
+//! timeout. Upstream connections are pooled and also use `TCP_NODELAY`.
+
+mod http;
+mod pipeline;
+mod relay;
+mod sse;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use semlb_workers::tokenize::{ChatTemplate, Tokenizer};
+use shm_layout::Segment;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::config::ServeConfig;
+use crate::routing::Policy;
+
+/// Who this dispatcher is in the segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Identity {
+    /// Its registry slot (also its row in the in-flight ledger).
+    pub slot: u16,
+    /// Its registry incarnation.
+    pub incarnation: u32,
+    /// The completion ring it pushes into.
+    pub ring: usize,
+}
+
+/// Counters of one dispatcher (for metrics). All relaxed atomics.
+#[derive(Debug, Default)]
+pub struct DispatcherStats {
+    /// HTTP requests received (every route).
+    pub requests: AtomicU64,
+    /// Inference requests answered from the response cache.
+    pub cache_hits: AtomicU64,
+    /// Inference requests the cache could have answered but did not (or
+    /// that refresh it: `Cache-Control: no-cache`).
+    pub cache_misses: AtomicU64,
+    /// Inference requests the cache was not involved in.
+    pub cache_bypasses: AtomicU64,
+    /// Upstream attempts after the first one of a request.
+    pub retries: AtomicU64,
+    /// Upstream failures: connection errors, 5xx heads, bodies cut or timed out.
+    pub upstream_errors: AtomicU64,
+    /// Answers with a 4xx status.
+    pub client_errors: AtomicU64,
+    /// Answers with a 5xx status.
+    pub server_errors: AtomicU64,
+    /// Completion records pushed into the ring.
+    pub records_pushed: AtomicU64,
+    /// Completion records dropped (ring full, record too large, no ring).
+    pub records_dropped: AtomicU64,
+}
+
+/// A plain copy of [`DispatcherStats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StatsSnapshot {
+    /// See [`DispatcherStats::requests`].
+    pub requests: u64,
+    /// See [`DispatcherStats::cache_hits`].
+    pub cache_hits: u64,
+    /// See [`DispatcherStats::cache_misses`].
+    pub cache_misses: u64,
+    /// See [`DispatcherStats::cache_bypasses`].
+    pub cache_bypasses: u64,
+    /// See [`DispatcherStats::retries`].
+    pub retries: u64,
+    /// See [`DispatcherStats::upstream_errors`].
+    pub upstream_errors: u64,
+    /// See [`DispatcherStats::client_errors`].
+    pub client_errors: u64,
+    /// See [`DispatcherStats::server_errors`].
+    pub server_errors: u64,
+    /// See [`DispatcherStats::records_pushed`].
+    pub records_pushed: u64,
+    /// See [`DispatcherStats::records_dropped`].
+    pub records_dropped: u64,
+}
+
+impl DispatcherStats {
+    /// The current values.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        StatsSnapshot {
+            requests: l(&self.requests),
+            cache_hits: l(&self.cache_hits),
+            cache_misses: l(&self.cache_misses),
+            cache_bypasses: l(&self.cache_bypasses),
+            retries: l(&self.retries),
+            upstream_errors: l(&self.upstream_errors),
+            client_errors: l(&self.client_errors),
+            server_errors: l(&self.server_errors),
+            records_pushed: l(&self.records_pushed),
+            records_dropped: l(&self.records_dropped),
+        }
+    }
+}
+
+/// The pooled upstream HTTP client.
+type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Everything a dispatcher needs to serve requests; shared by its tasks.
+#[derive(Debug)]
+pub struct Dispatcher {
+    segment: Arc<Segment>,
+    identity: Identity,
+    config: Arc<ServeConfig>,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    policy: Box<dyn Policy>,
+    client: UpstreamClient,
+    stats: DispatcherStats,
+}
+
+impl Dispatcher {
+    /// A dispatcher over an opened segment whose server table already holds
+    /// the backends (the supervisor registers them).
+    pub fn new(
+        segment: Arc<Segment>,
+        identity: Identity,
+        config: Arc<ServeConfig>,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+    ) -> Self {
+        let policy = crate::routing::build(&config.policy);
+        let mut connector = HttpConnector::new();
+        // Without it, small SSE writes wait for delayed ACKs (~40 ms each).
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(config.limits.connect_timeout()));
+        connector.set_keepalive(Some(Duration::from_secs(60)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_timer(TokioTimer::new())
+            .build(connector);
+        Self {
+            segment,
+            identity,
+            config,
+            tokenizer,
+            template,
+            policy,
+            client,
+            stats: DispatcherStats::default(),
+        }
+    }
+
+    /// Its counters.
+    pub fn stats(&self) -> &DispatcherStats {
+        &self.stats
+    }
+
+    /// Who it is in the segment.
+    pub fn identity(&self) -> Identity {
+        self.identity
+    }
+
+    /// The name of its routing policy.
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+}
+
+/// Serves HTTP on `listener` until `shutdown` resolves, then stops
+/// accepting and lets in-flight requests finish (bounded by the
+/// configuration's drain timeout).
+pub async fn serve(
+    listener: TcpListener,
+    dispatcher: Arc<Dispatcher>,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut connections = JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _peer)) => {
+                    connections.spawn(serve_connection(stream, dispatcher.clone(), stop_rx.clone()));
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: pause, do not stop.
+                    eprintln!("semlb dispatcher: accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            },
+        }
+    }
+    drop(listener);
+    stop_tx.send_replace(true);
+    let drained = tokio::time::timeout(dispatcher.config.drain_timeout(), async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        connections.shutdown().await;
+    }
+    Ok(())
+}
+
+/// Serves one connection until it closes, or until `stop` is set and its
+/// in-flight request is answered.
+async fn serve_connection(stream: TcpStream, dispatcher: Arc<Dispatcher>, mut stop: watch::Receiver<bool>) {
+    let _ = stream.set_nodelay(true);
+    let service = service_fn(move |request| {
+        let dispatcher = dispatcher.clone();
+        async move { Ok::<_, Infallible>(pipeline::handle(dispatcher, request).await) }
+    });
+    let mut builder = http1::Builder::new();
+    builder.timer(TokioTimer::new()).keep_alive(true);
+    let connection = builder.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(connection);
+    tokio::select! {
+        _ = connection.as_mut() => return,
+        _ = stop.wait_for(|stop| *stop) => {}
+    }
+    connection.as_mut().graceful_shutdown();
+    let _ = connection.await;
+}

@@ -1,0 +1,500 @@
+//! The request handlers: route dispatch, the inference pipeline (body →
+//! parse → tokens → block chain → response cache → route → proxy with
+//! retries), the generic `/v1/*` proxy, `/v1/models` and `/health`.
+//! See the [parent module](super) for the pipeline's rules.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use serde_json::{Value, json};
+use shm_layout::{ResponseKey, ServerRef};
+
+use super::Dispatcher;
+use super::http::{
+    BACKEND_HEADER, Body, CACHE_HEADER, client_response_headers, error_response, full_response, json_response,
+    set_header, upstream_request_headers,
+};
+use super::relay::{InflightGuard, Learn, Relay};
+use super::sse;
+use crate::blocks::BlockHasher;
+use crate::config::CacheScope;
+use crate::prompt::{self, Endpoint, RoutingInput};
+use crate::response_cache::{self, Cacheability, Scope, Tenant};
+use crate::routing::{Candidate, RouteInput, live_candidates};
+
+/// Routing texts longer than this are tokenized on the blocking pool.
+const BLOCKING_TOKENIZE_BYTES: usize = 4096;
+
+/// Largest `/v1/models` answer read from one server.
+const MAX_MODELS_BYTES: usize = 8 << 20;
+
+/// Answers one request (never fails: errors are responses).
+pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incoming>) -> Response<Body> {
+    dispatcher.stats.requests.fetch_add(1, Relaxed);
+    let path = request.uri().path().to_owned();
+    let method = request.method().clone();
+    let allowed = match path.as_str() {
+        "/v1/completions" | "/v1/chat/completions" => Some(Method::POST),
+        "/v1/models" | "/health" => Some(Method::GET),
+        _ => None,
+    };
+    let response = match (path.as_str(), allowed) {
+        (_, Some(m)) if m != method => {
+            let mut r = error_response(
+                StatusCode::METHOD_NOT_ALLOWED,
+                format!("method {method} is not allowed on {path}; use {m}"),
+                Some("method_not_allowed"),
+            );
+            set_header(r.headers_mut(), "allow", m.as_str());
+            r
+        }
+        ("/v1/completions", _) => inference(&dispatcher, request, Endpoint::Completions).await,
+        ("/v1/chat/completions", _) => inference(&dispatcher, request, Endpoint::ChatCompletions).await,
+        ("/v1/models", _) => models(&dispatcher).await,
+        ("/health", _) => health(&dispatcher),
+        (p, _) if p.starts_with("/v1/") => passthrough(&dispatcher, request).await,
+        _ => error_response(
+            StatusCode::NOT_FOUND,
+            format!("{method} {path} is not a route of this server"),
+            Some("unknown_url"),
+        ),
+    };
+    let status = response.status();
+    if status.is_client_error() {
+        dispatcher.stats.client_errors.fetch_add(1, Relaxed);
+    } else if status.is_server_error() {
+        dispatcher.stats.server_errors.fetch_add(1, Relaxed);
+    }
+    response
+}
+
+/// Reads a request body of at most `limits.max_body_bytes` (413 beyond).
+async fn read_body(dispatcher: &Dispatcher, headers: &HeaderMap, body: Incoming) -> Result<Bytes, Response<Body>> {
+    let max = usize::try_from(dispatcher.config.limits.max_body_bytes.0).unwrap_or(usize::MAX);
+    let too_large = || {
+        error_response(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the request body is larger than the limit of {max} bytes"),
+            Some("payload_too_large"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(body, max).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(too_large()),
+        Err(e) => Err(error_response(
+            StatusCode::BAD_REQUEST,
+            format!("could not read the request body: {e}"),
+            None,
+        )),
+    }
+}
+
+/// What a proxied request is: where it goes and what it carries.
+struct Outbound {
+    method: Method,
+    path_and_query: String,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+/// What an inference request adds to a proxied one.
+struct InferenceCtx {
+    input: RoutingInput,
+    prompt_tokens: Vec<u32>,
+    chain: Vec<u64>,
+    hasher: BlockHasher,
+    /// Where a 200 answer may be stored.
+    store_key: Option<ResponseKey>,
+    /// The `x-semlb-cache` value.
+    cache: &'static str,
+}
+
+async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, endpoint: Endpoint) -> Response<Body> {
+    let (parts, body) = request.into_parts();
+    let bytes = match read_body(dispatcher, &parts.headers, body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let parsed = match prompt::parse(endpoint, &bytes, &dispatcher.template) {
+        Ok(p) => p,
+        Err(e) => return json_response(StatusCode::BAD_REQUEST, &e.body()),
+    };
+    let prompt_tokens = match &parsed.input {
+        RoutingInput::Text(text) if text.len() > BLOCKING_TOKENIZE_BYTES => {
+            let (tokenizer, text) = (dispatcher.tokenizer.clone(), text.clone());
+            match tokio::task::spawn_blocking(move || tokenizer.encode(&text)).await {
+                Ok(tokens) => tokens,
+                Err(_) => dispatcher.tokenizer.encode(&text_of(&parsed.input)),
+            }
+        }
+        RoutingInput::Text(text) => dispatcher.tokenizer.encode(text),
+        RoutingInput::Tokens(ids) => ids.clone(),
+    };
+    let seed = dispatcher.segment.header().seed[0];
+    let hasher = BlockHasher::new(
+        BlockHasher::root_for(&parsed.model, seed),
+        dispatcher.config.block_size.max(1),
+    );
+    let mut chain = Vec::with_capacity(prompt_tokens.len() / hasher.block_size() + 1);
+    hasher.chain(&prompt_tokens, &mut chain);
+
+    // Response cache.
+    let rc = &dispatcher.config.response_cache;
+    let scope = match rc.scope {
+        CacheScope::Tenant => Scope::Tenant,
+        CacheScope::Global => Scope::Global,
+    };
+    let header_bytes = |name| parts.headers.get(name).map(HeaderValue::as_bytes);
+    let tenant = Tenant::of(scope, header_bytes(header::AUTHORIZATION));
+    let cacheability = response_cache::cacheability(
+        rc.enabled,
+        rc.cache_nondeterministic,
+        &parsed.body,
+        header_bytes(header::CACHE_CONTROL),
+    );
+    let key = (cacheability != Cacheability::Bypass).then(|| response_cache::key(tenant, endpoint, &parsed.body));
+    if let (true, Some(key)) = (cacheability.reads(), key)
+        && let Some(response) = cached_answer(dispatcher, key, endpoint, &parsed)
+    {
+        dispatcher.stats.cache_hits.fetch_add(1, Relaxed);
+        return response;
+    }
+    let cache = if cacheability.writes() {
+        dispatcher.stats.cache_misses.fetch_add(1, Relaxed);
+        "miss"
+    } else {
+        dispatcher.stats.cache_bypasses.fetch_add(1, Relaxed);
+        "bypass"
+    };
+    let ctx = InferenceCtx {
+        input: parsed.input,
+        prompt_tokens,
+        chain,
+        hasher,
+        store_key: key.filter(|_| cacheability.writes() && !parsed.stream),
+        cache,
+    };
+    let outbound = Outbound {
+        method: Method::POST,
+        path_and_query: endpoint.path().to_owned(),
+        headers: upstream_request_headers(&parts.headers),
+        body: bytes,
+    };
+    forward(dispatcher, outbound, Some(ctx)).await
+}
+
+fn text_of(input: &RoutingInput) -> String {
+    match input {
+        RoutingInput::Text(t) => t.clone(),
+        RoutingInput::Tokens(_) => String::new(),
+    }
+}
+
+/// The answer to `parsed` from a fresh response-cache entry, if any.
+fn cached_answer(
+    dispatcher: &Dispatcher,
+    key: ResponseKey,
+    endpoint: Endpoint,
+    parsed: &prompt::ParsedRequest,
+) -> Option<Response<Body>> {
+    let tables = dispatcher.segment.tables();
+    let mut buf = Vec::new();
+    let entry = tables.responses.get_into(key, &mut buf)?;
+    let ttl_ms = dispatcher.config.response_cache.ttl_secs.saturating_mul(1000);
+    let stored = response_cache::fresh_body(entry, dispatcher.segment.clock().now_ms(), ttl_ms)?;
+    let mut response = if parsed.stream {
+        let events = sse::replay(endpoint, stored, &parsed.body)?;
+        let mut r = full_response(StatusCode::OK, "text/event-stream", events);
+        r.headers_mut()
+            .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        r
+    } else {
+        full_response(StatusCode::OK, "application/json", Bytes::copy_from_slice(stored))
+    };
+    let headers = response.headers_mut();
+    set_header(headers, CACHE_HEADER, "hit");
+    set_header(headers, BACKEND_HEADER, "cache");
+    Some(response)
+}
+
+/// Any other `/v1/...` request: proxied to the least loaded live server.
+async fn passthrough(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>) -> Response<Body> {
+    let (parts, body) = request.into_parts();
+    let bytes = match read_body(dispatcher, &parts.headers, body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let outbound = Outbound {
+        method: parts.method,
+        path_and_query: parts
+            .uri
+            .path_and_query()
+            .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned()),
+        headers: upstream_request_headers(&parts.headers),
+        body: bytes,
+    };
+    forward(dispatcher, outbound, None).await
+}
+
+impl Dispatcher {
+    /// A server for the request with block chain `chain` (empty: least
+    /// load), avoiding `exclude`, with its address.
+    fn choose(&self, chain: &[u64], inference: bool, exclude: &[ServerRef]) -> Option<(ServerRef, String)> {
+        let tables = self.segment.tables();
+        let servers = &tables.servers;
+        let mut candidates: Vec<Candidate> = Vec::new();
+        live_candidates(&tables, &mut candidates);
+        candidates.retain(|c| !exclude.contains(&c.server));
+        loop {
+            let choice = if inference {
+                let prefix = tables
+                    .prefix
+                    .longest_prefix_match(chain, |t| servers.is_live(t) && !exclude.iter().any(|s| s.tag() == t));
+                let input = RouteInput {
+                    prompt_blocks: u32::try_from(chain.len()).unwrap_or(u32::MAX),
+                    prefix: &prefix,
+                    candidates: &candidates,
+                };
+                self.policy.choose(&input)?.server
+            } else {
+                candidates
+                    .iter()
+                    .min_by_key(|c| (c.inflight, c.inflight_tokens))?
+                    .server
+            };
+            match servers.get(choice.slot) {
+                Some(info) if info.server == choice => return Some((choice, info.address)),
+                // Re-registered or unreadable meanwhile: ask again without it.
+                _ => candidates.retain(|c| c.server != choice),
+            }
+        }
+    }
+}
+
+/// Sends `outbound` to a chosen server, retrying elsewhere on connection
+/// failures and 5xx heads, and relays the answer.
+async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, ctx: Option<InferenceCtx>) -> Response<Body> {
+    let limits = &dispatcher.config.limits;
+    let deadline = tokio::time::Instant::now() + limits.request_timeout();
+    let chain: &[u64] = ctx.as_ref().map_or(&[], |c| &c.chain);
+    let prompt_tokens = ctx.as_ref().map_or(0, |c| c.prompt_tokens.len() as u64);
+    let mut failed: Vec<ServerRef> = Vec::new();
+    let mut last_error = String::new();
+    let mut attempt = 0u32;
+    let mut response = loop {
+        let Some((server, address)) = dispatcher.choose(chain, ctx.is_some(), &failed) else {
+            break if attempt == 0 {
+                let mut r = error_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "no inference server is available",
+                    Some("no_server_available"),
+                );
+                set_header(r.headers_mut(), "retry-after", "1");
+                r
+            } else {
+                bad_gateway(attempt, &last_error)
+            };
+        };
+        if attempt > 0 {
+            dispatcher.stats.retries.fetch_add(1, Relaxed);
+        }
+        attempt += 1;
+        let Some(guard) = InflightGuard::begin(dispatcher, server, prompt_tokens) else {
+            failed.push(server);
+            last_error = format!("{address} was re-registered");
+            continue;
+        };
+        let uri = match format!("{address}{}", outbound.path_and_query).parse::<Uri>() {
+            Ok(u) => u,
+            Err(e) => {
+                failed.push(server);
+                last_error = format!("{address}: bad address: {e}");
+                continue;
+            }
+        };
+        let mut request = Request::new(Full::new(outbound.body.clone()));
+        *request.method_mut() = outbound.method.clone();
+        *request.uri_mut() = uri;
+        *request.headers_mut() = outbound.headers.clone();
+        let result = tokio::time::timeout_at(deadline, dispatcher.client.request(request)).await;
+        let upstream = match result {
+            Err(_) => {
+                dispatcher.stats.upstream_errors.fetch_add(1, Relaxed);
+                break error_response(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    format!("{address} did not answer within {} s", limits.request_timeout_secs),
+                    Some("upstream_timeout"),
+                );
+            }
+            Ok(Err(e)) => {
+                dispatcher.stats.upstream_errors.fetch_add(1, Relaxed);
+                last_error = format!("{address}: {}", error_chain(&e));
+                failed.push(server);
+                None
+            }
+            Ok(Ok(r)) if r.status().is_server_error() => {
+                dispatcher.stats.upstream_errors.fetch_add(1, Relaxed);
+                last_error = format!("{address} answered {}", r.status());
+                failed.push(server);
+                None
+            }
+            Ok(Ok(r)) => Some(r),
+        };
+        let Some(upstream) = upstream else {
+            if attempt > limits.retries {
+                break bad_gateway(attempt, &last_error);
+            }
+            continue;
+        };
+        let (parts, incoming) = upstream.into_parts();
+        let sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+        let learn = match &ctx {
+            Some(c) if parts.status.is_success() => Some((
+                dispatcher.clone(),
+                Learn {
+                    server,
+                    input: c.input.clone(),
+                    prompt_tokens: c.prompt_tokens.clone(),
+                    chain: c.chain.clone(),
+                    hasher: c.hasher,
+                    cache_key: c.store_key.filter(|_| parts.status == StatusCode::OK && !sse),
+                },
+            )),
+            _ => None,
+        };
+        let mut response = Response::new(Relay::new(incoming, deadline, guard, learn, sse).boxed());
+        *response.status_mut() = parts.status;
+        client_response_headers(&parts.headers, response.headers_mut());
+        set_header(response.headers_mut(), BACKEND_HEADER, &address);
+        break response;
+    };
+    if let Some(c) = &ctx {
+        set_header(response.headers_mut(), CACHE_HEADER, c.cache);
+    }
+    response
+}
+
+fn bad_gateway(attempts: u32, last_error: &str) -> Response<Body> {
+    error_response(
+        StatusCode::BAD_GATEWAY,
+        format!("no inference server could answer ({attempts} tried; last: {last_error})"),
+        Some("upstream_unavailable"),
+    )
+}
+
+/// An error and its sources, for messages.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        source = inner.source();
+    }
+    s
+}
+
+/// The live servers' addresses.
+fn live_addresses(dispatcher: &Dispatcher) -> Vec<String> {
+    let tables = dispatcher.segment.tables();
+    let mut candidates = Vec::new();
+    live_candidates(&tables, &mut candidates);
+    candidates
+        .iter()
+        .filter_map(|c| tables.servers.get(c.server.slot).filter(|i| i.server == c.server))
+        .map(|i| i.address)
+        .collect()
+}
+
+/// `GET /v1/models`: every live server's list, merged by `id`.
+async fn models(dispatcher: &Arc<Dispatcher>) -> Response<Body> {
+    let addresses = live_addresses(dispatcher);
+    if addresses.is_empty() {
+        let mut r = error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no inference server is available",
+            Some("no_server_available"),
+        );
+        set_header(r.headers_mut(), "retry-after", "1");
+        return r;
+    }
+    let wait = dispatcher.config.limits.request_timeout().min(Duration::from_secs(10));
+    let lists = futures_util::future::join_all(addresses.iter().map(|a| fetch_models(dispatcher, a, wait))).await;
+    let mut data: Vec<Value> = Vec::new();
+    let mut answered = 0;
+    for list in lists.into_iter().flatten() {
+        answered += 1;
+        for model in list {
+            let id = model.get("id").cloned();
+            if !data.iter().any(|m| m.get("id").cloned() == id) {
+                data.push(model);
+            }
+        }
+    }
+    if answered == 0 {
+        return error_response(
+            StatusCode::BAD_GATEWAY,
+            "no inference server answered /v1/models",
+            Some("upstream_unavailable"),
+        );
+    }
+    json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
+}
+
+/// One server's `data` list, or `None` if it did not answer well.
+async fn fetch_models(dispatcher: &Dispatcher, address: &str, wait: Duration) -> Option<Vec<Value>> {
+    let uri: Uri = format!("{address}/v1/models").parse().ok()?;
+    let mut request = Request::new(Full::new(Bytes::new()));
+    *request.uri_mut() = uri;
+    let response = tokio::time::timeout(wait, dispatcher.client.request(request))
+        .await
+        .ok()?
+        .ok()?;
+    if !response.status().is_success() {
+        return None;
+    }
+    let body = tokio::time::timeout(wait, Limited::new(response.into_body(), MAX_MODELS_BYTES).collect())
+        .await
+        .ok()?
+        .ok()?
+        .to_bytes();
+    match serde_json::from_slice::<Value>(&body).ok()?.get_mut("data")?.take() {
+        Value::Array(list) => Some(list),
+        _ => None,
+    }
+}
+
+/// `GET /health`: 200 when a server is live.
+fn health(dispatcher: &Dispatcher) -> Response<Body> {
+    let tables = dispatcher.segment.tables();
+    let mut candidates = Vec::new();
+    live_candidates(&tables, &mut candidates);
+    if candidates.is_empty() {
+        return error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no inference server is live",
+            Some("no_server_available"),
+        );
+    }
+    json_response(
+        StatusCode::OK,
+        &json!({"status": "ok", "live_servers": candidates.len()}),
+    )
+}

@@ -1,0 +1,314 @@
+//! Relaying an upstream answer to the client, and learning from it.
+//!
+//! [`Relay`] is the response body of a proxied request: it hands each
+//! upstream frame to hyper as it arrives (nothing is buffered, so SSE
+//! tokens reach the client as the engine emits them), keeps a copy of what
+//! it needs (the JSON body, or the text of the SSE chunks), and enforces the
+//! request deadline. It owns the request's [`InflightGuard`], so the
+//! server's in-flight count drops exactly once, when the body ends, fails,
+//! or is dropped because the client went away (dropping the upstream body
+//! also cancels the upstream request).
+//!
+//! When a 2xx body ends normally, the [`Learn`] context becomes a
+//! completion record ([`Dispatcher::push_completion`]): the prompt chain,
+//! the chain of prompt + answer (the answer text appended to the routing
+//! text and tokenized: for chat that is exactly what the canonical template
+//! renders as the start of the next turn), the token counts, and the
+//! response body when it may be cached. Tokenizing runs on the blocking
+//! pool, off the reactor; the record is pushed into this dispatcher's
+//! completion ring without waiting (a full ring drops it, counted by the
+//! ring).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
+use shm_layout::{CompletionRecord, ResponseKey, ServerRef};
+use tokio::time::Sleep;
+
+use super::Dispatcher;
+use super::http::{Body, BoxError};
+use super::sse::{SseCapture, json_answer};
+use crate::blocks::BlockHasher;
+use crate::prompt::RoutingInput;
+
+/// Largest non-streaming answer kept to learn from (bytes).
+const MAX_JSON_CAPTURE: usize = 32 << 20;
+
+/// Counts one request as in flight to a server in the shm ledger while it
+/// lives; dropping it ends the request (exactly once).
+#[derive(Debug)]
+pub(crate) struct InflightGuard {
+    dispatcher: Arc<Dispatcher>,
+    server: ServerRef,
+    tokens: u64,
+}
+
+impl InflightGuard {
+    /// Begins a request of `tokens` prompt tokens to `server`; `None` if the
+    /// registration is stale.
+    pub fn begin(dispatcher: &Arc<Dispatcher>, server: ServerRef, tokens: u64) -> Option<Self> {
+        let servers = dispatcher.segment.tables().servers;
+        servers
+            .begin_request(dispatcher.identity.slot, server, tokens)
+            .then(|| Self {
+                dispatcher: dispatcher.clone(),
+                server,
+                tokens,
+            })
+    }
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        let servers = self.dispatcher.segment.tables().servers;
+        servers.end_request(self.dispatcher.identity.slot, self.server, self.tokens);
+    }
+}
+
+/// What a finished answer teaches: everything of the request the completion
+/// record needs.
+#[derive(Debug)]
+pub(crate) struct Learn {
+    /// The server that answered.
+    pub server: ServerRef,
+    /// The routing input (text is appended to, tokens are extended).
+    pub input: RoutingInput,
+    /// Its tokens.
+    pub prompt_tokens: Vec<u32>,
+    /// Their block chain.
+    pub chain: Vec<u64>,
+    /// The hasher the chain was made with.
+    pub hasher: BlockHasher,
+    /// Where to cache the body, when it may be cached.
+    pub cache_key: Option<ResponseKey>,
+}
+
+/// The copy of the answer a relay keeps.
+#[derive(Debug)]
+enum Capture {
+    Json { buf: Vec<u8>, overflow: bool },
+    Sse(SseCapture),
+}
+
+impl Capture {
+    fn feed(&mut self, data: &[u8]) {
+        match self {
+            Capture::Json { buf, overflow } => {
+                if !*overflow {
+                    if buf.len() + data.len() > MAX_JSON_CAPTURE {
+                        *overflow = true;
+                        *buf = Vec::new();
+                    } else {
+                        buf.extend_from_slice(data);
+                    }
+                }
+            }
+            Capture::Sse(c) => c.feed(data),
+        }
+    }
+}
+
+/// The response body of a proxied request (see the module docs).
+#[derive(Debug)]
+pub(crate) struct Relay {
+    inner: Incoming,
+    deadline: Pin<Box<Sleep>>,
+    guard: Option<InflightGuard>,
+    capture: Option<Capture>,
+    learn: Option<(Arc<Dispatcher>, Learn)>,
+    finished: bool,
+}
+
+impl Relay {
+    /// Relays `inner` until `deadline`; `learn` (for a 2xx inference
+    /// answer) makes a completion record when it ends; `sse` tells how to
+    /// read the answer.
+    pub fn new(
+        inner: Incoming,
+        deadline: tokio::time::Instant,
+        guard: InflightGuard,
+        learn: Option<(Arc<Dispatcher>, Learn)>,
+        sse: bool,
+    ) -> Self {
+        let capture = learn.as_ref().map(|_| {
+            if sse {
+                Capture::Sse(SseCapture::default())
+            } else {
+                Capture::Json {
+                    buf: Vec::new(),
+                    overflow: false,
+                }
+            }
+        });
+        Self {
+            inner,
+            deadline: Box::pin(tokio::time::sleep_until(deadline)),
+            guard: Some(guard),
+            capture,
+            learn,
+            finished: false,
+        }
+    }
+
+    /// As a boxed response body.
+    pub fn boxed(self) -> Body {
+        self.boxed_unsync()
+    }
+
+    fn fail(&mut self) {
+        self.finished = true;
+        if let Some(g) = self.guard.take() {
+            g.dispatcher.stats.upstream_errors.fetch_add(1, Relaxed);
+        }
+        self.learn = None;
+        self.capture = None;
+    }
+
+    fn end(&mut self) {
+        self.finished = true;
+        self.guard = None;
+        let (Some((dispatcher, learn)), Some(capture)) = (self.learn.take(), self.capture.take()) else {
+            return;
+        };
+        let answer = match capture {
+            Capture::Json { buf, overflow: false } => json_answer(&buf).map(|(text, tokens)| {
+                let body = learn.cache_key.is_some().then_some(buf);
+                (text, tokens, body)
+            }),
+            Capture::Sse(c) if !c.overflow => Some((c.text, c.completion_tokens, None)),
+            _ => None,
+        };
+        let Some((text, output_tokens, body)) = answer else {
+            return;
+        };
+        let job = move || dispatcher.push_completion(learn, &text, output_tokens, body.as_deref());
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => drop(handle.spawn_blocking(job)),
+            Err(_) => job(),
+        }
+    }
+}
+
+impl HttpBody for Relay {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if this.finished {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(capture), Some(data)) = (this.capture.as_mut(), frame.data_ref()) {
+                    capture.feed(data);
+                }
+                // With a Content-Length, hyper stops polling once that many
+                // bytes are out: the end is seen here, not as `None`.
+                if this.inner.is_end_stream() {
+                    this.end();
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.fail();
+                Poll::Ready(Some(Err(Box::new(e))))
+            }
+            Poll::Ready(None) => {
+                this.end();
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                if this.deadline.as_mut().poll(cx).is_ready() {
+                    this.fail();
+                    return Poll::Ready(Some(Err("semlb: upstream request timed out".into())));
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.finished
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Dispatcher {
+    /// Builds the completion record of a finished answer and pushes it into
+    /// this dispatcher's ring (never waits; a full ring drops it).
+    pub(crate) fn push_completion(&self, learn: Learn, text: &str, output_tokens: Option<u64>, body: Option<&[u8]>) {
+        let answer_tokens;
+        let full_tokens: Vec<u32> = match &learn.input {
+            RoutingInput::Text(prompt) => {
+                let mut full = String::with_capacity(prompt.len() + text.len());
+                full.push_str(prompt);
+                full.push_str(text);
+                let full = self.tokenizer.encode(&full);
+                answer_tokens = full.len().saturating_sub(learn.prompt_tokens.len());
+                full
+            }
+            RoutingInput::Tokens(ids) => {
+                let answer = self.tokenizer.encode(text);
+                answer_tokens = answer.len();
+                let mut full = ids.clone();
+                full.extend_from_slice(&answer);
+                full
+            }
+        };
+        let mut full_chain = learn.chain.clone();
+        if full_tokens.starts_with(&learn.prompt_tokens) {
+            learn.hasher.extend(&full_tokens, &mut full_chain);
+        } else {
+            // The tokenizer merged across the prompt/answer boundary: hash afresh.
+            learn.hasher.chain(&full_tokens, &mut full_chain);
+        }
+        let tables = self.segment.tables();
+        if self.identity.ring >= tables.ring_count() {
+            self.stats.records_dropped.fetch_add(1, Relaxed);
+            return;
+        }
+        let ring = tables.ring(self.identity.ring);
+        let response = match (learn.cache_key, body) {
+            (Some(key), Some(body)) if body.len() + 8 <= tables.responses.max_value() => Some((key, body)),
+            _ => None,
+        };
+        let clamp = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+        let mut record = CompletionRecord {
+            server: learn.server,
+            prompt_tokens: clamp(learn.prompt_tokens.len() as u64),
+            output_tokens: clamp(output_tokens.unwrap_or(answer_tokens as u64)),
+            prompt_blocks: &learn.chain,
+            full_blocks: &full_chain,
+            response,
+        };
+        if record.encoded_len() > ring.max_record() {
+            record.response = None;
+        }
+        // Still too large (a huge prompt): keep the leading blocks, the ones
+        // that route the conversation.
+        let room = ring
+            .max_record()
+            .saturating_sub(record.encoded_len() - 8 * (learn.chain.len() + full_chain.len()));
+        let blocks = room / 8;
+        if learn.chain.len() + full_chain.len() > blocks {
+            let prompt = learn.chain.len().min(blocks / 2);
+            record.prompt_blocks = &learn.chain[..prompt];
+            record.full_blocks = &full_chain[..full_chain.len().min(blocks - prompt)];
+        }
+        let mut buf = Vec::with_capacity(record.encoded_len());
+        record.encode_into(&mut buf);
+        match ring.push(&buf) {
+            Ok(()) => self.stats.records_pushed.fetch_add(1, Relaxed),
+            Err(_) => self.stats.records_dropped.fetch_add(1, Relaxed),
+        };
+    }
+}
