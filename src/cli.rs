@@ -82,7 +82,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "KIND")]
     pub policy: Option<PolicyKind>,
     /// Also start N simulated engines (default 3) on loopback and use them
-    /// as the backends: the gateway runs on one machine with no GPU.
+    /// as the backends: the gateway runs on one machine with no GPU. Unless
+    /// given, --listen is then 127.0.0.1:8080 and --shm-name semlb-demo.
     #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "3")]
     pub demo: Option<usize>,
     /// `--time-scale` of the demo's simulated engines (0.05: 20x faster

@@ -1,29 +1,28 @@
 //! # semlb
 //!
-//! The `semlb` binary. At this stage it manages the shared-memory segment
-//! and runs a demo of the tables; the gateway (`semlb serve`: supervisor,
-//! dispatchers, responders) comes with later work.
+//! The `semlb` binary: the gateway (`semlb serve`: a supervisor and the
+//! dispatcher and response processes it starts by re-running this binary),
+//! and tools around the shared-memory segment. The gateway's parts live in
+//! the `semlb` library (`src/lib.rs`); this binary holds the process edge.
 //!
 //! # Layout
 //!
 //! | module | concept |
 //! | --- | --- |
 //! | [`cli`] | the command line as clap derive types (parsing only) |
-//! | [`size`] | human byte sizes (`256MiB`, `100MB`) for `--shm-size` |
+//! | [`supervisor`] | `semlb serve`: segment, backends, listener, children, restarts, signals |
+//! | [`child`] | the dispatcher and responder processes, and `__sim` for `serve --demo` |
 //! | [`shm_cmd`] | `semlb shm create / inspect / remove` over [`shm_layout::Segment`] |
 //! | [`report`] | a snapshot of a segment, rendered as text or JSON |
 //! | [`demo`] | `semlb demo`: synthetic conversations routed through a throw-away segment |
 //!
 //! # Flow
 //!
-//! `main` parses [`cli::Cli`] (clap prints usage errors and exits 2), hands
-//! the command to [`shm_cmd::run`] or [`demo::run`], and prints what they
-//! produce. Errors travel as `anyhow::Error` from the commands to here,
-//! and only here are they printed: `error: <message>` with its causes, exit
-//! status 1. The `shm_layout` error enums carry precise messages, so they
-//! are passed on as they are. `anyhow` is used in this binary only; the
-//! library and the modules' own error types (e.g. [`size::SizeError`]) are
-//! typed.
+//! `main` parses [`cli::Cli`] (clap prints usage errors and exits 2) and
+//! hands the command to its module. Errors travel as `anyhow::Error` from
+//! the commands to here, and only here are they printed: `error: <message>`
+//! with its causes, exit status 1. `anyhow` is used in this binary only;
+//! the library's error types are typed.
 
 mod child;
 mod cli;

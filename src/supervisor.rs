@@ -20,7 +20,8 @@
 //! SIGINT: the same with a 1 s grace.
 //!
 //! `--demo N` first starts N simulated engines (`semlb __sim`) on loopback
-//! and uses them as the backends.
+//! and uses them as the backends; unless given, it listens on
+//! `127.0.0.1:8080` and names its segment `semlb-demo`.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::OsString;
@@ -66,6 +67,13 @@ struct Slot {
 pub fn run(args: &ServeArgs) -> Result<()> {
     let mut args = args.clone();
     let mut sims = Vec::new();
+    if args.demo.is_some() {
+        // A demo listens on loopback and uses its own segment, so it never
+        // collides with (or exposes) a real gateway on the same host.
+        args.listen
+            .get_or_insert(std::net::SocketAddr::from(([127, 0, 0, 1], 8080)));
+        args.shm_name.get_or_insert_with(|| "semlb-demo".to_owned());
+    }
     if let Some(n) = args.demo {
         for _ in 0..n {
             let (child, url) = start_sim(args.demo_time_scale)?;
@@ -84,6 +92,14 @@ pub fn run(args: &ServeArgs) -> Result<()> {
 
 fn supervise(args: &ServeArgs) -> Result<()> {
     let config = ServeConfig::resolve(args.config.as_deref(), args.overrides())?;
+    // Load what every dispatcher will load, so a bad file is one clear error
+    // here rather than a crash loop of children.
+    if let Some(path) = &config.tokenizer {
+        semlb_workers::tokenize::Tokenizer::from_file(path)?;
+    }
+    if let Some(path) = &config.chat_template {
+        semlb_workers::tokenize::ChatTemplate::from_tokenizer_config(path)?;
+    }
     let plan = LayoutPlan::new(
         config.shm_size.0,
         PlanOptions {
@@ -180,7 +196,7 @@ async fn monitor(segment: &Segment, config: &ServeConfig, args: &ServeArgs, list
             match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
                 Ok(WaitStatus::Exited(pid, _) | WaitStatus::Signaled(pid, _, _)) => {
                     if let Some(s) = slots.iter_mut().find(|s| s.pid == Some(pid)) {
-                        eprintln!("semlb: {:?} {} (pid {pid}) exited; restarting", s.role, s.index);
+                        eprintln!("semlb: {:?} {} (pid {pid}) exited", s.role, s.index);
                         tables.registry.mark_exited(s.slot, s.incarnation);
                         tables.servers.reclaim_process(s.slot);
                         s.pid = None;
@@ -230,6 +246,9 @@ async fn monitor(segment: &Segment, config: &ServeConfig, args: &ServeArgs, list
                     ));
                     break;
                 }
+            }
+            if s.incarnation > 0 {
+                eprintln!("semlb: restarting {:?} {}", s.role, s.index);
             }
             let role = match s.role {
                 ChildRole::Dispatcher => Role::Dispatcher,

@@ -9,11 +9,17 @@
 //! cache (also as a stream) without reaching an engine, and not across
 //! tenants; `kill -9` of a dispatcher is survived (the supervisor restarts
 //! it, the gateway keeps serving); SIGTERM stops everything and removes the
-//! segment; a second supervisor on the same segment is refused.
+//! segment; a second supervisor on the same segment is refused; a hot
+//! prefix spreads to other engines once its engine is overloaded; a
+//! `kill -9`ed engine is routed around without client errors; malformed
+//! requests get the right 4xx with an OpenAI error body; a crash-looping
+//! dispatcher stops the supervisor.
 
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill};
@@ -34,43 +40,96 @@ fn unique(tag: &str) -> String {
 struct Proc {
     child: Child,
     addr: String,
+    /// Its stderr (and its children's) as far as read, when captured.
+    stderr: Option<Arc<Mutex<String>>>,
 }
 
 impl Proc {
     fn start(args: &[&str]) -> Proc {
+        Proc::spawn(args, false)
+    }
+
+    /// Like [`Proc::start`]; with `capture_stderr`, stderr is collected in
+    /// [`Proc::stderr`] (and still echoed to the test's stderr).
+    fn spawn(args: &[&str], capture_stderr: bool) -> Proc {
         let mut child = Command::new(EXE)
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(if capture_stderr {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            })
             .spawn()
             .expect("spawn semlb");
+        let stderr = child.stderr.take().map(|err| {
+            let text = Arc::new(Mutex::new(String::new()));
+            let sink = text.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(err).lines().map_while(Result::ok) {
+                    eprintln!("{line}");
+                    let mut t = sink.lock().unwrap();
+                    t.push_str(&line);
+                    t.push('\n');
+                }
+            });
+            text
+        });
         let mut out = BufReader::new(child.stdout.take().expect("stdout"));
         let mut line = String::new();
         out.read_line(&mut line).expect("first line");
         std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
         let addr = line.trim().rsplit("http://").next().unwrap_or_default().to_owned();
         assert!(addr.contains(':'), "no address in {line:?}");
-        Proc { child, addr }
+        Proc { child, addr, stderr }
     }
 
     fn pid(&self) -> Pid {
         Pid::from_raw(self.child.id() as i32)
     }
 
-    /// SIGTERM and wait (bounded), SIGKILL if needed; the exit status.
-    fn stop(&mut self) -> Option<i32> {
-        let _ = kill(self.pid(), Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
+    /// The captured stderr so far (empty when not captured).
+    fn stderr_text(&self) -> String {
+        self.stderr
+            .as_ref()
+            .map(|t| t.lock().unwrap().clone())
+            .unwrap_or_default()
+    }
+
+    /// Its exit status, waiting at most `within`; `None` if still running.
+    fn wait_exit(&mut self, within: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + within;
+        loop {
             if let Ok(Some(status)) = self.child.try_wait() {
-                return status.code();
+                return Some(status);
             }
-            std::thread::sleep(Duration::from_millis(20));
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// SIGTERM and wait (bounded), SIGKILL if needed; the exit status. A
+    /// process that already exited (and was reaped) is not signalled again.
+    fn stop(&mut self) -> Option<i32> {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            return status.code();
+        }
+        let _ = kill(self.pid(), Signal::SIGTERM);
+        if let Some(status) = self.wait_exit(Duration::from_secs(20)) {
+            return status.code();
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
         None
+    }
+
+    /// `kill -9`, then reap it.
+    fn kill9(&mut self) {
+        kill(self.pid(), Signal::SIGKILL).expect("SIGKILL");
+        self.child.wait().expect("reaped");
     }
 }
 
@@ -83,7 +142,12 @@ impl Drop for Proc {
 }
 
 fn sim() -> Proc {
-    Proc::start(&["__sim", "--listen", "127.0.0.1:0", "--time-scale", "0.01"])
+    sim_at("0.01")
+}
+
+/// A simulated engine whose simulated second lasts `time_scale` real seconds.
+fn sim_at(time_scale: &str) -> Proc {
+    Proc::start(&["__sim", "--listen", "127.0.0.1:0", "--time-scale", time_scale])
 }
 
 struct Gateway {
@@ -96,6 +160,12 @@ struct Gateway {
 
 impl Gateway {
     fn start(shm: &str, backends: &[&Proc], extra: &[&str]) -> Gateway {
+        Gateway::launch(shm, backends, extra, false)
+    }
+
+    /// [`Gateway::start`], optionally capturing the supervisor's stderr.
+    /// `--dispatchers` in `extra` replaces the default of 2.
+    fn launch(shm: &str, backends: &[&Proc], extra: &[&str], capture_stderr: bool) -> Gateway {
         let mut args = vec![
             "serve",
             "--listen",
@@ -105,13 +175,16 @@ impl Gateway {
             "--shm-size",
             "32MiB",
         ];
-        args.extend(["--dispatchers", "2", "--responders", "1"]);
+        if !extra.contains(&"--dispatchers") {
+            args.extend(["--dispatchers", "2"]);
+        }
+        args.extend(["--responders", "1"]);
         let urls: Vec<String> = backends.iter().map(|b| format!("http://{}", b.addr)).collect();
         for u in &urls {
             args.extend(["--backend", u.as_str()]);
         }
         args.extend(extra);
-        let proc = Proc::start(&args);
+        let proc = Proc::spawn(&args, capture_stderr);
         let segment = shm_layout::Segment::open(shm).expect("the supervisor created the segment");
         let gw = Gateway {
             proc,
@@ -194,9 +267,19 @@ fn http(
     body: Option<&Value>,
     headers: &[(&str, &str)],
 ) -> Result<Response, String> {
-    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    let payload = body.map(|b| b.to_string()).unwrap_or_default();
+    let payload = body.map(|b| b.to_string());
+    http_bytes(addr, method, path, payload.as_deref().map(str::as_bytes), headers)
+}
+
+/// [`http`] with the body as raw bytes (sent as `application/json`, valid or not).
+fn http_bytes(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    headers: &[(&str, &str)],
+) -> Result<Response, String> {
+    let payload = body.unwrap_or_default();
     let mut req = format!(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
         payload.len()
@@ -208,10 +291,31 @@ fn http(
         req.push_str(&format!("{k}: {v}\r\n"));
     }
     req.push_str("\r\n");
-    req.push_str(&payload);
-    s.write_all(req.as_bytes()).map_err(|e| e.to_string())?;
+    let mut req = req.into_bytes();
+    req.extend_from_slice(payload);
+    exchange(addr, &req)
+}
+
+/// Sends `request` (a whole HTTP/1.1 request, which should ask for
+/// `Connection: close`) and reads the answer until the server closes.
+///
+/// A server may answer before it has read the whole request (413) and
+/// close with unread bytes in its socket, which resets the connection: a
+/// write error is then ignored, and a reset after a complete head ends the
+/// answer instead of failing it.
+fn exchange(addr: &str, request: &[u8]) -> Result<Response, String> {
+    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.set_write_timeout(Some(Duration::from_secs(30))).unwrap();
+    let written = s.write_all(request);
     let mut raw = Vec::new();
-    s.read_to_end(&mut raw).map_err(|e| e.to_string())?;
+    let read = s.read_to_end(&mut raw);
+    let has_head = raw.windows(4).any(|w| w == b"\r\n\r\n");
+    match read {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset && has_head => {}
+        Err(e) => return Err(format!("{e} (write: {written:?})")),
+    }
     let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or("no header end")?;
     let head = String::from_utf8_lossy(&raw[..split]).to_string();
     let mut lines = head.split("\r\n");
@@ -279,26 +383,41 @@ fn long_topic(i: usize) -> String {
 
 /// A conversation of `turns` turns; returns (backend, cached_tokens) per turn.
 fn converse(gw: &Gateway, i: usize, turns: usize, extra: Value) -> Vec<(String, u64)> {
-    let addr = &gw.proc.addr;
-    let mut messages = vec![
-        json!({"role": "system", "content": "You are a helpful assistant."}),
-        user(&long_topic(i)),
-    ];
-    let mut out = Vec::new();
-    for t in 0..turns {
-        let r = chat(addr, &messages, extra.clone(), &[]);
+    let mut c = Conversation::new(i);
+    (0..turns).map(|_| c.turn(gw, extra.clone())).collect()
+}
+
+/// A multi-turn chat about topic `i`, one turn at a time.
+struct Conversation {
+    messages: Vec<Value>,
+}
+
+impl Conversation {
+    fn new(i: usize) -> Conversation {
+        let messages = vec![
+            json!({"role": "system", "content": "You are a helpful assistant."}),
+            user(&long_topic(i)),
+        ];
+        Conversation { messages }
+    }
+
+    /// One turn: asserts a 200, appends the answer and the next question,
+    /// waits until the turn is written back; (backend, cached_tokens).
+    fn turn(&mut self, gw: &Gateway, extra: Value) -> (String, u64) {
+        let r = chat(&gw.proc.addr, &self.messages, extra, &[]);
         assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
         let v = r.json();
         let answer = v["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
         let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
             .as_u64()
             .unwrap_or(0);
-        out.push((r.header("x-semlb-backend").unwrap_or_default().to_owned(), cached));
-        messages.push(json!({"role": "assistant", "content": answer}));
-        messages.push(user(&format!("Turn {t}: tell me more about part {t}.")));
+        let t = (self.messages.len() - 2) / 2;
+        self.messages.push(json!({"role": "assistant", "content": answer}));
+        self.messages
+            .push(user(&format!("Turn {t}: tell me more about part {t}.")));
         gw.written_back();
+        (r.header("x-semlb-backend").unwrap_or_default().to_owned(), cached)
     }
-    out
 }
 
 #[test]
@@ -444,5 +563,495 @@ fn sigterm_stops_everything_and_a_second_supervisor_is_refused() {
     assert!(
         !std::path::Path::new(&format!("/dev/shm/{shm}")).exists(),
         "the segment is removed"
+    );
+}
+
+/// A long system prompt many clients share (about 30 blocks of 16 tokens).
+fn shared_system_prompt() -> String {
+    "You are the support assistant of a company that runs large language model inference clusters. \
+     Answer questions about caches, queues, routers and batching precisely, cite the configuration keys \
+     involved, and keep every answer under two hundred words. "
+        .repeat(8)
+}
+
+/// The imbalance rule of `cache_aware` over real processes: a burst of
+/// requests sharing one learned prefix goes to the engine holding it until
+/// that engine has more than `balance_abs_threshold` (32) requests in
+/// flight above the idlest one (and 1.1 times as many); from then on the
+/// burst spreads to the other engines by load, and every client gets a 200.
+#[test]
+fn a_hot_prefix_spreads_once_its_engine_is_overloaded() {
+    const CLIENTS: usize = 80;
+    // Real-time engines (a decode step is 10-15 ms): a 200-token answer
+    // takes 2-3 s, so the whole burst is in flight at once.
+    let engines = [sim_at("1"), sim_at("1"), sim_at("1")];
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let gw = Gateway::start(&unique("hot"), &refs, &[]);
+    let system = json!({"role": "system", "content": shared_system_prompt()});
+    let first = chat(
+        &gw.proc.addr,
+        &[system.clone(), user("Question 0: what is a KV cache?")],
+        json!({"max_tokens": 4}),
+        &[],
+    );
+    assert_eq!(first.status, 200, "{}", String::from_utf8_lossy(&first.body));
+    let hot = first.header("x-semlb-backend").expect("x-semlb-backend").to_owned();
+    gw.written_back();
+
+    let barrier = Arc::new(Barrier::new(CLIENTS));
+    let clients: Vec<_> = (1..=CLIENTS)
+        .map(|i| {
+            let (barrier, addr) = (barrier.clone(), gw.proc.addr.clone());
+            let body = json!({
+                "model": "semlb-sim",
+                "messages": [system.clone(), user(&format!("Question {i}: what is {i} squared?"))],
+                "max_tokens": 200,
+                "ignore_eos": true,
+            });
+            std::thread::spawn(move || {
+                barrier.wait();
+                let started = Instant::now();
+                let r = http(&addr, "POST", "/v1/chat/completions", Some(&body), &[])?;
+                let backend = r.header("x-semlb-backend").unwrap_or_default().to_owned();
+                let text = String::from_utf8_lossy(&r.body).into_owned();
+                Ok::<_, String>((r.status, backend, text, started.elapsed()))
+            })
+        })
+        .collect();
+    let mut per_backend: HashMap<String, usize> = HashMap::new();
+    let mut slowest = Duration::ZERO;
+    for client in clients {
+        let (status, backend, body, took) = client.join().expect("client thread").expect("request");
+        assert_eq!(status, 200, "{body}");
+        *per_backend.entry(backend).or_default() += 1;
+        slowest = slowest.max(took);
+    }
+    eprintln!("hot prefix on {hot}; burst of {CLIENTS} spread as {per_backend:?}; slowest {slowest:?}");
+    let on_hot = per_backend.get(&hot).copied().unwrap_or(0);
+    assert!(
+        on_hot > 32,
+        "the engine holding the prefix takes the burst until it is 33 ahead: {per_backend:?}"
+    );
+    assert!(
+        on_hot < CLIENTS,
+        "once overloaded, the hot engine's share spreads to the others: {per_backend:?}"
+    );
+    assert!(
+        per_backend.iter().all(|(b, n)| *b == hot || *n < on_hot),
+        "the hot engine got the most: {per_backend:?}"
+    );
+}
+
+/// `kill -9` of the engine a conversation lives on costs its clients
+/// nothing: the conversation's next turns (routed to the dead engine by
+/// their prefix) and new requests, JSON or streamed, are retried on the
+/// surviving engine before any byte reaches the client, all 200; the
+/// conversation then stays there and its cache warms up on it.
+#[test]
+fn a_killed_engine_is_routed_around_without_client_errors() {
+    let mut engines = [sim(), sim()];
+    let gw = Gateway::start(&unique("engine"), &engines.iter().collect::<Vec<_>>(), &[]);
+    let mut conversation = Conversation::new(300);
+    let (home, _) = conversation.turn(&gw, json!({}));
+    let dead = engines
+        .iter()
+        .position(|e| home == format!("http://{}", e.addr))
+        .unwrap_or_else(|| panic!("x-semlb-backend {home:?} names no engine"));
+    engines[dead].kill9();
+    let survivor = format!("http://{}", engines[1 - dead].addr);
+
+    let turns: Vec<(String, u64)> = (0..3).map(|_| conversation.turn(&gw, json!({}))).collect();
+    assert!(
+        turns.iter().all(|(b, _)| *b == survivor),
+        "the conversation moved to {survivor}: {turns:?}"
+    );
+    assert!(
+        turns[2].1 > 0,
+        "the conversation's prefix is cached on the survivor: {turns:?}"
+    );
+    for i in 0..10 {
+        let stream = i % 2 == 1;
+        let r = chat(
+            &gw.proc.addr,
+            &[user(&long_topic(310 + i))],
+            json!({"stream": stream}),
+            &[],
+        );
+        assert_eq!(r.status, 200, "request {i}: {}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.header("x-semlb-backend"), Some(survivor.as_str()), "request {i}");
+        if stream {
+            let text = String::from_utf8_lossy(&r.body);
+            assert!(text.trim_end().ends_with("data: [DONE]"), "request {i}: {text}");
+        } else {
+            assert!(r.json()["choices"][0]["message"]["content"].is_string());
+        }
+    }
+}
+
+/// A file removed when dropped.
+struct TempFile(std::path::PathBuf);
+
+impl TempFile {
+    fn new(tag: &str, contents: &str) -> TempFile {
+        let path = std::env::temp_dir().join(format!("{}.toml", unique(tag)));
+        std::fs::write(&path, contents).expect("write a temp file");
+        TempFile(path)
+    }
+
+    fn path(&self) -> &str {
+        self.0.to_str().expect("a UTF-8 temp path")
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// A request the gateway must refuse: (what, method, path, body, expected status).
+type BadRequest = (&'static str, &'static str, &'static str, Option<Vec<u8>>, u16);
+
+/// Malformed requests over real HTTP are answered by the gateway itself
+/// (no `x-semlb-backend`: no engine is asked) with the right status — 400
+/// for bodies that are not valid requests, 404 for unknown paths, 405 with
+/// `Allow` for wrong methods, 413 for bodies over `limits.max_body_bytes`
+/// (declared by `Content-Length` or found while reading a chunked body) —
+/// and an OpenAI error body; a valid request just under the limit still
+/// goes through.
+#[test]
+fn malformed_requests_get_the_right_4xx_through_the_gateway() {
+    let engines = [sim()];
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let config = TempFile::new("limits", "[limits]\nmax_body_bytes = \"4KiB\"\n");
+    let gw = Gateway::start(&unique("4xx"), &refs, &["--config", config.path()]);
+    let addr = gw.proc.addr.as_str();
+    let chat_path = "/v1/chat/completions";
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    let chat_with = |extra: Value| {
+        let mut body = json!({"model": "semlb-sim", "messages": hi});
+        if let (Value::Object(b), Value::Object(e)) = (&mut body, extra) {
+            b.extend(e);
+        }
+        Some(body.to_string().into_bytes())
+    };
+    let raw = |s: &str| Some(s.as_bytes().to_vec());
+    let messages = |m: Value| Some(json!({"model": "semlb-sim", "messages": m}).to_string().into_bytes());
+    let big = json!({"model": "semlb-sim", "messages": [{"role": "user", "content": "x".repeat(5000)}]}).to_string();
+    let cases: Vec<BadRequest> = vec![
+        ("empty body", "POST", chat_path, raw(""), 400),
+        (
+            "truncated JSON",
+            "POST",
+            chat_path,
+            raw(r#"{"model": "semlb-sim", "messages": ["#),
+            400,
+        ),
+        ("not UTF-8", "POST", chat_path, Some(vec![0xff, 0xfe, b'{', b'}']), 400),
+        ("a JSON array", "POST", chat_path, raw("[]"), 400),
+        ("a JSON number", "POST", chat_path, raw("42"), 400),
+        (
+            "no model",
+            "POST",
+            chat_path,
+            raw(r#"{"messages": [{"role": "user", "content": "hi"}]}"#),
+            400,
+        ),
+        ("model a number", "POST", chat_path, chat_with(json!({"model": 7})), 400),
+        ("model empty", "POST", chat_path, chat_with(json!({"model": ""})), 400),
+        ("no messages", "POST", chat_path, raw(r#"{"model": "semlb-sim"}"#), 400),
+        ("messages null", "POST", chat_path, messages(Value::Null), 400),
+        ("messages empty", "POST", chat_path, messages(json!([])), 400),
+        ("messages a string", "POST", chat_path, messages(json!("hi")), 400),
+        ("a message a string", "POST", chat_path, messages(json!(["hi"])), 400),
+        (
+            "a message without role",
+            "POST",
+            chat_path,
+            messages(json!([{"content": "hi"}])),
+            400,
+        ),
+        (
+            "content a number",
+            "POST",
+            chat_path,
+            messages(json!([{"role": "user", "content": 5}])),
+            400,
+        ),
+        (
+            "a content part a number",
+            "POST",
+            chat_path,
+            messages(json!([{"role": "user", "content": [5]}])),
+            400,
+        ),
+        (
+            "a content part without type",
+            "POST",
+            chat_path,
+            messages(json!([{"role": "user", "content": [{"text": "x"}]}])),
+            400,
+        ),
+        (
+            "a text part's text a number",
+            "POST",
+            chat_path,
+            messages(json!([{"role": "user", "content": [{"type": "text", "text": 1}]}])),
+            400,
+        ),
+        (
+            "max_tokens 0",
+            "POST",
+            chat_path,
+            chat_with(json!({"max_tokens": 0})),
+            400,
+        ),
+        (
+            "max_tokens -1",
+            "POST",
+            chat_path,
+            chat_with(json!({"max_tokens": -1})),
+            400,
+        ),
+        (
+            "max_tokens \"x\"",
+            "POST",
+            chat_path,
+            chat_with(json!({"max_tokens": "x"})),
+            400,
+        ),
+        (
+            "max_tokens 1.5",
+            "POST",
+            chat_path,
+            chat_with(json!({"max_tokens": 1.5})),
+            400,
+        ),
+        (
+            "max_completion_tokens 0",
+            "POST",
+            chat_path,
+            chat_with(json!({"max_completion_tokens": 0})),
+            400,
+        ),
+        ("n 0", "POST", chat_path, chat_with(json!({"n": 0})), 400),
+        (
+            "stream \"yes\"",
+            "POST",
+            chat_path,
+            chat_with(json!({"stream": "yes"})),
+            400,
+        ),
+        (
+            "temperature \"hot\"",
+            "POST",
+            chat_path,
+            chat_with(json!({"temperature": "hot"})),
+            400,
+        ),
+        (
+            "completions without prompt",
+            "POST",
+            "/v1/completions",
+            raw(r#"{"model": "semlb-sim"}"#),
+            400,
+        ),
+        (
+            "completions prompt an object",
+            "POST",
+            "/v1/completions",
+            raw(r#"{"model": "semlb-sim", "prompt": {"a": 1}}"#),
+            400,
+        ),
+        (
+            "completions negative token id",
+            "POST",
+            "/v1/completions",
+            raw(r#"{"model": "semlb-sim", "prompt": [1, -2]}"#),
+            400,
+        ),
+        ("unknown path", "POST", "/nope", chat_with(json!({})), 404),
+        (
+            "unknown API version",
+            "POST",
+            "/v2/chat/completions",
+            chat_with(json!({})),
+            404,
+        ),
+        ("GET on chat completions", "GET", chat_path, None, 405),
+        ("DELETE on completions", "DELETE", "/v1/completions", None, 405),
+        ("POST on health", "POST", "/health", chat_with(json!({})), 405),
+        (
+            "a body over the limit",
+            "POST",
+            chat_path,
+            Some(big.clone().into_bytes()),
+            413,
+        ),
+    ];
+    let mut failures = Vec::new();
+    let mut check = |what: &str, r: Result<Response, String>, status: u16| {
+        let r = match r {
+            Ok(r) => r,
+            Err(e) => return failures.push(format!("{what}: no answer: {e}")),
+        };
+        let body = String::from_utf8_lossy(&r.body).into_owned();
+        let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        if r.status != status {
+            failures.push(format!("{what}: status {} instead of {status}: {body}", r.status));
+        } else if message.is_empty() || v["error"]["type"] != "invalid_request_error" {
+            failures.push(format!("{what}: not an OpenAI error body: {body}"));
+        } else if !r
+            .header("content-type")
+            .is_some_and(|c| c.starts_with("application/json"))
+        {
+            failures.push(format!("{what}: content type {:?}", r.header("content-type")));
+        } else if let Some(b) = r.header("x-semlb-backend") {
+            failures.push(format!("{what}: answered by {b}, not by the gateway"));
+        } else if status == 405 && r.header("allow").is_none() {
+            failures.push(format!("{what}: 405 without Allow"));
+        }
+    };
+    for (what, method, path, body, status) in &cases {
+        check(what, http_bytes(addr, method, path, body.as_deref(), &[]), *status);
+    }
+    // The same oversized body, chunked: no Content-Length to refuse it by,
+    // so it is refused while being read.
+    let mut chunked = format!(
+        "POST {chat_path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
+         Transfer-Encoding: chunked\r\n\r\n"
+    )
+    .into_bytes();
+    for piece in big.as_bytes().chunks(1000) {
+        chunked.extend_from_slice(format!("{:x}\r\n", piece.len()).as_bytes());
+        chunked.extend_from_slice(piece);
+        chunked.extend_from_slice(b"\r\n");
+    }
+    chunked.extend_from_slice(b"0\r\n\r\n");
+    check("a chunked body over the limit", exchange(addr, &chunked), 413);
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases failed:\n{}",
+        failures.len(),
+        cases.len() + 1,
+        failures.join("\n")
+    );
+    assert!(cases.len() + 1 >= 20);
+    assert_eq!(
+        engine_counter(&refs, "vllm:request_success_total"),
+        0.0,
+        "no engine was asked"
+    );
+
+    let under = json!({"model": "semlb-sim", "messages": [{"role": "user", "content": "y".repeat(3500)}]});
+    assert!(under.to_string().len() < 4096);
+    let ok = http(addr, "POST", chat_path, Some(&under), &[]).expect("request");
+    assert_eq!(
+        ok.status,
+        200,
+        "just under the limit: {}",
+        String::from_utf8_lossy(&ok.body)
+    );
+}
+
+/// A dispatcher that dies every time it is restarted is a crash loop: the
+/// supervisor restarts it with a growing backoff (100 ms, 200 ms, ...) and,
+/// when the slot needs its 5th restart within 30 s, stops everything, says
+/// so on stderr, exits non-zero and removes the shm segment.
+#[test]
+fn a_crash_looping_dispatcher_stops_the_supervisor() {
+    let engines = [sim()];
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let shm = unique("loop");
+    let mut gw = Gateway::launch(&shm, &refs, &["--dispatchers", "1"], true);
+    let running_dispatcher = |seg: &shm_layout::Segment| {
+        seg.tables()
+            .registry
+            .processes()
+            .find(|p| p.role == Some(shm_layout::Role::Dispatcher) && p.state == shm_layout::ProcessState::Running)
+            .map(|p| p.pid)
+    };
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(30);
+    let mut killed: Vec<u32> = Vec::new();
+    let status = loop {
+        if let Some(status) = gw.proc.wait_exit(Duration::ZERO) {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the supervisor still runs after {} kills of its dispatcher",
+            killed.len()
+        );
+        match running_dispatcher(&gw.segment) {
+            Some(pid) if pid != 0 && !killed.contains(&pid) => {
+                kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("SIGKILL the dispatcher");
+                killed.push(pid);
+            }
+            _ => std::thread::sleep(Duration::from_millis(5)),
+        }
+    };
+    let took = started.elapsed();
+    eprintln!(
+        "the supervisor exited with {status} after {} kills in {took:?}",
+        killed.len()
+    );
+    assert!(!status.success(), "a crash loop is a failure: {status}");
+    assert_eq!(
+        killed.len(),
+        5,
+        "the first start and 4 restarts; the 5th restart is refused"
+    );
+    assert!(took < Duration::from_secs(20), "backoffs sum to ~3 s, took {took:?}");
+    let said = Instant::now() + Duration::from_secs(10);
+    while !gw.proc.stderr_text().contains("crash loop") {
+        assert!(
+            Instant::now() < said,
+            "stderr does not mention the crash loop:\n{}",
+            gw.proc.stderr_text()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        !std::path::Path::new(&format!("/dev/shm/{shm}")).exists(),
+        "the segment is removed"
+    );
+}
+
+/// A streamed answer passes through the gateway intact: the same chunks, in
+/// order, with `[DONE]` last, as the engine sends when asked directly (the
+/// engine's answer is a function of the prompt, so both runs can be compared).
+#[test]
+fn streaming_passes_through_intact() {
+    let engines = [sim()];
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let gw = Gateway::start(&unique("stream"), &refs, &[]);
+    let body = json!({"model": "semlb-sim", "prompt": "Stream me a story about caches.", "max_tokens": 40, "stream": true,
+        "ignore_eos": true});
+    let texts = |addr: &str| -> (Vec<String>, String) {
+        let r = http(addr, "POST", "/v1/completions", Some(&body), &[]).expect("request");
+        assert_eq!(r.status, 200);
+        let raw = String::from_utf8_lossy(&r.body).to_string();
+        let data: Vec<&str> = raw.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).collect();
+        assert_eq!(data.last(), Some(&"[DONE]"), "{raw}");
+        let chunks = data[..data.len() - 1]
+            .iter()
+            .map(|d| {
+                serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_owned()
+            })
+            .collect();
+        (chunks, raw)
+    };
+    let (direct, _) = texts(&engines[0].addr);
+    let (through, raw) = texts(&gw.proc.addr);
+    assert_eq!(through, direct, "chunks differ:\n{raw}");
+    assert_eq!(
+        direct.iter().filter(|c| !c.is_empty()).count(),
+        40,
+        "one chunk per token"
     );
 }

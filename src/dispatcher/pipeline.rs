@@ -110,8 +110,52 @@ struct Outbound {
     body: Bytes,
 }
 
+/// Where the dispatch time of one inference request goes: stamps taken
+/// from the moment its headers arrived; shown to the client (and to
+/// benchmarks) as `x-semlb-dispatch-ns: read=…,parse=…,tokenize=…,hash=…,cache=…,route=…,total=…`
+/// (nanoseconds per stage; `route` is the prefix lookup plus the policy's
+/// choice, `total` ends when the request is handed to the upstream client).
+#[derive(Debug, Clone, Copy)]
+struct DispatchTiming {
+    start: std::time::Instant,
+    /// Cumulative nanoseconds at the end of read, parse, tokenize, hash, cache.
+    marks: [u64; 5],
+}
+
+impl DispatchTiming {
+    fn new() -> Self {
+        Self {
+            start: std::time::Instant::now(),
+            marks: [0; 5],
+        }
+    }
+
+    fn mark(&mut self, stage: usize) {
+        self.marks[stage] = self.start.elapsed().as_nanos() as u64;
+    }
+
+    /// The header value, with the upstream hand-off at `sent` ns.
+    fn header(&self, sent: u64) -> String {
+        let m = self.marks;
+        format!(
+            "read={},parse={},tokenize={},hash={},cache={},route={},total={sent}",
+            m[0],
+            m[1] - m[0],
+            m[2] - m[1],
+            m[3] - m[2],
+            m[4] - m[3],
+            sent.saturating_sub(m[4])
+        )
+    }
+}
+
+/// The response header carrying a [`DispatchTiming`].
+pub(crate) const DISPATCH_HEADER: &str = "x-semlb-dispatch-ns";
+
 /// What an inference request adds to a proxied one.
 struct InferenceCtx {
+    /// Where the dispatch time went.
+    timing: DispatchTiming,
     input: RoutingInput,
     prompt_tokens: Vec<u32>,
     chain: Vec<u64>,
@@ -123,15 +167,18 @@ struct InferenceCtx {
 }
 
 async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, endpoint: Endpoint) -> Response<Body> {
+    let mut timing = DispatchTiming::new();
     let (parts, body) = request.into_parts();
     let bytes = match read_body(dispatcher, &parts.headers, body).await {
         Ok(b) => b,
         Err(r) => return r,
     };
+    timing.mark(0);
     let parsed = match prompt::parse(endpoint, &bytes, &dispatcher.template) {
         Ok(p) => p,
         Err(e) => return json_response(StatusCode::BAD_REQUEST, &e.body()),
     };
+    timing.mark(1);
     let prompt_tokens = match &parsed.input {
         RoutingInput::Text(text) if text.len() > BLOCKING_TOKENIZE_BYTES => {
             let (tokenizer, text) = (dispatcher.tokenizer.clone(), text.clone());
@@ -143,6 +190,7 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
         RoutingInput::Text(text) => dispatcher.tokenizer.encode(text),
         RoutingInput::Tokens(ids) => ids.clone(),
     };
+    timing.mark(2);
     let seed = dispatcher.segment.header().seed[0];
     let hasher = BlockHasher::new(
         BlockHasher::root_for(&parsed.model, seed),
@@ -150,6 +198,7 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
     );
     let mut chain = Vec::with_capacity(prompt_tokens.len() / hasher.block_size() + 1);
     hasher.chain(&prompt_tokens, &mut chain);
+    timing.mark(3);
 
     // Response cache.
     let rc = &dispatcher.config.response_cache;
@@ -170,8 +219,13 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
         && let Some(response) = cached_answer(dispatcher, key, endpoint, &parsed)
     {
         dispatcher.stats.cache_hits.fetch_add(1, Relaxed);
+        let mut response = response;
+        timing.mark(4);
+        let answered = timing.start.elapsed().as_nanos() as u64;
+        set_header(response.headers_mut(), DISPATCH_HEADER, &timing.header(answered));
         return response;
     }
+    timing.mark(4);
     let cache = if cacheability.writes() {
         dispatcher.stats.cache_misses.fetch_add(1, Relaxed);
         "miss"
@@ -180,6 +234,7 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
         "bypass"
     };
     let ctx = InferenceCtx {
+        timing,
         input: parsed.input,
         prompt_tokens,
         chain,
@@ -294,6 +349,7 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, ctx: Option<I
     let mut failed: Vec<ServerRef> = Vec::new();
     let mut last_error = String::new();
     let mut attempt = 0u32;
+    let mut dispatch_ns: Option<u64> = None;
     let mut response = loop {
         let Some((server, address)) = dispatcher.choose(chain, ctx.is_some(), &failed) else {
             break if attempt == 0 {
@@ -329,6 +385,12 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, ctx: Option<I
         *request.method_mut() = outbound.method.clone();
         *request.uri_mut() = uri;
         *request.headers_mut() = outbound.headers.clone();
+        // Dispatch ends here for the first attempt: the request goes upstream.
+        let sent = ctx
+            .as_ref()
+            .filter(|_| attempt == 1)
+            .map(|c| c.timing.start.elapsed().as_nanos() as u64);
+        dispatch_ns = sent.or(dispatch_ns);
         let result = tokio::time::timeout_at(deadline, dispatcher.client.request(request)).await;
         let upstream = match result {
             Err(_) => {
@@ -387,6 +449,9 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, ctx: Option<I
     };
     if let Some(c) = &ctx {
         set_header(response.headers_mut(), CACHE_HEADER, c.cache);
+        if let Some(sent) = dispatch_ns {
+            set_header(response.headers_mut(), DISPATCH_HEADER, &c.timing.header(sent));
+        }
     }
     response
 }
