@@ -129,6 +129,28 @@ fn dialogues() -> Vec<String> {
         })
 }
 
+/// CPU time (user + system, ms) of the dispatcher processes of segment `shm`.
+fn dispatcher_cpu_ms(shm: &str) -> f64 {
+    let tick = 100.0; // USER_HZ on Linux
+    let mut total = 0.0;
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if !(cmd.contains("__child") && cmd.contains("dispatcher") && cmd.contains(shm)) {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+        let (utime, stime): (f64, f64) = (fields[11].parse().unwrap_or(0.0), fields[12].parse().unwrap_or(0.0));
+        total += (utime + stime) / tick * 1000.0;
+    }
+    total
+}
+
 fn median(v: &mut [u64]) -> u64 {
     v.sort_unstable();
     v[v.len() / 2]
@@ -200,6 +222,7 @@ fn main() {
     let stages = ["read", "parse", "tokenize", "hash", "cache", "route", "total"];
     let mut samples: Vec<Vec<u64>> = vec![Vec::new(); stages.len()];
     let mut next = 0;
+    let cpu_before = dispatcher_cpu_ms(&shm);
     for c in 0..200 {
         let mut text = format!("Conversation {c}.");
         while text.len() < 8_500 {
@@ -227,6 +250,13 @@ fn main() {
             );
         }
     }
+    // Let the last records be built (they are after the answers), then read
+    // the dispatchers' CPU: what each 2k-token request costs them in all.
+    std::thread::sleep(Duration::from_millis(300));
+    println!(
+        "dispatcher CPU per request: {:.2} ms",
+        (dispatcher_cpu_ms(&shm) - cpu_before) / 200.0
+    );
     println!("{:<10} {:>12}", "stage", "median µs");
     for (name, s) in stages.iter().zip(samples.iter_mut()) {
         println!("{name:<10} {:>12.1}", median(s) as f64 / 1000.0);

@@ -156,7 +156,6 @@ pub(crate) const DISPATCH_HEADER: &str = "x-semlb-dispatch-ns";
 struct InferenceCtx {
     /// Where the dispatch time went.
     timing: DispatchTiming,
-    input: RoutingInput,
     prompt_tokens: Vec<u32>,
     chain: Vec<u64>,
     hasher: BlockHasher,
@@ -235,7 +234,6 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
     };
     let ctx = InferenceCtx {
         timing,
-        input: parsed.input,
         prompt_tokens,
         chain,
         hasher,
@@ -432,7 +430,6 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, ctx: Option<I
                 dispatcher.clone(),
                 Learn {
                     server,
-                    input: c.input.clone(),
                     prompt_tokens: c.prompt_tokens.clone(),
                     chain: c.chain.clone(),
                     hasher: c.hasher,

@@ -34,7 +34,6 @@ use super::Dispatcher;
 use super::http::{Body, BoxError};
 use super::sse::{SseCapture, json_answer};
 use crate::blocks::BlockHasher;
-use crate::prompt::RoutingInput;
 
 /// Largest non-streaming answer kept to learn from (bytes).
 const MAX_JSON_CAPTURE: usize = 32 << 20;
@@ -76,8 +75,6 @@ impl Drop for InflightGuard {
 pub(crate) struct Learn {
     /// The server that answered.
     pub server: ServerRef,
-    /// The routing input (text is appended to, tokens are extended).
-    pub input: RoutingInput,
     /// Its tokens.
     pub prompt_tokens: Vec<u32>,
     /// Their block chain.
@@ -246,31 +243,19 @@ impl Dispatcher {
     /// Builds the completion record of a finished answer and pushes it into
     /// this dispatcher's ring (never waits; a full ring drops it).
     pub(crate) fn push_completion(&self, learn: Learn, text: &str, output_tokens: Option<u64>, body: Option<&[u8]>) {
-        let answer_tokens;
-        let full_tokens: Vec<u32> = match &learn.input {
-            RoutingInput::Text(prompt) => {
-                let mut full = String::with_capacity(prompt.len() + text.len());
-                full.push_str(prompt);
-                full.push_str(text);
-                let full = self.tokenizer.encode(&full);
-                answer_tokens = full.len().saturating_sub(learn.prompt_tokens.len());
-                full
-            }
-            RoutingInput::Tokens(ids) => {
-                let answer = self.tokenizer.encode(text);
-                answer_tokens = answer.len();
-                let mut full = ids.clone();
-                full.extend_from_slice(&answer);
-                full
-            }
-        };
+        // Prompt tokens + the answer tokenized on its own: what the engine
+        // caches is the prompt's tokens followed by the tokens it generated,
+        // and re-tokenizing the whole prompt again would double the
+        // tokenizer's CPU per request for nothing (at the boundary the
+        // pre-tokenizers we use split after the template's newline or before
+        // the answer's leading space, so the next turn tokenizes alike).
+        let answer = self.tokenizer.encode(text);
+        let answer_tokens = answer.len();
+        let mut full_tokens = Vec::with_capacity(learn.prompt_tokens.len() + answer.len());
+        full_tokens.extend_from_slice(&learn.prompt_tokens);
+        full_tokens.extend_from_slice(&answer);
         let mut full_chain = learn.chain.clone();
-        if full_tokens.starts_with(&learn.prompt_tokens) {
-            learn.hasher.extend(&full_tokens, &mut full_chain);
-        } else {
-            // The tokenizer merged across the prompt/answer boundary: hash afresh.
-            learn.hasher.chain(&full_tokens, &mut full_chain);
-        }
+        learn.hasher.extend(&full_tokens, &mut full_chain);
         let tables = self.segment.tables();
         if self.identity.ring >= tables.ring_count() {
             self.stats.records_dropped.fetch_add(1, Relaxed);
