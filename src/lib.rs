@@ -14,6 +14,7 @@
 //! | [`responder`] | what a response process does with a completion record: prefix write-back, response caching |
 //! | [`config`] | `semlb serve` configuration: TOML file, flags over it, validation |
 //! | [`size`] | human byte sizes (`256MiB`) |
+//! | [`redis_store`] | the same routing state on Redis (the sLLM paper's baseline): prefix entries, responses, in-flight counters |
 //!
 //! A dispatcher turns a request body into routing text ([`prompt`]),
 //! tokenizes it (the same tokenizer code as the simulator,
@@ -27,6 +28,7 @@ pub mod blocks;
 pub mod config;
 pub mod dispatcher;
 pub mod prompt;
+pub mod redis_store;
 pub mod responder;
 pub mod response_cache;
 pub mod routing;

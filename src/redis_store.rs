@@ -1,0 +1,643 @@
+//! The routing state on Redis: the same prefix table, response cache and
+//! in-flight counters as the shared-memory segment (`shm-layout`), kept in
+//! a Redis server instead, so the gateway can be benchmarked against the
+//! sLLM paper's Redis baseline (`--store redis`, wired in a later step).
+//!
+//! # Data model
+//!
+//! Every key starts with the store's namespace `{ns}`, so several
+//! deployments (or test runs) can share one Redis without seeing each other.
+//!
+//! | key | type | content | expiry |
+//! | --- | --- | --- | --- |
+//! | `{ns}:p:<hash, 16 hex digits>` | HASH | field = server slot (decimal), value = last-refresh stamp (`now` of the insert) | the store's TTL, renewed by every insert |
+//! | `{ns}:r:<key, 32 hex digits>` | STRING | the cached response bytes | the TTL given to [`RedisStore::put_response`] |
+//! | `{ns}:inflight` | HASH | `req:<slot>` = requests in flight, `tok:<slot>` = their prompt tokens | none |
+//!
+//! A prefix entry keeps at most [`LANES`] servers, like a shm slot: the
+//! insert script evicts the stalest field (smallest stamp, the smaller slot
+//! on equal stamps) when a fourth server arrives. This is done on insert, in
+//! a Lua script, so the entry is never seen with more than three servers
+//! and readers need no filtering. (The shm table breaks stamp ties by
+//! refresh order instead; with a millisecond `now` ties are rare, and the
+//! only effect is which of two equally old servers is forgotten.)
+//!
+//! # Semantics
+//!
+//! The same as [`shm_layout::PrefixTable`]: block `i`'s hash covers blocks
+//! `0..=i`, so a server's match is the deepest block of the chain it is
+//! listed for, scanning until the first block the table knows nothing
+//! about. Two differences, both on the reading side: no liveness filter
+//! here (the caller filters the returned slots), and every server seen is
+//! reported, not just the deepest eight ([`shm_layout::MATCH_CAPACITY`]).
+//! Results are sorted by server slot.
+//!
+//! # Round trips (what each operation costs)
+//!
+//! A round trip (request out, reply back) is the unit of cost on Redis: on
+//! loopback it is tens of microseconds, on a network hundreds, against a
+//! few hundred nanoseconds for a whole shm lookup. [`RedisStore::round_trips`]
+//! counts them.
+//!
+//! | operation | round trips | why |
+//! | --- | --- | --- |
+//! | [`RedisStore::insert_chain`] | 1 | one `EVALSHA` whose script runs `HSET` + cap + `PEXPIRE` for every block of the chain |
+//! | [`RedisStore::longest_prefix_match`] | 1 | one `EVALSHA` whose script walks the chain keys in order and stops at the first missing one |
+//! | [`RedisStore::longest_prefix_match_naive`] | matched blocks + 1 (at most the chain length) | the paper's baseline: one `HGETALL` per block until the first miss; each depends on the previous answer |
+//! | [`RedisStore::get_response`] / [`RedisStore::put_response`] | 1 | `GET` / `SET … PX` |
+//! | [`RedisStore::begin_request`] / [`RedisStore::end_request`] | 1 | two `HINCRBY` (requests, tokens) in one `MULTI`/`EXEC` pipeline |
+//! | [`RedisStore::inflight`] / [`RedisStore::inflight_load`] | 1 | `HGETALL` of the counter hash |
+//!
+//! A script runs atomically (no other command interleaves), but Redis does
+//! not roll back: if one key of a chain holds a foreign type, the blocks
+//! before it are recorded and the call returns an error.
+//!
+//! Scripts are loaded (`SCRIPT LOAD`) once per connection, when it is
+//! opened; a `NOSCRIPT` reply (the server restarted or ran `SCRIPT FLUSH`)
+//! costs two more round trips: reload, retry. Scripts touch only keys passed
+//! in `KEYS`, so they would be valid on a cluster if a chain's keys shared a
+//! hash slot; this module does not use cluster mode.
+//!
+//! # Failures
+//!
+//! Connecting, reading and writing all have a timeout
+//! ([`DEFAULT_TIMEOUT`] unless [`RedisStore::connect_with_timeout`] says
+//! otherwise), so an outage is a quick [`StoreError`], never a hang. After
+//! an I/O error, a timeout or an unparsable reply the connection is dropped
+//! (it may still carry a stale reply); the next call opens a new one, so the
+//! store recovers by itself when Redis comes back. An error reply (`ERR`,
+//! `WRONGTYPE`, `NOSCRIPT`) keeps the connection. Nothing here panics on a
+//! Redis error or an unexpected reply.
+
+use std::time::Duration;
+
+use redis::{Cmd, Connection, ErrorKind, FromRedisValue, RedisError, Script, Value};
+
+/// Servers remembered per prefix entry (as in the shm table).
+pub const LANES: usize = shm_layout::prefix_table::LANES;
+
+/// Connect, read and write timeout of [`RedisStore::connect`].
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The URL could not be parsed.
+    #[error("invalid Redis URL {url:?}: {source}")]
+    Url {
+        /// The URL given.
+        url: String,
+        /// What was wrong with it.
+        #[source]
+        source: RedisError,
+    },
+    /// No connection could be opened (refused, unreachable, handshake or
+    /// script loading failed).
+    #[error("cannot connect to Redis: {0}")]
+    Connect(#[source] RedisError),
+    /// Redis did not answer within the timeout.
+    #[error("Redis {op} timed out after {timeout:?}")]
+    Timeout {
+        /// The store operation.
+        op: &'static str,
+        /// The timeout that expired.
+        timeout: Duration,
+    },
+    /// A command failed (connection lost, or an error reply).
+    #[error("Redis {op} failed: {source}")]
+    Command {
+        /// The store operation.
+        op: &'static str,
+        /// The client's error.
+        #[source]
+        source: RedisError,
+    },
+    /// Redis answered with something this module never writes.
+    #[error("Redis {op} returned an unexpected reply: {detail}")]
+    Protocol {
+        /// The store operation.
+        op: &'static str,
+        /// What was unexpected.
+        detail: String,
+    },
+}
+
+/// Records that `slot` holds `depth` (1-based) leading blocks, keeping the
+/// deepest depth per server.
+fn record(found: &mut Vec<(u16, u32)>, slot: u16, depth: u32) {
+    match found.iter_mut().find(|(s, _)| *s == slot) {
+        Some(e) => e.1 = e.1.max(depth),
+        None => found.push((slot, depth)),
+    }
+}
+
+/// Insert: for each key, set the server's stamp, cap the entry at
+/// `ARGV[4]` servers by evicting the stalest other one, renew the TTL.
+const INSERT_SCRIPT: &str = r#"
+local slot = ARGV[1]
+local now = ARGV[2]
+local ttl = ARGV[3]
+local lanes = tonumber(ARGV[4])
+for _, key in ipairs(KEYS) do
+  redis.call('HSET', key, slot, now)
+  if redis.call('HLEN', key) > lanes then
+    local f = redis.call('HGETALL', key)
+    local victim, vstamp, vslot = nil, nil, nil
+    for j = 1, #f, 2 do
+      if f[j] ~= slot then
+        local s = tonumber(f[j + 1]) or -1
+        local n = tonumber(f[j]) or -1
+        if vstamp == nil or s < vstamp or (s == vstamp and n < vslot) then
+          victim, vstamp, vslot = f[j], s, n
+        end
+      end
+    end
+    if victim then redis.call('HDEL', key, victim) end
+  end
+  redis.call('PEXPIRE', key, ttl)
+end
+return #KEYS
+"#;
+
+/// Longest-prefix match: walk the keys in chain order, stop at the first
+/// missing one, return `slot, depth` pairs (deepest depth per server).
+const LPM_SCRIPT: &str = r#"
+local depth = {}
+local order = {}
+for i, key in ipairs(KEYS) do
+  local f = redis.call('HKEYS', key)
+  if #f == 0 then break end
+  for _, s in ipairs(f) do
+    local n = tonumber(s)
+    if n then
+      if depth[n] == nil then order[#order + 1] = n end
+      depth[n] = i
+    end
+  end
+end
+local out = {}
+for _, n in ipairs(order) do
+  out[#out + 1] = n
+  out[#out + 1] = depth[n]
+end
+return out
+"#;
+
+/// The routing state in one Redis server, under one namespace.
+///
+/// One connection, used synchronously; open one store per thread.
+pub struct RedisStore {
+    client: redis::Client,
+    conn: Option<Connection>,
+    namespace: String,
+    ttl: Duration,
+    timeout: Duration,
+    insert: Script,
+    lpm: Script,
+    round_trips: u64,
+    connects: u64,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("namespace", &self.namespace)
+            .field("ttl", &self.ttl)
+            .field("timeout", &self.timeout)
+            .field("connected", &self.conn.is_some())
+            .field("round_trips", &self.round_trips)
+            .field("connects", &self.connects)
+            .finish()
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+impl RedisStore {
+    /// Connects to `url` (`redis://host:port/db`), with prefix entries
+    /// expiring `ttl` after their last insert (at least 1 ms) and
+    /// [`DEFAULT_TIMEOUT`] on connect, read and write.
+    pub fn connect(url: &str, namespace: &str, ttl: Duration) -> Result<Self, StoreError> {
+        Self::connect_with_timeout(url, namespace, ttl, DEFAULT_TIMEOUT)
+    }
+
+    /// [`RedisStore::connect`] with another timeout (at least 1 ms).
+    pub fn connect_with_timeout(
+        url: &str,
+        namespace: &str,
+        ttl: Duration,
+        timeout: Duration,
+    ) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url).map_err(|source| StoreError::Url {
+            url: url.to_owned(),
+            source,
+        })?;
+        let mut store = Self {
+            client,
+            conn: None,
+            namespace: namespace.to_owned(),
+            ttl,
+            timeout: timeout.max(Duration::from_millis(1)),
+            insert: Script::new(INSERT_SCRIPT),
+            lpm: Script::new(LPM_SCRIPT),
+            round_trips: 0,
+            connects: 0,
+        };
+        store.connection()?;
+        Ok(store)
+    }
+
+    /// The namespace every key starts with.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// Round trips made so far (commands or pipelines sent and answered,
+    /// script reloads included; connection handshakes not).
+    pub fn round_trips(&self) -> u64 {
+        self.round_trips
+    }
+
+    /// Connections opened so far (1 after [`RedisStore::connect`]; one more
+    /// per recovery from a failure).
+    pub fn connects(&self) -> u64 {
+        self.connects
+    }
+
+    /// Whether a connection is open (false after an error, until the next
+    /// call reconnects).
+    pub fn is_connected(&self) -> bool {
+        self.conn.is_some()
+    }
+
+    /// The key of prefix entry `hash`.
+    pub fn prefix_key(&self, hash: u64) -> String {
+        format!("{}:p:{hash:016x}", self.namespace)
+    }
+
+    /// The key of cached response `key`.
+    pub fn response_key(&self, key: u128) -> String {
+        format!("{}:r:{key:032x}", self.namespace)
+    }
+
+    /// The key of the in-flight counter hash.
+    pub fn inflight_key(&self) -> String {
+        format!("{}:inflight", self.namespace)
+    }
+
+    /// The open connection, opening one (and loading the scripts) if none is.
+    fn connection(&mut self) -> Result<&mut Connection, StoreError> {
+        let conn = match self.conn.take() {
+            Some(conn) => conn,
+            None => {
+                let mut conn = self
+                    .client
+                    .get_connection_with_timeout(self.timeout)
+                    .map_err(StoreError::Connect)?;
+                conn.set_read_timeout(Some(self.timeout))
+                    .and_then(|()| conn.set_write_timeout(Some(self.timeout)))
+                    .map_err(StoreError::Connect)?;
+                for script in [&self.insert, &self.lpm] {
+                    script.load(&mut conn).map_err(StoreError::Connect)?;
+                }
+                self.connects += 1;
+                conn
+            }
+        };
+        Ok(self.conn.insert(conn))
+    }
+
+    fn fail(&mut self, op: &'static str, source: RedisError) -> StoreError {
+        // An error reply leaves the connection in step; anything else (I/O,
+        // timeout, unparsable reply) may leave a stale reply in flight:
+        // never reuse such a connection.
+        let in_step = matches!(
+            source.kind(),
+            ErrorKind::ResponseError
+                | ErrorKind::ExtensionError
+                | ErrorKind::NoScriptError
+                | ErrorKind::TypeError
+                | ErrorKind::ExecAbortError
+                | ErrorKind::BusyLoadingError
+                | ErrorKind::ReadOnly
+        ) && !source.is_io_error()
+            && !source.is_timeout();
+        if !in_step {
+            self.conn = None;
+        }
+        if source.is_timeout() {
+            StoreError::Timeout {
+                op,
+                timeout: self.timeout,
+            }
+        } else {
+            StoreError::Command { op, source }
+        }
+    }
+
+    /// Sends `cmd` (one round trip) and converts the reply.
+    fn query<T: FromRedisValue>(&mut self, op: &'static str, cmd: &Cmd) -> Result<T, StoreError> {
+        let conn = self.connection()?;
+        let reply = cmd.query(conn);
+        self.round_trips += 1;
+        reply.map_err(|e| self.fail(op, e))
+    }
+
+    fn script(&self, which: ScriptId) -> &Script {
+        match which {
+            ScriptId::Insert => &self.insert,
+            ScriptId::Lpm => &self.lpm,
+        }
+    }
+
+    /// Runs `script` over `keys` with `args`: one `EVALSHA`, plus a reload
+    /// and a retry on `NOSCRIPT`.
+    fn eval(
+        &mut self,
+        op: &'static str,
+        which: ScriptId,
+        keys: &[String],
+        args: &[String],
+    ) -> Result<Value, StoreError> {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.script(which).get_hash())
+            .arg(keys.len())
+            .arg(keys)
+            .arg(args);
+        match self.query::<Value>(op, &cmd) {
+            Err(StoreError::Command { source, .. }) if source.kind() == ErrorKind::NoScriptError => {
+                // Rare (server restart, SCRIPT FLUSH): the clone is fine here.
+                let script = self.script(which).clone();
+                let conn = self.connection()?;
+                let loaded = script.load(conn);
+                self.round_trips += 1;
+                loaded.map_err(|e| self.fail(op, e))?;
+                self.query(op, &cmd)
+            }
+            other => other,
+        }
+    }
+
+    /// Records that server `server_slot` holds every prefix of `chain`, as
+    /// of `now` (any increasing clock; milliseconds keep ties rare), and
+    /// renews the entries' TTL. One round trip.
+    pub fn insert_chain(&mut self, chain: &[u64], server_slot: u16, now: u64) -> Result<(), StoreError> {
+        if chain.is_empty() {
+            return Ok(());
+        }
+        let keys: Vec<String> = chain.iter().map(|h| self.prefix_key(*h)).collect();
+        let args = [
+            server_slot.to_string(),
+            now.to_string(),
+            millis(self.ttl).to_string(),
+            LANES.to_string(),
+        ];
+        self.eval("insert_chain", ScriptId::Insert, &keys, &args).map(drop)
+    }
+
+    /// Records that `server_slot` holds the prefix `hash` (a one-block
+    /// [`RedisStore::insert_chain`]).
+    pub fn insert(&mut self, hash: u64, server_slot: u16, now: u64) -> Result<(), StoreError> {
+        self.insert_chain(&[hash], server_slot, now)
+    }
+
+    /// The servers of entry `hash` with their stamps, most recent first
+    /// (equal stamps: smaller slot first). Empty if there is no entry.
+    pub fn lookup(&mut self, hash: u64) -> Result<Vec<(u16, u64)>, StoreError> {
+        let mut cmd = redis::cmd("HGETALL");
+        cmd.arg(self.prefix_key(hash));
+        let fields: Vec<(String, String)> = self.query("lookup", &cmd)?;
+        let mut out = Vec::with_capacity(fields.len());
+        for (slot, stamp) in fields {
+            match (slot.parse::<u16>(), stamp.parse::<u64>()) {
+                (Ok(slot), Ok(stamp)) => out.push((slot, stamp)),
+                _ => {
+                    return Err(StoreError::Protocol {
+                        op: "lookup",
+                        detail: format!("prefix entry field {slot:?} = {stamp:?}"),
+                    });
+                }
+            }
+        }
+        out.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        Ok(out)
+    }
+
+    /// Longest-prefix match: for every server listed in the leading known
+    /// blocks of `chain`, `(slot, leading blocks held)`, sorted by slot.
+    /// One round trip (a server-side script walks the chain).
+    pub fn longest_prefix_match(&mut self, chain: &[u64]) -> Result<Vec<(u16, u32)>, StoreError> {
+        const OP: &str = "longest_prefix_match";
+        if chain.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<String> = chain.iter().map(|h| self.prefix_key(*h)).collect();
+        let reply = self.eval(OP, ScriptId::Lpm, &keys, &[])?;
+        let bad = |detail: String| StoreError::Protocol { op: OP, detail };
+        let flat: Vec<i64> = FromRedisValue::from_redis_value(&reply).map_err(|e| bad(e.to_string()))?;
+        if !flat.len().is_multiple_of(2) {
+            return Err(bad(format!("odd reply length {}", flat.len())));
+        }
+        let mut found = Vec::with_capacity(flat.len() / 2);
+        for pair in flat.chunks_exact(2) {
+            match (u16::try_from(pair[0]), u32::try_from(pair[1])) {
+                (Ok(slot), Ok(depth)) if depth >= 1 => record(&mut found, slot, depth),
+                _ => return Err(bad(format!("pair {pair:?}"))),
+            }
+        }
+        found.sort_unstable();
+        Ok(found)
+    }
+
+    /// [`RedisStore::longest_prefix_match`] the way the sLLM paper's
+    /// baseline does it: one `HGETALL` round trip per block, until the
+    /// first missing block. Same result.
+    pub fn longest_prefix_match_naive(&mut self, chain: &[u64]) -> Result<Vec<(u16, u32)>, StoreError> {
+        const OP: &str = "longest_prefix_match_naive";
+        let mut found = Vec::new();
+        for (i, hash) in chain.iter().enumerate() {
+            let mut cmd = redis::cmd("HGETALL");
+            cmd.arg(self.prefix_key(*hash));
+            let fields: Vec<(String, String)> = self.query(OP, &cmd)?;
+            if fields.is_empty() {
+                break;
+            }
+            for (slot, _) in fields {
+                // Skip what this module never writes, like the script does.
+                if let Ok(slot) = slot.parse::<u16>() {
+                    record(&mut found, slot, i as u32 + 1);
+                }
+            }
+        }
+        found.sort_unstable();
+        Ok(found)
+    }
+
+    /// The cached response for `key`, if present and not expired. One round trip.
+    pub fn get_response(&mut self, key: u128) -> Result<Option<Vec<u8>>, StoreError> {
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(self.response_key(key));
+        self.query("get_response", &cmd)
+    }
+
+    /// Caches `value` under `key` for `ttl` (at least 1 ms). One round trip.
+    pub fn put_response(&mut self, key: u128, value: &[u8], ttl: Duration) -> Result<(), StoreError> {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(self.response_key(key)).arg(value).arg("PX").arg(millis(ttl));
+        self.query::<()>("put_response", &cmd)
+    }
+
+    /// Adds `requests` and `tokens` to a server's in-flight counters and
+    /// returns its new in-flight request count. One round trip.
+    fn add_inflight(
+        &mut self,
+        op: &'static str,
+        server_slot: u16,
+        requests: i64,
+        tokens: i64,
+    ) -> Result<i64, StoreError> {
+        let key = self.inflight_key();
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .cmd("HINCRBY")
+            .arg(&key)
+            .arg(format!("req:{server_slot}"))
+            .arg(requests)
+            .cmd("HINCRBY")
+            .arg(&key)
+            .arg(format!("tok:{server_slot}"))
+            .arg(tokens);
+        let conn = self.connection()?;
+        let reply: Result<(i64, i64), _> = pipe.query(conn);
+        self.round_trips += 1;
+        reply.map(|(r, _)| r).map_err(|e| self.fail(op, e))
+    }
+
+    /// Counts a request of `prompt_tokens` tokens as in flight on
+    /// `server_slot`; returns the server's in-flight requests. One round trip.
+    pub fn begin_request(&mut self, server_slot: u16, prompt_tokens: u32) -> Result<i64, StoreError> {
+        self.add_inflight("begin_request", server_slot, 1, i64::from(prompt_tokens))
+    }
+
+    /// Undoes [`RedisStore::begin_request`] when the request finishes;
+    /// returns the server's in-flight requests. One round trip. (Counts are
+    /// not clamped: an unmatched end shows as a negative count.)
+    pub fn end_request(&mut self, server_slot: u16, prompt_tokens: u32) -> Result<i64, StoreError> {
+        self.add_inflight("end_request", server_slot, -1, -i64::from(prompt_tokens))
+    }
+
+    /// In-flight requests per server slot, sorted by slot (servers never
+    /// counted are absent). One round trip.
+    pub fn inflight(&mut self) -> Result<Vec<(u16, i64)>, StoreError> {
+        Ok(self
+            .inflight_load()?
+            .into_iter()
+            .map(|l| (l.slot, l.requests))
+            .collect())
+    }
+
+    /// In-flight requests and prompt tokens per server slot, sorted by
+    /// slot. One round trip.
+    pub fn inflight_load(&mut self) -> Result<Vec<InflightLoad>, StoreError> {
+        const OP: &str = "inflight";
+        let mut cmd = redis::cmd("HGETALL");
+        cmd.arg(self.inflight_key());
+        let fields: Vec<(String, i64)> = self.query(OP, &cmd)?;
+        let mut out: Vec<InflightLoad> = Vec::new();
+        for (field, n) in fields {
+            let parsed = field
+                .split_once(':')
+                .and_then(|(kind, slot)| slot.parse::<u16>().ok().map(|s| (kind, s)));
+            let Some((kind, slot)) = parsed else {
+                return Err(StoreError::Protocol {
+                    op: OP,
+                    detail: format!("counter field {field:?}"),
+                });
+            };
+            let i = match out.iter().position(|l| l.slot == slot) {
+                Some(i) => i,
+                None => {
+                    out.push(InflightLoad {
+                        slot,
+                        requests: 0,
+                        tokens: 0,
+                    });
+                    out.len() - 1
+                }
+            };
+            match kind {
+                "req" => out[i].requests = n,
+                "tok" => out[i].tokens = n,
+                _ => {
+                    return Err(StoreError::Protocol {
+                        op: OP,
+                        detail: format!("counter field {field:?}"),
+                    });
+                }
+            }
+        }
+        out.sort_unstable_by_key(|l| l.slot);
+        Ok(out)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum ScriptId {
+    Insert,
+    Lpm,
+}
+
+/// One server's in-flight figures, as [`RedisStore::inflight_load`] reads them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InflightLoad {
+    /// Server slot.
+    pub slot: u16,
+    /// Requests in flight.
+    pub requests: i64,
+    /// Prompt tokens of those requests.
+    pub tokens: i64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_carry_the_namespace_and_fixed_width_hex() {
+        let store = RedisStore {
+            client: redis::Client::open("redis://127.0.0.1:1").unwrap(),
+            conn: None,
+            namespace: "ns".into(),
+            ttl: Duration::from_secs(1),
+            timeout: DEFAULT_TIMEOUT,
+            insert: Script::new(INSERT_SCRIPT),
+            lpm: Script::new(LPM_SCRIPT),
+            round_trips: 0,
+            connects: 0,
+        };
+        assert_eq!(store.prefix_key(0xab), "ns:p:00000000000000ab");
+        assert_eq!(store.response_key(1), format!("ns:r:{}1", "0".repeat(31)));
+        assert_eq!(store.inflight_key(), "ns:inflight");
+    }
+
+    #[test]
+    fn record_keeps_the_deepest_depth() {
+        let mut m = Vec::new();
+        record(&mut m, 3, 1);
+        record(&mut m, 3, 4);
+        record(&mut m, 1, 2);
+        assert_eq!(m, vec![(3, 4), (1, 2)]);
+    }
+
+    #[test]
+    fn connect_to_a_closed_port_is_a_quick_error() {
+        let t = std::time::Instant::now();
+        let err = RedisStore::connect("redis://127.0.0.1:1", "ns", Duration::from_secs(1)).unwrap_err();
+        assert!(matches!(err, StoreError::Connect(_)), "{err}");
+        assert!(t.elapsed() < Duration::from_secs(2));
+        let err = RedisStore::connect("not a url", "ns", Duration::from_secs(1)).unwrap_err();
+        assert!(matches!(err, StoreError::Url { .. }), "{err}");
+    }
+}

@@ -1,0 +1,565 @@
+//! `semlb::redis_store` against a real, private `redis-server`.
+//!
+//! Each test starts its own `redis-server` on a free loopback port (no
+//! persistence) and kills it when done, so nothing depends on a Redis
+//! already running. Without `redis-server` on the PATH every test prints
+//! `SKIPPED: redis-server not installed` and returns; CI installs it
+//! (`.ci/run`), so there they really run.
+//!
+//! The parity test applies one random sequence of chain inserts to a shm
+//! heap segment and to Redis and checks that both give the same entries
+//! and longest-prefix matches: the Redis store has the shm semantics.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use semlb::redis_store::{InflightLoad, LANES, RedisStore, StoreError};
+use shm_layout::{LayoutPlan, Segment, ServerRef, Stamp};
+
+/// A private `redis-server`, killed on drop.
+struct RedisServer {
+    child: Child,
+    port: u16,
+}
+
+fn installed() -> bool {
+    Command::new("redis-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    l.local_addr().expect("local addr").port()
+}
+
+fn ping(port: u16) -> bool {
+    let Ok(mut s) = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut buf = [0u8; 7];
+    s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+}
+
+impl RedisServer {
+    /// A server on a free port, or `None` (after a loud message) if
+    /// `redis-server` is not installed.
+    fn start() -> Option<Self> {
+        if !installed() {
+            // Straight to the process's stderr: the harness captures
+            // `eprintln!` of passing tests, and a skip must not be silent.
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED: redis-server not installed (CI installs it; `apt-get install redis-server`)"
+            );
+            return None;
+        }
+        Some(Self::start_on(free_port()))
+    }
+
+    /// A server on `port`; panics if it does not answer PING within 10 s.
+    fn start_on(port: u16) -> Self {
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+            .args(["--appendonly", "no"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server");
+        let mut server = Self { child, port };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !ping(port) {
+            if let Ok(Some(status)) = server.child.try_wait() {
+                panic!("redis-server on port {port} exited: {status}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis-server on port {port} never answered PING"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        server
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// A raw client connection, for inspecting and tampering.
+    fn raw(&self) -> redis::Connection {
+        redis::Client::open(self.url())
+            .unwrap()
+            .get_connection_with_timeout(Duration::from_secs(2))
+            .unwrap()
+    }
+
+    fn signal(&self, sig: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+macro_rules! redis_or_skip {
+    () => {
+        match RedisServer::start() {
+            Some(s) => s,
+            None => return,
+        }
+    };
+}
+
+const TTL: Duration = Duration::from_secs(600);
+
+fn store(server: &RedisServer, ns: &str) -> RedisStore {
+    RedisStore::connect(&server.url(), ns, TTL).expect("connect")
+}
+
+/// splitmix64: spread, reproducible test hashes.
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(1);
+        mix(self.0)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn chain(tag: u64, len: u64) -> Vec<u64> {
+    (0..len).map(|i| mix(tag << 20 | i)).collect()
+}
+
+#[test]
+fn longest_prefix_match_counts_leading_blocks_and_costs_one_round_trip() {
+    let server = redis_or_skip!();
+    let mut s = store(&server, "t");
+    let c = chain(1, 10);
+    let rt = s.round_trips();
+    s.insert_chain(&c[..7], 1, 1).unwrap();
+    assert_eq!(s.round_trips() - rt, 1, "insert_chain is one round trip");
+    s.insert_chain(&c[..3], 2, 2).unwrap();
+
+    let rt = s.round_trips();
+    assert_eq!(s.longest_prefix_match(&c).unwrap(), vec![(1, 7), (2, 3)]);
+    assert_eq!(s.round_trips() - rt, 1, "the script is one round trip");
+    let rt = s.round_trips();
+    assert_eq!(s.longest_prefix_match_naive(&c).unwrap(), vec![(1, 7), (2, 3)]);
+    assert_eq!(s.round_trips() - rt, 8, "naive: 7 hits and the miss that ends the scan");
+
+    assert_eq!(s.lookup(c[0]).unwrap(), vec![(2, 2), (1, 1)], "most recent first");
+    assert_eq!(s.lookup(c[5]).unwrap(), vec![(1, 1)]);
+    assert_eq!(s.lookup(c[8]).unwrap(), vec![]);
+    assert!(s.longest_prefix_match(&chain(2, 5)).unwrap().is_empty());
+    assert!(s.longest_prefix_match(&[]).unwrap().is_empty());
+    assert!(s.longest_prefix_match_naive(&[]).unwrap().is_empty());
+    // Only the leading known blocks count: a chain whose first block is
+    // unknown matches nothing even if later blocks are known.
+    let holed = [mix(999), c[1], c[2]];
+    assert!(s.longest_prefix_match(&holed).unwrap().is_empty());
+    assert!(s.longest_prefix_match_naive(&holed).unwrap().is_empty());
+}
+
+#[test]
+fn the_deepest_listing_counts_and_the_scan_stops_at_the_first_miss() {
+    let server = redis_or_skip!();
+    let mut s = store(&server, "t");
+    let system = chain(100, 4);
+    // Six servers each cache the system prompt plus their own conversation.
+    let chains: Vec<Vec<u64>> = (0..6u64)
+        .map(|k| system.iter().copied().chain(chain(200 + k, 5)).collect())
+        .collect();
+    for (k, c) in chains.iter().enumerate() {
+        s.insert_chain(c, k as u16, 10 + k as u64).unwrap();
+    }
+    // The system blocks list only the three most recent servers...
+    let sys: Vec<u16> = s.lookup(system[0]).unwrap().iter().map(|e| e.0).collect();
+    assert_eq!(sys, vec![5, 4, 3]);
+    // ...yet server 0's own conversation still matches in full.
+    let m = s.longest_prefix_match(&chains[0]).unwrap();
+    assert_eq!(m, vec![(0, 9), (3, 4), (4, 4), (5, 4)]);
+    assert_eq!(s.longest_prefix_match_naive(&chains[0]).unwrap(), m);
+    // A hole ends the scan: nothing deeper is trusted.
+    let mut raw = server.raw();
+    let _: () = redis::cmd("DEL")
+        .arg(s.prefix_key(chains[0][6]))
+        .query(&mut raw)
+        .unwrap();
+    let m = s.longest_prefix_match(&chains[0]).unwrap();
+    assert_eq!(m, vec![(0, 6), (3, 4), (4, 4), (5, 4)]);
+    assert_eq!(s.longest_prefix_match_naive(&chains[0]).unwrap(), m);
+}
+
+#[test]
+fn an_entry_keeps_at_most_three_servers_evicting_the_stalest() {
+    let server = redis_or_skip!();
+    let mut s = store(&server, "t");
+    let k = mix(7);
+    for (slot, now) in [(1u16, 10u64), (2, 11), (3, 12)] {
+        s.insert(k, slot, now).unwrap();
+    }
+    assert_eq!(s.lookup(k).unwrap(), vec![(3, 12), (2, 11), (1, 10)]);
+    // Refreshing a listed server evicts nobody.
+    s.insert(k, 1, 13).unwrap();
+    assert_eq!(s.lookup(k).unwrap(), vec![(1, 13), (3, 12), (2, 11)]);
+    // A fourth server evicts the stalest (2).
+    s.insert(k, 4, 14).unwrap();
+    assert_eq!(s.lookup(k).unwrap(), vec![(4, 14), (1, 13), (3, 12)]);
+    for now in 15..40 {
+        s.insert(k, (now % 7) as u16, now).unwrap();
+        assert_eq!(s.lookup(k).unwrap().len(), LANES);
+    }
+    let mut raw = server.raw();
+    let len: usize = redis::cmd("HLEN").arg(s.prefix_key(k)).query(&mut raw).unwrap();
+    assert_eq!(len, LANES);
+}
+
+#[test]
+fn naive_and_scripted_matches_agree_on_random_chains() {
+    let server = redis_or_skip!();
+    let mut s = store(&server, "t");
+    let mut rng = Rng(42);
+    let families: Vec<Vec<u64>> = (0..12).map(|f| chain(1000 + f, 24)).collect();
+    for now in 1..=300u64 {
+        let f = &families[rng.below(12) as usize];
+        let len = 1 + rng.below(24) as usize;
+        s.insert_chain(&f[..len], rng.below(10) as u16, now).unwrap();
+    }
+    for q in 0..200u64 {
+        let f = &families[rng.below(12) as usize];
+        let len = rng.below(25) as usize;
+        let mut c = f[..len].to_vec();
+        // Some queries diverge from the family after a while.
+        if q % 3 == 0 {
+            c.extend(chain(5000 + q, 3));
+        }
+        let rt = s.round_trips();
+        let scripted = s.longest_prefix_match(&c).unwrap();
+        assert!(s.round_trips() - rt <= 1);
+        let naive = s.longest_prefix_match_naive(&c).unwrap();
+        assert_eq!(scripted, naive, "query {q}: {c:x?}");
+    }
+}
+
+/// One random sequence of chain inserts, applied to a shm heap segment and
+/// to Redis: same entries (servers in recency order) and same longest
+/// prefix matches.
+#[test]
+fn parity_with_the_shm_prefix_table() {
+    let server = redis_or_skip!();
+    let mut s = store(&server, "parity");
+    let seg = Segment::heap(&LayoutPlan::for_size(64 << 20).unwrap());
+    let t = seg.tables();
+    let servers: Vec<ServerRef> = (0..6)
+        .map(|i| {
+            t.servers
+                .register(i, &format!("http://127.0.0.1:{}", 8000 + i), 0)
+                .unwrap()
+        })
+        .collect();
+    for (i, r) in servers.iter().enumerate() {
+        assert_eq!(usize::from(r.slot), i, "slots are handed out in order");
+    }
+
+    let mut rng = Rng(7);
+    let shared = chain(1, 6);
+    // Families: a shared system prompt then their own blocks, or all their own.
+    let families: Vec<Vec<u64>> = (0..10u64)
+        .map(|f| {
+            let own = chain(100 + f, 20);
+            if f % 2 == 0 {
+                shared.iter().copied().chain(own).collect()
+            } else {
+                own
+            }
+        })
+        .collect();
+    let mut keys = std::collections::HashSet::new();
+    // `now` is strictly increasing (and below 2^16, the shm stamp's range),
+    // so both tables agree on which server is stalest.
+    for now in 1..=400u64 {
+        let f = &families[rng.below(10) as usize];
+        let len = 1 + rng.below(f.len() as u64) as usize;
+        let srv = servers[rng.below(6) as usize];
+        t.prefix.insert_chain(&f[..len], srv, Stamp(now as u16));
+        s.insert_chain(&f[..len], srv.slot, now).unwrap();
+        keys.extend(f[..len].iter().copied());
+    }
+    assert_eq!(t.prefix.occupancy(), keys.len() as u64, "the shm table evicted nothing");
+
+    for k in &keys {
+        let shm: Vec<u16> = t.prefix.lookup(*k).unwrap().servers.iter().map(|x| x.slot()).collect();
+        let redis: Vec<u16> = s.lookup(*k).unwrap().iter().map(|e| e.0).collect();
+        assert_eq!(shm, redis, "entry {k:x}");
+    }
+    let mut queries: Vec<Vec<u64>> = families.clone();
+    for q in 0..100u64 {
+        let f = &families[rng.below(10) as usize];
+        let mut c = f[..rng.below(f.len() as u64 + 1) as usize].to_vec();
+        if q % 2 == 0 {
+            c.extend(chain(9000 + q, 2));
+        }
+        queries.push(c);
+    }
+    for c in &queries {
+        let m = t.prefix.longest_prefix_match(c, |_| true);
+        assert!(
+            m.iter().count() < shm_layout::MATCH_CAPACITY,
+            "the shm match did not overflow"
+        );
+        let mut shm: Vec<(u16, u32)> = m.iter().map(|(tag, n)| (tag.slot(), n)).collect();
+        shm.sort_unstable();
+        assert_eq!(s.longest_prefix_match(c).unwrap(), shm, "chain {c:x?}");
+        assert_eq!(s.longest_prefix_match_naive(c).unwrap(), shm, "chain {c:x?} (naive)");
+    }
+}
+
+fn poll_until(deadline: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let end = Instant::now() + deadline;
+    while !done() {
+        assert!(Instant::now() < end, "{what}: not within {deadline:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn prefix_entries_expire_and_inserts_renew_the_ttl() {
+    let server = redis_or_skip!();
+    let mut raw = server.raw();
+    let mut s = RedisStore::connect(&server.url(), "ttl", Duration::from_secs(4)).unwrap();
+    let c = chain(3, 3);
+    s.insert_chain(&c, 1, 1).unwrap();
+    let pttl = |raw: &mut redis::Connection, k: &str| -> i64 { redis::cmd("PTTL").arg(k).query(raw).unwrap() };
+    let key = s.prefix_key(c[0]);
+    let first = pttl(&mut raw, &key);
+    assert!(first > 0 && first <= 4000, "{first}");
+    std::thread::sleep(Duration::from_millis(300));
+    let before = pttl(&mut raw, &key);
+    s.insert_chain(&c[..1], 2, 2).unwrap();
+    let after = pttl(&mut raw, &key);
+    assert!(after > before, "insert renews the TTL: {before} → {after}");
+
+    let mut short = RedisStore::connect(&server.url(), "short", Duration::from_millis(150)).unwrap();
+    short.insert_chain(&c, 1, 1).unwrap();
+    assert_eq!(short.longest_prefix_match(&c).unwrap(), vec![(1, 3)]);
+    poll_until(Duration::from_secs(5), "prefix entries expire", || {
+        short.longest_prefix_match(&c).unwrap().is_empty()
+    });
+}
+
+#[test]
+fn namespaces_isolate() {
+    let server = redis_or_skip!();
+    let mut a = store(&server, "a");
+    let mut b = store(&server, "b");
+    let c = chain(4, 4);
+    a.insert_chain(&c, 1, 1).unwrap();
+    a.put_response(9, b"from a", TTL).unwrap();
+    a.begin_request(1, 10).unwrap();
+    assert_eq!(a.longest_prefix_match(&c).unwrap(), vec![(1, 4)]);
+    assert!(b.longest_prefix_match(&c).unwrap().is_empty());
+    assert!(b.lookup(c[0]).unwrap().is_empty());
+    assert_eq!(b.get_response(9).unwrap(), None);
+    assert_eq!(b.inflight().unwrap(), vec![]);
+    b.insert_chain(&c[..2], 2, 2).unwrap();
+    assert_eq!(a.longest_prefix_match(&c).unwrap(), vec![(1, 4)]);
+    assert_eq!(b.longest_prefix_match(&c).unwrap(), vec![(2, 2)]);
+    assert_eq!(a.get_response(9).unwrap().as_deref(), Some(&b"from a"[..]));
+    // Every key lives under its namespace.
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut server.raw()).unwrap();
+    assert!(
+        keys.iter().all(|k| k.starts_with("a:") || k.starts_with("b:")),
+        "{keys:?}"
+    );
+}
+
+#[test]
+fn responses_round_trip_and_expire() {
+    let server = redis_or_skip!();
+    let mut s = store(&server, "r");
+    let big: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    let key = u128::MAX - 5;
+    assert_eq!(s.get_response(key).unwrap(), None);
+    let rt = s.round_trips();
+    s.put_response(key, &big, TTL).unwrap();
+    assert_eq!(s.get_response(key).unwrap(), Some(big));
+    assert_eq!(s.round_trips() - rt, 2);
+    s.put_response(1, b"", TTL).unwrap();
+    assert_eq!(s.get_response(1).unwrap(), Some(vec![]));
+    s.put_response(2, b"\0binary\xff", TTL).unwrap();
+    assert_eq!(s.get_response(2).unwrap().as_deref(), Some(&b"\0binary\xff"[..]));
+    // Overwrite, then expire.
+    s.put_response(2, b"short-lived", Duration::from_millis(100)).unwrap();
+    assert_eq!(s.get_response(2).unwrap().as_deref(), Some(&b"short-lived"[..]));
+    poll_until(Duration::from_secs(5), "response expires", || {
+        s.get_response(2).unwrap().is_none()
+    });
+    assert!(s.get_response(1).unwrap().is_some());
+}
+
+#[test]
+fn inflight_counters() {
+    let server = redis_or_skip!();
+    let mut s = store(&server, "c");
+    assert_eq!(s.inflight().unwrap(), vec![]);
+    let rt = s.round_trips();
+    assert_eq!(s.begin_request(1, 100).unwrap(), 1);
+    assert_eq!(s.round_trips() - rt, 1);
+    assert_eq!(s.begin_request(1, 50).unwrap(), 2);
+    assert_eq!(s.begin_request(7, 5).unwrap(), 1);
+    assert_eq!(s.inflight().unwrap(), vec![(1, 2), (7, 1)]);
+    assert_eq!(
+        s.inflight_load().unwrap(),
+        vec![
+            InflightLoad {
+                slot: 1,
+                requests: 2,
+                tokens: 150
+            },
+            InflightLoad {
+                slot: 7,
+                requests: 1,
+                tokens: 5
+            },
+        ]
+    );
+    let rt = s.round_trips();
+    assert_eq!(s.end_request(1, 100).unwrap(), 1);
+    assert_eq!(s.round_trips() - rt, 1);
+    assert_eq!(s.end_request(7, 5).unwrap(), 0);
+    assert_eq!(s.inflight().unwrap(), vec![(1, 1), (7, 0)]);
+    assert_eq!(s.inflight_load().unwrap()[0].tokens, 50);
+    // Two stores (two gateway processes) share the counters.
+    let mut other = store(&server, "c");
+    assert_eq!(other.begin_request(1, 1).unwrap(), 2);
+    assert_eq!(s.inflight().unwrap(), vec![(1, 2), (7, 0)]);
+}
+
+#[test]
+fn a_flushed_script_cache_is_reloaded() {
+    let server = redis_or_skip!();
+    let mut s = store(&server, "n");
+    let c = chain(5, 3);
+    let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut server.raw()).unwrap();
+    let rt = s.round_trips();
+    assert_eq!(s.connects(), 1);
+    s.insert_chain(&c, 3, 1).unwrap();
+    assert_eq!(s.round_trips() - rt, 3, "EVALSHA → NOSCRIPT, SCRIPT LOAD, EVALSHA");
+    let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut server.raw()).unwrap();
+    assert_eq!(s.longest_prefix_match(&c).unwrap(), vec![(3, 3)]);
+    let rt = s.round_trips();
+    assert_eq!(s.longest_prefix_match(&c).unwrap(), vec![(3, 3)]);
+    assert_eq!(s.round_trips() - rt, 1, "loaded again: one round trip");
+    assert_eq!(s.connects(), 1, "NOSCRIPT keeps the connection");
+    // So does any other error reply.
+    let _: () = redis::cmd("SET")
+        .arg(s.prefix_key(c[0]))
+        .arg("not a hash")
+        .query(&mut server.raw())
+        .unwrap();
+    let e = s.longest_prefix_match(&c).unwrap_err();
+    assert!(matches!(e, StoreError::Command { .. }), "{e}");
+    assert!(s.is_connected());
+    assert!(s.insert_chain(&c, 3, 2).is_err(), "WRONGTYPE inside the script");
+    assert!(s.lookup(c[0]).is_err());
+    assert_eq!(s.longest_prefix_match(&c[1..]).unwrap(), vec![(3, 2)]);
+    assert_eq!(s.connects(), 1);
+}
+
+/// Asserts `f` fails, quickly (a hang detector, not a latency target).
+fn fails_fast<T: std::fmt::Debug>(what: &str, f: impl FnOnce() -> Result<T, StoreError>) -> StoreError {
+    let t = Instant::now();
+    let r = f();
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(2), "{what} took {took:?}");
+    match r {
+        Ok(v) => panic!("{what} succeeded without Redis: {v:?}"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn an_outage_is_a_quick_error_and_the_store_recovers_by_itself() {
+    let server = redis_or_skip!();
+    let port = server.port;
+    let mut s = store(&server, "o");
+    let c = chain(6, 4);
+    s.insert_chain(&c, 1, 1).unwrap();
+    assert_eq!(s.longest_prefix_match(&c).unwrap(), vec![(1, 4)]);
+
+    assert_eq!(s.connects(), 1);
+    drop(server);
+    let e = fails_fast("insert_chain", || s.insert_chain(&c, 1, 2));
+    eprintln!("outage: {e}");
+    assert!(!s.is_connected());
+    for _ in 0..3 {
+        fails_fast("longest_prefix_match", || s.longest_prefix_match(&c));
+        fails_fast("longest_prefix_match_naive", || s.longest_prefix_match_naive(&c));
+        fails_fast("get_response", || s.get_response(1));
+        fails_fast("put_response", || s.put_response(1, b"x", TTL));
+        fails_fast("begin_request", || s.begin_request(1, 1));
+        fails_fast("inflight", || s.inflight());
+        let e = fails_fast("lookup", || s.lookup(c[0]));
+        assert!(
+            matches!(e, StoreError::Connect(_)),
+            "reconnect attempts fail to connect: {e}"
+        );
+    }
+
+    // Redis comes back (empty: no persistence) on the same port.
+    let server = RedisServer::start_on(port);
+    assert!(s.longest_prefix_match(&c).unwrap().is_empty(), "recovered by itself");
+    assert_eq!(s.connects(), 2);
+    s.insert_chain(&c, 2, 3).unwrap();
+    assert_eq!(s.longest_prefix_match(&c).unwrap(), vec![(2, 4)]);
+    assert_eq!(s.begin_request(2, 1).unwrap(), 1);
+
+    // Restarted again with no call in between: the stale connection fails
+    // once (quickly), the next call reconnects.
+    drop(server);
+    let _server = RedisServer::start_on(port);
+    let first = s.longest_prefix_match(&c);
+    if let Err(e) = &first {
+        eprintln!("first call on the stale connection: {e}");
+    }
+    assert!(s.longest_prefix_match(&c).unwrap().is_empty());
+}
+
+#[test]
+fn a_frozen_server_is_a_timeout_not_a_hang() {
+    use nix::sys::signal::Signal;
+    let server = redis_or_skip!();
+    let mut s = store(&server, "f");
+    let c = chain(8, 4);
+    s.insert_chain(&c, 1, 1).unwrap();
+    server.signal(Signal::SIGSTOP);
+    let e = fails_fast("longest_prefix_match on a stopped server", || {
+        s.longest_prefix_match(&c)
+    });
+    assert!(matches!(e, StoreError::Timeout { .. }), "{e}");
+    // Reconnecting to a stopped server: the kernel accepts, Redis never
+    // answers the handshake; still bounded.
+    fails_fast("reconnect to a stopped server", || s.get_response(1));
+    server.signal(Signal::SIGCONT);
+    assert_eq!(s.longest_prefix_match(&c).unwrap(), vec![(1, 4)]);
+}
