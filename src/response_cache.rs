@@ -200,6 +200,30 @@ mod tests {
     }
 
     #[test]
+    fn the_key_hashes_the_filtered_body_in_canonical_json() {
+        let b = body(r#"{"stream":true,"model":"m","messages":[{"role":"user","content":"hi"}],"n":1}"#);
+        let filtered: Map<String, Value> = b
+            .iter()
+            .filter(|(k, _)| *k != "stream")
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let mut expected = Vec::new();
+        expected.extend_from_slice(&Tenant::ANONYMOUS.0.to_le_bytes());
+        expected.extend_from_slice(b"/v1/chat/completions\0");
+        expected.extend_from_slice(&serde_json::to_vec(&filtered).unwrap());
+        let want = shm_layout::ResponseKey(xxhash_rust::xxh3::xxh3_128(&expected));
+        assert_eq!(key(Tenant::ANONYMOUS, Endpoint::ChatCompletions, &b), want);
+        assert_eq!(
+            key(Tenant::ANONYMOUS, Endpoint::ChatCompletions, &body("{\"stream\":true}")),
+            {
+                let mut e = Tenant::ANONYMOUS.0.to_le_bytes().to_vec();
+                e.extend_from_slice(b"/v1/chat/completions\0{}");
+                shm_layout::ResponseKey(xxhash_rust::xxh3::xxh3_128(&e))
+            }
+        );
+    }
+
+    #[test]
     fn tenants_never_share_keys_unless_global() {
         let b = body(r#"{"model":"m","prompt":"x","temperature":0}"#);
         let e = Endpoint::Completions;
