@@ -33,6 +33,13 @@ pub enum Command {
     /// Run the gateway: the supervisor creates the shm segment and keeps
     /// the dispatcher and response processes running.
     Serve(ServeArgs),
+    /// Measure: the dispatch path, scaling, end to end, trace replay; shm
+    /// vs Redis. Prints tables, writes JSON and SVG plots.
+    #[command(subcommand)]
+    Bench(crate::bench::BenchCommand),
+    /// A load process of `semlb bench scaling` (not for direct use).
+    #[command(name = "__bench-worker", hide = true)]
+    BenchWorker(crate::bench::scaling::WorkerArgs),
     /// A process the supervisor starts (not for direct use).
     #[command(name = "__child", hide = true)]
     Child(ChildArgs),

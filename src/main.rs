@@ -15,6 +15,7 @@
 //! | [`shm_cmd`] | `semlb shm create / inspect / remove` over [`shm_layout::Segment`] |
 //! | [`report`] | a snapshot of a segment, rendered as text or JSON |
 //! | [`demo`] | `semlb demo`: synthetic conversations routed through a throw-away segment |
+//! | [`bench`] | `semlb bench`: dispatch path, scaling, end to end, trace replay; shm vs Redis |
 //!
 //! # Flow
 //!
@@ -31,6 +32,7 @@
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+mod bench;
 mod child;
 mod cli;
 mod demo;
@@ -55,6 +57,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Serve(args) => supervisor::run(&args)?,
         Command::Child(args) => child::run(&args)?,
         Command::Sim(args) => child::run_sim(&args)?,
+        Command::Bench(command) => bench::run(&command)?,
+        Command::BenchWorker(args) => bench::scaling::run_worker(&args)?,
     }
     out.flush()?;
     Ok(())

@@ -1,0 +1,26 @@
+//! (placeholder, being written)
+
+use anyhow::Result;
+use clap::Args;
+
+use super::Common;
+
+/// Flags.
+#[derive(Debug, Clone, Args)]
+pub struct DispatchArgs {
+    /// Common flags.
+    #[command(flatten)]
+    pub common: Common,
+}
+
+impl DispatchArgs {
+    /// Defaults with `common`.
+    pub fn with(common: Common) -> Self {
+        Self { common }
+    }
+}
+
+/// Runs the report.
+pub fn run(_args: &DispatchArgs) -> Result<()> {
+    anyhow::bail!("not written yet")
+}

@@ -1,0 +1,95 @@
+//! `semlb bench`: the measurements behind the README's Benchmarks section,
+//! run on this machine with real processes, a real tokenizer, real HTTP and
+//! a private `redis-server`.
+//!
+//! | report | module | what it measures |
+//! | --- | --- | --- |
+//! | `dispatch` | [`dispatch_path`] | the dispatch path per stage (tokenize, response-cache lookup, longest-prefix match, table update) on shm, Redis (one round trip) and Redis (naive), p50/p99 and ratios (the sLLM paper's Figure 7) |
+//! | `scaling` | [`scaling`] | dispatch decisions per second with 1, 2, 4 processes per store (the paper's Figure 8) |
+//! | `e2e` | [`end_to_end`] | the whole gateway in front of simulated engines under open-loop load, shm vs Redis |
+//! | `replay` | [`replay`] | the Mooncake conversation trace through the gateway, once per routing policy |
+//! | `all` | here | the four in turn |
+//!
+//! Every report prints a table on stdout and writes `<out>/<report>.json`
+//! and, where it has distributions, `<out>/<report>.svg` ([`plot`]).
+//! Benchmarks measure; they assert nothing about speed.
+
+pub mod dispatch_path;
+pub mod end_to_end;
+pub mod output;
+pub mod plot;
+pub mod redis_server;
+pub mod replay;
+pub mod scaling;
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, Subcommand};
+
+/// `semlb bench …`.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// The dispatch path per stage on shm and Redis.
+    Dispatch(dispatch_path::DispatchArgs),
+    /// Dispatch decisions per second with 1, 2, 4 processes per store.
+    Scaling(scaling::ScalingArgs),
+    /// The gateway end to end under open-loop load, shm vs Redis.
+    #[command(name = "e2e")]
+    EndToEnd(end_to_end::EndToEndArgs),
+    /// The Mooncake conversation trace through the gateway, per policy.
+    Replay(replay::ReplayArgs),
+    /// All four reports with their default settings.
+    All(Common),
+}
+
+/// Flags every report takes.
+#[derive(Debug, Clone, Args)]
+pub struct Common {
+    /// Directory for the JSON and SVG outputs (created if missing).
+    #[arg(long, value_name = "DIR", default_value = "target/semlb-bench")]
+    pub out: PathBuf,
+    /// Use this Redis instead of starting a private `redis-server`
+    /// (the benchmark writes under its own namespace and deletes it).
+    #[arg(long, value_name = "URL")]
+    pub redis_url: Option<String>,
+    /// The `redis-server` binary to start a private instance with.
+    #[arg(long, value_name = "PATH", default_value = "redis-server")]
+    pub redis_server: PathBuf,
+    /// Skip every Redis measurement (shm only).
+    #[arg(long)]
+    pub no_redis: bool,
+    /// Data directory with prompts/, tokenizers/ and traces/ [default:
+    /// ../shared/data next to the working directory, when present].
+    #[arg(long, value_name = "DIR", env = "SEMLB_BENCH_DATA")]
+    pub data: Option<PathBuf>,
+}
+
+impl Common {
+    /// The data directory, if any.
+    pub fn data_dir(&self) -> Option<PathBuf> {
+        if let Some(d) = &self.data {
+            return Some(d.clone());
+        }
+        ["../shared/data", "../../shared/data"]
+            .iter()
+            .map(PathBuf::from)
+            .find(|p| p.is_dir())
+    }
+}
+
+/// Runs a `semlb bench` command.
+pub fn run(command: &BenchCommand) -> Result<()> {
+    match command {
+        BenchCommand::Dispatch(args) => dispatch_path::run(args),
+        BenchCommand::Scaling(args) => scaling::run(args),
+        BenchCommand::EndToEnd(args) => end_to_end::run(args),
+        BenchCommand::Replay(args) => replay::run(args),
+        BenchCommand::All(common) => {
+            dispatch_path::run(&dispatch_path::DispatchArgs::with(common.clone()))?;
+            scaling::run(&scaling::ScalingArgs::with(common.clone()))?;
+            end_to_end::run(&end_to_end::EndToEndArgs::with(common.clone()))?;
+            replay::run(&replay::ReplayArgs::with(common.clone()))
+        }
+    }
+}

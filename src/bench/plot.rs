@@ -1,0 +1,193 @@
+//! SVG plots of distributions: empirical CDFs of several series on one
+//! chart, one chart per panel, side by side (plotters' SVG backend, so no
+//! font or image library is needed).
+
+use std::path::Path;
+
+use anyhow::{Result, anyhow};
+use plotters::prelude::*;
+
+/// One distribution: a label and its samples (any order, any unit).
+#[derive(Debug, Clone)]
+pub struct Series {
+    /// Legend text.
+    pub label: String,
+    /// The samples.
+    pub values: Vec<f64>,
+}
+
+/// One chart: CDFs of its series.
+#[derive(Debug, Clone)]
+pub struct Panel {
+    /// Chart title.
+    pub title: String,
+    /// X-axis label, with the unit.
+    pub x_label: String,
+    /// Logarithmic x axis (for latencies spanning decades).
+    pub log_x: bool,
+    /// The distributions.
+    pub series: Vec<Series>,
+}
+
+const COLORS: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(255, 127, 14),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(23, 190, 207),
+];
+
+/// The points of `values`' empirical CDF, at most about 400 of them.
+fn cdf_points(values: &[f64], log_x: bool) -> Vec<(f64, f64)> {
+    let mut v: Vec<f64> = values
+        .iter()
+        .copied()
+        .filter(|x| x.is_finite() && (!log_x || *x > 0.0))
+        .collect();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    let step = n.div_ceil(400).max(1);
+    let mut out: Vec<(f64, f64)> = (0..n)
+        .step_by(step)
+        .map(|i| (v[i], (i + 1) as f64 / n as f64))
+        .collect();
+    if let Some(last) = v.last() {
+        out.push((*last, 1.0));
+    }
+    out
+}
+
+/// Writes `panels` side by side as one SVG file at `path`.
+pub fn cdf_svg(path: &Path, panels: &[Panel]) -> Result<()> {
+    if panels.is_empty() {
+        return Ok(());
+    }
+    let width = 560 * panels.len() as u32;
+    let root = SVGBackend::new(path, (width, 420)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("plot: {e}"))?;
+    let areas = root.split_evenly((1, panels.len()));
+    for (panel, area) in panels.iter().zip(areas) {
+        draw(panel, &area).map_err(|e| anyhow!("plot {:?}: {e}", panel.title))?;
+    }
+    root.present().map_err(|e| anyhow!("plot: {e}"))?;
+    Ok(())
+}
+
+fn draw<DB: DrawingBackend>(panel: &Panel, area: &DrawingArea<DB, plotters::coord::Shift>) -> Result<(), String> {
+    let curves: Vec<(&str, Vec<(f64, f64)>)> = panel
+        .series
+        .iter()
+        .map(|s| (s.label.as_str(), cdf_points(&s.values, panel.log_x)))
+        .filter(|(_, p)| !p.is_empty())
+        .collect();
+    let lo = curves.iter().flat_map(|(_, p)| p.first()).map(|p| p.0).fold(f64::INFINITY, f64::min);
+    let hi = curves.iter().flat_map(|(_, p)| p.last()).map(|p| p.0).fold(0.0, f64::max);
+    let (lo, hi) = if lo.is_finite() && hi > lo {
+        (lo, hi)
+    } else {
+        (if panel.log_x { 1.0 } else { 0.0 }, 10.0)
+    };
+    let mut builder = ChartBuilder::on(area);
+    builder
+        .caption(&panel.title, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50);
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    if panel.log_x {
+        let mut chart = builder
+            .build_cartesian_2d((lo * 0.9..hi * 1.1).log_scale(), 0.0..1.0)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc(panel.x_label.as_str())
+            .y_desc("share of requests")
+            .draw()
+            .map_err(err)?;
+        for (i, (label, points)) in curves.into_iter().enumerate() {
+            let color = COLORS[i % COLORS.len()];
+            chart
+                .draw_series(LineSeries::new(points, color.stroke_width(2)))
+                .map_err(err)?
+                .label(label)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::LowerRight)
+            .draw()
+            .map_err(err)?;
+    } else {
+        let mut chart = builder.build_cartesian_2d(lo..hi, 0.0..1.0).map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc(panel.x_label.as_str())
+            .y_desc("share of requests")
+            .draw()
+            .map_err(err)?;
+        for (i, (label, points)) in curves.into_iter().enumerate() {
+            let color = COLORS[i % COLORS.len()];
+            chart
+                .draw_series(LineSeries::new(points, color.stroke_width(2)))
+                .map_err(err)?
+                .label(label)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::LowerRight)
+            .draw()
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cdf_points_end_at_one_and_rise() {
+        let p = cdf_points(&[3.0, 1.0, 2.0, f64::NAN], false);
+        assert_eq!(p, vec![(1.0, 1.0 / 3.0), (2.0, 2.0 / 3.0), (3.0, 1.0), (3.0, 1.0)]);
+        assert!(cdf_points(&[0.0, -1.0], true).is_empty(), "log axes drop non-positive samples");
+        let many: Vec<f64> = (0..10_000).map(f64::from).collect();
+        assert!(cdf_points(&many, false).len() <= 402);
+    }
+
+    #[test]
+    fn writes_an_svg_with_every_label() {
+        let dir = std::env::temp_dir().join(format!("semlb-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cdf.svg");
+        let panel = |log_x| Panel {
+            title: "dispatch".into(),
+            x_label: "µs".into(),
+            log_x,
+            series: vec![
+                Series {
+                    label: "shm".into(),
+                    values: vec![1.0, 2.0, 3.0],
+                },
+                Series {
+                    label: "redis".into(),
+                    values: vec![100.0, 120.0, 400.0],
+                },
+            ],
+        };
+        cdf_svg(&path, &[panel(true), panel(false)]).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        assert!(svg.starts_with("<svg"), "{}", &svg[..40.min(svg.len())]);
+        for label in ["\nshm\n", "\nredis\n", "\ndispatch\n", "\nshare of requests\n"] {
+            assert!(svg.contains(label), "{label:?} missing");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
