@@ -16,6 +16,8 @@ use anyhow::{Context, Result, bail};
 use semlb::config::ServeConfig;
 use semlb::dispatcher::{self, Dispatcher, Identity};
 use semlb::responder::{Responder, rings_for};
+use semlb::store::redis::{RedisRouting, RedisWriteBack};
+use semlb::store::{RoutingStore, StoreKind};
 use semlb_workers::tokenize::{ChatTemplate, Tokenizer};
 use shm_layout::{OpenError, Segment};
 use tokio::signal::unix::{SignalKind, signal};
@@ -94,13 +96,20 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
             }
         });
         let mut term = signal(SignalKind::terminate())?;
-        let dispatcher = Arc::new(Dispatcher::new(
-            segment,
-            identity,
-            Arc::new(config),
-            tokenizer,
-            template,
-        ));
+        let store: Option<Arc<dyn RoutingStore>> = match config.store.kind {
+            StoreKind::Shm => None,
+            StoreKind::Redis => Some(RedisRouting::start(
+                segment.clone(),
+                identity.slot,
+                &config.store.redis,
+                format!("dispatcher {}", identity.ring),
+            )?),
+        };
+        let mut dispatcher = Dispatcher::new(segment, identity, Arc::new(config), tokenizer, template);
+        if let Some(store) = store {
+            dispatcher = dispatcher.with_store(store);
+        }
+        let dispatcher = Arc::new(dispatcher);
         dispatcher::serve(listener, dispatcher, async move {
             term.recv().await;
         })
@@ -116,7 +125,17 @@ fn run_responder(segment: &Segment, args: &ChildArgs, config: &ServeConfig) -> R
     let tables = segment.tables();
     let clock = segment.clock();
     let rings: Vec<usize> = rings_for(args.index, config.responders, config.dispatchers).collect();
-    let mut responder = Responder::new(tables);
+    let mut responder = match config.store.kind {
+        StoreKind::Shm => Responder::new(tables),
+        StoreKind::Redis => Responder::with_sink(
+            tables,
+            Box::new(RedisWriteBack::new(
+                &config.store.redis,
+                config.response_cache.ttl(),
+                format!("responder {}", args.index),
+            )),
+        ),
+    };
     let mut idle = Duration::from_micros(50);
     let mut last_beat = 0u64;
     loop {

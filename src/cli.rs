@@ -11,6 +11,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use semlb::config::ServeOverrides;
 use semlb::routing::PolicyKind;
 use semlb::size::ByteSize;
+use semlb::store::{RedisLookup, StoreKind};
 
 /// semlb: a semantic, cache-aware load balancer for LLM inference servers.
 #[derive(Debug, Parser)]
@@ -88,6 +89,19 @@ pub struct ServeArgs {
     /// Routing policy: cache_aware, least_load, round_robin or random.
     #[arg(long, value_name = "KIND")]
     pub policy: Option<PolicyKind>,
+    /// Where the routing state lives: shm (this host's segment) or redis.
+    #[arg(long, value_name = "KIND")]
+    pub store: Option<StoreKind>,
+    /// The Redis of `--store redis` [default: redis://127.0.0.1:6379/].
+    #[arg(long, value_name = "URL")]
+    pub redis_url: Option<String>,
+    /// Prefix of every Redis key [default: semlb].
+    #[arg(long, value_name = "NS")]
+    pub redis_namespace: Option<String>,
+    /// Longest-prefix lookup on Redis: script (one round trip) or naive
+    /// (one round trip per block, the sLLM paper's baseline).
+    #[arg(long, value_name = "HOW")]
+    pub redis_lookup: Option<RedisLookup>,
     /// Also start N simulated engines (default 3) on loopback and use them
     /// as the backends: the gateway runs on one machine with no GPU. Unless
     /// given, --listen is then 127.0.0.1:8080 and --shm-name semlb-demo.
@@ -113,6 +127,10 @@ impl ServeArgs {
             chat_template: self.chat_template.clone(),
             block_size: self.block_size,
             policy: self.policy,
+            store: self.store,
+            redis_url: self.redis_url.clone(),
+            redis_namespace: self.redis_namespace.clone(),
+            redis_lookup: self.redis_lookup,
         }
     }
 
@@ -156,6 +174,25 @@ impl ServeArgs {
         }
         if let Some(v) = self.policy {
             push("--policy", v.to_string());
+        }
+        if let Some(v) = self.store {
+            push("--store", v.to_string());
+        }
+        if let Some(v) = &self.redis_url {
+            push("--redis-url", v.clone());
+        }
+        if let Some(v) = &self.redis_namespace {
+            push("--redis-namespace", v.clone());
+        }
+        if let Some(v) = self.redis_lookup {
+            push(
+                "--redis-lookup",
+                match v {
+                    RedisLookup::Script => "script",
+                    RedisLookup::Naive => "naive",
+                }
+                .to_owned(),
+            );
         }
         out
     }

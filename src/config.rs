@@ -47,6 +47,16 @@
 //! | `response_cache.scope` | `tenant`, `global` | `tenant` | who shares cached responses: callers with the same API key, or everyone |
 //! | `response_cache.max_value_fraction` | float | `0.125` | largest share of the response log one response may take, in (0, 0.5] |
 //! | `response_cache.cache_nondeterministic` | bool | `false` | also cache requests that sample (`temperature` > 0, no `seed`) |
+//! | `[store]` | table | | where the routing state lives ([`crate::store`]) |
+//! | `store.kind` | `shm`, `redis` | `shm` | the host's shared-memory segment, or a Redis server (shared by every host using it) |
+//! | `[store.redis]` | table | | the Redis store, used when `kind = "redis"` (checked whatever the kind) |
+//! | `store.redis.url` | string | `"redis://127.0.0.1:6379/"` | `redis://[user:password@]host:port[/db]` |
+//! | `store.redis.namespace` | string | `"semlb"` | prefix of every key (`A-Z a-z 0-9 . _ : -`, at most 64 bytes): deployments sharing a Redis must differ |
+//! | `store.redis.prefix_ttl_secs` | integer | `3600` | a prefix entry expires this long after its last refresh (1 s to 1 year) |
+//! | `store.redis.timeout_ms` | integer | `100` | connect and reply deadline; slower is an outage (1 ms to 60 s) |
+//! | `store.redis.retry_ms` | integer | `1000` | during an outage, how often Redis is probed again (10 ms to 60 s) |
+//! | `store.redis.lookup` | `script`, `naive` | `script` | longest-prefix lookup in one round trip, or one per block (the paper's baseline, for comparison) |
+//! | `store.redis.write_backlog` | integer | `10000` | completion records a response process keeps to write once Redis is back (0 to 1 M) |
 //! | `[limits]` | table | | request limits |
 //! | `limits.max_body_bytes` | size | `"16MiB"` | largest request body accepted (larger: 413) |
 //! | `limits.request_timeout_secs` | integer | `600` | whole-request deadline towards a backend (1 s to 1 day) |
@@ -60,8 +70,9 @@
 //!
 //! [`ServeOverrides`] has one field per flag: `--listen`, `--dispatchers`,
 //! `--responders`, `--shm-name`, `--shm-size`, `--backend URL`
-//! (repeatable), `--tokenizer`, `--chat-template`, `--block-size` and
-//! `--policy`.
+//! (repeatable), `--tokenizer`, `--chat-template`, `--block-size`,
+//! `--policy`, `--store`, `--redis-url`, `--redis-namespace` and
+//! `--redis-lookup`.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -78,6 +89,7 @@ use shm_layout::server_table::MAX_ADDRESS_BYTES;
 
 use crate::routing::{PolicyConfig, PolicyKind};
 use crate::size::ByteSize;
+use crate::store::{RedisLookup, StoreKind};
 
 /// Default `listen` address.
 pub const DEFAULT_LISTEN: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::UNSPECIFIED), 8080);
@@ -199,6 +211,8 @@ pub struct ServeConfig {
     pub response_cache: ResponseCacheConfig,
     /// Request limits (`[limits]`).
     pub limits: LimitsConfig,
+    /// Where the routing state lives.
+    pub store: StoreConfig,
     /// On SIGTERM the dispatchers stop accepting and let requests in flight
     /// finish for up to this many seconds before the supervisor stops them.
     /// Default 30.
@@ -430,6 +444,67 @@ impl ResponseCacheConfig {
     }
 }
 
+/// Where the routing state lives (`[store]`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    /// `shm` (default) or `redis`.
+    pub kind: StoreKind,
+    /// The Redis store's settings.
+    pub redis: RedisConfig,
+}
+
+/// The Redis store (`[store.redis]`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedisConfig {
+    /// `redis://[user:password@]host:port[/db]`.
+    pub url: String,
+    /// Prefix of every key.
+    pub namespace: String,
+    /// Seconds a prefix entry lives after its last refresh.
+    pub prefix_ttl_secs: u64,
+    /// Connect and reply deadline, in ms.
+    pub timeout_ms: u64,
+    /// Probe interval during an outage, in ms.
+    pub retry_ms: u64,
+    /// How the longest prefix is looked up.
+    pub lookup: RedisLookup,
+    /// Completion records a response process keeps during an outage.
+    pub write_backlog: usize,
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        Self {
+            url: "redis://127.0.0.1:6379/".to_owned(),
+            namespace: "semlb".to_owned(),
+            prefix_ttl_secs: 3600,
+            timeout_ms: 100,
+            retry_ms: 1000,
+            lookup: RedisLookup::Script,
+            write_backlog: 10_000,
+        }
+    }
+}
+
+impl RedisConfig {
+    /// [`prefix_ttl_secs`](Self::prefix_ttl_secs) as a duration.
+    pub fn prefix_ttl(&self) -> Duration {
+        Duration::from_secs(self.prefix_ttl_secs)
+    }
+
+    /// [`timeout_ms`](Self::timeout_ms) as a duration.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms)
+    }
+
+    /// [`retry_ms`](Self::retry_ms) as a duration.
+    pub fn retry(&self) -> Duration {
+        Duration::from_millis(self.retry_ms)
+    }
+}
+
 /// Request limits (`[limits]`).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -493,6 +568,7 @@ impl Default for ServeConfig {
             policy: PolicyConfig::default(),
             response_cache: ResponseCacheConfig::default(),
             limits: LimitsConfig::default(),
+            store: StoreConfig::default(),
             drain_timeout_secs: 30,
         }
     }
@@ -523,6 +599,14 @@ pub struct ServeOverrides {
     pub block_size: Option<usize>,
     /// `--policy KIND`: the policy kind; its parameters stay the file's.
     pub policy: Option<PolicyKind>,
+    /// `--store KIND`.
+    pub store: Option<StoreKind>,
+    /// `--redis-url URL`.
+    pub redis_url: Option<String>,
+    /// `--redis-namespace NS`.
+    pub redis_namespace: Option<String>,
+    /// `--redis-lookup script|naive`.
+    pub redis_lookup: Option<RedisLookup>,
 }
 
 impl ServeConfig {
@@ -570,7 +654,23 @@ impl ServeConfig {
             chat_template,
             block_size,
             policy,
+            store,
+            redis_url,
+            redis_namespace,
+            redis_lookup,
         } = overrides;
+        if let Some(v) = store {
+            self.store.kind = v;
+        }
+        if let Some(v) = redis_url {
+            self.store.redis.url = v;
+        }
+        if let Some(v) = redis_namespace {
+            self.store.redis.namespace = v;
+        }
+        if let Some(v) = redis_lookup {
+            self.store.redis.lookup = v;
+        }
         if let Some(v) = listen {
             self.listen = v;
         }
@@ -699,11 +799,58 @@ impl ServeConfig {
         }
         self.validate_response_cache()?;
         self.validate_limits()?;
+        self.validate_store()?;
         if self.drain_timeout_secs > MAX_TIMEOUT_SECS {
             return Err(E::invalid(
                 "drain_timeout_secs",
                 self.drain_timeout_secs,
                 format!("must be at most {MAX_TIMEOUT_SECS} (one day)"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_store(&self) -> Result<(), ConfigError> {
+        use ConfigError as E;
+
+        let r = &self.store.redis;
+        if let Err(e) = redis::Client::open(r.url.as_str()) {
+            return Err(E::invalid("store.redis.url", quoted(&r.url), e.to_string()));
+        }
+        let name_ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-');
+        if r.namespace.is_empty() || r.namespace.len() > MAX_BACKEND_NAME_BYTES || !r.namespace.chars().all(name_ok) {
+            return Err(E::invalid(
+                "store.redis.namespace",
+                quoted(&r.namespace),
+                format!("must be 1 to {MAX_BACKEND_NAME_BYTES} bytes of A-Z a-z 0-9 . _ : -"),
+            ));
+        }
+        if !(1..=MAX_TTL_SECS).contains(&r.prefix_ttl_secs) {
+            return Err(E::invalid(
+                "store.redis.prefix_ttl_secs",
+                r.prefix_ttl_secs,
+                format!("must be between 1 and {MAX_TTL_SECS} (one year)"),
+            ));
+        }
+        if !(1..=60_000).contains(&r.timeout_ms) {
+            return Err(E::invalid(
+                "store.redis.timeout_ms",
+                r.timeout_ms,
+                "must be between 1 and 60000",
+            ));
+        }
+        if !(10..=60_000).contains(&r.retry_ms) {
+            return Err(E::invalid(
+                "store.redis.retry_ms",
+                r.retry_ms,
+                "must be between 10 and 60000",
+            ));
+        }
+        if r.write_backlog > 1_000_000 {
+            return Err(E::invalid(
+                "store.redis.write_backlog",
+                r.write_backlog,
+                "must be at most 1000000",
             ));
         }
         Ok(())
@@ -1014,6 +1161,15 @@ mod tests {
             "request_timeout_secs",
             "connect_timeout_ms",
             "retries",
+            "[store]",
+            "[store.redis]",
+            "url",
+            "namespace",
+            "prefix_ttl_secs",
+            "timeout_ms",
+            "retry_ms",
+            "lookup",
+            "write_backlog",
         ] {
             let present = text
                 .lines()
@@ -1509,6 +1665,48 @@ retries = 0
                 "86401",
                 "at most 86400",
             ),
+            (
+                "redis url",
+                |c| c.store.redis.url = "http://cache:6379".into(),
+                "store.redis.url",
+                "\"http://cache:6379\"",
+                "",
+            ),
+            (
+                "redis namespace",
+                |c| c.store.redis.namespace = "a b".into(),
+                "store.redis.namespace",
+                "\"a b\"",
+                "A-Z a-z 0-9",
+            ),
+            (
+                "redis ttl",
+                |c| c.store.redis.prefix_ttl_secs = 0,
+                "store.redis.prefix_ttl_secs",
+                "0",
+                "between 1 and",
+            ),
+            (
+                "redis timeout",
+                |c| c.store.redis.timeout_ms = 0,
+                "store.redis.timeout_ms",
+                "0",
+                "between 1 and 60000",
+            ),
+            (
+                "redis retry",
+                |c| c.store.redis.retry_ms = 5,
+                "store.redis.retry_ms",
+                "5",
+                "between 10 and 60000",
+            ),
+            (
+                "redis backlog",
+                |c| c.store.redis.write_backlog = 2_000_000,
+                "store.redis.write_backlog",
+                "2000000",
+                "at most 1000000",
+            ),
         ];
         for (name, mutate, field, value, reason) in cases {
             let mut c = valid();
@@ -1668,8 +1866,19 @@ cache_threshold = 0.25
             chat_template: Some("flag-template.json".into()),
             block_size: Some(64),
             policy: Some(PolicyKind::RoundRobin),
+            store: Some(StoreKind::Redis),
+            redis_url: Some("redis://cache:7000/2".into()),
+            redis_namespace: Some("blue".into()),
+            redis_lookup: Some(RedisLookup::Naive),
         });
         c.validate().unwrap();
+        assert_eq!(c.store.kind, StoreKind::Redis);
+        assert_eq!(
+            (c.store.redis.url.as_str(), c.store.redis.namespace.as_str()),
+            ("redis://cache:7000/2", "blue")
+        );
+        assert_eq!(c.store.redis.lookup, RedisLookup::Naive);
+        assert_eq!(c.store.redis.timeout_ms, 100, "the file's other Redis keys stay");
         assert_eq!(c.listen, "127.0.0.1:2".parse().unwrap());
         assert_eq!((c.dispatchers, c.responders), (8, 3));
         assert_eq!(c.shm_name, "from-flags");

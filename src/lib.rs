@@ -14,7 +14,8 @@
 //! | [`responder`] | what a response process does with a completion record: prefix write-back, response caching |
 //! | [`config`] | `semlb serve` configuration: TOML file, flags over it, validation |
 //! | [`size`] | human byte sizes (`256MiB`) |
-//! | [`redis_store`] | the same routing state on Redis (the sLLM paper's baseline): prefix entries, responses, in-flight counters |
+//! | [`store`] | where the routing state lives, behind one interface: shm (default) or Redis |
+//! | [`redis_store`] | the Redis client of the Redis store: prefix entries, responses, in-flight counters, scripts and round trips |
 //!
 //! A dispatcher turns a request body into routing text ([`prompt`]),
 //! tokenizes it (the same tokenizer code as the simulator,
@@ -33,3 +34,4 @@ pub mod responder;
 pub mod response_cache;
 pub mod routing;
 pub mod size;
+pub mod store;

@@ -1,7 +1,7 @@
 //! The routing state on Redis: the same prefix table, response cache and
 //! in-flight counters as the shared-memory segment (`shm-layout`), kept in
 //! a Redis server instead, so the gateway can be benchmarked against the
-//! sLLM paper's Redis baseline (`--store redis`, wired in a later step).
+//! sLLM paper's Redis baseline (`--store redis`: [`crate::store::redis`] builds on this module).
 //!
 //! # Data model
 //!
@@ -12,7 +12,16 @@
 //! | --- | --- | --- | --- |
 //! | `{ns}:p:<hash, 16 hex digits>` | HASH | field = server slot (decimal), value = last-refresh stamp (`now` of the insert) | the store's TTL, renewed by every insert |
 //! | `{ns}:r:<key, 32 hex digits>` | STRING | the cached response bytes | the TTL given to [`RedisStore::put_response`] |
-//! | `{ns}:inflight` | HASH | `req:<slot>` = requests in flight, `tok:<slot>` = their prompt tokens | none |
+//! | `{ns}:if:<owner>` | HASH | one process's in-flight counts: `req:<slot>` = requests, `tok:<slot>` = their prompt tokens | the owner's lease ([`INFLIGHT_LEASE`]), renewed by every publication |
+//! | `{ns}:written` | STRING | completion records written back so far (all response processes; for operators and tests) | none |
+//! | `{ns}:owners` | ZSET | member = owner (a process: host, pid, random), score = its lease's end (Redis time, ms) | a day after the last publication |
+//!
+//! In-flight counts are kept per process and published whole (absolute
+//! values, not increments), so a publication that is lost or repeated
+//! changes nothing for long, and a process that dies (SIGKILL, host lost)
+//! stops counting when its lease ends instead of leaving its requests
+//! counted forever. Readers sum the hashes of the owners whose lease has
+//! not ended, in one script.
 //!
 //! A prefix entry keeps at most [`LANES`] servers, like a shm slot: the
 //! insert script evicts the stalest field (smallest stamp, the smaller slot
@@ -45,8 +54,9 @@
 //! | [`RedisStore::longest_prefix_match`] | 1 | one `EVALSHA` whose script walks the chain keys in order and stops at the first missing one |
 //! | [`RedisStore::longest_prefix_match_naive`] | matched blocks + 1 (at most the chain length) | the paper's baseline: one `HGETALL` per block until the first miss; each depends on the previous answer |
 //! | [`RedisStore::get_response`] / [`RedisStore::put_response`] | 1 | `GET` / `SET … PX` |
-//! | [`RedisStore::begin_request`] / [`RedisStore::end_request`] | 1 | two `HINCRBY` (requests, tokens) in one `MULTI`/`EXEC` pipeline |
-//! | [`RedisStore::inflight`] / [`RedisStore::inflight_load`] | 1 | `HGETALL` of the counter hash |
+//! | [`RedisStore::write_back`] | 1 | a pipeline: one insert `EVALSHA` per record, one `SET … PX` per cached response |
+//! | [`RedisStore::begin_request`] / [`RedisStore::end_request`] | 1 | one `EVALSHA` publishing this process's counts (`DEL`, `HSET`, `PEXPIRE`, `ZADD`) |
+//! | [`RedisStore::inflight`] / [`RedisStore::inflight_load`] | 1 | one `EVALSHA` summing the live owners' hashes |
 //!
 //! A script runs atomically (no other command interleaves), but Redis does
 //! not roll back: if one key of a chain holds a foreign type, the blocks
@@ -54,9 +64,10 @@
 //!
 //! Scripts are loaded (`SCRIPT LOAD`) once per connection, when it is
 //! opened; a `NOSCRIPT` reply (the server restarted or ran `SCRIPT FLUSH`)
-//! costs two more round trips: reload, retry. Scripts touch only keys passed
-//! in `KEYS`, so they would be valid on a cluster if a chain's keys shared a
-//! hash slot; this module does not use cluster mode.
+//! costs two more round trips: reload, retry. The prefix and publication
+//! scripts touch only keys passed in `KEYS`; the in-flight sum reads the
+//! owner hashes it finds in the owner set, so it needs a single Redis (or a
+//! hash tag on the namespace); this module does not use cluster mode.
 //!
 //! # Failures
 //!
@@ -133,7 +144,7 @@ fn record(found: &mut Vec<(u16, u32)>, slot: u16, depth: u32) {
 
 /// Insert: for each key, set the server's stamp, cap the entry at
 /// `ARGV[4]` servers by evicting the stalest other one, renew the TTL.
-const INSERT_SCRIPT: &str = r#"
+pub(crate) const INSERT_SCRIPT: &str = r#"
 local slot = ARGV[1]
 local now = ARGV[2]
 local ttl = ARGV[3]
@@ -161,7 +172,7 @@ return #KEYS
 
 /// Longest-prefix match: walk the keys in chain order, stop at the first
 /// missing one, return `slot, depth` pairs (deepest depth per server).
-const LPM_SCRIPT: &str = r#"
+pub(crate) const LPM_SCRIPT: &str = r#"
 local depth = {}
 local order = {}
 for i, key in ipairs(KEYS) do
@@ -183,6 +194,140 @@ end
 return out
 "#;
 
+/// How long a process's published in-flight counts stay counted without
+/// being published again (a dispatcher republishes every third of it).
+pub const INFLIGHT_LEASE: Duration = Duration::from_secs(15);
+
+/// Publish: replace one owner's counts (`ARGV[3..]` field/value pairs),
+/// renew its lease of `ARGV[2]` ms, list it in the owner set.
+pub(crate) const PUBLISH_SCRIPT: &str = r#"
+local lease = tonumber(ARGV[2])
+redis.call('DEL', KEYS[1])
+if #ARGV > 2 then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+  redis.call('PEXPIRE', KEYS[1], lease)
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[2], now + lease, ARGV[1])
+redis.call('PEXPIRE', KEYS[2], 86400000)
+return 1
+"#;
+
+/// Sum: forget owners whose lease ended, sum the others' counts (hash
+/// `ARGV[1] .. owner`), return `field, total` pairs.
+pub(crate) const SUM_SCRIPT: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local total = {}
+local order = {}
+for _, owner in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local f = redis.call('HGETALL', ARGV[1] .. owner)
+  for j = 1, #f, 2 do
+    local n = tonumber(f[j + 1]) or 0
+    if total[f[j]] == nil then order[#order + 1] = f[j]; total[f[j]] = 0 end
+    total[f[j]] = total[f[j]] + n
+  end
+end
+local out = {}
+for _, k in ipairs(order) do
+  out[#out + 1] = k
+  out[#out + 1] = total[k]
+end
+return out
+"#;
+
+/// A unique name for this process as an in-flight owner: host, pid and a
+/// random part (a restarted process with a reused pid is another owner).
+pub fn owner_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let host = host.trim();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let random = seahash::hash(&[nanos.to_le_bytes(), u64::from(std::process::id()).to_le_bytes()].concat());
+    format!(
+        "{}:{}:{:08x}",
+        if host.is_empty() { "host" } else { host },
+        std::process::id(),
+        random as u32
+    )
+}
+
+/// The publication arguments of `counts` (slot → requests, tokens):
+/// owner, lease, then `req:<slot>`, n, `tok:<slot>`, n per slot.
+pub(crate) fn publish_args(owner: &str, counts: impl IntoIterator<Item = (u16, i64, i64)>) -> Vec<String> {
+    let mut args = vec![owner.to_owned(), millis(INFLIGHT_LEASE).to_string()];
+    for (slot, requests, tokens) in counts {
+        args.extend([
+            format!("req:{slot}"),
+            requests.to_string(),
+            format!("tok:{slot}"),
+            tokens.to_string(),
+        ]);
+    }
+    args
+}
+
+/// Parses a [`SUM_SCRIPT`] reply into per-slot figures sorted by slot.
+pub(crate) fn parse_inflight(reply: &Value) -> Result<Vec<InflightLoad>, String> {
+    let flat: Vec<(String, i64)> = FromRedisValue::from_redis_value(reply).map_err(|e| e.to_string())?;
+    let mut out: Vec<InflightLoad> = Vec::new();
+    for (field, n) in flat {
+        let (kind, slot) = field
+            .split_once(':')
+            .and_then(|(kind, slot)| slot.parse::<u16>().ok().map(|s| (kind, s)))
+            .ok_or_else(|| format!("counter field {field:?}"))?;
+        let i = match out.iter().position(|l| l.slot == slot) {
+            Some(i) => i,
+            None => {
+                out.push(InflightLoad {
+                    slot,
+                    requests: 0,
+                    tokens: 0,
+                });
+                out.len() - 1
+            }
+        };
+        match kind {
+            "req" => out[i].requests = n,
+            "tok" => out[i].tokens = n,
+            _ => return Err(format!("counter field {field:?}")),
+        }
+    }
+    out.sort_unstable_by_key(|l| l.slot);
+    Ok(out)
+}
+
+/// Parses a [`LPM_SCRIPT`] reply into `(slot, depth)` pairs sorted by slot.
+pub(crate) fn parse_lpm(reply: &Value) -> Result<Vec<(u16, u32)>, String> {
+    let flat: Vec<i64> = FromRedisValue::from_redis_value(reply).map_err(|e| e.to_string())?;
+    if !flat.len().is_multiple_of(2) {
+        return Err(format!("odd reply length {}", flat.len()));
+    }
+    let mut found = Vec::with_capacity(flat.len() / 2);
+    for pair in flat.chunks_exact(2) {
+        match (u16::try_from(pair[0]), u32::try_from(pair[1])) {
+            (Ok(slot), Ok(depth)) if depth >= 1 => record(&mut found, slot, depth),
+            _ => return Err(format!("pair {pair:?}")),
+        }
+    }
+    found.sort_unstable();
+    Ok(found)
+}
+
+/// One record of a [`RedisStore::write_back`] batch.
+#[derive(Debug, Clone, Copy)]
+pub struct WriteItem<'a> {
+    /// The server that holds the blocks.
+    pub server_slot: u16,
+    /// Block hashes to insert (or refresh) for it.
+    pub blocks: &'a [u64],
+    /// A response to cache: key, body, TTL.
+    pub response: Option<(u128, &'a [u8], Duration)>,
+}
+
 /// The routing state in one Redis server, under one namespace.
 ///
 /// One connection, used synchronously; open one store per thread.
@@ -194,6 +339,11 @@ pub struct RedisStore {
     timeout: Duration,
     insert: Script,
     lpm: Script,
+    publish: Script,
+    sum: Script,
+    owner: String,
+    /// This process's in-flight counts: (slot, requests, tokens).
+    counts: Vec<(u16, i64, i64)>,
     round_trips: u64,
     connects: u64,
 }
@@ -242,6 +392,10 @@ impl RedisStore {
             timeout: timeout.max(Duration::from_millis(1)),
             insert: Script::new(INSERT_SCRIPT),
             lpm: Script::new(LPM_SCRIPT),
+            publish: Script::new(PUBLISH_SCRIPT),
+            sum: Script::new(SUM_SCRIPT),
+            owner: owner_id(),
+            counts: Vec::new(),
             round_trips: 0,
             connects: 0,
         };
@@ -282,9 +436,24 @@ impl RedisStore {
         format!("{}:r:{key:032x}", self.namespace)
     }
 
-    /// The key of the in-flight counter hash.
-    pub fn inflight_key(&self) -> String {
-        format!("{}:inflight", self.namespace)
+    /// The key of the owner set (in-flight publishers and their leases).
+    pub fn owners_key(&self) -> String {
+        format!("{}:owners", self.namespace)
+    }
+
+    /// The key prefix of the owners' in-flight hashes (`<prefix><owner>`).
+    pub fn inflight_prefix(&self) -> String {
+        format!("{}:if:", self.namespace)
+    }
+
+    /// The key of the records-written counter.
+    pub fn written_key(&self) -> String {
+        format!("{}:written", self.namespace)
+    }
+
+    /// This store's name as an in-flight owner.
+    pub fn owner(&self) -> &str {
+        &self.owner
     }
 
     /// The open connection, opening one (and loading the scripts) if none is.
@@ -299,7 +468,7 @@ impl RedisStore {
                 conn.set_read_timeout(Some(self.timeout))
                     .and_then(|()| conn.set_write_timeout(Some(self.timeout)))
                     .map_err(StoreError::Connect)?;
-                for script in [&self.insert, &self.lpm] {
+                for script in [&self.insert, &self.lpm, &self.publish, &self.sum] {
                     script.load(&mut conn).map_err(StoreError::Connect)?;
                 }
                 self.connects += 1;
@@ -349,6 +518,8 @@ impl RedisStore {
         match which {
             ScriptId::Insert => &self.insert,
             ScriptId::Lpm => &self.lpm,
+            ScriptId::Publish => &self.publish,
+            ScriptId::Sum => &self.sum,
         }
     }
 
@@ -435,20 +606,7 @@ impl RedisStore {
         }
         let keys: Vec<String> = chain.iter().map(|h| self.prefix_key(*h)).collect();
         let reply = self.eval(OP, ScriptId::Lpm, &keys, &[])?;
-        let bad = |detail: String| StoreError::Protocol { op: OP, detail };
-        let flat: Vec<i64> = FromRedisValue::from_redis_value(&reply).map_err(|e| bad(e.to_string()))?;
-        if !flat.len().is_multiple_of(2) {
-            return Err(bad(format!("odd reply length {}", flat.len())));
-        }
-        let mut found = Vec::with_capacity(flat.len() / 2);
-        for pair in flat.chunks_exact(2) {
-            match (u16::try_from(pair[0]), u32::try_from(pair[1])) {
-                (Ok(slot), Ok(depth)) if depth >= 1 => record(&mut found, slot, depth),
-                _ => return Err(bad(format!("pair {pair:?}"))),
-            }
-        }
-        found.sort_unstable();
-        Ok(found)
+        parse_lpm(&reply).map_err(|detail| StoreError::Protocol { op: OP, detail })
     }
 
     /// [`RedisStore::longest_prefix_match`] the way the sLLM paper's
@@ -489,8 +647,69 @@ impl RedisStore {
         self.query::<()>("put_response", &cmd)
     }
 
-    /// Adds `requests` and `tokens` to a server's in-flight counters and
-    /// returns its new in-flight request count. One round trip.
+    /// Writes a batch of learned records in one round trip: a pipeline of
+    /// one insert script per record (its blocks for its server, at `now`)
+    /// and one `SET … PX` per cached response, then `INCRBY {ns}:written
+    /// records` (the completion records the items come from). A `NOSCRIPT`
+    /// reply reloads the script and sends the batch again (inserts are
+    /// idempotent; the counter is bumped by the last command, so only once).
+    pub fn write_back(&mut self, items: &[WriteItem<'_>], records: u64, now: u64) -> Result<(), StoreError> {
+        const OP: &str = "write_back";
+        if items.is_empty() && records == 0 {
+            return Ok(());
+        }
+        let ttl = millis(self.ttl).to_string();
+        let lanes = LANES.to_string();
+        let now = now.to_string();
+        // Redis runs every command of a pipeline even when one fails, so a
+        // resend after `NOSCRIPT` must not bump the counter again.
+        let build = |count: u64| {
+            let mut pipe = redis::pipe();
+            for item in items {
+                if !item.blocks.is_empty() {
+                    let cmd = pipe.cmd("EVALSHA").arg(self.insert.get_hash()).arg(item.blocks.len());
+                    for hash in item.blocks {
+                        cmd.arg(self.prefix_key(*hash));
+                    }
+                    cmd.arg(item.server_slot).arg(&now).arg(&ttl).arg(&lanes).ignore();
+                }
+                if let Some((key, body, ttl)) = item.response {
+                    pipe.cmd("SET")
+                        .arg(self.response_key(key))
+                        .arg(body)
+                        .arg("PX")
+                        .arg(millis(ttl))
+                        .ignore();
+                }
+            }
+            if count > 0 {
+                pipe.cmd("INCRBY").arg(self.written_key()).arg(count).ignore();
+            }
+            pipe
+        };
+        let (pipe, resend) = (build(records), build(0));
+        let conn = self.connection()?;
+        let reply: Result<(), RedisError> = pipe.query(conn);
+        self.round_trips += 1;
+        match reply {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == ErrorKind::NoScriptError => {
+                let script = self.insert.clone();
+                let conn = self.connection()?;
+                let loaded = script.load(conn);
+                self.round_trips += 1;
+                loaded.map_err(|e| self.fail(OP, e))?;
+                let conn = self.connection()?;
+                let reply: Result<(), RedisError> = resend.query(conn);
+                self.round_trips += 1;
+                reply.map_err(|e| self.fail(OP, e))
+            }
+            Err(e) => Err(self.fail(OP, e)),
+        }
+    }
+
+    /// Adds to this store's in-flight counts of `server_slot` and publishes
+    /// them all; returns this store's requests in flight to it.
     fn add_inflight(
         &mut self,
         op: &'static str,
@@ -498,38 +717,40 @@ impl RedisStore {
         requests: i64,
         tokens: i64,
     ) -> Result<i64, StoreError> {
-        let key = self.inflight_key();
-        let mut pipe = redis::pipe();
-        pipe.atomic()
-            .cmd("HINCRBY")
-            .arg(&key)
-            .arg(format!("req:{server_slot}"))
-            .arg(requests)
-            .cmd("HINCRBY")
-            .arg(&key)
-            .arg(format!("tok:{server_slot}"))
-            .arg(tokens);
-        let conn = self.connection()?;
-        let reply: Result<(i64, i64), _> = pipe.query(conn);
-        self.round_trips += 1;
-        reply.map(|(r, _)| r).map_err(|e| self.fail(op, e))
+        let i = match self.counts.iter().position(|c| c.0 == server_slot) {
+            Some(i) => i,
+            None => {
+                self.counts.push((server_slot, 0, 0));
+                self.counts.len() - 1
+            }
+        };
+        self.counts[i].1 += requests;
+        self.counts[i].2 += tokens;
+        let mine = self.counts[i].1;
+        let keys = [format!("{}{}", self.inflight_prefix(), self.owner), self.owners_key()];
+        let args = publish_args(
+            &self.owner,
+            self.counts.iter().copied().filter(|&(_, r, t)| r != 0 || t != 0),
+        );
+        self.eval(op, ScriptId::Publish, &keys, &args).map(|_| mine)
     }
 
     /// Counts a request of `prompt_tokens` tokens as in flight on
-    /// `server_slot`; returns the server's in-flight requests. One round trip.
+    /// `server_slot` and publishes this store's counts; returns this store's
+    /// requests in flight to that server. One round trip.
     pub fn begin_request(&mut self, server_slot: u16, prompt_tokens: u32) -> Result<i64, StoreError> {
         self.add_inflight("begin_request", server_slot, 1, i64::from(prompt_tokens))
     }
 
-    /// Undoes [`RedisStore::begin_request`] when the request finishes;
-    /// returns the server's in-flight requests. One round trip. (Counts are
-    /// not clamped: an unmatched end shows as a negative count.)
+    /// Undoes [`RedisStore::begin_request`] when the request finishes. One
+    /// round trip. (Counts are not clamped: an unmatched end shows as a
+    /// negative count.)
     pub fn end_request(&mut self, server_slot: u16, prompt_tokens: u32) -> Result<i64, StoreError> {
         self.add_inflight("end_request", server_slot, -1, -i64::from(prompt_tokens))
     }
 
-    /// In-flight requests per server slot, sorted by slot (servers never
-    /// counted are absent). One round trip.
+    /// In-flight requests per server slot over every live owner, sorted by
+    /// slot (servers never counted are absent). One round trip.
     pub fn inflight(&mut self) -> Result<Vec<(u16, i64)>, StoreError> {
         Ok(self
             .inflight_load()?
@@ -538,48 +759,12 @@ impl RedisStore {
             .collect())
     }
 
-    /// In-flight requests and prompt tokens per server slot, sorted by
-    /// slot. One round trip.
+    /// In-flight requests and prompt tokens per server slot over every
+    /// live owner, sorted by slot. One round trip.
     pub fn inflight_load(&mut self) -> Result<Vec<InflightLoad>, StoreError> {
         const OP: &str = "inflight";
-        let mut cmd = redis::cmd("HGETALL");
-        cmd.arg(self.inflight_key());
-        let fields: Vec<(String, i64)> = self.query(OP, &cmd)?;
-        let mut out: Vec<InflightLoad> = Vec::new();
-        for (field, n) in fields {
-            let parsed = field
-                .split_once(':')
-                .and_then(|(kind, slot)| slot.parse::<u16>().ok().map(|s| (kind, s)));
-            let Some((kind, slot)) = parsed else {
-                return Err(StoreError::Protocol {
-                    op: OP,
-                    detail: format!("counter field {field:?}"),
-                });
-            };
-            let i = match out.iter().position(|l| l.slot == slot) {
-                Some(i) => i,
-                None => {
-                    out.push(InflightLoad {
-                        slot,
-                        requests: 0,
-                        tokens: 0,
-                    });
-                    out.len() - 1
-                }
-            };
-            match kind {
-                "req" => out[i].requests = n,
-                "tok" => out[i].tokens = n,
-                _ => {
-                    return Err(StoreError::Protocol {
-                        op: OP,
-                        detail: format!("counter field {field:?}"),
-                    });
-                }
-            }
-        }
-        out.sort_unstable_by_key(|l| l.slot);
-        Ok(out)
+        let reply = self.eval(OP, ScriptId::Sum, &[self.owners_key()], &[self.inflight_prefix()])?;
+        parse_inflight(&reply).map_err(|detail| StoreError::Protocol { op: OP, detail })
     }
 }
 
@@ -587,6 +772,8 @@ impl RedisStore {
 enum ScriptId {
     Insert,
     Lpm,
+    Publish,
+    Sum,
 }
 
 /// One server's in-flight figures, as [`RedisStore::inflight_load`] reads them.
@@ -614,12 +801,18 @@ mod tests {
             timeout: DEFAULT_TIMEOUT,
             insert: Script::new(INSERT_SCRIPT),
             lpm: Script::new(LPM_SCRIPT),
+            publish: Script::new(PUBLISH_SCRIPT),
+            sum: Script::new(SUM_SCRIPT),
+            owner: owner_id(),
+            counts: Vec::new(),
             round_trips: 0,
             connects: 0,
         };
         assert_eq!(store.prefix_key(0xab), "ns:p:00000000000000ab");
         assert_eq!(store.response_key(1), format!("ns:r:{}1", "0".repeat(31)));
-        assert_eq!(store.inflight_key(), "ns:inflight");
+        assert_eq!(store.owners_key(), "ns:owners");
+        assert_eq!(store.inflight_prefix(), "ns:if:");
+        assert_ne!(owner_id(), owner_id(), "owners are unique");
     }
 
     #[test]

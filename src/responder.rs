@@ -11,13 +11,17 @@
 //! retired or re-registered meanwhile teaches nothing about the new
 //! registration and is dropped (counted).
 //!
+//! The writes go to the configured store ([`crate::store::WriteBack`]): the
+//! segment's tables, or Redis in one pipeline per drained batch.
+//!
 //! Responder `j` of `m` owns the rings `i` with `i % m == j`
 //! ([`rings_for`]); a ring whose producer died mid-record is unblocked with
 //! [`shm_layout::CompletionRing::recover`] using the registry's liveness.
 
 use shm_layout::{Completion, Pop, Stamp, Tables};
 
-use crate::response_cache::encode_entry;
+use crate::store::WriteBack;
+use crate::store::shm::ShmWriteBack;
 
 /// The rings responder `index` of `responders` consumes.
 pub fn rings_for(index: usize, responders: usize, ring_count: usize) -> impl Iterator<Item = usize> {
@@ -41,26 +45,36 @@ pub struct ResponderStats {
     pub undecodable: u64,
     /// Abandoned reservations skipped.
     pub recovered: u64,
+    /// Write-backs that failed (the store was unreachable; records kept).
+    pub writeback_failures: u64,
+    /// Records given up because the backlog kept during an outage was full.
+    pub writeback_dropped: u64,
 }
 
-/// A response process's write-back over one segment's tables.
+/// A response process's write-back: it reads the segment's rings and server
+/// table and writes into a store ([`crate::store::WriteBack`]).
 #[derive(Debug)]
 pub struct Responder<'a> {
     tables: Tables<'a>,
+    sink: Box<dyn WriteBack + 'a>,
     buf: Vec<u8>,
-    record: Completion,
-    entry: Vec<u8>,
+    batch: Vec<Completion>,
     stats: ResponderStats,
 }
 
 impl<'a> Responder<'a> {
-    /// A responder writing into `tables`.
+    /// A responder writing into `tables` (the shm store).
     pub fn new(tables: Tables<'a>) -> Self {
+        Self::with_sink(tables, Box::new(ShmWriteBack::new(tables)))
+    }
+
+    /// A responder draining `tables`' rings into `sink`.
+    pub fn with_sink(tables: Tables<'a>, sink: Box<dyn WriteBack + 'a>) -> Self {
         Self {
             tables,
+            sink,
             buf: Vec::new(),
-            record: Completion::default(),
-            entry: Vec::new(),
+            batch: Vec::new(),
             stats: ResponderStats::default(),
         }
     }
@@ -70,64 +84,70 @@ impl<'a> Responder<'a> {
         self.stats
     }
 
+    /// Whether `record`'s server registration is still current (counted
+    /// when not).
+    fn current(&mut self, record: &Completion) -> bool {
+        let current = record.server.is_some_and(|server| {
+            self.tables
+                .servers
+                .current(server.slot)
+                .is_some_and(|(s, _)| s == server)
+        });
+        if !current {
+            self.stats.stale_server += 1;
+        }
+        current
+    }
+
     /// Applies one decoded record at prefix stamp `now` and segment time
     /// `now_ms`. Returns false if it was dropped as stale.
     pub fn apply(&mut self, record: &Completion, now: Stamp, now_ms: u64) -> bool {
-        let Some(server) = record.server else { return false };
-        let current = self
-            .tables
-            .servers
-            .current(server.slot)
-            .is_some_and(|(s, _)| s == server);
-        if !current {
-            self.stats.stale_server += 1;
+        if !self.current(record) {
             return false;
         }
-        let prefix = &self.tables.prefix;
-        prefix.insert_chain(&record.prompt_blocks, server, now);
-        // The full chain starts with the prompt's full blocks: refresh only
-        // what the answer added.
-        let shared = record.prompt_blocks.len().min(record.full_blocks.len());
-        let extends = record.full_blocks[..shared] == record.prompt_blocks[..shared];
-        let from = if extends { shared } else { 0 };
-        prefix.insert_chain(&record.full_blocks[from..], server, now);
-        self.stats.blocks += (record.prompt_blocks.len() + record.full_blocks.len() - from) as u64;
-        if let Some(key) = record.response_key {
-            encode_entry(now_ms, &record.response, &mut self.entry);
-            match self.tables.responses.put(key, &self.entry) {
-                Ok(()) => self.stats.responses_stored += 1,
-                Err(_) => self.stats.responses_too_large += 1,
-            }
-        }
-        self.stats.records += 1;
+        self.sink
+            .write(std::slice::from_ref(record), now, now_ms, &mut self.stats);
         true
     }
 
-    /// Pops and applies every committed record of ring `ring`, stepping over
+    /// Pops every committed record of ring `ring`, stepping over
     /// reservations whose producer is gone (`is_alive(slot, incarnation)`
-    /// is the registry's liveness). Returns the number of records applied.
+    /// is the registry's liveness), and writes those whose server is
+    /// current as one batch. Returns the number of records taken.
     pub fn drain(&mut self, ring: usize, now: Stamp, now_ms: u64, is_alive: impl Fn(u16, u32) -> bool) -> usize {
         let ring = self.tables.ring(ring);
-        let mut applied = 0;
+        let mut taken = 0;
+        let mut len = 0;
         loop {
             match ring.pop(&mut self.buf) {
                 Pop::Record => {
-                    let mut record = std::mem::take(&mut self.record);
+                    if self.batch.len() == len {
+                        self.batch.push(Completion::default());
+                    }
+                    let mut record = std::mem::take(&mut self.batch[len]);
                     match record.decode_from(&self.buf) {
-                        Ok(()) => applied += usize::from(self.apply(&record, now, now_ms)),
+                        Ok(()) if self.current(&record) => {
+                            taken += 1;
+                            self.batch[len] = record;
+                            len += 1;
+                            continue;
+                        }
+                        Ok(()) => {}
                         Err(_) => self.stats.undecodable += 1,
                     }
-                    self.record = record;
+                    self.batch[len] = record;
                 }
-                Pop::Empty => return applied,
+                Pop::Empty => break,
                 Pop::Pending => {
                     if !ring.recover(&is_alive) {
-                        return applied;
+                        break;
                     }
                     self.stats.recovered += 1;
                 }
             }
         }
+        self.sink.write(&self.batch[..len], now, now_ms, &mut self.stats);
+        taken
     }
 }
 

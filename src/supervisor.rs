@@ -134,6 +134,22 @@ fn supervise(args: &ServeArgs) -> Result<()> {
             config.backends.len(),
             config.policy.kind
         );
+        if config.store.kind == semlb::store::StoreKind::Redis {
+            let r = &config.store.redis;
+            let reachable = redis::Client::open(r.url.as_str())
+                .and_then(|c| c.get_connection_with_timeout(r.timeout()))
+                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
+            eprintln!(
+                "semlb: routing state in Redis at {} (namespace {}, lookup {:?}){}",
+                r.url,
+                r.namespace,
+                r.lookup,
+                match reachable {
+                    Ok(_) => String::new(),
+                    Err(e) => format!(": not reachable now ({e}); routing on load only until it is"),
+                }
+            );
+        }
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         runtime.block_on(monitor(&segment, &config, args, &listener))
     })();

@@ -13,7 +13,11 @@
 //! prefix spreads to other engines once its engine is overloaded; a
 //! `kill -9`ed engine is routed around without client errors; malformed
 //! requests get the right 4xx with an OpenAI error body; a crash-looping
-//! dispatcher stops the supervisor.
+//! dispatcher stops the supervisor. With `--store redis` (a private
+//! `redis-server` per test): conversations, routing and the response cache
+//! work the same with the state in Redis, and a Redis killed under load and
+//! started again is survived without a failed request, and recovered from
+//! by itself (the records learned meanwhile are written once it is back).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -25,6 +29,9 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::{Value, json};
+
+mod support;
+use support::redis::RedisServer;
 
 const EXE: &str = env!("CARGO_BIN_EXE_semlb");
 
@@ -156,6 +163,8 @@ struct Gateway {
     segment: shm_layout::Segment,
     /// Completion records the dispatchers should have pushed so far.
     expected_records: std::cell::Cell<u64>,
+    /// With `--store redis`: the Redis and the namespace.
+    redis: Option<(String, String)>,
 }
 
 impl Gateway {
@@ -184,6 +193,13 @@ impl Gateway {
             args.extend(["--backend", u.as_str()]);
         }
         args.extend(extra);
+        let redis = match (
+            extra.iter().position(|a| *a == "--redis-url"),
+            extra.iter().position(|a| *a == "--redis-namespace"),
+        ) {
+            (Some(u), Some(n)) => Some((extra[u + 1].to_owned(), extra[n + 1].to_owned())),
+            _ => None,
+        };
         let proc = Proc::spawn(&args, capture_stderr);
         let segment = shm_layout::Segment::open(shm).expect("the supervisor created the segment");
         let gw = Gateway {
@@ -191,6 +207,7 @@ impl Gateway {
             shm: shm.to_owned(),
             segment,
             expected_records: std::cell::Cell::new(0),
+            redis,
         };
         gw.wait_ready();
         gw
@@ -208,7 +225,7 @@ impl Gateway {
             let (pushed, used) = (0..t.ring_count())
                 .map(|i| t.ring(i).stats())
                 .fold((0, 0), |(p, u), s| (p + s.pushed, u + s.used));
-            if pushed >= self.expected_records.get() && used == 0 {
+            if pushed >= self.expected_records.get() && used == 0 && self.redis_written() {
                 return;
             }
             assert!(
@@ -217,6 +234,18 @@ impl Gateway {
             );
             std::thread::yield_now();
         }
+    }
+
+    /// With Redis: whether Redis counts every expected record as written
+    /// (`{ns}:written`, bumped by each write-back pipeline). Without: true.
+    fn redis_written(&self) -> bool {
+        let Some((url, ns)) = &self.redis else { return true };
+        let written: Option<u64> = redis::Client::open(url.as_str())
+            .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(1)))
+            .and_then(|mut c| redis::cmd("GET").arg(format!("{ns}:written")).query(&mut c))
+            .ok()
+            .flatten();
+        written.is_some_and(|n| n >= self.expected_records.get())
     }
 
     /// Until a request goes through (the dispatchers are up).
@@ -1054,4 +1083,135 @@ fn streaming_passes_through_intact() {
         40,
         "one chunk per token"
     );
+}
+
+/// The flags of `--store redis` on `redis` under namespace `ns`.
+fn redis_flags<'a>(url: &'a str, ns: &'a str) -> [&'a str; 6] {
+    ["--store", "redis", "--redis-url", url, "--redis-namespace", ns]
+}
+
+#[test]
+fn redis_mode_routes_and_caches_like_shared_memory() {
+    let Some(redis) = RedisServer::start() else { return };
+    let engines = [sim(), sim(), sim()];
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let url = redis.url();
+    let gw = Gateway::start(&unique("redis"), &refs, &redis_flags(&url, "gw"));
+    let turns = converse(&gw, 500, 4, json!({}));
+    assert!(
+        turns.iter().all(|(b, _)| *b == turns[0].0),
+        "the conversation moved: {turns:?}"
+    );
+    for w in turns.windows(2) {
+        assert!(w[1].1 > w[0].1, "cached_tokens must grow turn by turn: {turns:?}");
+    }
+    assert!(redis.count("gw:p:*") > 0, "prefix entries are in Redis");
+    assert_eq!(gw.segment.tables().prefix.occupancy(), 0, "and not in shared memory");
+    let mut used = std::collections::HashSet::new();
+    for i in 0..9 {
+        used.insert(converse(&gw, 510 + i, 1, json!({}))[0].0.clone());
+    }
+    assert_eq!(used.len(), 3, "distinct conversations spread: {used:?}");
+
+    let msgs = [user("What is the capital of Italy? Answer briefly.")];
+    let det = json!({"temperature": 0});
+    let first = chat(&gw.proc.addr, &msgs, det.clone(), &[]);
+    assert_eq!(first.header("x-semlb-cache"), Some("miss"));
+    gw.written_back();
+    assert_eq!(redis.count("gw:r:*"), 1, "the answer is cached in Redis");
+    let hit = chat(&gw.proc.addr, &msgs, det, &[]);
+    assert_eq!(hit.header("x-semlb-cache"), Some("hit"));
+    assert_eq!(hit.json()["choices"], first.json()["choices"]);
+    assert_eq!(
+        gw.segment.tables().responses.stats().records,
+        0,
+        "nothing cached in shm"
+    );
+}
+
+#[test]
+fn a_redis_outage_under_load_fails_no_request_and_heals_by_itself() {
+    let Some(mut redis) = RedisServer::start() else { return };
+    let port = redis.port;
+    let engines = [sim(), sim()];
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let url = redis.url();
+    let gw = Gateway::launch(&unique("outage"), &refs, &redis_flags(&url, "o"), true);
+    let addr = gw.proc.addr.clone();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let statuses = Arc::new(Mutex::new(Vec::<(u16, String)>::new()));
+    let load = {
+        let (stop, statuses) = (stop.clone(), statuses.clone());
+        std::thread::spawn(move || {
+            let mut i = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let r = chat(&addr, &[user(&long_topic(600 + i % 40))], json!({}), &[]);
+                statuses
+                    .lock()
+                    .unwrap()
+                    .push((r.status, String::from_utf8_lossy(&r.body).into_owned()));
+                i += 1;
+            }
+        })
+    };
+    let count = || statuses.lock().unwrap().len();
+    let answered = |n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let done = count();
+            if done >= n {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the load stalled at {done} requests");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    answered(20);
+    let written_before = redis.int("o:written");
+    assert!(written_before > 0, "records were written while Redis was up");
+    redis.kill9();
+    let at_kill = count();
+    answered(at_kill + 30);
+    let redis = RedisServer::start_on(port);
+    // Nothing asks for it: the response process writes what it kept.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while redis.count("o:p:*") == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the records kept during the outage were never written"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while gw.proc.stderr_text().matches("answers again").count() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "no recovery logged:\n{}",
+            gw.proc.stderr_text()
+        );
+        answered(count() + 1);
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    load.join().unwrap();
+    let statuses = statuses.lock().unwrap();
+    let failed: Vec<_> = statuses.iter().filter(|(s, _)| *s != 200).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {} requests failed: {failed:?}",
+        failed.len(),
+        statuses.len()
+    );
+    let log = gw.proc.stderr_text();
+    assert!(log.contains("is unavailable"), "the outage was logged:\n{log}");
+    // Redis serves the gateway again: a repeat is answered from it.
+    let msgs = [user("What is the capital of Spain? Answer briefly.")];
+    let first = chat(&gw.proc.addr, &msgs, json!({"temperature": 0}), &[]);
+    assert_eq!(first.header("x-semlb-cache"), Some("miss"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while redis.count("o:r:*") == 0 {
+        assert!(Instant::now() < deadline, "the answer never reached Redis");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let hit = chat(&gw.proc.addr, &msgs, json!({"temperature": 0}), &[]);
+    assert_eq!(hit.header("x-semlb-cache"), Some("hit"));
 }

@@ -6,111 +6,29 @@
 //! `SKIPPED: redis-server not installed` and returns; CI installs it
 //! (`.ci/run`), so there they really run.
 //!
-//! The parity test applies one random sequence of chain inserts to a shm
-//! heap segment and to Redis and checks that both give the same entries
-//! and longest-prefix matches: the Redis store has the shm semantics.
+//! The parity tests apply one random sequence of chain inserts to a shm
+//! heap segment and to Redis and check that both give the same entries
+//! and longest-prefix matches: the Redis store has the shm semantics. The
+//! second one goes through the store interface the gateway uses
+//! (`semlb::store`: the response processes' write-back, the dispatchers'
+//! lookup and in-flight accounting) and compares the routing decisions.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
+use semlb::config::RedisConfig;
 use semlb::redis_store::{InflightLoad, LANES, RedisStore, StoreError};
-use shm_layout::{LayoutPlan, Segment, ServerRef, Stamp};
+use semlb::responder::ResponderStats;
+use semlb::routing::{self, PolicyConfig, PolicyKind, RouteInput};
+use semlb::store::redis::{RedisRouting, RedisWriteBack};
+use semlb::store::shm::{ShmStore, ShmWriteBack};
+use semlb::store::{Lookup, LookupRequest, RoutingStore, WriteBack};
+use shm_layout::{Completion, LayoutPlan, ResponseKey, Segment, ServerRef, Stamp};
 
-/// A private `redis-server`, killed on drop.
-struct RedisServer {
-    child: Child,
-    port: u16,
-}
-
-fn installed() -> bool {
-    Command::new("redis-server")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-    l.local_addr().expect("local addr").port()
-}
-
-fn ping(port: u16) -> bool {
-    let Ok(mut s) = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200)) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
-    let mut buf = [0u8; 7];
-    s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
-}
-
-impl RedisServer {
-    /// A server on a free port, or `None` (after a loud message) if
-    /// `redis-server` is not installed.
-    fn start() -> Option<Self> {
-        if !installed() {
-            // Straight to the process's stderr: the harness captures
-            // `eprintln!` of passing tests, and a skip must not be silent.
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED: redis-server not installed (CI installs it; `apt-get install redis-server`)"
-            );
-            return None;
-        }
-        Some(Self::start_on(free_port()))
-    }
-
-    /// A server on `port`; panics if it does not answer PING within 10 s.
-    fn start_on(port: u16) -> Self {
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
-            .args(["--appendonly", "no"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn redis-server");
-        let mut server = Self { child, port };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !ping(port) {
-            if let Ok(Some(status)) = server.child.try_wait() {
-                panic!("redis-server on port {port} exited: {status}");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "redis-server on port {port} never answered PING"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        server
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/", self.port)
-    }
-
-    /// A raw client connection, for inspecting and tampering.
-    fn raw(&self) -> redis::Connection {
-        redis::Client::open(self.url())
-            .unwrap()
-            .get_connection_with_timeout(Duration::from_secs(2))
-            .unwrap()
-    }
-
-    fn signal(&self, sig: nix::sys::signal::Signal) {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+mod support;
+use support::redis::RedisServer;
+use support::{Rng, mix};
 
 macro_rules! redis_or_skip {
     () => {
@@ -125,25 +43,6 @@ const TTL: Duration = Duration::from_secs(600);
 
 fn store(server: &RedisServer, ns: &str) -> RedisStore {
     RedisStore::connect(&server.url(), ns, TTL).expect("connect")
-}
-
-/// splitmix64: spread, reproducible test hashes.
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(1);
-        mix(self.0)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
 }
 
 fn chain(tag: u64, len: u64) -> Vec<u64> {
@@ -334,6 +233,164 @@ fn parity_with_the_shm_prefix_table() {
     }
 }
 
+/// A completion record for the write-back stores.
+fn completion(server: ServerRef, prompt: &[u64], full: &[u64], response: Option<(u128, &[u8])>) -> Completion {
+    Completion {
+        server: Some(server),
+        prompt_tokens: 16 * prompt.len() as u32,
+        output_tokens: 16 * (full.len() - prompt.len().min(full.len())) as u32,
+        prompt_blocks: prompt.to_vec(),
+        full_blocks: full.to_vec(),
+        response_key: response.map(|(k, _)| ResponseKey(k)),
+        response: response.map(|(_, b)| b.to_vec()).unwrap_or_default(),
+    }
+}
+
+#[test]
+fn both_stores_give_the_same_routing_decisions() {
+    let server = redis_or_skip!();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let seg = Arc::new(Segment::heap(&LayoutPlan::for_size(64 << 20).unwrap()));
+    let t = seg.tables();
+    // Three servers: a prefix entry holds three, so neither store evicts
+    // and their different clocks (segment stamps, Unix ms) cannot matter.
+    let servers: Vec<ServerRef> = (0..3)
+        .map(|i| {
+            t.servers
+                .register(i, &format!("http://127.0.0.1:{}", 9000 + i), 0)
+                .unwrap()
+        })
+        .collect();
+    let redis_config = RedisConfig {
+        url: server.url(),
+        namespace: "decisions".into(),
+        ..RedisConfig::default()
+    };
+    let shm = ShmStore::new(seg.clone(), 1, 600_000);
+    let redis = runtime.block_on(async { RedisRouting::start(seg.clone(), 2, &redis_config, "test").unwrap() });
+    let mut shm_sink = ShmWriteBack::new(t);
+    let mut redis_sink = RedisWriteBack::new(&redis_config, Duration::from_secs(600), "test");
+
+    // Conversations: a shared system prompt for some, then their own
+    // blocks; each record warms its prompt and its prompt + answer.
+    let mut rng = Rng(11);
+    let shared = chain(1, 4);
+    let families: Vec<Vec<u64>> = (0..12u64)
+        .map(|f| {
+            let own = chain(200 + f, 24);
+            if f % 3 == 0 {
+                shared.iter().copied().chain(own).collect()
+            } else {
+                own
+            }
+        })
+        .collect();
+    let mut records = Vec::new();
+    for i in 0..120u64 {
+        let f = &families[rng.below(12) as usize];
+        let full = 2 + rng.below(f.len() as u64 - 1) as usize;
+        let prompt = 1 + rng.below(full as u64 - 1) as usize;
+        let body = format!("{{\"answer\":{i}}}");
+        let response = (i % 4 == 0).then(|| (u128::from(i) + 1, body.into_bytes()));
+        records.push(completion(
+            servers[rng.below(3) as usize],
+            &f[..prompt],
+            &f[..full],
+            response.as_ref().map(|(k, b)| (*k, b.as_slice())),
+        ));
+    }
+    let mut shm_stats = ResponderStats::default();
+    let mut redis_stats = ResponderStats::default();
+    for (i, batch) in records.chunks(7).enumerate() {
+        let now_ms = seg.clock().now_ms();
+        shm_sink.write(batch, Stamp(i as u16 + 1), now_ms, &mut shm_stats);
+        redis_sink.write(batch, Stamp(i as u16 + 1), now_ms, &mut redis_stats);
+    }
+    assert_eq!(redis_sink.backlog(), 0, "every record was written");
+    assert_eq!(shm_stats, redis_stats, "both stores count the same work");
+
+    // Load: requests in flight through both stores alike.
+    let tokens = [300u64, 20, 4000];
+    for (n, srv) in servers.iter().enumerate() {
+        for _ in 0..n * 3 {
+            assert!(shm.begin_request(*srv, tokens[n]));
+            assert!(redis.begin_request(*srv, tokens[n]));
+        }
+    }
+    let policies: Vec<_> = [PolicyKind::CacheAware, PolicyKind::LeastLoad]
+        .iter()
+        .map(|kind| {
+            let config = PolicyConfig {
+                kind: *kind,
+                ..PolicyConfig::default()
+            };
+            (routing::build(&config), config)
+        })
+        .collect();
+    let mut queries: Vec<(Vec<u64>, Option<u128>)> = Vec::new();
+    for q in 0..150u64 {
+        let f = &families[rng.below(12) as usize];
+        let mut c = f[..rng.below(f.len() as u64 + 1) as usize].to_vec();
+        if q % 2 == 0 {
+            c.extend(chain(9000 + q, 3));
+        }
+        queries.push((c, Some(u128::from(q % 40) + 1)));
+    }
+    let summary = |l: &Lookup| {
+        let mut prefix: Vec<(u16, u32)> = l.prefix.iter().map(|(tag, n)| (tag.slot(), n)).collect();
+        prefix.sort_unstable();
+        let load: Vec<(u16, u64, u64)> = l
+            .candidates
+            .iter()
+            .map(|c| (c.server.slot, c.inflight, c.inflight_tokens))
+            .collect();
+        (l.response.clone(), prefix, load, l.degraded)
+    };
+    runtime.block_on(async {
+        // The in-flight counts reach Redis with the next publication.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let empty = LookupRequest {
+            response_key: None,
+            chain: &[],
+            exclude: &[],
+        };
+        while summary(&redis.lookup(empty).await).2 != summary(&shm.lookup(empty).await).2 {
+            assert!(Instant::now() < deadline, "Redis never saw the in-flight counts");
+            tokio::task::yield_now().await;
+        }
+        let mut decided = 0;
+        for (chain, key) in &queries {
+            for exclude in [&[][..], &servers[..1]] {
+                let request = LookupRequest {
+                    response_key: key.map(ResponseKey),
+                    chain,
+                    exclude,
+                };
+                let (a, b) = (shm.lookup(request).await, redis.lookup(request).await);
+                assert_eq!(summary(&a), summary(&b), "chain {chain:x?} excluding {exclude:?}");
+                for (policy, config) in &policies {
+                    let choose = |l: &Lookup| {
+                        policy.choose(&RouteInput {
+                            prompt_blocks: chain.len() as u32,
+                            prefix: &l.prefix,
+                            candidates: &l.candidates,
+                        })
+                    };
+                    assert_eq!(choose(&a), choose(&b), "{:?} on chain {chain:x?}", config.kind);
+                    decided += 1;
+                }
+            }
+        }
+        assert_eq!(decided, 600);
+    });
+    let hits = queries.iter().filter(|(_, k)| k.is_some_and(|k| k % 4 == 1)).count();
+    assert!(hits > 0, "some lookups hit the response cache");
+    assert_eq!(redis.stats().degraded_lookups, 0);
+}
+
 fn poll_until(deadline: Duration, what: &str, mut done: impl FnMut() -> bool) {
     let end = Instant::now() + deadline;
     while !done() {
@@ -447,12 +504,29 @@ fn inflight_counters() {
     assert_eq!(s.end_request(1, 100).unwrap(), 1);
     assert_eq!(s.round_trips() - rt, 1);
     assert_eq!(s.end_request(7, 5).unwrap(), 0);
-    assert_eq!(s.inflight().unwrap(), vec![(1, 1), (7, 0)]);
+    assert_eq!(
+        s.inflight().unwrap(),
+        vec![(1, 1)],
+        "a server with nothing in flight is not listed"
+    );
     assert_eq!(s.inflight_load().unwrap()[0].tokens, 50);
-    // Two stores (two gateway processes) share the counters.
+    // Two stores (two gateway processes) are summed.
     let mut other = store(&server, "c");
-    assert_eq!(other.begin_request(1, 1).unwrap(), 2);
-    assert_eq!(s.inflight().unwrap(), vec![(1, 2), (7, 0)]);
+    assert_eq!(other.begin_request(1, 1).unwrap(), 1, "its own count");
+    assert_eq!(s.inflight().unwrap(), vec![(1, 2)]);
+    // A process that stops publishing stops counting when its lease ends:
+    // end it now, as if the lease had run out (the owner set's score).
+    let _: () = redis::cmd("ZADD")
+        .arg("c:owners")
+        .arg(0)
+        .arg(other.owner())
+        .query(&mut server.raw())
+        .unwrap();
+    assert_eq!(
+        s.inflight().unwrap(),
+        vec![(1, 1)],
+        "the dead owner's request no longer counts"
+    );
 }
 
 #[test]

@@ -202,6 +202,14 @@ impl PrefixMatch {
         self.len == 0
     }
 
+    /// Records that `server` holds `depth` leading blocks (for matches made
+    /// elsewhere, e.g. on Redis): the deepest depth per server is kept, and
+    /// when [`MATCH_CAPACITY`] servers are listed the one with the fewest
+    /// blocks gives way to a deeper one.
+    pub fn add(&mut self, server: ServerTag, depth: u32) {
+        self.record(server.lane(), depth);
+    }
+
     /// Records that `lane` holds `depth` leading blocks. When full, the
     /// server with the fewest blocks (the first of them) gives way to a
     /// deeper one.

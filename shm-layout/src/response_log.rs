@@ -50,9 +50,11 @@ impl ResponseKey {
         (self.0 >> 64) as u64
     }
     /// The 64 bits the index works with: both halves mixed, so a key that
-    /// varies in only one half still spreads over the buckets.
+    /// varies in only one half, or only in a few low bits (keys made by
+    /// hand rather than by a hash), still spreads over the buckets (bucket
+    /// choice uses the high bits).
     fn folded(self) -> u64 {
-        self.lo() ^ mix64(self.hi() ^ 0x9e37_79b9_7f4a_7c15)
+        mix64(self.lo() ^ mix64(self.hi() ^ 0x9e37_79b9_7f4a_7c15))
     }
 }
 

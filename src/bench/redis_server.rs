@@ -38,7 +38,16 @@ impl BenchRedis {
     pub fn start(binary: &Path) -> Result<Self> {
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let child = Command::new(binary)
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()

@@ -25,11 +25,16 @@
 //!    the cacheability ([`crate::response_cache`]); a fresh entry answers
 //!    at once without a server — as stored for JSON, replayed as SSE chunks
 //!    for a streaming request (`sse::replay`).
+//!    The cache lookup, the prefix match and the servers' load come from
+//!    the store in one call ([`crate::store::RoutingStore::lookup`]: shared
+//!    memory, or one Redis round trip).
 //! 4. **Routing**: the live servers ([`crate::routing::live_candidates`]),
 //!    the longest prefix match of the chain, the configured policy. No
-//!    server: 503 with `Retry-After: 1`.
-//! 5. **Proxy**: the request is counted in flight to the server in the shm
-//!    ledger (a drop guard ends it exactly once), the original body and the
+//!    server: 503 with `Retry-After: 1`. When the store cannot be reached
+//!    the lookup has no prefix and local load only: the policy then
+//!    chooses on load.
+//! 5. **Proxy**: the request is counted in flight to the server in the
+//!    store (the shm ledger; on Redis also the published counts) (a drop guard ends it exactly once), the original body and the
 //!    end-to-end headers go to `<server><path>`; a connection failure or a
 //!    5xx head (nothing sent to the client yet) is retried on another server
 //!    up to `limits.retries` times, then 502. The answer is streamed through
@@ -79,6 +84,8 @@ use tokio::task::JoinSet;
 
 use crate::config::ServeConfig;
 use crate::routing::Policy;
+use crate::store::RoutingStore;
+use crate::store::shm::ShmStore;
 
 /// Who this dispatcher is in the segment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,6 +180,7 @@ pub struct Dispatcher {
     tokenizer: Tokenizer,
     template: ChatTemplate,
     policy: Box<dyn Policy>,
+    store: Arc<dyn RoutingStore>,
     client: UpstreamClient,
     stats: DispatcherStats,
 }
@@ -188,6 +196,8 @@ impl Dispatcher {
         template: ChatTemplate,
     ) -> Self {
         let policy = crate::routing::build(&config.policy);
+        let ttl_ms = config.response_cache.ttl_secs.saturating_mul(1000);
+        let store = Arc::new(ShmStore::new(segment.clone(), identity.slot, ttl_ms));
         let mut connector = HttpConnector::new();
         // Without it, small SSE writes wait for delayed ACKs (~40 ms each).
         connector.set_nodelay(true);
@@ -204,9 +214,22 @@ impl Dispatcher {
             tokenizer,
             template,
             policy,
+            store,
             client,
             stats: DispatcherStats::default(),
         }
+    }
+
+    /// The same dispatcher on another routing-state store (the default is
+    /// the segment's tables).
+    pub fn with_store(mut self, store: Arc<dyn RoutingStore>) -> Self {
+        self.store = store;
+        self
+    }
+
+    /// Its routing-state store.
+    pub fn store(&self) -> &dyn RoutingStore {
+        &*self.store
     }
 
     /// Its counters.

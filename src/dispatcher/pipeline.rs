@@ -26,7 +26,8 @@ use crate::blocks::BlockHasher;
 use crate::config::CacheScope;
 use crate::prompt::{self, Endpoint, RoutingInput};
 use crate::response_cache::{self, Cacheability, Scope, Tenant};
-use crate::routing::{Candidate, RouteInput, live_candidates};
+use crate::routing::{RouteInput, live_candidates};
+use crate::store::{Lookup, LookupRequest};
 
 /// Routing texts longer than this are tokenized on the blocking pool.
 const BLOCKING_TOKENIZE_BYTES: usize = 4096;
@@ -113,8 +114,9 @@ struct Outbound {
 /// Where the dispatch time of one inference request goes: stamps taken
 /// from the moment its headers arrived; shown to the client (and to
 /// benchmarks) as `x-semlb-dispatch-ns: read=…,parse=…,tokenize=…,hash=…,cache=…,route=…,total=…`
-/// (nanoseconds per stage; `route` is the prefix lookup plus the policy's
-/// choice, `total` ends when the request is handed to the upstream client).
+/// (nanoseconds per stage; `cache` is the store lookup: response cache,
+/// prefix match and load, one round trip on Redis; `route` is the policy's
+/// choice; `total` ends when the request is handed to the upstream client).
 #[derive(Debug, Clone, Copy)]
 struct DispatchTiming {
     start: std::time::Instant,
@@ -163,6 +165,8 @@ struct InferenceCtx {
     store_key: Option<ResponseKey>,
     /// The `x-semlb-cache` value.
     cache: &'static str,
+    /// The store's answer for the first routing decision.
+    lookup: Option<Lookup>,
 }
 
 async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, endpoint: Endpoint) -> Response<Body> {
@@ -214,11 +218,18 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
         header_bytes(header::CACHE_CONTROL),
     );
     let key = (cacheability != Cacheability::Bypass).then(|| response_cache::key(tenant, endpoint, &parsed.body));
-    if let (true, Some(key)) = (cacheability.reads(), key)
-        && let Some(response) = cached_answer(dispatcher, key, endpoint, &parsed)
+    let mut lookup = dispatcher
+        .store
+        .lookup(LookupRequest {
+            response_key: key.filter(|_| cacheability.reads()),
+            chain: &chain,
+            exclude: &[],
+        })
+        .await;
+    if let Some(stored) = lookup.response.take()
+        && let Some(mut response) = cached_answer(&stored, endpoint, &parsed)
     {
         dispatcher.stats.cache_hits.fetch_add(1, Relaxed);
-        let mut response = response;
         timing.mark(4);
         let answered = timing.start.elapsed().as_nanos() as u64;
         set_header(response.headers_mut(), DISPATCH_HEADER, &timing.header(answered));
@@ -239,6 +250,7 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
         hasher,
         store_key: key.filter(|_| cacheability.writes() && !parsed.stream),
         cache,
+        lookup: Some(lookup),
     };
     let outbound = Outbound {
         method: Method::POST,
@@ -256,18 +268,9 @@ fn text_of(input: &RoutingInput) -> String {
     }
 }
 
-/// The answer to `parsed` from a fresh response-cache entry, if any.
-fn cached_answer(
-    dispatcher: &Dispatcher,
-    key: ResponseKey,
-    endpoint: Endpoint,
-    parsed: &prompt::ParsedRequest,
-) -> Option<Response<Body>> {
-    let tables = dispatcher.segment.tables();
-    let mut buf = Vec::new();
-    let entry = tables.responses.get_into(key, &mut buf)?;
-    let ttl_ms = dispatcher.config.response_cache.ttl_secs.saturating_mul(1000);
-    let stored = response_cache::fresh_body(entry, dispatcher.segment.clock().now_ms(), ttl_ms)?;
+/// The answer to `parsed` from a fresh cached body (`None` if a streaming
+/// replay of it cannot be made).
+fn cached_answer(stored: &Bytes, endpoint: Endpoint, parsed: &prompt::ParsedRequest) -> Option<Response<Body>> {
     let mut response = if parsed.stream {
         let events = sse::replay(endpoint, stored, &parsed.body)?;
         let mut r = full_response(StatusCode::OK, "text/event-stream", events);
@@ -275,7 +278,7 @@ fn cached_answer(
             .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         r
     } else {
-        full_response(StatusCode::OK, "application/json", Bytes::copy_from_slice(stored))
+        full_response(StatusCode::OK, "application/json", stored.clone())
     };
     let headers = response.headers_mut();
     set_header(headers, CACHE_HEADER, "hit");
@@ -304,26 +307,38 @@ async fn passthrough(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>) -
 
 impl Dispatcher {
     /// A server for the request with block chain `chain` (empty: least
-    /// load), avoiding `exclude`, with its address.
-    fn choose(&self, chain: &[u64], inference: bool, exclude: &[ServerRef]) -> Option<(ServerRef, String)> {
-        let tables = self.segment.tables();
-        let servers = &tables.servers;
-        let mut candidates: Vec<Candidate> = Vec::new();
-        live_candidates(&tables, &mut candidates);
-        candidates.retain(|c| !exclude.contains(&c.server));
+    /// load), avoiding `exclude`, with its address. `lookup` is the store's
+    /// answer for this request if one was already made (the first attempt).
+    async fn choose(
+        &self,
+        chain: &[u64],
+        inference: bool,
+        exclude: &[ServerRef],
+        lookup: Option<Lookup>,
+    ) -> Option<(ServerRef, String)> {
+        let mut lookup = match lookup {
+            Some(l) => l,
+            None => {
+                let request = LookupRequest {
+                    response_key: None,
+                    chain: if inference { chain } else { &[] },
+                    exclude,
+                };
+                self.store.lookup(request).await
+            }
+        };
+        let servers = self.segment.tables().servers;
         loop {
             let choice = if inference {
-                let prefix = tables
-                    .prefix
-                    .longest_prefix_match(chain, |t| servers.is_live(t) && !exclude.iter().any(|s| s.tag() == t));
                 let input = RouteInput {
                     prompt_blocks: u32::try_from(chain.len()).unwrap_or(u32::MAX),
-                    prefix: &prefix,
-                    candidates: &candidates,
+                    prefix: &lookup.prefix,
+                    candidates: &lookup.candidates,
                 };
                 self.policy.choose(&input)?.server
             } else {
-                candidates
+                lookup
+                    .candidates
                     .iter()
                     .min_by_key(|c| (c.inflight, c.inflight_tokens))?
                     .server
@@ -331,7 +346,7 @@ impl Dispatcher {
             match servers.get(choice.slot) {
                 Some(info) if info.server == choice => return Some((choice, info.address)),
                 // Re-registered or unreadable meanwhile: ask again without it.
-                _ => candidates.retain(|c| c.server != choice),
+                _ => lookup.candidates.retain(|c| c.server != choice),
             }
         }
     }
@@ -339,9 +354,10 @@ impl Dispatcher {
 
 /// Sends `outbound` to a chosen server, retrying elsewhere on connection
 /// failures and 5xx heads, and relays the answer.
-async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, ctx: Option<InferenceCtx>) -> Response<Body> {
+async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Option<InferenceCtx>) -> Response<Body> {
     let limits = &dispatcher.config.limits;
     let deadline = tokio::time::Instant::now() + limits.request_timeout();
+    let mut first_lookup = ctx.as_mut().and_then(|c| c.lookup.take());
     let chain: &[u64] = ctx.as_ref().map_or(&[], |c| &c.chain);
     let prompt_tokens = ctx.as_ref().map_or(0, |c| c.prompt_tokens.len() as u64);
     let mut failed: Vec<ServerRef> = Vec::new();
@@ -349,7 +365,10 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, ctx: Option<I
     let mut attempt = 0u32;
     let mut dispatch_ns: Option<u64> = None;
     let mut response = loop {
-        let Some((server, address)) = dispatcher.choose(chain, ctx.is_some(), &failed) else {
+        let chosen = dispatcher
+            .choose(chain, ctx.is_some(), &failed, first_lookup.take())
+            .await;
+        let Some((server, address)) = chosen else {
             break if attempt == 0 {
                 let mut r = error_response(
                     StatusCode::SERVICE_UNAVAILABLE,

@@ -38,8 +38,9 @@ use crate::blocks::BlockHasher;
 /// Largest non-streaming answer kept to learn from (bytes).
 const MAX_JSON_CAPTURE: usize = 32 << 20;
 
-/// Counts one request as in flight to a server in the shm ledger while it
-/// lives; dropping it ends the request (exactly once).
+/// Counts one request as in flight to a server in the store (the shm
+/// ledger, and on Redis the published counts) while it lives; dropping it
+/// ends the request (exactly once).
 #[derive(Debug)]
 pub(crate) struct InflightGuard {
     dispatcher: Arc<Dispatcher>,
@@ -51,21 +52,17 @@ impl InflightGuard {
     /// Begins a request of `tokens` prompt tokens to `server`; `None` if the
     /// registration is stale.
     pub fn begin(dispatcher: &Arc<Dispatcher>, server: ServerRef, tokens: u64) -> Option<Self> {
-        let servers = dispatcher.segment.tables().servers;
-        servers
-            .begin_request(dispatcher.identity.slot, server, tokens)
-            .then(|| Self {
-                dispatcher: dispatcher.clone(),
-                server,
-                tokens,
-            })
+        dispatcher.store.begin_request(server, tokens).then(|| Self {
+            dispatcher: dispatcher.clone(),
+            server,
+            tokens,
+        })
     }
 }
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        let servers = self.dispatcher.segment.tables().servers;
-        servers.end_request(self.dispatcher.identity.slot, self.server, self.tokens);
+        self.dispatcher.store.end_request(self.server, self.tokens);
     }
 }
 

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod redis;
+
 /// splitmix64's finaliser: a well-spread 64-bit function of `x`.
 pub fn mix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);

@@ -1,0 +1,224 @@
+//! Where the routing state lives: one interface, two implementations.
+//!
+//! The routing state is what dispatchers read on the request path and
+//! response processes write after it: the prefix table (block hash →
+//! servers), the response cache (exact request → answer) and the servers'
+//! in-flight counters. It lives either in the host's shared-memory segment
+//! ([`shm::ShmStore`], the default) or in Redis ([`redis::RedisRouting`],
+//! `--store redis`), which lets several gateway hosts share it and is the
+//! sLLM paper's baseline.
+//!
+//! | side | trait | shm | Redis |
+//! | --- | --- | --- | --- |
+//! | dispatcher, request path | [`RoutingStore`] | [`shm::ShmStore`]: lock-free reads of the segment | [`redis::RedisRouting`]: one pipelined round trip (response `GET`, longest-prefix script, in-flight sum script) |
+//! | response process, off the path | [`WriteBack`] | [`shm::ShmWriteBack`]: inserts into the segment | [`redis::RedisWriteBack`]: one pipeline per batch of records, kept and retried during an outage |
+//!
+//! The routing policies ([`crate::routing`]) never see the store: a
+//! [`RoutingStore::lookup`] gives them the same [`Lookup`] from either.
+//! The server table (addresses, registrations, health) stays in shared
+//! memory in both modes: it is this host's configuration. So do the
+//! per-process in-flight ledgers, which are reclaimed when a process dies;
+//! in Redis mode the counts are also published to Redis so every host sees
+//! every host's load, and a lookup takes the larger of the two.
+//!
+//! # Failures
+//!
+//! A lookup never fails. When Redis cannot be reached or does not answer
+//! within its timeout, the lookup answers from what this host knows — no
+//! prefix match, no cached response, the local in-flight counts — so
+//! routing falls back to load-only choices, and [`Lookup::degraded`] says
+//! so. The outage is logged once and counted ([`StoreStats`]); while it
+//! lasts, Redis is probed again every `store.redis.retry_ms` rather than on
+//! every request, and the first answer ends it.
+
+pub mod redis;
+pub mod shm;
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::str::FromStr;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use shm_layout::{Completion, PrefixMatch, ResponseKey, ServerRef, Stamp};
+
+use crate::responder::ResponderStats;
+use crate::routing::Candidate;
+
+/// Which store holds the routing state (`store.kind`, `--store`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreKind {
+    /// The host's shared-memory segment.
+    #[default]
+    Shm,
+    /// A Redis server (`store.redis.url`).
+    Redis,
+}
+
+impl StoreKind {
+    /// The name in configuration and on the command line.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Shm => "shm",
+            Self::Redis => "redis",
+        }
+    }
+}
+
+impl fmt::Display for StoreKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for StoreKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "shm" => Ok(Self::Shm),
+            "redis" => Ok(Self::Redis),
+            _ => Err(format!("unknown store {s:?}: expected shm or redis")),
+        }
+    }
+}
+
+/// How a Redis store finds the longest prefix (`store.redis.lookup`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RedisLookup {
+    /// One round trip: a server-side script walks the chain.
+    #[default]
+    Script,
+    /// One round trip per block until the first miss: the sLLM paper's
+    /// baseline, kept for comparison.
+    Naive,
+}
+
+impl FromStr for RedisLookup {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "script" => Ok(Self::Script),
+            "naive" => Ok(Self::Naive),
+            _ => Err(format!("unknown Redis lookup {s:?}: expected script or naive")),
+        }
+    }
+}
+
+/// What a dispatcher asks the store for one routing decision.
+#[derive(Debug, Clone, Copy)]
+pub struct LookupRequest<'a> {
+    /// The response-cache key to read, if the request may be answered from
+    /// the cache.
+    pub response_key: Option<ResponseKey>,
+    /// The prompt's block chain (empty: no prefix lookup).
+    pub chain: &'a [u64],
+    /// Servers not to consider (they failed this request already).
+    pub exclude: &'a [ServerRef],
+}
+
+/// What the store knows for one routing decision.
+#[derive(Debug, Clone, Default)]
+pub struct Lookup {
+    /// A fresh cached answer under the requested key.
+    pub response: Option<Bytes>,
+    /// Which candidates hold how many leading blocks of the chain.
+    pub prefix: PrefixMatch,
+    /// The live servers, minus the excluded ones, with their load.
+    pub candidates: Vec<Candidate>,
+    /// The store could not be asked: the answer is this host's fallback
+    /// (no prefix, no cached response, local load only).
+    pub degraded: bool,
+}
+
+/// Counters of a store (all stores have them; shm's stay zero).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StoreStats {
+    /// Lookups answered by the store.
+    pub lookups: u64,
+    /// Lookups answered by the fallback (store unreachable or slow).
+    pub degraded_lookups: u64,
+    /// Store operations that failed (errors and timeouts).
+    pub failures: u64,
+    /// Outages seen (a transition from answering to failing).
+    pub outages: u64,
+    /// Load publications sent (Redis: this process's in-flight counts).
+    pub publishes: u64,
+}
+
+/// A future a [`RoutingStore`] returns.
+pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The request-path side of a store: what a dispatcher reads and the
+/// in-flight accounting it keeps.
+pub trait RoutingStore: Send + Sync + fmt::Debug {
+    /// Which store this is.
+    fn kind(&self) -> StoreKind;
+
+    /// The response-cache entry, the prefix match and the candidates'
+    /// load for one decision. Never fails (see the module docs).
+    fn lookup<'a>(&'a self, request: LookupRequest<'a>) -> StoreFuture<'a, Lookup>;
+
+    /// Counts a request of `prompt_tokens` tokens in flight to `server`;
+    /// false if the registration is stale (then nothing is counted).
+    fn begin_request(&self, server: ServerRef, prompt_tokens: u64) -> bool;
+
+    /// Ends a request [`begin_request`](Self::begin_request) counted.
+    fn end_request(&self, server: ServerRef, prompt_tokens: u64);
+
+    /// Its counters.
+    fn stats(&self) -> StoreStats;
+}
+
+/// The write side of a store: what a response process does with a batch of
+/// completion records whose servers are current.
+pub trait WriteBack: fmt::Debug {
+    /// Which store this is.
+    fn kind(&self) -> StoreKind;
+
+    /// Writes `batch` (prefix entries for the prompt and the prompt +
+    /// answer chains, cached responses) as of prefix stamp `now` and
+    /// segment time `now_ms`, and counts what it did in `stats`. A store
+    /// that cannot be reached keeps the records (bounded) and writes them
+    /// on a later call.
+    fn write(&mut self, batch: &[Completion], now: Stamp, now_ms: u64, stats: &mut ResponderStats);
+}
+
+/// The blocks of a record's full chain that its prompt chain does not
+/// already cover: the full chain starts with the prompt's full blocks, so
+/// only what the answer added needs writing (all of it if they differ).
+pub fn answer_blocks(record: &Completion) -> &[u64] {
+    let shared = record.prompt_blocks.len().min(record.full_blocks.len());
+    let extends = record.full_blocks[..shared] == record.prompt_blocks[..shared];
+    &record.full_blocks[if extends { shared } else { 0 }..]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_back() {
+        for kind in [StoreKind::Shm, StoreKind::Redis] {
+            assert_eq!(kind.name().parse::<StoreKind>(), Ok(kind));
+        }
+        assert!("memcached".parse::<StoreKind>().unwrap_err().contains("shm or redis"));
+        assert_eq!("naive".parse::<RedisLookup>(), Ok(RedisLookup::Naive));
+    }
+
+    #[test]
+    fn answer_blocks_skip_the_prompt_only_when_the_chain_extends_it() {
+        let record = |prompt: &[u64], full: &[u64]| Completion {
+            prompt_blocks: prompt.to_vec(),
+            full_blocks: full.to_vec(),
+            ..Completion::default()
+        };
+        assert_eq!(answer_blocks(&record(&[1, 2], &[1, 2, 3])), &[3]);
+        assert_eq!(answer_blocks(&record(&[1, 2], &[1, 9, 3])), &[1, 9, 3]);
+        assert_eq!(answer_blocks(&record(&[1, 2, 3], &[1, 2])), &[] as &[u64]);
+    }
+}

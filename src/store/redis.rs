@@ -1,0 +1,612 @@
+//! The routing state in Redis (`--store redis`): what a good Redis user
+//! does, on the [`crate::redis_store`] data model.
+//!
+//! # Dispatcher side: [`RedisRouting`]
+//!
+//! - One multiplexed connection per dispatcher process (requests from all
+//!   of its connections are pipelined on it), opened lazily, replaced after
+//!   any failure. Scripts are loaded when it opens.
+//! - A lookup is **one round trip**: a pipeline of the response `GET` (when
+//!   the request may be answered from the cache), the in-flight sum script
+//!   and the longest-prefix script. With `lookup = "naive"` the prefix is
+//!   then walked one `HGETALL` per block, as the sLLM paper's baseline.
+//! - In-flight counts are never written on the request path: begin and end
+//!   update this process's counters in memory (and the host's shm ledger),
+//!   and a background task publishes the counters whole, coalescing every
+//!   change made during the previous publication's round trip, and every
+//!   third of the lease when nothing changes.
+//! - Every operation has the `timeout_ms` deadline. A failure or a timeout
+//!   starts an outage: logged once, counted, and from then on lookups answer
+//!   from this host alone (no prefix, no cached answer, local load) without
+//!   waiting, while one request every `retry_ms` probes Redis; the first
+//!   answer ends the outage (logged with its length and the requests routed
+//!   on load only).
+//!
+//! # Response-process side: [`RedisWriteBack`]
+//!
+//! A batch of completion records becomes one pipeline
+//! ([`RedisStore::write_back`]). When Redis cannot be reached the records
+//! stay in a bounded backlog (`write_backlog`; the oldest give way, counted)
+//! and are written on the first call after `retry_ms` that reaches it.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, ErrorKind, Value};
+use shm_layout::plan::SERVER_SLOTS;
+use shm_layout::{Completion, Segment, ServerRef, Stamp};
+
+use super::shm::{ledger_begin, ledger_end, local_lookup};
+use super::{
+    Lookup, LookupRequest, RedisLookup, RoutingStore, StoreFuture, StoreKind, StoreStats, WriteBack, answer_blocks,
+};
+use crate::config::RedisConfig;
+use crate::redis_store::{
+    INFLIGHT_LEASE, INSERT_SCRIPT, InflightLoad, LPM_SCRIPT, PUBLISH_SCRIPT, RedisStore, SUM_SCRIPT, StoreError,
+    WriteItem, owner_id, parse_inflight, parse_lpm, publish_args,
+};
+use crate::responder::ResponderStats;
+
+/// Milliseconds since the Unix epoch: the prefix stamps written to Redis
+/// (shared by every host, unlike a segment's clock).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Whether Redis is answering, and when to try again if not.
+#[derive(Debug)]
+struct Health {
+    /// Start of this process's clock for the fields below.
+    epoch: Instant,
+    /// In an outage.
+    down: AtomicBool,
+    /// When the outage began (ms since `epoch`).
+    down_since_ms: AtomicU64,
+    /// Earliest next probe during an outage (ms since `epoch`).
+    next_probe_ms: AtomicU64,
+    /// A probe is under way.
+    probing: AtomicBool,
+    /// Lookups answered by the fallback in the current outage.
+    degraded_in_outage: AtomicU64,
+}
+
+impl Health {
+    fn new() -> Self {
+        Self {
+            epoch: Instant::now(),
+            down: AtomicBool::new(false),
+            down_since_ms: AtomicU64::new(0),
+            next_probe_ms: AtomicU64::new(0),
+            probing: AtomicBool::new(false),
+            degraded_in_outage: AtomicU64::new(0),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Whether to ask Redis now: always when up; during an outage, one
+    /// caller per retry interval (it must report with `done_probing`).
+    fn may_ask(&self) -> Attempt {
+        if !self.down.load(Relaxed) {
+            return Attempt::Normal;
+        }
+        if self.now_ms() >= self.next_probe_ms.load(Relaxed) && !self.probing.swap(true, Relaxed) {
+            return Attempt::Probe;
+        }
+        Attempt::Skip
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Attempt {
+    Normal,
+    Probe,
+    Skip,
+}
+
+/// The keys and script hashes a dispatcher uses.
+#[derive(Debug)]
+struct Names {
+    namespace: String,
+    owners: String,
+    inflight_prefix: String,
+    own_hash: String,
+    owner: String,
+    lpm: String,
+    sum: String,
+    publish: String,
+}
+
+/// A dispatcher's Redis store (see the module docs).
+#[derive(Debug)]
+pub struct RedisRouting {
+    segment: Arc<Segment>,
+    /// The dispatcher's registry slot: its row in the shm ledger.
+    process: u16,
+    config: RedisConfig,
+    client: redis::Client,
+    conn: Mutex<Option<MultiplexedConnection>>,
+    names: Names,
+    health: Health,
+    /// This process's requests and prompt tokens in flight per server slot.
+    counts: Box<[(AtomicI64, AtomicI64)]>,
+    /// Set when `counts` changed since the last publication.
+    dirty: tokio::sync::Notify,
+    lookups: AtomicU64,
+    degraded: AtomicU64,
+    failures: AtomicU64,
+    outages: AtomicU64,
+    publishes: AtomicU64,
+    /// Who this process is in messages (`dispatcher 3`).
+    label: String,
+}
+
+impl RedisRouting {
+    /// The store of the dispatcher in registry slot `process`, and its
+    /// publishing task (spawned on the current tokio runtime). Does not
+    /// connect: the first lookup does, so a gateway starts while Redis is
+    /// down (and routes on load until it is up). `label` names the process
+    /// in messages (`dispatcher 2`).
+    pub fn start(
+        segment: Arc<Segment>,
+        process: u16,
+        config: &RedisConfig,
+        label: impl Into<String>,
+    ) -> Result<Arc<Self>, StoreError> {
+        let client = redis::Client::open(config.url.as_str()).map_err(|source| StoreError::Url {
+            url: config.url.clone(),
+            source,
+        })?;
+        let ns = &config.namespace;
+        let owner = owner_id();
+        let hash = |code: &str| redis::Script::new(code).get_hash().to_owned();
+        let names = Names {
+            namespace: ns.clone(),
+            owners: format!("{ns}:owners"),
+            inflight_prefix: format!("{ns}:if:"),
+            own_hash: format!("{ns}:if:{owner}"),
+            owner,
+            lpm: hash(LPM_SCRIPT),
+            sum: hash(SUM_SCRIPT),
+            publish: hash(PUBLISH_SCRIPT),
+        };
+        let store = Arc::new(Self {
+            segment,
+            process,
+            config: config.clone(),
+            client,
+            conn: Mutex::new(None),
+            names,
+            health: Health::new(),
+            counts: (0..SERVER_SLOTS)
+                .map(|_| (AtomicI64::new(0), AtomicI64::new(0)))
+                .collect(),
+            dirty: tokio::sync::Notify::new(),
+            lookups: AtomicU64::new(0),
+            degraded: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+            outages: AtomicU64::new(0),
+            publishes: AtomicU64::new(0),
+            label: label.into(),
+        });
+        tokio::spawn(publish_loop(store.clone()));
+        Ok(store)
+    }
+
+    /// The open connection, or a new one with the scripts loaded.
+    async fn connection(&self) -> Result<MultiplexedConnection, StoreError> {
+        if let Some(conn) = self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Ok(conn);
+        }
+        let timeout = self.config.timeout();
+        let settings = AsyncConnectionConfig::new()
+            .set_connection_timeout(timeout)
+            .set_response_timeout(timeout);
+        let mut conn = self
+            .client
+            .get_multiplexed_async_connection_with_config(&settings)
+            .await
+            .map_err(StoreError::Connect)?;
+        load_scripts(&mut conn).await.map_err(StoreError::Connect)?;
+        *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// Runs `pipe` on the connection; on `NOSCRIPT` reloads the scripts and
+    /// runs it once more.
+    async fn query(&self, op: &'static str, pipe: &redis::Pipeline) -> Result<Vec<Value>, StoreError> {
+        let mut conn = self.connection().await?;
+        match pipe.query_async::<Vec<Value>>(&mut conn).await {
+            Err(e) if e.kind() == ErrorKind::NoScriptError => {
+                load_scripts(&mut conn)
+                    .await
+                    .map_err(|source| StoreError::Command { op, source })?;
+                pipe.query_async(&mut conn)
+                    .await
+                    .map_err(|source| StoreError::Command { op, source })
+            }
+            other => other.map_err(|source| StoreError::Command { op, source }),
+        }
+    }
+
+    /// The Redis part of a lookup: response, longest-prefix pairs, loads.
+    async fn fetch(&self, request: LookupRequest<'_>) -> Result<Fetched, StoreError> {
+        const OP: &str = "lookup";
+        let names = &self.names;
+        let mut pipe = redis::pipe();
+        if let Some(key) = request.response_key {
+            pipe.cmd("GET").arg(format!("{}:r:{:032x}", names.namespace, key.0));
+        }
+        pipe.cmd("EVALSHA")
+            .arg(&names.sum)
+            .arg(1)
+            .arg(&names.owners)
+            .arg(&names.inflight_prefix);
+        let scripted = self.config.lookup == RedisLookup::Script && !request.chain.is_empty();
+        if scripted {
+            let cmd = pipe.cmd("EVALSHA").arg(&names.lpm).arg(request.chain.len());
+            for hash in request.chain {
+                cmd.arg(format!("{}:p:{hash:016x}", names.namespace));
+            }
+        }
+        let replies = self.query(OP, &pipe).await?;
+        let bad = |detail: String| StoreError::Protocol { op: OP, detail };
+        let mut replies = replies.into_iter();
+        let mut next = || replies.next().ok_or_else(|| bad("short pipeline reply".into()));
+        let response = match request.response_key {
+            Some(_) => match next()? {
+                Value::Nil => None,
+                Value::BulkString(b) => Some(Bytes::from(b)),
+                other => return Err(bad(format!("GET returned {other:?}"))),
+            },
+            None => None,
+        };
+        let loads = parse_inflight(&next()?).map_err(bad)?;
+        let prefix = if scripted {
+            parse_lpm(&next()?).map_err(bad)?
+        } else if request.chain.is_empty() {
+            Vec::new()
+        } else {
+            self.naive_match(request.chain).await?
+        };
+        Ok(Fetched {
+            response,
+            prefix,
+            loads,
+        })
+    }
+
+    /// One `HGETALL` round trip per block until the first missing one.
+    async fn naive_match(&self, chain: &[u64]) -> Result<Vec<(u16, u32)>, StoreError> {
+        const OP: &str = "lookup (naive)";
+        let mut conn = self.connection().await?;
+        let mut found: Vec<(u16, u32)> = Vec::new();
+        for (i, hash) in chain.iter().enumerate() {
+            let fields: Vec<(String, String)> = redis::cmd("HGETALL")
+                .arg(format!("{}:p:{hash:016x}", self.names.namespace))
+                .query_async(&mut conn)
+                .await
+                .map_err(|source| StoreError::Command { op: OP, source })?;
+            if fields.is_empty() {
+                break;
+            }
+            for slot in fields.iter().filter_map(|(s, _)| s.parse::<u16>().ok()) {
+                match found.iter_mut().find(|(s, _)| *s == slot) {
+                    Some(e) => e.1 = i as u32 + 1,
+                    None => found.push((slot, i as u32 + 1)),
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    /// Publishes this process's in-flight counts (absolute values).
+    async fn publish(&self) -> Result<(), StoreError> {
+        let counts = self.counts.iter().enumerate().filter_map(|(slot, (r, t))| {
+            let (r, t) = (r.load(Relaxed), t.load(Relaxed));
+            (r != 0 || t != 0).then_some((slot as u16, r, t))
+        });
+        let names = &self.names;
+        let mut pipe = redis::pipe();
+        pipe.cmd("EVALSHA")
+            .arg(&names.publish)
+            .arg(2)
+            .arg(&names.own_hash)
+            .arg(&names.owners)
+            .arg(publish_args(&names.owner, counts));
+        self.query("publish", &pipe).await.map(drop)
+    }
+
+    /// Runs `op` under the deadline with the outage bookkeeping; `None` when
+    /// Redis is not to be asked now or failed.
+    async fn guarded<T>(&self, name: &'static str, op: impl Future<Output = Result<T, StoreError>>) -> Option<T> {
+        let attempt = self.health.may_ask();
+        if attempt == Attempt::Skip {
+            return None;
+        }
+        let result = match tokio::time::timeout(self.config.timeout(), op).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Timeout {
+                op: name,
+                timeout: self.config.timeout(),
+            }),
+        };
+        let out = match result {
+            Ok(v) => {
+                self.up();
+                Some(v)
+            }
+            Err(e) => {
+                self.down(&e);
+                None
+            }
+        };
+        if attempt == Attempt::Probe {
+            self.health.probing.store(false, Relaxed);
+        }
+        out
+    }
+
+    fn up(&self) {
+        let h = &self.health;
+        if h.down.swap(false, Relaxed) {
+            let secs = (h.now_ms() - h.down_since_ms.load(Relaxed)) as f64 / 1e3;
+            let degraded = h.degraded_in_outage.swap(0, Relaxed);
+            eprintln!(
+                "semlb {}: Redis at {} answers again after {secs:.1} s; {degraded} requests were routed on load only",
+                self.label, self.config.url
+            );
+            self.dirty.notify_one();
+        }
+    }
+
+    fn down(&self, error: &StoreError) {
+        self.failures.fetch_add(1, Relaxed);
+        *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        let h = &self.health;
+        let now = h.now_ms();
+        h.next_probe_ms.store(now + self.config.retry_ms, Relaxed);
+        if !h.down.swap(true, Relaxed) {
+            h.down_since_ms.store(now, Relaxed);
+            self.outages.fetch_add(1, Relaxed);
+            eprintln!(
+                "semlb {}: Redis at {} is unavailable ({error}); routing on load only, probing every {} ms",
+                self.label, self.config.url, self.config.retry_ms
+            );
+        }
+    }
+
+    fn count(&self, server: ServerRef, requests: i64, tokens: i64) {
+        if let Some((r, t)) = self.counts.get(usize::from(server.slot)) {
+            r.fetch_add(requests, Relaxed);
+            t.fetch_add(tokens, Relaxed);
+            self.dirty.notify_one();
+        }
+    }
+}
+
+/// What one Redis lookup returned.
+#[derive(Debug)]
+struct Fetched {
+    response: Option<Bytes>,
+    prefix: Vec<(u16, u32)>,
+    loads: Vec<InflightLoad>,
+}
+
+async fn load_scripts(conn: &mut MultiplexedConnection) -> Result<(), redis::RedisError> {
+    for code in [INSERT_SCRIPT, LPM_SCRIPT, PUBLISH_SCRIPT, SUM_SCRIPT] {
+        redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(code)
+            .query_async::<String>(conn)
+            .await?;
+    }
+    Ok(())
+}
+
+/// Publishes a store's counts when they change (coalescing the changes made
+/// during the previous round trip) and every third of the lease. Runs as
+/// long as the process's runtime.
+async fn publish_loop(store: Arc<RedisRouting>) {
+    let mut tick = tokio::time::interval(INFLIGHT_LEASE / 3);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = store.dirty.notified() => {}
+            _ = tick.tick() => {}
+        }
+        // During an outage this is skipped between probes; the counts are
+        // absolute, so the next publication after it catches up.
+        if store.guarded("publish", store.publish()).await.is_some() {
+            store.publishes.fetch_add(1, Relaxed);
+        }
+    }
+}
+
+impl RoutingStore for RedisRouting {
+    fn kind(&self) -> StoreKind {
+        StoreKind::Redis
+    }
+
+    fn lookup<'a>(&'a self, request: LookupRequest<'a>) -> StoreFuture<'a, Lookup> {
+        Box::pin(async move {
+            let mut lookup = local_lookup(&self.segment, request, None);
+            let Some(fetched) = self.guarded("lookup", self.fetch(request)).await else {
+                self.degraded.fetch_add(1, Relaxed);
+                self.health.degraded_in_outage.fetch_add(1, Relaxed);
+                lookup.degraded = true;
+                return lookup;
+            };
+            self.lookups.fetch_add(1, Relaxed);
+            lookup.response = fetched.response;
+            let candidates = &mut lookup.candidates;
+            for (slot, depth) in fetched.prefix {
+                if let Some(c) = candidates.iter().find(|c| c.server.slot == slot) {
+                    lookup.prefix.add(c.server.tag(), depth);
+                }
+            }
+            for load in fetched.loads {
+                if let Some(c) = candidates.iter_mut().find(|c| c.server.slot == load.slot) {
+                    c.inflight = c.inflight.max(load.requests.max(0) as u64);
+                    c.inflight_tokens = c.inflight_tokens.max(load.tokens.max(0) as u64);
+                }
+            }
+            lookup
+        })
+    }
+
+    fn begin_request(&self, server: ServerRef, prompt_tokens: u64) -> bool {
+        if !ledger_begin(&self.segment, self.process, server, prompt_tokens) {
+            return false;
+        }
+        self.count(server, 1, prompt_tokens as i64);
+        true
+    }
+
+    fn end_request(&self, server: ServerRef, prompt_tokens: u64) {
+        ledger_end(&self.segment, self.process, server, prompt_tokens);
+        self.count(server, -1, -(prompt_tokens as i64));
+    }
+
+    fn stats(&self) -> StoreStats {
+        StoreStats {
+            lookups: self.lookups.load(Relaxed),
+            degraded_lookups: self.degraded.load(Relaxed),
+            failures: self.failures.load(Relaxed),
+            outages: self.outages.load(Relaxed),
+            publishes: self.publishes.load(Relaxed),
+        }
+    }
+}
+
+/// Records per write-back pipeline (bounds one round trip's size).
+const WRITE_CHUNK: usize = 256;
+
+/// A response process's writes into Redis (see the module docs).
+#[derive(Debug)]
+pub struct RedisWriteBack {
+    config: RedisConfig,
+    response_ttl: Duration,
+    store: Option<RedisStore>,
+    backlog: VecDeque<Completion>,
+    retry_at: Option<Instant>,
+    down_since: Option<Instant>,
+    label: String,
+}
+
+impl RedisWriteBack {
+    /// Writes with `config`, caching responses for `response_ttl`; `label`
+    /// names the process in messages. Connects on the first write.
+    pub fn new(config: &RedisConfig, response_ttl: Duration, label: impl Into<String>) -> Self {
+        Self {
+            config: config.clone(),
+            response_ttl,
+            store: None,
+            backlog: VecDeque::new(),
+            retry_at: None,
+            down_since: None,
+            label: label.into(),
+        }
+    }
+
+    /// Records waiting for Redis.
+    pub fn backlog(&self) -> usize {
+        self.backlog.len()
+    }
+
+    fn store(&mut self) -> Result<&mut RedisStore, StoreError> {
+        if self.store.is_none() {
+            let c = &self.config;
+            self.store = Some(RedisStore::connect_with_timeout(
+                &c.url,
+                &c.namespace,
+                c.prefix_ttl(),
+                c.timeout(),
+            )?);
+        }
+        Ok(self.store.as_mut().expect("just set"))
+    }
+
+    /// Writes the backlog's first `n` records in one pipeline.
+    fn flush(&mut self, n: usize) -> Result<(), StoreError> {
+        let ttl = self.response_ttl;
+        let records: Vec<Completion> = self.backlog.iter().take(n).cloned().collect();
+        let mut items = Vec::with_capacity(2 * records.len());
+        for r in &records {
+            let Some(server) = r.server else { continue };
+            items.push(WriteItem {
+                server_slot: server.slot,
+                blocks: &r.prompt_blocks,
+                response: None,
+            });
+            items.push(WriteItem {
+                server_slot: server.slot,
+                blocks: answer_blocks(r),
+                response: r.response_key.map(|k| (k.0, r.response.as_slice(), ttl)),
+            });
+        }
+        self.store()?.write_back(&items, records.len() as u64, unix_ms())
+    }
+}
+
+impl WriteBack for RedisWriteBack {
+    fn kind(&self) -> StoreKind {
+        StoreKind::Redis
+    }
+
+    fn write(&mut self, batch: &[Completion], _now: Stamp, _now_ms: u64, stats: &mut ResponderStats) {
+        for record in batch {
+            if self.backlog.len() >= self.config.write_backlog.max(1) {
+                self.backlog.pop_front();
+                stats.writeback_dropped += 1;
+            }
+            self.backlog.push_back(record.clone());
+        }
+        if self.backlog.is_empty() || self.retry_at.is_some_and(|t| Instant::now() < t) {
+            return;
+        }
+        while !self.backlog.is_empty() {
+            let n = self.backlog.len().min(WRITE_CHUNK);
+            match self.flush(n) {
+                Ok(()) => {
+                    for r in self.backlog.drain(..n) {
+                        stats.records += 1;
+                        stats.blocks += (r.prompt_blocks.len() + answer_blocks(&r).len()) as u64;
+                        stats.responses_stored += u64::from(r.response_key.is_some());
+                    }
+                    if let Some(since) = self.down_since.take() {
+                        eprintln!(
+                            "semlb {}: Redis at {} answers again after {:.1} s; the backlog is written",
+                            self.label,
+                            self.config.url,
+                            since.elapsed().as_secs_f64()
+                        );
+                    }
+                    self.retry_at = None;
+                }
+                Err(e) => {
+                    stats.writeback_failures += 1;
+                    self.store = None;
+                    self.retry_at = Some(Instant::now() + self.config.retry());
+                    if self.down_since.is_none() {
+                        self.down_since = Some(Instant::now());
+                        eprintln!(
+                            "semlb {}: Redis at {} is unavailable ({e}); keeping up to {} records to write later",
+                            self.label, self.config.url, self.config.write_backlog
+                        );
+                    }
+                    return;
+                }
+            }
+        }
+    }
+}
