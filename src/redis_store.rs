@@ -317,6 +317,72 @@ pub(crate) fn parse_lpm(reply: &Value) -> Result<Vec<(u16, u32)>, String> {
     Ok(found)
 }
 
+/// What a dispatcher's lookup reads from Redis ([`RedisStore::dispatch_lookup`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DispatchLookup {
+    /// The cached response, if one was asked for and is present.
+    pub response: Option<Vec<u8>>,
+    /// `(slot, leading blocks held)` per server, sorted by slot.
+    pub prefix: Vec<(u16, u32)>,
+    /// In-flight figures per server over every live owner, sorted by slot.
+    pub loads: Vec<InflightLoad>,
+}
+
+/// The one-round-trip pipeline of a dispatcher's lookup: `GET` of the
+/// response (when `response_key` is given), the in-flight sum script, and
+/// (when `scripted` and the chain is not empty) the longest-prefix script.
+pub(crate) fn lookup_pipeline(
+    namespace: &str,
+    lpm_hash: &str,
+    sum_hash: &str,
+    response_key: Option<u128>,
+    chain: &[u64],
+    scripted: bool,
+) -> redis::Pipeline {
+    let mut pipe = redis::pipe();
+    if let Some(key) = response_key {
+        pipe.cmd("GET").arg(format!("{namespace}:r:{key:032x}"));
+    }
+    pipe.cmd("EVALSHA")
+        .arg(sum_hash)
+        .arg(1)
+        .arg(format!("{namespace}:owners"))
+        .arg(format!("{namespace}:if:"));
+    if scripted && !chain.is_empty() {
+        let cmd = pipe.cmd("EVALSHA").arg(lpm_hash).arg(chain.len());
+        for hash in chain {
+            cmd.arg(format!("{namespace}:p:{hash:016x}"));
+        }
+    }
+    pipe
+}
+
+/// Parses the replies of a [`lookup_pipeline`] (the prefix stays empty
+/// when it was not scripted).
+pub(crate) fn parse_lookup(replies: Vec<Value>, asked_response: bool) -> Result<DispatchLookup, String> {
+    let mut replies = replies.into_iter();
+    let mut next = || replies.next().ok_or_else(|| "short pipeline reply".to_owned());
+    let response = if asked_response {
+        match next()? {
+            Value::Nil => None,
+            Value::BulkString(b) => Some(b),
+            other => return Err(format!("GET returned {other:?}")),
+        }
+    } else {
+        None
+    };
+    let loads = parse_inflight(&next()?)?;
+    let prefix = match replies.next() {
+        Some(reply) => parse_lpm(&reply)?,
+        None => Vec::new(),
+    };
+    Ok(DispatchLookup {
+        response,
+        prefix,
+        loads,
+    })
+}
+
 /// One record of a [`RedisStore::write_back`] batch.
 #[derive(Debug, Clone, Copy)]
 pub struct WriteItem<'a> {
@@ -645,6 +711,52 @@ impl RedisStore {
         let mut cmd = redis::cmd("SET");
         cmd.arg(self.response_key(key)).arg(value).arg("PX").arg(millis(ttl));
         self.query::<()>("put_response", &cmd)
+    }
+
+    /// Everything a dispatcher reads for one decision, in one round trip
+    /// (the gateway's lookup, [`crate::store::redis::RedisRouting`], sends
+    /// the same pipeline): the response under `response_key`, the in-flight
+    /// figures and the longest-prefix match of `chain`. With `naive`, the
+    /// match is then walked one round trip per block instead.
+    pub fn dispatch_lookup(
+        &mut self,
+        response_key: Option<u128>,
+        chain: &[u64],
+        naive: bool,
+    ) -> Result<DispatchLookup, StoreError> {
+        const OP: &str = "dispatch_lookup";
+        let pipe = lookup_pipeline(
+            &self.namespace,
+            self.lpm.get_hash(),
+            self.sum.get_hash(),
+            response_key,
+            chain,
+            !naive,
+        );
+        let mut sent = 0;
+        let replies: Vec<Value> = loop {
+            let conn = self.connection()?;
+            let reply = pipe.query(conn);
+            self.round_trips += 1;
+            sent += 1;
+            match reply {
+                Err(e) if sent == 1 && e.kind() == ErrorKind::NoScriptError => {
+                    for script in [self.lpm.clone(), self.sum.clone()] {
+                        let conn = self.connection()?;
+                        let loaded = script.load(conn);
+                        self.round_trips += 1;
+                        loaded.map_err(|e| self.fail(OP, e))?;
+                    }
+                }
+                other => break other.map_err(|e| self.fail(OP, e))?,
+            }
+        };
+        let mut lookup =
+            parse_lookup(replies, response_key.is_some()).map_err(|detail| StoreError::Protocol { op: OP, detail })?;
+        if naive {
+            lookup.prefix = self.longest_prefix_match_naive(chain)?;
+        }
+        Ok(lookup)
     }
 
     /// Writes a batch of learned records in one round trip: a pipeline of

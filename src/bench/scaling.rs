@@ -62,7 +62,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Args, ValueEnum};
-use semlb::redis_store::RedisStore;
+use semlb::redis_store::{RedisStore, WriteItem};
 use semlb::routing::{self, Candidate, PolicyConfig, Reason, RouteInput};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -785,16 +785,14 @@ pub fn run_worker(args: &WorkerArgs) -> Result<()> {
             loop {
                 for _ in 0..16 {
                     let r = &requests[i % requests.len()];
-                    if store.get_response(r.key.0)?.is_some() {
+                    // What the gateway's Redis store reads for a decision:
+                    // response, in-flight figures and prefix in one pipeline.
+                    let found = store.dispatch_lookup(Some(r.key.0), &r.prompt, naive)?;
+                    if found.response.is_some() {
                         report.cache_hits += 1;
                     }
-                    let pairs = if naive {
-                        store.longest_prefix_match_naive(&r.prompt)?
-                    } else {
-                        store.longest_prefix_match(&r.prompt)?
-                    };
                     routing::live_candidates(&lt, &mut candidates);
-                    let m = redis_match(&pairs, &candidates);
+                    let m = redis_match(&found.prefix, &candidates);
                     let choice = policy
                         .choose(&RouteInput {
                             prompt_blocks: r.prompt.len() as u32,
@@ -806,8 +804,13 @@ pub fn run_worker(args: &WorkerArgs) -> Result<()> {
                         report.prefix_routed += 1;
                     }
                     if report.decisions.is_multiple_of(WRITEBACK_EVERY) {
-                        store.insert_chain(&r.full, choice.server.slot, now_ms())?;
-                        store.put_response(r.key.0, &r.answer, REDIS_TTL)?;
+                        // A response process's write-back: one pipeline.
+                        let item = WriteItem {
+                            server_slot: choice.server.slot,
+                            blocks: &r.full,
+                            response: Some((r.key.0, &r.answer, REDIS_TTL)),
+                        };
+                        store.write_back(&[item], 1, now_ms())?;
                         report.writebacks += 1;
                     }
                     report.decisions += 1;

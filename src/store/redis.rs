@@ -26,8 +26,9 @@
 //!
 //! A batch of completion records becomes one pipeline
 //! ([`RedisStore::write_back`]). When Redis cannot be reached the records
-//! stay in a bounded backlog (`write_backlog`; the oldest give way, counted)
-//! and are written on the first call after `retry_ms` that reaches it.
+//! stay in a bounded backlog (`write_backlog` records and at most
+//! [`MAX_BACKLOG_BYTES`]; the oldest give way, counted) and are written on
+//! the first call after `retry_ms` that reaches it.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
@@ -47,8 +48,8 @@ use super::{
 };
 use crate::config::RedisConfig;
 use crate::redis_store::{
-    INFLIGHT_LEASE, INSERT_SCRIPT, InflightLoad, LPM_SCRIPT, PUBLISH_SCRIPT, RedisStore, SUM_SCRIPT, StoreError,
-    WriteItem, owner_id, parse_inflight, parse_lpm, publish_args,
+    DispatchLookup, INFLIGHT_LEASE, INSERT_SCRIPT, LPM_SCRIPT, PUBLISH_SCRIPT, RedisStore, SUM_SCRIPT, StoreError,
+    WriteItem, lookup_pipeline, owner_id, parse_lookup, publish_args,
 };
 use crate::responder::ResponderStats;
 
@@ -118,7 +119,6 @@ enum Attempt {
 struct Names {
     namespace: String,
     owners: String,
-    inflight_prefix: String,
     own_hash: String,
     owner: String,
     lpm: String,
@@ -172,7 +172,6 @@ impl RedisRouting {
         let names = Names {
             namespace: ns.clone(),
             owners: format!("{ns}:owners"),
-            inflight_prefix: format!("{ns}:if:"),
             own_hash: format!("{ns}:if:{owner}"),
             owner,
             lpm: hash(LPM_SCRIPT),
@@ -239,50 +238,25 @@ impl RedisRouting {
     }
 
     /// The Redis part of a lookup: response, longest-prefix pairs, loads.
-    async fn fetch(&self, request: LookupRequest<'_>) -> Result<Fetched, StoreError> {
+    async fn fetch(&self, request: LookupRequest<'_>) -> Result<DispatchLookup, StoreError> {
         const OP: &str = "lookup";
         let names = &self.names;
-        let mut pipe = redis::pipe();
-        if let Some(key) = request.response_key {
-            pipe.cmd("GET").arg(format!("{}:r:{:032x}", names.namespace, key.0));
-        }
-        pipe.cmd("EVALSHA")
-            .arg(&names.sum)
-            .arg(1)
-            .arg(&names.owners)
-            .arg(&names.inflight_prefix);
-        let scripted = self.config.lookup == RedisLookup::Script && !request.chain.is_empty();
-        if scripted {
-            let cmd = pipe.cmd("EVALSHA").arg(&names.lpm).arg(request.chain.len());
-            for hash in request.chain {
-                cmd.arg(format!("{}:p:{hash:016x}", names.namespace));
-            }
-        }
+        let scripted = self.config.lookup == RedisLookup::Script;
+        let pipe = lookup_pipeline(
+            &names.namespace,
+            &names.lpm,
+            &names.sum,
+            request.response_key.map(|k| k.0),
+            request.chain,
+            scripted,
+        );
         let replies = self.query(OP, &pipe).await?;
-        let bad = |detail: String| StoreError::Protocol { op: OP, detail };
-        let mut replies = replies.into_iter();
-        let mut next = || replies.next().ok_or_else(|| bad("short pipeline reply".into()));
-        let response = match request.response_key {
-            Some(_) => match next()? {
-                Value::Nil => None,
-                Value::BulkString(b) => Some(Bytes::from(b)),
-                other => return Err(bad(format!("GET returned {other:?}"))),
-            },
-            None => None,
-        };
-        let loads = parse_inflight(&next()?).map_err(bad)?;
-        let prefix = if scripted {
-            parse_lpm(&next()?).map_err(bad)?
-        } else if request.chain.is_empty() {
-            Vec::new()
-        } else {
-            self.naive_match(request.chain).await?
-        };
-        Ok(Fetched {
-            response,
-            prefix,
-            loads,
-        })
+        let mut lookup = parse_lookup(replies, request.response_key.is_some())
+            .map_err(|detail| StoreError::Protocol { op: OP, detail })?;
+        if !scripted && !request.chain.is_empty() {
+            lookup.prefix = self.naive_match(request.chain).await?;
+        }
+        Ok(lookup)
     }
 
     /// One `HGETALL` round trip per block until the first missing one.
@@ -394,14 +368,6 @@ impl RedisRouting {
     }
 }
 
-/// What one Redis lookup returned.
-#[derive(Debug)]
-struct Fetched {
-    response: Option<Bytes>,
-    prefix: Vec<(u16, u32)>,
-    loads: Vec<InflightLoad>,
-}
-
 async fn load_scripts(conn: &mut MultiplexedConnection) -> Result<(), redis::RedisError> {
     for code in [INSERT_SCRIPT, LPM_SCRIPT, PUBLISH_SCRIPT, SUM_SCRIPT] {
         redis::cmd("SCRIPT")
@@ -447,7 +413,7 @@ impl RoutingStore for RedisRouting {
                 return lookup;
             };
             self.lookups.fetch_add(1, Relaxed);
-            lookup.response = fetched.response;
+            lookup.response = fetched.response.map(Bytes::from);
             let candidates = &mut lookup.candidates;
             for (slot, depth) in fetched.prefix {
                 if let Some(c) = candidates.iter().find(|c| c.server.slot == slot) {
@@ -491,6 +457,16 @@ impl RoutingStore for RedisRouting {
 /// Records per write-back pipeline (bounds one round trip's size).
 const WRITE_CHUNK: usize = 256;
 
+/// Most bytes of records (blocks and response bodies) a response process
+/// keeps during an outage, whatever `write_backlog` allows: cached
+/// responses may be megabytes each.
+pub const MAX_BACKLOG_BYTES: usize = 64 << 20;
+
+/// The memory a kept record holds.
+fn record_bytes(record: &Completion) -> usize {
+    8 * (record.prompt_blocks.len() + record.full_blocks.len()) + record.response.len() + 64
+}
+
 /// A response process's writes into Redis (see the module docs).
 #[derive(Debug)]
 pub struct RedisWriteBack {
@@ -498,6 +474,7 @@ pub struct RedisWriteBack {
     response_ttl: Duration,
     store: Option<RedisStore>,
     backlog: VecDeque<Completion>,
+    backlog_bytes: usize,
     retry_at: Option<Instant>,
     down_since: Option<Instant>,
     label: String,
@@ -512,6 +489,7 @@ impl RedisWriteBack {
             response_ttl,
             store: None,
             backlog: VecDeque::new(),
+            backlog_bytes: 0,
             retry_at: None,
             down_since: None,
             label: label.into(),
@@ -565,11 +543,18 @@ impl WriteBack for RedisWriteBack {
 
     fn write(&mut self, batch: &[Completion], _now: Stamp, _now_ms: u64, stats: &mut ResponderStats) {
         for record in batch {
-            if self.backlog.len() >= self.config.write_backlog.max(1) {
-                self.backlog.pop_front();
-                stats.writeback_dropped += 1;
-            }
+            self.backlog_bytes += record_bytes(record);
             self.backlog.push_back(record.clone());
+            // Keep the newest: the oldest give way beyond either bound (the
+            // record just added stays, so a write always has something).
+            while self.backlog.len() > 1
+                && (self.backlog.len() > self.config.write_backlog.max(1) || self.backlog_bytes > MAX_BACKLOG_BYTES)
+            {
+                if let Some(old) = self.backlog.pop_front() {
+                    self.backlog_bytes -= record_bytes(&old);
+                    stats.writeback_dropped += 1;
+                }
+            }
         }
         if self.backlog.is_empty() || self.retry_at.is_some_and(|t| Instant::now() < t) {
             return;
@@ -579,6 +564,7 @@ impl WriteBack for RedisWriteBack {
             match self.flush(n) {
                 Ok(()) => {
                     for r in self.backlog.drain(..n) {
+                        self.backlog_bytes -= record_bytes(&r);
                         stats.records += 1;
                         stats.blocks += (r.prompt_blocks.len() + answer_blocks(&r).len()) as u64;
                         stats.responses_stored += u64::from(r.response_key.is_some());
@@ -608,5 +594,65 @@ impl WriteBack for RedisWriteBack {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use shm_layout::ResponseKey;
+
+    use super::*;
+
+    fn record(i: u64, response_bytes: usize) -> Completion {
+        Completion {
+            server: Some(ServerRef { slot: 1, generation: 1 }),
+            prompt_tokens: 32,
+            output_tokens: 16,
+            prompt_blocks: vec![i, i + 1],
+            full_blocks: vec![i, i + 1, i + 2],
+            response_key: (response_bytes > 0).then_some(ResponseKey(u128::from(i))),
+            response: vec![b'x'; response_bytes],
+        }
+    }
+
+    /// A write-back towards a closed port: every write fails at once.
+    fn unreachable(backlog: usize) -> RedisWriteBack {
+        let config = RedisConfig {
+            url: "redis://127.0.0.1:1/".into(),
+            write_backlog: backlog,
+            retry_ms: 10,
+            ..RedisConfig::default()
+        };
+        RedisWriteBack::new(&config, Duration::from_secs(60), "test")
+    }
+
+    #[test]
+    fn an_unreachable_redis_keeps_the_newest_records_up_to_the_bound() {
+        let mut w = unreachable(5);
+        let mut stats = ResponderStats::default();
+        for i in 0..12 {
+            w.write(&[record(i * 10, 0)], Stamp(0), 0, &mut stats);
+        }
+        assert_eq!(w.backlog(), 5);
+        assert_eq!(stats.writeback_dropped, 7);
+        assert_eq!(stats.records, 0, "nothing was written");
+        assert!(stats.writeback_failures >= 1);
+        let kept: Vec<u64> = w.backlog.iter().map(|r| r.prompt_blocks[0]).collect();
+        assert_eq!(kept, vec![70, 80, 90, 100, 110], "the oldest gave way");
+    }
+
+    #[test]
+    fn large_responses_are_bounded_by_bytes_too() {
+        let mut w = unreachable(1_000_000);
+        let mut stats = ResponderStats::default();
+        let big = 4 << 20;
+        for i in 0..40 {
+            w.write(&[record(i, big)], Stamp(0), 0, &mut stats);
+        }
+        assert!(w.backlog_bytes <= MAX_BACKLOG_BYTES, "{} bytes kept", w.backlog_bytes);
+        assert_eq!(w.backlog() as u64 + stats.writeback_dropped, 40);
+        assert!(w.backlog() >= MAX_BACKLOG_BYTES / (big + 100) - 1);
+        let total: usize = w.backlog.iter().map(record_bytes).sum();
+        assert_eq!(total, w.backlog_bytes, "the byte count follows the records");
     }
 }

@@ -1,0 +1,195 @@
+//! Criterion benches of one routing decision's reads on each store, through
+//! the interfaces the gateway uses: [`ShmStore::lookup_now`] (the shm
+//! store's whole lookup: response cache, prefix match, candidates with
+//! load) against [`RedisStore::dispatch_lookup`] (the same reads from a
+//! private loopback `redis-server`: one pipeline, or the naive walk of one
+//! round trip per block), and a response process's write-back of one record
+//! on each. The tables hold 4 096 warmed 16-block conversations over four
+//! servers; lookups draw from them, so prefixes match. Without
+//! `redis-server` the Redis benches are skipped with a message.
+//!
+//! `cargo bench --bench stores`. The full report with percentiles,
+//! tokenization, scaling and the gateway end to end is `semlb bench`;
+//! nothing here asserts a speed.
+
+use std::hint::black_box;
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use semlb::redis_store::{RedisStore, WriteItem};
+use semlb::responder::ResponderStats;
+use semlb::store::LookupRequest;
+use semlb::store::WriteBack;
+use semlb::store::shm::{ShmStore, ShmWriteBack};
+use shm_layout::{Completion, LayoutPlan, ResponseKey, Segment, ServerRef, Stamp};
+
+mod support;
+use support::{chain, key, servers};
+
+/// Removes the named segment when dropped.
+struct Removed(String);
+
+impl Drop for Removed {
+    fn drop(&mut self) {
+        let _ = Segment::remove(&self.0);
+    }
+}
+
+const CONVERSATIONS: u64 = 4096;
+const BLOCKS: usize = 16;
+
+/// A private `redis-server`, killed on drop.
+struct Redis(Child, u16);
+
+impl Redis {
+    fn start() -> Option<Redis> {
+        let port = TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .ok()?;
+        let redis = Redis(child, port);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while RedisStore::connect(&redis.url(), "probe", Duration::from_secs(60)).is_err() {
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Some(redis)
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.1)
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn record(server: ServerRef, i: u64) -> Completion {
+    let full = chain(i, BLOCKS);
+    Completion {
+        server: Some(server),
+        prompt_tokens: 200,
+        output_tokens: 56,
+        prompt_blocks: full[..BLOCKS - 4].to_vec(),
+        full_blocks: full,
+        response_key: Some(ResponseKey(u128::from(key(i)))),
+        response: vec![b'a'; 1024],
+    }
+}
+
+fn stores(c: &mut Criterion) {
+    let name = format!("semlb-bench-stores-{}", std::process::id());
+    let _ = Segment::remove(&name);
+    let plan = LayoutPlan::for_size(64 << 20).expect("plan");
+    let segment = Arc::new(Segment::create(&name, &plan).expect("create bench segment"));
+    let _removed = Removed(name);
+    let srv = servers(&segment, 4);
+    let shm = ShmStore::new(segment.clone(), 1, 600_000);
+    let records: Vec<Completion> = (0..CONVERSATIONS).map(|i| record(srv[(i % 4) as usize], i)).collect();
+    let mut sink = ShmWriteBack::new(segment.tables());
+    let mut stats = ResponderStats::default();
+    sink.write(&records, Stamp(1), segment.clock().now_ms(), &mut stats);
+    let chains: Vec<Vec<u64>> = (0..CONVERSATIONS).map(|i| chain(i, BLOCKS)).collect();
+
+    let mut g = c.benchmark_group("decision_reads");
+    let mut candidates = Vec::new();
+    g.bench_function("shm_candidates_only", |b| {
+        b.iter(|| {
+            semlb::routing::live_candidates(&segment.tables(), &mut candidates);
+            black_box(candidates.len())
+        })
+    });
+    let mut i = 0usize;
+    g.bench_function("shm", |b| {
+        b.iter(|| {
+            i = (i + 1) % chains.len();
+            black_box(shm.lookup_now(LookupRequest {
+                response_key: records[i].response_key,
+                chain: &chains[i],
+                exclude: &[],
+            }))
+        })
+    });
+    let redis = Redis::start();
+    let mut store = redis.as_ref().map(|r| {
+        let mut s = RedisStore::connect(&r.url(), "bench", Duration::from_secs(3600)).expect("connect");
+        for (n, r) in records.iter().enumerate() {
+            let item = WriteItem {
+                server_slot: (n % 4) as u16,
+                blocks: &r.full_blocks,
+                response: r
+                    .response_key
+                    .map(|k| (k.0, r.response.as_slice(), Duration::from_secs(600))),
+            };
+            s.write_back(&[item], 1, n as u64).expect("warm Redis");
+        }
+        s
+    });
+    match &mut store {
+        Some(s) => {
+            for (name, naive) in [("redis_pipelined", false), ("redis_naive", true)] {
+                g.bench_function(name, |b| {
+                    b.iter(|| {
+                        i = (i + 1) % chains.len();
+                        black_box(
+                            s.dispatch_lookup(records[i].response_key.map(|k| k.0), &chains[i], naive)
+                                .expect("lookup"),
+                        )
+                    })
+                });
+            }
+        }
+        None => eprintln!("stores: redis-server not available: Redis benches skipped"),
+    }
+    g.finish();
+
+    let mut g = c.benchmark_group("write_back");
+    g.bench_function("shm", |b| {
+        b.iter(|| {
+            i = (i + 1) % records.len();
+            sink.write(std::slice::from_ref(&records[i]), Stamp(2), 0, &mut stats);
+        })
+    });
+    if let Some(s) = &mut store {
+        g.bench_function("redis", |b| {
+            b.iter(|| {
+                i = (i + 1) % records.len();
+                let r = &records[i];
+                let item = WriteItem {
+                    server_slot: (i % 4) as u16,
+                    blocks: &r.full_blocks,
+                    response: r
+                        .response_key
+                        .map(|k| (k.0, r.response.as_slice(), Duration::from_secs(600))),
+                };
+                s.write_back(&[item], 1, i as u64).expect("write back")
+            })
+        });
+    }
+    g.finish();
+    drop(store);
+    drop(redis);
+}
+
+criterion_group!(benches, stores);
+criterion_main!(benches);
