@@ -5,6 +5,8 @@
 use std::path::Path;
 
 use anyhow::{Result, anyhow};
+use plotters::coord::ranged1d::{Ranged, ValueFormatter};
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
 /// One distribution: a label and its samples (any order, any unit).
@@ -106,54 +108,48 @@ fn draw<DB: DrawingBackend>(panel: &Panel, area: &DrawingArea<DB, plotters::coor
         .y_label_area_size(50);
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     if panel.log_x {
-        let mut chart = builder
+        let chart = builder
             .build_cartesian_2d((lo * 0.9..hi * 1.1).log_scale(), 0.0..1.0)
             .map_err(err)?;
-        chart
-            .configure_mesh()
-            .x_desc(panel.x_label.as_str())
-            .y_desc("share of requests")
-            .draw()
-            .map_err(err)?;
-        for (i, (label, points)) in curves.into_iter().enumerate() {
-            let color = COLORS[i % COLORS.len()];
-            chart
-                .draw_series(LineSeries::new(points, color.stroke_width(2)))
-                .map_err(err)?
-                .label(label)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
-        }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::LowerRight)
-            .draw()
-            .map_err(err)?;
+        draw_curves(chart, &panel.x_label, curves)
     } else {
-        let mut chart = builder.build_cartesian_2d(lo..hi, 0.0..1.0).map_err(err)?;
-        chart
-            .configure_mesh()
-            .x_desc(panel.x_label.as_str())
-            .y_desc("share of requests")
-            .draw()
-            .map_err(err)?;
-        for (i, (label, points)) in curves.into_iter().enumerate() {
-            let color = COLORS[i % COLORS.len()];
-            chart
-                .draw_series(LineSeries::new(points, color.stroke_width(2)))
-                .map_err(err)?
-                .label(label)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
-        }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::LowerRight)
-            .draw()
-            .map_err(err)?;
+        let chart = builder.build_cartesian_2d(lo..hi, 0.0..1.0).map_err(err)?;
+        draw_curves(chart, &panel.x_label, curves)
     }
+}
+
+/// Draws the mesh, one line per curve and the legend on `chart`, whatever
+/// its x axis (linear or logarithmic).
+fn draw_curves<'a, DB: DrawingBackend + 'a, X>(
+    mut chart: ChartContext<'a, DB, Cartesian2d<X, RangedCoordf64>>,
+    x_label: &str,
+    curves: Vec<(&str, Vec<(f64, f64)>)>,
+) -> Result<(), String>
+where
+    X: Ranged<ValueType = f64> + ValueFormatter<f64>,
+{
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    chart
+        .configure_mesh()
+        .x_desc(x_label)
+        .y_desc("share of requests")
+        .draw()
+        .map_err(err)?;
+    for (i, (label, points)) in curves.into_iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        chart
+            .draw_series(LineSeries::new(points, color.stroke_width(2)))
+            .map_err(err)?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()
+        .map_err(err)?;
     Ok(())
 }
 
