@@ -34,6 +34,9 @@ pub enum Command {
     /// Run the gateway: the supervisor creates the shm segment and keeps
     /// the dispatcher and response processes running.
     Serve(ServeArgs),
+    /// A live view of a running gateway from its shm segment: servers,
+    /// load, tables, processes (`--once` for one snapshot).
+    Status(StatusArgs),
     /// Measure: the dispatch path, scaling, end to end, trace replay; shm
     /// vs Redis. Prints tables, writes JSON and SVG plots.
     #[command(subcommand)]
@@ -239,6 +242,23 @@ pub struct SimArgs {
     /// The served model name.
     #[arg(long, default_value = "semlb-sim")]
     pub model: String,
+}
+
+/// `semlb status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// The gateway's segment name (its `shm_name`).
+    #[arg(long, value_name = "NAME", env = "SEMLB_SHM_NAME", default_value = semlb::config::DEFAULT_SHM_NAME)]
+    pub shm_name: String,
+    /// Print one snapshot and exit.
+    #[arg(long)]
+    pub once: bool,
+    /// Seconds between frames.
+    #[arg(long, value_name = "SECS", default_value_t = 1.0)]
+    pub interval: f64,
+    /// Stop after this many frames [default: never, or 1 with --once].
+    #[arg(long, value_name = "N")]
+    pub iterations: Option<u64>,
 }
 
 /// `semlb shm …`.

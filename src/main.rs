@@ -15,6 +15,7 @@
 //! | [`shm_cmd`] | `semlb shm create / inspect / remove` over [`shm_layout::Segment`] |
 //! | [`report`] | a snapshot of a segment, rendered as text or JSON |
 //! | [`demo`] | `semlb demo`: synthetic conversations routed through a throw-away segment |
+//! | [`status`] | `semlb status`: a live view of a running gateway from its segment |
 //! | [`bench`] | `semlb bench`: dispatch path, scaling, end to end, trace replay; shm vs Redis |
 //!
 //! # Flow
@@ -38,6 +39,7 @@ mod cli;
 mod demo;
 mod report;
 mod shm_cmd;
+mod status;
 mod supervisor;
 
 use std::io::Write;
@@ -58,6 +60,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Child(args) => child::run(&args)?,
         Command::Sim(args) => child::run_sim(&args)?,
         Command::Bench(command) => bench::run(&command)?,
+        Command::Status(args) => status::run(&args, &mut out)?,
         Command::BenchWorker(args) => bench::scaling::run_worker(&args)?,
     }
     out.flush()?;

@@ -72,7 +72,8 @@ impl Liveness {
         }
     }
 
-    fn as_str(self) -> &'static str {
+    /// `alive`, `dead` or `unknown`.
+    pub fn as_str(self) -> &'static str {
         match self {
             Self::Alive => "alive",
             Self::Dead => "not running",

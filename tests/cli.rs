@@ -253,3 +253,27 @@ fn demo_with_a_too_small_segment_fails_cleanly() {
     );
     assert!(!seg.path().exists());
 }
+
+#[test]
+fn status_prints_snapshots_of_a_segment() {
+    let seg = TestSegment::new("status");
+    assert_ok(&semlb(&["shm", "create", "--shm-name", &seg.name, "--shm-size", "8MiB"]));
+    let once = assert_ok(&semlb(&["status", "--shm-name", &seg.name, "--once"]));
+    assert_eq!(once.matches("semlb status").count(), 1, "{once}");
+    for section in ["prefix table   0 of", "SLOT SERVER", "SLOT ROLE"] {
+        assert!(once.contains(section), "{section:?} missing:\n{once}");
+    }
+    let frames = assert_ok(&semlb(&[
+        "status",
+        "--shm-name",
+        &seg.name,
+        "--iterations",
+        "2",
+        "--interval",
+        "0.05",
+    ]));
+    assert_eq!(frames.matches("semlb status").count(), 2, "{frames}");
+    assert!(frames.contains("0.0 req/s"), "the second frame has a rate:\n{frames}");
+    let missing = semlb(&["status", "--shm-name", "semlb-test-cli-no-such-segment", "--once"]);
+    assert_fails_with(&missing, &["cannot attach", "semlb-test-cli-no-such-segment"]);
+}

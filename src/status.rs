@@ -1,0 +1,210 @@
+//! `semlb status`: a live view of a running gateway, read from its shm
+//! segment (like `top`): servers with their state, requests in flight and
+//! scraped engine load; the tables' fill; the rate of answered requests;
+//! the processes with their heartbeats and restarts. `--once` prints one
+//! snapshot and exits, for scripts; `--iterations N` stops after N frames.
+//!
+//! It attaches to the segment and only reads (the tables' read paths never
+//! write or wait), so it can run beside a live gateway as often as wanted.
+//! Rates are the difference between two frames: answered requests per
+//! second is the completion records pushed per second (one per complete
+//! 2xx answer from an engine; answers from the response cache are not
+//! counted). On a terminal each frame replaces the previous one; otherwise
+//! frames follow each other.
+
+use std::fmt::Write as _;
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use shm_layout::Segment;
+
+use crate::cli::StatusArgs;
+use crate::report::Report;
+
+/// Runs `semlb status`.
+pub fn run(args: &StatusArgs, out: &mut impl Write) -> Result<()> {
+    let segment = Segment::open(&args.shm_name)
+        .with_context(|| format!("cannot attach to the gateway's segment {:?}", args.shm_name))?;
+    let terminal = std::io::stdout().is_terminal();
+    let frames = if args.once { Some(1) } else { args.iterations };
+    let mut previous: Option<(Instant, u64)> = None;
+    let mut shown = 0u64;
+    loop {
+        let report = Report::of(&segment);
+        let now = Instant::now();
+        let rate = previous.map(|(at, pushed)| {
+            let secs = now.duration_since(at).as_secs_f64().max(1e-3);
+            report.rings.pushed.saturating_sub(pushed) as f64 / secs
+        });
+        previous = Some((now, report.rings.pushed));
+        let text = render(&report, segment.clock().now_ms(), rate);
+        if terminal && !args.once {
+            // Home and clear, then the frame.
+            write!(out, "\x1b[H\x1b[2J{text}")?;
+        } else {
+            writeln!(out, "{text}")?;
+        }
+        out.flush()?;
+        shown += 1;
+        if frames.is_some_and(|n| shown >= n) {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_secs_f64(args.interval.clamp(0.05, 3600.0)));
+    }
+}
+
+/// `ms` ago as `0.4 s`, `12 s`, `3 min`, `never` for 0 stamps.
+fn ago(now_ms: u64, at_ms: u64) -> String {
+    if at_ms == 0 {
+        return "never".into();
+    }
+    let secs = now_ms.saturating_sub(at_ms) as f64 / 1000.0;
+    if secs < 10.0 {
+        format!("{secs:.1} s")
+    } else if secs < 120.0 {
+        format!("{secs:.0} s")
+    } else {
+        format!("{:.0} min", secs / 60.0)
+    }
+}
+
+/// `part` of `whole` as a percentage with one decimal.
+fn pct(part: u64, whole: u64) -> String {
+    if whole == 0 {
+        return "-".into();
+    }
+    format!("{:.1} %", part as f64 * 100.0 / whole as f64)
+}
+
+/// One frame of the view.
+pub fn render(r: &Report, now_ms: u64, answered_per_sec: Option<f64>) -> String {
+    let mut out = String::new();
+    let w = &mut out;
+    let up = now_ms as f64 / 1000.0;
+    let _ = writeln!(
+        w,
+        "semlb status  {}  up {}  segment {}",
+        r.name,
+        if up < 120.0 {
+            format!("{up:.0} s")
+        } else if up < 7200.0 {
+            format!("{:.0} min", up / 60.0)
+        } else {
+            format!("{:.1} h", up / 3600.0)
+        },
+        semlb::size::ByteSize(r.header.segment_bytes)
+    );
+    let _ = writeln!(
+        w,
+        "answered       {}   (engine answers written back; {} total)",
+        answered_per_sec.map_or_else(|| "- req/s".to_owned(), |v| format!("{v:.1} req/s")),
+        r.rings.pushed
+    );
+    let _ = writeln!(
+        w,
+        "prefix table   {} of {} entries ({})",
+        r.prefix_occupancy,
+        r.prefix_capacity,
+        pct(r.prefix_occupancy, r.prefix_capacity)
+    );
+    let _ = writeln!(
+        w,
+        "responses      {} cached, {} refused (too large); index {}",
+        r.responses.records,
+        r.responses.refused,
+        pct(r.response_index_occupancy, r.response_index_capacity)
+    );
+    let _ = writeln!(
+        w,
+        "write-back     {} dropped (ring full), {} bytes waiting",
+        r.rings.dropped, r.rings.used
+    );
+    let _ = writeln!(w);
+    let _ = writeln!(
+        w,
+        "{:<4} {:<28} {:<9} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9}",
+        "SLOT", "SERVER", "STATE", "IN FLIGHT", "TOKENS", "WAITING", "RUNNING", "KV", "SCRAPED"
+    );
+    for s in &r.servers {
+        let scraped = s.load.scraped_at_ms != 0;
+        let dash = |v: String| if scraped { v } else { "-".to_owned() };
+        let _ = writeln!(
+            w,
+            "{:<4} {:<28} {:<9} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9}",
+            s.server.slot,
+            s.address,
+            s.state.name(),
+            s.inflight_requests,
+            s.inflight_tokens,
+            dash(s.load.waiting.to_string()),
+            dash(s.load.running.to_string()),
+            dash(format!("{:.1}%", f64::from(s.load.kv_usage_permyriad) / 100.0)),
+            ago(now_ms, s.load.scraped_at_ms)
+        );
+    }
+    let _ = writeln!(w);
+    let _ = writeln!(
+        w,
+        "{:<4} {:<11} {:<9} {:>8} {:>9} {:>10} {:>8}",
+        "SLOT", "ROLE", "STATE", "PID", "ALIVE", "HEARTBEAT", "RESTARTS"
+    );
+    for (p, alive) in &r.processes {
+        let _ = writeln!(
+            w,
+            "{:<4} {:<11} {:<9} {:>8} {:>9} {:>10} {:>8}",
+            p.slot,
+            p.role.map_or("?", shm_layout::Role::name),
+            p.state.name(),
+            p.pid,
+            alive.as_str(),
+            ago(now_ms, p.heartbeat_ms),
+            p.restarts
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_shares_read_well() {
+        assert_eq!(ago(10_000, 0), "never");
+        assert_eq!(ago(10_000, 9_600), "0.4 s");
+        assert_eq!(ago(100_000, 50_000), "50 s");
+        assert_eq!(ago(1_000_000, 100_000), "15 min");
+        assert_eq!(pct(1, 8), "12.5 %");
+        assert_eq!(pct(1, 0), "-");
+    }
+
+    #[test]
+    fn a_frame_lists_servers_and_processes() {
+        let seg = Segment::heap(&shm_layout::LayoutPlan::for_size(8 << 20).unwrap());
+        let t = seg.tables();
+        let a = t.servers.register(1, "http://10.0.0.1:8000", 0).unwrap();
+        t.servers.set_state(a, shm_layout::ServerState::Up);
+        t.servers.store_load(
+            a,
+            shm_layout::LoadFigures {
+                waiting: 3,
+                running: 7,
+                kv_usage_permyriad: 8120,
+                scraped_at_ms: 900,
+            },
+        );
+        assert!(t.servers.begin_request(1, a, 500));
+        let inc = t.registry.claim(1, shm_layout::Role::Dispatcher, 0);
+        t.registry.attach(1, inc, 4242, 0);
+        t.registry.heartbeat(1, inc, 950);
+        let frame = render(&Report::of(&seg), 1_000, Some(12.5));
+        assert!(frame.contains("12.5 req/s"), "{frame}");
+        let server = frame.lines().find(|l| l.contains("http://10.0.0.1:8000")).unwrap();
+        for cell in ["up", " 1 ", "500", " 3 ", " 7 ", "81.2%", "0.1 s"] {
+            assert!(server.contains(cell), "{cell:?} missing in {server:?}");
+        }
+        let process = frame.lines().find(|l| l.contains("4242")).unwrap();
+        assert!(process.contains("dispatcher") && process.contains("0.1 s"), "{process:?}");
+    }
+}
