@@ -205,6 +205,9 @@ mod tests {
             assert!(server.contains(cell), "{cell:?} missing in {server:?}");
         }
         let process = frame.lines().find(|l| l.contains("4242")).unwrap();
-        assert!(process.contains("dispatcher") && process.contains("0.1 s"), "{process:?}");
+        assert!(
+            process.contains("dispatcher") && process.contains("0.1 s"),
+            "{process:?}"
+        );
     }
 }
