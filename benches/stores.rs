@@ -127,6 +127,7 @@ fn stores(c: &mut Criterion) {
                 response_key: records[i].response_key,
                 chain: &chains[i],
                 exclude: &[],
+                stale_after_ms: u64::MAX,
             }))
         })
     });

@@ -5,7 +5,9 @@
 //! flags are passed on), opens the segment, attaches to its registry slot
 //! with the incarnation it was given, and heartbeats while it works.
 //! SIGTERM makes a dispatcher stop accepting and drain, and a responder
-//! drain its rings once more; both then exit 0.
+//! drain its rings once more; both then exit 0. SIGHUP (the supervisor
+//! forwards it after a reload) makes a dispatcher resolve the configuration
+//! again and swap in its routing policy; responders ignore it.
 
 use std::os::fd::FromRawFd;
 use std::sync::Arc;
@@ -96,6 +98,10 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
             }
         });
         let mut term = signal(SignalKind::terminate())?;
+        // Ignored until here (the supervisor starts children with SIGHUP
+        // ignored, so an early one cannot kill this process).
+        let hup = signal(SignalKind::hangup())?;
+        let policy = config.policy;
         let store: Option<Arc<dyn RoutingStore>> = match config.store.kind {
             StoreKind::Shm => None,
             StoreKind::Redis => Some(RedisRouting::start(
@@ -110,12 +116,51 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
             dispatcher = dispatcher.with_store(store);
         }
         let dispatcher = Arc::new(dispatcher);
+        tokio::spawn(reload_policy_on_hup(
+            hup,
+            dispatcher.clone(),
+            args.serve.clone(),
+            policy,
+        ));
         dispatcher::serve(listener, dispatcher, async move {
             term.recv().await;
         })
         .await?;
         Ok(())
     })
+}
+
+/// On SIGHUP (forwarded by the supervisor's reload), resolves the
+/// configuration again with the same flags and switches to its routing
+/// policy if that changed; a configuration that does not resolve keeps the
+/// running policy. Also checks once at start, for a reload signalled
+/// before the handler was installed.
+async fn reload_policy_on_hup(
+    mut hup: tokio::signal::unix::Signal,
+    dispatcher: Arc<Dispatcher>,
+    serve: crate::cli::ServeArgs,
+    mut policy: semlb::routing::PolicyConfig,
+) {
+    let ring = dispatcher.identity().ring;
+    let reload = |policy: &mut semlb::routing::PolicyConfig| match ServeConfig::resolve(
+        serve.config.as_deref(),
+        serve.overrides(),
+    ) {
+        Ok(new) if new.policy != *policy => {
+            dispatcher.set_policy(&new.policy);
+            *policy = new.policy;
+            eprintln!("semlb: dispatcher {ring}: routing policy now {}", new.policy.kind);
+        }
+        Ok(_) => {}
+        Err(e) => eprintln!(
+            "semlb: dispatcher {ring}: configuration rejected, keeping policy {}: {e}",
+            policy.kind
+        ),
+    };
+    reload(&mut policy);
+    while hup.recv().await.is_some() {
+        reload(&mut policy);
+    }
 }
 
 fn run_responder(segment: &Segment, args: &ChildArgs, config: &ServeConfig) -> Result<()> {

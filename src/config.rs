@@ -62,6 +62,15 @@
 //! | `limits.request_timeout_secs` | integer | `600` | whole-request deadline towards a backend (1 s to 1 day) |
 //! | `limits.connect_timeout_ms` | integer | `2000` | TCP connect deadline to a backend (at most the request timeout) |
 //! | `limits.retries` | integer | `2` | other backends tried when one cannot be reached, before any byte was answered (0 to 10) |
+//! | `[health]` | table | | health checks and load scraping of the backends ([`crate::health`]) |
+//! | `health.path` | string | `"/health"` | path of the active health check (`GET`; any 2xx is healthy) |
+//! | `health.interval_ms` | integer | `2000` | time between health checks of a server, also while it is down (10 ms to 1 hour) |
+//! | `health.timeout_ms` | integer | `1000` | deadline of one health check or scrape (1 ms to `interval_ms`) |
+//! | `health.unhealthy_threshold` | integer | `3` | consecutive failures (checks, or requests when `passive`) that take a server out (1 to 100) |
+//! | `health.healthy_threshold` | integer | `2` | consecutive successful checks that bring a server that is down back (1 to 100) |
+//! | `health.scrape_interval_ms` | integer | `1000` | time between reads of a server's Prometheus `/metrics` (10 ms to 1 hour) |
+//! | `health.stale_after_ms` | integer | `5000` | scraped load figures older than this are ignored (`scrape_interval_ms` to 1 day) |
+//! | `health.passive` | bool | `true` | count failed requests (connection errors, 5xx, cut bodies) towards `unhealthy_threshold` |
 //!
 //! Sizes are strings such as `"256MiB"`, `"1.5GiB"` or `"100MB"`, or an
 //! integer number of bytes.
@@ -213,6 +222,8 @@ pub struct ServeConfig {
     pub limits: LimitsConfig,
     /// Where the routing state lives.
     pub store: StoreConfig,
+    /// Health checks and load scraping of the backends (`[health]`).
+    pub health: HealthConfig,
     /// On SIGTERM the dispatchers stop accepting and let requests in flight
     /// finish for up to this many seconds before the supervisor stops them.
     /// Default 30.
@@ -545,6 +556,76 @@ impl LimitsConfig {
     }
 }
 
+/// Longest `health.interval_ms` and `health.scrape_interval_ms`: one hour.
+pub const MAX_HEALTH_INTERVAL_MS: u64 = 3600 * 1000;
+/// Most `health.unhealthy_threshold` and `health.healthy_threshold`.
+pub const MAX_HEALTH_THRESHOLD: u32 = 100;
+/// Longest `health.path`, in bytes.
+pub const MAX_HEALTH_PATH_BYTES: usize = 1024;
+
+/// Health checks and load scraping of the backends (`[health]`; see
+/// [`crate::health`]).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    /// Path (and optional query) of the active check, `GET <backend><path>`;
+    /// any 2xx answer within the timeout is a success. Default `/health`
+    /// (vLLM, SGLang and llama.cpp all answer it).
+    pub path: String,
+    /// Milliseconds between two checks of a server, up or down. Default 2000.
+    pub interval_ms: u64,
+    /// Deadline of one check or one scrape, in ms; at most `interval_ms`,
+    /// so a server has one check in flight at a time. Default 1000.
+    pub timeout_ms: u64,
+    /// Consecutive failures that take a server out of rotation (`Down`):
+    /// failed checks, and with [`passive`](Self::passive) failed requests of
+    /// one dispatcher. Default 3.
+    pub unhealthy_threshold: u32,
+    /// Consecutive successful checks that bring a `Down` server back `Up`.
+    /// Default 2.
+    pub healthy_threshold: u32,
+    /// Milliseconds between two reads of a server's `/metrics`. Default 1000.
+    pub scrape_interval_ms: u64,
+    /// Scraped load figures older than this many ms are ignored by routing.
+    /// At least `scrape_interval_ms`. Default 5000.
+    pub stale_after_ms: u64,
+    /// Passive checks: dispatchers count connection errors, 5xx answers and
+    /// cut bodies towards `unhealthy_threshold`. Default true.
+    pub passive: bool,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            path: "/health".to_owned(),
+            interval_ms: 2000,
+            timeout_ms: 1000,
+            unhealthy_threshold: 3,
+            healthy_threshold: 2,
+            scrape_interval_ms: 1000,
+            stale_after_ms: 5000,
+            passive: true,
+        }
+    }
+}
+
+impl HealthConfig {
+    /// [`interval_ms`](Self::interval_ms) as a duration.
+    pub fn interval(&self) -> Duration {
+        Duration::from_millis(self.interval_ms)
+    }
+
+    /// [`timeout_ms`](Self::timeout_ms) as a duration.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms)
+    }
+
+    /// [`scrape_interval_ms`](Self::scrape_interval_ms) as a duration.
+    pub fn scrape_interval(&self) -> Duration {
+        Duration::from_millis(self.scrape_interval_ms)
+    }
+}
+
 /// The default number of dispatchers: one per CPU core, at most
 /// [`MAX_DISPATCHERS`].
 pub fn default_dispatchers() -> usize {
@@ -569,6 +650,7 @@ impl Default for ServeConfig {
             response_cache: ResponseCacheConfig::default(),
             limits: LimitsConfig::default(),
             store: StoreConfig::default(),
+            health: HealthConfig::default(),
             drain_timeout_secs: 30,
         }
     }
@@ -800,6 +882,7 @@ impl ServeConfig {
         self.validate_response_cache()?;
         self.validate_limits()?;
         self.validate_store()?;
+        self.validate_health()?;
         if self.drain_timeout_secs > MAX_TIMEOUT_SECS {
             return Err(E::invalid(
                 "drain_timeout_secs",
@@ -851,6 +934,73 @@ impl ServeConfig {
                 "store.redis.write_backlog",
                 r.write_backlog,
                 "must be at most 1000000",
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_health(&self) -> Result<(), ConfigError> {
+        use ConfigError as E;
+
+        let h = &self.health;
+        let path_ok = h.path.starts_with('/')
+            && h.path.len() <= MAX_HEALTH_PATH_BYTES
+            && !h.path.contains('#')
+            && h.path.parse::<http::uri::PathAndQuery>().is_ok();
+        if !path_ok {
+            return Err(E::invalid(
+                "health.path",
+                quoted(&h.path),
+                format!(
+                    "must be a URL path starting with '/', such as \"/health\" (at most {MAX_HEALTH_PATH_BYTES} bytes, no spaces or fragment)"
+                ),
+            ));
+        }
+        if !(10..=MAX_HEALTH_INTERVAL_MS).contains(&h.interval_ms) {
+            return Err(E::invalid(
+                "health.interval_ms",
+                h.interval_ms,
+                format!("must be between 10 and {MAX_HEALTH_INTERVAL_MS} (one hour)"),
+            ));
+        }
+        if h.timeout_ms == 0 || h.timeout_ms > h.interval_ms {
+            return Err(E::invalid(
+                "health.timeout_ms",
+                h.timeout_ms,
+                format!(
+                    "must be between 1 and health.interval_ms = {} (one check in flight per server at a time)",
+                    h.interval_ms
+                ),
+            ));
+        }
+        for (field, value) in [
+            ("health.unhealthy_threshold", h.unhealthy_threshold),
+            ("health.healthy_threshold", h.healthy_threshold),
+        ] {
+            if !(1..=MAX_HEALTH_THRESHOLD).contains(&value) {
+                return Err(E::invalid(
+                    field,
+                    value,
+                    format!("must be between 1 and {MAX_HEALTH_THRESHOLD} (consecutive results)"),
+                ));
+            }
+        }
+        if !(10..=MAX_HEALTH_INTERVAL_MS).contains(&h.scrape_interval_ms) {
+            return Err(E::invalid(
+                "health.scrape_interval_ms",
+                h.scrape_interval_ms,
+                format!("must be between 10 and {MAX_HEALTH_INTERVAL_MS} (one hour)"),
+            ));
+        }
+        if h.stale_after_ms < h.scrape_interval_ms || h.stale_after_ms > MAX_TIMEOUT_SECS * 1000 {
+            return Err(E::invalid(
+                "health.stale_after_ms",
+                h.stale_after_ms,
+                format!(
+                    "must be between health.scrape_interval_ms = {} (else every figure is stale before the next scrape) and {} (one day)",
+                    h.scrape_interval_ms,
+                    MAX_TIMEOUT_SECS * 1000
+                ),
             ));
         }
         Ok(())
@@ -1085,6 +1235,22 @@ mod tests {
                 retries: 2,
             }
         );
+        assert_eq!(
+            c.health,
+            HealthConfig {
+                path: "/health".into(),
+                interval_ms: 2000,
+                timeout_ms: 1000,
+                unhealthy_threshold: 3,
+                healthy_threshold: 2,
+                scrape_interval_ms: 1000,
+                stale_after_ms: 5000,
+                passive: true,
+            }
+        );
+        assert_eq!(c.health.interval(), Duration::from_secs(2));
+        assert_eq!(c.health.timeout(), Duration::from_secs(1));
+        assert_eq!(c.health.scrape_interval(), Duration::from_secs(1));
         assert_eq!(c.drain_timeout_secs, 30);
         assert_eq!(c.drain_timeout(), Duration::from_secs(30));
         assert_eq!(c.limits.request_timeout(), Duration::from_secs(600));
@@ -1170,6 +1336,15 @@ mod tests {
             "retry_ms",
             "lookup",
             "write_backlog",
+            "[health]",
+            "path",
+            "interval_ms",
+            "timeout_ms",
+            "unhealthy_threshold",
+            "healthy_threshold",
+            "scrape_interval_ms",
+            "stale_after_ms",
+            "passive",
         ] {
             let present = text
                 .lines()
@@ -1317,6 +1492,7 @@ retries = 0
             ("[[backend]]\nurl = \"http://a:1\"\nweight = 2\n", "weight", 3),
             ("[policy]\nthreshhold = 0.5\n", "threshhold", 2),
             ("[policy.cache_aware]\nthreshold = 0.5\n", "threshold", 2),
+            ("[health]\ninterval = 5\n", "interval", 2),
             ("[caches]\nenabled = true\n", "caches", 1),
             // The list is `[[backend]]`, not `backends`.
             ("[[backends]]\nurl = \"http://a:1\"\n", "backends", 1),
@@ -1701,6 +1877,69 @@ retries = 0
                 "between 10 and 60000",
             ),
             (
+                "health path relative",
+                |c| c.health.path = "health".into(),
+                "health.path",
+                "\"health\"",
+                "starting with '/'",
+            ),
+            (
+                "health path with a space",
+                |c| c.health.path = "/he alth".into(),
+                "health.path",
+                "\"/he alth\"",
+                "no spaces",
+            ),
+            (
+                "health interval 0",
+                |c| c.health.interval_ms = 0,
+                "health.interval_ms",
+                "0",
+                "between 10 and 3600000",
+            ),
+            (
+                "health timeout 0",
+                |c| c.health.timeout_ms = 0,
+                "health.timeout_ms",
+                "0",
+                "between 1 and health.interval_ms = 2000",
+            ),
+            (
+                "health timeout over the interval",
+                |c| c.health.timeout_ms = 2001,
+                "health.timeout_ms",
+                "2001",
+                "one check in flight",
+            ),
+            (
+                "health unhealthy threshold 0",
+                |c| c.health.unhealthy_threshold = 0,
+                "health.unhealthy_threshold",
+                "0",
+                "between 1 and 100",
+            ),
+            (
+                "health healthy threshold big",
+                |c| c.health.healthy_threshold = 101,
+                "health.healthy_threshold",
+                "101",
+                "between 1 and 100",
+            ),
+            (
+                "health scrape interval huge",
+                |c| c.health.scrape_interval_ms = MAX_HEALTH_INTERVAL_MS + 1,
+                "health.scrape_interval_ms",
+                "3600001",
+                "between 10 and 3600000",
+            ),
+            (
+                "health stale before the next scrape",
+                |c| c.health.stale_after_ms = 999,
+                "health.stale_after_ms",
+                "999",
+                "scrape_interval_ms = 1000",
+            ),
+            (
                 "redis backlog",
                 |c| c.store.redis.write_backlog = 2_000_000,
                 "store.redis.write_backlog",
@@ -1747,6 +1986,19 @@ retries = 0
             |c| c.drain_timeout_secs = 0,
             |c| c.listen = "[::]:0".parse().unwrap(),
             |c| c.backends[0].name = Some("gpu-0.rack_1:a".into()),
+            |c| c.health.path = "/v1/models?probe=1".into(),
+            |c| {
+                c.health.interval_ms = 10;
+                c.health.timeout_ms = 10;
+                c.health.scrape_interval_ms = 10;
+                c.health.stale_after_ms = 10
+            },
+            |c| {
+                c.health.unhealthy_threshold = MAX_HEALTH_THRESHOLD;
+                c.health.healthy_threshold = 1;
+                c.health.passive = false
+            },
+            |c| c.health.stale_after_ms = MAX_TIMEOUT_SECS * 1000,
         ];
         for (i, mutate) in cases.iter().enumerate() {
             let mut c = valid();

@@ -11,6 +11,7 @@
 //! | --- | --- |
 //! | [`cli`] | the command line as clap derive types (parsing only) |
 //! | [`supervisor`] | `semlb serve`: segment, backends, listener, children, restarts, signals |
+//! | [`notify`] | systemd's notification protocol (`READY=1`, `WATCHDOG=1`, ...) for `Type=notify` |
 //! | [`child`] | the dispatcher and responder processes, and `__sim` for `serve --demo` |
 //! | [`shm_cmd`] | `semlb shm create / inspect / remove` over [`shm_layout::Segment`] |
 //! | [`report`] | a snapshot of a segment, rendered as text or JSON |
@@ -37,6 +38,7 @@ mod bench;
 mod child;
 mod cli;
 mod demo;
+mod notify;
 mod report;
 mod shm_cmd;
 mod status;

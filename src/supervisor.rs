@@ -19,6 +19,54 @@
 //! drain timeout), then SIGKILL stragglers, remove the segment, exit 0.
 //! SIGINT: the same with a 1 s grace.
 //!
+//! # systemd
+//!
+//! Under a `Type=notify` unit (`systemd/semlb.service`) the supervisor
+//! reports through [`crate::notify`]: `READY=1` once every child has
+//! attached to its registry slot and a dispatcher has answered `GET
+//! /health` on the listener; `STATUS=` a one-line summary (children up,
+//! restarts, backends up and draining, policy, a failed reload) whenever it
+//! changes and every 30 s; `WATCHDOG=1` at half of `WatchdogSec=`, but only
+//! while it is healthy: every child running its current incarnation with a
+//! heartbeat at most 3 s old. A child being restarted, hung or crash
+//! looping stops the pings until it runs again, and a stalled supervisor
+//! sends none, so systemd restarts the service when that lasts. `STOPPING=1`
+//! on SIGTERM/SIGINT (and on a fatal error), before draining;
+//! `RELOADING=1` and `READY=1` around a reload. Children are started without
+//! `NOTIFY_SOCKET`/`WATCHDOG_*`: only the supervisor notifies.
+//!
+//! # Reload (SIGHUP)
+//!
+//! The configuration is resolved again exactly as at start (the same
+//! `--config` file, the same flags over it). If it does not parse or
+//! validate, the error is logged on one line (naming the key), `STATUS=`
+//! says the reload failed, and everything keeps running as it was.
+//! Otherwise, with no connection dropped and the shared tables kept:
+//!
+//! * **Backends** (by `http://host:port`): a new one is registered in the
+//!   server table (`Up`, so every dispatcher routes to it at once); a
+//!   removed one is set `Draining` (dispatchers route only to `Up`
+//!   servers) and retired, its slot freed, once it has no request in
+//!   flight or after `drain_timeout_secs`; one listed again while still
+//!   draining is `Up` again; unchanged ones are not touched (their prefix
+//!   entries, load and counts stay).
+//! * **Routing policy** (`[policy]`, kind and parameters): the supervisor
+//!   forwards SIGHUP to the dispatchers, which resolve the configuration
+//!   themselves (same flags) and swap their policy in place; one that fails
+//!   to resolve keeps its policy.
+//! * **Needs a restart** (logged, running values kept): `listen`,
+//!   `dispatchers`, `responders`, `shm_name`, `shm_size`, `tokenizer`,
+//!   `chat_template`, `block_size`, `[store]`. Children are started with
+//!   these pinned as flags, so a child restarted after the file changed
+//!   still matches the running segment and processes.
+//! * **Read when a dispatcher starts** (logged): `[limits]`,
+//!   `[response_cache]`, `drain_timeout_secs`; the supervisor itself uses
+//!   the new drain timeout for backends removed from then on.
+//!
+//! `--backend` flags replace the file's `[[backend]]` list at every reload
+//! too, so a gateway started with them cannot change its backends by
+//! reloading.
+//!
 //! `--demo N` first starts N simulated engines (`semlb __sim`) on loopback
 //! and uses them as the backends; unless given, it listens on
 //! `127.0.0.1:8080` and names its segment `semlb-demo`.
@@ -26,7 +74,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
@@ -36,11 +84,12 @@ use anyhow::{Context, Result, anyhow, bail};
 use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
-use semlb::config::ServeConfig;
-use shm_layout::{CreateError, LayoutPlan, PlanOptions, ProcessState, Role, Segment};
+use semlb::config::{BackendConfig, ServeConfig};
+use shm_layout::{CreateError, LayoutPlan, PlanOptions, ProcessState, Role, Segment, ServerRef, ServerState};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::cli::{ChildRole, ServeArgs};
+use crate::notify::{self, Notifier};
 
 /// The fd a dispatcher finds the listening socket on.
 pub const LISTEN_FD: RawFd = 3;
@@ -49,6 +98,10 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 const CRASH_WINDOW: Duration = Duration::from_secs(30);
 const CRASH_LIMIT: usize = 5;
 const HUNG_AFTER_MS: u64 = 10_000;
+/// A heartbeat at most this old is fresh (children beat every 500 ms).
+const FRESH_HEARTBEAT_MS: u64 = 3_000;
+/// A `STATUS=` line is sent when it changes, and at least this often.
+const STATUS_EVERY: Duration = Duration::from_secs(30);
 
 /// One child slot the supervisor keeps filled.
 #[derive(Debug)]
@@ -91,6 +144,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
 }
 
 fn supervise(args: &ServeArgs) -> Result<()> {
+    let notify = Notifier::from_env();
     let config = ServeConfig::resolve(args.config.as_deref(), args.overrides())?;
     // Load what every dispatcher will load, so a bad file is one clear error
     // here rather than a crash loop of children.
@@ -111,14 +165,9 @@ fn supervise(args: &ServeArgs) -> Result<()> {
     let result = (|| {
         let tables = segment.tables();
         let clock = segment.clock();
-        for (i, backend) in config.backends.iter().enumerate() {
-            let url = backend
-                .parsed_url()
-                .map_err(|e| anyhow!("backend {}: {e}", backend.url))?;
-            tables
-                .servers
-                .register(i as u64, &format!("http://{}", url.authority()), clock.now_ms())
-                .with_context(|| format!("registering backend {}", backend.url))?;
+        let mut backends = Backends::default();
+        for backend in &config.backends {
+            backends.register(&segment, backend)?;
         }
         let me = tables.registry.claim(0, Role::Supervisor, clock.now_ms());
         tables.registry.attach(0, me, std::process::id(), clock.now_ms());
@@ -151,8 +200,12 @@ fn supervise(args: &ServeArgs) -> Result<()> {
             );
         }
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        runtime.block_on(monitor(&segment, &config, args, &listener))
+        let supervisor = Supervisor::new(&segment, config, args, &listener, backends, &notify);
+        runtime.block_on(supervisor.monitor())
     })();
+    if let Err(e) = &result {
+        notify.stopping(&format!("failed: {e:#}"));
+    }
     drop(segment);
     let _ = Segment::remove(&name);
     result
@@ -177,41 +230,197 @@ fn create_segment(name: &str, plan: &LayoutPlan) -> Result<Segment> {
     }
 }
 
-async fn monitor(segment: &Segment, config: &ServeConfig, args: &ServeArgs, listener: &TcpListener) -> Result<()> {
-    let tables = segment.tables();
-    let clock = segment.clock();
-    let mut slots: Vec<Slot> = (0..config.dispatchers)
-        .map(|i| (ChildRole::Dispatcher, i))
-        .chain((0..config.responders).map(|j| (ChildRole::Responder, j)))
-        .enumerate()
-        .map(|(k, (role, index))| Slot {
-            role,
-            slot: k as u16 + 1,
-            index,
-            incarnation: 0,
-            pid: None,
-            restart_at: Some(Instant::now()),
-            backoff: BACKOFF_START,
-            restarts: VecDeque::new(),
-        })
-        .collect();
-    let child_args = args.to_args();
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let mut chld = signal(SignalKind::child())?;
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    let outcome: Result<Duration> = loop {
-        tokio::select! {
-            _ = term.recv() => break Ok(config.drain_timeout() + Duration::from_secs(2)),
-            _ = int.recv() => break Ok(Duration::from_secs(1)),
-            _ = chld.recv() => {}
-            _ = tick.tick() => {}
+/// The backends registered in the server table: the configured ones, and
+/// the removed ones still draining.
+#[derive(Debug, Default)]
+struct Backends {
+    /// Configured backends, by address (`http://host:port`).
+    live: Vec<(String, ServerRef)>,
+    /// Removed backends finishing their requests: address, registration,
+    /// when they are retired even with requests in flight.
+    draining: Vec<(String, ServerRef, Instant)>,
+    /// The server-table id of the next registration (ids are never reused).
+    next_id: u64,
+}
+
+impl Backends {
+    /// Registers `backend` in the server table (state `Up`: dispatchers
+    /// route to it at once) and counts it as configured.
+    fn register(&mut self, segment: &Segment, backend: &BackendConfig) -> Result<()> {
+        let address = backend_address(backend)?;
+        let server = segment
+            .tables()
+            .servers
+            .register(self.next_id, &address, segment.clock().now_ms())
+            .with_context(|| format!("registering backend {}", backend.url))?;
+        self.next_id += 1;
+        self.live.push((address, server));
+        Ok(())
+    }
+}
+
+/// How a backend is named in the server table: `http://host:port`.
+fn backend_address(backend: &BackendConfig) -> Result<String> {
+    let url = backend
+        .parsed_url()
+        .map_err(|e| anyhow!("backend {}: {e}", backend.url))?;
+    Ok(format!("http://{}", url.authority()))
+}
+
+/// The supervisor's state while it runs the children.
+struct Supervisor<'a> {
+    segment: &'a Segment,
+    /// The configuration in force (the last one reloaded).
+    config: ServeConfig,
+    /// The command line, for resolving the configuration again.
+    args: &'a ServeArgs,
+    /// The flags children are started with: the command line with the
+    /// settings that need a restart pinned to the running values.
+    child_args: Vec<OsString>,
+    listener: &'a TcpListener,
+    slots: Vec<Slot>,
+    backends: Backends,
+    notify: &'a Notifier,
+    /// Children restarted since the start.
+    restarts: u64,
+    /// The last reload's error, while no later reload succeeded.
+    reload_error: Option<String>,
+    /// Health checks and load scraping of the backends ([`semlb::health`]),
+    /// restarted with the new configuration by a reload.
+    health: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// How a stop was asked for.
+enum Stop {
+    /// SIGTERM: drain.
+    Term,
+    /// SIGINT: a short grace.
+    Int,
+}
+
+impl<'a> Supervisor<'a> {
+    fn new(
+        segment: &'a Segment,
+        config: ServeConfig,
+        args: &'a ServeArgs,
+        listener: &'a TcpListener,
+        backends: Backends,
+        notify: &'a Notifier,
+    ) -> Self {
+        let slots: Vec<Slot> = (0..config.dispatchers)
+            .map(|i| (ChildRole::Dispatcher, i))
+            .chain((0..config.responders).map(|j| (ChildRole::Responder, j)))
+            .enumerate()
+            .map(|(k, (role, index))| Slot {
+                role,
+                slot: k as u16 + 1,
+                index,
+                incarnation: 0,
+                pid: None,
+                restart_at: Some(Instant::now()),
+                backoff: BACKOFF_START,
+                restarts: VecDeque::new(),
+            })
+            .collect();
+        let child_args = pinned_args(args, &config).to_args();
+        Self {
+            segment,
+            config,
+            args,
+            child_args,
+            listener,
+            slots,
+            backends,
+            notify,
+            restarts: 0,
+            reload_error: None,
+            health: None,
         }
-        // Reap whatever died.
+    }
+
+    /// Keeps the children running until SIGTERM/SIGINT or a crash loop,
+    /// then stops them.
+    async fn monitor(mut self) -> Result<()> {
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        let mut hup = signal(SignalKind::hangup())?;
+        let mut chld = signal(SignalKind::child())?;
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        let probe_addr = probe_address(self.listener.local_addr()?);
+        self.restart_health()?;
+        let mut ready = false;
+        let mut last_ping: Option<Instant> = None;
+        let mut last_status = (String::new(), Instant::now());
+        let outcome: Result<Stop> = loop {
+            tokio::select! {
+                _ = term.recv() => break Ok(Stop::Term),
+                _ = int.recv() => break Ok(Stop::Int),
+                _ = hup.recv() => {
+                    if ready {
+                        self.notify.reloading();
+                    }
+                    self.reload();
+                    if ready {
+                        self.notify.ready(&self.status_line());
+                    }
+                }
+                _ = chld.recv() => {}
+                _ = tick.tick() => {}
+            }
+            self.reap();
+            self.kill_hung();
+            if let Some(e) = self.start_due() {
+                break Err(e);
+            }
+            self.retire_drained();
+            if !ready && self.children_up() && probe(probe_addr).await {
+                ready = true;
+                let status = self.status_line();
+                eprintln!("semlb: ready: {status}");
+                self.notify.ready(&status);
+                last_status = (status, Instant::now());
+            }
+            if !ready {
+                continue;
+            }
+            if let Some(interval) = self.notify.watchdog_interval()
+                && last_ping.is_none_or(|t| t.elapsed() >= interval / 2)
+                && self.healthy()
+            {
+                self.notify.watchdog();
+                last_ping = Some(Instant::now());
+            }
+            let status = self.status_line();
+            if status != last_status.0 || last_status.1.elapsed() >= STATUS_EVERY {
+                self.notify.status(&status);
+                last_status = (status, Instant::now());
+            }
+        };
+        let grace = match &outcome {
+            Ok(Stop::Term) => {
+                self.notify.stopping("stopping: draining the requests in flight");
+                self.config.drain_timeout() + Duration::from_secs(2)
+            }
+            Ok(Stop::Int) => {
+                self.notify.stopping("stopping (SIGINT)");
+                Duration::from_secs(1)
+            }
+            Err(e) => {
+                self.notify.stopping(&format!("stopping: {e}"));
+                Duration::from_secs(1)
+            }
+        };
+        stop_children(&mut self.slots, grace).await;
+        outcome.map(|_| ())
+    }
+
+    /// Reaps whatever died, and schedules its restart.
+    fn reap(&mut self) {
+        let tables = self.segment.tables();
         loop {
             match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
                 Ok(WaitStatus::Exited(pid, _) | WaitStatus::Signaled(pid, _, _)) => {
-                    if let Some(s) = slots.iter_mut().find(|s| s.pid == Some(pid)) {
+                    if let Some(s) = self.slots.iter_mut().find(|s| s.pid == Some(pid)) {
                         eprintln!("semlb: {:?} {} (pid {pid}) exited", s.role, s.index);
                         tables.registry.mark_exited(s.slot, s.incarnation);
                         tables.servers.reclaim_process(s.slot);
@@ -224,9 +433,13 @@ async fn monitor(segment: &Segment, config: &ServeConfig, args: &ServeArgs, list
                 Ok(_) => {}
             }
         }
-        // Kill hung children (their exit is reaped above, next round).
-        let now_ms = clock.now_ms();
-        for s in slots.iter().filter(|s| s.pid.is_some()) {
+    }
+
+    /// Kills hung children (their exit is reaped next round).
+    fn kill_hung(&self) {
+        let tables = self.segment.tables();
+        let now_ms = self.segment.clock().now_ms();
+        for s in self.slots.iter().filter(|s| s.pid.is_some()) {
             if let Some(info) = tables.registry.get(s.slot)
                 && info.incarnation == s.incarnation
                 && info.state == ProcessState::Running
@@ -241,9 +454,13 @@ async fn monitor(segment: &Segment, config: &ServeConfig, args: &ServeArgs, list
                 let _ = kill(s.pid.expect("filtered"), Signal::SIGKILL);
             }
         }
-        // (Re)start what is due.
-        let mut failure = None;
-        for s in slots.iter_mut() {
+    }
+
+    /// (Re)starts the children that are due; a crash loop is an error.
+    fn start_due(&mut self) -> Option<anyhow::Error> {
+        let tables = self.segment.tables();
+        let clock = self.segment.clock();
+        for s in self.slots.iter_mut() {
             let due = s.pid.is_none() && s.restart_at.is_some_and(|t| t <= Instant::now());
             if !due {
                 continue;
@@ -255,24 +472,22 @@ async fn monitor(segment: &Segment, config: &ServeConfig, args: &ServeArgs, list
                     s.restarts.pop_front();
                 }
                 if s.restarts.len() >= CRASH_LIMIT {
-                    failure = Some(anyhow!(
+                    return Some(anyhow!(
                         "{:?} {} crashed {CRASH_LIMIT} times within {CRASH_WINDOW:?}: crash loop, stopping",
                         s.role,
                         s.index
                     ));
-                    break;
                 }
-            }
-            if s.incarnation > 0 {
                 eprintln!("semlb: restarting {:?} {}", s.role, s.index);
+                self.restarts += 1;
             }
             let role = match s.role {
                 ChildRole::Dispatcher => Role::Dispatcher,
                 ChildRole::Responder => Role::Responder,
             };
             s.incarnation = tables.registry.claim(s.slot, role, clock.now_ms());
-            let fd = (s.role == ChildRole::Dispatcher).then(|| listener.as_raw_fd());
-            match spawn_child(s, fd, &child_args) {
+            let fd = (s.role == ChildRole::Dispatcher).then(|| self.listener.as_raw_fd());
+            match spawn_child(s, fd, &self.child_args) {
                 Ok(pid) => {
                     s.pid = Some(pid);
                     s.restart_at = None;
@@ -286,21 +501,314 @@ async fn monitor(segment: &Segment, config: &ServeConfig, args: &ServeArgs, list
             }
         }
         // A child that stayed up a while earns a fresh backoff.
-        for s in slots.iter_mut() {
+        for s in self.slots.iter_mut() {
             if s.pid.is_some() && s.restarts.back().is_none_or(|t| t.elapsed() > CRASH_WINDOW) {
                 s.backoff = BACKOFF_START;
             }
         }
-        if let Some(e) = failure {
-            break Err(e);
+        None
+    }
+
+    /// Whether every child runs its current incarnation and has attached
+    /// to its registry slot (and `fresh`: heartbeated within
+    /// [`FRESH_HEARTBEAT_MS`]).
+    fn all_running(&self, fresh: bool) -> bool {
+        let tables = self.segment.tables();
+        let now_ms = self.segment.clock().now_ms();
+        self.slots.iter().all(|s| {
+            s.pid.is_some()
+                && tables.registry.get(s.slot).is_some_and(|info| {
+                    info.incarnation == s.incarnation
+                        && info.state == ProcessState::Running
+                        && (!fresh || now_ms.saturating_sub(info.heartbeat_ms) <= FRESH_HEARTBEAT_MS)
+                })
+        })
+    }
+
+    /// Up: every child attached (the dispatchers then share the listener).
+    fn children_up(&self) -> bool {
+        self.all_running(false)
+    }
+
+    /// Healthy, for the watchdog: every child attached with a fresh
+    /// heartbeat. A child being restarted, hung or in a crash loop makes
+    /// the supervisor unhealthy until it runs again.
+    fn healthy(&self) -> bool {
+        self.all_running(true)
+    }
+
+    /// One line for `systemctl status`.
+    fn status_line(&self) -> String {
+        let tables = self.segment.tables();
+        let now_ms = self.segment.clock().now_ms();
+        let count = |role: ChildRole| {
+            let of_role = self.slots.iter().filter(|s| s.role == role);
+            let up = of_role
+                .clone()
+                .filter(|s| {
+                    s.pid.is_some()
+                        && tables.registry.get(s.slot).is_some_and(|i| {
+                            i.incarnation == s.incarnation
+                                && i.state == ProcessState::Running
+                                && now_ms.saturating_sub(i.heartbeat_ms) <= FRESH_HEARTBEAT_MS
+                        })
+                })
+                .count();
+            (up, of_role.count())
+        };
+        let (d_up, d) = count(ChildRole::Dispatcher);
+        let (r_up, r) = count(ChildRole::Responder);
+        let servers_up = self
+            .backends
+            .live
+            .iter()
+            .filter(|(_, server)| {
+                tables
+                    .servers
+                    .current(server.slot)
+                    .is_some_and(|(s, state)| s == *server && state == ServerState::Up)
+            })
+            .count();
+        let mut line = format!(
+            "{d_up}/{d} dispatchers, {r_up}/{r} responders up, {} restarts; backends {servers_up}/{} up",
+            self.restarts,
+            self.backends.live.len()
+        );
+        if !self.backends.draining.is_empty() {
+            line.push_str(&format!(", {} draining", self.backends.draining.len()));
         }
+        line.push_str(&format!("; policy {}", self.config.policy.kind));
+        if let Some(e) = &self.reload_error {
+            line.push_str(&format!("; last reload failed: {e}"));
+        }
+        line
+    }
+
+    /// SIGHUP: resolves the configuration again and applies what can change
+    /// while running (see the module docs); a configuration that does not
+    /// resolve is logged and the running one kept.
+    fn reload(&mut self) {
+        let new = match self.reloaded_config() {
+            Ok(new) => new,
+            Err(e) => {
+                eprintln!("semlb: reload rejected, keeping the running configuration: {e}");
+                self.reload_error = Some(e);
+                return;
+            }
+        };
+        self.reload_error = None;
+        // Backends: removed ones drain, added ones register, returning ones
+        // (still draining) are Up again; the others are not touched.
+        let servers = self.segment.tables().servers;
+        let mut wanted = Vec::new();
+        for backend in &new.backends {
+            match backend_address(backend) {
+                Ok(a) if !wanted.iter().any(|(w, _)| *w == a) => wanted.push((a, backend)),
+                Ok(_) => {}
+                Err(e) => eprintln!("semlb: reload: {e:#}"),
+            }
+        }
+        let (mut added, mut removed) = (0, 0);
+        let until = Instant::now() + new.drain_timeout();
+        let (keep, gone): (Vec<_>, Vec<_>) = std::mem::take(&mut self.backends.live)
+            .into_iter()
+            .partition(|(a, _)| wanted.iter().any(|(w, _)| w == a));
+        self.backends.live = keep;
+        for (address, server) in gone {
+            servers.set_state(server, ServerState::Draining);
+            eprintln!("semlb: reload: backend {address} removed; draining it");
+            self.backends.draining.push((address, server, until));
+            removed += 1;
+        }
+        for (address, backend) in wanted {
+            if self.backends.live.iter().any(|(a, _)| *a == address) {
+                continue;
+            }
+            added += 1;
+            if let Some(i) = self.backends.draining.iter().position(|(a, _, _)| *a == address)
+                && servers.set_state(self.backends.draining[i].1, ServerState::Up)
+            {
+                let (address, server, _) = self.backends.draining.remove(i);
+                eprintln!("semlb: reload: backend {address} added again (it was still draining)");
+                self.backends.live.push((address, server));
+                continue;
+            }
+            match self.backends.register(self.segment, backend) {
+                Ok(()) => eprintln!("semlb: reload: backend {address} added"),
+                Err(e) => {
+                    added -= 1;
+                    eprintln!("semlb: reload: cannot add backend {address}: {e:#}");
+                }
+            }
+        }
+        // The dispatchers resolve the configuration again themselves (with
+        // the same flags) and take its routing policy.
+        for s in self.slots.iter().filter(|s| s.role == ChildRole::Dispatcher) {
+            if let Some(pid) = s.pid {
+                let _ = kill(pid, Signal::SIGHUP);
+            }
+        }
+        eprintln!(
+            "semlb: reloaded: {added} backends added, {removed} removed, {} configured; policy {}",
+            self.backends.live.len(),
+            new.policy.kind
+        );
+        self.config = new;
+        // The checker takes the new [health] settings and metrics flavors;
+        // its state lives in the server table, so nothing is lost.
+        if let Err(e) = self.restart_health() {
+            eprintln!("semlb: reload: cannot restart the health checks: {e:#}");
+        }
+    }
+
+    /// (Re)starts the health checks and load scraping with the running
+    /// configuration, on a mapping of the segment of their own.
+    fn restart_health(&mut self) -> Result<()> {
+        if let Some(old) = self.health.take() {
+            old.abort();
+        }
+        let segment = Segment::open(&self.config.shm_name).context("opening the segment for the health checks")?;
+        self.health = Some(semlb::health::spawn(
+            std::sync::Arc::new(segment),
+            std::sync::Arc::new(self.config.clone()),
+        ));
+        Ok(())
+    }
+
+    /// The configuration file and the command line again, with the settings
+    /// that need a restart kept at their running values (each change of
+    /// one is logged). The error is one line, naming the key.
+    fn reloaded_config(&self) -> Result<ServeConfig, String> {
+        let one_line = |e: &dyn std::fmt::Display| {
+            e.to_string()
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let mut new =
+            ServeConfig::resolve(self.args.config.as_deref(), self.args.overrides()).map_err(|e| one_line(&e))?;
+        let old = &self.config;
+        let mut kept = Vec::new();
+        macro_rules! keep {
+            ($($field:ident).+) => {
+                if new.$($field).+ != old.$($field).+ {
+                    kept.push(stringify!($($field).+).replace(' ', ""));
+                    new.$($field).+ = old.$($field).+.clone();
+                }
+            };
+        }
+        keep!(listen);
+        keep!(dispatchers);
+        keep!(responders);
+        keep!(shm_name);
+        keep!(shm_size);
+        keep!(tokenizer);
+        keep!(chat_template);
+        keep!(block_size);
+        keep!(store);
+        if !kept.is_empty() {
+            eprintln!(
+                "semlb: reload: {} changed; that needs a restart (systemctl restart semlb): keeping the running values",
+                kept.join(", ")
+            );
+        }
+        let mut at_start = Vec::new();
+        if new.limits != old.limits {
+            at_start.push("limits");
+        }
+        if new.response_cache != old.response_cache {
+            at_start.push("response_cache");
+        }
+        if new.drain_timeout_secs != old.drain_timeout_secs {
+            at_start.push("drain_timeout_secs");
+        }
+        if !at_start.is_empty() {
+            eprintln!(
+                "semlb: reload: {} changed; dispatchers read that when they start: restart the service to apply it to all",
+                at_start.join(", ")
+            );
+        }
+        new.validate().map_err(|e| one_line(&e))?;
+        Ok(new)
+    }
+
+    /// Retires the removed backends whose requests have finished, or whose
+    /// drain timeout has passed.
+    fn retire_drained(&mut self) {
+        let servers = self.segment.tables().servers;
+        let now = Instant::now();
+        self.backends.draining.retain(|(address, server, until)| {
+            let (inflight, _) = servers.inflight(*server);
+            if inflight > 0 && now < *until {
+                return true;
+            }
+            servers.retire(*server);
+            if inflight > 0 {
+                eprintln!(
+                    "semlb: backend {address} removed after the drain timeout with {inflight} requests in flight"
+                );
+            } else {
+                eprintln!("semlb: backend {address} drained and removed");
+            }
+            false
+        });
+    }
+}
+
+/// `args` with the settings that need a restart set to `config`'s values,
+/// so that a child (re)started after the file changed uses the running
+/// segment, process counts, tokenizer and store.
+fn pinned_args(args: &ServeArgs, config: &ServeConfig) -> ServeArgs {
+    let mut pinned = args.clone();
+    pinned.listen = Some(config.listen);
+    pinned.dispatchers = Some(config.dispatchers);
+    pinned.responders = Some(config.responders);
+    pinned.shm_name = Some(config.shm_name.clone());
+    pinned.shm_size = Some(config.shm_size);
+    pinned.block_size = Some(config.block_size);
+    if config.tokenizer.is_some() {
+        pinned.tokenizer.clone_from(&config.tokenizer);
+    }
+    if config.chat_template.is_some() {
+        pinned.chat_template.clone_from(&config.chat_template);
+    }
+    pinned.store = Some(config.store.kind);
+    pinned.redis_url = Some(config.store.redis.url.clone());
+    pinned.redis_namespace = Some(config.store.redis.namespace.clone());
+    pinned.redis_lookup = Some(config.store.redis.lookup);
+    pinned
+}
+
+/// Where the supervisor asks its own listener for `/health`: the listening
+/// address, loopback for a wildcard one.
+fn probe_address(listening: SocketAddr) -> SocketAddr {
+    let ip = match listening.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        ip => ip,
     };
-    let grace = match &outcome {
-        Ok(grace) => *grace,
-        Err(_) => Duration::from_secs(1),
+    SocketAddr::new(ip, listening.port())
+}
+
+/// Whether a dispatcher answers `GET /health` on `addr` (any HTTP status:
+/// 503 only says no backend is up) within a second.
+async fn probe(addr: SocketAddr) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let attempt = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await?;
+        stream
+            .write_all(b"GET /health HTTP/1.1\r\nHost: semlb\r\nConnection: close\r\n\r\n")
+            .await?;
+        let mut head = [0u8; 12];
+        stream.read_exact(&mut head).await?;
+        Ok::<bool, std::io::Error>(head.starts_with(b"HTTP/1.1 "))
     };
-    stop_children(&mut slots, grace).await;
-    outcome.map(|_| ())
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), attempt).await,
+        Ok(Ok(true))
+    )
 }
 
 /// SIGTERM to every child, then SIGKILL after `grace`; reaps them all.
@@ -354,11 +862,21 @@ fn spawn_child(s: &Slot, listen_fd: Option<RawFd>, serve_args: &[OsString]) -> s
         .args(["--index", &s.index.to_string()])
         .args(serve_args)
         .stdin(Stdio::null());
+    for var in notify::ENV_VARS {
+        // Only the supervisor talks to systemd.
+        cmd.env_remove(var);
+    }
     let supervisor = std::process::id() as libc::pid_t;
     // SAFETY: the closure runs in the forked child before exec and only makes
-    // async-signal-safe system calls (prctl, getppid, dup2, fcntl, _exit).
+    // async-signal-safe system calls (signal, prctl, getppid, dup2, fcntl,
+    // _exit).
     unsafe {
         cmd.pre_exec(move || {
+            // Ignored across exec until a dispatcher installs its reload
+            // handler, so a forwarded SIGHUP never kills a starting child.
+            if libc::signal(libc::SIGHUP, libc::SIG_IGN) == libc::SIG_ERR {
+                return Err(std::io::Error::last_os_error());
+            }
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
@@ -395,6 +913,9 @@ fn start_sim(time_scale: f64) -> Result<(Child, String)> {
     ])
     .stdin(Stdio::null())
     .stdout(Stdio::piped());
+    for var in notify::ENV_VARS {
+        cmd.env_remove(var);
+    }
     // SAFETY: only prctl, an async-signal-safe call, runs between fork and exec.
     unsafe {
         cmd.pre_exec(|| {

@@ -257,7 +257,14 @@ fn demo_with_a_too_small_segment_fails_cleanly() {
 #[test]
 fn status_prints_snapshots_of_a_segment() {
     let seg = TestSegment::new("status");
-    assert_ok(&semlb(&["shm", "create", "--shm-name", &seg.name, "--shm-size", "8MiB"]));
+    assert_ok(&semlb(&[
+        "shm",
+        "create",
+        "--shm-name",
+        &seg.name,
+        "--shm-size",
+        "8MiB",
+    ]));
     let once = assert_ok(&semlb(&["status", "--shm-name", &seg.name, "--once"]));
     assert_eq!(once.matches("semlb status").count(), 1, "{once}");
     for section in ["prefix table   0 of", "SLOT SERVER", "SLOT ROLE"] {

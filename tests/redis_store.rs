@@ -356,6 +356,7 @@ fn both_stores_give_the_same_routing_decisions() {
             response_key: None,
             chain: &[],
             exclude: &[],
+            stale_after_ms: u64::MAX,
         };
         while summary(&redis.lookup(empty).await).2 != summary(&shm.lookup(empty).await).2 {
             assert!(Instant::now() < deadline, "Redis never saw the in-flight counts");
@@ -368,6 +369,7 @@ fn both_stores_give_the_same_routing_decisions() {
                     response_key: key.map(ResponseKey),
                     chain,
                     exclude,
+                    stale_after_ms: u64::MAX,
                 };
                 let (a, b) = (shm.lookup(request).await, redis.lookup(request).await);
                 assert_eq!(summary(&a), summary(&b), "chain {chain:x?} excluding {exclude:?}");

@@ -376,6 +376,27 @@ impl<'a> ServerTable<'a> {
         }
     }
 
+    /// Changes the state of a current registration from `from` to `to`
+    /// atomically: false (and nothing changed) if `server` is stale, its
+    /// state is not `from`, or `to` is `Free` or `Configuring`. Health
+    /// checks use it so that they never overwrite a state someone else set
+    /// meanwhile (an operator's `Draining`).
+    pub fn transition(&self, server: ServerRef, from: ServerState, to: ServerState) -> bool {
+        if matches!(to, ServerState::Free | ServerState::Configuring) {
+            return false;
+        }
+        let slot = &self.slots[usize::from(server.slot)];
+        let expected = self.state_word(server.generation, from);
+        slot.state
+            .compare_exchange(
+                expected,
+                self.state_word(server.generation, to),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok()
+    }
+
     /// Frees the slot of a current registration. False if `server` is stale.
     pub fn retire(&self, server: ServerRef) -> bool {
         let slot = &self.slots[usize::from(server.slot)];
@@ -603,6 +624,28 @@ mod tests {
         assert!(!t.is_live(a.tag()), "old generation is not live");
         assert!(!t.set_state(a, ServerState::Up), "stale ref refused");
         assert_eq!(t.servers().count(), 2);
+    }
+
+    #[test]
+    fn transitions_only_from_the_expected_state() {
+        let (s, l) = parts();
+        let t = ServerTable::new(&s, &l, 1);
+        let a = t.register(1, "a", 0).unwrap();
+        assert!(t.transition(a, ServerState::Up, ServerState::Down));
+        assert!(!t.transition(a, ServerState::Up, ServerState::Down), "no longer Up");
+        assert!(t.set_state(a, ServerState::Draining));
+        assert!(!t.transition(a, ServerState::Down, ServerState::Up), "Draining is kept");
+        assert_eq!(t.current(a.slot), Some((a, ServerState::Draining)));
+        assert!(!t.transition(a, ServerState::Draining, ServerState::Free));
+        assert!(!t.transition(a, ServerState::Draining, ServerState::Configuring));
+        assert!(t.transition(a, ServerState::Draining, ServerState::Up));
+        t.retire(a);
+        let b = t.register(2, "b", 0).unwrap();
+        assert!(
+            !t.transition(a, ServerState::Up, ServerState::Down),
+            "stale ref refused"
+        );
+        assert_eq!(t.current(b.slot), Some((b, ServerState::Up)));
     }
 
     #[test]

@@ -29,17 +29,21 @@
 //!    the store in one call ([`crate::store::RoutingStore::lookup`]: shared
 //!    memory, or one Redis round trip).
 //! 4. **Routing**: the live servers ([`crate::routing::live_candidates`]),
-//!    the longest prefix match of the chain, the configured policy. No
+//!    the longest prefix match of the chain, the configured policy (which a
+//!    configuration reload replaces in place: [`Dispatcher::set_policy`]). No
 //!    server: 503 with `Retry-After: 1`. When the store cannot be reached
 //!    the lookup has no prefix and local load only: the policy then
 //!    chooses on load.
 //! 5. **Proxy**: the request is counted in flight to the server in the
-//!    store (the shm ledger; on Redis also the published counts) (a drop guard ends it exactly once), the original body and the
-//!    end-to-end headers go to `<server><path>`; a connection failure or a
-//!    5xx head (nothing sent to the client yet) is retried on another server
-//!    up to `limits.retries` times, then 502. The answer is streamed through
-//!    as it arrives (`relay::Relay`); a client that leaves drops the
-//!    upstream request.
+//!    store (the shm ledger; on Redis also the published counts; a drop
+//!    guard ends it exactly once), the original body and the end-to-end
+//!    headers go to `<server><path>`; a connection failure or a 5xx head
+//!    (nothing sent to the client yet) is retried on another server up to
+//!    `limits.retries` times, then 502. Failures also count towards the
+//!    server's passive health check ([`crate::health::PassiveHealth`]): at
+//!    `health.unhealthy_threshold` in a row it is set `Down` for every
+//!    dispatcher. The answer is streamed through as it arrives
+//!    (`relay::Relay`); a client that leaves drops the upstream request.
 //! 6. **Learning**: a complete 2xx answer becomes a completion record —
 //!    prompt chain, chain of prompt + answer, token counts and, for a
 //!    cacheable non-streaming 200, the body — pushed into this dispatcher's
@@ -65,8 +69,8 @@ mod sse;
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -83,7 +87,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::config::ServeConfig;
-use crate::routing::Policy;
+use crate::routing::{Choice, Policy, PolicyConfig, RouteInput};
 use crate::store::RoutingStore;
 use crate::store::shm::ShmStore;
 
@@ -168,6 +172,40 @@ impl DispatcherStats {
     }
 }
 
+/// The routing policy of a dispatcher, replaceable while it serves (a
+/// configuration reload). Choosing takes an uncontended read lock (one
+/// atomic operation); a replacement waits for the choices in progress, and
+/// the next choice uses the new policy.
+#[derive(Debug)]
+pub struct SwappablePolicy(RwLock<Arc<dyn Policy>>);
+
+impl SwappablePolicy {
+    /// Starts with `policy`.
+    pub fn new(policy: Box<dyn Policy>) -> Self {
+        Self(RwLock::new(Arc::from(policy)))
+    }
+
+    /// The current policy's choice (see [`Policy::choose`]).
+    pub fn choose(&self, input: &RouteInput<'_>) -> Option<Choice> {
+        self.current().choose(input)
+    }
+
+    /// The current policy's name.
+    pub fn name(&self) -> &'static str {
+        self.current().name()
+    }
+
+    /// Replaces the policy; the next choice uses `policy`.
+    pub fn replace(&self, policy: Box<dyn Policy>) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = Arc::from(policy);
+    }
+
+    fn current(&self) -> std::sync::RwLockReadGuard<'_, Arc<dyn Policy>> {
+        // A panic while holding the lock leaves a valid policy behind.
+        self.0.read().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// The pooled upstream HTTP client.
 type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -179,10 +217,11 @@ pub struct Dispatcher {
     config: Arc<ServeConfig>,
     tokenizer: Tokenizer,
     template: ChatTemplate,
-    policy: Box<dyn Policy>,
+    policy: SwappablePolicy,
     store: Arc<dyn RoutingStore>,
     client: UpstreamClient,
     stats: DispatcherStats,
+    health: crate::health::PassiveHealth,
 }
 
 impl Dispatcher {
@@ -195,7 +234,7 @@ impl Dispatcher {
         tokenizer: Tokenizer,
         template: ChatTemplate,
     ) -> Self {
-        let policy = crate::routing::build(&config.policy);
+        let policy = SwappablePolicy::new(crate::routing::build(&config.policy));
         let ttl_ms = config.response_cache.ttl_secs.saturating_mul(1000);
         let store = Arc::new(ShmStore::new(segment.clone(), identity.slot, ttl_ms));
         let mut connector = HttpConnector::new();
@@ -208,6 +247,8 @@ impl Dispatcher {
             .pool_timer(TokioTimer::new())
             .build(connector);
         Self {
+            // Before `config` moves into the struct.
+            health: crate::health::PassiveHealth::new(&config.health),
             segment,
             identity,
             config,
@@ -245,6 +286,14 @@ impl Dispatcher {
     /// The name of its routing policy.
     pub fn policy_name(&self) -> &'static str {
         self.policy.name()
+    }
+
+    /// Routes the next requests with the policy `config` describes (a
+    /// configuration reload; validate `config` first). Requests being routed
+    /// finish with the old policy. The rest of the configuration (limits,
+    /// response cache) stays as the dispatcher started with.
+    pub fn set_policy(&self, config: &PolicyConfig) {
+        self.policy.replace(crate::routing::build(config));
     }
 }
 

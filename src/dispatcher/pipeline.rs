@@ -224,6 +224,7 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
             response_key: key.filter(|_| cacheability.reads()),
             chain: &chain,
             exclude: &[],
+            stale_after_ms: dispatcher.config.health.stale_after_ms,
         })
         .await;
     if let Some(stored) = lookup.response.take()
@@ -323,6 +324,7 @@ impl Dispatcher {
                     response_key: None,
                     chain: if inference { chain } else { &[] },
                     exclude,
+                    stale_after_ms: self.config.health.stale_after_ms,
                 };
                 self.store.lookup(request).await
             }
@@ -349,6 +351,26 @@ impl Dispatcher {
                 _ => lookup.candidates.retain(|c| c.server != choice),
             }
         }
+    }
+}
+
+impl Dispatcher {
+    /// Passive health check (see [`crate::health`]): a request to `server`
+    /// failed; at `health.unhealthy_threshold` failures in a row through
+    /// this dispatcher, the server is set `Down` in the server table, for
+    /// every dispatcher at once (the supervisor's checker re-admits it).
+    pub(super) fn passive_failure(&self, server: ServerRef, address: &str, error: &str) {
+        if self.health.failure(server) && crate::health::eject(&self.segment.tables().servers, server) {
+            eprintln!(
+                "semlb dispatcher {}: backend {address} is down: {} requests in a row failed (last: {error})",
+                self.identity.ring, self.config.health.unhealthy_threshold
+            );
+        }
+    }
+
+    /// Passive health check: a request to `server` was answered in full.
+    pub(super) fn passive_success(&self, server: ServerRef) {
+        self.health.success(server);
     }
 }
 
@@ -412,6 +434,8 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
         let upstream = match result {
             Err(_) => {
                 dispatcher.stats.upstream_errors.fetch_add(1, Relaxed);
+                // Passive health check: no head within the request timeout.
+                dispatcher.passive_failure(server, &address, "no answer within the request timeout");
                 break error_response(
                     StatusCode::GATEWAY_TIMEOUT,
                     format!("{address} did not answer within {} s", limits.request_timeout_secs),
@@ -421,12 +445,16 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
             Ok(Err(e)) => {
                 dispatcher.stats.upstream_errors.fetch_add(1, Relaxed);
                 last_error = format!("{address}: {}", error_chain(&e));
+                // Passive health check: a connection error.
+                dispatcher.passive_failure(server, &address, &last_error);
                 failed.push(server);
                 None
             }
             Ok(Ok(r)) if r.status().is_server_error() => {
                 dispatcher.stats.upstream_errors.fetch_add(1, Relaxed);
                 last_error = format!("{address} answered {}", r.status());
+                // Passive health check: a 5xx head.
+                dispatcher.passive_failure(server, &address, &last_error);
                 failed.push(server);
                 None
             }
@@ -457,6 +485,8 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
             )),
             _ => None,
         };
+        // The relay reports the body's end or failure to the passive health
+        // check (a head alone is not yet a success).
         let mut response = Response::new(Relay::new(incoming, deadline, guard, learn, sse).boxed());
         *response.status_mut() = parts.status;
         client_response_headers(&parts.headers, response.headers_mut());

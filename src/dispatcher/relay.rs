@@ -158,6 +158,17 @@ impl Relay {
         self.finished = true;
         if let Some(g) = self.guard.take() {
             g.dispatcher.stats.upstream_errors.fetch_add(1, Relaxed);
+            // Passive health check: the body was cut or timed out.
+            let address = g
+                .dispatcher
+                .segment
+                .tables()
+                .servers
+                .get(g.server.slot)
+                .map(|i| i.address);
+            let address = address.as_deref().unwrap_or("?");
+            g.dispatcher
+                .passive_failure(g.server, address, "the answer's body failed");
         }
         self.learn = None;
         self.capture = None;
@@ -165,7 +176,10 @@ impl Relay {
 
     fn end(&mut self) {
         self.finished = true;
-        self.guard = None;
+        if let Some(g) = self.guard.take() {
+            // Passive health check: answered in full.
+            g.dispatcher.passive_success(g.server);
+        }
         let (Some((dispatcher, learn)), Some(capture)) = (self.learn.take(), self.capture.take()) else {
             return;
         };

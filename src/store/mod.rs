@@ -119,6 +119,10 @@ pub struct LookupRequest<'a> {
     pub chain: &'a [u64],
     /// Servers not to consider (they failed this request already).
     pub exclude: &'a [ServerRef],
+    /// Scraped load figures older than this (segment milliseconds) are
+    /// left out of the candidates (`health.stale_after_ms`, see
+    /// [`crate::health::fresh_load`]); `u64::MAX` keeps any scraped figures.
+    pub stale_after_ms: u64,
 }
 
 /// What the store knows for one routing decision.
@@ -128,7 +132,8 @@ pub struct Lookup {
     pub response: Option<Bytes>,
     /// Which candidates hold how many leading blocks of the chain.
     pub prefix: PrefixMatch,
-    /// The live servers, minus the excluded ones, with their load.
+    /// The live servers, minus the excluded ones, with their load (scraped
+    /// figures only when fresh, else zeros).
     pub candidates: Vec<Candidate>,
     /// The store could not be asked: the answer is this host's fallback
     /// (no prefix, no cached response, local load only).

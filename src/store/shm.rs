@@ -8,6 +8,7 @@ use bytes::Bytes;
 use shm_layout::{Completion, Segment, ServerRef, Stamp, Tables};
 
 use super::{Lookup, LookupRequest, RoutingStore, StoreFuture, StoreKind, StoreStats, WriteBack, answer_blocks};
+use crate::health::fresh_load;
 use crate::responder::ResponderStats;
 use crate::response_cache::{encode_entry, fresh_body};
 use crate::routing::live_candidates;
@@ -40,14 +41,23 @@ impl ShmStore {
 }
 
 /// A lookup from the segment alone: candidates with the host's in-flight
-/// counts, the prefix match of the segment's table, and (with a TTL) the
-/// segment's response cache. The shm store's whole answer, and the part of
-/// a Redis lookup that shared memory provides.
+/// counts and their fresh scraped load, the prefix match of the segment's
+/// table, and (with a TTL) the segment's response cache. The shm store's
+/// whole answer, and the part of a Redis lookup that shared memory provides.
+///
+/// Scraped figures older than `request.stale_after_ms` are zeroed here
+/// ([`fresh_load`]): this is where every store builds the candidates a
+/// policy sees, and where the segment's clock is at hand (see
+/// [`crate::health`]).
 pub(crate) fn local_lookup(segment: &Segment, request: LookupRequest<'_>, response_ttl_ms: Option<u64>) -> Lookup {
     let tables = segment.tables();
     let mut lookup = Lookup::default();
     live_candidates(&tables, &mut lookup.candidates);
     lookup.candidates.retain(|c| !request.exclude.contains(&c.server));
+    let now_ms = segment.clock().now_ms();
+    for c in &mut lookup.candidates {
+        c.load = fresh_load(c.load, now_ms, request.stale_after_ms).unwrap_or_default();
+    }
     if let (Some(ttl), Some(key)) = (response_ttl_ms, request.response_key) {
         let mut buf = Vec::new();
         if let Some(entry) = tables.responses.get_into(key, &mut buf) {

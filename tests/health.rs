@@ -1,0 +1,570 @@
+//! Health of the inference servers, end to end: a real `semlb serve`
+//! (supervisor, dispatchers, responder) in front of simulated engines
+//! (`semlb __sim` processes, and one in-process `semlb-sim` with fault
+//! injection), the test reading the shm server table read-only
+//! (`shm_layout::Segment::open`) to see what the gateway decided.
+//!
+//! Shown here: an engine killed with SIGKILL is set `Down` by the active
+//! checks while every request keeps succeeding on the others, and a new
+//! engine on the same port is set `Up` again and gets requests; an engine
+//! answering 500 to every inference request (its `/health` fine) is ejected
+//! by the passive checks of the dispatcher after exactly
+//! `unhealthy_threshold` failed requests, with no client error, long before
+//! any active check; the engines' `vllm:num_requests_running` and
+//! `vllm:kv_cache_usage_perc` reach the server table as load figures with a
+//! recent `scraped_at_ms` under load, and go back to zero after it. Every
+//! wait polls a condition with a deadline.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::{Value, json};
+use shm_layout::{LoadFigures, ServerState};
+
+const EXE: &str = env!("CARGO_BIN_EXE_semlb");
+const PATIENCE: Duration = Duration::from_secs(30);
+
+fn unique(tag: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!("semlb-health-{tag}-{}-{nanos}", std::process::id())
+}
+
+/// Polls `f` until it holds, failing after [`PATIENCE`].
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + PATIENCE;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A child process that prints `... http://ADDR` as its first stdout line.
+struct Proc {
+    child: Child,
+    addr: String,
+    stderr: Option<Arc<Mutex<String>>>,
+}
+
+impl Proc {
+    fn start(args: &[&str]) -> Proc {
+        Proc::spawn(args, false)
+    }
+
+    /// Like [`Proc::start`]; with `capture_stderr`, stderr is also collected.
+    fn spawn(args: &[&str], capture_stderr: bool) -> Proc {
+        let mut child = Command::new(EXE)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(if capture_stderr {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            })
+            .spawn()
+            .expect("spawn semlb");
+        let stderr = child.stderr.take().map(|err| {
+            let text = Arc::new(Mutex::new(String::new()));
+            let sink = text.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(err).lines().map_while(Result::ok) {
+                    eprintln!("{line}");
+                    let mut t = sink.lock().unwrap();
+                    t.push_str(&line);
+                    t.push('\n');
+                }
+            });
+            text
+        });
+        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        out.read_line(&mut line).expect("first line");
+        std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
+        let addr = line.trim().rsplit("http://").next().unwrap_or_default().to_owned();
+        assert!(addr.contains(':'), "no address in {line:?}");
+        Proc { child, addr, stderr }
+    }
+
+    fn pid(&self) -> Pid {
+        Pid::from_raw(self.child.id() as i32)
+    }
+
+    fn stderr_text(&self) -> String {
+        self.stderr
+            .as_ref()
+            .map(|t| t.lock().unwrap().clone())
+            .unwrap_or_default()
+    }
+
+    /// SIGTERM, then SIGKILL if it does not exit within 20 s.
+    fn stop(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
+        let _ = kill(self.pid(), Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// `kill -9`, then reap it.
+    fn kill9(&mut self) {
+        kill(self.pid(), Signal::SIGKILL).expect("SIGKILL");
+        self.child.wait().expect("reaped");
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            self.stop();
+        }
+    }
+}
+
+/// `semlb __sim` on `listen` (`127.0.0.1:0`: a free port).
+fn sim_on(listen: &str, time_scale: &str) -> Proc {
+    Proc::start(&["__sim", "--listen", listen, "--time-scale", time_scale])
+}
+
+/// A configuration file with `text` (the backends come as flags).
+struct ConfigFile(PathBuf);
+
+impl ConfigFile {
+    fn new(tag: &str, text: &str) -> ConfigFile {
+        let path = std::env::temp_dir().join(format!("{}.toml", unique(tag)));
+        std::fs::write(&path, text).unwrap();
+        ConfigFile(path)
+    }
+
+    fn path(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+}
+
+impl Drop for ConfigFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+struct Gateway {
+    proc: Proc,
+    shm: String,
+    segment: shm_layout::Segment,
+}
+
+impl Gateway {
+    /// `semlb serve` with `config`, 1 responder, `--backend http://ADDR` for
+    /// each of `backends`, and `extra` flags (2 dispatchers unless given).
+    fn start(tag: &str, config: &ConfigFile, backends: &[&str], extra: &[&str]) -> Gateway {
+        let shm = unique(tag);
+        let mut args = vec![
+            "serve",
+            "--config",
+            config.path(),
+            "--listen",
+            "127.0.0.1:0",
+            "--shm-name",
+            &shm,
+            "--shm-size",
+            "32MiB",
+            "--responders",
+            "1",
+        ];
+        if !extra.contains(&"--dispatchers") {
+            args.extend(["--dispatchers", "2"]);
+        }
+        let urls: Vec<String> = backends.iter().map(|b| format!("http://{b}")).collect();
+        for u in &urls {
+            args.extend(["--backend", u.as_str()]);
+        }
+        args.extend(extra);
+        let proc = Proc::spawn(&args, true);
+        let segment = shm_layout::Segment::open(&shm).expect("the supervisor created the segment");
+        let gw = Gateway { proc, shm, segment };
+        wait_until("the gateway answers /health", || {
+            http(&gw.proc.addr, "GET", "/health", None).map(|r| r.status) == Ok(200)
+        });
+        gw
+    }
+
+    /// The state and load of the server registered for `addr` (`host:port`).
+    fn server(&self, addr: &str) -> (ServerState, LoadFigures) {
+        let url = format!("http://{addr}");
+        let info = self
+            .segment
+            .tables()
+            .servers
+            .servers()
+            .find(|s| s.address == url)
+            .unwrap_or_else(|| panic!("{url} is not in the server table"));
+        (info.state, info.load)
+    }
+
+    fn state(&self, addr: &str) -> ServerState {
+        self.server(addr).0
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.segment.clock().now_ms()
+    }
+
+    /// A completion request with a prompt of its own; must be answered 200.
+    /// Returns the engine that answered (`host:port`).
+    fn complete(&self, i: usize) -> String {
+        let body = json!({"model": "semlb-sim", "prompt": format!("health check request number {i}"), "max_tokens": 4});
+        let r = http(&self.proc.addr, "POST", "/v1/completions", Some(&body)).expect("request");
+        assert_eq!(r.status, 200, "request {i}: {}", String::from_utf8_lossy(&r.body));
+        let backend = r.header("x-semlb-backend").expect("x-semlb-backend").to_owned();
+        backend.trim_start_matches("http://").to_owned()
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        self.proc.stop();
+        let _ = shm_layout::Segment::remove(&self.shm);
+    }
+}
+
+#[derive(Debug)]
+struct Response {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Response {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// One HTTP/1.1 request with `Connection: close`; chunked bodies decoded.
+fn http(addr: &str, method: &str, path: &str, body: Option<&Value>) -> Result<Response, String> {
+    let payload = body.map(|b| b.to_string()).unwrap_or_default();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        payload.len()
+    );
+    if body.is_some() {
+        req.push_str("Content-Type: application/json\r\n");
+    }
+    req.push_str("\r\n");
+    req.push_str(&payload);
+    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    s.write_all(req.as_bytes()).map_err(|e| e.to_string())?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).map_err(|e| e.to_string())?;
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or("no header end")?;
+    let head = String::from_utf8_lossy(&raw[..split]).to_string();
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|c| c.parse().ok())
+        .ok_or("status")?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .collect();
+    let mut body = raw[split + 4..].to_vec();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    if chunked {
+        let mut out = Vec::new();
+        let mut rest = &body[..];
+        while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
+            let size =
+                usize::from_str_radix(String::from_utf8_lossy(&rest[..eol]).trim(), 16).map_err(|e| e.to_string())?;
+            if size == 0 || rest.len() < eol + 2 + size + 2 {
+                break;
+            }
+            out.extend_from_slice(&rest[eol + 2..eol + 2 + size]);
+            rest = &rest[eol + 2 + size + 2..];
+        }
+        body = out;
+    }
+    Ok(Response { status, headers, body })
+}
+
+/// Active checks: `kill -9` of an engine sets it `Down` while requests keep
+/// succeeding on the others; an engine started again on the same port is
+/// set `Up` again after `healthy_threshold` checks and gets requests.
+/// Passive checks are off here, so only the active checker can decide.
+#[test]
+fn a_killed_engine_is_marked_down_and_a_new_one_on_its_port_readmitted() {
+    let config = ConfigFile::new(
+        "active",
+        "[health]\ninterval_ms = 100\ntimeout_ms = 100\nunhealthy_threshold = 2\nhealthy_threshold = 2\npassive = false\n",
+    );
+    let mut engines = [
+        sim_on("127.0.0.1:0", "0.01"),
+        sim_on("127.0.0.1:0", "0.01"),
+        sim_on("127.0.0.1:0", "0.01"),
+    ];
+    let addrs: Vec<String> = engines.iter().map(|e| e.addr.clone()).collect();
+    let gw = Gateway::start(
+        "active",
+        &config,
+        &addrs.iter().map(String::as_str).collect::<Vec<_>>(),
+        &["--policy", "round_robin"],
+    );
+    assert!(addrs.iter().all(|a| gw.state(a) == ServerState::Up));
+    let dead = addrs[0].clone();
+
+    engines[0].kill9();
+    // Requests keep succeeding (a request sent to the dead engine is
+    // retried on another) until the checker has taken it out.
+    let mut i = 0;
+    wait_until("the killed engine is Down", || {
+        let answered_by = gw.complete(i);
+        assert_ne!(answered_by, dead, "a killed engine cannot answer");
+        i += 1;
+        gw.state(&dead) == ServerState::Down
+    });
+    assert!(addrs[1..].iter().all(|a| gw.state(a) == ServerState::Up));
+    let log = gw.proc.stderr_text();
+    assert!(
+        log.contains(&format!(
+            "backend http://{dead} is down: 2 health checks in a row failed"
+        )),
+        "{log}"
+    );
+    for _ in 0..6 {
+        assert_ne!(gw.complete(i), dead);
+        i += 1;
+    }
+
+    // A new engine on the same port.
+    let _revived = sim_on(&dead, "0.01");
+    wait_until("the new engine on the port is Up", || {
+        gw.state(&dead) == ServerState::Up
+    });
+    let log = gw.proc.stderr_text();
+    assert!(
+        log.contains(&format!(
+            "backend http://{dead} is up again: 2 health checks in a row passed"
+        )),
+        "{log}"
+    );
+    // Round robin over three live engines: it gets one request in three.
+    let answered: Vec<String> = (0..6).map(|k| gw.complete(i + k)).collect();
+    assert!(
+        answered.iter().filter(|a| **a == dead).count() >= 1,
+        "the re-admitted engine gets requests again: {answered:?}"
+    );
+}
+
+/// An in-process `semlb-sim` with fault injection.
+struct FaultySim {
+    addr: String,
+    sim: Arc<semlb_workers::server::Sim>,
+    runtime: Option<tokio::runtime::Runtime>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl FaultySim {
+    fn start(faults: semlb_workers::faults::FaultConfig) -> FaultySim {
+        use semlb_workers::config::EngineConfig;
+        use semlb_workers::engine::Engine;
+        use semlb_workers::metrics::MetricsFlavor;
+        use semlb_workers::server::Sim;
+        use semlb_workers::tokenize::{ChatTemplate, Tokenizer};
+
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (addr, sim) = runtime.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap().to_string();
+            let config = EngineConfig {
+                model_name: "semlb-sim".into(),
+                time_scale: 0.01,
+                ..EngineConfig::default()
+            };
+            let sim = Arc::new(Sim::new(
+                Engine::start(config),
+                Tokenizer::bundled(),
+                ChatTemplate::canonical(),
+                faults,
+                MetricsFlavor::Vllm,
+            ));
+            tokio::spawn(semlb_workers::server::serve(listener, sim.clone(), async move {
+                let _ = stopped.await;
+            }));
+            (addr, sim)
+        });
+        FaultySim {
+            addr,
+            sim,
+            runtime: Some(runtime),
+            stop: Some(stop),
+        }
+    }
+}
+
+impl Drop for FaultySim {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_timeout(Duration::from_secs(5));
+        }
+    }
+}
+
+/// Passive checks: an engine answering 500 to every inference request (and
+/// 200 to `/health`, so active checks would never take it out) is ejected
+/// by the dispatcher after exactly `unhealthy_threshold` failed requests,
+/// every one of them retried on a good engine (no client error); it then
+/// gets no more requests. The active check interval is 10 minutes, so the
+/// checker neither ejects nor re-admits it during the test.
+#[test]
+fn an_engine_answering_5xx_is_ejected_by_the_dispatcher() {
+    let faulty = FaultySim::start(semlb_workers::faults::FaultConfig {
+        fail_rate: 1.0,
+        ..Default::default()
+    });
+    let good = [sim_on("127.0.0.1:0", "0.01"), sim_on("127.0.0.1:0", "0.01")];
+    let config = ConfigFile::new(
+        "passive",
+        "[health]\ninterval_ms = 600000\nunhealthy_threshold = 3\nhealthy_threshold = 2\npassive = true\n",
+    );
+    let gw = Gateway::start(
+        "passive",
+        &config,
+        &[faulty.addr.as_str(), good[0].addr.as_str(), good[1].addr.as_str()],
+        // One dispatcher: one passive counter, so exactly 3 failures eject.
+        &["--dispatchers", "1", "--policy", "round_robin"],
+    );
+    assert_eq!(gw.state(&faulty.addr), ServerState::Up);
+    let mut i = 0;
+    wait_until("the failing engine is Down", || {
+        assert_ne!(gw.complete(i), faulty.addr, "the failing engine never answers");
+        i += 1;
+        gw.state(&faulty.addr) == ServerState::Down
+    });
+    assert_eq!(
+        faulty.sim.faults().admitted(),
+        3,
+        "ejected after exactly 3 failed requests"
+    );
+    let log = gw.proc.stderr_text();
+    assert!(
+        log.contains(&format!(
+            "backend http://{} is down: 3 requests in a row failed (last: http://{} answered 500",
+            faulty.addr, faulty.addr
+        )),
+        "{log}"
+    );
+    for _ in 0..9 {
+        assert_ne!(gw.complete(i), faulty.addr);
+        i += 1;
+    }
+    assert_eq!(
+        faulty.sim.faults().admitted(),
+        3,
+        "no request reaches an ejected engine"
+    );
+    assert_eq!(gw.state(&faulty.addr), ServerState::Down, "held until checks pass");
+    assert!(good.iter().all(|g| gw.state(&g.addr) == ServerState::Up));
+}
+
+/// Load scraping: under load the engines' running requests and KV-cache
+/// usage appear in the server table with a recent `scraped_at_ms`, and
+/// drop back to zero running once the load is gone.
+#[test]
+fn engine_load_is_scraped_into_the_server_table() {
+    let config = ConfigFile::new(
+        "scrape",
+        "[health]\nscrape_interval_ms = 50\ntimeout_ms = 500\nstale_after_ms = 1000\n",
+    );
+    let engines = [sim_on("127.0.0.1:0", "0.2"), sim_on("127.0.0.1:0", "0.2")];
+    let addrs: Vec<&str> = engines.iter().map(|e| e.addr.as_str()).collect();
+    let gw = Gateway::start("scrape", &config, &addrs, &["--policy", "round_robin"]);
+    // Idle: scraped, nothing running.
+    for a in &addrs {
+        wait_until("an idle engine is scraped", || gw.server(a).1.scraped_at_ms > 0);
+        let f = gw.server(a).1;
+        assert_eq!((f.waiting, f.running), (0, 0), "{a}: {f:?}");
+    }
+
+    // Load: 8 long generations at once.
+    let gateway_addr = gw.proc.addr.clone();
+    let clients: Vec<_> = (0..8)
+        .map(|k| {
+            let addr = gateway_addr.clone();
+            std::thread::spawn(move || {
+                let body = json!({
+                    "model": "semlb-sim",
+                    "prompt": format!("a long story number {k} about scraping metrics"),
+                    "max_tokens": 200,
+                    "ignore_eos": true,
+                });
+                http(&addr, "POST", "/v1/completions", Some(&body)).map(|r| r.status)
+            })
+        })
+        .collect();
+    let mut seen: Vec<(String, LoadFigures, u64)> = Vec::new();
+    wait_until("running requests appear in the server table", || {
+        let now = gw.now_ms();
+        for a in &addrs {
+            let f = gw.server(a).1;
+            if f.running > 0 {
+                seen.push((a.to_string(), f, now));
+            }
+        }
+        seen.len() >= 2
+    });
+    for (a, f, now) in &seen {
+        assert!(
+            now.saturating_sub(f.scraped_at_ms) <= 1000,
+            "{a}: scraped at {} ms, now {now} ms",
+            f.scraped_at_ms
+        );
+        assert!(f.kv_usage_permyriad > 0, "{a}: running requests hold KV blocks: {f:?}");
+        assert!(f.running <= 8, "{a}: {f:?}");
+    }
+    for c in clients {
+        assert_eq!(c.join().unwrap(), Ok(200));
+    }
+    // Idle again: the next scrapes say so.
+    for a in &addrs {
+        let after = gw.now_ms();
+        wait_until("the load is gone", || {
+            let f = gw.server(a).1;
+            f.scraped_at_ms > after && f.running == 0 && f.waiting == 0
+        });
+    }
+    let log = gw.proc.stderr_text();
+    assert!(
+        addrs
+            .iter()
+            .all(|a| log.contains(&format!("backend http://{a}: load from its vllm metrics"))),
+        "{log}"
+    );
+}
