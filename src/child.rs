@@ -183,6 +183,9 @@ fn run_responder(segment: &Segment, args: &ChildArgs, config: &ServeConfig) -> R
     };
     let mut idle = Duration::from_micros(50);
     let mut last_beat = 0u64;
+    // Its counters go to its registry slot's stats block (`/metrics`).
+    let metrics = semlb::metrics::Metrics::new(tables.stats, args.slot);
+    let mut counted = responder.stats();
     loop {
         let stopping = STOP.load(Ordering::Relaxed);
         let now_ms = clock.now_ms();
@@ -191,6 +194,9 @@ fn run_responder(segment: &Segment, args: &ChildArgs, config: &ServeConfig) -> R
             .iter()
             .map(|r| responder.drain(*r, stamp, now_ms, |slot, inc| tables.registry.is_alive(slot, inc)))
             .sum();
+        let now = responder.stats();
+        metrics.responder(&counted, &now);
+        counted = now;
         if now_ms >= last_beat + HEARTBEAT.as_millis() as u64 {
             tables.registry.heartbeat(args.slot, args.incarnation, now_ms);
             last_beat = now_ms;

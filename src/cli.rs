@@ -105,6 +105,14 @@ pub struct ServeArgs {
     /// (one round trip per block, the sLLM paper's baseline).
     #[arg(long, value_name = "HOW")]
     pub redis_lookup: Option<RedisLookup>,
+    /// Serve the admin API on this address (`[admin] listen`); it needs a
+    /// bearer token (`--admin-token-file` or the file's `[admin]`).
+    #[arg(long, value_name = "ADDR")]
+    pub admin_listen: Option<SocketAddr>,
+    /// A file holding the admin API's bearer token, not readable by others
+    /// (replaces the file's `admin.token` and `admin.token_file`).
+    #[arg(long, value_name = "PATH")]
+    pub admin_token_file: Option<PathBuf>,
     /// Also start N simulated engines (default 3) on loopback and use them
     /// as the backends: the gateway runs on one machine with no GPU. Unless
     /// given, --listen is then 127.0.0.1:8080 and --shm-name semlb-demo.
@@ -134,6 +142,8 @@ impl ServeArgs {
             redis_url: self.redis_url.clone(),
             redis_namespace: self.redis_namespace.clone(),
             redis_lookup: self.redis_lookup,
+            admin_listen: self.admin_listen,
+            admin_token_file: self.admin_token_file.clone(),
         }
     }
 
@@ -196,6 +206,12 @@ impl ServeArgs {
                 }
                 .to_owned(),
             );
+        }
+        if let Some(v) = self.admin_listen {
+            push("--admin-listen", v.to_string());
+        }
+        if let Some(v) = &self.admin_token_file {
+            push("--admin-token-file", v.display().to_string());
         }
         out
     }

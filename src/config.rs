@@ -71,6 +71,10 @@
 //! | `health.scrape_interval_ms` | integer | `1000` | time between reads of a server's Prometheus `/metrics` (10 ms to 1 hour) |
 //! | `health.stale_after_ms` | integer | `5000` | scraped load figures older than this are ignored (`scrape_interval_ms` to 1 day) |
 //! | `health.passive` | bool | `true` | count failed requests (connection errors, 5xx, cut bodies) towards `unhealthy_threshold` |
+//! | `[admin]` | table | | the admin API (`semlb serve`'s supervisor serves it) |
+//! | `admin.listen` | `"ip:port"` | not set: no admin API | where the admin API accepts HTTP; keep it on loopback or a management network |
+//! | `admin.token` | string | not set | the bearer token every admin request must send (16 to 4096 visible ASCII characters); required with `listen`, or `token_file` |
+//! | `admin.token_file` | path | not set | a file holding the token instead (trailing whitespace ignored); it must not be readable by others (`chmod 0600`) |
 //!
 //! Sizes are strings such as `"256MiB"`, `"1.5GiB"` or `"100MB"`, or an
 //! integer number of bytes.
@@ -80,8 +84,9 @@
 //! [`ServeOverrides`] has one field per flag: `--listen`, `--dispatchers`,
 //! `--responders`, `--shm-name`, `--shm-size`, `--backend URL`
 //! (repeatable), `--tokenizer`, `--chat-template`, `--block-size`,
-//! `--policy`, `--store`, `--redis-url`, `--redis-namespace` and
-//! `--redis-lookup`.
+//! `--policy`, `--store`, `--redis-url`, `--redis-namespace`,
+//! `--redis-lookup`, `--admin-listen` and `--admin-token-file` (which
+//! replaces a file's `admin.token`).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -123,6 +128,10 @@ pub const MAX_TTL_SECS: u64 = 365 * 24 * 3600;
 pub const MAX_TIMEOUT_SECS: u64 = 24 * 3600;
 /// Most `limits.retries`.
 pub const MAX_RETRIES: u32 = 10;
+/// Shortest admin bearer token, in bytes.
+pub const MIN_ADMIN_TOKEN_BYTES: usize = 16;
+/// Longest admin bearer token, in bytes.
+pub const MAX_ADMIN_TOKEN_BYTES: usize = 4096;
 
 /// Why a configuration could not be loaded or is not usable. Every message
 /// names the file or the key.
@@ -224,6 +233,8 @@ pub struct ServeConfig {
     pub store: StoreConfig,
     /// Health checks and load scraping of the backends (`[health]`).
     pub health: HealthConfig,
+    /// The admin API (`[admin]`); off unless `admin.listen` is set.
+    pub admin: AdminConfig,
     /// On SIGTERM the dispatchers stop accepting and let requests in flight
     /// finish for up to this many seconds before the supervisor stops them.
     /// Default 30.
@@ -261,6 +272,20 @@ impl BackendConfig {
     /// Its URL taken apart; errors say what is wrong with it.
     pub fn parsed_url(&self) -> Result<BackendUrl, String> {
         self.url.parse()
+    }
+
+    /// Whether [`name`](Self::name), if given, is a valid name: 1 to
+    /// [`MAX_BACKEND_NAME_BYTES`] letters, digits or `. _ : -`. The error
+    /// is the reason only.
+    pub fn check_name(&self) -> Result<(), String> {
+        let Some(name) = &self.name else { return Ok(()) };
+        let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-');
+        if name.is_empty() || name.len() > MAX_BACKEND_NAME_BYTES || !name.chars().all(ok_char) {
+            return Err(format!(
+                "must be 1 to {MAX_BACKEND_NAME_BYTES} letters, digits or . _ : - (it is a metrics label)"
+            ));
+        }
+        Ok(())
     }
 
     /// Its name: `name` if given, else the URL's `host:port` (the URL as
@@ -626,6 +651,72 @@ impl HealthConfig {
     }
 }
 
+/// The admin API (`[admin]`): an HTTP listener of the supervisor, separate
+/// from the gateway's, where operators list, add, drain and remove
+/// backends and flush the shared tables. Every request must carry
+/// `Authorization: Bearer <token>`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// Where the admin API listens; `None` (the default): no admin API.
+    #[serde(deserialize_with = "optional_socket_addr")]
+    pub listen: Option<SocketAddr>,
+    /// The bearer token, written in the file. Required with `listen`
+    /// unless [`token_file`](Self::token_file) is set; not both.
+    pub token: Option<String>,
+    /// A file holding the bearer token (trailing whitespace ignored). It
+    /// must not be world-readable; that is checked when the supervisor
+    /// starts ([`AdminConfig::read_token`]).
+    pub token_file: Option<PathBuf>,
+}
+
+impl AdminConfig {
+    /// The bearer token: [`token`](Self::token), or the contents of
+    /// [`token_file`](Self::token_file) (which must exist, not be readable
+    /// by others, and hold a valid token). `None` when neither is set.
+    /// Errors name the key.
+    pub fn read_token(&self) -> Result<Option<String>, ConfigError> {
+        if let Some(token) = &self.token {
+            return Ok(Some(token.clone()));
+        }
+        let Some(path) = &self.token_file else {
+            return Ok(None);
+        };
+        let shown = quoted(&path.display().to_string());
+        let invalid = |reason: String| ConfigError::invalid("admin.token_file", &shown, reason);
+        let meta = std::fs::metadata(path).map_err(|e| invalid(format!("cannot read it: {e}")))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = meta.permissions().mode() & 0o777;
+            if mode & 0o007 != 0 {
+                return Err(invalid(format!(
+                    "it is readable by every user (mode {mode:04o}); the token guards the admin API: chmod o-rwx it (0600 or 0640)"
+                )));
+            }
+        }
+        if !meta.is_file() {
+            return Err(invalid("it is not a regular file".into()));
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| invalid(format!("cannot read it: {e}")))?;
+        let token = text.trim_end().to_owned();
+        check_admin_token(&token).map_err(|reason| invalid(format!("its contents: {reason}")))?;
+        Ok(Some(token))
+    }
+}
+
+/// Whether `token` is usable as a bearer token; the reason if not.
+fn check_admin_token(token: &str) -> Result<(), String> {
+    if !(MIN_ADMIN_TOKEN_BYTES..=MAX_ADMIN_TOKEN_BYTES).contains(&token.len()) {
+        return Err(format!(
+            "a token must be {MIN_ADMIN_TOKEN_BYTES} to {MAX_ADMIN_TOKEN_BYTES} characters long (e.g. `openssl rand -hex 32`)"
+        ));
+    }
+    if !token.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("a token must be visible ASCII characters only (no spaces)".into());
+    }
+    Ok(())
+}
+
 /// The default number of dispatchers: one per CPU core, at most
 /// [`MAX_DISPATCHERS`].
 pub fn default_dispatchers() -> usize {
@@ -651,6 +742,7 @@ impl Default for ServeConfig {
             limits: LimitsConfig::default(),
             store: StoreConfig::default(),
             health: HealthConfig::default(),
+            admin: AdminConfig::default(),
             drain_timeout_secs: 30,
         }
     }
@@ -689,6 +781,11 @@ pub struct ServeOverrides {
     pub redis_namespace: Option<String>,
     /// `--redis-lookup script|naive`.
     pub redis_lookup: Option<RedisLookup>,
+    /// `--admin-listen ADDR`.
+    pub admin_listen: Option<SocketAddr>,
+    /// `--admin-token-file PATH`: replaces the file's `admin.token` and
+    /// `admin.token_file`.
+    pub admin_token_file: Option<PathBuf>,
 }
 
 impl ServeConfig {
@@ -715,7 +812,14 @@ impl ServeConfig {
             message: e.to_string().trim_end().to_owned(),
         })?;
         let base = path.parent().unwrap_or(Path::new(""));
-        for file in [&mut config.tokenizer, &mut config.chat_template].into_iter().flatten() {
+        for file in [
+            &mut config.tokenizer,
+            &mut config.chat_template,
+            &mut config.admin.token_file,
+        ]
+        .into_iter()
+        .flatten()
+        {
             if file.is_relative() {
                 *file = base.join(&*file);
             }
@@ -740,7 +844,16 @@ impl ServeConfig {
             redis_url,
             redis_namespace,
             redis_lookup,
+            admin_listen,
+            admin_token_file,
         } = overrides;
+        if let Some(v) = admin_listen {
+            self.admin.listen = Some(v);
+        }
+        if let Some(v) = admin_token_file {
+            self.admin.token = None;
+            self.admin.token_file = Some(v);
+        }
         if let Some(v) = store {
             self.store.kind = v;
         }
@@ -883,6 +996,7 @@ impl ServeConfig {
         self.validate_limits()?;
         self.validate_store()?;
         self.validate_health()?;
+        self.validate_admin()?;
         if self.drain_timeout_secs > MAX_TIMEOUT_SECS {
             return Err(E::invalid(
                 "drain_timeout_secs",
@@ -1006,6 +1120,50 @@ impl ServeConfig {
         Ok(())
     }
 
+    fn validate_admin(&self) -> Result<(), ConfigError> {
+        use ConfigError as E;
+
+        let admin = &self.admin;
+        if let Some(token) = &admin.token {
+            // Never echo the token itself.
+            check_admin_token(token).map_err(|reason| E::invalid("admin.token", "\"(hidden)\"", reason))?;
+        }
+        if let (Some(_), Some(path)) = (&admin.token, &admin.token_file) {
+            return Err(E::invalid(
+                "admin.token_file",
+                quoted(&path.display().to_string()),
+                "set admin.token or admin.token_file, not both",
+            ));
+        }
+        if admin.token_file.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+            return Err(E::invalid("admin.token_file", "\"\"", "must not be empty"));
+        }
+        let Some(listen) = admin.listen else {
+            return Ok(());
+        };
+        if admin.token.is_none() && admin.token_file.is_none() {
+            return Err(E::invalid(
+                "admin.listen",
+                quoted(&listen.to_string()),
+                "the admin API needs a bearer token: set admin.token or admin.token_file (or --admin-token-file)",
+            ));
+        }
+        let same_ip =
+            listen.ip() == self.listen.ip() || listen.ip().is_unspecified() || self.listen.ip().is_unspecified();
+        // Port 0 picks a free port for each, so they never collide.
+        if listen.port() != 0 && listen.port() == self.listen.port() && same_ip {
+            return Err(E::invalid(
+                "admin.listen",
+                quoted(&listen.to_string()),
+                format!(
+                    "must differ from listen = {} (the admin API has its own address)",
+                    quoted(&self.listen.to_string())
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn validate_backends(&self) -> Result<(), ConfigError> {
         use ConfigError as E;
 
@@ -1036,17 +1194,8 @@ impl ServeConfig {
                     format!("the same server as backend[{first}].url"),
                 ));
             }
-            if let Some(name) = &backend.name {
-                let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-');
-                if name.is_empty() || name.len() > MAX_BACKEND_NAME_BYTES || !name.chars().all(ok_char) {
-                    return Err(E::invalid(
-                        format!("backend[{i}].name"),
-                        quoted(name),
-                        format!(
-                            "must be 1 to {MAX_BACKEND_NAME_BYTES} letters, digits or . _ : - (it is a metrics label)"
-                        ),
-                    ));
-                }
+            if let (Some(name), Err(reason)) = (&backend.name, backend.check_name()) {
+                return Err(E::invalid(format!("backend[{i}].name"), quoted(name), reason));
             }
             let name = backend.display_name();
             if let Some(first) = names.insert(name.clone(), i) {
@@ -1134,6 +1283,11 @@ fn socket_addr<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Sock
              (host names are not accepted)"
         ))
     })
+}
+
+/// `admin.listen`: like [`socket_addr`], present.
+fn optional_socket_addr<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<SocketAddr>, D::Error> {
+    socket_addr(deserializer).map(Some)
 }
 
 /// A string as TOML writes it, for error messages.
@@ -1291,7 +1445,10 @@ mod tests {
             EXAMPLE.trim_end(),
             "the example should have commented-out settings"
         );
-        let c = ServeConfig::from_toml(&text, Path::new(EXAMPLE_PATH)).unwrap();
+        let mut c = ServeConfig::from_toml(&text, Path::new(EXAMPLE_PATH)).unwrap();
+        // admin.token and admin.token_file are alternatives; the example shows both.
+        assert!(c.admin.listen.is_some() && c.admin.token.is_some() && c.admin.token_file.is_some());
+        c.admin.token = None;
         c.validate().unwrap();
         assert!(c.tokenizer.is_some() && c.chat_template.is_some(), "{c:?}");
         assert!(c.backends.iter().any(|b| b.name.is_some()), "{c:?}");
@@ -1345,6 +1502,10 @@ mod tests {
             "scrape_interval_ms",
             "stale_after_ms",
             "passive",
+            "[admin]",
+            "listen",
+            "token",
+            "token_file",
         ] {
             let present = text
                 .lines()
@@ -1940,6 +2101,64 @@ retries = 0
                 "scrape_interval_ms = 1000",
             ),
             (
+                "admin without a token",
+                |c| c.admin.listen = Some("127.0.0.1:9090".parse().unwrap()),
+                "admin.listen",
+                "\"127.0.0.1:9090\"",
+                "needs a bearer token",
+            ),
+            (
+                "admin on the gateway's address",
+                |c| {
+                    c.admin.listen = Some(c.listen);
+                    c.admin.token = Some("0123456789abcdef".into())
+                },
+                "admin.listen",
+                "\"0.0.0.0:8080\"",
+                "must differ from listen",
+            ),
+            (
+                "admin on the gateway's port",
+                |c| {
+                    c.admin.listen = Some("127.0.0.1:8080".parse().unwrap());
+                    c.admin.token = Some("0123456789abcdef".into())
+                },
+                "admin.listen",
+                "\"127.0.0.1:8080\"",
+                "must differ from listen",
+            ),
+            (
+                "admin token too short",
+                |c| c.admin.token = Some("short".into()),
+                "admin.token",
+                "hidden",
+                "16 to 4096 characters",
+            ),
+            (
+                "admin token with a space",
+                |c| c.admin.token = Some("0123456789 abcdef".into()),
+                "admin.token",
+                "hidden",
+                "visible ASCII",
+            ),
+            (
+                "admin token and token file",
+                |c| {
+                    c.admin.token = Some("0123456789abcdef".into());
+                    c.admin.token_file = Some("/etc/semlb/admin.token".into())
+                },
+                "admin.token_file",
+                "admin.token",
+                "not both",
+            ),
+            (
+                "admin token file empty",
+                |c| c.admin.token_file = Some(PathBuf::new()),
+                "admin.token_file",
+                "\"\"",
+                "must not be empty",
+            ),
+            (
                 "redis backlog",
                 |c| c.store.redis.write_backlog = 2_000_000,
                 "store.redis.write_backlog",
@@ -2122,7 +2341,11 @@ cache_threshold = 0.25
             redis_url: Some("redis://cache:7000/2".into()),
             redis_namespace: Some("blue".into()),
             redis_lookup: Some(RedisLookup::Naive),
+            admin_listen: Some("127.0.0.1:9090".parse().unwrap()),
+            admin_token_file: Some("flag-token".into()),
         });
+        assert_eq!(c.admin.listen, Some("127.0.0.1:9090".parse().unwrap()));
+        assert_eq!(c.admin.token_file, Some(PathBuf::from("flag-token")));
         c.validate().unwrap();
         assert_eq!(c.store.kind, StoreKind::Redis);
         assert_eq!(
@@ -2179,6 +2402,48 @@ cache_threshold = 0.25
         });
         let (field, ..) = invalid(&c);
         assert_eq!(field, "backend[1].url");
+    }
+
+    #[test]
+    fn admin_table_parses_and_the_token_file_is_checked() {
+        let c = parse("[admin]\nlisten = \"127.0.0.1:9090\"\ntoken_file = \"admin.token\"\n").unwrap();
+        assert_eq!(c.admin.listen, Some("127.0.0.1:9090".parse().unwrap()));
+        assert_eq!(c.admin.token_file, Some(PathBuf::from("/etc/semlb/admin.token")));
+        assert!(parse_err("[admin]\nlisten = \"localhost:9090\"\n").contains("host names are not accepted"));
+        assert!(parse_err("[admin]\nbogus = 1\n").contains("unknown field `bogus`"));
+        assert_eq!(AdminConfig::default().read_token().unwrap(), None);
+        let inline = AdminConfig {
+            token: Some("0123456789abcdef".into()),
+            ..AdminConfig::default()
+        };
+        assert_eq!(inline.read_token().unwrap().as_deref(), Some("0123456789abcdef"));
+
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("semlb-admin-token-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("admin.token");
+        std::fs::write(&path, "0123456789abcdef0123\n").unwrap();
+        let from_file = AdminConfig {
+            token_file: Some(path.clone()),
+            ..AdminConfig::default()
+        };
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let err = from_file.read_token().unwrap_err().to_string();
+        assert!(
+            err.contains("admin.token_file") && err.contains("readable by every user") && err.contains("0644"),
+            "{err}"
+        );
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(from_file.read_token().unwrap().as_deref(), Some("0123456789abcdef0123"));
+        std::fs::write(&path, "short\n").unwrap();
+        let err = from_file.read_token().unwrap_err().to_string();
+        assert!(err.contains("16 to 4096"), "{err}");
+        let missing = AdminConfig {
+            token_file: Some(dir.join("missing")),
+            ..AdminConfig::default()
+        };
+        assert!(missing.read_token().unwrap_err().to_string().contains("cannot read it"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //! | [`routing`] | policies that choose a server from the prefix match and the shared load figures |
 //! | [`responder`] | what a response process does with a completion record: prefix write-back, response caching |
 //! | [`config`] | `semlb serve` configuration: TOML file, flags over it, validation |
+//! | [`metrics`] | the gateway's Prometheus `/metrics`: counters in the segment's stats region, gauges read at scrape time |
 //! | [`health`] | health of the inference servers: active and passive checks, circuit breakers, `/metrics` load scraping |
 //! | [`size`] | human byte sizes (`256MiB`) |
 //! | [`store`] | where the routing state lives, behind one interface: shm (default) or Redis |
@@ -30,6 +31,7 @@ pub mod blocks;
 pub mod config;
 pub mod dispatcher;
 pub mod health;
+pub mod metrics;
 pub mod prompt;
 pub mod redis_store;
 pub mod responder;

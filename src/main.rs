@@ -11,6 +11,7 @@
 //! | --- | --- |
 //! | [`cli`] | the command line as clap derive types (parsing only) |
 //! | [`supervisor`] | `semlb serve`: segment, backends, listener, children, restarts, signals |
+//! | [`admin`] | the admin API (bearer token): list, add, drain, remove backends; flush the tables |
 //! | [`notify`] | systemd's notification protocol (`READY=1`, `WATCHDOG=1`, ...) for `Type=notify` |
 //! | [`child`] | the dispatcher and responder processes, and `__sim` for `serve --demo` |
 //! | [`shm_cmd`] | `semlb shm create / inspect / remove` over [`shm_layout::Segment`] |
@@ -34,6 +35,7 @@
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+mod admin;
 mod bench;
 mod child;
 mod cli;

@@ -67,11 +67,27 @@
 //! too, so a gateway started with them cannot change its backends by
 //! reloading.
 //!
+//! # Admin API
+//!
+//! With `[admin] listen` (or `--admin-listen`) the supervisor also serves
+//! [`crate::admin`] on that address, in its own runtime. The token is read
+//! (and a world-readable token file refused) and the address bound before
+//! anything starts, so a problem stops the start with one clear error. The
+//! HTTP side only parses: each request reaches this loop as a command over
+//! a channel (`monitor`'s `select!`), which applies it to the [`Backends`]
+//! bookkeeping and the segment, exactly as a reload does (registration,
+//! `Draining`, retirement once drained or after `drain_timeout_secs`), and
+//! answers. Servers added through the API are not written to the file: the
+//! next reload applies the file's backend list, so it drains and removes
+//! an added server the file does not list (and a server the file lists is
+//! from then on the file's). A drain (without removal) is kept by a reload
+//! that still lists the server. `[admin]` itself needs a restart.
+//!
 //! `--demo N` first starts N simulated engines (`semlb __sim`) on loopback
 //! and uses them as the backends; unless given, it listens on
 //! `127.0.0.1:8080` and names its segment `semlb-demo`.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
@@ -85,9 +101,12 @@ use nix::sys::signal::{Signal, kill};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 use semlb::config::{BackendConfig, ServeConfig};
+use serde_json::json;
 use shm_layout::{CreateError, LayoutPlan, PlanOptions, ProcessState, Role, Segment, ServerRef, ServerState};
 use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::mpsc;
 
+use crate::admin::{self, Reply};
 use crate::cli::{ChildRole, ServeArgs};
 use crate::notify::{self, Notifier};
 
@@ -154,6 +173,18 @@ fn supervise(args: &ServeArgs) -> Result<()> {
     if let Some(path) = &config.chat_template {
         semlb_workers::tokenize::ChatTemplate::from_tokenizer_config(path)?;
     }
+    // The admin API's token and address, before anything starts.
+    let admin = match config.admin.listen {
+        Some(addr) => {
+            let token = config
+                .admin
+                .read_token()?
+                .context("the admin API needs a bearer token (admin.token or admin.token_file)")?;
+            let listener = admin::bind(addr).with_context(|| format!("cannot listen on {addr} for the admin API"))?;
+            Some((listener, token))
+        }
+        None => None,
+    };
     let plan = LayoutPlan::new(
         config.shm_size.0,
         PlanOptions {
@@ -200,7 +231,8 @@ fn supervise(args: &ServeArgs) -> Result<()> {
             );
         }
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let supervisor = Supervisor::new(&segment, config, args, &listener, backends, &notify);
+        let mut supervisor = Supervisor::new(&segment, config, args, &listener, backends, &notify);
+        supervisor.admin_listener = admin;
         runtime.block_on(supervisor.monitor())
     })();
     if let Err(e) = &result {
@@ -241,12 +273,17 @@ struct Backends {
     draining: Vec<(String, ServerRef, Instant)>,
     /// The server-table id of the next registration (ids are never reused).
     next_id: u64,
+    /// Names (`name`, else `host:port`) by address, live and draining.
+    names: HashMap<String, String>,
+    /// Addresses of live backends added through the admin API and not (or
+    /// not yet) listed in the configuration.
+    from_admin: HashSet<String>,
 }
 
 impl Backends {
     /// Registers `backend` in the server table (state `Up`: dispatchers
     /// route to it at once) and counts it as configured.
-    fn register(&mut self, segment: &Segment, backend: &BackendConfig) -> Result<()> {
+    fn register(&mut self, segment: &Segment, backend: &BackendConfig) -> Result<ServerRef> {
         let address = backend_address(backend)?;
         let server = segment
             .tables()
@@ -254,8 +291,24 @@ impl Backends {
             .register(self.next_id, &address, segment.clock().now_ms())
             .with_context(|| format!("registering backend {}", backend.url))?;
         self.next_id += 1;
+        self.names.insert(address.clone(), backend.display_name());
         self.live.push((address, server));
-        Ok(())
+        Ok(server)
+    }
+
+    /// The live backend in server-table slot `slot`.
+    fn live_in(&self, slot: u16) -> Option<usize> {
+        self.live.iter().position(|(_, s)| s.slot == slot)
+    }
+
+    /// Moves live backend `i` to the draining list (state `Draining`), to be
+    /// retired once drained or at `until`.
+    fn start_draining(&mut self, segment: &Segment, i: usize, until: Instant) -> (String, ServerRef) {
+        let (address, server) = self.live.remove(i);
+        segment.tables().servers.set_state(server, ServerState::Draining);
+        self.from_admin.remove(&address);
+        self.draining.push((address.clone(), server, until));
+        (address, server)
     }
 }
 
@@ -288,6 +341,8 @@ struct Supervisor<'a> {
     /// Health checks and load scraping of the backends ([`semlb::health`]),
     /// restarted with the new configuration by a reload.
     health: Option<tokio::task::JoinHandle<()>>,
+    /// The admin API's listener and token until `monitor` starts serving it.
+    admin_listener: Option<(TcpListener, String)>,
 }
 
 /// How a stop was asked for.
@@ -335,6 +390,7 @@ impl<'a> Supervisor<'a> {
             restarts: 0,
             reload_error: None,
             health: None,
+            admin_listener: None,
         }
     }
 
@@ -348,6 +404,17 @@ impl<'a> Supervisor<'a> {
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         let probe_addr = probe_address(self.listener.local_addr()?);
         self.restart_health()?;
+        // Admin requests reach this loop as commands; the sender is kept
+        // here too, so `recv` never ends without an admin API.
+        let (admin_tx, mut admin_rx) = mpsc::channel::<admin::Command>(16);
+        let admin_task = match self.admin_listener.take() {
+            Some((listener, token)) => {
+                let listener = tokio::net::TcpListener::from_std(listener)?;
+                eprintln!("semlb: admin API on http://{}", listener.local_addr()?);
+                Some(tokio::spawn(admin::serve(listener, token, admin_tx.clone())))
+            }
+            None => None,
+        };
         let mut ready = false;
         let mut last_ping: Option<Instant> = None;
         let mut last_status = (String::new(), Instant::now());
@@ -363,6 +430,10 @@ impl<'a> Supervisor<'a> {
                     if ready {
                         self.notify.ready(&self.status_line());
                     }
+                }
+                Some((request, reply)) = admin_rx.recv() => {
+                    let answer = self.admin_request(request);
+                    let _ = reply.send(answer);
                 }
                 _ = chld.recv() => {}
                 _ = tick.tick() => {}
@@ -396,6 +467,10 @@ impl<'a> Supervisor<'a> {
                 last_status = (status, Instant::now());
             }
         };
+        if let Some(task) = admin_task {
+            task.abort();
+        }
+        drop(admin_tx);
         let grace = match &outcome {
             Ok(Stop::Term) => {
                 self.notify.stopping("stopping: draining the requests in flight");
@@ -610,17 +685,20 @@ impl<'a> Supervisor<'a> {
         }
         let (mut added, mut removed) = (0, 0);
         let until = Instant::now() + new.drain_timeout();
-        let (keep, gone): (Vec<_>, Vec<_>) = std::mem::take(&mut self.backends.live)
-            .into_iter()
-            .partition(|(a, _)| wanted.iter().any(|(w, _)| w == a));
-        self.backends.live = keep;
-        for (address, server) in gone {
-            servers.set_state(server, ServerState::Draining);
+        while let Some(i) = self
+            .backends
+            .live
+            .iter()
+            .position(|(a, _)| !wanted.iter().any(|(w, _)| w == a))
+        {
+            let (address, _) = self.backends.start_draining(self.segment, i, until);
             eprintln!("semlb: reload: backend {address} removed; draining it");
-            self.backends.draining.push((address, server, until));
             removed += 1;
         }
         for (address, backend) in wanted {
+            // Listed in the file: the file's from now on, under its name.
+            self.backends.from_admin.remove(&address);
+            self.backends.names.insert(address.clone(), backend.display_name());
             if self.backends.live.iter().any(|(a, _)| *a == address) {
                 continue;
             }
@@ -634,7 +712,7 @@ impl<'a> Supervisor<'a> {
                 continue;
             }
             match self.backends.register(self.segment, backend) {
-                Ok(()) => eprintln!("semlb: reload: backend {address} added"),
+                Ok(_) => eprintln!("semlb: reload: backend {address} added"),
                 Err(e) => {
                     added -= 1;
                     eprintln!("semlb: reload: cannot add backend {address}: {e:#}");
@@ -708,6 +786,7 @@ impl<'a> Supervisor<'a> {
         keep!(chat_template);
         keep!(block_size);
         keep!(store);
+        keep!(admin);
         if !kept.is_empty() {
             eprintln!(
                 "semlb: reload: {} changed; that needs a restart (systemctl restart semlb): keeping the running values",
@@ -739,12 +818,14 @@ impl<'a> Supervisor<'a> {
     fn retire_drained(&mut self) {
         let servers = self.segment.tables().servers;
         let now = Instant::now();
+        let names = &mut self.backends.names;
         self.backends.draining.retain(|(address, server, until)| {
             let (inflight, _) = servers.inflight(*server);
             if inflight > 0 && now < *until {
                 return true;
             }
             servers.retire(*server);
+            names.remove(address);
             if inflight > 0 {
                 eprintln!(
                     "semlb: backend {address} removed after the drain timeout with {inflight} requests in flight"
@@ -754,6 +835,229 @@ impl<'a> Supervisor<'a> {
             }
             false
         });
+    }
+}
+
+impl Supervisor<'_> {
+    /// Carries out one admin API request ([`crate::admin`]) and answers it.
+    fn admin_request(&mut self, request: admin::Request) -> Reply {
+        use admin::Request as R;
+        match request {
+            R::ListServers => self.admin_list(),
+            R::AddServer(backend) => self.admin_add(&backend),
+            R::Drain(slot) => self.admin_drain(slot, true),
+            R::Undrain(slot) => self.admin_drain(slot, false),
+            R::Remove(slot) => self.admin_remove(slot),
+            R::Tables => self.admin_tables(),
+            R::FlushPrefixes | R::FlushResponses => self.admin_flush(matches!(request, R::FlushPrefixes)),
+        }
+    }
+
+    /// `GET /admin/servers`.
+    fn admin_list(&self) -> Reply {
+        let now_ms = self.segment.clock().now_ms();
+        let servers: Vec<_> = self
+            .segment
+            .tables()
+            .servers
+            .servers()
+            .map(|info| {
+                let managed = if self.backends.draining.iter().any(|(_, s, _)| *s == info.server) {
+                    "removing"
+                } else if self.backends.from_admin.contains(&info.address) {
+                    "admin"
+                } else {
+                    "config"
+                };
+                let name = self.backends.names.get(&info.address).map(String::as_str);
+                admin::server_json(&info, now_ms, name, managed)
+            })
+            .collect();
+        Reply::new(http::StatusCode::OK, json!({ "servers": servers }))
+    }
+
+    /// `POST /admin/servers`: validated like a `[[backend]]`, registered
+    /// like a reload registers one.
+    fn admin_add(&mut self, backend: &BackendConfig) -> Reply {
+        use http::StatusCode as S;
+        let address = match backend.parsed_url() {
+            Ok(url) => format!("http://{}", url.authority()),
+            Err(reason) => {
+                return Reply::error(
+                    S::BAD_REQUEST,
+                    format!("url {:?}: {reason}", backend.url),
+                    "invalid_url",
+                );
+            }
+        };
+        if let Err(reason) = backend.check_name() {
+            let name = backend.name.as_deref().unwrap_or_default();
+            return Reply::error(S::BAD_REQUEST, format!("name {name:?}: {reason}"), "invalid_name");
+        }
+        if let Some((_, server)) = self.backends.live.iter().find(|(a, _)| *a == address) {
+            return Reply::error(
+                S::CONFLICT,
+                format!("{address} is already registered, in slot {}", server.slot),
+                "already_registered",
+            );
+        }
+        let name = backend.display_name();
+        let taken = self
+            .backends
+            .live
+            .iter()
+            .find(|(a, _)| self.backends.names.get(a) == Some(&name));
+        if let Some((other, _)) = taken {
+            return Reply::error(
+                S::CONFLICT,
+                format!("the name {name:?} is taken by {other}; names must be unique"),
+                "name_taken",
+            );
+        }
+        let servers = self.segment.tables().servers;
+        let again = self.backends.draining.iter().position(|(a, _, _)| *a == address);
+        let server = match again {
+            // Being removed: it takes requests again, as after a reload
+            // that lists it again.
+            Some(i) if servers.set_state(self.backends.draining[i].1, ServerState::Up) => {
+                let (address, server, _) = self.backends.draining.remove(i);
+                self.backends.names.insert(address.clone(), name.clone());
+                self.backends.live.push((address, server));
+                server
+            }
+            _ => match self.backends.register(self.segment, backend) {
+                Ok(server) => server,
+                Err(e) => return Reply::error(S::CONFLICT, format!("cannot add {address}: {e:#}"), "table_full"),
+            },
+        };
+        self.backends.from_admin.insert(address.clone());
+        eprintln!("semlb: admin: backend {address} ({name}) added in slot {}", server.slot);
+        Reply::new(
+            S::CREATED,
+            json!({
+                "slot": server.slot,
+                "generation": server.generation,
+                "address": address,
+                "name": name,
+                "state": "up",
+            }),
+        )
+    }
+
+    /// `POST /admin/servers/{slot}/drain` (`drain`) and `.../undrain`.
+    fn admin_drain(&mut self, slot: u16, drain: bool) -> Reply {
+        use http::StatusCode as S;
+        let servers = self.segment.tables().servers;
+        if let Some((address, server, _)) = self.backends.draining.iter().find(|(_, s, _)| s.slot == slot) {
+            return if drain {
+                let (inflight, _) = servers.inflight(*server);
+                Reply::new(
+                    S::OK,
+                    json!({"slot": slot, "address": address, "state": "draining", "removing": true, "inflight_requests": inflight}),
+                )
+            } else {
+                Reply::error(
+                    S::CONFLICT,
+                    format!("{address} is being removed; add it again with POST /admin/servers"),
+                    "removing",
+                )
+            };
+        }
+        let Some(i) = self.backends.live_in(slot) else {
+            return Reply::unknown_slot(slot);
+        };
+        let (address, server) = self.backends.live[i].clone();
+        let state = if drain {
+            servers.set_state(server, ServerState::Draining);
+            eprintln!("semlb: admin: backend {address} draining");
+            ServerState::Draining
+        } else {
+            // Only a drained server is set Up; a down one stays to the
+            // health checks.
+            if servers.transition(server, ServerState::Draining, ServerState::Up) {
+                eprintln!("semlb: admin: backend {address} takes requests again");
+            }
+            servers.current(slot).map_or(ServerState::Up, |(_, state)| state)
+        };
+        let (inflight, _) = servers.inflight(server);
+        Reply::new(
+            S::OK,
+            json!({"slot": slot, "address": address, "state": state.name(), "removing": false, "inflight_requests": inflight}),
+        )
+    }
+
+    /// `DELETE /admin/servers/{slot}`: drain, then retire once drained.
+    fn admin_remove(&mut self, slot: u16) -> Reply {
+        use http::StatusCode as S;
+        if let Some(i) = self.backends.live_in(slot) {
+            let until = Instant::now() + self.config.drain_timeout();
+            let (address, _) = self.backends.start_draining(self.segment, i, until);
+            eprintln!("semlb: admin: backend {address} removed; draining it");
+            self.retire_drained();
+            if !self.backends.draining.iter().any(|(_, s, _)| s.slot == slot) {
+                return Reply::new(S::OK, json!({"slot": slot, "address": address, "removed": true}));
+            }
+        }
+        let servers = self.segment.tables().servers;
+        let Some((address, server, until)) = self.backends.draining.iter().find(|(_, s, _)| s.slot == slot) else {
+            return Reply::unknown_slot(slot);
+        };
+        let (inflight, _) = servers.inflight(*server);
+        Reply::new(
+            S::ACCEPTED,
+            json!({
+                "slot": slot,
+                "address": address,
+                "removed": false,
+                "state": "draining",
+                "inflight_requests": inflight,
+                "removed_within_ms": until.saturating_duration_since(Instant::now()).as_millis() as u64,
+            }),
+        )
+    }
+
+    /// `GET /admin/tables`.
+    fn admin_tables(&self) -> Reply {
+        let tables = self.segment.tables();
+        let stats = tables.responses.stats();
+        Reply::new(
+            http::StatusCode::OK,
+            json!({
+                "store": self.config.store.kind.to_string(),
+                "prefix": {"entries": tables.prefix.occupancy(), "capacity": tables.prefix.capacity()},
+                "responses": {
+                    "entries": tables.responses.index_occupancy(),
+                    "capacity": tables.responses.index_capacity(),
+                    "log_bytes": stats.capacity,
+                    "records_written": stats.records,
+                },
+            }),
+        )
+    }
+
+    /// `POST /admin/flush/prefixes` (`prefixes`) and `.../responses`.
+    fn admin_flush(&self, prefixes: bool) -> Reply {
+        let what = if prefixes { "prefix table" } else { "response cache" };
+        if self.config.store.kind == semlb::store::StoreKind::Redis {
+            return Reply::error(
+                http::StatusCode::CONFLICT,
+                format!(
+                    "the {what} is in Redis (store.kind = \"redis\"), not in this host's segment; flush it in Redis"
+                ),
+                "redis_store",
+            );
+        }
+        let tables = self.segment.tables();
+        let removed = if prefixes {
+            tables.prefix.clear()
+        } else {
+            tables.responses.clear()
+        };
+        eprintln!("semlb: admin: {what} flushed ({removed} entries removed)");
+        Reply::new(
+            http::StatusCode::OK,
+            json!({ "flushed": if prefixes { "prefixes" } else { "responses" }, "removed": removed }),
+        )
     }
 }
 

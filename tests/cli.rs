@@ -126,7 +126,7 @@ fn shm_create_inspect_remove_life_cycle() {
     assert_eq!(v["header"]["state"], "ready");
     assert_eq!(v["header"]["magic_ok"], true);
     assert_eq!(v["header"]["segment_bytes"], 16u64 << 20);
-    assert_eq!(v["regions"].as_array().map(Vec::len), Some(7));
+    assert_eq!(v["regions"].as_array().map(Vec::len), Some(8));
     assert_eq!(v["completion_rings"]["count"], 64);
 
     assert_fails_with(

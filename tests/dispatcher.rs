@@ -188,7 +188,7 @@ impl Gateway {
             }
         })
         .await;
-        assert_eq!(self.dispatcher.stats().snapshot().records_pushed, expected);
+        assert_eq!(self.dispatcher.stats().records_pushed, expected);
     }
 
     fn backend_index(&self, address: &str) -> usize {
@@ -385,7 +385,7 @@ async fn a_conversation_stays_on_its_backend_and_its_cache_grows() {
     }
     assert_eq!(cached[0], 0);
     assert!(cached.windows(2).all(|w| w[1] > w[0]), "cached tokens grow: {cached:?}");
-    let s = gw.dispatcher.stats().snapshot();
+    let s = gw.dispatcher.stats();
     assert_eq!(s.records_pushed, 5);
     assert_eq!(gw.responder_records, 5);
     gw.stop().await;
@@ -479,7 +479,7 @@ async fn repeated_deterministic_requests_are_answered_from_the_cache() {
     assert_eq!(no_store.header("x-semlb-cache"), "bypass");
     gw.settle(2).await;
     assert_eq!(gw.sim_successes().await, before + 2.0);
-    let s = gw.dispatcher.stats().snapshot();
+    let s = gw.dispatcher.stats();
     assert_eq!((s.cache_hits, s.cache_misses, s.cache_bypasses), (2, 2, 1));
     gw.stop().await;
 }
@@ -529,11 +529,7 @@ async fn streams_pass_through_intact() {
         assert_eq!(strip(through), strip(sse_events(direct.text())));
     }
     gw.settle(2).await;
-    assert_eq!(
-        gw.dispatcher.stats().snapshot().records_pushed,
-        2,
-        "streams are learned from"
-    );
+    assert_eq!(gw.dispatcher.stats().records_pushed, 2, "streams are learned from");
     gw.stop().await;
 }
 
@@ -590,7 +586,7 @@ async fn failures_are_retried_elsewhere_then_502_or_503() {
         let b = gw.backend_index(reply.header("x-semlb-backend"));
         assert!((1..=2).contains(&b), "answered by a good server, not {b}");
     }
-    let s = gw.dispatcher.stats().snapshot();
+    let s = gw.dispatcher.stats();
     assert!(s.retries >= 4, "{s:?}");
     assert!(s.upstream_errors >= 4, "{s:?}");
     gw.stop().await;
@@ -606,7 +602,7 @@ async fn failures_are_retried_elsewhere_then_502_or_503() {
     let reply = post(gw.addr, "/v1/completions", &body, &[]).await;
     assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.text());
     assert_eq!(reply.json()["error"]["type"], "server_error");
-    assert_eq!(gw.dispatcher.stats().snapshot().retries, 2);
+    assert_eq!(gw.dispatcher.stats().retries, 2);
     // Models: nobody answers.
     let models = call(gw.addr, Method::GET, "/v1/models", &[], "").await;
     assert_eq!(models.status, StatusCode::BAD_GATEWAY);
@@ -720,7 +716,7 @@ async fn malformed_requests_get_the_right_4xx() {
     let too_large = call(gw.addr, Method::POST, c, &[], &big).await;
     assert_eq!(too_large.status, StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(too_large.json()["error"]["type"], "invalid_request_error");
-    let s = gw.dispatcher.stats().snapshot();
+    let s = gw.dispatcher.stats();
     assert_eq!(s.client_errors as usize, cases.len() + 1 + 4 + 1);
     assert_eq!(s.records_pushed, 0);
     gw.stop().await;

@@ -39,7 +39,7 @@
 //! 3. Targeted sweeps flip every single bit of some populated prefix slots,
 //!    response records with their index slots, server slots, and ring
 //!    records and control words, checking after each flip and restoring it.
-//! 4. Every bit of the 320-byte header, and random patterns, make
+//! 4. Every bit of the 352-byte header, and random patterns, make
 //!    [`Segment::open`] fail with an error (never a panic); the rest of the
 //!    header page is reserved padding that `open` ignores.
 //!
@@ -66,7 +66,7 @@ use shm_layout::{
 /// The smallest segment: every region exists, and scans and random flips cover it
 /// four times faster than a 32 MiB one.
 const SEGMENT_BYTES: u64 = 8 << 20;
-const HEADER_BYTES: usize = 320;
+const HEADER_BYTES: usize = 352;
 const EPOCHS: u64 = 8;
 const ROUNDS: u64 = 25;
 const SEED: u64 = 0x5eed_b17f_11b5;

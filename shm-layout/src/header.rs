@@ -1,4 +1,5 @@
-//! The segment header: the first 320 bytes of every segment.
+//! The segment header: the first 352 bytes of every segment (its fields;
+//! the rest of the header page is reserved).
 //!
 //! It is written once by the creator, with the `state` word stored last
 //! (`Release`); openers load `state` first (`Acquire`) and then trust the
@@ -11,7 +12,7 @@ use std::mem::{offset_of, size_of};
 use crate::plan::{
     BUCKET_BYTES, HEADER_BYTES, LEDGER_CELL_BYTES, LOG_CONTROL_BYTES, LayoutPlan, MAX_RING_BYTES, PAGE,
     PROCESS_SLOT_BYTES, PROCESS_SLOTS, REGION_COUNT, RING_CONTROL_BYTES, RING_COUNT, Region, RegionKind,
-    SERVER_SLOT_BYTES, SERVER_SLOTS,
+    SERVER_SLOT_BYTES, SERVER_SLOTS, STAT_BLOCK_BYTES, STAT_WORDS,
 };
 // The header is only ever used in a real segment, never in a loom model,
 // so it takes std atomics directly (and its size asserts hold under loom).
@@ -20,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// `b"SEMLBSHM"` read as a little-endian `u64`.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"SEMLBSHM");
 /// Version of the layout described in the crate docs. Bump on any change.
-pub const LAYOUT_VERSION: u64 = 1;
+pub const LAYOUT_VERSION: u64 = 2;
 /// `state` while the creator initialises the segment (the zero of a new object).
 pub const STATE_INITIALISING: u64 = 0;
 /// `state` once the segment may be used (`b"READY\0\0\0"`).
@@ -54,7 +55,9 @@ pub(crate) struct RawHeader {
 
 // The layout freeze: these numbers are the documented field table.
 const _: () = assert!(size_of::<RawRegion>() == 32);
-const _: () = assert!(size_of::<RawHeader>() == 320);
+// 352 bytes of fields, padded to 384 by the 64-byte alignment.
+const _: () = assert!(offset_of!(RawHeader, regions) + size_of::<[RawRegion; REGION_COUNT]>() == 352);
+const _: () = assert!(size_of::<RawHeader>() == 384);
 const _: () = assert!(size_of::<RawHeader>() as u64 <= HEADER_BYTES);
 const _: () = assert!(offset_of!(RawHeader, magic) == 0);
 const _: () = assert!(offset_of!(RawHeader, layout_version) == 8);
@@ -169,6 +172,12 @@ impl HeaderInfo {
                     fixed(r, u64::from(SERVER_SLOTS * PROCESS_SLOTS), LEDGER_CELL_BYTES)
                 }
                 RegionKind::Registry => fixed(r, u64::from(PROCESS_SLOTS), PROCESS_SLOT_BYTES),
+                RegionKind::Stats => {
+                    if r.param != STAT_WORDS as u64 {
+                        return Err(format!("{name} blocks have {} words, expected {STAT_WORDS}", r.param));
+                    }
+                    fixed(r, u64::from(PROCESS_SLOTS), STAT_BLOCK_BYTES)
+                }
                 RegionKind::Rings => {
                     if !r.param.is_power_of_two() || !(4096..=MAX_RING_BYTES).contains(&r.param) {
                         return Err(format!(

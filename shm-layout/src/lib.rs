@@ -27,15 +27,15 @@
 //!
 //! ```text
 //!  offset 0                                                     segment_bytes
-//!  ┌────────┬─────────┬────────┬──────────┬────────────┬──────────┬──────────────┬──────────────┐
-//!  │ header │ servers │ ledger │ registry │ rings × 64 │ response │ response log │ prefix table │
-//!  │ 4 KiB  │ 128×384B│ 256 KiB│ 128×64 B │ ctl + ring │  index   │ ctl + ring   │ 64 B buckets │
-//!  └────────┴─────────┴────────┴──────────┴────────────┴──────────┴──────────────┴──────────────┘
+//!  ┌────────┬─────────┬────────┬──────────┬──────────┬────────────┬──────────┬──────────────┬──────────────┐
+//!  │ header │ servers │ ledger │ registry │  stats   │ rings × 64 │ response │ response log │ prefix table │
+//!  │ 4 KiB  │ 128×384B│ 256 KiB│ 128×64 B │ 128×8 KiB│ ctl + ring │  index   │ ctl + ring   │ 64 B buckets │
+//!  └────────┴─────────┴────────┴──────────┴──────────┴────────────┴──────────┴──────────────┴──────────────┘
 //!   every region starts on a 4 KiB boundary; sizes derive from the segment
 //!   size (see [`plan`]) and are recorded in the header's region table
 //! ```
 //!
-//! ## Header (320 bytes at offset 0; frozen by compile-time asserts)
+//! ## Header (352 bytes at offset 0; frozen by compile-time asserts)
 //!
 //! | offset | field | meaning |
 //! | ---: | --- | --- |
@@ -48,7 +48,7 @@
 //! | 48 | `creator_pid` | pid of the creating supervisor |
 //! | 56 | `header_checksum` | seahash of every field but `state` and itself |
 //! | 64 | `seed[4]` | random per segment; keys slot fingerprints and record checksums |
-//! | 96 | `regions[7]` | per region, in [`RegionKind`] order: `offset`, `bytes`, `count`, `param` (4 × u64) |
+//! | 96 | `regions[8]` | per region, in [`RegionKind`] order: `offset`, `bytes`, `count`, `param` (4 × u64) |
 //!
 //! ## Regions
 //!
@@ -57,6 +57,7 @@
 //! | servers | 384 B server slot | 128 | – | [`server_table`] |
 //! | ledger | 16 B cell (requests, tokens) per process × server | 128 × 128 | 128 | [`server_table`] |
 //! | registry | 64 B process slot | 128 | – | [`registry`] |
+//! | stats | 8 KiB block of [`STAT_WORDS`] `u64` counters per process slot | 128 | 1024 (words per block) | [`stats`] |
 //! | rings | 256 B control + `param` bytes | 64 | ring bytes | [`completion_ring`] |
 //! | response index | 64 B bucket of 4 × 128-bit slots | buckets | – | [`response_log`] |
 //! | response log | 256 B control + `count` bytes | log bytes | max value bytes | [`response_log`] |
@@ -73,7 +74,10 @@
 //! and position (not lapped) all check out after it was copied out. A dead
 //! writer leaves dead space, not a broken table. Counters a dead process
 //! leaves behind (in-flight requests) are reclaimed from its ledger row.
-//! The tests prove this with a multi-process SIGKILL torture test, a
+//! Metrics counters live in the stats region, one block per process
+//! slot that only that process adds to; they are summed when exported and
+//! never reset, so they stay monotonic across a process's restarts. The
+//! tests prove this with a multi-process SIGKILL torture test, a
 //! bit-flip sweep and property tests against a model.
 //!
 //! # Modules
@@ -81,7 +85,7 @@
 //! [`plan`] sizes the regions, [`header`] freezes the header, [`segment`]
 //! creates and opens segments and hands out [`Tables`]; the tables are
 //! [`prefix_table`], [`response_log`], [`server_table`], [`completion_ring`]
-//! (carrying [`completion`] records) and [`registry`]. `bucket`, `mix`,
+//! (carrying [`completion`] records), [`registry`] and [`stats`]. `bucket`, `mix`,
 //! `words` and `sync` are the private building blocks.
 
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -104,6 +108,7 @@ pub mod response_log;
 #[cfg(not(loom))]
 pub mod segment;
 pub mod server_table;
+pub mod stats;
 mod sync;
 mod words;
 
@@ -118,3 +123,4 @@ pub use response_log::{PutError, ResponseKey, ResponseLog, ResponseLogStats};
 #[cfg(not(loom))]
 pub use segment::{Segment, SegmentClock, Tables, shm_path};
 pub use server_table::{LoadFigures, RegisterError, ServerInfo, ServerRef, ServerState, ServerTable, ServerTag};
+pub use stats::{STAT_WORDS, Stats};

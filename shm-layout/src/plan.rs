@@ -10,6 +10,7 @@
 //! | server table | [`SERVER_SLOTS`] × 384 B | fixed |
 //! | in-flight ledger | [`PROCESS_SLOTS`] × [`SERVER_SLOTS`] × 16 B | fixed (256 KiB) |
 //! | process registry | [`PROCESS_SLOTS`] × 64 B | fixed |
+//! | stats | [`PROCESS_SLOTS`] × [`STAT_WORDS`] × 8 B | fixed (1 MiB) |
 //! | completion rings | [`RING_COUNT`] × (256 B + ring bytes) | ring bytes = 1/8 of the rest / [`RING_COUNT`], rounded down to a power of two, clamped to 16 KiB ..= 4 MiB |
 //! | response index | 1/128 of what is left after the rings | 64-byte buckets of 4 slots |
 //! | response log | the rest of that half, less a page of control | byte ring; one value may take at most `max_response_fraction` of it (default 1/8) |
@@ -21,6 +22,7 @@
 //! 256 KiB (`semlb shm inspect` prints the figures of any segment).
 
 use crate::error::PlanError;
+pub use crate::stats::STAT_WORDS;
 
 /// Page size regions are aligned to.
 pub const PAGE: u64 = 4096;
@@ -42,6 +44,7 @@ pub const DEFAULT_MAX_RESPONSE_FRACTION: f64 = 0.125;
 pub(crate) const SERVER_SLOT_BYTES: u64 = 384;
 pub(crate) const LEDGER_CELL_BYTES: u64 = 16;
 pub(crate) const PROCESS_SLOT_BYTES: u64 = 64;
+pub(crate) const STAT_BLOCK_BYTES: u64 = 8 * STAT_WORDS as u64;
 pub(crate) const RING_CONTROL_BYTES: u64 = 256;
 pub(crate) const LOG_CONTROL_BYTES: u64 = 256;
 pub(crate) const BUCKET_BYTES: u64 = 64;
@@ -59,18 +62,20 @@ pub enum RegionKind {
     Ledger = 1,
     /// Process registry.
     Registry = 2,
+    /// Per-process counter blocks (metrics).
+    Stats = 3,
     /// Completion rings.
-    Rings = 3,
+    Rings = 4,
     /// Response-cache index buckets.
-    ResponseIndex = 4,
+    ResponseIndex = 5,
     /// Response-cache record log.
-    ResponseLog = 5,
+    ResponseLog = 6,
     /// Prefix-table buckets.
-    Prefix = 6,
+    Prefix = 7,
 }
 
 /// Number of regions.
-pub const REGION_COUNT: usize = 7;
+pub const REGION_COUNT: usize = 8;
 
 impl RegionKind {
     /// All regions in address order.
@@ -78,6 +83,7 @@ impl RegionKind {
         RegionKind::Servers,
         RegionKind::Ledger,
         RegionKind::Registry,
+        RegionKind::Stats,
         RegionKind::Rings,
         RegionKind::ResponseIndex,
         RegionKind::ResponseLog,
@@ -90,6 +96,7 @@ impl RegionKind {
             RegionKind::Servers => "servers",
             RegionKind::Ledger => "in-flight ledger",
             RegionKind::Registry => "process registry",
+            RegionKind::Stats => "stats",
             RegionKind::Rings => "completion rings",
             RegionKind::ResponseIndex => "response index",
             RegionKind::ResponseLog => "response log",
@@ -108,7 +115,8 @@ pub struct Region {
     /// Element count: slots, buckets, rings or log bytes.
     pub count: u64,
     /// Region-specific: ring bytes (rings), max value bytes (response log),
-    /// server slots per ledger row (ledger); 0 otherwise.
+    /// server slots per ledger row (ledger), counters per block (stats); 0
+    /// otherwise.
     pub param: u64,
 }
 
@@ -191,7 +199,13 @@ impl LayoutPlan {
             processes * servers,
             servers,
         );
-        let fixed_end = place(RegionKind::Registry, processes * PROCESS_SLOT_BYTES, processes, 0);
+        place(RegionKind::Registry, processes * PROCESS_SLOT_BYTES, processes, 0);
+        let fixed_end = place(
+            RegionKind::Stats,
+            processes * STAT_BLOCK_BYTES,
+            processes,
+            STAT_WORDS as u64,
+        );
 
         let rings = u64::from(RING_COUNT);
         let per_ring = ((size - fixed_end) / 8 / rings).clamp(MIN_RING_BYTES, MAX_RING_BYTES);
@@ -265,6 +279,22 @@ mod tests {
             let log = plan.region(RegionKind::ResponseLog);
             assert!(log.param > 0 && log.param <= log.count / 8);
         }
+    }
+
+    #[test]
+    fn stats_region_is_fixed_and_the_smallest_segment_still_plans() {
+        let small = LayoutPlan::for_size(MIN_SEGMENT_BYTES).unwrap();
+        let big = LayoutPlan::for_size(16 << 30).unwrap();
+        let s = small.region(RegionKind::Stats);
+        assert_eq!(
+            s,
+            Region {
+                offset: s.offset,
+                ..big.region(RegionKind::Stats)
+            }
+        );
+        assert_eq!((s.bytes, s.count, s.param), (1 << 20, 128, 1024));
+        assert!(small.prefix_slots() > 50_000, "{} prefix slots", small.prefix_slots());
     }
 
     #[test]

@@ -414,6 +414,32 @@ impl<'a> PrefixTable<'a> {
         m
     }
 
+    /// Empties the table (the admin API's prefix flush); returns how many
+    /// entries it removed.
+    ///
+    /// Lock-free and safe while dispatchers read and responders write: every
+    /// occupied slot is compare-and-swapped to empty, one at a time, so a
+    /// reader sees each slot either before or after its removal and a
+    /// writer's install either lands before the removal (and is removed) or
+    /// after it (and survives). It is not a snapshot: entries inserted or
+    /// refreshed while the flush runs may survive it (a slot changed between
+    /// its load and its swap is left as it is), and a lookup running
+    /// concurrently may still find entries not yet reached. Once it returns,
+    /// every entry that was in the table when it started and was not
+    /// refreshed meanwhile is gone.
+    pub fn clear(&self) -> u64 {
+        let mut removed = 0;
+        for bucket in self.buckets {
+            let slots = bucket.load();
+            for (i, slot) in slots.iter().enumerate() {
+                if *slot != 0 && bucket.cas(i, *slot, 0) {
+                    removed += 1;
+                }
+            }
+        }
+        removed
+    }
+
     /// Occupied slots (a full scan: for `semlb shm inspect` and tests, not
     /// for the request path).
     pub fn occupancy(&self) -> u64 {
@@ -514,6 +540,63 @@ mod tests {
         assert!(t.remove(1, srv(2, 0).tag()));
         assert_eq!(t.lookup(1), None);
         assert_eq!(t.occupancy(), 0);
+    }
+
+    #[test]
+    fn clear_empties_the_table_and_counts_what_it_removed() {
+        let (b, seed) = table(16);
+        let t = PrefixTable::new(&b, seed);
+        assert_eq!(t.clear(), 0);
+        for k in 0..40u64 {
+            t.insert(k.wrapping_mul(0x9e37_79b9_7f4a_7c15), srv(1, 0), Stamp(0));
+        }
+        let before = t.occupancy();
+        assert!(before > 0);
+        assert_eq!(t.clear(), before);
+        assert_eq!(t.occupancy(), 0);
+        assert_eq!(t.lookup(0x9e37_79b9_7f4a_7c15), None);
+        // The table works as before afterwards.
+        assert_eq!(t.insert(7, srv(2, 0), Stamp(1)), InsertOutcome::Inserted);
+        assert!(t.lookup(7).is_some());
+    }
+
+    #[test]
+    fn clear_is_safe_while_writers_and_readers_run() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let (b, seed) = table(64);
+        let t = PrefixTable::new(&b, seed);
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            for w in 0..2u64 {
+                let stop = &stop;
+                s.spawn(move || {
+                    let mut k = w;
+                    while !stop.load(Ordering::Relaxed) {
+                        t.insert(k.wrapping_mul(0x9e37_79b9_7f4a_7c15), srv(w as u16, 0), Stamp(0));
+                        k += 2;
+                    }
+                });
+            }
+            let stop = &stop;
+            s.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    // Whatever a reader finds is a whole, valid entry.
+                    for (_, e) in t.entries() {
+                        assert!(!e.servers.is_empty());
+                    }
+                }
+            });
+            let mut removed = 0;
+            for _ in 0..200 {
+                removed += t.clear();
+            }
+            stop.store(true, Ordering::Relaxed);
+            assert!(removed > 0);
+        });
+        // With the writers stopped, one more flush leaves nothing behind.
+        t.clear();
+        assert_eq!(t.occupancy(), 0);
+        assert_eq!(t.entries().count(), 0);
     }
 
     #[test]

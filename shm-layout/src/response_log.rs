@@ -285,6 +285,38 @@ impl<'a> ResponseLog<'a> {
         Some(out)
     }
 
+    /// Empties the cache (the admin API's response flush): every index
+    /// slot is compare-and-swapped to empty, so the records they pointed at
+    /// can no longer be found and every later lookup of their keys misses
+    /// (the log bytes stay until the ring overwrites them, unreachable).
+    /// Returns how many entries were removed: index slots that pointed at a
+    /// record still in the ring (a lapped record was a miss already).
+    ///
+    /// Lock-free and safe while dispatchers read and write: a lookup that
+    /// loaded its index slot before the flush reached it may still return
+    /// that (verified) value, and records put while the flush runs may
+    /// survive it (their index slot is installed after it went by, or the
+    /// slot changed between its load and its swap and is left as it is).
+    /// The counters (`records`, `tail`, ...) are not reset.
+    pub fn clear(&self) -> u64 {
+        let cap = self.cap();
+        let mut removed = 0;
+        for bucket in self.index {
+            let slots = bucket.load();
+            for (i, slot) in slots.iter().enumerate() {
+                if *slot == 0 || !bucket.cas(i, *slot, 0) {
+                    continue;
+                }
+                let tail = self.control.tail.load(Ordering::Relaxed);
+                let pos = ((*slot >> 64) as u64).wrapping_sub(1);
+                if pos < tail && tail - pos <= cap {
+                    removed += 1;
+                }
+            }
+        }
+        removed
+    }
+
     /// Counters.
     pub fn stats(&self) -> ResponseLogStats {
         ResponseLogStats {
@@ -374,6 +406,74 @@ mod tests {
         );
         assert_eq!(l.get(ResponseKey(2)), None);
         assert_eq!(l.stats().refused, 1);
+    }
+
+    #[test]
+    fn clear_makes_every_entry_miss_and_the_log_keeps_working() {
+        let p = parts(16, 1024);
+        let l = log(&p);
+        assert_eq!(l.clear(), 0);
+        for k in 0..10u128 {
+            l.put(ResponseKey(k), b"value").unwrap();
+        }
+        assert_eq!(l.index_occupancy(), 10);
+        assert_eq!(l.clear(), 10);
+        assert_eq!(l.index_occupancy(), 0);
+        for k in 0..10u128 {
+            assert_eq!(l.get(ResponseKey(k)), None, "key {k} survived the flush");
+        }
+        assert_eq!(l.stats().records, 10, "counters are kept");
+        l.put(ResponseKey(3), b"again").unwrap();
+        assert_eq!(l.get(ResponseKey(3)).as_deref(), Some(&b"again"[..]));
+    }
+
+    #[test]
+    fn clear_does_not_count_lapped_records() {
+        let p = parts(64, 128); // 1 KiB ring
+        let l = log(&p);
+        for k in 0..40u128 {
+            l.put(ResponseKey(k), &[7u8; 100]).unwrap();
+        }
+        let live = (0..40u128).filter(|k| l.get(ResponseKey(*k)).is_some()).count() as u64;
+        assert_eq!(l.clear(), live);
+        assert_eq!(l.index_occupancy(), 0);
+    }
+
+    #[test]
+    fn clear_is_safe_while_writers_and_readers_run() {
+        use std::sync::atomic::AtomicBool;
+        let p = parts(32, 4096);
+        let l = log(&p);
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            for w in 0..2u128 {
+                let stop = &stop;
+                s.spawn(move || {
+                    let mut k = w;
+                    while !stop.load(Ordering::Relaxed) {
+                        l.put(ResponseKey(k % 64), &(k % 64).to_le_bytes()).unwrap();
+                        k += 2;
+                    }
+                });
+            }
+            let stop = &stop;
+            s.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    for k in 0..64u128 {
+                        // A hit is always the value written for that key.
+                        if let Some(v) = l.get(ResponseKey(k)) {
+                            assert_eq!(v, k.to_le_bytes());
+                        }
+                    }
+                }
+            });
+            for _ in 0..200 {
+                l.clear();
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+        l.clear();
+        assert!((0..64u128).all(|k| l.get(ResponseKey(k)).is_none()));
     }
 
     #[test]

@@ -30,6 +30,7 @@ use crate::prefix_table::{PrefixTable, Stamp};
 use crate::registry::{ProcessSlot, Registry};
 use crate::response_log::{LogControl, ResponseLog};
 use crate::server_table::{LedgerCell, ServerSlot, ServerTable};
+use crate::stats::{StatBlock, Stats};
 use crate::sync::{AtomicU64, u128_is_lock_free};
 
 /// Longest segment name accepted (without the leading `/`).
@@ -156,6 +157,8 @@ pub struct Tables<'a> {
     pub servers: ServerTable<'a>,
     /// Child processes.
     pub registry: Registry<'a>,
+    /// Per-process counters (metrics), one block per registry slot.
+    pub stats: Stats<'a>,
     rings: &'a [u8],
     ring_bytes: usize,
     ring_count: usize,
@@ -460,6 +463,7 @@ impl Segment {
         let servers = self.info.region(RegionKind::Servers);
         let ledger = self.info.region(RegionKind::Ledger);
         let registry = self.info.region(RegionKind::Registry);
+        let stats = self.info.region(RegionKind::Stats);
         let rings = self.info.region(RegionKind::Rings);
         let index = self.info.region(RegionKind::ResponseIndex);
         let log = self.info.region(RegionKind::ResponseLog);
@@ -480,6 +484,7 @@ impl Segment {
                 seed[2],
             ),
             registry: Registry::new(self.region::<ProcessSlot>(RegionKind::Registry, 0, registry.count)),
+            stats: Stats::new(self.region::<StatBlock>(RegionKind::Stats, 0, stats.count)),
             rings: self.region::<u8>(RegionKind::Rings, 0, rings.count * (RING_CONTROL_BYTES + rings.param)),
             ring_bytes: rings.param as usize,
             ring_count: rings.count as usize,

@@ -8,7 +8,8 @@
 //! accounting and crash reclaim, load figures), the process registry
 //! (claim, attach, heartbeat, exit, stale incarnations) and the completion
 //! rings (FIFO, wrap-around, full rings, independence, owner), including a
-//! completion record's encode → push → pop → decode round trip.
+//! completion record's encode → push → pop → decode round trip, and the
+//! stats region (per-process blocks, sums, kept across a reopen).
 
 mod shm_support;
 
@@ -518,6 +519,30 @@ fn registry_life_cycle_and_stale_incarnations() {
         assert!(r.attach(other, oinc, 99, 401));
         assert_eq!(r.processes().count(), 2);
         assert!(r.is_alive(slot, inc2));
+    });
+}
+
+#[test]
+fn stats_blocks_are_per_process_and_summed() {
+    both("stats", &small_plan(), |seg| {
+        let s = seg.tables().stats;
+        assert_eq!((s.processes(), s.words()), (128, shm_layout::STAT_WORDS));
+        for p in 0..128u16 {
+            s.add(p, 0, 1);
+            s.add(p, 5, u64::from(p));
+        }
+        s.add(127, shm_layout::STAT_WORDS - 1, 3);
+        assert_eq!(s.sum(0), 128);
+        assert_eq!(s.sum(5), (0..128).sum::<u64>());
+        assert_eq!((s.get(9, 5), s.get(127, shm_layout::STAT_WORDS - 1)), (9, 3));
+        // The region is its own: no other table moved.
+        let t = seg.tables();
+        assert_eq!(t.prefix.occupancy(), 0);
+        assert_eq!(t.registry.processes().count(), 0);
+        assert_eq!(t.responses.stats().records, 0);
+        // A second view (as another process opening the segment) sees the same counts.
+        let again = seg.tables().stats;
+        assert_eq!(again.sum_all()[5], s.sum(5));
     });
 }
 

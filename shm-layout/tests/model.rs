@@ -591,3 +591,38 @@ proptest! {
         prop_assert_eq!(ring.pop(&mut out), Pop::Empty);
     }
 }
+
+// ───────────────────────────── stats region ─────────────────────────────
+
+proptest! {
+    #![proptest_config(config(64))]
+
+    /// Stats vs a `HashMap<(process, index), u64>`: every `get` is the
+    /// model's value, every `sum` the model's column sum, and sums never
+    /// decrease (counters are monotonic).
+    #[test]
+    fn stats_match_a_map_of_counters(
+        ops in prop::collection::vec((0u16..130, prop_oneof![0usize..8, Just(shm_layout::STAT_WORDS - 1)], 0u64..1000), 1..200),
+    ) {
+        let seg = Segment::heap(&small_plan());
+        let stats = seg.tables().stats;
+        let mut model: HashMap<(u16, usize), u64> = HashMap::new();
+        let mut last_sums: HashMap<usize, u64> = HashMap::new();
+        for (process, index, delta) in ops {
+            stats.add(process, index, delta);
+            if usize::from(process) < stats.processes() {
+                *model.entry((process, index)).or_default() += delta;
+            }
+            prop_assert_eq!(stats.get(process, index), model.get(&(process, index)).copied().unwrap_or(0));
+            let want: u64 = model.iter().filter(|((_, i), _)| *i == index).map(|(_, v)| v).sum();
+            let sum = stats.sum(index);
+            prop_assert_eq!(sum, want);
+            prop_assert!(sum >= last_sums.get(&index).copied().unwrap_or(0));
+            last_sums.insert(index, sum);
+        }
+        let all = stats.sum_all();
+        for ((_, index), _) in model.iter() {
+            prop_assert_eq!(all[*index], stats.sum(*index));
+        }
+    }
+}

@@ -8,6 +8,7 @@
 //! | `POST /v1/completions`, `POST /v1/chat/completions` | the inference pipeline below (JSON or SSE) |
 //! | `GET /v1/models` | the live servers' model lists merged, deduplicated by `id` |
 //! | `GET /health` | 200 when at least one server is live, else 503 |
+//! | `GET /metrics` | Prometheus text of the whole gateway ([`crate::metrics`]) |
 //! | any other `/v1/...` | proxied to the least loaded live server |
 //!
 //! Other paths get 404, wrong methods 405 (with `Allow`), all with an
@@ -69,7 +70,6 @@ mod sse;
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -87,6 +87,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::config::ServeConfig;
+use crate::metrics::Metrics;
 use crate::routing::{Choice, Policy, PolicyConfig, RouteInput};
 use crate::store::RoutingStore;
 use crate::store::shm::ShmStore;
@@ -102,74 +103,31 @@ pub struct Identity {
     pub ring: usize,
 }
 
-/// Counters of one dispatcher (for metrics). All relaxed atomics.
-#[derive(Debug, Default)]
-pub struct DispatcherStats {
-    /// HTTP requests received (every route).
-    pub requests: AtomicU64,
-    /// Inference requests answered from the response cache.
-    pub cache_hits: AtomicU64,
-    /// Inference requests the cache could have answered but did not (or
-    /// that refresh it: `Cache-Control: no-cache`).
-    pub cache_misses: AtomicU64,
-    /// Inference requests the cache was not involved in.
-    pub cache_bypasses: AtomicU64,
-    /// Upstream attempts after the first one of a request.
-    pub retries: AtomicU64,
-    /// Upstream failures: connection errors, 5xx heads, bodies cut or timed out.
-    pub upstream_errors: AtomicU64,
-    /// Answers with a 4xx status.
-    pub client_errors: AtomicU64,
-    /// Answers with a 5xx status.
-    pub server_errors: AtomicU64,
-    /// Completion records pushed into the ring.
-    pub records_pushed: AtomicU64,
-    /// Completion records dropped (ring full, record too large, no ring).
-    pub records_dropped: AtomicU64,
-}
-
-/// A plain copy of [`DispatcherStats`].
+/// This dispatcher's counters, read from its block of the segment's stats
+/// region (the one source of truth; [`crate::metrics`] renders them for all
+/// processes). A restarted dispatcher continues its slot's counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StatsSnapshot {
-    /// See [`DispatcherStats::requests`].
+    /// HTTP requests answered (every route).
     pub requests: u64,
-    /// See [`DispatcherStats::cache_hits`].
+    /// Inference requests answered from the response cache.
     pub cache_hits: u64,
-    /// See [`DispatcherStats::cache_misses`].
+    /// Inference requests the cache could have answered but did not (or that refresh it).
     pub cache_misses: u64,
-    /// See [`DispatcherStats::cache_bypasses`].
+    /// Inference requests the cache was not involved in.
     pub cache_bypasses: u64,
-    /// See [`DispatcherStats::retries`].
+    /// Upstream attempts after the first one of a request.
     pub retries: u64,
-    /// See [`DispatcherStats::upstream_errors`].
+    /// Upstream failures: connection errors, 5xx heads, bodies cut or timed out.
     pub upstream_errors: u64,
-    /// See [`DispatcherStats::client_errors`].
+    /// Answers with a 4xx status.
     pub client_errors: u64,
-    /// See [`DispatcherStats::server_errors`].
+    /// Answers with a 5xx status.
     pub server_errors: u64,
-    /// See [`DispatcherStats::records_pushed`].
+    /// Completion records pushed into the ring.
     pub records_pushed: u64,
-    /// See [`DispatcherStats::records_dropped`].
+    /// Completion records dropped (ring full, record too large, no ring).
     pub records_dropped: u64,
-}
-
-impl DispatcherStats {
-    /// The current values.
-    pub fn snapshot(&self) -> StatsSnapshot {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        StatsSnapshot {
-            requests: l(&self.requests),
-            cache_hits: l(&self.cache_hits),
-            cache_misses: l(&self.cache_misses),
-            cache_bypasses: l(&self.cache_bypasses),
-            retries: l(&self.retries),
-            upstream_errors: l(&self.upstream_errors),
-            client_errors: l(&self.client_errors),
-            server_errors: l(&self.server_errors),
-            records_pushed: l(&self.records_pushed),
-            records_dropped: l(&self.records_dropped),
-        }
-    }
 }
 
 /// The routing policy of a dispatcher, replaceable while it serves (a
@@ -220,7 +178,6 @@ pub struct Dispatcher {
     policy: SwappablePolicy,
     store: Arc<dyn RoutingStore>,
     client: UpstreamClient,
-    stats: DispatcherStats,
     health: crate::health::PassiveHealth,
 }
 
@@ -257,7 +214,6 @@ impl Dispatcher {
             policy,
             store,
             client,
-            stats: DispatcherStats::default(),
         }
     }
 
@@ -273,9 +229,27 @@ impl Dispatcher {
         &*self.store
     }
 
-    /// Its counters.
-    pub fn stats(&self) -> &DispatcherStats {
-        &self.stats
+    /// Its counters (from its block of the stats region).
+    pub fn stats(&self) -> StatsSnapshot {
+        use crate::metrics::CacheResult;
+        let m = self.metrics();
+        StatsSnapshot {
+            requests: m.requests(None),
+            cache_hits: m.cache_count(CacheResult::Hit),
+            cache_misses: m.cache_count(CacheResult::Miss),
+            cache_bypasses: m.cache_count(CacheResult::Bypass),
+            retries: m.retries(),
+            upstream_errors: m.upstream_errors(),
+            client_errors: m.requests(Some(4)),
+            server_errors: m.requests(Some(5)),
+            records_pushed: m.records(true),
+            records_dropped: m.records(false),
+        }
+    }
+
+    /// Where it records its metrics: its registry slot's stats block.
+    pub fn metrics(&self) -> Metrics<'_> {
+        Metrics::new(self.segment.tables().stats, self.identity.slot)
     }
 
     /// Who it is in the segment.

@@ -4,7 +4,6 @@
 //! See the [parent module](super) for the pipeline's rules.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -20,10 +19,11 @@ use super::http::{
     BACKEND_HEADER, Body, CACHE_HEADER, client_response_headers, error_response, full_response, json_response,
     set_header, upstream_request_headers,
 };
-use super::relay::{InflightGuard, Learn, Relay};
+use super::relay::{InflightGuard, Learn, Relay, RelayTimer};
 use super::sse;
 use crate::blocks::BlockHasher;
 use crate::config::CacheScope;
+use crate::metrics::{CacheResult, DURATION, EndpointLabel, Snapshot, Stage};
 use crate::prompt::{self, Endpoint, RoutingInput};
 use crate::response_cache::{self, Cacheability, Scope, Tenant};
 use crate::routing::{RouteInput, live_candidates};
@@ -37,15 +37,15 @@ const MAX_MODELS_BYTES: usize = 8 << 20;
 
 /// Answers one request (never fails: errors are responses).
 pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incoming>) -> Response<Body> {
-    dispatcher.stats.requests.fetch_add(1, Relaxed);
+    let start = std::time::Instant::now();
     let path = request.uri().path().to_owned();
     let method = request.method().clone();
     let allowed = match path.as_str() {
         "/v1/completions" | "/v1/chat/completions" => Some(Method::POST),
-        "/v1/models" | "/health" => Some(Method::GET),
+        "/v1/models" | "/health" | "/metrics" => Some(Method::GET),
         _ => None,
     };
-    let response = match (path.as_str(), allowed) {
+    let mut response = match (path.as_str(), allowed) {
         (_, Some(m)) if m != method => {
             let mut r = error_response(
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -59,6 +59,7 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
         ("/v1/chat/completions", _) => inference(&dispatcher, request, Endpoint::ChatCompletions).await,
         ("/v1/models", _) => models(&dispatcher).await,
         ("/health", _) => health(&dispatcher),
+        ("/metrics", _) => metrics(&dispatcher).await,
         (p, _) if p.starts_with("/v1/") => passthrough(&dispatcher, request).await,
         _ => error_response(
             StatusCode::NOT_FOUND,
@@ -66,13 +67,39 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
             Some("unknown_url"),
         ),
     };
-    let status = response.status();
-    if status.is_client_error() {
-        dispatcher.stats.client_errors.fetch_add(1, Relaxed);
-    } else if status.is_server_error() {
-        dispatcher.stats.server_errors.fetch_add(1, Relaxed);
+    let endpoint = EndpointLabel::of_path(&path);
+    let m = dispatcher.metrics();
+    m.request(endpoint, response.status().as_u16());
+    // A relayed answer records its duration when its body ends; the others
+    // (cached answers, errors) are complete now.
+    let relayed = response.extensions_mut().remove::<Relayed>().is_some();
+    if matches!(endpoint, EndpointLabel::Completions | EndpointLabel::ChatCompletions) && !relayed {
+        m.observe_duration(DURATION, start.elapsed());
     }
     response
+}
+
+/// Marks a response whose body is a [`Relay`] (it records its own duration).
+#[derive(Debug, Clone, Copy)]
+struct Relayed;
+
+/// `GET /metrics`: the whole gateway's counters (every process's stats
+/// block summed) and the gauges read from the segment, as Prometheus text.
+async fn metrics(dispatcher: &Arc<Dispatcher>) -> Response<Body> {
+    let d = dispatcher.clone();
+    // Counting the prefix table's entries scans it: off the reactor.
+    let render = move || {
+        let tables = d.segment.tables();
+        Snapshot::collect(&tables, d.segment.clock().now_ms(), d.config.health.stale_after_ms).render()
+    };
+    match tokio::task::spawn_blocking(render).await {
+        Ok(text) => full_response(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", text),
+        Err(e) => error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("rendering the metrics failed: {e}"),
+            None,
+        ),
+    }
 }
 
 /// Reads a request body of at most `limits.max_body_bytes` (413 beyond).
@@ -134,6 +161,21 @@ impl DispatchTiming {
 
     fn mark(&mut self, stage: usize) {
         self.marks[stage] = self.start.elapsed().as_nanos() as u64;
+    }
+
+    /// Records the stages into the dispatch histograms; `sent`: the
+    /// upstream hand-off (`None` for a cached answer: no route stage), and
+    /// `end` the end of dispatch in ns.
+    fn observe(&self, dispatcher: &Dispatcher, routed: bool, end: u64) {
+        let m = dispatcher.metrics();
+        let secs = |ns: u64| ns as f64 / 1e9;
+        let marks = self.marks;
+        m.observe(Stage::Tokenize.histogram(), secs(marks[2].saturating_sub(marks[1])));
+        m.observe(Stage::Lookup.histogram(), secs(marks[4].saturating_sub(marks[3])));
+        if routed {
+            m.observe(Stage::Route.histogram(), secs(end.saturating_sub(marks[4])));
+        }
+        m.observe(Stage::Total.histogram(), secs(end));
     }
 
     /// The header value, with the upstream hand-off at `sent` ns.
@@ -227,21 +269,25 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
             stale_after_ms: dispatcher.config.health.stale_after_ms,
         })
         .await;
+    if lookup.degraded {
+        dispatcher.metrics().degraded_lookup();
+    }
     if let Some(stored) = lookup.response.take()
         && let Some(mut response) = cached_answer(&stored, endpoint, &parsed)
     {
-        dispatcher.stats.cache_hits.fetch_add(1, Relaxed);
+        dispatcher.metrics().cache(CacheResult::Hit);
         timing.mark(4);
         let answered = timing.start.elapsed().as_nanos() as u64;
+        timing.observe(dispatcher, false, answered);
         set_header(response.headers_mut(), DISPATCH_HEADER, &timing.header(answered));
         return response;
     }
     timing.mark(4);
     let cache = if cacheability.writes() {
-        dispatcher.stats.cache_misses.fetch_add(1, Relaxed);
+        dispatcher.metrics().cache(CacheResult::Miss);
         "miss"
     } else {
-        dispatcher.stats.cache_bypasses.fetch_add(1, Relaxed);
+        dispatcher.metrics().cache(CacheResult::Bypass);
         "bypass"
     };
     let ctx = InferenceCtx {
@@ -326,7 +372,11 @@ impl Dispatcher {
                     exclude,
                     stale_after_ms: self.config.health.stale_after_ms,
                 };
-                self.store.lookup(request).await
+                let l = self.store.lookup(request).await;
+                if l.degraded {
+                    self.metrics().degraded_lookup();
+                }
+                l
             }
         };
         let servers = self.segment.tables().servers;
@@ -337,7 +387,13 @@ impl Dispatcher {
                     prefix: &lookup.prefix,
                     candidates: &lookup.candidates,
                 };
-                self.policy.choose(&input)?.server
+                let server = self.policy.choose(&input)?.server;
+                if exclude.is_empty() {
+                    // The first choice of the request: how much of its prompt it has.
+                    self.metrics()
+                        .prefix_match(lookup.prefix.blocks_for(server.tag()), chain.len());
+                }
+                server
             } else {
                 lookup
                     .candidates
@@ -404,7 +460,7 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
             };
         };
         if attempt > 0 {
-            dispatcher.stats.retries.fetch_add(1, Relaxed);
+            dispatcher.metrics().retry();
         }
         attempt += 1;
         let Some(guard) = InflightGuard::begin(dispatcher, server, prompt_tokens) else {
@@ -429,11 +485,14 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
             .as_ref()
             .filter(|_| attempt == 1)
             .map(|c| c.timing.start.elapsed().as_nanos() as u64);
+        if let (Some(c), Some(sent)) = (&ctx, sent) {
+            c.timing.observe(dispatcher, true, sent);
+        }
         dispatch_ns = sent.or(dispatch_ns);
         let result = tokio::time::timeout_at(deadline, dispatcher.client.request(request)).await;
         let upstream = match result {
             Err(_) => {
-                dispatcher.stats.upstream_errors.fetch_add(1, Relaxed);
+                dispatcher.metrics().upstream(server.slot, false);
                 // Passive health check: no head within the request timeout.
                 dispatcher.passive_failure(server, &address, "no answer within the request timeout");
                 break error_response(
@@ -443,7 +502,7 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
                 );
             }
             Ok(Err(e)) => {
-                dispatcher.stats.upstream_errors.fetch_add(1, Relaxed);
+                dispatcher.metrics().upstream(server.slot, false);
                 last_error = format!("{address}: {}", error_chain(&e));
                 // Passive health check: a connection error.
                 dispatcher.passive_failure(server, &address, &last_error);
@@ -451,7 +510,7 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
                 None
             }
             Ok(Ok(r)) if r.status().is_server_error() => {
-                dispatcher.stats.upstream_errors.fetch_add(1, Relaxed);
+                dispatcher.metrics().upstream(server.slot, false);
                 last_error = format!("{address} answered {}", r.status());
                 // Passive health check: a 5xx head.
                 dispatcher.passive_failure(server, &address, &last_error);
@@ -487,7 +546,11 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
         };
         // The relay reports the body's end or failure to the passive health
         // check (a head alone is not yet a success).
-        let mut response = Response::new(Relay::new(incoming, deadline, guard, learn, sse).boxed());
+        let timer = ctx
+            .as_ref()
+            .map(|c| RelayTimer::new(dispatcher.clone(), c.timing.start));
+        let mut response = Response::new(Relay::new(incoming, deadline, guard, learn, sse, timer).boxed());
+        response.extensions_mut().insert(Relayed);
         *response.status_mut() = parts.status;
         client_response_headers(&parts.headers, response.headers_mut());
         set_header(response.headers_mut(), BACKEND_HEADER, &address);

@@ -18,16 +18,22 @@
 //! pool, off the reactor; the record is pushed into this dispatcher's
 //! completion ring without waiting (a full ring drops it, counted by the
 //! ring).
+//!
+//! For an inference request the relay also records the gateway's latency
+//! metrics ([`RelayTimer`]): TTFT when the first body frame is handed to
+//! the client, the request's duration when the relay ends (body done,
+//! failed, or the client gone).
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
 use shm_layout::{CompletionRecord, ResponseKey, ServerRef};
+use std::time::Instant;
+
 use tokio::time::Sleep;
 
 use super::Dispatcher;
@@ -63,6 +69,44 @@ impl InflightGuard {
 impl Drop for InflightGuard {
     fn drop(&mut self) {
         self.dispatcher.store.end_request(self.server, self.tokens);
+    }
+}
+
+/// Records an inference request's TTFT (first body frame relayed) and
+/// end-to-end duration (when dropped: the body ended, failed, or the client
+/// left) into the dispatcher's metrics, both from the request's arrival.
+#[derive(Debug)]
+pub(crate) struct RelayTimer {
+    dispatcher: Arc<Dispatcher>,
+    start: Instant,
+    first_frame: bool,
+}
+
+impl RelayTimer {
+    /// Times a request that arrived at `start`.
+    pub fn new(dispatcher: Arc<Dispatcher>, start: Instant) -> Self {
+        Self {
+            dispatcher,
+            start,
+            first_frame: false,
+        }
+    }
+
+    fn frame(&mut self) {
+        if !self.first_frame {
+            self.first_frame = true;
+            self.dispatcher
+                .metrics()
+                .observe_duration(crate::metrics::TTFT, self.start.elapsed());
+        }
+    }
+}
+
+impl Drop for RelayTimer {
+    fn drop(&mut self) {
+        self.dispatcher
+            .metrics()
+            .observe_duration(crate::metrics::DURATION, self.start.elapsed());
     }
 }
 
@@ -116,18 +160,20 @@ pub(crate) struct Relay {
     capture: Option<Capture>,
     learn: Option<(Arc<Dispatcher>, Learn)>,
     finished: bool,
+    timer: Option<RelayTimer>,
 }
 
 impl Relay {
     /// Relays `inner` until `deadline`; `learn` (for a 2xx inference
     /// answer) makes a completion record when it ends; `sse` tells how to
-    /// read the answer.
+    /// read the answer; `timer` records its latency metrics.
     pub fn new(
         inner: Incoming,
         deadline: tokio::time::Instant,
         guard: InflightGuard,
         learn: Option<(Arc<Dispatcher>, Learn)>,
         sse: bool,
+        timer: Option<RelayTimer>,
     ) -> Self {
         let capture = learn.as_ref().map(|_| {
             if sse {
@@ -146,6 +192,7 @@ impl Relay {
             capture,
             learn,
             finished: false,
+            timer,
         }
     }
 
@@ -157,7 +204,7 @@ impl Relay {
     fn fail(&mut self) {
         self.finished = true;
         if let Some(g) = self.guard.take() {
-            g.dispatcher.stats.upstream_errors.fetch_add(1, Relaxed);
+            g.dispatcher.metrics().upstream(g.server.slot, false);
             // Passive health check: the body was cut or timed out.
             let address = g
                 .dispatcher
@@ -172,13 +219,16 @@ impl Relay {
         }
         self.learn = None;
         self.capture = None;
+        self.timer = None;
     }
 
     fn end(&mut self) {
         self.finished = true;
+        self.timer = None;
         if let Some(g) = self.guard.take() {
             // Passive health check: answered in full.
             g.dispatcher.passive_success(g.server);
+            g.dispatcher.metrics().upstream(g.server.slot, true);
         }
         let (Some((dispatcher, learn)), Some(capture)) = (self.learn.take(), self.capture.take()) else {
             return;
@@ -213,6 +263,9 @@ impl HttpBody for Relay {
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                if let Some(t) = this.timer.as_mut().filter(|_| frame.is_data()) {
+                    t.frame();
+                }
                 if let (Some(capture), Some(data)) = (this.capture.as_mut(), frame.data_ref()) {
                     capture.feed(data);
                 }
@@ -269,7 +322,7 @@ impl Dispatcher {
         learn.hasher.extend(&full_tokens, &mut full_chain);
         let tables = self.segment.tables();
         if self.identity.ring >= tables.ring_count() {
-            self.stats.records_dropped.fetch_add(1, Relaxed);
+            self.metrics().record(false);
             return;
         }
         let ring = tables.ring(self.identity.ring);
@@ -302,9 +355,6 @@ impl Dispatcher {
         }
         let mut buf = Vec::with_capacity(record.encoded_len());
         record.encode_into(&mut buf);
-        match ring.push(&buf) {
-            Ok(()) => self.stats.records_pushed.fetch_add(1, Relaxed),
-            Err(_) => self.stats.records_dropped.fetch_add(1, Relaxed),
-        };
+        self.metrics().record(ring.push(&buf).is_ok());
     }
 }

@@ -1,0 +1,425 @@
+//! The admin API: an HTTP/1.1 listener of the supervisor, on its own
+//! address (`[admin] listen` / `--admin-listen`), for operators.
+//!
+//! Every request must carry `Authorization: Bearer <token>` (`admin.token`
+//! or `admin.token_file`), compared in constant time; without it, or with
+//! another token, the answer is `401` with `WWW-Authenticate: Bearer` and an
+//! OpenAI-style error body. Bodies are JSON both ways; bad input is a 4xx
+//! with an error body saying what is wrong, never a 5xx.
+//!
+//! | request | what it does |
+//! | --- | --- |
+//! | `GET /admin/servers` | every server of the shm server table: slot, generation, address, name, state, in-flight requests and tokens, scraped load and its age |
+//! | `POST /admin/servers` `{"url": "http://host:port", "name": "..."}` | registers a backend, `Up` at once (`201` with its slot; `409` if already registered) |
+//! | `POST /admin/servers/{slot}/drain` | `Draining`: no new requests, those in flight finish; it stays registered |
+//! | `POST /admin/servers/{slot}/undrain` | a drained server takes requests again |
+//! | `DELETE /admin/servers/{slot}` | drains it and removes it once nothing is in flight, or after `drain_timeout_secs` (`200` when gone at once, else `202`) |
+//! | `GET /admin/tables` | fill of the prefix table and the response cache's index |
+//! | `POST /admin/flush/prefixes` | empties the prefix table (`{"removed": n}`) |
+//! | `POST /admin/flush/responses` | empties the response cache (`{"removed": n}`) |
+//!
+//! This module only speaks HTTP: each request becomes a [`Request`] sent
+//! over a channel to the supervisor's loop ([`crate::supervisor`]), which
+//! owns the backend bookkeeping, applies it to the shm segment and answers
+//! with a [`Reply`]. Everything goes through shm, so every dispatcher sees
+//! a change at once. Changes are not written to the configuration file: a
+//! reload (SIGHUP) applies the file's backend list again, which drains the
+//! servers added here and not listed there.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Method, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use semlb::config::BackendConfig;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+
+/// Largest request body accepted.
+const MAX_BODY_BYTES: usize = 64 * 1024;
+/// How long a client may take to send its request head.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What an admin request asks the supervisor to do.
+#[derive(Debug)]
+pub enum Request {
+    /// List the server table.
+    ListServers,
+    /// Register a backend (URL and name not yet validated).
+    AddServer(BackendConfig),
+    /// Set the server in this slot `Draining`.
+    Drain(u16),
+    /// Set the drained server in this slot `Up` again.
+    Undrain(u16),
+    /// Drain the server in this slot and remove it once drained.
+    Remove(u16),
+    /// The tables' fill.
+    Tables,
+    /// Empty the prefix table.
+    FlushPrefixes,
+    /// Empty the response cache.
+    FlushResponses,
+}
+
+/// The supervisor's answer: a status and a JSON body.
+#[derive(Debug)]
+pub struct Reply {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// JSON body.
+    pub body: Value,
+}
+
+impl Reply {
+    /// A success with `body`.
+    pub fn new(status: StatusCode, body: Value) -> Self {
+        Self { status, body }
+    }
+
+    /// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`.
+    pub fn error(status: StatusCode, message: impl Into<String>, code: &str) -> Self {
+        let kind = if status.is_server_error() {
+            "server_error"
+        } else {
+            "invalid_request_error"
+        };
+        Self {
+            status,
+            body: json!({"error": {"message": message.into(), "type": kind, "param": null, "code": code}}),
+        }
+    }
+
+    /// `404`: no server in `slot`.
+    pub fn unknown_slot(slot: u16) -> Self {
+        Self::error(
+            StatusCode::NOT_FOUND,
+            format!("no server is registered in slot {slot} (GET /admin/servers lists them)"),
+            "unknown_slot",
+        )
+    }
+}
+
+/// One admin request on its way to the supervisor, with where to answer.
+pub type Command = (Request, oneshot::Sender<Reply>);
+
+/// The body of `POST /admin/servers`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddServer {
+    url: String,
+    #[serde(default)]
+    name: Option<String>,
+}
+
+/// Serves the admin API on `listener` until the task is dropped; each
+/// request is checked against `token` and handed to `commands`.
+pub async fn serve(listener: TcpListener, token: String, commands: mpsc::Sender<Command>) {
+    let token: Arc<[u8]> = Arc::from(token.into_bytes());
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                eprintln!("semlb: admin API: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let (token, commands) = (token.clone(), commands.clone());
+        tokio::spawn(async move {
+            let service = service_fn(move |request| {
+                let (token, commands) = (token.clone(), commands.clone());
+                async move { Ok::<_, Infallible>(respond(handle(request, &token, &commands).await)) }
+            });
+            let mut builder = http1::Builder::new();
+            builder.timer(TokioTimer::new()).header_read_timeout(HEADER_TIMEOUT);
+            let _ = builder.serve_connection(TokioIo::new(stream), service).await;
+        });
+    }
+}
+
+/// Binds the admin listener (before the runtime runs, so a taken address
+/// stops the start with a clear error).
+pub fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let listener = std::net::TcpListener::bind(addr)?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+/// Whether `a` and `b` are equal, in a time that depends on their lengths
+/// only (not on where they differ).
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
+}
+
+/// Whether the request carries `Authorization: Bearer <token>`.
+fn authorized<B>(request: &http::Request<B>, token: &[u8]) -> bool {
+    let Some(value) = request.headers().get(header::AUTHORIZATION) else {
+        return false;
+    };
+    let value = value.as_bytes();
+    let Some(space) = value.iter().position(|b| *b == b' ') else {
+        return false;
+    };
+    let (scheme, rest) = value.split_at(space);
+    scheme.eq_ignore_ascii_case(b"bearer") && constant_time_eq(rest.trim_ascii(), token)
+}
+
+/// The route of a request, or the error reply for it.
+fn route(method: &Method, path: &str) -> Result<RouteKind, Reply> {
+    let segments: Vec<&str> = path.trim_end_matches('/').split('/').skip(1).collect();
+    let allow = |allowed: &str| {
+        Reply::error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            format!("{method} is not allowed on {path}; use {allowed}"),
+            "method_not_allowed",
+        )
+    };
+    let slot = |text: &str| {
+        text.parse::<u16>().map_err(|_| {
+            Reply::error(
+                StatusCode::BAD_REQUEST,
+                format!("{text:?} is not a server slot (a number from GET /admin/servers)"),
+                "invalid_slot",
+            )
+        })
+    };
+    match segments.as_slice() {
+        ["admin", "servers"] => match *method {
+            Method::GET => Ok(RouteKind::List),
+            Method::POST => Ok(RouteKind::Add),
+            _ => Err(allow("GET or POST")),
+        },
+        ["admin", "servers", s] => match *method {
+            Method::DELETE => Ok(RouteKind::Slot(Request::Remove(slot(s)?))),
+            _ => Err(allow("DELETE")),
+        },
+        ["admin", "servers", s, action @ ("drain" | "undrain")] => match *method {
+            Method::POST => {
+                let slot = slot(s)?;
+                Ok(RouteKind::Slot(if *action == "drain" {
+                    Request::Drain(slot)
+                } else {
+                    Request::Undrain(slot)
+                }))
+            }
+            _ => Err(allow("POST")),
+        },
+        ["admin", "tables"] => match *method {
+            Method::GET => Ok(RouteKind::Slot(Request::Tables)),
+            _ => Err(allow("GET")),
+        },
+        ["admin", "flush", what @ ("prefixes" | "responses")] => match *method {
+            Method::POST => Ok(RouteKind::Slot(if *what == "prefixes" {
+                Request::FlushPrefixes
+            } else {
+                Request::FlushResponses
+            })),
+            _ => Err(allow("POST")),
+        },
+        _ => Err(Reply::error(
+            StatusCode::NOT_FOUND,
+            format!(
+                "no admin route {method} {path}; see /admin/servers, /admin/servers/{{slot}}[/drain|/undrain], /admin/tables, /admin/flush/prefixes, /admin/flush/responses"
+            ),
+            "not_found",
+        )),
+    }
+}
+
+/// What a route needs: a body to parse, or nothing more.
+enum RouteKind {
+    /// `GET /admin/servers`.
+    List,
+    /// `POST /admin/servers`: parse the body.
+    Add,
+    /// A request that needs no body.
+    Slot(Request),
+}
+
+/// Answers one request.
+async fn handle(request: http::Request<Incoming>, token: &[u8], commands: &mpsc::Sender<Command>) -> Reply {
+    if !authorized(&request, token) {
+        return Reply::error(
+            StatusCode::UNAUTHORIZED,
+            "the admin API needs Authorization: Bearer <token> with the configured admin token",
+            "invalid_api_key",
+        );
+    }
+    let kind = match route(request.method(), request.uri().path()) {
+        Ok(kind) => kind,
+        Err(reply) => return reply,
+    };
+    let command = match kind {
+        RouteKind::List => Request::ListServers,
+        RouteKind::Slot(command) => command,
+        RouteKind::Add => {
+            let body = match Limited::new(request.into_body(), MAX_BODY_BYTES).collect().await {
+                Ok(body) => body.to_bytes(),
+                Err(e) => {
+                    let too_large = e.downcast_ref::<http_body_util::LengthLimitError>().is_some();
+                    return if too_large {
+                        Reply::error(
+                            StatusCode::PAYLOAD_TOO_LARGE,
+                            format!("the body is larger than {MAX_BODY_BYTES} bytes"),
+                            "body_too_large",
+                        )
+                    } else {
+                        Reply::error(
+                            StatusCode::BAD_REQUEST,
+                            format!("cannot read the body: {e}"),
+                            "bad_body",
+                        )
+                    };
+                }
+            };
+            match serde_json::from_slice::<AddServer>(&body) {
+                Ok(add) => Request::AddServer(BackendConfig {
+                    name: add.name,
+                    ..BackendConfig::new(add.url)
+                }),
+                Err(e) => {
+                    return Reply::error(
+                        StatusCode::BAD_REQUEST,
+                        format!(
+                            "the body must be JSON {{\"url\": \"http://host:port\", \"name\": \"...\"}} (name optional): {e}"
+                        ),
+                        "invalid_json",
+                    );
+                }
+            }
+        }
+    };
+    let (reply_tx, reply_rx) = oneshot::channel();
+    if commands.send((command, reply_tx)).await.is_err() {
+        return Reply::error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the supervisor is stopping",
+            "stopping",
+        );
+    }
+    reply_rx.await.unwrap_or_else(|_| {
+        Reply::error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the supervisor is stopping",
+            "stopping",
+        )
+    })
+}
+
+/// The HTTP response of a reply (`WWW-Authenticate` on a 401).
+fn respond(reply: Reply) -> http::Response<Full<Bytes>> {
+    let mut body = reply.body.to_string();
+    body.push('\n');
+    let mut response = http::Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = reply.status;
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    if reply.status == StatusCode::UNAUTHORIZED {
+        headers.insert(
+            header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer realm=\"semlb-admin\""),
+        );
+    }
+    response
+}
+
+/// How a server of the table is shown by `GET /admin/servers`.
+pub fn server_json(info: &shm_layout::ServerInfo, now_ms: u64, name: Option<&str>, managed: &str) -> Value {
+    let load = info.load;
+    let scraped = load.scraped_at_ms != 0;
+    json!({
+        "slot": info.server.slot,
+        "generation": info.server.generation,
+        "id": info.id,
+        "address": info.address,
+        "name": name,
+        "state": info.state.name(),
+        "managed": managed,
+        "registered_ms": info.registered_ms,
+        "inflight_requests": info.inflight_requests,
+        "inflight_tokens": info.inflight_tokens,
+        "load": {
+            "waiting": scraped.then_some(load.waiting),
+            "running": scraped.then_some(load.running),
+            "kv_usage": scraped.then(|| f64::from(load.kv_usage_permyriad) / 10_000.0),
+            "age_ms": scraped.then(|| now_ms.saturating_sub(load.scraped_at_ms)),
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_compare_whole() {
+        assert!(constant_time_eq(b"0123456789abcdef", b"0123456789abcdef"));
+        assert!(!constant_time_eq(b"0123456789abcdef", b"0123456789abcdeF"));
+        assert!(!constant_time_eq(b"0123456789abcdef", b"0123456789abcde"));
+        assert!(!constant_time_eq(b"", b"x"));
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_required() {
+        let with = |value: &str| {
+            http::Request::builder()
+                .header(header::AUTHORIZATION, value)
+                .body(())
+                .unwrap()
+        };
+        let token = b"0123456789abcdef";
+        assert!(authorized(&with("Bearer 0123456789abcdef"), token));
+        assert!(authorized(&with("bearer 0123456789abcdef"), token));
+        assert!(!authorized(&with("Basic 0123456789abcdef"), token));
+        assert!(!authorized(&with("Bearer 0123456789abcdeX"), token));
+        assert!(!authorized(&with("0123456789abcdef"), token));
+        assert!(!authorized(&http::Request::new(()), token));
+    }
+
+    #[test]
+    fn routes() {
+        let ok = |m: Method, p: &str| route(&m, p).is_ok();
+        let status = |m: Method, p: &str| route(&m, p).err().map(|r| r.status);
+        assert!(ok(Method::GET, "/admin/servers"));
+        assert!(ok(Method::GET, "/admin/servers/"));
+        assert!(ok(Method::POST, "/admin/servers"));
+        assert!(ok(Method::POST, "/admin/servers/3/drain"));
+        assert!(ok(Method::POST, "/admin/servers/3/undrain"));
+        assert!(ok(Method::DELETE, "/admin/servers/3"));
+        assert!(ok(Method::POST, "/admin/flush/prefixes"));
+        assert!(ok(Method::POST, "/admin/flush/responses"));
+        assert!(ok(Method::GET, "/admin/tables"));
+        assert_eq!(
+            status(Method::DELETE, "/admin/servers/x"),
+            Some(StatusCode::BAD_REQUEST)
+        );
+        assert_eq!(
+            status(Method::DELETE, "/admin/servers/70000"),
+            Some(StatusCode::BAD_REQUEST)
+        );
+        assert_eq!(
+            status(Method::GET, "/admin/flush/prefixes"),
+            Some(StatusCode::METHOD_NOT_ALLOWED)
+        );
+        assert_eq!(status(Method::GET, "/admin/nope"), Some(StatusCode::NOT_FOUND));
+        assert_eq!(
+            status(Method::POST, "/admin/flush/everything"),
+            Some(StatusCode::NOT_FOUND)
+        );
+    }
+}
