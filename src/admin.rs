@@ -129,7 +129,7 @@ pub async fn serve(listener: TcpListener, token: String, commands: mpsc::Sender<
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
             Err(e) => {
-                eprintln!("semlb: admin API: accept failed: {e}");
+                tracing::error!(error = %e, "admin API: accept failed: {e}");
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }

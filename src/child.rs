@@ -149,11 +149,13 @@ async fn reload_policy_on_hup(
         Ok(new) if new.policy != *policy => {
             dispatcher.set_policy(&new.policy);
             *policy = new.policy;
-            eprintln!("semlb: dispatcher {ring}: routing policy now {}", new.policy.kind);
+            tracing::info!(dispatcher = ring, policy = %new.policy.kind, "dispatcher {ring}: routing policy now {}", new.policy.kind);
         }
         Ok(_) => {}
-        Err(e) => eprintln!(
-            "semlb: dispatcher {ring}: configuration rejected, keeping policy {}: {e}",
+        Err(e) => tracing::warn!(
+            dispatcher = ring,
+            error = %e,
+            "dispatcher {ring}: configuration rejected, keeping policy {}: {e}",
             policy.kind
         ),
     };

@@ -122,6 +122,64 @@ pub struct ServeArgs {
     /// than an A100).
     #[arg(long, value_name = "F", default_value_t = 0.05)]
     pub demo_time_scale: f64,
+    /// How the gateway's processes log to stderr.
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// Logging flags of every process of a gateway (see [`crate::logging`]).
+#[derive(Debug, Clone, Args)]
+pub struct LogArgs {
+    /// Log line format on stderr: text (for people) or json (one object
+    /// per line).
+    #[arg(long, value_name = "FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Least severe level logged: error, warn, info, debug (one line per
+    /// request with its routing decision) or trace (other crates stay at
+    /// info or less); or an EnvFilter directive such as
+    /// `semlb::dispatcher=debug,info`. The environment variable SEMLB_LOG,
+    /// if set, wins.
+    #[arg(long, value_name = "LEVEL", default_value = "info", value_parser = parse_log_level)]
+    pub log_level: String,
+}
+
+impl LogArgs {
+    /// The flags again, for a child process.
+    pub fn to_args(&self) -> Vec<OsString> {
+        vec![
+            "--log-format".into(),
+            self.log_format.name().into(),
+            "--log-level".into(),
+            self.log_level.clone().into(),
+        ]
+    }
+}
+
+/// Checks a `--log-level` as an EnvFilter directive.
+fn parse_log_level(s: &str) -> Result<String, String> {
+    tracing_subscriber::EnvFilter::builder()
+        .parse(s)
+        .map(|_| s.to_owned())
+        .map_err(|e| format!("not a log level or filter directive: {e}"))
+}
+
+/// `--log-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// `TIMESTAMP LEVEL ROLE: message key=value ...`.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+impl LogFormat {
+    /// The flag's value.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Text => "text",
+            Self::Json => "json",
+        }
+    }
 }
 
 impl ServeArgs {
@@ -213,6 +271,7 @@ impl ServeArgs {
         if let Some(v) = &self.admin_token_file {
             push("--admin-token-file", v.display().to_string());
         }
+        out.extend(self.log.to_args());
         out
     }
 }
@@ -258,6 +317,9 @@ pub struct SimArgs {
     /// The served model name.
     #[arg(long, default_value = "semlb-sim")]
     pub model: String,
+    /// How it logs to stderr.
+    #[command(flatten)]
+    pub log: LogArgs,
 }
 
 /// `semlb status`.

@@ -10,6 +10,7 @@
 //! | module | concept |
 //! | --- | --- |
 //! | [`cli`] | the command line as clap derive types (parsing only) |
+//! | [`logging`] | the gateway processes' `tracing` subscriber: text or JSON lines on stderr |
 //! | [`supervisor`] | `semlb serve`: segment, backends, listener, children, restarts, signals |
 //! | [`admin`] | the admin API (bearer token): list, add, drain, remove backends; flush the tables |
 //! | [`notify`] | systemd's notification protocol (`READY=1`, `WATCHDOG=1`, ...) for `Type=notify` |
@@ -25,7 +26,8 @@
 //! `main` parses [`cli::Cli`] (clap prints usage errors and exits 2) and
 //! hands the command to its module. Errors travel as `anyhow::Error` from
 //! the commands to here, and only here are they printed: `error: <message>`
-//! with its causes, exit status 1. `anyhow` is used in this binary only;
+//! with its causes (an `error` event for the gateway's processes, which
+//! log through [`logging`]), exit status 1. `anyhow` is used in this binary only;
 //! the library's error types are typed.
 
 /// mimalloc instead of glibc's malloc: the dispatch path (tokenizer, JSON)
@@ -40,6 +42,7 @@ mod bench;
 mod child;
 mod cli;
 mod demo;
+mod logging;
 mod notify;
 mod report;
 mod shm_cmd;
@@ -52,7 +55,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::Parser;
 
-use crate::cli::{Cli, Command};
+use crate::cli::{ChildRole, Cli, Command};
 
 fn run(cli: Cli) -> Result<()> {
     let stdout = std::io::stdout();
@@ -60,9 +63,22 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Shm(command) => out.write_all(shm_cmd::run(command)?.as_bytes())?,
         Command::Demo(args) => demo::run(&args, &mut out)?,
-        Command::Serve(args) => supervisor::run(&args)?,
-        Command::Child(args) => child::run(&args)?,
-        Command::Sim(args) => child::run_sim(&args)?,
+        Command::Serve(args) => {
+            logging::init(&args.log, "supervisor");
+            supervisor::run(&args)?
+        }
+        Command::Child(args) => {
+            let role = match args.role {
+                ChildRole::Dispatcher => "dispatcher",
+                ChildRole::Responder => "responder",
+            };
+            logging::init(&args.serve.log, &format!("{role} {}", args.index));
+            child::run(&args)?
+        }
+        Command::Sim(args) => {
+            logging::init(&args.log, "sim");
+            child::run_sim(&args)?
+        }
         Command::Bench(command) => bench::run(&command)?,
         Command::Status(args) => status::run(&args, &mut out)?,
         Command::BenchWorker(args) => bench::scaling::run_worker(&args)?,
@@ -73,6 +89,9 @@ fn run(cli: Cli) -> Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The gateway's processes log through `tracing` (see [`logging`]), so
+    // their last words are an event too (a JSON line with `--log-format json`).
+    let logs = matches!(cli.command, Command::Serve(_) | Command::Child(_) | Command::Sim(_));
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -80,7 +99,9 @@ fn main() -> ExitCode {
             let broken_pipe = e
                 .downcast_ref::<std::io::Error>()
                 .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe);
-            if !broken_pipe {
+            if logs {
+                tracing::error!("{e:#}");
+            } else if !broken_pipe {
                 let _ = writeln!(std::io::stderr(), "error: {e:#}");
             }
             ExitCode::FAILURE

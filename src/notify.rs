@@ -45,7 +45,7 @@ impl Notifier {
         let target = var("NOTIFY_SOCKET").and_then(|addr| match connect(&addr) {
             Ok(target) => Some(target),
             Err(e) => {
-                eprintln!("semlb: NOTIFY_SOCKET={addr} cannot be used ({e}); not notifying systemd");
+                tracing::warn!(error = %e, "NOTIFY_SOCKET={addr} cannot be used ({e}); not notifying systemd");
                 None
             }
         });
@@ -101,7 +101,7 @@ impl Notifier {
         if let Err(e) = socket.send_to_addr(message.as_bytes(), addr)
             && !self.failed.replace(true)
         {
-            eprintln!("semlb: cannot notify systemd ({e}); later failures are not logged");
+            tracing::warn!(error = %e, "cannot notify systemd ({e}); later failures are not logged");
         }
     }
 }

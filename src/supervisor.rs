@@ -107,7 +107,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 
 use crate::admin::{self, Reply};
-use crate::cli::{ChildRole, ServeArgs};
+use crate::cli::{ChildRole, LogArgs, ServeArgs};
 use crate::notify::{self, Notifier};
 
 /// The fd a dispatcher finds the listening socket on.
@@ -148,8 +148,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     }
     if let Some(n) = args.demo {
         for _ in 0..n {
-            let (child, url) = start_sim(args.demo_time_scale)?;
-            eprintln!("semlb: demo engine {url} (pid {})", child.id());
+            let (child, url) = start_sim(args.demo_time_scale, &args.log)?;
+            tracing::info!(engine = %url, pid = child.id(), "demo engine {url} (pid {})", child.id());
             args.backends.push(url);
             sims.push(child);
         }
@@ -206,8 +206,9 @@ fn supervise(args: &ServeArgs) -> Result<()> {
             TcpListener::bind(config.listen).with_context(|| format!("cannot listen on {}", config.listen))?;
         let addr = listener.local_addr()?;
         println!("semlb listening on http://{addr}");
-        eprintln!(
-            "semlb: shm segment {name} ({}), {} dispatchers, {} responders, {} backends, policy {}",
+        tracing::info!(
+            shm = %name,
+            "shm segment {name} ({}), {} dispatchers, {} responders, {} backends, policy {}",
             config.shm_size,
             config.dispatchers,
             config.responders,
@@ -219,16 +220,20 @@ fn supervise(args: &ServeArgs) -> Result<()> {
             let reachable = redis::Client::open(r.url.as_str())
                 .and_then(|c| c.get_connection_with_timeout(r.timeout()))
                 .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
-            eprintln!(
-                "semlb: routing state in Redis at {} (namespace {}, lookup {:?}){}",
-                r.url,
-                r.namespace,
-                r.lookup,
-                match reachable {
-                    Ok(_) => String::new(),
-                    Err(e) => format!(": not reachable now ({e}); routing on load only until it is"),
-                }
-            );
+            match reachable {
+                Ok(_) => tracing::info!(
+                    "routing state in Redis at {} (namespace {}, lookup {:?})",
+                    r.url,
+                    r.namespace,
+                    r.lookup
+                ),
+                Err(e) => tracing::warn!(
+                    "routing state in Redis at {} (namespace {}, lookup {:?}): not reachable now ({e}); routing on load only until it is",
+                    r.url,
+                    r.namespace,
+                    r.lookup
+                ),
+            }
         }
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let mut supervisor = Supervisor::new(&segment, config, args, &listener, backends, &notify);
@@ -254,7 +259,7 @@ fn create_segment(name: &str, plan: &LayoutPlan) -> Result<Segment> {
                     "shm segment {path} is in use by a running semlb supervisor (pid {pid}); stop it first or pick another --shm-name"
                 );
             }
-            eprintln!("semlb: removing the leftover shm segment {path} of a supervisor that is gone");
+            tracing::warn!(shm = %path, "removing the leftover shm segment {path} of a supervisor that is gone");
             Segment::remove(name)?;
             Ok(Segment::create(name, plan)?)
         }
@@ -410,7 +415,7 @@ impl<'a> Supervisor<'a> {
         let admin_task = match self.admin_listener.take() {
             Some((listener, token)) => {
                 let listener = tokio::net::TcpListener::from_std(listener)?;
-                eprintln!("semlb: admin API on http://{}", listener.local_addr()?);
+                tracing::info!("admin API on http://{}", listener.local_addr()?);
                 Some(tokio::spawn(admin::serve(listener, token, admin_tx.clone())))
             }
             None => None,
@@ -447,7 +452,7 @@ impl<'a> Supervisor<'a> {
             if !ready && self.children_up() && probe(probe_addr).await {
                 ready = true;
                 let status = self.status_line();
-                eprintln!("semlb: ready: {status}");
+                tracing::info!("ready: {status}");
                 self.notify.ready(&status);
                 last_status = (status, Instant::now());
             }
@@ -496,7 +501,7 @@ impl<'a> Supervisor<'a> {
             match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
                 Ok(WaitStatus::Exited(pid, _) | WaitStatus::Signaled(pid, _, _)) => {
                     if let Some(s) = self.slots.iter_mut().find(|s| s.pid == Some(pid)) {
-                        eprintln!("semlb: {:?} {} (pid {pid}) exited", s.role, s.index);
+                        tracing::warn!(child = ?s.role, index = s.index, pid = pid.as_raw(), "{:?} {} (pid {pid}) exited", s.role, s.index);
                         tables.registry.mark_exited(s.slot, s.incarnation);
                         tables.servers.reclaim_process(s.slot);
                         s.pid = None;
@@ -520,8 +525,10 @@ impl<'a> Supervisor<'a> {
                 && info.state == ProcessState::Running
                 && now_ms.saturating_sub(info.heartbeat_ms) > HUNG_AFTER_MS
             {
-                eprintln!(
-                    "semlb: {:?} {} missed its heartbeats for {} ms; killing it",
+                tracing::warn!(
+                    child = ?s.role,
+                    index = s.index,
+                    "{:?} {} missed its heartbeats for {} ms; killing it",
                     s.role,
                     s.index,
                     now_ms - info.heartbeat_ms
@@ -553,7 +560,7 @@ impl<'a> Supervisor<'a> {
                         s.index
                     ));
                 }
-                eprintln!("semlb: restarting {:?} {}", s.role, s.index);
+                tracing::info!(child = ?s.role, index = s.index, "restarting {:?} {}", s.role, s.index);
                 self.restarts += 1;
             }
             let role = match s.role {
@@ -568,7 +575,7 @@ impl<'a> Supervisor<'a> {
                     s.restart_at = None;
                 }
                 Err(e) => {
-                    eprintln!("semlb: cannot start {:?} {}: {e}", s.role, s.index);
+                    tracing::error!(child = ?s.role, index = s.index, error = %e, "cannot start {:?} {}: {e}", s.role, s.index);
                     tables.registry.mark_exited(s.slot, s.incarnation);
                     s.restart_at = Some(Instant::now() + s.backoff);
                     s.backoff = (s.backoff * 2).min(BACKOFF_MAX);
@@ -666,7 +673,7 @@ impl<'a> Supervisor<'a> {
         let new = match self.reloaded_config() {
             Ok(new) => new,
             Err(e) => {
-                eprintln!("semlb: reload rejected, keeping the running configuration: {e}");
+                tracing::warn!(error = %e, "reload rejected, keeping the running configuration: {e}");
                 self.reload_error = Some(e);
                 return;
             }
@@ -680,7 +687,7 @@ impl<'a> Supervisor<'a> {
             match backend_address(backend) {
                 Ok(a) if !wanted.iter().any(|(w, _)| *w == a) => wanted.push((a, backend)),
                 Ok(_) => {}
-                Err(e) => eprintln!("semlb: reload: {e:#}"),
+                Err(e) => tracing::error!("reload: {e:#}"),
             }
         }
         let (mut added, mut removed) = (0, 0);
@@ -692,7 +699,7 @@ impl<'a> Supervisor<'a> {
             .position(|(a, _)| !wanted.iter().any(|(w, _)| w == a))
         {
             let (address, _) = self.backends.start_draining(self.segment, i, until);
-            eprintln!("semlb: reload: backend {address} removed; draining it");
+            tracing::info!(backend = %address, "reload: backend {address} removed; draining it");
             removed += 1;
         }
         for (address, backend) in wanted {
@@ -707,15 +714,15 @@ impl<'a> Supervisor<'a> {
                 && servers.set_state(self.backends.draining[i].1, ServerState::Up)
             {
                 let (address, server, _) = self.backends.draining.remove(i);
-                eprintln!("semlb: reload: backend {address} added again (it was still draining)");
+                tracing::info!(backend = %address, "reload: backend {address} added again (it was still draining)");
                 self.backends.live.push((address, server));
                 continue;
             }
             match self.backends.register(self.segment, backend) {
-                Ok(_) => eprintln!("semlb: reload: backend {address} added"),
+                Ok(_) => tracing::info!(backend = %address, "reload: backend {address} added"),
                 Err(e) => {
                     added -= 1;
-                    eprintln!("semlb: reload: cannot add backend {address}: {e:#}");
+                    tracing::error!(backend = %address, "reload: cannot add backend {address}: {e:#}");
                 }
             }
         }
@@ -726,8 +733,10 @@ impl<'a> Supervisor<'a> {
                 let _ = kill(pid, Signal::SIGHUP);
             }
         }
-        eprintln!(
-            "semlb: reloaded: {added} backends added, {removed} removed, {} configured; policy {}",
+        tracing::info!(
+            added,
+            removed,
+            "reloaded: {added} backends added, {removed} removed, {} configured; policy {}",
             self.backends.live.len(),
             new.policy.kind
         );
@@ -735,7 +744,7 @@ impl<'a> Supervisor<'a> {
         // The checker takes the new [health] settings and metrics flavors;
         // its state lives in the server table, so nothing is lost.
         if let Err(e) = self.restart_health() {
-            eprintln!("semlb: reload: cannot restart the health checks: {e:#}");
+            tracing::error!("reload: cannot restart the health checks: {e:#}");
         }
     }
 
@@ -788,8 +797,8 @@ impl<'a> Supervisor<'a> {
         keep!(store);
         keep!(admin);
         if !kept.is_empty() {
-            eprintln!(
-                "semlb: reload: {} changed; that needs a restart (systemctl restart semlb): keeping the running values",
+            tracing::warn!(
+                "reload: {} changed; that needs a restart (systemctl restart semlb): keeping the running values",
                 kept.join(", ")
             );
         }
@@ -804,8 +813,8 @@ impl<'a> Supervisor<'a> {
             at_start.push("drain_timeout_secs");
         }
         if !at_start.is_empty() {
-            eprintln!(
-                "semlb: reload: {} changed; dispatchers read that when they start: restart the service to apply it to all",
+            tracing::warn!(
+                "reload: {} changed; dispatchers read that when they start: restart the service to apply it to all",
                 at_start.join(", ")
             );
         }
@@ -827,11 +836,13 @@ impl<'a> Supervisor<'a> {
             servers.retire(*server);
             names.remove(address);
             if inflight > 0 {
-                eprintln!(
-                    "semlb: backend {address} removed after the drain timeout with {inflight} requests in flight"
+                tracing::warn!(
+                    backend = %address,
+                    inflight,
+                    "backend {address} removed after the drain timeout with {inflight} requests in flight"
                 );
             } else {
-                eprintln!("semlb: backend {address} drained and removed");
+                tracing::info!(backend = %address, "backend {address} drained and removed");
             }
             false
         });
@@ -931,7 +942,7 @@ impl Supervisor<'_> {
             },
         };
         self.backends.from_admin.insert(address.clone());
-        eprintln!("semlb: admin: backend {address} ({name}) added in slot {}", server.slot);
+        tracing::info!(backend = %address, slot = server.slot, "admin: backend {address} ({name}) added in slot {}", server.slot);
         Reply::new(
             S::CREATED,
             json!({
@@ -969,13 +980,13 @@ impl Supervisor<'_> {
         let (address, server) = self.backends.live[i].clone();
         let state = if drain {
             servers.set_state(server, ServerState::Draining);
-            eprintln!("semlb: admin: backend {address} draining");
+            tracing::info!(backend = %address, "admin: backend {address} draining");
             ServerState::Draining
         } else {
             // Only a drained server is set Up; a down one stays to the
             // health checks.
             if servers.transition(server, ServerState::Draining, ServerState::Up) {
-                eprintln!("semlb: admin: backend {address} takes requests again");
+                tracing::info!(backend = %address, "admin: backend {address} takes requests again");
             }
             servers.current(slot).map_or(ServerState::Up, |(_, state)| state)
         };
@@ -992,7 +1003,7 @@ impl Supervisor<'_> {
         if let Some(i) = self.backends.live_in(slot) {
             let until = Instant::now() + self.config.drain_timeout();
             let (address, _) = self.backends.start_draining(self.segment, i, until);
-            eprintln!("semlb: admin: backend {address} removed; draining it");
+            tracing::info!(backend = %address, "admin: backend {address} removed; draining it");
             self.retire_drained();
             if !self.backends.draining.iter().any(|(_, s, _)| s.slot == slot) {
                 return Reply::new(S::OK, json!({"slot": slot, "address": address, "removed": true}));
@@ -1053,7 +1064,7 @@ impl Supervisor<'_> {
         } else {
             tables.responses.clear()
         };
-        eprintln!("semlb: admin: {what} flushed ({removed} entries removed)");
+        tracing::info!(removed, "admin: {what} flushed ({removed} entries removed)");
         Reply::new(
             http::StatusCode::OK,
             json!({ "flushed": if prefixes { "prefixes" } else { "responses" }, "removed": removed }),
@@ -1205,7 +1216,7 @@ fn spawn_child(s: &Slot, listen_fd: Option<RawFd>, serve_args: &[OsString]) -> s
 }
 
 /// Starts `semlb __sim` and returns it with its base URL.
-fn start_sim(time_scale: f64) -> Result<(Child, String)> {
+fn start_sim(time_scale: f64, log: &LogArgs) -> Result<(Child, String)> {
     let exe = std::env::current_exe()?;
     let mut cmd = Command::new(exe);
     cmd.args([
@@ -1215,6 +1226,7 @@ fn start_sim(time_scale: f64) -> Result<(Child, String)> {
         "--time-scale",
         &time_scale.to_string(),
     ])
+    .args(log.to_args())
     .stdin(Stdio::null())
     .stdout(Stdio::piped());
     for var in notify::ENV_VARS {

@@ -1215,3 +1215,71 @@ fn a_redis_outage_under_load_fails_no_request_and_heals_by_itself() {
     let hit = chat(&gw.proc.addr, &msgs, json!({"temperature": 0}), &[]);
     assert_eq!(hit.header("x-semlb-cache"), Some("hit"));
 }
+
+/// `--log-format json --log-level debug`: every stderr line of the
+/// supervisor and its children is a JSON object naming its process, and a
+/// request's routing decision is one debug event whose `server` is the
+/// engine `x-semlb-backend` names.
+#[test]
+fn json_logs_carry_the_routing_decision() {
+    let engines = [sim(), sim()];
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let shm = unique("jsonlog");
+    let mut gw = Gateway::launch(&shm, &refs, &["--log-format", "json", "--log-level", "debug"], true);
+    let msgs = [user("Which river flows through Vienna? One word.")];
+    let reply = chat(&gw.proc.addr, &msgs, json!({}), &[]);
+    assert_eq!(reply.status, 200);
+    let backend = reply.header("x-semlb-backend").expect("x-semlb-backend").to_owned();
+    let routed = |log: &str| {
+        log.lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|v| v["server"] == backend.as_str() && v.get("reason").is_some())
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while routed(&gw.proc.stderr_text()).is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "no routing event for {backend}:\n{}",
+            gw.proc.stderr_text()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(gw.proc.stop(), Some(0));
+    std::thread::sleep(Duration::from_millis(200));
+    let log = gw.proc.stderr_text();
+    let lines: Vec<Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l:?}\n{log}")))
+        .collect();
+    for line in &lines {
+        for key in ["timestamp", "level", "target", "message", "role", "pid"] {
+            assert!(line.get(key).is_some(), "no {key} in {line}");
+        }
+    }
+    let role = |r: &str| lines.iter().any(|l| l["role"] == r);
+    assert!(role("supervisor"), "{log}");
+    let event = routed(&log).expect("the routing event");
+    assert_eq!(event["level"], "DEBUG", "{event}");
+    assert!(event["role"].as_str().unwrap().starts_with("dispatcher "), "{event}");
+    assert!(
+        event["target"].as_str().unwrap().starts_with("semlb::dispatcher"),
+        "{event}"
+    );
+    assert_eq!(event["endpoint"], "/v1/chat/completions", "{event}");
+    assert_eq!(event["model"], "semlb-sim", "{event}");
+    assert_eq!(event["cache"].as_str(), reply.header("x-semlb-cache"), "{event}");
+    assert_eq!(event["policy"], "cache_aware", "{event}");
+    assert_eq!(event["candidates"], 2, "{event}");
+    assert_eq!(event["degraded"], false, "{event}");
+    assert_eq!(event["attempt"], 1, "{event}");
+    assert!(
+        ["prefix", "least_load"].contains(&event["reason"].as_str().unwrap()),
+        "{event}"
+    );
+    for key in ["prompt_tokens", "blocks", "matched_blocks", "dispatch_ns"] {
+        assert!(event[key].is_u64(), "{key} in {event}");
+    }
+    assert!(event["prompt_tokens"].as_u64() > Some(0), "{event}");
+    assert!(event["dispatch_ns"].as_u64() > Some(0), "{event}");
+    assert!(event["message"].as_str().unwrap().contains(&backend), "{event}");
+}

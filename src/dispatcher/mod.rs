@@ -292,7 +292,7 @@ pub async fn serve(
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: pause, do not stop.
-                    eprintln!("semlb dispatcher: accept failed: {e}");
+                    tracing::error!(error = %e, "accept failed: {e}");
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             },

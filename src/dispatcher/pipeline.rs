@@ -26,7 +26,7 @@ use crate::config::CacheScope;
 use crate::metrics::{CacheResult, DURATION, EndpointLabel, Snapshot, Stage};
 use crate::prompt::{self, Endpoint, RoutingInput};
 use crate::response_cache::{self, Cacheability, Scope, Tenant};
-use crate::routing::{RouteInput, live_candidates};
+use crate::routing::{Reason, RouteInput, live_candidates};
 use crate::store::{Lookup, LookupRequest};
 
 /// Routing texts longer than this are tokenized on the blocking pool.
@@ -209,6 +209,10 @@ struct InferenceCtx {
     cache: &'static str,
     /// The store's answer for the first routing decision.
     lookup: Option<Lookup>,
+    /// The endpoint (for the routing event).
+    endpoint: Endpoint,
+    /// The request's `model` (for the routing event).
+    model: String,
 }
 
 async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, endpoint: Endpoint) -> Response<Body> {
@@ -219,7 +223,7 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
         Err(r) => return r,
     };
     timing.mark(0);
-    let parsed = match prompt::parse(endpoint, &bytes, &dispatcher.template) {
+    let mut parsed = match prompt::parse(endpoint, &bytes, &dispatcher.template) {
         Ok(p) => p,
         Err(e) => return json_response(StatusCode::BAD_REQUEST, &e.body()),
     };
@@ -278,6 +282,17 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
         dispatcher.metrics().cache(CacheResult::Hit);
         timing.mark(4);
         let answered = timing.start.elapsed().as_nanos() as u64;
+        tracing::debug!(
+            endpoint = endpoint.path(),
+            model = %parsed.model,
+            prompt_tokens = prompt_tokens.len(),
+            blocks = chain.len(),
+            cache = "hit",
+            degraded = lookup.degraded,
+            dispatch_ns = answered,
+            "{} answered from the response cache",
+            endpoint.path()
+        );
         timing.observe(dispatcher, false, answered);
         set_header(response.headers_mut(), DISPATCH_HEADER, &timing.header(answered));
         return response;
@@ -298,6 +313,8 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
         store_key: key.filter(|_| cacheability.writes() && !parsed.stream),
         cache,
         lookup: Some(lookup),
+        endpoint,
+        model: std::mem::take(&mut parsed.model),
     };
     let outbound = Outbound {
         method: Method::POST,
@@ -354,15 +371,16 @@ async fn passthrough(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>) -
 
 impl Dispatcher {
     /// A server for the request with block chain `chain` (empty: least
-    /// load), avoiding `exclude`, with its address. `lookup` is the store's
-    /// answer for this request if one was already made (the first attempt).
+    /// load), avoiding `exclude`, with its address and why. `lookup` is the
+    /// store's answer for this request if one was already made (the first
+    /// attempt).
     async fn choose(
         &self,
         chain: &[u64],
         inference: bool,
         exclude: &[ServerRef],
         lookup: Option<Lookup>,
-    ) -> Option<(ServerRef, String)> {
+    ) -> Option<Chosen> {
         let mut lookup = match lookup {
             Some(l) => l,
             None => {
@@ -381,28 +399,36 @@ impl Dispatcher {
         };
         let servers = self.segment.tables().servers;
         loop {
-            let choice = if inference {
+            let (choice, reason) = if inference {
                 let input = RouteInput {
                     prompt_blocks: u32::try_from(chain.len()).unwrap_or(u32::MAX),
                     prefix: &lookup.prefix,
                     candidates: &lookup.candidates,
                 };
-                let server = self.policy.choose(&input)?.server;
+                let choice = self.policy.choose(&input)?;
                 if exclude.is_empty() {
                     // The first choice of the request: how much of its prompt it has.
                     self.metrics()
-                        .prefix_match(lookup.prefix.blocks_for(server.tag()), chain.len());
+                        .prefix_match(lookup.prefix.blocks_for(choice.server.tag()), chain.len());
                 }
-                server
+                (choice.server, choice.reason)
             } else {
-                lookup
+                let least = lookup
                     .candidates
                     .iter()
-                    .min_by_key(|c| (c.inflight, c.inflight_tokens))?
-                    .server
+                    .min_by_key(|c| (c.inflight, c.inflight_tokens))?;
+                (least.server, Reason::LeastLoad)
             };
             match servers.get(choice.slot) {
-                Some(info) if info.server == choice => return Some((choice, info.address)),
+                Some(info) if info.server == choice => {
+                    return Some(Chosen {
+                        server: choice,
+                        address: info.address,
+                        reason,
+                        candidates: lookup.candidates.len(),
+                        degraded: lookup.degraded,
+                    });
+                }
                 // Re-registered or unreadable meanwhile: ask again without it.
                 _ => lookup.candidates.retain(|c| c.server != choice),
             }
@@ -417,9 +443,12 @@ impl Dispatcher {
     /// every dispatcher at once (the supervisor's checker re-admits it).
     pub(super) fn passive_failure(&self, server: ServerRef, address: &str, error: &str) {
         if self.health.failure(server) && crate::health::eject(&self.segment.tables().servers, server) {
-            eprintln!(
-                "semlb dispatcher {}: backend {address} is down: {} requests in a row failed (last: {error})",
-                self.identity.ring, self.config.health.unhealthy_threshold
+            tracing::warn!(
+                backend = %address,
+                failures = self.config.health.unhealthy_threshold,
+                error = %error,
+                "backend {address} is down: {} requests in a row failed (last: {error})",
+                self.config.health.unhealthy_threshold
             );
         }
     }
@@ -427,6 +456,43 @@ impl Dispatcher {
     /// Passive health check: a request to `server` was answered in full.
     pub(super) fn passive_success(&self, server: ServerRef) {
         self.health.success(server);
+    }
+}
+
+/// A routing decision of [`Dispatcher::choose`].
+struct Chosen {
+    server: ServerRef,
+    /// Its base URL.
+    address: String,
+    /// Why the policy chose it.
+    reason: Reason,
+    /// How many servers it was chosen from.
+    candidates: usize,
+    /// Whether the store's lookup failed (no prefix, local load only).
+    degraded: bool,
+}
+
+/// Why, for the routing event: `prefix`, `least_load`, `round_robin`, `random`.
+const fn reason_name(reason: Reason) -> &'static str {
+    match reason {
+        Reason::Prefix { .. } => "prefix",
+        Reason::LeastLoad => "least_load",
+        Reason::RoundRobin => "round_robin",
+        Reason::Random => "random",
+    }
+}
+
+/// A [`Reason`] in words, for the routing event's message.
+struct DisplayReason(Reason);
+
+impl std::fmt::Display for DisplayReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Reason::Prefix { blocks } => write!(f, "prefix match of {blocks} blocks"),
+            Reason::LeastLoad => f.write_str("least load"),
+            Reason::RoundRobin => f.write_str("round robin"),
+            Reason::Random => f.write_str("random"),
+        }
     }
 }
 
@@ -446,7 +512,27 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
         let chosen = dispatcher
             .choose(chain, ctx.is_some(), &failed, first_lookup.take())
             .await;
-        let Some((server, address)) = chosen else {
+        let Some(Chosen {
+            server,
+            address,
+            reason,
+            candidates,
+            degraded,
+        }) = chosen
+        else {
+            if let Some(c) = &ctx {
+                tracing::debug!(
+                    endpoint = c.endpoint.path(),
+                    model = %c.model,
+                    prompt_tokens,
+                    blocks = chain.len(),
+                    cache = c.cache,
+                    policy = dispatcher.policy_name(),
+                    attempt = attempt + 1,
+                    "{} not routed: no inference server is available",
+                    c.endpoint.path()
+                );
+            }
             break if attempt == 0 {
                 let mut r = error_response(
                     StatusCode::SERVICE_UNAVAILABLE,
@@ -489,6 +575,31 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
             c.timing.observe(dispatcher, true, sent);
         }
         dispatch_ns = sent.or(dispatch_ns);
+        if let Some(c) = &ctx {
+            // The routing decision and why (one event per attempt: a retry
+            // adds one). Nothing is computed unless debug is enabled.
+            tracing::debug!(
+                endpoint = c.endpoint.path(),
+                model = %c.model,
+                prompt_tokens,
+                blocks = chain.len(),
+                cache = c.cache,
+                policy = dispatcher.policy_name(),
+                server = %address,
+                reason = reason_name(reason),
+                matched_blocks = match reason {
+                    Reason::Prefix { blocks } => blocks,
+                    _ => 0,
+                },
+                candidates,
+                degraded,
+                attempt,
+                dispatch_ns = sent.unwrap_or_else(|| c.timing.start.elapsed().as_nanos() as u64),
+                "{} routed to {address}: {}",
+                c.endpoint.path(),
+                DisplayReason(reason)
+            );
+        }
         let result = tokio::time::timeout_at(deadline, dispatcher.client.request(request)).await;
         let upstream = match result {
             Err(_) => {

@@ -21,7 +21,7 @@
 //!   ([`super::prometheus::extract`]) and stored with the segment clock's
 //!   time ([`ServerTable::store_load`]).
 //!
-//! Transitions are logged on stderr, as are a server's scrapes starting or
+//! Transitions are logged (`tracing` events), as are a server's scrapes starting or
 //! stopping to fail (once each, not every interval).
 
 use std::collections::{HashMap, HashSet};
@@ -199,13 +199,20 @@ impl Checker {
                 // operator drains it), the next round re-syncs the breaker.
                 if self.servers().transition(info.server, from, to) {
                     match result {
-                        Err(e) => eprintln!(
-                            "semlb: backend {} is down: {} health checks in a row failed (last: {e})",
-                            info.address, transition.after
+                        Err(e) => tracing::warn!(
+                            backend = %info.address,
+                            failures = transition.after,
+                            error = %e,
+                            "backend {} is down: {} health checks in a row failed (last: {e})",
+                            info.address,
+                            transition.after
                         ),
-                        Ok(()) => eprintln!(
-                            "semlb: backend {} is up again: {} health checks in a row passed",
-                            info.address, transition.after
+                        Ok(()) => tracing::info!(
+                            backend = %info.address,
+                            successes = transition.after,
+                            "backend {} is up again: {} health checks in a row passed",
+                            info.address,
+                            transition.after
                         ),
                     }
                 }
@@ -250,11 +257,13 @@ impl Checker {
                         let now_ms = self.segment.clock().now_ms();
                         self.servers().store_load(info.server, load.figures(now_ms));
                         if failing.remove(&info.server) {
-                            eprintln!("semlb: backend {}: reading its /metrics again", info.address);
+                            tracing::info!(backend = %info.address, "backend {}: reading its /metrics again", info.address);
                         }
                         if engines.insert(info.server, load.engine) != Some(load.engine) {
-                            eprintln!(
-                                "semlb: backend {}: load from its {} metrics",
+                            tracing::info!(
+                                backend = %info.address,
+                                engine = load.engine.name(),
+                                "backend {}: load from its {} metrics",
                                 info.address,
                                 load.engine.name()
                             );
@@ -262,8 +271,10 @@ impl Checker {
                     }
                     Err(e) => {
                         if failing.insert(info.server) {
-                            eprintln!(
-                                "semlb: backend {}: cannot read its load from /metrics ({e}); routing ignores its figures once older than {} ms",
+                            tracing::warn!(
+                                backend = %info.address,
+                                error = %e,
+                                "backend {}: cannot read its load from /metrics ({e}); routing ignores its figures once older than {} ms",
                                 info.address, self.health.stale_after_ms
                             );
                         }

@@ -155,7 +155,7 @@ impl RedisRouting {
     /// publishing task (spawned on the current tokio runtime). Does not
     /// connect: the first lookup does, so a gateway starts while Redis is
     /// down (and routes on load until it is up). `label` names the process
-    /// in messages (`dispatcher 2`).
+    /// in log events (their `process` field: `dispatcher 2`).
     pub fn start(
         segment: Arc<Segment>,
         process: u16,
@@ -335,9 +335,13 @@ impl RedisRouting {
         if h.down.swap(false, Relaxed) {
             let secs = (h.now_ms() - h.down_since_ms.load(Relaxed)) as f64 / 1e3;
             let degraded = h.degraded_in_outage.swap(0, Relaxed);
-            eprintln!(
-                "semlb {}: Redis at {} answers again after {secs:.1} s; {degraded} requests were routed on load only",
-                self.label, self.config.url
+            tracing::info!(
+                process = %self.label,
+                redis = %self.config.url,
+                outage_secs = secs,
+                degraded,
+                "Redis at {} answers again after {secs:.1} s; {degraded} requests were routed on load only",
+                self.config.url
             );
             self.dirty.notify_one();
         }
@@ -352,9 +356,13 @@ impl RedisRouting {
         if !h.down.swap(true, Relaxed) {
             h.down_since_ms.store(now, Relaxed);
             self.outages.fetch_add(1, Relaxed);
-            eprintln!(
-                "semlb {}: Redis at {} is unavailable ({error}); routing on load only, probing every {} ms",
-                self.label, self.config.url, self.config.retry_ms
+            tracing::warn!(
+                process = %self.label,
+                redis = %self.config.url,
+                error = %error,
+                "Redis at {} is unavailable ({error}); routing on load only, probing every {} ms",
+                self.config.url,
+                self.config.retry_ms
             );
         }
     }
@@ -570,11 +578,13 @@ impl WriteBack for RedisWriteBack {
                         stats.responses_stored += u64::from(r.response_key.is_some());
                     }
                     if let Some(since) = self.down_since.take() {
-                        eprintln!(
-                            "semlb {}: Redis at {} answers again after {:.1} s; the backlog is written",
-                            self.label,
-                            self.config.url,
-                            since.elapsed().as_secs_f64()
+                        let secs = since.elapsed().as_secs_f64();
+                        tracing::info!(
+                            process = %self.label,
+                            redis = %self.config.url,
+                            outage_secs = secs,
+                            "Redis at {} answers again after {secs:.1} s; the backlog is written",
+                            self.config.url
                         );
                     }
                     self.retry_at = None;
@@ -585,9 +595,13 @@ impl WriteBack for RedisWriteBack {
                     self.retry_at = Some(Instant::now() + self.config.retry());
                     if self.down_since.is_none() {
                         self.down_since = Some(Instant::now());
-                        eprintln!(
-                            "semlb {}: Redis at {} is unavailable ({e}); keeping up to {} records to write later",
-                            self.label, self.config.url, self.config.write_backlog
+                        tracing::warn!(
+                            process = %self.label,
+                            redis = %self.config.url,
+                            error = %e,
+                            "Redis at {} is unavailable ({e}); keeping up to {} records to write later",
+                            self.config.url,
+                            self.config.write_backlog
                         );
                     }
                     return;
