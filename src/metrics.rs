@@ -31,6 +31,7 @@
 //! | `semlb_completion_records_total` | counter | `result` (pushed, dropped) |
 //! | `semlb_store_degraded_lookups_total` | counter | – |
 //! | `semlb_responder_*_total` | counter | records, blocks, responses stored, write-back failures and drops |
+//! | `semlb_prefix_table_evictions_total` | counter | prefix entries evicted from full buckets by write-backs |
 //! | `semlb_ttft_seconds` | histogram | – |
 //! | `semlb_request_duration_seconds` | histogram | – |
 //! | `semlb_dispatch_seconds` | histogram | `stage` (tokenize, lookup, route, total) |
@@ -99,7 +100,7 @@ const RETRIES: usize = CACHE + 3;
 const RECORDS: usize = RETRIES + 1;
 const DEGRADED: usize = RECORDS + 2;
 const RESPONDER: usize = DEGRADED + 1;
-const RESPONDER_COUNTERS: usize = 5;
+const RESPONDER_COUNTERS: usize = 6;
 const HISTOGRAMS: usize = RESPONDER + RESPONDER_COUNTERS;
 
 /// Latency buckets of TTFT and request duration, seconds.
@@ -266,6 +267,7 @@ impl<'a> Metrics<'a> {
             d(before.responses_stored, now.responses_stored),
             d(before.writeback_failures, now.writeback_failures),
             d(before.writeback_dropped, now.writeback_dropped),
+            d(before.evictions, now.evictions),
         ];
         for (i, delta) in deltas.into_iter().enumerate() {
             if delta > 0 {
@@ -404,6 +406,21 @@ impl Snapshot {
         self.counters.get(index).copied().unwrap_or(0)
     }
 
+    /// Upstream attempts to the server in `slot` over every process:
+    /// (answered in full, failed).
+    pub fn upstream(&self, slot: u16) -> (u64, u64) {
+        if usize::from(slot) >= SERVERS {
+            return (0, 0);
+        }
+        let at = UPSTREAM + usize::from(slot) * 2;
+        (self.counter(at), self.counter(at + 1))
+    }
+
+    /// A response-cache result's count over every process.
+    pub fn cache_total(&self, result: CacheResult) -> u64 {
+        self.counter(CACHE + result as usize)
+    }
+
     /// The Prometheus text exposition (format 0.0.4).
     pub fn render(&self) -> String {
         let mut out = String::with_capacity(16 << 10);
@@ -504,6 +521,10 @@ impl Snapshot {
             (
                 "semlb_responder_writeback_dropped_total",
                 "Records given up after an outage's backlog filled.",
+            ),
+            (
+                "semlb_prefix_table_evictions_total",
+                "Prefix entries evicted from full buckets to make room.",
             ),
         ];
         for (i, (name, help)) in responder.into_iter().enumerate() {

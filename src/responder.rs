@@ -49,6 +49,8 @@ pub struct ResponderStats {
     pub writeback_failures: u64,
     /// Records given up because the backlog kept during an outage was full.
     pub writeback_dropped: u64,
+    /// Prefix entries evicted from full buckets by the inserts (shm store).
+    pub evictions: u64,
 }
 
 /// A response process's write-back: it reads the segment's rings and server

@@ -1,7 +1,10 @@
 //! `semlb status`: a live view of a running gateway, read from its shm
-//! segment (like `top`): servers with their state, requests in flight and
-//! scraped engine load; the tables' fill; the rate of answered requests;
-//! the processes with their heartbeats and restarts. `--once` prints one
+//! segment (like `top`): servers with their state, requests in flight,
+//! scraped engine load and share of the traffic; the response cache's hit
+//! rate; the tables' fill; the rate of answered requests; the processes
+//! with their heartbeats and restarts. Shares and hit rates come from the
+//! stats region ([`semlb::metrics`]) and count since the segment was
+//! created. `--once` prints one
 //! snapshot and exits, for scripts; `--iterations N` stops after N frames.
 //!
 //! It attaches to the segment and only reads (the tables' read paths never
@@ -19,8 +22,37 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use shm_layout::Segment;
 
+use semlb::metrics::{CacheResult, Snapshot};
+
 use crate::cli::StatusArgs;
 use crate::report::Report;
+
+/// Gateway-wide counters a frame shows, from the stats region.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Totals {
+    /// Response-cache hits, misses, bypasses.
+    pub cache: [u64; 3],
+    /// Per server slot (as in the report's server list): upstream attempts
+    /// answered in full and failed.
+    pub upstream: Vec<(u16, u64, u64)>,
+}
+
+impl Totals {
+    /// The totals of `snapshot` for the servers of `report`.
+    pub fn of(snapshot: &Snapshot, report: &Report) -> Self {
+        Self {
+            cache: [CacheResult::Hit, CacheResult::Miss, CacheResult::Bypass].map(|r| snapshot.cache_total(r)),
+            upstream: report
+                .servers
+                .iter()
+                .map(|s| {
+                    let (ok, failed) = snapshot.upstream(s.server.slot);
+                    (s.server.slot, ok, failed)
+                })
+                .collect(),
+        }
+    }
+}
 
 /// Runs `semlb status`.
 pub fn run(args: &StatusArgs, out: &mut impl Write) -> Result<()> {
@@ -38,7 +70,9 @@ pub fn run(args: &StatusArgs, out: &mut impl Write) -> Result<()> {
             report.rings.pushed.saturating_sub(pushed) as f64 / secs
         });
         previous = Some((now, report.rings.pushed));
-        let text = render(&report, segment.clock().now_ms(), rate);
+        let now_ms = segment.clock().now_ms();
+        let totals = Totals::of(&Snapshot::collect(&segment.tables(), now_ms, u64::MAX), &report);
+        let text = render(&report, &totals, now_ms, rate);
         if terminal && !args.once {
             // Home and clear, then the frame.
             write!(out, "\x1b[H\x1b[2J{text}")?;
@@ -78,7 +112,7 @@ fn pct(part: u64, whole: u64) -> String {
 }
 
 /// One frame of the view.
-pub fn render(r: &Report, now_ms: u64, answered_per_sec: Option<f64>) -> String {
+pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option<f64>) -> String {
     let mut out = String::new();
     let w = &mut out;
     let up = now_ms as f64 / 1000.0;
@@ -100,6 +134,12 @@ pub fn render(r: &Report, now_ms: u64, answered_per_sec: Option<f64>) -> String 
         "answered       {}   (engine answers written back; {} total)",
         answered_per_sec.map_or_else(|| "- req/s".to_owned(), |v| format!("{v:.1} req/s")),
         r.rings.pushed
+    );
+    let [hits, misses, bypasses] = totals.cache;
+    let _ = writeln!(
+        w,
+        "cache          {} hit rate ({hits} hits, {misses} misses, {bypasses} not cacheable)",
+        pct(hits, hits + misses)
     );
     let _ = writeln!(
         w,
@@ -123,15 +163,21 @@ pub fn render(r: &Report, now_ms: u64, answered_per_sec: Option<f64>) -> String 
     let _ = writeln!(w);
     let _ = writeln!(
         w,
-        "{:<4} {:<28} {:<9} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9}",
-        "SLOT", "SERVER", "STATE", "IN FLIGHT", "TOKENS", "WAITING", "RUNNING", "KV", "SCRAPED"
+        "{:<4} {:<28} {:<9} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7}",
+        "SLOT", "SERVER", "STATE", "IN FLIGHT", "TOKENS", "WAITING", "RUNNING", "KV", "SCRAPED", "SHARE", "FAILED"
     );
+    let all: u64 = totals.upstream.iter().map(|(_, ok, failed)| ok + failed).sum();
     for s in &r.servers {
+        let (ok, failed) = totals
+            .upstream
+            .iter()
+            .find(|(slot, _, _)| *slot == s.server.slot)
+            .map_or((0, 0), |(_, ok, failed)| (*ok, *failed));
         let scraped = s.load.scraped_at_ms != 0;
         let dash = |v: String| if scraped { v } else { "-".to_owned() };
         let _ = writeln!(
             w,
-            "{:<4} {:<28} {:<9} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9}",
+            "{:<4} {:<28} {:<9} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7}",
             s.server.slot,
             s.address,
             s.state.name(),
@@ -140,7 +186,9 @@ pub fn render(r: &Report, now_ms: u64, answered_per_sec: Option<f64>) -> String 
             dash(s.load.waiting.to_string()),
             dash(s.load.running.to_string()),
             dash(format!("{:.1}%", f64::from(s.load.kv_usage_permyriad) / 100.0)),
-            ago(now_ms, s.load.scraped_at_ms)
+            ago(now_ms, s.load.scraped_at_ms),
+            pct(ok + failed, all),
+            failed
         );
     }
     let _ = writeln!(w);
@@ -198,10 +246,19 @@ mod tests {
         let inc = t.registry.claim(1, shm_layout::Role::Dispatcher, 0);
         t.registry.attach(1, inc, 4242, 0);
         t.registry.heartbeat(1, inc, 950);
-        let frame = render(&Report::of(&seg), 1_000, Some(12.5));
+        let report = Report::of(&seg);
+        let totals = Totals {
+            cache: [3, 1, 4],
+            upstream: vec![(a.slot, 6, 2)],
+        };
+        let frame = render(&report, &totals, 1_000, Some(12.5));
+        assert!(
+            frame.contains("75.0 % hit rate (3 hits, 1 misses, 4 not cacheable)"),
+            "{frame}"
+        );
         assert!(frame.contains("12.5 req/s"), "{frame}");
         let server = frame.lines().find(|l| l.contains("http://10.0.0.1:8000")).unwrap();
-        for cell in ["up", " 1 ", "500", " 3 ", " 7 ", "81.2%", "0.1 s"] {
+        for cell in ["up", " 1 ", "500", " 3 ", " 7 ", "81.2%", "0.1 s", "100.0 %", " 2"] {
             assert!(server.contains(cell), "{cell:?} missing in {server:?}");
         }
         let process = frame.lines().find(|l| l.contains("4242")).unwrap();

@@ -334,16 +334,20 @@ impl<'a> PrefixTable<'a> {
     }
 
     /// Records `server` for every hash of `chain` (a responder's write-back).
-    pub fn insert_chain(&self, chain: &[u64], server: ServerRef, now: Stamp) {
+    /// Returns how many other entries were evicted to make room (a full
+    /// table's churn, exported as a metric).
+    pub fn insert_chain(&self, chain: &[u64], server: ServerRef, now: Stamp) -> usize {
         for key in chain.iter().take(PREFETCH_AHEAD) {
             self.bucket(*key).prefetch();
         }
+        let mut evicted = 0;
         for (i, key) in chain.iter().enumerate() {
             if let Some(ahead) = chain.get(i + PREFETCH_AHEAD) {
                 self.bucket(*ahead).prefetch();
             }
-            self.insert(*key, server, now);
+            evicted += usize::from(self.insert(*key, server, now) == InsertOutcome::Evicted);
         }
+        evicted
     }
 
     /// Forgets that `server` holds `key` (its KV blocks were evicted). The
@@ -514,6 +518,15 @@ mod tests {
         assert_eq!(t.lookup(2), None, "stamp 1 was the stalest");
         assert!(t.lookup(1).is_some() && t.lookup(5).is_some());
         assert_eq!(t.occupancy(), 4);
+    }
+
+    #[test]
+    fn insert_chain_counts_what_it_evicts() {
+        let (b, seed) = table(1);
+        let t = PrefixTable::new(&b, seed);
+        assert_eq!(t.insert_chain(&[1, 2, 3], srv(0, 0), Stamp(1)), 0);
+        assert_eq!(t.insert_chain(&[1, 4], srv(0, 0), Stamp(2)), 0, "a refresh and a free slot");
+        assert_eq!(t.insert_chain(&[5, 6, 1], srv(0, 0), Stamp(3)), 2, "one bucket of four: 5 and 6 evict");
     }
 
     #[test]

@@ -132,9 +132,10 @@ impl WriteBack for ShmWriteBack<'_> {
         let prefix = &self.tables.prefix;
         for record in batch {
             let Some(server) = record.server else { continue };
-            prefix.insert_chain(&record.prompt_blocks, server, now);
             let answer = answer_blocks(record);
-            prefix.insert_chain(answer, server, now);
+            let evicted =
+                prefix.insert_chain(&record.prompt_blocks, server, now) + prefix.insert_chain(answer, server, now);
+            stats.evictions += evicted as u64;
             stats.blocks += (record.prompt_blocks.len() + answer.len()) as u64;
             if let Some(key) = record.response_key {
                 encode_entry(now_ms, &record.response, &mut self.entry);
