@@ -525,8 +525,16 @@ mod tests {
         let (b, seed) = table(1);
         let t = PrefixTable::new(&b, seed);
         assert_eq!(t.insert_chain(&[1, 2, 3], srv(0, 0), Stamp(1)), 0);
-        assert_eq!(t.insert_chain(&[1, 4], srv(0, 0), Stamp(2)), 0, "a refresh and a free slot");
-        assert_eq!(t.insert_chain(&[5, 6, 1], srv(0, 0), Stamp(3)), 2, "one bucket of four: 5 and 6 evict");
+        assert_eq!(
+            t.insert_chain(&[1, 4], srv(0, 0), Stamp(2)),
+            0,
+            "a refresh and a free slot"
+        );
+        assert_eq!(
+            t.insert_chain(&[5, 6, 1], srv(0, 0), Stamp(3)),
+            2,
+            "one bucket of four: 5 and 6 evict"
+        );
     }
 
     #[test]
