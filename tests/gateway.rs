@@ -20,9 +20,7 @@
 //! by itself (the records learned meanwhile are written once it is back).
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
@@ -31,121 +29,12 @@ use nix::unistd::Pid;
 use serde_json::{Value, json};
 
 mod support;
+use support::http::{Response, exchange, http, http_bytes};
+use support::process::{EXE, Proc};
 use support::redis::RedisServer;
 
-const EXE: &str = env!("CARGO_BIN_EXE_semlb");
-
 fn unique(tag: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos();
-    format!("semlb-gw-{tag}-{}-{nanos}", std::process::id())
-}
-
-/// A child process that prints `... http://ADDR` as its first stdout line.
-struct Proc {
-    child: Child,
-    addr: String,
-    /// Its stderr (and its children's) as far as read, when captured.
-    stderr: Option<Arc<Mutex<String>>>,
-}
-
-impl Proc {
-    fn start(args: &[&str]) -> Proc {
-        Proc::spawn(args, false)
-    }
-
-    /// Like [`Proc::start`]; with `capture_stderr`, stderr is collected in
-    /// [`Proc::stderr`] (and still echoed to the test's stderr).
-    fn spawn(args: &[&str], capture_stderr: bool) -> Proc {
-        let mut child = Command::new(EXE)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(if capture_stderr {
-                Stdio::piped()
-            } else {
-                Stdio::inherit()
-            })
-            .spawn()
-            .expect("spawn semlb");
-        let stderr = child.stderr.take().map(|err| {
-            let text = Arc::new(Mutex::new(String::new()));
-            let sink = text.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(err).lines().map_while(Result::ok) {
-                    eprintln!("{line}");
-                    let mut t = sink.lock().unwrap();
-                    t.push_str(&line);
-                    t.push('\n');
-                }
-            });
-            text
-        });
-        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-        let mut line = String::new();
-        out.read_line(&mut line).expect("first line");
-        std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
-        let addr = line.trim().rsplit("http://").next().unwrap_or_default().to_owned();
-        assert!(addr.contains(':'), "no address in {line:?}");
-        Proc { child, addr, stderr }
-    }
-
-    fn pid(&self) -> Pid {
-        Pid::from_raw(self.child.id() as i32)
-    }
-
-    /// The captured stderr so far (empty when not captured).
-    fn stderr_text(&self) -> String {
-        self.stderr
-            .as_ref()
-            .map(|t| t.lock().unwrap().clone())
-            .unwrap_or_default()
-    }
-
-    /// Its exit status, waiting at most `within`; `None` if still running.
-    fn wait_exit(&mut self, within: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Some(status);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// SIGTERM and wait (bounded), SIGKILL if needed; the exit status. A
-    /// process that already exited (and was reaped) is not signalled again.
-    fn stop(&mut self) -> Option<i32> {
-        if let Ok(Some(status)) = self.child.try_wait() {
-            return status.code();
-        }
-        let _ = kill(self.pid(), Signal::SIGTERM);
-        if let Some(status) = self.wait_exit(Duration::from_secs(20)) {
-            return status.code();
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        None
-    }
-
-    /// `kill -9`, then reap it.
-    fn kill9(&mut self) {
-        kill(self.pid(), Signal::SIGKILL).expect("SIGKILL");
-        self.child.wait().expect("reaped");
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            self.stop();
-        }
-    }
+    support::process::unique("gw", tag)
 }
 
 fn sim() -> Proc {
@@ -266,116 +155,6 @@ impl Drop for Gateway {
         self.proc.stop();
         let _ = shm_layout::Segment::remove(&self.shm);
     }
-}
-
-#[derive(Debug)]
-struct Response {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-}
-
-impl Response {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
-    }
-
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
-    }
-}
-
-/// One HTTP/1.1 request with `Connection: close`; chunked bodies decoded.
-fn http(
-    addr: &str,
-    method: &str,
-    path: &str,
-    body: Option<&Value>,
-    headers: &[(&str, &str)],
-) -> Result<Response, String> {
-    let payload = body.map(|b| b.to_string());
-    http_bytes(addr, method, path, payload.as_deref().map(str::as_bytes), headers)
-}
-
-/// [`http`] with the body as raw bytes (sent as `application/json`, valid or not).
-fn http_bytes(
-    addr: &str,
-    method: &str,
-    path: &str,
-    body: Option<&[u8]>,
-    headers: &[(&str, &str)],
-) -> Result<Response, String> {
-    let payload = body.unwrap_or_default();
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
-        payload.len()
-    );
-    if body.is_some() {
-        req.push_str("Content-Type: application/json\r\n");
-    }
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    let mut req = req.into_bytes();
-    req.extend_from_slice(payload);
-    exchange(addr, &req)
-}
-
-/// Sends `request` (a whole HTTP/1.1 request, which should ask for
-/// `Connection: close`) and reads the answer until the server closes.
-///
-/// A server may answer before it has read the whole request (413) and
-/// close with unread bytes in its socket, which resets the connection: a
-/// write error is then ignored, and a reset after a complete head ends the
-/// answer instead of failing it.
-fn exchange(addr: &str, request: &[u8]) -> Result<Response, String> {
-    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    s.set_write_timeout(Some(Duration::from_secs(30))).unwrap();
-    let written = s.write_all(request);
-    let mut raw = Vec::new();
-    let read = s.read_to_end(&mut raw);
-    let has_head = raw.windows(4).any(|w| w == b"\r\n\r\n");
-    match read {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset && has_head => {}
-        Err(e) => return Err(format!("{e} (write: {written:?})")),
-    }
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or("no header end")?;
-    let head = String::from_utf8_lossy(&raw[..split]).to_string();
-    let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .and_then(|l| l.split(' ').nth(1))
-        .and_then(|c| c.parse().ok())
-        .ok_or("status")?;
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
-        .collect();
-    let mut body = raw[split + 4..].to_vec();
-    let chunked = headers
-        .iter()
-        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
-    if chunked {
-        let mut out = Vec::new();
-        let mut rest = &body[..];
-        while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
-            let size =
-                usize::from_str_radix(String::from_utf8_lossy(&rest[..eol]).trim(), 16).map_err(|e| e.to_string())?;
-            if size == 0 {
-                break;
-            }
-            out.extend_from_slice(&rest[eol + 2..eol + 2 + size]);
-            rest = &rest[eol + 2 + size + 2..];
-        }
-        body = out;
-    }
-    Ok(Response { status, headers, body })
 }
 
 fn chat(addr: &str, messages: &[Value], extra: Value, headers: &[(&str, &str)]) -> Response {

@@ -15,27 +15,21 @@
 //! recent `scraped_at_ms` under load, and go back to zero after it. Every
 //! wait polls a condition with a deadline.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
 use serde_json::{Value, json};
 use shm_layout::{LoadFigures, ServerState};
 
-const EXE: &str = env!("CARGO_BIN_EXE_semlb");
+mod support;
+use support::http::Response;
+use support::process::Proc;
+
 const PATIENCE: Duration = Duration::from_secs(30);
 
 fn unique(tag: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos();
-    format!("semlb-health-{tag}-{}-{nanos}", std::process::id())
+    support::process::unique("health", tag)
 }
 
 /// Polls `f` until it holds, failing after [`PATIENCE`].
@@ -47,97 +41,6 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
-/// A child process that prints `... http://ADDR` as its first stdout line.
-struct Proc {
-    child: Child,
-    addr: String,
-    stderr: Option<Arc<Mutex<String>>>,
-}
-
-impl Proc {
-    fn start(args: &[&str]) -> Proc {
-        Proc::spawn(args, false)
-    }
-
-    /// Like [`Proc::start`]; with `capture_stderr`, stderr is also collected.
-    fn spawn(args: &[&str], capture_stderr: bool) -> Proc {
-        let mut child = Command::new(EXE)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(if capture_stderr {
-                Stdio::piped()
-            } else {
-                Stdio::inherit()
-            })
-            .spawn()
-            .expect("spawn semlb");
-        let stderr = child.stderr.take().map(|err| {
-            let text = Arc::new(Mutex::new(String::new()));
-            let sink = text.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(err).lines().map_while(Result::ok) {
-                    eprintln!("{line}");
-                    let mut t = sink.lock().unwrap();
-                    t.push_str(&line);
-                    t.push('\n');
-                }
-            });
-            text
-        });
-        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-        let mut line = String::new();
-        out.read_line(&mut line).expect("first line");
-        std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
-        let addr = line.trim().rsplit("http://").next().unwrap_or_default().to_owned();
-        assert!(addr.contains(':'), "no address in {line:?}");
-        Proc { child, addr, stderr }
-    }
-
-    fn pid(&self) -> Pid {
-        Pid::from_raw(self.child.id() as i32)
-    }
-
-    fn stderr_text(&self) -> String {
-        self.stderr
-            .as_ref()
-            .map(|t| t.lock().unwrap().clone())
-            .unwrap_or_default()
-    }
-
-    /// SIGTERM, then SIGKILL if it does not exit within 20 s.
-    fn stop(&mut self) {
-        if let Ok(Some(_)) = self.child.try_wait() {
-            return;
-        }
-        let _ = kill(self.pid(), Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    /// `kill -9`, then reap it.
-    fn kill9(&mut self) {
-        kill(self.pid(), Signal::SIGKILL).expect("SIGKILL");
-        self.child.wait().expect("reaped");
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            self.stop();
-        }
-    }
-}
-
-/// `semlb __sim` on `listen` (`127.0.0.1:0`: a free port).
 fn sim_on(listen: &str, time_scale: &str) -> Proc {
     Proc::start(&["__sim", "--listen", listen, "--time-scale", time_scale])
 }
@@ -243,70 +146,9 @@ impl Drop for Gateway {
     }
 }
 
-#[derive(Debug)]
-struct Response {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-}
-
-impl Response {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-/// One HTTP/1.1 request with `Connection: close`; chunked bodies decoded.
+/// One request with no extra headers ([`support::http::http`]).
 fn http(addr: &str, method: &str, path: &str, body: Option<&Value>) -> Result<Response, String> {
-    let payload = body.map(|b| b.to_string()).unwrap_or_default();
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
-        payload.len()
-    );
-    if body.is_some() {
-        req.push_str("Content-Type: application/json\r\n");
-    }
-    req.push_str("\r\n");
-    req.push_str(&payload);
-    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(PATIENCE)).unwrap();
-    s.write_all(req.as_bytes()).map_err(|e| e.to_string())?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).map_err(|e| e.to_string())?;
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or("no header end")?;
-    let head = String::from_utf8_lossy(&raw[..split]).to_string();
-    let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .and_then(|l| l.split(' ').nth(1))
-        .and_then(|c| c.parse().ok())
-        .ok_or("status")?;
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
-        .collect();
-    let mut body = raw[split + 4..].to_vec();
-    let chunked = headers
-        .iter()
-        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
-    if chunked {
-        let mut out = Vec::new();
-        let mut rest = &body[..];
-        while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
-            let size =
-                usize::from_str_radix(String::from_utf8_lossy(&rest[..eol]).trim(), 16).map_err(|e| e.to_string())?;
-            if size == 0 || rest.len() < eol + 2 + size + 2 {
-                break;
-            }
-            out.extend_from_slice(&rest[eol + 2..eol + 2 + size]);
-            rest = &rest[eol + 2 + size + 2..];
-        }
-        body = out;
-    }
-    Ok(Response { status, headers, body })
+    support::http::http(addr, method, path, body, &[])
 }
 
 /// Active checks: `kill -9` of an engine sets it `Down` while requests keep

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod http;
+pub mod process;
 pub mod redis;
 
 /// splitmix64's finaliser: a well-spread 64-bit function of `x`.
