@@ -13,10 +13,8 @@
 //! nothing here asserts a speed.
 
 use std::hint::black_box;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use semlb::redis_store::{RedisStore, WriteItem};
@@ -29,6 +27,12 @@ use shm_layout::{Completion, LayoutPlan, ResponseKey, Segment, ServerRef, Stamp}
 mod support;
 use support::{chain, key, servers};
 
+/// The tests' private `redis-server` (free port, no persistence, killed on drop).
+#[path = "../tests/support/redis.rs"]
+#[allow(dead_code)]
+mod redis_server;
+use redis_server::RedisServer;
+
 /// Removes the named segment when dropped.
 struct Removed(String);
 
@@ -40,49 +44,6 @@ impl Drop for Removed {
 
 const CONVERSATIONS: u64 = 4096;
 const BLOCKS: usize = 16;
-
-/// A private `redis-server`, killed on drop.
-struct Redis(Child, u16);
-
-impl Redis {
-    fn start() -> Option<Redis> {
-        let port = TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .stdout(Stdio::null())
-            .spawn()
-            .ok()?;
-        let redis = Redis(child, port);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while RedisStore::connect(&redis.url(), "probe", Duration::from_secs(60)).is_err() {
-            if Instant::now() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Some(redis)
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/", self.1)
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn record(server: ServerRef, i: u64) -> Completion {
     let full = chain(i, BLOCKS);
@@ -131,7 +92,7 @@ fn stores(c: &mut Criterion) {
             }))
         })
     });
-    let redis = Redis::start();
+    let redis = RedisServer::start();
     let mut store = redis.as_ref().map(|r| {
         let mut s = RedisStore::connect(&r.url(), "bench", Duration::from_secs(3600)).expect("connect");
         for (n, r) in records.iter().enumerate() {

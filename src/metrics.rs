@@ -331,6 +331,22 @@ impl<'a> Metrics<'a> {
     }
 }
 
+/// Upstream attempts to the server in `slot` in `counters` (the stats
+/// words summed over processes, `Stats::sum_all`): (answered in full, failed).
+pub fn upstream_total(counters: &[u64], slot: u16) -> (u64, u64) {
+    if usize::from(slot) >= SERVERS {
+        return (0, 0);
+    }
+    let at = UPSTREAM + usize::from(slot) * 2;
+    let get = |i: usize| counters.get(i).copied().unwrap_or(0);
+    (get(at), get(at + 1))
+}
+
+/// A response-cache result's count in `counters` (summed stats words).
+pub fn cache_total(counters: &[u64], result: CacheResult) -> u64 {
+    counters.get(CACHE + result as usize).copied().unwrap_or(0)
+}
+
 /// A server as `/metrics` shows it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServerGauges {
@@ -404,21 +420,6 @@ impl Snapshot {
 
     fn counter(&self, index: usize) -> u64 {
         self.counters.get(index).copied().unwrap_or(0)
-    }
-
-    /// Upstream attempts to the server in `slot` over every process:
-    /// (answered in full, failed).
-    pub fn upstream(&self, slot: u16) -> (u64, u64) {
-        if usize::from(slot) >= SERVERS {
-            return (0, 0);
-        }
-        let at = UPSTREAM + usize::from(slot) * 2;
-        (self.counter(at), self.counter(at + 1))
-    }
-
-    /// A response-cache result's count over every process.
-    pub fn cache_total(&self, result: CacheResult) -> u64 {
-        self.counter(CACHE + result as usize)
     }
 
     /// The Prometheus text exposition (format 0.0.4).

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use shm_layout::Segment;
 
-use semlb::metrics::{CacheResult, Snapshot};
+use semlb::metrics::{CacheResult, cache_total, upstream_total};
 
 use crate::cli::StatusArgs;
 use crate::report::Report;
@@ -38,15 +38,16 @@ pub struct Totals {
 }
 
 impl Totals {
-    /// The totals of `snapshot` for the servers of `report`.
-    pub fn of(snapshot: &Snapshot, report: &Report) -> Self {
+    /// The totals in `counters` (the stats words summed over processes) for
+    /// the servers of `report`.
+    pub fn of(counters: &[u64], report: &Report) -> Self {
         Self {
-            cache: [CacheResult::Hit, CacheResult::Miss, CacheResult::Bypass].map(|r| snapshot.cache_total(r)),
+            cache: [CacheResult::Hit, CacheResult::Miss, CacheResult::Bypass].map(|r| cache_total(counters, r)),
             upstream: report
                 .servers
                 .iter()
                 .map(|s| {
-                    let (ok, failed) = snapshot.upstream(s.server.slot);
+                    let (ok, failed) = upstream_total(counters, s.server.slot);
                     (s.server.slot, ok, failed)
                 })
                 .collect(),
@@ -71,7 +72,9 @@ pub fn run(args: &StatusArgs, out: &mut impl Write) -> Result<()> {
         });
         previous = Some((now, report.rings.pushed));
         let now_ms = segment.clock().now_ms();
-        let totals = Totals::of(&Snapshot::collect(&segment.tables(), now_ms, u64::MAX), &report);
+        // The counters alone: a `Snapshot` would scan the prefix table a
+        // second time (the report already counted it).
+        let totals = Totals::of(&segment.tables().stats.sum_all(), &report);
         let text = render(&report, &totals, now_ms, rate);
         if terminal && !args.once {
             // Home and clear, then the frame.

@@ -525,9 +525,12 @@ impl RedisWriteBack {
     /// Writes the backlog's first `n` records in one pipeline.
     fn flush(&mut self, n: usize) -> Result<(), StoreError> {
         let ttl = self.response_ttl;
-        let records: Vec<Completion> = self.backlog.iter().take(n).cloned().collect();
-        let mut items = Vec::with_capacity(2 * records.len());
-        for r in &records {
+        self.store()?;
+        // Disjoint fields: the items borrow the backlog, the write needs the store.
+        let Self { store, backlog, .. } = self;
+        let store = store.as_mut().expect("connected just above");
+        let mut items = Vec::with_capacity(2 * n);
+        for r in backlog.iter().take(n) {
             let Some(server) = r.server else { continue };
             items.push(WriteItem {
                 server_slot: server.slot,
@@ -540,7 +543,7 @@ impl RedisWriteBack {
                 response: r.response_key.map(|k| (k.0, r.response.as_slice(), ttl)),
             });
         }
-        self.store()?.write_back(&items, records.len() as u64, unix_ms())
+        store.write_back(&items, n.min(backlog.len()) as u64, unix_ms())
     }
 }
 
