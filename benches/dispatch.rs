@@ -9,7 +9,7 @@
 //! 4. `cache_lookup`: the response-cache key and a (missing) lookup;
 //! 5. `prefix_lookup`: longest-prefix match of the chain in a 256 MiB shm
 //!    segment holding 500 such conversations on 4 servers;
-//! 6. `choose`: gather the live servers and run the cache-aware policy;
+//! 6. `choose/<policy>`: gather the live servers and run each routing policy;
 //! 7. `total`: all of it.
 //!
 //! The prompts are real dialogues (Anthropic HH-RLHF, ../shared/data/prompts)
@@ -164,18 +164,22 @@ fn dispatch(c: &mut Criterion) {
             .iter()
             .map(|ch| t.prefix.longest_prefix_match(ch, |s| t.servers.is_live(s)))
             .collect();
-        g.bench_function("choose", |b| {
-            b.iter(|| {
-                i = (i + 1) % matches.len();
-                live_candidates(&t, &mut candidates);
-                let input = RouteInput {
-                    prompt_blocks: chains[i].len() as u32,
-                    prefix: &matches[i],
-                    candidates: &candidates,
-                };
-                black_box(policy.choose(&input))
-            })
-        });
+        // Each policy's choice (candidates read from the table each time).
+        for kind in semlb::routing::PolicyKind::ALL {
+            let each = semlb::routing::build(&semlb::routing::PolicyConfig {
+                kind,
+                ..Default::default()
+            });
+            g.bench_function(format!("choose/{kind}"), |b| {
+                b.iter(|| {
+                    i = (i + 1) % matches.len();
+                    live_candidates(&t, &mut candidates);
+                    let tokens = (chains[i].len() * 16) as u32;
+                    let input = RouteInput::new(&chains[i], tokens, 16, &matches[i], &candidates);
+                    black_box(each.choose(&input))
+                })
+            });
+        }
         g.bench_function("total", |b| {
             b.iter(|| {
                 i = (i + 1) % bodies.len();
@@ -188,11 +192,8 @@ fn dispatch(c: &mut Criterion) {
                 let hit = t.responses.get_into(k, &mut buf).is_some();
                 let m = t.prefix.longest_prefix_match(&chain, |s| t.servers.is_live(s));
                 live_candidates(&t, &mut candidates);
-                let input = RouteInput {
-                    prompt_blocks: chain.len() as u32,
-                    prefix: &m,
-                    candidates: &candidates,
-                };
+                let tokens = (chain.len() * 16) as u32;
+                let input = RouteInput::new(&chain, tokens, 16, &m, &candidates);
                 black_box((hit, policy.choose(&input)))
             })
         });

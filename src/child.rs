@@ -101,7 +101,7 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
         // Ignored until here (the supervisor starts children with SIGHUP
         // ignored, so an early one cannot kill this process).
         let hup = signal(SignalKind::hangup())?;
-        let policy = config.policy;
+        let policy = config.policy.clone();
         let store: Option<Arc<dyn RoutingStore>> = match config.store.kind {
             StoreKind::Shm => None,
             StoreKind::Redis => Some(RedisRouting::start(
@@ -148,8 +148,8 @@ async fn reload_policy_on_hup(
     ) {
         Ok(new) if new.policy != *policy => {
             dispatcher.set_policy(&new.policy);
-            *policy = new.policy;
             tracing::info!(dispatcher = ring, policy = %new.policy.kind, "dispatcher {ring}: routing policy now {}", new.policy.kind);
+            *policy = new.policy;
         }
         Ok(_) => {}
         Err(e) => tracing::warn!(

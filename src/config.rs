@@ -36,11 +36,41 @@
 //! | `backend.name` | string | `host:port` | name in logs and metrics (`A-Z a-z 0-9 . _ : -`, at most 64 bytes) |
 //! | `backend.metrics_flavor` | `auto`, `vllm`, `sglang`, `llamacpp` | `auto` | how its `/metrics` is read; `auto` tells from the metric names |
 //! | `[policy]` | table | | the routing policy, [`crate::routing::PolicyConfig`] |
-//! | `policy.kind` | `cache_aware`, `least_load`, `round_robin`, `random` | `cache_aware` | which policy ([`crate::routing`]) |
+//! | `policy.kind` | `cache_aware`, `least_load`, `round_robin`, `random`, `selective_push`, `consistent_hash`, `dual_map`, `weighted_scorers` | `cache_aware` | which policy ([`crate::routing`]) |
+//! | `[policy.queue]` | table | | the gateway queue of `selective_push` and `dual_map` ([`crate::routing::QueueParams`]) |
+//! | `policy.queue.capacity` | integer | `1024` | requests waiting at the gateway, all dispatchers together (1 to 1 000 000); one more gets 503 with `Retry-After` |
+//! | `policy.queue.max_wait_ms` | integer | `60000` | a request waiting longer gets 503 (1 ms to 1 hour) |
+//! | `policy.queue.recheck_ms` | integer | `5` | how often queued requests are looked at again without a local signal (1 to 1000) |
 //! | `[policy.cache_aware]` | table | | thresholds of the `cache_aware` policy, checked whatever the kind ([`crate::routing::cache_aware::CacheAwareParams`]) |
 //! | `policy.cache_aware.cache_threshold` | float | `0.5` | share of the prompt's blocks (0 to 1) a server must hold, strictly more than, to get the request for its cache |
 //! | `policy.cache_aware.balance_abs_threshold` | integer | `32` | load is imbalanced only if the busiest server has more than this many requests in flight above the least busy ... |
 //! | `policy.cache_aware.balance_rel_threshold` | float | `1.1` | ... and more than this multiple (at least 1) of its load; then the least loaded server gets the request |
+//! | `[policy.selective_push]` | table | | SkyLB's selective pushing ([`crate::routing::selective_push`]) |
+//! | `policy.selective_push.mode` | `pending`, `max_outstanding` | `pending` | when a server is full: pending requests above `max_pending`, or `max_outstanding` requests in flight |
+//! | `policy.selective_push.max_pending` | integer | `0` | pending requests (sent, no first token; scraped `waiting` corrected by the gateway's accounting) a server may have and still take more |
+//! | `policy.selective_push.max_outstanding` | integer | `32` | requests in flight that make a server full in mode `max_outstanding` (1 to 1 000 000) |
+//! | `[policy.consistent_hash]` | table | | session-key consistent hashing ([`crate::routing::consistent_hash`]) |
+//! | `policy.consistent_hash.key_headers` | array of strings | `["x-session-id", "x-user-id"]` | headers carrying the session key, tried in order |
+//! | `policy.consistent_hash.user_field` | boolean | `true` | then the body's `user` field |
+//! | `policy.consistent_hash.fallback_prefix_blocks` | integer | `8` | without a key: hash this many leading blocks of the prompt |
+//! | `policy.consistent_hash.virtual_nodes` | integer | `100` | points per server on the ring (1 to 10 000) |
+//! | `policy.consistent_hash.bounded_load` | boolean | `true` | skip servers above `(1 + load_epsilon)` × the average load |
+//! | `policy.consistent_hash.load_epsilon` | float | `0.25` | the bound's slack (0 to 100) |
+//! | `[policy.dual_map]` | table | | two-choice prefix mapping ([`crate::routing::dual_map`]) |
+//! | `policy.dual_map.min_prefix_blocks` | integer | `4` | shortest hashed prefix, in blocks |
+//! | `policy.dual_map.max_prefix_blocks` | integer | `4096` | longest hashed prefix, in blocks (at least `min_prefix_blocks`) |
+//! | `policy.dual_map.hot_share` | float | `0.0` | share of recent requests above which a prefix is hot and the hash extends past it; 0 = `1 / servers` |
+//! | `policy.dual_map.window` | integer | `1024` | requests between halvings of the hotness counts |
+//! | `policy.dual_map.ttft_slo_ms` | integer | `2000` | the TTFT objective: a better cache match that would break it yields to the other candidate |
+//! | `policy.dual_map.prefill_tokens_per_sec` | float | `10000` | the engines' prefill speed, for the TTFT estimate |
+//! | `policy.dual_map.max_pending` | integer | `0` | a candidate is full above this many pending requests (then rebalance or wait) |
+//! | `policy.dual_map.virtual_nodes` | integer | `100` | points per server on each of the two rings |
+//! | `[policy.weighted_scorers]` | table | | llm-d-style weighted scoring ([`crate::routing::weighted_scorers`]) |
+//! | `policy.weighted_scorers.prefix_weight` | float | `2` | weight of the prefix-match score |
+//! | `policy.weighted_scorers.queue_weight` | float | `1` | weight of the queue (pending) score |
+//! | `policy.weighted_scorers.kv_cache_weight` | float | `1` | weight of the KV-cache usage score |
+//! | `policy.weighted_scorers.load_weight` | float | `1` | weight of the in-flight load score |
+//! | `policy.weighted_scorers.pick` | `max`, `weighted_random` | `max` | the best score, or a draw weighted by score |
 //! | `[response_cache]` | table | | the exact-response cache |
 //! | `response_cache.enabled` | bool | `true` | answer repeated deterministic requests from the cache |
 //! | `response_cache.ttl_secs` | integer | `300` | how long a cached response is served (1 s to 1 year) |
@@ -1469,10 +1499,38 @@ mod tests {
             "metrics_flavor",
             "[policy]",
             "kind",
+            "[policy.queue]",
+            "capacity",
+            "max_wait_ms",
+            "recheck_ms",
             "[policy.cache_aware]",
             "cache_threshold",
             "balance_abs_threshold",
             "balance_rel_threshold",
+            "[policy.selective_push]",
+            "mode",
+            "max_pending",
+            "max_outstanding",
+            "[policy.consistent_hash]",
+            "key_headers",
+            "user_field",
+            "fallback_prefix_blocks",
+            "virtual_nodes",
+            "bounded_load",
+            "load_epsilon",
+            "[policy.dual_map]",
+            "min_prefix_blocks",
+            "max_prefix_blocks",
+            "hot_share",
+            "window",
+            "ttft_slo_ms",
+            "prefill_tokens_per_sec",
+            "[policy.weighted_scorers]",
+            "prefix_weight",
+            "queue_weight",
+            "kv_cache_weight",
+            "load_weight",
+            "pick",
             "[response_cache]",
             "enabled",
             "ttl_secs",
@@ -1621,6 +1679,57 @@ retries = 0
         assert!(
             msg.contains("unknown variant `fastest`") && msg.contains("line 2"),
             "{msg}"
+        );
+    }
+
+    #[test]
+    fn the_policies_of_the_field_take_their_tables() {
+        let mut c = parse(
+            r#"
+[[backend]]
+url = "http://127.0.0.1:8000"
+[policy]
+kind = "dual_map"
+[policy.queue]
+capacity = 8
+[policy.selective_push]
+mode = "max_outstanding"
+max_outstanding = 4
+[policy.consistent_hash]
+key_headers = ["X-Tenant"]
+bounded_load = false
+[policy.dual_map]
+ttft_slo_ms = 500
+prefill_tokens_per_sec = 2e5
+[policy.weighted_scorers]
+pick = "weighted_random"
+kv_cache_weight = 0.0
+"#,
+        )
+        .unwrap();
+        c.validate().unwrap();
+        let p = &c.policy;
+        assert_eq!(p.kind, PolicyKind::DualMap);
+        assert_eq!((p.queue.capacity, p.queue.max_wait_ms), (8, 60_000));
+        assert_eq!(p.selective_push.mode, crate::routing::PushMode::MaxOutstanding);
+        assert_eq!(p.selective_push.max_outstanding, 4);
+        assert_eq!(p.consistent_hash.key_headers, ["X-Tenant"]);
+        assert!(!p.consistent_hash.bounded_load);
+        assert_eq!((p.dual_map.ttft_slo_ms, p.dual_map.prefill_tokens_per_sec), (500, 2e5));
+        assert_eq!(p.weighted_scorers.pick, crate::routing::Pick::WeightedRandom);
+        // Errors name the key under [policy.…], its value and why.
+        c.policy.consistent_hash.key_headers = vec!["bad header".into()];
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("policy.consistent_hash.key_headers") && e.contains("bad header"),
+            "{e}"
+        );
+        c.policy = PolicyConfig::default();
+        c.policy.queue.capacity = 0;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("policy.queue.capacity") && e.contains("1 and 1000000"),
+            "{e}"
         );
     }
 
@@ -2323,7 +2432,7 @@ cache_threshold = 0.25
 "#,
         )
         .unwrap();
-        let policy = c.policy;
+        let policy = c.policy.clone();
         assert_eq!(policy.kind, PolicyKind::LeastLoad);
         assert_eq!(policy.cache_aware.cache_threshold, 0.25);
         c.apply(ServeOverrides {

@@ -285,7 +285,7 @@ fn replay(segment: &Segment, out: &mut impl Write) -> Result<()> {
         for (c, (label, questions)) in CONVERSATIONS.iter().enumerate() {
             let Some(question) = questions.get(turn) else { continue };
             if let Some((server, tokens)) = inflight[c].take() {
-                router.tables.servers.end_request(router.process, server, tokens);
+                router.tables.servers.end_request(router.process, server, tokens, false);
             }
             let prompt = &mut prompts[c];
             prompt.push_str("User: ");
@@ -348,7 +348,7 @@ fn replay(segment: &Segment, out: &mut impl Write) -> Result<()> {
         }
     }
     for (server, tokens) in inflight.into_iter().flatten() {
-        router.tables.servers.end_request(router.process, server, tokens);
+        router.tables.servers.end_request(router.process, server, tokens, false);
     }
     writeln!(
         out,

@@ -190,7 +190,16 @@ pub const PREFIX_RATIO: Histogram = Histogram {
     bounds: RATIO_BOUNDS,
     scale: 1e6,
 };
-const END: usize = PREFIX_RATIO.base + Histogram::words(RATIO_BOUNDS);
+/// Gateway-queue counters: requests entered, then one per outcome.
+const QUEUE: usize = PREFIX_RATIO.base + Histogram::words(RATIO_BOUNDS);
+const QUEUE_OUTCOMES: [&str; 4] = ["routed", "abandoned", "timeout", "full"];
+/// `semlb_queue_wait_seconds`.
+pub const QUEUE_WAIT: Histogram = Histogram {
+    base: QUEUE + 1 + QUEUE_OUTCOMES.len(),
+    bounds: LATENCY_BOUNDS,
+    scale: 1e6,
+};
+const END: usize = QUEUE_WAIT.base + Histogram::words(LATENCY_BOUNDS);
 const _: () = assert!(END <= STAT_WORDS, "the metrics outgrew a stats block");
 
 /// What the response cache did for an inference request.
@@ -202,6 +211,19 @@ pub enum CacheResult {
     Miss = 1,
     /// The cache was not involved.
     Bypass = 2,
+}
+
+/// How a request left the gateway queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueOutcome {
+    /// A server took it.
+    Routed = 0,
+    /// Its client went away while it waited.
+    Abandoned = 1,
+    /// It waited `max_wait_ms`.
+    Timeout = 2,
+    /// The queue was full: it never entered.
+    Full = 3,
 }
 
 /// The recording side: one process's block of the stats region.
@@ -286,6 +308,20 @@ impl<'a> Metrics<'a> {
     /// One observation of a duration.
     pub fn observe_duration(&self, h: Histogram, d: std::time::Duration) {
         self.observe(h, d.as_secs_f64());
+    }
+
+    /// A request entered the gateway queue.
+    pub fn queue_entered(&self) {
+        self.add(QUEUE, 1);
+    }
+
+    /// A request left the gateway queue after `waited` (or was refused:
+    /// [`QueueOutcome::Full`], no wait recorded).
+    pub fn queue_left(&self, outcome: QueueOutcome, waited: std::time::Duration) {
+        self.add(QUEUE + 1 + outcome as usize, 1);
+        if outcome != QueueOutcome::Full {
+            self.observe_duration(QUEUE_WAIT, waited);
+        }
     }
 
     /// The prefix match of the chosen server: `matched` of `total` blocks
@@ -420,6 +456,14 @@ impl Snapshot {
 
     fn counter(&self, index: usize) -> u64 {
         self.counters.get(index).copied().unwrap_or(0)
+    }
+
+    /// Requests in the gateway queues: entered less left (routed,
+    /// abandoned, timed out). A dispatcher killed with requests queued
+    /// leaves them counted until the gateway restarts.
+    pub fn queue_depth(&self) -> u64 {
+        let left: u64 = (0..3).map(|k| self.counter(QUEUE + 1 + k)).sum();
+        self.counter(QUEUE).saturating_sub(left)
     }
 
     /// The Prometheus text exposition (format 0.0.4).
@@ -560,6 +604,35 @@ impl Snapshot {
             "semlb_prefix_match_ratio",
             "Share of the prompt's blocks the chosen server has cached.",
             &[PREFIX_RATIO],
+            &[],
+        );
+
+        family(
+            o,
+            "semlb_queue_requests_total",
+            "counter",
+            "Requests that waited in the gateway queue, by how they left it (full: refused at entry).",
+        );
+        for (k, outcome) in QUEUE_OUTCOMES.into_iter().enumerate() {
+            sample(
+                o,
+                "semlb_queue_requests_total",
+                &[("outcome", outcome)],
+                self.counter(QUEUE + 1 + k),
+            );
+        }
+        family(
+            o,
+            "semlb_queue_depth",
+            "gauge",
+            "Requests waiting in the gateway queues now (all dispatchers).",
+        );
+        sample(o, "semlb_queue_depth", &[], self.queue_depth());
+        self.histogram(
+            o,
+            "semlb_queue_wait_seconds",
+            "Time requests waited in the gateway queue.",
+            &[QUEUE_WAIT],
             &[],
         );
 
@@ -888,6 +961,7 @@ mod tests {
                 running: 7,
                 kv_usage_permyriad: 2500,
                 scraped_at_ms: 5,
+                pending_at_scrape: 0,
             }),
         });
         s.prefix_entries = 10;

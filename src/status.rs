@@ -243,6 +243,7 @@ mod tests {
                 running: 7,
                 kv_usage_permyriad: 8120,
                 scraped_at_ms: 900,
+                pending_at_scrape: 0,
             },
         );
         assert!(t.servers.begin_request(1, a, 500));

@@ -375,11 +375,8 @@ fn both_stores_give_the_same_routing_decisions() {
                 assert_eq!(summary(&a), summary(&b), "chain {chain:x?} excluding {exclude:?}");
                 for (policy, config) in &policies {
                     let choose = |l: &Lookup| {
-                        policy.choose(&RouteInput {
-                            prompt_blocks: chain.len() as u32,
-                            prefix: &l.prefix,
-                            candidates: &l.candidates,
-                        })
+                        let tokens = chain.len() as u32 * 16;
+                        policy.choose(&RouteInput::new(chain, tokens, 16, &l.prefix, &l.candidates))
                     };
                     assert_eq!(choose(&a), choose(&b), "{:?} on chain {chain:x?}", config.kind);
                     decided += 1;

@@ -253,7 +253,8 @@ fn figures(at: u64) -> LoadFigures {
         waiting: (h & 0xff_ffff) as u32,
         running: ((h >> 24) & 0xff_ffff) as u32,
         kv_usage_permyriad: ((h >> 48) % 10_001) as u16,
-        scraped_at_ms: at,
+        scraped_at_ms: at & ((1 << 40) - 1),
+        pending_at_scrape: (h.rotate_left(7) & 0xff_ffff) as u32,
     }
 }
 
@@ -860,7 +861,7 @@ fn child_main(a: &ChildArgs) -> Result<(), String> {
         }
     }
     for (s, tokens) in std::mem::take(&mut k.inflight) {
-        k.t.servers.end_request(a.slot, s, tokens);
+        k.t.servers.end_request(a.slot, s, tokens, false);
     }
     board.add(a.slot, &mut k.counts);
     Ok(())
@@ -984,7 +985,7 @@ impl Worker<'_> {
             0 | 1 if !self.inflight.is_empty() => {
                 let i = self.rng.index(self.inflight.len());
                 let (s, tokens) = self.inflight.swap_remove(i);
-                self.t.servers.end_request(self.a.slot, s, tokens);
+                self.t.servers.end_request(self.a.slot, s, tokens, false);
                 self.count(Op::ServerEnd);
             }
             2 => {
@@ -1106,10 +1107,19 @@ fn stderr_of(child: &mut Child) -> String {
 }
 
 fn raw_inflight(seg: &Segment, slot: u16) -> (i64, i64) {
-    // Line 1 of a 384-byte server slot: in-flight requests, then tokens
-    // (offsets frozen by compile-time asserts in server_table.rs). Read raw
-    // because `inflight()` clamps negative values to zero.
-    let base = seg.header().region(RegionKind::Servers).offset + u64::from(slot) * 384 + 64;
+    raw_pair(seg, slot, 64)
+}
+
+fn raw_pending(seg: &Segment, slot: u16) -> (i64, i64) {
+    raw_pair(seg, slot, 96)
+}
+
+fn raw_pair(seg: &Segment, slot: u16, offset: u64) -> (i64, i64) {
+    // Line 1 of a 384-byte server slot: in-flight requests and tokens at
+    // 64, pending requests and tokens at 96 (offsets frozen by compile-time
+    // asserts in server_table.rs). Read raw because `inflight()` and
+    // `pending()` clamp negative values to zero.
+    let base = seg.header().region(RegionKind::Servers).offset + u64::from(slot) * 384 + offset;
     let words = seg.raw_words();
     let at = (base / 8) as usize;
     (
@@ -1457,6 +1467,12 @@ fn shm_torture() {
     }
     let mut total_requests = 0;
     for (i, s) in w.servers.iter().enumerate() {
+        let (pending, pending_tokens) = raw_pending(&seg, i as u16);
+        if pending < 0 || pending as u64 > kills || pending_tokens < 0 || pending_tokens as u64 > kills * MAX_TOKENS {
+            failures.add(format!(
+                "server {i}: {pending} requests / {pending_tokens} tokens pending after reclaiming {kills} kills"
+            ));
+        }
         let (requests, tokens) = raw_inflight(&seg, i as u16);
         total_requests += requests;
         if requests < 0 || requests as u64 > kills || tokens < 0 || tokens as u64 > kills * MAX_TOKENS {

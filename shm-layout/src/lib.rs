@@ -29,7 +29,7 @@
 //!  offset 0                                                     segment_bytes
 //!  ┌────────┬─────────┬────────┬──────────┬──────────┬────────────┬──────────┬──────────────┬──────────────┐
 //!  │ header │ servers │ ledger │ registry │  stats   │ rings × 64 │ response │ response log │ prefix table │
-//!  │ 4 KiB  │ 128×384B│ 256 KiB│ 128×64 B │ 128×8 KiB│ ctl + ring │  index   │ ctl + ring   │ 64 B buckets │
+//!  │ 4 KiB  │ 128×384B│ 512 KiB│ 128×64 B │ 128×8 KiB│ ctl + ring │  index   │ ctl + ring   │ 64 B buckets │
 //!  └────────┴─────────┴────────┴──────────┴──────────┴────────────┴──────────┴──────────────┴──────────────┘
 //!   every region starts on a 4 KiB boundary; sizes derive from the segment
 //!   size (see [`plan`]) and are recorded in the header's region table
@@ -55,7 +55,7 @@
 //! | region | element | `count` | `param` | module |
 //! | --- | --- | --- | --- | --- |
 //! | servers | 384 B server slot | 128 | – | [`server_table`] |
-//! | ledger | 16 B cell (requests, tokens) per process × server | 128 × 128 | 128 | [`server_table`] |
+//! | ledger | 32 B cell (requests, tokens, pending requests, pending tokens) per process × server | 128 × 128 | 128 | [`server_table`] |
 //! | registry | 64 B process slot | 128 | – | [`registry`] |
 //! | stats | 8 KiB block of [`STAT_WORDS`] `u64` counters per process slot | 128 | 1024 (words per block) | [`stats`] |
 //! | rings | 256 B control + `param` bytes | 64 | ring bytes | [`completion_ring`] |
@@ -116,7 +116,7 @@ pub use completion::{Completion, CompletionRecord, DecodeError};
 pub use completion_ring::{CompletionRing, Pop, PushError, RingStats};
 pub use error::{CreateError, NameError, OpenError, PlanError, RemoveError};
 pub use header::{HeaderInfo, LAYOUT_VERSION, MAGIC, STATE_READY};
-pub use plan::{LayoutPlan, PlanOptions, Region, RegionKind};
+pub use plan::{LayoutPlan, PlanOptions, Region, RegionKind, SERVER_SLOTS};
 pub use prefix_table::{InsertOutcome, MATCH_CAPACITY, PrefixEntry, PrefixMatch, PrefixTable, ServerSet, Stamp};
 pub use registry::{ProcessInfo, ProcessState, Registry, Role};
 pub use response_log::{PutError, ResponseKey, ResponseLog, ResponseLogStats};

@@ -8,7 +8,7 @@
 //! | --- | --- | --- |
 //! | header | 4 KiB | fixed |
 //! | server table | [`SERVER_SLOTS`] × 384 B | fixed |
-//! | in-flight ledger | [`PROCESS_SLOTS`] × [`SERVER_SLOTS`] × 16 B | fixed (256 KiB) |
+//! | in-flight ledger | [`PROCESS_SLOTS`] × [`SERVER_SLOTS`] × 32 B | fixed (512 KiB) |
 //! | process registry | [`PROCESS_SLOTS`] × 64 B | fixed |
 //! | stats | [`PROCESS_SLOTS`] × [`STAT_WORDS`] × 8 B | fixed (1 MiB) |
 //! | completion rings | [`RING_COUNT`] × (256 B + ring bytes) | ring bytes = 1/8 of the rest / [`RING_COUNT`], rounded down to a power of two, clamped to 16 KiB ..= 4 MiB |
@@ -42,7 +42,7 @@ pub const MAX_SEGMENT_BYTES: u64 = 1 << 40;
 pub const DEFAULT_MAX_RESPONSE_FRACTION: f64 = 0.125;
 
 pub(crate) const SERVER_SLOT_BYTES: u64 = 384;
-pub(crate) const LEDGER_CELL_BYTES: u64 = 16;
+pub(crate) const LEDGER_CELL_BYTES: u64 = 32;
 pub(crate) const PROCESS_SLOT_BYTES: u64 = 64;
 pub(crate) const STAT_BLOCK_BYTES: u64 = 8 * STAT_WORDS as u64;
 pub(crate) const RING_CONTROL_BYTES: u64 = 256;

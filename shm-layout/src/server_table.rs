@@ -5,6 +5,7 @@
 //! ServerSlot (384 B, 64-aligned)
 //! ┌ line 0 ─ state (generation:32 | check:24 | state:8) · id · address meta (len | check) · registered_ms
 //! ├ line 1 ─ in-flight requests · in-flight prompt tokens · scraped load (128-bit)
+//! │          · pending requests · pending prompt tokens
 //! └ lines 2-5 ─ address, up to 256 bytes
 //! ```
 //!
@@ -26,6 +27,14 @@
 //!   global on begin and before it on end, so a kill between the two leaves
 //!   at most one request per server counted high until the slot is
 //!   retired; readers clamp at zero.
+//! * Of the requests in flight, those without a first token yet are also
+//!   counted as **pending** (requests and prompt tokens): sent by the
+//!   gateway but still queued or in prefill in the engine. A dispatcher
+//!   marks a request started ([`ServerTable::first_token`]) when the first
+//!   body frame of its answer arrives. Pending counts live in the same
+//!   ledger cells and are reclaimed the same way. Routing policies that
+//!   queue at the gateway (selective pushing) and estimate TTFT (two-choice
+//!   mapping) read them.
 
 use crate::mix::mix64;
 use crate::plan::{PROCESS_SLOTS, SERVER_SLOTS};
@@ -125,27 +134,37 @@ pub struct LoadFigures {
     pub running: u32,
     /// KV-cache usage in units of 0.01 % (10000 = full).
     pub kv_usage_permyriad: u16,
-    /// When scraped, in segment milliseconds; 0 = never.
+    /// When scraped, in segment milliseconds; 0 = never (40 bits stored:
+    /// 34 years).
     pub scraped_at_ms: u64,
+    /// The gateway's pending requests to the server (sent, no first token
+    /// yet) when the scrape was taken, so that readers can correct
+    /// `waiting` by what the gateway sent and saw start since (saturates
+    /// at 2^24 - 1).
+    pub pending_at_scrape: u32,
 }
 
 impl LoadFigures {
     const MAX24: u32 = (1 << 24) - 1;
+    const MAX40: u64 = (1 << 40) - 1;
 
     fn pack(self) -> u128 {
         let lo = u64::from(self.waiting.min(Self::MAX24))
             | (u64::from(self.running.min(Self::MAX24)) << 24)
             | (u64::from(self.kv_usage_permyriad) << 48);
-        (u128::from(self.scraped_at_ms) << 64) | u128::from(lo)
+        let hi = self.scraped_at_ms.min(Self::MAX40) | (u64::from(self.pending_at_scrape.min(Self::MAX24)) << 40);
+        (u128::from(hi) << 64) | u128::from(lo)
     }
 
     fn unpack(v: u128) -> Self {
         let lo = v as u64;
+        let hi = (v >> 64) as u64;
         Self {
             waiting: (lo & u64::from(Self::MAX24)) as u32,
             running: ((lo >> 24) & u64::from(Self::MAX24)) as u32,
             kv_usage_permyriad: (lo >> 48) as u16,
-            scraped_at_ms: (v >> 64) as u64,
+            scraped_at_ms: hi & Self::MAX40,
+            pending_at_scrape: (hi >> 40) as u32,
         }
     }
 }
@@ -196,7 +215,9 @@ pub(crate) struct ServerSlot {
     inflight_requests: AtomicU64,
     inflight_tokens: AtomicU64,
     load: AtomicU128,
-    _line1: [u64; 4],
+    pending_requests: AtomicU64,
+    pending_tokens: AtomicU64,
+    _line1: [u64; 2],
     address: [AtomicU64; MAX_ADDRESS_BYTES / 8],
 }
 
@@ -207,14 +228,19 @@ const _: () = assert!(std::mem::offset_of!(ServerSlot, inflight_requests) == 64)
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, load) == 80);
 #[cfg(not(loom))]
+const _: () = assert!(std::mem::offset_of!(ServerSlot, pending_requests) == 96);
+#[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, address) == 128);
 
-/// One ledger cell: what one process has in flight to one server.
-#[repr(C, align(16))]
+/// One ledger cell: what one process has in flight to one server, and how
+/// much of it is still pending (no first token yet).
+#[repr(C, align(32))]
 #[derive(Debug)]
 pub(crate) struct LedgerCell {
     requests: AtomicU64,
     tokens: AtomicU64,
+    pending_requests: AtomicU64,
+    pending_tokens: AtomicU64,
 }
 
 #[cfg(not(loom))]
@@ -232,7 +258,9 @@ impl ServerSlot {
             inflight_requests: AtomicU64::new(0),
             inflight_tokens: AtomicU64::new(0),
             load: AtomicU128::new(0),
-            _line1: [0; 4],
+            pending_requests: AtomicU64::new(0),
+            pending_tokens: AtomicU64::new(0),
+            _line1: [0; 2],
             address: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
@@ -244,6 +272,8 @@ impl LedgerCell {
         Self {
             requests: AtomicU64::new(0),
             tokens: AtomicU64::new(0),
+            pending_requests: AtomicU64::new(0),
+            pending_tokens: AtomicU64::new(0),
         }
     }
 }
@@ -352,10 +382,14 @@ impl<'a> ServerTable<'a> {
         let s = &self.slots[usize::from(slot)];
         s.inflight_requests.store(0, Ordering::Relaxed);
         s.inflight_tokens.store(0, Ordering::Relaxed);
+        s.pending_requests.store(0, Ordering::Relaxed);
+        s.pending_tokens.store(0, Ordering::Relaxed);
         for p in 0..PROCESS_SLOTS as u16 {
             let c = self.cell(p, slot);
             c.requests.store(0, Ordering::Relaxed);
             c.tokens.store(0, Ordering::Relaxed);
+            c.pending_requests.store(0, Ordering::Relaxed);
+            c.pending_tokens.store(0, Ordering::Relaxed);
         }
     }
 
@@ -487,8 +521,8 @@ impl<'a> ServerTable<'a> {
             .is_some_and(|(s, _)| s.generation == server.generation)
     }
 
-    /// Counts a request of `process` to `server` as in flight. False (and
-    /// nothing counted) if `server` is stale.
+    /// Counts a request of `process` to `server` as in flight and pending.
+    /// False (and nothing counted) if `server` is stale.
     pub fn begin_request(&self, process: u16, server: ServerRef, prompt_tokens: u64) -> bool {
         if !self.is_current(server) {
             return false;
@@ -496,15 +530,39 @@ impl<'a> ServerTable<'a> {
         let s = &self.slots[usize::from(server.slot)];
         s.inflight_requests.fetch_add(1, Ordering::Relaxed);
         s.inflight_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
+        s.pending_requests.fetch_add(1, Ordering::Relaxed);
+        s.pending_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
         let c = self.cell(process, server.slot);
         c.requests.fetch_add(1, Ordering::Relaxed);
         c.tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
+        c.pending_requests.fetch_add(1, Ordering::Relaxed);
+        c.pending_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
         true
     }
 
-    /// Ends what [`Self::begin_request`] began. Ignored if `server` is stale
-    /// (its counters were reset when the slot was reused).
-    pub fn end_request(&self, process: u16, server: ServerRef, prompt_tokens: u64) {
+    /// A request [`Self::begin_request`] counted got its first token: it is
+    /// no longer pending (still in flight). Call at most once per request.
+    /// Ignored if `server` is stale.
+    pub fn first_token(&self, process: u16, server: ServerRef, prompt_tokens: u64) {
+        if !self.is_current(server) {
+            return;
+        }
+        let c = self.cell(process, server.slot);
+        c.pending_requests.fetch_sub(1, Ordering::Relaxed);
+        c.pending_tokens.fetch_sub(prompt_tokens, Ordering::Relaxed);
+        let s = &self.slots[usize::from(server.slot)];
+        s.pending_requests.fetch_sub(1, Ordering::Relaxed);
+        s.pending_tokens.fetch_sub(prompt_tokens, Ordering::Relaxed);
+    }
+
+    /// Ends what [`Self::begin_request`] began; `started`: whether
+    /// [`Self::first_token`] was called for it (if not, it stops being
+    /// pending too). Ignored if `server` is stale (its counters were reset
+    /// when the slot was reused).
+    pub fn end_request(&self, process: u16, server: ServerRef, prompt_tokens: u64, started: bool) {
+        if !started {
+            self.first_token(process, server, prompt_tokens);
+        }
         if !self.is_current(server) {
             return;
         }
@@ -522,6 +580,16 @@ impl<'a> ServerTable<'a> {
         (
             clamp(s.inflight_requests.load(Ordering::Relaxed)),
             clamp(s.inflight_tokens.load(Ordering::Relaxed)),
+        )
+    }
+
+    /// `(requests, prompt tokens)` pending at `server` (sent by any
+    /// process, no first token yet).
+    pub fn pending(&self, server: ServerRef) -> (u64, u64) {
+        let s = &self.slots[usize::from(server.slot)];
+        (
+            clamp(s.pending_requests.load(Ordering::Relaxed)),
+            clamp(s.pending_tokens.load(Ordering::Relaxed)),
         )
     }
 
@@ -543,6 +611,10 @@ impl<'a> ServerTable<'a> {
             let t = c.tokens.swap(0, Ordering::AcqRel);
             s.inflight_requests.fetch_sub(r, Ordering::Relaxed);
             s.inflight_tokens.fetch_sub(t, Ordering::Relaxed);
+            let r = c.pending_requests.swap(0, Ordering::AcqRel);
+            let t = c.pending_tokens.swap(0, Ordering::AcqRel);
+            s.pending_requests.fetch_sub(r, Ordering::Relaxed);
+            s.pending_tokens.fetch_sub(t, Ordering::Relaxed);
         }
     }
 
@@ -594,11 +666,17 @@ mod tests {
             waiting: 3,
             running: 70_000,
             kv_usage_permyriad: 9_999,
-            scraped_at_ms: 1 << 40,
+            scraped_at_ms: (1 << 40) - 1,
+            pending_at_scrape: 12,
         };
         assert_eq!(LoadFigures::unpack(f.pack()), f);
-        let big = LoadFigures { waiting: u32::MAX, ..f };
+        let big = LoadFigures {
+            waiting: u32::MAX,
+            pending_at_scrape: u32::MAX,
+            ..f
+        };
         assert_eq!(LoadFigures::unpack(big.pack()).waiting, (1 << 24) - 1);
+        assert_eq!(LoadFigures::unpack(big.pack()).pending_at_scrape, (1 << 24) - 1);
     }
 
     #[test]
@@ -657,10 +735,20 @@ mod tests {
         assert!(t.begin_request(3, a, 50));
         assert!(t.begin_request(4, a, 10));
         assert_eq!(t.inflight(a), (3, 160));
-        t.end_request(4, a, 10);
+        assert_eq!(t.pending(a), (3, 160));
+        t.first_token(3, a, 100);
+        assert_eq!(t.pending(a), (2, 60), "started: no longer pending");
+        assert_eq!(t.inflight(a), (3, 160), "but still in flight");
+        t.end_request(4, a, 10, false);
         assert_eq!(t.inflight(a), (2, 150));
+        assert_eq!(
+            t.pending(a),
+            (1, 50),
+            "ending an unstarted request ends its pending count"
+        );
         t.reclaim_process(3); // process 3 died with two requests
         assert_eq!(t.inflight(a), (0, 0));
+        assert_eq!(t.pending(a), (0, 0));
         assert_eq!(t.inflight_of(3, a), (0, 0));
         t.reclaim_process(3);
         assert_eq!(t.inflight(a), (0, 0), "idempotent");
@@ -675,8 +763,9 @@ mod tests {
         t.retire(a);
         let b = t.register(2, "b", 0).unwrap();
         assert_eq!(t.inflight(b), (0, 0), "a reused slot starts from zero");
-        t.end_request(0, a, 5);
+        t.end_request(0, a, 5, false);
         assert_eq!(t.inflight(b), (0, 0));
+        assert_eq!(t.pending(b), (0, 0));
         assert!(!t.begin_request(0, a, 5));
         assert!(!t.store_load(a, LoadFigures::default()));
         let f = LoadFigures {
@@ -684,6 +773,7 @@ mod tests {
             running: 2,
             kv_usage_permyriad: 3,
             scraped_at_ms: 4,
+            pending_at_scrape: 5,
         };
         assert!(t.store_load(b, f));
         assert_eq!(t.load(b), f);

@@ -404,7 +404,7 @@ fn server_table_life_cycle() {
         assert_eq!(t.inflight_of(3, a), (2, 120));
         assert_eq!(t.inflight_of(7, a), (1, 5));
         assert_eq!(t.get(a.slot).unwrap().inflight_requests, 3);
-        t.end_request(3, a, 20);
+        t.end_request(3, a, 20, false);
         assert_eq!(t.inflight(a), (2, 105));
         t.reclaim_process(7); // process 7 died with one request to a and one to b
         assert_eq!(t.inflight(a), (1, 100));
@@ -419,6 +419,7 @@ fn server_table_life_cycle() {
             running: 12,
             kv_usage_permyriad: 8_750,
             scraped_at_ms: now + 5,
+            pending_at_scrape: 2,
         };
         assert!(t.store_load(a, f));
         assert_eq!(t.load(a), f);
@@ -444,7 +445,7 @@ fn server_table_life_cycle() {
         assert!(!t.set_state(a, ServerState::Down), "stale ref refused");
         assert!(!t.retire(a));
         assert!(!t.begin_request(3, a, 1));
-        t.end_request(3, a, 100); // ignored: stale
+        t.end_request(3, a, 100, false); // ignored: stale
         assert_eq!(t.inflight(a2), (0, 0));
         assert!(!t.store_load(a, f));
         assert_eq!(t.servers().count(), 2);

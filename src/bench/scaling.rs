@@ -735,11 +735,14 @@ pub fn run_worker(args: &WorkerArgs) -> Result<()> {
                     }
                     let m = t.prefix.longest_prefix_match(&r.prompt, |s| t.servers.is_live(s));
                     routing::live_candidates(&t, &mut candidates);
-                    let choice = policy.choose(&RouteInput {
-                        prompt_blocks: r.prompt.len() as u32,
-                        prefix: &m,
-                        candidates: &candidates,
-                    });
+                    let tokens = (r.prompt.len() * semlb::blocks::DEFAULT_BLOCK_SIZE) as u32;
+                    let choice = policy.choose(&RouteInput::new(
+                        &r.prompt,
+                        tokens,
+                        semlb::blocks::DEFAULT_BLOCK_SIZE as u32,
+                        &m,
+                        &candidates,
+                    ));
                     let Some(choice) = choice else {
                         bail!("no live server in the segment")
                     };
@@ -793,12 +796,15 @@ pub fn run_worker(args: &WorkerArgs) -> Result<()> {
                     }
                     routing::live_candidates(&lt, &mut candidates);
                     let m = redis_match(&found.prefix, &candidates);
+                    let tokens = (r.prompt.len() * semlb::blocks::DEFAULT_BLOCK_SIZE) as u32;
                     let choice = policy
-                        .choose(&RouteInput {
-                            prompt_blocks: r.prompt.len() as u32,
-                            prefix: &m,
-                            candidates: &candidates,
-                        })
+                        .choose(&RouteInput::new(
+                            &r.prompt,
+                            tokens,
+                            semlb::blocks::DEFAULT_BLOCK_SIZE as u32,
+                            &m,
+                            &candidates,
+                        ))
                         .context("no live server")?;
                     if matches!(choice.reason, Reason::Prefix { .. }) {
                         report.prefix_routed += 1;
@@ -893,14 +899,11 @@ mod tests {
         let redis = redis_match(&[(1, 3), (2, 8), (9, 10)], &cands);
         assert_eq!(redis.best(), shm.best());
         assert_eq!(redis.blocks_for(servers[1].tag()), 3);
-        for prompt_blocks in [10, 20, 0] {
+        for prompt_blocks in [10usize, 20, 0] {
+            let chain = vec![1u64; prompt_blocks];
             let choose = |m: &PrefixMatch| {
                 policy
-                    .choose(&RouteInput {
-                        prompt_blocks,
-                        prefix: m,
-                        candidates: &cands,
-                    })
+                    .choose(&RouteInput::new(&chain, prompt_blocks as u32 * 16, 16, m, &cands))
                     .unwrap()
                     .reason
             };

@@ -65,6 +65,7 @@
 
 mod http;
 mod pipeline;
+mod queue;
 mod relay;
 mod sse;
 
@@ -153,6 +154,12 @@ impl SwappablePolicy {
         self.current().name()
     }
 
+    /// The current policy itself (held by the gateway queue's pump for one
+    /// look at the queue).
+    pub fn current_arc(&self) -> Arc<dyn Policy> {
+        self.current().clone()
+    }
+
     /// Replaces the policy; the next choice uses `policy`.
     pub fn replace(&self, policy: Box<dyn Policy>) {
         *self.0.write().unwrap_or_else(|e| e.into_inner()) = Arc::from(policy);
@@ -179,6 +186,7 @@ pub struct Dispatcher {
     store: Arc<dyn RoutingStore>,
     client: UpstreamClient,
     health: crate::health::PassiveHealth,
+    queue: queue::GatewayQueue,
 }
 
 impl Dispatcher {
@@ -206,6 +214,7 @@ impl Dispatcher {
         Self {
             // Before `config` moves into the struct.
             health: crate::health::PassiveHealth::new(&config.health),
+            queue: queue::GatewayQueue::new(config.policy.queue, config.dispatchers),
             segment,
             identity,
             config,
@@ -268,6 +277,17 @@ impl Dispatcher {
     /// response cache) stays as the dispatcher started with.
     pub fn set_policy(&self, config: &PolicyConfig) {
         self.policy.replace(crate::routing::build(config));
+        self.queue.set_params(config.queue);
+    }
+
+    /// Requests waiting in this dispatcher's gateway queue.
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Tokens per prefix block.
+    fn block_tokens(&self) -> u32 {
+        u32::try_from(self.config.block_size.max(1)).unwrap_or(u32::MAX)
     }
 }
 

@@ -19,11 +19,12 @@ use super::http::{
     BACKEND_HEADER, Body, CACHE_HEADER, client_response_headers, error_response, full_response, json_response,
     set_header, upstream_request_headers,
 };
+use super::queue::{QueueExit, Waiting};
 use super::relay::{InflightGuard, Learn, Relay, RelayTimer};
 use super::sse;
 use crate::blocks::BlockHasher;
 use crate::config::CacheScope;
-use crate::metrics::{CacheResult, DURATION, EndpointLabel, Snapshot, Stage};
+use crate::metrics::{CacheResult, DURATION, EndpointLabel, QueueOutcome, Snapshot, Stage};
 use crate::prompt::{self, Endpoint, RoutingInput};
 use crate::response_cache::{self, Cacheability, Scope, Tenant};
 use crate::routing::{Reason, RouteInput, live_candidates};
@@ -196,6 +197,14 @@ impl DispatchTiming {
 /// The response header carrying a [`DispatchTiming`].
 pub(crate) const DISPATCH_HEADER: &str = "x-semlb-dispatch-ns";
 
+/// The response header naming why the server was chosen
+/// ([`Reason::name`]).
+pub(crate) const ROUTE_HEADER: &str = "x-semlb-route";
+
+/// The response header carrying the milliseconds a request waited in the
+/// gateway queue (absent when it did not wait).
+pub(crate) const QUEUE_HEADER: &str = "x-semlb-queue-ms";
+
 /// What an inference request adds to a proxied one.
 struct InferenceCtx {
     /// Where the dispatch time went.
@@ -213,6 +222,8 @@ struct InferenceCtx {
     endpoint: Endpoint,
     /// The request's `model` (for the routing event).
     model: String,
+    /// Its session key, hashed, if the policy uses one and it has one.
+    session: Option<u64>,
 }
 
 async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, endpoint: Endpoint) -> Response<Body> {
@@ -228,6 +239,7 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
         Err(e) => return json_response(StatusCode::BAD_REQUEST, &e.body()),
     };
     timing.mark(1);
+    let session = dispatcher.session_key(&parts.headers, &parsed.body);
     let prompt_tokens = match &parsed.input {
         RoutingInput::Text(text) if text.len() > BLOCKING_TOKENIZE_BYTES => {
             let (tokenizer, text) = (dispatcher.tokenizer.clone(), text.clone());
@@ -315,6 +327,7 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
         lookup: Some(lookup),
         endpoint,
         model: std::mem::take(&mut parsed.model),
+        session,
     };
     let outbound = Outbound {
         method: Method::POST,
@@ -369,18 +382,64 @@ async fn passthrough(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>) -
     forward(dispatcher, outbound, None).await
 }
 
+/// What a routing decision is about.
+#[derive(Debug, Clone, Copy)]
+struct RouteRequest<'a> {
+    /// The prompt's block chain (empty for a non-inference request).
+    chain: &'a [u64],
+    /// Prompt tokens.
+    prompt_tokens: u32,
+    /// The hashed session key.
+    session: Option<u64>,
+    /// An inference request (routed by the policy; others by least load).
+    inference: bool,
+}
+
+/// The outcome of [`Dispatcher::choose`].
+enum Routed {
+    /// Send it there.
+    Chosen(Chosen),
+    /// Every server the policy would use is full: queue it (the lookup's
+    /// prefix match goes with it).
+    Wait(Lookup),
+    /// No server is available.
+    NoServer,
+}
+
 impl Dispatcher {
-    /// A server for the request with block chain `chain` (empty: least
-    /// load), avoiding `exclude`, with its address and why. `lookup` is the
-    /// store's answer for this request if one was already made (the first
-    /// attempt).
-    async fn choose(
-        &self,
-        chain: &[u64],
-        inference: bool,
-        exclude: &[ServerRef],
-        lookup: Option<Lookup>,
-    ) -> Option<Chosen> {
+    /// The hashed session key of a request, from the first of the
+    /// policy's session headers it carries, else its body's `user` field
+    /// (when the policy asks for either; see [`crate::routing::SessionSource`]).
+    fn session_key(&self, headers: &HeaderMap, body: &serde_json::Map<String, Value>) -> Option<u64> {
+        let policy = self.policy.current_arc();
+        let source = policy.session_source()?;
+        let from_header = source
+            .headers
+            .iter()
+            .find_map(|name| headers.get(name.as_str()))
+            .map(HeaderValue::as_bytes)
+            .filter(|v| !v.is_empty());
+        let from_user = || {
+            source
+                .user_field
+                .then(|| body.get("user").and_then(Value::as_str))
+                .flatten()
+                .filter(|u| !u.is_empty())
+                .map(str::as_bytes)
+        };
+        from_header.or_else(from_user).map(seahash::hash)
+    }
+
+    /// A server for `route`, avoiding `exclude`, with its address and why.
+    /// `lookup` is the store's answer for this request if one was already
+    /// made (the first attempt).
+    async fn choose(&self, route: RouteRequest<'_>, exclude: &[ServerRef], lookup: Option<Lookup>) -> Routed {
+        let RouteRequest {
+            chain,
+            prompt_tokens,
+            session,
+            inference,
+        } = route;
         let mut lookup = match lookup {
             Some(l) => l,
             None => {
@@ -398,14 +457,28 @@ impl Dispatcher {
             }
         };
         let servers = self.segment.tables().servers;
+        let policy = self.policy.current_arc();
         loop {
+            if lookup.candidates.is_empty() {
+                return Routed::NoServer;
+            }
             let (choice, reason) = if inference {
                 let input = RouteInput {
                     prompt_blocks: u32::try_from(chain.len()).unwrap_or(u32::MAX),
+                    chain,
+                    prompt_tokens,
+                    block_tokens: self.block_tokens(),
+                    session,
                     prefix: &lookup.prefix,
                     candidates: &lookup.candidates,
                 };
-                let choice = self.policy.choose(&input)?;
+                let Some(choice) = policy.choose(&input) else {
+                    return if policy.holds_requests() {
+                        Routed::Wait(lookup)
+                    } else {
+                        Routed::NoServer
+                    };
+                };
                 if exclude.is_empty() {
                     // The first choice of the request: how much of its prompt it has.
                     self.metrics()
@@ -413,15 +486,14 @@ impl Dispatcher {
                 }
                 (choice.server, choice.reason)
             } else {
-                let least = lookup
-                    .candidates
-                    .iter()
-                    .min_by_key(|c| (c.inflight, c.inflight_tokens))?;
+                let Some(least) = lookup.candidates.iter().min_by_key(|c| (c.inflight, c.inflight_tokens)) else {
+                    return Routed::NoServer;
+                };
                 (least.server, Reason::LeastLoad)
             };
             match servers.get(choice.slot) {
                 Some(info) if info.server == choice => {
-                    return Some(Chosen {
+                    return Routed::Chosen(Chosen {
                         server: choice,
                         address: info.address,
                         reason,
@@ -472,30 +544,6 @@ struct Chosen {
     degraded: bool,
 }
 
-/// Why, for the routing event: `prefix`, `least_load`, `round_robin`, `random`.
-const fn reason_name(reason: Reason) -> &'static str {
-    match reason {
-        Reason::Prefix { .. } => "prefix",
-        Reason::LeastLoad => "least_load",
-        Reason::RoundRobin => "round_robin",
-        Reason::Random => "random",
-    }
-}
-
-/// A [`Reason`] in words, for the routing event's message.
-struct DisplayReason(Reason);
-
-impl std::fmt::Display for DisplayReason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.0 {
-            Reason::Prefix { blocks } => write!(f, "prefix match of {blocks} blocks"),
-            Reason::LeastLoad => f.write_str("least load"),
-            Reason::RoundRobin => f.write_str("round robin"),
-            Reason::Random => f.write_str("random"),
-        }
-    }
-}
-
 /// Sends `outbound` to a chosen server, retrying elsewhere on connection
 /// failures and 5xx heads, and relays the answer.
 async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Option<InferenceCtx>) -> Response<Body> {
@@ -508,51 +556,123 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
     let mut last_error = String::new();
     let mut attempt = 0u32;
     let mut dispatch_ns: Option<u64> = None;
+    // Time spent in the gateway queue, and the last routing reason (headers).
+    let mut queued_ms: Option<u64> = None;
+    let mut last_reason: Option<Reason> = None;
     let mut response = loop {
-        let chosen = dispatcher
-            .choose(chain, ctx.is_some(), &failed, first_lookup.take())
-            .await;
-        let Some(Chosen {
+        let route = RouteRequest {
+            chain,
+            prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
+            session: ctx.as_ref().and_then(|c| c.session),
+            inference: ctx.is_some(),
+        };
+        let (chosen, admitted) = match dispatcher.choose(route, &failed, first_lookup.take()).await {
+            Routed::Chosen(chosen) => (chosen, None),
+            Routed::Wait(lookup) => {
+                let waiting = Waiting {
+                    chain: chain.to_vec(),
+                    prompt_tokens: route.prompt_tokens,
+                    session: route.session,
+                    prefix: lookup.prefix,
+                    exclude: failed.clone(),
+                };
+                let since = std::time::Instant::now();
+                let admitted = match dispatcher.wait_in_queue(waiting).await {
+                    Ok(a) => a,
+                    Err(QueueExit::Full) => {
+                        dispatcher.metrics().queue_left(QueueOutcome::Full, Duration::ZERO);
+                        let mut r = error_response(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "every inference server is busy and the gateway queue is full; retry later",
+                            Some("queue_full"),
+                        );
+                        set_header(r.headers_mut(), "retry-after", "1");
+                        break r;
+                    }
+                    Err(QueueExit::Timeout) => {
+                        let mut r = error_response(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            format!(
+                                "no inference server became free within {} ms while the request waited in the gateway queue",
+                                since.elapsed().as_millis()
+                            ),
+                            Some("queue_timeout"),
+                        );
+                        set_header(r.headers_mut(), "retry-after", "1");
+                        break r;
+                    }
+                };
+                queued_ms = Some(queued_ms.unwrap_or(0) + since.elapsed().as_millis() as u64);
+                let server = admitted.guard.server();
+                let Some(info) = dispatcher
+                    .segment
+                    .tables()
+                    .servers
+                    .get(server.slot)
+                    .filter(|i| i.server == server)
+                else {
+                    failed.push(server);
+                    last_error = "a server was re-registered while the request waited".to_owned();
+                    continue;
+                };
+                let chosen = Chosen {
+                    server,
+                    address: info.address,
+                    reason: admitted.choice.reason,
+                    candidates: lookup.candidates.len(),
+                    degraded: lookup.degraded,
+                };
+                (chosen, Some(admitted.guard))
+            }
+            Routed::NoServer => {
+                if let Some(c) = &ctx {
+                    tracing::debug!(
+                        endpoint = c.endpoint.path(),
+                        model = %c.model,
+                        prompt_tokens,
+                        blocks = chain.len(),
+                        cache = c.cache,
+                        policy = dispatcher.policy_name(),
+                        attempt = attempt + 1,
+                        "{} not routed: no inference server is available",
+                        c.endpoint.path()
+                    );
+                }
+                break if attempt == 0 {
+                    let mut r = error_response(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "no inference server is available",
+                        Some("no_server_available"),
+                    );
+                    set_header(r.headers_mut(), "retry-after", "1");
+                    r
+                } else {
+                    bad_gateway(attempt, &last_error)
+                };
+            }
+        };
+        let Chosen {
             server,
             address,
             reason,
             candidates,
             degraded,
-        }) = chosen
-        else {
-            if let Some(c) = &ctx {
-                tracing::debug!(
-                    endpoint = c.endpoint.path(),
-                    model = %c.model,
-                    prompt_tokens,
-                    blocks = chain.len(),
-                    cache = c.cache,
-                    policy = dispatcher.policy_name(),
-                    attempt = attempt + 1,
-                    "{} not routed: no inference server is available",
-                    c.endpoint.path()
-                );
-            }
-            break if attempt == 0 {
-                let mut r = error_response(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "no inference server is available",
-                    Some("no_server_available"),
-                );
-                set_header(r.headers_mut(), "retry-after", "1");
-                r
-            } else {
-                bad_gateway(attempt, &last_error)
-            };
-        };
+        } = chosen;
+        last_reason = Some(reason);
         if attempt > 0 {
             dispatcher.metrics().retry();
         }
         attempt += 1;
-        let Some(guard) = InflightGuard::begin(dispatcher, server, prompt_tokens) else {
-            failed.push(server);
-            last_error = format!("{address} was re-registered");
-            continue;
+        let guard = match admitted {
+            Some(g) => g,
+            None => match InflightGuard::begin(dispatcher, server, prompt_tokens) {
+                Some(g) => g,
+                None => {
+                    failed.push(server);
+                    last_error = format!("{address} was re-registered");
+                    continue;
+                }
+            },
         };
         let uri = match format!("{address}{}", outbound.path_and_query).parse::<Uri>() {
             Ok(u) => u,
@@ -586,7 +706,7 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
                 cache = c.cache,
                 policy = dispatcher.policy_name(),
                 server = %address,
-                reason = reason_name(reason),
+                reason = reason.name(),
                 matched_blocks = match reason {
                     Reason::Prefix { blocks } => blocks,
                     _ => 0,
@@ -597,7 +717,7 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
                 dispatch_ns = sent.unwrap_or_else(|| c.timing.start.elapsed().as_nanos() as u64),
                 "{} routed to {address}: {}",
                 c.endpoint.path(),
-                DisplayReason(reason)
+                reason
             );
         }
         let result = tokio::time::timeout_at(deadline, dispatcher.client.request(request)).await;
@@ -667,6 +787,12 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
         set_header(response.headers_mut(), BACKEND_HEADER, &address);
         break response;
     };
+    if let Some(reason) = last_reason {
+        set_header(response.headers_mut(), ROUTE_HEADER, reason.name());
+    }
+    if let Some(ms) = queued_ms {
+        set_header(response.headers_mut(), QUEUE_HEADER, &ms.to_string());
+    }
     if let Some(c) = &ctx {
         set_header(response.headers_mut(), CACHE_HEADER, c.cache);
         if let Some(sent) = dispatch_ns {

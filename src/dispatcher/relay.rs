@@ -45,13 +45,16 @@ use crate::blocks::BlockHasher;
 const MAX_JSON_CAPTURE: usize = 32 << 20;
 
 /// Counts one request as in flight to a server in the store (the shm
-/// ledger, and on Redis the published counts) while it lives; dropping it
-/// ends the request (exactly once).
+/// ledger, and on Redis the published counts) while it lives, and as
+/// pending until [`first_token`](Self::first_token); dropping it ends the
+/// request (exactly once). Both events wake the dispatcher's gateway queue:
+/// a server may have room now.
 #[derive(Debug)]
 pub(crate) struct InflightGuard {
     dispatcher: Arc<Dispatcher>,
     server: ServerRef,
     tokens: u64,
+    started: bool,
 }
 
 impl InflightGuard {
@@ -62,13 +65,31 @@ impl InflightGuard {
             dispatcher: dispatcher.clone(),
             server,
             tokens,
+            started: false,
         })
+    }
+
+    /// The server this request went to.
+    pub fn server(&self) -> ServerRef {
+        self.server
+    }
+
+    /// The answer's first token arrived: no longer pending (once).
+    pub fn first_token(&mut self) {
+        if !self.started {
+            self.started = true;
+            self.dispatcher.store.first_token(self.server, self.tokens);
+            self.dispatcher.queue.wake();
+        }
     }
 }
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        self.dispatcher.store.end_request(self.server, self.tokens);
+        self.dispatcher
+            .store
+            .end_request(self.server, self.tokens, self.started);
+        self.dispatcher.queue.wake();
     }
 }
 
@@ -263,8 +284,15 @@ impl HttpBody for Relay {
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                if let Some(t) = this.timer.as_mut().filter(|_| frame.is_data()) {
-                    t.frame();
+                if frame.is_data() {
+                    if let Some(t) = this.timer.as_mut() {
+                        t.frame();
+                    }
+                    // The first data frame carries the first token (vLLM
+                    // and SGLang send nothing on a stream before it).
+                    if let Some(g) = this.guard.as_mut() {
+                        g.first_token();
+                    }
                 }
                 if let (Some(capture), Some(data)) = (this.capture.as_mut(), frame.data_ref()) {
                     capture.feed(data);

@@ -255,7 +255,8 @@ impl Checker {
                 match result {
                     Ok(load) => {
                         let now_ms = self.segment.clock().now_ms();
-                        self.servers().store_load(info.server, load.figures(now_ms));
+                        let pending = self.servers().pending(info.server).0;
+                        self.servers().store_load(info.server, load.figures(now_ms, pending));
                         if failing.remove(&info.server) {
                             tracing::info!(backend = %info.address, "backend {}: reading its /metrics again", info.address);
                         }

@@ -188,6 +188,7 @@ mod tests {
             running: 2,
             kv_usage_permyriad: 3,
             scraped_at_ms: at,
+            pending_at_scrape: 0,
         };
         assert_eq!(fresh_load(f(1000), 1000, 500), Some(f(1000)));
         assert_eq!(fresh_load(f(1000), 1500, 500), Some(f(1000)), "at the bound: fresh");

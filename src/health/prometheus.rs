@@ -389,8 +389,9 @@ pub struct EngineLoad {
 
 impl EngineLoad {
     /// As the server table stores them, scraped at `scraped_at_ms` (segment
-    /// milliseconds; 0 means never, so it is taken as 1).
-    pub fn figures(&self, scraped_at_ms: u64) -> LoadFigures {
+    /// milliseconds; 0 means never, so it is taken as 1) while the gateway
+    /// had `pending` requests without a first token at the server.
+    pub fn figures(&self, scraped_at_ms: u64, pending: u64) -> LoadFigures {
         let count = |v: f64| {
             if v.is_nan() {
                 0
@@ -404,6 +405,7 @@ impl EngineLoad {
             running: count(self.running),
             kv_usage_permyriad: (kv * 10_000.0).round() as u16,
             scraped_at_ms: scraped_at_ms.max(1),
+            pending_at_scrape: u32::try_from(pending).unwrap_or(u32::MAX),
         }
     }
 }
@@ -735,14 +737,15 @@ llamacpp:requests_deferred 2
         let l = load(VLLM, MetricsFlavor::Vllm);
         assert_eq!(l.engine, Engine::Vllm);
         assert_eq!((l.waiting, l.running, l.kv_usage), (3.0, 7.0, Some(0.4217)));
-        let f = l.figures(1234);
+        let f = l.figures(1234, 0);
         assert_eq!(
             f,
             LoadFigures {
                 waiting: 3,
                 running: 7,
                 kv_usage_permyriad: 4217,
-                scraped_at_ms: 1234
+                scraped_at_ms: 1234,
+                pending_at_scrape: 0,
             }
         );
         // Older vLLM: gpu_cache_usage_perc; two models summed, usage averaged.
@@ -761,7 +764,7 @@ llamacpp:requests_deferred 2
         let l = load(SGLANG, MetricsFlavor::Sglang);
         assert_eq!(l.engine, Engine::Sglang);
         assert_eq!((l.waiting, l.running, l.kv_usage), (9.0, 12.0, Some(0.83)));
-        assert_eq!(l.figures(1).kv_usage_permyriad, 8300);
+        assert_eq!(l.figures(1, 0).kv_usage_permyriad, 8300);
         // Data-parallel ranks: requests add up.
         let dp = "sglang:num_running_reqs{dp_rank=\"0\"} 3\nsglang:num_running_reqs{dp_rank=\"1\"} 4\n\
                   sglang:num_queue_reqs{dp_rank=\"0\"} 1\nsglang:num_queue_reqs{dp_rank=\"1\"} 0\n\
@@ -784,7 +787,7 @@ llamacpp:requests_deferred 2
             .collect();
         let l = load(&text, MetricsFlavor::Llamacpp);
         assert_eq!(l.kv_usage, None);
-        assert_eq!(l.figures(5).kv_usage_permyriad, 0);
+        assert_eq!(l.figures(5, 0).kv_usage_permyriad, 0);
     }
 
     #[test]
@@ -850,12 +853,13 @@ llamacpp:requests_deferred 2
             let l = load(&text, flavor);
             assert_eq!(l.engine, engine, "{sim}");
             assert_eq!(
-                l.figures(7),
+                l.figures(7, 0),
                 LoadFigures {
                     waiting: 3,
                     running: 7,
                     kv_usage_permyriad: 2500,
-                    scraped_at_ms: 7
+                    scraped_at_ms: 7,
+                    pending_at_scrape: 0,
                 }
             );
         }
@@ -865,7 +869,7 @@ llamacpp:requests_deferred 2
     fn odd_values_are_clamped() {
         let text = "vllm:num_requests_waiting{a=\"1\"} NaN\nvllm:num_requests_waiting{a=\"2\"} -4\n\
                     vllm:num_requests_running +Inf\nvllm:kv_cache_usage_perc 1.7\n";
-        let f = load(text, MetricsFlavor::Vllm).figures(0);
+        let f = load(text, MetricsFlavor::Vllm).figures(0, 0);
         assert_eq!(f.waiting, 0);
         assert_eq!(f.running, u32::MAX);
         assert_eq!(f.kv_usage_permyriad, 10_000);
@@ -876,7 +880,7 @@ llamacpp:requests_deferred 2
             running: f64::NAN,
             kv_usage: Some(f64::NAN),
         }
-        .figures(9);
+        .figures(9, 0);
         assert_eq!((f.waiting, f.running, f.kv_usage_permyriad), (3, 0, 0));
     }
 }

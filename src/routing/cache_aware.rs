@@ -70,8 +70,8 @@ use std::sync::atomic::AtomicU64;
 
 use serde::{Deserialize, Serialize};
 
-use super::least_load::{least_loaded, load_key};
-use super::{Candidate, Choice, Policy, Reason, RouteInput};
+use super::least_load::least_loaded;
+use super::{Candidate, Choice, Policy, Reason, RouteInput, best_prefix};
 
 /// Tuning of the [`CacheAware`] policy (SGLang's `CacheAwareConfig`
 /// thresholds; see the [module docs](self) for the rule).
@@ -157,29 +157,6 @@ impl CacheAware {
         &self.params
     }
 
-    /// The candidate holding the most leading blocks, with that count (see
-    /// step 3 of the [module docs](self) for ties). `None` when no candidate
-    /// holds any block.
-    fn prefix_winner<'c>(input: &RouteInput<'c>) -> Option<(&'c Candidate, u32)> {
-        let mut best: Option<(&'c Candidate, u32)> = None;
-        for (tag, blocks) in input.prefix.iter() {
-            if blocks == 0 {
-                continue;
-            }
-            let Some(c) = input.candidates.iter().find(|c| c.server.tag() == tag) else {
-                continue;
-            };
-            let better = match best {
-                None => true,
-                Some((b, n)) => blocks > n || (blocks == n && load_key(c) < load_key(b)),
-            };
-            if better {
-                best = Some((c, blocks));
-            }
-        }
-        best
-    }
-
     fn least_load(&self, candidates: &[Candidate]) -> Option<Choice> {
         least_loaded(candidates, &self.turn).map(|c| Choice {
             server: c.server,
@@ -207,7 +184,7 @@ impl Policy for CacheAware {
         if candidates.is_empty() || self.params.overloaded(max, min) || input.prompt_blocks == 0 {
             return self.least_load(candidates);
         }
-        if let Some((winner, blocks)) = Self::prefix_winner(input) {
+        if let Some((winner, blocks)) = best_prefix(input, |_| true) {
             let ratio = f64::from(blocks) / f64::from(input.prompt_blocks);
             if ratio > self.params.cache_threshold && !self.params.overloaded(winner.inflight, min) {
                 return Some(Choice {

@@ -40,10 +40,20 @@ pub(crate) fn load_key(c: &Candidate) -> (u64, u64) {
 /// tie-break); `turn` is the rotating counter among equals. `None` only
 /// when `candidates` is empty.
 pub(crate) fn least_loaded<'c>(candidates: &'c [Candidate], turn: &AtomicU64) -> Option<&'c Candidate> {
+    least_loaded_where(candidates, |_| true, turn)
+}
+
+/// [`least_loaded`] among the candidates `keep` accepts; `None` when it
+/// accepts none.
+pub(crate) fn least_loaded_where<'c>(
+    candidates: &'c [Candidate],
+    keep: impl Fn(&Candidate) -> bool,
+    turn: &AtomicU64,
+) -> Option<&'c Candidate> {
     // Pass 1: the smallest key and how many candidates share it.
     let mut min = None;
     let mut ties = 0u64;
-    for c in candidates {
+    for c in candidates.iter().filter(|c| keep(c)) {
         let k = load_key(c);
         match min {
             Some(m) if k > m => {}
@@ -61,7 +71,10 @@ pub(crate) fn least_loaded<'c>(candidates: &'c [Candidate], turn: &AtomicU64) ->
     } else {
         0
     };
-    candidates.iter().filter(|c| load_key(c) == min).nth(n as usize)
+    candidates
+        .iter()
+        .filter(|c| keep(c) && load_key(c) == min)
+        .nth(n as usize)
 }
 
 /// Sends each request to the server with the fewest requests in flight.

@@ -13,15 +13,48 @@
 //! | `least_load` | [`least_load`] | fewest requests in flight |
 //! | `round_robin` | [`round_robin`] | in turn |
 //! | `random` | [`random`] | uniformly at random |
+//! | `selective_push` | [`selective_push`] | SkyLB: send only to servers with no pending requests, else hold the request in the gateway queue |
+//! | `consistent_hash` | [`consistent_hash`] | SkyLB-CH / vllm-router: a session key on a ring of virtual nodes, with bounded load |
+//! | `dual_map` | [`dual_map`] | DualMap: two hash candidates per adaptive-length prefix, cache match unless a TTFT SLO breaks, hotspot rebalancing |
+//! | `weighted_scorers` | [`weighted_scorers`] | llm-d: weighted prefix, queue, KV-cache and load scores; max or weighted random pick |
+//!
+//! # Holding requests at the gateway
+//!
+//! A policy whose [`Policy::holds_requests`] is true may answer `None` while
+//! there are candidates: every server it would use is *full* right now. The
+//! dispatcher then keeps the request in its gateway queue
+//! (`crate::dispatcher::queue`) and asks again, with fresh load, whenever a
+//! server's request starts or ends. Other policies answer `None` only when
+//! there is no candidate at all.
+//!
+//! # Pending requests
+//!
+//! [`Candidate::pending_estimate`] is what SkyLB calls a server's pending
+//! requests (queued, not yet running), from both sources the gateway has:
+//! the engine's scraped `waiting` gauge, corrected by the gateway's own
+//! accounting since that scrape. The gateway counts a request *pending*
+//! from the moment it is sent until its first token arrives
+//! ([`Candidate::pending`]); the scraper stores that count with the figures
+//! it scrapes (`pending_at_scrape`). So
+//! `estimate = max(0, waiting + pending − pending_at_scrape)`: what was
+//! waiting at the scrape, plus what the gateway sent since, minus what it
+//! saw start since. Without a fresh scrape it is the gateway's own pending
+//! count. (A non-streaming answer shows its first byte only when complete,
+//! so its request stays pending until then; the scrape corrects it.)
 
 pub mod cache_aware;
+pub mod consistent_hash;
+pub mod dual_map;
 pub mod least_load;
 pub mod random;
+mod ring;
 pub mod round_robin;
+pub mod selective_push;
 #[cfg(test)]
 mod test_support;
 #[cfg(test)]
 mod tests;
+pub mod weighted_scorers;
 
 use std::fmt;
 use std::str::FromStr;
@@ -30,6 +63,10 @@ use serde::{Deserialize, Serialize};
 use shm_layout::{LoadFigures, PrefixMatch, ServerRef, ServerState, Tables};
 
 pub use cache_aware::CacheAwareParams;
+pub use consistent_hash::ConsistentHashParams;
+pub use dual_map::DualMapParams;
+pub use selective_push::{PushMode, SelectivePushParams};
+pub use weighted_scorers::{Pick, WeightedScorersParams};
 
 /// One server a request may go to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,8 +77,22 @@ pub struct Candidate {
     pub inflight: u64,
     /// Prompt tokens of those requests.
     pub inflight_tokens: u64,
-    /// Its last scraped engine load (zeros until scraped).
+    /// Of those, the requests without a first token yet (queued or in
+    /// prefill at the engine), counted by this host's dispatchers.
+    pub pending: u64,
+    /// Prompt tokens of the pending requests.
+    pub pending_tokens: u64,
+    /// Its last scraped engine load (zeros until scraped, or when stale).
     pub load: LoadFigures,
+}
+
+impl Candidate {
+    /// Requests estimated to be queued at the engine now (see the
+    /// [module docs](self#pending-requests)).
+    #[inline]
+    pub fn pending_estimate(&self) -> u64 {
+        (u64::from(self.load.waiting) + self.pending).saturating_sub(u64::from(self.load.pending_at_scrape))
+    }
 }
 
 /// What a policy sees for one request.
@@ -49,10 +100,42 @@ pub struct Candidate {
 pub struct RouteInput<'a> {
     /// Full blocks in the prompt's chain (the denominator of the match ratio).
     pub prompt_blocks: u32,
+    /// The prompt's block chain: `chain[i]` hashes blocks `0..=i`, so each
+    /// entry names a whole prefix (`prompt_blocks` entries).
+    pub chain: &'a [u64],
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// The request's session key, hashed, when the policy asked for one
+    /// ([`Policy::session_source`]) and the request has it.
+    pub session: Option<u64>,
     /// Which servers hold how many leading blocks (only live servers).
     pub prefix: &'a PrefixMatch,
     /// The servers that may take the request; never empty when a policy is asked.
     pub candidates: &'a [Candidate],
+}
+
+impl<'a> RouteInput<'a> {
+    /// The input for a prompt of `prompt_tokens` tokens whose block chain
+    /// (blocks of `block_tokens`) is `chain`, without a session key.
+    pub fn new(
+        chain: &'a [u64],
+        prompt_tokens: u32,
+        block_tokens: u32,
+        prefix: &'a PrefixMatch,
+        candidates: &'a [Candidate],
+    ) -> Self {
+        Self {
+            prompt_blocks: u32::try_from(chain.len()).unwrap_or(u32::MAX),
+            chain,
+            prompt_tokens,
+            block_tokens,
+            session: None,
+            prefix,
+            candidates,
+        }
+    }
 }
 
 /// Why a server was chosen (logged, counted, and shown in debug headers).
@@ -69,6 +152,72 @@ pub enum Reason {
     RoundRobin,
     /// Drawn at random.
     Random,
+    /// Its session key's place on the hash ring.
+    Session,
+    /// One of the request's two hash candidates (1 or 2), for its cache
+    /// match of `blocks` blocks.
+    HashCandidate {
+        /// Which candidate.
+        candidate: u8,
+        /// Blocks it holds.
+        blocks: u32,
+    },
+    /// The other hash candidate: the better-matching one would break the
+    /// TTFT SLO.
+    Slo,
+    /// Moved off a full hash candidate to the other one, whose estimated
+    /// TTFT is lower.
+    Rebalanced,
+    /// The best combined score, in thousandths.
+    Scored {
+        /// Score × 1000.
+        permille: u16,
+    },
+}
+
+impl Reason {
+    /// Its name in logs and the `x-semlb-route` header.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Prefix { .. } => "prefix",
+            Self::LeastLoad => "least_load",
+            Self::RoundRobin => "round_robin",
+            Self::Random => "random",
+            Self::Session => "session",
+            Self::HashCandidate { .. } => "hash_candidate",
+            Self::Slo => "slo",
+            Self::Rebalanced => "rebalanced",
+            Self::Scored { .. } => "scored",
+        }
+    }
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Self::Prefix { blocks } => write!(f, "prefix match of {blocks} blocks"),
+            Self::LeastLoad => f.write_str("least load"),
+            Self::RoundRobin => f.write_str("round robin"),
+            Self::Random => f.write_str("random"),
+            Self::Session => f.write_str("session key on the hash ring"),
+            Self::HashCandidate { candidate, blocks } => {
+                write!(f, "hash candidate {candidate} with {blocks} blocks cached")
+            }
+            Self::Slo => f.write_str("the other hash candidate: the better match would break the TTFT SLO"),
+            Self::Rebalanced => f.write_str("rebalanced off a full hash candidate"),
+            Self::Scored { permille } => write!(f, "best weighted score {}.{:03}", permille / 1000, permille % 1000),
+        }
+    }
+}
+
+/// Where a policy takes a request's session key from (see
+/// [`Policy::session_source`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SessionSource {
+    /// Request headers, tried in order (lower case).
+    pub headers: Vec<String>,
+    /// Then the body's `user` field.
+    pub user_field: bool,
 }
 
 /// A policy's decision.
@@ -86,8 +235,53 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     /// The name used in configuration and metrics.
     fn name(&self) -> &'static str;
 
-    /// Chooses a server, or `None` when there are no candidates.
+    /// Chooses a server. `None` when there are no candidates or, for a
+    /// policy that [holds requests](Self::holds_requests), when every server
+    /// it would use is full.
     fn choose(&self, input: &RouteInput<'_>) -> Option<Choice>;
+
+    /// Whether `None` with candidates means "wait in the gateway queue"
+    /// (default: false).
+    fn holds_requests(&self) -> bool {
+        false
+    }
+
+    /// Where the request's session key comes from, if the policy uses one
+    /// (default: none, and [`RouteInput::session`] stays `None`).
+    fn session_source(&self) -> Option<&SessionSource> {
+        None
+    }
+}
+
+/// The candidate holding the most leading blocks of the prompt among those
+/// `keep` accepts, with that count: ties go to the less loaded (fewer
+/// in-flight requests, then tokens), then to the one the match lists first
+/// (the most recently refreshed). Entries for servers that are not
+/// candidates are ignored. `None` when no kept candidate holds a block.
+pub(crate) fn best_prefix<'c>(
+    input: &RouteInput<'c>,
+    keep: impl Fn(&Candidate) -> bool,
+) -> Option<(&'c Candidate, u32)> {
+    let mut best: Option<(&'c Candidate, u32)> = None;
+    for (tag, blocks) in input.prefix.iter() {
+        if blocks == 0 {
+            continue;
+        }
+        let Some(c) = input.candidates.iter().find(|c| c.server.tag() == tag) else {
+            continue;
+        };
+        if !keep(c) {
+            continue;
+        }
+        let better = match best {
+            None => true,
+            Some((b, n)) => blocks > n || (blocks == n && least_load::load_key(c) < least_load::load_key(b)),
+        };
+        if better {
+            best = Some((c, blocks));
+        }
+    }
+    best
 }
 
 /// Fills `out` with the servers in state `Up`, with their shared load.
@@ -97,10 +291,13 @@ pub fn live_candidates(tables: &Tables<'_>, out: &mut Vec<Candidate>) {
     for slot in 0..servers.capacity() as u16 {
         if let Some((server, ServerState::Up)) = servers.current(slot) {
             let (inflight, inflight_tokens) = servers.inflight(server);
+            let (pending, pending_tokens) = servers.pending(server);
             out.push(Candidate {
                 server,
                 inflight,
                 inflight_tokens,
+                pending,
+                pending_tokens,
                 load: servers.load(server),
             });
         }
@@ -121,11 +318,30 @@ pub enum PolicyKind {
     RoundRobin,
     /// [`random::Random`]: uniformly at random.
     Random,
+    /// [`selective_push::SelectivePush`]: only to servers that are not
+    /// full, else wait in the gateway queue (SkyLB).
+    SelectivePush,
+    /// [`consistent_hash::ConsistentHash`]: a session key on a hash ring
+    /// with bounded load.
+    ConsistentHash,
+    /// [`dual_map::DualMap`]: two hash candidates per prefix (DualMap).
+    DualMap,
+    /// [`weighted_scorers::WeightedScorers`]: weighted scores (llm-d).
+    WeightedScorers,
 }
 
 impl PolicyKind {
     /// Every policy, in documentation order.
-    pub const ALL: [Self; 4] = [Self::CacheAware, Self::LeastLoad, Self::RoundRobin, Self::Random];
+    pub const ALL: [Self; 8] = [
+        Self::CacheAware,
+        Self::LeastLoad,
+        Self::RoundRobin,
+        Self::Random,
+        Self::SelectivePush,
+        Self::ConsistentHash,
+        Self::DualMap,
+        Self::WeightedScorers,
+    ];
 
     /// The name in configuration, on the command line and in metrics (the
     /// built policy's [`Policy::name`]).
@@ -135,6 +351,10 @@ impl PolicyKind {
             Self::LeastLoad => "least_load",
             Self::RoundRobin => "round_robin",
             Self::Random => "random",
+            Self::SelectivePush => "selective_push",
+            Self::ConsistentHash => "consistent_hash",
+            Self::DualMap => "dual_map",
+            Self::WeightedScorers => "weighted_scorers",
         }
     }
 }
@@ -150,7 +370,8 @@ impl FromStr for PolicyKind {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Self::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| {
-            format!("unknown routing policy {s:?}: expected one of cache_aware, least_load, round_robin, random")
+            let names: Vec<&str> = Self::ALL.iter().map(|k| k.name()).collect();
+            format!("unknown routing policy {s:?}: expected one of {}", names.join(", "))
         })
     }
 }
@@ -158,23 +379,119 @@ impl FromStr for PolicyKind {
 /// Routing configuration: the policy and its parameters. Every field has a
 /// default, so an empty table is the default configuration; unknown fields
 /// are errors.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PolicyConfig {
-    /// The policy: `cache_aware` (default), `least_load`, `round_robin` or
-    /// `random`.
+    /// The policy (see [`PolicyKind`]; default `cache_aware`).
     pub kind: PolicyKind,
+    /// The gateway queue of the policies that hold requests.
+    pub queue: QueueParams,
     /// Thresholds of the `cache_aware` policy (SGLang's defaults: 0.5, 32,
-    /// 1.1). Validated whatever `kind` is, so a typo does not wait for the
-    /// day the policy is switched.
+    /// 1.1). Every policy's table is validated whatever `kind` is, so a
+    /// typo does not wait for the day the policy is switched.
     pub cache_aware: CacheAwareParams,
+    /// The `selective_push` policy.
+    pub selective_push: SelectivePushParams,
+    /// The `consistent_hash` policy.
+    pub consistent_hash: ConsistentHashParams,
+    /// The `dual_map` policy.
+    pub dual_map: DualMapParams,
+    /// The `weighted_scorers` policy.
+    pub weighted_scorers: WeightedScorersParams,
 }
 
 impl PolicyConfig {
     /// Checks every parameter. The error names the field (relative to this
     /// table, e.g. `cache_aware.cache_threshold`), its value and the reason.
     pub fn validate(&self) -> Result<(), String> {
-        self.cache_aware.validate().map_err(|e| format!("cache_aware.{e}"))
+        self.queue.validate().map_err(|e| format!("queue.{e}"))?;
+        self.cache_aware.validate().map_err(|e| format!("cache_aware.{e}"))?;
+        self.selective_push
+            .validate()
+            .map_err(|e| format!("selective_push.{e}"))?;
+        self.consistent_hash
+            .validate()
+            .map_err(|e| format!("consistent_hash.{e}"))?;
+        self.dual_map.validate().map_err(|e| format!("dual_map.{e}"))?;
+        self.weighted_scorers
+            .validate()
+            .map_err(|e| format!("weighted_scorers.{e}"))
+    }
+}
+
+/// The gateway queue in which the policies that hold requests
+/// (`selective_push`, `dual_map`) keep them while their servers are full.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QueueParams {
+    /// Requests that may wait at the gateway, all dispatchers together
+    /// (each dispatcher holds its share, rounded up). One more is refused
+    /// with 503 and `Retry-After`. Default 1024; 1 to 1 000 000.
+    pub capacity: u64,
+    /// A request waiting longer than this is answered 503. Default 60 000
+    /// (1 minute); 1 ms to 1 hour.
+    pub max_wait_ms: u64,
+    /// How often queued requests are looked at again without a local
+    /// signal, to see servers freed by other dispatchers or new scrapes.
+    /// A request starting or ending through this dispatcher wakes the queue
+    /// at once. Default 5; 1 to 1000.
+    pub recheck_ms: u64,
+}
+
+impl Default for QueueParams {
+    fn default() -> Self {
+        Self {
+            capacity: 1024,
+            max_wait_ms: 60_000,
+            recheck_ms: 5,
+        }
+    }
+}
+
+impl QueueParams {
+    /// Checks the ranges; the error names the field, its value and the reason.
+    pub fn validate(&self) -> Result<(), String> {
+        in_range(
+            "capacity",
+            self.capacity,
+            1,
+            1_000_000,
+            "requests waiting at the gateway",
+        )?;
+        in_range(
+            "max_wait_ms",
+            self.max_wait_ms,
+            1,
+            3_600_000,
+            "milliseconds a request may wait",
+        )?;
+        in_range(
+            "recheck_ms",
+            self.recheck_ms,
+            1,
+            1000,
+            "milliseconds between looks at the queue",
+        )
+    }
+}
+
+/// `Ok` when `lo <= value <= hi`, else the error `name = value: must be
+/// between lo and hi (what)`.
+pub(crate) fn in_range(name: &str, value: u64, lo: u64, hi: u64, what: &str) -> Result<(), String> {
+    if (lo..=hi).contains(&value) {
+        Ok(())
+    } else {
+        Err(format!("{name} = {value}: must be between {lo} and {hi} ({what})"))
+    }
+}
+
+/// `Ok` when `value` is finite and `lo <= value <= hi`, else the error
+/// `name = value: must be between lo and hi (what)`.
+pub(crate) fn in_range_f64(name: &str, value: f64, lo: f64, hi: f64, what: &str) -> Result<(), String> {
+    if value.is_finite() && (lo..=hi).contains(&value) {
+        Ok(())
+    } else {
+        Err(format!("{name} = {value}: must be between {lo} and {hi} ({what})"))
     }
 }
 
@@ -185,5 +502,9 @@ pub fn build(config: &PolicyConfig) -> Box<dyn Policy> {
         PolicyKind::LeastLoad => Box::new(least_load::LeastLoad::new()),
         PolicyKind::RoundRobin => Box::new(round_robin::RoundRobin::new()),
         PolicyKind::Random => Box::new(random::Random::new()),
+        PolicyKind::SelectivePush => Box::new(selective_push::SelectivePush::new(config.selective_push)),
+        PolicyKind::ConsistentHash => Box::new(consistent_hash::ConsistentHash::new(config.consistent_hash.clone())),
+        PolicyKind::DualMap => Box::new(dual_map::DualMap::new(config.dual_map)),
+        PolicyKind::WeightedScorers => Box::new(weighted_scorers::WeightedScorers::new(config.weighted_scorers)),
     }
 }

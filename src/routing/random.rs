@@ -26,7 +26,7 @@ const GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// SplitMix64's output function: a bijective 64-bit mixer.
 #[inline]
-fn mix(mut z: u64) -> u64 {
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
@@ -63,14 +63,20 @@ impl Random {
 
     /// The next 64-bit draw.
     #[inline]
-    fn next_u64(&self) -> u64 {
+    pub(crate) fn next_u64(&self) -> u64 {
         mix(self.state.fetch_add(GAMMA, Ordering::Relaxed).wrapping_add(GAMMA))
     }
 
     /// A draw in `0..n` (`n > 0`).
     #[inline]
-    fn below(&self, n: usize) -> usize {
+    pub(crate) fn below(&self, n: usize) -> usize {
         ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
+    }
+
+    /// A draw in `[0, 1)` (53 bits).
+    #[inline]
+    pub(crate) fn unit(&self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 

@@ -54,6 +54,8 @@ pub(crate) fn cand(server: ServerRef, inflight: u64, inflight_tokens: u64) -> Ca
         server,
         inflight,
         inflight_tokens,
+        pending: 0,
+        pending_tokens: 0,
         load: LoadFigures::default(),
     }
 }
@@ -62,6 +64,28 @@ pub(crate) fn cand(server: ServerRef, inflight: u64, inflight_tokens: u64) -> Ca
 pub(crate) fn input<'a>(prompt_blocks: u32, prefix: &'a PrefixMatch, candidates: &'a [Candidate]) -> RouteInput<'a> {
     RouteInput {
         prompt_blocks,
+        chain: &[],
+        prompt_tokens: prompt_blocks * 16,
+        block_tokens: 16,
+        session: None,
+        prefix,
+        candidates,
+    }
+}
+
+/// A route input for `chain` (16-token blocks, `prompt_tokens` tokens).
+pub(crate) fn input_for<'a>(
+    chain: &'a [u64],
+    prompt_tokens: u32,
+    prefix: &'a PrefixMatch,
+    candidates: &'a [Candidate],
+) -> RouteInput<'a> {
+    RouteInput {
+        prompt_blocks: chain.len() as u32,
+        chain,
+        prompt_tokens,
+        block_tokens: 16,
+        session: None,
         prefix,
         candidates,
     }

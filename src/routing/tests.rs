@@ -2,7 +2,7 @@
 //! properties every policy keeps.
 
 use super::least_load::load_key;
-use super::test_support::{Fixture, cand, choice, input};
+use super::test_support::{Fixture, cand, choice, input, input_for};
 use super::*;
 
 #[test]
@@ -75,6 +75,7 @@ fn validate_errors_name_field_value_and_reason() {
             balance_rel_threshold,
             ..CacheAwareParams::default()
         },
+        ..PolicyConfig::default()
     };
     for (t, shown) in [(1.5, "1.5"), (-0.1, "-0.1"), (f64::NAN, "NaN")] {
         let e = with(t, 1.1).validate().unwrap_err();
@@ -177,6 +178,13 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
         (Box::new(least_load::LeastLoad::new()), None),
         (Box::new(round_robin::RoundRobin::new()), None),
         (Box::new(random::Random::with_seed(7)), None),
+        (Box::new(selective_push::SelectivePush::new(Default::default())), None),
+        (Box::new(consistent_hash::ConsistentHash::new(Default::default())), None),
+        (Box::new(dual_map::DualMap::new(Default::default())), None),
+        (
+            Box::new(weighted_scorers::WeightedScorers::with_seed(Default::default(), 3)),
+            None,
+        ),
     ];
     let mut prefix_choices = 0;
     for round in 0..3000u64 {
@@ -198,7 +206,7 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
         }
         let min_key = candidates.iter().map(load_key).min();
         let min_load = candidates.iter().map(|c| c.inflight).min().unwrap_or(0);
-        let route = input(prompt_blocks as u32, &m, &candidates);
+        let route = input_for(&chain[..prompt_blocks], prompt_blocks as u32 * 16, &m, &candidates);
         for (p, params) in &policies {
             let Some(choice) = p.choose(&route) else {
                 assert!(candidates.is_empty(), "{} chose nothing", p.name());
@@ -209,17 +217,30 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
             };
             match choice.reason {
                 Reason::Prefix { blocks } => {
-                    let params = params.expect("only cache_aware routes by prefix");
                     prefix_choices += 1;
                     assert!(blocks > 0 && blocks == m.blocks_for(chosen.server.tag()));
-                    assert!(f64::from(blocks) > params.cache_threshold * prompt_blocks as f64);
-                    assert!(!params.overloaded(chosen.inflight, min_load));
-                    // No candidate holds more.
+                    // No candidate holds more (no candidate is full here).
                     assert!(candidates.iter().all(|c| m.blocks_for(c.server.tag()) <= blocks));
+                    if p.name() != "selective_push" {
+                        let params = params.expect("only cache_aware and selective_push route by prefix");
+                        assert!(f64::from(blocks) > params.cache_threshold * prompt_blocks as f64);
+                        assert!(!params.overloaded(chosen.inflight, min_load));
+                    }
                 }
                 Reason::LeastLoad => assert_eq!(Some(load_key(chosen)), min_key, "{}", p.name()),
                 Reason::RoundRobin => assert_eq!(p.name(), "round_robin"),
                 Reason::Random => assert_eq!(p.name(), "random"),
+                Reason::Session => assert_eq!(p.name(), "consistent_hash"),
+                Reason::HashCandidate { candidate, blocks } => {
+                    assert_eq!(p.name(), "dual_map");
+                    assert!(candidate == 1 || candidate == 2);
+                    assert_eq!(blocks, m.blocks_for(chosen.server.tag()));
+                }
+                Reason::Slo | Reason::Rebalanced => assert_eq!(p.name(), "dual_map"),
+                Reason::Scored { permille } => {
+                    assert_eq!(p.name(), "weighted_scorers");
+                    assert!(permille <= 1000);
+                }
             }
         }
     }

@@ -172,8 +172,14 @@ pub trait RoutingStore: Send + Sync + fmt::Debug {
     /// false if the registration is stale (then nothing is counted).
     fn begin_request(&self, server: ServerRef, prompt_tokens: u64) -> bool;
 
-    /// Ends a request [`begin_request`](Self::begin_request) counted.
-    fn end_request(&self, server: ServerRef, prompt_tokens: u64);
+    /// A request [`begin_request`](Self::begin_request) counted got its
+    /// first token: no longer pending (host-local accounting, in the shm
+    /// ledger, in both stores).
+    fn first_token(&self, server: ServerRef, prompt_tokens: u64);
+
+    /// Ends a request [`begin_request`](Self::begin_request) counted;
+    /// `started`: whether [`first_token`](Self::first_token) was called.
+    fn end_request(&self, server: ServerRef, prompt_tokens: u64, started: bool);
 
     /// Its counters.
     fn stats(&self) -> StoreStats;

@@ -42,7 +42,7 @@ use redis::{AsyncConnectionConfig, ErrorKind, Value};
 use shm_layout::plan::SERVER_SLOTS;
 use shm_layout::{Completion, Segment, ServerRef, Stamp};
 
-use super::shm::{ledger_begin, ledger_end, local_lookup};
+use super::shm::{ledger_begin, ledger_end, ledger_first_token, local_lookup};
 use super::{
     Lookup, LookupRequest, RedisLookup, RoutingStore, StoreFuture, StoreKind, StoreStats, WriteBack, answer_blocks,
 };
@@ -446,8 +446,12 @@ impl RoutingStore for RedisRouting {
         true
     }
 
-    fn end_request(&self, server: ServerRef, prompt_tokens: u64) {
-        ledger_end(&self.segment, self.process, server, prompt_tokens);
+    fn first_token(&self, server: ServerRef, prompt_tokens: u64) {
+        ledger_first_token(&self.segment, self.process, server, prompt_tokens);
+    }
+
+    fn end_request(&self, server: ServerRef, prompt_tokens: u64, started: bool) {
+        ledger_end(&self.segment, self.process, server, prompt_tokens, started);
         self.count(server, -1, -(prompt_tokens as i64));
     }
 

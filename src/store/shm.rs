@@ -79,9 +79,18 @@ pub(crate) fn ledger_begin(segment: &Segment, process: u16, server: ServerRef, p
     segment.tables().servers.begin_request(process, server, prompt_tokens)
 }
 
-/// Ends a request counted with [`ledger_begin`].
-pub(crate) fn ledger_end(segment: &Segment, process: u16, server: ServerRef, prompt_tokens: u64) {
-    segment.tables().servers.end_request(process, server, prompt_tokens);
+/// Marks a request counted with [`ledger_begin`] started (first token).
+pub(crate) fn ledger_first_token(segment: &Segment, process: u16, server: ServerRef, prompt_tokens: u64) {
+    segment.tables().servers.first_token(process, server, prompt_tokens);
+}
+
+/// Ends a request counted with [`ledger_begin`]; `started`: whether
+/// [`ledger_first_token`] was called for it.
+pub(crate) fn ledger_end(segment: &Segment, process: u16, server: ServerRef, prompt_tokens: u64, started: bool) {
+    segment
+        .tables()
+        .servers
+        .end_request(process, server, prompt_tokens, started);
 }
 
 impl RoutingStore for ShmStore {
@@ -97,8 +106,12 @@ impl RoutingStore for ShmStore {
         ledger_begin(&self.segment, self.process, server, prompt_tokens)
     }
 
-    fn end_request(&self, server: ServerRef, prompt_tokens: u64) {
-        ledger_end(&self.segment, self.process, server, prompt_tokens);
+    fn first_token(&self, server: ServerRef, prompt_tokens: u64) {
+        ledger_first_token(&self.segment, self.process, server, prompt_tokens);
+    }
+
+    fn end_request(&self, server: ServerRef, prompt_tokens: u64, started: bool) {
+        ledger_end(&self.segment, self.process, server, prompt_tokens, started);
     }
 
     fn stats(&self) -> StoreStats {

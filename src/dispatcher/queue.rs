@@ -1,0 +1,264 @@
+//! The gateway queue: where a request waits while every server its policy
+//! would use is full (policies whose [`Policy::holds_requests`] is true:
+//! `selective_push`, `dual_map`).
+//!
+//! # Shape
+//!
+//! One FIFO queue per dispatcher process, with global accounting: the
+//! load a queued request is judged by is the segment's (every dispatcher's
+//! in-flight and pending counts, and the scraped engine figures), so a
+//! server freed by any dispatcher is seen by all. The queue's capacity
+//! (`[policy.queue] capacity`) is shared out evenly: each of `N`
+//! dispatchers holds at most `ceil(capacity / N)` requests. One more is
+//! answered 503 with `Retry-After`.
+//!
+//! # Pump
+//!
+//! While requests wait, one task per dispatcher (the pump) looks at them,
+//! oldest first, whenever something may have changed: a request of this
+//! dispatcher got its first token or ended (the [`InflightGuard`] wakes
+//! the queue), a request was queued, or `recheck_ms` passed (servers freed
+//! by other dispatchers, new scrapes). Each look reads the candidates once
+//! from the segment and asks the policy again for every waiting request
+//! with its own prompt and prefix match; a request the policy now routes
+//! is counted in flight on the spot (its guard is begun by the pump, so the
+//! next request in line sees the load it adds) and handed to its task. The
+//! pump ends when the queue is empty.
+//!
+//! A queued request whose client went away (its task was dropped, so its
+//! reply channel is closed) is dropped at the next look, counted as
+//! abandoned; one that waited `max_wait_ms` is answered 503.
+//!
+//! In Redis mode the queue also reads the segment, not Redis: the local
+//! in-flight and pending counts and the scraped figures, which is what the
+//! holding policies judge fullness by.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use shm_layout::{PrefixMatch, ServerRef};
+use tokio::sync::{Notify, oneshot};
+
+use super::Dispatcher;
+use super::relay::InflightGuard;
+use crate::routing::{Candidate, Choice, QueueParams, RouteInput};
+use crate::store::LookupRequest;
+use crate::store::shm::local_lookup;
+
+/// A request routed out of the queue: the choice, already counted in flight.
+#[derive(Debug)]
+pub(crate) struct Admitted {
+    pub choice: Choice,
+    pub guard: InflightGuard,
+}
+
+/// Why a request left the queue without a server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum QueueExit {
+    /// The queue was full.
+    Full,
+    /// It waited `max_wait_ms`.
+    Timeout,
+}
+
+/// What a queued request is routed by.
+#[derive(Debug)]
+pub(crate) struct Waiting {
+    pub chain: Vec<u64>,
+    pub prompt_tokens: u32,
+    pub session: Option<u64>,
+    pub prefix: PrefixMatch,
+    pub exclude: Vec<ServerRef>,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    request: Waiting,
+    since: Instant,
+    reply: oneshot::Sender<Result<Admitted, QueueExit>>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    waiters: VecDeque<Waiter>,
+    pump_running: bool,
+}
+
+/// A dispatcher's gateway queue.
+#[derive(Debug)]
+pub(crate) struct GatewayQueue {
+    state: Mutex<State>,
+    wake: Notify,
+    params: Mutex<QueueParams>,
+    /// Dispatcher processes sharing the capacity.
+    dispatchers: u64,
+}
+
+impl GatewayQueue {
+    /// An empty queue; `dispatchers` share `params.capacity`.
+    pub fn new(params: QueueParams, dispatchers: usize) -> Self {
+        Self {
+            state: Mutex::new(State::default()),
+            wake: Notify::new(),
+            params: Mutex::new(params),
+            dispatchers: (dispatchers as u64).max(1),
+        }
+    }
+
+    /// Replaces the parameters (a configuration reload).
+    pub fn set_params(&self, params: QueueParams) {
+        *self.params.lock().unwrap_or_else(|e| e.into_inner()) = params;
+        self.wake.notify_one();
+    }
+
+    fn params(&self) -> QueueParams {
+        *self.params.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// This dispatcher's share of the capacity.
+    fn share(&self) -> usize {
+        usize::try_from(self.params().capacity.div_ceil(self.dispatchers)).unwrap_or(usize::MAX)
+    }
+
+    /// Requests waiting now.
+    pub fn len(&self) -> usize {
+        self.lock().waiters.len()
+    }
+
+    /// Something that may free a server happened (a request started or
+    /// ended): look at the queue again.
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Dispatcher {
+    /// Queues `request` until its policy routes it, it waits too long, or
+    /// the queue is full.
+    pub(crate) async fn wait_in_queue(self: &Arc<Self>, request: Waiting) -> Result<Admitted, QueueExit> {
+        let queue = &self.queue;
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut state = queue.lock();
+            if state.waiters.len() >= queue.share() {
+                return Err(QueueExit::Full);
+            }
+            state.waiters.push_back(Waiter {
+                request,
+                since: Instant::now(),
+                reply: tx,
+            });
+            if !state.pump_running {
+                state.pump_running = true;
+                tokio::spawn(pump(self.clone()));
+            }
+        }
+        self.metrics().queue_entered();
+        queue.wake();
+        // The pump answers every waiter; a vanished pump (a panic) is a timeout.
+        let exit = queue.params().max_wait_ms.saturating_add(1000);
+        match tokio::time::timeout(Duration::from_millis(exit), rx).await {
+            Ok(Ok(answer)) => answer,
+            _ => Err(QueueExit::Timeout),
+        }
+    }
+}
+
+/// Looks at the queue whenever woken or every `recheck_ms`, until it is empty.
+async fn pump(dispatcher: Arc<Dispatcher>) {
+    let mut candidates: Vec<Candidate> = Vec::new();
+    let mut kept: Vec<Candidate> = Vec::new();
+    loop {
+        let params = dispatcher.queue.params();
+        let lookup = local_lookup(
+            &dispatcher.segment,
+            LookupRequest {
+                response_key: None,
+                chain: &[],
+                exclude: &[],
+                stale_after_ms: dispatcher.config.health.stale_after_ms,
+            },
+            None,
+        );
+        candidates.clear();
+        candidates.extend(lookup.candidates);
+        {
+            let policy = dispatcher.policy.current_arc();
+            let mut state = dispatcher.queue.lock();
+            let max_wait = Duration::from_millis(params.max_wait_ms);
+            let mut i = 0;
+            while i < state.waiters.len() {
+                let w = &state.waiters[i];
+                if w.reply.is_closed() {
+                    dispatcher
+                        .metrics()
+                        .queue_left(crate::metrics::QueueOutcome::Abandoned, w.since.elapsed());
+                    state.waiters.remove(i);
+                    continue;
+                }
+                if w.since.elapsed() >= max_wait {
+                    let w = state.waiters.remove(i).expect("index in range");
+                    dispatcher
+                        .metrics()
+                        .queue_left(crate::metrics::QueueOutcome::Timeout, w.since.elapsed());
+                    let _ = w.reply.send(Err(QueueExit::Timeout));
+                    continue;
+                }
+                let r = &w.request;
+                let pool: &[Candidate] = if r.exclude.is_empty() {
+                    &candidates
+                } else {
+                    kept.clear();
+                    kept.extend(candidates.iter().filter(|c| !r.exclude.contains(&c.server)));
+                    &kept
+                };
+                let input = RouteInput {
+                    prompt_blocks: u32::try_from(r.chain.len()).unwrap_or(u32::MAX),
+                    chain: &r.chain,
+                    prompt_tokens: r.prompt_tokens,
+                    block_tokens: dispatcher.block_tokens(),
+                    session: r.session,
+                    prefix: &r.prefix,
+                    candidates: pool,
+                };
+                let Some(choice) = policy.choose(&input) else {
+                    i += 1;
+                    continue;
+                };
+                let tokens = u64::from(r.prompt_tokens);
+                let Some(guard) = InflightGuard::begin(&dispatcher, choice.server, tokens) else {
+                    // Re-registered since the read: not a candidate any more.
+                    candidates.retain(|c| c.server != choice.server);
+                    continue;
+                };
+                // The next request in line sees the load this one adds.
+                if let Some(c) = candidates.iter_mut().find(|c| c.server == choice.server) {
+                    c.inflight += 1;
+                    c.inflight_tokens += tokens;
+                    c.pending += 1;
+                    c.pending_tokens += tokens;
+                }
+                let w = state.waiters.remove(i).expect("index in range");
+                dispatcher
+                    .metrics()
+                    .queue_left(crate::metrics::QueueOutcome::Routed, w.since.elapsed());
+                // A client gone meanwhile drops the guard: the count is undone.
+                let _ = w.reply.send(Ok(Admitted { choice, guard }));
+            }
+            if state.waiters.is_empty() {
+                state.pump_running = false;
+                return;
+            }
+        }
+        let recheck = Duration::from_millis(params.recheck_ms);
+        tokio::select! {
+            () = dispatcher.queue.wake.notified() => {}
+            () = tokio::time::sleep(recheck) => {}
+        }
+    }
+}

@@ -1,0 +1,524 @@
+//! `dual_map`: two hash candidates per prompt prefix, chosen between by
+//! cache match and an estimated TTFT against an SLO, with hotspot
+//! rebalancing through the gateway queue (after DualMap, 2025: "Enabling
+//! Both Cache Affinity and Load Balancing for Distributed LLM Serving").
+//!
+//! Hashing a prefix to one server gives affinity but piles a hot prefix
+//! onto that server; picking freely balances load but scatters the cache.
+//! Two independent hashes give every prefix two homes: the prefix's cache
+//! lives on at most two servers and its load can use both (the "power of
+//! two choices", Mitzenmacher 2001).
+//!
+//! # Rule
+//!
+//! 1. **Adaptive prefix length.** The hashed prefix is the prompt's first
+//!    `L` blocks (`chain[L - 1]` names exactly that prefix). `L` runs over
+//!    `min_prefix_blocks × 2^k` up to `max_prefix_blocks` and the prompt's
+//!    length, and is the *shortest* such length whose prefix is not hot. A
+//!    prefix is hot when its share of the recent requests of this
+//!    dispatcher exceeds `hot_share` (default 0 = one server's share,
+//!    `1 / servers`). So a cold prompt is hashed by a short prefix (its
+//!    relatives group with it), while requests under a hot shared prefix
+//!    (a long system prompt) are hashed by a longer one and spread, each
+//!    conversation still keeping its own two homes. Counts are kept in a
+//!    4 096-cell sketch per dispatcher, halved every `window` requests.
+//! 2. **Two candidates** on two independent hash rings
+//!    ([`super::ring::HashRing`], so adding or removing a server moves few
+//!    keys): candidate 1 on ring 1, candidate 2 the first other server on
+//!    ring 2.
+//! 3. **Estimated TTFT** of a candidate `c`:
+//!    `(pending prompt tokens at c + this prompt's tokens not cached at c)
+//!    / prefill_tokens_per_sec`, where pending tokens are the prompt tokens
+//!    of the requests the gateway sent to `c` that have no first token yet
+//!    ([`Candidate::pending_tokens`]), and "cached" is what the prefix
+//!    table says `c` holds of this prompt.
+//! 4. **Choice.** The candidate holding more of the prompt (ties: the lower
+//!    estimate, then candidate 1: [`Reason::HashCandidate`]), unless its
+//!    estimate breaks `ttft_slo_ms` and the other's is lower: then the other
+//!    ([`Reason::Slo`]).
+//! 5. **Hotspot rebalancing.** If the chosen server is full (its
+//!    [pending estimate](Candidate::pending_estimate) is above
+//!    `max_pending`), the request goes to the other candidate if that one is
+//!    not full and its estimate is lower ([`Reason::Rebalanced`]); else it
+//!    waits in the gateway queue ([`Policy::holds_requests`]). Each time the
+//!    queue is looked at again this rule runs again with fresh load, so a
+//!    request queued for an overloaded candidate moves to its other one as
+//!    soon as that lowers its estimated TTFT.
+//!
+//! A prompt shorter than one block has no prefix to hash: the least
+//! loaded server that is not full.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+
+use super::least_load::least_loaded_where;
+use super::ring::HashRing;
+use super::{Candidate, Choice, Policy, Reason, RouteInput, in_range, in_range_f64};
+
+/// Tuning of the [`DualMap`] policy.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DualMapParams {
+    /// Shortest hashed prefix, in blocks. Default 4 (64 tokens at 16-token
+    /// blocks); 1 to 65 536.
+    pub min_prefix_blocks: u32,
+    /// Longest hashed prefix, in blocks. Default 4096; at least
+    /// `min_prefix_blocks`.
+    pub max_prefix_blocks: u32,
+    /// Share of recent requests above which a prefix is hot and the hashed
+    /// prefix is extended past it. Default 0.0 = `1 / servers`; 0.0 to 1.0.
+    pub hot_share: f64,
+    /// Requests between halvings of the hotness counts. Default 1024; 16 to
+    /// 1 000 000.
+    pub window: u64,
+    /// The TTFT objective, in milliseconds. Default 2000; 1 to 3 600 000.
+    pub ttft_slo_ms: u64,
+    /// The engines' prefill speed, in tokens per second, for the TTFT
+    /// estimate. Default 10 000 (an 8B model on an A100, and the
+    /// simulator's default); above 0.
+    pub prefill_tokens_per_sec: f64,
+    /// A candidate is full above this many pending requests. Default 0.
+    pub max_pending: u64,
+    /// Points per server on each ring. Default 100; 1 to 10 000.
+    pub virtual_nodes: u32,
+}
+
+impl Default for DualMapParams {
+    fn default() -> Self {
+        Self {
+            min_prefix_blocks: 4,
+            max_prefix_blocks: 4096,
+            hot_share: 0.0,
+            window: 1024,
+            ttft_slo_ms: 2000,
+            prefill_tokens_per_sec: 10_000.0,
+            max_pending: 0,
+            virtual_nodes: 100,
+        }
+    }
+}
+
+impl DualMapParams {
+    /// Checks the ranges; the error names the field, its value and the reason.
+    pub fn validate(&self) -> Result<(), String> {
+        in_range(
+            "min_prefix_blocks",
+            u64::from(self.min_prefix_blocks),
+            1,
+            65_536,
+            "blocks of the shortest hashed prefix",
+        )?;
+        in_range(
+            "max_prefix_blocks",
+            u64::from(self.max_prefix_blocks),
+            u64::from(self.min_prefix_blocks),
+            1 << 24,
+            "blocks of the longest hashed prefix, at least min_prefix_blocks",
+        )?;
+        in_range_f64(
+            "hot_share",
+            self.hot_share,
+            0.0,
+            1.0,
+            "a share of requests; 0 = 1/servers",
+        )?;
+        in_range("window", self.window, 16, 1_000_000, "requests between halvings")?;
+        in_range("ttft_slo_ms", self.ttft_slo_ms, 1, 3_600_000, "milliseconds")?;
+        in_range_f64(
+            "prefill_tokens_per_sec",
+            self.prefill_tokens_per_sec,
+            f64::MIN_POSITIVE,
+            1e12,
+            "tokens per second, above 0",
+        )?;
+        in_range("max_pending", self.max_pending, 0, 1_000_000, "pending requests")?;
+        in_range(
+            "virtual_nodes",
+            u64::from(self.virtual_nodes),
+            1,
+            10_000,
+            "points per server on a ring",
+        )
+    }
+}
+
+/// Cells of the hotness sketch.
+const SKETCH_CELLS: usize = 4096;
+
+/// Recent request counts per prefix hash, halved every `window` requests.
+#[derive(Debug)]
+struct Hotness {
+    cells: Box<[AtomicU32]>,
+    /// Requests counted (decayed like the cells).
+    total: AtomicU64,
+    /// Requests since the start (drives the halving).
+    seen: AtomicU64,
+}
+
+impl Hotness {
+    fn new() -> Self {
+        Self {
+            cells: (0..SKETCH_CELLS).map(|_| AtomicU32::new(0)).collect(),
+            total: AtomicU64::new(0),
+            seen: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts one request under `key` and returns the new count.
+    fn bump(&self, key: u64) -> u32 {
+        let cell = &self.cells[(key >> 52) as usize % SKETCH_CELLS];
+        cell.fetch_add(1, Ordering::Relaxed).saturating_add(1)
+    }
+
+    /// Ends counting one request; every `window` requests, halves all counts.
+    fn finish(&self, window: u64) {
+        self.total.fetch_add(1, Ordering::Relaxed);
+        if (self.seen.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(window) {
+            for c in self.cells.iter() {
+                let v = c.load(Ordering::Relaxed);
+                c.store(v / 2, Ordering::Relaxed);
+            }
+            let t = self.total.load(Ordering::Relaxed);
+            self.total.store(t / 2, Ordering::Relaxed);
+        }
+    }
+}
+
+/// DualMap's two-choice prefix mapping.
+#[derive(Debug)]
+pub struct DualMap {
+    params: DualMapParams,
+    rings: [HashRing; 2],
+    hotness: Hotness,
+    turn: AtomicU64,
+}
+
+/// Seeds of the two rings.
+const RING_SEEDS: [u64; 2] = [0xd0a1_0001, 0xd0a1_0002];
+
+impl DualMap {
+    /// A policy with `params` (validated first).
+    pub fn new(params: DualMapParams) -> Self {
+        Self {
+            rings: RING_SEEDS.map(|seed| HashRing::new(params.virtual_nodes, seed)),
+            hotness: Hotness::new(),
+            params,
+            turn: AtomicU64::new(0),
+        }
+    }
+
+    /// The hashed prefix length in blocks for `chain` (see rule 1), counting
+    /// this request into the hotness sketch. 0 for an empty chain.
+    fn prefix_blocks(&self, chain: &[u64], servers: usize) -> usize {
+        if chain.is_empty() {
+            return 0;
+        }
+        let share = if self.params.hot_share > 0.0 {
+            self.params.hot_share
+        } else {
+            1.0 / servers.max(1) as f64
+        };
+        let recent = self.hotness.total.load(Ordering::Relaxed).max(self.params.window);
+        let threshold = share * recent as f64;
+        let longest = chain.len().min(self.params.max_prefix_blocks as usize);
+        let mut chosen = None;
+        let mut level = (self.params.min_prefix_blocks as usize).min(longest);
+        loop {
+            let count = self.hotness.bump(chain[level - 1]);
+            if chosen.is_none() && f64::from(count) <= threshold {
+                chosen = Some(level);
+            }
+            if level == longest {
+                break;
+            }
+            level = (level * 2).min(longest);
+        }
+        self.hotness.finish(self.params.window);
+        chosen.unwrap_or(longest)
+    }
+
+    /// Estimated TTFT at `c` in milliseconds (rule 3).
+    fn estimate_ms(&self, input: &RouteInput<'_>, c: &Candidate) -> f64 {
+        let cached = u64::from(input.prefix.blocks_for(c.server.tag())) * u64::from(input.block_tokens);
+        let uncached = u64::from(input.prompt_tokens).saturating_sub(cached);
+        (c.pending_tokens + uncached) as f64 * 1000.0 / self.params.prefill_tokens_per_sec
+    }
+
+    fn full(&self, c: &Candidate) -> bool {
+        c.pending_estimate() > self.params.max_pending
+    }
+
+    /// The two candidates of the prefix `key` (the second may be absent).
+    fn candidates<'c>(&self, key: u64, candidates: &'c [Candidate]) -> Option<(&'c Candidate, Option<&'c Candidate>)> {
+        let first = self.rings[0].walk(key, candidates, |_| true)?;
+        let second = self.rings[1].walk(key, candidates, |c| c.server != first.server);
+        Some((first, second))
+    }
+}
+
+impl Policy for DualMap {
+    fn name(&self) -> &'static str {
+        "dual_map"
+    }
+
+    fn choose(&self, input: &RouteInput<'_>) -> Option<Choice> {
+        let blocks = self.prefix_blocks(input.chain, input.candidates.len());
+        if blocks == 0 {
+            return least_loaded_where(input.candidates, |c| !self.full(c), &self.turn).map(|c| Choice {
+                server: c.server,
+                reason: Reason::LeastLoad,
+            });
+        }
+        let (first, second) = self.candidates(input.chain[blocks - 1], input.candidates)?;
+        let held = |c: &Candidate| input.prefix.blocks_for(c.server.tag());
+        // (candidate, which, estimated TTFT in ms)
+        let mut preferred = (first, 1u8, self.estimate_ms(input, first));
+        let mut other = second.map(|c| (c, 2u8, self.estimate_ms(input, c)));
+        // Preferred: more blocks held, then the lower estimate, then candidate 1.
+        if let Some(o) = other
+            && (held(o.0) > held(preferred.0) || (held(o.0) == held(preferred.0) && o.2 < preferred.2))
+        {
+            other = Some(preferred);
+            preferred = o;
+        }
+        let (mut pick, mut reason) = (
+            preferred,
+            Reason::HashCandidate {
+                candidate: preferred.1,
+                blocks: held(preferred.0),
+            },
+        );
+        let mut alternative = other;
+        if let Some(o) = other
+            && preferred.2 > self.params.ttft_slo_ms as f64
+            && o.2 < preferred.2
+        {
+            (pick, reason, alternative) = (o, Reason::Slo, Some(preferred));
+        }
+        if !self.full(pick.0) {
+            return Some(Choice {
+                server: pick.0.server,
+                reason,
+            });
+        }
+        match alternative {
+            Some(o) if !self.full(o.0) && o.2 < pick.2 => Some(Choice {
+                server: o.0.server,
+                reason: Reason::Rebalanced,
+            }),
+            _ => None,
+        }
+    }
+
+    fn holds_requests(&self) -> bool {
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routing::test_support::{Fixture, cand, input_for};
+    use shm_layout::PrefixMatch;
+
+    fn params() -> DualMapParams {
+        DualMapParams {
+            min_prefix_blocks: 2,
+            ..DualMapParams::default()
+        }
+    }
+
+    /// The two candidates of `chain` (as the policy would hash it cold).
+    fn pair(p: &DualMap, chain: &[u64], cands: &[Candidate]) -> (ServerPair, ServerPair) {
+        let (a, b) = p.candidates(chain[1], cands).unwrap();
+        (a.server, b.unwrap().server)
+    }
+
+    type ServerPair = shm_layout::ServerRef;
+
+    #[test]
+    fn a_cold_prompt_goes_to_the_candidate_holding_more_of_it() {
+        let f = Fixture::new(6);
+        let cands: Vec<Candidate> = f.s.iter().map(|&s| cand(s, 0, 0)).collect();
+        let p = DualMap::new(params());
+        let chain = Fixture::chain(1, 6);
+        let (a, b) = pair(&p, &chain, &cands);
+        assert_ne!(a, b);
+        let slot = |s: ServerPair| f.s.iter().position(|&x| x == s).unwrap();
+        f.hold(slot(b), &chain[..4]);
+        let m = f.matched(&chain);
+        let c = p.choose(&input_for(&chain, 96, &m, &cands)).unwrap();
+        assert_eq!(
+            c,
+            Choice {
+                server: b,
+                reason: Reason::HashCandidate {
+                    candidate: 2,
+                    blocks: 4
+                }
+            }
+        );
+        // Nothing cached: candidate 1 (equal estimates).
+        let none = PrefixMatch::default();
+        let c = p.choose(&input_for(&chain, 96, &none, &cands)).unwrap();
+        assert_eq!(c.server, a);
+    }
+
+    #[test]
+    fn a_broken_slo_sends_the_request_to_the_other_candidate() {
+        let f = Fixture::new(6);
+        let p = DualMap::new(DualMapParams {
+            ttft_slo_ms: 100,
+            max_pending: 100,
+            ..params()
+        });
+        let idle: Vec<Candidate> = f.s.iter().map(|&s| cand(s, 0, 0)).collect();
+        let chain = Fixture::chain(2, 6);
+        let (a, b) = pair(&p, &chain, &idle);
+        let slot = |s: ServerPair| f.s.iter().position(|&x| x == s).unwrap();
+        f.hold(slot(a), &chain);
+        let m = f.matched(&chain);
+        // a holds everything but has 2 000 pending prompt tokens: 200 ms > 100 ms; b: 96 tokens = 9.6 ms.
+        let cands: Vec<Candidate> = idle
+            .iter()
+            .map(|&c| Candidate {
+                pending: u64::from(c.server == a),
+                pending_tokens: if c.server == a { 2000 } else { 0 },
+                ..c
+            })
+            .collect();
+        let c = p.choose(&input_for(&chain, 96, &m, &cands)).unwrap();
+        assert_eq!(
+            c,
+            Choice {
+                server: b,
+                reason: Reason::Slo
+            }
+        );
+        // Within the SLO it stays with the cache.
+        let relaxed = DualMap::new(DualMapParams {
+            ttft_slo_ms: 1000,
+            max_pending: 100,
+            ..params()
+        });
+        assert_eq!(relaxed.choose(&input_for(&chain, 96, &m, &cands)).unwrap().server, a);
+    }
+
+    #[test]
+    fn a_full_candidate_waits_or_rebalances_to_the_other_when_that_is_faster() {
+        let f = Fixture::new(6);
+        let p = DualMap::new(params());
+        assert!(p.holds_requests());
+        let idle: Vec<Candidate> = f.s.iter().map(|&s| cand(s, 0, 0)).collect();
+        let chain = Fixture::chain(3, 6);
+        let (a, b) = pair(&p, &chain, &idle);
+        let slot = |s: ServerPair| f.s.iter().position(|&x| x == s).unwrap();
+        f.hold(slot(a), &chain);
+        let m = f.matched(&chain);
+        let with = |pending_a: u64, tokens_a: u64, pending_b: u64, tokens_b: u64| -> Vec<Candidate> {
+            idle.iter()
+                .map(|&c| match c.server {
+                    s if s == a => Candidate {
+                        pending: pending_a,
+                        pending_tokens: tokens_a,
+                        ..c
+                    },
+                    s if s == b => Candidate {
+                        pending: pending_b,
+                        pending_tokens: tokens_b,
+                        ..c
+                    },
+                    _ => c,
+                })
+                .collect()
+        };
+        // a is full (one request in prefill, 500 tokens = 50 ms); b is free
+        // but must prefill all 96 tokens (9.6 ms): rebalanced to b.
+        let cands = with(1, 500, 0, 0);
+        assert_eq!(
+            p.choose(&input_for(&chain, 96, &m, &cands)),
+            Some(Choice {
+                server: b,
+                reason: Reason::Rebalanced
+            })
+        );
+        // a is full with a tiny pending prompt (1 token): b would be slower: wait for a.
+        let cands = with(1, 1, 0, 0);
+        assert_eq!(p.choose(&input_for(&chain, 96, &m, &cands)), None);
+        // Both full: wait. Other servers being free does not matter.
+        let cands = with(1, 500, 1, 500);
+        assert_eq!(p.choose(&input_for(&chain, 96, &m, &cands)), None);
+    }
+
+    #[test]
+    fn a_hot_prefix_is_hashed_longer_and_spreads_while_a_cold_one_keeps_its_pair() {
+        let f = Fixture::new(8);
+        let cands: Vec<Candidate> = f.s.iter().map(|&s| cand(s, 0, 0)).collect();
+        let p = DualMap::new(DualMapParams {
+            min_prefix_blocks: 2,
+            window: 64,
+            ..DualMapParams::default()
+        });
+        let none = PrefixMatch::default();
+        let system = Fixture::chain(7, 4); // a shared 4-block prefix
+        let mut used = std::collections::HashSet::new();
+        for conversation in 0..200u64 {
+            // Each conversation: the system prompt's hashes, then its own blocks.
+            let mut chain = system.clone();
+            chain.extend(Fixture::chain(1000 + conversation, 4).iter().map(|h| h ^ system[3]));
+            used.insert(p.choose(&input_for(&chain, 128, &none, &cands)).unwrap().server);
+        }
+        assert!(
+            used.len() > 2,
+            "a hot prefix spreads beyond its two candidates: {}",
+            used.len()
+        );
+        // Without adaptation (hot_share 1.0: never hot) it keeps to its pair.
+        let fixed = DualMap::new(DualMapParams {
+            min_prefix_blocks: 4,
+            hot_share: 1.0,
+            ..DualMapParams::default()
+        });
+        let mut used = std::collections::HashSet::new();
+        let mut load: Vec<Candidate> = cands.clone();
+        for conversation in 0..50u64 {
+            let mut chain = system.clone();
+            chain.extend(Fixture::chain(1000 + conversation, 4));
+            let c = fixed.choose(&input_for(&chain, 128, &none, &load)).unwrap();
+            used.insert(c.server);
+            // Each request stays in prefill: its server fills and the next goes to the other candidate.
+            for x in &mut load {
+                if x.server == c.server {
+                    x.pending_tokens += 128;
+                }
+            }
+            if used.len() == 2 {
+                for x in &mut load {
+                    x.pending_tokens = 0;
+                }
+            }
+        }
+        assert_eq!(
+            used.len(),
+            2,
+            "a fixed-length hot prefix uses exactly its two candidates"
+        );
+    }
+
+    #[test]
+    fn parameters_are_checked() {
+        assert_eq!(DualMapParams::default().validate(), Ok(()));
+        let bad = DualMapParams {
+            max_prefix_blocks: 1,
+            min_prefix_blocks: 4,
+            ..DualMapParams::default()
+        };
+        assert!(bad.validate().unwrap_err().starts_with("max_prefix_blocks = 1"));
+        let bad = DualMapParams {
+            prefill_tokens_per_sec: 0.0,
+            ..DualMapParams::default()
+        };
+        assert!(bad.validate().unwrap_err().starts_with("prefill_tokens_per_sec = 0"));
+    }
+}

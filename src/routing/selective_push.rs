@@ -1,0 +1,240 @@
+//! `selective_push`: SkyLB's selective pushing. A request goes only to a
+//! server that is not *full*; when every server is full it waits in the
+//! gateway queue and goes out as soon as one frees up.
+//!
+//! SkyLB (Xia et al., 2025, "SkyLB: A Locality-Aware Cross-Region Load
+//! Balancer for LLM Inference") keeps requests at the balancer instead of
+//! pushing them into engine queues: a request queued inside one engine is
+//! bound to it, while a request queued at the balancer can still take
+//! whichever engine frees up first, and the balancer still sees it when
+//! choosing by prefix. The paper compares this with pushing up to a fixed
+//! number of outstanding requests per engine; both are modes here.
+//!
+//! # Rule
+//!
+//! 1. A candidate is **full**:
+//!    * mode `pending` (default): when its
+//!      [pending estimate](Candidate::pending_estimate) (the engine's
+//!      scraped `waiting` corrected by what the gateway sent and saw start
+//!      since the scrape) is above `max_pending` (default 0: a server with
+//!      any request still waiting for its first token takes no more);
+//!    * mode `max_outstanding`: when it has `max_outstanding` requests or
+//!      more in flight through the gateway.
+//! 2. No candidate is free: `None`, and the dispatcher keeps the request in
+//!    its gateway queue ([`Policy::holds_requests`]), looking again when a
+//!    request starts or ends.
+//! 3. Among the free candidates, the one holding the longest prefix of the
+//!    prompt ([`Reason::Prefix`]; ties to the less loaded), else the least
+//!    loaded ([`Reason::LeastLoad`], the rule of [`super::least_load`]).
+//!
+//! The queue is FIFO per dispatcher: when a server frees up, the oldest
+//! waiting request whose choice is possible gets it, still by prefix.
+
+use std::sync::atomic::AtomicU64;
+
+use serde::{Deserialize, Serialize};
+
+use super::least_load::least_loaded_where;
+use super::{Candidate, Choice, Policy, Reason, RouteInput, best_prefix, in_range};
+
+/// When a server counts as full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PushMode {
+    /// Full while its estimated pending requests exceed `max_pending`.
+    #[default]
+    Pending,
+    /// Full at `max_outstanding` requests in flight.
+    MaxOutstanding,
+}
+
+/// Tuning of the [`SelectivePush`] policy.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SelectivePushParams {
+    /// `pending` (default) or `max_outstanding`.
+    pub mode: PushMode,
+    /// Mode `pending`: a server is full above this many pending requests.
+    /// Default 0; 0 to 1 000 000.
+    pub max_pending: u64,
+    /// Mode `max_outstanding`: a server is full at this many requests in
+    /// flight. Default 32; 1 to 1 000 000.
+    pub max_outstanding: u64,
+}
+
+impl Default for SelectivePushParams {
+    fn default() -> Self {
+        Self {
+            mode: PushMode::Pending,
+            max_pending: 0,
+            max_outstanding: 32,
+        }
+    }
+}
+
+impl SelectivePushParams {
+    /// Checks the ranges; the error names the field, its value and the reason.
+    pub fn validate(&self) -> Result<(), String> {
+        in_range("max_pending", self.max_pending, 0, 1_000_000, "pending requests")?;
+        in_range(
+            "max_outstanding",
+            self.max_outstanding,
+            1,
+            1_000_000,
+            "requests in flight per server",
+        )
+    }
+
+    /// Whether `c` is full.
+    #[inline]
+    pub fn full(&self, c: &Candidate) -> bool {
+        match self.mode {
+            PushMode::Pending => c.pending_estimate() > self.max_pending,
+            PushMode::MaxOutstanding => c.inflight >= self.max_outstanding,
+        }
+    }
+}
+
+/// SkyLB's selective pushing: only to servers that are not full.
+#[derive(Debug)]
+pub struct SelectivePush {
+    params: SelectivePushParams,
+    /// Rotates among free servers tied for least load.
+    turn: AtomicU64,
+}
+
+impl SelectivePush {
+    /// A policy with `params` (validated first).
+    pub fn new(params: SelectivePushParams) -> Self {
+        Self {
+            params,
+            turn: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Policy for SelectivePush {
+    fn name(&self) -> &'static str {
+        "selective_push"
+    }
+
+    fn choose(&self, input: &RouteInput<'_>) -> Option<Choice> {
+        let free = |c: &Candidate| !self.params.full(c);
+        if let Some((c, blocks)) = best_prefix(input, free) {
+            return Some(Choice {
+                server: c.server,
+                reason: Reason::Prefix { blocks },
+            });
+        }
+        least_loaded_where(input.candidates, free, &self.turn).map(|c| Choice {
+            server: c.server,
+            reason: Reason::LeastLoad,
+        })
+    }
+
+    fn holds_requests(&self) -> bool {
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routing::test_support::{Fixture, cand, choice, input};
+    use shm_layout::{LoadFigures, PrefixMatch};
+
+    fn pending(c: Candidate, pending: u64) -> Candidate {
+        Candidate { pending, ..c }
+    }
+
+    #[test]
+    fn a_server_with_pending_requests_is_skipped_even_when_it_holds_the_prefix() {
+        let f = Fixture::new(3);
+        let chain = Fixture::chain(1, 8);
+        f.hold(0, &chain);
+        let m = f.matched(&chain);
+        let p = SelectivePush::new(SelectivePushParams::default());
+        let cands = [pending(cand(f.s[0], 3, 0), 1), cand(f.s[1], 5, 0), cand(f.s[2], 2, 0)];
+        assert_eq!(p.choose(&input(8, &m, &cands)), Some(choice(f.s[2], Reason::LeastLoad)));
+        // Its request started: free again, and its prefix wins over lower load.
+        let cands = [cand(f.s[0], 3, 0), cand(f.s[1], 5, 0), cand(f.s[2], 2, 0)];
+        assert_eq!(
+            p.choose(&input(8, &m, &cands)),
+            Some(choice(f.s[0], Reason::Prefix { blocks: 8 }))
+        );
+    }
+
+    #[test]
+    fn every_server_full_means_wait() {
+        let f = Fixture::new(2);
+        let m = PrefixMatch::default();
+        let p = SelectivePush::new(SelectivePushParams::default());
+        assert!(p.holds_requests());
+        let cands = [pending(cand(f.s[0], 1, 0), 1), pending(cand(f.s[1], 4, 0), 2)];
+        assert_eq!(p.choose(&input(4, &m, &cands)), None);
+        let tolerant = SelectivePush::new(SelectivePushParams {
+            max_pending: 1,
+            ..SelectivePushParams::default()
+        });
+        assert_eq!(
+            tolerant.choose(&input(4, &m, &cands)),
+            Some(choice(f.s[0], Reason::LeastLoad))
+        );
+    }
+
+    #[test]
+    fn scraped_waiting_counts_corrected_by_what_the_gateway_saw_since() {
+        let f = Fixture::new(1);
+        let scraped = |waiting, pending_at_scrape| LoadFigures {
+            waiting,
+            running: 8,
+            kv_usage_permyriad: 0,
+            scraped_at_ms: 1,
+            pending_at_scrape,
+        };
+        let mut c = cand(f.s[0], 8, 0);
+        c.load = scraped(2, 0);
+        assert_eq!(c.pending_estimate(), 2, "the engine said 2 are waiting");
+        c.load = scraped(2, 3);
+        c.pending = 1;
+        assert_eq!(
+            c.pending_estimate(),
+            0,
+            "2 of the 3 pending at the scrape have started since"
+        );
+        c.load = scraped(0, 1);
+        c.pending = 3;
+        assert_eq!(c.pending_estimate(), 2, "sent 2 more since the scrape, none started");
+        let p = SelectivePushParams::default();
+        assert!(p.full(&c));
+    }
+
+    #[test]
+    fn max_outstanding_mode_counts_requests_in_flight() {
+        let f = Fixture::new(2);
+        let m = PrefixMatch::default();
+        let p = SelectivePush::new(SelectivePushParams {
+            mode: PushMode::MaxOutstanding,
+            max_outstanding: 2,
+            ..SelectivePushParams::default()
+        });
+        let cands = [pending(cand(f.s[0], 1, 0), 1), cand(f.s[1], 2, 0)];
+        assert_eq!(
+            p.choose(&input(4, &m, &cands)),
+            Some(choice(f.s[0], Reason::LeastLoad)),
+            "pending does not matter in this mode"
+        );
+        let cands = [cand(f.s[0], 2, 0), cand(f.s[1], 3, 0)];
+        assert_eq!(p.choose(&input(4, &m, &cands)), None);
+    }
+
+    #[test]
+    fn parameters_are_checked() {
+        assert_eq!(SelectivePushParams::default().validate(), Ok(()));
+        let bad = SelectivePushParams {
+            max_outstanding: 0,
+            ..SelectivePushParams::default()
+        };
+        assert!(bad.validate().unwrap_err().starts_with("max_outstanding = 0"));
+    }
+}
