@@ -469,6 +469,7 @@ impl Dispatcher {
                     prompt_tokens,
                     block_tokens: self.block_tokens(),
                     session,
+                    repeat: !exclude.is_empty(),
                     prefix: &lookup.prefix,
                     candidates: &lookup.candidates,
                 };

@@ -223,6 +223,7 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
                     prompt_tokens: r.prompt_tokens,
                     block_tokens: dispatcher.block_tokens(),
                     session: r.session,
+                    repeat: true,
                     prefix: &r.prefix,
                     candidates: pool,
                 };

@@ -165,10 +165,18 @@ impl Hotness {
         }
     }
 
+    fn cell(&self, key: u64) -> &AtomicU32 {
+        &self.cells[(key >> 52) as usize % SKETCH_CELLS]
+    }
+
     /// Counts one request under `key` and returns the new count.
     fn bump(&self, key: u64) -> u32 {
-        let cell = &self.cells[(key >> 52) as usize % SKETCH_CELLS];
-        cell.fetch_add(1, Ordering::Relaxed).saturating_add(1)
+        self.cell(key).fetch_add(1, Ordering::Relaxed).saturating_add(1)
+    }
+
+    /// The count under `key`.
+    fn count(&self, key: u64) -> u32 {
+        self.cell(key).load(Ordering::Relaxed)
     }
 
     /// Ends counting one request; every `window` requests, halves all counts.
@@ -209,8 +217,9 @@ impl DualMap {
     }
 
     /// The hashed prefix length in blocks for `chain` (see rule 1), counting
-    /// this request into the hotness sketch. 0 for an empty chain.
-    fn prefix_blocks(&self, chain: &[u64], servers: usize) -> usize {
+    /// this request into the hotness sketch unless it is a `repeat`. 0 for
+    /// an empty chain.
+    fn prefix_blocks(&self, chain: &[u64], servers: usize, repeat: bool) -> usize {
         if chain.is_empty() {
             return 0;
         }
@@ -225,7 +234,11 @@ impl DualMap {
         let mut chosen = None;
         let mut level = (self.params.min_prefix_blocks as usize).min(longest);
         loop {
-            let count = self.hotness.bump(chain[level - 1]);
+            let count = if repeat {
+                self.hotness.count(chain[level - 1])
+            } else {
+                self.hotness.bump(chain[level - 1])
+            };
             if chosen.is_none() && f64::from(count) <= threshold {
                 chosen = Some(level);
             }
@@ -234,7 +247,9 @@ impl DualMap {
             }
             level = (level * 2).min(longest);
         }
-        self.hotness.finish(self.params.window);
+        if !repeat {
+            self.hotness.finish(self.params.window);
+        }
         chosen.unwrap_or(longest)
     }
 
@@ -263,7 +278,7 @@ impl Policy for DualMap {
     }
 
     fn choose(&self, input: &RouteInput<'_>) -> Option<Choice> {
-        let blocks = self.prefix_blocks(input.chain, input.candidates.len());
+        let blocks = self.prefix_blocks(input.chain, input.candidates.len(), input.repeat);
         if blocks == 0 {
             return least_loaded_where(input.candidates, |c| !self.full(c), &self.turn).map(|c| Choice {
                 server: c.server,
@@ -504,6 +519,25 @@ mod tests {
             2,
             "a fixed-length hot prefix uses exactly its two candidates"
         );
+    }
+
+    #[test]
+    fn looking_again_at_a_queued_request_does_not_make_its_prefix_hot() {
+        let p = DualMap::new(DualMapParams {
+            min_prefix_blocks: 2,
+            window: 64,
+            ..DualMapParams::default()
+        });
+        let chain = Fixture::chain(11, 8);
+        assert_eq!(p.prefix_blocks(&chain, 4, false), 2, "cold: the shortest prefix");
+        for _ in 0..1000 {
+            assert_eq!(p.prefix_blocks(&chain, 4, true), 2);
+        }
+        // Counted requests do make it hot: 1/4 of max(total, window) = 16.
+        for _ in 0..20 {
+            p.prefix_blocks(&chain, 4, false);
+        }
+        assert!(p.prefix_blocks(&chain, 4, true) > 2);
     }
 
     #[test]

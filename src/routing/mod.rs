@@ -110,6 +110,10 @@ pub struct RouteInput<'a> {
     /// The request's session key, hashed, when the policy asked for one
     /// ([`Policy::session_source`]) and the request has it.
     pub session: Option<u64>,
+    /// The same request asked about again (a retry, or another look from
+    /// the gateway queue): a policy that learns from the traffic it routes
+    /// (`dual_map`'s hotness counts) must not count it twice.
+    pub repeat: bool,
     /// Which servers hold how many leading blocks (only live servers).
     pub prefix: &'a PrefixMatch,
     /// The servers that may take the request; never empty when a policy is asked.
@@ -132,6 +136,7 @@ impl<'a> RouteInput<'a> {
             prompt_tokens,
             block_tokens,
             session: None,
+            repeat: false,
             prefix,
             candidates,
         }

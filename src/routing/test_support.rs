@@ -68,6 +68,7 @@ pub(crate) fn input<'a>(prompt_blocks: u32, prefix: &'a PrefixMatch, candidates:
         prompt_tokens: prompt_blocks * 16,
         block_tokens: 16,
         session: None,
+        repeat: false,
         prefix,
         candidates,
     }
@@ -86,6 +87,7 @@ pub(crate) fn input_for<'a>(
         prompt_tokens,
         block_tokens: 16,
         session: None,
+        repeat: false,
         prefix,
         candidates,
     }
