@@ -226,6 +226,42 @@ pub enum QueueOutcome {
     Full = 3,
 }
 
+/// The gateway queues' counters, summed over processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QueueTotals {
+    /// Requests that entered a queue.
+    pub entered: u64,
+    /// Left it for a server.
+    pub routed: u64,
+    /// Left it because their client went away.
+    pub abandoned: u64,
+    /// Left it after `max_wait_ms`.
+    pub timeout: u64,
+    /// Refused: the queue was full.
+    pub full: u64,
+}
+
+impl QueueTotals {
+    /// Requests waiting now: entered less left. A dispatcher killed with
+    /// requests queued leaves them counted until the segment is recreated.
+    pub fn depth(&self) -> u64 {
+        self.entered.saturating_sub(self.routed + self.abandoned + self.timeout)
+    }
+}
+
+/// The gateway queues' totals in `counters` (every stats word summed over
+/// processes).
+pub fn queue_total(counters: &[u64]) -> QueueTotals {
+    let at = |k: usize| counters.get(QUEUE + k).copied().unwrap_or(0);
+    QueueTotals {
+        entered: at(0),
+        routed: at(1 + QueueOutcome::Routed as usize),
+        abandoned: at(1 + QueueOutcome::Abandoned as usize),
+        timeout: at(1 + QueueOutcome::Timeout as usize),
+        full: at(1 + QueueOutcome::Full as usize),
+    }
+}
+
 /// The recording side: one process's block of the stats region.
 #[derive(Debug, Clone, Copy)]
 pub struct Metrics<'a> {
@@ -462,8 +498,7 @@ impl Snapshot {
     /// abandoned, timed out). A dispatcher killed with requests queued
     /// leaves them counted until the gateway restarts.
     pub fn queue_depth(&self) -> u64 {
-        let left: u64 = (0..3).map(|k| self.counter(QUEUE + 1 + k)).sum();
-        self.counter(QUEUE).saturating_sub(left)
+        queue_total(&self.counters).depth()
     }
 
     /// The Prometheus text exposition (format 0.0.4).

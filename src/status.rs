@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use shm_layout::Segment;
 
-use semlb::metrics::{CacheResult, cache_total, upstream_total};
+use semlb::metrics::{CacheResult, QueueTotals, cache_total, queue_total, upstream_total};
 
 use crate::cli::StatusArgs;
 use crate::report::Report;
@@ -35,6 +35,8 @@ pub struct Totals {
     /// Per server slot (as in the report's server list): upstream attempts
     /// answered in full and failed.
     pub upstream: Vec<(u16, u64, u64)>,
+    /// The gateway queues.
+    pub queue: QueueTotals,
 }
 
 impl Totals {
@@ -51,6 +53,7 @@ impl Totals {
                     (s.server.slot, ok, failed)
                 })
                 .collect(),
+            queue: queue_total(counters),
         }
     }
 }
@@ -143,6 +146,16 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
         w,
         "cache          {} hit rate ({hits} hits, {misses} misses, {bypasses} not cacheable)",
         pct(hits, hits + misses)
+    );
+    let q = totals.queue;
+    let _ = writeln!(
+        w,
+        "gateway queue  {} waiting ({} routed after waiting, {} abandoned, {} timed out, {} refused: full)",
+        q.depth(),
+        q.routed,
+        q.abandoned,
+        q.timeout,
+        q.full
     );
     let _ = writeln!(
         w,
@@ -254,8 +267,21 @@ mod tests {
         let totals = Totals {
             cache: [3, 1, 4],
             upstream: vec![(a.slot, 6, 2)],
+            queue: QueueTotals {
+                entered: 9,
+                routed: 5,
+                abandoned: 1,
+                timeout: 1,
+                full: 3,
+            },
         };
         let frame = render(&report, &totals, 1_000, Some(12.5));
+        assert!(
+            frame.contains(
+                "gateway queue  2 waiting (5 routed after waiting, 1 abandoned, 1 timed out, 3 refused: full)"
+            ),
+            "{frame}"
+        );
         assert!(
             frame.contains("75.0 % hit rate (3 hits, 1 misses, 4 not cacheable)"),
             "{frame}"
