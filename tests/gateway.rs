@@ -29,159 +29,13 @@ use nix::unistd::Pid;
 use serde_json::{Value, json};
 
 mod support;
+use support::gateway::{Gateway, TempFile, chat, engine_counter, sim, sim_at, user};
 use support::http::{Response, exchange, http, http_bytes};
 use support::process::{EXE, Proc};
 use support::redis::RedisServer;
 
 fn unique(tag: &str) -> String {
     support::process::unique("gw", tag)
-}
-
-fn sim() -> Proc {
-    sim_at("0.01")
-}
-
-/// A simulated engine whose simulated second lasts `time_scale` real seconds.
-fn sim_at(time_scale: &str) -> Proc {
-    Proc::start(&["__sim", "--listen", "127.0.0.1:0", "--time-scale", time_scale])
-}
-
-struct Gateway {
-    proc: Proc,
-    shm: String,
-    segment: shm_layout::Segment,
-    /// Completion records the dispatchers should have pushed so far.
-    expected_records: std::cell::Cell<u64>,
-    /// With `--store redis`: the Redis and the namespace.
-    redis: Option<(String, String)>,
-}
-
-impl Gateway {
-    fn start(shm: &str, backends: &[&Proc], extra: &[&str]) -> Gateway {
-        Gateway::launch(shm, backends, extra, false)
-    }
-
-    /// [`Gateway::start`], optionally capturing the supervisor's stderr.
-    /// `--dispatchers` in `extra` replaces the default of 2.
-    fn launch(shm: &str, backends: &[&Proc], extra: &[&str], capture_stderr: bool) -> Gateway {
-        let mut args = vec![
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--shm-name",
-            shm,
-            "--shm-size",
-            "32MiB",
-        ];
-        if !extra.contains(&"--dispatchers") {
-            args.extend(["--dispatchers", "2"]);
-        }
-        args.extend(["--responders", "1"]);
-        let urls: Vec<String> = backends.iter().map(|b| format!("http://{}", b.addr)).collect();
-        for u in &urls {
-            args.extend(["--backend", u.as_str()]);
-        }
-        args.extend(extra);
-        let redis = match (
-            extra.iter().position(|a| *a == "--redis-url"),
-            extra.iter().position(|a| *a == "--redis-namespace"),
-        ) {
-            (Some(u), Some(n)) => Some((extra[u + 1].to_owned(), extra[n + 1].to_owned())),
-            _ => None,
-        };
-        let proc = Proc::spawn(&args, capture_stderr);
-        let segment = shm_layout::Segment::open(shm).expect("the supervisor created the segment");
-        let gw = Gateway {
-            proc,
-            shm: shm.to_owned(),
-            segment,
-            expected_records: std::cell::Cell::new(0),
-            redis,
-        };
-        gw.wait_ready();
-        gw
-    }
-
-    /// Counts one more answered request whose record the dispatcher pushes,
-    /// then waits until every pushed record was applied by the response
-    /// process (pushed >= expected and no ring holds anything): the state a
-    /// client's next turn should find.
-    fn written_back(&self) {
-        self.expected_records.set(self.expected_records.get() + 1);
-        let t = self.segment.tables();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let (pushed, used) = (0..t.ring_count())
-                .map(|i| t.ring(i).stats())
-                .fold((0, 0), |(p, u), s| (p + s.pushed, u + s.used));
-            if pushed >= self.expected_records.get() && used == 0 && self.redis_written() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "records not written back: pushed {pushed}, in rings {used} bytes"
-            );
-            std::thread::yield_now();
-        }
-    }
-
-    /// With Redis: whether Redis counts every expected record as written
-    /// (`{ns}:written`, bumped by each write-back pipeline). Without: true.
-    fn redis_written(&self) -> bool {
-        let Some((url, ns)) = &self.redis else { return true };
-        let written: Option<u64> = redis::Client::open(url.as_str())
-            .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(1)))
-            .and_then(|mut c| redis::cmd("GET").arg(format!("{ns}:written")).query(&mut c))
-            .ok()
-            .flatten();
-        written.is_some_and(|n| n >= self.expected_records.get())
-    }
-
-    /// Until a request goes through (the dispatchers are up).
-    fn wait_ready(&self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if http(&self.proc.addr, "GET", "/health", None, &[]).map(|r| r.status) == Ok(200) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("the gateway did not become ready");
-    }
-}
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        self.proc.stop();
-        let _ = shm_layout::Segment::remove(&self.shm);
-    }
-}
-
-fn chat(addr: &str, messages: &[Value], extra: Value, headers: &[(&str, &str)]) -> Response {
-    let mut body = json!({"model": "semlb-sim", "messages": messages, "max_tokens": 24});
-    if let (Value::Object(b), Value::Object(e)) = (&mut body, extra) {
-        b.extend(e);
-    }
-    http(addr, "POST", "/v1/chat/completions", Some(&body), headers).expect("request")
-}
-
-fn user(text: &str) -> Value {
-    json!({"role": "user", "content": text})
-}
-
-/// Sum of a counter over the engines' /metrics.
-fn engine_counter(engines: &[&Proc], name: &str) -> f64 {
-    engines
-        .iter()
-        .map(|e| {
-            let r = http(&e.addr, "GET", "/metrics", None, &[]).expect("metrics");
-            String::from_utf8_lossy(&r.body)
-                .lines()
-                .filter(|l| l.starts_with(name))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum::<f64>()
-        })
-        .sum()
 }
 
 fn long_topic(i: usize) -> String {
@@ -493,27 +347,6 @@ fn a_killed_engine_is_routed_around_without_client_errors() {
         } else {
             assert!(r.json()["choices"][0]["message"]["content"].is_string());
         }
-    }
-}
-
-/// A file removed when dropped.
-struct TempFile(std::path::PathBuf);
-
-impl TempFile {
-    fn new(tag: &str, contents: &str) -> TempFile {
-        let path = std::env::temp_dir().join(format!("{}.toml", unique(tag)));
-        std::fs::write(&path, contents).expect("write a temp file");
-        TempFile(path)
-    }
-
-    fn path(&self) -> &str {
-        self.0.to_str().expect("a UTF-8 temp path")
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
     }
 }
 

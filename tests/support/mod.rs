@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod gateway;
 pub mod http;
 pub mod process;
 pub mod redis;
