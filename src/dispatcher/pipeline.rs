@@ -397,8 +397,9 @@ struct RouteRequest<'a> {
 
 /// The outcome of [`Dispatcher::choose`].
 enum Routed {
-    /// Send it there.
-    Chosen(Chosen),
+    /// Send it there (already counted in flight when the policy holds
+    /// requests: choosing and counting are then confirmed together).
+    Chosen(Chosen, Option<InflightGuard>),
     /// Every server the policy would use is full: queue it (the lookup's
     /// prefix match goes with it).
     Wait(Lookup),
@@ -407,6 +408,24 @@ enum Routed {
 }
 
 impl Dispatcher {
+    /// `server` as a policy sees it, read from the segment now: in-flight
+    /// and pending counts of this host and its fresh scraped load.
+    pub(super) fn counted_candidate(&self, server: ServerRef) -> crate::routing::Candidate {
+        let servers = self.segment.tables().servers;
+        let (inflight, inflight_tokens) = servers.inflight(server);
+        let (pending, pending_tokens) = servers.pending(server);
+        let now_ms = self.segment.clock().now_ms();
+        crate::routing::Candidate {
+            server,
+            inflight,
+            inflight_tokens,
+            pending,
+            pending_tokens,
+            load: crate::health::fresh_load(servers.load(server), now_ms, self.config.health.stale_after_ms)
+                .unwrap_or_default(),
+        }
+    }
+
     /// The hashed session key of a request, from the first of the
     /// policy's session headers it carries, else its body's `user` field
     /// (when the policy asks for either; see [`crate::routing::SessionSource`]).
@@ -433,7 +452,19 @@ impl Dispatcher {
     /// A server for `route`, avoiding `exclude`, with its address and why.
     /// `lookup` is the store's answer for this request if one was already
     /// made (the first attempt).
-    async fn choose(&self, route: RouteRequest<'_>, exclude: &[ServerRef], lookup: Option<Lookup>) -> Routed {
+    ///
+    /// With a policy that [holds requests](crate::routing::Policy::holds_requests):
+    /// a request arriving while others wait in this dispatcher's queue
+    /// joins them (first in, first out: none overtakes), and a chosen server
+    /// is counted at once and checked again with the policy
+    /// ([`admits`](crate::routing::Policy::admits)): if another dispatcher
+    /// filled it meanwhile, the request is uncounted and queued.
+    async fn choose(
+        self: &Arc<Self>,
+        route: RouteRequest<'_>,
+        exclude: &[ServerRef],
+        lookup: Option<Lookup>,
+    ) -> Routed {
         let RouteRequest {
             chain,
             prompt_tokens,
@@ -458,6 +489,10 @@ impl Dispatcher {
         };
         let servers = self.segment.tables().servers;
         let policy = self.policy.current_arc();
+        let holds = inference && policy.holds_requests();
+        if holds && !lookup.candidates.is_empty() && self.queue.len() > 0 {
+            return Routed::Wait(lookup);
+        }
         loop {
             if lookup.candidates.is_empty() {
                 return Routed::NoServer;
@@ -492,19 +527,34 @@ impl Dispatcher {
                 };
                 (least.server, Reason::LeastLoad)
             };
-            match servers.get(choice.slot) {
-                Some(info) if info.server == choice => {
-                    return Routed::Chosen(Chosen {
-                        server: choice,
-                        address: info.address,
-                        reason,
-                        candidates: lookup.candidates.len(),
-                        degraded: lookup.degraded,
-                    });
-                }
+            let Some(info) = servers.get(choice.slot).filter(|i| i.server == choice) else {
                 // Re-registered or unreadable meanwhile: ask again without it.
-                _ => lookup.candidates.retain(|c| c.server != choice),
-            }
+                lookup.candidates.retain(|c| c.server != choice);
+                continue;
+            };
+            let guard = if holds {
+                let Some(guard) = InflightGuard::begin(self, choice, u64::from(prompt_tokens)) else {
+                    lookup.candidates.retain(|c| c.server != choice);
+                    continue;
+                };
+                if !policy.admits(&self.counted_candidate(choice)) {
+                    drop(guard);
+                    return Routed::Wait(lookup);
+                }
+                Some(guard)
+            } else {
+                None
+            };
+            return Routed::Chosen(
+                Chosen {
+                    server: choice,
+                    address: info.address,
+                    reason,
+                    candidates: lookup.candidates.len(),
+                    degraded: lookup.degraded,
+                },
+                guard,
+            );
         }
     }
 }
@@ -568,7 +618,7 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
             inference: ctx.is_some(),
         };
         let (chosen, admitted) = match dispatcher.choose(route, &failed, first_lookup.take()).await {
-            Routed::Chosen(chosen) => (chosen, None),
+            Routed::Chosen(chosen, guard) => (chosen, guard),
             Routed::Wait(lookup) => {
                 let waiting = Waiting {
                     chain: chain.to_vec(),

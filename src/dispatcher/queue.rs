@@ -25,6 +25,19 @@
 //! next request in line sees the load it adds) and handed to its task. The
 //! pump ends when the queue is empty.
 //!
+//! **First in, first out.** While requests wait, a new request of this
+//! dispatcher joins the queue behind them instead of being routed on
+//! arrival, so none overtakes (each look still routes every waiting
+//! request that can go: one waiting for a full candidate does not hold up
+//! the ones behind it that can go elsewhere).
+//!
+//! **Choosing and counting.** A policy reads the load, then the request is
+//! counted; between the two, another dispatcher may fill the same server.
+//! So a holding policy's choice is checked again once the request is
+//! counted ([`Policy::admits`](crate::routing::Policy::admits)); if the
+//! server went over the policy's limit, the request is uncounted and keeps
+//! waiting. Within a dispatcher, the pump makes the choices one at a time.
+//!
 //! A queued request whose client went away (its task was dropped, so its
 //! reply channel is closed) is dropped at the next look, counted as
 //! abandoned; one that waited `max_wait_ms` is answered 503.
@@ -42,6 +55,7 @@ use tokio::sync::{Notify, oneshot};
 
 use super::Dispatcher;
 use super::relay::InflightGuard;
+use crate::metrics::QueueOutcome;
 use crate::routing::{Candidate, Choice, QueueParams, RouteInput};
 use crate::store::LookupRequest;
 use crate::store::shm::local_lookup;
@@ -197,16 +211,17 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
                 if w.reply.is_closed() {
                     dispatcher
                         .metrics()
-                        .queue_left(crate::metrics::QueueOutcome::Abandoned, w.since.elapsed());
+                        .queue_left(QueueOutcome::Abandoned, w.since.elapsed());
                     state.waiters.remove(i);
                     continue;
                 }
                 if w.since.elapsed() >= max_wait {
-                    let w = state.waiters.remove(i).expect("index in range");
-                    dispatcher
-                        .metrics()
-                        .queue_left(crate::metrics::QueueOutcome::Timeout, w.since.elapsed());
-                    let _ = w.reply.send(Err(QueueExit::Timeout));
+                    if let Some(w) = state.waiters.remove(i) {
+                        dispatcher
+                            .metrics()
+                            .queue_left(QueueOutcome::Timeout, w.since.elapsed());
+                        let _ = w.reply.send(Err(QueueExit::Timeout));
+                    }
                     continue;
                 }
                 let r = &w.request;
@@ -237,6 +252,17 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
                     candidates.retain(|c| c.server != choice.server);
                     continue;
                 };
+                let counted = dispatcher.counted_candidate(choice.server);
+                if !policy.admits(&counted) {
+                    // Another dispatcher filled it since the read: it stays
+                    // full for this look.
+                    drop(guard);
+                    if let Some(c) = candidates.iter_mut().find(|c| c.server == choice.server) {
+                        *c = dispatcher.counted_candidate(choice.server);
+                    }
+                    i += 1;
+                    continue;
+                }
                 // The next request in line sees the load this one adds.
                 if let Some(c) = candidates.iter_mut().find(|c| c.server == choice.server) {
                     c.inflight += 1;
@@ -244,12 +270,14 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
                     c.pending += 1;
                     c.pending_tokens += tokens;
                 }
-                let w = state.waiters.remove(i).expect("index in range");
-                dispatcher
-                    .metrics()
-                    .queue_left(crate::metrics::QueueOutcome::Routed, w.since.elapsed());
+                let Some(w) = state.waiters.remove(i) else { break };
+                let waited = w.since.elapsed();
                 // A client gone meanwhile drops the guard: the count is undone.
-                let _ = w.reply.send(Ok(Admitted { choice, guard }));
+                let outcome = match w.reply.send(Ok(Admitted { choice, guard })) {
+                    Ok(()) => QueueOutcome::Routed,
+                    Err(_) => QueueOutcome::Abandoned,
+                };
+                dispatcher.metrics().queue_left(outcome, waited);
             }
             if state.waiters.is_empty() {
                 state.pump_running = false;

@@ -329,6 +329,11 @@ impl Policy for DualMap {
     fn holds_requests(&self) -> bool {
         true
     }
+
+    fn admits(&self, counted: &Candidate) -> bool {
+        // Never sent to a full candidate: it was free before this request.
+        counted.pending_estimate() <= self.params.max_pending + 1
+    }
 }
 
 #[cfg(test)]

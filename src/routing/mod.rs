@@ -251,6 +251,17 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
         false
     }
 
+    /// For a policy that holds requests: whether the server it chose still
+    /// takes the request, read again right after the request was counted
+    /// on it (`counted` includes it). Choosing and counting are two steps,
+    /// and another dispatcher may have sent a request to the same server in
+    /// between; `false` (the server went over the policy's limit) makes the
+    /// dispatcher uncount the request and queue it instead. Default: true.
+    fn admits(&self, counted: &Candidate) -> bool {
+        let _ = counted;
+        true
+    }
+
     /// Where the request's session key comes from, if the policy uses one
     /// (default: none, and [`RouteInput::session`] stays `None`).
     fn session_source(&self) -> Option<&SessionSource> {

@@ -93,6 +93,16 @@ impl SelectivePushParams {
             PushMode::MaxOutstanding => c.inflight >= self.max_outstanding,
         }
     }
+
+    /// Whether `counted` (read with one more request counted on it) was
+    /// not full before that request.
+    #[inline]
+    pub fn was_free(&self, counted: &Candidate) -> bool {
+        match self.mode {
+            PushMode::Pending => counted.pending_estimate() <= self.max_pending + 1,
+            PushMode::MaxOutstanding => counted.inflight <= self.max_outstanding,
+        }
+    }
 }
 
 /// SkyLB's selective pushing: only to servers that are not full.
@@ -134,6 +144,10 @@ impl Policy for SelectivePush {
 
     fn holds_requests(&self) -> bool {
         true
+    }
+
+    fn admits(&self, counted: &Candidate) -> bool {
+        self.params.was_free(counted)
     }
 }
 
@@ -226,6 +240,25 @@ mod tests {
         );
         let cands = [cand(f.s[0], 2, 0), cand(f.s[1], 3, 0)];
         assert_eq!(p.choose(&input(4, &m, &cands)), None);
+    }
+
+    #[test]
+    fn a_choice_is_admitted_only_if_nobody_else_filled_the_server_meanwhile() {
+        let f = Fixture::new(1);
+        // Counted: this request is in the figures.
+        let p = SelectivePush::new(SelectivePushParams::default());
+        assert!(p.admits(&pending(cand(f.s[0], 1, 0), 1)), "only this one pending");
+        assert!(
+            !p.admits(&pending(cand(f.s[0], 2, 0), 2)),
+            "another dispatcher got there first"
+        );
+        let capped = SelectivePush::new(SelectivePushParams {
+            mode: PushMode::MaxOutstanding,
+            max_outstanding: 2,
+            ..SelectivePushParams::default()
+        });
+        assert!(capped.admits(&cand(f.s[0], 2, 0)));
+        assert!(!capped.admits(&cand(f.s[0], 3, 0)));
     }
 
     #[test]
