@@ -57,7 +57,7 @@
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -314,6 +314,9 @@ pub(super) struct GatewaySpec {
     pub(super) shm_size: String,
     /// A tag for the shm name.
     pub(super) tag: String,
+    /// A configuration file's TOML text, passed as `--config` (written to a
+    /// file of the run's own, removed with the gateway); `None`: no file.
+    pub(super) config: Option<String>,
 }
 
 /// A running `semlb serve` (supervisor, dispatchers, responder); stopped
@@ -322,6 +325,8 @@ pub(super) struct Gateway {
     /// The supervisor.
     pub(super) proc: Proc,
     shm: String,
+    /// The `--config` file written for it, if any.
+    config_file: Option<PathBuf>,
 }
 
 /// Why [`Gateway::start`] failed.
@@ -338,6 +343,21 @@ impl Gateway {
     /// answers 200.
     pub(super) fn start(spec: &GatewaySpec, engines: &[Proc], client: &LoadClient) -> Result<Gateway, GatewayError> {
         let shm = unique_name(&spec.tag);
+        let config_file = match &spec.config {
+            Some(text) => {
+                let path = std::env::temp_dir().join(format!("{shm}.toml"));
+                std::fs::write(&path, text)
+                    .with_context(|| format!("cannot write the gateway configuration {}", path.display()))
+                    .map_err(GatewayError::Other)?;
+                Some(path)
+            }
+            None => None,
+        };
+        let remove_config = || {
+            if let Some(path) = &config_file {
+                let _ = std::fs::remove_file(path);
+            }
+        };
         let mut args: Vec<String> = vec![
             "serve".into(),
             "--listen".into(),
@@ -353,6 +373,9 @@ impl Gateway {
         ];
         if let Some(policy) = spec.policy {
             args.extend(["--policy".into(), policy.to_string()]);
+        }
+        if let Some(path) = &config_file {
+            args.extend(["--config".into(), path.display().to_string()]);
         }
         if let Store::Redis { url, namespace } = &spec.store {
             args.extend([
@@ -370,6 +393,7 @@ impl Gateway {
         let proc = match Proc::start("the gateway (semlb serve)", &args, Duration::from_secs(60)) {
             Ok(p) => p,
             Err(e) => {
+                remove_config();
                 let text = format!("{e:#}");
                 if text.contains("unexpected argument") {
                     return Err(GatewayError::UnknownFlag(text));
@@ -378,7 +402,8 @@ impl Gateway {
                 return Err(GatewayError::Other(e));
             }
         };
-        let mut gateway = Gateway { proc, shm };
+        // From here on, dropping the gateway removes the file and segment.
+        let mut gateway = Gateway { proc, shm, config_file };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if client
@@ -413,6 +438,9 @@ impl Drop for Gateway {
     fn drop(&mut self) {
         self.proc.stop();
         let _ = shm_layout::Segment::remove(&self.shm);
+        if let Some(path) = &self.config_file {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
@@ -502,12 +530,26 @@ pub(super) async fn stream_request(
     body: Bytes,
     since: Instant,
 ) -> Outcome {
+    stream_request_with(http, addr, path, body, &[], since).await
+}
+
+/// [`stream_request`] with extra request `headers` (name, value).
+pub(super) async fn stream_request_with(
+    http: &Client<HttpConnector, Full<Bytes>>,
+    addr: &str,
+    path: &str,
+    body: Bytes,
+    headers: &[(&str, String)],
+    since: Instant,
+) -> Outcome {
     let mut outcome = Outcome::default();
     let run = async {
-        let request = http::Request::post(format!("http://{addr}{path}"))
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(body))
-            .map_err(|e| e.to_string())?;
+        let mut request =
+            http::Request::post(format!("http://{addr}{path}")).header(http::header::CONTENT_TYPE, "application/json");
+        for (name, value) in headers {
+            request = request.header(*name, value.as_str());
+        }
+        let request = request.body(Full::new(body)).map_err(|e| e.to_string())?;
         let response = http.request(request).await.map_err(|e| format!("request: {e}"))?;
         outcome.status = response.status().as_u16();
         let header = |name: &str| {
@@ -646,15 +688,16 @@ pub(super) fn ms(v: f64) -> String {
 // ---------------------------------------------------------------------------
 // The workload.
 
-/// A dialogue's user turns and the dataset's answers to them.
+/// A dialogue's user turns and the dataset's answers to them (shared with
+/// the replay's `hh-rlhf` workload).
 #[derive(Debug, Clone, PartialEq)]
-struct Dialogue {
+pub(super) struct Dialogue {
     /// `(user, assistant)` pairs; the last answer may be empty.
-    turns: Vec<(String, String)>,
+    pub(super) turns: Vec<(String, String)>,
 }
 
 /// Splits an HH-RLHF transcript (`\n\nHuman: …\n\nAssistant: …`) into turns.
-fn parse_dialogue(text: &str) -> Dialogue {
+pub(super) fn parse_dialogue(text: &str) -> Dialogue {
     let mut turns: Vec<(String, String)> = Vec::new();
     for part in text.split("\n\nHuman:").map(str::trim).filter(|p| !p.is_empty()) {
         let (user, answer) = part.split_once("\n\nAssistant:").unwrap_or((part, ""));
@@ -668,21 +711,12 @@ fn parse_dialogue(text: &str) -> Dialogue {
 /// The dialogues of `<data>/prompts/hh-rlhf-helpful-base-test.jsonl`, or a
 /// synthetic set; the second value says which.
 fn load_dialogues(common: &Common) -> (Vec<Dialogue>, String) {
-    let path = common
-        .data_dir()
-        .map(|d| d.join("prompts/hh-rlhf-helpful-base-test.jsonl"));
+    let path = common.data_dir().map(|d| d.join(super::dispatch_path::PROMPTS_FILE));
     if let Some(path) = &path
-        && let Ok(text) = std::fs::read_to_string(path)
+        && let Ok(dialogues) = read_dialogues(path)
+        && !dialogues.is_empty()
     {
-        let dialogues: Vec<Dialogue> = text
-            .lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .filter_map(|v| v["chosen"].as_str().map(parse_dialogue))
-            .filter(|d| !d.turns.is_empty())
-            .collect();
-        if !dialogues.is_empty() {
-            return (dialogues, path.display().to_string());
-        }
+        return (dialogues, path.display().to_string());
     }
     let synthetic = (0..500)
         .map(|i| Dialogue {
@@ -700,6 +734,18 @@ fn load_dialogues(common: &Common) -> (Vec<Dialogue>, String) {
         })
         .collect();
     (synthetic, "synthetic (no HH-RLHF file found)".into())
+}
+
+/// The dialogues (with at least one turn) of an HH-RLHF JSONL file: the
+/// `chosen` transcript of every line that has one.
+pub(super) fn read_dialogues(path: &Path) -> Result<Vec<Dialogue>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| v["chosen"].as_str().map(parse_dialogue))
+        .filter(|d| !d.turns.is_empty())
+        .collect())
 }
 
 /// A conversation in progress.
@@ -1027,6 +1073,7 @@ fn run_store(
         store,
         shm_size: "64MiB".into(),
         tag: format!("e2e-{name}"),
+        config: None,
     };
     let gateway = match Gateway::start(&spec, &engines, client) {
         Ok(g) => g,

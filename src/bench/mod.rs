@@ -7,7 +7,7 @@
 //! | `dispatch` | [`dispatch_path`] | the dispatch path per stage (tokenize, response-cache lookup, longest-prefix match, table update) on shm, Redis (one round trip) and Redis (naive), p50/p99 and ratios (the sLLM paper's Figure 7) |
 //! | `scaling` | [`scaling`] | dispatch decisions per second with 1, 2, 4 processes per store (the paper's Figure 8) |
 //! | `e2e` | [`end_to_end`] | the whole gateway in front of simulated engines under open-loop load, shm vs Redis |
-//! | `replay` | [`replay`] | the Mooncake conversation trace through the gateway, once per routing policy |
+//! | `replay` | [`replay`] | every routing policy on the same workloads ([`workload`]: the Mooncake trace, HH-RLHF chats, hot-prefix agent sessions): throughput, TTFT, SLO attainment, goodput from a rate sweep, prefix hits, load imbalance |
 //! | `all` | here | the four in turn |
 //!
 //! Every report prints a table on stdout and writes `<out>/<report>.json`
@@ -21,6 +21,7 @@ pub mod plot;
 pub mod redis_server;
 pub mod replay;
 pub mod scaling;
+pub mod workload;
 
 use std::path::PathBuf;
 
@@ -37,7 +38,7 @@ pub enum BenchCommand {
     /// The gateway end to end under open-loop load, shm vs Redis.
     #[command(name = "e2e")]
     EndToEnd(end_to_end::EndToEndArgs),
-    /// The Mooncake conversation trace through the gateway, per policy.
+    /// Every routing policy on the same workloads: TTFT, SLO attainment, goodput.
     Replay(replay::ReplayArgs),
     /// All four reports with their default settings.
     All(Common),

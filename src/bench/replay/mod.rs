@@ -1,0 +1,767 @@
+//! `semlb bench replay`: every routing policy on the same workloads and
+//! engines, with TTFT objectives and goodput.
+//!
+//! # Workloads
+//!
+//! `--workloads` (default all three, see [`workload`](super::workload)):
+//!
+//! | workload | requests | sessions | default speedup | default duration | default TTFT SLO |
+//! | --- | --- | --- | --- | --- | --- |
+//! | `mooncake` | the Mooncake conversation trace ([`mooncake`]): ~3 req/s, ~12 000-token prompts sharing 512-token blocks, ~58 % of the prefill capacity with perfect reuse | no | 20 | 600 s | 10 s |
+//! | `hh-rlhf` | HH-RLHF chats ([`hh_rlhf`]): 90 conversations/s (`--hh-rlhf-rate`), ~220 req/s of ~100-token prompts, ~55 % of the prefill capacity without reuse | yes | 1 | 20 s | 1 s |
+//! | `hot-prefix` | agent sessions on six hot system prompts ([`hot_prefix`]): 4.5 sessions/s (`--hot-prefix-rate`), ~16 req/s of ~5 900-token prompts, ~70 % of the prefill capacity with the system prompts cached | yes | 4 | 120 s | 2 s |
+//!
+//! Every request is a streaming `/v1/completions` request whose `prompt` is
+//! the array of token ids (the gateway and the simulator take token-id
+//! prompts as they are), with `max_tokens` = its output length (capped by
+//! `--max-output`), `ignore_eos` (the engine generates exactly that many
+//! tokens) and `temperature` 1 (never answered from the response cache);
+//! requests of a session carry `x-session-id: <session>`, which
+//! session-affine policies route on. `mooncake` needs `<data>/traces/` (or
+//! `--trace`), `hh-rlhf` `<data>/prompts/` and, for Qwen3 token ids,
+//! `<data>/tokenizers/` (else the bundled phi-2 tokenizer); without them
+//! those workloads are skipped with a message. `--duration S` and
+//! `--limit N` shorten every workload (the first S trace seconds of the
+//! trace, or a window of S trace seconds of the generated workloads; the
+//! first N requests).
+//!
+//! The TTFT objectives: 10 s for `mooncake`, whose ~12 000-token prompts
+//! take 1.2 s of prefill on an idle engine even without queueing
+//! (long-document chat, where a few seconds to the first token is usual);
+//! 1 s for `hh-rlhf`, an interactive chat whose prompts prefill in ~10 ms,
+//! so only queueing can miss it; 2 s for `hot-prefix`, agent steps whose
+//! uncached part (~700 tokens, ~0.1 s) is small when the shared prefix is
+//! reused but whose 2 000–6 000-token system prompt alone takes up to 0.6 s
+//! when it is not. `--ttft-slo S` sets one objective for all.
+//!
+//! # Time
+//!
+//! `--speedup X` (default per workload, above) divides the arrival times by
+//! X and runs the simulated engines with `--time-scale 1/X` (the real
+//! duration of one simulated second), so the load relative to engine
+//! capacity is the workload's while the run takes 1/X of the time.
+//! Latencies are reported in *trace time*: measured wall-clock times × X
+//! (the gateway's own overhead is scaled too; at X = 20 a 1 ms dispatch
+//! shows as 20 ms, small against the objectives). The gateway gets a
+//! configuration file whose time-based parameters are scaled by X as well
+//! ([`gateway_config`]). Arrivals are open-loop: each request is sent at its
+//! scheduled time whatever the completions, and its times are measured from
+//! that schedule (no coordinated omission).
+//!
+//! Every output token is one SSE event through the gateway and the load
+//! generator, which share this 2-core machine with the engines, so X is
+//! chosen per workload to keep the real event rate at m = 1 around 10 000–
+//! 20 000 per second: `mooncake` offers ~1 000 output tokens per trace
+//! second (X = 20), `hh-rlhf` ~13 000 (X = 1), `hot-prefix` ~2 800 (X = 4).
+//! The report warns when the generator falls more than 50 ms (p99) behind
+//! its schedule, i.e. when the machine rather than the engines limited a
+//! run (most likely at the sweep's highest multipliers).
+//!
+//! # Runs, SLO attainment and goodput
+//!
+//! Each policy of [`PolicyKind::ALL`] (or `--policies a,b`) is run on each
+//! workload at the rate multipliers of `--sweep` (default `0.5,1,1.5,2`; 1
+//! is always included): multiplier m divides the arrival times by m too
+//! (m × the offered rate; think and tool times shrink with it) while the
+//! engines keep their time scale. Every run has fresh engines and a fresh
+//! gateway (new shm segment), so every cache starts cold.
+//!
+//! SLO attainment is the share of *all* requests sent (errors and requests
+//! unfinished `--drain-secs` real seconds after the last arrival count as
+//! misses) whose TTFT is at most the objective. Goodput is the highest
+//! offered rate (requests per trace second) whose run reaches 90 %
+//! attainment; "< r" (0 in the JSON, with `goodput_below_lowest_rate`)
+//! when even the lowest multiplier r misses. Attainment falls as the rate
+//! rises, so the sweep is a search: m = 1 first, then upwards while runs
+//! reach 90 % (stopping at the first miss), or downwards until one does;
+//! multipliers the search does not need are not run (listed in the JSON as
+//! `not_run`).
+//!
+//! The table of a workload (one per workload on stdout), per policy, from
+//! the m = 1 run: completed requests per trace second (from the first
+//! arrival to the last completion); TTFT p50/p90/p99; SLO attainment; then
+//! the sweep's goodput and the attainment at each multiplier run; the
+//! engines' aggregate prefix-cache hit rate (Σ
+//! `vllm:prefix_cache_hits_total` / Σ `vllm:prefix_cache_queries_total`
+//! over the engines, in tokens, read from their `/metrics` at the end);
+//! load imbalance as the coefficient of variation (population standard
+//! deviation / mean) across engines of their **prefill busy time**, i.e.
+//! uncached prompt tokens (`prompt_tokens − prefix_cache_hits`) divided by
+//! the common prefill rate, and of requests served
+//! (`vllm:request_success_total`); errors.
+//!
+//! # Run time
+//!
+//! A run takes its workload's duration / (X × m) plus the tail of its last
+//! requests (up to ~20 trace seconds for `hh-rlhf`'s longest answers) and
+//! ~4 s of start-up and shut-down. At m = 1 that is 20–30 s of sending for
+//! each workload (600 s / 20, 20 s / 1, 120 s / 4). A policy that reaches
+//! 90 % at ×1 and ×1.5 but not ×2 runs 1 + 0.67 + 0.5 of that; one that
+//! misses at ×1 runs ×1 and ×0.5 (3 units): 80–100 s per policy and
+//! workload. The default command (8 policies × 3 workloads, default
+//! sweep) thus takes roughly 35–45 minutes; `bench all` includes it.
+//! `--sweep 1` runs each policy once per workload (~1.5 minutes per policy,
+//! ~12 minutes for 8); `--policies` and `--workloads` pick fewer; and
+//! `--duration S` shortens every workload to S trace seconds (mind the
+//! speedups: `--duration 60` is 3 s of sending for `mooncake`, 60 s for
+//! `hh-rlhf`, 15 s for `hot-prefix`).
+//!
+//! Output: the tables on stdout, `<out>/replay.json` (every run, sweep
+//! points included, with the engines' counters and the gateway
+//! configuration), `<out>/replay.svg` (CDFs of TTFT per policy at m = 1,
+//! one panel per workload) and `<out>/replay-<workload>-slo.svg` (SLO
+//! attainment against the offered rate, one line per policy).
+
+mod drive;
+mod gateway_config;
+mod stats;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Result, bail};
+use clap::Args;
+use semlb::routing::PolicyKind;
+use semlb_workers::tokenize::Tokenizer;
+use serde_json::{Value, json};
+
+use self::drive::{RunResult, RunSpec, run_once};
+use self::stats::{GOODPUT_ATTAINMENT, RunStats, goodput};
+use super::Common;
+use super::dispatch_path::{PROMPTS_FILE, TOKENIZER_FILE};
+use super::end_to_end::{LoadClient, ms, p50_90_99, read_dialogues};
+use super::output::{self, Table};
+use super::plot::{self, Line, Panel, Series};
+use super::workload::hh_rlhf::{self, HhRlhfParams};
+use super::workload::hot_prefix::{self, HotPrefixParams};
+use super::workload::{MAX_MODEL_LEN, Workload, WorkloadKind, engine_prefill_tokens_per_s, mooncake};
+
+/// `semlb bench replay` flags.
+#[derive(Debug, Clone, Args)]
+pub struct ReplayArgs {
+    /// Common flags.
+    #[command(flatten)]
+    pub common: Common,
+    /// Workloads to replay, comma-separated [default: all: mooncake,hh-rlhf,hot-prefix].
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_enum)]
+    pub workloads: Vec<WorkloadKind>,
+    /// The Mooncake trace [default: <data>/traces/conversation_trace.jsonl].
+    #[arg(long, value_name = "PATH")]
+    pub trace: Option<PathBuf>,
+    /// Simulated engines behind the gateway (4 to 8 is the intended range).
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub engines: usize,
+    /// Routing policies to replay with, comma-separated [default: all].
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub policies: Vec<PolicyKind>,
+    /// Compress arrival times by this factor and run the engines that much
+    /// faster (`--time-scale 1/X`) [default: mooncake 20, hh-rlhf 1,
+    /// hot-prefix 4].
+    #[arg(long, value_name = "X")]
+    pub speedup: Option<f64>,
+    /// Trace seconds of each workload (the first S of the trace, or a
+    /// steady-state window of the generated ones) [default: mooncake 600,
+    /// hh-rlhf 20, hot-prefix 120].
+    #[arg(long, value_name = "S")]
+    pub duration: Option<f64>,
+    /// Send at most the first N requests of each workload.
+    #[arg(long, value_name = "N")]
+    pub limit: Option<usize>,
+    /// TTFT objective, trace seconds [default: mooncake 10, hh-rlhf 1,
+    /// hot-prefix 2].
+    #[arg(long, value_name = "S")]
+    pub ttft_slo: Option<f64>,
+    /// Rate multipliers of the goodput sweep, comma-separated (1 is always
+    /// run; `--sweep 1`: no sweep).
+    #[arg(long, value_name = "LIST", value_delimiter = ',', default_values_t = [0.5, 1.0, 1.5, 2.0])]
+    pub sweep: Vec<f64>,
+    /// New `hh-rlhf` conversations per trace second.
+    #[arg(long, value_name = "R", default_value_t = 90.0)]
+    pub hh_rlhf_rate: f64,
+    /// New `hot-prefix` sessions per trace second.
+    #[arg(long, value_name = "R", default_value_t = 4.5)]
+    pub hot_prefix_rate: f64,
+    /// Cap on a request's output tokens.
+    #[arg(long, value_name = "N", default_value_t = 2048)]
+    pub max_output: u32,
+    /// Dispatcher processes of the gateway.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    pub dispatchers: usize,
+    /// Real seconds to wait after the last arrival for requests to finish
+    /// (the rest count as errors).
+    #[arg(long, value_name = "S", default_value_t = 30.0)]
+    pub drain_secs: f64,
+    /// Seed of the generated workloads and of the trace's block tokens.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl ReplayArgs {
+    /// The defaults, with `common`.
+    pub fn with(common: Common) -> Self {
+        Self {
+            common,
+            workloads: Vec::new(),
+            trace: None,
+            engines: 4,
+            policies: Vec::new(),
+            speedup: None,
+            duration: None,
+            limit: None,
+            ttft_slo: None,
+            sweep: vec![0.5, 1.0, 1.5, 2.0],
+            hh_rlhf_rate: 90.0,
+            hot_prefix_rate: 4.5,
+            max_output: 2048,
+            dispatchers: 2,
+            drain_secs: 30.0,
+            seed: 0,
+        }
+    }
+
+    /// The speedup, duration and TTFT objective of `kind`.
+    fn setting(&self, kind: WorkloadKind) -> Setting {
+        let (speedup, duration_s, ttft_slo_s) = match kind {
+            WorkloadKind::Mooncake => (20.0, 600.0, 10.0),
+            WorkloadKind::HhRlhf => (1.0, 20.0, 1.0),
+            WorkloadKind::HotPrefix => (4.0, 120.0, 2.0),
+        };
+        Setting {
+            speedup: self.speedup.unwrap_or(speedup),
+            duration_s: self.duration.unwrap_or(duration_s),
+            ttft_slo_s: self.ttft_slo.unwrap_or(ttft_slo_s),
+        }
+    }
+}
+
+/// How one workload is run.
+#[derive(Debug, Clone, Copy)]
+struct Setting {
+    speedup: f64,
+    duration_s: f64,
+    ttft_slo_s: f64,
+}
+
+/// The multipliers of `--sweep`: positive, sorted, deduplicated, with 1.
+fn sweep_multipliers(sweep: &[f64]) -> Result<Vec<f64>> {
+    if let Some(bad) = sweep.iter().find(|m| !(m.is_finite() && **m > 0.0)) {
+        bail!("--sweep {bad}: rate multipliers must be positive numbers");
+    }
+    let mut out: Vec<f64> = sweep.iter().copied().chain([1.0]).collect();
+    out.sort_by(f64::total_cmp);
+    out.dedup();
+    Ok(out)
+}
+
+/// The indices of `multipliers` (sorted, holding 1) a sweep runs, in
+/// order, given `passes(i)`: 1 first, then upwards while runs pass, or
+/// downwards until one passes.
+fn sweep_order(multipliers: &[f64], mut passes: impl FnMut(usize) -> Result<bool>) -> Result<Vec<usize>> {
+    let one = multipliers.iter().position(|m| *m == 1.0).unwrap_or(0);
+    let mut ran = vec![one];
+    if passes(one)? {
+        for i in one + 1..multipliers.len() {
+            ran.push(i);
+            if !passes(i)? {
+                break;
+            }
+        }
+    } else {
+        for i in (0..one).rev() {
+            ran.push(i);
+            if passes(i)? {
+                break;
+            }
+        }
+    }
+    Ok(ran)
+}
+
+/// One run of a sweep.
+struct Point {
+    multiplier: f64,
+    /// Requests per trace second offered.
+    offered: f64,
+    run: RunResult,
+    stats: RunStats,
+}
+
+/// One policy on one workload: its sweep.
+struct PolicyReport {
+    policy: PolicyKind,
+    /// In multiplier order.
+    points: Vec<Point>,
+    /// Multipliers the search did not need.
+    not_run: Vec<f64>,
+}
+
+impl PolicyReport {
+    /// The m = 1 run.
+    fn base(&self) -> &Point {
+        self.points
+            .iter()
+            .find(|p| p.multiplier == 1.0)
+            .unwrap_or(&self.points[0])
+    }
+
+    fn goodput(&self) -> Option<f64> {
+        goodput(
+            &self
+                .points
+                .iter()
+                .map(|p| (p.offered, p.stats.attainment))
+                .collect::<Vec<_>>(),
+        )
+    }
+}
+
+/// One workload's results.
+struct WorkloadReport {
+    workload: Arc<Workload>,
+    setting: Setting,
+    config: String,
+    policies: Vec<PolicyReport>,
+}
+
+/// The workload `kind`, or `None` (with a message) when its data is missing.
+fn load_workload(args: &ReplayArgs, kind: WorkloadKind, setting: &Setting) -> Result<Option<Workload>> {
+    let data = args.common.data_dir();
+    let mut workload = match kind {
+        WorkloadKind::Mooncake => {
+            let Some(path) = args
+                .trace
+                .clone()
+                .or_else(|| data.as_ref().map(|d| d.join(mooncake::TRACE_FILE)))
+            else {
+                println!(
+                    "skipping mooncake: no trace (pass --trace PATH or --data DIR with {})",
+                    mooncake::TRACE_FILE
+                );
+                return Ok(None);
+            };
+            mooncake::load(&path, setting.duration_s, args.limit, args.max_output, args.seed)?
+        }
+        WorkloadKind::HhRlhf => {
+            let Some(path) = data.as_ref().map(|d| d.join(PROMPTS_FILE)).filter(|p| p.is_file()) else {
+                println!("skipping hh-rlhf: no dialogues (pass --data DIR with {PROMPTS_FILE})");
+                return Ok(None);
+            };
+            let dialogues = read_dialogues(&path)?;
+            if dialogues.is_empty() {
+                bail!("{} holds no dialogues", path.display());
+            }
+            let tokenizer = match data.as_ref().map(|d| d.join(TOKENIZER_FILE)).filter(|p| p.is_file()) {
+                Some(p) => Tokenizer::from_file(&p)
+                    .map_err(|e| anyhow::anyhow!("cannot load the tokenizer {}: {e}", p.display()))?,
+                None => Tokenizer::bundled(),
+            };
+            let params = HhRlhfParams {
+                conversations_per_s: args.hh_rlhf_rate,
+                duration_s: setting.duration_s,
+                max_output: args.max_output,
+                seed: args.seed,
+            };
+            hh_rlhf::build(&dialogues, &tokenizer, &params, &path.display().to_string())
+        }
+        WorkloadKind::HotPrefix => hot_prefix::build(&HotPrefixParams {
+            sessions_per_s: args.hot_prefix_rate,
+            duration_s: setting.duration_s,
+            max_output: args.max_output,
+            seed: args.seed,
+        }),
+    };
+    if let Some(n) = args.limit {
+        workload.requests.truncate(n);
+    }
+    if workload.requests.is_empty() {
+        bail!("{kind}: no requests (raise --duration or the rate)");
+    }
+    Ok(Some(workload))
+}
+
+/// Every policy's sweep on `workload`.
+fn run_workload(
+    args: &ReplayArgs,
+    workload: Workload,
+    setting: Setting,
+    policies: &[PolicyKind],
+    multipliers: &[f64],
+    client: &LoadClient,
+) -> Result<WorkloadReport> {
+    let workload = Arc::new(workload);
+    let config = gateway_config::gateway_config(setting.speedup, setting.ttft_slo_s);
+    let n = workload.requests.len() as u64;
+    let bar = output::progress(0, workload.kind.name());
+    let base_rate = workload.offered_rate();
+    let mut reports = Vec::with_capacity(policies.len());
+    for policy in policies {
+        let mut points = Vec::new();
+        let order = sweep_order(multipliers, |i| {
+            bar.inc_length(n);
+            let spec = RunSpec {
+                policy: *policy,
+                engines: args.engines,
+                dispatchers: args.dispatchers,
+                speedup: setting.speedup,
+                multiplier: multipliers[i],
+                drain_secs: args.drain_secs,
+                config: config.clone(),
+            };
+            let run = run_once(&spec, &workload, client, &bar)?;
+            let stats = RunStats::of(&run, setting.speedup, setting.ttft_slo_s);
+            let pass = stats.attainment >= GOODPUT_ATTAINMENT;
+            points.push(Point {
+                multiplier: multipliers[i],
+                offered: base_rate * multipliers[i],
+                run,
+                stats,
+            });
+            Ok(pass)
+        })?;
+        points.sort_by(|a, b| a.multiplier.total_cmp(&b.multiplier));
+        let not_run = (0..multipliers.len())
+            .filter(|i| !order.contains(i))
+            .map(|i| multipliers[i])
+            .collect();
+        reports.push(PolicyReport {
+            policy: *policy,
+            points,
+            not_run,
+        });
+    }
+    bar.finish_and_clear();
+    Ok(WorkloadReport {
+        workload,
+        setting,
+        config,
+        policies: reports,
+    })
+}
+
+/// `m` as a multiplier label: `×1.5`.
+fn times(m: f64) -> String {
+    format!("×{m}")
+}
+
+/// Prints `report`'s table and notes.
+fn print_report(args: &ReplayArgs, report: &WorkloadReport, multipliers: &[f64]) {
+    let w = &report.workload;
+    let lowest = multipliers[0] * w.offered_rate();
+    let mut table = Table::new([
+        "policy",
+        "req/s",
+        "TTFT p50 s",
+        "p90",
+        "p99",
+        "SLO att.",
+        "goodput req/s",
+        "attainment by rate",
+        "prefix hit rate",
+        "prefill CV",
+        "requests CV",
+        "errors",
+    ]);
+    for p in &report.policies {
+        let base = p.base();
+        let s = &base.stats;
+        let t = p50_90_99(&s.ttft_s);
+        table.row([
+            p.policy.to_string(),
+            format!("{:.2}", s.req_per_s),
+            ms(t[0]),
+            ms(t[1]),
+            ms(t[2]),
+            format!("{:.1}%", s.attainment * 100.0),
+            p.goodput()
+                .map_or_else(|| format!("< {lowest:.2}"), |g| format!("{g:.2}")),
+            p.points
+                .iter()
+                .map(|q| format!("{}:{:.0}%", times(q.multiplier), q.stats.attainment * 100.0))
+                .collect::<Vec<_>>()
+                .join(" "),
+            format!("{:.1}%", s.hit_rate * 100.0),
+            format!("{:.3}", s.cv_prefill),
+            format!("{:.3}", s.cv_requests),
+            s.errors.to_string(),
+        ]);
+    }
+    let capacity = engine_prefill_tokens_per_s() * args.engines as f64;
+    let title = format!(
+        "semlb bench replay, {}: {} requests over {:.0} s ({:.2} req/s, {:.0} prompt tokens/s = {:.0} % of {} engines' \
+         prefill without reuse) from {}; speedup {}x (times in trace seconds); TTFT SLO {} s; sweep {}{}",
+        w.kind,
+        w.requests.len(),
+        w.span_s(),
+        w.offered_rate(),
+        w.offered_prompt_tokens_per_s(),
+        100.0 * w.offered_prompt_tokens_per_s() / capacity,
+        args.engines,
+        w.source,
+        report.setting.speedup,
+        report.setting.ttft_slo_s,
+        multipliers.iter().map(|m| times(*m)).collect::<Vec<_>>().join(","),
+        if w.truncated > 0 {
+            format!("; {} prompts truncated to fit {MAX_MODEL_LEN} tokens", w.truncated)
+        } else {
+            String::new()
+        }
+    );
+    output::print_table(&title, &table);
+    println!(
+        "req/s, TTFT, SLO attainment, prefix hit rate and CVs from the ×1 run. SLO att.: share of all requests with \
+         TTFT <= {} s (errors miss); goodput: highest offered rate (req/s) with >= {:.0}% attainment; prefix hit \
+         rate: Σ hits / Σ queries (tokens) over the engines; prefill CV: coefficient of variation across engines of \
+         uncached prompt tokens (prefill busy time); requests CV: of requests served.",
+        report.setting.ttft_slo_s,
+        GOODPUT_ATTAINMENT * 100.0
+    );
+    for p in &report.policies {
+        for q in &p.points {
+            let at = format!("{} {}", p.policy, times(q.multiplier));
+            if let Some(e) = &q.stats.first_error {
+                println!("{at}: {} errors, first: {e}", q.stats.errors);
+            }
+            if q.run.lag_ms[0] > 50.0 {
+                println!(
+                    "{at}: the load generator fell behind its schedule (p99 {:.0} ms, max {:.0} ms real): \
+                     this machine, not only the engines, limited the run",
+                    q.run.lag_ms[0], q.run.lag_ms[1]
+                );
+            }
+        }
+    }
+}
+
+/// The JSON of `report`.
+fn report_json(report: &WorkloadReport, multipliers: &[f64]) -> Value {
+    let w = &report.workload;
+    let policies: Vec<Value> = report
+        .policies
+        .iter()
+        .map(|p| {
+            let runs: Vec<Value> = p
+                .points
+                .iter()
+                .map(|q| {
+                    let s = &q.stats;
+                    let t = p50_90_99(&s.ttft_s);
+                    let l = p50_90_99(&s.latency_s);
+                    json!({
+                        "multiplier": q.multiplier,
+                        "offered_requests_per_s": q.offered,
+                        "slo_attainment": s.attainment,
+                        "completed": s.ok,
+                        "errors": s.errors,
+                        "first_error": s.first_error,
+                        "requests_per_s": s.req_per_s,
+                        "output_tokens_per_s": s.out_tok_per_s,
+                        "ttft_s": {"p50": t[0], "p90": t[1], "p99": t[2]},
+                        "latency_s": {"p50": l[0], "p90": l[1], "p99": l[2]},
+                        "prefix_cache_hit_rate": s.hit_rate,
+                        "imbalance_cv_prefill_busy": s.cv_prefill,
+                        "imbalance_cv_requests": s.cv_requests,
+                        "wall_s": q.run.wall_s,
+                        "generator_lag_ms": {"p99": q.run.lag_ms[0], "max": q.run.lag_ms[1]},
+                        "engines": q.run.engines.iter().map(|e| json!({
+                            "requests": e.requests,
+                            "prompt_tokens": e.prompt_tokens,
+                            "prefix_cache_hits": e.hits,
+                            "prefix_cache_queries": e.queries,
+                            "uncached_prompt_tokens": e.uncached(),
+                            "generation_tokens": e.generation_tokens,
+                        })).collect::<Vec<Value>>(),
+                    })
+                })
+                .collect();
+            let goodput = p.goodput();
+            json!({
+                "policy": p.policy.name(),
+                "goodput_requests_per_s": goodput.unwrap_or(0.0),
+                "goodput_below_lowest_rate": goodput.is_none(),
+                "not_run": p.not_run,
+                "runs": runs,
+            })
+        })
+        .collect();
+    json!({
+        "workload": w.kind.name(),
+        "source": w.source,
+        "requests": w.requests.len(),
+        "sessions": w.has_sessions(),
+        "span_s": w.span_s(),
+        "offered_requests_per_s": w.offered_rate(),
+        "offered_prompt_tokens_per_s": w.offered_prompt_tokens_per_s(),
+        "truncated_prompts": w.truncated,
+        "speedup": report.setting.speedup,
+        "engine_time_scale": 1.0 / report.setting.speedup,
+        "ttft_slo_s": report.setting.ttft_slo_s,
+        "sweep": multipliers,
+        "gateway_config": report.config,
+        "policies": policies,
+    })
+}
+
+/// Writes `<out>/replay.svg` and one attainment chart per workload; returns
+/// the paths.
+fn write_plots(args: &ReplayArgs, reports: &[WorkloadReport]) -> Result<Vec<PathBuf>> {
+    let mut paths = Vec::new();
+    let svg = args.common.out.join("replay.svg");
+    let panels: Vec<Panel> = reports
+        .iter()
+        .map(|r| Panel {
+            title: format!("{}: TTFT per routing policy (×1)", r.workload.kind),
+            x_label: "seconds (trace time)".into(),
+            log_x: true,
+            series: r
+                .policies
+                .iter()
+                .map(|p| Series {
+                    label: p.policy.to_string(),
+                    values: p.base().stats.ttft_s.clone(),
+                })
+                .collect(),
+        })
+        .collect();
+    plot::cdf_svg(&svg, &panels)?;
+    paths.push(svg);
+    for r in reports {
+        let path = args.common.out.join(format!("replay-{}-slo.svg", r.workload.kind));
+        let lines: Vec<Line> = r
+            .policies
+            .iter()
+            .map(|p| Line {
+                label: p.policy.to_string(),
+                points: p
+                    .points
+                    .iter()
+                    .map(|q| (q.offered, q.stats.attainment * 100.0))
+                    .collect(),
+            })
+            .collect();
+        plot::line_svg(
+            &path,
+            &format!(
+                "{}: share of requests with TTFT <= {} s",
+                r.workload.kind, r.setting.ttft_slo_s
+            ),
+            "offered requests per trace second",
+            "SLO attainment %",
+            false,
+            &lines,
+        )?;
+        paths.push(path);
+    }
+    Ok(paths)
+}
+
+/// Runs the report.
+pub fn run(args: &ReplayArgs) -> Result<()> {
+    if args.engines == 0 || args.dispatchers == 0 {
+        bail!("--engines and --dispatchers must be at least 1");
+    }
+    if args.speedup.is_some_and(|x| !(x.is_finite() && x > 0.0)) {
+        bail!("--speedup must be a positive number");
+    }
+    if args.ttft_slo.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
+        bail!("--ttft-slo must be a positive number of seconds");
+    }
+    if !(args.hh_rlhf_rate > 0.0 && args.hot_prefix_rate > 0.0) {
+        bail!("--hh-rlhf-rate and --hot-prefix-rate must be positive");
+    }
+    let multipliers = sweep_multipliers(&args.sweep)?;
+    let kinds: Vec<WorkloadKind> = if args.workloads.is_empty() {
+        WorkloadKind::ALL.to_vec()
+    } else {
+        args.workloads.clone()
+    };
+    let policies: Vec<PolicyKind> = if args.policies.is_empty() {
+        PolicyKind::ALL.to_vec()
+    } else {
+        args.policies.clone()
+    };
+    let client = LoadClient::new()?;
+    let mut reports = Vec::new();
+    for kind in kinds {
+        let setting = args.setting(kind);
+        let Some(workload) = load_workload(args, kind, &setting)? else {
+            continue;
+        };
+        let report = run_workload(args, workload, setting, &policies, &multipliers, &client)?;
+        print_report(args, &report, &multipliers);
+        reports.push(report);
+    }
+    if reports.is_empty() {
+        bail!("no workload could be run");
+    }
+    let value = json!({
+        "report": "replay",
+        "engines": args.engines,
+        "dispatchers": args.dispatchers,
+        "max_output": args.max_output,
+        "seed": args.seed,
+        "drain_secs": args.drain_secs,
+        "goodput_attainment": GOODPUT_ATTAINMENT,
+        "gateway_policy_tables": gateway_config::knows_policy_tables(),
+        "times": "trace seconds (measured wall-clock x speedup)",
+        "workloads": reports.iter().map(|r| report_json(r, &multipliers)).collect::<Vec<Value>>(),
+    });
+    let json_path = output::write_json(&args.common.out, "replay", &value)?;
+    let svgs = write_plots(args, &reports)?;
+    println!(
+        "wrote {}, {}",
+        json_path.display(),
+        svgs.iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sweeps_always_hold_one_and_reject_nonsense() {
+        assert_eq!(sweep_multipliers(&[2.0, 0.5, 2.0]).unwrap(), [0.5, 1.0, 2.0]);
+        assert_eq!(sweep_multipliers(&[1.0]).unwrap(), [1.0]);
+        assert!(sweep_multipliers(&[0.0]).is_err());
+        assert!(sweep_multipliers(&[f64::NAN]).is_err());
+    }
+
+    #[test]
+    fn the_sweep_goes_up_while_runs_pass_and_down_until_one_does() {
+        let m = [0.5, 1.0, 1.5, 2.0, 3.0];
+        // Attainment reaches 90 % up to ×1.5.
+        let up = sweep_order(&m, |i| Ok(m[i] <= 1.5)).unwrap();
+        assert_eq!(up, [1, 2, 3]);
+        let all = sweep_order(&m, |_| Ok(true)).unwrap();
+        assert_eq!(all, [1, 2, 3, 4]);
+        let down = sweep_order(&m, |i| Ok(m[i] <= 0.5)).unwrap();
+        assert_eq!(down, [1, 0]);
+        let none = sweep_order(&m, |_| Ok(false)).unwrap();
+        assert_eq!(none, [1, 0]);
+        assert_eq!(sweep_order(&[1.0], |_| Ok(false)).unwrap(), [0]);
+    }
+
+    #[test]
+    fn defaults_differ_per_workload_and_flags_override_them() {
+        let common = Common {
+            out: PathBuf::from("x"),
+            redis_url: None,
+            redis_server: PathBuf::from("redis-server"),
+            no_redis: true,
+            data: None,
+        };
+        let mut args = ReplayArgs::with(common);
+        let s = args.setting(WorkloadKind::Mooncake);
+        assert_eq!((s.speedup, s.duration_s, s.ttft_slo_s), (20.0, 600.0, 10.0));
+        let s = args.setting(WorkloadKind::HhRlhf);
+        assert_eq!((s.speedup, s.duration_s, s.ttft_slo_s), (1.0, 20.0, 1.0));
+        args.speedup = Some(5.0);
+        args.ttft_slo = Some(3.0);
+        let s = args.setting(WorkloadKind::HotPrefix);
+        assert_eq!((s.speedup, s.duration_s, s.ttft_slo_s), (5.0, 120.0, 3.0));
+    }
+}

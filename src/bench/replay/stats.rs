@@ -1,0 +1,210 @@
+//! The figures of a replay run: latencies in trace time, SLO attainment,
+//! the engines' prefix hits and load imbalance, and the goodput of a rate
+//! sweep.
+
+use super::drive::RunResult;
+use crate::bench::end_to_end::Outcome;
+
+/// Attainment a rate must reach to count towards goodput.
+pub(super) const GOODPUT_ATTAINMENT: f64 = 0.9;
+
+/// Population coefficient of variation (std / mean); 0 for fewer than two
+/// values or a zero mean.
+pub(super) fn coefficient_of_variation(values: &[f64]) -> f64 {
+    if values.len() < 2 {
+        return 0.0;
+    }
+    let n = values.len() as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    if mean == 0.0 {
+        return 0.0;
+    }
+    let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
+    var.sqrt() / mean
+}
+
+/// The sum of the samples of metric `name` (exact name, any labels) in a
+/// Prometheus text exposition; `None` when there is none.
+pub(super) fn metric_sum(text: &str, name: &str) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('#') || !line.starts_with(name) {
+            continue;
+        }
+        let rest = &line[name.len()..];
+        let value = if rest.starts_with('{') {
+            rest.rfind('}').map(|i| &rest[i + 1..])
+        } else if rest.starts_with(' ') {
+            Some(rest)
+        } else {
+            None // a longer name with this prefix
+        };
+        // "value [timestamp]"
+        if let Some(v) = value
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse::<f64>().ok())
+        {
+            *found.get_or_insert(0.0) += v;
+        }
+    }
+    found
+}
+
+/// One engine's counters at the end of a run.
+#[derive(Debug, Clone, Default)]
+pub(super) struct EngineCounters {
+    pub(super) hits: f64,
+    pub(super) queries: f64,
+    pub(super) prompt_tokens: f64,
+    pub(super) generation_tokens: f64,
+    pub(super) requests: f64,
+}
+
+impl EngineCounters {
+    /// The counters of one engine's `/metrics` text.
+    pub(super) fn parse(text: &str) -> Self {
+        let m = |n| metric_sum(text, n).unwrap_or(0.0);
+        Self {
+            hits: m("vllm:prefix_cache_hits_total"),
+            queries: m("vllm:prefix_cache_queries_total"),
+            prompt_tokens: m("vllm:prompt_tokens_total"),
+            generation_tokens: m("vllm:generation_tokens_total"),
+            requests: m("vllm:request_success_total"),
+        }
+    }
+
+    /// Prompt tokens the engine had to prefill.
+    pub(super) fn uncached(&self) -> f64 {
+        (self.prompt_tokens - self.hits).max(0.0)
+    }
+}
+
+/// The share of `outcomes` (every request sent; errors are misses) whose
+/// TTFT, in trace seconds (real × `speedup`), is at most `slo_s`.
+pub(super) fn slo_attainment(outcomes: &[(Outcome, u32)], slo_s: f64, speedup: f64) -> f64 {
+    if outcomes.is_empty() {
+        return 0.0;
+    }
+    let met = outcomes
+        .iter()
+        .filter(|(o, _)| o.ok() && o.ttft.is_some_and(|t| t.as_secs_f64() * speedup <= slo_s))
+        .count();
+    met as f64 / outcomes.len() as f64
+}
+
+/// The highest offered rate among `points` (`(rate, attainment)`) whose
+/// attainment reaches [`GOODPUT_ATTAINMENT`]; `None` when none does.
+pub(super) fn goodput(points: &[(f64, f64)]) -> Option<f64> {
+    points
+        .iter()
+        .filter(|(_, a)| *a >= GOODPUT_ATTAINMENT)
+        .map(|(r, _)| *r)
+        .max_by(f64::total_cmp)
+}
+
+/// The figures of a [`RunResult`], in trace time.
+#[derive(Debug, Default)]
+pub(super) struct RunStats {
+    pub(super) ok: usize,
+    pub(super) errors: usize,
+    pub(super) req_per_s: f64,
+    pub(super) out_tok_per_s: f64,
+    pub(super) ttft_s: Vec<f64>,
+    pub(super) latency_s: Vec<f64>,
+    pub(super) attainment: f64,
+    pub(super) hit_rate: f64,
+    pub(super) cv_prefill: f64,
+    pub(super) cv_requests: f64,
+    pub(super) first_error: Option<String>,
+}
+
+impl RunStats {
+    /// The figures of `run` at `speedup` with a TTFT objective of `slo_s`
+    /// trace seconds.
+    pub(super) fn of(run: &RunResult, speedup: f64, slo_s: f64) -> Self {
+        let ok: Vec<&(Outcome, u32)> = run.outcomes.iter().filter(|(o, _)| o.ok()).collect();
+        let trace_s = run.wall_s * speedup;
+        let (hits, queries) = run
+            .engines
+            .iter()
+            .fold((0.0, 0.0), |(h, q), e| (h + e.hits, q + e.queries));
+        Self {
+            ok: ok.len(),
+            errors: run.outcomes.len() - ok.len(),
+            req_per_s: ok.len() as f64 / trace_s.max(1e-9),
+            out_tok_per_s: ok.iter().map(|(_, n)| f64::from(*n)).sum::<f64>() / trace_s.max(1e-9),
+            ttft_s: ok
+                .iter()
+                .filter_map(|(o, _)| o.ttft)
+                .map(|d| d.as_secs_f64() * speedup)
+                .collect(),
+            latency_s: ok.iter().map(|(o, _)| o.latency.as_secs_f64() * speedup).collect(),
+            attainment: slo_attainment(&run.outcomes, slo_s, speedup),
+            hit_rate: if queries > 0.0 { hits / queries } else { 0.0 },
+            cv_prefill: coefficient_of_variation(&run.engines.iter().map(EngineCounters::uncached).collect::<Vec<_>>()),
+            cv_requests: coefficient_of_variation(&run.engines.iter().map(|e| e.requests).collect::<Vec<_>>()),
+            first_error: run.outcomes.iter().find_map(|(o, _)| o.error.clone()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn coefficient_of_variation_is_std_over_mean() {
+        assert_eq!(coefficient_of_variation(&[5.0, 5.0, 5.0]), 0.0);
+        assert!((coefficient_of_variation(&[1.0, 3.0]) - 0.5).abs() < 1e-12);
+        assert!((coefficient_of_variation(&[2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0]) - 0.4).abs() < 1e-12);
+        assert_eq!(coefficient_of_variation(&[3.0]), 0.0);
+        assert_eq!(coefficient_of_variation(&[0.0, 0.0]), 0.0);
+    }
+
+    #[test]
+    fn metrics_text_sums_one_name_over_labels() {
+        let text = "# HELP vllm:prefix_cache_hits Prefix cache hits.\n\
+                    # TYPE vllm:prefix_cache_hits counter\n\
+                    vllm:prefix_cache_hits_total{model_name=\"semlb-sim\"} 640.0\n\
+                    vllm:prefix_cache_hits_total{model_name=\"other\",x=\"a}b\"} 10\n\
+                    vllm:prefix_cache_queries_total{model_name=\"semlb-sim\"} 1000.0\n\
+                    vllm:request_success_total 5 1700000000\n";
+        assert_eq!(metric_sum(text, "vllm:prefix_cache_hits_total"), Some(650.0));
+        assert_eq!(metric_sum(text, "vllm:prefix_cache_queries_total"), Some(1000.0));
+        assert_eq!(metric_sum(text, "vllm:request_success_total"), Some(5.0));
+        assert_eq!(metric_sum(text, "vllm:prefix_cache"), None);
+        assert_eq!(metric_sum(text, "vllm:missing_total"), None);
+        let c = EngineCounters::parse(text);
+        assert_eq!((c.hits, c.queries, c.uncached()), (650.0, 1000.0, 0.0));
+    }
+
+    #[test]
+    fn attainment_counts_errors_as_misses_in_trace_time() {
+        let ok = |ms: u64| Outcome {
+            status: 200,
+            done: true,
+            ttft: Some(Duration::from_millis(ms)),
+            ..Outcome::default()
+        };
+        let failed = Outcome {
+            error: Some("HTTP 503".into()),
+            ..Outcome::default()
+        };
+        let outcomes = [(ok(40), 1), (ok(60), 1), (ok(50), 1), (failed, 0)];
+        // At speedup 20, 50 ms real is 1 trace second.
+        assert_eq!(slo_attainment(&outcomes, 1.0, 20.0), 0.5);
+        assert_eq!(slo_attainment(&outcomes, 2.0, 20.0), 0.75);
+        assert_eq!(slo_attainment(&[], 2.0, 20.0), 0.0);
+    }
+
+    #[test]
+    fn goodput_is_the_highest_rate_meeting_the_objective() {
+        assert_eq!(goodput(&[(1.0, 0.99), (2.0, 0.95), (3.0, 0.5)]), Some(2.0));
+        assert_eq!(goodput(&[(2.0, 0.9), (1.0, 1.0)]), Some(2.0));
+        assert_eq!(goodput(&[(1.0, 0.89)]), None);
+        assert_eq!(goodput(&[]), None);
+    }
+}

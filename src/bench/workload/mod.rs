@@ -1,0 +1,210 @@
+//! The workloads `semlb bench replay` sends: lists of timed requests with
+//! token-id prompts.
+//!
+//! A [`Workload`] is a list of [`Request`]s in arrival order: an arrival
+//! time in *trace seconds* (the replay divides it by its speedup and by a
+//! sweep's rate multiplier), the prompt's token ids, the number of tokens
+//! to generate, and an optional session id (sent as `x-session-id`, which
+//! session-affine policies such as `consistent_hash` route on).
+//!
+//! | workload | module | what |
+//! | --- | --- | --- |
+//! | `mooncake` | [`mooncake`] | the FAST'25 Mooncake conversation trace (long, partly shared prompts; no sessions) |
+//! | `hh-rlhf` | [`hh_rlhf`] | Anthropic HH-RLHF dialogues as Poisson-arriving multi-turn chats (short prompts, one session per conversation) |
+//! | `hot-prefix` | [`hot_prefix`] | a generated agent workload: six long system prompts with Zipf popularity, multi-step sessions |
+//!
+//! The multi-turn generators schedule turn k+1 open-loop, at turn k's
+//! arrival plus its *expected* duration on an idle engine
+//! ([`expected_turn_s`]: its new tokens' prefill plus one decode step per
+//! output token) plus an exponential think time. A slow answer therefore
+//! does not delay the next turn (as in the Mooncake trace, whose arrival
+//! times were recorded, not reacted to), so every policy is offered the same
+//! requests at the same times; the schedule is a function of the seed only.
+
+pub mod hh_rlhf;
+pub mod hot_prefix;
+pub mod mooncake;
+
+use std::fmt;
+
+use clap::ValueEnum;
+use semlb_workers::config::EngineConfig;
+
+use super::end_to_end::SplitMix;
+
+/// The simulator's context limit (`max_model_len` of `semlb __sim`).
+pub const MAX_MODEL_LEN: u32 = 32_768;
+
+/// Synthetic token ids are drawn below this (inside the simulator's
+/// vocabulary).
+pub const VOCAB: u64 = 50_000;
+
+/// One request of a workload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// Arrival time, trace seconds from the workload's start.
+    pub at_s: f64,
+    /// The prompt's token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate (`max_tokens` with `ignore_eos`).
+    pub output_tokens: u32,
+    /// The session (conversation, agent run) it belongs to, if the
+    /// workload has sessions.
+    pub session: Option<u64>,
+}
+
+/// A workload's requests, in arrival order, and where they come from.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    /// Which workload.
+    pub kind: WorkloadKind,
+    /// The requests, sorted by arrival time.
+    pub requests: Vec<Request>,
+    /// Where the requests come from (a path, or the generator's parameters).
+    pub source: String,
+    /// Prompts cut to fit the context.
+    pub truncated: usize,
+}
+
+impl Workload {
+    /// A workload of `requests` (sorted here by arrival time, stably).
+    pub fn new(kind: WorkloadKind, mut requests: Vec<Request>, source: String, truncated: usize) -> Self {
+        requests.sort_by(|a, b| a.at_s.total_cmp(&b.at_s));
+        Self {
+            kind,
+            requests,
+            source,
+            truncated,
+        }
+    }
+
+    /// From the first arrival to the last, trace seconds.
+    pub fn span_s(&self) -> f64 {
+        match (self.requests.first(), self.requests.last()) {
+            (Some(a), Some(b)) => b.at_s - a.at_s,
+            _ => 0.0,
+        }
+    }
+
+    /// Requests per trace second over [`span_s`](Self::span_s).
+    pub fn offered_rate(&self) -> f64 {
+        self.requests.len() as f64 / self.span_s().max(1e-9)
+    }
+
+    /// Prompt tokens per trace second over [`span_s`](Self::span_s).
+    pub fn offered_prompt_tokens_per_s(&self) -> f64 {
+        self.requests.iter().map(|r| r.prompt.len() as f64).sum::<f64>() / self.span_s().max(1e-9)
+    }
+
+    /// True when the requests carry session ids.
+    pub fn has_sessions(&self) -> bool {
+        self.requests.iter().any(|r| r.session.is_some())
+    }
+}
+
+/// The workloads of `--workloads`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WorkloadKind {
+    /// The Mooncake conversation trace.
+    Mooncake,
+    /// HH-RLHF multi-turn chats.
+    HhRlhf,
+    /// Generated agent sessions on a few hot system prompts.
+    HotPrefix,
+}
+
+impl WorkloadKind {
+    /// Every workload, in report order.
+    pub const ALL: [Self; 3] = [Self::Mooncake, Self::HhRlhf, Self::HotPrefix];
+
+    /// Its name on the command line and in outputs.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Mooncake => "mooncake",
+            Self::HhRlhf => "hh-rlhf",
+            Self::HotPrefix => "hot-prefix",
+        }
+    }
+}
+
+impl fmt::Display for WorkloadKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The prompt and output lengths a request of `prompt` and `output` tokens
+/// is sent with so that both fit the context: `(prompt, output,
+/// truncated)`; the prompt keeps its first tokens.
+pub fn fit_to_context(prompt: u32, output: u32, max_output: u32) -> (u32, u32, bool) {
+    let output = output.clamp(1, max_output.max(1));
+    let room = MAX_MODEL_LEN - output.min(MAX_MODEL_LEN - 1);
+    let fitted = prompt.clamp(1, room);
+    (fitted, output, fitted < prompt)
+}
+
+/// An exponential sample of mean `mean` (a Poisson process's gap).
+pub(super) fn exponential(rng: &mut SplitMix, mean: f64) -> f64 {
+    -rng.unit().ln() * mean
+}
+
+/// `n` token ids drawn from `rng`.
+pub(super) fn random_tokens(rng: &mut SplitMix, n: usize) -> Vec<u32> {
+    (0..n).map(|_| (rng.next_u64() % VOCAB) as u32).collect()
+}
+
+/// Uniform integer in `lo..=hi`.
+pub(super) fn uniform(rng: &mut SplitMix, lo: u32, hi: u32) -> u32 {
+    lo + (rng.next_u64() % u64::from(hi - lo + 1)) as u32
+}
+
+/// The simulated seconds a turn takes on an idle engine: prefill of its
+/// `new_tokens` uncached prompt tokens, then one decode step (of a batch of
+/// one) per output token.
+pub fn expected_turn_s(new_tokens: usize, output_tokens: u32) -> f64 {
+    let engine = EngineConfig::default();
+    engine.prefill_time(new_tokens as u64).as_secs_f64()
+        + f64::from(output_tokens) * engine.decode_step_time(1).as_secs_f64()
+}
+
+/// The engines' simulated prefill rate (tokens per second of uncached
+/// prompt), the capacity the workloads' loads are stated against.
+pub fn engine_prefill_tokens_per_s() -> f64 {
+    EngineConfig::default().prefill_tokens_per_s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_are_cut_to_the_context() {
+        assert_eq!(fit_to_context(40_000, 3_000, 2048), (32_768 - 2048, 2048, true));
+        assert_eq!(fit_to_context(100, 0, 2048), (100, 1, false));
+    }
+
+    #[test]
+    fn workloads_sort_and_measure_their_rate() {
+        let r = |at_s: f64| Request {
+            at_s,
+            prompt: vec![1; 10],
+            output_tokens: 1,
+            session: None,
+        };
+        let w = Workload::new(WorkloadKind::HotPrefix, vec![r(2.0), r(0.0), r(1.0)], String::new(), 0);
+        assert_eq!(w.requests.iter().map(|r| r.at_s).collect::<Vec<_>>(), [0.0, 1.0, 2.0]);
+        assert_eq!(
+            (w.span_s(), w.offered_rate(), w.offered_prompt_tokens_per_s()),
+            (2.0, 1.5, 15.0)
+        );
+        assert!(!w.has_sessions());
+    }
+
+    #[test]
+    fn turns_take_prefill_and_decode_time() {
+        // 10 000 tokens of prefill = 1 s; 100 decode steps of one sequence
+        // at 10.08 ms.
+        assert!((expected_turn_s(10_000, 100) - (1.0 + 1.008)).abs() < 1e-9);
+        assert_eq!(engine_prefill_tokens_per_s(), 10_000.0);
+    }
+}
