@@ -11,42 +11,23 @@
 //! | `policy.dual_map.prefill_tokens_per_sec` | 10 000 × X | the engines' prefill rate in real time |
 //! | `policy.dual_map.ttft_slo_ms` | SLO × 1000 / X | the workload's TTFT objective in real time |
 //! | `policy.queue.max_wait_ms` | max(60 000, 600 000 / X) | a queued request waits at most 10 trace minutes, and never less than a real minute |
-//!
-//! The `[policy.dual_map]` and `[policy.queue]` tables belong to policies
-//! newer than some builds; the gateway rejects unknown tables, so they are
-//! written only when this build knows the `dual_map` policy
-//! ([`knows_policy_tables`]).
-
-use semlb::routing::PolicyKind;
 
 use crate::bench::workload::engine_prefill_tokens_per_s;
-
-/// True when this build's gateway has the `dual_map` policy, and with it
-/// the `[policy.dual_map]` and `[policy.queue]` tables.
-pub(super) fn knows_policy_tables() -> bool {
-    PolicyKind::ALL.iter().any(|k| k.name() == "dual_map")
-}
 
 /// The configuration file's text for a run at `speedup` X with a TTFT
 /// objective of `ttft_slo_s` trace seconds.
 pub(super) fn gateway_config(speedup: f64, ttft_slo_s: f64) -> String {
-    config_text(speedup, ttft_slo_s, knows_policy_tables())
-}
-
-fn config_text(speedup: f64, ttft_slo_s: f64, policy_tables: bool) -> String {
     let real_ms = |trace_ms: f64| (trace_ms / speedup).round() as u64;
     let scrape = real_ms(1000.0).max(10);
     let stale = real_ms(5000.0).max(scrape);
-    let mut text = format!("[health]\nscrape_interval_ms = {scrape}\nstale_after_ms = {stale}\n");
-    if policy_tables {
-        text.push_str(&format!(
-            "\n[policy.dual_map]\nprefill_tokens_per_sec = {}\nttft_slo_ms = {}\n\n[policy.queue]\nmax_wait_ms = {}\n",
-            (engine_prefill_tokens_per_s() * speedup).round() as u64,
-            real_ms(ttft_slo_s * 1000.0).max(1),
-            real_ms(600_000.0).max(60_000),
-        ));
-    }
-    text
+    format!(
+        "[health]\nscrape_interval_ms = {scrape}\nstale_after_ms = {stale}\n\n\
+         [policy.dual_map]\nprefill_tokens_per_sec = {}\nttft_slo_ms = {}\n\n\
+         [policy.queue]\nmax_wait_ms = {}\n",
+        (engine_prefill_tokens_per_s() * speedup).round() as u64,
+        real_ms(ttft_slo_s * 1000.0).max(1),
+        real_ms(600_000.0).max(60_000),
+    )
 }
 
 #[cfg(test)]
@@ -56,18 +37,15 @@ mod tests {
     #[test]
     fn time_parameters_scale_with_the_speedup() {
         assert_eq!(
-            config_text(20.0, 10.0, true),
+            gateway_config(20.0, 10.0),
             "[health]\nscrape_interval_ms = 50\nstale_after_ms = 250\n\n\
              [policy.dual_map]\nprefill_tokens_per_sec = 200000\nttft_slo_ms = 500\n\n\
              [policy.queue]\nmax_wait_ms = 60000\n"
         );
-        assert_eq!(
-            config_text(1.0, 1.0, false),
-            "[health]\nscrape_interval_ms = 1000\nstale_after_ms = 5000\n"
-        );
+        assert!(gateway_config(1.0, 1.0).starts_with("[health]\nscrape_interval_ms = 1000\nstale_after_ms = 5000\n"));
         // The gateway's floors.
-        assert!(config_text(1000.0, 1.0, false).contains("scrape_interval_ms = 10\nstale_after_ms = 10\n"));
-        assert!(config_text(0.5, 2.0, true).contains("max_wait_ms = 1200000\n"));
+        assert!(gateway_config(1000.0, 1.0).contains("scrape_interval_ms = 10\nstale_after_ms = 10\n"));
+        assert!(gateway_config(0.5, 2.0).contains("max_wait_ms = 1200000\n"));
     }
 
     #[test]

@@ -701,7 +701,6 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
         "seed": args.seed,
         "drain_secs": args.drain_secs,
         "goodput_attainment": GOODPUT_ATTAINMENT,
-        "gateway_policy_tables": gateway_config::knows_policy_tables(),
         "times": "trace seconds (measured wall-clock x speedup)",
         "workloads": reports.iter().map(|r| report_json(r, &multipliers)).collect::<Vec<Value>>(),
     });
