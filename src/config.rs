@@ -57,7 +57,7 @@
 //! | `policy.consistent_hash.bounded_load` | boolean | `true` | skip servers above `(1 + load_epsilon)` × the average load |
 //! | `policy.consistent_hash.load_epsilon` | float | `0.25` | the bound's slack (0 to 100) |
 //! | `[policy.dual_map]` | table | | two-choice prefix mapping ([`crate::routing::dual_map`]) |
-//! | `policy.dual_map.min_prefix_blocks` | integer | `4` | shortest hashed prefix, in blocks |
+//! | `policy.dual_map.min_prefix_blocks` | integer | `4` | shortest hashed prefix, in blocks, and the step by which a hot one is extended |
 //! | `policy.dual_map.max_prefix_blocks` | integer | `4096` | longest hashed prefix, in blocks (at least `min_prefix_blocks`) |
 //! | `policy.dual_map.hot_share` | float | `0.0` | share of recent requests above which a prefix is hot and the hash extends past it; 0 = `1 / servers` |
 //! | `policy.dual_map.window` | integer | `1024` | requests between halvings of the hotness counts |

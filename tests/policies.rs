@@ -280,8 +280,10 @@ fn selective_push_queues_at_the_gateway_instead_of_overloading_a_server() {
     assert_eq!(served, 6.0);
 }
 
-/// Mode `pending` (the default), one engine with a slow prefill and load
-/// scraping effectively off (so only the gateway's own accounting counts):
+/// Mode `pending` (the default), one engine with a slow prefill whose load
+/// the gateway cannot read (its metrics are read as llama.cpp's, which a
+/// vLLM-style engine does not export), so only the gateway's own
+/// accounting counts:
 /// while a streaming request has no first token yet, the engine counts as
 /// full and a second request waits in the gateway queue; it goes out once
 /// the first one starts, and both answer in full.
@@ -290,15 +292,18 @@ fn selective_push_pending_mode_holds_requests_while_the_engine_prefills() {
     // 20x slower than real time: the first request's ~1 700-token prompt
     // takes about 3.4 s to prefill (a decode step 0.2 s).
     let engines = [sim_at("20")];
-    let config = r#"
+    let config = format!(
+        r#"
+[[backend]]
+url = "http://{}"
+metrics_flavor = "llamacpp"
+
 [policy]
 kind = "selective_push"
-
-[health]
-scrape_interval_ms = 3600000
-stale_after_ms = 3600000
-"#;
-    let gw = Gateway::with_config(&unique("pending"), &refs(&engines), config, &[]);
+"#,
+        engines[0].addr
+    );
+    let gw = Gateway::with_config(&unique("pending"), &[], &config, &[]);
     let addr = gw.addr().to_owned();
     let first = std::thread::spawn(move || stream(&addr, &prompt("long-prefill", 100), 8, &[]));
     // It reached the engine and has no first token yet.

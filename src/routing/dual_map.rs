@@ -13,11 +13,18 @@
 //!
 //! 1. **Adaptive prefix length.** The hashed prefix is the prompt's first
 //!    `L` blocks (`chain[L - 1]` names exactly that prefix). `L` runs over
-//!    `min_prefix_blocks × 2^k` up to `max_prefix_blocks` and the prompt's
-//!    length, and is the *shortest* such length whose prefix is not hot. A
+//!    the multiples of `min_prefix_blocks` up to `max_prefix_blocks` and the
+//!    prompt's length (a prompt shorter than `min_prefix_blocks` is hashed
+//!    whole), and is the *shortest* such length whose prefix is not hot,
+//!    else the longest. Steps of `min_prefix_blocks` rather than doublings:
+//!    the first cold length past a hot shared prefix is then the same for
+//!    every turn of a conversation long enough to reach it, so a session
+//!    keeps its two homes while the shared prefix spreads. Only the lengths
+//!    up to the chosen one are counted. A
 //!    prefix is hot when its share of the recent requests of this
 //!    dispatcher exceeds `hot_share` (default 0 = one server's share,
-//!    `1 / servers`). So a cold prompt is hashed by a short prefix (its
+//!    `1 / servers`) and it had at least [`MIN_HOT_REQUESTS`] of them (so
+//!    the first few requests of a gateway are not all hot). So a cold prompt is hashed by a short prefix (its
 //!    relatives group with it), while requests under a hot shared prefix
 //!    (a long system prompt) are hashed by a longer one and spread, each
 //!    conversation still keeping its own two homes. Counts are kept in a
@@ -60,8 +67,8 @@ use super::{Candidate, Choice, Policy, Reason, RouteInput, in_range, in_range_f6
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DualMapParams {
-    /// Shortest hashed prefix, in blocks. Default 4 (64 tokens at 16-token
-    /// blocks); 1 to 65 536.
+    /// Shortest hashed prefix, in blocks, and the step by which a hot one
+    /// is extended. Default 4 (64 tokens at 16-token blocks); 1 to 65 536.
     pub min_prefix_blocks: u32,
     /// Longest hashed prefix, in blocks. Default 4096; at least
     /// `min_prefix_blocks`.
@@ -142,6 +149,9 @@ impl DualMapParams {
         )
     }
 }
+
+/// Requests a prefix needs among the recent ones to count as hot.
+pub const MIN_HOT_REQUESTS: u32 = 8;
 
 /// Cells of the hotness sketch.
 const SKETCH_CELLS: usize = 4096;
@@ -228,29 +238,26 @@ impl DualMap {
         } else {
             1.0 / servers.max(1) as f64
         };
-        let recent = self.hotness.total.load(Ordering::Relaxed).max(self.params.window);
-        let threshold = share * recent as f64;
+        let recent = self.hotness.total.load(Ordering::Relaxed) + u64::from(!repeat);
+        let threshold = (share * recent as f64).max(f64::from(MIN_HOT_REQUESTS - 1));
         let longest = chain.len().min(self.params.max_prefix_blocks as usize);
-        let mut chosen = None;
-        let mut level = (self.params.min_prefix_blocks as usize).min(longest);
+        let step = self.params.min_prefix_blocks as usize;
+        let mut level = step.min(longest);
         loop {
             let count = if repeat {
                 self.hotness.count(chain[level - 1])
             } else {
                 self.hotness.bump(chain[level - 1])
             };
-            if chosen.is_none() && f64::from(count) <= threshold {
-                chosen = Some(level);
-            }
-            if level == longest {
+            if f64::from(count) <= threshold || level == longest {
                 break;
             }
-            level = (level * 2).min(longest);
+            level = (level + step).min(longest);
         }
         if !repeat {
             self.hotness.finish(self.params.window);
         }
-        chosen.unwrap_or(longest)
+        level
     }
 
     /// Estimated TTFT at `c` in milliseconds (rule 3).
@@ -527,6 +534,30 @@ mod tests {
     }
 
     #[test]
+    fn a_session_under_a_hot_prefix_keeps_its_hashed_length_from_turn_to_turn() {
+        let p = DualMap::new(DualMapParams {
+            min_prefix_blocks: 4,
+            ..DualMapParams::default()
+        });
+        let system = Fixture::chain(5, 10); // 10 shared blocks
+        let conversation = |c: u64, blocks: usize| -> Vec<u64> {
+            let mut chain = system.clone();
+            chain.extend(Fixture::chain(100 + c, blocks).iter().map(|h| h ^ system[9]));
+            chain
+        };
+        for c in 0..40 {
+            p.prefix_blocks(&conversation(c, 6), 4, false);
+        }
+        // Levels 4 and 8 are inside the hot system prompt; 12 is the first
+        // with the conversation's own blocks, whatever its length.
+        for turn_blocks in [6, 10, 20, 40] {
+            assert_eq!(p.prefix_blocks(&conversation(999, turn_blocks), 4, false), 12);
+        }
+        // A cold prompt: the shortest length.
+        assert_eq!(p.prefix_blocks(&Fixture::chain(77, 30), 4, false), 4);
+    }
+
+    #[test]
     fn looking_again_at_a_queued_request_does_not_make_its_prefix_hot() {
         let p = DualMap::new(DualMapParams {
             min_prefix_blocks: 2,
@@ -538,7 +569,7 @@ mod tests {
         for _ in 0..1000 {
             assert_eq!(p.prefix_blocks(&chain, 4, true), 2);
         }
-        // Counted requests do make it hot: 1/4 of max(total, window) = 16.
+        // Counted requests do make it hot: 21 > max(1/4 of the 21 recent, 7).
         for _ in 0..20 {
             p.prefix_blocks(&chain, 4, false);
         }

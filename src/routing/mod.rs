@@ -31,16 +31,29 @@
 //!
 //! [`Candidate::pending_estimate`] is what SkyLB calls a server's pending
 //! requests (queued, not yet running), from both sources the gateway has:
-//! the engine's scraped `waiting` gauge, corrected by the gateway's own
-//! accounting since that scrape. The gateway counts a request *pending*
-//! from the moment it is sent until its first token arrives
-//! ([`Candidate::pending`]); the scraper stores that count with the figures
-//! it scrapes (`pending_at_scrape`). So
-//! `estimate = max(0, waiting + pending − pending_at_scrape)`: what was
-//! waiting at the scrape, plus what the gateway sent since, minus what it
-//! saw start since. Without a fresh scrape it is the gateway's own pending
-//! count. (A non-streaming answer shows its first byte only when complete,
-//! so its request stays pending until then; the scrape corrects it.)
+//! the engine's scraped `waiting` gauge, and the gateway's own accounting
+//! between scrapes. The gateway counts a request *pending* from the moment
+//! it is sent until its first token arrives ([`Candidate::pending`]); the
+//! scraper stores that count with the figures it scrapes
+//! (`pending_at_scrape`). Then:
+//!
+//! * the last fresh scrape saw requests waiting: `estimate = max(0,
+//!   waiting + pending − pending_at_scrape)`, what was waiting then, plus
+//!   what the gateway sent since, minus what it saw start since: the queue
+//!   is tracked down request by request as it drains, and up as the
+//!   gateway adds to it;
+//! * it saw none: 0. The engine had room in its batch, so what the gateway
+//!   sends until the next scrape is taken to be batched at the engine's
+//!   next step. (Counting those as pending would let an engine admit one
+//!   request per step: a request sent now has no first token until the
+//!   step after next even on an idle engine, so short prompts at a high
+//!   rate would starve a free engine.)
+//! * no fresh scrape (an engine without metrics, or a stale one): the
+//!   gateway's own pending count, the strict reading.
+//!
+//! A non-streaming answer shows its first byte only when complete, so its
+//! request stays pending until then in the gateway's count; only the
+//! scrapes correct that.
 
 pub mod cache_aware;
 pub mod consistent_hash;
@@ -91,7 +104,11 @@ impl Candidate {
     /// [module docs](self#pending-requests)).
     #[inline]
     pub fn pending_estimate(&self) -> u64 {
-        (u64::from(self.load.waiting) + self.pending).saturating_sub(u64::from(self.load.pending_at_scrape))
+        match (self.load.scraped_at_ms, self.load.waiting) {
+            (0, _) => self.pending,
+            (_, 0) => 0,
+            (_, waiting) => (u64::from(waiting) + self.pending).saturating_sub(u64::from(self.load.pending_at_scrape)),
+        }
     }
 }
 

@@ -216,10 +216,22 @@ mod tests {
             0,
             "2 of the 3 pending at the scrape have started since"
         );
-        c.load = scraped(0, 1);
+        c.load = scraped(1, 1);
         c.pending = 3;
-        assert_eq!(c.pending_estimate(), 2, "sent 2 more since the scrape, none started");
+        assert_eq!(
+            c.pending_estimate(),
+            3,
+            "1 waiting, and 2 more sent since the scrape, none started"
+        );
         let p = SelectivePushParams::default();
+        assert!(p.full(&c));
+        // The engine had room at the scrape: what was sent since is batched.
+        c.load = scraped(0, 1);
+        assert_eq!(c.pending_estimate(), 0);
+        assert!(!p.full(&c));
+        // No fresh scrape: the gateway's own count.
+        c.load = LoadFigures::default();
+        assert_eq!(c.pending_estimate(), 3);
         assert!(p.full(&c));
     }
 

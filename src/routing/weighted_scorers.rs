@@ -250,9 +250,12 @@ mod tests {
 
     fn kv(c: Candidate, permyriad: u16) -> Candidate {
         Candidate {
+            // One waiting at the scrape, one pending then: the queue estimate is the pending count.
             load: LoadFigures {
                 kv_usage_permyriad: permyriad,
                 scraped_at_ms: 1,
+                waiting: 1,
+                pending_at_scrape: 1,
                 ..LoadFigures::default()
             },
             ..c

@@ -28,6 +28,8 @@ pub(super) const SESSION_HEADER: &str = "x-session-id";
 pub(super) struct RunSpec {
     /// The routing policy.
     pub(super) policy: PolicyKind,
+    /// The row it is reported as (the policy, or a variant of it).
+    pub(super) label: String,
     /// Simulated engines.
     pub(super) engines: usize,
     /// Dispatcher processes.
@@ -84,7 +86,7 @@ pub(super) fn run_once(
 ) -> Result<RunResult> {
     let (policy, what) = (
         spec.policy,
-        format!("{} {} ×{}", workload.kind, spec.policy, spec.multiplier),
+        format!("{} {} ×{}", workload.kind, spec.label, spec.multiplier),
     );
     bar.set_message(format!("{what}: starting"));
     let engines = start_engines(spec.engines, 1.0 / spec.speedup)?;

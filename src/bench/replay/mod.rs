@@ -59,7 +59,11 @@
 //!
 //! # Runs, SLO attainment and goodput
 //!
-//! Each policy of [`PolicyKind::ALL`] (or `--policies a,b`) is run on each
+//! Each policy of [`PolicyKind::ALL`] (or `--policies a,b`) is a row;
+//! `selective_push` gives a second row, `selective_push/max8`, in its
+//! fixed-cap mode (`max_outstanding` requests in flight per engine,
+//! `--max-outstanding 8`; 0 drops the row), the baseline the SkyLB paper
+//! compares selective pushing with. Each row is run on each
 //! workload at the rate multipliers of `--sweep` (default `0.5,1,1.5,2`; 1
 //! is always included): multiplier m divides the arrival times by m too
 //! (m × the offered rate; think and tool times shrink with it) while the
@@ -151,6 +155,11 @@ pub struct ReplayArgs {
     /// Simulated engines behind the gateway (4 to 8 is the intended range).
     #[arg(long, value_name = "N", default_value_t = 4)]
     pub engines: usize,
+    /// `selective_push` is also replayed in its fixed-cap mode
+    /// (`max_outstanding` requests in flight per engine) with this cap,
+    /// as the SkyLB paper compares; 0 skips that row.
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    pub max_outstanding: u64,
     /// Routing policies to replay with, comma-separated [default: all].
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub policies: Vec<PolicyKind>,
@@ -205,6 +214,7 @@ impl ReplayArgs {
             trace: None,
             engines: 4,
             policies: Vec::new(),
+            max_outstanding: 8,
             speedup: None,
             duration: None,
             limit: None,
@@ -286,9 +296,43 @@ struct Point {
     stats: RunStats,
 }
 
+/// What one row of a table replays: a policy, with extra configuration
+/// for a variant of it.
+#[derive(Debug, Clone)]
+struct Arm {
+    kind: PolicyKind,
+    /// The row's name: the policy's, or `policy/variant`.
+    label: String,
+    /// TOML appended to the run's gateway configuration.
+    config: String,
+}
+
+impl Arm {
+    /// The rows `kind` gives: the policy with its defaults and, for
+    /// `selective_push` with `max_outstanding > 0`, its fixed-cap mode (the
+    /// SkyLB paper's comparison).
+    fn of(kind: PolicyKind, max_outstanding: u64) -> Vec<Arm> {
+        let mut arms = vec![Arm {
+            kind,
+            label: kind.name().to_owned(),
+            config: String::new(),
+        }];
+        if kind == PolicyKind::SelectivePush && max_outstanding > 0 {
+            arms.push(Arm {
+                kind,
+                label: format!("{kind}/max{max_outstanding}"),
+                config: format!(
+                    "\n[policy.selective_push]\nmode = \"max_outstanding\"\nmax_outstanding = {max_outstanding}\n"
+                ),
+            });
+        }
+        arms
+    }
+}
+
 /// One policy on one workload: its sweep.
 struct PolicyReport {
-    policy: PolicyKind,
+    arm: Arm,
     /// In multiplier order.
     points: Vec<Point>,
     /// Multipliers the search did not need.
@@ -393,19 +437,24 @@ fn run_workload(
     let n = workload.requests.len() as u64;
     let bar = output::progress(0, workload.kind.name());
     let base_rate = workload.offered_rate();
-    let mut reports = Vec::with_capacity(policies.len());
-    for policy in policies {
+    let arms: Vec<Arm> = policies
+        .iter()
+        .flat_map(|&k| Arm::of(k, args.max_outstanding))
+        .collect();
+    let mut reports = Vec::with_capacity(arms.len());
+    for arm in arms {
         let mut points = Vec::new();
         let order = sweep_order(multipliers, |i| {
             bar.inc_length(n);
             let spec = RunSpec {
-                policy: *policy,
+                policy: arm.kind,
+                label: arm.label.clone(),
                 engines: args.engines,
                 dispatchers: args.dispatchers,
                 speedup: setting.speedup,
                 multiplier: multipliers[i],
                 drain_secs: args.drain_secs,
-                config: config.clone(),
+                config: format!("{config}{}", arm.config),
             };
             let run = run_once(&spec, &workload, client, &bar)?;
             let stats = RunStats::of(&run, setting.speedup, setting.ttft_slo_s);
@@ -423,11 +472,7 @@ fn run_workload(
             .filter(|i| !order.contains(i))
             .map(|i| multipliers[i])
             .collect();
-        reports.push(PolicyReport {
-            policy: *policy,
-            points,
-            not_run,
-        });
+        reports.push(PolicyReport { arm, points, not_run });
     }
     bar.finish_and_clear();
     Ok(WorkloadReport {
@@ -466,7 +511,7 @@ fn print_report(args: &ReplayArgs, report: &WorkloadReport, multipliers: &[f64])
         let s = &base.stats;
         let t = p50_90_99(&s.ttft_s);
         table.row([
-            p.policy.to_string(),
+            p.arm.label.clone(),
             format!("{:.2}", s.req_per_s),
             ms(t[0]),
             ms(t[1]),
@@ -517,7 +562,7 @@ fn print_report(args: &ReplayArgs, report: &WorkloadReport, multipliers: &[f64])
     );
     for p in &report.policies {
         for q in &p.points {
-            let at = format!("{} {}", p.policy, times(q.multiplier));
+            let at = format!("{} {}", p.arm.label, times(q.multiplier));
             if let Some(e) = &q.stats.first_error {
                 println!("{at}: {} errors, first: {e}", q.stats.errors);
             }
@@ -575,7 +620,8 @@ fn report_json(report: &WorkloadReport, multipliers: &[f64]) -> Value {
                 .collect();
             let goodput = p.goodput();
             json!({
-                "policy": p.policy.name(),
+                "policy": p.arm.label,
+                "kind": p.arm.kind.name(),
                 "goodput_requests_per_s": goodput.unwrap_or(0.0),
                 "goodput_below_lowest_rate": goodput.is_none(),
                 "not_run": p.not_run,
@@ -616,7 +662,7 @@ fn write_plots(args: &ReplayArgs, reports: &[WorkloadReport]) -> Result<Vec<Path
                 .policies
                 .iter()
                 .map(|p| Series {
-                    label: p.policy.to_string(),
+                    label: p.arm.label.clone(),
                     values: p.base().stats.ttft_s.clone(),
                 })
                 .collect(),
@@ -630,7 +676,7 @@ fn write_plots(args: &ReplayArgs, reports: &[WorkloadReport]) -> Result<Vec<Path
             .policies
             .iter()
             .map(|p| Line {
-                label: p.policy.to_string(),
+                label: p.arm.label.clone(),
                 points: p
                     .points
                     .iter()

@@ -42,7 +42,7 @@
 use crate::bench::end_to_end::{Dialogue, SplitMix};
 use semlb_workers::tokenize::Tokenizer;
 
-use super::{Request, Workload, WorkloadKind, expected_turn_s, exponential, fit_to_context};
+use super::{Window, Workload, WorkloadKind, expected_turn_s, exponential};
 
 /// Mean think time between an answer and the next question, trace seconds.
 pub const THINK_MEAN_S: f64 = 5.0;
@@ -73,7 +73,12 @@ pub(in crate::bench) fn build(
 ) -> Workload {
     let mut rng = SplitMix(params.seed ^ 0x4848_524C_4846);
     let mut requests = Vec::new();
-    let mut truncated = 0;
+    let mut window = Window {
+        requests: &mut requests,
+        duration_s: params.duration_s,
+        max_output: params.max_output,
+        truncated: 0,
+    };
     let mut start = -WARM_UP_S;
     for conversation in 0u64.. {
         start += exponential(&mut rng, 1.0 / params.conversations_per_s);
@@ -95,21 +100,12 @@ pub(in crate::bench) fn build(
             let before = history.len();
             history.extend(tokenizer.encode(&format!("\n\nHuman: {human}\n\nAssistant:")));
             let answer_tokens = tokenizer.encode(&format!(" {answer}"));
-            let (prompt_len, output_tokens, cut) =
-                fit_to_context(history.len() as u32, answer_tokens.len() as u32, params.max_output);
-            if (0.0..params.duration_s).contains(&at) {
-                truncated += usize::from(cut);
-                requests.push(Request {
-                    at_s: at,
-                    prompt: history[..prompt_len as usize].to_vec(),
-                    output_tokens,
-                    session: Some(conversation),
-                });
-            }
+            let output_tokens = window.turn(at, &history, answer_tokens.len() as u32, conversation);
             at += expected_turn_s(history.len() - before, output_tokens) + exponential(&mut rng, THINK_MEAN_S);
             history.extend(answer_tokens);
         }
     }
+    let truncated = window.truncated;
     Workload::new(
         WorkloadKind::HhRlhf,
         requests,
@@ -127,6 +123,7 @@ mod tests {
 
     use super::*;
     use crate::bench::end_to_end::parse_dialogue;
+    use crate::bench::workload::Request;
 
     fn dialogues() -> Vec<Dialogue> {
         (0..50)

@@ -44,7 +44,7 @@
 
 use crate::bench::end_to_end::SplitMix;
 
-use super::{Request, Workload, WorkloadKind, expected_turn_s, exponential, fit_to_context, random_tokens, uniform};
+use super::{Window, Workload, WorkloadKind, expected_turn_s, exponential, random_tokens, uniform};
 
 /// Lengths of the system prompts, hottest first.
 pub const SYSTEM_PROMPT_TOKENS: [usize; 6] = [4000, 6000, 2000, 5000, 3000, 2500];
@@ -105,7 +105,12 @@ pub fn build(params: &HotPrefixParams) -> Workload {
     let popularity = popularity();
     let mut rng = SplitMix(params.seed ^ 0x4854_5052_4546);
     let mut requests = Vec::new();
-    let mut truncated = 0;
+    let mut window = Window {
+        requests: &mut requests,
+        duration_s: params.duration_s,
+        max_output: params.max_output,
+        truncated: 0,
+    };
     let mut start = -WARM_UP_S;
     for session in 0u64.. {
         start += exponential(&mut rng, 1.0 / params.sessions_per_s);
@@ -126,22 +131,14 @@ pub fn build(params: &HotPrefixParams) -> Workload {
         let mut at = start;
         for _ in 0..uniform(&mut rng, STEPS.0, STEPS.1) {
             let output = uniform(&mut rng, OUTPUT_TOKENS.0, OUTPUT_TOKENS.1);
-            let (prompt_len, output_tokens, cut) = fit_to_context(history.len() as u32, output, params.max_output);
-            if (0.0..params.duration_s).contains(&at) {
-                truncated += usize::from(cut);
-                requests.push(Request {
-                    at_s: at,
-                    prompt: history[..prompt_len as usize].to_vec(),
-                    output_tokens,
-                    session: Some(session),
-                });
-            }
+            let output_tokens = window.turn(at, &history, output, session);
             at += expected_turn_s(new_tokens, output_tokens) + exponential(&mut rng, TOOL_MEAN_S);
             let tool = uniform(&mut rng, TOOL_TOKENS.0, TOOL_TOKENS.1) as usize;
             new_tokens = output_tokens as usize + tool;
             history.extend(random_tokens(&mut rng, new_tokens));
         }
     }
+    let truncated = window.truncated;
     Workload::new(
         WorkloadKind::HotPrefix,
         requests,
@@ -161,6 +158,7 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
+    use crate::bench::workload::Request;
 
     fn params(seed: u64) -> HotPrefixParams {
         HotPrefixParams {

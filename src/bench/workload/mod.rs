@@ -143,6 +143,38 @@ pub fn fit_to_context(prompt: u32, output: u32, max_output: u32) -> (u32, u32, b
     (fitted, output, fitted < prompt)
 }
 
+/// A session's requests inside the measured window `0..duration_s`.
+pub(super) struct Window<'a> {
+    /// Where they go.
+    pub requests: &'a mut Vec<Request>,
+    /// Trace seconds measured.
+    pub duration_s: f64,
+    /// Output cap.
+    pub max_output: u32,
+    /// Requests whose prompt was cut to the context.
+    pub truncated: usize,
+}
+
+impl Window<'_> {
+    /// Adds the turn of `session` arriving `at` with `history` as its
+    /// prompt and `output` tokens to generate, fitted to the context,
+    /// if `at` falls in the window; returns the output tokens it is sent
+    /// with.
+    pub(super) fn turn(&mut self, at: f64, history: &[u32], output: u32, session: u64) -> u32 {
+        let (prompt_len, output_tokens, cut) = fit_to_context(history.len() as u32, output, self.max_output);
+        if (0.0..self.duration_s).contains(&at) {
+            self.truncated += usize::from(cut);
+            self.requests.push(Request {
+                at_s: at,
+                prompt: history[..prompt_len as usize].to_vec(),
+                output_tokens,
+                session: Some(session),
+            });
+        }
+        output_tokens
+    }
+}
+
 /// An exponential sample of mean `mean` (a Poisson process's gap).
 pub(super) fn exponential(rng: &mut SplitMix, mean: f64) -> f64 {
     -rng.unit().ln() * mean
