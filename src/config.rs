@@ -46,7 +46,7 @@
 //! | `policy.cache_aware.balance_abs_threshold` | integer | `32` | load is imbalanced only if the busiest server has more than this many requests in flight above the least busy ... |
 //! | `policy.cache_aware.balance_rel_threshold` | float | `1.1` | ... and more than this multiple (at least 1) of its load; then the least loaded server gets the request |
 //! | `[policy.selective_push]` | table | | SkyLB's selective pushing ([`crate::routing::selective_push`]) |
-//! | `policy.selective_push.mode` | `pending`, `max_outstanding` | `pending` | when a server is full: pending requests above `max_pending`, or `max_outstanding` requests in flight |
+//! | `policy.selective_push.mode` | `pending`, `unstarted`, `max_outstanding` | `pending` | when a server is full: estimated pending requests (scraped queue, tracked by the gateway) above `max_pending`; or requests without a first token above `max_pending` (strict); or `max_outstanding` requests in flight |
 //! | `policy.selective_push.max_pending` | integer | `0` | pending requests (sent, no first token; scraped `waiting` corrected by the gateway's accounting) a server may have and still take more |
 //! | `policy.selective_push.max_outstanding` | integer | `32` | requests in flight that make a server full in mode `max_outstanding` (1 to 1 000 000) |
 //! | `[policy.consistent_hash]` | table | | session-key consistent hashing ([`crate::routing::consistent_hash`]) |

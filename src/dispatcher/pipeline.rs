@@ -401,8 +401,10 @@ enum Routed {
     /// requests: choosing and counting are then confirmed together).
     Chosen(Chosen, Option<InflightGuard>),
     /// Every server the policy would use is full: queue it (the lookup's
-    /// prefix match goes with it).
-    Wait(Lookup),
+    /// prefix match goes with it). `seen`: whether the policy was asked
+    /// (else the request joined a non-empty queue unasked, and its first
+    /// look from the queue is its first look at all).
+    Wait(Lookup, bool),
     /// No server is available.
     NoServer,
 }
@@ -491,7 +493,7 @@ impl Dispatcher {
         let policy = self.policy.current_arc();
         let holds = inference && policy.holds_requests();
         if holds && !lookup.candidates.is_empty() && self.queue.len() > 0 {
-            return Routed::Wait(lookup);
+            return Routed::Wait(lookup, false);
         }
         loop {
             if lookup.candidates.is_empty() {
@@ -510,7 +512,7 @@ impl Dispatcher {
                 };
                 let Some(choice) = policy.choose(&input) else {
                     return if policy.holds_requests() {
-                        Routed::Wait(lookup)
+                        Routed::Wait(lookup, true)
                     } else {
                         Routed::NoServer
                     };
@@ -539,7 +541,7 @@ impl Dispatcher {
                 };
                 if !policy.admits(&self.counted_candidate(choice)) {
                     drop(guard);
-                    return Routed::Wait(lookup);
+                    return Routed::Wait(lookup, true);
                 }
                 Some(guard)
             } else {
@@ -619,13 +621,14 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
         };
         let (chosen, admitted) = match dispatcher.choose(route, &failed, first_lookup.take()).await {
             Routed::Chosen(chosen, guard) => (chosen, guard),
-            Routed::Wait(lookup) => {
+            Routed::Wait(lookup, seen) => {
                 let waiting = Waiting {
                     chain: chain.to_vec(),
                     prompt_tokens: route.prompt_tokens,
                     session: route.session,
                     prefix: lookup.prefix,
                     exclude: failed.clone(),
+                    seen: seen || !failed.is_empty(),
                 };
                 let since = std::time::Instant::now();
                 let admitted = match dispatcher.wait_in_queue(waiting).await {

@@ -84,6 +84,9 @@ pub(crate) struct Waiting {
     pub session: Option<u64>,
     pub prefix: PrefixMatch,
     pub exclude: Vec<ServerRef>,
+    /// Whether the policy has been asked about it already (then every look
+    /// from the queue is a [repeat](crate::routing::RouteInput::repeat)).
+    pub seen: bool,
 }
 
 #[derive(Debug)]
@@ -238,15 +241,17 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
                     prompt_tokens: r.prompt_tokens,
                     block_tokens: dispatcher.block_tokens(),
                     session: r.session,
-                    repeat: true,
+                    repeat: r.seen,
                     prefix: &r.prefix,
                     candidates: pool,
                 };
-                let Some(choice) = policy.choose(&input) else {
+                let decision = policy.choose(&input);
+                let tokens = u64::from(r.prompt_tokens);
+                state.waiters[i].request.seen = true;
+                let Some(choice) = decision else {
                     i += 1;
                     continue;
                 };
-                let tokens = u64::from(r.prompt_tokens);
                 let Some(guard) = InflightGuard::begin(&dispatcher, choice.server, tokens) else {
                     // Re-registered since the read: not a candidate any more.
                     candidates.retain(|c| c.server != choice.server);

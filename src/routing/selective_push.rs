@@ -18,6 +18,10 @@
 //!      scraped `waiting` corrected by what the gateway sent and saw start
 //!      since the scrape) is above `max_pending` (default 0: a server with
 //!      any request still waiting for its first token takes no more);
+//!    * mode `unstarted`: when more than `max_pending` requests the gateway
+//!      sent to it have no first token yet, whatever its scrapes say (the
+//!      strict reading: at `max_pending = 0` one request enters prefill at
+//!      a time; best for long prompts, a bottleneck for many short ones);
 //!    * mode `max_outstanding`: when it has `max_outstanding` requests or
 //!      more in flight through the gateway.
 //! 2. No candidate is free: `None`, and the dispatcher keeps the request in
@@ -44,6 +48,10 @@ pub enum PushMode {
     /// Full while its estimated pending requests exceed `max_pending`.
     #[default]
     Pending,
+    /// Full while more than `max_pending` requests the gateway sent have
+    /// no first token yet, whatever the engine reports: the strict reading,
+    /// one admission per engine step at `max_pending = 0`.
+    Unstarted,
     /// Full at `max_outstanding` requests in flight.
     MaxOutstanding,
 }
@@ -52,7 +60,7 @@ pub enum PushMode {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SelectivePushParams {
-    /// `pending` (default) or `max_outstanding`.
+    /// `pending` (default), `unstarted` or `max_outstanding`.
     pub mode: PushMode,
     /// Mode `pending`: a server is full above this many pending requests.
     /// Default 0; 0 to 1 000 000.
@@ -90,6 +98,7 @@ impl SelectivePushParams {
     pub fn full(&self, c: &Candidate) -> bool {
         match self.mode {
             PushMode::Pending => c.pending_estimate() > self.max_pending,
+            PushMode::Unstarted => c.pending > self.max_pending,
             PushMode::MaxOutstanding => c.inflight >= self.max_outstanding,
         }
     }
@@ -100,6 +109,7 @@ impl SelectivePushParams {
     pub fn was_free(&self, counted: &Candidate) -> bool {
         match self.mode {
             PushMode::Pending => counted.pending_estimate() <= self.max_pending + 1,
+            PushMode::Unstarted => counted.pending <= self.max_pending + 1,
             PushMode::MaxOutstanding => counted.inflight <= self.max_outstanding,
         }
     }
@@ -233,6 +243,25 @@ mod tests {
         c.load = LoadFigures::default();
         assert_eq!(c.pending_estimate(), 3);
         assert!(p.full(&c));
+    }
+
+    #[test]
+    fn unstarted_mode_ignores_the_scrape() {
+        let f = Fixture::new(1);
+        let p = SelectivePushParams {
+            mode: PushMode::Unstarted,
+            ..SelectivePushParams::default()
+        };
+        let mut c = pending(cand(f.s[0], 3, 0), 1);
+        c.load = LoadFigures {
+            scraped_at_ms: 1,
+            ..LoadFigures::default()
+        };
+        assert_eq!(c.pending_estimate(), 0, "the engine had room at the scrape");
+        assert!(p.full(&c), "but one request has no first token yet");
+        assert!(p.was_free(&c));
+        c.pending = 2;
+        assert!(!p.was_free(&c));
     }
 
     #[test]

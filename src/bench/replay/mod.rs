@@ -60,10 +60,10 @@
 //! # Runs, SLO attainment and goodput
 //!
 //! Each policy of [`PolicyKind::ALL`] (or `--policies a,b`) is a row;
-//! `selective_push` gives a second row, `selective_push/max8`, in its
-//! fixed-cap mode (`max_outstanding` requests in flight per engine,
-//! `--max-outstanding 8`; 0 drops the row), the baseline the SkyLB paper
-//! compares selective pushing with. Each row is run on each
+//! `selective_push` gives two more: `selective_push/unstarted` (its strict
+//! mode) and `selective_push/max8`, its fixed-cap mode (`max_outstanding`
+//! requests in flight per engine, `--max-outstanding 8`; 0 drops the row),
+//! the baseline the SkyLB paper compares selective pushing with. Each row is run on each
 //! workload at the rate multipliers of `--sweep` (default `0.5,1,1.5,2`; 1
 //! is always included): multiplier m divides the arrival times by m too
 //! (m × the offered rate; think and tool times shrink with it) while the
@@ -309,14 +309,22 @@ struct Arm {
 
 impl Arm {
     /// The rows `kind` gives: the policy with its defaults and, for
-    /// `selective_push` with `max_outstanding > 0`, its fixed-cap mode (the
-    /// SkyLB paper's comparison).
+    /// `selective_push`, its strict `unstarted` mode and (with
+    /// `max_outstanding > 0`) its fixed-cap mode (the SkyLB paper's
+    /// comparison).
     fn of(kind: PolicyKind, max_outstanding: u64) -> Vec<Arm> {
         let mut arms = vec![Arm {
             kind,
             label: kind.name().to_owned(),
             config: String::new(),
         }];
+        if kind == PolicyKind::SelectivePush {
+            arms.push(Arm {
+                kind,
+                label: format!("{kind}/unstarted"),
+                config: "\n[policy.selective_push]\nmode = \"unstarted\"\n".to_owned(),
+            });
+        }
         if kind == PolicyKind::SelectivePush && max_outstanding > 0 {
             arms.push(Arm {
                 kind,
