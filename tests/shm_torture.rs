@@ -248,12 +248,14 @@ fn small_version(rid: u32, mut version: u32) -> u32 {
 
 /// Load figures derived from their timestamp.
 fn figures(at: u64) -> LoadFigures {
+    // The table keeps 40 bits of the timestamp: derive from what it keeps.
+    let at = at & ((1 << 40) - 1);
     let h = mix(at ^ 0xf1f1);
     LoadFigures {
         waiting: (h & 0xff_ffff) as u32,
         running: ((h >> 24) & 0xff_ffff) as u32,
         kv_usage_permyriad: ((h >> 48) % 10_001) as u16,
-        scraped_at_ms: at & ((1 << 40) - 1),
+        scraped_at_ms: at,
         pending_at_scrape: (h.rotate_left(7) & 0xff_ffff) as u32,
     }
 }
