@@ -12,114 +12,31 @@
 //! wrong method get 4xx answers with error bodies; `[admin]` is validated
 //! at start (no token, a world-readable token file).
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
 use serde_json::{Value, json};
 
 mod support;
 
-const EXE: &str = env!("CARGO_BIN_EXE_semlb");
+use support::TempDir;
+use support::process::{EXE, Proc};
+
 const TOKEN: &str = "test-admin-token-0123456789";
 
 fn unique(tag: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos();
-    format!("semlb-admin-{tag}-{}-{nanos}", std::process::id())
+    support::process::unique("admin", tag)
 }
 
-/// A directory removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(unique(tag));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-
-    /// A token file with `mode`.
-    fn token_file(&self, token: &str, mode: u32) -> String {
-        let path = self.0.join("admin.token");
-        std::fs::write(&path, format!("{token}\n")).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
-        path.display().to_string()
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A child process that prints `... http://ADDR` as its first stdout line;
-/// its stderr is collected (and echoed).
-struct Proc {
-    child: Child,
-    addr: String,
-    stderr: Arc<Mutex<String>>,
-}
-
-impl Proc {
-    fn start(args: &[&str]) -> Proc {
-        let mut child = Command::new(EXE)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn semlb");
-        let stderr = Arc::new(Mutex::new(String::new()));
-        let sink = stderr.clone();
-        let err = child.stderr.take().expect("stderr");
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                eprintln!("{line}");
-                let mut t = sink.lock().unwrap();
-                t.push_str(&line);
-                t.push('\n');
-            }
-        });
-        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-        let mut line = String::new();
-        out.read_line(&mut line).expect("first line");
-        std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
-        let addr = line.trim().rsplit("http://").next().unwrap_or_default().to_owned();
-        assert!(addr.contains(':'), "no address in {line:?}");
-        Proc { child, addr, stderr }
-    }
-
-    fn stop(&mut self) {
-        if let Ok(Some(_)) = self.child.try_wait() {
-            return;
-        }
-        let _ = kill(Pid::from_raw(self.child.id() as i32), Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.stop();
-    }
+/// A token file with `mode` in `dir`.
+fn token_file(dir: &TempDir, token: &str, mode: u32) -> String {
+    let path = dir.0.join("admin.token");
+    std::fs::write(&path, format!("{token}\n")).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+    path.display().to_string()
 }
 
 /// A simulated engine whose simulated second lasts `time_scale` real seconds.
@@ -138,7 +55,7 @@ struct Gateway {
 impl Gateway {
     fn start(backends: &[&Proc], extra: &[&str]) -> Gateway {
         let dir = TempDir::new("gw");
-        let token_file = dir.token_file(TOKEN, 0o600);
+        let token_file = token_file(&dir, TOKEN, 0o600);
         let shm = unique("shm");
         let mut args = vec![
             "serve",
@@ -162,15 +79,13 @@ impl Gateway {
             args.extend(["--backend", u.as_str()]);
         }
         args.extend(extra);
-        let proc = Proc::start(&args);
+        let proc = Proc::spawn(&args, true);
         let mut admin = None;
         let deadline = Instant::now() + Duration::from_secs(30);
         while admin.is_none() {
             assert!(Instant::now() < deadline, "the admin API did not start");
             admin = proc
-                .stderr
-                .lock()
-                .unwrap()
+                .stderr_text()
                 .lines()
                 .find_map(|l| l.split_once("admin API on http://").map(|(_, a)| a.trim().to_owned()));
             std::thread::sleep(Duration::from_millis(20));
@@ -538,7 +453,7 @@ fn an_added_server_gets_requests_then_drains_and_leaves() {
     assert_eq!(r.json()["removed"], true);
     assert!(gw.server(&slow_address).is_none());
     assert!(
-        gw.proc.stderr.lock().unwrap().contains("admin: backend"),
+        gw.proc.stderr_text().contains("admin: backend"),
         "changes are logged"
     );
 }
@@ -631,7 +546,7 @@ fn the_admin_table_is_validated_at_start() {
         "{err}"
     );
 
-    let readable = dir.token_file(TOKEN, 0o644);
+    let readable = token_file(&dir, TOKEN, 0o644);
     let err = refused(&[&base[..], &["--admin-token-file", &readable]].concat());
     assert!(
         err.contains("admin.token_file") && err.contains("readable by every user"),

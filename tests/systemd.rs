@@ -10,11 +10,11 @@
 //! routing policy of the dispatchers, and rejects a broken file while the
 //! gateway keeps serving with the running configuration.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,134 +22,18 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::json;
 
-const EXE: &str = env!("CARGO_BIN_EXE_semlb");
+
+mod support;
+
+use support::TempDir;
+use support::process::{EXE, Proc};
 
 fn unique(tag: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos();
-    format!("semlb-sd-{tag}-{}-{nanos}", std::process::id())
-}
-
-/// A private temporary directory, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(unique(tag));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A child process that prints `... http://ADDR` as its first stdout line;
-/// its stderr is echoed and kept.
-struct Proc {
-    child: Child,
-    addr: String,
-    stderr: Arc<Mutex<String>>,
-}
-
-impl Proc {
-    fn start(args: &[&str], env: &[(&str, &str)]) -> Proc {
-        let mut cmd = Command::new(EXE);
-        cmd.args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        for var in ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"] {
-            cmd.env_remove(var);
-        }
-        cmd.envs(env.iter().copied());
-        let mut child = cmd.spawn().expect("spawn semlb");
-        let text = Arc::new(Mutex::new(String::new()));
-        let sink = text.clone();
-        let err = child.stderr.take().expect("stderr");
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                eprintln!("{line}");
-                let mut t = sink.lock().unwrap();
-                t.push_str(&line);
-                t.push('\n');
-            }
-        });
-        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-        let mut line = String::new();
-        out.read_line(&mut line).expect("first line");
-        std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
-        let addr = line.trim().rsplit("http://").next().unwrap_or_default().to_owned();
-        assert!(addr.contains(':'), "no address in {line:?}");
-        Proc {
-            child,
-            addr,
-            stderr: text,
-        }
-    }
-
-    fn pid(&self) -> Pid {
-        Pid::from_raw(self.child.id() as i32)
-    }
-
-    fn signal(&self, sig: Signal) {
-        kill(self.pid(), sig).expect("signal");
-    }
-
-    fn stderr_text(&self) -> String {
-        self.stderr.lock().unwrap().clone()
-    }
-
-    /// Waits (bounded) until its stderr contains `needle` after byte `from`.
-    fn wait_stderr(&self, from: usize, needle: &str, within: Duration) -> String {
-        let deadline = Instant::now() + within;
-        loop {
-            let text = self.stderr_text();
-            if text.get(from..).is_some_and(|t| t.contains(needle)) {
-                return text;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no {needle:?} in the log after byte {from}:\n{text}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Some(status);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = kill(self.pid(), Signal::SIGCONT);
-            let _ = kill(self.pid(), Signal::SIGTERM);
-            if self.wait_exit(Duration::from_secs(20)).is_none() {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-            }
-        }
-    }
+    support::process::unique("sd", tag)
 }
 
 fn sim() -> Proc {
-    Proc::start(&["__sim", "--listen", "127.0.0.1:0", "--time-scale", "0.01"], &[])
+    Proc::start(&["__sim", "--listen", "127.0.0.1:0", "--time-scale", "0.01"])
 }
 
 /// The notification socket systemd would own: every datagram, in order.
@@ -378,8 +262,7 @@ fn notifies_ready_watchdog_reloading_and_stopping() {
     let engine = sim();
     let shm = unique("notify");
     let backend = format!("http://{}", engine.addr);
-    let mut gw = Proc::start(
-        &[
+    let mut gw = Proc::spawn_env(&[
             "serve",
             "--listen",
             "127.0.0.1:0",
@@ -394,6 +277,7 @@ fn notifies_ready_watchdog_reloading_and_stopping() {
             "--backend",
             &backend,
         ],
+        true,
         &[("NOTIFY_SOCKET", &socket.env()), ("WATCHDOG_USEC", "2000000")],
     );
     // READY=1 means serving: the very next request is answered.
@@ -493,7 +377,7 @@ fn sighup_reloads_backends_and_policy_and_rejects_a_broken_file() {
     let config = dir.0.join("semlb.toml");
     write_config(&config, &shm, &[&a, &b], "cache_aware", "");
     let config_arg = config.display().to_string();
-    let gw = Proc::start(&["serve", "--config", &config_arg], &[("NOTIFY_SOCKET", &socket.env())]);
+    let gw = Proc::spawn_env(&["serve", "--config", &config_arg], true, &[("NOTIFY_SOCKET", &socket.env())]);
     let mut at = socket.wait_for(0, "READY=1", Duration::from_secs(30));
     let segment = shm_layout::Segment::open(&shm).expect("segment");
     let written_back = |n: u64| {
@@ -607,12 +491,12 @@ fn a_removed_backend_finishes_its_requests_before_it_leaves() {
     let socket = NotifySocket::bind(&dir.0);
     let fast = sim();
     // A real-speed engine: 400 tokens take about 4 s.
-    let slow = Proc::start(&["__sim", "--listen", "127.0.0.1:0", "--time-scale", "1"], &[]);
+    let slow = Proc::start(&["__sim", "--listen", "127.0.0.1:0", "--time-scale", "1"]);
     let shm = unique("drain");
     let config = dir.0.join("semlb.toml");
     write_config(&config, &shm, &[&fast, &slow], "round_robin", "");
     let config_arg = config.display().to_string();
-    let gw = Proc::start(&["serve", "--config", &config_arg], &[("NOTIFY_SOCKET", &socket.env())]);
+    let gw = Proc::spawn_env(&["serve", "--config", &config_arg], true, &[("NOTIFY_SOCKET", &socket.env())]);
     let at = socket.wait_for(0, "READY=1", Duration::from_secs(30));
     let segment = shm_layout::Segment::open(&shm).expect("segment");
     let slow_address = format!("http://{}", slow.addr);

@@ -8,6 +8,24 @@ pub mod http;
 pub mod process;
 pub mod redis;
 
+/// A private temporary directory, removed on drop.
+pub struct TempDir(pub std::path::PathBuf);
+
+impl TempDir {
+    /// A new directory under the system's temporary directory.
+    pub fn new(tag: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(process::unique("dir", tag));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// splitmix64's finaliser: a well-spread 64-bit function of `x`.
 pub fn mix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);

@@ -38,17 +38,27 @@ impl Proc {
     /// Like [`Proc::start`]; with `capture_stderr`, stderr is collected in
     /// [`Proc::stderr`] (and still echoed to the test's stderr).
     pub fn spawn(args: &[&str], capture_stderr: bool) -> Proc {
-        let mut child = Command::new(EXE)
-            .args(args)
+        Proc::spawn_env(args, capture_stderr, &[])
+    }
+
+    /// [`Proc::spawn`] with `env` added to its environment (systemd's
+    /// notification variables of the test's own environment are removed
+    /// first, so only a test that sets them has them).
+    pub fn spawn_env(args: &[&str], capture_stderr: bool, env: &[(&str, &str)]) -> Proc {
+        let mut cmd = Command::new(EXE);
+        cmd.args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(if capture_stderr {
                 Stdio::piped()
             } else {
                 Stdio::inherit()
-            })
-            .spawn()
-            .expect("spawn semlb");
+            });
+        for var in ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"] {
+            cmd.env_remove(var);
+        }
+        cmd.envs(env.iter().copied());
+        let mut child = cmd.spawn().expect("spawn semlb");
         let stderr = child.stderr.take().map(|err| {
             let text = Arc::new(Mutex::new(String::new()));
             let sink = text.clone();
@@ -73,6 +83,28 @@ impl Proc {
 
     pub fn pid(&self) -> Pid {
         Pid::from_raw(self.child.id() as i32)
+    }
+
+    /// Sends `sig`.
+    pub fn signal(&self, sig: Signal) {
+        kill(self.pid(), sig).expect("signal");
+    }
+
+    /// Waits (bounded) until its captured stderr contains `needle` after
+    /// byte `from`; the whole text.
+    pub fn wait_stderr(&self, from: usize, needle: &str, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let text = self.stderr_text();
+            if text.get(from..).is_some_and(|t| t.contains(needle)) {
+                return text;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {needle:?} in the log after byte {from}:\n{text}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// The captured stderr so far (empty when not captured).
@@ -103,6 +135,8 @@ impl Proc {
         if let Ok(Some(status)) = self.child.try_wait() {
             return status.code();
         }
+        // A stopped process (a test froze it) must run to handle SIGTERM.
+        let _ = kill(self.pid(), Signal::SIGCONT);
         let _ = kill(self.pid(), Signal::SIGTERM);
         if let Some(status) = self.wait_exit(Duration::from_secs(20)) {
             return status.code();
