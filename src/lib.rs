@@ -39,3 +39,16 @@ pub mod response_cache;
 pub mod routing;
 pub mod size;
 pub mod store;
+
+/// An error and its sources, for messages (the upstream HTTP client
+/// nests the cause of a failed connection several levels deep).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        source = inner.source();
+    }
+    s
+}

@@ -413,19 +413,10 @@ impl Dispatcher {
     /// `server` as a policy sees it, read from the segment now: in-flight
     /// and pending counts of this host and its fresh scraped load.
     pub(super) fn counted_candidate(&self, server: ServerRef) -> crate::routing::Candidate {
-        let servers = self.segment.tables().servers;
-        let (inflight, inflight_tokens) = servers.inflight(server);
-        let (pending, pending_tokens) = servers.pending(server);
+        let mut c = crate::routing::candidate(&self.segment.tables().servers, server);
         let now_ms = self.segment.clock().now_ms();
-        crate::routing::Candidate {
-            server,
-            inflight,
-            inflight_tokens,
-            pending,
-            pending_tokens,
-            load: crate::health::fresh_load(servers.load(server), now_ms, self.config.health.stale_after_ms)
-                .unwrap_or_default(),
-        }
+        c.load = crate::health::fresh_load(c.load, now_ms, self.config.health.stale_after_ms).unwrap_or_default();
+        c
     }
 
     /// The hashed session key of a request, from the first of the
@@ -788,7 +779,7 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
             }
             Ok(Err(e)) => {
                 dispatcher.metrics().upstream(server.slot, false);
-                last_error = format!("{address}: {}", error_chain(&e));
+                last_error = format!("{address}: {}", crate::error_chain(&e));
                 // Passive health check: a connection error.
                 dispatcher.passive_failure(server, &address, &last_error);
                 failed.push(server);
@@ -862,18 +853,6 @@ fn bad_gateway(attempts: u32, last_error: &str) -> Response<Body> {
         format!("no inference server could answer ({attempts} tried; last: {last_error})"),
         Some("upstream_unavailable"),
     )
-}
-
-/// An error and its sources, for messages.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        source = inner.source();
-    }
-    s
 }
 
 /// The live servers' addresses.

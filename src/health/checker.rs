@@ -122,7 +122,7 @@ impl Checker {
             .body(Empty::new())
             .map_err(|e| e.to_string())?;
         let exchange = async {
-            let response = self.client.request(request).await.map_err(|e| error_chain(&e))?;
+            let response = self.client.request(request).await.map_err(|e| crate::error_chain(&e))?;
             let status = response.status();
             let body = Limited::new(response.into_body(), limit)
                 .collect()
@@ -284,18 +284,6 @@ impl Checker {
             }
         }
     }
-}
-
-/// An error and its sources, for messages.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        source = inner.source();
-    }
-    s
 }
 
 #[cfg(test)]

@@ -73,7 +73,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
-use shm_layout::{LoadFigures, PrefixMatch, ServerRef, ServerState, Tables};
+use shm_layout::{LoadFigures, PrefixMatch, ServerRef, ServerState, ServerTable, Tables};
 
 pub use cache_aware::CacheAwareParams;
 pub use consistent_hash::ConsistentHashParams;
@@ -317,22 +317,28 @@ pub(crate) fn best_prefix<'c>(
     best
 }
 
+/// `server` as the table has it now: its in-flight and pending counts and
+/// its last scraped load (however old).
+pub fn candidate(servers: &ServerTable<'_>, server: ServerRef) -> Candidate {
+    let (inflight, inflight_tokens) = servers.inflight(server);
+    let (pending, pending_tokens) = servers.pending(server);
+    Candidate {
+        server,
+        inflight,
+        inflight_tokens,
+        pending,
+        pending_tokens,
+        load: servers.load(server),
+    }
+}
+
 /// Fills `out` with the servers in state `Up`, with their shared load.
 pub fn live_candidates(tables: &Tables<'_>, out: &mut Vec<Candidate>) {
     out.clear();
     let servers = &tables.servers;
     for slot in 0..servers.capacity() as u16 {
         if let Some((server, ServerState::Up)) = servers.current(slot) {
-            let (inflight, inflight_tokens) = servers.inflight(server);
-            let (pending, pending_tokens) = servers.pending(server);
-            out.push(Candidate {
-                server,
-                inflight,
-                inflight_tokens,
-                pending,
-                pending_tokens,
-                load: servers.load(server),
-            });
+            out.push(candidate(servers, server));
         }
     }
 }

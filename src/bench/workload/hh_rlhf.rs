@@ -72,13 +72,7 @@ pub(in crate::bench) fn build(
     source: &str,
 ) -> Workload {
     let mut rng = SplitMix(params.seed ^ 0x4848_524C_4846);
-    let mut requests = Vec::new();
-    let mut window = Window {
-        requests: &mut requests,
-        duration_s: params.duration_s,
-        max_output: params.max_output,
-        truncated: 0,
-    };
+    let mut window = Window::new(params.duration_s, params.max_output);
     let mut start = -WARM_UP_S;
     for conversation in 0u64.. {
         start += exponential(&mut rng, 1.0 / params.conversations_per_s);
@@ -105,7 +99,9 @@ pub(in crate::bench) fn build(
             history.extend(answer_tokens);
         }
     }
-    let truncated = window.truncated;
+    let Window {
+        requests, truncated, ..
+    } = window;
     Workload::new(
         WorkloadKind::HhRlhf,
         requests,

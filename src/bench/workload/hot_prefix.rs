@@ -104,13 +104,7 @@ pub fn build(params: &HotPrefixParams) -> Workload {
     let systems = system_prompts(params.seed);
     let popularity = popularity();
     let mut rng = SplitMix(params.seed ^ 0x4854_5052_4546);
-    let mut requests = Vec::new();
-    let mut window = Window {
-        requests: &mut requests,
-        duration_s: params.duration_s,
-        max_output: params.max_output,
-        truncated: 0,
-    };
+    let mut window = Window::new(params.duration_s, params.max_output);
     let mut start = -WARM_UP_S;
     for session in 0u64.. {
         start += exponential(&mut rng, 1.0 / params.sessions_per_s);
@@ -138,7 +132,9 @@ pub fn build(params: &HotPrefixParams) -> Workload {
             history.extend(random_tokens(&mut rng, new_tokens));
         }
     }
-    let truncated = window.truncated;
+    let Window {
+        requests, truncated, ..
+    } = window;
     Workload::new(
         WorkloadKind::HotPrefix,
         requests,

@@ -143,19 +143,31 @@ pub fn fit_to_context(prompt: u32, output: u32, max_output: u32) -> (u32, u32, b
     (fitted, output, fitted < prompt)
 }
 
-/// A session's requests inside the measured window `0..duration_s`.
-pub(super) struct Window<'a> {
-    /// Where they go.
-    pub requests: &'a mut Vec<Request>,
+/// The requests of a generated workload inside the measured window
+/// `0..duration_s`.
+pub(super) struct Window {
+    /// The requests so far.
+    pub requests: Vec<Request>,
     /// Trace seconds measured.
-    pub duration_s: f64,
+    duration_s: f64,
     /// Output cap.
-    pub max_output: u32,
+    max_output: u32,
     /// Requests whose prompt was cut to the context.
     pub truncated: usize,
 }
 
-impl Window<'_> {
+impl Window {
+    /// An empty window of `duration_s` trace seconds, outputs capped at
+    /// `max_output`.
+    pub(super) fn new(duration_s: f64, max_output: u32) -> Self {
+        Self {
+            requests: Vec::new(),
+            duration_s,
+            max_output,
+            truncated: 0,
+        }
+    }
+
     /// Adds the turn of `session` arriving `at` with `history` as its
     /// prompt and `output` tokens to generate, fitted to the context,
     /// if `at` falls in the window; returns the output tokens it is sent
