@@ -452,10 +452,7 @@ fn an_added_server_gets_requests_then_drains_and_leaves() {
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(r.json()["removed"], true);
     assert!(gw.server(&slow_address).is_none());
-    assert!(
-        gw.proc.stderr_text().contains("admin: backend"),
-        "changes are logged"
-    );
+    assert!(gw.proc.stderr_text().contains("admin: backend"), "changes are logged");
 }
 
 #[test]

@@ -22,7 +22,6 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::json;
 
-
 mod support;
 
 use support::TempDir;
@@ -262,7 +261,8 @@ fn notifies_ready_watchdog_reloading_and_stopping() {
     let engine = sim();
     let shm = unique("notify");
     let backend = format!("http://{}", engine.addr);
-    let mut gw = Proc::spawn_env(&[
+    let mut gw = Proc::spawn_env(
+        &[
             "serve",
             "--listen",
             "127.0.0.1:0",
@@ -377,7 +377,11 @@ fn sighup_reloads_backends_and_policy_and_rejects_a_broken_file() {
     let config = dir.0.join("semlb.toml");
     write_config(&config, &shm, &[&a, &b], "cache_aware", "");
     let config_arg = config.display().to_string();
-    let gw = Proc::spawn_env(&["serve", "--config", &config_arg], true, &[("NOTIFY_SOCKET", &socket.env())]);
+    let gw = Proc::spawn_env(
+        &["serve", "--config", &config_arg],
+        true,
+        &[("NOTIFY_SOCKET", &socket.env())],
+    );
     let mut at = socket.wait_for(0, "READY=1", Duration::from_secs(30));
     let segment = shm_layout::Segment::open(&shm).expect("segment");
     let written_back = |n: u64| {
@@ -496,7 +500,11 @@ fn a_removed_backend_finishes_its_requests_before_it_leaves() {
     let config = dir.0.join("semlb.toml");
     write_config(&config, &shm, &[&fast, &slow], "round_robin", "");
     let config_arg = config.display().to_string();
-    let gw = Proc::spawn_env(&["serve", "--config", &config_arg], true, &[("NOTIFY_SOCKET", &socket.env())]);
+    let gw = Proc::spawn_env(
+        &["serve", "--config", &config_arg],
+        true,
+        &[("NOTIFY_SOCKET", &socket.env())],
+    );
     let at = socket.wait_for(0, "READY=1", Duration::from_secs(30));
     let segment = shm_layout::Segment::open(&shm).expect("segment");
     let slow_address = format!("http://{}", slow.addr);
