@@ -24,7 +24,8 @@ use semlb::blocks::BlockHasher;
 use semlb::prompt::{Endpoint, RoutingInput, parse};
 use semlb::response_cache::{Tenant, key};
 use semlb::routing::{self, PolicyConfig, RouteInput, live_candidates};
-use semlb_workers::tokenize::{ChatTemplate, Tokenizer};
+use semlb_tokenizer::Tokenizer;
+use semlb_tokenizer::chat::ChatTemplate;
 use shm_layout::{LayoutPlan, Segment, Stamp};
 
 const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/data");

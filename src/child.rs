@@ -20,7 +20,8 @@ use semlb::dispatcher::{self, Dispatcher, Identity};
 use semlb::responder::{Responder, rings_for};
 use semlb::store::redis::{RedisRouting, RedisWriteBack};
 use semlb::store::{RoutingStore, StoreKind};
-use semlb_workers::tokenize::{ChatTemplate, Tokenizer};
+use semlb_tokenizer::Tokenizer;
+use semlb_tokenizer::chat::ChatTemplate;
 use shm_layout::{OpenError, Segment};
 use tokio::signal::unix::{SignalKind, signal};
 

@@ -20,8 +20,8 @@
 //! | [`redis_store`] | the Redis client of the Redis store: prefix entries, responses, in-flight counters, scripts and round trips |
 //!
 //! A dispatcher turns a request body into routing text ([`prompt`]),
-//! tokenizes it (the same tokenizer code as the simulator,
-//! `semlb_workers::tokenize`), hashes the tokens into a block chain
+//! tokenizes it (the gateway's own tokenizer crate, which the simulator shares,
+//! `semlb_tokenizer`), hashes the tokens into a block chain
 //! ([`blocks`]), looks up the response cache under the request's key
 //! ([`response_cache`]), then the prefix table, asks the configured
 //! [`routing`] policy for a server, proxies, and pushes a completion record

@@ -7,7 +7,7 @@
 //!   server together.
 //! * `POST /v1/chat/completions`: the `messages` rendered with the model's
 //!   chat template (from a tokenizer_config.json) or, without one, the
-//!   canonical rendering of `semlb_workers::tokenize::ChatTemplate`, which
+//!   canonical rendering of `semlb_tokenizer::chat::ChatTemplate`, which
 //!   keeps message boundaries so that turn N+1's prompt extends turn N's
 //!   prompt and answer. A message's `content` may be a string, a list of
 //!   parts (`{"type": "text", "text": ...}`; other part types are skipped for
@@ -18,7 +18,7 @@
 //! derived from the same value. Malformed input is a [`RequestError`], an
 //! OpenAI-style 400, never a panic.
 
-use semlb_workers::tokenize::{ChatMessage, ChatTemplate};
+use semlb_tokenizer::chat::{ChatMessage, ChatTemplate};
 use serde_json::{Map, Value};
 
 /// Which OpenAI endpoint a request is for.

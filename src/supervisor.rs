@@ -168,10 +168,10 @@ fn supervise(args: &ServeArgs) -> Result<()> {
     // Load what every dispatcher will load, so a bad file is one clear error
     // here rather than a crash loop of children.
     if let Some(path) = &config.tokenizer {
-        semlb_workers::tokenize::Tokenizer::from_file(path)?;
+        semlb_tokenizer::Tokenizer::from_file(path)?;
     }
     if let Some(path) = &config.chat_template {
-        semlb_workers::tokenize::ChatTemplate::from_tokenizer_config(path)?;
+        semlb_tokenizer::chat::ChatTemplate::from_tokenizer_config(path)?;
     }
     // The admin API's token and address, before anything starts.
     let admin = match config.admin.listen {

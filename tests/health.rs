@@ -229,11 +229,12 @@ struct FaultySim {
 
 impl FaultySim {
     fn start(faults: semlb_workers::faults::FaultConfig) -> FaultySim {
+        use semlb_tokenizer::Tokenizer;
+        use semlb_tokenizer::chat::ChatTemplate;
         use semlb_workers::config::EngineConfig;
         use semlb_workers::engine::Engine;
         use semlb_workers::metrics::MetricsFlavor;
         use semlb_workers::server::Sim;
-        use semlb_workers::tokenize::{ChatTemplate, Tokenizer};
 
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)

@@ -69,7 +69,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use semlb::blocks::BlockHasher;
 use semlb::redis_store::{RedisStore, WriteItem};
-use semlb_workers::tokenize::Tokenizer;
+use semlb_tokenizer::Tokenizer;
 use serde_json::{Value, json};
 use shm_layout::{LayoutPlan, ResponseKey, Segment, ServerRef};
 

@@ -58,7 +58,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use crate::engine::{SubmitError, Usage};
-use crate::tokenize::ChatMessage;
+use semlb_tokenizer::chat::ChatMessage;
 
 /// Header that overrides the output length (see [`output_length`]).
 pub const OUTPUT_TOKENS_HEADER: &str = "x-semlb-output-tokens";

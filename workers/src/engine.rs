@@ -98,7 +98,7 @@ use crate::prefix_cache::{Allocation, BlockHash, PrefixCache, block_hashes, bloc
 const MAX_LAG: Duration = Duration::from_millis(20);
 
 /// One request as the engine sees it: prompt token ids and the output token
-/// ids it will "generate" (drawn by the caller, see [`crate::tokenize::OutputVocab`]).
+/// ids it will "generate" (drawn by the caller, see [`crate::output_vocab::OutputVocab`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineRequest {
     /// Prompt token ids.

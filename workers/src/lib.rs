@@ -10,7 +10,7 @@
 //! | module | concept |
 //! | --- | --- |
 //! | [`config`] | every model parameter and flag, with defaults and why they are realistic |
-//! | [`tokenize`] | the real HF tokenizer, chat rendering, deterministic output tokens |
+//! | [`output_vocab`] | the deterministic output tokens (single-token words that re-tokenize to themselves) |
 //! | [`prefix_cache`] | vLLM-style block KV cache: chained block hashes, LRU of unreferenced blocks |
 //! | [`engine`] | continuous batching: FIFO queue, batch limits, prefill/decode timing, stats |
 //! | [`metrics`] | histograms and the Prometheus text exposition (vLLM and SGLang names) |
@@ -21,7 +21,8 @@
 //! # Flow
 //!
 //! `server` parses a request with `api`, renders and tokenizes the prompt
-//! with `tokenize`, draws the output tokens, and submits both to the
+//! with `semlb_tokenizer` (the gateway's own tokenizer and chat templates),
+//! draws the output tokens with `output_vocab`, and submits both to the
 //! `engine`. The engine queues the request until the batch has room,
 //! looks its prompt up in the `prefix_cache`, sleeps the simulated prefill
 //! and decode time (scaled by `time_scale`), and streams events back; the
@@ -33,6 +34,6 @@ pub mod config;
 pub mod engine;
 pub mod faults;
 pub mod metrics;
+pub mod output_vocab;
 pub mod prefix_cache;
 pub mod server;
-pub mod tokenize;

@@ -18,12 +18,13 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use semlb_tokenizer::Tokenizer;
+use semlb_tokenizer::chat::ChatTemplate;
 use semlb_workers::config::EngineConfig;
 use semlb_workers::engine::Engine;
 use semlb_workers::faults::FaultConfig;
 use semlb_workers::metrics::MetricsFlavor;
 use semlb_workers::server::{Sim, serve};
-use semlb_workers::tokenize::{ChatTemplate, Tokenizer};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
 /// A simulated OpenAI-compatible inference server (vLLM-like prefix KV

@@ -70,7 +70,9 @@ use crate::api::{
 use crate::engine::{Engine, EngineRequest, EngineStream, Event, SubmitError, Usage};
 use crate::faults::{Decision, FaultConfig, Faults};
 use crate::metrics::{self, MetricsFlavor};
-use crate::tokenize::{ChatTemplate, OutputVocab, Tokenizer};
+use crate::output_vocab::OutputVocab;
+use semlb_tokenizer::Tokenizer;
+use semlb_tokenizer::chat::ChatTemplate;
 
 /// Largest request body accepted (larger ones get 413).
 pub const MAX_BODY_BYTES: usize = 32 << 20;

@@ -126,7 +126,7 @@ use std::sync::Arc;
 use anyhow::{Result, bail};
 use clap::Args;
 use semlb::routing::PolicyKind;
-use semlb_workers::tokenize::Tokenizer;
+use semlb_tokenizer::Tokenizer;
 use serde_json::{Value, json};
 
 use self::drive::{RunResult, RunSpec, run_once};

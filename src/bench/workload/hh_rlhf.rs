@@ -40,7 +40,7 @@
 //! here is queueing and batch balance more than prefix hits.
 
 use crate::bench::end_to_end::{Dialogue, SplitMix};
-use semlb_workers::tokenize::Tokenizer;
+use semlb_tokenizer::Tokenizer;
 
 use super::{Window, Workload, WorkloadKind, expected_turn_s, exponential};
 
