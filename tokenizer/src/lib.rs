@@ -29,10 +29,12 @@
 //! `<|im_start|>`, are still recognised as the added tokens they are, as a
 //! real server does with a rendered chat prompt.
 
+mod cache;
 pub mod chat;
+mod native;
 
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// A tokenizer file that could not be read or parsed.
 #[derive(Debug, thiserror::Error)]
@@ -95,11 +97,38 @@ pub struct SegmentCacheStats {
     pub capacity_bytes: usize,
 }
 
+/// One segment of a text, as the tokenizer cuts it before tokenizing
+/// (see [`Tokenizer::segments`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Segment {
+    /// Its bytes in the text.
+    pub range: std::ops::Range<usize>,
+    /// Whether it is an added (special) token, else text.
+    pub added_token: bool,
+    /// Its ids.
+    pub ids: Vec<u32>,
+}
+
+/// The segment cache's size unless set ([`Tokenizer::with_segment_cache`]).
+pub const DEFAULT_SEGMENT_CACHE_BYTES: usize = 16 << 20;
+
+/// The implementation behind a [`Tokenizer`].
+#[derive(Debug)]
+enum Implementation {
+    Native(Box<native::NativeTokenizer>),
+    Hf(Box<tokenizers::Tokenizer>),
+}
+
 /// A loaded tokenizer. Cheap to clone (the model and caches are shared).
+///
+/// It may be used from several threads: the caches sit behind a lock that
+/// a call only tries to take, and a call that finds it taken tokenizes
+/// without the caches (the same ids, more work) instead of waiting.
 #[derive(Debug, Clone)]
 pub struct Tokenizer {
-    inner: Arc<tokenizers::Tokenizer>,
+    implementation: Arc<Implementation>,
     engine: Engine,
+    caches: Arc<Mutex<native::Caches>>,
 }
 
 impl Tokenizer {
@@ -113,23 +142,49 @@ impl Tokenizer {
     }
 
     /// A tokenizer from the text of a tokenizer.json; `source` names it in
-    /// errors.
+    /// errors. The native engine takes it if it reproduces it exactly
+    /// ([`Engine`] says which one did, and why not the native one).
     pub fn from_json(json: &[u8], source: &str) -> Result<Self, LoadError> {
-        let inner = tokenizers::Tokenizer::from_bytes(json).map_err(|e| LoadError {
+        let load_err = |reason: String| LoadError {
             path: source.to_owned(),
-            reason: e.to_string(),
-        })?;
-        Ok(Self {
-            inner: Arc::new(inner),
-            engine: Engine::Hf {
-                reason: "the native engine is not built yet".into(),
-            },
-        })
+            reason,
+        };
+        let mut value: serde_json::Value =
+            serde_json::from_slice(json).map_err(|e| load_err(format!("not JSON: {e}")))?;
+        let reason = match native::spec::read(&mut value) {
+            Ok(spec) => {
+                let dialect = spec.dialect;
+                match native::NativeTokenizer::new(spec) {
+                    Ok(native) => {
+                        return Ok(Self::with(
+                            Implementation::Native(Box::new(native)),
+                            Engine::Native {
+                                dialect: dialect.name(),
+                            },
+                        ));
+                    }
+                    Err(e @ native::BpeError::MergeOutOfVocabulary { .. }) => return Err(load_err(e.to_string())),
+                    Err(e) => e.to_string(),
+                }
+            }
+            Err(native::spec::NotNative::Invalid(reason)) => return Err(load_err(reason)),
+            Err(native::spec::NotNative::Unsupported(reason)) => reason,
+        };
+        let hf = tokenizers::Tokenizer::from_bytes(json).map_err(|e| load_err(e.to_string()))?;
+        Ok(Self::with(Implementation::Hf(Box::new(hf)), Engine::Hf { reason }))
+    }
+
+    fn with(implementation: Implementation, engine: Engine) -> Self {
+        Self {
+            implementation: Arc::new(implementation),
+            engine,
+            caches: Arc::new(Mutex::new(native::Caches::new(DEFAULT_SEGMENT_CACHE_BYTES))),
+        }
     }
 
     /// The tokenizer bundled in the binary (Microsoft Phi-2's, the GPT-2
     /// vocabulary; `tokenizer/assets/phi2-tokenizer.json`). Parsed once per
-    /// process; later calls share it.
+    /// process; later calls share it, caches included.
     pub fn bundled() -> Self {
         static BUNDLED: OnceLock<Tokenizer> = OnceLock::new();
         BUNDLED
@@ -149,7 +204,7 @@ impl Tokenizer {
     /// in the text are recognised).
     ///
     /// Byte-level BPE tokenizers such as the bundled one encode any text;
-    /// should a tokenizer fail on some text, the result is empty.
+    /// should the HF engine fail on some text, the result is empty.
     pub fn encode(&self, text: &str) -> Vec<u32> {
         let mut out = Vec::new();
         self.encode_into(text, &mut out);
@@ -158,33 +213,99 @@ impl Tokenizer {
 
     /// [`encode`](Self::encode), appending the ids to `out`.
     pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
-        if let Ok(encoding) = self.inner.encode(text, false) {
-            out.extend_from_slice(encoding.get_ids());
+        match &*self.implementation {
+            Implementation::Native(native) => {
+                let mut caches = self.caches.try_lock().ok();
+                native.encode(text, caches.as_deref_mut(), out);
+            }
+            Implementation::Hf(hf) => {
+                if let Ok(encoding) = hf.encode(text, false) {
+                    out.extend_from_slice(encoding.get_ids());
+                }
+            }
         }
     }
 
-    /// The same tokenizer with a segment cache of at most `bytes` (0 turns
-    /// it off): each segment of a text (see the crate docs) is tokenized
-    /// once and its ids reused.
+    /// [`encode`](Self::encode) without the caches (what a first sight of
+    /// every word costs; for benchmarks and tests).
+    pub fn encode_uncached(&self, text: &str) -> Vec<u32> {
+        let mut out = Vec::new();
+        match &*self.implementation {
+            Implementation::Native(native) => native.encode(text, None, &mut out),
+            Implementation::Hf(_) => self.encode_into(text, &mut out),
+        }
+        out
+    }
+
+    /// The segments of `text` with their ids: the added tokens, and the
+    /// pieces of text the segment cache keeps on their own. With the HF
+    /// engine, the whole text is one segment.
+    pub fn segments(&self, text: &str) -> Vec<Segment> {
+        let Implementation::Native(native) = &*self.implementation else {
+            return vec![Segment {
+                range: 0..text.len(),
+                added_token: false,
+                ids: self.encode(text),
+            }];
+        };
+        let base = text.as_ptr() as usize;
+        let mut out = Vec::new();
+        native.segments(text, |piece| {
+            let (part, added_token, ids) = match piece {
+                native::added::Piece::Added(id, part) => (part, true, vec![id]),
+                native::added::Piece::Text(part) => {
+                    let mut ids = Vec::new();
+                    native.encode(part, None, &mut ids);
+                    (part, false, ids)
+                }
+            };
+            let start = part.as_ptr() as usize - base;
+            out.push(Segment {
+                range: start..start + part.len(),
+                added_token,
+                ids,
+            });
+        });
+        out
+    }
+
+    /// The same tokenizer with its own segment cache of at most `bytes` (0
+    /// turns it off; the word cache stays): each segment of a text (see the
+    /// crate docs) is tokenized once and its ids reused.
     pub fn with_segment_cache(self, bytes: usize) -> Self {
-        let _ = bytes;
-        self
+        Self {
+            caches: Arc::new(Mutex::new(native::Caches::new(bytes))),
+            ..self
+        }
     }
 
     /// What the segment cache has done so far.
     pub fn segment_cache_stats(&self) -> SegmentCacheStats {
-        SegmentCacheStats::default()
+        let caches = self.caches.lock().unwrap_or_else(|e| e.into_inner());
+        SegmentCacheStats {
+            hits: caches.hits,
+            misses: caches.misses,
+            entries: caches.segments.as_ref().map_or(0, |s| s.len()),
+            bytes: caches.segments.as_ref().map_or(0, |s| s.bytes()),
+            capacity_bytes: caches.segments.as_ref().map_or(0, |s| s.budget()),
+        }
     }
 
     /// Text of `ids` (special tokens kept). Ids outside the vocabulary are
     /// left out; should decoding fail altogether, the result is empty.
     pub fn decode(&self, ids: &[u32]) -> String {
-        self.inner.decode(ids, false).unwrap_or_default()
+        match &*self.implementation {
+            Implementation::Native(native) => native.decode(ids),
+            Implementation::Hf(hf) => hf.decode(ids, false).unwrap_or_default(),
+        }
     }
 
     /// Number of token ids, added tokens included.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        match &*self.implementation {
+            Implementation::Native(native) => native.vocab_size(),
+            Implementation::Hf(hf) => hf.get_vocab_size(true),
+        }
     }
 }
 
@@ -247,7 +368,15 @@ mod tests {
 
     #[test]
     fn bundled_is_shared() {
-        assert!(Arc::ptr_eq(&Tokenizer::bundled().inner, &Tokenizer::bundled().inner));
+        assert!(Arc::ptr_eq(
+            &Tokenizer::bundled().implementation,
+            &Tokenizer::bundled().implementation
+        ));
+        assert!(
+            Tokenizer::bundled().engine().is_native(),
+            "{}",
+            Tokenizer::bundled().engine()
+        );
     }
 
     #[test]
