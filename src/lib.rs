@@ -7,6 +7,7 @@
 //!
 //! | module | concept |
 //! | --- | --- |
+//! | [`body`] | the request body parsed once: a JSON tree borrowing its strings from the body |
 //! | [`prompt`] | the routing text of an OpenAI request: completions prompt forms, rendered chat messages |
 //! | [`blocks`] | token ids → the chain of block hashes the shm prefix table is keyed by |
 //! | [`response_cache`] | the exact-request key of the response cache, tenants, cacheability, TTL-stamped entries |
@@ -28,6 +29,7 @@
 //! that a response process applies ([`responder`]).
 
 pub mod blocks;
+pub mod body;
 pub mod config;
 pub mod dispatcher;
 pub mod health;

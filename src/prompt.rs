@@ -13,13 +13,18 @@
 //!   parts (`{"type": "text", "text": ...}`; other part types are skipped for
 //!   routing), or null (an assistant message with tool calls).
 //!
-//! The body is parsed once into a `serde_json::Value` and kept: the
-//! dispatcher forwards the original bytes, and the response-cache key is
-//! derived from the same value. Malformed input is a [`RequestError`], an
-//! OpenAI-style 400, never a panic.
+//! The body is parsed once into a [`Json`] tree that borrows its strings
+//! from the body ([`crate::body`]) and is kept: the dispatcher forwards the
+//! original bytes, and the response-cache key, the session key and the
+//! stream options are read from the same tree. Malformed input is a
+//! [`RequestError`], an OpenAI-style 400, never a panic.
+
+use std::borrow::Cow;
 
 use semlb_tokenizer::chat::{ChatMessage, ChatTemplate};
-use serde_json::{Map, Value};
+use serde_json::Value;
+
+use crate::body::{Json, Object};
 
 /// Which OpenAI endpoint a request is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -42,26 +47,40 @@ impl Endpoint {
 
 /// What the dispatcher tokenizes (or already has as tokens).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RoutingInput {
-    /// Text to tokenize.
-    Text(String),
+pub enum RoutingInput<'a> {
+    /// Text to tokenize (a completions prompt borrowed from the body, or a
+    /// rendered chat prompt).
+    Text(Cow<'a, str>),
     /// Token ids given by the client.
     Tokens(Vec<u32>),
 }
 
-/// A parsed and checked request.
+/// A parsed and checked request, borrowing from its body.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ParsedRequest {
+pub struct ParsedRequest<'a> {
     /// The endpoint.
     pub endpoint: Endpoint,
     /// The `model` field.
-    pub model: String,
+    pub model: Cow<'a, str>,
     /// Whether the client asked for SSE.
     pub stream: bool,
     /// What routes it.
-    pub input: RoutingInput,
+    pub input: RoutingInput<'a>,
     /// The whole body.
-    pub body: Map<String, Value>,
+    pub body: Object<'a>,
+}
+
+impl ParsedRequest<'_> {
+    /// Whether a streamed answer should end with a usage chunk
+    /// (`stream_options.include_usage`).
+    pub fn include_usage(&self) -> bool {
+        self.body
+            .get("stream_options")
+            .and_then(Json::as_object)
+            .and_then(|o| o.get("include_usage"))
+            .and_then(Json::as_bool)
+            .unwrap_or(false)
+    }
 }
 
 /// A request the gateway refuses: an OpenAI-style `invalid_request_error`.
@@ -95,45 +114,38 @@ impl RequestError {
     }
 }
 
-fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
 /// Parses and checks a request body for `endpoint`, rendering chat messages
 /// with `template`.
-pub fn parse(endpoint: Endpoint, body: &[u8], template: &ChatTemplate) -> Result<ParsedRequest, RequestError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| RequestError::new(format!("the request body is not valid JSON: {e}"), None))?;
-    let Value::Object(body) = value else {
+pub fn parse<'a>(
+    endpoint: Endpoint,
+    body: &'a [u8],
+    template: &ChatTemplate,
+) -> Result<ParsedRequest<'a>, RequestError> {
+    let value =
+        Json::parse(body).map_err(|e| RequestError::new(format!("the request body is not valid JSON: {e}"), None))?;
+    let Json::Object(body) = value else {
         return Err(RequestError::new(
-            format!("the request body must be a JSON object, not {}", kind(&value)),
+            format!("the request body must be a JSON object, not {}", value.kind()),
             None,
         ));
     };
     let model = match body.get("model") {
-        Some(Value::String(m)) if !m.is_empty() => m.clone(),
-        Some(Value::String(_)) => return Err(RequestError::new("'model' must not be empty", Some("model"))),
+        Some(Json::String(m)) if !m.is_empty() => m.clone(),
+        Some(Json::String(_)) => return Err(RequestError::new("'model' must not be empty", Some("model"))),
         Some(v) => {
             return Err(RequestError::new(
-                format!("'model' must be a string, not {}", kind(v)),
+                format!("'model' must be a string, not {}", v.kind()),
                 Some("model"),
             ));
         }
         None => return Err(RequestError::new("'model' is required", Some("model"))),
     };
     let stream = match body.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
+        None | Some(Json::Null) => false,
+        Some(Json::Bool(b)) => *b,
         Some(v) => {
             return Err(RequestError::new(
-                format!("'stream' must be a boolean, not {}", kind(v)),
+                format!("'stream' must be a boolean, not {}", v.kind()),
                 Some("stream"),
             ));
         }
@@ -141,7 +153,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], template: &ChatTemplate) -> Result
     check_numbers(&body)?;
     let input = match endpoint {
         Endpoint::Completions => completions_input(body.get("prompt"))?,
-        Endpoint::ChatCompletions => RoutingInput::Text(chat_text(body.get("messages"), template)?),
+        Endpoint::ChatCompletions => RoutingInput::Text(Cow::Owned(chat_text(body.get("messages"), template)?)),
     };
     Ok(ParsedRequest {
         endpoint,
@@ -154,7 +166,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], template: &ChatTemplate) -> Result
 
 /// Generation parameters every engine validates; checking their types here
 /// turns a wrong type into a 400 from the gateway instead of a backend error.
-fn check_numbers(body: &Map<String, Value>) -> Result<(), RequestError> {
+fn check_numbers(body: &Object<'_>) -> Result<(), RequestError> {
     const NUMBERS: [&str; 6] = [
         "temperature",
         "top_p",
@@ -166,8 +178,8 @@ fn check_numbers(body: &Map<String, Value>) -> Result<(), RequestError> {
     const COUNTS: [&str; 2] = ["max_tokens", "max_completion_tokens"];
     for name in NUMBERS.into_iter().chain(COUNTS) {
         match body.get(name) {
-            None | Some(Value::Null) => {}
-            Some(Value::Number(n)) => {
+            None | Some(Json::Null) => {}
+            Some(Json::Number(n)) => {
                 let param = Some(name);
                 if COUNTS.contains(&name) && n.as_u64().is_none_or(|v| v == 0) {
                     return Err(RequestError::new(
@@ -185,7 +197,7 @@ fn check_numbers(body: &Map<String, Value>) -> Result<(), RequestError> {
             Some(v) => {
                 let param = NUMBERS.iter().chain(&COUNTS).find(|p| **p == name).copied();
                 return Err(RequestError::new(
-                    format!("'{name}' must be a number, not {}", kind(v)),
+                    format!("'{name}' must be a number, not {}", v.kind()),
                     param,
                 ));
             }
@@ -194,33 +206,33 @@ fn check_numbers(body: &Map<String, Value>) -> Result<(), RequestError> {
     Ok(())
 }
 
-fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
+fn token_ids(items: &[Json<'_>]) -> Option<Vec<u32>> {
     items
         .iter()
         .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
         .collect()
 }
 
-fn completions_input(prompt: Option<&Value>) -> Result<RoutingInput, RequestError> {
+fn completions_input<'a>(prompt: Option<&Json<'a>>) -> Result<RoutingInput<'a>, RequestError> {
     let param = Some("prompt");
     let bad = |what: String| Err(RequestError::new(what, param));
     match prompt {
-        None | Some(Value::Null) => bad("'prompt' is required".into()),
-        Some(Value::String(s)) if s.is_empty() => bad("'prompt' must not be empty".into()),
-        Some(Value::String(s)) => Ok(RoutingInput::Text(s.clone())),
-        Some(Value::Array(items)) => match items.first() {
+        None | Some(Json::Null) => bad("'prompt' is required".into()),
+        Some(Json::String(s)) if s.is_empty() => bad("'prompt' must not be empty".into()),
+        Some(Json::String(s)) => Ok(RoutingInput::Text(s.clone())),
+        Some(Json::Array(items)) => match items.first() {
             None => bad("'prompt' must not be an empty list".into()),
-            Some(Value::String(_)) => match items.iter().position(|v| !v.is_string()) {
-                Some(i) => bad(format!("'prompt' mixes strings with {} at index {i}", kind(&items[i]))),
-                None if items[0].as_str().is_some_and(str::is_empty) => bad("'prompt' must not be empty".into()),
-                None => Ok(RoutingInput::Text(items[0].as_str().unwrap_or_default().to_owned())),
+            Some(Json::String(first)) => match items.iter().position(|v| v.as_str().is_none()) {
+                Some(i) => bad(format!("'prompt' mixes strings with {} at index {i}", items[i].kind())),
+                None if first.is_empty() => bad("'prompt' must not be empty".into()),
+                None => Ok(RoutingInput::Text(first.clone())),
             },
-            Some(Value::Number(_)) => match token_ids(items) {
+            Some(Json::Number(_)) => match token_ids(items) {
                 Some(ids) => Ok(RoutingInput::Tokens(ids)),
                 None => bad("'prompt' token ids must be integers from 0 to 4294967295".into()),
             },
-            Some(Value::Array(first)) => {
-                if items.iter().any(|v| !v.is_array()) {
+            Some(Json::Array(first)) => {
+                if items.iter().any(|v| v.as_array().is_none()) {
                     return bad("'prompt' mixes token-id lists with other values".into());
                 }
                 match token_ids(first) {
@@ -231,32 +243,34 @@ fn completions_input(prompt: Option<&Value>) -> Result<RoutingInput, RequestErro
             }
             Some(v) => bad(format!(
                 "'prompt' must be a string, a list of strings or token ids, not a list of {}",
-                kind(v).trim_start_matches("a ").trim_start_matches("an ")
+                v.kind().trim_start_matches("a ").trim_start_matches("an ")
             )),
         },
         Some(v) => bad(format!(
             "'prompt' must be a string, a list of strings or token ids, not {}",
-            kind(v)
+            v.kind()
         )),
     }
 }
 
-fn message_text(i: usize, content: Option<&Value>) -> Result<String, RequestError> {
+/// A message's text: its `content` string (borrowed), its text parts
+/// joined, or empty.
+fn message_text<'b>(i: usize, content: Option<&'b Json<'_>>) -> Result<Cow<'b, str>, RequestError> {
     let param = Some("messages");
     match content {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(parts)) => {
+        None | Some(Json::Null) => Ok(Cow::Borrowed("")),
+        Some(Json::String(s)) => Ok(Cow::Borrowed(s)),
+        Some(Json::Array(parts)) => {
             let mut text = String::new();
             for (j, part) in parts.iter().enumerate() {
-                let Value::Object(part) = part else {
+                let Json::Object(part) = part else {
                     return Err(RequestError::new(
                         format!("messages[{i}].content[{j}] must be an object"),
                         param,
                     ));
                 };
-                match (part.get("type").and_then(Value::as_str), part.get("text")) {
-                    (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                match (part.get("type").and_then(Json::as_str), part.get("text")) {
+                    (Some("text"), Some(Json::String(t))) => text.push_str(t),
                     (Some("text"), _) => {
                         return Err(RequestError::new(
                             format!("messages[{i}].content[{j}].text must be a string"),
@@ -272,43 +286,43 @@ fn message_text(i: usize, content: Option<&Value>) -> Result<String, RequestErro
                     }
                 }
             }
-            Ok(text)
+            Ok(Cow::Owned(text))
         }
         Some(v) => Err(RequestError::new(
             format!(
                 "messages[{i}].content must be a string, a list of parts or null, not {}",
-                kind(v)
+                v.kind()
             ),
             param,
         )),
     }
 }
 
-fn chat_text(messages: Option<&Value>, template: &ChatTemplate) -> Result<String, RequestError> {
+fn chat_text(messages: Option<&Json<'_>>, template: &ChatTemplate) -> Result<String, RequestError> {
     let param = Some("messages");
     let messages = match messages {
-        None | Some(Value::Null) => return Err(RequestError::new("'messages' is required", param)),
-        Some(Value::Array(m)) if m.is_empty() => {
+        None | Some(Json::Null) => return Err(RequestError::new("'messages' is required", param)),
+        Some(Json::Array(m)) if m.is_empty() => {
             return Err(RequestError::new("'messages' must not be empty", param));
         }
-        Some(Value::Array(m)) => m,
+        Some(Json::Array(m)) => m,
         Some(v) => {
             return Err(RequestError::new(
-                format!("'messages' must be a list, not {}", kind(v)),
+                format!("'messages' must be a list, not {}", v.kind()),
                 param,
             ));
         }
     };
     let mut rendered = Vec::with_capacity(messages.len());
     for (i, m) in messages.iter().enumerate() {
-        let Value::Object(m) = m else {
+        let Json::Object(m) = m else {
             return Err(RequestError::new(
-                format!("messages[{i}] must be an object, not {}", kind(m)),
+                format!("messages[{i}] must be an object, not {}", m.kind()),
                 param,
             ));
         };
         let role = match m.get("role") {
-            Some(Value::String(r)) if !r.is_empty() => r.clone(),
+            Some(Json::String(r)) if !r.is_empty() => r,
             _ => {
                 return Err(RequestError::new(
                     format!("messages[{i}].role must be a non-empty string"),
@@ -317,8 +331,8 @@ fn chat_text(messages: Option<&Value>, template: &ChatTemplate) -> Result<String
             }
         };
         rendered.push(ChatMessage {
-            role,
-            content: message_text(i, m.get("content"))?,
+            role: role.to_string(),
+            content: message_text(i, m.get("content"))?.into_owned(),
         });
     }
     template
@@ -330,17 +344,19 @@ fn chat_text(messages: Option<&Value>, template: &ChatTemplate) -> Result<String
 mod tests {
     use super::*;
 
-    fn chat(body: &str) -> Result<ParsedRequest, RequestError> {
+    fn chat(body: &str) -> Result<ParsedRequest<'_>, RequestError> {
         parse(Endpoint::ChatCompletions, body.as_bytes(), &ChatTemplate::canonical())
     }
 
-    fn completion(body: &str) -> Result<ParsedRequest, RequestError> {
+    fn completion(body: &str) -> Result<ParsedRequest<'_>, RequestError> {
         parse(Endpoint::Completions, body.as_bytes(), &ChatTemplate::canonical())
     }
 
     #[test]
     fn completion_prompt_forms() {
-        let text = |b: &str| completion(b).unwrap().input;
+        fn text(b: &str) -> RoutingInput<'_> {
+            completion(b).unwrap().input
+        }
         assert_eq!(text(r#"{"model":"m","prompt":"hi"}"#), RoutingInput::Text("hi".into()));
         assert_eq!(
             text(r#"{"model":"m","prompt":["a","b"]}"#),
@@ -357,7 +373,12 @@ mod tests {
         let r = completion(r#"{"model":"m","prompt":"x","stream":true,"extra":{"k":1}}"#).unwrap();
         assert!(r.stream);
         assert_eq!(r.model, "m");
-        assert_eq!(r.body["extra"]["k"], 1, "unknown fields are kept for the backend");
+        let extra = r.body.get("extra").and_then(Json::as_object);
+        assert_eq!(
+            extra.and_then(|e| e.get("k")).and_then(Json::as_u64),
+            Some(1),
+            "unknown fields are kept for the backend"
+        );
     }
 
     #[test]

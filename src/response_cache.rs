@@ -4,11 +4,14 @@
 //! response log ([`shm_layout::ResponseLog`]).
 //!
 //! * **Key**: XXH3-128 over the tenant, the endpoint, and the request body
-//!   in canonical JSON (object keys sorted) without the fields that do not
-//!   change the answer's content (`stream`, `stream_options`). The model,
-//!   the prompt or messages and every generation parameter are in the body,
-//!   so any difference is a different key; a streamed and a non-streamed
-//!   request share an entry (the stream is replayed from the stored JSON).
+//!   in a canonical form (object keys sorted, a repeated key once with its
+//!   last value, every value typed and length-prefixed) without the fields
+//!   that do not change the answer's content (`stream`, `stream_options`).
+//!   The model, the prompt or messages and every generation parameter are
+//!   in the body, so any difference is a different key; a streamed and a
+//!   non-streamed request share an entry (the stream is replayed from the
+//!   stored JSON). The body's parsed tree ([`crate::body`]) is fed to the
+//!   hash as it is walked: nothing is cloned or serialised again.
 //! * **Tenant**: the hashed API key (`Authorization: Bearer …`), so a
 //!   cached answer never crosses tenants; requests without a key share the
 //!   anonymous tenant; [`Scope::Global`] (operator's choice) shares answers
@@ -21,8 +24,9 @@
 //!   clock) followed by the response body; a lookup older than the TTL is a
 //!   miss.
 
-use serde_json::{Map, Value};
+use xxhash_rust::xxh3::Xxh3;
 
+use crate::body::{Json, Object};
 use crate::prompt::Endpoint;
 
 /// Who may share cached answers.
@@ -64,20 +68,64 @@ impl Tenant {
 const PRESENTATION_ONLY: [&str; 2] = ["stream", "stream_options"];
 
 /// The cache key of a request.
-pub fn key(tenant: Tenant, endpoint: Endpoint, body: &Map<String, Value>) -> shm_layout::ResponseKey {
-    // serde_json's Map is a BTreeMap (no `preserve_order`), so serialising
-    // it gives canonical JSON with sorted keys at every level.
-    let mut canonical = Vec::with_capacity(256);
-    canonical.extend_from_slice(&tenant.0.to_le_bytes());
-    canonical.extend_from_slice(endpoint.path().as_bytes());
-    canonical.push(0);
-    let filtered: Map<String, Value> = body
-        .iter()
-        .filter(|(k, _)| !PRESENTATION_ONLY.contains(&k.as_str()))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    serde_json::to_writer(&mut canonical, &filtered).expect("serialising JSON values into a Vec cannot fail");
-    shm_layout::ResponseKey(xxhash_rust::xxh3::xxh3_128(&canonical))
+pub fn key(tenant: Tenant, endpoint: Endpoint, body: &Object<'_>) -> shm_layout::ResponseKey {
+    let mut h = Xxh3::new();
+    h.update(&tenant.0.to_le_bytes());
+    h.update(endpoint.path().as_bytes());
+    h.update(&[0]);
+    hash_object(&mut h, body, &PRESENTATION_ONLY);
+    shm_layout::ResponseKey(h.digest128())
+}
+
+/// Feeds `object`'s canonical form to `h`, leaving out the keys in `skip`.
+fn hash_object(h: &mut Xxh3, object: &Object<'_>, skip: &[&str]) {
+    let mut entries = object.canonical();
+    entries.retain(|(key, _)| !skip.contains(key));
+    h.update(b"{");
+    h.update(&(entries.len() as u64).to_le_bytes());
+    for (key, value) in entries {
+        hash_str(h, key);
+        hash_value(h, value);
+    }
+    h.update(b"}");
+}
+
+fn hash_str(h: &mut Xxh3, s: &str) {
+    h.update(b"s");
+    h.update(&(s.len() as u64).to_le_bytes());
+    h.update(s.as_bytes());
+}
+
+/// Feeds a value's canonical form to `h`: a type tag, then its content
+/// (numbers in serde_json's shortest text, so `0` and `0.0` differ as they
+/// did in the serialised form).
+fn hash_value(h: &mut Xxh3, value: &Json<'_>) {
+    match value {
+        Json::Null => h.update(b"n"),
+        Json::Bool(b) => h.update(if *b { b"t" } else { b"f" }),
+        Json::Number(n) => {
+            struct Feed<'h>(&'h mut Xxh3);
+            impl std::fmt::Write for Feed<'_> {
+                fn write_str(&mut self, s: &str) -> std::fmt::Result {
+                    self.0.update(s.as_bytes());
+                    Ok(())
+                }
+            }
+            h.update(b"#");
+            let _ = std::fmt::Write::write_fmt(&mut Feed(h), format_args!("{n}"));
+            h.update(b";");
+        }
+        Json::String(s) => hash_str(h, s),
+        Json::Array(items) => {
+            h.update(b"[");
+            h.update(&(items.len() as u64).to_le_bytes());
+            for item in items {
+                hash_value(h, item);
+            }
+            h.update(b"]");
+        }
+        Json::Object(object) => hash_object(h, object, &[]),
+    }
 }
 
 /// What the cache may do for one request.
@@ -106,9 +154,9 @@ impl Cacheability {
 /// Whether a request's answer is a function of the request alone:
 /// `temperature` explicitly 0, or a `seed` given (`n` > 1 with a seed is
 /// deterministic too).
-pub fn is_deterministic(body: &Map<String, Value>) -> bool {
-    let zero_temperature = body.get("temperature").and_then(Value::as_f64) == Some(0.0);
-    let seeded = body.get("seed").is_some_and(|s| s.is_i64() || s.is_u64());
+pub fn is_deterministic(body: &Object<'_>) -> bool {
+    let zero_temperature = body.get("temperature").and_then(Json::as_f64) == Some(0.0);
+    let seeded = body.get("seed").is_some_and(Json::is_integer);
     zero_temperature || seeded
 }
 
@@ -118,7 +166,7 @@ pub fn is_deterministic(body: &Map<String, Value>) -> bool {
 pub fn cacheability(
     enabled: bool,
     cache_nondeterministic: bool,
-    body: &Map<String, Value>,
+    body: &Object<'_>,
     cache_control: Option<&[u8]>,
 ) -> Cacheability {
     if !enabled || !(cache_nondeterministic || is_deterministic(body)) {
@@ -157,9 +205,9 @@ pub fn fresh_body(entry: &[u8], now_ms: u64, ttl_ms: u64) -> Option<&[u8]> {
 mod tests {
     use super::*;
 
-    fn body(json: &str) -> Map<String, Value> {
-        match serde_json::from_str(json).unwrap() {
-            Value::Object(m) => m,
+    fn body(json: &str) -> Object<'_> {
+        match Json::parse(json.as_bytes()).unwrap() {
+            Json::Object(m) => m,
             _ => unreachable!(),
         }
     }
@@ -200,26 +248,45 @@ mod tests {
     }
 
     #[test]
-    fn the_key_hashes_the_filtered_body_in_canonical_json() {
-        let b = body(r#"{"stream":true,"model":"m","messages":[{"role":"user","content":"hi"}],"n":1}"#);
-        let filtered: Map<String, Value> = b
-            .iter()
-            .filter(|(k, _)| *k != "stream")
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        let mut expected = Vec::new();
-        expected.extend_from_slice(&Tenant::ANONYMOUS.0.to_le_bytes());
-        expected.extend_from_slice(b"/v1/chat/completions\0");
-        expected.extend_from_slice(&serde_json::to_vec(&filtered).unwrap());
-        let want = shm_layout::ResponseKey(xxhash_rust::xxh3::xxh3_128(&expected));
-        assert_eq!(key(Tenant::ANONYMOUS, Endpoint::ChatCompletions, &b), want);
+    fn keys_are_canonical_at_every_level_and_tell_types_apart() {
+        let t = Tenant::ANONYMOUS;
+        let e = Endpoint::ChatCompletions;
+        let k = |json: &str| key(t, e, &body(json));
+        // Nested key order does not matter; a repeated key counts once, with
+        // its last value (as serde_json reads it).
         assert_eq!(
-            key(Tenant::ANONYMOUS, Endpoint::ChatCompletions, &body("{\"stream\":true}")),
-            {
-                let mut e = Tenant::ANONYMOUS.0.to_le_bytes().to_vec();
-                e.extend_from_slice(b"/v1/chat/completions\0{}");
-                shm_layout::ResponseKey(xxhash_rust::xxh3::xxh3_128(&e))
-            }
+            k(r#"{"model":"m","response_format":{"type":"json_schema","schema":{"a":1,"b":[1,{"x":null,"y":true}]}}}"#),
+            k(r#"{"response_format":{"schema":{"b":[1,{"y":true,"x":null}],"a":1},"type":"json_schema"},"model":"m"}"#)
+        );
+        assert_eq!(k(r#"{"model":"x","model":"m"}"#), k(r#"{"model":"m"}"#));
+        // Values of different types or shapes never collide.
+        let distinct = [
+            r#"{"a":"1"}"#,
+            r#"{"a":1}"#,
+            r#"{"a":1.0}"#,
+            r#"{"a":[1]}"#,
+            r#"{"a":["1"]}"#,
+            r#"{"a":{"1":null}}"#,
+            r#"{"a":null}"#,
+            r#"{"a":true}"#,
+            r#"{"a":"ab","b":""}"#,
+            r#"{"a":"a","b":"b"}"#,
+            r#"{"a":[[],[1]]}"#,
+            r#"{"a":[[1],[]]}"#,
+            r#"{}"#,
+            r#"{"stream":true,"a":1}"#,
+        ];
+        let keys: std::collections::HashSet<_> = distinct[..distinct.len() - 1].iter().map(|j| k(j)).collect();
+        assert_eq!(keys.len(), distinct.len() - 1);
+        assert_eq!(
+            k(r#"{"stream":true,"a":1}"#),
+            k(r#"{"a":1}"#),
+            "presentation fields are left out"
+        );
+        assert_eq!(
+            k(r#"{"stream_options":{"include_usage":true}}"#),
+            k("{}"),
+            "presentation fields are left out"
         );
     }
 

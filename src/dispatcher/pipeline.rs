@@ -30,8 +30,11 @@ use crate::response_cache::{self, Cacheability, Scope, Tenant};
 use crate::routing::{Reason, RouteInput, live_candidates};
 use crate::store::{Lookup, LookupRequest};
 
-/// Routing texts longer than this are tokenized on the blocking pool.
-const BLOCKING_TOKENIZE_BYTES: usize = 4096;
+/// Routing texts longer than this are tokenized on the blocking pool. The
+/// native tokenizer takes about 25 ns per byte of new text (less for text
+/// its segment cache holds), so this bounds the time one request holds the
+/// reactor to about a millisecond; shorter texts cost less than the hand-off.
+const BLOCKING_TOKENIZE_BYTES: usize = 48 << 10;
 
 /// Largest `/v1/models` answer read from one server.
 const MAX_MODELS_BYTES: usize = 8 << 20;
@@ -240,16 +243,16 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
     };
     timing.mark(1);
     let session = dispatcher.session_key(&parts.headers, &parsed.body);
-    let prompt_tokens = match &parsed.input {
+    let prompt_tokens = match &mut parsed.input {
         RoutingInput::Text(text) if text.len() > BLOCKING_TOKENIZE_BYTES => {
-            let (tokenizer, text) = (dispatcher.tokenizer.clone(), text.clone());
+            let (tokenizer, text) = (dispatcher.tokenizer.clone(), text.to_string());
             match tokio::task::spawn_blocking(move || tokenizer.encode(&text)).await {
                 Ok(tokens) => tokens,
-                Err(_) => dispatcher.tokenizer.encode(&text_of(&parsed.input)),
+                Err(_) => Vec::new(),
             }
         }
         RoutingInput::Text(text) => dispatcher.tokenizer.encode(text),
-        RoutingInput::Tokens(ids) => ids.clone(),
+        RoutingInput::Tokens(ids) => std::mem::take(ids),
     };
     timing.mark(2);
     let seed = dispatcher.segment.header().seed[0];
@@ -326,7 +329,7 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
         cache,
         lookup: Some(lookup),
         endpoint,
-        model: std::mem::take(&mut parsed.model),
+        model: parsed.model.to_string(),
         session,
     };
     let outbound = Outbound {
@@ -338,18 +341,11 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
     forward(dispatcher, outbound, Some(ctx)).await
 }
 
-fn text_of(input: &RoutingInput) -> String {
-    match input {
-        RoutingInput::Text(t) => t.clone(),
-        RoutingInput::Tokens(_) => String::new(),
-    }
-}
-
 /// The answer to `parsed` from a fresh cached body (`None` if a streaming
 /// replay of it cannot be made).
-fn cached_answer(stored: &Bytes, endpoint: Endpoint, parsed: &prompt::ParsedRequest) -> Option<Response<Body>> {
+fn cached_answer(stored: &Bytes, endpoint: Endpoint, parsed: &prompt::ParsedRequest<'_>) -> Option<Response<Body>> {
     let mut response = if parsed.stream {
-        let events = sse::replay(endpoint, stored, &parsed.body)?;
+        let events = sse::replay(endpoint, stored, parsed.include_usage())?;
         let mut r = full_response(StatusCode::OK, "text/event-stream", events);
         r.headers_mut()
             .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
@@ -422,7 +418,7 @@ impl Dispatcher {
     /// The hashed session key of a request, from the first of the
     /// policy's session headers it carries, else its body's `user` field
     /// (when the policy asks for either; see [`crate::routing::SessionSource`]).
-    fn session_key(&self, headers: &HeaderMap, body: &serde_json::Map<String, Value>) -> Option<u64> {
+    fn session_key(&self, headers: &HeaderMap, body: &crate::body::Object<'_>) -> Option<u64> {
         let policy = self.policy.current_arc();
         let source = policy.session_source()?;
         let from_header = source
@@ -434,7 +430,7 @@ impl Dispatcher {
         let from_user = || {
             source
                 .user_field
-                .then(|| body.get("user").and_then(Value::as_str))
+                .then(|| body.get("user").and_then(crate::body::Json::as_str))
                 .flatten()
                 .filter(|u| !u.is_empty())
                 .map(str::as_bytes)

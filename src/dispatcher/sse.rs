@@ -140,20 +140,16 @@ fn event(out: &mut Vec<u8>, value: &Value) {
 }
 
 /// The SSE body replaying the stored JSON `stored` for a streaming request
-/// to `endpoint` with body `request`; `None` if `stored` is not a response
-/// of that endpoint (then it is treated as a miss).
-pub(crate) fn replay(endpoint: Endpoint, stored: &[u8], request: &Map<String, Value>) -> Option<Bytes> {
+/// to `endpoint` (ending with a usage chunk if `include_usage`); `None` if
+/// `stored` is not a response of that endpoint (then it is treated as a
+/// miss).
+pub(crate) fn replay(endpoint: Endpoint, stored: &[u8], include_usage: bool) -> Option<Bytes> {
     let v: Value = serde_json::from_slice(stored).ok()?;
     let choices = v.get("choices")?.as_array()?;
     let object = match endpoint {
         Endpoint::Completions => "text_completion",
         Endpoint::ChatCompletions => "chat.completion.chunk",
     };
-    let include_usage = request
-        .get("stream_options")
-        .and_then(|o| o.get("include_usage"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
     let chunk = |choices: Value| {
         let mut c = json!({
             "id": v.get("id").cloned().unwrap_or(Value::Null),
@@ -246,8 +242,7 @@ mod tests {
         let stored = br#"{"id":"chatcmpl-1","object":"chat.completion","created":5,"model":"m",
             "choices":[{"index":0,"message":{"role":"assistant","content":" hi there"},"finish_reason":"stop"}],
             "usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#;
-        let req: Map<String, Value> = serde_json::from_str(r#"{"stream_options":{"include_usage":true}}"#).unwrap();
-        let body = replay(Endpoint::ChatCompletions, stored, &req).unwrap();
+        let body = replay(Endpoint::ChatCompletions, stored, true).unwrap();
         let ev = events(&body);
         assert_eq!(ev.len(), 3);
         assert_eq!(ev[0]["object"], "chat.completion.chunk");
@@ -258,14 +253,14 @@ mod tests {
         c.feed(&body);
         assert_eq!(c.text, " hi there");
         // A completions body is not a chat answer.
-        assert!(replay(Endpoint::ChatCompletions, br#"{"choices":[{"text":"x"}]}"#, &req).is_none());
+        assert!(replay(Endpoint::ChatCompletions, br#"{"choices":[{"text":"x"}]}"#, true).is_none());
     }
 
     #[test]
     fn replay_of_a_completion_without_usage() {
         let stored = br#"{"id":"cmpl-1","object":"text_completion","created":5,"model":"m",
             "choices":[{"index":0,"text":" a b","finish_reason":"length"}]}"#;
-        let body = replay(Endpoint::Completions, stored, &Map::new()).unwrap();
+        let body = replay(Endpoint::Completions, stored, false).unwrap();
         let ev = events(&body);
         assert_eq!(ev.len(), 2);
         assert_eq!(ev[0]["choices"][0]["text"], " a b");
