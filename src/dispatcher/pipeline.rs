@@ -246,10 +246,11 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
     let prompt_tokens = match &mut parsed.input {
         RoutingInput::Text(text) if text.len() > BLOCKING_TOKENIZE_BYTES => {
             let (tokenizer, text) = (dispatcher.tokenizer.clone(), text.to_string());
-            match tokio::task::spawn_blocking(move || tokenizer.encode(&text)).await {
-                Ok(tokens) => tokens,
-                Err(_) => Vec::new(),
-            }
+            // Should the task fail, the request routes on load alone.
+            let tokens: Vec<u32> = tokio::task::spawn_blocking(move || tokenizer.encode(&text))
+                .await
+                .unwrap_or_default();
+            tokens
         }
         RoutingInput::Text(text) => dispatcher.tokenizer.encode(text),
         RoutingInput::Tokens(ids) => std::mem::take(ids),
