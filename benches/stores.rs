@@ -53,6 +53,7 @@ fn record(server: ServerRef, i: u64) -> Completion {
         output_tokens: 56,
         prompt_blocks: full[..BLOCKS - 4].to_vec(),
         full_blocks: full,
+        continuation: None,
         response_key: Some(ResponseKey(u128::from(key(i)))),
         response: vec![b'a'; 1024],
     }

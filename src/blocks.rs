@@ -53,6 +53,11 @@ impl BlockHasher {
         self.block_size
     }
 
+    /// The chain's root (the hash before the first block).
+    pub fn root(&self) -> u64 {
+        self.root
+    }
+
     /// Full blocks in `tokens` tokens.
     pub fn full_blocks(&self, tokens: usize) -> usize {
         tokens / self.block_size
@@ -68,9 +73,17 @@ impl BlockHasher {
     /// `tokens`' full blocks: blocks `out.len()..` are hashed from the last
     /// hash in `out`. `tokens` must start with the tokens `out` was made from.
     pub fn extend(&self, tokens: &[u32], out: &mut Vec<u64>) {
+        let done = (out.len() * self.block_size).min(tokens.len());
+        self.append(&tokens[done..], out);
+    }
+
+    /// Appends to `out` the full blocks of `tokens`, the tokens that follow
+    /// the last full block `out` is the chain of (from the root if `out` is
+    /// empty).
+    pub fn append(&self, tokens: &[u32], out: &mut Vec<u64>) {
         let mut prev = out.last().copied().unwrap_or(self.root);
         let mut buf = [0u8; 8 + 4 * 64];
-        for block in tokens.chunks_exact(self.block_size).skip(out.len()) {
+        for block in tokens.chunks_exact(self.block_size) {
             prev = if self.block_size <= 64 {
                 buf[..8].copy_from_slice(&prev.to_le_bytes());
                 for (dst, t) in buf[8..].chunks_exact_mut(4).zip(block) {
@@ -127,6 +140,22 @@ mod tests {
         assert_eq!(ca[..2], cc[..2]);
         assert_ne!(ca[2], cc[2]);
         assert_ne!(ca[3], cc[3]);
+    }
+
+    #[test]
+    fn appending_the_tail_and_more_equals_hashing_the_whole() {
+        let h = hasher();
+        let all: Vec<u32> = (0..100).collect();
+        let mut whole = Vec::new();
+        h.chain(&all, &mut whole);
+        for split in [0, 5, 16, 31, 32, 47, 100] {
+            let mut out = Vec::new();
+            h.chain(&all[..split], &mut out);
+            let tail = h.full_blocks(split) * h.block_size();
+            h.append(&all[tail..], &mut out);
+            assert_eq!(out, whole, "split at {split}");
+        }
+        assert_eq!(h.root(), BlockHasher::root_for("qwen3-8b", 42));
     }
 
     #[test]

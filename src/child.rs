@@ -63,11 +63,18 @@ fn open_segment(name: &str) -> Result<Segment> {
     bail!("shm segment {name} did not become ready")
 }
 
-fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) -> Result<()> {
+/// The gateway's tokenizer: the configured `tokenizer.json`, else the
+/// bundled one, with a segment cache of `segment_cache_bytes` (0: none).
+pub(crate) fn load_tokenizer(config: &ServeConfig, segment_cache_bytes: u64) -> Result<Tokenizer> {
     let tokenizer = match &config.tokenizer {
         Some(path) => Tokenizer::from_file(path)?,
         None => Tokenizer::bundled(),
     };
+    Ok(tokenizer.with_segment_cache(usize::try_from(segment_cache_bytes).unwrap_or(usize::MAX)))
+}
+
+fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) -> Result<()> {
+    let tokenizer = load_tokenizer(&config, config.segment_cache_size.bytes())?;
     let template = match &config.chat_template {
         Some(path) => ChatTemplate::from_tokenizer_config(path)?,
         None => ChatTemplate::canonical(),
@@ -173,8 +180,10 @@ fn run_responder(segment: &Segment, args: &ChildArgs, config: &ServeConfig) -> R
     let tables = segment.tables();
     let clock = segment.clock();
     let rings: Vec<usize> = rings_for(args.index, config.responders, config.dispatchers).collect();
+    // Answers are new text: no segment cache (the word cache stays).
+    let tokenizer = load_tokenizer(config, 0)?;
     let mut responder = match config.store.kind {
-        StoreKind::Shm => Responder::new(tables),
+        StoreKind::Shm => Responder::new(tables, tokenizer),
         StoreKind::Redis => Responder::with_sink(
             tables,
             Box::new(RedisWriteBack::new(
@@ -182,6 +191,7 @@ fn run_responder(segment: &Segment, args: &ChildArgs, config: &ServeConfig) -> R
                 config.response_cache.ttl(),
                 format!("responder {}", args.index),
             )),
+            tokenizer,
         ),
     };
     let mut idle = Duration::from_micros(50);

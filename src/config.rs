@@ -30,6 +30,7 @@
 //! | `tokenizer` | path | bundled tokenizer | a Hugging Face `tokenizer.json` |
 //! | `chat_template` | path | the tokenizer's, else none | a Hugging Face `tokenizer_config.json` with a `chat_template` |
 //! | `block_size` | integer | `16` | tokens per prefix block: the engines' KV block size (1 to 1024) |
+//! | `segment_cache_size` | size | `"32MiB"` | per dispatcher: token ids of text segments already seen (earlier turns, shared system prompts), so they are not tokenized again; `0` turns it off (at most 16 GiB) |
 //! | `drain_timeout_secs` | integer | `30` | on SIGTERM, how long requests in flight may still run |
 //! | `[[backend]]` | table, repeated | none (required) | one inference server each, at most 128 |
 //! | `backend.url` | string | required | `http://host:port`, no path |
@@ -146,6 +147,10 @@ pub const DEFAULT_SHM_SIZE: ByteSize = ByteSize(256 << 20);
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
 /// Largest `block_size` accepted.
 pub const MAX_BLOCK_SIZE: usize = 1024;
+/// Default `segment_cache_size` (see [`ServeConfig::segment_cache_size`]).
+pub const DEFAULT_SEGMENT_CACHE_SIZE: ByteSize = ByteSize(32 << 20);
+/// Largest `segment_cache_size` accepted.
+pub const MAX_SEGMENT_CACHE_SIZE: ByteSize = ByteSize(16 << 30);
 /// Most dispatchers: one completion ring each ([`RING_COUNT`]).
 pub const MAX_DISPATCHERS: usize = RING_COUNT as usize;
 /// Most backends: the server table's slots ([`SERVER_SLOTS`]).
@@ -249,6 +254,12 @@ pub struct ServeConfig {
     /// engine would recompute anyway. Set it to the engines' `--block-size`
     /// (vLLM) or `--page-size` (SGLang) when they use another one.
     pub block_size: usize,
+    /// Bytes each dispatcher may keep of token ids of text segments it has
+    /// tokenized (the text between special tokens, cut at line boundaries
+    /// where that changes no token), so that the earlier turns of a
+    /// conversation and shared system prompts are not tokenized again.
+    /// Default 32 MiB; 0 turns it off. Read when a dispatcher starts.
+    pub segment_cache_size: ByteSize,
     /// The inference servers (`[[backend]]` tables in the file). Required:
     /// there is no default.
     #[serde(rename = "backend")]
@@ -766,6 +777,7 @@ impl Default for ServeConfig {
             tokenizer: None,
             chat_template: None,
             block_size: DEFAULT_BLOCK_SIZE,
+            segment_cache_size: DEFAULT_SEGMENT_CACHE_SIZE,
             backends: Vec::new(),
             policy: PolicyConfig::default(),
             response_cache: ResponseCacheConfig::default(),
@@ -1009,6 +1021,13 @@ impl ServeConfig {
                 "block_size",
                 self.block_size,
                 format!("must be between 1 and {MAX_BLOCK_SIZE} tokens (the engines' KV block size, usually 16)"),
+            ));
+        }
+        if self.segment_cache_size.bytes() > MAX_SEGMENT_CACHE_SIZE.bytes() {
+            return Err(E::invalid(
+                "segment_cache_size",
+                quoted(&self.segment_cache_size.to_string()),
+                format!("must be at most {MAX_SEGMENT_CACHE_SIZE} (per dispatcher)"),
             ));
         }
         self.validate_backends()?;
@@ -1492,6 +1511,7 @@ mod tests {
             "tokenizer",
             "chat_template",
             "block_size",
+            "segment_cache_size",
             "drain_timeout_secs",
             "[[backend]]",
             "url",

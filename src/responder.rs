@@ -11,6 +11,15 @@
 //! retired or re-registered meanwhile teaches nothing about the new
 //! registration and is dropped (counted).
 //!
+//! Dispatchers do not tokenize answers: a record carries the answer's text
+//! and the prompt's last partial block (its continuation), and the response
+//! process tokenizes the answer with the gateway's tokenizer and hashes the
+//! chain of prompt + answer ([`Responder::complete`]) before writing it.
+//! The answer is tokenized on its own and appended to the prompt's tokens:
+//! the pre-tokenizers split where a chat template's text meets the answer
+//! (after the generation prompt's newline, or before the answer's leading
+//! space), so the next turn's prompt tokenizes alike.
+//!
 //! The writes go to the configured store ([`crate::store::WriteBack`]): the
 //! segment's tables, or Redis in one pipeline per drained batch.
 //!
@@ -18,8 +27,10 @@
 //! ([`rings_for`]); a ring whose producer died mid-record is unblocked with
 //! [`shm_layout::CompletionRing::recover`] using the registry's liveness.
 
+use semlb_tokenizer::Tokenizer;
 use shm_layout::{Completion, Pop, Stamp, Tables};
 
+use crate::blocks::BlockHasher;
 use crate::store::WriteBack;
 use crate::store::shm::ShmWriteBack;
 
@@ -51,6 +62,10 @@ pub struct ResponderStats {
     pub writeback_dropped: u64,
     /// Prefix entries evicted from full buckets by the inserts (shm store).
     pub evictions: u64,
+    /// Answers tokenized to extend a prompt's chain.
+    pub answers_tokenized: u64,
+    /// Answer tokens hashed into chains.
+    pub answer_tokens: u64,
 }
 
 /// A response process's write-back: it reads the segment's rings and server
@@ -59,26 +74,59 @@ pub struct ResponderStats {
 pub struct Responder<'a> {
     tables: Tables<'a>,
     sink: Box<dyn WriteBack + 'a>,
+    tokenizer: Tokenizer,
     buf: Vec<u8>,
+    tokens: Vec<u32>,
     batch: Vec<Completion>,
     stats: ResponderStats,
 }
 
 impl<'a> Responder<'a> {
-    /// A responder writing into `tables` (the shm store).
-    pub fn new(tables: Tables<'a>) -> Self {
-        Self::with_sink(tables, Box::new(ShmWriteBack::new(tables)))
+    /// A responder writing into `tables` (the shm store), tokenizing answers
+    /// with `tokenizer` (the dispatchers' tokenizer).
+    pub fn new(tables: Tables<'a>, tokenizer: Tokenizer) -> Self {
+        Self::with_sink(tables, Box::new(ShmWriteBack::new(tables)), tokenizer)
     }
 
     /// A responder draining `tables`' rings into `sink`.
-    pub fn with_sink(tables: Tables<'a>, sink: Box<dyn WriteBack + 'a>) -> Self {
+    pub fn with_sink(tables: Tables<'a>, sink: Box<dyn WriteBack + 'a>, tokenizer: Tokenizer) -> Self {
         Self {
             tables,
             sink,
+            tokenizer,
             buf: Vec::new(),
+            tokens: Vec::new(),
             batch: Vec::new(),
             stats: ResponderStats::default(),
         }
+    }
+
+    /// Computes `record`'s chain of prompt + answer from its continuation,
+    /// if it has one: the prompt's last partial block and the answer's
+    /// tokens hashed on from the prompt's chain. A record without an output
+    /// token count gets the answer's.
+    pub fn complete(&mut self, record: &mut Completion) {
+        let Some(c) = record.continuation.as_ref() else {
+            return;
+        };
+        let Ok(block_size) = usize::try_from(c.block_size) else {
+            return;
+        };
+        if block_size == 0 {
+            return;
+        }
+        self.tokens.clear();
+        self.tokens.extend_from_slice(&c.tail);
+        self.tokenizer.encode_into(&c.answer, &mut self.tokens);
+        let answer_tokens = self.tokens.len() - c.tail.len();
+        record.full_blocks.clear();
+        record.full_blocks.extend_from_slice(&record.prompt_blocks);
+        BlockHasher::new(c.root, block_size).append(&self.tokens, &mut record.full_blocks);
+        if record.output_tokens == 0 {
+            record.output_tokens = u32::try_from(answer_tokens).unwrap_or(u32::MAX);
+        }
+        self.stats.answers_tokenized += 1;
+        self.stats.answer_tokens += answer_tokens as u64;
     }
 
     /// Counters so far.
@@ -103,10 +151,11 @@ impl<'a> Responder<'a> {
 
     /// Applies one decoded record at prefix stamp `now` and segment time
     /// `now_ms`. Returns false if it was dropped as stale.
-    pub fn apply(&mut self, record: &Completion, now: Stamp, now_ms: u64) -> bool {
+    pub fn apply(&mut self, record: &mut Completion, now: Stamp, now_ms: u64) -> bool {
         if !self.current(record) {
             return false;
         }
+        self.complete(record);
         self.sink
             .write(std::slice::from_ref(record), now, now_ms, &mut self.stats);
         true
@@ -129,6 +178,7 @@ impl<'a> Responder<'a> {
                     let mut record = std::mem::take(&mut self.batch[len]);
                     match record.decode_from(&self.buf) {
                         Ok(()) if self.current(&record) => {
+                            self.complete(&mut record);
                             taken += 1;
                             self.batch[len] = record;
                             len += 1;
@@ -189,12 +239,13 @@ mod tests {
             output_tokens: 40,
             prompt_blocks: &prompt,
             full_blocks: &full,
+            continuation: None,
             response: Some((ResponseKey(9), b"{\"ok\":true}")),
         };
         let mut buf = Vec::new();
         rec.encode_into(&mut buf);
         t.ring(2).push(&buf).unwrap();
-        let mut r = Responder::new(t);
+        let mut r = Responder::new(t, Tokenizer::bundled());
         assert_eq!(r.drain(2, Stamp(5), 1_000, |_, _| true), 1);
         let m = t.prefix.longest_prefix_match(&full, |s| t.servers.is_live(s));
         assert_eq!(
@@ -215,6 +266,51 @@ mod tests {
         );
     }
 
+    /// A record with a continuation teaches the chain of the prompt's
+    /// tokens followed by the answer's, as if the dispatcher had hashed it.
+    #[test]
+    fn a_continuation_is_tokenized_and_hashed_into_the_full_chain() {
+        use shm_layout::ContinuationRef;
+        let seg = segment();
+        let t = seg.tables();
+        let server = t.servers.register(1, "http://a", 0).unwrap();
+        let tok = Tokenizer::bundled();
+        let hasher = BlockHasher::new(BlockHasher::root_for("m", 9), 16);
+        let prompt = tok.encode(&"The prompt of this conversation, long enough for a few blocks. ".repeat(3));
+        let answer = " and the answer that the engine generated for it goes on for a while too.";
+        let mut prompt_chain = Vec::new();
+        hasher.chain(&prompt, &mut prompt_chain);
+        let mut all = prompt.clone();
+        all.extend(tok.encode(answer));
+        let mut want = Vec::new();
+        hasher.chain(&all, &mut want);
+        assert!(want.len() > prompt_chain.len());
+        let tail = &prompt[prompt_chain.len() * 16..];
+        let rec = CompletionRecord {
+            server,
+            prompt_tokens: prompt.len() as u32,
+            output_tokens: 0,
+            prompt_blocks: &prompt_chain,
+            full_blocks: &[],
+            continuation: Some(ContinuationRef {
+                root: hasher.root(),
+                block_size: 16,
+                tail,
+                answer,
+            }),
+            response: None,
+        };
+        let mut buf = Vec::new();
+        rec.encode_into(&mut buf);
+        t.ring(0).push(&buf).unwrap();
+        let mut r = Responder::new(t, tok.clone());
+        assert_eq!(r.drain(0, Stamp(1), 0, |_, _| true), 1);
+        let m = t.prefix.longest_prefix_match(&want, |s| t.servers.is_live(s));
+        assert_eq!(m.best(), Some((server.tag(), want.len() as u32)));
+        assert_eq!(r.stats().answers_tokenized, 1);
+        assert_eq!(r.stats().answer_tokens, tok.encode(answer).len() as u64);
+    }
+
     #[test]
     fn stale_servers_and_garbage_teach_nothing() {
         let seg = segment();
@@ -229,13 +325,14 @@ mod tests {
             output_tokens: 1,
             prompt_blocks: &[1, 2],
             full_blocks: &[1, 2, 3],
+            continuation: None,
             response: None,
         };
         let mut buf = Vec::new();
         rec.encode_into(&mut buf);
         t.ring(0).push(&buf).unwrap();
         t.ring(0).push(b"not a record").unwrap();
-        let mut r = Responder::new(t);
+        let mut r = Responder::new(t, Tokenizer::bundled());
         assert_eq!(r.drain(0, Stamp(1), 0, |_, _| true), 0);
         assert_eq!(t.prefix.lookup(1), None, "the new registration inherits nothing");
         assert_eq!(r.stats().stale_server, 1);
@@ -255,6 +352,7 @@ mod tests {
             output_tokens: 1,
             prompt_blocks: &[21],
             full_blocks: &[21],
+            continuation: None,
             response: None,
         };
         let mut buf = Vec::new();
@@ -265,7 +363,7 @@ mod tests {
         let word = ((rings.offset + (rings.param + 256) + 256) / 8) as usize;
         seg.raw_words()[word].store(0, std::sync::atomic::Ordering::Relaxed);
         ring.push(&buf).unwrap();
-        let mut r = Responder::new(t);
+        let mut r = Responder::new(t, Tokenizer::bundled());
         assert_eq!(
             r.drain(1, Stamp(1), 0, |_, _| true),
             0,

@@ -166,10 +166,15 @@ fn supervise(args: &ServeArgs) -> Result<()> {
     let notify = Notifier::from_env();
     let config = ServeConfig::resolve(args.config.as_deref(), args.overrides())?;
     // Load what every dispatcher will load, so a bad file is one clear error
-    // here rather than a crash loop of children.
-    if let Some(path) = &config.tokenizer {
-        semlb_tokenizer::Tokenizer::from_file(path)?;
-    }
+    // here rather than a crash loop of children, and say which engine runs.
+    let tokenizer = crate::child::load_tokenizer(&config, 0)?;
+    tracing::info!(
+        tokenizer = %config.tokenizer.as_deref().map_or("bundled phi-2".into(), |p| p.display().to_string()),
+        engine = %tokenizer.engine(),
+        "tokenizer: {}",
+        tokenizer.engine()
+    );
+    drop(tokenizer);
     if let Some(path) = &config.chat_template {
         semlb_tokenizer::chat::ChatTemplate::from_tokenizer_config(path)?;
     }

@@ -180,7 +180,7 @@ impl Gateway {
         within("records", async {
             loop {
                 let clock = self.segment.clock();
-                let mut r = Responder::new(self.segment.tables());
+                let mut r = Responder::new(self.segment.tables(), Tokenizer::bundled());
                 self.responder_records += r.drain(0, clock.stamp(), clock.now_ms(), |_, _| true) as u64;
                 if self.responder_records >= expected {
                     return;

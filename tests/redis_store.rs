@@ -241,6 +241,7 @@ fn completion(server: ServerRef, prompt: &[u64], full: &[u64], response: Option<
         output_tokens: 16 * (full.len() - prompt.len().min(full.len())) as u32,
         prompt_blocks: prompt.to_vec(),
         full_blocks: full.to_vec(),
+        continuation: None,
         response_key: response.map(|(k, _)| ResponseKey(k)),
         response: response.map(|(_, b)| b.to_vec()).unwrap_or_default(),
     }

@@ -438,6 +438,7 @@ fn encode_record(w: &World, ring: u16, inc: u32, seq: u32, out: &mut Vec<u8>, sc
         output_tokens: inc,
         prompt_blocks: &chain[..spec.prompt],
         full_blocks: chain,
+        continuation: None,
         response: spec.response.map(|(rid, _)| (response_key(rid), scratch.as_slice())),
     }
     .encode_into(out);

@@ -2,19 +2,55 @@
 //! and a response process decodes: which server answered, the block-hash
 //! chains that are now warm there, and optionally the response to cache.
 //!
+//! The chain of prompt + answer comes either as block hashes (`full
+//! blocks`), or, so that a dispatcher does not spend its time tokenizing
+//! answers, as the *continuation* the response process computes them
+//! from: the answer's text, the prompt's tokens after its last full block
+//! (`tail`), and the chain's root and block size (used when the prompt has
+//! no full block).
+//!
 //! ```text
-//! u8 version · u8 flags (1 = has response) · u16 server slot · u32 generation
+//! u8 version · u8 flags (1 = response, 2 = continuation) · u16 server slot · u32 generation
 //! u32 prompt tokens · u32 output tokens · u32 #prompt blocks · u32 #full blocks
-//! [u128 response key · u32 response len]          if flags & 1
-//! u64 × #prompt blocks · u64 × #full blocks · response bytes
+//! [u128 response key · u32 response len]                                  if flags & 1
+//! [u64 chain root · u32 block size · u32 #tail tokens · u32 answer len]   if flags & 2
+//! u64 × #prompt blocks · u64 × #full blocks · u32 × #tail tokens · answer bytes · response bytes
 //! ```
-//! All integers little-endian.
+//! All integers little-endian; the answer is UTF-8 (checked when decoded).
 
 use crate::response_log::ResponseKey;
 use crate::server_table::ServerRef;
 
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 const HAS_RESPONSE: u8 = 1;
+const HAS_CONTINUATION: u8 = 2;
+
+/// What the chain of prompt + answer is computed from, borrowed for
+/// encoding (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContinuationRef<'a> {
+    /// The chain's root (its hash before the first block).
+    pub root: u64,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// The prompt's tokens after its last full block.
+    pub tail: &'a [u32],
+    /// The answer's text.
+    pub answer: &'a str,
+}
+
+/// A decoded continuation (see [`ContinuationRef`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Continuation {
+    /// The chain's root.
+    pub root: u64,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// The prompt's tokens after its last full block.
+    pub tail: Vec<u32>,
+    /// The answer's text.
+    pub answer: String,
+}
 
 /// A finished request, borrowed for encoding on the dispatcher side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,8 +63,11 @@ pub struct CompletionRecord<'a> {
     pub output_tokens: u32,
     /// Chain hashes of the prompt's full blocks.
     pub prompt_blocks: &'a [u64],
-    /// Chain hashes of prompt + generated text (what the server now caches).
+    /// Chain hashes of prompt + generated text (what the server now caches),
+    /// when the dispatcher computed them.
     pub full_blocks: &'a [u64],
+    /// What the response process computes them from, otherwise.
+    pub continuation: Option<ContinuationRef<'a>>,
     /// The response to cache, under its exact-request key.
     pub response: Option<(ResponseKey, &'a [u8])>,
 }
@@ -44,8 +83,12 @@ pub struct Completion {
     pub output_tokens: u32,
     /// Chain hashes of the prompt's full blocks.
     pub prompt_blocks: Vec<u64>,
-    /// Chain hashes of prompt + generated text.
+    /// Chain hashes of prompt + generated text (as sent, or computed by the
+    /// response process from [`continuation`](Self::continuation)).
     pub full_blocks: Vec<u64>,
+    /// What the full chain is to be computed from, if the dispatcher left
+    /// that to the response process.
+    pub continuation: Option<Continuation>,
     /// Key of the response to cache, if any.
     pub response_key: Option<ResponseKey>,
     /// The response bytes (empty if none).
@@ -69,12 +112,17 @@ pub enum DecodeError {
     /// Bytes left over after the last field.
     #[error("completion record has {0} trailing bytes")]
     Trailing(usize),
+    /// The answer text is not UTF-8.
+    #[error("completion record's answer is not UTF-8")]
+    Answer,
 }
 
 impl CompletionRecord<'_> {
     /// Encoded length in bytes.
     pub fn encoded_len(&self) -> usize {
-        24 + self.response.map_or(0, |(_, r)| 20 + r.len()) + 8 * (self.prompt_blocks.len() + self.full_blocks.len())
+        24 + self.response.map_or(0, |(_, r)| 20 + r.len())
+            + self.continuation.map_or(0, |c| 20 + 4 * c.tail.len() + c.answer.len())
+            + 8 * (self.prompt_blocks.len() + self.full_blocks.len())
     }
 
     /// Appends the encoding to `out` (cleared first).
@@ -82,7 +130,13 @@ impl CompletionRecord<'_> {
         out.clear();
         out.reserve(self.encoded_len());
         out.push(VERSION);
-        out.push(if self.response.is_some() { HAS_RESPONSE } else { 0 });
+        let flags = (if self.response.is_some() { HAS_RESPONSE } else { 0 })
+            | (if self.continuation.is_some() {
+                HAS_CONTINUATION
+            } else {
+                0
+            });
+        out.push(flags);
         out.extend_from_slice(&self.server.slot.to_le_bytes());
         out.extend_from_slice(&self.server.generation.to_le_bytes());
         for n in [
@@ -97,8 +151,20 @@ impl CompletionRecord<'_> {
             out.extend_from_slice(&key.0.to_le_bytes());
             out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
         }
+        if let Some(c) = self.continuation {
+            out.extend_from_slice(&c.root.to_le_bytes());
+            out.extend_from_slice(&c.block_size.to_le_bytes());
+            out.extend_from_slice(&(c.tail.len() as u32).to_le_bytes());
+            out.extend_from_slice(&(c.answer.len() as u32).to_le_bytes());
+        }
         for h in self.prompt_blocks.iter().chain(self.full_blocks) {
             out.extend_from_slice(&h.to_le_bytes());
+        }
+        if let Some(c) = self.continuation {
+            for t in c.tail {
+                out.extend_from_slice(&t.to_le_bytes());
+            }
+            out.extend_from_slice(c.answer.as_bytes());
         }
         if let Some((_, bytes)) = self.response {
             out.extend_from_slice(bytes);
@@ -162,8 +228,32 @@ impl Completion {
         } else {
             None
         };
+        let continuation = if flags & HAS_CONTINUATION != 0 {
+            Some((u64::from_le_bytes(r.array()?), r.u32()?, r.u32()?, r.u32()?))
+        } else {
+            None
+        };
         r.u64s(np, &mut self.prompt_blocks)?;
         r.u64s(nf, &mut self.full_blocks)?;
+        match continuation {
+            Some((root, block_size, tail, answer)) => {
+                let mut c = self.continuation.take().unwrap_or_default();
+                c.root = root;
+                c.block_size = block_size;
+                let bytes = r.take(tail as usize * 4)?;
+                c.tail.clear();
+                c.tail.extend(
+                    bytes
+                        .chunks_exact(4)
+                        .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))),
+                );
+                let text = std::str::from_utf8(r.take(answer as usize)?).map_err(|_| DecodeError::Answer)?;
+                c.answer.clear();
+                c.answer.push_str(text);
+                self.continuation = Some(c);
+            }
+            None => self.continuation = None,
+        }
         self.response.clear();
         self.response_key = None;
         if let Some((key, len)) = response {
@@ -193,6 +283,7 @@ mod tests {
             output_tokens: 42,
             prompt_blocks: &[1, 2, 3],
             full_blocks: &[1, 2, 3, 4, 5],
+            continuation: None,
             response: Some((ResponseKey(u128::MAX - 5), b"{\"choices\":[]}")),
         };
         let mut buf = Vec::new();
@@ -210,6 +301,38 @@ mod tests {
         bare.encode_into(&mut buf);
         c.decode_from(&buf).unwrap();
         assert_eq!((c.response_key, c.response.len()), (None, 0));
+        assert_eq!(c.continuation, None);
+
+        // With a continuation instead of full blocks, and a response.
+        let answer = " héllo wörld";
+        let cont = CompletionRecord {
+            full_blocks: &[],
+            continuation: Some(ContinuationRef {
+                root: 77,
+                block_size: 16,
+                tail: &[5, 6, 7],
+                answer,
+            }),
+            ..rec
+        };
+        cont.encode_into(&mut buf);
+        assert_eq!(buf.len(), cont.encoded_len());
+        c.decode_from(&buf).unwrap();
+        assert_eq!(c.full_blocks, Vec::<u64>::new());
+        assert_eq!(
+            c.continuation,
+            Some(Continuation {
+                root: 77,
+                block_size: 16,
+                tail: vec![5, 6, 7],
+                answer: answer.to_owned()
+            })
+        );
+        assert_eq!(c.response, b"{\"choices\":[]}");
+        // A record without one clears what the buffer held.
+        bare.encode_into(&mut buf);
+        c.decode_from(&buf).unwrap();
+        assert_eq!(c.continuation, None);
     }
 
     #[test]
@@ -223,10 +346,21 @@ mod tests {
             output_tokens: 1,
             prompt_blocks: &[1],
             full_blocks: &[],
+            continuation: Some(ContinuationRef {
+                root: 1,
+                block_size: 16,
+                tail: &[1, 2],
+                answer: "é",
+            }),
             response: None,
         };
         let mut buf = Vec::new();
         rec.encode_into(&mut buf);
+        // An answer cut inside a character is not UTF-8.
+        let mut broken = buf.clone();
+        let last = broken.len() - 1;
+        broken[last] = 0xff;
+        assert_eq!(c.decode_from(&broken), Err(DecodeError::Answer));
         for cut in 0..buf.len() {
             assert!(c.decode_from(&buf[..cut]).is_err());
         }

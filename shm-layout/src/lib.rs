@@ -112,7 +112,7 @@ pub mod stats;
 mod sync;
 mod words;
 
-pub use completion::{Completion, CompletionRecord, DecodeError};
+pub use completion::{Completion, CompletionRecord, Continuation, ContinuationRef, DecodeError};
 pub use completion_ring::{CompletionRing, Pop, PushError, RingStats};
 pub use error::{CreateError, NameError, OpenError, PlanError, RemoveError};
 pub use header::{HeaderInfo, LAYOUT_VERSION, MAGIC, STATE_READY};

@@ -679,6 +679,7 @@ fn completion_record_round_trips_through_a_ring_into_the_tables() {
             output_tokens: 160,
             prompt_blocks: &prompt,
             full_blocks: &full,
+            continuation: None,
             response: Some((key, response)),
         };
         let mut buf = Vec::new();

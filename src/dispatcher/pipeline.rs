@@ -809,7 +809,8 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
                 dispatcher.clone(),
                 Learn {
                     server,
-                    prompt_tokens: c.prompt_tokens.clone(),
+                    prompt_tokens: u32::try_from(c.prompt_tokens.len()).unwrap_or(u32::MAX),
+                    tail: c.prompt_tokens[c.chain.len() * c.hasher.block_size()..].to_vec(),
                     chain: c.chain.clone(),
                     hasher: c.hasher,
                     cache_key: c.store_key.filter(|_| parts.status == StatusCode::OK && !sse),

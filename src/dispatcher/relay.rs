@@ -11,13 +11,12 @@
 //!
 //! When a 2xx body ends normally, the [`Learn`] context becomes a
 //! completion record ([`Dispatcher::push_completion`]): the prompt chain,
-//! the chain of prompt + answer (the answer text appended to the routing
-//! text and tokenized: for chat that is exactly what the canonical template
-//! renders as the start of the next turn), the token counts, and the
-//! response body when it may be cached. Tokenizing runs on the blocking
-//! pool, off the reactor; the record is pushed into this dispatcher's
-//! completion ring without waiting (a full ring drops it, counted by the
-//! ring).
+//! the answer's text with the prompt's last partial block (a response
+//! process tokenizes the answer and hashes the chain of prompt + answer:
+//! [`crate::responder`]), the token counts, and the response body when it
+//! may be cached. Nothing is tokenized here: the record is copied into
+//! this dispatcher's completion ring on the reactor, without waiting (a
+//! full ring drops it, counted by the ring).
 //!
 //! For an inference request the relay also records the gateway's latency
 //! metrics ([`RelayTimer`]): TTFT when the first body frame is handed to
@@ -31,7 +30,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
-use shm_layout::{CompletionRecord, ResponseKey, ServerRef};
+use shm_layout::{CompletionRecord, ContinuationRef, ResponseKey, ServerRef};
 use std::time::Instant;
 
 use tokio::time::Sleep;
@@ -137,9 +136,11 @@ impl Drop for RelayTimer {
 pub(crate) struct Learn {
     /// The server that answered.
     pub server: ServerRef,
-    /// Its tokens.
-    pub prompt_tokens: Vec<u32>,
-    /// Their block chain.
+    /// The prompt's length in tokens.
+    pub prompt_tokens: u32,
+    /// The prompt's tokens after its last full block.
+    pub tail: Vec<u32>,
+    /// The prompt's block chain.
     pub chain: Vec<u64>,
     /// The hasher the chain was made with.
     pub hasher: BlockHasher,
@@ -265,11 +266,7 @@ impl Relay {
         let Some((text, output_tokens, body)) = answer else {
             return;
         };
-        let job = move || dispatcher.push_completion(learn, &text, output_tokens, body.as_deref());
-        match tokio::runtime::Handle::try_current() {
-            Ok(handle) => drop(handle.spawn_blocking(job)),
-            Err(_) => job(),
-        }
+        dispatcher.push_completion(learn, &text, output_tokens, body.as_deref());
     }
 }
 
@@ -334,20 +331,7 @@ impl HttpBody for Relay {
 impl Dispatcher {
     /// Builds the completion record of a finished answer and pushes it into
     /// this dispatcher's ring (never waits; a full ring drops it).
-    pub(crate) fn push_completion(&self, learn: Learn, text: &str, output_tokens: Option<u64>, body: Option<&[u8]>) {
-        // Prompt tokens + the answer tokenized on its own: what the engine
-        // caches is the prompt's tokens followed by the tokens it generated,
-        // and re-tokenizing the whole prompt again would double the
-        // tokenizer's CPU per request for nothing (at the boundary the
-        // pre-tokenizers we use split after the template's newline or before
-        // the answer's leading space, so the next turn tokenizes alike).
-        let answer = self.tokenizer.encode(text);
-        let answer_tokens = answer.len();
-        let mut full_tokens = Vec::with_capacity(learn.prompt_tokens.len() + answer.len());
-        full_tokens.extend_from_slice(&learn.prompt_tokens);
-        full_tokens.extend_from_slice(&answer);
-        let mut full_chain = learn.chain.clone();
-        learn.hasher.extend(&full_tokens, &mut full_chain);
+    pub(crate) fn push_completion(&self, learn: Learn, answer: &str, output_tokens: Option<u64>, body: Option<&[u8]>) {
         let tables = self.segment.tables();
         if self.identity.ring >= tables.ring_count() {
             self.metrics().record(false);
@@ -358,28 +342,39 @@ impl Dispatcher {
             (Some(key), Some(body)) if body.len() + 8 <= tables.responses.max_value() => Some((key, body)),
             _ => None,
         };
-        let clamp = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
         let mut record = CompletionRecord {
             server: learn.server,
-            prompt_tokens: clamp(learn.prompt_tokens.len() as u64),
-            output_tokens: clamp(output_tokens.unwrap_or(answer_tokens as u64)),
+            prompt_tokens: learn.prompt_tokens,
+            // 0: the response process counts the answer's tokens.
+            output_tokens: output_tokens.map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX)),
             prompt_blocks: &learn.chain,
-            full_blocks: &full_chain,
+            full_blocks: &[],
+            continuation: Some(ContinuationRef {
+                root: learn.hasher.root(),
+                block_size: u32::try_from(learn.hasher.block_size()).unwrap_or(u32::MAX),
+                tail: &learn.tail,
+                answer,
+            }),
             response,
         };
-        if record.encoded_len() > ring.max_record() {
+        let max = ring.max_record();
+        // Too large: leave out the response, then shorten the answer (its
+        // leading blocks are the ones the next turn reuses), then keep only
+        // the prompt's leading blocks (the ones that route the conversation).
+        if record.encoded_len() > max {
             record.response = None;
         }
-        // Still too large (a huge prompt): keep the leading blocks, the ones
-        // that route the conversation.
-        let room = ring
-            .max_record()
-            .saturating_sub(record.encoded_len() - 8 * (learn.chain.len() + full_chain.len()));
-        let blocks = room / 8;
-        if learn.chain.len() + full_chain.len() > blocks {
-            let prompt = learn.chain.len().min(blocks / 2);
-            record.prompt_blocks = &learn.chain[..prompt];
-            record.full_blocks = &full_chain[..full_chain.len().min(blocks - prompt)];
+        let over = record.encoded_len().saturating_sub(max);
+        if over > 0
+            && let Some(c) = record.continuation.as_mut()
+        {
+            let keep = c.answer.len().saturating_sub(over);
+            c.answer = &c.answer[..c.answer.floor_char_boundary(keep)];
+        }
+        if record.encoded_len() > max {
+            record.continuation = None;
+            let room = max.saturating_sub(record.encoded_len() - 8 * learn.chain.len()) / 8;
+            record.prompt_blocks = &learn.chain[..learn.chain.len().min(room)];
         }
         let mut buf = Vec::with_capacity(record.encoded_len());
         record.encode_into(&mut buf);

@@ -631,6 +631,7 @@ mod tests {
             output_tokens: 16,
             prompt_blocks: vec![i, i + 1],
             full_blocks: vec![i, i + 1, i + 2],
+            continuation: None,
             response_key: (response_bytes > 0).then_some(ResponseKey(u128::from(i))),
             response: vec![b'x'; response_bytes],
         }
