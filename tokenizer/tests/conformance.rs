@@ -433,3 +433,49 @@ fn forms_either_engine_may_take_give_hf_ids() {
         subject.assert_conforms(&corpus);
     }
 }
+
+/// Writes the corpus for `tests/python/check_tokenize.py --corpus`: one
+/// JSON object `{"source": ..., "text": ...}` per line, to the file
+/// `SEMLB_CORPUS_OUT` names (else to a temporary file, removed after), and
+/// checks that it reads back string for string:
+/// `SEMLB_CORPUS_OUT=corpus.jsonl cargo test -p semlb-tokenizer --test conformance export_corpus`.
+#[test]
+fn export_corpus_for_the_python_checker() {
+    use std::io::{BufRead, Write};
+    let (path, keep) = match std::env::var_os("SEMLB_CORPUS_OUT") {
+        Some(p) => (std::path::PathBuf::from(p), true),
+        None => (
+            std::env::temp_dir().join(format!("semlb-conformance-corpus-{}.jsonl", std::process::id())),
+            false,
+        ),
+    };
+    let corpus = Corpus::get();
+    let mut out = std::io::BufWriter::new(std::fs::File::create(&path).expect("the corpus file can be created"));
+    for source in &corpus.sources {
+        for text in &source.strings {
+            writeln!(out, "{}", serde_json::json!({"source": source.name, "text": text})).unwrap();
+        }
+    }
+    out.flush().unwrap();
+    drop(out);
+    let reader = std::io::BufReader::new(std::fs::File::open(&path).unwrap());
+    let mut expected = corpus
+        .sources
+        .iter()
+        .flat_map(|s| s.strings.iter().map(move |t| (s.name, t)));
+    let mut lines = 0;
+    for line in reader.lines() {
+        let value: serde_json::Value = serde_json::from_str(&line.unwrap()).expect("a line is JSON");
+        let (name, text) = expected.next().expect("no more lines than strings");
+        assert_eq!(value["source"], *name);
+        assert_eq!(value["text"].as_str(), Some(text.as_str()));
+        lines += 1;
+    }
+    assert_eq!(lines, corpus.len());
+    if keep {
+        println!("wrote {lines} strings to {}:\n{}", path.display(), corpus.describe());
+    } else {
+        std::fs::remove_file(&path).unwrap();
+        println!("{lines} strings written and read back (set SEMLB_CORPUS_OUT to keep the file)");
+    }
+}

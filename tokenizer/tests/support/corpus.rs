@@ -233,8 +233,8 @@ impl Rng {
     }
 
     /// One element of `items`.
-    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len())]
+    pub fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len())]
     }
 
     /// A char uniform in `lo..=hi`, skipping the surrogate gap.
@@ -536,9 +536,9 @@ fn emoji(b: &mut Builder, rng: &mut Rng) {
         let n = rng.range(2, 8);
         let mut s = String::new();
         for _ in 0..n {
-            s.push_str(*rng.pick(EMOJI));
+            s.push_str(rng.pick(EMOJI));
             if rng.below(3) == 0 {
-                s.push_str(*rng.pick(&[" ", "", "x", "\u{200d}", "\u{fe0f}", "\u{1f3fd}", "！"]));
+                s.push_str(rng.pick(&[" ", "", "x", "\u{200d}", "\u{fe0f}", "\u{1f3fd}", "！"]));
             }
         }
         out.push(s);
@@ -627,7 +627,7 @@ fn combining(b: &mut Builder, rng: &mut Rng) {
         let mut s = String::new();
         for _ in 0..rng.range(1, 6) {
             match rng.below(4) {
-                0 => s.push_str(*rng.pick(COMBINING)),
+                0 => s.push_str(rng.pick(COMBINING)),
                 1 => s.push(rng.char_in(0x300, 0x36f)),
                 2 => s.push(rng.char_in(0x61, 0x7a)),
                 _ => s.push(rng.char_in(0x1100, 0x11ff)),
@@ -696,9 +696,9 @@ fn scripts(b: &mut Builder, rng: &mut Rng) {
         let mut s = String::new();
         for i in 0..n {
             if i > 0 {
-                s.push_str(*rng.pick(&[" ", " ", "", ", ", "\n", "  ", "\u{3000}", "、"]));
+                s.push_str(rng.pick(&[" ", " ", "", ", ", "\n", "  ", "\u{3000}", "、"]));
             }
-            s.push_str(*rng.pick(&words));
+            s.push_str(rng.pick(&words));
         }
         out.push(s);
     }
@@ -821,7 +821,7 @@ fn with_separators(digits: &str, sep: &str, group: usize) -> String {
     let chars: Vec<char> = digits.chars().collect();
     let mut out = String::new();
     for (i, c) in chars.iter().enumerate() {
-        if i > 0 && (chars.len() - i) % group == 0 {
+        if i > 0 && (chars.len() - i).is_multiple_of(group) {
             out.push_str(sep);
         }
         out.push(*c);
@@ -1009,8 +1009,8 @@ fn long(b: &mut Builder, rng: &mut Rng) {
     let mut text = String::new();
     let pieces: Vec<&str> = SCRIPTS.iter().chain(CODE).copied().collect();
     while text.len() < 40_000 {
-        text.push_str(*rng.pick(&pieces));
-        text.push_str(*rng.pick(&[" ", "\n", "\n\n", "  ", ". "]));
+        text.push_str(rng.pick(&pieces));
+        text.push_str(rng.pick(&[" ", "\n", "\n\n", "  ", ". "]));
         text.push_str(&rng.next_u64().to_string());
         text.push(' ');
     }
@@ -1132,18 +1132,18 @@ fn random_mixes(b: &mut Builder, rng: &mut Rng) {
 fn random_char(rng: &mut Rng) -> char {
     match rng.below(20) {
         0..=5 => rng.char_in(0x20, 0x7e),
-        6 => *rng.pick(WHITESPACE),
-        7 => *rng.pick(&['\'', '’', 's', 't', 'm', 'd', 'r', 'e', 'v', 'l', 'S', 'ſ']),
+        6 => rng.pick(WHITESPACE),
+        7 => rng.pick(&['\'', '’', 's', 't', 'm', 'd', 'r', 'e', 'v', 'l', 'S', 'ſ']),
         8 => rng.char_in(0x300, 0x36f),
         9 => rng.char_in(0x4e00, 0x9fff),
         10 => rng.char_in(0x3040, 0x30ff),
         11 => rng.char_in(0xac00, 0xd7a3),
         12 => rng.char_in(0x1f300, 0x1faff),
-        13 => *rng.pick(&['\u{200d}', '\u{fe0f}', '\u{1f3fb}', '\u{1f1e6}', '\u{1f1eb}']),
+        13 => rng.pick(&['\u{200d}', '\u{fe0f}', '\u{1f3fb}', '\u{1f1e6}', '\u{1f1eb}']),
         14 => rng.char_in(0x600, 0x6ff),
         15 => rng.char_in(0x900, 0x97f),
         16 => rng.char_in(0x370, 0x4ff),
-        17 => *rng.pick(UNUSUAL),
+        17 => rng.pick(UNUSUAL),
         18 => rng.char_in(0x80, 0x2fff),
         _ => rng.char_in(0, 0x10ffff),
     }
