@@ -366,12 +366,28 @@ fn variants_exercise_what_they_claim() {
     assert_eq!(tokens(&added, "a ·b"), ["a", " ·", "b"]);
     assert_eq!(tokens(&added, "a  ·b"), ["a", "  ", "Â·", "b"]);
 
+    // truncation and padding in the tokenizer.json apply to
+    // `encode(.., add_special_tokens = false)` too.
+    let either = variants::either_engine(variants::phi2());
+    let case = |needle: &str| {
+        let (name, json) = either
+            .iter()
+            .find(|(name, _)| name.contains(needle))
+            .unwrap_or_else(|| panic!("no case {needle:?}"));
+        Subject::from_value(name, json)
+    };
+    let long = "The quick brown fox jumps over the lazy dog, again and again.";
+    assert_eq!(case("truncation").reference_ids(long).unwrap().len(), 7);
+    let padded = case("padding").reference_ids("Hi").unwrap();
+    assert_eq!(
+        padded,
+        [
+            17250, 50256, 50256, 50256, 50256, 50256, 50256, 50256, 50256, 50256, 50256, 50256
+        ]
+    );
+
     // HF does not use the ids written in added_tokens.
-    let (name, json) = variants::either_engine(variants::phi2())
-        .into_iter()
-        .find(|(name, _)| name.contains("JSON ids"))
-        .expect("the JSON-ids case");
-    let subject = Subject::from_value(name, &json);
+    let subject = case("JSON ids");
     assert_eq!(subject.reference.token_to_id("<|tool|>"), Some(50295));
     assert_eq!(subject.reference.token_to_id("<mask>"), Some(50296));
 
