@@ -200,6 +200,7 @@ fn harness_reports_mismatches() {
         long.contains("of 3004)"),
         "a long text is shown around the difference: {long}"
     );
+    println!("(a panic message from assert_no_mismatch follows: expected, it is what is being tested)");
     let failure = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         report.assert_no_mismatch(&subject.reference);
     }));
