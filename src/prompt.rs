@@ -18,6 +18,8 @@
 //! derived from the same value. Malformed input is a [`RequestError`], an
 //! OpenAI-style 400, never a panic.
 
+use std::borrow::Cow;
+
 use semlb_tokenizer::chat::{ChatMessage, ChatTemplate};
 use serde_json::{Map, Value};
 
@@ -241,11 +243,11 @@ fn completions_input(prompt: Option<&Value>) -> Result<RoutingInput, RequestErro
     }
 }
 
-fn message_text(i: usize, content: Option<&Value>) -> Result<String, RequestError> {
+fn message_text(i: usize, content: Option<&Value>) -> Result<Cow<'_, str>, RequestError> {
     let param = Some("messages");
     match content {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
+        None | Some(Value::Null) => Ok(Cow::Borrowed("")),
+        Some(Value::String(s)) => Ok(Cow::Borrowed(s)),
         Some(Value::Array(parts)) => {
             let mut text = String::new();
             for (j, part) in parts.iter().enumerate() {
@@ -272,7 +274,7 @@ fn message_text(i: usize, content: Option<&Value>) -> Result<String, RequestErro
                     }
                 }
             }
-            Ok(text)
+            Ok(Cow::Owned(text))
         }
         Some(v) => Err(RequestError::new(
             format!(
@@ -308,7 +310,7 @@ fn chat_text(messages: Option<&Value>, template: &ChatTemplate) -> Result<String
             ));
         };
         let role = match m.get("role") {
-            Some(Value::String(r)) if !r.is_empty() => r.clone(),
+            Some(Value::String(r)) if !r.is_empty() => r.as_str(),
             _ => {
                 return Err(RequestError::new(
                     format!("messages[{i}].role must be a non-empty string"),
@@ -316,10 +318,7 @@ fn chat_text(messages: Option<&Value>, template: &ChatTemplate) -> Result<String
                 ));
             }
         };
-        rendered.push(ChatMessage {
-            role,
-            content: message_text(i, m.get("content"))?,
-        });
+        rendered.push(ChatMessage::new(role, message_text(i, m.get("content"))?));
     }
     template
         .render(&rendered)

@@ -1,10 +1,23 @@
 //! Chat messages to prompt text.
 //!
 //! [`ChatTemplate`] turns chat messages into prompt text, either with the
-//! `chat_template` (Jinja) of a HF `tokenizer_config.json`, rendered with
-//! minijinja the way `transformers` renders it (`trim_blocks`,
-//! `lstrip_blocks`, Python string methods, `raise_exception`), or with the
+//! `chat_template` (Jinja) of a HF `tokenizer_config.json`, or with the
 //! documented [canonical](ChatTemplate::canonical) template.
+//!
+//! # Layout
+//!
+//! | module | concept |
+//! | --- | --- |
+//! | this file | [`ChatTemplate`] (which renderer a template gets), [`ChatMessage`], [`TemplateError`], the canonical rendering |
+//! | `jinja` | the template rendered with minijinja the way `transformers` renders it (`trim_blocks`, `lstrip_blocks`, Python string methods, `raise_exception`) |
+//! | `native` | Rust renderers that write exactly what minijinja renders for a few published templates (Qwen3, Qwen2.5, ChatML, Llama-3, Phi-3), without its cost |
+//!
+//! A template gets a native renderer only when its source is byte for byte
+//! one the `native` module knows; any other template, or a known one edited
+//! by a single character, is rendered by minijinja.
+//! [`ChatTemplate::renderer_name`] says which renderer is in use.
+//!
+//! # Prefix property
 //!
 //! What matters for prefix-aware routing is that a conversation's next
 //! prompt *extends* the previous one: the prompt of turn N+1 starts with
@@ -25,8 +38,15 @@
 //! `<think>\n\n</think>\n\n` block that later turns do not repeat, so the
 //! shared prefix ends at `<|im_start|>assistant\n`.
 
+use std::borrow::Cow;
 use std::path::Path;
 use std::sync::Arc;
+
+mod jinja;
+mod native;
+
+use jinja::JinjaTemplate;
+use native::{NativeTemplate, RenderOptions};
 
 /// Why a chat template could not be loaded or used.
 #[derive(Debug, thiserror::Error)]
@@ -44,37 +64,62 @@ pub enum TemplateError {
     Render(String),
 }
 
-/// One chat message, content already flattened to text.
+/// One chat message, content already flattened to text. The strings are
+/// borrowed (from a request body, say) or owned.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChatMessage {
+pub struct ChatMessage<'a> {
     /// `system`, `user`, `assistant`, `tool`, ...
-    pub role: String,
+    pub role: Cow<'a, str>,
     /// The text.
-    pub content: String,
+    pub content: Cow<'a, str>,
 }
 
-/// What a message looks like to a Jinja template.
-#[derive(serde::Serialize)]
-struct TemplateMessage<'a> {
-    role: &'a str,
-    content: &'a str,
+impl<'a> ChatMessage<'a> {
+    /// A message of `role` and `content`, borrowed or owned.
+    pub fn new(role: impl Into<Cow<'a, str>>, content: impl Into<Cow<'a, str>>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+
+    /// The message with strings of its own.
+    pub fn into_owned(self) -> ChatMessage<'static> {
+        ChatMessage {
+            role: Cow::Owned(self.role.into_owned()),
+            content: Cow::Owned(self.content.into_owned()),
+        }
+    }
 }
 
-/// Name of the one template in a compiled environment.
-const TEMPLATE_NAME: &str = "chat_template";
-
-/// A compiled Jinja chat template and the special tokens it is given.
-#[derive(Debug)]
-struct Compiled {
-    env: minijinja::Environment<'static>,
+/// The special tokens a chat template is given, from the tokenizer config.
+#[derive(Debug, Clone, Default)]
+struct SpecialTokens {
+    /// `bos_token`, if the config defines one.
     bos_token: Option<String>,
+    /// `eos_token`, if the config defines one.
     eos_token: Option<String>,
+}
+
+/// How a [`ChatTemplate`] renders.
+#[derive(Debug, Clone)]
+enum Renderer {
+    /// The canonical rendering.
+    Canonical,
+    /// minijinja.
+    Jinja(Arc<JinjaTemplate>),
+    /// A native renderer; minijinja for template variables it does not
+    /// support.
+    Native {
+        template: NativeTemplate,
+        jinja: Arc<JinjaTemplate>,
+    },
 }
 
 /// Turns chat messages into the prompt text.
 #[derive(Debug, Clone)]
 pub struct ChatTemplate {
-    compiled: Option<Arc<Compiled>>,
+    renderer: Renderer,
 }
 
 impl ChatTemplate {
@@ -94,7 +139,9 @@ impl ChatTemplate {
     /// and answer exactly: `render(msgs) + answer + "\n" + render([user])`
     /// equals `render(msgs + [assistant: answer, user])`.
     pub fn canonical() -> Self {
-        Self { compiled: None }
+        Self {
+            renderer: Renderer::Canonical,
+        }
     }
 
     /// The `chat_template` of a HF tokenizer_config.json: a string, or a
@@ -126,102 +173,122 @@ impl ChatTemplate {
             Some(serde_json::Value::Object(token)) => token.get("content").and_then(|c| c.as_str()).map(str::to_owned),
             _ => None,
         };
-        Self::compile(source, special("bos_token"), special("eos_token")).map_err(template_err)
+        let special = SpecialTokens {
+            bos_token: special("bos_token"),
+            eos_token: special("eos_token"),
+        };
+        Self::compile(source, special).map_err(template_err)
     }
 
     /// A Jinja chat template given as text (HF conventions, as for
     /// [`from_tokenizer_config`](Self::from_tokenizer_config)), with the
     /// `bos_token` and `eos_token` it may use.
     pub fn from_source(source: &str, bos_token: Option<&str>, eos_token: Option<&str>) -> Result<Self, TemplateError> {
-        Self::compile(
-            source.to_owned(),
-            bos_token.map(str::to_owned),
-            eos_token.map(str::to_owned),
-        )
-        .map_err(|reason| TemplateError::Load {
+        let special = SpecialTokens {
+            bos_token: bos_token.map(str::to_owned),
+            eos_token: eos_token.map(str::to_owned),
+        };
+        Self::compile(source.to_owned(), special).map_err(|reason| TemplateError::Load {
             path: "<inline>".into(),
             reason,
         })
     }
 
-    /// Compiles `source` in an environment set up like `transformers`'.
-    fn compile(source: String, bos_token: Option<String>, eos_token: Option<String>) -> Result<Self, String> {
-        let mut env = minijinja::Environment::new();
-        // transformers renders chat templates with trim_blocks and
-        // lstrip_blocks, and with Python's string methods available.
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |message: String| -> Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
-            },
-        );
-        env.add_template_owned(TEMPLATE_NAME, source)
-            .map_err(|e| format!("the template does not compile: {e:#}"))?;
-        Ok(Self {
-            compiled: Some(Arc::new(Compiled {
-                env,
-                bos_token,
-                eos_token,
-            })),
-        })
+    /// Compiles `source` with minijinja (so that a broken template fails
+    /// here, and for the variables a native renderer does not support) and
+    /// picks its native renderer if it has one.
+    fn compile(source: String, special: SpecialTokens) -> Result<Self, String> {
+        let native = NativeTemplate::recognise(&source);
+        let jinja = Arc::new(JinjaTemplate::compile(source, special)?);
+        let renderer = match native {
+            Some(template) => Renderer::Native { template, jinja },
+            None => Renderer::Jinja(jinja),
+        };
+        Ok(Self { renderer })
+    }
+
+    /// Which renderer turns messages into text: `canonical`, `jinja`, or
+    /// `native <family>` (`native qwen3`, `native qwen2.5`, `native chatml`,
+    /// `native llama3`, `native phi3`, `native phi3-original`), for the
+    /// startup log.
+    pub fn renderer_name(&self) -> &'static str {
+        match &self.renderer {
+            Renderer::Canonical => "canonical",
+            Renderer::Jinja(_) => "jinja",
+            Renderer::Native { template, .. } => template.renderer_name(),
+        }
+    }
+
+    /// The same template rendered by minijinja even when a native renderer
+    /// knows it: the reference the native renderers are compared with (tests,
+    /// benchmarks). The canonical template stays canonical.
+    pub fn with_jinja_renderer(&self) -> Self {
+        let renderer = match &self.renderer {
+            Renderer::Native { jinja, .. } => Renderer::Jinja(Arc::clone(jinja)),
+            other => other.clone(),
+        };
+        Self { renderer }
     }
 
     /// The prompt text for `messages`, ending with the assistant's
     /// generation prompt.
-    pub fn render(&self, messages: &[ChatMessage]) -> Result<String, TemplateError> {
-        self.render_with(messages, None)
+    pub fn render(&self, messages: &[ChatMessage<'_>]) -> Result<String, TemplateError> {
+        let mut out = String::new();
+        self.render_into(messages, &mut out)?;
+        Ok(out)
     }
 
-    /// [`render`](Self::render), with one extra template variable (such as
-    /// `enable_thinking`) for the tests.
+    /// [`render`](Self::render), appending to `out`; on an error `out` is
+    /// left as it was.
+    pub fn render_into(&self, messages: &[ChatMessage<'_>], out: &mut String) -> Result<(), TemplateError> {
+        self.render_with(messages, None, out)
+    }
+
+    /// [`render_into`](Self::render_into), with one extra template variable
+    /// (such as `enable_thinking`) for the tests. A native renderer that
+    /// does not support the variable leaves the rendering to minijinja.
     fn render_with(
         &self,
-        messages: &[ChatMessage],
+        messages: &[ChatMessage<'_>],
         extra: Option<(&str, minijinja::Value)>,
-    ) -> Result<String, TemplateError> {
-        let Some(compiled) = &self.compiled else {
-            return Ok(render_canonical(messages));
-        };
-        let messages: Vec<TemplateMessage<'_>> = messages
-            .iter()
-            .map(|m| TemplateMessage {
-                role: &m.role,
-                content: &m.content,
-            })
-            .collect();
-        let mut vars = std::collections::BTreeMap::new();
-        vars.insert("messages", minijinja::Value::from_serialize(&messages));
-        vars.insert("add_generation_prompt", minijinja::Value::from(true));
-        if let Some(bos) = &compiled.bos_token {
-            vars.insert("bos_token", minijinja::Value::from(bos.as_str()));
+        out: &mut String,
+    ) -> Result<(), TemplateError> {
+        match &self.renderer {
+            Renderer::Canonical => {
+                render_canonical(messages, out);
+                Ok(())
+            }
+            Renderer::Jinja(jinja) => {
+                out.push_str(&jinja.render(messages, extra)?);
+                Ok(())
+            }
+            Renderer::Native { template, jinja } => {
+                let options = match &extra {
+                    None => Some(RenderOptions::default()),
+                    Some((name, value)) => template.options_for(name, value),
+                };
+                let Some(options) = options else {
+                    out.push_str(&jinja.render(messages, extra)?);
+                    return Ok(());
+                };
+                let start = out.len();
+                template.render(messages, jinja.special(), options, out).map_err(|e| {
+                    out.truncate(start);
+                    TemplateError::Render(e.to_string())
+                })
+            }
         }
-        if let Some(eos) = &compiled.eos_token {
-            vars.insert("eos_token", minijinja::Value::from(eos.as_str()));
-        }
-        if let Some((name, value)) = extra {
-            vars.insert(name, value);
-        }
-        let template = compiled
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| TemplateError::Render(format!("{e:#}")))?;
-        template
-            .render(&vars)
-            .map_err(|e| TemplateError::Render(format!("{e:#}")))
     }
 }
 
-/// The canonical rendering (see [`ChatTemplate::canonical`]).
-fn render_canonical(messages: &[ChatMessage]) -> String {
+/// Appends the canonical rendering (see [`ChatTemplate::canonical`]).
+fn render_canonical(messages: &[ChatMessage<'_>], out: &mut String) {
     let len = messages
         .iter()
         .map(|m| m.role.len() + m.content.len() + 6)
         .sum::<usize>()
         + 14;
-    let mut out = String::with_capacity(len);
+    out.reserve(len);
     for message in messages {
         out.push_str("<|");
         out.push_str(&message.role);
@@ -230,7 +297,6 @@ fn render_canonical(messages: &[ChatMessage]) -> String {
         out.push('\n');
     }
     out.push_str("<|assistant|>\n");
-    out
 }
 
 #[cfg(test)]
@@ -243,11 +309,20 @@ mod tests {
             .map(|p| ChatTemplate::from_tokenizer_config(&p).expect("Qwen3 chat template loads"))
     }
 
-    fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+    fn msg(role: &str, content: &str) -> ChatMessage<'static> {
+        ChatMessage::new(role.to_owned(), content.to_owned())
+    }
+
+    /// [`ChatTemplate::render`] with one extra template variable.
+    fn render_extra(
+        t: &ChatTemplate,
+        messages: &[ChatMessage<'_>],
+        name: &str,
+        value: minijinja::Value,
+    ) -> Result<String, TemplateError> {
+        let mut out = String::new();
+        t.render_with(messages, Some((name, value)), &mut out)?;
+        Ok(out)
     }
 
     #[test]
@@ -371,10 +446,89 @@ mod tests {
         // enable_thinking=false: turn 1's generation prompt ends with an empty
         // think block that turn 2 does not contain; the shared prefix stops
         // at `<|im_start|>assistant\n`.
-        let p1_no_think = t
-            .render_with(&turn1, Some(("enable_thinking", minijinja::Value::from(false))))
-            .unwrap();
+        let p1_no_think = render_extra(&t, &turn1, "enable_thinking", minijinja::Value::from(false)).unwrap();
         assert_eq!(p1_no_think, format!("{p1}<think>\n\n</think>\n\n"));
         assert!(!next(answer).starts_with(&p1_no_think));
+    }
+
+    #[test]
+    fn qwen3_is_native_and_matches_jinja_with_enable_thinking() {
+        let Some(native) = qwen3_template() else { return };
+        assert_eq!(native.renderer_name(), "native qwen3");
+        let jinja = native.with_jinja_renderer();
+        assert_eq!(jinja.renderer_name(), "jinja");
+        let turns = [
+            msg("system", "Be brief."),
+            msg("user", "Hi"),
+            msg("assistant", "<think>\nhm\n</think>\n\nHello."),
+            msg("user", "Again"),
+        ];
+        for value in [false, true] {
+            let value = minijinja::Value::from(value);
+            assert_eq!(
+                render_extra(&native, &turns, "enable_thinking", value.clone()).unwrap(),
+                render_extra(&jinja, &turns, "enable_thinking", value).unwrap()
+            );
+        }
+        // A variable the native renderer does not know goes to minijinja,
+        // which sees it (here: a non-boolean enable_thinking is not false).
+        let odd = minijinja::Value::from(0);
+        assert_eq!(
+            render_extra(&native, &turns, "enable_thinking", odd.clone()).unwrap(),
+            render_extra(&jinja, &turns, "enable_thinking", odd).unwrap()
+        );
+    }
+
+    #[test]
+    fn renderer_names() {
+        assert_eq!(ChatTemplate::canonical().renderer_name(), "canonical");
+        assert_eq!(
+            ChatTemplate::canonical().with_jinja_renderer().renderer_name(),
+            "canonical"
+        );
+        let plain = ChatTemplate::from_source("{{ messages[0].content }}", None, None).unwrap();
+        assert_eq!(plain.renderer_name(), "jinja");
+        let chatml = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + \
+                      '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}\
+                      {% endif %}";
+        let native = ChatTemplate::from_source(chatml, None, None).unwrap();
+        assert_eq!(native.renderer_name(), "native chatml");
+        assert_eq!(native.with_jinja_renderer().renderer_name(), "jinja");
+        let edited = ChatTemplate::from_source(&chatml.replace("assistant", "assistant "), None, None).unwrap();
+        assert_eq!(edited.renderer_name(), "jinja");
+    }
+
+    #[test]
+    fn render_into_appends_and_leaves_out_alone_on_errors() {
+        let borrowed = String::from("Hi");
+        let messages = [ChatMessage::new("user", borrowed.as_str())];
+        let canonical = ChatTemplate::canonical();
+        let mut out = String::from("prefix:");
+        canonical.render_into(&messages, &mut out).unwrap();
+        assert_eq!(out, "prefix:<|user|>\nHi\n<|assistant|>\n");
+
+        // A native renderer's error (Llama-3 without a bos_token).
+        let llama3 = "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = \
+                      '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + \
+                      '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}\
+                      {{ content }}{% endfor %}{% if add_generation_prompt %}\
+                      {{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+        let native = ChatTemplate::from_source(llama3, None, None).unwrap();
+        assert_eq!(native.renderer_name(), "native llama3");
+        let mut out = String::from("kept");
+        assert!(matches!(
+            native.render_into(&messages, &mut out),
+            Err(TemplateError::Render(_))
+        ));
+        assert_eq!(out, "kept");
+        assert!(native.with_jinja_renderer().render_into(&messages, &mut out).is_err());
+        assert_eq!(out, "kept");
+        let with_bos = ChatTemplate::from_source(llama3, Some("<|begin_of_text|>"), None).unwrap();
+        with_bos.render_into(&[msg("user", " Hi \n")], &mut out).unwrap();
+        assert_eq!(
+            out,
+            "kept<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
+             <|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
     }
 }
