@@ -10,7 +10,12 @@
 //! The template is Qwen3's `tokenizer_config.json` from `shared/data`, or,
 //! when absent, the Qwen3 template revision kept in `tests/templates`.
 //! `cargo bench -p semlb-tokenizer --bench chat`. It prints figures; it
-//! asserts nothing.
+//! asserts nothing (beyond both renderers giving the same prompt).
+//!
+//! Figures (medians; 2 shared cores, Qwen3 template and HH-RLHF from
+//! `shared`, 2026-11-23): short (16 tokens): Jinja 4.6 µs, native 36 ns
+//! (`render_into` a reused buffer: 22 ns), ~125x; long (53 messages, 2 105
+//! tokens): Jinja 92 µs, native 2.2 µs (`render_into`: 1.6 µs), ~40x.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -22,7 +27,7 @@ use semlb_tokenizer::chat::{ChatMessage, ChatTemplate};
 use semlb_tokenizer::{Tokenizer, test_data};
 
 /// Roughly 4 characters a token: the long conversation's content size.
-const LONG_CHARS: usize = 8_000;
+const LONG_CHARS: usize = 7_000;
 
 fn qwen3_template() -> ChatTemplate {
     match test_data::tokenizer_file("qwen3-tokenizer_config.json") {

@@ -9,7 +9,7 @@
 //! | module | concept |
 //! | --- | --- |
 //! | [`Tokenizer`] (this file) | a loaded `tokenizer.json`: token ids of a text, exactly as HF `tokenizers` gives them |
-//! | [`chat`] | chat messages to prompt text: Jinja chat templates (as `transformers` renders them) and the canonical rendering |
+//! | [`chat`] | chat messages to prompt text: Jinja chat templates (as `transformers` renders them; natively, byte for byte, for the Qwen3, Qwen2.5, ChatML, Llama-3 and Phi-3 templates) and the canonical rendering |
 //!
 //! # Usage
 //!

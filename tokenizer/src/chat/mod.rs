@@ -17,6 +17,31 @@
 //! by a single character, is rendered by minijinja.
 //! [`ChatTemplate::renderer_name`] says which renderer is in use.
 //!
+//! # Usage
+//!
+//! ```
+//! use semlb_tokenizer::chat::{ChatMessage, ChatTemplate};
+//!
+//! // transformers' default ChatML template, byte for byte: rendered natively.
+//! let source = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] \
+//!               + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}\
+//!               {{ '<|im_start|>assistant\n' }}{% endif %}";
+//! let template = ChatTemplate::from_source(source, None, None).unwrap();
+//! assert_eq!(template.renderer_name(), "native chatml");
+//!
+//! // Messages borrow their text (from a request body, say).
+//! let body = String::from("Hi!");
+//! let messages = [ChatMessage::new("user", body.as_str())];
+//! let mut prompt = String::new();
+//! template.render_into(&messages, &mut prompt).unwrap();
+//! assert_eq!(prompt, "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n");
+//!
+//! // Any other template is rendered by minijinja.
+//! let other = ChatTemplate::from_source("{{ messages[0].content }}", None, None).unwrap();
+//! assert_eq!(other.renderer_name(), "jinja");
+//! assert_eq!(other.render(&messages).unwrap(), "Hi!");
+//! ```
+//!
 //! # Prefix property
 //!
 //! What matters for prefix-aware routing is that a conversation's next

@@ -84,17 +84,18 @@ fn is_tool_response(content: &str) -> bool {
 /// it (step 4 of the rule).
 fn split_reasoning(content: &str) -> (&str, &str) {
     const END: &str = "</think>";
-    match (content.split_once(END), content.rsplit_once(END)) {
-        (Some((before_first_end, _)), Some((_, after_last_end))) => {
-            let before = before_first_end.trim_end_matches('\n');
-            let reasoning = before.rsplit_once("<think>").map_or(before, |(_, after)| after);
-            (
-                reasoning.trim_start_matches('\n'),
-                after_last_end.trim_start_matches('\n'),
-            )
-        }
-        _ => ("", content),
-    }
+    let Some((before_first_end, after_first_end)) = content.split_once(END) else {
+        return ("", content);
+    };
+    let after_last_end = after_first_end
+        .rsplit_once(END)
+        .map_or(after_first_end, |(_, after)| after);
+    let before = before_first_end.trim_end_matches('\n');
+    let reasoning = before.rsplit_once("<think>").map_or(before, |(_, after)| after);
+    (
+        reasoning.trim_start_matches('\n'),
+        after_last_end.trim_start_matches('\n'),
+    )
 }
 
 #[cfg(test)]
