@@ -330,10 +330,7 @@ fn chat_text(messages: Option<&Json<'_>>, template: &ChatTemplate) -> Result<Str
                 ));
             }
         };
-        rendered.push(ChatMessage {
-            role: role.to_string(),
-            content: message_text(i, m.get("content"))?.into_owned(),
-        });
+        rendered.push(ChatMessage::new(&**role, message_text(i, m.get("content"))?));
     }
     template
         .render(&rendered)

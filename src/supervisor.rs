@@ -176,7 +176,9 @@ fn supervise(args: &ServeArgs) -> Result<()> {
     );
     drop(tokenizer);
     if let Some(path) = &config.chat_template {
-        semlb_tokenizer::chat::ChatTemplate::from_tokenizer_config(path)?;
+        let template = semlb_tokenizer::chat::ChatTemplate::from_tokenizer_config(path)?;
+        let renderer = template.renderer_name();
+        tracing::info!(renderer, "chat template {}: {renderer} renderer", path.display());
     }
     // The admin API's token and address, before anything starts.
     let admin = match config.admin.listen {

@@ -9,7 +9,7 @@
 //! | module | concept |
 //! | --- | --- |
 //! | [`Tokenizer`] (this file) | a loaded `tokenizer.json`: token ids of a text, exactly as HF `tokenizers` gives them |
-//! | [`chat`] | chat messages to prompt text: Jinja chat templates (as `transformers` renders them) and the canonical rendering |
+//! | [`chat`] | chat messages to prompt text: Jinja chat templates (as `transformers` renders them; natively, byte for byte, for the Qwen3, Qwen2.5, ChatML, Llama-3 and Phi-3 templates) and the canonical rendering |
 //!
 //! # Usage
 //!
@@ -170,7 +170,11 @@ impl Tokenizer {
             Err(native::spec::NotNative::Invalid(reason)) => return Err(load_err(reason)),
             Err(native::spec::NotNative::Unsupported(reason)) => reason,
         };
-        let hf = tokenizers::Tokenizer::from_bytes(json).map_err(|e| load_err(e.to_string()))?;
+        // HF panics on some malformed files (e.g. a subword prefix longer
+        // than a merge's part) instead of returning an error.
+        let hf = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(json))
+            .map_err(|_| load_err("HF tokenizers cannot load it (its loader panicked)".into()))?
+            .map_err(|e| load_err(e.to_string()))?;
         Ok(Self::with(Implementation::Hf(Box::new(hf)), Engine::Hf { reason }))
     }
 
@@ -399,6 +403,22 @@ mod tests {
         std::fs::write(&bad, "{\"not\": \"a tokenizer\"}").unwrap();
         assert!(matches!(Tokenizer::from_file(&bad), Err(LoadError { .. })));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_file_that_makes_hf_panic_is_a_load_error() {
+        // A BPE with a `##` subword prefix and a merge whose right part is
+        // shorter than it: HF's loader panics on it.
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+            "model": {"type": "BPE", "dropout": null, "unk_token": "[UNK]", "continuing_subword_prefix": "##",
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                      "vocab": {"[UNK]": 0, "a": 1, "#": 2, "##b": 3, "a#": 4}, "merges": ["a #"]},
+        });
+        let err = Tokenizer::from_json(json.to_string().as_bytes(), "<test>").unwrap_err();
+        assert_eq!(err.path, "<test>");
+        assert!(!err.reason.is_empty());
     }
 
     #[test]

@@ -8,9 +8,9 @@
 //! HH-RLHF and the Mooncake trace when present). Each comparison prints
 //! its counts per source.
 //!
-//! The tests that need the native engine are `#[ignore]`d until it lands;
-//! run them against HF (checking the harness itself) with
-//! `SEMLB_CONFORMANCE_ALLOW_HF=1 cargo test -p semlb-tokenizer --test conformance -- --include-ignored`.
+//! Every comparison first checks that the native engine tokenizes (so HF
+//! is never compared with itself); to check the harness itself against HF,
+//! run with `SEMLB_CONFORMANCE_ALLOW_HF=1`.
 
 mod support;
 
@@ -211,7 +211,6 @@ fn harness_reports_mismatches() {
 }
 
 #[test]
-#[ignore = "native engine not built yet"]
 fn phi2_bundled_matches_hf_on_the_corpus() {
     let subject = Subject::bundled_phi2();
     subject.require_native("gpt2");
@@ -220,7 +219,6 @@ fn phi2_bundled_matches_hf_on_the_corpus() {
 }
 
 #[test]
-#[ignore = "native engine not built yet"]
 fn qwen3_matches_hf_on_the_corpus() {
     let Some(subject) = Subject::qwen3() else { return };
     subject.require_native("qwen2");
@@ -229,7 +227,6 @@ fn qwen3_matches_hf_on_the_corpus() {
 }
 
 #[test]
-#[ignore = "native engine not built yet"]
 fn llama3_style_matches_hf_on_the_corpus() {
     let Some(qwen3) = variants::qwen3() else { return };
     let subject = Subject::from_value("llama3-style (Qwen3 vocabulary)", &variants::llama3_style(qwen3));
@@ -256,7 +253,6 @@ fn llama3_style_matches_hf_on_the_corpus() {
 /// `ignore_merges` where it decides the ids: the first merges pruned (see
 /// `variants::ignore_merges`), in the gpt2 and llama3 dialects.
 #[test]
-#[ignore = "native engine not built yet"]
 fn ignore_merges_with_pruned_merges_matches_hf() {
     let subject = Subject::from_value(
         "phi-2 + ignore_merges, first 8 merges pruned",
@@ -276,7 +272,6 @@ fn ignore_merges_with_pruned_merges_matches_hf() {
 }
 
 #[test]
-#[ignore = "native engine not built yet"]
 fn phi2_with_added_vocabulary_rules_matches_hf() {
     let json = variants::phi2_added_vocabulary(variants::phi2());
     let subject = Subject::from_value("phi-2 + lstrip/rstrip/single_word/normalized added tokens", &json);
@@ -286,7 +281,6 @@ fn phi2_with_added_vocabulary_rules_matches_hf() {
 }
 
 #[test]
-#[ignore = "native engine not built yet"]
 fn qwen3_with_normalized_added_tokens_matches_hf() {
     let Some(qwen3) = variants::qwen3() else { return };
     let json = variants::qwen3_normalized_added(qwen3);

@@ -6,9 +6,8 @@
 //! `PROPTEST_CASES` sets the cases per tokenizer (default 20 000);
 //! `PROPTEST_RNG_SEED` replays a run (each run prints its seed).
 //!
-//! The engine tests are `#[ignore]`d until the native engine lands; run
-//! them against HF with
-//! `SEMLB_CONFORMANCE_ALLOW_HF=1 cargo test -p semlb-tokenizer --test properties -- --include-ignored`.
+//! Each test first checks that the native engine tokenizes; to run them
+//! against HF (checking the harness) set `SEMLB_CONFORMANCE_ALLOW_HF=1`.
 
 mod support;
 
@@ -144,7 +143,6 @@ fn check(subject: &Subject) {
 }
 
 #[test]
-#[ignore = "native engine not built yet"]
 fn phi2_random_strings_match_hf() {
     let subject = Subject::bundled_phi2();
     subject.require_native("gpt2");
@@ -152,7 +150,6 @@ fn phi2_random_strings_match_hf() {
 }
 
 #[test]
-#[ignore = "native engine not built yet"]
 fn qwen3_random_strings_match_hf() {
     let Some(subject) = Subject::qwen3() else { return };
     subject.require_native("qwen2");
@@ -160,7 +157,6 @@ fn qwen3_random_strings_match_hf() {
 }
 
 #[test]
-#[ignore = "native engine not built yet"]
 fn llama3_style_random_strings_match_hf() {
     let Some(qwen3) = variants::qwen3() else { return };
     let subject = Subject::from_value("llama3-style (Qwen3 vocabulary)", &variants::llama3_style(qwen3));

@@ -239,7 +239,7 @@ pub struct ChatRequest {
     /// `model`, if given.
     pub model: Option<String>,
     /// The messages, content flattened to text (never empty).
-    pub messages: Vec<ChatMessage>,
+    pub messages: Vec<ChatMessage<'static>>,
     /// Generation parameters.
     pub params: GenParams,
 }
@@ -536,7 +536,7 @@ impl ChatRequest {
                 Some(other) => return Err(wrong_type(&format!("messages[{i}].role"), "a string", other)),
             };
             let content = message_content(i, field(message, "content"))?;
-            messages.push(ChatMessage { role, content });
+            messages.push(ChatMessage::new(role, content));
         }
         match field(&obj, "logprobs") {
             None | Some(Value::Bool(_)) => {}
@@ -1043,7 +1043,7 @@ mod tests {
         let msgs: Vec<(&str, &str)> = r
             .messages
             .iter()
-            .map(|m| (m.role.as_str(), m.content.as_str()))
+            .map(|m| (m.role.as_ref(), m.content.as_ref()))
             .collect();
         assert_eq!(msgs, [("system", "s"), ("user", "a\nb"), ("assistant", "")]);
         assert_eq!(r.params.max_tokens, Some(9));

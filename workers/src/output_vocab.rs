@@ -101,11 +101,8 @@ mod tests {
             .map(|p| ChatTemplate::from_tokenizer_config(&p).expect("Qwen3 chat template loads"))
     }
 
-    fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+    fn msg(role: &str, content: &str) -> ChatMessage<'static> {
+        ChatMessage::new(role.to_owned(), content.to_owned())
     }
 
     #[test]

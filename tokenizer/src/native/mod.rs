@@ -49,10 +49,6 @@ use unicode_classes::{SPACE, class_of};
 /// lookup costs about as much as tokenizing them).
 const SEGMENT_MIN_BYTES: usize = 24;
 
-/// A piece is cut after a newline only once the part before has at least
-/// this many bytes (fewer, larger cache entries).
-const CUT_MIN_BYTES: usize = 128;
-
 /// Words longer than this are not kept in the word cache (they rarely
 /// repeat, and the segment cache holds the text they are part of).
 const WORD_CACHE_MAX_BYTES: usize = 64;
@@ -193,17 +189,21 @@ impl NativeTokenizer {
     }
 
     /// Calls `chunk` with the parts of a first-pass piece that may be
-    /// tokenized on their own (see the module docs).
+    /// tokenized on their own (see the module docs): cut at every newline
+    /// where that is exact. Where a cut is made depends only on the
+    /// characters around it, so the same text is cut the same way wherever
+    /// it appears, and a conversation's earlier turns come back as the same
+    /// segments in its next prompt.
     fn chunks<'a>(&self, text: &'a str, mut chunk: impl FnMut(&'a str)) {
-        if !self.cut_lines || text.len() < 2 * CUT_MIN_BYTES {
+        if !self.cut_lines {
             return chunk(text);
         }
         let bytes = text.as_bytes();
         let mut start = 0;
         for newline in memchr::memchr_iter(b'\n', bytes) {
             let at = newline + 1;
-            if at - start < CUT_MIN_BYTES || at >= bytes.len() {
-                continue;
+            if at >= bytes.len() {
+                break;
             }
             let Some(next) = text[at..].chars().next() else { break };
             if class_of(next) & SPACE != 0 {
