@@ -37,6 +37,10 @@ pub enum Command {
     /// A live view of a running gateway from its shm segment: servers,
     /// load, tables, processes (`--once` for one snapshot).
     Status(StatusArgs),
+    /// What the gateway sees of a request body or a text: the prompt text,
+    /// its segments, token ids and block hashes (and with --shm-name, which
+    /// servers hold each block).
+    Tokenize(crate::tokenize_cmd::TokenizeArgs),
     /// Measure: the dispatch path, scaling, end to end, trace replay; shm
     /// vs Redis. Prints tables, writes JSON and SVG plots.
     #[command(subcommand)]

@@ -19,6 +19,7 @@
 //! | [`report`] | a snapshot of a segment, rendered as text or JSON |
 //! | [`demo`] | `semlb demo`: synthetic conversations routed through a throw-away segment |
 //! | [`status`] | `semlb status`: a live view of a running gateway from its segment |
+//! | [`tokenize_cmd`] | `semlb tokenize`: a request's prompt text, segments, token ids, block hashes and their holders |
 //! | [`bench`] | `semlb bench`: dispatch path, scaling, end to end, trace replay; shm vs Redis |
 //!
 //! # Flow
@@ -48,6 +49,7 @@ mod report;
 mod shm_cmd;
 mod status;
 mod supervisor;
+mod tokenize_cmd;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -63,6 +65,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Shm(command) => out.write_all(shm_cmd::run(command)?.as_bytes())?,
         Command::Demo(args) => demo::run(&args, &mut out)?,
+        Command::Tokenize(args) => tokenize_cmd::run(&args, &mut out)?,
         Command::Serve(args) => {
             logging::init(&args.log, "supervisor");
             supervisor::run(&args)?

@@ -434,6 +434,12 @@ pub struct ServerGauges {
     pub load: Option<LoadFigures>,
 }
 
+/// Completion records the response processes have applied, all together
+/// (`semlb_responder_records_total`), read without a whole [`Snapshot`].
+pub fn responder_records(tables: &Tables<'_>) -> u64 {
+    tables.stats.sum(RESPONDER)
+}
+
 /// Everything one scrape renders: the counters summed over all processes
 /// and the gauges read from the segment.
 #[derive(Debug, Clone, PartialEq)]

@@ -284,3 +284,89 @@ fn status_prints_snapshots_of_a_segment() {
     let missing = semlb(&["status", "--shm-name", "semlb-test-cli-no-such-segment", "--once"]);
     assert_fails_with(&missing, &["cannot attach", "semlb-test-cli-no-such-segment"]);
 }
+
+/// `semlb tokenize` on its own: a text and a request body with the
+/// bundled tokenizer (GPT-2's ids), the chat rendering the gateway uses,
+/// its JSON, `--jsonl`, and a body the gateway would refuse.
+#[test]
+fn tokenize_shows_what_the_gateway_sees() {
+    let text = assert_ok(&semlb(&["tokenize", "--json", "Hello, world!"]));
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["ids"], serde_json::json!([15496, 11, 995, 0]));
+    assert_eq!(v["blocks"].as_array().unwrap().len(), 0, "4 tokens: no full block");
+    assert!(v["engine"].as_str().unwrap().starts_with("native"), "{v}");
+    assert_eq!(v["seed_from_segment"], false);
+
+    // A chat body: rendered with the canonical template, 16-token blocks,
+    // block hashes rooted at the body's model.
+    let body = serde_json::json!({
+        "model": "m1",
+        "messages": [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. ".repeat(4)}],
+    })
+    .to_string();
+    let out = assert_ok(&semlb(&["tokenize", "--json", "--body", &body]));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["endpoint"], "/v1/chat/completions");
+    assert_eq!(v["renderer"], "canonical");
+    let rendered = v["text"].as_str().unwrap();
+    assert!(rendered.starts_with("<|user|>\nThe quick brown fox") && rendered.ends_with("<|assistant|>\n"));
+    let ids = v["ids"].as_array().unwrap();
+    let blocks = v["blocks"].as_array().unwrap();
+    assert_eq!(blocks.len(), ids.len() / 16);
+    // The segments tile the text and their ids are the ids.
+    let segments = v["segments"].as_array().unwrap();
+    assert_eq!(
+        segments.last().unwrap()["end"].as_u64().unwrap() as usize,
+        rendered.len()
+    );
+    let joined: Vec<&serde_json::Value> = segments.iter().flat_map(|s| s["ids"].as_array().unwrap()).collect();
+    assert_eq!(joined.len(), ids.len());
+    // Another model, another chain; the same model and text, the same one.
+    let other = assert_ok(&semlb(&[
+        "tokenize",
+        "--json",
+        "--body",
+        &body.replace("\"m1\"", "\"m2\""),
+    ]));
+    let other: serde_json::Value = serde_json::from_str(&other).unwrap();
+    assert_eq!(other["ids"], v["ids"]);
+    assert_ne!(other["blocks"], v["blocks"]);
+
+    // The plain-text report names the segments and blocks.
+    let report = assert_ok(&semlb(&["tokenize", "--body", &body]));
+    for part in ["segments (", "token ids (", "blocks (", "seed 0x0"] {
+        assert!(report.contains(part), "{part:?} missing:\n{report}");
+    }
+
+    // A body the gateway refuses is refused with the gateway's message.
+    let bad = semlb(&["tokenize", "--body", r#"{"model":"m","messages":[]}"#]);
+    assert_fails_with(&bad, &["400", "'messages' must not be empty"]);
+    assert_fails_with(&semlb(&["tokenize"]), &["give a TEXT"]);
+}
+
+#[test]
+fn tokenize_jsonl_answers_each_line() {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_semlb"))
+        .args(["tokenize", "--jsonl"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "\"Hello, world!\"").unwrap();
+    writeln!(stdin, r#"{{"model":"m","prompt":[1,2,3]}}"#).unwrap();
+    writeln!(stdin, "\"\"").unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let lines: Vec<serde_json::Value> = stdout(&out).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 3);
+    assert_eq!(lines[0]["ids"], serde_json::json!([15496, 11, 995, 0]));
+    assert_eq!(
+        lines[1]["ids"],
+        serde_json::json!([1, 2, 3]),
+        "token-id prompts are taken as given"
+    );
+    assert_eq!(lines[2]["ids"], serde_json::json!([]));
+}

@@ -895,3 +895,58 @@ fn json_logs_carry_the_routing_decision() {
     assert!(event["dispatch_ns"].as_u64() > Some(0), "{event}");
     assert!(event["message"].as_str().unwrap().contains(&backend), "{event}");
 }
+
+/// `semlb tokenize --shm-name` hashes as the running gateway does (its
+/// segment's seed, the body's model), and the chain a response process
+/// computes from an answer (it tokenizes the answer the dispatcher only
+/// forwarded) is the one the dispatcher computes for the next turn: after
+/// one answered turn, the next turn's prompt is held by the engine that
+/// answered exactly up to the blocks that contain new text.
+#[test]
+fn semlb_tokenize_sees_the_blocks_the_gateway_learned_from_an_answer() {
+    let engine = sim();
+    let gw = Gateway::start(&unique("tokenize"), &[&engine], &[]);
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are a helpful assistant."}),
+        user(&long_topic(7)),
+    ];
+    let r = chat(&gw.proc.addr, &messages, json!({}), &[]);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v = r.json();
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    let answer_tokens = v["usage"]["completion_tokens"].as_u64().unwrap();
+    gw.written_back();
+    messages.push(json!({"role": "assistant", "content": answer}));
+    messages.push(user("And now tell me more."));
+    let next = json!({"model": "semlb-sim", "messages": messages}).to_string();
+    let out = Command::new(support::process::EXE)
+        .args(["tokenize", "--json", "--shm-name", &gw.shm, "--body", &next])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["seed_from_segment"], true);
+    let held = report["held_by"].as_array().unwrap();
+    let engine_url = format!("http://{}", engine.addr);
+    // The engine's prompt and answer, in whole blocks.
+    let learned = ((prompt_tokens + answer_tokens) / 16) as usize;
+    assert!(
+        learned > prompt_tokens as usize / 16,
+        "the answer fills at least one block"
+    );
+    for (i, holders) in held.iter().enumerate() {
+        let holders: Vec<&str> = holders
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h.as_str().unwrap())
+            .collect();
+        if i < learned {
+            assert_eq!(holders, [engine_url.as_str()], "block {i} of {learned} learned blocks");
+        } else {
+            assert!(holders.is_empty(), "block {i} has new text, yet {holders:?} hold it");
+        }
+    }
+    assert!(held.len() > learned, "the new question adds blocks");
+}

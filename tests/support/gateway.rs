@@ -114,7 +114,14 @@ impl Gateway {
             let (pushed, used) = (0..t.ring_count())
                 .map(|i| t.ring(i).stats())
                 .fold((0, 0), |(p, u), s| (p + s.pushed, u + s.used));
-            if pushed >= self.expected_records.get() && used == 0 && self.redis_written() {
+            // Popped from the rings is not yet written: the responders count
+            // a record once its write is done.
+            let applied = semlb::metrics::responder_records(&t);
+            if pushed >= self.expected_records.get()
+                && used == 0
+                && applied >= self.expected_records.get()
+                && self.redis_written()
+            {
                 return;
             }
             assert!(

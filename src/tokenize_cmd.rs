@@ -1,0 +1,366 @@
+//! `semlb tokenize`: what the gateway sees of a request or a text: the
+//! prompt text, its segments, token ids and block hashes, and (attached to
+//! a running gateway's segment) which servers hold each block.
+//!
+//! A request body goes through the dispatcher's own code: the same parser
+//! and chat rendering ([`semlb::prompt::parse`], so a body the gateway
+//! refuses is refused here with the same message), the same tokenizer and
+//! block hashing. Block hashes are rooted at the model and the segment's
+//! seed, which every gateway segment draws at random: with `--shm-name`
+//! the running gateway's seed is used, so the hashes are the ones in its
+//! prefix table and each block shows the servers that hold it; without it
+//! the seed is `--seed` (0), and the hashes only compare with each other.
+//!
+//! `--jsonl` reads one JSON value per line on stdin (a string: a text; an
+//! object: a request body) and writes one JSON object per line: the
+//! interface the outside conformance check
+//! (`tokenizer/tests/python/check_tokenize.py`) drives.
+
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use semlb::blocks::BlockHasher;
+use semlb::config::ServeConfig;
+use semlb::prompt::{self, Endpoint, RoutingInput};
+use semlb_tokenizer::Tokenizer;
+use semlb_tokenizer::chat::ChatTemplate;
+use serde_json::{Value, json};
+use shm_layout::Segment;
+
+/// `semlb tokenize`.
+#[derive(Debug, Clone, Args)]
+pub struct TokenizeArgs {
+    /// The text to tokenize (as a completions prompt). Or use --file,
+    /// --body, --body-file or --jsonl.
+    pub text: Option<String>,
+    /// Read the text from a file (`-`: stdin).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["text", "body", "body_file", "jsonl"])]
+    pub file: Option<PathBuf>,
+    /// An OpenAI request body (JSON): chat messages are rendered with the
+    /// chat template, as the gateway renders them.
+    #[arg(long, value_name = "JSON", conflicts_with_all = ["text", "body_file", "jsonl"])]
+    pub body: Option<String>,
+    /// Read the request body from a file (`-`: stdin).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["text", "jsonl"])]
+    pub body_file: Option<PathBuf>,
+    /// The endpoint a body is for [default: chat if it has `messages`,
+    /// else completions].
+    #[arg(long, value_name = "ENDPOINT")]
+    pub endpoint: Option<EndpointArg>,
+    /// Read one JSON string (a text) or object (a body) per line on stdin;
+    /// write one JSON object per line.
+    #[arg(long)]
+    pub jsonl: bool,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// Take `tokenizer`, `chat_template` and `block_size` from this
+    /// `semlb serve` configuration file.
+    #[arg(long, value_name = "FILE", env = "SEMLB_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// A tokenizer.json [default: the configuration's, else the bundled one].
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+    /// A tokenizer_config.json whose chat template renders chat bodies
+    /// [default: the configuration's, else the canonical rendering].
+    #[arg(long, value_name = "PATH")]
+    pub chat_template: Option<PathBuf>,
+    /// Tokens per block [default: the configuration's, else 16].
+    #[arg(long, value_name = "N")]
+    pub block_size: Option<usize>,
+    /// The model a text's chain is rooted at (a body names its own).
+    #[arg(long, value_name = "NAME", default_value = "semlb-sim")]
+    pub model: String,
+    /// A running gateway's segment: use its seed, and show which servers
+    /// hold each block.
+    #[arg(long, value_name = "NAME")]
+    pub shm_name: Option<String>,
+    /// The hash seed without --shm-name.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// `--endpoint`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EndpointArg {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+}
+
+/// What the command works with.
+struct Tools {
+    tokenizer: Tokenizer,
+    tokenizer_name: String,
+    template: ChatTemplate,
+    block_size: usize,
+    segment: Option<Segment>,
+    seed: u64,
+}
+
+/// Runs `semlb tokenize`.
+pub fn run(args: &TokenizeArgs, out: &mut impl Write) -> Result<()> {
+    let tools = tools(args)?;
+    if args.jsonl {
+        let stdin = std::io::stdin();
+        for (n, line) in stdin.lock().lines().enumerate() {
+            let line = line.context("reading stdin")?;
+            let value: Value = serde_json::from_str(&line).with_context(|| format!("line {} is not JSON", n + 1))?;
+            let report = match value {
+                Value::String(text) => report_text(&tools, &args.model, text),
+                Value::Object(_) => {
+                    report_body(&tools, args.endpoint, line.as_bytes()).with_context(|| format!("line {}", n + 1))?
+                }
+                other => bail!("line {}: expected a JSON string or object, not {other}", n + 1),
+            };
+            serde_json::to_writer(&mut *out, &report.json(&tools, false))?;
+            out.write_all(b"\n")?;
+        }
+        return Ok(());
+    }
+    let report = if let Some(body) = &args.body {
+        report_body(&tools, args.endpoint, body.as_bytes())?
+    } else if let Some(path) = &args.body_file {
+        report_body(&tools, args.endpoint, &read_input(path)?)?
+    } else if let Some(path) = &args.file {
+        let text = String::from_utf8(read_input(path)?).context("the file is not UTF-8")?;
+        report_text(&tools, &args.model, text)
+    } else if let Some(text) = &args.text {
+        report_text(&tools, &args.model, text.clone())
+    } else {
+        bail!("give a TEXT, --file, --body, --body-file or --jsonl (see semlb tokenize --help)")
+    };
+    if args.json {
+        serde_json::to_writer_pretty(&mut *out, &report.json(&tools, true))?;
+        out.write_all(b"\n")?;
+    } else {
+        out.write_all(report.text(&tools).as_bytes())?;
+    }
+    Ok(())
+}
+
+fn read_input(path: &Path) -> Result<Vec<u8>> {
+    if path == Path::new("-") {
+        let mut buf = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf)?;
+        Ok(buf)
+    } else {
+        std::fs::read(path).with_context(|| format!("reading {}", path.display()))
+    }
+}
+
+fn tools(args: &TokenizeArgs) -> Result<Tools> {
+    let config = match &args.config {
+        Some(path) => ServeConfig::load(Some(path))?,
+        None => ServeConfig::default(),
+    };
+    let tokenizer_path = args.tokenizer.clone().or(config.tokenizer);
+    let tokenizer = match &tokenizer_path {
+        Some(path) => Tokenizer::from_file(path)?,
+        None => Tokenizer::bundled(),
+    }
+    .with_segment_cache(0);
+    let template = match args.chat_template.as_ref().or(config.chat_template.as_ref()) {
+        Some(path) => ChatTemplate::from_tokenizer_config(path)?,
+        None => ChatTemplate::canonical(),
+    };
+    let block_size = args.block_size.unwrap_or(config.block_size);
+    if block_size == 0 {
+        bail!("--block-size must be at least 1");
+    }
+    let segment = match &args.shm_name {
+        Some(name) => Some(Segment::open(name).with_context(|| format!("opening the gateway's segment {name}"))?),
+        None => None,
+    };
+    let seed = segment.as_ref().map_or(args.seed, |s| s.header().seed[0]);
+    Ok(Tools {
+        tokenizer,
+        tokenizer_name: tokenizer_path.map_or("bundled phi-2".to_owned(), |p| p.display().to_string()),
+        template,
+        block_size,
+        segment,
+        seed,
+    })
+}
+
+/// What the gateway sees of one input.
+struct Report {
+    endpoint: Option<Endpoint>,
+    model: String,
+    /// The routing text (`None` for a token-id prompt).
+    text: Option<String>,
+    ids: Vec<u32>,
+    segments: Vec<semlb_tokenizer::Segment>,
+    blocks: Vec<u64>,
+}
+
+fn report_text(tools: &Tools, model: &str, text: String) -> Report {
+    let segments = tools.tokenizer.segments(&text);
+    let ids: Vec<u32> = segments.iter().flat_map(|s| s.ids.iter().copied()).collect();
+    finish(tools, None, model.to_owned(), Some(text), ids, segments)
+}
+
+fn report_body(tools: &Tools, endpoint: Option<EndpointArg>, body: &[u8]) -> Result<Report> {
+    let endpoint = match endpoint {
+        Some(EndpointArg::Chat) => Endpoint::ChatCompletions,
+        Some(EndpointArg::Completions) => Endpoint::Completions,
+        None => match serde_json::from_slice::<Value>(body)
+            .ok()
+            .and_then(|v| v.get("messages").cloned())
+        {
+            Some(_) => Endpoint::ChatCompletions,
+            None => Endpoint::Completions,
+        },
+    };
+    let parsed = prompt::parse(endpoint, body, &tools.template)
+        .map_err(|e| anyhow::anyhow!("the gateway would answer 400: {}", e.message))?;
+    let model = parsed.model.to_string();
+    Ok(match parsed.input {
+        RoutingInput::Text(text) => {
+            let mut r = report_text(tools, &model, text.into_owned());
+            r.endpoint = Some(endpoint);
+            r
+        }
+        RoutingInput::Tokens(ids) => finish(tools, Some(endpoint), model, None, ids, Vec::new()),
+    })
+}
+
+fn finish(
+    tools: &Tools,
+    endpoint: Option<Endpoint>,
+    model: String,
+    text: Option<String>,
+    ids: Vec<u32>,
+    segments: Vec<semlb_tokenizer::Segment>,
+) -> Report {
+    // As the dispatcher hashes a request's tokens.
+    let hasher = BlockHasher::new(BlockHasher::root_for(&model, tools.seed), tools.block_size);
+    let mut blocks = Vec::new();
+    hasher.chain(&ids, &mut blocks);
+    Report {
+        endpoint,
+        model,
+        text,
+        ids,
+        segments,
+        blocks,
+    }
+}
+
+impl Report {
+    /// The servers holding each block in the attached segment's prefix
+    /// table (their addresses), if attached.
+    fn holders(&self, tools: &Tools) -> Option<Vec<Vec<String>>> {
+        let tables = tools.segment.as_ref()?.tables();
+        Some(
+            self.blocks
+                .iter()
+                .map(|b| {
+                    let Some(entry) = tables.prefix.lookup(*b) else {
+                        return Vec::new();
+                    };
+                    entry
+                        .servers
+                        .iter()
+                        .filter_map(|tag| tables.servers.get(tag.slot()).filter(|i| i.server.tag() == tag))
+                        .map(|i| i.address)
+                        .collect()
+                })
+                .collect(),
+        )
+    }
+
+    fn json(&self, tools: &Tools, full: bool) -> Value {
+        let mut v = json!({
+            "ids": self.ids,
+            "blocks": self.blocks.iter().map(|b| format!("{b:016x}")).collect::<Vec<_>>(),
+        });
+        if !full {
+            return v;
+        }
+        let text = self.text.as_deref().unwrap_or_default();
+        v["tokenizer"] = json!(tools.tokenizer_name);
+        v["engine"] = json!(tools.tokenizer.engine().to_string());
+        v["renderer"] = json!(tools.template.renderer_name());
+        v["endpoint"] = json!(self.endpoint.map(Endpoint::path));
+        v["model"] = json!(self.model);
+        v["seed"] = json!(tools.seed);
+        v["seed_from_segment"] = json!(tools.segment.is_some());
+        v["block_size"] = json!(tools.block_size);
+        v["text"] = json!(self.text);
+        v["segments"] = self
+            .segments
+            .iter()
+            .map(|s| {
+                json!({
+                    "start": s.range.start,
+                    "end": s.range.end,
+                    "added_token": s.added_token,
+                    "text": &text[s.range.clone()],
+                    "ids": s.ids,
+                })
+            })
+            .collect();
+        if let Some(holders) = self.holders(tools) {
+            v["held_by"] = json!(holders);
+        }
+        v
+    }
+
+    fn text(&self, tools: &Tools) -> String {
+        use std::fmt::Write as _;
+        let mut s = String::new();
+        let _ = writeln!(s, "tokenizer  {} ({})", tools.tokenizer_name, tools.tokenizer.engine());
+        if let Some(endpoint) = self.endpoint {
+            let _ = writeln!(
+                s,
+                "request    {} for model {:?}, chat template: {}",
+                endpoint.path(),
+                self.model,
+                tools.template.renderer_name()
+            );
+        }
+        let _ = writeln!(
+            s,
+            "hashes     seed {:#x} ({}), model {:?}, {} tokens per block",
+            tools.seed,
+            if tools.segment.is_some() {
+                "the running gateway's"
+            } else {
+                "not a gateway's: give --shm-name to compare with a live table"
+            },
+            self.model,
+            tools.block_size
+        );
+        if let Some(text) = &self.text {
+            let _ = writeln!(s, "\nprompt text ({} bytes):\n{text:?}", text.len());
+            let _ = writeln!(s, "\nsegments ({}):", self.segments.len());
+            for seg in &self.segments {
+                let kind = if seg.added_token { "added token" } else { "text" };
+                let _ = writeln!(
+                    s,
+                    "  [{}..{}) {kind} {:?} -> {:?}",
+                    seg.range.start,
+                    seg.range.end,
+                    &text[seg.range.clone()],
+                    seg.ids
+                );
+            }
+        }
+        let _ = writeln!(s, "\ntoken ids ({}):\n{:?}", self.ids.len(), self.ids);
+        let holders = self.holders(tools);
+        let _ = writeln!(s, "\nblocks ({} full):", self.blocks.len());
+        for (i, b) in self.blocks.iter().enumerate() {
+            let held = match &holders {
+                Some(h) if h[i].is_empty() => "  held by no server".to_owned(),
+                Some(h) => format!("  held by {}", h[i].join(", ")),
+                None => String::new(),
+            };
+            let _ = writeln!(s, "  {i:>4}  {b:016x}{held}");
+        }
+        s
+    }
+}
