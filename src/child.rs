@@ -194,7 +194,7 @@ fn run_responder(segment: &Segment, args: &ChildArgs, config: &ServeConfig) -> R
             tokenizer,
         ),
     };
-    let mut idle = Duration::from_micros(50);
+    let mut idle = MIN_POLL;
     let mut last_beat = 0u64;
     // Its counters go to its registry slot's stats block (`/metrics`).
     let metrics = semlb::metrics::Metrics::new(tables.stats, args.slot);
@@ -217,16 +217,35 @@ fn run_responder(segment: &Segment, args: &ChildArgs, config: &ServeConfig) -> R
         if stopping {
             return Ok(());
         }
-        // Poll with a backoff: no cross-process wake-up exists for ring pushes,
-        // and a responder is off the request path.
-        idle = if applied > 0 {
-            Duration::from_micros(50)
-        } else {
-            (idle * 2).min(Duration::from_millis(5))
-        };
+        idle = next_poll(idle, applied);
         std::thread::sleep(idle);
     }
 }
+
+/// How long a responder sleeps after a look that found `applied` records,
+/// having slept `idle` before it. No cross-process wake-up exists for ring
+/// pushes (one would cost the dispatcher a system call per request), so a
+/// responder polls, off the request path. A wake-up costs about as much as
+/// applying a record, so while records keep coming the sleep is sized for
+/// [`POLL_BATCH`] records per look, within [`MIN_POLL`] and [`MAX_BUSY_POLL`]
+/// (the longest a record waits to be written under load); with none, it
+/// backs off to [`MAX_IDLE_POLL`].
+fn next_poll(idle: Duration, applied: usize) -> Duration {
+    if applied == 0 {
+        return (idle * 2).clamp(MIN_POLL, MAX_IDLE_POLL);
+    }
+    let scaled = idle.as_secs_f64() * POLL_BATCH as f64 / applied as f64;
+    Duration::from_secs_f64(scaled).clamp(MIN_POLL, MAX_BUSY_POLL)
+}
+
+/// Records a look at the rings should find under load.
+const POLL_BATCH: usize = 16;
+/// The shortest sleep between looks.
+const MIN_POLL: Duration = Duration::from_micros(50);
+/// The longest sleep while records keep coming.
+const MAX_BUSY_POLL: Duration = Duration::from_millis(2);
+/// The longest sleep when nothing comes.
+const MAX_IDLE_POLL: Duration = Duration::from_millis(5);
 
 /// Set by SIGTERM/SIGINT in a responder.
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -287,4 +306,34 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
         .await?;
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_poll_adapts_to_the_record_rate() {
+        let us = Duration::from_micros;
+        // Busy: sized for a batch per look, within the bounds.
+        assert_eq!(next_poll(us(250), 4), us(1000));
+        assert_eq!(next_poll(us(600), 16), us(600));
+        assert_eq!(next_poll(us(600), 96), us(100));
+        assert_eq!(next_poll(us(1500), 1), MAX_BUSY_POLL);
+        assert_eq!(next_poll(us(60), 1000), MIN_POLL);
+        // Idle: back off, up to the idle bound.
+        assert_eq!(next_poll(us(1000), 0), us(2000));
+        assert_eq!(next_poll(MAX_IDLE_POLL, 0), MAX_IDLE_POLL);
+        // A steady rate settles: 13 records per ms.
+        let mut idle = MIN_POLL;
+        for _ in 0..20 {
+            let applied = (idle.as_secs_f64() * 13_000.0).round() as usize;
+            idle = next_poll(idle, applied);
+        }
+        let per_look = idle.as_secs_f64() * 13_000.0;
+        assert!(
+            (12.0..=20.0).contains(&per_look),
+            "{idle:?}: {per_look} records per look"
+        );
+    }
 }

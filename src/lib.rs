@@ -7,6 +7,7 @@
 //!
 //! | module | concept |
 //! | --- | --- |
+//! | [`answer`] | the answer text of an OpenAI response (JSON body or event stream), read by the response processes |
 //! | [`body`] | the request body parsed once: a JSON tree borrowing its strings from the body |
 //! | [`prompt`] | the routing text of an OpenAI request: completions prompt forms, rendered chat messages |
 //! | [`blocks`] | token ids → the chain of block hashes the shm prefix table is keyed by |
@@ -28,6 +29,7 @@
 //! [`routing`] policy for a server, proxies, and pushes a completion record
 //! that a response process applies ([`responder`]).
 
+pub mod answer;
 pub mod blocks;
 pub mod body;
 pub mod config;

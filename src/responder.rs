@@ -30,6 +30,7 @@
 use semlb_tokenizer::Tokenizer;
 use shm_layout::{Completion, Pop, Stamp, Tables};
 
+use crate::answer::{AnswerForm, answer_text};
 use crate::blocks::BlockHasher;
 use crate::store::WriteBack;
 use crate::store::shm::ShmWriteBack;
@@ -66,6 +67,8 @@ pub struct ResponderStats {
     pub answers_tokenized: u64,
     /// Answer tokens hashed into chains.
     pub answer_tokens: u64,
+    /// Answers whose text could not be read (the prompt is still learned).
+    pub unreadable_answers: u64,
 }
 
 /// A response process's write-back: it reads the segment's rings and server
@@ -102,28 +105,37 @@ impl<'a> Responder<'a> {
     }
 
     /// Computes `record`'s chain of prompt + answer from its continuation,
-    /// if it has one: the prompt's last partial block and the answer's
-    /// tokens hashed on from the prompt's chain. A record without an output
-    /// token count gets the answer's.
+    /// if it has one: the answer's text read out of the bytes the
+    /// dispatcher forwarded ([`crate::answer`]), its tokens appended to the
+    /// prompt's last partial block, hashed on from the prompt's chain. A
+    /// record without an output token count gets the engine's
+    /// (`usage.completion_tokens`) or else the answer's.
     pub fn complete(&mut self, record: &mut Completion) {
         let Some(c) = record.continuation.as_ref() else {
             return;
         };
-        let Ok(block_size) = usize::try_from(c.block_size) else {
+        let (Ok(block_size), Some(form)) = (usize::try_from(c.block_size), AnswerForm::from_byte(c.form)) else {
             return;
         };
-        if block_size == 0 {
+        let bytes = if c.answer_is_response {
+            &record.response
+        } else {
+            &c.answer
+        };
+        let Some((text, reported)) = answer_text(form, bytes).filter(|_| block_size > 0) else {
+            self.stats.unreadable_answers += 1;
             return;
-        }
+        };
         self.tokens.clear();
         self.tokens.extend_from_slice(&c.tail);
-        self.tokenizer.encode_into(&c.answer, &mut self.tokens);
+        self.tokenizer.encode_into(&text, &mut self.tokens);
         let answer_tokens = self.tokens.len() - c.tail.len();
         record.full_blocks.clear();
         record.full_blocks.extend_from_slice(&record.prompt_blocks);
         BlockHasher::new(c.root, block_size).append(&self.tokens, &mut record.full_blocks);
         if record.output_tokens == 0 {
-            record.output_tokens = u32::try_from(answer_tokens).unwrap_or(u32::MAX);
+            let count = reported.unwrap_or(answer_tokens as u64);
+            record.output_tokens = u32::try_from(count).unwrap_or(u32::MAX);
         }
         self.stats.answers_tokenized += 1;
         self.stats.answer_tokens += answer_tokens as u64;
@@ -296,7 +308,8 @@ mod tests {
                 root: hasher.root(),
                 block_size: 16,
                 tail,
-                answer,
+                form: AnswerForm::Text as u8,
+                answer: Some(answer.as_bytes()),
             }),
             response: None,
         };

@@ -3,20 +3,22 @@
 //! chains that are now warm there, and optionally the response to cache.
 //!
 //! The chain of prompt + answer comes either as block hashes (`full
-//! blocks`), or, so that a dispatcher does not spend its time tokenizing
-//! answers, as the *continuation* the response process computes them
-//! from: the answer's text, the prompt's tokens after its last full block
-//! (`tail`), and the chain's root and block size (used when the prompt has
-//! no full block).
+//! blocks`), or, so that a dispatcher does not spend its time reading and
+//! tokenizing answers, as the *continuation* the response process computes
+//! them from: the answer (its bytes in a form the reader names: text, the
+//! response's JSON body, or its event stream), the prompt's tokens after
+//! its last full block (`tail`), and the chain's root and block size (used
+//! when the prompt has no full block). When the answer is the very response
+//! the record also carries for the cache, it is not repeated (flag 4).
 //!
 //! ```text
-//! u8 version · u8 flags (1 = response, 2 = continuation) · u16 server slot · u32 generation
+//! u8 version · u8 flags (1 = response, 2 = continuation, 4 = answer is the response) · u16 server slot · u32 generation
 //! u32 prompt tokens · u32 output tokens · u32 #prompt blocks · u32 #full blocks
-//! [u128 response key · u32 response len]                                  if flags & 1
-//! [u64 chain root · u32 block size · u32 #tail tokens · u32 answer len]   if flags & 2
+//! [u128 response key · u32 response len]                                             if flags & 1
+//! [u64 chain root · u32 block size · u32 #tail tokens · u8 answer form · u32 answer len]   if flags & 2
 //! u64 × #prompt blocks · u64 × #full blocks · u32 × #tail tokens · answer bytes · response bytes
 //! ```
-//! All integers little-endian; the answer is UTF-8 (checked when decoded).
+//! All integers little-endian.
 
 use crate::response_log::ResponseKey;
 use crate::server_table::ServerRef;
@@ -24,6 +26,7 @@ use crate::server_table::ServerRef;
 const VERSION: u8 = 2;
 const HAS_RESPONSE: u8 = 1;
 const HAS_CONTINUATION: u8 = 2;
+const ANSWER_IS_RESPONSE: u8 = 4;
 
 /// What the chain of prompt + answer is computed from, borrowed for
 /// encoding (see the module docs).
@@ -35,8 +38,10 @@ pub struct ContinuationRef<'a> {
     pub block_size: u32,
     /// The prompt's tokens after its last full block.
     pub tail: &'a [u32],
-    /// The answer's text.
-    pub answer: &'a str,
+    /// How the answer's bytes are to be read (the reader's code).
+    pub form: u8,
+    /// The answer's bytes; `None`: they are the record's response.
+    pub answer: Option<&'a [u8]>,
 }
 
 /// A decoded continuation (see [`ContinuationRef`]).
@@ -48,8 +53,13 @@ pub struct Continuation {
     pub block_size: u32,
     /// The prompt's tokens after its last full block.
     pub tail: Vec<u32>,
-    /// The answer's text.
-    pub answer: String,
+    /// How the answer's bytes are to be read.
+    pub form: u8,
+    /// Whether the answer is the record's response (then `answer` is
+    /// empty and [`Completion::response`] holds it).
+    pub answer_is_response: bool,
+    /// The answer's bytes.
+    pub answer: Vec<u8>,
 }
 
 /// A finished request, borrowed for encoding on the dispatcher side.
@@ -112,8 +122,8 @@ pub enum DecodeError {
     /// Bytes left over after the last field.
     #[error("completion record has {0} trailing bytes")]
     Trailing(usize),
-    /// The answer text is not UTF-8.
-    #[error("completion record's answer is not UTF-8")]
+    /// The answer is said to be the response, but there is none.
+    #[error("completion record's answer refers to a response it does not carry")]
     Answer,
 }
 
@@ -121,7 +131,9 @@ impl CompletionRecord<'_> {
     /// Encoded length in bytes.
     pub fn encoded_len(&self) -> usize {
         24 + self.response.map_or(0, |(_, r)| 20 + r.len())
-            + self.continuation.map_or(0, |c| 20 + 4 * c.tail.len() + c.answer.len())
+            + self
+                .continuation
+                .map_or(0, |c| 21 + 4 * c.tail.len() + c.answer.map_or(0, <[u8]>::len))
             + 8 * (self.prompt_blocks.len() + self.full_blocks.len())
     }
 
@@ -130,12 +142,16 @@ impl CompletionRecord<'_> {
         out.clear();
         out.reserve(self.encoded_len());
         out.push(VERSION);
-        let flags = (if self.response.is_some() { HAS_RESPONSE } else { 0 })
-            | (if self.continuation.is_some() {
-                HAS_CONTINUATION
-            } else {
-                0
-            });
+        let mut flags = 0;
+        if self.response.is_some() {
+            flags |= HAS_RESPONSE;
+        }
+        if let Some(c) = self.continuation {
+            flags |= HAS_CONTINUATION;
+            if c.answer.is_none() {
+                flags |= ANSWER_IS_RESPONSE;
+            }
+        }
         out.push(flags);
         out.extend_from_slice(&self.server.slot.to_le_bytes());
         out.extend_from_slice(&self.server.generation.to_le_bytes());
@@ -155,7 +171,8 @@ impl CompletionRecord<'_> {
             out.extend_from_slice(&c.root.to_le_bytes());
             out.extend_from_slice(&c.block_size.to_le_bytes());
             out.extend_from_slice(&(c.tail.len() as u32).to_le_bytes());
-            out.extend_from_slice(&(c.answer.len() as u32).to_le_bytes());
+            out.push(c.form);
+            out.extend_from_slice(&(c.answer.map_or(0, <[u8]>::len) as u32).to_le_bytes());
         }
         for h in self.prompt_blocks.iter().chain(self.full_blocks) {
             out.extend_from_slice(&h.to_le_bytes());
@@ -164,7 +181,7 @@ impl CompletionRecord<'_> {
             for t in c.tail {
                 out.extend_from_slice(&t.to_le_bytes());
             }
-            out.extend_from_slice(c.answer.as_bytes());
+            out.extend_from_slice(c.answer.unwrap_or_default());
         }
         if let Some((_, bytes)) = self.response {
             out.extend_from_slice(bytes);
@@ -229,17 +246,28 @@ impl Completion {
             None
         };
         let continuation = if flags & HAS_CONTINUATION != 0 {
-            Some((u64::from_le_bytes(r.array()?), r.u32()?, r.u32()?, r.u32()?))
+            Some((
+                u64::from_le_bytes(r.array()?),
+                r.u32()?,
+                r.u32()?,
+                r.array::<1>()?[0],
+                r.u32()?,
+            ))
         } else {
             None
         };
+        if flags & ANSWER_IS_RESPONSE != 0 && (response.is_none() || continuation.is_none()) {
+            return Err(DecodeError::Answer);
+        }
         r.u64s(np, &mut self.prompt_blocks)?;
         r.u64s(nf, &mut self.full_blocks)?;
         match continuation {
-            Some((root, block_size, tail, answer)) => {
+            Some((root, block_size, tail, form, answer)) => {
                 let mut c = self.continuation.take().unwrap_or_default();
                 c.root = root;
                 c.block_size = block_size;
+                c.form = form;
+                c.answer_is_response = flags & ANSWER_IS_RESPONSE != 0;
                 let bytes = r.take(tail as usize * 4)?;
                 c.tail.clear();
                 c.tail.extend(
@@ -247,9 +275,8 @@ impl Completion {
                         .chunks_exact(4)
                         .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))),
                 );
-                let text = std::str::from_utf8(r.take(answer as usize)?).map_err(|_| DecodeError::Answer)?;
                 c.answer.clear();
-                c.answer.push_str(text);
+                c.answer.extend_from_slice(r.take(answer as usize)?);
                 self.continuation = Some(c);
             }
             None => self.continuation = None,
@@ -304,14 +331,15 @@ mod tests {
         assert_eq!(c.continuation, None);
 
         // With a continuation instead of full blocks, and a response.
-        let answer = " héllo wörld";
+        let answer = " héllo wörld".as_bytes();
         let cont = CompletionRecord {
             full_blocks: &[],
             continuation: Some(ContinuationRef {
                 root: 77,
                 block_size: 16,
                 tail: &[5, 6, 7],
-                answer,
+                form: 2,
+                answer: Some(answer),
             }),
             ..rec
         };
@@ -325,10 +353,33 @@ mod tests {
                 root: 77,
                 block_size: 16,
                 tail: vec![5, 6, 7],
-                answer: answer.to_owned()
+                form: 2,
+                answer_is_response: false,
+                answer: answer.to_vec(),
             })
         );
         assert_eq!(c.response, b"{\"choices\":[]}");
+        // The answer is the response: not carried twice.
+        let shared = CompletionRecord {
+            continuation: Some(ContinuationRef {
+                answer: None,
+                ..cont.continuation.unwrap()
+            }),
+            ..cont
+        };
+        shared.encode_into(&mut buf);
+        assert_eq!(buf.len(), cont.encoded_len() - answer.len());
+        c.decode_from(&buf).unwrap();
+        let got = c.continuation.clone().unwrap();
+        assert!(got.answer_is_response && got.answer.is_empty());
+        assert_eq!(c.response, b"{\"choices\":[]}");
+        // ... which it must then carry.
+        let orphan = CompletionRecord {
+            response: None,
+            ..shared
+        };
+        orphan.encode_into(&mut buf);
+        assert_eq!(c.decode_from(&buf), Err(DecodeError::Answer));
         // A record without one clears what the buffer held.
         bare.encode_into(&mut buf);
         c.decode_from(&buf).unwrap();
@@ -350,17 +401,13 @@ mod tests {
                 root: 1,
                 block_size: 16,
                 tail: &[1, 2],
-                answer: "é",
+                form: 0,
+                answer: Some("é".as_bytes()),
             }),
             response: None,
         };
         let mut buf = Vec::new();
         rec.encode_into(&mut buf);
-        // An answer cut inside a character is not UTF-8.
-        let mut broken = buf.clone();
-        let last = broken.len() - 1;
-        broken[last] = 0xff;
-        assert_eq!(c.decode_from(&broken), Err(DecodeError::Answer));
         for cut in 0..buf.len() {
             assert!(c.decode_from(&buf[..cut]).is_err());
         }

@@ -451,7 +451,13 @@ impl<'a> ServerTable<'a> {
 
     /// The current registration of `slot`, if it is registered.
     pub fn current(&self, slot: u16) -> Option<(ServerRef, ServerState)> {
-        let (generation, state) = self.split_state(self.slots.get(usize::from(slot))?.state.load(Ordering::Acquire));
+        let word = self.slots.get(usize::from(slot))?.state.load(Ordering::Acquire);
+        // A slot never registered holds 0, which never passes the check:
+        // skip computing it (most of the table, on every routing decision).
+        if word == 0 {
+            return None;
+        }
+        let (generation, state) = self.split_state(word);
         match state? {
             ServerState::Free | ServerState::Configuring => None,
             s => Some((ServerRef { slot, generation }, s)),

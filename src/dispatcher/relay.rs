@@ -11,12 +11,17 @@
 //!
 //! When a 2xx body ends normally, the [`Learn`] context becomes a
 //! completion record ([`Dispatcher::push_completion`]): the prompt chain,
-//! the answer's text with the prompt's last partial block (a response
-//! process tokenizes the answer and hashes the chain of prompt + answer:
-//! [`crate::responder`]), the token counts, and the response body when it
-//! may be cached. Nothing is tokenized here: the record is copied into
-//! this dispatcher's completion ring on the reactor, without waiting (a
-//! full ring drops it, counted by the ring).
+//! the answer as it came (the JSON body, or the event stream) with the
+//! prompt's last partial block (a response process reads the answer's text
+//! out of it, tokenizes it and hashes the chain of prompt + answer:
+//! [`crate::responder`], [`crate::answer`]), the prompt's token count, and
+//! the response body when it may be cached (then the answer is not carried
+//! twice). The dispatcher neither parses nor tokenizes the answer; the
+//! record is copied into this dispatcher's completion ring on the reactor,
+//! without waiting (a full ring drops it, counted by the ring). Only an
+//! event stream longer than [`RAW_STREAM_BYTES`] is read as it passes (its
+//! text goes into the record instead), and an answer too large for a record
+//! is read when it ends.
 //!
 //! For an inference request the relay also records the gateway's latency
 //! metrics ([`RelayTimer`]): TTFT when the first body frame is handed to
@@ -37,11 +42,15 @@ use tokio::time::Sleep;
 
 use super::Dispatcher;
 use super::http::{Body, BoxError};
-use super::sse::{SseCapture, json_answer};
+use crate::answer::{AnswerForm, EventStreamText, answer_text};
 use crate::blocks::BlockHasher;
 
 /// Largest non-streaming answer kept to learn from (bytes).
 const MAX_JSON_CAPTURE: usize = 32 << 20;
+
+/// An event stream is kept as it comes up to this many bytes (about 80
+/// chat tokens); a longer one is read as it passes and only its text kept.
+pub(crate) const RAW_STREAM_BYTES: usize = 16 << 10;
 
 /// Counts one request as in flight to a server in the store (the shm
 /// ledger, and on Redis the published counts) while it lives, and as
@@ -151,8 +160,12 @@ pub(crate) struct Learn {
 /// The copy of the answer a relay keeps.
 #[derive(Debug)]
 enum Capture {
+    /// A JSON body, whole.
     Json { buf: Vec<u8>, overflow: bool },
-    Sse(SseCapture),
+    /// An event stream as it came, while short.
+    RawStream(Vec<u8>),
+    /// A longer event stream, read as it passes.
+    Stream(EventStreamText),
 }
 
 impl Capture {
@@ -168,7 +181,24 @@ impl Capture {
                     }
                 }
             }
-            Capture::Sse(c) => c.feed(data),
+            Capture::RawStream(buf) if buf.len() + data.len() <= RAW_STREAM_BYTES => buf.extend_from_slice(data),
+            Capture::RawStream(buf) => {
+                let mut stream = EventStreamText::default();
+                stream.feed(buf);
+                stream.feed(data);
+                *self = Capture::Stream(stream);
+            }
+            Capture::Stream(c) => c.feed(data),
+        }
+    }
+
+    /// The answer, in the form it is kept in (`None` if it was too large).
+    fn into_answer(self) -> Option<(AnswerForm, Vec<u8>)> {
+        match self {
+            Capture::Json { buf, overflow: false } => Some((AnswerForm::Json, buf)),
+            Capture::RawStream(buf) => Some((AnswerForm::EventStream, buf)),
+            Capture::Stream(c) if !c.overflow => Some((AnswerForm::Text, c.text.into_bytes())),
+            _ => None,
         }
     }
 }
@@ -199,7 +229,7 @@ impl Relay {
     ) -> Self {
         let capture = learn.as_ref().map(|_| {
             if sse {
-                Capture::Sse(SseCapture::default())
+                Capture::RawStream(Vec::new())
             } else {
                 Capture::Json {
                     buf: Vec::new(),
@@ -255,18 +285,9 @@ impl Relay {
         let (Some((dispatcher, learn)), Some(capture)) = (self.learn.take(), self.capture.take()) else {
             return;
         };
-        let answer = match capture {
-            Capture::Json { buf, overflow: false } => json_answer(&buf).map(|(text, tokens)| {
-                let body = learn.cache_key.is_some().then_some(buf);
-                (text, tokens, body)
-            }),
-            Capture::Sse(c) if !c.overflow => Some((c.text, c.completion_tokens, None)),
-            _ => None,
-        };
-        let Some((text, output_tokens, body)) = answer else {
-            return;
-        };
-        dispatcher.push_completion(learn, &text, output_tokens, body.as_deref());
+        if let Some((form, answer)) = capture.into_answer() {
+            dispatcher.push_completion(learn, form, answer);
+        }
     }
 }
 
@@ -329,47 +350,65 @@ impl HttpBody for Relay {
 }
 
 impl Dispatcher {
-    /// Builds the completion record of a finished answer and pushes it into
-    /// this dispatcher's ring (never waits; a full ring drops it).
-    pub(crate) fn push_completion(&self, learn: Learn, answer: &str, output_tokens: Option<u64>, body: Option<&[u8]>) {
+    /// Builds the completion record of a finished answer (`answer`, in
+    /// `form`) and pushes it into this dispatcher's ring (never waits; a
+    /// full ring drops it).
+    pub(crate) fn push_completion(&self, learn: Learn, form: AnswerForm, answer: Vec<u8>) {
         let tables = self.segment.tables();
         if self.identity.ring >= tables.ring_count() {
             self.metrics().record(false);
             return;
         }
         let ring = tables.ring(self.identity.ring);
-        let response = match (learn.cache_key, body) {
-            (Some(key), Some(body)) if body.len() + 8 <= tables.responses.max_value() => Some((key, body)),
+        let max = ring.max_record();
+        // A cacheable JSON answer is the response to store: carried once.
+        let cached = match learn.cache_key {
+            Some(key) if form == AnswerForm::Json && answer.len() + 8 <= tables.responses.max_value() => Some(key),
             _ => None,
         };
         let mut record = CompletionRecord {
             server: learn.server,
             prompt_tokens: learn.prompt_tokens,
             // 0: the response process counts the answer's tokens.
-            output_tokens: output_tokens.map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX)),
+            output_tokens: 0,
             prompt_blocks: &learn.chain,
             full_blocks: &[],
             continuation: Some(ContinuationRef {
                 root: learn.hasher.root(),
                 block_size: u32::try_from(learn.hasher.block_size()).unwrap_or(u32::MAX),
                 tail: &learn.tail,
-                answer,
+                form: form as u8,
+                answer: if cached.is_some() { None } else { Some(&answer) },
             }),
-            response,
+            response: cached.map(|key| (key, &answer[..])),
         };
-        let max = ring.max_record();
-        // Too large: leave out the response, then shorten the answer (its
-        // leading blocks are the ones the next turn reuses), then keep only
-        // the prompt's leading blocks (the ones that route the conversation).
-        if record.encoded_len() > max {
+        // Too large: leave out the response; then read the answer's text
+        // here and carry only that, shortened if need be (its leading
+        // blocks are the ones the next turn reuses); then keep only the
+        // prompt's leading blocks (the ones that route the conversation).
+        let text;
+        if record.encoded_len() > max && record.response.is_some() {
             record.response = None;
+            if let Some(c) = record.continuation.as_mut() {
+                c.answer = Some(&answer);
+            }
+        }
+        if record.encoded_len() > max && form != AnswerForm::Text {
+            text = answer_text(form, &answer).map(|(t, _)| t).unwrap_or_default();
+            if let Some(c) = record.continuation.as_mut() {
+                c.form = AnswerForm::Text as u8;
+                c.answer = Some(text.as_bytes());
+            }
         }
         let over = record.encoded_len().saturating_sub(max);
         if over > 0
             && let Some(c) = record.continuation.as_mut()
+            && let Some(answer) = c.answer
+            && c.form == AnswerForm::Text as u8
+            && let Ok(text) = std::str::from_utf8(answer)
         {
-            let keep = c.answer.len().saturating_sub(over);
-            c.answer = &c.answer[..c.answer.floor_char_boundary(keep)];
+            let keep = text.len().saturating_sub(over);
+            c.answer = Some(text[..text.floor_char_boundary(keep)].as_bytes());
         }
         if record.encoded_len() > max {
             record.continuation = None;

@@ -1,0 +1,321 @@
+//! The answer text of an OpenAI response, as the engine sent it: a
+//! non-streaming JSON body, or an event stream.
+//!
+//! What a finished request teaches the prefix table is its prompt followed
+//! by the answer's tokens. A dispatcher does not read the answer itself: it
+//! hands the response bytes it relayed, in the [`AnswerForm`] they came in,
+//! to a response process through the completion record, and the response
+//! process reads the text out of them here ([`answer_text`]) and tokenizes
+//! it. Only an answer too long for a record is read by the dispatcher, as it
+//! passes ([`EventStreamText`]), and handed over as [`AnswerForm::Text`].
+//!
+//! The text is that of choice 0 (`choices[0].text` for completions,
+//! `choices[0].message.content` / `delta.content` for chat); the answer's
+//! token count is `usage.completion_tokens` when the engine gave one.
+//! Parsing reads only those fields, borrowing the strings and skipping the
+//! rest without building it ([`Response`]); should a response not have the
+//! expected shape, it is read as a whole tree ([`crate::body::Json`]).
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+
+use crate::body::Json;
+
+/// Longest SSE line or accumulated answer text kept (bytes); past it the
+/// reading gives up (the answer is still relayed, only not learned from).
+const MAX_ANSWER_BYTES: usize = 16 << 20;
+
+/// How a completion record carries an answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnswerForm {
+    /// The answer's text.
+    Text = 0,
+    /// The non-streaming response body (JSON).
+    Json = 1,
+    /// The response's event stream (`data: {json}` lines).
+    EventStream = 2,
+}
+
+impl AnswerForm {
+    /// The form of a record's form byte.
+    pub fn from_byte(b: u8) -> Option<Self> {
+        match b {
+            0 => Some(AnswerForm::Text),
+            1 => Some(AnswerForm::Json),
+            2 => Some(AnswerForm::EventStream),
+            _ => None,
+        }
+    }
+}
+
+/// The text of an answer carried as `bytes` in `form`, and its token count
+/// if the engine reported one; `None` if the bytes are not such an answer.
+pub fn answer_text(form: AnswerForm, bytes: &[u8]) -> Option<(String, Option<u64>)> {
+    match form {
+        AnswerForm::Text => std::str::from_utf8(bytes).ok().map(|t| (t.to_owned(), None)),
+        AnswerForm::Json => json_answer(bytes),
+        AnswerForm::EventStream => {
+            let mut stream = EventStreamText::default();
+            stream.feed(bytes);
+            // A stream cut short teaches what it has: its first tokens.
+            stream.feed(b"\n");
+            (!stream.overflow).then_some((stream.text, stream.completion_tokens))
+        }
+    }
+}
+
+/// The fields of a response or stream chunk that the answer is read from;
+/// serde skips every other field without building it.
+#[derive(Debug, Deserialize)]
+struct Response<'a> {
+    #[serde(borrow, default)]
+    choices: Vec<Choice<'a>>,
+    #[serde(default)]
+    usage: Option<Usage>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Choice<'a> {
+    #[serde(default)]
+    index: Option<u64>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    message: Option<Message<'a>>,
+    #[serde(borrow, default)]
+    delta: Option<Message<'a>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Message<'a> {
+    #[serde(borrow, default)]
+    content: Option<Cow<'a, str>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Usage {
+    #[serde(default)]
+    completion_tokens: Option<u64>,
+}
+
+impl<'a> Response<'a> {
+    /// Choice 0's text (`text`, else `message.content`, else
+    /// `delta.content`), and `usage.completion_tokens`; `None` if there is
+    /// no choice.
+    fn answer(&self) -> (Option<&str>, Option<u64>) {
+        let choice = self
+            .choices
+            .iter()
+            .find(|c| c.index == Some(0))
+            .or_else(|| self.choices.first());
+        let text = choice.and_then(|c| {
+            c.text
+                .as_deref()
+                .or_else(|| c.message.as_ref().and_then(|m| m.content.as_deref()))
+                .or_else(|| c.delta.as_ref().and_then(|m| m.content.as_deref()))
+        });
+        (text, self.usage.as_ref().and_then(|u| u.completion_tokens))
+    }
+}
+
+/// The choice with index 0 (or the first one) of a response or chunk.
+fn choice_zero<'a, 'j>(v: &'a Json<'j>) -> Option<&'a Json<'j>> {
+    let choices = v.as_object()?.get("choices")?.as_array()?;
+    choices
+        .iter()
+        .find(|c| c.as_object().and_then(|c| c.get("index")).and_then(Json::as_u64) == Some(0))
+        .or_else(|| choices.first())
+}
+
+/// `usage.completion_tokens` of a response or chunk.
+fn completion_tokens(v: &Json<'_>) -> Option<u64> {
+    v.as_object()?
+        .get("usage")?
+        .as_object()?
+        .get("completion_tokens")?
+        .as_u64()
+}
+
+/// The answer text and completion tokens of a non-streaming response body.
+pub fn json_answer(body: &[u8]) -> Option<(String, Option<u64>)> {
+    if let Ok(response) = serde_json::from_slice::<Response<'_>>(body)
+        && !response.choices.is_empty()
+    {
+        let (text, tokens) = response.answer();
+        return Some((text.unwrap_or_default().to_owned(), tokens));
+    }
+    let v = Json::parse(body).ok()?;
+    let choice = choice_zero(&v)?.as_object()?;
+    let text = choice
+        .get("text")
+        .and_then(Json::as_str)
+        .or_else(|| {
+            choice
+                .get("message")
+                .and_then(Json::as_object)
+                .and_then(|m| m.get("content"))
+                .and_then(Json::as_str)
+        })
+        .unwrap_or_default()
+        .to_owned();
+    Some((text, completion_tokens(&v)))
+}
+
+/// The answer text of an event stream, read as it passes, event line by
+/// event line (`data: {json}`).
+#[derive(Debug, Default)]
+pub struct EventStreamText {
+    line: Vec<u8>,
+    /// Text of choice 0 so far.
+    pub text: String,
+    /// `usage.completion_tokens`, if a chunk carried it.
+    pub completion_tokens: Option<u64>,
+    /// Whether `data: [DONE]` was seen.
+    pub done: bool,
+    /// Whether a line or the text grew past the limit (the text is void).
+    pub overflow: bool,
+}
+
+impl EventStreamText {
+    /// Feeds the next bytes of the stream.
+    pub fn feed(&mut self, mut bytes: &[u8]) {
+        while !self.overflow && !bytes.is_empty() {
+            match memchr_newline(bytes) {
+                Some(i) => {
+                    if self.line.is_empty() {
+                        self.event_line(&bytes[..i]);
+                    } else {
+                        self.line.extend_from_slice(&bytes[..i]);
+                        let line = std::mem::take(&mut self.line);
+                        self.event_line(&line);
+                        self.line = line;
+                        self.line.clear();
+                    }
+                    bytes = &bytes[i + 1..];
+                }
+                None => {
+                    self.line.extend_from_slice(bytes);
+                    if self.line.len() > MAX_ANSWER_BYTES {
+                        self.overflow = true;
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    fn event_line(&mut self, line: &[u8]) {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let Some(data) = line.strip_prefix(b"data:") else {
+            return;
+        };
+        let data = data.trim_ascii();
+        if data == b"[DONE]" {
+            self.done = true;
+            return;
+        }
+        if let Ok(chunk) = serde_json::from_slice::<Response<'_>>(data) {
+            let (piece, tokens) = chunk.answer();
+            self.add(piece, tokens);
+            return;
+        }
+        let Ok(chunk) = Json::parse(data) else {
+            return;
+        };
+        if let Some(choice) = choice_zero(&chunk).and_then(Json::as_object) {
+            let piece = choice.get("text").and_then(Json::as_str).or_else(|| {
+                choice
+                    .get("delta")
+                    .and_then(Json::as_object)
+                    .and_then(|d| d.get("content"))
+                    .and_then(Json::as_str)
+            });
+            self.add(piece, None);
+        }
+        if let Some(n) = completion_tokens(&chunk) {
+            self.completion_tokens = Some(n);
+        }
+    }
+
+    fn add(&mut self, piece: Option<&str>, tokens: Option<u64>) {
+        if let Some(piece) = piece {
+            self.text.push_str(piece);
+            if self.text.len() > MAX_ANSWER_BYTES {
+                self.overflow = true;
+            }
+        }
+        if tokens.is_some() {
+            self.completion_tokens = tokens;
+        }
+    }
+}
+
+fn memchr_newline(bytes: &[u8]) -> Option<usize> {
+    bytes.iter().position(|b| *b == b'\n')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STREAM: &str = concat!(
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\" Hello\"}}]}\r\n\r\n",
+        ": comment\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\" w\\u00f6rld\"},\"finish_reason\":\"stop\"}]}\n\n",
+        "data: {\"choices\":[],\"usage\":{\"completion_tokens\":2}}\n\n",
+        "data: [DONE]\n\n"
+    );
+
+    #[test]
+    fn a_stream_is_read_across_split_chunks() {
+        for split in [1, 3, 7, 50, STREAM.len()] {
+            let mut c = EventStreamText::default();
+            for piece in STREAM.as_bytes().chunks(split) {
+                c.feed(piece);
+            }
+            assert_eq!(c.text, " Hello wörld", "split {split}");
+            assert_eq!(c.completion_tokens, Some(2));
+            assert!(c.done && !c.overflow);
+        }
+    }
+
+    #[test]
+    fn every_form_gives_the_text() {
+        assert_eq!(
+            answer_text(AnswerForm::EventStream, STREAM.as_bytes()),
+            Some((" Hello wörld".to_owned(), Some(2)))
+        );
+        // A stream cut after its second event still gives what it has.
+        let cut = &STREAM[..STREAM.find(": comment").unwrap() - 2];
+        assert_eq!(
+            answer_text(AnswerForm::EventStream, cut.as_bytes()),
+            Some((" Hello".to_owned(), None))
+        );
+        let chat = br#"{"choices":[{"index":0,"message":{"role":"assistant","content":" hi there"}}],"usage":{"completion_tokens":2}}"#;
+        assert_eq!(
+            answer_text(AnswerForm::Json, chat),
+            Some((" hi there".to_owned(), Some(2)))
+        );
+        let completion = br#"{"choices":[{"index":1,"text":"b"},{"index":0,"text":" a"}]}"#;
+        assert_eq!(answer_text(AnswerForm::Json, completion), Some((" a".to_owned(), None)));
+        assert_eq!(answer_text(AnswerForm::Json, b"not json"), None);
+        // Another shape than expected (a string index): read as a tree.
+        let odd =
+            br#"{"choices":[{"index":"0","text":" odd","logprobs":{"x":[1,2]}}],"usage":{"completion_tokens":"n"}}"#;
+        assert_eq!(answer_text(AnswerForm::Json, odd), Some((" odd".to_owned(), None)));
+        let odd_stream = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":7}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"ok\"}}]}\n\n";
+        assert_eq!(
+            answer_text(AnswerForm::EventStream, odd_stream),
+            Some(("ok".to_owned(), None))
+        );
+        assert_eq!(
+            answer_text(AnswerForm::Text, " t".as_bytes()),
+            Some((" t".to_owned(), None))
+        );
+        assert_eq!(answer_text(AnswerForm::Text, &[0xff]), None);
+        assert_eq!(AnswerForm::from_byte(2), Some(AnswerForm::EventStream));
+        assert_eq!(AnswerForm::from_byte(3), None);
+    }
+}
