@@ -780,7 +780,7 @@ fn a_redis_outage_under_load_fails_no_request_and_heals_by_itself() {
     };
     answered(20);
     // Write-back follows the answers (a response process polls its rings).
-    let written_before = wait_for("records written to Redis", Duration::from_secs(10), || {
+    wait_for("records written to Redis while it is up", Duration::from_secs(10), || {
         let written = redis.int("o:written");
         (written > 0, written)
     });

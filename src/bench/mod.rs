@@ -7,8 +7,9 @@
 //! | `dispatch` | [`dispatch_path`] | the dispatch path per stage (tokenize, response-cache lookup, longest-prefix match, table update) on shm, Redis (one round trip) and Redis (naive), p50/p99 and ratios (the sLLM paper's Figure 7) |
 //! | `scaling` | [`scaling`] | dispatch decisions per second with 1, 2, 4 processes per store (the paper's Figure 8) |
 //! | `e2e` | [`end_to_end`] | the whole gateway in front of simulated engines under open-loop load, shm vs Redis |
+//! | `tokenizer` | [`tokenizer`] | HF `tokenizers` against the native engine: µs per token on short, 2K- and 8K-token texts, and per request on multi-turn chats with and without the segment cache |
 //! | `replay` | [`replay`] | every routing policy on the same workloads ([`workload`]: the Mooncake trace, HH-RLHF chats, hot-prefix agent sessions): throughput, TTFT, SLO attainment, goodput from a rate sweep, prefix hits, load imbalance |
-//! | `all` | here | the four in turn |
+//! | `all` | here | every report in turn |
 //!
 //! Every report prints a table on stdout and writes `<out>/<report>.json`
 //! and, where it has distributions, `<out>/<report>.svg` ([`plot`]).
@@ -21,6 +22,7 @@ pub mod plot;
 pub mod redis_server;
 pub mod replay;
 pub mod scaling;
+pub mod tokenizer;
 pub mod workload;
 
 use std::path::PathBuf;
@@ -40,7 +42,10 @@ pub enum BenchCommand {
     EndToEnd(end_to_end::EndToEndArgs),
     /// Every routing policy on the same workloads: TTFT, SLO attainment, goodput.
     Replay(replay::ReplayArgs),
-    /// All four reports with their default settings.
+    /// The tokenizer: HF against the native engine, per token and per
+    /// multi-turn request with and without the segment cache.
+    Tokenizer(tokenizer::TokenizerArgs),
+    /// Every report with its default settings.
     All(Common),
 }
 
@@ -86,7 +91,9 @@ pub fn run(command: &BenchCommand) -> Result<()> {
         BenchCommand::Scaling(args) => scaling::run(args),
         BenchCommand::EndToEnd(args) => end_to_end::run(args),
         BenchCommand::Replay(args) => replay::run(args),
+        BenchCommand::Tokenizer(args) => tokenizer::run(args),
         BenchCommand::All(common) => {
+            tokenizer::run(&tokenizer::TokenizerArgs::with(common.clone()))?;
             dispatch_path::run(&dispatch_path::DispatchArgs::with(common.clone()))?;
             scaling::run(&scaling::ScalingArgs::with(common.clone()))?;
             end_to_end::run(&end_to_end::EndToEndArgs::with(common.clone()))?;

@@ -408,7 +408,7 @@ impl Dispatcher {
             && let Ok(text) = std::str::from_utf8(answer)
         {
             let keep = text.len().saturating_sub(over);
-            c.answer = Some(text[..text.floor_char_boundary(keep)].as_bytes());
+            c.answer = Some(&text.as_bytes()[..text.floor_char_boundary(keep)]);
         }
         if record.encoded_len() > max {
             record.continuation = None;

@@ -46,8 +46,9 @@ pub struct LoadError {
     pub reason: String,
 }
 
-/// The bundled tokenizer.json (Microsoft Phi-2, GPT-2 vocabulary).
-const BUNDLED_JSON: &[u8] = include_bytes!("../assets/phi2-tokenizer.json");
+/// The bundled tokenizer.json (Microsoft Phi-2, GPT-2 vocabulary), the
+/// one [`Tokenizer::bundled`] loads.
+pub const BUNDLED_JSON: &[u8] = include_bytes!("../assets/phi2-tokenizer.json");
 
 /// Which implementation tokenizes for a [`Tokenizer`].
 #[derive(Debug, Clone, PartialEq, Eq)]
