@@ -37,15 +37,26 @@ pub enum AnswerForm {
     EventStream = 2,
 }
 
+/// The bit of a record's form byte that marks a chat answer (it will be
+/// rendered as an assistant message in the conversation's next prompt).
+const CHAT: u8 = 0x80;
+
 impl AnswerForm {
-    /// The form of a record's form byte.
-    pub fn from_byte(b: u8) -> Option<Self> {
-        match b {
-            0 => Some(AnswerForm::Text),
-            1 => Some(AnswerForm::Json),
-            2 => Some(AnswerForm::EventStream),
-            _ => None,
-        }
+    /// The form byte of a record: the form, and whether the answer is a
+    /// chat answer.
+    pub fn to_byte(self, chat: bool) -> u8 {
+        self as u8 | if chat { CHAT } else { 0 }
+    }
+
+    /// The form and the chat mark of a record's form byte.
+    pub fn from_byte(b: u8) -> Option<(Self, bool)> {
+        let form = match b & !CHAT {
+            0 => AnswerForm::Text,
+            1 => AnswerForm::Json,
+            2 => AnswerForm::EventStream,
+            _ => return None,
+        };
+        Some((form, b & CHAT != 0))
     }
 }
 
@@ -315,7 +326,12 @@ mod tests {
             Some((" t".to_owned(), None))
         );
         assert_eq!(answer_text(AnswerForm::Text, &[0xff]), None);
-        assert_eq!(AnswerForm::from_byte(2), Some(AnswerForm::EventStream));
+        for form in [AnswerForm::Text, AnswerForm::Json, AnswerForm::EventStream] {
+            for chat in [false, true] {
+                assert_eq!(AnswerForm::from_byte(form.to_byte(chat)), Some((form, chat)));
+            }
+        }
         assert_eq!(AnswerForm::from_byte(3), None);
+        assert_eq!(AnswerForm::from_byte(0x83), None);
     }
 }

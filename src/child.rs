@@ -18,6 +18,7 @@ use anyhow::{Context, Result, bail};
 use semlb::config::ServeConfig;
 use semlb::dispatcher::{self, Dispatcher, Identity};
 use semlb::responder::{Responder, rings_for};
+use semlb::segment_store::ShmSegmentStore;
 use semlb::store::redis::{RedisRouting, RedisWriteBack};
 use semlb::store::{RoutingStore, StoreKind};
 use semlb_tokenizer::Tokenizer;
@@ -74,7 +75,8 @@ pub(crate) fn load_tokenizer(config: &ServeConfig, segment_cache_bytes: u64) -> 
 }
 
 fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) -> Result<()> {
-    let tokenizer = load_tokenizer(&config, config.segment_cache_size.bytes())?;
+    let tokenizer = load_tokenizer(&config, config.segment_cache_size.bytes())?
+        .with_shared_segments(Arc::new(ShmSegmentStore::new(segment.clone())));
     let template = match &config.chat_template {
         Some(path) => ChatTemplate::from_tokenizer_config(path)?,
         None => ChatTemplate::canonical(),
@@ -173,16 +175,17 @@ async fn reload_policy_on_hup(
     }
 }
 
-fn run_responder(segment: &Segment, args: &ChildArgs, config: &ServeConfig) -> Result<()> {
+fn run_responder(segment: &Arc<Segment>, args: &ChildArgs, config: &ServeConfig) -> Result<()> {
     for sig in [libc::SIGTERM, libc::SIGINT] {
         stop_on(sig).context("installing signal handlers")?;
     }
     let tables = segment.tables();
     let clock = segment.clock();
     let rings: Vec<usize> = rings_for(args.index, config.responders, config.dispatchers).collect();
-    // Answers are new text: no segment cache (the word cache stays).
-    let tokenizer = load_tokenizer(config, 0)?;
-    let mut responder = match config.store.kind {
+    // Answers are new text: no local segment cache (the word cache stays);
+    // their segments go to the shared store for the next turn.
+    let tokenizer = load_tokenizer(config, 0)?.with_shared_segments(Arc::new(ShmSegmentStore::new(segment.clone())));
+    let responder = match config.store.kind {
         StoreKind::Shm => Responder::new(tables, tokenizer),
         StoreKind::Redis => Responder::with_sink(
             tables,
@@ -193,6 +196,10 @@ fn run_responder(segment: &Segment, args: &ChildArgs, config: &ServeConfig) -> R
             )),
             tokenizer,
         ),
+    };
+    let mut responder = match &config.chat_template {
+        Some(path) => responder.with_chat_template(ChatTemplate::from_tokenizer_config(path)?),
+        None => responder.with_chat_template(ChatTemplate::canonical()),
     };
     let mut idle = MIN_POLL;
     let mut last_beat = 0u64;

@@ -17,6 +17,7 @@
 //! | [`config`] | `semlb serve` configuration: TOML file, flags over it, validation |
 //! | [`metrics`] | the gateway's Prometheus `/metrics`: counters in the segment's stats region, gauges read at scrape time |
 //! | [`health`] | health of the inference servers: active and passive checks, circuit breakers, `/metrics` load scraping |
+//! | [`segment_store`] | the token segments every process shares: the tokenizer's second-level cache in the shm segment |
 //! | [`size`] | human byte sizes (`256MiB`) |
 //! | [`store`] | where the routing state lives, behind one interface: shm (default) or Redis |
 //! | [`redis_store`] | the Redis client of the Redis store: prefix entries, responses, in-flight counters, scripts and round trips |
@@ -41,6 +42,7 @@ pub mod redis_store;
 pub mod responder;
 pub mod response_cache;
 pub mod routing;
+pub mod segment_store;
 pub mod size;
 pub mod store;
 

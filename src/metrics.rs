@@ -199,7 +199,10 @@ pub const QUEUE_WAIT: Histogram = Histogram {
     bounds: LATENCY_BOUNDS,
     scale: 1e6,
 };
-const END: usize = QUEUE_WAIT.base + Histogram::words(LATENCY_BOUNDS);
+/// Text segments of prompts, by where their ids came from.
+const SEGMENTS: usize = QUEUE_WAIT.base + Histogram::words(LATENCY_BOUNDS);
+const SEGMENT_SOURCES: [&str; 3] = ["local_cache", "shared_store", "tokenized"];
+const END: usize = SEGMENTS + SEGMENT_SOURCES.len();
 const _: () = assert!(END <= STAT_WORDS, "the metrics outgrew a stats block");
 
 /// What the response cache did for an inference request.
@@ -314,6 +317,21 @@ impl<'a> Metrics<'a> {
     /// One store lookup answered by the fallback.
     pub fn degraded_lookup(&self) {
         self.add(DEGRADED, 1);
+    }
+
+    /// Adds what a tokenizer's segment cache did since `before` (its
+    /// counters are cumulative).
+    pub fn segments(&self, before: &semlb_tokenizer::SegmentCacheStats, now: &semlb_tokenizer::SegmentCacheStats) {
+        let deltas = [
+            now.hits.saturating_sub(before.hits),
+            now.shared_hits.saturating_sub(before.shared_hits),
+            now.misses.saturating_sub(before.misses),
+        ];
+        for (i, delta) in deltas.into_iter().enumerate() {
+            if delta > 0 {
+                self.add(SEGMENTS + i, delta);
+            }
+        }
     }
 
     /// Adds what a responder did since `before` (its counters are cumulative).
@@ -676,6 +694,21 @@ impl Snapshot {
             &[QUEUE_WAIT],
             &[],
         );
+
+        family(
+            o,
+            "semlb_tokenizer_segments_total",
+            "counter",
+            "Text segments of prompts, by where their token ids came from: the dispatcher's own cache, the store shared by every process, or tokenized.",
+        );
+        for (k, source) in SEGMENT_SOURCES.into_iter().enumerate() {
+            sample(
+                o,
+                "semlb_tokenizer_segments_total",
+                &[("source", source)],
+                self.counter(SEGMENTS + k),
+            );
+        }
 
         family(
             o,

@@ -37,6 +37,10 @@ pub struct Report {
     pub response_index_occupancy: u64,
     /// Response-index slots.
     pub response_index_capacity: u64,
+    /// Segment-store counters (token segments, [`semlb::segment_store`]).
+    pub segments: ResponseLogStats,
+    /// Occupied segment-index slots.
+    pub segment_index_occupancy: u64,
     /// Registered servers.
     pub servers: Vec<ServerInfo>,
     /// Registry slots ever used.
@@ -113,6 +117,8 @@ impl Report {
             responses: tables.responses.stats(),
             response_index_occupancy: tables.responses.index_occupancy(),
             response_index_capacity: tables.responses.index_capacity(),
+            segments: tables.segments.stats(),
+            segment_index_occupancy: tables.segments.index_occupancy(),
             servers: tables.servers.servers().collect(),
             processes: tables
                 .registry
@@ -199,6 +205,16 @@ impl Report {
             ByteSize(r.max_value),
             self.response_index_occupancy,
             self.response_index_capacity
+        );
+        let s = &self.segments;
+        let _ = writeln!(
+            w,
+            "segment store     {} records (token segments), {} refused; log {} written of {}; {} indexed",
+            s.records,
+            s.refused,
+            ByteSize(s.tail),
+            ByteSize(s.capacity),
+            self.segment_index_occupancy
         );
         let g = &self.rings;
         let _ = writeln!(
@@ -323,6 +339,13 @@ impl Report {
                 "max_value": r.max_value,
                 "index_occupancy": self.response_index_occupancy,
                 "index_capacity": self.response_index_capacity,
+            },
+            "segment_store": {
+                "records": self.segments.records,
+                "refused": self.segments.refused,
+                "log_tail": self.segments.tail,
+                "log_capacity": self.segments.capacity,
+                "index_occupancy": self.segment_index_occupancy,
             },
             "completion_rings": {
                 "count": self.ring_count,

@@ -11,14 +11,24 @@
 //! retired or re-registered meanwhile teaches nothing about the new
 //! registration and is dropped (counted).
 //!
-//! Dispatchers do not tokenize answers: a record carries the answer's text
-//! and the prompt's last partial block (its continuation), and the response
-//! process tokenizes the answer with the gateway's tokenizer and hashes the
-//! chain of prompt + answer ([`Responder::complete`]) before writing it.
+//! Dispatchers do not read or tokenize answers: a record carries the answer
+//! as the engine sent it and the prompt's last partial block (its
+//! continuation), and the response process reads the answer's text
+//! ([`crate::answer`]), tokenizes it with the gateway's tokenizer and hashes
+//! the chain of prompt + answer ([`Responder::complete`]) before writing it.
 //! The answer is tokenized on its own and appended to the prompt's tokens:
 //! the pre-tokenizers split where a chat template's text meets the answer
 //! (after the generation prompt's newline, or before the answer's leading
 //! space), so the next turn's prompt tokenizes alike.
+//!
+//! The tokenizer has the gateway's shared segment store
+//! ([`crate::segment_store`]), so the answer's segments are stored as it is
+//! tokenized. A chat answer comes back in the next prompt as an assistant
+//! message, framed by the chat template, so the response process also
+//! renders it in a conversation (`[user, assistant: answer, user]`) and
+//! tokenizes that: the segments around the answer are then the ones the
+//! next prompt will have, and the dispatcher that gets the next turn finds
+//! them already tokenized.
 //!
 //! The writes go to the configured store ([`crate::store::WriteBack`]): the
 //! segment's tables, or Redis in one pipeline per drained batch.
@@ -28,6 +38,7 @@
 //! [`shm_layout::CompletionRing::recover`] using the registry's liveness.
 
 use semlb_tokenizer::Tokenizer;
+use semlb_tokenizer::chat::{ChatMessage, ChatTemplate};
 use shm_layout::{Completion, Pop, Stamp, Tables};
 
 use crate::answer::{AnswerForm, answer_text};
@@ -78,6 +89,7 @@ pub struct Responder<'a> {
     tables: Tables<'a>,
     sink: Box<dyn WriteBack + 'a>,
     tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
     buf: Vec<u8>,
     tokens: Vec<u32>,
     batch: Vec<Completion>,
@@ -97,11 +109,19 @@ impl<'a> Responder<'a> {
             tables,
             sink,
             tokenizer,
+            template: None,
             buf: Vec::new(),
             tokens: Vec::new(),
             batch: Vec::new(),
             stats: ResponderStats::default(),
         }
+    }
+
+    /// Renders chat answers with `template` to store their segments as the
+    /// next prompt will have them (see the module docs).
+    pub fn with_chat_template(mut self, template: ChatTemplate) -> Self {
+        self.template = Some(template);
+        self
     }
 
     /// Computes `record`'s chain of prompt + answer from its continuation,
@@ -114,7 +134,8 @@ impl<'a> Responder<'a> {
         let Some(c) = record.continuation.as_ref() else {
             return;
         };
-        let (Ok(block_size), Some(form)) = (usize::try_from(c.block_size), AnswerForm::from_byte(c.form)) else {
+        let (Ok(block_size), Some((form, chat))) = (usize::try_from(c.block_size), AnswerForm::from_byte(c.form))
+        else {
             return;
         };
         let bytes = if c.answer_is_response {
@@ -139,6 +160,19 @@ impl<'a> Responder<'a> {
         }
         self.stats.answers_tokenized += 1;
         self.stats.answer_tokens += answer_tokens as u64;
+        if chat && let Some(template) = &self.template {
+            // The answer framed as the next prompt will frame it; only the
+            // segments the tokenizer stores matter here, not the ids.
+            let conversation = [
+                ChatMessage::new("user", "."),
+                ChatMessage::new("assistant", text.as_str()),
+                ChatMessage::new("user", "."),
+            ];
+            if let Ok(rendered) = template.render(&conversation) {
+                self.tokens.clear();
+                self.tokenizer.encode_into(&rendered, &mut self.tokens);
+            }
+        }
     }
 
     /// Counters so far.
@@ -308,7 +342,7 @@ mod tests {
                 root: hasher.root(),
                 block_size: 16,
                 tail,
-                form: AnswerForm::Text as u8,
+                form: AnswerForm::Text.to_byte(false),
                 answer: Some(answer.as_bytes()),
             }),
             response: None,

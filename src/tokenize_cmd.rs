@@ -8,7 +8,9 @@
 //! block hashing. Block hashes are rooted at the model and the segment's
 //! seed, which every gateway segment draws at random: with `--shm-name`
 //! the running gateway's seed is used, so the hashes are the ones in its
-//! prefix table and each block shows the servers that hold it; without it
+//! prefix table and each block shows the servers that hold it, and each
+//! text segment whether its ids are in the gateway's shared segment store
+//! ([`semlb::segment_store`]); without it
 //! the seed is `--seed` (0), and the hashes only compare with each other.
 //!
 //! `--jsonl` reads one JSON value per line on stdin (a string: a text; an
@@ -273,6 +275,20 @@ impl Report {
         )
     }
 
+    /// Whether each segment's ids are in the attached segment's shared
+    /// store (`None` for added tokens, or when not attached).
+    fn stored(&self, tools: &Tools) -> Vec<Option<bool>> {
+        let text = self.text.as_deref().unwrap_or_default();
+        self.segments
+            .iter()
+            .map(|s| {
+                let tables = tools.segment.as_ref()?.tables();
+                let key = tools.tokenizer.segment_key(&text[s.range.clone()])?;
+                (!s.added_token).then(|| tables.segments.get(shm_layout::ResponseKey(key)).is_some())
+            })
+            .collect()
+    }
+
     fn json(&self, tools: &Tools, full: bool) -> Value {
         let mut v = json!({
             "ids": self.ids,
@@ -291,17 +307,23 @@ impl Report {
         v["seed_from_segment"] = json!(tools.segment.is_some());
         v["block_size"] = json!(tools.block_size);
         v["text"] = json!(self.text);
+        let stored = self.stored(tools);
         v["segments"] = self
             .segments
             .iter()
-            .map(|s| {
-                json!({
+            .zip(stored)
+            .map(|(s, stored)| {
+                let mut seg = json!({
                     "start": s.range.start,
                     "end": s.range.end,
                     "added_token": s.added_token,
                     "text": &text[s.range.clone()],
                     "ids": s.ids,
-                })
+                });
+                if let Some(stored) = stored {
+                    seg["in_shared_store"] = json!(stored);
+                }
+                seg
             })
             .collect();
         if let Some(holders) = self.holders(tools) {
@@ -338,11 +360,15 @@ impl Report {
         if let Some(text) = &self.text {
             let _ = writeln!(s, "\nprompt text ({} bytes):\n{text:?}", text.len());
             let _ = writeln!(s, "\nsegments ({}):", self.segments.len());
-            for seg in &self.segments {
+            for (seg, stored) in self.segments.iter().zip(self.stored(tools)) {
                 let kind = if seg.added_token { "added token" } else { "text" };
+                let stored = match stored {
+                    Some(true) => "  (in the shared store)",
+                    _ => "",
+                };
                 let _ = writeln!(
                     s,
-                    "  [{}..{}) {kind} {:?} -> {:?}",
+                    "  [{}..{}) {kind} {:?} -> {:?}{stored}",
                     seg.range.start,
                     seg.range.end,
                     &text[seg.range.clone()],

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// `b"SEMLBSHM"` read as a little-endian `u64`.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"SEMLBSHM");
 /// Version of the layout described in the crate docs. Bump on any change.
-pub const LAYOUT_VERSION: u64 = 3;
+pub const LAYOUT_VERSION: u64 = 4;
 /// `state` while the creator initialises the segment (the zero of a new object).
 pub const STATE_INITIALISING: u64 = 0;
 /// `state` once the segment may be used (`b"READY\0\0\0"`).
@@ -55,9 +55,9 @@ pub(crate) struct RawHeader {
 
 // The layout freeze: these numbers are the documented field table.
 const _: () = assert!(size_of::<RawRegion>() == 32);
-// 352 bytes of fields, padded to 384 by the 64-byte alignment.
-const _: () = assert!(offset_of!(RawHeader, regions) + size_of::<[RawRegion; REGION_COUNT]>() == 352);
-const _: () = assert!(size_of::<RawHeader>() == 384);
+// 416 bytes of fields, padded to 448 by the 64-byte alignment.
+const _: () = assert!(offset_of!(RawHeader, regions) + size_of::<[RawRegion; REGION_COUNT]>() == 416);
+const _: () = assert!(size_of::<RawHeader>() == 448);
 const _: () = assert!(size_of::<RawHeader>() as u64 <= HEADER_BYTES);
 const _: () = assert!(offset_of!(RawHeader, magic) == 0);
 const _: () = assert!(offset_of!(RawHeader, layout_version) == 8);
@@ -187,8 +187,10 @@ impl HeaderInfo {
                     }
                     fixed(r, u64::from(RING_COUNT), RING_CONTROL_BYTES + r.param)
                 }
-                RegionKind::ResponseIndex | RegionKind::Prefix => r.count.checked_mul(BUCKET_BYTES),
-                RegionKind::ResponseLog => {
+                RegionKind::ResponseIndex | RegionKind::SegmentIndex | RegionKind::Prefix => {
+                    r.count.checked_mul(BUCKET_BYTES)
+                }
+                RegionKind::ResponseLog | RegionKind::SegmentLog => {
                     if !r.count.is_multiple_of(8) || r.param == 0 || r.param > r.count / 2 || !r.param.is_multiple_of(8)
                     {
                         return Err(format!(

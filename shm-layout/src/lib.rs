@@ -27,15 +27,15 @@
 //!
 //! ```text
 //!  offset 0                                                     segment_bytes
-//!  ┌────────┬─────────┬────────┬──────────┬──────────┬────────────┬──────────┬──────────────┬──────────────┐
-//!  │ header │ servers │ ledger │ registry │  stats   │ rings × 64 │ response │ response log │ prefix table │
-//!  │ 4 KiB  │ 128×384B│ 512 KiB│ 128×64 B │ 128×8 KiB│ ctl + ring │  index   │ ctl + ring   │ 64 B buckets │
-//!  └────────┴─────────┴────────┴──────────┴──────────┴────────────┴──────────┴──────────────┴──────────────┘
+//!  ┌────────┬─────────┬────────┬──────────┬──────────┬────────────┬──────────┬──────────────┬─────────┬─────────────┬──────────────┐
+//!  │ header │ servers │ ledger │ registry │  stats   │ rings × 64 │ response │ response log │ segment │ segment log │ prefix table │
+//!  │ 4 KiB  │ 128×384B│ 512 KiB│ 128×64 B │ 128×8 KiB│ ctl + ring │  index   │ ctl + ring   │  index  │ ctl + ring  │ 64 B buckets │
+//!  └────────┴─────────┴────────┴──────────┴──────────┴────────────┴──────────┴──────────────┴─────────┴─────────────┴──────────────┘
 //!   every region starts on a 4 KiB boundary; sizes derive from the segment
 //!   size (see [`plan`]) and are recorded in the header's region table
 //! ```
 //!
-//! ## Header (352 bytes at offset 0; frozen by compile-time asserts)
+//! ## Header (416 bytes at offset 0; frozen by compile-time asserts)
 //!
 //! | offset | field | meaning |
 //! | ---: | --- | --- |
@@ -48,7 +48,7 @@
 //! | 48 | `creator_pid` | pid of the creating supervisor |
 //! | 56 | `header_checksum` | seahash of every field but `state` and itself |
 //! | 64 | `seed[4]` | random per segment; keys slot fingerprints and record checksums |
-//! | 96 | `regions[8]` | per region, in [`RegionKind`] order: `offset`, `bytes`, `count`, `param` (4 × u64) |
+//! | 96 | `regions[10]` | per region, in [`RegionKind`] order: `offset`, `bytes`, `count`, `param` (4 × u64) |
 //!
 //! ## Regions
 //!
@@ -61,6 +61,8 @@
 //! | rings | 256 B control + `param` bytes | 64 | ring bytes | [`completion_ring`] |
 //! | response index | 64 B bucket of 4 × 128-bit slots | buckets | – | [`response_log`] |
 //! | response log | 256 B control + `count` bytes | log bytes | max value bytes | [`response_log`] |
+//! | segment index | 64 B bucket of 4 × 128-bit slots | buckets | – | [`response_log`] (a second keyed log: token segments) |
+//! | segment log | 256 B control + `count` bytes | log bytes | max value bytes | [`response_log`] |
 //! | prefix table | 64 B bucket of 4 × 128-bit slots | buckets | – | [`prefix_table`] |
 //!
 //! # Why it survives `kill -9` at any instruction

@@ -12,14 +12,17 @@
 //! | process registry | [`PROCESS_SLOTS`] × 64 B | fixed |
 //! | stats | [`PROCESS_SLOTS`] × [`STAT_WORDS`] × 8 B | fixed (1 MiB) |
 //! | completion rings | [`RING_COUNT`] × (256 B + ring bytes) | ring bytes = 1/8 of the rest / [`RING_COUNT`], rounded down to a power of two, clamped to 16 KiB ..= 4 MiB |
-//! | response index | 1/128 of what is left after the rings | 64-byte buckets of 4 slots |
-//! | response log | the rest of that half, less a page of control | byte ring; one value may take at most `max_response_fraction` of it (default 1/8) |
+//! | response index | 1/64 of three quarters of half of what is left after the rings | 64-byte buckets of 4 slots |
+//! | response log | the rest of those three quarters, less a page of control | byte ring; one value may take at most `max_response_fraction` of it (default 1/8) |
+//! | segment index | 1/64 of the last quarter of that half | 64-byte buckets of 4 slots |
+//! | segment log | the rest of that quarter, less a page of control | byte ring of token-id segments; one may take at most `max_response_fraction` of it |
 //! | prefix table | the other half | 64-byte buckets of 4 slots |
 //!
 //! Every region starts on a 4 KiB boundary. For `--shm-size 256MiB` this
 //! gives 7.85 M prefix slots (≈ 125 M tokens of prefix at 16 tokens a
-//! block), a 118 MiB response log with 122 K index slots, and 64 rings of
-//! 256 KiB (`semlb shm inspect` prints the figures of any segment).
+//! block), an 88 MiB response log with 92 K index slots, a 29 MiB segment
+//! log with 30 K index slots, and 64 rings of 256 KiB (`semlb shm inspect`
+//! prints the figures of any segment).
 
 use crate::error::PlanError;
 pub use crate::stats::STAT_WORDS;
@@ -72,10 +75,14 @@ pub enum RegionKind {
     ResponseLog = 6,
     /// Prefix-table buckets.
     Prefix = 7,
+    /// Token-segment store index buckets.
+    SegmentIndex = 8,
+    /// Token-segment store record log.
+    SegmentLog = 9,
 }
 
 /// Number of regions.
-pub const REGION_COUNT: usize = 8;
+pub const REGION_COUNT: usize = 10;
 
 impl RegionKind {
     /// All regions in address order.
@@ -87,6 +94,8 @@ impl RegionKind {
         RegionKind::Rings,
         RegionKind::ResponseIndex,
         RegionKind::ResponseLog,
+        RegionKind::SegmentIndex,
+        RegionKind::SegmentLog,
         RegionKind::Prefix,
     ];
 
@@ -101,6 +110,8 @@ impl RegionKind {
             RegionKind::ResponseIndex => "response index",
             RegionKind::ResponseLog => "response log",
             RegionKind::Prefix => "prefix table",
+            RegionKind::SegmentIndex => "segment index",
+            RegionKind::SegmentLog => "segment log",
         }
     }
 }
@@ -114,9 +125,9 @@ pub struct Region {
     pub bytes: u64,
     /// Element count: slots, buckets, rings or log bytes.
     pub count: u64,
-    /// Region-specific: ring bytes (rings), max value bytes (response log),
-    /// server slots per ledger row (ledger), counters per block (stats); 0
-    /// otherwise.
+    /// Region-specific: ring bytes (rings), max value bytes (response and
+    /// segment logs), server slots per ledger row (ledger), counters per
+    /// block (stats); 0 otherwise.
     pub param: u64,
 }
 
@@ -217,17 +228,23 @@ impl LayoutPlan {
             ring_bytes,
         );
 
-        let response_share = align_down((size - rings_end) / 2, PAGE);
-        let index_bytes = align_down(response_share / 64, PAGE).max(PAGE);
-        place(RegionKind::ResponseIndex, index_bytes, index_bytes / BUCKET_BYTES, 0);
-        let log_bytes = align_down(response_share - index_bytes - PAGE, PAGE);
-        let max_value = align_down((log_bytes as f64 * f) as u64, 8);
-        let log_end = place(
+        // Half of the rest for the two keyed logs: three quarters for
+        // responses, a quarter for token segments.
+        let logs_share = align_down((size - rings_end) / 2, PAGE);
+        let segment_share = align_down(logs_share / 4, PAGE);
+        let mut keyed_log = |index: RegionKind, log: RegionKind, share: u64| {
+            let index_bytes = align_down(share / 64, PAGE).max(PAGE);
+            place(index, index_bytes, index_bytes / BUCKET_BYTES, 0);
+            let log_bytes = align_down(share - index_bytes - PAGE, PAGE);
+            let max_value = align_down((log_bytes as f64 * f) as u64, 8);
+            place(log, LOG_CONTROL_BYTES + log_bytes, log_bytes, max_value)
+        };
+        keyed_log(
+            RegionKind::ResponseIndex,
             RegionKind::ResponseLog,
-            LOG_CONTROL_BYTES + log_bytes,
-            log_bytes,
-            max_value,
+            logs_share - segment_share,
         );
+        let log_end = keyed_log(RegionKind::SegmentIndex, RegionKind::SegmentLog, segment_share);
 
         let prefix_bytes = align_down(size - log_end, PAGE);
         let cursor = place(RegionKind::Prefix, prefix_bytes, prefix_bytes / BUCKET_BYTES, 0);
@@ -276,8 +293,18 @@ mod tests {
                 end = r.offset + r.bytes;
             }
             assert!(end <= plan.segment_bytes);
-            let log = plan.region(RegionKind::ResponseLog);
-            assert!(log.param > 0 && log.param <= log.count / 8);
+            for kind in [RegionKind::ResponseLog, RegionKind::SegmentLog] {
+                let log = plan.region(kind);
+                assert!(log.param > 0 && log.param <= log.count / 8, "{kind:?} at {size}");
+            }
+            let (responses, segments) = (
+                plan.region(RegionKind::ResponseLog).count,
+                plan.region(RegionKind::SegmentLog).count,
+            );
+            assert!(
+                segments * 2 < responses && segments * 4 > responses,
+                "{segments} {responses}"
+            );
         }
     }
 

@@ -153,6 +153,10 @@ pub struct Tables<'a> {
     pub prefix: PrefixTable<'a>,
     /// Exact request → cached response.
     pub responses: ResponseLog<'a>,
+    /// Digest of a text segment → its token ids (the tokenizer's store
+    /// shared by every process; the same keyed-log structure as
+    /// `responses`, in regions of its own).
+    pub segments: ResponseLog<'a>,
     /// Inference servers and their load.
     pub servers: ServerTable<'a>,
     /// Child processes.
@@ -467,8 +471,11 @@ impl Segment {
         let rings = self.info.region(RegionKind::Rings);
         let index = self.info.region(RegionKind::ResponseIndex);
         let log = self.info.region(RegionKind::ResponseLog);
+        let segment_index = self.info.region(RegionKind::SegmentIndex);
+        let segment_log = self.info.region(RegionKind::SegmentLog);
         let prefix = self.info.region(RegionKind::Prefix);
         let control: &[LogControl] = self.region(RegionKind::ResponseLog, 0, 1);
+        let segment_control: &[LogControl] = self.region(RegionKind::SegmentLog, 0, 1);
         Tables {
             prefix: PrefixTable::new(self.region::<Bucket>(RegionKind::Prefix, 0, prefix.count), seed[0]),
             responses: ResponseLog::new(
@@ -477,6 +484,15 @@ impl Segment {
                 self.region::<AtomicU64>(RegionKind::ResponseLog, LOG_CONTROL_BYTES, log.count / 8),
                 log.param as usize,
                 seed,
+            ),
+            // Another seed order: a record of one log never checks out in
+            // the other.
+            segments: ResponseLog::new(
+                &segment_control[0],
+                self.region::<Bucket>(RegionKind::SegmentIndex, 0, segment_index.count),
+                self.region::<AtomicU64>(RegionKind::SegmentLog, LOG_CONTROL_BYTES, segment_log.count / 8),
+                segment_log.param as usize,
+                [seed[1], seed[0], seed[3], seed[2]],
             ),
             servers: ServerTable::new(
                 self.region::<ServerSlot>(RegionKind::Servers, 0, servers.count),

@@ -285,6 +285,33 @@ fn response_put_get_replace() {
     });
 }
 
+/// The segment store is a second keyed log in regions of its own: the
+/// same operations, and nothing written to one is read from the other.
+#[test]
+fn the_segment_log_is_its_own_keyed_log() {
+    both("segments", &small_plan(), |seg| {
+        let t = seg.tables();
+        let key = ResponseKey(0x5e6_0000_0000_0000_0000_0000_0000_0042);
+        t.segments.put(key, &[1, 0, 0, 0, 2, 0, 0, 0]).unwrap();
+        assert_eq!(t.segments.get(key).as_deref(), Some(&[1u8, 0, 0, 0, 2, 0, 0, 0][..]));
+        assert_eq!(
+            t.responses.get(key),
+            None,
+            "{}: a segment is not a response",
+            backing(seg)
+        );
+        t.responses.put(key, b"a response").unwrap();
+        assert_eq!(t.segments.get(key).as_deref(), Some(&[1u8, 0, 0, 0, 2, 0, 0, 0][..]));
+        assert_eq!(t.responses.get(key).as_deref(), Some(&b"a response"[..]));
+        let plan = seg.header();
+        assert_eq!(t.segments.stats().capacity, plan.region(RegionKind::SegmentLog).count);
+        assert_eq!(t.segments.max_value() as u64, plan.region(RegionKind::SegmentLog).param);
+        // Flushing one leaves the other.
+        assert_eq!(t.responses.clear(), 1);
+        assert_eq!(t.segments.get(key).as_deref().map(<[u8]>::len), Some(8));
+    });
+}
+
 #[test]
 fn response_values_over_the_limit_are_refused_not_truncated() {
     both("resp-large", &small_plan(), |seg| {

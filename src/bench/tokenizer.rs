@@ -16,7 +16,8 @@
 //!    model's chat template (Qwen3's for Qwen3, the canonical one for
 //!    phi-2), and tokenized by HF, by the native engine without a segment
 //!    cache, and by the native engine with one (a dispatcher's default
-//!    32 MiB): µs per request, p50 and mean.
+//!    32 MiB), both starting with empty caches: µs per request, p50 and
+//!    mean.
 //!
 //! It measures; it asserts nothing about speed.
 
@@ -116,8 +117,8 @@ pub fn run(args: &TokenizerArgs) -> Result<()> {
     for subject in &subjects {
         let hf = tokenizers::Tokenizer::from_bytes(&subject.json)
             .map_err(|e| anyhow::anyhow!("HF cannot load the {} tokenizer: {e}", subject.name))?;
-        let native = Tokenizer::from_json(&subject.json, subject.name)?.with_segment_cache(0);
-        let cached = Tokenizer::from_json(&subject.json, subject.name)?.with_segment_cache(32 << 20);
+        let loaded = Tokenizer::from_json(&subject.json, subject.name)?;
+        let native = loaded.clone().with_segment_cache(0);
         let engine = native.engine().to_string();
         let mut sizes = Vec::new();
         let mut hf_line = Vec::new();
@@ -152,7 +153,18 @@ pub fn run(args: &TokenizerArgs) -> Result<()> {
             label: format!("native, {}", subject.name),
             points: native_line,
         });
-        let r = replay(&subject.template, &hf, &native, &cached, &dialogues, args.conversations, subject.name);
+        // Fresh caches for the replay (word cache and segment cache alike).
+        let uncached = loaded.clone().with_segment_cache(0);
+        let cached = loaded.clone().with_segment_cache(32 << 20);
+        let r = replay(
+            &subject.template,
+            &hf,
+            &uncached,
+            &cached,
+            &dialogues,
+            args.conversations,
+            subject.name,
+        );
         replay_table.row([
             format!("{} + {}", subject.name, subject.template.renderer_name()),
             r.requests.to_string(),
@@ -191,7 +203,14 @@ pub fn run(args: &TokenizerArgs) -> Result<()> {
     let out = &args.common.out;
     let path = write_json(out, "tokenizer", &report)?;
     let svg = out.join("tokenizer.svg");
-    line_svg(&svg, "Tokenizer cost per token", "text size (tokens)", "µs per token", true, &lines)?;
+    line_svg(
+        &svg,
+        "Tokenizer cost per token",
+        "text size (tokens)",
+        "µs per token",
+        true,
+        &lines,
+    )?;
     println!("\nwrote {} and {}", path.display(), svg.display());
     Ok(())
 }
@@ -261,7 +280,12 @@ fn split_dialogue(text: &str) -> Vec<(String, String)> {
 
 /// `count` texts of about `target` tokens (by `hf`'s count), from the
 /// dialogues' text.
-fn texts_of(dialogues: &[Vec<(String, String)>], hf: &tokenizers::Tokenizer, target: usize, count: usize) -> Vec<String> {
+fn texts_of(
+    dialogues: &[Vec<(String, String)>],
+    hf: &tokenizers::Tokenizer,
+    target: usize,
+    count: usize,
+) -> Vec<String> {
     let flat: Vec<&str> = dialogues.iter().flatten().map(|(_, t)| t.as_str()).collect();
     let count_tokens = |t: &str| hf.encode(t, false).map_or(0, |e| e.len());
     let mut out = Vec::with_capacity(count);
@@ -305,7 +329,10 @@ fn per_token_costs(
     let mut same = true;
     let mut tokens = 0;
     for t in texts {
-        let theirs = hf.encode(t.as_str(), false).map(|e| e.get_ids().to_vec()).unwrap_or_default();
+        let theirs = hf
+            .encode(t.as_str(), false)
+            .map(|e| e.get_ids().to_vec())
+            .unwrap_or_default();
         let ours = native.encode(t);
         same &= theirs == ours && native.encode_uncached(t) == ours;
         tokens += ours.len();
@@ -380,7 +407,10 @@ fn replay(
     let mut tokens = 0;
     let check = native.clone().with_segment_cache(32 << 20);
     for p in &prompts {
-        let theirs = hf.encode(p.as_str(), false).map(|e| e.get_ids().to_vec()).unwrap_or_default();
+        let theirs = hf
+            .encode(p.as_str(), false)
+            .map(|e| e.get_ids().to_vec())
+            .unwrap_or_default();
         same &= check.encode(p) == theirs;
         tokens += theirs.len();
     }

@@ -188,6 +188,8 @@ pub struct Dispatcher {
     client: UpstreamClient,
     health: crate::health::PassiveHealth,
     queue: queue::GatewayQueue,
+    /// The tokenizer's segment counters last added to the metrics.
+    segments_reported: std::sync::Mutex<semlb_tokenizer::SegmentCacheStats>,
 }
 
 impl Dispatcher {
@@ -224,6 +226,18 @@ impl Dispatcher {
             policy,
             store,
             client,
+            segments_reported: std::sync::Mutex::default(),
+        }
+    }
+
+    /// Adds to the metrics what the tokenizer's segment cache did since
+    /// the last call.
+    fn report_segments(&self) {
+        let now = self.tokenizer.segment_cache_stats();
+        let mut last = self.segments_reported.lock().unwrap_or_else(|e| e.into_inner());
+        if now != *last {
+            self.metrics().segments(&last, &now);
+            *last = now;
         }
     }
 

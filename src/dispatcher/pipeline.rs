@@ -255,6 +255,7 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
         RoutingInput::Text(text) => dispatcher.tokenizer.encode(text),
         RoutingInput::Tokens(ids) => std::mem::take(ids),
     };
+    dispatcher.report_segments();
     timing.mark(2);
     let seed = dispatcher.segment.header().seed[0];
     let hasher = BlockHasher::new(
@@ -814,6 +815,7 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
                     chain: c.chain.clone(),
                     hasher: c.hasher,
                     cache_key: c.store_key.filter(|_| parts.status == StatusCode::OK && !sse),
+                    chat: c.endpoint == Endpoint::ChatCompletions,
                 },
             )),
             _ => None,

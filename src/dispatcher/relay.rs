@@ -155,6 +155,9 @@ pub(crate) struct Learn {
     pub hasher: BlockHasher,
     /// Where to cache the body, when it may be cached.
     pub cache_key: Option<ResponseKey>,
+    /// Whether it is a chat request (its answer comes back as an assistant
+    /// message in the next turn).
+    pub chat: bool,
 }
 
 /// The copy of the answer a relay keeps.
@@ -377,7 +380,7 @@ impl Dispatcher {
                 root: learn.hasher.root(),
                 block_size: u32::try_from(learn.hasher.block_size()).unwrap_or(u32::MAX),
                 tail: &learn.tail,
-                form: form as u8,
+                form: form.to_byte(learn.chat),
                 answer: if cached.is_some() { None } else { Some(&answer) },
             }),
             response: cached.map(|key| (key, &answer[..])),
@@ -396,7 +399,7 @@ impl Dispatcher {
         if record.encoded_len() > max && form != AnswerForm::Text {
             text = answer_text(form, &answer).map(|(t, _)| t).unwrap_or_default();
             if let Some(c) = record.continuation.as_mut() {
-                c.form = AnswerForm::Text as u8;
+                c.form = AnswerForm::Text.to_byte(learn.chat);
                 c.answer = Some(text.as_bytes());
             }
         }
@@ -404,7 +407,7 @@ impl Dispatcher {
         if over > 0
             && let Some(c) = record.continuation.as_mut()
             && let Some(answer) = c.answer
-            && c.form == AnswerForm::Text as u8
+            && c.form == AnswerForm::Text.to_byte(learn.chat)
             && let Ok(text) = std::str::from_utf8(answer)
         {
             let keep = text.len().saturating_sub(over);

@@ -83,12 +83,29 @@ impl std::fmt::Display for Engine {
     }
 }
 
+/// A store of segment ids shared with other processes (the gateway keeps
+/// one in its shared-memory segment, filled by every dispatcher and primed
+/// by the response processes with the answers they read), consulted when
+/// the tokenizer's own segment cache misses and given every segment it
+/// tokenizes. Keys are seeded with the tokenizer's fingerprint, so one store
+/// may serve several tokenizers.
+pub trait SharedSegments: std::fmt::Debug + Send + Sync {
+    /// Appends the ids stored under `key` to `out` and returns `true`; on a
+    /// miss returns `false` (what it appended, if anything, is cut off by
+    /// the caller).
+    fn get(&self, key: u128, out: &mut Vec<u32>) -> bool;
+    /// Keeps `ids` under `key` (best effort: a store may refuse or forget).
+    fn put(&self, key: u128, ids: &[u32]);
+}
+
 /// What the segment cache has done (see [`Tokenizer::segment_cache_stats`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SegmentCacheStats {
     /// Segments whose ids came from the cache.
     pub hits: u64,
-    /// Segments tokenized (and then cached).
+    /// Segments whose ids came from the shared store.
+    pub shared_hits: u64,
+    /// Segments tokenized (and then cached, locally and in the shared store).
     pub misses: u64,
     /// Segments held now.
     pub entries: usize,
@@ -130,6 +147,7 @@ pub struct Tokenizer {
     implementation: Arc<Implementation>,
     engine: Engine,
     caches: Arc<Mutex<native::Caches>>,
+    shared: Option<Arc<dyn SharedSegments>>,
 }
 
 impl Tokenizer {
@@ -155,7 +173,8 @@ impl Tokenizer {
         let reason = match native::spec::read(&mut value) {
             Ok(spec) => {
                 let dialect = spec.dialect;
-                match native::NativeTokenizer::new(spec) {
+                let fingerprint = xxhash_rust::xxh3::xxh3_64(json);
+                match native::NativeTokenizer::new(spec, fingerprint) {
                     Ok(native) => {
                         return Ok(Self::with(
                             Implementation::Native(Box::new(native)),
@@ -184,6 +203,7 @@ impl Tokenizer {
             implementation: Arc::new(implementation),
             engine,
             caches: Arc::new(Mutex::new(native::Caches::new(DEFAULT_SEGMENT_CACHE_BYTES))),
+            shared: None,
         }
     }
 
@@ -221,7 +241,7 @@ impl Tokenizer {
         match &*self.implementation {
             Implementation::Native(native) => {
                 let mut caches = self.caches.try_lock().ok();
-                native.encode(text, caches.as_deref_mut(), out);
+                native.encode(text, caches.as_deref_mut(), self.shared.as_deref(), out);
             }
             Implementation::Hf(hf) => {
                 if let Ok(encoding) = hf.encode(text, false) {
@@ -236,7 +256,7 @@ impl Tokenizer {
     pub fn encode_uncached(&self, text: &str) -> Vec<u32> {
         let mut out = Vec::new();
         match &*self.implementation {
-            Implementation::Native(native) => native.encode(text, None, &mut out),
+            Implementation::Native(native) => native.encode(text, None, None, &mut out),
             Implementation::Hf(_) => self.encode_into(text, &mut out),
         }
         out
@@ -260,7 +280,7 @@ impl Tokenizer {
                 native::added::Piece::Added(id, part) => (part, true, vec![id]),
                 native::added::Piece::Text(part) => {
                     let mut ids = Vec::new();
-                    native.encode(part, None, &mut ids);
+                    native.encode(part, None, None, &mut ids);
                     (part, false, ids)
                 }
             };
@@ -284,11 +304,31 @@ impl Tokenizer {
         }
     }
 
+    /// The same tokenizer with `store` as the second level of its segment
+    /// cache (see [`SharedSegments`]). The HF engine does not use it.
+    pub fn with_shared_segments(self, store: Arc<dyn SharedSegments>) -> Self {
+        Self {
+            shared: Some(store),
+            ..self
+        }
+    }
+
+    /// The key `segment` (a segment's text, as [`segments`](Self::segments)
+    /// cuts them) is kept under in a [`SharedSegments`] store; `None` with
+    /// the HF engine.
+    pub fn segment_key(&self, segment: &str) -> Option<u128> {
+        match &*self.implementation {
+            Implementation::Native(native) => Some(native.segment_key(segment)),
+            Implementation::Hf(_) => None,
+        }
+    }
+
     /// What the segment cache has done so far.
     pub fn segment_cache_stats(&self) -> SegmentCacheStats {
         let caches = self.caches.lock().unwrap_or_else(|e| e.into_inner());
         SegmentCacheStats {
             hits: caches.hits,
+            shared_hits: caches.shared_hits,
             misses: caches.misses,
             entries: caches.segments.as_ref().map_or(0, |s| s.len()),
             bytes: caches.segments.as_ref().map_or(0, |s| s.bytes()),
@@ -404,6 +444,67 @@ mod tests {
         std::fs::write(&bad, "{\"not\": \"a tokenizer\"}").unwrap();
         assert!(matches!(Tokenizer::from_file(&bad), Err(LoadError { .. })));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A store in memory, as the gateway's shm store behaves: it keeps
+    /// what it is given and answers what it holds.
+    #[derive(Debug, Default)]
+    struct MemoryStore(std::sync::Mutex<std::collections::HashMap<u128, Vec<u32>>>);
+
+    impl SharedSegments for MemoryStore {
+        fn get(&self, key: u128, out: &mut Vec<u32>) -> bool {
+            match self.0.lock().unwrap().get(&key) {
+                Some(ids) => {
+                    out.extend_from_slice(ids);
+                    true
+                }
+                None => false,
+            }
+        }
+        fn put(&self, key: u128, ids: &[u32]) {
+            self.0.lock().unwrap().insert(key, ids.to_vec());
+        }
+    }
+
+    /// Two tokenizers (two processes) sharing one store: what one
+    /// tokenized, the other takes from the store, with the same ids; a
+    /// tokenizer without a local segment cache (a response process) still
+    /// fills the store.
+    #[test]
+    fn a_shared_store_serves_the_segments_another_tokenizer_made() {
+        let store: Arc<MemoryStore> = Arc::default();
+        let answer =
+            "Rivers such as the Nile, the Amazon and the Yangtze are the longest.\nLakes come next in the list.";
+        let prompt =
+            format!("<|user|>\nName three rivers, then three lakes.\n<|assistant|>\n{answer}\n<|user|>\nMore?\n");
+        // The responder: no local segment cache, the shared store.
+        let responder = Tokenizer::bundled()
+            .with_segment_cache(0)
+            .with_shared_segments(store.clone());
+        assert_eq!(responder.encode(answer), Tokenizer::bundled().encode_uncached(answer));
+        assert!(!store.0.lock().unwrap().is_empty(), "the answer's segments were stored");
+        // A dispatcher that never saw the answer finds its lines in the store.
+        let dispatcher = Tokenizer::bundled()
+            .with_segment_cache(1 << 20)
+            .with_shared_segments(store.clone());
+        assert_eq!(
+            dispatcher.encode(&prompt),
+            Tokenizer::bundled().encode_uncached(&prompt)
+        );
+        let stats = dispatcher.segment_cache_stats();
+        assert!(stats.shared_hits >= 1, "{stats:?}");
+        assert!(stats.misses >= 1, "the rest of the prompt was new: {stats:?}");
+        // Its second look is local; the keys depend on the tokenizer file.
+        assert_eq!(
+            dispatcher.encode(&prompt),
+            Tokenizer::bundled().encode_uncached(&prompt)
+        );
+        assert!(dispatcher.segment_cache_stats().hits > stats.hits);
+        let segment = "Lakes come next in the list.";
+        assert_eq!(dispatcher.segment_key(segment), responder.segment_key(segment));
+        // Another file (here: one more byte of whitespace) keys apart.
+        let other = Tokenizer::from_json(&[BUNDLED_JSON, b"\n"].concat(), "other").unwrap();
+        assert_ne!(other.segment_key(segment), dispatcher.segment_key(segment));
     }
 
     #[test]

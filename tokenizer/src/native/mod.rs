@@ -43,6 +43,8 @@ use bpe::Bpe;
 use normalize::Normalizer;
 use pretokenize::Dialect;
 use spec::NativeSpec;
+
+use crate::SharedSegments;
 use unicode_classes::{SPACE, class_of};
 
 /// Pieces shorter than this are tokenized without the segment cache (a
@@ -69,6 +71,8 @@ pub(crate) struct NativeTokenizer {
     vocab_size: usize,
     /// Whether pieces may be cut after newlines.
     cut_lines: bool,
+    /// Seeds segment keys: a hash of the tokenizer file.
+    fingerprint: u64,
 }
 
 /// Why a tokenizer.json that looked native cannot be built (HF refuses it
@@ -77,7 +81,7 @@ pub(crate) use bpe::BpeError;
 
 impl NativeTokenizer {
     /// The engine of `spec`.
-    pub(crate) fn new(spec: NativeSpec) -> Result<Self, BpeError> {
+    pub(crate) fn new(spec: NativeSpec, fingerprint: u64) -> Result<Self, BpeError> {
         let bpe = Bpe::new(&spec.vocab, &spec.merges, spec.ignore_merges)?;
         let normalizer = spec.normalizer;
         let added = AddedVocabulary::new(
@@ -122,6 +126,7 @@ impl NativeTokenizer {
             bpe,
             decode_table,
             cut_lines,
+            fingerprint,
         })
     }
 
@@ -142,12 +147,25 @@ impl NativeTokenizer {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
-    /// Appends the ids of `text` to `out`, using `caches` if given.
-    pub(crate) fn encode(&self, text: &str, mut caches: Option<&mut Caches>, out: &mut Vec<u32>) {
+    /// Appends the ids of `text` to `out`, using `caches` and the `shared`
+    /// segment store if given.
+    pub(crate) fn encode(
+        &self,
+        text: &str,
+        mut caches: Option<&mut Caches>,
+        shared: Option<&dyn SharedSegments>,
+        out: &mut Vec<u32>,
+    ) {
         self.added.split_raw(text, |piece| match piece {
             Piece::Added(id, _) => out.push(id),
-            Piece::Text(text) => self.encode_piece(text, caches.as_deref_mut(), out),
+            Piece::Text(text) => self.encode_piece(text, caches.as_deref_mut(), shared, out),
         });
+    }
+
+    /// The key a segment's ids are kept under: its XXH3-128 seeded with
+    /// the tokenizer's fingerprint, so tokenizers never share entries.
+    pub(crate) fn segment_key(&self, segment: &str) -> u128 {
+        xxhash_rust::xxh3::xxh3_128_with_seed(segment.as_bytes(), self.fingerprint)
     }
 
     /// Calls `segment` with each segment of `text`: an added token, or a
@@ -159,31 +177,54 @@ impl NativeTokenizer {
         });
     }
 
-    /// A piece between first-pass added tokens, through the segment cache.
-    fn encode_piece(&self, text: &str, caches: Option<&mut Caches>, out: &mut Vec<u32>) {
-        let Some(caches) = caches else {
-            return self.encode_uncached(text, None, out);
-        };
-        if caches.segments.is_none() {
-            return self.encode_uncached(text, Some(&mut caches.words), out);
+    /// A piece between first-pass added tokens, segment by segment: from
+    /// the local segment cache, else from the shared store, else tokenized
+    /// (and then kept in both).
+    fn encode_piece(
+        &self,
+        text: &str,
+        mut caches: Option<&mut Caches>,
+        shared: Option<&dyn SharedSegments>,
+        out: &mut Vec<u32>,
+    ) {
+        let local = caches.as_ref().is_some_and(|c| c.segments.is_some());
+        if !local && shared.is_none() {
+            return self.encode_uncached(text, caches.map(|c| &mut c.words), out);
         }
         self.chunks(text, |chunk| {
             if chunk.len() < SEGMENT_MIN_BYTES {
-                return self.encode_uncached(chunk, Some(&mut caches.words), out);
+                return self.encode_uncached(chunk, caches.as_deref_mut().map(|c| &mut c.words), out);
             }
-            let key = xxhash_rust::xxh3::xxh3_128(chunk.as_bytes());
-            let segments = caches.segments.as_mut().expect("checked above");
-            if let Some(ids) = segments.get(&key) {
+            let key = self.segment_key(chunk);
+            if let Some(c) = caches.as_deref_mut()
+                && let Some(ids) = c.segments.as_mut().and_then(|s| s.get(&key))
+            {
                 out.extend_from_slice(&ids.0);
-                caches.hits += 1;
+                c.hits += 1;
                 return;
             }
-            caches.misses += 1;
             let start = out.len();
-            self.encode_uncached(chunk, Some(&mut caches.words), out);
-            let ids = Ids(out[start..].into());
-            if let Some(segments) = caches.segments.as_mut() {
-                segments.insert(key, ids);
+            if let Some(store) = shared {
+                if store.get(key, out) {
+                    if let Some(c) = caches.as_deref_mut() {
+                        c.shared_hits += 1;
+                        if let Some(segments) = c.segments.as_mut() {
+                            segments.insert(key, Ids(out[start..].into()));
+                        }
+                    }
+                    return;
+                }
+                out.truncate(start);
+            }
+            self.encode_uncached(chunk, caches.as_deref_mut().map(|c| &mut c.words), out);
+            if let Some(c) = caches.as_deref_mut() {
+                c.misses += 1;
+                if let Some(segments) = c.segments.as_mut() {
+                    segments.insert(key, Ids(out[start..].into()));
+                }
+            }
+            if let Some(store) = shared {
+                store.put(key, &out[start..]);
             }
         });
     }
@@ -289,6 +330,8 @@ pub(crate) struct Caches {
     pub(crate) segments: Option<SegmentCache>,
     /// Segments answered from the cache.
     pub(crate) hits: u64,
+    /// Segments answered from the shared store.
+    pub(crate) shared_hits: u64,
     /// Segments tokenized.
     pub(crate) misses: u64,
 }
@@ -300,6 +343,7 @@ impl Caches {
             words: GenerationalMap::new(WORD_CACHE_BYTES, foldhash::fast::RandomState::default()),
             segments: (segment_bytes > 0).then(|| GenerationalMap::new(segment_bytes, Default::default())),
             hits: 0,
+            shared_hits: 0,
             misses: 0,
         }
     }
