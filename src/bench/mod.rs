@@ -8,7 +8,8 @@
 //! | `scaling` | [`scaling`] | dispatch decisions per second with 1, 2, 4 processes per store (the paper's Figure 8) |
 //! | `e2e` | [`end_to_end`] | the whole gateway in front of simulated engines under open-loop load, shm vs Redis |
 //! | `replay` | [`replay`] | every routing policy on the same workloads ([`workload`]: the Mooncake trace, HH-RLHF chats, hot-prefix agent sessions): throughput, TTFT, SLO attainment, goodput from a rate sweep, prefix hits, load imbalance |
-//! | `all` | here | the four in turn |
+//! | `proxy` | [`proxy`] | the gateway's cost as a proxy against nginx in front of the same engine (front pinned to its own core): req/s, latency and added latency, CPU µs per request |
+//! | `all` | here | the five in turn |
 //!
 //! Every report prints a table on stdout and writes `<out>/<report>.json`
 //! and, where it has distributions, `<out>/<report>.svg` ([`plot`]).
@@ -18,6 +19,7 @@ pub mod dispatch_path;
 pub mod end_to_end;
 pub mod output;
 pub mod plot;
+pub mod proxy;
 pub mod redis_server;
 pub mod replay;
 pub mod scaling;
@@ -40,7 +42,9 @@ pub enum BenchCommand {
     EndToEnd(end_to_end::EndToEndArgs),
     /// Every routing policy on the same workloads: TTFT, SLO attainment, goodput.
     Replay(replay::ReplayArgs),
-    /// All four reports with their default settings.
+    /// semlb against nginx in front of the same engine: latency, CPU per request.
+    Proxy(proxy::ProxyArgs),
+    /// All five reports with their default settings.
     All(Common),
 }
 
@@ -86,11 +90,14 @@ pub fn run(command: &BenchCommand) -> Result<()> {
         BenchCommand::Scaling(args) => scaling::run(args),
         BenchCommand::EndToEnd(args) => end_to_end::run(args),
         BenchCommand::Replay(args) => replay::run(args),
+        BenchCommand::Proxy(args) => proxy::run(args),
         BenchCommand::All(common) => {
             dispatch_path::run(&dispatch_path::DispatchArgs::with(common.clone()))?;
             scaling::run(&scaling::ScalingArgs::with(common.clone()))?;
             end_to_end::run(&end_to_end::EndToEndArgs::with(common.clone()))?;
-            replay::run(&replay::ReplayArgs::with(common.clone()))
+            replay::run(&replay::ReplayArgs::with(common.clone()))?;
+            // Last: it watches SIGINT itself from its start on.
+            proxy::run(&proxy::ProxyArgs::with(common.clone()))
         }
     }
 }
