@@ -62,7 +62,7 @@ impl Requests {
         match self {
             Requests::Fixed(bytes) => out.extend_from_slice(bytes),
             Requests::Tagged { head, texts, tail } => {
-                let text = &texts[(n as usize + conn * 7) % texts.len()];
+                let text = &texts[(n as usize).wrapping_add(conn.wrapping_mul(7)) % texts.len()];
                 let tag = format!("Request {conn}.{n}. ");
                 let len = head.len() + tag.len() + text.len() + tail.len();
                 out.extend_from_slice(REQUEST_HEAD.as_bytes());
@@ -487,7 +487,7 @@ mod tests {
         let addr = serve(vec![
             b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-semlb-cache: bypass\r\n\r\nhello",
             b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n\
-              e\r\ndata: {\"a\":1}\n\n\r\n\
+              f\r\ndata: {\"a\":1}\n\n\r\n\
               e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n",
             b"HTTP/1.1 503 Busy\r\nContent-Length: 2\r\nConnection: close\r\n\r\nno",
         ])

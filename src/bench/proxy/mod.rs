@@ -153,7 +153,7 @@ use super::end_to_end::{Dialogue, read_dialogues};
 use super::output::{self, Table};
 use super::plot::{self, Line};
 use load::{Plan, Requests, Tally};
-use procs::{Address, CpuList, CpuSnapshot, EngineSpec, Gateway, Interrupt, Nginx, NginxError, Server};
+use procs::{Address, CpuList, CpuSnapshot, EngineSpec, Gateway, Interrupt, Nginx, NginxError, Placement, Server};
 
 /// The chat template, relative to the data directory.
 pub const TEMPLATE_FILE: &str = "tokenizers/qwen3-tokenizer_config.json";
@@ -656,7 +656,8 @@ fn start_servers(
 /// engine's prompt token count, or an error with the answer.
 fn check(addr: &str, workload: &Workload, front: Front) -> Result<Option<u64>> {
     use std::io::{Read, Write};
-    let body = workload.requests.body(usize::MAX / 2, 0);
+    // A connection number no load connection has.
+    let body = workload.requests.body(1_000_000, 0);
     let mut s = std::net::TcpStream::connect(addr).with_context(|| format!("{}: cannot connect", front.name()))?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
     write!(
@@ -858,12 +859,12 @@ fn run_pinned(args: &ProxyArgs, allowed: &CpuList, interrupt: &Interrupt) -> Res
             }
         }
     }
-    let affinity: Vec<(Front, Vec<(i32, String, String)>)> = fronts
+    let placement: Vec<(Front, Vec<Placement>)> = fronts
         .iter()
-        .filter_map(|f| servers.front_pid(*f).map(|pid| (*f, procs::tree_affinity(pid))))
+        .filter_map(|f| servers.front_pid(*f).map(|pid| (*f, procs::tree_placement(pid))))
         .chain(std::iter::once((
             Front::Direct,
-            procs::tree_affinity(servers.engine.pid()),
+            procs::tree_placement(servers.engine.pid()),
         )))
         .collect();
 
@@ -895,7 +896,7 @@ fn run_pinned(args: &ProxyArgs, allowed: &CpuList, interrupt: &Interrupt) -> Res
             front_cpus: &front_cpus,
             other: &other,
             overlap,
-            affinity: &affinity,
+            placement: &placement,
             nginx: nginx_info,
             nginx_skipped,
         },
@@ -911,7 +912,8 @@ struct Run<'a> {
     front_cpus: &'a CpuList,
     other: &'a CpuList,
     overlap: bool,
-    affinity: &'a [(Front, Vec<(i32, String, String)>)],
+    /// Where each server's processes may run (direct: the engine's).
+    placement: &'a [(Front, Vec<Placement>)],
     /// nginx's version and configuration, if it ran.
     nginx: Option<(String, String)>,
     nginx_skipped: Option<String>,
@@ -1098,7 +1100,7 @@ fn report(args: &ProxyArgs, run: &Run) -> Result<()> {
     if run.text.files.is_none() {
         println!("NOTE: no data directory: bundled tokenizer, canonical template, generated prompt text");
     }
-    for (front, procs) in run.affinity {
+    for (front, procs) in run.placement {
         let what = if *front == Front::Direct {
             "engine"
         } else {
@@ -1106,7 +1108,7 @@ fn report(args: &ProxyArgs, run: &Run) -> Result<()> {
         };
         let list: Vec<String> = procs
             .iter()
-            .map(|(pid, name, cpus)| format!("{name}[{pid}] on {cpus}"))
+            .map(|p| format!("{}[{}] on {}", p.name, p.pid, p.cpus_allowed))
             .collect();
         println!("{what} processes: {}", list.join(", "));
     }
@@ -1134,8 +1136,8 @@ fn report(args: &ProxyArgs, run: &Run) -> Result<()> {
         }
     }
 
-    let affinity_json: serde_json::Map<String, Value> = run
-        .affinity
+    let placement_json: serde_json::Map<String, Value> = run
+        .placement
         .iter()
         .map(|(f, procs)| {
             let what = if *f == Front::Direct { "engine" } else { f.name() };
@@ -1143,7 +1145,7 @@ fn report(args: &ProxyArgs, run: &Run) -> Result<()> {
                 what.to_owned(),
                 procs
                     .iter()
-                    .map(|(pid, name, cpus)| json!({"pid": pid, "name": name, "cpus_allowed": cpus}))
+                    .map(|p| json!({"pid": p.pid, "name": p.name, "cpus_allowed": p.cpus_allowed}))
                     .collect(),
             )
         })
@@ -1169,7 +1171,7 @@ fn report(args: &ProxyArgs, run: &Run) -> Result<()> {
             Some((version, config)) => json!({"version": version, "config": config}),
             None => json!({"skipped": run.nginx_skipped}),
         },
-        "process_affinity": affinity_json,
+        "process_affinity": placement_json,
         "workloads": workloads_json,
     });
     let json_path = output::write_json(&args.common.out, "proxy", &value)?;

@@ -7,8 +7,9 @@
 //! worker, inherit it), in a process group of its own (a Ctrl-C at the
 //! terminal reaches the benchmark only, which then stops them in order) and
 //! with `PR_SET_PDEATHSIG` (if the benchmark dies, SIGKILL included, each
-//! server gets SIGTERM). Dropping a [`Server`] sends SIGTERM, waits, then
-//! SIGKILLs whatever is left of its tree.
+//! server gets SIGTERM; only nginx's temporary directory is then left
+//! behind). Dropping a [`Server`] sends SIGTERM, waits, then SIGKILLs
+//! whatever is left of its tree.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
@@ -310,9 +311,19 @@ pub fn busy_between(start: &BTreeMap<usize, f64>, end: &BTreeMap<usize, f64>, cp
         .sum()
 }
 
-/// `Cpus_allowed_list` of every process of `root`'s tree, with its command
-/// name: where the kernel lets each of them run.
-pub fn tree_affinity(root: i32) -> Vec<(i32, String, String)> {
+/// Where the kernel lets one process run.
+#[derive(Debug, Clone)]
+pub struct Placement {
+    /// Its id.
+    pub pid: i32,
+    /// Its command name.
+    pub name: String,
+    /// Its `Cpus_allowed_list`.
+    pub cpus_allowed: String,
+}
+
+/// The [`Placement`] of every process of `root`'s tree.
+pub fn tree_placement(root: i32) -> Vec<Placement> {
     tree_pids(root)
         .iter()
         .filter_map(|pid| {
@@ -323,7 +334,11 @@ pub fn tree_affinity(root: i32) -> Vec<(i32, String, String)> {
                     .find_map(|l| l.strip_prefix(name))
                     .map(|v| v.trim().to_owned())
             };
-            Some((*pid, field("Name:")?, field("Cpus_allowed_list:")?))
+            Some(Placement {
+                pid: *pid,
+                name: field("Name:")?,
+                cpus_allowed: field("Cpus_allowed_list:")?,
+            })
         })
         .collect()
 }
@@ -848,8 +863,8 @@ mod tests {
         assert!(used > 0.02, "{used} s");
         let busy = cpu_busy();
         assert!(!busy.is_empty() && busy.values().all(|b| *b >= 0.0));
-        let affinity = tree_affinity(me);
-        assert!(affinity.iter().any(|(pid, _, list)| *pid == me && !list.is_empty()));
+        let placement = tree_placement(me);
+        assert!(placement.iter().any(|p| p.pid == me && !p.cpus_allowed.is_empty()));
         assert!(!CpuList::of_this_thread().unwrap().cpus().is_empty());
     }
 
