@@ -1115,6 +1115,25 @@ fn report(args: &ProxyArgs, run: &Run) -> Result<()> {
     if let Some(why) = &run.nginx_skipped {
         println!("nginx skipped: {why}");
     }
+    let busiest = run
+        .points
+        .iter()
+        .map(|p| {
+            let front = if p.front == Front::Direct {
+                0.0
+            } else {
+                p.front_foreign()
+            };
+            front.max(p.other_foreign())
+        })
+        .fold(0.0, f64::max);
+    if busiest > 0.1 {
+        println!(
+            "WARNING: other processes used up to {:.0} % of the pinned CPUs during a row (the `+` parts of the core \
+             columns): this machine is shared, and those rows measure the contention too",
+            100.0 * busiest
+        );
+    }
     for p in run.points {
         if p.tally.errors() > 0 {
             println!(
