@@ -854,18 +854,14 @@ fn run_pinned(args: &ProxyArgs, allowed: &CpuList, interrupt: &Interrupt) -> Res
                 };
                 anyhow!("{e:#}{}", tail.unwrap_or_default())
             })?;
-            if *f == Front::Direct || w.engine_prompt_tokens.is_none() {
-                w.engine_prompt_tokens = w.engine_prompt_tokens.or(tokens);
-            }
+            // Direct's answer first (fronts are sorted), else a front's.
+            w.engine_prompt_tokens = w.engine_prompt_tokens.or(tokens);
         }
     }
-    let placement: Vec<(Front, Vec<Placement>)> = fronts
+    let placement: Vec<(&'static str, Vec<Placement>)> = fronts
         .iter()
-        .filter_map(|f| servers.front_pid(*f).map(|pid| (*f, procs::tree_placement(pid))))
-        .chain(std::iter::once((
-            Front::Direct,
-            procs::tree_placement(servers.engine.pid()),
-        )))
+        .filter_map(|f| servers.front_pid(*f).map(|pid| (f.name(), procs::tree_placement(pid))))
+        .chain([("engine", procs::tree_placement(servers.engine.pid()))])
         .collect();
 
     let per_point = (args.warmup + args.secs).ceil() as u64;
@@ -912,8 +908,8 @@ struct Run<'a> {
     front_cpus: &'a CpuList,
     other: &'a CpuList,
     overlap: bool,
-    /// Where each server's processes may run (direct: the engine's).
-    placement: &'a [(Front, Vec<Placement>)],
+    /// Where each server's processes may run (`semlb`, `nginx`, `engine`).
+    placement: &'a [(&'static str, Vec<Placement>)],
     /// nginx's version and configuration, if it ran.
     nginx: Option<(String, String)>,
     nginx_skipped: Option<String>,
@@ -1100,12 +1096,7 @@ fn report(args: &ProxyArgs, run: &Run) -> Result<()> {
     if run.text.files.is_none() {
         println!("NOTE: no data directory: bundled tokenizer, canonical template, generated prompt text");
     }
-    for (front, procs) in run.placement {
-        let what = if *front == Front::Direct {
-            "engine"
-        } else {
-            front.name()
-        };
+    for (what, procs) in run.placement {
         let list: Vec<String> = procs
             .iter()
             .map(|p| format!("{}[{}] on {}", p.name, p.pid, p.cpus_allowed))
@@ -1158,10 +1149,9 @@ fn report(args: &ProxyArgs, run: &Run) -> Result<()> {
     let placement_json: serde_json::Map<String, Value> = run
         .placement
         .iter()
-        .map(|(f, procs)| {
-            let what = if *f == Front::Direct { "engine" } else { f.name() };
+        .map(|(what, procs)| {
             (
-                what.to_owned(),
+                (*what).to_owned(),
                 procs
                     .iter()
                     .map(|p| json!({"pid": p.pid, "name": p.name, "cpus_allowed": p.cpus_allowed}))
