@@ -1011,7 +1011,11 @@ fn report(args: &ProxyArgs, run: &Run) -> Result<()> {
                     added.map_or_else(String::new, |a| time_text(a.1)),
                     p.front_cpu_us().map_or_else(String::new, time_text),
                     ratio.map_or_else(String::new, |r| format!("{r:.2}x")),
-                    share(p.front_util(), p.front_foreign()),
+                    if p.front == Front::Direct {
+                        String::new()
+                    } else {
+                        share(p.front_util(), p.front_foreign())
+                    },
                     time_text(p.per_request_us(p.engine_cpu_s)),
                     share(p.other_util(), p.other_foreign()),
                     p.tally.errors().to_string(),
