@@ -113,9 +113,12 @@
 //!   (`/proc/<pid>/stat` of the front's root and all its descendants) over
 //!   the window, divided by the 200 answers; the engine's and the load
 //!   generator's likewise, for context;
-//! * **core %**: that CPU time over the window per CPU (the front's on
-//!   `--front-cpu`; the engine + load generator on the others): the side at
-//!   ~100 % is the one that saturates;
+//! * **core %**, `ours+others`: that CPU time over the window per CPU (the
+//!   front's on `--front-cpu`; the engine + load generator on the others),
+//!   then what other processes used of the same CPUs (`/proc/stat` busy
+//!   time minus ours; on a shared machine they fill what the run leaves
+//!   idle): the side whose own share nears 100 % is the one that saturates;
+//!   a warning is printed when others used more than 10 %;
 //! * **errors**: non-200 answers, transport failures (refused or reset
 //!   connections, timeouts, malformed answers, streams without
 //!   `data: [DONE]`); reported, never hidden.
