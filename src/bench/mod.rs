@@ -9,6 +9,7 @@
 //! | `e2e` | [`end_to_end`] | the whole gateway in front of simulated engines under open-loop load, shm vs Redis |
 //! | `tokenizer` | [`tokenizer`] | HF `tokenizers` against the native engine: µs per token on short, 2K- and 8K-token texts, and per request on multi-turn chats with and without the segment cache |
 //! | `replay` | [`replay`] | every routing policy on the same workloads ([`workload`]: the Mooncake trace, HH-RLHF chats, hot-prefix agent sessions): throughput, TTFT, SLO attainment, goodput from a rate sweep, prefix hits, load imbalance |
+//! | `proxy` | [`proxy`] | the gateway's cost as a proxy against nginx in front of the same engine (front pinned to its own core): req/s, latency and added latency, CPU µs per request |
 //! | `all` | here | every report in turn |
 //!
 //! Every report prints a table on stdout and writes `<out>/<report>.json`
@@ -19,6 +20,7 @@ pub mod dispatch_path;
 pub mod end_to_end;
 pub mod output;
 pub mod plot;
+pub mod proxy;
 pub mod redis_server;
 pub mod replay;
 pub mod scaling;
@@ -45,6 +47,8 @@ pub enum BenchCommand {
     /// The tokenizer: HF against the native engine, per token and per
     /// multi-turn request with and without the segment cache.
     Tokenizer(tokenizer::TokenizerArgs),
+    /// semlb against nginx in front of the same engine: latency, CPU per request.
+    Proxy(proxy::ProxyArgs),
     /// Every report with its default settings.
     All(Common),
 }
@@ -92,12 +96,15 @@ pub fn run(command: &BenchCommand) -> Result<()> {
         BenchCommand::EndToEnd(args) => end_to_end::run(args),
         BenchCommand::Replay(args) => replay::run(args),
         BenchCommand::Tokenizer(args) => tokenizer::run(args),
+        BenchCommand::Proxy(args) => proxy::run(args),
         BenchCommand::All(common) => {
             tokenizer::run(&tokenizer::TokenizerArgs::with(common.clone()))?;
             dispatch_path::run(&dispatch_path::DispatchArgs::with(common.clone()))?;
             scaling::run(&scaling::ScalingArgs::with(common.clone()))?;
             end_to_end::run(&end_to_end::EndToEndArgs::with(common.clone()))?;
-            replay::run(&replay::ReplayArgs::with(common.clone()))
+            replay::run(&replay::ReplayArgs::with(common.clone()))?;
+            // Last: it watches SIGINT itself from its start on.
+            proxy::run(&proxy::ProxyArgs::with(common.clone()))
         }
     }
 }
