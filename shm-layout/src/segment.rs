@@ -15,6 +15,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::ptr::NonNull;
+use std::sync::OnceLock;
 
 use nix::errno::Errno;
 use nix::fcntl::OFlag;
@@ -72,6 +73,9 @@ pub struct Segment {
     len: usize,
     info: HeaderInfo,
     name: Option<String>,
+    /// The views of [`Segment::tables`], made once `info` is final (a
+    /// dispatcher asks for them several times per request).
+    views: OnceLock<Tables<'static>>,
 }
 
 // SAFETY: the segment's memory is only ever accessed through atomics (the
@@ -264,6 +268,7 @@ impl Segment {
             memory: Memory::Shm(map),
             info: placeholder_info(),
             name: Some(path.to_owned()),
+            views: OnceLock::new(),
         };
         seg.write_header(plan);
         Ok(seg)
@@ -281,6 +286,7 @@ impl Segment {
             memory: Memory::Heap { ptr, layout },
             info: placeholder_info(),
             name: None,
+            views: OnceLock::new(),
         };
         seg.write_header(plan);
         seg
@@ -301,6 +307,7 @@ impl Segment {
         // and `alloc_zeroed` both are: nothing else to initialise.
         header.publish();
         self.info = header.read();
+        self.views = OnceLock::new();
     }
 
     /// Opens the existing shm segment `name` and validates it.
@@ -339,6 +346,7 @@ impl Segment {
             memory: Memory::Shm(map),
             info: placeholder_info(),
             name: Some(path.clone()),
+            views: OnceLock::new(),
         };
         let info = seg.raw_header().read();
         if info.state != STATE_READY && (info.magic == 0 || info.magic == MAGIC) {
@@ -381,6 +389,7 @@ impl Segment {
             return Err(OpenError::Unsupported);
         }
         seg.info = info;
+        seg.views = OnceLock::new();
         Ok(seg)
     }
 
@@ -463,6 +472,23 @@ impl Segment {
 
     /// Typed views of every region.
     pub fn tables(&self) -> Tables<'_> {
+        let views = self.views.get_or_init(|| {
+            let views = self.make_tables();
+            // SAFETY: the views borrow the segment's memory, which is mapped
+            // (or allocated) once and stays at the same address until the
+            // segment is dropped, whatever happens to the `Segment` value
+            // itself (it owns the mapping, not the bytes inline). The cached
+            // copy is `'static` only inside `self.views`, which is dropped
+            // with the segment (`Tables` has no drop glue that reads the
+            // memory), and it is handed out with `&self`'s lifetime below.
+            unsafe { std::mem::transmute::<Tables<'_>, Tables<'static>>(views) }
+        });
+        *views
+    }
+
+    /// The views of every region, computed from the header's placement
+    /// (bounds-checked).
+    fn make_tables(&self) -> Tables<'_> {
         let seed = self.info.seed;
         let servers = self.info.region(RegionKind::Servers);
         let ledger = self.info.region(RegionKind::Ledger);

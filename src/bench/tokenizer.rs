@@ -15,9 +15,12 @@
 //!    turn's plus the answer and the next question), rendered with the
 //!    model's chat template (Qwen3's for Qwen3, the canonical one for
 //!    phi-2), and tokenized by HF, by the native engine without a segment
-//!    cache, and by the native engine with one (a dispatcher's default
-//!    32 MiB), both starting with empty caches: µs per request, p50 and
-//!    mean.
+//!    cache, by the native engine with one (a dispatcher's default 32 MiB),
+//!    and as the gateway does: that cache, and behind it the shared segment
+//!    store in shared memory, which a response process primes with each
+//!    answer before the next turn arrives (its work is timed apart, as it
+//!    is not on the request path). Every variant starts with empty caches:
+//!    µs per request, p50 and mean.
 //!
 //! It measures; it asserts nothing about speed.
 
@@ -104,13 +107,16 @@ pub fn run(args: &TokenizerArgs) -> Result<()> {
     ]);
     let mut replay_table = Table::new([
         "tokenizer + template",
+        "workload",
         "requests",
         "tokens/request",
         "HF p50 / mean",
         "native p50 / mean",
-        "+ segment cache p50 / mean",
-        "HF / cached",
-        "native / cached",
+        "+ segment cache",
+        "+ shared store (gateway)",
+        "native / gateway",
+        "HF / gateway",
+        "responder µs/answer",
         "same ids",
     ]);
     let mut lines = Vec::new();
@@ -153,43 +159,59 @@ pub fn run(args: &TokenizerArgs) -> Result<()> {
             label: format!("native, {}", subject.name),
             points: native_line,
         });
-        // Fresh caches for the replay (word cache and segment cache alike).
-        let uncached = loaded.clone().with_segment_cache(0);
-        let cached = loaded.clone().with_segment_cache(32 << 20);
-        let r = replay(
-            &subject.template,
-            &hf,
-            &uncached,
-            &cached,
-            &dialogues,
-            args.conversations,
-            subject.name,
-        );
-        replay_table.row([
-            format!("{} + {}", subject.name, subject.template.renderer_name()),
-            r.requests.to_string(),
-            format!("{:.0}", r.tokens as f64 / r.requests.max(1) as f64),
-            format!("{} / {}", human_ns(r.hf.0), human_ns(r.hf.1)),
-            format!("{} / {}", human_ns(r.native.0), human_ns(r.native.1)),
-            format!("{} / {}", human_ns(r.cached.0), human_ns(r.cached.1)),
-            format!("{:.1}x", r.hf.1 / r.cached.1),
-            format!("{:.1}x", r.native.1 / r.cached.1),
-            if r.same { "yes" } else { "NO" }.to_owned(),
-        ]);
-        report["tokenizers"].as_array_mut().expect("an array").push(json!({
-            "tokenizer": subject.name,
-            "engine": engine,
-            "per_token": sizes,
-            "multi_turn": {
+        // Agents: the same dialogues behind long shared system prompts.
+        let system_prompts = texts_of(&dialogues[dialogues.len() / 2..], &hf, 2000, 4);
+        let tokenizers = Tokenizers {
+            hf: &hf,
+            loaded: &loaded,
+        };
+        let mut replays = Vec::new();
+        for (workload, systems) in [
+            ("chat", &[][..]),
+            ("agent: 2K-token system prompt", &system_prompts[..]),
+        ] {
+            let r = replay(
+                &subject.template,
+                &tokenizers,
+                &dialogues,
+                args.conversations,
+                systems,
+                subject.name,
+            )?;
+            replay_table.row([
+                format!("{} + {}", subject.name, subject.template.renderer_name()),
+                workload.to_owned(),
+                r.requests.to_string(),
+                format!("{:.0}", r.tokens as f64 / r.requests.max(1) as f64),
+                format!("{} / {}", human_ns(r.hf.0), human_ns(r.hf.1)),
+                format!("{} / {}", human_ns(r.native.0), human_ns(r.native.1)),
+                format!("{} / {}", human_ns(r.cached.0), human_ns(r.cached.1)),
+                format!("{} / {}", human_ns(r.gateway.0), human_ns(r.gateway.1)),
+                format!("{:.1}x", r.native.1 / r.gateway.1),
+                format!("{:.1}x", r.hf.1 / r.gateway.1),
+                format!("{:.2}", r.priming_ns / 1e3),
+                if r.same { "yes" } else { "NO" }.to_owned(),
+            ]);
+            replays.push(json!({
+                "workload": workload,
                 "template": subject.template.renderer_name(),
                 "requests": r.requests,
                 "tokens": r.tokens,
                 "hf_ns": {"p50": r.hf.0, "mean": r.hf.1},
                 "native_ns": {"p50": r.native.0, "mean": r.native.1},
                 "segment_cache_ns": {"p50": r.cached.0, "mean": r.cached.1},
-                "segment_cache": format!("{:?}", cached.segment_cache_stats()),
+                "segment_cache": r.cached_stats,
+                "gateway_ns": {"p50": r.gateway.0, "mean": r.gateway.1},
+                "gateway_segment_cache": r.gateway_stats,
+                "responder_priming_ns_per_answer": r.priming_ns,
                 "same_ids": r.same,
-            },
+            }));
+        }
+        report["tokenizers"].as_array_mut().expect("an array").push(json!({
+            "tokenizer": subject.name,
+            "engine": engine,
+            "per_token": sizes,
+            "multi_turn": replays,
         }));
     }
     print_table(
@@ -370,81 +392,159 @@ fn per_token_costs(
 }
 
 /// What the multi-turn replay cost: (p50, mean) ns per request for each
-/// engine.
+/// variant.
 struct Replay {
     requests: usize,
     tokens: usize,
     hf: (f64, f64),
     native: (f64, f64),
     cached: (f64, f64),
+    cached_stats: String,
+    gateway: (f64, f64),
+    gateway_stats: String,
+    /// The response process's priming, per answer.
+    priming_ns: f64,
     same: bool,
 }
 
+/// The tokenizers a replay compares.
+struct Tokenizers<'a> {
+    hf: &'a tokenizers::Tokenizer,
+    /// The loaded model (each variant gets fresh caches of it).
+    loaded: &'a Tokenizer,
+}
+
+/// One request of the replay: its prompt, and the answer that follows it
+/// in the dialogue (what the engine "answered").
+struct Turn {
+    prompt: String,
+    answer: Option<String>,
+}
+
+/// Replays `conversations` dialogues, each behind one of `system_prompts`
+/// (in turn; none if empty), with fresh caches for every variant.
 fn replay(
     template: &ChatTemplate,
-    hf: &tokenizers::Tokenizer,
-    native: &Tokenizer,
-    cached: &Tokenizer,
+    t: &Tokenizers<'_>,
     dialogues: &[Vec<(String, String)>],
     conversations: usize,
+    system_prompts: &[String],
     name: &str,
-) -> Replay {
+) -> Result<Replay> {
+    let uncached = t.loaded.clone().with_segment_cache(0);
+    let cached = t.loaded.clone().with_segment_cache(32 << 20);
     // Every turn's prompt, in the order a gateway sees them.
-    let mut prompts = Vec::new();
-    for d in dialogues.iter().take(conversations) {
+    let mut turns: Vec<Turn> = Vec::new();
+    for (i, d) in dialogues.iter().take(conversations).enumerate() {
         let mut messages: Vec<ChatMessage<'_>> = Vec::new();
+        if !system_prompts.is_empty() {
+            messages.push(ChatMessage::new(
+                "system",
+                system_prompts[i % system_prompts.len()].as_str(),
+            ));
+        }
         for (role, text) in d {
+            if role == "assistant"
+                && let Some(last) = turns.last_mut()
+                && last.answer.is_none()
+            {
+                last.answer = Some(text.clone());
+            }
             messages.push(ChatMessage::new(role.as_str(), text.as_str()));
             if role == "user"
                 && let Ok(prompt) = template.render(&messages)
             {
-                prompts.push(prompt);
+                turns.push(Turn { prompt, answer: None });
             }
         }
     }
-    let bar = progress(4, &format!("{name} multi-turn"));
+    let bar = progress(5, &format!("{name} multi-turn"));
     let mut same = true;
     let mut tokens = 0;
-    let check = native.clone().with_segment_cache(32 << 20);
-    for p in &prompts {
-        let theirs = hf
-            .encode(p.as_str(), false)
-            .map(|e| e.get_ids().to_vec())
-            .unwrap_or_default();
-        same &= check.encode(p) == theirs;
+    let check = t.loaded.clone().with_segment_cache(32 << 20);
+    let mut reference = Vec::with_capacity(turns.len());
+    for turn in &turns {
+        let theirs =
+            t.hf.encode(turn.prompt.as_str(), false)
+                .map(|e| e.get_ids().to_vec())
+                .unwrap_or_default();
+        same &= check.encode(&turn.prompt) == theirs;
         tokens += theirs.len();
+        reference.push(theirs);
     }
     bar.inc(1);
+    let summarize = |mut ns: Vec<f64>| {
+        let mean = ns.iter().sum::<f64>() / ns.len().max(1) as f64;
+        sort(&mut ns);
+        (quantile(&ns, 0.5), mean)
+    };
     let measure = |f: &dyn Fn(&str)| {
-        let mut ns: Vec<f64> = prompts
+        let ns: Vec<f64> = turns
             .iter()
-            .map(|p| {
+            .map(|turn| {
                 let start = Instant::now();
-                f(p);
+                f(&turn.prompt);
                 start.elapsed().as_nanos() as f64
             })
             .collect();
-        let mean = ns.iter().sum::<f64>() / ns.len().max(1) as f64;
-        sort(&mut ns);
         bar.inc(1);
-        (quantile(&ns, 0.5), mean)
+        summarize(ns)
     };
     let hf_cost = measure(&|p| {
-        std::hint::black_box(hf.encode(p, false).ok());
+        std::hint::black_box(t.hf.encode(p, false).ok());
     });
     let native_cost = measure(&|p| {
-        std::hint::black_box(native.encode(p));
+        std::hint::black_box(uncached.encode(p));
     });
     let cached_cost = measure(&|p| {
         std::hint::black_box(cached.encode(p));
     });
+    // The gateway: a dispatcher (its cache, then the store) and a response
+    // process priming the store with each answer, as `Responder` does.
+    let segment = std::sync::Arc::new(shm_layout::Segment::heap(&shm_layout::LayoutPlan::for_size(64 << 20)?));
+    let store = std::sync::Arc::new(semlb::segment_store::ShmSegmentStore::new(segment));
+    let dispatcher = t
+        .loaded
+        .clone()
+        .with_segment_cache(32 << 20)
+        .with_shared_segments(store.clone());
+    let responder = t.loaded.clone().with_segment_cache(0).with_shared_segments(store);
+    let mut ns = Vec::with_capacity(turns.len());
+    let (mut priming, mut answers) = (0.0, 0usize);
+    let mut scratch = Vec::new();
+    for (turn, theirs) in turns.iter().zip(&reference) {
+        let start = Instant::now();
+        let ids = dispatcher.encode(&turn.prompt);
+        ns.push(start.elapsed().as_nanos() as f64);
+        same &= ids == *theirs;
+        if let Some(answer) = &turn.answer {
+            let start = Instant::now();
+            scratch.clear();
+            responder.encode_into(answer, &mut scratch);
+            let framed = [
+                ChatMessage::new("user", "."),
+                ChatMessage::new("assistant", answer.as_str()),
+                ChatMessage::new("user", "."),
+            ];
+            if let Ok(rendered) = template.render(&framed) {
+                responder.encode_into(&rendered, &mut scratch);
+            }
+            priming += start.elapsed().as_nanos() as f64;
+            answers += 1;
+        }
+    }
+    let gateway_cost = summarize(ns);
     bar.finish_and_clear();
-    Replay {
-        requests: prompts.len(),
+    Ok(Replay {
+        requests: turns.len(),
         tokens,
         hf: hf_cost,
         native: native_cost,
         cached: cached_cost,
+        cached_stats: format!("{:?}", cached.segment_cache_stats()),
+        gateway: gateway_cost,
+        gateway_stats: format!("{:?}", dispatcher.segment_cache_stats()),
+        priming_ns: priming / answers.max(1) as f64,
         same,
-    }
+    })
 }

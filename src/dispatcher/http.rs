@@ -64,7 +64,14 @@ pub(crate) fn error_response(status: StatusCode, message: impl Into<String>, cod
     json_response(status, &body)
 }
 
-/// Sets a header from a string, skipping values that are not valid header text.
+/// Sets header `name` to a constant `value` (no check at run time: the
+/// values are the gateway's own, valid header text).
+pub(crate) fn set_static_header(headers: &mut HeaderMap, name: &'static str, value: &'static str) {
+    headers.insert(HeaderName::from_static(name), HeaderValue::from_static(value));
+}
+
+/// Sets header `name` to `value` (left out if `value` is not a valid
+/// header value).
 pub(crate) fn set_header(headers: &mut HeaderMap, name: &'static str, value: &str) {
     if let Ok(value) = HeaderValue::from_str(value) {
         headers.insert(HeaderName::from_static(name), value);

@@ -17,7 +17,7 @@ use shm_layout::{ResponseKey, ServerRef};
 use super::Dispatcher;
 use super::http::{
     BACKEND_HEADER, Body, CACHE_HEADER, client_response_headers, error_response, full_response, json_response,
-    set_header, upstream_request_headers,
+    set_header, set_static_header, upstream_request_headers,
 };
 use super::queue::{QueueExit, Waiting};
 use super::relay::{InflightGuard, Learn, Relay, RelayTimer};
@@ -356,8 +356,8 @@ fn cached_answer(stored: &Bytes, endpoint: Endpoint, parsed: &prompt::ParsedRequ
         full_response(StatusCode::OK, "application/json", stored.clone())
     };
     let headers = response.headers_mut();
-    set_header(headers, CACHE_HEADER, "hit");
-    set_header(headers, BACKEND_HEADER, "cache");
+    set_static_header(headers, CACHE_HEADER, "hit");
+    set_static_header(headers, BACKEND_HEADER, "cache");
     Some(response)
 }
 
@@ -591,6 +591,9 @@ struct Chosen {
 async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Option<InferenceCtx>) -> Response<Body> {
     let limits = &dispatcher.config.limits;
     let deadline = tokio::time::Instant::now() + limits.request_timeout();
+    // One timer for the whole request: the wait for a head, then the
+    // relayed body (registering a timer is not free at 20 K requests/s).
+    let mut timer = Box::pin(tokio::time::sleep_until(deadline));
     let mut first_lookup = ctx.as_mut().and_then(|c| c.lookup.take());
     let chain: &[u64] = ctx.as_ref().map_or(&[], |c| &c.chain);
     let prompt_tokens = ctx.as_ref().map_or(0, |c| c.prompt_tokens.len() as u64);
@@ -763,7 +766,11 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
                 reason
             );
         }
-        let result = tokio::time::timeout_at(deadline, dispatcher.client.request(request)).await;
+        let result = tokio::select! {
+            biased;
+            head = dispatcher.client.request(request) => Ok(head),
+            () = timer.as_mut() => Err(()),
+        };
         let upstream = match result {
             Err(_) => {
                 dispatcher.metrics().upstream(server.slot, false);
@@ -822,10 +829,10 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
         };
         // The relay reports the body's end or failure to the passive health
         // check (a head alone is not yet a success).
-        let timer = ctx
+        let relay_timer = ctx
             .as_ref()
             .map(|c| RelayTimer::new(dispatcher.clone(), c.timing.start));
-        let mut response = Response::new(Relay::new(incoming, deadline, guard, learn, sse, timer).boxed());
+        let mut response = Response::new(Relay::new(incoming, timer, guard, learn, sse, relay_timer).boxed());
         response.extensions_mut().insert(Relayed);
         *response.status_mut() = parts.status;
         client_response_headers(&parts.headers, response.headers_mut());
@@ -833,13 +840,13 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
         break response;
     };
     if let Some(reason) = last_reason {
-        set_header(response.headers_mut(), ROUTE_HEADER, reason.name());
+        set_static_header(response.headers_mut(), ROUTE_HEADER, reason.name());
     }
     if let Some(ms) = queued_ms {
         set_header(response.headers_mut(), QUEUE_HEADER, &ms.to_string());
     }
     if let Some(c) = &ctx {
-        set_header(response.headers_mut(), CACHE_HEADER, c.cache);
+        set_static_header(response.headers_mut(), CACHE_HEADER, c.cache);
         if let Some(sent) = dispatch_ns {
             set_header(response.headers_mut(), DISPATCH_HEADER, &c.timing.header(sent));
         }

@@ -219,12 +219,12 @@ pub(crate) struct Relay {
 }
 
 impl Relay {
-    /// Relays `inner` until `deadline`; `learn` (for a 2xx inference
+    /// Relays `inner` until `deadline` fires; `learn` (for a 2xx inference
     /// answer) makes a completion record when it ends; `sse` tells how to
     /// read the answer; `timer` records its latency metrics.
     pub fn new(
         inner: Incoming,
-        deadline: tokio::time::Instant,
+        deadline: Pin<Box<Sleep>>,
         guard: InflightGuard,
         learn: Option<(Arc<Dispatcher>, Learn)>,
         sse: bool,
@@ -242,7 +242,7 @@ impl Relay {
         });
         Self {
             inner,
-            deadline: Box::pin(tokio::time::sleep_until(deadline)),
+            deadline,
             guard: Some(guard),
             capture,
             learn,
