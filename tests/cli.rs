@@ -112,6 +112,8 @@ fn shm_create_inspect_remove_life_cycle() {
         "completion rings",
         "response index",
         "response log",
+        "segment index",
+        "segment log",
         "prefix table",
     ] {
         assert!(
@@ -126,7 +128,8 @@ fn shm_create_inspect_remove_life_cycle() {
     assert_eq!(v["header"]["state"], "ready");
     assert_eq!(v["header"]["magic_ok"], true);
     assert_eq!(v["header"]["segment_bytes"], 16u64 << 20);
-    assert_eq!(v["regions"].as_array().map(Vec::len), Some(8));
+    assert_eq!(v["regions"].as_array().map(Vec::len), Some(10));
+    assert_eq!(v["segment_store"]["records"], 0);
     assert_eq!(v["completion_rings"]["count"], 64);
 
     assert_fails_with(
