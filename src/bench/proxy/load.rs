@@ -38,12 +38,48 @@ pub enum Requests {
         texts: Vec<String>,
         /// The body after the content string's last character.
         tail: String,
+        /// The tag also opens every line of the text, so no line of any
+        /// request was seen before (no segment cache can hold it).
+        every_line: bool,
     },
 }
 
 /// The HTTP request line and headers before `Content-Length`'s value.
 const REQUEST_HEAD: &str =
     "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: ";
+
+/// A short tag unique to request `n` of connection `conn` (lowercase
+/// letters and a space, a few tokens).
+pub fn line_tag(conn: usize, n: u64) -> String {
+    let mut id = (n << 8) | (conn as u64 & 0xff);
+    let mut tag = String::new();
+    loop {
+        tag.push(char::from(b'a' + (id % 26) as u8));
+        id /= 26;
+        if id == 0 {
+            break;
+        }
+    }
+    tag.push(' ');
+    tag
+}
+
+/// `text` with `tag` at the start of it and of every line (after each
+/// `newline`).
+pub fn tag_lines(text: &str, newline: &str, tag: &str) -> String {
+    let mut out = String::with_capacity(text.len() + tag.len() * (text.len() / 32 + 1));
+    out.push_str(tag);
+    let mut lines = text.split(newline);
+    if let Some(first) = lines.next() {
+        out.push_str(first);
+    }
+    for line in lines {
+        out.push_str(newline);
+        out.push_str(tag);
+        out.push_str(line);
+    }
+    out
+}
 
 impl Requests {
     /// The whole HTTP request for a body.
@@ -61,9 +97,22 @@ impl Requests {
         out.clear();
         match self {
             Requests::Fixed(bytes) => out.extend_from_slice(bytes),
-            Requests::Tagged { head, texts, tail } => {
+            Requests::Tagged {
+                head,
+                texts,
+                tail,
+                every_line,
+            } => {
                 let text = &texts[(n as usize).wrapping_add(conn.wrapping_mul(7)) % texts.len()];
-                let tag = format!("Request {conn}.{n}. ");
+                let (tag, text) = if *every_line {
+                    // `\n` is the JSON escape of a newline in the text; the
+                    // tag opens the text, so it is not written twice.
+                    let tag = line_tag(conn, n);
+                    let text = tag_lines(text, "\\n", &tag);
+                    (String::new(), std::borrow::Cow::Owned(text))
+                } else {
+                    (format!("Request {conn}.{n}. "), std::borrow::Cow::Borrowed(text.as_str()))
+                };
                 let len = head.len() + tag.len() + text.len() + tail.len();
                 out.extend_from_slice(REQUEST_HEAD.as_bytes());
                 let _ = write!(out, "{len}\r\n\r\n{head}{tag}{text}{tail}");
@@ -510,6 +559,7 @@ mod tests {
             head: r#"{"model":"m","messages":[{"role":"user","content":""#.into(),
             texts: vec!["one \\\"quoted\\\"".into(), "two".into()],
             tail: r#""}],"max_tokens":16}"#.into(),
+            every_line: false,
         };
         let a: serde_json::Value = serde_json::from_slice(&r.body(0, 0)).unwrap();
         let b: serde_json::Value = serde_json::from_slice(&r.body(0, 1)).unwrap();
@@ -525,5 +575,23 @@ mod tests {
         let text = String::from_utf8(http).unwrap();
         let (head, body) = text.split_once("\r\n\r\n").unwrap();
         assert!(head.ends_with(&format!("Content-Length: {}", body.len())), "{head}");
+    }
+
+    #[test]
+    fn unseen_requests_tag_every_line() {
+        let r = Requests::Tagged {
+            head: r#"{"model":"m","messages":[{"role":"user","content":""#.into(),
+            texts: vec!["first\\nsecond\\n\\nthird".into()],
+            tail: r#""}],"max_tokens":16}"#.into(),
+            every_line: true,
+        };
+        let a: serde_json::Value = serde_json::from_slice(&r.body(2, 5)).unwrap();
+        let tag = line_tag(2, 5);
+        assert_eq!(
+            a["messages"][0]["content"],
+            format!("{tag}first\n{tag}second\n{tag}\n{tag}third")
+        );
+        assert_ne!(line_tag(2, 6), tag);
+        assert_ne!(line_tag(3, 5), tag);
     }
 }

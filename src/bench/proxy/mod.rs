@@ -86,7 +86,12 @@
 //!   (2 000) tokens of real HH-RLHF dialogue text (`<data>/prompts/…`;
 //!   generated text without it), 64 different texts used in turn, each
 //!   request opening with its own tag (`Request <connection>.<n>.`), so no
-//!   two requests are alike; `max_tokens` 16.
+//!   two requests are alike; `max_tokens` 16. After warm-up the gateway's
+//!   segment cache holds every line of the texts but the tagged first one,
+//!   as it does for shared system prompts, documents and earlier turns;
+//! * **long-unseen**: the same prompts with the tag opening every line, so
+//!   no line of any request was seen before (the tokenizer's word cache
+//!   still serves common words, as for any new text).
 //!
 //! Neither has `temperature` 0 or a `seed`, so both are non-deterministic
 //! (`semlb::response_cache::is_deterministic`): the gateway neither looks
@@ -188,7 +193,7 @@ pub struct ProxyArgs {
         value_name = "W,…",
         value_enum,
         value_delimiter = ',',
-        default_value = "short,long"
+        default_value = "short,long,long-unseen"
     )]
     pub workloads: Vec<WorkloadKind>,
     /// The fronts to measure (direct is needed for the added latency).
@@ -236,7 +241,7 @@ impl ProxyArgs {
             secs: 5.0,
             warmup: 1.0,
             connections: vec![1, 4, 16],
-            workloads: vec![WorkloadKind::Short, WorkloadKind::Long],
+            workloads: vec![WorkloadKind::Short, WorkloadKind::Long, WorkloadKind::LongUnseen],
             fronts: vec![Front::Direct, Front::Semlb, Front::Nginx],
             stream: false,
             prompt_tokens: 2000,
@@ -276,8 +281,13 @@ impl Front {
 pub enum WorkloadKind {
     /// A one-line chat request.
     Short,
-    /// A ~2 000-token chat prompt, different every time.
+    /// A ~2 000-token chat prompt, different every time (64 texts in
+    /// turn behind a per-request tag: after warm-up, the gateway's segment
+    /// cache holds every line but the first).
     Long,
+    /// The same prompts with the per-request tag opening every line, so no
+    /// line was seen before: tokenization with no segment cache hit.
+    LongUnseen,
 }
 
 impl WorkloadKind {
@@ -285,6 +295,7 @@ impl WorkloadKind {
         match self {
             WorkloadKind::Short => "short",
             WorkloadKind::Long => "long",
+            WorkloadKind::LongUnseen => "long-unseen",
         }
     }
 }
@@ -362,6 +373,24 @@ impl TextSource {
 
     /// About `tokens` tokens of dialogue text starting at dialogue `start`,
     /// and its exact token count.
+    /// Text for the long-unseen workload: about `tokens` tokens once a
+    /// typical request tag opens every line; the count is of that form.
+    fn tagged_text_of(&self, start: usize, tokens: usize) -> (String, usize) {
+        let tag = load::line_tag(7, 123_456);
+        let mut want = tokens;
+        let mut best = (String::new(), 0);
+        for _ in 0..6 {
+            let (text, _) = self.text_of(start, want);
+            let count = self.tokenizer.encode(&load::tag_lines(&text, "\n", &tag)).len();
+            best = (text, count);
+            if count.abs_diff(tokens) <= tokens / 100 {
+                break;
+            }
+            want = (want * tokens / count.max(1)).max(1);
+        }
+        best
+    }
+
     fn text_of(&self, start: usize, tokens: usize) -> (String, usize) {
         let mut text = String::new();
         let mut next = start;
@@ -446,17 +475,27 @@ fn build_workload(kind: WorkloadKind, args: &ProxyArgs, text: &TextSource) -> Wo
             Requests::Fixed(Requests::http(format!("{head}{SHORT_MESSAGE}{tail}").as_bytes())),
             None,
         ),
-        WorkloadKind::Long => {
+        WorkloadKind::Long | WorkloadKind::LongUnseen => {
             let step = (text.dialogues.len() / LONG_TEXTS).max(1);
             let (texts, counts): (Vec<String>, Vec<usize>) = (0..LONG_TEXTS)
                 .map(|i| {
-                    let (t, n) = text.text_of(i * step, args.prompt_tokens);
+                    let (t, n) = match kind {
+                        WorkloadKind::LongUnseen => text.tagged_text_of(i * step, args.prompt_tokens),
+                        _ => text.text_of(i * step, args.prompt_tokens),
+                    };
                     let escaped = serde_json::to_string(&t).expect("a string serialises");
                     (escaped[1..escaped.len() - 1].to_owned(), n)
                 })
                 .unzip();
             let mean = counts.iter().sum::<usize>() as f64 / counts.len() as f64;
-            (Requests::Tagged { head, texts, tail }, Some(mean))
+            let every_line = kind == WorkloadKind::LongUnseen;
+            let requests = Requests::Tagged {
+                head,
+                texts,
+                tail,
+                every_line,
+            };
+            (requests, Some(mean))
         }
     };
     let body_bytes = requests.body(0, 0).len();
@@ -1065,8 +1104,13 @@ fn report(args: &ProxyArgs, run: &Run) -> Result<()> {
                 args.max_tokens,
                 if args.stream { ", SSE" } else { "" }
             ),
-            WorkloadKind::Long => format!(
-                "semlb bench proxy: long chat prompts (~{:.0} tokens of {}, {} B body, max_tokens {}{})",
+            WorkloadKind::Long | WorkloadKind::LongUnseen => format!(
+                "semlb bench proxy: {} (~{:.0} tokens of {}, {} B body, max_tokens {}{})",
+                if w.kind == WorkloadKind::Long {
+                    "long chat prompts, 64 texts in turn behind a per-request tag"
+                } else {
+                    "long chat prompts never seen before (the per-request tag opens every line)"
+                },
                 w.prompt_tokens.unwrap_or(0.0),
                 run.text.dialogues_name,
                 w.body_bytes,

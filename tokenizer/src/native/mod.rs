@@ -34,10 +34,12 @@ pub(crate) mod normalize;
 pub(crate) mod pretokenize;
 pub(crate) mod spec;
 pub(crate) mod unicode_classes;
+pub(crate) mod word_cache;
 
 use std::hash::BuildHasherDefault;
 
 use crate::cache::{Cost, GenerationalMap};
+use word_cache::{WordCache, WordIds, WordKey};
 use added::{AddedVocabulary, Piece};
 use bpe::Bpe;
 use normalize::Normalizer;
@@ -197,7 +199,7 @@ impl NativeTokenizer {
             }
             let key = self.segment_key(chunk);
             if let Some(c) = caches.as_deref_mut()
-                && let Some(ids) = c.segments.as_mut().and_then(|s| s.get(&key))
+                && let Some(ids) = c.segments.as_mut().and_then(|s| s.get(s.hash(&key), &key))
             {
                 out.extend_from_slice(&ids.0);
                 c.hits += 1;
@@ -209,7 +211,7 @@ impl NativeTokenizer {
                     if let Some(c) = caches.as_deref_mut() {
                         c.shared_hits += 1;
                         if let Some(segments) = c.segments.as_mut() {
-                            segments.insert(key, Ids(out[start..].into()));
+                            segments.insert(segments.hash(&key), key, Ids(out[start..].into()));
                         }
                     }
                     return;
@@ -220,7 +222,7 @@ impl NativeTokenizer {
             if let Some(c) = caches.as_deref_mut() {
                 c.misses += 1;
                 if let Some(segments) = c.segments.as_mut() {
-                    segments.insert(key, Ids(out[start..].into()));
+                    segments.insert(segments.hash(&key), key, Ids(out[start..].into()));
                 }
             }
             if let Some(store) = shared {
@@ -274,13 +276,14 @@ impl NativeTokenizer {
         let Some(cache) = words.filter(|_| word.len() > 1 && word.len() <= WORD_CACHE_MAX_BYTES) else {
             return self.bpe.merge(word, out);
         };
-        if let Some(ids) = cache.get(word) {
-            out.extend_from_slice(&ids.0);
+        let hash = cache.hash(word);
+        if let Some(ids) = cache.get(hash, word) {
+            out.extend_from_slice(ids.ids());
             return;
         }
         let start = out.len();
         self.bpe.merge(word, out);
-        cache.insert(word.into(), Ids(out[start..].into()));
+        cache.insert(hash, WordKey::new(word), WordIds::new(&out[start..]));
     }
 }
 
@@ -290,9 +293,8 @@ pub(crate) struct Ids(Box<[u32]>);
 
 impl Cost for Ids {
     fn cost(&self) -> usize {
-        // The ids, the key (up to 16 bytes inline for segments, a boxed
-        // word for words: counted by the word cache's own estimate), and
-        // the map's slot.
+        // The ids, the 16-byte digest key and the map's bucket (segment
+        // cache; the word cache has its own values).
         self.0.len() * 4 + 48
     }
 }
@@ -316,9 +318,6 @@ impl std::hash::Hasher for DigestHasher {
         self.0 = key as u64;
     }
 }
-
-/// The word cache: a word's raw bytes → its ids.
-pub(crate) type WordCache = GenerationalMap<Box<[u8]>, Ids, foldhash::fast::RandomState>;
 
 /// The segment cache: XXH3-128 of a segment's bytes → its ids.
 pub(crate) type SegmentCache = GenerationalMap<u128, Ids, BuildHasherDefault<DigestHasher>>;
