@@ -111,7 +111,10 @@ impl Requests {
                     let text = tag_lines(text, "\\n", &tag);
                     (String::new(), std::borrow::Cow::Owned(text))
                 } else {
-                    (format!("Request {conn}.{n}. "), std::borrow::Cow::Borrowed(text.as_str()))
+                    (
+                        format!("Request {conn}.{n}. "),
+                        std::borrow::Cow::Borrowed(text.as_str()),
+                    )
                 };
                 let len = head.len() + tag.len() + text.len() + tail.len();
                 out.extend_from_slice(REQUEST_HEAD.as_bytes());

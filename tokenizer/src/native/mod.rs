@@ -39,12 +39,12 @@ pub(crate) mod word_cache;
 use std::hash::BuildHasherDefault;
 
 use crate::cache::{Cost, GenerationalMap};
-use word_cache::{WordCache, WordIds, WordKey};
 use added::{AddedVocabulary, Piece};
 use bpe::Bpe;
 use normalize::Normalizer;
 use pretokenize::Dialect;
 use spec::NativeSpec;
+use word_cache::{WordCache, WordIds, WordKey};
 
 use crate::SharedSegments;
 use unicode_classes::{SPACE, class_of};

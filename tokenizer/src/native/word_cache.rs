@@ -125,12 +125,24 @@ mod tests {
         let mut cache = WordCache::new(1 << 20, Default::default());
         for (i, word) in ["the", " quick", " brown", &"long".repeat(10)].iter().enumerate() {
             let ids: Vec<u32> = (0..=i as u32 * 2).collect();
-            cache.insert(cache.hash(word.as_bytes()), WordKey::new(word.as_bytes()), WordIds::new(&ids));
+            cache.insert(
+                cache.hash(word.as_bytes()),
+                WordKey::new(word.as_bytes()),
+                WordIds::new(&ids),
+            );
         }
         let word = " brown".as_bytes();
-        assert_eq!(cache.get(cache.hash(word), word).map(WordIds::ids), Some(&[0, 1, 2, 3, 4][..]));
+        assert_eq!(
+            cache.get(cache.hash(word), word).map(WordIds::ids),
+            Some(&[0, 1, 2, 3, 4][..])
+        );
         let word = "long".repeat(10);
-        assert_eq!(cache.get(cache.hash(word.as_bytes()), word.as_bytes()).map(|v| v.ids().len()), Some(7));
+        assert_eq!(
+            cache
+                .get(cache.hash(word.as_bytes()), word.as_bytes())
+                .map(|v| v.ids().len()),
+            Some(7)
+        );
         assert!(cache.get(cache.hash(b" fox"), b" fox").is_none());
     }
 }
