@@ -278,7 +278,7 @@ impl NativeTokenizer {
         };
         let hash = cache.hash(word);
         if let Some(ids) = cache.get(hash, word) {
-            out.extend_from_slice(ids.ids());
+            out.extend_from_slice(ids.as_slice());
             return;
         }
         let start = out.len();

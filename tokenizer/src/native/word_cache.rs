@@ -18,26 +18,40 @@ const INLINE_IDS: usize = 3;
 pub(crate) type WordCache = GenerationalMap<WordKey, WordIds, foldhash::fast::RandomState>;
 
 /// A word's bytes, inline when short.
+pub(crate) type WordKey = InlineSlice<u8, INLINE_WORD_BYTES>;
+
+/// A word's ids, inline when few.
+pub(crate) type WordIds = InlineSlice<u32, INLINE_IDS>;
+
+/// A slice of up to `N` items held inline, boxed when longer.
 #[derive(Debug)]
-pub(crate) enum WordKey {
-    /// Up to [`INLINE_WORD_BYTES`] bytes.
-    Inline { len: u8, bytes: [u8; INLINE_WORD_BYTES] },
-    /// Longer.
-    Boxed(Box<[u8]>),
+pub(crate) enum InlineSlice<T, const N: usize> {
+    /// Up to `N` items.
+    Inline { len: u8, items: [T; N] },
+    /// More.
+    Boxed(Box<[T]>),
 }
 
-impl WordKey {
-    /// The key of `word`.
-    pub(crate) fn new(word: &[u8]) -> Self {
-        if word.len() <= INLINE_WORD_BYTES {
-            let mut bytes = [0; INLINE_WORD_BYTES];
-            bytes[..word.len()].copy_from_slice(word);
-            WordKey::Inline {
-                len: word.len() as u8,
-                bytes,
+impl<T: Copy + Default, const N: usize> InlineSlice<T, N> {
+    /// A copy of `items`.
+    pub(crate) fn new(items: &[T]) -> Self {
+        if items.len() <= N {
+            let mut inline = [T::default(); N];
+            inline[..items.len()].copy_from_slice(items);
+            InlineSlice::Inline {
+                len: items.len() as u8,
+                items: inline,
             }
         } else {
-            WordKey::Boxed(word.into())
+            InlineSlice::Boxed(items.into())
+        }
+    }
+
+    /// The items.
+    pub(crate) fn as_slice(&self) -> &[T] {
+        match self {
+            InlineSlice::Inline { len, items } => &items[..usize::from(*len)],
+            InlineSlice::Boxed(b) => b,
         }
     }
 }
@@ -45,43 +59,7 @@ impl WordKey {
 impl CacheKey for WordKey {
     type Borrowed = [u8];
     fn borrowed(&self) -> &[u8] {
-        match self {
-            WordKey::Inline { len, bytes } => &bytes[..usize::from(*len)],
-            WordKey::Boxed(b) => b,
-        }
-    }
-}
-
-/// A word's ids, inline when few.
-#[derive(Debug)]
-pub(crate) enum WordIds {
-    /// Up to [`INLINE_IDS`] ids.
-    Inline { len: u8, ids: [u32; INLINE_IDS] },
-    /// More.
-    Boxed(Box<[u32]>),
-}
-
-impl WordIds {
-    /// The value for `ids`.
-    pub(crate) fn new(ids: &[u32]) -> Self {
-        if ids.len() <= INLINE_IDS {
-            let mut inline = [0; INLINE_IDS];
-            inline[..ids.len()].copy_from_slice(ids);
-            WordIds::Inline {
-                len: ids.len() as u8,
-                ids: inline,
-            }
-        } else {
-            WordIds::Boxed(ids.into())
-        }
-    }
-
-    /// The ids.
-    pub(crate) fn ids(&self) -> &[u32] {
-        match self {
-            WordIds::Inline { len, ids } => &ids[..usize::from(*len)],
-            WordIds::Boxed(b) => b,
-        }
+        self.as_slice()
     }
 }
 
@@ -92,8 +70,8 @@ impl Cost for WordIds {
         // most the cache's 64-byte limit: counted as 64.
         let bucket = 2 * std::mem::size_of::<(WordKey, WordIds)>();
         match self {
-            WordIds::Inline { .. } => bucket,
-            WordIds::Boxed(b) => bucket + b.len() * 4 + 64,
+            InlineSlice::Inline { .. } => bucket,
+            InlineSlice::Boxed(b) => bucket + b.len() * 4 + 64,
         }
     }
 }
@@ -107,12 +85,12 @@ mod tests {
         for word in [&b""[..], b"a", b" hello", &[b'x'; 22], &[b'y'; 23], &[b'z'; 64]] {
             assert_eq!(WordKey::new(word).borrowed(), word);
         }
-        assert!(matches!(WordKey::new(&[b'x'; 22]), WordKey::Inline { .. }));
-        assert!(matches!(WordKey::new(&[b'x'; 23]), WordKey::Boxed(_)));
+        assert!(matches!(WordKey::new(&[b'x'; 22]), InlineSlice::Inline { .. }));
+        assert!(matches!(WordKey::new(&[b'x'; 23]), InlineSlice::Boxed(_)));
         for ids in [&[][..], &[1], &[1, 2, 3], &[1, 2, 3, 4], &[7; 40]] {
-            assert_eq!(WordIds::new(ids).ids(), ids);
+            assert_eq!(WordIds::new(ids).as_slice(), ids);
         }
-        assert!(matches!(WordIds::new(&[1, 2, 3]), WordIds::Inline { .. }));
+        assert!(matches!(WordIds::new(&[1, 2, 3]), InlineSlice::Inline { .. }));
     }
 
     #[test]
@@ -133,14 +111,14 @@ mod tests {
         }
         let word = " brown".as_bytes();
         assert_eq!(
-            cache.get(cache.hash(word), word).map(WordIds::ids),
+            cache.get(cache.hash(word), word).map(WordIds::as_slice),
             Some(&[0, 1, 2, 3, 4][..])
         );
         let word = "long".repeat(10);
         assert_eq!(
             cache
                 .get(cache.hash(word.as_bytes()), word.as_bytes())
-                .map(|v| v.ids().len()),
+                .map(|v| v.as_slice().len()),
             Some(7)
         );
         assert!(cache.get(cache.hash(b" fox"), b" fox").is_none());
