@@ -17,10 +17,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use semlb::redis_store::{RedisStore, WriteItem};
 use semlb::responder::ResponderStats;
 use semlb::store::LookupRequest;
 use semlb::store::WriteBack;
+use semlb::store::redis::client::{RedisStore, WriteItem};
 use semlb::store::shm::{ShmStore, ShmWriteBack};
 use shm_layout::{Completion, LayoutPlan, ResponseKey, Segment, ServerRef, Stamp};
 

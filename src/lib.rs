@@ -19,8 +19,7 @@
 //! | [`health`] | health of the inference servers: active and passive checks, circuit breakers, `/metrics` load scraping |
 //! | [`segment_store`] | the token segments every process shares: the tokenizer's second-level cache in the shm segment |
 //! | [`size`] | human byte sizes (`256MiB`) |
-//! | [`store`] | where the routing state lives, behind one interface: shm (default) or Redis |
-//! | [`redis_store`] | the Redis client of the Redis store: prefix entries, responses, in-flight counters, scripts and round trips |
+//! | [`store`] | where the routing state lives, behind one interface: shm (default) or Redis ([`store::redis`]; its client, [`store::redis::client`]: prefix entries, responses, in-flight counters, scripts and round trips) |
 //!
 //! A dispatcher turns a request body into routing text ([`prompt`]),
 //! tokenizes it (the gateway's own tokenizer crate, which the simulator shares,
@@ -38,7 +37,6 @@ pub mod dispatcher;
 pub mod health;
 pub mod metrics;
 pub mod prompt;
-pub mod redis_store;
 pub mod responder;
 pub mod response_cache;
 pub mod routing;

@@ -1,4 +1,4 @@
-//! `semlb::redis_store` against a real, private `redis-server`.
+//! `semlb::store::redis::client` against a real, private `redis-server`.
 //!
 //! Each test starts its own `redis-server` on a free loopback port (no
 //! persistence) and kills it when done, so nothing depends on a Redis
@@ -18,9 +18,9 @@ use std::time::{Duration, Instant};
 use std::sync::Arc;
 
 use semlb::config::RedisConfig;
-use semlb::redis_store::{InflightLoad, LANES, RedisStore, StoreError};
 use semlb::responder::ResponderStats;
 use semlb::routing::{self, PolicyConfig, PolicyKind, RouteInput};
+use semlb::store::redis::client::{InflightLoad, LANES, RedisStore, StoreError};
 use semlb::store::redis::{RedisRouting, RedisWriteBack};
 use semlb::store::shm::{ShmStore, ShmWriteBack};
 use semlb::store::{Lookup, LookupRequest, RoutingStore, WriteBack};

@@ -29,7 +29,7 @@
 //!
 //! * `shm`: a throw-away POSIX shm segment (256 MiB, unique name, removed at
 //!   the end), the tables the gateway uses;
-//! * `redis-1rt`: [`semlb::redis_store::RedisStore`], whose longest-prefix
+//! * `redis-1rt`: [`semlb::store::redis::client::RedisStore`], whose longest-prefix
 //!   match is one round trip (a server-side script walks the chain);
 //! * `redis-naive`: the same store matching the way the paper's baseline
 //!   does, one `HGETALL` round trip per block until the first miss;
@@ -68,7 +68,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use semlb::blocks::BlockHasher;
-use semlb::redis_store::{RedisStore, WriteItem};
+use semlb::store::redis::client::{RedisStore, WriteItem};
 use semlb_tokenizer::Tokenizer;
 use serde_json::{Value, json};
 use shm_layout::{LayoutPlan, ResponseKey, Segment, ServerRef};

@@ -17,7 +17,7 @@
 //!
 //! On shm every step reads or writes the one segment the parent created
 //! (256 MiB, unique name, removed at the end, also on errors). On Redis,
-//! steps 1, 2 and 4 are [`semlb::redis_store::RedisStore`] calls (one
+//! steps 1, 2 and 4 are [`semlb::store::redis::client::RedisStore`] calls (one
 //! round trip each for the cache and, with `redis-1rt`, the match;
 //! `redis-naive` matches with one round trip per block; the write-back is
 //! two); step 3 turns the Redis match into a [`PrefixMatch`]
@@ -62,8 +62,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Args, ValueEnum};
-use semlb::redis_store::{RedisStore, WriteItem};
 use semlb::routing::{self, Candidate, PolicyConfig, Reason, RouteInput};
+use semlb::store::redis::client::{RedisStore, WriteItem};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use shm_layout::{LayoutPlan, PrefixMatch, ResponseKey, Segment, ServerRef};

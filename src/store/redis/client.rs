@@ -1,7 +1,7 @@
 //! The routing state on Redis: the same prefix table, response cache and
 //! in-flight counters as the shared-memory segment (`shm-layout`), kept in
 //! a Redis server instead, so the gateway can be benchmarked against the
-//! sLLM paper's Redis baseline (`--store redis`: [`crate::store::redis`] builds on this module).
+//! sLLM paper's Redis baseline (`--store redis`: [`super`], the store, builds on this module).
 //!
 //! # Data model
 //!

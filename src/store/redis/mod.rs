@@ -1,5 +1,5 @@
 //! The routing state in Redis (`--store redis`): what a good Redis user
-//! does, on the [`crate::redis_store`] data model.
+//! does, on the [`client`] data model.
 //!
 //! # Dispatcher side: [`RedisRouting`]
 //!
@@ -30,6 +30,8 @@
 //! [`MAX_BACKLOG_BYTES`]; the oldest give way, counted) and are written on
 //! the first call after `retry_ms` that reaches it.
 
+pub mod client;
+
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64};
@@ -47,11 +49,11 @@ use super::{
     Lookup, LookupRequest, RedisLookup, RoutingStore, StoreFuture, StoreKind, StoreStats, WriteBack, answer_blocks,
 };
 use crate::config::RedisConfig;
-use crate::redis_store::{
+use crate::responder::ResponderStats;
+use client::{
     DispatchLookup, INFLIGHT_LEASE, INSERT_SCRIPT, LPM_SCRIPT, PUBLISH_SCRIPT, RedisStore, SUM_SCRIPT, StoreError,
     WriteItem, lookup_pipeline, owner_id, parse_lookup, publish_args,
 };
-use crate::responder::ResponderStats;
 
 /// Milliseconds since the Unix epoch: the prefix stamps written to Redis
 /// (shared by every host, unlike a segment's clock).
