@@ -1,0 +1,512 @@
+//! Configuration of `semlb serve`: a TOML file, command-line flags over it,
+//! and validation.
+//!
+//! The code: this module holds the top level (the keys, [`ServeConfig`],
+//! loading and the flags); `backend.rs` the `[[backend]]` table and its URL;
+//! `sections.rs` the optional sections (`[response_cache]`, `[store]`,
+//! `[limits]`, `[health]`, `[admin]`); `validate.rs` [`ServeConfig::validate`];
+//! `tests.rs` the tests.
+//!
+//! # Sources and precedence
+//!
+//! Defaults < the file < flags. [`ServeConfig::load`] reads the file (no
+//! file: the defaults), [`ServeConfig::apply`] puts the flags
+//! ([`ServeOverrides`]) over it, and [`ServeConfig::validate`] checks the
+//! result; [`ServeConfig::resolve`] does all three. `--backend` replaces the
+//! file's whole `[[backend]]` list rather than adding to it, so a command
+//! line always says exactly which servers are used.
+//!
+//! Every table rejects keys it does not know, so a misspelt key is an error
+//! rather than a silently ignored setting; parse errors come from the TOML
+//! parser and name the key, the line and the column, with the line quoted.
+//! Relative `tokenizer` and `chat_template` paths in a file are relative to
+//! the file's directory (a service's working directory is usually `/`);
+//! relative paths given as flags are relative to the working directory, as
+//! usual. `systemd/semlb.toml` is a commented example with every key.
+//!
+//! # Keys
+//!
+//! | key | type | default | meaning |
+//! | --- | --- | --- | --- |
+//! | `listen` | `"ip:port"` | `"0.0.0.0:8080"` | where the dispatchers accept OpenAI-compatible HTTP |
+//! | `dispatchers` | integer | CPU cores, at most 64 | dispatcher processes (1 to 64: one completion ring each) |
+//! | `responders` | integer | `1` | response (write-back) processes (1 to `dispatchers`) |
+//! | `shm_name` | string | `"semlb"` | shared-memory segment name (`/dev/shm/NAME`) |
+//! | `shm_size` | size | `"256MiB"` | segment size, 8 MiB to 1 TiB (see [`crate::size`]) |
+//! | `tokenizer` | path | bundled tokenizer | a Hugging Face `tokenizer.json` |
+//! | `chat_template` | path | the tokenizer's, else none | a Hugging Face `tokenizer_config.json` with a `chat_template` |
+//! | `block_size` | integer | `16` | tokens per prefix block: the engines' KV block size (1 to 1024) |
+//! | `segment_cache_size` | size | `"32MiB"` | per dispatcher: token ids of text segments already seen (earlier turns, shared system prompts), so they are not tokenized again; `0` turns it off (at most 16 GiB) |
+//! | `drain_timeout_secs` | integer | `30` | on SIGTERM, how long requests in flight may still run |
+//! | `[[backend]]` | table, repeated | none (required) | one inference server each, at most 128 |
+//! | `backend.url` | string | required | `http://host:port`, no path |
+//! | `backend.name` | string | `host:port` | name in logs and metrics (`A-Z a-z 0-9 . _ : -`, at most 64 bytes) |
+//! | `backend.metrics_flavor` | `auto`, `vllm`, `sglang`, `llamacpp` | `auto` | how its `/metrics` is read; `auto` tells from the metric names |
+//! | `[policy]` | table | | the routing policy, [`crate::routing::PolicyConfig`] |
+//! | `policy.kind` | `cache_aware`, `least_load`, `round_robin`, `random`, `selective_push`, `consistent_hash`, `dual_map`, `weighted_scorers` | `cache_aware` | which policy ([`crate::routing`]) |
+//! | `[policy.queue]` | table | | the gateway queue of `selective_push` and `dual_map` ([`crate::routing::QueueParams`]) |
+//! | `policy.queue.capacity` | integer | `1024` | requests waiting at the gateway, all dispatchers together (1 to 1 000 000); one more gets 503 with `Retry-After` |
+//! | `policy.queue.max_wait_ms` | integer | `60000` | a request waiting longer gets 503 (1 ms to 1 hour) |
+//! | `policy.queue.recheck_ms` | integer | `5` | how often queued requests are looked at again without a local signal (1 to 1000) |
+//! | `[policy.cache_aware]` | table | | thresholds of the `cache_aware` policy, checked whatever the kind ([`crate::routing::cache_aware::CacheAwareParams`]) |
+//! | `policy.cache_aware.cache_threshold` | float | `0.5` | share of the prompt's blocks (0 to 1) a server must hold, strictly more than, to get the request for its cache |
+//! | `policy.cache_aware.balance_abs_threshold` | integer | `32` | load is imbalanced only if the busiest server has more than this many requests in flight above the least busy ... |
+//! | `policy.cache_aware.balance_rel_threshold` | float | `1.1` | ... and more than this multiple (at least 1) of its load; then the least loaded server gets the request |
+//! | `[policy.selective_push]` | table | | SkyLB's selective pushing ([`crate::routing::selective_push`]) |
+//! | `policy.selective_push.mode` | `pending`, `unstarted`, `max_outstanding` | `pending` | when a server is full: estimated pending requests (scraped queue, tracked by the gateway) above `max_pending`; or requests without a first token above `max_pending` (strict); or `max_outstanding` requests in flight |
+//! | `policy.selective_push.max_pending` | integer | `0` | pending requests (sent, no first token; scraped `waiting` corrected by the gateway's accounting) a server may have and still take more |
+//! | `policy.selective_push.max_outstanding` | integer | `32` | requests in flight that make a server full in mode `max_outstanding` (1 to 1 000 000) |
+//! | `[policy.consistent_hash]` | table | | session-key consistent hashing ([`crate::routing::consistent_hash`]) |
+//! | `policy.consistent_hash.key_headers` | array of strings | `["x-session-id", "x-user-id"]` | headers carrying the session key, tried in order |
+//! | `policy.consistent_hash.user_field` | boolean | `true` | then the body's `user` field |
+//! | `policy.consistent_hash.fallback_prefix_blocks` | integer | `8` | without a key: hash this many leading blocks of the prompt |
+//! | `policy.consistent_hash.virtual_nodes` | integer | `100` | points per server on the ring (1 to 10 000) |
+//! | `policy.consistent_hash.bounded_load` | boolean | `true` | skip servers above `(1 + load_epsilon)` × the average load |
+//! | `policy.consistent_hash.load_epsilon` | float | `0.25` | the bound's slack (0 to 100) |
+//! | `[policy.dual_map]` | table | | two-choice prefix mapping ([`crate::routing::dual_map`]) |
+//! | `policy.dual_map.min_prefix_blocks` | integer | `4` | shortest hashed prefix, in blocks, and the step by which a hot one is extended |
+//! | `policy.dual_map.max_prefix_blocks` | integer | `4096` | longest hashed prefix, in blocks (at least `min_prefix_blocks`) |
+//! | `policy.dual_map.hot_share` | float | `0.0` | share of recent requests above which a prefix is hot and the hash extends past it; 0 = `1 / servers` |
+//! | `policy.dual_map.window` | integer | `1024` | requests between halvings of the hotness counts |
+//! | `policy.dual_map.ttft_slo_ms` | integer | `2000` | the TTFT objective: a better cache match that would break it yields to the other candidate |
+//! | `policy.dual_map.prefill_tokens_per_sec` | float | `10000` | the engines' prefill speed, for the TTFT estimate |
+//! | `policy.dual_map.max_pending` | integer | `0` | a candidate is full above this many pending requests (then rebalance or wait) |
+//! | `policy.dual_map.virtual_nodes` | integer | `100` | points per server on each of the two rings |
+//! | `[policy.weighted_scorers]` | table | | llm-d-style weighted scoring ([`crate::routing::weighted_scorers`]) |
+//! | `policy.weighted_scorers.prefix_weight` | float | `2` | weight of the prefix-match score |
+//! | `policy.weighted_scorers.queue_weight` | float | `1` | weight of the queue (pending) score |
+//! | `policy.weighted_scorers.kv_cache_weight` | float | `1` | weight of the KV-cache usage score |
+//! | `policy.weighted_scorers.load_weight` | float | `1` | weight of the in-flight load score |
+//! | `policy.weighted_scorers.pick` | `max`, `weighted_random` | `max` | the best score, or a draw weighted by score |
+//! | `[response_cache]` | table | | the exact-response cache |
+//! | `response_cache.enabled` | bool | `true` | answer repeated deterministic requests from the cache |
+//! | `response_cache.ttl_secs` | integer | `300` | how long a cached response is served (1 s to 1 year) |
+//! | `response_cache.scope` | `tenant`, `global` | `tenant` | who shares cached responses: callers with the same API key, or everyone |
+//! | `response_cache.max_value_fraction` | float | `0.125` | largest share of the response log one response may take, in (0, 0.5] |
+//! | `response_cache.cache_nondeterministic` | bool | `false` | also cache requests that sample (`temperature` > 0, no `seed`) |
+//! | `[store]` | table | | where the routing state lives ([`crate::store`]) |
+//! | `store.kind` | `shm`, `redis` | `shm` | the host's shared-memory segment, or a Redis server (shared by every host using it) |
+//! | `[store.redis]` | table | | the Redis store, used when `kind = "redis"` (checked whatever the kind) |
+//! | `store.redis.url` | string | `"redis://127.0.0.1:6379/"` | `redis://[user:password@]host:port[/db]` |
+//! | `store.redis.namespace` | string | `"semlb"` | prefix of every key (`A-Z a-z 0-9 . _ : -`, at most 64 bytes): deployments sharing a Redis must differ |
+//! | `store.redis.prefix_ttl_secs` | integer | `3600` | a prefix entry expires this long after its last refresh (1 s to 1 year) |
+//! | `store.redis.timeout_ms` | integer | `100` | connect and reply deadline; slower is an outage (1 ms to 60 s) |
+//! | `store.redis.retry_ms` | integer | `1000` | during an outage, how often Redis is probed again (10 ms to 60 s) |
+//! | `store.redis.lookup` | `script`, `naive` | `script` | longest-prefix lookup in one round trip, or one per block (the paper's baseline, for comparison) |
+//! | `store.redis.write_backlog` | integer | `10000` | completion records a response process keeps to write once Redis is back (0 to 1 M) |
+//! | `[limits]` | table | | request limits |
+//! | `limits.max_body_bytes` | size | `"16MiB"` | largest request body accepted (larger: 413) |
+//! | `limits.request_timeout_secs` | integer | `600` | whole-request deadline towards a backend (1 s to 1 day) |
+//! | `limits.connect_timeout_ms` | integer | `2000` | TCP connect deadline to a backend (at most the request timeout) |
+//! | `limits.retries` | integer | `2` | other backends tried when one cannot be reached, before any byte was answered (0 to 10) |
+//! | `[health]` | table | | health checks and load scraping of the backends ([`crate::health`]) |
+//! | `health.path` | string | `"/health"` | path of the active health check (`GET`; any 2xx is healthy) |
+//! | `health.interval_ms` | integer | `2000` | time between health checks of a server, also while it is down (10 ms to 1 hour) |
+//! | `health.timeout_ms` | integer | `1000` | deadline of one health check or scrape (1 ms to `interval_ms`) |
+//! | `health.unhealthy_threshold` | integer | `3` | consecutive failures (checks, or requests when `passive`) that take a server out (1 to 100) |
+//! | `health.healthy_threshold` | integer | `2` | consecutive successful checks that bring a server that is down back (1 to 100) |
+//! | `health.scrape_interval_ms` | integer | `1000` | time between reads of a server's Prometheus `/metrics` (10 ms to 1 hour) |
+//! | `health.stale_after_ms` | integer | `5000` | scraped load figures older than this are ignored (`scrape_interval_ms` to 1 day) |
+//! | `health.passive` | bool | `true` | count failed requests (connection errors, 5xx, cut bodies) towards `unhealthy_threshold` |
+//! | `[admin]` | table | | the admin API (`semlb serve`'s supervisor serves it) |
+//! | `admin.listen` | `"ip:port"` | not set: no admin API | where the admin API accepts HTTP; keep it on loopback or a management network |
+//! | `admin.token` | string | not set | the bearer token every admin request must send (16 to 4096 visible ASCII characters); required with `listen`, or `token_file` |
+//! | `admin.token_file` | path | not set | a file holding the token instead (trailing whitespace ignored); it must not be readable by others (`chmod 0600`) |
+//!
+//! Sizes are strings such as `"256MiB"`, `"1.5GiB"` or `"100MB"`, or an
+//! integer number of bytes.
+//!
+//! # Flags
+//!
+//! [`ServeOverrides`] has one field per flag: `--listen`, `--dispatchers`,
+//! `--responders`, `--shm-name`, `--shm-size`, `--backend URL`
+//! (repeatable), `--tokenizer`, `--chat-template`, `--block-size`,
+//! `--policy`, `--store`, `--redis-url`, `--redis-namespace`,
+//! `--redis-lookup`, `--admin-listen` and `--admin-token-file` (which
+//! replaces a file's `admin.token`).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use shm_layout::plan::{MAX_SEGMENT_BYTES, MIN_SEGMENT_BYTES, PROCESS_SLOTS, RING_COUNT, SERVER_SLOTS};
+
+use crate::routing::{PolicyConfig, PolicyKind};
+use crate::size::ByteSize;
+use crate::store::{RedisLookup, StoreKind};
+
+mod backend;
+mod sections;
+#[cfg(test)]
+mod tests;
+mod validate;
+
+pub use backend::{BackendConfig, BackendUrl, MetricsFlavor};
+pub use sections::*;
+
+/// Default `listen` address.
+pub const DEFAULT_LISTEN: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::UNSPECIFIED), 8080);
+/// Default `shm_name`.
+pub const DEFAULT_SHM_NAME: &str = "semlb";
+/// Default `shm_size`: 256 MiB (about 7.85 M prefix slots and a 118 MiB
+/// response log; see [`shm_layout::plan`]).
+pub const DEFAULT_SHM_SIZE: ByteSize = ByteSize(256 << 20);
+/// Default `block_size`, in tokens (see [`ServeConfig::block_size`]).
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+/// Largest `block_size` accepted.
+pub const MAX_BLOCK_SIZE: usize = 1024;
+/// Default `segment_cache_size` (see [`ServeConfig::segment_cache_size`]).
+pub const DEFAULT_SEGMENT_CACHE_SIZE: ByteSize = ByteSize(32 << 20);
+/// Largest `segment_cache_size` accepted.
+pub const MAX_SEGMENT_CACHE_SIZE: ByteSize = ByteSize(16 << 30);
+/// Most dispatchers: one completion ring each ([`RING_COUNT`]).
+pub const MAX_DISPATCHERS: usize = RING_COUNT as usize;
+/// Most backends: the server table's slots ([`SERVER_SLOTS`]).
+pub const MAX_BACKENDS: usize = SERVER_SLOTS as usize;
+/// Longest backend `name`, in bytes.
+pub const MAX_BACKEND_NAME_BYTES: usize = 64;
+/// Longest `response_cache.ttl_secs`: one year.
+pub const MAX_TTL_SECS: u64 = 365 * 24 * 3600;
+/// Longest `limits.request_timeout_secs` and `drain_timeout_secs`: one day.
+pub const MAX_TIMEOUT_SECS: u64 = 24 * 3600;
+/// Most `limits.retries`.
+pub const MAX_RETRIES: u32 = 10;
+/// Shortest admin bearer token, in bytes.
+pub const MIN_ADMIN_TOKEN_BYTES: usize = 16;
+/// Longest admin bearer token, in bytes.
+pub const MAX_ADMIN_TOKEN_BYTES: usize = 4096;
+
+/// Why a configuration could not be loaded or is not usable. Every message
+/// names the file or the key.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read configuration file {}: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML or does not fit the schema (unknown key,
+    /// wrong type, bad size...).
+    #[error("invalid configuration file {}: {message}", path.display())]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The TOML parser's message: what is wrong, with the line and
+        /// column, the line quoted and the key marked.
+        message: String,
+    },
+    /// A value is out of range or inconsistent with another.
+    #[error("invalid configuration: {field} = {value}: {reason}")]
+    Invalid {
+        /// The key as written in the file, with its table
+        /// (`limits.retries`; `backend[1].url` counts the `[[backend]]`
+        /// tables from 0).
+        field: String,
+        /// The offending value, as TOML would write it.
+        value: String,
+        /// Why it is refused.
+        reason: String,
+    },
+}
+
+impl ConfigError {
+    fn invalid(field: impl Into<String>, value: impl fmt::Display, reason: impl Into<String>) -> Self {
+        Self::Invalid {
+            field: field.into(),
+            value: value.to_string(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// The whole configuration of `semlb serve`. See the [module docs](self) for
+/// a table of the keys.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServeConfig {
+    /// Address the dispatchers accept HTTP on (they share it with
+    /// `SO_REUSEPORT`). An IP address and a port; port 0 picks a free one.
+    #[serde(deserialize_with = "socket_addr")]
+    pub listen: SocketAddr,
+    /// Number of dispatcher processes. Default: the number of CPU cores
+    /// (`std::thread::available_parallelism`), at most [`MAX_DISPATCHERS`].
+    pub dispatchers: usize,
+    /// Number of response (write-back) processes; each drains the
+    /// completion rings of one or more dispatchers. Default 1.
+    pub responders: usize,
+    /// Name of the shared-memory segment (`/dev/shm/NAME`), as for
+    /// `semlb shm --shm-name`. Default `semlb`.
+    pub shm_name: String,
+    /// Size of the shared-memory segment. Default 256 MiB.
+    pub shm_size: ByteSize,
+    /// A Hugging Face `tokenizer.json` to count prompt tokens with; `None`
+    /// uses the tokenizer bundled with semlb. It should be the served
+    /// model's, so that blocks fall where the engines' blocks fall.
+    pub tokenizer: Option<PathBuf>,
+    /// A Hugging Face `tokenizer_config.json` whose `chat_template` renders
+    /// chat messages into the prompt text; `None` uses the tokenizer's
+    /// own, if it has one.
+    pub chat_template: Option<PathBuf>,
+    /// Tokens per prefix block. Default 16: vLLM's default KV-cache block
+    /// size on GPUs, which is the granularity at which its automatic prefix
+    /// caching hashes and reuses a prompt's KV cache. SGLang's radix cache
+    /// is token-granular (its `--page-size` resolves to 1 unless an
+    /// attention backend needs larger pages), so any block size lines up
+    /// with it and 16 costs it nothing. Hashing prompts at the engine's
+    /// block size makes the gateway's blocks line up with what the engine
+    /// can reuse: `n` matching blocks in the prefix table are `n` blocks the
+    /// engine can skip recomputing, with no partial block counted that the
+    /// engine would recompute anyway. Set it to the engines' `--block-size`
+    /// (vLLM) or `--page-size` (SGLang) when they use another one.
+    pub block_size: usize,
+    /// Bytes each dispatcher may keep of token ids of text segments it has
+    /// tokenized (the text between special tokens, cut at line boundaries
+    /// where that changes no token), so that the earlier turns of a
+    /// conversation and shared system prompts are not tokenized again.
+    /// Default 32 MiB; 0 turns it off. Read when a dispatcher starts.
+    pub segment_cache_size: ByteSize,
+    /// The inference servers (`[[backend]]` tables in the file). Required:
+    /// there is no default.
+    #[serde(rename = "backend")]
+    pub backends: Vec<BackendConfig>,
+    /// The routing policy and its parameters (`[policy]`).
+    pub policy: PolicyConfig,
+    /// The exact-response cache (`[response_cache]`).
+    pub response_cache: ResponseCacheConfig,
+    /// Request limits (`[limits]`).
+    pub limits: LimitsConfig,
+    /// Where the routing state lives.
+    pub store: StoreConfig,
+    /// Health checks and load scraping of the backends (`[health]`).
+    pub health: HealthConfig,
+    /// The admin API (`[admin]`); off unless `admin.listen` is set.
+    pub admin: AdminConfig,
+    /// On SIGTERM the dispatchers stop accepting and let requests in flight
+    /// finish for up to this many seconds before the supervisor stops them.
+    /// Default 30.
+    pub drain_timeout_secs: u64,
+}
+
+/// The default number of dispatchers: one per CPU core, at most
+/// [`MAX_DISPATCHERS`].
+pub fn default_dispatchers() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, std::num::NonZero::get)
+        .min(MAX_DISPATCHERS)
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            listen: DEFAULT_LISTEN,
+            dispatchers: default_dispatchers(),
+            responders: 1,
+            shm_name: DEFAULT_SHM_NAME.to_owned(),
+            shm_size: DEFAULT_SHM_SIZE,
+            tokenizer: None,
+            chat_template: None,
+            block_size: DEFAULT_BLOCK_SIZE,
+            segment_cache_size: DEFAULT_SEGMENT_CACHE_SIZE,
+            backends: Vec::new(),
+            policy: PolicyConfig::default(),
+            response_cache: ResponseCacheConfig::default(),
+            limits: LimitsConfig::default(),
+            store: StoreConfig::default(),
+            health: HealthConfig::default(),
+            admin: AdminConfig::default(),
+            drain_timeout_secs: 30,
+        }
+    }
+}
+
+/// Command-line flags of `semlb serve` that override the file; `None` (or
+/// an absent flag) keeps the file's value.
+#[derive(Debug, Clone, Default)]
+pub struct ServeOverrides {
+    /// `--listen ADDR`.
+    pub listen: Option<SocketAddr>,
+    /// `--dispatchers N`.
+    pub dispatchers: Option<usize>,
+    /// `--responders N`.
+    pub responders: Option<usize>,
+    /// `--shm-name NAME`.
+    pub shm_name: Option<String>,
+    /// `--shm-size SIZE`.
+    pub shm_size: Option<ByteSize>,
+    /// `--backend URL`, repeatable: when given, these replace the file's
+    /// `[[backend]]` list (with no names and `metrics_flavor = "auto"`).
+    pub backends: Option<Vec<String>>,
+    /// `--tokenizer PATH`.
+    pub tokenizer: Option<PathBuf>,
+    /// `--chat-template PATH`.
+    pub chat_template: Option<PathBuf>,
+    /// `--block-size N`.
+    pub block_size: Option<usize>,
+    /// `--policy KIND`: the policy kind; its parameters stay the file's.
+    pub policy: Option<PolicyKind>,
+    /// `--store KIND`.
+    pub store: Option<StoreKind>,
+    /// `--redis-url URL`.
+    pub redis_url: Option<String>,
+    /// `--redis-namespace NS`.
+    pub redis_namespace: Option<String>,
+    /// `--redis-lookup script|naive`.
+    pub redis_lookup: Option<RedisLookup>,
+    /// `--admin-listen ADDR`.
+    pub admin_listen: Option<SocketAddr>,
+    /// `--admin-token-file PATH`: replaces the file's `admin.token` and
+    /// `admin.token_file`.
+    pub admin_token_file: Option<PathBuf>,
+}
+
+impl ServeConfig {
+    /// Reads and parses the configuration file at `path`; with no path, the
+    /// defaults. Does not validate: flags may still complete it (e.g. with
+    /// `--backend`), see [`resolve`](Self::resolve).
+    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
+        let Some(path) = path else {
+            return Ok(Self::default());
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::from_toml(&text, path)
+    }
+
+    /// Parses a configuration read from `path` (used in messages, and as
+    /// the base of relative `tokenizer` and `chat_template` paths). Does not
+    /// validate.
+    pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let mut config: Self = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string().trim_end().to_owned(),
+        })?;
+        let base = path.parent().unwrap_or(Path::new(""));
+        for file in [
+            &mut config.tokenizer,
+            &mut config.chat_template,
+            &mut config.admin.token_file,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if file.is_relative() {
+                *file = base.join(&*file);
+            }
+        }
+        Ok(config)
+    }
+
+    /// Puts the flags over the configuration.
+    pub fn apply(&mut self, overrides: ServeOverrides) {
+        let ServeOverrides {
+            listen,
+            dispatchers,
+            responders,
+            shm_name,
+            shm_size,
+            backends,
+            tokenizer,
+            chat_template,
+            block_size,
+            policy,
+            store,
+            redis_url,
+            redis_namespace,
+            redis_lookup,
+            admin_listen,
+            admin_token_file,
+        } = overrides;
+        if let Some(v) = admin_listen {
+            self.admin.listen = Some(v);
+        }
+        if let Some(v) = admin_token_file {
+            self.admin.token = None;
+            self.admin.token_file = Some(v);
+        }
+        if let Some(v) = store {
+            self.store.kind = v;
+        }
+        if let Some(v) = redis_url {
+            self.store.redis.url = v;
+        }
+        if let Some(v) = redis_namespace {
+            self.store.redis.namespace = v;
+        }
+        if let Some(v) = redis_lookup {
+            self.store.redis.lookup = v;
+        }
+        if let Some(v) = listen {
+            self.listen = v;
+        }
+        if let Some(v) = dispatchers {
+            self.dispatchers = v;
+        }
+        if let Some(v) = responders {
+            self.responders = v;
+        }
+        if let Some(v) = shm_name {
+            self.shm_name = v;
+        }
+        if let Some(v) = shm_size {
+            self.shm_size = v;
+        }
+        if let Some(urls) = backends {
+            self.backends = urls.into_iter().map(BackendConfig::new).collect();
+        }
+        if let Some(v) = tokenizer {
+            self.tokenizer = Some(v);
+        }
+        if let Some(v) = chat_template {
+            self.chat_template = Some(v);
+        }
+        if let Some(v) = block_size {
+            self.block_size = v;
+        }
+        if let Some(kind) = policy {
+            self.policy.kind = kind;
+        }
+    }
+
+    /// The configuration `semlb serve` runs with: the file (if any), the
+    /// flags over it, validated.
+    pub fn resolve(path: Option<&Path>, overrides: ServeOverrides) -> Result<Self, ConfigError> {
+        let mut config = Self::load(path)?;
+        config.apply(overrides);
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// [`drain_timeout_secs`](Self::drain_timeout_secs) as a duration.
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_secs(self.drain_timeout_secs)
+    }
+}
+
+/// `listen`: a socket address, with a message saying what one looks like.
+fn socket_addr<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<SocketAddr, D::Error> {
+    let text = String::deserialize(deserializer)?;
+    text.parse().map_err(|_| {
+        serde::de::Error::custom(format_args!(
+            "invalid address {text:?}: expected an IP address and a port, such as \"0.0.0.0:8080\" or \"[::]:8080\" \
+             (host names are not accepted)"
+        ))
+    })
+}
+
+/// `admin.listen`: like [`socket_addr`], present.
+fn optional_socket_addr<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<SocketAddr>, D::Error> {
+    socket_addr(deserializer).map(Some)
+}
+
+/// A string as TOML writes it, for error messages.
+fn quoted(s: &str) -> String {
+    format!("{s:?}")
+}

@@ -1,0 +1,302 @@
+//! The optional sections: `[response_cache]`, `[store]` (`[store.redis]`),
+//! `[limits]`, `[health]`, `[admin]`, with their defaults.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+use shm_layout::plan::DEFAULT_MAX_RESPONSE_FRACTION;
+
+use super::{ConfigError, MAX_ADMIN_TOKEN_BYTES, MIN_ADMIN_TOKEN_BYTES, optional_socket_addr, quoted};
+use crate::size::ByteSize;
+use crate::store::{RedisLookup, StoreKind};
+
+/// Who may be answered with a cached response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheScope {
+    /// Callers with the same API key (the key is hashed into the cache key;
+    /// requests without a key share one tenant).
+    #[default]
+    Tenant,
+    /// Every caller: a cached answer to one tenant may be returned to
+    /// another. Only for deployments with a single trust domain.
+    Global,
+}
+
+/// The exact-response cache (`[response_cache]`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ResponseCacheConfig {
+    /// Answer repeated requests from the cache. Default true.
+    pub enabled: bool,
+    /// Seconds a cached response is served; older entries are misses.
+    /// Default 300.
+    pub ttl_secs: u64,
+    /// Who shares cached responses. Default `tenant`.
+    pub scope: CacheScope,
+    /// Largest share of the shared-memory response log one response may
+    /// take; larger responses are not cached. In (0, 0.5]; default 0.125.
+    pub max_value_fraction: f64,
+    /// Also cache requests whose output is sampled (`temperature` > 0 and
+    /// no `seed`), so repeats get the first sample instead of a new one.
+    /// Default false.
+    pub cache_nondeterministic: bool,
+}
+
+impl Default for ResponseCacheConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            ttl_secs: 300,
+            scope: CacheScope::Tenant,
+            max_value_fraction: DEFAULT_MAX_RESPONSE_FRACTION,
+            cache_nondeterministic: false,
+        }
+    }
+}
+
+impl ResponseCacheConfig {
+    /// [`ttl_secs`](Self::ttl_secs) as a duration.
+    pub fn ttl(&self) -> Duration {
+        Duration::from_secs(self.ttl_secs)
+    }
+}
+
+/// Where the routing state lives (`[store]`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    /// `shm` (default) or `redis`.
+    pub kind: StoreKind,
+    /// The Redis store's settings.
+    pub redis: RedisConfig,
+}
+
+/// The Redis store (`[store.redis]`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedisConfig {
+    /// `redis://[user:password@]host:port[/db]`.
+    pub url: String,
+    /// Prefix of every key.
+    pub namespace: String,
+    /// Seconds a prefix entry lives after its last refresh.
+    pub prefix_ttl_secs: u64,
+    /// Connect and reply deadline, in ms.
+    pub timeout_ms: u64,
+    /// Probe interval during an outage, in ms.
+    pub retry_ms: u64,
+    /// How the longest prefix is looked up.
+    pub lookup: RedisLookup,
+    /// Completion records a response process keeps during an outage.
+    pub write_backlog: usize,
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        Self {
+            url: "redis://127.0.0.1:6379/".to_owned(),
+            namespace: "semlb".to_owned(),
+            prefix_ttl_secs: 3600,
+            timeout_ms: 100,
+            retry_ms: 1000,
+            lookup: RedisLookup::Script,
+            write_backlog: 10_000,
+        }
+    }
+}
+
+impl RedisConfig {
+    /// [`prefix_ttl_secs`](Self::prefix_ttl_secs) as a duration.
+    pub fn prefix_ttl(&self) -> Duration {
+        Duration::from_secs(self.prefix_ttl_secs)
+    }
+
+    /// [`timeout_ms`](Self::timeout_ms) as a duration.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms)
+    }
+
+    /// [`retry_ms`](Self::retry_ms) as a duration.
+    pub fn retry(&self) -> Duration {
+        Duration::from_millis(self.retry_ms)
+    }
+}
+
+/// Request limits (`[limits]`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Largest request body accepted; larger requests get 413. Default 16 MiB.
+    pub max_body_bytes: ByteSize,
+    /// Deadline of a whole request towards a backend, streaming included.
+    /// Default 600 s (long generations take minutes).
+    pub request_timeout_secs: u64,
+    /// Deadline of the TCP connect to a backend. Default 2000 ms.
+    pub connect_timeout_ms: u64,
+    /// How many other backends are tried when one cannot be reached or
+    /// fails before answering anything (never after a byte of the response
+    /// was sent). Default 2.
+    pub retries: u32,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: ByteSize(16 << 20),
+            request_timeout_secs: 600,
+            connect_timeout_ms: 2000,
+            retries: 2,
+        }
+    }
+}
+
+impl LimitsConfig {
+    /// [`request_timeout_secs`](Self::request_timeout_secs) as a duration.
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_secs(self.request_timeout_secs)
+    }
+
+    /// [`connect_timeout_ms`](Self::connect_timeout_ms) as a duration.
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
+    }
+}
+
+/// Longest `health.interval_ms` and `health.scrape_interval_ms`: one hour.
+pub const MAX_HEALTH_INTERVAL_MS: u64 = 3600 * 1000;
+/// Most `health.unhealthy_threshold` and `health.healthy_threshold`.
+pub const MAX_HEALTH_THRESHOLD: u32 = 100;
+/// Longest `health.path`, in bytes.
+pub const MAX_HEALTH_PATH_BYTES: usize = 1024;
+
+/// Health checks and load scraping of the backends (`[health]`; see
+/// [`crate::health`]).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    /// Path (and optional query) of the active check, `GET <backend><path>`;
+    /// any 2xx answer within the timeout is a success. Default `/health`
+    /// (vLLM, SGLang and llama.cpp all answer it).
+    pub path: String,
+    /// Milliseconds between two checks of a server, up or down. Default 2000.
+    pub interval_ms: u64,
+    /// Deadline of one check or one scrape, in ms; at most `interval_ms`,
+    /// so a server has one check in flight at a time. Default 1000.
+    pub timeout_ms: u64,
+    /// Consecutive failures that take a server out of rotation (`Down`):
+    /// failed checks, and with [`passive`](Self::passive) failed requests of
+    /// one dispatcher. Default 3.
+    pub unhealthy_threshold: u32,
+    /// Consecutive successful checks that bring a `Down` server back `Up`.
+    /// Default 2.
+    pub healthy_threshold: u32,
+    /// Milliseconds between two reads of a server's `/metrics`. Default 1000.
+    pub scrape_interval_ms: u64,
+    /// Scraped load figures older than this many ms are ignored by routing.
+    /// At least `scrape_interval_ms`. Default 5000.
+    pub stale_after_ms: u64,
+    /// Passive checks: dispatchers count connection errors, 5xx answers and
+    /// cut bodies towards `unhealthy_threshold`. Default true.
+    pub passive: bool,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            path: "/health".to_owned(),
+            interval_ms: 2000,
+            timeout_ms: 1000,
+            unhealthy_threshold: 3,
+            healthy_threshold: 2,
+            scrape_interval_ms: 1000,
+            stale_after_ms: 5000,
+            passive: true,
+        }
+    }
+}
+
+impl HealthConfig {
+    /// [`interval_ms`](Self::interval_ms) as a duration.
+    pub fn interval(&self) -> Duration {
+        Duration::from_millis(self.interval_ms)
+    }
+
+    /// [`timeout_ms`](Self::timeout_ms) as a duration.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms)
+    }
+
+    /// [`scrape_interval_ms`](Self::scrape_interval_ms) as a duration.
+    pub fn scrape_interval(&self) -> Duration {
+        Duration::from_millis(self.scrape_interval_ms)
+    }
+}
+
+/// The admin API (`[admin]`): an HTTP listener of the supervisor, separate
+/// from the gateway's, where operators list, add, drain and remove
+/// backends and flush the shared tables. Every request must carry
+/// `Authorization: Bearer <token>`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// Where the admin API listens; `None` (the default): no admin API.
+    #[serde(deserialize_with = "optional_socket_addr")]
+    pub listen: Option<SocketAddr>,
+    /// The bearer token, written in the file. Required with `listen`
+    /// unless [`token_file`](Self::token_file) is set; not both.
+    pub token: Option<String>,
+    /// A file holding the bearer token (trailing whitespace ignored). It
+    /// must not be world-readable; that is checked when the supervisor
+    /// starts ([`AdminConfig::read_token`]).
+    pub token_file: Option<PathBuf>,
+}
+
+impl AdminConfig {
+    /// The bearer token: [`token`](Self::token), or the contents of
+    /// [`token_file`](Self::token_file) (which must exist, not be readable
+    /// by others, and hold a valid token). `None` when neither is set.
+    /// Errors name the key.
+    pub fn read_token(&self) -> Result<Option<String>, ConfigError> {
+        if let Some(token) = &self.token {
+            return Ok(Some(token.clone()));
+        }
+        let Some(path) = &self.token_file else {
+            return Ok(None);
+        };
+        let shown = quoted(&path.display().to_string());
+        let invalid = |reason: String| ConfigError::invalid("admin.token_file", &shown, reason);
+        let meta = std::fs::metadata(path).map_err(|e| invalid(format!("cannot read it: {e}")))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = meta.permissions().mode() & 0o777;
+            if mode & 0o007 != 0 {
+                return Err(invalid(format!(
+                    "it is readable by every user (mode {mode:04o}); the token guards the admin API: chmod o-rwx it (0600 or 0640)"
+                )));
+            }
+        }
+        if !meta.is_file() {
+            return Err(invalid("it is not a regular file".into()));
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| invalid(format!("cannot read it: {e}")))?;
+        let token = text.trim_end().to_owned();
+        check_admin_token(&token).map_err(|reason| invalid(format!("its contents: {reason}")))?;
+        Ok(Some(token))
+    }
+}
+
+/// Whether `token` is usable as a bearer token; the reason if not.
+pub(super) fn check_admin_token(token: &str) -> Result<(), String> {
+    if !(MIN_ADMIN_TOKEN_BYTES..=MAX_ADMIN_TOKEN_BYTES).contains(&token.len()) {
+        return Err(format!(
+            "a token must be {MIN_ADMIN_TOKEN_BYTES} to {MAX_ADMIN_TOKEN_BYTES} characters long (e.g. `openssl rand -hex 32`)"
+        ));
+    }
+    if !token.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("a token must be visible ASCII characters only (no spaces)".into());
+    }
+    Ok(())
+}
