@@ -13,6 +13,7 @@
 //! | [`blocks`] | token ids → the chain of block hashes the shm prefix table is keyed by |
 //! | [`response_cache`] | the exact-request key of the response cache, tenants, cacheability, TTL-stamped entries |
 //! | [`routing`] | policies that choose a server from the prefix match and the shared load figures |
+//! | [`dispatcher`] | a dispatcher process's HTTP front: the OpenAI routes, the request pipeline (parse, tokenize, look up, route, proxy, relay), the gateway queue, the completion record |
 //! | [`responder`] | what a response process does with a completion record: prefix write-back, response caching |
 //! | [`config`] | `semlb serve` configuration: TOML file, flags over it, validation |
 //! | [`metrics`] | the gateway's Prometheus `/metrics`: counters in the segment's stats region, gauges read at scrape time |

@@ -29,13 +29,17 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::body::{Json, Object};
 use crate::prompt::Endpoint;
 
-/// Who may share cached answers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Who may share cached answers (`response_cache.scope` in the
+/// configuration: `"tenant"` or `"global"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Scope {
-    /// Per API key (the default).
+    /// Callers with the same API key (the key is hashed into the cache key;
+    /// requests without a key share one tenant). The default.
     #[default]
     Tenant,
-    /// Everyone shares (only for single-tenant deployments).
+    /// Every caller: a cached answer to one tenant may be returned to
+    /// another. Only for deployments with a single trust domain.
     Global,
 }
 
@@ -49,20 +53,34 @@ impl Tenant {
     /// Everyone, under [`Scope::Global`].
     pub const GLOBAL: Tenant = Tenant(0x676c_6f62_616c_0000);
 
-    /// The tenant of a request, from its `Authorization` header.
-    pub fn of(scope: Scope, authorization: Option<&[u8]>) -> Tenant {
+    /// The tenant of a request: the hash of its API key, read from the
+    /// first of [`API_KEY_HEADERS`] that has one (SDKs send it as
+    /// `Authorization: Bearer`, Azure-style clients as `api-key`). The same
+    /// key is the same tenant in any of these headers.
+    pub fn of(scope: Scope, headers: &http::HeaderMap) -> Tenant {
         if scope == Scope::Global {
             return Tenant::GLOBAL;
         }
-        let key = authorization
-            .map(|a| a.strip_prefix(b"Bearer ").unwrap_or(a))
-            .filter(|k| !k.is_empty());
+        let key = API_KEY_HEADERS.iter().find_map(|name| {
+            let value = headers.get(*name)?.as_bytes();
+            let key = if *name == "authorization" {
+                value.strip_prefix(b"Bearer ").unwrap_or(value)
+            } else {
+                value
+            };
+            Some(key).filter(|k| !k.is_empty())
+        });
         match key {
             Some(k) => Tenant(xxhash_rust::xxh3::xxh3_64_with_seed(k, 0x7465_6e61_6e74)),
             None => Tenant::ANONYMOUS,
         }
     }
 }
+
+/// The headers a client's API key comes in, in the order they are read:
+/// OpenAI's `Authorization: Bearer <key>`, Azure OpenAI's `api-key`, and
+/// `x-api-key`.
+pub const API_KEY_HEADERS: [&str; 3] = ["authorization", "api-key", "x-api-key"];
 
 /// Fields that do not change the answer's content.
 const PRESENTATION_ONLY: [&str; 2] = ["stream", "stream_options"];
@@ -294,17 +312,30 @@ mod tests {
     fn tenants_never_share_keys_unless_global() {
         let b = body(r#"{"model":"m","prompt":"x","temperature":0}"#);
         let e = Endpoint::Completions;
-        let alice = Tenant::of(Scope::Tenant, Some(b"Bearer sk-alice"));
-        let bob = Tenant::of(Scope::Tenant, Some(b"Bearer sk-bob"));
+        let of = |scope, header: Option<(&'static str, &'static str)>| {
+            let mut headers = http::HeaderMap::new();
+            if let Some((name, value)) = header {
+                headers.insert(name, http::HeaderValue::from_static(value));
+            }
+            Tenant::of(scope, &headers)
+        };
+        let alice = of(Scope::Tenant, Some(("authorization", "Bearer sk-alice")));
+        let bob = of(Scope::Tenant, Some(("authorization", "Bearer sk-bob")));
         assert_ne!(alice, bob);
-        assert_ne!(alice, Tenant::of(Scope::Tenant, None));
-        assert_eq!(Tenant::of(Scope::Tenant, None), Tenant::ANONYMOUS);
-        assert_eq!(Tenant::of(Scope::Tenant, Some(b"Bearer ")), Tenant::ANONYMOUS);
+        assert_ne!(alice, of(Scope::Tenant, None));
+        assert_eq!(of(Scope::Tenant, None), Tenant::ANONYMOUS);
+        assert_eq!(of(Scope::Tenant, Some(("authorization", "Bearer "))), Tenant::ANONYMOUS);
         assert_ne!(key(alice, e, &b), key(bob, e, &b));
         assert_eq!(
-            Tenant::of(Scope::Global, Some(b"Bearer sk-alice")),
-            Tenant::of(Scope::Global, Some(b"Bearer sk-bob"))
+            of(Scope::Global, Some(("authorization", "Bearer sk-alice"))),
+            of(Scope::Global, Some(("authorization", "Bearer sk-bob")))
         );
+        // The same key in any of the API-key headers is the same tenant;
+        // other keys are other tenants.
+        assert_eq!(of(Scope::Tenant, Some(("api-key", "sk-alice"))), alice);
+        assert_eq!(of(Scope::Tenant, Some(("x-api-key", "sk-alice"))), alice);
+        assert_ne!(of(Scope::Tenant, Some(("api-key", "sk-carol"))), Tenant::ANONYMOUS);
+        assert_ne!(of(Scope::Tenant, Some(("api-key", "sk-carol"))), alice);
     }
 
     #[test]

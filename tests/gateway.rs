@@ -163,6 +163,43 @@ fn repeated_deterministic_requests_come_from_the_response_cache() {
 }
 
 #[test]
+fn tenants_keyed_by_api_key_headers_never_share_answers() {
+    // Azure-style clients send their key as `api-key`, others as
+    // `x-api-key`: each key is its own tenant, whichever header carries it.
+    let engines = [sim()];
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let gw = Gateway::start(&unique("apikey"), &refs, &[]);
+    let msgs = [user("Name three rivers of Europe, briefly.")];
+    let det = json!({"temperature": 0});
+    let carol = [("api-key", "sk-carol")];
+    let first = chat(&gw.proc.addr, &msgs, det.clone(), &carol);
+    assert_eq!((first.status, first.header("x-semlb-cache")), (200, Some("miss")));
+    gw.written_back();
+    let again = chat(&gw.proc.addr, &msgs, det.clone(), &carol);
+    assert_eq!(
+        again.header("x-semlb-cache"),
+        Some("hit"),
+        "the same tenant is served from the cache"
+    );
+    let bearer = chat(
+        &gw.proc.addr,
+        &msgs,
+        det.clone(),
+        &[("Authorization", "Bearer sk-carol")],
+    );
+    assert_eq!(
+        bearer.header("x-semlb-cache"),
+        Some("hit"),
+        "the same key as a bearer token"
+    );
+    for other in [vec![("api-key", "sk-dave")], vec![("x-api-key", "sk-erin")], vec![]] {
+        let r = chat(&gw.proc.addr, &msgs, det.clone(), &other);
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-semlb-cache"), Some("miss"), "{other:?} is another tenant");
+    }
+}
+
+#[test]
 fn a_killed_dispatcher_is_restarted_and_the_gateway_keeps_serving() {
     let engines = [sim(), sim()];
     let refs: Vec<&Proc> = engines.iter().collect();

@@ -155,7 +155,7 @@ pub const DEFAULT_SHM_NAME: &str = "semlb";
 /// response log; see [`shm_layout::plan`]).
 pub const DEFAULT_SHM_SIZE: ByteSize = ByteSize(256 << 20);
 /// Default `block_size`, in tokens (see [`ServeConfig::block_size`]).
-pub const DEFAULT_BLOCK_SIZE: usize = 16;
+pub use crate::blocks::DEFAULT_BLOCK_SIZE;
 /// Largest `block_size` accepted.
 pub const MAX_BLOCK_SIZE: usize = 1024;
 /// Default `segment_cache_size` (see [`ServeConfig::segment_cache_size`]).

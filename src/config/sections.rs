@@ -12,18 +12,9 @@ use super::{ConfigError, MAX_ADMIN_TOKEN_BYTES, MIN_ADMIN_TOKEN_BYTES, optional_
 use crate::size::ByteSize;
 use crate::store::{RedisLookup, StoreKind};
 
-/// Who may be answered with a cached response.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CacheScope {
-    /// Callers with the same API key (the key is hashed into the cache key;
-    /// requests without a key share one tenant).
-    #[default]
-    Tenant,
-    /// Every caller: a cached answer to one tenant may be returned to
-    /// another. Only for deployments with a single trust domain.
-    Global,
-}
+/// Who may be answered with a cached response (`response_cache.scope`:
+/// `"tenant"` or `"global"`).
+pub use crate::response_cache::Scope as CacheScope;
 
 /// The exact-response cache (`[response_cache]`).
 #[derive(Debug, Clone, PartialEq, Deserialize)]

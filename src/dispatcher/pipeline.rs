@@ -23,10 +23,9 @@ use super::queue::{QueueExit, Waiting};
 use super::relay::{InflightGuard, Learn, Relay, RelayTimer};
 use super::sse;
 use crate::blocks::BlockHasher;
-use crate::config::CacheScope;
 use crate::metrics::{CacheResult, DURATION, EndpointLabel, QueueOutcome, Snapshot, Stage};
 use crate::prompt::{self, Endpoint, RoutingInput};
-use crate::response_cache::{self, Cacheability, Scope, Tenant};
+use crate::response_cache::{self, Cacheability, Tenant};
 use crate::routing::{Reason, RouteInput, live_candidates};
 use crate::store::{Lookup, LookupRequest};
 
@@ -151,8 +150,23 @@ struct Outbound {
 #[derive(Debug, Clone, Copy)]
 struct DispatchTiming {
     start: std::time::Instant,
-    /// Cumulative nanoseconds at the end of read, parse, tokenize, hash, cache.
+    /// Cumulative nanoseconds at the end of each [`Mark`], in its order.
     marks: [u64; 5],
+}
+
+/// The stages [`DispatchTiming`] stamps the end of, in request order.
+#[derive(Debug, Clone, Copy)]
+enum Mark {
+    /// The body read.
+    Read,
+    /// The body parsed and the chat rendered.
+    Parse,
+    /// The routing text tokenized.
+    Tokenize,
+    /// The block chain hashed.
+    Hash,
+    /// The store lookup (response cache, prefix match, load).
+    Cache,
 }
 
 impl DispatchTiming {
@@ -163,8 +177,13 @@ impl DispatchTiming {
         }
     }
 
-    fn mark(&mut self, stage: usize) {
-        self.marks[stage] = self.start.elapsed().as_nanos() as u64;
+    fn mark(&mut self, stage: Mark) {
+        self.marks[stage as usize] = self.start.elapsed().as_nanos() as u64;
+    }
+
+    /// Cumulative nanoseconds at the end of `stage`.
+    fn at(&self, stage: Mark) -> u64 {
+        self.marks[stage as usize]
     }
 
     /// Records the stages into the dispatch histograms; `sent`: the
@@ -173,26 +192,26 @@ impl DispatchTiming {
     fn observe(&self, dispatcher: &Dispatcher, routed: bool, end: u64) {
         let m = dispatcher.metrics();
         let secs = |ns: u64| ns as f64 / 1e9;
-        let marks = self.marks;
-        m.observe(Stage::Tokenize.histogram(), secs(marks[2].saturating_sub(marks[1])));
-        m.observe(Stage::Lookup.histogram(), secs(marks[4].saturating_sub(marks[3])));
+        let since = |a: Mark, b: Mark| secs(self.at(b).saturating_sub(self.at(a)));
+        m.observe(Stage::Tokenize.histogram(), since(Mark::Parse, Mark::Tokenize));
+        m.observe(Stage::Lookup.histogram(), since(Mark::Hash, Mark::Cache));
         if routed {
-            m.observe(Stage::Route.histogram(), secs(end.saturating_sub(marks[4])));
+            m.observe(Stage::Route.histogram(), secs(end.saturating_sub(self.at(Mark::Cache))));
         }
         m.observe(Stage::Total.histogram(), secs(end));
     }
 
     /// The header value, with the upstream hand-off at `sent` ns.
     fn header(&self, sent: u64) -> String {
-        let m = self.marks;
+        let since = |a: Mark, b: Mark| self.at(b) - self.at(a);
         format!(
             "read={},parse={},tokenize={},hash={},cache={},route={},total={sent}",
-            m[0],
-            m[1] - m[0],
-            m[2] - m[1],
-            m[3] - m[2],
-            m[4] - m[3],
-            sent.saturating_sub(m[4])
+            self.at(Mark::Read),
+            since(Mark::Read, Mark::Parse),
+            since(Mark::Parse, Mark::Tokenize),
+            since(Mark::Tokenize, Mark::Hash),
+            since(Mark::Hash, Mark::Cache),
+            sent.saturating_sub(self.at(Mark::Cache))
         )
     }
 }
@@ -236,12 +255,12 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
         Ok(b) => b,
         Err(r) => return r,
     };
-    timing.mark(0);
+    timing.mark(Mark::Read);
     let mut parsed = match prompt::parse(endpoint, &bytes, &dispatcher.template) {
         Ok(p) => p,
         Err(e) => return json_response(StatusCode::BAD_REQUEST, &e.body()),
     };
-    timing.mark(1);
+    timing.mark(Mark::Parse);
     let session = dispatcher.session_key(&parts.headers, &parsed.body);
     let prompt_tokens = match &mut parsed.input {
         RoutingInput::Text(text) if text.len() > BLOCKING_TOKENIZE_BYTES => {
@@ -256,7 +275,7 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
         RoutingInput::Tokens(ids) => std::mem::take(ids),
     };
     dispatcher.report_segments();
-    timing.mark(2);
+    timing.mark(Mark::Tokenize);
     let seed = dispatcher.segment.header().seed[0];
     let hasher = BlockHasher::new(
         BlockHasher::root_for(&parsed.model, seed),
@@ -264,16 +283,12 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
     );
     let mut chain = Vec::with_capacity(prompt_tokens.len() / hasher.block_size() + 1);
     hasher.chain(&prompt_tokens, &mut chain);
-    timing.mark(3);
+    timing.mark(Mark::Hash);
 
     // Response cache.
     let rc = &dispatcher.config.response_cache;
-    let scope = match rc.scope {
-        CacheScope::Tenant => Scope::Tenant,
-        CacheScope::Global => Scope::Global,
-    };
     let header_bytes = |name| parts.headers.get(name).map(HeaderValue::as_bytes);
-    let tenant = Tenant::of(scope, header_bytes(header::AUTHORIZATION));
+    let tenant = Tenant::of(rc.scope, &parts.headers);
     let cacheability = response_cache::cacheability(
         rc.enabled,
         rc.cache_nondeterministic,
@@ -297,7 +312,7 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
         && let Some(mut response) = cached_answer(&stored, endpoint, &parsed)
     {
         dispatcher.metrics().cache(CacheResult::Hit);
-        timing.mark(4);
+        timing.mark(Mark::Cache);
         let answered = timing.start.elapsed().as_nanos() as u64;
         tracing::debug!(
             endpoint = endpoint.path(),
@@ -314,7 +329,7 @@ async fn inference(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>, end
         set_header(response.headers_mut(), DISPATCH_HEADER, &timing.header(answered));
         return response;
     }
-    timing.mark(4);
+    timing.mark(Mark::Cache);
     let cache = if cacheability.writes() {
         dispatcher.metrics().cache(CacheResult::Miss);
         "miss"
@@ -399,10 +414,15 @@ enum Routed {
     /// requests: choosing and counting are then confirmed together).
     Chosen(Chosen, Option<InflightGuard>),
     /// Every server the policy would use is full: queue it (the lookup's
-    /// prefix match goes with it). `seen`: whether the policy was asked
-    /// (else the request joined a non-empty queue unasked, and its first
-    /// look from the queue is its first look at all).
-    Wait(Lookup, bool),
+    /// prefix match goes with it).
+    Wait {
+        /// The lookup the request was routed with.
+        lookup: Lookup,
+        /// Whether the policy was asked (else the request joined a
+        /// non-empty queue unasked, and its first look from the queue is
+        /// its first look at all).
+        asked: bool,
+    },
     /// No server is available.
     NoServer,
 }
@@ -482,7 +502,7 @@ impl Dispatcher {
         let policy = self.policy.current_arc();
         let holds = inference && policy.holds_requests();
         if holds && !lookup.candidates.is_empty() && self.queue.len() > 0 {
-            return Routed::Wait(lookup, false);
+            return Routed::Wait { lookup, asked: false };
         }
         loop {
             if lookup.candidates.is_empty() {
@@ -501,7 +521,7 @@ impl Dispatcher {
                 };
                 let Some(choice) = policy.choose(&input) else {
                     return if policy.holds_requests() {
-                        Routed::Wait(lookup, true)
+                        Routed::Wait { lookup, asked: true }
                     } else {
                         Routed::NoServer
                     };
@@ -530,7 +550,7 @@ impl Dispatcher {
                 };
                 if !policy.admits(&self.counted_candidate(choice)) {
                     drop(guard);
-                    return Routed::Wait(lookup, true);
+                    return Routed::Wait { lookup, asked: true };
                 }
                 Some(guard)
             } else {
@@ -613,14 +633,14 @@ async fn forward(dispatcher: &Arc<Dispatcher>, outbound: Outbound, mut ctx: Opti
         };
         let (chosen, admitted) = match dispatcher.choose(route, &failed, first_lookup.take()).await {
             Routed::Chosen(chosen, guard) => (chosen, guard),
-            Routed::Wait(lookup, seen) => {
+            Routed::Wait { lookup, asked } => {
                 let waiting = Waiting {
                     chain: chain.to_vec(),
                     prompt_tokens: route.prompt_tokens,
                     session: route.session,
                     prefix: lookup.prefix,
                     exclude: failed.clone(),
-                    seen: seen || !failed.is_empty(),
+                    seen: asked || !failed.is_empty(),
                 };
                 let since = std::time::Instant::now();
                 let admitted = match dispatcher.wait_in_queue(waiting).await {
