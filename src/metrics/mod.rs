@@ -1,0 +1,275 @@
+//! The gateway's Prometheus metrics: which counter lives in which word of
+//! a process's stats block (this module), the recording helpers
+//! (`record.rs`: [`Metrics`]), and the text rendering of `GET /metrics`
+//! (`render.rs`: [`Snapshot`]).
+//!
+//! # Where the numbers live
+//!
+//! Counters and histograms are words of the segment's stats region
+//! ([`shm_layout::Stats`]): every process adds to the block of its own
+//! registry slot ([`Metrics::new`] with its `Identity.slot`), lock-free and
+//! uncontended, and `/metrics`, served by any dispatcher, sums the blocks of
+//! all processes ([`Snapshot::collect`]), so every scrape shows the whole
+//! gateway whichever dispatcher answers it. Blocks are never reset: a
+//! restarted process adds to what its predecessor counted, and counters
+//! stay monotonic. Gauges (server load and health, table occupancy,
+//! restarts) are read from the segment at scrape time.
+//!
+//! A histogram is `bounds + 1` words of per-bucket counts (the last is
+//! `+Inf`) and one word of the sum in fixed units (microseconds for
+//! seconds, millionths for ratios); the rendering makes the buckets
+//! cumulative and derives `_count` from them, so `_count` always equals the
+//! `+Inf` bucket even while requests are recorded concurrently.
+//!
+//! # Families
+//!
+//! | family | type | labels |
+//! | --- | --- | --- |
+//! | `semlb_requests_total` | counter | `endpoint` (completions, chat_completions, models, health, other), `code` (200, 400, 404, 405, 413, 429, 500, 502, 503, 504 exactly, else the class: 1xx … 5xx) |
+//! | `semlb_upstream_requests_total` | counter | `server` (address), `outcome` (ok, error) |
+//! | `semlb_response_cache_total` | counter | `result` (hit, miss, bypass) |
+//! | `semlb_retries_total` | counter | – |
+//! | `semlb_completion_records_total` | counter | `result` (pushed, dropped) |
+//! | `semlb_store_degraded_lookups_total` | counter | – |
+//! | `semlb_responder_*_total` | counter | records, blocks, responses stored, write-back failures and drops |
+//! | `semlb_prefix_table_evictions_total` | counter | prefix entries evicted from full buckets by write-backs |
+//! | `semlb_ttft_seconds` | histogram | – |
+//! | `semlb_request_duration_seconds` | histogram | – |
+//! | `semlb_dispatch_seconds` | histogram | `stage` (tokenize, lookup, route, total) |
+//! | `semlb_prefix_match_ratio` | histogram | – |
+//! | `semlb_server_inflight_requests`, `semlb_server_up`, `semlb_server_state`, `semlb_server_waiting_requests`, `semlb_server_running_requests`, `semlb_server_kv_cache_usage_ratio` | gauge | `server` (and `state`) |
+//! | `semlb_prefix_table_entries`, `semlb_prefix_table_capacity`, `semlb_response_cache_records` | gauge | – |
+//! | `semlb_completion_ring_dropped_total`, `semlb_process_restarts_total` | counter | – / `role` |
+
+use std::fmt::Write as _;
+
+use shm_layout::{LoadFigures, Role, STAT_WORDS, ServerState, Stats, Tables};
+
+use crate::responder::ResponderStats;
+
+mod record;
+mod render;
+#[cfg(test)]
+mod tests;
+
+pub use record::{Metrics, ServerGauges, cache_total, responder_records, upstream_total};
+pub use render::Snapshot;
+
+/// The `endpoint` label of `semlb_requests_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndpointLabel {
+    /// `POST /v1/completions`.
+    Completions = 0,
+    /// `POST /v1/chat/completions`.
+    ChatCompletions = 1,
+    /// `GET /v1/models`.
+    Models = 2,
+    /// `GET /health`.
+    Health = 3,
+    /// Everything else (other `/v1/*`, `/metrics`, unknown paths).
+    Other = 4,
+}
+
+impl EndpointLabel {
+    /// The endpoint of a request path.
+    pub fn of_path(path: &str) -> Self {
+        match path {
+            "/v1/completions" => Self::Completions,
+            "/v1/chat/completions" => Self::ChatCompletions,
+            "/v1/models" => Self::Models,
+            "/health" => Self::Health,
+            _ => Self::Other,
+        }
+    }
+}
+
+const ENDPOINTS: [&str; 5] = ["completions", "chat_completions", "models", "health", "other"];
+/// Status codes counted exactly; others go to their class.
+const EXACT_CODES: [u16; 10] = [200, 400, 404, 405, 413, 429, 500, 502, 503, 504];
+const CODE_LABELS: [&str; 15] = [
+    "200", "400", "404", "405", "413", "429", "500", "502", "503", "504", "1xx", "2xx", "3xx", "4xx", "5xx",
+];
+
+/// The `code` label index of an HTTP status.
+fn code_index(status: u16) -> usize {
+    match EXACT_CODES.iter().position(|c| *c == status) {
+        Some(i) => i,
+        None => EXACT_CODES.len() + usize::from((status / 100).clamp(1, 5) - 1),
+    }
+}
+
+/// Server slots with upstream counters (the server table's size).
+const SERVERS: usize = shm_layout::plan::SERVER_SLOTS as usize;
+
+// The index map: word offsets in a process's stats block.
+const REQUESTS: usize = 0;
+const UPSTREAM: usize = REQUESTS + ENDPOINTS.len() * CODE_LABELS.len();
+const CACHE: usize = UPSTREAM + SERVERS * 2;
+const RETRIES: usize = CACHE + 3;
+const RECORDS: usize = RETRIES + 1;
+const DEGRADED: usize = RECORDS + 2;
+const RESPONDER: usize = DEGRADED + 1;
+const RESPONDER_COUNTERS: usize = 6;
+const HISTOGRAMS: usize = RESPONDER + RESPONDER_COUNTERS;
+
+/// Latency buckets of TTFT and request duration, seconds.
+const LATENCY_BOUNDS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+/// Buckets of the dispatch stages, seconds (10 µs .. 1 s).
+const DISPATCH_BOUNDS: &[f64] = &[
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
+/// Buckets of the prefix match ratio.
+const RATIO_BOUNDS: &[f64] = &[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
+
+/// One histogram: where its words are and how values are bucketed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Histogram {
+    base: usize,
+    bounds: &'static [f64],
+    /// Sum units per 1.0 of value.
+    scale: f64,
+}
+
+impl Histogram {
+    const fn words(bounds: &[f64]) -> usize {
+        bounds.len() + 2
+    }
+
+    /// The word of the bucket `value` falls in (`le` is inclusive).
+    fn bucket(&self, value: f64) -> usize {
+        self.base
+            + self
+                .bounds
+                .iter()
+                .position(|b| value <= *b)
+                .unwrap_or(self.bounds.len())
+    }
+
+    fn sum_word(&self) -> usize {
+        self.base + self.bounds.len() + 1
+    }
+}
+
+/// `semlb_ttft_seconds`.
+pub const TTFT: Histogram = Histogram {
+    base: HISTOGRAMS,
+    bounds: LATENCY_BOUNDS,
+    scale: 1e6,
+};
+/// `semlb_request_duration_seconds`.
+pub const DURATION: Histogram = Histogram {
+    base: TTFT.base + Histogram::words(LATENCY_BOUNDS),
+    bounds: LATENCY_BOUNDS,
+    scale: 1e6,
+};
+const DISPATCH_BASE: usize = DURATION.base + Histogram::words(LATENCY_BOUNDS);
+
+/// A stage of `semlb_dispatch_seconds`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Tokenizing the routing text.
+    Tokenize = 0,
+    /// The store lookup (response cache, prefix match, load).
+    Lookup = 1,
+    /// The policy's choice, up to the hand-off to the upstream client.
+    Route = 2,
+    /// From the request's headers to the upstream hand-off (or the cached answer).
+    Total = 3,
+}
+
+const STAGES: [&str; 4] = ["tokenize", "lookup", "route", "total"];
+
+impl Stage {
+    /// Its histogram.
+    pub const fn histogram(self) -> Histogram {
+        Histogram {
+            base: DISPATCH_BASE + self as usize * Histogram::words(DISPATCH_BOUNDS),
+            bounds: DISPATCH_BOUNDS,
+            // Nanoseconds: dispatch stages are microseconds long.
+            scale: 1e9,
+        }
+    }
+}
+
+/// `semlb_prefix_match_ratio`.
+pub const PREFIX_RATIO: Histogram = Histogram {
+    base: DISPATCH_BASE + STAGES.len() * Histogram::words(DISPATCH_BOUNDS),
+    bounds: RATIO_BOUNDS,
+    scale: 1e6,
+};
+/// Gateway-queue counters: requests entered, then one per outcome.
+const QUEUE: usize = PREFIX_RATIO.base + Histogram::words(RATIO_BOUNDS);
+const QUEUE_OUTCOMES: [&str; 4] = ["routed", "abandoned", "timeout", "full"];
+/// `semlb_queue_wait_seconds`.
+pub const QUEUE_WAIT: Histogram = Histogram {
+    base: QUEUE + 1 + QUEUE_OUTCOMES.len(),
+    bounds: LATENCY_BOUNDS,
+    scale: 1e6,
+};
+/// Text segments of prompts, by where their ids came from.
+const SEGMENTS: usize = QUEUE_WAIT.base + Histogram::words(LATENCY_BOUNDS);
+const SEGMENT_SOURCES: [&str; 3] = ["local_cache", "shared_store", "tokenized"];
+const END: usize = SEGMENTS + SEGMENT_SOURCES.len();
+const _: () = assert!(END <= STAT_WORDS, "the metrics outgrew a stats block");
+
+/// What the response cache did for an inference request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheResult {
+    /// Answered from the cache.
+    Hit = 0,
+    /// Looked up (or refreshed) and may be stored.
+    Miss = 1,
+    /// The cache was not involved.
+    Bypass = 2,
+}
+
+/// How a request left the gateway queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueOutcome {
+    /// A server took it.
+    Routed = 0,
+    /// Its client went away while it waited.
+    Abandoned = 1,
+    /// It waited `max_wait_ms`.
+    Timeout = 2,
+    /// The queue was full: it never entered.
+    Full = 3,
+}
+
+/// The gateway queues' counters, summed over processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QueueTotals {
+    /// Requests that entered a queue.
+    pub entered: u64,
+    /// Left it for a server.
+    pub routed: u64,
+    /// Left it because their client went away.
+    pub abandoned: u64,
+    /// Left it after `max_wait_ms`.
+    pub timeout: u64,
+    /// Refused: the queue was full.
+    pub full: u64,
+}
+
+impl QueueTotals {
+    /// Requests waiting now: entered less left. A dispatcher killed with
+    /// requests queued leaves them counted until the segment is recreated.
+    pub fn depth(&self) -> u64 {
+        self.entered.saturating_sub(self.routed + self.abandoned + self.timeout)
+    }
+}
+
+/// The gateway queues' totals in `counters` (every stats word summed over
+/// processes).
+pub fn queue_total(counters: &[u64]) -> QueueTotals {
+    let at = |k: usize| counters.get(QUEUE + k).copied().unwrap_or(0);
+    QueueTotals {
+        entered: at(0),
+        routed: at(1 + QueueOutcome::Routed as usize),
+        abandoned: at(1 + QueueOutcome::Abandoned as usize),
+        timeout: at(1 + QueueOutcome::Timeout as usize),
+        full: at(1 + QueueOutcome::Full as usize),
+    }
+}

@@ -1,0 +1,197 @@
+//! The recording side: [`Metrics`], one process's block of the stats
+//! region, and the totals read back from summed counters.
+
+use super::*;
+
+/// The recording side: one process's block of the stats region.
+#[derive(Debug, Clone, Copy)]
+pub struct Metrics<'a> {
+    stats: Stats<'a>,
+    process: u16,
+}
+
+impl<'a> Metrics<'a> {
+    /// Records into `process`'s block (its registry slot).
+    pub fn new(stats: Stats<'a>, process: u16) -> Self {
+        Self { stats, process }
+    }
+
+    fn add(&self, index: usize, delta: u64) {
+        self.stats.add(self.process, index, delta);
+    }
+
+    fn get(&self, index: usize) -> u64 {
+        self.stats.get(self.process, index)
+    }
+
+    /// One answered request.
+    pub fn request(&self, endpoint: EndpointLabel, status: u16) {
+        self.add(REQUESTS + endpoint as usize * CODE_LABELS.len() + code_index(status), 1);
+    }
+
+    /// One upstream attempt to the server in `slot`: answered in full (`ok`)
+    /// or failed (connection error, 5xx head, body cut or timed out).
+    pub fn upstream(&self, slot: u16, ok: bool) {
+        if usize::from(slot) < SERVERS {
+            self.add(UPSTREAM + usize::from(slot) * 2 + usize::from(!ok), 1);
+        }
+    }
+
+    /// What the response cache did.
+    pub fn cache(&self, result: CacheResult) {
+        self.add(CACHE + result as usize, 1);
+    }
+
+    /// One upstream attempt after the first of a request.
+    pub fn retry(&self) {
+        self.add(RETRIES, 1);
+    }
+
+    /// One completion record pushed into the ring, or dropped.
+    pub fn record(&self, pushed: bool) {
+        self.add(RECORDS + usize::from(!pushed), 1);
+    }
+
+    /// One store lookup answered by the fallback.
+    pub fn degraded_lookup(&self) {
+        self.add(DEGRADED, 1);
+    }
+
+    /// Adds what a tokenizer's segment cache did since `before` (its
+    /// counters are cumulative).
+    pub fn segments(&self, before: &semlb_tokenizer::SegmentCacheStats, now: &semlb_tokenizer::SegmentCacheStats) {
+        let deltas = [
+            now.hits.saturating_sub(before.hits),
+            now.shared_hits.saturating_sub(before.shared_hits),
+            now.misses.saturating_sub(before.misses),
+        ];
+        for (i, delta) in deltas.into_iter().enumerate() {
+            if delta > 0 {
+                self.add(SEGMENTS + i, delta);
+            }
+        }
+    }
+
+    /// Adds what a responder did since `before` (its counters are cumulative).
+    pub fn responder(&self, before: &ResponderStats, now: &ResponderStats) {
+        let d = |a: u64, b: u64| b.saturating_sub(a);
+        let deltas = [
+            d(before.records, now.records),
+            d(before.blocks, now.blocks),
+            d(before.responses_stored, now.responses_stored),
+            d(before.writeback_failures, now.writeback_failures),
+            d(before.writeback_dropped, now.writeback_dropped),
+            d(before.evictions, now.evictions),
+        ];
+        for (i, delta) in deltas.into_iter().enumerate() {
+            if delta > 0 {
+                self.add(RESPONDER + i, delta);
+            }
+        }
+    }
+
+    /// One observation of `value` (seconds, or a ratio).
+    pub fn observe(&self, h: Histogram, value: f64) {
+        let value = if value.is_finite() { value.max(0.0) } else { 0.0 };
+        self.add(h.bucket(value), 1);
+        self.add(h.sum_word(), (value * h.scale).round() as u64);
+    }
+
+    /// One observation of a duration.
+    pub fn observe_duration(&self, h: Histogram, d: std::time::Duration) {
+        self.observe(h, d.as_secs_f64());
+    }
+
+    /// A request entered the gateway queue.
+    pub fn queue_entered(&self) {
+        self.add(QUEUE, 1);
+    }
+
+    /// A request left the gateway queue after `waited` (or was refused:
+    /// [`QueueOutcome::Full`], no wait recorded).
+    pub fn queue_left(&self, outcome: QueueOutcome, waited: std::time::Duration) {
+        self.add(QUEUE + 1 + outcome as usize, 1);
+        if outcome != QueueOutcome::Full {
+            self.observe_duration(QUEUE_WAIT, waited);
+        }
+    }
+
+    /// The prefix match of the chosen server: `matched` of `total` blocks
+    /// (nothing recorded for a prompt without a full block).
+    pub fn prefix_match(&self, matched: u32, total: usize) {
+        if total > 0 {
+            self.observe(PREFIX_RATIO, (f64::from(matched) / total as f64).min(1.0));
+        }
+    }
+
+    /// This process's requests with a status in `class` (1..=5) or, with
+    /// `None`, all of them.
+    pub fn requests(&self, class: Option<u16>) -> u64 {
+        let mut n = 0;
+        for e in 0..ENDPOINTS.len() {
+            for (c, label) in CODE_LABELS.iter().enumerate() {
+                if class.is_none_or(|k| label.as_bytes()[0] == b'0' + k as u8) {
+                    n += self.get(REQUESTS + e * CODE_LABELS.len() + c);
+                }
+            }
+        }
+        n
+    }
+
+    /// This process's count of a response-cache result.
+    pub fn cache_count(&self, result: CacheResult) -> u64 {
+        self.get(CACHE + result as usize)
+    }
+
+    /// This process's retries.
+    pub fn retries(&self) -> u64 {
+        self.get(RETRIES)
+    }
+
+    /// This process's failed upstream attempts, all servers.
+    pub fn upstream_errors(&self) -> u64 {
+        (0..SERVERS).map(|s| self.get(UPSTREAM + s * 2 + 1)).sum()
+    }
+
+    /// This process's completion records pushed (`true`) or dropped.
+    pub fn records(&self, pushed: bool) -> u64 {
+        self.get(RECORDS + usize::from(!pushed))
+    }
+}
+
+/// Upstream attempts to the server in `slot` in `counters` (the stats
+/// words summed over processes, `Stats::sum_all`): (answered in full, failed).
+pub fn upstream_total(counters: &[u64], slot: u16) -> (u64, u64) {
+    if usize::from(slot) >= SERVERS {
+        return (0, 0);
+    }
+    let at = UPSTREAM + usize::from(slot) * 2;
+    let get = |i: usize| counters.get(i).copied().unwrap_or(0);
+    (get(at), get(at + 1))
+}
+
+/// A response-cache result's count in `counters` (summed stats words).
+pub fn cache_total(counters: &[u64], result: CacheResult) -> u64 {
+    counters.get(CACHE + result as usize).copied().unwrap_or(0)
+}
+
+/// A server as `/metrics` shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerGauges {
+    /// Server-table slot.
+    pub slot: u16,
+    /// Its address (the `server` label).
+    pub address: String,
+    /// Its state.
+    pub state: ServerState,
+    /// Requests in flight to it, from every dispatcher.
+    pub inflight: u64,
+    /// Its scraped load, when fresh.
+    pub load: Option<LoadFigures>,
+}
+
+/// Completion records the response processes have applied, all together
+/// (`semlb_responder_records_total`), read without a whole [`Snapshot`].
+pub fn responder_records(tables: &Tables<'_>) -> u64 {
+    tables.stats.sum(RESPONDER)
+}

@@ -1,0 +1,451 @@
+//! The reading side: [`Snapshot`], one scrape's counters and gauges, and
+//! its Prometheus text.
+
+use super::*;
+
+/// Everything one scrape renders: the counters summed over all processes
+/// and the gauges read from the segment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    /// Every stats word summed over all process blocks ([`STAT_WORDS`] long).
+    pub counters: Vec<u64>,
+    /// The registered servers.
+    pub servers: Vec<ServerGauges>,
+    /// Occupied prefix-table slots.
+    pub prefix_entries: u64,
+    /// Prefix-table slots.
+    pub prefix_capacity: u64,
+    /// Records written to the response log.
+    pub response_records: u64,
+    /// Completion records dropped by the rings (full or too large).
+    pub ring_dropped: u64,
+    /// Restarts per role (dispatcher, responder).
+    pub restarts: [u64; 2],
+}
+
+impl Snapshot {
+    /// Reads a snapshot from the segment's tables. Scraped load older than
+    /// `stale_after_ms` (segment milliseconds before `now_ms`) is left out.
+    /// Counting the prefix table's entries scans it (run it off the reactor).
+    pub fn collect(tables: &Tables<'_>, now_ms: u64, stale_after_ms: u64) -> Self {
+        let servers = tables
+            .servers
+            .servers()
+            .filter(|s| s.state != ServerState::Configuring)
+            .map(|s| ServerGauges {
+                slot: s.server.slot,
+                address: s.address,
+                state: s.state,
+                inflight: s.inflight_requests,
+                load: crate::health::fresh_load(s.load, now_ms, stale_after_ms),
+            })
+            .collect();
+        let mut restarts = [0; 2];
+        for p in tables.registry.processes() {
+            match p.role {
+                Some(Role::Dispatcher) => restarts[0] += p.restarts,
+                Some(Role::Responder) => restarts[1] += p.restarts,
+                _ => {}
+            }
+        }
+        Self {
+            counters: tables.stats.sum_all(),
+            servers,
+            prefix_entries: tables.prefix.occupancy(),
+            prefix_capacity: tables.prefix.capacity(),
+            response_records: tables.responses.stats().records,
+            ring_dropped: (0..tables.ring_count()).map(|i| tables.ring(i).stats().dropped).sum(),
+            restarts,
+        }
+    }
+
+    fn counter(&self, index: usize) -> u64 {
+        self.counters.get(index).copied().unwrap_or(0)
+    }
+
+    /// Requests in the gateway queues: entered less left (routed,
+    /// abandoned, timed out). A dispatcher killed with requests queued
+    /// leaves them counted until the gateway restarts.
+    pub fn queue_depth(&self) -> u64 {
+        queue_total(&self.counters).depth()
+    }
+
+    /// The Prometheus text exposition (format 0.0.4).
+    pub fn render(&self) -> String {
+        let mut out = String::with_capacity(16 << 10);
+        let o = &mut out;
+
+        family(
+            o,
+            "semlb_requests_total",
+            "counter",
+            "HTTP requests answered, by endpoint and status.",
+        );
+        for (e, endpoint) in ENDPOINTS.iter().enumerate() {
+            for (c, code) in CODE_LABELS.iter().enumerate() {
+                let n = self.counter(REQUESTS + e * CODE_LABELS.len() + c);
+                if n > 0 {
+                    sample(o, "semlb_requests_total", &[("endpoint", endpoint), ("code", code)], n);
+                }
+            }
+        }
+
+        family(
+            o,
+            "semlb_upstream_requests_total",
+            "counter",
+            "Upstream attempts per server: answered in full (ok) or failed (error).",
+        );
+        for s in &self.servers {
+            for (k, outcome) in ["ok", "error"].into_iter().enumerate() {
+                let n = self.counter(UPSTREAM + usize::from(s.slot) * 2 + k);
+                sample(
+                    o,
+                    "semlb_upstream_requests_total",
+                    &[("server", &s.address), ("outcome", outcome)],
+                    n,
+                );
+            }
+        }
+
+        family(
+            o,
+            "semlb_response_cache_total",
+            "counter",
+            "Inference requests by what the response cache did.",
+        );
+        for (k, result) in ["hit", "miss", "bypass"].into_iter().enumerate() {
+            sample(
+                o,
+                "semlb_response_cache_total",
+                &[("result", result)],
+                self.counter(CACHE + k),
+            );
+        }
+        family(
+            o,
+            "semlb_retries_total",
+            "counter",
+            "Upstream attempts after the first of a request.",
+        );
+        sample(o, "semlb_retries_total", &[], self.counter(RETRIES));
+        family(
+            o,
+            "semlb_completion_records_total",
+            "counter",
+            "Completion records pushed to a responder, or dropped.",
+        );
+        for (k, result) in ["pushed", "dropped"].into_iter().enumerate() {
+            sample(
+                o,
+                "semlb_completion_records_total",
+                &[("result", result)],
+                self.counter(RECORDS + k),
+            );
+        }
+        family(
+            o,
+            "semlb_store_degraded_lookups_total",
+            "counter",
+            "Routing lookups answered without the store (unreachable or slow).",
+        );
+        sample(o, "semlb_store_degraded_lookups_total", &[], self.counter(DEGRADED));
+        let responder = [
+            (
+                "semlb_responder_records_total",
+                "Completion records applied by responders.",
+            ),
+            (
+                "semlb_responder_blocks_total",
+                "Prefix blocks inserted or refreshed by responders.",
+            ),
+            (
+                "semlb_responder_responses_stored_total",
+                "Responses stored in the response cache.",
+            ),
+            (
+                "semlb_responder_writeback_failures_total",
+                "Write-backs that failed (store unreachable).",
+            ),
+            (
+                "semlb_responder_writeback_dropped_total",
+                "Records given up after an outage's backlog filled.",
+            ),
+            (
+                "semlb_prefix_table_evictions_total",
+                "Prefix entries evicted from full buckets to make room.",
+            ),
+        ];
+        for (i, (name, help)) in responder.into_iter().enumerate() {
+            family(o, name, "counter", help);
+            sample(o, name, &[], self.counter(RESPONDER + i));
+        }
+
+        self.histogram(
+            o,
+            "semlb_ttft_seconds",
+            "Time from a request's arrival to the first byte of the upstream answer relayed to the client.",
+            &[TTFT],
+            &[],
+        );
+        self.histogram(
+            o,
+            "semlb_request_duration_seconds",
+            "Inference requests end to end, until the answer's last byte.",
+            &[DURATION],
+            &[],
+        );
+        let stages = [Stage::Tokenize, Stage::Lookup, Stage::Route, Stage::Total];
+        self.histogram(
+            o,
+            "semlb_dispatch_seconds",
+            "Time the dispatcher spends deciding, by stage.",
+            &stages.map(Stage::histogram),
+            &STAGES,
+        );
+        self.histogram(
+            o,
+            "semlb_prefix_match_ratio",
+            "Share of the prompt's blocks the chosen server has cached.",
+            &[PREFIX_RATIO],
+            &[],
+        );
+
+        family(
+            o,
+            "semlb_queue_requests_total",
+            "counter",
+            "Requests that waited in the gateway queue, by how they left it (full: refused at entry).",
+        );
+        for (k, outcome) in QUEUE_OUTCOMES.into_iter().enumerate() {
+            sample(
+                o,
+                "semlb_queue_requests_total",
+                &[("outcome", outcome)],
+                self.counter(QUEUE + 1 + k),
+            );
+        }
+        family(
+            o,
+            "semlb_queue_depth",
+            "gauge",
+            "Requests waiting in the gateway queues now (all dispatchers).",
+        );
+        sample(o, "semlb_queue_depth", &[], self.queue_depth());
+        self.histogram(
+            o,
+            "semlb_queue_wait_seconds",
+            "Time requests waited in the gateway queue.",
+            &[QUEUE_WAIT],
+            &[],
+        );
+
+        family(
+            o,
+            "semlb_tokenizer_segments_total",
+            "counter",
+            "Text segments of prompts, by where their token ids came from: the dispatcher's own cache, the store shared by every process, or tokenized.",
+        );
+        for (k, source) in SEGMENT_SOURCES.into_iter().enumerate() {
+            sample(
+                o,
+                "semlb_tokenizer_segments_total",
+                &[("source", source)],
+                self.counter(SEGMENTS + k),
+            );
+        }
+
+        family(
+            o,
+            "semlb_server_inflight_requests",
+            "gauge",
+            "Requests in flight to a server.",
+        );
+        for s in &self.servers {
+            sample(
+                o,
+                "semlb_server_inflight_requests",
+                &[("server", &s.address)],
+                s.inflight,
+            );
+        }
+        family(
+            o,
+            "semlb_server_up",
+            "gauge",
+            "1 if the server takes requests (state up).",
+        );
+        for s in &self.servers {
+            let up = u64::from(s.state == ServerState::Up);
+            sample(o, "semlb_server_up", &[("server", &s.address)], up);
+        }
+        family(
+            o,
+            "semlb_server_state",
+            "gauge",
+            "The server's state: 1 for the current one.",
+        );
+        for s in &self.servers {
+            for state in [ServerState::Up, ServerState::Draining, ServerState::Down] {
+                let v = u64::from(s.state == state);
+                sample(
+                    o,
+                    "semlb_server_state",
+                    &[("server", &s.address), ("state", state.name())],
+                    v,
+                );
+            }
+        }
+        let load = [
+            (
+                "semlb_server_waiting_requests",
+                "Requests waiting in the server's queue (scraped).",
+            ),
+            (
+                "semlb_server_running_requests",
+                "Requests the server is running (scraped).",
+            ),
+        ];
+        for (k, (name, help)) in load.into_iter().enumerate() {
+            family(o, name, "gauge", help);
+            for s in &self.servers {
+                if let Some(l) = s.load {
+                    let v = if k == 0 { l.waiting } else { l.running };
+                    sample(o, name, &[("server", &s.address)], u64::from(v));
+                }
+            }
+        }
+        family(
+            o,
+            "semlb_server_kv_cache_usage_ratio",
+            "gauge",
+            "The server's KV-cache usage, 0 to 1 (scraped; absent when stale).",
+        );
+        for s in &self.servers {
+            if let Some(l) = s.load {
+                let labels = [("server", s.address.as_str())];
+                sample_f(
+                    o,
+                    "semlb_server_kv_cache_usage_ratio",
+                    &labels,
+                    f64::from(l.kv_usage_permyriad) / 1e4,
+                );
+            }
+        }
+
+        let gauges = [
+            (
+                "semlb_prefix_table_entries",
+                "Occupied prefix-table slots.",
+                self.prefix_entries,
+            ),
+            (
+                "semlb_prefix_table_capacity",
+                "Prefix-table slots.",
+                self.prefix_capacity,
+            ),
+            (
+                "semlb_response_cache_records",
+                "Records written to the response cache's log.",
+                self.response_records,
+            ),
+        ];
+        for (name, help, v) in gauges {
+            family(o, name, "gauge", help);
+            sample(o, name, &[], v);
+        }
+        family(
+            o,
+            "semlb_completion_ring_dropped_total",
+            "counter",
+            "Completion records the rings dropped (full, or too large).",
+        );
+        sample(o, "semlb_completion_ring_dropped_total", &[], self.ring_dropped);
+        family(
+            o,
+            "semlb_process_restarts_total",
+            "counter",
+            "Child processes restarted, by role.",
+        );
+        for (k, role) in ["dispatcher", "responder"].into_iter().enumerate() {
+            sample(o, "semlb_process_restarts_total", &[("role", role)], self.restarts[k]);
+        }
+        out
+    }
+
+    /// One histogram family; `stages` labels the series with `stage`.
+    fn histogram(&self, o: &mut String, name: &str, help: &str, series: &[Histogram], stages: &[&str]) {
+        family(o, name, "histogram", help);
+        for (i, h) in series.iter().enumerate() {
+            let stage = stages.get(i).map(|s| ("stage", *s));
+            let mut cumulative = 0;
+            let bucket = format!("{name}_bucket");
+            for (b, bound) in h
+                .bounds
+                .iter()
+                .map(|b| b.to_string())
+                .chain(["+Inf".to_owned()])
+                .enumerate()
+            {
+                cumulative += self.counter(h.base + b);
+                let mut labels: Vec<(&str, &str)> = stage.into_iter().collect();
+                labels.push(("le", &bound));
+                sample(o, &bucket, &labels, cumulative);
+            }
+            let labels: Vec<(&str, &str)> = stage.into_iter().collect();
+            sample_f(
+                o,
+                &format!("{name}_sum"),
+                &labels,
+                self.counter(h.sum_word()) as f64 / h.scale,
+            );
+            sample(o, &format!("{name}_count"), &labels, cumulative);
+        }
+    }
+}
+
+fn family(o: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(o, "# HELP {name} {help}");
+    let _ = writeln!(o, "# TYPE {name} {kind}");
+}
+
+fn labels(o: &mut String, labels: &[(&str, &str)]) {
+    if labels.is_empty() {
+        return;
+    }
+    o.push('{');
+    for (i, (k, v)) in labels.iter().enumerate() {
+        if i > 0 {
+            o.push(',');
+        }
+        o.push_str(k);
+        o.push_str("=\"");
+        escape_label(o, v);
+        o.push('"');
+    }
+    o.push('}');
+}
+
+/// A label value as the text format wants it: `\`, `"` and newlines escaped.
+fn escape_label(o: &mut String, v: &str) {
+    for c in v.chars() {
+        match c {
+            '\\' => o.push_str("\\\\"),
+            '"' => o.push_str("\\\""),
+            '\n' => o.push_str("\\n"),
+            c => o.push(c),
+        }
+    }
+}
+
+fn sample(o: &mut String, name: &str, l: &[(&str, &str)], v: u64) {
+    o.push_str(name);
+    labels(o, l);
+    let _ = writeln!(o, " {v}");
+}
+
+fn sample_f(o: &mut String, name: &str, l: &[(&str, &str)], v: f64) {
+    o.push_str(name);
+    labels(o, l);
+    let _ = writeln!(o, " {v}");
+}
