@@ -20,32 +20,29 @@ use support::{Subject, variants};
 /// Strings written for the added-vocabulary variants: the tokens next to
 /// each other, to words, to spaces of every kind, in other spellings.
 fn added_vocabulary_corpus() -> Corpus {
-    let tokens = [
-        "<|tool|>",
-        "<mask>",
-        "<|tool|>x",
-        "hello",
-        "[SEP]",
-        "café",
+    // The variants' added tokens, then other spellings of them (decomposed,
+    // compatibility forms, parts) and tokens they do not add.
+    let others = [
         "cafe\u{301}",
-        "naïve",
         "nai\u{308}ve",
-        " ·",
         "·",
-        "Å",
         "\u{212b}",
         "A\u{30a}",
-        "ﬁ",
         "<|endoftext|>",
         "   ",
     ];
+    let tokens: Vec<&str> = support::corpus::VARIANT_ADDED_TOKENS
+        .iter()
+        .copied()
+        .chain(others)
+        .collect();
     let glue = [
         "", " ", "  ", "\t", "\n", " \n ", "\u{a0}", "\u{3000}", "x", "_", "1", ",", "'s", "é",
     ];
     let mut strings = Vec::new();
-    for a in tokens {
+    for &a in &tokens {
         for g in glue {
-            for b in tokens {
+            for &b in &tokens {
                 strings.push(format!("{a}{g}{b}"));
             }
             strings.push(format!("{g}{a}{g}"));
@@ -166,15 +163,7 @@ fn corpus_is_large_deterministic_and_covers_the_edge_cases() {
 /// reference whose vocabulary has two ids swapped must disagree.
 #[test]
 fn harness_reports_mismatches() {
-    let mut swapped = variants::phi2().clone();
-    let vocab = swapped["model"]["vocab"].as_object_mut().unwrap();
-    vocab.insert("Ġthe".into(), serde_json::json!(11));
-    vocab.insert(",".into(), serde_json::json!(262));
-    let subject = Subject {
-        name: "bundled phi-2 vs. phi-2 with two ids swapped".into(),
-        ours: semlb_tokenizer::Tokenizer::bundled(),
-        reference: tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&swapped).unwrap()).unwrap(),
-    };
+    let subject = Subject::planted_difference();
     let corpus = Corpus {
         sources: vec![Source {
             name: "test",

@@ -168,15 +168,7 @@ fn llama3_style_random_strings_match_hf() {
 /// with the ids of `Ġthe` and `,` swapped fails on a string of a few chars.
 #[test]
 fn property_finds_and_shrinks_a_planted_difference() {
-    let mut swapped = variants::phi2().clone();
-    let vocab = swapped["model"]["vocab"].as_object_mut().unwrap();
-    vocab.insert("Ġthe".into(), serde_json::json!(11));
-    vocab.insert(",".into(), serde_json::json!(262));
-    let subject = Subject {
-        name: "bundled phi-2 vs. phi-2 with two ids swapped".into(),
-        ours: semlb_tokenizer::Tokenizer::bundled(),
-        reference: tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&swapped).unwrap()).unwrap(),
-    };
+    let subject = Subject::planted_difference();
     let (input, report) = run(&subject, 2_000, 42).expect_err("the planted difference is found");
     println!("shrunk to {input:?}:\n{report}");
     assert!(input.chars().count() <= 4, "shrunk to a short string, got {input:?}");

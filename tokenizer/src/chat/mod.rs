@@ -308,12 +308,7 @@ impl ChatTemplate {
 
 /// Appends the canonical rendering (see [`ChatTemplate::canonical`]).
 fn render_canonical(messages: &[ChatMessage<'_>], out: &mut String) {
-    let len = messages
-        .iter()
-        .map(|m| m.role.len() + m.content.len() + 6)
-        .sum::<usize>()
-        + 14;
-    out.reserve(len);
+    out.reserve(native::text_len(messages, 6) + 14);
     for message in messages {
         out.push_str("<|");
         out.push_str(&message.role);

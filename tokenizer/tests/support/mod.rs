@@ -64,6 +64,24 @@ impl Subject {
         Self::from_json(name, &serde_json::to_vec(json).expect("a JSON value serialises"))
     }
 
+    /// The bundled phi-2 against an HF reference whose vocabulary has the
+    /// ids of `Ġthe` and `,` swapped: a planted difference every harness
+    /// must find (it shows the harness is not vacuous).
+    pub fn planted_difference() -> Subject {
+        let mut swapped = variants::phi2().clone();
+        let vocab = swapped["model"]["vocab"]
+            .as_object_mut()
+            .expect("phi-2 has a vocabulary");
+        vocab.insert("Ġthe".into(), serde_json::json!(11));
+        vocab.insert(",".into(), serde_json::json!(262));
+        let json = serde_json::to_vec(&swapped).expect("a JSON value serialises");
+        Subject {
+            name: "bundled phi-2 vs. phi-2 with two ids swapped".into(),
+            ours: Tokenizer::bundled(),
+            reference: tokenizers::Tokenizer::from_bytes(json).expect("HF loads the swapped vocabulary"),
+        }
+    }
+
     /// Both sides from a tokenizer.json file ([`Tokenizer::from_file`] for
     /// ours).
     pub fn from_file(name: &str, path: &Path) -> Subject {

@@ -220,7 +220,7 @@ impl NativeTemplate {
 
 /// Bytes of the roles and contents of `messages`: with a per-message
 /// allowance, what a renderer reserves before writing.
-fn text_len(messages: &[ChatMessage<'_>], per_message: usize) -> usize {
+pub(super) fn text_len(messages: &[ChatMessage<'_>], per_message: usize) -> usize {
     messages
         .iter()
         .map(|m| m.role.len() + m.content.len() + per_message)
