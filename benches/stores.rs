@@ -17,9 +17,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use semlb::responder::ResponderStats;
 use semlb::store::LookupRequest;
 use semlb::store::WriteBack;
+use semlb::store::WriteStats;
 use semlb::store::redis::client::{RedisStore, WriteItem};
 use semlb::store::shm::{ShmStore, ShmWriteBack};
 use shm_layout::{Completion, LayoutPlan, ResponseKey, Segment, ServerRef, Stamp};
@@ -69,7 +69,7 @@ fn stores(c: &mut Criterion) {
     let shm = ShmStore::new(segment.clone(), 1, 600_000);
     let records: Vec<Completion> = (0..CONVERSATIONS).map(|i| record(srv[(i % 4) as usize], i)).collect();
     let mut sink = ShmWriteBack::new(segment.tables());
-    let mut stats = ResponderStats::default();
+    let mut stats = WriteStats::default();
     sink.write(&records, Stamp(1), segment.clock().now_ms(), &mut stats);
     let chains: Vec<Vec<u64>> = (0..CONVERSATIONS).map(|i| chain(i, BLOCKS)).collect();
 

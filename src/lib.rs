@@ -13,14 +13,15 @@
 //! | [`blocks`] | token ids → the chain of block hashes the shm prefix table is keyed by |
 //! | [`response_cache`] | the exact-request key of the response cache, tenants, cacheability, TTL-stamped entries |
 //! | [`routing`] | policies that choose a server from the prefix match and the shared load figures |
-//! | [`dispatcher`] | a dispatcher process's HTTP front: the OpenAI routes, the request pipeline (parse, tokenize, look up, route, proxy, relay), the gateway queue, the completion record |
+//! | [`dispatcher`] | a dispatcher process's HTTP front, one module per step in request order: routes, inference (parse, tokenize, look up), route, proxy (attempts and retries), relay, learn (the completion record), queue |
+//! | [`failure`] | why a proxied request failed: client, engine or gateway, and whether a retry may help |
 //! | [`responder`] | what a response process does with a completion record: prefix write-back, response caching |
 //! | [`config`] | `semlb serve` configuration: TOML file, flags over it, validation |
 //! | [`metrics`] | the gateway's Prometheus `/metrics`: counters in the segment's stats region, gauges read at scrape time |
 //! | [`health`] | health of the inference servers: active and passive checks, circuit breakers, `/metrics` load scraping |
 //! | [`segment_store`] | the token segments every process shares: the tokenizer's second-level cache in the shm segment |
 //! | [`size`] | human byte sizes (`256MiB`) |
-//! | [`store`] | where the routing state lives, behind one interface: shm (default) or Redis ([`store::redis`]; its client, [`store::redis::client`]: prefix entries, responses, in-flight counters, scripts and round trips) |
+//! | [`store`] | where the routing state lives, behind one interface: shm (default) or Redis ([`store::redis`]; its client, [`store::redis::client`]: prefix entries, responses, in-flight counters, scripts and round trips); what this host knows whatever the store ([`store::local`]: live candidates with fresh load, the in-flight ledger) |
 //!
 //! A dispatcher turns a request body into routing text ([`prompt`]),
 //! tokenizes it (the gateway's own tokenizer crate, which the simulator shares,
@@ -35,6 +36,7 @@ pub mod blocks;
 pub mod body;
 pub mod config;
 pub mod dispatcher;
+pub mod failure;
 pub mod health;
 pub mod metrics;
 pub mod prompt;

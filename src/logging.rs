@@ -6,7 +6,7 @@
 //! - `text` (default), one line per event for people and journald:
 //!   `2025-01-01T12:00:00.000000Z  INFO dispatcher 0: message key=value ...`
 //! - `json`, one JSON object per line for log pipelines:
-//!   `{"role":"dispatcher 0","pid":123,"timestamp":"...","level":"INFO","message":"...","key":"value",...,"target":"semlb::dispatcher::pipeline"}`
+//!   `{"role":"dispatcher 0","pid":123,"timestamp":"...","level":"INFO","message":"...","key":"value",...,"target":"semlb::dispatcher::proxy"}`
 //!   (the event's fields sit beside `message`).
 //!
 //! Every line names the process's role (`supervisor`, `dispatcher N`,

@@ -43,8 +43,8 @@ use shm_layout::{Completion, Pop, Stamp, Tables};
 
 use crate::answer::{AnswerForm, answer_text};
 use crate::blocks::BlockHasher;
-use crate::store::WriteBack;
 use crate::store::shm::ShmWriteBack;
+use crate::store::{WriteBack, WriteStats};
 
 /// The rings responder `index` of `responders` consumes.
 pub fn rings_for(index: usize, responders: usize, ring_count: usize) -> impl Iterator<Item = usize> {
@@ -80,6 +80,19 @@ pub struct ResponderStats {
     pub answer_tokens: u64,
     /// Answers whose text could not be read (the prompt is still learned).
     pub unreadable_answers: u64,
+}
+
+impl ResponderStats {
+    /// Adds what a store's write did.
+    fn add(&mut self, w: &WriteStats) {
+        self.records += w.records;
+        self.blocks += w.blocks;
+        self.responses_stored += w.responses_stored;
+        self.responses_too_large += w.responses_too_large;
+        self.writeback_failures += w.writeback_failures;
+        self.writeback_dropped += w.writeback_dropped;
+        self.evictions += w.evictions;
+    }
 }
 
 /// A response process's write-back: it reads the segment's rings and server
@@ -202,8 +215,9 @@ impl<'a> Responder<'a> {
             return false;
         }
         self.complete(record);
-        self.sink
-            .write(std::slice::from_ref(record), now, now_ms, &mut self.stats);
+        let mut written = WriteStats::default();
+        self.sink.write(std::slice::from_ref(record), now, now_ms, &mut written);
+        self.stats.add(&written);
         true
     }
 
@@ -244,7 +258,9 @@ impl<'a> Responder<'a> {
                 }
             }
         }
-        self.sink.write(&self.batch[..len], now, now_ms, &mut self.stats);
+        let mut written = WriteStats::default();
+        self.sink.write(&self.batch[..len], now, now_ms, &mut written);
+        self.stats.add(&written);
         taken
     }
 }

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use std::sync::Arc;
 
 use semlb::config::RedisConfig;
-use semlb::responder::ResponderStats;
 use semlb::routing::{self, PolicyConfig, PolicyKind, RouteInput};
+use semlb::store::WriteStats;
 use semlb::store::redis::client::{InflightLoad, LANES, RedisStore, StoreError};
 use semlb::store::redis::{RedisRouting, RedisWriteBack};
 use semlb::store::shm::{ShmStore, ShmWriteBack};
@@ -303,8 +303,8 @@ fn both_stores_give_the_same_routing_decisions() {
             response.as_ref().map(|(k, b)| (*k, b.as_slice())),
         ));
     }
-    let mut shm_stats = ResponderStats::default();
-    let mut redis_stats = ResponderStats::default();
+    let mut shm_stats = WriteStats::default();
+    let mut redis_stats = WriteStats::default();
     for (i, batch) in records.chunks(7).enumerate() {
         let now_ms = seg.clock().now_ms();
         shm_sink.write(batch, Stamp(i as u16 + 1), now_ms, &mut shm_stats);

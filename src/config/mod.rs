@@ -136,7 +136,6 @@ use shm_layout::plan::{MAX_SEGMENT_BYTES, MIN_SEGMENT_BYTES, PROCESS_SLOTS, RING
 
 use crate::routing::{PolicyConfig, PolicyKind};
 use crate::size::ByteSize;
-use crate::store::{RedisLookup, StoreKind};
 
 mod backend;
 mod sections;

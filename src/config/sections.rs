@@ -1,20 +1,84 @@
 //! The optional sections: `[response_cache]`, `[store]` (`[store.redis]`),
 //! `[limits]`, `[health]`, `[admin]`, with their defaults.
 
+use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::str::FromStr;
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use shm_layout::plan::DEFAULT_MAX_RESPONSE_FRACTION;
 
 use super::{ConfigError, MAX_ADMIN_TOKEN_BYTES, MIN_ADMIN_TOKEN_BYTES, optional_socket_addr, quoted};
 use crate::size::ByteSize;
-use crate::store::{RedisLookup, StoreKind};
 
 /// Who may be answered with a cached response (`response_cache.scope`:
 /// `"tenant"` or `"global"`).
 pub use crate::response_cache::Scope as CacheScope;
+
+/// Which store holds the routing state (`store.kind`, `--store`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreKind {
+    /// The host's shared-memory segment.
+    #[default]
+    Shm,
+    /// A Redis server (`store.redis.url`).
+    Redis,
+}
+
+impl StoreKind {
+    /// The name in configuration and on the command line.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Shm => "shm",
+            Self::Redis => "redis",
+        }
+    }
+}
+
+impl fmt::Display for StoreKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for StoreKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "shm" => Ok(Self::Shm),
+            "redis" => Ok(Self::Redis),
+            _ => Err(format!("unknown store {s:?}: expected shm or redis")),
+        }
+    }
+}
+
+/// How a Redis store finds the longest prefix (`store.redis.lookup`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RedisLookup {
+    /// One round trip: a server-side script walks the chain.
+    #[default]
+    Script,
+    /// One round trip per block until the first miss: the sLLM paper's
+    /// baseline, kept for comparison.
+    Naive,
+}
+
+impl FromStr for RedisLookup {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "script" => Ok(Self::Script),
+            "naive" => Ok(Self::Naive),
+            _ => Err(format!("unknown Redis lookup {s:?}: expected script or naive")),
+        }
+    }
+}
 
 /// The exact-response cache (`[response_cache]`).
 #[derive(Debug, Clone, PartialEq, Deserialize)]

@@ -1270,3 +1270,12 @@ fn resolve_reads_applies_and_validates() {
     assert!(msg.contains("line 2"), "{msg}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn store_names_parse_back() {
+    for kind in [StoreKind::Shm, StoreKind::Redis] {
+        assert_eq!(kind.name().parse::<StoreKind>(), Ok(kind));
+    }
+    assert!("memcached".parse::<StoreKind>().unwrap_err().contains("shm or redis"));
+    assert_eq!("naive".parse::<RedisLookup>(), Ok(RedisLookup::Naive));
+}

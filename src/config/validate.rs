@@ -81,15 +81,10 @@ impl ServeConfig {
             ));
         }
         self.validate_backends()?;
-        if let Err(message) = self.policy.validate() {
-            // `PolicyConfig` says `key = value: reason` relative to its table.
-            let parts = message
-                .split_once(" = ")
-                .and_then(|(key, rest)| Some((key, rest.split_once(": ")?)));
-            return Err(match parts {
-                Some((key, (value, reason))) => E::invalid(format!("policy.{key}"), value, reason),
-                None => E::invalid("policy.kind", quoted(self.policy.kind.name()), message),
-            });
+        if let Err(e) = self.policy.validate() {
+            // The field is relative to `[policy]`.
+            let e = e.within("policy");
+            return Err(E::invalid(e.field, e.value, e.reason));
         }
         self.validate_response_cache()?;
         self.validate_limits()?;

@@ -11,7 +11,8 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
 
 /// Error type of response bodies.
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -23,6 +24,14 @@ pub(crate) type Body = UnsyncBoxBody<Bytes, BoxError>;
 pub(crate) const BACKEND_HEADER: &str = "x-semlb-backend";
 /// Header telling what the response cache did: `hit`, `miss` or `bypass`.
 pub(crate) const CACHE_HEADER: &str = "x-semlb-cache";
+/// Header carrying where an inference request's dispatch time went
+/// (`timing::DispatchTiming`).
+pub(crate) const DISPATCH_HEADER: &str = "x-semlb-dispatch-ns";
+/// Header naming why the server was chosen ([`crate::routing::Reason::name`]).
+pub(crate) const ROUTE_HEADER: &str = "x-semlb-route";
+/// Header carrying the milliseconds a request waited in the gateway queue
+/// (absent when it did not wait).
+pub(crate) const QUEUE_HEADER: &str = "x-semlb-queue-ms";
 
 /// A body of `bytes`.
 pub(crate) fn full_body(bytes: impl Into<Bytes>) -> Body {
@@ -62,6 +71,34 @@ pub(crate) fn error_response(status: StatusCode, message: impl Into<String>, cod
         }
     });
     json_response(status, &body)
+}
+
+/// Reads a request body of at most `max` bytes (413 beyond, from
+/// `Content-Length` or while reading; 400 when it cannot be read).
+pub(crate) async fn read_body(headers: &HeaderMap, body: Incoming, max: usize) -> Result<Bytes, Response<Body>> {
+    let too_large = || {
+        error_response(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the request body is larger than the limit of {max} bytes"),
+            Some("payload_too_large"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(body, max).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(too_large()),
+        Err(e) => Err(error_response(
+            StatusCode::BAD_REQUEST,
+            format!("could not read the request body: {e}"),
+            None,
+        )),
+    }
 }
 
 /// Sets header `name` to a constant `value` (no check at run time: the

@@ -43,8 +43,10 @@
 //!    `limits.retries` times, then 502. Failures also count towards the
 //!    server's passive health check ([`crate::health::PassiveHealth`]): at
 //!    `health.unhealthy_threshold` in a row it is set `Down` for every
-//!    dispatcher. The answer is streamed through as it arrives
-//!    (`relay::Relay`); a client that leaves drops the upstream request.
+//!    dispatcher; failures of the client or the gateway itself do not
+//!    count ([`crate::failure::Origin`]). The answer is streamed through as
+//!    it arrives (`relay::Relay`); a client that leaves drops the upstream
+//!    request.
 //! 6. **Learning**: a complete 2xx answer becomes a completion record —
 //!    prompt chain, chain of prompt + answer, token counts and, for a
 //!    cacheable non-streaming 200, the body — pushed into this dispatcher's
@@ -56,6 +58,25 @@
 //! looked up or refreshed and may be stored; `bypass`: the cache was not
 //! involved) and `x-semlb-backend: <server address | cache>`.
 //!
+//! # Modules, in request order
+//!
+//! | module | step |
+//! | --- | --- |
+//! | `routes` | the route table: which handler answers a method and path; `/health`, `/metrics`, the generic `/v1/*` proxy |
+//! | `inference` | the front half of an inference request: body → parse → tokens → block chain → cache key → lookup; cached answers |
+//! | `route` | one attempt's routing decision (policy, or least load for other routes), the holding policies' check once counted, passive health |
+//! | `proxy` | the attempts of one request: route, send, retry elsewhere on a retryable [`crate::failure::Failure`], then the gateway's headers |
+//! | `relay` | the answer streamed to the client as it arrives, with a copy kept to learn from |
+//! | `learn` | the completion record a finished answer becomes, pushed into this dispatcher's ring |
+//! | `queue` | the gateway queue of the holding policies and its pump |
+//! | `models` | `GET /v1/models`: the live servers' lists merged |
+//! | `inflight`, `timing`, `policy`, `http`, `sse` | a request's in-flight count; its dispatch timing; the swappable policy; HTTP helpers and OpenAI errors; SSE replay of cached answers |
+//!
+//! [`Dispatcher`] is defined here, with every method it has; its parts are
+//! private to this file, and the steps reach them through accessors. The
+//! steps depend on each other only downwards in this table's order
+//! (`tests/architecture.rs` checks that files import no cycle).
+//!
 //! # Serving
 //!
 //! [`serve`] accepts HTTP/1.1 (keep-alive, `TCP_NODELAY`) until its
@@ -64,14 +85,22 @@
 //! timeout. Upstream connections are pooled and also use `TCP_NODELAY`.
 
 mod http;
-mod pipeline;
+mod inference;
+mod inflight;
+mod learn;
+mod models;
+mod policy;
+mod proxy;
 mod queue;
 mod relay;
+mod route;
+mod routes;
 mod sse;
+mod timing;
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -89,10 +118,15 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::config::ServeConfig;
+use crate::health::PassiveHealth;
 use crate::metrics::Metrics;
-use crate::routing::{Choice, Policy, PolicyConfig, RouteInput};
+use crate::routing::PolicyConfig;
+use crate::routing::least_load::LeastLoad;
 use crate::store::RoutingStore;
+use crate::store::local::LocalState;
 use crate::store::shm::ShmStore;
+
+pub use policy::SwappablePolicy;
 
 /// Who this dispatcher is in the segment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,50 +166,12 @@ pub struct StatsSnapshot {
     pub records_dropped: u64,
 }
 
-/// The routing policy of a dispatcher, replaceable while it serves (a
-/// configuration reload). Choosing takes an uncontended read lock (one
-/// atomic operation); a replacement waits for the choices in progress, and
-/// the next choice uses the new policy.
-#[derive(Debug)]
-pub struct SwappablePolicy(RwLock<Arc<dyn Policy>>);
-
-impl SwappablePolicy {
-    /// Starts with `policy`.
-    pub fn new(policy: Box<dyn Policy>) -> Self {
-        Self(RwLock::new(Arc::from(policy)))
-    }
-
-    /// The current policy's choice (see [`Policy::choose`]).
-    pub fn choose(&self, input: &RouteInput<'_>) -> Option<Choice> {
-        self.current().choose(input)
-    }
-
-    /// The current policy's name.
-    pub fn name(&self) -> &'static str {
-        self.current().name()
-    }
-
-    /// The current policy itself (held by the gateway queue's pump for one
-    /// look at the queue).
-    pub fn current_arc(&self) -> Arc<dyn Policy> {
-        self.current().clone()
-    }
-
-    /// Replaces the policy; the next choice uses `policy`.
-    pub fn replace(&self, policy: Box<dyn Policy>) {
-        *self.0.write().unwrap_or_else(|e| e.into_inner()) = Arc::from(policy);
-    }
-
-    fn current(&self) -> std::sync::RwLockReadGuard<'_, Arc<dyn Policy>> {
-        // A panic while holding the lock leaves a valid policy behind.
-        self.0.read().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
 /// The pooled upstream HTTP client.
 type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
 
 /// Everything a dispatcher needs to serve requests; shared by its tasks.
+/// Its parts are private to this file: the request's steps (the child
+/// modules) reach them through the accessors below.
 #[derive(Debug)]
 pub struct Dispatcher {
     segment: Arc<Segment>,
@@ -184,9 +180,14 @@ pub struct Dispatcher {
     tokenizer: Tokenizer,
     template: ChatTemplate,
     policy: SwappablePolicy,
+    /// How requests that are not inference choose a server.
+    least_load: LeastLoad,
     store: Arc<dyn RoutingStore>,
+    /// The host's candidates (the queue and the holding policies' checks
+    /// read them whatever the store).
+    local: LocalState,
     client: UpstreamClient,
-    health: crate::health::PassiveHealth,
+    health: PassiveHealth,
     queue: queue::GatewayQueue,
     /// The tokenizer's segment counters last added to the metrics.
     segments_reported: std::sync::Mutex<semlb_tokenizer::SegmentCacheStats>,
@@ -205,6 +206,7 @@ impl Dispatcher {
         let policy = SwappablePolicy::new(crate::routing::build(&config.policy));
         let ttl_ms = config.response_cache.ttl_secs.saturating_mul(1000);
         let store = Arc::new(ShmStore::new(segment.clone(), identity.slot, ttl_ms));
+        let local = LocalState::new(segment.clone(), identity.slot);
         let mut connector = HttpConnector::new();
         // Without it, small SSE writes wait for delayed ACKs (~40 ms each).
         connector.set_nodelay(true);
@@ -216,7 +218,7 @@ impl Dispatcher {
             .build(connector);
         Self {
             // Before `config` moves into the struct.
-            health: crate::health::PassiveHealth::new(&config.health),
+            health: PassiveHealth::new(&config.health),
             queue: queue::GatewayQueue::new(config.policy.queue, config.dispatchers),
             segment,
             identity,
@@ -224,7 +226,9 @@ impl Dispatcher {
             tokenizer,
             template,
             policy,
+            least_load: LeastLoad::new(),
             store,
+            local,
             client,
             segments_reported: std::sync::Mutex::default(),
         }
@@ -304,6 +308,54 @@ impl Dispatcher {
     fn block_tokens(&self) -> u32 {
         u32::try_from(self.config.block_size.max(1)).unwrap_or(u32::MAX)
     }
+
+    // The parts the request's steps use.
+
+    fn segment(&self) -> &Arc<Segment> {
+        &self.segment
+    }
+
+    fn config(&self) -> &ServeConfig {
+        &self.config
+    }
+
+    fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    fn template(&self) -> &ChatTemplate {
+        &self.template
+    }
+
+    fn policy(&self) -> &SwappablePolicy {
+        &self.policy
+    }
+
+    fn least_load(&self) -> &LeastLoad {
+        &self.least_load
+    }
+
+    fn local(&self) -> &LocalState {
+        &self.local
+    }
+
+    fn client(&self) -> &UpstreamClient {
+        &self.client
+    }
+
+    fn passive_health(&self) -> &PassiveHealth {
+        &self.health
+    }
+
+    fn queue(&self) -> &queue::GatewayQueue {
+        &self.queue
+    }
+
+    /// A request started or ended, or got its first token: a server may
+    /// have room now, so the gateway queue looks again.
+    fn wake_queue(&self) {
+        self.queue.wake();
+    }
 }
 
 /// Serves HTTP on `listener` until `shutdown` resolves, then stops
@@ -351,7 +403,7 @@ async fn serve_connection(stream: TcpStream, dispatcher: Arc<Dispatcher>, mut st
     let _ = stream.set_nodelay(true);
     let service = service_fn(move |request| {
         let dispatcher = dispatcher.clone();
-        async move { Ok::<_, Infallible>(pipeline::handle(dispatcher, request).await) }
+        async move { Ok::<_, Infallible>(routes::handle(dispatcher, request).await) }
     });
     let mut builder = http1::Builder::new();
     builder.timer(TokioTimer::new()).keep_alive(true);

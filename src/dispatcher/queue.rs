@@ -54,22 +54,20 @@ use shm_layout::{PrefixMatch, ServerRef};
 use tokio::sync::{Notify, oneshot};
 
 use super::Dispatcher;
-use super::relay::InflightGuard;
+use super::inflight::InflightGuard;
 use crate::metrics::QueueOutcome;
 use crate::routing::{Candidate, Choice, QueueParams, RouteInput};
-use crate::store::LookupRequest;
-use crate::store::shm::local_lookup;
 
 /// A request routed out of the queue: the choice, already counted in flight.
 #[derive(Debug)]
-pub(crate) struct Admitted {
+pub(super) struct Admitted {
     pub choice: Choice,
     pub guard: InflightGuard,
 }
 
 /// Why a request left the queue without a server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum QueueExit {
+pub(super) enum QueueExit {
     /// The queue was full.
     Full,
     /// It waited `max_wait_ms`.
@@ -78,7 +76,7 @@ pub(crate) enum QueueExit {
 
 /// What a queued request is routed by.
 #[derive(Debug)]
-pub(crate) struct Waiting {
+pub(super) struct Waiting {
     pub chain: Vec<u64>,
     pub prompt_tokens: u32,
     pub session: Option<u64>,
@@ -104,7 +102,7 @@ struct State {
 
 /// A dispatcher's gateway queue.
 #[derive(Debug)]
-pub(crate) struct GatewayQueue {
+pub(super) struct GatewayQueue {
     state: Mutex<State>,
     wake: Notify,
     params: Mutex<QueueParams>,
@@ -154,35 +152,33 @@ impl GatewayQueue {
     }
 }
 
-impl Dispatcher {
-    /// Queues `request` until its policy routes it, it waits too long, or
-    /// the queue is full.
-    pub(crate) async fn wait_in_queue(self: &Arc<Self>, request: Waiting) -> Result<Admitted, QueueExit> {
-        let queue = &self.queue;
-        let (tx, rx) = oneshot::channel();
-        {
-            let mut state = queue.lock();
-            if state.waiters.len() >= queue.share() {
-                return Err(QueueExit::Full);
-            }
-            state.waiters.push_back(Waiter {
-                request,
-                since: Instant::now(),
-                reply: tx,
-            });
-            if !state.pump_running {
-                state.pump_running = true;
-                tokio::spawn(pump(self.clone()));
-            }
+/// Queues `request` in `dispatcher`'s queue until its policy routes it, it
+/// waits too long, or the queue is full.
+pub(super) async fn wait_in_queue(dispatcher: &Arc<Dispatcher>, request: Waiting) -> Result<Admitted, QueueExit> {
+    let queue = dispatcher.queue();
+    let (tx, rx) = oneshot::channel();
+    {
+        let mut state = queue.lock();
+        if state.waiters.len() >= queue.share() {
+            return Err(QueueExit::Full);
         }
-        self.metrics().queue_entered();
-        queue.wake();
-        // The pump answers every waiter; a vanished pump (a panic) is a timeout.
-        let exit = queue.params().max_wait_ms.saturating_add(1000);
-        match tokio::time::timeout(Duration::from_millis(exit), rx).await {
-            Ok(Ok(answer)) => answer,
-            _ => Err(QueueExit::Timeout),
+        state.waiters.push_back(Waiter {
+            request,
+            since: Instant::now(),
+            reply: tx,
+        });
+        if !state.pump_running {
+            state.pump_running = true;
+            tokio::spawn(pump(dispatcher.clone()));
         }
+    }
+    dispatcher.metrics().queue_entered();
+    queue.wake();
+    // The pump answers every waiter; a vanished pump (a panic) is a timeout.
+    let exit = queue.params().max_wait_ms.saturating_add(1000);
+    match tokio::time::timeout(Duration::from_millis(exit), rx).await {
+        Ok(Ok(answer)) => answer,
+        _ => Err(QueueExit::Timeout),
     }
 }
 
@@ -191,22 +187,13 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
     let mut candidates: Vec<Candidate> = Vec::new();
     let mut kept: Vec<Candidate> = Vec::new();
     loop {
-        let params = dispatcher.queue.params();
-        let lookup = local_lookup(
-            &dispatcher.segment,
-            LookupRequest {
-                response_key: None,
-                chain: &[],
-                exclude: &[],
-                stale_after_ms: dispatcher.config.health.stale_after_ms,
-            },
-            None,
-        );
-        candidates.clear();
-        candidates.extend(lookup.candidates);
+        let queue = dispatcher.queue();
+        let params = queue.params();
+        let stale_after_ms = dispatcher.config().health.stale_after_ms;
+        dispatcher.local().candidates(&[], stale_after_ms, &mut candidates);
         {
-            let policy = dispatcher.policy.current_arc();
-            let mut state = dispatcher.queue.lock();
+            let policy = dispatcher.policy().current_arc();
+            let mut state = queue.lock();
             let max_wait = Duration::from_millis(params.max_wait_ms);
             let mut i = 0;
             while i < state.waiters.len() {
@@ -257,13 +244,13 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
                     candidates.retain(|c| c.server != choice.server);
                     continue;
                 };
-                let counted = dispatcher.counted_candidate(choice.server);
+                let counted = dispatcher.local().candidate(choice.server, stale_after_ms);
                 if !policy.admits(&counted) {
                     // Another dispatcher filled it since the read: it stays
                     // full for this look.
                     drop(guard);
                     if let Some(c) = candidates.iter_mut().find(|c| c.server == choice.server) {
-                        *c = dispatcher.counted_candidate(choice.server);
+                        *c = counted;
                     }
                     i += 1;
                     continue;
@@ -291,7 +278,7 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
         }
         let recheck = Duration::from_millis(params.recheck_ms);
         tokio::select! {
-            () = dispatcher.queue.wake.notified() => {}
+            () = queue.wake.notified() => {}
             () = tokio::time::sleep(recheck) => {}
         }
     }

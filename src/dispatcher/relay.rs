@@ -10,7 +10,7 @@
 //! also cancels the upstream request).
 //!
 //! When a 2xx body ends normally, the [`Learn`] context becomes a
-//! completion record ([`Dispatcher::push_completion`]): the prompt chain,
+//! completion record ([`push_completion`]): the prompt chain,
 //! the answer as it came (the JSON body, or the event stream) with the
 //! prompt's last partial block (a response process reads the answer's text
 //! out of it, tokenizes it and hashes the chain of prompt + answer:
@@ -35,15 +35,16 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
-use shm_layout::{CompletionRecord, ContinuationRef, ResponseKey, ServerRef};
 use std::time::Instant;
-
 use tokio::time::Sleep;
 
 use super::Dispatcher;
 use super::http::{Body, BoxError};
-use crate::answer::{AnswerForm, EventStreamText, answer_text};
-use crate::blocks::BlockHasher;
+use super::inflight::InflightGuard;
+use super::learn::{Learn, push_completion};
+use super::route::{passive_failure, passive_success};
+use crate::answer::{AnswerForm, EventStreamText};
+use crate::failure::Failure;
 
 /// Largest non-streaming answer kept to learn from (bytes).
 const MAX_JSON_CAPTURE: usize = 32 << 20;
@@ -52,60 +53,11 @@ const MAX_JSON_CAPTURE: usize = 32 << 20;
 /// chat tokens); a longer one is read as it passes and only its text kept.
 pub(crate) const RAW_STREAM_BYTES: usize = 16 << 10;
 
-/// Counts one request as in flight to a server in the store (the shm
-/// ledger, and on Redis the published counts) while it lives, and as
-/// pending until [`first_token`](Self::first_token); dropping it ends the
-/// request (exactly once). Both events wake the dispatcher's gateway queue:
-/// a server may have room now.
-#[derive(Debug)]
-pub(crate) struct InflightGuard {
-    dispatcher: Arc<Dispatcher>,
-    server: ServerRef,
-    tokens: u64,
-    started: bool,
-}
-
-impl InflightGuard {
-    /// Begins a request of `tokens` prompt tokens to `server`; `None` if the
-    /// registration is stale.
-    pub fn begin(dispatcher: &Arc<Dispatcher>, server: ServerRef, tokens: u64) -> Option<Self> {
-        dispatcher.store.begin_request(server, tokens).then(|| Self {
-            dispatcher: dispatcher.clone(),
-            server,
-            tokens,
-            started: false,
-        })
-    }
-
-    /// The server this request went to.
-    pub fn server(&self) -> ServerRef {
-        self.server
-    }
-
-    /// The answer's first token arrived: no longer pending (once).
-    pub fn first_token(&mut self) {
-        if !self.started {
-            self.started = true;
-            self.dispatcher.store.first_token(self.server, self.tokens);
-            self.dispatcher.queue.wake();
-        }
-    }
-}
-
-impl Drop for InflightGuard {
-    fn drop(&mut self) {
-        self.dispatcher
-            .store
-            .end_request(self.server, self.tokens, self.started);
-        self.dispatcher.queue.wake();
-    }
-}
-
 /// Records an inference request's TTFT (first body frame relayed) and
 /// end-to-end duration (when dropped: the body ended, failed, or the client
 /// left) into the dispatcher's metrics, both from the request's arrival.
 #[derive(Debug)]
-pub(crate) struct RelayTimer {
+pub(super) struct RelayTimer {
     dispatcher: Arc<Dispatcher>,
     start: Instant,
     first_frame: bool,
@@ -137,27 +89,6 @@ impl Drop for RelayTimer {
             .metrics()
             .observe_duration(crate::metrics::DURATION, self.start.elapsed());
     }
-}
-
-/// What a finished answer teaches: everything of the request the completion
-/// record needs.
-#[derive(Debug)]
-pub(crate) struct Learn {
-    /// The server that answered.
-    pub server: ServerRef,
-    /// The prompt's length in tokens.
-    pub prompt_tokens: u32,
-    /// The prompt's tokens after its last full block.
-    pub tail: Vec<u32>,
-    /// The prompt's block chain.
-    pub chain: Vec<u64>,
-    /// The hasher the chain was made with.
-    pub hasher: BlockHasher,
-    /// Where to cache the body, when it may be cached.
-    pub cache_key: Option<ResponseKey>,
-    /// Whether it is a chat request (its answer comes back as an assistant
-    /// message in the next turn).
-    pub chat: bool,
 }
 
 /// The copy of the answer a relay keeps.
@@ -208,12 +139,13 @@ impl Capture {
 
 /// The response body of a proxied request (see the module docs).
 #[derive(Debug)]
-pub(crate) struct Relay {
+pub(super) struct Relay {
+    dispatcher: Arc<Dispatcher>,
     inner: Incoming,
     deadline: Pin<Box<Sleep>>,
     guard: Option<InflightGuard>,
     capture: Option<Capture>,
-    learn: Option<(Arc<Dispatcher>, Learn)>,
+    learn: Option<Learn>,
     finished: bool,
     timer: Option<RelayTimer>,
 }
@@ -223,10 +155,11 @@ impl Relay {
     /// answer) makes a completion record when it ends; `sse` tells how to
     /// read the answer; `timer` records its latency metrics.
     pub fn new(
+        dispatcher: Arc<Dispatcher>,
         inner: Incoming,
         deadline: Pin<Box<Sleep>>,
         guard: InflightGuard,
-        learn: Option<(Arc<Dispatcher>, Learn)>,
+        learn: Option<Learn>,
         sse: bool,
         timer: Option<RelayTimer>,
     ) -> Self {
@@ -241,6 +174,7 @@ impl Relay {
             }
         });
         Self {
+            dispatcher,
             inner,
             deadline,
             guard: Some(guard),
@@ -259,18 +193,20 @@ impl Relay {
     fn fail(&mut self) {
         self.finished = true;
         if let Some(g) = self.guard.take() {
-            g.dispatcher.metrics().upstream(g.server.slot, false);
+            let server = g.server();
+            self.dispatcher.metrics().upstream(server.slot, false);
             // Passive health check: the body was cut or timed out.
-            let address = g
+            let address = self
                 .dispatcher
-                .segment
+                .segment()
                 .tables()
                 .servers
-                .get(g.server.slot)
-                .map(|i| i.address);
-            let address = address.as_deref().unwrap_or("?");
-            g.dispatcher
-                .passive_failure(g.server, address, "the answer's body failed");
+                .get(server.slot)
+                .map_or_else(|| "?".to_owned(), |i| i.address);
+            let failure = Failure::Body {
+                address: address.clone(),
+            };
+            passive_failure(&self.dispatcher, server, &address, &failure);
         }
         self.learn = None;
         self.capture = None;
@@ -282,14 +218,14 @@ impl Relay {
         self.timer = None;
         if let Some(g) = self.guard.take() {
             // Passive health check: answered in full.
-            g.dispatcher.passive_success(g.server);
-            g.dispatcher.metrics().upstream(g.server.slot, true);
+            passive_success(&self.dispatcher, g.server());
+            self.dispatcher.metrics().upstream(g.server().slot, true);
         }
-        let (Some((dispatcher, learn)), Some(capture)) = (self.learn.take(), self.capture.take()) else {
+        let (Some(learn), Some(capture)) = (self.learn.take(), self.capture.take()) else {
             return;
         };
         if let Some((form, answer)) = capture.into_answer() {
-            dispatcher.push_completion(learn, form, answer);
+            push_completion(&self.dispatcher, learn, form, answer);
         }
     }
 }
@@ -349,77 +285,5 @@ impl HttpBody for Relay {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
-    }
-}
-
-impl Dispatcher {
-    /// Builds the completion record of a finished answer (`answer`, in
-    /// `form`) and pushes it into this dispatcher's ring (never waits; a
-    /// full ring drops it).
-    pub(crate) fn push_completion(&self, learn: Learn, form: AnswerForm, answer: Vec<u8>) {
-        let tables = self.segment.tables();
-        if self.identity.ring >= tables.ring_count() {
-            self.metrics().record(false);
-            return;
-        }
-        let ring = tables.ring(self.identity.ring);
-        let max = ring.max_record();
-        // A cacheable JSON answer is the response to store: carried once.
-        let cached = match learn.cache_key {
-            Some(key) if form == AnswerForm::Json && answer.len() + 8 <= tables.responses.max_value() => Some(key),
-            _ => None,
-        };
-        let mut record = CompletionRecord {
-            server: learn.server,
-            prompt_tokens: learn.prompt_tokens,
-            // 0: the response process counts the answer's tokens.
-            output_tokens: 0,
-            prompt_blocks: &learn.chain,
-            full_blocks: &[],
-            continuation: Some(ContinuationRef {
-                root: learn.hasher.root(),
-                block_size: u32::try_from(learn.hasher.block_size()).unwrap_or(u32::MAX),
-                tail: &learn.tail,
-                form: form.to_byte(learn.chat),
-                answer: if cached.is_some() { None } else { Some(&answer) },
-            }),
-            response: cached.map(|key| (key, &answer[..])),
-        };
-        // Too large: leave out the response; then read the answer's text
-        // here and carry only that, shortened if need be (its leading
-        // blocks are the ones the next turn reuses); then keep only the
-        // prompt's leading blocks (the ones that route the conversation).
-        let text;
-        if record.encoded_len() > max && record.response.is_some() {
-            record.response = None;
-            if let Some(c) = record.continuation.as_mut() {
-                c.answer = Some(&answer);
-            }
-        }
-        if record.encoded_len() > max && form != AnswerForm::Text {
-            text = answer_text(form, &answer).map(|(t, _)| t).unwrap_or_default();
-            if let Some(c) = record.continuation.as_mut() {
-                c.form = AnswerForm::Text.to_byte(learn.chat);
-                c.answer = Some(text.as_bytes());
-            }
-        }
-        let over = record.encoded_len().saturating_sub(max);
-        if over > 0
-            && let Some(c) = record.continuation.as_mut()
-            && let Some(answer) = c.answer
-            && c.form == AnswerForm::Text.to_byte(learn.chat)
-            && let Ok(text) = std::str::from_utf8(answer)
-        {
-            let keep = text.len().saturating_sub(over);
-            c.answer = Some(&text.as_bytes()[..text.floor_char_boundary(keep)]);
-        }
-        if record.encoded_len() > max {
-            record.continuation = None;
-            let room = max.saturating_sub(record.encoded_len() - 8 * learn.chain.len()) / 8;
-            record.prompt_blocks = &learn.chain[..learn.chain.len().min(room)];
-        }
-        let mut buf = Vec::with_capacity(record.encoded_len());
-        record.encode_into(&mut buf);
-        self.metrics().record(ring.push(&buf).is_ok());
     }
 }

@@ -50,13 +50,13 @@
 //!
 //! # Where staleness is applied
 //!
-//! In [`crate::store::shm::local_lookup`], the one place where both stores
-//! (shm, and the shm part of a Redis lookup) turn the server table into the
-//! candidates a policy sees: it has the segment (hence its clock), and the
-//! bound comes with the request ([`crate::store::LookupRequest::stale_after_ms`])
-//! from the dispatcher's configuration. [`crate::routing::live_candidates`]
-//! stays a plain read of the table (no clock, no configuration), as the
-//! benchmarks, `/health` and `/v1/models` use it.
+//! In [`crate::store::local::LocalState`], the one place where both stores,
+//! the gateway queue and a holding policy's check turn the server table
+//! into the candidates a policy sees: it has the segment (hence its
+//! clock), and the bound comes from the dispatcher's configuration.
+//! [`crate::routing::live_candidates`] stays a plain read of the table (no
+//! clock, no configuration), as the benchmarks, `/health` and `/v1/models`
+//! use it.
 
 pub mod breaker;
 pub mod checker;

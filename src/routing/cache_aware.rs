@@ -71,7 +71,7 @@ use std::sync::atomic::AtomicU64;
 use serde::{Deserialize, Serialize};
 
 use super::least_load::least_loaded;
-use super::{Candidate, Choice, Policy, Reason, RouteInput, best_prefix};
+use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, best_prefix};
 
 /// Tuning of the [`CacheAware`] policy (SGLang's `CacheAwareConfig`
 /// thresholds; see the [module docs](self) for the rule).
@@ -107,19 +107,19 @@ impl Default for CacheAwareParams {
 impl CacheAwareParams {
     /// Checks the ranges; the error names the field, its value and the
     /// reason (`cache_threshold = 1.5: must be ...`).
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidParam> {
         if !(0.0..=1.0).contains(&self.cache_threshold) {
-            return Err(format!(
-                "cache_threshold = {}: must be between 0.0 and 1.0 (the fraction of the prompt's blocks \
-                 a server must hold)",
-                self.cache_threshold
+            return Err(InvalidParam::new(
+                "cache_threshold",
+                self.cache_threshold,
+                "must be between 0.0 and 1.0 (the fraction of the prompt's blocks a server must hold)",
             ));
         }
         if !(self.balance_rel_threshold.is_finite() && self.balance_rel_threshold >= 1.0) {
-            return Err(format!(
-                "balance_rel_threshold = {}: must be a finite number >= 1.0 (a ratio of the busiest to the \
-                 least busy server's load)",
-                self.balance_rel_threshold
+            return Err(InvalidParam::new(
+                "balance_rel_threshold",
+                self.balance_rel_threshold,
+                "must be a finite number >= 1.0 (a ratio of the busiest to the least busy server's load)",
             ));
         }
         Ok(())

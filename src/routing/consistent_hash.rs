@@ -33,7 +33,7 @@ use serde::{Deserialize, Serialize};
 
 use super::least_load::least_loaded;
 use super::ring::HashRing;
-use super::{Candidate, Choice, Policy, Reason, RouteInput, SessionSource, in_range, in_range_f64};
+use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, SessionSource, in_range, in_range_f64};
 
 /// Tuning of the [`ConsistentHash`] policy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -71,10 +71,14 @@ impl Default for ConsistentHashParams {
 
 impl ConsistentHashParams {
     /// Checks the ranges; the error names the field, its value and the reason.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidParam> {
         for h in &self.key_headers {
             if http::HeaderName::from_bytes(h.as_bytes()).is_err() {
-                return Err(format!("key_headers = {h:?}: not a valid header name"));
+                return Err(InvalidParam::new(
+                    "key_headers",
+                    format!("{h:?}"),
+                    "not a valid header name",
+                ));
             }
         }
         in_range(
@@ -288,12 +292,17 @@ mod tests {
             key_headers: vec!["bad header".into()],
             ..ConsistentHashParams::default()
         };
-        assert!(bad.validate().unwrap_err().contains("not a valid header name"));
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("not a valid header name")
+        );
         let bad = ConsistentHashParams {
             load_epsilon: -1.0,
             ..ConsistentHashParams::default()
         };
-        assert!(bad.validate().unwrap_err().starts_with("load_epsilon = -1"));
+        assert!(bad.validate().unwrap_err().to_string().starts_with("load_epsilon = -1"));
         let p = ConsistentHash::new(ConsistentHashParams {
             key_headers: vec!["X-Tenant".into()],
             user_field: false,

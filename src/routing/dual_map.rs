@@ -61,7 +61,7 @@ use serde::{Deserialize, Serialize};
 
 use super::least_load::least_loaded_where;
 use super::ring::HashRing;
-use super::{Candidate, Choice, Policy, Reason, RouteInput, in_range, in_range_f64};
+use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, in_range, in_range_f64};
 
 /// Tuning of the [`DualMap`] policy.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -108,7 +108,7 @@ impl Default for DualMapParams {
 
 impl DualMapParams {
     /// Checks the ranges; the error names the field, its value and the reason.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidParam> {
         in_range(
             "min_prefix_blocks",
             u64::from(self.min_prefix_blocks),
@@ -584,11 +584,21 @@ mod tests {
             min_prefix_blocks: 4,
             ..DualMapParams::default()
         };
-        assert!(bad.validate().unwrap_err().starts_with("max_prefix_blocks = 1"));
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .starts_with("max_prefix_blocks = 1")
+        );
         let bad = DualMapParams {
             prefill_tokens_per_sec: 0.0,
             ..DualMapParams::default()
         };
-        assert!(bad.validate().unwrap_err().starts_with("prefill_tokens_per_sec = 0"));
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .starts_with("prefill_tokens_per_sec = 0")
+        );
     }
 }

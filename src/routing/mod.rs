@@ -442,19 +442,17 @@ pub struct PolicyConfig {
 impl PolicyConfig {
     /// Checks every parameter. The error names the field (relative to this
     /// table, e.g. `cache_aware.cache_threshold`), its value and the reason.
-    pub fn validate(&self) -> Result<(), String> {
-        self.queue.validate().map_err(|e| format!("queue.{e}"))?;
-        self.cache_aware.validate().map_err(|e| format!("cache_aware.{e}"))?;
-        self.selective_push
-            .validate()
-            .map_err(|e| format!("selective_push.{e}"))?;
+    pub fn validate(&self) -> Result<(), InvalidParam> {
+        self.queue.validate().map_err(|e| e.within("queue"))?;
+        self.cache_aware.validate().map_err(|e| e.within("cache_aware"))?;
+        self.selective_push.validate().map_err(|e| e.within("selective_push"))?;
         self.consistent_hash
             .validate()
-            .map_err(|e| format!("consistent_hash.{e}"))?;
-        self.dual_map.validate().map_err(|e| format!("dual_map.{e}"))?;
+            .map_err(|e| e.within("consistent_hash"))?;
+        self.dual_map.validate().map_err(|e| e.within("dual_map"))?;
         self.weighted_scorers
             .validate()
-            .map_err(|e| format!("weighted_scorers.{e}"))
+            .map_err(|e| e.within("weighted_scorers"))
     }
 }
 
@@ -489,7 +487,7 @@ impl Default for QueueParams {
 
 impl QueueParams {
     /// Checks the ranges; the error names the field, its value and the reason.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidParam> {
         in_range(
             "capacity",
             self.capacity,
@@ -516,21 +514,60 @@ impl QueueParams {
 
 /// `Ok` when `lo <= value <= hi`, else the error `name = value: must be
 /// between lo and hi (what)`.
-pub(crate) fn in_range(name: &str, value: u64, lo: u64, hi: u64, what: &str) -> Result<(), String> {
+pub(crate) fn in_range(name: &str, value: u64, lo: u64, hi: u64, what: &str) -> Result<(), InvalidParam> {
     if (lo..=hi).contains(&value) {
         Ok(())
     } else {
-        Err(format!("{name} = {value}: must be between {lo} and {hi} ({what})"))
+        Err(InvalidParam::new(
+            name,
+            value,
+            format!("must be between {lo} and {hi} ({what})"),
+        ))
     }
 }
 
 /// `Ok` when `value` is finite and `lo <= value <= hi`, else the error
 /// `name = value: must be between lo and hi (what)`.
-pub(crate) fn in_range_f64(name: &str, value: f64, lo: f64, hi: f64, what: &str) -> Result<(), String> {
+pub(crate) fn in_range_f64(name: &str, value: f64, lo: f64, hi: f64, what: &str) -> Result<(), InvalidParam> {
     if value.is_finite() && (lo..=hi).contains(&value) {
         Ok(())
     } else {
-        Err(format!("{name} = {value}: must be between {lo} and {hi} ({what})"))
+        Err(InvalidParam::new(
+            name,
+            value,
+            format!("must be between {lo} and {hi} ({what})"),
+        ))
+    }
+}
+
+/// A policy parameter that is out of its bounds: which one, its value and
+/// why, as the configuration reports it (`ConfigError::Invalid` takes
+/// the three fields as they are, with `policy.` before the field).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field} = {value}: {reason}")]
+pub struct InvalidParam {
+    /// The key, relative to the table validated (`cache_aware.cache_threshold`).
+    pub field: String,
+    /// The value, as TOML would write it.
+    pub value: String,
+    /// Why it is refused.
+    pub reason: String,
+}
+
+impl InvalidParam {
+    /// `field = value` is refused for `reason`.
+    pub fn new(field: impl Into<String>, value: impl fmt::Display, reason: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            value: value.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The same error seen from the enclosing table `table`: `table.field`.
+    pub fn within(mut self, table: &str) -> Self {
+        self.field = format!("{table}.{}", self.field);
+        self
     }
 }
 

@@ -39,7 +39,7 @@ use std::sync::atomic::AtomicU64;
 use serde::{Deserialize, Serialize};
 
 use super::least_load::least_loaded_where;
-use super::{Candidate, Choice, Policy, Reason, RouteInput, best_prefix, in_range};
+use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, best_prefix, in_range};
 
 /// When a server counts as full.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -82,7 +82,7 @@ impl Default for SelectivePushParams {
 
 impl SelectivePushParams {
     /// Checks the ranges; the error names the field, its value and the reason.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidParam> {
         in_range("max_pending", self.max_pending, 0, 1_000_000, "pending requests")?;
         in_range(
             "max_outstanding",
@@ -309,6 +309,11 @@ mod tests {
             max_outstanding: 0,
             ..SelectivePushParams::default()
         };
-        assert!(bad.validate().unwrap_err().starts_with("max_outstanding = 0"));
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .starts_with("max_outstanding = 0")
+        );
     }
 }

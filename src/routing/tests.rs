@@ -78,7 +78,7 @@ fn validate_errors_name_field_value_and_reason() {
         ..PolicyConfig::default()
     };
     for (t, shown) in [(1.5, "1.5"), (-0.1, "-0.1"), (f64::NAN, "NaN")] {
-        let e = with(t, 1.1).validate().unwrap_err();
+        let e = with(t, 1.1).validate().unwrap_err().to_string();
         assert!(
             e.starts_with(&format!("cache_aware.cache_threshold = {shown}: ")),
             "{e}"
@@ -86,7 +86,7 @@ fn validate_errors_name_field_value_and_reason() {
         assert!(e.contains("between 0.0 and 1.0"), "{e}");
     }
     for (rel, shown) in [(0.99, "0.99"), (0.0, "0"), (f64::INFINITY, "inf"), (f64::NAN, "NaN")] {
-        let e = with(0.5, rel).validate().unwrap_err();
+        let e = with(0.5, rel).validate().unwrap_err().to_string();
         assert!(
             e.starts_with(&format!("cache_aware.balance_rel_threshold = {shown}: ")),
             "{e}"

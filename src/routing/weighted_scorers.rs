@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use serde::{Deserialize, Serialize};
 
 use super::random::Random;
-use super::{Candidate, Choice, Policy, Reason, RouteInput, in_range_f64};
+use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, in_range_f64};
 
 /// How the server is picked from the scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -77,16 +77,17 @@ impl Default for WeightedScorersParams {
 
 impl WeightedScorersParams {
     /// Checks the ranges; the error names the field, its value and the reason.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidParam> {
         let what = "a weight: 0 turns the scorer off";
         in_range_f64("prefix_weight", self.prefix_weight, 0.0, 1e6, what)?;
         in_range_f64("queue_weight", self.queue_weight, 0.0, 1e6, what)?;
         in_range_f64("kv_cache_weight", self.kv_cache_weight, 0.0, 1e6, what)?;
         in_range_f64("load_weight", self.load_weight, 0.0, 1e6, what)?;
         if self.prefix_weight + self.queue_weight + self.kv_cache_weight + self.load_weight <= 0.0 {
-            return Err(format!(
-                "prefix_weight = {}: with queue_weight, kv_cache_weight and load_weight also 0, at least one weight must be above 0",
-                self.prefix_weight
+            return Err(InvalidParam::new(
+                "prefix_weight",
+                self.prefix_weight,
+                "with queue_weight, kv_cache_weight and load_weight also 0, at least one weight must be above 0",
             ));
         }
         Ok(())
@@ -341,12 +342,14 @@ mod tests {
             only(0.0, 0.0, 0.0, 0.0)
                 .validate()
                 .unwrap_err()
+                .to_string()
                 .contains("at least one weight")
         );
         assert!(
             only(-1.0, 1.0, 1.0, 1.0)
                 .validate()
                 .unwrap_err()
+                .to_string()
                 .starts_with("prefix_weight = -1")
         );
     }

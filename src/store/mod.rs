@@ -19,7 +19,9 @@
 //! memory in both modes: it is this host's configuration. So do the
 //! per-process in-flight ledgers, which are reclaimed when a process dies;
 //! in Redis mode the counts are also published to Redis so every host sees
-//! every host's load, and a lookup takes the larger of the two.
+//! every host's load, and a lookup takes the larger of the two. Both
+//! stores, the gateway queue and the route step read the host's servers
+//! and ledgers through [`local::LocalState`].
 //!
 //! # Failures
 //!
@@ -31,83 +33,21 @@
 //! lasts, Redis is probed again every `store.redis.retry_ms` rather than on
 //! every request, and the first answer ends it.
 
+pub mod local;
 pub mod redis;
 pub mod shm;
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::str::FromStr;
 
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
 use shm_layout::{Completion, PrefixMatch, ResponseKey, ServerRef, Stamp};
 
-use crate::responder::ResponderStats;
 use crate::routing::Candidate;
 
-/// Which store holds the routing state (`store.kind`, `--store`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum StoreKind {
-    /// The host's shared-memory segment.
-    #[default]
-    Shm,
-    /// A Redis server (`store.redis.url`).
-    Redis,
-}
-
-impl StoreKind {
-    /// The name in configuration and on the command line.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Self::Shm => "shm",
-            Self::Redis => "redis",
-        }
-    }
-}
-
-impl fmt::Display for StoreKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for StoreKind {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "shm" => Ok(Self::Shm),
-            "redis" => Ok(Self::Redis),
-            _ => Err(format!("unknown store {s:?}: expected shm or redis")),
-        }
-    }
-}
-
-/// How a Redis store finds the longest prefix (`store.redis.lookup`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum RedisLookup {
-    /// One round trip: a server-side script walks the chain.
-    #[default]
-    Script,
-    /// One round trip per block until the first miss: the sLLM paper's
-    /// baseline, kept for comparison.
-    Naive,
-}
-
-impl FromStr for RedisLookup {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "script" => Ok(Self::Script),
-            "naive" => Ok(Self::Naive),
-            _ => Err(format!("unknown Redis lookup {s:?}: expected script or naive")),
-        }
-    }
-}
+/// The store's kinds are configuration values ([`crate::config`] owns them).
+pub use crate::config::{RedisLookup, StoreKind};
 
 /// What a dispatcher asks the store for one routing decision.
 #[derive(Debug, Clone, Copy)]
@@ -155,6 +95,26 @@ pub struct StoreStats {
     pub publishes: u64,
 }
 
+/// What one [`WriteBack::write`] did (a response process adds it to its
+/// own counters, `crate::responder::ResponderStats`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WriteStats {
+    /// Records applied.
+    pub records: u64,
+    /// Block hashes inserted or refreshed.
+    pub blocks: u64,
+    /// Responses stored.
+    pub responses_stored: u64,
+    /// Responses refused by the store (larger than its limit).
+    pub responses_too_large: u64,
+    /// Write-backs that failed (the store was unreachable; records kept).
+    pub writeback_failures: u64,
+    /// Records given up because the backlog kept during an outage was full.
+    pub writeback_dropped: u64,
+    /// Prefix entries evicted from full buckets by the inserts (shm store).
+    pub evictions: u64,
+}
+
 /// A future a [`RoutingStore`] returns.
 pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -196,7 +156,7 @@ pub trait WriteBack: fmt::Debug {
     /// segment time `now_ms`, and counts what it did in `stats`. A store
     /// that cannot be reached keeps the records (bounded) and writes them
     /// on a later call.
-    fn write(&mut self, batch: &[Completion], now: Stamp, now_ms: u64, stats: &mut ResponderStats);
+    fn write(&mut self, batch: &[Completion], now: Stamp, now_ms: u64, stats: &mut WriteStats);
 }
 
 /// The blocks of a record's full chain that its prompt chain does not
@@ -211,15 +171,6 @@ pub fn answer_blocks(record: &Completion) -> &[u64] {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn names_parse_back() {
-        for kind in [StoreKind::Shm, StoreKind::Redis] {
-            assert_eq!(kind.name().parse::<StoreKind>(), Ok(kind));
-        }
-        assert!("memcached".parse::<StoreKind>().unwrap_err().contains("shm or redis"));
-        assert_eq!("naive".parse::<RedisLookup>(), Ok(RedisLookup::Naive));
-    }
 
     #[test]
     fn answer_blocks_skip_the_prompt_only_when_the_chain_extends_it() {

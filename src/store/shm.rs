@@ -7,18 +7,17 @@ use std::sync::Arc;
 use bytes::Bytes;
 use shm_layout::{Completion, Segment, ServerRef, Stamp, Tables};
 
-use super::{Lookup, LookupRequest, RoutingStore, StoreFuture, StoreKind, StoreStats, WriteBack, answer_blocks};
-use crate::health::fresh_load;
-use crate::responder::ResponderStats;
+use super::local::LocalState;
+use super::{
+    Lookup, LookupRequest, RoutingStore, StoreFuture, StoreKind, StoreStats, WriteBack, WriteStats, answer_blocks,
+};
 use crate::response_cache::{encode_entry, fresh_body};
-use crate::routing::live_candidates;
 
 /// A dispatcher's view of the segment's tables.
 #[derive(Debug)]
 pub struct ShmStore {
-    segment: Arc<Segment>,
-    /// The dispatcher's registry slot: its row in the in-flight ledger.
-    process: u16,
+    /// The host's candidates and this dispatcher's ledger row.
+    local: LocalState,
     /// Cached responses older than this are misses.
     response_ttl_ms: u64,
 }
@@ -28,69 +27,37 @@ impl ShmStore {
     /// responses for `response_ttl_ms`.
     pub fn new(segment: Arc<Segment>, process: u16, response_ttl_ms: u64) -> Self {
         Self {
-            segment,
-            process,
+            local: LocalState::new(segment, process),
             response_ttl_ms,
         }
     }
 
-    /// The lookup, synchronously (the shm store never waits).
+    /// The lookup, synchronously (the shm store never waits): the host's
+    /// candidates ([`LocalState::candidates`]), the segment's response
+    /// cache under the request's key and the prefix table's longest match
+    /// of its chain among them.
     pub fn lookup_now(&self, request: LookupRequest<'_>) -> Lookup {
-        local_lookup(&self.segment, request, Some(self.response_ttl_ms))
-    }
-}
-
-/// A lookup from the segment alone: candidates with the host's in-flight
-/// counts and their fresh scraped load, the prefix match of the segment's
-/// table, and (with a TTL) the segment's response cache. The shm store's
-/// whole answer, and the part of a Redis lookup that shared memory provides.
-///
-/// Scraped figures older than `request.stale_after_ms` are zeroed here
-/// ([`fresh_load`]): this is where every store builds the candidates a
-/// policy sees, and where the segment's clock is at hand (see
-/// [`crate::health`]).
-pub(crate) fn local_lookup(segment: &Segment, request: LookupRequest<'_>, response_ttl_ms: Option<u64>) -> Lookup {
-    let tables = segment.tables();
-    let mut lookup = Lookup::default();
-    live_candidates(&tables, &mut lookup.candidates);
-    lookup.candidates.retain(|c| !request.exclude.contains(&c.server));
-    let now_ms = segment.clock().now_ms();
-    for c in &mut lookup.candidates {
-        c.load = fresh_load(c.load, now_ms, request.stale_after_ms).unwrap_or_default();
-    }
-    if let (Some(ttl), Some(key)) = (response_ttl_ms, request.response_key) {
-        let mut buf = Vec::new();
-        if let Some(entry) = tables.responses.get_into(key, &mut buf) {
-            lookup.response = fresh_body(entry, segment.clock().now_ms(), ttl).map(Bytes::copy_from_slice);
+        let segment = self.local.segment();
+        let tables = segment.tables();
+        let mut lookup = Lookup::default();
+        self.local
+            .candidates(request.exclude, request.stale_after_ms, &mut lookup.candidates);
+        if let Some(key) = request.response_key {
+            let mut buf = Vec::new();
+            if let Some(entry) = tables.responses.get_into(key, &mut buf) {
+                lookup.response =
+                    fresh_body(entry, segment.clock().now_ms(), self.response_ttl_ms).map(Bytes::copy_from_slice);
+            }
         }
+        if !request.chain.is_empty() {
+            let servers = &tables.servers;
+            let exclude = request.exclude;
+            lookup.prefix = tables.prefix.longest_prefix_match(request.chain, |t| {
+                servers.is_live(t) && !exclude.iter().any(|s| s.tag() == t)
+            });
+        }
+        lookup
     }
-    if response_ttl_ms.is_some() && !request.chain.is_empty() {
-        let servers = &tables.servers;
-        let exclude = request.exclude;
-        lookup.prefix = tables.prefix.longest_prefix_match(request.chain, |t| {
-            servers.is_live(t) && !exclude.iter().any(|s| s.tag() == t)
-        });
-    }
-    lookup
-}
-
-/// Counts a request in the segment's in-flight ledger row `process`.
-pub(crate) fn ledger_begin(segment: &Segment, process: u16, server: ServerRef, prompt_tokens: u64) -> bool {
-    segment.tables().servers.begin_request(process, server, prompt_tokens)
-}
-
-/// Marks a request counted with [`ledger_begin`] started (first token).
-pub(crate) fn ledger_first_token(segment: &Segment, process: u16, server: ServerRef, prompt_tokens: u64) {
-    segment.tables().servers.first_token(process, server, prompt_tokens);
-}
-
-/// Ends a request counted with [`ledger_begin`]; `started`: whether
-/// [`ledger_first_token`] was called for it.
-pub(crate) fn ledger_end(segment: &Segment, process: u16, server: ServerRef, prompt_tokens: u64, started: bool) {
-    segment
-        .tables()
-        .servers
-        .end_request(process, server, prompt_tokens, started);
 }
 
 impl RoutingStore for ShmStore {
@@ -103,15 +70,15 @@ impl RoutingStore for ShmStore {
     }
 
     fn begin_request(&self, server: ServerRef, prompt_tokens: u64) -> bool {
-        ledger_begin(&self.segment, self.process, server, prompt_tokens)
+        self.local.begin(server, prompt_tokens)
     }
 
     fn first_token(&self, server: ServerRef, prompt_tokens: u64) {
-        ledger_first_token(&self.segment, self.process, server, prompt_tokens);
+        self.local.first_token(server, prompt_tokens);
     }
 
     fn end_request(&self, server: ServerRef, prompt_tokens: u64, started: bool) {
-        ledger_end(&self.segment, self.process, server, prompt_tokens, started);
+        self.local.end(server, prompt_tokens, started);
     }
 
     fn stats(&self) -> StoreStats {
@@ -141,7 +108,7 @@ impl WriteBack for ShmWriteBack<'_> {
         StoreKind::Shm
     }
 
-    fn write(&mut self, batch: &[Completion], now: Stamp, now_ms: u64, stats: &mut ResponderStats) {
+    fn write(&mut self, batch: &[Completion], now: Stamp, now_ms: u64, stats: &mut WriteStats) {
         let prefix = &self.tables.prefix;
         for record in batch {
             let Some(server) = record.server else { continue };

@@ -44,12 +44,12 @@ use redis::{AsyncConnectionConfig, ErrorKind, Value};
 use shm_layout::plan::SERVER_SLOTS;
 use shm_layout::{Completion, Segment, ServerRef, Stamp};
 
-use super::shm::{ledger_begin, ledger_end, ledger_first_token, local_lookup};
+use super::local::LocalState;
 use super::{
-    Lookup, LookupRequest, RedisLookup, RoutingStore, StoreFuture, StoreKind, StoreStats, WriteBack, answer_blocks,
+    Lookup, LookupRequest, RedisLookup, RoutingStore, StoreFuture, StoreKind, StoreStats, WriteBack, WriteStats,
+    answer_blocks,
 };
 use crate::config::RedisConfig;
-use crate::responder::ResponderStats;
 use client::{
     DispatchLookup, INFLIGHT_LEASE, INSERT_SCRIPT, LPM_SCRIPT, PUBLISH_SCRIPT, RedisStore, SUM_SCRIPT, StoreError,
     WriteItem, lookup_pipeline, owner_id, parse_lookup, publish_args,
@@ -131,9 +131,8 @@ struct Names {
 /// A dispatcher's Redis store (see the module docs).
 #[derive(Debug)]
 pub struct RedisRouting {
-    segment: Arc<Segment>,
-    /// The dispatcher's registry slot: its row in the shm ledger.
-    process: u16,
+    /// The host's candidates and this dispatcher's ledger row.
+    local: LocalState,
     config: RedisConfig,
     client: redis::Client,
     conn: Mutex<Option<MultiplexedConnection>>,
@@ -181,8 +180,7 @@ impl RedisRouting {
             publish: hash(PUBLISH_SCRIPT),
         };
         let store = Arc::new(Self {
-            segment,
-            process,
+            local: LocalState::new(segment, process),
             config: config.clone(),
             client,
             conn: Mutex::new(None),
@@ -415,7 +413,9 @@ impl RoutingStore for RedisRouting {
 
     fn lookup<'a>(&'a self, request: LookupRequest<'a>) -> StoreFuture<'a, Lookup> {
         Box::pin(async move {
-            let mut lookup = local_lookup(&self.segment, request, None);
+            let mut lookup = Lookup::default();
+            self.local
+                .candidates(request.exclude, request.stale_after_ms, &mut lookup.candidates);
             let Some(fetched) = self.guarded("lookup", self.fetch(request)).await else {
                 self.degraded.fetch_add(1, Relaxed);
                 self.health.degraded_in_outage.fetch_add(1, Relaxed);
@@ -441,7 +441,7 @@ impl RoutingStore for RedisRouting {
     }
 
     fn begin_request(&self, server: ServerRef, prompt_tokens: u64) -> bool {
-        if !ledger_begin(&self.segment, self.process, server, prompt_tokens) {
+        if !self.local.begin(server, prompt_tokens) {
             return false;
         }
         self.count(server, 1, prompt_tokens as i64);
@@ -449,11 +449,11 @@ impl RoutingStore for RedisRouting {
     }
 
     fn first_token(&self, server: ServerRef, prompt_tokens: u64) {
-        ledger_first_token(&self.segment, self.process, server, prompt_tokens);
+        self.local.first_token(server, prompt_tokens);
     }
 
     fn end_request(&self, server: ServerRef, prompt_tokens: u64, started: bool) {
-        ledger_end(&self.segment, self.process, server, prompt_tokens, started);
+        self.local.end(server, prompt_tokens, started);
         self.count(server, -1, -(prompt_tokens as i64));
     }
 
@@ -558,7 +558,7 @@ impl WriteBack for RedisWriteBack {
         StoreKind::Redis
     }
 
-    fn write(&mut self, batch: &[Completion], _now: Stamp, _now_ms: u64, stats: &mut ResponderStats) {
+    fn write(&mut self, batch: &[Completion], _now: Stamp, _now_ms: u64, stats: &mut WriteStats) {
         for record in batch {
             self.backlog_bytes += record_bytes(record);
             self.backlog.push_back(record.clone());
@@ -653,7 +653,7 @@ mod tests {
     #[test]
     fn an_unreachable_redis_keeps_the_newest_records_up_to_the_bound() {
         let mut w = unreachable(5);
-        let mut stats = ResponderStats::default();
+        let mut stats = WriteStats::default();
         for i in 0..12 {
             w.write(&[record(i * 10, 0)], Stamp(0), 0, &mut stats);
         }
@@ -668,7 +668,7 @@ mod tests {
     #[test]
     fn large_responses_are_bounded_by_bytes_too() {
         let mut w = unreachable(1_000_000);
-        let mut stats = ResponderStats::default();
+        let mut stats = WriteStats::default();
         let big = 4 << 20;
         for i in 0..40 {
             w.write(&[record(i, big)], Stamp(0), 0, &mut stats);

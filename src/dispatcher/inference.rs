@@ -1,0 +1,188 @@
+//! The front half of an inference request: body → parse → tokens →
+//! block chain → response-cache key → the store's lookup. A fresh cached
+//! answer is returned from here; every other request goes on to the proxy
+//! ([`super::proxy::forward`]) with what it learned
+//! ([`super::proxy::InferenceCtx`]).
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+
+use super::Dispatcher;
+use super::http::{
+    BACKEND_HEADER, Body, CACHE_HEADER, DISPATCH_HEADER, full_response, json_response, read_body, set_header,
+    set_static_header, upstream_request_headers,
+};
+use super::proxy::{InferenceCtx, Outbound, forward};
+use super::route;
+use super::sse;
+use super::timing::{DispatchTiming, Mark};
+use crate::blocks::BlockHasher;
+use crate::metrics::CacheResult;
+use crate::prompt::{self, Endpoint, RoutingInput};
+use crate::response_cache::{self, Cacheability, Tenant};
+use crate::store::LookupRequest;
+
+/// Routing texts longer than this are tokenized on the blocking pool. The
+/// native tokenizer takes about 25 ns per byte of new text (less for text
+/// its segment cache holds), so this bounds the time one request holds the
+/// reactor to about a millisecond; shorter texts cost less than the hand-off.
+const BLOCKING_TOKENIZE_BYTES: usize = 48 << 10;
+
+/// The largest request body, in bytes (`limits.max_body_bytes`).
+pub(super) fn max_body_bytes(dispatcher: &Dispatcher) -> usize {
+    usize::try_from(dispatcher.config().limits.max_body_bytes.0).unwrap_or(usize::MAX)
+}
+
+pub(super) async fn inference(
+    dispatcher: &Arc<Dispatcher>,
+    request: Request<Incoming>,
+    endpoint: Endpoint,
+) -> Response<Body> {
+    let mut timing = DispatchTiming::new();
+    let (parts, body) = request.into_parts();
+    let bytes = match read_body(&parts.headers, body, max_body_bytes(dispatcher)).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    timing.mark(Mark::Read);
+    let mut parsed = match prompt::parse(endpoint, &bytes, dispatcher.template()) {
+        Ok(p) => p,
+        Err(e) => return json_response(StatusCode::BAD_REQUEST, &e.body()),
+    };
+    timing.mark(Mark::Parse);
+    let session = session_key(dispatcher, &parts.headers, &parsed.body);
+    let prompt_tokens = match &mut parsed.input {
+        RoutingInput::Text(text) if text.len() > BLOCKING_TOKENIZE_BYTES => {
+            let (tokenizer, text) = (dispatcher.tokenizer().clone(), text.to_string());
+            // Should the task fail, the request routes on load alone.
+            let tokens: Vec<u32> = tokio::task::spawn_blocking(move || tokenizer.encode(&text))
+                .await
+                .unwrap_or_default();
+            tokens
+        }
+        RoutingInput::Text(text) => dispatcher.tokenizer().encode(text),
+        RoutingInput::Tokens(ids) => std::mem::take(ids),
+    };
+    dispatcher.report_segments();
+    timing.mark(Mark::Tokenize);
+    let seed = dispatcher.segment().header().seed[0];
+    let hasher = BlockHasher::new(
+        BlockHasher::root_for(&parsed.model, seed),
+        dispatcher.config().block_size.max(1),
+    );
+    let mut chain = Vec::with_capacity(prompt_tokens.len() / hasher.block_size() + 1);
+    hasher.chain(&prompt_tokens, &mut chain);
+    timing.mark(Mark::Hash);
+
+    // Response cache.
+    let rc = &dispatcher.config().response_cache;
+    let header_bytes = |name| parts.headers.get(name).map(HeaderValue::as_bytes);
+    let tenant = Tenant::of(rc.scope, &parts.headers);
+    let cacheability = response_cache::cacheability(
+        rc.enabled,
+        rc.cache_nondeterministic,
+        &parsed.body,
+        header_bytes(header::CACHE_CONTROL),
+    );
+    let key = (cacheability != Cacheability::Bypass).then(|| response_cache::key(tenant, endpoint, &parsed.body));
+    let request = LookupRequest {
+        response_key: key.filter(|_| cacheability.reads()),
+        chain: &chain,
+        exclude: &[],
+        stale_after_ms: dispatcher.config().health.stale_after_ms,
+    };
+    let mut lookup = route::lookup(dispatcher, request).await;
+    if let Some(stored) = lookup.response.take()
+        && let Some(mut response) = cached_answer(&stored, endpoint, &parsed)
+    {
+        dispatcher.metrics().cache(CacheResult::Hit);
+        timing.mark(Mark::Cache);
+        let answered = timing.start.elapsed().as_nanos() as u64;
+        tracing::debug!(
+            endpoint = endpoint.path(),
+            model = %parsed.model,
+            prompt_tokens = prompt_tokens.len(),
+            blocks = chain.len(),
+            cache = "hit",
+            degraded = lookup.degraded,
+            dispatch_ns = answered,
+            "{} answered from the response cache",
+            endpoint.path()
+        );
+        timing.observe(dispatcher, false, answered);
+        set_header(response.headers_mut(), DISPATCH_HEADER, &timing.header(answered));
+        return response;
+    }
+    timing.mark(Mark::Cache);
+    let cache = if cacheability.writes() {
+        dispatcher.metrics().cache(CacheResult::Miss);
+        "miss"
+    } else {
+        dispatcher.metrics().cache(CacheResult::Bypass);
+        "bypass"
+    };
+    let ctx = InferenceCtx {
+        timing,
+        prompt_tokens,
+        chain,
+        hasher,
+        store_key: key.filter(|_| cacheability.writes() && !parsed.stream),
+        cache,
+        lookup: Some(lookup),
+        endpoint,
+        model: parsed.model.to_string(),
+        session,
+    };
+    let outbound = Outbound {
+        method: Method::POST,
+        path_and_query: endpoint.path().to_owned(),
+        headers: upstream_request_headers(&parts.headers),
+        body: bytes,
+    };
+    forward(dispatcher, outbound, Some(ctx)).await
+}
+
+/// The answer to `parsed` from a fresh cached body (`None` if a streaming
+/// replay of it cannot be made).
+fn cached_answer(stored: &Bytes, endpoint: Endpoint, parsed: &prompt::ParsedRequest<'_>) -> Option<Response<Body>> {
+    let mut response = if parsed.stream {
+        let events = sse::replay(endpoint, stored, parsed.include_usage())?;
+        let mut r = full_response(StatusCode::OK, "text/event-stream", events);
+        r.headers_mut()
+            .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        r
+    } else {
+        full_response(StatusCode::OK, "application/json", stored.clone())
+    };
+    let headers = response.headers_mut();
+    set_static_header(headers, CACHE_HEADER, "hit");
+    set_static_header(headers, BACKEND_HEADER, "cache");
+    Some(response)
+}
+
+/// The hashed session key of a request, from the first of the
+/// policy's session headers it carries, else its body's `user` field
+/// (when the policy asks for either; see [`crate::routing::SessionSource`]).
+fn session_key(dispatcher: &Dispatcher, headers: &HeaderMap, body: &crate::body::Object<'_>) -> Option<u64> {
+    let policy = dispatcher.policy().current_arc();
+    let source = policy.session_source()?;
+    let from_header = source
+        .headers
+        .iter()
+        .find_map(|name| headers.get(name.as_str()))
+        .map(HeaderValue::as_bytes)
+        .filter(|v| !v.is_empty());
+    let from_user = || {
+        source
+            .user_field
+            .then(|| body.get("user").and_then(crate::body::Json::as_str))
+            .flatten()
+            .filter(|u| !u.is_empty())
+            .map(str::as_bytes)
+    };
+    from_header.or_else(from_user).map(seahash::hash)
+}

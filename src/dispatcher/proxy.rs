@@ -1,0 +1,452 @@
+//! Proxying: a request's attempts on chosen servers, with retries.
+//!
+//! [`forward`] runs the attempts of one request until one gets an answer
+//! head, each in three steps:
+//!
+//! 1. [`Attempts::route`]: a server from the routing decision
+//!    ([`super::route::choose`]), or a wait in the gateway queue when every
+//!    server the policy would use is full;
+//! 2. [`Attempts::send`]: the request goes there; the head is awaited
+//!    under the request's deadline;
+//! 3. on a failure that another server may fix ([`Failure::retryable`]:
+//!    a connection error, a 5xx head), the next attempt avoids the servers
+//!    that failed, up to `limits.retries` retries; then 502.
+//!
+//! A head that is not a failure is relayed ([`super::relay::Relay`]), and
+//! [`Attempts::finish`] adds the gateway's headers.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap};
+use http::{Method, Request, Response, StatusCode, Uri};
+use http_body_util::Full;
+use shm_layout::{ResponseKey, ServerRef};
+use tokio::time::Sleep;
+
+use super::Dispatcher;
+use super::http::{
+    BACKEND_HEADER, Body, CACHE_HEADER, DISPATCH_HEADER, QUEUE_HEADER, ROUTE_HEADER, client_response_headers,
+    error_response, set_header, set_static_header,
+};
+use super::inflight::InflightGuard;
+use super::learn::Learn;
+use super::queue::{QueueExit, Waiting, wait_in_queue};
+use super::relay::{Relay, RelayTimer};
+use super::route::{Chosen, RouteRequest, Routed, choose, passive_failure};
+use super::timing::DispatchTiming;
+use crate::blocks::BlockHasher;
+use crate::failure::Failure;
+use crate::metrics::QueueOutcome;
+use crate::prompt::Endpoint;
+use crate::routing::Reason;
+use crate::store::Lookup;
+
+/// What a proxied request is: where it goes and what it carries.
+pub(super) struct Outbound {
+    pub method: Method,
+    pub path_and_query: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+/// What an inference request adds to a proxied one.
+pub(super) struct InferenceCtx {
+    /// Where the dispatch time went.
+    pub timing: DispatchTiming,
+    pub prompt_tokens: Vec<u32>,
+    pub chain: Vec<u64>,
+    pub hasher: BlockHasher,
+    /// Where a 200 answer may be stored.
+    pub store_key: Option<ResponseKey>,
+    /// The `x-semlb-cache` value.
+    pub cache: &'static str,
+    /// The store's answer for the first routing decision.
+    pub lookup: Option<Lookup>,
+    /// The endpoint (for the routing event).
+    pub endpoint: Endpoint,
+    /// The request's `model` (for the routing event).
+    pub model: String,
+    /// Its session key, hashed, if the policy uses one and it has one.
+    pub session: Option<u64>,
+}
+
+/// Marks a response whose body is a [`Relay`] (it records its own duration).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Relayed;
+
+/// Sends `outbound` to a chosen server, retrying elsewhere on failures
+/// another server may fix, and relays the answer.
+pub(super) async fn forward(
+    dispatcher: &Arc<Dispatcher>,
+    outbound: Outbound,
+    ctx: Option<InferenceCtx>,
+) -> Response<Body> {
+    let mut attempts = Attempts::new(dispatcher, outbound, ctx);
+    let response = loop {
+        let (chosen, admitted) = match attempts.route().await {
+            Ok(routed) => routed,
+            Err(Next::Retry) => continue,
+            Err(Next::Answer(r)) => break r,
+        };
+        match attempts.send(chosen, admitted).await {
+            Ok(r) | Err(Next::Answer(r)) => break r,
+            Err(Next::Retry) => continue,
+        }
+    };
+    attempts.finish(response)
+}
+
+/// What follows a step that did not produce the answer.
+enum Next {
+    /// Try again (another server, or the same decision after a change).
+    Retry,
+    /// Answer the client with this (an error the gateway produced).
+    Answer(Response<Body>),
+}
+
+/// The attempts of one proxied request and what they learned.
+struct Attempts<'d> {
+    dispatcher: &'d Arc<Dispatcher>,
+    outbound: Outbound,
+    ctx: Option<InferenceCtx>,
+    /// One timer for the whole request: the wait for a head, then the
+    /// relayed body (registering a timer is not free at 20 K requests/s).
+    timer: Pin<Box<Sleep>>,
+    /// The store's answer for the first decision (taken by it).
+    first_lookup: Option<Lookup>,
+    /// Servers that failed this request.
+    failed: Vec<ServerRef>,
+    /// The last failure (for the 502's message).
+    last_failure: Option<Failure>,
+    /// Attempts made.
+    attempt: u32,
+    /// When the first attempt was handed upstream (ns from arrival).
+    dispatch_ns: Option<u64>,
+    /// Time spent in the gateway queue.
+    queued_ms: Option<u64>,
+    /// Why the last server was chosen.
+    last_reason: Option<Reason>,
+}
+
+impl<'d> Attempts<'d> {
+    fn new(dispatcher: &'d Arc<Dispatcher>, outbound: Outbound, mut ctx: Option<InferenceCtx>) -> Self {
+        let deadline = tokio::time::Instant::now() + dispatcher.config().limits.request_timeout();
+        Self {
+            dispatcher,
+            outbound,
+            first_lookup: ctx.as_mut().and_then(|c| c.lookup.take()),
+            ctx,
+            timer: Box::pin(tokio::time::sleep_until(deadline)),
+            failed: Vec::new(),
+            last_failure: None,
+            attempt: 0,
+            dispatch_ns: None,
+            queued_ms: None,
+            last_reason: None,
+        }
+    }
+
+    fn prompt_tokens(&self) -> u64 {
+        self.ctx.as_ref().map_or(0, |c| c.prompt_tokens.len() as u64)
+    }
+
+    /// A failure that another server may fix: remembered, the server avoided.
+    fn failed_on(&mut self, server: ServerRef, failure: Failure) {
+        self.failed.push(server);
+        self.last_failure = Some(failure);
+    }
+
+    /// Step 1: the server of this attempt, with its in-flight guard when the
+    /// decision counted the request already.
+    async fn route(&mut self) -> Result<(Chosen, Option<InflightGuard>), Next> {
+        let dispatcher = self.dispatcher;
+        let chain = self.ctx.as_ref().map_or(&[][..], |c| &c.chain[..]);
+        let route = RouteRequest {
+            chain,
+            prompt_tokens: u32::try_from(self.prompt_tokens()).unwrap_or(u32::MAX),
+            session: self.ctx.as_ref().and_then(|c| c.session),
+            inference: self.ctx.is_some(),
+        };
+        match choose(dispatcher, route, &self.failed, self.first_lookup.take()).await {
+            Routed::Chosen(chosen, guard) => Ok((chosen, guard)),
+            Routed::Wait { lookup, asked } => {
+                let waiting = Waiting {
+                    chain: chain.to_vec(),
+                    prompt_tokens: route.prompt_tokens,
+                    session: route.session,
+                    prefix: lookup.prefix,
+                    exclude: self.failed.clone(),
+                    seen: asked || !self.failed.is_empty(),
+                };
+                self.wait(waiting, &lookup).await
+            }
+            Routed::NoServer => Err(Next::Answer(self.no_server())),
+        }
+    }
+
+    /// Step 1, when every server the policy would use is full: the wait
+    /// in the gateway queue until one has room.
+    async fn wait(&mut self, waiting: Waiting, lookup: &Lookup) -> Result<(Chosen, Option<InflightGuard>), Next> {
+        let dispatcher = self.dispatcher;
+        let since = Instant::now();
+        let admitted = match wait_in_queue(dispatcher, waiting).await {
+            Ok(a) => a,
+            Err(QueueExit::Full) => {
+                dispatcher.metrics().queue_left(QueueOutcome::Full, Duration::ZERO);
+                return Err(Next::Answer(unavailable(
+                    "every inference server is busy and the gateway queue is full; retry later",
+                    "queue_full",
+                )));
+            }
+            Err(QueueExit::Timeout) => {
+                return Err(Next::Answer(unavailable(
+                    format!(
+                        "no inference server became free within {} ms while the request waited in the gateway queue",
+                        since.elapsed().as_millis()
+                    ),
+                    "queue_timeout",
+                )));
+            }
+        };
+        self.queued_ms = Some(self.queued_ms.unwrap_or(0) + since.elapsed().as_millis() as u64);
+        let server = admitted.guard.server();
+        let Some(info) = dispatcher
+            .segment()
+            .tables()
+            .servers
+            .get(server.slot)
+            .filter(|i| i.server == server)
+        else {
+            let address = format!("the server in slot {}", server.slot);
+            self.failed_on(server, Failure::Reregistered { address });
+            return Err(Next::Retry);
+        };
+        let chosen = Chosen {
+            server,
+            address: info.address,
+            reason: admitted.choice.reason,
+            candidates: lookup.candidates.len(),
+            degraded: lookup.degraded,
+        };
+        Ok((chosen, Some(admitted.guard)))
+    }
+
+    /// No server to route to: 503 on the first attempt, else 502 with the
+    /// last failure.
+    fn no_server(&self) -> Response<Body> {
+        if let Some(c) = &self.ctx {
+            tracing::debug!(
+                endpoint = c.endpoint.path(),
+                model = %c.model,
+                prompt_tokens = self.prompt_tokens(),
+                blocks = c.chain.len(),
+                cache = c.cache,
+                policy = self.dispatcher.policy_name(),
+                attempt = self.attempt + 1,
+                "{} not routed: no inference server is available",
+                c.endpoint.path()
+            );
+        }
+        if self.attempt == 0 {
+            unavailable("no inference server is available", "no_server_available")
+        } else {
+            self.bad_gateway()
+        }
+    }
+
+    /// Step 2: sends the request to `chosen` and waits for the head; a
+    /// head that is not a failure becomes the relayed response.
+    async fn send(&mut self, chosen: Chosen, admitted: Option<InflightGuard>) -> Result<Response<Body>, Next> {
+        let dispatcher = self.dispatcher;
+        let Chosen {
+            server,
+            address,
+            reason,
+            candidates,
+            degraded,
+        } = chosen;
+        self.last_reason = Some(reason);
+        if self.attempt > 0 {
+            dispatcher.metrics().retry();
+        }
+        self.attempt += 1;
+        let guard = match admitted {
+            Some(g) => g,
+            None => match InflightGuard::begin(dispatcher, server, self.prompt_tokens()) {
+                Some(g) => g,
+                None => {
+                    self.failed_on(server, Failure::Reregistered { address });
+                    return Err(Next::Retry);
+                }
+            },
+        };
+        let uri = match format!("{address}{}", self.outbound.path_and_query).parse::<Uri>() {
+            Ok(u) => u,
+            Err(e) => {
+                let detail = e.to_string();
+                self.failed_on(server, Failure::BadAddress { address, detail });
+                return Err(Next::Retry);
+            }
+        };
+        let mut request = Request::new(Full::new(self.outbound.body.clone()));
+        *request.method_mut() = self.outbound.method.clone();
+        *request.uri_mut() = uri;
+        *request.headers_mut() = self.outbound.headers.clone();
+        self.log_attempt(&address, reason, candidates, degraded);
+        let result = tokio::select! {
+            biased;
+            head = dispatcher.client().request(request) => Ok(head),
+            () = self.timer.as_mut() => Err(()),
+        };
+        let failure = match result {
+            Ok(Ok(r)) if !r.status().is_server_error() => return Ok(self.relay(r, server, &address, guard)),
+            Ok(Ok(r)) => Failure::Status {
+                address: address.clone(),
+                status: r.status(),
+            },
+            Ok(Err(e)) => Failure::Connect {
+                address: address.clone(),
+                detail: crate::error_chain(&e),
+            },
+            Err(()) => Failure::Timeout {
+                address: address.clone(),
+                secs: dispatcher.config().limits.request_timeout_secs,
+            },
+        };
+        dispatcher.metrics().upstream(server.slot, false);
+        // Passive health check: no head in time, a connection error or a 5xx head.
+        passive_failure(dispatcher, server, &address, &failure);
+        if let Failure::Timeout { .. } = failure {
+            return Err(Next::Answer(error_response(
+                StatusCode::GATEWAY_TIMEOUT,
+                failure.to_string(),
+                Some("upstream_timeout"),
+            )));
+        }
+        let retryable = failure.retryable();
+        self.failed_on(server, failure);
+        if retryable && self.attempt <= dispatcher.config().limits.retries {
+            Err(Next::Retry)
+        } else {
+            Err(Next::Answer(self.bad_gateway()))
+        }
+    }
+
+    /// Records the dispatch time of the first attempt and logs the routing
+    /// decision (one event per attempt: a retry adds one; nothing is
+    /// computed unless debug is enabled).
+    fn log_attempt(&mut self, address: &str, reason: Reason, candidates: usize, degraded: bool) {
+        let Some(c) = &self.ctx else { return };
+        // Dispatch ends here for the first attempt: the request goes upstream.
+        let sent = (self.attempt == 1).then(|| c.timing.start.elapsed().as_nanos() as u64);
+        if let Some(sent) = sent {
+            c.timing.observe(self.dispatcher, true, sent);
+            self.dispatch_ns = Some(sent);
+        }
+        tracing::debug!(
+            endpoint = c.endpoint.path(),
+            model = %c.model,
+            prompt_tokens = c.prompt_tokens.len(),
+            blocks = c.chain.len(),
+            cache = c.cache,
+            policy = self.dispatcher.policy_name(),
+            server = %address,
+            reason = reason.name(),
+            matched_blocks = match reason {
+                Reason::Prefix { blocks } => blocks,
+                _ => 0,
+            },
+            candidates,
+            degraded,
+            attempt = self.attempt,
+            dispatch_ns = sent.unwrap_or_else(|| c.timing.start.elapsed().as_nanos() as u64),
+            "{} routed to {address}: {}",
+            c.endpoint.path(),
+            reason
+        );
+    }
+
+    /// The answer of `server`, relayed to the client as it arrives.
+    fn relay(
+        &mut self,
+        upstream: Response<hyper::body::Incoming>,
+        server: ServerRef,
+        address: &str,
+        guard: InflightGuard,
+    ) -> Response<Body> {
+        let dispatcher = self.dispatcher;
+        let (parts, incoming) = upstream.into_parts();
+        let sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+        let learn = match &self.ctx {
+            Some(c) if parts.status.is_success() => Some(Learn {
+                server,
+                prompt_tokens: u32::try_from(c.prompt_tokens.len()).unwrap_or(u32::MAX),
+                tail: c.prompt_tokens[c.chain.len() * c.hasher.block_size()..].to_vec(),
+                chain: c.chain.clone(),
+                hasher: c.hasher,
+                cache_key: c.store_key.filter(|_| parts.status == StatusCode::OK && !sse),
+                chat: c.endpoint == Endpoint::ChatCompletions,
+            }),
+            _ => None,
+        };
+        // The relay reports the body's end or failure to the passive health
+        // check (a head alone is not yet a success).
+        let relay_timer = self
+            .ctx
+            .as_ref()
+            .map(|c| RelayTimer::new(dispatcher.clone(), c.timing.start));
+        // The deadline goes with the body; this request makes no more attempts.
+        let timer = std::mem::replace(&mut self.timer, Box::pin(tokio::time::sleep(Duration::ZERO)));
+        let relay = Relay::new(dispatcher.clone(), incoming, timer, guard, learn, sse, relay_timer);
+        let mut response = Response::new(relay.boxed());
+        response.extensions_mut().insert(Relayed);
+        *response.status_mut() = parts.status;
+        client_response_headers(&parts.headers, response.headers_mut());
+        set_header(response.headers_mut(), BACKEND_HEADER, address);
+        response
+    }
+
+    /// Step 3: the gateway's headers on the answer.
+    fn finish(self, mut response: Response<Body>) -> Response<Body> {
+        let headers = response.headers_mut();
+        if let Some(reason) = self.last_reason {
+            set_static_header(headers, ROUTE_HEADER, reason.name());
+        }
+        if let Some(ms) = self.queued_ms {
+            set_header(headers, QUEUE_HEADER, &ms.to_string());
+        }
+        if let Some(c) = &self.ctx {
+            set_static_header(headers, CACHE_HEADER, c.cache);
+            if let Some(sent) = self.dispatch_ns {
+                set_header(headers, DISPATCH_HEADER, &c.timing.header(sent));
+            }
+        }
+        response
+    }
+
+    fn bad_gateway(&self) -> Response<Body> {
+        let last = self.last_failure.as_ref().map(ToString::to_string).unwrap_or_default();
+        error_response(
+            StatusCode::BAD_GATEWAY,
+            format!(
+                "no inference server could answer ({} tried; last: {last})",
+                self.attempt
+            ),
+            Some("upstream_unavailable"),
+        )
+    }
+}
+
+/// 503 with `Retry-After: 1`.
+pub(super) fn unavailable(message: impl Into<String>, code: &str) -> Response<Body> {
+    let mut r = error_response(StatusCode::SERVICE_UNAVAILABLE, message, Some(code));
+    set_header(r.headers_mut(), "retry-after", "1");
+    r
+}

@@ -1,0 +1,216 @@
+//! The routing decision of one attempt: the store's lookup, the policy's
+//! choice (least load for requests that are not inference), the check a
+//! holding policy makes once the request is counted, and the passive
+//! health check that the attempts' outcomes feed.
+
+use std::sync::Arc;
+
+use shm_layout::ServerRef;
+
+use super::Dispatcher;
+use super::inflight::InflightGuard;
+use crate::failure::Failure;
+use crate::routing::{Policy, Reason, RouteInput};
+use crate::store::{Lookup, LookupRequest};
+
+/// What a routing decision is about.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RouteRequest<'a> {
+    /// The prompt's block chain (empty for a non-inference request).
+    pub chain: &'a [u64],
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// The hashed session key.
+    pub session: Option<u64>,
+    /// An inference request (routed by the policy; others by least load).
+    pub inference: bool,
+}
+
+/// The outcome of [`choose`].
+pub(super) enum Routed {
+    /// Send it there (already counted in flight when the policy holds
+    /// requests: choosing and counting are then confirmed together).
+    Chosen(Chosen, Option<InflightGuard>),
+    /// Every server the policy would use is full: queue it (the lookup's
+    /// prefix match goes with it).
+    Wait {
+        /// The lookup the request was routed with.
+        lookup: Lookup,
+        /// Whether the policy was asked (else the request joined a
+        /// non-empty queue unasked, and its first look from the queue is
+        /// its first look at all).
+        asked: bool,
+    },
+    /// No server is available.
+    NoServer,
+}
+
+/// A routing decision of [`choose`].
+#[derive(Debug)]
+pub(super) struct Chosen {
+    pub server: ServerRef,
+    /// Its base URL.
+    pub address: String,
+    /// Why the policy chose it.
+    pub reason: Reason,
+    /// How many servers it was chosen from.
+    pub candidates: usize,
+    /// Whether the store's lookup failed (no prefix, local load only).
+    pub degraded: bool,
+}
+
+/// The store's answer for one decision (counted when degraded).
+pub(super) async fn lookup(dispatcher: &Dispatcher, request: LookupRequest<'_>) -> Lookup {
+    let lookup = dispatcher.store().lookup(request).await;
+    if lookup.degraded {
+        dispatcher.metrics().degraded_lookup();
+    }
+    lookup
+}
+
+/// A server for `route`, avoiding `exclude`, with its address and why.
+/// `first` is the store's answer for this request if one was already made
+/// (the first attempt).
+///
+/// With a policy that [holds requests](crate::routing::Policy::holds_requests):
+/// a request arriving while others wait in this dispatcher's queue joins
+/// them (first in, first out: none overtakes), and a chosen server is
+/// counted at once and checked again with the policy
+/// ([`admits`](crate::routing::Policy::admits)): if another dispatcher
+/// filled it meanwhile, the request is uncounted and queued.
+pub(super) async fn choose(
+    dispatcher: &Arc<Dispatcher>,
+    route: RouteRequest<'_>,
+    exclude: &[ServerRef],
+    first: Option<Lookup>,
+) -> Routed {
+    let RouteRequest {
+        chain,
+        prompt_tokens,
+        session,
+        inference,
+    } = route;
+    let stale_after_ms = dispatcher.config().health.stale_after_ms;
+    let mut lookup = match first {
+        Some(l) => l,
+        None => {
+            let request = LookupRequest {
+                response_key: None,
+                chain: if inference { chain } else { &[] },
+                exclude,
+                stale_after_ms,
+            };
+            self::lookup(dispatcher, request).await
+        }
+    };
+    // Requests that are not inference go to the least loaded server.
+    let policy: Option<Arc<dyn Policy>> = inference.then(|| dispatcher.policy().current_arc());
+    let holds = policy.as_ref().is_some_and(|p| p.holds_requests());
+    if holds && !lookup.candidates.is_empty() && dispatcher.queued() > 0 {
+        return Routed::Wait { lookup, asked: false };
+    }
+    loop {
+        if lookup.candidates.is_empty() {
+            return Routed::NoServer;
+        }
+        let input = RouteInput {
+            prompt_blocks: u32::try_from(chain.len()).unwrap_or(u32::MAX),
+            chain,
+            prompt_tokens,
+            block_tokens: dispatcher.block_tokens(),
+            session,
+            repeat: !exclude.is_empty(),
+            prefix: &lookup.prefix,
+            candidates: &lookup.candidates,
+        };
+        let decision = match &policy {
+            Some(policy) => policy.choose(&input),
+            None => dispatcher.least_load().choose(&input),
+        };
+        let Some(choice) = decision else {
+            return if holds {
+                Routed::Wait { lookup, asked: true }
+            } else {
+                Routed::NoServer
+            };
+        };
+        if inference && exclude.is_empty() {
+            // The first choice of the request: how much of its prompt it has.
+            dispatcher
+                .metrics()
+                .prefix_match(lookup.prefix.blocks_for(choice.server.tag()), chain.len());
+        }
+        let server = choice.server;
+        let Some(info) = dispatcher
+            .segment()
+            .tables()
+            .servers
+            .get(server.slot)
+            .filter(|i| i.server == server)
+        else {
+            // Re-registered or unreadable meanwhile: ask again without it.
+            lookup.candidates.retain(|c| c.server != server);
+            continue;
+        };
+        let guard = if holds {
+            let Some(guard) = InflightGuard::begin(dispatcher, server, u64::from(prompt_tokens)) else {
+                lookup.candidates.retain(|c| c.server != server);
+                continue;
+            };
+            let counted = dispatcher.local().candidate(server, stale_after_ms);
+            if policy.as_ref().is_some_and(|p| !p.admits(&counted)) {
+                drop(guard);
+                return Routed::Wait { lookup, asked: true };
+            }
+            Some(guard)
+        } else {
+            None
+        };
+        return Routed::Chosen(
+            Chosen {
+                server,
+                address: info.address,
+                reason: choice.reason,
+                candidates: lookup.candidates.len(),
+                degraded: lookup.degraded,
+            },
+            guard,
+        );
+    }
+}
+
+/// Passive health check (see [`crate::health`]): a request to `server`
+/// failed. An engine's failure counts; at `health.unhealthy_threshold`
+/// of them in a row through this dispatcher, the server is set `Down` in
+/// the server table, for every dispatcher at once (the supervisor's
+/// checker re-admits it). Failures of the client or the gateway do not
+/// count against the engine.
+pub(super) fn passive_failure(dispatcher: &Dispatcher, server: ServerRef, address: &str, failure: &Failure) {
+    tracing::debug!(
+        backend = %address,
+        origin = failure.origin().name(),
+        retryable = failure.retryable(),
+        error = %failure,
+        "a request to {address} failed: {failure}"
+    );
+    if !failure.counts_against_engine() {
+        return;
+    }
+    if dispatcher.passive_health().failure(server)
+        && crate::health::eject(&dispatcher.segment().tables().servers, server)
+    {
+        let threshold = dispatcher.config().health.unhealthy_threshold;
+        tracing::warn!(
+            backend = %address,
+            failures = threshold,
+            origin = failure.origin().name(),
+            error = %failure,
+            "backend {address} is down: {threshold} requests in a row failed (last: {failure})"
+        );
+    }
+}
+
+/// Passive health check: a request to `server` was answered in full.
+pub(super) fn passive_success(dispatcher: &Dispatcher, server: ServerRef) {
+    dispatcher.passive_health().success(server);
+}

@@ -1,0 +1,125 @@
+//! The route table: which handler answers which method and path, and the
+//! small routes (`/health`, `/metrics`, any other `/v1/...` proxied to the
+//! least loaded server). See the [parent module](super) for the list.
+
+use std::sync::Arc;
+
+use http::{Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use serde_json::json;
+
+use super::Dispatcher;
+use super::http::{
+    Body, error_response, full_response, json_response, read_body, set_header, upstream_request_headers,
+};
+use super::inference::{inference, max_body_bytes};
+use super::models::models;
+use super::proxy::{Outbound, Relayed, forward};
+use crate::metrics::{DURATION, EndpointLabel, Snapshot};
+use crate::prompt::Endpoint;
+use crate::routing::live_candidates;
+
+/// Answers one request (never fails: errors are responses).
+pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incoming>) -> Response<Body> {
+    let start = std::time::Instant::now();
+    let path = request.uri().path().to_owned();
+    let method = request.method().clone();
+    let allowed = match path.as_str() {
+        "/v1/completions" | "/v1/chat/completions" => Some(Method::POST),
+        "/v1/models" | "/health" | "/metrics" => Some(Method::GET),
+        _ => None,
+    };
+    let mut response = match (path.as_str(), allowed) {
+        (_, Some(m)) if m != method => {
+            let mut r = error_response(
+                StatusCode::METHOD_NOT_ALLOWED,
+                format!("method {method} is not allowed on {path}; use {m}"),
+                Some("method_not_allowed"),
+            );
+            set_header(r.headers_mut(), "allow", m.as_str());
+            r
+        }
+        ("/v1/completions", _) => inference(&dispatcher, request, Endpoint::Completions).await,
+        ("/v1/chat/completions", _) => inference(&dispatcher, request, Endpoint::ChatCompletions).await,
+        ("/v1/models", _) => models(&dispatcher).await,
+        ("/health", _) => health(&dispatcher),
+        ("/metrics", _) => metrics(&dispatcher).await,
+        (p, _) if p.starts_with("/v1/") => passthrough(&dispatcher, request).await,
+        _ => error_response(
+            StatusCode::NOT_FOUND,
+            format!("{method} {path} is not a route of this server"),
+            Some("unknown_url"),
+        ),
+    };
+    let endpoint = EndpointLabel::of_path(&path);
+    let m = dispatcher.metrics();
+    m.request(endpoint, response.status().as_u16());
+    // A relayed answer records its duration when its body ends; the others
+    // (cached answers, errors) are complete now.
+    let relayed = response.extensions_mut().remove::<Relayed>().is_some();
+    if matches!(endpoint, EndpointLabel::Completions | EndpointLabel::ChatCompletions) && !relayed {
+        m.observe_duration(DURATION, start.elapsed());
+    }
+    response
+}
+
+/// `GET /metrics`: the whole gateway's counters (every process's stats
+/// block summed) and the gauges read from the segment, as Prometheus text.
+async fn metrics(dispatcher: &Arc<Dispatcher>) -> Response<Body> {
+    let d = dispatcher.clone();
+    // Counting the prefix table's entries scans it: off the reactor.
+    let render = move || {
+        let segment = d.segment();
+        Snapshot::collect(
+            &segment.tables(),
+            segment.clock().now_ms(),
+            d.config().health.stale_after_ms,
+        )
+        .render()
+    };
+    match tokio::task::spawn_blocking(render).await {
+        Ok(text) => full_response(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", text),
+        Err(e) => error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("rendering the metrics failed: {e}"),
+            None,
+        ),
+    }
+}
+
+/// Any other `/v1/...` request: proxied to the least loaded live server.
+async fn passthrough(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>) -> Response<Body> {
+    let (parts, body) = request.into_parts();
+    let bytes = match read_body(&parts.headers, body, max_body_bytes(dispatcher)).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let outbound = Outbound {
+        method: parts.method,
+        path_and_query: parts
+            .uri
+            .path_and_query()
+            .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned()),
+        headers: upstream_request_headers(&parts.headers),
+        body: bytes,
+    };
+    forward(dispatcher, outbound, None).await
+}
+
+/// `GET /health`: 200 when a server is live.
+fn health(dispatcher: &Dispatcher) -> Response<Body> {
+    let tables = dispatcher.segment().tables();
+    let mut candidates = Vec::new();
+    live_candidates(&tables, &mut candidates);
+    if candidates.is_empty() {
+        return error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no inference server is live",
+            Some("no_server_available"),
+        );
+    }
+    json_response(
+        StatusCode::OK,
+        &json!({"status": "ok", "live_servers": candidates.len()}),
+    )
+}

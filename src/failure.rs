@@ -1,0 +1,191 @@
+//! Why a proxied request failed, and where the failure came from.
+//!
+//! Every failure the dispatcher meets on a request's way through says
+//! which side caused it, as pingora classifies its errors:
+//!
+//! | [`Origin`] | who | examples | counts against the engine ([passive health](crate::health::PassiveHealth)) |
+//! | --- | --- | --- | --- |
+//! | `Client` | the downstream client | a body that cannot be read | no |
+//! | `Engine` | the upstream inference server | refused connection, 5xx head, no answer in time, body cut | yes |
+//! | `Gateway` | semlb itself | a server re-registered while routing, an address that is not a URI | no |
+//!
+//! and whether trying another server may help ([`Failure::retryable`]): a
+//! failure before anything reached the client may be retried elsewhere; a
+//! spent deadline or a body already relayed in part may not. The proxy
+//! loop retries on it, passive health counts only engine failures, and the
+//! logs carry both (`origin`, `retryable` fields).
+
+use std::fmt;
+
+use http::StatusCode;
+
+/// Which side of the gateway a failure came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Origin {
+    /// The downstream client (its request or its connection).
+    Client,
+    /// The upstream inference server.
+    Engine,
+    /// The gateway itself.
+    Gateway,
+}
+
+impl Origin {
+    /// The name in logs: `client`, `engine`, `gateway`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Client => "client",
+            Self::Engine => "engine",
+            Self::Gateway => "gateway",
+        }
+    }
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One failure of a proxied request (see the [module docs](self)).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Failure {
+    /// The client's request body could not be read.
+    #[error("could not read the request body: {detail}")]
+    ClientBody {
+        /// The reader's error.
+        detail: String,
+    },
+    /// No connection to the server, or it broke before a head came.
+    #[error("{address}: {detail}")]
+    Connect {
+        /// The server's base URL.
+        address: String,
+        /// The HTTP client's error and its causes.
+        detail: String,
+    },
+    /// The server answered with a 5xx head.
+    #[error("{address} answered {status}")]
+    Status {
+        /// The server's base URL.
+        address: String,
+        /// Its status.
+        status: StatusCode,
+    },
+    /// No head came within the request timeout.
+    #[error("{address} did not answer within {secs} s")]
+    Timeout {
+        /// The server's base URL.
+        address: String,
+        /// The request timeout.
+        secs: u64,
+    },
+    /// The answer's body was cut or timed out while being relayed.
+    #[error("{address}: the answer's body failed")]
+    Body {
+        /// The server's base URL.
+        address: String,
+    },
+    /// The server was re-registered (removed, replaced) while the request
+    /// was routed or waited.
+    #[error("{address} was re-registered")]
+    Reregistered {
+        /// The server's base URL (`?` when it is no longer known).
+        address: String,
+    },
+    /// The server's address does not make a request URI.
+    #[error("{address}: bad address: {detail}")]
+    BadAddress {
+        /// The server's base URL.
+        address: String,
+        /// The URI parser's error.
+        detail: String,
+    },
+}
+
+impl Failure {
+    /// Which side it came from.
+    pub const fn origin(&self) -> Origin {
+        match self {
+            Self::ClientBody { .. } => Origin::Client,
+            Self::Connect { .. } | Self::Status { .. } | Self::Timeout { .. } | Self::Body { .. } => Origin::Engine,
+            Self::Reregistered { .. } | Self::BadAddress { .. } => Origin::Gateway,
+        }
+    }
+
+    /// Whether another server may still answer the request: nothing was
+    /// sent to the client yet and the deadline is not spent.
+    pub const fn retryable(&self) -> bool {
+        match self {
+            Self::Connect { .. } | Self::Status { .. } | Self::Reregistered { .. } | Self::BadAddress { .. } => true,
+            Self::ClientBody { .. } | Self::Timeout { .. } | Self::Body { .. } => false,
+        }
+    }
+
+    /// Whether it counts against the server's passive health: the engine
+    /// failed.
+    pub const fn counts_against_engine(&self) -> bool {
+        matches!(self.origin(), Origin::Engine)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all() -> Vec<Failure> {
+        let address = "http://10.0.0.1:8000".to_owned();
+        vec![
+            Failure::ClientBody { detail: "reset".into() },
+            Failure::Connect {
+                address: address.clone(),
+                detail: "connection refused".into(),
+            },
+            Failure::Status {
+                address: address.clone(),
+                status: StatusCode::SERVICE_UNAVAILABLE,
+            },
+            Failure::Timeout {
+                address: address.clone(),
+                secs: 30,
+            },
+            Failure::Body {
+                address: address.clone(),
+            },
+            Failure::Reregistered {
+                address: address.clone(),
+            },
+            Failure::BadAddress {
+                address,
+                detail: "invalid authority".into(),
+            },
+        ]
+    }
+
+    #[test]
+    fn only_engine_failures_count_against_the_engine() {
+        for f in all() {
+            assert_eq!(f.counts_against_engine(), f.origin() == Origin::Engine, "{f}");
+        }
+        let engine: Vec<_> = all().into_iter().filter(Failure::counts_against_engine).collect();
+        assert_eq!(engine.len(), 4);
+    }
+
+    #[test]
+    fn failures_after_the_head_or_the_deadline_are_not_retried() {
+        let retryable: Vec<String> = all()
+            .into_iter()
+            .filter(Failure::retryable)
+            .map(|f| f.to_string())
+            .collect();
+        assert_eq!(
+            retryable,
+            [
+                "http://10.0.0.1:8000: connection refused",
+                "http://10.0.0.1:8000 answered 503 Service Unavailable",
+                "http://10.0.0.1:8000 was re-registered",
+                "http://10.0.0.1:8000: bad address: invalid authority",
+            ]
+        );
+    }
+}

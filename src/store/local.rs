@@ -1,0 +1,100 @@
+//! Host-local routing state: what this host's segment knows, whichever
+//! store holds the shared tables.
+//!
+//! Both stores, the gateway queue and the route step read the servers the
+//! same way, through a [`LocalState`]:
+//!
+//! | what | where it comes from |
+//! | --- | --- |
+//! | the live servers ([`LocalState::candidates`]) | the segment's server table: state `Up`, minus the servers a request excludes |
+//! | their load ([`LocalState::candidate`]) | this host's in-flight and pending counts (every process's ledger row summed) and the scraped engine figures, zeroed when older than `health.stale_after_ms` ([`crate::health::fresh_load`]) |
+//! | this process's ledger row ([`LocalState::begin`], [`first_token`](LocalState::first_token), [`end`](LocalState::end)) | the segment's in-flight ledger, reclaimed by the supervisor when the process dies |
+//!
+//! This is the one place where scraped figures are checked for freshness:
+//! here the segment's clock is at hand, and the bound comes from the caller
+//! (the dispatcher's configuration). [`crate::routing::live_candidates`]
+//! stays a plain read of the table (no clock, no configuration), as the
+//! benchmarks, `/health` and `/v1/models` use it.
+//!
+//! The shm store answers a lookup with these candidates and the segment's
+//! prefix table and response cache ([`super::shm`]); the Redis store with
+//! these candidates, raised to the counts every host published, and
+//! Redis's prefix entries and responses ([`super::redis`]).
+
+use std::sync::Arc;
+
+use shm_layout::{Segment, ServerRef};
+
+use crate::health::fresh_load;
+use crate::routing::{Candidate, candidate, live_candidates};
+
+/// One process's view of the host-local state: the segment, and its row
+/// of the in-flight ledger.
+#[derive(Debug, Clone)]
+pub struct LocalState {
+    segment: Arc<Segment>,
+    /// The process's registry slot: its row in the in-flight ledger.
+    process: u16,
+}
+
+impl LocalState {
+    /// The state seen by the process in registry slot `process`.
+    pub fn new(segment: Arc<Segment>, process: u16) -> Self {
+        Self { segment, process }
+    }
+
+    /// The segment.
+    pub fn segment(&self) -> &Arc<Segment> {
+        &self.segment
+    }
+
+    /// Fills `out` with the live servers not in `exclude`, with this host's
+    /// counts and their scraped figures when at most `stale_after_ms` old
+    /// (else zeros).
+    pub fn candidates(&self, exclude: &[ServerRef], stale_after_ms: u64, out: &mut Vec<Candidate>) {
+        live_candidates(&self.segment.tables(), out);
+        out.retain(|c| !exclude.contains(&c.server));
+        let now_ms = self.segment.clock().now_ms();
+        for c in out.iter_mut() {
+            c.load = fresh_load(c.load, now_ms, stale_after_ms).unwrap_or_default();
+        }
+    }
+
+    /// `server` as a policy sees it, read now: this host's counts and its
+    /// scraped figures when fresh (a holding policy checks its choice again
+    /// with this once the request is counted).
+    pub fn candidate(&self, server: ServerRef, stale_after_ms: u64) -> Candidate {
+        let mut c = candidate(&self.segment.tables().servers, server);
+        let now_ms = self.segment.clock().now_ms();
+        c.load = fresh_load(c.load, now_ms, stale_after_ms).unwrap_or_default();
+        c
+    }
+
+    /// Counts a request of `prompt_tokens` tokens in flight (and pending)
+    /// to `server` in this process's ledger row; false if the registration
+    /// is stale (then nothing is counted).
+    pub fn begin(&self, server: ServerRef, prompt_tokens: u64) -> bool {
+        self.segment
+            .tables()
+            .servers
+            .begin_request(self.process, server, prompt_tokens)
+    }
+
+    /// A request counted with [`begin`](Self::begin) got its first token:
+    /// no longer pending.
+    pub fn first_token(&self, server: ServerRef, prompt_tokens: u64) {
+        self.segment
+            .tables()
+            .servers
+            .first_token(self.process, server, prompt_tokens);
+    }
+
+    /// Ends a request counted with [`begin`](Self::begin); `started`:
+    /// whether [`first_token`](Self::first_token) was called for it.
+    pub fn end(&self, server: ServerRef, prompt_tokens: u64, started: bool) {
+        self.segment
+            .tables()
+            .servers
+            .end_request(self.process, server, prompt_tokens, started);
+    }
+}
