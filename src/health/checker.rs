@@ -39,8 +39,41 @@ use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
 use super::breaker::{Breaker, Health, Thresholds};
-use super::prometheus::{Engine, extract};
+use super::prometheus::{Engine, ExtractError, extract};
 use crate::config::{HealthConfig, MetricsFlavor, ServeConfig};
+
+/// Why a health check or a scrape of one server failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    /// The server's URL does not make a request.
+    #[error("bad URL {url}: {detail}")]
+    BadUrl {
+        /// The URL.
+        url: String,
+        /// Why.
+        detail: String,
+    },
+    /// No connection, or it broke before an answer (the error and its causes).
+    #[error("{0}")]
+    Connect(String),
+    /// The answer's body could not be read.
+    #[error("reading the answer: {0}")]
+    Body(String),
+    /// No full answer within the timeout.
+    #[error("no answer within {} ms", .0.as_millis())]
+    Timeout(Duration),
+    /// The server answered with a status that is not a success.
+    #[error("{path} answered {status}")]
+    Status {
+        /// The path asked (`/health`, `/metrics`).
+        path: String,
+        /// Its status.
+        status: StatusCode,
+    },
+    /// The `/metrics` text had no load figures of the expected flavour.
+    #[error(transparent)]
+    Metrics(#[from] ExtractError),
+}
 
 /// Largest health-check answer read (the status is what counts).
 const MAX_CHECK_BYTES: usize = 64 << 10;
@@ -115,36 +148,47 @@ impl Checker {
     }
 
     /// `GET url`, at most `limit` bytes of body, all within `timeout`.
-    async fn get(&self, url: &str, limit: usize, timeout: Duration) -> Result<(StatusCode, Bytes), String> {
-        let uri: Uri = url.parse().map_err(|e| format!("bad URL {url}: {e}"))?;
+    async fn get(&self, url: &str, limit: usize, timeout: Duration) -> Result<(StatusCode, Bytes), CheckError> {
+        let bad_url = |detail: String| CheckError::BadUrl {
+            url: url.to_owned(),
+            detail,
+        };
+        let uri: Uri = url.parse().map_err(|e: http::uri::InvalidUri| bad_url(e.to_string()))?;
         let request = Request::get(uri)
             .header(header::USER_AGENT, "semlb-health")
             .body(Empty::new())
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| bad_url(e.to_string()))?;
         let exchange = async {
-            let response = self.client.request(request).await.map_err(|e| crate::error_chain(&e))?;
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|e| CheckError::Connect(crate::error_chain(&e)))?;
             let status = response.status();
             let body = Limited::new(response.into_body(), limit)
                 .collect()
                 .await
-                .map_err(|e| format!("reading the answer: {e}"))?
+                .map_err(|e| CheckError::Body(e.to_string()))?
                 .to_bytes();
             Ok((status, body))
         };
         match tokio::time::timeout(timeout, exchange).await {
             Ok(result) => result,
-            Err(_) => Err(format!("no answer within {} ms", timeout.as_millis())),
+            Err(_) => Err(CheckError::Timeout(timeout)),
         }
     }
 
     /// One active check of the server at `address`.
-    async fn probe(&self, address: &str) -> Result<(), String> {
+    async fn probe(&self, address: &str) -> Result<(), CheckError> {
         let url = format!("{address}{}", self.health.path);
         let (status, _) = self.get(&url, MAX_CHECK_BYTES, self.health.timeout()).await?;
         if status.is_success() {
             Ok(())
         } else {
-            Err(format!("{} answered {status}", self.health.path))
+            Err(CheckError::Status {
+                path: self.health.path.clone(),
+                status,
+            })
         }
     }
 
@@ -221,14 +265,17 @@ impl Checker {
     }
 
     /// One scrape of the server at `address`: its figures' source.
-    async fn scrape(&self, address: &str, flavor: MetricsFlavor) -> Result<super::prometheus::EngineLoad, String> {
+    async fn scrape(&self, address: &str, flavor: MetricsFlavor) -> Result<super::prometheus::EngineLoad, CheckError> {
         let url = format!("{address}/metrics");
         let timeout = self.health.timeout().min(self.health.scrape_interval());
         let (status, body) = self.get(&url, MAX_METRICS_BYTES, timeout).await?;
         if !status.is_success() {
-            return Err(format!("/metrics answered {status}"));
+            return Err(CheckError::Status {
+                path: "/metrics".to_owned(),
+                status,
+            });
         }
-        extract(&String::from_utf8_lossy(&body), flavor).map_err(|e| e.to_string())
+        Ok(extract(&String::from_utf8_lossy(&body), flavor)?)
     }
 
     /// Load scraping, forever (see the module docs).
