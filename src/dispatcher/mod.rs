@@ -351,6 +351,16 @@ impl Dispatcher {
         &self.queue
     }
 
+    /// `server`'s registration, if it is still current (`None` once it was
+    /// removed or its slot re-registered).
+    fn registration(&self, server: shm_layout::ServerRef) -> Option<shm_layout::ServerInfo> {
+        self.segment
+            .tables()
+            .servers
+            .get(server.slot)
+            .filter(|i| i.server == server)
+    }
+
     /// A request started or ended, or got its first token: a server may
     /// have room now, so the gateway queue looks again.
     fn wake_queue(&self) {

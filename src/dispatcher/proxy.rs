@@ -213,13 +213,7 @@ impl<'d> Attempts<'d> {
         };
         self.queued_ms = Some(self.queued_ms.unwrap_or(0) + since.elapsed().as_millis() as u64);
         let server = admitted.guard.server();
-        let Some(info) = dispatcher
-            .segment()
-            .tables()
-            .servers
-            .get(server.slot)
-            .filter(|i| i.server == server)
-        else {
+        let Some(info) = dispatcher.registration(server) else {
             let address = format!("the server in slot {}", server.slot);
             self.failed_on(server, Failure::Reregistered { address });
             return Err(Next::Retry);

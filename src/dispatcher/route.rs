@@ -141,13 +141,7 @@ pub(super) async fn choose(
                 .prefix_match(lookup.prefix.blocks_for(choice.server.tag()), chain.len());
         }
         let server = choice.server;
-        let Some(info) = dispatcher
-            .segment()
-            .tables()
-            .servers
-            .get(server.slot)
-            .filter(|i| i.server == server)
-        else {
+        let Some(info) = dispatcher.registration(server) else {
             // Re-registered or unreadable meanwhile: ask again without it.
             lookup.candidates.retain(|c| c.server != server);
             continue;
