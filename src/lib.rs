@@ -15,6 +15,7 @@
 //! | [`routing`] | policies that choose a server from the prefix match and the shared load figures |
 //! | [`dispatcher`] | a dispatcher process's HTTP front: the OpenAI routes, the request pipeline (parse, tokenize, look up, route, proxy, relay), the gateway queue, the completion record |
 //! | [`responder`] | what a response process does with a completion record: prefix write-back, response caching |
+//! | [`responder_loop`] | a response process's loop: poll its rings, apply the records, count, heartbeat, until its shutdown flag is set |
 //! | [`config`] | `semlb serve` configuration: TOML file, flags over it, validation |
 //! | [`metrics`] | the gateway's Prometheus `/metrics`: counters in the segment's stats region, gauges read at scrape time |
 //! | [`health`] | health of the inference servers: active and passive checks, circuit breakers, `/metrics` load scraping |
@@ -39,6 +40,7 @@ pub mod health;
 pub mod metrics;
 pub mod prompt;
 pub mod responder;
+pub mod responder_loop;
 pub mod response_cache;
 pub mod routing;
 pub mod segment_store;
