@@ -14,7 +14,7 @@
 //! edge: the configuration, the segment and the store, the listening
 //! socket, and the signals turned into their shutdown.
 
-use std::os::fd::FromRawFd;
+use std::os::fd::{FromRawFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -33,8 +33,10 @@ use shm_layout::{OpenError, Segment};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::cli::{ChildArgs, ChildRole, SimArgs};
-use crate::supervisor::LISTEN_FD;
 
+/// The fd a dispatcher finds the listening socket on (the supervisor puts
+/// it there before exec).
+pub const LISTEN_FD: RawFd = 3;
 /// How often a dispatcher heartbeats in the registry (a responder's loop
 /// does so itself, as often).
 const HEARTBEAT: Duration = Duration::from_millis(500);

@@ -28,11 +28,10 @@ use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 use shm_layout::{ProcessState, Role, Segment};
 
+use crate::child::LISTEN_FD;
 use crate::cli::ChildRole;
 use crate::notify;
 
-/// The fd a dispatcher finds the listening socket on.
-pub const LISTEN_FD: RawFd = 3;
 const BACKOFF_START: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 const CRASH_WINDOW: Duration = Duration::from_secs(30);

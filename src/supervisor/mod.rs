@@ -64,7 +64,6 @@ use tokio::sync::mpsc;
 
 use self::backends::Backends;
 use self::children::Children;
-pub use self::children::LISTEN_FD;
 use self::status::Reports;
 use crate::cli::{ChildRole, ServeArgs};
 use crate::notify::Notifier;
