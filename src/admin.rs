@@ -19,9 +19,9 @@
 //! | `POST /admin/flush/responses` | empties the response cache (`{"removed": n}`) |
 //!
 //! This module only speaks HTTP: each request becomes a [`Request`] sent
-//! over a channel to the supervisor's loop ([`crate::supervisor`]), which
-//! owns the backend bookkeeping, applies it to the shm segment and answers
-//! with a [`Reply`]. Everything goes through shm, so every dispatcher sees
+//! over a channel to the supervisor's loop ([`crate::supervisor`]; its
+//! `admin` module carries the commands out), which owns the backend
+//! bookkeeping, applies it to the shm segment and answers with a [`Reply`]. Everything goes through shm, so every dispatcher sees
 //! a change at once. Changes are not written to the configuration file: a
 //! reload (SIGHUP) applies the file's backend list again, which drains the
 //! servers added here and not listed there.

@@ -8,8 +8,13 @@
 //! drain its rings once more; both then exit 0. SIGHUP (the supervisor
 //! forwards it after a reload) makes a dispatcher resolve the configuration
 //! again and swap in its routing policy; responders ignore it.
+//!
+//! Both loops live in the library ([`semlb::dispatcher::serve`],
+//! [`semlb::responder_loop::ResponderLoop`]); this module is their process
+//! edge: the configuration, the segment and the store, the listening
+//! socket, and the signals turned into their shutdown.
 
-use std::os::fd::FromRawFd;
+use std::os::fd::{FromRawFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -18,6 +23,7 @@ use anyhow::{Context, Result, bail};
 use semlb::config::ServeConfig;
 use semlb::dispatcher::{self, Dispatcher, Identity};
 use semlb::responder::{Responder, rings_for};
+use semlb::responder_loop::ResponderLoop;
 use semlb::segment_store::ShmSegmentStore;
 use semlb::store::redis::{RedisRouting, RedisWriteBack};
 use semlb::store::{RoutingStore, StoreKind};
@@ -27,8 +33,12 @@ use shm_layout::{OpenError, Segment};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::cli::{ChildArgs, ChildRole, SimArgs};
-use crate::supervisor::LISTEN_FD;
 
+/// The fd a dispatcher finds the listening socket on (the supervisor puts
+/// it there before exec).
+pub const LISTEN_FD: RawFd = 3;
+/// How often a dispatcher heartbeats in the registry (a responder's loop
+/// does so itself, as often).
 const HEARTBEAT: Duration = Duration::from_millis(500);
 
 /// Runs a child role to completion.
@@ -175,12 +185,14 @@ async fn reload_policy_on_hup(
     }
 }
 
+/// A response process: its responder ([`semlb::responder`]) over its rings,
+/// run by the library's loop ([`ResponderLoop`]) until SIGTERM/SIGINT set
+/// [`STOP`].
 fn run_responder(segment: &Arc<Segment>, args: &ChildArgs, config: &ServeConfig) -> Result<()> {
     for sig in [libc::SIGTERM, libc::SIGINT] {
         stop_on(sig).context("installing signal handlers")?;
     }
     let tables = segment.tables();
-    let clock = segment.clock();
     let rings: Vec<usize> = rings_for(args.index, config.responders, config.dispatchers).collect();
     // Answers are new text: no local segment cache (the word cache stays);
     // their segments go to the shared store for the next turn.
@@ -197,64 +209,15 @@ fn run_responder(segment: &Arc<Segment>, args: &ChildArgs, config: &ServeConfig)
             tokenizer,
         ),
     };
-    let mut responder = match &config.chat_template {
+    let responder = match &config.chat_template {
         Some(path) => responder.with_chat_template(ChatTemplate::from_tokenizer_config(path)?),
         None => responder.with_chat_template(ChatTemplate::canonical()),
     };
-    let mut idle = MIN_POLL;
-    let mut last_beat = 0u64;
-    // Its counters go to its registry slot's stats block (`/metrics`).
-    let metrics = semlb::metrics::Metrics::new(tables.stats, args.slot);
-    let mut counted = responder.stats();
-    loop {
-        let stopping = STOP.load(Ordering::Relaxed);
-        let now_ms = clock.now_ms();
-        let stamp = clock.stamp();
-        let applied: usize = rings
-            .iter()
-            .map(|r| responder.drain(*r, stamp, now_ms, |slot, inc| tables.registry.is_alive(slot, inc)))
-            .sum();
-        let now = responder.stats();
-        metrics.responder(&counted, &now);
-        counted = now;
-        if now_ms >= last_beat + HEARTBEAT.as_millis() as u64 {
-            tables.registry.heartbeat(args.slot, args.incarnation, now_ms);
-            last_beat = now_ms;
-        }
-        if stopping {
-            return Ok(());
-        }
-        idle = next_poll(idle, applied);
-        std::thread::sleep(idle);
-    }
+    ResponderLoop::new(segment, responder, rings, args.slot, args.incarnation).run(&STOP);
+    Ok(())
 }
 
-/// How long a responder sleeps after a look that found `applied` records,
-/// having slept `idle` before it. No cross-process wake-up exists for ring
-/// pushes (one would cost the dispatcher a system call per request), so a
-/// responder polls, off the request path. A wake-up costs about as much as
-/// applying a record, so while records keep coming the sleep is sized for
-/// [`POLL_BATCH`] records per look, within [`MIN_POLL`] and [`MAX_BUSY_POLL`]
-/// (the longest a record waits to be written under load); with none, it
-/// backs off to [`MAX_IDLE_POLL`].
-fn next_poll(idle: Duration, applied: usize) -> Duration {
-    if applied == 0 {
-        return (idle * 2).clamp(MIN_POLL, MAX_IDLE_POLL);
-    }
-    let scaled = idle.as_secs_f64() * POLL_BATCH as f64 / applied as f64;
-    Duration::from_secs_f64(scaled).clamp(MIN_POLL, MAX_BUSY_POLL)
-}
-
-/// Records a look at the rings should find under load.
-const POLL_BATCH: usize = 16;
-/// The shortest sleep between looks.
-const MIN_POLL: Duration = Duration::from_micros(50);
-/// The longest sleep while records keep coming.
-const MAX_BUSY_POLL: Duration = Duration::from_millis(2);
-/// The longest sleep when nothing comes.
-const MAX_IDLE_POLL: Duration = Duration::from_millis(5);
-
-/// Set by SIGTERM/SIGINT in a responder.
+/// A responder's shutdown: set by SIGTERM/SIGINT.
 static STOP: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_stop(_: libc::c_int) {
@@ -313,34 +276,4 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
         .await?;
         Ok(())
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_poll_adapts_to_the_record_rate() {
-        let us = Duration::from_micros;
-        // Busy: sized for a batch per look, within the bounds.
-        assert_eq!(next_poll(us(250), 4), us(1000));
-        assert_eq!(next_poll(us(600), 16), us(600));
-        assert_eq!(next_poll(us(600), 96), us(100));
-        assert_eq!(next_poll(us(1500), 1), MAX_BUSY_POLL);
-        assert_eq!(next_poll(us(60), 1000), MIN_POLL);
-        // Idle: back off, up to the idle bound.
-        assert_eq!(next_poll(us(1000), 0), us(2000));
-        assert_eq!(next_poll(MAX_IDLE_POLL, 0), MAX_IDLE_POLL);
-        // A steady rate settles: 13 records per ms.
-        let mut idle = MIN_POLL;
-        for _ in 0..20 {
-            let applied = (idle.as_secs_f64() * 13_000.0).round() as usize;
-            idle = next_poll(idle, applied);
-        }
-        let per_look = idle.as_secs_f64() * 13_000.0;
-        assert!(
-            (12.0..=20.0).contains(&per_look),
-            "{idle:?}: {per_look} records per look"
-        );
-    }
 }

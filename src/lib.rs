@@ -16,6 +16,7 @@
 //! | [`dispatcher`] | a dispatcher process's HTTP front, one module per step in request order: routes, inference (parse, tokenize, look up), route, proxy (attempts and retries), relay, learn (the completion record), queue |
 //! | [`failure`] | why a proxied request failed: client, engine or gateway, and whether a retry may help |
 //! | [`responder`] | what a response process does with a completion record: prefix write-back, response caching |
+//! | [`responder_loop`] | a response process's loop: poll its rings, apply the records, count, heartbeat, until its shutdown flag is set |
 //! | [`config`] | `semlb serve` configuration: TOML file, flags over it, validation |
 //! | [`metrics`] | the gateway's Prometheus `/metrics`: counters in the segment's stats region, gauges read at scrape time |
 //! | [`health`] | health of the inference servers: active and passive checks, circuit breakers, `/metrics` load scraping |
@@ -41,6 +42,7 @@ pub mod health;
 pub mod metrics;
 pub mod prompt;
 pub mod responder;
+pub mod responder_loop;
 pub mod response_cache;
 pub mod routing;
 pub mod segment_store;

@@ -11,10 +11,10 @@
 //! | --- | --- |
 //! | [`cli`] | the command line as clap derive types (parsing only) |
 //! | [`logging`] | the gateway processes' `tracing` subscriber: text or JSON lines on stderr |
-//! | [`supervisor`] | `semlb serve`: segment, backends, listener, children, restarts, signals |
-//! | [`admin`] | the admin API (bearer token): list, add, drain, remove backends; flush the tables |
+//! | [`supervisor`] | `semlb serve`: segment, listener, signals; in it `children` (spawn, restart with backoff, watchdog), `backends` and `reload` (SIGHUP), `admin` (the admin commands carried out), `status` (readiness, systemd status line), `sims` (`--demo` engines) |
+//! | [`admin`] | the admin API's HTTP side (bearer token): list, add, drain, remove backends; flush the tables; each request a command for `supervisor::admin` |
 //! | [`notify`] | systemd's notification protocol (`READY=1`, `WATCHDOG=1`, ...) for `Type=notify` |
-//! | [`child`] | the dispatcher and responder processes, and `__sim` for `serve --demo` |
+//! | [`child`] | the dispatcher and responder processes' edge (configuration, segment, signals; their loops are the library's), and `__sim` for `serve --demo` |
 //! | [`shm_cmd`] | `semlb shm create / inspect / remove` over [`shm_layout::Segment`] |
 //! | [`report`] | a snapshot of a segment, rendered as text or JSON |
 //! | [`demo`] | `semlb demo`: synthetic conversations routed through a throw-away segment |

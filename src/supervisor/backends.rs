@@ -1,0 +1,294 @@
+//! The backends registered in the shm server table, as the supervisor
+//! keeps them ([`Backends`]): the configured ones (and those added through
+//! the admin API), and the removed ones still draining.
+//!
+//! A new backend is registered `Up`, so every dispatcher routes to it at
+//! once; a removed one is set `Draining` (dispatchers route only to `Up`
+//! servers) and retired, its slot freed, once it has no request in flight
+//! or after `drain_timeout_secs`; one listed again while still draining is
+//! `Up` again; unchanged ones are not touched (their prefix entries, load
+//! and counts stay). A reload applies the file's list with
+//! [`Backends::apply`], the admin API one backend at a time.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow};
+use semlb::config::BackendConfig;
+use shm_layout::{Segment, ServerInfo, ServerRef, ServerState};
+
+/// The backends registered in the server table: the configured ones, and
+/// the removed ones still draining.
+#[derive(Debug)]
+pub(super) struct Backends<'a> {
+    segment: &'a Segment,
+    /// Configured backends, by address (`http://host:port`).
+    live: Vec<(String, ServerRef)>,
+    /// Removed backends finishing their requests: address, registration,
+    /// when they are retired even with requests in flight.
+    draining: Vec<(String, ServerRef, Instant)>,
+    /// The server-table id of the next registration (ids are never reused).
+    next_id: u64,
+    /// Names (`name`, else `host:port`) by address, live and draining.
+    names: HashMap<String, String>,
+    /// Addresses of live backends added through the admin API and not (or
+    /// not yet) listed in the configuration.
+    from_admin: HashSet<String>,
+}
+
+/// What the supervisor knows of a server-table slot.
+#[derive(Debug)]
+pub(super) enum Found<'b> {
+    /// A live backend.
+    Live { address: &'b str, server: ServerRef },
+    /// A removed backend still draining, retired at `until` at the latest.
+    Removing {
+        address: &'b str,
+        server: ServerRef,
+        until: Instant,
+    },
+    /// Neither.
+    Unknown,
+}
+
+/// Why [`Backends::add`] refused a backend.
+#[derive(Debug)]
+pub(super) enum AddError {
+    /// The address is registered already, in `slot`.
+    AlreadyRegistered { slot: u16 },
+    /// Another live backend, at `other`, has the name.
+    NameTaken { name: String, other: String },
+    /// The server table refused it (full).
+    Table(anyhow::Error),
+}
+
+/// How many backends are live, of them `Up`, and draining (for the status line).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Counts {
+    /// Live backends whose registration is current and `Up`.
+    pub up: usize,
+    /// Live backends.
+    pub live: usize,
+    /// Removed backends still draining.
+    pub draining: usize,
+}
+
+/// How a backend is named in the server table: `http://host:port`, or the
+/// reason its URL does not parse.
+pub(super) fn address_of(backend: &BackendConfig) -> Result<String, String> {
+    backend.parsed_url().map(|url| format!("http://{}", url.authority()))
+}
+
+impl<'a> Backends<'a> {
+    /// None yet, in `segment`'s server table.
+    pub(super) fn new(segment: &'a Segment) -> Self {
+        Self {
+            segment,
+            live: Vec::new(),
+            draining: Vec::new(),
+            next_id: 0,
+            names: HashMap::new(),
+            from_admin: HashSet::new(),
+        }
+    }
+
+    /// Registers `backend` in the server table (state `Up`: dispatchers
+    /// route to it at once) and counts it as configured.
+    pub(super) fn register(&mut self, backend: &BackendConfig) -> Result<ServerRef> {
+        let address = address_of(backend).map_err(|e| anyhow!("backend {}: {e}", backend.url))?;
+        let server = self
+            .segment
+            .tables()
+            .servers
+            .register(self.next_id, &address, self.segment.clock().now_ms())
+            .with_context(|| format!("registering backend {}", backend.url))?;
+        self.next_id += 1;
+        self.names.insert(address.clone(), backend.display_name());
+        self.live.push((address, server));
+        Ok(server)
+    }
+
+    /// The live backend in server-table slot `slot`.
+    fn live_in(&self, slot: u16) -> Option<usize> {
+        self.live.iter().position(|(_, s)| s.slot == slot)
+    }
+
+    /// Moves live backend `i` to the draining list (state `Draining`), to be
+    /// retired once drained or at `until`.
+    fn start_draining(&mut self, i: usize, until: Instant) -> String {
+        let (address, server) = self.live.remove(i);
+        self.segment.tables().servers.set_state(server, ServerState::Draining);
+        self.from_admin.remove(&address);
+        self.draining.push((address.clone(), server, until));
+        address
+    }
+
+    /// Draining backend `i` live again (state `Up`), unless its
+    /// registration is gone.
+    fn revive(&mut self, i: usize) -> Option<(String, ServerRef)> {
+        let servers = self.segment.tables().servers;
+        if !servers.set_state(self.draining[i].1, ServerState::Up) {
+            return None;
+        }
+        let (address, server, _) = self.draining.remove(i);
+        self.live.push((address.clone(), server));
+        Some((address, server))
+    }
+
+    /// Makes `backends` (a reload's list) the configured backends: removed
+    /// ones drain (retired at the latest after `drain_timeout`), added ones
+    /// register, returning ones (still draining) are `Up` again; the others
+    /// are not touched. Returns how many were added and removed.
+    pub(super) fn apply(&mut self, backends: &[BackendConfig], drain_timeout: Duration) -> (usize, usize) {
+        let mut wanted = Vec::new();
+        for backend in backends {
+            match address_of(backend) {
+                Ok(a) if !wanted.iter().any(|(w, _)| *w == a) => wanted.push((a, backend)),
+                Ok(_) => {}
+                Err(e) => tracing::error!("reload: backend {}: {e}", backend.url),
+            }
+        }
+        let (mut added, mut removed) = (0, 0);
+        let until = Instant::now() + drain_timeout;
+        while let Some(i) = self.live.iter().position(|(a, _)| !wanted.iter().any(|(w, _)| w == a)) {
+            let address = self.start_draining(i, until);
+            tracing::info!(backend = %address, "reload: backend {address} removed; draining it");
+            removed += 1;
+        }
+        for (address, backend) in wanted {
+            // Listed in the file: the file's from now on, under its name.
+            self.from_admin.remove(&address);
+            self.names.insert(address.clone(), backend.display_name());
+            if self.live.iter().any(|(a, _)| *a == address) {
+                continue;
+            }
+            added += 1;
+            if let Some(i) = self.draining.iter().position(|(a, _, _)| *a == address)
+                && let Some((address, _)) = self.revive(i)
+            {
+                tracing::info!(backend = %address, "reload: backend {address} added again (it was still draining)");
+                continue;
+            }
+            match self.register(backend) {
+                Ok(_) => tracing::info!(backend = %address, "reload: backend {address} added"),
+                Err(e) => {
+                    added -= 1;
+                    tracing::error!(backend = %address, "reload: cannot add backend {address}: {e:#}");
+                }
+            }
+        }
+        (added, removed)
+    }
+
+    /// Adds `backend` (at `address`) as the admin API does: registered
+    /// like a reload registers one, or `Up` again if it is still draining,
+    /// and counted as added through the API.
+    pub(super) fn add(&mut self, address: &str, backend: &BackendConfig) -> Result<ServerRef, AddError> {
+        if let Some((_, server)) = self.live.iter().find(|(a, _)| *a == address) {
+            return Err(AddError::AlreadyRegistered { slot: server.slot });
+        }
+        let name = backend.display_name();
+        if let Some((other, _)) = self.live.iter().find(|(a, _)| self.names.get(a) == Some(&name)) {
+            return Err(AddError::NameTaken {
+                name,
+                other: other.clone(),
+            });
+        }
+        let again = self.draining.iter().position(|(a, _, _)| *a == address);
+        // Being removed: it takes requests again, as after a reload that
+        // lists it again.
+        let server = match again.and_then(|i| self.revive(i)) {
+            Some((_, server)) => {
+                self.names.insert(address.to_owned(), name);
+                server
+            }
+            None => self.register(backend).map_err(AddError::Table)?,
+        };
+        self.from_admin.insert(address.to_owned());
+        Ok(server)
+    }
+
+    /// Drains the live backend in `slot`, to be retired once drained (or at
+    /// `until`: [`Backends::retire_drained`]); returns its address, `None`
+    /// if no live backend is there.
+    pub(super) fn remove(&mut self, slot: u16, until: Instant) -> Option<String> {
+        let i = self.live_in(slot)?;
+        Some(self.start_draining(i, until))
+    }
+
+    /// What is in server-table slot `slot`.
+    pub(super) fn find(&self, slot: u16) -> Found<'_> {
+        if let Some((address, server, until)) = self.draining.iter().find(|(_, s, _)| s.slot == slot) {
+            return Found::Removing {
+                address,
+                server: *server,
+                until: *until,
+            };
+        }
+        match self.live_in(slot) {
+            Some(i) => Found::Live {
+                address: &self.live[i].0,
+                server: self.live[i].1,
+            },
+            None => Found::Unknown,
+        }
+    }
+
+    /// How `info` (a server of the table) is shown by the admin API: its
+    /// name, and who manages it (`removing`, `admin` or `config`).
+    pub(super) fn describe(&self, info: &ServerInfo) -> (Option<&str>, &'static str) {
+        let managed = if self.draining.iter().any(|(_, s, _)| *s == info.server) {
+            "removing"
+        } else if self.from_admin.contains(&info.address) {
+            "admin"
+        } else {
+            "config"
+        };
+        (self.names.get(&info.address).map(String::as_str), managed)
+    }
+
+    /// How many are live, `Up` and draining.
+    pub(super) fn counts(&self) -> Counts {
+        let servers = self.segment.tables().servers;
+        let up = self
+            .live
+            .iter()
+            .filter(|(_, server)| {
+                servers
+                    .current(server.slot)
+                    .is_some_and(|(s, state)| s == *server && state == ServerState::Up)
+            })
+            .count();
+        Counts {
+            up,
+            live: self.live.len(),
+            draining: self.draining.len(),
+        }
+    }
+
+    /// Retires the removed backends whose requests have finished, or whose
+    /// drain timeout has passed.
+    pub(super) fn retire_drained(&mut self) {
+        let servers = self.segment.tables().servers;
+        let now = Instant::now();
+        let names = &mut self.names;
+        self.draining.retain(|(address, server, until)| {
+            let (inflight, _) = servers.inflight(*server);
+            if inflight > 0 && now < *until {
+                return true;
+            }
+            servers.retire(*server);
+            names.remove(address);
+            if inflight > 0 {
+                tracing::warn!(
+                    backend = %address,
+                    inflight,
+                    "backend {address} removed after the drain timeout with {inflight} requests in flight"
+                );
+            } else {
+                tracing::info!(backend = %address, "backend {address} drained and removed");
+            }
+            false
+        });
+    }
+}

@@ -1,0 +1,340 @@
+//! The child processes the supervisor keeps running: one slot per
+//! dispatcher and responder, each filled by re-running this binary as
+//! `semlb __child` ([`Children`]).
+//!
+//! The dispatchers inherit the listening socket as fd [`LISTEN_FD`], each
+//! with its own completion ring; the responders split the rings among
+//! themselves. Every child gets `PR_SET_PDEATHSIG`, so it dies with the
+//! supervisor, and starts without `NOTIFY_SOCKET`/`WATCHDOG_*`: only the
+//! supervisor notifies systemd.
+//!
+//! A child that dies is reaped (SIGCHLD), marked exited in the registry,
+//! its in-flight counts reclaimed, and restarted after a backoff (100 ms
+//! doubling to 5 s); a slot that needs 5 restarts within 30 s is a crash
+//! loop, an error that stops the supervisor. A child whose heartbeat is
+//! older than 10 s is hung and is killed (then restarted).
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::OsString;
+use std::net::TcpListener;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail};
+use nix::sys::signal::{Signal, kill};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::Pid;
+use shm_layout::{ProcessState, Role, Segment};
+
+use crate::child::LISTEN_FD;
+use crate::cli::ChildRole;
+use crate::notify;
+
+const BACKOFF_START: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+const CRASH_WINDOW: Duration = Duration::from_secs(30);
+const CRASH_LIMIT: usize = 5;
+const HUNG_AFTER_MS: u64 = 10_000;
+/// A heartbeat at most this old is fresh (children beat every 500 ms).
+const FRESH_HEARTBEAT_MS: u64 = 3_000;
+
+/// One child slot the supervisor keeps filled.
+#[derive(Debug)]
+struct Slot {
+    role: ChildRole,
+    slot: u16,
+    index: usize,
+    incarnation: u32,
+    pid: Option<Pid>,
+    restart_at: Option<Instant>,
+    backoff: Duration,
+    restarts: VecDeque<Instant>,
+}
+
+/// The children of one supervisor: their registry slots (1 onwards: the
+/// dispatchers, then the responders), processes, restarts and backoffs.
+#[derive(Debug)]
+pub(super) struct Children<'a> {
+    segment: &'a Segment,
+    /// The listening socket the dispatchers inherit.
+    listener: &'a TcpListener,
+    /// The flags children are started with (after `__child --role ...`).
+    args: Vec<OsString>,
+    slots: Vec<Slot>,
+    /// Children restarted since the start.
+    restarts: u64,
+}
+
+impl<'a> Children<'a> {
+    /// `dispatchers` and `responders` slots, none started yet (all due at
+    /// once); children are started with the flags `args`.
+    pub(super) fn new(
+        segment: &'a Segment,
+        listener: &'a TcpListener,
+        dispatchers: usize,
+        responders: usize,
+        args: Vec<OsString>,
+    ) -> Self {
+        let slots = (0..dispatchers)
+            .map(|i| (ChildRole::Dispatcher, i))
+            .chain((0..responders).map(|j| (ChildRole::Responder, j)))
+            .enumerate()
+            .map(|(k, (role, index))| Slot {
+                role,
+                slot: k as u16 + 1,
+                index,
+                incarnation: 0,
+                pid: None,
+                restart_at: Some(Instant::now()),
+                backoff: BACKOFF_START,
+                restarts: VecDeque::new(),
+            })
+            .collect();
+        Self {
+            segment,
+            listener,
+            args,
+            slots,
+            restarts: 0,
+        }
+    }
+
+    /// Children restarted since the start.
+    pub(super) fn restarts(&self) -> u64 {
+        self.restarts
+    }
+
+    /// Reaps whatever died, and schedules its restart.
+    pub(super) fn reap(&mut self) {
+        let tables = self.segment.tables();
+        loop {
+            match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Exited(pid, _) | WaitStatus::Signaled(pid, _, _)) => {
+                    if let Some(s) = self.slots.iter_mut().find(|s| s.pid == Some(pid)) {
+                        tracing::warn!(child = ?s.role, index = s.index, pid = pid.as_raw(), "{:?} {} (pid {pid}) exited", s.role, s.index);
+                        tables.registry.mark_exited(s.slot, s.incarnation);
+                        tables.servers.reclaim_process(s.slot);
+                        s.pid = None;
+                        s.restart_at = Some(Instant::now() + s.backoff);
+                        s.backoff = (s.backoff * 2).min(BACKOFF_MAX);
+                    }
+                }
+                Ok(WaitStatus::StillAlive) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+    }
+
+    /// Kills hung children (their exit is reaped next round).
+    pub(super) fn kill_hung(&self) {
+        let tables = self.segment.tables();
+        let now_ms = self.segment.clock().now_ms();
+        for s in self.slots.iter().filter(|s| s.pid.is_some()) {
+            if let Some(info) = tables.registry.get(s.slot)
+                && info.incarnation == s.incarnation
+                && info.state == ProcessState::Running
+                && now_ms.saturating_sub(info.heartbeat_ms) > HUNG_AFTER_MS
+            {
+                tracing::warn!(
+                    child = ?s.role,
+                    index = s.index,
+                    "{:?} {} missed its heartbeats for {} ms; killing it",
+                    s.role,
+                    s.index,
+                    now_ms - info.heartbeat_ms
+                );
+                let _ = kill(s.pid.expect("filtered"), Signal::SIGKILL);
+            }
+        }
+    }
+
+    /// (Re)starts the children that are due; a crash loop is an error.
+    pub(super) fn start_due(&mut self) -> Result<()> {
+        let tables = self.segment.tables();
+        let clock = self.segment.clock();
+        for s in self.slots.iter_mut() {
+            let due = s.pid.is_none() && s.restart_at.is_some_and(|t| t <= Instant::now());
+            if !due {
+                continue;
+            }
+            let started = Instant::now();
+            if s.incarnation > 0 {
+                s.restarts.push_back(started);
+                while s.restarts.front().is_some_and(|t| started - *t > CRASH_WINDOW) {
+                    s.restarts.pop_front();
+                }
+                if s.restarts.len() >= CRASH_LIMIT {
+                    bail!(
+                        "{:?} {} crashed {CRASH_LIMIT} times within {CRASH_WINDOW:?}: crash loop, stopping",
+                        s.role,
+                        s.index
+                    );
+                }
+                tracing::info!(child = ?s.role, index = s.index, "restarting {:?} {}", s.role, s.index);
+                self.restarts += 1;
+            }
+            let role = match s.role {
+                ChildRole::Dispatcher => Role::Dispatcher,
+                ChildRole::Responder => Role::Responder,
+            };
+            s.incarnation = tables.registry.claim(s.slot, role, clock.now_ms());
+            let fd = (s.role == ChildRole::Dispatcher).then(|| self.listener.as_raw_fd());
+            match spawn(s, fd, &self.args) {
+                Ok(pid) => {
+                    s.pid = Some(pid);
+                    s.restart_at = None;
+                }
+                Err(e) => {
+                    tracing::error!(child = ?s.role, index = s.index, error = %e, "cannot start {:?} {}: {e}", s.role, s.index);
+                    tables.registry.mark_exited(s.slot, s.incarnation);
+                    s.restart_at = Some(Instant::now() + s.backoff);
+                    s.backoff = (s.backoff * 2).min(BACKOFF_MAX);
+                }
+            }
+        }
+        // A child that stayed up a while earns a fresh backoff.
+        for s in self.slots.iter_mut() {
+            if s.pid.is_some() && s.restarts.back().is_none_or(|t| t.elapsed() > CRASH_WINDOW) {
+                s.backoff = BACKOFF_START;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether child `s` runs its current incarnation and has attached to
+    /// its registry slot (and `fresh`: heartbeated within
+    /// [`FRESH_HEARTBEAT_MS`] of `now_ms`).
+    fn running(&self, s: &Slot, fresh: bool, now_ms: u64) -> bool {
+        s.pid.is_some()
+            && self.segment.tables().registry.get(s.slot).is_some_and(|info| {
+                info.incarnation == s.incarnation
+                    && info.state == ProcessState::Running
+                    && (!fresh || now_ms.saturating_sub(info.heartbeat_ms) <= FRESH_HEARTBEAT_MS)
+            })
+    }
+
+    /// Up: every child attached (the dispatchers then share the listener).
+    pub(super) fn up(&self) -> bool {
+        let now_ms = self.segment.clock().now_ms();
+        self.slots.iter().all(|s| self.running(s, false, now_ms))
+    }
+
+    /// Healthy, for the watchdog: every child attached with a fresh
+    /// heartbeat. A child being restarted, hung or in a crash loop makes
+    /// the supervisor unhealthy until it runs again.
+    pub(super) fn healthy(&self) -> bool {
+        let now_ms = self.segment.clock().now_ms();
+        self.slots.iter().all(|s| self.running(s, true, now_ms))
+    }
+
+    /// The children of `role` that are up with a fresh heartbeat, and how
+    /// many there are.
+    pub(super) fn count(&self, role: ChildRole) -> (usize, usize) {
+        let now_ms = self.segment.clock().now_ms();
+        let of_role = self.slots.iter().filter(|s| s.role == role);
+        let up = of_role.clone().filter(|s| self.running(s, true, now_ms)).count();
+        (up, of_role.count())
+    }
+
+    /// Sends `signal` to every running dispatcher.
+    pub(super) fn signal_dispatchers(&self, signal: Signal) {
+        for s in self.slots.iter().filter(|s| s.role == ChildRole::Dispatcher) {
+            if let Some(pid) = s.pid {
+                let _ = kill(pid, signal);
+            }
+        }
+    }
+
+    /// SIGTERM to every child, then SIGKILL after `grace`; reaps them all.
+    pub(super) async fn stop(&mut self, grace: Duration) {
+        for s in self.slots.iter() {
+            if let Some(pid) = s.pid {
+                let _ = kill(pid, Signal::SIGTERM);
+            }
+        }
+        let deadline = Instant::now() + grace;
+        let mut pending: HashMap<Pid, ()> = self.slots.iter().filter_map(|s| s.pid).map(|p| (p, ())).collect();
+        while !pending.is_empty() {
+            if let Ok(WaitStatus::Exited(pid, _) | WaitStatus::Signaled(pid, _, _)) =
+                waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG))
+            {
+                pending.remove(&pid);
+                continue;
+            }
+            if Instant::now() >= deadline {
+                for pid in pending.keys() {
+                    let _ = kill(*pid, Signal::SIGKILL);
+                }
+                for pid in pending.keys() {
+                    let _ = waitpid(*pid, None);
+                }
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for s in self.slots.iter_mut() {
+            s.pid = None;
+        }
+    }
+}
+
+/// Starts the child of slot `s`: `semlb __child` with `serve_args`, and
+/// for a dispatcher the listening socket `listen_fd` on [`LISTEN_FD`].
+fn spawn(s: &Slot, listen_fd: Option<RawFd>, serve_args: &[OsString]) -> std::io::Result<Pid> {
+    let exe = std::env::current_exe()?;
+    let role = match s.role {
+        ChildRole::Dispatcher => "dispatcher",
+        ChildRole::Responder => "responder",
+    };
+    let mut cmd = Command::new(exe);
+    cmd.arg("__child")
+        .args([
+            "--role",
+            role,
+            "--slot",
+            &s.slot.to_string(),
+            "--incarnation",
+            &s.incarnation.to_string(),
+        ])
+        .args(["--index", &s.index.to_string()])
+        .args(serve_args)
+        .stdin(Stdio::null());
+    for var in notify::ENV_VARS {
+        // Only the supervisor talks to systemd.
+        cmd.env_remove(var);
+    }
+    let supervisor = std::process::id() as libc::pid_t;
+    // SAFETY: the closure runs in the forked child before exec and only makes
+    // async-signal-safe system calls (signal, prctl, getppid, dup2, fcntl,
+    // _exit).
+    unsafe {
+        cmd.pre_exec(move || {
+            // Ignored across exec until a dispatcher installs its reload
+            // handler, so a forwarded SIGHUP never kills a starting child.
+            if libc::signal(libc::SIGHUP, libc::SIG_IGN) == libc::SIG_ERR {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != supervisor {
+                // The supervisor died between fork and prctl.
+                libc::_exit(1);
+            }
+            if let Some(fd) = listen_fd {
+                if fd != LISTEN_FD && libc::dup2(fd, LISTEN_FD) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let flags = libc::fcntl(LISTEN_FD, libc::F_GETFD);
+                if flags < 0 || libc::fcntl(LISTEN_FD, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn()?;
+    Ok(Pid::from_raw(child.id() as i32))
+}

@@ -1,0 +1,400 @@
+//! `semlb serve`: the supervisor.
+//!
+//! It resolves the configuration (file, then flags), creates the shm
+//! segment (a leftover of a crashed supervisor, whose creator pid is gone,
+//! is removed first; a live one is refused), registers the backends in the
+//! server table, binds the listener, and keeps the dispatcher and response
+//! processes running ([`children`]) until a signal:
+//!
+//! * **SIGTERM**: stop accepting (children get SIGTERM and drain within the
+//!   drain timeout), then SIGKILL stragglers, remove the segment, exit 0.
+//!   **SIGINT**: the same with a 1 s grace. A crash loop stops everything
+//!   the same way and exits non-zero.
+//! * **SIGHUP**: reload. The configuration is resolved again ([`reload`]).
+//!   If it does not parse or validate, the error is logged on one line
+//!   (naming the key), `STATUS=` says the reload failed, and everything
+//!   keeps running as it was. Otherwise, with no connection dropped and
+//!   the shared tables kept, the backends take the new list
+//!   ([`backends`]), the health checks restart with the new settings, and
+//!   SIGHUP is forwarded to the dispatchers, which resolve the
+//!   configuration themselves (same flags) and swap their routing policy
+//!   in place (one that fails to resolve keeps its policy). `--backend`
+//!   flags replace the file's `[[backend]]` list at every reload too, so a
+//!   gateway started with them cannot change its backends by reloading.
+//!
+//! With `[admin] listen` (or `--admin-listen`) the supervisor also serves
+//! [`crate::admin`] on that address, in its own runtime. The token is read
+//! (and a world-readable token file refused) and the address bound before
+//! anything starts, so a problem stops the start with one clear error.
+//! Each request reaches the supervisor's loop as a command over a channel
+//! and is carried out there ([`admin`]). `[admin]` itself needs a restart.
+//!
+//! Under systemd (`Type=notify`) it reports readiness, a status line and
+//! watchdog pings ([`status`]). `--demo N` first starts N simulated engines
+//! on loopback ([`sims`]) and uses them as the backends; unless given, it
+//! listens on `127.0.0.1:8080` and names its segment `semlb-demo`.
+//!
+//! | module | concept |
+//! | --- | --- |
+//! | this one | start and stop: configuration, segment, listener; the loop over signals, admin commands and ticks |
+//! | [`children`] | child slots: spawn, reap, restart with backoff, crash loops, hung children, stop |
+//! | [`backends`] | the registered backends: add, drain, retire; a reload's backend list |
+//! | [`reload`] | the configuration again on SIGHUP, the settings that need a restart pinned |
+//! | [`admin`] | the admin API's commands carried out on the backends and the segment |
+//! | [`status`] | readiness probe, watchdog and `STATUS=` line for systemd |
+//! | [`sims`] | the simulated engines of `--demo` |
+
+mod admin;
+mod backends;
+mod children;
+mod reload;
+mod sims;
+mod status;
+
+use std::net::{SocketAddr, TcpListener};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use semlb::config::ServeConfig;
+use shm_layout::{CreateError, LayoutPlan, PlanOptions, Role, Segment};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::mpsc;
+
+use self::backends::Backends;
+use self::children::Children;
+use self::status::Reports;
+use crate::cli::{ChildRole, ServeArgs};
+use crate::notify::Notifier;
+
+/// Runs the gateway until SIGTERM/SIGINT (or a crash loop).
+pub fn run(args: &ServeArgs) -> Result<()> {
+    let mut args = args.clone();
+    let mut engines = Vec::new();
+    if args.demo.is_some() {
+        // A demo listens on loopback and uses its own segment, so it never
+        // collides with (or exposes) a real gateway on the same host.
+        args.listen.get_or_insert(SocketAddr::from(([127, 0, 0, 1], 8080)));
+        args.shm_name.get_or_insert_with(|| "semlb-demo".to_owned());
+    }
+    if let Some(n) = args.demo {
+        for _ in 0..n {
+            let (child, url) = sims::start_sim(args.demo_time_scale, &args.log)?;
+            tracing::info!(engine = %url, pid = child.id(), "demo engine {url} (pid {})", child.id());
+            args.backends.push(url);
+            engines.push(child);
+        }
+    }
+    let result = supervise(&args);
+    for mut engine in engines {
+        let _ = kill(Pid::from_raw(engine.id() as i32), Signal::SIGTERM);
+        let _ = engine.wait();
+    }
+    result
+}
+
+fn supervise(args: &ServeArgs) -> Result<()> {
+    let notify = Notifier::from_env();
+    let config = ServeConfig::resolve(args.config.as_deref(), args.overrides())?;
+    // Load what every dispatcher will load, so a bad file is one clear error
+    // here rather than a crash loop of children, and say which engine runs.
+    let tokenizer = crate::child::load_tokenizer(&config, 0)?;
+    tracing::info!(
+        tokenizer = %config.tokenizer.as_deref().map_or("bundled phi-2".into(), |p| p.display().to_string()),
+        engine = %tokenizer.engine(),
+        "tokenizer: {}",
+        tokenizer.engine()
+    );
+    drop(tokenizer);
+    if let Some(path) = &config.chat_template {
+        let template = semlb_tokenizer::chat::ChatTemplate::from_tokenizer_config(path)?;
+        let renderer = template.renderer_name();
+        tracing::info!(renderer, "chat template {}: {renderer} renderer", path.display());
+    }
+    // The admin API's token and address, before anything starts.
+    let admin = match config.admin.listen {
+        Some(addr) => {
+            let token = config
+                .admin
+                .read_token()?
+                .context("the admin API needs a bearer token (admin.token or admin.token_file)")?;
+            let listener =
+                crate::admin::bind(addr).with_context(|| format!("cannot listen on {addr} for the admin API"))?;
+            Some((listener, token))
+        }
+        None => None,
+    };
+    let plan = LayoutPlan::new(
+        config.shm_size.0,
+        PlanOptions {
+            max_response_fraction: config.response_cache.max_value_fraction,
+        },
+    )?;
+    let segment = create_segment(&config.shm_name, &plan)?;
+    let name = segment.name().unwrap_or_default().to_owned();
+    let result = (|| {
+        let tables = segment.tables();
+        let clock = segment.clock();
+        let mut backends = Backends::new(&segment);
+        for backend in &config.backends {
+            backends.register(backend)?;
+        }
+        let me = tables.registry.claim(0, Role::Supervisor, clock.now_ms());
+        tables.registry.attach(0, me, std::process::id(), clock.now_ms());
+        let listener =
+            TcpListener::bind(config.listen).with_context(|| format!("cannot listen on {}", config.listen))?;
+        let addr = listener.local_addr()?;
+        println!("semlb listening on http://{addr}");
+        tracing::info!(
+            shm = %name,
+            "shm segment {name} ({}), {} dispatchers, {} responders, {} backends, policy {}",
+            config.shm_size,
+            config.dispatchers,
+            config.responders,
+            config.backends.len(),
+            config.policy.kind
+        );
+        if config.store.kind == semlb::store::StoreKind::Redis {
+            log_redis_reachability(&config);
+        }
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let supervisor = Supervisor::new(&segment, config, args, &listener, backends, &notify);
+        runtime.block_on(supervisor.monitor(admin))
+    })();
+    if let Err(e) = &result {
+        notify.stopping(&format!("failed: {e:#}"));
+    }
+    drop(segment);
+    let _ = Segment::remove(&name);
+    result
+}
+
+/// Says where the routing state is kept in Redis, and whether Redis
+/// answers now (it need not: routing falls back on load until it does).
+fn log_redis_reachability(config: &ServeConfig) {
+    let r = &config.store.redis;
+    let reachable = redis::Client::open(r.url.as_str())
+        .and_then(|c| c.get_connection_with_timeout(r.timeout()))
+        .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
+    match reachable {
+        Ok(_) => tracing::info!(
+            "routing state in Redis at {} (namespace {}, lookup {:?})",
+            r.url,
+            r.namespace,
+            r.lookup
+        ),
+        Err(e) => tracing::warn!(
+            "routing state in Redis at {} (namespace {}, lookup {:?}): not reachable now ({e}); routing on load only until it is",
+            r.url,
+            r.namespace,
+            r.lookup
+        ),
+    }
+}
+
+/// Creates the segment, replacing the leftover of a supervisor that died.
+fn create_segment(name: &str, plan: &LayoutPlan) -> Result<Segment> {
+    match Segment::create(name, plan) {
+        Ok(s) => Ok(s),
+        Err(CreateError::AlreadyExists { name: path }) => {
+            let creator = Segment::open(name).map(|s| s.header().creator_pid).ok();
+            if let Some(pid) = creator.filter(|pid| *pid != 0 && kill(Pid::from_raw(*pid as i32), None).is_ok()) {
+                bail!(
+                    "shm segment {path} is in use by a running semlb supervisor (pid {pid}); stop it first or pick another --shm-name"
+                );
+            }
+            tracing::warn!(shm = %path, "removing the leftover shm segment {path} of a supervisor that is gone");
+            Segment::remove(name)?;
+            Ok(Segment::create(name, plan)?)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The supervisor's state while it runs the children.
+struct Supervisor<'a> {
+    segment: &'a Segment,
+    /// The configuration in force (the last one reloaded).
+    config: ServeConfig,
+    /// The command line, for resolving the configuration again.
+    args: &'a ServeArgs,
+    /// Where a dispatcher answers the readiness probe.
+    probe_addr: SocketAddr,
+    children: Children<'a>,
+    backends: Backends<'a>,
+    reports: Reports<'a>,
+    /// The last reload's error, while no later reload succeeded.
+    reload_error: Option<String>,
+    /// Health checks and load scraping of the backends ([`semlb::health`]),
+    /// restarted with the new configuration by a reload.
+    health: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// How a stop was asked for.
+enum Stop {
+    /// SIGTERM: drain.
+    Term,
+    /// SIGINT: a short grace.
+    Int,
+}
+
+impl<'a> Supervisor<'a> {
+    fn new(
+        segment: &'a Segment,
+        config: ServeConfig,
+        args: &'a ServeArgs,
+        listener: &'a TcpListener,
+        backends: Backends<'a>,
+        notify: &'a Notifier,
+    ) -> Self {
+        // The flags children are started with: the command line with the
+        // settings that need a restart pinned to the running values.
+        let child_args = reload::pinned_args(args, &config).to_args();
+        let children = Children::new(segment, listener, config.dispatchers, config.responders, child_args);
+        // The listener is bound and its address was printed already.
+        let probe_addr = status::probe_address(listener.local_addr().unwrap_or(config.listen));
+        Self {
+            segment,
+            config,
+            args,
+            probe_addr,
+            children,
+            backends,
+            reports: Reports::new(notify),
+            reload_error: None,
+            health: None,
+        }
+    }
+
+    /// Keeps the children running until SIGTERM/SIGINT or a crash loop,
+    /// then stops them. `admin` is the admin API's listener and token.
+    async fn monitor(mut self, admin: Option<(TcpListener, String)>) -> Result<()> {
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        let mut hup = signal(SignalKind::hangup())?;
+        let mut chld = signal(SignalKind::child())?;
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        self.restart_health()?;
+        // Admin requests reach this loop as commands; the sender is kept
+        // here too, so `recv` never ends without an admin API.
+        let (admin_tx, mut admin_rx) = mpsc::channel::<crate::admin::Command>(16);
+        let admin_task = match admin {
+            Some((listener, token)) => {
+                let listener = tokio::net::TcpListener::from_std(listener)?;
+                tracing::info!("admin API on http://{}", listener.local_addr()?);
+                Some(tokio::spawn(crate::admin::serve(listener, token, admin_tx.clone())))
+            }
+            None => None,
+        };
+        let outcome: Result<Stop> = loop {
+            tokio::select! {
+                _ = term.recv() => break Ok(Stop::Term),
+                _ = int.recv() => break Ok(Stop::Int),
+                _ = hup.recv() => {
+                    self.reports.reloading();
+                    self.reload();
+                    self.reports.reloaded(&self.status_line());
+                }
+                Some((request, reply)) = admin_rx.recv() => {
+                    let answer = admin::answer(request, self.segment, &mut self.backends, &self.config);
+                    let _ = reply.send(answer);
+                }
+                _ = chld.recv() => {}
+                _ = tick.tick() => {}
+            }
+            self.children.reap();
+            self.children.kill_hung();
+            if let Err(e) = self.children.start_due() {
+                break Err(e);
+            }
+            self.backends.retire_drained();
+            if !self.reports.is_ready() && self.children.up() && status::probe(self.probe_addr).await {
+                self.reports.ready(self.status_line());
+            }
+            if self.reports.is_ready() {
+                let status = self.status_line();
+                let children = &self.children;
+                self.reports.tick(|| children.healthy(), status);
+            }
+        };
+        if let Some(task) = admin_task {
+            task.abort();
+        }
+        drop(admin_tx);
+        let grace = match &outcome {
+            Ok(Stop::Term) => {
+                self.reports.stopping("stopping: draining the requests in flight");
+                self.config.drain_timeout() + Duration::from_secs(2)
+            }
+            Ok(Stop::Int) => {
+                self.reports.stopping("stopping (SIGINT)");
+                Duration::from_secs(1)
+            }
+            Err(e) => {
+                self.reports.stopping(&format!("stopping: {e}"));
+                Duration::from_secs(1)
+            }
+        };
+        self.children.stop(grace).await;
+        outcome.map(|_| ())
+    }
+
+    /// One line for `systemctl status`.
+    fn status_line(&self) -> String {
+        status::status_line(
+            self.children.count(ChildRole::Dispatcher),
+            self.children.count(ChildRole::Responder),
+            self.children.restarts(),
+            self.backends.counts(),
+            self.config.policy.kind,
+            self.reload_error.as_deref(),
+        )
+    }
+
+    /// SIGHUP: resolves the configuration again and applies what can change
+    /// while running (see the module docs); a configuration that does not
+    /// resolve is logged and the running one kept.
+    fn reload(&mut self) {
+        let new = match reload::reloaded_config(self.args, &self.config) {
+            Ok(new) => new,
+            Err(e) => {
+                tracing::warn!(error = %e, "reload rejected, keeping the running configuration: {e}");
+                self.reload_error = Some(e);
+                return;
+            }
+        };
+        self.reload_error = None;
+        let (added, removed) = self.backends.apply(&new.backends, new.drain_timeout());
+        // The dispatchers resolve the configuration again themselves (with
+        // the same flags) and take its routing policy.
+        self.children.signal_dispatchers(Signal::SIGHUP);
+        tracing::info!(
+            added,
+            removed,
+            "reloaded: {added} backends added, {removed} removed, {} configured; policy {}",
+            self.backends.counts().live,
+            new.policy.kind
+        );
+        self.config = new;
+        // The checker takes the new [health] settings and metrics flavors;
+        // its state lives in the server table, so nothing is lost.
+        if let Err(e) = self.restart_health() {
+            tracing::error!("reload: cannot restart the health checks: {e:#}");
+        }
+    }
+
+    /// (Re)starts the health checks and load scraping with the running
+    /// configuration, on a mapping of the segment of their own.
+    fn restart_health(&mut self) -> Result<()> {
+        if let Some(old) = self.health.take() {
+            old.abort();
+        }
+        let segment = Segment::open(&self.config.shm_name).context("opening the segment for the health checks")?;
+        self.health = Some(semlb::health::spawn(
+            std::sync::Arc::new(segment),
+            std::sync::Arc::new(self.config.clone()),
+        ));
+        Ok(())
+    }
+}
