@@ -58,3 +58,20 @@ impl Rng {
         ((self.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `from_seed` is the textbook stream (seed 0 starts 0xe220a8397b1dcdaf),
+    /// and `Rng(s)` is that stream one step on.
+    #[test]
+    fn from_seed_is_textbook_splitmix64_and_rng_is_one_step_on() {
+        assert_eq!(Rng::from_seed(0).next(), 0xe220_a839_7b1d_cdaf);
+        let (mut a, mut b) = (Rng(7), Rng::from_seed(7u64.wrapping_add(GAMMA)));
+        for _ in 0..100 {
+            assert_eq!(a.next(), b.next());
+        }
+        assert_eq!(mix(0), Rng::from_seed(0).next());
+    }
+}
