@@ -16,42 +16,12 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use semlb_test_support::gateway::{Gateway, sim_at};
 use serde_json::json;
 
-const EXE: &str = env!("CARGO_BIN_EXE_semlb");
 const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/data");
-
-struct Proc(Child, String);
-
-impl Proc {
-    fn start(args: &[&str]) -> Proc {
-        let mut child = Command::new(EXE)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        out.read_line(&mut line).unwrap();
-        std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
-        let addr = line.trim().rsplit("http://").next().unwrap().to_owned();
-        Proc(child, addr)
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.0.id() as i32),
-            nix::sys::signal::SIGTERM,
-        );
-        let _ = self.0.wait();
-    }
-}
 
 /// A minimal keep-alive HTTP/1.1 client (Content-Length or chunked bodies).
 struct Conn {
@@ -186,26 +156,11 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(5.0);
-    let engine = Proc::start(&["__sim", "--listen", "127.0.0.1:0", "--time-scale", "0.0001"]);
-    let shm = format!("semlb-bench-gw-{}", std::process::id());
-    let backend = format!("http://{}", engine.1);
-    let gateway = Proc::start(&[
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--shm-name",
-        &shm,
-        "--shm-size",
-        "64MiB",
-        "--dispatchers",
-        "2",
-        "--responders",
-        "1",
-        "--backend",
-        &backend,
-    ]);
+    let engine = sim_at("0.0001");
+    let gateway = Gateway::builder().shm_size("64MiB").backends(&[&engine]).start();
+    let shm = gateway.shm.clone();
     let deadline = Instant::now() + Duration::from_secs(30);
-    while Conn::new(&gateway.1)
+    while Conn::new(gateway.addr())
         .post(
             "/v1/completions",
             r#"{"model":"semlb-sim","prompt":"warm up","max_tokens":1}"#,
@@ -218,7 +173,7 @@ fn main() {
 
     // 1. Dispatch overhead, 2k-token prompts.
     let d = dialogues();
-    let mut conn = Conn::new(&gateway.1);
+    let mut conn = Conn::new(gateway.addr());
     let stages = ["read", "parse", "tokenize", "hash", "cache", "route", "total"];
     let mut samples: Vec<Vec<u64>> = vec![Vec::new(); stages.len()];
     let mut next = 0;
@@ -264,13 +219,12 @@ fn main() {
 
     // 2. Proxy throughput.
     for clients in [1usize, 8, 32] {
-        let direct = throughput(&engine.1, clients, secs);
-        let through = throughput(&gateway.1, clients, secs);
+        let direct = throughput(&engine.addr, clients, secs);
+        let through = throughput(gateway.addr(), clients, secs);
         println!(
             "throughput, {clients:>2} clients: direct {direct:>8.0} req/s, through the gateway {through:>8.0} req/s, ratio {:.2}",
             through / direct
         );
     }
     drop(gateway);
-    let _ = shm_layout::Segment::remove(&shm);
 }

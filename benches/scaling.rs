@@ -23,8 +23,7 @@ use std::time::{Duration, Instant};
 
 use shm_layout::{Segment, Stamp};
 
-mod support;
-use support::{BenchSegment, chain, key, populate, servers};
+use semlb_test_support::segment::{BenchSegment, chain, key, populate, servers};
 
 const CHAINS: u64 = 16_384;
 const CHILD_ENV: &str = "SEMLB_SCALING_CHILD";

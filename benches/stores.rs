@@ -24,14 +24,8 @@ use semlb::store::redis::client::{RedisStore, WriteItem};
 use semlb::store::shm::{ShmStore, ShmWriteBack};
 use shm_layout::{Completion, LayoutPlan, ResponseKey, Segment, ServerRef, Stamp};
 
-mod support;
-use support::{chain, key, servers};
-
-/// The tests' private `redis-server` (free port, no persistence, killed on drop).
-#[path = "../tests/support/redis.rs"]
-#[allow(dead_code)]
-mod redis_server;
-use redis_server::RedisServer;
+use semlb_test_support::redis::RedisServer;
+use semlb_test_support::segment::{chain, key, servers};
 
 /// Removes the named segment when dropped.
 struct Removed(String);

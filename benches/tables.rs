@@ -15,8 +15,7 @@ use std::hint::black_box;
 use criterion::{Criterion, criterion_group, criterion_main};
 use shm_layout::{Pop, ResponseKey, Stamp};
 
-mod support;
-use support::{BenchSegment, chain, key, populate, servers};
+use semlb_test_support::segment::{BenchSegment, chain, key, populate, servers};
 
 const CHAINS: u64 = 16_384;
 const CHAIN_LEN: usize = 64;

@@ -42,12 +42,11 @@ pub enum Command {
     /// servers hold each block).
     Tokenize(crate::tokenize_cmd::TokenizeArgs),
     /// Measure: the dispatch path, scaling, end to end, trace replay; shm
-    /// vs Redis. Prints tables, writes JSON and SVG plots.
-    #[command(subcommand)]
-    Bench(crate::bench::BenchCommand),
-    /// A load process of `semlb bench scaling` (not for direct use).
-    #[command(name = "__bench-worker", hide = true)]
-    BenchWorker(crate::bench::scaling::WorkerArgs),
+    /// vs Redis. Prints tables, writes JSON and SVG plots. Runs the
+    /// `semlb-bench` binary next to this one (`semlb bench --help` lists
+    /// the reports).
+    #[command(disable_help_flag = true)]
+    Bench(BenchArgs),
     /// A process the supervisor starts (not for direct use).
     #[command(name = "__child", hide = true)]
     Child(ChildArgs),
@@ -55,6 +54,14 @@ pub enum Command {
     /// for direct use; the full simulator is `semlb-sim`).
     #[command(name = "__sim", hide = true)]
     Sim(SimArgs),
+}
+
+/// `semlb bench ARGS…`: handed to `semlb-bench` as they are.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// The report and its flags (`semlb bench --help` lists the reports).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "ARGS")]
+    pub args: Vec<OsString>,
 }
 
 /// `semlb serve`: every flag overrides the configuration file's key of the

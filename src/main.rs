@@ -20,7 +20,11 @@
 //! | [`demo`] | `semlb demo`: synthetic conversations routed through a throw-away segment |
 //! | [`status`] | `semlb status`: a live view of a running gateway from its segment |
 //! | [`tokenize_cmd`] | `semlb tokenize`: a request's prompt text, segments, token ids, block hashes and their holders |
-//! | [`bench`] | `semlb bench`: dispatch path, scaling, end to end, trace replay; shm vs Redis |
+//!
+//! `semlb bench …` execs the `semlb-bench` binary next to this one
+//! ([`run_bench`]): the benchmark reports are a crate of their own
+//! (`benches/semlb-bench/`), so that this binary does not link their
+//! plotting and progress-bar crates.
 //!
 //! # Flow
 //!
@@ -39,7 +43,6 @@
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod admin;
-mod bench;
 mod child;
 mod cli;
 mod demo;
@@ -52,12 +55,34 @@ mod supervisor;
 mod tokenize_cmd;
 
 use std::io::Write;
+use std::os::unix::process::CommandExt;
 use std::process::ExitCode;
 
-use anyhow::Result;
+use anyhow::{Context, Result, bail};
 use clap::Parser;
 
-use crate::cli::{ChildRole, Cli, Command};
+use crate::cli::{BenchArgs, ChildRole, Cli, Command};
+
+/// `semlb bench ARGS…`: replaces this process with `semlb-bench ARGS…`
+/// from this executable's own directory (where `cargo build --release -p
+/// semlb -p semlb-bench` puts both); returns only if that fails.
+fn run_bench(args: &BenchArgs) -> Result<()> {
+    let here = std::env::current_exe().context("cannot find this executable")?;
+    let bench = here.with_file_name("semlb-bench");
+    if !bench.is_file() {
+        bail!(
+            "`semlb bench` runs {}, which is not there: build it with `cargo build --release -p semlb-bench` \
+             (both binaries: `cargo build --release -p semlb -p semlb-bench`)",
+            bench.display()
+        );
+    }
+    // Its usage lines then read `semlb bench …`, as the user typed them.
+    let err = std::process::Command::new(&bench)
+        .arg0("semlb bench")
+        .args(&args.args)
+        .exec();
+    Err(err).with_context(|| format!("cannot run {}", bench.display()))
+}
 
 fn run(cli: Cli) -> Result<()> {
     let stdout = std::io::stdout();
@@ -82,9 +107,8 @@ fn run(cli: Cli) -> Result<()> {
             logging::init(&args.log, "sim");
             child::run_sim(&args)?
         }
-        Command::Bench(command) => bench::run(&command)?,
+        Command::Bench(args) => run_bench(&args)?,
         Command::Status(args) => status::run(&args, &mut out)?,
-        Command::BenchWorker(args) => bench::scaling::run_worker(&args)?,
     }
     out.flush()?;
     Ok(())

@@ -12,18 +12,18 @@
 //! wrong method get 4xx answers with error bodies; `[admin]` is validated
 //! at start (no token, a world-readable token file).
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-mod support;
+use semlb_test_support as support;
 
 use support::TempDir;
-use support::process::{EXE, Proc};
+use support::gateway::{Gateway, sim_at};
+use support::http::Response;
+use support::process::{Proc, exe};
 
 const TOKEN: &str = "test-admin-token-0123456789";
 
@@ -39,122 +39,19 @@ fn token_file(dir: &TempDir, token: &str, mode: u32) -> String {
     path.display().to_string()
 }
 
-/// A simulated engine whose simulated second lasts `time_scale` real seconds.
-fn sim_at(time_scale: &str) -> Proc {
-    Proc::start(&["__sim", "--listen", "127.0.0.1:0", "--time-scale", time_scale])
+/// A gateway with the admin API (token [`TOKEN`]) on a free loopback
+/// port, one dispatcher.
+fn gateway(backends: &[&Proc], extra: &[&str]) -> Gateway {
+    Gateway::builder()
+        .tag("admin")
+        .dispatchers(1)
+        .admin(TOKEN)
+        .backends(backends)
+        .args(extra)
+        .start()
 }
 
-/// A gateway with the admin API on a free loopback port.
-struct Gateway {
-    proc: Proc,
-    admin: String,
-    shm: String,
-    _dir: TempDir,
-}
-
-impl Gateway {
-    fn start(backends: &[&Proc], extra: &[&str]) -> Gateway {
-        let dir = TempDir::new("gw");
-        let token_file = token_file(&dir, TOKEN, 0o600);
-        let shm = unique("shm");
-        let mut args = vec![
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--shm-name",
-            &shm,
-            "--shm-size",
-            "32MiB",
-            "--dispatchers",
-            "1",
-            "--responders",
-            "1",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--admin-token-file",
-            &token_file,
-        ];
-        let urls: Vec<String> = backends.iter().map(|b| format!("http://{}", b.addr)).collect();
-        for u in &urls {
-            args.extend(["--backend", u.as_str()]);
-        }
-        args.extend(extra);
-        let proc = Proc::spawn(&args, true);
-        let mut admin = None;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while admin.is_none() {
-            assert!(Instant::now() < deadline, "the admin API did not start");
-            admin = proc
-                .stderr_text()
-                .lines()
-                .find_map(|l| l.split_once("admin API on http://").map(|(_, a)| a.trim().to_owned()));
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let gw = Gateway {
-            proc,
-            admin: admin.unwrap(),
-            shm,
-            _dir: dir,
-        };
-        until(Duration::from_secs(30), "the gateway to be ready", || {
-            http(&gw.proc.addr, "GET", "/health", None, &[]).is_ok_and(|r| r.status == 200)
-        });
-        gw
-    }
-
-    /// An admin request with the right token.
-    fn admin(&self, method: &str, path: &str, body: Option<&str>) -> Response {
-        let auth = format!("Bearer {TOKEN}");
-        http(&self.admin, method, path, body, &[("Authorization", &auth)]).expect("admin request")
-    }
-
-    fn servers(&self) -> Vec<Value> {
-        let r = self.admin("GET", "/admin/servers", None);
-        assert_eq!(r.status, 200, "{r:?}");
-        r.json()["servers"].as_array().expect("a list").clone()
-    }
-
-    fn server(&self, address: &str) -> Option<Value> {
-        self.servers().into_iter().find(|s| s["address"] == address)
-    }
-}
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        self.proc.stop();
-        let _ = shm_layout::Segment::remove(&self.shm);
-    }
-}
-
-#[derive(Debug)]
-struct Response {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-}
-
-impl Response {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
-    }
-
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
-    }
-
-    /// The OpenAI-style error message, asserting the body has one.
-    fn error_message(&self) -> String {
-        let body = self.json();
-        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
-        body["error"]["message"].as_str().expect("a message").to_owned()
-    }
-}
-
-/// One HTTP/1.1 request with `Connection: close` (no chunked bodies: the
-/// admin API and the simulator answer with lengths, streaming is not used).
+/// One HTTP/1.1 request with `Connection: close`, the body as text.
 fn http(
     addr: &str,
     method: &str,
@@ -162,41 +59,7 @@ fn http(
     body: Option<&str>,
     headers: &[(&str, &str)],
 ) -> Result<Response, String> {
-    let payload = body.unwrap_or_default();
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
-        payload.len()
-    );
-    if body.is_some() {
-        req.push_str("Content-Type: application/json\r\n");
-    }
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    req.push_str(payload);
-    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    s.write_all(req.as_bytes()).map_err(|e| e.to_string())?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).map_err(|e| e.to_string())?;
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or("no header end")?;
-    let head = String::from_utf8_lossy(&raw[..split]).to_string();
-    let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .and_then(|l| l.split(' ').nth(1))
-        .and_then(|c| c.parse().ok())
-        .ok_or("status")?;
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
-        .collect();
-    Ok(Response {
-        status,
-        headers,
-        body: raw[split + 4..].to_vec(),
-    })
+    support::http::http_bytes(addr, method, path, body.map(str::as_bytes), headers)
 }
 
 /// A chat completion; `extra` is merged into the body.
@@ -223,7 +86,7 @@ fn until(within: Duration, what: &str, mut condition: impl FnMut() -> bool) {
 #[test]
 fn every_request_needs_the_bearer_token() {
     let engine = sim_at("0.01");
-    let gw = Gateway::start(&[&engine], &[]);
+    let gw = gateway(&[&engine], &[]);
     for headers in [
         vec![],
         vec![("Authorization", "Bearer wrong-token-0123456789")],
@@ -235,7 +98,7 @@ fn every_request_needs_the_bearer_token() {
             ("POST", "/admin/flush/prefixes"),
             ("GET", "/nope"),
         ] {
-            let r = http(&gw.admin, method, path, None, &headers).unwrap();
+            let r = http(gw.admin_addr(), method, path, None, &headers).unwrap();
             assert_eq!(r.status, 401, "{method} {path} with {headers:?}: {r:?}");
             assert!(
                 r.header("www-authenticate").is_some_and(|v| v.starts_with("Bearer")),
@@ -246,7 +109,7 @@ fn every_request_needs_the_bearer_token() {
         }
     }
     // With the token: the list of servers.
-    let servers = gw.servers();
+    let servers = gw.admin_servers();
     assert_eq!(servers.len(), 1, "{servers:?}");
     let s = &servers[0];
     assert_eq!(s["address"], format!("http://{}", engine.addr));
@@ -260,14 +123,14 @@ fn every_request_needs_the_bearer_token() {
     );
     // The scraper fills in the load within a couple of scrape intervals.
     until(Duration::from_secs(10), "the load to be scraped", || {
-        gw.servers()[0]["load"]["age_ms"].is_u64()
+        gw.admin_servers()[0]["load"]["age_ms"].is_u64()
     });
 }
 
 #[test]
 fn bad_input_gets_4xx_with_error_bodies() {
     let engine = sim_at("0.01");
-    let gw = Gateway::start(&[&engine], &[]);
+    let gw = gateway(&[&engine], &[]);
     let cases: &[(&str, &str, Option<&str>, u16, &str)] = &[
         ("POST", "/admin/servers", Some("{not json"), 400, "must be JSON"),
         ("POST", "/admin/servers", None, 400, "must be JSON"),
@@ -350,7 +213,7 @@ fn bad_input_gets_4xx_with_error_bodies() {
     );
     assert_eq!(r.status, 409, "{r:?}");
     assert!(r.error_message().contains("is taken by"), "{r:?}");
-    assert_eq!(gw.servers().len(), 1, "nothing was added");
+    assert_eq!(gw.admin_servers().len(), 1, "nothing was added");
 }
 
 #[test]
@@ -358,7 +221,7 @@ fn an_added_server_gets_requests_then_drains_and_leaves() {
     let fast = sim_at("0.01");
     // A real-speed engine: 400 tokens take about 4 s.
     let slow = sim_at("1");
-    let gw = Gateway::start(&[&fast], &["--policy", "round_robin"]);
+    let gw = gateway(&[&fast], &["--policy", "round_robin"]);
     let slow_address = format!("http://{}", slow.addr);
     let fast_address = format!("http://{}", fast.addr);
 
@@ -370,7 +233,7 @@ fn an_added_server_gets_requests_then_drains_and_leaves() {
     assert_eq!(added.status, 201, "{added:?}");
     let slot = added.json()["slot"].as_u64().expect("a slot");
     assert_eq!(added.json()["state"], "up");
-    let listed = gw.server(&slow_address).expect("listed");
+    let listed = gw.admin_server(&slow_address).expect("listed");
     assert_eq!(listed["name"], "slow-engine");
     assert_eq!(listed["managed"], "admin");
     assert_eq!(listed["slot"], slot);
@@ -407,13 +270,13 @@ fn an_added_server_gets_requests_then_drains_and_leaves() {
         )
     });
     until(Duration::from_secs(10), "the long request to be in flight", || {
-        gw.server(&slow_address)
+        gw.admin_server(&slow_address)
             .is_some_and(|s| s["inflight_requests"].as_u64() > Some(0))
     });
     let drained = gw.admin("POST", &format!("/admin/servers/{slot}/drain"), None);
     assert_eq!(drained.status, 200, "{drained:?}");
     assert_eq!(drained.json()["state"], "draining");
-    assert_eq!(gw.server(&slow_address).unwrap()["state"], "draining");
+    assert_eq!(gw.admin_server(&slow_address).unwrap()["state"], "draining");
     for i in 0..4 {
         let r = chat(&gw.proc.addr, &format!("while draining {i}"), json!({"max_tokens": 2}));
         assert_eq!(r.header("x-semlb-backend"), Some(fast_address.as_str()), "{r:?}");
@@ -423,12 +286,12 @@ fn an_added_server_gets_requests_then_drains_and_leaves() {
     assert_eq!(deleted.status, 202, "{deleted:?}");
     assert_eq!(deleted.json()["removed"], false);
     assert!(deleted.json()["inflight_requests"].as_u64() > Some(0), "{deleted:?}");
-    assert_eq!(gw.server(&slow_address).unwrap()["managed"], "removing");
+    assert_eq!(gw.admin_server(&slow_address).unwrap()["managed"], "removing");
     let answer = long.join().unwrap();
     assert_eq!(answer.status, 200, "{answer:?}");
     assert_eq!(answer.header("x-semlb-backend"), Some(slow_address.as_str()));
     until(Duration::from_secs(10), "the deleted server to leave", || {
-        gw.server(&slow_address).is_none()
+        gw.admin_server(&slow_address).is_none()
     });
     assert_eq!(
         gw.admin("DELETE", &format!("/admin/servers/{slot}"), None).status,
@@ -451,14 +314,14 @@ fn an_added_server_gets_requests_then_drains_and_leaves() {
     let r = gw.admin("DELETE", &format!("/admin/servers/{slot}"), None);
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(r.json()["removed"], true);
-    assert!(gw.server(&slow_address).is_none());
+    assert!(gw.admin_server(&slow_address).is_none());
     assert!(gw.proc.stderr_text().contains("admin: backend"), "changes are logged");
 }
 
 #[test]
 fn flushes_empty_the_prefix_table_and_the_response_cache() {
     let engine = sim_at("0.01");
-    let gw = Gateway::start(&[&engine], &[]);
+    let gw = gateway(&[&engine], &[]);
     let segment = shm_layout::Segment::open(&gw.shm).expect("segment");
     let deterministic = json!({"temperature": 0});
     let question = "What is the capital of France? Answer briefly, in one sentence please.";
@@ -513,7 +376,7 @@ fn flushes_empty_the_prefix_table_and_the_response_cache() {
 
 /// `semlb serve` with `args`, expected to refuse to start: its stderr.
 fn refused(args: &[&str]) -> String {
-    let out = Command::new(EXE)
+    let out = Command::new(exe())
         .args(args)
         .stdin(Stdio::null())
         .output()

@@ -7,6 +7,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+use semlb_test_support::process::{assert_ok, run as semlb, stderr, stdout};
 use shm_layout::Segment;
 
 /// A unique segment name for one test, removed on drop.
@@ -31,35 +32,6 @@ impl Drop for TestSegment {
     fn drop(&mut self) {
         let _ = Segment::remove(&self.name);
     }
-}
-
-fn semlb(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_semlb"))
-        .args(args)
-        .env_remove("SEMLB_SHM_NAME")
-        .env_remove("SEMLB_SHM_SIZE")
-        .output()
-        .expect("run the semlb binary")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-#[track_caller]
-fn assert_ok(o: &Output) -> String {
-    assert!(
-        o.status.success(),
-        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        stdout(o),
-        stderr(o)
-    );
-    stdout(o)
 }
 
 /// Asserts a non-zero exit whose stderr contains every one of `needles`.
@@ -372,61 +344,4 @@ fn tokenize_jsonl_answers_each_line() {
         "token-id prompts are taken as given"
     );
     assert_eq!(lines[2]["ids"], serde_json::json!([]));
-}
-
-/// `semlb bench proxy` runs end to end (engine, gateway, nginx when
-/// installed, load) and writes its JSON; a smoke test, no figure is checked.
-#[test]
-fn bench_proxy_runs_and_writes_json() {
-    let out = std::env::temp_dir().join(format!("semlb-test-cli-proxy-{}", std::process::id()));
-    let out_arg = out.display().to_string();
-    let nginx = Command::new("nginx").arg("-v").output().is_ok();
-    let fronts = if nginx { "direct,semlb,nginx" } else { "direct,semlb" };
-    let mut args = vec![
-        "bench",
-        "proxy",
-        "--secs",
-        "0.3",
-        "--warmup",
-        "0.1",
-        "--connections",
-        "2",
-        "--prompt-tokens",
-        "300",
-        "--fronts",
-        fronts,
-        "--out",
-        &out_arg,
-    ];
-    // On a one-CPU machine the front and the rest share it.
-    let allowed = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-                .map(|v| v.trim().to_owned())
-        })
-        .unwrap_or_default();
-    let first = allowed.split([',', '-']).next().unwrap_or("0").to_owned();
-    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
-        args.extend(["--front-cpu", &first, "--other-cpus", &first]);
-    }
-    let o = semlb(&args);
-    let text = assert_ok(&o);
-    assert!(
-        text.contains("short chat requests") && text.contains("long chat prompts"),
-        "{text}"
-    );
-    let json = std::fs::read_to_string(out.join("proxy.json")).expect("proxy.json written");
-    let v: serde_json::Value = serde_json::from_str(&json).expect("valid JSON");
-    assert_eq!(v["report"], "proxy");
-    for workload in ["short", "long"] {
-        let points = v["workloads"][workload]["points"].as_array().expect("points");
-        assert_eq!(points.len(), if nginx { 3 } else { 2 }, "{workload}: {points:?}");
-    }
-    assert!(out.join("proxy.svg").is_file());
-    if !nginx {
-        eprintln!("nginx is not installed: its rows were not run");
-    }
-    let _ = std::fs::remove_dir_all(&out);
 }

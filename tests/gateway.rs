@@ -28,10 +28,12 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::{Value, json};
 
-mod support;
-use support::gateway::{Gateway, TempFile, chat, engine_counter, sim, sim_at, user, wait_for};
+use semlb::metrics::responder_records;
+use semlb_test_support as support;
+use support::TempFile;
+use support::gateway::{Gateway, chat, engine_counter, sim, sim_at, user, wait_for};
 use support::http::{Response, exchange, http, http_bytes};
-use support::process::{EXE, Proc};
+use support::process::{Proc, exe};
 use support::redis::RedisServer;
 
 fn unique(tag: &str) -> String {
@@ -77,7 +79,7 @@ impl Conversation {
         self.messages.push(json!({"role": "assistant", "content": answer}));
         self.messages
             .push(user(&format!("Turn {t}: tell me more about part {t}.")));
-        gw.written_back();
+        gw.written_back(responder_records);
         (r.header("x-semlb-backend").unwrap_or_default().to_owned(), cached)
     }
 }
@@ -137,7 +139,7 @@ fn repeated_deterministic_requests_come_from_the_response_cache() {
     let first = chat(&gw.proc.addr, &msgs, det.clone(), &alice);
     assert_eq!(first.status, 200);
     assert_eq!(first.header("x-semlb-cache"), Some("miss"));
-    gw.written_back();
+    gw.written_back(responder_records);
     let served = engine_counter(&refs, "vllm:request_success_total");
     let hit = chat(&gw.proc.addr, &msgs, det.clone(), &alice);
     assert_eq!(hit.header("x-semlb-cache"), Some("hit"));
@@ -174,7 +176,7 @@ fn tenants_keyed_by_api_key_headers_never_share_answers() {
     let carol = [("api-key", "sk-carol")];
     let first = chat(&gw.proc.addr, &msgs, det.clone(), &carol);
     assert_eq!((first.status, first.header("x-semlb-cache")), (200, Some("miss")));
-    gw.written_back();
+    gw.written_back(responder_records);
     let again = chat(&gw.proc.addr, &msgs, det.clone(), &carol);
     assert_eq!(
         again.header("x-semlb-cache"),
@@ -243,17 +245,8 @@ fn sigterm_stops_everything_and_a_second_supervisor_is_refused() {
     let refs: Vec<&Proc> = engines.iter().collect();
     let shm = unique("term");
     let mut gw = Gateway::start(&shm, &refs, &[]);
-    let second = Command::new(EXE)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--shm-name",
-            &shm,
-            "--shm-size",
-            "32MiB",
-        ])
-        .args(["--backend", &format!("http://{}", engines[0].addr)])
+    let second = Command::new(exe())
+        .args(Gateway::builder().backends(&refs).serve_args(&shm))
         .output()
         .unwrap();
     assert!(!second.status.success());
@@ -295,7 +288,7 @@ fn a_hot_prefix_spreads_once_its_engine_is_overloaded() {
     );
     assert_eq!(first.status, 200, "{}", String::from_utf8_lossy(&first.body));
     let hot = first.header("x-semlb-backend").expect("x-semlb-backend").to_owned();
-    gw.written_back();
+    gw.written_back(responder_records);
 
     let barrier = Arc::new(Barrier::new(CLIENTS));
     let clients: Vec<_> = (1..=CLIENTS)
@@ -766,7 +759,7 @@ fn redis_mode_routes_and_caches_like_shared_memory() {
     let det = json!({"temperature": 0});
     let first = chat(&gw.proc.addr, &msgs, det.clone(), &[]);
     assert_eq!(first.header("x-semlb-cache"), Some("miss"));
-    gw.written_back();
+    gw.written_back(responder_records);
     assert_eq!(redis.count("gw:r:*"), 1, "the answer is cached in Redis");
     let hit = chat(&gw.proc.addr, &msgs, det, &[]);
     assert_eq!(hit.header("x-semlb-cache"), Some("hit"));
@@ -963,11 +956,11 @@ fn semlb_tokenize_sees_the_blocks_the_gateway_learned_from_an_answer() {
     let answer = v["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
     let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
     let answer_tokens = v["usage"]["completion_tokens"].as_u64().unwrap();
-    gw.written_back();
+    gw.written_back(responder_records);
     messages.push(json!({"role": "assistant", "content": answer}));
     messages.push(user("And now tell me more."));
     let next = json!({"model": "semlb-sim", "messages": messages}).to_string();
-    let out = Command::new(support::process::EXE)
+    let out = Command::new(exe())
         .args(["tokenize", "--json", "--shm-name", &gw.shm, "--body", &next])
         .output()
         .unwrap();

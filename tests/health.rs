@@ -15,16 +15,16 @@
 //! recent `scraped_at_ms` under load, and go back to zero after it. Every
 //! wait polls a condition with a deadline.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use shm_layout::{LoadFigures, ServerState};
 
-mod support;
+use semlb_test_support as support;
+use support::gateway::{Gateway, sim_on};
 use support::http::Response;
-use support::process::Proc;
+use support::process::Stderr;
 
 const PATIENCE: Duration = Duration::from_secs(30);
 
@@ -41,73 +41,42 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
-fn sim_on(listen: &str, time_scale: &str) -> Proc {
-    Proc::start(&["__sim", "--listen", listen, "--time-scale", time_scale])
+// A configuration file with `text` (the backends come as flags).
+use support::TempFile as ConfigFile;
+
+/// `semlb serve` with `config`, 1 responder, `--backend http://ADDR` for
+/// each of `backends`, and `extra` flags (2 dispatchers unless given), its
+/// stderr captured.
+fn gateway(tag: &str, config: &ConfigFile, backends: &[&str], extra: &[&str]) -> Gateway {
+    let mut builder = Gateway::builder()
+        .shm(&unique(tag))
+        .tag(tag)
+        .args(&["--config", config.path()])
+        .args(extra)
+        .stderr(Stderr::CaptureEcho);
+    for b in backends {
+        builder = builder.backend(b);
+    }
+    builder.start()
 }
 
-/// A configuration file with `text` (the backends come as flags).
-struct ConfigFile(PathBuf);
-
-impl ConfigFile {
-    fn new(tag: &str, text: &str) -> ConfigFile {
-        let path = std::env::temp_dir().join(format!("{}.toml", unique(tag)));
-        std::fs::write(&path, text).unwrap();
-        ConfigFile(path)
-    }
-
-    fn path(&self) -> &str {
-        self.0.to_str().unwrap()
-    }
-}
-
-impl Drop for ConfigFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-struct Gateway {
-    proc: Proc,
-    shm: String,
-    segment: shm_layout::Segment,
-}
-
-impl Gateway {
-    /// `semlb serve` with `config`, 1 responder, `--backend http://ADDR` for
-    /// each of `backends`, and `extra` flags (2 dispatchers unless given).
-    fn start(tag: &str, config: &ConfigFile, backends: &[&str], extra: &[&str]) -> Gateway {
-        let shm = unique(tag);
-        let mut args = vec![
-            "serve",
-            "--config",
-            config.path(),
-            "--listen",
-            "127.0.0.1:0",
-            "--shm-name",
-            &shm,
-            "--shm-size",
-            "32MiB",
-            "--responders",
-            "1",
-        ];
-        if !extra.contains(&"--dispatchers") {
-            args.extend(["--dispatchers", "2"]);
-        }
-        let urls: Vec<String> = backends.iter().map(|b| format!("http://{b}")).collect();
-        for u in &urls {
-            args.extend(["--backend", u.as_str()]);
-        }
-        args.extend(extra);
-        let proc = Proc::spawn(&args, true);
-        let segment = shm_layout::Segment::open(&shm).expect("the supervisor created the segment");
-        let gw = Gateway { proc, shm, segment };
-        wait_until("the gateway answers /health", || {
-            http(&gw.proc.addr, "GET", "/health", None).map(|r| r.status) == Ok(200)
-        });
-        gw
-    }
-
+/// What the tests read of a gateway: the server table and its clock, and
+/// requests that must succeed.
+trait Observe {
     /// The state and load of the server registered for `addr` (`host:port`).
+    fn server(&self, addr: &str) -> (ServerState, LoadFigures);
+    /// The state of the server registered for `addr`.
+    fn state(&self, addr: &str) -> ServerState {
+        self.server(addr).0
+    }
+    /// The segment's clock.
+    fn now_ms(&self) -> u64;
+    /// A completion request with a prompt of its own; must be answered 200.
+    /// Returns the engine that answered (`host:port`).
+    fn complete(&self, i: usize) -> String;
+}
+
+impl Observe for Gateway {
     fn server(&self, addr: &str) -> (ServerState, LoadFigures) {
         let url = format!("http://{addr}");
         let info = self
@@ -120,29 +89,16 @@ impl Gateway {
         (info.state, info.load)
     }
 
-    fn state(&self, addr: &str) -> ServerState {
-        self.server(addr).0
-    }
-
     fn now_ms(&self) -> u64 {
         self.segment.clock().now_ms()
     }
 
-    /// A completion request with a prompt of its own; must be answered 200.
-    /// Returns the engine that answered (`host:port`).
     fn complete(&self, i: usize) -> String {
         let body = json!({"model": "semlb-sim", "prompt": format!("health check request number {i}"), "max_tokens": 4});
         let r = http(&self.proc.addr, "POST", "/v1/completions", Some(&body)).expect("request");
         assert_eq!(r.status, 200, "request {i}: {}", String::from_utf8_lossy(&r.body));
         let backend = r.header("x-semlb-backend").expect("x-semlb-backend").to_owned();
         backend.trim_start_matches("http://").to_owned()
-    }
-}
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        self.proc.stop();
-        let _ = shm_layout::Segment::remove(&self.shm);
     }
 }
 
@@ -167,7 +123,7 @@ fn a_killed_engine_is_marked_down_and_a_new_one_on_its_port_readmitted() {
         sim_on("127.0.0.1:0", "0.01"),
     ];
     let addrs: Vec<String> = engines.iter().map(|e| e.addr.clone()).collect();
-    let gw = Gateway::start(
+    let gw = gateway(
         "active",
         &config,
         &addrs.iter().map(String::as_str).collect::<Vec<_>>(),
@@ -297,7 +253,7 @@ fn an_engine_answering_5xx_is_ejected_by_the_dispatcher() {
         "passive",
         "[health]\ninterval_ms = 600000\nunhealthy_threshold = 3\nhealthy_threshold = 2\npassive = true\n",
     );
-    let gw = Gateway::start(
+    let gw = gateway(
         "passive",
         &config,
         &[faulty.addr.as_str(), good[0].addr.as_str(), good[1].addr.as_str()],
@@ -348,7 +304,7 @@ fn engine_load_is_scraped_into_the_server_table() {
     );
     let engines = [sim_on("127.0.0.1:0", "0.2"), sim_on("127.0.0.1:0", "0.2")];
     let addrs: Vec<&str> = engines.iter().map(|e| e.addr.as_str()).collect();
-    let gw = Gateway::start("scrape", &config, &addrs, &["--policy", "round_robin"]);
+    let gw = gateway("scrape", &config, &addrs, &["--policy", "round_robin"]);
     // Idle: scraped, nothing running.
     for a in &addrs {
         wait_until("an idle engine is scraped", || gw.server(a).1.scraped_at_ms > 0);

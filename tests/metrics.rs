@@ -12,13 +12,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-mod support;
+use semlb_test_support as support;
+use support::gateway::{Gateway, sim};
 use support::http::{Response, http};
-use support::process::{Proc, unique};
-
-fn sim() -> Proc {
-    Proc::start(&["__sim", "--listen", "127.0.0.1:0", "--time-scale", "0.01"])
-}
+use support::process::unique;
 
 struct Shm(String);
 
@@ -68,36 +65,15 @@ fn metrics_sum_over_dispatchers_and_parse() {
     let engines = [sim(), sim()];
     let shm = unique("metrics", "sum");
     let _shm = Shm(shm.clone());
-    let mut args = vec![
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--shm-name",
-        &shm,
-        "--shm-size",
-        "32MiB",
-        "--dispatchers",
-        "2",
-        "--responders",
-        "1",
-    ];
     let urls: Vec<String> = engines.iter().map(|e| format!("http://{}", e.addr)).collect();
-    for u in &urls {
-        args.extend(["--backend", u.as_str()]);
-    }
-    let gw = Proc::start(&args);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while http(&gw.addr, "GET", "/health", None, &[]).map(|r| r.status) != Ok(200) {
-        assert!(Instant::now() < deadline, "the gateway did not become ready");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let gw = Gateway::start(&shm, &[&engines[0], &engines[1]], &[]);
     let segment = shm_layout::Segment::open(&shm).expect("segment");
 
     // Distinct prompts (misses), then each repeated once the responder has
     // stored the answers (hits), plus a 404, a 405 and /v1/models.
     const N: usize = 12;
     for i in 0..N {
-        let r = chat(&gw.addr, &format!("question number {i}: what is {i} + {i}?"));
+        let r = chat(gw.addr(), &format!("question number {i}: what is {i} + {i}?"));
         assert_eq!(r.status, 200);
         assert_eq!(r.header("x-semlb-cache"), Some("miss"));
     }
@@ -108,14 +84,14 @@ fn metrics_sum_over_dispatchers_and_parse() {
         std::thread::sleep(Duration::from_millis(20));
     }
     for i in 0..N {
-        let r = chat(&gw.addr, &format!("question number {i}: what is {i} + {i}?"));
+        let r = chat(gw.addr(), &format!("question number {i}: what is {i} + {i}?"));
         assert_eq!(r.header("x-semlb-cache"), Some("hit"));
     }
-    assert_eq!(http(&gw.addr, "GET", "/nope", None, &[]).unwrap().status, 404);
-    assert_eq!(http(&gw.addr, "POST", "/metrics", None, &[]).unwrap().status, 405);
-    assert_eq!(http(&gw.addr, "GET", "/v1/models", None, &[]).unwrap().status, 200);
+    assert_eq!(http(gw.addr(), "GET", "/nope", None, &[]).unwrap().status, 404);
+    assert_eq!(http(gw.addr(), "POST", "/metrics", None, &[]).unwrap().status, 405);
+    assert_eq!(http(gw.addr(), "GET", "/v1/models", None, &[]).unwrap().status, 200);
 
-    let (text, s) = scrape(&gw.addr);
+    let (text, s) = scrape(gw.addr());
     let chat_200 = value(
         &s,
         "semlb_requests_total",

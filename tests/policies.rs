@@ -30,7 +30,8 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-mod support;
+use semlb::metrics::responder_records;
+use semlb_test_support as support;
 use support::gateway::{Gateway, chat, routed, sample, samples, sim, sim_at, stream_text, user, wait_for};
 use support::http::{Response, http};
 use support::process::Proc;
@@ -652,7 +653,7 @@ fn weighted_scorers_follow_their_weights() {
     for t in 0..5 {
         let r = chat(gw.addr(), &messages, json!({"max_tokens": 16}), &[]);
         assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-        gw.written_back();
+        gw.written_back(responder_records);
         turns.push(routed(&r));
         let answer = r.json()["choices"][0]["message"]["content"]
             .as_str()

@@ -26,7 +26,7 @@ use semlb::store::shm::{ShmStore, ShmWriteBack};
 use semlb::store::{Lookup, LookupRequest, RoutingStore, WriteBack};
 use shm_layout::{Completion, LayoutPlan, ResponseKey, Segment, ServerRef, Stamp};
 
-mod support;
+use semlb_test_support as support;
 use support::redis::RedisServer;
 use support::{Rng, mix};
 

@@ -53,7 +53,7 @@
 //! The tests at the end are minimal reproductions of defects this sweep
 //! found in shm-layout (all fixed); they stay as regression tests.
 
-mod support;
+use semlb_test_support as support;
 use support::{Rng, mix};
 
 use std::collections::{HashMap, HashSet};

@@ -77,7 +77,7 @@
 //! defects found while writing this test (both fixed); they stay as
 //! regression tests.
 
-mod support;
+use semlb_test_support as support;
 use support::{Rng, mix};
 
 use std::collections::HashMap;

@@ -22,17 +22,14 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::json;
 
-mod support;
+use semlb_test_support as support;
+use support::gateway::{Gateway, sim};
 
 use support::TempDir;
-use support::process::{EXE, Proc};
+use support::process::{Proc, exe};
 
 fn unique(tag: &str) -> String {
     support::process::unique("sd", tag)
-}
-
-fn sim() -> Proc {
-    Proc::start(&["__sim", "--listen", "127.0.0.1:0", "--time-scale", "0.01"])
 }
 
 /// The notification socket systemd would own: every datagram, in order.
@@ -218,7 +215,7 @@ fn the_unit_file_verifies() {
     let local = dir.0.join("semlb.service");
     std::fs::write(
         &local,
-        text.replace("ExecStart=/usr/local/bin/semlb ", &format!("ExecStart={EXE} ")),
+        text.replace("ExecStart=/usr/local/bin/semlb ", &format!("ExecStart={} ", exe())),
     )
     .unwrap();
     let out = Command::new("systemd-analyze")
@@ -260,23 +257,9 @@ fn notifies_ready_watchdog_reloading_and_stopping() {
     let socket = NotifySocket::bind(&dir.0);
     let engine = sim();
     let shm = unique("notify");
-    let backend = format!("http://{}", engine.addr);
+    let args = Gateway::builder().backends(&[&engine]).serve_args(&shm);
     let mut gw = Proc::spawn_env(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--shm-name",
-            &shm,
-            "--shm-size",
-            "32MiB",
-            "--dispatchers",
-            "2",
-            "--responders",
-            "1",
-            "--backend",
-            &backend,
-        ],
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
         true,
         &[("NOTIFY_SOCKET", &socket.env()), ("WATCHDOG_USEC", "2000000")],
     );

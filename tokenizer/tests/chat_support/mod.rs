@@ -89,11 +89,11 @@ impl Rng {
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        // splitmix64 (`semlb-test-support`'s one copy): the finaliser of
+        // the state plus the increment, then the state moves on by it.
+        let bits = semlb_test_support::mix(self.0);
+        self.0 = self.0.wrapping_add(semlb_test_support::rng::GAMMA);
+        bits
     }
 
     /// A number in `0..n` (`n > 0`).

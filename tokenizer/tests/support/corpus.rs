@@ -215,11 +215,11 @@ pub struct Rng(pub u64);
 impl Rng {
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        // splitmix64 (`semlb-test-support`'s one copy): the finaliser of
+        // the state plus the increment, then the state moves on by it.
+        let bits = semlb_test_support::mix(self.0);
+        self.0 = self.0.wrapping_add(semlb_test_support::rng::GAMMA);
+        bits
     }
 
     /// Uniform in `0..n` (`n > 0`).

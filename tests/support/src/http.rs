@@ -7,14 +7,19 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+/// An answer.
 #[derive(Debug)]
 pub struct Response {
+    /// The status code.
     pub status: u16,
+    /// The header fields in order, names as sent.
     pub headers: Vec<(String, String)>,
+    /// The body (chunked transfer decoded).
     pub body: Vec<u8>,
 }
 
 impl Response {
+    /// The first header field `name` (any case).
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()
@@ -22,8 +27,16 @@ impl Response {
             .map(|(_, v)| v.as_str())
     }
 
+    /// The body as JSON; panics (with the body) when it is not.
     pub fn json(&self) -> Value {
         serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    /// The OpenAI-style error message, asserting the body has one.
+    pub fn error_message(&self) -> String {
+        let body = self.json();
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+        body["error"]["message"].as_str().expect("a message").to_owned()
     }
 }
 

@@ -12,7 +12,7 @@
 //! | `policy.dual_map.ttft_slo_ms` | SLO × 1000 / X | the workload's TTFT objective in real time |
 //! | `policy.queue.max_wait_ms` | max(60 000, 600 000 / X) | a queued request waits at most 10 trace minutes, and never less than a real minute |
 
-use crate::bench::workload::engine_prefill_tokens_per_s;
+use crate::workload::engine_prefill_tokens_per_s;
 
 /// The configuration file's text for a run at `speedup` X with a TTFT
 /// objective of `ttft_slo_s` trace seconds.

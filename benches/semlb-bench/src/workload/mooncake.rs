@@ -25,7 +25,7 @@ use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 
 use super::{Request, Workload, WorkloadKind, fit_to_context, random_tokens};
-use crate::bench::end_to_end::SplitMix;
+use semlb_test_support::Rng;
 
 /// The trace, relative to the data directory.
 pub const TRACE_FILE: &str = "traces/conversation_trace.jsonl";
@@ -74,7 +74,7 @@ fn load_trace(path: &Path, duration_s: f64, limit: Option<usize>) -> Result<Vec<
 
 /// The 512 token ids of trace block `id` (deterministic in `id` and `seed`).
 pub fn block_tokens(id: u64, seed: u64) -> Vec<u32> {
-    let mut rng = SplitMix(id.wrapping_mul(0xA24B_AED4_963E_E407) ^ seed.rotate_left(32) ^ 0x5EED);
+    let mut rng = Rng::from_seed(id.wrapping_mul(0xA24B_AED4_963E_E407) ^ seed.rotate_left(32) ^ 0x5EED);
     random_tokens(&mut rng, TRACE_BLOCK_TOKENS)
 }
 
@@ -130,7 +130,7 @@ pub fn load(path: &Path, duration_s: f64, limit: Option<usize>, max_output: u32,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::workload::VOCAB;
+    use crate::workload::VOCAB;
 
     #[test]
     fn trace_lines_parse() {

@@ -19,7 +19,7 @@
 //! `Cpus_allowed_list` back and prints it.
 //!
 //! The engine is `semlb-sim` when it sits next to this executable (build
-//! it with `cargo build --release -p semlb -p semlb-workers`) or is given
+//! it with `cargo build --release -p semlb -p semlb-bench -p semlb-workers`) or is given
 //! with `--sim`, started with the same Qwen3 `tokenizer.json` and
 //! `tokenizer_config.json` (chat template) as the gateway when the data
 //! directory has them; otherwise the hidden `semlb __sim` (bundled phi-2
@@ -605,8 +605,9 @@ impl Servers {
 /// The engine to run: `--sim`, `semlb-sim` next to this executable, or
 /// `semlb __sim`.
 fn engine_spec(args: &ProxyArgs, text: &TextSource) -> Result<EngineSpec> {
-    let exe = std::env::current_exe().context("cannot find the current executable")?;
-    let sibling = exe.with_file_name("semlb-sim");
+    let here = std::env::current_exe().context("cannot find the current executable")?;
+    let sibling = here.with_file_name("semlb-sim");
+    let exe = crate::semlb_exe()?;
     let sim = args.sim.clone().or_else(|| sibling.is_file().then_some(sibling));
     let scale = args.time_scale.to_string();
     Ok(match sim {
@@ -636,7 +637,7 @@ fn engine_spec(args: &ProxyArgs, text: &TextSource) -> Result<EngineSpec> {
             description: format!(
                 "semlb __sim (time scale {scale}; bundled phi-2 tokenizer, canonical template: no semlb-sim next to \
                  {}; `cargo build --release -p semlb-workers` or --sim PATH gives the engine the gateway's tokenizer)",
-                exe.display()
+                here.display()
             ),
             args: ["__sim", "--listen", "127.0.0.1:0", "--time-scale", &scale]
                 .map(str::to_owned)

@@ -1,20 +1,30 @@
-//! `semlb bench`: the measurements behind the README's Benchmarks section,
-//! run on this machine with real processes, a real tokenizer, real HTTP and
-//! a private `redis-server`.
+//! # semlb-bench
+//!
+//! `semlb-bench` (also run as `semlb bench`, which execs this binary from
+//! its own directory): the measurements behind the README's Benchmarks
+//! section, run on this machine with real processes, a real tokenizer, real
+//! HTTP and a private `redis-server`. It is a crate of its own so that the
+//! gateway binary does not link the plotting and progress-bar crates
+//! (`plotters`, `indicatif`) it needs.
 //!
 //! | report | module | what it measures |
 //! | --- | --- | --- |
 //! | `dispatch` | [`dispatch_path`] | the dispatch path per stage (tokenize, response-cache lookup, longest-prefix match, table update) on shm, Redis (one round trip) and Redis (naive), p50/p99 and ratios (the sLLM paper's Figure 7) |
-//! | `scaling` | [`scaling`] | dispatch decisions per second with 1, 2, 4 processes per store (the paper's Figure 8) |
+//! | `scaling` | [`scaling`] | dispatch decisions per second with 1, 2, 4 processes per store (the paper's Figure 8); its load processes are this binary again (`__bench-worker`) |
 //! | `e2e` | [`end_to_end`] | the whole gateway in front of simulated engines under open-loop load, shm vs Redis |
 //! | `tokenizer` | [`tokenizer`] | HF `tokenizers` against the native engine: µs per token on short, 2K- and 8K-token texts, and per request on multi-turn chats with and without the segment cache |
 //! | `replay` | [`replay`] | every routing policy on the same workloads ([`workload`]: the Mooncake trace, HH-RLHF chats, hot-prefix agent sessions): throughput, TTFT, SLO attainment, goodput from a rate sweep, prefix hits, load imbalance |
 //! | `proxy` | [`proxy`] | the gateway's cost as a proxy against nginx in front of the same engine (front pinned to its own core): req/s, latency and added latency, CPU µs per request |
 //! | `all` | here | every report in turn |
 //!
+//! The gateway processes it measures are the `semlb` binary next to this
+//! one ([`semlb_exe`]): `cargo build --release -p semlb -p semlb-bench`
+//! builds both into `target/release/`.
+//!
 //! Every report prints a table on stdout and writes `<out>/<report>.json`
 //! and, where it has distributions, `<out>/<report>.svg` ([`plot`]).
-//! Benchmarks measure; they assert nothing about speed.
+//! Benchmarks measure; they assert nothing about speed. Errors travel as
+//! `anyhow::Error` to [`main`], which prints them.
 
 pub mod dispatch_path;
 pub mod end_to_end;
@@ -29,10 +39,26 @@ pub mod workload;
 
 use std::path::PathBuf;
 
-use anyhow::Result;
-use clap::{Args, Subcommand};
+use std::io::Write;
+use std::process::ExitCode;
 
-/// `semlb bench …`.
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+
+/// The command line of `semlb-bench` (and of `semlb bench`).
+#[derive(Debug, Parser)]
+#[command(
+    name = "semlb-bench",
+    version,
+    about = "semlb's benchmarks: the dispatch path, scaling, end to end, trace replay, proxy overhead; shm vs Redis"
+)]
+pub struct Cli {
+    /// The report to run.
+    #[command(subcommand)]
+    pub command: BenchCommand,
+}
+
+/// `semlb-bench …` (`semlb bench …`).
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
     /// The dispatch path per stage on shm and Redis.
@@ -51,6 +77,9 @@ pub enum BenchCommand {
     Proxy(proxy::ProxyArgs),
     /// Every report with its default settings.
     All(Common),
+    /// A load process of `scaling` (not for direct use).
+    #[command(name = "__bench-worker", hide = true)]
+    BenchWorker(scaling::WorkerArgs),
 }
 
 /// Flags every report takes.
@@ -88,7 +117,13 @@ impl Common {
     }
 }
 
-/// Runs a `semlb bench` command.
+/// The `semlb` binary next to this executable: the gateway and the
+/// simulated engines (`semlb __sim`) the reports start.
+pub fn semlb_exe() -> Result<std::path::PathBuf> {
+    Ok(semlb_test_support::process::semlb_exe()?)
+}
+
+/// Runs a `semlb-bench` command.
 pub fn run(command: &BenchCommand) -> Result<()> {
     match command {
         BenchCommand::Dispatch(args) => dispatch_path::run(args),
@@ -97,6 +132,7 @@ pub fn run(command: &BenchCommand) -> Result<()> {
         BenchCommand::Replay(args) => replay::run(args),
         BenchCommand::Tokenizer(args) => tokenizer::run(args),
         BenchCommand::Proxy(args) => proxy::run(args),
+        BenchCommand::BenchWorker(args) => scaling::run_worker(args),
         BenchCommand::All(common) => {
             tokenizer::run(&tokenizer::TokenizerArgs::with(common.clone()))?;
             dispatch_path::run(&dispatch_path::DispatchArgs::with(common.clone()))?;
@@ -105,6 +141,17 @@ pub fn run(command: &BenchCommand) -> Result<()> {
             replay::run(&replay::ReplayArgs::with(common.clone()))?;
             // Last: it watches SIGINT itself from its start on.
             proxy::run(&proxy::ProxyArgs::with(common.clone()))
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(&cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "error: {e:#}");
+            ExitCode::FAILURE
         }
     }
 }

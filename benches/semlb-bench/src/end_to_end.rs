@@ -9,7 +9,7 @@
 //! GPUs is what is measured) and a fresh gateway (`semlb serve` with
 //! `--dispatchers` dispatcher processes and one response process, a unique
 //! shm segment name, and for Redis `--store redis --redis-url …
-//! --redis-namespace <unique>`). Every process is the current executable;
+//! --redis-namespace <unique>`). Every process is the `semlb` binary next to this one;
 //! each is synchronised on the address line it prints and on `GET /health`,
 //! and stopped with SIGTERM when the report ends, also on error.
 //!
@@ -52,13 +52,12 @@
 //! Output: a table on stdout, `<out>/e2e.json`, `<out>/e2e.svg` (CDFs of
 //! TTFT, latency and dispatch time in the fixed-rate phase, shm vs redis).
 //!
-//! The process and HTTP helpers here ([`Proc`], [`Gateway`],
-//! [`LoadClient`], [`SseScan`], ...) are shared with [`super::replay`].
+//! The processes are `semlb-test-support`'s ([`Proc`], and the gateway by
+//! [`start_gateway`]); they and the HTTP helpers here ([`LoadClient`],
+//! [`SseScan`], ...) are shared with [`super::replay`].
 
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -76,6 +75,10 @@ use super::Common;
 use super::output::{self, Table};
 use super::plot::{self, Panel, Series};
 use super::redis_server::BenchRedis;
+use semlb_test_support::Rng;
+use semlb_test_support::gateway::Gateway;
+pub(super) use semlb_test_support::process::Proc;
+use semlb_test_support::process::{ProcBuilder, Stderr};
 
 /// `semlb bench e2e` flags.
 #[derive(Debug, Clone, Args)]
@@ -149,140 +152,20 @@ impl EndToEndArgs {
 
 /// A unique name for this run's resources (shm segment, Redis namespace).
 pub(super) fn unique_name(tag: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!("semlb-bench-{tag}-{}-{nanos:08x}", std::process::id())
-}
-
-/// A child process of the current executable that prints `… http://ADDR`
-/// as its first stdout line; SIGTERM (then SIGKILL) when dropped.
-pub(super) struct Proc {
-    child: Child,
-    what: String,
-    /// The address it printed (`host:port`).
-    pub(super) addr: String,
-    stderr: Arc<Mutex<VecDeque<String>>>,
-}
-
-impl Proc {
-    /// Starts `semlb <args>` and waits (at most `within`) for its address line.
-    pub(super) fn start(what: &str, args: &[String], within: Duration) -> Result<Proc> {
-        let exe = std::env::current_exe().context("cannot find the current executable")?;
-        let mut child = Command::new(&exe)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("cannot start {what} ({})", exe.display()))?;
-        let stderr = Arc::new(Mutex::new(VecDeque::new()));
-        if let Some(err) = child.stderr.take() {
-            let sink = stderr.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(err).lines().map_while(Result::ok) {
-                    let mut tail = sink.lock().unwrap_or_else(|e| e.into_inner());
-                    if tail.len() == 40 {
-                        tail.pop_front();
-                    }
-                    tail.push_back(line);
-                }
-            });
-        }
-        let out = child.stdout.take().context("no stdout")?;
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut out = BufReader::new(out);
-            let mut line = String::new();
-            let _ = tx.send(out.read_line(&mut line).map(|_| line));
-            let _ = std::io::copy(&mut out, &mut std::io::sink());
-        });
-        let mut proc = Proc {
-            child,
-            what: what.to_owned(),
-            addr: String::new(),
-            stderr,
-        };
-        let line = match rx.recv_timeout(within) {
-            Ok(Ok(line)) => line,
-            Ok(Err(e)) => bail!("{what}: reading its stdout: {e}"),
-            Err(_) => bail!("{what} printed no address within {within:?}{}", proc.stderr_tail()),
-        };
-        match line.trim().rsplit_once("http://") {
-            Some((_, addr)) if addr.contains(':') => proc.addr = addr.to_owned(),
-            _ => {
-                // Give its stderr reader a moment to collect why it exited.
-                let _ = proc.wait_exit(Duration::from_millis(500));
-                std::thread::sleep(Duration::from_millis(50));
-                bail!("{what} did not start (stdout {line:?}){}", proc.stderr_tail());
-            }
-        }
-        Ok(proc)
-    }
-
-    /// The last lines of its stderr, as `: …` text for an error message.
-    pub(super) fn stderr_tail(&self) -> String {
-        let tail = self.stderr.lock().unwrap_or_else(|e| e.into_inner());
-        if tail.is_empty() {
-            String::new()
-        } else {
-            format!(":\n  {}", tail.iter().cloned().collect::<Vec<_>>().join("\n  "))
-        }
-    }
-
-    /// True while it runs.
-    pub(super) fn running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-
-    fn wait_exit(&mut self, within: Duration) -> bool {
-        let deadline = Instant::now() + within;
-        loop {
-            if !self.running() {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// SIGTERM, wait up to 20 s, then SIGKILL.
-    pub(super) fn stop(&mut self) {
-        if !self.running() {
-            return;
-        }
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        if !self.wait_exit(Duration::from_secs(20)) {
-            eprintln!("semlb bench: {} did not stop on SIGTERM; killing it", self.what);
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.stop();
-    }
+    semlb_test_support::process::unique("bench", tag)
 }
 
 /// `n` simulated engines (`semlb __sim`) with `time_scale`.
 pub(super) fn start_engines(n: usize, time_scale: f64) -> Result<Vec<Proc>> {
     (0..n)
         .map(|i| {
-            let args: Vec<String> = [
-                "__sim",
-                "--listen",
-                "127.0.0.1:0",
-                "--time-scale",
-                &time_scale.to_string(),
-            ]
-            .map(str::to_owned)
-            .into();
-            Proc::start(&format!("simulated engine {i}"), &args, Duration::from_secs(30))
+            let scale = time_scale.to_string();
+            let proc = ProcBuilder::new(["__sim", "--listen", "127.0.0.1:0", "--time-scale", &scale])
+                .what(format!("simulated engine {i}"))
+                .stderr(Stderr::Tail(40))
+                .within(Duration::from_secs(30))
+                .try_start()?;
+            Ok(proc)
         })
         .collect()
 }
@@ -301,7 +184,7 @@ pub(super) enum Store {
     },
 }
 
-/// What [`Gateway::start`] runs.
+/// What [`start_gateway`] runs.
 #[derive(Debug, Clone)]
 pub(super) struct GatewaySpec {
     /// Dispatcher processes.
@@ -319,17 +202,7 @@ pub(super) struct GatewaySpec {
     pub(super) config: Option<String>,
 }
 
-/// A running `semlb serve` (supervisor, dispatchers, responder); stopped
-/// with SIGTERM and its segment removed when dropped.
-pub(super) struct Gateway {
-    /// The supervisor.
-    pub(super) proc: Proc,
-    shm: String,
-    /// The `--config` file written for it, if any.
-    config_file: Option<PathBuf>,
-}
-
-/// Why [`Gateway::start`] failed.
+/// Why [`start_gateway`] failed.
 #[derive(Debug)]
 pub(super) enum GatewayError {
     /// `semlb serve` does not know a flag (e.g. `--store` in an older build).
@@ -338,110 +211,33 @@ pub(super) enum GatewayError {
     Other(anyhow::Error),
 }
 
-impl Gateway {
-    /// Starts the gateway in front of `engines` and waits until `/health`
-    /// answers 200.
-    pub(super) fn start(spec: &GatewaySpec, engines: &[Proc], client: &LoadClient) -> Result<Gateway, GatewayError> {
-        let shm = unique_name(&spec.tag);
-        let config_file = match &spec.config {
-            Some(text) => {
-                let path = std::env::temp_dir().join(format!("{shm}.toml"));
-                std::fs::write(&path, text)
-                    .with_context(|| format!("cannot write the gateway configuration {}", path.display()))
-                    .map_err(GatewayError::Other)?;
-                Some(path)
-            }
-            None => None,
-        };
-        let remove_config = || {
-            if let Some(path) = &config_file {
-                let _ = std::fs::remove_file(path);
-            }
-        };
-        let mut args: Vec<String> = vec![
-            "serve".into(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--shm-name".into(),
-            shm.clone(),
-            "--shm-size".into(),
-            spec.shm_size.clone(),
-            "--dispatchers".into(),
-            spec.dispatchers.to_string(),
-            "--responders".into(),
-            "1".into(),
-        ];
-        if let Some(policy) = spec.policy {
-            args.extend(["--policy".into(), policy.to_string()]);
-        }
-        if let Some(path) = &config_file {
-            args.extend(["--config".into(), path.display().to_string()]);
-        }
-        if let Store::Redis { url, namespace } = &spec.store {
-            args.extend([
-                "--store".into(),
-                "redis".into(),
-                "--redis-url".into(),
-                url.clone(),
-                "--redis-namespace".into(),
-                namespace.clone(),
-            ]);
-        }
-        for e in engines {
-            args.extend(["--backend".into(), format!("http://{}", e.addr)]);
-        }
-        let proc = match Proc::start("the gateway (semlb serve)", &args, Duration::from_secs(60)) {
-            Ok(p) => p,
-            Err(e) => {
-                remove_config();
-                let text = format!("{e:#}");
-                if text.contains("unexpected argument") {
-                    return Err(GatewayError::UnknownFlag(text));
-                }
-                let _ = shm_layout::Segment::remove(&shm);
-                return Err(GatewayError::Other(e));
-            }
-        };
-        // From here on, dropping the gateway removes the file and segment.
-        let mut gateway = Gateway { proc, shm, config_file };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if client
-                .get(&gateway.proc.addr, "/health")
-                .is_ok_and(|(status, _)| status == 200)
-            {
-                return Ok(gateway);
-            }
-            if !gateway.proc.running() {
-                return Err(GatewayError::Other(anyhow!(
-                    "the gateway exited before it was ready{}",
-                    gateway.proc.stderr_tail()
-                )));
-            }
-            if Instant::now() > deadline {
-                return Err(GatewayError::Other(anyhow!(
-                    "the gateway did not become ready within 60 s{}",
-                    gateway.proc.stderr_tail()
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+/// Starts the gateway (supervisor, dispatchers, one responder) in front of
+/// `engines` and waits until `/health` answers 200; it is stopped with
+/// SIGTERM and its segment and files removed when dropped.
+pub(super) fn start_gateway(spec: &GatewaySpec, engines: &[Proc]) -> Result<Gateway, GatewayError> {
+    let mut builder = Gateway::builder()
+        .shm(&unique_name(&spec.tag))
+        .tag(&spec.tag)
+        .shm_size(&spec.shm_size)
+        .dispatchers(spec.dispatchers)
+        .backends(&engines.iter().collect::<Vec<_>>())
+        .stderr(Stderr::Tail(40))
+        .within(Duration::from_secs(60));
+    if let Some(policy) = spec.policy {
+        builder = builder.policy(&policy.to_string());
     }
-
-    /// Its `host:port`.
-    pub(super) fn addr(&self) -> &str {
-        &self.proc.addr
+    if let Some(text) = &spec.config {
+        builder = builder.config(text);
     }
-}
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        self.proc.stop();
-        let _ = shm_layout::Segment::remove(&self.shm);
-        if let Some(path) = &self.config_file {
-            let _ = std::fs::remove_file(path);
+    if let Store::Redis { url, namespace } = &spec.store {
+        builder = builder.redis(url, namespace);
+    }
+    builder.try_start().map_err(|e| match e {
+        semlb_test_support::Error::NoAddress { stderr, .. } if stderr.contains("unexpected argument") => {
+            GatewayError::UnknownFlag(stderr)
         }
-    }
+        e => GatewayError::Other(e.into()),
+    })
 }
 
 // ---------------------------------------------------------------------------
@@ -646,27 +442,6 @@ pub(super) fn parse_dispatch(value: &str) -> Option<[u64; 7]> {
     Some(values)
 }
 
-/// A small deterministic generator (SplitMix64), for arrival times and
-/// synthetic tokens.
-#[derive(Debug, Clone)]
-pub(super) struct SplitMix(pub(super) u64);
-
-impl SplitMix {
-    /// The next 64 random bits.
-    pub(super) fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in (0, 1].
-    pub(super) fn unit(&mut self) -> f64 {
-        ((self.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
-    }
-}
-
 /// Values at p50, p90, p99 of `values` (in their unit).
 pub(super) fn p50_90_99(values: &[f64]) -> [f64; 3] {
     let mut v = values.to_vec();
@@ -849,7 +624,7 @@ async fn open_loop(
     pool: Arc<Mutex<Pool>>,
     args: EndToEndArgs,
 ) -> PhaseRun {
-    let mut rng = SplitMix(args.seed);
+    let mut rng = Rng::from_seed(args.seed);
     let start = Instant::now();
     let mut at = 0.0f64;
     let mut tasks = Vec::new();
@@ -1075,7 +850,7 @@ fn run_store(
         tag: format!("e2e-{name}"),
         config: None,
     };
-    let gateway = match Gateway::start(&spec, &engines, client) {
+    let gateway = match start_gateway(&spec, &engines) {
         Ok(g) => g,
         Err(GatewayError::UnknownFlag(text)) => {
             bar.suspend(|| {
@@ -1423,7 +1198,7 @@ mod tests {
 
     #[test]
     fn splitmix_is_deterministic_and_unit_is_in_range() {
-        let (mut a, mut b) = (SplitMix(7), SplitMix(7));
+        let (mut a, mut b) = (Rng::from_seed(7), Rng::from_seed(7));
         for _ in 0..1000 {
             let u = a.unit();
             assert!(u > 0.0 && u <= 1.0);

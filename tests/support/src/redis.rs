@@ -1,10 +1,15 @@
-//! A private `redis-server` per test: a free loopback port, no persistence,
-//! killed on drop; `None` (after a loud message) when it is not installed.
+//! A private `redis-server` per test or benchmark run: a free loopback
+//! port, no persistence, killed on drop. Tests take `None` (after a loud
+//! message) when it is not installed ([`RedisServer::start`]); the bench
+//! gets an [`Error`] ([`RedisServer::try_start`]).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use crate::Error;
 
 /// A private `redis-server`, killed on drop.
 pub struct RedisServer {
@@ -13,6 +18,7 @@ pub struct RedisServer {
     pub port: u16,
 }
 
+/// Whether `redis-server` runs (`--version`).
 pub fn installed() -> bool {
     Command::new("redis-server")
         .arg("--version")
@@ -22,11 +28,13 @@ pub fn installed() -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// A loopback port nobody listens on (at the time of asking).
 pub fn free_port() -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
     l.local_addr().expect("local addr").port()
 }
 
+/// Whether a Redis on `port` of 127.0.0.1 answers `PING`.
 pub fn ping(port: u16) -> bool {
     let Ok(mut s) = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200)) else {
         return false;
@@ -54,29 +62,54 @@ impl RedisServer {
 
     /// A server on `port`; panics if it does not answer PING within 10 s.
     pub fn start_on(port: u16) -> Self {
-        let child = Command::new("redis-server")
+        Self::try_start_on(Path::new("redis-server"), port).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// `binary` (a `redis-server`) on a free port, once it answers PING.
+    pub fn try_start(binary: &Path) -> Result<Self, Error> {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|source| Error::Spawn {
+                what: "a loopback listener for redis-server".into(),
+                source,
+            })?
+            .port();
+        Self::try_start_on(binary, port)
+    }
+
+    /// `binary` on `port`, once it answers PING (at most 10 s).
+    pub fn try_start_on(binary: &Path, port: u16) -> Result<Self, Error> {
+        let child = Command::new(binary)
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
             .args(["--appendonly", "no"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("spawn redis-server");
+            .map_err(|source| Error::Spawn {
+                what: binary.display().to_string(),
+                source,
+            })?;
         let mut server = Self { child, port };
         let deadline = Instant::now() + Duration::from_secs(10);
         while !ping(port) {
-            if let Ok(Some(status)) = server.child.try_wait() {
-                panic!("redis-server on port {port} exited: {status}");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "redis-server on port {port} never answered PING"
-            );
-            std::thread::sleep(Duration::from_millis(10));
+            let what = match server.child.try_wait() {
+                Ok(Some(status)) => format!("{} on port {port} exited: {status}", binary.display()),
+                _ if Instant::now() >= deadline => format!("{} on port {port} never answered PING", binary.display()),
+                _ => {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            };
+            return Err(Error::NotReady {
+                what,
+                stderr: String::new(),
+            });
         }
-        server
+        Ok(server)
     }
 
+    /// `redis://127.0.0.1:<port>/`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
     }
@@ -89,6 +122,7 @@ impl RedisServer {
             .unwrap()
     }
 
+    /// Sends `sig` to the server.
     pub fn signal(&self, sig: nix::sys::signal::Signal) {
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
     }

@@ -34,7 +34,7 @@
 //! to a temporary JSON file, and pre-warms the shm prefix table and a Redis
 //! namespace of its own with every prompt + answer chain, so matches hit.
 //! For each store and process count it starts real processes
-//! (`semlb __bench-worker`, this binary), which open the segment or connect
+//! (`semlb-bench __bench-worker`, this binary), which open the segment or connect
 //! to Redis, load the chains, print `ready` and block on stdin; when all
 //! are ready the parent writes `go` to each, they run for `--secs`, and
 //! each prints one JSON line of counts ([`WorkerReport`]). No sleeps: the
@@ -147,7 +147,7 @@ impl ScalingArgs {
     }
 }
 
-/// `semlb __bench-worker` flags (set by `semlb bench scaling`).
+/// `semlb-bench __bench-worker` flags (set by `semlb bench scaling`).
 #[derive(Debug, Clone, Args)]
 pub struct WorkerArgs {
     /// The store to run decisions on.
@@ -887,7 +887,9 @@ mod tests {
         let servers = register_fake_servers(&seg).unwrap();
         let t = seg.tables();
         let policy = routing::build(&PolicyConfig::default());
-        let chain: Vec<u64> = (1..=10u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+        let chain: Vec<u64> = (1..=10u64)
+            .map(|i| i.wrapping_mul(semlb_test_support::rng::GAMMA))
+            .collect();
         // Server 2 holds 8 of 10 blocks, server 1 holds 3.
         t.prefix.insert_chain(&chain[..3], servers[1], shm_layout::Stamp(1));
         t.prefix.insert_chain(&chain[..8], servers[2], shm_layout::Stamp(1));

@@ -3,7 +3,7 @@
 //! sweep.
 
 use super::drive::RunResult;
-use crate::bench::end_to_end::Outcome;
+use crate::end_to_end::Outcome;
 
 /// Attainment a rate must reach to count towards goodput.
 pub(super) const GOODPUT_ATTAINMENT: f64 = 0.9;

@@ -13,17 +13,18 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::str::FromStr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
+use semlb_test_support::process::{Captured, first_line};
 
 // ---------------------------------------------------------------------------
 // CPU sets.
@@ -405,7 +406,7 @@ impl Interrupt {
 pub struct Server {
     child: Child,
     what: String,
-    stderr: Arc<Mutex<VecDeque<String>>>,
+    stderr: Captured,
     /// `host:port` it serves on.
     pub addr: String,
 }
@@ -457,30 +458,8 @@ impl Server {
         let mut child = cmd
             .spawn()
             .with_context(|| format!("cannot start {what} ({})", program.display()))?;
-        let stderr = Arc::new(Mutex::new(VecDeque::new()));
-        if let Some(err) = child.stderr.take() {
-            let sink = stderr.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(err).lines().map_while(Result::ok) {
-                    let mut tail = sink.lock().unwrap_or_else(|e| e.into_inner());
-                    if tail.len() == 40 {
-                        tail.pop_front();
-                    }
-                    tail.push_back(line);
-                }
-            });
-        }
-        let printed = child.stdout.take().map(|out| {
-            let (tx, rx) = std::sync::mpsc::channel();
-            std::thread::spawn(move || {
-                let mut out = BufReader::new(out);
-                let mut line = String::new();
-                let _ = tx.send(out.read_line(&mut line).map(|_| line));
-                // Keep draining, so the server never writes into a closed pipe.
-                let _ = std::io::copy(&mut out, &mut std::io::sink());
-            });
-            rx
-        });
+        let stderr = Captured::read(child.stderr.take().context("no stderr")?, false, Some(40));
+        let printed = child.stdout.take().map(first_line);
         let mut server = Server {
             child,
             what: what.to_owned(),
@@ -541,12 +520,7 @@ impl Server {
 
     /// The last lines of its stderr, as `: …` text for an error message.
     pub fn stderr_tail(&self) -> String {
-        let tail = self.stderr.lock().unwrap_or_else(|e| e.into_inner());
-        if tail.is_empty() {
-            String::new()
-        } else {
-            format!(":\n  {}", tail.iter().cloned().collect::<Vec<_>>().join("\n  "))
-        }
+        self.stderr.tail()
     }
 
     /// True while it runs.
@@ -606,7 +580,7 @@ pub fn http_get_status(addr: &str, path: &str) -> Result<u16> {
 /// The simulated engine: which program, with which tokenizer.
 #[derive(Debug, Clone)]
 pub struct EngineSpec {
-    /// `semlb-sim`, or this executable (then `__sim` comes first in `args`).
+    /// `semlb-sim`, or the `semlb` binary (then `__sim` comes first in `args`).
     pub program: PathBuf,
     /// Its arguments.
     pub args: Vec<String>,
@@ -626,26 +600,14 @@ impl Gateway {
     /// of `engine` on `cpus`, with `extra` flags (tokenizer, template), and
     /// waits until `/health` answers 200.
     pub fn start(engine: &str, extra: &[String], cpus: &CpuList, interrupt: &Interrupt) -> Result<Gateway> {
-        let exe = std::env::current_exe().context("cannot find the current executable")?;
+        let exe = crate::semlb_exe()?;
         let shm = super::super::end_to_end::unique_name("proxy");
-        let mut args: Vec<String> = [
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--shm-name",
-            &shm,
-            "--shm-size",
-            "64MiB",
-            "--dispatchers",
-            "1",
-            "--responders",
-            "1",
-            "--backend",
-            &format!("http://{engine}"),
-        ]
-        .map(str::to_owned)
-        .into();
-        args.extend(extra.iter().cloned());
+        let args = semlb_test_support::gateway::Gateway::builder()
+            .shm_size("64MiB")
+            .dispatchers(1)
+            .backend(engine)
+            .args(extra)
+            .serve_args(&shm);
         let server = match Server::start(
             "the gateway (semlb serve)",
             &exe,

@@ -42,7 +42,7 @@
 //! live sessions' histories (≈ 45 sessions of ~6 000 tokens) fit in one
 //! engine's.
 
-use crate::bench::end_to_end::SplitMix;
+use semlb_test_support::Rng;
 
 use super::{Window, Workload, WorkloadKind, expected_turn_s, exponential, random_tokens, uniform};
 
@@ -86,7 +86,7 @@ pub fn system_prompts(seed: u64) -> Vec<Vec<u32>> {
     SYSTEM_PROMPT_TOKENS
         .iter()
         .enumerate()
-        .map(|(k, n)| random_tokens(&mut SplitMix(seed ^ (0x5157_0000 + k as u64).rotate_left(24)), *n))
+        .map(|(k, n)| random_tokens(&mut Rng::from_seed(seed ^ (0x5157_0000 + k as u64).rotate_left(24)), *n))
         .collect()
 }
 
@@ -103,7 +103,7 @@ pub fn popularity() -> Vec<f64> {
 pub fn build(params: &HotPrefixParams) -> Workload {
     let systems = system_prompts(params.seed);
     let popularity = popularity();
-    let mut rng = SplitMix(params.seed ^ 0x4854_5052_4546);
+    let mut rng = Rng::from_seed(params.seed ^ 0x4854_5052_4546);
     let mut window = Window::new(params.duration_s, params.max_output);
     let mut start = -WARM_UP_S;
     for session in 0u64.. {
@@ -154,7 +154,7 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::bench::workload::Request;
+    use crate::workload::Request;
 
     fn params(seed: u64) -> HotPrefixParams {
         HotPrefixParams {

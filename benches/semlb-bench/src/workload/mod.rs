@@ -30,7 +30,7 @@ use std::fmt;
 use clap::ValueEnum;
 use semlb_workers::config::EngineConfig;
 
-use super::end_to_end::SplitMix;
+use semlb_test_support::Rng;
 
 /// The simulator's context limit (`max_model_len` of `semlb __sim`).
 pub const MAX_MODEL_LEN: u32 = 32_768;
@@ -188,18 +188,18 @@ impl Window {
 }
 
 /// An exponential sample of mean `mean` (a Poisson process's gap).
-pub(super) fn exponential(rng: &mut SplitMix, mean: f64) -> f64 {
+pub(super) fn exponential(rng: &mut Rng, mean: f64) -> f64 {
     -rng.unit().ln() * mean
 }
 
 /// `n` token ids drawn from `rng`.
-pub(super) fn random_tokens(rng: &mut SplitMix, n: usize) -> Vec<u32> {
-    (0..n).map(|_| (rng.next_u64() % VOCAB) as u32).collect()
+pub(super) fn random_tokens(rng: &mut Rng, n: usize) -> Vec<u32> {
+    (0..n).map(|_| (rng.next() % VOCAB) as u32).collect()
 }
 
 /// Uniform integer in `lo..=hi`.
-pub(super) fn uniform(rng: &mut SplitMix, lo: u32, hi: u32) -> u32 {
-    lo + (rng.next_u64() % u64::from(hi - lo + 1)) as u32
+pub(super) fn uniform(rng: &mut Rng, lo: u32, hi: u32) -> u32 {
+    lo + (rng.next() % u64::from(hi - lo + 1)) as u32
 }
 
 /// The simulated seconds a turn takes on an idle engine: prefill of its

@@ -10,11 +10,11 @@ use bytes::Bytes;
 use semlb::routing::PolicyKind;
 
 use super::stats::EngineCounters;
-use crate::bench::end_to_end::{
-    Gateway, GatewayError, GatewaySpec, LoadClient, Outcome, Store, start_engines, stream_request_with,
+use crate::end_to_end::{
+    GatewayError, GatewaySpec, LoadClient, Outcome, Store, start_engines, start_gateway, stream_request_with,
 };
-use crate::bench::output;
-use crate::bench::workload::{Request, Workload};
+use crate::output;
+use crate::workload::{Request, Workload};
 
 /// Request bodies built before the clock starts, and at most this many
 /// built ahead of the schedule afterwards.
@@ -98,7 +98,7 @@ pub(super) fn run_once(
         tag: format!("replay-{policy}"),
         config: Some(spec.config.clone()),
     };
-    let gateway = match Gateway::start(&gateway_spec, &engines, client) {
+    let gateway = match start_gateway(&gateway_spec, &engines) {
         Ok(g) => g,
         Err(GatewayError::UnknownFlag(e)) => bail!("starting the gateway with --policy {policy}: {e}"),
         Err(GatewayError::Other(e)) => return Err(e.context(format!("starting the gateway with --policy {policy}"))),

@@ -1,16 +1,18 @@
-//! Shared set-up for the benches: a uniquely named shm segment that is
-//! removed on drop, a deterministic key generator, and table population.
-
-#![allow(dead_code)]
+//! Shared set-up for the criterion benches of the tables: a uniquely named
+//! shm segment that is removed on drop, deterministic keys and chains, and
+//! table population.
 
 use shm_layout::{LayoutPlan, Segment, ServerRef, Stamp};
 
 /// A shm segment removed when dropped.
 pub struct BenchSegment {
+    /// The segment.
     pub segment: Segment,
 }
 
 impl BenchSegment {
+    /// Creates `semlb-bench-<tag>-<pid>` of `bytes` (a leftover of that
+    /// name is removed first).
     pub fn create(tag: &str, bytes: u64) -> Self {
         let name = format!("semlb-bench-{tag}-{}", std::process::id());
         let _ = Segment::remove(&name);
@@ -29,12 +31,9 @@ impl Drop for BenchSegment {
     }
 }
 
-/// SplitMix64: deterministic, well-spread 64-bit keys.
+/// Deterministic, well-spread 64-bit keys ([`crate::mix`]).
 pub fn key(i: u64) -> u64 {
-    let mut z = i.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    crate::mix(i)
 }
 
 /// A chain of `len` block hashes for conversation `c`.

@@ -39,7 +39,9 @@
 //! this workload in real time, speedup 1), so what separates the policies
 //! here is queueing and batch balance more than prefix hits.
 
-use crate::bench::end_to_end::{Dialogue, SplitMix};
+use semlb_test_support::Rng;
+
+use crate::end_to_end::Dialogue;
 use semlb_tokenizer::Tokenizer;
 
 use super::{Window, Workload, WorkloadKind, expected_turn_s, exponential};
@@ -65,13 +67,8 @@ pub struct HhRlhfParams {
 }
 
 /// The conversations of `dialogues` (non-empty) tokenized with `tokenizer`.
-pub(in crate::bench) fn build(
-    dialogues: &[Dialogue],
-    tokenizer: &Tokenizer,
-    params: &HhRlhfParams,
-    source: &str,
-) -> Workload {
-    let mut rng = SplitMix(params.seed ^ 0x4848_524C_4846);
+pub(crate) fn build(dialogues: &[Dialogue], tokenizer: &Tokenizer, params: &HhRlhfParams, source: &str) -> Workload {
+    let mut rng = Rng::from_seed(params.seed ^ 0x4848_524C_4846);
     let mut window = Window::new(params.duration_s, params.max_output);
     let mut start = -WARM_UP_S;
     for conversation in 0u64.. {
@@ -118,8 +115,8 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::bench::end_to_end::parse_dialogue;
-    use crate::bench::workload::Request;
+    use crate::end_to_end::parse_dialogue;
+    use crate::workload::Request;
 
     fn dialogues() -> Vec<Dialogue> {
         (0..50)

@@ -1,0 +1,77 @@
+//! `semlb bench`, run as a user runs it: the `semlb` binary execs
+//! `semlb-bench` from its own directory, which starts `semlb serve` and
+//! `semlb __sim` from that directory too. `cargo test --workspace` builds
+//! both binaries into the same `target/debug/` before any test runs; the
+//! `semlb` these tests run is the one next to `semlb-bench`
+//! (`semlb_test_support::process::semlb_exe`).
+
+use std::process::Command;
+
+use semlb_test_support::process::{assert_ok, run as semlb};
+
+/// `semlb bench --help` is `semlb-bench`'s: it lists the reports.
+#[test]
+fn semlb_bench_runs_semlb_bench() {
+    let text = assert_ok(&semlb(&["bench", "--help"]));
+    for report in ["dispatch", "scaling", "e2e", "replay", "tokenizer", "proxy", "all"] {
+        assert!(text.contains(report), "{report} missing:\n{text}");
+    }
+    assert!(text.contains("semlb bench"), "{text}");
+}
+
+/// `semlb bench proxy` runs end to end (engine, gateway, nginx when
+/// installed, load) and writes its JSON; a smoke test, no figure is checked.
+#[test]
+fn bench_proxy_runs_and_writes_json() {
+    let out = std::env::temp_dir().join(format!("semlb-test-cli-proxy-{}", std::process::id()));
+    let out_arg = out.display().to_string();
+    let nginx = Command::new("nginx").arg("-v").output().is_ok();
+    let fronts = if nginx { "direct,semlb,nginx" } else { "direct,semlb" };
+    let mut args = vec![
+        "bench",
+        "proxy",
+        "--secs",
+        "0.3",
+        "--warmup",
+        "0.1",
+        "--connections",
+        "2",
+        "--prompt-tokens",
+        "300",
+        "--fronts",
+        fronts,
+        "--out",
+        &out_arg,
+    ];
+    // On a one-CPU machine the front and the rest share it.
+    let allowed = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                .map(|v| v.trim().to_owned())
+        })
+        .unwrap_or_default();
+    let first = allowed.split([',', '-']).next().unwrap_or("0").to_owned();
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        args.extend(["--front-cpu", &first, "--other-cpus", &first]);
+    }
+    let o = semlb(&args);
+    let text = assert_ok(&o);
+    assert!(
+        text.contains("short chat requests") && text.contains("long chat prompts"),
+        "{text}"
+    );
+    let json = std::fs::read_to_string(out.join("proxy.json")).expect("proxy.json written");
+    let v: serde_json::Value = serde_json::from_str(&json).expect("valid JSON");
+    assert_eq!(v["report"], "proxy");
+    for workload in ["short", "long"] {
+        let points = v["workloads"][workload]["points"].as_array().expect("points");
+        assert_eq!(points.len(), if nginx { 3 } else { 2 }, "{workload}: {points:?}");
+    }
+    assert!(out.join("proxy.svg").is_file());
+    if !nginx {
+        eprintln!("nginx is not installed: its rows were not run");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -1,0 +1,583 @@
+//! `semlb serve` in front of simulated engines: [`Gateway`] (a real
+//! supervisor with its dispatchers and responder, started by a
+//! [`GatewayBuilder`] with options: configuration file, admin API, Redis
+//! store, policy, sizes), simulated engines ([`sim`], [`sim_at`],
+//! [`sim_on`]), chat requests, Prometheus text and SSE helpers.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::http::{Response, http};
+use crate::process::{Proc, ProcBuilder, Stderr};
+use crate::{Error, TempDir, TempFile};
+
+/// A simulated engine at 100x real speed.
+pub fn sim() -> Proc {
+    sim_at("0.01")
+}
+
+/// A simulated engine whose simulated second lasts `time_scale` real seconds.
+pub fn sim_at(time_scale: &str) -> Proc {
+    sim_on("127.0.0.1:0", time_scale)
+}
+
+/// [`sim_at`] listening on `listen` (`host:port`).
+pub fn sim_on(listen: &str, time_scale: &str) -> Proc {
+    Proc::start(&["__sim", "--listen", listen, "--time-scale", time_scale])
+}
+
+/// How to start a [`Gateway`]: `semlb serve --listen 127.0.0.1:0` with a
+/// unique shm segment of 32 MiB, 2 dispatchers, 1 responder and the
+/// backends, unless told otherwise.
+#[derive(Debug, Clone)]
+pub struct GatewayBuilder {
+    shm: Option<String>,
+    tag: String,
+    shm_size: String,
+    dispatchers: Option<usize>,
+    responders: usize,
+    backends: Vec<String>,
+    config: Option<String>,
+    policy: Option<String>,
+    redis: Option<(String, String)>,
+    admin_token: Option<String>,
+    args: Vec<String>,
+    stderr: Stderr,
+    within: Duration,
+}
+
+impl Default for GatewayBuilder {
+    fn default() -> Self {
+        GatewayBuilder {
+            shm: None,
+            tag: "gateway".into(),
+            shm_size: "32MiB".into(),
+            dispatchers: None,
+            responders: 1,
+            backends: Vec::new(),
+            config: None,
+            policy: None,
+            redis: None,
+            admin_token: None,
+            args: Vec::new(),
+            stderr: Stderr::Inherit,
+            within: Duration::from_secs(30),
+        }
+    }
+}
+
+impl GatewayBuilder {
+    /// The shm segment's name (default: a unique one from the tag).
+    pub fn shm(mut self, name: &str) -> Self {
+        self.shm = Some(name.to_owned());
+        self
+    }
+
+    /// A tag for the unique shm name and for messages.
+    pub fn tag(mut self, tag: &str) -> Self {
+        self.tag = tag.to_owned();
+        self
+    }
+
+    /// `--shm-size` (default `32MiB`).
+    pub fn shm_size(mut self, size: &str) -> Self {
+        self.shm_size = size.to_owned();
+        self
+    }
+
+    /// `--dispatchers` (default 2, unless `--dispatchers` is among the
+    /// extra arguments).
+    pub fn dispatchers(mut self, n: usize) -> Self {
+        self.dispatchers = Some(n);
+        self
+    }
+
+    /// One `--backend http://ADDR` (`host:port`).
+    pub fn backend(mut self, addr: &str) -> Self {
+        self.backends.push(addr.to_owned());
+        self
+    }
+
+    /// A `--backend` for each engine.
+    pub fn backends(mut self, engines: &[&Proc]) -> Self {
+        self.backends.extend(engines.iter().map(|e| e.addr.clone()));
+        self
+    }
+
+    /// A configuration file with this TOML text, passed with `--config`
+    /// (removed when the gateway stops); flags still override it.
+    pub fn config(mut self, toml: &str) -> Self {
+        self.config = Some(toml.to_owned());
+        self
+    }
+
+    /// `--policy`.
+    pub fn policy(mut self, policy: &str) -> Self {
+        self.policy = Some(policy.to_owned());
+        self
+    }
+
+    /// `--store redis --redis-url URL --redis-namespace NS`.
+    pub fn redis(mut self, url: &str, namespace: &str) -> Self {
+        self.redis = Some((url.to_owned(), namespace.to_owned()));
+        self
+    }
+
+    /// The admin API on a free loopback port with `token` (written to a
+    /// private file, mode 0600); its address is read from the log, so the
+    /// stderr is captured ([`Stderr::CaptureEcho`]) unless kept as a tail.
+    pub fn admin(mut self, token: &str) -> Self {
+        self.admin_token = Some(token.to_owned());
+        if self.stderr == Stderr::Inherit {
+            self.stderr = Stderr::CaptureEcho;
+        }
+        self
+    }
+
+    /// More flags, after all of the above.
+    pub fn args<S: AsRef<str>>(mut self, args: &[S]) -> Self {
+        self.args.extend(args.iter().map(|a| a.as_ref().to_owned()));
+        self
+    }
+
+    /// What happens to the supervisor's stderr (default inherited).
+    pub fn stderr(mut self, stderr: Stderr) -> Self {
+        self.stderr = stderr;
+        self
+    }
+
+    /// How long it may take to print its address and then to answer
+    /// `/health` with 200 (default 30 s each).
+    pub fn within(mut self, within: Duration) -> Self {
+        self.within = within;
+        self
+    }
+
+    /// `semlb serve`'s arguments for segment `shm`, without a configuration
+    /// file or admin API (those need files that a started [`Gateway`]
+    /// owns): for a caller that starts the process its own way (the proxy
+    /// report pins it to CPUs).
+    pub fn serve_args(&self, shm: &str) -> Vec<String> {
+        self.command_line(shm, None, None)
+    }
+
+    fn command_line(&self, shm: &str, config: Option<&str>, admin_token_file: Option<&str>) -> Vec<String> {
+        let mut args: Vec<String> = [
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--shm-name",
+            shm,
+            "--shm-size",
+            &self.shm_size,
+        ]
+        .map(str::to_owned)
+        .into();
+        match self.dispatchers {
+            Some(n) => args.extend(["--dispatchers".into(), n.to_string()]),
+            None if !self.args.iter().any(|a| a == "--dispatchers") => {
+                args.extend(["--dispatchers".into(), "2".into()])
+            }
+            None => {}
+        }
+        args.extend(["--responders".into(), self.responders.to_string()]);
+        if let Some(path) = config {
+            args.extend(["--config".into(), path.to_owned()]);
+        }
+        if let Some(policy) = &self.policy {
+            args.extend(["--policy".into(), policy.clone()]);
+        }
+        if let Some((url, ns)) = &self.redis {
+            args.extend(["--store", "redis", "--redis-url", url, "--redis-namespace", ns].map(str::to_owned));
+        }
+        if let Some(path) = admin_token_file {
+            args.extend(["--admin-listen", "127.0.0.1:0", "--admin-token-file", path].map(str::to_owned));
+        }
+        for b in &self.backends {
+            args.extend(["--backend".into(), format!("http://{b}")]);
+        }
+        args.extend(self.args.iter().cloned());
+        args
+    }
+
+    /// Starts it and waits until `/health` answers 200 (and the admin API
+    /// is up, when asked for).
+    pub fn try_start(self) -> Result<Gateway, Error> {
+        let shm = self
+            .shm
+            .clone()
+            .unwrap_or_else(|| crate::process::unique("gw", &self.tag));
+        let config = self
+            .config
+            .as_deref()
+            .map(|t| TempFile::try_new(&self.tag, t))
+            .transpose()?;
+        let admin = match &self.admin_token {
+            Some(token) => {
+                let dir = TempDir::new(&self.tag);
+                let path = dir.0.join("admin.token");
+                write_private(&path, &format!("{token}\n"))?;
+                Some((dir, path.display().to_string(), token.clone()))
+            }
+            None => None,
+        };
+        let args = self.command_line(
+            &shm,
+            config.as_ref().map(TempFile::path),
+            admin.as_ref().map(|(_, path, _)| path.as_str()),
+        );
+        let arg_value = |flag: &str| {
+            args.iter()
+                .position(|a| a == flag)
+                .and_then(|i| args.get(i + 1))
+                .cloned()
+        };
+        let redis = arg_value("--redis-url").zip(arg_value("--redis-namespace"));
+        let what = format!("the gateway ({}; semlb serve)", self.tag);
+        let proc = match ProcBuilder::new(&args)
+            .what(what.clone())
+            .stderr(self.stderr)
+            .within(self.within)
+            .try_start()
+        {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = shm_layout::Segment::remove(&shm);
+                return Err(e);
+            }
+        };
+        let not_ready = |proc: &Proc, what: String| Error::NotReady {
+            what,
+            stderr: proc.stderr_tail(),
+        };
+        // From here on, dropping the gateway stops it and removes the
+        // segment and files.
+        let segment = match shm_layout::Segment::open(&shm) {
+            Ok(s) => s,
+            Err(e) => {
+                let err = not_ready(&proc, format!("{what}: cannot open its segment {shm}: {e}"));
+                drop(proc);
+                let _ = shm_layout::Segment::remove(&shm);
+                return Err(err);
+            }
+        };
+        let mut gw = Gateway {
+            proc,
+            shm,
+            segment,
+            expected_records: std::cell::Cell::new(0),
+            redis,
+            admin: None,
+            _config: config,
+            _admin_dir: None,
+        };
+        let deadline = Instant::now() + self.within;
+        if let Some((dir, _, token)) = admin {
+            gw._admin_dir = Some(dir);
+            loop {
+                let found = gw
+                    .proc
+                    .stderr_text()
+                    .lines()
+                    .find_map(|l| l.split_once("admin API on http://").map(|(_, a)| a.trim().to_owned()));
+                if let Some(addr) = found {
+                    gw.admin = Some((addr, token));
+                    break;
+                }
+                if !gw.proc.running() || Instant::now() >= deadline {
+                    return Err(not_ready(&gw.proc, format!("{what}: the admin API did not start")));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        loop {
+            if http(gw.addr(), "GET", "/health", None, &[]).is_ok_and(|r| r.status == 200) {
+                return Ok(gw);
+            }
+            if !gw.proc.running() {
+                return Err(not_ready(&gw.proc, format!("{what} exited before it was ready")));
+            }
+            if Instant::now() >= deadline {
+                return Err(not_ready(
+                    &gw.proc,
+                    format!("{what} did not become ready within {:?}", self.within),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// [`GatewayBuilder::try_start`], panicking on failure. For tests.
+    pub fn start(self) -> Gateway {
+        self.try_start().unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+/// Writes `text` to a new file `path` readable by its owner only.
+fn write_private(path: &std::path::Path, text: &str) -> Result<(), Error> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, text)
+        .and_then(|()| std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)))
+        .map_err(|source| Error::Write {
+            path: path.to_owned(),
+            source,
+        })
+}
+
+/// A running `semlb serve` (supervisor, dispatchers, responder) and its
+/// segment, opened read-write; stopped with SIGTERM and its segment and
+/// files removed when dropped.
+pub struct Gateway {
+    /// The supervisor.
+    pub proc: Proc,
+    /// The shm segment's name.
+    pub shm: String,
+    /// The segment the supervisor created.
+    pub segment: shm_layout::Segment,
+    /// Completion records the dispatchers should have pushed so far.
+    expected_records: std::cell::Cell<u64>,
+    /// With `--store redis`: the Redis and the namespace.
+    redis: Option<(String, String)>,
+    /// With the admin API: its address and token.
+    admin: Option<(String, String)>,
+    _config: Option<TempFile>,
+    _admin_dir: Option<TempDir>,
+}
+
+impl Gateway {
+    /// The options, to start one with.
+    pub fn builder() -> GatewayBuilder {
+        GatewayBuilder::default()
+    }
+
+    /// `shm` in front of `backends` with `extra` flags; the defaults otherwise.
+    pub fn start(shm: &str, backends: &[&Proc], extra: &[&str]) -> Gateway {
+        Gateway::launch(shm, backends, extra, false)
+    }
+
+    /// [`Gateway::start`], optionally capturing the supervisor's stderr.
+    /// `--dispatchers` in `extra` replaces the default of 2.
+    pub fn launch(shm: &str, backends: &[&Proc], extra: &[&str], capture_stderr: bool) -> Gateway {
+        Gateway::builder()
+            .shm(shm)
+            .backends(backends)
+            .args(extra)
+            .stderr(if capture_stderr {
+                Stderr::CaptureEcho
+            } else {
+                Stderr::Inherit
+            })
+            .start()
+    }
+
+    /// [`Gateway::start`] with `config` (TOML) written to a temp file of
+    /// its own and passed with `--config`; `extra` flags still override it.
+    pub fn with_config(shm: &str, backends: &[&Proc], config: &str, extra: &[&str]) -> Gateway {
+        Gateway::builder()
+            .shm(shm)
+            .backends(backends)
+            .config(config)
+            .args(extra)
+            .start()
+    }
+
+    /// The gateway's listener address.
+    pub fn addr(&self) -> &str {
+        &self.proc.addr
+    }
+
+    /// The gateway's `/metrics` text.
+    pub fn metrics(&self) -> String {
+        let r = http(&self.proc.addr, "GET", "/metrics", None, &[]).expect("gateway metrics");
+        assert_eq!(r.status, 200, "/metrics: {}", String::from_utf8_lossy(&r.body));
+        String::from_utf8_lossy(&r.body).into_owned()
+    }
+
+    /// Counts one more answered request whose record the dispatcher pushes,
+    /// then waits until every pushed record was applied by the response
+    /// process (pushed >= expected, no ring holds anything, and `applied`,
+    /// the responders' count of records written, e.g.
+    /// `semlb::metrics::responder_records`, has them all): the state a
+    /// client's next turn should find.
+    pub fn written_back(&self, applied: impl Fn(&shm_layout::Tables<'_>) -> u64) {
+        self.expected_records.set(self.expected_records.get() + 1);
+        let t = self.segment.tables();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (pushed, used) = (0..t.ring_count())
+                .map(|i| t.ring(i).stats())
+                .fold((0, 0), |(p, u), s| (p + s.pushed, u + s.used));
+            // Popped from the rings is not yet written: the responders count
+            // a record once its write is done.
+            if pushed >= self.expected_records.get()
+                && used == 0
+                && applied(&t) >= self.expected_records.get()
+                && self.redis_written()
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "records not written back: pushed {pushed}, in rings {used} bytes"
+            );
+            std::thread::yield_now();
+        }
+    }
+
+    /// With Redis: whether Redis counts every expected record as written
+    /// (`{ns}:written`, bumped by each write-back pipeline). Without: true.
+    fn redis_written(&self) -> bool {
+        let Some((url, ns)) = &self.redis else { return true };
+        let written: Option<u64> = redis::Client::open(url.as_str())
+            .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(1)))
+            .and_then(|mut c| redis::cmd("GET").arg(format!("{ns}:written")).query(&mut c))
+            .ok()
+            .flatten();
+        written.is_some_and(|n| n >= self.expected_records.get())
+    }
+
+    /// Until a request goes through (the dispatchers are up).
+    pub fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if http(&self.proc.addr, "GET", "/health", None, &[]).map(|r| r.status) == Ok(200) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("the gateway did not become ready");
+    }
+
+    /// The admin API's address (`host:port`); panics without one.
+    pub fn admin_addr(&self) -> &str {
+        &self.admin.as_ref().expect("a gateway with the admin API").0
+    }
+
+    /// An admin request with the right token; panics without the admin API.
+    pub fn admin(&self, method: &str, path: &str, body: Option<&str>) -> Response {
+        let (addr, token) = self.admin.as_ref().expect("a gateway with the admin API");
+        let auth = format!("Bearer {token}");
+        crate::http::http_bytes(addr, method, path, body.map(str::as_bytes), &[("Authorization", &auth)])
+            .expect("admin request")
+    }
+
+    /// `GET /admin/servers`: the server list.
+    pub fn admin_servers(&self) -> Vec<Value> {
+        let r = self.admin("GET", "/admin/servers", None);
+        assert_eq!(r.status, 200, "{r:?}");
+        r.json()["servers"].as_array().expect("a list").clone()
+    }
+
+    /// The admin API's entry for the backend `address` (`http://…`).
+    pub fn admin_server(&self, address: &str) -> Option<Value> {
+        self.admin_servers().into_iter().find(|s| s["address"] == address)
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        self.proc.stop();
+        let _ = shm_layout::Segment::remove(&self.shm);
+    }
+}
+
+/// A chat completion request of `messages` (`extra` merged into the body).
+pub fn chat(addr: &str, messages: &[Value], extra: Value, headers: &[(&str, &str)]) -> Response {
+    let mut body = json!({"model": "semlb-sim", "messages": messages, "max_tokens": 24});
+    if let (Value::Object(b), Value::Object(e)) = (&mut body, extra) {
+        b.extend(e);
+    }
+    http(addr, "POST", "/v1/chat/completions", Some(&body), headers).expect("request")
+}
+
+/// A user message.
+pub fn user(text: &str) -> Value {
+    json!({"role": "user", "content": text})
+}
+
+/// Sum of a counter over the engines' /metrics.
+pub fn engine_counter(engines: &[&Proc], name: &str) -> f64 {
+    engines
+        .iter()
+        .map(|e| {
+            let r = http(&e.addr, "GET", "/metrics", None, &[]).expect("metrics");
+            String::from_utf8_lossy(&r.body)
+                .lines()
+                .filter(|l| l.starts_with(name))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>()
+        })
+        .sum()
+}
+
+/// The value of the sample `series` (name and labels exactly as exposed,
+/// e.g. `semlb_queue_requests_total{outcome="routed"}`) in a Prometheus
+/// text; `None` when absent.
+pub fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.rsplit_once(' ').filter(|(k, _)| *k == series))
+        .and_then(|(_, v)| v.parse().ok())
+}
+
+/// Every sample of the family `name` as (labels, value), labels as in the
+/// text without braces (`server="http://..."`).
+pub fn samples(text: &str, name: &str) -> Vec<(String, f64)> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let labels = match series.split_once('{') {
+                Some((n, rest)) if n == name => rest.strip_suffix('}')?.to_owned(),
+                None if series == name => String::new(),
+                _ => return None,
+            };
+            Some((labels, value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Waits until `cond` holds, polling every 20 ms; panics after `within`
+/// with `what` and the last value `cond` saw.
+pub fn wait_for<T: std::fmt::Debug>(what: &str, within: Duration, mut probe: impl FnMut() -> (bool, T)) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        let (ok, seen) = probe();
+        if ok {
+            return seen;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}; last seen: {seen:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The routed backend and route reason of an answer.
+pub fn routed(r: &Response) -> (String, String) {
+    (
+        r.header("x-semlb-backend").unwrap_or_default().to_owned(),
+        r.header("x-semlb-route").unwrap_or_default().to_owned(),
+    )
+}
+
+/// A streamed answer's text and whether it ended with `data: [DONE]`.
+pub fn stream_text(r: &Response) -> (String, bool) {
+    let body = String::from_utf8_lossy(&r.body);
+    let mut text = String::new();
+    let mut done = false;
+    for data in body.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data.trim() == "[DONE]" {
+            done = true;
+            continue;
+        }
+        if let Ok(v) = serde_json::from_str::<Value>(data)
+            && let Some(t) = v["choices"][0]["delta"]["content"].as_str()
+        {
+            text.push_str(t);
+        }
+    }
+    (text, done)
+}
