@@ -16,7 +16,7 @@ use semlb::response_cache::fresh_body;
 use semlb_tokenizer::Tokenizer;
 use shm_layout::{CompletionRecord, LayoutPlan, ResponseKey, Role, Segment, ServerRef};
 
-mod support;
+use semlb_test_support as support;
 
 /// How long a condition the loop should bring about may take.
 const DEADLINE: Duration = Duration::from_secs(10);
