@@ -118,11 +118,11 @@ pub use completion::{Completion, CompletionRecord, Continuation, ContinuationRef
 pub use completion_ring::{CompletionRing, Pop, PushError, RingStats};
 pub use error::{CreateError, NameError, OpenError, PlanError, RemoveError};
 pub use header::{HeaderInfo, LAYOUT_VERSION, MAGIC, STATE_READY};
-pub use plan::{LayoutPlan, PlanOptions, Region, RegionKind, SERVER_SLOTS};
+pub use plan::{LayoutPlan, PlanOptions, Region, RegionKind, SERVER_SLOTS, STAT_WORDS};
 pub use prefix_table::{InsertOutcome, MATCH_CAPACITY, PrefixEntry, PrefixMatch, PrefixTable, ServerSet, Stamp};
 pub use registry::{ProcessInfo, ProcessState, Registry, Role};
 pub use response_log::{PutError, ResponseKey, ResponseLog, ResponseLogStats};
 #[cfg(not(loom))]
 pub use segment::{Segment, SegmentClock, Tables, shm_path};
 pub use server_table::{LoadFigures, RegisterError, ServerInfo, ServerRef, ServerState, ServerTable, ServerTag};
-pub use stats::{STAT_WORDS, Stats};
+pub use stats::Stats;

@@ -25,7 +25,6 @@
 //! prints the figures of any segment).
 
 use crate::error::PlanError;
-pub use crate::stats::STAT_WORDS;
 
 /// Page size regions are aligned to.
 pub const PAGE: u64 = 4096;
@@ -43,6 +42,8 @@ pub const MIN_SEGMENT_BYTES: u64 = 8 << 20;
 pub const MAX_SEGMENT_BYTES: u64 = 1 << 40;
 /// Default share of the response log one cached value may take.
 pub const DEFAULT_MAX_RESPONSE_FRACTION: f64 = 0.125;
+/// Counters per process block of the stats region.
+pub const STAT_WORDS: usize = 1024;
 
 pub(crate) const SERVER_SLOT_BYTES: u64 = 384;
 pub(crate) const LEDGER_CELL_BYTES: u64 = 32;

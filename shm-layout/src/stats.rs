@@ -23,10 +23,8 @@
 //! reads these words. Sums wrap on overflow (`u64`, never reached in
 //! practice).
 
+use crate::plan::STAT_WORDS;
 use crate::sync::{AtomicU64, Ordering};
-
-/// Counters per process block.
-pub const STAT_WORDS: usize = 1024;
 
 /// One process's counters.
 #[repr(C, align(64))]

@@ -90,7 +90,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::config::EngineConfig;
-use crate::metrics::{E2E_BUCKETS, Histogram, TTFT_BUCKETS};
+use crate::histogram::{E2E_BUCKETS, Histogram, TTFT_BUCKETS};
 use crate::prefix_cache::{Allocation, BlockHash, PrefixCache, block_hashes, blocks_for};
 
 /// How far (real time) the scheduler may lag behind its virtual clock before

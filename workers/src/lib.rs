@@ -12,8 +12,9 @@
 //! | [`config`] | every model parameter and flag, with defaults and why they are realistic |
 //! | [`output_vocab`] | the deterministic output tokens (single-token words that re-tokenize to themselves) |
 //! | [`prefix_cache`] | vLLM-style block KV cache: chained block hashes, LRU of unreferenced blocks |
+//! | [`histogram`] | the latency histograms the engine records, with vLLM's bucket bounds |
 //! | [`engine`] | continuous batching: FIFO queue, batch limits, prefill/decode timing, stats |
-//! | [`metrics`] | histograms and the Prometheus text exposition (vLLM and SGLang names) |
+//! | [`metrics`] | the Prometheus text exposition of the engine's stats (vLLM and SGLang names) |
 //! | [`api`] | OpenAI request/response types, validation, error bodies |
 //! | [`faults`] | fault injection: 500s, mid-stream resets, delay, hang, exit |
 //! | [`server`] | the HTTP front: routes, JSON and SSE responses |
@@ -33,6 +34,7 @@ pub mod api;
 pub mod config;
 pub mod engine;
 pub mod faults;
+pub mod histogram;
 pub mod metrics;
 pub mod output_vocab;
 pub mod prefix_cache;
