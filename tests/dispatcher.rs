@@ -8,15 +8,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http::{Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
+use http::{Method, StatusCode};
+use http_body_util::BodyExt;
 use semlb::config::{BackendConfig, ServeConfig};
 use semlb::dispatcher::{Dispatcher, Identity, serve};
 use semlb::responder::Responder;
 use semlb::size::ByteSize;
+use semlb_test_support as support;
 use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::ChatTemplate;
 use semlb_workers::config::EngineConfig;
@@ -26,6 +24,8 @@ use semlb_workers::metrics::MetricsFlavor;
 use semlb_workers::server::Sim;
 use serde_json::{Value, json};
 use shm_layout::{LayoutPlan, Segment, ServerRef, ServerState};
+use support::client::{Reply, send};
+use support::sse;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -34,9 +34,7 @@ const MODEL: &str = "semlb-sim";
 const PATIENCE: Duration = Duration::from_secs(30);
 
 async fn within<F: std::future::Future>(what: &str, f: F) -> F::Output {
-    tokio::time::timeout(PATIENCE, f)
-        .await
-        .unwrap_or_else(|_| panic!("timed out: {what}"))
+    support::client::within(what, PATIENCE, f).await
 }
 
 struct SimServer {
@@ -233,102 +231,13 @@ impl Gateway {
     }
 }
 
-struct Reply {
-    status: StatusCode,
-    headers: http::HeaderMap,
-    body: Bytes,
-}
-
-impl Reply {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
-    }
-
-    fn header(&self, name: &str) -> &str {
-        self.headers
-            .get(name)
-            .unwrap_or_else(|| panic!("no {name} header ({})", self.status))
-            .to_str()
-            .unwrap()
-    }
-
-    fn text(&self) -> &str {
-        std::str::from_utf8(&self.body).unwrap()
-    }
-}
-
-async fn send(
-    addr: SocketAddr,
-    method: Method,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: Bytes,
-) -> Response<Incoming> {
-    let stream = TcpStream::connect(addr).await.unwrap();
-    let (mut sender, connection) = hyper::client::conn::http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream))
-        .await
-        .unwrap();
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    let mut request = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", addr.to_string());
-    if !body.is_empty() {
-        request = request.header("content-type", "application/json");
-    }
-    for (name, value) in headers {
-        request = request.header(*name, *value);
-    }
-    sender
-        .send_request(request.body(Full::new(body)).unwrap())
-        .await
-        .unwrap()
-}
-
+/// One request, read to the end within [`PATIENCE`].
 async fn call(addr: SocketAddr, method: Method, path: &str, headers: &[(&str, &str)], body: &str) -> Reply {
-    within(path, async {
-        let (parts, body) = send(addr, method, path, headers, Bytes::from(body.to_owned()))
-            .await
-            .into_parts();
-        let body = body.collect().await.unwrap().to_bytes();
-        Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        }
-    })
-    .await
+    support::client::call(addr, method, path, headers, body, PATIENCE).await
 }
 
 async fn post(addr: SocketAddr, path: &str, body: &Value, headers: &[(&str, &str)]) -> Reply {
     call(addr, Method::POST, path, headers, &body.to_string()).await
-}
-
-/// The `data:` payloads of an SSE body.
-fn sse_events(body: &str) -> Vec<String> {
-    assert!(body.ends_with("\n\n"), "{body:?}");
-    body.trim_end_matches("\n\n")
-        .split("\n\n")
-        .map(|e| e.strip_prefix("data: ").unwrap_or_else(|| panic!("{e:?}")).to_owned())
-        .collect()
-}
-
-/// The text of a chat or completions SSE body (checks `[DONE]` is last).
-fn streamed_text(body: &str) -> String {
-    let events = sse_events(body);
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
-    assert_eq!(events.iter().filter(|e| *e == "[DONE]").count(), 1);
-    let mut text = String::new();
-    for e in &events[..events.len() - 1] {
-        let v: Value = serde_json::from_str(e).unwrap();
-        if let Some(c) = v["choices"].get(0) {
-            text.push_str(c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or(""));
-        }
-    }
-    text
 }
 
 fn chat(messages: &[(&str, &str)], extra: Value) -> Value {
@@ -454,8 +363,8 @@ async fn repeated_deterministic_requests_are_answered_from_the_cache() {
         .as_str()
         .unwrap()
         .to_owned();
-    assert_eq!(streamed_text(replay.text()), answer);
-    let events = sse_events(replay.text());
+    assert_eq!(sse::text(replay.text()), answer);
+    let events = sse::events(replay.text());
     let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
     assert_eq!(usage["usage"], first.json()["usage"]);
     assert_eq!(gw.sim_successes().await, before, "no server saw the repeats");
@@ -524,10 +433,10 @@ async fn streams_pass_through_intact() {
                 })
                 .collect()
         };
-        let through = sse_events(reply.text());
+        let through = sse::events(reply.text());
         assert!(through.len() > 20, "one chunk per token: {}", through.len());
         assert_eq!(through.last().unwrap(), "[DONE]");
-        assert_eq!(strip(through), strip(sse_events(direct.text())));
+        assert_eq!(strip(through), strip(sse::events(direct.text())));
     }
     gw.settle(2).await;
     assert_eq!(gw.dispatcher.stats().records_pushed, 2, "streams are learned from");
@@ -544,13 +453,7 @@ async fn chunks_are_relayed_as_they_arrive_and_a_leaving_client_frees_the_server
     let body = json!({"model": MODEL, "prompt": "Count slowly", "stream": true, "max_tokens": 400, "ignore_eos": true});
     let response = within(
         "head",
-        send(
-            gw.addr,
-            Method::POST,
-            "/v1/completions",
-            &[],
-            Bytes::from(body.to_string()),
-        ),
+        send(gw.addr, Method::POST, "/v1/completions", &[], &body.to_string()),
     )
     .await;
     assert_eq!(response.status(), StatusCode::OK);
@@ -775,7 +678,7 @@ async fn relaying_adds_no_stall() {
         let t = Instant::now();
         let r = post(gw.addr, "/v1/completions", &body, &[]).await;
         through += t.elapsed();
-        assert_eq!(streamed_text(r.text()).split(' ').count(), 21);
+        assert_eq!(sse::text(r.text()).split(' ').count(), 21);
     }
     let (direct, through) = (direct / N, through / N);
     eprintln!("20-token stream: direct {direct:?}, through the gateway {through:?} (mean of 30)");
@@ -797,19 +700,13 @@ async fn shutdown_lets_a_request_in_flight_finish() {
     let body = json!({"model": MODEL, "prompt": "Go on", "stream": true, "max_tokens": 2000, "ignore_eos": true});
     let response = within(
         "head",
-        send(
-            gw.addr,
-            Method::POST,
-            "/v1/completions",
-            &[],
-            Bytes::from(body.to_string()),
-        ),
+        send(gw.addr, Method::POST, "/v1/completions", &[], &body.to_string()),
     )
     .await;
     assert_eq!(response.status(), StatusCode::OK);
     let _ = gw.stop.take().unwrap().send(());
     let body = within("body", response.into_body().collect()).await.unwrap().to_bytes();
-    let text = streamed_text(std::str::from_utf8(&body).unwrap());
+    let text = sse::text(std::str::from_utf8(&body).unwrap());
     assert_eq!(text.split(' ').count(), 2001);
     within("serve returns", &mut gw.task).await.unwrap().unwrap();
     assert!(TcpStream::connect(gw.addr).await.is_err(), "no longer accepting");

@@ -10,10 +10,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{Method, Request, Response, StatusCode};
+use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
+use semlb_test_support as support;
 use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::ChatTemplate;
 use semlb_workers::config::EngineConfig;
@@ -22,6 +22,8 @@ use semlb_workers::faults::FaultConfig;
 use semlb_workers::metrics::MetricsFlavor;
 use semlb_workers::server::{Sim, serve};
 use serde_json::{Value, json};
+use support::client::{Reply, send};
+use support::sse;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
@@ -33,9 +35,7 @@ const MODEL: &str = "test-model";
 const PATIENCE: Duration = Duration::from_secs(20);
 
 async fn within<F: std::future::Future>(what: &str, f: F) -> F::Output {
-    tokio::time::timeout(PATIENCE, f)
-        .await
-        .unwrap_or_else(|_| panic!("timed out: {what}"))
+    support::client::within(what, PATIENCE, f).await
 }
 
 /// A fast engine: 100× real time.
@@ -97,74 +97,9 @@ impl Server {
     }
 }
 
-/// A response read to the end.
-struct Reply {
-    status: StatusCode,
-    headers: http::HeaderMap,
-    body: Bytes,
-}
-
-impl Reply {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
-    }
-
-    fn header(&self, name: &str) -> &str {
-        self.headers
-            .get(name)
-            .unwrap_or_else(|| panic!("no {name} header"))
-            .to_str()
-            .expect("ASCII header")
-    }
-
-    fn text(&self) -> &str {
-        std::str::from_utf8(&self.body).expect("UTF-8 body")
-    }
-}
-
-/// Sends one request on a fresh connection and returns the response head
-/// (the body is read by the caller).
-async fn send(
-    addr: SocketAddr,
-    method: Method,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &str,
-) -> Response<Incoming> {
-    let stream = TcpStream::connect(addr).await.expect("connect");
-    let (mut sender, connection) = hyper::client::conn::http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream))
-        .await
-        .expect("handshake");
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    let mut request = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", addr.to_string());
-    if !body.is_empty() {
-        request = request.header("content-type", "application/json");
-    }
-    for (name, value) in headers {
-        request = request.header(*name, *value);
-    }
-    let request = request.body(Full::new(Bytes::from(body.to_owned()))).expect("request");
-    sender.send_request(request).await.expect("send request")
-}
-
+/// One request, read to the end within [`PATIENCE`].
 async fn call(addr: SocketAddr, method: Method, path: &str, headers: &[(&str, &str)], body: &str) -> Reply {
-    within(path, async {
-        let response = send(addr, method, path, headers, body).await;
-        let (parts, body) = response.into_parts();
-        let body = body.collect().await.expect("read body").to_bytes();
-        Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        }
-    })
-    .await
+    support::client::call(addr, method, path, headers, body, PATIENCE).await
 }
 
 async fn post(addr: SocketAddr, path: &str, body: &Value) -> Reply {
@@ -173,21 +108,6 @@ async fn post(addr: SocketAddr, path: &str, body: &Value) -> Reply {
 
 async fn get(addr: SocketAddr, path: &str) -> Reply {
     call(addr, Method::GET, path, &[], "").await
-}
-
-/// The `data:` payloads of an SSE body; checks the framing of every event.
-fn sse_events(body: &str) -> Vec<String> {
-    assert!(body.ends_with("\n\n"), "SSE body must end with a blank line: {body:?}");
-    body.trim_end_matches("\n\n")
-        .split("\n\n")
-        .map(|event| {
-            let data = event
-                .strip_prefix("data: ")
-                .unwrap_or_else(|| panic!("not a data event: {event:?}"));
-            assert!(!data.contains('\n'), "one line per event: {event:?}");
-            data.to_owned()
-        })
-        .collect()
 }
 
 /// The streamed answer: the text, the finish reason and the usage chunk.
@@ -200,7 +120,7 @@ struct Streamed {
 
 /// Parses and checks a whole SSE answer of `object` chunks.
 fn parse_stream(body: &str, chat: bool) -> Streamed {
-    let events = sse_events(body);
+    let events = sse::events(body);
     assert_eq!(
         events.last().map(String::as_str),
         Some("[DONE]"),
@@ -515,7 +435,7 @@ async fn streaming_matches_non_streaming() {
             assert_eq!(usage[key], plain["usage"][key], "{path} {key}");
         }
         assert!(usage["prompt_tokens_details"]["cached_tokens"].is_u64());
-        for event in sse_events(r.text()).iter().filter(|e| *e != "[DONE]") {
+        for event in sse::events(r.text()).iter().filter(|e| *e != "[DONE]") {
             let chunk: Value = serde_json::from_str(event).expect("chunk");
             assert!(
                 chunk.as_object().expect("object").contains_key("usage"),

@@ -9,6 +9,8 @@
 //! | [`process`] | a child of the `semlb` binary that prints its address ([`process::Proc`]), found next to the running executable ([`process::semlb_exe`]) |
 //! | [`gateway`] | `semlb serve` in front of simulated engines ([`gateway::Gateway`], built with options by [`gateway::GatewayBuilder`]), chat requests, Prometheus text, SSE text |
 //! | [`http`] | a minimal HTTP/1.1 client, one request per connection |
+//! | [`client`] | the async HTTP/1.1 client of in-process tests (a dispatcher or the simulator on the test's runtime), with deadlines |
+//! | [`sse`] | server-sent events: framing checked, payloads and streamed text |
 //! | [`redis`] | a private `redis-server` on a free port ([`redis::RedisServer`]) |
 //! | [`rng`] | splitmix64: deterministic randomness a failing run can be replayed from |
 //! | [`segment`] | a uniquely named shm segment removed on drop, and table population |
@@ -19,12 +21,14 @@
 //! `GatewayBuilder::start`); the bench calls the `try_` forms, which return
 //! an [`Error`].
 
+pub mod client;
 pub mod gateway;
 pub mod http;
 pub mod process;
 pub mod redis;
 pub mod rng;
 pub mod segment;
+pub mod sse;
 
 pub use rng::{Rng, mix};
 
