@@ -9,7 +9,7 @@ use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use semlb::routing::PolicyKind;
 
-use super::stats::EngineCounters;
+use super::counters::EngineCounters;
 use crate::end_to_end::{
     GatewayError, GatewaySpec, LoadClient, Outcome, Store, start_engines, start_gateway, stream_request_with,
 };

@@ -116,6 +116,7 @@
 //! one panel per workload) and `<out>/replay-<workload>-slo.svg` (SLO
 //! attainment against the offered rate, one line per policy).
 
+mod counters;
 mod drive;
 mod gateway_config;
 mod stats;

@@ -2,6 +2,7 @@
 //! the engines' prefix hits and load imbalance, and the goodput of a rate
 //! sweep.
 
+use super::counters::EngineCounters;
 use super::drive::RunResult;
 use crate::end_to_end::Outcome;
 
@@ -21,63 +22,6 @@ pub(super) fn coefficient_of_variation(values: &[f64]) -> f64 {
     }
     let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
     var.sqrt() / mean
-}
-
-/// The sum of the samples of metric `name` (exact name, any labels) in a
-/// Prometheus text exposition; `None` when there is none.
-pub(super) fn metric_sum(text: &str, name: &str) -> Option<f64> {
-    let mut found = None;
-    for line in text.lines() {
-        let line = line.trim();
-        if line.starts_with('#') || !line.starts_with(name) {
-            continue;
-        }
-        let rest = &line[name.len()..];
-        let value = if rest.starts_with('{') {
-            rest.rfind('}').map(|i| &rest[i + 1..])
-        } else if rest.starts_with(' ') {
-            Some(rest)
-        } else {
-            None // a longer name with this prefix
-        };
-        // "value [timestamp]"
-        if let Some(v) = value
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse::<f64>().ok())
-        {
-            *found.get_or_insert(0.0) += v;
-        }
-    }
-    found
-}
-
-/// One engine's counters at the end of a run.
-#[derive(Debug, Clone, Default)]
-pub(super) struct EngineCounters {
-    pub(super) hits: f64,
-    pub(super) queries: f64,
-    pub(super) prompt_tokens: f64,
-    pub(super) generation_tokens: f64,
-    pub(super) requests: f64,
-}
-
-impl EngineCounters {
-    /// The counters of one engine's `/metrics` text.
-    pub(super) fn parse(text: &str) -> Self {
-        let m = |n| metric_sum(text, n).unwrap_or(0.0);
-        Self {
-            hits: m("vllm:prefix_cache_hits_total"),
-            queries: m("vllm:prefix_cache_queries_total"),
-            prompt_tokens: m("vllm:prompt_tokens_total"),
-            generation_tokens: m("vllm:generation_tokens_total"),
-            requests: m("vllm:request_success_total"),
-        }
-    }
-
-    /// Prompt tokens the engine had to prefill.
-    pub(super) fn uncached(&self) -> f64 {
-        (self.prompt_tokens - self.hits).max(0.0)
-    }
 }
 
 /// The share of `outcomes` (every request sent; errors are misses) whose
@@ -162,23 +106,6 @@ mod tests {
         assert!((coefficient_of_variation(&[2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0]) - 0.4).abs() < 1e-12);
         assert_eq!(coefficient_of_variation(&[3.0]), 0.0);
         assert_eq!(coefficient_of_variation(&[0.0, 0.0]), 0.0);
-    }
-
-    #[test]
-    fn metrics_text_sums_one_name_over_labels() {
-        let text = "# HELP vllm:prefix_cache_hits Prefix cache hits.\n\
-                    # TYPE vllm:prefix_cache_hits counter\n\
-                    vllm:prefix_cache_hits_total{model_name=\"semlb-sim\"} 640.0\n\
-                    vllm:prefix_cache_hits_total{model_name=\"other\",x=\"a}b\"} 10\n\
-                    vllm:prefix_cache_queries_total{model_name=\"semlb-sim\"} 1000.0\n\
-                    vllm:request_success_total 5 1700000000\n";
-        assert_eq!(metric_sum(text, "vllm:prefix_cache_hits_total"), Some(650.0));
-        assert_eq!(metric_sum(text, "vllm:prefix_cache_queries_total"), Some(1000.0));
-        assert_eq!(metric_sum(text, "vllm:request_success_total"), Some(5.0));
-        assert_eq!(metric_sum(text, "vllm:prefix_cache"), None);
-        assert_eq!(metric_sum(text, "vllm:missing_total"), None);
-        let c = EngineCounters::parse(text);
-        assert_eq!((c.hits, c.queries, c.uncached()), (650.0, 1000.0, 0.0));
     }
 
     #[test]

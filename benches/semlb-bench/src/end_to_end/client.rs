@@ -1,0 +1,250 @@
+//! The HTTP side of the load generators: a keep-alive client on its own
+//! tokio runtime ([`LoadClient`]), one streamed request and its
+//! [`Outcome`] (status, TTFT, latency, the dispatch times the gateway
+//! reports in `x-semlb-dispatch-ns`), and the incremental SSE scanner
+//! behind it ([`SseScan`]). Shared with the replay and proxy reports.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, anyhow};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+/// A keep-alive HTTP/1.1 client on its own tokio runtime.
+pub(crate) struct LoadClient {
+    /// The runtime requests run on.
+    pub(crate) runtime: tokio::runtime::Runtime,
+    /// The pooled client.
+    pub(crate) http: Client<HttpConnector, Full<Bytes>>,
+}
+
+/// How long one request may take before it counts as an error.
+pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+
+impl LoadClient {
+    /// A client on a two-thread runtime.
+    pub(crate) fn new() -> Result<LoadClient> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        let http = {
+            let _guard = runtime.enter();
+            let mut connector = HttpConnector::new();
+            connector.set_nodelay(true);
+            Client::builder(TokioExecutor::new())
+                .pool_idle_timeout(Duration::from_secs(30))
+                .build(connector)
+        };
+        Ok(LoadClient { runtime, http })
+    }
+
+    /// `GET http://addr{path}` (blocking): status and body text.
+    pub(crate) fn get(&self, addr: &str, path: &str) -> Result<(u16, String)> {
+        let http = self.http.clone();
+        let uri = format!("http://{addr}{path}");
+        self.runtime.block_on(async move {
+            let request = http::Request::get(uri).body(Full::new(Bytes::new()))?;
+            let response = tokio::time::timeout(Duration::from_secs(5), http.request(request))
+                .await
+                .map_err(|_| anyhow!("timeout"))??;
+            let status = response.status().as_u16();
+            let body = tokio::time::timeout(Duration::from_secs(5), response.into_body().collect())
+                .await
+                .map_err(|_| anyhow!("timeout"))??
+                .to_bytes();
+            Ok((status, String::from_utf8_lossy(&body).into_owned()))
+        })
+    }
+}
+
+/// The result of one streamed request.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Outcome {
+    /// HTTP status (0: no answer).
+    pub(crate) status: u16,
+    /// From the reference instant to the first SSE `data:` event.
+    pub(crate) ttft: Option<Duration>,
+    /// From the reference instant to the end of the stream.
+    pub(crate) latency: Duration,
+    /// The stream ended with `data: [DONE]`.
+    pub(crate) done: bool,
+    /// `x-semlb-dispatch-ns`, parsed ([`DISPATCH_STAGES`] order).
+    pub(crate) dispatch: Option<[u64; 7]>,
+    /// `x-semlb-backend`.
+    pub(crate) backend: Option<String>,
+    /// What went wrong, if anything.
+    pub(crate) error: Option<String>,
+}
+
+impl Outcome {
+    /// A 200 stream that reached `[DONE]`.
+    pub(crate) fn ok(&self) -> bool {
+        self.status == 200 && self.done && self.error.is_none()
+    }
+}
+
+/// Sends `body` (JSON) to `http://addr{path}` and reads the SSE stream to
+/// its end; times are measured from `since` (the scheduled arrival).
+pub(crate) async fn stream_request(
+    http: &Client<HttpConnector, Full<Bytes>>,
+    addr: &str,
+    path: &str,
+    body: Bytes,
+    since: Instant,
+) -> Outcome {
+    stream_request_with(http, addr, path, body, &[], since).await
+}
+
+/// [`stream_request`] with extra request `headers` (name, value).
+pub(crate) async fn stream_request_with(
+    http: &Client<HttpConnector, Full<Bytes>>,
+    addr: &str,
+    path: &str,
+    body: Bytes,
+    headers: &[(&str, String)],
+    since: Instant,
+) -> Outcome {
+    let mut outcome = Outcome::default();
+    let run = async {
+        let mut request =
+            http::Request::post(format!("http://{addr}{path}")).header(http::header::CONTENT_TYPE, "application/json");
+        for (name, value) in headers {
+            request = request.header(*name, value.as_str());
+        }
+        let request = request.body(Full::new(body)).map_err(|e| e.to_string())?;
+        let response = http.request(request).await.map_err(|e| format!("request: {e}"))?;
+        outcome.status = response.status().as_u16();
+        let header = |name: &str| {
+            response
+                .headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        outcome.dispatch = header("x-semlb-dispatch-ns").and_then(|v| parse_dispatch(&v));
+        outcome.backend = header("x-semlb-backend");
+        let mut body = response.into_body();
+        let mut scan = SseScan::default();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| format!("body: {e}"))?;
+            if let Some(data) = frame.data_ref()
+                && scan.feed(data)
+            {
+                outcome.ttft = Some(since.elapsed());
+            }
+        }
+        outcome.done = scan.done;
+        Ok::<(), String>(())
+    };
+    match tokio::time::timeout(REQUEST_TIMEOUT, run).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => outcome.error = Some(e),
+        Err(_) => outcome.error = Some(format!("timeout after {REQUEST_TIMEOUT:?}")),
+    }
+    outcome.latency = since.elapsed();
+    if outcome.error.is_none() && outcome.status != 200 {
+        outcome.error = Some(format!("HTTP {}", outcome.status));
+    } else if outcome.error.is_none() && !outcome.done {
+        outcome.error = Some("stream ended without [DONE]".into());
+    }
+    outcome
+}
+
+/// Incremental scanner of a server-sent-event stream: counts `data:`
+/// events and notices `data: [DONE]`.
+#[derive(Debug, Default)]
+pub(crate) struct SseScan {
+    pending: Vec<u8>,
+    /// `data:` events other than `[DONE]` seen so far.
+    pub(crate) data_events: u32,
+    /// `data: [DONE]` was seen.
+    pub(crate) done: bool,
+}
+
+impl SseScan {
+    /// Feeds the next bytes of the stream; true when they complete the
+    /// first `data:` event that is not `[DONE]` (the time to first token).
+    pub(crate) fn feed(&mut self, bytes: &[u8]) -> bool {
+        let before = self.data_events;
+        let searched_from = self.pending.len().saturating_sub(1);
+        self.pending.extend(bytes.iter().copied().filter(|b| *b != b'\r'));
+        let mut start = 0;
+        let mut from = searched_from;
+        while let Some(pos) = self.pending[from..].windows(2).position(|w| w == b"\n\n") {
+            let end = from + pos;
+            for line in self.pending[start..end].split(|b| *b == b'\n') {
+                if let Some(data) = line.strip_prefix(b"data:") {
+                    if data.trim_ascii() == b"[DONE]" {
+                        self.done = true;
+                    } else {
+                        self.data_events += 1;
+                    }
+                }
+            }
+            start = end + 2;
+            from = start;
+        }
+        self.pending.drain(..start);
+        before == 0 && self.data_events > 0
+    }
+}
+
+/// The stages of `x-semlb-dispatch-ns`, in order.
+pub(crate) const DISPATCH_STAGES: [&str; 7] = ["read", "parse", "tokenize", "hash", "cache", "route", "total"];
+
+/// Parses `read=…,parse=…,tokenize=…,hash=…,cache=…,route=…,total=…`
+/// (nanoseconds); `None` unless every stage is there.
+pub(crate) fn parse_dispatch(value: &str) -> Option<[u64; 7]> {
+    let mut out = [None; 7];
+    for part in value.split(',') {
+        let (k, v) = part.trim().split_once('=')?;
+        let i = DISPATCH_STAGES.iter().position(|s| *s == k)?;
+        out[i] = Some(v.parse().ok()?);
+    }
+    let mut values = [0; 7];
+    for (dst, src) in values.iter_mut().zip(out) {
+        *dst = src?;
+    }
+    Some(values)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_scan_finds_the_first_event_and_done_across_splits() {
+        let stream = b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\ndata: [DONE]\n\n";
+        for cut in 1..stream.len() {
+            let mut s = SseScan::default();
+            let first_a = s.feed(&stream[..cut]);
+            let first_b = s.feed(&stream[cut..]);
+            // The first event completes at byte 15 (after "\n\n").
+            assert_eq!(first_a, cut >= 15, "cut {cut}");
+            assert_eq!(first_b, cut < 15, "cut {cut}");
+            assert_eq!((s.data_events, s.done), (2, true), "cut {cut}");
+        }
+        let mut s = SseScan::default();
+        assert!(!s.feed(b"data: [DONE]\r\n\r\n"));
+        assert!(s.done && s.data_events == 0);
+        let mut s = SseScan::default();
+        assert!(!s.feed(b": comment\n\n"));
+        assert!(s.feed(b"event: x\ndata: {}\n\n"));
+        assert!(!s.feed(b"data: {}\n\n"));
+    }
+
+    #[test]
+    fn dispatch_header_parses_every_stage() {
+        let v = "read=1,parse=2,tokenize=3,hash=4,cache=5,route=6,total=21";
+        assert_eq!(parse_dispatch(v), Some([1, 2, 3, 4, 5, 6, 21]));
+        assert_eq!(parse_dispatch("read=1,parse=2"), None);
+        assert_eq!(
+            parse_dispatch("read=x,parse=2,tokenize=3,hash=4,cache=5,route=6,total=21"),
+            None
+        );
+    }
+}

@@ -1,0 +1,101 @@
+//! The processes of a run: simulated engines (`semlb __sim`) and the
+//! gateway (`semlb serve`) in front of them, keeping its routing state in
+//! shared memory or Redis, started with `semlb-test-support`'s process
+//! helpers. Shared with the replay and proxy reports.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use semlb::routing::PolicyKind;
+use semlb_test_support::gateway::Gateway;
+use semlb_test_support::process::{Proc, ProcBuilder, Stderr};
+
+/// A unique name for this run's resources (shm segment, Redis namespace).
+pub(crate) fn unique_name(tag: &str) -> String {
+    semlb_test_support::process::unique("bench", tag)
+}
+
+/// `n` simulated engines (`semlb __sim`) with `time_scale`.
+pub(crate) fn start_engines(n: usize, time_scale: f64) -> Result<Vec<Proc>> {
+    (0..n)
+        .map(|i| {
+            let scale = time_scale.to_string();
+            let proc = ProcBuilder::new(["__sim", "--listen", "127.0.0.1:0", "--time-scale", &scale])
+                .what(format!("simulated engine {i}"))
+                .stderr(Stderr::Tail(40))
+                .within(Duration::from_secs(30))
+                .try_start()?;
+            Ok(proc)
+        })
+        .collect()
+}
+
+/// Where the gateway keeps its routing state.
+#[derive(Debug, Clone)]
+pub(crate) enum Store {
+    /// The shared-memory segment.
+    Shm,
+    /// A Redis server, under a namespace.
+    Redis {
+        /// `redis://…` URL.
+        url: String,
+        /// Key prefix.
+        namespace: String,
+    },
+}
+
+/// What [`start_gateway`] runs.
+#[derive(Debug, Clone)]
+pub(crate) struct GatewaySpec {
+    /// Dispatcher processes.
+    pub(crate) dispatchers: usize,
+    /// Routing policy (`None`: the default).
+    pub(crate) policy: Option<PolicyKind>,
+    /// Routing-state store.
+    pub(crate) store: Store,
+    /// `--shm-size`.
+    pub(crate) shm_size: String,
+    /// A tag for the shm name.
+    pub(crate) tag: String,
+    /// A configuration file's TOML text, passed as `--config` (written to a
+    /// file of the run's own, removed with the gateway); `None`: no file.
+    pub(crate) config: Option<String>,
+}
+
+/// Why [`start_gateway`] failed.
+#[derive(Debug)]
+pub(crate) enum GatewayError {
+    /// `semlb serve` does not know a flag (e.g. `--store` in an older build).
+    UnknownFlag(String),
+    /// Anything else.
+    Other(anyhow::Error),
+}
+
+/// Starts the gateway (supervisor, dispatchers, one responder) in front of
+/// `engines` and waits until `/health` answers 200; it is stopped with
+/// SIGTERM and its segment and files removed when dropped.
+pub(crate) fn start_gateway(spec: &GatewaySpec, engines: &[Proc]) -> Result<Gateway, GatewayError> {
+    let mut builder = Gateway::builder()
+        .shm(&unique_name(&spec.tag))
+        .tag(&spec.tag)
+        .shm_size(&spec.shm_size)
+        .dispatchers(spec.dispatchers)
+        .backends(&engines.iter().collect::<Vec<_>>())
+        .stderr(Stderr::Tail(40))
+        .within(Duration::from_secs(60));
+    if let Some(policy) = spec.policy {
+        builder = builder.policy(&policy.to_string());
+    }
+    if let Some(text) = &spec.config {
+        builder = builder.config(text);
+    }
+    if let Store::Redis { url, namespace } = &spec.store {
+        builder = builder.redis(url, namespace);
+    }
+    builder.try_start().map_err(|e| match e {
+        semlb_test_support::Error::NoAddress { stderr, .. } if stderr.contains("unexpected argument") => {
+            GatewayError::UnknownFlag(stderr)
+        }
+        e => GatewayError::Other(e.into()),
+    })
+}
