@@ -21,8 +21,10 @@
 //! one ([`semlb_exe`]): `cargo build --release -p semlb -p semlb-bench`
 //! builds both into `target/release/`.
 //!
-//! Every report prints a table on stdout and writes `<out>/<report>.json`
-//! and, where it has distributions, `<out>/<report>.svg` ([`plot`]).
+//! Every report prints a table on stdout ([`output`]: also the progress bar
+//! on stderr) and writes `<out>/<report>.json` and, where it has
+//! distributions, `<out>/<report>.svg` ([`plot`]). The Redis a report
+//! measures is a private `redis-server` or the user's ([`redis_server`]).
 //! Benchmarks measure; they assert nothing about speed. Errors travel as
 //! `anyhow::Error` to [`main`], which prints them.
 

@@ -148,7 +148,7 @@
 //! | [`procs`] | CPU sets and pinning, the servers' processes, CPU time from `/proc` |
 //! | [`servers`] | the engine and the fronts of a run, and a check request through each |
 //! | [`load`] | the closed-loop HTTP/1.1 load generator |
-//! | [`measure`] | one point: a measured window and its CPU time |
+//! | [`measure`](mod@measure) | one point: a measured window and its CPU time |
 //! | [`report`] | the tables, `proxy.json` and `proxy.svg` |
 //! | here | the flags and the run: every point in turn |
 
