@@ -84,6 +84,10 @@ pub(super) async fn forward(
     outbound: Outbound,
     ctx: Option<InferenceCtx>,
 ) -> Response<Body> {
+    let deadline = tokio::time::Instant::now() + dispatcher.config().limits.request_timeout();
+    // One timer for the whole request: the wait for a head, then the
+    // relayed body (registering a timer is not free at 20 K requests/s).
+    let mut timer = Box::pin(tokio::time::sleep_until(deadline));
     let mut attempts = Attempts::new(dispatcher, outbound, ctx);
     let response = loop {
         let (chosen, admitted) = match attempts.route().await {
@@ -91,12 +95,23 @@ pub(super) async fn forward(
             Err(Next::Retry) => continue,
             Err(Next::Answer(r)) => break r,
         };
-        match attempts.send(chosen, admitted).await {
-            Ok(r) | Err(Next::Answer(r)) => break r,
+        match attempts.send(chosen, admitted, timer.as_mut()).await {
+            Ok(head) => break attempts.relay(head, timer),
+            Err(Next::Answer(r)) => break r,
             Err(Next::Retry) => continue,
         }
     };
     attempts.finish(response)
+}
+
+/// An answer head from a server, not a failure.
+struct Head {
+    response: Response<hyper::body::Incoming>,
+    server: ServerRef,
+    /// The server's base URL.
+    address: String,
+    /// The request's in-flight count, ended by the relay.
+    guard: InflightGuard,
 }
 
 /// What follows a step that did not produce the answer.
@@ -112,9 +127,6 @@ struct Attempts<'d> {
     dispatcher: &'d Arc<Dispatcher>,
     outbound: Outbound,
     ctx: Option<InferenceCtx>,
-    /// One timer for the whole request: the wait for a head, then the
-    /// relayed body (registering a timer is not free at 20 K requests/s).
-    timer: Pin<Box<Sleep>>,
     /// The store's answer for the first decision (taken by it).
     first_lookup: Option<Lookup>,
     /// Servers that failed this request.
@@ -133,13 +145,11 @@ struct Attempts<'d> {
 
 impl<'d> Attempts<'d> {
     fn new(dispatcher: &'d Arc<Dispatcher>, outbound: Outbound, mut ctx: Option<InferenceCtx>) -> Self {
-        let deadline = tokio::time::Instant::now() + dispatcher.config().limits.request_timeout();
         Self {
             dispatcher,
             outbound,
             first_lookup: ctx.as_mut().and_then(|c| c.lookup.take()),
             ctx,
-            timer: Box::pin(tokio::time::sleep_until(deadline)),
             failed: Vec::new(),
             last_failure: None,
             attempt: 0,
@@ -251,9 +261,14 @@ impl<'d> Attempts<'d> {
         }
     }
 
-    /// Step 2: sends the request to `chosen` and waits for the head; a
-    /// head that is not a failure becomes the relayed response.
-    async fn send(&mut self, chosen: Chosen, admitted: Option<InflightGuard>) -> Result<Response<Body>, Next> {
+    /// Step 2: sends the request to `chosen` and waits for the head until
+    /// `deadline`; a head that is not a failure is the answer.
+    async fn send(
+        &mut self,
+        chosen: Chosen,
+        admitted: Option<InflightGuard>,
+        deadline: Pin<&mut Sleep>,
+    ) -> Result<Head, Next> {
         let dispatcher = self.dispatcher;
         let Chosen {
             server,
@@ -293,10 +308,17 @@ impl<'d> Attempts<'d> {
         let result = tokio::select! {
             biased;
             head = dispatcher.client().request(request) => Ok(head),
-            () = self.timer.as_mut() => Err(()),
+            () = deadline => Err(()),
         };
         let failure = match result {
-            Ok(Ok(r)) if !r.status().is_server_error() => return Ok(self.relay(r, server, &address, guard)),
+            Ok(Ok(response)) if !response.status().is_server_error() => {
+                return Ok(Head {
+                    response,
+                    server,
+                    address,
+                    guard,
+                });
+            }
             Ok(Ok(r)) => Failure::Status {
                 address: address.clone(),
                 status: r.status(),
@@ -363,16 +385,17 @@ impl<'d> Attempts<'d> {
         );
     }
 
-    /// The answer of `server`, relayed to the client as it arrives.
-    fn relay(
-        &mut self,
-        upstream: Response<hyper::body::Incoming>,
-        server: ServerRef,
-        address: &str,
-        guard: InflightGuard,
-    ) -> Response<Body> {
+    /// The answer of `head`, relayed to the client as it arrives, until
+    /// `deadline`.
+    fn relay(&self, head: Head, deadline: Pin<Box<Sleep>>) -> Response<Body> {
         let dispatcher = self.dispatcher;
-        let (parts, incoming) = upstream.into_parts();
+        let Head {
+            response,
+            server,
+            address,
+            guard,
+        } = head;
+        let (parts, incoming) = response.into_parts();
         let sse = parts
             .headers
             .get(header::CONTENT_TYPE)
@@ -396,14 +419,12 @@ impl<'d> Attempts<'d> {
             .ctx
             .as_ref()
             .map(|c| RelayTimer::new(dispatcher.clone(), c.timing.start));
-        // The deadline goes with the body; this request makes no more attempts.
-        let timer = std::mem::replace(&mut self.timer, Box::pin(tokio::time::sleep(Duration::ZERO)));
-        let relay = Relay::new(dispatcher.clone(), incoming, timer, guard, learn, sse, relay_timer);
+        let relay = Relay::new(dispatcher.clone(), incoming, deadline, guard, learn, sse, relay_timer);
         let mut response = Response::new(relay.boxed());
         response.extensions_mut().insert(Relayed);
         *response.status_mut() = parts.status;
         client_response_headers(&parts.headers, response.headers_mut());
-        set_header(response.headers_mut(), BACKEND_HEADER, address);
+        set_header(response.headers_mut(), BACKEND_HEADER, &address);
         response
     }
 
