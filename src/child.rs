@@ -242,9 +242,7 @@ fn stop_on(sig: libc::c_int) -> std::io::Result<()> {
 /// `semlb __sim`: a simulated engine with default parameters.
 pub fn run_sim(args: &SimArgs) -> Result<()> {
     use semlb_workers::config::EngineConfig;
-    use semlb_workers::engine::Engine;
     use semlb_workers::faults::FaultConfig;
-    use semlb_workers::metrics::MetricsFlavor;
     use semlb_workers::server::{Sim, serve};
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -257,14 +255,7 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
             ..EngineConfig::default()
         };
         config.validate().map_err(anyhow::Error::msg)?;
-        let engine = Engine::start(config);
-        let sim = Sim::new(
-            engine,
-            Tokenizer::bundled(),
-            ChatTemplate::canonical(),
-            FaultConfig::default(),
-            MetricsFlavor::Vllm,
-        );
+        let sim = Sim::bundled(config, FaultConfig::default());
         let listener = tokio::net::TcpListener::bind(args.listen).await?;
         println!("semlb-sim listening on http://{}", listener.local_addr()?);
         use std::io::Write;

@@ -18,9 +18,7 @@ use semlb_test_support as support;
 use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::ChatTemplate;
 use semlb_workers::config::EngineConfig;
-use semlb_workers::engine::Engine;
 use semlb_workers::faults::FaultConfig;
-use semlb_workers::metrics::MetricsFlavor;
 use semlb_workers::server::Sim;
 use serde_json::{Value, json};
 use shm_layout::{LayoutPlan, Segment, ServerRef, ServerState};
@@ -50,13 +48,7 @@ async fn start_sim(faults: FaultConfig) -> SimServer {
         time_scale: 0.001,
         ..EngineConfig::default()
     };
-    let sim = Arc::new(Sim::new(
-        Engine::start(config),
-        Tokenizer::bundled(),
-        ChatTemplate::canonical(),
-        faults,
-        MetricsFlavor::Vllm,
-    ));
+    let sim = Arc::new(Sim::bundled(config, faults));
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(semlb_workers::server::serve(listener, sim, async move {
         let _ = stopped.await;

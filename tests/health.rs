@@ -185,11 +185,7 @@ struct FaultySim {
 
 impl FaultySim {
     fn start(faults: semlb_workers::faults::FaultConfig) -> FaultySim {
-        use semlb_tokenizer::Tokenizer;
-        use semlb_tokenizer::chat::ChatTemplate;
         use semlb_workers::config::EngineConfig;
-        use semlb_workers::engine::Engine;
-        use semlb_workers::metrics::MetricsFlavor;
         use semlb_workers::server::Sim;
 
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -206,13 +202,7 @@ impl FaultySim {
                 time_scale: 0.01,
                 ..EngineConfig::default()
             };
-            let sim = Arc::new(Sim::new(
-                Engine::start(config),
-                Tokenizer::bundled(),
-                ChatTemplate::canonical(),
-                faults,
-                MetricsFlavor::Vllm,
-            ));
+            let sim = Arc::new(Sim::bundled(config, faults));
             tokio::spawn(semlb_workers::server::serve(listener, sim.clone(), async move {
                 let _ = stopped.await;
             }));

@@ -67,6 +67,7 @@ use crate::api::{
     self, ApiError, ChatRequest, Chunk, CompletionRequest, CompletionResponse, Endpoint, FinishReason, Prompt,
     ResponseMeta,
 };
+use crate::config::EngineConfig;
 use crate::engine::{Engine, EngineRequest, EngineStream, Event, SubmitError, Usage};
 use crate::faults::{Decision, FaultConfig, Faults};
 use crate::metrics::{self, MetricsFlavor};
@@ -105,6 +106,20 @@ pub struct Sim {
 }
 
 impl Sim {
+    /// The simulator `semlb serve --demo` and the in-process tests run: an
+    /// engine of `config` started on the current runtime, the bundled
+    /// tokenizer, the canonical chat template and vLLM's metric names, with
+    /// `faults`.
+    pub fn bundled(config: EngineConfig, faults: FaultConfig) -> Self {
+        Self::new(
+            Engine::start(config),
+            Tokenizer::bundled(),
+            ChatTemplate::canonical(),
+            faults,
+            MetricsFlavor::Vllm,
+        )
+    }
+
     /// A server state around a started `engine`. The output vocabulary is
     /// picked from `tokenizer`.
     pub fn new(
