@@ -76,6 +76,104 @@ pub fn answer_text(form: AnswerForm, bytes: &[u8]) -> Option<(String, Option<u64
     }
 }
 
+/// The non-streaming response a whole event stream stands for: the JSON
+/// body (`chat.completion` when `chat`, else `text_completion`) with every
+/// choice's text joined, its `finish_reason`, and the stream's `usage`, so
+/// a streamed answer can be cached and served again as JSON or replayed
+/// as SSE. `None` when the stream cannot be stood for exactly: it did not
+/// end with `data: [DONE]`, a chunk is not JSON, or a chunk carries
+/// anything the body would lose (tool calls, reasoning text, log
+/// probabilities): such an answer is not cached.
+pub fn stream_as_response(chat: bool, stream: &[u8]) -> Option<Vec<u8>> {
+    use serde_json::{Map, Value, json};
+    use std::collections::BTreeMap;
+
+    let text = std::str::from_utf8(stream).ok()?;
+    let mut head: Option<Map<String, Value>> = None;
+    // index → (text, finish_reason)
+    let mut choices: BTreeMap<u64, (String, Value)> = BTreeMap::new();
+    let mut usage = Value::Null;
+    let mut done = false;
+    for line in text.lines() {
+        let line = line.trim_end_matches('\r');
+        let Some(data) = line.strip_prefix("data:") else {
+            // Blank lines end events; comments and other fields carry no answer.
+            continue;
+        };
+        let data = data.trim_start();
+        if done {
+            return None;
+        }
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let Value::Object(mut chunk) = serde_json::from_str::<Value>(data).ok()? else {
+            return None;
+        };
+        if let Some(u) = chunk.remove("usage").filter(|u| !u.is_null()) {
+            usage = u;
+        }
+        for choice in chunk.remove("choices")?.as_array()? {
+            let index = choice.get("index").and_then(Value::as_u64).unwrap_or(0);
+            let entry = choices.entry(index).or_insert((String::new(), Value::Null));
+            let piece = if chat {
+                let delta = choice.get("delta")?.as_object()?;
+                let plain = delta.iter().all(|(k, v)| match k.as_str() {
+                    "role" | "content" => true,
+                    _ => v.is_null(),
+                });
+                if !plain {
+                    return None;
+                }
+                delta.get("content").and_then(Value::as_str).unwrap_or("")
+            } else {
+                if choice.get("logprobs").is_some_and(|l| !l.is_null()) {
+                    return None;
+                }
+                choice.get("text").and_then(Value::as_str).unwrap_or("")
+            };
+            entry.0.push_str(piece);
+            if let Some(f) = choice.get("finish_reason").filter(|f| !f.is_null()) {
+                entry.1 = f.clone();
+            }
+        }
+        if head.is_none() {
+            head = Some(chunk);
+        }
+    }
+    let head = head?;
+    if !done || choices.is_empty() {
+        return None;
+    }
+    let field = |name: &str| head.get(name).cloned().unwrap_or(Value::Null);
+    let choices: Vec<Value> = choices
+        .into_iter()
+        .map(|(index, (text, finish))| {
+            if chat {
+                json!({"index": index, "message": {"role": "assistant", "content": text},
+                       "logprobs": null, "finish_reason": finish})
+            } else {
+                json!({"index": index, "text": text, "logprobs": null, "finish_reason": finish})
+            }
+        })
+        .collect();
+    let mut body = json!({
+        "id": field("id"),
+        "object": if chat { "chat.completion" } else { "text_completion" },
+        "created": field("created"),
+        "model": field("model"),
+        "choices": choices,
+    });
+    if let Some(fingerprint) = head.get("system_fingerprint").filter(|f| !f.is_null()) {
+        body["system_fingerprint"] = fingerprint.clone();
+    }
+    if !usage.is_null() {
+        body["usage"] = usage;
+    }
+    serde_json::to_vec(&body).ok()
+}
+
 /// The fields of a response or stream chunk that the answer is read from;
 /// serde skips every other field without building it.
 #[derive(Debug, Deserialize)]
@@ -333,5 +431,86 @@ mod tests {
         }
         assert_eq!(AnswerForm::from_byte(3), None);
         assert_eq!(AnswerForm::from_byte(0x83), None);
+    }
+
+    #[test]
+    fn a_whole_chat_stream_stands_for_its_json_response() {
+        let stream = concat!(
+            "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":7,\"model\":\"m\",",
+            "\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n",
+            "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":7,\"model\":\"m\",",
+            "\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Par\"},\"finish_reason\":null}]}\n\n",
+            "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":7,\"model\":\"m\",",
+            "\"choices\":[{\"index\":0,\"delta\":{\"content\":\"is\"},\"finish_reason\":\"stop\"}]}\n\n",
+            "data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":7,\"model\":\"m\",\"choices\":[],",
+            "\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2,\"total_tokens\":7}}\n\n",
+            "data: [DONE]\n\n"
+        );
+        let body: serde_json::Value =
+            serde_json::from_slice(&stream_as_response(true, stream.as_bytes()).unwrap()).unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({
+                "id": "c1", "object": "chat.completion", "created": 7, "model": "m",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "Paris"},
+                             "logprobs": null, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+            })
+        );
+        // The text a response process reads is the same either way.
+        let from_json = answer_text(AnswerForm::Json, &serde_json::to_vec(&body).unwrap()).unwrap();
+        assert_eq!(
+            from_json,
+            answer_text(AnswerForm::EventStream, stream.as_bytes()).unwrap()
+        );
+    }
+
+    #[test]
+    fn completion_streams_join_each_choice() {
+        let stream = concat!(
+            "data: {\"id\":\"t\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"a\",\"logprobs\":null,\"finish_reason\":null},",
+            "{\"index\":1,\"text\":\"x\",\"logprobs\":null,\"finish_reason\":null}]}\n\n",
+            "data: {\"id\":\"t\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"b\",\"logprobs\":null,\"finish_reason\":\"length\"},",
+            "{\"index\":1,\"text\":\"y\",\"logprobs\":null,\"finish_reason\":\"stop\"}]}\n\n",
+            "data: [DONE]\n\n"
+        );
+        let body: serde_json::Value =
+            serde_json::from_slice(&stream_as_response(false, stream.as_bytes()).unwrap()).unwrap();
+        assert_eq!(body["object"], "text_completion");
+        assert_eq!(body["choices"][0]["text"], "ab");
+        assert_eq!(body["choices"][0]["finish_reason"], "length");
+        assert_eq!(body["choices"][1]["text"], "xy");
+        assert_eq!(body["choices"][1]["finish_reason"], "stop");
+        assert!(body.get("usage").is_none());
+    }
+
+    #[test]
+    fn streams_a_json_body_cannot_stand_for_are_not_assembled() {
+        let chunk = |delta: &str| {
+            format!(
+                "data: {{\"id\":\"c\",\"created\":1,\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{delta},\"finish_reason\":null}}]}}\n\n"
+            )
+        };
+        let plain = chunk(r#"{"content":"hi"}"#);
+        assert!(stream_as_response(true, format!("{plain}data: [DONE]\n\n").as_bytes()).is_some());
+        // Cut short: no [DONE].
+        assert_eq!(stream_as_response(true, plain.as_bytes()), None);
+        // Tool calls or reasoning text would be lost in the body.
+        let tools = chunk(r#"{"tool_calls":[{"index":0,"function":{"name":"f","arguments":"{}"}}]}"#);
+        assert_eq!(
+            stream_as_response(true, format!("{tools}data: [DONE]\n\n").as_bytes()),
+            None
+        );
+        let reasoning = chunk(r#"{"reasoning_content":"hmm"}"#);
+        assert_eq!(
+            stream_as_response(true, format!("{reasoning}data: [DONE]\n\n").as_bytes()),
+            None
+        );
+        // Not JSON, or something after [DONE].
+        assert_eq!(stream_as_response(true, b"data: {oops\n\ndata: [DONE]\n\n"), None);
+        assert_eq!(
+            stream_as_response(true, format!("{plain}data: [DONE]\n\n{plain}").as_bytes()),
+            None
+        );
     }
 }

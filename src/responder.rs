@@ -41,7 +41,7 @@ use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::{ChatMessage, ChatTemplate};
 use shm_layout::{Completion, Pop, Stamp, Tables};
 
-use crate::answer::{AnswerForm, answer_text};
+use crate::answer::{AnswerForm, answer_text, stream_as_response};
 use crate::blocks::BlockHasher;
 use crate::store::shm::ShmWriteBack;
 use crate::store::{WriteBack, WriteStats};
@@ -144,6 +144,36 @@ impl<'a> Responder<'a> {
     /// record without an output token count gets the engine's
     /// (`usage.completion_tokens`) or else the answer's.
     pub fn complete(&mut self, record: &mut Completion) {
+        self.extend_chain(record);
+        Self::response_from_stream(record);
+    }
+
+    /// A cacheable answer that came as an event stream is stored as the
+    /// JSON response it stands for ([`stream_as_response`]), under the same
+    /// key and bounds as a JSON answer: a later request gets it as JSON, or
+    /// replayed as SSE if it streams. A stream that no JSON body stands for
+    /// exactly (cut short, tool calls, ...) is not cached.
+    fn response_from_stream(record: &mut Completion) {
+        let Some(c) = record.continuation.as_ref() else {
+            return;
+        };
+        let Some((AnswerForm::EventStream, chat)) = AnswerForm::from_byte(c.form) else {
+            return;
+        };
+        if record.response_key.is_none() {
+            return;
+        }
+        match stream_as_response(chat, &record.response) {
+            Some(body) => record.response = body,
+            None => {
+                record.response_key = None;
+                record.response.clear();
+            }
+        }
+    }
+
+    /// The chain of prompt + answer (see [`complete`](Self::complete)).
+    fn extend_chain(&mut self, record: &mut Completion) {
         let Some(c) = record.continuation.as_ref() else {
             return;
         };

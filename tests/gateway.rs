@@ -165,6 +165,46 @@ fn repeated_deterministic_requests_come_from_the_response_cache() {
 }
 
 #[test]
+fn a_streamed_deterministic_answer_is_cached_and_served_in_either_form() {
+    // Most clients stream: the first answer streams through, and its
+    // repeats, streamed or not, come from the cache.
+    let engines = [sim(), sim()];
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let gw = Gateway::start(&unique("streamcache"), &refs, &[]);
+    let msgs = [user("Name the largest planet of the solar system, briefly.")];
+    let key = [("api-key", "sk-frank")];
+    let streamed = json!({"temperature": 0, "stream": true, "max_tokens": 24});
+    let first = chat(&gw.proc.addr, &msgs, streamed.clone(), &key);
+    assert_eq!((first.status, first.header("x-semlb-cache")), (200, Some("miss")));
+    let first_text = support::sse::text(&String::from_utf8_lossy(&first.body));
+    assert!(!first_text.is_empty());
+    gw.written_back(responder_records);
+    let served = engine_counter(&refs, "vllm:request_success_total");
+
+    let again = chat(&gw.proc.addr, &msgs, streamed, &key);
+    assert_eq!((again.status, again.header("x-semlb-cache")), (200, Some("hit")));
+    assert_eq!(again.header("x-semlb-backend"), Some("cache"));
+    let replay = String::from_utf8_lossy(&again.body);
+    assert_eq!(
+        support::sse::text(&replay),
+        first_text,
+        "the replay is the first answer"
+    );
+
+    let as_json = chat(&gw.proc.addr, &msgs, json!({"temperature": 0, "max_tokens": 24}), &key);
+    assert_eq!((as_json.status, as_json.header("x-semlb-cache")), (200, Some("hit")));
+    let body = as_json.json();
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["choices"][0]["message"]["content"], first_text.as_str());
+    assert!(body["choices"][0]["finish_reason"].is_string(), "{body}");
+    assert_eq!(
+        engine_counter(&refs, "vllm:request_success_total"),
+        served,
+        "no engine was asked again"
+    );
+}
+
+#[test]
 fn tenants_keyed_by_api_key_headers_never_share_answers() {
     // Azure-style clients send their key as `api-key`, others as
     // `x-api-key`: each key is its own tenant, whichever header carries it.

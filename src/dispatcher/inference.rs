@@ -130,7 +130,7 @@ pub(super) async fn inference(
         prompt_tokens,
         chain,
         hasher,
-        store_key: key.filter(|_| cacheability.writes() && !parsed.stream),
+        store_key: key.filter(|_| cacheability.writes()),
         cache,
         lookup: Some(lookup),
         endpoint,

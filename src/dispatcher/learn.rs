@@ -41,9 +41,11 @@ pub(super) fn push_completion(dispatcher: &Dispatcher, learn: Learn, form: Answe
     }
     let ring = tables.ring(dispatcher.identity().ring);
     let max = ring.max_record();
-    // A cacheable JSON answer is the response to store: carried once.
+    // A cacheable answer is the response to store: carried once (a stream
+    // is assembled into its JSON response by the response process).
+    let whole = matches!(form, AnswerForm::Json | AnswerForm::EventStream);
     let cached = match learn.cache_key {
-        Some(key) if form == AnswerForm::Json && answer.len() + 8 <= tables.responses.max_value() => Some(key),
+        Some(key) if whole && answer.len() + 8 <= tables.responses.max_value() => Some(key),
         _ => None,
     };
     let mut record = CompletionRecord {

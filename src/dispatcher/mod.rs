@@ -49,10 +49,11 @@
 //!    request.
 //! 6. **Learning**: a complete 2xx answer becomes a completion record —
 //!    prompt chain, chain of prompt + answer, token counts and, for a
-//!    cacheable non-streaming 200, the body — pushed into this dispatcher's
-//!    ring for a response process ([`crate::responder`]). Streamed answers
-//!    are learned from (prefix) but not cached: only non-streaming answers
-//!    are stored, and a streaming repeat of one is replayed from it.
+//!    cacheable 200, the body — pushed into this dispatcher's ring for a
+//!    response process ([`crate::responder`]). A streamed answer is cached
+//!    too: the response process stores the JSON response the whole stream
+//!    stands for ([`crate::answer::stream_as_response`]), so a repeat is
+//!    answered as JSON, or replayed as SSE when it streams.
 //!
 //! Every inference answer carries `x-semlb-cache: hit|miss|bypass` (`miss`:
 //! looked up or refreshed and may be stored; `bypass`: the cache was not

@@ -408,7 +408,7 @@ impl<'d> Attempts<'d> {
                 tail: c.prompt_tokens[c.chain.len() * c.hasher.block_size()..].to_vec(),
                 chain: c.chain.clone(),
                 hasher: c.hasher,
-                cache_key: c.store_key.filter(|_| parts.status == StatusCode::OK && !sse),
+                cache_key: c.store_key.filter(|_| parts.status == StatusCode::OK),
                 chat: c.endpoint == Endpoint::ChatCompletions,
             }),
             _ => None,

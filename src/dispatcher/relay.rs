@@ -19,9 +19,10 @@
 //! twice). The dispatcher neither parses nor tokenizes the answer; the
 //! record is copied into this dispatcher's completion ring on the reactor,
 //! without waiting (a full ring drops it, counted by the ring). Only an
-//! event stream longer than [`RAW_STREAM_BYTES`] is read as it passes (its
-//! text goes into the record instead), and an answer too large for a record
-//! is read when it ends.
+//! event stream longer than [`RAW_STREAM_BYTES`] (or, when the answer may
+//! be cached, than what a record and the response cache can hold) is read
+//! as it passes (its text goes into the record instead), and an answer too
+//! large for a record is read when it ends.
 //!
 //! For an inference request the relay also records the gateway's latency
 //! metrics ([`RelayTimer`]): TTFT when the first body frame is handed to
@@ -96,8 +97,8 @@ impl Drop for RelayTimer {
 enum Capture {
     /// A JSON body, whole.
     Json { buf: Vec<u8>, overflow: bool },
-    /// An event stream as it came, while short.
-    RawStream(Vec<u8>),
+    /// An event stream as it came, while at most `limit` bytes long.
+    RawStream { buf: Vec<u8>, limit: usize },
     /// A longer event stream, read as it passes.
     Stream(EventStreamText),
 }
@@ -115,8 +116,8 @@ impl Capture {
                     }
                 }
             }
-            Capture::RawStream(buf) if buf.len() + data.len() <= RAW_STREAM_BYTES => buf.extend_from_slice(data),
-            Capture::RawStream(buf) => {
+            Capture::RawStream { buf, limit } if buf.len() + data.len() <= *limit => buf.extend_from_slice(data),
+            Capture::RawStream { buf, .. } => {
                 let mut stream = EventStreamText::default();
                 stream.feed(buf);
                 stream.feed(data);
@@ -130,7 +131,7 @@ impl Capture {
     fn into_answer(self) -> Option<(AnswerForm, Vec<u8>)> {
         match self {
             Capture::Json { buf, overflow: false } => Some((AnswerForm::Json, buf)),
-            Capture::RawStream(buf) => Some((AnswerForm::EventStream, buf)),
+            Capture::RawStream { buf, .. } => Some((AnswerForm::EventStream, buf)),
             Capture::Stream(c) if !c.overflow => Some((AnswerForm::Text, c.text.into_bytes())),
             _ => None,
         }
@@ -163,9 +164,25 @@ impl Relay {
         sse: bool,
         timer: Option<RelayTimer>,
     ) -> Self {
-        let capture = learn.as_ref().map(|_| {
+        let capture = learn.as_ref().map(|learn| {
             if sse {
-                Capture::RawStream(Vec::new())
+                // A stream that may be cached is kept whole while it can
+                // still be carried to a response process and stored (it is
+                // assembled into its JSON response there); others only
+                // while short.
+                let limit = if learn.cache_key.is_some() {
+                    let tables = dispatcher.segment().tables();
+                    let ring = dispatcher.identity().ring;
+                    let record = if ring < tables.ring_count() {
+                        tables.ring(ring).max_record()
+                    } else {
+                        0
+                    };
+                    record.min(tables.responses.max_value()).max(RAW_STREAM_BYTES)
+                } else {
+                    RAW_STREAM_BYTES
+                };
+                Capture::RawStream { buf: Vec::new(), limit }
             } else {
                 Capture::Json {
                     buf: Vec::new(),
