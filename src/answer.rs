@@ -13,7 +13,7 @@
 //! `choices[0].message.content` / `delta.content` for chat); the answer's
 //! token count is `usage.completion_tokens` when the engine gave one.
 //! Parsing reads only those fields, borrowing the strings and skipping the
-//! rest without building it ([`Response`]); should a response not have the
+//! rest without building it (`Response`); should a response not have the
 //! expected shape, it is read as a whole tree ([`crate::body::Json`]).
 
 use std::borrow::Cow;

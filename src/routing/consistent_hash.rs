@@ -16,7 +16,7 @@
 //!    (fewer if the prompt is shorter), so requests sharing that prefix
 //!    share a server. A prompt shorter than one block without a session
 //!    key goes to the least loaded server.
-//! 2. **Ring.** [`super::ring::HashRing`]: `virtual_nodes` points per
+//! 2. **Ring.** `ring::HashRing`: `virtual_nodes` points per
 //!    server slot; the key goes to the first server clockwise that is a
 //!    candidate (up) and not over the load bound ([`Reason::Session`]).
 //! 3. **Bounded load** (`bounded_load`, default on; Mirrokni, Thorup &

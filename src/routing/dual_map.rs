@@ -30,7 +30,7 @@
 //!    conversation still keeping its own two homes. Counts are kept in a
 //!    4 096-cell sketch per dispatcher, halved every `window` requests.
 //! 2. **Two candidates** on two independent hash rings
-//!    ([`super::ring::HashRing`], so adding or removing a server moves few
+//!    (`ring::HashRing`, so adding or removing a server moves few
 //!    keys): candidate 1 on ring 1, candidate 2 the first other server on
 //!    ring 2.
 //! 3. **Estimated TTFT** of a candidate `c`:
