@@ -143,12 +143,11 @@ fn a_killed_engine_is_marked_down_and_a_new_one_on_its_port_readmitted() {
         gw.state(&dead) == ServerState::Down
     });
     assert!(addrs[1..].iter().all(|a| gw.state(a) == ServerState::Up));
-    let log = gw.proc.stderr_text();
-    assert!(
-        log.contains(&format!(
-            "backend http://{dead} is down: 2 health checks in a row failed"
-        )),
-        "{log}"
+    // The state is in the segment before the checker logs it: wait for the line.
+    gw.proc.wait_stderr(
+        0,
+        &format!("backend http://{dead} is down: 2 health checks in a row failed"),
+        PATIENCE,
     );
     for _ in 0..6 {
         assert_ne!(gw.complete(i), dead);
@@ -160,12 +159,10 @@ fn a_killed_engine_is_marked_down_and_a_new_one_on_its_port_readmitted() {
     wait_until("the new engine on the port is Up", || {
         gw.state(&dead) == ServerState::Up
     });
-    let log = gw.proc.stderr_text();
-    assert!(
-        log.contains(&format!(
-            "backend http://{dead} is up again: 2 health checks in a row passed"
-        )),
-        "{log}"
+    gw.proc.wait_stderr(
+        0,
+        &format!("backend http://{dead} is up again: 2 health checks in a row passed"),
+        PATIENCE,
     );
     // Round robin over three live engines: it gets one request in three.
     let answered: Vec<String> = (0..6).map(|k| gw.complete(i + k)).collect();
@@ -262,13 +259,13 @@ fn an_engine_answering_5xx_is_ejected_by_the_dispatcher() {
         3,
         "ejected after exactly 3 failed requests"
     );
-    let log = gw.proc.stderr_text();
-    assert!(
-        log.contains(&format!(
+    gw.proc.wait_stderr(
+        0,
+        &format!(
             "backend http://{} is down: 3 requests in a row failed (last: http://{} answered 500",
             faulty.addr, faulty.addr
-        )),
-        "{log}"
+        ),
+        PATIENCE,
     );
     for _ in 0..9 {
         assert_ne!(gw.complete(i), faulty.addr);
