@@ -17,8 +17,10 @@
 //! expected shape, it is read as a whole tree ([`crate::body::Json`]).
 
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 
 use serde::Deserialize;
+use serde_json::{Map, Value, json};
 
 use crate::body::Json;
 
@@ -85,9 +87,6 @@ pub fn answer_text(form: AnswerForm, bytes: &[u8]) -> Option<(String, Option<u64
 /// anything the body would lose (tool calls, reasoning text, log
 /// probabilities): such an answer is not cached.
 pub fn stream_as_response(chat: bool, stream: &[u8]) -> Option<Vec<u8>> {
-    use serde_json::{Map, Value, json};
-    use std::collections::BTreeMap;
-
     let text = std::str::from_utf8(stream).ok()?;
     let mut head: Option<Map<String, Value>> = None;
     // index → (text, finish_reason)

@@ -21,12 +21,13 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use semlb::config::ServeConfig;
+use semlb::config::StoreKind;
 use semlb::dispatcher::{self, Dispatcher, Identity};
 use semlb::responder::{Responder, rings_for};
 use semlb::responder_loop::ResponderLoop;
 use semlb::segment_store::ShmSegmentStore;
+use semlb::store::RoutingStore;
 use semlb::store::redis::{RedisRouting, RedisWriteBack};
-use semlb::store::{RoutingStore, StoreKind};
 use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::ChatTemplate;
 use shm_layout::{OpenError, Segment};

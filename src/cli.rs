@@ -9,9 +9,9 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use semlb::config::ServeOverrides;
+use semlb::config::{RedisLookup, StoreKind};
 use semlb::routing::PolicyKind;
 use semlb::size::ByteSize;
-use semlb::store::{RedisLookup, StoreKind};
 
 /// semlb: a semantic, cache-aware load balancer for LLM inference servers.
 #[derive(Debug, Parser)]

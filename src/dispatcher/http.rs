@@ -14,6 +14,8 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 
+use crate::failure::Failure;
+
 /// Error type of response bodies.
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -93,11 +95,12 @@ pub(crate) async fn read_body(headers: &HeaderMap, body: Incoming, max: usize) -
     match Limited::new(body, max).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(too_large()),
-        Err(e) => Err(error_response(
-            StatusCode::BAD_REQUEST,
-            format!("could not read the request body: {e}"),
-            None,
-        )),
+        Err(e) => {
+            // The client's side failed: nothing to count against an engine.
+            let failure = Failure::ClientBody { detail: e.to_string() };
+            tracing::debug!(origin = failure.origin().name(), error = %failure, "{failure}");
+            Err(error_response(StatusCode::BAD_REQUEST, failure.to_string(), None))
+        }
     }
 }
 

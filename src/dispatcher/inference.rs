@@ -32,11 +32,6 @@ use crate::store::LookupRequest;
 /// reactor to about a millisecond; shorter texts cost less than the hand-off.
 const BLOCKING_TOKENIZE_BYTES: usize = 48 << 10;
 
-/// The largest request body, in bytes (`limits.max_body_bytes`).
-pub(super) fn max_body_bytes(dispatcher: &Dispatcher) -> usize {
-    usize::try_from(dispatcher.config().limits.max_body_bytes.0).unwrap_or(usize::MAX)
-}
-
 pub(super) async fn inference(
     dispatcher: &Arc<Dispatcher>,
     request: Request<Incoming>,
@@ -44,7 +39,7 @@ pub(super) async fn inference(
 ) -> Response<Body> {
     let mut timing = DispatchTiming::new();
     let (parts, body) = request.into_parts();
-    let bytes = match read_body(&parts.headers, body, max_body_bytes(dispatcher)).await {
+    let bytes = match read_body(&parts.headers, body, dispatcher.max_body_bytes()).await {
         Ok(b) => b,
         Err(r) => return r,
     };

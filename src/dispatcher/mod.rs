@@ -184,9 +184,10 @@ pub struct Dispatcher {
     /// How requests that are not inference choose a server.
     least_load: LeastLoad,
     store: Arc<dyn RoutingStore>,
-    /// The host's candidates (the queue and the holding policies' checks
-    /// read them whatever the store).
-    local: LocalState,
+    /// The most bytes of a cacheable event stream kept whole to learn from
+    /// and cache: what one completion record and one cached response can
+    /// hold (fixed by the segment's layout).
+    cacheable_stream_bytes: usize,
     client: UpstreamClient,
     health: PassiveHealth,
     queue: queue::GatewayQueue,
@@ -207,7 +208,15 @@ impl Dispatcher {
         let policy = SwappablePolicy::new(crate::routing::build(&config.policy));
         let ttl_ms = config.response_cache.ttl_secs.saturating_mul(1000);
         let store = Arc::new(ShmStore::new(segment.clone(), identity.slot, ttl_ms));
-        let local = LocalState::new(segment.clone(), identity.slot);
+        let cacheable_stream_bytes = {
+            let tables = segment.tables();
+            let record = if identity.ring < tables.ring_count() {
+                tables.ring(identity.ring).max_record()
+            } else {
+                0
+            };
+            record.min(tables.responses.max_value()).max(relay::RAW_STREAM_BYTES)
+        };
         let mut connector = HttpConnector::new();
         // Without it, small SSE writes wait for delayed ACKs (~40 ms each).
         connector.set_nodelay(true);
@@ -229,7 +238,7 @@ impl Dispatcher {
             policy,
             least_load: LeastLoad::new(),
             store,
-            local,
+            cacheable_stream_bytes,
             client,
             segments_reported: std::sync::Mutex::default(),
         }
@@ -305,6 +314,11 @@ impl Dispatcher {
         self.queue.len()
     }
 
+    /// The largest request body, in bytes (`limits.max_body_bytes`).
+    fn max_body_bytes(&self) -> usize {
+        usize::try_from(self.config.limits.max_body_bytes.0).unwrap_or(usize::MAX)
+    }
+
     /// Tokens per prefix block.
     fn block_tokens(&self) -> u32 {
         u32::try_from(self.config.block_size.max(1)).unwrap_or(u32::MAX)
@@ -336,8 +350,14 @@ impl Dispatcher {
         &self.least_load
     }
 
+    /// The host's candidates and this dispatcher's ledger row (its
+    /// store's).
     fn local(&self) -> &LocalState {
-        &self.local
+        self.store.local()
+    }
+
+    fn cacheable_stream_bytes(&self) -> usize {
+        self.cacheable_stream_bytes
     }
 
     fn client(&self) -> &UpstreamClient {

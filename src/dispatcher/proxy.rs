@@ -34,7 +34,7 @@ use super::http::{
 use super::inflight::InflightGuard;
 use super::learn::Learn;
 use super::queue::{QueueExit, Waiting, wait_in_queue};
-use super::relay::{Relay, RelayTimer};
+use super::relay::{Relay, RelayTimer, Upstream};
 use super::route::{Chosen, RouteRequest, Routed, choose, passive_failure};
 use super::timing::DispatchTiming;
 use crate::blocks::BlockHasher;
@@ -419,12 +419,19 @@ impl<'d> Attempts<'d> {
             .ctx
             .as_ref()
             .map(|c| RelayTimer::new(dispatcher.clone(), c.timing.start));
-        let relay = Relay::new(dispatcher.clone(), incoming, deadline, guard, learn, sse, relay_timer);
+        let mut headers = http::HeaderMap::new();
+        client_response_headers(&parts.headers, &mut headers);
+        set_header(&mut headers, BACKEND_HEADER, &address);
+        let upstream = Upstream {
+            body: incoming,
+            address,
+            guard,
+        };
+        let relay = Relay::new(dispatcher.clone(), upstream, deadline, learn, sse, relay_timer);
         let mut response = Response::new(relay.boxed());
         response.extensions_mut().insert(Relayed);
         *response.status_mut() = parts.status;
-        client_response_headers(&parts.headers, response.headers_mut());
-        set_header(response.headers_mut(), BACKEND_HEADER, &address);
+        *response.headers_mut() = headers;
         response
     }
 

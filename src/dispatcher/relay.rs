@@ -138,10 +138,24 @@ impl Capture {
     }
 }
 
+/// What is relayed: a server's answer body, the server's base URL and the
+/// request's in-flight count.
+#[derive(Debug)]
+pub(super) struct Upstream {
+    /// The answer's body.
+    pub body: Incoming,
+    /// The server's base URL (for the passive health check).
+    pub address: String,
+    /// The request's in-flight count, ended when the relay ends.
+    pub guard: InflightGuard,
+}
+
 /// The response body of a proxied request (see the module docs).
 #[derive(Debug)]
 pub(super) struct Relay {
     dispatcher: Arc<Dispatcher>,
+    /// The base URL of the server answering (for the passive health check).
+    address: String,
     inner: Incoming,
     deadline: Pin<Box<Sleep>>,
     guard: Option<InflightGuard>,
@@ -152,14 +166,13 @@ pub(super) struct Relay {
 }
 
 impl Relay {
-    /// Relays `inner` until `deadline` fires; `learn` (for a 2xx inference
-    /// answer) makes a completion record when it ends; `sse` tells how to
-    /// read the answer; `timer` records its latency metrics.
+    /// Relays `upstream` until `deadline` fires; `learn` (for a 2xx
+    /// inference answer) makes a completion record when it ends; `sse`
+    /// tells how to read the answer; `timer` records its latency metrics.
     pub fn new(
         dispatcher: Arc<Dispatcher>,
-        inner: Incoming,
+        upstream: Upstream,
         deadline: Pin<Box<Sleep>>,
-        guard: InflightGuard,
         learn: Option<Learn>,
         sse: bool,
         timer: Option<RelayTimer>,
@@ -171,14 +184,7 @@ impl Relay {
                 // assembled into its JSON response there); others only
                 // while short.
                 let limit = if learn.cache_key.is_some() {
-                    let tables = dispatcher.segment().tables();
-                    let ring = dispatcher.identity().ring;
-                    let record = if ring < tables.ring_count() {
-                        tables.ring(ring).max_record()
-                    } else {
-                        0
-                    };
-                    record.min(tables.responses.max_value()).max(RAW_STREAM_BYTES)
+                    dispatcher.cacheable_stream_bytes()
                 } else {
                     RAW_STREAM_BYTES
                 };
@@ -190,9 +196,11 @@ impl Relay {
                 }
             }
         });
+        let Upstream { body, address, guard } = upstream;
         Self {
             dispatcher,
-            inner,
+            address,
+            inner: body,
             deadline,
             guard: Some(guard),
             capture,
@@ -213,17 +221,10 @@ impl Relay {
             let server = g.server();
             self.dispatcher.metrics().upstream(server.slot, false);
             // Passive health check: the body was cut or timed out.
-            let address = self
-                .dispatcher
-                .segment()
-                .tables()
-                .servers
-                .get(server.slot)
-                .map_or_else(|| "?".to_owned(), |i| i.address);
             let failure = Failure::Body {
-                address: address.clone(),
+                address: self.address.clone(),
             };
-            passive_failure(&self.dispatcher, server, &address, &failure);
+            passive_failure(&self.dispatcher, server, &self.address, &failure);
         }
         self.learn = None;
         self.capture = None;

@@ -12,7 +12,7 @@ use super::Dispatcher;
 use super::http::{
     Body, error_response, full_response, json_response, read_body, set_header, upstream_request_headers,
 };
-use super::inference::{inference, max_body_bytes};
+use super::inference::inference;
 use super::models::models;
 use super::proxy::{Outbound, Relayed, forward};
 use crate::metrics::{DURATION, EndpointLabel, Snapshot};
@@ -90,7 +90,7 @@ async fn metrics(dispatcher: &Arc<Dispatcher>) -> Response<Body> {
 /// Any other `/v1/...` request: proxied to the least loaded live server.
 async fn passthrough(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>) -> Response<Body> {
     let (parts, body) = request.into_parts();
-    let bytes = match read_body(&parts.headers, body, max_body_bytes(dispatcher)).await {
+    let bytes = match read_body(&parts.headers, body, dispatcher.max_body_bytes()).await {
         Ok(b) => b,
         Err(r) => return r,
     };

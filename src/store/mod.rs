@@ -44,10 +44,8 @@ use std::pin::Pin;
 use bytes::Bytes;
 use shm_layout::{Completion, PrefixMatch, ResponseKey, ServerRef, Stamp};
 
+use crate::config::StoreKind;
 use crate::routing::Candidate;
-
-/// The store's kinds are configuration values ([`crate::config`] owns them).
-pub use crate::config::{RedisLookup, StoreKind};
 
 /// What a dispatcher asks the store for one routing decision.
 #[derive(Debug, Clone, Copy)]
@@ -143,6 +141,10 @@ pub trait RoutingStore: Send + Sync + fmt::Debug {
 
     /// Its counters.
     fn stats(&self) -> StoreStats;
+
+    /// The host-local state it counts requests in and reads candidates
+    /// from (the gateway queue and a holding policy's check read it too).
+    fn local(&self) -> &local::LocalState;
 }
 
 /// The write side of a store: what a response process does with a batch of

@@ -8,9 +8,8 @@ use bytes::Bytes;
 use shm_layout::{Completion, Segment, ServerRef, Stamp, Tables};
 
 use super::local::LocalState;
-use super::{
-    Lookup, LookupRequest, RoutingStore, StoreFuture, StoreKind, StoreStats, WriteBack, WriteStats, answer_blocks,
-};
+use super::{Lookup, LookupRequest, RoutingStore, StoreFuture, StoreStats, WriteBack, WriteStats, answer_blocks};
+use crate::config::StoreKind;
 use crate::response_cache::{encode_entry, fresh_body};
 
 /// A dispatcher's view of the segment's tables.
@@ -83,6 +82,10 @@ impl RoutingStore for ShmStore {
 
     fn stats(&self) -> StoreStats {
         StoreStats::default()
+    }
+
+    fn local(&self) -> &LocalState {
+        &self.local
     }
 }
 

@@ -13,8 +13,8 @@
 use std::time::Instant;
 
 use http::StatusCode as S;
+use semlb::config::StoreKind;
 use semlb::config::{BackendConfig, ServeConfig};
-use semlb::store::StoreKind;
 use serde_json::json;
 use shm_layout::{Segment, ServerState};
 

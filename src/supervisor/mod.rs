@@ -155,7 +155,7 @@ fn supervise(args: &ServeArgs) -> Result<()> {
             config.backends.len(),
             config.policy.kind
         );
-        if config.store.kind == semlb::store::StoreKind::Redis {
+        if config.store.kind == semlb::config::StoreKind::Redis {
             log_redis_reachability(&config);
         }
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;

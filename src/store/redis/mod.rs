@@ -45,11 +45,8 @@ use shm_layout::plan::SERVER_SLOTS;
 use shm_layout::{Completion, Segment, ServerRef, Stamp};
 
 use super::local::LocalState;
-use super::{
-    Lookup, LookupRequest, RedisLookup, RoutingStore, StoreFuture, StoreKind, StoreStats, WriteBack, WriteStats,
-    answer_blocks,
-};
-use crate::config::RedisConfig;
+use super::{Lookup, LookupRequest, RoutingStore, StoreFuture, StoreStats, WriteBack, WriteStats, answer_blocks};
+use crate::config::{RedisConfig, RedisLookup, StoreKind};
 use client::{
     DispatchLookup, INFLIGHT_LEASE, INSERT_SCRIPT, LPM_SCRIPT, PUBLISH_SCRIPT, RedisStore, SUM_SCRIPT, StoreError,
     WriteItem, lookup_pipeline, owner_id, parse_lookup, publish_args,
@@ -465,6 +462,10 @@ impl RoutingStore for RedisRouting {
             outages: self.outages.load(Relaxed),
             publishes: self.publishes.load(Relaxed),
         }
+    }
+
+    fn local(&self) -> &LocalState {
+        &self.local
     }
 }
 
