@@ -387,7 +387,9 @@ impl<'d> Attempts<'d> {
 
     /// The answer of `head`, relayed to the client as it arrives, until
     /// `deadline`.
-    fn relay(&self, head: Head, deadline: Pin<Box<Sleep>>) -> Response<Body> {
+    /// The last step: the request's chain moves into what the relay learns
+    /// from (no copy; [`finish`](Self::finish) needs only the timing).
+    fn relay(&mut self, head: Head, deadline: Pin<Box<Sleep>>) -> Response<Body> {
         let dispatcher = self.dispatcher;
         let Head {
             response,
@@ -401,12 +403,12 @@ impl<'d> Attempts<'d> {
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
-        let learn = match &self.ctx {
+        let learn = match &mut self.ctx {
             Some(c) if parts.status.is_success() => Some(Learn {
                 server,
                 prompt_tokens: u32::try_from(c.prompt_tokens.len()).unwrap_or(u32::MAX),
                 tail: c.prompt_tokens[c.chain.len() * c.hasher.block_size()..].to_vec(),
-                chain: c.chain.clone(),
+                chain: std::mem::take(&mut c.chain),
                 hasher: c.hasher,
                 cache_key: c.store_key.filter(|_| parts.status == StatusCode::OK),
                 chat: c.endpoint == Endpoint::ChatCompletions,
