@@ -84,6 +84,7 @@ fn stores(c: &mut Criterion) {
                 chain: &chains[i],
                 exclude: &[],
                 stale_after_ms: u64::MAX,
+                continuation: None,
             }))
         })
     });

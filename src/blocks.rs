@@ -101,6 +101,47 @@ impl BlockHasher {
     }
 }
 
+/// Seeds of [`BlockHasher::end_key`]: another seahash function than the
+/// blocks' (whose seeds are seahash's defaults), so an end key never equals
+/// a block hash.
+const END_KEY_SEEDS: [u64; 4] = [
+    0x7365_6d6c_622d_656e,
+    0x642d_6f66_2d70_726f,
+    0x6d70_7420_0000_0001,
+    0x9e37_79b9_7f4a_7c15,
+];
+
+impl BlockHasher {
+    /// The key of "a prompt ended here": `prev` is the hash of the last
+    /// full block before the end (the root if none) and `rest` the tokens
+    /// after it (fewer than a block). A dispatcher records it for the server
+    /// it sends a prompt to, so the next turn of the conversation, which
+    /// extends this prompt, can tell that the server also holds the answer
+    /// it generated after it ([`crate::continuation`]).
+    pub fn end_key(prev: u64, rest: &[u32]) -> u64 {
+        let mut buf = [0u8; 8 + 4 * 64];
+        let [k1, k2, k3, k4] = END_KEY_SEEDS;
+        if rest.len() <= 64 {
+            buf[..8].copy_from_slice(&prev.to_le_bytes());
+            for (dst, t) in buf[8..].chunks_exact_mut(4).zip(rest) {
+                dst.copy_from_slice(&t.to_le_bytes());
+            }
+            seahash::hash_seeded(&buf[..8 + 4 * rest.len()], k1, k2, k3, k4)
+        } else {
+            let mut bytes = Vec::with_capacity(8 + 4 * rest.len());
+            bytes.extend_from_slice(&prev.to_le_bytes());
+            rest.iter().for_each(|t| bytes.extend_from_slice(&t.to_le_bytes()));
+            seahash::hash_seeded(&bytes, k1, k2, k3, k4)
+        }
+    }
+
+    /// The end key of a whole prompt: `tokens`, whose chain is `chain`.
+    pub fn prompt_end_key(&self, tokens: &[u32], chain: &[u64]) -> u64 {
+        let done = (chain.len() * self.block_size).min(tokens.len());
+        Self::end_key(chain.last().copied().unwrap_or(self.root), &tokens[done..])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,5 +244,34 @@ mod tests {
             manual.push(prev);
         }
         assert_eq!(out, manual);
+    }
+
+    #[test]
+    fn end_keys_name_the_exact_prompt_and_never_a_block() {
+        let h = hasher();
+        let tokens: Vec<u32> = (0..40).collect();
+        let mut chain = Vec::new();
+        h.chain(&tokens, &mut chain);
+        let end = h.prompt_end_key(&tokens, &chain);
+        assert_eq!(end, BlockHasher::end_key(chain[1], &tokens[32..]));
+        // One token more or less, or another token, is another end.
+        let mut chain39 = Vec::new();
+        h.chain(&tokens[..39], &mut chain39);
+        assert_ne!(end, h.prompt_end_key(&tokens[..39], &chain39));
+        let mut other = tokens.clone();
+        other[35] = 7;
+        assert_ne!(end, h.prompt_end_key(&other, &chain));
+        // A block-aligned prompt ends right after its last block hash.
+        let mut chain32 = Vec::new();
+        h.chain(&tokens[..32], &mut chain32);
+        assert_eq!(
+            h.prompt_end_key(&tokens[..32], &chain32),
+            BlockHasher::end_key(chain[1], &[])
+        );
+        // With a whole block as `rest` it is still not the block's hash.
+        let mut full = vec![chain[0]];
+        h.append(&tokens[16..32], &mut full);
+        assert_ne!(BlockHasher::end_key(chain[0], &tokens[16..32]), full[1]);
+        assert_eq!(h.prompt_end_key(&[], &[]), BlockHasher::end_key(h.root(), &[]));
     }
 }

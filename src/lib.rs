@@ -11,6 +11,7 @@
 //! | [`body`] | the request body parsed once: a JSON tree borrowing its strings from the body |
 //! | [`prompt`] | the routing text of an OpenAI request: completions prompt forms, rendered chat messages |
 //! | [`blocks`] | token ids → the chain of block hashes the shm prefix table is keyed by |
+//! | [`continuation`] | conversations that continue on the server that answered them: prompt end keys, the credit for an answer not yet written back |
 //! | [`response_cache`] | the exact-request key of the response cache, tenants, cacheability, TTL-stamped entries |
 //! | [`routing`] | policies that choose a server from the prefix match and the shared load figures |
 //! | [`dispatcher`] | a dispatcher process's HTTP front, one module per step in request order: routes, inference (parse, tokenize, look up), route, proxy (attempts and retries), relay, learn (the completion record), queue |
@@ -36,6 +37,7 @@ pub mod answer;
 pub mod blocks;
 pub mod body;
 pub mod config;
+pub mod continuation;
 pub mod dispatcher;
 pub mod failure;
 pub mod health;

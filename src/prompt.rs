@@ -66,6 +66,10 @@ pub struct ParsedRequest<'a> {
     pub stream: bool,
     /// What routes it.
     pub input: RoutingInput<'a>,
+    /// Bytes of the earlier answer the prompt carries: the text of the
+    /// last assistant message, when a later message follows it (a
+    /// conversation's next turn); 0 otherwise and for completions.
+    pub earlier_answer_bytes: usize,
     /// The whole body.
     pub body: Object<'a>,
 }
@@ -151,15 +155,19 @@ pub fn parse<'a>(
         }
     };
     check_numbers(&body)?;
-    let input = match endpoint {
-        Endpoint::Completions => completions_input(body.get("prompt"))?,
-        Endpoint::ChatCompletions => RoutingInput::Text(Cow::Owned(chat_text(body.get("messages"), template)?)),
+    let (input, earlier_answer_bytes) = match endpoint {
+        Endpoint::Completions => (completions_input(body.get("prompt"))?, 0),
+        Endpoint::ChatCompletions => {
+            let (text, answer) = chat_text(body.get("messages"), template)?;
+            (RoutingInput::Text(Cow::Owned(text)), answer)
+        }
     };
     Ok(ParsedRequest {
         endpoint,
         model,
         stream,
         input,
+        earlier_answer_bytes,
         body,
     })
 }
@@ -298,7 +306,9 @@ fn message_text<'b>(i: usize, content: Option<&'b Json<'_>>) -> Result<Cow<'b, s
     }
 }
 
-fn chat_text(messages: Option<&Json<'_>>, template: &ChatTemplate) -> Result<String, RequestError> {
+/// The rendered messages, and the bytes of the last assistant message's
+/// text when another message follows it.
+fn chat_text(messages: Option<&Json<'_>>, template: &ChatTemplate) -> Result<(String, usize), RequestError> {
     let param = Some("messages");
     let messages = match messages {
         None | Some(Json::Null) => return Err(RequestError::new("'messages' is required", param)),
@@ -314,6 +324,7 @@ fn chat_text(messages: Option<&Json<'_>>, template: &ChatTemplate) -> Result<Str
         }
     };
     let mut rendered = Vec::with_capacity(messages.len());
+    let mut last_answer = None;
     for (i, m) in messages.iter().enumerate() {
         let Json::Object(m) = m else {
             return Err(RequestError::new(
@@ -330,11 +341,19 @@ fn chat_text(messages: Option<&Json<'_>>, template: &ChatTemplate) -> Result<Str
                 ));
             }
         };
-        rendered.push(ChatMessage::new(&**role, message_text(i, m.get("content"))?));
+        let text = message_text(i, m.get("content"))?;
+        if &**role == "assistant" {
+            last_answer = Some((i, text.len()));
+        }
+        rendered.push(ChatMessage::new(&**role, text));
     }
-    template
+    let earlier_answer = last_answer
+        .filter(|(i, _)| i + 1 < messages.len())
+        .map_or(0, |(_, n)| n);
+    let text = template
         .render(&rendered)
-        .map_err(|e| RequestError::new(e.to_string(), param))
+        .map_err(|e| RequestError::new(e.to_string(), param))?;
+    Ok((text, earlier_answer))
 }
 
 #[cfg(test)]
@@ -393,6 +412,11 @@ mod tests {
         };
         assert!(t2.starts_with(&format!("{t1}Hello!\n")), "{t2:?}");
         assert!(t2.contains("How are you?"));
+        assert_eq!(chat(one).unwrap().earlier_answer_bytes, 0);
+        assert_eq!(chat(two).unwrap().earlier_answer_bytes, "Hello!".len());
+        // An assistant message last (a prefill to continue) is not an earlier answer.
+        let last = r#"{"model":"m","messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hel"}]}"#;
+        assert_eq!(chat(last).unwrap().earlier_answer_bytes, 0);
         // A tool-calling assistant message has null content.
         assert!(chat(r#"{"model":"m","messages":[{"role":"assistant","content":null,"tool_calls":[]}]}"#).is_ok());
     }

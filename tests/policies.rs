@@ -533,9 +533,17 @@ fn with_system(question: &str) -> Vec<Value> {
 
 /// `dual_map` with `hot_share = 1.0` (no prefix ever counts as hot, so the
 /// hashed prefix is always the first `min_prefix_blocks` blocks, inside the
-/// system prompt) and `max_pending = 0` (a candidate with a request not yet
-/// started is full): sixteen streaming requests sent at once under one
-/// system prompt are served by exactly its two candidates, both used.
+/// system prompt) and a TTFT objective of 150 ms: sixteen streaming
+/// requests sent at once under one system prompt are served by exactly its
+/// two candidates, both used.
+///
+/// The first request's prompt is recorded for its server when it is
+/// dispatched, so the others find that candidate holding the system prompt
+/// and prefer it. While the engines' last scrape shows no queue, no
+/// candidate counts as full (see `semlb::routing`, pending requests); what
+/// moves the burst to the second candidate is the TTFT estimate: the
+/// holder's pending prompt tokens break the objective after two or three
+/// requests, and the other candidate's estimate is then lower.
 #[test]
 fn dual_map_spreads_a_hot_prefix_over_its_two_candidates() {
     // 5x slower than real time, so a request stays pending (prefilling its
@@ -549,6 +557,7 @@ kind = "dual_map"
 hot_share = 1.0
 min_prefix_blocks = 32
 max_pending = 0
+ttft_slo_ms = 150
 "#;
     let gw = Gateway::with_config(&unique("dual"), &refs(&engines), config, &[]);
     let addr = gw.addr().to_owned();

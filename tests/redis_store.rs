@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
+use semlb::blocks::BlockHasher;
 use semlb::config::RedisConfig;
+use semlb::continuation::EndProbe;
 use semlb::routing::{self, PolicyConfig, PolicyKind, RouteInput};
 use semlb::store::WriteStats;
 use semlb::store::redis::client::{InflightLoad, LANES, RedisStore, StoreError};
@@ -358,6 +360,7 @@ fn both_stores_give_the_same_routing_decisions() {
             chain: &[],
             exclude: &[],
             stale_after_ms: u64::MAX,
+            continuation: None,
         };
         while summary(&redis.lookup(empty).await).2 != summary(&shm.lookup(empty).await).2 {
             assert!(Instant::now() < deadline, "Redis never saw the in-flight counts");
@@ -371,6 +374,7 @@ fn both_stores_give_the_same_routing_decisions() {
                     chain,
                     exclude,
                     stale_after_ms: u64::MAX,
+                    continuation: None,
                 };
                 let (a, b) = (shm.lookup(request).await, redis.lookup(request).await);
                 assert_eq!(summary(&a), summary(&b), "chain {chain:x?} excluding {exclude:?}");
@@ -388,6 +392,101 @@ fn both_stores_give_the_same_routing_decisions() {
     });
     let hits = queries.iter().filter(|(_, k)| k.is_some_and(|k| k % 4 == 1)).count();
     assert!(hits > 0, "some lookups hit the response cache");
+    assert_eq!(redis.stats().degraded_lookups, 0);
+}
+
+/// Learning at dispatch, through both stores: a prompt recorded for its
+/// server is matched at once (Redis: once its detached write lands), a
+/// next turn that carries the answer is credited with it on that server
+/// only, and taking the record back leaves nothing.
+#[test]
+fn both_stores_learn_at_dispatch_credit_continuations_and_take_back() {
+    let server = redis_or_skip!();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let seg = Arc::new(Segment::heap(&LayoutPlan::for_size(64 << 20).unwrap()));
+    let t = seg.tables();
+    let servers: Vec<ServerRef> = (0..3)
+        .map(|i| {
+            t.servers
+                .register(i, &format!("http://127.0.0.1:{}", 9100 + i), 0)
+                .unwrap()
+        })
+        .collect();
+    let redis_config = RedisConfig {
+        url: server.url(),
+        namespace: "dispatch-learning".into(),
+        ..RedisConfig::default()
+    };
+    let shm = ShmStore::new(seg.clone(), 1, 600_000);
+    let redis = runtime.block_on(async { RedisRouting::start(seg.clone(), 2, &redis_config, "test").unwrap() });
+    let hasher = BlockHasher::new(BlockHasher::root_for("m", 5), 16);
+    // Turn 1: 40 tokens; turn 2 adds a 128-token answer and 20 more; a
+    // stranger shares turn 1's first two blocks only.
+    let first: Vec<u32> = (0..40).collect();
+    let mut second = first.clone();
+    second.extend(1000..1128);
+    second.extend(5000..5020);
+    let mut stranger = first[..32].to_vec();
+    stranger.extend(7000..7150);
+    let chain_of = |tokens: &[u32]| {
+        let mut c = Vec::new();
+        hasher.chain(tokens, &mut c);
+        c
+    };
+    let (c1, c2, c3) = (chain_of(&first), chain_of(&second), chain_of(&stranger));
+    let end1 = hasher.prompt_end_key(&first, &c1);
+    let request = |tokens: &'static [u32], chain: &'static [u64]| LookupRequest {
+        response_key: None,
+        chain,
+        exclude: &[],
+        stale_after_ms: u64::MAX,
+        continuation: Some(EndProbe {
+            tokens,
+            chain,
+            hasher,
+            answer_tokens: 128,
+        }),
+    };
+    let (second, c2): (&'static [u32], &'static [u64]) = (second.leak(), c2.leak());
+    let (stranger, c3): (&'static [u32], &'static [u64]) = (stranger.leak(), c3.leak());
+    type Depths = Vec<(u16, u32)>;
+    let view = |l: &Lookup| -> (Depths, Depths) {
+        let sorted = |m: shm_layout::PrefixMatch| {
+            let mut v: Vec<(u16, u32)> = m.iter().map(|(tag, n)| (tag.slot(), n)).collect();
+            v.sort_unstable();
+            v
+        };
+        (sorted(l.prefix), sorted(l.continued))
+    };
+    runtime.block_on(async {
+        // The first lookup opens the Redis connection detached writes use.
+        assert_eq!(view(&redis.lookup(request(second, c2)).await), (vec![], vec![]));
+        for store in [&shm as &dyn RoutingStore, &*redis] {
+            store.record_route(servers[1], &c1, end1);
+        }
+        let expected = (vec![(1, 2)], vec![(1, 10)]);
+        assert_eq!(view(&shm.lookup(request(second, c2)).await), expected);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while view(&redis.lookup(request(second, c2)).await) != expected {
+            assert!(Instant::now() < deadline, "Redis never showed the dispatch-time record");
+            tokio::task::yield_now().await;
+        }
+        // A prompt sharing the blocks but not the end is not a continuation.
+        for store in [&shm as &dyn RoutingStore, &*redis] {
+            assert_eq!(view(&store.lookup(request(stranger, c3)).await), (vec![(1, 2)], vec![]));
+        }
+        for store in [&shm as &dyn RoutingStore, &*redis] {
+            store.forget_route(servers[1], &c1, end1);
+        }
+        assert_eq!(view(&shm.lookup(request(second, c2)).await), (vec![], vec![]));
+        while view(&redis.lookup(request(second, c2)).await) != (vec![], vec![]) {
+            assert!(Instant::now() < deadline, "Redis kept the record taken back");
+            tokio::task::yield_now().await;
+        }
+    });
     assert_eq!(redis.stats().degraded_lookups, 0);
 }
 

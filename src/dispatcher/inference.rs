@@ -21,6 +21,7 @@ use super::route;
 use super::sse;
 use super::timing::{DispatchTiming, Mark};
 use crate::blocks::BlockHasher;
+use crate::continuation::{EndProbe, answer_tokens_estimate};
 use crate::metrics::CacheResult;
 use crate::prompt::{self, Endpoint, RoutingInput};
 use crate::response_cache::{self, Cacheability, Tenant};
@@ -50,6 +51,10 @@ pub(super) async fn inference(
     };
     timing.mark(Mark::Parse);
     let session = session_key(dispatcher, &parts.headers, &parsed.body);
+    let prompt_bytes = match &parsed.input {
+        RoutingInput::Text(text) => text.len(),
+        RoutingInput::Tokens(_) => 0,
+    };
     let prompt_tokens = match &mut parsed.input {
         RoutingInput::Text(text) if text.len() > BLOCKING_TOKENIZE_BYTES => {
             let (tokenizer, text) = (dispatcher.tokenizer().clone(), text.to_string());
@@ -84,11 +89,18 @@ pub(super) async fn inference(
         header_bytes(header::CACHE_CONTROL),
     );
     let key = (cacheability != Cacheability::Bypass).then(|| response_cache::key(tenant, endpoint, &parsed.body));
+    let answer_tokens = answer_tokens_estimate(parsed.earlier_answer_bytes, prompt_tokens.len(), prompt_bytes);
     let request = LookupRequest {
         response_key: key.filter(|_| cacheability.reads()),
         chain: &chain,
         exclude: &[],
         stale_after_ms: dispatcher.config().health.stale_after_ms,
+        continuation: Some(EndProbe {
+            tokens: &prompt_tokens,
+            chain: &chain,
+            hasher,
+            answer_tokens,
+        }),
     };
     let mut lookup = route::lookup(dispatcher, request).await;
     if let Some(stored) = lookup.response.take()
@@ -122,6 +134,8 @@ pub(super) async fn inference(
     };
     let ctx = InferenceCtx {
         timing,
+        end_key: hasher.prompt_end_key(&prompt_tokens, &chain),
+        answer_tokens,
         prompt_tokens,
         chain,
         hasher,

@@ -38,6 +38,7 @@ use super::relay::{Relay, RelayTimer, Upstream};
 use super::route::{Chosen, RouteRequest, Routed, choose, passive_failure};
 use super::timing::DispatchTiming;
 use crate::blocks::BlockHasher;
+use crate::continuation::EndProbe;
 use crate::failure::Failure;
 use crate::metrics::QueueOutcome;
 use crate::prompt::Endpoint;
@@ -59,6 +60,10 @@ pub(super) struct InferenceCtx {
     pub prompt_tokens: Vec<u32>,
     pub chain: Vec<u64>,
     pub hasher: BlockHasher,
+    /// The prompt's end key ([`BlockHasher::end_key`]).
+    pub end_key: u64,
+    /// Tokens of the earlier answer the prompt carries (estimated; 0: none).
+    pub answer_tokens: u32,
     /// Where a 200 answer may be stored.
     pub store_key: Option<ResponseKey>,
     /// The `x-semlb-cache` value.
@@ -112,6 +117,9 @@ struct Head {
     address: String,
     /// The request's in-flight count, ended by the relay.
     guard: InflightGuard,
+    /// The blocks the server was already listed for, when the prompt was
+    /// recorded for it at dispatch.
+    recorded: Option<u32>,
 }
 
 /// What follows a step that did not produce the answer.
@@ -179,6 +187,12 @@ impl<'d> Attempts<'d> {
             prompt_tokens: u32::try_from(self.prompt_tokens()).unwrap_or(u32::MAX),
             session: self.ctx.as_ref().and_then(|c| c.session),
             inference: self.ctx.is_some(),
+            continuation: self.ctx.as_ref().map(|c| EndProbe {
+                tokens: &c.prompt_tokens,
+                chain,
+                hasher: c.hasher,
+                answer_tokens: c.answer_tokens,
+            }),
         };
         match choose(dispatcher, route, &self.failed, self.first_lookup.take()).await {
             Routed::Chosen(chosen, guard) => Ok((chosen, guard)),
@@ -187,7 +201,7 @@ impl<'d> Attempts<'d> {
                     chain: chain.to_vec(),
                     prompt_tokens: route.prompt_tokens,
                     session: route.session,
-                    prefix: lookup.prefix,
+                    prefix: lookup.routing_prefix(),
                     exclude: self.failed.clone(),
                     seen: asked || !self.failed.is_empty(),
                 };
@@ -234,6 +248,7 @@ impl<'d> Attempts<'d> {
             reason: admitted.choice.reason,
             candidates: lookup.candidates.len(),
             degraded: lookup.degraded,
+            held: lookup.prefix.blocks_for(server.tag()),
         };
         Ok((chosen, Some(admitted.guard)))
     }
@@ -276,6 +291,7 @@ impl<'d> Attempts<'d> {
             reason,
             candidates,
             degraded,
+            held,
         } = chosen;
         self.last_reason = Some(reason);
         if self.attempt > 0 {
@@ -305,6 +321,9 @@ impl<'d> Attempts<'d> {
         *request.uri_mut() = uri;
         *request.headers_mut() = self.outbound.headers.clone();
         self.log_attempt(&address, reason, candidates, degraded);
+        // Counted in flight there (the guard): now the server is known to
+        // be sent this prompt.
+        let recorded = self.record_route(server, held).then_some(held);
         let result = tokio::select! {
             biased;
             head = dispatcher.client().request(request) => Ok(head),
@@ -317,6 +336,7 @@ impl<'d> Attempts<'d> {
                     server,
                     address,
                     guard,
+                    recorded,
                 });
             }
             Ok(Ok(r)) => Failure::Status {
@@ -333,6 +353,9 @@ impl<'d> Attempts<'d> {
             },
         };
         dispatcher.metrics().upstream(server.slot, false);
+        if let Some(held) = recorded {
+            self.forget_route(server, held);
+        }
         // Passive health check: no head in time, a connection error or a 5xx head.
         passive_failure(dispatcher, server, &address, &failure);
         if let Failure::Timeout { .. } = failure {
@@ -349,6 +372,27 @@ impl<'d> Attempts<'d> {
         } else {
             Err(Next::Answer(self.bad_gateway()))
         }
+    }
+
+    /// Learning at dispatch: records the prompt's chain (past the `held`
+    /// blocks the server was listed for already) and end key for `server`,
+    /// which counts the request in flight already (see [`crate::store`]).
+    /// False for a request that is not inference.
+    fn record_route(&self, server: ServerRef, held: u32) -> bool {
+        let Some(c) = &self.ctx else { return false };
+        let blocks = &c.chain[(held as usize).min(c.chain.len())..];
+        self.dispatcher.store().record_route(server, blocks, c.end_key);
+        self.dispatcher.metrics().learned_at_dispatch(blocks.len());
+        true
+    }
+
+    /// Takes back [`record_route`](Self::record_route): the attempt failed
+    /// or was refused, so the server must not look warm for the prompt.
+    fn forget_route(&self, server: ServerRef, held: u32) {
+        let Some(c) = &self.ctx else { return };
+        let blocks = &c.chain[(held as usize).min(c.chain.len())..];
+        self.dispatcher.store().forget_route(server, blocks, c.end_key);
+        self.dispatcher.metrics().unlearned_at_dispatch();
     }
 
     /// Records the dispatch time of the first attempt and logs the routing
@@ -396,8 +440,13 @@ impl<'d> Attempts<'d> {
             server,
             address,
             guard,
+            recorded,
         } = head;
         let (parts, incoming) = response.into_parts();
+        if let Some(held) = recorded.filter(|_| !parts.status.is_success()) {
+            // Refused (a 4xx): the server did not take the prompt in.
+            self.forget_route(server, held);
+        }
         let sse = parts
             .headers
             .get(header::CONTENT_TYPE)

@@ -9,6 +9,7 @@ use shm_layout::ServerRef;
 
 use super::Dispatcher;
 use super::inflight::InflightGuard;
+use crate::continuation::EndProbe;
 use crate::failure::Failure;
 use crate::routing::{Policy, Reason, RouteInput};
 use crate::store::{Lookup, LookupRequest};
@@ -24,6 +25,8 @@ pub(super) struct RouteRequest<'a> {
     pub session: Option<u64>,
     /// An inference request (routed by the policy; others by least load).
     pub inference: bool,
+    /// What a lookup needs to find the conversation this prompt continues.
+    pub continuation: Option<EndProbe<'a>>,
 }
 
 /// The outcome of [`choose`].
@@ -57,6 +60,9 @@ pub(super) struct Chosen {
     pub candidates: usize,
     /// Whether the store's lookup failed (no prefix, local load only).
     pub degraded: bool,
+    /// Leading blocks of the prompt the table listed the server for (what
+    /// learning at dispatch need not write, and must not take back).
+    pub held: u32,
 }
 
 /// The store's answer for one decision (counted when degraded).
@@ -89,6 +95,7 @@ pub(super) async fn choose(
         prompt_tokens,
         session,
         inference,
+        continuation,
     } = route;
     let stale_after_ms = dispatcher.config().health.stale_after_ms;
     let mut lookup = match first {
@@ -99,6 +106,7 @@ pub(super) async fn choose(
                 chain: if inference { chain } else { &[] },
                 exclude,
                 stale_after_ms,
+                continuation: continuation.filter(|_| inference),
             };
             self::lookup(dispatcher, request).await
         }
@@ -109,6 +117,7 @@ pub(super) async fn choose(
     if holds && !lookup.candidates.is_empty() && dispatcher.queued() > 0 {
         return Routed::Wait { lookup, asked: false };
     }
+    let prefix = lookup.routing_prefix();
     loop {
         if lookup.candidates.is_empty() {
             return Routed::NoServer;
@@ -120,7 +129,7 @@ pub(super) async fn choose(
             block_tokens: dispatcher.block_tokens(),
             session,
             repeat: !exclude.is_empty(),
-            prefix: &lookup.prefix,
+            prefix: &prefix,
             candidates: &lookup.candidates,
         };
         let decision = match &policy {
@@ -136,9 +145,11 @@ pub(super) async fn choose(
         };
         if inference && exclude.is_empty() {
             // The first choice of the request: how much of its prompt it has.
-            dispatcher
-                .metrics()
-                .prefix_match(lookup.prefix.blocks_for(choice.server.tag()), chain.len());
+            let tag = choice.server.tag();
+            dispatcher.metrics().prefix_match(prefix.blocks_for(tag), chain.len());
+            if lookup.continued.blocks_for(tag) > lookup.prefix.blocks_for(tag) {
+                dispatcher.metrics().continued();
+            }
         }
         let server = choice.server;
         let Some(info) = dispatcher.registration(server) else {
@@ -167,6 +178,7 @@ pub(super) async fn choose(
                 reason: choice.reason,
                 candidates: lookup.candidates.len(),
                 degraded: lookup.degraded,
+                held: lookup.prefix.blocks_for(server.tag()),
             },
             guard,
         );

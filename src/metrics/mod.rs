@@ -211,7 +211,15 @@ pub const QUEUE_WAIT: Histogram = Histogram {
 /// Text segments of prompts, by where their ids came from.
 const SEGMENTS: usize = QUEUE_WAIT.base + Histogram::words(LATENCY_BOUNDS);
 const SEGMENT_SOURCES: [&str; 3] = ["local_cache", "shared_store", "tokenized"];
-const END: usize = SEGMENTS + SEGMENT_SOURCES.len();
+/// Learning at dispatch: prompts recorded for their server, prompts taken
+/// back (the attempt failed or was refused), blocks recorded, routing
+/// decisions made on a continued conversation's credit.
+const LEARN: usize = SEGMENTS + SEGMENT_SOURCES.len();
+const LEARN_RECORDED: usize = LEARN;
+const LEARN_TAKEN_BACK: usize = LEARN + 1;
+const LEARN_BLOCKS: usize = LEARN + 2;
+const CONTINUED: usize = LEARN + 3;
+const END: usize = LEARN + 4;
 const _: () = assert!(END <= STAT_WORDS, "the metrics outgrew a stats block");
 
 /// What the response cache did for an inference request.

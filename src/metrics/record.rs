@@ -52,6 +52,24 @@ impl<'a> Metrics<'a> {
         self.add(RECORDS + usize::from(!pushed), 1);
     }
 
+    /// A prompt recorded for its server at dispatch (`blocks` written).
+    pub fn learned_at_dispatch(&self, blocks: usize) {
+        self.add(LEARN_RECORDED, 1);
+        self.add(LEARN_BLOCKS, blocks as u64);
+    }
+
+    /// A prompt recorded at dispatch taken back: its attempt failed or was
+    /// refused.
+    pub fn unlearned_at_dispatch(&self) {
+        self.add(LEARN_TAKEN_BACK, 1);
+    }
+
+    /// A request routed to a server credited with the earlier answer its
+    /// prompt carries ([`crate::continuation`]).
+    pub fn continued(&self) {
+        self.add(CONTINUED, 1);
+    }
+
     /// One store lookup answered by the fallback.
     pub fn degraded_lookup(&self) {
         self.add(DEGRADED, 1);

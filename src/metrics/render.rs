@@ -257,6 +257,40 @@ impl Snapshot {
 
         family(
             o,
+            "semlb_dispatch_learned_total",
+            "counter",
+            "Prompts recorded in the prefix table for their server when dispatched, and those taken back because the attempt failed or was refused.",
+        );
+        for (k, result) in ["recorded", "taken_back"].into_iter().enumerate() {
+            sample(
+                o,
+                "semlb_dispatch_learned_total",
+                &[("result", result)],
+                self.counter(LEARN_RECORDED + k),
+            );
+        }
+        family(
+            o,
+            "semlb_dispatch_learned_blocks_total",
+            "counter",
+            "Prefix blocks written when prompts were dispatched.",
+        );
+        sample(
+            o,
+            "semlb_dispatch_learned_blocks_total",
+            &[],
+            self.counter(LEARN_BLOCKS),
+        );
+        family(
+            o,
+            "semlb_continued_conversations_total",
+            "counter",
+            "Requests routed to the server credited with the earlier answer their prompt carries, before its blocks were written back.",
+        );
+        sample(o, "semlb_continued_conversations_total", &[], self.counter(CONTINUED));
+
+        family(
+            o,
             "semlb_server_inflight_requests",
             "gauge",
             "Requests in flight to a server.",

@@ -23,6 +23,22 @@
 //! stores, the gateway queue and the route step read the host's servers
 //! and ledgers through [`local::LocalState`].
 //!
+//! # Learning at dispatch
+//!
+//! A response process writes what a finished answer teaches, but the next
+//! turn of a conversation is often routed before that. So a dispatcher
+//! also writes, the moment it sends a prompt to a server
+//! ([`RoutingStore::record_route`]): the prompt's chain for that server and
+//! the prompt's end key ([`crate::continuation`]), after the request is
+//! counted in flight there, so a request that sees the entries sees the
+//! load too and a burst sharing a new prefix meets the policy's load
+//! rules. An attempt that fails or is refused takes back what it added
+//! ([`RoutingStore::forget_route`]), so it does not look warm. The shm
+//! store writes the segment directly; the Redis store sends the same
+//! insert script as the write-back, without waiting for it. A lookup asked
+//! with an [`EndProbe`] also reports the servers whose earlier prompt this
+//! one continues ([`Lookup::continued`]).
+//!
 //! # Failures
 //!
 //! A lookup never fails. When Redis cannot be reached or does not answer
@@ -45,6 +61,7 @@ use bytes::Bytes;
 use shm_layout::{Completion, PrefixMatch, ResponseKey, ServerRef, Stamp};
 
 use crate::config::StoreKind;
+use crate::continuation::EndProbe;
 use crate::routing::Candidate;
 
 /// What a dispatcher asks the store for one routing decision.
@@ -61,6 +78,9 @@ pub struct LookupRequest<'a> {
     /// left out of the candidates (`health.stale_after_ms`, see
     /// [`crate::health::fresh_load`]); `u64::MAX` keeps any scraped figures.
     pub stale_after_ms: u64,
+    /// Look for the servers whose earlier prompt this one continues
+    /// (a prompt that carries an earlier answer).
+    pub continuation: Option<EndProbe<'a>>,
 }
 
 /// What the store knows for one routing decision.
@@ -68,14 +88,31 @@ pub struct LookupRequest<'a> {
 pub struct Lookup {
     /// A fresh cached answer under the requested key.
     pub response: Option<Bytes>,
-    /// Which candidates hold how many leading blocks of the chain.
+    /// Which candidates hold how many leading blocks of the chain, as the
+    /// table lists them.
     pub prefix: PrefixMatch,
+    /// The candidates whose earlier prompt this one continues, credited
+    /// with the blocks of the answer they generated after it (not in the
+    /// table yet: see [`crate::continuation`]).
+    pub continued: PrefixMatch,
     /// The live servers, minus the excluded ones, with their load (scraped
     /// figures only when fresh, else zeros).
     pub candidates: Vec<Candidate>,
     /// The store could not be asked: the answer is this host's fallback
     /// (no prefix, no cached response, local load only).
     pub degraded: bool,
+}
+
+impl Lookup {
+    /// The match a policy routes on: the table's, raised by the credit of
+    /// continued conversations.
+    pub fn routing_prefix(&self) -> PrefixMatch {
+        let mut prefix = self.prefix;
+        for (server, blocks) in self.continued.iter() {
+            prefix.add(server, blocks);
+        }
+        prefix
+    }
 }
 
 /// Counters of a store (all stores have them; shm's stay zero).
@@ -138,6 +175,16 @@ pub trait RoutingStore: Send + Sync + fmt::Debug {
     /// Ends a request [`begin_request`](Self::begin_request) counted;
     /// `started`: whether [`first_token`](Self::first_token) was called.
     fn end_request(&self, server: ServerRef, prompt_tokens: u64, started: bool);
+
+    /// A prompt was sent to `server`: records `blocks` (its chain, less
+    /// the leading blocks the server was already listed for) and its
+    /// `end_key` for it, at once on shm, without waiting on Redis. Call it
+    /// once the request is counted in flight (see the module docs).
+    fn record_route(&self, server: ServerRef, blocks: &[u64], end_key: u64);
+
+    /// Takes back a [`record_route`](Self::record_route) whose attempt
+    /// failed or was refused.
+    fn forget_route(&self, server: ServerRef, blocks: &[u64], end_key: u64);
 
     /// Its counters.
     fn stats(&self) -> StoreStats;

@@ -55,6 +55,16 @@ impl ShmStore {
                 servers.is_live(t) && !exclude.iter().any(|s| s.tag() == t)
             });
         }
+        if let Some(probe) = request.continuation.filter(|_| !lookup.prefix.is_empty()) {
+            let mut probes = Vec::new();
+            probe.probes(&lookup.prefix, &mut probes);
+            lookup.continued = probe.credit(&lookup.prefix, &probes, |i, server| {
+                tables
+                    .prefix
+                    .lookup(probes[i].key)
+                    .is_some_and(|e| e.servers.contains(server))
+            });
+        }
         lookup
     }
 }
@@ -78,6 +88,21 @@ impl RoutingStore for ShmStore {
 
     fn end_request(&self, server: ServerRef, prompt_tokens: u64, started: bool) {
         self.local.end(server, prompt_tokens, started);
+    }
+
+    fn record_route(&self, server: ServerRef, blocks: &[u64], end_key: u64) {
+        let segment = self.local.segment();
+        let prefix = segment.tables().prefix;
+        let now = segment.clock().stamp();
+        prefix.insert_chain(blocks, server, now);
+        prefix.insert(end_key, server, now);
+    }
+
+    fn forget_route(&self, server: ServerRef, blocks: &[u64], end_key: u64) {
+        let prefix = self.local.segment().tables().prefix;
+        for key in blocks.iter().chain([&end_key]) {
+            prefix.remove(*key, server.tag());
+        }
     }
 
     fn stats(&self) -> StoreStats {

@@ -10,6 +10,13 @@
 //!   the request may be answered from the cache), the in-flight sum script
 //!   and the longest-prefix script. With `lookup = "naive"` the prefix is
 //!   then walked one `HGETALL` per block, as the sLLM paper's baseline.
+//!   A prompt that carries an earlier answer and matches some server costs
+//!   one more round trip: the `HKEYS` of its end-key probes
+//!   ([`crate::continuation`]).
+//! - Learning at dispatch ([`RoutingStore::record_route`]) sends the
+//!   write-back's insert script for the prompt's chain and end key on the
+//!   same connection without waiting for the reply; taking it back is an
+//!   `HDEL` per key. Both are skipped during an outage.
 //! - In-flight counts are never written on the request path: begin and end
 //!   update this process's counters in memory (and the host's shm ledger),
 //!   and a background task publishes the counters whole, coalescing every
@@ -42,14 +49,15 @@ use bytes::Bytes;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, ErrorKind, Value};
 use shm_layout::plan::SERVER_SLOTS;
-use shm_layout::{Completion, Segment, ServerRef, Stamp};
+use shm_layout::{Completion, PrefixMatch, Segment, ServerRef, Stamp};
 
 use super::local::LocalState;
 use super::{Lookup, LookupRequest, RoutingStore, StoreFuture, StoreStats, WriteBack, WriteStats, answer_blocks};
 use crate::config::{RedisConfig, RedisLookup, StoreKind};
+use crate::continuation::EndProbe;
 use client::{
-    DispatchLookup, INFLIGHT_LEASE, INSERT_SCRIPT, LPM_SCRIPT, PUBLISH_SCRIPT, RedisStore, SUM_SCRIPT, StoreError,
-    WriteItem, lookup_pipeline, owner_id, parse_lookup, publish_args,
+    DispatchLookup, INFLIGHT_LEASE, INSERT_SCRIPT, LANES, LPM_SCRIPT, PUBLISH_SCRIPT, RedisStore, SUM_SCRIPT,
+    StoreError, WriteItem, lookup_pipeline, owner_id, parse_lookup, publish_args,
 };
 
 /// Milliseconds since the Unix epoch: the prefix stamps written to Redis
@@ -123,6 +131,14 @@ struct Names {
     lpm: String,
     sum: String,
     publish: String,
+    insert: String,
+}
+
+impl Names {
+    /// A prefix entry's key.
+    fn prefix_key(&self, hash: u64) -> String {
+        format!("{}:p:{hash:016x}", self.namespace)
+    }
 }
 
 /// A dispatcher's Redis store (see the module docs).
@@ -175,6 +191,7 @@ impl RedisRouting {
             lpm: hash(LPM_SCRIPT),
             sum: hash(SUM_SCRIPT),
             publish: hash(PUBLISH_SCRIPT),
+            insert: hash(INSERT_SCRIPT),
         };
         let store = Arc::new(Self {
             local: LocalState::new(segment, process),
@@ -327,6 +344,58 @@ impl RedisRouting {
         out
     }
 
+    /// The servers of `prefix` whose earlier prompt this one continues:
+    /// one more round trip (an `HKEYS` per probe), made only for prompts
+    /// that carry an earlier answer and match some server. Nothing is
+    /// credited when it fails.
+    async fn continued(&self, probe: &EndProbe<'_>, prefix: &PrefixMatch) -> PrefixMatch {
+        let mut probes = Vec::new();
+        probe.probes(prefix, &mut probes);
+        if probes.is_empty() {
+            return PrefixMatch::default();
+        }
+        let mut pipe = redis::pipe();
+        for p in &probes {
+            pipe.cmd("HKEYS").arg(self.names.prefix_key(p.key));
+        }
+        let Some(replies) = self.guarded("continuation", self.query("continuation", &pipe)).await else {
+            return PrefixMatch::default();
+        };
+        let listed: Vec<Vec<u16>> = replies
+            .into_iter()
+            .map(|r| match r {
+                Value::Array(fields) => fields
+                    .iter()
+                    .filter_map(|f| match f {
+                        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+                        _ => None,
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            })
+            .collect();
+        probe.credit(prefix, &probes, |i, server| {
+            listed.get(i).is_some_and(|slots| slots.contains(&server.slot()))
+        })
+    }
+
+    /// Sends `pipe` on the open connection without waiting for its replies
+    /// (dispatch-time learning: the completion record's write-back repeats
+    /// the prompt's chain, so a lost write costs only time). Skipped while
+    /// Redis is down or before the first lookup has connected.
+    fn send_detached(&self, pipe: redis::Pipeline) {
+        if self.health.down.load(Relaxed) {
+            return;
+        }
+        let Some(mut conn) = self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone() else {
+            return;
+        };
+        let timeout = self.config.timeout();
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(timeout, pipe.query_async::<()>(&mut conn)).await;
+        });
+    }
+
     fn up(&self) {
         let h = &self.health;
         if h.down.swap(false, Relaxed) {
@@ -427,6 +496,9 @@ impl RoutingStore for RedisRouting {
                     lookup.prefix.add(c.server.tag(), depth);
                 }
             }
+            if let Some(probe) = request.continuation.filter(|_| !lookup.prefix.is_empty()) {
+                lookup.continued = self.continued(&probe, &lookup.prefix).await;
+            }
             for load in fetched.loads {
                 if let Some(c) = candidates.iter_mut().find(|c| c.server.slot == load.slot) {
                     c.inflight = c.inflight.max(load.requests.max(0) as u64);
@@ -452,6 +524,32 @@ impl RoutingStore for RedisRouting {
     fn end_request(&self, server: ServerRef, prompt_tokens: u64, started: bool) {
         self.local.end(server, prompt_tokens, started);
         self.count(server, -1, -(prompt_tokens as i64));
+    }
+
+    fn record_route(&self, server: ServerRef, blocks: &[u64], end_key: u64) {
+        let names = &self.names;
+        let mut pipe = redis::pipe();
+        let cmd = pipe.cmd("EVALSHA").arg(&names.insert).arg(blocks.len() + 1);
+        for hash in blocks.iter().chain([&end_key]) {
+            cmd.arg(names.prefix_key(*hash));
+        }
+        cmd.arg(server.slot)
+            .arg(unix_ms())
+            .arg(self.config.prefix_ttl().as_millis() as u64)
+            .arg(LANES)
+            .ignore();
+        self.send_detached(pipe);
+    }
+
+    fn forget_route(&self, server: ServerRef, blocks: &[u64], end_key: u64) {
+        let mut pipe = redis::pipe();
+        for hash in blocks.iter().chain([&end_key]) {
+            pipe.cmd("HDEL")
+                .arg(self.names.prefix_key(*hash))
+                .arg(server.slot)
+                .ignore();
+        }
+        self.send_detached(pipe);
     }
 
     fn stats(&self) -> StoreStats {
