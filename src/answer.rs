@@ -10,8 +10,12 @@
 //! passes ([`EventStreamText`]), and handed over as [`AnswerForm::Text`].
 //!
 //! The text is that of choice 0 (`choices[0].text` for completions,
-//! `choices[0].message.content` / `delta.content` for chat); the answer's
-//! token count is `usage.completion_tokens` when the engine gave one.
+//! `choices[0].message.content` / `delta.content` for chat). What the
+//! engine reports of the request ([`Reported`]) comes with it: the
+//! answer's token count (`usage.completion_tokens`) and the prompt tokens
+//! it found in its prefix cache (`usage.prompt_tokens_details.cached_tokens`
+//! from vLLM with `--enable-prompt-tokens-details`, SGLang and llama.cpp's
+//! server; else llama.cpp's own `timings.cache_n`).
 //! Parsing reads only those fields, borrowing the strings and skipping the
 //! rest without building it (`Response`); should a response not have the
 //! expected shape, it is read as a whole tree ([`crate::body::Json`]).
@@ -62,18 +66,41 @@ impl AnswerForm {
     }
 }
 
-/// The text of an answer carried as `bytes` in `form`, and its token count
-/// if the engine reported one; `None` if the bytes are not such an answer.
-pub fn answer_text(form: AnswerForm, bytes: &[u8]) -> Option<(String, Option<u64>)> {
+/// What an engine reported of a request in its answer (the usage it
+/// gave), each `None` when it did not say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Reported {
+    /// Tokens generated (`usage.completion_tokens`).
+    pub completion_tokens: Option<u64>,
+    /// Prompt tokens served from the engine's prefix cache
+    /// (`usage.prompt_tokens_details.cached_tokens`, else `timings.cache_n`).
+    pub cached_tokens: Option<u64>,
+}
+
+impl Reported {
+    /// `later`'s figures where it has them, else these.
+    fn or_later(self, later: Reported) -> Reported {
+        Reported {
+            completion_tokens: later.completion_tokens.or(self.completion_tokens),
+            cached_tokens: later.cached_tokens.or(self.cached_tokens),
+        }
+    }
+}
+
+/// The text of an answer carried as `bytes` in `form`, and what the engine
+/// reported with it; `None` if the bytes are not such an answer.
+pub fn answer_text(form: AnswerForm, bytes: &[u8]) -> Option<(String, Reported)> {
     match form {
-        AnswerForm::Text => std::str::from_utf8(bytes).ok().map(|t| (t.to_owned(), None)),
+        AnswerForm::Text => std::str::from_utf8(bytes)
+            .ok()
+            .map(|t| (t.to_owned(), Reported::default())),
         AnswerForm::Json => json_answer(bytes),
         AnswerForm::EventStream => {
             let mut stream = EventStreamText::default();
             stream.feed(bytes);
             // A stream cut short teaches what it has: its first tokens.
             stream.feed(b"\n");
-            (!stream.overflow).then_some((stream.text, stream.completion_tokens))
+            (!stream.overflow).then_some((stream.text, stream.reported))
         }
     }
 }
@@ -181,6 +208,9 @@ struct Response<'a> {
     choices: Vec<Choice<'a>>,
     #[serde(default)]
     usage: Option<Usage>,
+    /// llama.cpp's server's own timings.
+    #[serde(default)]
+    timings: Option<Timings>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -205,13 +235,26 @@ struct Message<'a> {
 struct Usage {
     #[serde(default)]
     completion_tokens: Option<u64>,
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+#[derive(Debug, Deserialize)]
+struct PromptTokensDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Timings {
+    #[serde(default)]
+    cache_n: Option<u64>,
 }
 
 impl<'a> Response<'a> {
     /// Choice 0's text (`text`, else `message.content`, else
-    /// `delta.content`), and `usage.completion_tokens`; `None` if there is
-    /// no choice.
-    fn answer(&self) -> (Option<&str>, Option<u64>) {
+    /// `delta.content`), and what it reports; `None` if there is no choice.
+    fn answer(&self) -> (Option<&str>, Reported) {
         let choice = self
             .choices
             .iter()
@@ -223,7 +266,18 @@ impl<'a> Response<'a> {
                 .or_else(|| c.message.as_ref().and_then(|m| m.content.as_deref()))
                 .or_else(|| c.delta.as_ref().and_then(|m| m.content.as_deref()))
         });
-        (text, self.usage.as_ref().and_then(|u| u.completion_tokens))
+        (text, self.reported())
+    }
+
+    fn reported(&self) -> Reported {
+        let usage = self.usage.as_ref();
+        Reported {
+            completion_tokens: usage.and_then(|u| u.completion_tokens),
+            cached_tokens: usage
+                .and_then(|u| u.prompt_tokens_details.as_ref())
+                .and_then(|d| d.cached_tokens)
+                .or_else(|| self.timings.as_ref().and_then(|t| t.cache_n)),
+        }
     }
 }
 
@@ -236,17 +290,29 @@ fn choice_zero<'a, 'j>(v: &'a Json<'j>) -> Option<&'a Json<'j>> {
         .or_else(|| choices.first())
 }
 
-/// `usage.completion_tokens` of a response or chunk.
-fn completion_tokens(v: &Json<'_>) -> Option<u64> {
-    v.as_object()?
-        .get("usage")?
-        .as_object()?
-        .get("completion_tokens")?
-        .as_u64()
+/// What a response or chunk read as a whole tree reports.
+fn reported(v: &Json<'_>) -> Reported {
+    let object = v.as_object();
+    let usage = object.and_then(|o| o.get("usage")).and_then(Json::as_object);
+    Reported {
+        completion_tokens: usage.and_then(|u| u.get("completion_tokens")).and_then(Json::as_u64),
+        cached_tokens: usage
+            .and_then(|u| u.get("prompt_tokens_details"))
+            .and_then(Json::as_object)
+            .and_then(|d| d.get("cached_tokens"))
+            .and_then(Json::as_u64)
+            .or_else(|| {
+                object
+                    .and_then(|o| o.get("timings"))
+                    .and_then(Json::as_object)
+                    .and_then(|t| t.get("cache_n"))
+                    .and_then(Json::as_u64)
+            }),
+    }
 }
 
-/// The answer text and completion tokens of a non-streaming response body.
-pub fn json_answer(body: &[u8]) -> Option<(String, Option<u64>)> {
+/// The answer text of a non-streaming response body and what it reports.
+pub fn json_answer(body: &[u8]) -> Option<(String, Reported)> {
     if let Ok(response) = serde_json::from_slice::<Response<'_>>(body)
         && !response.choices.is_empty()
     {
@@ -267,7 +333,7 @@ pub fn json_answer(body: &[u8]) -> Option<(String, Option<u64>)> {
         })
         .unwrap_or_default()
         .to_owned();
-    Some((text, completion_tokens(&v)))
+    Some((text, reported(&v)))
 }
 
 /// The answer text of an event stream, read as it passes, event line by
@@ -277,8 +343,8 @@ pub struct EventStreamText {
     line: Vec<u8>,
     /// Text of choice 0 so far.
     pub text: String,
-    /// `usage.completion_tokens`, if a chunk carried it.
-    pub completion_tokens: Option<u64>,
+    /// What the chunks reported (the last figures given).
+    pub reported: Reported,
     /// Whether `data: [DONE]` was seen.
     pub done: bool,
     /// Whether a line or the text grew past the limit (the text is void).
@@ -339,23 +405,19 @@ impl EventStreamText {
                     .and_then(|d| d.get("content"))
                     .and_then(Json::as_str)
             });
-            self.add(piece, None);
+            self.add(piece, Reported::default());
         }
-        if let Some(n) = completion_tokens(&chunk) {
-            self.completion_tokens = Some(n);
-        }
+        self.reported = self.reported.or_later(reported(&chunk));
     }
 
-    fn add(&mut self, piece: Option<&str>, tokens: Option<u64>) {
+    fn add(&mut self, piece: Option<&str>, reported: Reported) {
         if let Some(piece) = piece {
             self.text.push_str(piece);
             if self.text.len() > MAX_ANSWER_BYTES {
                 self.overflow = true;
             }
         }
-        if tokens.is_some() {
-            self.completion_tokens = tokens;
-        }
+        self.reported = self.reported.or_later(reported);
     }
 }
 
@@ -372,9 +434,16 @@ mod tests {
         "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\" Hello\"}}]}\r\n\r\n",
         ": comment\n\n",
         "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\" w\\u00f6rld\"},\"finish_reason\":\"stop\"}]}\n\n",
-        "data: {\"choices\":[],\"usage\":{\"completion_tokens\":2}}\n\n",
+        "data: {\"choices\":[],\"usage\":{\"completion_tokens\":2,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\n",
         "data: [DONE]\n\n"
     );
+
+    fn reported(completion_tokens: Option<u64>, cached_tokens: Option<u64>) -> Reported {
+        Reported {
+            completion_tokens,
+            cached_tokens,
+        }
+    }
 
     #[test]
     fn a_stream_is_read_across_split_chunks() {
@@ -384,7 +453,7 @@ mod tests {
                 c.feed(piece);
             }
             assert_eq!(c.text, " Hello wörld", "split {split}");
-            assert_eq!(c.completion_tokens, Some(2));
+            assert_eq!(c.reported, reported(Some(2), Some(32)));
             assert!(c.done && !c.overflow);
         }
     }
@@ -393,34 +462,50 @@ mod tests {
     fn every_form_gives_the_text() {
         assert_eq!(
             answer_text(AnswerForm::EventStream, STREAM.as_bytes()),
-            Some((" Hello wörld".to_owned(), Some(2)))
+            Some((" Hello wörld".to_owned(), reported(Some(2), Some(32))))
         );
         // A stream cut after its second event still gives what it has.
         let cut = &STREAM[..STREAM.find(": comment").unwrap() - 2];
         assert_eq!(
             answer_text(AnswerForm::EventStream, cut.as_bytes()),
-            Some((" Hello".to_owned(), None))
+            Some((" Hello".to_owned(), Reported::default()))
         );
         let chat = br#"{"choices":[{"index":0,"message":{"role":"assistant","content":" hi there"}}],"usage":{"completion_tokens":2}}"#;
         assert_eq!(
             answer_text(AnswerForm::Json, chat),
-            Some((" hi there".to_owned(), Some(2)))
+            Some((" hi there".to_owned(), reported(Some(2), None)))
+        );
+        // llama.cpp's server: its own timings when usage has no details.
+        let llama = br#"{"choices":[{"index":0,"message":{"content":"x"}}],"usage":{"completion_tokens":1},"timings":{"cache_n":33}}"#;
+        assert_eq!(
+            answer_text(AnswerForm::Json, llama),
+            Some(("x".to_owned(), reported(Some(1), Some(33))))
+        );
+        let both = br#"{"choices":[{"index":0,"message":{"content":"x"}}],"usage":{"prompt_tokens_details":{"cached_tokens":16}},"timings":{"cache_n":33}}"#;
+        assert_eq!(
+            answer_text(AnswerForm::Json, both),
+            Some(("x".to_owned(), reported(None, Some(16))))
         );
         let completion = br#"{"choices":[{"index":1,"text":"b"},{"index":0,"text":" a"}]}"#;
-        assert_eq!(answer_text(AnswerForm::Json, completion), Some((" a".to_owned(), None)));
+        assert_eq!(
+            answer_text(AnswerForm::Json, completion),
+            Some((" a".to_owned(), Reported::default()))
+        );
         assert_eq!(answer_text(AnswerForm::Json, b"not json"), None);
         // Another shape than expected (a string index): read as a tree.
-        let odd =
-            br#"{"choices":[{"index":"0","text":" odd","logprobs":{"x":[1,2]}}],"usage":{"completion_tokens":"n"}}"#;
-        assert_eq!(answer_text(AnswerForm::Json, odd), Some((" odd".to_owned(), None)));
+        let odd = br#"{"choices":[{"index":"0","text":" odd","logprobs":{"x":[1,2]}}],"usage":{"completion_tokens":"n","prompt_tokens_details":{"cached_tokens":48}}}"#;
+        assert_eq!(
+            answer_text(AnswerForm::Json, odd),
+            Some((" odd".to_owned(), reported(None, Some(48))))
+        );
         let odd_stream = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":7}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"ok\"}}]}\n\n";
         assert_eq!(
             answer_text(AnswerForm::EventStream, odd_stream),
-            Some(("ok".to_owned(), None))
+            Some(("ok".to_owned(), Reported::default()))
         );
         assert_eq!(
             answer_text(AnswerForm::Text, " t".as_bytes()),
-            Some((" t".to_owned(), None))
+            Some((" t".to_owned(), Reported::default()))
         );
         assert_eq!(answer_text(AnswerForm::Text, &[0xff]), None);
         for form in [AnswerForm::Text, AnswerForm::Json, AnswerForm::EventStream] {

@@ -33,6 +33,24 @@
 //! The writes go to the configured store ([`crate::store::WriteBack`]): the
 //! segment's tables, or Redis in one pipeline per drained batch.
 //!
+//! # What the engine reported
+//!
+//! A record carries what the routing expected the server to hold of the
+//! prompt ([`shm_layout::Prediction`]), and the answer carries what the
+//! engine found in its prefix cache ([`crate::answer::Reported`]). The
+//! response process compares the two ([`Responder::observe`]) and counts
+//! them per server (`semlb_prefix_predicted_tokens_total`,
+//! `semlb_prefix_confirmed_tokens_total`, `semlb_prefix_shortfalls_total`;
+//! `semlb status` shows the accuracy). When an engine reports no cached
+//! prompt at all for prompts the table listed it as holding
+//! ([`LOST_MIN_LISTED_BLOCKS`] blocks or more), [`LOST_IN_A_ROW`] times in
+//! a row, its cache was flushed or it restarted: the server is forgotten
+//! in every prefix entry at once ([`crate::store::WriteBack::forget_server`])
+//! rather than left to age out, so the next requests are not sent there on
+//! the strength of entries it no longer backs. (The prompt of the request
+//! that showed it is cached there again: the engine has just computed it,
+//! and this record writes it back.)
+//!
 //! Responder `j` of `m` owns the rings `i` with `i % m == j`
 //! ([`rings_for`]); a ring whose producer died mid-record is unblocked with
 //! [`shm_layout::CompletionRing::recover`] using the registry's liveness.
@@ -46,9 +64,30 @@ use crate::blocks::BlockHasher;
 use crate::store::shm::ShmWriteBack;
 use crate::store::{WriteBack, WriteStats};
 
+/// Leading blocks the prefix table must have listed for a server before
+/// its engine's report of no cached prompt counts as a lost cache.
+pub const LOST_MIN_LISTED_BLOCKS: u32 = 2;
+
+/// Reports of a lost cache in a row from one server after which the
+/// server is forgotten in every prefix entry.
+pub const LOST_IN_A_ROW: u8 = 2;
+
 /// The rings responder `index` of `responders` consumes.
 pub fn rings_for(index: usize, responders: usize, ring_count: usize) -> impl Iterator<Item = usize> {
     (0..ring_count).filter(move |i| responders > 0 && i % responders == index)
+}
+
+/// One comparison of a prediction with what the engine reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Observation {
+    /// The server's slot.
+    pub slot: u16,
+    /// Prompt tokens the routing expected it to hold.
+    pub predicted: u64,
+    /// Prompt tokens its engine reported cached.
+    pub cached: u64,
+    /// Clearly fewer than predicted.
+    pub short: bool,
 }
 
 /// What one response process has done (exported as metrics).
@@ -80,6 +119,10 @@ pub struct ResponderStats {
     pub answer_tokens: u64,
     /// Answers whose text could not be read (the prompt is still learned).
     pub unreadable_answers: u64,
+    /// Records whose engine reported its cached prompt tokens.
+    pub observed: u64,
+    /// Times a server was forgotten in every prefix entry (lost cache).
+    pub forgotten_servers: u64,
 }
 
 impl ResponderStats {
@@ -107,6 +150,10 @@ pub struct Responder<'a> {
     tokens: Vec<u32>,
     batch: Vec<Completion>,
     stats: ResponderStats,
+    /// Observations not yet taken by [`take_observations`](Self::take_observations).
+    observations: Vec<Observation>,
+    /// Per server slot: its generation and its lost-cache reports in a row.
+    lost: Vec<(u32, u8)>,
 }
 
 impl<'a> Responder<'a> {
@@ -127,7 +174,15 @@ impl<'a> Responder<'a> {
             tokens: Vec::new(),
             batch: Vec::new(),
             stats: ResponderStats::default(),
+            observations: Vec::new(),
+            lost: vec![(0, 0); shm_layout::SERVER_SLOTS as usize],
         }
+    }
+
+    /// The observations made since the last call (the response process's
+    /// loop counts them per server: `crate::metrics::Metrics::prediction`).
+    pub fn take_observations(&mut self) -> std::vec::Drain<'_, Observation> {
+        self.observations.drain(..)
     }
 
     /// Renders chat answers with `template` to store their segments as the
@@ -146,6 +201,52 @@ impl<'a> Responder<'a> {
     pub fn complete(&mut self, record: &mut Completion) {
         self.extend_chain(record);
         Self::response_from_stream(record);
+        self.observe(record);
+    }
+
+    /// Compares what the routing predicted of `record`'s server with the
+    /// cached prompt tokens its engine reported, counts both, and forgets
+    /// the server everywhere when its cache was lost (see the module docs).
+    pub fn observe(&mut self, record: &Completion) {
+        let (Some(p), Some(server)) = (record.prediction, record.server) else {
+            return;
+        };
+        let Some(cached) = p.cached_tokens else { return };
+        self.stats.observed += 1;
+        let block = u64::from(p.block_size.max(1));
+        let predicted = u64::from(p.predicted_blocks) * block;
+        let cached = u64::from(cached);
+        let shortfall = predicted.saturating_sub(cached);
+        let short = shortfall >= (2 * block).max(predicted / 4);
+        self.observations.push(Observation {
+            slot: server.slot,
+            predicted,
+            cached,
+            short,
+        });
+        let Some(lost) = self.lost.get_mut(usize::from(server.slot)) else {
+            return;
+        };
+        if lost.0 != server.generation {
+            *lost = (server.generation, 0);
+        }
+        if p.listed_blocks < LOST_MIN_LISTED_BLOCKS || cached >= block {
+            lost.1 = 0;
+            return;
+        }
+        lost.1 += 1;
+        if lost.1 < LOST_IN_A_ROW {
+            return;
+        }
+        lost.1 = 0;
+        let forgotten = self.sink.forget_server(server);
+        self.stats.forgotten_servers += 1;
+        tracing::warn!(
+            server_slot = server.slot,
+            entries = forgotten,
+            "server slot {}: its engine reported no cached prompt {LOST_IN_A_ROW} times in a row for prompts the prefix table listed it as holding: its cache was lost (flushed or restarted), so it is forgotten in {forgotten} prefix entries",
+            server.slot
+        );
     }
 
     /// A cacheable answer that came as an event stream is stored as the
@@ -190,6 +291,9 @@ impl<'a> Responder<'a> {
             self.stats.unreadable_answers += 1;
             return;
         };
+        if let Some(p) = record.prediction.as_mut().filter(|p| p.cached_tokens.is_none()) {
+            p.cached_tokens = reported.cached_tokens.map(|n| u32::try_from(n).unwrap_or(u32::MAX - 1));
+        }
         self.tokens.clear();
         self.tokens.extend_from_slice(&c.tail);
         self.tokenizer.encode_into(&text, &mut self.tokens);
@@ -198,7 +302,7 @@ impl<'a> Responder<'a> {
         record.full_blocks.extend_from_slice(&record.prompt_blocks);
         BlockHasher::new(c.root, block_size).append(&self.tokens, &mut record.full_blocks);
         if record.output_tokens == 0 {
-            let count = reported.unwrap_or(answer_tokens as u64);
+            let count = reported.completion_tokens.unwrap_or(answer_tokens as u64);
             record.output_tokens = u32::try_from(count).unwrap_or(u32::MAX);
         }
         self.stats.answers_tokenized += 1;
@@ -301,6 +405,7 @@ mod tests {
 
     use super::*;
     use crate::response_cache::fresh_body;
+    use shm_layout::{Prediction, ServerRef};
 
     fn segment() -> Segment {
         Segment::heap(&LayoutPlan::for_size(8 << 20).unwrap())
@@ -333,6 +438,7 @@ mod tests {
             full_blocks: &full,
             continuation: None,
             response: Some((ResponseKey(9), b"{\"ok\":true}")),
+            prediction: None,
         };
         let mut buf = Vec::new();
         rec.encode_into(&mut buf);
@@ -356,6 +462,60 @@ mod tests {
                 ..Default::default()
             }
         );
+    }
+
+    /// What engines report is counted against the prediction, and a server
+    /// whose engine reports no cached prompt for prompts the table listed,
+    /// twice in a row, is forgotten everywhere; a hit in between resets the
+    /// count.
+    #[test]
+    fn an_engine_that_lost_its_cache_is_forgotten_after_two_reports() {
+        let seg = segment();
+        let t = seg.tables();
+        let (a, b) = (
+            t.servers.register(1, "http://a", 0).unwrap(),
+            t.servers.register(2, "http://b", 0).unwrap(),
+        );
+        let h = |i: u64| i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let (other, shared) = ([h(50), h(51)], [h(60), h(61)]);
+        for s in [a, b] {
+            t.prefix.insert_chain(&shared, s, Stamp(1));
+        }
+        t.prefix.insert_chain(&other, a, Stamp(1));
+        let mut r = Responder::new(t, Tokenizer::bundled());
+        let report = |server, listed: u32, cached: Option<u32>| Completion {
+            server: Some(server),
+            prediction: Some(Prediction {
+                block_size: 16,
+                predicted_blocks: listed,
+                listed_blocks: listed,
+                cached_tokens: cached,
+            }),
+            ..Completion::default()
+        };
+        let listed_for = |s: ServerRef| t.prefix.entries().filter(|(_, e)| e.servers.contains(s.tag())).count();
+        // A hit, a report of nothing cached, a hit: no loss.
+        for cached in [Some(64), Some(0), Some(48), None] {
+            r.observe(&report(a, 4, cached));
+        }
+        // Nothing cached of one listed block: not evidence enough.
+        r.observe(&report(a, 1, Some(0)));
+        r.observe(&report(a, 1, Some(0)));
+        assert_eq!(listed_for(a), 4);
+        // Twice in a row: the cache is lost.
+        r.observe(&report(a, 3, Some(0)));
+        assert_eq!((r.stats().forgotten_servers, listed_for(a)), (0, 4));
+        r.observe(&report(a, 3, Some(0)));
+        assert_eq!((r.stats().forgotten_servers, listed_for(a)), (1, 0));
+        assert_eq!(listed_for(b), 2, "the other server keeps its entries");
+        assert_eq!(r.stats().observed, 7);
+        let seen: Vec<Observation> = r.take_observations().collect();
+        assert!(seen.iter().all(|o| o.slot == a.slot));
+        let sum = |f: fn(&Observation) -> u64| seen.iter().map(f).sum::<u64>();
+        assert_eq!(sum(|o| o.predicted), 16 * (4 * 3 + 2 + 3 * 2));
+        assert_eq!(sum(|o| o.cached), 64 + 48);
+        assert_eq!(seen.iter().filter(|o| o.short).count(), 3);
+        assert_eq!(r.take_observations().count(), 0, "taken once");
     }
 
     /// A record with a continuation teaches the chain of the prompt's
@@ -392,6 +552,7 @@ mod tests {
                 answer: Some(answer.as_bytes()),
             }),
             response: None,
+            prediction: None,
         };
         let mut buf = Vec::new();
         rec.encode_into(&mut buf);
@@ -420,6 +581,7 @@ mod tests {
             full_blocks: &[1, 2, 3],
             continuation: None,
             response: None,
+            prediction: None,
         };
         let mut buf = Vec::new();
         rec.encode_into(&mut buf);
@@ -447,6 +609,7 @@ mod tests {
             full_blocks: &[21],
             continuation: None,
             response: None,
+            prediction: None,
         };
         let mut buf = Vec::new();
         rec.encode_into(&mut buf);

@@ -84,6 +84,12 @@ impl<'a> ResponderLoop<'a> {
                 .sum();
             let now = self.responder.stats();
             metrics.responder(&counted, &now);
+            for o in self.responder.take_observations() {
+                metrics.prediction(o.slot, o.predicted, o.cached, o.short);
+            }
+            for _ in counted.forgotten_servers..now.forgotten_servers {
+                metrics.forgotten();
+            }
             counted = now;
             if now_ms >= last_beat + HEARTBEAT.as_millis() as u64 {
                 tables.registry.heartbeat(self.slot, self.incarnation, now_ms);

@@ -1,6 +1,8 @@
 //! `semlb status`: a live view of a running gateway, read from its shm
 //! segment (like `top`): servers with their state, requests in flight,
-//! scraped engine load and share of the traffic; the response cache's hit
+//! scraped engine load, share of the traffic and prediction accuracy (of
+//! the prompt tokens the routing expected it to hold, the share its engine
+//! reported cached: `PREDICTED`); the response cache's hit
 //! rate; the tables' fill; the rate of answered requests; the processes
 //! with their heartbeats and restarts. Shares and hit rates come from the
 //! stats region ([`semlb::metrics`]) and count since the segment was
@@ -22,7 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use shm_layout::Segment;
 
-use semlb::metrics::{CacheResult, QueueTotals, cache_total, queue_total, upstream_total};
+use semlb::metrics::{CacheResult, QueueTotals, cache_total, prediction_total, queue_total, upstream_total};
 
 use crate::cli::StatusArgs;
 use crate::report::Report;
@@ -35,6 +37,9 @@ pub struct Totals {
     /// Per server slot (as in the report's server list): upstream attempts
     /// answered in full and failed.
     pub upstream: Vec<(u16, u64, u64)>,
+    /// Per server slot: prompt tokens the routing predicted it held, and of
+    /// those, the tokens its engine reported cached.
+    pub prediction: Vec<(u16, u64, u64)>,
     /// The gateway queues.
     pub queue: QueueTotals,
 }
@@ -51,6 +56,14 @@ impl Totals {
                 .map(|s| {
                     let (ok, failed) = upstream_total(counters, s.server.slot);
                     (s.server.slot, ok, failed)
+                })
+                .collect(),
+            prediction: report
+                .servers
+                .iter()
+                .map(|s| {
+                    let (predicted, confirmed, _) = prediction_total(counters, s.server.slot);
+                    (s.server.slot, predicted, confirmed)
                 })
                 .collect(),
             queue: queue_total(counters),
@@ -179,8 +192,19 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
     let _ = writeln!(w);
     let _ = writeln!(
         w,
-        "{:<4} {:<28} {:<9} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7}",
-        "SLOT", "SERVER", "STATE", "IN FLIGHT", "TOKENS", "WAITING", "RUNNING", "KV", "SCRAPED", "SHARE", "FAILED"
+        "{:<4} {:<28} {:<9} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>9}",
+        "SLOT",
+        "SERVER",
+        "STATE",
+        "IN FLIGHT",
+        "TOKENS",
+        "WAITING",
+        "RUNNING",
+        "KV",
+        "SCRAPED",
+        "SHARE",
+        "FAILED",
+        "PREDICTED"
     );
     let all: u64 = totals.upstream.iter().map(|(_, ok, failed)| ok + failed).sum();
     for s in &r.servers {
@@ -189,11 +213,16 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
             .iter()
             .find(|(slot, _, _)| *slot == s.server.slot)
             .map_or((0, 0), |(_, ok, failed)| (*ok, *failed));
+        let (predicted, confirmed) = totals
+            .prediction
+            .iter()
+            .find(|(slot, _, _)| *slot == s.server.slot)
+            .map_or((0, 0), |(_, p, c)| (*p, *c));
         let scraped = s.load.scraped_at_ms != 0;
         let dash = |v: String| if scraped { v } else { "-".to_owned() };
         let _ = writeln!(
             w,
-            "{:<4} {:<28} {:<9} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7}",
+            "{:<4} {:<28} {:<9} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>9}",
             s.server.slot,
             s.address,
             s.state.name(),
@@ -204,7 +233,8 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
             dash(format!("{:.1}%", f64::from(s.load.kv_usage_permyriad) / 100.0)),
             ago(now_ms, s.load.scraped_at_ms),
             pct(ok + failed, all),
-            failed
+            failed,
+            pct(confirmed, predicted)
         );
     }
     let _ = writeln!(w);
@@ -267,6 +297,7 @@ mod tests {
         let totals = Totals {
             cache: [3, 1, 4],
             upstream: vec![(a.slot, 6, 2)],
+            prediction: vec![(a.slot, 400, 300)],
             queue: QueueTotals {
                 entered: 9,
                 routed: 5,
@@ -288,7 +319,9 @@ mod tests {
         );
         assert!(frame.contains("12.5 req/s"), "{frame}");
         let server = frame.lines().find(|l| l.contains("http://10.0.0.1:8000")).unwrap();
-        for cell in ["up", " 1 ", "500", " 3 ", " 7 ", "81.2%", "0.1 s", "100.0 %", " 2"] {
+        for cell in [
+            "up", " 1 ", "500", " 3 ", " 7 ", "81.2%", "0.1 s", "100.0 %", " 2", "75.0 %",
+        ] {
             assert!(server.contains(cell), "{cell:?} missing in {server:?}");
         }
         let process = frame.lines().find(|l| l.contains("4242")).unwrap();

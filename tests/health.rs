@@ -71,6 +71,8 @@ trait Observe {
     }
     /// The segment's clock.
     fn now_ms(&self) -> u64;
+    /// Prefix-table entries that list the server registered for `addr`.
+    fn entries(&self, addr: &str) -> usize;
     /// A completion request with a prompt of its own; must be answered 200.
     /// Returns the engine that answered (`host:port`).
     fn complete(&self, i: usize) -> String;
@@ -93,6 +95,14 @@ impl Observe for Gateway {
         self.segment.clock().now_ms()
     }
 
+    fn entries(&self, addr: &str) -> usize {
+        let url = format!("http://{addr}");
+        let tables = self.segment.tables();
+        let info = tables.servers.servers().find(|s| s.address == url).expect("registered");
+        let tag = info.server.tag();
+        tables.prefix.entries().filter(|(_, e)| e.servers.contains(tag)).count()
+    }
+
     fn complete(&self, i: usize) -> String {
         let body = json!({"model": "semlb-sim", "prompt": format!("health check request number {i}"), "max_tokens": 4});
         let r = http(&self.proc.addr, "POST", "/v1/completions", Some(&body)).expect("request");
@@ -109,7 +119,8 @@ fn http(addr: &str, method: &str, path: &str, body: Option<&Value>) -> Result<Re
 
 /// Active checks: `kill -9` of an engine sets it `Down` while requests keep
 /// succeeding on the others; an engine started again on the same port is
-/// set `Up` again after `healthy_threshold` checks and gets requests.
+/// set `Up` again after `healthy_threshold` checks, with the prefix
+/// entries of the engine that died forgotten, and gets requests.
 /// Passive checks are off here, so only the active checker can decide.
 #[test]
 fn a_killed_engine_is_marked_down_and_a_new_one_on_its_port_readmitted() {
@@ -131,6 +142,12 @@ fn a_killed_engine_is_marked_down_and_a_new_one_on_its_port_readmitted() {
     );
     assert!(addrs.iter().all(|a| gw.state(a) == ServerState::Up));
     let dead = addrs[0].clone();
+    // What the gateway learned of the engine before it died.
+    for i in 0..6 {
+        gw.complete(1000 + i);
+    }
+    let learned = gw.entries(&dead);
+    assert!(learned > 0, "the prompts sent there are in the prefix table");
 
     engines[0].kill9();
     // Requests keep succeeding (a request sent to the dead engine is
@@ -164,6 +181,9 @@ fn a_killed_engine_is_marked_down_and_a_new_one_on_its_port_readmitted() {
         &format!("backend http://{dead} is up again: 2 health checks in a row passed"),
         PATIENCE,
     );
+    // An engine back from the dead starts with an empty cache: what the
+    // table said of its predecessor is forgotten.
+    assert_eq!(gw.entries(&dead), 0, "of {learned} entries, some were kept");
     // Round robin over three live engines: it gets one request in three.
     let answered: Vec<String> = (0..6).map(|k| gw.complete(i + k)).collect();
     assert!(

@@ -81,6 +81,25 @@ fn longest_prefix_match_counts_leading_blocks_and_costs_one_round_trip() {
     assert!(s.longest_prefix_match_naive(&holed).unwrap().is_empty());
 }
 
+/// A server whose engine lost its cache is forgotten in every entry of
+/// the namespace (thousands of keys: the scan goes in batches); the other
+/// servers and other namespaces keep theirs.
+#[test]
+fn a_forgotten_server_leaves_every_entry_of_its_namespace() {
+    let server = redis_or_skip!();
+    let mut s = store(&server, "forget");
+    let mut other = store(&server, "forget-other");
+    let shared = chain(300, 2500);
+    s.insert_chain(&shared, 1, 10).unwrap();
+    s.insert_chain(&shared[..1000], 2, 11).unwrap();
+    other.insert_chain(&shared[..10], 1, 12).unwrap();
+    assert_eq!(s.forget_server(1).unwrap(), 2500);
+    assert_eq!(s.longest_prefix_match(&shared).unwrap(), vec![(2, 1000)]);
+    assert_eq!(server.count("forget:p:*"), 1000, "entries left with no server are gone");
+    assert_eq!(other.longest_prefix_match(&shared).unwrap(), vec![(1, 10)]);
+    assert_eq!(s.forget_server(1).unwrap(), 0);
+}
+
 #[test]
 fn the_deepest_listing_counts_and_the_scan_stops_at_the_first_miss() {
     let server = redis_or_skip!();
@@ -246,6 +265,7 @@ fn completion(server: ServerRef, prompt: &[u64], full: &[u64], response: Option<
         continuation: None,
         response_key: response.map(|(k, _)| ResponseKey(k)),
         response: response.map(|(_, b)| b.to_vec()).unwrap_or_default(),
+        prediction: None,
     }
 }
 

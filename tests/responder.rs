@@ -81,6 +81,7 @@ fn push(segment: &Segment, server: ServerRef, prompt: &[u64], full: &[u64], key:
         full_blocks: full,
         continuation: None,
         response: Some((key, body)),
+        prediction: None,
     };
     let mut buf = Vec::with_capacity(record.encoded_len());
     record.encode_into(&mut buf);

@@ -440,6 +440,7 @@ fn encode_record(w: &World, ring: u16, inc: u32, seq: u32, out: &mut Vec<u8>, sc
         full_blocks: chain,
         continuation: None,
         response: spec.response.map(|(rid, _)| (response_key(rid), scratch.as_slice())),
+        prediction: None,
     }
     .encode_into(out);
 }

@@ -11,11 +11,19 @@
 //! when the prompt has no full block). When the answer is the very response
 //! the record also carries for the cache, it is not repeated (flag 4).
 //!
+//! A record may also carry the routing's **prediction** (flag 8): how many
+//! of the prompt's blocks the server was expected to hold when it was
+//! chosen, how many of those the prefix table listed, and the prompt
+//! tokens the engine reported it found cached, when the dispatcher read
+//! the answer itself (`u32::MAX`: not read). The response process compares
+//! the prediction with what the engine reported.
+//!
 //! ```text
-//! u8 version · u8 flags (1 = response, 2 = continuation, 4 = answer is the response) · u16 server slot · u32 generation
+//! u8 version · u8 flags (1 = response, 2 = continuation, 4 = answer is the response, 8 = prediction) · u16 server slot · u32 generation
 //! u32 prompt tokens · u32 output tokens · u32 #prompt blocks · u32 #full blocks
 //! [u128 response key · u32 response len]                                             if flags & 1
 //! [u64 chain root · u32 block size · u32 #tail tokens · u8 answer form · u32 answer len]   if flags & 2
+//! [u32 block size · u32 predicted blocks · u32 listed blocks · u32 reported cached tokens] if flags & 8
 //! u64 × #prompt blocks · u64 × #full blocks · u32 × #tail tokens · answer bytes · response bytes
 //! ```
 //! All integers little-endian.
@@ -23,10 +31,27 @@
 use crate::response_log::ResponseKey;
 use crate::server_table::ServerRef;
 
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 const HAS_RESPONSE: u8 = 1;
 const HAS_CONTINUATION: u8 = 2;
 const ANSWER_IS_RESPONSE: u8 = 4;
+const HAS_PREDICTION: u8 = 8;
+
+/// What the routing expected the server to hold of the prompt, and what
+/// the engine said it held (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Prediction {
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Leading blocks of the prompt the server was expected to hold (the
+    /// table's listing, raised by a continued conversation's credit).
+    pub predicted_blocks: u32,
+    /// Of those, the blocks the prefix table listed for it.
+    pub listed_blocks: u32,
+    /// Prompt tokens the engine reported it found in its prefix cache,
+    /// when the dispatcher read the answer itself.
+    pub cached_tokens: Option<u32>,
+}
 
 /// What the chain of prompt + answer is computed from, borrowed for
 /// encoding (see the module docs).
@@ -80,6 +105,8 @@ pub struct CompletionRecord<'a> {
     pub continuation: Option<ContinuationRef<'a>>,
     /// The response to cache, under its exact-request key.
     pub response: Option<(ResponseKey, &'a [u8])>,
+    /// What the routing expected of the server.
+    pub prediction: Option<Prediction>,
 }
 
 /// A decoded record, owned (the responder reuses one across pops).
@@ -103,6 +130,8 @@ pub struct Completion {
     pub response_key: Option<ResponseKey>,
     /// The response bytes (empty if none).
     pub response: Vec<u8>,
+    /// What the routing expected of the server.
+    pub prediction: Option<Prediction>,
 }
 
 /// A record that does not decode.
@@ -131,6 +160,7 @@ impl CompletionRecord<'_> {
     /// Encoded length in bytes.
     pub fn encoded_len(&self) -> usize {
         24 + self.response.map_or(0, |(_, r)| 20 + r.len())
+            + self.prediction.map_or(0, |_| 16)
             + self
                 .continuation
                 .map_or(0, |c| 21 + 4 * c.tail.len() + c.answer.map_or(0, <[u8]>::len))
@@ -151,6 +181,9 @@ impl CompletionRecord<'_> {
             if c.answer.is_none() {
                 flags |= ANSWER_IS_RESPONSE;
             }
+        }
+        if self.prediction.is_some() {
+            flags |= HAS_PREDICTION;
         }
         out.push(flags);
         out.extend_from_slice(&self.server.slot.to_le_bytes());
@@ -173,6 +206,16 @@ impl CompletionRecord<'_> {
             out.extend_from_slice(&(c.tail.len() as u32).to_le_bytes());
             out.push(c.form);
             out.extend_from_slice(&(c.answer.map_or(0, <[u8]>::len) as u32).to_le_bytes());
+        }
+        if let Some(p) = self.prediction {
+            for n in [
+                p.block_size,
+                p.predicted_blocks,
+                p.listed_blocks,
+                p.cached_tokens.unwrap_or(u32::MAX),
+            ] {
+                out.extend_from_slice(&n.to_le_bytes());
+            }
         }
         for h in self.prompt_blocks.iter().chain(self.full_blocks) {
             out.extend_from_slice(&h.to_le_bytes());
@@ -256,6 +299,16 @@ impl Completion {
         } else {
             None
         };
+        self.prediction = if flags & HAS_PREDICTION != 0 {
+            Some(Prediction {
+                block_size: r.u32()?,
+                predicted_blocks: r.u32()?,
+                listed_blocks: r.u32()?,
+                cached_tokens: Some(r.u32()?).filter(|n| *n != u32::MAX),
+            })
+        } else {
+            None
+        };
         if flags & ANSWER_IS_RESPONSE != 0 && (response.is_none() || continuation.is_none()) {
             return Err(DecodeError::Answer);
         }
@@ -312,6 +365,7 @@ mod tests {
             full_blocks: &[1, 2, 3, 4, 5],
             continuation: None,
             response: Some((ResponseKey(u128::MAX - 5), b"{\"choices\":[]}")),
+            prediction: None,
         };
         let mut buf = Vec::new();
         rec.encode_into(&mut buf);
@@ -324,10 +378,28 @@ mod tests {
         assert_eq!(c.response_key, Some(ResponseKey(u128::MAX - 5)));
         assert_eq!(c.response, b"{\"choices\":[]}");
 
+        assert_eq!(c.prediction, None);
         let bare = CompletionRecord { response: None, ..rec };
         bare.encode_into(&mut buf);
         c.decode_from(&buf).unwrap();
         assert_eq!((c.response_key, c.response.len()), (None, 0));
+        for cached_tokens in [Some(48), Some(0), None] {
+            let prediction = Prediction {
+                block_size: 16,
+                predicted_blocks: 9,
+                listed_blocks: 4,
+                cached_tokens,
+            };
+            let predicted = CompletionRecord {
+                prediction: Some(prediction),
+                ..rec
+            };
+            predicted.encode_into(&mut buf);
+            assert_eq!(buf.len(), predicted.encoded_len());
+            c.decode_from(&buf).unwrap();
+            assert_eq!(c.prediction, Some(prediction));
+            assert_eq!(c.response, b"{\"choices\":[]}");
+        }
         assert_eq!(c.continuation, None);
 
         // With a continuation instead of full blocks, and a response.
@@ -376,6 +448,7 @@ mod tests {
         // ... which it must then carry.
         let orphan = CompletionRecord {
             response: None,
+            prediction: None,
             ..shared
         };
         orphan.encode_into(&mut buf);
@@ -405,6 +478,7 @@ mod tests {
                 answer: Some("é".as_bytes()),
             }),
             response: None,
+            prediction: None,
         };
         let mut buf = Vec::new();
         rec.encode_into(&mut buf);

@@ -444,6 +444,42 @@ impl<'a> PrefixTable<'a> {
         removed
     }
 
+    /// Forgets `server` in every entry (its engine lost its cache: flushed
+    /// or restarted); returns how many entries listed it. A full scan, like
+    /// [`clear`](Self::clear) and with its guarantees: lock-free, each slot
+    /// compare-and-swapped on its own (a slot changed meanwhile is read
+    /// again, a bounded number of times); an entry whose last server goes
+    /// is emptied. Entries written for the server after the scan passed
+    /// them survive, as they should: they were learned after the loss.
+    pub fn remove_server(&self, server: ServerTag) -> u64 {
+        let mut removed = 0;
+        for bucket in self.buckets {
+            for i in 0..WAYS {
+                for _ in 0..MAX_ATTEMPTS {
+                    let slot = bucket.load()[i];
+                    let Some((key, value)) = self.codec.unpack(slot) else {
+                        break;
+                    };
+                    let entry = unpack_value(value);
+                    if !entry.servers.contains(server) {
+                        break;
+                    }
+                    let rest = entry.servers.without(server);
+                    let new = if rest.is_empty() {
+                        0
+                    } else {
+                        self.codec.pack(key, pack_value(rest, entry.stamp))
+                    };
+                    if bucket.cas(i, slot, new) {
+                        removed += 1;
+                        break;
+                    }
+                }
+            }
+        }
+        removed
+    }
+
     /// Occupied slots (a full scan: for `semlb shm inspect` and tests, not
     /// for the request path).
     pub fn occupancy(&self) -> u64 {
@@ -579,6 +615,33 @@ mod tests {
         // The table works as before afterwards.
         assert_eq!(t.insert(7, srv(2, 0), Stamp(1)), InsertOutcome::Inserted);
         assert!(t.lookup(7).is_some());
+    }
+
+    #[test]
+    fn remove_server_forgets_one_server_everywhere_and_keeps_the_others() {
+        let (b, seed) = table(64);
+        let t = PrefixTable::new(&b, seed);
+        let key = |k: u64| k.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        for k in 0..60u64 {
+            t.insert(key(k), srv(1, 0), Stamp(3));
+            if k % 2 == 0 {
+                t.insert(key(k), srv(2, 0), Stamp(4));
+            }
+        }
+        let listed = |tag: ServerTag| t.entries().filter(|(_, e)| e.servers.contains(tag)).count() as u64;
+        let (ones, twos, before) = (listed(srv(1, 0).tag()), listed(srv(2, 0).tag()), t.occupancy());
+        assert_eq!(t.remove_server(srv(1, 0).tag()), ones);
+        assert_eq!(listed(srv(1, 0).tag()), 0);
+        assert_eq!(listed(srv(2, 0).tag()), twos, "the other server keeps its entries");
+        // Entries that listed only server 1 are gone; shared ones keep server 2
+        // and their stamp.
+        assert_eq!(t.occupancy(), twos);
+        assert!(before > twos);
+        assert_eq!(
+            t.lookup(key(0)).map(|e| (e.servers.len(), e.stamp)),
+            Some((1, Stamp(4)))
+        );
+        assert_eq!(t.remove_server(srv(1, 0).tag()), 0);
     }
 
     #[test]

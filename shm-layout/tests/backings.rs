@@ -708,12 +708,14 @@ fn completion_record_round_trips_through_a_ring_into_the_tables() {
             full_blocks: &full,
             continuation: None,
             response: Some((key, response)),
+            prediction: None,
         };
         let mut buf = Vec::new();
         record.encode_into(&mut buf);
         assert_eq!(buf.len(), record.encoded_len());
         let bare = CompletionRecord {
             response: None,
+            prediction: None,
             full_blocks: &[],
             ..record
         };

@@ -37,6 +37,8 @@
 //! | `chat_template` | path | the tokenizer's, else none | a Hugging Face `tokenizer_config.json` with a `chat_template` |
 //! | `block_size` | integer | `16` | tokens per prefix block: the engines' KV block size (1 to 1024) |
 //! | `segment_cache_size` | size | `"32MiB"` | per dispatcher: token ids of text segments already seen (earlier turns, shared system prompts), so they are not tokenized again; `0` turns it off (at most 16 GiB) |
+//! | `learn_at_dispatch` | bool | `true` | record a prompt's blocks for its server when it is sent, and credit a conversation's next turn with the answer not yet written back ([`crate::continuation`]); `false` leaves learning to the response processes alone |
+//! | `stream_usage` | bool | `true` | ask engines for the usage of a streamed answer whose client did not (`stream_options.include_usage`), to read the prompt tokens they found cached, and take it out of what the client gets; `false` relays such streams untouched, and they report nothing |
 //! | `drain_timeout_secs` | integer | `30` | on SIGTERM, how long requests in flight may still run |
 //! | `[[backend]]` | table, repeated | none (required) | one inference server each, at most 128 |
 //! | `backend.url` | string | required | `http://host:port`, no path |
@@ -270,6 +272,19 @@ pub struct ServeConfig {
     /// conversation and shared system prompts are not tokenized again.
     /// Default 32 MiB; 0 turns it off. Read when a dispatcher starts.
     pub segment_cache_size: ByteSize,
+    /// Learning at dispatch (see [`crate::store`]): a dispatcher records a
+    /// prompt's blocks and end key for the server it sends it to, and a
+    /// conversation's next turn is credited with the answer the response
+    /// processes have not written back yet ([`crate::continuation`]).
+    /// Default true; false leaves all learning to the response processes
+    /// (the behaviour before it existed, kept for comparison).
+    pub learn_at_dispatch: bool,
+    /// Ask engines for the usage of streamed answers whose client did not
+    /// (`stream_options.include_usage` added to a streamed request without
+    /// `stream_options`), so that they report the prompt tokens they found
+    /// cached, and take the usage out of the stream the client gets. Default
+    /// true; false relays those streams untouched (they then report nothing).
+    pub stream_usage: bool,
     /// The inference servers (`[[backend]]` tables in the file). Required:
     /// there is no default.
     #[serde(rename = "backend")]
@@ -312,6 +327,8 @@ impl Default for ServeConfig {
             chat_template: None,
             block_size: DEFAULT_BLOCK_SIZE,
             segment_cache_size: DEFAULT_SEGMENT_CACHE_SIZE,
+            learn_at_dispatch: true,
+            stream_usage: true,
             backends: Vec::new(),
             policy: PolicyConfig::default(),
             response_cache: ResponseCacheConfig::default(),

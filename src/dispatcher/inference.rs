@@ -20,6 +20,7 @@ use super::proxy::{InferenceCtx, Outbound, forward};
 use super::route;
 use super::sse;
 use super::timing::{DispatchTiming, Mark};
+use super::usage::with_include_usage;
 use crate::blocks::BlockHasher;
 use crate::continuation::{EndProbe, answer_tokens_estimate};
 use crate::metrics::CacheResult;
@@ -89,7 +90,12 @@ pub(super) async fn inference(
         header_bytes(header::CACHE_CONTROL),
     );
     let key = (cacheability != Cacheability::Bypass).then(|| response_cache::key(tenant, endpoint, &parsed.body));
-    let answer_tokens = answer_tokens_estimate(parsed.earlier_answer_bytes, prompt_tokens.len(), prompt_bytes);
+    // Without learning at dispatch nothing records end keys: no probes.
+    let answer_tokens = if dispatcher.config().learn_at_dispatch {
+        answer_tokens_estimate(parsed.earlier_answer_bytes, prompt_tokens.len(), prompt_bytes)
+    } else {
+        0
+    };
     let request = LookupRequest {
         response_key: key.filter(|_| cacheability.reads()),
         chain: &chain,
@@ -132,6 +138,12 @@ pub(super) async fn inference(
         dispatcher.metrics().cache(CacheResult::Bypass);
         "bypass"
     };
+    // A streamed answer reports its usage (the engine's cached tokens) only
+    // when asked: ask on the client's behalf, and keep it from the client.
+    let asked = (parsed.stream && dispatcher.config().stream_usage)
+        .then(|| with_include_usage(&bytes, parsed.body.get("stream_options").is_some()))
+        .flatten();
+    let strip_usage = asked.is_some();
     let ctx = InferenceCtx {
         timing,
         end_key: hasher.prompt_end_key(&prompt_tokens, &chain),
@@ -145,12 +157,13 @@ pub(super) async fn inference(
         endpoint,
         model: parsed.model.to_string(),
         session,
+        strip_usage,
     };
     let outbound = Outbound {
         method: Method::POST,
         path_and_query: endpoint.path().to_owned(),
         headers: upstream_request_headers(&parts.headers),
-        body: bytes,
+        body: asked.unwrap_or(bytes),
     };
     forward(dispatcher, outbound, Some(ctx)).await
 }

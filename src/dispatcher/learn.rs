@@ -3,7 +3,7 @@
 //! response to cache), pushed into this dispatcher's completion ring
 //! without waiting.
 
-use shm_layout::{CompletionRecord, ContinuationRef, ResponseKey, ServerRef};
+use shm_layout::{CompletionRecord, ContinuationRef, Prediction, ResponseKey, ServerRef};
 
 use super::Dispatcher;
 use crate::answer::{AnswerForm, answer_text};
@@ -28,6 +28,8 @@ pub(super) struct Learn {
     /// Whether it is a chat request (its answer comes back as an assistant
     /// message in the next turn).
     pub chat: bool,
+    /// What the server was expected to hold of the prompt.
+    pub prediction: Prediction,
 }
 
 /// Builds the completion record of a finished answer (`answer`, in
@@ -63,6 +65,7 @@ pub(super) fn push_completion(dispatcher: &Dispatcher, learn: Learn, form: Answe
             answer: if cached.is_some() { None } else { Some(&answer) },
         }),
         response: cached.map(|key| (key, &answer[..])),
+        prediction: Some(learn.prediction),
     };
     // Too large: leave out the response; then read the answer's text
     // here and carry only that, shortened if need be (its leading
@@ -76,7 +79,12 @@ pub(super) fn push_completion(dispatcher: &Dispatcher, learn: Learn, form: Answe
         }
     }
     if record.encoded_len() > max && form != AnswerForm::Text {
-        text = answer_text(form, &answer).map(|(t, _)| t).unwrap_or_default();
+        let (read, reported) = answer_text(form, &answer).unwrap_or_default();
+        text = read;
+        // The usage goes with the answer's bytes: keep what it reported.
+        if let Some(p) = record.prediction.as_mut() {
+            p.cached_tokens = reported.cached_tokens.map(|n| u32::try_from(n).unwrap_or(u32::MAX - 1));
+        }
         if let Some(c) = record.continuation.as_mut() {
             c.form = AnswerForm::Text.to_byte(learn.chat);
             c.answer = Some(text.as_bytes());

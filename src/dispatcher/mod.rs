@@ -68,6 +68,7 @@
 //! | `route` | one attempt's routing decision (policy, or least load for other routes), the holding policies' check once counted, passive health |
 //! | `proxy` | the attempts of one request: route, send, retry elsewhere on a retryable [`crate::failure::Failure`], then the gateway's headers |
 //! | `relay` | the answer streamed to the client as it arrives, with a copy kept to learn from |
+//! | `usage` | the usage of streamed answers asked for on the client's behalf (`stream_options.include_usage`) and kept from it |
 //! | `learn` | the completion record a finished answer becomes, pushed into this dispatcher's ring |
 //! | `queue` | the gateway queue of the holding policies and its pump |
 //! | `models` | `GET /v1/models`: the live servers' lists merged |
@@ -98,6 +99,7 @@ mod route;
 mod routes;
 mod sse;
 mod timing;
+mod usage;
 
 use std::convert::Infallible;
 use std::future::Future;

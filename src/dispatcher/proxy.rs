@@ -23,7 +23,7 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap};
 use http::{Method, Request, Response, StatusCode, Uri};
 use http_body_util::Full;
-use shm_layout::{ResponseKey, ServerRef};
+use shm_layout::{Prediction, ResponseKey, ServerRef};
 use tokio::time::Sleep;
 
 use super::Dispatcher;
@@ -76,6 +76,9 @@ pub(super) struct InferenceCtx {
     pub model: String,
     /// Its session key, hashed, if the policy uses one and it has one.
     pub session: Option<u64>,
+    /// The gateway asked for the stream's usage, which the client did not
+    /// (see `super::usage`).
+    pub strip_usage: bool,
 }
 
 /// Marks a response whose body is a [`Relay`] (it records its own duration).
@@ -149,6 +152,8 @@ struct Attempts<'d> {
     queued_ms: Option<u64>,
     /// Why the last server was chosen.
     last_reason: Option<Reason>,
+    /// What the last server was expected to hold of the prompt.
+    last_prediction: Prediction,
 }
 
 impl<'d> Attempts<'d> {
@@ -164,6 +169,7 @@ impl<'d> Attempts<'d> {
             dispatch_ns: None,
             queued_ms: None,
             last_reason: None,
+            last_prediction: Prediction::default(),
         }
     }
 
@@ -249,6 +255,7 @@ impl<'d> Attempts<'d> {
             candidates: lookup.candidates.len(),
             degraded: lookup.degraded,
             held: lookup.prefix.blocks_for(server.tag()),
+            predicted: lookup.routing_prefix().blocks_for(server.tag()),
         };
         Ok((chosen, Some(admitted.guard)))
     }
@@ -292,8 +299,18 @@ impl<'d> Attempts<'d> {
             candidates,
             degraded,
             held,
+            predicted,
         } = chosen;
         self.last_reason = Some(reason);
+        self.last_prediction = Prediction {
+            block_size: self
+                .ctx
+                .as_ref()
+                .map_or(0, |c| u32::try_from(c.hasher.block_size()).unwrap_or(u32::MAX)),
+            predicted_blocks: predicted,
+            listed_blocks: held,
+            cached_tokens: None,
+        };
         if self.attempt > 0 {
             dispatcher.metrics().retry();
         }
@@ -377,9 +394,12 @@ impl<'d> Attempts<'d> {
     /// Learning at dispatch: records the prompt's chain (past the `held`
     /// blocks the server was listed for already) and end key for `server`,
     /// which counts the request in flight already (see [`crate::store`]).
-    /// False for a request that is not inference.
+    /// False for a request that is not inference, or when
+    /// `learn_at_dispatch` is off.
     fn record_route(&self, server: ServerRef, held: u32) -> bool {
-        let Some(c) = &self.ctx else { return false };
+        let Some(c) = self.ctx.as_ref().filter(|_| self.dispatcher.config().learn_at_dispatch) else {
+            return false;
+        };
         let blocks = &c.chain[(held as usize).min(c.chain.len())..];
         self.dispatcher.store().record_route(server, blocks, c.end_key);
         self.dispatcher.metrics().learned_at_dispatch(blocks.len());
@@ -461,6 +481,7 @@ impl<'d> Attempts<'d> {
                 hasher: c.hasher,
                 cache_key: c.store_key.filter(|_| parts.status == StatusCode::OK),
                 chat: c.endpoint == Endpoint::ChatCompletions,
+                prediction: self.last_prediction,
             }),
             _ => None,
         };
@@ -478,7 +499,16 @@ impl<'d> Attempts<'d> {
             address,
             guard,
         };
-        let relay = Relay::new(dispatcher.clone(), upstream, deadline, learn, sse, relay_timer);
+        let strip_usage = self.ctx.as_ref().is_some_and(|c| c.strip_usage);
+        let relay = Relay::new(
+            dispatcher.clone(),
+            upstream,
+            deadline,
+            learn,
+            sse,
+            relay_timer,
+            strip_usage,
+        );
         let mut response = Response::new(relay.boxed());
         response.extensions_mut().insert(Relayed);
         *response.status_mut() = parts.status;

@@ -24,6 +24,11 @@
 //! as it passes (its text goes into the record instead), and an answer too
 //! large for a record is read when it ends.
 //!
+//! A streamed answer whose usage the gateway asked for on the client's
+//! behalf is passed through a [`UsageStrip`], which takes out what the
+//! client did not ask for ([`super::usage`]); the copy kept to learn from
+//! has it.
+//!
 //! For an inference request the relay also records the gateway's latency
 //! metrics ([`RelayTimer`]): TTFT when the first body frame is handed to
 //! the client, the request's duration when the relay ends (body done,
@@ -44,6 +49,7 @@ use super::http::{Body, BoxError};
 use super::inflight::InflightGuard;
 use super::learn::{Learn, push_completion};
 use super::route::{passive_failure, passive_success};
+use super::usage::UsageStrip;
 use crate::answer::{AnswerForm, EventStreamText};
 use crate::failure::Failure;
 
@@ -163,12 +169,16 @@ pub(super) struct Relay {
     learn: Option<Learn>,
     finished: bool,
     timer: Option<RelayTimer>,
+    /// Takes the usage the client did not ask for out of the stream.
+    strip: Option<UsageStrip>,
 }
 
 impl Relay {
     /// Relays `upstream` until `deadline` fires; `learn` (for a 2xx
     /// inference answer) makes a completion record when it ends; `sse`
-    /// tells how to read the answer; `timer` records its latency metrics.
+    /// tells how to read the answer; `timer` records its latency metrics;
+    /// `strip_usage`: the gateway asked for the stream's usage, which the
+    /// client did not.
     pub fn new(
         dispatcher: Arc<Dispatcher>,
         upstream: Upstream,
@@ -176,6 +186,7 @@ impl Relay {
         learn: Option<Learn>,
         sse: bool,
         timer: Option<RelayTimer>,
+        strip_usage: bool,
     ) -> Self {
         let capture = learn.as_ref().map(|learn| {
             if sse {
@@ -207,6 +218,7 @@ impl Relay {
             learn,
             finished: false,
             timer,
+            strip: (sse && strip_usage).then(UsageStrip::default),
         }
     }
 
@@ -254,23 +266,90 @@ impl HttpBody for Relay {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        if this.finished {
-            return Poll::Ready(None);
+        loop {
+            if this.finished {
+                return Poll::Ready(None);
+            }
+            let polled = Pin::new(&mut this.inner).poll_frame(cx);
+            if let Some(strip) = this.strip.as_mut() {
+                // Frames are passed on less the usage; a frame with nothing
+                // left for the client is not sent (the next one is awaited).
+                let frame = match polled {
+                    Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                        Ok(data) => {
+                            let mut out = strip.feed(&data);
+                            let ending = this.inner.is_end_stream();
+                            if ending {
+                                out = [out, strip.finish()].concat().into();
+                            }
+                            this.passed(&data);
+                            if ending {
+                                this.end();
+                            }
+                            if out.is_empty() && !ending {
+                                continue;
+                            }
+                            Poll::Ready(Some(Ok(Frame::data(out))))
+                        }
+                        Err(frame) => Poll::Ready(Some(Ok(frame))),
+                    },
+                    Poll::Ready(None) => {
+                        let rest = strip.finish();
+                        this.end();
+                        if rest.is_empty() {
+                            Poll::Ready(None)
+                        } else {
+                            Poll::Ready(Some(Ok(Frame::data(rest))))
+                        }
+                    }
+                    other => this.unstripped(other, cx),
+                };
+                return frame;
+            }
+            return this.unstripped(polled, cx);
         }
-        match Pin::new(&mut this.inner).poll_frame(cx) {
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.finished
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.strip.is_some() {
+            return SizeHint::default();
+        }
+        self.inner.size_hint()
+    }
+}
+
+impl Relay {
+    /// The bookkeeping of a data frame from upstream: first token, TTFT,
+    /// the copy kept to learn from.
+    fn passed(&mut self, data: &[u8]) {
+        if let Some(t) = self.timer.as_mut() {
+            t.frame();
+        }
+        // The first data frame carries the first token (vLLM and SGLang
+        // send nothing on a stream before it).
+        if let Some(g) = self.guard.as_mut() {
+            g.first_token();
+        }
+        if let Some(capture) = self.capture.as_mut() {
+            capture.feed(data);
+        }
+    }
+
+    /// A polled upstream frame relayed as it is.
+    fn unstripped(
+        &mut self,
+        polled: Poll<Option<Result<Frame<Bytes>, hyper::Error>>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self;
+        match polled {
             Poll::Ready(Some(Ok(frame))) => {
-                if frame.is_data() {
-                    if let Some(t) = this.timer.as_mut() {
-                        t.frame();
-                    }
-                    // The first data frame carries the first token (vLLM
-                    // and SGLang send nothing on a stream before it).
-                    if let Some(g) = this.guard.as_mut() {
-                        g.first_token();
-                    }
-                }
-                if let (Some(capture), Some(data)) = (this.capture.as_mut(), frame.data_ref()) {
-                    capture.feed(data);
+                if let Some(data) = frame.data_ref() {
+                    this.passed(data);
                 }
                 // With a Content-Length, hyper stops polling once that many
                 // bytes are out: the end is seen here, not as `None`.
@@ -295,13 +374,5 @@ impl HttpBody for Relay {
                 Poll::Pending
             }
         }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.finished
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }

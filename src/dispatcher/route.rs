@@ -63,6 +63,9 @@ pub(super) struct Chosen {
     /// Leading blocks of the prompt the table listed the server for (what
     /// learning at dispatch need not write, and must not take back).
     pub held: u32,
+    /// Leading blocks the server was expected to hold: `held`, raised by a
+    /// continued conversation's credit.
+    pub predicted: u32,
 }
 
 /// The store's answer for one decision (counted when degraded).
@@ -179,6 +182,7 @@ pub(super) async fn choose(
                 candidates: lookup.candidates.len(),
                 degraded: lookup.degraded,
                 held: lookup.prefix.blocks_for(server.tag()),
+                predicted: prefix.blocks_for(server.tag()),
             },
             guard,
         );

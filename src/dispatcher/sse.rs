@@ -110,7 +110,7 @@ mod tests {
         assert_eq!(ev[2]["usage"]["completion_tokens"], 2);
         let read = crate::answer::answer_text(crate::answer::AnswerForm::EventStream, &body);
         assert_eq!(
-            read,
+            read.map(|(text, r)| (text, r.completion_tokens)),
             Some((" hi there".to_owned(), Some(2))),
             "a replay reads back as the answer"
         );
@@ -128,6 +128,6 @@ mod tests {
         assert_eq!(ev[0]["choices"][0]["text"], " a b");
         assert!(ev[0].get("usage").is_none());
         let read = crate::answer::answer_text(crate::answer::AnswerForm::EventStream, &body);
-        assert_eq!(read, Some((" a b".to_owned(), None)));
+        assert_eq!(read, Some((" a b".to_owned(), crate::answer::Reported::default())));
     }
 }

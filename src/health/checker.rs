@@ -23,6 +23,14 @@
 //!
 //! Transitions are logged (`tracing` events), as are a server's scrapes starting or
 //! stopping to fail (once each, not every interval).
+//!
+//! A server that comes back `Up` after being `Down` has most likely
+//! restarted, and an engine that restarts starts with an empty prefix
+//! cache: the checker forgets it in every entry of the segment's prefix
+//! table at once ([`shm_layout::PrefixTable::remove_server`]) instead of
+//! letting requests go there on the strength of entries it no longer
+//! backs. (With `--store redis` the entries are in Redis; there the
+//! response processes forget a server once its engine reports the loss.)
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -251,13 +259,17 @@ impl Checker {
                             info.address,
                             transition.after
                         ),
-                        Ok(()) => tracing::info!(
-                            backend = %info.address,
-                            successes = transition.after,
-                            "backend {} is up again: {} health checks in a row passed",
-                            info.address,
-                            transition.after
-                        ),
+                        Ok(()) => {
+                            let forgotten = self.segment.tables().prefix.remove_server(info.server.tag());
+                            tracing::info!(
+                                backend = %info.address,
+                                successes = transition.after,
+                                forgotten,
+                                "backend {} is up again: {} health checks in a row passed; its {forgotten} prefix entries are forgotten (a restarted engine's cache is empty)",
+                                info.address,
+                                transition.after
+                            );
+                        }
                     }
                 }
             }

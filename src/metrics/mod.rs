@@ -52,7 +52,7 @@ mod render;
 #[cfg(test)]
 mod tests;
 
-pub use record::{Metrics, ServerGauges, cache_total, responder_records, upstream_total};
+pub use record::{Metrics, ServerGauges, cache_total, prediction_total, responder_records, upstream_total};
 pub use render::Snapshot;
 
 /// The `endpoint` label of `semlb_requests_total`.
@@ -219,7 +219,14 @@ const LEARN_RECORDED: usize = LEARN;
 const LEARN_TAKEN_BACK: usize = LEARN + 1;
 const LEARN_BLOCKS: usize = LEARN + 2;
 const CONTINUED: usize = LEARN + 3;
-const END: usize = LEARN + 4;
+/// Per server slot, what the routing predicted against what the engine
+/// reported: predicted prompt tokens, of those found cached, requests with
+/// a clear shortfall (three words per slot).
+const PREDICTION: usize = LEARN + 4;
+const PREDICTION_WORDS: usize = 3;
+/// Times a server's prefix entries were forgotten (its cache was lost).
+const FORGOTTEN: usize = PREDICTION + SERVERS * PREDICTION_WORDS;
+const END: usize = FORGOTTEN + 1;
 const _: () = assert!(END <= STAT_WORDS, "the metrics outgrew a stats block");
 
 /// What the response cache did for an inference request.

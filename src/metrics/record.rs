@@ -70,6 +70,24 @@ impl<'a> Metrics<'a> {
         self.add(CONTINUED, 1);
     }
 
+    /// A request to the server in `slot` predicted to find `predicted`
+    /// prompt tokens cached whose engine reported `cached`; `short`: clearly
+    /// fewer than predicted.
+    pub fn prediction(&self, slot: u16, predicted: u64, cached: u64, short: bool) {
+        let slot = usize::from(slot);
+        if slot < SERVERS {
+            let base = PREDICTION + slot * PREDICTION_WORDS;
+            self.add(base, predicted);
+            self.add(base + 1, cached.min(predicted));
+            self.add(base + 2, u64::from(short));
+        }
+    }
+
+    /// A server's prefix entries were forgotten: its engine lost its cache.
+    pub fn forgotten(&self) {
+        self.add(FORGOTTEN, 1);
+    }
+
     /// One store lookup answered by the fallback.
     pub fn degraded_lookup(&self) {
         self.add(DEGRADED, 1);
@@ -186,6 +204,18 @@ pub fn upstream_total(counters: &[u64], slot: u16) -> (u64, u64) {
     let at = UPSTREAM + usize::from(slot) * 2;
     let get = |i: usize| counters.get(i).copied().unwrap_or(0);
     (get(at), get(at + 1))
+}
+
+/// The prediction figures of server `slot` in `counters` (summed stats
+/// words): predicted prompt tokens, of those confirmed by the engine,
+/// requests with a clear shortfall.
+pub fn prediction_total(counters: &[u64], slot: u16) -> (u64, u64, u64) {
+    if usize::from(slot) >= SERVERS {
+        return (0, 0, 0);
+    }
+    let at = PREDICTION + usize::from(slot) * PREDICTION_WORDS;
+    let get = |i: usize| counters.get(i).copied().unwrap_or(0);
+    (get(at), get(at + 1), get(at + 2))
 }
 
 /// A response-cache result's count in `counters` (summed stats words).

@@ -108,6 +108,35 @@ impl Snapshot {
             }
         }
 
+        let per_server = [
+            (
+                "semlb_prefix_predicted_tokens_total",
+                "Prompt tokens the routing expected a server to hold in its prefix cache, over the requests whose engine reported its cached tokens.",
+            ),
+            (
+                "semlb_prefix_confirmed_tokens_total",
+                "Of the predicted prompt tokens, those the engine reported it found cached (prediction accuracy = confirmed / predicted).",
+            ),
+            (
+                "semlb_prefix_shortfalls_total",
+                "Requests whose engine reported clearly fewer cached prompt tokens than predicted.",
+            ),
+        ];
+        for (k, (name, help)) in per_server.into_iter().enumerate() {
+            family(o, name, "counter", help);
+            for s in &self.servers {
+                let n = self.counter(PREDICTION + usize::from(s.slot) * PREDICTION_WORDS + k);
+                sample(o, name, &[("server", &s.address)], n);
+            }
+        }
+        family(
+            o,
+            "semlb_prefix_servers_forgotten_total",
+            "counter",
+            "Times a server's prefix entries were all forgotten because its engine reported that it lost its cache (flushed or restarted).",
+        );
+        sample(o, "semlb_prefix_servers_forgotten_total", &[], self.counter(FORGOTTEN));
+
         family(
             o,
             "semlb_response_cache_total",

@@ -108,6 +108,31 @@ fn recording_sums_over_processes() {
 }
 
 #[test]
+fn predictions_are_counted_per_server_over_processes() {
+    let seg = Segment::heap(&LayoutPlan::for_size(8 << 20).unwrap());
+    let t = seg.tables();
+    let server = t.servers.register(3, "http://e", 0).unwrap();
+    t.servers.set_state(server, shm_layout::ServerState::Up);
+    let (a, b) = (Metrics::new(t.stats, 1), Metrics::new(t.stats, 2));
+    let slot = server.slot;
+    a.prediction(slot, 64, 64, false);
+    b.prediction(slot, 48, 0, true);
+    b.prediction(slot, 32, 80, false);
+    b.forgotten();
+    let text = Snapshot::collect(&t, 0, 1000).render();
+    for line in [
+        "semlb_prefix_predicted_tokens_total{server=\"http://e\"} 144\n",
+        "semlb_prefix_confirmed_tokens_total{server=\"http://e\"} 96\n",
+        "semlb_prefix_shortfalls_total{server=\"http://e\"} 1\n",
+        "semlb_prefix_servers_forgotten_total 1\n",
+    ] {
+        assert!(text.contains(line), "{line} in\n{text}");
+    }
+    let counters = t.stats.sum_all();
+    assert_eq!(prediction_total(&counters, slot), (144, 96, 1));
+}
+
+#[test]
 fn renders_exact_text_for_a_fixture() {
     let mut s = empty();
     s.counters[REQUESTS + EndpointLabel::ChatCompletions as usize * CODE_LABELS.len() + code_index(200)] = 3;

@@ -206,6 +206,11 @@ pub trait WriteBack: fmt::Debug {
     /// that cannot be reached keeps the records (bounded) and writes them
     /// on a later call.
     fn write(&mut self, batch: &[Completion], now: Stamp, now_ms: u64, stats: &mut WriteStats);
+
+    /// Forgets `server` in every prefix entry: its engine lost its cache
+    /// (flushed, restarted). Returns how many entries listed it; 0 when the
+    /// store cannot be reached (its entries then age out).
+    fn forget_server(&mut self, server: ServerRef) -> u64;
 }
 
 /// The blocks of a record's full chain that its prompt chain does not

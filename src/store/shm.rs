@@ -136,6 +136,10 @@ impl WriteBack for ShmWriteBack<'_> {
         StoreKind::Shm
     }
 
+    fn forget_server(&mut self, server: ServerRef) -> u64 {
+        self.tables.prefix.remove_server(server.tag())
+    }
+
     fn write(&mut self, batch: &[Completion], now: Stamp, now_ms: u64, stats: &mut WriteStats) {
         let prefix = &self.tables.prefix;
         for record in batch {

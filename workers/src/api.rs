@@ -129,6 +129,18 @@ impl ApiError {
         }
     }
 
+    /// 409 for an operation the engine cannot do in its current state
+    /// (resetting the prefix cache while requests hold blocks).
+    pub fn busy(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::CONFLICT,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("busy"),
+        }
+    }
+
     /// 405 for a known path with the wrong method.
     pub fn method_not_allowed(method: &str, path: &str) -> Self {
         Self {

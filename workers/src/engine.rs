@@ -312,6 +312,12 @@ impl Engine {
         Ok(EngineStream { rx })
     }
 
+    /// Empties the prefix cache (vLLM's `/reset_prefix_cache`); false, and
+    /// nothing changed, while a running request holds blocks.
+    pub fn reset_prefix_cache(&self) -> bool {
+        self.inner.shared.lock().cache.reset()
+    }
+
     /// A snapshot of the state and counters, taken under one lock.
     ///
     /// `waiting` may include requests aborted since the last step boundary

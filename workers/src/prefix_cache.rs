@@ -233,6 +233,25 @@ impl PrefixCache {
         self.cached.len() as u64
     }
 
+    /// Forgets every cached block, as vLLM's `reset_prefix_cache` does:
+    /// only when no request holds a block (vLLM refuses otherwise, and so
+    /// does this: false, nothing changed).
+    pub fn reset(&mut self) -> bool {
+        if self.referenced > 0 {
+            return false;
+        }
+        for (b, block) in self.blocks.iter_mut().enumerate() {
+            if block.hash.take().is_some() {
+                block.prev = NIL;
+                block.next = NIL;
+                self.free.push(b);
+            }
+        }
+        self.cached.clear();
+        (self.lru_head, self.lru_tail, self.lru_len) = (NIL, NIL, 0);
+        true
+    }
+
     /// Whether a block is registered under `hash`.
     pub fn contains(&self, hash: BlockHash) -> bool {
         self.cached.contains_key(&hash)
@@ -615,6 +634,25 @@ mod tests {
         assert_eq!(c.referenced_blocks(), 0);
         assert_eq!(c.evictable_blocks(), 3);
         assert_eq!(c.free_blocks(), 16 - 3);
+    }
+
+    #[test]
+    fn a_reset_forgets_every_cached_block_but_not_while_one_is_held() {
+        let mut c = PrefixCache::new(BS, 8);
+        let t = toks(0, 12);
+        let h = hashes(&t);
+        let a = c.allocate(&h, t.len(), t.len()).expect("fits");
+        assert!(!c.reset(), "a block is held");
+        c.release(a, &h, t.len());
+        assert_eq!(c.lookup(&h, 13), 3);
+        assert!(c.reset());
+        assert_eq!((c.lookup(&h, 13), c.cached_blocks(), c.evictable_blocks()), (0, 0, 0));
+        // All eight blocks can be used again.
+        let u = toks(100, 32);
+        let hu = hashes(&u);
+        let a = c.allocate(&hu, u.len(), u.len()).expect("every block is free");
+        c.release(a, &hu, u.len());
+        assert_eq!(c.lookup(&hu, 33), 8);
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! | `GET /v1/models` | the OpenAI model list with the one served model |
 //! | `GET /health` | 200 with an empty body, as vLLM |
 //! | `GET /metrics` | the Prometheus exposition (see [`crate::metrics`]) |
+//! | `POST /reset_prefix_cache` | empties the prefix cache, as vLLM's: 200; 409 `busy` while requests hold blocks (vLLM then only logs that it could not) |
 //!
 //! Other methods on these paths get 405 (with `Allow`), other paths 404,
 //! both with an OpenAI error body.
@@ -252,7 +253,7 @@ impl Drop for Completion {
 /// The paths the server knows, and the method each takes.
 fn allowed_method(path: &str) -> Option<&'static str> {
     match path {
-        "/v1/completions" | "/v1/chat/completions" => Some("POST"),
+        "/v1/completions" | "/v1/chat/completions" | "/reset_prefix_cache" => Some("POST"),
         "/v1/models" | "/health" | "/metrics" => Some("GET"),
         _ => None,
     }
@@ -296,6 +297,12 @@ async fn handle(sim: Arc<Sim>, request: Request<Incoming>) -> Result<Response<Bo
         }
         (None, Some(_)) => match path.as_str() {
             "/health" => full_response(StatusCode::OK, None, Bytes::new()),
+            "/reset_prefix_cache" if sim.engine.reset_prefix_cache() => {
+                full_response(StatusCode::OK, None, Bytes::new())
+            }
+            "/reset_prefix_cache" => error_response(ApiError::busy(
+                "the prefix cache cannot be reset while requests hold blocks; retry when idle",
+            )),
             "/v1/models" => {
                 let config = sim.engine.config();
                 let body = api::models_body(&config.model_name, sim.started, config.max_model_len);
@@ -581,6 +588,7 @@ mod tests {
         assert_eq!(allowed_method("/v1/completions"), Some("POST"));
         assert_eq!(allowed_method("/v1/chat/completions"), Some("POST"));
         assert_eq!(allowed_method("/metrics"), Some("GET"));
+        assert_eq!(allowed_method("/reset_prefix_cache"), Some("POST"));
         assert_eq!(allowed_method("/health"), Some("GET"));
         assert_eq!(allowed_method("/v1/models"), Some("GET"));
         assert_eq!(allowed_method("/v1/embeddings"), None);

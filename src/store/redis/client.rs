@@ -699,6 +699,36 @@ impl RedisStore {
         Ok(found)
     }
 
+    /// Forgets server `server_slot` in every prefix entry of the namespace
+    /// (its engine lost its cache); returns how many listed it. A `SCAN`
+    /// of the prefix keys, 1 000 at a time, each batch's `HDEL`s in one
+    /// pipeline: a rare operation, not one for the request path.
+    pub fn forget_server(&mut self, server_slot: u16) -> Result<u64, StoreError> {
+        const OP: &str = "forget_server";
+        let pattern = format!("{}:p:*", self.namespace);
+        let mut cursor = 0u64;
+        let mut removed = 0u64;
+        loop {
+            let mut scan = redis::cmd("SCAN");
+            scan.arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000);
+            let (next, keys): (u64, Vec<String>) = self.query(OP, &scan)?;
+            if !keys.is_empty() {
+                let mut pipe = redis::pipe();
+                for key in &keys {
+                    pipe.cmd("HDEL").arg(key).arg(server_slot);
+                }
+                let conn = self.connection()?;
+                let counts: Result<Vec<u64>, RedisError> = pipe.query(conn);
+                self.round_trips += 1;
+                removed += counts.map_err(|e| self.fail(OP, e))?.iter().sum::<u64>();
+            }
+            if next == 0 {
+                return Ok(removed);
+            }
+            cursor = next;
+        }
+    }
+
     /// The cached response for `key`, if present and not expired. One round trip.
     pub fn get_response(&mut self, key: u128) -> Result<Option<Vec<u8>>, StoreError> {
         let mut cmd = redis::cmd("GET");

@@ -657,6 +657,16 @@ impl WriteBack for RedisWriteBack {
         StoreKind::Redis
     }
 
+    fn forget_server(&mut self, server: ServerRef) -> u64 {
+        match self.store().and_then(|s| s.forget_server(server.slot)) {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(process = %self.label, error = %e, "could not forget server slot {} in Redis: {e}", server.slot);
+                0
+            }
+        }
+    }
+
     fn write(&mut self, batch: &[Completion], _now: Stamp, _now_ms: u64, stats: &mut WriteStats) {
         for record in batch {
             self.backlog_bytes += record_bytes(record);
@@ -735,6 +745,7 @@ mod tests {
             continuation: None,
             response_key: (response_bytes > 0).then_some(ResponseKey(u128::from(i))),
             response: vec![b'x'; response_bytes],
+            prediction: None,
         }
     }
 

@@ -108,6 +108,20 @@ pub(crate) async fn stream_request_with(
     headers: &[(&str, String)],
     since: Instant,
 ) -> Outcome {
+    stream_request_keeping(http, addr, path, body, headers, since, None).await
+}
+
+/// [`stream_request_with`], also keeping the stream's bytes in `keep` when
+/// given (an agent reads its answer from them).
+pub(crate) async fn stream_request_keeping(
+    http: &Client<HttpConnector, Full<Bytes>>,
+    addr: &str,
+    path: &str,
+    body: Bytes,
+    headers: &[(&str, String)],
+    since: Instant,
+    mut keep: Option<&mut Vec<u8>>,
+) -> Outcome {
     let mut outcome = Outcome::default();
     let run = async {
         let mut request =
@@ -131,10 +145,13 @@ pub(crate) async fn stream_request_with(
         let mut scan = SseScan::default();
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| format!("body: {e}"))?;
-            if let Some(data) = frame.data_ref()
-                && scan.feed(data)
-            {
-                outcome.ttft = Some(since.elapsed());
+            if let Some(data) = frame.data_ref() {
+                if let Some(keep) = keep.as_deref_mut() {
+                    keep.extend_from_slice(data);
+                }
+                if scan.feed(data) {
+                    outcome.ttft = Some(since.elapsed());
+                }
             }
         }
         outcome.done = scan.done;

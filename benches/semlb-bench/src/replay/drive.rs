@@ -8,20 +8,20 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use semlb::routing::PolicyKind;
+use semlb_test_support::gateway::Gateway;
+use semlb_test_support::process::Proc;
 
 use super::counters::EngineCounters;
+use super::sessions;
 use crate::end_to_end::{
     GatewayError, GatewaySpec, LoadClient, Outcome, Store, start_engines, start_gateway, stream_request_with,
 };
 use crate::output;
-use crate::workload::{Request, Workload};
+use crate::workload::{Request, SESSION_HEADER, Workload, WorkloadKind};
 
 /// Request bodies built before the clock starts, and at most this many
 /// built ahead of the schedule afterwards.
 const PRIMED: usize = 64;
-
-/// The header a request's session id is sent in.
-pub(super) const SESSION_HEADER: &str = "x-session-id";
 
 /// What one run does.
 #[derive(Debug, Clone)]
@@ -110,9 +110,15 @@ pub(super) fn run_once(
     let workload = workload.clone();
     let http = client.http.clone();
     let progress = bar.clone();
+    let t0 = workload.requests.first().map_or(0.0, |r| r.at_s);
+    let real_s = move |at_s: f64| (at_s - t0) / scale;
+    if workload.kind == WorkloadKind::Agents {
+        let sent = client
+            .runtime
+            .block_on(sessions::send(workload, http, addr, real_s, drain, progress));
+        return finish(client, engines, gateway, sent);
+    }
     let (outcomes, wall_s, lag_ms) = client.runtime.block_on(async move {
-        let t0 = workload.requests.first().map_or(0.0, |r| r.at_s);
-        let real_s = move |at_s: f64| (at_s - t0) / scale;
         // Bodies are built ahead on a thread of their own, so that bursts of
         // simultaneous arrivals are not delayed by building them; the first
         // ones before the clock starts (traces start with a burst).
@@ -196,6 +202,17 @@ pub(super) fn run_once(
             [output::quantile(&l, 0.99), l.last().copied().unwrap_or(0.0)],
         )
     });
+    finish(client, engines, gateway, (outcomes, wall_s, lag_ms))
+}
+
+/// The run's result: what was sent, and every engine's counters read
+/// before the gateway and the engines are stopped.
+fn finish(
+    client: &LoadClient,
+    engines: Vec<Proc>,
+    gateway: Gateway,
+    (outcomes, wall_s, lag_ms): sessions::Sent,
+) -> Result<RunResult> {
     // The engines' counters, straight from each engine.
     let mut counters = Vec::with_capacity(engines.len());
     for e in &engines {

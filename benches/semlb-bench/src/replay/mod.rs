@@ -3,15 +3,19 @@
 //!
 //! # Workloads
 //!
-//! `--workloads` (default all three, see [`workload`](super::workload)):
+//! `--workloads` (default all four, see [`workload`](super::workload)):
 //!
 //! | workload | requests | sessions | default speedup | default duration | default TTFT SLO |
 //! | --- | --- | --- | --- | --- | --- |
 //! | `mooncake` | the Mooncake conversation trace ([`mooncake`]): ~3 req/s, ~12 000-token prompts sharing 512-token blocks, ~58 % of the prefill capacity with perfect reuse | no | 20 | 600 s | 10 s |
 //! | `hh-rlhf` | HH-RLHF chats ([`hh_rlhf`]): 90 conversations/s (`--hh-rlhf-rate`), ~220 req/s of ~100-token prompts, ~55 % of the prefill capacity without reuse | yes | 1 | 20 s | 1 s |
 //! | `hot-prefix` | agent sessions on six hot system prompts ([`hot_prefix`]): 4.5 sessions/s (`--hot-prefix-rate`), ~16 req/s of ~5 900-token prompts, ~70 % of the prefill capacity with the system prompts cached | yes | 4 | 120 s | 2 s |
+//! | `agents` | closed-loop agent sessions of 5–20 chat calls on four shared system prompts ([`agents`]), each call sent the instant the previous answer ends: 1.5 sessions/s (`--agents-rate`), ~19 calls/s, 18 % of the prefill capacity when every session stays on one engine, 235 % when none does | yes | 2 | 60 s | 1 s |
 //!
-//! Every request is a streaming `/v1/completions` request whose `prompt` is
+//! Every request but the `agents` calls (streaming chat requests whose
+//! history holds the engine's real answers, `temperature` 1, `ignore_eos`,
+//! `max_tokens` = the call's output; see [`agents`]) is a streaming
+//! `/v1/completions` request whose `prompt` is
 //! the array of token ids (the gateway and the simulator take token-id
 //! prompts as they are), with `max_tokens` = its output length (capped by
 //! `--max-output`), `ignore_eos` (the engine generates exactly that many
@@ -60,6 +64,9 @@
 //! # Runs, SLO attainment and goodput
 //!
 //! Each policy of [`PolicyKind::ALL`] (or `--policies a,b`) is a row;
+//! `--compare-learning` adds a `policy/write-back-only` row per policy,
+//! the gateway with `learn_at_dispatch = false` (learning left to the
+//! response processes, as before learning at dispatch existed);
 //! `selective_push` gives two more: `selective_push/unstarted` (its strict
 //! mode) and `selective_push/max8`, its fixed-cap mode (`max_outstanding`
 //! requests in flight per engine, `--max-outstanding 8`; 0 drops the row),
@@ -92,7 +99,9 @@
 //! deviation / mean) across engines of their **prefill busy time**, i.e.
 //! uncached prompt tokens (`prompt_tokens − prefix_cache_hits`) divided by
 //! the common prefill rate, and of requests served
-//! (`vllm:request_success_total`); errors.
+//! (`vllm:request_success_total`); for workloads with sessions, the share
+//! of a session's answered requests sent to the engine that answered its
+//! previous one (`same engine`); errors.
 //!
 //! # Run time
 //!
@@ -119,6 +128,7 @@
 mod counters;
 mod drive;
 mod gateway_config;
+mod sessions;
 mod stats;
 
 use std::path::PathBuf;
@@ -137,6 +147,7 @@ use super::dispatch_path::{PROMPTS_FILE, TOKENIZER_FILE};
 use super::end_to_end::{LoadClient, ms, p50_90_99, read_dialogues};
 use super::output::{self, Table};
 use super::plot::{self, Line, Panel, Series};
+use super::workload::agents::{self, AgentsParams};
 use super::workload::hh_rlhf::{self, HhRlhfParams};
 use super::workload::hot_prefix::{self, HotPrefixParams};
 use super::workload::{MAX_MODEL_LEN, Workload, WorkloadKind, engine_prefill_tokens_per_s, mooncake};
@@ -147,7 +158,7 @@ pub struct ReplayArgs {
     /// Common flags.
     #[command(flatten)]
     pub common: Common,
-    /// Workloads to replay, comma-separated [default: all: mooncake,hh-rlhf,hot-prefix].
+    /// Workloads to replay, comma-separated [default: all: mooncake,hh-rlhf,hot-prefix,agents].
     #[arg(long, value_name = "LIST", value_delimiter = ',', value_enum)]
     pub workloads: Vec<WorkloadKind>,
     /// The Mooncake trace [default: <data>/traces/conversation_trace.jsonl].
@@ -191,6 +202,13 @@ pub struct ReplayArgs {
     /// New `hot-prefix` sessions per trace second.
     #[arg(long, value_name = "R", default_value_t = 4.5)]
     pub hot_prefix_rate: f64,
+    /// New `agents` sessions per trace second.
+    #[arg(long, value_name = "R", default_value_t = 1.5)]
+    pub agents_rate: f64,
+    /// Also replay each policy with `learn_at_dispatch = false` (a
+    /// `policy/write-back-only` row).
+    #[arg(long)]
+    pub compare_learning: bool,
     /// Cap on a request's output tokens.
     #[arg(long, value_name = "N", default_value_t = 2048)]
     pub max_output: u32,
@@ -223,6 +241,8 @@ impl ReplayArgs {
             sweep: vec![0.5, 1.0, 1.5, 2.0],
             hh_rlhf_rate: 90.0,
             hot_prefix_rate: 4.5,
+            agents_rate: 1.5,
+            compare_learning: false,
             max_output: 2048,
             dispatchers: 2,
             drain_secs: 30.0,
@@ -236,6 +256,7 @@ impl ReplayArgs {
             WorkloadKind::Mooncake => (20.0, 600.0, 10.0),
             WorkloadKind::HhRlhf => (1.0, 20.0, 1.0),
             WorkloadKind::HotPrefix => (4.0, 120.0, 2.0),
+            WorkloadKind::Agents => (2.0, 60.0, 1.0),
         };
         Setting {
             speedup: self.speedup.unwrap_or(speedup),
@@ -306,6 +327,9 @@ struct Arm {
     label: String,
     /// TOML appended to the run's gateway configuration.
     config: String,
+    /// Top-level keys put before it (a key after a table header would
+    /// belong to that table).
+    top: String,
 }
 
 impl Arm {
@@ -313,17 +337,27 @@ impl Arm {
     /// `selective_push`, its strict `unstarted` mode and (with
     /// `max_outstanding > 0`) its fixed-cap mode (the SkyLB paper's
     /// comparison).
-    fn of(kind: PolicyKind, max_outstanding: u64) -> Vec<Arm> {
+    fn of(kind: PolicyKind, max_outstanding: u64, compare_learning: bool) -> Vec<Arm> {
         let mut arms = vec![Arm {
             kind,
             label: kind.name().to_owned(),
             config: String::new(),
+            top: String::new(),
         }];
+        if compare_learning {
+            arms.push(Arm {
+                kind,
+                label: format!("{kind}/write-back-only"),
+                config: String::new(),
+                top: "learn_at_dispatch = false\n".to_owned(),
+            });
+        }
         if kind == PolicyKind::SelectivePush {
             arms.push(Arm {
                 kind,
                 label: format!("{kind}/unstarted"),
                 config: "\n[policy.selective_push]\nmode = \"unstarted\"\n".to_owned(),
+                top: String::new(),
             });
         }
         if kind == PolicyKind::SelectivePush && max_outstanding > 0 {
@@ -333,6 +367,7 @@ impl Arm {
                 config: format!(
                     "\n[policy.selective_push]\nmode = \"max_outstanding\"\nmax_outstanding = {max_outstanding}\n"
                 ),
+                top: String::new(),
             });
         }
         arms
@@ -422,6 +457,12 @@ fn load_workload(args: &ReplayArgs, kind: WorkloadKind, setting: &Setting) -> Re
             max_output: args.max_output,
             seed: args.seed,
         }),
+        WorkloadKind::Agents => agents::build(&AgentsParams {
+            sessions_per_s: args.agents_rate,
+            duration_s: setting.duration_s,
+            max_output: args.max_output,
+            seed: args.seed,
+        }),
     };
     if let Some(n) = args.limit {
         workload.requests.truncate(n);
@@ -444,11 +485,12 @@ fn run_workload(
     let workload = Arc::new(workload);
     let config = gateway_config::gateway_config(setting.speedup, setting.ttft_slo_s);
     let n = workload.requests.len() as u64;
+    let sessions: Vec<Option<u64>> = workload.requests.iter().map(|r| r.session).collect();
     let bar = output::progress(0, workload.kind.name());
     let base_rate = workload.offered_rate();
     let arms: Vec<Arm> = policies
         .iter()
-        .flat_map(|&k| Arm::of(k, args.max_outstanding))
+        .flat_map(|&k| Arm::of(k, args.max_outstanding, args.compare_learning))
         .collect();
     let mut reports = Vec::with_capacity(arms.len());
     for arm in arms {
@@ -463,10 +505,10 @@ fn run_workload(
                 speedup: setting.speedup,
                 multiplier: multipliers[i],
                 drain_secs: args.drain_secs,
-                config: format!("{config}{}", arm.config),
+                config: format!("{}{config}{}", arm.top, arm.config),
             };
             let run = run_once(&spec, &workload, client, &bar)?;
-            let stats = RunStats::of(&run, setting.speedup, setting.ttft_slo_s);
+            let stats = RunStats::of(&run, &sessions, setting.speedup, setting.ttft_slo_s);
             let pass = stats.attainment >= GOODPUT_ATTAINMENT;
             points.push(Point {
                 multiplier: multipliers[i],
@@ -513,6 +555,7 @@ fn print_report(args: &ReplayArgs, report: &WorkloadReport, multipliers: &[f64])
         "prefix hit rate",
         "prefill CV",
         "requests CV",
+        "same engine",
         "errors",
     ]);
     for p in &report.policies {
@@ -536,6 +579,8 @@ fn print_report(args: &ReplayArgs, report: &WorkloadReport, multipliers: &[f64])
             format!("{:.1}%", s.hit_rate * 100.0),
             format!("{:.3}", s.cv_prefill),
             format!("{:.3}", s.cv_requests),
+            s.same_engine
+                .map_or_else(|| "-".to_owned(), |f| format!("{:.1}%", f * 100.0)),
             s.errors.to_string(),
         ]);
     }
@@ -565,7 +610,7 @@ fn print_report(args: &ReplayArgs, report: &WorkloadReport, multipliers: &[f64])
         "req/s, TTFT, SLO attainment, prefix hit rate and CVs from the ×1 run. SLO att.: share of all requests with \
          TTFT <= {} s (errors miss); goodput: highest offered rate (req/s) with >= {:.0}% attainment; prefix hit \
          rate: Σ hits / Σ queries (tokens) over the engines; prefill CV: coefficient of variation across engines of \
-         uncached prompt tokens (prefill busy time); requests CV: of requests served.",
+         uncached prompt tokens (prefill busy time); requests CV: of requests served; same engine: of the answered requests following an answered request of their session, the share sent to the same engine.",
         report.setting.ttft_slo_s,
         GOODPUT_ATTAINMENT * 100.0
     );
@@ -614,6 +659,7 @@ fn report_json(report: &WorkloadReport, multipliers: &[f64]) -> Value {
                         "prefix_cache_hit_rate": s.hit_rate,
                         "imbalance_cv_prefill_busy": s.cv_prefill,
                         "imbalance_cv_requests": s.cv_requests,
+                        "same_engine_share": s.same_engine,
                         "wall_s": q.run.wall_s,
                         "generator_lag_ms": {"p99": q.run.lag_ms[0], "max": q.run.lag_ms[1]},
                         "engines": q.run.engines.iter().map(|e| json!({

@@ -47,6 +47,24 @@ pub(super) fn goodput(points: &[(f64, f64)]) -> Option<f64> {
         .max_by(f64::total_cmp)
 }
 
+/// Of the answered requests that follow an answered request of their
+/// session, the share that went to the same engine (`None` when no
+/// request does).
+fn same_engine(outcomes: &[(Outcome, u32)], sessions: &[Option<u64>]) -> Option<f64> {
+    let mut previous: std::collections::HashMap<u64, &str> = std::collections::HashMap::new();
+    let (mut same, mut pairs) = (0usize, 0usize);
+    for ((o, _), session) in outcomes.iter().zip(sessions) {
+        let (Some(session), Some(backend), true) = (session, o.backend.as_deref(), o.ok()) else {
+            continue;
+        };
+        if let Some(before) = previous.insert(*session, backend) {
+            pairs += 1;
+            same += usize::from(before == backend);
+        }
+    }
+    (pairs > 0).then(|| same as f64 / pairs as f64)
+}
+
 /// The figures of a [`RunResult`], in trace time.
 #[derive(Debug, Default)]
 pub(super) struct RunStats {
@@ -60,13 +78,18 @@ pub(super) struct RunStats {
     pub(super) hit_rate: f64,
     pub(super) cv_prefill: f64,
     pub(super) cv_requests: f64,
+    /// Of the answered requests of a session after its first, the share
+    /// sent to the engine that answered the session's previous request
+    /// (`None` without sessions).
+    pub(super) same_engine: Option<f64>,
     pub(super) first_error: Option<String>,
 }
 
 impl RunStats {
     /// The figures of `run` at `speedup` with a TTFT objective of `slo_s`
     /// trace seconds.
-    pub(super) fn of(run: &RunResult, speedup: f64, slo_s: f64) -> Self {
+    /// `sessions`: each request's session, in the outcomes' order.
+    pub(super) fn of(run: &RunResult, sessions: &[Option<u64>], speedup: f64, slo_s: f64) -> Self {
         let ok: Vec<&(Outcome, u32)> = run.outcomes.iter().filter(|(o, _)| o.ok()).collect();
         let trace_s = run.wall_s * speedup;
         let (hits, queries) = run
@@ -88,6 +111,7 @@ impl RunStats {
             hit_rate: if queries > 0.0 { hits / queries } else { 0.0 },
             cv_prefill: coefficient_of_variation(&run.engines.iter().map(EngineCounters::uncached).collect::<Vec<_>>()),
             cv_requests: coefficient_of_variation(&run.engines.iter().map(|e| e.requests).collect::<Vec<_>>()),
+            same_engine: same_engine(&run.outcomes, sessions),
             first_error: run.outcomes.iter().find_map(|(o, _)| o.error.clone()),
         }
     }
@@ -125,6 +149,26 @@ mod tests {
         assert_eq!(slo_attainment(&outcomes, 1.0, 20.0), 0.5);
         assert_eq!(slo_attainment(&outcomes, 2.0, 20.0), 0.75);
         assert_eq!(slo_attainment(&[], 2.0, 20.0), 0.0);
+    }
+
+    #[test]
+    fn same_engine_follows_each_session_in_order() {
+        let on = |backend: &str| {
+            (
+                Outcome {
+                    status: 200,
+                    done: true,
+                    backend: Some(backend.into()),
+                    ..Outcome::default()
+                },
+                1,
+            )
+        };
+        let outcomes = [on("a"), on("b"), on("a"), on("b"), on("c"), on("x")];
+        let sessions = [Some(1), Some(2), Some(1), Some(2), Some(1), None];
+        // Session 1: a, a, c (1 of 2 stayed); session 2: b, b (1 of 1).
+        assert_eq!(same_engine(&outcomes, &sessions), Some(2.0 / 3.0));
+        assert_eq!(same_engine(&outcomes[..2], &sessions[..2]), None);
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! | `mooncake` | [`mooncake`] | the FAST'25 Mooncake conversation trace (long, partly shared prompts; no sessions) |
 //! | `hh-rlhf` | [`hh_rlhf`] | Anthropic HH-RLHF dialogues as Poisson-arriving multi-turn chats (short prompts, one session per conversation) |
 //! | `hot-prefix` | [`hot_prefix`] | a generated agent workload: six long system prompts with Zipf popularity, multi-step sessions |
+//! | `agents` | [`agents`] | closed-loop agent sessions of chat calls, each sent the instant the previous answer ends, on four shared system prompts |
 //!
 //! The multi-turn generators schedule turn k+1 open-loop, at turn k's
 //! arrival plus its *expected* duration on an idle engine
@@ -20,7 +21,11 @@
 //! does not delay the next turn (as in the Mooncake trace, whose arrival
 //! times were recorded, not reacted to), so every policy is offered the same
 //! requests at the same times; the schedule is a function of the seed only.
+//! The `agents` workload is the exception, by design: its calls are chat
+//! requests that carry the engine's earlier answers, sent when the
+//! previous call ends ([`Request::agent`]).
 
+pub mod agents;
 pub mod hh_rlhf;
 pub mod hot_prefix;
 pub mod mooncake;
@@ -31,6 +36,9 @@ use clap::ValueEnum;
 use semlb_workers::config::EngineConfig;
 
 use semlb_test_support::Rng;
+
+/// The header a request's session id is sent in.
+pub const SESSION_HEADER: &str = "x-session-id";
 
 /// The simulator's context limit (`max_model_len` of `semlb __sim`).
 pub const MAX_MODEL_LEN: u32 = 32_768;
@@ -51,6 +59,19 @@ pub struct Request {
     /// The session (conversation, agent run) it belongs to, if the
     /// workload has sessions.
     pub session: Option<u64>,
+    /// A call of a closed-loop agent session (`agents`): a chat request
+    /// built from the session's messages when the previous call ends; its
+    /// `prompt` is then empty.
+    pub agent: Option<agents::AgentCall>,
+}
+
+impl Request {
+    /// Its prompt's tokens (estimated for an agent call).
+    pub fn prompt_tokens(&self) -> usize {
+        self.agent
+            .as_ref()
+            .map_or(self.prompt.len(), |a| a.prompt_tokens as usize)
+    }
 }
 
 /// A workload's requests, in arrival order, and where they come from.
@@ -64,6 +85,8 @@ pub struct Workload {
     pub source: String,
     /// Prompts cut to fit the context.
     pub truncated: usize,
+    /// The system prompts agent calls name ([`agents::AgentCall::system`]).
+    pub systems: Vec<String>,
 }
 
 impl Workload {
@@ -75,6 +98,7 @@ impl Workload {
             requests,
             source,
             truncated,
+            systems: Vec::new(),
         }
     }
 
@@ -93,7 +117,7 @@ impl Workload {
 
     /// Prompt tokens per trace second over [`span_s`](Self::span_s).
     pub fn offered_prompt_tokens_per_s(&self) -> f64 {
-        self.requests.iter().map(|r| r.prompt.len() as f64).sum::<f64>() / self.span_s().max(1e-9)
+        self.requests.iter().map(|r| r.prompt_tokens() as f64).sum::<f64>() / self.span_s().max(1e-9)
     }
 
     /// True when the requests carry session ids.
@@ -111,11 +135,13 @@ pub enum WorkloadKind {
     HhRlhf,
     /// Generated agent sessions on a few hot system prompts.
     HotPrefix,
+    /// Closed-loop agent sessions of chat calls.
+    Agents,
 }
 
 impl WorkloadKind {
     /// Every workload, in report order.
-    pub const ALL: [Self; 3] = [Self::Mooncake, Self::HhRlhf, Self::HotPrefix];
+    pub const ALL: [Self; 4] = [Self::Mooncake, Self::HhRlhf, Self::HotPrefix, Self::Agents];
 
     /// Its name on the command line and in outputs.
     pub const fn name(self) -> &'static str {
@@ -123,6 +149,7 @@ impl WorkloadKind {
             Self::Mooncake => "mooncake",
             Self::HhRlhf => "hh-rlhf",
             Self::HotPrefix => "hot-prefix",
+            Self::Agents => "agents",
         }
     }
 }
@@ -181,6 +208,7 @@ impl Window {
                 prompt: history[..prompt_len as usize].to_vec(),
                 output_tokens,
                 session: Some(session),
+                agent: None,
             });
         }
         output_tokens
@@ -234,6 +262,7 @@ mod tests {
             prompt: vec![1; 10],
             output_tokens: 1,
             session: None,
+            agent: None,
         };
         let w = Workload::new(WorkloadKind::HotPrefix, vec![r(2.0), r(0.0), r(1.0)], String::new(), 0);
         assert_eq!(w.requests.iter().map(|r| r.at_s).collect::<Vec<_>>(), [0.0, 1.0, 2.0]);

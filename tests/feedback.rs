@@ -1,0 +1,192 @@
+//! What engines report corrects the routing state: `semlb serve` in front
+//! of simulated engines that report `usage.prompt_tokens_details.cached_tokens`
+//! as vLLM does, over real HTTP.
+//!
+//! Shown here: the gateway counts, per server, the prompt tokens it
+//! predicted an engine held and those the engine reported cached, and
+//! `semlb status` shows the accuracy; after an engine's prefix cache is
+//! flushed (`POST /reset_prefix_cache`, as on vLLM), two of its reports of
+//! nothing cached make the gateway forget it in every prefix entry, so the
+//! next conversation that lived there is routed on load, not sent back on
+//! the strength of entries the engine no longer backs, and the metrics show
+//! the mismatch.
+
+use std::collections::HashMap;
+
+use serde_json::{Value, json};
+
+use semlb_test_support as support;
+use support::gateway::{Gateway, chat, routed, sample, sim, user};
+use support::http::http;
+use support::process::{Proc, exe};
+
+fn unique(tag: &str) -> String {
+    support::process::unique("feedback", tag)
+}
+
+/// A conversation of its own: a long first message (about 20 blocks).
+fn opening(i: usize) -> Vec<Value> {
+    let text = format!("Conversation {i}: a question about shard {i} of the cluster and its replicas. ").repeat(12);
+    vec![user(&text)]
+}
+
+/// One non-streamed turn: (backend, route, cached_tokens reported).
+fn turn(gw: &Gateway, messages: &[Value]) -> (String, String, u64) {
+    let r = chat(gw.addr(), messages, json!({"max_tokens": 8}), &[]);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .expect("the engine reports cached_tokens");
+    let (backend, route) = routed(&r);
+    (backend, route, cached)
+}
+
+#[test]
+fn a_flushed_engine_is_forgotten_once_it_reports_its_loss() {
+    let engines = [sim(), sim()];
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let gw = Gateway::builder()
+        .shm(&unique("flush"))
+        .backends(&refs)
+        .dispatchers(2)
+        .start();
+    // Six conversations; each one's second turn lands where its first did.
+    let mut homes: HashMap<String, Vec<usize>> = HashMap::new();
+    let mut conversations: Vec<Vec<Value>> = Vec::new();
+    for i in 0..6 {
+        let mut messages = opening(i);
+        let (home, _, _) = turn(&gw, &messages);
+        messages.push(json!({"role": "assistant", "content": "Noted."}));
+        messages.push(user("Go on."));
+        let (again, route, cached) = turn(&gw, &messages);
+        assert_eq!((&again, route.as_str()), (&home, "prefix"), "conversation {i}");
+        assert!(cached > 0, "conversation {i}: its engine reused the first turn");
+        homes.entry(home).or_default().push(i);
+        conversations.push(messages);
+    }
+    // An engine holding at least three of them (six over two engines).
+    let (flushed, on_it) = homes
+        .iter()
+        .max_by_key(|(_, c)| c.len())
+        .map(|(b, c)| (b.clone(), c.clone()))
+        .unwrap();
+    assert!(on_it.len() >= 3, "{homes:?}");
+    // The figures so far, once the response process has counted all twelve
+    // answers (the counters are its; nothing is routed meanwhile).
+    let metrics = support::gateway::wait_for("the twelve answers counted", std::time::Duration::from_secs(10), || {
+        let m = gw.metrics();
+        (sample(&m, "semlb_responder_records_total") == Some(12.0), m)
+    });
+    let series = |name: &str| format!("{name}{{server=\"{flushed}\"}}");
+    let predicted_before = sample(&metrics, &series("semlb_prefix_predicted_tokens_total")).unwrap();
+    let confirmed_before = sample(&metrics, &series("semlb_prefix_confirmed_tokens_total")).unwrap();
+    assert!(predicted_before > 0.0 && confirmed_before > 0.0, "{metrics}");
+
+    let engine = flushed.trim_start_matches("http://");
+    let reset = http(engine, "POST", "/reset_prefix_cache", None, &[]).expect("reset");
+    assert_eq!(reset.status, 200, "{}", String::from_utf8_lossy(&reset.body));
+
+    // The next turns of two of its conversations still go there (the
+    // table does not know yet) and find nothing cached; each is the
+    // engine's report of the loss.
+    for &i in &on_it[..2] {
+        let mut messages = conversations[i].clone();
+        messages.push(json!({"role": "assistant", "content": "Sure."}));
+        messages.push(user("And then?"));
+        let (backend, route, cached) = turn(&gw, &messages);
+        assert_eq!(
+            (backend.as_str(), route.as_str(), cached),
+            (flushed.as_str(), "prefix", 0)
+        );
+    }
+    // The second report is written back before the next request is routed
+    // only if the response process was quick; wait for what a client
+    // cannot see, the forgetting, through the metrics it exposes.
+    let metrics = support::gateway::wait_for(
+        "the flushed engine forgotten",
+        std::time::Duration::from_secs(10),
+        || {
+            let m = gw.metrics();
+            (sample(&m, "semlb_prefix_servers_forgotten_total") == Some(1.0), m)
+        },
+    );
+    let shortfalls = sample(&metrics, &series("semlb_prefix_shortfalls_total")).unwrap();
+    assert!(shortfalls >= 2.0, "{metrics}");
+    let predicted = sample(&metrics, &series("semlb_prefix_predicted_tokens_total")).unwrap();
+    let confirmed = sample(&metrics, &series("semlb_prefix_confirmed_tokens_total")).unwrap();
+    assert!(
+        predicted > predicted_before && confirmed == confirmed_before,
+        "{metrics}"
+    );
+
+    // A third conversation that lived there: no entry sends it back; it is
+    // routed on load like a new prompt.
+    let i = on_it[2];
+    let mut messages = conversations[i].clone();
+    messages.push(json!({"role": "assistant", "content": "Right."}));
+    messages.push(user("Anything else?"));
+    let (_, route, _) = turn(&gw, &messages);
+    assert_eq!(route, "least_load", "conversation {i} was sent on a forgotten entry");
+
+    // `semlb status` shows the accuracy per server.
+    let out = std::process::Command::new(exe())
+        .args(["status", "--once", "--shm-name", &gw.shm])
+        .output()
+        .expect("semlb status");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("PREDICTED"), "{text}");
+    let line = text
+        .lines()
+        .find(|l| l.contains(&flushed))
+        .expect("the flushed server's line");
+    let accuracy = format!("{:.1} %", 100.0 * confirmed / predicted);
+    assert!(line.contains(&accuracy), "{accuracy} in {line}");
+}
+
+/// A streamed request without `stream_options`: the gateway asks the
+/// engine for the usage on the client's behalf and keeps it from the
+/// client, whose stream has no usage at all, while the engine's cached
+/// tokens are counted as for any other answer.
+#[test]
+fn streams_report_their_cached_tokens_without_the_client_seeing_usage() {
+    let engines = [sim()];
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let gw = Gateway::builder().shm(&unique("usage")).backends(&refs).start();
+    let mut messages = opening(40);
+    for turn in 0..2 {
+        let r = chat(gw.addr(), &messages, json!({"stream": true, "max_tokens": 8}), &[]);
+        assert_eq!(r.status, 200);
+        let body = String::from_utf8_lossy(&r.body).into_owned();
+        let events = support::sse::events(&body);
+        assert!(events.last().is_some_and(|e| e == "[DONE]"), "{body}");
+        let mut text = String::new();
+        for e in &events[..events.len() - 1] {
+            let chunk: Value = serde_json::from_str(e).expect("a JSON chunk");
+            assert!(
+                chunk.get("usage").is_none(),
+                "turn {turn}: usage the client did not ask for: {e}"
+            );
+            let choices = chunk["choices"].as_array().expect("choices");
+            assert!(
+                !choices.is_empty(),
+                "turn {turn}: a usage chunk reached the client: {e}"
+            );
+            text.push_str(choices[0]["delta"]["content"].as_str().unwrap_or_default());
+        }
+        assert!(!text.is_empty(), "{body}");
+        messages.push(json!({"role": "assistant", "content": text}));
+        messages.push(user("Go on."));
+    }
+    // What the engine reported reached the response process: the second
+    // turn found its first turn cached, as predicted.
+    let metrics = support::gateway::wait_for("both answers counted", std::time::Duration::from_secs(10), || {
+        let m = gw.metrics();
+        (sample(&m, "semlb_responder_records_total") == Some(2.0), m)
+    });
+    let series = format!(
+        "semlb_prefix_confirmed_tokens_total{{server=\"http://{}\"}}",
+        engines[0].addr
+    );
+    let confirmed = sample(&metrics, &series).unwrap_or(0.0);
+    assert!(confirmed >= 16.0, "{series} = {confirmed}\n{metrics}");
+}
