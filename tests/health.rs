@@ -192,6 +192,47 @@ fn a_killed_engine_is_marked_down_and_a_new_one_on_its_port_readmitted() {
     );
 }
 
+/// An engine restarted between two scrapes, too quickly for any health
+/// check to see it down: its prompt-token counter goes back, and the
+/// gateway forgets what the table said of the engine that died.
+#[test]
+fn an_engine_restarted_between_scrapes_is_forgotten() {
+    let config = ConfigFile::new(
+        "restart",
+        "[health]\ninterval_ms = 600000\ntimeout_ms = 200\nscrape_interval_ms = 50\npassive = false\n",
+    );
+    let mut engines = [sim_on("127.0.0.1:0", "0.01"), sim_on("127.0.0.1:0", "0.01")];
+    let addrs: Vec<String> = engines.iter().map(|e| e.addr.clone()).collect();
+    let gw = gateway(
+        "restart",
+        &config,
+        &addrs.iter().map(String::as_str).collect::<Vec<_>>(),
+        &["--policy", "round_robin"],
+    );
+    let restarted = addrs[0].clone();
+    for i in 0..8 {
+        gw.complete(i);
+    }
+    let learned = gw.entries(&restarted);
+    assert!(learned > 0, "the prompts sent there are in the prefix table");
+    // A scrape has seen its counter since those requests.
+    let answered = gw.now_ms();
+    wait_until("a scrape after the requests", || {
+        gw.server(&restarted).1.scraped_at_ms > answered
+    });
+    let line = gw.proc.stderr_text().len();
+    engines[0].kill9();
+    let _new = sim_on(&restarted, "0.01");
+    gw.proc.wait_stderr(
+        line,
+        &format!("backend http://{restarted}: its prompt-token counter went back"),
+        PATIENCE,
+    );
+    assert_eq!(gw.state(&restarted), ServerState::Up, "no health check saw it down");
+    assert_eq!(gw.entries(&restarted), 0, "of {learned} entries, some were kept");
+    assert!(gw.entries(&addrs[1]) > 0, "the other engine's entries are kept");
+}
+
 /// An in-process `semlb-sim` with fault injection.
 struct FaultySim {
     addr: String,

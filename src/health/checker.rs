@@ -29,8 +29,11 @@
 //! cache: the checker forgets it in every entry of the segment's prefix
 //! table at once ([`shm_layout::PrefixTable::remove_server`]) instead of
 //! letting requests go there on the strength of entries it no longer
-//! backs. (With `--store redis` the entries are in Redis; there the
-//! response processes forget a server once its engine reports the loss.)
+//! backs. So does a scrape whose prompt-token counter went back: the engine
+//! restarted between two scrapes, perhaps too quickly for a health check
+//! to see it down. (With `--store redis` the entries are in Redis; there
+//! the response processes forget a server once its engine reports the
+//! loss.)
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -296,6 +299,7 @@ impl Checker {
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut failing: HashSet<ServerRef> = HashSet::new();
         let mut engines: HashMap<ServerRef, Engine> = HashMap::new();
+        let mut prompt_tokens: HashMap<ServerRef, f64> = HashMap::new();
         loop {
             tick.tick().await;
             let servers: Vec<ServerInfo> = self
@@ -305,6 +309,7 @@ impl Checker {
                 .collect();
             failing.retain(|f| servers.iter().any(|s| s.server == *f));
             engines.retain(|f, _| servers.iter().any(|s| s.server == *f));
+            prompt_tokens.retain(|f, _| servers.iter().any(|s| s.server == *f));
             let results = futures_util::future::join_all(servers.iter().map(|info| {
                 let flavor = self.flavors.get(&info.address).copied().unwrap_or_default();
                 self.scrape(&info.address, flavor)
@@ -316,6 +321,18 @@ impl Checker {
                         let now_ms = self.segment.clock().now_ms();
                         let pending = self.servers().pending(info.server).0;
                         self.servers().store_load(info.server, load.figures(now_ms, pending));
+                        if let Some(now) = load.prompt_tokens
+                            && let Some(before) = prompt_tokens.insert(info.server, now)
+                            && now < before
+                        {
+                            let forgotten = self.segment.tables().prefix.remove_server(info.server.tag());
+                            tracing::warn!(
+                                backend = %info.address,
+                                forgotten,
+                                "backend {}: its prompt-token counter went back from {before} to {now}: it restarted, so its {forgotten} prefix entries are forgotten (a restarted engine's cache is empty)",
+                                info.address
+                            );
+                        }
                         if failing.remove(&info.server) {
                             tracing::info!(backend = %info.address, "backend {}: reading its /metrics again", info.address);
                         }

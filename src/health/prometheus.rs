@@ -23,6 +23,11 @@
 //! | SGLang | `sglang:num_queue_reqs` | `sglang:num_running_reqs` | `sglang:token_usage` |
 //! | llama.cpp | `llamacpp:requests_deferred` | `llamacpp:requests_processing` | `llamacpp:kv_cache_usage_ratio` |
 //!
+//! Each flavor's prompt-token counter (`vllm:prompt_tokens_total`,
+//! `sglang:prompt_tokens_total`, `llamacpp:prompt_tokens_total`) is read
+//! too ([`EngineLoad::prompt_tokens`]): a counter that goes back means the
+//! engine restarted, with an empty prefix cache.
+//!
 //! Request counts are summed over label sets (several `model_name`s, or
 //! data-parallel ranks, in one server's output); usage ratios, which are
 //! fractions of each set's own cache, are averaged. [`extract`] reads one
@@ -385,6 +390,9 @@ pub struct EngineLoad {
     /// KV-cache usage, 0..1, averaged over label sets; `None` when the
     /// engine does not report it.
     pub kv_usage: Option<f64>,
+    /// Prompt tokens processed since the engine started (a counter, summed
+    /// over label sets); `None` when the engine does not report it.
+    pub prompt_tokens: Option<f64>,
 }
 
 impl EngineLoad {
@@ -453,7 +461,7 @@ impl Acc {
 }
 
 /// Number of gauges read per engine: waiting, running, up to two KV ratios.
-const GAUGES: usize = 4;
+const GAUGES: usize = 5;
 
 /// The load figures in `text` (a `/metrics` answer) for `flavor`; with
 /// `auto`, the first engine (vLLM, SGLang, llama.cpp) whose waiting or
@@ -474,6 +482,7 @@ pub fn extract(text: &str, flavor: MetricsFlavor) -> Result<EngineLoad, ExtractE
             waiting: waiting.unwrap_or(0.0),
             running: running.unwrap_or(0.0),
             kv_usage: a[2].mean().or(a[3].mean()),
+            prompt_tokens: a[4].sum(),
         })
     };
     match Engine::of(flavor) {
@@ -503,6 +512,8 @@ fn gauge_index(name: &str) -> Option<(usize, usize)> {
         Some((e, 0))
     } else if name == running {
         Some((e, 1))
+    } else if name.strip_prefix(&name[..=prefix_end]) == Some("prompt_tokens_total") {
+        Some((e, 4))
     } else {
         kv.iter().position(|k| *k == name).map(|i| (e, 2 + i))
     }
@@ -779,6 +790,7 @@ llamacpp:requests_deferred 2
         let l = load(LLAMACPP, MetricsFlavor::Llamacpp);
         assert_eq!(l.engine, Engine::Llamacpp);
         assert_eq!((l.waiting, l.running, l.kv_usage), (2.0, 4.0, Some(0.25)));
+        assert_eq!(l.prompt_tokens, Some(4096.0), "the counter a restart resets");
         // Recent builds without the KV-usage gauge: usage reads 0.
         let text: String = LLAMACPP
             .lines()
@@ -879,6 +891,7 @@ llamacpp:requests_deferred 2
             waiting: 2.6,
             running: f64::NAN,
             kv_usage: Some(f64::NAN),
+            prompt_tokens: None,
         }
         .figures(9, 0);
         assert_eq!((f.waiting, f.running, f.kv_usage_permyriad), (3, 0, 0));
