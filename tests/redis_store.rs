@@ -269,31 +269,64 @@ fn completion(server: ServerRef, prompt: &[u64], full: &[u64], response: Option<
     }
 }
 
+/// Both dispatcher-side stores over one heap segment with three servers
+/// (a prefix entry holds three, so neither store evicts and their
+/// different clocks, segment stamps and Unix ms, cannot matter), Redis's
+/// under `namespace`.
+struct Stores {
+    runtime: tokio::runtime::Runtime,
+    seg: Arc<Segment>,
+    servers: Vec<ServerRef>,
+    config: RedisConfig,
+    shm: ShmStore,
+    redis: Arc<RedisRouting>,
+}
+
+impl Stores {
+    fn new(server: &RedisServer, namespace: &str) -> Stores {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let seg = Arc::new(Segment::heap(&LayoutPlan::for_size(64 << 20).unwrap()));
+        let t = seg.tables();
+        let servers: Vec<ServerRef> = (0..3)
+            .map(|i| {
+                t.servers
+                    .register(i, &format!("http://127.0.0.1:{}", 9000 + i), 0)
+                    .unwrap()
+            })
+            .collect();
+        let config = RedisConfig {
+            url: server.url(),
+            namespace: namespace.into(),
+            ..RedisConfig::default()
+        };
+        let shm = ShmStore::new(seg.clone(), 1, 600_000);
+        let redis = runtime.block_on(async { RedisRouting::start(seg.clone(), 2, &config, "test").unwrap() });
+        Stores {
+            runtime,
+            seg,
+            servers,
+            config,
+            shm,
+            redis,
+        }
+    }
+}
+
 #[test]
 fn both_stores_give_the_same_routing_decisions() {
     let server = redis_or_skip!();
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let seg = Arc::new(Segment::heap(&LayoutPlan::for_size(64 << 20).unwrap()));
+    let Stores {
+        runtime,
+        seg,
+        servers,
+        config: redis_config,
+        shm,
+        redis,
+    } = Stores::new(&server, "decisions");
     let t = seg.tables();
-    // Three servers: a prefix entry holds three, so neither store evicts
-    // and their different clocks (segment stamps, Unix ms) cannot matter.
-    let servers: Vec<ServerRef> = (0..3)
-        .map(|i| {
-            t.servers
-                .register(i, &format!("http://127.0.0.1:{}", 9000 + i), 0)
-                .unwrap()
-        })
-        .collect();
-    let redis_config = RedisConfig {
-        url: server.url(),
-        namespace: "decisions".into(),
-        ..RedisConfig::default()
-    };
-    let shm = ShmStore::new(seg.clone(), 1, 600_000);
-    let redis = runtime.block_on(async { RedisRouting::start(seg.clone(), 2, &redis_config, "test").unwrap() });
     let mut shm_sink = ShmWriteBack::new(t);
     let mut redis_sink = RedisWriteBack::new(&redis_config, Duration::from_secs(600), "test");
 
@@ -422,26 +455,13 @@ fn both_stores_give_the_same_routing_decisions() {
 #[test]
 fn both_stores_learn_at_dispatch_credit_continuations_and_take_back() {
     let server = redis_or_skip!();
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let seg = Arc::new(Segment::heap(&LayoutPlan::for_size(64 << 20).unwrap()));
-    let t = seg.tables();
-    let servers: Vec<ServerRef> = (0..3)
-        .map(|i| {
-            t.servers
-                .register(i, &format!("http://127.0.0.1:{}", 9100 + i), 0)
-                .unwrap()
-        })
-        .collect();
-    let redis_config = RedisConfig {
-        url: server.url(),
-        namespace: "dispatch-learning".into(),
-        ..RedisConfig::default()
-    };
-    let shm = ShmStore::new(seg.clone(), 1, 600_000);
-    let redis = runtime.block_on(async { RedisRouting::start(seg.clone(), 2, &redis_config, "test").unwrap() });
+    let Stores {
+        runtime,
+        servers,
+        shm,
+        redis,
+        ..
+    } = Stores::new(&server, "dispatch-learning");
     let hasher = BlockHasher::new(BlockHasher::root_for("m", 5), 16);
     // Turn 1: 40 tokens; turn 2 adds a 128-token answer and 20 more; a
     // stranger shares turn 1's first two blocks only.

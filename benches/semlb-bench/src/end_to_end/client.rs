@@ -96,24 +96,13 @@ pub(crate) async fn stream_request(
     body: Bytes,
     since: Instant,
 ) -> Outcome {
-    stream_request_with(http, addr, path, body, &[], since).await
+    stream_request_with(http, addr, path, body, &[], since, None).await
 }
 
-/// [`stream_request`] with extra request `headers` (name, value).
+/// [`stream_request`] with extra request `headers` (name, value), also
+/// keeping the stream's bytes in `keep` when given (an agent reads its
+/// answer from them).
 pub(crate) async fn stream_request_with(
-    http: &Client<HttpConnector, Full<Bytes>>,
-    addr: &str,
-    path: &str,
-    body: Bytes,
-    headers: &[(&str, String)],
-    since: Instant,
-) -> Outcome {
-    stream_request_keeping(http, addr, path, body, headers, since, None).await
-}
-
-/// [`stream_request_with`], also keeping the stream's bytes in `keep` when
-/// given (an agent reads its answer from them).
-pub(crate) async fn stream_request_keeping(
     http: &Client<HttpConnector, Full<Bytes>>,
     addr: &str,
     path: &str,

@@ -80,7 +80,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 
-pub(crate) use self::client::{LoadClient, Outcome, SseScan, stream_request_keeping, stream_request_with};
+pub(crate) use self::client::{LoadClient, Outcome, SseScan, stream_request_with};
 pub(crate) use self::cluster::{GatewayError, GatewaySpec, Store, start_engines, start_gateway, unique_name};
 use self::dialogue::load_dialogues;
 #[cfg(test)]

@@ -156,7 +156,7 @@ pub(super) fn run_once(
             let headers: Vec<(&str, String)> = r.session.map(|s| (SESSION_HEADER, s.to_string())).into_iter().collect();
             let output_tokens = r.output_tokens;
             tasks.push(tokio::spawn(async move {
-                let o = stream_request_with(&http, &addr, "/v1/completions", body, &headers, due).await;
+                let o = stream_request_with(&http, &addr, "/v1/completions", body, &headers, due, None).await;
                 progress.inc(1);
                 (o, output_tokens)
             }));

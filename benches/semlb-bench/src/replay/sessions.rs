@@ -20,7 +20,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use semlb::answer::{AnswerForm, answer_text};
 use serde_json::{Value, json};
 
-use crate::end_to_end::{Outcome, stream_request_keeping};
+use crate::end_to_end::{Outcome, stream_request_with};
 use crate::output;
 use crate::workload::{SESSION_HEADER, Workload};
 
@@ -145,7 +145,7 @@ async fn run_session(
         let headers: Vec<(&str, String)> = r.session.map(|s| (SESSION_HEADER, s.to_string())).into_iter().collect();
         stream.clear();
         let sent = Instant::now();
-        let outcome = stream_request_keeping(
+        let outcome = stream_request_with(
             http,
             addr,
             "/v1/chat/completions",
