@@ -72,16 +72,17 @@ pub(super) struct UsageStrip {
 impl UsageStrip {
     /// What of `data` (the stream's next bytes) goes to the client now.
     pub fn feed(&mut self, data: &[u8]) -> Bytes {
-        self.partial.extend_from_slice(data);
-        let Some(end) = last_event_end(&self.partial) else {
-            return Bytes::new();
-        };
-        let rest = self.partial.split_off(end);
-        let complete = std::mem::replace(&mut self.partial, rest);
-        let mut out = BytesMut::with_capacity(complete.len());
-        for event in split_events(&complete) {
-            if !is_usage_chunk(event) {
-                strip_null_usage(event, &mut out);
+        let mut out = BytesMut::with_capacity(data.len() + self.partial.len());
+        if self.partial.is_empty() {
+            // The usual case: a frame of whole events.
+            let end = last_event_end(data).unwrap_or(0);
+            emit(&data[..end], &mut out);
+            self.partial.extend_from_slice(&data[end..]);
+        } else {
+            self.partial.extend_from_slice(data);
+            if let Some(end) = last_event_end(&self.partial) {
+                let complete: Vec<u8> = self.partial.drain(..end).collect();
+                emit(&complete, &mut out);
             }
         }
         out.freeze()
@@ -95,6 +96,15 @@ impl UsageStrip {
             strip_null_usage(&rest, &mut out);
         }
         out.freeze()
+    }
+}
+
+/// Appends the complete events of `events` to `out`, less the usage.
+fn emit(events: &[u8], out: &mut BytesMut) {
+    for event in split_events(events) {
+        if !is_usage_chunk(event) {
+            strip_null_usage(event, out);
+        }
     }
 }
 
@@ -128,7 +138,8 @@ fn split_events(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
 /// Whether `event` is a usage chunk: a `data:` line whose JSON has empty
 /// `choices` and a non-null `usage`.
 fn is_usage_chunk(event: &[u8]) -> bool {
-    if find(event, b"\"usage\"").is_none() {
+    // Token chunks carry choices: only an event with an empty list is parsed.
+    if find(event, b"\"choices\":[]").is_none() && find(event, b"\"choices\": []").is_none() {
         return false;
     }
     event.split(|b| *b == b'\n').any(|line| {
@@ -140,21 +151,32 @@ fn is_usage_chunk(event: &[u8]) -> bool {
     })
 }
 
-/// Where `needle` first occurs in `hay` (events are a few hundred bytes).
+/// Where `needle` first occurs in `hay`.
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
+    memchr::memmem::find(hay, needle)
 }
 
-/// Appends `event` to `out` without its null usage members.
+/// Appends `event` to `out` without its null usage members: each
+/// `"usage"` found is checked against the [`NULL_USAGE`] forms that hold it.
 fn strip_null_usage(event: &[u8], out: &mut BytesMut) {
     let mut rest = event;
-    while let Some((at, len)) = NULL_USAGE
-        .iter()
-        .filter_map(|form| find(rest, form).map(|at| (at, form.len())))
-        .min()
-    {
-        out.extend_from_slice(&rest[..at]);
-        rest = &rest[at + len..];
+    let mut from = 0;
+    while let Some(found) = find(&rest[from..], b"\"usage\"").map(|at| from + at) {
+        let member = NULL_USAGE.iter().find_map(|form| {
+            let lead = form.iter().position(|b| *b == b'"')?;
+            let start = found.checked_sub(lead)?;
+            rest.get(start..start + form.len())
+                .filter(|s| s == form)
+                .map(|_| (start, form.len()))
+        });
+        match member {
+            Some((start, len)) => {
+                out.extend_from_slice(&rest[..start]);
+                rest = &rest[start + len..];
+                from = 0;
+            }
+            None => from = found + 1,
+        }
     }
     out.extend_from_slice(rest);
 }
