@@ -111,8 +111,10 @@
 //! each workload (600 s / 20, 20 s / 1, 120 s / 4). A policy that reaches
 //! 90 % at ×1 and ×1.5 but not ×2 runs 1 + 0.67 + 0.5 of that; one that
 //! misses at ×1 runs ×1 and ×0.5 (3 units): 80–100 s per policy and
-//! workload. The default command (8 policies × 3 workloads, default
-//! sweep) thus takes roughly 35–45 minutes; `bench all` includes it.
+//! workload (`agents`: ~45 s per run, its 30 s of sending plus the last
+//! sessions' tails). The default command (8 policies × 4 workloads,
+//! default sweep) thus takes roughly 60–70 minutes; `bench all` includes
+//! it.
 //! `--sweep 1` runs each policy once per workload (~1.5 minutes per policy,
 //! ~12 minutes for 8); `--policies` and `--workloads` pick fewer; and
 //! `--duration S` shortens every workload to S trace seconds (mind the
