@@ -172,8 +172,8 @@ fn new_system_prompt() -> String {
 fn a_burst_sharing_a_new_system_prompt_is_spread_by_the_load_thresholds() {
     const CLIENTS: usize = 50;
     const ABS: usize = 8;
-    // Real-time engines: a 2 K-token prefill and 64 decode steps take most
-    // of a second, so the whole burst is in flight at once.
+    // Real-time engines: a 2 K-token prefill and 200 decode steps take over
+    // two seconds, so the whole burst is in flight at once.
     let engines = [sim_at("1"), sim_at("1"), sim_at("1")];
     let refs: Vec<&Proc> = engines.iter().collect();
     let gw = Gateway::builder()
@@ -192,7 +192,7 @@ fn a_burst_sharing_a_new_system_prompt_is_spread_by_the_load_thresholds() {
             std::thread::spawn(move || {
                 let messages = [system, user(&format!("Question {i}: what is {i} cubed?"))];
                 barrier.wait();
-                let r = chat(&addr, &messages, json!({"max_tokens": 64, "ignore_eos": true}), &[]);
+                let r = chat(&addr, &messages, json!({"max_tokens": 200, "ignore_eos": true}), &[]);
                 (r.status, routed(&r), String::from_utf8_lossy(&r.body).into_owned())
             })
         })
