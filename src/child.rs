@@ -210,6 +210,7 @@ fn run_responder(segment: &Arc<Segment>, args: &ChildArgs, config: &ServeConfig)
             tokenizer,
         ),
     };
+    let responder = responder.forgetting(config.learn_from_reports);
     let responder = match &config.chat_template {
         Some(path) => responder.with_chat_template(ChatTemplate::from_tokenizer_config(path)?),
         None => responder.with_chat_template(ChatTemplate::canonical()),
@@ -250,10 +251,12 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
         .enable_all()
         .build()?;
     runtime.block_on(async {
+        let defaults = EngineConfig::default();
         let config = EngineConfig {
             model_name: args.model.clone(),
             time_scale: args.time_scale,
-            ..EngineConfig::default()
+            kv_capacity_tokens: args.kv_capacity_tokens.unwrap_or(defaults.kv_capacity_tokens),
+            ..defaults
         };
         config.validate().map_err(anyhow::Error::msg)?;
         let sim = Sim::bundled(config, FaultConfig::default());

@@ -328,6 +328,10 @@ pub struct SimArgs {
     /// The served model name.
     #[arg(long, default_value = "semlb-sim")]
     pub model: String,
+    /// KV-cache capacity in tokens [default: the simulator's, 400 000];
+    /// a small one makes the engine evict often.
+    #[arg(long, value_name = "TOKENS")]
+    pub kv_capacity_tokens: Option<u64>,
     /// How it logs to stderr.
     #[command(flatten)]
     pub log: LogArgs,

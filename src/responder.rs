@@ -154,6 +154,8 @@ pub struct Responder<'a> {
     observations: Vec<Observation>,
     /// Per server slot: its generation and its lost-cache reports in a row.
     lost: Vec<(u32, u8)>,
+    /// Whether a lost cache makes the server forgotten (else only counted).
+    forgets: bool,
 }
 
 impl<'a> Responder<'a> {
@@ -176,7 +178,15 @@ impl<'a> Responder<'a> {
             stats: ResponderStats::default(),
             observations: Vec::new(),
             lost: vec![(0, 0); shm_layout::SERVER_SLOTS as usize],
+            forgets: true,
         }
+    }
+
+    /// Whether a server whose engine reports a lost cache is forgotten
+    /// (`learn_from_reports`; default true), or the reports only counted.
+    pub fn forgetting(mut self, forgets: bool) -> Self {
+        self.forgets = forgets;
+        self
     }
 
     /// The observations made since the last call (the response process's
@@ -239,6 +249,9 @@ impl<'a> Responder<'a> {
             return;
         }
         lost.1 = 0;
+        if !self.forgets {
+            return;
+        }
         let forgotten = self.sink.forget_server(server);
         self.stats.forgotten_servers += 1;
         tracing::warn!(
@@ -516,6 +529,14 @@ mod tests {
         assert_eq!(sum(|o| o.cached), 64 + 48);
         assert_eq!(seen.iter().filter(|o| o.short).count(), 3);
         assert_eq!(r.take_observations().count(), 0, "taken once");
+        // With `learn_from_reports = false` the reports are only counted.
+        t.prefix.insert_chain(&other, a, Stamp(2));
+        let mut counting = Responder::new(t, Tokenizer::bundled()).forgetting(false);
+        for _ in 0..3 {
+            counting.observe(&report(a, 3, Some(0)));
+        }
+        assert_eq!((counting.stats().forgotten_servers, listed_for(a)), (0, 2));
+        assert_eq!(counting.take_observations().filter(|o| o.short).count(), 3);
     }
 
     /// A record with a continuation teaches the chain of the prompt's

@@ -121,6 +121,8 @@ struct Checker {
     /// supervisor registers backends); unknown addresses are `auto`.
     flavors: HashMap<String, MetricsFlavor>,
     client: HealthClient,
+    /// Forget a restarted server's prefix entries (`learn_from_reports`).
+    forgets: bool,
 }
 
 impl Checker {
@@ -144,6 +146,17 @@ impl Checker {
             health,
             flavors,
             client,
+            forgets: config.learn_from_reports,
+        }
+    }
+
+    /// Forgets `server` in every prefix entry (its engine restarted) when
+    /// `learn_from_reports` is on; how many entries listed it.
+    fn forget(&self, server: ServerRef) -> u64 {
+        if self.forgets {
+            self.segment.tables().prefix.remove_server(server.tag())
+        } else {
+            0
         }
     }
 
@@ -263,7 +276,7 @@ impl Checker {
                             transition.after
                         ),
                         Ok(()) => {
-                            let forgotten = self.segment.tables().prefix.remove_server(info.server.tag());
+                            let forgotten = self.forget(info.server);
                             tracing::info!(
                                 backend = %info.address,
                                 successes = transition.after,
@@ -325,7 +338,7 @@ impl Checker {
                             && let Some(before) = prompt_tokens.insert(info.server, now)
                             && now < before
                         {
-                            let forgotten = self.segment.tables().prefix.remove_server(info.server.tag());
+                            let forgotten = self.forget(info.server);
                             tracing::warn!(
                                 backend = %info.address,
                                 forgotten,

@@ -16,11 +16,21 @@ pub(crate) fn unique_name(tag: &str) -> String {
 }
 
 /// `n` simulated engines (`semlb __sim`) with `time_scale`.
-pub(crate) fn start_engines(n: usize, time_scale: f64) -> Result<Vec<Proc>> {
+pub(crate) fn start_engines(n: usize, time_scale: f64, kv_tokens: Option<u64>) -> Result<Vec<Proc>> {
     (0..n)
         .map(|i| {
             let scale = time_scale.to_string();
-            let proc = ProcBuilder::new(["__sim", "--listen", "127.0.0.1:0", "--time-scale", &scale])
+            let mut args = vec![
+                "__sim".to_owned(),
+                "--listen".into(),
+                "127.0.0.1:0".into(),
+                "--time-scale".into(),
+                scale,
+            ];
+            if let Some(kv) = kv_tokens {
+                args.extend(["--kv-capacity-tokens".to_owned(), kv.to_string()]);
+            }
+            let proc = ProcBuilder::new(args)
                 .what(format!("simulated engine {i}"))
                 .stderr(Stderr::Tail(40))
                 .within(Duration::from_secs(30))

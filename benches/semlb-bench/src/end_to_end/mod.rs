@@ -171,7 +171,7 @@ fn run_store(
     bar: &indicatif::ProgressBar,
 ) -> Result<Option<StoreRun>> {
     bar.set_message(format!("e2e {name}: starting"));
-    let engines = start_engines(args.engines, args.time_scale)?;
+    let engines = start_engines(args.engines, args.time_scale, None)?;
     let spec = GatewaySpec {
         dispatchers: args.dispatchers,
         policy: None,

@@ -34,6 +34,8 @@ pub(super) struct RunSpec {
     pub(super) engines: usize,
     /// Dispatcher processes.
     pub(super) dispatchers: usize,
+    /// The engines' KV cache, tokens (`None`: the simulator's default).
+    pub(super) kv_tokens: Option<u64>,
     /// Engines run this much faster than simulated time; arrivals are
     /// compressed as much.
     pub(super) speedup: f64,
@@ -89,7 +91,7 @@ pub(super) fn run_once(
         format!("{} {} ×{}", workload.kind, spec.label, spec.multiplier),
     );
     bar.set_message(format!("{what}: starting"));
-    let engines = start_engines(spec.engines, 1.0 / spec.speedup)?;
+    let engines = start_engines(spec.engines, 1.0 / spec.speedup, spec.kv_tokens)?;
     let gateway_spec = GatewaySpec {
         dispatchers: spec.dispatchers,
         policy: Some(policy),

@@ -66,7 +66,11 @@
 //! Each policy of [`PolicyKind::ALL`] (or `--policies a,b`) is a row;
 //! `--compare-learning` adds a `policy/write-back-only` row per policy,
 //! the gateway with `learn_at_dispatch = false` (learning left to the
-//! response processes, as before learning at dispatch existed);
+//! response processes, as before learning at dispatch existed), and
+//! `--compare-feedback` a `policy/no-feedback` row, with
+//! `learn_from_reports = false` (engines' reports counted, not acted on);
+//! `--kv-tokens N` gives the engines a KV cache of N tokens, small enough
+//! to evict often;
 //! `selective_push` gives two more: `selective_push/unstarted` (its strict
 //! mode) and `selective_push/max8`, its fixed-cap mode (`max_outstanding`
 //! requests in flight per engine, `--max-outstanding 8`; 0 drops the row),
@@ -211,6 +215,15 @@ pub struct ReplayArgs {
     /// `policy/write-back-only` row).
     #[arg(long)]
     pub compare_learning: bool,
+    /// Also replay each policy with `learn_from_reports = false` (a
+    /// `policy/no-feedback` row).
+    #[arg(long)]
+    pub compare_feedback: bool,
+    /// The engines' KV cache in tokens (the simulator's
+    /// `--kv-capacity-tokens`; small values make them evict often)
+    /// [default: the simulator's, 400 000].
+    #[arg(long, value_name = "TOKENS")]
+    pub kv_tokens: Option<u64>,
     /// Cap on a request's output tokens.
     #[arg(long, value_name = "N", default_value_t = 2048)]
     pub max_output: u32,
@@ -245,6 +258,8 @@ impl ReplayArgs {
             hot_prefix_rate: 4.5,
             agents_rate: 1.5,
             compare_learning: false,
+            compare_feedback: false,
+            kv_tokens: None,
             max_output: 2048,
             dispatchers: 2,
             drain_secs: 30.0,
@@ -339,7 +354,7 @@ impl Arm {
     /// `selective_push`, its strict `unstarted` mode and (with
     /// `max_outstanding > 0`) its fixed-cap mode (the SkyLB paper's
     /// comparison).
-    fn of(kind: PolicyKind, max_outstanding: u64, compare_learning: bool) -> Vec<Arm> {
+    fn of(kind: PolicyKind, max_outstanding: u64, compare_learning: bool, compare_feedback: bool) -> Vec<Arm> {
         let mut arms = vec![Arm {
             kind,
             label: kind.name().to_owned(),
@@ -352,6 +367,14 @@ impl Arm {
                 label: format!("{kind}/write-back-only"),
                 config: String::new(),
                 top: "learn_at_dispatch = false\n".to_owned(),
+            });
+        }
+        if compare_feedback {
+            arms.push(Arm {
+                kind,
+                label: format!("{kind}/no-feedback"),
+                config: String::new(),
+                top: "learn_from_reports = false\n".to_owned(),
             });
         }
         if kind == PolicyKind::SelectivePush {
@@ -492,7 +515,7 @@ fn run_workload(
     let base_rate = workload.offered_rate();
     let arms: Vec<Arm> = policies
         .iter()
-        .flat_map(|&k| Arm::of(k, args.max_outstanding, args.compare_learning))
+        .flat_map(|&k| Arm::of(k, args.max_outstanding, args.compare_learning, args.compare_feedback))
         .collect();
     let mut reports = Vec::with_capacity(arms.len());
     for arm in arms {
@@ -504,6 +527,7 @@ fn run_workload(
                 label: arm.label.clone(),
                 engines: args.engines,
                 dispatchers: args.dispatchers,
+                kv_tokens: args.kv_tokens,
                 speedup: setting.speedup,
                 multiplier: multipliers[i],
                 drain_secs: args.drain_secs,
