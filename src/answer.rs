@@ -78,6 +78,12 @@ pub struct Reported {
 }
 
 impl Reported {
+    /// The cached tokens as a completion record carries them (`u32`; the
+    /// record's "not reported" value, `u32::MAX`, is never produced).
+    pub fn cached_tokens_u32(&self) -> Option<u32> {
+        self.cached_tokens.map(|n| u32::try_from(n).unwrap_or(u32::MAX - 1))
+    }
+
     /// `later`'s figures where it has them, else these.
     fn or_later(self, later: Reported) -> Reported {
         Reported {

@@ -305,7 +305,7 @@ impl<'a> Responder<'a> {
             return;
         };
         if let Some(p) = record.prediction.as_mut().filter(|p| p.cached_tokens.is_none()) {
-            p.cached_tokens = reported.cached_tokens.map(|n| u32::try_from(n).unwrap_or(u32::MAX - 1));
+            p.cached_tokens = reported.cached_tokens_u32();
         }
         self.tokens.clear();
         self.tokens.extend_from_slice(&c.tail);

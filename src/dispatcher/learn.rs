@@ -83,7 +83,7 @@ pub(super) fn push_completion(dispatcher: &Dispatcher, learn: Learn, form: Answe
         text = read;
         // The usage goes with the answer's bytes: keep what it reported.
         if let Some(p) = record.prediction.as_mut() {
-            p.cached_tokens = reported.cached_tokens.map(|n| u32::try_from(n).unwrap_or(u32::MAX - 1));
+            p.cached_tokens = reported.cached_tokens_u32();
         }
         if let Some(c) = record.continuation.as_mut() {
             c.form = AnswerForm::Text.to_byte(learn.chat);

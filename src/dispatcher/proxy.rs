@@ -81,6 +81,14 @@ pub(super) struct InferenceCtx {
     pub strip_usage: bool,
 }
 
+impl InferenceCtx {
+    /// The prompt's chain past its first `held` blocks (those the server
+    /// was not listed for yet).
+    fn unlisted(&self, held: u32) -> &[u64] {
+        &self.chain[(held as usize).min(self.chain.len())..]
+    }
+}
+
 /// Marks a response whose body is a [`Relay`] (it records its own duration).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Relayed;
@@ -400,7 +408,7 @@ impl<'d> Attempts<'d> {
         let Some(c) = self.ctx.as_ref().filter(|_| self.dispatcher.config().learn_at_dispatch) else {
             return false;
         };
-        let blocks = &c.chain[(held as usize).min(c.chain.len())..];
+        let blocks = c.unlisted(held);
         self.dispatcher.store().record_route(server, blocks, c.end_key);
         self.dispatcher.metrics().learned_at_dispatch(blocks.len());
         true
@@ -410,8 +418,9 @@ impl<'d> Attempts<'d> {
     /// or was refused, so the server must not look warm for the prompt.
     fn forget_route(&self, server: ServerRef, held: u32) {
         let Some(c) = &self.ctx else { return };
-        let blocks = &c.chain[(held as usize).min(c.chain.len())..];
-        self.dispatcher.store().forget_route(server, blocks, c.end_key);
+        self.dispatcher
+            .store()
+            .forget_route(server, c.unlisted(held), c.end_key);
         self.dispatcher.metrics().unlearned_at_dispatch();
     }
 

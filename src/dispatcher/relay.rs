@@ -243,6 +243,22 @@ impl Relay {
         self.timer = None;
     }
 
+    /// The bookkeeping of a data frame from upstream: first token, TTFT,
+    /// the copy kept to learn from.
+    fn passed(&mut self, data: &[u8]) {
+        if let Some(t) = self.timer.as_mut() {
+            t.frame();
+        }
+        // The first data frame carries the first token (vLLM and SGLang
+        // send nothing on a stream before it).
+        if let Some(g) = self.guard.as_mut() {
+            g.first_token();
+        }
+        if let Some(capture) = self.capture.as_mut() {
+            capture.feed(data);
+        }
+    }
+
     fn end(&mut self) {
         self.finished = true;
         self.timer = None;
@@ -270,43 +286,47 @@ impl HttpBody for Relay {
             if this.finished {
                 return Poll::Ready(None);
             }
-            let polled = Pin::new(&mut this.inner).poll_frame(cx);
-            if let Some(strip) = this.strip.as_mut() {
-                // Frames are passed on less the usage; a frame with nothing
-                // left for the client is not sent (the next one is awaited).
-                let frame = match polled {
-                    Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                        Ok(data) => {
-                            let mut out = strip.feed(&data);
-                            let ending = this.inner.is_end_stream();
-                            if ending {
-                                out = [out, strip.finish()].concat().into();
-                            }
-                            this.passed(&data);
-                            if ending {
-                                this.end();
-                            }
-                            if out.is_empty() && !ending {
-                                continue;
-                            }
-                            Poll::Ready(Some(Ok(Frame::data(out))))
-                        }
-                        Err(frame) => Poll::Ready(Some(Ok(frame))),
-                    },
-                    Poll::Ready(None) => {
-                        let rest = strip.finish();
-                        this.end();
-                        if rest.is_empty() {
-                            Poll::Ready(None)
-                        } else {
-                            Poll::Ready(Some(Ok(Frame::data(rest))))
-                        }
+            let frame = match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => frame,
+                Poll::Ready(Some(Err(e))) => {
+                    this.fail();
+                    return Poll::Ready(Some(Err(Box::new(e))));
+                }
+                Poll::Ready(None) => {
+                    let rest = this.strip.as_mut().map(UsageStrip::finish).unwrap_or_default();
+                    this.end();
+                    return Poll::Ready((!rest.is_empty()).then(|| Ok(Frame::data(rest))));
+                }
+                Poll::Pending => {
+                    if this.deadline.as_mut().poll(cx).is_ready() {
+                        this.fail();
+                        return Poll::Ready(Some(Err("semlb: upstream request timed out".into())));
                     }
-                    other => this.unstripped(other, cx),
-                };
-                return frame;
+                    return Poll::Pending;
+                }
+            };
+            let data = match frame.into_data() {
+                Ok(data) => data,
+                Err(other) => return Poll::Ready(Some(Ok(other))),
+            };
+            this.passed(&data);
+            // With a Content-Length, hyper stops polling once that many
+            // bytes are out: the end is seen here, not as `None`.
+            let ending = this.inner.is_end_stream();
+            let out = match this.strip.as_mut() {
+                // Passed on less the usage the client did not ask for.
+                Some(strip) if ending => [strip.feed(&data), strip.finish()].concat().into(),
+                Some(strip) => strip.feed(&data),
+                None => data,
+            };
+            if ending {
+                this.end();
             }
-            return this.unstripped(polled, cx);
+            // A stripped frame with nothing left for the client is not sent.
+            if out.is_empty() && !ending && this.strip.is_some() {
+                continue;
+            }
+            return Poll::Ready(Some(Ok(Frame::data(out))));
         }
     }
 
@@ -319,60 +339,5 @@ impl HttpBody for Relay {
             return SizeHint::default();
         }
         self.inner.size_hint()
-    }
-}
-
-impl Relay {
-    /// The bookkeeping of a data frame from upstream: first token, TTFT,
-    /// the copy kept to learn from.
-    fn passed(&mut self, data: &[u8]) {
-        if let Some(t) = self.timer.as_mut() {
-            t.frame();
-        }
-        // The first data frame carries the first token (vLLM and SGLang
-        // send nothing on a stream before it).
-        if let Some(g) = self.guard.as_mut() {
-            g.first_token();
-        }
-        if let Some(capture) = self.capture.as_mut() {
-            capture.feed(data);
-        }
-    }
-
-    /// A polled upstream frame relayed as it is.
-    fn unstripped(
-        &mut self,
-        polled: Poll<Option<Result<Frame<Bytes>, hyper::Error>>>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = self;
-        match polled {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    this.passed(data);
-                }
-                // With a Content-Length, hyper stops polling once that many
-                // bytes are out: the end is seen here, not as `None`.
-                if this.inner.is_end_stream() {
-                    this.end();
-                }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Ready(Some(Err(e))) => {
-                this.fail();
-                Poll::Ready(Some(Err(Box::new(e))))
-            }
-            Poll::Ready(None) => {
-                this.end();
-                Poll::Ready(None)
-            }
-            Poll::Pending => {
-                if this.deadline.as_mut().poll(cx).is_ready() {
-                    this.fail();
-                    return Poll::Ready(Some(Err("semlb: upstream request timed out".into())));
-                }
-                Poll::Pending
-            }
-        }
     }
 }

@@ -108,12 +108,15 @@ fn emit(events: &[u8], out: &mut BytesMut) {
     }
 }
 
+/// Whether `buf[i]` is the last byte of an event (the `\n` of its blank
+/// line, after `\n` or `\n\r`).
+fn ends_event(buf: &[u8], i: usize) -> bool {
+    buf[i] == b'\n' && i >= 1 && (buf[i - 1] == b'\n' || (i >= 2 && buf[i - 1] == b'\r' && buf[i - 2] == b'\n'))
+}
+
 /// The end (after its blank line) of the last complete event in `buf`.
 fn last_event_end(buf: &[u8]) -> Option<usize> {
-    (1..buf.len())
-        .rev()
-        .find(|&i| buf[i] == b'\n' && (buf[i - 1] == b'\n' || (i >= 2 && buf[i - 1] == b'\r' && buf[i - 2] == b'\n')))
-        .map(|i| i + 1)
+    (1..buf.len()).rev().find(|&i| ends_event(buf, i)).map(|i| i + 1)
 }
 
 /// The events of `buf` (each with its blank line), which ends at an
@@ -126,9 +129,7 @@ fn split_events(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
         }
         let from = start;
         let end = (from + 1..buf.len())
-            .find(|&i| {
-                buf[i] == b'\n' && (buf[i - 1] == b'\n' || (i >= 2 && buf[i - 1] == b'\r' && buf[i - 2] == b'\n'))
-            })
+            .find(|&i| ends_event(buf, i))
             .map_or(buf.len(), |i| i + 1);
         start = end;
         Some(&buf[from..end])

@@ -362,17 +362,8 @@ impl RedisRouting {
             return PrefixMatch::default();
         };
         let listed: Vec<Vec<u16>> = replies
-            .into_iter()
-            .map(|r| match r {
-                Value::Array(fields) => fields
-                    .iter()
-                    .filter_map(|f| match f {
-                        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
-                        _ => None,
-                    })
-                    .collect(),
-                _ => Vec::new(),
-            })
+            .iter()
+            .map(|r| redis::FromRedisValue::from_redis_value(r).unwrap_or_default())
             .collect();
         probe.credit(prefix, &probes, |i, server| {
             listed.get(i).is_some_and(|slots| slots.contains(&server.slot()))
