@@ -41,7 +41,21 @@
 //! response process compares the two ([`Responder::observe`]) and counts
 //! them per server (`semlb_prefix_predicted_tokens_total`,
 //! `semlb_prefix_confirmed_tokens_total`, `semlb_prefix_shortfalls_total`;
-//! `semlb status` shows the accuracy). When an engine reports no cached
+//! `semlb status` shows the accuracy).
+//!
+//! When an engine reports clearly fewer cached tokens than the table
+//! *listed* for its server (two blocks and a quarter of them, at least),
+//! it has evicted the deepest listed block. The dispatcher noted when the
+//! server itself last refreshed that entry
+//! ([`shm_layout::PrefixMatch::refreshed`]); engines evict the least
+//! recently used blocks first, so the server's entries refreshed before
+//! that second are presumed evicted too. Its **horizon** is raised to it
+//! ([`crate::store::WriteBack::demote_before`]) and lookups set its older
+//! entries aside (`semlb_prefix_demotions_total{server}`). The entries stay
+//! in the table (other servers may share them) until they age out or are
+//! refreshed, which brings them back.
+//!
+//! When an engine reports no cached
 //! prompt at all for prompts the table listed it as holding
 //! ([`LOST_MIN_LISTED_BLOCKS`] blocks or more), [`LOST_IN_A_ROW`] times in
 //! a row, its cache was flushed or it restarted: the server is forgotten
@@ -57,7 +71,7 @@
 
 use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::{ChatMessage, ChatTemplate};
-use shm_layout::{Completion, Pop, Stamp, Tables};
+use shm_layout::{Completion, Pop, Prediction, ServerRef, Stamp, Tables};
 
 use crate::answer::{AnswerForm, answer_text, stream_as_response};
 use crate::blocks::BlockHasher;
@@ -77,6 +91,12 @@ pub fn rings_for(index: usize, responders: usize, ring_count: usize) -> impl Ite
     (0..ring_count).filter(move |i| responders > 0 && i % responders == index)
 }
 
+/// Whether `cached` tokens fall clearly short of `expected`: by two blocks
+/// and a quarter of what was expected, at least.
+fn clearly_short(expected: u64, cached: u64, block: u64) -> bool {
+    expected.saturating_sub(cached) >= (2 * block).max(expected / 4)
+}
+
 /// One comparison of a prediction with what the engine reported.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Observation {
@@ -88,6 +108,8 @@ pub struct Observation {
     pub cached: u64,
     /// Clearly fewer than predicted.
     pub short: bool,
+    /// The server's older entries were set aside (its horizon raised).
+    pub demoted: bool,
 }
 
 /// What one response process has done (exported as metrics).
@@ -123,6 +145,9 @@ pub struct ResponderStats {
     pub observed: u64,
     /// Times a server was forgotten in every prefix entry (lost cache).
     pub forgotten_servers: u64,
+    /// Times a server's horizon was raised (entries older than an
+    /// eviction its engine showed set aside).
+    pub demotions: u64,
 }
 
 impl ResponderStats {
@@ -182,8 +207,9 @@ impl<'a> Responder<'a> {
         }
     }
 
-    /// Whether a server whose engine reports a lost cache is forgotten
-    /// (`learn_from_reports`; default true), or the reports only counted.
+    /// Whether engines' reports are acted on: a server whose engine evicted
+    /// listed blocks is demoted, one whose engine lost its cache forgotten
+    /// (`learn_from_reports`; default true); else they are only counted.
     pub fn forgetting(mut self, forgets: bool) -> Self {
         self.forgets = forgets;
         self
@@ -208,16 +234,18 @@ impl<'a> Responder<'a> {
     /// prompt's last partial block, hashed on from the prompt's chain. A
     /// record without an output token count gets the engine's
     /// (`usage.completion_tokens`) or else the answer's.
-    pub fn complete(&mut self, record: &mut Completion) {
+    pub fn complete(&mut self, record: &mut Completion, now_ms: u64) {
         self.extend_chain(record);
         Self::response_from_stream(record);
-        self.observe(record);
+        self.observe(record, now_ms);
     }
 
     /// Compares what the routing predicted of `record`'s server with the
-    /// cached prompt tokens its engine reported, counts both, and forgets
-    /// the server everywhere when its cache was lost (see the module docs).
-    pub fn observe(&mut self, record: &Completion) {
+    /// cached prompt tokens its engine reported, counts both, sets the
+    /// server's older entries aside when its engine evicted what the table
+    /// listed, and forgets the server everywhere when its cache was lost
+    /// (see the module docs). `now_ms` is segment time.
+    pub fn observe(&mut self, record: &Completion, now_ms: u64) {
         let (Some(p), Some(server)) = (record.prediction, record.server) else {
             return;
         };
@@ -226,13 +254,13 @@ impl<'a> Responder<'a> {
         let block = u64::from(p.block_size.max(1));
         let predicted = u64::from(p.predicted_blocks) * block;
         let cached = u64::from(cached);
-        let shortfall = predicted.saturating_sub(cached);
-        let short = shortfall >= (2 * block).max(predicted / 4);
+        let demoted = self.demote(server, &p, cached, now_ms);
         self.observations.push(Observation {
             slot: server.slot,
             predicted,
             cached,
-            short,
+            short: clearly_short(predicted, cached, block),
+            demoted,
         });
         let Some(lost) = self.lost.get_mut(usize::from(server.slot)) else {
             return;
@@ -260,6 +288,29 @@ impl<'a> Responder<'a> {
             "server slot {}: its engine reported no cached prompt {LOST_IN_A_ROW} times in a row for prompts the prefix table listed it as holding: its cache was lost (flushed or restarted), so it is forgotten in {forgotten} prefix entries",
             server.slot
         );
+    }
+
+    /// The engine found clearly fewer of the prompt's tokens than the
+    /// table *listed* for its server (not counting a continued
+    /// conversation's credit): it evicted the deepest listed block, which
+    /// the server itself last refreshed at `p.refreshed`. Engines evict
+    /// the least recently used blocks first, so the server's entries
+    /// refreshed before that second are presumed evicted too: its horizon
+    /// is raised to it and lookups set them aside. Returns whether it moved.
+    fn demote(&mut self, server: ServerRef, p: &Prediction, cached: u64, now_ms: u64) -> bool {
+        let block = u64::from(p.block_size.max(1));
+        let listed = u64::from(p.listed_blocks) * block;
+        let Some(refreshed) = p
+            .refreshed
+            .filter(|_| self.forgets && clearly_short(listed, cached, block))
+        else {
+            return false;
+        };
+        let now_s = now_ms / 1000;
+        let at_s = now_s.saturating_sub(u64::from(refreshed.age(Stamp(now_s as u16))));
+        let demoted = self.sink.demote_before(server, u32::try_from(at_s).unwrap_or(u32::MAX));
+        self.stats.demotions += u64::from(demoted);
+        demoted
     }
 
     /// A cacheable answer that came as an event stream is stored as the
@@ -361,7 +412,7 @@ impl<'a> Responder<'a> {
         if !self.current(record) {
             return false;
         }
-        self.complete(record);
+        self.complete(record, now_ms);
         let mut written = WriteStats::default();
         self.sink.write(std::slice::from_ref(record), now, now_ms, &mut written);
         self.stats.add(&written);
@@ -385,7 +436,7 @@ impl<'a> Responder<'a> {
                     let mut record = std::mem::take(&mut self.batch[len]);
                     match record.decode_from(&self.buf) {
                         Ok(()) if self.current(&record) => {
-                            self.complete(&mut record);
+                            self.complete(&mut record, now_ms);
                             taken += 1;
                             self.batch[len] = record;
                             len += 1;
@@ -502,6 +553,7 @@ mod tests {
                 block_size: 16,
                 predicted_blocks: listed,
                 listed_blocks: listed,
+                refreshed: None,
                 cached_tokens: cached,
             }),
             ..Completion::default()
@@ -509,16 +561,16 @@ mod tests {
         let listed_for = |s: ServerRef| t.prefix.entries().filter(|(_, e)| e.servers.contains(s.tag())).count();
         // A hit, a report of nothing cached, a hit: no loss.
         for cached in [Some(64), Some(0), Some(48), None] {
-            r.observe(&report(a, 4, cached));
+            r.observe(&report(a, 4, cached), 0);
         }
         // Nothing cached of one listed block: not evidence enough.
-        r.observe(&report(a, 1, Some(0)));
-        r.observe(&report(a, 1, Some(0)));
+        r.observe(&report(a, 1, Some(0)), 0);
+        r.observe(&report(a, 1, Some(0)), 0);
         assert_eq!(listed_for(a), 4);
         // Twice in a row: the cache is lost.
-        r.observe(&report(a, 3, Some(0)));
+        r.observe(&report(a, 3, Some(0)), 0);
         assert_eq!((r.stats().forgotten_servers, listed_for(a)), (0, 4));
-        r.observe(&report(a, 3, Some(0)));
+        r.observe(&report(a, 3, Some(0)), 0);
         assert_eq!((r.stats().forgotten_servers, listed_for(a)), (1, 0));
         assert_eq!(listed_for(b), 2, "the other server keeps its entries");
         assert_eq!(r.stats().observed, 7);
@@ -533,10 +585,57 @@ mod tests {
         t.prefix.insert_chain(&other, a, Stamp(2));
         let mut counting = Responder::new(t, Tokenizer::bundled()).forgetting(false);
         for _ in 0..3 {
-            counting.observe(&report(a, 3, Some(0)));
+            counting.observe(&report(a, 3, Some(0)), 0);
         }
         assert_eq!((counting.stats().forgotten_servers, listed_for(a)), (0, 2));
         assert_eq!(counting.take_observations().filter(|o| o.short).count(), 3);
+    }
+
+    /// An engine that found clearly fewer tokens than the table listed
+    /// evicted the deepest listed block: the server's horizon moves to when
+    /// it last refreshed that block, and only then.
+    #[test]
+    fn a_shortfall_on_listed_blocks_raises_the_servers_horizon() {
+        let seg = segment();
+        let t = seg.tables();
+        let a = t.servers.register(1, "http://a", 0).unwrap();
+        let report = |predicted: u32, listed: u32, refreshed: u16, cached: u32| Completion {
+            server: Some(a),
+            prediction: Some(Prediction {
+                block_size: 16,
+                predicted_blocks: predicted,
+                listed_blocks: listed,
+                refreshed: Some(Stamp(refreshed)),
+                cached_tokens: Some(cached),
+            }),
+            ..Completion::default()
+        };
+        let now_ms = 100_000;
+        let mut r = Responder::new(t, Tokenizer::bundled());
+        // Short of the prediction, but only of a continued conversation's
+        // credit: the listed blocks were all found.
+        r.observe(&report(8, 4, 40, 64), now_ms);
+        // Short by one block: not clear.
+        r.observe(&report(6, 6, 40, 80), now_ms);
+        assert_eq!((t.servers.horizon(a), r.stats().demotions), (None, 0));
+        // Short by four of six listed blocks, without the switch: counted only.
+        let mut counting = Responder::new(t, Tokenizer::bundled()).forgetting(false);
+        counting.observe(&report(6, 6, 40, 32), now_ms);
+        assert!(counting.take_observations().all(|o| o.short && !o.demoted));
+        assert_eq!(t.servers.horizon(a), None);
+        // With it: the horizon is second 40, entries up to 60 s old count.
+        r.observe(&report(6, 6, 40, 32), now_ms);
+        assert_eq!((t.servers.horizon(a), r.stats().demotions), (Some(40), 1));
+        assert_eq!(t.servers.entry_max_age(a.tag(), 100), Some(60));
+        // An eviction seen of an older refresh does not move it back; the
+        // stamps wrap (second 65_600 is stamp 64).
+        r.observe(&report(6, 6, 30, 0), now_ms);
+        assert_eq!(t.servers.horizon(a), Some(40));
+        r.observe(&report(6, 6, 50, 0), 65_600_000);
+        assert_eq!(t.servers.horizon(a), Some(65_600 - (64 - 50)));
+        let seen: Vec<Observation> = r.take_observations().collect();
+        assert_eq!(seen.iter().filter(|o| o.demoted).count(), 2);
+        assert_eq!(seen.iter().filter(|o| o.short).count(), 4);
     }
 
     /// A record with a continuation teaches the chain of the prompt's

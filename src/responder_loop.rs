@@ -85,7 +85,7 @@ impl<'a> ResponderLoop<'a> {
             let now = self.responder.stats();
             metrics.responder(&counted, &now);
             for o in self.responder.take_observations() {
-                metrics.prediction(o.slot, o.predicted, o.cached, o.short);
+                metrics.prediction(&o);
             }
             for _ in counted.forgotten_servers..now.forgotten_servers {
                 metrics.forgotten();

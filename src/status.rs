@@ -24,7 +24,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use shm_layout::Segment;
 
-use semlb::metrics::{CacheResult, QueueTotals, cache_total, prediction_total, queue_total, upstream_total};
+use semlb::metrics::{
+    CacheResult, PredictionTotals, QueueTotals, cache_total, prediction_total, queue_total, upstream_total,
+};
 
 use crate::cli::StatusArgs;
 use crate::report::Report;
@@ -62,7 +64,9 @@ impl Totals {
                 .servers
                 .iter()
                 .map(|s| {
-                    let (predicted, confirmed, _) = prediction_total(counters, s.server.slot);
+                    let PredictionTotals {
+                        predicted, confirmed, ..
+                    } = prediction_total(counters, s.server.slot);
                     (s.server.slot, predicted, confirmed)
                 })
                 .collect(),

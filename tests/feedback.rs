@@ -9,7 +9,9 @@
 //! nothing cached make the gateway forget it in every prefix entry, so the
 //! next conversation that lived there is routed on load, not sent back on
 //! the strength of entries the engine no longer backs, and the metrics show
-//! the mismatch.
+//! the mismatch; and when an engine's small cache evicts, one report of a
+//! clear shortfall sets aside the server's entries older than the evicted
+//! prefix, and only those.
 
 use std::collections::HashMap;
 
@@ -189,4 +191,98 @@ fn streams_report_their_cached_tokens_without_the_client_seeing_usage() {
     );
     let confirmed = sample(&metrics, &series).unwrap_or(0.0);
     assert!(confirmed >= 16.0, "{series} = {confirmed}\n{metrics}");
+}
+
+/// Prompt tokens of one engine's KV cache in [`an_eviction_sets_the_servers_older_entries_aside`]:
+/// three of its prompts and a bit (each about 220 tokens, 14 blocks).
+const SMALL_CACHE_TOKENS: &str = "768";
+
+/// An engine whose cache evicts: the table keeps listing the prompts it
+/// evicted, until one of them comes back and the engine reports clearly
+/// fewer cached tokens than listed. Then the server's entries last
+/// refreshed before the evicted one are set aside (engines evict least
+/// recently used blocks first), while those refreshed since still count.
+/// The prefix table's stamps are seconds, so the prompts are a second
+/// apart; the same steps on a gateway with `learn_from_reports = false`
+/// show the stale entry that is otherwise followed.
+#[test]
+fn an_eviction_sets_the_servers_older_entries_aside() {
+    let small = || {
+        Proc::start(&[
+            "__sim",
+            "--listen",
+            "127.0.0.1:0",
+            "--time-scale",
+            "0.01",
+            "--kv-capacity-tokens",
+            SMALL_CACHE_TOKENS,
+        ])
+    };
+    let (engines, gateways): (Vec<Proc>, Vec<Gateway>) = [true, false]
+        .into_iter()
+        .map(|learn| {
+            let engine = small();
+            let gw = Gateway::builder()
+                .shm(&unique(if learn { "evict" } else { "evict-off" }))
+                .backends(&[&engine])
+                .config(&format!("learn_from_reports = {learn}\n"))
+                .start();
+            (engine, gw)
+        })
+        .unzip();
+    let records = |gw: &Gateway, n: f64| {
+        support::gateway::wait_for("the answers written back", std::time::Duration::from_secs(10), || {
+            let m = gw.metrics();
+            (sample(&m, "semlb_responder_records_total") == Some(n), m)
+        })
+    };
+    // Three conversations a second apart (each written back before the
+    // clock moves on), then two more prompts that push the first two out
+    // of the engine's cache.
+    let mut sent = 0.0;
+    let mut conversations: Vec<Vec<Value>> = Vec::new();
+    for i in 0..5 {
+        if i == 1 || i == 2 {
+            std::thread::sleep(std::time::Duration::from_millis(1100));
+        }
+        let messages = opening(60 + i);
+        for gw in &gateways {
+            let (_, route, _) = turn(gw, &messages);
+            assert_eq!(route, "least_load", "prompt {i} is new");
+        }
+        sent += 1.0;
+        for gw in &gateways {
+            records(gw, sent);
+        }
+        conversations.push(messages);
+    }
+    let next = |i: usize| {
+        let mut m = conversations[i].clone();
+        m.push(json!({"role": "assistant", "content": "Noted."}));
+        m.push(user("Go on."));
+        m
+    };
+    // The second conversation comes back: still listed, evicted.
+    for gw in &gateways {
+        let (_, route, cached) = turn(gw, &next(1));
+        assert_eq!(route, "prefix");
+        assert!(cached < 128, "the engine evicted most of it: {cached} cached");
+    }
+    sent += 1.0;
+    let [learning, counting] = [&gateways[0], &gateways[1]].map(|gw| records(gw, sent));
+    let demotions = |m: &str, k: usize| {
+        let series = format!("semlb_prefix_demotions_total{{server=\"http://{}\"}}", engines[k].addr);
+        sample(m, &series)
+    };
+    assert_eq!(demotions(&learning, 0), Some(1.0), "{learning}");
+    assert_eq!(demotions(&counting, 1), Some(0.0), "{counting}");
+    // The first conversation, refreshed a second before the evicted one:
+    // set aside, routed as a new prompt; followed when only counted.
+    let (_, route, _) = turn(&gateways[0], &next(0));
+    assert_eq!(route, "least_load", "an entry older than the eviction was followed");
+    let (_, route, cached) = turn(&gateways[1], &next(0));
+    assert_eq!((route.as_str(), cached < 128), ("prefix", true), "stale and followed");
+    // The third, refreshed after the evicted one, still counts.
+    let (_, route, _) = turn(&gateways[0], &next(2));
+    assert_eq!(route, "prefix");
 }

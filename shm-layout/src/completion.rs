@@ -13,25 +13,27 @@
 //!
 //! A record may also carry the routing's **prediction** (flag 8): how many
 //! of the prompt's blocks the server was expected to hold when it was
-//! chosen, how many of those the prefix table listed, and the prompt
-//! tokens the engine reported it found cached, when the dispatcher read
-//! the answer itself (`u32::MAX`: not read). The response process compares
-//! the prediction with what the engine reported.
+//! chosen, how many of those the prefix table listed, when the server
+//! last refreshed the deepest listed entry (its stamp, `u32::MAX`: not
+//! known), and the prompt tokens the engine reported it found cached, when
+//! the dispatcher read the answer itself (`u32::MAX`: not read). The
+//! response process compares the prediction with what the engine reported.
 //!
 //! ```text
 //! u8 version · u8 flags (1 = response, 2 = continuation, 4 = answer is the response, 8 = prediction) · u16 server slot · u32 generation
 //! u32 prompt tokens · u32 output tokens · u32 #prompt blocks · u32 #full blocks
 //! [u128 response key · u32 response len]                                             if flags & 1
 //! [u64 chain root · u32 block size · u32 #tail tokens · u8 answer form · u32 answer len]   if flags & 2
-//! [u32 block size · u32 predicted blocks · u32 listed blocks · u32 reported cached tokens] if flags & 8
+//! [u32 block size · u32 predicted blocks · u32 listed blocks · u32 listed stamp · u32 reported cached tokens] if flags & 8
 //! u64 × #prompt blocks · u64 × #full blocks · u32 × #tail tokens · answer bytes · response bytes
 //! ```
 //! All integers little-endian.
 
+use crate::prefix_table::Stamp;
 use crate::response_log::ResponseKey;
 use crate::server_table::ServerRef;
 
-const VERSION: u8 = 3;
+const VERSION: u8 = 4;
 const HAS_RESPONSE: u8 = 1;
 const HAS_CONTINUATION: u8 = 2;
 const ANSWER_IS_RESPONSE: u8 = 4;
@@ -48,6 +50,9 @@ pub struct Prediction {
     pub predicted_blocks: u32,
     /// Of those, the blocks the prefix table listed for it.
     pub listed_blocks: u32,
+    /// When the server itself last refreshed the deepest listed entry, if
+    /// the table could tell ([`crate::PrefixMatch::refreshed`]).
+    pub refreshed: Option<Stamp>,
     /// Prompt tokens the engine reported it found in its prefix cache,
     /// when the dispatcher read the answer itself.
     pub cached_tokens: Option<u32>,
@@ -160,7 +165,7 @@ impl CompletionRecord<'_> {
     /// Encoded length in bytes.
     pub fn encoded_len(&self) -> usize {
         24 + self.response.map_or(0, |(_, r)| 20 + r.len())
-            + self.prediction.map_or(0, |_| 16)
+            + self.prediction.map_or(0, |_| 20)
             + self
                 .continuation
                 .map_or(0, |c| 21 + 4 * c.tail.len() + c.answer.map_or(0, <[u8]>::len))
@@ -212,6 +217,7 @@ impl CompletionRecord<'_> {
                 p.block_size,
                 p.predicted_blocks,
                 p.listed_blocks,
+                p.refreshed.map_or(u32::MAX, |s| u32::from(s.0)),
                 p.cached_tokens.unwrap_or(u32::MAX),
             ] {
                 out.extend_from_slice(&n.to_le_bytes());
@@ -304,6 +310,7 @@ impl Completion {
                 block_size: r.u32()?,
                 predicted_blocks: r.u32()?,
                 listed_blocks: r.u32()?,
+                refreshed: u16::try_from(r.u32()?).ok().map(Stamp),
                 cached_tokens: Some(r.u32()?).filter(|n| *n != u32::MAX),
             })
         } else {
@@ -383,11 +390,16 @@ mod tests {
         bare.encode_into(&mut buf);
         c.decode_from(&buf).unwrap();
         assert_eq!((c.response_key, c.response.len()), (None, 0));
-        for cached_tokens in [Some(48), Some(0), None] {
+        for (cached_tokens, refreshed) in [
+            (Some(48), Some(Stamp(7))),
+            (Some(0), Some(Stamp(u16::MAX))),
+            (None, None),
+        ] {
             let prediction = Prediction {
                 block_size: 16,
                 predicted_blocks: 9,
                 listed_blocks: 4,
+                refreshed,
                 cached_tokens,
             };
             let predicted = CompletionRecord {

@@ -168,11 +168,20 @@ pub enum InsertOutcome {
 /// Servers a [`PrefixMatch`] reports at most.
 pub const MATCH_CAPACITY: usize = 8;
 
-/// For each server the table knows to hold part of a chain: how many leading
-/// blocks of it the server holds.
+/// One server of a [`PrefixMatch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Held {
+    lane: u16,
+    blocks: u32,
+    refreshed: Option<Stamp>,
+}
+
+/// For each server the table knows to hold part of a chain: how many
+/// leading blocks of it the server holds, and when the server itself last
+/// refreshed the deepest of them (when the table can tell).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PrefixMatch {
-    entries: [(u16, u32); MATCH_CAPACITY],
+    entries: [Held; MATCH_CAPACITY],
     len: usize,
 }
 
@@ -181,7 +190,7 @@ impl PrefixMatch {
     pub fn iter(&self) -> impl Iterator<Item = (ServerTag, u32)> + '_ {
         self.entries[..self.len]
             .iter()
-            .filter_map(|(l, n)| ServerTag::from_lane(*l).map(|t| (t, *n)))
+            .filter_map(|h| ServerTag::from_lane(h.lane).map(|t| (t, h.blocks)))
     }
 
     /// The server with the most leading blocks (the first seen on ties).
@@ -197,6 +206,17 @@ impl PrefixMatch {
         self.iter().find(|(t, _)| *t == tag).map_or(0, |(_, n)| n)
     }
 
+    /// When `tag` last refreshed the deepest entry it is listed in: that
+    /// entry's stamp, known only when `tag` was the entry's most recent
+    /// server (an entry's stamp is its latest refresh by any server).
+    /// `None` for a match made elsewhere ([`add`](Self::add)).
+    pub fn refreshed(&self, tag: ServerTag) -> Option<Stamp> {
+        self.entries[..self.len]
+            .iter()
+            .find(|h| h.lane == tag.lane())
+            .and_then(|h| h.refreshed)
+    }
+
     /// True when no live server holds any block of the chain.
     pub fn is_empty(&self) -> bool {
         self.len == 0
@@ -207,42 +227,50 @@ impl PrefixMatch {
     /// when [`MATCH_CAPACITY`] servers are listed the one with the fewest
     /// blocks gives way to a deeper one.
     pub fn add(&mut self, server: ServerTag, depth: u32) {
-        self.record(server.lane(), depth);
+        self.record(server.lane(), depth, None);
     }
 
-    /// Records that `lane` holds `depth` leading blocks. When full, the
-    /// server with the fewest blocks (the first of them) gives way to a
-    /// deeper one.
-    fn record(&mut self, lane: u16, depth: u32) {
-        if let Some(e) = self.entries[..self.len].iter_mut().find(|(l, _)| *l == lane) {
-            e.1 = e.1.max(depth);
+    /// Records that `lane` holds `depth` leading blocks, the deepest of
+    /// them refreshed by it at `refreshed`. When full, the server with the
+    /// fewest blocks (the first of them) gives way to a deeper one.
+    fn record(&mut self, lane: u16, depth: u32, refreshed: Option<Stamp>) {
+        let held = Held {
+            lane,
+            blocks: depth,
+            refreshed,
+        };
+        if let Some(e) = self.entries[..self.len].iter_mut().find(|h| h.lane == lane) {
+            if depth > e.blocks {
+                *e = held;
+            }
         } else if self.len < MATCH_CAPACITY {
-            self.entries[self.len] = (lane, depth);
+            self.entries[self.len] = held;
             self.len += 1;
         } else if let Some(e) = self
             .entries
             .iter_mut()
-            .min_by_key(|(_, n)| *n)
-            .filter(|(_, n)| *n < depth)
+            .min_by_key(|h| h.blocks)
+            .filter(|h| h.blocks < depth)
         {
-            *e = (lane, depth);
+            *e = held;
         }
     }
 }
 
-/// Remembers `live` verdicts during one match, so each server is asked once.
-struct LiveMemo<F> {
-    live: F,
-    seen: [(u16, bool); 2 * MATCH_CAPACITY],
+/// Remembers each server's age limit during one match, so each server is
+/// asked once.
+struct AgeMemo<F> {
+    max_age: F,
+    seen: [(u16, Option<u16>); 2 * MATCH_CAPACITY],
     len: usize,
 }
 
-impl<F: Fn(ServerTag) -> bool> LiveMemo<F> {
-    fn is_live(&mut self, tag: ServerTag) -> bool {
+impl<F: Fn(ServerTag) -> Option<u16>> AgeMemo<F> {
+    fn max_age(&mut self, tag: ServerTag) -> Option<u16> {
         if let Some((_, v)) = self.seen[..self.len].iter().find(|(l, _)| *l == tag.lane()) {
             return *v;
         }
-        let v = (self.live)(tag);
+        let v = (self.max_age)(tag);
         if self.len < self.seen.len() {
             self.seen[self.len] = (tag.lane(), v);
             self.len += 1;
@@ -393,10 +421,28 @@ impl<'a> PrefixTable<'a> {
     /// read. At most [`MATCH_CAPACITY`] servers are reported, the deepest
     /// ones. Never allocates.
     pub fn longest_prefix_match(&self, chain: &[u64], live: impl Fn(ServerTag) -> bool) -> PrefixMatch {
+        self.longest_prefix_match_within(chain, Stamp(0), |t| live(t).then_some(u16::MAX))
+    }
+
+    /// [`longest_prefix_match`](Self::longest_prefix_match) counting, for
+    /// each server, only entries refreshed at most `max_age(server)`
+    /// seconds before `now` (`None`: the server is not live; `u16::MAX`:
+    /// every entry). An entry's stamp is its latest refresh by any of its
+    /// servers, never older than a listed server's own: an entry set aside
+    /// for a server is one the server did not refresh within its limit
+    /// (one it did may still count, when another server refreshed it
+    /// since). This is how a server's entries from before its engine
+    /// evicted them are set aside ([`crate::ServerTable::entry_max_age`]).
+    pub fn longest_prefix_match_within(
+        &self,
+        chain: &[u64],
+        now: Stamp,
+        max_age: impl Fn(ServerTag) -> Option<u16>,
+    ) -> PrefixMatch {
         let mut m = PrefixMatch::default();
-        let mut memo = LiveMemo {
-            live,
-            seen: [(0, false); 2 * MATCH_CAPACITY],
+        let mut memo = AgeMemo {
+            max_age,
+            seen: [(0, None); 2 * MATCH_CAPACITY],
             len: 0,
         };
         // Keep PREFETCH_AHEAD bucket fetches in flight: the lookups of a
@@ -409,9 +455,11 @@ impl<'a> PrefixTable<'a> {
                 self.bucket(*ahead).prefetch();
             }
             let Some(entry) = self.lookup(*key) else { break };
-            for tag in entry.servers.iter() {
-                if memo.is_live(tag) {
-                    m.record(tag.lane(), depth as u32 + 1);
+            let age = entry.stamp.age(now);
+            for (lane, tag) in entry.servers.iter().enumerate() {
+                if memo.max_age(tag).is_some_and(|max| age <= max) {
+                    let refreshed = (lane == 0).then_some(entry.stamp);
+                    m.record(tag.lane(), depth as u32 + 1, refreshed);
                 }
             }
         }
@@ -702,6 +750,52 @@ mod tests {
         assert_eq!(only2.best(), Some((srv(2, 0).tag(), 3)));
         assert!(t.longest_prefix_match(&[1, 2, 3], |_| true).is_empty());
         assert!(t.longest_prefix_match(&[], |_| true).is_empty());
+    }
+
+    #[test]
+    fn a_match_within_an_age_sets_older_entries_aside_per_server() {
+        let (b, seed) = table(64);
+        let t = PrefixTable::new(&b, seed);
+        let chain: Vec<u64> = (200..210u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+        // Server 1 refreshed 3 blocks at second 10, server 2 the first 2
+        // at 15, then server 1 all 6 at 20.
+        t.insert_chain(&chain[..3], srv(1, 0), Stamp(10));
+        t.insert_chain(&chain[..2], srv(2, 0), Stamp(15));
+        t.insert_chain(&chain[..6], srv(1, 0), Stamp(20));
+        let now = Stamp(30);
+        let all = t.longest_prefix_match_within(&chain, now, |_| Some(u16::MAX));
+        assert_eq!(all, t.longest_prefix_match(&chain, |_| true));
+        assert_eq!(all.blocks_for(srv(1, 0).tag()), 6);
+        assert_eq!(all.refreshed(srv(1, 0).tag()), Some(Stamp(20)));
+        // Server 2 is listed behind server 1 in its deepest entry (stamp
+        // 20, server 1's refresh): its own refresh time is unknown.
+        assert_eq!(all.blocks_for(srv(2, 0).tag()), 2);
+        assert_eq!(all.refreshed(srv(2, 0).tag()), None);
+        // Entries older than 15 s set aside for server 1 only.
+        let limited = t.longest_prefix_match_within(&chain, now, |s| Some(if s.slot() == 1 { 15 } else { u16::MAX }));
+        assert_eq!(limited.blocks_for(srv(1, 0).tag()), 6, "its deepest entries are recent");
+        let limited = t.longest_prefix_match_within(&chain, now, |s| Some(if s.slot() == 1 { 5 } else { u16::MAX }));
+        assert_eq!(limited.blocks_for(srv(1, 0).tag()), 0, "nothing it refreshed in 5 s");
+        assert_eq!(
+            limited.blocks_for(srv(2, 0).tag()),
+            2,
+            "the other server keeps its match"
+        );
+        // A dead server is not reported; the ages wrap like stamps do.
+        assert_eq!(
+            t.longest_prefix_match_within(&chain, now, |s| (s.slot() == 2).then_some(u16::MAX))
+                .best(),
+            Some((srv(2, 0).tag(), 2))
+        );
+        let wrapped = t.longest_prefix_match_within(&chain, Stamp(20u16.wrapping_add(65530)), |_| Some(10));
+        assert!(wrapped.is_empty(), "65530 s after the last refresh is older than 10 s");
+        t.insert_chain(&chain[..2], srv(2, 0), Stamp(25));
+        let m = t.longest_prefix_match(&chain, |_| true);
+        assert_eq!(
+            m.refreshed(srv(2, 0).tag()),
+            Some(Stamp(25)),
+            "now its most recent server"
+        );
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! ```text
 //! ServerSlot (384 B, 64-aligned)
 //! ┌ line 0 ─ state (generation:32 | check:24 | state:8) · id · address meta (len | check) · registered_ms
+//! │          · horizon (generation:32 | segment second + 1:32)
 //! ├ line 1 ─ in-flight requests · in-flight prompt tokens · scraped load (128-bit)
 //! │          · pending requests · pending prompt tokens
 //! └ lines 2-5 ─ address, up to 256 bytes
@@ -43,6 +44,11 @@ use crate::words::{load_bytes, store_bytes, words_for};
 
 /// Longest server address stored (bytes of UTF-8).
 pub const MAX_ADDRESS_BYTES: usize = 256;
+
+/// Seconds a server's horizon applies ([`ServerTable::raise_horizon`]):
+/// well inside the prefix table's 16-bit stamps' 18 hours, so ages compare
+/// correctly; entries older than that were left to age out anyway.
+pub const HORIZON_SPAN_S: u64 = 8 * 3600;
 
 /// One registration of one server: its slot and the slot's generation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -211,7 +217,8 @@ pub(crate) struct ServerSlot {
     id: AtomicU64,
     address_meta: AtomicU64,
     registered_ms: AtomicU64,
-    _line0: [u64; 4],
+    horizon: AtomicU64,
+    _line0: [u64; 3],
     inflight_requests: AtomicU64,
     inflight_tokens: AtomicU64,
     load: AtomicU128,
@@ -223,6 +230,8 @@ pub(crate) struct ServerSlot {
 
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::size_of::<ServerSlot>() as u64 == crate::plan::SERVER_SLOT_BYTES);
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::offset_of!(ServerSlot, horizon) == 32);
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, inflight_requests) == 64);
 #[cfg(not(loom))]
@@ -254,7 +263,8 @@ impl ServerSlot {
             id: AtomicU64::new(0),
             address_meta: AtomicU64::new(0),
             registered_ms: AtomicU64::new(0),
-            _line0: [0; 4],
+            horizon: AtomicU64::new(0),
+            _line0: [0; 3],
             inflight_requests: AtomicU64::new(0),
             inflight_tokens: AtomicU64::new(0),
             load: AtomicU128::new(0),
@@ -468,8 +478,70 @@ impl<'a> ServerTable<'a> {
     /// the filter for [`crate::PrefixTable::longest_prefix_match`].
     #[inline]
     pub fn is_live(&self, tag: ServerTag) -> bool {
+        self.live(tag).is_some()
+    }
+
+    /// The registration the tag names, if it is `Up`.
+    #[inline]
+    fn live(&self, tag: ServerTag) -> Option<ServerRef> {
         self.current(tag.slot())
-            .is_some_and(|(s, st)| st == ServerState::Up && (s.generation & 0x3f) as u8 == tag.gen_tag())
+            .filter(|(s, st)| *st == ServerState::Up && (s.generation & 0x3f) as u8 == tag.gen_tag())
+            .map(|(s, _)| s)
+    }
+
+    /// Sets `server`'s **horizon** to segment second `at_s`: its engine
+    /// was seen to have evicted a prefix the server last refreshed then, so
+    /// (engines evict least recently used blocks first) its prefix entries
+    /// refreshed before it are presumed gone too, and lookups set them
+    /// aside ([`entry_max_age`](Self::entry_max_age)). A horizon only moves
+    /// forward, and belongs to one registration. Returns whether it moved
+    /// (false if `server` is not current or its horizon is already later).
+    pub fn raise_horizon(&self, server: ServerRef, at_s: u32) -> bool {
+        let Some(s) = self.slots.get(usize::from(server.slot)) else {
+            return false;
+        };
+        let word = (u64::from(server.generation) << 32) | u64::from(at_s.saturating_add(1));
+        let mut current = s.horizon.load(Ordering::Acquire);
+        loop {
+            if !self.current(server.slot).is_some_and(|(r, _)| r == server) {
+                return false;
+            }
+            if current >> 32 == u64::from(server.generation) && current as u32 >= word as u32 {
+                return false;
+            }
+            match s
+                .horizon
+                .compare_exchange_weak(current, word, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return true,
+                Err(now) => current = now,
+            }
+        }
+    }
+
+    /// The segment second of `server`'s horizon, if it has one.
+    pub fn horizon(&self, server: ServerRef) -> Option<u32> {
+        let word = self
+            .slots
+            .get(usize::from(server.slot))?
+            .horizon
+            .load(Ordering::Acquire);
+        (word >> 32 == u64::from(server.generation) && word as u32 != 0).then(|| word as u32 - 1)
+    }
+
+    /// The filter for [`crate::PrefixTable::longest_prefix_match_within`]
+    /// at segment second `now_s`: `None` unless the tagged server is live
+    /// ([`is_live`](Self::is_live)); else how old (in seconds) its entries
+    /// may be: up to its horizon, or any age (`u16::MAX`) without one or
+    /// when the horizon is older than [`HORIZON_SPAN_S`].
+    #[inline]
+    pub fn entry_max_age(&self, tag: ServerTag, now_s: u64) -> Option<u16> {
+        let server = self.live(tag)?;
+        let age = self
+            .horizon(server)
+            .map(|h| now_s.saturating_sub(u64::from(h)))
+            .filter(|age| *age <= HORIZON_SPAN_S);
+        Some(age.map_or(u16::MAX, |a| a as u16))
     }
 
     /// A consistent copy of `slot`, or `None` if free, being configured, or
@@ -683,6 +755,31 @@ mod tests {
         };
         assert_eq!(LoadFigures::unpack(big.pack()).waiting, (1 << 24) - 1);
         assert_eq!(LoadFigures::unpack(big.pack()).pending_at_scrape, (1 << 24) - 1);
+    }
+
+    #[test]
+    fn a_horizon_moves_forward_bounds_entry_ages_and_dies_with_its_registration() {
+        let (s, l) = parts();
+        let t = ServerTable::new(&s, &l, 1);
+        let a = t.register(11, "http://a", 0).unwrap();
+        assert_eq!(t.entry_max_age(a.tag(), 100), Some(u16::MAX), "no horizon: any age");
+        assert!(t.raise_horizon(a, 40));
+        assert_eq!(t.horizon(a), Some(40));
+        assert_eq!(t.entry_max_age(a.tag(), 100), Some(60));
+        assert!(!t.raise_horizon(a, 30), "an older horizon is already covered");
+        assert_eq!(t.horizon(a), Some(40));
+        assert!(!t.raise_horizon(a, 0) && t.raise_horizon(a, 90));
+        assert_eq!(t.entry_max_age(a.tag(), 100), Some(10));
+        // Past its span a horizon no longer applies (stamps would wrap).
+        assert_eq!(t.entry_max_age(a.tag(), 90 + HORIZON_SPAN_S + 1), Some(u16::MAX));
+        assert!(t.set_state(a, ServerState::Down));
+        assert_eq!(t.entry_max_age(a.tag(), 100), None, "not live");
+        assert!(t.retire(a));
+        assert!(!t.raise_horizon(a, 200), "not current");
+        let a2 = t.register(12, "http://a2", 0).unwrap();
+        assert_eq!(a2.slot, a.slot);
+        assert_eq!(t.horizon(a2), None, "a new registration starts without one");
+        assert_eq!(t.entry_max_age(a2.tag(), 100), Some(u16::MAX));
     }
 
     #[test]

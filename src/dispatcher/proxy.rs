@@ -256,15 +256,7 @@ impl<'d> Attempts<'d> {
             self.failed_on(server, Failure::Reregistered { address });
             return Err(Next::Retry);
         };
-        let chosen = Chosen {
-            server,
-            address: info.address,
-            reason: admitted.choice.reason,
-            candidates: lookup.candidates.len(),
-            degraded: lookup.degraded,
-            held: lookup.prefix.blocks_for(server.tag()),
-            predicted: lookup.routing_prefix().blocks_for(server.tag()),
-        };
+        let chosen = Chosen::new(server, info.address, admitted.choice.reason, lookup);
         Ok((chosen, Some(admitted.guard)))
     }
 
@@ -308,6 +300,7 @@ impl<'d> Attempts<'d> {
             degraded,
             held,
             predicted,
+            refreshed,
         } = chosen;
         self.last_reason = Some(reason);
         self.last_prediction = Prediction {
@@ -317,6 +310,7 @@ impl<'d> Attempts<'d> {
                 .map_or(0, |c| u32::try_from(c.hasher.block_size()).unwrap_or(u32::MAX)),
             predicted_blocks: predicted,
             listed_blocks: held,
+            refreshed,
             cached_tokens: None,
         };
         if self.attempt > 0 {

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use shm_layout::ServerRef;
+use shm_layout::{ServerRef, Stamp};
 
 use super::Dispatcher;
 use super::inflight::InflightGuard;
@@ -66,6 +66,26 @@ pub(super) struct Chosen {
     /// Leading blocks the server was expected to hold: `held`, raised by a
     /// continued conversation's credit.
     pub predicted: u32,
+    /// When the server last refreshed the deepest block listed for it, if
+    /// the table could tell ([`shm_layout::PrefixMatch::refreshed`]).
+    pub refreshed: Option<Stamp>,
+}
+
+impl Chosen {
+    /// `server` at `address`, chosen for `reason` on `lookup`'s answer.
+    pub fn new(server: ServerRef, address: String, reason: Reason, lookup: &Lookup) -> Self {
+        let tag = server.tag();
+        Self {
+            server,
+            address,
+            reason,
+            candidates: lookup.candidates.len(),
+            degraded: lookup.degraded,
+            held: lookup.prefix.blocks_for(tag),
+            predicted: lookup.routing_prefix().blocks_for(tag),
+            refreshed: lookup.prefix.refreshed(tag),
+        }
+    }
 }
 
 /// The store's answer for one decision (counted when degraded).
@@ -174,18 +194,7 @@ pub(super) async fn choose(
         } else {
             None
         };
-        return Routed::Chosen(
-            Chosen {
-                server,
-                address: info.address,
-                reason: choice.reason,
-                candidates: lookup.candidates.len(),
-                degraded: lookup.degraded,
-                held: lookup.prefix.blocks_for(server.tag()),
-                predicted: prefix.blocks_for(server.tag()),
-            },
-            guard,
-        );
+        return Routed::Chosen(Chosen::new(server, info.address, choice.reason, &lookup), guard);
     }
 }
 

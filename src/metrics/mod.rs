@@ -52,7 +52,9 @@ mod render;
 #[cfg(test)]
 mod tests;
 
-pub use record::{Metrics, ServerGauges, cache_total, prediction_total, responder_records, upstream_total};
+pub use record::{
+    Metrics, PredictionTotals, ServerGauges, cache_total, prediction_total, responder_records, upstream_total,
+};
 pub use render::Snapshot;
 
 /// The `endpoint` label of `semlb_requests_total`.
@@ -221,9 +223,10 @@ const LEARN_BLOCKS: usize = LEARN + 2;
 const CONTINUED: usize = LEARN + 3;
 /// Per server slot, what the routing predicted against what the engine
 /// reported: predicted prompt tokens, of those found cached, requests with
-/// a clear shortfall (three words per slot).
+/// a clear shortfall, times its older entries were set aside (four words
+/// per slot).
 const PREDICTION: usize = LEARN + 4;
-const PREDICTION_WORDS: usize = 3;
+const PREDICTION_WORDS: usize = 4;
 /// Times a server's prefix entries were forgotten (its cache was lost).
 const FORGOTTEN: usize = PREDICTION + SERVERS * PREDICTION_WORDS;
 const END: usize = FORGOTTEN + 1;

@@ -70,16 +70,16 @@ impl<'a> Metrics<'a> {
         self.add(CONTINUED, 1);
     }
 
-    /// A request to the server in `slot` predicted to find `predicted`
-    /// prompt tokens cached whose engine reported `cached`; `short`: clearly
-    /// fewer than predicted.
-    pub fn prediction(&self, slot: u16, predicted: u64, cached: u64, short: bool) {
-        let slot = usize::from(slot);
+    /// A response process's comparison of a prediction with what the
+    /// engine reported (counted per server).
+    pub fn prediction(&self, o: &crate::responder::Observation) {
+        let slot = usize::from(o.slot);
         if slot < SERVERS {
             let base = PREDICTION + slot * PREDICTION_WORDS;
-            self.add(base, predicted);
-            self.add(base + 1, cached.min(predicted));
-            self.add(base + 2, u64::from(short));
+            self.add(base, o.predicted);
+            self.add(base + 1, o.cached.min(o.predicted));
+            self.add(base + 2, u64::from(o.short));
+            self.add(base + 3, u64::from(o.demoted));
         }
     }
 
@@ -206,16 +206,34 @@ pub fn upstream_total(counters: &[u64], slot: u16) -> (u64, u64) {
     (get(at), get(at + 1))
 }
 
+/// What the routing predicted of one server against what its engine
+/// reported, summed over processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PredictionTotals {
+    /// Prompt tokens predicted cached.
+    pub predicted: u64,
+    /// Of those, confirmed by the engine.
+    pub confirmed: u64,
+    /// Requests with a clear shortfall.
+    pub shortfalls: u64,
+    /// Times its older entries were set aside.
+    pub demotions: u64,
+}
+
 /// The prediction figures of server `slot` in `counters` (summed stats
-/// words): predicted prompt tokens, of those confirmed by the engine,
-/// requests with a clear shortfall.
-pub fn prediction_total(counters: &[u64], slot: u16) -> (u64, u64, u64) {
+/// words).
+pub fn prediction_total(counters: &[u64], slot: u16) -> PredictionTotals {
     if usize::from(slot) >= SERVERS {
-        return (0, 0, 0);
+        return PredictionTotals::default();
     }
     let at = PREDICTION + usize::from(slot) * PREDICTION_WORDS;
     let get = |i: usize| counters.get(i).copied().unwrap_or(0);
-    (get(at), get(at + 1), get(at + 2))
+    PredictionTotals {
+        predicted: get(at),
+        confirmed: get(at + 1),
+        shortfalls: get(at + 2),
+        demotions: get(at + 3),
+    }
 }
 
 /// A response-cache result's count in `counters` (summed stats words).

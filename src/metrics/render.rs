@@ -121,6 +121,10 @@ impl Snapshot {
                 "semlb_prefix_shortfalls_total",
                 "Requests whose engine reported clearly fewer cached prompt tokens than predicted.",
             ),
+            (
+                "semlb_prefix_demotions_total",
+                "Times a server's prefix entries older than an eviction its engine reported were set aside (its horizon raised).",
+            ),
         ];
         for (k, (name, help)) in per_server.into_iter().enumerate() {
             family(o, name, "counter", help);

@@ -3,6 +3,8 @@
 use super::*;
 use shm_layout::{LayoutPlan, Segment};
 
+use crate::responder::Observation;
+
 fn empty() -> Snapshot {
     Snapshot {
         counters: vec![0; STAT_WORDS],
@@ -115,21 +117,35 @@ fn predictions_are_counted_per_server_over_processes() {
     t.servers.set_state(server, shm_layout::ServerState::Up);
     let (a, b) = (Metrics::new(t.stats, 1), Metrics::new(t.stats, 2));
     let slot = server.slot;
-    a.prediction(slot, 64, 64, false);
-    b.prediction(slot, 48, 0, true);
-    b.prediction(slot, 32, 80, false);
+    let seen = |predicted, cached, short, demoted| Observation {
+        slot,
+        predicted,
+        cached,
+        short,
+        demoted,
+    };
+    a.prediction(&seen(64, 64, false, false));
+    b.prediction(&seen(48, 0, true, true));
+    b.prediction(&seen(32, 80, false, false));
     b.forgotten();
     let text = Snapshot::collect(&t, 0, 1000).render();
     for line in [
         "semlb_prefix_predicted_tokens_total{server=\"http://e\"} 144\n",
         "semlb_prefix_confirmed_tokens_total{server=\"http://e\"} 96\n",
         "semlb_prefix_shortfalls_total{server=\"http://e\"} 1\n",
+        "semlb_prefix_demotions_total{server=\"http://e\"} 1\n",
         "semlb_prefix_servers_forgotten_total 1\n",
     ] {
         assert!(text.contains(line), "{line} in\n{text}");
     }
     let counters = t.stats.sum_all();
-    assert_eq!(prediction_total(&counters, slot), (144, 96, 1));
+    let want = PredictionTotals {
+        predicted: 144,
+        confirmed: 96,
+        shortfalls: 1,
+        demotions: 1,
+    };
+    assert_eq!(prediction_total(&counters, slot), want);
 }
 
 #[test]

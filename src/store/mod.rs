@@ -211,6 +211,15 @@ pub trait WriteBack: fmt::Debug {
     /// (flushed, restarted). Returns how many entries listed it; 0 when the
     /// store cannot be reached (its entries then age out).
     fn forget_server(&mut self, server: ServerRef) -> u64;
+
+    /// Sets `server`'s prefix entries refreshed before segment second
+    /// `at_s` aside: its engine was seen to have evicted a prefix the
+    /// server last refreshed then. Returns whether that set more aside:
+    /// the shm store raises the server's horizon
+    /// ([`shm_layout::ServerTable::raise_horizon`]); the Redis store does
+    /// not demote (its entries age out by TTL, or go when the server is
+    /// forgotten).
+    fn demote_before(&mut self, server: ServerRef, at_s: u32) -> bool;
 }
 
 /// The blocks of a record's full chain that its prompt chain does not

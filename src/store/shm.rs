@@ -1,6 +1,8 @@
 //! The routing state in the host's shared-memory segment (the default
 //! store): every read is a lock-free lookup in [`shm_layout::Tables`], with
-//! no system call and no round trip.
+//! no system call and no round trip. A server's prefix entries older than
+//! its horizon (its engine was seen to evict them:
+//! [`shm_layout::ServerTable::raise_horizon`]) are not matched.
 
 use std::sync::Arc;
 
@@ -51,9 +53,14 @@ impl ShmStore {
         if !request.chain.is_empty() {
             let servers = &tables.servers;
             let exclude = request.exclude;
-            lookup.prefix = tables.prefix.longest_prefix_match(request.chain, |t| {
-                servers.is_live(t) && !exclude.iter().any(|s| s.tag() == t)
-            });
+            let now_s = segment.clock().now_ms() / 1000;
+            lookup.prefix = tables
+                .prefix
+                .longest_prefix_match_within(request.chain, Stamp(now_s as u16), |t| {
+                    servers
+                        .entry_max_age(t, now_s)
+                        .filter(|_| !exclude.iter().any(|s| s.tag() == t))
+                });
         }
         if let Some(probe) = request.continuation.filter(|_| !lookup.prefix.is_empty()) {
             let mut probes = Vec::new();
@@ -138,6 +145,10 @@ impl WriteBack for ShmWriteBack<'_> {
 
     fn forget_server(&mut self, server: ServerRef) -> u64 {
         self.tables.prefix.remove_server(server.tag())
+    }
+
+    fn demote_before(&mut self, server: ServerRef, at_s: u32) -> bool {
+        self.tables.servers.raise_horizon(server, at_s)
     }
 
     fn write(&mut self, batch: &[Completion], now: Stamp, now_ms: u64, stats: &mut WriteStats) {

@@ -658,6 +658,10 @@ impl WriteBack for RedisWriteBack {
         }
     }
 
+    fn demote_before(&mut self, _server: ServerRef, _at_s: u32) -> bool {
+        false
+    }
+
     fn write(&mut self, batch: &[Completion], _now: Stamp, _now_ms: u64, stats: &mut WriteStats) {
         for record in batch {
             self.backlog_bytes += record_bytes(record);
