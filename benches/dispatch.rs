@@ -24,6 +24,7 @@ use semlb::blocks::BlockHasher;
 use semlb::prompt::{Endpoint, RoutingInput, parse};
 use semlb::response_cache::{Tenant, key};
 use semlb::routing::{self, PolicyConfig, RouteInput, live_candidates};
+use semlb::store::shm::prefix_match;
 use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::ChatTemplate;
 use shm_layout::{LayoutPlan, Segment, Stamp};
@@ -158,7 +159,7 @@ fn dispatch(c: &mut Criterion) {
         g.bench_function("prefix_lookup", |b| {
             b.iter(|| {
                 i = (i + 1) % chains.len();
-                black_box(t.prefix.longest_prefix_match(&chains[i], |s| t.servers.is_live(s)))
+                black_box(prefix_match(&t, seg.clock().now_ms(), &chains[i], &[]))
             })
         });
         let matches: Vec<_> = chains
@@ -191,7 +192,7 @@ fn dispatch(c: &mut Criterion) {
                 hasher.chain(&tokenizer.encode(text), &mut chain);
                 let k = key(Tenant::ANONYMOUS, Endpoint::ChatCompletions, &p.body);
                 let hit = t.responses.get_into(k, &mut buf).is_some();
-                let m = t.prefix.longest_prefix_match(&chain, |s| t.servers.is_live(s));
+                let m = prefix_match(&t, seg.clock().now_ms(), &chain, &[]);
                 live_candidates(&t, &mut candidates);
                 let tokens = (chain.len() * 16) as u32;
                 let input = RouteInput::new(&chain, tokens, 16, &m, &candidates);

@@ -148,49 +148,67 @@ fn a_flushed_engine_is_forgotten_once_it_reports_its_loss() {
 /// A streamed request without `stream_options`: the gateway asks the
 /// engine for the usage on the client's behalf and keeps it from the
 /// client, whose stream has no usage at all, while the engine's cached
-/// tokens are counted as for any other answer.
+/// tokens are counted as for any other answer: for a short stream, kept
+/// whole for the response process, and for a long one (300 tokens, past
+/// the 16 KiB the dispatcher keeps as it came), read as it passes.
 #[test]
 fn streams_report_their_cached_tokens_without_the_client_seeing_usage() {
     let engines = [sim()];
     let refs: Vec<&Proc> = engines.iter().collect();
     let gw = Gateway::builder().shm(&unique("usage")).backends(&refs).start();
-    let mut messages = opening(40);
-    for turn in 0..2 {
-        let r = chat(gw.addr(), &messages, json!({"stream": true, "max_tokens": 8}), &[]);
-        assert_eq!(r.status, 200);
-        let body = String::from_utf8_lossy(&r.body).into_owned();
-        let events = support::sse::events(&body);
-        assert!(events.last().is_some_and(|e| e == "[DONE]"), "{body}");
-        let mut text = String::new();
-        for e in &events[..events.len() - 1] {
-            let chunk: Value = serde_json::from_str(e).expect("a JSON chunk");
-            assert!(
-                chunk.get("usage").is_none(),
-                "turn {turn}: usage the client did not ask for: {e}"
-            );
-            let choices = chunk["choices"].as_array().expect("choices");
-            assert!(
-                !choices.is_empty(),
-                "turn {turn}: a usage chunk reached the client: {e}"
-            );
-            text.push_str(choices[0]["delta"]["content"].as_str().unwrap_or_default());
-        }
-        assert!(!text.is_empty(), "{body}");
-        messages.push(json!({"role": "assistant", "content": text}));
-        messages.push(user("Go on."));
-    }
-    // What the engine reported reached the response process: the second
-    // turn found its first turn cached, as predicted.
-    let metrics = support::gateway::wait_for("both answers counted", std::time::Duration::from_secs(10), || {
-        let m = gw.metrics();
-        (sample(&m, "semlb_responder_records_total") == Some(2.0), m)
-    });
     let series = format!(
         "semlb_prefix_confirmed_tokens_total{{server=\"http://{}\"}}",
         engines[0].addr
     );
-    let confirmed = sample(&metrics, &series).unwrap_or(0.0);
-    assert!(confirmed >= 16.0, "{series} = {confirmed}\n{metrics}");
+    let mut confirmed_before = 0.0;
+    for (k, max_tokens) in [8, 300].into_iter().enumerate() {
+        let mut messages = opening(40 + k);
+        for turn in 0..2 {
+            let r = chat(
+                gw.addr(),
+                &messages,
+                json!({"stream": true, "max_tokens": max_tokens}),
+                &[],
+            );
+            assert_eq!(r.status, 200);
+            let body = String::from_utf8_lossy(&r.body).into_owned();
+            let events = support::sse::events(&body);
+            assert!(events.last().is_some_and(|e| e == "[DONE]"), "{body}");
+            let mut text = String::new();
+            for e in &events[..events.len() - 1] {
+                let chunk: Value = serde_json::from_str(e).expect("a JSON chunk");
+                assert!(
+                    chunk.get("usage").is_none(),
+                    "turn {turn}: usage the client did not ask for: {e}"
+                );
+                let choices = chunk["choices"].as_array().expect("choices");
+                assert!(
+                    !choices.is_empty(),
+                    "turn {turn}: a usage chunk reached the client: {e}"
+                );
+                text.push_str(choices[0]["delta"]["content"].as_str().unwrap_or_default());
+            }
+            assert!(!text.is_empty(), "{body}");
+            if max_tokens > 100 {
+                assert!(body.len() > 16 << 10, "a long stream: {} bytes", body.len());
+            }
+            messages.push(json!({"role": "assistant", "content": text}));
+            messages.push(user("Go on."));
+        }
+        // What the engine reported reached the response process: the
+        // second turn found its first turn cached, as predicted.
+        let records = 2.0 * (k + 1) as f64;
+        let metrics = support::gateway::wait_for("the answers counted", std::time::Duration::from_secs(10), || {
+            let m = gw.metrics();
+            (sample(&m, "semlb_responder_records_total") == Some(records), m)
+        });
+        let confirmed = sample(&metrics, &series).unwrap_or(0.0);
+        assert!(
+            confirmed >= confirmed_before + 16.0,
+            "{max_tokens} tokens: {series} = {confirmed}, {confirmed_before} before\n{metrics}"
+        );
+        confirmed_before = confirmed;
+    }
 }
 
 /// Prompt tokens of one engine's KV cache in [`an_eviction_sets_the_servers_older_entries_aside`]:

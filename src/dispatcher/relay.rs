@@ -50,7 +50,7 @@ use super::inflight::InflightGuard;
 use super::learn::{Learn, push_completion};
 use super::route::{passive_failure, passive_success};
 use super::usage::UsageStrip;
-use crate::answer::{AnswerForm, EventStreamText};
+use crate::answer::{AnswerForm, EventStreamText, Reported};
 use crate::failure::Failure;
 
 /// Largest non-streaming answer kept to learn from (bytes).
@@ -133,12 +133,14 @@ impl Capture {
         }
     }
 
-    /// The answer, in the form it is kept in (`None` if it was too large).
-    fn into_answer(self) -> Option<(AnswerForm, Vec<u8>)> {
+    /// The answer, in the form it is kept in (`None` if it was too large),
+    /// and what the engine reported when the stream was read as it passed
+    /// (the other forms carry their report in their bytes).
+    fn into_answer(self) -> Option<(AnswerForm, Vec<u8>, Reported)> {
         match self {
-            Capture::Json { buf, overflow: false } => Some((AnswerForm::Json, buf)),
-            Capture::RawStream { buf, .. } => Some((AnswerForm::EventStream, buf)),
-            Capture::Stream(c) if !c.overflow => Some((AnswerForm::Text, c.text.into_bytes())),
+            Capture::Json { buf, overflow: false } => Some((AnswerForm::Json, buf, Reported::default())),
+            Capture::RawStream { buf, .. } => Some((AnswerForm::EventStream, buf, Reported::default())),
+            Capture::Stream(c) if !c.overflow => Some((AnswerForm::Text, c.text.into_bytes(), c.reported)),
             _ => None,
         }
     }
@@ -267,10 +269,13 @@ impl Relay {
             passive_success(&self.dispatcher, g.server());
             self.dispatcher.metrics().upstream(g.server().slot, true);
         }
-        let (Some(learn), Some(capture)) = (self.learn.take(), self.capture.take()) else {
+        let (Some(mut learn), Some(capture)) = (self.learn.take(), self.capture.take()) else {
             return;
         };
-        if let Some((form, answer)) = capture.into_answer() {
+        if let Some((form, answer, reported)) = capture.into_answer() {
+            if form == AnswerForm::Text {
+                learn.prediction.cached_tokens = reported.cached_tokens_u32();
+            }
             push_completion(&self.dispatcher, learn, form, answer);
         }
     }

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use shm_layout::{Completion, Segment, ServerRef, Stamp, Tables};
+use shm_layout::{Completion, PrefixMatch, Segment, ServerRef, Stamp, Tables};
 
 use super::local::LocalState;
 use super::{Lookup, LookupRequest, RoutingStore, StoreFuture, StoreStats, WriteBack, WriteStats, answer_blocks};
@@ -51,16 +51,7 @@ impl ShmStore {
             }
         }
         if !request.chain.is_empty() {
-            let servers = &tables.servers;
-            let exclude = request.exclude;
-            let now_s = segment.clock().now_ms() / 1000;
-            lookup.prefix = tables
-                .prefix
-                .longest_prefix_match_within(request.chain, Stamp(now_s as u16), |t| {
-                    servers
-                        .entry_max_age(t, now_s)
-                        .filter(|_| !exclude.iter().any(|s| s.tag() == t))
-                });
+            lookup.prefix = prefix_match(&tables, segment.clock().now_ms(), request.chain, request.exclude);
         }
         if let Some(probe) = request.continuation.filter(|_| !lookup.prefix.is_empty()) {
             let mut probes = Vec::new();
@@ -74,6 +65,21 @@ impl ShmStore {
         }
         lookup
     }
+}
+
+/// The longest match of `chain` in `tables`' prefix table at segment time
+/// `now_ms`, among the live servers not in `exclude`, each server's entries
+/// older than its horizon set aside: the shm store's prefix lookup.
+pub fn prefix_match(tables: &Tables<'_>, now_ms: u64, chain: &[u64], exclude: &[ServerRef]) -> PrefixMatch {
+    let now_s = now_ms / 1000;
+    tables
+        .prefix
+        .longest_prefix_match_within(chain, Stamp(now_s as u16), |t| {
+            tables
+                .servers
+                .entry_max_age(t, now_s)
+                .filter(|_| !exclude.iter().any(|s| s.tag() == t))
+        })
 }
 
 impl RoutingStore for ShmStore {

@@ -1,7 +1,9 @@
-//! The engines' counters at the end of a replay run: the prefix-cache,
-//! token and request counters of one simulated engine, read from its
-//! Prometheus `/metrics` text. [`drive`](super::drive) reads them after a
-//! run; [`stats`](super::stats) turns them into hit rates and imbalance.
+//! The counters at the end of a replay run: the prefix-cache, token and
+//! request counters of one simulated engine, and the gateway's comparison
+//! of what it predicted the engines held with what they reported, read from
+//! their Prometheus `/metrics` text. [`drive`](super::drive) reads them
+//! after a run; [`stats`](super::stats) turns them into hit rates,
+//! imbalance and prediction accuracy.
 
 /// The sum of the samples of metric `name` (exact name, any labels) in a
 /// Prometheus text exposition; `None` when there is none.
@@ -57,6 +59,44 @@ impl EngineCounters {
     /// Prompt tokens the engine had to prefill.
     pub(super) fn uncached(&self) -> f64 {
         (self.prompt_tokens - self.hits).max(0.0)
+    }
+}
+
+/// The gateway's prediction counters at the end of a run, summed over
+/// servers.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct GatewayCounters {
+    /// Answers whose engine's report the response processes read.
+    pub(super) records: f64,
+    /// Prompt tokens the routing predicted the chosen engine held.
+    pub(super) predicted: f64,
+    /// Of those, found cached by the engine.
+    pub(super) confirmed: f64,
+    /// Requests with a clear shortfall.
+    pub(super) shortfalls: f64,
+    /// Times a server's older entries were set aside.
+    pub(super) demotions: f64,
+    /// Times a server was forgotten everywhere (a lost cache).
+    pub(super) forgotten: f64,
+}
+
+impl GatewayCounters {
+    /// The counters of the gateway's `/metrics` text.
+    pub(super) fn parse(text: &str) -> Self {
+        let m = |n| metric_sum(text, n).unwrap_or(0.0);
+        Self {
+            records: m("semlb_responder_records_total"),
+            predicted: m("semlb_prefix_predicted_tokens_total"),
+            confirmed: m("semlb_prefix_confirmed_tokens_total"),
+            shortfalls: m("semlb_prefix_shortfalls_total"),
+            demotions: m("semlb_prefix_demotions_total"),
+            forgotten: m("semlb_prefix_servers_forgotten_total"),
+        }
+    }
+
+    /// Confirmed / predicted tokens (`None` when nothing was predicted).
+    pub(super) fn accuracy(&self) -> Option<f64> {
+        (self.predicted > 0.0).then(|| self.confirmed / self.predicted)
     }
 }
 

@@ -11,7 +11,7 @@ use semlb::routing::PolicyKind;
 use semlb_test_support::gateway::Gateway;
 use semlb_test_support::process::Proc;
 
-use super::counters::EngineCounters;
+use super::counters::{EngineCounters, GatewayCounters};
 use super::sessions;
 use crate::end_to_end::{
     GatewayError, GatewaySpec, LoadClient, Outcome, Store, start_engines, start_gateway, stream_request_with,
@@ -56,6 +56,8 @@ pub(super) struct RunResult {
     pub(super) wall_s: f64,
     /// Every engine's counters at the end.
     pub(super) engines: Vec<EngineCounters>,
+    /// The gateway's prediction counters at the end.
+    pub(super) gateway: GatewayCounters,
     /// Send lag of the generator (real ms behind schedule): p99, max.
     pub(super) lag_ms: [f64; 2],
 }
@@ -207,8 +209,12 @@ pub(super) fn run_once(
     finish(client, engines, gateway, (outcomes, wall_s, lag_ms))
 }
 
-/// The run's result: what was sent, and every engine's counters read
-/// before the gateway and the engines are stopped.
+/// How long [`finish`] waits for the response processes to have read the
+/// last answers.
+const SETTLE: Duration = Duration::from_secs(3);
+
+/// The run's result: what was sent, every engine's counters and the
+/// gateway's, read before the gateway and the engines are stopped.
 fn finish(
     client: &LoadClient,
     engines: Vec<Proc>,
@@ -226,12 +232,26 @@ fn finish(
         }
         counters.push(EngineCounters::parse(&text));
     }
+    // The response processes count the last answers a moment after they
+    // end: read until two reads a tenth of a second apart agree.
+    let until = Instant::now() + SETTLE;
+    let mut gateway_counters = GatewayCounters::parse(&gateway.metrics());
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let again = GatewayCounters::parse(&gateway.metrics());
+        let settled = again.records == gateway_counters.records;
+        gateway_counters = again;
+        if settled || Instant::now() >= until {
+            break;
+        }
+    }
     drop(gateway);
     drop(engines);
     Ok(RunResult {
         outcomes,
         wall_s,
         engines: counters,
+        gateway: gateway_counters,
         lag_ms,
     })
 }

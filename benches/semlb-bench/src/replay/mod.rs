@@ -105,7 +105,11 @@
 //! the common prefill rate, and of requests served
 //! (`vllm:request_success_total`); for workloads with sessions, the share
 //! of a session's answered requests sent to the engine that answered its
-//! previous one (`same engine`); errors.
+//! previous one (`same engine`); the prediction accuracy (of the prompt
+//! tokens the routing predicted the chosen engine held, the share it
+//! reported cached: the gateway's `semlb_prefix_confirmed_tokens_total` /
+//! `semlb_prefix_predicted_tokens_total`, with the shortfalls, demotions
+//! and forgotten servers in the JSON); errors.
 //!
 //! # Run time
 //!
@@ -582,6 +586,7 @@ fn print_report(args: &ReplayArgs, report: &WorkloadReport, multipliers: &[f64])
         "prefill CV",
         "requests CV",
         "same engine",
+        "prediction",
         "errors",
     ]);
     for p in &report.policies {
@@ -606,6 +611,8 @@ fn print_report(args: &ReplayArgs, report: &WorkloadReport, multipliers: &[f64])
             format!("{:.3}", s.cv_prefill),
             format!("{:.3}", s.cv_requests),
             s.same_engine
+                .map_or_else(|| "-".to_owned(), |f| format!("{:.1}%", f * 100.0)),
+            s.prediction
                 .map_or_else(|| "-".to_owned(), |f| format!("{:.1}%", f * 100.0)),
             s.errors.to_string(),
         ]);
@@ -636,7 +643,7 @@ fn print_report(args: &ReplayArgs, report: &WorkloadReport, multipliers: &[f64])
         "req/s, TTFT, SLO attainment, prefix hit rate and CVs from the ×1 run. SLO att.: share of all requests with \
          TTFT <= {} s (errors miss); goodput: highest offered rate (req/s) with >= {:.0}% attainment; prefix hit \
          rate: Σ hits / Σ queries (tokens) over the engines; prefill CV: coefficient of variation across engines of \
-         uncached prompt tokens (prefill busy time); requests CV: of requests served; same engine: of the answered requests following an answered request of their session, the share sent to the same engine.",
+         uncached prompt tokens (prefill busy time); requests CV: of requests served; same engine: of the answered requests following an answered request of their session, the share sent to the same engine; prediction: of the prompt tokens the routing predicted the chosen engine held, the share it reported cached.",
         report.setting.ttft_slo_s,
         GOODPUT_ATTAINMENT * 100.0
     );
@@ -686,6 +693,15 @@ fn report_json(report: &WorkloadReport, multipliers: &[f64]) -> Value {
                         "imbalance_cv_prefill_busy": s.cv_prefill,
                         "imbalance_cv_requests": s.cv_requests,
                         "same_engine_share": s.same_engine,
+                        "prediction_accuracy": s.prediction,
+                        "gateway": {
+                            "records": q.run.gateway.records,
+                            "predicted_tokens": q.run.gateway.predicted,
+                            "confirmed_tokens": q.run.gateway.confirmed,
+                            "shortfalls": q.run.gateway.shortfalls,
+                            "demotions": q.run.gateway.demotions,
+                            "servers_forgotten": q.run.gateway.forgotten,
+                        },
                         "wall_s": q.run.wall_s,
                         "generator_lag_ms": {"p99": q.run.lag_ms[0], "max": q.run.lag_ms[1]},
                         "engines": q.run.engines.iter().map(|e| json!({

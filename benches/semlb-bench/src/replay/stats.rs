@@ -82,6 +82,9 @@ pub(super) struct RunStats {
     /// sent to the engine that answered the session's previous request
     /// (`None` without sessions).
     pub(super) same_engine: Option<f64>,
+    /// Prompt tokens the engines reported cached / those the routing
+    /// predicted they held (`None` when nothing was predicted).
+    pub(super) prediction: Option<f64>,
     pub(super) first_error: Option<String>,
 }
 
@@ -112,6 +115,7 @@ impl RunStats {
             cv_prefill: coefficient_of_variation(&run.engines.iter().map(EngineCounters::uncached).collect::<Vec<_>>()),
             cv_requests: coefficient_of_variation(&run.engines.iter().map(|e| e.requests).collect::<Vec<_>>()),
             same_engine: same_engine(&run.outcomes, sessions),
+            prediction: run.gateway.accuracy(),
             first_error: run.outcomes.iter().find_map(|(o, _)| o.error.clone()),
         }
     }
