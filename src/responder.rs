@@ -47,7 +47,9 @@
 //! *listed* for its server (two blocks and a quarter of them, at least),
 //! it has evicted the deepest listed block. The dispatcher noted when the
 //! server itself last refreshed that entry
-//! ([`shm_layout::PrefixMatch::refreshed`]); engines evict the least
+//! ([`shm_layout::PrefixMatch::refreshed`]), if the server had no request
+//! pending then (a pending request's prompt, learned at dispatch, may not
+//! be computed yet: a shortfall is then no sign of an eviction); engines evict the least
 //! recently used blocks first, so the server's entries refreshed before
 //! that second are presumed evicted too. Its **horizon** is raised to it
 //! ([`crate::store::WriteBack::demote_before`]) and lookups set its older

@@ -66,8 +66,12 @@ pub(super) struct Chosen {
     /// Leading blocks the server was expected to hold: `held`, raised by a
     /// continued conversation's credit.
     pub predicted: u32,
-    /// When the server last refreshed the deepest block listed for it, if
-    /// the table could tell ([`shm_layout::PrefixMatch::refreshed`]).
+    /// When the server last refreshed the deepest block listed for it
+    /// ([`shm_layout::PrefixMatch::refreshed`]): the horizon an engine's
+    /// report of a shortfall sets ([`crate::responder`]). `None` when the
+    /// table cannot tell, or when the server had requests pending (sent,
+    /// no first token yet): their prompts, learned at dispatch, may not be
+    /// computed yet, so a shortfall would be no sign of an eviction.
     pub refreshed: Option<Stamp>,
 }
 
@@ -75,6 +79,7 @@ impl Chosen {
     /// `server` at `address`, chosen for `reason` on `lookup`'s answer.
     pub fn new(server: ServerRef, address: String, reason: Reason, lookup: &Lookup) -> Self {
         let tag = server.tag();
+        let quiet = lookup.candidates.iter().any(|c| c.server == server && c.pending == 0);
         Self {
             server,
             address,
@@ -83,7 +88,7 @@ impl Chosen {
             degraded: lookup.degraded,
             held: lookup.prefix.blocks_for(tag),
             predicted: lookup.routing_prefix().blocks_for(tag),
-            refreshed: lookup.prefix.refreshed(tag),
+            refreshed: lookup.prefix.refreshed(tag).filter(|_| quiet),
         }
     }
 }
@@ -232,4 +237,44 @@ pub(super) fn passive_failure(dispatcher: &Dispatcher, server: ServerRef, addres
 /// Passive health check: a request to `server` was answered in full.
 pub(super) fn passive_success(dispatcher: &Dispatcher, server: ServerRef) {
     dispatcher.passive_health().success(server);
+}
+
+#[cfg(test)]
+mod tests {
+    use shm_layout::{LayoutPlan, Segment};
+
+    use super::*;
+    use crate::routing::Candidate;
+
+    /// The stamp an eviction report would set goes with the choice only
+    /// when the server had nothing pending: a pending request's prompt,
+    /// learned at dispatch, may not be computed yet.
+    #[test]
+    fn the_horizon_stamp_goes_only_with_a_quiet_server() {
+        let seg = Segment::heap(&LayoutPlan::for_size(8 << 20).unwrap());
+        let t = seg.tables();
+        let server = t.servers.register(1, "http://a", 0).unwrap();
+        let chain = [11u64, 12, 13];
+        t.prefix.insert_chain(&chain, server, Stamp(7));
+        let candidate = |pending| Candidate {
+            server,
+            inflight: pending,
+            inflight_tokens: 0,
+            pending,
+            pending_tokens: 0,
+            load: Default::default(),
+        };
+        let chosen = |pending| {
+            let lookup = Lookup {
+                prefix: t.prefix.longest_prefix_match(&chain, |_| true),
+                candidates: vec![candidate(pending)],
+                ..Lookup::default()
+            };
+            Chosen::new(server, "http://a".into(), Reason::Prefix { blocks: 3 }, &lookup)
+        };
+        let quiet = chosen(0);
+        assert_eq!((quiet.held, quiet.predicted, quiet.refreshed), (3, 3, Some(Stamp(7))));
+        let busy = chosen(1);
+        assert_eq!((busy.held, busy.refreshed), (3, None));
+    }
 }
