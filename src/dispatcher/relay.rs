@@ -272,6 +272,9 @@ impl Relay {
         let (Some(mut learn), Some(capture)) = (self.learn.take(), self.capture.take()) else {
             return;
         };
+        if let Some(last) = learn.chain.last().filter(|_| self.dispatcher.config().learn_from_reports) {
+            self.dispatcher.store().touch_route(learn.server, *last);
+        }
         if let Some((form, answer, reported)) = capture.into_answer() {
             if form == AnswerForm::Text {
                 learn.prediction.cached_tokens = reported.cached_tokens_u32();

@@ -186,6 +186,15 @@ pub trait RoutingStore: Send + Sync + fmt::Debug {
     /// failed or was refused.
     fn forget_route(&self, server: ServerRef, blocks: &[u64], end_key: u64);
 
+    /// An answer from `server` to a prompt whose chain ends in block
+    /// `last` has just ended: the engine holds the prompt now. Refreshes
+    /// that entry, so that a horizon raised while the request ran (on
+    /// evidence older than its answer) does not set the conversation aside
+    /// before the response process refreshes the whole chain: a match
+    /// counts a server's deepest entry it accepts. Only the shm store has
+    /// horizons; the others do nothing.
+    fn touch_route(&self, _server: ServerRef, _last: u64) {}
+
     /// Its counters.
     fn stats(&self) -> StoreStats;
 

@@ -111,6 +111,11 @@ impl RoutingStore for ShmStore {
         prefix.insert(end_key, server, now);
     }
 
+    fn touch_route(&self, server: ServerRef, last: u64) {
+        let segment = self.local.segment();
+        segment.tables().prefix.insert(last, server, segment.clock().stamp());
+    }
+
     fn forget_route(&self, server: ServerRef, blocks: &[u64], end_key: u64) {
         let prefix = self.local.segment().tables().prefix;
         for key in blocks.iter().chain([&end_key]) {
@@ -175,5 +180,48 @@ impl WriteBack for ShmWriteBack<'_> {
             }
             stats.records += 1;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use shm_layout::LayoutPlan;
+
+    use super::*;
+
+    /// A server's entries older than its horizon are not matched, until an
+    /// answer that ended since refreshes the conversation's deepest entry.
+    #[test]
+    fn a_horizon_sets_older_entries_aside_and_an_ended_answer_brings_one_back() {
+        let seg = Arc::new(Segment::heap(&LayoutPlan::for_size(8 << 20).unwrap()));
+        let t = seg.tables();
+        let (a, b) = (
+            t.servers.register(1, "http://a", 0).unwrap(),
+            t.servers.register(2, "http://b", 0).unwrap(),
+        );
+        let store = ShmStore::new(seg.clone(), 1, 600_000);
+        let chain: Vec<u64> = (31..36u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+        let now_s = seg.clock().now_ms() / 1000;
+        // Refreshed a second before the horizon, on both servers.
+        let before = Stamp((now_s as u16).wrapping_sub(1));
+        t.prefix.insert_chain(&chain, b, before);
+        t.prefix.insert_chain(&chain, a, before);
+        let matched = |store: &ShmStore| {
+            let m = store
+                .lookup_now(LookupRequest {
+                    response_key: None,
+                    chain: &chain,
+                    exclude: &[],
+                    stale_after_ms: u64::MAX,
+                    continuation: None,
+                })
+                .prefix;
+            (m.blocks_for(a.tag()), m.blocks_for(b.tag()))
+        };
+        assert_eq!(matched(&store), (5, 5));
+        assert!(t.servers.raise_horizon(a, now_s as u32));
+        assert_eq!(matched(&store), (0, 5), "only the demoted server's entries go");
+        store.touch_route(a, chain[4]);
+        assert_eq!(matched(&store), (5, 5), "its deepest entry is fresh again");
     }
 }
