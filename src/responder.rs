@@ -310,7 +310,9 @@ impl<'a> Responder<'a> {
         };
         let now_s = now_ms / 1000;
         let at_s = now_s.saturating_sub(u64::from(refreshed.age(Stamp(now_s as u16))));
-        let demoted = self.sink.demote_before(server, u32::try_from(at_s).unwrap_or(u32::MAX));
+        let demoted = self
+            .sink
+            .demote_before(server, u32::try_from(at_s).unwrap_or(u32::MAX), now_ms);
         self.stats.demotions += u64::from(demoted);
         demoted
     }

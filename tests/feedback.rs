@@ -222,7 +222,8 @@ const SMALL_CACHE_TOKENS: &str = "768";
 /// recently used blocks first), while those refreshed since still count.
 /// The prefix table's stamps are seconds, so the prompts are a second
 /// apart; the same steps on a gateway with `learn_from_reports = false`
-/// show the stale entry that is otherwise followed.
+/// show the stale entry that is otherwise followed, and with `--store
+/// redis` the same happens through the horizon Redis keeps.
 #[test]
 fn an_eviction_sets_the_servers_older_entries_aside() {
     let small = || {
@@ -236,16 +237,27 @@ fn an_eviction_sets_the_servers_older_entries_aside() {
             SMALL_CACHE_TOKENS,
         ])
     };
-    let (engines, gateways): (Vec<Proc>, Vec<Gateway>) = [true, false]
+    // Learning from reports on shm, off, and on with `--store redis`
+    // (when `redis-server` is installed).
+    let redis = support::redis::RedisServer::start();
+    let url = redis.as_ref().map(|r| r.url());
+    let variants: Vec<(bool, Option<&str>)> = [(true, None), (false, None)]
         .into_iter()
-        .map(|learn| {
+        .chain(url.as_deref().map(|u| (true, Some(u))))
+        .collect();
+    let (engines, gateways): (Vec<Proc>, Vec<Gateway>) = variants
+        .iter()
+        .enumerate()
+        .map(|(k, (learn, redis))| {
             let engine = small();
-            let gw = Gateway::builder()
-                .shm(&unique(if learn { "evict" } else { "evict-off" }))
+            let mut builder = Gateway::builder()
+                .shm(&unique(&format!("evict-{k}")))
                 .backends(&[&engine])
-                .config(&format!("learn_from_reports = {learn}\n"))
-                .start();
-            (engine, gw)
+                .config(&format!("learn_from_reports = {learn}\n"));
+            if let Some(url) = redis {
+                builder = builder.redis(url, "evict");
+            }
+            (engine, builder.start())
         })
         .unzip();
     let records = |gw: &Gateway, n: f64| {
@@ -287,20 +299,30 @@ fn an_eviction_sets_the_servers_older_entries_aside() {
         assert!(cached < 128, "the engine evicted most of it: {cached} cached");
     }
     sent += 1.0;
-    let [learning, counting] = [&gateways[0], &gateways[1]].map(|gw| records(gw, sent));
-    let demotions = |m: &str, k: usize| {
+    for (k, (gw, (learn, redis))) in gateways.iter().zip(&variants).enumerate() {
+        let store = if redis.is_some() { "redis" } else { "shm" };
+        let metrics = records(gw, sent);
         let series = format!("semlb_prefix_demotions_total{{server=\"http://{}\"}}", engines[k].addr);
-        sample(m, &series)
-    };
-    assert_eq!(demotions(&learning, 0), Some(1.0), "{learning}");
-    assert_eq!(demotions(&counting, 1), Some(0.0), "{counting}");
-    // The first conversation, refreshed a second before the evicted one:
-    // set aside, routed as a new prompt; followed when only counted.
-    let (_, route, _) = turn(&gateways[0], &next(0));
-    assert_eq!(route, "least_load", "an entry older than the eviction was followed");
-    let (_, route, cached) = turn(&gateways[1], &next(0));
-    assert_eq!((route.as_str(), cached < 128), ("prefix", true), "stale and followed");
-    // The third, refreshed after the evicted one, still counts.
-    let (_, route, _) = turn(&gateways[0], &next(2));
-    assert_eq!(route, "prefix");
+        let demotions = if *learn { 1.0 } else { 0.0 };
+        assert_eq!(
+            sample(&metrics, &series),
+            Some(demotions),
+            "{store}, learning {learn}\n{metrics}"
+        );
+        // The first conversation, refreshed a second before the evicted
+        // one: set aside, routed as a new prompt; followed when only
+        // counted.
+        let (_, route, cached) = turn(gw, &next(0));
+        if *learn {
+            assert_eq!(
+                route, "least_load",
+                "{store}: an entry older than the eviction was followed"
+            );
+            // The third, refreshed after the evicted one, still counts.
+            let (_, route, _) = turn(gw, &next(2));
+            assert_eq!(route, "prefix", "{store}");
+        } else {
+            assert_eq!((route.as_str(), cached < 128), ("prefix", true), "stale and followed");
+        }
+    }
 }

@@ -81,6 +81,33 @@ fn longest_prefix_match_counts_leading_blocks_and_costs_one_round_trip() {
     assert!(s.longest_prefix_match_naive(&holed).unwrap().is_empty());
 }
 
+/// A server's horizon sets aside its fields stamped before it, in the
+/// match script, and only its own; the match reports each server's stamp
+/// at its deepest counted entry; a horizon only moves forward.
+#[test]
+fn a_horizon_sets_a_servers_older_fields_aside() {
+    let server = redis_or_skip!();
+    let mut s = store(&server, "horizon");
+    let c = chain(400, 6);
+    s.insert_chain(&c, 1, 100).unwrap();
+    s.insert_chain(&c, 2, 100).unwrap();
+    s.insert_chain(&c[..3], 1, 300).unwrap();
+    assert_eq!(s.longest_prefix_match(&c).unwrap(), vec![(1, 6), (2, 6)]);
+    assert!(s.raise_horizon(1, 200).unwrap());
+    assert!(!s.raise_horizon(1, 150).unwrap(), "a horizon only moves forward");
+    assert_eq!(s.longest_prefix_match(&c).unwrap(), vec![(1, 3), (2, 6)]);
+    let lookup = s.dispatch_lookup(None, &c, false).unwrap();
+    assert_eq!(lookup.prefix, vec![(1, 3), (2, 6)]);
+    assert_eq!(lookup.refreshed, vec![(1, 300), (2, 100)]);
+    assert!(s.raise_horizon(1, 400).unwrap());
+    assert_eq!(s.longest_prefix_match(&c).unwrap(), vec![(2, 6)]);
+    // The paper's naive walk is the baseline: it reads no horizon.
+    assert_eq!(s.longest_prefix_match_naive(&c).unwrap(), vec![(1, 6), (2, 6)]);
+    // A refresh since brings the server back.
+    s.insert_chain(&c, 1, 500).unwrap();
+    assert_eq!(s.longest_prefix_match(&c).unwrap(), vec![(1, 6), (2, 6)]);
+}
+
 /// A server whose engine lost its cache is forgotten in every entry of
 /// the namespace (thousands of keys: the scan goes in batches); the other
 /// servers and other namespaces keep theirs.

@@ -209,7 +209,8 @@ impl PrefixMatch {
     /// When `tag` last refreshed the deepest entry it is listed in: that
     /// entry's stamp, known only when `tag` was the entry's most recent
     /// server (an entry's stamp is its latest refresh by any server).
-    /// `None` for a match made elsewhere ([`add`](Self::add)).
+    /// For a match made elsewhere, what [`add_refreshed`](Self::add_refreshed)
+    /// said (`None` after [`add`](Self::add)).
     pub fn refreshed(&self, tag: ServerTag) -> Option<Stamp> {
         self.entries[..self.len]
             .iter()
@@ -228,6 +229,12 @@ impl PrefixMatch {
     /// blocks gives way to a deeper one.
     pub fn add(&mut self, server: ServerTag, depth: u32) {
         self.record(server.lane(), depth, None);
+    }
+
+    /// [`add`](Self::add), with when the server refreshed its deepest
+    /// entry, when the other store can tell.
+    pub fn add_refreshed(&mut self, server: ServerTag, depth: u32, refreshed: Option<Stamp>) {
+        self.record(server.lane(), depth, refreshed);
     }
 
     /// Records that `lane` holds `depth` leading blocks, the deepest of

@@ -38,7 +38,7 @@
 //! | `block_size` | integer | `16` | tokens per prefix block: the engines' KV block size (1 to 1024) |
 //! | `segment_cache_size` | size | `"32MiB"` | per dispatcher: token ids of text segments already seen (earlier turns, shared system prompts), so they are not tokenized again; `0` turns it off (at most 16 GiB) |
 //! | `learn_at_dispatch` | bool | `true` | record a prompt's blocks for its server when it is sent, and credit a conversation's next turn with the answer not yet written back ([`crate::continuation`]); `false` leaves learning to the response processes alone |
-//! | `learn_from_reports` | bool | `true` | set aside a server's prefix entries older than an eviction its engine reports (shm store), forget a server in every prefix entry when its engine reports a lost cache or restarts ([`crate::responder`], [`crate::health`]); `false` only counts what engines report |
+//! | `learn_from_reports` | bool | `true` | set aside a server's prefix entries older than an eviction its engine reports (its horizon), forget a server in every prefix entry when its engine reports a lost cache or restarts ([`crate::responder`], [`crate::health`]); `false` only counts what engines report |
 //! | `stream_usage` | bool | `true` | ask engines for the usage of a streamed answer whose client did not (`stream_options.include_usage`), to read the prompt tokens they found cached, and take it out of what the client gets; `false` relays such streams untouched, and they report nothing |
 //! | `drain_timeout_secs` | integer | `30` | on SIGTERM, how long requests in flight may still run |
 //! | `[[backend]]` | table, repeated | none (required) | one inference server each, at most 128 |
@@ -287,8 +287,8 @@ pub struct ServeConfig {
     /// true; false relays those streams untouched (they then report nothing).
     pub stream_usage: bool,
     /// Act on what engines report: set aside a server's prefix entries
-    /// older than a prefix its engine reported evicted (its horizon, shm
-    /// store), and forget a server in every prefix entry when its engine
+    /// older than a prefix its engine reported evicted (its horizon), and
+    /// forget a server in every prefix entry when its engine
     /// reports no cached prompt for prompts the table listed, twice in a
     /// row, or restarts (a health flap, a counter going back). Default
     /// true; false only counts the reports (for comparison).

@@ -272,7 +272,11 @@ impl Relay {
         let (Some(mut learn), Some(capture)) = (self.learn.take(), self.capture.take()) else {
             return;
         };
-        if let Some(last) = learn.chain.last().filter(|_| self.dispatcher.config().learn_from_reports) {
+        if let Some(last) = learn
+            .chain
+            .last()
+            .filter(|_| self.dispatcher.config().learn_from_reports)
+        {
             self.dispatcher.store().touch_route(learn.server, *last);
         }
         if let Some((form, answer, reported)) = capture.into_answer() {

@@ -191,9 +191,8 @@ pub trait RoutingStore: Send + Sync + fmt::Debug {
     /// that entry, so that a horizon raised while the request ran (on
     /// evidence older than its answer) does not set the conversation aside
     /// before the response process refreshes the whole chain: a match
-    /// counts a server's deepest entry it accepts. Only the shm store has
-    /// horizons; the others do nothing.
-    fn touch_route(&self, _server: ServerRef, _last: u64) {}
+    /// counts a server's deepest entry it accepts.
+    fn touch_route(&self, server: ServerRef, last: u64);
 
     /// Its counters.
     fn stats(&self) -> StoreStats;
@@ -222,13 +221,13 @@ pub trait WriteBack: fmt::Debug {
     fn forget_server(&mut self, server: ServerRef) -> u64;
 
     /// Sets `server`'s prefix entries refreshed before segment second
-    /// `at_s` aside: its engine was seen to have evicted a prefix the
-    /// server last refreshed then. Returns whether that set more aside:
-    /// the shm store raises the server's horizon
-    /// ([`shm_layout::ServerTable::raise_horizon`]); the Redis store does
-    /// not demote (its entries age out by TTL, or go when the server is
-    /// forgotten).
-    fn demote_before(&mut self, server: ServerRef, at_s: u32) -> bool;
+    /// `at_s` aside (`now_ms`: segment time now): its engine was seen to
+    /// have evicted a prefix the server last refreshed then. Returns
+    /// whether that set more aside. Both stores keep a per-server
+    /// **horizon**: the shm store in the server table
+    /// ([`shm_layout::ServerTable::raise_horizon`]), Redis in a hash its
+    /// match script reads ([`redis::RedisStore::raise_horizon`]).
+    fn demote_before(&mut self, server: ServerRef, at_s: u32, now_ms: u64) -> bool;
 }
 
 /// The blocks of a record's full chain that its prompt chain does not

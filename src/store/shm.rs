@@ -158,7 +158,7 @@ impl WriteBack for ShmWriteBack<'_> {
         self.tables.prefix.remove_server(server.tag())
     }
 
-    fn demote_before(&mut self, server: ServerRef, at_s: u32) -> bool {
+    fn demote_before(&mut self, server: ServerRef, at_s: u32, _now_ms: u64) -> bool {
         self.tables.servers.raise_horizon(server, at_s)
     }
 

@@ -14,6 +14,7 @@
 //! | `{ns}:r:<key, 32 hex digits>` | STRING | the cached response bytes | the TTL given to [`RedisStore::put_response`] |
 //! | `{ns}:if:<owner>` | HASH | one process's in-flight counts: `req:<slot>` = requests, `tok:<slot>` = their prompt tokens | the owner's lease ([`INFLIGHT_LEASE`]), renewed by every publication |
 //! | `{ns}:written` | STRING | completion records written back so far (all response processes; for operators and tests) | none |
+//! | `{ns}:horizon` | HASH | field = server slot, value = its horizon (Unix ms): its fields stamped before it are not matched ([`RedisStore::raise_horizon`]) | [`HORIZON_SPAN`], renewed by every raise |
 //! | `{ns}:owners` | ZSET | member = owner (a process: host, pid, random), score = its lease's end (Redis time, ms) | a day after the last publication |
 //!
 //! In-flight counts are kept per process and published whole (absolute
@@ -170,19 +171,28 @@ end
 return #KEYS
 "#;
 
-/// Longest-prefix match: walk the keys in chain order, stop at the first
-/// missing one, return `slot, depth` pairs (deepest depth per server).
+/// Longest-prefix match: `KEYS[1]` is the horizon hash, the other keys
+/// the chain's; walk them in chain order, stop at the first missing one,
+/// skip a server's fields stamped before its horizon, return `slot, depth,
+/// stamp` triples (deepest depth per server, and that field's stamp).
 pub(crate) const LPM_SCRIPT: &str = r#"
+local horizon = {}
+local h = redis.call('HGETALL', KEYS[1])
+for j = 1, #h, 2 do horizon[h[j]] = tonumber(h[j + 1]) end
 local depth = {}
+local stamp = {}
 local order = {}
-for i, key in ipairs(KEYS) do
-  local f = redis.call('HKEYS', key)
+for i = 2, #KEYS do
+  local f = redis.call('HGETALL', KEYS[i])
   if #f == 0 then break end
-  for _, s in ipairs(f) do
-    local n = tonumber(s)
-    if n then
+  for j = 1, #f, 2 do
+    local n = tonumber(f[j])
+    local s = tonumber(f[j + 1]) or 0
+    local limit = horizon[f[j]]
+    if n and (limit == nil or s >= limit) then
       if depth[n] == nil then order[#order + 1] = n end
-      depth[n] = i
+      depth[n] = i - 1
+      stamp[n] = s
     end
   end
 end
@@ -190,9 +200,26 @@ local out = {}
 for _, n in ipairs(order) do
   out[#out + 1] = n
   out[#out + 1] = depth[n]
+  out[#out + 1] = stamp[n]
 end
 return out
 "#;
+
+/// Raise: set `ARGV[1]`'s horizon to `ARGV[2]` if that is later, renew
+/// the hash's expiry (`ARGV[3]` ms); 1 if it moved.
+pub(crate) const RAISE_SCRIPT: &str = r#"
+local now = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') or 0
+local moved = 0
+if tonumber(ARGV[2]) > now then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  moved = 1
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return moved
+"#;
+
+/// How long a server's horizon is kept ([`shm_layout::HORIZON_SPAN_S`]).
+pub const HORIZON_SPAN: Duration = Duration::from_secs(shm_layout::HORIZON_SPAN_S);
 
 /// How long a process's published in-flight counts stay counted without
 /// being published again (a dispatcher republishes every third of it).
@@ -300,21 +327,37 @@ pub(crate) fn parse_inflight(reply: &Value) -> Result<Vec<InflightLoad>, String>
     Ok(out)
 }
 
-/// Parses a [`LPM_SCRIPT`] reply into `(slot, depth)` pairs sorted by slot.
-pub(crate) fn parse_lpm(reply: &Value) -> Result<Vec<(u16, u32)>, String> {
+/// `(slot, leading blocks held)` per server.
+type Depths = Vec<(u16, u32)>;
+/// `(slot, stamp)` per server.
+type Stamps = Vec<(u16, u64)>;
+
+/// Parses a [`LPM_SCRIPT`] reply into `(slot, depth)` pairs and `(slot,
+/// stamp of its deepest field)` pairs, both sorted by slot.
+pub(crate) fn parse_lpm(reply: &Value) -> Result<(Depths, Stamps), String> {
     let flat: Vec<i64> = FromRedisValue::from_redis_value(reply).map_err(|e| e.to_string())?;
-    if !flat.len().is_multiple_of(2) {
-        return Err(format!("odd reply length {}", flat.len()));
+    if !flat.len().is_multiple_of(3) {
+        return Err(format!("reply length {} is not a multiple of 3", flat.len()));
     }
-    let mut found = Vec::with_capacity(flat.len() / 2);
-    for pair in flat.chunks_exact(2) {
-        match (u16::try_from(pair[0]), u32::try_from(pair[1])) {
-            (Ok(slot), Ok(depth)) if depth >= 1 => record(&mut found, slot, depth),
-            _ => return Err(format!("pair {pair:?}")),
+    let mut found = Vec::with_capacity(flat.len() / 3);
+    let mut stamps = Vec::with_capacity(flat.len() / 3);
+    for triple in flat.chunks_exact(3) {
+        match (
+            u16::try_from(triple[0]),
+            u32::try_from(triple[1]),
+            u64::try_from(triple[2]),
+        ) {
+            (Ok(slot), Ok(depth), Ok(stamp)) if depth >= 1 => {
+                record(&mut found, slot, depth);
+                stamps.push((slot, stamp));
+            }
+            _ => return Err(format!("triple {triple:?}")),
         }
     }
     found.sort_unstable();
-    Ok(found)
+    stamps.sort_unstable();
+    stamps.dedup_by_key(|(slot, _)| *slot);
+    Ok((found, stamps))
 }
 
 /// What a dispatcher's lookup reads from Redis ([`RedisStore::dispatch_lookup`]).
@@ -324,6 +367,9 @@ pub struct DispatchLookup {
     pub response: Option<Vec<u8>>,
     /// `(slot, leading blocks held)` per server, sorted by slot.
     pub prefix: Vec<(u16, u32)>,
+    /// `(slot, stamp)`: when each server of [`prefix`](Self::prefix) last
+    /// refreshed its deepest entry (Unix ms; empty for a naive match).
+    pub refreshed: Vec<(u16, u64)>,
     /// In-flight figures per server over every live owner, sorted by slot.
     pub loads: Vec<InflightLoad>,
 }
@@ -349,7 +395,11 @@ pub(crate) fn lookup_pipeline(
         .arg(format!("{namespace}:owners"))
         .arg(format!("{namespace}:if:"));
     if scripted && !chain.is_empty() {
-        let cmd = pipe.cmd("EVALSHA").arg(lpm_hash).arg(chain.len());
+        let cmd = pipe
+            .cmd("EVALSHA")
+            .arg(lpm_hash)
+            .arg(chain.len() + 1)
+            .arg(format!("{namespace}:horizon"));
         for hash in chain {
             cmd.arg(format!("{namespace}:p:{hash:016x}"));
         }
@@ -372,13 +422,14 @@ pub(crate) fn parse_lookup(replies: Vec<Value>, asked_response: bool) -> Result<
         None
     };
     let loads = parse_inflight(&next()?)?;
-    let prefix = match replies.next() {
+    let (prefix, refreshed) = match replies.next() {
         Some(reply) => parse_lpm(&reply)?,
-        None => Vec::new(),
+        None => Default::default(),
     };
     Ok(DispatchLookup {
         response,
         prefix,
+        refreshed,
         loads,
     })
 }
@@ -670,9 +721,32 @@ impl RedisStore {
         if chain.is_empty() {
             return Ok(Vec::new());
         }
-        let keys: Vec<String> = chain.iter().map(|h| self.prefix_key(*h)).collect();
+        let keys: Vec<String> = std::iter::once(format!("{}:horizon", self.namespace))
+            .chain(chain.iter().map(|h| self.prefix_key(*h)))
+            .collect();
         let reply = self.eval(OP, ScriptId::Lpm, &keys, &[])?;
-        parse_lpm(&reply).map_err(|detail| StoreError::Protocol { op: OP, detail })
+        parse_lpm(&reply)
+            .map(|(found, _)| found)
+            .map_err(|detail| StoreError::Protocol { op: OP, detail })
+    }
+
+    /// Sets `server_slot`'s horizon to `at_ms` (Unix ms) if that is later
+    /// than the one it has: its fields stamped before it are not matched
+    /// any more (its engine was seen to evict them; see
+    /// [`crate::responder`]). Returns whether it moved. The naive match
+    /// (the paper's baseline) does not read horizons.
+    pub fn raise_horizon(&mut self, server_slot: u16, at_ms: u64) -> Result<bool, StoreError> {
+        const OP: &str = "raise_horizon";
+        let key = format!("{}:horizon", self.namespace);
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(RAISE_SCRIPT)
+            .arg(1)
+            .arg(key)
+            .arg(server_slot)
+            .arg(at_ms)
+            .arg(millis(HORIZON_SPAN));
+        let moved: i64 = self.query(OP, &cmd)?;
+        Ok(moved == 1)
     }
 
     /// [`RedisStore::longest_prefix_match`] the way the sLLM paper's

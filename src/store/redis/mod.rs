@@ -68,6 +68,21 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// A Redis prefix stamp (Unix ms) as the segment's prefix [`Stamp`] (whole
+/// seconds since the segment was created, rounded down), given the two
+/// clocks' readings now; `None` for a stamp from before the segment (a
+/// horizon there would be later than the stamp).
+fn segment_stamp(stamp_ms: u64, segment_now_ms: u64, unix_now_ms: u64) -> Option<Stamp> {
+    let segment_ms = segment_now_ms.checked_sub(unix_now_ms.saturating_sub(stamp_ms))?;
+    Some(Stamp((segment_ms / 1000) as u16))
+}
+
+/// Segment second `at_s` as Unix ms, given the two clocks' readings now
+/// (never later than the Unix time of any stamp in that second).
+fn unix_at(at_s: u32, segment_now_ms: u64, unix_now_ms: u64) -> u64 {
+    unix_now_ms.saturating_sub(segment_now_ms.saturating_sub(u64::from(at_s) * 1000))
+}
+
 /// Whether Redis is answering, and when to try again if not.
 #[derive(Debug)]
 struct Health {
@@ -463,6 +478,24 @@ async fn publish_loop(store: Arc<RedisRouting>) {
     }
 }
 
+impl RedisRouting {
+    /// Records `server` for `keys` now, without waiting (one insert script).
+    fn insert_detached<'k>(&self, server: ServerRef, keys: impl Iterator<Item = &'k u64> + Clone) {
+        let names = &self.names;
+        let mut pipe = redis::pipe();
+        let cmd = pipe.cmd("EVALSHA").arg(&names.insert).arg(keys.clone().count());
+        for hash in keys {
+            cmd.arg(names.prefix_key(*hash));
+        }
+        cmd.arg(server.slot)
+            .arg(unix_ms())
+            .arg(self.config.prefix_ttl().as_millis() as u64)
+            .arg(LANES)
+            .ignore();
+        self.send_detached(pipe);
+    }
+}
+
 impl RoutingStore for RedisRouting {
     fn kind(&self) -> StoreKind {
         StoreKind::Redis
@@ -482,9 +515,15 @@ impl RoutingStore for RedisRouting {
             self.lookups.fetch_add(1, Relaxed);
             lookup.response = fetched.response.map(Bytes::from);
             let candidates = &mut lookup.candidates;
+            let clock = self.local.segment().clock();
             for (slot, depth) in fetched.prefix {
                 if let Some(c) = candidates.iter().find(|c| c.server.slot == slot) {
-                    lookup.prefix.add(c.server.tag(), depth);
+                    let refreshed = fetched
+                        .refreshed
+                        .binary_search_by_key(&slot, |(s, _)| *s)
+                        .ok()
+                        .and_then(|i| segment_stamp(fetched.refreshed[i].1, clock.now_ms(), unix_ms()));
+                    lookup.prefix.add_refreshed(c.server.tag(), depth, refreshed);
                 }
             }
             if let Some(probe) = request.continuation.filter(|_| !lookup.prefix.is_empty()) {
@@ -518,18 +557,11 @@ impl RoutingStore for RedisRouting {
     }
 
     fn record_route(&self, server: ServerRef, blocks: &[u64], end_key: u64) {
-        let names = &self.names;
-        let mut pipe = redis::pipe();
-        let cmd = pipe.cmd("EVALSHA").arg(&names.insert).arg(blocks.len() + 1);
-        for hash in blocks.iter().chain([&end_key]) {
-            cmd.arg(names.prefix_key(*hash));
-        }
-        cmd.arg(server.slot)
-            .arg(unix_ms())
-            .arg(self.config.prefix_ttl().as_millis() as u64)
-            .arg(LANES)
-            .ignore();
-        self.send_detached(pipe);
+        self.insert_detached(server, blocks.iter().chain([&end_key]));
+    }
+
+    fn touch_route(&self, server: ServerRef, last: u64) {
+        self.insert_detached(server, [&last].into_iter());
     }
 
     fn forget_route(&self, server: ServerRef, blocks: &[u64], end_key: u64) {
@@ -658,8 +690,15 @@ impl WriteBack for RedisWriteBack {
         }
     }
 
-    fn demote_before(&mut self, _server: ServerRef, _at_s: u32) -> bool {
-        false
+    fn demote_before(&mut self, server: ServerRef, at_s: u32, now_ms: u64) -> bool {
+        let at_ms = unix_at(at_s, now_ms, unix_ms());
+        match self.store().and_then(|s| s.raise_horizon(server.slot, at_ms)) {
+            Ok(moved) => moved,
+            Err(e) => {
+                tracing::warn!(process = %self.label, error = %e, "could not raise the horizon of server slot {} in Redis: {e}", server.slot);
+                false
+            }
+        }
     }
 
     fn write(&mut self, batch: &[Completion], _now: Stamp, _now_ms: u64, stats: &mut WriteStats) {
@@ -741,6 +780,26 @@ mod tests {
             response_key: (response_bytes > 0).then_some(ResponseKey(u128::from(i))),
             response: vec![b'x'; response_bytes],
             prediction: None,
+        }
+    }
+
+    /// Redis stamps (Unix ms) and segment seconds convert both ways
+    /// without ever putting a horizon after the stamp it came from.
+    #[test]
+    fn stamps_convert_between_the_clocks_conservatively() {
+        // The segment was created at Unix 1_000_000 ms; it is now 75.5 s old.
+        let (segment_now, unix_now) = (75_500, 1_075_500);
+        assert_eq!(segment_stamp(1_070_999, segment_now, unix_now), Some(Stamp(70)));
+        assert_eq!(segment_stamp(1_000_000, segment_now, unix_now), Some(Stamp(0)));
+        assert_eq!(
+            segment_stamp(999_999, segment_now, unix_now),
+            None,
+            "older than the segment"
+        );
+        assert_eq!(unix_at(70, segment_now, unix_now), 1_070_000);
+        for stamp in [1_000_000, 1_000_999, 1_070_999, 1_075_500] {
+            let s = segment_stamp(stamp, segment_now, unix_now).unwrap();
+            assert!(unix_at(u32::from(s.0), segment_now, unix_now) <= stamp);
         }
     }
 
