@@ -226,7 +226,7 @@ pub trait WriteBack: fmt::Debug {
     /// whether that set more aside. Both stores keep a per-server
     /// **horizon**: the shm store in the server table
     /// ([`shm_layout::ServerTable::raise_horizon`]), Redis in a hash its
-    /// match script reads ([`redis::RedisStore::raise_horizon`]).
+    /// match script reads ([`redis::client::RedisStore::raise_horizon`]).
     fn demote_before(&mut self, server: ServerRef, at_s: u32, now_ms: u64) -> bool;
 }
 

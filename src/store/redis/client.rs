@@ -85,6 +85,8 @@ use std::time::Duration;
 
 use redis::{Cmd, Connection, ErrorKind, FromRedisValue, RedisError, Script, Value};
 
+pub(crate) use super::scripts::{INSERT_SCRIPT, LPM_SCRIPT, PUBLISH_SCRIPT, RAISE_SCRIPT, SUM_SCRIPT};
+
 /// Servers remembered per prefix entry (as in the shm table).
 pub const LANES: usize = shm_layout::prefix_table::LANES;
 
@@ -143,127 +145,12 @@ fn record(found: &mut Vec<(u16, u32)>, slot: u16, depth: u32) {
     }
 }
 
-/// Insert: for each key, set the server's stamp, cap the entry at
-/// `ARGV[4]` servers by evicting the stalest other one, renew the TTL.
-pub(crate) const INSERT_SCRIPT: &str = r#"
-local slot = ARGV[1]
-local now = ARGV[2]
-local ttl = ARGV[3]
-local lanes = tonumber(ARGV[4])
-for _, key in ipairs(KEYS) do
-  redis.call('HSET', key, slot, now)
-  if redis.call('HLEN', key) > lanes then
-    local f = redis.call('HGETALL', key)
-    local victim, vstamp, vslot = nil, nil, nil
-    for j = 1, #f, 2 do
-      if f[j] ~= slot then
-        local s = tonumber(f[j + 1]) or -1
-        local n = tonumber(f[j]) or -1
-        if vstamp == nil or s < vstamp or (s == vstamp and n < vslot) then
-          victim, vstamp, vslot = f[j], s, n
-        end
-      end
-    end
-    if victim then redis.call('HDEL', key, victim) end
-  end
-  redis.call('PEXPIRE', key, ttl)
-end
-return #KEYS
-"#;
-
-/// Longest-prefix match: `KEYS[1]` is the horizon hash, the other keys
-/// the chain's; walk them in chain order, stop at the first missing one,
-/// skip a server's fields stamped before its horizon, return `slot, depth,
-/// stamp` triples (deepest depth per server, and that field's stamp).
-pub(crate) const LPM_SCRIPT: &str = r#"
-local horizon = {}
-local h = redis.call('HGETALL', KEYS[1])
-for j = 1, #h, 2 do horizon[h[j]] = tonumber(h[j + 1]) end
-local depth = {}
-local stamp = {}
-local order = {}
-for i = 2, #KEYS do
-  local f = redis.call('HGETALL', KEYS[i])
-  if #f == 0 then break end
-  for j = 1, #f, 2 do
-    local n = tonumber(f[j])
-    local s = tonumber(f[j + 1]) or 0
-    local limit = horizon[f[j]]
-    if n and (limit == nil or s >= limit) then
-      if depth[n] == nil then order[#order + 1] = n end
-      depth[n] = i - 1
-      stamp[n] = s
-    end
-  end
-end
-local out = {}
-for _, n in ipairs(order) do
-  out[#out + 1] = n
-  out[#out + 1] = depth[n]
-  out[#out + 1] = stamp[n]
-end
-return out
-"#;
-
-/// Raise: set `ARGV[1]`'s horizon to `ARGV[2]` if that is later, renew
-/// the hash's expiry (`ARGV[3]` ms); 1 if it moved.
-pub(crate) const RAISE_SCRIPT: &str = r#"
-local now = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') or 0
-local moved = 0
-if tonumber(ARGV[2]) > now then
-  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-  moved = 1
-end
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return moved
-"#;
-
 /// How long a server's horizon is kept ([`shm_layout::HORIZON_SPAN_S`]).
 pub const HORIZON_SPAN: Duration = Duration::from_secs(shm_layout::HORIZON_SPAN_S);
 
 /// How long a process's published in-flight counts stay counted without
 /// being published again (a dispatcher republishes every third of it).
 pub const INFLIGHT_LEASE: Duration = Duration::from_secs(15);
-
-/// Publish: replace one owner's counts (`ARGV[3..]` field/value pairs),
-/// renew its lease of `ARGV[2]` ms, list it in the owner set.
-pub(crate) const PUBLISH_SCRIPT: &str = r#"
-local lease = tonumber(ARGV[2])
-redis.call('DEL', KEYS[1])
-if #ARGV > 2 then
-  redis.call('HSET', KEYS[1], unpack(ARGV, 3))
-  redis.call('PEXPIRE', KEYS[1], lease)
-end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[2], now + lease, ARGV[1])
-redis.call('PEXPIRE', KEYS[2], 86400000)
-return 1
-"#;
-
-/// Sum: forget owners whose lease ended, sum the others' counts (hash
-/// `ARGV[1] .. owner`), return `field, total` pairs.
-pub(crate) const SUM_SCRIPT: &str = r#"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local total = {}
-local order = {}
-for _, owner in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-  local f = redis.call('HGETALL', ARGV[1] .. owner)
-  for j = 1, #f, 2 do
-    local n = tonumber(f[j + 1]) or 0
-    if total[f[j]] == nil then order[#order + 1] = f[j]; total[f[j]] = 0 end
-    total[f[j]] = total[f[j]] + n
-  end
-end
-local out = {}
-for _, k in ipairs(order) do
-  out[#out + 1] = k
-  out[#out + 1] = total[k]
-end
-return out
-"#;
 
 /// A unique name for this process as an in-flight owner: host, pid and a
 /// random part (a restarted process with a reused pid is another owner).

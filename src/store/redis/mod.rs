@@ -38,6 +38,7 @@
 //! the first call after `retry_ms` that reaches it.
 
 pub mod client;
+mod scripts;
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
