@@ -338,7 +338,9 @@ fn respond(reply: Reply) -> http::Response<Full<Bytes>> {
     response
 }
 
-/// How a server of the table is shown by `GET /admin/servers`.
+/// How a server of the table is shown by `GET /admin/servers`
+/// (`horizon_age_s`: how old its horizon is, the shm store's: `null` when
+/// it has none).
 pub fn server_json(info: &shm_layout::ServerInfo, now_ms: u64, name: Option<&str>, managed: &str) -> Value {
     let load = info.load;
     let scraped = load.scraped_at_ms != 0;
@@ -351,6 +353,7 @@ pub fn server_json(info: &shm_layout::ServerInfo, now_ms: u64, name: Option<&str
         "state": info.state.name(),
         "managed": managed,
         "registered_ms": info.registered_ms,
+        "horizon_age_s": info.horizon_s.map(|h| (now_ms / 1000).saturating_sub(u64::from(h))),
         "inflight_requests": info.inflight_requests,
         "inflight_tokens": info.inflight_tokens,
         "load": {

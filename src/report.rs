@@ -286,6 +286,7 @@ impl Report {
                     "id": s.id,
                     "address": s.address,
                     "registered_ms": s.registered_ms,
+                    "horizon_s": s.horizon_s,
                     "inflight_requests": s.inflight_requests,
                     "inflight_tokens": s.inflight_tokens,
                     "load": {

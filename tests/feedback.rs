@@ -253,7 +253,8 @@ fn an_eviction_sets_the_servers_older_entries_aside() {
             let mut builder = Gateway::builder()
                 .shm(&unique(&format!("evict-{k}")))
                 .backends(&[&engine])
-                .config(&format!("learn_from_reports = {learn}\n"));
+                .config(&format!("learn_from_reports = {learn}\n"))
+                .admin("feedback-admin-token-0123");
             if let Some(url) = redis {
                 builder = builder.redis(url, "evict");
             }
@@ -309,6 +310,11 @@ fn an_eviction_sets_the_servers_older_entries_aside() {
             Some(demotions),
             "{store}, learning {learn}\n{metrics}"
         );
+        if redis.is_none() {
+            // The admin API shows the horizon the server table keeps.
+            let entry = gw.admin_server(&format!("http://{}", engines[k].addr)).expect("listed");
+            assert_eq!(entry["horizon_age_s"].is_u64(), *learn, "{entry}");
+        }
         // The first conversation, refreshed a second before the evicted
         // one: set aside, routed as a new prompt; followed when only
         // counted.

@@ -194,6 +194,9 @@ pub struct ServerInfo {
     pub inflight_tokens: u64,
     /// Last scraped load.
     pub load: LoadFigures,
+    /// Its horizon, a segment second, if it has one
+    /// ([`ServerTable::raise_horizon`]).
+    pub horizon_s: Option<u32>,
 }
 
 /// Why a server could not be registered.
@@ -584,6 +587,7 @@ impl<'a> ServerTable<'a> {
                 inflight_requests,
                 inflight_tokens,
                 load: self.load(server),
+                horizon_s: self.horizon(server),
             });
         }
         None
