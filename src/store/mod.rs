@@ -37,7 +37,11 @@
 //! store writes the segment directly; the Redis store sends the same
 //! insert script as the write-back, without waiting for it. A lookup asked
 //! with an [`EndProbe`] also reports the servers whose earlier prompt this
-//! one continues ([`Lookup::continued`]).
+//! one continues ([`Lookup::continued`]). When an answer ends, the
+//! dispatcher refreshes its prompt's deepest entry
+//! ([`RoutingStore::touch_route`]): a server's horizon, raised when its
+//! engine reports an eviction ([`WriteBack::demote_before`]), then cannot
+//! set aside a conversation that was running meanwhile.
 //!
 //! # Failures
 //!
