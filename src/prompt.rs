@@ -20,7 +20,9 @@
 //! [`RequestError`], an OpenAI-style 400, never a panic.
 
 use std::borrow::Cow;
+use std::hash::Hasher;
 
+use seahash::SeaHasher;
 use semlb_tokenizer::chat::{ChatMessage, ChatTemplate};
 use serde_json::Value;
 
@@ -70,6 +72,13 @@ pub struct ParsedRequest<'a> {
     /// last assistant message, when a later message follows it (a
     /// conversation's next turn); 0 otherwise and for completions.
     pub earlier_answer_bytes: usize,
+    /// A chat's **opening**, hashed: its messages up to and including the
+    /// first `user` message (roles and texts). Every turn of a
+    /// conversation has the same opening, and conversations that share
+    /// only a system prompt have different ones: the session key
+    /// `consistent_hash` falls back to. `None` for completions and for a
+    /// chat without a user message.
+    pub opening: Option<u64>,
     /// The whole body.
     pub body: Object<'a>,
 }
@@ -155,11 +164,15 @@ pub fn parse<'a>(
         }
     };
     check_numbers(&body)?;
-    let (input, earlier_answer_bytes) = match endpoint {
-        Endpoint::Completions => (completions_input(body.get("prompt"))?, 0),
+    let (input, earlier_answer_bytes, opening) = match endpoint {
+        Endpoint::Completions => (completions_input(body.get("prompt"))?, 0, None),
         Endpoint::ChatCompletions => {
-            let (text, answer) = chat_text(body.get("messages"), template)?;
-            (RoutingInput::Text(Cow::Owned(text)), answer)
+            let chat = chat_text(body.get("messages"), template)?;
+            (
+                RoutingInput::Text(Cow::Owned(chat.text)),
+                chat.earlier_answer,
+                chat.opening,
+            )
         }
     };
     Ok(ParsedRequest {
@@ -168,6 +181,7 @@ pub fn parse<'a>(
         stream,
         input,
         earlier_answer_bytes,
+        opening,
         body,
     })
 }
@@ -306,9 +320,19 @@ fn message_text<'b>(i: usize, content: Option<&'b Json<'_>>) -> Result<Cow<'b, s
     }
 }
 
-/// The rendered messages, and the bytes of the last assistant message's
-/// text when another message follows it.
-fn chat_text(messages: Option<&Json<'_>>, template: &ChatTemplate) -> Result<(String, usize), RequestError> {
+/// What a chat's messages give the routing.
+struct ChatText {
+    /// The rendered messages.
+    text: String,
+    /// Bytes of the last assistant message's text when another message
+    /// follows it.
+    earlier_answer: usize,
+    /// The hashed opening ([`ParsedRequest::opening`]).
+    opening: Option<u64>,
+}
+
+/// The messages rendered, with what else the routing reads of them.
+fn chat_text(messages: Option<&Json<'_>>, template: &ChatTemplate) -> Result<ChatText, RequestError> {
     let param = Some("messages");
     let messages = match messages {
         None | Some(Json::Null) => return Err(RequestError::new("'messages' is required", param)),
@@ -325,6 +349,8 @@ fn chat_text(messages: Option<&Json<'_>>, template: &ChatTemplate) -> Result<(St
     };
     let mut rendered = Vec::with_capacity(messages.len());
     let mut last_answer = None;
+    let mut opening = Some(SeaHasher::new());
+    let mut opened = None;
     for (i, m) in messages.iter().enumerate() {
         let Json::Object(m) = m else {
             return Err(RequestError::new(
@@ -345,6 +371,18 @@ fn chat_text(messages: Option<&Json<'_>>, template: &ChatTemplate) -> Result<(St
         if &**role == "assistant" {
             last_answer = Some((i, text.len()));
         }
+        if let Some(mut h) = opening.take() {
+            // Lengths first, so that no two openings hash the same bytes.
+            h.write_usize(role.len());
+            h.write(role.as_bytes());
+            h.write_usize(text.len());
+            h.write(text.as_bytes());
+            if &**role == "user" {
+                opened = Some(h.finish());
+            } else {
+                opening = Some(h);
+            }
+        }
         rendered.push(ChatMessage::new(&**role, text));
     }
     let earlier_answer = last_answer
@@ -353,7 +391,11 @@ fn chat_text(messages: Option<&Json<'_>>, template: &ChatTemplate) -> Result<(St
     let text = template
         .render(&rendered)
         .map_err(|e| RequestError::new(e.to_string(), param))?;
-    Ok((text, earlier_answer))
+    Ok(ChatText {
+        text,
+        earlier_answer,
+        opening: opened,
+    })
 }
 
 #[cfg(test)]
@@ -366,6 +408,45 @@ mod tests {
 
     fn completion(body: &str) -> Result<ParsedRequest<'_>, RequestError> {
         parse(Endpoint::Completions, body.as_bytes(), &ChatTemplate::canonical())
+    }
+
+    /// A chat's opening is its messages up to the first user message: the
+    /// same for every turn of a conversation, different between
+    /// conversations that share only a system prompt.
+    #[test]
+    fn the_opening_is_the_messages_up_to_the_first_user_message() {
+        let opening = |b: &str| chat(b).unwrap().opening;
+        let sys = r#"{"role":"system","content":"Be brief."}"#;
+        let first = opening(&format!(
+            r#"{{"model":"m","messages":[{sys},{{"role":"user","content":"Hi"}}]}}"#
+        ));
+        let later = opening(&format!(
+            r#"{{"model":"m","messages":[{sys},{{"role":"user","content":"Hi"}},{{"role":"assistant","content":"Hello"}},{{"role":"user","content":"More"}}]}}"#
+        ));
+        let other = opening(&format!(
+            r#"{{"model":"m","messages":[{sys},{{"role":"user","content":"Yo"}}]}}"#
+        ));
+        let no_system = opening(r#"{"model":"m","messages":[{"role":"user","content":"Hi"}]}"#);
+        let parts = opening(&format!(
+            r#"{{"model":"m","messages":[{sys},{{"role":"user","content":[{{"type":"text","text":"Hi"}}]}}]}}"#
+        ));
+        assert!(first.is_some());
+        assert_eq!(first, later, "every turn of a conversation");
+        assert_eq!(first, parts, "the same text as parts");
+        assert_ne!(first, other, "another first question");
+        assert_ne!(first, no_system, "another system prompt");
+        // Role and text boundaries count: "ab" + "c" is not "a" + "bc".
+        let split = |a: &str, b: &str| {
+            opening(&format!(
+                r#"{{"model":"m","messages":[{{"role":"system","content":"{a}"}},{{"role":"user","content":"{b}"}}]}}"#
+            ))
+        };
+        assert_ne!(split("ab", "c"), split("a", "bc"));
+        assert_eq!(
+            opening(r#"{"model":"m","messages":[{"role":"system","content":"x"}]}"#),
+            None
+        );
+        assert_eq!(completion(r#"{"model":"m","prompt":"hi"}"#).unwrap().opening, None);
     }
 
     #[test]

@@ -519,6 +519,59 @@ fn consistent_hash_keeps_a_session_on_one_server_and_moves_it_when_the_server_di
     }
 }
 
+/// `consistent_hash` without a session header or `user`: a chat is keyed
+/// on its opening (the messages up to the first user message), so twelve
+/// three-turn conversations sharing a long system prompt spread over the
+/// engines while each stays on one. With `conversation_key = false` the
+/// key is the prompt's first blocks, inside the shared system prompt, and
+/// every conversation lands on one engine.
+#[test]
+fn consistent_hash_keys_a_chat_on_its_opening_without_a_session_id() {
+    let engines = [sim(), sim(), sim()];
+    let homes = |conversation_key: bool| -> Vec<String> {
+        let config = format!(
+            "[policy]\nkind = \"consistent_hash\"\n\n[policy.consistent_hash]\nconversation_key = {conversation_key}\n"
+        );
+        let gw = Gateway::with_config(
+            &unique(&format!("ch-open-{conversation_key}")),
+            &refs(&engines),
+            &config,
+            &[],
+        );
+        (0..12)
+            .map(|c| {
+                let mut messages = with_system(&format!("Conversation {c}: how do I rotate the logs of service {c}?"));
+                let mut seen = Vec::new();
+                for turn in 0..3 {
+                    wait_idle(&gw);
+                    let r = chat(gw.addr(), &messages, json!({"max_tokens": 4}), &[]);
+                    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                    let (backend, reason) = routed(&r);
+                    assert_eq!(reason, "session", "conversation {c}, turn {turn}");
+                    seen.push(backend);
+                    messages.push(json!({"role": "assistant", "content": "Use logrotate."}));
+                    messages.push(user("And how often?"));
+                }
+                assert!(seen.iter().all(|b| *b == seen[0]), "conversation {c} moved: {seen:?}");
+                seen.swap_remove(0)
+            })
+            .collect()
+    };
+    let by_opening = homes(true);
+    let used: BTreeSet<&String> = by_opening.iter().collect();
+    assert!(
+        used.len() >= 2,
+        "conversations sharing a system prompt did not spread: {by_opening:?}"
+    );
+    let by_prefix = homes(false);
+    let used: BTreeSet<&String> = by_prefix.iter().collect();
+    assert_eq!(
+        used.len(),
+        1,
+        "the prefix key is the shared system prompt: {by_prefix:?}"
+    );
+}
+
 /// A long system prompt (about 680 tokens: 42 blocks of 16) shared by
 /// every request of the dual_map tests.
 fn system_prompt() -> String {

@@ -62,6 +62,7 @@
 //! | `[policy.consistent_hash]` | table | | session-key consistent hashing ([`crate::routing::consistent_hash`]) |
 //! | `policy.consistent_hash.key_headers` | array of strings | `["x-session-id", "x-user-id"]` | headers carrying the session key, tried in order |
 //! | `policy.consistent_hash.user_field` | boolean | `true` | then the body's `user` field |
+//! | `policy.consistent_hash.conversation_key` | boolean | `true` | then, for a chat, its opening: the messages up to and including the first user message |
 //! | `policy.consistent_hash.fallback_prefix_blocks` | integer | `8` | without a key: hash this many leading blocks of the prompt |
 //! | `policy.consistent_hash.virtual_nodes` | integer | `100` | points per server on the ring (1 to 10 000) |
 //! | `policy.consistent_hash.bounded_load` | boolean | `true` | skip servers above `(1 + load_epsilon)` × the average load |

@@ -188,6 +188,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "[policy.consistent_hash]",
         "key_headers",
         "user_field",
+        "conversation_key",
         "fallback_prefix_blocks",
         "virtual_nodes",
         "bounded_load",

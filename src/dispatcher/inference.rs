@@ -51,7 +51,7 @@ pub(super) async fn inference(
         Err(e) => return json_response(StatusCode::BAD_REQUEST, &e.body()),
     };
     timing.mark(Mark::Parse);
-    let session = session_key(dispatcher, &parts.headers, &parsed.body);
+    let session = session_key(dispatcher, &parts.headers, &parsed);
     let prompt_bytes = match &parsed.input {
         RoutingInput::Text(text) => text.len(),
         RoutingInput::Tokens(_) => 0,
@@ -187,9 +187,11 @@ fn cached_answer(stored: &Bytes, endpoint: Endpoint, parsed: &prompt::ParsedRequ
 }
 
 /// The hashed session key of a request, from the first of the
-/// policy's session headers it carries, else its body's `user` field
-/// (when the policy asks for either; see [`crate::routing::SessionSource`]).
-fn session_key(dispatcher: &Dispatcher, headers: &HeaderMap, body: &crate::body::Object<'_>) -> Option<u64> {
+/// policy's session headers it carries, else its body's `user` field,
+/// else a chat's opening (each when the policy asks for it; see
+/// [`crate::routing::SessionSource`]).
+fn session_key(dispatcher: &Dispatcher, headers: &HeaderMap, parsed: &prompt::ParsedRequest<'_>) -> Option<u64> {
+    let body = &parsed.body;
     let policy = dispatcher.policy().current_arc();
     let source = policy.session_source()?;
     let from_header = source
@@ -206,5 +208,8 @@ fn session_key(dispatcher: &Dispatcher, headers: &HeaderMap, body: &crate::body:
             .filter(|u| !u.is_empty())
             .map(str::as_bytes)
     };
-    from_header.or_else(from_user).map(seahash::hash)
+    from_header
+        .or_else(from_user)
+        .map(seahash::hash)
+        .or_else(|| parsed.opening.filter(|_| source.opening))
 }

@@ -9,13 +9,22 @@
 //!
 //! # Rule
 //!
-//! 1. **Key.** The first of `key_headers` the request carries (default
-//!    `x-session-id`, then `x-user-id`), else the body's `user` field
-//!    (`user_field`, default on), hashed; else the **prefix hash**: the
-//!    chain hash of the prompt's first `fallback_prefix_blocks` blocks
-//!    (fewer if the prompt is shorter), so requests sharing that prefix
-//!    share a server. A prompt shorter than one block without a session
-//!    key goes to the least loaded server.
+//! 1. **Key**, the first of these the request has:
+//!    1. the first of `key_headers` it carries (default `x-session-id`,
+//!       then `x-user-id`);
+//!    2. the body's `user` field (`user_field`, default on);
+//!    3. for a chat, its **opening** (`conversation_key`, default on): the
+//!       messages up to and including the first user message, hashed
+//!       ([`crate::prompt::ParsedRequest::opening`]). Every turn of a
+//!       conversation has the same opening, so the conversation stays on
+//!       one server, and conversations that share a system prompt but not
+//!       their first question spread over the ring;
+//!    4. the **prefix hash**: the chain hash of the prompt's first
+//!       `fallback_prefix_blocks` blocks (fewer if the prompt is shorter),
+//!       so requests sharing that prefix share a server (completions).
+//!
+//!    A prompt shorter than one block without a key goes to the least
+//!    loaded server.
 //! 2. **Ring.** `ring::HashRing`: `virtual_nodes` points per
 //!    server slot; the key goes to the first server clockwise that is a
 //!    candidate (up) and not over the load bound ([`Reason::Session`]).
@@ -44,6 +53,10 @@ pub struct ConsistentHashParams {
     pub key_headers: Vec<String>,
     /// Then the body's `user` field (OpenAI's end-user id). Default true.
     pub user_field: bool,
+    /// Then, for a chat, its opening: the messages up to and including the
+    /// first user message, so each conversation has its own key even when
+    /// many share a system prompt. Default true.
+    pub conversation_key: bool,
     /// Without a session key: hash this many leading blocks of the prompt.
     /// Default 8 (128 tokens at 16-token blocks); 1 to 65 536.
     pub fallback_prefix_blocks: u32,
@@ -61,6 +74,7 @@ impl Default for ConsistentHashParams {
         Self {
             key_headers: vec!["x-session-id".into(), "x-user-id".into()],
             user_field: true,
+            conversation_key: true,
             fallback_prefix_blocks: 8,
             virtual_nodes: 100,
             bounded_load: true,
@@ -124,6 +138,7 @@ impl ConsistentHash {
         let source = SessionSource {
             headers: params.key_headers.iter().map(|h| h.to_ascii_lowercase()).collect(),
             user_field: params.user_field,
+            opening: params.conversation_key,
         };
         Self {
             ring: HashRing::new(params.virtual_nodes, RING_SEED),
@@ -306,13 +321,15 @@ mod tests {
         let p = ConsistentHash::new(ConsistentHashParams {
             key_headers: vec!["X-Tenant".into()],
             user_field: false,
+            conversation_key: false,
             ..ConsistentHashParams::default()
         });
         assert_eq!(
             p.session_source(),
             Some(&SessionSource {
                 headers: vec!["x-tenant".into()],
-                user_field: false
+                user_field: false,
+                opening: false,
             })
         );
     }

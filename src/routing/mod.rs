@@ -240,6 +240,8 @@ pub struct SessionSource {
     pub headers: Vec<String>,
     /// Then the body's `user` field.
     pub user_field: bool,
+    /// Then a chat's opening ([`crate::prompt::ParsedRequest::opening`]).
+    pub opening: bool,
 }
 
 /// A policy's decision.
