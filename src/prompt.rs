@@ -72,13 +72,6 @@ pub struct ParsedRequest<'a> {
     /// last assistant message, when a later message follows it (a
     /// conversation's next turn); 0 otherwise and for completions.
     pub earlier_answer_bytes: usize,
-    /// A chat's **opening**, hashed: its messages up to and including the
-    /// first `user` message (roles and texts). Every turn of a
-    /// conversation has the same opening, and conversations that share
-    /// only a system prompt have different ones: the session key
-    /// `consistent_hash` falls back to. `None` for completions and for a
-    /// chat without a user message.
-    pub opening: Option<u64>,
     /// The whole body.
     pub body: Object<'a>,
 }
@@ -164,15 +157,11 @@ pub fn parse<'a>(
         }
     };
     check_numbers(&body)?;
-    let (input, earlier_answer_bytes, opening) = match endpoint {
-        Endpoint::Completions => (completions_input(body.get("prompt"))?, 0, None),
+    let (input, earlier_answer_bytes) = match endpoint {
+        Endpoint::Completions => (completions_input(body.get("prompt"))?, 0),
         Endpoint::ChatCompletions => {
-            let chat = chat_text(body.get("messages"), template)?;
-            (
-                RoutingInput::Text(Cow::Owned(chat.text)),
-                chat.earlier_answer,
-                chat.opening,
-            )
+            let (text, answer) = chat_text(body.get("messages"), template)?;
+            (RoutingInput::Text(Cow::Owned(text)), answer)
         }
     };
     Ok(ParsedRequest {
@@ -181,7 +170,6 @@ pub fn parse<'a>(
         stream,
         input,
         earlier_answer_bytes,
-        opening,
         body,
     })
 }
@@ -320,19 +308,33 @@ fn message_text<'b>(i: usize, content: Option<&'b Json<'_>>) -> Result<Cow<'b, s
     }
 }
 
-/// What a chat's messages give the routing.
-struct ChatText {
-    /// The rendered messages.
-    text: String,
-    /// Bytes of the last assistant message's text when another message
-    /// follows it.
-    earlier_answer: usize,
-    /// The hashed opening ([`ParsedRequest::opening`]).
-    opening: Option<u64>,
+/// A chat's **opening**, hashed: its messages up to and including the
+/// first `user` message (roles and texts, each length-prefixed). Every
+/// turn of a conversation has the same opening, and conversations that
+/// share only a system prompt have different ones: the session key
+/// `consistent_hash` falls back to. `None` without messages or a user
+/// message (and for a body [`parse`] refuses). Computed only when a
+/// policy asks for it.
+pub fn opening(body: &Object<'_>) -> Option<u64> {
+    let mut h = SeaHasher::new();
+    for (i, m) in body.get("messages")?.as_array()?.iter().enumerate() {
+        let m = m.as_object()?;
+        let role = m.get("role")?.as_str()?;
+        let text = message_text(i, m.get("content")).ok()?;
+        h.write_usize(role.len());
+        h.write(role.as_bytes());
+        h.write_usize(text.len());
+        h.write(text.as_bytes());
+        if role == "user" {
+            return Some(h.finish());
+        }
+    }
+    None
 }
 
-/// The messages rendered, with what else the routing reads of them.
-fn chat_text(messages: Option<&Json<'_>>, template: &ChatTemplate) -> Result<ChatText, RequestError> {
+/// The rendered messages, and the bytes of the last assistant message's
+/// text when another message follows it.
+fn chat_text(messages: Option<&Json<'_>>, template: &ChatTemplate) -> Result<(String, usize), RequestError> {
     let param = Some("messages");
     let messages = match messages {
         None | Some(Json::Null) => return Err(RequestError::new("'messages' is required", param)),
@@ -349,8 +351,6 @@ fn chat_text(messages: Option<&Json<'_>>, template: &ChatTemplate) -> Result<Cha
     };
     let mut rendered = Vec::with_capacity(messages.len());
     let mut last_answer = None;
-    let mut opening = Some(SeaHasher::new());
-    let mut opened = None;
     for (i, m) in messages.iter().enumerate() {
         let Json::Object(m) = m else {
             return Err(RequestError::new(
@@ -371,18 +371,6 @@ fn chat_text(messages: Option<&Json<'_>>, template: &ChatTemplate) -> Result<Cha
         if &**role == "assistant" {
             last_answer = Some((i, text.len()));
         }
-        if let Some(mut h) = opening.take() {
-            // Lengths first, so that no two openings hash the same bytes.
-            h.write_usize(role.len());
-            h.write(role.as_bytes());
-            h.write_usize(text.len());
-            h.write(text.as_bytes());
-            if &**role == "user" {
-                opened = Some(h.finish());
-            } else {
-                opening = Some(h);
-            }
-        }
         rendered.push(ChatMessage::new(&**role, text));
     }
     let earlier_answer = last_answer
@@ -391,11 +379,7 @@ fn chat_text(messages: Option<&Json<'_>>, template: &ChatTemplate) -> Result<Cha
     let text = template
         .render(&rendered)
         .map_err(|e| RequestError::new(e.to_string(), param))?;
-    Ok(ChatText {
-        text,
-        earlier_answer,
-        opening: opened,
-    })
+    Ok((text, earlier_answer))
 }
 
 #[cfg(test)]
@@ -415,7 +399,7 @@ mod tests {
     /// conversations that share only a system prompt.
     #[test]
     fn the_opening_is_the_messages_up_to_the_first_user_message() {
-        let opening = |b: &str| chat(b).unwrap().opening;
+        let opening = |b: &str| opening(&chat(b).unwrap().body);
         let sys = r#"{"role":"system","content":"Be brief."}"#;
         let first = opening(&format!(
             r#"{{"model":"m","messages":[{sys},{{"role":"user","content":"Hi"}}]}}"#
@@ -446,7 +430,10 @@ mod tests {
             opening(r#"{"model":"m","messages":[{"role":"system","content":"x"}]}"#),
             None
         );
-        assert_eq!(completion(r#"{"model":"m","prompt":"hi"}"#).unwrap().opening, None);
+        assert_eq!(
+            super::opening(&completion(r#"{"model":"m","prompt":"hi"}"#).unwrap().body),
+            None
+        );
     }
 
     #[test]

@@ -211,5 +211,5 @@ fn session_key(dispatcher: &Dispatcher, headers: &HeaderMap, parsed: &prompt::Pa
     from_header
         .or_else(from_user)
         .map(seahash::hash)
-        .or_else(|| parsed.opening.filter(|_| source.opening))
+        .or_else(|| source.opening.then(|| prompt::opening(&parsed.body)).flatten())
 }

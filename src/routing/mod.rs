@@ -240,7 +240,7 @@ pub struct SessionSource {
     pub headers: Vec<String>,
     /// Then the body's `user` field.
     pub user_field: bool,
-    /// Then a chat's opening ([`crate::prompt::ParsedRequest::opening`]).
+    /// Then a chat's opening ([`crate::prompt::opening`]).
     pub opening: bool,
 }
 

@@ -516,14 +516,14 @@ impl RoutingStore for RedisRouting {
             self.lookups.fetch_add(1, Relaxed);
             lookup.response = fetched.response.map(Bytes::from);
             let candidates = &mut lookup.candidates;
-            let clock = self.local.segment().clock();
+            let (segment_now, unix_now) = (self.local.segment().clock().now_ms(), unix_ms());
             for (slot, depth) in fetched.prefix {
                 if let Some(c) = candidates.iter().find(|c| c.server.slot == slot) {
                     let refreshed = fetched
                         .refreshed
                         .binary_search_by_key(&slot, |(s, _)| *s)
                         .ok()
-                        .and_then(|i| segment_stamp(fetched.refreshed[i].1, clock.now_ms(), unix_ms()));
+                        .and_then(|i| segment_stamp(fetched.refreshed[i].1, segment_now, unix_now));
                     lookup.prefix.add_refreshed(c.server.tag(), depth, refreshed);
                 }
             }
