@@ -51,6 +51,7 @@ fn record(server: ServerRef, i: u64) -> Completion {
         response_key: Some(ResponseKey(u128::from(key(i)))),
         response: vec![b'a'; 1024],
         prediction: None,
+        timing: None,
     }
 }
 

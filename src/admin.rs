@@ -340,7 +340,8 @@ fn respond(reply: Reply) -> http::Response<Full<Bytes>> {
 
 /// How a server of the table is shown by `GET /admin/servers`
 /// (`horizon_age_s`: how old its horizon is, the shm store's: `null` when
-/// it has none).
+/// it has none; `admission_limit`: the requests its engine is estimated to
+/// run at once, `null` until learned: [`crate::capacity`]).
 pub fn server_json(info: &shm_layout::ServerInfo, now_ms: u64, name: Option<&str>, managed: &str) -> Value {
     let load = info.load;
     let scraped = load.scraped_at_ms != 0;
@@ -354,6 +355,7 @@ pub fn server_json(info: &shm_layout::ServerInfo, now_ms: u64, name: Option<&str
         "managed": managed,
         "registered_ms": info.registered_ms,
         "horizon_age_s": info.horizon_s.map(|h| (now_ms / 1000).saturating_sub(u64::from(h))),
+        "admission_limit": info.admission_limit,
         "inflight_requests": info.inflight_requests,
         "inflight_tokens": info.inflight_tokens,
         "load": {

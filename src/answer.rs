@@ -75,6 +75,10 @@ pub struct Reported {
     /// Prompt tokens served from the engine's prefix cache
     /// (`usage.prompt_tokens_details.cached_tokens`, else `timings.cache_n`).
     pub cached_tokens: Option<u64>,
+    /// Microseconds the engine spent generating the answer after its
+    /// first token (llama.cpp's `timings.predicted_ms`): what separates a
+    /// non-streamed answer's time to first token from its latency.
+    pub decode_us: Option<u64>,
 }
 
 impl Reported {
@@ -89,6 +93,7 @@ impl Reported {
         Reported {
             completion_tokens: later.completion_tokens.or(self.completion_tokens),
             cached_tokens: later.cached_tokens.or(self.cached_tokens),
+            decode_us: later.decode_us.or(self.decode_us),
         }
     }
 }
@@ -255,6 +260,13 @@ struct PromptTokensDetails {
 struct Timings {
     #[serde(default)]
     cache_n: Option<u64>,
+    #[serde(default)]
+    predicted_ms: Option<f64>,
+}
+
+/// Milliseconds as whole microseconds, if a sensible duration.
+fn ms_to_us(ms: f64) -> Option<u64> {
+    (ms.is_finite() && ms >= 0.0).then_some((ms * 1000.0) as u64)
 }
 
 impl<'a> Response<'a> {
@@ -283,6 +295,7 @@ impl<'a> Response<'a> {
                 .and_then(|u| u.prompt_tokens_details.as_ref())
                 .and_then(|d| d.cached_tokens)
                 .or_else(|| self.timings.as_ref().and_then(|t| t.cache_n)),
+            decode_us: self.timings.as_ref().and_then(|t| t.predicted_ms).and_then(ms_to_us),
         }
     }
 }
@@ -300,6 +313,7 @@ fn choice_zero<'a, 'j>(v: &'a Json<'j>) -> Option<&'a Json<'j>> {
 fn reported(v: &Json<'_>) -> Reported {
     let object = v.as_object();
     let usage = object.and_then(|o| o.get("usage")).and_then(Json::as_object);
+    let timings = object.and_then(|o| o.get("timings")).and_then(Json::as_object);
     Reported {
         completion_tokens: usage.and_then(|u| u.get("completion_tokens")).and_then(Json::as_u64),
         cached_tokens: usage
@@ -307,13 +321,11 @@ fn reported(v: &Json<'_>) -> Reported {
             .and_then(Json::as_object)
             .and_then(|d| d.get("cached_tokens"))
             .and_then(Json::as_u64)
-            .or_else(|| {
-                object
-                    .and_then(|o| o.get("timings"))
-                    .and_then(Json::as_object)
-                    .and_then(|t| t.get("cache_n"))
-                    .and_then(Json::as_u64)
-            }),
+            .or_else(|| timings.and_then(|t| t.get("cache_n")).and_then(Json::as_u64)),
+        decode_us: timings
+            .and_then(|t| t.get("predicted_ms"))
+            .and_then(Json::as_f64)
+            .and_then(ms_to_us),
     }
 }
 
@@ -448,6 +460,7 @@ mod tests {
         Reported {
             completion_tokens,
             cached_tokens,
+            decode_us: None,
         }
     }
 
@@ -487,6 +500,15 @@ mod tests {
             answer_text(AnswerForm::Json, llama),
             Some(("x".to_owned(), reported(Some(1), Some(33))))
         );
+        // llama.cpp's timings: the decode time separates TTFT from latency
+        // (both parsers: the typed one, and the tree for odd bodies).
+        let timed = br#"{"choices":[{"index":0,"message":{"content":"x"}}],"timings":{"cache_n":3,"prompt_ms":12.5,"predicted_ms":250.25}}"#;
+        let odd =
+            br#"{"choices":[{"index":"0","message":{"content":"x"}}],"timings":{"cache_n":3,"predicted_ms":250.25}}"#;
+        for body in [&timed[..], &odd[..]] {
+            let (_, r) = answer_text(AnswerForm::Json, body).unwrap();
+            assert_eq!((r.cached_tokens, r.decode_us), (Some(3), Some(250_250)));
+        }
         let both = br#"{"choices":[{"index":0,"message":{"content":"x"}}],"usage":{"prompt_tokens_details":{"cached_tokens":16}},"timings":{"cache_n":33}}"#;
         assert_eq!(
             answer_text(AnswerForm::Json, both),

@@ -256,10 +256,14 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
             model_name: args.model.clone(),
             time_scale: args.time_scale,
             kv_capacity_tokens: args.kv_capacity_tokens.unwrap_or(defaults.kv_capacity_tokens),
+            max_num_seqs: args.max_num_seqs.unwrap_or(defaults.max_num_seqs),
             ..defaults
         };
         config.validate().map_err(anyhow::Error::msg)?;
-        let sim = Sim::bundled(config, FaultConfig::default());
+        let mut sim = Sim::bundled(config, FaultConfig::default());
+        if args.no_metrics {
+            sim = sim.with_metrics_flavor(semlb_workers::metrics::MetricsFlavor::None);
+        }
         let listener = tokio::net::TcpListener::bind(args.listen).await?;
         println!("semlb-sim listening on http://{}", listener.local_addr()?);
         use std::io::Write;

@@ -332,6 +332,13 @@ pub struct SimArgs {
     /// a small one makes the engine evict often.
     #[arg(long, value_name = "TOKENS")]
     pub kv_capacity_tokens: Option<u64>,
+    /// Most requests in its running batch [default: the simulator's, 256];
+    /// the rest wait in its queue.
+    #[arg(long, value_name = "N")]
+    pub max_num_seqs: Option<u32>,
+    /// Serve no `/metrics` (404), as an engine started without metrics.
+    #[arg(long)]
+    pub no_metrics: bool,
     /// How it logs to stderr.
     #[command(flatten)]
     pub log: LogArgs,

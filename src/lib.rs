@@ -17,6 +17,7 @@
 //! | [`dispatcher`] | a dispatcher process's HTTP front, one module per step in request order: routes, inference (parse, tokenize, look up), route, proxy (attempts and retries), relay, learn (the completion record), queue |
 //! | [`failure`] | why a proxied request failed: client, engine or gateway, and whether a retry may help |
 //! | [`responder`] | what a response process does with a completion record: prefix write-back, response caching |
+//! | [`capacity`] | each server's admission limit, learned by the response processes from request latencies, for the holding policies when engine metrics are missing |
 //! | [`responder_loop`] | a response process's loop: poll its rings, apply the records, count, heartbeat, until its shutdown flag is set |
 //! | [`config`] | `semlb serve` configuration: TOML file, flags over it, validation |
 //! | [`metrics`] | the gateway's Prometheus `/metrics`: counters in the segment's stats region, gauges read at scrape time |
@@ -36,6 +37,7 @@
 pub mod answer;
 pub mod blocks;
 pub mod body;
+pub mod capacity;
 pub mod config;
 pub mod continuation;
 pub mod dispatcher;

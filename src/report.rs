@@ -287,6 +287,7 @@ impl Report {
                     "address": s.address,
                     "registered_ms": s.registered_ms,
                     "horizon_s": s.horizon_s,
+                    "admission_limit": s.admission_limit,
                     "inflight_requests": s.inflight_requests,
                     "inflight_tokens": s.inflight_tokens,
                     "load": {

@@ -75,8 +75,9 @@ use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::{ChatMessage, ChatTemplate};
 use shm_layout::{Completion, Pop, Prediction, ServerRef, Stamp, Tables};
 
-use crate::answer::{AnswerForm, answer_text, stream_as_response};
+use crate::answer::{AnswerForm, Reported, answer_text, stream_as_response};
 use crate::blocks::BlockHasher;
+use crate::capacity::{CapacityLearner, Sample};
 use crate::store::shm::ShmWriteBack;
 use crate::store::{WriteBack, WriteStats};
 
@@ -150,6 +151,9 @@ pub struct ResponderStats {
     /// Times a server's horizon was raised (entries older than an
     /// eviction its engine showed set aside).
     pub demotions: u64,
+    /// Requests whose timing adjusted their server's admission limit
+    /// ([`crate::capacity`]).
+    pub capacity_samples: u64,
 }
 
 impl ResponderStats {
@@ -183,6 +187,8 @@ pub struct Responder<'a> {
     lost: Vec<(u32, u8)>,
     /// Whether a lost cache makes the server forgotten (else only counted).
     forgets: bool,
+    /// Learns each server's admission limit from the records' timings.
+    capacity: CapacityLearner,
 }
 
 impl<'a> Responder<'a> {
@@ -206,6 +212,7 @@ impl<'a> Responder<'a> {
             observations: Vec::new(),
             lost: vec![(0, 0); shm_layout::SERVER_SLOTS as usize],
             forgets: true,
+            capacity: CapacityLearner::new(),
         }
     }
 
@@ -235,11 +242,29 @@ impl<'a> Responder<'a> {
     /// dispatcher forwarded ([`crate::answer`]), its tokens appended to the
     /// prompt's last partial block, hashed on from the prompt's chain. A
     /// record without an output token count gets the engine's
-    /// (`usage.completion_tokens`) or else the answer's.
+    /// (`usage.completion_tokens`) or else the answer's. Then the record's
+    /// prediction is compared with the engine's report
+    /// ([`observe`](Self::observe)) and its timing adjusts the server's
+    /// admission limit ([`crate::capacity`]).
     pub fn complete(&mut self, record: &mut Completion, now_ms: u64) {
-        self.extend_chain(record);
+        let reported = self.extend_chain(record);
         Self::response_from_stream(record);
         self.observe(record, now_ms);
+        self.learn_capacity(record, &reported);
+    }
+
+    /// Adjusts the admission limit of `record`'s server from its timing
+    /// and what the engine reported.
+    fn learn_capacity(&mut self, record: &Completion, reported: &Reported) {
+        let (Some(server), Some(timing)) = (record.server, record.timing) else {
+            return;
+        };
+        let Some(sample) = Sample::of(&timing, record.output_tokens, reported.decode_us) else {
+            return;
+        };
+        if self.capacity.observe(&self.tables.servers, server, &sample).is_some() {
+            self.stats.capacity_samples += 1;
+        }
     }
 
     /// Compares what the routing predicted of `record`'s server with the
@@ -341,14 +366,15 @@ impl<'a> Responder<'a> {
         }
     }
 
-    /// The chain of prompt + answer (see [`complete`](Self::complete)).
-    fn extend_chain(&mut self, record: &mut Completion) {
+    /// The chain of prompt + answer (see [`complete`](Self::complete));
+    /// returns what the engine reported with the answer.
+    fn extend_chain(&mut self, record: &mut Completion) -> Reported {
         let Some(c) = record.continuation.as_ref() else {
-            return;
+            return Reported::default();
         };
         let (Ok(block_size), Some((form, chat))) = (usize::try_from(c.block_size), AnswerForm::from_byte(c.form))
         else {
-            return;
+            return Reported::default();
         };
         let bytes = if c.answer_is_response {
             &record.response
@@ -357,7 +383,7 @@ impl<'a> Responder<'a> {
         };
         let Some((text, reported)) = answer_text(form, bytes).filter(|_| block_size > 0) else {
             self.stats.unreadable_answers += 1;
-            return;
+            return Reported::default();
         };
         if let Some(p) = record.prediction.as_mut().filter(|p| p.cached_tokens.is_none()) {
             p.cached_tokens = reported.cached_tokens_u32();
@@ -388,6 +414,7 @@ impl<'a> Responder<'a> {
                 self.tokenizer.encode_into(&rendered, &mut self.tokens);
             }
         }
+        reported
     }
 
     /// Counters so far.
@@ -507,6 +534,7 @@ mod tests {
             continuation: None,
             response: Some((ResponseKey(9), b"{\"ok\":true}")),
             prediction: None,
+            timing: None,
         };
         let mut buf = Vec::new();
         rec.encode_into(&mut buf);
@@ -677,6 +705,7 @@ mod tests {
             }),
             response: None,
             prediction: None,
+            timing: None,
         };
         let mut buf = Vec::new();
         rec.encode_into(&mut buf);
@@ -706,6 +735,7 @@ mod tests {
             continuation: None,
             response: None,
             prediction: None,
+            timing: None,
         };
         let mut buf = Vec::new();
         rec.encode_into(&mut buf);
@@ -734,6 +764,7 @@ mod tests {
             continuation: None,
             response: None,
             prediction: None,
+            timing: None,
         };
         let mut buf = Vec::new();
         rec.encode_into(&mut buf);

@@ -196,7 +196,7 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
     let _ = writeln!(w);
     let _ = writeln!(
         w,
-        "{:<4} {:<28} {:<9} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>9}",
+        "{:<4} {:<28} {:<9} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>9} {:>6}",
         "SLOT",
         "SERVER",
         "STATE",
@@ -208,7 +208,8 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
         "SCRAPED",
         "SHARE",
         "FAILED",
-        "PREDICTED"
+        "PREDICTED",
+        "LIMIT"
     );
     let all: u64 = totals.upstream.iter().map(|(_, ok, failed)| ok + failed).sum();
     for s in &r.servers {
@@ -226,7 +227,7 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
         let dash = |v: String| if scraped { v } else { "-".to_owned() };
         let _ = writeln!(
             w,
-            "{:<4} {:<28} {:<9} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>9}",
+            "{:<4} {:<28} {:<9} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>9} {:>6}",
             s.server.slot,
             s.address,
             s.state.name(),
@@ -238,7 +239,8 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
             ago(now_ms, s.load.scraped_at_ms),
             pct(ok + failed, all),
             failed,
-            pct(confirmed, predicted)
+            pct(confirmed, predicted),
+            s.admission_limit.map_or_else(|| "-".to_owned(), |l| format!("{l:.1}"))
         );
     }
     let _ = writeln!(w);

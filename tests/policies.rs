@@ -7,7 +7,7 @@
 //!
 //! * `selective_push` keeps requests in the gateway queue instead of
 //!   pushing them onto a busy engine (mode `max_outstanding`, and mode
-//!   `pending`: held while the engine's request has no first token);
+//!   `unstarted`: held while the engine's request has no first token);
 //! * the gateway queue's capacity (503 `queue_full` with `Retry-After`) and
 //!   a queued request whose client left (counted `abandoned`);
 //! * `consistent_hash` keeps a session (header or `user` field) on one
@@ -281,15 +281,16 @@ fn selective_push_queues_at_the_gateway_instead_of_overloading_a_server() {
     assert_eq!(served, 6.0);
 }
 
-/// Mode `pending` (the default), one engine with a slow prefill whose load
-/// the gateway cannot read (its metrics are read as llama.cpp's, which a
-/// vLLM-style engine does not export), so only the gateway's own
-/// accounting counts:
+/// Mode `unstarted` (the strict reading), one engine with a slow prefill
+/// whose load the gateway cannot read (its metrics are read as
+/// llama.cpp's, which a vLLM-style engine does not export), so only the
+/// gateway's own accounting counts:
 /// while a streaming request has no first token yet, the engine counts as
 /// full and a second request waits in the gateway queue; it goes out once
-/// the first one starts, and both answer in full.
+/// the first one starts, and both answer in full. (Mode `pending`, the
+/// default, learns an admission limit instead: `tests/admission.rs`.)
 #[test]
-fn selective_push_pending_mode_holds_requests_while_the_engine_prefills() {
+fn selective_push_unstarted_mode_holds_requests_while_the_engine_prefills() {
     // 20x slower than real time: the first request's ~1 700-token prompt
     // takes about 3.4 s to prefill (a decode step 0.2 s).
     let engines = [sim_at("20")];
@@ -301,6 +302,9 @@ metrics_flavor = "llamacpp"
 
 [policy]
 kind = "selective_push"
+
+[policy.selective_push]
+mode = "unstarted"
 "#,
         engines[0].addr
     );

@@ -293,6 +293,7 @@ fn completion(server: ServerRef, prompt: &[u64], full: &[u64], response: Option<
         response_key: response.map(|(k, _)| ResponseKey(k)),
         response: response.map(|(_, b)| b.to_vec()).unwrap_or_default(),
         prediction: None,
+        timing: None,
     }
 }
 

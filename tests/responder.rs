@@ -82,6 +82,7 @@ fn push(segment: &Segment, server: ServerRef, prompt: &[u64], full: &[u64], key:
         continuation: None,
         response: Some((key, body)),
         prediction: None,
+        timing: None,
     };
     let mut buf = Vec::with_capacity(record.encoded_len());
     record.encode_into(&mut buf);

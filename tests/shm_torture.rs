@@ -441,6 +441,7 @@ fn encode_record(w: &World, ring: u16, inc: u32, seq: u32, out: &mut Vec<u8>, sc
         continuation: None,
         response: spec.response.map(|(rid, _)| (response_key(rid), scratch.as_slice())),
         prediction: None,
+        timing: None,
     }
     .encode_into(out);
 }

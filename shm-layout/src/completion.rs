@@ -19,12 +19,20 @@
 //! the dispatcher read the answer itself (`u32::MAX`: not read). The
 //! response process compares the prediction with what the engine reported.
 //!
+//! A record may also carry the request's **timing** (flag 16), which the
+//! response process learns the server's admission limit from
+//! (`semlb::capacity`): microseconds from sending the request to its
+//! answer's end, and to its first byte for a streamed answer (`u32::MAX`:
+//! not streamed), and the requests the gateway had in flight to the
+//! server once this one was counted.
+//!
 //! ```text
-//! u8 version · u8 flags (1 = response, 2 = continuation, 4 = answer is the response, 8 = prediction) · u16 server slot · u32 generation
+//! u8 version · u8 flags (1 = response, 2 = continuation, 4 = answer is the response, 8 = prediction, 16 = timing) · u16 server slot · u32 generation
 //! u32 prompt tokens · u32 output tokens · u32 #prompt blocks · u32 #full blocks
 //! [u128 response key · u32 response len]                                             if flags & 1
 //! [u64 chain root · u32 block size · u32 #tail tokens · u8 answer form · u32 answer len]   if flags & 2
 //! [u32 block size · u32 predicted blocks · u32 listed blocks · u32 listed stamp · u32 reported cached tokens] if flags & 8
+//! [u32 latency µs · u32 first byte µs · u32 in flight at send]                        if flags & 16
 //! u64 × #prompt blocks · u64 × #full blocks · u32 × #tail tokens · answer bytes · response bytes
 //! ```
 //! All integers little-endian.
@@ -33,11 +41,28 @@ use crate::prefix_table::Stamp;
 use crate::response_log::ResponseKey;
 use crate::server_table::ServerRef;
 
-const VERSION: u8 = 4;
+const VERSION: u8 = 5;
 const HAS_RESPONSE: u8 = 1;
 const HAS_CONTINUATION: u8 = 2;
 const ANSWER_IS_RESPONSE: u8 = 4;
 const HAS_PREDICTION: u8 = 8;
+const HAS_TIMING: u8 = 16;
+
+/// How long a request took and how busy its server was when it was sent
+/// (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Timing {
+    /// Microseconds from sending the request to its answer's end
+    /// (saturates at `u32::MAX - 1`: 71 minutes).
+    pub latency_us: u32,
+    /// Microseconds from sending it to the answer's first byte, for a
+    /// streamed answer (a non-streamed one shows its first byte only when
+    /// complete).
+    pub first_byte_us: Option<u32>,
+    /// Requests the gateway had in flight to the server, this one included,
+    /// when it was sent.
+    pub inflight_at_send: u32,
+}
 
 /// What the routing expected the server to hold of the prompt, and what
 /// the engine said it held (see the module docs).
@@ -112,6 +137,8 @@ pub struct CompletionRecord<'a> {
     pub response: Option<(ResponseKey, &'a [u8])>,
     /// What the routing expected of the server.
     pub prediction: Option<Prediction>,
+    /// How long the request took.
+    pub timing: Option<Timing>,
 }
 
 /// A decoded record, owned (the responder reuses one across pops).
@@ -137,6 +164,8 @@ pub struct Completion {
     pub response: Vec<u8>,
     /// What the routing expected of the server.
     pub prediction: Option<Prediction>,
+    /// How long the request took.
+    pub timing: Option<Timing>,
 }
 
 /// A record that does not decode.
@@ -166,6 +195,7 @@ impl CompletionRecord<'_> {
     pub fn encoded_len(&self) -> usize {
         24 + self.response.map_or(0, |(_, r)| 20 + r.len())
             + self.prediction.map_or(0, |_| 20)
+            + self.timing.map_or(0, |_| 12)
             + self
                 .continuation
                 .map_or(0, |c| 21 + 4 * c.tail.len() + c.answer.map_or(0, <[u8]>::len))
@@ -189,6 +219,9 @@ impl CompletionRecord<'_> {
         }
         if self.prediction.is_some() {
             flags |= HAS_PREDICTION;
+        }
+        if self.timing.is_some() {
+            flags |= HAS_TIMING;
         }
         out.push(flags);
         out.extend_from_slice(&self.server.slot.to_le_bytes());
@@ -219,6 +252,15 @@ impl CompletionRecord<'_> {
                 p.listed_blocks,
                 p.refreshed.map_or(u32::MAX, |s| u32::from(s.0)),
                 p.cached_tokens.unwrap_or(u32::MAX),
+            ] {
+                out.extend_from_slice(&n.to_le_bytes());
+            }
+        }
+        if let Some(t) = self.timing {
+            for n in [
+                t.latency_us.min(u32::MAX - 1),
+                t.first_byte_us.map_or(u32::MAX, |n| n.min(u32::MAX - 1)),
+                t.inflight_at_send,
             ] {
                 out.extend_from_slice(&n.to_le_bytes());
             }
@@ -316,6 +358,15 @@ impl Completion {
         } else {
             None
         };
+        self.timing = if flags & HAS_TIMING != 0 {
+            Some(Timing {
+                latency_us: r.u32()?,
+                first_byte_us: Some(r.u32()?).filter(|n| *n != u32::MAX),
+                inflight_at_send: r.u32()?,
+            })
+        } else {
+            None
+        };
         if flags & ANSWER_IS_RESPONSE != 0 && (response.is_none() || continuation.is_none()) {
             return Err(DecodeError::Answer);
         }
@@ -373,6 +424,7 @@ mod tests {
             continuation: None,
             response: Some((ResponseKey(u128::MAX - 5), b"{\"choices\":[]}")),
             prediction: None,
+            timing: None,
         };
         let mut buf = Vec::new();
         rec.encode_into(&mut buf);
@@ -410,6 +462,23 @@ mod tests {
             assert_eq!(buf.len(), predicted.encoded_len());
             c.decode_from(&buf).unwrap();
             assert_eq!(c.prediction, Some(prediction));
+            assert_eq!(c.response, b"{\"choices\":[]}");
+        }
+        for first_byte_us in [Some(1500), None] {
+            let timing = Timing {
+                latency_us: 250_000,
+                first_byte_us,
+                inflight_at_send: 3,
+            };
+            let timed = CompletionRecord {
+                timing: Some(timing),
+                ..rec
+            };
+            timed.encode_into(&mut buf);
+            assert_eq!(buf.len(), timed.encoded_len());
+            c.decode_from(&buf).unwrap();
+            assert_eq!(c.timing, Some(timing));
+            assert_eq!(c.prediction, None);
             assert_eq!(c.response, b"{\"choices\":[]}");
         }
         assert_eq!(c.continuation, None);
@@ -491,6 +560,7 @@ mod tests {
             }),
             response: None,
             prediction: None,
+            timing: None,
         };
         let mut buf = Vec::new();
         rec.encode_into(&mut buf);

@@ -114,7 +114,7 @@ pub mod stats;
 mod sync;
 mod words;
 
-pub use completion::{Completion, CompletionRecord, Continuation, ContinuationRef, DecodeError, Prediction};
+pub use completion::{Completion, CompletionRecord, Continuation, ContinuationRef, DecodeError, Prediction, Timing};
 pub use completion_ring::{CompletionRing, Pop, PushError, RingStats};
 pub use error::{CreateError, NameError, OpenError, PlanError, RemoveError};
 pub use header::{HeaderInfo, LAYOUT_VERSION, MAGIC, STATE_READY};

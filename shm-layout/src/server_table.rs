@@ -5,6 +5,7 @@
 //! ServerSlot (384 B, 64-aligned)
 //! ┌ line 0 ─ state (generation:32 | check:24 | state:8) · id · address meta (len | check) · registered_ms
 //! │          · horizon (generation:32 | segment second + 1:32)
+//! │          · admission limit (generation:32 | f32 bits:32)
 //! ├ line 1 ─ in-flight requests · in-flight prompt tokens · scraped load (128-bit)
 //! │          · pending requests · pending prompt tokens
 //! └ lines 2-5 ─ address, up to 256 bytes
@@ -36,6 +37,12 @@
 //!   ledger cells and are reclaimed the same way. Routing policies that
 //!   queue at the gateway (selective pushing) and estimate TTFT (two-choice
 //!   mapping) read them.
+//! * A server's **admission limit** is the number of requests its engine
+//!   is estimated to run at once without queueing them, learned by the
+//!   response processes from the latencies the gateway sees
+//!   ([`ServerTable::adjust_admission_limit`]); the holding policies use
+//!   it when the engine's own queue cannot be scraped. It belongs to one
+//!   registration, like the horizon.
 
 use crate::mix::mix64;
 use crate::plan::{PROCESS_SLOTS, SERVER_SLOTS};
@@ -176,7 +183,7 @@ impl LoadFigures {
 }
 
 /// A consistent copy of one server slot.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ServerInfo {
     /// Which registration this is.
     pub server: ServerRef,
@@ -197,6 +204,9 @@ pub struct ServerInfo {
     /// Its horizon, a segment second, if it has one
     /// ([`ServerTable::raise_horizon`]).
     pub horizon_s: Option<u32>,
+    /// Its learned admission limit, if one was learned
+    /// ([`ServerTable::adjust_admission_limit`]).
+    pub admission_limit: Option<f32>,
 }
 
 /// Why a server could not be registered.
@@ -221,7 +231,8 @@ pub(crate) struct ServerSlot {
     address_meta: AtomicU64,
     registered_ms: AtomicU64,
     horizon: AtomicU64,
-    _line0: [u64; 3],
+    admission: AtomicU64,
+    _line0: [u64; 2],
     inflight_requests: AtomicU64,
     inflight_tokens: AtomicU64,
     load: AtomicU128,
@@ -235,6 +246,8 @@ pub(crate) struct ServerSlot {
 const _: () = assert!(std::mem::size_of::<ServerSlot>() as u64 == crate::plan::SERVER_SLOT_BYTES);
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, horizon) == 32);
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::offset_of!(ServerSlot, admission) == 40);
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, inflight_requests) == 64);
 #[cfg(not(loom))]
@@ -267,7 +280,8 @@ impl ServerSlot {
             address_meta: AtomicU64::new(0),
             registered_ms: AtomicU64::new(0),
             horizon: AtomicU64::new(0),
-            _line0: [0; 3],
+            admission: AtomicU64::new(0),
+            _line0: [0; 2],
             inflight_requests: AtomicU64::new(0),
             inflight_tokens: AtomicU64::new(0),
             load: AtomicU128::new(0),
@@ -289,6 +303,13 @@ impl LedgerCell {
             pending_tokens: AtomicU64::new(0),
         }
     }
+}
+
+/// The admission limit an admission word holds for registration
+/// `generation`, if any (`generation:32 | f32 bits:32`, 0 bits: none).
+fn admission_of(word: u64, generation: u32) -> Option<f32> {
+    let limit = f32::from_bits(word as u32);
+    (word >> 32 == u64::from(generation) && word as u32 != 0 && limit.is_finite()).then_some(limit)
 }
 
 /// Clamp for counters that a crash may have left one too low.
@@ -532,6 +553,46 @@ impl<'a> ServerTable<'a> {
         (word >> 32 == u64::from(server.generation) && word as u32 != 0).then(|| word as u32 - 1)
     }
 
+    /// `server`'s learned admission limit, if one was learned for this
+    /// registration ([`adjust_admission_limit`](Self::adjust_admission_limit)).
+    #[inline]
+    pub fn admission_limit(&self, server: ServerRef) -> Option<f32> {
+        let word = self
+            .slots
+            .get(usize::from(server.slot))?
+            .admission
+            .load(Ordering::Relaxed);
+        admission_of(word, server.generation)
+    }
+
+    /// Sets `server`'s admission limit to `adjust(current)` (`None`: none
+    /// learned yet for this registration), atomically against other
+    /// processes adjusting it: `adjust` may run more than once. A
+    /// non-finite or non-positive result is not stored. Returns the limit
+    /// stored, or `None` (nothing stored) if `server` is not current.
+    pub fn adjust_admission_limit(&self, server: ServerRef, mut adjust: impl FnMut(Option<f32>) -> f32) -> Option<f32> {
+        let s = self.slots.get(usize::from(server.slot))?;
+        let mut current = s.admission.load(Ordering::Acquire);
+        loop {
+            if !self.is_current(server) {
+                return None;
+            }
+            let old = admission_of(current, server.generation);
+            let new = adjust(old);
+            if !(new.is_finite() && new > 0.0) {
+                return old;
+            }
+            let word = (u64::from(server.generation) << 32) | u64::from(new.to_bits());
+            match s
+                .admission
+                .compare_exchange_weak(current, word, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return Some(new),
+                Err(now) => current = now,
+            }
+        }
+    }
+
     /// The filter for [`crate::PrefixTable::longest_prefix_match_within`]
     /// at segment second `now_s`: `None` unless the tagged server is live
     /// ([`is_live`](Self::is_live)); else how old (in seconds) its entries
@@ -588,6 +649,7 @@ impl<'a> ServerTable<'a> {
                 inflight_tokens,
                 load: self.load(server),
                 horizon_s: self.horizon(server),
+                admission_limit: self.admission_limit(server),
             });
         }
         None
@@ -784,6 +846,25 @@ mod tests {
         assert_eq!(a2.slot, a.slot);
         assert_eq!(t.horizon(a2), None, "a new registration starts without one");
         assert_eq!(t.entry_max_age(a2.tag(), 100), Some(u16::MAX));
+    }
+
+    #[test]
+    fn an_admission_limit_is_adjusted_atomically_and_dies_with_its_registration() {
+        let (s, l) = parts();
+        let t = ServerTable::new(&s, &l, 1);
+        let a = t.register(11, "http://a", 0).unwrap();
+        assert_eq!(t.admission_limit(a), None, "nothing learned yet");
+        assert_eq!(t.adjust_admission_limit(a, |old| old.unwrap_or(8.0) + 1.0), Some(9.0));
+        assert_eq!(t.adjust_admission_limit(a, |old| old.unwrap() * 0.5), Some(4.5));
+        assert_eq!(t.admission_limit(a), Some(4.5));
+        assert_eq!(t.get(a.slot).unwrap().admission_limit, Some(4.5));
+        assert_eq!(t.adjust_admission_limit(a, |_| f32::NAN), Some(4.5), "refused, kept");
+        assert_eq!(t.adjust_admission_limit(a, |_| 0.0), Some(4.5), "refused, kept");
+        assert!(t.retire(a));
+        assert_eq!(t.adjust_admission_limit(a, |_| 3.0), None, "not current");
+        let a2 = t.register(12, "http://a2", 0).unwrap();
+        assert_eq!(a2.slot, a.slot);
+        assert_eq!(t.admission_limit(a2), None, "a new registration starts without one");
     }
 
     #[test]

@@ -709,6 +709,7 @@ fn completion_record_round_trips_through_a_ring_into_the_tables() {
             continuation: None,
             response: Some((key, response)),
             prediction: None,
+            timing: None,
         };
         let mut buf = Vec::new();
         record.encode_into(&mut buf);
@@ -716,6 +717,7 @@ fn completion_record_round_trips_through_a_ring_into_the_tables() {
         let bare = CompletionRecord {
             response: None,
             prediction: None,
+            timing: None,
             full_blocks: &[],
             ..record
         };

@@ -3,8 +3,9 @@
 //! dropped.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use shm_layout::ServerRef;
+use shm_layout::{ServerRef, Timing};
 
 use super::Dispatcher;
 
@@ -19,18 +20,45 @@ pub(super) struct InflightGuard {
     server: ServerRef,
     tokens: u64,
     started: bool,
+    /// When it was counted (sent).
+    sent: Instant,
+    /// Requests in flight to the server through this host once it was
+    /// counted, itself included.
+    inflight_at_send: u32,
+    /// From sending to the answer's first byte.
+    first_byte: Option<Duration>,
 }
 
 impl InflightGuard {
     /// Begins a request of `tokens` prompt tokens to `server`; `None` if the
     /// registration is stale.
     pub fn begin(dispatcher: &Arc<Dispatcher>, server: ServerRef, tokens: u64) -> Option<Self> {
-        dispatcher.store().begin_request(server, tokens).then(|| Self {
+        if !dispatcher.store().begin_request(server, tokens) {
+            return None;
+        }
+        let inflight = dispatcher.segment().tables().servers.inflight(server).0;
+        Some(Self {
             dispatcher: dispatcher.clone(),
             server,
             tokens,
             started: false,
+            sent: Instant::now(),
+            inflight_at_send: u32::try_from(inflight).unwrap_or(u32::MAX),
+            first_byte: None,
         })
+    }
+
+    /// How long the request has taken so far, for the completion record
+    /// (the response processes learn the server's admission limit from
+    /// it: [`crate::capacity`]); `streamed`: the answer is an event stream,
+    /// so its first byte is its first token.
+    pub fn timing(&self, streamed: bool) -> Timing {
+        let us = |d: Duration| u32::try_from(d.as_micros()).unwrap_or(u32::MAX - 1);
+        Timing {
+            latency_us: us(self.sent.elapsed()),
+            first_byte_us: self.first_byte.filter(|_| streamed).map(us),
+            inflight_at_send: self.inflight_at_send,
+        }
     }
 
     /// The server this request went to.
@@ -42,6 +70,7 @@ impl InflightGuard {
     pub fn first_token(&mut self) {
         if !self.started {
             self.started = true;
+            self.first_byte = Some(self.sent.elapsed());
             self.dispatcher.store().first_token(self.server, self.tokens);
             self.dispatcher.wake_queue();
         }

@@ -3,7 +3,7 @@
 //! response to cache), pushed into this dispatcher's completion ring
 //! without waiting.
 
-use shm_layout::{CompletionRecord, ContinuationRef, Prediction, ResponseKey, ServerRef};
+use shm_layout::{CompletionRecord, ContinuationRef, Prediction, ResponseKey, ServerRef, Timing};
 
 use super::Dispatcher;
 use crate::answer::{AnswerForm, answer_text};
@@ -30,6 +30,8 @@ pub(super) struct Learn {
     pub chat: bool,
     /// What the server was expected to hold of the prompt.
     pub prediction: Prediction,
+    /// How long the request took (set when its answer ends).
+    pub timing: Option<Timing>,
 }
 
 /// Builds the completion record of a finished answer (`answer`, in
@@ -66,6 +68,7 @@ pub(super) fn push_completion(dispatcher: &Dispatcher, learn: Learn, form: Answe
         }),
         response: cached.map(|key| (key, &answer[..])),
         prediction: Some(learn.prediction),
+        timing: learn.timing,
     };
     // Too large: leave out the response; then read the answer's text
     // here and carry only that, shortened if need be (its leading

@@ -485,6 +485,7 @@ impl<'d> Attempts<'d> {
                 cache_key: c.store_key.filter(|_| parts.status == StatusCode::OK),
                 chat: c.endpoint == Endpoint::ChatCompletions,
                 prediction: self.last_prediction,
+                timing: None,
             }),
             _ => None,
         };

@@ -173,6 +173,8 @@ pub(super) struct Relay {
     timer: Option<RelayTimer>,
     /// Takes the usage the client did not ask for out of the stream.
     strip: Option<UsageStrip>,
+    /// The answer is an event stream.
+    sse: bool,
 }
 
 impl Relay {
@@ -221,6 +223,7 @@ impl Relay {
             finished: false,
             timer,
             strip: (sse && strip_usage).then(UsageStrip::default),
+            sse,
         }
     }
 
@@ -264,14 +267,16 @@ impl Relay {
     fn end(&mut self) {
         self.finished = true;
         self.timer = None;
-        if let Some(g) = self.guard.take() {
+        let timing = self.guard.take().map(|g| {
             // Passive health check: answered in full.
             passive_success(&self.dispatcher, g.server());
             self.dispatcher.metrics().upstream(g.server().slot, true);
-        }
+            g.timing(self.sse)
+        });
         let (Some(mut learn), Some(capture)) = (self.learn.take(), self.capture.take()) else {
             return;
         };
+        learn.timing = timing;
         if let Some(last) = learn
             .chain
             .last()

@@ -263,6 +263,7 @@ mod tests {
             pending,
             pending_tokens: 0,
             load: Default::default(),
+            admission: crate::capacity::INITIAL_LIMIT,
         };
         let chosen = |pending| {
             let lookup = Lookup {

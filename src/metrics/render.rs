@@ -38,6 +38,9 @@ impl Snapshot {
                 state: s.state,
                 inflight: s.inflight_requests,
                 load: crate::health::fresh_load(s.load, now_ms, stale_after_ms),
+                admission_limit: s
+                    .admission_limit
+                    .map_or(f64::from(crate::capacity::INITIAL_LIMIT), f64::from),
             })
             .collect();
         let mut restarts = [0; 2];
@@ -381,6 +384,20 @@ impl Snapshot {
                     sample(o, name, &[("server", &s.address)], u64::from(v));
                 }
             }
+        }
+        family(
+            o,
+            "semlb_server_admission_limit",
+            "gauge",
+            "Requests the server's engine is estimated to run at once, learned from the latencies the gateway measures; the holding policies (selective_push, dual_map) keep at most this many in flight there when its metrics are not fresh.",
+        );
+        for s in &self.servers {
+            sample_f(
+                o,
+                "semlb_server_admission_limit",
+                &[("server", s.address.as_str())],
+                s.admission_limit,
+            );
         }
         family(
             o,

@@ -171,6 +171,7 @@ fn renders_exact_text_for_a_fixture() {
             scraped_at_ms: 5,
             pending_at_scrape: 0,
         }),
+        admission_limit: 6.5,
     });
     s.prefix_entries = 10;
     s.prefix_capacity = 64;
@@ -217,6 +218,7 @@ fn renders_exact_text_for_a_fixture() {
              semlb_server_state{{{srv},state=\"down\"}} 0\n"
         ),
         format!("semlb_server_running_requests{{{srv}}} 7\n"),
+        format!("semlb_server_admission_limit{{{srv}}} 6.5\n"),
         format!("semlb_server_kv_cache_usage_ratio{{{srv}}} 0.25\n"),
         "# TYPE semlb_prefix_table_entries gauge\n\
          semlb_prefix_table_entries 10\n\

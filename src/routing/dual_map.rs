@@ -446,14 +446,20 @@ mod tests {
         let with = |pending_a: u64, tokens_a: u64, pending_b: u64, tokens_b: u64| -> Vec<Candidate> {
             idle.iter()
                 .map(|&c| match c.server {
+                    // Engines without metrics that run one request at a
+                    // time (learned admission limit 1).
                     s if s == a => Candidate {
+                        inflight: pending_a,
                         pending: pending_a,
                         pending_tokens: tokens_a,
+                        admission: 1,
                         ..c
                     },
                     s if s == b => Candidate {
+                        inflight: pending_b,
                         pending: pending_b,
                         pending_tokens: tokens_b,
+                        admission: 1,
                         ..c
                     },
                     _ => c,

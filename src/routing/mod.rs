@@ -48,12 +48,20 @@
 //!   request per step: a request sent now has no first token until the
 //!   step after next even on an idle engine, so short prompts at a high
 //!   rate would starve a free engine.)
-//! * no fresh scrape (an engine without metrics, or a stale one): the
-//!   gateway's own pending count, the strict reading.
-//!
-//! A non-streaming answer shows its first byte only when complete, so its
-//! request stays pending until then in the gateway's count; only the
-//! scrapes correct that.
+//! * no fresh scrape (an engine without metrics, or a stale one): from
+//!   the requests in flight and the server's learned **admission limit**
+//!   `L` ([`Candidate::admission`], [`crate::capacity`]), `estimate =
+//!   max(0, inflight − L + 1)`. The gateway cannot see the engine's
+//!   queue, so it estimates how many requests the engine runs at once
+//!   from the latencies it measures. A server at its limit counts one
+//!   pending: a holding policy at `max_pending = 0` then keeps at most `L`
+//!   in flight there, and the requests it sends do not queue in the
+//!   engine, so their latencies keep showing what the engine runs
+//!   unqueued (one more would always wait, and the limit would learn from
+//!   nothing but queued requests). The gateway's own pending count cannot
+//!   stand in for the engine's queue: a non-streamed answer shows its
+//!   first byte only when complete, so every such request would count as
+//!   pending to its end and an engine would look full with one.
 
 pub mod cache_aware;
 pub mod consistent_hash;
@@ -97,6 +105,10 @@ pub struct Candidate {
     pub pending_tokens: u64,
     /// Its last scraped engine load (zeros until scraped, or when stale).
     pub load: LoadFigures,
+    /// Requests its engine is estimated to run at once: the learned
+    /// admission limit, or [`crate::capacity::INITIAL_LIMIT`] before one
+    /// is learned (see [`crate::capacity`]).
+    pub admission: u32,
 }
 
 impl Candidate {
@@ -105,7 +117,7 @@ impl Candidate {
     #[inline]
     pub fn pending_estimate(&self) -> u64 {
         match (self.load.scraped_at_ms, self.load.waiting) {
-            (0, _) => self.pending,
+            (0, _) => (self.inflight + 1).saturating_sub(u64::from(self.admission)),
             (_, 0) => 0,
             (_, waiting) => (u64::from(waiting) + self.pending).saturating_sub(u64::from(self.load.pending_at_scrape)),
         }
@@ -331,6 +343,7 @@ pub fn candidate(servers: &ServerTable<'_>, server: ServerRef) -> Candidate {
         pending,
         pending_tokens,
         load: servers.load(server),
+        admission: crate::capacity::effective_limit(servers.admission_limit(server)),
     }
 }
 

@@ -16,8 +16,10 @@
 //!    * mode `pending` (default): when its
 //!      [pending estimate](Candidate::pending_estimate) (the engine's
 //!      scraped `waiting` corrected by what the gateway sent and saw start
-//!      since the scrape) is above `max_pending` (default 0: a server with
-//!      any request still waiting for its first token takes no more);
+//!      since the scrape; without fresh metrics, the requests in flight
+//!      against the server's learned admission limit,
+//!      [`crate::capacity`]) is above `max_pending` (default 0: a server
+//!      with any request estimated to wait in its engine takes no more);
 //!    * mode `unstarted`: when more than `max_pending` requests the gateway
 //!      sent to it have no first token yet, whatever its scrapes say (the
 //!      strict reading: at `max_pending = 0` one request enters prefill at
@@ -171,6 +173,18 @@ mod tests {
         Candidate { pending, ..c }
     }
 
+    /// `c` with a fresh scrape that saw `waiting` requests queued.
+    fn waiting(c: Candidate, waiting: u32) -> Candidate {
+        Candidate {
+            load: LoadFigures {
+                waiting,
+                scraped_at_ms: 1,
+                ..LoadFigures::default()
+            },
+            ..c
+        }
+    }
+
     #[test]
     fn a_server_with_pending_requests_is_skipped_even_when_it_holds_the_prefix() {
         let f = Fixture::new(3);
@@ -178,7 +192,7 @@ mod tests {
         f.hold(0, &chain);
         let m = f.matched(&chain);
         let p = SelectivePush::new(SelectivePushParams::default());
-        let cands = [pending(cand(f.s[0], 3, 0), 1), cand(f.s[1], 5, 0), cand(f.s[2], 2, 0)];
+        let cands = [waiting(cand(f.s[0], 3, 0), 1), cand(f.s[1], 5, 0), cand(f.s[2], 2, 0)];
         assert_eq!(p.choose(&input(8, &m, &cands)), Some(choice(f.s[2], Reason::LeastLoad)));
         // Its request started: free again, and its prefix wins over lower load.
         let cands = [cand(f.s[0], 3, 0), cand(f.s[1], 5, 0), cand(f.s[2], 2, 0)];
@@ -194,7 +208,7 @@ mod tests {
         let m = PrefixMatch::default();
         let p = SelectivePush::new(SelectivePushParams::default());
         assert!(p.holds_requests());
-        let cands = [pending(cand(f.s[0], 1, 0), 1), pending(cand(f.s[1], 4, 0), 2)];
+        let cands = [waiting(cand(f.s[0], 1, 0), 1), waiting(cand(f.s[1], 4, 0), 2)];
         assert_eq!(p.choose(&input(4, &m, &cands)), None);
         let tolerant = SelectivePush::new(SelectivePushParams {
             max_pending: 1,
@@ -239,10 +253,37 @@ mod tests {
         c.load = scraped(0, 1);
         assert_eq!(c.pending_estimate(), 0);
         assert!(!p.full(&c));
-        // No fresh scrape: the gateway's own count.
+        // No fresh scrape: the requests in flight and the admission limit.
         c.load = LoadFigures::default();
-        assert_eq!(c.pending_estimate(), 3);
+        assert_eq!(c.pending_estimate(), 1, "8 in flight at a limit of 8");
         assert!(p.full(&c));
+    }
+
+    #[test]
+    fn without_metrics_a_server_takes_requests_up_to_its_admission_limit() {
+        let f = Fixture::new(2);
+        let m = PrefixMatch::default();
+        let p = SelectivePush::new(SelectivePushParams::default());
+        // Non-streamed answers: every request in flight is still pending
+        // in the gateway's count; the limit, not that count, decides.
+        let busy = |inflight, admission| Candidate {
+            admission,
+            ..pending(cand(f.s[0], inflight, 0), inflight)
+        };
+        let other = pending(cand(f.s[1], 9, 0), 9);
+        for (inflight, admission, free) in [(0, 8, true), (7, 8, true), (8, 8, false), (2, 3, true), (3, 3, false)] {
+            let c = busy(inflight, admission);
+            assert_eq!(
+                !p.params.full(&c),
+                free,
+                "{inflight} in flight at a limit of {admission}"
+            );
+            let want = free.then(|| choice(f.s[0], Reason::LeastLoad));
+            assert_eq!(p.choose(&input(4, &m, &[c, other])), want);
+        }
+        // The request that fills it is admitted; one more is not.
+        assert!(p.admits(&busy(8, 8)));
+        assert!(!p.admits(&busy(9, 8)));
     }
 
     #[test]
@@ -288,9 +329,21 @@ mod tests {
         let f = Fixture::new(1);
         // Counted: this request is in the figures.
         let p = SelectivePush::new(SelectivePushParams::default());
-        assert!(p.admits(&pending(cand(f.s[0], 1, 0), 1)), "only this one pending");
+        let scraped_one = Candidate {
+            load: LoadFigures {
+                waiting: 1,
+                scraped_at_ms: 1,
+                pending_at_scrape: 2,
+                ..LoadFigures::default()
+            },
+            ..cand(f.s[0], 4, 0)
+        };
         assert!(
-            !p.admits(&pending(cand(f.s[0], 2, 0), 2)),
+            p.admits(&pending(scraped_one, 2)),
+            "one queued, and this one: the scrape's pending started since"
+        );
+        assert!(
+            !p.admits(&pending(scraped_one, 3)),
             "another dispatcher got there first"
         );
         let capped = SelectivePush::new(SelectivePushParams {

@@ -201,7 +201,9 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
         let mut candidates = Vec::new();
         for s in &f.s {
             if g.below(3) != 0 {
-                candidates.push(cand(*s, g.below(12), g.below(3) * 100));
+                // Engines that run 16 at once: none is full.
+                let c = cand(*s, g.below(12), g.below(3) * 100);
+                candidates.push(Candidate { admission: 16, ..c });
             }
         }
         let min_key = candidates.iter().map(load_key).min();

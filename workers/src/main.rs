@@ -92,7 +92,8 @@ struct Args {
     /// Seed of the fault-injection decisions.
     #[arg(long, default_value_t = 0, value_name = "N")]
     seed: u64,
-    /// Metric names on /metrics: vllm, sglang or both.
+    /// Metric names on /metrics: vllm, sglang, both, or none (/metrics
+    /// answers 404, as on an engine started without metrics).
     #[arg(long, default_value = "vllm", value_name = "FLAVOR")]
     metrics_flavor: MetricsFlavor,
 }

@@ -41,6 +41,10 @@ pub enum MetricsFlavor {
     Sglang,
     /// Both sets.
     Both,
+    /// None: `/metrics` answers 404, as an engine started without metrics
+    /// does (llama.cpp without `--metrics`, SGLang without
+    /// `--enable-metrics`, most OpenAI-compatible servers).
+    None,
 }
 
 impl std::str::FromStr for MetricsFlavor {
@@ -51,8 +55,9 @@ impl std::str::FromStr for MetricsFlavor {
             "vllm" => Ok(Self::Vllm),
             "sglang" => Ok(Self::Sglang),
             "both" => Ok(Self::Both),
+            "none" => Ok(Self::None),
             other => Err(format!(
-                "unknown metrics flavor `{other}` (expected vllm, sglang or both)"
+                "unknown metrics flavor `{other}` (expected vllm, sglang, both or none)"
             )),
         }
     }
@@ -64,6 +69,7 @@ impl std::fmt::Display for MetricsFlavor {
             Self::Vllm => "vllm",
             Self::Sglang => "sglang",
             Self::Both => "both",
+            Self::None => "none",
         })
     }
 }
@@ -568,6 +574,7 @@ mod tests {
         assert_eq!(value(&samples, "vllm:e2e_request_latency_seconds_sum"), 0.0);
 
         assert_eq!("both".parse::<MetricsFlavor>(), Ok(MetricsFlavor::Both));
+        assert_eq!("none".parse::<MetricsFlavor>(), Ok(MetricsFlavor::None));
         assert_eq!("sglang".parse::<MetricsFlavor>(), Ok(MetricsFlavor::Sglang));
         assert_eq!(
             "vllm".parse::<MetricsFlavor>().map(|f| f.to_string()),

@@ -121,6 +121,13 @@ impl Sim {
         )
     }
 
+    /// The same server with `flavor`'s metric names on `/metrics`
+    /// ([`MetricsFlavor::None`]: no `/metrics`).
+    pub fn with_metrics_flavor(mut self, flavor: MetricsFlavor) -> Self {
+        self.flavor = flavor;
+        self
+    }
+
     /// A server state around a started `engine`. The output vocabulary is
     /// picked from `tokenizer`.
     pub fn new(
@@ -307,6 +314,9 @@ async fn handle(sim: Arc<Sim>, request: Request<Incoming>) -> Result<Response<Bo
                 let config = sim.engine.config();
                 let body = api::models_body(&config.model_name, sim.started, config.max_model_len);
                 full_response(StatusCode::OK, Some("application/json"), body)
+            }
+            "/metrics" if sim.flavor == MetricsFlavor::None => {
+                error_response(ApiError::path_not_found(request.method().as_str(), &path))
             }
             _ => {
                 let text = metrics::render(&sim.engine.stats(), sim.engine.config(), sim.flavor);

@@ -1148,3 +1148,15 @@ async fn concurrent_requests_on_keep_alive_connections() {
     assert_eq!(server.sim.engine().stats().requests_finished, 48);
     server.stop().await;
 }
+
+/// `--metrics-flavor none`: `/metrics` answers 404 with an OpenAI-style
+/// error, as an engine started without metrics does; the API still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_can_be_hidden() {
+    let server = start_full(fast(), FaultConfig::default(), MetricsFlavor::None).await;
+    let reply = get(server.addr, "/metrics").await;
+    assert_eq!(reply.status, StatusCode::NOT_FOUND);
+    assert_eq!(reply.json()["error"]["code"], "not_found", "{:?}", reply.body);
+    assert_eq!(get(server.addr, "/v1/models").await.status, StatusCode::OK);
+    server.stop().await;
+}

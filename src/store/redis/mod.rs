@@ -781,6 +781,7 @@ mod tests {
             response_key: (response_bytes > 0).then_some(ResponseKey(u128::from(i))),
             response: vec![b'x'; response_bytes],
             prediction: None,
+            timing: None,
         }
     }
 
