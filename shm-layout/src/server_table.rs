@@ -308,8 +308,13 @@ impl LedgerCell {
 /// The admission limit an admission word holds for registration
 /// `generation`, if any (`generation:32 | f32 bits:32`, 0 bits: none).
 fn admission_of(word: u64, generation: u32) -> Option<f32> {
-    let limit = f32::from_bits(word as u32);
-    (word >> 32 == u64::from(generation) && word as u32 != 0 && limit.is_finite()).then_some(limit)
+    tagged(word, generation).map(f32::from_bits).filter(|l| l.is_finite())
+}
+
+/// The value of a slot word tagged with its registration
+/// (`generation:32 | value:32`, value 0: none) for `generation`.
+fn tagged(word: u64, generation: u32) -> Option<u32> {
+    (word >> 32 == u64::from(generation) && word as u32 != 0).then_some(word as u32)
 }
 
 /// Clamp for counters that a crash may have left one too low.
@@ -550,7 +555,7 @@ impl<'a> ServerTable<'a> {
             .get(usize::from(server.slot))?
             .horizon
             .load(Ordering::Acquire);
-        (word >> 32 == u64::from(server.generation) && word as u32 != 0).then(|| word as u32 - 1)
+        tagged(word, server.generation).map(|at| at - 1)
     }
 
     /// `server`'s learned admission limit, if one was learned for this
