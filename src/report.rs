@@ -313,6 +313,7 @@ impl Report {
                     "started_ms": p.started_ms,
                     "heartbeat_ms": p.heartbeat_ms,
                     "restarts": p.restarts,
+                    "tuned": p.tuned,
                 })
             })
             .collect();

@@ -246,20 +246,22 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
     let _ = writeln!(w);
     let _ = writeln!(
         w,
-        "{:<4} {:<11} {:<9} {:>8} {:>9} {:>10} {:>8}",
-        "SLOT", "ROLE", "STATE", "PID", "ALIVE", "HEARTBEAT", "RESTARTS"
+        "{:<4} {:<11} {:<9} {:>8} {:>9} {:>10} {:>8} {:>7}",
+        "SLOT", "ROLE", "STATE", "PID", "ALIVE", "HEARTBEAT", "RESTARTS", "WEIGHT"
     );
     for (p, alive) in &r.processes {
         let _ = writeln!(
             w,
-            "{:<4} {:<11} {:<9} {:>8} {:>9} {:>10} {:>8}",
+            "{:<4} {:<11} {:<9} {:>8} {:>9} {:>10} {:>8} {:>7}",
             p.slot,
             p.role.map_or("?", shm_layout::Role::name),
             p.state.name(),
             p.pid,
             alive.as_str(),
             ago(now_ms, p.heartbeat_ms),
-            p.restarts
+            p.restarts,
+            // The cost policy's tuned weight.
+            p.tuned.map_or_else(|| "-".to_owned(), |v| format!("{v}"))
         );
     }
     out
@@ -299,6 +301,7 @@ mod tests {
         let inc = t.registry.claim(1, shm_layout::Role::Dispatcher, 0);
         t.registry.attach(1, inc, 4242, 0);
         t.registry.heartbeat(1, inc, 950);
+        t.registry.publish_tuned(1, inc, 0.25);
         let report = Report::of(&seg);
         let totals = Totals {
             cache: [3, 1, 4],
@@ -332,7 +335,7 @@ mod tests {
         }
         let process = frame.lines().find(|l| l.contains("4242")).unwrap();
         assert!(
-            process.contains("dispatcher") && process.contains("0.1 s"),
+            process.contains("dispatcher") && process.contains("0.1 s") && process.ends_with(" 0.25"),
             "{process:?}"
         );
     }

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! ProcessSlot (64 B)
-//! ┌ state (incarnation:32 | role:8 | state:8) · pid · heartbeat_ms · started_ms · restarts · pad
+//! ┌ state (incarnation:32 | role:8 | state:8) · pid · heartbeat_ms · started_ms · restarts · tuned · pad
 //! ```
 //!
 //! The supervisor [`claim`](Registry::claim)s a slot before starting a child
@@ -68,7 +68,7 @@ impl ProcessState {
 }
 
 /// A copy of one registry slot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ProcessInfo {
     /// Slot index.
     pub slot: u16,
@@ -86,6 +86,10 @@ pub struct ProcessInfo {
     pub started_ms: u64,
     /// Claims of this slot after the first (restarts).
     pub restarts: u64,
+    /// The value the incarnation tunes online and publishes, if any: a
+    /// dispatcher routing with the `cost` policy publishes its weight
+    /// between cache and load ([`Registry::publish_tuned`]).
+    pub tuned: Option<f64>,
 }
 
 #[repr(C, align(64))]
@@ -96,7 +100,9 @@ pub(crate) struct ProcessSlot {
     heartbeat_ms: AtomicU64,
     started_ms: AtomicU64,
     restarts: AtomicU64,
-    _pad: [u64; 3],
+    /// `f64` bits of the published tuned value; 0 = none.
+    tuned: AtomicU64,
+    _pad: [u64; 2],
 }
 
 #[cfg(not(loom))]
@@ -111,7 +117,8 @@ impl ProcessSlot {
             heartbeat_ms: AtomicU64::new(0),
             started_ms: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
-            _pad: [0; 3],
+            tuned: AtomicU64::new(0),
+            _pad: [0; 2],
         }
     }
 }
@@ -178,6 +185,7 @@ impl<'a> Registry<'a> {
             s.restarts.fetch_add(1, Ordering::Relaxed);
         }
         s.pid.store(0, Ordering::Relaxed);
+        s.tuned.store(0, Ordering::Relaxed);
         s.started_ms.store(now_ms, Ordering::Relaxed);
         s.heartbeat_ms.store(now_ms, Ordering::Relaxed);
         s.state
@@ -219,6 +227,21 @@ impl<'a> Registry<'a> {
         true
     }
 
+    /// Called by the child: publishes the value it tunes online (see
+    /// [`ProcessInfo::tuned`]). False if the slot moved on. A value that is
+    /// not finite, or 0, reads back as none.
+    pub fn publish_tuned(&self, slot: u16, incarnation: u32, value: f64) -> bool {
+        let Some(s) = self.slots.get(usize::from(slot)) else {
+            return false;
+        };
+        if (s.state.load(Ordering::Acquire) >> 32) as u32 != incarnation {
+            return false;
+        }
+        let bits = if value.is_finite() { value.to_bits() } else { 0 };
+        s.tuned.store(bits, Ordering::Relaxed);
+        true
+    }
+
     /// Called by the supervisor once the child is reaped.
     pub fn mark_exited(&self, slot: u16, incarnation: u32) -> bool {
         self.transition(
@@ -250,6 +273,7 @@ impl<'a> Registry<'a> {
             heartbeat_ms: s.heartbeat_ms.load(Ordering::Relaxed),
             started_ms: s.started_ms.load(Ordering::Relaxed),
             restarts: s.restarts.load(Ordering::Relaxed),
+            tuned: Some(f64::from_bits(s.tuned.load(Ordering::Relaxed))).filter(|v| *v != 0.0 && v.is_finite()),
         })
     }
 
@@ -274,6 +298,9 @@ mod tests {
         assert!(r.is_alive(slot, inc));
         assert!(r.attach(slot, inc, 4242, 11));
         assert!(r.heartbeat(slot, inc, 20));
+        assert_eq!(r.get(slot).unwrap().tuned, None);
+        assert!(r.publish_tuned(slot, inc, 0.75));
+        assert_eq!(r.get(slot).unwrap().tuned, Some(0.75));
         let info = r.get(slot).unwrap();
         assert_eq!(
             (info.pid, info.state, info.role, info.heartbeat_ms),
@@ -284,6 +311,9 @@ mod tests {
         let inc2 = r.claim(slot, Role::Dispatcher, 30);
         assert_eq!(inc2, inc + 1);
         assert_eq!(r.get(slot).unwrap().restarts, 1);
+        assert_eq!(r.get(slot).unwrap().tuned, None, "a new incarnation publishes its own");
+        assert!(!r.publish_tuned(slot, inc, 2.0), "old incarnation ignored");
+        assert!(!r.publish_tuned(999, inc2, 2.0));
         assert_eq!(r.get(999), None);
         assert!(!r.is_alive(999, inc2));
         assert!(!r.heartbeat(slot, inc, 40), "old incarnation ignored");

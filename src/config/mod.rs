@@ -46,7 +46,7 @@
 //! | `backend.name` | string | `host:port` | name in logs and metrics (`A-Z a-z 0-9 . _ : -`, at most 64 bytes) |
 //! | `backend.metrics_flavor` | `auto`, `vllm`, `sglang`, `llamacpp` | `auto` | how its `/metrics` is read; `auto` tells from the metric names |
 //! | `[policy]` | table | | the routing policy, [`crate::routing::PolicyConfig`] |
-//! | `policy.kind` | `cache_aware`, `least_load`, `round_robin`, `random`, `selective_push`, `consistent_hash`, `dual_map`, `weighted_scorers` | `cache_aware` | which policy ([`crate::routing`]) |
+//! | `policy.kind` | `cache_aware`, `least_load`, `round_robin`, `random`, `selective_push`, `consistent_hash`, `dual_map`, `weighted_scorers`, `cost` | `cache_aware` | which policy ([`crate::routing`]) |
 //! | `[policy.queue]` | table | | the gateway queue of `selective_push` and `dual_map` ([`crate::routing::QueueParams`]) |
 //! | `policy.queue.capacity` | integer | `1024` | requests waiting at the gateway, all dispatchers together (1 to 1 000 000); one more gets 503 with `Retry-After` |
 //! | `policy.queue.max_wait_ms` | integer | `60000` | a request waiting longer gets 503 (1 ms to 1 hour) |
@@ -82,6 +82,11 @@
 //! | `policy.weighted_scorers.kv_cache_weight` | float | `1` | weight of the KV-cache usage score |
 //! | `policy.weighted_scorers.load_weight` | float | `1` | weight of the in-flight load score |
 //! | `policy.weighted_scorers.pick` | `max`, `weighted_random` | `max` | the best score, or a draw weighted by score |
+//! | `[policy.cost]` | table | | prefill-token cost with a weight tuned online ([`crate::routing::cost`]) |
+//! | `policy.cost.initial_weight` | float | `1` | weight of queued work against uncached prompt tokens to start from (1/16 to 16) |
+//! | `policy.cost.tune` | bool | `true` | tune the weight online from TTFT |
+//! | `policy.cost.explore` | float | `0.1` | share of requests routed with another weight (0 to 0.5) |
+//! | `policy.cost.running_request_tokens` | integer | `16` | prefill tokens one decoding request counts as queued work |
 //! | `[response_cache]` | table | | the exact-response cache |
 //! | `response_cache.enabled` | bool | `true` | answer repeated deterministic requests from the cache |
 //! | `response_cache.ttl_secs` | integer | `300` | how long a cached response is served (1 s to 1 year) |

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use shm_layout::{ServerRef, Timing};
 
 use super::Dispatcher;
+use crate::routing::Reason;
 
 /// Counts one request as in flight to a server in the store (the shm
 /// ledger, and on Redis the published counts) while it lives, and as
@@ -27,6 +28,9 @@ pub(super) struct InflightGuard {
     inflight_at_send: u32,
     /// From sending to the answer's first byte.
     first_byte: Option<Duration>,
+    /// The `cost` policy's tuner arm the request was routed with: its TTFT
+    /// is reported to the policy when the answer ends.
+    arm: Option<u8>,
 }
 
 impl InflightGuard {
@@ -45,6 +49,7 @@ impl InflightGuard {
             sent: Instant::now(),
             inflight_at_send: u32::try_from(inflight).unwrap_or(u32::MAX),
             first_byte: None,
+            arm: None,
         })
     }
 
@@ -59,6 +64,19 @@ impl InflightGuard {
             first_byte_us: self.first_byte.filter(|_| streamed).map(us),
             inflight_at_send: self.inflight_at_send,
         }
+    }
+
+    /// The request was routed for `reason`: remembers the tuner arm a
+    /// [`Reason::Cost`] names.
+    pub fn routed_for(&mut self, reason: Reason) {
+        if let Reason::Cost { arm } = reason {
+            self.arm = arm;
+        }
+    }
+
+    /// The tuner arm the request was routed with, if any.
+    pub fn arm(&self) -> Option<u8> {
+        self.arm
     }
 
     /// The server this request went to.

@@ -183,6 +183,8 @@ pub struct Dispatcher {
     tokenizer: Tokenizer,
     template: ChatTemplate,
     policy: SwappablePolicy,
+    /// The configuration `policy` was built from.
+    policy_config: std::sync::Mutex<PolicyConfig>,
     /// How requests that are not inference choose a server.
     least_load: LeastLoad,
     store: Arc<dyn RoutingStore>,
@@ -228,8 +230,9 @@ impl Dispatcher {
             .pool_idle_timeout(Duration::from_secs(90))
             .pool_timer(TokioTimer::new())
             .build(connector);
-        Self {
+        let dispatcher = Self {
             // Before `config` moves into the struct.
+            policy_config: std::sync::Mutex::new(config.policy.clone()),
             health: PassiveHealth::new(&config.health),
             queue: queue::GatewayQueue::new(config.policy.queue, config.dispatchers),
             segment,
@@ -243,7 +246,28 @@ impl Dispatcher {
             cacheable_stream_bytes,
             client,
             segments_reported: std::sync::Mutex::default(),
-        }
+        };
+        dispatcher.publish_tuned(dispatcher.policy.tuned_weight());
+        dispatcher
+    }
+
+    /// Publishes the value its policy tunes online in its registry slot
+    /// (none clears it), for `/metrics` and `semlb status`.
+    fn publish_tuned(&self, value: Option<f64>) {
+        let id = self.identity;
+        self.segment
+            .tables()
+            .registry
+            .publish_tuned(id.slot, id.incarnation, value.unwrap_or(0.0));
+    }
+
+    /// A request its policy routed with the tuner's `arm` saw its first
+    /// token after `ttft_us`: the policy learns from it
+    /// ([`crate::routing::Policy::observe`]), and the weight it tunes is
+    /// published.
+    pub(super) fn observe_route(&self, arm: u8, ttft_us: u32) {
+        let tuned = self.policy.observe(arm, ttft_us);
+        self.publish_tuned(tuned);
     }
 
     /// Adds to the metrics what the tokenizer's segment cache did since
@@ -306,9 +330,16 @@ impl Dispatcher {
     /// configuration reload; validate `config` first). Requests being routed
     /// finish with the old policy. The rest of the configuration (limits,
     /// response cache) stays as the dispatcher started with.
+    /// A reload that leaves the policy's configuration as it is keeps the
+    /// policy, with what it learned (the `cost` policy's tuned weight).
     pub fn set_policy(&self, config: &PolicyConfig) {
-        self.policy.replace(crate::routing::build(config));
-        self.queue.set_params(config.queue);
+        let mut current = self.policy_config.lock().unwrap_or_else(|e| e.into_inner());
+        if *current != *config {
+            self.policy.replace(crate::routing::build(config));
+            self.queue.set_params(config.queue);
+            *current = config.clone();
+            self.publish_tuned(self.policy.tuned_weight());
+        }
     }
 
     /// Requests waiting in this dispatcher's gateway queue.

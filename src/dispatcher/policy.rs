@@ -22,6 +22,20 @@ impl SwappablePolicy {
         self.current().choose(input)
     }
 
+    /// Tells the current policy what a request it routed with `arm` saw
+    /// ([`Policy::observe`]); returns the value it now publishes
+    /// ([`Policy::tuned_weight`]).
+    pub fn observe(&self, arm: u8, ttft_us: u32) -> Option<f64> {
+        let policy = self.current();
+        policy.observe(arm, ttft_us);
+        policy.tuned_weight()
+    }
+
+    /// The value the current policy publishes ([`Policy::tuned_weight`]).
+    pub fn tuned_weight(&self) -> Option<f64> {
+        self.current().tuned_weight()
+    }
+
     /// The current policy's name.
     pub fn name(&self) -> &'static str {
         self.current().name()

@@ -317,7 +317,7 @@ impl<'d> Attempts<'d> {
             dispatcher.metrics().retry();
         }
         self.attempt += 1;
-        let guard = match admitted {
+        let mut guard = match admitted {
             Some(g) => g,
             None => match InflightGuard::begin(dispatcher, server, self.prompt_tokens()) {
                 Some(g) => g,
@@ -327,6 +327,7 @@ impl<'d> Attempts<'d> {
                 }
             },
         };
+        guard.routed_for(reason);
         let uri = match format!("{address}{}", self.outbound.path_and_query).parse::<Uri>() {
             Ok(u) => u,
             Err(e) => {

@@ -267,11 +267,19 @@ impl Relay {
     fn end(&mut self) {
         self.finished = true;
         self.timer = None;
+        // Only a 2xx inference answer (one to learn from) is evidence for
+        // the tuner: an error's latency says nothing of the route.
+        let inference = self.learn.is_some();
         let timing = self.guard.take().map(|g| {
             // Passive health check: answered in full.
             passive_success(&self.dispatcher, g.server());
             self.dispatcher.metrics().upstream(g.server().slot, true);
-            g.timing(self.sse)
+            let timing = g.timing(self.sse);
+            if let Some(arm) = g.arm().filter(|_| inference) {
+                self.dispatcher
+                    .observe_route(arm, timing.first_byte_us.unwrap_or(timing.latency_us));
+            }
+            timing
         });
         let (Some(mut learn), Some(capture)) = (self.learn.take(), self.capture.take()) else {
             return;

@@ -38,12 +38,14 @@
 //! | `semlb_dispatch_seconds` | histogram | `stage` (tokenize, lookup, route, total) |
 //! | `semlb_prefix_match_ratio` | histogram | – |
 //! | `semlb_server_inflight_requests`, `semlb_server_up`, `semlb_server_state`, `semlb_server_waiting_requests`, `semlb_server_running_requests`, `semlb_server_kv_cache_usage_ratio` | gauge | `server` (and `state`) |
+//! | `semlb_server_admission_limit` | gauge | `server` |
+//! | `semlb_cost_weight` (policy `cost` only) | gauge | `dispatcher` (registry slot) |
 //! | `semlb_prefix_table_entries`, `semlb_prefix_table_capacity`, `semlb_response_cache_records` | gauge | – |
 //! | `semlb_completion_ring_dropped_total`, `semlb_process_restarts_total` | counter | – / `role` |
 
 use std::fmt::Write as _;
 
-use shm_layout::{LoadFigures, Role, STAT_WORDS, ServerState, Stats, Tables};
+use shm_layout::{LoadFigures, ProcessState, Role, STAT_WORDS, ServerState, Stats, Tables};
 
 use crate::responder::ResponderStats;
 

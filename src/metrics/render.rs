@@ -21,6 +21,9 @@ pub struct Snapshot {
     pub ring_dropped: u64,
     /// Restarts per role (dispatcher, responder).
     pub restarts: [u64; 2],
+    /// The weight each running dispatcher's `cost` policy tunes:
+    /// `(registry slot, weight)`.
+    pub cost_weights: Vec<(u16, f64)>,
 }
 
 impl Snapshot {
@@ -44,7 +47,11 @@ impl Snapshot {
             })
             .collect();
         let mut restarts = [0; 2];
+        let mut cost_weights = Vec::new();
         for p in tables.registry.processes() {
+            if let (Some(Role::Dispatcher), ProcessState::Running, Some(w)) = (p.role, p.state, p.tuned) {
+                cost_weights.push((p.slot, w));
+            }
             match p.role {
                 Some(Role::Dispatcher) => restarts[0] += p.restarts,
                 Some(Role::Responder) => restarts[1] += p.restarts,
@@ -59,6 +66,7 @@ impl Snapshot {
             response_records: tables.responses.stats().records,
             ring_dropped: (0..tables.ring_count()).map(|i| tables.ring(i).stats().dropped).sum(),
             restarts,
+            cost_weights,
         }
     }
 
@@ -398,6 +406,17 @@ impl Snapshot {
                 &[("server", s.address.as_str())],
                 s.admission_limit,
             );
+        }
+        if !self.cost_weights.is_empty() {
+            family(
+                o,
+                "semlb_cost_weight",
+                "gauge",
+                "The cost policy's weight of work queued at a server against the prompt tokens it would have to prefill there, as each dispatcher tunes it from the TTFT its requests see.",
+            );
+            for (slot, w) in &self.cost_weights {
+                sample_f(o, "semlb_cost_weight", &[("dispatcher", &slot.to_string())], *w);
+            }
         }
         family(
             o,

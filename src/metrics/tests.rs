@@ -14,6 +14,7 @@ fn empty() -> Snapshot {
         response_records: 0,
         ring_dropped: 0,
         restarts: [0; 2],
+        cost_weights: Vec::new(),
     }
 }
 
@@ -176,6 +177,7 @@ fn renders_exact_text_for_a_fixture() {
     s.prefix_entries = 10;
     s.prefix_capacity = 64;
     s.restarts = [1, 0];
+    s.cost_weights = vec![(3, 0.5)];
     let text = s.render();
     let srv = r#"server="http://a\"b\\c\n:8000""#;
     let want = [
@@ -219,6 +221,7 @@ fn renders_exact_text_for_a_fixture() {
         ),
         format!("semlb_server_running_requests{{{srv}}} 7\n"),
         format!("semlb_server_admission_limit{{{srv}}} 6.5\n"),
+        "# TYPE semlb_cost_weight gauge\nsemlb_cost_weight{dispatcher=\"3\"} 0.5\n".to_owned(),
         format!("semlb_server_kv_cache_usage_ratio{{{srv}}} 0.25\n"),
         "# TYPE semlb_prefix_table_entries gauge\n\
          semlb_prefix_table_entries 10\n\

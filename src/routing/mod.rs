@@ -17,6 +17,7 @@
 //! | `consistent_hash` | [`consistent_hash`] | SkyLB-CH / vllm-router: a session key on a ring of virtual nodes, with bounded load |
 //! | `dual_map` | [`dual_map`] | DualMap: two hash candidates per adaptive-length prefix, cache match unless a TTFT SLO breaks, hotspot rebalancing |
 //! | `weighted_scorers` | [`weighted_scorers`] | llm-d: weighted prefix, queue, KV-cache and load scores; max or weighted random pick |
+//! | `cost` | [`cost`] | Dynamo's cost: uncached prompt tokens + λ × work queued at the server, λ tuned online from TTFT ([`weight_bandit`]) |
 //!
 //! # Holding requests at the gateway
 //!
@@ -65,6 +66,7 @@
 
 pub mod cache_aware;
 pub mod consistent_hash;
+pub mod cost;
 pub mod dual_map;
 pub mod least_load;
 pub mod random;
@@ -75,6 +77,7 @@ pub mod selective_push;
 mod test_support;
 #[cfg(test)]
 mod tests;
+pub mod weight_bandit;
 pub mod weighted_scorers;
 
 use std::fmt;
@@ -85,6 +88,7 @@ use shm_layout::{LoadFigures, PrefixMatch, ServerRef, ServerState, ServerTable, 
 
 pub use cache_aware::CacheAwareParams;
 pub use consistent_hash::ConsistentHashParams;
+pub use cost::CostParams;
 pub use dual_map::DualMapParams;
 pub use selective_push::{PushMode, SelectivePushParams};
 pub use weighted_scorers::{Pick, WeightedScorersParams};
@@ -207,6 +211,13 @@ pub enum Reason {
         /// Score × 1000.
         permille: u16,
     },
+    /// The lowest cost, at the weight of the tuner's `arm`
+    /// ([`weight_bandit::weight_of`]; `None` when the weight is fixed).
+    Cost {
+        /// The arm whose weight routed the request: its answer's TTFT is
+        /// that arm's evidence ([`Policy::observe`]).
+        arm: Option<u8>,
+    },
 }
 
 impl Reason {
@@ -222,6 +233,7 @@ impl Reason {
             Self::Slo => "slo",
             Self::Rebalanced => "rebalanced",
             Self::Scored { .. } => "scored",
+            Self::Cost { .. } => "cost",
         }
     }
 }
@@ -240,6 +252,10 @@ impl fmt::Display for Reason {
             Self::Slo => f.write_str("the other hash candidate: the better match would break the TTFT SLO"),
             Self::Rebalanced => f.write_str("rebalanced off a full hash candidate"),
             Self::Scored { permille } => write!(f, "best weighted score {}.{:03}", permille / 1000, permille % 1000),
+            Self::Cost { arm: None } => f.write_str("lowest cost"),
+            Self::Cost { arm: Some(arm) } => {
+                write!(f, "lowest cost at weight {}", weight_bandit::weight_of(arm))
+            }
         }
     }
 }
@@ -296,6 +312,19 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     /// Where the request's session key comes from, if the policy uses one
     /// (default: none, and [`RouteInput::session`] stays `None`).
     fn session_source(&self) -> Option<&SessionSource> {
+        None
+    }
+
+    /// A request this policy routed for [`Reason::Cost`] with `arm` saw its
+    /// first token after `ttft_us` (the whole answer's latency when it was
+    /// not streamed). Default: ignored.
+    fn observe(&self, arm: u8, ttft_us: u32) {
+        let _ = (arm, ttft_us);
+    }
+
+    /// The value the policy tunes online, published for `/metrics` and
+    /// `semlb status` (default: none).
+    fn tuned_weight(&self) -> Option<f64> {
         None
     }
 }
@@ -382,11 +411,14 @@ pub enum PolicyKind {
     DualMap,
     /// [`weighted_scorers::WeightedScorers`]: weighted scores (llm-d).
     WeightedScorers,
+    /// [`cost::Cost`]: uncached prefill plus weighted queued work, the
+    /// weight tuned online.
+    Cost,
 }
 
 impl PolicyKind {
     /// Every policy, in documentation order.
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 9] = [
         Self::CacheAware,
         Self::LeastLoad,
         Self::RoundRobin,
@@ -395,6 +427,7 @@ impl PolicyKind {
         Self::ConsistentHash,
         Self::DualMap,
         Self::WeightedScorers,
+        Self::Cost,
     ];
 
     /// The name in configuration, on the command line and in metrics (the
@@ -409,6 +442,7 @@ impl PolicyKind {
             Self::ConsistentHash => "consistent_hash",
             Self::DualMap => "dual_map",
             Self::WeightedScorers => "weighted_scorers",
+            Self::Cost => "cost",
         }
     }
 }
@@ -452,6 +486,8 @@ pub struct PolicyConfig {
     pub dual_map: DualMapParams,
     /// The `weighted_scorers` policy.
     pub weighted_scorers: WeightedScorersParams,
+    /// The `cost` policy.
+    pub cost: CostParams,
 }
 
 impl PolicyConfig {
@@ -467,7 +503,8 @@ impl PolicyConfig {
         self.dual_map.validate().map_err(|e| e.within("dual_map"))?;
         self.weighted_scorers
             .validate()
-            .map_err(|e| e.within("weighted_scorers"))
+            .map_err(|e| e.within("weighted_scorers"))?;
+        self.cost.validate().map_err(|e| e.within("cost"))
     }
 }
 
@@ -597,5 +634,6 @@ pub fn build(config: &PolicyConfig) -> Box<dyn Policy> {
         PolicyKind::ConsistentHash => Box::new(consistent_hash::ConsistentHash::new(config.consistent_hash.clone())),
         PolicyKind::DualMap => Box::new(dual_map::DualMap::new(config.dual_map)),
         PolicyKind::WeightedScorers => Box::new(weighted_scorers::WeightedScorers::new(config.weighted_scorers)),
+        PolicyKind::Cost => Box::new(cost::Cost::new(config.cost)),
     }
 }

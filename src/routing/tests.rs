@@ -185,6 +185,13 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
             Box::new(weighted_scorers::WeightedScorers::with_seed(Default::default(), 3)),
             None,
         ),
+        (
+            Box::new(cost::Cost::new(CostParams {
+                tune: false,
+                ..CostParams::default()
+            })),
+            None,
+        ),
     ];
     let mut prefix_choices = 0;
     for round in 0..3000u64 {
@@ -242,6 +249,16 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
                 Reason::Scored { permille } => {
                     assert_eq!(p.name(), "weighted_scorers");
                     assert!(permille <= 1000);
+                }
+                Reason::Cost { arm } => {
+                    assert_eq!((p.name(), arm), ("cost", None));
+                    // Weight 1, nothing pending or queued: every request in
+                    // flight is decoding, 16 tokens of work each.
+                    let cost = |c: &Candidate| {
+                        let cached = m.blocks_for(c.server.tag()).min(prompt_blocks as u32);
+                        u64::from(prompt_blocks as u32 - cached) * 16 + c.inflight * 16
+                    };
+                    assert_eq!(Some(cost(chosen)), candidates.iter().map(cost).min());
                 }
             }
         }

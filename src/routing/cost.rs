@@ -1,0 +1,295 @@
+//! `cost`: each server's cost of taking the request, in prefill tokens;
+//! the cheapest wins. The weight between cache and load tunes itself from
+//! the times to first token the requests see (after NVIDIA Dynamo's KV
+//! router cost, in the gateway's own terms, with the weight learned
+//! online instead of set by hand).
+//!
+//! # Cost
+//!
+//! For a request of `P` prompt tokens and a candidate `c`:
+//!
+//! ```text
+//! cost(c) = uncached(c) + λ · queued(c)
+//! uncached(c) = P − (leading blocks the prefix table lists c for) × block tokens
+//! queued(c)   = pending prompt tokens at c
+//!             + (queued requests the engine shows beyond those) × their mean prompt tokens
+//!             + running_request_tokens × (requests at c past their first token)
+//! ```
+//!
+//! * `uncached` is the prefill the request itself would cost there.
+//! * `queued` is the work ahead of it: the prompts of the requests the
+//!   gateway sent there that have no first token yet (the shm ledger's
+//!   pending tokens), the requests the engine's scrape or learned
+//!   admission limit says are queued beyond those
+//!   ([`Candidate::pending_estimate`], e.g. sent by another gateway
+//!   host), and a charge per request decoding there, which slows every
+//!   step of the engine's batch (`running_request_tokens`, default one
+//!   block's worth, 16).
+//! * The lowest cost wins; ties go to the fewest requests in flight, then
+//!   in turn ([`Reason::Cost`]).
+//!
+//! # The weight λ
+//!
+//! `λ` says how many prefill tokens of its own a request should pay to
+//! avoid one token of work queued ahead of it. Its right value depends on
+//! the engines (how much a batch overlaps queued work) and the traffic,
+//! so it is tuned online ([`WeightBandit`]): each request is routed with
+//! one weight of a grid from 1/16 to 16, mostly the one whose requests
+//! have seen the lowest TTFT lately, sometimes another (`explore`), and
+//! the TTFT its answer shows is that weight's evidence. `tune = false`
+//! keeps `initial_weight`. Each dispatcher tunes its own weight from the
+//! requests it routes and publishes it (`semlb_cost_weight` in
+//! `/metrics`, the `WEIGHT` column of `semlb status`).
+
+use std::sync::atomic::AtomicU64;
+
+use serde::{Deserialize, Serialize};
+
+use super::least_load::load_key;
+use super::weight_bandit::{WeightBandit, arm_near, weight_of};
+use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, in_range, in_range_f64};
+
+/// Tuning of the [`Cost`] policy.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CostParams {
+    /// The weight `λ` of queued work against uncached prompt tokens to
+    /// start from (rounded to the grid's nearest power of two). Default 1;
+    /// 1/16 to 16.
+    pub initial_weight: f64,
+    /// Whether `λ` is tuned online. Default true.
+    pub tune: bool,
+    /// Share of requests routed with another weight than the leading one,
+    /// to keep learning. Default 0.1; 0 to 0.5.
+    pub explore: f64,
+    /// Prefill tokens one request decoding at a server counts as queued
+    /// work. Default 16; 0 to 1 000 000.
+    pub running_request_tokens: u64,
+}
+
+impl Default for CostParams {
+    fn default() -> Self {
+        Self {
+            initial_weight: 1.0,
+            tune: true,
+            explore: 0.1,
+            running_request_tokens: 16,
+        }
+    }
+}
+
+impl CostParams {
+    /// Checks the ranges; the error names the field, its value and the reason.
+    pub fn validate(&self) -> Result<(), InvalidParam> {
+        in_range_f64(
+            "initial_weight",
+            self.initial_weight,
+            1.0 / 16.0,
+            16.0,
+            "queued tokens against uncached tokens",
+        )?;
+        in_range_f64("explore", self.explore, 0.0, 0.5, "a share of requests")?;
+        in_range(
+            "running_request_tokens",
+            self.running_request_tokens,
+            0,
+            1_000_000,
+            "prefill tokens per decoding request",
+        )
+    }
+}
+
+/// The `cost` policy (see the [module docs](self)).
+#[derive(Debug)]
+pub struct Cost {
+    params: CostParams,
+    bandit: WeightBandit,
+    turn: AtomicU64,
+}
+
+impl Cost {
+    /// A policy with `params` (validated).
+    pub fn new(params: CostParams) -> Self {
+        let explore = if params.tune { params.explore } else { 0.0 };
+        Self {
+            params,
+            bandit: WeightBandit::new(params.initial_weight, explore),
+            turn: AtomicU64::new(0),
+        }
+    }
+
+    /// Work queued at `c` ahead of a new request, in prefill tokens.
+    fn queued(&self, c: &Candidate, prompt_tokens: u64) -> f64 {
+        let mean_pending = c.pending_tokens.checked_div(c.pending).unwrap_or(prompt_tokens);
+        let beyond = c.pending_estimate().saturating_sub(c.pending);
+        let running = c.inflight.saturating_sub(c.pending);
+        (c.pending_tokens + beyond * mean_pending + running * self.params.running_request_tokens) as f64
+    }
+
+    /// `c`'s cost for `input` at weight `weight`.
+    fn cost(&self, input: &RouteInput<'_>, c: &Candidate, weight: f64) -> f64 {
+        let prompt = u64::from(input.prompt_tokens);
+        let cached = u64::from(input.prefix.blocks_for(c.server.tag())) * u64::from(input.block_tokens);
+        prompt.saturating_sub(cached) as f64 + weight * self.queued(c, prompt)
+    }
+}
+
+impl Policy for Cost {
+    fn name(&self) -> &'static str {
+        "cost"
+    }
+
+    fn choose(&self, input: &RouteInput<'_>) -> Option<Choice> {
+        let arm = if self.params.tune {
+            self.bandit.draw()
+        } else {
+            arm_near(self.params.initial_weight)
+        };
+        let weight = weight_of(arm);
+        let mut best: Option<(&Candidate, f64)> = None;
+        let mut ties = 0u64;
+        for c in input.candidates {
+            let cost = self.cost(input, c, weight);
+            match best {
+                Some((b, m)) if cost > m || (cost == m && load_key(c) > load_key(b)) => {}
+                Some((b, m)) if cost == m && load_key(c) == load_key(b) => ties += 1,
+                _ => {
+                    best = Some((c, cost));
+                    ties = 1;
+                }
+            }
+        }
+        let (first, min) = best?;
+        let server = if ties > 1 {
+            let n = self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % ties;
+            input
+                .candidates
+                .iter()
+                .filter(|c| self.cost(input, c, weight) == min && load_key(c) == load_key(first))
+                .nth(n as usize)
+                .unwrap_or(first)
+        } else {
+            first
+        };
+        Some(Choice {
+            server: server.server,
+            reason: Reason::Cost {
+                arm: if self.params.tune { Some(arm) } else { None },
+            },
+        })
+    }
+
+    fn observe(&self, arm: u8, ttft_us: u32) {
+        if self.params.tune {
+            self.bandit.observe(arm, ttft_us);
+        }
+    }
+
+    fn tuned_weight(&self) -> Option<f64> {
+        Some(if self.params.tune {
+            weight_of(self.bandit.leader())
+        } else {
+            weight_of(arm_near(self.params.initial_weight))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routing::test_support::{Fixture, cand, input_for};
+
+    fn fixed(weight: f64) -> Cost {
+        Cost::new(CostParams {
+            initial_weight: weight,
+            tune: false,
+            ..CostParams::default()
+        })
+    }
+
+    #[test]
+    fn the_cached_server_wins_until_its_queue_costs_more_than_the_prefill() {
+        let f = Fixture::new(2);
+        let chain = Fixture::chain(1, 64); // 1024 tokens
+        f.hold(0, &chain);
+        let prefix = f.matched(&chain);
+        let mut busy = cand(f.s[0], 1, 1024);
+        busy.pending = 1;
+        busy.pending_tokens = 600;
+        let idle = cand(f.s[1], 0, 0);
+        let cands = [busy, idle];
+        // At λ = 1: 0 + 600 queued against 1024 uncached: stay.
+        let c = fixed(1.0).choose(&input_for(&chain, 1024, &prefix, &cands)).unwrap();
+        assert_eq!(c.server, f.s[0]);
+        assert_eq!(c.reason, Reason::Cost { arm: None });
+        // At λ = 2: 1200 against 1024: move.
+        let c = fixed(2.0).choose(&input_for(&chain, 1024, &prefix, &cands)).unwrap();
+        assert_eq!(c.server, f.s[1]);
+    }
+
+    #[test]
+    fn decoding_requests_and_queues_beyond_the_ledger_count_as_work() {
+        let f = Fixture::new(1);
+        let p = fixed(1.0);
+        let mut c = cand(f.s[0], 3, 300);
+        c.pending = 1;
+        c.pending_tokens = 100;
+        // 100 pending + 2 decoding × 16.
+        assert_eq!(p.queued(&c, 50), 132.0);
+        // A fresh scrape shows 4 waiting, 1 of them the gateway's pending:
+        // 3 more of the pending requests' mean size.
+        c.load.scraped_at_ms = 1;
+        c.load.waiting = 4;
+        c.load.pending_at_scrape = 1;
+        assert_eq!(p.queued(&c, 50), 132.0 + 300.0);
+    }
+
+    #[test]
+    fn equal_costs_rotate_over_the_least_loaded() {
+        let f = Fixture::new(3);
+        let chain = Fixture::chain(2, 4);
+        let prefix = f.matched(&chain);
+        let cands = [cand(f.s[0], 0, 0), cand(f.s[1], 0, 0), cand(f.s[2], 0, 0)];
+        let p = fixed(1.0);
+        let mut seen = [0; 3];
+        for _ in 0..9 {
+            let s = p.choose(&input_for(&chain, 64, &prefix, &cands)).unwrap().server;
+            seen[f.s.iter().position(|x| *x == s).unwrap()] += 1;
+        }
+        assert_eq!(seen, [3, 3, 3]);
+    }
+
+    #[test]
+    fn a_tuned_policy_tags_each_choice_with_its_arm_and_learns_from_it() {
+        let f = Fixture::new(2);
+        let chain = Fixture::chain(3, 4);
+        let prefix = f.matched(&chain);
+        let cands = [cand(f.s[0], 0, 0), cand(f.s[1], 1, 10)];
+        let p = Cost::new(CostParams::default());
+        assert_eq!(p.tuned_weight(), Some(1.0));
+        // Requests routed with a higher weight see a tenth of the TTFT.
+        for _ in 0..3000 {
+            let Reason::Cost { arm: Some(arm) } = p.choose(&input_for(&chain, 64, &prefix, &cands)).unwrap().reason
+            else {
+                panic!("untagged choice");
+            };
+            p.observe(arm, if arm > 4 { 10_000 } else { 100_000 });
+        }
+        assert!(p.tuned_weight().unwrap() > 1.0, "{:?}", p.bandit.snapshot());
+    }
+
+    #[test]
+    fn parameters_are_checked() {
+        assert!(CostParams::default().validate().is_ok());
+        let bad = CostParams {
+            initial_weight: 100.0,
+            ..CostParams::default()
+        };
+        assert_eq!(bad.validate().unwrap_err().field, "initial_weight");
+        let bad = CostParams {
+            explore: 0.9,
+            ..CostParams::default()
+        };
+        assert_eq!(bad.validate().unwrap_err().field, "explore");
+    }
+}

@@ -1,0 +1,169 @@
+//! The `cost` policy tunes its weight between cache and load from the TTFT
+//! its requests see (`semlb::routing::weight_bandit`), on two workloads
+//! built so that the right direction is known, each started from the
+//! wrong end of the grid:
+//!
+//! * **Load matters.** Two engines that run one request at a time
+//!   (`--max-num-seqs 1`), conversations on a shared system prompt with
+//!   short histories. A cache-heavy weight (1/16) keeps sending every
+//!   conversation to the engine that holds the system prompt and its
+//!   history, where requests queue behind each other; a recompute costs
+//!   little. The weight must rise.
+//! * **Cache matters.** Two engines with a large batch, each conversation
+//!   on its own ~4 000-token document. A load-heavy weight (16) moves a
+//!   conversation whenever the other engine has a little less work
+//!   queued, and each move recomputes the document; queueing costs
+//!   little. The weight must fall.
+//!
+//! Clients stream, as most do, and send their next turn the instant an
+//! answer ends. The gateway runs one dispatcher, so one tuner sees every
+//! request; `explore = 0.5` so that a test-sized run tries every arm often
+//! enough (production keeps the default 0.1). Nothing here is timed: the
+//! assertion is on the weight the gateway publishes.
+
+use std::sync::{Arc, Barrier};
+
+use serde_json::{Value, json};
+
+use semlb_test_support as support;
+use support::gateway::{Gateway, chat, samples, stream_text, user};
+use support::process::Proc;
+
+fn unique(tag: &str) -> String {
+    support::process::unique("cost", tag)
+}
+
+/// The two tests run one after the other: each is a contest between
+/// routing choices, measured in time, and the other's processes on the
+/// same cores would only add noise.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// A simulated engine whose simulated second lasts `time_scale` real
+/// seconds, with `extra` arguments.
+fn engine(time_scale: &str, extra: &[&str]) -> Proc {
+    let mut args = vec!["__sim", "--listen", "127.0.0.1:0", "--time-scale", time_scale];
+    args.extend_from_slice(extra);
+    Proc::start(&args)
+}
+
+/// The gateway's published cost weights (one per dispatcher).
+fn weights(gw: &Gateway) -> Vec<f64> {
+    samples(&gw.metrics(), "semlb_cost_weight")
+        .into_iter()
+        .map(|(_, w)| w)
+        .collect()
+}
+
+/// Client `c`'s turn `t`: a question, sent streamed for `max_tokens`
+/// tokens; the answer (a 200 that ends with `[DONE]`) joins `messages`.
+fn turn(addr: &str, messages: &mut Vec<Value>, c: usize, t: usize, max_tokens: u32) {
+    messages.push(user(&format!("Client {c}, question {t}: what next?")));
+    let r = chat(addr, messages, json!({"max_tokens": max_tokens, "stream": true}), &[]);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let (answer, done) = stream_text(&r);
+    assert!(done, "stream cut: {}", String::from_utf8_lossy(&r.body));
+    messages.push(json!({"role": "assistant", "content": answer}));
+}
+
+/// `clients` conversations of `turns` streamed turns of `max_tokens`
+/// tokens, closed-loop, started together; the first message of client
+/// `c`'s conversation is `opening(c)`. Every answer must be a 200 that
+/// ends with `[DONE]`.
+fn conversations(gw: &Gateway, clients: usize, turns: usize, max_tokens: u32, opening: fn(usize) -> Value) {
+    let barrier = Arc::new(Barrier::new(clients));
+    let threads: Vec<_> = (0..clients)
+        .map(|c| {
+            let (barrier, addr) = (barrier.clone(), gw.addr().to_owned());
+            std::thread::spawn(move || {
+                let mut messages = vec![opening(c)];
+                barrier.wait();
+                for t in 0..turns {
+                    turn(&addr, &mut messages, c, t, max_tokens);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("client");
+    }
+}
+
+/// A gateway with one dispatcher routing with `cost` from
+/// `initial_weight`, exploring half the time; `extra` adds to the
+/// `[policy.cost]` table.
+fn gateway(tag: &str, engines: &[&Proc], initial_weight: f64, extra: &str) -> Gateway {
+    let config =
+        format!("[policy]\nkind = \"cost\"\n[policy.cost]\ninitial_weight = {initial_weight}\nexplore = 0.5\n{extra}");
+    Gateway::builder()
+        .shm(&unique(tag))
+        .backends(engines)
+        .config(&config)
+        .dispatchers(1)
+        .start()
+}
+
+#[test]
+fn the_weight_rises_when_requests_queue_behind_a_cached_prefix() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let serial = ["--max-num-seqs", "1"];
+    let engines = [engine("0.1", &serial), engine("0.1", &serial)];
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let gw = gateway("load", &refs, 1.0 / 16.0, "");
+    assert_eq!(weights(&gw), [1.0 / 16.0], "published before any request");
+    // Groups of four conversations start together on a system prompt new
+    // to the gateway (a team's new agent): the first request of a group
+    // puts it on one engine, and a cache-heavy weight sends the other
+    // three after it, where they wait in turn.
+    const CLIENTS: usize = 4;
+    let barrier = Arc::new(Barrier::new(CLIENTS));
+    let threads: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            let (barrier, addr) = (barrier.clone(), gw.addr().to_owned());
+            std::thread::spawn(move || {
+                for group in 0..40 {
+                    let system = format!("Team {group} agent. ")
+                        + &"Answer questions about the fleet of inference servers in one line. ".repeat(20);
+                    let mut messages = vec![json!({"role": "system", "content": system})];
+                    barrier.wait();
+                    for t in 0..2 {
+                        turn(&addr, &mut messages, c, t, 24);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("client");
+    }
+    let w = weights(&gw);
+    eprintln!("weights after the run: {w:?}");
+    assert!(w[0] > 1.0 / 16.0, "the weight did not rise from 1/16: {w:?}");
+}
+
+#[test]
+fn the_weight_falls_when_moving_a_conversation_recomputes_its_document() {
+    // Room for about five of the eight documents per engine: four stay
+    // cached where they live, while conversations that move evict each
+    // other.
+    // The engines are slower than in the other test (a simulated second
+    // is 0.3 s), so that a recompute stands out from the gateway's own
+    // time in a debug build.
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let kv = ["--kv-capacity-tokens", "40000"];
+    let engines = [engine("0.3", &kv), engine("0.3", &kv)];
+    let refs: Vec<&Proc> = engines.iter().collect();
+    // Each request decoding at an engine counts as 1 000 tokens of work
+    // (an operator's setting for decode-heavy engines): at weight 16 a
+    // conversation moves whenever the other engine has one request fewer
+    // decoding, at 1/16 almost never.
+    let gw = gateway("cache", &refs, 16.0, "running_request_tokens = 1000\n");
+    fn opening(c: usize) -> Value {
+        // Unique from the first token: no block is shared between clients.
+        let document: String = (0..900).map(|i| format!("c{c} line {i}; ")).collect();
+        json!({"role": "system", "content": format!("Document of client {c}: {document}")})
+    }
+    conversations(&gw, 8, 80, 8, opening);
+    let w = weights(&gw);
+    eprintln!("weights after the run: {w:?}");
+    assert!(w[0] < 16.0, "the weight did not fall from 16: {w:?}");
+}
