@@ -45,7 +45,7 @@ use std::sync::atomic::AtomicU64;
 
 use serde::{Deserialize, Serialize};
 
-use super::least_load::load_key;
+use super::least_load::least_loaded_where;
 use super::weight_bandit::{WeightBandit, arm_near, weight_of};
 use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, in_range, in_range_f64};
 
@@ -118,6 +118,11 @@ impl Cost {
         }
     }
 
+    /// The grid arm of `initial_weight`, the weight used when not tuning.
+    fn fixed_arm(&self) -> u8 {
+        arm_near(self.params.initial_weight)
+    }
+
     /// Work queued at `c` ahead of a new request, in prefill tokens.
     fn queued(&self, c: &Candidate, prompt_tokens: u64) -> f64 {
         let mean_pending = c.pending_tokens.checked_div(c.pending).unwrap_or(prompt_tokens);
@@ -143,38 +148,20 @@ impl Policy for Cost {
         let arm = if self.params.tune {
             self.bandit.draw()
         } else {
-            arm_near(self.params.initial_weight)
+            self.fixed_arm()
         };
         let weight = weight_of(arm);
-        let mut best: Option<(&Candidate, f64)> = None;
-        let mut ties = 0u64;
-        for c in input.candidates {
-            let cost = self.cost(input, c, weight);
-            match best {
-                Some((b, m)) if cost > m || (cost == m && load_key(c) > load_key(b)) => {}
-                Some((b, m)) if cost == m && load_key(c) == load_key(b) => ties += 1,
-                _ => {
-                    best = Some((c, cost));
-                    ties = 1;
-                }
-            }
-        }
-        let (first, min) = best?;
-        let server = if ties > 1 {
-            let n = self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % ties;
-            input
-                .candidates
-                .iter()
-                .filter(|c| self.cost(input, c, weight) == min && load_key(c) == load_key(first))
-                .nth(n as usize)
-                .unwrap_or(first)
-        } else {
-            first
-        };
+        let min = input
+            .candidates
+            .iter()
+            .map(|c| self.cost(input, c, weight))
+            .min_by(f64::total_cmp)?;
+        // Among the cheapest: the fewest in flight, then in turn.
+        let server = least_loaded_where(input.candidates, |c| self.cost(input, c, weight) == min, &self.turn)?;
         Some(Choice {
             server: server.server,
             reason: Reason::Cost {
-                arm: if self.params.tune { Some(arm) } else { None },
+                arm: self.params.tune.then_some(arm),
             },
         })
     }
@@ -186,11 +173,11 @@ impl Policy for Cost {
     }
 
     fn tuned_weight(&self) -> Option<f64> {
-        Some(if self.params.tune {
-            weight_of(self.bandit.leader())
+        Some(weight_of(if self.params.tune {
+            self.bandit.leader()
         } else {
-            weight_of(arm_near(self.params.initial_weight))
-        })
+            self.fixed_arm()
+        }))
     }
 }
 

@@ -155,8 +155,8 @@ impl WeightBandit {
         }
     }
 
-    /// The leader's mean TTFT and samples, and the same for every arm, for
-    /// tests and diagnostics: `(arm, mean TTFT in µs, decayed samples)`.
+    /// Every arm with samples, for tests and diagnostics: `(arm, geometric
+    /// mean TTFT in µs, decayed samples)`.
     pub fn snapshot(&self) -> Vec<(u8, f64, f64)> {
         let arms = self.arms.lock().unwrap_or_else(|e| e.into_inner());
         (0..ARMS as u8)
