@@ -61,6 +61,15 @@
 //! * unless the request was sent while fewer than `L/2` were in flight
 //!   (the limit did not bind, so the sample says nothing about it).
 //!
+//! **Warming up.** A server's first [`WARMUP`] samples of a signal only
+//! set its baseline, to the fastest of them, and judge no sample
+//! unslowed: the very first answers are the least telling (a cold engine
+//! or gateway, and a burst whose requests reach the engine in another
+//! order than the gateway counted them, so that one sent as the sixth in
+//! flight may be served first), and one of them taken as the baseline
+//! would let queued requests pass as unslowed, with the floor below
+//! raised by them for a whole window.
+//!
 //! **Never below what the engine overlaps.** A request that was sent with
 //! `k` requests in flight (itself included) and was clearly not queued
 //! (within half the tolerance of the baseline: 2.5× for TTFT, 1.25× per
@@ -112,6 +121,10 @@ pub const fn tolerance(signal: Signal) -> f64 {
 /// Samples over which a server's overlap floor is kept (see the module
 /// docs).
 pub const FLOOR_WINDOW: u32 = 512;
+
+/// Samples of a signal that only set a server's baseline (see the module
+/// docs).
+pub const WARMUP: u32 = 16;
 
 /// Weight of the new target in each step.
 const SMOOTHING: f64 = 0.2;
@@ -175,6 +188,8 @@ struct Seen {
     generation: u32,
     /// Per [`Signal`]: (baseline, present), once sampled.
     averages: [Option<(f64, f64)>; 2],
+    /// Per [`Signal`]: samples taken, up to [`WARMUP`].
+    taken: [u32; 2],
     /// The overlap floor: the largest unslowed concurrency in the current
     /// window, and in the previous one.
     floor: (u32, u32),
@@ -185,11 +200,21 @@ struct Seen {
 impl Seen {
     /// Takes `sample` into the baseline and the present; returns the
     /// gradient and whether the sample was clearly not queued (within half
-    /// the [`tolerance`] of the baseline: `1 + (tolerance − 1) / 2`).
+    /// the [`tolerance`] of the baseline: `1 + (tolerance − 1) / 2`; never
+    /// while warming up).
     fn average(&mut self, sample: &Sample) -> (f64, bool) {
         let x = sample.ms.max(1e-3);
+        let taken = &mut self.taken[sample.signal as usize];
+        let warm = *taken >= WARMUP;
+        *taken = (*taken + 1).min(WARMUP);
         let (base, short) = self.averages[sample.signal as usize].get_or_insert((x, x));
-        *base *= if x <= *base { (-BASE_DOWN).exp() } else { BASE_UP.exp() };
+        *base = if !warm {
+            base.min(x)
+        } else if x <= *base {
+            *base * (-BASE_DOWN).exp()
+        } else {
+            *base * BASE_UP.exp()
+        };
         *short *= if x > *short {
             PRESENT_STEP.exp()
         } else {
@@ -197,7 +222,7 @@ impl Seen {
         };
         let tolerance = tolerance(sample.signal);
         let gradient = (tolerance * *base / *short).clamp(0.5, 1.0);
-        (gradient, x <= (1.0 + (tolerance - 1.0) / 2.0) * *base)
+        (gradient, warm && x <= (1.0 + (tolerance - 1.0) / 2.0) * *base)
     }
 
     /// Raises the overlap floor with an unslowed sample's concurrency and
@@ -341,13 +366,17 @@ mod tests {
     /// is 20 ms while `inflight ≤ overlap` and grows by a whole service
     /// time (200 ms) per request queued; its latency per output token is
     /// 10 ms, plus as much again per request queued. Each sample is scaled
-    /// by the next of `jitters` (requests of different sizes).
-    fn converge(signal: Signal, overlap: u32, inflight: u32, jitters: &[f64]) -> f32 {
+    /// by the next of `jitters` (requests of different sizes). The
+    /// samples of `prelude` come first.
+    fn converge(signal: Signal, overlap: u32, inflight: u32, jitters: &[f64], prelude: &[Sample]) -> f32 {
         let segment = Segment::heap(&LayoutPlan::for_size(8 << 20).unwrap());
         let tables = segment.tables();
         let server = tables.servers.register(1, "http://engine", 0).unwrap();
         let mut learner = CapacityLearner::new();
         let mut limit = INITIAL_LIMIT as f32;
+        for sample in prelude {
+            limit = learner.observe(&tables.servers, server, sample).unwrap();
+        }
         for i in 0..2000 {
             // The gateway keeps up to the limit in flight (and the load
             // offered).
@@ -383,19 +412,35 @@ mod tests {
             let case = format!("{signal:?}, jitters {jitters:?}");
             // A batching engine that never queues at this load: the
             // limit climbs past the initial one, to what is offered.
-            let batching = converge(signal, 256, 64, jitters);
+            let batching = converge(signal, 256, 64, jitters, &[]);
             assert!(batching >= 60.0, "{case}: learned {batching} for a batching engine");
             // An engine that runs 4 at once: the limit settles near 4,
             // not far above (requests would queue in it) nor below
             // (throughput would be lost).
-            let four = converge(signal, 4, 64, jitters);
+            let four = converge(signal, 4, 64, jitters, &[]);
             assert!((3.5..=6.0).contains(&four), "{case}: learned {four} for 4 at once");
             // A serial engine: near 1.
-            let serial = converge(signal, 1, 64, jitters);
+            let serial = converge(signal, 1, 64, jitters, &[]);
             assert!(
                 (1.0..=2.5).contains(&serial),
                 "{case}: learned {serial} for a serial engine"
             );
         }
+    }
+
+    #[test]
+    fn the_first_answers_set_the_baseline_and_raise_no_floor() {
+        // A cold start on an engine that runs 2 at once: the burst's
+        // first answers are slow, and one sent as the sixth in flight
+        // reached the engine first and came back as fast as any (as it
+        // does when two dispatchers race). Neither may hold the limit up.
+        let cold = |ms, inflight| Sample {
+            signal: Signal::PerToken,
+            ms,
+            inflight,
+        };
+        let burst = [cold(30.0, 1), cold(10.0, 6), cold(25.0, 2), cold(28.0, 3)];
+        let learned = converge(Signal::PerToken, 2, 10, &[1.0], &burst);
+        assert!((2.0..=3.0).contains(&learned), "learned {learned} for 2 at once");
     }
 }
