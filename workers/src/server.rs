@@ -8,7 +8,8 @@
 //! | `POST /v1/chat/completions` | a chat completion, JSON or SSE |
 //! | `GET /v1/models` | the OpenAI model list with the one served model |
 //! | `GET /health` | 200 with an empty body, as vLLM |
-//! | `GET /metrics` | the Prometheus exposition (see [`crate::metrics`]) |
+//! | `GET /metrics` | the Prometheus exposition (see [`crate::metrics`]); 404 with [`MetricsFlavor::None`] |
+//! | `GET /sim/metrics` | the same counters in vLLM's names, whatever the flavor: the simulator's own window for benchmarks and tests (no gateway scrapes it), so an engine set without metrics can still be measured |
 //! | `POST /reset_prefix_cache` | empties the prefix cache, as vLLM's: 200; 409 `busy` while requests hold blocks (vLLM then only logs that it could not) |
 //!
 //! Other methods on these paths get 405 (with `Allow`), other paths 404,
@@ -261,7 +262,7 @@ impl Drop for Completion {
 fn allowed_method(path: &str) -> Option<&'static str> {
     match path {
         "/v1/completions" | "/v1/chat/completions" | "/reset_prefix_cache" => Some("POST"),
-        "/v1/models" | "/health" | "/metrics" => Some("GET"),
+        "/v1/models" | "/health" | "/metrics" | "/sim/metrics" => Some("GET"),
         _ => None,
     }
 }
@@ -319,7 +320,12 @@ async fn handle(sim: Arc<Sim>, request: Request<Incoming>) -> Result<Response<Bo
                 error_response(ApiError::path_not_found(request.method().as_str(), &path))
             }
             _ => {
-                let text = metrics::render(&sim.engine.stats(), sim.engine.config(), sim.flavor);
+                let flavor = if path == "/sim/metrics" {
+                    MetricsFlavor::Vllm
+                } else {
+                    sim.flavor
+                };
+                let text = metrics::render(&sim.engine.stats(), sim.engine.config(), flavor);
                 full_response(StatusCode::OK, Some(metrics::CONTENT_TYPE), Bytes::from(text))
             }
         },

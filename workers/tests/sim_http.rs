@@ -1150,7 +1150,8 @@ async fn concurrent_requests_on_keep_alive_connections() {
 }
 
 /// `--metrics-flavor none`: `/metrics` answers 404 with an OpenAI-style
-/// error, as an engine started without metrics does; the API still works.
+/// error, as an engine started without metrics does; the API still works,
+/// and the simulator's own `/sim/metrics` still shows its counters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_can_be_hidden() {
     let server = start_full(fast(), FaultConfig::default(), MetricsFlavor::None).await;
@@ -1158,5 +1159,8 @@ async fn metrics_can_be_hidden() {
     assert_eq!(reply.status, StatusCode::NOT_FOUND);
     assert_eq!(reply.json()["error"]["code"], "not_found", "{:?}", reply.body);
     assert_eq!(get(server.addr, "/v1/models").await.status, StatusCode::OK);
+    let own = get(server.addr, "/sim/metrics").await;
+    assert_eq!(own.status, StatusCode::OK);
+    assert!(own.text().contains("vllm:prefix_cache_queries_total"), "{}", own.text());
     server.stop().await;
 }

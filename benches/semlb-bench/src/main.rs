@@ -13,7 +13,7 @@
 //! | `scaling` | [`scaling`] | dispatch decisions per second with 1, 2, 4 processes per store (the paper's Figure 8); its load processes are this binary again (`__bench-worker`) |
 //! | `e2e` | [`end_to_end`] | the whole gateway in front of simulated engines under open-loop load, shm vs Redis |
 //! | `tokenizer` | [`tokenizer`] | HF `tokenizers` against the native engine: µs per token on short, 2K- and 8K-token texts, and per request on multi-turn chats with and without the segment cache |
-//! | `replay` | [`replay`] | every routing policy on the same workloads ([`workload`]: the Mooncake trace, HH-RLHF chats, hot-prefix agent sessions): throughput, TTFT, SLO attainment, goodput from a rate sweep, prefix hits, load imbalance |
+//! | `replay` | [`replay`] | every routing policy on the same workloads ([`workload`]: the Mooncake trace, HH-RLHF chats, hot-prefix agent sessions, closed-loop agents, and closed-loop chats on four engine sets: with and without `/metrics`, streamed and not): throughput, TTFT, SLO attainment, goodput from a rate sweep, prefix hits, load imbalance, and every policy against `least_load` |
 //! | `proxy` | [`proxy`] | the gateway's cost as a proxy against nginx in front of the same engine (front pinned to its own core): req/s, latency and added latency, CPU µs per request |
 //! | `all` | here | every report in turn |
 //!

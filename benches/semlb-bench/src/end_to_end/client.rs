@@ -66,11 +66,12 @@ impl LoadClient {
 pub(crate) struct Outcome {
     /// HTTP status (0: no answer).
     pub(crate) status: u16,
-    /// From the reference instant to the first SSE `data:` event.
+    /// From the reference instant to the first SSE `data:` event (to the
+    /// whole answer when it is not streamed).
     pub(crate) ttft: Option<Duration>,
-    /// From the reference instant to the end of the stream.
+    /// From the reference instant to the end of the answer.
     pub(crate) latency: Duration,
-    /// The stream ended with `data: [DONE]`.
+    /// The stream ended with `data: [DONE]`, or a JSON answer was a 200.
     pub(crate) done: bool,
     /// `x-semlb-dispatch-ns`, parsed ([`DISPATCH_STAGES`] order).
     pub(crate) dispatch: Option<[u64; 7]>,
@@ -96,13 +97,16 @@ pub(crate) async fn stream_request(
     body: Bytes,
     since: Instant,
 ) -> Outcome {
-    stream_request_with(http, addr, path, body, &[], since, None).await
+    request_with(http, addr, path, body, &[], since, None).await
 }
 
 /// [`stream_request`] with extra request `headers` (name, value), also
-/// keeping the stream's bytes in `keep` when given (an agent reads its
-/// answer from them).
-pub(crate) async fn stream_request_with(
+/// keeping the answer's bytes in `keep` when given (an agent reads its
+/// answer from them). An answer that is not an event stream (a request
+/// sent with `"stream": false`) is read whole: its first token reaches the
+/// client with the last, so its TTFT is its latency, and it is done when
+/// it is a 200.
+pub(crate) async fn request_with(
     http: &Client<HttpConnector, Full<Bytes>>,
     addr: &str,
     path: &str,
@@ -130,7 +134,17 @@ pub(crate) async fn stream_request_with(
         };
         outcome.dispatch = header("x-semlb-dispatch-ns").and_then(|v| parse_dispatch(&v));
         outcome.backend = header("x-semlb-backend");
+        let streamed = header("content-type").is_some_and(|t| t.starts_with("text/event-stream"));
         let mut body = response.into_body();
+        if !streamed {
+            let bytes = body.collect().await.map_err(|e| format!("body: {e}"))?.to_bytes();
+            if let Some(keep) = keep.as_deref_mut() {
+                keep.extend_from_slice(&bytes);
+            }
+            outcome.done = outcome.status == 200;
+            outcome.ttft = outcome.done.then(|| since.elapsed());
+            return Ok(());
+        }
         let mut scan = SseScan::default();
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| format!("body: {e}"))?;

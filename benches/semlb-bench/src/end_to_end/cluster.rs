@@ -15,8 +15,10 @@ pub(crate) fn unique_name(tag: &str) -> String {
     semlb_test_support::process::unique("bench", tag)
 }
 
-/// `n` simulated engines (`semlb __sim`) with `time_scale`.
-pub(crate) fn start_engines(n: usize, time_scale: f64, kv_tokens: Option<u64>) -> Result<Vec<Proc>> {
+/// `n` simulated engines (`semlb __sim`) with `time_scale`, serving
+/// `/metrics` or not (`--no-metrics`; their own `/sim/metrics` still shows
+/// their counters).
+pub(crate) fn start_engines(n: usize, time_scale: f64, kv_tokens: Option<u64>, metrics: bool) -> Result<Vec<Proc>> {
     (0..n)
         .map(|i| {
             let scale = time_scale.to_string();
@@ -27,6 +29,9 @@ pub(crate) fn start_engines(n: usize, time_scale: f64, kv_tokens: Option<u64>) -
                 "--time-scale".into(),
                 scale,
             ];
+            if !metrics {
+                args.push("--no-metrics".into());
+            }
             if let Some(kv) = kv_tokens {
                 args.extend(["--kv-capacity-tokens".to_owned(), kv.to_string()]);
             }

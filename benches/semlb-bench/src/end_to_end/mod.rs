@@ -80,7 +80,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 
-pub(crate) use self::client::{LoadClient, Outcome, SseScan, stream_request_with};
+pub(crate) use self::client::{LoadClient, Outcome, SseScan, request_with};
 pub(crate) use self::cluster::{GatewayError, GatewaySpec, Store, start_engines, start_gateway, unique_name};
 use self::dialogue::load_dialogues;
 #[cfg(test)]
@@ -171,7 +171,7 @@ fn run_store(
     bar: &indicatif::ProgressBar,
 ) -> Result<Option<StoreRun>> {
     bar.set_message(format!("e2e {name}: starting"));
-    let engines = start_engines(args.engines, args.time_scale, None)?;
+    let engines = start_engines(args.engines, args.time_scale, None, true)?;
     let spec = GatewaySpec {
         dispatchers: args.dispatchers,
         policy: None,

@@ -1,5 +1,6 @@
 //! One replay run: fresh engines and a fresh gateway, a workload sent
-//! open-loop at a rate multiplier, and the engines' counters at the end.
+//! open-loop at a rate multiplier (or by its closed-loop sessions), and
+//! the engines' counters at the end.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -12,9 +13,9 @@ use semlb_test_support::gateway::Gateway;
 use semlb_test_support::process::Proc;
 
 use super::counters::{EngineCounters, GatewayCounters};
-use super::sessions;
+use super::sessions::{self, Sender, Start};
 use crate::end_to_end::{
-    GatewayError, GatewaySpec, LoadClient, Outcome, Store, start_engines, start_gateway, stream_request_with,
+    GatewayError, GatewaySpec, LoadClient, Outcome, Store, request_with, start_engines, start_gateway,
 };
 use crate::output;
 use crate::workload::{Request, SESSION_HEADER, Workload, WorkloadKind};
@@ -36,6 +37,13 @@ pub(super) struct RunSpec {
     pub(super) dispatchers: usize,
     /// The engines' KV cache, tokens (`None`: the simulator's default).
     pub(super) kv_tokens: Option<u64>,
+    /// Whether the engines serve `/metrics`.
+    pub(super) metrics: bool,
+    /// Whether chat sessions' answers are streamed (token-id completions
+    /// always are).
+    pub(super) stream: bool,
+    /// Clients of a closed-loop workload.
+    pub(super) clients: usize,
     /// Engines run this much faster than simulated time; arrivals are
     /// compressed as much.
     pub(super) speedup: f64,
@@ -93,7 +101,7 @@ pub(super) fn run_once(
         format!("{} {} ×{}", workload.kind, spec.label, spec.multiplier),
     );
     bar.set_message(format!("{what}: starting"));
-    let engines = start_engines(spec.engines, 1.0 / spec.speedup, spec.kv_tokens)?;
+    let engines = start_engines(spec.engines, 1.0 / spec.speedup, spec.kv_tokens, spec.metrics)?;
     let gateway_spec = GatewaySpec {
         dispatchers: spec.dispatchers,
         policy: Some(policy),
@@ -116,10 +124,21 @@ pub(super) fn run_once(
     let progress = bar.clone();
     let t0 = workload.requests.first().map_or(0.0, |r| r.at_s);
     let real_s = move |at_s: f64| (at_s - t0) / scale;
-    if workload.kind == WorkloadKind::Agents {
+    if matches!(workload.kind, WorkloadKind::Agents | WorkloadKind::Chat) {
+        let start = if workload.kind.closed_loop() {
+            Start::Clients(spec.clients)
+        } else {
+            Start::Scheduled
+        };
+        let sender = Sender {
+            http,
+            addr,
+            stream: spec.stream,
+            progress,
+        };
         let sent = client
             .runtime
-            .block_on(sessions::send(workload, http, addr, real_s, drain, progress));
+            .block_on(sessions::send(workload, sender, start, real_s, drain));
         return finish(client, engines, gateway, sent);
     }
     let (outcomes, wall_s, lag_ms) = client.runtime.block_on(async move {
@@ -160,7 +179,7 @@ pub(super) fn run_once(
             let headers: Vec<(&str, String)> = r.session.map(|s| (SESSION_HEADER, s.to_string())).into_iter().collect();
             let output_tokens = r.output_tokens;
             tasks.push(tokio::spawn(async move {
-                let o = stream_request_with(&http, &addr, "/v1/completions", body, &headers, due, None).await;
+                let o = request_with(&http, &addr, "/v1/completions", body, &headers, due, None).await;
                 progress.inc(1);
                 (o, output_tokens)
             }));
@@ -221,14 +240,15 @@ fn finish(
     gateway: Gateway,
     (outcomes, wall_s, lag_ms): sessions::Sent,
 ) -> Result<RunResult> {
-    // The engines' counters, straight from each engine.
+    // The engines' counters, straight from each engine (from the
+    // simulator's own page, which engines without `/metrics` serve too).
     let mut counters = Vec::with_capacity(engines.len());
     for e in &engines {
         let (status, text) = client
-            .get(&e.addr, "/metrics")
-            .with_context(|| format!("reading /metrics of {}", e.addr))?;
+            .get(&e.addr, "/sim/metrics")
+            .with_context(|| format!("reading /sim/metrics of {}", e.addr))?;
         if status != 200 {
-            bail!("GET /metrics of {} answered {status}", e.addr);
+            bail!("GET /sim/metrics of {} answered {status}", e.addr);
         }
         counters.push(EngineCounters::parse(&text));
     }

@@ -135,9 +135,11 @@
 //! one panel per workload) and `<out>/replay-<workload>-slo.svg` (SLO
 //! attainment against the offered rate, one line per policy).
 
+mod chat_set;
 mod counters;
 mod drive;
 mod gateway_config;
+mod report;
 mod sessions;
 mod stats;
 
@@ -150,17 +152,19 @@ use semlb::routing::PolicyKind;
 use semlb_tokenizer::Tokenizer;
 use serde_json::{Value, json};
 
-use self::drive::{RunResult, RunSpec, run_once};
-use self::stats::{GOODPUT_ATTAINMENT, RunStats, goodput};
+pub use self::chat_set::ChatSet;
+use self::drive::{RunSpec, run_once};
+use self::report::{Point, PolicyReport, WorkloadReport, print_report, print_summary, report_json, write_plots};
+use self::stats::{GOODPUT_ATTAINMENT, RunStats};
 use super::Common;
 use super::dispatch_path::{PROMPTS_FILE, TOKENIZER_FILE};
-use super::end_to_end::{LoadClient, ms, p50_90_99, read_dialogues};
-use super::output::{self, Table};
-use super::plot::{self, Line, Panel, Series};
+use super::end_to_end::{LoadClient, read_dialogues};
+use super::output;
 use super::workload::agents::{self, AgentsParams};
+use super::workload::chat::{self, ChatParams};
 use super::workload::hh_rlhf::{self, HhRlhfParams};
 use super::workload::hot_prefix::{self, HotPrefixParams};
-use super::workload::{MAX_MODEL_LEN, Workload, WorkloadKind, engine_prefill_tokens_per_s, mooncake};
+use super::workload::{Workload, WorkloadKind, mooncake};
 
 /// `semlb bench replay` flags.
 #[derive(Debug, Clone, Args)]
@@ -241,6 +245,16 @@ pub struct ReplayArgs {
     /// Seed of the generated workloads and of the trace's block tokens.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub seed: u64,
+    /// Engine sets the `chat` workload runs on, comma-separated [default:
+    /// all: stream,plain,no-metrics-stream,no-metrics-plain].
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_enum)]
+    pub chat_sets: Vec<ChatSet>,
+    /// Conversations of the `chat` workload.
+    #[arg(long, value_name = "N", default_value_t = 400)]
+    pub chat_conversations: usize,
+    /// Clients of the `chat` workload (its requests in flight).
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub chat_clients: usize,
 }
 
 impl ReplayArgs {
@@ -268,6 +282,9 @@ impl ReplayArgs {
             dispatchers: 2,
             drain_secs: 30.0,
             seed: 0,
+            chat_sets: Vec::new(),
+            chat_conversations: 400,
+            chat_clients: 16,
         }
     }
 
@@ -278,6 +295,8 @@ impl ReplayArgs {
             WorkloadKind::HhRlhf => (1.0, 20.0, 1.0),
             WorkloadKind::HotPrefix => (4.0, 120.0, 2.0),
             WorkloadKind::Agents => (2.0, 60.0, 1.0),
+            // A closed loop has no duration: its conversations set it.
+            WorkloadKind::Chat => (10.0, 0.0, 1.0),
         };
         Setting {
             speedup: self.speedup.unwrap_or(speedup),
@@ -328,15 +347,6 @@ fn sweep_order(multipliers: &[f64], mut passes: impl FnMut(usize) -> Result<bool
         }
     }
     Ok(ran)
-}
-
-/// One run of a sweep.
-struct Point {
-    multiplier: f64,
-    /// Requests per trace second offered.
-    offered: f64,
-    run: RunResult,
-    stats: RunStats,
 }
 
 /// What one row of a table replays: a policy, with extra configuration
@@ -403,43 +413,6 @@ impl Arm {
     }
 }
 
-/// One policy on one workload: its sweep.
-struct PolicyReport {
-    arm: Arm,
-    /// In multiplier order.
-    points: Vec<Point>,
-    /// Multipliers the search did not need.
-    not_run: Vec<f64>,
-}
-
-impl PolicyReport {
-    /// The m = 1 run.
-    fn base(&self) -> &Point {
-        self.points
-            .iter()
-            .find(|p| p.multiplier == 1.0)
-            .unwrap_or(&self.points[0])
-    }
-
-    fn goodput(&self) -> Option<f64> {
-        goodput(
-            &self
-                .points
-                .iter()
-                .map(|p| (p.offered, p.stats.attainment))
-                .collect::<Vec<_>>(),
-        )
-    }
-}
-
-/// One workload's results.
-struct WorkloadReport {
-    workload: Arc<Workload>,
-    setting: Setting,
-    config: String,
-    policies: Vec<PolicyReport>,
-}
-
 /// The workload `kind`, or `None` (with a message) when its data is missing.
 fn load_workload(args: &ReplayArgs, kind: WorkloadKind, setting: &Setting) -> Result<Option<Workload>> {
     let data = args.common.data_dir();
@@ -492,6 +465,11 @@ fn load_workload(args: &ReplayArgs, kind: WorkloadKind, setting: &Setting) -> Re
             max_output: args.max_output,
             seed: args.seed,
         }),
+        WorkloadKind::Chat => chat::build(&ChatParams {
+            conversations: args.chat_conversations,
+            max_output: args.max_output,
+            seed: args.seed,
+        }),
     };
     if let Some(n) = args.limit {
         workload.requests.truncate(n);
@@ -502,21 +480,25 @@ fn load_workload(args: &ReplayArgs, kind: WorkloadKind, setting: &Setting) -> Re
     Ok(Some(workload))
 }
 
-/// Every policy's sweep on `workload`.
+/// Every policy's sweep on `workload` (on engine set `set` for `chat`;
+/// a closed loop is run at ×1 only: it has no rate to multiply).
 fn run_workload(
     args: &ReplayArgs,
-    workload: Workload,
+    workload: Arc<Workload>,
+    set: Option<ChatSet>,
     setting: Setting,
     policies: &[PolicyKind],
     multipliers: &[f64],
     client: &LoadClient,
 ) -> Result<WorkloadReport> {
-    let workload = Arc::new(workload);
+    let closed_loop = workload.kind.closed_loop();
+    let multipliers = if closed_loop { &[1.0][..] } else { multipliers };
     let config = gateway_config::gateway_config(setting.speedup, setting.ttft_slo_s);
     let n = workload.requests.len() as u64;
     let sessions: Vec<Option<u64>> = workload.requests.iter().map(|r| r.session).collect();
-    let bar = output::progress(0, workload.kind.name());
-    let base_rate = workload.offered_rate();
+    let name = set.map_or_else(|| workload.kind.to_string(), |s| format!("{}/{s}", workload.kind));
+    let bar = output::progress(0, &name);
+    let base_rate = if closed_loop { 0.0 } else { workload.offered_rate() };
     let arms: Vec<Arm> = policies
         .iter()
         .flat_map(|&k| Arm::of(k, args.max_outstanding, args.compare_learning, args.compare_feedback))
@@ -532,6 +514,9 @@ fn run_workload(
                 engines: args.engines,
                 dispatchers: args.dispatchers,
                 kv_tokens: args.kv_tokens,
+                metrics: set.is_none_or(ChatSet::metrics),
+                stream: set.is_none_or(ChatSet::stream),
+                clients: args.chat_clients,
                 speedup: setting.speedup,
                 multiplier: multipliers[i],
                 drain_secs: args.drain_secs,
@@ -558,243 +543,11 @@ fn run_workload(
     bar.finish_and_clear();
     Ok(WorkloadReport {
         workload,
+        set,
         setting,
         config,
         policies: reports,
     })
-}
-
-/// `m` as a multiplier label: `×1.5`.
-fn times(m: f64) -> String {
-    format!("×{m}")
-}
-
-/// Prints `report`'s table and notes.
-fn print_report(args: &ReplayArgs, report: &WorkloadReport, multipliers: &[f64]) {
-    let w = &report.workload;
-    let lowest = multipliers[0] * w.offered_rate();
-    let mut table = Table::new([
-        "policy",
-        "req/s",
-        "TTFT p50 s",
-        "p90",
-        "p99",
-        "SLO att.",
-        "goodput req/s",
-        "attainment by rate",
-        "prefix hit rate",
-        "prefill CV",
-        "requests CV",
-        "same engine",
-        "prediction",
-        "errors",
-    ]);
-    for p in &report.policies {
-        let base = p.base();
-        let s = &base.stats;
-        let t = p50_90_99(&s.ttft_s);
-        table.row([
-            p.arm.label.clone(),
-            format!("{:.2}", s.req_per_s),
-            ms(t[0]),
-            ms(t[1]),
-            ms(t[2]),
-            format!("{:.1}%", s.attainment * 100.0),
-            p.goodput()
-                .map_or_else(|| format!("< {lowest:.2}"), |g| format!("{g:.2}")),
-            p.points
-                .iter()
-                .map(|q| format!("{}:{:.0}%", times(q.multiplier), q.stats.attainment * 100.0))
-                .collect::<Vec<_>>()
-                .join(" "),
-            format!("{:.1}%", s.hit_rate * 100.0),
-            format!("{:.3}", s.cv_prefill),
-            format!("{:.3}", s.cv_requests),
-            s.same_engine
-                .map_or_else(|| "-".to_owned(), |f| format!("{:.1}%", f * 100.0)),
-            s.prediction
-                .map_or_else(|| "-".to_owned(), |f| format!("{:.1}%", f * 100.0)),
-            s.errors.to_string(),
-        ]);
-    }
-    let capacity = engine_prefill_tokens_per_s() * args.engines as f64;
-    let title = format!(
-        "semlb bench replay, {}: {} requests over {:.0} s ({:.2} req/s, {:.0} prompt tokens/s = {:.0} % of {} engines' \
-         prefill without reuse) from {}; speedup {}x (times in trace seconds); TTFT SLO {} s; sweep {}{}",
-        w.kind,
-        w.requests.len(),
-        w.span_s(),
-        w.offered_rate(),
-        w.offered_prompt_tokens_per_s(),
-        100.0 * w.offered_prompt_tokens_per_s() / capacity,
-        args.engines,
-        w.source,
-        report.setting.speedup,
-        report.setting.ttft_slo_s,
-        multipliers.iter().map(|m| times(*m)).collect::<Vec<_>>().join(","),
-        if w.truncated > 0 {
-            format!("; {} prompts truncated to fit {MAX_MODEL_LEN} tokens", w.truncated)
-        } else {
-            String::new()
-        }
-    );
-    output::print_table(&title, &table);
-    println!(
-        "req/s, TTFT, SLO attainment, prefix hit rate and CVs from the ×1 run. SLO att.: share of all requests with \
-         TTFT <= {} s (errors miss); goodput: highest offered rate (req/s) with >= {:.0}% attainment; prefix hit \
-         rate: Σ hits / Σ queries (tokens) over the engines; prefill CV: coefficient of variation across engines of \
-         uncached prompt tokens (prefill busy time); requests CV: of requests served; same engine: of the answered requests following an answered request of their session, the share sent to the same engine; prediction: of the prompt tokens the routing predicted the chosen engine held, the share it reported cached.",
-        report.setting.ttft_slo_s,
-        GOODPUT_ATTAINMENT * 100.0
-    );
-    for p in &report.policies {
-        for q in &p.points {
-            let at = format!("{} {}", p.arm.label, times(q.multiplier));
-            if let Some(e) = &q.stats.first_error {
-                println!("{at}: {} errors, first: {e}", q.stats.errors);
-            }
-            if q.run.lag_ms[0] > 50.0 {
-                println!(
-                    "{at}: the load generator fell behind its schedule (p99 {:.0} ms, max {:.0} ms real): \
-                     this machine, not only the engines, limited the run",
-                    q.run.lag_ms[0], q.run.lag_ms[1]
-                );
-            }
-        }
-    }
-}
-
-/// The JSON of `report`.
-fn report_json(report: &WorkloadReport, multipliers: &[f64]) -> Value {
-    let w = &report.workload;
-    let policies: Vec<Value> = report
-        .policies
-        .iter()
-        .map(|p| {
-            let runs: Vec<Value> = p
-                .points
-                .iter()
-                .map(|q| {
-                    let s = &q.stats;
-                    let t = p50_90_99(&s.ttft_s);
-                    let l = p50_90_99(&s.latency_s);
-                    json!({
-                        "multiplier": q.multiplier,
-                        "offered_requests_per_s": q.offered,
-                        "slo_attainment": s.attainment,
-                        "completed": s.ok,
-                        "errors": s.errors,
-                        "first_error": s.first_error,
-                        "requests_per_s": s.req_per_s,
-                        "output_tokens_per_s": s.out_tok_per_s,
-                        "ttft_s": {"p50": t[0], "p90": t[1], "p99": t[2]},
-                        "latency_s": {"p50": l[0], "p90": l[1], "p99": l[2]},
-                        "prefix_cache_hit_rate": s.hit_rate,
-                        "imbalance_cv_prefill_busy": s.cv_prefill,
-                        "imbalance_cv_requests": s.cv_requests,
-                        "same_engine_share": s.same_engine,
-                        "prediction_accuracy": s.prediction,
-                        "gateway": {
-                            "records": q.run.gateway.records,
-                            "predicted_tokens": q.run.gateway.predicted,
-                            "confirmed_tokens": q.run.gateway.confirmed,
-                            "shortfalls": q.run.gateway.shortfalls,
-                            "demotions": q.run.gateway.demotions,
-                            "servers_forgotten": q.run.gateway.forgotten,
-                        },
-                        "wall_s": q.run.wall_s,
-                        "generator_lag_ms": {"p99": q.run.lag_ms[0], "max": q.run.lag_ms[1]},
-                        "engines": q.run.engines.iter().map(|e| json!({
-                            "requests": e.requests,
-                            "prompt_tokens": e.prompt_tokens,
-                            "prefix_cache_hits": e.hits,
-                            "prefix_cache_queries": e.queries,
-                            "uncached_prompt_tokens": e.uncached(),
-                            "generation_tokens": e.generation_tokens,
-                        })).collect::<Vec<Value>>(),
-                    })
-                })
-                .collect();
-            let goodput = p.goodput();
-            json!({
-                "policy": p.arm.label,
-                "kind": p.arm.kind.name(),
-                "goodput_requests_per_s": goodput.unwrap_or(0.0),
-                "goodput_below_lowest_rate": goodput.is_none(),
-                "not_run": p.not_run,
-                "runs": runs,
-            })
-        })
-        .collect();
-    json!({
-        "workload": w.kind.name(),
-        "source": w.source,
-        "requests": w.requests.len(),
-        "sessions": w.has_sessions(),
-        "span_s": w.span_s(),
-        "offered_requests_per_s": w.offered_rate(),
-        "offered_prompt_tokens_per_s": w.offered_prompt_tokens_per_s(),
-        "truncated_prompts": w.truncated,
-        "speedup": report.setting.speedup,
-        "engine_time_scale": 1.0 / report.setting.speedup,
-        "ttft_slo_s": report.setting.ttft_slo_s,
-        "sweep": multipliers,
-        "gateway_config": report.config,
-        "policies": policies,
-    })
-}
-
-/// Writes `<out>/replay.svg` and one attainment chart per workload; returns
-/// the paths.
-fn write_plots(args: &ReplayArgs, reports: &[WorkloadReport]) -> Result<Vec<PathBuf>> {
-    let mut paths = Vec::new();
-    let svg = args.common.out.join("replay.svg");
-    let panels: Vec<Panel> = reports
-        .iter()
-        .map(|r| Panel {
-            title: format!("{}: TTFT per routing policy (×1)", r.workload.kind),
-            x_label: "seconds (trace time)".into(),
-            log_x: true,
-            series: r
-                .policies
-                .iter()
-                .map(|p| Series {
-                    label: p.arm.label.clone(),
-                    values: p.base().stats.ttft_s.clone(),
-                })
-                .collect(),
-        })
-        .collect();
-    plot::cdf_svg(&svg, &panels)?;
-    paths.push(svg);
-    for r in reports {
-        let path = args.common.out.join(format!("replay-{}-slo.svg", r.workload.kind));
-        let lines: Vec<Line> = r
-            .policies
-            .iter()
-            .map(|p| Line {
-                label: p.arm.label.clone(),
-                points: p
-                    .points
-                    .iter()
-                    .map(|q| (q.offered, q.stats.attainment * 100.0))
-                    .collect(),
-            })
-            .collect();
-        plot::line_svg(
-            &path,
-            &format!(
-                "{}: share of requests with TTFT <= {} s",
-                r.workload.kind, r.setting.ttft_slo_s
-            ),
-            "offered requests per trace second",
-            "SLO attainment %",
-            false,
-            &lines,
-        )?;
-        paths.push(path);
-    }
-    Ok(paths)
 }
 
 /// Runs the report.
@@ -811,6 +564,9 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
     if !(args.hh_rlhf_rate > 0.0 && args.hot_prefix_rate > 0.0) {
         bail!("--hh-rlhf-rate and --hot-prefix-rate must be positive");
     }
+    if args.chat_conversations == 0 || args.chat_clients == 0 {
+        bail!("--chat-conversations and --chat-clients must be at least 1");
+    }
     let multipliers = sweep_multipliers(&args.sweep)?;
     let kinds: Vec<WorkloadKind> = if args.workloads.is_empty() {
         WorkloadKind::ALL.to_vec()
@@ -822,6 +578,11 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
     } else {
         args.policies.clone()
     };
+    let chat_sets: Vec<Option<ChatSet>> = if args.chat_sets.is_empty() {
+        ChatSet::ALL.map(Some).to_vec()
+    } else {
+        args.chat_sets.iter().copied().map(Some).collect()
+    };
     let client = LoadClient::new()?;
     let mut reports = Vec::new();
     for kind in kinds {
@@ -829,13 +590,22 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
         let Some(workload) = load_workload(args, kind, &setting)? else {
             continue;
         };
-        let report = run_workload(args, workload, setting, &policies, &multipliers, &client)?;
-        print_report(args, &report, &multipliers);
-        reports.push(report);
+        let workload = Arc::new(workload);
+        let sets = if kind == WorkloadKind::Chat {
+            &chat_sets[..]
+        } else {
+            &[None][..]
+        };
+        for &set in sets {
+            let report = run_workload(args, workload.clone(), set, setting, &policies, &multipliers, &client)?;
+            print_report(args, &report, &multipliers);
+            reports.push(report);
+        }
     }
     if reports.is_empty() {
         bail!("no workload could be run");
     }
+    print_summary(&reports);
     let value = json!({
         "report": "replay",
         "engines": args.engines,

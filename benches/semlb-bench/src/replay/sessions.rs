@@ -1,16 +1,25 @@
-//! Sending a closed-loop workload (`agents`): every session is a task that
-//! starts at its scheduled time and sends its calls one after the other,
-//! each the instant the previous stream ends, with the engine's answer
-//! appended to the session's messages (see [`crate::workload::agents`]).
+//! Sending a workload of chat sessions (`agents`, `chat`): each session
+//! sends its calls one after the other, each the instant the previous
+//! answer ends, with the engine's answer appended to the session's
+//! messages (see [`crate::workload::agents`], [`crate::workload::chat`]).
+//!
+//! Sessions start one of two ways:
+//!
+//! * **Scheduled** (`agents`): every session is a task that starts at its
+//!   scheduled time, open-loop, whatever the engines do; the start lag is
+//!   what the report's generator lag shows.
+//! * **Clients** (`chat`): a fixed number of clients take sessions in
+//!   order, each starting the next the instant its last ends, so the
+//!   requests in flight stay at the number of clients (a closed loop).
 //!
 //! A call's times are measured from when it is sent: in a closed loop
 //! that is when the client would send it, so there is no schedule to fall
-//! behind within a session. Session starts are open-loop (sent at their
-//! scheduled times whatever the engines do); their lag is what the report's
-//! generator lag shows.
+//! behind within a session. Answers are streamed or not (`stream`); one
+//! that is not is read whole, its TTFT being its latency.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -19,8 +28,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use semlb::answer::{AnswerForm, answer_text};
 use serde_json::{Value, json};
+use tokio::sync::Notify;
 
-use crate::end_to_end::{Outcome, stream_request_with};
+use crate::end_to_end::{Outcome, request_with};
 use crate::output;
 use crate::workload::{SESSION_HEADER, Workload};
 
@@ -29,12 +39,39 @@ use crate::workload::{SESSION_HEADER, Workload};
 /// max.
 pub(super) type Sent = (Vec<(Outcome, u32)>, f64, [f64; 2]);
 
-/// One call's chat body: the session's `messages`, streamed, exactly
+/// How sessions start.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Start {
+    /// Each at its scheduled time.
+    Scheduled,
+    /// This many clients, each starting the next session when its last
+    /// ends.
+    Clients(usize),
+}
+
+/// Where and how calls are sent.
+#[derive(Clone)]
+pub(super) struct Sender {
+    /// The pooled client.
+    pub(super) http: Client<HttpConnector, Full<Bytes>>,
+    /// The gateway's address.
+    pub(super) addr: String,
+    /// Whether answers are streamed.
+    pub(super) stream: bool,
+    /// Advanced once per call answered.
+    pub(super) progress: indicatif::ProgressBar,
+}
+
+/// Per call sent: its request index, outcome, output tokens and the real
+/// seconds from the start to its end.
+type Done = Vec<(usize, Outcome, u32, f64)>;
+
+/// One call's chat body: the session's `messages`, streamed or not, exactly
 /// `max_tokens` tokens, never from the response cache (`temperature` 1).
-fn chat_body(messages: &[Value], max_tokens: u32) -> Bytes {
+fn chat_body(messages: &[Value], max_tokens: u32, stream: bool) -> Bytes {
     let body = json!({
         "model": "semlb-sim",
-        "stream": true,
+        "stream": stream,
         "ignore_eos": true,
         "temperature": 1.0,
         "max_tokens": max_tokens,
@@ -43,19 +80,9 @@ fn chat_body(messages: &[Value], max_tokens: u32) -> Bytes {
     Bytes::from(serde_json::to_vec(&body).expect("JSON"))
 }
 
-/// Sends `workload`'s sessions to `addr`; `real_s` maps a trace time to
-/// real seconds after the start. Calls still running `drain` after the last
-/// session's start count as errors, and so do the calls a failed call
-/// leaves unsent.
-pub(super) async fn send(
-    workload: Arc<Workload>,
-    http: Client<HttpConnector, Full<Bytes>>,
-    addr: String,
-    real_s: impl Fn(f64) -> f64,
-    drain: Duration,
-    progress: indicatif::ProgressBar,
-) -> Sent {
-    // Each session's requests (indices into the workload), in step order.
+/// `workload`'s sessions: each one's request indices, in step order, in
+/// the order of their first request.
+fn sessions_of(workload: &Workload) -> Vec<Vec<usize>> {
     let mut sessions: Vec<Vec<usize>> = Vec::new();
     let mut index: HashMap<u64, usize> = HashMap::new();
     for (i, r) in workload.requests.iter().enumerate() {
@@ -66,37 +93,33 @@ pub(super) async fn send(
         });
         sessions[s].push(i);
     }
-    let start = Instant::now() + Duration::from_millis(50);
-    let mut lags = Vec::with_capacity(sessions.len());
-    let mut tasks = Vec::with_capacity(sessions.len());
-    let mut last_start = start;
-    for calls in sessions {
-        let first = &workload.requests[calls[0]];
-        let due = start + Duration::from_secs_f64(real_s(first.at_s));
-        tokio::time::sleep_until(due.into()).await;
-        lags.push(due.elapsed().as_secs_f64() * 1e3);
-        last_start = due;
-        let (workload, http, addr, progress) = (workload.clone(), http.clone(), addr.clone(), progress.clone());
-        tasks.push(tokio::spawn(async move {
-            run_session(&workload, &calls, &http, &addr, start, &progress).await
-        }));
-    }
-    let deadline = tokio::time::Instant::from_std(last_start) + drain;
+    sessions
+}
+
+/// Sends `workload`'s sessions through `sender`, started as `start` says;
+/// `real_s` maps a trace time to real seconds after the start. Calls
+/// still running `drain` after the last session started count as errors,
+/// and so do the calls a failed call leaves unsent.
+pub(super) async fn send(
+    workload: Arc<Workload>,
+    sender: Sender,
+    start: Start,
+    real_s: impl Fn(f64) -> f64,
+    drain: Duration,
+) -> Sent {
+    let sessions = sessions_of(&workload);
+    let t0 = Instant::now() + Duration::from_millis(50);
+    let (done, lags) = match start {
+        Start::Scheduled => scheduled(&workload, sessions, &sender, t0, real_s, drain).await,
+        Start::Clients(n) => (clients(&workload, sessions, &sender, t0, n, drain).await, Vec::new()),
+    };
     let mut outcomes: Vec<Option<(Outcome, u32)>> = vec![None; workload.requests.len()];
     let mut wall: f64 = 0.0;
-    for t in tasks {
-        let abort = t.abort_handle();
-        match tokio::time::timeout_at(deadline, t).await {
-            Ok(Ok(done)) => {
-                for (i, outcome, tokens, finished_s) in done {
-                    if outcome.ok() {
-                        wall = wall.max(finished_s);
-                    }
-                    outcomes[i] = Some((outcome, tokens));
-                }
-            }
-            Ok(Err(_)) | Err(_) => abort.abort(),
+    for (i, outcome, tokens, finished_s) in done.into_iter().flatten() {
+        if outcome.ok() {
+            wall = wall.max(finished_s);
         }
+        outcomes[i] = Some((outcome, tokens));
     }
     let outcomes = outcomes
         .into_iter()
@@ -113,6 +136,7 @@ pub(super) async fn send(
             })
         })
         .collect();
+    let mut lags = lags;
     output::sort(&mut lags);
     (
         outcomes,
@@ -121,49 +145,174 @@ pub(super) async fn send(
     )
 }
 
-/// One session's calls in order; per call sent: its request index, outcome,
-/// output tokens and the real seconds from `start` to its end. Stops at the
-/// first failed call (the next calls would need its answer).
-async fn run_session(
-    workload: &Workload,
-    calls: &[usize],
-    http: &Client<HttpConnector, Full<Bytes>>,
-    addr: &str,
-    start: Instant,
-    progress: &indicatif::ProgressBar,
-) -> Vec<(usize, Outcome, u32, f64)> {
+/// Every session a task of its own, started at its scheduled time; what
+/// each did, and the start lags (ms).
+async fn scheduled(
+    workload: &Arc<Workload>,
+    sessions: Vec<Vec<usize>>,
+    sender: &Sender,
+    t0: Instant,
+    real_s: impl Fn(f64) -> f64,
+    drain: Duration,
+) -> (Vec<Done>, Vec<f64>) {
+    let mut lags = Vec::with_capacity(sessions.len());
+    let mut tasks = Vec::with_capacity(sessions.len());
+    let mut last_start = t0;
+    for calls in sessions {
+        let first = &workload.requests[calls[0]];
+        let due = t0 + Duration::from_secs_f64(real_s(first.at_s));
+        tokio::time::sleep_until(due.into()).await;
+        lags.push(due.elapsed().as_secs_f64() * 1e3);
+        last_start = due;
+        let (workload, sender) = (workload.clone(), sender.clone());
+        tasks.push(tokio::spawn(async move {
+            run_session(&workload, &calls, &sender, t0).await
+        }));
+    }
+    let deadline = tokio::time::Instant::from_std(last_start) + drain;
+    let mut done = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        let abort = t.abort_handle();
+        match tokio::time::timeout_at(deadline, t).await {
+            Ok(Ok(d)) => done.push(d),
+            Ok(Err(_)) | Err(_) => abort.abort(),
+        }
+    }
+    (done, lags)
+}
+
+/// `n` clients taking `sessions` in order, each the instant its last one
+/// ends; what each did.
+async fn clients(
+    workload: &Arc<Workload>,
+    sessions: Vec<Vec<usize>>,
+    sender: &Sender,
+    t0: Instant,
+    n: usize,
+    drain: Duration,
+) -> Vec<Done> {
+    let sessions = Arc::new(sessions);
+    let next = Arc::new(AtomicUsize::new(0));
+    let all_taken = Arc::new(Notify::new());
+    tokio::time::sleep_until(t0.into()).await;
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..n.max(1) {
+        let (workload, sessions, next, all_taken, sender) = (
+            workload.clone(),
+            sessions.clone(),
+            next.clone(),
+            all_taken.clone(),
+            sender.clone(),
+        );
+        tasks.spawn(async move {
+            let mut done = Vec::new();
+            loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                if k + 1 >= sessions.len() {
+                    all_taken.notify_one();
+                }
+                let Some(calls) = sessions.get(k) else { break };
+                done.extend(run_session(&workload, calls, &sender, t0).await);
+            }
+            done
+        });
+    }
+    let mut done = Vec::with_capacity(n);
+    let mut deadline: Option<tokio::time::Instant> = None;
+    loop {
+        tokio::select! {
+            joined = tasks.join_next() => match joined {
+                Some(Ok(d)) => done.push(d),
+                Some(Err(_)) => {}
+                None => break,
+            },
+            () = all_taken.notified(), if deadline.is_none() => {
+                deadline = Some(tokio::time::Instant::now() + drain);
+            }
+            () = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)), if deadline.is_some() => {
+                tasks.abort_all();
+                break;
+            }
+        }
+    }
+    done
+}
+
+/// One session's calls in order. Stops at the first failed call (the next
+/// calls would need its answer).
+async fn run_session(workload: &Workload, calls: &[usize], sender: &Sender, t0: Instant) -> Done {
     let mut done = Vec::with_capacity(calls.len());
     let mut messages: Vec<Value> = Vec::new();
-    let mut stream = Vec::new();
+    let mut answer = Vec::new();
+    let form = if sender.stream {
+        AnswerForm::EventStream
+    } else {
+        AnswerForm::Json
+    };
     for &i in calls {
         let r = &workload.requests[i];
-        let Some(call) = &r.agent else { break };
+        let Some(call) = &r.chat else { break };
         if messages.is_empty() {
             messages.push(json!({"role": "system", "content": workload.systems[call.system]}));
         }
         messages.push(json!({"role": "user", "content": call.message}));
-        let headers: Vec<(&str, String)> = r.session.map(|s| (SESSION_HEADER, s.to_string())).into_iter().collect();
-        stream.clear();
+        let headers: Vec<(&str, String)> = r
+            .session
+            .filter(|_| workload.kind.sends_session_ids())
+            .map(|s| (SESSION_HEADER, s.to_string()))
+            .into_iter()
+            .collect();
+        answer.clear();
         let sent = Instant::now();
-        let outcome = stream_request_with(
-            http,
-            addr,
+        let outcome = request_with(
+            &sender.http,
+            &sender.addr,
             "/v1/chat/completions",
-            chat_body(&messages, r.output_tokens),
+            chat_body(&messages, r.output_tokens, sender.stream),
             &headers,
             sent,
-            Some(&mut stream),
+            Some(&mut answer),
         )
         .await;
-        progress.inc(1);
+        sender.progress.inc(1);
         let ok = outcome.ok();
-        let finished = (sent + outcome.latency).duration_since(start).as_secs_f64();
+        let finished = (sent + outcome.latency).duration_since(t0).as_secs_f64();
         done.push((i, outcome, r.output_tokens, finished));
-        let answer = answer_text(AnswerForm::EventStream, &stream).map(|(text, _)| text);
-        match answer {
+        match answer_text(form, &answer).map(|(text, _)| text) {
             Some(text) if ok => messages.push(json!({"role": "assistant", "content": text})),
             _ => break,
         }
     }
     done
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workload::chat::{self, ChatParams};
+
+    #[test]
+    fn sessions_keep_their_calls_in_order() {
+        let w = chat::build(&ChatParams {
+            conversations: 30,
+            max_output: 64,
+            seed: 1,
+        });
+        let sessions = sessions_of(&w);
+        assert_eq!(sessions.len(), 30);
+        assert_eq!(sessions.iter().map(Vec::len).sum::<usize>(), w.requests.len());
+        for calls in &sessions {
+            let steps: Vec<u32> = calls
+                .iter()
+                .map(|i| w.requests[*i].chat.as_ref().unwrap().step)
+                .collect();
+            assert_eq!(steps, (0..calls.len() as u32).collect::<Vec<_>>());
+        }
+        let body: Value =
+            serde_json::from_slice(&chat_body(&[json!({"role": "user", "content": "hi"})], 7, false)).unwrap();
+        assert_eq!(
+            (body["stream"].as_bool(), body["max_tokens"].as_u64()),
+            (Some(false), Some(7))
+        );
+    }
 }

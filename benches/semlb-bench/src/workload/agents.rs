@@ -40,17 +40,13 @@
 
 use semlb_test_support::Rng;
 
-use super::{Request, Workload, WorkloadKind, expected_turn_s, exponential, uniform};
+use super::{ChatCall, Request, Workload, WorkloadKind, expected_turn_s, exponential, tokens, uniform, words};
 
 /// Words of the system prompts.
 pub const SYSTEM_PROMPT_WORDS: [usize; 4] = [1000, 2200, 1500, 3000];
 
 /// Calls per session, inclusive.
 pub const CALLS: (u32, u32) = (5, 20);
-
-/// Tokens per word of the generated text with the bundled tokenizer (for
-/// the schedule's estimates only).
-const TOKENS_PER_WORD: f64 = 1.3;
 
 /// The parameters of [`build`].
 #[derive(Debug, Clone)]
@@ -63,42 +59,6 @@ pub struct AgentsParams {
     pub max_output: u32,
     /// Seed of the generator.
     pub seed: u64,
-}
-
-/// One call of an agent session: what the request adds to the session's
-/// messages.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AgentCall {
-    /// The session's system prompt (index into [`Workload::systems`]).
-    pub system: usize,
-    /// Which call of its session (0: the first).
-    pub step: u32,
-    /// The message it adds: the task for the first call, else the tool
-    /// result that follows the previous answer.
-    pub message: String,
-    /// Estimated prompt tokens (for the offered load).
-    pub prompt_tokens: u32,
-}
-
-const WORDS: [&str; 32] = [
-    "cache", "query", "table", "server", "engine", "token", "block", "route", "latency", "budget", "index", "stream",
-    "result", "schema", "field", "record", "buffer", "window", "policy", "metric", "request", "answer", "session",
-    "prefix", "shard", "replica", "queue", "batch", "limit", "error", "retry", "value",
-];
-
-fn words(rng: &mut Rng, n: usize) -> String {
-    let mut s = String::with_capacity(n * 7);
-    for i in 0..n {
-        if i > 0 {
-            s.push(if i % 12 == 0 { '\n' } else { ' ' });
-        }
-        s.push_str(WORDS[(rng.next() % WORDS.len() as u64) as usize]);
-    }
-    s
-}
-
-fn tokens(words: usize) -> u32 {
-    (words as f64 * TOKENS_PER_WORD) as u32
 }
 
 /// The system prompts: tool catalogues of [`SYSTEM_PROMPT_WORDS`] words.
@@ -132,7 +92,7 @@ pub fn build(params: &AgentsParams) -> Workload {
                 prompt: Vec::new(),
                 output_tokens: output,
                 session: Some(session),
-                agent: Some(AgentCall {
+                chat: Some(ChatCall {
                     system,
                     step,
                     message,
@@ -182,7 +142,7 @@ mod tests {
         assert!((60..=120).contains(&sessions.len()), "{} sessions", sessions.len());
         for calls in sessions.values() {
             assert!((CALLS.0 as usize..=CALLS.1 as usize).contains(&calls.len()));
-            let agent: Vec<&AgentCall> = calls.iter().map(|r| r.agent.as_ref().unwrap()).collect();
+            let agent: Vec<&ChatCall> = calls.iter().map(|r| r.chat.as_ref().unwrap()).collect();
             assert!(
                 agent.iter().enumerate().all(|(i, a)| a.step == i as u32),
                 "in step order"

@@ -5,7 +5,8 @@
 //! time in *trace seconds* (the replay divides it by its speedup and by a
 //! sweep's rate multiplier), the prompt's token ids, the number of tokens
 //! to generate, and an optional session id (sent as `x-session-id`, which
-//! session-affine policies such as `consistent_hash` route on).
+//! session-affine policies such as `consistent_hash` route on, except by
+//! `chat`'s clients: [`WorkloadKind::sends_session_ids`]).
 //!
 //! | workload | module | what |
 //! | --- | --- | --- |
@@ -13,6 +14,7 @@
 //! | `hh-rlhf` | [`hh_rlhf`] | Anthropic HH-RLHF dialogues as Poisson-arriving multi-turn chats (short prompts, one session per conversation) |
 //! | `hot-prefix` | [`hot_prefix`] | a generated agent workload: six long system prompts with Zipf popularity, multi-step sessions |
 //! | `agents` | [`agents`] | closed-loop agent sessions of chat calls, each sent the instant the previous answer ends, on four shared system prompts |
+//! | `chat` | [`chat`] | closed-loop multi-turn chats on four shared system prompts, a fixed number of clients (16) each starting its next conversation when one ends |
 //!
 //! The multi-turn generators schedule turn k+1 open-loop, at turn k's
 //! arrival plus its *expected* duration on an idle engine
@@ -21,11 +23,13 @@
 //! does not delay the next turn (as in the Mooncake trace, whose arrival
 //! times were recorded, not reacted to), so every policy is offered the same
 //! requests at the same times; the schedule is a function of the seed only.
-//! The `agents` workload is the exception, by design: its calls are chat
-//! requests that carry the engine's earlier answers, sent when the
-//! previous call ends ([`Request::agent`]).
+//! The `agents` and `chat` workloads are the exceptions, by design: their
+//! calls are chat requests that carry the engine's earlier answers, sent
+//! when the previous call ends ([`Request::chat`]); `chat` has no schedule
+//! at all (its clients start a conversation when the last one ends).
 
 pub mod agents;
+pub mod chat;
 pub mod hh_rlhf;
 pub mod hot_prefix;
 pub mod mooncake;
@@ -59,16 +63,31 @@ pub struct Request {
     /// The session (conversation, agent run) it belongs to, if the
     /// workload has sessions.
     pub session: Option<u64>,
-    /// A call of a closed-loop agent session (`agents`): a chat request
+    /// A call of a closed-loop session (`agents`, `chat`): a chat request
     /// built from the session's messages when the previous call ends; its
     /// `prompt` is then empty.
-    pub agent: Option<agents::AgentCall>,
+    pub chat: Option<ChatCall>,
+}
+
+/// One call of a closed-loop chat session: what the request adds to the
+/// session's messages.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatCall {
+    /// The session's system prompt (index into [`Workload::systems`]).
+    pub system: usize,
+    /// Which call of its session (0: the first).
+    pub step: u32,
+    /// The message it adds after the previous answer (the first call's
+    /// after the system prompt).
+    pub message: String,
+    /// Estimated prompt tokens (for the offered load).
+    pub prompt_tokens: u32,
 }
 
 impl Request {
-    /// Its prompt's tokens (estimated for an agent call).
+    /// Its prompt's tokens (estimated for a chat call).
     pub fn prompt_tokens(&self) -> usize {
-        self.agent
+        self.chat
             .as_ref()
             .map_or(self.prompt.len(), |a| a.prompt_tokens as usize)
     }
@@ -85,7 +104,7 @@ pub struct Workload {
     pub source: String,
     /// Prompts cut to fit the context.
     pub truncated: usize,
-    /// The system prompts agent calls name ([`agents::AgentCall::system`]).
+    /// The system prompts chat calls name ([`ChatCall::system`]).
     pub systems: Vec<String>,
 }
 
@@ -137,11 +156,13 @@ pub enum WorkloadKind {
     HotPrefix,
     /// Closed-loop agent sessions of chat calls.
     Agents,
+    /// Closed-loop multi-turn chats, a fixed number of clients.
+    Chat,
 }
 
 impl WorkloadKind {
     /// Every workload, in report order.
-    pub const ALL: [Self; 4] = [Self::Mooncake, Self::HhRlhf, Self::HotPrefix, Self::Agents];
+    pub const ALL: [Self; 5] = [Self::Mooncake, Self::HhRlhf, Self::HotPrefix, Self::Agents, Self::Chat];
 
     /// Its name on the command line and in outputs.
     pub const fn name(self) -> &'static str {
@@ -150,7 +171,22 @@ impl WorkloadKind {
             Self::HhRlhf => "hh-rlhf",
             Self::HotPrefix => "hot-prefix",
             Self::Agents => "agents",
+            Self::Chat => "chat",
         }
+    }
+
+    /// True for a workload sent by a fixed number of clients, each
+    /// sending its next request when its answer ends: it has no offered
+    /// rate, only the throughput the policy reaches.
+    pub const fn closed_loop(self) -> bool {
+        matches!(self, Self::Chat)
+    }
+
+    /// True when its requests carry their session id in
+    /// [`SESSION_HEADER`]. `chat`'s do not, as most chat clients send
+    /// none: `consistent_hash` then keys on a conversation's opening.
+    pub const fn sends_session_ids(self) -> bool {
+        !matches!(self, Self::Chat)
     }
 }
 
@@ -208,7 +244,7 @@ impl Window {
                 prompt: history[..prompt_len as usize].to_vec(),
                 output_tokens,
                 session: Some(session),
-                agent: None,
+                chat: None,
             });
         }
         output_tokens
@@ -218,6 +254,34 @@ impl Window {
 /// An exponential sample of mean `mean` (a Poisson process's gap).
 pub(super) fn exponential(rng: &mut Rng, mean: f64) -> f64 {
     -rng.unit().ln() * mean
+}
+
+/// Tokens per word of the generated text with the bundled tokenizer (for
+/// estimates only).
+const TOKENS_PER_WORD: f64 = 1.3;
+
+/// The words generated text is made of.
+const WORDS: [&str; 32] = [
+    "cache", "query", "table", "server", "engine", "token", "block", "route", "latency", "budget", "index", "stream",
+    "result", "schema", "field", "record", "buffer", "window", "policy", "metric", "request", "answer", "session",
+    "prefix", "shard", "replica", "queue", "batch", "limit", "error", "retry", "value",
+];
+
+/// `n` words of generated text drawn from `rng` (a line break every 12).
+pub(super) fn words(rng: &mut Rng, n: usize) -> String {
+    let mut s = String::with_capacity(n * 7);
+    for i in 0..n {
+        if i > 0 {
+            s.push(if i % 12 == 0 { '\n' } else { ' ' });
+        }
+        s.push_str(WORDS[(rng.next() % WORDS.len() as u64) as usize]);
+    }
+    s
+}
+
+/// The estimated tokens of `words` generated words.
+pub(super) fn tokens(words: usize) -> u32 {
+    (words as f64 * TOKENS_PER_WORD) as u32
 }
 
 /// `n` token ids drawn from `rng`.
@@ -262,7 +326,7 @@ mod tests {
             prompt: vec![1; 10],
             output_tokens: 1,
             session: None,
-            agent: None,
+            chat: None,
         };
         let w = Workload::new(WorkloadKind::HotPrefix, vec![r(2.0), r(0.0), r(1.0)], String::new(), 0);
         assert_eq!(w.requests.iter().map(|r| r.at_s).collect::<Vec<_>>(), [0.0, 1.0, 2.0]);

@@ -116,7 +116,7 @@ pub fn load(path: &Path, duration_s: f64, limit: Option<usize>, max_output: u32,
                 prompt: prompt_tokens(r, prompt_len, seed, i),
                 output_tokens,
                 session: None,
-                agent: None,
+                chat: None,
             }
         })
         .collect();
