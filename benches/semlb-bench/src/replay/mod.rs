@@ -3,7 +3,7 @@
 //!
 //! # Workloads
 //!
-//! `--workloads` (default all four, see [`workload`](super::workload)):
+//! `--workloads` (default all five, see [`workload`](super::workload)):
 //!
 //! | workload | requests | sessions | default speedup | default duration | default TTFT SLO |
 //! | --- | --- | --- | --- | --- | --- |
@@ -11,10 +11,11 @@
 //! | `hh-rlhf` | HH-RLHF chats ([`hh_rlhf`]): 90 conversations/s (`--hh-rlhf-rate`), ~220 req/s of ~100-token prompts, ~55 % of the prefill capacity without reuse | yes | 1 | 20 s | 1 s |
 //! | `hot-prefix` | agent sessions on six hot system prompts ([`hot_prefix`]): 4.5 sessions/s (`--hot-prefix-rate`), ~16 req/s of ~5 900-token prompts, ~70 % of the prefill capacity with the system prompts cached | yes | 4 | 120 s | 2 s |
 //! | `agents` | closed-loop agent sessions of 5–20 chat calls on four shared system prompts ([`agents`]), each call sent the instant the previous answer ends: 1.5 sessions/s (`--agents-rate`), ~19 calls/s, 18 % of the prefill capacity when every session stays on one engine, 235 % when none does | yes | 2 | 60 s | 1 s |
+//! | `chat` | closed-loop multi-turn chats on four shared system prompts ([`chat`]): 400 conversations of 2–6 turns (`--chat-conversations`) sent by 16 clients (`--chat-clients`), each sending its next turn the instant its answer ends and starting a new conversation when one ends; no session ids; run on each of four engine sets ([`ChatSet`], `--chat-sets`) | no header (the same-engine share is still computed) | 10 | its conversations | 1 s |
 //!
-//! Every request but the `agents` calls (streaming chat requests whose
+//! Every request but the `agents` and `chat` calls (chat requests whose
 //! history holds the engine's real answers, `temperature` 1, `ignore_eos`,
-//! `max_tokens` = the call's output; see [`agents`]) is a streaming
+//! `max_tokens` = the call's output; see [`agents`], [`chat`]) is a streaming
 //! `/v1/completions` request whose `prompt` is
 //! the array of token ids (the gateway and the simulator take token-id
 //! prompts as they are), with `max_tokens` = its output length (capped by
@@ -37,6 +38,18 @@
 //! uncached part (~700 tokens, ~0.1 s) is small when the shared prefix is
 //! reused but whose 2 000–6 000-token system prompt alone takes up to 0.6 s
 //! when it is not. `--ttft-slo S` sets one objective for all.
+//!
+//! # The `chat` workload's engine sets
+//!
+//! `chat` is the robustness check: a closed loop has no offered rate, so
+//! what a policy loses by holding requests it should have sent, or by
+//! piling conversations on one engine, shows directly as fewer requests
+//! per second than `least_load` serves on the same engines. It runs on
+//! four engine sets, each a table of its own (`chat/<set>`): engines with
+//! `/metrics` or without (`semlb __sim --no-metrics`, as llama.cpp without
+//! `--metrics`), clients that stream or not (a non-streamed answer is read
+//! whole: its TTFT is its latency, the first token the client sees). Its
+//! goodput column reads "closed loop" and it has no sweep (×1 only).
 //!
 //! # Time
 //!
@@ -120,20 +133,26 @@
 //! 90 % at ×1 and ×1.5 but not ×2 runs 1 + 0.67 + 0.5 of that; one that
 //! misses at ×1 runs ×1 and ×0.5 (3 units): 80–100 s per policy and
 //! workload (`agents`: ~45 s per run, its 30 s of sending plus the last
-//! sessions' tails). The default command (8 policies × 4 workloads,
-//! default sweep) thus takes roughly 60–70 minutes; `bench all` includes
-//! it.
+//! sessions' tails; `chat`: ~9 s per run, about 6 minutes for its four
+//! engine sets). The default command (9 policies × 5 workloads, default
+//! sweep) thus takes roughly 75–85 minutes; `bench all` includes it.
 //! `--sweep 1` runs each policy once per workload (~1.5 minutes per policy,
 //! ~12 minutes for 8); `--policies` and `--workloads` pick fewer; and
 //! `--duration S` shortens every workload to S trace seconds (mind the
 //! speedups: `--duration 60` is 3 s of sending for `mooncake`, 60 s for
 //! `hh-rlhf`, 15 s for `hot-prefix`).
 //!
+//! After the tables, a **summary** gives each row's throughput as a share
+//! of `least_load`'s on every workload and engine set: requests per second
+//! for `chat`, goodput for the others; the best is marked `*`, and a share
+//! under 90 % `!`.
+//!
 //! Output: the tables on stdout, `<out>/replay.json` (every run, sweep
 //! points included, with the engines' counters and the gateway
 //! configuration), `<out>/replay.svg` (CDFs of TTFT per policy at m = 1,
 //! one panel per workload) and `<out>/replay-<workload>-slo.svg` (SLO
-//! attainment against the offered rate, one line per policy).
+//! attainment against the offered rate, one line per policy; none for
+//! `chat`).
 
 mod chat_set;
 mod counters;
