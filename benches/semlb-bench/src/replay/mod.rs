@@ -173,7 +173,9 @@ use serde_json::{Value, json};
 
 pub use self::chat_set::ChatSet;
 use self::drive::{RunSpec, run_once};
-use self::report::{Point, PolicyReport, WorkloadReport, print_report, print_summary, report_json, write_plots};
+use self::report::{
+    Point, PolicyReport, WorkloadReport, print_report, print_summary, report_json, report_name, write_plots,
+};
 use self::stats::{GOODPUT_ATTAINMENT, RunStats};
 use super::Common;
 use super::dispatch_path::{PROMPTS_FILE, TOKENIZER_FILE};
@@ -515,9 +517,8 @@ fn run_workload(
     let config = gateway_config::gateway_config(setting.speedup, setting.ttft_slo_s);
     let n = workload.requests.len() as u64;
     let sessions: Vec<Option<u64>> = workload.requests.iter().map(|r| r.session).collect();
-    let name = set.map_or_else(|| workload.kind.to_string(), |s| format!("{}/{s}", workload.kind));
-    let bar = output::progress(0, &name);
-    let base_rate = if closed_loop { 0.0 } else { workload.offered_rate() };
+    let bar = output::progress(0, &report_name(workload.kind, set));
+    let base_rate = (!closed_loop).then(|| workload.offered_rate());
     let arms: Vec<Arm> = policies
         .iter()
         .flat_map(|&k| Arm::of(k, args.max_outstanding, args.compare_learning, args.compare_feedback))
@@ -546,7 +547,7 @@ fn run_workload(
             let pass = stats.attainment >= GOODPUT_ATTAINMENT;
             points.push(Point {
                 multiplier: multipliers[i],
-                offered: base_rate * multipliers[i],
+                offered: base_rate.map(|r| r * multipliers[i]),
                 run,
                 stats,
             });

@@ -15,7 +15,7 @@ use super::{Arm, ReplayArgs, Setting};
 use crate::end_to_end::{ms, p50_90_99};
 use crate::output::{self, Table};
 use crate::plot::{self, Line, Panel, Series};
-use crate::workload::{MAX_MODEL_LEN, Workload, engine_prefill_tokens_per_s};
+use crate::workload::{MAX_MODEL_LEN, Workload, WorkloadKind, engine_prefill_tokens_per_s};
 
 /// Below this share of `least_load`'s throughput a policy is flagged in
 /// the summary: the bar for a policy that is safe to pick.
@@ -25,8 +25,9 @@ pub(super) const SAFE_SHARE: f64 = 0.9;
 pub(super) struct Point {
     /// Its rate multiplier.
     pub(super) multiplier: f64,
-    /// Requests per trace second offered (0 for a closed loop).
-    pub(super) offered: f64,
+    /// Requests per trace second offered (`None` for a closed loop, which
+    /// has no offered rate).
+    pub(super) offered: Option<f64>,
     /// What was measured.
     pub(super) run: RunResult,
     /// Its figures.
@@ -55,16 +56,22 @@ impl PolicyReport {
     /// The highest offered rate with enough attainment (`None` below the
     /// lowest, and for a closed loop, which has no offered rate).
     fn goodput(&self) -> Option<f64> {
-        if self.points.iter().all(|p| p.offered == 0.0) {
-            return None;
-        }
         goodput(
             &self
                 .points
                 .iter()
-                .map(|p| (p.offered, p.stats.attainment))
+                .filter_map(|p| Some((p.offered?, p.stats.attainment)))
                 .collect::<Vec<_>>(),
         )
+    }
+}
+
+/// A report's name: the workload's, with the engine set it ran on:
+/// `chat/no-metrics-plain`.
+pub(super) fn report_name(kind: WorkloadKind, set: Option<ChatSet>) -> String {
+    match set {
+        Some(set) => format!("{kind}/{set}"),
+        None => kind.to_string(),
     }
 }
 
@@ -83,12 +90,9 @@ pub(super) struct WorkloadReport {
 }
 
 impl WorkloadReport {
-    /// The workload's name, with its engine set: `chat/no-metrics-plain`.
+    /// The workload's name, with its engine set ([`report_name`]).
     fn name(&self) -> String {
-        match self.set {
-            Some(set) => format!("{}/{set}", self.workload.kind),
-            None => self.workload.kind.to_string(),
-        }
+        report_name(self.workload.kind, self.set)
     }
 
     /// What each row's throughput is judged by: requests per second for a
@@ -223,6 +227,7 @@ pub(super) fn print_report(args: &ReplayArgs, report: &WorkloadReport, multiplie
 /// The JSON of `report`.
 pub(super) fn report_json(report: &WorkloadReport, multipliers: &[f64]) -> Value {
     let w = &report.workload;
+    let open_loop = !w.kind.closed_loop();
     let policies: Vec<Value> = report
         .policies
         .iter()
@@ -295,9 +300,9 @@ pub(super) fn report_json(report: &WorkloadReport, multipliers: &[f64]) -> Value
         "source": w.source,
         "requests": w.requests.len(),
         "sessions": w.has_sessions(),
-        "span_s": w.span_s(),
-        "offered_requests_per_s": w.offered_rate(),
-        "offered_prompt_tokens_per_s": w.offered_prompt_tokens_per_s(),
+        "span_s": open_loop.then(|| w.span_s()),
+        "offered_requests_per_s": open_loop.then(|| w.offered_rate()),
+        "offered_prompt_tokens_per_s": open_loop.then(|| w.offered_prompt_tokens_per_s()),
         "truncated_prompts": w.truncated,
         "speedup": report.setting.speedup,
         "engine_time_scale": 1.0 / report.setting.speedup,
@@ -341,7 +346,7 @@ pub(super) fn write_plots(args: &ReplayArgs, reports: &[WorkloadReport]) -> Resu
                 points: p
                     .points
                     .iter()
-                    .map(|q| (q.offered, q.stats.attainment * 100.0))
+                    .filter_map(|q| Some((q.offered?, q.stats.attainment * 100.0)))
                     .collect(),
             })
             .collect();
