@@ -59,13 +59,20 @@
 //!
 //! When an engine reports no cached
 //! prompt at all for prompts the table listed it as holding
-//! ([`LOST_MIN_LISTED_BLOCKS`] blocks or more), [`LOST_IN_A_ROW`] times in
-//! a row, its cache was flushed or it restarted: the server is forgotten
-//! in every prefix entry at once ([`crate::store::WriteBack::forget_server`])
-//! rather than left to age out, so the next requests are not sent there on
-//! the strength of entries it no longer backs. (The prompt of the request
-//! that showed it is cached there again: the engine has just computed it,
-//! and this record writes it back.)
+//! ([`LOST_MIN_LISTED_BLOCKS`] blocks or more) and the server itself
+//! refreshed under [`LOST_RECENT_S`] seconds before, while it had nothing
+//! pending, [`LOST_IN_A_ROW`] times with no hit in between, its cache was
+//! flushed or it restarted: the server is forgotten in every prefix entry
+//! at once ([`crate::store::WriteBack::forget_server`]) rather than left
+//! to age out, so the next requests are not sent there on the strength of
+//! entries it no longer backs. (The prompt of the request that showed it
+//! is cached there again: the engine has just computed it, and this record
+//! writes it back.) The two conditions keep ordinary evictions out: an
+//! engine evicts the least recently used blocks first, so losing what it
+//! used seconds ago takes computing a whole cache's worth of tokens in
+//! those seconds, and a busy server's miss may be a pending request's
+//! prompt not yet computed. A busy engine's restart is seen by the health
+//! checker instead (down and up again, or its counters going back).
 //!
 //! Responder `j` of `m` owns the rings `i` with `i % m == j`
 //! ([`rings_for`]); a ring whose producer died mid-record is unblocked with
@@ -85,9 +92,14 @@ use crate::store::{WriteBack, WriteStats};
 /// its engine's report of no cached prompt counts as a lost cache.
 pub const LOST_MIN_LISTED_BLOCKS: u32 = 2;
 
-/// Reports of a lost cache in a row from one server after which the
-/// server is forgotten in every prefix entry.
+/// Reports of a lost cache with no hit in between from one server after
+/// which the server is forgotten in every prefix entry.
 pub const LOST_IN_A_ROW: u8 = 2;
+
+/// Seconds within which the server must have refreshed the deepest listed
+/// block for a report of nothing cached to count as a lost cache rather
+/// than an eviction.
+pub const LOST_RECENT_S: u16 = 30;
 
 /// The rings responder `index` of `responders` consumes.
 pub fn rings_for(index: usize, responders: usize, ring_count: usize) -> impl Iterator<Item = usize> {
@@ -295,8 +307,14 @@ impl<'a> Responder<'a> {
         if lost.0 != server.generation {
             *lost = (server.generation, 0);
         }
-        if p.listed_blocks < LOST_MIN_LISTED_BLOCKS || cached >= block {
+        if cached >= block {
             lost.1 = 0;
+            return;
+        }
+        let recent = p
+            .refreshed
+            .is_some_and(|r| r.age(Stamp((now_ms / 1000) as u16)) < LOST_RECENT_S);
+        if p.listed_blocks < LOST_MIN_LISTED_BLOCKS || !recent {
             return;
         }
         lost.1 += 1;
@@ -312,7 +330,7 @@ impl<'a> Responder<'a> {
         tracing::warn!(
             server_slot = server.slot,
             entries = forgotten,
-            "server slot {}: its engine reported no cached prompt {LOST_IN_A_ROW} times in a row for prompts the prefix table listed it as holding: its cache was lost (flushed or restarted), so it is forgotten in {forgotten} prefix entries",
+            "server slot {}: its engine reported no cached prompt {LOST_IN_A_ROW} times with no hit in between, for prompts the prefix table listed it as holding and it had used seconds before: its cache was lost (flushed or restarted), so it is forgotten in {forgotten} prefix entries",
             server.slot
         );
     }
@@ -561,9 +579,11 @@ mod tests {
     }
 
     /// What engines report is counted against the prediction, and a server
-    /// whose engine reports no cached prompt for prompts the table listed,
-    /// twice in a row, is forgotten everywhere; a hit in between resets the
-    /// count.
+    /// whose engine reports no cached prompt for prompts the table listed
+    /// and it used seconds before, twice, is forgotten everywhere; a hit in
+    /// between resets the count, and a miss on what it used long ago (an
+    /// eviction) or while it was busy (maybe not computed yet) counts
+    /// nothing.
     #[test]
     fn an_engine_that_lost_its_cache_is_forgotten_after_two_reports() {
         let seg = segment();
@@ -579,45 +599,55 @@ mod tests {
         }
         t.prefix.insert_chain(&other, a, Stamp(1));
         let mut r = Responder::new(t, Tokenizer::bundled());
-        let report = |server, listed: u32, cached: Option<u32>| Completion {
+        // Segment time 100 s; the deepest listed block was refreshed at
+        // second 95 (`recent`), at second 40 (long ago) or while the server
+        // was busy (unknown).
+        const NOW_MS: u64 = 100_000;
+        let with = |server, listed: u32, cached: Option<u32>, refreshed: Option<u16>| Completion {
             server: Some(server),
             prediction: Some(Prediction {
                 block_size: 16,
                 predicted_blocks: listed,
                 listed_blocks: listed,
-                refreshed: None,
+                refreshed: refreshed.map(Stamp),
                 cached_tokens: cached,
             }),
             ..Completion::default()
         };
+        let report = |server, listed, cached| with(server, listed, cached, Some(95));
         let listed_for = |s: ServerRef| t.prefix.entries().filter(|(_, e)| e.servers.contains(s.tag())).count();
         // A hit, a report of nothing cached, a hit: no loss.
         for cached in [Some(64), Some(0), Some(48), None] {
-            r.observe(&report(a, 4, cached), 0);
+            r.observe(&report(a, 4, cached), NOW_MS);
         }
-        // Nothing cached of one listed block: not evidence enough.
-        r.observe(&report(a, 1, Some(0)), 0);
-        r.observe(&report(a, 1, Some(0)), 0);
-        assert_eq!(listed_for(a), 4);
-        // Twice in a row: the cache is lost.
-        r.observe(&report(a, 3, Some(0)), 0);
+        // Nothing cached of one listed block: not evidence enough. Nothing
+        // cached of blocks used long ago, or while busy: evictions, maybe.
+        r.observe(&report(a, 1, Some(0)), NOW_MS);
+        r.observe(&report(a, 1, Some(0)), NOW_MS);
+        for refreshed in [Some(40), None, Some(40), None] {
+            r.observe(&with(a, 3, Some(0), refreshed), NOW_MS);
+        }
         assert_eq!((r.stats().forgotten_servers, listed_for(a)), (0, 4));
-        r.observe(&report(a, 3, Some(0)), 0);
+        // Twice with no hit in between: the cache is lost.
+        r.observe(&report(a, 3, Some(0)), NOW_MS);
+        r.observe(&with(a, 3, Some(0), None), NOW_MS);
+        assert_eq!((r.stats().forgotten_servers, listed_for(a)), (0, 4));
+        r.observe(&report(a, 3, Some(0)), NOW_MS);
         assert_eq!((r.stats().forgotten_servers, listed_for(a)), (1, 0));
         assert_eq!(listed_for(b), 2, "the other server keeps its entries");
-        assert_eq!(r.stats().observed, 7);
+        assert_eq!(r.stats().observed, 12);
         let seen: Vec<Observation> = r.take_observations().collect();
         assert!(seen.iter().all(|o| o.slot == a.slot));
         let sum = |f: fn(&Observation) -> u64| seen.iter().map(f).sum::<u64>();
-        assert_eq!(sum(|o| o.predicted), 16 * (4 * 3 + 2 + 3 * 2));
+        assert_eq!(sum(|o| o.predicted), 16 * (4 * 3 + 2 + 3 * 7));
         assert_eq!(sum(|o| o.cached), 64 + 48);
-        assert_eq!(seen.iter().filter(|o| o.short).count(), 3);
+        assert_eq!(seen.iter().filter(|o| o.short).count(), 8);
         assert_eq!(r.take_observations().count(), 0, "taken once");
         // With `learn_from_reports = false` the reports are only counted.
         t.prefix.insert_chain(&other, a, Stamp(2));
         let mut counting = Responder::new(t, Tokenizer::bundled()).forgetting(false);
         for _ in 0..3 {
-            counting.observe(&report(a, 3, Some(0)), 0);
+            counting.observe(&report(a, 3, Some(0)), NOW_MS);
         }
         assert_eq!((counting.stats().forgotten_servers, listed_for(a)), (0, 2));
         assert_eq!(counting.take_observations().filter(|o| o.short).count(), 3);

@@ -9,17 +9,24 @@
 //!   conversation to the engine that holds the system prompt and its
 //!   history, where requests queue behind each other; a recompute costs
 //!   little. The weight must rise.
-//! * **Cache matters.** Two engines with a large batch, each conversation
-//!   on its own ~4 000-token document. A load-heavy weight (16) moves a
-//!   conversation whenever the other engine has a little less work
-//!   queued, and each move recomputes the document; queueing costs
-//!   little. The weight must fall.
+//! * **Cache matters.** Two engines with a large batch and cache, short
+//!   conversations each on its own ~4 900-token document. A load-heavy
+//!   weight (16) moves a conversation whenever the other engine has a
+//!   little less work queued, and each move recomputes the document (and
+//!   delays the requests batched with it); queueing costs little. The
+//!   weight must fall.
 //!
 //! Clients stream, as most do, and send their next turn the instant an
 //! answer ends. The gateway runs one dispatcher, so one tuner sees every
-//! request; `explore = 0.5` so that a test-sized run tries every arm often
-//! enough (production keeps the default 0.1). Nothing here is timed: the
+//! request; `explore = 0.5` and epochs of 16 requests so that a
+//! test-sized run (1 280 and 2 560 requests) tries every arm often enough
+//! (production keeps the defaults 0.1 and 32). Nothing here is timed: the
 //! assertion is on the weight the gateway publishes.
+//!
+//! With a weight drawn per request instead of per epoch, the second test
+//! failed in 3 of 4 runs: every weight's requests waited alike through the
+//! recomputes moves caused, so weight 16 looked no worse (see
+//! `routing::weight_bandit`).
 
 use std::sync::{Arc, Barrier};
 
@@ -65,20 +72,30 @@ fn turn(addr: &str, messages: &mut Vec<Value>, c: usize, t: usize, max_tokens: u
     messages.push(json!({"role": "assistant", "content": answer}));
 }
 
-/// `clients` conversations of `turns` streamed turns of `max_tokens`
-/// tokens, closed-loop, started together; the first message of client
-/// `c`'s conversation is `opening(c)`. Every answer must be a 200 that
+/// `clients` clients, started together, each holding `sessions`
+/// conversations one after the other, of `turns` streamed turns of
+/// `max_tokens` tokens, closed-loop; the first message of client `c`'s
+/// conversation `s` is `opening(c, s)`. Every answer must be a 200 that
 /// ends with `[DONE]`.
-fn conversations(gw: &Gateway, clients: usize, turns: usize, max_tokens: u32, opening: fn(usize) -> Value) {
+fn conversations(
+    gw: &Gateway,
+    clients: usize,
+    sessions: usize,
+    turns: usize,
+    max_tokens: u32,
+    opening: fn(usize, usize) -> Value,
+) {
     let barrier = Arc::new(Barrier::new(clients));
     let threads: Vec<_> = (0..clients)
         .map(|c| {
             let (barrier, addr) = (barrier.clone(), gw.addr().to_owned());
             std::thread::spawn(move || {
-                let mut messages = vec![opening(c)];
                 barrier.wait();
-                for t in 0..turns {
-                    turn(&addr, &mut messages, c, t, max_tokens);
+                for s in 0..sessions {
+                    let mut messages = vec![opening(c, s)];
+                    for t in 0..turns {
+                        turn(&addr, &mut messages, c, t, max_tokens);
+                    }
                 }
             })
         })
@@ -92,8 +109,9 @@ fn conversations(gw: &Gateway, clients: usize, turns: usize, max_tokens: u32, op
 /// `initial_weight`, exploring half the time; `extra` adds to the
 /// `[policy.cost]` table.
 fn gateway(tag: &str, engines: &[&Proc], initial_weight: f64, extra: &str) -> Gateway {
-    let config =
-        format!("[policy]\nkind = \"cost\"\n[policy.cost]\ninitial_weight = {initial_weight}\nexplore = 0.5\n{extra}");
+    let config = format!(
+        "[policy]\nkind = \"cost\"\n[policy.cost]\ninitial_weight = {initial_weight}\nexplore = 0.5\nepoch_requests = 16\n{extra}"
+    );
     Gateway::builder()
         .shm(&unique(tag))
         .backends(engines)
@@ -120,7 +138,7 @@ fn the_weight_rises_when_requests_queue_behind_a_cached_prefix() {
         .map(|c| {
             let (barrier, addr) = (barrier.clone(), gw.addr().to_owned());
             std::thread::spawn(move || {
-                for group in 0..40 {
+                for group in 0..160 {
                     let system = format!("Team {group} agent. ")
                         + &"Answer questions about the fleet of inference servers in one line. ".repeat(20);
                     let mut messages = vec![json!({"role": "system", "content": system})];
@@ -142,14 +160,17 @@ fn the_weight_rises_when_requests_queue_behind_a_cached_prefix() {
 
 #[test]
 fn the_weight_falls_when_moving_a_conversation_recomputes_its_document() {
-    // Room for about five of the eight documents per engine: four stay
-    // cached where they live, while conversations that move evict each
-    // other.
+    // Each client holds short conversations (5 turns) one after the
+    // other, each on a new ~4 900-token document, and the caches are large
+    // enough to evict nothing: a conversation that stays finds its
+    // document, one that moves recomputes it, and a new conversation's
+    // first prompt queues ~4 900 tokens ahead of the others on its engine,
+    // which a load-heavy weight flees.
     // The engines are slower than in the other test (a simulated second
     // is 0.3 s), so that a recompute stands out from the gateway's own
     // time in a debug build.
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let kv = ["--kv-capacity-tokens", "40000"];
+    let kv = ["--kv-capacity-tokens", "400000"];
     let engines = [engine("0.3", &kv), engine("0.3", &kv)];
     let refs: Vec<&Proc> = engines.iter().collect();
     // Each request decoding at an engine counts as 1 000 tokens of work
@@ -157,12 +178,13 @@ fn the_weight_falls_when_moving_a_conversation_recomputes_its_document() {
     // conversation moves whenever the other engine has one request fewer
     // decoding, at 1/16 almost never.
     let gw = gateway("cache", &refs, 16.0, "running_request_tokens = 1000\n");
-    fn opening(c: usize) -> Value {
-        // Unique from the first token: no block is shared between clients.
-        let document: String = (0..900).map(|i| format!("c{c} line {i}; ")).collect();
-        json!({"role": "system", "content": format!("Document of client {c}: {document}")})
+    fn opening(c: usize, s: usize) -> Value {
+        // Unique from the first token: no block is shared between
+        // conversations.
+        let document: String = (0..900).map(|i| format!("c{c}s{s} line {i}; ")).collect();
+        json!({"role": "system", "content": format!("Document {s} of client {c}: {document}")})
     }
-    conversations(&gw, 8, 80, 8, opening);
+    conversations(&gw, 8, 64, 5, 8, opening);
     let w = weights(&gw);
     eprintln!("weights after the run: {w:?}");
     assert!(w[0] < 16.0, "the weight did not fall from 16: {w:?}");

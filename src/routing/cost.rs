@@ -33,10 +33,11 @@
 //! `λ` says how many prefill tokens of its own a request should pay to
 //! avoid one token of work queued ahead of it. Its right value depends on
 //! the engines (how much a batch overlaps queued work) and the traffic,
-//! so it is tuned online ([`WeightBandit`]): each request is routed with
-//! one weight of a grid from 1/16 to 16, mostly the one whose requests
-//! have seen the lowest TTFT lately, sometimes another (`explore`), and
-//! the TTFT its answer shows is that weight's evidence. `tune = false`
+//! so it is tuned online ([`WeightBandit`]): each epoch of
+//! `epoch_requests` requests is routed with one weight of a grid from
+//! 1/16 to 16, mostly the one whose requests have seen the lowest TTFT
+//! lately, sometimes another (`explore`), and the TTFTs its answers show
+//! are that weight's evidence. `tune = false`
 //! keeps `initial_weight`. Each dispatcher tunes its own weight from the
 //! requests it routes and publishes it (`semlb_cost_weight` in
 //! `/metrics`, the `WEIGHT` column of `semlb status`).
@@ -46,7 +47,7 @@ use std::sync::atomic::AtomicU64;
 use serde::{Deserialize, Serialize};
 
 use super::least_load::least_loaded_where;
-use super::weight_bandit::{WeightBandit, arm_near, weight_of};
+use super::weight_bandit::{EPOCH_REQUESTS, WeightBandit, arm_near, weight_of};
 use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, in_range, in_range_f64};
 
 /// Tuning of the [`Cost`] policy.
@@ -59,9 +60,13 @@ pub struct CostParams {
     pub initial_weight: f64,
     /// Whether `λ` is tuned online. Default true.
     pub tune: bool,
-    /// Share of requests routed with another weight than the leading one,
+    /// Share of epochs routed with another weight than the leading one,
     /// to keep learning. Default 0.1; 0 to 0.5.
     pub explore: f64,
+    /// Requests of an epoch: every request of an epoch is routed with the
+    /// same weight, and the TTFTs of an epoch's requests are that weight's
+    /// evidence together (see [`WeightBandit`]). Default 32; 1 to 4096.
+    pub epoch_requests: u32,
     /// Prefill tokens one request decoding at a server counts as queued
     /// work. Default 16; 0 to 1 000 000.
     pub running_request_tokens: u64,
@@ -73,6 +78,7 @@ impl Default for CostParams {
             initial_weight: 1.0,
             tune: true,
             explore: 0.1,
+            epoch_requests: EPOCH_REQUESTS,
             running_request_tokens: 16,
         }
     }
@@ -88,7 +94,14 @@ impl CostParams {
             16.0,
             "queued tokens against uncached tokens",
         )?;
-        in_range_f64("explore", self.explore, 0.0, 0.5, "a share of requests")?;
+        in_range_f64("explore", self.explore, 0.0, 0.5, "a share of epochs")?;
+        in_range(
+            "epoch_requests",
+            u64::from(self.epoch_requests),
+            1,
+            4096,
+            "requests per epoch",
+        )?;
         in_range(
             "running_request_tokens",
             self.running_request_tokens,
@@ -113,7 +126,7 @@ impl Cost {
         let explore = if params.tune { params.explore } else { 0.0 };
         Self {
             params,
-            bandit: WeightBandit::new(params.initial_weight, explore),
+            bandit: WeightBandit::new(params.initial_weight, explore, params.epoch_requests),
             turn: AtomicU64::new(0),
         }
     }
@@ -255,7 +268,7 @@ mod tests {
         let p = Cost::new(CostParams::default());
         assert_eq!(p.tuned_weight(), Some(1.0));
         // Requests routed with a higher weight see a tenth of the TTFT.
-        for _ in 0..3000 {
+        for _ in 0..30_000 {
             let Reason::Cost { arm: Some(arm) } = p.choose(&input_for(&chain, 64, &prefix, &cands)).unwrap().reason
             else {
                 panic!("untagged choice");
@@ -278,5 +291,10 @@ mod tests {
             ..CostParams::default()
         };
         assert_eq!(bad.validate().unwrap_err().field, "explore");
+        let bad = CostParams {
+            epoch_requests: 0,
+            ..CostParams::default()
+        };
+        assert_eq!(bad.validate().unwrap_err().field, "epoch_requests");
     }
 }

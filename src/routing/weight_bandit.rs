@@ -13,32 +13,53 @@
 //!
 //! # Rule
 //!
-//! * **Draw.** Each request routed draws its arm: the *leader* (the arm
-//!   whose requests had the lowest mean log TTFT), or, with probability
-//!   `explore`, any other arm, uniformly. The draw is per request and random, so every
-//!   arm sees the same mix of prompts and moments and the comparison is
-//!   fair.
+//! * **Epochs.** Requests are routed in epochs of `epoch_requests` (default
+//!   [`EPOCH_REQUESTS`]) requests of this dispatcher, and every request of
+//!   an epoch uses the epoch's arm: the *leader* (the arm whose requests
+//!   had the lowest mean log TTFT), or, for a share `explore` of the
+//!   epochs, any other arm, uniformly. Per epoch, not per request,
+//!   because requests interfere: a request that moves a conversation
+//!   makes its engine recompute a document, and the requests batched
+//!   with it wait through that prefill whatever their own weight. With a
+//!   weight per request that cost lands on every arm alike and no arm
+//!   looks worse; with a weight per epoch it lands, mostly, on the arm
+//!   that caused it (a *switchback* experiment). Measured in
+//!   `tests/cost.rs`: conversations on their own documents, two engines,
+//!   weight 16 against the rest: per request, the same share of slow
+//!   first tokens on every arm (35–45 %); per epoch of 32, 42–47 % at
+//!   weight 16 against 22–34 % at the others.
 //! * **Reward.** When the answer ends, its time to first token is a
 //!   sample of its arm: the first byte of a stream, or the whole latency
 //!   of a non-streamed answer (its decode time is the same, on average,
 //!   for every arm). The statistic is `ln(TTFT)`: TTFTs are heavy-tailed,
 //!   and what the comparison should see is a ratio (arm A's requests wait
 //!   half as long), not a few seconds of one outlier.
+//! * **Batches.** An epoch's requests share their moment, so their samples
+//!   are not independent evidence. Each arm's samples are averaged in
+//!   batches of `epoch_requests` as they arrive, and the batch means are
+//!   the samples the comparison counts (the method of batch means).
 //! * **Memory.** Each arm keeps a count, a sum and a sum of squares of its
-//!   samples, and every sample decays all arms by `1 − 1/`[`MEMORY`], so
-//!   old evidence fades (a half-life of ~0.7 × `MEMORY` samples) and the
+//!   batch means, and every batch decays all arms by `1 − 1/`[`MEMORY`], so
+//!   old evidence fades (a half-life of ~0.7 × `MEMORY` batches) and the
 //!   leader follows a workload that changes.
-//! * **Leader.** An arm with at least [`MIN_SAMPLES`] (decayed) samples
+//! * **Leader.** An arm with at least [`MIN_BATCHES`] (decayed) batches
 //!   takes over when its mean is below the leader's by more than
-//!   [`LEAD_MARGIN`] standard errors of the difference: a challenger must be clearly
-//!   better, so the leader does not flap between two arms that are as
-//!   good as each other.
+//!   [`LEAD_MARGIN`] standard errors of the difference: a challenger must
+//!   be clearly better, so the leader does not flap between two arms that
+//!   are as good as each other.
 //!
-//! The tuner is per dispatcher, lock-free on the routing path (the leader
-//! is one atomic), and takes a mutex only to add a sample.
+//! At the defaults (explore 0.1, epochs of 32) another arm gets one epoch
+//! in 80, so taking the lead from a start that is wrong everywhere near it
+//! takes some 10 000 to 20 000 requests of a dispatcher (see the unit
+//! tests): the tuner is for steady traffic, and `initial_weight` is the
+//! operator's prior.
+//!
+//! The tuner is per dispatcher, lock-free on the routing path (the epoch's
+//! arm and the leader are atomics), and takes a mutex only to add a
+//! sample.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 use super::random::Random;
 
@@ -46,10 +67,12 @@ use super::random::Random;
 pub const ARMS: usize = 9;
 /// The arm of weight 1 (the grid is `2^(arm − UNIT_ARM)`).
 pub const UNIT_ARM: u8 = 4;
-/// Samples after which an old sample counts `1/e` as much as a new one.
-pub const MEMORY: f64 = 4000.0;
-/// Decayed samples an arm needs before it may lead.
-pub const MIN_SAMPLES: f64 = 12.0;
+/// Requests of an epoch (and of a batch), by default.
+pub const EPOCH_REQUESTS: u32 = 32;
+/// Batches after which an old batch counts `1/e` as much as a new one.
+pub const MEMORY: f64 = 400.0;
+/// Decayed batches an arm needs before it may lead.
+pub const MIN_BATCHES: f64 = 3.0;
 /// Standard errors of the difference by which a challenger's mean must be
 /// below the leader's to take over.
 pub const LEAD_MARGIN: f64 = 2.5;
@@ -65,7 +88,7 @@ pub fn arm_near(weight: f64) -> u8 {
     k.clamp(0.0, (ARMS - 1) as f64) as u8
 }
 
-/// One arm's decayed samples of `ln(TTFT in µs)`.
+/// One arm's decayed batch means of `ln(TTFT in µs)`.
 #[derive(Debug, Clone, Copy, Default)]
 struct ArmStats {
     n: f64,
@@ -78,36 +101,54 @@ impl ArmStats {
         self.sum / self.n
     }
 
-    /// The variance of the mean (of a sample's variance / n), with a floor
-    /// so that a few equal samples are not taken as certain.
+    /// The variance of the mean (of a batch mean's variance / n), with a
+    /// floor so that a few equal batches are not taken as certain.
     fn mean_variance(&self) -> f64 {
         let var = (self.sum_sq / self.n - self.mean().powi(2)).max(0.01);
         var / self.n
     }
 }
 
+/// What the tuner has learnt: each arm's batches and its open batch
+/// (samples so far, their sum).
+#[derive(Debug, Default)]
+struct Evidence {
+    arms: [ArmStats; ARMS],
+    open: [(u32, f64); ARMS],
+}
+
 /// The tuner (see the [module docs](self)).
 #[derive(Debug)]
 pub struct WeightBandit {
     leader: AtomicU8,
+    /// The current epoch's arm.
+    current: AtomicU8,
+    /// Requests drawn so far.
+    drawn: AtomicU64,
+    epoch_requests: u32,
     explore: f64,
-    arms: Mutex<[ArmStats; ARMS]>,
+    evidence: Mutex<Evidence>,
     rng: Random,
 }
 
 impl WeightBandit {
     /// A tuner whose leader starts at the arm nearest `initial_weight`, and
-    /// which tries another arm for a share `explore` of the requests.
-    pub fn new(initial_weight: f64, explore: f64) -> Self {
-        Self::with_rng(initial_weight, explore, Random::new())
+    /// which routes a share `explore` of its epochs of `epoch_requests`
+    /// requests with another arm.
+    pub fn new(initial_weight: f64, explore: f64, epoch_requests: u32) -> Self {
+        Self::with_rng(initial_weight, explore, epoch_requests, Random::new())
     }
 
     /// The same, drawing from `rng`.
-    fn with_rng(initial_weight: f64, explore: f64, rng: Random) -> Self {
+    fn with_rng(initial_weight: f64, explore: f64, epoch_requests: u32, rng: Random) -> Self {
+        let start = arm_near(initial_weight);
         Self {
-            leader: AtomicU8::new(arm_near(initial_weight)),
+            leader: AtomicU8::new(start),
+            current: AtomicU8::new(start),
+            drawn: AtomicU64::new(0),
+            epoch_requests: epoch_requests.max(1),
             explore,
-            arms: Mutex::new([ArmStats::default(); ARMS]),
+            evidence: Mutex::new(Evidence::default()),
             rng,
         }
     }
@@ -117,15 +158,22 @@ impl WeightBandit {
         self.leader.load(Ordering::Relaxed)
     }
 
-    /// The arm a request is routed with (see the rule).
+    /// The arm a request is routed with: its epoch's (see the rule).
     pub fn draw(&self) -> u8 {
-        let leader = self.leader();
-        if self.rng.unit() >= self.explore {
-            return leader;
+        let drawn = self.drawn.fetch_add(1, Ordering::Relaxed);
+        if !drawn.is_multiple_of(u64::from(self.epoch_requests)) {
+            return self.current.load(Ordering::Relaxed);
         }
-        // Any other arm, uniformly.
-        let other = self.rng.below(ARMS - 1) as u8;
-        if other >= leader { other + 1 } else { other }
+        let leader = self.leader();
+        let arm = if self.rng.unit() >= self.explore {
+            leader
+        } else {
+            // Any other arm, uniformly.
+            let other = self.rng.below(ARMS - 1) as u8;
+            if other >= leader { other + 1 } else { other }
+        };
+        self.current.store(arm, Ordering::Relaxed);
+        arm
     }
 
     /// A request routed with `arm` saw its first token after `ttft_us`.
@@ -135,19 +183,29 @@ impl WeightBandit {
             return;
         }
         let x = f64::from(ttft_us.max(1)).ln();
-        let mut arms = self.arms.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.evidence.lock().unwrap_or_else(|e| e.into_inner());
+        let evidence = &mut *guard;
+        let open = &mut evidence.open[i];
+        open.0 += 1;
+        open.1 += x;
+        if open.0 < self.epoch_requests {
+            return;
+        }
+        let batch = open.1 / f64::from(open.0);
+        *open = (0, 0.0);
         let keep = 1.0 - 1.0 / MEMORY;
-        for a in arms.iter_mut() {
+        for a in evidence.arms.iter_mut() {
             a.n *= keep;
             a.sum *= keep;
             a.sum_sq *= keep;
         }
+        let arms = &mut evidence.arms;
         arms[i].n += 1.0;
-        arms[i].sum += x;
-        arms[i].sum_sq += x * x;
+        arms[i].sum += batch;
+        arms[i].sum_sq += batch * batch;
         let leader = usize::from(self.leader());
         let (l, a) = (arms[leader], arms[i]);
-        if i == leader || l.n < MIN_SAMPLES || a.n < MIN_SAMPLES {
+        if i == leader || l.n < MIN_BATCHES || a.n < MIN_BATCHES {
             return;
         }
         if l.mean() - a.mean() > LEAD_MARGIN * (l.mean_variance() + a.mean_variance()).sqrt() {
@@ -155,12 +213,12 @@ impl WeightBandit {
         }
     }
 
-    /// Every arm with samples, for tests and diagnostics: `(arm, geometric
-    /// mean TTFT in µs, decayed samples)`.
+    /// Every arm with batches, for tests and diagnostics: `(arm, geometric
+    /// mean TTFT in µs, decayed batches)`.
     pub fn snapshot(&self) -> Vec<(u8, f64, f64)> {
-        let arms = self.arms.lock().unwrap_or_else(|e| e.into_inner());
+        let evidence = self.evidence.lock().unwrap_or_else(|e| e.into_inner());
         (0..ARMS as u8)
-            .zip(arms.iter())
+            .zip(evidence.arms.iter())
             .filter(|(_, a)| a.n > 0.0)
             .map(|(k, a)| (k, a.mean().exp(), a.n))
             .collect()
@@ -182,9 +240,10 @@ mod tests {
         assert_eq!(arm_near(0.0), 0);
     }
 
-    /// A tuner whose draws follow `seed`.
+    /// A tuner at the defaults (explore 0.1, epochs of 32) whose draws
+    /// follow `seed`.
     fn seeded(initial_weight: f64, seed: u64) -> WeightBandit {
-        WeightBandit::with_rng(initial_weight, 0.1, Random::with_seed(seed))
+        WeightBandit::with_rng(initial_weight, 0.1, EPOCH_REQUESTS, Random::with_seed(seed))
     }
 
     /// A simulated world where arm `k`'s requests wait `ttft(k)` µs, with
@@ -210,7 +269,7 @@ mod tests {
         for seed in 0..10 {
             let bandit = seeded(1.0 / 16.0, seed);
             assert_eq!(bandit.leader(), 0);
-            run(&bandit, seed, 4000, |k| match k {
+            run(&bandit, seed, 40_000, |k| match k {
                 0..=3 => 200_000.0,
                 4 => 100_000.0,
                 5 => 60_000.0,
@@ -224,27 +283,83 @@ mod tests {
     #[test]
     fn equally_good_arms_rarely_take_the_lead_from_each_other() {
         // Noise alone sometimes clears the margin (the comparison is
-        // repeated at every sample); it must stay rare.
+        // repeated at every batch); it must stay rare.
         let changes: usize = (0..20)
-            .map(|seed| run(&seeded(1.0, seed), seed, 4000, |_| 50_000.0))
+            .map(|seed| run(&seeded(1.0, seed), seed, 40_000, |_| 50_000.0))
             .sum();
-        assert!(changes <= 20, "{changes} changes of leader in 20 runs of 4000 requests");
+        assert!(
+            changes <= 20,
+            "{changes} changes of leader in 20 runs of 40 000 requests"
+        );
     }
 
     #[test]
     fn the_leader_follows_a_workload_that_changes() {
         for seed in 0..10 {
             let bandit = seeded(1.0, seed);
-            run(&bandit, seed, 3000, |k| if k <= 2 { 30_000.0 } else { 90_000.0 });
+            run(&bandit, seed, 30_000, |k| if k <= 2 { 30_000.0 } else { 90_000.0 });
             assert!(bandit.leader() <= 2, "seed {seed}: {:?}", bandit.snapshot());
-            run(&bandit, seed + 100, 6000, |k| if k >= 6 { 30_000.0 } else { 90_000.0 });
+            run(
+                &bandit,
+                seed + 100,
+                60_000,
+                |k| if k >= 6 { 30_000.0 } else { 90_000.0 },
+            );
             assert!(bandit.leader() >= 6, "seed {seed}: {:?}", bandit.snapshot());
+        }
+    }
+
+    /// A world where requests interfere: what a request waits depends on
+    /// the weights of the 16 requests before it, not its own (a move's
+    /// recompute delays the requests batched with it). Weights 8 and 16
+    /// hurt; the tuner starts at 16.
+    fn interfering(epoch_requests: u32, seed: u64) -> WeightBandit {
+        let bandit = WeightBandit::with_rng(16.0, 0.5, epoch_requests, Random::with_seed(seed));
+        let noise = Random::with_seed(seed ^ 0xabcd);
+        let mut recent = std::collections::VecDeque::from([0.0; 16]);
+        for _ in 0..4000 {
+            let arm = bandit.draw();
+            recent.pop_front();
+            recent.push_back(match arm {
+                8 => 1.0,
+                7 => 0.5,
+                _ => 0.0,
+            });
+            let harm = recent.iter().sum::<f64>() / 16.0;
+            let jitter = (noise.unit() * 2.0 - 1.0).exp();
+            bandit.observe(arm, (20_000.0 * (2.0 * harm).exp() * jitter) as u32);
+        }
+        bandit
+    }
+
+    /// How much worse weight 16's requests looked than those of weights
+    /// 1/16 to 2, in `ln(TTFT)`.
+    fn gap(bandit: &WeightBandit) -> f64 {
+        let means = bandit.snapshot();
+        let mean_of = |k: u8| means.iter().find(|m| m.0 == k).map_or(f64::NAN, |m| m.1.ln());
+        let others = (0..=5).map(mean_of).sum::<f64>() / 6.0;
+        mean_of(8) - others
+    }
+
+    #[test]
+    fn epochs_see_the_cost_a_weight_puts_on_the_requests_after_it() {
+        for seed in 0..10 {
+            let by_epoch = interfering(EPOCH_REQUESTS, seed);
+            assert!(by_epoch.leader() < 7, "seed {seed}: {:?}", by_epoch.snapshot());
+            // Per request, every arm shares the harm alike: weight 16
+            // looks hardly worse than the others.
+            let by_request = interfering(1, seed);
+            let (epoch_gap, request_gap) = (gap(&by_epoch), gap(&by_request));
+            assert!(
+                epoch_gap > 0.5 && request_gap < epoch_gap / 3.0,
+                "seed {seed}: gap {epoch_gap:.2} by epoch, {request_gap:.2} by request"
+            );
         }
     }
 
     #[test]
     fn out_of_range_arms_are_ignored() {
-        let bandit = WeightBandit::new(1.0, 0.1);
+        let bandit = WeightBandit::new(1.0, 0.1, EPOCH_REQUESTS);
         bandit.observe(ARMS as u8, 1);
         assert!(bandit.snapshot().is_empty());
     }
