@@ -8,7 +8,9 @@
 //!   short histories. A cache-heavy weight (1/16) keeps sending every
 //!   conversation to the engine that holds the system prompt and its
 //!   history, where requests queue behind each other; a recompute costs
-//!   little. The weight must rise.
+//!   little. The weight must rise. (The policy's load bound, on by
+//!   default, caps such a pile-up whatever the weight; it is off in both
+//!   tests so that the weight alone decides.)
 //! * **Cache matters.** Two engines with a large batch and cache, short
 //!   conversations each on its own ~4 900-token document. A load-heavy
 //!   weight (16) moves a conversation whenever the other engine has a
@@ -106,11 +108,14 @@ fn conversations(
 }
 
 /// A gateway with one dispatcher routing with `cost` from
-/// `initial_weight`, exploring half the time; `extra` adds to the
-/// `[policy.cost]` table.
+/// `initial_weight`, exploring half the time, without the load bound
+/// (here only the weight may spread or keep conversations; the bound
+/// would move them off an engine with more than its share whatever the
+/// weight, and has its own tests in `routing::load_bound`); `extra` adds
+/// to the `[policy.cost]` table.
 fn gateway(tag: &str, engines: &[&Proc], initial_weight: f64, extra: &str) -> Gateway {
     let config = format!(
-        "[policy]\nkind = \"cost\"\n[policy.cost]\ninitial_weight = {initial_weight}\nexplore = 0.5\nepoch_requests = 16\n{extra}"
+        "[policy]\nkind = \"cost\"\n[policy.cost]\ninitial_weight = {initial_weight}\nexplore = 0.5\nepoch_requests = 16\nbounded_load = false\n{extra}"
     );
     Gateway::builder()
         .shm(&unique(tag))

@@ -83,11 +83,13 @@
 //! | `policy.weighted_scorers.load_weight` | float | `1` | weight of the in-flight load score |
 //! | `policy.weighted_scorers.pick` | `max`, `weighted_random` | `max` | the best score, or a draw weighted by score |
 //! | `[policy.cost]` | table | | prefill-token cost with a weight tuned online ([`crate::routing::cost`]) |
-//! | `policy.cost.initial_weight` | float | `1` | weight of queued work against uncached prompt tokens to start from (1/16 to 16) |
+//! | `policy.cost.initial_weight` | float | `0.0625` | weight of queued work against uncached prompt tokens to start from (1/16 to 16) |
 //! | `policy.cost.tune` | bool | `true` | tune the weight online from TTFT |
-//! | `policy.cost.explore` | float | `0.1` | share of epochs routed with another weight (0 to 0.5) |
+//! | `policy.cost.explore` | float | `0.05` | share of epochs routed with another weight (0 to 0.5) |
 //! | `policy.cost.epoch_requests` | int | `32` | requests per epoch: an epoch's requests share one weight and are its evidence together (1 to 4096) |
 //! | `policy.cost.running_request_tokens` | integer | `16` | prefill tokens one decoding request counts as queued work |
+//! | `policy.cost.bounded_load` | boolean | `true` | skip servers above `(1 + load_epsilon)` × the average requests in flight |
+//! | `policy.cost.load_epsilon` | float | `0.25` | the bound's slack (0 to 100) |
 //! | `[response_cache]` | table | | the exact-response cache |
 //! | `response_cache.enabled` | bool | `true` | answer repeated deterministic requests from the cache |
 //! | `response_cache.ttl_secs` | integer | `300` | how long a cached response is served (1 s to 1 year) |

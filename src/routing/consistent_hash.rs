@@ -28,21 +28,20 @@
 //! 2. **Ring.** `ring::HashRing`: `virtual_nodes` points per
 //!    server slot; the key goes to the first server clockwise that is a
 //!    candidate (up) and not over the load bound ([`Reason::Session`]).
-//! 3. **Bounded load** (`bounded_load`, default on; Mirrokni, Thorup &
-//!    Zadimoghaddam, "Consistent Hashing with Bounded Loads", 2018): a
+//! 3. **Bounded load** (`bounded_load`, default on; [`LoadBound`]): a
 //!    server is skipped while taking this request would put it above
 //!    `ceil((1 + load_epsilon) × (requests in flight + 1) / servers)`.
-//!    With `load_epsilon > 0` some server is always under the bound, and a
-//!    session leaves its server only while that server carries more than
-//!    its share.
+//!    Some server is always under the bound, and a session leaves its
+//!    server only while that server carries more than its share.
 
 use std::sync::atomic::AtomicU64;
 
 use serde::{Deserialize, Serialize};
 
 use super::least_load::least_loaded;
+use super::load_bound::LoadBound;
 use super::ring::HashRing;
-use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, SessionSource, in_range, in_range_f64};
+use super::{Choice, InvalidParam, Policy, Reason, RouteInput, SessionSource, in_range, in_range_f64};
 
 /// Tuning of the [`ConsistentHash`] policy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -155,15 +154,6 @@ impl ConsistentHash {
             n.checked_sub(1).map(|i| input.chain[i])
         })
     }
-
-    /// Whether `c` may take one more request under the load bound.
-    fn under_bound(&self, c: &Candidate, total: u64, servers: u64) -> bool {
-        if !self.params.bounded_load {
-            return true;
-        }
-        let bound = ((1.0 + self.params.load_epsilon) * (total + 1) as f64 / servers as f64).ceil();
-        (c.inflight + 1) as f64 <= bound
-    }
 }
 
 impl Policy for ConsistentHash {
@@ -179,11 +169,12 @@ impl Policy for ConsistentHash {
                 reason: Reason::LeastLoad,
             });
         };
-        let total: u64 = candidates.iter().map(|c| c.inflight).sum();
-        let servers = candidates.len() as u64;
+        let bound = self
+            .params
+            .bounded_load
+            .then(|| LoadBound::over(candidates, self.params.load_epsilon));
         self.ring
-            .walk(key, candidates, |c| self.under_bound(c, total, servers))
-            // ε = 0 with equal loads can bound everyone out: least load.
+            .walk(key, candidates, |c| bound.is_none_or(|b| b.admits(c)))
             .or_else(|| least_loaded(candidates, &self.turn))
             .map(|c| Choice {
                 server: c.server,
@@ -199,6 +190,7 @@ impl Policy for ConsistentHash {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::routing::Candidate;
     use crate::routing::test_support::{Fixture, cand, input_for};
     use shm_layout::PrefixMatch;
 

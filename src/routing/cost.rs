@@ -27,13 +27,24 @@
 //!   block's worth, 16).
 //! * The lowest cost wins; ties go to the fewest requests in flight, then
 //!   in turn ([`Reason::Cost`]).
+//! * **Bounded load** (`bounded_load`, default on): servers that would
+//!   carry more than `1 + load_epsilon` times their share of the requests
+//!   in flight by taking this one are not candidates
+//!   ([`LoadBound`], as `consistent_hash`). A low weight keeps a
+//!   conversation where its cache is, which is what session traffic
+//!   needs, but with nothing else it would also send every conversation
+//!   that opens on one cached system prompt to the one engine that holds
+//!   it; the bound caps that at its share plus ε whatever the weight.
 //!
 //! # The weight λ
 //!
 //! `λ` says how many prefill tokens of its own a request should pay to
 //! avoid one token of work queued ahead of it. Its right value depends on
 //! the engines (how much a batch overlaps queued work) and the traffic,
-//! so it is tuned online ([`WeightBandit`]): each epoch of
+//! so it is tuned online ([`WeightBandit`]), from 1/16 by default (cache
+//! first: measured on the open-loop workloads of `semlb bench replay`,
+//! 1/16 beat 1/4, 1 and 4 on the session workloads and tied them on the
+//! others; see the README): each epoch of
 //! `epoch_requests` requests is routed with one weight of a grid from
 //! 1/16 to 16, mostly the one whose requests have seen the lowest TTFT
 //! lately, sometimes another (`explore`), and the TTFTs its answers show
@@ -47,21 +58,25 @@ use std::sync::atomic::AtomicU64;
 use serde::{Deserialize, Serialize};
 
 use super::least_load::least_loaded_where;
+use super::load_bound::LoadBound;
 use super::weight_bandit::{EPOCH_REQUESTS, WeightBandit, arm_near, weight_of};
 use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, in_range, in_range_f64};
+
+/// The weight `λ` tuning starts from by default: cache first.
+pub const INITIAL_WEIGHT: f64 = 1.0 / 16.0;
 
 /// Tuning of the [`Cost`] policy.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CostParams {
     /// The weight `λ` of queued work against uncached prompt tokens to
-    /// start from (rounded to the grid's nearest power of two). Default 1;
-    /// 1/16 to 16.
+    /// start from (rounded to the grid's nearest power of two). Default
+    /// 1/16 (0.0625); 1/16 to 16.
     pub initial_weight: f64,
     /// Whether `λ` is tuned online. Default true.
     pub tune: bool,
     /// Share of epochs routed with another weight than the leading one,
-    /// to keep learning. Default 0.1; 0 to 0.5.
+    /// to keep learning. Default 0.05; 0 to 0.5.
     pub explore: f64,
     /// Requests of an epoch: every request of an epoch is routed with the
     /// same weight, and the TTFTs of an epoch's requests are that weight's
@@ -70,16 +85,23 @@ pub struct CostParams {
     /// Prefill tokens one request decoding at a server counts as queued
     /// work. Default 16; 0 to 1 000 000.
     pub running_request_tokens: u64,
+    /// Skip servers above the load bound ([`LoadBound`]). Default true.
+    pub bounded_load: bool,
+    /// The bound's slack ε: at most `(1 + ε)` × the average requests in
+    /// flight. Default 0.25; 0.0 to 100.0.
+    pub load_epsilon: f64,
 }
 
 impl Default for CostParams {
     fn default() -> Self {
         Self {
-            initial_weight: 1.0,
+            initial_weight: INITIAL_WEIGHT,
             tune: true,
-            explore: 0.1,
+            explore: 0.05,
             epoch_requests: EPOCH_REQUESTS,
             running_request_tokens: 16,
+            bounded_load: true,
+            load_epsilon: 0.25,
         }
     }
 }
@@ -108,6 +130,13 @@ impl CostParams {
             0,
             1_000_000,
             "prefill tokens per decoding request",
+        )?;
+        in_range_f64(
+            "load_epsilon",
+            self.load_epsilon,
+            0.0,
+            100.0,
+            "slack over the average load",
         )
     }
 }
@@ -164,13 +193,23 @@ impl Policy for Cost {
             self.fixed_arm()
         };
         let weight = weight_of(arm);
+        let bound = self
+            .params
+            .bounded_load
+            .then(|| LoadBound::over(input.candidates, self.params.load_epsilon));
+        let allowed = |c: &Candidate| bound.is_none_or(|b| b.admits(c));
         let min = input
             .candidates
             .iter()
+            .filter(|c| allowed(c))
             .map(|c| self.cost(input, c, weight))
             .min_by(f64::total_cmp)?;
         // Among the cheapest: the fewest in flight, then in turn.
-        let server = least_loaded_where(input.candidates, |c| self.cost(input, c, weight) == min, &self.turn)?;
+        let server = least_loaded_where(
+            input.candidates,
+            |c| allowed(c) && self.cost(input, c, weight) == min,
+            &self.turn,
+        )?;
         Some(Choice {
             server: server.server,
             reason: Reason::Cost {
@@ -245,6 +284,33 @@ mod tests {
     }
 
     #[test]
+    fn a_server_over_the_load_bound_is_skipped_whatever_its_cache() {
+        let f = Fixture::new(2);
+        let chain = Fixture::chain(4, 64); // 1024 tokens, all held by s0
+        f.hold(0, &chain);
+        let prefix = f.matched(&chain);
+        // s0 runs 5 decoding requests, s1 one: ceil(1.25 × 7 / 2) = 5,
+        // so s0 may not take a sixth.
+        let cands = [cand(f.s[0], 5, 5000), cand(f.s[1], 1, 1000)];
+        let input = input_for(&chain, 1024, &prefix, &cands);
+        assert_eq!(fixed(1.0 / 16.0).choose(&input).unwrap().server, f.s[1]);
+        // Without the bound, 1/16 × 5 × 16 queued tokens is no reason to
+        // recompute 1024.
+        let unbounded = Cost::new(CostParams {
+            initial_weight: 1.0 / 16.0,
+            tune: false,
+            bounded_load: false,
+            ..CostParams::default()
+        });
+        assert_eq!(unbounded.choose(&input).unwrap().server, f.s[0]);
+        // Under the bound (3 in flight: ceil(1.25 × 5 / 2) = 4), the cache
+        // wins again.
+        let cands = [cand(f.s[0], 3, 3000), cand(f.s[1], 1, 1000)];
+        let input = input_for(&chain, 1024, &prefix, &cands);
+        assert_eq!(fixed(1.0 / 16.0).choose(&input).unwrap().server, f.s[0]);
+    }
+
+    #[test]
     fn equal_costs_rotate_over_the_least_loaded() {
         let f = Fixture::new(3);
         let chain = Fixture::chain(2, 4);
@@ -266,8 +332,8 @@ mod tests {
         let prefix = f.matched(&chain);
         let cands = [cand(f.s[0], 0, 0), cand(f.s[1], 1, 10)];
         let p = Cost::new(CostParams::default());
-        assert_eq!(p.tuned_weight(), Some(1.0));
-        // Requests routed with a higher weight see a tenth of the TTFT.
+        assert_eq!(p.tuned_weight(), Some(INITIAL_WEIGHT));
+        // Requests routed with a weight above 1 see a tenth of the TTFT.
         for _ in 0..30_000 {
             let Reason::Cost { arm: Some(arm) } = p.choose(&input_for(&chain, 64, &prefix, &cands)).unwrap().reason
             else {
@@ -296,5 +362,10 @@ mod tests {
             ..CostParams::default()
         };
         assert_eq!(bad.validate().unwrap_err().field, "epoch_requests");
+        let bad = CostParams {
+            load_epsilon: -0.5,
+            ..CostParams::default()
+        };
+        assert_eq!(bad.validate().unwrap_err().field, "load_epsilon");
     }
 }

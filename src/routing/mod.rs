@@ -69,6 +69,7 @@ pub mod consistent_hash;
 pub mod cost;
 pub mod dual_map;
 pub mod least_load;
+mod load_bound;
 pub mod random;
 mod ring;
 pub mod round_robin;

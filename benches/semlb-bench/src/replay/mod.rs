@@ -87,7 +87,9 @@
 //! `selective_push` gives two more: `selective_push/unstarted` (its strict
 //! mode) and `selective_push/max8`, its fixed-cap mode (`max_outstanding`
 //! requests in flight per engine, `--max-outstanding 8`; 0 drops the row),
-//! the baseline the SkyLB paper compares selective pushing with. Each row is run on each
+//! the baseline the SkyLB paper compares selective pushing with;
+//! `--cost-weights 0.0625,1,16` adds a `cost/w=X` row per weight, `cost`
+//! with that weight fixed (what its tuner chooses among). Each row is run on each
 //! workload at the rate multipliers of `--sweep` (default `0.5,1,1.5,2`; 1
 //! is always included): multiplier m divides the arrival times by m too
 //! (m × the offered rate; think and tool times shrink with it) while the
@@ -248,6 +250,11 @@ pub struct ReplayArgs {
     /// `policy/no-feedback` row).
     #[arg(long)]
     pub compare_feedback: bool,
+    /// Also replay `cost` with each of these weights fixed (`tune = false`,
+    /// a `cost/w=X` row each), comma-separated: what the tuner chooses
+    /// among.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub cost_weights: Vec<f64>,
     /// The engines' KV cache in tokens (the simulator's
     /// `--kv-capacity-tokens`; small values make them evict often)
     /// [default: the simulator's, 400 000].
@@ -298,6 +305,7 @@ impl ReplayArgs {
             agents_rate: 1.5,
             compare_learning: false,
             compare_feedback: false,
+            cost_weights: Vec::new(),
             kv_tokens: None,
             max_output: 2048,
             dispatchers: 2,
@@ -389,7 +397,13 @@ impl Arm {
     /// `selective_push`, its strict `unstarted` mode and (with
     /// `max_outstanding > 0`) its fixed-cap mode (the SkyLB paper's
     /// comparison).
-    fn of(kind: PolicyKind, max_outstanding: u64, compare_learning: bool, compare_feedback: bool) -> Vec<Arm> {
+    fn of(kind: PolicyKind, args: &ReplayArgs) -> Vec<Arm> {
+        let ReplayArgs {
+            max_outstanding,
+            compare_learning,
+            compare_feedback,
+            ..
+        } = *args;
         let mut arms = vec![Arm {
             kind,
             label: kind.name().to_owned(),
@@ -419,6 +433,14 @@ impl Arm {
                 config: "\n[policy.selective_push]\nmode = \"unstarted\"\n".to_owned(),
                 top: String::new(),
             });
+        }
+        if kind == PolicyKind::Cost {
+            arms.extend(args.cost_weights.iter().map(|w| Arm {
+                kind,
+                label: format!("{kind}/w={w}"),
+                config: format!("\n[policy.cost]\ntune = false\ninitial_weight = {w:?}\n"),
+                top: String::new(),
+            }));
         }
         if kind == PolicyKind::SelectivePush && max_outstanding > 0 {
             arms.push(Arm {
@@ -519,10 +541,7 @@ fn run_workload(
     let sessions: Vec<Option<u64>> = workload.requests.iter().map(|r| r.session).collect();
     let bar = output::progress(0, &report_name(workload.kind, set));
     let base_rate = (!closed_loop).then(|| workload.offered_rate());
-    let arms: Vec<Arm> = policies
-        .iter()
-        .flat_map(|&k| Arm::of(k, args.max_outstanding, args.compare_learning, args.compare_feedback))
-        .collect();
+    let arms: Vec<Arm> = policies.iter().flat_map(|&k| Arm::of(k, args)).collect();
     let mut reports = Vec::with_capacity(arms.len());
     for arm in arms {
         let mut points = Vec::new();

@@ -1,0 +1,66 @@
+//! Bounded load (Mirrokni, Thorup & Zadimoghaddam, "Consistent Hashing
+//! with Bounded Loads", 2018): a server may take a request only while that
+//! keeps it at or under `ceil((1 + ε) × (requests in flight + 1) / servers)`.
+//!
+//! A policy that prefers a server for its cache or its session
+//! (`consistent_hash`, `cost`) skips the servers over the bound, so no
+//! preference, however strong, piles the traffic on one engine: a server
+//! carries at most `1 + ε` times its share. The least loaded server is
+//! always under the bound, even with `ε = 0`: with `t` in flight over `n`
+//! servers it carries at most `floor(t / n)`, and the bound is at least
+//! one more.
+
+use super::Candidate;
+
+/// The most requests in flight a server may reach by taking one more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LoadBound(u64);
+
+impl LoadBound {
+    /// The bound over `candidates` (not empty) with slack `epsilon`.
+    pub(crate) fn over(candidates: &[Candidate], epsilon: f64) -> Self {
+        let total: u64 = candidates.iter().map(|c| c.inflight).sum();
+        let share = (total + 1) as f64 / candidates.len().max(1) as f64;
+        Self(((1.0 + epsilon) * share).ceil() as u64)
+    }
+
+    /// Whether `c` may take one more request.
+    pub(crate) fn admits(self, c: &Candidate) -> bool {
+        c.inflight < self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routing::test_support::{Fixture, cand};
+
+    #[test]
+    fn a_server_takes_at_most_one_plus_epsilon_times_its_share() {
+        let f = Fixture::new(3);
+        // 10 + 1 + 1 in flight, one more: ceil(1.25 × 13 / 3) = 6.
+        let cands = [cand(f.s[0], 10, 0), cand(f.s[1], 1, 0), cand(f.s[2], 1, 0)];
+        let bound = LoadBound::over(&cands, 0.25);
+        assert_eq!(bound, LoadBound(6));
+        assert!(!bound.admits(&cands[0]));
+        assert!(bound.admits(&cands[1]));
+        // Five in flight may take a sixth; six may not.
+        assert!(bound.admits(&cand(f.s[0], 5, 0)));
+        assert!(!bound.admits(&cand(f.s[0], 6, 0)));
+    }
+
+    #[test]
+    fn the_least_loaded_server_is_always_under_the_bound() {
+        let f = Fixture::new(3);
+        for loads in [[0, 0, 0], [2, 2, 2], [1, 2, 2], [7, 0, 9], [5, 5, 6]] {
+            let cands = loads.map(|n| cand(f.s[0], n, 0));
+            let bound = LoadBound::over(&cands, 0.0);
+            let least = cands.iter().min_by_key(|c| c.inflight).unwrap();
+            assert!(bound.admits(least), "{loads:?}");
+        }
+        // No slack: 1 and 2 in flight, one more: ceil(4 / 2) = 2.
+        let cands = [cand(f.s[0], 1, 0), cand(f.s[1], 2, 0)];
+        let bound = LoadBound::over(&cands, 0.0);
+        assert!(bound.admits(&cands[0]) && !bound.admits(&cands[1]));
+    }
+}
