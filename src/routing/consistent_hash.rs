@@ -41,7 +41,7 @@ use serde::{Deserialize, Serialize};
 use super::least_load::least_loaded;
 use super::load_bound::LoadBound;
 use super::ring::HashRing;
-use super::{Choice, InvalidParam, Policy, Reason, RouteInput, SessionSource, in_range, in_range_f64};
+use super::{Choice, InvalidParam, Policy, Reason, RouteInput, SessionSource, in_range};
 
 /// Tuning of the [`ConsistentHash`] policy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -108,13 +108,7 @@ impl ConsistentHashParams {
             10_000,
             "points per server on the ring",
         )?;
-        in_range_f64(
-            "load_epsilon",
-            self.load_epsilon,
-            0.0,
-            100.0,
-            "slack over the average load",
-        )
+        LoadBound::check_epsilon(self.load_epsilon)
     }
 }
 

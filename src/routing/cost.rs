@@ -131,13 +131,7 @@ impl CostParams {
             1_000_000,
             "prefill tokens per decoding request",
         )?;
-        in_range_f64(
-            "load_epsilon",
-            self.load_epsilon,
-            0.0,
-            100.0,
-            "slack over the average load",
-        )
+        LoadBound::check_epsilon(self.load_epsilon)
     }
 }
 

@@ -10,7 +10,7 @@
 //! servers it carries at most `floor(t / n)`, and the bound is at least
 //! one more.
 
-use super::Candidate;
+use super::{Candidate, InvalidParam, in_range_f64};
 
 /// The most requests in flight a server may reach by taking one more.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,6 +22,11 @@ impl LoadBound {
         let total: u64 = candidates.iter().map(|c| c.inflight).sum();
         let share = (total + 1) as f64 / candidates.len().max(1) as f64;
         Self(((1.0 + epsilon) * share).ceil() as u64)
+    }
+
+    /// Checks a policy's `load_epsilon` (0 to 100).
+    pub(crate) fn check_epsilon(epsilon: f64) -> Result<(), InvalidParam> {
+        in_range_f64("load_epsilon", epsilon, 0.0, 100.0, "slack over the average load")
     }
 
     /// Whether `c` may take one more request.
