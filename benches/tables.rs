@@ -2,10 +2,11 @@
 //! 256 MiB POSIX shm segment populated so the prefix table is far larger
 //! than the CPU caches (as in production). `_cold` variants draw from all
 //! 1 M entries (most reads miss the caches); the others from a 64 K-entry
-//! hot set. Operations: prefix lookup hit and miss,
-//! insert, longest-prefix match over a 64-block chain, response-cache get
-//! and put of 4 KiB, and a completion-ring push + pop. Reads run before
-//! the insert benches, which evict the populated entries as a full table does.
+//! hot set. Operations: prefix lookup hit and miss, insert (one block,
+//! and a chain of 64 new ones), longest-prefix match over a 64-block
+//! chain, response-cache get and put of 4 KiB, and a completion-ring
+//! push and pop. Reads run before the insert benches, which evict the
+//! populated entries as a full table does.
 //!
 //! `cargo bench --bench tables`. Figures are reported in issue notes as
 //! medians; nothing here asserts a speed.
@@ -91,6 +92,16 @@ fn prefix(c: &mut Criterion) {
         b.iter(|| {
             n += 1;
             black_box(t.prefix.insert(key(n | 1 << 50), srv[(n % 8) as usize], Stamp(2)))
+        })
+    });
+    // A write-back's chain of 64 new blocks (written deepest first).
+    let mut fresh = Vec::with_capacity(64);
+    g.bench_function("insert_chain_64_new", |b| {
+        b.iter(|| {
+            n += 1;
+            fresh.clear();
+            fresh.extend((0..64).map(|d| key(n << 6 | d | 1 << 51)));
+            black_box(t.prefix.insert_chain(&fresh, srv[(n % 8) as usize], Stamp(2)))
         })
     });
     g.finish();

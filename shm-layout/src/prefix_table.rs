@@ -24,6 +24,9 @@
 //!   wrapping) is replaced, so memory is fixed and the table never grows.
 //! * A process killed at any instruction either installed its slot or did
 //!   not: there is no lock and no multi-step update to leave half done.
+//! * A chain is written deepest block first and a match walks it from the
+//!   first block, stopping at the first missing one, so a match never sees
+//!   part of a chain being written ([`PrefixTable::insert_chain`]).
 //!
 //! The generation tag in each lane stops a reused server slot from
 //! inheriting the old server's affinity: [`ServerTag::gen_tag`] must match
@@ -368,17 +371,29 @@ impl<'a> PrefixTable<'a> {
             .unwrap_or(0)
     }
 
-    /// Records `server` for every hash of `chain` (a responder's write-back).
-    /// Returns how many other entries were evicted to make room (a full
-    /// table's churn, exported as a metric).
+    /// Records `server` for every hash of `chain` (a responder's write-back,
+    /// a dispatcher's record at dispatch). Returns how many other entries
+    /// were evicted to make room (a full table's churn, exported as a
+    /// metric).
+    ///
+    /// The chain is written **deepest block first**. A longest-prefix match
+    /// walks from the first block and stops at the first one missing, so a
+    /// match running meanwhile sees the chain's new blocks all at once (when
+    /// the shallowest of them lands) or not yet, never a part of them. A
+    /// part would be a false, shallow prefix: a conversation whose answer
+    /// was being written back matched only some of its blocks, too few to
+    /// stay, and moved to another engine. (A block some other server lists
+    /// already does not stop the walk, so the match may count this server
+    /// at a deeper block a moment before the shallower ones land: never
+    /// more than it holds once the call returns.)
     pub fn insert_chain(&self, chain: &[u64], server: ServerRef, now: Stamp) -> usize {
-        for key in chain.iter().take(PREFETCH_AHEAD) {
+        for key in chain.iter().rev().take(PREFETCH_AHEAD) {
             self.bucket(*key).prefetch();
         }
         let mut evicted = 0;
-        for (i, key) in chain.iter().enumerate() {
-            if let Some(ahead) = chain.get(i + PREFETCH_AHEAD) {
-                self.bucket(*ahead).prefetch();
+        for (i, key) in chain.iter().enumerate().rev() {
+            if let Some(ahead) = i.checked_sub(PREFETCH_AHEAD).map(|j| chain[j]) {
+                self.bucket(ahead).prefetch();
             }
             evicted += usize::from(self.insert(*key, server, now) == InsertOutcome::Evicted);
         }
@@ -739,6 +754,48 @@ mod tests {
         t.clear();
         assert_eq!(t.occupancy(), 0);
         assert_eq!(t.entries().count(), 0);
+    }
+
+    /// A chain written while a dispatcher matches it appears whole or not
+    /// at all: a match never sees a partial write (the race that moved a
+    /// conversation whose answer was being written back, see
+    /// [`PrefixTable::insert_chain`]), and removing its first block takes it
+    /// back whole.
+    #[test]
+    fn a_chain_being_written_is_matched_whole_or_not_at_all() {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        const BLOCKS: u64 = 32;
+        const ROUNDS: u64 = 4000;
+        let chain_of = |round: u64| -> Vec<u64> {
+            (0..BLOCKS)
+                .map(|i| (round * BLOCKS + i + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+                .collect()
+        };
+        let (b, seed) = table(1 << 16);
+        let t = PrefixTable::new(&b, seed);
+        let (round, done) = (AtomicU64::new(0), AtomicBool::new(false));
+        let (mut whole, mut none) = (0u64, 0u64);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for r in 1..=ROUNDS {
+                    round.store(r, Ordering::Release);
+                    t.insert_chain(&chain_of(r), srv(1, 0), Stamp(0));
+                    // Taken back from its first block: unpublished at once.
+                    t.remove(chain_of(r - 1)[0], srv(1, 0).tag());
+                }
+                done.store(true, Ordering::Release);
+            });
+            while !done.load(Ordering::Acquire) {
+                let chain = chain_of(round.load(Ordering::Acquire));
+                let depth = t.longest_prefix_match(&chain, |_| true).blocks_for(srv(1, 0).tag());
+                match u64::from(depth) {
+                    0 => none += 1,
+                    BLOCKS => whole += 1,
+                    d => panic!("a partial chain matched: {d} of {BLOCKS} blocks"),
+                }
+            }
+        });
+        assert!(whole + none > 0, "the reader ran");
     }
 
     #[test]

@@ -167,8 +167,11 @@ impl WriteBack for ShmWriteBack<'_> {
         for record in batch {
             let Some(server) = record.server else { continue };
             let answer = answer_blocks(record);
+            // The answer first: with the prompt's blocks unlisted too (not
+            // learned at dispatch), the whole chain appears at once when its
+            // first block lands ([`shm_layout::PrefixTable::insert_chain`]).
             let evicted =
-                prefix.insert_chain(&record.prompt_blocks, server, now) + prefix.insert_chain(answer, server, now);
+                prefix.insert_chain(answer, server, now) + prefix.insert_chain(&record.prompt_blocks, server, now);
             stats.evictions += evicted as u64;
             stats.blocks += (record.prompt_blocks.len() + answer.len()) as u64;
             if let Some(key) = record.response_key {
