@@ -361,7 +361,7 @@ pub fn server_json(info: &shm_layout::ServerInfo, now_ms: u64, name: Option<&str
         "load": {
             "waiting": scraped.then_some(load.waiting),
             "running": scraped.then_some(load.running),
-            "kv_usage": scraped.then(|| f64::from(load.kv_usage_permyriad) / 10_000.0),
+            "kv_usage": load.kv_usage().filter(|_| scraped),
             "age_ms": scraped.then(|| now_ms.saturating_sub(load.scraped_at_ms)),
         },
     })

@@ -88,10 +88,7 @@ pub(crate) fn load_tokenizer(config: &ServeConfig, segment_cache_bytes: u64) -> 
 fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) -> Result<()> {
     let tokenizer = load_tokenizer(&config, config.segment_cache_size.bytes())?
         .with_shared_segments(Arc::new(ShmSegmentStore::new(segment.clone())));
-    let template = match &config.chat_template {
-        Some(path) => ChatTemplate::from_tokenizer_config(path)?,
-        None => ChatTemplate::canonical(),
-    };
+    let template = ChatTemplate::resolve(config.chat_template.as_deref(), config.tokenizer.as_deref())?;
     let identity = Identity {
         slot: args.slot,
         incarnation: args.incarnation,
@@ -211,10 +208,10 @@ fn run_responder(segment: &Arc<Segment>, args: &ChildArgs, config: &ServeConfig)
         ),
     };
     let responder = responder.forgetting(config.learn_from_reports);
-    let responder = match &config.chat_template {
-        Some(path) => responder.with_chat_template(ChatTemplate::from_tokenizer_config(path)?),
-        None => responder.with_chat_template(ChatTemplate::canonical()),
-    };
+    let responder = responder.with_chat_template(ChatTemplate::resolve(
+        config.chat_template.as_deref(),
+        config.tokenizer.as_deref(),
+    )?);
     ResponderLoop::new(segment, responder, rings, args.slot, args.incarnation).run(&STOP);
     Ok(())
 }

@@ -90,11 +90,12 @@ pub struct ServeArgs {
     /// file's `[[backend]]` list).
     #[arg(long = "backend", value_name = "URL")]
     pub backends: Vec<String>,
-    /// A tokenizer.json [default: the bundled phi-2 tokenizer].
+    /// A tokenizer.json, or a GGUF model file (llama.cpp's: its tokenizer and chat template) [default: the bundled phi-2 tokenizer].
     #[arg(long, value_name = "PATH")]
     pub tokenizer: Option<PathBuf>,
-    /// A HF tokenizer_config.json whose chat template renders chat prompts
-    /// [default: the canonical rendering].
+    /// A HF tokenizer_config.json (or a GGUF model file) whose chat template
+    /// renders chat prompts [default: a GGUF tokenizer's own, else the
+    /// canonical rendering].
     #[arg(long, value_name = "PATH")]
     pub chat_template: Option<PathBuf>,
     /// Tokens per hashed block [default: 16].

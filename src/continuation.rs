@@ -108,12 +108,20 @@ impl EndProbe<'_> {
         }
     }
 
-    /// Full blocks of this prompt a server holds when it was sent the
-    /// prompt's first `end` tokens and generated the answer after them
-    /// (at most the prompt's chain).
+    /// Blocks of this prompt a server holds when it was sent the prompt's
+    /// first `end` tokens and generated the answer after them: the blocks
+    /// those tokens reach into, the last one in part (at most the prompt's
+    /// chain).
+    ///
+    /// Rounded up, not down: in a short conversation the part block is a
+    /// large share of the prompt. On llama.cpp, a second turn of 66 tokens
+    /// whose server held 46 of them (prompt and answer) counted 2 of its 4
+    /// full blocks, exactly `cache_aware`'s threshold of 0.5 and not over
+    /// it, and the conversation moved to an engine holding 8 tokens of it.
+    /// (llama.cpp and SGLang reuse a part block; vLLM recomputes it.)
     pub fn credited_blocks(&self, end: u32) -> u32 {
         let tokens = (end as usize + self.answer_tokens as usize).min(self.tokens.len());
-        self.hasher.full_blocks(tokens).min(self.chain.len()) as u32
+        tokens.div_ceil(self.hasher.block_size()).min(self.chain.len()) as u32
     }
 
     /// The servers of `prefix` whose earlier prompt this one continues,
@@ -203,10 +211,19 @@ mod tests {
         assert_eq!(probes.len(), BLOCK, "one depth, every end in its block");
         assert!(probes.iter().all(|p| p.depth == 2 && (32..48).contains(&p.end)));
         let credited = probe.credit(&prefix, &probes, |i, s| recorded.contains(&(probes[i].key, s)));
-        // 40 + 128 = 168 tokens: 10 full blocks of the 11.
-        assert_eq!(credited.blocks_for(tag(3)), 10);
+        // 40 + 128 = 168 tokens reach into 11 blocks (the 11th in part);
+        // capped at the prompt's 11.
+        assert_eq!(credited.blocks_for(tag(3)), 11);
         assert_eq!(credited.blocks_for(tag(5)), 0, "no end key: a shared prefix only");
         assert_eq!(c2.len(), 11);
+        // A short answer: 40 + 20 = 60 tokens reach into 4 blocks (3 full).
+        let short = EndProbe {
+            answer_tokens: 20,
+            ..probe
+        };
+        assert_eq!(short.credited_blocks(40), 4);
+        assert_eq!(short.credited_blocks(44), 4, "64 tokens: 4 full blocks, none in part");
+        assert_eq!(short.credited_blocks(45), 5);
     }
 
     #[test]

@@ -243,7 +243,7 @@ impl Report {
                 s.inflight_tokens,
                 s.load.waiting,
                 s.load.running,
-                kv_usage(s.load.kv_usage_permyriad)
+                kv_usage(&s.load)
             );
         }
         let _ = writeln!(w, "processes         {}", self.processes.len());
@@ -369,8 +369,15 @@ fn state_name(state: u64) -> &'static str {
     if state == STATE_READY { "ready" } else { "initialising" }
 }
 
-fn kv_usage(permyriad: u16) -> String {
-    format!("{}.{:02} %", permyriad / 100, permyriad % 100)
+fn kv_usage(load: &shm_layout::LoadFigures) -> String {
+    match load.kv_usage() {
+        Some(_) => format!(
+            "{}.{:02} %",
+            load.kv_usage_permyriad / 100,
+            load.kv_usage_permyriad % 100
+        ),
+        None => "not reported".to_owned(),
+    }
 }
 
 fn percent(part: u64, whole: u64) -> String {

@@ -235,7 +235,11 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
             s.inflight_tokens,
             dash(s.load.waiting.to_string()),
             dash(s.load.running.to_string()),
-            dash(format!("{:.1}%", f64::from(s.load.kv_usage_permyriad) / 100.0)),
+            dash(
+                s.load
+                    .kv_usage()
+                    .map_or("n/a".to_owned(), |kv| format!("{:.1}%", kv * 100.0))
+            ),
             ago(now_ms, s.load.scraped_at_ms),
             pct(ok + failed, all),
             failed,

@@ -62,11 +62,11 @@ pub struct TokenizeArgs {
     /// `semlb serve` configuration file.
     #[arg(long, value_name = "FILE", env = "SEMLB_CONFIG")]
     pub config: Option<PathBuf>,
-    /// A tokenizer.json [default: the configuration's, else the bundled one].
+    /// A tokenizer.json or GGUF model file [default: the configuration's, else the bundled one].
     #[arg(long, value_name = "PATH")]
     pub tokenizer: Option<PathBuf>,
-    /// A tokenizer_config.json whose chat template renders chat bodies
-    /// [default: the configuration's, else the canonical rendering].
+    /// A tokenizer_config.json or GGUF model file whose chat template renders chat bodies
+    /// [default: the configuration's, else a GGUF tokenizer's own, else the canonical rendering].
     #[arg(long, value_name = "PATH")]
     pub chat_template: Option<PathBuf>,
     /// Tokens per block [default: the configuration's, else 16].
@@ -165,10 +165,13 @@ fn tools(args: &TokenizeArgs) -> Result<Tools> {
         None => Tokenizer::bundled(),
     }
     .with_segment_cache(0);
-    let template = match args.chat_template.as_ref().or(config.chat_template.as_ref()) {
-        Some(path) => ChatTemplate::from_tokenizer_config(path)?,
-        None => ChatTemplate::canonical(),
-    };
+    let template = ChatTemplate::resolve(
+        args.chat_template
+            .as_ref()
+            .or(config.chat_template.as_ref())
+            .map(PathBuf::as_path),
+        tokenizer_path.as_deref(),
+    )?;
     let block_size = args.block_size.unwrap_or(config.block_size);
     if block_size == 0 {
         bail!("--block-size must be at least 1");

@@ -86,7 +86,8 @@
 //!
 //! [`plan`] sizes the regions, [`header`] freezes the header, [`segment`]
 //! creates and opens segments and hands out [`Tables`]; the tables are
-//! [`prefix_table`], [`response_log`], [`server_table`], [`completion_ring`]
+//! [`prefix_table`], [`response_log`], [`server_table`] (with its
+//! [`load_figures`]), [`completion_ring`]
 //! (carrying [`completion`] records), [`registry`] and [`stats`]. `bucket`, `mix`,
 //! `words` and `sync` are the private building blocks.
 
@@ -100,6 +101,7 @@ pub mod completion;
 pub mod completion_ring;
 pub mod error;
 pub mod header;
+pub mod load_figures;
 #[cfg(all(test, loom))]
 mod loom_models;
 mod mix;
@@ -118,13 +120,12 @@ pub use completion::{Completion, CompletionRecord, Continuation, ContinuationRef
 pub use completion_ring::{CompletionRing, Pop, PushError, RingStats};
 pub use error::{CreateError, NameError, OpenError, PlanError, RemoveError};
 pub use header::{HeaderInfo, LAYOUT_VERSION, MAGIC, STATE_READY};
+pub use load_figures::LoadFigures;
 pub use plan::{LayoutPlan, PlanOptions, Region, RegionKind, SERVER_SLOTS, STAT_WORDS};
 pub use prefix_table::{InsertOutcome, MATCH_CAPACITY, PrefixEntry, PrefixMatch, PrefixTable, ServerSet, Stamp};
 pub use registry::{ProcessInfo, ProcessState, Registry, Role};
 pub use response_log::{PutError, ResponseKey, ResponseLog, ResponseLogStats};
 #[cfg(not(loom))]
 pub use segment::{Segment, SegmentClock, Tables, shm_path};
-pub use server_table::{
-    HORIZON_SPAN_S, LoadFigures, RegisterError, ServerInfo, ServerRef, ServerState, ServerTable, ServerTag,
-};
+pub use server_table::{HORIZON_SPAN_S, RegisterError, ServerInfo, ServerRef, ServerState, ServerTable, ServerTag};
 pub use stats::Stats;

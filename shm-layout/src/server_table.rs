@@ -44,6 +44,7 @@
 //!   it when the engine's own queue cannot be scraped. It belongs to one
 //!   registration, like the horizon.
 
+use crate::load_figures::LoadFigures;
 use crate::mix::mix64;
 use crate::plan::{PROCESS_SLOTS, SERVER_SLOTS};
 use crate::sync::{AtomicU64, AtomicU128, Ordering, fence};
@@ -135,50 +136,6 @@ impl ServerState {
             4 => Self::Down,
             _ => return None,
         })
-    }
-}
-
-/// Load figures scraped from a server's metrics endpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct LoadFigures {
-    /// Requests queued in the engine (saturates at 2^24 - 1).
-    pub waiting: u32,
-    /// Requests in the running batch (saturates at 2^24 - 1).
-    pub running: u32,
-    /// KV-cache usage in units of 0.01 % (10000 = full).
-    pub kv_usage_permyriad: u16,
-    /// When scraped, in segment milliseconds; 0 = never (40 bits stored:
-    /// 34 years).
-    pub scraped_at_ms: u64,
-    /// The gateway's pending requests to the server (sent, no first token
-    /// yet) when the scrape was taken, so that readers can correct
-    /// `waiting` by what the gateway sent and saw start since (saturates
-    /// at 2^24 - 1).
-    pub pending_at_scrape: u32,
-}
-
-impl LoadFigures {
-    const MAX24: u32 = (1 << 24) - 1;
-    const MAX40: u64 = (1 << 40) - 1;
-
-    fn pack(self) -> u128 {
-        let lo = u64::from(self.waiting.min(Self::MAX24))
-            | (u64::from(self.running.min(Self::MAX24)) << 24)
-            | (u64::from(self.kv_usage_permyriad) << 48);
-        let hi = self.scraped_at_ms.min(Self::MAX40) | (u64::from(self.pending_at_scrape.min(Self::MAX24)) << 40);
-        (u128::from(hi) << 64) | u128::from(lo)
-    }
-
-    fn unpack(v: u128) -> Self {
-        let lo = v as u64;
-        let hi = (v >> 64) as u64;
-        Self {
-            waiting: (lo & u64::from(Self::MAX24)) as u32,
-            running: ((lo >> 24) & u64::from(Self::MAX24)) as u32,
-            kv_usage_permyriad: (lo >> 48) as u16,
-            scraped_at_ms: hi & Self::MAX40,
-            pending_at_scrape: (hi >> 40) as u32,
-        }
     }
 }
 
@@ -807,25 +764,6 @@ mod tests {
             }
         }
         assert_eq!(ServerTag::from_lane(0), None);
-    }
-
-    #[test]
-    fn load_figures_pack_and_saturate() {
-        let f = LoadFigures {
-            waiting: 3,
-            running: 70_000,
-            kv_usage_permyriad: 9_999,
-            scraped_at_ms: (1 << 40) - 1,
-            pending_at_scrape: 12,
-        };
-        assert_eq!(LoadFigures::unpack(f.pack()), f);
-        let big = LoadFigures {
-            waiting: u32::MAX,
-            pending_at_scrape: u32::MAX,
-            ..f
-        };
-        assert_eq!(LoadFigures::unpack(big.pack()).waiting, (1 << 24) - 1);
-        assert_eq!(LoadFigures::unpack(big.pack()).pending_at_scrape, (1 << 24) - 1);
     }
 
     #[test]

@@ -13,11 +13,12 @@
 
 mod shm_support;
 
+use shm_layout::LoadFigures;
 use shm_layout::completion_ring::PushError;
 use shm_layout::plan::RegionKind;
 use shm_layout::prefix_table::PrefixEntry;
 use shm_layout::registry::{ProcessState, Role};
-use shm_layout::server_table::{LoadFigures, RegisterError, ServerRef, ServerState, ServerTag};
+use shm_layout::server_table::{RegisterError, ServerRef, ServerState, ServerTag};
 use shm_layout::{
     Completion, CompletionRecord, InsertOutcome, LAYOUT_VERSION, MAGIC, Pop, PutError, ResponseKey, STATE_READY,
     Segment, Stamp,

@@ -33,8 +33,8 @@
 //! | `responders` | integer | `1` | response (write-back) processes (1 to `dispatchers`) |
 //! | `shm_name` | string | `"semlb"` | shared-memory segment name (`/dev/shm/NAME`) |
 //! | `shm_size` | size | `"256MiB"` | segment size, 8 MiB to 1 TiB (see [`crate::size`]) |
-//! | `tokenizer` | path | bundled tokenizer | a Hugging Face `tokenizer.json` |
-//! | `chat_template` | path | the tokenizer's, else none | a Hugging Face `tokenizer_config.json` with a `chat_template` |
+//! | `tokenizer` | path | bundled tokenizer | a Hugging Face `tokenizer.json`, or a GGUF model file (the engine's own: its vocabulary and merges, [`semlb_tokenizer::gguf`]) |
+//! | `chat_template` | path | a GGUF `tokenizer`'s template, else the canonical rendering | a Hugging Face `tokenizer_config.json` with a `chat_template`, or a GGUF model file |
 //! | `block_size` | integer | `16` | tokens per prefix block: the engines' KV block size (1 to 1024) |
 //! | `segment_cache_size` | size | `"32MiB"` | per dispatcher: token ids of text segments already seen (earlier turns, shared system prompts), so they are not tokenized again; `0` turns it off (at most 16 GiB) |
 //! | `learn_at_dispatch` | bool | `true` | record a prompt's blocks for its server when it is sent, and credit a conversation's next turn with the answer not yet written back ([`crate::continuation`]); `false` leaves learning to the response processes alone |
@@ -256,13 +256,15 @@ pub struct ServeConfig {
     pub shm_name: String,
     /// Size of the shared-memory segment. Default 256 MiB.
     pub shm_size: ByteSize,
-    /// A Hugging Face `tokenizer.json` to count prompt tokens with; `None`
-    /// uses the tokenizer bundled with semlb. It should be the served
-    /// model's, so that blocks fall where the engines' blocks fall.
+    /// A Hugging Face `tokenizer.json`, or a GGUF model file, to count
+    /// prompt tokens with; `None` uses the tokenizer bundled with semlb. It
+    /// should be the served model's, so that blocks fall where the
+    /// engines' blocks fall.
     pub tokenizer: Option<PathBuf>,
-    /// A Hugging Face `tokenizer_config.json` whose `chat_template` renders
-    /// chat messages into the prompt text; `None` uses the tokenizer's
-    /// own, if it has one.
+    /// A Hugging Face `tokenizer_config.json` (or a GGUF model file) whose
+    /// `chat_template` renders chat messages into the prompt text; `None`
+    /// uses a GGUF `tokenizer`'s own, else the canonical rendering
+    /// ([`semlb_tokenizer::chat::ChatTemplate::resolve`]).
     pub chat_template: Option<PathBuf>,
     /// Tokens per prefix block. Default 16: vLLM's default KV-cache block
     /// size on GPUs, which is the granularity at which its automatic prefix

@@ -33,8 +33,10 @@
 //! fractions of each set's own cache, are averaged. [`extract`] reads one
 //! flavor, or with [`MetricsFlavor::Auto`] the first of vLLM, SGLang and
 //! llama.cpp whose request gauges appear. A flavor needs its waiting or its
-//! running gauge; a missing KV-usage gauge reads as 0 (recent llama.cpp
-//! builds dropped theirs).
+//! running gauge; a missing KV-usage gauge is recorded as absent
+//! ([`LoadFigures::KV_USAGE_ABSENT`]), not as 0 %: llama.cpp's server
+//! has had none since it dropped `llamacpp:kv_cache_usage_ratio` (checked
+//! on b11434).
 
 use std::borrow::Cow;
 
@@ -407,11 +409,14 @@ impl EngineLoad {
                 v.round().clamp(0.0, f64::from(u32::MAX)) as u32
             }
         };
-        let kv = self.kv_usage.filter(|v| !v.is_nan()).unwrap_or(0.0).clamp(0.0, 1.0);
+        let kv_usage_permyriad = match self.kv_usage.filter(|v| !v.is_nan()) {
+            Some(kv) => (kv.clamp(0.0, 1.0) * 10_000.0).round() as u16,
+            None => LoadFigures::KV_USAGE_ABSENT,
+        };
         LoadFigures {
             waiting: count(self.waiting),
             running: count(self.running),
-            kv_usage_permyriad: (kv * 10_000.0).round() as u16,
+            kv_usage_permyriad,
             scraped_at_ms: scraped_at_ms.max(1),
             pending_at_scrape: u32::try_from(pending).unwrap_or(u32::MAX),
         }
@@ -791,15 +796,23 @@ llamacpp:requests_deferred 2
         assert_eq!(l.engine, Engine::Llamacpp);
         assert_eq!((l.waiting, l.running, l.kv_usage), (2.0, 4.0, Some(0.25)));
         assert_eq!(l.prompt_tokens, Some(4096.0), "the counter a restart resets");
-        // Recent builds without the KV-usage gauge: usage reads 0.
-        let text: String = LLAMACPP
-            .lines()
-            .filter(|l| !l.contains("kv_cache_usage_ratio"))
-            .map(|l| format!("{l}\n"))
-            .collect();
-        let l = load(&text, MetricsFlavor::Llamacpp);
-        assert_eq!(l.kv_usage, None);
-        assert_eq!(l.figures(5, 0).kv_usage_permyriad, 0);
+        assert_eq!(l.figures(5, 0).kv_usage(), Some(0.25));
+    }
+
+    /// What `llama-server --metrics` of llama.cpp b11434 (the build
+    /// `workers/recipes/llama-cpp/get.sh` makes) really serves, captured
+    /// after one request: no KV-usage gauge, which is absent in the server
+    /// table, not 0 %.
+    #[test]
+    fn a_real_llamacpp_exposition_has_no_kv_usage_and_it_is_recorded_absent() {
+        let text = include_str!("testdata/llamacpp-b11434.metrics");
+        let l = load(text, MetricsFlavor::Auto);
+        assert_eq!(l.engine, Engine::Llamacpp);
+        assert_eq!((l.waiting, l.running, l.kv_usage), (0.0, 0.0, None));
+        assert_eq!(l.prompt_tokens, Some(23.0));
+        let f = l.figures(5, 0);
+        assert_eq!(f.kv_usage_permyriad, LoadFigures::KV_USAGE_ABSENT);
+        assert_eq!(f.kv_usage(), None);
     }
 
     #[test]
@@ -894,6 +907,10 @@ llamacpp:requests_deferred 2
             prompt_tokens: None,
         }
         .figures(9, 0);
-        assert_eq!((f.waiting, f.running, f.kv_usage_permyriad), (3, 0, 0));
+        // A NaN usage says no more than a missing one: absent.
+        assert_eq!(
+            (f.waiting, f.running, f.kv_usage_permyriad),
+            (3, 0, LoadFigures::KV_USAGE_ABSENT)
+        );
     }
 }

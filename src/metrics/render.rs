@@ -422,17 +422,12 @@ impl Snapshot {
             o,
             "semlb_server_kv_cache_usage_ratio",
             "gauge",
-            "The server's KV-cache usage, 0 to 1 (scraped; absent when stale).",
+            "The server's KV-cache usage, 0 to 1 (scraped; absent when stale or when its engine does not report it).",
         );
         for s in &self.servers {
-            if let Some(l) = s.load {
+            if let Some(kv) = s.load.and_then(|l| l.kv_usage()) {
                 let labels = [("server", s.address.as_str())];
-                sample_f(
-                    o,
-                    "semlb_server_kv_cache_usage_ratio",
-                    &labels,
-                    f64::from(l.kv_usage_permyriad) / 1e4,
-                );
+                sample_f(o, "semlb_server_kv_cache_usage_ratio", &labels, kv);
             }
         }
 

@@ -9,7 +9,7 @@
 //! | --- | --- | --- |
 //! | prefix | `prefix_weight` | blocks of the prompt `c` holds / blocks of the prompt (0 for a prompt shorter than a block) |
 //! | queue | `queue_weight` | `(max − q) / (max − min)` over the candidates' [pending estimates](Candidate::pending_estimate) `q` (1 when all are equal) |
-//! | KV cache | `kv_cache_weight` | `1 − KV-cache usage` from the last scrape (1 before the first scrape) |
+//! | KV cache | `kv_cache_weight` | `1 − KV-cache usage` from the last scrape (1 before the first scrape; where the engine reports no usage, the mean of the servers that do) |
 //! | load | `load_weight` | `(max − n) / (max − min)` over the requests in flight `n` (1 when all are equal) |
 //!
 //! The combined score is `Σ weight × score / Σ weight`. The queue and load
@@ -142,6 +142,18 @@ impl WeightedScorers {
         let (qmin, qmax) = fold(Candidate::pending_estimate);
         let (lmin, lmax) = fold(|c| c.inflight);
         let total = p.prefix_weight + p.queue_weight + p.kv_cache_weight + p.load_weight;
+        // A server whose engine reports no KV-cache usage scores the mean of
+        // those that do (1 if none do): neither favoured nor penalised.
+        let (kv_sum, kv_known) = input
+            .candidates
+            .iter()
+            .filter_map(|c| c.load.kv_usage())
+            .fold((0.0, 0u32), |(sum, n), kv| (sum + (1.0 - kv), n + 1));
+        let kv_absent = if kv_known == 0 {
+            1.0
+        } else {
+            kv_sum / f64::from(kv_known)
+        };
         for c in input.candidates {
             let prefix = if input.prompt_blocks == 0 {
                 0.0
@@ -149,7 +161,7 @@ impl WeightedScorers {
                 f64::from(input.prefix.blocks_for(c.server.tag())) / f64::from(input.prompt_blocks)
             };
             let queue = min_max(c.pending_estimate(), qmin, qmax);
-            let kv = 1.0 - f64::from(c.load.kv_usage_permyriad.min(10_000)) / 10_000.0;
+            let kv = c.load.kv_usage().map_or(kv_absent, |kv| 1.0 - kv);
             let load = min_max(c.inflight, lmin, lmax);
             let score =
                 (p.prefix_weight * prefix + p.queue_weight * queue + p.kv_cache_weight * kv + p.load_weight * load)
@@ -261,6 +273,33 @@ mod tests {
             },
             ..c
         }
+    }
+
+    /// An engine that reports no KV-cache usage (llama.cpp) scores the mean
+    /// of the others on the KV scorer: not 0 % used, the best score, as it
+    /// was read before.
+    #[test]
+    fn a_server_without_kv_usage_scores_the_mean_of_the_others() {
+        let f = Fixture::new(3);
+        let m = PrefixMatch::default();
+        let cands = [
+            kv(cand(f.s[0], 0, 0), 2000),
+            kv(cand(f.s[1], 0, 0), 6000),
+            kv(cand(f.s[2], 0, 0), LoadFigures::KV_USAGE_ABSENT),
+        ];
+        let mut scores = Vec::new();
+        WeightedScorers::new(only(0.0, 0.0, 1.0, 0.0))
+            .scores(&input(10, &m, &cands), |c, s| scores.push((c.server, s)));
+        let absent = scores[2].1;
+        assert!((absent - 0.6).abs() < 1e-9, "mean of 0.8 and 0.4: {scores:?}");
+        let none_known = [
+            kv(cand(f.s[0], 0, 0), LoadFigures::KV_USAGE_ABSENT),
+            kv(cand(f.s[1], 0, 0), LoadFigures::KV_USAGE_ABSENT),
+        ];
+        scores.clear();
+        WeightedScorers::new(only(0.0, 0.0, 1.0, 0.0))
+            .scores(&input(10, &m, &none_known), |c, s| scores.push((c.server, s)));
+        assert!(scores.iter().all(|(_, s)| *s == 1.0), "{scores:?}");
     }
 
     #[test]

@@ -107,11 +107,15 @@ fn supervise(args: &ServeArgs) -> Result<()> {
         tokenizer.engine()
     );
     drop(tokenizer);
-    if let Some(path) = &config.chat_template {
-        let template = semlb_tokenizer::chat::ChatTemplate::from_tokenizer_config(path)?;
-        let renderer = template.renderer_name();
-        tracing::info!(renderer, "chat template {}: {renderer} renderer", path.display());
-    }
+    let template =
+        semlb_tokenizer::chat::ChatTemplate::resolve(config.chat_template.as_deref(), config.tokenizer.as_deref())?;
+    let renderer = template.renderer_name();
+    let source = match (&config.chat_template, &config.tokenizer) {
+        (Some(path), _) => path.display().to_string(),
+        (None, Some(path)) if renderer != "canonical" => format!("{} (the model file's own)", path.display()),
+        _ => "none given".into(),
+    };
+    tracing::info!(renderer, "chat template {source}: {renderer} renderer");
     // The admin API's token and address, before anything starts.
     let admin = match config.admin.listen {
         Some(addr) => {

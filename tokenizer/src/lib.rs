@@ -9,6 +9,7 @@
 //! | module | concept |
 //! | --- | --- |
 //! | [`Tokenizer`] (this file) | a loaded `tokenizer.json`: token ids of a text, exactly as HF `tokenizers` gives them |
+//! | [`gguf`] | a model's tokenizer and chat template read out of its GGUF file (llama.cpp's) |
 //! | [`chat`] | chat messages to prompt text: Jinja chat templates (as `transformers` renders them; natively, byte for byte, for the Qwen3, Qwen2.5, ChatML, Llama-3 and Phi-3 templates) and the canonical rendering |
 //!
 //! # Usage
@@ -31,6 +32,7 @@
 
 mod cache;
 pub mod chat;
+pub mod gguf;
 mod native;
 
 use std::path::Path;
@@ -151,12 +153,23 @@ pub struct Tokenizer {
 }
 
 impl Tokenizer {
-    /// Loads a tokenizer.json.
+    /// Loads a tokenizer.json, or the tokenizer of a GGUF model file
+    /// (told by its first bytes; see [`gguf`]).
     pub fn from_file(path: &Path) -> Result<Self, LoadError> {
-        let bytes = std::fs::read(path).map_err(|e| LoadError {
+        let load_err = |reason: String| LoadError {
             path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
+            reason,
+        };
+        if gguf::is_gguf_file(path) {
+            let json = gguf::GgufVocab::read_file(path)
+                .and_then(|v| v.tokenizer_json())
+                .map_err(|e| load_err(format!("its GGUF tokenizer: {e}")))?;
+            return Self::from_json(
+                &serde_json::to_vec(&json).expect("a JSON value serializes"),
+                &path.display().to_string(),
+            );
+        }
+        let bytes = std::fs::read(path).map_err(|e| load_err(e.to_string()))?;
         Self::from_json(&bytes, &path.display().to_string())
     }
 

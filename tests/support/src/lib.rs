@@ -12,6 +12,7 @@
 //! | [`client`] | the async HTTP/1.1 client of in-process tests (a dispatcher or the simulator on the test's runtime), with deadlines |
 //! | [`sse`] | server-sent events: framing checked, payloads and streamed text |
 //! | [`redis`] | a private `redis-server` on a free port ([`redis::RedisServer`]) |
+//! | [`llama`] | a real engine: llama.cpp's `llama-server` with SmolLM2-135M on a free port ([`llama::LlamaServer`]) |
 //! | [`rng`] | splitmix64: deterministic randomness a failing run can be replayed from |
 //! | [`segment`] | a uniquely named shm segment removed on drop, and table population |
 //!
@@ -24,6 +25,7 @@
 pub mod client;
 pub mod gateway;
 pub mod http;
+pub mod llama;
 pub mod process;
 pub mod redis;
 pub mod rng;

@@ -73,6 +73,8 @@ mod native;
 use jinja::JinjaTemplate;
 use native::{NativeTemplate, RenderOptions};
 
+/// Why a GGUF file gives no template.
+const NO_GGUF_TEMPLATE: &str = "no tokenizer.chat_template in its metadata";
 /// Why a chat template could not be loaded or used.
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {
@@ -201,6 +203,54 @@ impl ChatTemplate {
         let special = SpecialTokens {
             bos_token: special("bos_token"),
             eos_token: special("eos_token"),
+        };
+        Self::compile(source, special).map_err(template_err)
+    }
+
+    /// The template a gateway renders with: the one in `template` (a file
+    /// for [`from_file`](Self::from_file)) if given; else the GGUF model
+    /// file `tokenizer`'s own, when it is one and has a template (the
+    /// engine that serves the file renders with it); else
+    /// [`canonical`](Self::canonical).
+    pub fn resolve(template: Option<&Path>, tokenizer: Option<&Path>) -> Result<Self, TemplateError> {
+        match (template, tokenizer) {
+            (Some(path), _) => Self::from_file(path),
+            (None, Some(path)) if crate::gguf::is_gguf_file(path) => match Self::from_gguf(path) {
+                Err(TemplateError::Load { reason, .. }) if reason.starts_with(NO_GGUF_TEMPLATE) => {
+                    Ok(Self::canonical())
+                }
+                other => other,
+            },
+            _ => Ok(Self::canonical()),
+        }
+    }
+
+    /// The chat template of `path`: a GGUF model file's
+    /// ([`from_gguf`](Self::from_gguf)), else a HF tokenizer_config.json's
+    /// ([`from_tokenizer_config`](Self::from_tokenizer_config)).
+    pub fn from_file(path: &Path) -> Result<Self, TemplateError> {
+        if crate::gguf::is_gguf_file(path) {
+            Self::from_gguf(path)
+        } else {
+            Self::from_tokenizer_config(path)
+        }
+    }
+
+    /// The `tokenizer.chat_template` of a GGUF model file, with the
+    /// `bos_token` and `eos_token` its ids name ([`crate::gguf`]).
+    pub fn from_gguf(path: &Path) -> Result<Self, TemplateError> {
+        let template_err = |reason: String| TemplateError::Load {
+            path: path.display().to_string(),
+            reason,
+        };
+        let vocab = crate::gguf::GgufVocab::read_file(path).map_err(|e| template_err(e.to_string()))?;
+        let source = vocab
+            .chat_template
+            .clone()
+            .ok_or_else(|| template_err(NO_GGUF_TEMPLATE.into()))?;
+        let special = SpecialTokens {
+            bos_token: vocab.token(vocab.bos_id).map(str::to_owned),
+            eos_token: vocab.token(vocab.eos_id).map(str::to_owned),
         };
         Self::compile(source, special).map_err(template_err)
     }
