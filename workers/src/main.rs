@@ -39,10 +39,13 @@ struct Args {
     /// Served model name (`/v1/models`, the `model` field, metric labels).
     #[arg(long, default_value_t = defaults().model_name, value_name = "NAME")]
     model: String,
-    /// HF tokenizer.json to tokenize prompts with [default: the bundled Phi-2/GPT-2 tokenizer].
+    /// HF tokenizer.json, or a GGUF model file, to tokenize prompts with
+    /// [default: the bundled Phi-2/GPT-2 tokenizer].
     #[arg(long, value_name = "PATH")]
     tokenizer: Option<PathBuf>,
-    /// HF tokenizer_config.json whose `chat_template` renders chat messages [default: the canonical template].
+    /// HF tokenizer_config.json (or GGUF model file) whose chat template
+    /// renders chat messages [default: a GGUF `--tokenizer`'s own, else the
+    /// canonical template].
     #[arg(long, value_name = "PATH")]
     chat_template: Option<PathBuf>,
 
@@ -92,8 +95,10 @@ struct Args {
     /// Seed of the fault-injection decisions.
     #[arg(long, default_value_t = 0, value_name = "N")]
     seed: u64,
-    /// Metric names on /metrics: vllm, sglang, both, or none (/metrics
-    /// answers 404, as on an engine started without metrics).
+
+    /// Metric names on /metrics: vllm, sglang, both, llamacpp (llama.cpp's
+    /// unlabelled series, no KV gauge), or none (/metrics answers 404, as
+    /// on an engine started without metrics).
     #[arg(long, default_value = "vllm", value_name = "FLAVOR")]
     metrics_flavor: MetricsFlavor,
 }
@@ -183,10 +188,7 @@ async fn run(args: Args) -> Result<()> {
         Some(path) => Tokenizer::from_file(path)?,
         None => Tokenizer::bundled(),
     };
-    let template = match &args.chat_template {
-        Some(path) => ChatTemplate::from_tokenizer_config(path)?,
-        None => ChatTemplate::canonical(),
-    };
+    let template = ChatTemplate::resolve(args.chat_template.as_deref(), args.tokenizer.as_deref())?;
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;

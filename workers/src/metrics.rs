@@ -25,6 +25,11 @@
 //! SGLang's gauges instead, `sglang:num_queue_reqs`,
 //! `sglang:num_running_reqs` and `sglang:token_usage` (same values as the
 //! three vLLM gauges); [`MetricsFlavor::Both`] writes both sets.
+//! [`MetricsFlavor::Llamacpp`] writes llama.cpp's unlabelled series instead
+//! (`llamacpp:prompt_tokens_total` without cached tokens,
+//! `llamacpp:prompt_tokens_cached_total`, `llamacpp:tokens_predicted_total`,
+//! `llamacpp:requests_processing`, `llamacpp:requests_deferred`; no KV-cache
+//! gauge), so the gateway sees the simulator as it sees a `llama-server`.
 
 use crate::config::EngineConfig;
 use crate::engine::EngineStats;
@@ -41,6 +46,9 @@ pub enum MetricsFlavor {
     Sglang,
     /// Both sets.
     Both,
+    /// llama.cpp's `llama-server --metrics` (`llamacpp:*`, unlabelled, no
+    /// KV-cache gauge), as its build b11434 serves them.
+    Llamacpp,
     /// None: `/metrics` answers 404, as an engine started without metrics
     /// does (llama.cpp without `--metrics`, SGLang without
     /// `--enable-metrics`, most OpenAI-compatible servers).
@@ -55,9 +63,10 @@ impl std::str::FromStr for MetricsFlavor {
             "vllm" => Ok(Self::Vllm),
             "sglang" => Ok(Self::Sglang),
             "both" => Ok(Self::Both),
+            "llamacpp" => Ok(Self::Llamacpp),
             "none" => Ok(Self::None),
             other => Err(format!(
-                "unknown metrics flavor `{other}` (expected vllm, sglang, both or none)"
+                "unknown metrics flavor `{other}` (expected vllm, sglang, both, llamacpp or none)"
             )),
         }
     }
@@ -69,6 +78,7 @@ impl std::fmt::Display for MetricsFlavor {
             Self::Vllm => "vllm",
             Self::Sglang => "sglang",
             Self::Both => "both",
+            Self::Llamacpp => "llamacpp",
             Self::None => "none",
         })
     }
@@ -119,7 +129,12 @@ impl Writer {
 
     fn sample(&mut self, name: &str, extra_labels: &str, value: f64) {
         use std::fmt::Write;
-        let _ = writeln!(self.out, "{name}{{{}{extra_labels}}} {}", self.labels, fmt_value(value));
+        let value = fmt_value(value);
+        if self.labels.is_empty() && extra_labels.is_empty() {
+            let _ = writeln!(self.out, "{name} {value}");
+        } else {
+            let _ = writeln!(self.out, "{name}{{{}{extra_labels}}} {value}", self.labels);
+        }
     }
 
     fn gauge(&mut self, name: &str, help: &str, value: f64) {
@@ -229,7 +244,51 @@ pub fn render(stats: &EngineStats, config: &EngineConfig, flavor: MetricsFlavor)
         );
         w.gauge("sglang:token_usage", "The token usage.", stats.kv_usage);
     }
+    if flavor == MetricsFlavor::Llamacpp {
+        llamacpp(&mut w, stats);
+    }
     w.out
+}
+
+/// llama.cpp's series (b11434's names, help texts and types; unlabelled):
+/// its prompt-token counter excludes cached tokens, and it has no KV-cache
+/// gauge. Its counters' `# TYPE` lines name the family with `_total`, as
+/// `llama-server` writes them.
+fn llamacpp(w: &mut Writer, stats: &EngineStats) {
+    w.labels.clear();
+    let counter = |w: &mut Writer, name: &str, help: &str, value: u64| {
+        let name = format!("{name}_total");
+        w.header(&name, "counter", help);
+        w.sample(&name, "", value as f64);
+    };
+    counter(
+        w,
+        "llamacpp:prompt_tokens",
+        "Number of prompt tokens processed, excluding cached tokens",
+        stats.prompt_tokens.saturating_sub(stats.prefix_cache_hits),
+    );
+    counter(
+        w,
+        "llamacpp:prompt_tokens_cached",
+        "Number of prompt tokens reused from the cache",
+        stats.prefix_cache_hits,
+    );
+    counter(
+        w,
+        "llamacpp:tokens_predicted",
+        "Number of generation tokens processed",
+        stats.generation_tokens,
+    );
+    w.gauge(
+        "llamacpp:requests_processing",
+        "Number of requests processing",
+        stats.running as f64,
+    );
+    w.gauge(
+        "llamacpp:requests_deferred",
+        "Number of requests deferred",
+        stats.waiting as f64,
+    );
 }
 
 #[cfg(test)]
@@ -581,6 +640,45 @@ mod tests {
             Ok("vllm".into())
         );
         assert!("tgi".parse::<MetricsFlavor>().is_err());
+    }
+
+    #[test]
+    fn the_llamacpp_flavor_is_what_llama_server_serves() {
+        let text = render(&stats(), &EngineConfig::default(), MetricsFlavor::Llamacpp);
+        assert!(!text.contains("vllm:") && !text.contains("kv_cache") && !text.contains('{'));
+        // Line for line, what a real llama-server (b11434) writes: the
+        // capture the gateway's scraper is tested on (its counters' TYPE
+        // lines name the family with `_total`, which the strict validator
+        // above would refuse, so it is compared as text).
+        let real = include_str!("../../src/health/testdata/llamacpp-b11434.metrics");
+        let name_of = |line: &str| {
+            line.split(' ')
+                .nth(if line.starts_with('#') { 2 } else { 0 })
+                .unwrap_or_default()
+                .to_owned()
+        };
+        for line in text.lines() {
+            if line.starts_with('#') {
+                assert!(real.lines().any(|r| r == line), "not llama.cpp's: {line:?}");
+            } else {
+                assert!(
+                    real.lines().any(|r| !r.starts_with('#') && name_of(r) == name_of(line)),
+                    "not llama.cpp's: {line:?}"
+                );
+            }
+        }
+        let value = |name: &str| -> f64 {
+            let line = text
+                .lines()
+                .find(|l| name_of(l) == name && !l.starts_with('#'))
+                .unwrap();
+            line.rsplit(' ').next().unwrap().parse().unwrap()
+        };
+        assert_eq!(value("llamacpp:prompt_tokens_total"), 360.0, "cached excluded");
+        assert_eq!(value("llamacpp:prompt_tokens_cached_total"), 640.0);
+        assert_eq!(value("llamacpp:requests_processing"), 7.0);
+        assert_eq!(value("llamacpp:requests_deferred"), 3.0);
+        assert_eq!("llamacpp".parse::<MetricsFlavor>(), Ok(MetricsFlavor::Llamacpp));
     }
 
     #[test]

@@ -14,6 +14,7 @@
 //! | `e2e` | [`end_to_end`] | the whole gateway in front of simulated engines under open-loop load, shm vs Redis |
 //! | `tokenizer` | [`tokenizer`] | HF `tokenizers` against the native engine: µs per token on short, 2K- and 8K-token texts, and per request on multi-turn chats with and without the segment cache |
 //! | `replay` | [`replay`] | every routing policy on the same workloads ([`workload`]: the Mooncake trace, HH-RLHF chats, hot-prefix agent sessions, closed-loop agents, and closed-loop chats on four engine sets: with and without `/metrics`, streamed and not): throughput, TTFT, SLO attainment, goodput from a rate sweep, prefix hits, load imbalance, and every policy against `least_load` |
+//! | `llama` | [`replay::real_engine`] | `cache_aware`, `round_robin`, `consistent_hash` and `least_load` in front of real `llama-server` engines (SmolLM2-135M on CPU) and in front of the simulator calibrated to them, on small closed-loop chats: throughput, TTFT, the engines' cached-token share |
 //! | `proxy` | [`proxy`] | the gateway's cost as a proxy against nginx in front of the same engine (front pinned to its own core): req/s, latency and added latency, CPU µs per request |
 //! | `all` | here | every report in turn |
 //!
@@ -72,6 +73,9 @@ pub enum BenchCommand {
     EndToEnd(end_to_end::EndToEndArgs),
     /// Every routing policy on the same workloads: TTFT, SLO attainment, goodput.
     Replay(replay::ReplayArgs),
+    /// Routing policies in front of real llama.cpp engines (SmolLM2 on
+    /// CPU), beside the simulator calibrated to them.
+    Llama(replay::real_engine::LlamaArgs),
     /// The tokenizer: HF against the native engine, per token and per
     /// multi-turn request with and without the segment cache.
     Tokenizer(tokenizer::TokenizerArgs),
@@ -132,6 +136,7 @@ pub fn run(command: &BenchCommand) -> Result<()> {
         BenchCommand::Scaling(args) => scaling::run(args),
         BenchCommand::EndToEnd(args) => end_to_end::run(args),
         BenchCommand::Replay(args) => replay::run(args),
+        BenchCommand::Llama(args) => replay::real_engine::run(args),
         BenchCommand::Tokenizer(args) => tokenizer::run(args),
         BenchCommand::Proxy(args) => proxy::run(args),
         BenchCommand::BenchWorker(args) => scaling::run_worker(args),

@@ -26,20 +26,32 @@ pub struct LlamaInstall {
 }
 
 impl LlamaInstall {
-    /// Where `get.sh` put them, or `None` (after a loud message; a panic
-    /// when `$SEMLB_REQUIRE_LLAMA` is set).
-    pub fn find() -> Option<Self> {
+    /// Where the engine should be: `$LLAMA_SERVER` and `$LLAMA_MODEL`,
+    /// else `get.sh`'s cache under the target directory (which may not
+    /// hold them yet: see [`is_there`](Self::is_there)).
+    pub fn located() -> Self {
         let target = std::env::var_os("CARGO_TARGET_DIR")
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target"));
         let cached = target.join("llama-cpp");
-        let install = Self {
+        Self {
             server: std::env::var_os("LLAMA_SERVER")
                 .map_or_else(|| cached.join("build/bin/llama-server"), PathBuf::from),
             model: std::env::var_os("LLAMA_MODEL")
                 .map_or_else(|| cached.join("SmolLM2-135M-Instruct.Q4_1.gguf"), PathBuf::from),
-        };
-        if install.server.is_file() && install.model.is_file() {
+        }
+    }
+
+    /// Whether both files exist.
+    pub fn is_there(&self) -> bool {
+        self.server.is_file() && self.model.is_file()
+    }
+
+    /// Where `get.sh` put them ([`located`](Self::located)), or `None`
+    /// (after a loud message; a panic when `$SEMLB_REQUIRE_LLAMA` is set).
+    pub fn find() -> Option<Self> {
+        let install = Self::located();
+        if install.is_there() {
             return Some(install);
         }
         let why = format!(
@@ -61,22 +73,51 @@ pub struct LlamaServer {
     pub addr: String,
 }
 
+/// How a [`LlamaServer`] is started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LlamaOptions {
+    /// CPU threads (`-t`).
+    pub threads: u32,
+    /// Parallel slots (`-np`): requests decoded together.
+    pub slots: u32,
+    /// Context tokens shared by the slots (`-c`).
+    pub context: u32,
+}
+
+impl Default for LlamaOptions {
+    /// As `.ci/run` and the recipe start it: one thread, two slots, 4 096
+    /// tokens of context.
+    fn default() -> Self {
+        Self {
+            threads: 1,
+            slots: 2,
+            context: 4096,
+        }
+    }
+}
+
 impl LlamaServer {
-    /// The engine as `.ci/run` and the recipe start it (one thread, two
-    /// slots, 4 096 tokens of context, metrics on), once `/health` answers
-    /// 200 (at most 120 s: it loads the model first).
+    /// The engine with [`LlamaOptions::default`] and metrics on, once
+    /// `/health` answers 200; panics if it does not come up.
     pub fn start(install: &LlamaInstall) -> Self {
+        Self::try_start_with(install, &LlamaOptions::default()).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// The engine with `options` and metrics on, once `/health` answers
+    /// 200 (at most 120 s: it loads the model first).
+    pub fn try_start_with(install: &LlamaInstall, options: &LlamaOptions) -> Result<Self, String> {
         let port = free_port();
         let child = Command::new(&install.server)
             .arg("-m")
             .arg(&install.model)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["-t", "1", "-np", "2", "-c", "4096", "--metrics"])
+            .args(["-t", &options.threads.to_string(), "-np", &options.slots.to_string()])
+            .args(["-c", &options.context.to_string(), "--metrics"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", install.server.display()));
+            .map_err(|e| format!("cannot start {}: {e}", install.server.display()))?;
         let mut server = Self {
             child,
             addr: format!("127.0.0.1:{port}"),
@@ -84,15 +125,14 @@ impl LlamaServer {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             if http(&server.addr, "GET", "/health", None, &[]).is_ok_and(|r| r.status == 200) {
-                return server;
+                return Ok(server);
             }
             if let Ok(Some(status)) = server.child.try_wait() {
-                panic!("llama-server on port {port} exited: {status}");
+                return Err(format!("llama-server on port {port} exited: {status}"));
             }
-            assert!(
-                Instant::now() < deadline,
-                "llama-server on port {port} not healthy after 120 s"
-            );
+            if Instant::now() >= deadline {
+                return Err(format!("llama-server on port {port} not healthy after 120 s"));
+            }
             std::thread::sleep(Duration::from_millis(100));
         }
     }

@@ -160,6 +160,7 @@ mod chat_set;
 mod counters;
 mod drive;
 mod gateway_config;
+pub mod real_engine;
 mod report;
 mod sessions;
 mod stats;
@@ -512,6 +513,7 @@ fn load_workload(args: &ReplayArgs, kind: WorkloadKind, setting: &Setting) -> Re
             conversations: args.chat_conversations,
             max_output: args.max_output,
             seed: args.seed,
+            shape: chat::ChatShape::default(),
         }),
     };
     if let Some(n) = args.limit {

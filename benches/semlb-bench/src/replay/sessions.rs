@@ -297,6 +297,7 @@ mod tests {
             conversations: 30,
             max_output: 64,
             seed: 1,
+            shape: chat::ChatShape::default(),
         });
         let sessions = sessions_of(&w);
         assert_eq!(sessions.len(), 30);

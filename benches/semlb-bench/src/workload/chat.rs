@@ -58,12 +58,42 @@ pub struct ChatParams {
     pub max_output: u32,
     /// Seed of the generator.
     pub seed: u64,
+    /// Sizes of the conversations.
+    pub shape: ChatShape,
+}
+
+/// The sizes of a chat workload's conversations.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatShape {
+    /// Words of each system prompt (one system prompt per entry).
+    pub system_prompt_words: Vec<usize>,
+    /// Turns per conversation, inclusive.
+    pub turns: (u32, u32),
+    /// Words of a user question, inclusive.
+    pub question_words: (u32, u32),
+    /// Output tokens per turn, inclusive.
+    pub output: (u32, u32),
+}
+
+impl Default for ChatShape {
+    /// The `chat` workload of `semlb bench replay` ([`SYSTEM_PROMPT_WORDS`],
+    /// [`TURNS`], 10–40-word questions, [`OUTPUT`]).
+    fn default() -> Self {
+        Self {
+            system_prompt_words: SYSTEM_PROMPT_WORDS.to_vec(),
+            turns: TURNS,
+            question_words: (10, 40),
+            output: OUTPUT,
+        }
+    }
 }
 
 /// The workload of `params`.
 pub fn build(params: &ChatParams) -> Workload {
+    let shape = &params.shape;
     let mut rng = Rng(params.seed ^ 0x6368_6174);
-    let systems: Vec<String> = SYSTEM_PROMPT_WORDS
+    let systems: Vec<String> = shape
+        .system_prompt_words
         .iter()
         .enumerate()
         .map(|(k, n)| {
@@ -76,16 +106,16 @@ pub fn build(params: &ChatParams) -> Workload {
     let mut requests = Vec::new();
     for conversation in 0..params.conversations {
         let system = (rng.next() % systems.len() as u64) as usize;
-        let turns = uniform(&mut rng, TURNS.0, TURNS.1);
-        let mut prompt = tokens(SYSTEM_PROMPT_WORDS[system]);
+        let turns = uniform(&mut rng, shape.turns.0, shape.turns.1);
+        let mut prompt = tokens(shape.system_prompt_words[system]);
         for step in 0..turns {
-            let question = uniform(&mut rng, 10, 40) as usize;
+            let question = uniform(&mut rng, shape.question_words.0, shape.question_words.1) as usize;
             let message = format!(
                 "Conversation {conversation}, question {step}: {}",
                 words(&mut rng, question)
             );
             prompt += tokens(question + 4);
-            let output = uniform(&mut rng, OUTPUT.0, OUTPUT.1).min(params.max_output.max(1));
+            let output = uniform(&mut rng, shape.output.0, shape.output.1).min(params.max_output.max(1));
             requests.push(Request {
                 at_s: 0.0,
                 prompt: Vec::new(),
@@ -102,8 +132,12 @@ pub fn build(params: &ChatParams) -> Workload {
         }
     }
     let source = format!(
-        "generated: {} conversations of {}–{} turns, 4 system prompts, seed {}",
-        params.conversations, TURNS.0, TURNS.1, params.seed
+        "generated: {} conversations of {}–{} turns, {} system prompts, seed {}",
+        params.conversations,
+        shape.turns.0,
+        shape.turns.1,
+        systems.len(),
+        params.seed
     );
     let mut workload = Workload::new(WorkloadKind::Chat, requests, source, 0);
     workload.systems = systems;
@@ -120,6 +154,7 @@ mod tests {
             conversations: 200,
             max_output: 2048,
             seed: 5,
+            shape: ChatShape::default(),
         };
         let w = build(&params);
         assert_eq!(w.requests, build(&params).requests, "deterministic in the seed");
