@@ -111,6 +111,10 @@ pub struct LlamaArgs {
     /// Dispatcher processes of the gateway.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub dispatchers: usize,
+    /// A gateway configuration file (TOML) for every run, e.g. a policy's
+    /// parameters.
+    #[arg(long, value_name = "FILE")]
+    pub gateway_config: Option<PathBuf>,
     /// Skip the calibrated simulator's runs.
     #[arg(long)]
     pub no_sim: bool,
@@ -347,6 +351,7 @@ pub fn run(args: &LlamaArgs) -> Result<()> {
         &json!({
             "engine": {"server": install.server, "model": install.model, "version": version,
                        "threads": args.threads, "slots": args.slots, "context": args.context},
+            "gateway_config": args.gateway_config,
             "workload": {"source": workload.source, "requests": workload.requests.len(), "clients": args.clients,
                          "stream": !args.plain, "dispatchers": args.dispatchers},
             "calibration": calibration.map(|c| c.json()),
@@ -392,11 +397,18 @@ fn run_once(
         .stderr(Stderr::Tail(40))
         .within(Duration::from_secs(60))
         .args(&["--tokenizer".to_owned(), install.model.display().to_string()]);
-    if prefill > 0.0 {
-        builder = builder.config(&format!(
-            "[policy.dual_map]\nprefill_tokens_per_sec = {}\n",
+    let mut config = match &args.gateway_config {
+        Some(path) => std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?,
+        None => String::new(),
+    };
+    if prefill > 0.0 && !config.contains("[policy.dual_map]") {
+        config += &format!(
+            "\n[policy.dual_map]\nprefill_tokens_per_sec = {}\n",
             prefill.round() as u64
-        ));
+        );
+    }
+    if !config.is_empty() {
+        builder = builder.config(&config);
     }
     for a in &addrs {
         builder = builder.backend(a);
