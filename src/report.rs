@@ -370,14 +370,8 @@ fn state_name(state: u64) -> &'static str {
 }
 
 fn kv_usage(load: &shm_layout::LoadFigures) -> String {
-    match load.kv_usage() {
-        Some(_) => format!(
-            "{}.{:02} %",
-            load.kv_usage_permyriad / 100,
-            load.kv_usage_permyriad % 100
-        ),
-        None => "not reported".to_owned(),
-    }
+    load.kv_usage()
+        .map_or_else(|| "not reported".to_owned(), |kv| format!("{:.2} %", kv * 100.0))
 }
 
 fn percent(part: u64, whole: u64) -> String {

@@ -16,28 +16,20 @@ use std::sync::{Arc, Barrier};
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use serde_json::{Value, json};
+use serde_json::json;
 
 use semlb_test_support as support;
-use support::gateway::{Gateway, chat, routed, sample, sim, sim_at, user};
+use support::gateway::{Gateway, Turn, chat, routed, sample, sim, sim_at, user};
 use support::process::Proc;
 
 fn unique(tag: &str) -> String {
     support::process::unique("conv", tag)
 }
 
-/// One turn as the engine answered it.
-#[derive(Debug, Clone)]
-struct Turn {
-    backend: String,
-    route: String,
-    cached_tokens: u64,
-}
-
 /// A streamed conversation of `turns` turns about topic `i`, each turn sent
 /// when the previous stream has ended.
 fn converse(addr: &str, i: usize, turns: usize) -> Vec<Turn> {
-    let mut messages = vec![
+    let messages = vec![
         json!({"role": "system", "content": format!("You are assistant {i}.")}),
         user(&format!("Conversation {i}: tell me about topic {}.", i * 7)),
     ];
@@ -47,35 +39,7 @@ fn converse(addr: &str, i: usize, turns: usize) -> Vec<Turn> {
         "max_tokens": 128,
         "ignore_eos": true,
     });
-    (0..turns)
-        .map(|t| {
-            let r = chat(addr, &messages, extra.clone(), &[("api-key", "agent")]);
-            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-            let (backend, route) = routed(&r);
-            let body = String::from_utf8_lossy(&r.body);
-            let mut text = String::new();
-            let mut cached_tokens = None;
-            for data in body.lines().filter_map(|l| l.strip_prefix("data: ")) {
-                let Ok(v) = serde_json::from_str::<Value>(data) else {
-                    continue;
-                };
-                if let Some(delta) = v["choices"][0]["delta"]["content"].as_str() {
-                    text.push_str(delta);
-                }
-                if let Some(n) = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() {
-                    cached_tokens = Some(n);
-                }
-            }
-            assert!(body.trim_end().ends_with("data: [DONE]"), "a whole stream: {body}");
-            messages.push(json!({"role": "assistant", "content": text}));
-            messages.push(user(&format!("Turn {}: and then?", t + 2)));
-            Turn {
-                backend,
-                route,
-                cached_tokens: cached_tokens.expect("the usage chunk reports cached_tokens"),
-            }
-        })
-        .collect()
+    support::gateway::converse(addr, messages, &extra, turns, |t| format!("Turn {}: and then?", t + 2))
 }
 
 /// `clients` conversations of 5 turns at once; asserts each stays on its

@@ -19,11 +19,11 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use serde_json::json;
 
 use semlb::metrics::responder_records;
 use semlb_test_support as support;
-use support::gateway::{Gateway, chat, routed, sample, user, wait_for};
+use support::gateway::{Gateway, Turn, chat, routed, sample, user, wait_for};
 use support::http::http;
 use support::llama::{LlamaInstall, LlamaServer};
 
@@ -45,49 +45,17 @@ fn fleet(n: usize, tag: &str) -> Option<(Vec<LlamaServer>, Gateway)> {
     Some((engines, builder.start()))
 }
 
-/// One turn as the client saw it.
-#[derive(Debug)]
-struct Turn {
-    backend: String,
-    route: String,
-    cached_tokens: u64,
-}
-
 /// A streamed conversation of `turns` turns, each sent the instant the
 /// previous stream ended, with the key in an `api-key` header.
 fn converse(addr: &str, i: usize, turns: usize) -> Vec<Turn> {
-    let mut messages = vec![
+    let messages = vec![
         json!({"role": "system", "content": format!("You are assistant number {i}. Answer in one short sentence.")}),
         user(&format!("Conversation {i}: name a city.")),
     ];
     let extra = json!({"stream": true, "stream_options": {"include_usage": true}, "max_tokens": 16, "temperature": 0});
-    (0..turns)
-        .map(|t| {
-            let r = chat(addr, &messages, extra.clone(), &[("api-key", "agent")]);
-            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-            let (backend, route) = routed(&r);
-            let body = String::from_utf8_lossy(&r.body);
-            assert!(body.trim_end().ends_with("data: [DONE]"), "a whole stream: {body}");
-            let mut text = String::new();
-            let mut cached_tokens = None;
-            for data in body.lines().filter_map(|l| l.strip_prefix("data: ")) {
-                let Ok(v) = serde_json::from_str::<Value>(data) else {
-                    continue;
-                };
-                text.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or_default());
-                if let Some(n) = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() {
-                    cached_tokens = Some(n);
-                }
-            }
-            messages.push(json!({"role": "assistant", "content": text}));
-            messages.push(user(&format!("Turn {}: and another?", t + 2)));
-            Turn {
-                backend,
-                route,
-                cached_tokens: cached_tokens.expect("llama.cpp reports cached_tokens in the usage chunk"),
-            }
-        })
-        .collect()
+    support::gateway::converse(addr, messages, &extra, turns, |t| {
+        format!("Turn {}: and another?", t + 2)
+    })
 }
 
 #[test]

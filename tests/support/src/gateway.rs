@@ -581,3 +581,52 @@ pub fn stream_text(r: &Response) -> (String, bool) {
     }
     (text, done)
 }
+
+/// One turn of a [`converse`] conversation, as the client saw it.
+#[derive(Debug, Clone)]
+pub struct Turn {
+    /// `x-semlb-backend`.
+    pub backend: String,
+    /// `x-semlb-route`.
+    pub route: String,
+    /// The usage chunk's `prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: u64,
+}
+
+/// A streamed conversation of `turns` turns through the gateway at
+/// `addr`, starting from `messages`, each turn sent with `extra` and an
+/// `api-key` header the instant the previous stream ended; after each
+/// answer, the answer and the user message `next(turn)` are appended.
+/// Asserts each turn is a 200 whose stream ends with `data: [DONE]` and
+/// whose usage chunk reports `cached_tokens`.
+pub fn converse(
+    addr: &str,
+    mut messages: Vec<Value>,
+    extra: &Value,
+    turns: usize,
+    next: impl Fn(usize) -> String,
+) -> Vec<Turn> {
+    (0..turns)
+        .map(|t| {
+            let r = chat(addr, &messages, extra.clone(), &[("api-key", "agent")]);
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            let (backend, route) = routed(&r);
+            let body = String::from_utf8_lossy(&r.body);
+            assert!(body.trim_end().ends_with("data: [DONE]"), "a whole stream: {body}");
+            let (text, _) = stream_text(&r);
+            let cached_tokens = body
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+                .filter_map(|v| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64())
+                .next_back();
+            messages.push(json!({"role": "assistant", "content": text}));
+            messages.push(user(&next(t)));
+            Turn {
+                backend,
+                route,
+                cached_tokens: cached_tokens.expect("the usage chunk reports cached_tokens"),
+            }
+        })
+        .collect()
+}

@@ -215,12 +215,9 @@ impl ChatTemplate {
     pub fn resolve(template: Option<&Path>, tokenizer: Option<&Path>) -> Result<Self, TemplateError> {
         match (template, tokenizer) {
             (Some(path), _) => Self::from_file(path),
-            (None, Some(path)) if crate::gguf::is_gguf_file(path) => match Self::from_gguf(path) {
-                Err(TemplateError::Load { reason, .. }) if reason.starts_with(NO_GGUF_TEMPLATE) => {
-                    Ok(Self::canonical())
-                }
-                other => other,
-            },
+            (None, Some(path)) if crate::gguf::is_gguf_file(path) => {
+                Ok(Self::gguf_template(path)?.unwrap_or_else(Self::canonical))
+            }
             _ => Ok(Self::canonical()),
         }
     }
@@ -239,20 +236,28 @@ impl ChatTemplate {
     /// The `tokenizer.chat_template` of a GGUF model file, with the
     /// `bos_token` and `eos_token` its ids name ([`crate::gguf`]).
     pub fn from_gguf(path: &Path) -> Result<Self, TemplateError> {
+        Self::gguf_template(path)?.ok_or_else(|| TemplateError::Load {
+            path: path.display().to_string(),
+            reason: NO_GGUF_TEMPLATE.into(),
+        })
+    }
+
+    /// [`from_gguf`](Self::from_gguf), with a file that has no template
+    /// a value (`None`) rather than an error.
+    fn gguf_template(path: &Path) -> Result<Option<Self>, TemplateError> {
         let template_err = |reason: String| TemplateError::Load {
             path: path.display().to_string(),
             reason,
         };
         let vocab = crate::gguf::GgufVocab::read_file(path).map_err(|e| template_err(e.to_string()))?;
-        let source = vocab
-            .chat_template
-            .clone()
-            .ok_or_else(|| template_err(NO_GGUF_TEMPLATE.into()))?;
+        let Some(source) = vocab.chat_template.clone() else {
+            return Ok(None);
+        };
         let special = SpecialTokens {
             bos_token: vocab.token(vocab.bos_id).map(str::to_owned),
             eos_token: vocab.token(vocab.eos_id).map(str::to_owned),
         };
-        Self::compile(source, special).map_err(template_err)
+        Self::compile(source, special).map(Some).map_err(template_err)
     }
 
     /// A Jinja chat template given as text (HF conventions, as for

@@ -540,7 +540,11 @@ impl Figures {
             .iter()
             .map(|a| {
                 ok.iter()
-                    .filter(|(_, o, _)| o.backend.as_deref().is_some_and(|b| b.contains(a.as_str())))
+                    .filter(|(_, o, _)| {
+                        o.backend
+                            .as_deref()
+                            .is_some_and(|b| b.strip_prefix("http://").unwrap_or(b) == a)
+                    })
                     .count()
             })
             .collect();
