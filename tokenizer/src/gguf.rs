@@ -604,15 +604,6 @@ pub(crate) mod tests {
         let path = dir.join("phi2.gguf");
         std::fs::write(&path, file).unwrap();
         let from_gguf = crate::Tokenizer::from_file(&path).unwrap();
-        // No template in the file: the gateway renders canonically, and
-        // asking for the file's template explicitly is an error.
-        use crate::chat::ChatTemplate;
-        let resolved = ChatTemplate::resolve(None, Some(&path)).unwrap();
-        assert_eq!(resolved.renderer_name(), "canonical");
-        assert!(ChatTemplate::from_gguf(&path).is_err());
-        std::fs::write(&path, tiny("smollm").bytes()).unwrap();
-        let resolved = ChatTemplate::resolve(None, Some(&path)).unwrap();
-        assert_ne!(resolved.renderer_name(), "canonical", "the file's own template");
         std::fs::remove_dir_all(&dir).unwrap();
         let bundled = crate::Tokenizer::bundled();
         assert_eq!(from_gguf.engine(), bundled.engine(), "the native engine takes it too");

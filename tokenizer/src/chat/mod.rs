@@ -377,6 +377,30 @@ fn render_canonical(messages: &[ChatMessage<'_>], out: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A GGUF model file's own template is the gateway's when none is
+    /// named; a file without one renders canonically (a value, not an
+    /// error), though asking for its template explicitly is an error.
+    #[test]
+    fn a_gguf_tokenizer_gives_its_template_or_none() {
+        use crate::gguf::tests::{Writer, tiny};
+        let dir = std::env::temp_dir().join(format!("semlb-gguf-template-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("model.gguf");
+        std::fs::write(&path, tiny("smollm").bytes()).unwrap();
+        let own = ChatTemplate::resolve(None, Some(&path)).unwrap();
+        assert_ne!(own.renderer_name(), "canonical", "the file's own template");
+        let without = Writer::default()
+            .string("tokenizer.ggml.model", "gpt2")
+            .strings("tokenizer.ggml.tokens", &["a", "b"])
+            .bytes();
+        std::fs::write(&path, without).unwrap();
+        let resolved = ChatTemplate::resolve(None, Some(&path));
+        let from_gguf = ChatTemplate::from_gguf(&path);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(resolved.unwrap().renderer_name(), "canonical");
+        assert!(from_gguf.is_err());
+    }
     use crate::test_data;
 
     fn qwen3_template() -> Option<ChatTemplate> {
