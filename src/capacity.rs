@@ -81,6 +81,12 @@
 //! the baseline without any queue: the fast ones keep showing the
 //! concurrency it sustains.
 //!
+//! **An engine that says.** llama.cpp's `llama-server` runs at most its
+//! `--parallel` slots at once and reports them (`/props` `total_slots`).
+//! The health checker reads that once per registration
+//! ([`crate::health`]); for such a server the policies take the reported
+//! number as `L` and nothing is learned.
+//!
 //! `L` lives in the server's slot of the shm server table
 //! ([`shm_layout::ServerTable::adjust_admission_limit`]): each response
 //! process adjusts it atomically from the samples it reads, and every

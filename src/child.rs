@@ -261,6 +261,7 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
         if args.no_metrics {
             sim = sim.with_metrics_flavor(semlb_workers::metrics::MetricsFlavor::None);
         }
+        let sim = sim.with_props(args.props);
         let listener = tokio::net::TcpListener::bind(args.listen).await?;
         println!("semlb-sim listening on http://{}", listener.local_addr()?);
         use std::io::Write;

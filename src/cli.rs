@@ -340,6 +340,10 @@ pub struct SimArgs {
     /// Serve no `/metrics` (404), as an engine started without metrics.
     #[arg(long)]
     pub no_metrics: bool,
+    /// Answer llama.cpp's `GET /props` (`total_slots` = the batch size),
+    /// as `llama-server` does.
+    #[arg(long)]
+    pub props: bool,
     /// How it logs to stderr.
     #[command(flatten)]
     pub log: LogArgs,

@@ -271,6 +271,10 @@ impl<'a> Responder<'a> {
         let (Some(server), Some(timing)) = (record.server, record.timing) else {
             return;
         };
+        if self.tables.servers.engine_slots(server).is_some() {
+            // Its engine said how many it runs: nothing to learn.
+            return;
+        }
         let Some(sample) = Sample::of(&timing, record.output_tokens, reported.decode_us) else {
             return;
         };

@@ -244,7 +244,11 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
             pct(ok + failed, all),
             failed,
             pct(confirmed, predicted),
-            s.admission_limit.map_or_else(|| "-".to_owned(), |l| format!("{l:.1}"))
+            match (s.engine_slots, s.admission_limit) {
+                (Some(slots), _) => format!("{slots} slots"),
+                (None, Some(l)) => format!("{l:.1}"),
+                (None, None) => "-".to_owned(),
+            }
         );
     }
     let _ = writeln!(w);

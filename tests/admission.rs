@@ -14,6 +14,11 @@
 //! * An engine that runs only two requests at once: the limit comes down
 //!   from 8 towards two, so requests wait at the gateway instead of in the
 //!   engine's queue, and stays at or above what the engine overlaps.
+//! * Engines that say how many requests they run at once (llama.cpp's
+//!   `/props` `total_slots`; `semlb __sim --props`), one with fresh
+//!   metrics and one without: nothing is learned, the gateway never has
+//!   more in flight at either than its slots, and every request is
+//!   answered.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -177,5 +182,62 @@ fn the_limit_comes_down_to_an_engine_that_queues() {
     assert!(
         (2.0..6.0).contains(&limit),
         "learned {limit} for an engine that runs 2 at once (from 8)"
+    );
+}
+
+/// Two engines that run two requests at once and say so in `/props`, one
+/// scraped (its queue reads empty between scrapes) and one without
+/// metrics; ten non-streamed conversations, `selective_push`. Once the
+/// gateway has read their slots, it never has more than two in flight at
+/// either: the rest wait at the gateway, from the first request on, with
+/// nothing to learn first.
+#[test]
+fn engines_that_say_their_slots_never_get_more() {
+    let scraped = Proc::start(&[
+        "__sim",
+        "--listen",
+        "127.0.0.1:0",
+        "--time-scale",
+        "1",
+        "--max-num-seqs",
+        "2",
+        "--props",
+    ]);
+    let bare = bare_engine(&["--max-num-seqs", "2", "--props"]);
+    let config = "[policy]\nkind = \"selective_push\"\n";
+    let gw = Gateway::builder()
+        .shm(&unique("slots"))
+        .backends(&[&scraped, &bare])
+        .config(config)
+        .admin("slots-admin-token")
+        .start();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while limits(&gw).values().filter(|l| **l == 2.0).count() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the gateway did not read both engines' slots: {:?}",
+            limits(&gw)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for server in gw.admin_servers() {
+        assert_eq!(server["engine_slots"], 2, "{server}");
+    }
+    let run = chat_workload(&gw, 10, 4);
+    eprintln!(
+        "{:.1} req/s, peak in flight {:?}, limits {:?}",
+        run.rate,
+        run.peak,
+        limits(&gw)
+    );
+    assert_eq!(run.peak.len(), 2, "{:?}", run.peak);
+    for (server, peak) in &run.peak {
+        assert!(*peak <= 2.0, "{peak} in flight at {server}, which runs 2 at once");
+        assert!(*peak >= 1.0, "nothing went to {server}");
+    }
+    assert!(
+        limits(&gw).values().all(|l| *l == 2.0),
+        "the slots stay the limit, nothing learned over them: {:?}",
+        limits(&gw)
     );
 }

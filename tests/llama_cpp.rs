@@ -6,10 +6,11 @@
 //!
 //! Shown here, as clients see it: back-to-back streamed conversations
 //! return to their engine with the engine's reported `cached_tokens`
-//! growing; the engines' `/metrics` reach the server table (requests
-//! running while one streams, no KV usage where llama.cpp reports none); an
-//! engine killed with SIGKILL is routed around with no failed request; a
-//! repeated deterministic request is answered from the response cache
+//! growing; the engines' `/metrics` and `/props` reach the server table
+//! (requests running while one streams, no KV usage where llama.cpp
+//! reports none, their slots as the admission limit); an engine killed
+//! with SIGKILL is routed around with no failed request; a repeated
+//! deterministic request is answered from the response cache
 //! without the engines computing anything.
 //!
 //! Skipped, loudly, where the engine was not built; required in CI
@@ -25,7 +26,7 @@ use semlb::metrics::responder_records;
 use semlb_test_support as support;
 use support::gateway::{Gateway, Turn, chat, routed, sample, user, wait_for};
 use support::http::http;
-use support::llama::{LlamaInstall, LlamaServer};
+use support::llama::{LlamaInstall, LlamaOptions, LlamaServer};
 
 fn unique(tag: &str) -> String {
     support::process::unique("llama", tag)
@@ -109,6 +110,17 @@ fn the_engines_metrics_reach_the_server_table() {
             "{metrics}"
         );
     }
+    // Their `/props` said how many requests each runs at once (`-np`):
+    // that is the admission limit, not a learned one.
+    let slots = f64::from(LlamaOptions::default().slots);
+    wait_for("both engines' slots read", Duration::from_secs(20), || {
+        let m = gw.metrics();
+        let limits: Vec<Option<f64>> = engines
+            .iter()
+            .map(|e| sample(&m, &series("semlb_server_admission_limit", e)))
+            .collect();
+        (limits.iter().all(|l| *l == Some(slots)), limits)
+    });
     // A long answer streams: the engine it runs on reports it running.
     let addr = gw.addr().to_owned();
     let long = std::thread::spawn(move || {

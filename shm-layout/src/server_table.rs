@@ -6,6 +6,7 @@
 //! ┌ line 0 ─ state (generation:32 | check:24 | state:8) · id · address meta (len | check) · registered_ms
 //! │          · horizon (generation:32 | segment second + 1:32)
 //! │          · admission limit (generation:32 | f32 bits:32)
+//! │          · engine slots (generation:32 | slots:32)
 //! ├ line 1 ─ in-flight requests · in-flight prompt tokens · scraped load (128-bit)
 //! │          · pending requests · pending prompt tokens
 //! └ lines 2-5 ─ address, up to 256 bytes
@@ -43,6 +44,11 @@
 //!   ([`ServerTable::adjust_admission_limit`]); the holding policies use
 //!   it when the engine's own queue cannot be scraped. It belongs to one
 //!   registration, like the horizon.
+//! * A server's **engine slots** are the requests its engine says it runs
+//!   at once and never exceeds (llama.cpp's `/props` `total_slots`), read
+//!   by the supervisor's health checker
+//!   ([`ServerTable::set_engine_slots`]). Where known, they stand in for
+//!   the learned admission limit. They belong to one registration too.
 
 use crate::load_figures::LoadFigures;
 use crate::mix::mix64;
@@ -164,6 +170,9 @@ pub struct ServerInfo {
     /// Its learned admission limit, if one was learned
     /// ([`ServerTable::adjust_admission_limit`]).
     pub admission_limit: Option<f32>,
+    /// The requests its engine says it runs at once, if it said
+    /// ([`ServerTable::set_engine_slots`]).
+    pub engine_slots: Option<u32>,
 }
 
 /// Why a server could not be registered.
@@ -189,7 +198,8 @@ pub(crate) struct ServerSlot {
     registered_ms: AtomicU64,
     horizon: AtomicU64,
     admission: AtomicU64,
-    _line0: [u64; 2],
+    engine_slots: AtomicU64,
+    _line0: [u64; 1],
     inflight_requests: AtomicU64,
     inflight_tokens: AtomicU64,
     load: AtomicU128,
@@ -205,6 +215,8 @@ const _: () = assert!(std::mem::size_of::<ServerSlot>() as u64 == crate::plan::S
 const _: () = assert!(std::mem::offset_of!(ServerSlot, horizon) == 32);
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, admission) == 40);
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::offset_of!(ServerSlot, engine_slots) == 48);
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, inflight_requests) == 64);
 #[cfg(not(loom))]
@@ -238,7 +250,8 @@ impl ServerSlot {
             registered_ms: AtomicU64::new(0),
             horizon: AtomicU64::new(0),
             admission: AtomicU64::new(0),
-            _line0: [0; 2],
+            engine_slots: AtomicU64::new(0),
+            _line0: [0; 1],
             inflight_requests: AtomicU64::new(0),
             inflight_tokens: AtomicU64::new(0),
             load: AtomicU128::new(0),
@@ -555,6 +568,41 @@ impl<'a> ServerTable<'a> {
         }
     }
 
+    /// Records that `server`'s engine runs at most `slots` requests at once
+    /// (`None` or 0: it does not say), as its engine reported it. Returns
+    /// false (nothing stored) if `server` is not current.
+    pub fn set_engine_slots(&self, server: ServerRef, slots: Option<u32>) -> bool {
+        let Some(s) = self.slots.get(usize::from(server.slot)) else {
+            return false;
+        };
+        let word = (u64::from(server.generation) << 32) | u64::from(slots.unwrap_or(0));
+        let mut current = s.engine_slots.load(Ordering::Acquire);
+        loop {
+            if !self.is_current(server) {
+                return false;
+            }
+            match s
+                .engine_slots
+                .compare_exchange_weak(current, word, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return true,
+                Err(now) => current = now,
+            }
+        }
+    }
+
+    /// The requests `server`'s engine says it runs at once, if it said
+    /// for this registration ([`set_engine_slots`](Self::set_engine_slots)).
+    #[inline]
+    pub fn engine_slots(&self, server: ServerRef) -> Option<u32> {
+        let word = self
+            .slots
+            .get(usize::from(server.slot))?
+            .engine_slots
+            .load(Ordering::Relaxed);
+        tagged(word, server.generation)
+    }
+
     /// The filter for [`crate::PrefixTable::longest_prefix_match_within`]
     /// at segment second `now_s`: `None` unless the tagged server is live
     /// ([`is_live`](Self::is_live)); else how old (in seconds) its entries
@@ -612,6 +660,7 @@ impl<'a> ServerTable<'a> {
                 load: self.load(server),
                 horizon_s: self.horizon(server),
                 admission_limit: self.admission_limit(server),
+                engine_slots: self.engine_slots(server),
             });
         }
         None
@@ -808,6 +857,29 @@ mod tests {
         let a2 = t.register(12, "http://a2", 0).unwrap();
         assert_eq!(a2.slot, a.slot);
         assert_eq!(t.admission_limit(a2), None, "a new registration starts without one");
+    }
+
+    #[test]
+    fn engine_slots_are_set_cleared_and_die_with_their_registration() {
+        let (s, l) = parts();
+        let t = ServerTable::new(&s, &l, 1);
+        let a = t.register(11, "http://a", 0).unwrap();
+        let b = t.register(12, "http://b", 0).unwrap();
+        assert_eq!(t.engine_slots(a), None, "not said yet");
+        assert!(t.set_engine_slots(a, Some(2)));
+        assert_eq!(t.engine_slots(a), Some(2));
+        assert_eq!(t.engine_slots(b), None, "per server");
+        assert_eq!(t.get(a.slot).unwrap().engine_slots, Some(2));
+        assert!(t.set_engine_slots(a, Some(4)), "an engine restarted with more");
+        assert_eq!(t.engine_slots(a), Some(4));
+        assert!(t.set_engine_slots(a, None));
+        assert_eq!(t.engine_slots(a), None, "cleared");
+        assert!(t.set_engine_slots(a, Some(3)));
+        assert!(t.retire(a));
+        assert!(!t.set_engine_slots(a, Some(5)), "not current");
+        let a2 = t.register(13, "http://a2", 0).unwrap();
+        assert_eq!(a2.slot, a.slot);
+        assert_eq!(t.engine_slots(a2), None, "a new registration starts without them");
     }
 
     #[test]

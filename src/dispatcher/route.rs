@@ -264,6 +264,7 @@ mod tests {
             pending_tokens: 0,
             load: Default::default(),
             admission: crate::capacity::INITIAL_LIMIT,
+            admission_reported: false,
         };
         let chosen = |pending| {
             let lookup = Lookup {

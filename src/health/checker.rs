@@ -21,6 +21,12 @@
 //!   ([`super::prometheus::extract`]) and stored with the segment clock's
 //!   time ([`ServerTable::store_load`]).
 //!
+//! * **engine slots**, with the scrapes: `GET <address>/props` once per
+//!   registration, again after the server was down or its engine
+//!   restarted, until it answers. llama.cpp's answer says how many
+//!   requests its engine runs at once ([`super::props`]), stored with
+//!   [`ServerTable::set_engine_slots`]; any other answer stores none.
+//!
 //! Transitions are logged (`tracing` events), as are a server's scrapes starting or
 //! stopping to fail (once each, not every interval).
 //!
@@ -91,6 +97,10 @@ const MAX_CHECK_BYTES: usize = 64 << 10;
 /// Largest `/metrics` answer read (vLLM's is a few hundred KiB with
 /// several models' histograms).
 const MAX_METRICS_BYTES: usize = 16 << 20;
+
+/// Largest `/props` answer read (llama.cpp's carries the chat template
+/// and the sampling defaults: tens of KiB).
+const MAX_PROPS_BYTES: usize = 1 << 20;
 
 /// The pooled client of the checks and scrapes.
 type HealthClient = Client<HttpConnector, Empty<Bytes>>;
@@ -306,6 +316,18 @@ impl Checker {
         Ok(extract(&String::from_utf8_lossy(&body), flavor)?)
     }
 
+    /// How many requests the engine at `address` says it runs at once
+    /// ([`super::props`]); `Ok(None)` if it answered without saying.
+    async fn engine_slots(&self, address: &str) -> Result<Option<u32>, CheckError> {
+        let url = format!("{address}/props");
+        let (status, body) = self.get(&url, MAX_PROPS_BYTES, self.health.timeout()).await?;
+        Ok(if status.is_success() {
+            super::props::total_slots(&body)
+        } else {
+            None
+        })
+    }
+
     /// Load scraping, forever (see the module docs).
     async fn scrape_loop(self: Arc<Self>) {
         let mut tick = tokio::time::interval(self.health.scrape_interval());
@@ -313,6 +335,8 @@ impl Checker {
         let mut failing: HashSet<ServerRef> = HashSet::new();
         let mut engines: HashMap<ServerRef, Engine> = HashMap::new();
         let mut prompt_tokens: HashMap<ServerRef, f64> = HashMap::new();
+        // The servers whose engines answered `/props` (saying or not).
+        let mut asked: HashSet<ServerRef> = HashSet::new();
         loop {
             tick.tick().await;
             let servers: Vec<ServerInfo> = self
@@ -323,11 +347,30 @@ impl Checker {
             failing.retain(|f| servers.iter().any(|s| s.server == *f));
             engines.retain(|f, _| servers.iter().any(|s| s.server == *f));
             prompt_tokens.retain(|f, _| servers.iter().any(|s| s.server == *f));
-            let results = futures_util::future::join_all(servers.iter().map(|info| {
-                let flavor = self.flavors.get(&info.address).copied().unwrap_or_default();
-                self.scrape(&info.address, flavor)
-            }))
-            .await;
+            asked.retain(|f| servers.iter().any(|s| s.server == *f));
+            let to_ask: Vec<&ServerInfo> = servers.iter().filter(|s| !asked.contains(&s.server)).collect();
+            let (results, answers) = tokio::join!(
+                futures_util::future::join_all(servers.iter().map(|info| {
+                    let flavor = self.flavors.get(&info.address).copied().unwrap_or_default();
+                    self.scrape(&info.address, flavor)
+                })),
+                futures_util::future::join_all(to_ask.iter().map(|info| self.engine_slots(&info.address))),
+            );
+            for (info, answer) in to_ask.into_iter().zip(answers) {
+                // No answer (refused, timed out): asked again next round.
+                let Ok(slots) = answer else { continue };
+                asked.insert(info.server);
+                if self.servers().set_engine_slots(info.server, slots)
+                    && let Some(slots) = slots
+                {
+                    tracing::info!(
+                        backend = %info.address,
+                        slots,
+                        "backend {}: its engine runs at most {slots} requests at once (/props total_slots); holding policies count what is sent beyond them as queued",
+                        info.address
+                    );
+                }
+            }
             for (info, result) in servers.iter().zip(results) {
                 match result {
                     Ok(load) => {
@@ -339,6 +382,8 @@ impl Checker {
                             && now < before
                         {
                             let forgotten = self.forget(info.server);
+                            // A restarted engine may have other slots.
+                            asked.remove(&info.server);
                             tracing::warn!(
                                 backend = %info.address,
                                 forgotten,

@@ -6,7 +6,8 @@
 //! | --- | --- |
 //! | [`prometheus`] | a tolerant Prometheus text-format parser, and the load figures of vLLM, SGLang and llama.cpp |
 //! | [`breaker`] | one server's circuit breaker: ejected after consecutive failures, re-admitted after consecutive successful probes |
-//! | [`checker`] | the supervisor's task: health checks and `/metrics` scrapes at their intervals, written to the server table |
+//! | [`props`] | llama.cpp's `/props`: how many requests its engine runs at once |
+//! | [`checker`] | the supervisor's task: health checks, `/metrics` scrapes and `/props` reads, written to the server table |
 //! | this module | [`PassiveHealth`] (a dispatcher's failure counts), [`eject`], [`fresh_load`] |
 //!
 //! # Active checks
@@ -48,6 +49,15 @@
 //! scrape does not count as a failed health check: an engine started
 //! without metrics is still healthy.
 //!
+//! # Engine slots
+//!
+//! With the first scrape of a registration, and after the server was down
+//! or its engine restarted, the checker reads `GET <server>/props` once
+//! ([`props`]). A llama.cpp engine says there how many requests it runs at
+//! once (`total_slots`); that number replaces the learned admission limit
+//! for the holding policies ([`crate::capacity`],
+//! [`crate::routing::Candidate::pending_estimate`]).
+//!
 //! # Where staleness is applied
 //!
 //! In [`crate::store::local::LocalState`], the one place where both stores,
@@ -61,6 +71,7 @@
 pub mod breaker;
 pub mod checker;
 pub mod prometheus;
+pub mod props;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

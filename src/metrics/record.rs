@@ -254,8 +254,9 @@ pub struct ServerGauges {
     pub inflight: u64,
     /// Its scraped load, when fresh.
     pub load: Option<LoadFigures>,
-    /// The admission limit the holding policies use for it without fresh
-    /// metrics: learned ([`crate::capacity`]), or the initial one.
+    /// The admission limit the holding policies use for it: its engine's
+    /// reported slots, else learned ([`crate::capacity`]), or the initial
+    /// one.
     pub admission_limit: f64,
 }
 

@@ -41,9 +41,11 @@ impl Snapshot {
                 state: s.state,
                 inflight: s.inflight_requests,
                 load: crate::health::fresh_load(s.load, now_ms, stale_after_ms),
-                admission_limit: s
-                    .admission_limit
-                    .map_or(f64::from(crate::capacity::INITIAL_LIMIT), f64::from),
+                admission_limit: match (s.engine_slots, s.admission_limit) {
+                    (Some(slots), _) => f64::from(slots),
+                    (None, Some(learned)) => f64::from(learned),
+                    (None, None) => f64::from(crate::capacity::INITIAL_LIMIT),
+                },
             })
             .collect();
         let mut restarts = [0; 2];
@@ -397,7 +399,7 @@ impl Snapshot {
             o,
             "semlb_server_admission_limit",
             "gauge",
-            "Requests the server's engine is estimated to run at once, learned from the latencies the gateway measures; the holding policies (selective_push, dual_map) keep at most this many in flight there when its metrics are not fresh.",
+            "Requests the server's engine runs at once: as its engine reported it (llama.cpp's slots), else learned from the latencies the gateway measures; the holding policies (selective_push, dual_map) keep at most this many in flight there when its metrics are not fresh, or when its engine reported it.",
         );
         for s in &self.servers {
             sample_f(

@@ -63,6 +63,12 @@
 //!   stand in for the engine's queue: a non-streamed answer shows its
 //!   first byte only when complete, so every such request would count as
 //!   pending to its end and an engine would look full with one.
+//! * the engine reported how many requests it runs at once (llama.cpp's
+//!   slots, [`Candidate::admission_reported`]): `L` is that number, and
+//!   the estimate is never below `max(0, inflight − L + 1)`, fresh scrape
+//!   or not. Such an engine defers every request beyond its slots, so
+//!   what the gateway sends past them between two scrapes that saw no
+//!   queue is queued all the same.
 
 pub mod cache_aware;
 pub mod consistent_hash;
@@ -110,10 +116,14 @@ pub struct Candidate {
     pub pending_tokens: u64,
     /// Its last scraped engine load (zeros until scraped, or when stale).
     pub load: LoadFigures,
-    /// Requests its engine is estimated to run at once: the learned
-    /// admission limit, or [`crate::capacity::INITIAL_LIMIT`] before one
-    /// is learned (see [`crate::capacity`]).
+    /// Requests its engine runs at once: the number its engine reported
+    /// (`admission_reported`), else the learned admission limit, or
+    /// [`crate::capacity::INITIAL_LIMIT`] before one is learned (see
+    /// [`crate::capacity`]).
     pub admission: u32,
+    /// `admission` is the engine's own word (llama.cpp's slots, which it
+    /// never exceeds), not an estimate.
+    pub admission_reported: bool,
 }
 
 impl Candidate {
@@ -121,10 +131,16 @@ impl Candidate {
     /// [module docs](self#pending-requests)).
     #[inline]
     pub fn pending_estimate(&self) -> u64 {
-        match (self.load.scraped_at_ms, self.load.waiting) {
-            (0, _) => (self.inflight + 1).saturating_sub(u64::from(self.admission)),
+        let beyond_admission = (self.inflight + 1).saturating_sub(u64::from(self.admission));
+        let scraped = match (self.load.scraped_at_ms, self.load.waiting) {
+            (0, _) => return beyond_admission,
             (_, 0) => 0,
             (_, waiting) => (u64::from(waiting) + self.pending).saturating_sub(u64::from(self.load.pending_at_scrape)),
+        };
+        if self.admission_reported {
+            scraped.max(beyond_admission)
+        } else {
+            scraped
         }
     }
 }
@@ -366,6 +382,7 @@ pub(crate) fn best_prefix<'c>(
 pub fn candidate(servers: &ServerTable<'_>, server: ServerRef) -> Candidate {
     let (inflight, inflight_tokens) = servers.inflight(server);
     let (pending, pending_tokens) = servers.pending(server);
+    let engine_slots = servers.engine_slots(server);
     Candidate {
         server,
         inflight,
@@ -373,7 +390,8 @@ pub fn candidate(servers: &ServerTable<'_>, server: ServerRef) -> Candidate {
         pending,
         pending_tokens,
         load: servers.load(server),
-        admission: crate::capacity::effective_limit(servers.admission_limit(server)),
+        admission: engine_slots.unwrap_or_else(|| crate::capacity::effective_limit(servers.admission_limit(server))),
+        admission_reported: engine_slots.is_some(),
     }
 }
 

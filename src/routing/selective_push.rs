@@ -260,6 +260,45 @@ mod tests {
     }
 
     #[test]
+    fn an_engine_that_reported_its_slots_is_full_at_them_between_scrapes() {
+        let f = Fixture::new(1);
+        let p = SelectivePushParams::default();
+        let slots = |inflight| Candidate {
+            admission: 2,
+            admission_reported: true,
+            load: LoadFigures {
+                scraped_at_ms: 1,
+                ..LoadFigures::default()
+            },
+            ..cand(f.s[0], inflight, 0)
+        };
+        // The last scrape saw no queue, but 2 slots cannot run 3.
+        assert_eq!(slots(1).pending_estimate(), 0);
+        assert!(!p.full(&slots(1)));
+        assert_eq!(slots(2).pending_estimate(), 1, "both slots taken");
+        assert!(p.full(&slots(2)));
+        assert!(p.was_free(&slots(2)), "the request that took the second slot");
+        assert!(!p.was_free(&slots(3)));
+        // A learned limit of 2 is an estimate: a fresh scrape without a
+        // queue overrules it.
+        let learned = Candidate {
+            admission_reported: false,
+            ..slots(2)
+        };
+        assert_eq!(learned.pending_estimate(), 0);
+        // A scrape that saw more waiting than the slots explain wins.
+        let mut queued = slots(2);
+        queued.load.waiting = 3;
+        assert_eq!(queued.pending_estimate(), 3, "others' requests wait there too");
+        // Without a fresh scrape the slots are the limit.
+        let unscraped = Candidate {
+            load: LoadFigures::default(),
+            ..slots(2)
+        };
+        assert_eq!(unscraped.pending_estimate(), 1);
+    }
+
+    #[test]
     fn without_metrics_a_server_takes_requests_up_to_its_admission_limit() {
         let f = Fixture::new(2);
         let m = PrefixMatch::default();

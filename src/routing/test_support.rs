@@ -58,6 +58,7 @@ pub(crate) fn cand(server: ServerRef, inflight: u64, inflight_tokens: u64) -> Ca
         pending_tokens: 0,
         load: LoadFigures::default(),
         admission: crate::capacity::INITIAL_LIMIT,
+        admission_reported: false,
     }
 }
 

@@ -875,6 +875,24 @@ impl Chunk {
     }
 }
 
+/// `GET /props` as `llama-server` (b11434) answers it, with the fields a
+/// gateway reads: `total_slots` (requests run at once) and each slot's
+/// context (`default_generation_settings.n_ctx`).
+pub fn props_body(model: &str, total_slots: u32, n_ctx: u32) -> Bytes {
+    let body = serde_json::json!({
+        "default_generation_settings": {"n_ctx": n_ctx},
+        "total_slots": total_slots,
+        "model_alias": model,
+        "model_path": model,
+        "endpoint_slots": false,
+        "endpoint_props": false,
+        "endpoint_metrics": true,
+        "build_info": concat!("semlb-sim-", env!("CARGO_PKG_VERSION")),
+        "is_sleeping": false,
+    });
+    Bytes::from(body.to_string())
+}
+
 /// `GET /v1/models`: the one served model.
 pub fn models_body(model: &str, created: u64, max_model_len: u32) -> Bytes {
     #[derive(Serialize)]

@@ -101,6 +101,12 @@ struct Args {
     /// on an engine started without metrics).
     #[arg(long, default_value = "vllm", value_name = "FLAVOR")]
     metrics_flavor: MetricsFlavor,
+
+    /// Answer llama.cpp's GET /props (total_slots = --max-num-seqs), as
+    /// llama-server does with or without --metrics [default: with
+    /// --metrics-flavor llamacpp].
+    #[arg(long)]
+    props: bool,
 }
 
 /// The library's defaults, so the flags' defaults cannot drift from them.
@@ -193,13 +199,9 @@ async fn run(args: Args) -> Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let addr = listener.local_addr().context("reading the bound address")?;
-    let sim = Arc::new(Sim::new(
-        Engine::start(config),
-        tokenizer,
-        template,
-        faults,
-        args.metrics_flavor,
-    ));
+    let sim = Sim::new(Engine::start(config), tokenizer, template, faults, args.metrics_flavor);
+    let props = args.props || args.metrics_flavor == MetricsFlavor::Llamacpp;
+    let sim = Arc::new(sim.with_props(props));
 
     let mut stdout = std::io::stdout().lock();
     writeln!(stdout, "semlb-sim listening on http://{addr}").context("writing to stdout")?;

@@ -9,6 +9,7 @@
 //! | `GET /v1/models` | the OpenAI model list with the one served model |
 //! | `GET /health` | 200 with an empty body, as vLLM |
 //! | `GET /metrics` | the Prometheus exposition (see [`crate::metrics`]); 404 with [`MetricsFlavor::None`] |
+//! | `GET /props` | with [`Sim::with_props`] (on by default for `--metrics-flavor llamacpp`): llama.cpp's server properties, `total_slots` = `max_num_seqs` and each slot's `n_ctx`, as `llama-server` answers; else 404 |
 //! | `GET /sim/metrics` | the same counters in vLLM's names, whatever the flavor: the simulator's own window for benchmarks and tests (no gateway scrapes it), so an engine set without metrics can still be measured |
 //! | `POST /reset_prefix_cache` | empties the prefix cache, as vLLM's: 200; 409 `busy` while requests hold blocks (vLLM then only logs that it could not) |
 //!
@@ -97,6 +98,8 @@ pub struct Sim {
     vocab: OutputVocab,
     faults: Faults,
     flavor: MetricsFlavor,
+    /// Answers `GET /props` as llama.cpp does.
+    props: bool,
     /// Set when the server stops; releases requests left hanging.
     closing: watch::Sender<bool>,
     /// Counter for response ids.
@@ -129,6 +132,13 @@ impl Sim {
         self
     }
 
+    /// The same server answering `GET /props` as `llama-server` does
+    /// (`total_slots` = the engine's `max_num_seqs`), or not (404).
+    pub fn with_props(mut self, props: bool) -> Self {
+        self.props = props;
+        self
+    }
+
     /// A server state around a started `engine`. The output vocabulary is
     /// picked from `tokenizer`.
     pub fn new(
@@ -151,6 +161,7 @@ impl Sim {
             vocab,
             faults: Faults::new(faults),
             flavor,
+            props: flavor == MetricsFlavor::Llamacpp,
             closing: watch::Sender::new(false),
             next_id: AtomicU64::new(0),
             id_salt,
@@ -262,7 +273,7 @@ impl Drop for Completion {
 fn allowed_method(path: &str) -> Option<&'static str> {
     match path {
         "/v1/completions" | "/v1/chat/completions" | "/reset_prefix_cache" => Some("POST"),
-        "/v1/models" | "/health" | "/metrics" | "/sim/metrics" => Some("GET"),
+        "/v1/models" | "/health" | "/metrics" | "/props" | "/sim/metrics" => Some("GET"),
         _ => None,
     }
 }
@@ -316,7 +327,13 @@ async fn handle(sim: Arc<Sim>, request: Request<Incoming>) -> Result<Response<Bo
                 let body = api::models_body(&config.model_name, sim.started, config.max_model_len);
                 full_response(StatusCode::OK, Some("application/json"), body)
             }
-            "/metrics" if sim.flavor == MetricsFlavor::None => {
+            "/props" if sim.props => {
+                let config = sim.engine.config();
+                let body = api::props_body(&config.model_name, config.max_num_seqs, config.max_model_len);
+                full_response(StatusCode::OK, Some("application/json"), body)
+            }
+            // Not served by this engine.
+            "/props" | "/metrics" if path == "/props" || sim.flavor == MetricsFlavor::None => {
                 error_response(ApiError::path_not_found(request.method().as_str(), &path))
             }
             _ => {

@@ -1164,3 +1164,31 @@ async fn metrics_can_be_hidden() {
     assert!(own.text().contains("vllm:prefix_cache_queries_total"), "{}", own.text());
     server.stop().await;
 }
+
+/// `GET /props`: answered as `llama-server` does (its slots are the batch
+/// size, each with the model's context) with the llama.cpp flavour, 404
+/// with the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn props_say_the_slots_as_llama_cpp_does() {
+    let config = EngineConfig {
+        max_num_seqs: 3,
+        ..fast()
+    };
+    let llama = start_full(config.clone(), FaultConfig::default(), MetricsFlavor::Llamacpp).await;
+    let props = get(llama.addr, "/props").await;
+    assert_eq!(props.status, StatusCode::OK);
+    let v = props.json();
+    assert_eq!(v["total_slots"], 3);
+    assert_eq!(v["default_generation_settings"]["n_ctx"], config.max_model_len);
+    assert_eq!(v["model_path"], MODEL);
+    assert_eq!(
+        call(llama.addr, Method::POST, "/props", &[], "{}").await.status,
+        StatusCode::METHOD_NOT_ALLOWED
+    );
+    llama.stop().await;
+    let vllm = start(config).await;
+    let reply = get(vllm.addr, "/props").await;
+    assert_eq!(reply.status, StatusCode::NOT_FOUND);
+    assert_eq!(reply.json()["error"]["code"], "not_found", "{:?}", reply.body);
+    vllm.stop().await;
+}

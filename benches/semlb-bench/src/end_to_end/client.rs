@@ -116,6 +116,8 @@ pub(crate) async fn request_with(
     mut keep: Option<&mut Vec<u8>>,
 ) -> Outcome {
     let mut outcome = Outcome::default();
+    // The start of a failed answer's body, for its error.
+    let mut failed_body = String::new();
     let run = async {
         let mut request =
             http::Request::post(format!("http://{addr}{path}")).header(http::header::CONTENT_TYPE, "application/json");
@@ -143,6 +145,9 @@ pub(crate) async fn request_with(
             }
             outcome.done = outcome.status == 200;
             outcome.ttft = outcome.done.then(|| since.elapsed());
+            if !outcome.done {
+                failed_body = String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned();
+            }
             return Ok(());
         }
         let mut scan = SseScan::default();
@@ -167,7 +172,11 @@ pub(crate) async fn request_with(
     }
     outcome.latency = since.elapsed();
     if outcome.error.is_none() && outcome.status != 200 {
-        outcome.error = Some(format!("HTTP {}", outcome.status));
+        outcome.error = Some(if failed_body.is_empty() {
+            format!("HTTP {}", outcome.status)
+        } else {
+            format!("HTTP {}: {failed_body}", outcome.status)
+        });
     } else if outcome.error.is_none() && !outcome.done {
         outcome.error = Some("stream ended without [DONE]".into());
     }

@@ -135,6 +135,7 @@ pub(super) fn run_once(
             addr,
             stream: spec.stream,
             progress,
+            pin_slots: None,
         };
         let sent = client
             .runtime

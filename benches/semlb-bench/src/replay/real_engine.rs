@@ -44,6 +44,17 @@
 //! that answered its previous turn (from `x-semlb-backend`); requests per
 //! engine; errors. A benchmark measures: nothing here asserts a speed.
 //!
+//! # Rows
+//!
+//! One per `--policies` entry, plus one per `--variant LABEL=POLICY@FILE`
+//! (a policy with a gateway configuration of its own, e.g. other
+//! thresholds), each also with llama.cpp's slot pinning if `--pin-slots`
+//! says so: every request of a conversation carries `id_slot` =
+//! the conversation's number modulo `--slots` (`both`: every row with and
+//! without). `--repeats N` runs every row N times, interleaved (each
+//! round runs every row once), so the machine's drift spreads over all of
+//! them, and adds a table of each row's mean and range.
+//!
 //! Output: the tables on stdout and `<out>/llama.json` (every run, the
 //! calibration, the engine's version and options).
 
@@ -52,7 +63,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use semlb::routing::PolicyKind;
 use semlb_test_support::gateway::Gateway;
 use semlb_test_support::llama::{LlamaInstall, LlamaOptions, LlamaServer};
@@ -124,6 +135,108 @@ pub struct LlamaArgs {
     /// Real seconds the last conversations may take once all have started.
     #[arg(long, value_name = "S", default_value_t = 120.0)]
     pub drain_secs: f64,
+    /// Runs of every row, interleaved; with more than one, a table of each
+    /// row's mean and range follows.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub repeats: usize,
+    /// Another row: POLICY with the gateway configuration FILE (TOML,
+    /// appended to --gateway-config's), named LABEL. Repeatable.
+    #[arg(long = "variant", value_name = "LABEL=POLICY[@FILE]", value_parser = parse_variant)]
+    pub variants: Vec<Variant>,
+    /// llama.cpp's slot pinning: each conversation's requests carry
+    /// `id_slot` = its number modulo --slots (`on`), or not (`off`), or
+    /// every row both ways (`both`).
+    #[arg(long, value_enum, default_value_t = PinSlots::Off)]
+    pub pin_slots: PinSlots,
+}
+
+/// Whether conversations are pinned to an engine slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PinSlots {
+    /// Never: the engine picks the slot.
+    Off,
+    /// Always.
+    On,
+    /// Every row both ways.
+    Both,
+}
+
+/// `--variant`: a policy with a configuration of its own.
+#[derive(Debug, Clone)]
+pub struct Variant {
+    label: String,
+    policy: PolicyKind,
+    config: Option<PathBuf>,
+}
+
+fn parse_variant(text: &str) -> Result<Variant, String> {
+    let (label, rest) = text
+        .split_once('=')
+        .ok_or_else(|| format!("{text:?}: expected LABEL=POLICY[@FILE]"))?;
+    let (policy, config) = match rest.split_once('@') {
+        Some((p, f)) => (p, Some(PathBuf::from(f))),
+        None => (rest, None),
+    };
+    if label.is_empty() {
+        return Err(format!("{text:?}: the label is empty"));
+    }
+    Ok(Variant {
+        label: label.to_owned(),
+        policy: policy.parse().map_err(|e| format!("{text:?}: {e}"))?,
+        config,
+    })
+}
+
+/// One row of the report: what a run is.
+#[derive(Debug, Clone)]
+struct Arm {
+    label: String,
+    policy: PolicyKind,
+    /// Gateway configuration of its own (TOML), after --gateway-config's.
+    config: String,
+    /// Conversations pinned to slots.
+    pin: bool,
+}
+
+impl Arm {
+    /// The rows `args` asks for, in order.
+    fn all(args: &LlamaArgs) -> Result<Vec<Self>> {
+        let mut arms: Vec<Self> = args
+            .policies
+            .iter()
+            .map(|&policy| Self {
+                label: policy.name().to_owned(),
+                policy,
+                config: String::new(),
+                pin: false,
+            })
+            .collect();
+        for v in &args.variants {
+            let config = match &v.config {
+                Some(path) => std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?,
+                None => String::new(),
+            };
+            arms.push(Self {
+                label: v.label.clone(),
+                policy: v.policy,
+                config,
+                pin: false,
+            });
+        }
+        Ok(match args.pin_slots {
+            PinSlots::Off => arms,
+            PinSlots::On => arms.into_iter().map(Self::pinned).collect(),
+            PinSlots::Both => arms.into_iter().flat_map(|a| [a.clone(), a.pinned()]).collect(),
+        })
+    }
+
+    fn pinned(self) -> Self {
+        Self {
+            label: format!("{} +id_slot", self.label),
+            pin: true,
+            ..self
+        }
+    }
 }
 
 /// The conversations' sizes: the `chat` workload scaled to a CPU engine.
@@ -301,7 +414,10 @@ pub fn run(args: &LlamaArgs) -> Result<()> {
         calibration = Some(c);
         kinds.push(EngineKind::Sim(c));
     }
-    let mut tables = Vec::new();
+    if args.repeats == 0 {
+        bail!("--repeats must be at least 1");
+    }
+    let arms = Arm::all(args)?;
     let mut runs_json = Vec::new();
     for kind in kinds {
         let mut table = Table::new([
@@ -316,34 +432,63 @@ pub fn run(args: &LlamaArgs) -> Result<()> {
             "per engine",
             "errors",
         ]);
-        for &policy in &args.policies {
-            let bar = output::progress(workload.requests.len() as u64, &format!("{} {policy}", kind.name()));
-            let run = run_once(args, kind, policy, &install, &options, &workload, &client, &bar)?;
-            bar.finish_and_clear();
-            let figures = Figures::of(&run, &workload);
-            table.row(figures.cells(policy));
-            runs_json.push(json!({
-                "engines": kind.name(),
-                "policy": policy.name(),
-                "figures": figures.json(),
-                "engine_tokens": run.engine_tokens.iter().map(|(p, c)| json!({"prefilled": p, "cached": c})).collect::<Vec<_>>(),
-            }));
+        let mut all: Vec<Vec<Figures>> = vec![Vec::new(); arms.len()];
+        for round in 0..args.repeats {
+            for (arm, figures_of_arm) in arms.iter().zip(&mut all) {
+                let label = if args.repeats > 1 {
+                    format!("{} #{}", arm.label, round + 1)
+                } else {
+                    arm.label.clone()
+                };
+                let bar = output::progress(workload.requests.len() as u64, &format!("{} {label}", kind.name()));
+                let run = run_once(args, kind, arm, &install, &options, &workload, &client, &bar)?;
+                bar.finish_and_clear();
+                let figures = Figures::of(&run, &workload);
+                if !figures.error_kinds.is_empty() {
+                    eprintln!("{} {label}: failed calls {:?}", kind.name(), figures.error_kinds);
+                }
+                table.row(figures.cells(&label));
+                runs_json.push(json!({
+                    "engines": kind.name(),
+                    "row": arm.label,
+                    "policy": arm.policy.name(),
+                    "config": arm.config,
+                    "id_slot": arm.pin,
+                    "round": round + 1,
+                    "figures": figures.json(),
+                    "engine_tokens": run.engine_tokens.iter().map(|(p, c)| json!({"prefilled": p, "cached": c})).collect::<Vec<_>>(),
+                }));
+                figures_of_arm.push(figures);
+            }
         }
-        output::print_table(
-            &format!(
-                "{} engines: {} × {} thread(s), {} slots, {} context tokens; {} conversations, {} clients, {}",
-                kind.name(),
-                args.engines,
-                args.threads,
-                args.slots,
-                args.context,
-                args.conversations,
-                args.clients,
-                if args.plain { "not streamed" } else { "streamed" }
-            ),
-            &table,
+        let title = format!(
+            "{} engines: {} × {} thread(s), {} slots, {} context tokens; {} conversations, {} clients, {}",
+            kind.name(),
+            args.engines,
+            args.threads,
+            args.slots,
+            args.context,
+            args.conversations,
+            args.clients,
+            if args.plain { "not streamed" } else { "streamed" }
         );
-        tables.push(table);
+        output::print_table(&title, &table);
+        if args.repeats > 1 {
+            let mut summary = Table::new([
+                "row",
+                "runs",
+                "req/s mean",
+                "range",
+                "TTFT p50 mean",
+                "p90 mean",
+                "engines' cached",
+                "same engine",
+            ]);
+            for (arm, figures) in arms.iter().zip(&all) {
+                summary.row(Figures::summary(&arm.label, figures));
+            }
+            output::print_table(&format!("{title}: mean of {} runs", args.repeats), &summary);
+        }
     }
     let path = output::write_json(
         &args.common.out,
@@ -368,7 +513,7 @@ pub fn run(args: &LlamaArgs) -> Result<()> {
 fn run_once(
     args: &LlamaArgs,
     kind: EngineKind,
-    policy: PolicyKind,
+    arm: &Arm,
     install: &LlamaInstall,
     options: &LlamaOptions,
     workload: &Arc<Workload>,
@@ -393,7 +538,7 @@ fn run_once(
         .tag("llama")
         .shm_size("64MiB")
         .dispatchers(args.dispatchers)
-        .policy(policy.name())
+        .policy(arm.policy.name())
         .stderr(Stderr::Tail(40))
         .within(Duration::from_secs(60))
         .args(&["--tokenizer".to_owned(), install.model.display().to_string()]);
@@ -401,13 +546,15 @@ fn run_once(
         Some(path) => std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?,
         None => String::new(),
     };
+    config += "\n";
+    config += &arm.config;
     if prefill > 0.0 && !config.contains("[policy.dual_map]") {
         config += &format!(
             "\n[policy.dual_map]\nprefill_tokens_per_sec = {}\n",
             prefill.round() as u64
         );
     }
-    if !config.is_empty() {
+    if !config.trim().is_empty() {
         builder = builder.config(&config);
     }
     for a in &addrs {
@@ -415,12 +562,13 @@ fn run_once(
     }
     let gateway = builder
         .try_start()
-        .with_context(|| format!("starting the gateway with --policy {policy}"))?;
+        .with_context(|| format!("starting the gateway for {}", arm.label))?;
     let sender = Sender {
         http: client.http.clone(),
         addr: gateway.addr().to_owned(),
         stream: !args.plain,
         progress: bar.clone(),
+        pin_slots: arm.pin.then_some(args.slots),
     };
     let drain = Duration::from_secs_f64(args.drain_secs.max(0.0));
     let (outcomes, wall_s, _) = client.runtime.block_on(sessions::send(
@@ -502,6 +650,7 @@ fn start_sims(n: usize, c: &Calibration, install: &LlamaInstall, options: &Llama
 }
 
 /// One run's figures.
+#[derive(Debug, Clone)]
 struct Figures {
     completed: usize,
     errors: usize,
@@ -511,6 +660,8 @@ struct Figures {
     cached_share: f64,
     same_engine: f64,
     per_engine: Vec<usize>,
+    /// Failed calls by status and error.
+    error_kinds: std::collections::BTreeMap<String, usize>,
 }
 
 impl Figures {
@@ -559,6 +710,11 @@ impl Figures {
                 same += usize::from(a == b);
             }
         }
+        let mut error_kinds = std::collections::BTreeMap::new();
+        for (o, _) in run.outcomes.iter().filter(|(o, _)| !o.ok()) {
+            let kind = format!("{} {}", o.status, o.error.as_deref().unwrap_or("no [DONE]"));
+            *error_kinds.entry(kind).or_insert(0) += 1;
+        }
         Self {
             completed: ok.len(),
             errors: run.outcomes.len() - ok.len(),
@@ -568,13 +724,14 @@ impl Figures {
             cached_share: cached / (prefilled + cached).max(1.0),
             same_engine: same as f64 / follow_ups.max(1) as f64,
             per_engine,
+            error_kinds,
         }
     }
 
-    fn cells(&self, policy: PolicyKind) -> Vec<String> {
+    fn cells(&self, label: &str) -> Vec<String> {
         let ms = |v: f64| format!("{v:.0} ms");
         vec![
-            policy.name().to_owned(),
+            label.to_owned(),
             format!("{:.2}", self.requests_per_s),
             format!("{:.1}", self.output_tokens_per_s),
             ms(self.ttft_ms[0]),
@@ -591,6 +748,24 @@ impl Figures {
         ]
     }
 
+    /// A row of the repeats' summary: `runs`' means, and the req/s range.
+    fn summary(label: &str, runs: &[Figures]) -> Vec<String> {
+        let n = runs.len().max(1) as f64;
+        let mean = |f: fn(&Figures) -> f64| runs.iter().map(f).sum::<f64>() / n;
+        let rates = runs.iter().map(|f| f.requests_per_s);
+        let (lo, hi) = rates.fold((f64::INFINITY, 0.0f64), |(lo, hi), r| (lo.min(r), hi.max(r)));
+        vec![
+            label.to_owned(),
+            runs.len().to_string(),
+            format!("{:.2}", mean(|f| f.requests_per_s)),
+            format!("{lo:.2}–{hi:.2}"),
+            format!("{:.0} ms", mean(|f| f.ttft_ms[0])),
+            format!("{:.0} ms", mean(|f| f.ttft_ms[1])),
+            format!("{:.1} %", mean(|f| f.cached_share) * 100.0),
+            format!("{:.0} %", mean(|f| f.same_engine) * 100.0),
+        ]
+    }
+
     fn json(&self) -> Value {
         json!({
             "completed": self.completed,
@@ -601,6 +776,7 @@ impl Figures {
             "engines_cached_share": self.cached_share,
             "same_engine_share": self.same_engine,
             "requests_per_engine": self.per_engine,
+            "errors_by_kind": self.error_kinds,
         })
     }
 }
@@ -608,6 +784,20 @@ impl Figures {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_variant_is_a_label_a_policy_and_perhaps_a_file() {
+        let v = parse_variant("ca/abs1=cache_aware@/tmp/abs1.toml").unwrap();
+        assert_eq!(
+            (v.label.as_str(), v.policy, v.config),
+            ("ca/abs1", PolicyKind::CacheAware, Some(PathBuf::from("/tmp/abs1.toml")))
+        );
+        let v = parse_variant("plain=least_load").unwrap();
+        assert_eq!((v.policy, v.config), (PolicyKind::LeastLoad, None));
+        for bad in ["cache_aware", "=cache_aware", "x=no_such_policy"] {
+            assert!(parse_variant(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn the_decode_step_goes_through_both_measurements() {

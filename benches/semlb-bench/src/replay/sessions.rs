@@ -60,6 +60,9 @@ pub(super) struct Sender {
     pub(super) stream: bool,
     /// Advanced once per call answered.
     pub(super) progress: indicatif::ProgressBar,
+    /// Pin each session to one of this many engine slots: its calls carry
+    /// llama.cpp's `id_slot` = the session's number modulo it.
+    pub(super) pin_slots: Option<u32>,
 }
 
 /// Per call sent: its request index, outcome, output tokens and the real
@@ -67,9 +70,10 @@ pub(super) struct Sender {
 type Done = Vec<(usize, Outcome, u32, f64)>;
 
 /// One call's chat body: the session's `messages`, streamed or not, exactly
-/// `max_tokens` tokens, never from the response cache (`temperature` 1).
-fn chat_body(messages: &[Value], max_tokens: u32, stream: bool) -> Bytes {
-    let body = json!({
+/// `max_tokens` tokens, never from the response cache (`temperature` 1),
+/// in engine slot `id_slot` if given.
+fn chat_body(messages: &[Value], max_tokens: u32, stream: bool, id_slot: Option<u32>) -> Bytes {
+    let mut body = json!({
         "model": "semlb-sim",
         "stream": stream,
         "ignore_eos": true,
@@ -77,6 +81,9 @@ fn chat_body(messages: &[Value], max_tokens: u32, stream: bool) -> Bytes {
         "max_tokens": max_tokens,
         "messages": messages,
     });
+    if let Some(slot) = id_slot {
+        body["id_slot"] = slot.into();
+    }
     Bytes::from(serde_json::to_vec(&body).expect("JSON"))
 }
 
@@ -249,6 +256,10 @@ async fn run_session(workload: &Workload, calls: &[usize], sender: &Sender, t0: 
     } else {
         AnswerForm::Json
     };
+    let id_slot = sender.pin_slots.filter(|n| *n > 0).map(|n| {
+        let session = calls.first().and_then(|&i| workload.requests[i].session).unwrap_or(0);
+        (session % u64::from(n)) as u32
+    });
     for &i in calls {
         let r = &workload.requests[i];
         let Some(call) = &r.chat else { break };
@@ -268,7 +279,7 @@ async fn run_session(workload: &Workload, calls: &[usize], sender: &Sender, t0: 
             &sender.http,
             &sender.addr,
             "/v1/chat/completions",
-            chat_body(&messages, r.output_tokens, sender.stream),
+            chat_body(&messages, r.output_tokens, sender.stream, id_slot),
             &headers,
             sent,
             Some(&mut answer),
@@ -310,10 +321,13 @@ mod tests {
             assert_eq!(steps, (0..calls.len() as u32).collect::<Vec<_>>());
         }
         let body: Value =
-            serde_json::from_slice(&chat_body(&[json!({"role": "user", "content": "hi"})], 7, false)).unwrap();
+            serde_json::from_slice(&chat_body(&[json!({"role": "user", "content": "hi"})], 7, false, None)).unwrap();
         assert_eq!(
             (body["stream"].as_bool(), body["max_tokens"].as_u64()),
             (Some(false), Some(7))
         );
+        assert!(body.get("id_slot").is_none());
+        let pinned: Value = serde_json::from_slice(&chat_body(&[], 7, true, Some(1))).unwrap();
+        assert_eq!(pinned["id_slot"], 1);
     }
 }
