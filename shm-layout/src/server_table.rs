@@ -44,11 +44,9 @@
 //!   ([`ServerTable::adjust_admission_limit`]); the holding policies use
 //!   it when the engine's own queue cannot be scraped. It belongs to one
 //!   registration, like the horizon.
-//! * A server's **engine slots** are the requests its engine says it runs
-//!   at once and never exceeds (llama.cpp's `/props` `total_slots`), read
-//!   by the supervisor's health checker
-//!   ([`ServerTable::set_engine_slots`]). Where known, they stand in for
-//!   the learned admission limit. They belong to one registration too.
+//! * Its **engine slots**: the requests its engine says it runs at once
+//!   (llama.cpp's `total_slots`), which replace the learned admission
+//!   limit ([`ServerTable::set_engine_slots`]); per registration too.
 
 use crate::load_figures::LoadFigures;
 use crate::mix::mix64;
