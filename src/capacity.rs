@@ -312,6 +312,47 @@ pub fn effective_limit(learned: Option<f32>) -> u32 {
     learned.map_or(INITIAL_LIMIT, |l| l.round().clamp(MIN_LIMIT, MAX_LIMIT) as u32)
 }
 
+/// Where a server's admission limit comes from: the one place that
+/// decides between its engine's word and what was learned.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Admission {
+    /// Its engine said how many it runs at once (llama.cpp's slots).
+    Reported(u32),
+    /// Learned from the latencies ([`CapacityLearner`]).
+    Learned(f32),
+    /// Nothing yet: [`INITIAL_LIMIT`].
+    Initial,
+}
+
+impl Admission {
+    /// The engine's slots if it said, else the learned limit, if any.
+    pub fn of(engine_slots: Option<u32>, learned: Option<f32>) -> Self {
+        match (engine_slots, learned) {
+            (Some(slots), _) => Self::Reported(slots),
+            (None, Some(l)) => Self::Learned(l),
+            (None, None) => Self::Initial,
+        }
+    }
+
+    /// The limit as a policy uses it (whole requests, at least 1).
+    pub fn limit(self) -> u32 {
+        match self {
+            Self::Reported(slots) => slots,
+            Self::Learned(l) => effective_limit(Some(l)),
+            Self::Initial => INITIAL_LIMIT,
+        }
+    }
+
+    /// The limit as exported, a learned one unrounded.
+    pub fn value(self) -> f64 {
+        match self {
+            Self::Reported(slots) => f64::from(slots),
+            Self::Learned(l) => f64::from(l),
+            Self::Initial => f64::from(INITIAL_LIMIT),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

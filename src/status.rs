@@ -22,6 +22,7 @@ use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use semlb::capacity::Admission;
 use shm_layout::Segment;
 
 use semlb::metrics::{
@@ -244,10 +245,10 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
             pct(ok + failed, all),
             failed,
             pct(confirmed, predicted),
-            match (s.engine_slots, s.admission_limit) {
-                (Some(slots), _) => format!("{slots} slots"),
-                (None, Some(l)) => format!("{l:.1}"),
-                (None, None) => "-".to_owned(),
+            match Admission::of(s.engine_slots, s.admission_limit) {
+                Admission::Reported(slots) => format!("{slots} slots"),
+                Admission::Learned(l) => format!("{l:.1}"),
+                Admission::Initial => "-".to_owned(),
             }
         );
     }

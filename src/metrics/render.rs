@@ -41,11 +41,7 @@ impl Snapshot {
                 state: s.state,
                 inflight: s.inflight_requests,
                 load: crate::health::fresh_load(s.load, now_ms, stale_after_ms),
-                admission_limit: match (s.engine_slots, s.admission_limit) {
-                    (Some(slots), _) => f64::from(slots),
-                    (None, Some(learned)) => f64::from(learned),
-                    (None, None) => f64::from(crate::capacity::INITIAL_LIMIT),
-                },
+                admission_limit: crate::capacity::Admission::of(s.engine_slots, s.admission_limit).value(),
             })
             .collect();
         let mut restarts = [0; 2];

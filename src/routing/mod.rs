@@ -382,7 +382,7 @@ pub(crate) fn best_prefix<'c>(
 pub fn candidate(servers: &ServerTable<'_>, server: ServerRef) -> Candidate {
     let (inflight, inflight_tokens) = servers.inflight(server);
     let (pending, pending_tokens) = servers.pending(server);
-    let engine_slots = servers.engine_slots(server);
+    let admission = crate::capacity::Admission::of(servers.engine_slots(server), servers.admission_limit(server));
     Candidate {
         server,
         inflight,
@@ -390,8 +390,8 @@ pub fn candidate(servers: &ServerTable<'_>, server: ServerRef) -> Candidate {
         pending,
         pending_tokens,
         load: servers.load(server),
-        admission: engine_slots.unwrap_or_else(|| crate::capacity::effective_limit(servers.admission_limit(server))),
-        admission_reported: engine_slots.is_some(),
+        admission: admission.limit(),
+        admission_reported: matches!(admission, crate::capacity::Admission::Reported(_)),
     }
 }
 

@@ -332,8 +332,9 @@ async fn handle(sim: Arc<Sim>, request: Request<Incoming>) -> Result<Response<Bo
                 let body = api::props_body(&config.model_name, config.max_num_seqs, config.max_model_len);
                 full_response(StatusCode::OK, Some("application/json"), body)
             }
-            // Not served by this engine.
-            "/props" | "/metrics" if path == "/props" || sim.flavor == MetricsFlavor::None => {
+            // Not served by this engine (`/props` is, above, with `props`).
+            "/props" => error_response(ApiError::path_not_found(request.method().as_str(), &path)),
+            "/metrics" if sim.flavor == MetricsFlavor::None => {
                 error_response(ApiError::path_not_found(request.method().as_str(), &path))
             }
             _ => {
