@@ -129,6 +129,44 @@ impl Failure {
     }
 }
 
+/// Whether an upstream request's error says the connection it went out on
+/// was closed by the server before any byte of an answer: hyper's
+/// "connection closed before message completed", or a reset or broken
+/// pipe, anywhere in the error's source chain.
+///
+/// This is how a pooled keep-alive connection fails when the server closed
+/// it just as the request was written: `llama-server` closes its
+/// connection after every streamed answer without saying
+/// `Connection: close`, and an agent's next turn, sent the instant the
+/// stream ends, goes out on it; servers also close connections idle longer
+/// than their keep-alive timeout (5 s for uvicorn and cpp-httplib) while the
+/// gateway still holds them. The server never saw the request, so the proxy
+/// sends it again on a new connection to the same server, once, and it does
+/// not count against the server's health (Envoy's `reset-before-request`
+/// retry; nginx retries a failed cached upstream connection likewise).
+pub fn is_stale_connection(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = Some(e);
+    while let Some(err) = source {
+        if let Some(h) = err.downcast_ref::<hyper::Error>()
+            && h.is_incomplete_message()
+        {
+            return true;
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::ConnectionAborted
+            )
+        {
+            return true;
+        }
+        source = err.source();
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -160,6 +198,24 @@ mod tests {
                 detail: "invalid authority".into(),
             },
         ]
+    }
+
+    #[test]
+    fn a_reset_in_the_source_chain_is_a_stale_connection_and_a_refusal_is_not() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("client error (SendRequest)")]
+        struct Outer(#[source] std::io::Error);
+        use std::io::{Error, ErrorKind};
+        for kind in [
+            ErrorKind::ConnectionReset,
+            ErrorKind::BrokenPipe,
+            ErrorKind::ConnectionAborted,
+        ] {
+            assert!(is_stale_connection(&Outer(Error::from(kind))), "{kind:?}");
+        }
+        for kind in [ErrorKind::ConnectionRefused, ErrorKind::TimedOut, ErrorKind::Other] {
+            assert!(!is_stale_connection(&Outer(Error::from(kind))), "{kind:?}");
+        }
     }
 
     #[test]

@@ -64,6 +64,64 @@ async fn dead_address() -> String {
     format!("http://{addr}")
 }
 
+/// An engine that answers one request per connection with a streamed
+/// chat answer and then drops the connection, without saying
+/// `Connection: close`, as `llama-server` does after every stream. It
+/// closes when the next request arrives on the connection rather than
+/// right after the answer, which makes deterministic the race a client
+/// loses now and then against the real engine: the request written just
+/// before the server's FIN arrives.
+async fn start_closing_engine() -> SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                // The request: its head, then Content-Length bytes of body.
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                let head_end = loop {
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                    match conn.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                while buf.len() < head_end + length {
+                    match conn.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let mut answer =
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                        .to_vec();
+                for (content, finish) in [("\"Hello\"", "null"), ("\" there\"", "\"stop\"")] {
+                    let event = format!(
+                        "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"{MODEL}\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{content}}},\"finish_reason\":{finish}}}]}}\n\n"
+                    );
+                    answer.extend_from_slice(format!("{:x}\r\n{event}\r\n", event.len()).as_bytes());
+                }
+                answer.extend_from_slice(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n");
+                if conn.write_all(&answer).await.is_err() {
+                    return;
+                }
+                // Closed once the next request is on its way.
+                let _ = conn.read(&mut chunk).await;
+            });
+        }
+    });
+    addr
+}
+
 struct Gateway {
     addr: SocketAddr,
     segment: Arc<Segment>,
@@ -80,6 +138,8 @@ struct Setup {
     sims: usize,
     faulty_sims: usize,
     dead: usize,
+    /// Engines that close a connection after one streamed answer.
+    closing: usize,
     tweak: fn(&mut ServeConfig),
 }
 
@@ -89,6 +149,7 @@ impl Default for Setup {
             sims: 3,
             faulty_sims: 0,
             dead: 0,
+            closing: 0,
             tweak: |_| {},
         }
     }
@@ -112,6 +173,9 @@ async fn gateway(setup: Setup) -> Gateway {
     let mut addresses: Vec<String> = started.iter().map(|s| format!("http://{}", s.addr)).collect();
     for _ in 0..setup.dead {
         addresses.push(dead_address().await);
+    }
+    for _ in 0..setup.closing {
+        addresses.push(format!("http://{}", start_closing_engine().await));
     }
     let segment = Arc::new(Segment::heap(&LayoutPlan::for_size(16 << 20).unwrap()));
     let mut servers = Vec::new();
@@ -473,6 +537,7 @@ async fn failures_are_retried_elsewhere_then_502_or_503() {
         faulty_sims: 1,
         dead: 1,
         tweak: |c| c.limits.retries = 3,
+        ..Setup::default()
     })
     .await;
     for i in 0..12 {
@@ -513,6 +578,42 @@ async fn failures_are_retried_elsewhere_then_502_or_503() {
     assert_eq!(reply.header("x-semlb-cache"), "bypass");
     let health = call(gw.addr, Method::GET, "/health", &[], "").await;
     assert_eq!(health.status, StatusCode::SERVICE_UNAVAILABLE);
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_turn_sent_as_the_engine_closes_the_last_streams_connection_is_answered() {
+    // One engine, which closes every connection after a streamed answer;
+    // an agent sends each turn the instant the last stream ended.
+    let gw = gateway(Setup {
+        sims: 0,
+        closing: 1,
+        ..Setup::default()
+    })
+    .await;
+    let turns = 6;
+    let mut messages = vec![("user".to_owned(), "Plan the trip.".to_owned())];
+    for turn in 0..turns {
+        let pairs: Vec<(&str, &str)> = messages.iter().map(|(r, c)| (r.as_str(), c.as_str())).collect();
+        let reply = post(
+            gw.addr,
+            "/v1/chat/completions",
+            &chat(&pairs, json!({"stream": true})),
+            &[],
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK, "turn {turn}: {}", reply.text());
+        let events = sse::events(reply.text());
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "turn {turn}");
+        messages.push(("assistant".into(), "Hello there".into()));
+        messages.push(("user".into(), format!("And on day {turn}?")));
+    }
+    let s = gw.dispatcher.stats();
+    // Each turn after the first went out on the connection the engine was
+    // closing, and was sent again on a new one: no failure, no retry
+    // elsewhere, nothing against the engine's health.
+    assert_eq!(s.stale_connections, turns - 1, "{s:?}");
+    assert_eq!((s.upstream_errors, s.retries, s.server_errors), (0, 0, 0), "{s:?}");
     gw.stop().await;
 }
 

@@ -159,6 +159,9 @@ pub struct StatsSnapshot {
     pub retries: u64,
     /// Upstream failures: connection errors, 5xx heads, bodies cut or timed out.
     pub upstream_errors: u64,
+    /// Requests resent on a new connection to the same server because the
+    /// server had closed the pooled one (not failures).
+    pub stale_connections: u64,
     /// Answers with a 4xx status.
     pub client_errors: u64,
     /// Answers with a 5xx status.
@@ -304,6 +307,7 @@ impl Dispatcher {
             cache_bypasses: m.cache_count(CacheResult::Bypass),
             retries: m.retries(),
             upstream_errors: m.upstream_errors(),
+            stale_connections: m.stale_connections(),
             client_errors: m.requests(Some(4)),
             server_errors: m.requests(Some(5)),
             records_pushed: m.records(true),

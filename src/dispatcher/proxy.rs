@@ -7,7 +7,10 @@
 //!    ([`super::route::choose`]), or a wait in the gateway queue when every
 //!    server the policy would use is full;
 //! 2. [`Attempts::send`]: the request goes there; the head is awaited
-//!    under the request's deadline;
+//!    under the request's deadline. A pooled connection that the server
+//!    had closed as the request went out
+//!    ([`crate::failure::is_stale_connection`]) is no failure: the request
+//!    goes to the same server again on a new connection, once per request;
 //! 3. on a failure that another server may fix ([`Failure::retryable`]:
 //!    a connection error, a 5xx head), the next attempt avoids the servers
 //!    that failed, up to `limits.retries` retries; then 502.
@@ -51,6 +54,17 @@ pub(super) struct Outbound {
     pub path_and_query: String,
     pub headers: HeaderMap,
     pub body: Bytes,
+}
+
+impl Outbound {
+    /// The request to send to `uri` (the body is shared, not copied).
+    fn request(&self, uri: Uri) -> Request<Full<Bytes>> {
+        let mut request = Request::new(Full::new(self.body.clone()));
+        *request.method_mut() = self.method.clone();
+        *request.uri_mut() = uri;
+        *request.headers_mut() = self.headers.clone();
+        request
+    }
 }
 
 /// What an inference request adds to a proxied one.
@@ -162,6 +176,8 @@ struct Attempts<'d> {
     last_reason: Option<Reason>,
     /// What the last server was expected to hold of the prompt.
     last_prediction: Prediction,
+    /// The request was resent once after a stale pooled connection.
+    resent_stale: bool,
 }
 
 impl<'d> Attempts<'d> {
@@ -178,6 +194,7 @@ impl<'d> Attempts<'d> {
             queued_ms: None,
             last_reason: None,
             last_prediction: Prediction::default(),
+            resent_stale: false,
         }
     }
 
@@ -336,18 +353,31 @@ impl<'d> Attempts<'d> {
                 return Err(Next::Retry);
             }
         };
-        let mut request = Request::new(Full::new(self.outbound.body.clone()));
-        *request.method_mut() = self.outbound.method.clone();
-        *request.uri_mut() = uri;
-        *request.headers_mut() = self.outbound.headers.clone();
         self.log_attempt(&address, reason, candidates, degraded);
         // Counted in flight there (the guard): now the server is known to
         // be sent this prompt.
         let recorded = self.record_route(server, held).then_some(held);
-        let result = tokio::select! {
-            biased;
-            head = dispatcher.client().request(request) => Ok(head),
-            () = deadline => Err(()),
+        let mut deadline = deadline;
+        let result = loop {
+            let result = tokio::select! {
+                biased;
+                head = dispatcher.client().request(self.outbound.request(uri.clone())) => Ok(head),
+                () = deadline.as_mut() => Err(()),
+            };
+            // A connection the server had closed: once per request, the
+            // same server again on a new one (not a failure of the server).
+            match &result {
+                Ok(Err(e)) if !self.resent_stale && crate::failure::is_stale_connection(e) => {
+                    self.resent_stale = true;
+                    dispatcher.metrics().stale_connection();
+                    tracing::debug!(
+                        backend = %address,
+                        error = %crate::error_chain(e),
+                        "{address} had closed the connection the request went out on; sending it again"
+                    );
+                }
+                _ => break result,
+            }
         };
         let failure = match result {
             Ok(Ok(response)) if !response.status().is_server_error() => {

@@ -29,6 +29,7 @@
 //! | `semlb_upstream_requests_total` | counter | `server` (address), `outcome` (ok, error) |
 //! | `semlb_response_cache_total` | counter | `result` (hit, miss, bypass) |
 //! | `semlb_retries_total` | counter | – |
+//! | `semlb_upstream_stale_connections_total` | counter | – |
 //! | `semlb_completion_records_total` | counter | `result` (pushed, dropped) |
 //! | `semlb_store_degraded_lookups_total` | counter | – |
 //! | `semlb_responder_*_total` | counter | records, blocks, responses stored, write-back failures and drops |
@@ -112,7 +113,8 @@ const CACHE: usize = UPSTREAM + SERVERS * 2;
 const RETRIES: usize = CACHE + 3;
 const RECORDS: usize = RETRIES + 1;
 const DEGRADED: usize = RECORDS + 2;
-const RESPONDER: usize = DEGRADED + 1;
+const STALE_CONNECTIONS: usize = DEGRADED + 1;
+const RESPONDER: usize = STALE_CONNECTIONS + 1;
 const RESPONDER_COUNTERS: usize = 6;
 const HISTOGRAMS: usize = RESPONDER + RESPONDER_COUNTERS;
 

@@ -47,6 +47,13 @@ impl<'a> Metrics<'a> {
         self.add(RETRIES, 1);
     }
 
+    /// A request resent on a new connection because the pooled one it went
+    /// out on had been closed by the server (see
+    /// [`crate::failure::is_stale_connection`]).
+    pub fn stale_connection(&self) {
+        self.add(STALE_CONNECTIONS, 1);
+    }
+
     /// One completion record pushed into the ring, or dropped.
     pub fn record(&self, pushed: bool) {
         self.add(RECORDS + usize::from(!pushed), 1);
@@ -182,6 +189,11 @@ impl<'a> Metrics<'a> {
     /// This process's retries.
     pub fn retries(&self) -> u64 {
         self.get(RETRIES)
+    }
+
+    /// This process's requests resent after a stale pooled connection.
+    pub fn stale_connections(&self) -> u64 {
+        self.get(STALE_CONNECTIONS)
     }
 
     /// This process's failed upstream attempts, all servers.

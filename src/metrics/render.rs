@@ -173,6 +173,18 @@ impl Snapshot {
         sample(o, "semlb_retries_total", &[], self.counter(RETRIES));
         family(
             o,
+            "semlb_upstream_stale_connections_total",
+            "counter",
+            "Requests resent on a new connection because the server had closed the pooled one they went out on.",
+        );
+        sample(
+            o,
+            "semlb_upstream_stale_connections_total",
+            &[],
+            self.counter(STALE_CONNECTIONS),
+        );
+        family(
+            o,
             "semlb_completion_records_total",
             "counter",
             "Completion records pushed to a responder, or dropped.",
