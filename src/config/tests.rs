@@ -181,6 +181,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "cache_threshold",
         "balance_abs_threshold",
         "balance_rel_threshold",
+        "scale_to_engine_slots",
         "[policy.selective_push]",
         "mode",
         "max_pending",

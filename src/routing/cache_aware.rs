@@ -16,7 +16,9 @@
 //! `overloaded(x) = x - min > balance_abs_threshold && x > balance_rel_threshold × min`:
 //!
 //! 1. **Imbalanced system** — `overloaded(max)`, both conditions, as SGLang
-//!    checks them: least load ([`Reason::LeastLoad`]).
+//!    checks them: least load ([`Reason::LeastLoad`]). The absolute
+//!    threshold is scaled to engines that said how many requests they run
+//!    at once (see [Engine slots](#engine-slots)).
 //! 2. **Prompt shorter than one block** (`prompt_blocks == 0`): nothing to
 //!    match; least load.
 //! 3. **Prefix winner**: the candidate holding the most leading blocks.
@@ -55,6 +57,23 @@
 //! balances on (`Worker::load()`, the router's own in-flight count). What
 //! the count misses is load from clients that bypass the gateway.
 //!
+//! # Engine slots
+//!
+//! SGLang's absolute threshold of 32 requests is sized for engines that run
+//! hundreds of sequences at once (vLLM's default `max_num_seqs` is 256: 32
+//! is an eighth of it). An engine that said how many requests it runs at
+//! once ([`Candidate::admission_reported`]: llama.cpp's slots, from
+//! `/props`) is full long before that: two-slot engines never differ by 32
+//! requests in flight, so the system never counts as imbalanced and
+//! conversations pile up on whichever engine first held their system
+//! prompt (measured with two llama.cpp engines: 27 % fewer requests per
+//! second than `least_load`, 1.8× its TTFT p90). So with
+//! `scale_to_engine_slots` (the default), when some candidates reported
+//! their slots, the absolute threshold is at most an eighth of the fewest
+//! reported slots, rounded up: 1 for engines of up to 8 slots, 4 for 32,
+//! and `balance_abs_threshold` unchanged from 256 slots on. Limits the
+//! gateway only learned are estimates and scale nothing.
+//!
 //! # Parameters
 //!
 //! [`CacheAwareParams`] defaults are those of SGLang's library
@@ -92,7 +111,15 @@ pub struct CacheAwareParams {
     /// one's requests in flight. Default 1.1 (SGLang's library default; its
     /// CLI uses 1.5).
     pub balance_rel_threshold: f64,
+    /// Where engines reported how many requests they run at once, cap
+    /// `balance_abs_threshold` at an eighth of the fewest reported (at
+    /// least 1; see the [module docs](self#engine-slots)). Default true.
+    pub scale_to_engine_slots: bool,
 }
+
+/// Engine slots per request of absolute load spread when the threshold is
+/// scaled (SGLang's 32 of vLLM's 256 sequences).
+pub const SLOTS_PER_ABS_THRESHOLD: u32 = 8;
 
 impl Default for CacheAwareParams {
     fn default() -> Self {
@@ -100,6 +127,7 @@ impl Default for CacheAwareParams {
             cache_threshold: 0.5,
             balance_abs_threshold: 32,
             balance_rel_threshold: 1.1,
+            scale_to_engine_slots: true,
         }
     }
 }
@@ -125,11 +153,31 @@ impl CacheAwareParams {
         Ok(())
     }
 
-    /// Whether `load` is out of balance with `min`: above it by more than
-    /// `balance_abs_threshold` AND more than `balance_rel_threshold` times it.
+    /// The absolute threshold among `candidates`: `balance_abs_threshold`,
+    /// capped at `⌈slots / 8⌉` (at least 1) for the fewest slots a
+    /// candidate's engine reported, when `scale_to_engine_slots`.
     #[inline]
-    pub fn overloaded(&self, load: u64, min: u64) -> bool {
-        load.saturating_sub(min) > self.balance_abs_threshold && load as f64 > self.balance_rel_threshold * min as f64
+    pub fn abs_threshold(&self, candidates: &[Candidate]) -> u64 {
+        let fewest_slots = candidates
+            .iter()
+            .filter(|c| c.admission_reported)
+            .map(|c| c.admission)
+            .min();
+        match fewest_slots {
+            Some(slots) if self.scale_to_engine_slots => {
+                let scaled = u64::from(slots.div_ceil(SLOTS_PER_ABS_THRESHOLD).max(1));
+                self.balance_abs_threshold.min(scaled)
+            }
+            _ => self.balance_abs_threshold,
+        }
+    }
+
+    /// Whether `load` is out of balance with `min`: above it by more than
+    /// `abs` (see [`abs_threshold`](Self::abs_threshold)) AND more than
+    /// `balance_rel_threshold` times it.
+    #[inline]
+    pub fn overloaded(&self, load: u64, min: u64, abs: u64) -> bool {
+        load.saturating_sub(min) > abs && load as f64 > self.balance_rel_threshold * min as f64
     }
 }
 
@@ -181,12 +229,13 @@ impl Policy for CacheAware {
         let (min, max) = candidates
             .iter()
             .fold((u64::MAX, 0), |(lo, hi), c| (lo.min(c.inflight), hi.max(c.inflight)));
-        if candidates.is_empty() || self.params.overloaded(max, min) || input.prompt_blocks == 0 {
+        let abs = self.params.abs_threshold(candidates);
+        if candidates.is_empty() || self.params.overloaded(max, min, abs) || input.prompt_blocks == 0 {
             return self.least_load(candidates);
         }
         if let Some((winner, blocks)) = best_prefix(input, |_| true) {
             let ratio = f64::from(blocks) / f64::from(input.prompt_blocks);
-            if ratio > self.params.cache_threshold && !self.params.overloaded(winner.inflight, min) {
+            if ratio > self.params.cache_threshold && !self.params.overloaded(winner.inflight, min, abs) {
                 return Some(Choice {
                     server: winner.server,
                     reason: Reason::Prefix { blocks },
@@ -208,6 +257,7 @@ mod tests {
             cache_threshold,
             balance_abs_threshold: abs,
             balance_rel_threshold: rel,
+            scale_to_engine_slots: true,
         }
     }
 
@@ -222,6 +272,7 @@ mod tests {
             (p.cache_threshold, p.balance_abs_threshold, p.balance_rel_threshold),
             (0.5, 32, 1.1)
         );
+        assert!(p.scale_to_engine_slots);
         assert_eq!(p.validate(), Ok(()));
         assert_eq!(CacheAware::default().params(), &p);
     }
@@ -379,20 +430,74 @@ mod tests {
         let m = f.matched(&chain);
         let p = CacheAware::new(params(0.5, 4, 1.5));
         // The winner is 6 above the least loaded and 2× it: overloaded.
-        assert!(p.params().overloaded(12, 6));
+        assert!(p.params().overloaded(12, 6, 4));
         let cands = [cand(f.s[0], 6, 0), cand(f.s[1], 7, 0), cand(f.s[2], 12, 0)];
         assert_eq!(
             p.choose(&input(10, &m, &cands)).unwrap(),
             choice(f.s[0], Reason::LeastLoad)
         );
         // One request fewer and it is within the absolute threshold.
-        assert!(!p.params().overloaded(10, 6));
+        assert!(!p.params().overloaded(10, 6, 4));
         let cands = [cand(f.s[0], 6, 0), cand(f.s[1], 7, 0), cand(f.s[2], 10, 0)];
         assert_eq!(p.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[2], prefix(10)));
         // Above by more than abs but not rel × min: not overloaded.
         let p = CacheAware::new(params(0.5, 4, 3.0));
         let cands = [cand(f.s[0], 6, 0), cand(f.s[1], 7, 0), cand(f.s[2], 17, 0)];
         assert_eq!(p.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[2], prefix(10)));
+    }
+
+    #[test]
+    fn engines_that_reported_few_slots_are_balanced_at_a_threshold_scaled_to_them() {
+        let f = Fixture::new(2);
+        let chain = Fixture::chain(10, 10);
+        f.hold(0, &chain);
+        let m = f.matched(&chain);
+        let slots = |c: Candidate, n: u32| Candidate {
+            admission: n,
+            admission_reported: true,
+            ..c
+        };
+        let p = CacheAware::default();
+        // Two-slot engines: the threshold is 1, so the holder 2 above the
+        // other (and above 1.1 × it) is overloaded.
+        let cands = [slots(cand(f.s[0], 3, 0), 2), slots(cand(f.s[1], 1, 0), 2)];
+        assert_eq!(p.params().abs_threshold(&cands), 1);
+        assert_eq!(
+            p.choose(&input(10, &m, &cands)).unwrap(),
+            choice(f.s[1], Reason::LeastLoad)
+        );
+        // 1 above is within it.
+        let cands = [slots(cand(f.s[0], 2, 0), 2), slots(cand(f.s[1], 1, 0), 2)];
+        assert_eq!(p.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[0], prefix(10)));
+        // The same loads without reported slots: SGLang's 32 keeps the cache.
+        let cands = [cand(f.s[0], 3, 0), cand(f.s[1], 1, 0)];
+        assert_eq!(p.params().abs_threshold(&cands), 32);
+        assert_eq!(p.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[0], prefix(10)));
+        // Nor when scaling is off.
+        let off = CacheAware::new(CacheAwareParams {
+            scale_to_engine_slots: false,
+            ..CacheAwareParams::default()
+        });
+        let cands = [slots(cand(f.s[0], 3, 0), 2), slots(cand(f.s[1], 1, 0), 2)];
+        assert_eq!(off.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[0], prefix(10)));
+        // An eighth of the fewest slots, rounded up; never above the
+        // configured threshold; a learned limit scales nothing.
+        for (fewest, other, abs) in [
+            (1, 64, 1),
+            (8, 8, 1),
+            (9, 512, 2),
+            (32, 256, 4),
+            (256, 300, 32),
+            (4096, 4096, 32),
+        ] {
+            let cands = [slots(cand(f.s[0], 0, 0), other), slots(cand(f.s[1], 0, 0), fewest)];
+            assert_eq!(p.params().abs_threshold(&cands), abs, "{fewest} slots");
+        }
+        let learned = Candidate {
+            admission: 2,
+            ..cand(f.s[0], 0, 0)
+        };
+        assert_eq!(p.params().abs_threshold(&[learned]), 32);
     }
 
     #[test]
@@ -403,8 +508,8 @@ mod tests {
         for min in 0..40u64 {
             for winner in min..80 {
                 for max in winner..90 {
-                    if p.overloaded(winner, min) {
-                        assert!(p.overloaded(max, min), "min {min} winner {winner} max {max}");
+                    if p.overloaded(winner, min, 7) {
+                        assert!(p.overloaded(max, min, 7), "min {min} winner {winner} max {max}");
                     }
                 }
             }

@@ -60,6 +60,7 @@ fn validate_accepts_the_defaults_and_the_range_ends() {
                 cache_threshold: t,
                 balance_abs_threshold: 0,
                 balance_rel_threshold: rel,
+                scale_to_engine_slots: true,
             },
             ..PolicyConfig::default()
         };
@@ -116,7 +117,8 @@ fn config_deserializes_with_defaults() {
         CacheAwareParams {
             cache_threshold: 0.3,
             balance_abs_threshold: 64,
-            balance_rel_threshold: 1.1
+            balance_rel_threshold: 1.1,
+            scale_to_engine_slots: true,
         }
     );
     // Integers are accepted for the float fields.
@@ -169,6 +171,7 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
         cache_threshold: 0.2,
         balance_abs_threshold: 3,
         balance_rel_threshold: 1.2,
+        scale_to_engine_slots: true,
     };
     let policies: Vec<(Box<dyn Policy>, Option<CacheAwareParams>)> = vec![
         (
@@ -235,7 +238,7 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
                     if p.name() != "selective_push" {
                         let params = params.expect("only cache_aware and selective_push route by prefix");
                         assert!(f64::from(blocks) > params.cache_threshold * prompt_blocks as f64);
-                        assert!(!params.overloaded(chosen.inflight, min_load));
+                        assert!(!params.overloaded(chosen.inflight, min_load, params.abs_threshold(&candidates)));
                     }
                 }
                 Reason::LeastLoad => assert_eq!(Some(load_key(chosen)), min_key, "{}", p.name()),

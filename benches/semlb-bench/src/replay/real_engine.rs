@@ -362,6 +362,9 @@ struct Run {
     /// Per engine: prompt tokens prefilled (cached excluded), cached.
     engine_tokens: Vec<(f64, f64)>,
     addrs: Vec<String>,
+    /// Requests the gateway resent on a new connection because the engine
+    /// had closed the pooled one (`semlb_upstream_stale_connections_total`).
+    resent: f64,
 }
 
 /// Runs the report.
@@ -431,6 +434,7 @@ pub fn run(args: &LlamaArgs) -> Result<()> {
             "same engine",
             "per engine",
             "errors",
+            "resent",
         ]);
         let mut all: Vec<Vec<Figures>> = vec![Vec::new(); arms.len()];
         for round in 0..args.repeats {
@@ -592,6 +596,7 @@ fn run_once(
             m("llamacpp:prompt_tokens_cached_total"),
         ));
     }
+    let resent = metric_sum(&gateway.metrics(), "semlb_upstream_stale_connections_total").unwrap_or(0.0);
     drop(gateway);
     drop(engines);
     Ok(Run {
@@ -599,6 +604,7 @@ fn run_once(
         wall_s,
         engine_tokens,
         addrs,
+        resent,
     })
 }
 
@@ -662,6 +668,8 @@ struct Figures {
     per_engine: Vec<usize>,
     /// Failed calls by status and error.
     error_kinds: std::collections::BTreeMap<String, usize>,
+    /// Requests resent after a stale connection.
+    resent: f64,
 }
 
 impl Figures {
@@ -725,6 +733,7 @@ impl Figures {
             same_engine: same as f64 / follow_ups.max(1) as f64,
             per_engine,
             error_kinds,
+            resent: run.resent,
         }
     }
 
@@ -745,6 +754,7 @@ impl Figures {
                 .collect::<Vec<_>>()
                 .join(" / "),
             self.errors.to_string(),
+            format!("{:.0}", self.resent),
         ]
     }
 
@@ -777,6 +787,7 @@ impl Figures {
             "same_engine_share": self.same_engine,
             "requests_per_engine": self.per_engine,
             "errors_by_kind": self.error_kinds,
+            "resent_after_stale_connection": self.resent,
         })
     }
 }
