@@ -342,8 +342,10 @@ fn respond(reply: Reply) -> http::Response<Full<Bytes>> {
 /// (`horizon_age_s`: how old its horizon is, the shm store's: `null` when
 /// it has none; `admission_limit`: the requests its engine is estimated to
 /// run at once, `null` until learned: [`crate::capacity`]; `engine_slots`:
-/// the requests its engine says it runs at once, `null` unless it said:
-/// [`crate::health::props`]).
+/// the requests its engine says it runs at once, `null` unless it said;
+/// `engine_context`: the tokens its engine takes per request and whether
+/// the requested output counts, `null` unless it said:
+/// [`crate::health::engine_info`]).
 pub fn server_json(info: &shm_layout::ServerInfo, now_ms: u64, name: Option<&str>, managed: &str) -> Value {
     let load = info.load;
     let scraped = load.scraped_at_ms != 0;
@@ -359,6 +361,7 @@ pub fn server_json(info: &shm_layout::ServerInfo, now_ms: u64, name: Option<&str
         "horizon_age_s": info.horizon_s.map(|h| (now_ms / 1000).saturating_sub(u64::from(h))),
         "admission_limit": info.admission_limit,
         "engine_slots": info.engine_slots,
+        "engine_context": info.engine_context.map(|c| json!({"tokens": c.tokens, "counts_output": c.counts_output})),
         "inflight_requests": info.inflight_requests,
         "inflight_tokens": info.inflight_tokens,
         "load": {

@@ -254,6 +254,7 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
             time_scale: args.time_scale,
             kv_capacity_tokens: args.kv_capacity_tokens.unwrap_or(defaults.kv_capacity_tokens),
             max_num_seqs: args.max_num_seqs.unwrap_or(defaults.max_num_seqs),
+            max_model_len: args.max_model_len.unwrap_or(defaults.max_model_len),
             ..defaults
         };
         config.validate().map_err(anyhow::Error::msg)?;

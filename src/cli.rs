@@ -337,6 +337,10 @@ pub struct SimArgs {
     /// the rest wait in its queue.
     #[arg(long, value_name = "N")]
     pub max_num_seqs: Option<u32>,
+    /// Longest prompt + output it takes, in tokens [default: the
+    /// simulator's, 32 768]; `/v1/models` says it (`max_model_len`).
+    #[arg(long, value_name = "TOKENS")]
+    pub max_model_len: Option<u32>,
     /// Serve no `/metrics` (404), as an engine started without metrics.
     #[arg(long)]
     pub no_metrics: bool,

@@ -10,6 +10,7 @@
 //! | [`answer`] | the answer text of an OpenAI response (JSON body or event stream), read by the response processes |
 //! | [`body`] | the request body parsed once: a JSON tree borrowing its strings from the body |
 //! | [`prompt`] | the routing text of an OpenAI request: completions prompt forms, rendered chat messages |
+//! | [`context_limit`] | a prompt no live engine's context can take gets the engines' 400 at the gateway |
 //! | [`blocks`] | token ids → the chain of block hashes the shm prefix table is keyed by |
 //! | [`continuation`] | conversations that continue on the server that answered them: prompt end keys, the credit for an answer not yet written back |
 //! | [`response_cache`] | the exact-request key of the response cache, tenants, cacheability, TTL-stamped entries |
@@ -39,6 +40,7 @@ pub mod blocks;
 pub mod body;
 pub mod capacity;
 pub mod config;
+pub mod context_limit;
 pub mod continuation;
 pub mod dispatcher;
 pub mod failure;

@@ -77,6 +77,25 @@ pub struct ParsedRequest<'a> {
 }
 
 impl ParsedRequest<'_> {
+    /// The output tokens the request asks for at most: a chat's
+    /// `max_completion_tokens`, else `max_tokens` (both checked positive
+    /// integers by [`parse`]); `None` if it does not say.
+    pub fn requested_output(&self) -> Option<u64> {
+        let field = |name| self.body.get(name).and_then(Json::as_u64);
+        match self.endpoint {
+            Endpoint::ChatCompletions => field("max_completion_tokens").or_else(|| field("max_tokens")),
+            Endpoint::Completions => field("max_tokens"),
+        }
+    }
+
+    /// The field that carries the prompt: `messages` or `prompt`.
+    pub fn prompt_param(&self) -> &'static str {
+        match self.endpoint {
+            Endpoint::ChatCompletions => "messages",
+            Endpoint::Completions => "prompt",
+        }
+    }
+
     /// Whether a streamed answer should end with a usage chunk
     /// (`stream_options.include_usage`).
     pub fn include_usage(&self) -> bool {

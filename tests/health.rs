@@ -19,12 +19,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use shm_layout::{LoadFigures, ServerState};
+use shm_layout::{EngineContext, LoadFigures, ServerState};
 
 use semlb_test_support as support;
 use support::gateway::{Gateway, sim_on};
 use support::http::Response;
-use support::process::Stderr;
+use support::process::{Proc, Stderr};
 
 const PATIENCE: Duration = Duration::from_secs(30);
 
@@ -414,4 +414,96 @@ fn engine_load_is_scraped_into_the_server_table() {
             .all(|a| log.contains(&format!("backend http://{a}: load from its vllm metrics"))),
         "{log}"
     );
+}
+
+/// The engines' context (`/v1/models`' `max_model_len`, here 300 tokens)
+/// reaches the server table, and a request no engine can take, its prompt
+/// alone or with the output it asks for, is answered by the gateway with
+/// the engines' 400 `context_length_exceeded`, never reaching an engine
+/// (no `x-semlb-backend`), whether streamed or not; one that fits is
+/// served. With `limits.check_context = false` the same request reaches an
+/// engine, which refuses it itself.
+#[test]
+fn a_request_no_engine_can_take_gets_the_engines_400_from_the_gateway() {
+    let engine = || {
+        Proc::start(&[
+            "__sim",
+            "--listen",
+            "127.0.0.1:0",
+            "--time-scale",
+            "0.01",
+            "--max-model-len",
+            "300",
+        ])
+    };
+    let engines = [engine(), engine()];
+    let addrs: Vec<&str> = engines.iter().map(|e| e.addr.as_str()).collect();
+    let config = ConfigFile::new("context", "[health]\nscrape_interval_ms = 50\n");
+    let gw = gateway("context", &config, &addrs, &[]);
+    let said = EngineContext {
+        tokens: 300,
+        counts_output: true,
+    };
+    for a in &addrs {
+        let url = format!("http://{a}");
+        wait_until("the engine's context is known", || {
+            gw.segment
+                .tables()
+                .servers
+                .servers()
+                .any(|s| s.address == url && s.engine_context == Some(said))
+        });
+    }
+    // About one token per word, with both tokenizers (the bundled one).
+    let prompt = |words: usize| "word ".repeat(words);
+    let ask = |addr: &str, body: Value| http(addr, "POST", "/v1/completions", Some(&body)).expect("request");
+    let fits = ask(
+        &gw.proc.addr,
+        json!({"model": "semlb-sim", "prompt": prompt(200), "max_tokens": 20}),
+    );
+    assert_eq!(fits.status, 200, "{}", String::from_utf8_lossy(&fits.body));
+    assert!(fits.header("x-semlb-backend").is_some());
+    for (what, body) in [
+        (
+            "prompt and output",
+            json!({"model": "semlb-sim", "prompt": prompt(200), "max_tokens": 200}),
+        ),
+        ("the prompt alone", json!({"model": "semlb-sim", "prompt": prompt(400)})),
+        (
+            "streamed",
+            json!({"model": "semlb-sim", "prompt": prompt(400), "stream": true}),
+        ),
+    ] {
+        let refused = ask(&gw.proc.addr, body);
+        let text = String::from_utf8_lossy(&refused.body).into_owned();
+        assert_eq!(refused.status, 400, "{what}: {text}");
+        assert_eq!(
+            refused.header("x-semlb-backend"),
+            None,
+            "{what}: answered by the gateway"
+        );
+        let error: Value = serde_json::from_str(&text).expect("a JSON error");
+        assert_eq!(error["error"]["code"], "context_length_exceeded", "{what}: {text}");
+        assert_eq!(error["error"]["type"], "invalid_request_error", "{what}");
+        assert_eq!(error["error"]["param"], "prompt", "{what}");
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("maximum context length is 300 tokens"),
+            "{what}: {message}"
+        );
+    }
+    // Without the check, the engine refuses it itself.
+    let unchecked = ConfigFile::new("no-context", "[limits]\ncheck_context = false\n");
+    let plain = gateway("no-context", &unchecked, &addrs, &[]);
+    let engine_said = ask(
+        &plain.proc.addr,
+        json!({"model": "semlb-sim", "prompt": prompt(200), "max_tokens": 200}),
+    );
+    assert_eq!(
+        engine_said.status,
+        400,
+        "{}",
+        String::from_utf8_lossy(&engine_said.body)
+    );
+    assert!(engine_said.header("x-semlb-backend").is_some(), "forwarded");
 }

@@ -11,7 +11,9 @@
 //! reports none, their slots as the admission limit); an engine killed
 //! with SIGKILL is routed around with no failed request; a repeated
 //! deterministic request is answered from the response cache
-//! without the engines computing anything.
+//! without the engines computing anything; a prompt longer than the
+//! engine's slot context (from `/props`) is refused at the gateway with the
+//! 400 the engine itself gives it.
 //!
 //! Skipped, loudly, where the engine was not built; required in CI
 //! (`SEMLB_REQUIRE_LLAMA`). The engines are slow (one thread each), so the
@@ -74,7 +76,16 @@ fn back_to_back_conversations_return_to_their_engine_with_cached_tokens_growing(
             turns.iter().all(|t| t.backend == turns[0].backend),
             "the conversation moved: {turns:?}"
         );
-        assert!(turns[1..].iter().all(|t| t.route == "prefix"), "{turns:?}");
+        // By its prefix, or by load to the same engine: the engines' two
+        // slots scale cache_aware's balance threshold to one request, so
+        // the conversation alone on its engine is routed by load while the
+        // other engine runs both of the others (and its engine is the idle one).
+        assert!(
+            turns[1..]
+                .iter()
+                .all(|t| t.route == "prefix" || t.route == "least_load"),
+            "{turns:?}"
+        );
         for w in turns.windows(2) {
             assert!(
                 w[1].cached_tokens > w[0].cached_tokens,
@@ -82,6 +93,10 @@ fn back_to_back_conversations_return_to_their_engine_with_cached_tokens_growing(
             );
         }
     }
+    // The two conversations sharing an engine never find the other engine
+    // two requests busier: their later turns follow their prefix.
+    let by_prefix = all.iter().flat_map(|c| &c[1..]).filter(|t| t.route == "prefix").count();
+    assert!(by_prefix >= 6, "{by_prefix} later turns by prefix: {all:?}");
     let homes: std::collections::HashSet<&str> = all.iter().map(|c| c[0].backend.as_str()).collect();
     assert_eq!(homes.len(), 2, "three conversations use both engines: {all:?}");
 }
@@ -206,4 +221,49 @@ fn a_repeated_deterministic_request_comes_from_the_response_cache() {
     let other = chat(gw.addr(), &msgs, det, &[("api-key", "team-b")]);
     assert_eq!(other.status, 200);
     assert_eq!(other.header("x-semlb-cache"), Some("miss"));
+}
+
+#[test]
+fn a_prompt_longer_than_the_engines_context_is_refused_at_the_gateway() {
+    let Some((engines, gw)) = fleet(1, "context") else {
+        return;
+    };
+    let engine = &engines[0].addr;
+    let props = http(engine, "GET", "/props", None, &[]).expect("/props");
+    let props: serde_json::Value = serde_json::from_slice(&props.body).expect("JSON");
+    let n_ctx = props["default_generation_settings"]["n_ctx"].as_u64().expect("n_ctx") as u32;
+    // llama.cpp refuses a prompt that fills its slot's context, whatever
+    // max_tokens asks: a prompt-only limit.
+    let said = shm_layout::EngineContext {
+        tokens: n_ctx,
+        counts_output: false,
+    };
+    let url = format!("http://{engine}");
+    wait_for("the engine's context read", Duration::from_secs(20), || {
+        let known = gw
+            .segment
+            .tables()
+            .servers
+            .servers()
+            .find(|s| s.address == url)
+            .and_then(|s| s.engine_context);
+        (known == Some(said), known)
+    });
+    let long = [user(&"word ".repeat(n_ctx as usize + 200))];
+    let refused = chat(gw.addr(), &long, json!({"max_tokens": 8}), &[]);
+    let text = String::from_utf8_lossy(&refused.body).into_owned();
+    assert_eq!(refused.status, 400, "{text}");
+    assert_eq!(
+        refused.header("x-semlb-backend"),
+        None,
+        "answered by the gateway: {text}"
+    );
+    let error: serde_json::Value = serde_json::from_str(&text).expect("a JSON error");
+    assert_eq!(error["error"]["code"], "context_length_exceeded", "{text}");
+    // The engine agrees: the same request sent to it directly is refused.
+    let direct = chat(engine, &long, json!({"max_tokens": 8}), &[]);
+    assert_eq!(direct.status, 400, "{}", String::from_utf8_lossy(&direct.body));
+    // A prompt well inside the context is served.
+    let short = chat(gw.addr(), &[user("Say hi.")], json!({"max_tokens": 4}), &[]);
+    assert_eq!(short.status, 200, "{}", String::from_utf8_lossy(&short.body));
 }

@@ -127,5 +127,7 @@ pub use registry::{ProcessInfo, ProcessState, Registry, Role};
 pub use response_log::{PutError, ResponseKey, ResponseLog, ResponseLogStats};
 #[cfg(not(loom))]
 pub use segment::{Segment, SegmentClock, Tables, shm_path};
-pub use server_table::{HORIZON_SPAN_S, RegisterError, ServerInfo, ServerRef, ServerState, ServerTable, ServerTag};
+pub use server_table::{
+    EngineContext, HORIZON_SPAN_S, RegisterError, ServerInfo, ServerRef, ServerState, ServerTable, ServerTag,
+};
 pub use stats::Stats;

@@ -112,6 +112,7 @@
 //! | `limits.request_timeout_secs` | integer | `600` | whole-request deadline towards a backend (1 s to 1 day) |
 //! | `limits.connect_timeout_ms` | integer | `2000` | TCP connect deadline to a backend (at most the request timeout) |
 //! | `limits.retries` | integer | `2` | other backends tried when one cannot be reached, before any byte was answered (0 to 10) |
+//! | `limits.check_context` | bool | `true` | a request no live engine's context can take (their `max_model_len`, llama.cpp's slot context) gets the engines' 400 `context_length_exceeded` from the gateway, once every live engine has said its context |
 //! | `[health]` | table | | health checks and load scraping of the backends ([`crate::health`]) |
 //! | `health.path` | string | `"/health"` | path of the active health check (`GET`; any 2xx is healthy) |
 //! | `health.interval_ms` | integer | `2000` | time between health checks of a server, also while it is down (10 ms to 1 hour) |

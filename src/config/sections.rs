@@ -195,6 +195,11 @@ pub struct LimitsConfig {
     /// fails before answering anything (never after a byte of the response
     /// was sent). Default 2.
     pub retries: u32,
+    /// Answer a request that no live engine's context can take with the
+    /// engines' own 400 (`context_length_exceeded`) instead of forwarding
+    /// it, once every live engine has said its context
+    /// ([`crate::context_limit`]). Default true.
+    pub check_context: bool,
 }
 
 impl Default for LimitsConfig {
@@ -204,6 +209,7 @@ impl Default for LimitsConfig {
             request_timeout_secs: 600,
             connect_timeout_ms: 2000,
             retries: 2,
+            check_context: true,
         }
     }
 }

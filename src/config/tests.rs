@@ -90,6 +90,7 @@ fn defaults() {
             request_timeout_secs: 600,
             connect_timeout_ms: 2000,
             retries: 2,
+            check_context: true,
         }
     );
     assert_eq!(
@@ -218,6 +219,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "request_timeout_secs",
         "connect_timeout_ms",
         "retries",
+        "check_context",
         "[store]",
         "[store.redis]",
         "url",
@@ -286,6 +288,7 @@ max_body_bytes = "1MiB"
 request_timeout_secs = 120
 connect_timeout_ms = 500
 retries = 0
+check_context = false
 "#;
     let c = parse(text).unwrap();
     c.validate().unwrap();
@@ -333,6 +336,7 @@ retries = 0
             request_timeout_secs: 120,
             connect_timeout_ms: 500,
             retries: 0,
+            check_context: false,
         }
     );
 }

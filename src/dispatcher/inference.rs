@@ -1,5 +1,6 @@
 //! The front half of an inference request: body → parse → tokens →
-//! block chain → response-cache key → the store's lookup. A fresh cached
+//! context check ([`crate::context_limit`]) → block chain →
+//! response-cache key → the store's lookup. A fresh cached
 //! answer is returned from here; every other request goes on to the proxy
 //! ([`super::proxy::forward`]) with what it learned
 //! ([`super::proxy::InferenceCtx`]).
@@ -70,6 +71,22 @@ pub(super) async fn inference(
     };
     dispatcher.report_segments();
     timing.mark(Mark::Tokenize);
+    if dispatcher.config().limits.check_context
+        && let Err(exceeded) = crate::context_limit::check(
+            &dispatcher.segment().tables().servers,
+            prompt_tokens.len() as u64,
+            parsed.requested_output(),
+        )
+    {
+        tracing::debug!(
+            endpoint = endpoint.path(),
+            prompt_tokens = prompt_tokens.len(),
+            context = exceeded.context.tokens,
+            "{} refused: no live engine's context takes it",
+            endpoint.path()
+        );
+        return json_response(StatusCode::BAD_REQUEST, &exceeded.body(parsed.prompt_param()));
+    }
     let seed = dispatcher.segment().header().seed[0];
     let hasher = BlockHasher::new(
         BlockHasher::root_for(&parsed.model, seed),

@@ -21,11 +21,15 @@
 //!   ([`super::prometheus::extract`]) and stored with the segment clock's
 //!   time ([`ServerTable::store_load`]).
 //!
-//! * **engine slots**, with the scrapes: `GET <address>/props` once per
-//!   registration, again after the server was down or its engine
-//!   restarted, until it answers. llama.cpp's answer says how many
-//!   requests its engine runs at once ([`super::props`]), stored with
-//!   [`ServerTable::set_engine_slots`]; any other answer stores none.
+//! * **engine info**, with the scrapes: `GET <address>/props` (and
+//!   `/v1/models` when that gave no context) once per registration, again
+//!   after the server was down or its engine restarted, until it answers.
+//!   llama.cpp's `/props` says how many requests its engine runs at once
+//!   and each slot's context, vLLM's `/v1/models` the context
+//!   ([`super::engine_info`]), stored with
+//!   [`ServerTable::set_engine_slots`] and
+//!   [`ServerTable::set_engine_context`]; an answer that does not say
+//!   stores none.
 //!
 //! Transitions are logged (`tracing` events), as are a server's scrapes starting or
 //! stopping to fail (once each, not every interval).
@@ -56,6 +60,7 @@ use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
 use super::breaker::{Breaker, Health, Thresholds};
+use super::engine_info::{self, EngineInfo};
 use super::prometheus::{Engine, ExtractError, extract};
 use crate::config::{HealthConfig, MetricsFlavor, ServeConfig};
 
@@ -98,9 +103,9 @@ const MAX_CHECK_BYTES: usize = 64 << 10;
 /// several models' histograms).
 const MAX_METRICS_BYTES: usize = 16 << 20;
 
-/// Largest `/props` answer read (llama.cpp's carries the chat template
-/// and the sampling defaults: tens of KiB).
-const MAX_PROPS_BYTES: usize = 1 << 20;
+/// Largest `/props` or `/v1/models` answer read (llama.cpp's `/props`
+/// carries the chat template and the sampling defaults: tens of KiB).
+const MAX_INFO_BYTES: usize = 1 << 20;
 
 /// The pooled client of the checks and scrapes.
 type HealthClient = Client<HttpConnector, Empty<Bytes>>;
@@ -316,16 +321,28 @@ impl Checker {
         Ok(extract(&String::from_utf8_lossy(&body), flavor)?)
     }
 
-    /// How many requests the engine at `address` says it runs at once
-    /// ([`super::props`]); `Ok(None)` if it answered without saying.
-    async fn engine_slots(&self, address: &str) -> Result<Option<u32>, CheckError> {
-        let url = format!("{address}/props");
-        let (status, body) = self.get(&url, MAX_PROPS_BYTES, self.health.timeout()).await?;
-        Ok(if status.is_success() {
-            super::props::total_slots(&body)
+    /// What the engine at `address` says about itself
+    /// ([`super::engine_info`]): `/props`, then `/v1/models` for the
+    /// context if `/props` did not give it. An error only if one of them
+    /// got no answer (asked again next round); an answer that says nothing
+    /// is an empty [`EngineInfo`].
+    async fn engine_info(&self, address: &str) -> Result<EngineInfo, CheckError> {
+        let timeout = self.health.timeout();
+        let (status, body) = self.get(&format!("{address}/props"), MAX_INFO_BYTES, timeout).await?;
+        let mut info = if status.is_success() {
+            engine_info::from_props(&body)
         } else {
-            None
-        })
+            EngineInfo::default()
+        };
+        if info.context.is_none() {
+            let (status, body) = self
+                .get(&format!("{address}/v1/models"), MAX_INFO_BYTES, timeout)
+                .await?;
+            if status.is_success() {
+                info.context = engine_info::context_from_models(&body);
+            }
+        }
+        Ok(info)
     }
 
     /// Load scraping, forever (see the module docs).
@@ -335,7 +352,7 @@ impl Checker {
         let mut failing: HashSet<ServerRef> = HashSet::new();
         let mut engines: HashMap<ServerRef, Engine> = HashMap::new();
         let mut prompt_tokens: HashMap<ServerRef, f64> = HashMap::new();
-        // The servers whose engines answered `/props` (saying or not).
+        // The servers whose engines answered about themselves (saying or not).
         let mut asked: HashSet<ServerRef> = HashSet::new();
         loop {
             tick.tick().await;
@@ -354,19 +371,35 @@ impl Checker {
                     let flavor = self.flavors.get(&info.address).copied().unwrap_or_default();
                     self.scrape(&info.address, flavor)
                 })),
-                futures_util::future::join_all(to_ask.iter().map(|info| self.engine_slots(&info.address))),
+                futures_util::future::join_all(to_ask.iter().map(|info| self.engine_info(&info.address))),
             );
             for (info, answer) in to_ask.into_iter().zip(answers) {
                 // No answer (refused, timed out): asked again next round.
-                let Ok(slots) = answer else { continue };
+                let Ok(said) = answer else { continue };
                 asked.insert(info.server);
-                if self.servers().set_engine_slots(info.server, slots)
-                    && let Some(slots) = slots
+                let servers = self.servers();
+                if servers.set_engine_slots(info.server, said.slots)
+                    && let Some(slots) = said.slots
                 {
                     tracing::info!(
                         backend = %info.address,
                         slots,
                         "backend {}: its engine runs at most {slots} requests at once (/props total_slots); holding policies count what is sent beyond them as queued",
+                        info.address
+                    );
+                }
+                if servers.set_engine_context(info.server, said.context)
+                    && let Some(context) = said.context
+                {
+                    let (tokens, what) = if context.counts_output {
+                        (context.tokens, "prompt and requested output")
+                    } else {
+                        (context.tokens, "prompt")
+                    };
+                    tracing::info!(
+                        backend = %info.address,
+                        context = tokens,
+                        "backend {}: its engine's context is {tokens} tokens of {what}; requests no live engine can take get a 400 at the gateway",
                         info.address
                     );
                 }

@@ -6,8 +6,8 @@
 //! | --- | --- |
 //! | [`prometheus`] | a tolerant Prometheus text-format parser, and the load figures of vLLM, SGLang and llama.cpp |
 //! | [`breaker`] | one server's circuit breaker: ejected after consecutive failures, re-admitted after consecutive successful probes |
-//! | [`props`] | llama.cpp's `/props`: how many requests its engine runs at once |
-//! | [`checker`] | the supervisor's task: health checks, `/metrics` scrapes and `/props` reads, written to the server table |
+//! | [`engine_info`] | what an engine says about itself once: its slots and context (llama.cpp's `/props`, `/v1/models`' `max_model_len`) |
+//! | [`checker`] | the supervisor's task: health checks, `/metrics` scrapes and engine-info reads, written to the server table |
 //! | this module | [`PassiveHealth`] (a dispatcher's failure counts), [`eject`], [`fresh_load`] |
 //!
 //! # Active checks
@@ -49,14 +49,19 @@
 //! scrape does not count as a failed health check: an engine started
 //! without metrics is still healthy.
 //!
-//! # Engine slots
+//! # Engine slots and context
 //!
 //! With the first scrape of a registration, and after the server was down
-//! or its engine restarted, the checker reads `GET <server>/props` once
-//! ([`props`]). A llama.cpp engine says there how many requests it runs at
-//! once (`total_slots`); that number replaces the learned admission limit
-//! for the holding policies ([`crate::capacity`],
-//! [`crate::routing::Candidate::pending_estimate`]).
+//! or its engine restarted, the checker asks the engine about itself once
+//! ([`engine_info`]): `GET <server>/props`, and `GET <server>/v1/models`
+//! when `/props` did not give the context. A llama.cpp engine says in
+//! `/props` how many requests it runs at once (`total_slots`), which
+//! replaces the learned admission limit for the holding policies
+//! ([`crate::capacity`], [`crate::routing::Candidate::pending_estimate`]),
+//! and each slot's context (`n_ctx`); vLLM, SGLang and `semlb-sim` give the
+//! context as `max_model_len` in `/v1/models`. The dispatchers answer a
+//! request no live engine can take with the engines' 400 themselves
+//! (`crate::dispatcher`'s context check).
 //!
 //! # Where staleness is applied
 //!
@@ -70,8 +75,8 @@
 
 pub mod breaker;
 pub mod checker;
+pub mod engine_info;
 pub mod prometheus;
-pub mod props;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -7,6 +7,7 @@
 //! │          · horizon (generation:32 | segment second + 1:32)
 //! │          · admission limit (generation:32 | f32 bits:32)
 //! │          · engine slots (generation:32 | slots:32)
+//! │          · engine context (generation:32 | tokens:32)
 //! ├ line 1 ─ in-flight requests · in-flight prompt tokens · scraped load (128-bit)
 //! │          · pending requests · pending prompt tokens
 //! └ lines 2-5 ─ address, up to 256 bytes
@@ -46,13 +47,20 @@
 //!   registration, like the horizon.
 //! * Its **engine slots**: the requests its engine says it runs at once
 //!   (llama.cpp's `total_slots`), which replace the learned admission
-//!   limit ([`ServerTable::set_engine_slots`]); per registration too.
+//!   limit ([`ServerTable::set_engine_slots`]); per registration too, as
+//!   is its **engine context**, the tokens of prompt and output its engine
+//!   takes per request ([`ServerTable::set_engine_context`]).
 
 use crate::load_figures::LoadFigures;
 use crate::mix::mix64;
 use crate::plan::{PROCESS_SLOTS, SERVER_SLOTS};
 use crate::sync::{AtomicU64, AtomicU128, Ordering, fence};
 use crate::words::{load_bytes, store_bytes, words_for};
+
+mod facts;
+mod ledger;
+
+pub use facts::EngineContext;
 
 /// Longest server address stored (bytes of UTF-8).
 pub const MAX_ADDRESS_BYTES: usize = 256;
@@ -171,6 +179,9 @@ pub struct ServerInfo {
     /// The requests its engine says it runs at once, if it said
     /// ([`ServerTable::set_engine_slots`]).
     pub engine_slots: Option<u32>,
+    /// The tokens its engine takes per request, if it said
+    /// ([`ServerTable::set_engine_context`]).
+    pub engine_context: Option<EngineContext>,
 }
 
 /// Why a server could not be registered.
@@ -197,7 +208,7 @@ pub(crate) struct ServerSlot {
     horizon: AtomicU64,
     admission: AtomicU64,
     engine_slots: AtomicU64,
-    _line0: [u64; 1],
+    engine_context: AtomicU64,
     inflight_requests: AtomicU64,
     inflight_tokens: AtomicU64,
     load: AtomicU128,
@@ -215,6 +226,8 @@ const _: () = assert!(std::mem::offset_of!(ServerSlot, horizon) == 32);
 const _: () = assert!(std::mem::offset_of!(ServerSlot, admission) == 40);
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, engine_slots) == 48);
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::offset_of!(ServerSlot, engine_context) == 56);
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, inflight_requests) == 64);
 #[cfg(not(loom))]
@@ -249,7 +262,7 @@ impl ServerSlot {
             horizon: AtomicU64::new(0),
             admission: AtomicU64::new(0),
             engine_slots: AtomicU64::new(0),
-            _line0: [0; 1],
+            engine_context: AtomicU64::new(0),
             inflight_requests: AtomicU64::new(0),
             inflight_tokens: AtomicU64::new(0),
             load: AtomicU128::new(0),
@@ -271,23 +284,6 @@ impl LedgerCell {
             pending_tokens: AtomicU64::new(0),
         }
     }
-}
-
-/// The admission limit an admission word holds for registration
-/// `generation`, if any (`generation:32 | f32 bits:32`, 0 bits: none).
-fn admission_of(word: u64, generation: u32) -> Option<f32> {
-    tagged(word, generation).map(f32::from_bits).filter(|l| l.is_finite())
-}
-
-/// The value of a slot word tagged with its registration
-/// (`generation:32 | value:32`, value 0: none) for `generation`.
-fn tagged(word: u64, generation: u32) -> Option<u32> {
-    (word >> 32 == u64::from(generation) && word as u32 != 0).then_some(word as u32)
-}
-
-/// Clamp for counters that a crash may have left one too low.
-fn clamp(v: u64) -> u64 {
-    if (v as i64) < 0 { 0 } else { v }
 }
 
 /// The server table and its ledger.
@@ -486,136 +482,6 @@ impl<'a> ServerTable<'a> {
             .map(|(s, _)| s)
     }
 
-    /// Sets `server`'s **horizon** to segment second `at_s`: its engine
-    /// was seen to have evicted a prefix the server last refreshed then, so
-    /// (engines evict least recently used blocks first) its prefix entries
-    /// refreshed before it are presumed gone too, and lookups set them
-    /// aside ([`entry_max_age`](Self::entry_max_age)). A horizon only moves
-    /// forward, and belongs to one registration. Returns whether it moved
-    /// (false if `server` is not current or its horizon is already later).
-    pub fn raise_horizon(&self, server: ServerRef, at_s: u32) -> bool {
-        let Some(s) = self.slots.get(usize::from(server.slot)) else {
-            return false;
-        };
-        let word = (u64::from(server.generation) << 32) | u64::from(at_s.saturating_add(1));
-        let mut current = s.horizon.load(Ordering::Acquire);
-        loop {
-            if !self.current(server.slot).is_some_and(|(r, _)| r == server) {
-                return false;
-            }
-            if current >> 32 == u64::from(server.generation) && current as u32 >= word as u32 {
-                return false;
-            }
-            match s
-                .horizon
-                .compare_exchange_weak(current, word, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return true,
-                Err(now) => current = now,
-            }
-        }
-    }
-
-    /// The segment second of `server`'s horizon, if it has one.
-    pub fn horizon(&self, server: ServerRef) -> Option<u32> {
-        let word = self
-            .slots
-            .get(usize::from(server.slot))?
-            .horizon
-            .load(Ordering::Acquire);
-        tagged(word, server.generation).map(|at| at - 1)
-    }
-
-    /// `server`'s learned admission limit, if one was learned for this
-    /// registration ([`adjust_admission_limit`](Self::adjust_admission_limit)).
-    #[inline]
-    pub fn admission_limit(&self, server: ServerRef) -> Option<f32> {
-        let word = self
-            .slots
-            .get(usize::from(server.slot))?
-            .admission
-            .load(Ordering::Relaxed);
-        admission_of(word, server.generation)
-    }
-
-    /// Sets `server`'s admission limit to `adjust(current)` (`None`: none
-    /// learned yet for this registration), atomically against other
-    /// processes adjusting it: `adjust` may run more than once. A
-    /// non-finite or non-positive result is not stored. Returns the limit
-    /// stored, or `None` (nothing stored) if `server` is not current.
-    pub fn adjust_admission_limit(&self, server: ServerRef, mut adjust: impl FnMut(Option<f32>) -> f32) -> Option<f32> {
-        let s = self.slots.get(usize::from(server.slot))?;
-        let mut current = s.admission.load(Ordering::Acquire);
-        loop {
-            if !self.is_current(server) {
-                return None;
-            }
-            let old = admission_of(current, server.generation);
-            let new = adjust(old);
-            if !(new.is_finite() && new > 0.0) {
-                return old;
-            }
-            let word = (u64::from(server.generation) << 32) | u64::from(new.to_bits());
-            match s
-                .admission
-                .compare_exchange_weak(current, word, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return Some(new),
-                Err(now) => current = now,
-            }
-        }
-    }
-
-    /// Records that `server`'s engine runs at most `slots` requests at once
-    /// (`None` or 0: it does not say), as its engine reported it. Returns
-    /// false (nothing stored) if `server` is not current.
-    pub fn set_engine_slots(&self, server: ServerRef, slots: Option<u32>) -> bool {
-        let Some(s) = self.slots.get(usize::from(server.slot)) else {
-            return false;
-        };
-        let word = (u64::from(server.generation) << 32) | u64::from(slots.unwrap_or(0));
-        let mut current = s.engine_slots.load(Ordering::Acquire);
-        loop {
-            if !self.is_current(server) {
-                return false;
-            }
-            match s
-                .engine_slots
-                .compare_exchange_weak(current, word, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return true,
-                Err(now) => current = now,
-            }
-        }
-    }
-
-    /// The requests `server`'s engine says it runs at once, if it said
-    /// for this registration ([`set_engine_slots`](Self::set_engine_slots)).
-    #[inline]
-    pub fn engine_slots(&self, server: ServerRef) -> Option<u32> {
-        let word = self
-            .slots
-            .get(usize::from(server.slot))?
-            .engine_slots
-            .load(Ordering::Relaxed);
-        tagged(word, server.generation)
-    }
-
-    /// The filter for [`crate::PrefixTable::longest_prefix_match_within`]
-    /// at segment second `now_s`: `None` unless the tagged server is live
-    /// ([`is_live`](Self::is_live)); else how old (in seconds) its entries
-    /// may be: up to its horizon, or any age (`u16::MAX`) without one or
-    /// when the horizon is older than [`HORIZON_SPAN_S`].
-    #[inline]
-    pub fn entry_max_age(&self, tag: ServerTag, now_s: u64) -> Option<u16> {
-        let server = self.live(tag)?;
-        let age = self
-            .horizon(server)
-            .map(|h| now_s.saturating_sub(u64::from(h)))
-            .filter(|age| *age <= HORIZON_SPAN_S);
-        Some(age.map_or(u16::MAX, |a| a as u16))
-    }
-
     /// A consistent copy of `slot`, or `None` if free, being configured, or
     /// failing its address check.
     pub fn get(&self, slot: u16) -> Option<ServerInfo> {
@@ -659,6 +525,7 @@ impl<'a> ServerTable<'a> {
                 horizon_s: self.horizon(server),
                 admission_limit: self.admission_limit(server),
                 engine_slots: self.engine_slots(server),
+                engine_context: self.engine_context(server),
             });
         }
         None
@@ -672,103 +539,6 @@ impl<'a> ServerTable<'a> {
     fn is_current(&self, server: ServerRef) -> bool {
         self.current(server.slot)
             .is_some_and(|(s, _)| s.generation == server.generation)
-    }
-
-    /// Counts a request of `process` to `server` as in flight and pending.
-    /// False (and nothing counted) if `server` is stale.
-    pub fn begin_request(&self, process: u16, server: ServerRef, prompt_tokens: u64) -> bool {
-        if !self.is_current(server) {
-            return false;
-        }
-        let s = &self.slots[usize::from(server.slot)];
-        s.inflight_requests.fetch_add(1, Ordering::Relaxed);
-        s.inflight_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
-        s.pending_requests.fetch_add(1, Ordering::Relaxed);
-        s.pending_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
-        let c = self.cell(process, server.slot);
-        c.requests.fetch_add(1, Ordering::Relaxed);
-        c.tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
-        c.pending_requests.fetch_add(1, Ordering::Relaxed);
-        c.pending_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
-        true
-    }
-
-    /// A request [`Self::begin_request`] counted got its first token: it is
-    /// no longer pending (still in flight). Call at most once per request.
-    /// Ignored if `server` is stale.
-    pub fn first_token(&self, process: u16, server: ServerRef, prompt_tokens: u64) {
-        if !self.is_current(server) {
-            return;
-        }
-        let c = self.cell(process, server.slot);
-        c.pending_requests.fetch_sub(1, Ordering::Relaxed);
-        c.pending_tokens.fetch_sub(prompt_tokens, Ordering::Relaxed);
-        let s = &self.slots[usize::from(server.slot)];
-        s.pending_requests.fetch_sub(1, Ordering::Relaxed);
-        s.pending_tokens.fetch_sub(prompt_tokens, Ordering::Relaxed);
-    }
-
-    /// Ends what [`Self::begin_request`] began; `started`: whether
-    /// [`Self::first_token`] was called for it (if not, it stops being
-    /// pending too). Ignored if `server` is stale (its counters were reset
-    /// when the slot was reused).
-    pub fn end_request(&self, process: u16, server: ServerRef, prompt_tokens: u64, started: bool) {
-        if !started {
-            self.first_token(process, server, prompt_tokens);
-        }
-        if !self.is_current(server) {
-            return;
-        }
-        let c = self.cell(process, server.slot);
-        c.requests.fetch_sub(1, Ordering::Relaxed);
-        c.tokens.fetch_sub(prompt_tokens, Ordering::Relaxed);
-        let s = &self.slots[usize::from(server.slot)];
-        s.inflight_requests.fetch_sub(1, Ordering::Relaxed);
-        s.inflight_tokens.fetch_sub(prompt_tokens, Ordering::Relaxed);
-    }
-
-    /// `(requests, prompt tokens)` in flight to `server` from all processes.
-    pub fn inflight(&self, server: ServerRef) -> (u64, u64) {
-        let s = &self.slots[usize::from(server.slot)];
-        (
-            clamp(s.inflight_requests.load(Ordering::Relaxed)),
-            clamp(s.inflight_tokens.load(Ordering::Relaxed)),
-        )
-    }
-
-    /// `(requests, prompt tokens)` pending at `server` (sent by any
-    /// process, no first token yet).
-    pub fn pending(&self, server: ServerRef) -> (u64, u64) {
-        let s = &self.slots[usize::from(server.slot)];
-        (
-            clamp(s.pending_requests.load(Ordering::Relaxed)),
-            clamp(s.pending_tokens.load(Ordering::Relaxed)),
-        )
-    }
-
-    /// What `process` has in flight to `server` (its ledger cell).
-    pub fn inflight_of(&self, process: u16, server: ServerRef) -> (u64, u64) {
-        let c = self.cell(process, server.slot);
-        (
-            clamp(c.requests.load(Ordering::Relaxed)),
-            clamp(c.tokens.load(Ordering::Relaxed)),
-        )
-    }
-
-    /// Takes a dead process's in-flight counts out of every server's totals
-    /// and zeroes its ledger row. Idempotent.
-    pub fn reclaim_process(&self, process: u16) {
-        for (i, s) in self.slots.iter().enumerate() {
-            let c = self.cell(process, i as u16);
-            let r = c.requests.swap(0, Ordering::AcqRel);
-            let t = c.tokens.swap(0, Ordering::AcqRel);
-            s.inflight_requests.fetch_sub(r, Ordering::Relaxed);
-            s.inflight_tokens.fetch_sub(t, Ordering::Relaxed);
-            let r = c.pending_requests.swap(0, Ordering::AcqRel);
-            let t = c.pending_tokens.swap(0, Ordering::AcqRel);
-            s.pending_requests.fetch_sub(r, Ordering::Relaxed);
-            s.pending_tokens.fetch_sub(t, Ordering::Relaxed);
-        }
     }
 
     /// Stores freshly scraped figures. False if `server` is stale.
@@ -789,10 +559,10 @@ impl<'a> ServerTable<'a> {
 }
 
 #[cfg(all(test, not(loom)))]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn parts() -> (Vec<ServerSlot>, Vec<LedgerCell>) {
+    pub(super) fn parts() -> (Vec<ServerSlot>, Vec<LedgerCell>) {
         let n = SERVER_SLOTS as usize;
         (
             (0..n).map(|_| ServerSlot::new()).collect(),
@@ -811,73 +581,6 @@ mod tests {
             }
         }
         assert_eq!(ServerTag::from_lane(0), None);
-    }
-
-    #[test]
-    fn a_horizon_moves_forward_bounds_entry_ages_and_dies_with_its_registration() {
-        let (s, l) = parts();
-        let t = ServerTable::new(&s, &l, 1);
-        let a = t.register(11, "http://a", 0).unwrap();
-        assert_eq!(t.entry_max_age(a.tag(), 100), Some(u16::MAX), "no horizon: any age");
-        assert!(t.raise_horizon(a, 40));
-        assert_eq!(t.horizon(a), Some(40));
-        assert_eq!(t.entry_max_age(a.tag(), 100), Some(60));
-        assert!(!t.raise_horizon(a, 30), "an older horizon is already covered");
-        assert_eq!(t.horizon(a), Some(40));
-        assert!(!t.raise_horizon(a, 0) && t.raise_horizon(a, 90));
-        assert_eq!(t.entry_max_age(a.tag(), 100), Some(10));
-        // Past its span a horizon no longer applies (stamps would wrap).
-        assert_eq!(t.entry_max_age(a.tag(), 90 + HORIZON_SPAN_S + 1), Some(u16::MAX));
-        assert!(t.set_state(a, ServerState::Down));
-        assert_eq!(t.entry_max_age(a.tag(), 100), None, "not live");
-        assert!(t.retire(a));
-        assert!(!t.raise_horizon(a, 200), "not current");
-        let a2 = t.register(12, "http://a2", 0).unwrap();
-        assert_eq!(a2.slot, a.slot);
-        assert_eq!(t.horizon(a2), None, "a new registration starts without one");
-        assert_eq!(t.entry_max_age(a2.tag(), 100), Some(u16::MAX));
-    }
-
-    #[test]
-    fn an_admission_limit_is_adjusted_atomically_and_dies_with_its_registration() {
-        let (s, l) = parts();
-        let t = ServerTable::new(&s, &l, 1);
-        let a = t.register(11, "http://a", 0).unwrap();
-        assert_eq!(t.admission_limit(a), None, "nothing learned yet");
-        assert_eq!(t.adjust_admission_limit(a, |old| old.unwrap_or(8.0) + 1.0), Some(9.0));
-        assert_eq!(t.adjust_admission_limit(a, |old| old.unwrap() * 0.5), Some(4.5));
-        assert_eq!(t.admission_limit(a), Some(4.5));
-        assert_eq!(t.get(a.slot).unwrap().admission_limit, Some(4.5));
-        assert_eq!(t.adjust_admission_limit(a, |_| f32::NAN), Some(4.5), "refused, kept");
-        assert_eq!(t.adjust_admission_limit(a, |_| 0.0), Some(4.5), "refused, kept");
-        assert!(t.retire(a));
-        assert_eq!(t.adjust_admission_limit(a, |_| 3.0), None, "not current");
-        let a2 = t.register(12, "http://a2", 0).unwrap();
-        assert_eq!(a2.slot, a.slot);
-        assert_eq!(t.admission_limit(a2), None, "a new registration starts without one");
-    }
-
-    #[test]
-    fn engine_slots_are_set_cleared_and_die_with_their_registration() {
-        let (s, l) = parts();
-        let t = ServerTable::new(&s, &l, 1);
-        let a = t.register(11, "http://a", 0).unwrap();
-        let b = t.register(12, "http://b", 0).unwrap();
-        assert_eq!(t.engine_slots(a), None, "not said yet");
-        assert!(t.set_engine_slots(a, Some(2)));
-        assert_eq!(t.engine_slots(a), Some(2));
-        assert_eq!(t.engine_slots(b), None, "per server");
-        assert_eq!(t.get(a.slot).unwrap().engine_slots, Some(2));
-        assert!(t.set_engine_slots(a, Some(4)), "an engine restarted with more");
-        assert_eq!(t.engine_slots(a), Some(4));
-        assert!(t.set_engine_slots(a, None));
-        assert_eq!(t.engine_slots(a), None, "cleared");
-        assert!(t.set_engine_slots(a, Some(3)));
-        assert!(t.retire(a));
-        assert!(!t.set_engine_slots(a, Some(5)), "not current");
-        let a2 = t.register(13, "http://a2", 0).unwrap();
-        assert_eq!(a2.slot, a.slot);
-        assert_eq!(t.engine_slots(a2), None, "a new registration starts without them");
     }
 
     #[test]
@@ -925,59 +628,6 @@ mod tests {
             "stale ref refused"
         );
         assert_eq!(t.current(b.slot), Some((b, ServerState::Up)));
-    }
-
-    #[test]
-    fn inflight_counts_and_reclaim_after_a_crash() {
-        let (s, l) = parts();
-        let t = ServerTable::new(&s, &l, 1);
-        let a = t.register(1, "a", 0).unwrap();
-        assert!(t.begin_request(3, a, 100));
-        assert!(t.begin_request(3, a, 50));
-        assert!(t.begin_request(4, a, 10));
-        assert_eq!(t.inflight(a), (3, 160));
-        assert_eq!(t.pending(a), (3, 160));
-        t.first_token(3, a, 100);
-        assert_eq!(t.pending(a), (2, 60), "started: no longer pending");
-        assert_eq!(t.inflight(a), (3, 160), "but still in flight");
-        t.end_request(4, a, 10, false);
-        assert_eq!(t.inflight(a), (2, 150));
-        assert_eq!(
-            t.pending(a),
-            (1, 50),
-            "ending an unstarted request ends its pending count"
-        );
-        t.reclaim_process(3); // process 3 died with two requests
-        assert_eq!(t.inflight(a), (0, 0));
-        assert_eq!(t.pending(a), (0, 0));
-        assert_eq!(t.inflight_of(3, a), (0, 0));
-        t.reclaim_process(3);
-        assert_eq!(t.inflight(a), (0, 0), "idempotent");
-    }
-
-    #[test]
-    fn stale_refs_touch_nothing() {
-        let (s, l) = parts();
-        let t = ServerTable::new(&s, &l, 1);
-        let a = t.register(1, "a", 0).unwrap();
-        assert!(t.begin_request(0, a, 5));
-        t.retire(a);
-        let b = t.register(2, "b", 0).unwrap();
-        assert_eq!(t.inflight(b), (0, 0), "a reused slot starts from zero");
-        t.end_request(0, a, 5, false);
-        assert_eq!(t.inflight(b), (0, 0));
-        assert_eq!(t.pending(b), (0, 0));
-        assert!(!t.begin_request(0, a, 5));
-        assert!(!t.store_load(a, LoadFigures::default()));
-        let f = LoadFigures {
-            waiting: 1,
-            running: 2,
-            kv_usage_permyriad: 3,
-            scraped_at_ms: 4,
-            pending_at_scrape: 5,
-        };
-        assert!(t.store_load(b, f));
-        assert_eq!(t.load(b), f);
     }
 
     #[test]
