@@ -5,9 +5,18 @@
 //!
 //! | [`Origin`] | who | examples | counts against the engine ([passive health](crate::health::PassiveHealth)) |
 //! | --- | --- | --- | --- |
-//! | `Client` | the downstream client | a body that cannot be read | no |
-//! | `Engine` | the upstream inference server | refused connection, 5xx head, no answer in time, body cut | yes |
+//! | `Client` | the downstream client | a body that cannot be read; the request's deadline spent (no head in time, or a body still streaming) | no |
+//! | `Engine` | the upstream inference server | refused or reset connection, 5xx head, body cut | yes (a 5xx only once another server answered the same request) |
 //! | `Gateway` | semlb itself | a server re-registered while routing, an address that is not a URI | no |
+//!
+//! The request's deadline (`limits.request_timeout_secs`) is the client's:
+//! what outlives it is a long generation the client asked for (a huge
+//! `max_tokens`, streamed or not) at least as often as a stuck engine, and
+//! a stuck engine fails its active health checks. A 5xx head may be about
+//! the request rather than the engine, so the proxy counts it only when
+//! another server then answered the same request with a 2xx, and it stops
+//! retrying once two servers answered it with a 5xx; a client that leaves
+//! counts against nobody.
 //!
 //! and whether trying another server may help ([`Failure::retryable`]): a
 //! failure before anything reached the client may be retried elsewhere; a
@@ -72,7 +81,7 @@ pub enum Failure {
         /// Its status.
         status: StatusCode,
     },
-    /// No head came within the request timeout.
+    /// No head came within the request's deadline.
     #[error("{address} did not answer within {secs} s")]
     Timeout {
         /// The server's base URL.
@@ -80,9 +89,16 @@ pub enum Failure {
         /// The request timeout.
         secs: u64,
     },
-    /// The answer's body was cut or timed out while being relayed.
-    #[error("{address}: the answer's body failed")]
+    /// The answer's body was cut while being relayed.
+    #[error("{address}: the answer's body was cut")]
     Body {
+        /// The server's base URL.
+        address: String,
+    },
+    /// The answer's body was still coming when the request's deadline
+    /// passed.
+    #[error("{address}: the answer outlived the request's deadline")]
+    Deadline {
         /// The server's base URL.
         address: String,
     },
@@ -107,8 +123,8 @@ impl Failure {
     /// Which side it came from.
     pub const fn origin(&self) -> Origin {
         match self {
-            Self::ClientBody { .. } => Origin::Client,
-            Self::Connect { .. } | Self::Status { .. } | Self::Timeout { .. } | Self::Body { .. } => Origin::Engine,
+            Self::ClientBody { .. } | Self::Timeout { .. } | Self::Deadline { .. } => Origin::Client,
+            Self::Connect { .. } | Self::Status { .. } | Self::Body { .. } => Origin::Engine,
             Self::Reregistered { .. } | Self::BadAddress { .. } => Origin::Gateway,
         }
     }
@@ -118,7 +134,7 @@ impl Failure {
     pub const fn retryable(&self) -> bool {
         match self {
             Self::Connect { .. } | Self::Status { .. } | Self::Reregistered { .. } | Self::BadAddress { .. } => true,
-            Self::ClientBody { .. } | Self::Timeout { .. } | Self::Body { .. } => false,
+            Self::ClientBody { .. } | Self::Timeout { .. } | Self::Body { .. } | Self::Deadline { .. } => false,
         }
     }
 
@@ -190,6 +206,9 @@ mod tests {
             Failure::Body {
                 address: address.clone(),
             },
+            Failure::Deadline {
+                address: address.clone(),
+            },
             Failure::Reregistered {
                 address: address.clone(),
             },
@@ -223,8 +242,20 @@ mod tests {
         for f in all() {
             assert_eq!(f.counts_against_engine(), f.origin() == Origin::Engine, "{f}");
         }
-        let engine: Vec<_> = all().into_iter().filter(Failure::counts_against_engine).collect();
-        assert_eq!(engine.len(), 4);
+        let engine: Vec<String> = all()
+            .into_iter()
+            .filter(Failure::counts_against_engine)
+            .map(|f| f.to_string())
+            .collect();
+        assert_eq!(
+            engine,
+            [
+                "http://10.0.0.1:8000: connection refused",
+                "http://10.0.0.1:8000 answered 503 Service Unavailable",
+                "http://10.0.0.1:8000: the answer's body was cut",
+            ],
+            "the request's deadline is the client's"
+        );
     }
 
     #[test]

@@ -64,58 +64,120 @@ async fn dead_address() -> String {
     format!("http://{addr}")
 }
 
-/// An engine that answers one request per connection with a streamed
-/// chat answer and then drops the connection, without saying
-/// `Connection: close`, as `llama-server` does after every stream. It
-/// closes when the next request arrives on the connection rather than
-/// right after the answer, which makes deterministic the race a client
-/// loses now and then against the real engine: the request written just
-/// before the server's FIN arrives.
-async fn start_closing_engine() -> SocketAddr {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// A backend written on a raw socket, for what `semlb-sim` does not do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RawEngine {
+    /// Answers one request per connection with a streamed chat answer and
+    /// then drops the connection, without saying `Connection: close`, as
+    /// `llama-server` does after every stream. It closes when the next
+    /// request arrives on the connection rather than right after the
+    /// answer, which makes deterministic the race a client loses now and
+    /// then against the real engine: the request written just before the
+    /// server's FIN arrives.
+    ClosesAfterStream,
+    /// Answers 500 to a body containing `poison` (a request the engine
+    /// chokes on), else a short completion; keeps its connections.
+    FailsOnPoison,
+    /// Answers a stream that never ends: a chunk every 50 ms.
+    Endless,
+    /// Reads requests and never answers.
+    Silent,
+}
+
+/// Reads one request (its head, then Content-Length bytes of body) from
+/// `conn`; `None` when the client closed.
+async fn read_request(conn: &mut TcpStream) -> Option<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        match conn.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .map_or(0, |v| v.trim().parse().unwrap());
+    while buf.len() < head_end + length {
+        match conn.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    Some(buf.split_off(head_end))
+}
+
+/// One chunk of a chunked body carrying an SSE chat event with `content`.
+fn sse_chunk(content: &str, finish: &str) -> Vec<u8> {
+    let event = format!(
+        "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"{MODEL}\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{content}\"}},\"finish_reason\":{finish}}}]}}\n\n"
+    );
+    format!("{:x}\r\n{event}\r\n", event.len()).into_bytes()
+}
+
+/// Starts a [`RawEngine`] of `kind` on a free port.
+async fn start_raw_engine(kind: RawEngine) -> SocketAddr {
+    use tokio::io::AsyncWriteExt;
+    const STREAM_HEAD: &[u8] =
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         while let Ok((mut conn, _)) = listener.accept().await {
             tokio::spawn(async move {
-                // The request: its head, then Content-Length bytes of body.
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                let head_end = loop {
-                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        break i + 4;
+                while let Some(body) = read_request(&mut conn).await {
+                    let answer = match kind {
+                        RawEngine::ClosesAfterStream => {
+                            let mut a = STREAM_HEAD.to_vec();
+                            a.extend(sse_chunk("Hello", "null"));
+                            a.extend(sse_chunk(" there", "\"stop\""));
+                            a.extend_from_slice(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n");
+                            a
+                        }
+                        RawEngine::FailsOnPoison if body.windows(6).any(|w| w == b"poison") => {
+                            let error = br#"{"error":{"message":"the engine failed","type":"server_error","param":null,"code":null}}"#;
+                            let mut a = format!("HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n", error.len()).into_bytes();
+                            a.extend_from_slice(error);
+                            a
+                        }
+                        RawEngine::FailsOnPoison => {
+                            let ok = format!(
+                                r#"{{"id":"c","object":"text_completion","created":1,"model":"{MODEL}","choices":[{{"index":0,"text":"fine","finish_reason":"stop"}}],"usage":{{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}}}"#
+                            );
+                            let mut a = format!(
+                                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                                ok.len()
+                            )
+                            .into_bytes();
+                            a.extend_from_slice(ok.as_bytes());
+                            a
+                        }
+                        RawEngine::Silent => continue,
+                        RawEngine::Endless => {
+                            if conn.write_all(STREAM_HEAD).await.is_err() {
+                                return;
+                            }
+                            while conn.write_all(&sse_chunk("and", "null")).await.is_ok() {
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                            return;
+                        }
+                    };
+                    if conn.write_all(&answer).await.is_err() {
+                        return;
                     }
-                    match conn.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                };
-                let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
-                let length: usize = head
-                    .lines()
-                    .find_map(|l| l.strip_prefix("content-length:"))
-                    .map_or(0, |v| v.trim().parse().unwrap());
-                while buf.len() < head_end + length {
-                    match conn.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    if kind == RawEngine::ClosesAfterStream {
+                        // Closed once the next request is on its way.
+                        let _ = read_request(&mut conn).await;
+                        return;
                     }
                 }
-                let mut answer =
-                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                        .to_vec();
-                for (content, finish) in [("\"Hello\"", "null"), ("\" there\"", "\"stop\"")] {
-                    let event = format!(
-                        "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"{MODEL}\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{content}}},\"finish_reason\":{finish}}}]}}\n\n"
-                    );
-                    answer.extend_from_slice(format!("{:x}\r\n{event}\r\n", event.len()).as_bytes());
-                }
-                answer.extend_from_slice(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n");
-                if conn.write_all(&answer).await.is_err() {
-                    return;
-                }
-                // Closed once the next request is on its way.
-                let _ = conn.read(&mut chunk).await;
             });
         }
     });
@@ -138,8 +200,8 @@ struct Setup {
     sims: usize,
     faulty_sims: usize,
     dead: usize,
-    /// Engines that close a connection after one streamed answer.
-    closing: usize,
+    /// Raw-socket backends after the others.
+    raw: &'static [RawEngine],
     tweak: fn(&mut ServeConfig),
 }
 
@@ -149,7 +211,7 @@ impl Default for Setup {
             sims: 3,
             faulty_sims: 0,
             dead: 0,
-            closing: 0,
+            raw: &[],
             tweak: |_| {},
         }
     }
@@ -174,8 +236,8 @@ async fn gateway(setup: Setup) -> Gateway {
     for _ in 0..setup.dead {
         addresses.push(dead_address().await);
     }
-    for _ in 0..setup.closing {
-        addresses.push(format!("http://{}", start_closing_engine().await));
+    for kind in setup.raw {
+        addresses.push(format!("http://{}", start_raw_engine(*kind).await));
     }
     let segment = Arc::new(Segment::heap(&LayoutPlan::for_size(16 << 20).unwrap()));
     let mut servers = Vec::new();
@@ -587,7 +649,7 @@ async fn a_turn_sent_as_the_engine_closes_the_last_streams_connection_is_answere
     // an agent sends each turn the instant the last stream ended.
     let gw = gateway(Setup {
         sims: 0,
-        closing: 1,
+        raw: &[RawEngine::ClosesAfterStream],
         ..Setup::default()
     })
     .await;
@@ -614,6 +676,88 @@ async fn a_turn_sent_as_the_engine_closes_the_last_streams_connection_is_answere
     // elsewhere, nothing against the engine's health.
     assert_eq!(s.stale_connections, turns - 1, "{s:?}");
     assert_eq!((s.upstream_errors, s.retries, s.server_errors), (0, 0, 0), "{s:?}");
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_every_engine_fails_is_tried_on_two_and_ejects_none() {
+    // Three engines that all choke on one request (500) and answer the rest.
+    let gw = gateway(Setup {
+        sims: 0,
+        raw: &[RawEngine::FailsOnPoison; 3],
+        ..Setup::default()
+    })
+    .await;
+    let poison = json!({"model": MODEL, "prompt": "poison", "max_tokens": 4});
+    for i in 0..6 {
+        let reply = post(gw.addr, "/v1/completions", &poison, &[]).await;
+        assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "request {i}: {}", reply.text());
+    }
+    let s = gw.dispatcher.stats();
+    // Each was tried on two engines, not all three: the request is the
+    // likelier cause once two answered it with a 5xx.
+    assert_eq!((s.retries, s.upstream_errors), (6, 12), "{s:?}");
+    // And none of them counts it against itself: 6 such requests, at 3 in a
+    // row, would have ejected every engine.
+    for (server, address) in &gw.servers {
+        let state = gw.segment.tables().servers.current(server.slot).map(|(_, st)| st);
+        assert_eq!(state, Some(ServerState::Up), "{address}");
+    }
+    let fine = json!({"model": MODEL, "prompt": "a fine request", "max_tokens": 4});
+    let reply = post(gw.addr, "/v1/completions", &fine, &[]).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_outliving_their_deadline_eject_no_engine() {
+    // One engine streams without end (a huge max_tokens), one never answers
+    // (a huge non-streamed generation): every request outlives its 1 s
+    // deadline, 8 of them at once, about 4 per engine: 3 in a row used to
+    // eject an engine.
+    let gw = gateway(Setup {
+        sims: 0,
+        raw: &[RawEngine::Endless, RawEngine::Silent],
+        tweak: |c| c.limits.request_timeout_secs = 1,
+        ..Setup::default()
+    })
+    .await;
+    let body = json!({"model": MODEL, "prompt": "a very long story", "max_tokens": 30000}).to_string();
+    let requests: Vec<_> = (0..8)
+        .map(|_| {
+            let (addr, body) = (gw.addr, body.clone());
+            tokio::spawn(async move {
+                within("a request past its deadline", async {
+                    let response = send(addr, Method::POST, "/v1/completions", &[], &body).await;
+                    let status = response.status();
+                    // The endless stream is cut at the deadline: an error.
+                    let whole = response.into_body().collect().await.is_ok();
+                    (status, whole)
+                })
+                .await
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for r in requests {
+        outcomes.push(r.await.unwrap());
+    }
+    // A cut stream (its head came) from the one, a 504 from the other.
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| matches!(o, (StatusCode::OK, false) | (StatusCode::GATEWAY_TIMEOUT, true))),
+        "{outcomes:?}"
+    );
+    assert!(outcomes.iter().any(|(s, _)| *s == StatusCode::OK), "{outcomes:?}");
+    assert!(
+        outcomes.iter().any(|(s, _)| *s == StatusCode::GATEWAY_TIMEOUT),
+        "{outcomes:?}"
+    );
+    for (server, address) in &gw.servers {
+        let state = gw.segment.tables().servers.current(server.slot).map(|(_, st)| st);
+        assert_eq!(state, Some(ServerState::Up), "{address}: the deadline is the client's");
+    }
     gw.stop().await;
 }
 

@@ -13,7 +13,10 @@
 //!    goes to the same server again on a new connection, once per request;
 //! 3. on a failure that another server may fix ([`Failure::retryable`]:
 //!    a connection error, a 5xx head), the next attempt avoids the servers
-//!    that failed, up to `limits.retries` retries; then 502.
+//!    that failed, up to `limits.retries` retries and at most two servers
+//!    answering 5xx (then the request is the likelier cause); then 502.
+//!    A 5xx counts against its server's passive health only once another
+//!    server answered the same request with a 2xx.
 //!
 //! A head that is not a failure is relayed ([`super::relay::Relay`]), and
 //! [`Attempts::finish`] adds the gateway's headers.
@@ -66,6 +69,10 @@ impl Outbound {
         request
     }
 }
+
+/// Servers that may answer one request with a 5xx head before it is
+/// answered 502 without asking more of them.
+const MAX_5XX_ANSWERS: usize = 2;
 
 /// What an inference request adds to a proxied one.
 pub(super) struct InferenceCtx {
@@ -178,6 +185,10 @@ struct Attempts<'d> {
     last_prediction: Prediction,
     /// The request was resent once after a stale pooled connection.
     resent_stale: bool,
+    /// Servers that answered it with a 5xx head: counted against their
+    /// passive health only if another server then answers it with a 2xx
+    /// (see [`crate::failure`]).
+    answered_5xx: Vec<(ServerRef, String, Failure)>,
 }
 
 impl<'d> Attempts<'d> {
@@ -195,6 +206,7 @@ impl<'d> Attempts<'d> {
             last_reason: None,
             last_prediction: Prediction::default(),
             resent_stale: false,
+            answered_5xx: Vec::new(),
         }
     }
 
@@ -381,6 +393,9 @@ impl<'d> Attempts<'d> {
         };
         let failure = match result {
             Ok(Ok(response)) if !response.status().is_server_error() => {
+                if response.status().is_success() {
+                    self.count_5xx_against_their_servers();
+                }
                 return Ok(Head {
                     response,
                     server,
@@ -406,8 +421,13 @@ impl<'d> Attempts<'d> {
         if let Some(held) = recorded {
             self.forget_route(server, held);
         }
-        // Passive health check: no head in time, a connection error or a 5xx head.
-        passive_failure(dispatcher, server, &address, &failure);
+        // Passive health check: a connection error now; a 5xx head once
+        // another server answered the request (it may be about the request).
+        if let Failure::Status { .. } = failure {
+            self.answered_5xx.push((server, address.clone(), failure.clone()));
+        } else {
+            passive_failure(dispatcher, server, &address, &failure);
+        }
         if let Failure::Timeout { .. } = failure {
             return Err(Next::Answer(error_response(
                 StatusCode::GATEWAY_TIMEOUT,
@@ -415,12 +435,22 @@ impl<'d> Attempts<'d> {
                 Some("upstream_timeout"),
             )));
         }
-        let retryable = failure.retryable();
+        // Two servers answered it with a 5xx: the request is the likelier
+        // cause, and the others would only be asked the same.
+        let retryable = failure.retryable() && self.answered_5xx.len() < MAX_5XX_ANSWERS;
         self.failed_on(server, failure);
         if retryable && self.attempt <= dispatcher.config().limits.retries {
             Err(Next::Retry)
         } else {
             Err(Next::Answer(self.bad_gateway()))
+        }
+    }
+
+    /// Another server answered the request with a 2xx: the 5xx heads the
+    /// earlier ones gave were theirs, and count against their health.
+    fn count_5xx_against_their_servers(&mut self) {
+        for (server, address, failure) in self.answered_5xx.drain(..) {
+            passive_failure(self.dispatcher, server, &address, &failure);
         }
     }
 

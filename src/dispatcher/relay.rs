@@ -232,14 +232,20 @@ impl Relay {
         self.boxed_unsync()
     }
 
-    fn fail(&mut self) {
+    /// Ends a relay that did not end well: the body was cut (`cut`), or
+    /// the request's deadline passed while it still came.
+    fn fail(&mut self, cut: bool) {
         self.finished = true;
         if let Some(g) = self.guard.take() {
             let server = g.server();
             self.dispatcher.metrics().upstream(server.slot, false);
-            // Passive health check: the body was cut or timed out.
-            let failure = Failure::Body {
-                address: self.address.clone(),
+            // Passive health check: a cut body is the engine's; a deadline
+            // is the client's (a long generation it asked for).
+            let address = self.address.clone();
+            let failure = if cut {
+                Failure::Body { address }
+            } else {
+                Failure::Deadline { address }
             };
             passive_failure(&self.dispatcher, server, &self.address, &failure);
         }
@@ -314,7 +320,7 @@ impl HttpBody for Relay {
             let frame = match Pin::new(&mut this.inner).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => frame,
                 Poll::Ready(Some(Err(e))) => {
-                    this.fail();
+                    this.fail(true);
                     return Poll::Ready(Some(Err(Box::new(e))));
                 }
                 Poll::Ready(None) => {
@@ -324,7 +330,7 @@ impl HttpBody for Relay {
                 }
                 Poll::Pending => {
                     if this.deadline.as_mut().poll(cx).is_ready() {
-                        this.fail();
+                        this.fail(false);
                         return Poll::Ready(Some(Err("semlb: upstream request timed out".into())));
                     }
                     return Poll::Pending;
