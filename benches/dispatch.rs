@@ -144,7 +144,13 @@ fn dispatch(c: &mut Criterion) {
         g.bench_function("cache_lookup", |b| {
             b.iter(|| {
                 i = (i + 1) % parsed.len();
-                let k = key(Tenant::ANONYMOUS, Endpoint::ChatCompletions, &parsed[i].body);
+                let k = key(
+                    Tenant::ANONYMOUS,
+                    Endpoint::ChatCompletions,
+                    "",
+                    &http::HeaderMap::new(),
+                    &parsed[i].body,
+                );
                 black_box(t.responses.get_into(k, &mut buf).is_some())
             })
         });
@@ -190,7 +196,13 @@ fn dispatch(c: &mut Criterion) {
                     unreachable!()
                 };
                 hasher.chain(&tokenizer.encode(text), &mut chain);
-                let k = key(Tenant::ANONYMOUS, Endpoint::ChatCompletions, &p.body);
+                let k = key(
+                    Tenant::ANONYMOUS,
+                    Endpoint::ChatCompletions,
+                    "",
+                    &http::HeaderMap::new(),
+                    &p.body,
+                );
                 let hit = t.responses.get_into(k, &mut buf).is_some();
                 let m = prefix_match(&t, seg.clock().now_ms(), &chain, &[]);
                 live_candidates(&t, &mut candidates);

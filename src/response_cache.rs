@@ -12,10 +12,13 @@
 //!   non-streamed request share an entry (the stream is replayed from the
 //!   stored JSON). The body's parsed tree ([`crate::body`]) is fed to the
 //!   hash as it is walked: nothing is cloned or serialised again.
-//! * **Tenant**: the hashed API key (`Authorization: Bearer …`), so a
-//!   cached answer never crosses tenants; requests without a key share the
-//!   anonymous tenant; [`Scope::Global`] (operator's choice) shares answers
-//!   among everyone.
+//!   The URI's query string and the headers that may change an answer
+//!   ([`ANSWER_HEADERS`]) are in the key too.
+//! * **Tenant**: the hashed API key (every value of `Authorization:
+//!   Bearer …`, `api-key`, `x-api-key`), so a cached answer never crosses
+//!   tenants; requests without a key share the anonymous tenant;
+//!   [`Scope::Global`] (operator's choice) shares answers among everyone
+//!   with a key, never with requests without one.
 //! * **Cacheability**: only deterministic requests by default —
 //!   `temperature` 0, or a `seed` given; `Cache-Control: no-store` neither
 //!   reads nor writes, `no-cache` skips the lookup but stores the fresh
@@ -53,44 +56,82 @@ impl Tenant {
     /// Everyone, under [`Scope::Global`].
     pub const GLOBAL: Tenant = Tenant(0x676c_6f62_616c_0000);
 
-    /// The tenant of a request: the hash of its API key, read from the
-    /// first of [`API_KEY_HEADERS`] that has one (SDKs send it as
+    /// The tenant of a request: the hash of its API key, read from every
+    /// value of every one of [`API_KEY_HEADERS`] (SDKs send it as
     /// `Authorization: Bearer`, Azure-style clients as `api-key`). The same
-    /// key is the same tenant in any of these headers.
+    /// key is the same tenant in any of these headers; a request carrying
+    /// several different keys is a tenant of its own (never that of the
+    /// first key alone, which another hop may not be the one checking).
+    /// Without a key, [`Tenant::ANONYMOUS`], under either scope: a request
+    /// with no identity never reads an answer stored for one.
     pub fn of(scope: Scope, headers: &http::HeaderMap) -> Tenant {
-        if scope == Scope::Global {
-            return Tenant::GLOBAL;
-        }
-        let key = API_KEY_HEADERS.iter().find_map(|name| {
-            let value = headers.get(*name)?.as_bytes();
-            let key = if *name == "authorization" {
-                value.strip_prefix(b"Bearer ").unwrap_or(value)
-            } else {
-                value
-            };
-            Some(key).filter(|k| !k.is_empty())
-        });
-        match key {
-            Some(k) => Tenant(xxhash_rust::xxh3::xxh3_64_with_seed(k, 0x7465_6e61_6e74)),
-            None => Tenant::ANONYMOUS,
+        let mut keys: Vec<&[u8]> = API_KEY_HEADERS
+            .iter()
+            .flat_map(|name| headers.get_all(*name).iter().map(move |v| (*name, v.as_bytes())))
+            .map(|(name, value)| {
+                if name == "authorization" {
+                    value.strip_prefix(b"Bearer ").unwrap_or(value)
+                } else {
+                    value
+                }
+            })
+            .filter(|k| !k.is_empty())
+            .collect();
+        keys.sort_unstable();
+        keys.dedup();
+        match keys.as_slice() {
+            [] => Tenant::ANONYMOUS,
+            _ if scope == Scope::Global => Tenant::GLOBAL,
+            [one] => Tenant(xxhash_rust::xxh3::xxh3_64_with_seed(one, TENANT_SEED)),
+            several => {
+                let mut h = Xxh3::with_seed(TENANT_SEED);
+                for k in several {
+                    h.update(&(k.len() as u64).to_le_bytes());
+                    h.update(k);
+                }
+                Tenant(h.digest())
+            }
         }
     }
 }
 
-/// The headers a client's API key comes in, in the order they are read:
-/// OpenAI's `Authorization: Bearer <key>`, Azure OpenAI's `api-key`, and
-/// `x-api-key`.
+/// Seed of the tenant hash.
+const TENANT_SEED: u64 = 0x7465_6e61_6e74;
+
+/// The headers a client's API key comes in: OpenAI's `Authorization:
+/// Bearer <key>`, Azure OpenAI's `api-key`, and `x-api-key`.
 pub const API_KEY_HEADERS: [&str; 3] = ["authorization", "api-key", "x-api-key"];
+
+/// Request headers that may change an answer, so part of its key: OpenAI's
+/// organization and project, which a deployment may map to other models or
+/// policies behind the gateway.
+pub const ANSWER_HEADERS: [&str; 2] = ["openai-organization", "openai-project"];
 
 /// Fields that do not change the answer's content.
 const PRESENTATION_ONLY: [&str; 2] = ["stream", "stream_options"];
 
-/// The cache key of a request.
-pub fn key(tenant: Tenant, endpoint: Endpoint, body: &Object<'_>) -> shm_layout::ResponseKey {
+/// The cache key of a request of `tenant` to `endpoint` with `query` (the
+/// URI's query string, forwarded as it came) and `headers` (of which the
+/// [`ANSWER_HEADERS`] count).
+pub fn key(
+    tenant: Tenant,
+    endpoint: Endpoint,
+    query: &str,
+    headers: &http::HeaderMap,
+    body: &Object<'_>,
+) -> shm_layout::ResponseKey {
     let mut h = Xxh3::new();
     h.update(&tenant.0.to_le_bytes());
     h.update(endpoint.path().as_bytes());
     h.update(&[0]);
+    hash_str(&mut h, query);
+    for name in ANSWER_HEADERS {
+        for value in headers.get_all(name) {
+            hash_str(&mut h, name);
+            h.update(&(value.len() as u64).to_le_bytes());
+            h.update(value.as_bytes());
+        }
+    }
     hash_object(&mut h, body, &PRESENTATION_ONLY);
     shm_layout::ResponseKey(h.digest128())
 }
@@ -223,6 +264,11 @@ pub fn fresh_body(entry: &[u8], now_ms: u64, ttl_ms: u64) -> Option<&[u8]> {
 mod tests {
     use super::*;
 
+    /// The key without a query string or answer headers.
+    fn key(t: Tenant, e: Endpoint, b: &Object<'_>) -> shm_layout::ResponseKey {
+        super::key(t, e, "", &http::HeaderMap::new(), b)
+    }
+
     fn body(json: &str) -> Object<'_> {
         match Json::parse(json.as_bytes()).unwrap() {
             Json::Object(m) => m,
@@ -330,12 +376,51 @@ mod tests {
             of(Scope::Global, Some(("authorization", "Bearer sk-alice"))),
             of(Scope::Global, Some(("authorization", "Bearer sk-bob")))
         );
+        assert_eq!(
+            of(Scope::Global, None),
+            Tenant::ANONYMOUS,
+            "no identity never reads what one stored, even global"
+        );
+        assert_ne!(Tenant::ANONYMOUS, Tenant::GLOBAL);
         // The same key in any of the API-key headers is the same tenant;
         // other keys are other tenants.
         assert_eq!(of(Scope::Tenant, Some(("api-key", "sk-alice"))), alice);
         assert_eq!(of(Scope::Tenant, Some(("x-api-key", "sk-alice"))), alice);
         assert_ne!(of(Scope::Tenant, Some(("api-key", "sk-carol"))), Tenant::ANONYMOUS);
         assert_ne!(of(Scope::Tenant, Some(("api-key", "sk-carol"))), alice);
+        // Every value counts: two keys are neither's tenant, whatever order
+        // and header they come in; the same key twice is that key's.
+        let mut two = http::HeaderMap::new();
+        two.append("authorization", http::HeaderValue::from_static("Bearer sk-alice"));
+        two.append("authorization", http::HeaderValue::from_static("Bearer sk-bob"));
+        let both = Tenant::of(Scope::Tenant, &two);
+        assert!(both != alice && both != bob && both != Tenant::ANONYMOUS);
+        let mut swapped = http::HeaderMap::new();
+        swapped.append("x-api-key", http::HeaderValue::from_static("sk-bob"));
+        swapped.append("api-key", http::HeaderValue::from_static("sk-alice"));
+        assert_eq!(Tenant::of(Scope::Tenant, &swapped), both);
+        let mut again = http::HeaderMap::new();
+        again.append("authorization", http::HeaderValue::from_static("Bearer sk-alice"));
+        again.append("api-key", http::HeaderValue::from_static("sk-alice"));
+        assert_eq!(Tenant::of(Scope::Tenant, &again), alice);
+    }
+
+    #[test]
+    fn the_query_string_and_the_organization_are_in_the_key() {
+        let b = body(r#"{"model":"m","prompt":"x","temperature":0}"#);
+        let (t, e) = (Tenant::ANONYMOUS, Endpoint::Completions);
+        let none = http::HeaderMap::new();
+        let base = super::key(t, e, "", &none, &b);
+        assert_ne!(super::key(t, e, "api-version=2024-10-21", &none, &b), base);
+        let mut org = http::HeaderMap::new();
+        org.insert("openai-organization", http::HeaderValue::from_static("org-a"));
+        assert_ne!(super::key(t, e, "", &org, &b), base);
+        let mut other = http::HeaderMap::new();
+        other.insert("openai-organization", http::HeaderValue::from_static("org-b"));
+        assert_ne!(super::key(t, e, "", &org, &b), super::key(t, e, "", &other, &b));
+        let mut unrelated = http::HeaderMap::new();
+        unrelated.insert("user-agent", http::HeaderValue::from_static("curl"));
+        assert_eq!(super::key(t, e, "", &unrelated, &b), base, "other headers do not count");
     }
 
     #[test]

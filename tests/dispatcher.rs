@@ -505,10 +505,25 @@ async fn repeated_deterministic_requests_are_answered_from_the_cache() {
     )
     .await;
     assert_eq!(no_store.header("x-semlb-cache"), "bypass");
-    gw.settle(2).await;
-    assert_eq!(gw.sim_successes().await, before + 2.0);
+    // A query string (Azure's `api-version`) or another organization is
+    // another answer: forwarded, and cached apart.
+    let versioned = "/v1/chat/completions?api-version=2024-10-21";
+    let query = post(gw.addr, versioned, &body, &auth).await;
+    assert_eq!((query.status, query.header("x-semlb-cache")), (StatusCode::OK, "miss"));
+    let org = post(
+        gw.addr,
+        "/v1/chat/completions",
+        &body,
+        &[auth[0], ("openai-organization", "org-b")],
+    )
+    .await;
+    assert_eq!((org.status, org.header("x-semlb-cache")), (StatusCode::OK, "miss"));
+    gw.settle(4).await;
+    let query_again = post(gw.addr, versioned, &body, &auth).await;
+    assert_eq!(query_again.header("x-semlb-cache"), "hit");
+    assert_eq!(gw.sim_successes().await, before + 4.0);
     let s = gw.dispatcher.stats();
-    assert_eq!((s.cache_hits, s.cache_misses, s.cache_bypasses), (2, 2, 1));
+    assert_eq!((s.cache_hits, s.cache_misses, s.cache_bypasses), (3, 4, 1));
     gw.stop().await;
 }
 

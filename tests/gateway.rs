@@ -242,6 +242,27 @@ fn tenants_keyed_by_api_key_headers_never_share_answers() {
 }
 
 #[test]
+fn global_scope_shares_among_keys_but_never_with_requests_without_one() {
+    let engines = [sim()];
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let gw = Gateway::with_config(&unique("global"), &refs, "[response_cache]\nscope = \"global\"\n", &[]);
+    let msgs = [user("Name three lakes of Africa, briefly.")];
+    let det = json!({"temperature": 0});
+    let first = chat(&gw.proc.addr, &msgs, det.clone(), &[("api-key", "sk-carol")]);
+    assert_eq!((first.status, first.header("x-semlb-cache")), (200, Some("miss")));
+    gw.written_back(responder_records);
+    let dave = chat(&gw.proc.addr, &msgs, det.clone(), &[("x-api-key", "sk-dave")]);
+    assert_eq!(dave.header("x-semlb-cache"), Some("hit"), "global: shared among keys");
+    let anonymous = chat(&gw.proc.addr, &msgs, det.clone(), &[]);
+    assert_eq!(anonymous.status, 200);
+    assert_eq!(
+        anonymous.header("x-semlb-cache"),
+        Some("miss"),
+        "a request without a key never reads what a keyed one stored"
+    );
+}
+
+#[test]
 fn a_killed_dispatcher_is_restarted_and_the_gateway_keeps_serving() {
     let engines = [sim(), sim()];
     let refs: Vec<&Proc> = engines.iter().collect();

@@ -106,7 +106,9 @@ pub(super) async fn inference(
         &parsed.body,
         header_bytes(header::CACHE_CONTROL),
     );
-    let key = (cacheability != Cacheability::Bypass).then(|| response_cache::key(tenant, endpoint, &parsed.body));
+    let query = parts.uri.query().unwrap_or("");
+    let key = (cacheability != Cacheability::Bypass)
+        .then(|| response_cache::key(tenant, endpoint, query, &parts.headers, &parsed.body));
     // Without learning at dispatch nothing records end keys: no probes.
     let answer_tokens = if dispatcher.config().learn_at_dispatch {
         answer_tokens_estimate(parsed.earlier_answer_bytes, prompt_tokens.len(), prompt_bytes)
@@ -178,7 +180,12 @@ pub(super) async fn inference(
     };
     let outbound = Outbound {
         method: Method::POST,
-        path_and_query: endpoint.path().to_owned(),
+        // The query string as it came (Azure-style clients send
+        // `api-version`); it is in the cache key too.
+        path_and_query: match parts.uri.query() {
+            Some(q) => format!("{}?{q}", endpoint.path()),
+            None => endpoint.path().to_owned(),
+        },
         headers: upstream_request_headers(&parts.headers),
         body: asked.unwrap_or(bytes),
     };
