@@ -112,6 +112,8 @@
 //! | `limits.request_timeout_secs` | integer | `600` | whole-request deadline towards a backend (1 s to 1 day) |
 //! | `limits.connect_timeout_ms` | integer | `2000` | TCP connect deadline to a backend (at most the request timeout) |
 //! | `limits.retries` | integer | `2` | other backends tried when one cannot be reached, before any byte was answered (0 to 10) |
+//! | `limits.client_timeout_secs` | integer | `30` | how long a client may take to send its headers or its body (408), or leave an answer unread (the connection is closed and the engine released); 1 to 3600 |
+//! | `limits.max_connections` | integer | `4096` | client connections per dispatcher; one more gets 503 and is closed (1 to 1 000 000) |
 //! | `limits.check_context` | bool | `true` | a request no live engine's context can take (their `max_model_len`, llama.cpp's slot context) gets the engines' 400 `context_length_exceeded` from the gateway, once every live engine has said its context |
 //! | `[health]` | table | | health checks and load scraping of the backends ([`crate::health`]) |
 //! | `health.path` | string | `"/health"` | path of the active health check (`GET`; any 2xx is healthy) |
@@ -187,6 +189,10 @@ pub const MAX_TTL_SECS: u64 = 365 * 24 * 3600;
 pub const MAX_TIMEOUT_SECS: u64 = 24 * 3600;
 /// Most `limits.retries`.
 pub const MAX_RETRIES: u32 = 10;
+/// Longest `limits.client_timeout_secs`: one hour.
+pub const MAX_CLIENT_TIMEOUT_SECS: u64 = 3600;
+/// Most `limits.max_connections` (per dispatcher).
+pub const MAX_CONNECTIONS: u32 = 1_000_000;
 /// Shortest admin bearer token, in bytes.
 pub const MIN_ADMIN_TOKEN_BYTES: usize = 16;
 /// Longest admin bearer token, in bytes.

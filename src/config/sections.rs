@@ -200,6 +200,16 @@ pub struct LimitsConfig {
     /// it, once every live engine has said its context
     /// ([`crate::context_limit`]). Default true.
     pub check_context: bool,
+    /// Seconds a client may take to send a request's headers, to send its
+    /// body, or to read on while an answer waits to be written to it
+    /// (nginx's `client_header_timeout`, `client_body_timeout` and
+    /// `send_timeout`, as one). Past it: 408 for a body, the connection
+    /// closed otherwise, and an answer left unread releases its engine.
+    /// Default 30.
+    pub client_timeout_secs: u64,
+    /// Client connections one dispatcher serves at once; one more is
+    /// answered 503 and closed. Default 4096.
+    pub max_connections: u32,
 }
 
 impl Default for LimitsConfig {
@@ -210,6 +220,8 @@ impl Default for LimitsConfig {
             connect_timeout_ms: 2000,
             retries: 2,
             check_context: true,
+            client_timeout_secs: 30,
+            max_connections: 4096,
         }
     }
 }
@@ -218,6 +230,11 @@ impl LimitsConfig {
     /// [`request_timeout_secs`](Self::request_timeout_secs) as a duration.
     pub fn request_timeout(&self) -> Duration {
         Duration::from_secs(self.request_timeout_secs)
+    }
+
+    /// [`client_timeout_secs`](Self::client_timeout_secs) as a duration.
+    pub fn client_timeout(&self) -> Duration {
+        Duration::from_secs(self.client_timeout_secs)
     }
 
     /// [`connect_timeout_ms`](Self::connect_timeout_ms) as a duration.

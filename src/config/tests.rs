@@ -91,6 +91,8 @@ fn defaults() {
             connect_timeout_ms: 2000,
             retries: 2,
             check_context: true,
+            client_timeout_secs: 30,
+            max_connections: 4096,
         }
     );
     assert_eq!(
@@ -220,6 +222,8 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "connect_timeout_ms",
         "retries",
         "check_context",
+        "client_timeout_secs",
+        "max_connections",
         "[store]",
         "[store.redis]",
         "url",
@@ -337,6 +341,8 @@ check_context = false
             connect_timeout_ms: 500,
             retries: 0,
             check_context: false,
+            client_timeout_secs: 30,
+            max_connections: 4096,
         }
     );
 }
@@ -771,6 +777,20 @@ fn each_validation_rule() {
             "at most 10",
         ),
         (
+            "client timeout 0",
+            |c| c.limits.client_timeout_secs = 0,
+            "limits.client_timeout_secs",
+            "0",
+            "between 1 and 3600",
+        ),
+        (
+            "no connections",
+            |c| c.limits.max_connections = 0,
+            "limits.max_connections",
+            "0",
+            "between 1 and 1000000",
+        ),
+        (
             "policy threshold",
             |c| c.policy.cache_aware.cache_threshold = 1.5,
             "policy.cache_aware.cache_threshold",
@@ -990,6 +1010,8 @@ fn boundary_values_are_accepted() {
         |c| c.limits.connect_timeout_ms = c.limits.request_timeout_secs * 1000,
         |c| c.limits.request_timeout_secs = MAX_TIMEOUT_SECS,
         |c| c.limits.retries = MAX_RETRIES,
+        |c| c.limits.client_timeout_secs = MAX_CLIENT_TIMEOUT_SECS,
+        |c| c.limits.max_connections = MAX_CONNECTIONS,
         |c| c.limits.max_body_bytes = ByteSize(1),
         |c| c.drain_timeout_secs = 0,
         |c| c.listen = "[::]:0".parse().unwrap(),

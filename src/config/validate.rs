@@ -364,6 +364,20 @@ impl ServeConfig {
                 format!("must be at most {MAX_RETRIES} (more retries only multiply the load on failing servers)"),
             ));
         }
+        if limits.client_timeout_secs == 0 || limits.client_timeout_secs > MAX_CLIENT_TIMEOUT_SECS {
+            return Err(E::invalid(
+                "limits.client_timeout_secs",
+                limits.client_timeout_secs,
+                format!("must be between 1 and {MAX_CLIENT_TIMEOUT_SECS} (one hour)"),
+            ));
+        }
+        if limits.max_connections == 0 || limits.max_connections > MAX_CONNECTIONS {
+            return Err(E::invalid(
+                "limits.max_connections",
+                limits.max_connections,
+                format!("must be between 1 and {MAX_CONNECTIONS}"),
+            ));
+        }
         Ok(())
     }
 }

@@ -75,9 +75,15 @@ pub(crate) fn error_response(status: StatusCode, message: impl Into<String>, cod
     json_response(status, &body)
 }
 
-/// Reads a request body of at most `max` bytes (413 beyond, from
-/// `Content-Length` or while reading; 400 when it cannot be read).
-pub(crate) async fn read_body(headers: &HeaderMap, body: Incoming, max: usize) -> Result<Bytes, Response<Body>> {
+/// Reads a request body of at most `max` bytes within `within` (413
+/// beyond, from `Content-Length` or while reading; 408 when it takes
+/// longer; 400 when it cannot be read).
+pub(crate) async fn read_body(
+    headers: &HeaderMap,
+    body: Incoming,
+    max: usize,
+    within: std::time::Duration,
+) -> Result<Bytes, Response<Body>> {
     let too_large = || {
         error_response(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -92,7 +98,15 @@ pub(crate) async fn read_body(headers: &HeaderMap, body: Incoming, max: usize) -
     if declared.is_some_and(|n| n > max as u64) {
         return Err(too_large());
     }
-    match Limited::new(body, max).collect().await {
+    let Ok(read) = tokio::time::timeout(within, Limited::new(body, max).collect()).await else {
+        // The client's: nothing to count against an engine.
+        return Err(error_response(
+            StatusCode::REQUEST_TIMEOUT,
+            format!("the request body did not arrive within {} s", within.as_secs()),
+            Some("request_timeout"),
+        ));
+    };
+    match read {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(too_large()),
         Err(e) => {

@@ -42,7 +42,14 @@ pub(super) async fn inference(
 ) -> Response<Body> {
     let mut timing = DispatchTiming::new();
     let (parts, body) = request.into_parts();
-    let bytes = match read_body(&parts.headers, body, dispatcher.max_body_bytes()).await {
+    let bytes = match read_body(
+        &parts.headers,
+        body,
+        dispatcher.max_body_bytes(),
+        dispatcher.config().limits.client_timeout(),
+    )
+    .await
+    {
         Ok(b) => b,
         Err(r) => return r,
     };

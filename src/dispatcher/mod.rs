@@ -72,6 +72,7 @@
 //! | `learn` | the completion record a finished answer becomes, pushed into this dispatcher's ring |
 //! | `queue` | the gateway queue of the holding policies and its pump |
 //! | `models` | `GET /v1/models`: the live servers' lists merged |
+//! | `client_io` | the client's connection, its writes bounded in time |
 //! | `inflight`, `timing`, `policy`, `http`, `sse` | a request's in-flight count; its dispatch timing; the swappable policy; HTTP helpers and OpenAI errors; SSE replay of cached answers |
 //!
 //! [`Dispatcher`] is defined here, with every method it has; its parts are
@@ -81,11 +82,20 @@
 //!
 //! # Serving
 //!
-//! [`serve`] accepts HTTP/1.1 (keep-alive, `TCP_NODELAY`) until its
-//! shutdown future resolves, then stops accepting, asks every connection to
-//! close after its current request, and waits for them up to the drain
-//! timeout. Upstream connections are pooled and also use `TCP_NODELAY`.
+//! [`serve`] accepts HTTP/1.1 (keep-alive, `TCP_NODELAY`, TCP keepalive
+//! probes after a minute of silence) until its shutdown future resolves,
+//! then stops accepting, asks every connection to close after its current
+//! request, and waits for them up to the drain timeout. Upstream
+//! connections are pooled and also use `TCP_NODELAY`.
+//!
+//! Clients are bounded: `limits.max_connections` connections per
+//! dispatcher (one more gets a 503 and is closed), and
+//! `limits.client_timeout_secs` to send a request's headers (hyper's header
+//! timeout: the connection is closed), to send its body (408), and to read
+//! on while an answer waits to be written (`client_io`: the connection is
+//! closed, which ends the upstream request and releases its count).
 
+mod client_io;
 mod http;
 mod inference;
 mod inflight;
@@ -442,6 +452,9 @@ pub async fn serve(
             () = &mut shutdown => break,
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept() => match accepted {
+                Ok((stream, _peer)) if connections.len() >= dispatcher.config.limits.max_connections as usize => {
+                    tokio::spawn(refuse_connection(stream));
+                }
                 Ok((stream, _peer)) => {
                     connections.spawn(serve_connection(stream, dispatcher.clone(), stop_rx.clone()));
                 }
@@ -465,16 +478,49 @@ pub async fn serve(
     Ok(())
 }
 
+/// Answers a connection over `limits.max_connections` with a 503 (an
+/// OpenAI-style error, `Retry-After: 1`) without reading its request, and
+/// closes it; a client that does not take the answer within a second is
+/// dropped.
+async fn refuse_connection(mut stream: TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    const BODY: &str = r#"{"error":{"message":"this gateway process serves as many connections as it may (limits.max_connections); retry later","type":"server_error","param":null,"code":"too_many_connections"}}"#;
+    let answer = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{BODY}",
+        BODY.len()
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        stream.write_all(answer.as_bytes()).await?;
+        stream.shutdown().await?;
+        // Closing with the request unread would reset the connection, and
+        // the client might never see the answer: read it away first.
+        let mut sink = [0u8; 4096];
+        while tokio::io::AsyncReadExt::read(&mut stream, &mut sink).await? > 0 {}
+        Ok::<_, std::io::Error>(())
+    })
+    .await;
+}
+
 /// Serves one connection until it closes, or until `stop` is set and its
 /// in-flight request is answered.
 async fn serve_connection(stream: TcpStream, dispatcher: Arc<Dispatcher>, mut stop: watch::Receiver<bool>) {
     let _ = stream.set_nodelay(true);
+    // A peer that vanished (power, network) without closing is found out.
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(60))
+        .with_interval(Duration::from_secs(10));
+    let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
+    let client_timeout = dispatcher.config().limits.client_timeout();
     let service = service_fn(move |request| {
         let dispatcher = dispatcher.clone();
         async move { Ok::<_, Infallible>(routes::handle(dispatcher, request).await) }
     });
     let mut builder = http1::Builder::new();
-    builder.timer(TokioTimer::new()).keep_alive(true);
+    builder
+        .timer(TokioTimer::new())
+        .keep_alive(true)
+        .header_read_timeout(client_timeout);
+    let stream = client_io::StallLimited::new(stream, client_timeout);
     let connection = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(connection);
     tokio::select! {

@@ -90,7 +90,14 @@ async fn metrics(dispatcher: &Arc<Dispatcher>) -> Response<Body> {
 /// Any other `/v1/...` request: proxied to the least loaded live server.
 async fn passthrough(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>) -> Response<Body> {
     let (parts, body) = request.into_parts();
-    let bytes = match read_body(&parts.headers, body, dispatcher.max_body_bytes()).await {
+    let bytes = match read_body(
+        &parts.headers,
+        body,
+        dispatcher.max_body_bytes(),
+        dispatcher.config().limits.client_timeout(),
+    )
+    .await
+    {
         Ok(b) => b,
         Err(r) => return r,
     };

@@ -1,0 +1,221 @@
+//! Clients that misbehave, against a real `semlb serve` (its dispatchers and
+//! supervisor as processes) in front of `semlb __sim` engines, with
+//! `limits.client_timeout_secs = 1`: every attack is loopback only and
+//! bounded, and during each a well-behaved client keeps being answered and
+//! no process restarts.
+//!
+//! * A client that stops reading a stream mid-way: its connection is closed
+//!   within the client timeout, which ends the upstream request and
+//!   releases the engine's in-flight count (a phantom count would make the
+//!   engine look full to the holding policies for ever).
+//! * Slowloris: connections sending their headers a byte at a time are
+//!   closed after the client timeout.
+//! * A body that stops coming: 408 within the client timeout.
+//! * More connections than `limits.max_connections`: the extra one gets a
+//!   503 `too_many_connections` and is closed; the others are served.
+//!
+//! Every wait polls a condition with a deadline.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use semlb_test_support as support;
+use support::gateway::{Gateway, chat, sample, sim_at, user, wait_for};
+
+const PATIENCE: Duration = Duration::from_secs(20);
+
+fn unique(tag: &str) -> String {
+    support::process::unique("hostile", tag)
+}
+
+/// A gateway with a one-second client timeout and `extra` configuration,
+/// in front of one fast engine.
+fn gateway(tag: &str, extra: &str) -> (support::process::Proc, Gateway) {
+    let engine = sim_at("0.001");
+    let config = format!("[limits]\nclient_timeout_secs = 1\n{extra}");
+    let gw = Gateway::builder()
+        .shm(&unique(tag))
+        .tag(tag)
+        .dispatchers(1)
+        .config(&config)
+        .backends(&[&engine])
+        .start();
+    (engine, gw)
+}
+
+/// A well-behaved request: must be answered 200.
+fn served(gw: &Gateway, i: usize) {
+    let r = chat(
+        gw.addr(),
+        &[user(&format!("a polite question number {i}"))],
+        json!({}),
+        &[],
+    );
+    assert_eq!(r.status, 200, "request {i}: {}", String::from_utf8_lossy(&r.body));
+}
+
+/// The gateway's restarts, all roles.
+fn restarts(gw: &Gateway) -> f64 {
+    support::gateway::samples(&gw.metrics(), "semlb_process_restarts_total")
+        .into_iter()
+        .map(|(_, v)| v)
+        .sum()
+}
+
+/// A raw connection to the gateway with `request` written.
+fn raw(gw: &Gateway, request: &[u8]) -> TcpStream {
+    let mut s = TcpStream::connect(gw.addr()).expect("connect");
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    s.write_all(request).expect("write");
+    s
+}
+
+/// Whether the peer closed `s` (a read of 0, or a reset), reading away
+/// whatever it sent first.
+fn closed(s: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                return false;
+            }
+            Err(_) => return true,
+        }
+    }
+}
+
+#[test]
+fn a_client_that_stops_reading_a_stream_releases_its_engine() {
+    let (engine, gw) = gateway("stall", "");
+    let inflight = |gw: &Gateway| {
+        sample(
+            &gw.metrics(),
+            &format!("semlb_server_inflight_requests{{server=\"http://{}\"}}", engine.addr),
+        )
+    };
+    // A stream of 30 000 tokens (megabytes of SSE), of which it reads the head.
+    let body = json!({
+        "model": "semlb-sim",
+        "messages": [user("Tell a story that never ends.")],
+        "stream": true,
+        "max_tokens": 30000,
+        "ignore_eos": true,
+    })
+    .to_string();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut reader = raw(&gw, request.as_bytes());
+    let mut head = [0u8; 64];
+    reader.read_exact(&mut head).expect("the answer starts");
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&head));
+    wait_for("the stream counted in flight", PATIENCE, || {
+        let n = inflight(&gw);
+        (n == Some(1.0), n)
+    });
+    // It reads no more, and keeps its connection open: the gateway closes
+    // it within the client timeout, and the engine's count goes back to 0.
+    let since = Instant::now();
+    wait_for("the engine released", PATIENCE, || {
+        let n = inflight(&gw);
+        (n == Some(0.0), n)
+    });
+    let released_after = since.elapsed();
+    assert!(closed(&mut reader), "the gateway closed the connection");
+    // Served meanwhile and after, and nothing restarted.
+    for i in 0..5 {
+        served(&gw, i);
+    }
+    assert_eq!(restarts(&gw), 0.0);
+    eprintln!("released after {released_after:?}");
+}
+
+#[test]
+fn slowloris_connections_are_closed_and_others_served() {
+    let (_engine, gw) = gateway("slowloris", "");
+    // 200 connections that send their request line and then a header byte
+    // every 100 ms.
+    let mut slow: Vec<TcpStream> = (0..200)
+        .map(|_| raw(&gw, b"POST /v1/chat/completions HTTP/1.1\r\nx"))
+        .collect();
+    for s in &slow {
+        s.set_read_timeout(Some(Duration::from_millis(1))).unwrap();
+    }
+    let deadline = Instant::now() + PATIENCE;
+    let mut polite = 0;
+    let mut open = slow.len();
+    while open > 0 {
+        assert!(Instant::now() < deadline, "{open} slow connections still open");
+        for s in &mut slow {
+            let _ = s.write_all(b"x");
+        }
+        served(&gw, polite);
+        polite += 1;
+        open = slow.iter_mut().map(|s| !closed(s)).filter(|o| *o).count();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Each round of the loop served one polite request with the slow
+    // connections still open.
+    assert!(polite >= 1);
+    assert_eq!(restarts(&gw), 0.0);
+}
+
+#[test]
+fn a_body_that_stops_coming_gets_408() {
+    let (_engine, gw) = gateway("body", "");
+    let since = Instant::now();
+    let mut s = raw(
+        &gw,
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{\"model\":",
+    );
+    let mut answer = String::new();
+    let _ = s.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("\"code\":\"request_timeout\""), "{answer}");
+    assert!(since.elapsed() < PATIENCE);
+    served(&gw, 0);
+}
+
+#[test]
+fn connections_over_the_cap_get_503_and_the_others_are_served() {
+    let (_engine, gw) = gateway("cap", "max_connections = 4\n");
+    // Four keep-alive connections, each with a request answered: the cap.
+    let body = json!({"model": "semlb-sim", "prompt": "hello", "max_tokens": 2}).to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut held: Vec<TcpStream> = Vec::new();
+    for _ in 0..4 {
+        let mut s = raw(&gw, request.as_bytes());
+        let mut head = [0u8; 12];
+        s.read_exact(&mut head).unwrap();
+        assert_eq!(&head, b"HTTP/1.1 200");
+        held.push(s);
+    }
+    let mut extra = raw(&gw, request.as_bytes());
+    let mut answer = String::new();
+    let _ = extra.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("too_many_connections"), "{answer}");
+    // Once they go, others are served again.
+    drop(held);
+    let status = wait_for("a connection served again", PATIENCE, || {
+        let r = support::http::http(
+            gw.addr(),
+            "POST",
+            "/v1/completions",
+            Some(&json!({"model": "semlb-sim", "prompt": "again", "max_tokens": 2})),
+            &[],
+        );
+        (r.as_ref().is_ok_and(|r| r.status == 200), r.map(|r| r.status))
+    });
+    assert_eq!(status, Ok(200));
+    assert_eq!(restarts(&gw), 0.0);
+}
