@@ -101,7 +101,7 @@ fn dispatch(c: &mut Criterion) {
         let mut chain = Vec::new();
         let mut texts = Vec::new();
         for (i, b) in bodies.iter().enumerate() {
-            let parsed = parse(Endpoint::ChatCompletions, b.as_bytes(), &template).unwrap();
+            let parsed = parse(Endpoint::ChatCompletions, b.as_bytes(), &template, &Default::default()).unwrap();
             let RoutingInput::Text(text) = parsed.input else {
                 unreachable!("chat renders text")
             };
@@ -120,7 +120,15 @@ fn dispatch(c: &mut Criterion) {
         g.bench_function("parse_render", |b| {
             b.iter(|| {
                 i = (i + 1) % bodies.len();
-                black_box(parse(Endpoint::ChatCompletions, bodies[i].as_bytes(), &template).unwrap())
+                black_box(
+                    parse(
+                        Endpoint::ChatCompletions,
+                        bodies[i].as_bytes(),
+                        &template,
+                        &Default::default(),
+                    )
+                    .unwrap(),
+                )
             })
         });
         g.bench_function("tokenize", |b| {
@@ -139,7 +147,7 @@ fn dispatch(c: &mut Criterion) {
         });
         let parsed: Vec<_> = bodies
             .iter()
-            .map(|b| parse(Endpoint::ChatCompletions, b.as_bytes(), &template).unwrap())
+            .map(|b| parse(Endpoint::ChatCompletions, b.as_bytes(), &template, &Default::default()).unwrap())
             .collect();
         g.bench_function("cache_lookup", |b| {
             b.iter(|| {
@@ -191,7 +199,13 @@ fn dispatch(c: &mut Criterion) {
         g.bench_function("total", |b| {
             b.iter(|| {
                 i = (i + 1) % bodies.len();
-                let p = parse(Endpoint::ChatCompletions, bodies[i].as_bytes(), &template).unwrap();
+                let p = parse(
+                    Endpoint::ChatCompletions,
+                    bodies[i].as_bytes(),
+                    &template,
+                    &Default::default(),
+                )
+                .unwrap();
                 let RoutingInput::Text(text) = &p.input else {
                     unreachable!()
                 };

@@ -34,6 +34,7 @@ use shm_layout::{OpenError, Segment};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::cli::{ChildArgs, ChildRole, SimArgs};
+use semlb::reactor_watch::{self, ReactorState, ReactorWatch};
 
 /// The fd a dispatcher finds the listening socket on (the supervisor puts
 /// it there before exec).
@@ -102,17 +103,17 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
     // process (dup2 before exec) and nothing else in this process owns it.
     let std_listener = unsafe { std::net::TcpListener::from_raw_fd(LISTEN_FD) };
     std_listener.set_nonblocking(true)?;
+    let watch = Arc::new(ReactorWatch::new(segment.clock().now_ms()));
+    spawn_heartbeat(segment.clone(), identity.slot, identity.incarnation, watch.clone())?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(std_listener)?;
-        let heartbeat_segment = segment.clone();
-        let (slot, incarnation) = (identity.slot, identity.incarnation);
+        let pulse_segment = segment.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(HEARTBEAT);
+            let mut tick = tokio::time::interval(reactor_watch::PULSE);
             loop {
                 tick.tick().await;
-                let s = &heartbeat_segment;
-                s.tables().registry.heartbeat(slot, incarnation, s.clock().now_ms());
+                watch.pulse(pulse_segment.clock().now_ms());
             }
         });
         let mut term = signal(SignalKind::terminate())?;
@@ -146,6 +147,39 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
         .await?;
         Ok(())
     })
+}
+
+/// Starts the dispatcher's heartbeat thread: it beats in the registry
+/// every [`HEARTBEAT`] while the reactor pulses `watch`, warns once per
+/// episode when the reactor lags, and stops beating while it is stuck
+/// ([`semlb::reactor_watch`]).
+fn spawn_heartbeat(segment: Arc<Segment>, slot: u16, incarnation: u32, watch: Arc<ReactorWatch>) -> Result<()> {
+    std::thread::Builder::new()
+        .name("heartbeat".into())
+        .spawn(move || {
+            let mut warned = false;
+            loop {
+                std::thread::sleep(HEARTBEAT);
+                let now = segment.clock().now_ms();
+                let state = watch.state(now);
+                match state {
+                    ReactorState::Running => warned = false,
+                    ReactorState::Lagging(lag) | ReactorState::Stuck(lag) if !warned => {
+                        warned = true;
+                        tracing::warn!(
+                            lag_ms = lag,
+                            "the reactor has not run for {lag} ms (requests that keep it busy?); the process is restarted if it stays stuck for {} s",
+                            reactor_watch::STUCK_AFTER_MS / 1000
+                        );
+                    }
+                    _ => {}
+                }
+                if !matches!(state, ReactorState::Stuck(_)) {
+                    segment.tables().registry.heartbeat(slot, incarnation, now);
+                }
+            }
+        })?;
+    Ok(())
 }
 
 /// On SIGHUP (forwarded by the supervisor's reload), resolves the

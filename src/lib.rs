@@ -15,6 +15,7 @@
 //! | [`continuation`] | conversations that continue on the server that answered them: prompt end keys, the credit for an answer not yet written back |
 //! | [`response_cache`] | the exact-request key of the response cache, tenants, cacheability, TTL-stamped entries |
 //! | [`routing`] | policies that choose a server from the prefix match and the shared load figures |
+//! | [`reactor_watch`] | a dispatcher's heartbeat on its own thread, beating while its reactor pulses |
 //! | [`dispatcher`] | a dispatcher process's HTTP front, one module per step in request order: routes, inference (parse, tokenize, look up), route, proxy (attempts and retries), relay, learn (the completion record), queue |
 //! | [`failure`] | why a proxied request failed: client, engine or gateway, and whether a retry may help |
 //! | [`responder`] | what a response process does with a completion record: prefix write-back, response caching |
@@ -47,6 +48,7 @@ pub mod failure;
 pub mod health;
 pub mod metrics;
 pub mod prompt;
+pub mod reactor_watch;
 pub mod responder;
 pub mod responder_loop;
 pub mod response_cache;

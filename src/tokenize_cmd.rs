@@ -220,8 +220,8 @@ fn report_body(tools: &Tools, endpoint: Option<EndpointArg>, body: &[u8]) -> Res
             None => Endpoint::Completions,
         },
     };
-    let parsed = prompt::parse(endpoint, body, &tools.template)
-        .map_err(|e| anyhow::anyhow!("the gateway would answer 400: {}", e.message))?;
+    let parsed = prompt::parse(endpoint, body, &tools.template, &prompt::RequestLimits::default())
+        .map_err(|e| anyhow::anyhow!("the gateway would answer {}: {}", e.status.as_u16(), e.message))?;
     let model = parsed.model.to_string();
     Ok(match parsed.input {
         RoutingInput::Text(text) => {

@@ -210,6 +210,12 @@ pub struct LimitsConfig {
     /// Client connections one dispatcher serves at once; one more is
     /// answered 503 and closed. Default 4096.
     pub max_connections: u32,
+    /// Most messages in a chat request; more: 400 before any is rendered
+    /// ([`crate::prompt::RequestLimits`]). Default 4096.
+    pub max_messages: u32,
+    /// Largest prompt text, a rendered chat or a completions prompt; larger:
+    /// 413 before it is tokenized. Default 8 MiB.
+    pub max_prompt_bytes: ByteSize,
 }
 
 impl Default for LimitsConfig {
@@ -222,6 +228,8 @@ impl Default for LimitsConfig {
             check_context: true,
             client_timeout_secs: 30,
             max_connections: 4096,
+            max_messages: 4096,
+            max_prompt_bytes: ByteSize(8 << 20),
         }
     }
 }

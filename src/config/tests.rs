@@ -93,6 +93,8 @@ fn defaults() {
             check_context: true,
             client_timeout_secs: 30,
             max_connections: 4096,
+            max_messages: 4096,
+            max_prompt_bytes: ByteSize(8 << 20),
         }
     );
     assert_eq!(
@@ -224,6 +226,8 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "check_context",
         "client_timeout_secs",
         "max_connections",
+        "max_messages",
+        "max_prompt_bytes",
         "[store]",
         "[store.redis]",
         "url",
@@ -343,6 +347,8 @@ check_context = false
             check_context: false,
             client_timeout_secs: 30,
             max_connections: 4096,
+            max_messages: 4096,
+            max_prompt_bytes: ByteSize(8 << 20),
         }
     );
 }
@@ -782,6 +788,20 @@ fn each_validation_rule() {
             "limits.client_timeout_secs",
             "0",
             "between 1 and 3600",
+        ),
+        (
+            "no messages",
+            |c| c.limits.max_messages = 0,
+            "limits.max_messages",
+            "0",
+            "at least 1",
+        ),
+        (
+            "no prompt",
+            |c| c.limits.max_prompt_bytes = ByteSize(0),
+            "limits.max_prompt_bytes",
+            "\"0 B\"",
+            "greater than 0",
         ),
         (
             "no connections",

@@ -371,6 +371,20 @@ impl ServeConfig {
                 format!("must be between 1 and {MAX_CLIENT_TIMEOUT_SECS} (one hour)"),
             ));
         }
+        if limits.max_messages == 0 {
+            return Err(E::invalid(
+                "limits.max_messages",
+                0,
+                "must be at least 1 (every chat would be refused)",
+            ));
+        }
+        if limits.max_prompt_bytes.bytes() == 0 {
+            return Err(E::invalid(
+                "limits.max_prompt_bytes",
+                quoted(&limits.max_prompt_bytes.to_string()),
+                "must be greater than 0 (every request would be refused)",
+            ));
+        }
         if limits.max_connections == 0 || limits.max_connections > MAX_CONNECTIONS {
             return Err(E::invalid(
                 "limits.max_connections",

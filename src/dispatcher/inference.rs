@@ -54,9 +54,14 @@ pub(super) async fn inference(
         Err(r) => return r,
     };
     timing.mark(Mark::Read);
-    let mut parsed = match prompt::parse(endpoint, &bytes, dispatcher.template()) {
+    let limits = &dispatcher.config().limits;
+    let request_limits = prompt::RequestLimits {
+        max_messages: limits.max_messages as usize,
+        max_prompt_bytes: usize::try_from(limits.max_prompt_bytes.bytes()).unwrap_or(usize::MAX),
+    };
+    let mut parsed = match prompt::parse(endpoint, &bytes, dispatcher.template(), &request_limits) {
         Ok(p) => p,
-        Err(e) => return json_response(StatusCode::BAD_REQUEST, &e.body()),
+        Err(e) => return json_response(e.status, &e.body()),
     };
     timing.mark(Mark::Parse);
     let session = session_key(dispatcher, &parts.headers, &parsed);
