@@ -344,6 +344,52 @@ impl Stores {
 }
 
 #[test]
+fn a_slow_redis_reply_degrades_a_lookup_but_keeps_the_shared_connection() {
+    let server = redis_or_skip!();
+    let Stores { runtime, redis, .. } = Stores::new(&server, "slow");
+    let empty = LookupRequest {
+        response_key: None,
+        chain: &[],
+        exclude: &[],
+        stale_after_ms: u64::MAX,
+        continuation: None,
+    };
+    let (mut info, mut busy, mut ping) = (server.raw(), server.raw(), server.raw());
+    let connections = |c: &mut redis::Connection| -> u64 {
+        let stats: String = redis::cmd("INFO").arg("stats").query(c).unwrap();
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix("total_connections_received:"))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("total_connections_received")
+    };
+    runtime.block_on(async {
+        assert!(!redis.lookup(empty).await.degraded, "connected");
+        let before = connections(&mut info);
+        // Redis busy for 400 ms (a script spinning on TIME): the lookup's
+        // 100 ms deadline passes while it waits.
+        let spin = std::thread::spawn(move || {
+            redis::cmd("EVAL")
+                .arg("local t0 = redis.call('TIME') local s = t0[1] * 1000000 + t0[2] while true do local t = redis.call('TIME') if t[1] * 1000000 + t[2] - s > 400000 then break end end return 1")
+                .arg(0)
+                .query::<i64>(&mut busy)
+        });
+        // Busy once a PING goes unanswered.
+        ping.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        while redis::cmd("PING").query::<String>(&mut ping).is_ok() {}
+        assert!(redis.lookup(empty).await.degraded, "the deadline passed");
+        spin.join().unwrap().unwrap();
+        // After the retry interval it is asked again, on the same connection.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while redis.lookup(empty).await.degraded {
+            assert!(Instant::now() < deadline, "Redis never asked again");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(connections(&mut info), before, "no new connection");
+    });
+}
+
+#[test]
 fn both_stores_give_the_same_routing_decisions() {
     let server = redis_or_skip!();
     let Stores {
@@ -617,6 +663,33 @@ fn namespaces_isolate() {
         keys.iter().all(|k| k.starts_with("a:") || k.starts_with("b:")),
         "{keys:?}"
     );
+}
+
+#[test]
+fn a_cached_response_changed_in_redis_is_a_miss() {
+    let server = redis_or_skip!();
+    let mut s = store(&server, "sealed");
+    s.put_response(7, b"{\"answer\":\"forty-two\"}", TTL).unwrap();
+    assert_eq!(
+        s.get_response(7).unwrap().as_deref(),
+        Some(&b"{\"answer\":\"forty-two\"}"[..])
+    );
+    // Another writer of the namespace (or a bit flip) changes one byte.
+    let mut raw = server.raw();
+    let _: usize = redis::cmd("SETRANGE")
+        .arg(s.response_key(7))
+        .arg(12)
+        .arg("X")
+        .query(&mut raw)
+        .unwrap();
+    assert_eq!(s.get_response(7).unwrap(), None, "not trusted");
+    // And a value that is not ours at all.
+    let _: () = redis::cmd("SET")
+        .arg(s.response_key(8))
+        .arg("plain")
+        .query(&mut raw)
+        .unwrap();
+    assert_eq!(s.get_response(8).unwrap(), None);
 }
 
 #[test]

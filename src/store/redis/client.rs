@@ -11,7 +11,7 @@
 //! | key | type | content | expiry |
 //! | --- | --- | --- | --- |
 //! | `{ns}:p:<hash, 16 hex digits>` | HASH | field = server slot (decimal), value = last-refresh stamp (`now` of the insert) | the store's TTL, renewed by every insert |
-//! | `{ns}:r:<key, 32 hex digits>` | STRING | the cached response bytes | the TTL given to [`RedisStore::put_response`] |
+//! | `{ns}:r:<key, 32 hex digits>` | STRING | XXH3-64 of the cached response (8 bytes, LE), then its bytes; a value whose checksum fails is a miss | the TTL given to [`RedisStore::put_response`] |
 //! | `{ns}:if:<owner>` | HASH | one process's in-flight counts: `req:<slot>` = requests, `tok:<slot>` = their prompt tokens | the owner's lease ([`INFLIGHT_LEASE`]), renewed by every publication |
 //! | `{ns}:written` | STRING | completion records written back so far (all response processes; for operators and tests) | none |
 //! | `{ns}:horizon` | HASH | field = server slot, value = its horizon (Unix ms): its fields stamped before it are not matched ([`RedisStore::raise_horizon`]) | [`HORIZON_SPAN`], renewed by every raise |
@@ -134,6 +134,18 @@ pub enum StoreError {
         /// What was unexpected.
         detail: String,
     },
+}
+
+impl StoreError {
+    /// Whether Redis was only slow: the deadline passed (the store's own,
+    /// or the client's response timeout) with the connection still good.
+    pub fn is_timeout(&self) -> bool {
+        match self {
+            Self::Timeout { .. } => true,
+            Self::Command { source, .. } => source.is_timeout(),
+            _ => false,
+        }
+    }
 }
 
 /// Records that `slot` holds `depth` (1-based) leading blocks, keeping the
@@ -281,6 +293,7 @@ pub(crate) fn lookup_pipeline(
         .arg(1)
         .arg(format!("{namespace}:owners"))
         .arg(format!("{namespace}:if:"));
+    let chain = &chain[..chain.len().min(MAX_LOOKUP_BLOCKS)];
     if scripted && !chain.is_empty() {
         let cmd = pipe
             .cmd("EVALSHA")
@@ -302,7 +315,7 @@ pub(crate) fn parse_lookup(replies: Vec<Value>, asked_response: bool) -> Result<
     let response = if asked_response {
         match next()? {
             Value::Nil => None,
-            Value::BulkString(b) => Some(b),
+            Value::BulkString(b) => unsealed(b),
             other => return Err(format!("GET returned {other:?}")),
         }
     } else {
@@ -320,6 +333,36 @@ pub(crate) fn parse_lookup(replies: Vec<Value>, asked_response: bool) -> Result<
         loads,
     })
 }
+
+/// Bytes of the checksum a cached response carries in Redis.
+const CHECKSUM_BYTES: usize = 8;
+
+/// A cached response as Redis stores it: an XXH3-64 of the body, then the
+/// body, so that a value changed in Redis (by another writer of the
+/// namespace, a bit flip, a truncation) is found out on read.
+pub(crate) fn sealed(body: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(CHECKSUM_BYTES + body.len());
+    v.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(body).to_le_bytes());
+    v.extend_from_slice(body);
+    v
+}
+
+/// The body of a [`sealed`] value whose checksum holds; `None` otherwise
+/// (a miss: the entry is not trusted).
+pub(crate) fn unsealed(mut value: Vec<u8>) -> Option<Vec<u8>> {
+    let sum: [u8; CHECKSUM_BYTES] = value.get(..CHECKSUM_BYTES)?.try_into().ok()?;
+    if u64::from_le_bytes(sum) != xxhash_rust::xxh3::xxh3_64(&value[CHECKSUM_BYTES..]) {
+        return None;
+    }
+    value.drain(..CHECKSUM_BYTES);
+    Some(value)
+}
+
+/// Most blocks of a chain a lookup sends to Redis: the leading blocks route
+/// a request, and a longer chain (a prompt of millions of tokens) would
+/// make one script call block Redis for every host. 4096 blocks are 65 536
+/// tokens at the default block size.
+pub const MAX_LOOKUP_BLOCKS: usize = 4096;
 
 /// One record of a [`RedisStore::write_back`] batch.
 #[derive(Debug, Clone, Copy)]
@@ -694,13 +737,17 @@ impl RedisStore {
     pub fn get_response(&mut self, key: u128) -> Result<Option<Vec<u8>>, StoreError> {
         let mut cmd = redis::cmd("GET");
         cmd.arg(self.response_key(key));
-        self.query("get_response", &cmd)
+        let value: Option<Vec<u8>> = self.query("get_response", &cmd)?;
+        Ok(value.and_then(unsealed))
     }
 
     /// Caches `value` under `key` for `ttl` (at least 1 ms). One round trip.
     pub fn put_response(&mut self, key: u128, value: &[u8], ttl: Duration) -> Result<(), StoreError> {
         let mut cmd = redis::cmd("SET");
-        cmd.arg(self.response_key(key)).arg(value).arg("PX").arg(millis(ttl));
+        cmd.arg(self.response_key(key))
+            .arg(sealed(value))
+            .arg("PX")
+            .arg(millis(ttl));
         self.query::<()>("put_response", &cmd)
     }
 
@@ -779,7 +826,7 @@ impl RedisStore {
                 if let Some((key, body, ttl)) = item.response {
                     pipe.cmd("SET")
                         .arg(self.response_key(key))
-                        .arg(body)
+                        .arg(sealed(body))
                         .arg("PX")
                         .arg(millis(ttl))
                         .ignore();
@@ -916,6 +963,36 @@ mod tests {
         assert_eq!(store.owners_key(), "ns:owners");
         assert_eq!(store.inflight_prefix(), "ns:if:");
         assert_ne!(owner_id(), owner_id(), "owners are unique");
+    }
+
+    #[test]
+    fn a_lookup_sends_at_most_the_leading_blocks() {
+        let keys_sent = |blocks: usize| {
+            let chain: Vec<u64> = (0..blocks as u64).collect();
+            let pipe = lookup_pipeline("ns", "lpm", "sum", None, &chain, true);
+            let lpm = pipe.cmd_iter().nth(1).expect("the prefix script");
+            lpm.args_iter()
+                .filter(|a| matches!(a, redis::Arg::Simple(k) if k.starts_with(b"ns:p:")))
+                .count()
+        };
+        assert_eq!(keys_sent(10), 10);
+        assert_eq!(keys_sent(MAX_LOOKUP_BLOCKS), MAX_LOOKUP_BLOCKS);
+        assert_eq!(keys_sent(MAX_LOOKUP_BLOCKS * 100), MAX_LOOKUP_BLOCKS);
+    }
+
+    #[test]
+    fn a_sealed_response_reads_back_and_a_changed_one_does_not() {
+        let body = br#"{"id":"cmpl-1","choices":[]}"#;
+        let v = sealed(body);
+        assert_eq!(unsealed(v.clone()).as_deref(), Some(&body[..]));
+        for i in 0..v.len() {
+            let mut flipped = v.clone();
+            flipped[i] ^= 0x10;
+            assert_eq!(unsealed(flipped), None, "a flip at byte {i}");
+        }
+        assert_eq!(unsealed(v[..v.len() - 1].to_vec()), None, "truncated");
+        assert_eq!(unsealed(body[..7].to_vec()), None, "shorter than a checksum");
+        assert_eq!(unsealed(sealed(b"")), Some(Vec::new()));
     }
 
     #[test]

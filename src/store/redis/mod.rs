@@ -292,6 +292,7 @@ impl RedisRouting {
     /// One `HGETALL` round trip per block until the first missing one.
     async fn naive_match(&self, chain: &[u64]) -> Result<Vec<(u16, u32)>, StoreError> {
         const OP: &str = "lookup (naive)";
+        let chain = &chain[..chain.len().min(client::MAX_LOOKUP_BLOCKS)];
         let mut conn = self.connection().await?;
         let mut found: Vec<(u16, u32)> = Vec::new();
         for (i, hash) in chain.iter().enumerate() {
@@ -422,7 +423,12 @@ impl RedisRouting {
 
     fn down(&self, error: &StoreError) {
         self.failures.fetch_add(1, Relaxed);
-        *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        // A slow reply does not make the connection bad: the multiplexed
+        // connection every task of the process shares is kept (its late
+        // reply is dropped); any other failure drops it.
+        if !error.is_timeout() {
+            *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
         let h = &self.health;
         let now = h.now_ms();
         h.next_probe_ms.store(now + self.config.retry_ms, Relaxed);
