@@ -41,7 +41,7 @@
 //! | `semlb_server_inflight_requests`, `semlb_server_up`, `semlb_server_state`, `semlb_server_waiting_requests`, `semlb_server_running_requests`, `semlb_server_kv_cache_usage_ratio` | gauge | `server` (and `state`) |
 //! | `semlb_server_admission_limit` | gauge | `server` |
 //! | `semlb_cost_weight` (policy `cost` only) | gauge | `dispatcher` (registry slot) |
-//! | `semlb_prefix_table_entries`, `semlb_prefix_table_capacity`, `semlb_response_cache_records` | gauge | – |
+//! | `semlb_prefix_table_entries` (estimated from [`OCCUPANCY_SAMPLE_BUCKETS`] buckets: a scrape reads 0.25 MiB of the table, not all of it), `semlb_prefix_table_capacity`, `semlb_response_cache_records` | gauge | – |
 //! | `semlb_completion_ring_dropped_total`, `semlb_process_restarts_total` | counter | – / `role` |
 
 use std::fmt::Write as _;
@@ -117,6 +117,9 @@ const STALE_CONNECTIONS: usize = DEGRADED + 1;
 const RESPONDER: usize = STALE_CONNECTIONS + 1;
 const RESPONDER_COUNTERS: usize = 6;
 const HISTOGRAMS: usize = RESPONDER + RESPONDER_COUNTERS;
+
+/// Prefix-table buckets a scrape reads to estimate the table's fill.
+pub const OCCUPANCY_SAMPLE_BUCKETS: usize = 4096;
 
 /// Latency buckets of TTFT and request duration, seconds.
 const LATENCY_BOUNDS: &[f64] = &[
