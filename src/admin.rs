@@ -121,10 +121,18 @@ struct AddServer {
     name: Option<String>,
 }
 
+/// Admin connections served at once: the admin API shares the
+/// supervisor's runtime with reaping children and the watchdog, so a flood
+/// of connections is closed at accept beyond this.
+pub const MAX_ADMIN_CONNECTIONS: usize = 16;
+
 /// Serves the admin API on `listener` until the task is dropped; each
-/// request is checked against `token` and handed to `commands`.
+/// request is checked against `token` and handed to `commands`; at most
+/// [`MAX_ADMIN_CONNECTIONS`] connections at once.
 pub async fn serve(listener: TcpListener, token: String, commands: mpsc::Sender<Command>) {
     let token: Arc<[u8]> = Arc::from(token.into_bytes());
+    let open = Arc::new(tokio::sync::Semaphore::new(MAX_ADMIN_CONNECTIONS));
+    let mut refused_since_warning = false;
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -134,8 +142,18 @@ pub async fn serve(listener: TcpListener, token: String, commands: mpsc::Sender<
                 continue;
             }
         };
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            if !refused_since_warning {
+                refused_since_warning = true;
+                tracing::warn!("admin API: {MAX_ADMIN_CONNECTIONS} connections open; closing new ones until one ends");
+            }
+            drop(stream);
+            continue;
+        };
+        refused_since_warning = false;
         let (token, commands) = (token.clone(), commands.clone());
         tokio::spawn(async move {
+            let _permit = permit;
             let service = service_fn(move |request| {
                 let (token, commands) = (token.clone(), commands.clone());
                 async move { Ok::<_, Infallible>(respond(handle(request, &token, &commands).await)) }

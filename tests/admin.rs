@@ -10,7 +10,8 @@
 //! the response cache (a repeated deterministic request is a `miss` again);
 //! bad JSON, a bad URL, a duplicate, an unknown or malformed slot and a
 //! wrong method get 4xx answers with error bodies; `[admin]` is validated
-//! at start (no token, a world-readable token file).
+//! at start (no token, a token file its group or others can read); at most
+//! 16 admin connections are served at once, further ones closed.
 
 use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Stdio};
@@ -412,6 +413,12 @@ fn the_admin_table_is_validated_at_start() {
         err.contains("admin.token_file") && err.contains("readable by every user"),
         "{err}"
     );
+    let group = token_file(&dir, TOKEN, 0o640);
+    let err = refused(&[&base[..], &["--admin-token-file", &group]].concat());
+    assert!(
+        err.contains("admin.token_file") && err.contains("readable by its group"),
+        "{err}"
+    );
 
     let config = dir.0.join("semlb.toml");
     std::fs::write(&config, "[admin]\nlisten = \"127.0.0.1:0\"\ntoken = \"short\"\n").unwrap();
@@ -420,4 +427,47 @@ fn the_admin_table_is_validated_at_start() {
     assert!(err.contains("admin.token") && err.contains("16 to 4096"), "{err}");
     assert!(!err.contains("short"), "the token is not echoed: {err}");
     assert!(shm_layout::Segment::open(&shm).is_err(), "nothing was started");
+}
+
+#[test]
+fn admin_connections_beyond_the_cap_are_closed() {
+    use std::io::Read;
+    let engines = [sim_at("0.01")];
+    let gw = gateway(&[&engines[0]], &[]);
+    let addr = gw.admin_addr().to_owned();
+    // Sixteen idle connections: the cap.
+    let held: Vec<std::net::TcpStream> = (0..16)
+        .map(|_| std::net::TcpStream::connect(&addr).expect("connect"))
+        .collect();
+    // The supervisor has taken all sixteen once a request on a seventeenth
+    // is closed unanswered; until then it may still be accepting them.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut extra = std::net::TcpStream::connect(&addr).expect("connect");
+        extra.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let _ = std::io::Write::write_all(&mut extra, b"GET /admin/servers HTTP/1.1\r\nhost: a\r\n\r\n");
+        let mut answer = Vec::new();
+        let _ = extra.read_to_end(&mut answer);
+        if answer.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "a 17th connection was still served");
+    }
+    drop(held);
+    // Once they are gone, the API answers again.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = http(
+            &addr,
+            "GET",
+            "/admin/servers",
+            None,
+            &[("authorization", &format!("Bearer {TOKEN}"))],
+        );
+        if r.as_ref().is_ok_and(|r| r.status == 200) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{:?}", r.map(|r| r.status));
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

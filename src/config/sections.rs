@@ -334,19 +334,33 @@ pub struct AdminConfig {
     /// The bearer token, written in the file. Required with `listen`
     /// unless [`token_file`](Self::token_file) is set; not both.
     pub token: Option<String>,
-    /// A file holding the bearer token (trailing whitespace ignored). It
-    /// must not be world-readable; that is checked when the supervisor
-    /// starts ([`AdminConfig::read_token`]).
+    /// A file holding the bearer token (trailing whitespace ignored). Only
+    /// its owner may read it (0600 or 0400); that is checked when the
+    /// supervisor starts ([`AdminConfig::read_token`]).
     pub token_file: Option<PathBuf>,
 }
 
 impl AdminConfig {
     /// The bearer token: [`token`](Self::token), or the contents of
-    /// [`token_file`](Self::token_file) (which must exist, not be readable
-    /// by others, and hold a valid token). `None` when neither is set.
-    /// Errors name the key.
-    pub fn read_token(&self) -> Result<Option<String>, ConfigError> {
+    /// [`token_file`](Self::token_file). `None` when neither is set. Errors
+    /// name the key.
+    ///
+    /// A token guards the admin API, so only its owner may read where it is
+    /// written: the token file, or, for an inline token, `config_file` (the
+    /// file it was read from), must give no permission to group or others
+    /// (0600 or 0400). The file is opened once and its mode read from the
+    /// open handle (`fstat`), so what is checked is what is read.
+    pub fn read_token(&self, config_file: Option<&std::path::Path>) -> Result<Option<String>, ConfigError> {
         if let Some(token) = &self.token {
+            if let Some(path) = config_file {
+                let shown = quoted(&path.display().to_string());
+                let invalid = |reason: String| ConfigError::invalid("admin.token", "\"(hidden)\"", reason);
+                read_private(path).map_err(|reason| {
+                    invalid(format!(
+                        "it is written in {shown}, where {reason}; or keep it in admin.token_file"
+                    ))
+                })?;
+            }
             return Ok(Some(token.clone()));
         }
         let Some(path) = &self.token_file else {
@@ -354,24 +368,35 @@ impl AdminConfig {
         };
         let shown = quoted(&path.display().to_string());
         let invalid = |reason: String| ConfigError::invalid("admin.token_file", &shown, reason);
-        let meta = std::fs::metadata(path).map_err(|e| invalid(format!("cannot read it: {e}")))?;
-        {
-            use std::os::unix::fs::PermissionsExt;
-            let mode = meta.permissions().mode() & 0o777;
-            if mode & 0o007 != 0 {
-                return Err(invalid(format!(
-                    "it is readable by every user (mode {mode:04o}); the token guards the admin API: chmod o-rwx it (0600 or 0640)"
-                )));
-            }
-        }
-        if !meta.is_file() {
-            return Err(invalid("it is not a regular file".into()));
-        }
-        let text = std::fs::read_to_string(path).map_err(|e| invalid(format!("cannot read it: {e}")))?;
+        let text = read_private(path).map_err(invalid)?;
         let token = text.trim_end().to_owned();
         check_admin_token(&token).map_err(|reason| invalid(format!("its contents: {reason}")))?;
         Ok(Some(token))
     }
+}
+
+/// The text of `path`, a regular file that gives its group and others no
+/// permission, opened once and checked on the open handle; the reason
+/// otherwise.
+fn read_private(path: &std::path::Path) -> Result<String, String> {
+    use std::io::Read;
+    use std::os::unix::fs::PermissionsExt;
+    let mut file = std::fs::File::open(path).map_err(|e| format!("cannot read it: {e}"))?;
+    let meta = file.metadata().map_err(|e| format!("cannot read it: {e}"))?;
+    if !meta.is_file() {
+        return Err("it is not a regular file".into());
+    }
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        let who = if mode & 0o007 != 0 { "every user" } else { "its group" };
+        return Err(format!(
+            "it is readable by {who} (mode {mode:04o}); the token guards the admin API: chmod 600 it"
+        ));
+    }
+    let mut text = String::new();
+    file.read_to_string(&mut text)
+        .map_err(|e| format!("cannot read it: {e}"))?;
+    Ok(text)
 }
 
 /// Whether `token` is usable as a bearer token; the reason if not.

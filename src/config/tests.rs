@@ -1242,12 +1242,12 @@ fn admin_table_parses_and_the_token_file_is_checked() {
     assert_eq!(c.admin.token_file, Some(PathBuf::from("/etc/semlb/admin.token")));
     assert!(parse_err("[admin]\nlisten = \"localhost:9090\"\n").contains("host names are not accepted"));
     assert!(parse_err("[admin]\nbogus = 1\n").contains("unknown field `bogus`"));
-    assert_eq!(AdminConfig::default().read_token().unwrap(), None);
+    assert_eq!(AdminConfig::default().read_token(None).unwrap(), None);
     let inline = AdminConfig {
         token: Some("0123456789abcdef".into()),
         ..AdminConfig::default()
     };
-    assert_eq!(inline.read_token().unwrap().as_deref(), Some("0123456789abcdef"));
+    assert_eq!(inline.read_token(None).unwrap().as_deref(), Some("0123456789abcdef"));
 
     use std::os::unix::fs::PermissionsExt;
     let dir = std::env::temp_dir().join(format!("semlb-admin-token-{}", std::process::id()));
@@ -1259,21 +1259,60 @@ fn admin_table_parses_and_the_token_file_is_checked() {
         ..AdminConfig::default()
     };
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let err = from_file.read_token().unwrap_err().to_string();
+    let err = from_file.read_token(None).unwrap_err().to_string();
     assert!(
         err.contains("admin.token_file") && err.contains("readable by every user") && err.contains("0644"),
         "{err}"
     );
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let err = from_file.read_token(None).unwrap_err().to_string();
+    assert!(err.contains("readable by its group") && err.contains("0640"), "{err}");
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
-    assert_eq!(from_file.read_token().unwrap().as_deref(), Some("0123456789abcdef0123"));
+    assert_eq!(
+        from_file.read_token(None).unwrap().as_deref(),
+        Some("0123456789abcdef0123")
+    );
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o400)).unwrap();
+    assert_eq!(
+        from_file.read_token(None).unwrap().as_deref(),
+        Some("0123456789abcdef0123")
+    );
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
     std::fs::write(&path, "short\n").unwrap();
-    let err = from_file.read_token().unwrap_err().to_string();
+    let err = from_file.read_token(None).unwrap_err().to_string();
     assert!(err.contains("16 to 4096"), "{err}");
     let missing = AdminConfig {
         token_file: Some(dir.join("missing")),
         ..AdminConfig::default()
     };
-    assert!(missing.read_token().unwrap_err().to_string().contains("cannot read it"));
+    assert!(
+        missing
+            .read_token(None)
+            .unwrap_err()
+            .to_string()
+            .contains("cannot read it")
+    );
+    let a_directory = AdminConfig {
+        token_file: Some(dir.clone()),
+        ..AdminConfig::default()
+    };
+    let err = a_directory.read_token(None).unwrap_err().to_string();
+    assert!(err.contains("not a regular file"), "{err}");
+    // An inline token: the configuration file it is written in is checked.
+    let config = dir.join("semlb.toml");
+    std::fs::write(&config, "[admin]\n").unwrap();
+    std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let err = inline.read_token(Some(&config)).unwrap_err().to_string();
+    assert!(
+        err.contains("admin.token") && err.contains("readable by every user"),
+        "{err}"
+    );
+    assert!(!err.contains("0123456789abcdef"), "the token is not echoed: {err}");
+    std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o600)).unwrap();
+    assert_eq!(
+        inline.read_token(Some(&config)).unwrap().as_deref(),
+        Some("0123456789abcdef")
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -41,7 +41,7 @@
 //! | `semlb_server_inflight_requests`, `semlb_server_up`, `semlb_server_state`, `semlb_server_waiting_requests`, `semlb_server_running_requests`, `semlb_server_kv_cache_usage_ratio` | gauge | `server` (and `state`) |
 //! | `semlb_server_admission_limit` | gauge | `server` |
 //! | `semlb_cost_weight` (policy `cost` only) | gauge | `dispatcher` (registry slot) |
-//! | `semlb_prefix_table_entries` (estimated from [`OCCUPANCY_SAMPLE_BUCKETS`] buckets: a scrape reads 0.25 MiB of the table, not all of it), `semlb_prefix_table_capacity`, `semlb_response_cache_records` | gauge | – |
+//! | `semlb_prefix_table_entries` (estimated from a sample of the buckets until it has seen [`OCCUPANCY_SAMPLE_ENTRIES`] entries: a scrape reads 0.25 MiB of a table filled beyond a few per cent, and counts a table under about 1 % full exactly with one scan), `semlb_prefix_table_capacity`, `semlb_response_cache_records` | gauge | – |
 //! | `semlb_completion_ring_dropped_total`, `semlb_process_restarts_total` | counter | – / `role` |
 
 use std::fmt::Write as _;
@@ -118,8 +118,12 @@ const RESPONDER: usize = STALE_CONNECTIONS + 1;
 const RESPONDER_COUNTERS: usize = 6;
 const HISTOGRAMS: usize = RESPONDER + RESPONDER_COUNTERS;
 
-/// Prefix-table buckets a scrape reads to estimate the table's fill.
+/// Prefix-table buckets a scrape reads per pass to estimate the table's
+/// fill ([`shm_layout::PrefixTable::occupancy_estimate`])...
 pub const OCCUPANCY_SAMPLE_BUCKETS: usize = 4096;
+/// ... until it has seen this many entries (a relative error of about 2 %),
+/// or read the whole table (exact).
+pub const OCCUPANCY_SAMPLE_ENTRIES: u64 = 2048;
 
 /// Latency buckets of TTFT and request duration, seconds.
 const LATENCY_BOUNDS: &[f64] = &[

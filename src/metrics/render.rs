@@ -59,7 +59,9 @@ impl Snapshot {
         Self {
             counters: tables.stats.sum_all(),
             servers,
-            prefix_entries: tables.prefix.occupancy_estimate(OCCUPANCY_SAMPLE_BUCKETS),
+            prefix_entries: tables
+                .prefix
+                .occupancy_estimate(OCCUPANCY_SAMPLE_BUCKETS, OCCUPANCY_SAMPLE_ENTRIES),
             prefix_capacity: tables.prefix.capacity(),
             response_records: tables.responses.stats().records,
             ring_dropped: (0..tables.ring_count()).map(|i| tables.ring(i).stats().dropped).sum(),

@@ -176,7 +176,7 @@ fn tables(segment: &Segment, config: &ServeConfig) -> Reply {
         S::OK,
         json!({
             "store": config.store.kind.to_string(),
-            "prefix": {"entries": tables.prefix.occupancy_estimate(semlb::metrics::OCCUPANCY_SAMPLE_BUCKETS), "capacity": tables.prefix.capacity()},
+            "prefix": {"entries": tables.prefix.occupancy(), "capacity": tables.prefix.capacity()},
             "responses": {
                 "entries": tables.responses.index_occupancy(),
                 "capacity": tables.responses.index_capacity(),

@@ -121,8 +121,14 @@ fn supervise(args: &ServeArgs) -> Result<()> {
         Some(addr) => {
             let token = config
                 .admin
-                .read_token()?
+                .read_token(args.config.as_deref())?
                 .context("the admin API needs a bearer token (admin.token or admin.token_file)")?;
+            if !addr.ip().is_loopback() {
+                tracing::warn!(
+                    admin = %addr,
+                    "the admin API listens on {addr}, not a loopback address: anyone who can reach it may try its token; keep it on loopback or a management network"
+                );
+            }
             let listener =
                 crate::admin::bind(addr).with_context(|| format!("cannot listen on {addr} for the admin API"))?;
             Some((listener, token))
