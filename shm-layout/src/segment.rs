@@ -167,7 +167,10 @@ pub struct Tables<'a> {
     pub registry: Registry<'a>,
     /// Per-process counters (metrics), one block per registry slot.
     pub stats: Stats<'a>,
-    rings: &'a [u8],
+    /// The rings region as atomic words: other processes write it through
+    /// atomics, so it is never viewed as plain bytes (which would claim it
+    /// does not change while borrowed).
+    rings: &'a [AtomicU64],
     ring_bytes: usize,
     ring_count: usize,
     seed: [u64; 4],
@@ -182,21 +185,16 @@ impl<'a> Tables<'a> {
     /// Completion ring `i` (panics if `i >= ring_count()`).
     pub fn ring(&self, i: usize) -> CompletionRing<'a> {
         assert!(i < self.ring_count, "ring {i} out of {}", self.ring_count);
-        let stride = RING_CONTROL_BYTES as usize + self.ring_bytes;
+        let control_words = RING_CONTROL_BYTES as usize / 8;
+        let stride = control_words + self.ring_bytes / 8;
         let at = &self.rings[i * stride..(i + 1) * stride];
-        // SAFETY: `at` lies inside the validated rings region, is 64-byte
-        // aligned (region and stride are multiples of 64), and is long enough
-        // for a control block followed by `ring_bytes / 8` words; both types
-        // are atomics, valid for any bit pattern.
-        let (control, data) = unsafe {
-            (
-                &*(at.as_ptr() as *const RingControl),
-                std::slice::from_raw_parts(
-                    at.as_ptr().add(RING_CONTROL_BYTES as usize) as *const AtomicU64,
-                    self.ring_bytes / 8,
-                ),
-            )
-        };
+        let (head, data) = at.split_at(control_words);
+        // SAFETY: `head` lies inside the validated rings region, is 64-byte
+        // aligned (region and stride are multiples of 64 bytes) and
+        // `RING_CONTROL_BYTES` long, the size of `RingControl`, a repr(C)
+        // aggregate of atomics, valid for any bit pattern and shared through
+        // atomics only, as the words it is cast from.
+        let control = unsafe { &*(head.as_ptr() as *const RingControl) };
         CompletionRing::new(control, data, self.seed)
     }
 }
@@ -527,7 +525,7 @@ impl Segment {
             ),
             registry: Registry::new(self.region::<ProcessSlot>(RegionKind::Registry, 0, registry.count)),
             stats: Stats::new(self.region::<StatBlock>(RegionKind::Stats, 0, stats.count)),
-            rings: self.region::<u8>(RegionKind::Rings, 0, rings.count * (RING_CONTROL_BYTES + rings.param)),
+            rings: self.region::<AtomicU64>(RegionKind::Rings, 0, rings.count * (RING_CONTROL_BYTES + rings.param) / 8),
             ring_bytes: rings.param as usize,
             ring_count: rings.count as usize,
             seed,
