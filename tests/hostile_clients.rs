@@ -13,6 +13,11 @@
 //! * A body that stops coming: 408 within the client timeout.
 //! * More connections than `limits.max_connections`: the extra one gets a
 //!   503 `too_many_connections` and is closed; the others are served.
+//! * A flood of requests whose `max_tokens` outlives the request deadline
+//!   (2 s here), eight clients without pause for 6 s, streamed and not:
+//!   each ends at its deadline (504, or its stream cut), no engine is
+//!   ejected for it, and a polite client is served at least 99 % of the
+//!   time.
 //! * Huge bodies, three clients without pause for 8 s (15 MB each: 480 000
 //!   one-byte messages, a 15 MB prompt, 2.4 million token ids): each gets
 //!   its 4xx (`array_above_max_length`, `prompt_too_large`,
@@ -325,4 +330,73 @@ fn huge_bodies_get_their_4xx_while_a_polite_client_is_served() {
         "huge bodies: {sent:?} sent; polite {answered}/{asked}, slowest {slowest:?}; dispatchers' peak RSS {:?} KiB",
         dispatchers_peak_kib(&gw)
     );
+}
+
+#[test]
+fn a_flood_of_generations_outliving_their_deadline_ejects_no_engine() {
+    // A decode step of ~1 ms: 30 000 tokens would take half a minute.
+    let engines = [sim_at("0.05"), sim_at("0.05")];
+    let gw = Gateway::builder()
+        .shm(&unique("flood"))
+        .tag("flood")
+        .dispatchers(2)
+        .config("[limits]\nrequest_timeout_secs = 2\n")
+        .backends(&[&engines[0], &engines[1]])
+        .start();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood: Vec<_> = (0..8)
+        .map(|i| {
+            let (addr, stop) = (gw.addr().to_owned(), stop.clone());
+            std::thread::spawn(move || {
+                let mut ended = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let body = json!({
+                        "model": "semlb-sim",
+                        "messages": [user(&format!("flood {i}.{ended}: write forever"))],
+                        "max_tokens": 30000,
+                        "ignore_eos": true,
+                        "stream": i % 2 == 0,
+                    });
+                    // A cut stream is an error reading the body: fine.
+                    let r = support::http::http(&addr, "POST", "/v1/chat/completions", Some(&body), &[]);
+                    if let Ok(r) = r {
+                        assert!(
+                            r.status == 200 || r.status == 504,
+                            "{}: {}",
+                            r.status,
+                            String::from_utf8_lossy(&r.body)
+                        );
+                    }
+                    ended += 1;
+                }
+                ended
+            })
+        })
+        .collect();
+    let started = Instant::now();
+    let (mut asked, mut answered) = (0usize, 0usize);
+    while started.elapsed() < Duration::from_secs(6) {
+        let r = chat(
+            gw.addr(),
+            &[user(&format!("a short polite question {asked}"))],
+            json!({"max_tokens": 4}),
+            &[],
+        );
+        asked += 1;
+        answered += usize::from(r.status == 200);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let ended: usize = flood.into_iter().map(|t| t.join().expect("flood client")).sum();
+    assert!(ended >= 8, "{ended} flood requests ended");
+    assert!(
+        answered * 100 >= asked * 99,
+        "{answered} of {asked} polite requests answered"
+    );
+    let up = sample(
+        &gw.metrics(),
+        &format!("semlb_server_up{{server=\"http://{}\"}}", engines[0].addr),
+    );
+    assert_eq!(up, Some(1.0), "not ejected");
+    assert_eq!(restarts(&gw), 0.0);
+    eprintln!("flood: {ended} requests ended at their deadline; polite {answered}/{asked}");
 }

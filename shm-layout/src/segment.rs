@@ -525,7 +525,11 @@ impl Segment {
             ),
             registry: Registry::new(self.region::<ProcessSlot>(RegionKind::Registry, 0, registry.count)),
             stats: Stats::new(self.region::<StatBlock>(RegionKind::Stats, 0, stats.count)),
-            rings: self.region::<AtomicU64>(RegionKind::Rings, 0, rings.count * (RING_CONTROL_BYTES + rings.param) / 8),
+            rings: self.region::<AtomicU64>(
+                RegionKind::Rings,
+                0,
+                rings.count * (RING_CONTROL_BYTES + rings.param) / 8,
+            ),
             ring_bytes: rings.param as usize,
             ring_count: rings.count as usize,
             seed,
