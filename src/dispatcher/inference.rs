@@ -14,8 +14,8 @@ use hyper::body::Incoming;
 
 use super::Dispatcher;
 use super::http::{
-    BACKEND_HEADER, Body, CACHE_HEADER, DISPATCH_HEADER, full_response, json_response, read_body, set_header,
-    set_static_header, upstream_request_headers,
+    BACKEND_HEADER, Body, CACHE_HEADER, DISPATCH_HEADER, full_response, json_response, set_header, set_static_header,
+    upstream_request_headers,
 };
 use super::proxy::{InferenceCtx, Outbound, forward};
 use super::route;
@@ -42,14 +42,7 @@ pub(super) async fn inference(
 ) -> Response<Body> {
     let mut timing = DispatchTiming::new();
     let (parts, body) = request.into_parts();
-    let bytes = match read_body(
-        &parts.headers,
-        body,
-        dispatcher.max_body_bytes(),
-        dispatcher.config().limits.client_timeout(),
-    )
-    .await
-    {
+    let bytes = match dispatcher.read_body(&parts.headers, body).await {
         Ok(b) => b,
         Err(r) => return r,
     };

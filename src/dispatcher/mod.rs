@@ -361,9 +361,16 @@ impl Dispatcher {
         self.queue.len()
     }
 
-    /// The largest request body, in bytes (`limits.max_body_bytes`).
-    fn max_body_bytes(&self) -> usize {
-        usize::try_from(self.config.limits.max_body_bytes.0).unwrap_or(usize::MAX)
+    /// A request's body, read within the limits: at most
+    /// `limits.max_body_bytes` (413) within `limits.client_timeout_secs`
+    /// (408); the error answer otherwise ([`http::read_body`]).
+    async fn read_body(
+        &self,
+        headers: &::http::HeaderMap,
+        body: hyper::body::Incoming,
+    ) -> Result<Bytes, ::http::Response<http::Body>> {
+        let max = usize::try_from(self.config.limits.max_body_bytes.0).unwrap_or(usize::MAX);
+        http::read_body(headers, body, max, self.config.limits.client_timeout()).await
     }
 
     /// Tokens per prefix block.

@@ -9,9 +9,7 @@ use hyper::body::Incoming;
 use serde_json::json;
 
 use super::Dispatcher;
-use super::http::{
-    Body, error_response, full_response, json_response, read_body, set_header, upstream_request_headers,
-};
+use super::http::{Body, error_response, full_response, json_response, set_header, upstream_request_headers};
 use super::inference::inference;
 use super::models::models;
 use super::proxy::{Outbound, Relayed, forward};
@@ -90,14 +88,7 @@ async fn metrics(dispatcher: &Arc<Dispatcher>) -> Response<Body> {
 /// Any other `/v1/...` request: proxied to the least loaded live server.
 async fn passthrough(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>) -> Response<Body> {
     let (parts, body) = request.into_parts();
-    let bytes = match read_body(
-        &parts.headers,
-        body,
-        dispatcher.max_body_bytes(),
-        dispatcher.config().limits.client_timeout(),
-    )
-    .await
-    {
+    let bytes = match dispatcher.read_body(&parts.headers, body).await {
         Ok(b) => b,
         Err(r) => return r,
     };
