@@ -65,34 +65,43 @@ impl Tenant {
     /// Without a key, [`Tenant::ANONYMOUS`], under either scope: a request
     /// with no identity never reads an answer stored for one.
     pub fn of(scope: Scope, headers: &http::HeaderMap) -> Tenant {
-        let mut keys: Vec<&[u8]> = API_KEY_HEADERS
-            .iter()
-            .flat_map(|name| headers.get_all(*name).iter().map(move |v| (*name, v.as_bytes())))
-            .map(|(name, value)| {
-                if name == "authorization" {
-                    value.strip_prefix(b"Bearer ").unwrap_or(value)
-                } else {
-                    value
-                }
-            })
-            .filter(|k| !k.is_empty())
-            .collect();
-        keys.sort_unstable();
-        keys.dedup();
-        match keys.as_slice() {
-            [] => Tenant::ANONYMOUS,
-            _ if scope == Scope::Global => Tenant::GLOBAL,
-            [one] => Tenant(xxhash_rust::xxh3::xxh3_64_with_seed(one, TENANT_SEED)),
-            several => {
-                let mut h = Xxh3::with_seed(TENANT_SEED);
-                for k in several {
-                    h.update(&(k.len() as u64).to_le_bytes());
-                    h.update(k);
-                }
-                Tenant(h.digest())
-            }
+        let mut keys = api_keys(headers);
+        let Some(first) = keys.next() else {
+            return Tenant::ANONYMOUS;
+        };
+        if scope == Scope::Global {
+            return Tenant::GLOBAL;
         }
+        // The common case, one key (perhaps repeated), allocates nothing.
+        if keys.all(|k| k == first) {
+            return Tenant(xxhash_rust::xxh3::xxh3_64_with_seed(first, TENANT_SEED));
+        }
+        let mut several: Vec<&[u8]> = api_keys(headers).collect();
+        several.sort_unstable();
+        several.dedup();
+        let mut h = Xxh3::with_seed(TENANT_SEED);
+        for k in several {
+            h.update(&(k.len() as u64).to_le_bytes());
+            h.update(k);
+        }
+        Tenant(h.digest())
     }
+}
+
+/// Every non-empty API key a request carries, in [`API_KEY_HEADERS`]
+/// order (a bearer token without its `Bearer `).
+fn api_keys(headers: &http::HeaderMap) -> impl Iterator<Item = &[u8]> {
+    API_KEY_HEADERS
+        .iter()
+        .flat_map(|name| headers.get_all(*name).iter().map(move |v| (*name, v.as_bytes())))
+        .map(|(name, value)| {
+            if name == "authorization" {
+                value.strip_prefix(b"Bearer ").unwrap_or(value)
+            } else {
+                value
+            }
+        })
+        .filter(|k| !k.is_empty())
 }
 
 /// Seed of the tenant hash.

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use serde_json::{Value, json};
 
 use semlb_test_support as support;
-use support::gateway::{Gateway, chat, routed, sample, sim, user};
+use support::gateway::{Gateway, chat, routed, sample, sim, sim_with, user};
 use support::http::http;
 use support::process::{Proc, exe};
 
@@ -226,17 +226,7 @@ const SMALL_CACHE_TOKENS: &str = "768";
 /// redis` the same happens through the horizon Redis keeps.
 #[test]
 fn an_eviction_sets_the_servers_older_entries_aside() {
-    let small = || {
-        Proc::start(&[
-            "__sim",
-            "--listen",
-            "127.0.0.1:0",
-            "--time-scale",
-            "0.01",
-            "--kv-capacity-tokens",
-            SMALL_CACHE_TOKENS,
-        ])
-    };
+    let small = || sim_with("0.01", &["--kv-capacity-tokens", SMALL_CACHE_TOKENS]);
     // Learning from reports on shm, off, and on with `--store redis`
     // (when `redis-server` is installed).
     let redis = support::redis::RedisServer::start();

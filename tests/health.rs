@@ -22,9 +22,9 @@ use serde_json::{Value, json};
 use shm_layout::{EngineContext, LoadFigures, ServerState};
 
 use semlb_test_support as support;
-use support::gateway::{Gateway, sim_on};
+use support::gateway::{Gateway, answered_by_gateway, sim_on, sim_with};
 use support::http::Response;
-use support::process::{Proc, Stderr};
+use support::process::Stderr;
 
 const PATIENCE: Duration = Duration::from_secs(30);
 
@@ -425,17 +425,7 @@ fn engine_load_is_scraped_into_the_server_table() {
 /// engine, which refuses it itself.
 #[test]
 fn a_request_no_engine_can_take_gets_the_engines_400_from_the_gateway() {
-    let engine = || {
-        Proc::start(&[
-            "__sim",
-            "--listen",
-            "127.0.0.1:0",
-            "--time-scale",
-            "0.01",
-            "--max-model-len",
-            "300",
-        ])
-    };
+    let engine = || sim_with("0.01", &["--max-model-len", "300"]);
     let engines = [engine(), engine()];
     let addrs: Vec<&str> = engines.iter().map(|e| e.addr.as_str()).collect();
     let config = ConfigFile::new("context", "[health]\nscrape_interval_ms = 50\n");
@@ -474,16 +464,8 @@ fn a_request_no_engine_can_take_gets_the_engines_400_from_the_gateway() {
             json!({"model": "semlb-sim", "prompt": prompt(400), "stream": true}),
         ),
     ] {
-        let refused = ask(&gw.proc.addr, body);
-        let text = String::from_utf8_lossy(&refused.body).into_owned();
-        assert_eq!(refused.status, 400, "{what}: {text}");
-        assert_eq!(
-            refused.header("x-semlb-backend"),
-            None,
-            "{what}: answered by the gateway"
-        );
-        let error: Value = serde_json::from_str(&text).expect("a JSON error");
-        assert_eq!(error["error"]["code"], "context_length_exceeded", "{what}: {text}");
+        let error = answered_by_gateway(&ask(&gw.proc.addr, body), 400, what);
+        assert_eq!(error["error"]["code"], "context_length_exceeded", "{what}: {error}");
         assert_eq!(error["error"]["type"], "invalid_request_error", "{what}");
         assert_eq!(error["error"]["param"], "prompt", "{what}");
         let message = error["error"]["message"].as_str().unwrap();

@@ -343,17 +343,22 @@ impl Stores {
     }
 }
 
-#[test]
-fn a_slow_redis_reply_degrades_a_lookup_but_keeps_the_shared_connection() {
-    let server = redis_or_skip!();
-    let Stores { runtime, redis, .. } = Stores::new(&server, "slow");
-    let empty = LookupRequest {
+/// A lookup of nothing: the loads only.
+fn empty_lookup() -> LookupRequest<'static> {
+    LookupRequest {
         response_key: None,
         chain: &[],
         exclude: &[],
         stale_after_ms: u64::MAX,
         continuation: None,
-    };
+    }
+}
+
+#[test]
+fn a_slow_redis_reply_degrades_a_lookup_but_keeps_the_shared_connection() {
+    let server = redis_or_skip!();
+    let Stores { runtime, redis, .. } = Stores::new(&server, "slow");
+    let empty = empty_lookup();
     let (mut info, mut busy, mut ping) = (server.raw(), server.raw(), server.raw());
     let connections = |c: &mut redis::Connection| -> u64 {
         let stats: String = redis::cmd("INFO").arg("stats").query(c).unwrap();
@@ -482,13 +487,7 @@ fn both_stores_give_the_same_routing_decisions() {
     runtime.block_on(async {
         // The in-flight counts reach Redis with the next publication.
         let deadline = Instant::now() + Duration::from_secs(10);
-        let empty = LookupRequest {
-            response_key: None,
-            chain: &[],
-            exclude: &[],
-            stale_after_ms: u64::MAX,
-            continuation: None,
-        };
+        let empty = empty_lookup();
         while summary(&redis.lookup(empty).await).2 != summary(&shm.lookup(empty).await).2 {
             assert!(Instant::now() < deadline, "Redis never saw the in-flight counts");
             tokio::task::yield_now().await;

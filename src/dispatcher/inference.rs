@@ -104,7 +104,6 @@ pub(super) async fn inference(
     // Response cache.
     let rc = &dispatcher.config().response_cache;
     let header_bytes = |name| parts.headers.get(name).map(HeaderValue::as_bytes);
-    let tenant = Tenant::of(rc.scope, &parts.headers);
     let cacheability = response_cache::cacheability(
         rc.enabled,
         rc.cache_nondeterministic,
@@ -112,8 +111,10 @@ pub(super) async fn inference(
         header_bytes(header::CACHE_CONTROL),
     );
     let query = parts.uri.query().unwrap_or("");
-    let key = (cacheability != Cacheability::Bypass)
-        .then(|| response_cache::key(tenant, endpoint, query, &parts.headers, &parsed.body));
+    let key = (cacheability != Cacheability::Bypass).then(|| {
+        let tenant = Tenant::of(rc.scope, &parts.headers);
+        response_cache::key(tenant, endpoint, query, &parts.headers, &parsed.body)
+    });
     // Without learning at dispatch nothing records end keys: no probes.
     let answer_tokens = if dispatcher.config().learn_at_dispatch {
         answer_tokens_estimate(parsed.earlier_answer_bytes, prompt_tokens.len(), prompt_bytes)

@@ -232,21 +232,16 @@ impl Relay {
         self.boxed_unsync()
     }
 
-    /// Ends a relay that did not end well: the body was cut (`cut`), or
-    /// the request's deadline passed while it still came.
-    fn fail(&mut self, cut: bool) {
+    /// Ends a relay that did not end well, with the failure `failure`
+    /// makes of the server's address: a cut body (the engine's), or the
+    /// request's deadline passed while it still came (the client's: a long
+    /// generation it asked for), as the passive health check tells apart.
+    fn fail(&mut self, failure: fn(String) -> Failure) {
         self.finished = true;
         if let Some(g) = self.guard.take() {
             let server = g.server();
             self.dispatcher.metrics().upstream(server.slot, false);
-            // Passive health check: a cut body is the engine's; a deadline
-            // is the client's (a long generation it asked for).
-            let address = self.address.clone();
-            let failure = if cut {
-                Failure::Body { address }
-            } else {
-                Failure::Deadline { address }
-            };
+            let failure = failure(self.address.clone());
             passive_failure(&self.dispatcher, server, &self.address, &failure);
         }
         self.learn = None;
@@ -320,7 +315,7 @@ impl HttpBody for Relay {
             let frame = match Pin::new(&mut this.inner).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => frame,
                 Poll::Ready(Some(Err(e))) => {
-                    this.fail(true);
+                    this.fail(|address| Failure::Body { address });
                     return Poll::Ready(Some(Err(Box::new(e))));
                 }
                 Poll::Ready(None) => {
@@ -330,7 +325,7 @@ impl HttpBody for Relay {
                 }
                 Poll::Pending => {
                     if this.deadline.as_mut().poll(cx).is_ready() {
-                        this.fail(false);
+                        this.fail(|address| Failure::Deadline { address });
                         return Poll::Ready(Some(Err("semlb: upstream request timed out".into())));
                     }
                     return Poll::Pending;

@@ -24,7 +24,32 @@ pub fn sim_at(time_scale: &str) -> Proc {
 
 /// [`sim_at`] listening on `listen` (`host:port`).
 pub fn sim_on(listen: &str, time_scale: &str) -> Proc {
-    Proc::start(&["__sim", "--listen", listen, "--time-scale", time_scale])
+    sim_with(time_scale, &["--listen", listen])
+}
+
+/// [`sim_at`] with `extra` arguments of `semlb __sim` (a `--listen` among
+/// them replaces the free port).
+pub fn sim_with(time_scale: &str, extra: &[&str]) -> Proc {
+    let mut args = vec!["__sim", "--time-scale", time_scale];
+    if !extra.contains(&"--listen") {
+        args.extend(["--listen", "127.0.0.1:0"]);
+    }
+    args.extend_from_slice(extra);
+    Proc::start(&args)
+}
+
+/// Asserts that `r` is the gateway's own `status` answer, given without
+/// asking an engine (no `x-semlb-backend`), and returns its JSON error
+/// body; `what` names the case in failures.
+pub fn answered_by_gateway(r: &Response, status: u16, what: &str) -> Value {
+    let text = String::from_utf8_lossy(&r.body);
+    assert_eq!(r.status, status, "{what}: {text}");
+    assert_eq!(
+        r.header("x-semlb-backend"),
+        None,
+        "{what}: answered by the gateway: {text}"
+    );
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{what}: not a JSON error ({e}): {text}"))
 }
 
 /// How to start a [`Gateway`]: `semlb serve --listen 127.0.0.1:0` with a
