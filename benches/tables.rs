@@ -4,8 +4,10 @@
 //! 1 M entries (most reads miss the caches); the others from a 64 K-entry
 //! hot set. Operations: prefix lookup hit and miss, insert (one block,
 //! and a chain of 64 new ones), longest-prefix match over a 64-block
-//! chain, response-cache get and put of 4 KiB, and a completion-ring
-//! push and pop. Reads run before the insert benches, which evict the
+//! chain, response-cache get and put of 4 KiB, a completion-ring
+//! push and pop, and the in-flight accounting of one request (begin, first
+//! token, end; alone and with another thread doing the same to the same
+//! server) and the reads a routing decision makes of it. Reads run before the insert benches, which evict the
 //! populated entries as a full table does.
 //!
 //! `cargo bench --bench tables`. Figures are reported in issue notes as
@@ -159,5 +161,41 @@ fn rings(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, prefix, responses, rings);
+fn inflight(c: &mut Criterion) {
+    let bench = BenchSegment::create("inflight", 64 << 20);
+    let t = bench.segment.tables();
+    let srv = servers(&bench.segment, 8);
+    let mut g = c.benchmark_group("inflight");
+    let request = |process: u16, server| {
+        assert!(t.servers.begin_request(process, server, 1000));
+        t.servers.first_token(process, server, 1000);
+        t.servers.end_request(process, server, 1000, true);
+    };
+    g.bench_function("begin_first_end", |b| b.iter(|| request(1, black_box(srv[0]))));
+    g.bench_function("read_8_servers", |b| {
+        b.iter(|| {
+            srv.iter()
+                .map(|s| {
+                    let ((requests, _), (_, pending_tokens)) = t.servers.inflight_and_pending(*s);
+                    requests + pending_tokens
+                })
+                .sum::<u64>()
+        })
+    });
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                request(2, srv[0]);
+            }
+        });
+        g.bench_function("begin_first_end_contended", |b| {
+            b.iter(|| request(1, black_box(srv[0])))
+        });
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    g.finish();
+}
+
+criterion_group!(benches, prefix, responses, rings, inflight);
 criterion_main!(benches);

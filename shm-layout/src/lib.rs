@@ -55,7 +55,7 @@
 //! | region | element | `count` | `param` | module |
 //! | --- | --- | --- | --- | --- |
 //! | servers | 384 B server slot | 128 | – | [`server_table`] |
-//! | ledger | 32 B cell (requests, tokens, pending requests, pending tokens) per process × server | 128 × 128 | 128 | [`server_table`] |
+//! | ledger | 32 B cell (counts and toggle bits in 128 bits, then the intent of the op under way) per process × server | 128 × 128 | 128 | [`server_table`] |
 //! | registry | 64 B process slot | 128 | – | [`registry`] |
 //! | stats | 8 KiB block of [`STAT_WORDS`] `u64` counters per process slot | 128 | 1024 (words per block) | [`stats`] |
 //! | rings | 256 B control + `param` bytes | 64 | ring bytes | [`completion_ring`] |
@@ -128,6 +128,7 @@ pub use response_log::{PutError, ResponseKey, ResponseLog, ResponseLogStats};
 #[cfg(not(loom))]
 pub use segment::{Segment, SegmentClock, Tables, shm_path};
 pub use server_table::{
-    EngineContext, HORIZON_SPAN_S, RegisterError, ServerInfo, ServerRef, ServerState, ServerTable, ServerTag,
+    EngineContext, HORIZON_SPAN_S, MAX_CHARGED_TOKENS, Reclaimed, RegisterError, ServerInfo, ServerRef, ServerState,
+    ServerTable, ServerTag,
 };
 pub use stats::Stats;

@@ -380,8 +380,7 @@ pub(crate) fn best_prefix<'c>(
 /// `server` as the table has it now: its in-flight and pending counts and
 /// its last scraped load (however old).
 pub fn candidate(servers: &ServerTable<'_>, server: ServerRef) -> Candidate {
-    let (inflight, inflight_tokens) = servers.inflight(server);
-    let (pending, pending_tokens) = servers.pending(server);
+    let ((inflight, inflight_tokens), (pending, pending_tokens)) = servers.inflight_and_pending(server);
     let admission = crate::capacity::Admission::of(servers.engine_slots(server), servers.admission_limit(server));
     Candidate {
         server,

@@ -115,7 +115,16 @@ impl<'a> Children<'a> {
                     if let Some(s) = self.slots.iter_mut().find(|s| s.pid == Some(pid)) {
                         tracing::warn!(child = ?s.role, index = s.index, pid = pid.as_raw(), "{:?} {} (pid {pid}) exited", s.role, s.index);
                         tables.registry.mark_exited(s.slot, s.incarnation);
-                        tables.servers.reclaim_process(s.slot);
+                        let r = tables.servers.reclaim_process(s.slot);
+                        if r.requests > 0 || r.interrupted > 0 {
+                            tracing::info!(
+                                requests = r.requests,
+                                interrupted = r.interrupted,
+                                "took back the in-flight counts of {:?} {}",
+                                s.role,
+                                s.index
+                            );
+                        }
                         s.pid = None;
                         s.restart_at = Some(Instant::now() + s.backoff);
                         s.backoff = (s.backoff * 2).min(BACKOFF_MAX);

@@ -8,8 +8,9 @@
 //! │          · admission limit (generation:32 | f32 bits:32)
 //! │          · engine slots (generation:32 | slots:32)
 //! │          · engine context (generation:32 | tokens:32)
-//! ├ line 1 ─ in-flight requests · in-flight prompt tokens · scraped load (128-bit)
-//! │          · pending requests · pending prompt tokens
+//! ├ line 1 ─ requests word (128-bit: in flight:32 | pending:32 | toggles:64)
+//! │          · scraped load (128-bit)
+//! │          · tokens word (128-bit: prompt tokens in flight:32 | pending:32 | toggles:64)
 //! └ lines 2-5 ─ address, up to 256 bytes
 //! ```
 //!
@@ -27,10 +28,10 @@
 //! * In-flight counts are global atomics (one load per routing decision)
 //!   shadowed by a per-process ledger row. When a process dies, the
 //!   supervisor calls [`ServerTable::reclaim_process`], which subtracts the
-//!   dead process's row from the globals. The shadow is updated after the
-//!   global on begin and before it on end, so a kill between the two leaves
-//!   at most one request per server counted high until the slot is
-//!   retired; readers clamp at zero.
+//!   dead process's row from the globals, exactly even if the process was
+//!   killed between updating the globals and its row: every update flips
+//!   the process's toggle bit in the global word it changes, and records
+//!   its intent first ([`ledger`] has the protocol).
 //! * Of the requests in flight, those without a first token yet are also
 //!   counted as **pending** (requests and prompt tokens): sent by the
 //!   gateway but still queued or in prefill in the engine. A dispatcher
@@ -61,6 +62,7 @@ mod facts;
 mod ledger;
 
 pub use facts::EngineContext;
+pub use ledger::{MAX_CHARGED_TOKENS, Reclaimed};
 
 /// Longest server address stored (bytes of UTF-8).
 pub const MAX_ADDRESS_BYTES: usize = 256;
@@ -209,11 +211,9 @@ pub(crate) struct ServerSlot {
     admission: AtomicU64,
     engine_slots: AtomicU64,
     engine_context: AtomicU64,
-    inflight_requests: AtomicU64,
-    inflight_tokens: AtomicU64,
+    requests: AtomicU128,
     load: AtomicU128,
-    pending_requests: AtomicU64,
-    pending_tokens: AtomicU64,
+    tokens: AtomicU128,
     _line1: [u64; 2],
     address: [AtomicU64; MAX_ADDRESS_BYTES / 8],
 }
@@ -229,23 +229,23 @@ const _: () = assert!(std::mem::offset_of!(ServerSlot, engine_slots) == 48);
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, engine_context) == 56);
 #[cfg(not(loom))]
-const _: () = assert!(std::mem::offset_of!(ServerSlot, inflight_requests) == 64);
+const _: () = assert!(std::mem::offset_of!(ServerSlot, requests) == 64);
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, load) == 80);
 #[cfg(not(loom))]
-const _: () = assert!(std::mem::offset_of!(ServerSlot, pending_requests) == 96);
+const _: () = assert!(std::mem::offset_of!(ServerSlot, tokens) == 96);
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, address) == 128);
 
-/// One ledger cell: what one process has in flight to one server, and how
-/// much of it is still pending (no first token yet).
+/// One ledger cell: what one process has in flight to one server, how
+/// much of it is still pending (no first token yet), and the op it is
+/// applying (see [`ledger`]).
 #[repr(C, align(32))]
 #[derive(Debug)]
 pub(crate) struct LedgerCell {
-    requests: AtomicU64,
-    tokens: AtomicU64,
-    pending_requests: AtomicU64,
-    pending_tokens: AtomicU64,
+    counts: AtomicU128,
+    intent: AtomicU64,
+    _unused: u64,
 }
 
 #[cfg(not(loom))]
@@ -263,11 +263,9 @@ impl ServerSlot {
             admission: AtomicU64::new(0),
             engine_slots: AtomicU64::new(0),
             engine_context: AtomicU64::new(0),
-            inflight_requests: AtomicU64::new(0),
-            inflight_tokens: AtomicU64::new(0),
+            requests: AtomicU128::new(0),
             load: AtomicU128::new(0),
-            pending_requests: AtomicU64::new(0),
-            pending_tokens: AtomicU64::new(0),
+            tokens: AtomicU128::new(0),
             _line1: [0; 2],
             address: std::array::from_fn(|_| AtomicU64::new(0)),
         }
@@ -278,10 +276,9 @@ impl ServerSlot {
 impl LedgerCell {
     pub(crate) fn new() -> Self {
         Self {
-            requests: AtomicU64::new(0),
-            tokens: AtomicU64::new(0),
-            pending_requests: AtomicU64::new(0),
-            pending_tokens: AtomicU64::new(0),
+            counts: AtomicU128::new(0),
+            intent: AtomicU64::new(0),
+            _unused: 0,
         }
     }
 }
@@ -383,16 +380,10 @@ impl<'a> ServerTable<'a> {
 
     fn zero_counters(&self, slot: u16) {
         let s = &self.slots[usize::from(slot)];
-        s.inflight_requests.store(0, Ordering::Relaxed);
-        s.inflight_tokens.store(0, Ordering::Relaxed);
-        s.pending_requests.store(0, Ordering::Relaxed);
-        s.pending_tokens.store(0, Ordering::Relaxed);
+        s.requests.store(0, Ordering::Relaxed);
+        s.tokens.store(0, Ordering::Relaxed);
         for p in 0..PROCESS_SLOTS as u16 {
-            let c = self.cell(p, slot);
-            c.requests.store(0, Ordering::Relaxed);
-            c.tokens.store(0, Ordering::Relaxed);
-            c.pending_requests.store(0, Ordering::Relaxed);
-            c.pending_tokens.store(0, Ordering::Relaxed);
+            self.cell(p, slot).counts.store(0, Ordering::Relaxed);
         }
     }
 
