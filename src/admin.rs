@@ -26,19 +26,13 @@
 //! reload (SIGHUP) applies the file's backend list again, which drains the
 //! servers added here and not listed there.
 
-use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::{Method, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
 use semlb::config::BackendConfig;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -47,8 +41,6 @@ use tokio::sync::{mpsc, oneshot};
 
 /// Largest request body accepted.
 const MAX_BODY_BYTES: usize = 64 * 1024;
-/// How long a client may take to send its request head.
-const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What an admin request asks the supervisor to do.
 #[derive(Debug)]
@@ -131,46 +123,11 @@ pub const MAX_ADMIN_CONNECTIONS: usize = 16;
 /// [`MAX_ADMIN_CONNECTIONS`] connections at once.
 pub async fn serve(listener: TcpListener, token: String, commands: mpsc::Sender<Command>) {
     let token: Arc<[u8]> = Arc::from(token.into_bytes());
-    let open = Arc::new(tokio::sync::Semaphore::new(MAX_ADMIN_CONNECTIONS));
-    let mut refused_since_warning = false;
-    loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                tracing::error!(error = %e, "admin API: accept failed: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let Ok(permit) = open.clone().try_acquire_owned() else {
-            if !refused_since_warning {
-                refused_since_warning = true;
-                tracing::warn!("admin API: {MAX_ADMIN_CONNECTIONS} connections open; closing new ones until one ends");
-            }
-            drop(stream);
-            continue;
-        };
-        refused_since_warning = false;
+    crate::side_listener::serve(listener, "admin API", MAX_ADMIN_CONNECTIONS, move |request| {
         let (token, commands) = (token.clone(), commands.clone());
-        tokio::spawn(async move {
-            let _permit = permit;
-            let service = service_fn(move |request| {
-                let (token, commands) = (token.clone(), commands.clone());
-                async move { Ok::<_, Infallible>(respond(handle(request, &token, &commands).await)) }
-            });
-            let mut builder = http1::Builder::new();
-            builder.timer(TokioTimer::new()).header_read_timeout(HEADER_TIMEOUT);
-            let _ = builder.serve_connection(TokioIo::new(stream), service).await;
-        });
-    }
-}
-
-/// Binds the admin listener (before the runtime runs, so a taken address
-/// stops the start with a clear error).
-pub fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
-    let listener = std::net::TcpListener::bind(addr)?;
-    listener.set_nonblocking(true)?;
-    Ok(listener)
+        async move { respond(handle(request, &token, &commands).await) }
+    })
+    .await;
 }
 
 /// Whether `a` and `b` are equal, in a time that depends on their lengths

@@ -125,6 +125,10 @@ pub struct ServeArgs {
     /// (replaces the file's `admin.token` and `admin.token_file`).
     #[arg(long, value_name = "PATH")]
     pub admin_token_file: Option<PathBuf>,
+    /// Serve `GET /metrics` on this address, not on --listen
+    /// (`[metrics] listen`).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<SocketAddr>,
     /// Also start N simulated engines (default 3) on loopback and use them
     /// as the backends: the gateway runs on one machine with no GPU. Unless
     /// given, --listen is then 127.0.0.1:8080 and --shm-name semlb-demo.
@@ -214,6 +218,7 @@ impl ServeArgs {
             redis_lookup: self.redis_lookup,
             admin_listen: self.admin_listen,
             admin_token_file: self.admin_token_file.clone(),
+            metrics_listen: self.metrics_listen,
         }
     }
 
@@ -282,6 +287,9 @@ impl ServeArgs {
         }
         if let Some(v) = &self.admin_token_file {
             push("--admin-token-file", v.display().to_string());
+        }
+        if let Some(v) = self.metrics_listen {
+            push("--metrics-listen", v.to_string());
         }
         out.extend(self.log.to_args());
         out

@@ -165,3 +165,33 @@ fn metrics_sum_over_dispatchers_and_parse() {
         assert!(types.contains(&name) || family.is_some(), "untyped sample {line}");
     }
 }
+
+/// With `--metrics-listen`, the supervisor serves `/metrics` on that
+/// address (the same families, summed over the dispatchers), and the
+/// gateway's own listener answers `/metrics` with 404.
+#[test]
+fn metrics_on_a_listener_of_their_own() {
+    let engines = [sim()];
+    let shm = unique("metrics", "own");
+    let _shm = Shm(shm.clone());
+    let port = support::redis::free_port();
+    let metrics = format!("127.0.0.1:{port}");
+    let gw = Gateway::start(&shm, &[&engines[0]], &["--metrics-listen", &metrics]);
+    for i in 0..3 {
+        assert_eq!(chat(gw.addr(), &format!("question {i}")).status, 200);
+    }
+    let public = http(gw.addr(), "GET", "/metrics", None, &[]).expect("public /metrics");
+    assert_eq!(public.status, 404, "the public listener must not serve /metrics");
+    let (text, s) = scrape(&metrics);
+    assert_eq!(
+        value(
+            &s,
+            "semlb_requests_total",
+            &[("endpoint", "chat_completions"), ("code", "200")]
+        ),
+        3.0,
+        "{text}"
+    );
+    assert_eq!(http(&metrics, "GET", "/v1/models", None, &[]).unwrap().status, 404);
+    assert_eq!(http(&metrics, "POST", "/metrics", None, &[]).unwrap().status, 405);
+}

@@ -130,6 +130,8 @@
 //! | `admin.listen` | `"ip:port"` | not set: no admin API | where the admin API accepts HTTP; keep it on loopback or a management network |
 //! | `admin.token` | string | not set | the bearer token every admin request must send (16 to 4096 visible ASCII characters); required with `listen`, or `token_file` |
 //! | `admin.token_file` | path | not set | a file holding the token instead (trailing whitespace ignored); it must not be readable by others (`chmod 0600`) |
+//! | `[metrics]` | table | | where Prometheus scrapes the gateway |
+//! | `metrics.listen` | `"ip:port"` | not set: `/metrics` on `listen` | a listener of its own for `GET /metrics` (the supervisor serves it); the gateway's `listen` then answers `/metrics` with 404, so clients never see it |
 //!
 //! Sizes are strings such as `"256MiB"`, `"1.5GiB"` or `"100MB"`, or an
 //! integer number of bytes.
@@ -140,7 +142,7 @@
 //! `--responders`, `--shm-name`, `--shm-size`, `--backend URL`
 //! (repeatable), `--tokenizer`, `--chat-template`, `--block-size`,
 //! `--policy`, `--store`, `--redis-url`, `--redis-namespace`,
-//! `--redis-lookup`, `--admin-listen` and `--admin-token-file` (which
+//! `--redis-lookup`, `--admin-listen`, `--metrics-listen` and `--admin-token-file` (which
 //! replaces a file's `admin.token`).
 
 use std::collections::HashMap;
@@ -330,6 +332,8 @@ pub struct ServeConfig {
     pub health: HealthConfig,
     /// The admin API (`[admin]`); off unless `admin.listen` is set.
     pub admin: AdminConfig,
+    /// Where `/metrics` is served (`[metrics]`).
+    pub metrics: MetricsConfig,
     /// On SIGTERM the dispatchers stop accepting and let requests in flight
     /// finish for up to this many seconds before the supervisor stops them.
     /// Default 30.
@@ -366,6 +370,7 @@ impl Default for ServeConfig {
             store: StoreConfig::default(),
             health: HealthConfig::default(),
             admin: AdminConfig::default(),
+            metrics: MetricsConfig::default(),
             drain_timeout_secs: 30,
         }
     }
@@ -409,6 +414,8 @@ pub struct ServeOverrides {
     /// `--admin-token-file PATH`: replaces the file's `admin.token` and
     /// `admin.token_file`.
     pub admin_token_file: Option<PathBuf>,
+    /// `--metrics-listen ADDR`.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl ServeConfig {
@@ -469,7 +476,11 @@ impl ServeConfig {
             redis_lookup,
             admin_listen,
             admin_token_file,
+            metrics_listen,
         } = overrides;
+        if let Some(v) = metrics_listen {
+            self.metrics.listen = Some(v);
+        }
         if let Some(v) = admin_listen {
             self.admin.listen = Some(v);
         }

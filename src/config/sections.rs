@@ -321,6 +321,16 @@ impl HealthConfig {
     }
 }
 
+/// Where `/metrics` is served (`[metrics]`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// A listener of its own for `GET /metrics`, served by the supervisor;
+    /// `None` (the default): the gateway's listener serves it.
+    #[serde(deserialize_with = "optional_socket_addr")]
+    pub listen: Option<SocketAddr>,
+}
+
 /// The admin API (`[admin]`): an HTTP listener of the supervisor, separate
 /// from the gateway's, where operators list, add, drain and remove
 /// backends and flush the shared tables. Every request must carry

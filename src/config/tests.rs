@@ -957,6 +957,24 @@ fn each_validation_rule() {
             "must differ from listen",
         ),
         (
+            "metrics on the gateway's port",
+            |c| c.metrics.listen = Some("127.0.0.1:8080".parse().unwrap()),
+            "metrics.listen",
+            "\"127.0.0.1:8080\"",
+            "must differ from listen",
+        ),
+        (
+            "metrics on the admin API's address",
+            |c| {
+                c.admin.listen = Some("127.0.0.1:9090".parse().unwrap());
+                c.admin.token = Some("0123456789abcdef".into());
+                c.metrics.listen = Some("0.0.0.0:9090".parse().unwrap())
+            },
+            "metrics.listen",
+            "\"0.0.0.0:9090\"",
+            "must differ from admin.listen",
+        ),
+        (
             "admin token too short",
             |c| c.admin.token = Some("short".into()),
             "admin.token",
@@ -1174,8 +1192,10 @@ cache_threshold = 0.25
         redis_lookup: Some(RedisLookup::Naive),
         admin_listen: Some("127.0.0.1:9090".parse().unwrap()),
         admin_token_file: Some("flag-token".into()),
+        metrics_listen: Some("127.0.0.1:9091".parse().unwrap()),
     });
     assert_eq!(c.admin.listen, Some("127.0.0.1:9090".parse().unwrap()));
+    assert_eq!(c.metrics.listen, Some("127.0.0.1:9091".parse().unwrap()));
     assert_eq!(c.admin.token_file, Some(PathBuf::from("flag-token")));
     c.validate().unwrap();
     assert_eq!(c.store.kind, StoreKind::Redis);

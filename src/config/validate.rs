@@ -91,6 +91,7 @@ impl ServeConfig {
         self.validate_store()?;
         self.validate_health()?;
         self.validate_admin()?;
+        self.validate_metrics()?;
         if self.drain_timeout_secs > MAX_TIMEOUT_SECS {
             return Err(E::invalid(
                 "drain_timeout_secs",
@@ -242,15 +243,33 @@ impl ServeConfig {
                 "the admin API needs a bearer token: set admin.token or admin.token_file (or --admin-token-file)",
             ));
         }
-        let same_ip =
-            listen.ip() == self.listen.ip() || listen.ip().is_unspecified() || self.listen.ip().is_unspecified();
-        // Port 0 picks a free port for each, so they never collide.
-        if listen.port() != 0 && listen.port() == self.listen.port() && same_ip {
-            return Err(E::invalid(
-                "admin.listen",
+        self.check_own_address("admin.listen", listen, "the admin API")
+    }
+
+    /// `[metrics]`.
+    fn validate_metrics(&self) -> Result<(), ConfigError> {
+        let Some(listen) = self.metrics.listen else {
+            return Ok(());
+        };
+        self.check_own_address("metrics.listen", listen, "the metrics listener")?;
+        match self.admin.listen {
+            Some(admin) if collide(listen, admin) => Err(ConfigError::invalid(
+                "metrics.listen",
                 quoted(&listen.to_string()),
+                format!("must differ from admin.listen = {}", quoted(&admin.to_string())),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// `key = addr` must not be the gateway's `listen`.
+    fn check_own_address(&self, key: &'static str, addr: SocketAddr, what: &str) -> Result<(), ConfigError> {
+        if collide(addr, self.listen) {
+            return Err(ConfigError::invalid(
+                key,
+                quoted(&addr.to_string()),
                 format!(
-                    "must differ from listen = {} (the admin API has its own address)",
+                    "must differ from listen = {} ({what} has its own address)",
                     quoted(&self.listen.to_string())
                 ),
             ));
@@ -394,4 +413,11 @@ impl ServeConfig {
         }
         Ok(())
     }
+}
+
+/// Whether binding both addresses would collide (port 0 picks a free port
+/// for each, so it never does).
+fn collide(a: SocketAddr, b: SocketAddr) -> bool {
+    let same_ip = a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified();
+    a.port() != 0 && a.port() == b.port() && same_ip
 }

@@ -41,6 +41,11 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
         ("/v1/chat/completions", _) => inference(&dispatcher, request, Endpoint::ChatCompletions).await,
         ("/v1/models", _) => models(&dispatcher).await,
         ("/health", _) => health(&dispatcher),
+        ("/metrics", _) if dispatcher.config().metrics.listen.is_some() => error_response(
+            StatusCode::NOT_FOUND,
+            format!("{method} {path} is not a route of this server"),
+            Some("unknown_url"),
+        ),
         ("/metrics", _) => metrics(&dispatcher).await,
         (p, _) if p.starts_with("/v1/") => passthrough(&dispatcher, request).await,
         _ => error_response(

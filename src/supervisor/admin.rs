@@ -21,7 +21,8 @@ use shm_layout::{Segment, ServerState};
 use super::backends::{AddError, Backends, Found, address_of};
 use crate::admin::{Reply, Request, server_json};
 
-/// Carries out one admin API request and answers it.
+/// Carries out one admin API request on the backends and answers it (not
+/// the [scans](is_scan)).
 pub(super) fn answer(request: Request, segment: &Segment, backends: &mut Backends<'_>, config: &ServeConfig) -> Reply {
     use Request as R;
     match request {
@@ -30,8 +31,27 @@ pub(super) fn answer(request: Request, segment: &Segment, backends: &mut Backend
         R::Drain(slot) => drain(segment, backends, slot, true),
         R::Undrain(slot) => drain(segment, backends, slot, false),
         R::Remove(slot) => remove(segment, backends, config, slot),
-        R::Tables => tables(segment, config),
-        R::FlushPrefixes | R::FlushResponses => flush(segment, config, matches!(request, R::FlushPrefixes)),
+        R::Tables | R::FlushPrefixes | R::FlushResponses => scan(request, segment, config.store.kind),
+    }
+}
+
+/// Whether `request` goes over whole tables (counting or clearing them):
+/// those run on a blocking thread ([`scan`]), not on the supervisor's loop,
+/// which also reaps children and pings the watchdog.
+pub(super) fn is_scan(request: &Request) -> bool {
+    matches!(
+        request,
+        Request::Tables | Request::FlushPrefixes | Request::FlushResponses
+    )
+}
+
+/// Carries out a table scan ([`is_scan`]) and answers it.
+pub(super) fn scan(request: Request, segment: &Segment, store: StoreKind) -> Reply {
+    match request {
+        Request::Tables => tables(segment, store),
+        Request::FlushPrefixes => flush(segment, store, true),
+        Request::FlushResponses => flush(segment, store, false),
+        _ => Reply::error(S::INTERNAL_SERVER_ERROR, "not a table scan", "internal"),
     }
 }
 
@@ -169,13 +189,13 @@ fn remove(segment: &Segment, backends: &mut Backends<'_>, config: &ServeConfig, 
 }
 
 /// `GET /admin/tables`.
-fn tables(segment: &Segment, config: &ServeConfig) -> Reply {
+fn tables(segment: &Segment, store: StoreKind) -> Reply {
     let tables = segment.tables();
     let stats = tables.responses.stats();
     Reply::new(
         S::OK,
         json!({
-            "store": config.store.kind.to_string(),
+            "store": store.to_string(),
             "prefix": {"entries": tables.prefix.occupancy(), "capacity": tables.prefix.capacity()},
             "responses": {
                 "entries": tables.responses.index_occupancy(),
@@ -188,9 +208,9 @@ fn tables(segment: &Segment, config: &ServeConfig) -> Reply {
 }
 
 /// `POST /admin/flush/prefixes` (`prefixes`) and `.../responses`.
-fn flush(segment: &Segment, config: &ServeConfig, prefixes: bool) -> Reply {
+fn flush(segment: &Segment, store: StoreKind, prefixes: bool) -> Reply {
     let what = if prefixes { "prefix table" } else { "response cache" };
-    if config.store.kind == StoreKind::Redis {
+    if store == StoreKind::Redis {
         return Reply::error(
             S::CONFLICT,
             format!("the {what} is in Redis (store.kind = \"redis\"), not in this host's segment; flush it in Redis"),

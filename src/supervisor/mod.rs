@@ -52,6 +52,7 @@ mod sims;
 mod status;
 
 use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -129,9 +130,15 @@ fn supervise(args: &ServeArgs) -> Result<()> {
                     "the admin API listens on {addr}, not a loopback address: anyone who can reach it may try its token; keep it on loopback or a management network"
                 );
             }
-            let listener =
-                crate::admin::bind(addr).with_context(|| format!("cannot listen on {addr} for the admin API"))?;
+            let listener = crate::side_listener::bind(addr)
+                .with_context(|| format!("cannot listen on {addr} for the admin API"))?;
             Some((listener, token))
+        }
+        None => None,
+    };
+    let metrics = match config.metrics.listen {
+        Some(addr) => {
+            Some(crate::side_listener::bind(addr).with_context(|| format!("cannot listen on {addr} for the metrics"))?)
         }
         None => None,
     };
@@ -170,7 +177,7 @@ fn supervise(args: &ServeArgs) -> Result<()> {
         }
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let supervisor = Supervisor::new(&segment, config, args, &listener, backends, &notify);
-        runtime.block_on(supervisor.monitor(admin))
+        runtime.block_on(supervisor.monitor(admin, metrics))
     })();
     if let Err(e) = &result {
         notify.stopping(&format!("failed: {e:#}"));
@@ -278,8 +285,9 @@ impl<'a> Supervisor<'a> {
     }
 
     /// Keeps the children running until SIGTERM/SIGINT or a crash loop,
-    /// then stops them. `admin` is the admin API's listener and token.
-    async fn monitor(mut self, admin: Option<(TcpListener, String)>) -> Result<()> {
+    /// then stops them. `admin` is the admin API's listener and token,
+    /// `metrics` the metrics listener.
+    async fn monitor(mut self, admin: Option<(TcpListener, String)>, metrics: Option<TcpListener>) -> Result<()> {
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
         let mut hup = signal(SignalKind::hangup())?;
@@ -289,6 +297,22 @@ impl<'a> Supervisor<'a> {
         // Admin requests reach this loop as commands; the sender is kept
         // here too, so `recv` never ends without an admin API.
         let (admin_tx, mut admin_rx) = mpsc::channel::<crate::admin::Command>(16);
+        // The admin API's table scans and the metrics listener read the
+        // segment on blocking threads, through a mapping of their own.
+        let side =
+            Arc::new(Segment::open(&self.config.shm_name).context("opening the segment for the side listeners")?);
+        let metrics_task = match metrics {
+            Some(listener) => {
+                let listener = tokio::net::TcpListener::from_std(listener)?;
+                tracing::info!("metrics on http://{}/metrics", listener.local_addr()?);
+                Some(tokio::spawn(crate::metrics_listener::serve(
+                    listener,
+                    side.clone(),
+                    self.config.health.stale_after_ms,
+                )))
+            }
+            None => None,
+        };
         let admin_task = match admin {
             Some((listener, token)) => {
                 let listener = tokio::net::TcpListener::from_std(listener)?;
@@ -307,8 +331,13 @@ impl<'a> Supervisor<'a> {
                     self.reports.reloaded(&self.status_line());
                 }
                 Some((request, reply)) = admin_rx.recv() => {
-                    let answer = admin::answer(request, self.segment, &mut self.backends, &self.config);
-                    let _ = reply.send(answer);
+                    if admin::is_scan(&request) {
+                        let (side, store) = (side.clone(), self.config.store.kind);
+                        tokio::task::spawn_blocking(move || reply.send(admin::scan(request, &side, store)));
+                    } else {
+                        let answer = admin::answer(request, self.segment, &mut self.backends, &self.config);
+                        let _ = reply.send(answer);
+                    }
                 }
                 _ = chld.recv() => {}
                 _ = tick.tick() => {}
@@ -328,7 +357,7 @@ impl<'a> Supervisor<'a> {
                 self.reports.tick(|| children.healthy(), status);
             }
         };
-        if let Some(task) = admin_task {
+        for task in [admin_task, metrics_task].into_iter().flatten() {
             task.abort();
         }
         drop(admin_tx);
