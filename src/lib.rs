@@ -18,6 +18,7 @@
 //! | [`reactor_watch`] | a dispatcher's heartbeat on its own thread, beating while its reactor pulses |
 //! | [`dispatcher`] | a dispatcher process's HTTP front, one module per step in request order: routes, inference (parse, tokenize, look up), route, proxy (attempts and retries), relay, learn (the completion record), queue |
 //! | [`failure`] | why a proxied request failed: client, engine or gateway, and whether a retry may help |
+//! | [`fuzzing`] | the bodies of the fuzz targets (`tests/fuzz`) and the properties they check |
 //! | [`responder`] | what a response process does with a completion record: prefix write-back, response caching |
 //! | [`capacity`] | each server's admission limit, learned by the response processes from request latencies, for the holding policies when engine metrics are missing |
 //! | [`responder_loop`] | a response process's loop: poll its rings, apply the records, count, heartbeat, until its shutdown flag is set |
@@ -45,6 +46,7 @@ pub mod context_limit;
 pub mod continuation;
 pub mod dispatcher;
 pub mod failure;
+pub mod fuzzing;
 pub mod health;
 pub mod metrics;
 pub mod prompt;

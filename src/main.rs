@@ -15,6 +15,8 @@
 //! | [`admin`] | the admin API's HTTP side (bearer token): list, add, drain, remove backends; flush the tables; each request a command for `supervisor::admin` |
 //! | [`notify`] | systemd's notification protocol (`READY=1`, `WATCHDOG=1`, ...) for `Type=notify` |
 //! | [`child`] | the dispatcher and responder processes' edge (configuration, segment, signals; their loops are the library's), and `__sim` for `serve --demo` |
+//! | [`metrics_listener`] | `GET /metrics` on an address of its own (`[metrics] listen`), served by the supervisor |
+//! | [`side_listener`] | the capped accept loop of the supervisor's own listeners (admin API, metrics) |
 //! | [`shm_cmd`] | `semlb shm create / inspect / remove` over [`shm_layout::Segment`] |
 //! | [`report`] | a snapshot of a segment, rendered as text or JSON |
 //! | [`demo`] | `semlb demo`: synthetic conversations routed through a throw-away segment |

@@ -58,15 +58,60 @@ fn gateway(tag: &str, extra: &str) -> (support::process::Proc, Gateway) {
     (engine, gw)
 }
 
-/// A well-behaved request: must be answered 200.
-fn served(gw: &Gateway, i: usize) {
-    let r = chat(
-        gw.addr(),
-        &[user(&format!("a polite question number {i}"))],
-        json!({}),
-        &[],
-    );
-    assert_eq!(r.status, 200, "request {i}: {}", String::from_utf8_lossy(&r.body));
+/// A well-behaved client during an attack: how many requests it asked, and
+/// the latencies of those answered 200.
+#[derive(Default)]
+struct Polite {
+    asked: usize,
+    latencies: Vec<Duration>,
+}
+
+impl Polite {
+    /// Asks one chat question with `extra` fields; its status.
+    fn ask(&mut self, gw: &Gateway, extra: serde_json::Value) -> u16 {
+        let t = Instant::now();
+        let r = chat(
+            gw.addr(),
+            &[user(&format!("a polite question number {}", self.asked))],
+            extra,
+            &[],
+        );
+        self.asked += 1;
+        if r.status == 200 {
+            self.latencies.push(t.elapsed());
+        }
+        r.status
+    }
+
+    /// Asks one question that must be answered 200.
+    fn served(&mut self, gw: &Gateway) {
+        let status = self.ask(gw, json!({}));
+        assert_eq!(status, 200, "polite request {}", self.asked);
+    }
+
+    fn answered(&self) -> usize {
+        self.latencies.len()
+    }
+
+    /// Prints the attack's figures for the report (measured, not asserted).
+    fn report(&self, attack: &str, gw: &Gateway) {
+        let mut l = self.latencies.clone();
+        l.sort();
+        let q = |p: f64| {
+            l.get(((l.len() as f64 * p).ceil() as usize).saturating_sub(1))
+                .copied()
+                .unwrap_or_default()
+        };
+        eprintln!(
+            "{attack}: polite {}/{} answered, p50 {:?}, p99 {:?}, restarts {}, dispatchers' peak RSS {:?} KiB",
+            self.answered(),
+            self.asked,
+            q(0.5),
+            q(0.99),
+            restarts(gw),
+            dispatchers_peak_kib(gw)
+        );
+    }
 }
 
 /// The gateway's restarts, all roles.
@@ -141,11 +186,13 @@ fn a_client_that_stops_reading_a_stream_releases_its_engine() {
     let released_after = since.elapsed();
     assert!(closed(&mut reader), "the gateway closed the connection");
     // Served meanwhile and after, and nothing restarted.
-    for i in 0..5 {
-        served(&gw, i);
+    let mut polite = Polite::default();
+    for _ in 0..5 {
+        polite.served(&gw);
     }
     assert_eq!(restarts(&gw), 0.0);
     eprintln!("released after {released_after:?}");
+    polite.report("stopped reading", &gw);
 }
 
 #[test]
@@ -160,22 +207,22 @@ fn slowloris_connections_are_closed_and_others_served() {
         s.set_read_timeout(Some(Duration::from_millis(1))).unwrap();
     }
     let deadline = Instant::now() + PATIENCE;
-    let mut polite = 0;
+    let mut polite = Polite::default();
     let mut open = slow.len();
     while open > 0 {
         assert!(Instant::now() < deadline, "{open} slow connections still open");
         for s in &mut slow {
             let _ = s.write_all(b"x");
         }
-        served(&gw, polite);
-        polite += 1;
+        polite.served(&gw);
         open = slow.iter_mut().map(|s| !closed(s)).filter(|o| *o).count();
         std::thread::sleep(Duration::from_millis(100));
     }
     // Each round of the loop served one polite request with the slow
     // connections still open.
-    assert!(polite >= 1);
+    assert!(polite.asked >= 1);
     assert_eq!(restarts(&gw), 0.0);
+    polite.report("slowloris (200 connections)", &gw);
 }
 
 #[test]
@@ -191,7 +238,7 @@ fn a_body_that_stops_coming_gets_408() {
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
     assert!(answer.contains("\"code\":\"request_timeout\""), "{answer}");
     assert!(since.elapsed() < PATIENCE);
-    served(&gw, 0);
+    Polite::default().served(&gw);
 }
 
 #[test]
@@ -303,19 +350,11 @@ fn huge_bodies_get_their_4xx_while_a_polite_client_is_served() {
     })
     .collect();
     let started = Instant::now();
-    let (mut asked, mut answered, mut slowest) = (0usize, 0usize, Duration::ZERO);
+    let mut polite = Polite::default();
     while started.elapsed() < Duration::from_secs(8) {
-        let t = Instant::now();
-        let r = chat(
-            gw.addr(),
-            &[user(&format!("a polite question number {asked}"))],
-            json!({}),
-            &[],
-        );
-        slowest = slowest.max(t.elapsed());
-        asked += 1;
-        answered += usize::from(r.status == 200);
+        polite.ask(&gw, json!({}));
     }
+    let (asked, answered) = (polite.asked, polite.answered());
     stop.store(true, Ordering::Relaxed);
     let sent: Vec<usize> = attackers.into_iter().map(|a| a.join().expect("attacker")).collect();
     assert!(sent.iter().all(|n| *n > 0), "{sent:?}");
@@ -324,10 +363,8 @@ fn huge_bodies_get_their_4xx_while_a_polite_client_is_served() {
         "{answered} of {asked} polite requests answered"
     );
     assert_eq!(restarts(&gw), 0.0);
-    eprintln!(
-        "huge bodies: {sent:?} sent; polite {answered}/{asked}, slowest {slowest:?}; dispatchers' peak RSS {:?} KiB",
-        dispatchers_peak_kib(&gw)
-    );
+    eprintln!("huge bodies: {sent:?} sent");
+    polite.report("huge bodies (16 MiB, 3 clients)", &gw);
 }
 
 #[test]
@@ -372,17 +409,11 @@ fn a_flood_of_generations_outliving_their_deadline_ejects_no_engine() {
         })
         .collect();
     let started = Instant::now();
-    let (mut asked, mut answered) = (0usize, 0usize);
+    let mut polite = Polite::default();
     while started.elapsed() < Duration::from_secs(6) {
-        let r = chat(
-            gw.addr(),
-            &[user(&format!("a short polite question {asked}"))],
-            json!({"max_tokens": 4}),
-            &[],
-        );
-        asked += 1;
-        answered += usize::from(r.status == 200);
+        polite.ask(&gw, json!({"max_tokens": 4}));
     }
+    let (asked, answered) = (polite.asked, polite.answered());
     stop.store(true, Ordering::Relaxed);
     let ended: usize = flood.into_iter().map(|t| t.join().expect("flood client")).sum();
     assert!(ended >= 8, "{ended} flood requests ended");
@@ -396,5 +427,6 @@ fn a_flood_of_generations_outliving_their_deadline_ejects_no_engine() {
     );
     assert_eq!(up, Some(1.0), "not ejected");
     assert_eq!(restarts(&gw), 0.0);
-    eprintln!("flood: {ended} requests ended at their deadline; polite {answered}/{asked}");
+    eprintln!("flood: {ended} requests ended at their deadline");
+    polite.report("deadline flood (8 clients)", &gw);
 }

@@ -185,8 +185,9 @@ pub enum DecodeError {
     /// Bytes left over after the last field.
     #[error("completion record has {0} trailing bytes")]
     Trailing(usize),
-    /// The answer is said to be the response, but there is none.
-    #[error("completion record's answer refers to a response it does not carry")]
+    /// The answer is said to be the response, but there is none (or the
+    /// record carries answer bytes as well).
+    #[error("completion record's answer refers to a response it does not carry, or carries bytes besides")]
     Answer,
 }
 
@@ -251,7 +252,7 @@ impl CompletionRecord<'_> {
                 p.predicted_blocks,
                 p.listed_blocks,
                 p.refreshed.map_or(u32::MAX, |s| u32::from(s.0)),
-                p.cached_tokens.unwrap_or(u32::MAX),
+                p.cached_tokens.map_or(u32::MAX, |n| n.min(u32::MAX - 1)),
             ] {
                 out.extend_from_slice(&n.to_le_bytes());
             }
@@ -360,14 +361,18 @@ impl Completion {
         };
         self.timing = if flags & HAS_TIMING != 0 {
             Some(Timing {
-                latency_us: r.u32()?,
+                latency_us: r.u32()?.min(u32::MAX - 1),
                 first_byte_us: Some(r.u32()?).filter(|n| *n != u32::MAX),
                 inflight_at_send: r.u32()?,
             })
         } else {
             None
         };
-        if flags & ANSWER_IS_RESPONSE != 0 && (response.is_none() || continuation.is_none()) {
+        // An answer that is the response carries no bytes of its own (a
+        // record with both is not one the encoder writes).
+        if flags & ANSWER_IS_RESPONSE != 0
+            && (response.is_none() || continuation.is_none_or(|(_, _, _, _, answer)| answer != 0))
+        {
             return Err(DecodeError::Answer);
         }
         r.u64s(np, &mut self.prompt_blocks)?;
@@ -408,6 +413,42 @@ impl Completion {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by the `completion` fuzz target: a latency of `u32::MAX` (which
+    /// the encoder never writes: it saturates one below) decoded as itself,
+    /// so the record did not survive re-encoding; likewise a cached-token
+    /// count of `u32::MAX` (the "none" mark) encoded as none.
+    #[test]
+    fn saturated_figures_decode_as_they_encode() {
+        let server = ServerRef { slot: 1, generation: 1 };
+        let rec = CompletionRecord {
+            server,
+            prompt_tokens: 1,
+            output_tokens: 1,
+            prompt_blocks: &[],
+            full_blocks: &[],
+            continuation: None,
+            response: None,
+            prediction: Some(Prediction {
+                cached_tokens: Some(u32::MAX),
+                ..Prediction::default()
+            }),
+            timing: Some(Timing {
+                latency_us: u32::MAX - 1,
+                first_byte_us: None,
+                inflight_at_send: 0,
+            }),
+        };
+        let mut bytes = Vec::new();
+        rec.encode_into(&mut bytes);
+        let mut c = Completion::default();
+        c.decode_from(&bytes).unwrap();
+        assert_eq!(c.prediction.unwrap().cached_tokens, Some(u32::MAX - 1));
+        let at = bytes.len() - 12; // the timing block ends the record
+        bytes[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        c.decode_from(&bytes).unwrap();
+        assert_eq!(c.timing.unwrap().latency_us, u32::MAX - 1);
+    }
 
     #[test]
     fn round_trip_with_and_without_response() {

@@ -111,6 +111,10 @@ mod sse;
 mod timing;
 mod usage;
 
+/// The stream rewriters the fuzz targets reach ([`crate::fuzzing`]).
+pub use sse::replay;
+pub use usage::UsageStrip;
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;

@@ -23,7 +23,7 @@ fn event(out: &mut Vec<u8>, value: &Value) {
 /// to `endpoint` (ending with a usage chunk if `include_usage`); `None` if
 /// `stored` is not a response of that endpoint (then it is treated as a
 /// miss).
-pub(crate) fn replay(endpoint: Endpoint, stored: &[u8], include_usage: bool) -> Option<Bytes> {
+pub fn replay(endpoint: Endpoint, stored: &[u8], include_usage: bool) -> Option<Bytes> {
     let v: Value = serde_json::from_slice(stored).ok()?;
     let choices = v.get("choices")?.as_array()?;
     let object = match endpoint {

@@ -64,7 +64,7 @@ struct Chunk {
 /// its frames pass: complete events are passed on (less the usage), a
 /// partial one waits for the rest.
 #[derive(Debug, Default)]
-pub(super) struct UsageStrip {
+pub struct UsageStrip {
     /// The start of an event not yet complete.
     partial: Vec<u8>,
 }
