@@ -48,7 +48,7 @@ async fn answer(
             .insert(header::ALLOW, header::HeaderValue::from_static("GET"));
         return r;
     }
-    let render = move || Snapshot::collect(&segment.tables(), segment.clock().now_ms(), stale_after_ms).render();
+    let render = move || Snapshot::text_of(&segment, stale_after_ms);
     match tokio::task::spawn_blocking(render).await {
         Ok(body) => {
             let mut r = text(StatusCode::OK, body);

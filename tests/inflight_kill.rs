@@ -22,7 +22,7 @@ use std::time::Duration;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use semlb_test_support as support;
-use shm_layout::{LayoutPlan, Segment, ServerRef};
+use shm_layout::{Segment, ServerRef};
 
 const CHILD_ENV: &str = "SEMLB_INFLIGHT_KILL_CHILD";
 /// The killed process's registry slot (its ledger row); this test's own is 2.
@@ -59,21 +59,11 @@ fn inflight_kill_child() {
     }
 }
 
-/// Removes the segment when dropped.
-struct Removed(String);
-
-impl Drop for Removed {
-    fn drop(&mut self) {
-        let _ = Segment::remove(&self.0);
-    }
-}
-
 #[test]
 fn a_kill_inside_an_inflight_update_loses_no_count() {
-    let name = support::process::unique("inflight-kill", "window");
-    let seg = Segment::create(&name, &LayoutPlan::for_size(16 << 20).unwrap()).expect("create");
-    let _removed = Removed(name.clone());
-    let t = seg.tables();
+    let bench = support::segment::BenchSegment::create("inflight-kill", 16 << 20);
+    let name = bench.segment.name().expect("a named segment").to_owned();
+    let t = bench.segment.tables();
     let servers: Vec<ServerRef> = (0..2)
         .map(|i| {
             t.servers

@@ -41,12 +41,8 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
         ("/v1/chat/completions", _) => inference(&dispatcher, request, Endpoint::ChatCompletions).await,
         ("/v1/models", _) => models(&dispatcher).await,
         ("/health", _) => health(&dispatcher),
-        ("/metrics", _) if dispatcher.config().metrics.listen.is_some() => error_response(
-            StatusCode::NOT_FOUND,
-            format!("{method} {path} is not a route of this server"),
-            Some("unknown_url"),
-        ),
-        ("/metrics", _) => metrics(&dispatcher).await,
+        // With a metrics listener of its own, /metrics is not a route here.
+        ("/metrics", _) if dispatcher.config().metrics.listen.is_none() => metrics(&dispatcher).await,
         (p, _) if p.starts_with("/v1/") => passthrough(&dispatcher, request).await,
         _ => error_response(
             StatusCode::NOT_FOUND,
@@ -71,15 +67,7 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
 async fn metrics(dispatcher: &Arc<Dispatcher>) -> Response<Body> {
     let d = dispatcher.clone();
     // Counting the prefix table's entries scans it: off the reactor.
-    let render = move || {
-        let segment = d.segment();
-        Snapshot::collect(
-            &segment.tables(),
-            segment.clock().now_ms(),
-            d.config().health.stale_after_ms,
-        )
-        .render()
-    };
+    let render = move || Snapshot::text_of(d.segment(), d.config().health.stale_after_ms);
     match tokio::task::spawn_blocking(render).await {
         Ok(text) => full_response(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", text),
         Err(e) => error_response(

@@ -27,6 +27,12 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// The Prometheus text of `segment` now: [`Self::collect`] then
+    /// [`Self::render`] (a scan: run it off the reactor).
+    pub fn text_of(segment: &shm_layout::Segment, stale_after_ms: u64) -> String {
+        Self::collect(&segment.tables(), segment.clock().now_ms(), stale_after_ms).render()
+    }
+
     /// Reads a snapshot from the segment's tables. Scraped load older than
     /// `stale_after_ms` (segment milliseconds before `now_ms`) is left out.
     /// Counting the prefix table's entries scans it (run it off the reactor).
