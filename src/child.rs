@@ -30,7 +30,7 @@ use semlb::store::RoutingStore;
 use semlb::store::redis::{RedisRouting, RedisWriteBack};
 use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::ChatTemplate;
-use shm_layout::{OpenError, Segment};
+use shm_layout::{Membership, OpenError, Segment};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::cli::{ChildArgs, ChildRole, SimArgs};
@@ -47,6 +47,10 @@ const HEARTBEAT: Duration = Duration::from_millis(500);
 pub fn run(args: &ChildArgs) -> Result<()> {
     let config = ServeConfig::resolve(args.serve.config.as_deref(), args.serve.overrides())?;
     let segment = Arc::new(open_segment(&config.shm_name)?);
+    // Held until this process exits: a supervisor starting after this
+    // one's adopts the segment only once every member is gone.
+    let _membership =
+        Membership::join(&config.shm_name).with_context(|| format!("joining shm segment {}", config.shm_name))?;
     let tables = segment.tables();
     let clock = segment.clock();
     if !tables

@@ -60,6 +60,9 @@ fn inspect(args: &InspectArgs) -> Result<String> {
 }
 
 fn remove(args: &NameArg) -> Result<String> {
+    // Refused while a supervisor owns it; held while removing, so that no
+    // supervisor adopts it meanwhile.
+    let _ownership = shm_layout::Ownership::take(&args.shm_name)?;
     Segment::remove(&args.shm_name)?;
     let path = shm_layout::shm_path(&args.shm_name)?;
     Ok(format!("removed shm segment {path}\n"))

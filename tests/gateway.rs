@@ -8,7 +8,7 @@
 //! rate; a repeated deterministic request is answered from the response
 //! cache (also as a stream) without reaching an engine, and not across
 //! tenants; `kill -9` of a dispatcher is survived (the supervisor restarts
-//! it, the gateway keeps serving); SIGTERM stops everything and removes the
+//! it, the gateway keeps serving); SIGTERM stops everything and leaves the
 //! segment; a second supervisor on the same segment is refused; a hot
 //! prefix spreads to other engines once its engine is overloaded; a
 //! `kill -9`ed engine is routed around without client errors; malformed
@@ -314,8 +314,8 @@ fn sigterm_stops_everything_and_a_second_supervisor_is_refused() {
     assert!(String::from_utf8_lossy(&second.stderr).contains("in use by a running semlb supervisor"));
     assert_eq!(gw.proc.stop(), Some(0), "graceful stop exits 0");
     assert!(
-        !std::path::Path::new(&format!("/dev/shm/{shm}")).exists(),
-        "the segment is removed"
+        std::path::Path::new(&format!("/dev/shm/{shm}")).exists(),
+        "the segment is left for the next start (keep_segment)"
     );
 }
 
@@ -746,8 +746,8 @@ fn a_crash_looping_dispatcher_stops_the_supervisor() {
         std::thread::sleep(Duration::from_millis(10));
     }
     assert!(
-        !std::path::Path::new(&format!("/dev/shm/{shm}")).exists(),
-        "the segment is removed"
+        std::path::Path::new(&format!("/dev/shm/{shm}")).exists(),
+        "the segment is left for the next start, which adopts it"
     );
 }
 

@@ -333,7 +333,11 @@ fn notifies_ready_watchdog_reloading_and_stopping() {
         !gw.stderr_text().contains("cannot notify systemd"),
         "children must not notify"
     );
-    assert!(!Path::new("/dev/shm").join(&shm).exists(), "segment left behind");
+    assert!(
+        Path::new("/dev/shm").join(&shm).exists(),
+        "the segment is left for the next start (keep_segment)"
+    );
+    let _ = shm_layout::Segment::remove(&shm);
 }
 
 /// `semlb serve --config FILE` with `[[backend]]`s and a policy.

@@ -206,3 +206,45 @@ pub enum RemoveError {
         source: io::Error,
     },
 }
+
+/// Why a supervisor could not claim a segment ([`crate::Segment::claim`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    /// The name is not a valid shm name.
+    #[error(transparent)]
+    Name(#[from] NameError),
+    /// A live supervisor holds the segment's owner lock.
+    #[error("shm segment {name:?} is in use by a running semlb supervisor{}", pid.map(|p| format!(" (pid {p})")).unwrap_or_default())]
+    Owned {
+        /// The segment name.
+        name: String,
+        /// The supervisor's pid, if its registry slot tells.
+        pid: Option<u32>,
+    },
+    /// Processes of an earlier supervisor still use the segment.
+    #[error(
+        "shm segment {name:?} is still used by processes of an earlier supervisor after waiting {waited:?} for them to exit"
+    )]
+    MembersRemain {
+        /// The segment name.
+        name: String,
+        /// How long the claim waited.
+        waited: std::time::Duration,
+    },
+    /// The existing segment could not be opened.
+    #[error(transparent)]
+    Open(#[from] OpenError),
+    /// A new segment could not be created.
+    #[error(transparent)]
+    Create(#[from] CreateError),
+    /// Any other operating-system error, with the step that failed.
+    #[error("claiming shm segment {name:?}: {step}: {source}")]
+    Os {
+        /// The segment name.
+        name: String,
+        /// Which system call failed.
+        step: &'static str,
+        /// The error.
+        source: io::Error,
+    },
+}

@@ -85,7 +85,10 @@
 //! # Modules
 //!
 //! [`plan`] sizes the regions, [`header`] freezes the header, [`segment`]
-//! creates and opens segments and hands out [`Tables`]; the tables are
+//! creates and opens segments and hands out [`Tables`], [`ownership`]
+//! decides who may use one (the supervisor's owner lock, its children's
+//! member locks) and lets a starting supervisor adopt the segment an
+//! earlier one left ([`Segment::claim`]); the tables are
 //! [`prefix_table`], [`response_log`], [`server_table`] (with its
 //! [`load_figures`]), [`completion_ring`]
 //! (carrying [`completion`] records), [`registry`] and [`stats`]. `bucket`, `mix`,
@@ -105,6 +108,7 @@ pub mod load_figures;
 #[cfg(all(test, loom))]
 mod loom_models;
 mod mix;
+pub mod ownership;
 pub mod plan;
 pub mod prefix_table;
 pub mod registry;
@@ -118,9 +122,10 @@ mod words;
 
 pub use completion::{Completion, CompletionRecord, Continuation, ContinuationRef, DecodeError, Prediction, Timing};
 pub use completion_ring::{CompletionRing, Pop, PushError, RingStats};
-pub use error::{CreateError, NameError, OpenError, PlanError, RemoveError};
+pub use error::{ClaimError, CreateError, NameError, OpenError, PlanError, RemoveError};
 pub use header::{HeaderInfo, LAYOUT_VERSION, MAGIC, STATE_READY};
 pub use load_figures::LoadFigures;
+pub use ownership::{Claim, Claimed, Membership, Ownership};
 pub use plan::{LayoutPlan, PlanOptions, Region, RegionKind, SERVER_SLOTS, STAT_WORDS};
 pub use prefix_table::{InsertOutcome, MATCH_CAPACITY, PrefixEntry, PrefixMatch, PrefixTable, ServerSet, Stamp};
 pub use registry::{ProcessInfo, ProcessState, Registry, Role};

@@ -11,9 +11,8 @@
 //! one body against both backings.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
-use std::fs::File;
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::OnceLock;
 
@@ -199,49 +198,87 @@ impl<'a> Tables<'a> {
     }
 }
 
+/// Creates the shm object `path` (with its leading `/`), exclusively,
+/// mode 0600, empty.
+pub(crate) fn create_object(path: &str) -> Result<OwnedFd, CreateError> {
+    if !u128_is_lock_free() {
+        return Err(CreateError::Unsupported);
+    }
+    match shm_open(
+        path,
+        OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
+        Mode::from_bits_truncate(0o600),
+    ) {
+        Ok(fd) => Ok(fd),
+        Err(Errno::EEXIST) => Err(CreateError::AlreadyExists { name: path.to_owned() }),
+        Err(Errno::EACCES) => Err(CreateError::PermissionDenied { name: path.to_owned() }),
+        Err(e) => Err(CreateError::Os {
+            name: path.to_owned(),
+            step: "shm_open",
+            source: e.into(),
+        }),
+    }
+}
+
+/// Opens the existing shm object at `path` (with its leading `/`).
+pub(crate) fn open_object(path: &str) -> Result<OwnedFd, OpenError> {
+    match shm_open(path, OFlag::O_RDWR, Mode::empty()) {
+        Ok(fd) => Ok(fd),
+        Err(Errno::ENOENT) => Err(OpenError::NotFound { name: path.to_owned() }),
+        Err(Errno::EACCES) => Err(OpenError::PermissionDenied { name: path.to_owned() }),
+        Err(e) => Err(OpenError::Os {
+            name: path.to_owned(),
+            step: "shm_open",
+            source: e.into(),
+        }),
+    }
+}
+
+/// The pid of the supervisor registered in the segment at `path` (its
+/// registry slot 0, else the header's creator), if the segment opens.
+pub(crate) fn owner_pid(path: &str) -> Option<u32> {
+    let segment = Segment::open(path).ok()?;
+    let registered = segment
+        .tables()
+        .registry
+        .get(0)
+        .filter(|p| p.role == Some(crate::Role::Supervisor) && p.pid != 0)
+        .map(|p| p.pid);
+    registered.or(u32::try_from(segment.header().creator_pid).ok())
+}
+
 impl Segment {
     /// Creates the shm segment `name` with `plan`'s layout, exclusively,
     /// mode 0600, with all of its memory reserved.
     pub fn create(name: &str, plan: &LayoutPlan) -> Result<Self, CreateError> {
         let path = shm_path(name)?;
-        if !u128_is_lock_free() {
-            return Err(CreateError::Unsupported);
-        }
-        let os = |step: &'static str, e: Errno| CreateError::Os {
-            name: path.clone(),
-            step,
-            source: e.into(),
-        };
-        let fd: OwnedFd = match shm_open(
-            path.as_str(),
-            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
-            Mode::from_bits_truncate(0o600),
-        ) {
-            Ok(fd) => fd,
-            Err(Errno::EEXIST) => return Err(CreateError::AlreadyExists { name: path }),
-            Err(Errno::EACCES) => return Err(CreateError::PermissionDenied { name: path }),
-            Err(e) => return Err(os("shm_open", e)),
-        };
-        let result = Self::format(fd, &path, plan);
+        let fd = create_object(&path)?;
+        Self::format_object(&fd, &path, plan)
+    }
+
+    /// Lays `plan` out in the new, empty shm object `fd` (named `path`);
+    /// the object is removed again if that fails.
+    pub(crate) fn format_object(fd: &OwnedFd, path: &str, plan: &LayoutPlan) -> Result<Self, CreateError> {
+        let result = Self::format(fd, path, plan);
         if result.is_err() {
-            let _ = shm_unlink(path.as_str());
+            let _ = shm_unlink(path);
         }
         result
     }
 
-    fn format(fd: OwnedFd, path: &str, plan: &LayoutPlan) -> Result<Self, CreateError> {
+    fn format(fd: &OwnedFd, path: &str, plan: &LayoutPlan) -> Result<Self, CreateError> {
         let os = |step: &'static str, e: Errno| CreateError::Os {
             name: path.to_owned(),
             step,
             source: e.into(),
         };
-        fchmod(&fd, Mode::from_bits_truncate(0o600)).map_err(|e| os("fchmod", e))?;
+        fchmod(fd, Mode::from_bits_truncate(0o600)).map_err(|e| os("fchmod", e))?;
         let size = plan.segment_bytes();
-        nix::unistd::ftruncate(&fd, size as i64).map_err(|e| os("ftruncate", e))?;
-        match nix::fcntl::posix_fallocate(&fd, 0, size as i64) {
+        nix::unistd::ftruncate(fd, size as i64).map_err(|e| os("ftruncate", e))?;
+        match nix::fcntl::posix_fallocate(fd, 0, size as i64) {
             Ok(()) => {}
             Err(Errno::ENOSPC | Errno::ENOMEM) => {
-                let available = nix::sys::statvfs::fstatvfs(&fd)
+                let available = nix::sys::statvfs::fstatvfs(fd)
                     .map(|s| s.blocks_available() * s.fragment_size())
                     .unwrap_or(0);
                 return Err(CreateError::NoSpace {
@@ -252,10 +289,9 @@ impl Segment {
             }
             Err(e) => return Err(os("posix_fallocate", e)),
         }
-        let file = File::from(fd);
         let map = memmap2::MmapOptions::new()
             .len(size as usize)
-            .map_raw(&file)
+            .map_raw(fd.as_raw_fd())
             .map_err(|e| CreateError::Os {
                 name: path.to_owned(),
                 step: "mmap",
@@ -311,18 +347,19 @@ impl Segment {
     /// Opens the existing shm segment `name` and validates it.
     pub fn open(name: &str) -> Result<Self, OpenError> {
         let path = shm_path(name)?;
+        let fd = open_object(&path)?;
+        Self::open_object(&fd, &path)
+    }
+
+    /// Maps the open shm object `fd` (named `path`) and validates it.
+    pub(crate) fn open_object(fd: &OwnedFd, path: &str) -> Result<Self, OpenError> {
+        let path = path.to_owned();
         let os = |step: &'static str, e: io::Error| OpenError::Os {
             name: path.clone(),
             step,
             source: e,
         };
-        let fd = match shm_open(path.as_str(), OFlag::O_RDWR, Mode::empty()) {
-            Ok(fd) => fd,
-            Err(Errno::ENOENT) => return Err(OpenError::NotFound { name: path }),
-            Err(Errno::EACCES) => return Err(OpenError::PermissionDenied { name: path }),
-            Err(e) => return Err(os("shm_open", e.into())),
-        };
-        let st = fstat(&fd).map_err(|e| os("fstat", e.into()))?;
+        let st = fstat(fd).map_err(|e| os("fstat", e.into()))?;
         let mode = st.st_mode & 0o777;
         if mode & 0o077 != 0 {
             return Err(OpenError::InsecureMode { name: path, mode });
@@ -334,10 +371,9 @@ impl Segment {
                 bytes: actual,
             });
         }
-        let file = File::from(fd);
         let map = memmap2::MmapOptions::new()
             .len(actual as usize)
-            .map_raw(&file)
+            .map_raw(fd.as_raw_fd())
             .map_err(|e| os("mmap", e))?;
         let mut seg = Self {
             len: actual as usize,

@@ -33,6 +33,7 @@
 //! | `responders` | integer | `1` | response (write-back) processes (1 to `dispatchers`) |
 //! | `shm_name` | string | `"semlb"` | shared-memory segment name (`/dev/shm/NAME`) |
 //! | `shm_size` | size | `"256MiB"` | segment size, 8 MiB to 1 TiB (see [`crate::size`]) |
+//! | `keep_segment` | bool | `true` (`false` with `--demo`) | leave the segment in /dev/shm when the supervisor exits, so the next start adopts its tables (hot restart); `false` removes it on a clean stop |
 //! | `tokenizer` | path | bundled tokenizer | a Hugging Face `tokenizer.json`, or a GGUF model file (the engine's own: its vocabulary and merges, [`semlb_tokenizer::gguf`]) |
 //! | `chat_template` | path | a GGUF `tokenizer`'s template, else the canonical rendering | a Hugging Face `tokenizer_config.json` with a `chat_template`, or a GGUF model file |
 //! | `block_size` | integer | `16` | tokens per prefix block: the engines' KV block size (1 to 1024) |
@@ -268,6 +269,11 @@ pub struct ServeConfig {
     pub shm_name: String,
     /// Size of the shared-memory segment. Default 256 MiB.
     pub shm_size: ByteSize,
+    /// Leave the segment when the supervisor exits, so that the next
+    /// supervisor adopts it with its tables (a hot restart, see
+    /// [`shm_layout::Segment::claim`]). Default true; false removes it on a
+    /// clean stop. `--demo` defaults to false.
+    pub keep_segment: bool,
     /// A Hugging Face `tokenizer.json`, or a GGUF model file, to count
     /// prompt tokens with; `None` uses the tokenizer bundled with semlb. It
     /// should be the served model's, so that blocks fall where the
@@ -356,6 +362,7 @@ impl Default for ServeConfig {
             responders: 1,
             shm_name: DEFAULT_SHM_NAME.to_owned(),
             shm_size: DEFAULT_SHM_SIZE,
+            keep_segment: true,
             tokenizer: None,
             chat_template: None,
             block_size: DEFAULT_BLOCK_SIZE,

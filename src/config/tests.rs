@@ -167,6 +167,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "responders",
         "shm_name",
         "shm_size",
+        "keep_segment",
         "tokenizer",
         "chat_template",
         "block_size",

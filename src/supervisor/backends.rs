@@ -92,6 +92,39 @@ impl<'a> Backends<'a> {
         }
     }
 
+    /// The registrations an earlier supervisor left in `segment`'s server
+    /// table (a hot restart): all draining until [`Backends::configure`]
+    /// keeps those still configured; the others are retired once they have
+    /// nothing in flight (at once: an adoption reclaimed every count) or
+    /// after `drain_timeout`.
+    pub(super) fn adopt(segment: &'a Segment, drain_timeout: Duration) -> Self {
+        let mut backends = Self::new(segment);
+        let servers = segment.tables().servers;
+        let until = Instant::now() + drain_timeout;
+        for info in servers.servers() {
+            backends.next_id = backends.next_id.max(info.id.saturating_add(1));
+            servers.set_state(info.server, ServerState::Draining);
+            backends.names.insert(info.address.clone(), info.address.clone());
+            backends.draining.push((info.address, info.server, until));
+        }
+        backends
+    }
+
+    /// Registers a configured `backend` at start: the registration an
+    /// earlier supervisor left for its address ([`Backends::adopt`]) is
+    /// kept, `Up`, with its prefix entries, figures and learned limits;
+    /// otherwise a new one is made ([`Backends::register`]).
+    pub(super) fn configure(&mut self, backend: &BackendConfig) -> Result<ServerRef> {
+        let address = address_of(backend).map_err(|e| anyhow!("backend {}: {e}", backend.url))?;
+        if let Some(i) = self.draining.iter().position(|(a, _, _)| *a == address)
+            && let Some((address, server)) = self.revive(i)
+        {
+            self.names.insert(address, backend.display_name());
+            return Ok(server);
+        }
+        self.register(backend)
+    }
+
     /// Registers `backend` in the server table (state `Up`: dispatchers
     /// route to it at once) and counts it as configured.
     pub(super) fn register(&mut self, backend: &BackendConfig) -> Result<ServerRef> {

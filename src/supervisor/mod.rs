@@ -1,13 +1,15 @@
 //! `semlb serve`: the supervisor.
 //!
-//! It resolves the configuration (file, then flags), creates the shm
-//! segment (a leftover of a crashed supervisor, whose creator pid is gone,
-//! is removed first; a live one is refused), registers the backends in the
-//! server table, binds the listener, and keeps the dispatcher and response
-//! processes running ([`children`]) until a signal:
+//! It resolves the configuration (file, then flags), claims the shm
+//! segment ([`segment`]: created, or adopted with its tables from the
+//! supervisor before, or replaced; one a live supervisor owns is refused),
+//! registers the backends in the server table, binds the listener, and
+//! keeps the dispatcher and response processes running ([`children`])
+//! until a signal:
 //!
 //! * **SIGTERM**: stop accepting (children get SIGTERM and drain within the
-//!   drain timeout), then SIGKILL stragglers, remove the segment, exit 0.
+//!   drain timeout), then SIGKILL stragglers, leave the segment for the
+//!   next start (or remove it: `keep_segment = false`), exit 0.
 //!   **SIGINT**: the same with a 1 s grace. A crash loop stops everything
 //!   the same way and exits non-zero.
 //! * **SIGHUP**: reload. The configuration is resolved again ([`reload`]).
@@ -37,6 +39,7 @@
 //! | module | concept |
 //! | --- | --- |
 //! | this one | start and stop: configuration, segment, listener; the loop over signals, admin commands and ticks |
+//! | [`segment`] | the segment: claimed (created, adopted, replaced) at start, kept or removed at exit |
 //! | [`children`] | child slots: spawn, reap, restart with backoff, crash loops, hung children, stop |
 //! | [`backends`] | the registered backends: add, drain, retire; a reload's backend list |
 //! | [`reload`] | the configuration again on SIGHUP, the settings that need a restart pinned |
@@ -48,18 +51,20 @@ mod admin;
 mod backends;
 mod children;
 mod reload;
+mod segment;
 mod sims;
 mod status;
 
+use std::cell::Cell;
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use semlb::config::ServeConfig;
-use shm_layout::{CreateError, LayoutPlan, PlanOptions, Role, Segment};
+use shm_layout::{Role, Segment};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 
@@ -142,20 +147,21 @@ fn supervise(args: &ServeArgs) -> Result<()> {
         }
         None => None,
     };
-    let plan = LayoutPlan::new(
-        config.shm_size.0,
-        PlanOptions {
-            max_response_fraction: config.response_cache.max_value_fraction,
-        },
-    )?;
-    let segment = create_segment(&config.shm_name, &plan)?;
+    let owned = segment::claim(&config)?;
+    // A demo's engines are new at every start: nothing to keep.
+    let keep = Cell::new(config.keep_segment && args.demo.is_none());
+    let segment = &owned.segment;
     let name = segment.name().unwrap_or_default().to_owned();
     let result = (|| {
         let tables = segment.tables();
         let clock = segment.clock();
-        let mut backends = Backends::new(&segment);
+        let mut backends = if owned.adopted {
+            Backends::adopt(segment, config.drain_timeout())
+        } else {
+            Backends::new(segment)
+        };
         for backend in &config.backends {
-            backends.register(backend)?;
+            backends.configure(backend)?;
         }
         let me = tables.registry.claim(0, Role::Supervisor, clock.now_ms());
         tables.registry.attach(0, me, std::process::id(), clock.now_ms());
@@ -176,14 +182,13 @@ fn supervise(args: &ServeArgs) -> Result<()> {
             log_redis_reachability(&config);
         }
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let supervisor = Supervisor::new(&segment, config, args, &listener, backends, &notify);
+        let supervisor = Supervisor::new(segment, config, args, &listener, backends, &notify, &keep);
         runtime.block_on(supervisor.monitor(admin, metrics))
     })();
     if let Err(e) = &result {
         notify.stopping(&format!("failed: {e:#}"));
     }
-    drop(segment);
-    let _ = Segment::remove(&name);
+    owned.release(keep.get());
     result
 }
 
@@ -210,25 +215,6 @@ fn log_redis_reachability(config: &ServeConfig) {
     }
 }
 
-/// Creates the segment, replacing the leftover of a supervisor that died.
-fn create_segment(name: &str, plan: &LayoutPlan) -> Result<Segment> {
-    match Segment::create(name, plan) {
-        Ok(s) => Ok(s),
-        Err(CreateError::AlreadyExists { name: path }) => {
-            let creator = Segment::open(name).map(|s| s.header().creator_pid).ok();
-            if let Some(pid) = creator.filter(|pid| *pid != 0 && kill(Pid::from_raw(*pid as i32), None).is_ok()) {
-                bail!(
-                    "shm segment {path} is in use by a running semlb supervisor (pid {pid}); stop it first or pick another --shm-name"
-                );
-            }
-            tracing::warn!(shm = %path, "removing the leftover shm segment {path} of a supervisor that is gone");
-            Segment::remove(name)?;
-            Ok(Segment::create(name, plan)?)
-        }
-        Err(e) => Err(e.into()),
-    }
-}
-
 /// The supervisor's state while it runs the children.
 struct Supervisor<'a> {
     segment: &'a Segment,
@@ -246,6 +232,9 @@ struct Supervisor<'a> {
     /// Health checks and load scraping of the backends ([`semlb::health`]),
     /// restarted with the new configuration by a reload.
     health: Option<tokio::task::JoinHandle<()>>,
+    /// Whether the segment is left for the next start at exit
+    /// (`keep_segment`, as the last reload set it).
+    keep_segment: &'a Cell<bool>,
 }
 
 /// How a stop was asked for.
@@ -264,6 +253,7 @@ impl<'a> Supervisor<'a> {
         listener: &'a TcpListener,
         backends: Backends<'a>,
         notify: &'a Notifier,
+        keep_segment: &'a Cell<bool>,
     ) -> Self {
         // The flags children are started with: the command line with the
         // settings that need a restart pinned to the running values.
@@ -281,6 +271,7 @@ impl<'a> Supervisor<'a> {
             reports: Reports::new(notify),
             reload_error: None,
             health: None,
+            keep_segment,
         }
     }
 
@@ -415,6 +406,9 @@ impl<'a> Supervisor<'a> {
             self.backends.counts().live,
             new.policy.kind
         );
+        if self.args.demo.is_none() {
+            self.keep_segment.set(new.keep_segment);
+        }
         self.config = new;
         // The checker takes the new [health] settings and metrics flavors;
         // its state lives in the server table, so nothing is lost.

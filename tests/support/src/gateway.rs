@@ -296,6 +296,7 @@ impl GatewayBuilder {
             admin: None,
             _config: config,
             _admin_dir: None,
+            keep_segment: false,
         };
         let deadline = Instant::now() + self.within;
         if let Some((dir, _, token)) = admin {
@@ -368,6 +369,8 @@ pub struct Gateway {
     admin: Option<(String, String)>,
     _config: Option<TempFile>,
     _admin_dir: Option<TempDir>,
+    /// Leave the segment when dropped ([`Gateway::stop_keeping_segment`]).
+    keep_segment: bool,
 }
 
 impl Gateway {
@@ -405,6 +408,13 @@ impl Gateway {
             .config(config)
             .args(extra)
             .start()
+    }
+
+    /// Stops the supervisor with SIGTERM and leaves its segment for the
+    /// next gateway on the same name; returns the exit code.
+    pub fn stop_keeping_segment(mut self) -> Option<i32> {
+        self.keep_segment = true;
+        self.proc.stop()
     }
 
     /// The gateway's listener address.
@@ -503,7 +513,9 @@ impl Gateway {
 impl Drop for Gateway {
     fn drop(&mut self) {
         self.proc.stop();
-        let _ = shm_layout::Segment::remove(&self.shm);
+        if !self.keep_segment {
+            let _ = shm_layout::Segment::remove(&self.shm);
+        }
     }
 }
 
