@@ -229,7 +229,9 @@ fn run_responder(segment: &Arc<Segment>, args: &ChildArgs, config: &ServeConfig)
         stop_on(sig).context("installing signal handlers")?;
     }
     let tables = segment.tables();
-    let rings: Vec<usize> = rings_for(args.index, config.responders, config.dispatchers).collect();
+    // Every ring, not only those of this supervisor's dispatchers: after an
+    // upgrade, what the old dispatchers still push is written back here.
+    let rings: Vec<usize> = rings_for(args.index, config.responders, tables.ring_count()).collect();
     // Answers are new text: no local segment cache (the word cache stays);
     // their segments go to the shared store for the next turn.
     let tokenizer = load_tokenizer(config, 0)?.with_shared_segments(Arc::new(ShmSegmentStore::new(segment.clone())));

@@ -9,7 +9,8 @@
 //! reload) and `READY=1` again around a reload, `STOPPING=1` when it
 //! begins to stop, `STATUS=` a one-line summary for `systemctl status`, and
 //! `WATCHDOG=1` at least once per `$WATCHDOG_USEC` when the unit has
-//! `WatchdogSec=` (only for the process `$WATCHDOG_PID` names, if set).
+//! `WatchdogSec=` (only for the process `$WATCHDOG_PID` names, if set),
+//! and `MAINPID=` when an upgrade hands the service to a new process.
 //!
 //! Without `$NOTIFY_SOCKET` (not under systemd) every call is a no-op.
 //! Sending is best-effort: a failure is logged once and never stops the
@@ -89,6 +90,14 @@ impl Notifier {
     /// `STATUS=`: a one-line summary for `systemctl status`.
     pub fn status(&self, line: &str) {
         self.send(&format!("STATUS={}", one_line(line)));
+    }
+
+    /// `MAINPID=pid` with a status line: the service's main process is now
+    /// `pid` (the successor an upgrade started).
+    /// systemd takes it from the main process only; after it, this
+    /// process's notifications are ignored.
+    pub fn main_pid(&self, pid: u32, status: &str) {
+        self.send(&format!("MAINPID={pid}\nSTATUS={}", one_line(status)));
     }
 
     /// `WATCHDOG=1`: the service is alive and well.

@@ -137,6 +137,31 @@ impl Ownership {
         })
     }
 
+    /// The ownership carried by `fd`, a descriptor of the segment `name`
+    /// handed over by the supervisor that owns it (an upgrade: the same
+    /// open file description, so the same lock). Checks that `fd` is that
+    /// segment's object and that no other description holds the lock.
+    pub fn inherit(fd: OwnedFd, name: &str) -> Result<Self, ClaimError> {
+        let path = shm_path(name)?;
+        let named = open_object(&path)?;
+        let os = |step: &'static str, e: Errno| ClaimError::Os {
+            name: path.clone(),
+            step,
+            source: e.into(),
+        };
+        let (a, b) = (
+            nix::sys::stat::fstat(&fd).map_err(|e| os("fstat", e))?,
+            nix::sys::stat::fstat(&named).map_err(|e| os("fstat", e))?,
+        );
+        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) {
+            return Err(os("the inherited descriptor is another object", Errno::EBADF));
+        }
+        Self::try_take(fd, &path)?.ok_or_else(|| ClaimError::Owned {
+            pid: owner_pid(&path),
+            name: path.clone(),
+        })
+    }
+
     /// Waits up to `patience` until no process holds a member lock (the
     /// children of an earlier supervisor have exited); returns how long
     /// it waited, or [`ClaimError::MembersRemain`].

@@ -84,8 +84,10 @@
 //!
 //! [`serve`] accepts HTTP/1.1 (keep-alive, `TCP_NODELAY`, TCP keepalive
 //! probes after a minute of silence) until its shutdown future resolves,
-//! then stops accepting, asks every connection to close after its current
-//! request, and waits for them up to the drain timeout. Upstream
+//! then stops accepting, answers every request from then on with
+//! `connection: close`, closes a connection still open a second later once
+//! its current request is answered, and waits for them up to the drain
+//! timeout. Upstream
 //! connections are pooled and also use `TCP_NODELAY`.
 //!
 //! Clients are bounded: `limits.max_connections` connections per
@@ -118,6 +120,7 @@ pub use usage::UsageStrip;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -447,6 +450,11 @@ impl Dispatcher {
     }
 }
 
+/// How long a draining dispatcher keeps an idle keep-alive connection open
+/// for the client's next request, which it answers with `connection:
+/// close` (at most the drain timeout).
+const DRAIN_LINGER: Duration = Duration::from_secs(1);
+
 /// Serves HTTP on `listener` until `shutdown` resolves, then stops
 /// accepting and lets in-flight requests finish (bounded by the
 /// configuration's drain timeout).
@@ -522,9 +530,23 @@ async fn serve_connection(stream: TcpStream, dispatcher: Arc<Dispatcher>, mut st
         .with_interval(Duration::from_secs(10));
     let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
     let client_timeout = dispatcher.config().limits.client_timeout();
+    let linger = DRAIN_LINGER.min(dispatcher.config().drain_timeout());
+    // Set once draining: every answer from then on says `connection: close`.
+    let closing = Arc::new(AtomicBool::new(false));
+    let closing_service = closing.clone();
     let service = service_fn(move |request| {
         let dispatcher = dispatcher.clone();
-        async move { Ok::<_, Infallible>(routes::handle(dispatcher, request).await) }
+        let closing = closing_service.clone();
+        async move {
+            let mut response = routes::handle(dispatcher, request).await;
+            if closing.load(Ordering::Relaxed) {
+                response.headers_mut().insert(
+                    hyper::header::CONNECTION,
+                    hyper::header::HeaderValue::from_static("close"),
+                );
+            }
+            Ok::<_, Infallible>(response)
+        }
     });
     let mut builder = http1::Builder::new();
     builder
@@ -537,6 +559,17 @@ async fn serve_connection(stream: TcpStream, dispatcher: Arc<Dispatcher>, mut st
     tokio::select! {
         _ = connection.as_mut() => return,
         _ = stop.wait_for(|stop| *stop) => {}
+    }
+    // Draining. Closing an idle keep-alive connection at once would race a
+    // client sending its next request on it (an agent does so the instant
+    // an answer ends) and fail that request; instead the next answer says
+    // `connection: close` and the client reconnects (during an upgrade, to
+    // the new dispatchers on the same socket). A connection still open
+    // after the linger is closed once its request in flight, if any, is
+    // answered.
+    closing.store(true, Ordering::Relaxed);
+    if tokio::time::timeout(linger, connection.as_mut()).await.is_ok() {
+        return;
     }
     connection.as_mut().graceful_shutdown();
     let _ = connection.await;

@@ -34,6 +34,9 @@ pub(super) struct Backends<'a> {
     /// Addresses of live backends added through the admin API and not (or
     /// not yet) listed in the configuration.
     from_admin: HashSet<String>,
+    /// Registrations an earlier supervisor left, not yet configured or
+    /// drained ([`Backends::adopt`]).
+    adopted: Vec<(String, ServerRef)>,
 }
 
 /// What the supervisor knows of a server-table slot.
@@ -89,40 +92,53 @@ impl<'a> Backends<'a> {
             next_id: 0,
             names: HashMap::new(),
             from_admin: HashSet::new(),
+            adopted: Vec::new(),
         }
     }
 
     /// The registrations an earlier supervisor left in `segment`'s server
-    /// table (a hot restart): all draining until [`Backends::configure`]
-    /// keeps those still configured; the others are retired once they have
-    /// nothing in flight (at once: an adoption reclaimed every count) or
-    /// after `drain_timeout`.
-    pub(super) fn adopt(segment: &'a Segment, drain_timeout: Duration) -> Self {
+    /// table (a hot restart or an upgrade), untouched until
+    /// [`Backends::configure`] keeps those still configured and
+    /// [`Backends::settle`] drains the others.
+    pub(super) fn adopt(segment: &'a Segment) -> Self {
         let mut backends = Self::new(segment);
-        let servers = segment.tables().servers;
-        let until = Instant::now() + drain_timeout;
-        for info in servers.servers() {
+        for info in segment.tables().servers.servers() {
             backends.next_id = backends.next_id.max(info.id.saturating_add(1));
-            servers.set_state(info.server, ServerState::Draining);
-            backends.names.insert(info.address.clone(), info.address.clone());
-            backends.draining.push((info.address, info.server, until));
+            backends.adopted.push((info.address, info.server));
         }
         backends
     }
 
     /// Registers a configured `backend` at start: the registration an
     /// earlier supervisor left for its address ([`Backends::adopt`]) is
-    /// kept, `Up`, with its prefix entries, figures and learned limits;
-    /// otherwise a new one is made ([`Backends::register`]).
+    /// kept, with its prefix entries, figures and learned limits (and `Up`
+    /// again if it was draining); otherwise a new one is made
+    /// ([`Backends::register`]).
     pub(super) fn configure(&mut self, backend: &BackendConfig) -> Result<ServerRef> {
         let address = address_of(backend).map_err(|e| anyhow!("backend {}: {e}", backend.url))?;
-        if let Some(i) = self.draining.iter().position(|(a, _, _)| *a == address)
-            && let Some((address, server)) = self.revive(i)
-        {
-            self.names.insert(address, backend.display_name());
+        if let Some(i) = self.adopted.iter().position(|(a, _)| *a == address) {
+            let (address, server) = self.adopted.swap_remove(i);
+            let servers = self.segment.tables().servers;
+            servers.transition(server, ServerState::Draining, ServerState::Up);
+            self.names.insert(address.clone(), backend.display_name());
+            self.live.push((address, server));
             return Ok(server);
         }
         self.register(backend)
+    }
+
+    /// Drains the adopted registrations no backend of the configuration
+    /// kept: retired once nothing is in flight to them, or after
+    /// `drain_timeout`.
+    pub(super) fn settle(&mut self, drain_timeout: Duration) {
+        let until = Instant::now() + drain_timeout;
+        let servers = self.segment.tables().servers;
+        for (address, server) in std::mem::take(&mut self.adopted) {
+            servers.set_state(server, ServerState::Draining);
+            tracing::info!(backend = %address, "backend {address} is no longer configured; draining it");
+            self.names.insert(address.clone(), address.clone());
+            self.draining.push((address, server, until));
+        }
     }
 
     /// Registers `backend` in the server table (state `Up`: dispatchers

@@ -69,21 +69,20 @@ pub(super) struct Children<'a> {
 
 impl<'a> Children<'a> {
     /// `dispatchers` and `responders` slots, none started yet (all due at
-    /// once); children are started with the flags `args`.
+    /// once), placed by [`place`]; children are started with the flags
+    /// `args`.
     pub(super) fn new(
         segment: &'a Segment,
         listener: &'a TcpListener,
         dispatchers: usize,
         responders: usize,
         args: Vec<OsString>,
-    ) -> Self {
-        let slots = (0..dispatchers)
-            .map(|i| (ChildRole::Dispatcher, i))
-            .chain((0..responders).map(|j| (ChildRole::Responder, j)))
-            .enumerate()
-            .map(|(k, (role, index))| Slot {
+    ) -> Result<Self> {
+        let slots = place(segment, dispatchers, responders)?
+            .into_iter()
+            .map(|(role, slot, index)| Slot {
                 role,
-                slot: k as u16 + 1,
+                slot,
                 index,
                 incarnation: 0,
                 pid: None,
@@ -92,13 +91,18 @@ impl<'a> Children<'a> {
                 restarts: VecDeque::new(),
             })
             .collect();
-        Self {
+        Ok(Self {
             segment,
             listener,
             args,
             slots,
             restarts: 0,
-        }
+        })
+    }
+
+    /// The listening socket's descriptor (an upgrade hands it over).
+    pub(super) fn listener_fd(&self) -> RawFd {
+        self.listener.as_raw_fd()
     }
 
     /// Children restarted since the start.
@@ -289,16 +293,69 @@ impl<'a> Children<'a> {
     }
 }
 
+/// Where the children go: `(role, registry slot, index)` for `dispatchers`
+/// dispatchers (index: the completion ring each produces into) and
+/// `responders` responders. Slots and rings that live processes hold are
+/// left alone (during an upgrade, the children of the supervisor handing
+/// over: [`super::upgrade`]), and every dispatcher's slot has a ledger bit
+/// (slot mod 64) of its own among the live dispatchers, as the server
+/// table's crash-safe in-flight accounting needs. With nothing live: the
+/// dispatchers in slots 1.., rings 0.., then the responders.
+fn place(segment: &Segment, dispatchers: usize, responders: usize) -> Result<Vec<(ChildRole, u16, usize)>> {
+    let t = segment.tables();
+    let live: Vec<_> = t
+        .registry
+        .processes()
+        .filter(|p| p.slot != 0 && matches!(p.state, ProcessState::Starting | ProcessState::Running))
+        .collect();
+    let mut taken_bits: u64 = live
+        .iter()
+        .filter(|p| p.role == Some(Role::Dispatcher))
+        .fold(0, |bits, p| bits | 1 << (p.slot % 64));
+    let mut taken_slots: Vec<u16> = live.iter().map(|p| p.slot).collect();
+    let mut free_rings = (0..t.ring_count()).filter(|&r| {
+        let (slot, incarnation) = t.ring(r).owner();
+        !live.iter().any(|p| p.slot == slot && p.incarnation == incarnation)
+    });
+    let mut placed = Vec::with_capacity(dispatchers + responders);
+    let capacity = t.registry.capacity() as u16;
+    for _ in 0..dispatchers {
+        let slot = (1..capacity).find(|s| !taken_slots.contains(s) && taken_bits & (1 << (s % 64)) == 0);
+        let (Some(slot), Some(ring)) = (slot, free_rings.next()) else {
+            bail!(
+                "no room for {dispatchers} dispatchers next to the {} processes still running on the segment \
+                 (the dispatchers of two supervisors share 64 completion rings and ledger bits)",
+                live.len()
+            );
+        };
+        taken_bits |= 1 << (slot % 64);
+        taken_slots.push(slot);
+        placed.push((ChildRole::Dispatcher, slot, ring));
+    }
+    for index in 0..responders {
+        let Some(slot) = (1..capacity).find(|s| !taken_slots.contains(s)) else {
+            bail!("no registry slot left for responder {index}");
+        };
+        taken_slots.push(slot);
+        placed.push((ChildRole::Responder, slot, index));
+    }
+    Ok(placed)
+}
+
 /// Starts the child of slot `s`: `semlb __child` with `serve_args`, and
 /// for a dispatcher the listening socket `listen_fd` on [`LISTEN_FD`].
 fn spawn(s: &Slot, listen_fd: Option<RawFd>, serve_args: &[OsString]) -> std::io::Result<Pid> {
-    let exe = std::env::current_exe()?;
+    // The running binary itself, even once an upgrade replaced the file
+    // (the path would then name the new one); named as it was started.
+    let exe = std::path::Path::new("/proc/self/exe");
+    let name = std::env::args_os().next().unwrap_or_else(|| "semlb".into());
     let role = match s.role {
         ChildRole::Dispatcher => "dispatcher",
         ChildRole::Responder => "responder",
     };
     let mut cmd = Command::new(exe);
-    cmd.arg("__child")
+    cmd.arg0(name)
+        .arg("__child")
         .args([
             "--role",
             role,
@@ -314,6 +371,7 @@ fn spawn(s: &Slot, listen_fd: Option<RawFd>, serve_args: &[OsString]) -> std::io
         // Only the supervisor talks to systemd.
         cmd.env_remove(var);
     }
+    cmd.env_remove(super::upgrade::INHERIT_VAR);
     let supervisor = std::process::id() as libc::pid_t;
     // SAFETY: the closure runs in the forked child before exec and only makes
     // async-signal-safe system calls (signal, prctl, getppid, dup2, fcntl,

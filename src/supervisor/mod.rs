@@ -12,6 +12,11 @@
 //!   next start (or remove it: `keep_segment = false`), exit 0.
 //!   **SIGINT**: the same with a 1 s grace. A crash loop stops everything
 //!   the same way and exits non-zero.
+//! * **SIGUSR2**: upgrade ([`upgrade`]). The binary now installed where
+//!   this one was started from is started with the same command line as
+//!   the successor, handed the listening socket and the segment, and once
+//!   its dispatchers answer, this supervisor tells systemd `MAINPID=` and
+//!   drains as on SIGTERM, leaving the segment to it.
 //! * **SIGHUP**: reload. The configuration is resolved again ([`reload`]).
 //!   If it does not parse or validate, the error is logged on one line
 //!   (naming the key), `STATUS=` says the reload failed, and everything
@@ -45,6 +50,7 @@
 //! | [`reload`] | the configuration again on SIGHUP, the settings that need a restart pinned |
 //! | [`admin`] | the admin API's commands carried out on the backends and the segment |
 //! | [`status`] | readiness probe, watchdog and `STATUS=` line for systemd |
+//! | [`upgrade`] | zero-downtime binary upgrade: the successor started on SIGUSR2, the sockets and segment handed over |
 //! | [`sims`] | the simulated engines of `--demo` |
 
 mod admin;
@@ -54,9 +60,11 @@ mod reload;
 mod segment;
 mod sims;
 mod status;
+mod upgrade;
 
-use std::cell::Cell;
+use std::io::Write as _;
 use std::net::{SocketAddr, TcpListener};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -71,6 +79,7 @@ use tokio::sync::mpsc;
 use self::backends::Backends;
 use self::children::Children;
 use self::status::Reports;
+use self::upgrade::{Progress, Successor};
 use crate::cli::{ChildRole, ServeArgs};
 use crate::notify::Notifier;
 
@@ -102,6 +111,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
 
 fn supervise(args: &ServeArgs) -> Result<()> {
     let notify = Notifier::from_env();
+    // Started by a supervisor handing over to this one (an upgrade)?
+    let inherited = upgrade::Inherited::from_env()?;
     let config = ServeConfig::resolve(args.config.as_deref(), args.overrides())?;
     // Load what every dispatcher will load, so a bad file is one clear error
     // here rather than a crash loop of children, and say which engine runs.
@@ -122,6 +133,11 @@ fn supervise(args: &ServeArgs) -> Result<()> {
         _ => "none given".into(),
     };
     tracing::info!(renderer, "chat template {source}: {renderer} renderer");
+    let (mut inherited_listener, ready_pipe, mut inherited_admin, mut inherited_metrics, inherited_owner) =
+        match inherited {
+            Some(i) => (Some(i.listener), i.ready, i.admin, i.metrics, Some((i.shm, i.owner))),
+            None => (None, None, None, None, None),
+        };
     // The admin API's token and address, before anything starts.
     let admin = match config.admin.listen {
         Some(addr) => {
@@ -135,40 +151,51 @@ fn supervise(args: &ServeArgs) -> Result<()> {
                     "the admin API listens on {addr}, not a loopback address: anyone who can reach it may try its token; keep it on loopback or a management network"
                 );
             }
-            let listener = crate::side_listener::bind(addr)
-                .with_context(|| format!("cannot listen on {addr} for the admin API"))?;
+            let listener = match inherited_admin.take() {
+                Some(listener) => listener,
+                None => crate::side_listener::bind(addr)
+                    .with_context(|| format!("cannot listen on {addr} for the admin API"))?,
+            };
             Some((listener, token))
         }
         None => None,
     };
-    let metrics = match config.metrics.listen {
-        Some(addr) => {
+    let metrics = match (config.metrics.listen, inherited_metrics.take()) {
+        (Some(_), Some(listener)) => Some(listener),
+        (Some(addr), None) => {
             Some(crate::side_listener::bind(addr).with_context(|| format!("cannot listen on {addr} for the metrics"))?)
         }
-        None => None,
+        (None, _) => None,
     };
-    let owned = segment::claim(&config)?;
+    let owned = match inherited_owner {
+        Some((shm, owner)) => segment::inherit(&shm, owner)?,
+        None => segment::claim(&config)?,
+    };
     // A demo's engines are new at every start: nothing to keep.
-    let keep = Cell::new(config.keep_segment && args.demo.is_none());
+    let keep_at_start = config.keep_segment && args.demo.is_none();
     let segment = &owned.segment;
     let name = segment.name().unwrap_or_default().to_owned();
     let result = (|| {
         let tables = segment.tables();
         let clock = segment.clock();
         let mut backends = if owned.adopted {
-            Backends::adopt(segment, config.drain_timeout())
+            Backends::adopt(segment)
         } else {
             Backends::new(segment)
         };
         for backend in &config.backends {
             backends.configure(backend)?;
         }
+        backends.settle(config.drain_timeout());
         let me = tables.registry.claim(0, Role::Supervisor, clock.now_ms());
         tables.registry.attach(0, me, std::process::id(), clock.now_ms());
-        let listener =
-            TcpListener::bind(config.listen).with_context(|| format!("cannot listen on {}", config.listen))?;
+        let listener = match inherited_listener.take() {
+            Some(listener) => listener,
+            None => TcpListener::bind(config.listen).with_context(|| format!("cannot listen on {}", config.listen))?,
+        };
         let addr = listener.local_addr()?;
-        println!("semlb listening on http://{addr}");
+        // Not println!: a successor's stdout may be a pipe nobody reads any more.
+        let _ = writeln!(std::io::stdout(), "semlb listening on http://{addr}");
         tracing::info!(
             shm = %name,
             "shm segment {name} ({}), {} dispatchers, {} responders, {} backends, policy {}",
@@ -182,14 +209,22 @@ fn supervise(args: &ServeArgs) -> Result<()> {
             log_redis_reachability(&config);
         }
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let supervisor = Supervisor::new(segment, config, args, &listener, backends, &notify, &keep);
+        let handover = Handover {
+            owner: owned.owner_fd(),
+            admin: admin.as_ref().map(|(l, _)| l.as_raw_fd()),
+            metrics: metrics.as_ref().map(AsRawFd::as_raw_fd),
+            ready: ready_pipe,
+        };
+        let supervisor = Supervisor::new(segment, config, args, &listener, backends, &notify, handover)?;
         runtime.block_on(supervisor.monitor(admin, metrics))
     })();
     if let Err(e) = &result {
         notify.stopping(&format!("failed: {e:#}"));
     }
-    owned.release(keep.get());
-    result
+    // Whether to keep the segment, as the last reload (or an upgrade) said.
+    let keep = result.as_ref().map_or(keep_at_start, |keep| *keep);
+    owned.release(keep);
+    result.map(|_| ())
 }
 
 /// Says where the routing state is kept in Redis, and whether Redis
@@ -233,8 +268,28 @@ struct Supervisor<'a> {
     /// restarted with the new configuration by a reload.
     health: Option<tokio::task::JoinHandle<()>>,
     /// Whether the segment is left for the next start at exit
-    /// (`keep_segment`, as the last reload set it).
-    keep_segment: &'a Cell<bool>,
+    /// (`keep_segment`, as the last reload set it; always after an
+    /// upgrade handed it over).
+    keep_segment: bool,
+    /// What an upgrade hands over, and this supervisor's own handover.
+    handover: Handover,
+    /// The binary an upgrade starts (where this one was started from).
+    exe: std::path::PathBuf,
+    /// The successor an upgrade is starting.
+    successor: Option<Successor>,
+}
+
+/// The descriptors an upgrade hands over besides the listener, and the
+/// pipe this supervisor says ready on if it is a successor itself.
+struct Handover {
+    /// The owner lock's descriptor.
+    owner: RawFd,
+    /// The admin API's listener.
+    admin: Option<RawFd>,
+    /// The metrics listener.
+    metrics: Option<RawFd>,
+    /// Where to say ready to the supervisor that started this one.
+    ready: Option<std::fs::File>,
 }
 
 /// How a stop was asked for.
@@ -243,6 +298,8 @@ enum Stop {
     Term,
     /// SIGINT: a short grace.
     Int,
+    /// An upgrade's successor (this pid) is ready: hand over and drain.
+    Upgrade(u32),
 }
 
 impl<'a> Supervisor<'a> {
@@ -253,15 +310,16 @@ impl<'a> Supervisor<'a> {
         listener: &'a TcpListener,
         backends: Backends<'a>,
         notify: &'a Notifier,
-        keep_segment: &'a Cell<bool>,
-    ) -> Self {
+        handover: Handover,
+    ) -> Result<Self> {
         // The flags children are started with: the command line with the
         // settings that need a restart pinned to the running values.
         let child_args = reload::pinned_args(args, &config).to_args();
-        let children = Children::new(segment, listener, config.dispatchers, config.responders, child_args);
+        let children = Children::new(segment, listener, config.dispatchers, config.responders, child_args)?;
         // The listener is bound and its address was printed already.
         let probe_addr = status::probe_address(listener.local_addr().unwrap_or(config.listen));
-        Self {
+        let keep_segment = config.keep_segment && args.demo.is_none();
+        Ok(Self {
             segment,
             config,
             args,
@@ -272,17 +330,22 @@ impl<'a> Supervisor<'a> {
             reload_error: None,
             health: None,
             keep_segment,
-        }
+            handover,
+            exe: upgrade::installed_exe()?,
+            successor: None,
+        })
     }
 
     /// Keeps the children running until SIGTERM/SIGINT or a crash loop,
     /// then stops them. `admin` is the admin API's listener and token,
     /// `metrics` the metrics listener.
-    async fn monitor(mut self, admin: Option<(TcpListener, String)>, metrics: Option<TcpListener>) -> Result<()> {
+    /// Returns whether to keep the segment at exit.
+    async fn monitor(mut self, admin: Option<(TcpListener, String)>, metrics: Option<TcpListener>) -> Result<bool> {
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
         let mut hup = signal(SignalKind::hangup())?;
         let mut chld = signal(SignalKind::child())?;
+        let mut usr2 = signal(SignalKind::user_defined2())?;
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         self.restart_health()?;
         // Admin requests reach this loop as commands; the sender is kept
@@ -330,8 +393,19 @@ impl<'a> Supervisor<'a> {
                         let _ = reply.send(answer);
                     }
                 }
+                _ = usr2.recv() => self.begin_upgrade(),
                 _ = chld.recv() => {}
                 _ = tick.tick() => {}
+            }
+            if let Some(successor) = &mut self.successor {
+                match successor.progress() {
+                    Progress::Starting => {}
+                    Progress::Ready => break Ok(Stop::Upgrade(successor.pid())),
+                    Progress::Failed(why) => {
+                        tracing::error!("upgrade failed: the new supervisor {why}; serving on");
+                        self.successor = None;
+                    }
+                }
             }
             self.children.reap();
             self.children.kill_hung();
@@ -341,6 +415,7 @@ impl<'a> Supervisor<'a> {
             self.backends.retire_drained();
             if !self.reports.is_ready() && self.children.up() && status::probe(self.probe_addr).await {
                 self.reports.ready(self.status_line());
+                upgrade::say_ready(&mut self.handover.ready);
             }
             if self.reports.is_ready() {
                 let status = self.status_line();
@@ -361,13 +436,54 @@ impl<'a> Supervisor<'a> {
                 self.reports.stopping("stopping (SIGINT)");
                 Duration::from_secs(1)
             }
+            Ok(Stop::Upgrade(pid)) => {
+                tracing::info!(
+                    successor = pid,
+                    "upgrade: the new supervisor (pid {pid}) is ready; handing over and draining"
+                );
+                self.reports.handed_over(*pid);
+                // The successor uses the segment.
+                self.keep_segment = true;
+                self.config.drain_timeout() + Duration::from_secs(2)
+            }
             Err(e) => {
                 self.reports.stopping(&format!("stopping: {e}"));
                 Duration::from_secs(1)
             }
         };
         self.children.stop(grace).await;
-        outcome.map(|_| ())
+        outcome.map(|_| self.keep_segment)
+    }
+
+    /// SIGUSR2: starts the successor ([`upgrade`]), unless one is starting.
+    fn begin_upgrade(&mut self) {
+        if self.successor.is_some() {
+            tracing::warn!("upgrade: a new supervisor is starting already");
+            return;
+        }
+        if self.args.demo.is_some() {
+            tracing::warn!("upgrade: not for --demo (its engines are this process's); restart it instead");
+            return;
+        }
+        let handover = upgrade::Handover {
+            shm: &self.config.shm_name,
+            listener: self.children.listener_fd(),
+            owner: self.handover.owner,
+            admin: self.handover.admin,
+            metrics: self.handover.metrics,
+        };
+        match Successor::start(&self.exe, handover) {
+            Ok(successor) => {
+                tracing::info!(
+                    successor = successor.pid(),
+                    "upgrade: started {} (pid {}); handing over once it is ready",
+                    self.exe.display(),
+                    successor.pid()
+                );
+                self.successor = Some(successor);
+            }
+            Err(e) => tracing::error!("upgrade failed: {e:#}; serving on"),
+        }
     }
 
     /// One line for `systemctl status`.
@@ -407,7 +523,7 @@ impl<'a> Supervisor<'a> {
             new.policy.kind
         );
         if self.args.demo.is_none() {
-            self.keep_segment.set(new.keep_segment);
+            self.keep_segment = new.keep_segment;
         }
         self.config = new;
         // The checker takes the new [health] settings and metrics flavors;

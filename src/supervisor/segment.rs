@@ -115,7 +115,28 @@ fn reclaim(segment: &Segment) -> Reclaimed {
     reclaimed
 }
 
+/// Takes over the segment `name` from the supervisor handing over to this
+/// one (an upgrade, [`super::upgrade`]), with the owner lock's descriptor
+/// it handed over.
+pub(super) fn inherit(name: &str, owner: std::os::fd::OwnedFd) -> Result<OwnedSegment> {
+    let ownership = Ownership::inherit(owner, name).with_context(|| format!("taking over shm segment {name}"))?;
+    let segment = Segment::open(name).with_context(|| {
+        format!("taking over shm segment {name} (an upgrade to a build of another layout version needs a restart)")
+    })?;
+    tracing::info!(shm = %name, "took over shm segment {name} from the supervisor before this one");
+    Ok(OwnedSegment {
+        segment,
+        adopted: true,
+        ownership,
+    })
+}
+
 impl OwnedSegment {
+    /// The descriptor carrying the owner lock, to hand over.
+    pub(super) fn owner_fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&self.ownership)
+    }
+
     /// Gives the segment up: removes it unless `keep`, then releases the
     /// owner lock (in that order, so no other supervisor adopts a segment
     /// being removed).
@@ -124,7 +145,7 @@ impl OwnedSegment {
         let name = ownership.name().to_owned();
         drop(segment);
         if keep {
-            tracing::info!(shm = %name, "leaving shm segment {name} for the next start");
+            tracing::info!(shm = %name, "leaving shm segment {name} in place");
         } else {
             let _ = Segment::remove(&name);
         }

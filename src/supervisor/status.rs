@@ -12,7 +12,7 @@
 //! until it runs again, and a stalled supervisor sends none, so systemd
 //! restarts the service when that lasts. `STOPPING=1` on SIGTERM/SIGINT
 //! (and on a fatal error), before draining; `RELOADING=1` and `READY=1`
-//! around a reload.
+//! around a reload; `MAINPID=` when an upgrade hands over to a successor.
 
 use std::fmt::Display;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -118,6 +118,14 @@ impl<'a> Reports<'a> {
     /// `STOPPING=1` with `status`.
     pub(super) fn stopping(&self, status: &str) {
         self.notify.stopping(status);
+    }
+
+    /// `MAINPID=pid`: the successor `pid` is the service now (an upgrade).
+    pub(super) fn handed_over(&self, pid: u32) {
+        self.notify.main_pid(
+            pid,
+            &format!("handed over to the upgraded supervisor (pid {pid}); draining"),
+        );
     }
 }
 
