@@ -95,7 +95,7 @@ fn stores(c: &mut Criterion) {
         let mut s = RedisStore::connect(&r.url(), "bench", Duration::from_secs(3600)).expect("connect");
         for (n, r) in records.iter().enumerate() {
             let item = WriteItem {
-                server_slot: (n % 4) as u16,
+                server: (n % 4) as u64,
                 blocks: &r.full_blocks,
                 response: r
                     .response_key
@@ -136,7 +136,7 @@ fn stores(c: &mut Criterion) {
                 i = (i + 1) % records.len();
                 let r = &records[i];
                 let item = WriteItem {
-                    server_slot: (i % 4) as u16,
+                    server: (i % 4) as u64,
                     blocks: &r.full_blocks,
                     response: r
                         .response_key

@@ -240,6 +240,7 @@ fn run_responder(segment: &Arc<Segment>, args: &ChildArgs, config: &ServeConfig)
         StoreKind::Redis => Responder::with_sink(
             tables,
             Box::new(RedisWriteBack::new(
+                segment.clone(),
                 &config.store.redis,
                 config.response_cache.ttl(),
                 format!("responder {}", args.index),

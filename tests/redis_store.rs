@@ -137,10 +137,10 @@ fn the_deepest_listing_counts_and_the_scan_stops_at_the_first_miss() {
         .map(|k| system.iter().copied().chain(chain(200 + k, 5)).collect())
         .collect();
     for (k, c) in chains.iter().enumerate() {
-        s.insert_chain(c, k as u16, 10 + k as u64).unwrap();
+        s.insert_chain(c, k as u64, 10 + k as u64).unwrap();
     }
     // The system blocks list only the three most recent servers...
-    let sys: Vec<u16> = s.lookup(system[0]).unwrap().iter().map(|e| e.0).collect();
+    let sys: Vec<u64> = s.lookup(system[0]).unwrap().iter().map(|e| e.0).collect();
     assert_eq!(sys, vec![5, 4, 3]);
     // ...yet server 0's own conversation still matches in full.
     let m = s.longest_prefix_match(&chains[0]).unwrap();
@@ -163,7 +163,7 @@ fn an_entry_keeps_at_most_three_servers_evicting_the_stalest() {
     let mut s = store(&server, "t");
     let k = mix(7);
     for (slot, now) in [(1u16, 10u64), (2, 11), (3, 12)] {
-        s.insert(k, slot, now).unwrap();
+        s.insert(k, u64::from(slot), now).unwrap();
     }
     assert_eq!(s.lookup(k).unwrap(), vec![(3, 12), (2, 11), (1, 10)]);
     // Refreshing a listed server evicts nobody.
@@ -173,7 +173,7 @@ fn an_entry_keeps_at_most_three_servers_evicting_the_stalest() {
     s.insert(k, 4, 14).unwrap();
     assert_eq!(s.lookup(k).unwrap(), vec![(4, 14), (1, 13), (3, 12)]);
     for now in 15..40 {
-        s.insert(k, (now % 7) as u16, now).unwrap();
+        s.insert(k, now % 7, now).unwrap();
         assert_eq!(s.lookup(k).unwrap().len(), LANES);
     }
     let mut raw = server.raw();
@@ -190,7 +190,7 @@ fn naive_and_scripted_matches_agree_on_random_chains() {
     for now in 1..=300u64 {
         let f = &families[rng.below(12) as usize];
         let len = 1 + rng.below(24) as usize;
-        s.insert_chain(&f[..len], rng.below(10) as u16, now).unwrap();
+        s.insert_chain(&f[..len], rng.below(10), now).unwrap();
     }
     for q in 0..200u64 {
         let f = &families[rng.below(12) as usize];
@@ -249,14 +249,14 @@ fn parity_with_the_shm_prefix_table() {
         let len = 1 + rng.below(f.len() as u64) as usize;
         let srv = servers[rng.below(6) as usize];
         t.prefix.insert_chain(&f[..len], srv, Stamp(now as u16));
-        s.insert_chain(&f[..len], srv.slot, now).unwrap();
+        s.insert_chain(&f[..len], u64::from(srv.slot), now).unwrap();
         keys.extend(f[..len].iter().copied());
     }
     assert_eq!(t.prefix.occupancy(), keys.len() as u64, "the shm table evicted nothing");
 
     for k in &keys {
         let shm: Vec<u16> = t.prefix.lookup(*k).unwrap().servers.iter().map(|x| x.slot()).collect();
-        let redis: Vec<u16> = s.lookup(*k).unwrap().iter().map(|e| e.0).collect();
+        let redis: Vec<u16> = s.lookup(*k).unwrap().iter().map(|e| e.0 as u16).collect();
         assert_eq!(shm, redis, "entry {k:x}");
     }
     let mut queries: Vec<Vec<u64>> = families.clone();
@@ -274,7 +274,7 @@ fn parity_with_the_shm_prefix_table() {
             m.iter().count() < shm_layout::MATCH_CAPACITY,
             "the shm match did not overflow"
         );
-        let mut shm: Vec<(u16, u32)> = m.iter().map(|(tag, n)| (tag.slot(), n)).collect();
+        let mut shm: Vec<(u64, u32)> = m.iter().map(|(tag, n)| (u64::from(tag.slot()), n)).collect();
         shm.sort_unstable();
         assert_eq!(s.longest_prefix_match(c).unwrap(), shm, "chain {c:x?}");
         assert_eq!(s.longest_prefix_match_naive(c).unwrap(), shm, "chain {c:x?} (naive)");
@@ -407,7 +407,7 @@ fn both_stores_give_the_same_routing_decisions() {
     } = Stores::new(&server, "decisions");
     let t = seg.tables();
     let mut shm_sink = ShmWriteBack::new(t);
-    let mut redis_sink = RedisWriteBack::new(&redis_config, Duration::from_secs(600), "test");
+    let mut redis_sink = RedisWriteBack::new(seg.clone(), &redis_config, Duration::from_secs(600), "test");
 
     // Conversations: a shared system prompt for some, then their own
     // blocks; each record warms its prompt and its prompt + answer.
@@ -730,12 +730,12 @@ fn inflight_counters() {
         s.inflight_load().unwrap(),
         vec![
             InflightLoad {
-                slot: 1,
+                server: 1,
                 requests: 2,
                 tokens: 150
             },
             InflightLoad {
-                slot: 7,
+                server: 7,
                 requests: 1,
                 tokens: 5
             },

@@ -23,6 +23,7 @@ use super::sse;
 use super::timing::{DispatchTiming, Mark};
 use super::usage::with_include_usage;
 use crate::blocks::BlockHasher;
+use crate::config::StoreKind;
 use crate::continuation::{EndProbe, answer_tokens_estimate};
 use crate::metrics::CacheResult;
 use crate::prompt::{self, Endpoint, RoutingInput};
@@ -92,7 +93,15 @@ pub(super) async fn inference(
         );
         return json_response(StatusCode::BAD_REQUEST, &exceeded.body(parsed.prompt_param()));
     }
-    let seed = dispatcher.segment().header().seed[0];
+    // The namespace's seed with Redis (hosts sharing it hash alike), else
+    // the segment's.
+    let store = dispatcher.store();
+    let namespace_seed = match store.chain_seed() {
+        Some(seed) => Some(seed),
+        None if store.kind() == StoreKind::Redis => store.await_chain_seed().await,
+        None => None,
+    };
+    let seed = namespace_seed.unwrap_or(dispatcher.segment().header().seed[0]);
     let hasher = BlockHasher::new(
         BlockHasher::root_for(&parsed.model, seed),
         dispatcher.config().block_size.max(1),

@@ -204,6 +204,21 @@ pub trait RoutingStore: Send + Sync + fmt::Debug {
     /// The host-local state it counts requests in and reads candidates
     /// from (the gateway queue and a holding policy's check read it too).
     fn local(&self) -> &local::LocalState;
+
+    /// The seed block chains are rooted in when it is not the segment's
+    /// own: with Redis, the namespace's, which every gateway host sharing
+    /// it reads (`None` until it is known, and for shared memory).
+    fn chain_seed(&self) -> Option<u64> {
+        None
+    }
+
+    /// [`RoutingStore::chain_seed`], reading it first if it is not known
+    /// yet and the store may be asked (within its timeout; `None` during
+    /// an outage). The first requests after a start wait for it, so that
+    /// they are hashed like every later one.
+    fn await_chain_seed(&self) -> StoreFuture<'_, Option<u64>> {
+        Box::pin(std::future::ready(self.chain_seed()))
+    }
 }
 
 /// The write side of a store: what a response process does with a batch of
@@ -241,6 +256,15 @@ pub fn answer_blocks(record: &Completion) -> &[u64] {
     let shared = record.prompt_blocks.len().min(record.full_blocks.len());
     let extends = record.full_blocks[..shared] == record.prompt_blocks[..shared];
     &record.full_blocks[if extends { shared } else { 0 }..]
+}
+
+/// The stable id of the server at `address` (`http://host:port`, as the
+/// supervisor registers it): the same on every gateway host whatever order
+/// it lists its backends in, and across restarts. The server table keeps
+/// it, and the Redis store names servers by it, so that hosts sharing a
+/// namespace share what they learn of each server.
+pub fn server_id(address: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(address.as_bytes())
 }
 
 #[cfg(test)]

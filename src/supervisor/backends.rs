@@ -27,8 +27,6 @@ pub(super) struct Backends<'a> {
     /// Removed backends finishing their requests: address, registration,
     /// when they are retired even with requests in flight.
     draining: Vec<(String, ServerRef, Instant)>,
-    /// The server-table id of the next registration (ids are never reused).
-    next_id: u64,
     /// Names (`name`, else `host:port`) by address, live and draining.
     names: HashMap<String, String>,
     /// Addresses of live backends added through the admin API and not (or
@@ -89,7 +87,6 @@ impl<'a> Backends<'a> {
             segment,
             live: Vec::new(),
             draining: Vec::new(),
-            next_id: 0,
             names: HashMap::new(),
             from_admin: HashSet::new(),
             adopted: Vec::new(),
@@ -103,7 +100,6 @@ impl<'a> Backends<'a> {
     pub(super) fn adopt(segment: &'a Segment) -> Self {
         let mut backends = Self::new(segment);
         for info in segment.tables().servers.servers() {
-            backends.next_id = backends.next_id.max(info.id.saturating_add(1));
             backends.adopted.push((info.address, info.server));
         }
         backends
@@ -149,9 +145,12 @@ impl<'a> Backends<'a> {
             .segment
             .tables()
             .servers
-            .register(self.next_id, &address, self.segment.clock().now_ms())
+            .register(
+                semlb::store::server_id(&address),
+                &address,
+                self.segment.clock().now_ms(),
+            )
             .with_context(|| format!("registering backend {}", backend.url))?;
-        self.next_id += 1;
         self.names.insert(address.clone(), backend.display_name());
         self.live.push((address, server));
         Ok(server)

@@ -886,14 +886,14 @@ fn run_redis(
         let slot = m
             .iter()
             .max_by_key(|(_, blocks)| *blocks)
-            .map_or(servers[i % servers.len()], |(s, _)| *s);
+            .map_or(servers[i % servers.len()], |(s, _)| *s as u16);
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
         let t2 = Instant::now();
         // A response process's write-back: one pipeline.
         let item = WriteItem {
-            server_slot: slot,
+            server: u64::from(slot),
             blocks: &r.full,
             response: Some((r.key.0, &r.answer, REDIS_TTL)),
         };

@@ -245,10 +245,11 @@ pub fn parse_key(hex: &str) -> Result<ResponseKey> {
 /// policy takes: each pair counts for the candidate in that slot (pairs of
 /// slots without a live candidate are left out, as the shm match leaves out
 /// servers that are not live).
-pub fn redis_match(pairs: &[(u16, u32)], candidates: &[Candidate]) -> PrefixMatch {
+pub fn redis_match(pairs: &[(u64, u32)], candidates: &[Candidate]) -> PrefixMatch {
     let mut m = PrefixMatch::default();
-    for &(slot, blocks) in pairs {
-        if let Some(c) = candidates.iter().find(|c| c.server.slot == slot) {
+    for &(id, blocks) in pairs {
+        // The fake servers' ids are their slots.
+        if let Some(c) = candidates.iter().find(|c| u64::from(c.server.slot) == id) {
             m.add(c.server.tag(), blocks);
         }
     }
@@ -457,7 +458,7 @@ pub fn run(args: &ScalingArgs) -> Result<()> {
             let mut store = connect_store(r.url(), ns.name())?;
             for (i, rec) in file.requests.iter().enumerate() {
                 store
-                    .insert_chain(&rec.full, (i % FAKE_SERVERS) as u16, now_ms())
+                    .insert_chain(&rec.full, (i % FAKE_SERVERS) as u64, now_ms())
                     .context("pre-warming Redis")?;
             }
             redis_meta = json!({
@@ -812,7 +813,7 @@ pub fn run_worker(args: &WorkerArgs) -> Result<()> {
                     if report.decisions.is_multiple_of(WRITEBACK_EVERY) {
                         // A response process's write-back: one pipeline.
                         let item = WriteItem {
-                            server_slot: choice.server.slot,
+                            server: u64::from(choice.server.slot),
                             blocks: &r.full,
                             response: Some((r.key.0, &r.answer, REDIS_TTL)),
                         };

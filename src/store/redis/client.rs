@@ -10,11 +10,12 @@
 //!
 //! | key | type | content | expiry |
 //! | --- | --- | --- | --- |
-//! | `{ns}:p:<hash, 16 hex digits>` | HASH | field = server slot (decimal), value = last-refresh stamp (`now` of the insert) | the store's TTL, renewed by every insert |
+//! | `{ns}:p:<hash, 16 hex digits>` | HASH | field = server id (hex, [`ServerId`]), value = last-refresh stamp (`now` of the insert) | the store's TTL, renewed by every insert |
 //! | `{ns}:r:<key, 32 hex digits>` | STRING | XXH3-64 of the cached response (8 bytes, LE), then its bytes; a value whose checksum fails is a miss | the TTL given to [`RedisStore::put_response`] |
-//! | `{ns}:if:<owner>` | HASH | one process's in-flight counts: `req:<slot>` = requests, `tok:<slot>` = their prompt tokens | the owner's lease ([`INFLIGHT_LEASE`]), renewed by every publication |
+//! | `{ns}:if:<owner>` | HASH | one process's in-flight counts: `req:<id>` = requests, `tok:<id>` = their prompt tokens | the owner's lease ([`INFLIGHT_LEASE`]), renewed by every publication |
 //! | `{ns}:written` | STRING | completion records written back so far (all response processes; for operators and tests) | none |
-//! | `{ns}:horizon` | HASH | field = server slot, value = its horizon (Unix ms): its fields stamped before it are not matched ([`RedisStore::raise_horizon`]) | [`HORIZON_SPAN`], renewed by every raise |
+//! | `{ns}:horizon` | HASH | field = server id, value = its horizon (Unix ms): its fields stamped before it are not matched ([`RedisStore::raise_horizon`]) | [`HORIZON_SPAN`], renewed by every raise |
+//! | `{ns}:seed` | STRING | the namespace's chain seed, 16 hex digits: every host roots its block chains in it | none |
 //! | `{ns}:owners` | ZSET | member = owner (a process: host, pid, random), score = its lease's end (Redis time, ms) | a day after the last publication |
 //!
 //! In-flight counts are kept per process and published whole (absolute
@@ -25,7 +26,7 @@
 //! not ended, in one script.
 //!
 //! A prefix entry keeps at most [`LANES`] servers, like a shm slot: the
-//! insert script evicts the stalest field (smallest stamp, the smaller slot
+//! insert script evicts the stalest field (smallest stamp, the smaller id
 //! on equal stamps) when a fourth server arrives. This is done on insert, in
 //! a Lua script, so the entry is never seen with more than three servers
 //! and readers need no filtering. (The shm table breaks stamp ties by
@@ -38,9 +39,13 @@
 //! `0..=i`, so a server's match is the deepest block of the chain it is
 //! listed for, scanning until the first block the table knows nothing
 //! about. Two differences, both on the reading side: no liveness filter
-//! here (the caller filters the returned slots), and every server seen is
+//! here (the caller filters the returned servers), and every server seen is
 //! reported, not just the deepest eight ([`shm_layout::MATCH_CAPACITY`]).
-//! Results are sorted by server slot.
+//! Results are sorted by server id.
+//!
+//! Servers are named by [`ServerId`]s, stable ids of their addresses, not by
+//! the slots they have in one host's segment: every gateway host sharing a
+//! namespace names a backend alike, whatever order it lists them in.
 //!
 //! # Round trips (what each operation costs)
 //!
@@ -148,12 +153,28 @@ impl StoreError {
     }
 }
 
-/// Records that `slot` holds `depth` (1-based) leading blocks, keeping the
-/// deepest depth per server.
-fn record(found: &mut Vec<(u16, u32)>, slot: u16, depth: u32) {
-    match found.iter_mut().find(|(s, _)| *s == slot) {
+/// A server as the Redis store names it: the stable id of its address
+/// (`semlb::store::server_id`), written in fields as lowercase hex.
+pub type ServerId = u64;
+
+/// The field name of server `id`.
+pub(crate) fn id_field(id: ServerId) -> String {
+    format!("{id:x}")
+}
+
+/// The server a field names, if it names one.
+fn parse_id(field: &str) -> Option<ServerId> {
+    (!field.is_empty() && field.len() <= 16)
+        .then(|| u64::from_str_radix(field, 16).ok())
+        .flatten()
+}
+
+/// Records that `server` holds `depth` (1-based) leading blocks, keeping
+/// the deepest depth per server.
+fn record(found: &mut Vec<(ServerId, u32)>, server: ServerId, depth: u32) {
+    match found.iter_mut().find(|(s, _)| *s == server) {
         Some(e) => e.1 = e.1.max(depth),
-        None => found.push((slot, depth)),
+        None => found.push((server, depth)),
     }
 }
 
@@ -181,35 +202,36 @@ pub fn owner_id() -> String {
     )
 }
 
-/// The publication arguments of `counts` (slot → requests, tokens):
-/// owner, lease, then `req:<slot>`, n, `tok:<slot>`, n per slot.
-pub(crate) fn publish_args(owner: &str, counts: impl IntoIterator<Item = (u16, i64, i64)>) -> Vec<String> {
+/// The publication arguments of `counts` (server → requests, tokens):
+/// owner, lease, then `req:<id>`, n, `tok:<id>`, n per server.
+pub(crate) fn publish_args(owner: &str, counts: impl IntoIterator<Item = (ServerId, i64, i64)>) -> Vec<String> {
     let mut args = vec![owner.to_owned(), millis(INFLIGHT_LEASE).to_string()];
-    for (slot, requests, tokens) in counts {
+    for (server, requests, tokens) in counts {
+        let id = id_field(server);
         args.extend([
-            format!("req:{slot}"),
+            format!("req:{id}"),
             requests.to_string(),
-            format!("tok:{slot}"),
+            format!("tok:{id}"),
             tokens.to_string(),
         ]);
     }
     args
 }
 
-/// Parses a [`SUM_SCRIPT`] reply into per-slot figures sorted by slot.
+/// Parses a [`SUM_SCRIPT`] reply into per-server figures sorted by id.
 pub(crate) fn parse_inflight(reply: &Value) -> Result<Vec<InflightLoad>, String> {
     let flat: Vec<(String, i64)> = FromRedisValue::from_redis_value(reply).map_err(|e| e.to_string())?;
     let mut out: Vec<InflightLoad> = Vec::new();
     for (field, n) in flat {
-        let (kind, slot) = field
+        let (kind, server) = field
             .split_once(':')
-            .and_then(|(kind, slot)| slot.parse::<u16>().ok().map(|s| (kind, s)))
+            .and_then(|(kind, id)| parse_id(id).map(|s| (kind, s)))
             .ok_or_else(|| format!("counter field {field:?}"))?;
-        let i = match out.iter().position(|l| l.slot == slot) {
+        let i = match out.iter().position(|l| l.server == server) {
             Some(i) => i,
             None => {
                 out.push(InflightLoad {
-                    slot,
+                    server,
                     requests: 0,
                     tokens: 0,
                 });
@@ -222,40 +244,47 @@ pub(crate) fn parse_inflight(reply: &Value) -> Result<Vec<InflightLoad>, String>
             _ => return Err(format!("counter field {field:?}")),
         }
     }
-    out.sort_unstable_by_key(|l| l.slot);
+    out.sort_unstable_by_key(|l| l.server);
     Ok(out)
 }
 
-/// `(slot, leading blocks held)` per server.
-type Depths = Vec<(u16, u32)>;
-/// `(slot, stamp)` per server.
-type Stamps = Vec<(u16, u64)>;
+/// `(server, leading blocks held)` per server.
+type Depths = Vec<(ServerId, u32)>;
+/// `(server, stamp)` per server.
+type Stamps = Vec<(ServerId, u64)>;
 
-/// Parses a [`LPM_SCRIPT`] reply into `(slot, depth)` pairs and `(slot,
-/// stamp of its deepest field)` pairs, both sorted by slot.
+/// Parses a [`LPM_SCRIPT`] reply into `(server, depth)` pairs and
+/// `(server, stamp of its deepest field)` pairs, both sorted by server.
 pub(crate) fn parse_lpm(reply: &Value) -> Result<(Depths, Stamps), String> {
-    let flat: Vec<i64> = FromRedisValue::from_redis_value(reply).map_err(|e| e.to_string())?;
+    let Value::Array(flat) = reply else {
+        return Err(format!("reply {reply:?} is not an array"));
+    };
     if !flat.len().is_multiple_of(3) {
         return Err(format!("reply length {} is not a multiple of 3", flat.len()));
     }
     let mut found = Vec::with_capacity(flat.len() / 3);
     let mut stamps = Vec::with_capacity(flat.len() / 3);
     for triple in flat.chunks_exact(3) {
+        let id = String::from_redis_value(&triple[0]).ok();
         match (
-            u16::try_from(triple[0]),
-            u32::try_from(triple[1]),
-            u64::try_from(triple[2]),
+            id.as_deref().and_then(parse_id),
+            i64::from_redis_value(&triple[1])
+                .ok()
+                .and_then(|d| u32::try_from(d).ok()),
+            i64::from_redis_value(&triple[2])
+                .ok()
+                .and_then(|s| u64::try_from(s).ok()),
         ) {
-            (Ok(slot), Ok(depth), Ok(stamp)) if depth >= 1 => {
-                record(&mut found, slot, depth);
-                stamps.push((slot, stamp));
+            (Some(server), Some(depth), Some(stamp)) if depth >= 1 => {
+                record(&mut found, server, depth);
+                stamps.push((server, stamp));
             }
             _ => return Err(format!("triple {triple:?}")),
         }
     }
     found.sort_unstable();
     stamps.sort_unstable();
-    stamps.dedup_by_key(|(slot, _)| *slot);
+    stamps.dedup_by_key(|(server, _)| *server);
     Ok((found, stamps))
 }
 
@@ -264,12 +293,12 @@ pub(crate) fn parse_lpm(reply: &Value) -> Result<(Depths, Stamps), String> {
 pub struct DispatchLookup {
     /// The cached response, if one was asked for and is present.
     pub response: Option<Vec<u8>>,
-    /// `(slot, leading blocks held)` per server, sorted by slot.
-    pub prefix: Vec<(u16, u32)>,
-    /// `(slot, stamp)`: when each server of [`prefix`](Self::prefix) last
+    /// `(server, leading blocks held)` per server, sorted by server.
+    pub prefix: Vec<(ServerId, u32)>,
+    /// `(server, stamp)`: when each server of [`prefix`](Self::prefix) last
     /// refreshed its deepest entry (Unix ms; empty for a naive match).
-    pub refreshed: Vec<(u16, u64)>,
-    /// In-flight figures per server over every live owner, sorted by slot.
+    pub refreshed: Vec<(ServerId, u64)>,
+    /// In-flight figures per server over every live owner, sorted by server.
     pub loads: Vec<InflightLoad>,
 }
 
@@ -368,7 +397,7 @@ pub const MAX_LOOKUP_BLOCKS: usize = 4096;
 #[derive(Debug, Clone, Copy)]
 pub struct WriteItem<'a> {
     /// The server that holds the blocks.
-    pub server_slot: u16,
+    pub server: ServerId,
     /// Block hashes to insert (or refresh) for it.
     pub blocks: &'a [u64],
     /// A response to cache: key, body, TTL.
@@ -389,8 +418,8 @@ pub struct RedisStore {
     publish: Script,
     sum: Script,
     owner: String,
-    /// This process's in-flight counts: (slot, requests, tokens).
-    counts: Vec<(u16, i64, i64)>,
+    /// This process's in-flight counts: (server, requests, tokens).
+    counts: Vec<(ServerId, i64, i64)>,
     round_trips: u64,
     connects: u64,
 }
@@ -598,16 +627,16 @@ impl RedisStore {
         }
     }
 
-    /// Records that server `server_slot` holds every prefix of `chain`, as
-    /// of `now` (any increasing clock; milliseconds keep ties rare), and
-    /// renews the entries' TTL. One round trip.
-    pub fn insert_chain(&mut self, chain: &[u64], server_slot: u16, now: u64) -> Result<(), StoreError> {
+    /// Records that `server` holds every prefix of `chain`, as of `now`
+    /// (any increasing clock; milliseconds keep ties rare), and renews the
+    /// entries' TTL. One round trip.
+    pub fn insert_chain(&mut self, chain: &[u64], server: ServerId, now: u64) -> Result<(), StoreError> {
         if chain.is_empty() {
             return Ok(());
         }
         let keys: Vec<String> = chain.iter().map(|h| self.prefix_key(*h)).collect();
         let args = [
-            server_slot.to_string(),
+            id_field(server),
             now.to_string(),
             millis(self.ttl).to_string(),
             LANES.to_string(),
@@ -615,26 +644,26 @@ impl RedisStore {
         self.eval("insert_chain", ScriptId::Insert, &keys, &args).map(drop)
     }
 
-    /// Records that `server_slot` holds the prefix `hash` (a one-block
+    /// Records that `server` holds the prefix `hash` (a one-block
     /// [`RedisStore::insert_chain`]).
-    pub fn insert(&mut self, hash: u64, server_slot: u16, now: u64) -> Result<(), StoreError> {
-        self.insert_chain(&[hash], server_slot, now)
+    pub fn insert(&mut self, hash: u64, server: ServerId, now: u64) -> Result<(), StoreError> {
+        self.insert_chain(&[hash], server, now)
     }
 
     /// The servers of entry `hash` with their stamps, most recent first
-    /// (equal stamps: smaller slot first). Empty if there is no entry.
-    pub fn lookup(&mut self, hash: u64) -> Result<Vec<(u16, u64)>, StoreError> {
+    /// (equal stamps: smaller id first). Empty if there is no entry.
+    pub fn lookup(&mut self, hash: u64) -> Result<Vec<(ServerId, u64)>, StoreError> {
         let mut cmd = redis::cmd("HGETALL");
         cmd.arg(self.prefix_key(hash));
         let fields: Vec<(String, String)> = self.query("lookup", &cmd)?;
         let mut out = Vec::with_capacity(fields.len());
-        for (slot, stamp) in fields {
-            match (slot.parse::<u16>(), stamp.parse::<u64>()) {
-                (Ok(slot), Ok(stamp)) => out.push((slot, stamp)),
+        for (field, stamp) in fields {
+            match (parse_id(&field), stamp.parse::<u64>()) {
+                (Some(server), Ok(stamp)) => out.push((server, stamp)),
                 _ => {
                     return Err(StoreError::Protocol {
                         op: "lookup",
-                        detail: format!("prefix entry field {slot:?} = {stamp:?}"),
+                        detail: format!("prefix entry field {field:?} = {stamp:?}"),
                     });
                 }
             }
@@ -644,9 +673,9 @@ impl RedisStore {
     }
 
     /// Longest-prefix match: for every server listed in the leading known
-    /// blocks of `chain`, `(slot, leading blocks held)`, sorted by slot.
+    /// blocks of `chain`, `(server, leading blocks held)`, sorted by server.
     /// One round trip (a server-side script walks the chain).
-    pub fn longest_prefix_match(&mut self, chain: &[u64]) -> Result<Vec<(u16, u32)>, StoreError> {
+    pub fn longest_prefix_match(&mut self, chain: &[u64]) -> Result<Vec<(ServerId, u32)>, StoreError> {
         const OP: &str = "longest_prefix_match";
         if chain.is_empty() {
             return Ok(Vec::new());
@@ -660,19 +689,19 @@ impl RedisStore {
             .map_err(|detail| StoreError::Protocol { op: OP, detail })
     }
 
-    /// Sets `server_slot`'s horizon to `at_ms` (Unix ms) if that is later
+    /// Sets `server`'s horizon to `at_ms` (Unix ms) if that is later
     /// than the one it has: its fields stamped before it are not matched
     /// any more (its engine was seen to evict them; see
     /// [`crate::responder`]). Returns whether it moved. The naive match
     /// (the paper's baseline) does not read horizons.
-    pub fn raise_horizon(&mut self, server_slot: u16, at_ms: u64) -> Result<bool, StoreError> {
+    pub fn raise_horizon(&mut self, server: ServerId, at_ms: u64) -> Result<bool, StoreError> {
         const OP: &str = "raise_horizon";
         let key = format!("{}:horizon", self.namespace);
         let mut cmd = redis::cmd("EVAL");
         cmd.arg(RAISE_SCRIPT)
             .arg(1)
             .arg(key)
-            .arg(server_slot)
+            .arg(id_field(server))
             .arg(at_ms)
             .arg(millis(HORIZON_SPAN));
         let moved: i64 = self.query(OP, &cmd)?;
@@ -682,7 +711,7 @@ impl RedisStore {
     /// [`RedisStore::longest_prefix_match`] the way the sLLM paper's
     /// baseline does it: one `HGETALL` round trip per block, until the
     /// first missing block. Same result.
-    pub fn longest_prefix_match_naive(&mut self, chain: &[u64]) -> Result<Vec<(u16, u32)>, StoreError> {
+    pub fn longest_prefix_match_naive(&mut self, chain: &[u64]) -> Result<Vec<(ServerId, u32)>, StoreError> {
         const OP: &str = "longest_prefix_match_naive";
         let mut found = Vec::new();
         for (i, hash) in chain.iter().enumerate() {
@@ -692,10 +721,10 @@ impl RedisStore {
             if fields.is_empty() {
                 break;
             }
-            for (slot, _) in fields {
+            for (field, _) in fields {
                 // Skip what this module never writes, like the script does.
-                if let Ok(slot) = slot.parse::<u16>() {
-                    record(&mut found, slot, i as u32 + 1);
+                if let Some(server) = parse_id(&field) {
+                    record(&mut found, server, i as u32 + 1);
                 }
             }
         }
@@ -703,11 +732,11 @@ impl RedisStore {
         Ok(found)
     }
 
-    /// Forgets server `server_slot` in every prefix entry of the namespace
+    /// Forgets `server` in every prefix entry of the namespace
     /// (its engine lost its cache); returns how many listed it. A `SCAN`
     /// of the prefix keys, 1 000 at a time, each batch's `HDEL`s in one
     /// pipeline: a rare operation, not one for the request path.
-    pub fn forget_server(&mut self, server_slot: u16) -> Result<u64, StoreError> {
+    pub fn forget_server(&mut self, server: ServerId) -> Result<u64, StoreError> {
         const OP: &str = "forget_server";
         let pattern = format!("{}:p:*", self.namespace);
         let mut cursor = 0u64;
@@ -719,7 +748,7 @@ impl RedisStore {
             if !keys.is_empty() {
                 let mut pipe = redis::pipe();
                 for key in &keys {
-                    pipe.cmd("HDEL").arg(key).arg(server_slot);
+                    pipe.cmd("HDEL").arg(key).arg(id_field(server));
                 }
                 let conn = self.connection()?;
                 let counts: Result<Vec<u64>, RedisError> = pipe.query(conn);
@@ -821,7 +850,7 @@ impl RedisStore {
                     for hash in item.blocks {
                         cmd.arg(self.prefix_key(*hash));
                     }
-                    cmd.arg(item.server_slot).arg(&now).arg(&ttl).arg(&lanes).ignore();
+                    cmd.arg(id_field(item.server)).arg(&now).arg(&ttl).arg(&lanes).ignore();
                 }
                 if let Some((key, body, ttl)) = item.response {
                     pipe.cmd("SET")
@@ -858,19 +887,19 @@ impl RedisStore {
         }
     }
 
-    /// Adds to this store's in-flight counts of `server_slot` and publishes
+    /// Adds to this store's in-flight counts of `server` and publishes
     /// them all; returns this store's requests in flight to it.
     fn add_inflight(
         &mut self,
         op: &'static str,
-        server_slot: u16,
+        server: ServerId,
         requests: i64,
         tokens: i64,
     ) -> Result<i64, StoreError> {
-        let i = match self.counts.iter().position(|c| c.0 == server_slot) {
+        let i = match self.counts.iter().position(|c| c.0 == server) {
             Some(i) => i,
             None => {
-                self.counts.push((server_slot, 0, 0));
+                self.counts.push((server, 0, 0));
                 self.counts.len() - 1
             }
         };
@@ -886,31 +915,31 @@ impl RedisStore {
     }
 
     /// Counts a request of `prompt_tokens` tokens as in flight on
-    /// `server_slot` and publishes this store's counts; returns this store's
+    /// `server` and publishes this store's counts; returns this store's
     /// requests in flight to that server. One round trip.
-    pub fn begin_request(&mut self, server_slot: u16, prompt_tokens: u32) -> Result<i64, StoreError> {
-        self.add_inflight("begin_request", server_slot, 1, i64::from(prompt_tokens))
+    pub fn begin_request(&mut self, server: ServerId, prompt_tokens: u32) -> Result<i64, StoreError> {
+        self.add_inflight("begin_request", server, 1, i64::from(prompt_tokens))
     }
 
     /// Undoes [`RedisStore::begin_request`] when the request finishes. One
     /// round trip. (Counts are not clamped: an unmatched end shows as a
     /// negative count.)
-    pub fn end_request(&mut self, server_slot: u16, prompt_tokens: u32) -> Result<i64, StoreError> {
-        self.add_inflight("end_request", server_slot, -1, -i64::from(prompt_tokens))
+    pub fn end_request(&mut self, server: ServerId, prompt_tokens: u32) -> Result<i64, StoreError> {
+        self.add_inflight("end_request", server, -1, -i64::from(prompt_tokens))
     }
 
-    /// In-flight requests per server slot over every live owner, sorted by
-    /// slot (servers never counted are absent). One round trip.
-    pub fn inflight(&mut self) -> Result<Vec<(u16, i64)>, StoreError> {
+    /// In-flight requests per server over every live owner, sorted by id
+    /// (servers never counted are absent). One round trip.
+    pub fn inflight(&mut self) -> Result<Vec<(ServerId, i64)>, StoreError> {
         Ok(self
             .inflight_load()?
             .into_iter()
-            .map(|l| (l.slot, l.requests))
+            .map(|l| (l.server, l.requests))
             .collect())
     }
 
-    /// In-flight requests and prompt tokens per server slot over every
-    /// live owner, sorted by slot. One round trip.
+    /// In-flight requests and prompt tokens per server over every live
+    /// owner, sorted by id. One round trip.
     pub fn inflight_load(&mut self) -> Result<Vec<InflightLoad>, StoreError> {
         const OP: &str = "inflight";
         let reply = self.eval(OP, ScriptId::Sum, &[self.owners_key()], &[self.inflight_prefix()])?;
@@ -929,8 +958,8 @@ enum ScriptId {
 /// One server's in-flight figures, as [`RedisStore::inflight_load`] reads them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InflightLoad {
-    /// Server slot.
-    pub slot: u16,
+    /// The server.
+    pub server: ServerId,
     /// Requests in flight.
     pub requests: i64,
     /// Prompt tokens of those requests.

@@ -1,6 +1,12 @@
 //! The routing state in Redis (`--store redis`): what a good Redis user
 //! does, on the [`client`] data model.
 //!
+//! Hosts on one namespace share it: chains are rooted in the namespace's
+//! seed (`{ns}:seed`, [`namespace_seed`]) and servers are named by stable
+//! ids of their addresses ([`client::ServerId`], mapped to this host's
+//! slots through its server table), so a prefix learned on one host
+//! routes on another.
+//!
 //! # Dispatcher side: [`RedisRouting`]
 //!
 //! - One multiplexed connection per dispatcher process (requests from all
@@ -57,7 +63,7 @@ use super::{Lookup, LookupRequest, RoutingStore, StoreFuture, StoreStats, WriteB
 use crate::config::{RedisConfig, RedisLookup, StoreKind};
 use crate::continuation::EndProbe;
 use client::{
-    DispatchLookup, INFLIGHT_LEASE, INSERT_SCRIPT, LANES, LPM_SCRIPT, PUBLISH_SCRIPT, RedisStore, SUM_SCRIPT,
+    DispatchLookup, INFLIGHT_LEASE, INSERT_SCRIPT, LANES, LPM_SCRIPT, PUBLISH_SCRIPT, RedisStore, SUM_SCRIPT, ServerId,
     StoreError, WriteItem, lookup_pipeline, owner_id, parse_lookup, publish_args,
 };
 
@@ -178,6 +184,33 @@ pub struct RedisRouting {
     publishes: AtomicU64,
     /// Who this process is in messages (`dispatcher 3`).
     label: String,
+    /// The namespace's chain seed ([`namespace_seed`]), once read.
+    chain_seed: std::sync::OnceLock<u64>,
+}
+
+/// The seed every block chain of the namespace is rooted in: created once
+/// (`SET {ns}:seed <candidate> NX`, no expiry) by the first process of any
+/// host that connects, and read by every other, so that every gateway host
+/// sharing the namespace hashes a prompt to the same chain. `candidate` is
+/// this process's random proposal. One round trip.
+async fn namespace_seed(conn: &mut MultiplexedConnection, namespace: &str, candidate: u64) -> redis::RedisResult<u64> {
+    let key = format!("{namespace}:seed");
+    let (_, seed): (Value, String) = redis::pipe()
+        .cmd("SET")
+        .arg(&key)
+        .arg(format!("{candidate:016x}"))
+        .arg("NX")
+        .cmd("GET")
+        .arg(&key)
+        .query_async(conn)
+        .await?;
+    u64::from_str_radix(&seed, 16).map_err(|_| {
+        redis::RedisError::from((
+            ErrorKind::TypeError,
+            "the namespace seed is not 16 hex digits",
+            format!("{key} = {seed:?}"),
+        ))
+    })
 }
 
 impl RedisRouting {
@@ -226,6 +259,7 @@ impl RedisRouting {
             outages: AtomicU64::new(0),
             publishes: AtomicU64::new(0),
             label: label.into(),
+            chain_seed: std::sync::OnceLock::new(),
         });
         tokio::spawn(publish_loop(store.clone()));
         Ok(store)
@@ -246,6 +280,13 @@ impl RedisRouting {
             .await
             .map_err(StoreError::Connect)?;
         load_scripts(&mut conn).await.map_err(StoreError::Connect)?;
+        if self.chain_seed.get().is_none() {
+            let candidate = self.local.segment().header().seed[1] ^ unix_ms().rotate_left(17);
+            let seed = namespace_seed(&mut conn, &self.names.namespace, candidate)
+                .await
+                .map_err(StoreError::Connect)?;
+            let _ = self.chain_seed.set(seed);
+        }
         *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn.clone());
         Ok(conn)
     }
@@ -290,11 +331,11 @@ impl RedisRouting {
     }
 
     /// One `HGETALL` round trip per block until the first missing one.
-    async fn naive_match(&self, chain: &[u64]) -> Result<Vec<(u16, u32)>, StoreError> {
+    async fn naive_match(&self, chain: &[u64]) -> Result<Vec<(ServerId, u32)>, StoreError> {
         const OP: &str = "lookup (naive)";
         let chain = &chain[..chain.len().min(client::MAX_LOOKUP_BLOCKS)];
         let mut conn = self.connection().await?;
-        let mut found: Vec<(u16, u32)> = Vec::new();
+        let mut found: Vec<(ServerId, u32)> = Vec::new();
         for (i, hash) in chain.iter().enumerate() {
             let fields: Vec<(String, String)> = redis::cmd("HGETALL")
                 .arg(format!("{}:p:{hash:016x}", self.names.namespace))
@@ -304,10 +345,10 @@ impl RedisRouting {
             if fields.is_empty() {
                 break;
             }
-            for slot in fields.iter().filter_map(|(s, _)| s.parse::<u16>().ok()) {
-                match found.iter_mut().find(|(s, _)| *s == slot) {
+            for server in fields.iter().filter_map(|(s, _)| u64::from_str_radix(s, 16).ok()) {
+                match found.iter_mut().find(|(s, _)| *s == server) {
                     Some(e) => e.1 = i as u32 + 1,
-                    None => found.push((slot, i as u32 + 1)),
+                    None => found.push((server, i as u32 + 1)),
                 }
             }
         }
@@ -316,9 +357,12 @@ impl RedisRouting {
 
     /// Publishes this process's in-flight counts (absolute values).
     async fn publish(&self) -> Result<(), StoreError> {
+        let servers = self.local.segment().tables().servers;
         let counts = self.counts.iter().enumerate().filter_map(|(slot, (r, t))| {
             let (r, t) = (r.load(Relaxed), t.load(Relaxed));
-            (r != 0 || t != 0).then_some((slot as u16, r, t))
+            // A server retired meanwhile has no id: nothing left to publish.
+            let id = servers.id_of(slot as u16)?;
+            (r != 0 || t != 0).then_some((id, r, t))
         });
         let names = &self.names;
         let mut pipe = redis::pipe();
@@ -378,12 +422,16 @@ impl RedisRouting {
         let Some(replies) = self.guarded("continuation", self.query("continuation", &pipe)).await else {
             return PrefixMatch::default();
         };
-        let listed: Vec<Vec<u16>> = replies
+        let listed: Vec<Vec<String>> = replies
             .iter()
             .map(|r| redis::FromRedisValue::from_redis_value(r).unwrap_or_default())
             .collect();
+        let servers = self.local.segment().tables().servers;
         probe.credit(prefix, &probes, |i, server| {
-            listed.get(i).is_some_and(|slots| slots.contains(&server.slot()))
+            let id = servers.id_of(server.slot()).map(client::id_field);
+            listed
+                .get(i)
+                .is_some_and(|fields| id.is_some_and(|id| fields.contains(&id)))
         })
     }
 
@@ -485,7 +533,24 @@ async fn publish_loop(store: Arc<RedisRouting>) {
     }
 }
 
+/// `server`'s id in Redis: the id of its registration in `segment`, if
+/// it is still registered (a stable id of its address, the same on every
+/// host: [`crate::store::server_id`]).
+fn server_id(segment: &Segment, server: ServerRef) -> Option<ServerId> {
+    let servers = segment.tables().servers;
+    let id = servers.id_of(server.slot)?;
+    servers
+        .current(server.slot)
+        .is_some_and(|(s, _)| s == server)
+        .then_some(id)
+}
+
 impl RedisRouting {
+    /// `server`'s id in Redis, if it is still registered.
+    fn id_of(&self, server: ServerRef) -> Option<ServerId> {
+        server_id(self.local.segment(), server)
+    }
+
     /// Records `server` for `keys` now, without waiting (one insert script).
     fn insert_detached<'k>(&self, server: ServerRef, keys: impl Iterator<Item = &'k u64> + Clone) {
         let names = &self.names;
@@ -494,7 +559,8 @@ impl RedisRouting {
         for hash in keys {
             cmd.arg(names.prefix_key(*hash));
         }
-        cmd.arg(server.slot)
+        let Some(id) = self.id_of(server) else { return };
+        cmd.arg(client::id_field(id))
             .arg(unix_ms())
             .arg(self.config.prefix_ttl().as_millis() as u64)
             .arg(LANES)
@@ -522,12 +588,16 @@ impl RoutingStore for RedisRouting {
             self.lookups.fetch_add(1, Relaxed);
             lookup.response = fetched.response.map(Bytes::from);
             let candidates = &mut lookup.candidates;
+            let servers = self.local.segment().tables().servers;
+            // Redis names servers by id; this host's candidates by slot.
+            let ids: Vec<Option<ServerId>> = candidates.iter().map(|c| servers.id_of(c.server.slot)).collect();
             let (segment_now, unix_now) = (self.local.segment().clock().now_ms(), unix_ms());
-            for (slot, depth) in fetched.prefix {
-                if let Some(c) = candidates.iter().find(|c| c.server.slot == slot) {
+            for (id, depth) in fetched.prefix {
+                if let Some(i) = ids.iter().position(|c| *c == Some(id)) {
+                    let c = &candidates[i];
                     let refreshed = fetched
                         .refreshed
-                        .binary_search_by_key(&slot, |(s, _)| *s)
+                        .binary_search_by_key(&id, |(s, _)| *s)
                         .ok()
                         .and_then(|i| segment_stamp(fetched.refreshed[i].1, segment_now, unix_now));
                     lookup.prefix.add_refreshed(c.server.tag(), depth, refreshed);
@@ -537,7 +607,8 @@ impl RoutingStore for RedisRouting {
                 lookup.continued = self.continued(&probe, &lookup.prefix).await;
             }
             for load in fetched.loads {
-                if let Some(c) = candidates.iter_mut().find(|c| c.server.slot == load.slot) {
+                if let Some(i) = ids.iter().position(|c| *c == Some(load.server)) {
+                    let c = &mut candidates[i];
                     c.inflight = c.inflight.max(load.requests.max(0) as u64);
                     c.inflight_tokens = c.inflight_tokens.max(load.tokens.max(0) as u64);
                 }
@@ -572,11 +643,12 @@ impl RoutingStore for RedisRouting {
     }
 
     fn forget_route(&self, server: ServerRef, blocks: &[u64], end_key: u64) {
+        let Some(id) = self.id_of(server) else { return };
         let mut pipe = redis::pipe();
         for hash in blocks.iter().chain([&end_key]) {
             pipe.cmd("HDEL")
                 .arg(self.names.prefix_key(*hash))
-                .arg(server.slot)
+                .arg(client::id_field(id))
                 .ignore();
         }
         self.send_detached(pipe);
@@ -594,6 +666,19 @@ impl RoutingStore for RedisRouting {
 
     fn local(&self) -> &LocalState {
         &self.local
+    }
+
+    fn chain_seed(&self) -> Option<u64> {
+        self.chain_seed.get().copied()
+    }
+
+    fn await_chain_seed(&self) -> StoreFuture<'_, Option<u64>> {
+        Box::pin(async move {
+            if self.chain_seed.get().is_none() {
+                self.guarded("connect", self.connection()).await;
+            }
+            self.chain_seed.get().copied()
+        })
     }
 }
 
@@ -613,6 +698,8 @@ fn record_bytes(record: &Completion) -> usize {
 /// A response process's writes into Redis (see the module docs).
 #[derive(Debug)]
 pub struct RedisWriteBack {
+    /// The host's segment: its server table names the servers' ids.
+    segment: Arc<Segment>,
     config: RedisConfig,
     response_ttl: Duration,
     store: Option<RedisStore>,
@@ -624,10 +711,12 @@ pub struct RedisWriteBack {
 }
 
 impl RedisWriteBack {
-    /// Writes with `config`, caching responses for `response_ttl`; `label`
-    /// names the process in messages. Connects on the first write.
-    pub fn new(config: &RedisConfig, response_ttl: Duration, label: impl Into<String>) -> Self {
+    /// Writes with `config` what records of `segment`'s servers teach,
+    /// caching responses for `response_ttl`; `label` names the process in
+    /// messages. Connects on the first write.
+    pub fn new(segment: Arc<Segment>, config: &RedisConfig, response_ttl: Duration, label: impl Into<String>) -> Self {
         Self {
+            segment,
             config: config.clone(),
             response_ttl,
             store: None,
@@ -662,18 +751,26 @@ impl RedisWriteBack {
         let ttl = self.response_ttl;
         self.store()?;
         // Disjoint fields: the items borrow the backlog, the write needs the store.
-        let Self { store, backlog, .. } = self;
+        let Self {
+            store,
+            backlog,
+            segment,
+            ..
+        } = self;
         let store = store.as_mut().expect("connected just above");
         let mut items = Vec::with_capacity(2 * n);
         for r in backlog.iter().take(n) {
-            let Some(server) = r.server else { continue };
+            // A server retired since: what it learned is of no use.
+            let Some(server) = r.server.and_then(|s| server_id(segment, s)) else {
+                continue;
+            };
             items.push(WriteItem {
-                server_slot: server.slot,
+                server,
                 blocks: &r.prompt_blocks,
                 response: None,
             });
             items.push(WriteItem {
-                server_slot: server.slot,
+                server,
                 blocks: answer_blocks(r),
                 response: r.response_key.map(|k| (k.0, r.response.as_slice(), ttl)),
             });
@@ -688,7 +785,10 @@ impl WriteBack for RedisWriteBack {
     }
 
     fn forget_server(&mut self, server: ServerRef) -> u64 {
-        match self.store().and_then(|s| s.forget_server(server.slot)) {
+        let Some(id) = server_id(&self.segment, server) else {
+            return 0;
+        };
+        match self.store().and_then(|s| s.forget_server(id)) {
             Ok(n) => n,
             Err(e) => {
                 tracing::warn!(process = %self.label, error = %e, "could not forget server slot {} in Redis: {e}", server.slot);
@@ -699,7 +799,10 @@ impl WriteBack for RedisWriteBack {
 
     fn demote_before(&mut self, server: ServerRef, at_s: u32, now_ms: u64) -> bool {
         let at_ms = unix_at(at_s, now_ms, unix_ms());
-        match self.store().and_then(|s| s.raise_horizon(server.slot, at_ms)) {
+        let Some(id) = server_id(&self.segment, server) else {
+            return false;
+        };
+        match self.store().and_then(|s| s.raise_horizon(id, at_ms)) {
             Ok(moved) => moved,
             Err(e) => {
                 tracing::warn!(process = %self.label, error = %e, "could not raise the horizon of server slot {} in Redis: {e}", server.slot);
@@ -819,7 +922,8 @@ mod tests {
             retry_ms: 10,
             ..RedisConfig::default()
         };
-        RedisWriteBack::new(&config, Duration::from_secs(60), "test")
+        let segment = Arc::new(Segment::heap(&shm_layout::LayoutPlan::for_size(8 << 20).unwrap()));
+        RedisWriteBack::new(segment, &config, Duration::from_secs(60), "test")
     }
 
     #[test]

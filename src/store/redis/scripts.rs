@@ -5,21 +5,20 @@
 /// Insert: for each key, set the server's stamp, cap the entry at
 /// `ARGV[4]` servers by evicting the stalest other one, renew the TTL.
 pub(crate) const INSERT_SCRIPT: &str = r#"
-local slot = ARGV[1]
+local server = ARGV[1]
 local now = ARGV[2]
 local ttl = ARGV[3]
 local lanes = tonumber(ARGV[4])
 for _, key in ipairs(KEYS) do
-  redis.call('HSET', key, slot, now)
+  redis.call('HSET', key, server, now)
   if redis.call('HLEN', key) > lanes then
     local f = redis.call('HGETALL', key)
-    local victim, vstamp, vslot = nil, nil, nil
+    local victim, vstamp = nil, nil
     for j = 1, #f, 2 do
-      if f[j] ~= slot then
+      if f[j] ~= server then
         local s = tonumber(f[j + 1]) or -1
-        local n = tonumber(f[j]) or -1
-        if vstamp == nil or s < vstamp or (s == vstamp and n < vslot) then
-          victim, vstamp, vslot = f[j], s, n
+        if vstamp == nil or s < vstamp or (s == vstamp and f[j] < victim) then
+          victim, vstamp = f[j], s
         end
       end
     end
@@ -32,8 +31,9 @@ return #KEYS
 
 /// Longest-prefix match: `KEYS[1]` is the horizon hash, the other keys
 /// the chain's; walk them in chain order, stop at the first missing one,
-/// skip a server's fields stamped before its horizon, return `slot, depth,
-/// stamp` triples (deepest depth per server, and that field's stamp).
+/// skip a server's fields stamped before its horizon, return `server id,
+/// depth, stamp` triples (deepest depth per server, and that field's
+/// stamp).
 pub(crate) const LPM_SCRIPT: &str = r#"
 local horizon = {}
 local h = redis.call('HGETALL', KEYS[1])
@@ -45,10 +45,10 @@ for i = 2, #KEYS do
   local f = redis.call('HGETALL', KEYS[i])
   if #f == 0 then break end
   for j = 1, #f, 2 do
-    local n = tonumber(f[j])
+    local n = f[j]
     local s = tonumber(f[j + 1]) or 0
-    local limit = horizon[f[j]]
-    if n and (limit == nil or s >= limit) then
+    local limit = horizon[n]
+    if limit == nil or s >= limit then
       if depth[n] == nil then order[#order + 1] = n end
       depth[n] = i - 1
       stamp[n] = s
