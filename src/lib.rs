@@ -27,7 +27,7 @@
 //! | [`health`] | health of the inference servers: active and passive checks, circuit breakers, `/metrics` load scraping |
 //! | [`segment_store`] | the token segments every process shares: the tokenizer's second-level cache in the shm segment |
 //! | [`size`] | human byte sizes (`256MiB`) |
-//! | [`store`] | where the routing state lives, behind one interface: shm (default) or Redis ([`store::redis`]; its client, [`store::redis::client`]: prefix entries, responses, in-flight counters and round trips; the Lua scripts it runs in Redis, `store::redis::scripts`); what this host knows whatever the store ([`store::local`]: live candidates with fresh load, the in-flight ledger) |
+//! | [`store`] | where the routing state lives, behind one interface: shm (default) or Redis ([`store::redis`]; its client, [`store::redis::client`]: prefix entries, responses, in-flight counters and round trips; the Lua scripts it runs in Redis, `store::redis::scripts`; credentials and TLS, [`store::redis::credentials`]; URLs without their passwords, [`store::redis::url`]; servers named by ids of their addresses, [`store::redis::server_id`]); what this host knows whatever the store ([`store::local`]: live candidates with fresh load, the in-flight ledger) |
 //!
 //! A dispatcher turns a request body into routing text ([`prompt`]),
 //! tokenizes it (the gateway's own tokenizer crate, which the simulator shares,

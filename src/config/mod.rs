@@ -101,7 +101,10 @@
 //! | `[store]` | table | | where the routing state lives ([`crate::store`]) |
 //! | `store.kind` | `shm`, `redis` | `shm` | the host's shared-memory segment, or a Redis server (shared by every host using it) |
 //! | `[store.redis]` | table | | the Redis store, used when `kind = "redis"` (checked whatever the kind) |
-//! | `store.redis.url` | string | `"redis://127.0.0.1:6379/"` | `redis://[user:password@]host:port[/db]` |
+//! | `store.redis.url` | string | `"redis://127.0.0.1:6379/"` | `redis://host:port[/db]`, `rediss://` for TLS; a `user:password@` still works, but see `password_file` |
+//! | `store.redis.username` | string | none | an ACL user (Redis 6+), if not in the URL |
+//! | `store.redis.password_file` | path | none | a file only its owner may read whose first line is the password; else `$SEMLB_REDIS_PASSWORD`. Never on a child's command line or in a log |
+//! | `store.redis.ca_file` | path | the system's roots | a PEM certificate authority a `rediss://` server's certificate is checked against |
 //! | `store.redis.namespace` | string | `"semlb"` | prefix of every key (`A-Z a-z 0-9 . _ : -`, at most 64 bytes): deployments sharing a Redis must differ |
 //! | `store.redis.prefix_ttl_secs` | integer | `3600` | a prefix entry expires this long after its last refresh (1 s to 1 year) |
 //! | `store.redis.timeout_ms` | integer | `100` | connect and reply deadline; slower is an outage (1 ms to 60 s) |

@@ -147,6 +147,14 @@ pub struct RedisConfig {
     pub lookup: RedisLookup,
     /// Completion records a response process keeps during an outage.
     pub write_backlog: usize,
+    /// An ACL user name (Redis 6 and later), if not in the URL.
+    pub username: Option<String>,
+    /// A file (mode 0600) whose first line is the password, if the URL has
+    /// none; else `$SEMLB_REDIS_PASSWORD` ([`crate::store::redis::credentials`]).
+    pub password_file: Option<PathBuf>,
+    /// A PEM certificate authority a `rediss://` server is checked against
+    /// (default: the system's roots).
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for RedisConfig {
@@ -159,6 +167,9 @@ impl Default for RedisConfig {
             retry_ms: 1000,
             lookup: RedisLookup::Script,
             write_backlog: 10_000,
+            username: None,
+            password_file: None,
+            ca_file: None,
         }
     }
 }

@@ -62,6 +62,8 @@ pub(super) struct Children<'a> {
     listener: &'a TcpListener,
     /// The flags children are started with (after `__child --role ...`).
     args: Vec<OsString>,
+    /// Environment variables children get (a Redis password).
+    env: Vec<(OsString, OsString)>,
     slots: Vec<Slot>,
     /// Children restarted since the start.
     restarts: u64,
@@ -77,6 +79,7 @@ impl<'a> Children<'a> {
         dispatchers: usize,
         responders: usize,
         args: Vec<OsString>,
+        env: Vec<(OsString, OsString)>,
     ) -> Result<Self> {
         let slots = place(segment, dispatchers, responders)?
             .into_iter()
@@ -95,6 +98,7 @@ impl<'a> Children<'a> {
             segment,
             listener,
             args,
+            env,
             slots,
             restarts: 0,
         })
@@ -194,7 +198,7 @@ impl<'a> Children<'a> {
             };
             s.incarnation = tables.registry.claim(s.slot, role, clock.now_ms());
             let fd = (s.role == ChildRole::Dispatcher).then(|| self.listener.as_raw_fd());
-            match spawn(s, fd, &self.args) {
+            match spawn(s, fd, &self.args, &self.env) {
                 Ok(pid) => {
                     s.pid = Some(pid);
                     s.restart_at = None;
@@ -342,9 +346,15 @@ fn place(segment: &Segment, dispatchers: usize, responders: usize) -> Result<Vec
     Ok(placed)
 }
 
-/// Starts the child of slot `s`: `semlb __child` with `serve_args`, and
+/// Starts the child of slot `s`: `semlb __child` with `serve_args` and
+/// `env`, and
 /// for a dispatcher the listening socket `listen_fd` on [`LISTEN_FD`].
-fn spawn(s: &Slot, listen_fd: Option<RawFd>, serve_args: &[OsString]) -> std::io::Result<Pid> {
+fn spawn(
+    s: &Slot,
+    listen_fd: Option<RawFd>,
+    serve_args: &[OsString],
+    env: &[(OsString, OsString)],
+) -> std::io::Result<Pid> {
     // The running binary itself, even once an upgrade replaced the file
     // (the path would then name the new one); named as it was started.
     let exe = std::path::Path::new("/proc/self/exe");
@@ -372,6 +382,7 @@ fn spawn(s: &Slot, listen_fd: Option<RawFd>, serve_args: &[OsString]) -> std::io
         cmd.env_remove(var);
     }
     cmd.env_remove(super::upgrade::INHERIT_VAR);
+    cmd.envs(env.iter().map(|(k, v)| (k, v)));
     let supervisor = std::process::id() as libc::pid_t;
     // SAFETY: the closure runs in the forked child before exec and only makes
     // async-signal-safe system calls (signal, prctl, getppid, dup2, fcntl,

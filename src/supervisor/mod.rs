@@ -82,6 +82,7 @@ use self::status::Reports;
 use self::upgrade::{Progress, Successor};
 use crate::cli::{ChildRole, ServeArgs};
 use crate::notify::Notifier;
+use semlb::store::redis::credentials;
 
 /// Runs the gateway until SIGTERM/SIGINT (or a crash loop).
 pub fn run(args: &ServeArgs) -> Result<()> {
@@ -206,7 +207,7 @@ fn supervise(args: &ServeArgs) -> Result<()> {
             config.policy.kind
         );
         if config.store.kind == semlb::config::StoreKind::Redis {
-            log_redis_reachability(&config);
+            log_redis_reachability(&config)?;
         }
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let handover = Handover {
@@ -229,25 +230,27 @@ fn supervise(args: &ServeArgs) -> Result<()> {
 
 /// Says where the routing state is kept in Redis, and whether Redis
 /// answers now (it need not: routing falls back on load until it does).
-fn log_redis_reachability(config: &ServeConfig) {
+fn log_redis_reachability(config: &ServeConfig) -> Result<()> {
     let r = &config.store.redis;
-    let reachable = redis::Client::open(r.url.as_str())
-        .and_then(|c| c.get_connection_with_timeout(r.timeout()))
+    // Credentials and certificates that cannot be read stop the start.
+    let client = credentials::client(r)?;
+    let url = credentials::redacted(&r.url);
+    let reachable = client
+        .get_connection_with_timeout(r.timeout())
         .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
     match reachable {
         Ok(_) => tracing::info!(
-            "routing state in Redis at {} (namespace {}, lookup {:?})",
-            r.url,
+            "routing state in Redis at {url} (namespace {}, lookup {:?})",
             r.namespace,
             r.lookup
         ),
         Err(e) => tracing::warn!(
-            "routing state in Redis at {} (namespace {}, lookup {:?}): not reachable now ({e}); routing on load only until it is",
-            r.url,
+            "routing state in Redis at {url} (namespace {}, lookup {:?}): not reachable now ({e}); routing on load only until it is",
             r.namespace,
             r.lookup
         ),
     }
+    Ok(())
 }
 
 /// The supervisor's state while it runs the children.
@@ -315,7 +318,21 @@ impl<'a> Supervisor<'a> {
         // The flags children are started with: the command line with the
         // settings that need a restart pinned to the running values.
         let child_args = reload::pinned_args(args, &config).to_args();
-        let children = Children::new(segment, listener, config.dispatchers, config.responders, child_args)?;
+        let child_env = match config.store.kind {
+            semlb::config::StoreKind::Redis => semlb::store::redis::credentials::password(&config.store.redis)?
+                .map(|p| (credentials::PASSWORD_VAR.into(), p.into()))
+                .into_iter()
+                .collect(),
+            semlb::config::StoreKind::Shm => Vec::new(),
+        };
+        let children = Children::new(
+            segment,
+            listener,
+            config.dispatchers,
+            config.responders,
+            child_args,
+            child_env,
+        )?;
         // The listener is bound and its address was printed already.
         let probe_addr = status::probe_address(listener.local_addr().unwrap_or(config.listen));
         let keep_segment = config.keep_segment && args.demo.is_none();

@@ -97,7 +97,11 @@ pub(super) fn pinned_args(args: &ServeArgs, config: &ServeConfig) -> ServeArgs {
         pinned.chat_template.clone_from(&config.chat_template);
     }
     pinned.store = Some(config.store.kind);
-    pinned.redis_url = Some(config.store.redis.url.clone());
+    // Never a password on a command line: children get it in their
+    // environment (`Children`, `credentials::PASSWORD_VAR`).
+    pinned.redis_url = Some(semlb::store::redis::credentials::without_password(
+        &config.store.redis.url,
+    ));
     pinned.redis_namespace = Some(config.store.redis.namespace.clone());
     pinned.redis_lookup = Some(config.store.redis.lookup);
     pinned

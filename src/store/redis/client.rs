@@ -91,6 +91,8 @@ use std::time::Duration;
 use redis::{Cmd, Connection, ErrorKind, FromRedisValue, RedisError, Script, Value};
 
 pub(crate) use super::scripts::{INSERT_SCRIPT, LPM_SCRIPT, PUBLISH_SCRIPT, RAISE_SCRIPT, SUM_SCRIPT};
+pub use super::server_id::ServerId;
+use super::server_id::{id_field, parse_id};
 
 /// Servers remembered per prefix entry (as in the shm table).
 pub const LANES: usize = shm_layout::prefix_table::LANES;
@@ -109,6 +111,12 @@ pub enum StoreError {
         /// What was wrong with it.
         #[source]
         source: RedisError,
+    },
+    /// The credentials or certificates configured could not be read.
+    #[error("Redis: {detail}")]
+    Setup {
+        /// What could not be read, and why.
+        detail: String,
     },
     /// No connection could be opened (refused, unreachable, handshake or
     /// script loading failed).
@@ -151,22 +159,6 @@ impl StoreError {
             _ => false,
         }
     }
-}
-
-/// A server as the Redis store names it: the stable id of its address
-/// (`semlb::store::server_id`), written in fields as lowercase hex.
-pub type ServerId = u64;
-
-/// The field name of server `id`.
-pub(crate) fn id_field(id: ServerId) -> String {
-    format!("{id:x}")
-}
-
-/// The server a field names, if it names one.
-fn parse_id(field: &str) -> Option<ServerId> {
-    (!field.is_empty() && field.len() <= 16)
-        .then(|| u64::from_str_radix(field, 16).ok())
-        .flatten()
 }
 
 /// Records that `server` holds `depth` (1-based) leading blocks, keeping
@@ -457,9 +449,20 @@ impl RedisStore {
         timeout: Duration,
     ) -> Result<Self, StoreError> {
         let client = redis::Client::open(url).map_err(|source| StoreError::Url {
-            url: url.to_owned(),
+            url: super::url::redacted(url),
             source,
         })?;
+        Self::with_client(client, namespace, ttl, timeout)
+    }
+
+    /// [`RedisStore::connect_with_timeout`] through `client` (made with
+    /// credentials and certificates: [`super::credentials::client`]).
+    pub fn with_client(
+        client: redis::Client,
+        namespace: &str,
+        ttl: Duration,
+        timeout: Duration,
+    ) -> Result<Self, StoreError> {
         let mut store = Self {
             client,
             conn: None,

@@ -2,10 +2,14 @@
 //! does, on the [`client`] data model.
 //!
 //! Hosts on one namespace share it: chains are rooted in the namespace's
-//! seed (`{ns}:seed`, [`namespace_seed`]) and servers are named by stable
+//! seed (`{ns}:seed`, `namespace_seed`) and servers are named by stable
 //! ids of their addresses ([`client::ServerId`], mapped to this host's
 //! slots through its server table), so a prefix learned on one host
 //! routes on another.
+//!
+//! How a process connects (URL, password from a file or the environment,
+//! TLS with a private CA) is [`credentials`]; [`url`] keeps passwords out
+//! of logs and command lines; [`server_id`] names servers.
 //!
 //! # Dispatcher side: [`RedisRouting`]
 //!
@@ -44,7 +48,10 @@
 //! the first call after `retry_ms` that reaches it.
 
 pub mod client;
+pub mod credentials;
 mod scripts;
+pub mod server_id;
+pub mod url;
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
@@ -225,10 +232,7 @@ impl RedisRouting {
         config: &RedisConfig,
         label: impl Into<String>,
     ) -> Result<Arc<Self>, StoreError> {
-        let client = redis::Client::open(config.url.as_str()).map_err(|source| StoreError::Url {
-            url: config.url.clone(),
-            source,
-        })?;
+        let client = credentials::client(config)?;
         let ns = &config.namespace;
         let owner = owner_id();
         let hash = |code: &str| redis::Script::new(code).get_hash().to_owned();
@@ -428,7 +432,7 @@ impl RedisRouting {
             .collect();
         let servers = self.local.segment().tables().servers;
         probe.credit(prefix, &probes, |i, server| {
-            let id = servers.id_of(server.slot()).map(client::id_field);
+            let id = servers.id_of(server.slot()).map(server_id::id_field);
             listed
                 .get(i)
                 .is_some_and(|fields| id.is_some_and(|id| fields.contains(&id)))
@@ -459,11 +463,11 @@ impl RedisRouting {
             let degraded = h.degraded_in_outage.swap(0, Relaxed);
             tracing::info!(
                 process = %self.label,
-                redis = %self.config.url,
+                redis = %credentials::redacted(&self.config.url),
                 outage_secs = secs,
                 degraded,
                 "Redis at {} answers again after {secs:.1} s; {degraded} requests were routed on load only",
-                self.config.url
+                credentials::redacted(&self.config.url)
             );
             self.dirty.notify_one();
         }
@@ -485,10 +489,10 @@ impl RedisRouting {
             self.outages.fetch_add(1, Relaxed);
             tracing::warn!(
                 process = %self.label,
-                redis = %self.config.url,
+                redis = %credentials::redacted(&self.config.url),
                 error = %error,
                 "Redis at {} is unavailable ({error}); routing on load only, probing every {} ms",
-                self.config.url,
+                credentials::redacted(&self.config.url),
                 self.config.retry_ms
             );
         }
@@ -560,7 +564,7 @@ impl RedisRouting {
             cmd.arg(names.prefix_key(*hash));
         }
         let Some(id) = self.id_of(server) else { return };
-        cmd.arg(client::id_field(id))
+        cmd.arg(server_id::id_field(id))
             .arg(unix_ms())
             .arg(self.config.prefix_ttl().as_millis() as u64)
             .arg(LANES)
@@ -648,7 +652,7 @@ impl RoutingStore for RedisRouting {
         for hash in blocks.iter().chain([&end_key]) {
             pipe.cmd("HDEL")
                 .arg(self.names.prefix_key(*hash))
-                .arg(client::id_field(id))
+                .arg(server_id::id_field(id))
                 .ignore();
         }
         self.send_detached(pipe);
@@ -736,8 +740,8 @@ impl RedisWriteBack {
     fn store(&mut self) -> Result<&mut RedisStore, StoreError> {
         if self.store.is_none() {
             let c = &self.config;
-            self.store = Some(RedisStore::connect_with_timeout(
-                &c.url,
+            self.store = Some(RedisStore::with_client(
+                credentials::client(c)?,
                 &c.namespace,
                 c.prefix_ttl(),
                 c.timeout(),
@@ -843,10 +847,10 @@ impl WriteBack for RedisWriteBack {
                         let secs = since.elapsed().as_secs_f64();
                         tracing::info!(
                             process = %self.label,
-                            redis = %self.config.url,
+                            redis = %credentials::redacted(&self.config.url),
                             outage_secs = secs,
                             "Redis at {} answers again after {secs:.1} s; the backlog is written",
-                            self.config.url
+                            credentials::redacted(&self.config.url)
                         );
                     }
                     self.retry_at = None;
@@ -859,10 +863,10 @@ impl WriteBack for RedisWriteBack {
                         self.down_since = Some(Instant::now());
                         tracing::warn!(
                             process = %self.label,
-                            redis = %self.config.url,
+                            redis = %credentials::redacted(&self.config.url),
                             error = %e,
                             "Redis at {} is unavailable ({e}); keeping up to {} records to write later",
-                            self.config.url,
+                            credentials::redacted(&self.config.url),
                             self.config.write_backlog
                         );
                     }
