@@ -108,6 +108,7 @@ pub mod load_figures;
 #[cfg(all(test, loom))]
 mod loom_models;
 mod mix;
+#[cfg(not(loom))]
 pub mod ownership;
 pub mod plan;
 pub mod prefix_table;
@@ -125,6 +126,7 @@ pub use completion_ring::{CompletionRing, Pop, PushError, RingStats};
 pub use error::{ClaimError, CreateError, NameError, OpenError, PlanError, RemoveError};
 pub use header::{HeaderInfo, LAYOUT_VERSION, MAGIC, STATE_READY};
 pub use load_figures::LoadFigures;
+#[cfg(not(loom))]
 pub use ownership::{Claim, Claimed, Membership, Ownership};
 pub use plan::{LayoutPlan, PlanOptions, Region, RegionKind, SERVER_SLOTS, STAT_WORDS};
 pub use prefix_table::{InsertOutcome, MATCH_CAPACITY, PrefixEntry, PrefixMatch, PrefixTable, ServerSet, Stamp};
