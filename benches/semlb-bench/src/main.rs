@@ -16,7 +16,8 @@
 //! | `replay` | [`replay`] | every routing policy on the same workloads ([`workload`]: the Mooncake trace, HH-RLHF chats, hot-prefix agent sessions, closed-loop agents, and closed-loop chats on four engine sets: with and without `/metrics`, streamed and not): throughput, TTFT, SLO attainment, goodput from a rate sweep, prefix hits, load imbalance, and every policy against `least_load` |
 //! | `llama` | [`replay::real_engine`] | `cache_aware`, `round_robin`, `consistent_hash` and `least_load` in front of real `llama-server` engines (SmolLM2-135M on CPU) and in front of the simulator calibrated to them, on small closed-loop chats: throughput, TTFT, the engines' cached-token share |
 //! | `proxy` | [`proxy`] | the gateway's cost as a proxy against nginx in front of the same engine (front pinned to its own core): req/s, latency and added latency, CPU µs per request |
-//! | `all` | here | every report in turn |
+//! | `state` | [`state`] | what keeping the routing state is worth: the first 60 s after a restart with the segment kept (hot restart) and not, and two gateway hosts on one Redis sharing a namespace or not: cached share of prompt tokens, TTFT p50/p90 |
+//! | `all` | here | every report in turn (but `state`) |
 //!
 //! The gateway processes it measures are the `semlb` binary next to this
 //! one ([`semlb_exe`]): `cargo build --release -p semlb -p semlb-bench`
@@ -37,6 +38,7 @@ pub mod proxy;
 pub mod redis_server;
 pub mod replay;
 pub mod scaling;
+pub mod state;
 pub mod tokenizer;
 pub mod workload;
 
@@ -81,6 +83,9 @@ pub enum BenchCommand {
     Tokenizer(tokenizer::TokenizerArgs),
     /// semlb against nginx in front of the same engine: latency, CPU per request.
     Proxy(proxy::ProxyArgs),
+    /// What keeping the routing state is worth: a restart with and
+    /// without the segment kept, two gateway hosts sharing Redis or not.
+    State(state::StateArgs),
     /// Every report with its default settings.
     All(Common),
     /// A load process of `scaling` (not for direct use).
@@ -139,6 +144,7 @@ pub fn run(command: &BenchCommand) -> Result<()> {
         BenchCommand::Llama(args) => replay::real_engine::run(args),
         BenchCommand::Tokenizer(args) => tokenizer::run(args),
         BenchCommand::Proxy(args) => proxy::run(args),
+        BenchCommand::State(args) => state::run(args),
         BenchCommand::BenchWorker(args) => scaling::run_worker(args),
         BenchCommand::All(common) => {
             tokenizer::run(&tokenizer::TokenizerArgs::with(common.clone()))?;
