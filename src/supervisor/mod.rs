@@ -114,7 +114,12 @@ fn supervise(args: &ServeArgs) -> Result<()> {
     let notify = Notifier::from_env();
     // Started by a supervisor handing over to this one (an upgrade)?
     let inherited = upgrade::Inherited::from_env()?;
-    let config = ServeConfig::resolve(args.config.as_deref(), args.overrides())?;
+    let mut config = ServeConfig::resolve(args.config.as_deref(), args.overrides())?;
+    if let Some(i) = &inherited {
+        // A successor keeps the segment it is handed, whatever the file
+        // now says (a new shm_name needs a restart).
+        config.shm_name.clone_from(&i.shm);
+    }
     // Load what every dispatcher will load, so a bad file is one clear error
     // here rather than a crash loop of children, and say which engine runs.
     let tokenizer = crate::child::load_tokenizer(&config, 0)?;
