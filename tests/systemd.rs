@@ -257,7 +257,7 @@ fn notifies_ready_watchdog_reloading_and_stopping() {
 /// `semlb serve --config FILE` with `[[backend]]`s and a policy.
 fn write_config(path: &Path, shm: &str, backends: &[&Proc], policy: &str, extra: &str) {
     let mut text = format!(
-        "listen = \"127.0.0.1:0\"\ndispatchers = 1\nresponders = 1\nshm_name = \"{shm}\"\nshm_size = \"32MiB\"\ndrain_timeout_secs = 5\n{extra}\n"
+        "listen = \"127.0.0.1:0\"\ndispatchers = 1\nresponders = 1\nshm_name = \"{shm}\"\nshm_size = \"32MiB\"\nkeep_segment = false\ndrain_timeout_secs = 5\n{extra}\n"
     );
     for b in backends {
         text.push_str(&format!("[[backend]]\nurl = \"http://{}\"\n", b.addr));

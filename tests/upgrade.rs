@@ -135,6 +135,16 @@ fn agent(addr: &str, i: usize, requests: usize, done: Arc<AtomicUsize>) -> std::
     })
 }
 
+/// SIGKILLs a successor (not a child of the test) if the test ends
+/// before stopping it.
+struct KillOnDrop(u32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = kill(Pid::from_raw(self.0 as i32), Signal::SIGKILL);
+    }
+}
+
 /// Waits (bounded) until `pid`, no child of this process, is gone.
 fn wait_gone(pid: u32, within: Duration) {
     let deadline = Instant::now() + within;
@@ -188,6 +198,7 @@ fn an_upgrade_under_load_fails_no_request_and_finishes_every_stream() {
         .find_map(|l| l.strip_prefix("MAINPID="))
         .and_then(|p| p.parse().ok())
         .expect("MAINPID=<pid>");
+    let _successor = KillOnDrop(new_pid);
     let status = old
         .wait_exit(Duration::from_secs(60))
         .expect("the old supervisor exits");
