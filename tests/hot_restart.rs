@@ -26,6 +26,7 @@ use shm_layout::{LAYOUT_VERSION, LayoutPlan, ProcessState, Role, Segment};
 use support::gateway::{Gateway, chat, engine_counter, routed, sim, sim_at, stream_text, user};
 use support::http::http;
 use support::process::{Proc, Stderr, exe};
+use support::segment::requests_in_flight;
 
 fn unique(tag: &str) -> String {
     support::process::unique("hot", tag)
@@ -160,11 +161,6 @@ fn without_keep_segment_a_restart_starts_empty() {
     assert_eq!(after.engine_calls, 1.0);
 }
 
-/// Requests in flight to any server of `segment`.
-fn inflight(segment: &Segment) -> u64 {
-    segment.tables().servers.servers().map(|s| s.inflight_requests).sum()
-}
-
 #[test]
 fn a_killed_gateway_is_adopted_and_the_counts_its_processes_left_are_reclaimed() {
     // Slow engines: the streams are still running when everything dies.
@@ -189,7 +185,7 @@ fn a_killed_gateway_is_adopted_and_the_counts_its_processes_left_are_reclaimed()
         })
         .collect();
     let deadline = Instant::now() + Duration::from_secs(20);
-    while inflight(&gw.segment) < 4 {
+    while requests_in_flight(&gw.segment) < 4 {
         assert!(Instant::now() < deadline, "the streams did not start");
         std::thread::yield_now();
     }
@@ -211,7 +207,7 @@ fn a_killed_gateway_is_adopted_and_the_counts_its_processes_left_are_reclaimed()
         c.join().expect("client");
     }
     assert_eq!(
-        inflight(&gw.segment),
+        requests_in_flight(&gw.segment),
         4,
         "nobody took the dead processes' counts back yet"
     );
@@ -221,7 +217,7 @@ fn a_killed_gateway_is_adopted_and_the_counts_its_processes_left_are_reclaimed()
     let log = gw.proc.stderr_text();
     assert!(log.contains("adopted shm segment"), "{log}");
     assert!(log.contains("4 requests they had in flight reclaimed"), "{log}");
-    assert_eq!(inflight(&gw.segment), 0);
+    assert_eq!(requests_in_flight(&gw.segment), 0);
     let r = chat(gw.addr(), &[user("Still there?")], json!({"max_tokens": 8}), &[]);
     assert_eq!(r.status, 200);
 }

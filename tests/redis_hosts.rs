@@ -160,7 +160,7 @@ fn one_hosts_requests_in_flight_count_on_the_other() {
     let least_load = ["--policy", "least_load"];
     let a = gateway("load-a", &a_order, &url, "load", &least_load);
     let b = gateway("load-b", &b_order, &url, "load", &least_load);
-    let inflight_on_a = || -> u64 { a.segment.tables().servers.servers().map(|s| s.inflight_requests).sum() };
+    let inflight_on_a = || support::segment::requests_in_flight(&a.segment);
     let streams: Vec<_> = (0..2u64)
         .map(|i| {
             let addr = a.addr().to_owned();

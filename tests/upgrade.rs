@@ -27,6 +27,7 @@ use support::http::{Response, http};
 use support::keepalive::KeepAlive;
 use support::notify::NotifySocket;
 use support::process::{Proc, ProcBuilder, Stderr, exe};
+use support::segment::requests_in_flight;
 
 fn unique(tag: &str) -> String {
     support::process::unique("upg", tag)
@@ -59,11 +60,6 @@ fn install(path: &std::path::Path) {
     let fresh = path.with_extension("new");
     std::fs::copy(exe(), &fresh).expect("copy the binary");
     std::fs::rename(&fresh, path).expect("rename it into place");
-}
-
-/// Requests in flight to any server of `segment`.
-fn inflight(segment: &Segment) -> u64 {
-    segment.tables().servers.servers().map(|s| s.inflight_requests).sum()
 }
 
 /// The running supervisor's pid in the segment's registry.
@@ -172,7 +168,7 @@ fn an_upgrade_under_load_fails_no_request_and_finishes_every_stream() {
 
     let streams: Vec<_> = (0..3).map(|i| long_stream(&old.addr, i)).collect();
     let deadline = Instant::now() + Duration::from_secs(20);
-    while inflight(&segment) < 3 {
+    while requests_in_flight(&segment) < 3 {
         assert!(Instant::now() < deadline, "the streams did not start");
         std::thread::yield_now();
     }

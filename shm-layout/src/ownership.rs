@@ -188,12 +188,6 @@ impl Ownership {
         }
     }
 
-    /// The descriptor that carries the lock: a process that inherits it
-    /// (or a duplicate of it) shares the ownership.
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
-    }
-
     /// The segment's name, with its leading `/`.
     pub fn name(&self) -> &str {
         &self.name

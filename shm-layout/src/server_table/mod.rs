@@ -467,14 +467,6 @@ impl<'a> ServerTable<'a> {
         self.is_current(server).then_some(id)
     }
 
-    /// The current registration whose id is `id` (a scan of the table).
-    pub fn find_id(&self, id: u64) -> Option<ServerRef> {
-        (0..self.slots.len() as u16)
-            .filter_map(|slot| self.current(slot))
-            .map(|(server, _)| server)
-            .find(|server| self.id_of(server.slot) == Some(id))
-    }
-
     /// Whether the tagged server is registered, `Up`, and of that generation:
     /// the filter for [`crate::PrefixTable::longest_prefix_match`].
     #[inline]

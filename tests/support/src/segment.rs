@@ -61,3 +61,9 @@ pub fn populate(segment: &Segment, servers: &[ServerRef], chains: u64, len: usiz
             .insert_chain(&chain(c, len), servers[(c as usize) % servers.len()], Stamp(1));
     }
 }
+
+/// Requests in flight to every server of `segment`, as its server table
+/// counts them.
+pub fn requests_in_flight(segment: &shm_layout::Segment) -> u64 {
+    segment.tables().servers.servers().map(|s| s.inflight_requests).sum()
+}
