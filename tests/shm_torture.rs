@@ -1161,9 +1161,10 @@ fn parent_sample(w: &World, t: &Tables<'_>, rng: &mut Rng, scratch: &mut Vec<u8>
     for slot in 0..SERVERS {
         w.check_server(t, slot)?;
         // Requests and their pending part share one atomic word (as do
-        // their tokens), and every op keeps pending <= in flight.
+        // their tokens), and every op keeps pending <= in flight. Read each
+        // word once: two loads would let a begin land between them.
         let server = w.servers[usize::from(slot)];
-        let (inflight, pending) = (t.servers.inflight(server), t.servers.pending(server));
+        let (inflight, pending) = t.servers.inflight_and_pending(server);
         if pending.0 > inflight.0 || pending.1 > inflight.1 {
             return Err(format!(
                 "server {slot}: {pending:?} requests / tokens pending of {inflight:?} in flight"
@@ -1465,7 +1466,7 @@ fn shm_torture() {
         t.servers.reclaim_process(slot);
     }
     for (i, s) in w.servers.iter().enumerate() {
-        let (inflight, pending) = (t.servers.inflight(*s), t.servers.pending(*s));
+        let (inflight, pending) = t.servers.inflight_and_pending(*s);
         if (inflight, pending) != ((0, 0), (0, 0)) {
             failures.add(format!(
                 "server {i}: {inflight:?} requests / tokens in flight and {pending:?} pending after reclaiming \
