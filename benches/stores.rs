@@ -82,6 +82,7 @@ fn stores(c: &mut Criterion) {
         b.iter(|| {
             i = (i + 1) % chains.len();
             black_box(shm.lookup_now(LookupRequest {
+                members: semlb::routing::Members::all(),
                 response_key: records[i].response_key,
                 chain: &chains[i],
                 exclude: &[],

@@ -20,9 +20,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use semlb::config::ModelConfig;
 use semlb::config::ServeConfig;
 use semlb::config::StoreKind;
 use semlb::dispatcher::{self, Dispatcher, Identity};
+use semlb::pools::TokenizerLoader;
 use semlb::responder::{Responder, rings_for};
 use semlb::responder_loop::ResponderLoop;
 use semlb::segment_store::ShmSegmentStore;
@@ -91,9 +93,11 @@ pub(crate) fn load_tokenizer(config: &ServeConfig, segment_cache_bytes: u64) -> 
 }
 
 fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) -> Result<()> {
-    let tokenizer = load_tokenizer(&config, config.segment_cache_size.bytes())?
-        .with_shared_segments(Arc::new(ShmSegmentStore::new(segment.clone())));
-    let template = ChatTemplate::resolve(config.chat_template.as_deref(), config.tokenizer.as_deref())?;
+    let loader = TokenizerLoader::new(
+        &config,
+        usize::try_from(config.segment_cache_size.bytes()).unwrap_or(usize::MAX),
+        Some(Arc::new(ShmSegmentStore::new(segment.clone()))),
+    );
     let identity = Identity {
         slot: args.slot,
         incarnation: args.incarnation,
@@ -124,7 +128,7 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
         // Ignored until here (the supervisor starts children with SIGHUP
         // ignored, so an early one cannot kill this process).
         let hup = signal(SignalKind::hangup())?;
-        let policy = config.policy.clone();
+        let running = (config.models.clone(), config.policy.clone());
         let store: Option<Arc<dyn RoutingStore>> = match config.store.kind {
             StoreKind::Shm => None,
             StoreKind::Redis => Some(RedisRouting::start(
@@ -134,16 +138,16 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
                 format!("dispatcher {}", identity.ring),
             )?),
         };
-        let mut dispatcher = Dispatcher::new(segment, identity, Arc::new(config), tokenizer, template);
+        let mut dispatcher = Dispatcher::new(segment, identity, Arc::new(config), loader)?;
         if let Some(store) = store {
             dispatcher = dispatcher.with_store(store);
         }
         let dispatcher = Arc::new(dispatcher);
-        tokio::spawn(reload_policy_on_hup(
+        tokio::spawn(reload_models_on_hup(
             hup,
             dispatcher.clone(),
             args.serve.clone(),
-            policy,
+            running,
         ));
         dispatcher::serve(listener, dispatcher, async move {
             term.recv().await;
@@ -187,37 +191,49 @@ fn spawn_heartbeat(segment: Arc<Segment>, slot: u16, incarnation: u32, watch: Ar
 }
 
 /// On SIGHUP (forwarded by the supervisor's reload), resolves the
-/// configuration again with the same flags and switches to its routing
-/// policy if that changed; a configuration that does not resolve keeps the
-/// running policy. Also checks once at start, for a reload signalled
-/// before the handler was installed.
-async fn reload_policy_on_hup(
+/// configuration again with the same flags and, if its model pools or
+/// routing policy changed, rebuilds the pools (new tokenizers loaded on the
+/// blocking pool; unchanged pools keep their policies). A configuration
+/// that does not resolve, or whose tokenizers do not load, keeps the
+/// running pools. Also checks once at start, for a reload signalled before
+/// the handler was installed.
+async fn reload_models_on_hup(
     mut hup: tokio::signal::unix::Signal,
     dispatcher: Arc<Dispatcher>,
     serve: crate::cli::ServeArgs,
-    mut policy: semlb::routing::PolicyConfig,
+    mut running: (Vec<ModelConfig>, semlb::routing::PolicyConfig),
 ) {
     let ring = dispatcher.identity().ring;
-    let reload = |policy: &mut semlb::routing::PolicyConfig| match ServeConfig::resolve(
-        serve.config.as_deref(),
-        serve.overrides(),
-    ) {
-        Ok(new) if new.policy != *policy => {
-            dispatcher.set_policy(&new.policy);
-            tracing::info!(dispatcher = ring, policy = %new.policy.kind, "dispatcher {ring}: routing policy now {}", new.policy.kind);
-            *policy = new.policy;
+    loop {
+        match ServeConfig::resolve(serve.config.as_deref(), serve.overrides()) {
+            Ok(new) if (&new.models, &new.policy) != (&running.0, &running.1) => {
+                let d = dispatcher.clone();
+                let models = new.models.len();
+                let kind = new.policy.kind;
+                let wanted = (new.models.clone(), new.policy.clone());
+                match tokio::task::spawn_blocking(move || d.set_models(&new)).await {
+                    Ok(Ok(())) => {
+                        tracing::info!(dispatcher = ring, models, policy = %kind, "dispatcher {ring}: {models} model pools, policy {kind}");
+                        running = wanted;
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(dispatcher = ring, error = %e, "dispatcher {ring}: keeping the running model pools: {e}")
+                    }
+                    Err(e) => {
+                        tracing::warn!(dispatcher = ring, error = %e, "dispatcher {ring}: reloading the model pools failed: {e}")
+                    }
+                }
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(
+                dispatcher = ring,
+                error = %e,
+                "dispatcher {ring}: configuration rejected, keeping the running model pools and policy: {e}"
+            ),
         }
-        Ok(_) => {}
-        Err(e) => tracing::warn!(
-            dispatcher = ring,
-            error = %e,
-            "dispatcher {ring}: configuration rejected, keeping policy {}: {e}",
-            policy.kind
-        ),
-    };
-    reload(&mut policy);
-    while hup.recv().await.is_some() {
-        reload(&mut policy);
+        if hup.recv().await.is_none() {
+            return;
+        }
     }
 }
 
@@ -249,6 +265,14 @@ fn run_responder(segment: &Arc<Segment>, args: &ChildArgs, config: &ServeConfig)
         ),
     };
     let responder = responder.forgetting(config.learn_from_reports);
+    // Pools with tokenizers of their own: loaded when a record names one,
+    // from the configuration as it is then (a reload may have added it).
+    let mut loader = TokenizerLoader::new(config, 0, Some(Arc::new(ShmSegmentStore::new(segment.clone()))));
+    let serve = args.serve.clone();
+    let responder = responder.with_model_tokenizers(Box::new(move |id| {
+        let config = ServeConfig::resolve(serve.config.as_deref(), serve.overrides()).ok()?;
+        loader.by_id(&config, id)
+    }));
     let responder = responder.with_chat_template(ChatTemplate::resolve(
         config.chat_template.as_deref(),
         config.tokenizer.as_deref(),
@@ -292,6 +316,7 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
         let defaults = EngineConfig::default();
         let config = EngineConfig {
             model_name: args.model.clone(),
+            lora_adapters: args.lora_adapters.clone(),
             time_scale: args.time_scale,
             kv_capacity_tokens: args.kv_capacity_tokens.unwrap_or(defaults.kv_capacity_tokens),
             max_num_seqs: args.max_num_seqs.unwrap_or(defaults.max_num_seqs),

@@ -337,6 +337,9 @@ pub struct SimArgs {
     /// The served model name.
     #[arg(long, default_value = "semlb-sim")]
     pub model: String,
+    /// A LoRA adapter it also serves (repeatable; see `semlb-sim --lora`).
+    #[arg(long = "lora", value_name = "NAME")]
+    pub lora_adapters: Vec<String>,
     /// KV-cache capacity in tokens [default: the simulator's, 400 000];
     /// a small one makes the engine evict often.
     #[arg(long, value_name = "TOKENS")]

@@ -73,13 +73,22 @@ pub fn fits(context: EngineContext, prompt: u64, output: Option<u64>) -> bool {
 }
 
 /// Checks a request of `prompt` tokens asking for `output` against the
-/// live servers of `servers` (see the [module docs](self)).
-pub fn check(servers: &ServerTable<'_>, prompt: u64, output: Option<u64>) -> Result<(), ContextExceeded> {
+/// live servers of `servers` that `serves` (a model pool's members, by
+/// server id) admits (see the [module docs](self)).
+pub fn check(
+    servers: &ServerTable<'_>,
+    serves: impl Fn(Option<u64>) -> bool,
+    prompt: u64,
+    output: Option<u64>,
+) -> Result<(), ContextExceeded> {
     let mut largest: Option<EngineContext> = None;
     for slot in 0..servers.capacity() as u16 {
         let Some((server, ServerState::Up)) = servers.current(slot) else {
             continue;
         };
+        if !serves(servers.id_of(slot)) {
+            continue;
+        }
         let Some(context) = servers.engine_context(server) else {
             return Ok(());
         };
@@ -129,14 +138,20 @@ mod tests {
     fn refused_only_when_every_live_server_said_and_none_fits() {
         let segment = Segment::heap(&LayoutPlan::for_size(8 << 20).unwrap());
         let servers = &segment.tables().servers;
-        assert_eq!(check(servers, 1 << 30, None), Ok(()), "no server: routing answers");
+        assert_eq!(
+            check(servers, |_| true, 1 << 30, None),
+            Ok(()),
+            "no server: routing answers"
+        );
         let a = servers.register(1, "http://a", 0).unwrap();
         let b = servers.register(2, "http://b", 0).unwrap();
         assert!(servers.set_engine_context(a, Some(LLAMA)));
-        assert_eq!(check(servers, 5000, None), Ok(()), "b has not said");
+        assert_eq!(check(servers, |_| true, 5000, None), Ok(()), "b has not said");
         assert!(servers.set_engine_context(b, Some(VLLM)));
-        assert_eq!(check(servers, 5000, Some(100)), Ok(()), "b takes it");
-        let refused = check(servers, 8100, Some(100)).unwrap_err();
+        assert_eq!(check(servers, |_| true, 5000, Some(100)), Ok(()), "b takes it");
+        let only_a = |id: Option<u64>| id == Some(1);
+        assert!(check(servers, only_a, 5000, Some(100)).is_err(), "a's pool: a cannot");
+        let refused = check(servers, |_| true, 8100, Some(100)).unwrap_err();
         assert_eq!(
             refused,
             ContextExceeded {
@@ -148,9 +163,9 @@ mod tests {
         );
         // A server that is not up does not count either way.
         assert!(servers.set_state(b, ServerState::Down));
-        assert!(check(servers, 5000, None).is_err(), "only a, which cannot");
+        assert!(check(servers, |_| true, 5000, None).is_err(), "only a, which cannot");
         assert!(servers.set_engine_context(a, None));
-        assert_eq!(check(servers, 5000, None), Ok(()), "a no longer says");
+        assert_eq!(check(servers, |_| true, 5000, None), Ok(()), "a no longer says");
     }
 
     #[test]

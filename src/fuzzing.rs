@@ -338,6 +338,7 @@ pub fn completion(data: &[u8]) {
     let continuation = decoded.continuation.as_ref().map(|c| ContinuationRef {
         root: c.root,
         block_size: c.block_size,
+        tokenizer: c.tokenizer,
         tail: &c.tail,
         form: c.form,
         answer: (!c.answer_is_response).then_some(&c.answer[..]),

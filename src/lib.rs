@@ -9,6 +9,7 @@
 //! | --- | --- |
 //! | [`answer`] | the answer text of an OpenAI response (JSON body or event stream), read by the response processes |
 //! | [`body`] | the request body parsed once: a JSON tree borrowing its strings from the body |
+//! | [`pools`] | model pools: the pool a request's `model` names, its servers, tokenizer, block size and policy |
 //! | [`prompt`] | the routing text of an OpenAI request: completions prompt forms, rendered chat messages |
 //! | [`context_limit`] | a prompt no live engine's context can take gets the engines' 400 at the gateway |
 //! | [`blocks`] | token ids → the chain of block hashes the shm prefix table is keyed by |
@@ -49,6 +50,7 @@ pub mod failure;
 pub mod fuzzing;
 pub mod health;
 pub mod metrics;
+pub mod pools;
 pub mod prompt;
 pub mod reactor_watch;
 pub mod responder;

@@ -129,6 +129,16 @@ impl RequestError {
         }
     }
 
+    /// OpenAI's 404 for a model the gateway does not serve.
+    pub fn model_not_found(model: &str) -> Self {
+        Self {
+            message: format!("The model `{model}` does not exist or you do not have access to it."),
+            param: Some("model"),
+            status: http::StatusCode::NOT_FOUND,
+            code: Some("model_not_found"),
+        }
+    }
+
     /// The JSON error body (`{"error": {...}}`).
     pub fn body(&self) -> Value {
         serde_json::json!({
@@ -176,6 +186,32 @@ pub fn parse<'a>(
     template: &ChatTemplate,
     limits: &RequestLimits,
 ) -> Result<ParsedRequest<'a>, RequestError> {
+    parse_with(endpoint, body, limits, |_| Ok(template)).map(|(parsed, _)| parsed)
+}
+
+/// What serves a request's model, as far as parsing is concerned: the chat
+/// template its messages are rendered with.
+pub trait Templated {
+    /// The chat template.
+    fn template(&self) -> &ChatTemplate;
+}
+
+impl Templated for &ChatTemplate {
+    fn template(&self) -> &ChatTemplate {
+        self
+    }
+}
+
+/// [`parse`], with the template chosen by the request's model: `pick`
+/// maps the `model` field to what serves it (or refuses it, e.g. with
+/// [`RequestError::model_not_found`]) before any rendering, and that
+/// one's chat template renders the messages.
+pub fn parse_with<'a, P: Templated>(
+    endpoint: Endpoint,
+    body: &'a [u8],
+    limits: &RequestLimits,
+    pick: impl FnOnce(&str) -> Result<P, RequestError>,
+) -> Result<(ParsedRequest<'a>, P), RequestError> {
     let value =
         Json::parse(body).map_err(|e| RequestError::new(format!("the request body is not valid JSON: {e}"), None))?;
     let Json::Object(body) = value else {
@@ -184,17 +220,9 @@ pub fn parse<'a>(
             None,
         ));
     };
-    let model = match body.get("model") {
-        Some(Json::String(m)) if !m.is_empty() => m.clone(),
-        Some(Json::String(_)) => return Err(RequestError::new("'model' must not be empty", Some("model"))),
-        Some(v) => {
-            return Err(RequestError::new(
-                format!("'model' must be a string, not {}", v.kind()),
-                Some("model"),
-            ));
-        }
-        None => return Err(RequestError::new("'model' is required", Some("model"))),
-    };
+    let model = request_model(&body)?;
+    let picked = pick(&model)?;
+    let template = picked.template();
     let stream = match body.get("stream") {
         None | Some(Json::Null) => false,
         Some(Json::Bool(b)) => *b,
@@ -232,14 +260,28 @@ pub fn parse<'a>(
             code: Some("prompt_too_large"),
         });
     }
-    Ok(ParsedRequest {
+    let parsed = ParsedRequest {
         endpoint,
         model,
         stream,
         input,
         earlier_answer_bytes,
         body,
-    })
+    };
+    Ok((parsed, picked))
+}
+
+/// The `model` field: required, a non-empty string.
+pub fn request_model<'a>(body: &Object<'a>) -> Result<Cow<'a, str>, RequestError> {
+    match body.get("model") {
+        Some(Json::String(m)) if !m.is_empty() => Ok(m.clone()),
+        Some(Json::String(_)) => Err(RequestError::new("'model' must not be empty", Some("model"))),
+        Some(v) => Err(RequestError::new(
+            format!("'model' must be a string, not {}", v.kind()),
+            Some("model"),
+        )),
+        None => Err(RequestError::new("'model' is required", Some("model"))),
+    }
 }
 
 /// The field of `endpoint`'s requests that carries the prompt.

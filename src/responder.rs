@@ -78,6 +78,10 @@
 //! ([`rings_for`]); a ring whose producer died mid-record is unblocked with
 //! [`shm_layout::CompletionRing::recover`] using the registry's liveness.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
 use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::{ChatMessage, ChatTemplate};
 use shm_layout::{Completion, Pop, Prediction, ServerRef, Stamp, Tables};
@@ -85,6 +89,7 @@ use shm_layout::{Completion, Pop, Prediction, ServerRef, Stamp, Tables};
 use crate::answer::{AnswerForm, Reported, answer_text, stream_as_response};
 use crate::blocks::BlockHasher;
 use crate::capacity::{CapacityLearner, Sample};
+use crate::pools::Tokenization;
 use crate::store::shm::ShmWriteBack;
 use crate::store::{WriteBack, WriteStats};
 
@@ -181,6 +186,22 @@ impl ResponderStats {
     }
 }
 
+/// Gives the tokenization of a model pool by its id (`None`: unknown).
+pub type ModelTokenizers<'a> = Box<dyn FnMut(u64) -> Option<Tokenization> + 'a>;
+
+/// [`ModelTokenizers`], in a responder.
+struct TokenizerSource<'a>(ModelTokenizers<'a>);
+
+impl std::fmt::Debug for TokenizerSource<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TokenizerSource")
+    }
+}
+
+/// How long a responder waits before asking again for a tokenizer id it
+/// was not given.
+pub const RETRY_UNKNOWN_TOKENIZER: Duration = Duration::from_secs(5);
+
 /// A response process's write-back: it reads the segment's rings and server
 /// table and writes into a store ([`crate::store::WriteBack`]).
 #[derive(Debug)]
@@ -188,7 +209,12 @@ pub struct Responder<'a> {
     tables: Tables<'a>,
     sink: Box<dyn WriteBack + 'a>,
     tokenizer: Tokenizer,
-    template: Option<ChatTemplate>,
+    template: Option<Arc<ChatTemplate>>,
+    /// Where the tokenizers of model pools come from, by id (see
+    /// [`with_model_tokenizers`](Self::with_model_tokenizers)).
+    model_tokenizers: Option<TokenizerSource<'a>>,
+    /// Those found, and when an id was last looked for in vain.
+    found: HashMap<u64, Result<Tokenization, Instant>>,
     buf: Vec<u8>,
     tokens: Vec<u32>,
     batch: Vec<Completion>,
@@ -217,6 +243,8 @@ impl<'a> Responder<'a> {
             sink,
             tokenizer,
             template: None,
+            model_tokenizers: None,
+            found: HashMap::new(),
             buf: Vec::new(),
             tokens: Vec::new(),
             batch: Vec::new(),
@@ -245,8 +273,38 @@ impl<'a> Responder<'a> {
     /// Renders chat answers with `template` to store their segments as the
     /// next prompt will have them (see the module docs).
     pub fn with_chat_template(mut self, template: ChatTemplate) -> Self {
-        self.template = Some(template);
+        self.template = Some(Arc::new(template));
         self
+    }
+
+    /// Reads the answers of model pools with their own tokenizer (records
+    /// name it by [`crate::pools::Tokenization::id`]) with what `source`
+    /// gives for the id; an id it does not know (a pool a reload added
+    /// that this process has not seen yet) is asked again at most every
+    /// [`RETRY_UNKNOWN_TOKENIZER`], and its records meanwhile extend no
+    /// chain (counted as `unreadable_answers`).
+    pub fn with_model_tokenizers(mut self, source: ModelTokenizers<'a>) -> Self {
+        self.model_tokenizers = Some(TokenizerSource(source));
+        self
+    }
+
+    /// The tokenizer and template of tokenization `id` (0: the global one).
+    fn tokenization(&mut self, id: u64) -> Option<(Tokenizer, Option<Arc<ChatTemplate>>)> {
+        if id == 0 {
+            return Some((self.tokenizer.clone(), self.template.clone()));
+        }
+        let retry = match self.found.get(&id) {
+            Some(Ok(t)) => return Some((t.tokenizer.clone(), Some(t.template.clone()))),
+            Some(Err(at)) => at.elapsed() >= RETRY_UNKNOWN_TOKENIZER,
+            None => true,
+        };
+        if !retry {
+            return None;
+        }
+        let found = self.model_tokenizers.as_mut().and_then(|source| (source.0)(id));
+        let answer = found.as_ref().map(|t| (t.tokenizer.clone(), Some(t.template.clone())));
+        self.found.insert(id, found.ok_or_else(Instant::now));
+        answer
     }
 
     /// Computes `record`'s chain of prompt + answer from its continuation,
@@ -407,12 +465,17 @@ impl<'a> Responder<'a> {
             self.stats.unreadable_answers += 1;
             return Reported::default();
         };
+        let tokenizer_id = c.tokenizer;
+        let Some((tokenizer, template)) = self.tokenization(tokenizer_id) else {
+            self.stats.unreadable_answers += 1;
+            return Reported::default();
+        };
         if let Some(p) = record.prediction.as_mut().filter(|p| p.cached_tokens.is_none()) {
             p.cached_tokens = reported.cached_tokens_u32();
         }
         self.tokens.clear();
         self.tokens.extend_from_slice(&c.tail);
-        self.tokenizer.encode_into(&text, &mut self.tokens);
+        tokenizer.encode_into(&text, &mut self.tokens);
         let answer_tokens = self.tokens.len() - c.tail.len();
         record.full_blocks.clear();
         record.full_blocks.extend_from_slice(&record.prompt_blocks);
@@ -423,7 +486,7 @@ impl<'a> Responder<'a> {
         }
         self.stats.answers_tokenized += 1;
         self.stats.answer_tokens += answer_tokens as u64;
-        if chat && let Some(template) = &self.template {
+        if chat && let Some(template) = &template {
             // The answer framed as the next prompt will frame it; only the
             // segments the tokenizer stores matter here, not the ids.
             let conversation = [
@@ -433,7 +496,7 @@ impl<'a> Responder<'a> {
             ];
             if let Ok(rendered) = template.render(&conversation) {
                 self.tokens.clear();
-                self.tokenizer.encode_into(&rendered, &mut self.tokens);
+                tokenizer.encode_into(&rendered, &mut self.tokens);
             }
         }
         reported
@@ -733,6 +796,7 @@ mod tests {
             continuation: Some(ContinuationRef {
                 root: hasher.root(),
                 block_size: 16,
+                tokenizer: 0,
                 tail,
                 form: AnswerForm::Text.to_byte(false),
                 answer: Some(answer.as_bytes()),
@@ -750,6 +814,73 @@ mod tests {
         assert_eq!(m.best(), Some((server.tag(), want.len() as u32)));
         assert_eq!(r.stats().answers_tokenized, 1);
         assert_eq!(r.stats().answer_tokens, tok.encode(answer).len() as u64);
+    }
+
+    /// A record of a model pool with its own tokenizer is read with that
+    /// one (given by the source, asked once); an id the source does not
+    /// know extends no chain and is not asked again at once.
+    #[test]
+    fn a_pools_answers_are_read_with_its_tokenizer() {
+        use shm_layout::ContinuationRef;
+        let seg = segment();
+        let t = seg.tables();
+        let server = t.servers.register(1, "http://a", 0).unwrap();
+        let bundled = Tokenizer::bundled();
+        // Every byte a token: the same text, other ids and more of them.
+        let mut json: serde_json::Value = serde_json::from_slice(semlb_tokenizer::BUNDLED_JSON).unwrap();
+        json["model"]["merges"] = serde_json::json!([]);
+        let bytes = Tokenizer::from_json(&serde_json::to_vec(&json).unwrap(), "bytes").unwrap();
+        let answer = " an answer of the pool's model";
+        assert_ne!(bytes.encode(answer), bundled.encode(answer));
+        let hasher = BlockHasher::new(BlockHasher::root_for("pool", 3), 4);
+        let push = |tokenizer: u64| {
+            let rec = CompletionRecord {
+                server,
+                prompt_tokens: 2,
+                output_tokens: 0,
+                prompt_blocks: &[],
+                full_blocks: &[],
+                continuation: Some(ContinuationRef {
+                    root: hasher.root(),
+                    block_size: 4,
+                    tokenizer,
+                    tail: &[1, 2],
+                    form: AnswerForm::Text.to_byte(false),
+                    answer: Some(answer.as_bytes()),
+                }),
+                response: None,
+                prediction: None,
+                timing: None,
+            };
+            let mut buf = Vec::new();
+            rec.encode_into(&mut buf);
+            t.ring(0).push(&buf).unwrap();
+        };
+        let asked = std::cell::RefCell::new(Vec::new());
+        let tokenization = Tokenization {
+            id: 77,
+            tokenizer: bytes.clone(),
+            template: Arc::new(ChatTemplate::canonical()),
+        };
+        let mut r = Responder::new(t, bundled).with_model_tokenizers(Box::new(|id| {
+            asked.borrow_mut().push(id);
+            (id == 77).then(|| tokenization.clone())
+        }));
+        push(77);
+        push(77);
+        push(78);
+        push(78);
+        assert_eq!(r.drain(0, Stamp(1), 0, |_, _| true), 4);
+        let mut tokens = vec![1, 2];
+        tokens.extend(bytes.encode(answer));
+        let mut want = Vec::new();
+        hasher.chain(&tokens, &mut want);
+        let m = t.prefix.longest_prefix_match(&want, |s| t.servers.is_live(s));
+        assert_eq!(m.best(), Some((server.tag(), want.len() as u32)));
+        let stats = r.stats();
+        assert_eq!((stats.answers_tokenized, stats.unreadable_answers), (2, 2));
+        assert_eq!(stats.answer_tokens, 2 * bytes.encode(answer).len() as u64);
+        assert_eq!(*asked.borrow(), [77, 78], "each id asked once");
     }
 
     #[test]

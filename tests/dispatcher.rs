@@ -12,11 +12,11 @@ use http::{Method, StatusCode};
 use http_body_util::BodyExt;
 use semlb::config::{BackendConfig, ServeConfig};
 use semlb::dispatcher::{Dispatcher, Identity, serve};
+use semlb::pools::TokenizerLoader;
 use semlb::responder::Responder;
 use semlb::size::ByteSize;
 use semlb_test_support as support;
 use semlb_tokenizer::Tokenizer;
-use semlb_tokenizer::chat::ChatTemplate;
 use semlb_workers::config::EngineConfig;
 use semlb_workers::faults::FaultConfig;
 use semlb_workers::server::Sim;
@@ -260,13 +260,8 @@ async fn gateway(setup: Setup) -> Gateway {
         incarnation: 1,
         ring: 0,
     };
-    let dispatcher = Arc::new(Dispatcher::new(
-        segment.clone(),
-        identity,
-        Arc::new(config),
-        Tokenizer::bundled(),
-        ChatTemplate::canonical(),
-    ));
+    let loader = TokenizerLoader::new(&config, 0, None);
+    let dispatcher = Arc::new(Dispatcher::new(segment.clone(), identity, Arc::new(config), loader).unwrap());
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();

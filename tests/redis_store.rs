@@ -346,6 +346,7 @@ impl Stores {
 /// A lookup of nothing: the loads only.
 fn empty_lookup() -> LookupRequest<'static> {
     LookupRequest {
+        members: semlb::routing::Members::all(),
         response_key: None,
         chain: &[],
         exclude: &[],
@@ -496,6 +497,7 @@ fn both_stores_give_the_same_routing_decisions() {
         for (chain, key) in &queries {
             for exclude in [&[][..], &servers[..1]] {
                 let request = LookupRequest {
+                    members: semlb::routing::Members::all(),
                     response_key: key.map(ResponseKey),
                     chain,
                     exclude,
@@ -552,6 +554,7 @@ fn both_stores_learn_at_dispatch_credit_continuations_and_take_back() {
     let (c1, c2, c3) = (chain_of(&first), chain_of(&second), chain_of(&stranger));
     let end1 = hasher.prompt_end_key(&first, &c1);
     let request = |tokens: &'static [u32], chain: &'static [u64]| LookupRequest {
+        members: semlb::routing::Members::all(),
         response_key: None,
         chain,
         exclude: &[],

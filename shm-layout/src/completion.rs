@@ -7,8 +7,10 @@
 //! tokenizing answers, as the *continuation* the response process computes
 //! them from: the answer (its bytes in a form the reader names: text, the
 //! response's JSON body, or its event stream), the prompt's tokens after
-//! its last full block (`tail`), and the chain's root and block size (used
-//! when the prompt has no full block). When the answer is the very response
+//! its last full block (`tail`), the chain's root and block size (used
+//! when the prompt has no full block), and which tokenizer reads the answer
+//! (its id in the gateway's model pools, `semlb::pools`; 0: the gateway's
+//! global tokenizer). When the answer is the very response
 //! the record also carries for the cache, it is not repeated (flag 4).
 //!
 //! A record may also carry the routing's **prediction** (flag 8): how many
@@ -30,18 +32,22 @@
 //! u8 version · u8 flags (1 = response, 2 = continuation, 4 = answer is the response, 8 = prediction, 16 = timing) · u16 server slot · u32 generation
 //! u32 prompt tokens · u32 output tokens · u32 #prompt blocks · u32 #full blocks
 //! [u128 response key · u32 response len]                                             if flags & 1
-//! [u64 chain root · u32 block size · u32 #tail tokens · u8 answer form · u32 answer len]   if flags & 2
+//! [u64 chain root · u32 block size · u64 tokenizer · u32 #tail tokens · u8 answer form · u32 answer len]   if flags & 2
 //! [u32 block size · u32 predicted blocks · u32 listed blocks · u32 listed stamp · u32 reported cached tokens] if flags & 8
 //! [u32 latency µs · u32 first byte µs · u32 in flight at send]                        if flags & 16
 //! u64 × #prompt blocks · u64 × #full blocks · u32 × #tail tokens · answer bytes · response bytes
 //! ```
-//! All integers little-endian.
+//! All integers little-endian. Version 5 (before model pools) had no
+//! tokenizer field and is still read (tokenizer 0), so that records pushed
+//! by a predecessor during an upgrade are not lost.
 
 use crate::prefix_table::Stamp;
 use crate::response_log::ResponseKey;
 use crate::server_table::ServerRef;
 
-const VERSION: u8 = 5;
+const VERSION: u8 = 6;
+/// The version before the tokenizer field, still decoded.
+const VERSION_NO_TOKENIZER: u8 = 5;
 const HAS_RESPONSE: u8 = 1;
 const HAS_CONTINUATION: u8 = 2;
 const ANSWER_IS_RESPONSE: u8 = 4;
@@ -91,6 +97,8 @@ pub struct ContinuationRef<'a> {
     pub root: u64,
     /// Tokens per block.
     pub block_size: u32,
+    /// The tokenizer that reads the answer (0: the gateway's global one).
+    pub tokenizer: u64,
     /// The prompt's tokens after its last full block.
     pub tail: &'a [u32],
     /// How the answer's bytes are to be read (the reader's code).
@@ -106,6 +114,8 @@ pub struct Continuation {
     pub root: u64,
     /// Tokens per block.
     pub block_size: u32,
+    /// The tokenizer that reads the answer (0: the gateway's global one).
+    pub tokenizer: u64,
     /// The prompt's tokens after its last full block.
     pub tail: Vec<u32>,
     /// How the answer's bytes are to be read.
@@ -199,7 +209,7 @@ impl CompletionRecord<'_> {
             + self.timing.map_or(0, |_| 12)
             + self
                 .continuation
-                .map_or(0, |c| 21 + 4 * c.tail.len() + c.answer.map_or(0, <[u8]>::len))
+                .map_or(0, |c| 29 + 4 * c.tail.len() + c.answer.map_or(0, <[u8]>::len))
             + 8 * (self.prompt_blocks.len() + self.full_blocks.len())
     }
 
@@ -242,6 +252,7 @@ impl CompletionRecord<'_> {
         if let Some(c) = self.continuation {
             out.extend_from_slice(&c.root.to_le_bytes());
             out.extend_from_slice(&c.block_size.to_le_bytes());
+            out.extend_from_slice(&c.tokenizer.to_le_bytes());
             out.extend_from_slice(&(c.tail.len() as u32).to_le_bytes());
             out.push(c.form);
             out.extend_from_slice(&(c.answer.map_or(0, <[u8]>::len) as u32).to_le_bytes());
@@ -323,7 +334,7 @@ impl Completion {
     pub fn decode_from(&mut self, bytes: &[u8]) -> Result<(), DecodeError> {
         let mut r = Reader { bytes, at: 0 };
         let [version, flags] = r.array()?;
-        if version != VERSION {
+        if version != VERSION && version != VERSION_NO_TOKENIZER {
             return Err(DecodeError::Version(version));
         }
         let slot = u16::from_le_bytes(r.array()?);
@@ -338,13 +349,13 @@ impl Completion {
             None
         };
         let continuation = if flags & HAS_CONTINUATION != 0 {
-            Some((
-                u64::from_le_bytes(r.array()?),
-                r.u32()?,
-                r.u32()?,
-                r.array::<1>()?[0],
-                r.u32()?,
-            ))
+            let (root, block_size) = (u64::from_le_bytes(r.array()?), r.u32()?);
+            let tokenizer = if version == VERSION {
+                u64::from_le_bytes(r.array()?)
+            } else {
+                0
+            };
+            Some((root, block_size, tokenizer, r.u32()?, r.array::<1>()?[0], r.u32()?))
         } else {
             None
         };
@@ -371,17 +382,18 @@ impl Completion {
         // An answer that is the response carries no bytes of its own (a
         // record with both is not one the encoder writes).
         if flags & ANSWER_IS_RESPONSE != 0
-            && (response.is_none() || continuation.is_none_or(|(_, _, _, _, answer)| answer != 0))
+            && (response.is_none() || continuation.is_none_or(|(_, _, _, _, _, answer)| answer != 0))
         {
             return Err(DecodeError::Answer);
         }
         r.u64s(np, &mut self.prompt_blocks)?;
         r.u64s(nf, &mut self.full_blocks)?;
         match continuation {
-            Some((root, block_size, tail, form, answer)) => {
+            Some((root, block_size, tokenizer, tail, form, answer)) => {
                 let mut c = self.continuation.take().unwrap_or_default();
                 c.root = root;
                 c.block_size = block_size;
+                c.tokenizer = tokenizer;
                 c.form = form;
                 c.answer_is_response = flags & ANSWER_IS_RESPONSE != 0;
                 let bytes = r.take(tail as usize * 4)?;
@@ -531,6 +543,7 @@ mod tests {
             continuation: Some(ContinuationRef {
                 root: 77,
                 block_size: 16,
+                tokenizer: 0xfeed,
                 tail: &[5, 6, 7],
                 form: 2,
                 answer: Some(answer),
@@ -546,6 +559,7 @@ mod tests {
             Some(Continuation {
                 root: 77,
                 block_size: 16,
+                tokenizer: 0xfeed,
                 tail: vec![5, 6, 7],
                 form: 2,
                 answer_is_response: false,
@@ -581,6 +595,42 @@ mod tests {
         assert_eq!(c.continuation, None);
     }
 
+    /// A version-5 record (no tokenizer field: what a predecessor pushes
+    /// during an upgrade) decodes, with the global tokenizer.
+    #[test]
+    fn version_5_records_still_decode() {
+        let rec = CompletionRecord {
+            server: ServerRef { slot: 2, generation: 3 },
+            prompt_tokens: 20,
+            output_tokens: 0,
+            prompt_blocks: &[9],
+            full_blocks: &[],
+            continuation: Some(ContinuationRef {
+                root: 5,
+                block_size: 16,
+                tokenizer: 0,
+                tail: &[1, 2, 3, 4],
+                form: 1,
+                answer: Some(b"hi"),
+            }),
+            response: None,
+            prediction: None,
+            timing: None,
+        };
+        let mut v6 = Vec::new();
+        rec.encode_into(&mut v6);
+        // The same record as version 5 wrote it: the tokenizer's 8 bytes
+        // (after the header, the counts, the root and the block size) gone.
+        let at = 24 + 8 + 4;
+        let mut v5 = [&v6[..at], &v6[at + 8..]].concat();
+        v5[0] = VERSION_NO_TOKENIZER;
+        let (mut a, mut b) = (Completion::default(), Completion::default());
+        a.decode_from(&v6).unwrap();
+        b.decode_from(&v5).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(b.continuation.unwrap().tokenizer, 0);
+    }
+
     #[test]
     fn bad_records_are_errors_not_panics() {
         let mut c = Completion::default();
@@ -595,6 +645,7 @@ mod tests {
             continuation: Some(ContinuationRef {
                 root: 1,
                 block_size: 16,
+                tokenizer: 0,
                 tail: &[1, 2],
                 form: 0,
                 answer: Some("é".as_bytes()),

@@ -3,7 +3,7 @@
 //!
 //! The code: this module holds the top level (the keys, [`ServeConfig`],
 //! loading and the flags); `backend.rs` the `[[backend]]` table and its URL;
-//! `sections.rs` the optional sections (`[response_cache]`, `[store]`,
+//! `models.rs` the `[[model]]` pools; `sections.rs` the optional sections (`[response_cache]`, `[store]`,
 //! `[limits]`, `[health]`, `[admin]`); `validate.rs` [`ServeConfig::validate`];
 //! `tests.rs` the tests.
 //!
@@ -46,6 +46,7 @@
 //! | `backend.url` | string | required | `http://host:port`, no path |
 //! | `backend.name` | string | `host:port` | name in logs and metrics (`A-Z a-z 0-9 . _ : -`, at most 64 bytes) |
 //! | `backend.metrics_flavor` | `auto`, `vllm`, `sglang`, `llamacpp` | `auto` | how its `/metrics` is read; `auto` tells from the metric names |
+//! | `[[model]]` | table, repeated | none: one pool of every backend, any model name | a model pool: `name`, `aliases`, `backends`, `base` (LoRA adapters), `tokenizer`, `chat_template`, `block_size`, `[model.policy]` ([`models`]) |
 //! | `[policy]` | table | | the routing policy, [`crate::routing::PolicyConfig`] |
 //! | `policy.kind` | `cache_aware`, `least_load`, `round_robin`, `random`, `selective_push`, `consistent_hash`, `dual_map`, `weighted_scorers`, `cost` | `cache_aware` | which policy ([`crate::routing`]) |
 //! | `[policy.queue]` | table | | the gateway queue of `selective_push` and `dual_map` ([`crate::routing::QueueParams`]) |
@@ -162,12 +163,14 @@ use crate::routing::{PolicyConfig, PolicyKind};
 use crate::size::ByteSize;
 
 mod backend;
+pub mod models;
 mod sections;
 #[cfg(test)]
 mod tests;
 mod validate;
 
 pub use backend::{BackendConfig, BackendUrl, MetricsFlavor};
+pub use models::ModelConfig;
 pub use sections::*;
 
 /// Default `listen` address.
@@ -329,6 +332,10 @@ pub struct ServeConfig {
     /// there is no default.
     #[serde(rename = "backend")]
     pub backends: Vec<BackendConfig>,
+    /// The model pools (`[[model]]` tables, [`models`]); none: one implicit
+    /// pool of every backend, for any model name.
+    #[serde(rename = "model")]
+    pub models: Vec<ModelConfig>,
     /// The routing policy and its parameters (`[policy]`).
     pub policy: PolicyConfig,
     /// The exact-response cache (`[response_cache]`).
@@ -374,6 +381,7 @@ impl Default for ServeConfig {
             stream_usage: true,
             learn_from_reports: true,
             backends: Vec::new(),
+            models: Vec::new(),
             policy: PolicyConfig::default(),
             response_cache: ResponseCacheConfig::default(),
             limits: LimitsConfig::default(),
@@ -452,12 +460,17 @@ impl ServeConfig {
             message: e.to_string().trim_end().to_owned(),
         })?;
         let base = path.parent().unwrap_or(Path::new(""));
+        let model_files = config
+            .models
+            .iter_mut()
+            .flat_map(|m| [&mut m.tokenizer, &mut m.chat_template]);
         for file in [
             &mut config.tokenizer,
             &mut config.chat_template,
             &mut config.admin.token_file,
         ]
         .into_iter()
+        .chain(model_files)
         .flatten()
         {
             if file.is_relative() {

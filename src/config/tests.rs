@@ -43,12 +43,23 @@ fn example_uncommented() -> String {
         .map(|line| {
             let body = line.strip_prefix('#').map(str::trim_start);
             match body {
-                Some(body) if is_setting(body) => body,
+                Some(body) if is_setting(body) || is_table_header(body) => body,
                 _ => line,
             }
         })
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// `[table]` or `[[table]]` (with a comment after it, perhaps).
+fn is_table_header(line: &str) -> bool {
+    let name = line.split(" #").next().unwrap_or("").trim();
+    name.starts_with('[')
+        && name.ends_with(']')
+        && name
+            .trim_matches(['[', ']'])
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b == b'_' || b == b'.')
 }
 
 /// `key = ...` with a lower-case key: a setting rather than prose.
@@ -160,6 +171,9 @@ fn example_file_with_every_commented_setting_enabled_parses() {
     c.validate().unwrap();
     assert!(c.tokenizer.is_some() && c.chat_template.is_some(), "{c:?}");
     assert!(c.backends.iter().any(|b| b.name.is_some()), "{c:?}");
+    assert_eq!(c.models.len(), 3, "the example's models: {c:?}");
+    assert!(c.models.iter().any(|m| m.base.is_some() && m.policy.is_none()));
+    assert!(c.models.iter().any(|m| m.policy.is_some()));
     // Every key of the schema appears in the example.
     for key in [
         "listen",
@@ -177,6 +191,11 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "url",
         "name",
         "metrics_flavor",
+        "[[model]]",
+        "aliases",
+        "backends",
+        "base",
+        "[model.policy]",
         "[policy]",
         "kind",
         "[policy.queue]",
@@ -255,9 +274,10 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "token",
         "token_file",
     ] {
-        let present = text
-            .lines()
-            .any(|l| l.trim() == key || l.split_once(" = ").is_some_and(|(k, _)| k.trim() == key));
+        let present = text.lines().any(|l| {
+            l.split(" #").next().unwrap_or("").trim() == key
+                || l.split_once(" = ").is_some_and(|(k, _)| k.trim() == key)
+        });
         assert!(present, "{key} is missing from systemd/semlb.toml");
     }
 }
@@ -1389,4 +1409,59 @@ fn store_names_parse_back() {
     }
     assert!("memcached".parse::<StoreKind>().unwrap_err().contains("shm or redis"));
     assert_eq!("naive".parse::<RedisLookup>(), Ok(RedisLookup::Naive));
+}
+
+#[test]
+fn model_pools_are_checked_against_each_other_and_the_backends() {
+    let text = r#"
+[[backend]]
+url = "http://10.0.0.1:8000"
+name = "gpu-0"
+[[backend]]
+url = "http://10.0.0.2:8000"
+
+[[model]]
+name = "big"
+aliases = ["default"]
+backends = ["gpu-0", "http://10.0.0.2:8000"]
+tokenizer = "tok.json"
+[model.policy]
+kind = "least_load"
+
+[[model]]
+name = "big-lora"
+base = "big"
+backends = ["10.0.0.2:8000"]
+"#;
+    let c = parse(text).unwrap();
+    c.validate().unwrap();
+    assert_eq!(c.models[0].tokenizer.as_deref(), Some(Path::new("/etc/semlb/tok.json")));
+    assert_eq!(c.models[0].policy.as_ref().map(|p| p.kind), Some(PolicyKind::LeastLoad));
+    assert_eq!(c.models[1].base.as_deref(), Some("big"));
+    let with = |edit: &dyn Fn(&mut ServeConfig)| {
+        let mut c = c.clone();
+        edit(&mut c);
+        let (field, value, reason, _) = invalid(&c);
+        (field, value, reason)
+    };
+    let (field, value, _) = with(&|c| c.models[1].aliases = vec!["default".into()]);
+    assert_eq!((field.as_str(), value.as_str()), ("model[1].aliases", "\"default\""));
+    let (field, _, reason) = with(&|c| c.models[0].backends.push("gpu-9".into()));
+    assert_eq!(field, "model[0].backends");
+    assert!(reason.contains("no [[backend]]"), "{reason}");
+    let (field, ..) = with(&|c| c.models[0].backends.clear());
+    assert_eq!(field, "model[0].backends");
+    let (field, ..) = with(&|c| c.models[1].base = Some("default".into()));
+    assert_eq!(field, "model[1].base", "a base is a name, not an alias");
+    let (field, ..) = with(&|c| c.models[1].block_size = Some(32));
+    assert_eq!(field, "model[1].block_size", "an adapter has its base's");
+    let (field, ..) = with(&|c| {
+        c.models[0].backends = vec!["gpu-0".into()];
+    });
+    assert_eq!(field, "model[1].backends", "an adapter's backends serve its base");
+    let (field, ..) = with(&|c| c.models[0].name = " big".into());
+    assert_eq!(field, "model[0].name");
+    let (field, ..) = with(&|c| c.models[0].policy.as_mut().unwrap().queue.capacity = 0);
+    assert_eq!(field, "model[0].policy.queue.capacity");
+    assert!(parse_err("[[model]]\nname = \"m\"\nbackend = [\"x\"]\n").contains("unknown field"));
 }

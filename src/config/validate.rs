@@ -81,6 +81,7 @@ impl ServeConfig {
             ));
         }
         self.validate_backends()?;
+        models::validate_models(&self.models, &self.backends)?;
         if let Err(e) = self.policy.validate() {
             // The field is relative to `[policy]`.
             let e = e.within("policy");

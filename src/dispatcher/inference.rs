@@ -26,6 +26,7 @@ use crate::blocks::BlockHasher;
 use crate::config::StoreKind;
 use crate::continuation::{EndProbe, answer_tokens_estimate};
 use crate::metrics::CacheResult;
+use crate::pools::Pool;
 use crate::prompt::{self, Endpoint, RoutingInput};
 use crate::response_cache::{self, Cacheability, Tenant};
 use crate::store::LookupRequest;
@@ -53,33 +54,42 @@ pub(super) async fn inference(
         max_messages: limits.max_messages as usize,
         max_prompt_bytes: usize::try_from(limits.max_prompt_bytes.bytes()).unwrap_or(usize::MAX),
     };
-    let mut parsed = match prompt::parse(endpoint, &bytes, dispatcher.template(), &request_limits) {
+    let pools = dispatcher.pools();
+    let pick = |model: &str| {
+        pools
+            .find(model)
+            .cloned()
+            .ok_or_else(|| prompt::RequestError::model_not_found(model))
+    };
+    let (mut parsed, pool) = match prompt::parse_with(endpoint, &bytes, &request_limits, pick) {
         Ok(p) => p,
         Err(e) => return json_response(e.status, &e.body()),
     };
     timing.mark(Mark::Parse);
-    let session = session_key(dispatcher, &parts.headers, &parsed);
+    let session = session_key(&pool, &parts.headers, &parsed);
+    let tokenizer = &pool.tokenization().tokenizer;
     let prompt_bytes = match &parsed.input {
         RoutingInput::Text(text) => text.len(),
         RoutingInput::Tokens(_) => 0,
     };
     let prompt_tokens = match &mut parsed.input {
         RoutingInput::Text(text) if text.len() > BLOCKING_TOKENIZE_BYTES => {
-            let (tokenizer, text) = (dispatcher.tokenizer().clone(), text.to_string());
+            let (tokenizer, text) = (tokenizer.clone(), text.to_string());
             // Should the task fail, the request routes on load alone.
             let tokens: Vec<u32> = tokio::task::spawn_blocking(move || tokenizer.encode(&text))
                 .await
                 .unwrap_or_default();
             tokens
         }
-        RoutingInput::Text(text) => dispatcher.tokenizer().encode(text),
+        RoutingInput::Text(text) => tokenizer.encode(text),
         RoutingInput::Tokens(ids) => std::mem::take(ids),
     };
-    dispatcher.report_segments();
+    dispatcher.report_segments(pool.tokenization());
     timing.mark(Mark::Tokenize);
     if dispatcher.config().limits.check_context
         && let Err(exceeded) = crate::context_limit::check(
             &dispatcher.segment().tables().servers,
+            |id| pool.members().admits(id),
             prompt_tokens.len() as u64,
             parsed.requested_output(),
         )
@@ -103,8 +113,8 @@ pub(super) async fn inference(
     };
     let seed = namespace_seed.unwrap_or(dispatcher.segment().header().seed[0]);
     let hasher = BlockHasher::new(
-        BlockHasher::root_for(&parsed.model, seed),
-        dispatcher.config().block_size.max(1),
+        BlockHasher::root_for(pool.chain_model(&parsed.model), seed),
+        pool.block_size(),
     );
     let mut chain = Vec::with_capacity(prompt_tokens.len() / hasher.block_size() + 1);
     hasher.chain(&prompt_tokens, &mut chain);
@@ -134,6 +144,7 @@ pub(super) async fn inference(
         response_key: key.filter(|_| cacheability.reads()),
         chain: &chain,
         exclude: &[],
+        members: pool.members(),
         stale_after_ms: dispatcher.config().health.stale_after_ms,
         continuation: Some(EndProbe {
             tokens: &prompt_tokens,
@@ -174,6 +185,11 @@ pub(super) async fn inference(
     };
     // A streamed answer reports its usage (the engine's cached tokens) only
     // when asked: ask on the client's behalf, and keep it from the client.
+    // An alias: the engines know the model by its pool's name.
+    let bytes = match pool.upstream_name(&parsed.model) {
+        Some(name) => with_model(&bytes, &parsed.model, name),
+        None => bytes.clone(),
+    };
     let asked = (parsed.stream && dispatcher.config().stream_usage)
         .then(|| with_include_usage(&bytes, parsed.body.get("stream_options").is_some()))
         .flatten();
@@ -203,6 +219,7 @@ pub(super) async fn inference(
         },
         headers: upstream_request_headers(&parts.headers),
         body: asked.unwrap_or(bytes),
+        pool: Some(pool),
     };
     forward(dispatcher, outbound, Some(ctx)).await
 }
@@ -229,9 +246,9 @@ fn cached_answer(stored: &Bytes, endpoint: Endpoint, parsed: &prompt::ParsedRequ
 /// policy's session headers it carries, else its body's `user` field,
 /// else a chat's opening (each when the policy asks for it; see
 /// [`crate::routing::SessionSource`]).
-fn session_key(dispatcher: &Dispatcher, headers: &HeaderMap, parsed: &prompt::ParsedRequest<'_>) -> Option<u64> {
+fn session_key(pool: &Pool, headers: &HeaderMap, parsed: &prompt::ParsedRequest<'_>) -> Option<u64> {
     let body = &parsed.body;
-    let policy = dispatcher.policy().current_arc();
+    let policy = pool.policy().current_arc();
     let source = policy.session_source()?;
     let from_header = source
         .headers
@@ -251,4 +268,52 @@ fn session_key(dispatcher: &Dispatcher, headers: &HeaderMap, parsed: &prompt::Pa
         .or_else(from_user)
         .map(seahash::hash)
         .or_else(|| source.opening.then(|| prompt::opening(&parsed.body)).flatten())
+}
+
+/// `body` with its `model` field, whose value is `model` (borrowed from
+/// `body` unless it had escapes), set to `name`: the bytes around it kept
+/// as they are, else the body parsed and written again.
+pub(super) fn with_model(body: &Bytes, model: &str, name: &str) -> Bytes {
+    let start = (model.as_ptr() as usize).wrapping_sub(body.as_ptr() as usize);
+    let quoted = serde_json::to_string(name).expect("a string serializes");
+    if start < body.len() && start + model.len() <= body.len() && body[start..start + model.len()] == *model.as_bytes()
+    {
+        let mut out = Vec::with_capacity(body.len() + quoted.len());
+        out.extend_from_slice(&body[..start]);
+        out.extend_from_slice(&quoted.as_bytes()[1..quoted.len() - 1]);
+        out.extend_from_slice(&body[start + model.len()..]);
+        return Bytes::from(out);
+    }
+    let Ok(serde_json::Value::Object(mut object)) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return body.clone();
+    };
+    object.insert("model".into(), serde_json::Value::String(name.to_owned()));
+    Bytes::from(serde_json::to_vec(&object).expect("a JSON value serializes"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::body::Json;
+
+    #[test]
+    fn an_alias_is_replaced_by_the_pools_name_and_nothing_else_changes() {
+        let body = Bytes::from_static(br#"{"model": "fast",  "prompt":"fast"}"#);
+        let Json::Object(parsed) = Json::parse(&body).unwrap() else {
+            panic!()
+        };
+        let model = prompt::request_model(&parsed).unwrap();
+        assert_eq!(
+            with_model(&body, &model, "llama \"3\""),
+            Bytes::from_static(br#"{"model": "llama \"3\"",  "prompt":"fast"}"#)
+        );
+        // An escaped name is not borrowed from the body: written again.
+        let body = Bytes::from_static(br#"{"model":"f\u0061st","prompt":"x"}"#);
+        let Json::Object(parsed) = Json::parse(&body).unwrap() else {
+            panic!()
+        };
+        let model = prompt::request_model(&parsed).unwrap();
+        let out: serde_json::Value = serde_json::from_slice(&with_model(&body, &model, "big")).unwrap();
+        assert_eq!(out, serde_json::json!({"model": "big", "prompt": "x"}));
+    }
 }

@@ -5,9 +5,12 @@
 
 use shm_layout::{CompletionRecord, ContinuationRef, Prediction, ResponseKey, ServerRef, Timing};
 
+use std::sync::Arc;
+
 use super::Dispatcher;
 use crate::answer::{AnswerForm, answer_text};
 use crate::blocks::BlockHasher;
+use crate::pools::Pool;
 
 /// What a finished answer teaches: everything of the request the completion
 /// record needs.
@@ -32,6 +35,9 @@ pub(super) struct Learn {
     pub prediction: Prediction,
     /// How long the request took (set when its answer ends).
     pub timing: Option<Timing>,
+    /// The model pool it was routed in (whose policy learns from its
+    /// timing, and whose tokenizer reads its answer).
+    pub pool: Option<Arc<Pool>>,
 }
 
 /// Builds the completion record of a finished answer (`answer`, in
@@ -62,6 +68,7 @@ pub(super) fn push_completion(dispatcher: &Dispatcher, learn: Learn, form: Answe
         continuation: Some(ContinuationRef {
             root: learn.hasher.root(),
             block_size: u32::try_from(learn.hasher.block_size()).unwrap_or(u32::MAX),
+            tokenizer: learn.pool.as_ref().map_or(0, |p| p.tokenization().id),
             tail: &learn.tail,
             form: form.to_byte(learn.chat),
             answer: if cached.is_some() { None } else { Some(&answer) },

@@ -6,10 +6,10 @@
 //! | route | answer |
 //! | --- | --- |
 //! | `POST /v1/completions`, `POST /v1/chat/completions` | the inference pipeline below (JSON or SSE) |
-//! | `GET /v1/models` | the live servers' model lists merged, deduplicated by `id` |
+//! | `GET /v1/models` | the configured model pools ([`crate::pools`]); without them, the live servers' model lists merged, deduplicated by `id` |
 //! | `GET /health` | 200 when at least one server is live, else 503 |
 //! | `GET /metrics` | Prometheus text of the whole gateway ([`crate::metrics`]) |
-//! | any other `/v1/...` | proxied to the least loaded live server |
+//! | any other `/v1/...` | proxied to the least loaded live server of the pool its body's `model` names (unknown: 404), else of all |
 //!
 //! Other paths get 404, wrong methods 405 (with `Allow`), all with an
 //! OpenAI error body.
@@ -17,7 +17,10 @@
 //! # The inference pipeline
 //!
 //! 1. **Body**: at most `limits.max_body_bytes` (413, from `Content-Length`
-//!    or while reading), parsed by [`crate::prompt::parse`] (400).
+//!    or while reading), parsed by [`crate::prompt::parse_with`] (400), its
+//!    `model` naming the model pool ([`crate::pools`]; unknown: 404
+//!    `model_not_found`) whose chat template renders it and whose
+//!    tokenizer, block size, servers and policy serve it.
 //! 2. **Tokens**: the routing text is tokenized (on the blocking pool when
 //!    longer than 4 KiB), token-id prompts are taken as given; the tokens are
 //!    hashed into a block chain ([`crate::blocks`]) rooted at the model and
@@ -73,7 +76,7 @@
 //! | `queue` | the gateway queue of the holding policies and its pump |
 //! | `models` | `GET /v1/models`: the live servers' lists merged |
 //! | `client_io` | the client's connection, its writes bounded in time |
-//! | `inflight`, `timing`, `policy`, `http`, `sse` | a request's in-flight count; its dispatch timing; the swappable policy; HTTP helpers and OpenAI errors; SSE replay of cached answers |
+//! | `inflight`, `timing`, `http`, `sse` | a request's in-flight count; its dispatch timing; HTTP helpers and OpenAI errors; SSE replay of cached answers |
 //!
 //! [`Dispatcher`] is defined here, with every method it has; its parts are
 //! private to this file, and the steps reach them through accessors. The
@@ -103,7 +106,6 @@ mod inference;
 mod inflight;
 mod learn;
 mod models;
-mod policy;
 mod proxy;
 mod queue;
 mod relay;
@@ -130,8 +132,6 @@ use hyper::service::service_fn;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use semlb_tokenizer::Tokenizer;
-use semlb_tokenizer::chat::ChatTemplate;
 use shm_layout::Segment;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -140,13 +140,13 @@ use tokio::task::JoinSet;
 use crate::config::ServeConfig;
 use crate::health::PassiveHealth;
 use crate::metrics::Metrics;
-use crate::routing::PolicyConfig;
+use crate::pools::{ModelPools, Pool, PoolError, Tokenization, TokenizerLoader};
 use crate::routing::least_load::LeastLoad;
 use crate::store::RoutingStore;
 use crate::store::local::LocalState;
 use crate::store::shm::ShmStore;
 
-pub use policy::SwappablePolicy;
+pub use crate::routing::swappable::SwappablePolicy;
 
 /// Who this dispatcher is in the segment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,11 +200,10 @@ pub struct Dispatcher {
     segment: Arc<Segment>,
     identity: Identity,
     config: Arc<ServeConfig>,
-    tokenizer: Tokenizer,
-    template: ChatTemplate,
-    policy: SwappablePolicy,
-    /// The configuration `policy` was built from.
-    policy_config: std::sync::Mutex<PolicyConfig>,
+    /// The model pools (replaced whole by a reload, [`set_models`](Self::set_models)).
+    pools: std::sync::RwLock<Arc<ModelPools>>,
+    /// Loads the pools' tokenizers, each file once.
+    loader: std::sync::Mutex<TokenizerLoader>,
     /// How requests that are not inference choose a server.
     least_load: LeastLoad,
     store: Arc<dyn RoutingStore>,
@@ -215,21 +214,21 @@ pub struct Dispatcher {
     client: UpstreamClient,
     health: PassiveHealth,
     queue: queue::GatewayQueue,
-    /// The tokenizer's segment counters last added to the metrics.
-    segments_reported: std::sync::Mutex<semlb_tokenizer::SegmentCacheStats>,
+    /// Each tokenizer's segment counters last added to the metrics.
+    segments_reported: std::sync::Mutex<std::collections::HashMap<u64, semlb_tokenizer::SegmentCacheStats>>,
 }
 
 impl Dispatcher {
     /// A dispatcher over an opened segment whose server table already holds
-    /// the backends (the supervisor registers them).
+    /// the backends (the supervisor registers them), with `config`'s model
+    /// pools, their tokenizers loaded by `loader`.
     pub fn new(
         segment: Arc<Segment>,
         identity: Identity,
         config: Arc<ServeConfig>,
-        tokenizer: Tokenizer,
-        template: ChatTemplate,
-    ) -> Self {
-        let policy = SwappablePolicy::new(crate::routing::build(&config.policy));
+        mut loader: TokenizerLoader,
+    ) -> Result<Self, PoolError> {
+        let pools = ModelPools::build(&config, &mut loader, None)?;
         let ttl_ms = config.response_cache.ttl_secs.saturating_mul(1000);
         let store = Arc::new(ShmStore::new(segment.clone(), identity.slot, ttl_ms));
         let cacheable_stream_bytes = {
@@ -252,23 +251,22 @@ impl Dispatcher {
             .build(connector);
         let dispatcher = Self {
             // Before `config` moves into the struct.
-            policy_config: std::sync::Mutex::new(config.policy.clone()),
             health: PassiveHealth::new(&config.health),
             queue: queue::GatewayQueue::new(config.policy.queue, config.dispatchers),
             segment,
             identity,
             config,
-            tokenizer,
-            template,
-            policy,
+            pools: std::sync::RwLock::new(Arc::new(pools)),
+            loader: std::sync::Mutex::new(loader),
             least_load: LeastLoad::new(),
             store,
             cacheable_stream_bytes,
             client,
             segments_reported: std::sync::Mutex::default(),
         };
-        dispatcher.publish_tuned(dispatcher.policy.tuned_weight());
-        dispatcher
+        let first = dispatcher.pools().pools()[0].clone();
+        dispatcher.publish_tuned(first.policy().tuned_weight());
+        Ok(dispatcher)
     }
 
     /// Publishes the value its policy tunes online in its registry slot
@@ -281,22 +279,23 @@ impl Dispatcher {
             .publish_tuned(id.slot, id.incarnation, value.unwrap_or(0.0));
     }
 
-    /// A request its policy routed with the tuner's `arm` saw its first
-    /// token after `ttft_us`: the policy learns from it
+    /// A request `pool`'s policy routed with the tuner's `arm` saw its
+    /// first token after `ttft_us`: the policy learns from it
     /// ([`crate::routing::Policy::observe`]), and the weight it tunes is
-    /// published.
-    pub(super) fn observe_route(&self, arm: u8, ttft_us: u32) {
-        let tuned = self.policy.observe(arm, ttft_us);
+    /// published (the last pool's to learn: one value per dispatcher).
+    pub(super) fn observe_route(&self, pool: &Pool, arm: u8, ttft_us: u32) {
+        let tuned = pool.policy().observe(arm, ttft_us);
         self.publish_tuned(tuned);
     }
 
-    /// Adds to the metrics what the tokenizer's segment cache did since
+    /// Adds to the metrics what `tokenization`'s segment cache did since
     /// the last call.
-    fn report_segments(&self) {
-        let now = self.tokenizer.segment_cache_stats();
-        let mut last = self.segments_reported.lock().unwrap_or_else(|e| e.into_inner());
+    fn report_segments(&self, tokenization: &Tokenization) {
+        let now = tokenization.tokenizer.segment_cache_stats();
+        let mut reported = self.segments_reported.lock().unwrap_or_else(|e| e.into_inner());
+        let last = reported.entry(tokenization.id).or_default();
         if now != *last {
-            self.metrics().segments(&last, &now);
+            self.metrics().segments(last, &now);
             *last = now;
         }
     }
@@ -342,25 +341,35 @@ impl Dispatcher {
         self.identity
     }
 
-    /// The name of its routing policy.
+    /// The name of its (first pool's) routing policy.
     pub fn policy_name(&self) -> &'static str {
-        self.policy.name()
+        self.pools().pools()[0].policy().name()
     }
 
-    /// Routes the next requests with the policy `config` describes (a
-    /// configuration reload; validate `config` first). Requests being routed
-    /// finish with the old policy. The rest of the configuration (limits,
-    /// response cache) stays as the dispatcher started with.
-    /// A reload that leaves the policy's configuration as it is keeps the
-    /// policy, with what it learned (the `cost` policy's tuned weight).
-    pub fn set_policy(&self, config: &PolicyConfig) {
-        let mut current = self.policy_config.lock().unwrap_or_else(|e| e.into_inner());
-        if *current != *config {
-            self.policy.replace(crate::routing::build(config));
-            self.queue.set_params(config.queue);
-            *current = config.clone();
-            self.publish_tuned(self.policy.tuned_weight());
-        }
+    /// Its model pools now.
+    pub fn pools(&self) -> Arc<ModelPools> {
+        self.pools.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Serves the next requests with the model pools and routing policies
+    /// `config` describes (a configuration reload; validate `config`
+    /// first). Requests already routed finish as they were. A pool whose
+    /// policy configuration is unchanged keeps its policy, with what it
+    /// learned (the `cost` policy's tuned weight); tokenizers already
+    /// loaded are not loaded again. The rest of the configuration (limits,
+    /// response cache) stays as the dispatcher started with. Loading a new
+    /// tokenizer takes time: call it off the reactor. On an error (a
+    /// tokenizer that does not load) the running pools stay.
+    pub fn set_models(&self, config: &ServeConfig) -> Result<(), PoolError> {
+        let rebuilt = {
+            let mut loader = self.loader.lock().unwrap_or_else(|e| e.into_inner());
+            self.pools().rebuild(config, &mut loader)?
+        };
+        let first = rebuilt.pools()[0].clone();
+        *self.pools.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(rebuilt);
+        self.queue.set_params(config.policy.queue);
+        self.publish_tuned(first.policy().tuned_weight());
+        Ok(())
     }
 
     /// Requests waiting in this dispatcher's gateway queue.
@@ -380,11 +389,6 @@ impl Dispatcher {
         http::read_body(headers, body, max, self.config.limits.client_timeout()).await
     }
 
-    /// Tokens per prefix block.
-    fn block_tokens(&self) -> u32 {
-        u32::try_from(self.config.block_size.max(1)).unwrap_or(u32::MAX)
-    }
-
     // The parts the request's steps use.
 
     fn segment(&self) -> &Arc<Segment> {
@@ -393,18 +397,6 @@ impl Dispatcher {
 
     fn config(&self) -> &ServeConfig {
         &self.config
-    }
-
-    fn tokenizer(&self) -> &Tokenizer {
-        &self.tokenizer
-    }
-
-    fn template(&self) -> &ChatTemplate {
-        &self.template
-    }
-
-    fn policy(&self) -> &SwappablePolicy {
-        &self.policy
     }
 
     fn least_load(&self) -> &LeastLoad {

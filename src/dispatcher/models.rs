@@ -1,4 +1,6 @@
-//! `GET /v1/models`: every live server's model list, merged by `id`.
+//! `GET /v1/models`: with model pools, the configured models (each name
+//! and alias, an adapter with its `parent`, and how many live servers
+//! serve it); without, every live server's model list, merged by `id`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,6 +13,7 @@ use serde_json::{Value, json};
 use super::Dispatcher;
 use super::http::{Body, error_response, json_response};
 use super::proxy::unavailable;
+use crate::pools::ModelPools;
 use crate::routing::live_candidates;
 
 /// Largest `/v1/models` answer read from one server.
@@ -28,8 +31,13 @@ fn live_addresses(dispatcher: &Dispatcher) -> Vec<String> {
         .collect()
 }
 
-/// `GET /v1/models`: every live server's list, merged by `id`.
+/// `GET /v1/models`: the configured models, or every live server's list
+/// merged by `id` when there are no pools.
 pub(super) async fn models(dispatcher: &Arc<Dispatcher>) -> Response<Body> {
+    let pools = dispatcher.pools();
+    if !pools.is_implicit() {
+        return configured(dispatcher, &pools);
+    }
     let addresses = live_addresses(dispatcher);
     if addresses.is_empty() {
         return unavailable("no inference server is available", "no_server_available");
@@ -82,4 +90,32 @@ async fn fetch_models(dispatcher: &Dispatcher, address: &str, wait: Duration) ->
         Value::Array(list) => Some(list),
         _ => None,
     }
+}
+
+/// The configured models, in OpenAI's list shape (with vLLM's `root` and
+/// `parent` for adapters) and the live servers of each.
+fn configured(dispatcher: &Dispatcher, pools: &ModelPools) -> Response<Body> {
+    let tables = dispatcher.segment().tables();
+    let mut candidates = Vec::new();
+    live_candidates(&tables, &mut candidates);
+    let ids: Vec<Option<u64>> = candidates.iter().map(|c| tables.servers.id_of(c.server.slot)).collect();
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let data: Vec<Value> = pools
+        .names()
+        .map(|(id, pool)| {
+            let name = pool.name().unwrap_or(id);
+            json!({
+                "id": id,
+                "object": "model",
+                "created": created,
+                "owned_by": "semlb",
+                "root": pool.base().unwrap_or(name),
+                "parent": pool.base(),
+                "live_servers": ids.iter().filter(|i| pool.members().admits(**i)).count(),
+            })
+        })
+        .collect();
+    json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
 }

@@ -47,6 +47,7 @@ use crate::blocks::BlockHasher;
 use crate::continuation::EndProbe;
 use crate::failure::Failure;
 use crate::metrics::QueueOutcome;
+use crate::pools::Pool;
 use crate::prompt::Endpoint;
 use crate::routing::Reason;
 use crate::store::Lookup;
@@ -57,6 +58,8 @@ pub(super) struct Outbound {
     pub path_and_query: String,
     pub headers: HeaderMap,
     pub body: Bytes,
+    /// The model pool whose servers may take it (`None`: any server).
+    pub pool: Option<Arc<Pool>>,
 }
 
 impl Outbound {
@@ -210,6 +213,11 @@ impl<'d> Attempts<'d> {
         }
     }
 
+    /// The name of the policy routing it (its pool's).
+    fn policy_name(&self) -> &'static str {
+        self.outbound.pool.as_ref().map_or("least_load", |p| p.policy().name())
+    }
+
     fn prompt_tokens(&self) -> u64 {
         self.ctx.as_ref().map_or(0, |c| c.prompt_tokens.len() as u64)
     }
@@ -230,6 +238,7 @@ impl<'d> Attempts<'d> {
             prompt_tokens: u32::try_from(self.prompt_tokens()).unwrap_or(u32::MAX),
             session: self.ctx.as_ref().and_then(|c| c.session),
             inference: self.ctx.is_some(),
+            pool: self.outbound.pool.as_deref(),
             continuation: self.ctx.as_ref().map(|c| EndProbe {
                 tokens: &c.prompt_tokens,
                 chain,
@@ -246,6 +255,7 @@ impl<'d> Attempts<'d> {
                     session: route.session,
                     prefix: lookup.routing_prefix(),
                     exclude: self.failed.clone(),
+                    pool: self.outbound.pool.clone(),
                     seen: asked || !self.failed.is_empty(),
                 };
                 self.wait(waiting, &lookup).await
@@ -299,7 +309,7 @@ impl<'d> Attempts<'d> {
                 prompt_tokens = self.prompt_tokens(),
                 blocks = c.chain.len(),
                 cache = c.cache,
-                policy = self.dispatcher.policy_name(),
+                policy = self.policy_name(),
                 attempt = self.attempt + 1,
                 "{} not routed: no inference server is available",
                 c.endpoint.path()
@@ -496,7 +506,7 @@ impl<'d> Attempts<'d> {
             prompt_tokens = c.prompt_tokens.len(),
             blocks = c.chain.len(),
             cache = c.cache,
-            policy = self.dispatcher.policy_name(),
+            policy = self.policy_name(),
             server = %address,
             reason = reason.name(),
             matched_blocks = match reason {
@@ -547,6 +557,7 @@ impl<'d> Attempts<'d> {
                 chat: c.endpoint == Endpoint::ChatCompletions,
                 prediction: self.last_prediction,
                 timing: None,
+                pool: self.outbound.pool.clone(),
             }),
             _ => None,
         };

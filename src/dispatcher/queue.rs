@@ -56,6 +56,8 @@ use tokio::sync::{Notify, oneshot};
 use super::Dispatcher;
 use super::inflight::InflightGuard;
 use crate::metrics::QueueOutcome;
+use crate::pools::Pool;
+use crate::routing::Members;
 use crate::routing::{Candidate, Choice, QueueParams, RouteInput};
 
 /// A request routed out of the queue: the choice, already counted in flight.
@@ -82,6 +84,9 @@ pub(super) struct Waiting {
     pub session: Option<u64>,
     pub prefix: PrefixMatch,
     pub exclude: Vec<ServerRef>,
+    /// Its model pool: the servers it may go to and the policy that
+    /// routes it (`None`: any server, least load).
+    pub pool: Option<Arc<Pool>>,
     /// Whether the policy has been asked about it already (then every look
     /// from the queue is a [repeat](crate::routing::RouteInput::repeat)).
     pub seen: bool,
@@ -190,9 +195,10 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
         let queue = dispatcher.queue();
         let params = queue.params();
         let stale_after_ms = dispatcher.config().health.stale_after_ms;
-        dispatcher.local().candidates(&[], stale_after_ms, &mut candidates);
+        dispatcher
+            .local()
+            .candidates(&[], Members::all(), stale_after_ms, &mut candidates);
         {
-            let policy = dispatcher.policy().current_arc();
             let mut state = queue.lock();
             let max_wait = Duration::from_millis(params.max_wait_ms);
             let mut i = 0;
@@ -215,22 +221,31 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
                     continue;
                 }
                 let r = &w.request;
-                let pool: &[Candidate] = if r.exclude.is_empty() {
-                    &candidates
-                } else {
-                    kept.clear();
-                    kept.extend(candidates.iter().filter(|c| !r.exclude.contains(&c.server)));
-                    &kept
+                let members = r.pool.as_deref().map_or(Members::all(), Pool::members);
+                let eligible: &[Candidate] =
+                    if r.exclude.is_empty() && members.is_every() {
+                        &candidates
+                    } else {
+                        let servers = &dispatcher.segment().tables().servers;
+                        kept.clear();
+                        kept.extend(candidates.iter().filter(|c| {
+                            !r.exclude.contains(&c.server) && members.admits(servers.id_of(c.server.slot))
+                        }));
+                        &kept
+                    };
+                let policy = match &r.pool {
+                    Some(pool) => pool.policy().current_arc(),
+                    None => Arc::new(crate::routing::least_load::LeastLoad::new()),
                 };
                 let input = RouteInput {
                     prompt_blocks: u32::try_from(r.chain.len()).unwrap_or(u32::MAX),
                     chain: &r.chain,
                     prompt_tokens: r.prompt_tokens,
-                    block_tokens: dispatcher.block_tokens(),
+                    block_tokens: r.pool.as_deref().map_or(1, Pool::block_tokens),
                     session: r.session,
                     repeat: r.seen,
                     prefix: &r.prefix,
-                    candidates: pool,
+                    candidates: eligible,
                 };
                 let decision = policy.choose(&input);
                 let tokens = u64::from(r.prompt_tokens);

@@ -276,9 +276,10 @@ impl Relay {
             passive_success(&self.dispatcher, g.server());
             self.dispatcher.metrics().upstream(g.server().slot, true);
             let timing = g.timing(self.sse);
-            if let Some(arm) = g.arm().filter(|_| inference) {
+            let pool = self.learn.as_ref().and_then(|l| l.pool.as_ref());
+            if let (Some(arm), Some(pool)) = (g.arm().filter(|_| inference), pool) {
                 self.dispatcher
-                    .observe_route(arm, timing.first_byte_us.unwrap_or(timing.latency_us));
+                    .observe_route(pool, arm, timing.first_byte_us.unwrap_or(timing.latency_us));
             }
             timing
         });

@@ -11,6 +11,8 @@ use super::Dispatcher;
 use super::inflight::InflightGuard;
 use crate::continuation::EndProbe;
 use crate::failure::Failure;
+use crate::pools::Pool;
+use crate::routing::Members;
 use crate::routing::{Policy, Reason, RouteInput};
 use crate::store::{Lookup, LookupRequest};
 
@@ -23,8 +25,12 @@ pub(super) struct RouteRequest<'a> {
     pub prompt_tokens: u32,
     /// The hashed session key.
     pub session: Option<u64>,
-    /// An inference request (routed by the policy; others by least load).
+    /// An inference request (routed by its pool's policy; others by least
+    /// load).
     pub inference: bool,
+    /// The model pool it is for (`None`: a request without a model, which
+    /// any server may take).
+    pub pool: Option<&'a Pool>,
     /// What a lookup needs to find the conversation this prompt continues.
     pub continuation: Option<EndProbe<'a>>,
 }
@@ -124,7 +130,9 @@ pub(super) async fn choose(
         session,
         inference,
         continuation,
+        pool,
     } = route;
+    let members = pool.map_or(Members::all(), Pool::members);
     let stale_after_ms = dispatcher.config().health.stale_after_ms;
     let mut lookup = match first {
         Some(l) => l,
@@ -133,6 +141,7 @@ pub(super) async fn choose(
                 response_key: None,
                 chain: if inference { chain } else { &[] },
                 exclude,
+                members,
                 stale_after_ms,
                 continuation: continuation.filter(|_| inference),
             };
@@ -140,7 +149,7 @@ pub(super) async fn choose(
         }
     };
     // Requests that are not inference go to the least loaded server.
-    let policy: Option<Arc<dyn Policy>> = inference.then(|| dispatcher.policy().current_arc());
+    let policy: Option<Arc<dyn Policy>> = pool.filter(|_| inference).map(|p| p.policy().current_arc());
     let holds = policy.as_ref().is_some_and(|p| p.holds_requests());
     if holds && !lookup.candidates.is_empty() && dispatcher.queued() > 0 {
         return Routed::Wait { lookup, asked: false };
@@ -154,7 +163,7 @@ pub(super) async fn choose(
             prompt_blocks: u32::try_from(chain.len()).unwrap_or(u32::MAX),
             chain,
             prompt_tokens,
-            block_tokens: dispatcher.block_tokens(),
+            block_tokens: pool.map_or(1, Pool::block_tokens),
             session,
             repeat: !exclude.is_empty(),
             prefix: &prefix,

@@ -10,11 +10,12 @@ use serde_json::json;
 
 use super::Dispatcher;
 use super::http::{Body, error_response, full_response, json_response, set_header, upstream_request_headers};
-use super::inference::inference;
+use super::inference::{inference, with_model};
 use super::models::models;
 use super::proxy::{Outbound, Relayed, forward};
+use crate::body::Json;
 use crate::metrics::{DURATION, EndpointLabel, Snapshot};
-use crate::prompt::Endpoint;
+use crate::prompt::{Endpoint, RequestError};
 use crate::routing::live_candidates;
 
 /// Answers one request (never fails: errors are responses).
@@ -78,13 +79,37 @@ async fn metrics(dispatcher: &Arc<Dispatcher>) -> Response<Body> {
     }
 }
 
-/// Any other `/v1/...` request: proxied to the least loaded live server.
+/// Any other `/v1/...` request: proxied to the least loaded live server
+/// of the model pool its body names (`model`; an unknown one: 404), else
+/// of every server.
 async fn passthrough(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>) -> Response<Body> {
     let (parts, body) = request.into_parts();
     let bytes = match dispatcher.read_body(&parts.headers, body).await {
         Ok(b) => b,
         Err(r) => return r,
     };
+    // A body naming a model (embeddings, rerank, ...) goes to its pool.
+    let pools = dispatcher.pools();
+    let mut pool = None;
+    let mut bytes = bytes;
+    if let Ok(Json::Object(body)) = Json::parse(&bytes)
+        && let Some(Json::String(model)) = body.get("model")
+    {
+        match pools.find(model) {
+            Some(found) => {
+                if let Some(name) = found.upstream_name(model) {
+                    let rewritten = with_model(&bytes, model, name);
+                    drop(body);
+                    bytes = rewritten;
+                }
+                pool = Some(found.clone());
+            }
+            None => {
+                let e = RequestError::model_not_found(model);
+                return json_response(e.status, &e.body());
+            }
+        }
+    }
     let outbound = Outbound {
         method: parts.method,
         path_and_query: parts
@@ -93,6 +118,7 @@ async fn passthrough(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>) -
             .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned()),
         headers: upstream_request_headers(&parts.headers),
         body: bytes,
+        pool,
     };
     forward(dispatcher, outbound, None).await
 }

@@ -19,6 +19,9 @@
 //! | `weighted_scorers` | [`weighted_scorers`] | llm-d: weighted prefix, queue, KV-cache and load scores; max or weighted random pick |
 //! | `cost` | [`cost`] | Dynamo's cost: uncached prompt tokens + λ × work queued at the server, λ tuned online from TTFT ([`weight_bandit`]) |
 //!
+//! A pool's policy is a [`swappable::SwappablePolicy`]: a reload replaces it
+//! while requests are being routed.
+//!
 //! # Holding requests at the gateway
 //!
 //! A policy whose [`Policy::holds_requests`] is true may answer `None` while
@@ -76,10 +79,14 @@ pub mod cost;
 pub mod dual_map;
 pub mod least_load;
 mod load_bound;
+mod members;
 pub mod random;
 mod ring;
 pub mod round_robin;
 pub mod selective_push;
+pub mod swappable;
+
+pub use members::Members;
 #[cfg(test)]
 mod test_support;
 #[cfg(test)]

@@ -6,7 +6,7 @@
 //!
 //! | what | where it comes from |
 //! | --- | --- |
-//! | the live servers ([`LocalState::candidates`]) | the segment's server table: state `Up`, minus the servers a request excludes |
+//! | the live servers ([`LocalState::candidates`]) | the segment's server table: state `Up`, of the request's model pool, minus the servers a request excludes |
 //! | their load ([`LocalState::candidate`]) | this host's in-flight and pending counts (every process's ledger row summed) and the scraped engine figures, zeroed when older than `health.stale_after_ms` ([`crate::health::fresh_load`]) |
 //! | this process's ledger row ([`LocalState::begin`], [`first_token`](LocalState::first_token), [`end`](LocalState::end)) | the segment's in-flight ledger, reclaimed by the supervisor when the process dies |
 //!
@@ -26,6 +26,7 @@ use std::sync::Arc;
 use shm_layout::{Segment, ServerRef};
 
 use crate::health::fresh_load;
+use crate::routing::Members;
 use crate::routing::{Candidate, candidate, live_candidates};
 
 /// One process's view of the host-local state: the segment, and its row
@@ -48,12 +49,16 @@ impl LocalState {
         &self.segment
     }
 
-    /// Fills `out` with the live servers not in `exclude`, with this host's
-    /// counts and their scraped figures when at most `stale_after_ms` old
-    /// (else zeros).
-    pub fn candidates(&self, exclude: &[ServerRef], stale_after_ms: u64, out: &mut Vec<Candidate>) {
-        live_candidates(&self.segment.tables(), out);
+    /// Fills `out` with the live servers of `members` not in `exclude`,
+    /// with this host's counts and their scraped figures when at most
+    /// `stale_after_ms` old (else zeros).
+    pub fn candidates(&self, exclude: &[ServerRef], members: &Members, stale_after_ms: u64, out: &mut Vec<Candidate>) {
+        let tables = self.segment.tables();
+        live_candidates(&tables, out);
         out.retain(|c| !exclude.contains(&c.server));
+        if !members.is_every() {
+            out.retain(|c| members.admits(tables.servers.id_of(c.server.slot)));
+        }
         let now_ms = self.segment.clock().now_ms();
         for c in out.iter_mut() {
             c.load = fresh_load(c.load, now_ms, stale_after_ms).unwrap_or_default();

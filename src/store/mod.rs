@@ -67,6 +67,7 @@ use shm_layout::{Completion, PrefixMatch, ResponseKey, ServerRef, Stamp};
 use crate::config::StoreKind;
 use crate::continuation::EndProbe;
 use crate::routing::Candidate;
+use crate::routing::Members;
 
 /// What a dispatcher asks the store for one routing decision.
 #[derive(Debug, Clone, Copy)]
@@ -78,6 +79,9 @@ pub struct LookupRequest<'a> {
     pub chain: &'a [u64],
     /// Servers not to consider (they failed this request already).
     pub exclude: &'a [ServerRef],
+    /// The servers that may be candidates: the request's model pool
+    /// ([`Members::all`] for any server).
+    pub members: &'a Members,
     /// Scraped load figures older than this (segment milliseconds) are
     /// left out of the candidates (`health.stale_after_ms`, see
     /// [`crate::health::fresh_load`]); `u64::MAX` keeps any scraped figures.
@@ -99,7 +103,7 @@ pub struct Lookup {
     /// with the blocks of the answer they generated after it (not in the
     /// table yet: see [`crate::continuation`]).
     pub continued: PrefixMatch,
-    /// The live servers, minus the excluded ones, with their load (scraped
+    /// The live servers of the pool, minus the excluded ones, with their load (scraped
     /// figures only when fresh, else zeros).
     pub candidates: Vec<Candidate>,
     /// The store could not be asked: the answer is this host's fallback

@@ -41,8 +41,12 @@ impl ShmStore {
         let segment = self.local.segment();
         let tables = segment.tables();
         let mut lookup = Lookup::default();
-        self.local
-            .candidates(request.exclude, request.stale_after_ms, &mut lookup.candidates);
+        self.local.candidates(
+            request.exclude,
+            request.members,
+            request.stale_after_ms,
+            &mut lookup.candidates,
+        );
         if let Some(key) = request.response_key {
             let mut buf = Vec::new();
             if let Some(entry) = tables.responses.get_into(key, &mut buf) {
@@ -212,6 +216,7 @@ mod tests {
         let matched = |store: &ShmStore| {
             let m = store
                 .lookup_now(LookupRequest {
+                    members: crate::routing::Members::all(),
                     response_key: None,
                     chain: &chain,
                     exclude: &[],

@@ -476,6 +476,61 @@ impl CompletionRequest {
     }
 }
 
+/// A validated `POST /v1/embeddings` request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EmbeddingRequest {
+    /// `model`, if given.
+    pub model: Option<String>,
+    /// `input`: one text or token-id list (a batch of several is refused,
+    /// as `prompt`'s).
+    pub input: Prompt,
+}
+
+/// Length of the simulator's embeddings.
+pub const EMBEDDING_DIMENSIONS: usize = 16;
+
+impl EmbeddingRequest {
+    /// Parses and validates a request body (`input` takes the forms of
+    /// a completions `prompt`).
+    pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        let obj = parse_object(body)?;
+        let model = opt_string(&obj, "model")?;
+        let input = parse_prompt(field(&obj, "input")).map_err(|e| ApiError {
+            message: e
+                .message
+                .replace("`prompt`", "`input`")
+                .replace("The prompt", "The input"),
+            param: Some("input".into()),
+            ..e
+        })?;
+        Ok(Self { model, input })
+    }
+}
+
+/// The answer to an embeddings request of `tokens` for `model`: a unit
+/// vector of [`EMBEDDING_DIMENSIONS`] drawn from the tokens (the same
+/// tokens, the same vector), and the usage.
+pub fn embedding_body(model: &str, tokens: &[u32]) -> Bytes {
+    let mut state = seahash::hash(&tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>());
+    let mut vector: Vec<f64> = (0..EMBEDDING_DIMENSIONS)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 11) as f64 / (1u64 << 53) as f64 - 0.5
+        })
+        .collect();
+    let norm = vector.iter().map(|x| x * x).sum::<f64>().sqrt().max(f64::MIN_POSITIVE);
+    vector.iter_mut().for_each(|x| *x /= norm);
+    let body = serde_json::json!({
+        "object": "list",
+        "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+        "model": model,
+        "usage": {"prompt_tokens": tokens.len(), "total_tokens": tokens.len()},
+    });
+    Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+}
+
 /// The text of a message's `content`.
 fn message_content(index: usize, value: Option<&Value>) -> Result<String, ApiError> {
     let param = format!("messages[{index}].content");
@@ -893,8 +948,9 @@ pub fn props_body(model: &str, total_slots: u32, n_ctx: u32) -> Bytes {
     Bytes::from(body.to_string())
 }
 
-/// `GET /v1/models`: the one served model.
-pub fn models_body(model: &str, created: u64, max_model_len: u32) -> Bytes {
+/// `GET /v1/models`: the served model, then its LoRA adapters (with the
+/// model as `parent`, as vLLM lists them).
+pub fn models_body<'a>(model: &'a str, adapters: &'a [String], created: u64, max_model_len: u32) -> Bytes {
     #[derive(Serialize)]
     struct Model<'a> {
         id: &'a str,
@@ -908,24 +964,21 @@ pub fn models_body(model: &str, created: u64, max_model_len: u32) -> Bytes {
     #[derive(Serialize)]
     struct List<'a> {
         object: &'a str,
-        data: [Model<'a>; 1],
+        data: Vec<Model<'a>>,
     }
-    let model = Model {
-        id: model,
+    let entry = |id: &'a str, parent: Option<&'a str>| Model {
+        id,
         object: "model",
         created,
         owned_by: "semlb-sim",
-        root: model,
-        parent: None,
+        root: id,
+        parent,
         max_model_len,
     };
-    Bytes::from(
-        serde_json::to_vec(&List {
-            object: "list",
-            data: [model],
-        })
-        .unwrap_or_default(),
-    )
+    let data = std::iter::once(entry(model, None))
+        .chain(adapters.iter().map(|a| entry(a, Some(model))))
+        .collect();
+    Bytes::from(serde_json::to_vec(&List { object: "list", data }).unwrap_or_default())
 }
 
 #[cfg(test)]

@@ -23,6 +23,11 @@ use std::time::Duration;
 pub struct EngineConfig {
     /// Name the engine serves (`/v1/models`, the `model` field, metric labels).
     pub model_name: String,
+    /// LoRA adapters it also serves, by name (vLLM's `--lora-modules`):
+    /// requests may name them, `/v1/models` lists them with the base as
+    /// `parent`, and their prompts are cached apart from the base model's
+    /// (vLLM puts the adapter in every block's hash).
+    pub lora_adapters: Vec<String>,
     /// Tokens per KV block.
     pub block_size: u32,
     /// KV cache capacity in tokens (rounded down to whole blocks).
@@ -47,6 +52,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         Self {
             model_name: "semlb-sim".to_owned(),
+            lora_adapters: Vec::new(),
             block_size: 16,
             kv_capacity_tokens: 400_000,
             max_num_seqs: 256,
@@ -61,6 +67,19 @@ impl Default for EngineConfig {
 }
 
 impl EngineConfig {
+    /// The prefix-cache root of requests naming `model`: 0 for the base
+    /// model, a hash of the adapter's name for an adapter; `None` if it
+    /// serves no such model.
+    pub fn cache_root(&self, model: &str) -> Option<u64> {
+        if model == self.model_name {
+            return Some(0);
+        }
+        self.lora_adapters
+            .iter()
+            .any(|a| a == model)
+            .then(|| seahash::hash(model.as_bytes()).max(1))
+    }
+
     /// KV blocks in the cache.
     pub fn num_blocks(&self) -> u64 {
         self.kv_capacity_tokens / u64::from(self.block_size)

@@ -91,7 +91,7 @@ use tokio::time::Instant;
 
 use crate::config::EngineConfig;
 use crate::histogram::{E2E_BUCKETS, Histogram, TTFT_BUCKETS};
-use crate::prefix_cache::{Allocation, BlockHash, PrefixCache, block_hashes, blocks_for};
+use crate::prefix_cache::{Allocation, BlockHash, PrefixCache, blocks_for, chained_hashes};
 
 /// How far (real time) the scheduler may lag behind its virtual clock before
 /// the clock restarts from now.
@@ -105,6 +105,9 @@ pub struct EngineRequest {
     pub prompt: Vec<u32>,
     /// Output token ids, in order; at least one.
     pub output: Vec<u32>,
+    /// Its prefix-cache root: 0, or its LoRA adapter's
+    /// ([`EngineConfig::cache_root`]).
+    pub root: u64,
 }
 
 /// Token counts of a finished request (OpenAI `usage`).
@@ -276,7 +279,7 @@ impl Engine {
     /// events; dropping the stream aborts the request.
     pub fn submit(&self, request: EngineRequest) -> Result<EngineStream, SubmitError> {
         let config = &self.config;
-        let EngineRequest { prompt, output } = request;
+        let EngineRequest { prompt, output, root } = request;
         if prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
         }
@@ -297,7 +300,7 @@ impl Engine {
             return Err(SubmitError::ExceedsKvCapacity { needed, capacity });
         }
         // Hash outside the lock: it is the only per-token work of a request.
-        let hashes = block_hashes(prompt.iter().chain(&output).copied(), config.block_size);
+        let hashes = chained_hashes(root, prompt.iter().chain(&output).copied(), config.block_size);
         let (tx, rx) = mpsc::unbounded_channel();
         let pending = Pending {
             prompt_len: prompt.len(),
@@ -651,6 +654,7 @@ mod tests {
         EngineRequest {
             prompt: (base..base + prompt).collect(),
             output: (0..output).map(|i| 900_000 + i).collect(),
+            root: 0,
         }
     }
 
@@ -667,6 +671,7 @@ mod tests {
     fn config() -> EngineConfig {
         EngineConfig {
             model_name: "test".into(),
+            lora_adapters: Vec::new(),
             block_size: 16,
             kv_capacity_tokens: 400_000,
             max_num_seqs: 256,
@@ -759,6 +764,7 @@ mod tests {
                 .submit(EngineRequest {
                     prompt: prompt2,
                     output: vec![1, 2],
+                    root: 0,
                 })
                 .expect("accepted"),
         )

@@ -39,6 +39,11 @@ struct Args {
     /// Served model name (`/v1/models`, the `model` field, metric labels).
     #[arg(long, default_value_t = defaults().model_name, value_name = "NAME")]
     model: String,
+    /// A LoRA adapter it also serves (repeatable), as vLLM's
+    /// `--lora-modules NAME=PATH`: requests may name it, `/v1/models` lists
+    /// it, and its prompts are cached apart from the base model's.
+    #[arg(long = "lora", value_name = "NAME")]
+    lora_adapters: Vec<String>,
     /// HF tokenizer.json, or a GGUF model file, to tokenize prompts with
     /// [default: the bundled Phi-2/GPT-2 tokenizer].
     #[arg(long, value_name = "PATH")]
@@ -118,6 +123,7 @@ impl Args {
     fn engine_config(&self) -> EngineConfig {
         EngineConfig {
             model_name: self.model.clone(),
+            lora_adapters: self.lora_adapters.clone(),
             block_size: self.block_size,
             kv_capacity_tokens: self.kv_capacity_tokens,
             max_num_seqs: self.max_num_seqs,

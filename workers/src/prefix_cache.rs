@@ -66,8 +66,10 @@
 //!   each fills; no other request can tell the difference, because no prompt
 //!   can contain an answer that has not been returned yet.
 //! * The hash is seahash with a fixed seed (vLLM: SHA-256 or Python's `hash`
-//!   with a per-process random seed) and there are no extra keys (LoRA id,
-//!   multimodal hashes, `cache_salt`).
+//!   with a per-process random seed). The only extra key is a request's
+//!   root ([`chained_hashes`]): a LoRA adapter's, so that its blocks are
+//!   apart from the base model's (vLLM also keys multimodal hashes and
+//!   `cache_salt`).
 
 use std::collections::HashMap;
 
@@ -88,12 +90,23 @@ const NIL: usize = usize::MAX;
 ///
 /// If `block_size` is 0.
 pub fn block_hashes(tokens: impl IntoIterator<Item = u32>, block_size: u32) -> Vec<BlockHash> {
+    chained_hashes(0, tokens, block_size)
+}
+
+/// [`block_hashes`] with `hash_{-1} = root`: a request's extra key (0: none;
+/// see [`crate::config::EngineConfig::cache_root`]), so that requests with
+/// different roots share no block.
+///
+/// # Panics
+///
+/// If `block_size` is 0.
+pub fn chained_hashes(root: u64, tokens: impl IntoIterator<Item = u32>, block_size: u32) -> Vec<BlockHash> {
     assert!(block_size > 0, "block_size must be at least 1");
     let block_size = block_size as usize;
     let tokens = tokens.into_iter();
     let mut hashes = Vec::with_capacity(tokens.size_hint().0 / block_size);
     let mut buf = Vec::with_capacity(8 + 4 * block_size);
-    let mut prev: BlockHash = 0;
+    let mut prev: BlockHash = root;
     buf.extend_from_slice(&prev.to_le_bytes());
     let mut filled = 0;
     for token in tokens {

@@ -272,7 +272,7 @@ impl Drop for Completion {
 /// The paths the server knows, and the method each takes.
 fn allowed_method(path: &str) -> Option<&'static str> {
     match path {
-        "/v1/completions" | "/v1/chat/completions" | "/reset_prefix_cache" => Some("POST"),
+        "/v1/completions" | "/v1/chat/completions" | "/v1/embeddings" | "/reset_prefix_cache" => Some("POST"),
         "/v1/models" | "/health" | "/metrics" | "/props" | "/sim/metrics" => Some("GET"),
         _ => None,
     }
@@ -316,6 +316,7 @@ async fn handle(sim: Arc<Sim>, request: Request<Incoming>) -> Result<Response<Bo
         }
         (None, Some(_)) => match path.as_str() {
             "/health" => full_response(StatusCode::OK, None, Bytes::new()),
+            "/v1/embeddings" => embeddings(&sim, request).await.unwrap_or_else(error_response),
             "/reset_prefix_cache" if sim.engine.reset_prefix_cache() => {
                 full_response(StatusCode::OK, None, Bytes::new())
             }
@@ -324,7 +325,12 @@ async fn handle(sim: Arc<Sim>, request: Request<Incoming>) -> Result<Response<Bo
             )),
             "/v1/models" => {
                 let config = sim.engine.config();
-                let body = api::models_body(&config.model_name, sim.started, config.max_model_len);
+                let body = api::models_body(
+                    &config.model_name,
+                    &config.lora_adapters,
+                    sim.started,
+                    config.max_model_len,
+                );
                 full_response(StatusCode::OK, Some("application/json"), body)
             }
             "/props" if sim.props => {
@@ -392,32 +398,85 @@ async fn read_body(body: Incoming) -> Result<Bytes, ApiError> {
     }
 }
 
+/// What a request body asks for: its prompt's token ids, its parameters,
+/// the model it names (the base model when it names none) and that
+/// model's prefix-cache root.
+struct Prepared {
+    prompt: Vec<u32>,
+    params: api::GenParams,
+    model: String,
+    root: u64,
+}
+
 /// The prompt token ids and parameters of a request body.
-fn prepare(sim: &Sim, endpoint: Endpoint, body: &[u8]) -> Result<(Vec<u32>, api::GenParams), ApiError> {
-    let check_model = |model: &Option<String>| match model {
-        Some(model) if *model != sim.engine.config().model_name => Err(ApiError::model_not_found(model)),
-        _ => Ok(()),
+fn prepare(sim: &Sim, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
+    let config = sim.engine.config();
+    let check_model = |model: Option<String>| {
+        let model = model.unwrap_or_else(|| config.model_name.clone());
+        match config.cache_root(&model) {
+            Some(root) => Ok((model, root)),
+            None => Err(ApiError::model_not_found(&model)),
+        }
     };
-    match endpoint {
+    let (prompt, params, (model, root)) = match endpoint {
         Endpoint::Completions => {
             let request = CompletionRequest::parse(body)?;
-            check_model(&request.model)?;
+            let model = check_model(request.model)?;
             let prompt = match request.prompt {
                 Prompt::Text(text) => sim.tokenizer.encode(&text),
                 Prompt::Tokens(ids) => ids,
             };
-            Ok((prompt, request.params))
+            (prompt, request.params, model)
         }
         Endpoint::Chat => {
             let request = ChatRequest::parse(body)?;
-            check_model(&request.model)?;
+            let model = check_model(request.model)?;
             let text = sim
                 .template
                 .render(&request.messages)
                 .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
-            Ok((sim.tokenizer.encode(&text), request.params))
+            (sim.tokenizer.encode(&text), request.params, model)
         }
+    };
+    Ok(Prepared {
+        prompt,
+        params,
+        model,
+        root,
+    })
+}
+
+/// `POST /v1/embeddings`: the input's tokens, after the time their
+/// prefill takes (not batched with generation), as a vector
+/// ([`api::embedding_body`]).
+async fn embeddings(sim: &Arc<Sim>, request: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    let body = read_body(request.into_body()).await?;
+    let request = api::EmbeddingRequest::parse(&body)?;
+    let config = sim.engine.config();
+    let model = request.model.unwrap_or_else(|| config.model_name.clone());
+    if config.cache_root(&model).is_none() {
+        return Err(ApiError::model_not_found(&model));
     }
+    let tokens = match request.input {
+        Prompt::Text(text) => sim.tokenizer.encode(&text),
+        Prompt::Tokens(ids) => ids,
+    };
+    let limit = config.max_model_len as usize;
+    if tokens.len() > limit {
+        return Err(ApiError::bad_request(
+            format!(
+                "This model's maximum context length is {limit} tokens, the input has {}",
+                tokens.len()
+            ),
+            Some("input"),
+        ));
+    }
+    tokio::time::sleep(config.real(config.prefill_time(tokens.len() as u64))).await;
+    Ok(full_response(
+        StatusCode::OK,
+        Some("application/json"),
+        api::embedding_body(&model, &tokens),
+    ))
 }
 
 /// Answers an inference request (after the hang and delay faults).
@@ -440,7 +499,12 @@ async fn inference(
         .map(|value| api::parse_output_override(value.as_bytes()))
         .transpose()?;
     let body = read_body(request.into_body()).await?;
-    let (prompt, params) = prepare(sim, endpoint, &body)?;
+    let Prepared {
+        prompt,
+        params,
+        model,
+        root,
+    } = prepare(sim, endpoint, &body)?;
     let config = sim.engine.config();
     let (n, finish) = api::output_length(&params, override_tokens, config.default_output_tokens);
     // Refuse an impossible length before drawing (and allocating) the output.
@@ -457,7 +521,7 @@ async fn inference(
     let output = sim.vocab.generate(seed, n as usize);
     let mut events = sim
         .engine
-        .submit(EngineRequest { prompt, output })
+        .submit(EngineRequest { prompt, output, root })
         .map_err(|e| ApiError::from_submit(&e, endpoint.prompt_param()))?;
     let engine_gone = || ApiError::server_error(StatusCode::INTERNAL_SERVER_ERROR, "The engine dropped the request");
     let Some(Event::FirstToken {
@@ -472,7 +536,7 @@ async fn inference(
         endpoint,
         id: sim.response_id(endpoint),
         created: unix_now(),
-        model: config.model_name.clone(),
+        model,
     };
     let mut builder = Response::builder()
         .header(api::SIM_TTFT_HEADER, format!("{:.3}", ttft_s * 1000.0))
@@ -625,7 +689,8 @@ mod tests {
         assert_eq!(allowed_method("/reset_prefix_cache"), Some("POST"));
         assert_eq!(allowed_method("/health"), Some("GET"));
         assert_eq!(allowed_method("/v1/models"), Some("GET"));
-        assert_eq!(allowed_method("/v1/embeddings"), None);
+        assert_eq!(allowed_method("/v1/embeddings"), Some("POST"));
+        assert_eq!(allowed_method("/v1/rerank"), None);
         assert_eq!(allowed_method("/"), None);
     }
 }

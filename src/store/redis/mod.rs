@@ -581,8 +581,12 @@ impl RoutingStore for RedisRouting {
     fn lookup<'a>(&'a self, request: LookupRequest<'a>) -> StoreFuture<'a, Lookup> {
         Box::pin(async move {
             let mut lookup = Lookup::default();
-            self.local
-                .candidates(request.exclude, request.stale_after_ms, &mut lookup.candidates);
+            self.local.candidates(
+                request.exclude,
+                request.members,
+                request.stale_after_ms,
+                &mut lookup.candidates,
+            );
             let Some(fetched) = self.guarded("lookup", self.fetch(request)).await else {
                 self.degraded.fetch_add(1, Relaxed);
                 self.health.degraded_in_outage.fetch_add(1, Relaxed);

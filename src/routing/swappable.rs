@@ -1,8 +1,9 @@
-//! The routing policy of a dispatcher, replaceable while it serves.
+//! A routing policy replaceable while it serves: each model pool's
+//! ([`crate::pools`]), swapped by a configuration reload.
 
 use std::sync::{Arc, RwLock};
 
-use crate::routing::{Choice, Policy, RouteInput};
+use super::{Choice, Policy, RouteInput};
 
 /// The routing policy of a dispatcher, replaceable while it serves (a
 /// configuration reload). Choosing takes an uncontended read lock (one
@@ -15,6 +16,12 @@ impl SwappablePolicy {
     /// Starts with `policy`.
     pub fn new(policy: Box<dyn Policy>) -> Self {
         Self(RwLock::new(Arc::from(policy)))
+    }
+
+    /// Starts with a policy already in use (a pool rebuilt by a reload
+    /// keeps its policy, with what it learned).
+    pub fn from_arc(policy: Arc<dyn Policy>) -> Self {
+        Self(RwLock::new(policy))
     }
 
     /// The current policy's choice (see [`Policy::choose`]).
