@@ -213,7 +213,7 @@ async fn reload_models_on_hup(
                 let wanted = (new.models.clone(), new.policy.clone());
                 match tokio::task::spawn_blocking(move || d.set_models(&new)).await {
                     Ok(Ok(())) => {
-                        tracing::info!(dispatcher = ring, models, policy = %kind, "dispatcher {ring}: {models} model pools, policy {kind}");
+                        tracing::info!(dispatcher = ring, models, policy = %kind, "dispatcher {ring}: {models} model pools, routing policy now {kind}");
                         running = wanted;
                     }
                     Ok(Err(e)) => {

@@ -50,6 +50,8 @@ pub struct Tokenization {
     /// Its id: 0 for the global `tokenizer` and `chat_template`, else a
     /// hash of the two files' paths ([`tokenization_id`]).
     pub id: u64,
+    /// Its file, for people (`bundled phi-2` for the bundled one).
+    pub name: String,
     /// The tokenizer.
     pub tokenizer: Tokenizer,
     /// The chat template.
@@ -155,6 +157,7 @@ impl TokenizerLoader {
             .map_err(|e| err(format!("its chat template: {e}")))?;
         let t = Tokenization {
             id,
+            name: tokenizer_path.map_or_else(|| "bundled phi-2".to_owned(), |p| p.display().to_string()),
             tokenizer: loaded,
             template: Arc::new(template),
         };

@@ -859,6 +859,7 @@ mod tests {
         let asked = std::cell::RefCell::new(Vec::new());
         let tokenization = Tokenization {
             id: 77,
+            name: "bytes".into(),
             tokenizer: bytes.clone(),
             template: Arc::new(ChatTemplate::canonical()),
         };

@@ -20,11 +20,13 @@
 
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use semlb::blocks::BlockHasher;
 use semlb::config::ServeConfig;
+use semlb::pools::{ModelPools, TokenizerLoader};
 use semlb::prompt::{self, Endpoint, RoutingInput};
 use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::ChatTemplate;
@@ -94,52 +96,94 @@ pub enum EndpointArg {
 }
 
 /// What the command works with.
+#[derive(Clone)]
 struct Tools {
     tokenizer: Tokenizer,
     tokenizer_name: String,
-    template: ChatTemplate,
+    template: Arc<ChatTemplate>,
     block_size: usize,
-    segment: Option<Segment>,
+    segment: Option<Arc<Segment>>,
     seed: u64,
+    /// The configuration's model pools, when it has `[[model]]`s and no
+    /// flag overrides the tokenizer, template or block size: a request is
+    /// then seen with its model's ([`Tools::for_model`]).
+    pools: Option<Arc<ModelPools>>,
+    /// What chains are rooted at for a model (its pool's name).
+    root_model: Option<String>,
+}
+
+impl Tools {
+    /// The tools of `model`'s pool (these, without pools); the gateway's
+    /// 404 for a model it does not serve.
+    fn for_model(&self, model: &str) -> Result<Tools, prompt::RequestError> {
+        let Some(pools) = &self.pools else {
+            return Ok(self.clone());
+        };
+        let pool = pools
+            .find(model)
+            .ok_or_else(|| prompt::RequestError::model_not_found(model))?;
+        let t = pool.tokenization();
+        Ok(Tools {
+            tokenizer: t.tokenizer.clone(),
+            tokenizer_name: format!("{} (model pool {})", t.name, pool.name().unwrap_or("*")),
+            template: t.template.clone(),
+            block_size: pool.block_size(),
+            root_model: Some(pool.chain_model(model).to_owned()),
+            ..self.clone()
+        })
+    }
+}
+
+impl prompt::Templated for Tools {
+    fn template(&self) -> &ChatTemplate {
+        &self.template
+    }
 }
 
 /// Runs `semlb tokenize`.
 pub fn run(args: &TokenizeArgs, out: &mut impl Write) -> Result<()> {
     let tools = tools(args)?;
+    let refused =
+        |e: prompt::RequestError| anyhow::anyhow!("the gateway would answer {}: {}", e.status.as_u16(), e.message);
     if args.jsonl {
         let stdin = std::io::stdin();
         for (n, line) in stdin.lock().lines().enumerate() {
             let line = line.context("reading stdin")?;
             let value: Value = serde_json::from_str(&line).with_context(|| format!("line {} is not JSON", n + 1))?;
-            let report = match value {
-                Value::String(text) => report_text(&tools, &args.model, text),
+            let (report, used) = match value {
+                Value::String(text) => {
+                    let used = tools.for_model(&args.model).map_err(refused)?;
+                    (report_text(&used, &args.model, text), used)
+                }
                 Value::Object(_) => {
                     report_body(&tools, args.endpoint, line.as_bytes()).with_context(|| format!("line {}", n + 1))?
                 }
                 other => bail!("line {}: expected a JSON string or object, not {other}", n + 1),
             };
-            serde_json::to_writer(&mut *out, &report.json(&tools, false))?;
+            serde_json::to_writer(&mut *out, &report.json(&used, false))?;
             out.write_all(b"\n")?;
         }
         return Ok(());
     }
-    let report = if let Some(body) = &args.body {
+    let (report, used) = if let Some(body) = &args.body {
         report_body(&tools, args.endpoint, body.as_bytes())?
     } else if let Some(path) = &args.body_file {
         report_body(&tools, args.endpoint, &read_input(path)?)?
     } else if let Some(path) = &args.file {
         let text = String::from_utf8(read_input(path)?).context("the file is not UTF-8")?;
-        report_text(&tools, &args.model, text)
+        let used = tools.for_model(&args.model).map_err(refused)?;
+        (report_text(&used, &args.model, text), used)
     } else if let Some(text) = &args.text {
-        report_text(&tools, &args.model, text.clone())
+        let used = tools.for_model(&args.model).map_err(refused)?;
+        (report_text(&used, &args.model, text.clone()), used)
     } else {
         bail!("give a TEXT, --file, --body, --body-file or --jsonl (see semlb tokenize --help)")
     };
     if args.json {
-        serde_json::to_writer_pretty(&mut *out, &report.json(&tools, true))?;
+        serde_json::to_writer_pretty(&mut *out, &report.json(&used, true))?;
         out.write_all(b"\n")?;
     } else {
-        out.write_all(report.text(&tools).as_bytes())?;
+        out.write_all(report.text(&used).as_bytes())?;
     }
     Ok(())
 }
@@ -159,6 +203,13 @@ fn tools(args: &TokenizeArgs) -> Result<Tools> {
         Some(path) => ServeConfig::load(Some(path))?,
         None => ServeConfig::default(),
     };
+    let pools = (!config.models.is_empty()
+        && args.tokenizer.is_none()
+        && args.chat_template.is_none()
+        && args.block_size.is_none())
+    .then(|| ModelPools::build(&config, &mut TokenizerLoader::new(&config, 0, None), None))
+    .transpose()?
+    .map(Arc::new);
     let tokenizer_path = args.tokenizer.clone().or(config.tokenizer);
     let tokenizer = match &tokenizer_path {
         Some(path) => Tokenizer::from_file(path)?,
@@ -177,17 +228,21 @@ fn tools(args: &TokenizeArgs) -> Result<Tools> {
         bail!("--block-size must be at least 1");
     }
     let segment = match &args.shm_name {
-        Some(name) => Some(Segment::open(name).with_context(|| format!("opening the gateway's segment {name}"))?),
+        Some(name) => Some(Arc::new(
+            Segment::open(name).with_context(|| format!("opening the gateway's segment {name}"))?,
+        )),
         None => None,
     };
     let seed = segment.as_ref().map_or(args.seed, |s| s.header().seed[0]);
     Ok(Tools {
         tokenizer,
         tokenizer_name: tokenizer_path.map_or("bundled phi-2".to_owned(), |p| p.display().to_string()),
-        template,
+        template: Arc::new(template),
         block_size,
         segment,
         seed,
+        pools,
+        root_model: None,
     })
 }
 
@@ -208,7 +263,7 @@ fn report_text(tools: &Tools, model: &str, text: String) -> Report {
     finish(tools, None, model.to_owned(), Some(text), ids, segments)
 }
 
-fn report_body(tools: &Tools, endpoint: Option<EndpointArg>, body: &[u8]) -> Result<Report> {
+fn report_body(tools: &Tools, endpoint: Option<EndpointArg>, body: &[u8]) -> Result<(Report, Tools)> {
     let endpoint = match endpoint {
         Some(EndpointArg::Chat) => Endpoint::ChatCompletions,
         Some(EndpointArg::Completions) => Endpoint::Completions,
@@ -220,17 +275,20 @@ fn report_body(tools: &Tools, endpoint: Option<EndpointArg>, body: &[u8]) -> Res
             None => Endpoint::Completions,
         },
     };
-    let parsed = prompt::parse(endpoint, body, &tools.template, &prompt::RequestLimits::default())
-        .map_err(|e| anyhow::anyhow!("the gateway would answer {}: {}", e.status.as_u16(), e.message))?;
+    let (parsed, tools) = prompt::parse_with(endpoint, body, &prompt::RequestLimits::default(), |model| {
+        tools.for_model(model)
+    })
+    .map_err(|e| anyhow::anyhow!("the gateway would answer {}: {}", e.status.as_u16(), e.message))?;
     let model = parsed.model.to_string();
-    Ok(match parsed.input {
+    let report = match parsed.input {
         RoutingInput::Text(text) => {
-            let mut r = report_text(tools, &model, text.into_owned());
+            let mut r = report_text(&tools, &model, text.into_owned());
             r.endpoint = Some(endpoint);
             r
         }
-        RoutingInput::Tokens(ids) => finish(tools, Some(endpoint), model, None, ids, Vec::new()),
-    })
+        RoutingInput::Tokens(ids) => finish(&tools, Some(endpoint), model, None, ids, Vec::new()),
+    };
+    Ok((report, tools))
 }
 
 fn finish(
@@ -242,7 +300,8 @@ fn finish(
     segments: Vec<semlb_tokenizer::Segment>,
 ) -> Report {
     // As the dispatcher hashes a request's tokens.
-    let hasher = BlockHasher::new(BlockHasher::root_for(&model, tools.seed), tools.block_size);
+    let root = tools.root_model.as_deref().unwrap_or(&model);
+    let hasher = BlockHasher::new(BlockHasher::root_for(root, tools.seed), tools.block_size);
     let mut blocks = Vec::new();
     hasher.chain(&ids, &mut blocks);
     Report {
@@ -357,7 +416,7 @@ impl Report {
             } else {
                 "not a gateway's: give --shm-name to compare with a live table"
             },
-            self.model,
+            tools.root_model.as_deref().unwrap_or(&self.model),
             tools.block_size
         );
         if let Some(text) = &self.text {

@@ -319,6 +319,53 @@ fn tokenize_shows_what_the_gateway_sees() {
     assert_fails_with(&semlb(&["tokenize"]), &["give a TEXT"]);
 }
 
+/// With `[[model]]` pools in `--config`, a body is seen with its model's
+/// tokenizer and block size, an alias hashes like its model, and an
+/// unknown model gets the gateway's 404.
+#[test]
+fn tokenize_uses_the_request_models_pool() {
+    let dir = semlb_test_support::TempDir::new("tokenize-pools");
+    let bundled = concat!(env!("CARGO_MANIFEST_DIR"), "/tokenizer/assets/phi2-tokenizer.json");
+    let mut json: serde_json::Value = serde_json::from_slice(&std::fs::read(bundled).unwrap()).unwrap();
+    json["model"]["merges"] = serde_json::json!([]);
+    std::fs::write(dir.0.join("bytes.json"), serde_json::to_vec(&json).unwrap()).unwrap();
+    let config = dir.0.join("semlb.toml");
+    std::fs::write(
+        &config,
+        "[[backend]]\nurl = \"http://127.0.0.1:9\"\n\
+         [[model]]\nname = \"alpha\"\nbackends = [\"127.0.0.1:9\"]\n\
+         [[model]]\nname = \"beta\"\naliases = [\"b\"]\nbackends = [\"127.0.0.1:9\"]\ntokenizer = \"bytes.json\"\nblock_size = 4\n",
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    let see = |model: &str| -> serde_json::Value {
+        let body = format!(r#"{{"model":"{model}","prompt":"hello world, once more"}}"#);
+        serde_json::from_str(&assert_ok(&semlb(&[
+            "tokenize", "--config", &config, "--json", "--body", &body,
+        ])))
+        .unwrap()
+    };
+    let (alpha, beta, alias) = (see("alpha"), see("beta"), see("b"));
+    assert_eq!(alpha["block_size"], 16);
+    assert_eq!(beta["block_size"], 4);
+    assert_eq!(
+        beta["ids"].as_array().unwrap().len(),
+        "hello world, once more".len(),
+        "a token per byte"
+    );
+    assert!(alpha["ids"].as_array().unwrap().len() < 8, "{alpha}");
+    assert_eq!(alias["blocks"], beta["blocks"], "an alias shares its model's keyspace");
+    assert!(beta["tokenizer"].as_str().unwrap().contains("bytes.json"), "{beta}");
+    let unknown = semlb(&[
+        "tokenize",
+        "--config",
+        &config,
+        "--body",
+        r#"{"model":"gamma","prompt":"x"}"#,
+    ]);
+    assert_fails_with(&unknown, &["404", "gamma"]);
+}
+
 #[test]
 fn tokenize_jsonl_answers_each_line() {
     use std::io::Write;

@@ -788,7 +788,7 @@ async fn models_health_and_other_v1_paths() {
     let health = call(gw.addr, Method::GET, "/health", &[], "").await;
     assert_eq!(health.status, StatusCode::OK);
     // Another /v1 path is proxied: the sim answers it with its own 404.
-    let other = call(gw.addr, Method::GET, "/v1/embeddings", &[], "").await;
+    let other = call(gw.addr, Method::GET, "/v1/rerank", &[], "").await;
     assert_eq!(other.status, StatusCode::NOT_FOUND);
     assert!(other.headers.contains_key("x-semlb-backend"));
     gw.stop().await;
