@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use semlb::auth::Keys;
 use semlb::config::ModelConfig;
 use semlb::config::ServeConfig;
 use semlb::config::StoreKind;
@@ -138,7 +139,9 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
                 format!("dispatcher {}", identity.ring),
             )?),
         };
+        let keys = config.auth.keys_file.as_deref().map(Keys::load).transpose()?;
         let mut dispatcher = Dispatcher::new(segment, identity, Arc::new(config), loader)?;
+        dispatcher.set_keys(keys);
         if let Some(store) = store {
             dispatcher = dispatcher.with_store(store);
         }
@@ -193,10 +196,11 @@ fn spawn_heartbeat(segment: Arc<Segment>, slot: u16, incarnation: u32, watch: Ar
 /// On SIGHUP (forwarded by the supervisor's reload), resolves the
 /// configuration again with the same flags and, if its model pools or
 /// routing policy changed, rebuilds the pools (new tokenizers loaded on the
-/// blocking pool; unchanged pools keep their policies). A configuration
-/// that does not resolve, or whose tokenizers do not load, keeps the
-/// running pools. Also checks once at start, for a reload signalled before
-/// the handler was installed.
+/// blocking pool; unchanged pools keep their policies), and reads the keys
+/// file again. A configuration that does not resolve, tokenizers that do
+/// not load and a keys file that does not read keep what runs. Also
+/// checks once at start, for a reload signalled before the handler was
+/// installed.
 async fn reload_models_on_hup(
     mut hup: tokio::signal::unix::Signal,
     dispatcher: Arc<Dispatcher>,
@@ -204,36 +208,60 @@ async fn reload_models_on_hup(
     mut running: (Vec<ModelConfig>, semlb::routing::PolicyConfig),
 ) {
     let ring = dispatcher.identity().ring;
+    let mut first = true;
     loop {
         match ServeConfig::resolve(serve.config.as_deref(), serve.overrides()) {
-            Ok(new) if (&new.models, &new.policy) != (&running.0, &running.1) => {
-                let d = dispatcher.clone();
-                let models = new.models.len();
-                let kind = new.policy.kind;
-                let wanted = (new.models.clone(), new.policy.clone());
-                match tokio::task::spawn_blocking(move || d.set_models(&new)).await {
-                    Ok(Ok(())) => {
-                        tracing::info!(dispatcher = ring, models, policy = %kind, "dispatcher {ring}: {models} model pools, routing policy now {kind}");
-                        running = wanted;
-                    }
-                    Ok(Err(e)) => {
-                        tracing::warn!(dispatcher = ring, error = %e, "dispatcher {ring}: keeping the running model pools: {e}")
-                    }
-                    Err(e) => {
-                        tracing::warn!(dispatcher = ring, error = %e, "dispatcher {ring}: reloading the model pools failed: {e}")
+            Ok(new) => {
+                if (&new.models, &new.policy) != (&running.0, &running.1) {
+                    let wanted = (new.models.clone(), new.policy.clone());
+                    let (models, kind) = (new.models.len(), new.policy.kind);
+                    let d = dispatcher.clone();
+                    let config = new.clone();
+                    match tokio::task::spawn_blocking(move || d.set_models(&config)).await {
+                        Ok(Ok(())) => {
+                            tracing::info!(dispatcher = ring, models, policy = %kind, "dispatcher {ring}: {models} model pools, routing policy now {kind}");
+                            running = wanted;
+                        }
+                        Ok(Err(e)) => {
+                            tracing::warn!(dispatcher = ring, error = %e, "dispatcher {ring}: keeping the running model pools: {e}")
+                        }
+                        Err(e) => {
+                            tracing::warn!(dispatcher = ring, error = %e, "dispatcher {ring}: reloading the model pools failed: {e}")
+                        }
                     }
                 }
+                // The keys file may change without the configuration: read
+                // it at every reload (at start it was read already).
+                if !first {
+                    reload_keys(&dispatcher, &new, ring);
+                }
             }
-            Ok(_) => {}
             Err(e) => tracing::warn!(
                 dispatcher = ring,
                 error = %e,
-                "dispatcher {ring}: configuration rejected, keeping the running model pools and policy: {e}"
+                "dispatcher {ring}: configuration rejected, keeping the running model pools, policy and keys: {e}"
             ),
         }
+        first = false;
         if hup.recv().await.is_none() {
             return;
         }
+    }
+}
+
+/// Lets in the keys of `config`'s keys file from now on (none: everyone);
+/// a file that does not read keeps the running keys.
+fn reload_keys(dispatcher: &Dispatcher, config: &ServeConfig, ring: usize) {
+    match config.auth.keys_file.as_deref().map(Keys::load).transpose() {
+        Ok(keys) => {
+            let count = keys.as_ref().map(Keys::len);
+            dispatcher.set_keys(keys);
+            match count {
+                Some(n) => tracing::info!(dispatcher = ring, keys = n, "dispatcher {ring}: {n} API keys"),
+                None => tracing::info!(dispatcher = ring, "dispatcher {ring}: no client authentication"),
+            }
+        }
+        Err(e) => tracing::warn!(dispatcher = ring, error = %e, "dispatcher {ring}: keeping the running API keys: {e}"),
     }
 }
 

@@ -41,6 +41,9 @@ pub enum Command {
     /// its segments, token ids and block hashes (and with --shm-name, which
     /// servers hold each block).
     Tokenize(crate::tokenize_cmd::TokenizeArgs),
+    /// The clients' API keys file: add (prints the new key once), list,
+    /// revoke; a reload applies it.
+    Keys(crate::keys_cmd::KeysArgs),
     /// Measure: the dispatch path, scaling, end to end, trace replay; shm
     /// vs Redis. Prints tables, writes JSON and SVG plots. Runs the
     /// `semlb-bench` binary next to this one (`semlb bench --help` lists

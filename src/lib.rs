@@ -9,6 +9,7 @@
 //! | --- | --- |
 //! | [`answer`] | the answer text of an OpenAI response (JSON body or event stream), read by the response processes |
 //! | [`body`] | the request body parsed once: a JSON tree borrowing its strings from the body |
+//! | [`auth`] | client authentication: the keys file of key digests, the caller (tenant, allowed models) a request's key names |
 //! | [`pools`] | model pools: the pool a request's `model` names, its servers, tokenizer, block size and policy |
 //! | [`prompt`] | the routing text of an OpenAI request: completions prompt forms, rendered chat messages |
 //! | [`context_limit`] | a prompt no live engine's context can take gets the engines' 400 at the gateway |
@@ -39,6 +40,7 @@
 //! that a response process applies ([`responder`]).
 
 pub mod answer;
+pub mod auth;
 pub mod blocks;
 pub mod body;
 pub mod capacity;

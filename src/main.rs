@@ -21,6 +21,7 @@
 //! | [`report`] | a snapshot of a segment, rendered as text or JSON |
 //! | [`demo`] | `semlb demo`: synthetic conversations routed through a throw-away segment |
 //! | [`status`] | `semlb status`: a live view of a running gateway from its segment |
+//! | [`keys_cmd`] | `semlb keys`: add, list and revoke the clients' API keys |
 //! | [`tokenize_cmd`] | `semlb tokenize`: a request's prompt text, segments, token ids, block hashes and their holders |
 //!
 //! `semlb bench …` execs the `semlb-bench` binary next to this one
@@ -48,6 +49,7 @@ mod admin;
 mod child;
 mod cli;
 mod demo;
+mod keys_cmd;
 mod logging;
 mod metrics_listener;
 mod notify;
@@ -95,6 +97,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Shm(command) => out.write_all(shm_cmd::run(command)?.as_bytes())?,
         Command::Demo(args) => demo::run(&args, &mut out)?,
         Command::Tokenize(args) => tokenize_cmd::run(&args, &mut out)?,
+        Command::Keys(args) => keys_cmd::run(&args, &mut out)?,
         Command::Serve(args) => {
             logging::init(&args.log, "supervisor");
             supervisor::run(&args)?

@@ -139,6 +139,16 @@ impl RequestError {
         }
     }
 
+    /// 403 for a model the caller's key may not use ([`crate::auth`]).
+    pub fn model_not_allowed(model: &str) -> Self {
+        Self {
+            message: format!("Your API key may not use the model `{model}`."),
+            param: Some("model"),
+            status: http::StatusCode::FORBIDDEN,
+            code: Some("model_not_allowed"),
+        }
+    }
+
     /// The JSON error body (`{"error": {...}}`).
     pub fn body(&self) -> Value {
         serde_json::json!({

@@ -56,6 +56,15 @@ impl Tenant {
     /// Everyone, under [`Scope::Global`].
     pub const GLOBAL: Tenant = Tenant(0x676c_6f62_616c_0000);
 
+    /// The tenant named `name` by the keys file ([`crate::auth`]): every
+    /// key of that tenant is the same tenant, under [`Scope::Tenant`].
+    pub fn named(scope: Scope, name: &str) -> Tenant {
+        match scope {
+            Scope::Global => Tenant::GLOBAL,
+            Scope::Tenant => Tenant(xxhash_rust::xxh3::xxh3_64_with_seed(name.as_bytes(), !TENANT_SEED)),
+        }
+    }
+
     /// The tenant of a request: the hash of its API key, read from every
     /// value of every one of [`API_KEY_HEADERS`] (SDKs send it as
     /// `Authorization: Bearer`, Azure-style clients as `api-key`). The same

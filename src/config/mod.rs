@@ -135,6 +135,8 @@
 //! | `admin.listen` | `"ip:port"` | not set: no admin API | where the admin API accepts HTTP; keep it on loopback or a management network |
 //! | `admin.token` | string | not set | the bearer token every admin request must send (16 to 4096 visible ASCII characters); required with `listen`, or `token_file` |
 //! | `admin.token_file` | path | not set | a file holding the token instead (trailing whitespace ignored); it must not be readable by others (`chmod 0600`) |
+//! | `[auth]` | table | | client authentication ([`crate::auth`]) |
+//! | `auth.keys_file` | path | not set: no authentication | the keys file `semlb keys` writes (SHA-256 digests of the keys, a tenant and the models each may use); every `/v1/...` request then needs a listed key (401, 403 for a model it may not use). Re-read on reload |
 //! | `[metrics]` | table | | where Prometheus scrapes the gateway |
 //! | `metrics.listen` | `"ip:port"` | not set: `/metrics` on `listen` | a listener of its own for `GET /metrics` (the supervisor serves it); the gateway's `listen` then answers `/metrics` with 404, so clients never see it |
 //!
@@ -350,6 +352,8 @@ pub struct ServeConfig {
     pub admin: AdminConfig,
     /// Where `/metrics` is served (`[metrics]`).
     pub metrics: MetricsConfig,
+    /// Client authentication (`[auth]`); off unless `auth.keys_file` is set.
+    pub auth: AuthConfig,
     /// On SIGTERM the dispatchers stop accepting and let requests in flight
     /// finish for up to this many seconds before the supervisor stops them.
     /// Default 30.
@@ -389,6 +393,7 @@ impl Default for ServeConfig {
             health: HealthConfig::default(),
             admin: AdminConfig::default(),
             metrics: MetricsConfig::default(),
+            auth: AuthConfig::default(),
             drain_timeout_secs: 30,
         }
     }
@@ -468,6 +473,7 @@ impl ServeConfig {
             &mut config.tokenizer,
             &mut config.chat_template,
             &mut config.admin.token_file,
+            &mut config.auth.keys_file,
         ]
         .into_iter()
         .chain(model_files)

@@ -332,6 +332,15 @@ impl HealthConfig {
     }
 }
 
+/// Client authentication (`[auth]`, [`crate::auth`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// The keys file (`semlb keys` writes it); `None` (the default): no
+    /// authentication. Read at start and on every reload.
+    pub keys_file: Option<std::path::PathBuf>,
+}
+
 /// Where `/metrics` is served (`[metrics]`).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]

@@ -269,6 +269,8 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "scrape_interval_ms",
         "stale_after_ms",
         "passive",
+        "[auth]",
+        "keys_file",
         "[admin]",
         "listen",
         "token",

@@ -170,6 +170,19 @@ pub(crate) fn upstream_request_headers(from: &HeaderMap) -> HeaderMap {
     out
 }
 
+/// [`upstream_request_headers`], without the client's API keys when the
+/// gateway checked them (`authenticated`): they are the gateway's keys,
+/// not the engines'.
+pub(crate) fn upstream_headers(from: &HeaderMap, authenticated: bool) -> HeaderMap {
+    let mut out = upstream_request_headers(from);
+    if authenticated {
+        for name in crate::response_cache::API_KEY_HEADERS {
+            out.remove(name);
+        }
+    }
+    out
+}
+
 /// The upstream response headers to send to the client (end-to-end only;
 /// `Content-Length` is left to the relayed body's exact size).
 pub(crate) fn client_response_headers(from: &HeaderMap, to: &mut HeaderMap) {

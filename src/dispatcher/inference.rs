@@ -15,13 +15,14 @@ use hyper::body::Incoming;
 use super::Dispatcher;
 use super::http::{
     BACKEND_HEADER, Body, CACHE_HEADER, DISPATCH_HEADER, full_response, json_response, set_header, set_static_header,
-    upstream_request_headers,
+    upstream_headers,
 };
 use super::proxy::{InferenceCtx, Outbound, forward};
 use super::route;
 use super::sse;
 use super::timing::{DispatchTiming, Mark};
 use super::usage::with_include_usage;
+use crate::auth::Caller;
 use crate::blocks::BlockHasher;
 use crate::config::StoreKind;
 use crate::continuation::{EndProbe, answer_tokens_estimate};
@@ -41,6 +42,7 @@ pub(super) async fn inference(
     dispatcher: &Arc<Dispatcher>,
     request: Request<Incoming>,
     endpoint: Endpoint,
+    caller: Option<&Caller>,
 ) -> Response<Body> {
     let mut timing = DispatchTiming::new();
     let (parts, body) = request.into_parts();
@@ -56,10 +58,13 @@ pub(super) async fn inference(
     };
     let pools = dispatcher.pools();
     let pick = |model: &str| {
-        pools
+        let pool = pools
             .find(model)
-            .cloned()
-            .ok_or_else(|| prompt::RequestError::model_not_found(model))
+            .ok_or_else(|| prompt::RequestError::model_not_found(model))?;
+        if caller.is_some_and(|c| !c.may_use(model, pool.chain_model(model))) {
+            return Err(prompt::RequestError::model_not_allowed(model));
+        }
+        Ok(pool.clone())
     };
     let (mut parsed, pool) = match prompt::parse_with(endpoint, &bytes, &request_limits, pick) {
         Ok(p) => p,
@@ -131,7 +136,10 @@ pub(super) async fn inference(
     );
     let query = parts.uri.query().unwrap_or("");
     let key = (cacheability != Cacheability::Bypass).then(|| {
-        let tenant = Tenant::of(rc.scope, &parts.headers);
+        let tenant = match caller {
+            Some(c) => Tenant::named(rc.scope, &c.tenant),
+            None => Tenant::of(rc.scope, &parts.headers),
+        };
         response_cache::key(tenant, endpoint, query, &parts.headers, &parsed.body)
     });
     // Without learning at dispatch nothing records end keys: no probes.
@@ -217,7 +225,7 @@ pub(super) async fn inference(
             Some(q) => format!("{}?{q}", endpoint.path()),
             None => endpoint.path().to_owned(),
         },
-        headers: upstream_request_headers(&parts.headers),
+        headers: upstream_headers(&parts.headers, caller.is_some()),
         body: asked.unwrap_or(bytes),
         pool: Some(pool),
     };

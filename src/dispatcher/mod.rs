@@ -137,6 +137,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
+use crate::auth::Keys;
 use crate::config::ServeConfig;
 use crate::health::PassiveHealth;
 use crate::metrics::Metrics;
@@ -204,6 +205,8 @@ pub struct Dispatcher {
     pools: std::sync::RwLock<Arc<ModelPools>>,
     /// Loads the pools' tokenizers, each file once.
     loader: std::sync::Mutex<TokenizerLoader>,
+    /// The keys it lets in (`None`: no authentication; [`crate::auth`]).
+    keys: std::sync::RwLock<Option<Arc<Keys>>>,
     /// How requests that are not inference choose a server.
     least_load: LeastLoad,
     store: Arc<dyn RoutingStore>,
@@ -258,6 +261,7 @@ impl Dispatcher {
             config,
             pools: std::sync::RwLock::new(Arc::new(pools)),
             loader: std::sync::Mutex::new(loader),
+            keys: std::sync::RwLock::new(None),
             least_load: LeastLoad::new(),
             store,
             cacheable_stream_bytes,
@@ -344,6 +348,17 @@ impl Dispatcher {
     /// The name of its (first pool's) routing policy.
     pub fn policy_name(&self) -> &'static str {
         self.pools().pools()[0].policy().name()
+    }
+
+    /// Lets in only the keys of `keys` from now on (`None`: every
+    /// request; at start and on reload).
+    pub fn set_keys(&self, keys: Option<Keys>) {
+        *self.keys.write().unwrap_or_else(|e| e.into_inner()) = keys.map(Arc::new);
+    }
+
+    /// The keys it lets in now (`None`: no authentication).
+    fn keys(&self) -> Option<Arc<Keys>> {
+        self.keys.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Its model pools now.

@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 use super::Dispatcher;
 use super::http::{Body, error_response, json_response};
 use super::proxy::unavailable;
+use crate::auth::Caller;
 use crate::pools::ModelPools;
 use crate::routing::live_candidates;
 
@@ -33,10 +34,10 @@ fn live_addresses(dispatcher: &Dispatcher) -> Vec<String> {
 
 /// `GET /v1/models`: the configured models, or every live server's list
 /// merged by `id` when there are no pools.
-pub(super) async fn models(dispatcher: &Arc<Dispatcher>) -> Response<Body> {
+pub(super) async fn models(dispatcher: &Arc<Dispatcher>, caller: Option<&Caller>) -> Response<Body> {
     let pools = dispatcher.pools();
     if !pools.is_implicit() {
-        return configured(dispatcher, &pools);
+        return configured(dispatcher, &pools, caller);
     }
     let addresses = live_addresses(dispatcher);
     if addresses.is_empty() {
@@ -94,7 +95,7 @@ async fn fetch_models(dispatcher: &Dispatcher, address: &str, wait: Duration) ->
 
 /// The configured models, in OpenAI's list shape (with vLLM's `root` and
 /// `parent` for adapters) and the live servers of each.
-fn configured(dispatcher: &Dispatcher, pools: &ModelPools) -> Response<Body> {
+fn configured(dispatcher: &Dispatcher, pools: &ModelPools, caller: Option<&Caller>) -> Response<Body> {
     let tables = dispatcher.segment().tables();
     let mut candidates = Vec::new();
     live_candidates(&tables, &mut candidates);
@@ -104,6 +105,7 @@ fn configured(dispatcher: &Dispatcher, pools: &ModelPools) -> Response<Body> {
         .map_or(0, |d| d.as_secs());
     let data: Vec<Value> = pools
         .names()
+        .filter(|(id, pool)| caller.is_none_or(|c| c.may_use(id, pool.chain_model(id))))
         .map(|(id, pool)| {
             let name = pool.name().unwrap_or(id);
             json!({

@@ -9,10 +9,11 @@ use hyper::body::Incoming;
 use serde_json::json;
 
 use super::Dispatcher;
-use super::http::{Body, error_response, full_response, json_response, set_header, upstream_request_headers};
+use super::http::{Body, error_response, full_response, json_response, set_header, upstream_headers};
 use super::inference::{inference, with_model};
 use super::models::models;
 use super::proxy::{Outbound, Relayed, forward};
+use crate::auth::Caller;
 use crate::body::Json;
 use crate::metrics::{DURATION, EndpointLabel, Snapshot};
 use crate::prompt::{Endpoint, RequestError};
@@ -28,6 +29,20 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
         "/v1/models" | "/health" | "/metrics" => Some(Method::GET),
         _ => None,
     };
+    // Client authentication, on every /v1 route.
+    let caller = match dispatcher.keys() {
+        Some(keys) if path.starts_with("/v1/") => match keys.caller(request.headers()) {
+            Ok(caller) => Some(caller),
+            Err(refusal) => {
+                let mut r = error_response(StatusCode::UNAUTHORIZED, refusal.message(), Some(refusal.code()));
+                set_header(r.headers_mut(), "www-authenticate", "Bearer");
+                dispatcher.metrics().request(EndpointLabel::of_path(&path), 401);
+                return r;
+            }
+        },
+        _ => None,
+    };
+    let caller = caller.as_deref();
     let mut response = match (path.as_str(), allowed) {
         (_, Some(m)) if m != method => {
             let mut r = error_response(
@@ -38,13 +53,13 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
             set_header(r.headers_mut(), "allow", m.as_str());
             r
         }
-        ("/v1/completions", _) => inference(&dispatcher, request, Endpoint::Completions).await,
-        ("/v1/chat/completions", _) => inference(&dispatcher, request, Endpoint::ChatCompletions).await,
-        ("/v1/models", _) => models(&dispatcher).await,
+        ("/v1/completions", _) => inference(&dispatcher, request, Endpoint::Completions, caller).await,
+        ("/v1/chat/completions", _) => inference(&dispatcher, request, Endpoint::ChatCompletions, caller).await,
+        ("/v1/models", _) => models(&dispatcher, caller).await,
         ("/health", _) => health(&dispatcher),
         // With a metrics listener of its own, /metrics is not a route here.
         ("/metrics", _) if dispatcher.config().metrics.listen.is_none() => metrics(&dispatcher).await,
-        (p, _) if p.starts_with("/v1/") => passthrough(&dispatcher, request).await,
+        (p, _) if p.starts_with("/v1/") => passthrough(&dispatcher, request, caller).await,
         _ => error_response(
             StatusCode::NOT_FOUND,
             format!("{method} {path} is not a route of this server"),
@@ -82,7 +97,11 @@ async fn metrics(dispatcher: &Arc<Dispatcher>) -> Response<Body> {
 /// Any other `/v1/...` request: proxied to the least loaded live server
 /// of the model pool its body names (`model`; an unknown one: 404), else
 /// of every server.
-async fn passthrough(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>) -> Response<Body> {
+async fn passthrough(
+    dispatcher: &Arc<Dispatcher>,
+    request: Request<Incoming>,
+    caller: Option<&Caller>,
+) -> Response<Body> {
     let (parts, body) = request.into_parts();
     let bytes = match dispatcher.read_body(&parts.headers, body).await {
         Ok(b) => b,
@@ -96,6 +115,10 @@ async fn passthrough(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>) -
         && let Some(Json::String(model)) = body.get("model")
     {
         match pools.find(model) {
+            Some(found) if caller.is_some_and(|c| !c.may_use(model, found.chain_model(model))) => {
+                let e = RequestError::model_not_allowed(model);
+                return json_response(e.status, &e.body());
+            }
             Some(found) => {
                 if let Some(name) = found.upstream_name(model) {
                     let rewritten = with_model(&bytes, model, name);
@@ -116,7 +139,7 @@ async fn passthrough(dispatcher: &Arc<Dispatcher>, request: Request<Incoming>) -
             .uri
             .path_and_query()
             .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned()),
-        headers: upstream_request_headers(&parts.headers),
+        headers: upstream_headers(&parts.headers, caller.is_some()),
         body: bytes,
         pool,
     };

@@ -139,6 +139,23 @@ fn supervise(args: &ServeArgs) -> Result<()> {
         _ => "none given".into(),
     };
     tracing::info!(renderer, "chat template {source}: {renderer} renderer");
+    // Likewise every model pool's tokenizer and template, and the keys.
+    let pools =
+        semlb::pools::ModelPools::build(&config, &mut semlb::pools::TokenizerLoader::new(&config, 0, None), None)?;
+    if !pools.is_implicit() {
+        let names: Vec<&str> = pools.pools().iter().filter_map(|p| p.name()).collect();
+        tracing::info!(models = names.len(), "model pools: {}", names.join(", "));
+    }
+    drop(pools);
+    if let Some(path) = &config.auth.keys_file {
+        let keys = semlb::auth::Keys::load(path)?;
+        tracing::info!(
+            keys = keys.len(),
+            "client authentication: {} API keys from {}",
+            keys.len(),
+            path.display()
+        );
+    }
     let (mut inherited_listener, ready_pipe, mut inherited_admin, mut inherited_metrics, inherited_owner) =
         match inherited {
             Some(i) => (Some(i.listener), i.ready, i.admin, i.metrics, Some((i.shm, i.owner))),

@@ -13,8 +13,10 @@
 //!   `[response_cache]`, `drain_timeout_secs`; the supervisor itself uses
 //!   the new drain timeout for backends removed from then on.
 //! * **Applied at once** by the supervisor ([`super`]): the backends
-//!   ([`super::backends`]), the health checks, and the routing policy, which
-//!   the dispatchers take when the supervisor forwards them SIGHUP.
+//!   ([`super::backends`]), the health checks, and the routing policy, the
+//!   model pools and the keys file (`[auth]`), which the dispatchers take
+//!   when the supervisor forwards them SIGHUP. A keys file that does not
+//!   read rejects the reload.
 
 use semlb::config::ServeConfig;
 
@@ -76,6 +78,9 @@ pub(super) fn reloaded_config(args: &ServeArgs, running: &ServeConfig) -> Result
         );
     }
     new.validate().map_err(|e| one_line(&e))?;
+    if let Some(path) = &new.auth.keys_file {
+        semlb::auth::Keys::load(path).map_err(|e| one_line(&e))?;
+    }
     Ok(new)
 }
 

@@ -1,0 +1,453 @@
+//! Client authentication: the keys file, and who a request's key says it
+//! is.
+//!
+//! Off unless `[auth] keys_file` is set. Then every `/v1/...` request must
+//! carry a key the file lists, in `Authorization: Bearer`, `api-key` or
+//! `x-api-key` (the headers OpenAI SDKs and Azure-style clients send):
+//!
+//! | request | answer |
+//! | --- | --- |
+//! | no key | 401 `missing_api_key` with `WWW-Authenticate: Bearer` |
+//! | a key the file does not list (or several different keys) | 401 `invalid_api_key` |
+//! | a model the key may not use | 403 `model_not_allowed` |
+//!
+//! A key's **tenant** then names the caller everywhere the gateway keeps
+//! callers apart (the response cache's `scope = "tenant"`), instead of a
+//! hash of whatever header came first; the keys never reach an engine.
+//!
+//! # The file
+//!
+//! TOML, written by `semlb keys` (add, list, revoke), read at start and on
+//! every reload (SIGHUP). It holds SHA-256 digests of the keys, never the
+//! keys: a key is shown once, when it is made. Keys are 32 random bytes
+//! (`sk-semlb-` and 64 hex digits), so a fast hash is enough: there is no
+//! password to guess.
+//!
+//! ```toml
+//! [[key]]
+//! id = "key_5f0c2a9b71d4"            # names it in `semlb keys list` and `revoke`
+//! sha256 = "5f0c2a9b71d4..."          # of the whole key, in hex
+//! tenant = "search-team"
+//! models = ["Qwen/Qwen3-32B"]         # names or aliases it may use; none: every model
+//! created = "2026-11-25T10:00:00Z"
+//! ```
+//!
+//! A file that does not parse, or lists a digest twice, is refused: at
+//! start the gateway does not start, on reload the running keys stay.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::response_cache::API_KEY_HEADERS;
+
+/// Prefix of the keys `semlb keys add` makes.
+pub const KEY_PREFIX: &str = "sk-semlb-";
+/// Longest tenant name, in bytes.
+pub const MAX_TENANT_BYTES: usize = 128;
+
+/// Why a keys file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum KeysError {
+    /// It could not be read or written.
+    #[error("keys file {}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        source: std::io::Error,
+    },
+    /// It is not a valid keys file.
+    #[error("keys file {}: {reason}", path.display())]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, naming the entry.
+        reason: String,
+    },
+}
+
+/// One key's entry (a `[[key]]` table).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyEntry {
+    /// Its public id.
+    pub id: String,
+    /// SHA-256 of the key, lower-case hex.
+    pub sha256: String,
+    /// The caller it names.
+    pub tenant: String,
+    /// The model names or aliases it may use; empty: every model.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<String>,
+    /// When it was made (RFC 3339, for people).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created: Option<String>,
+}
+
+/// The keys file's contents.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeysFile {
+    /// Its entries, in the file's order.
+    #[serde(default, rename = "key")]
+    pub keys: Vec<KeyEntry>,
+}
+
+impl KeysFile {
+    /// Reads and checks the file at `path`; a missing file is an empty one
+    /// only when `missing_ok` (`semlb keys add` making the first key).
+    pub fn read(path: &Path, missing_ok: bool) -> Result<Self, KeysError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if missing_ok && e.kind() == std::io::ErrorKind::NotFound => return Ok(Self::default()),
+            Err(source) => {
+                return Err(KeysError::Io {
+                    path: path.to_owned(),
+                    source,
+                });
+            }
+        };
+        let invalid = |reason: String| KeysError::Invalid {
+            path: path.to_owned(),
+            reason,
+        };
+        let file: Self = toml::from_str(&text).map_err(|e| invalid(e.to_string().trim_end().to_owned()))?;
+        file.check().map_err(invalid)?;
+        Ok(file)
+    }
+
+    /// Whether the entries are usable: ids and digests well formed and
+    /// unique, tenants named.
+    pub fn check(&self) -> Result<(), String> {
+        let mut ids = std::collections::HashSet::new();
+        let mut digests = std::collections::HashSet::new();
+        for (i, k) in self.keys.iter().enumerate() {
+            if k.sha256.len() != 64
+                || !k
+                    .sha256
+                    .bytes()
+                    .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+            {
+                return Err(format!("key[{i}].sha256 must be 64 lower-case hex digits"));
+            }
+            if k.tenant.is_empty() || k.tenant.len() > MAX_TENANT_BYTES || k.tenant.chars().any(char::is_control) {
+                return Err(format!(
+                    "key[{i}].tenant must be 1 to {MAX_TENANT_BYTES} bytes without control characters"
+                ));
+            }
+            if k.id.is_empty() || !ids.insert(k.id.as_str()) {
+                return Err(format!("key[{i}].id {:?} is empty or not unique", k.id));
+            }
+            if !digests.insert(k.sha256.as_str()) {
+                return Err(format!("key[{i}] has the digest of an earlier key"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the file to `path` whole (a new file renamed over the old
+    /// one), readable by its owner only.
+    pub fn write(&self, path: &Path) -> Result<(), KeysError> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let io = |source| KeysError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let text = toml::to_string(self).map_err(|e| KeysError::Invalid {
+            path: path.to_owned(),
+            reason: e.to_string(),
+        })?;
+        let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(io)?;
+        let written = file
+            .write_all(b"# semlb API keys: SHA-256 digests only. Edit with `semlb keys`; apply with a reload.\n\n")
+            .and_then(|()| file.write_all(text.as_bytes()))
+            .and_then(|()| file.sync_all())
+            .and_then(|()| std::fs::rename(&tmp, path));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(io(e));
+        }
+        Ok(())
+    }
+
+    /// Makes a new key for `tenant`, limited to `models` (empty: every
+    /// model), adds its entry and returns the key (shown once) and the
+    /// entry.
+    pub fn add(
+        &mut self,
+        tenant: &str,
+        models: Vec<String>,
+        created: Option<String>,
+    ) -> Result<(String, KeyEntry), String> {
+        let key = new_key()?;
+        let sha256 = hex(&digest(key.as_bytes()));
+        let entry = KeyEntry {
+            id: format!("key_{}", &sha256[..12]),
+            sha256,
+            tenant: tenant.to_owned(),
+            models,
+            created,
+        };
+        self.keys.push(entry.clone());
+        if let Err(e) = self.check() {
+            self.keys.pop();
+            return Err(e);
+        }
+        Ok((key, entry))
+    }
+
+    /// Removes the key with id `id`; false if there is none.
+    pub fn revoke(&mut self, id: &str) -> bool {
+        let before = self.keys.len();
+        self.keys.retain(|k| k.id != id);
+        self.keys.len() < before
+    }
+}
+
+/// The SHA-256 digest of `bytes`.
+fn digest(bytes: &[u8]) -> [u8; 32] {
+    let d = ring::digest::digest(&ring::digest::SHA256, bytes);
+    d.as_ref().try_into().expect("SHA-256 is 32 bytes")
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A new random key: [`KEY_PREFIX`] and 64 hex digits (32 bytes from the
+/// system's random source).
+fn new_key() -> Result<String, String> {
+    use ring::rand::SecureRandom;
+    let mut bytes = [0u8; 32];
+    ring::rand::SystemRandom::new()
+        .fill(&mut bytes)
+        .map_err(|_| "the system's random source failed".to_owned())?;
+    Ok(format!("{KEY_PREFIX}{}", hex(&bytes)))
+}
+
+/// Who a request's key says it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// Its key's id.
+    pub key_id: String,
+    /// Its tenant.
+    pub tenant: String,
+    /// The models it may use (`None`: every model).
+    models: Option<Vec<String>>,
+}
+
+impl Caller {
+    /// Whether it may use the model a request names as `requested`, which
+    /// the gateway serves as `served` (an alias's model; the same name
+    /// otherwise): either name listed will do.
+    pub fn may_use(&self, requested: &str, served: &str) -> bool {
+        self.models
+            .as_ref()
+            .is_none_or(|m| m.iter().any(|n| n == requested || n == served))
+    }
+}
+
+/// Why a request is not let in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// It carries no key.
+    Missing,
+    /// Its key is not listed (or it carries several different ones).
+    Invalid,
+}
+
+impl Refusal {
+    /// OpenAI's error code.
+    pub fn code(self) -> &'static str {
+        match self {
+            Refusal::Missing => "missing_api_key",
+            Refusal::Invalid => "invalid_api_key",
+        }
+    }
+
+    /// The message, as OpenAI words it.
+    pub fn message(self) -> &'static str {
+        match self {
+            Refusal::Missing => {
+                "You didn't provide an API key. Send it in an Authorization header (Bearer), or in api-key or x-api-key."
+            }
+            Refusal::Invalid => "Incorrect API key provided.",
+        }
+    }
+}
+
+/// The keys a gateway lets in, by digest.
+#[derive(Debug, Default)]
+pub struct Keys {
+    by_digest: HashMap<[u8; 32], Arc<Caller>>,
+}
+
+impl Keys {
+    /// The keys of `file`.
+    pub fn new(file: &KeysFile) -> Self {
+        let by_digest = file
+            .keys
+            .iter()
+            .filter_map(|k| {
+                let digest: Vec<u8> = (0..32)
+                    .map(|i| u8::from_str_radix(&k.sha256[2 * i..2 * i + 2], 16))
+                    .collect::<Result<_, _>>()
+                    .ok()?;
+                let caller = Caller {
+                    key_id: k.id.clone(),
+                    tenant: k.tenant.clone(),
+                    models: (!k.models.is_empty()).then(|| k.models.clone()),
+                };
+                Some((digest.try_into().ok()?, Arc::new(caller)))
+            })
+            .collect();
+        Self { by_digest }
+    }
+
+    /// The keys in the file at `path`.
+    pub fn load(path: &Path) -> Result<Self, KeysError> {
+        Ok(Self::new(&KeysFile::read(path, false)?))
+    }
+
+    /// How many keys it lets in.
+    pub fn len(&self) -> usize {
+        self.by_digest.len()
+    }
+
+    /// Whether it lets no key in.
+    pub fn is_empty(&self) -> bool {
+        self.by_digest.is_empty()
+    }
+
+    /// The caller of a request with `headers`: its key, from any of
+    /// [`API_KEY_HEADERS`] (the same key repeated is one key).
+    pub fn caller(&self, headers: &http::HeaderMap) -> Result<Arc<Caller>, Refusal> {
+        let mut presented: Option<&[u8]> = None;
+        for name in API_KEY_HEADERS {
+            for value in headers.get_all(name) {
+                let value = value.as_bytes();
+                let key = if name == "authorization" {
+                    value.strip_prefix(b"Bearer ").unwrap_or(value)
+                } else {
+                    value
+                };
+                let key = key.trim_ascii();
+                if key.is_empty() {
+                    continue;
+                }
+                match presented {
+                    Some(p) if p != key => return Err(Refusal::Invalid),
+                    _ => presented = Some(key),
+                }
+            }
+        }
+        let key = presented.ok_or(Refusal::Missing)?;
+        self.by_digest.get(&digest(key)).cloned().ok_or(Refusal::Invalid)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(http::HeaderName::from_bytes(k.as_bytes()).unwrap(), v.parse().unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn a_made_key_is_let_in_from_any_header_and_only_its_digest_is_kept() {
+        let mut file = KeysFile::default();
+        let (key, entry) = file.add("team-a", vec!["alpha".into()], None).unwrap();
+        let (other, _) = file.add("team-b", vec![], None).unwrap();
+        assert!(key.starts_with(KEY_PREFIX) && key.len() == KEY_PREFIX.len() + 64);
+        let text = toml::to_string(&file).unwrap();
+        assert!(!text.contains(&key[KEY_PREFIX.len()..]), "no key in the file: {text}");
+        assert!(text.contains(&entry.sha256));
+        let keys = Keys::new(&file);
+        assert_eq!(keys.len(), 2);
+        let bearer = format!("Bearer {key}");
+        for h in [
+            headers(&[("authorization", &bearer)]),
+            headers(&[("api-key", &key)]),
+            headers(&[("x-api-key", &key), ("authorization", &bearer)]),
+        ] {
+            let caller = keys.caller(&h).unwrap();
+            assert_eq!(
+                (caller.tenant.as_str(), caller.key_id.as_str()),
+                ("team-a", entry.id.as_str())
+            );
+        }
+        let caller = keys.caller(&headers(&[("api-key", &key)])).unwrap();
+        assert!(caller.may_use("alpha", "alpha") && caller.may_use("default", "alpha"));
+        assert!(!caller.may_use("beta", "beta"));
+        assert!(
+            keys.caller(&headers(&[("api-key", &other)]))
+                .unwrap()
+                .may_use("beta", "beta")
+        );
+        assert_eq!(keys.caller(&headers(&[])), Err(Refusal::Missing));
+        assert_eq!(
+            keys.caller(&headers(&[("authorization", "Bearer ")])),
+            Err(Refusal::Missing)
+        );
+        assert_eq!(
+            keys.caller(&headers(&[("api-key", "sk-semlb-nope")])),
+            Err(Refusal::Invalid)
+        );
+        assert_eq!(
+            keys.caller(&headers(&[("api-key", &key), ("x-api-key", &other)])),
+            Err(Refusal::Invalid),
+            "two different keys"
+        );
+    }
+
+    #[test]
+    fn the_file_round_trips_and_bad_files_are_refused() {
+        let dir = std::env::temp_dir().join(format!("semlb-keys-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("keys.toml");
+        assert_eq!(KeysFile::read(&path, true).unwrap(), KeysFile::default());
+        assert!(KeysFile::read(&path, false).is_err());
+        let mut file = KeysFile::default();
+        let (_, entry) = file.add("t", vec![], Some("2026-11-25T00:00:00Z".into())).unwrap();
+        file.write(&path).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(KeysFile::read(&path, false).unwrap(), file);
+        assert!(file.revoke(&entry.id) && !file.revoke(&entry.id));
+        for (text, what) in [
+            ("[[key]]\nid = \"a\"\nsha256 = \"ab\"\ntenant = \"t\"\n", "sha256"),
+            (
+                &format!("[[key]]\nid = \"a\"\nsha256 = \"{}\"\ntenant = \"\"\n", "a".repeat(64)),
+                "tenant",
+            ),
+            (
+                &format!(
+                    "[[key]]\nid = \"a\"\nsha256 = \"{0}\"\ntenant = \"t\"\n[[key]]\nid = \"b\"\nsha256 = \"{0}\"\ntenant = \"u\"\n",
+                    "a".repeat(64)
+                ),
+                "digest",
+            ),
+            ("[[key]]\nid = \"a\"\nkey = \"x\"\n", "unknown field"),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            let e = KeysFile::read(&path, false).unwrap_err().to_string();
+            assert!(e.contains(what), "{what}: {e}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,157 @@
+//! `semlb keys`: the clients' API keys file ([`semlb::auth`]).
+//!
+//! * `semlb keys add --tenant T [--model M]...` makes a key, adds its
+//!   SHA-256 digest to the file and prints the key once (it is nowhere
+//!   else); `--json` prints `{"key", "id", "tenant", "models"}`.
+//! * `semlb keys list` prints every key's id, tenant, models and date,
+//!   never a key.
+//! * `semlb keys revoke ID` removes a key.
+//!
+//! The file is `--file`, else the configuration's `auth.keys_file`
+//! (`--config`, `$SEMLB_CONFIG`). It is written whole and renamed into
+//! place, mode 0600. A running gateway applies changes on reload
+//! (`systemctl reload semlb`).
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use semlb::auth::KeysFile;
+use semlb::config::ServeConfig;
+use serde_json::json;
+
+/// `semlb keys`.
+#[derive(Debug, Args)]
+pub struct KeysArgs {
+    /// The keys file [default: the configuration's `auth.keys_file`].
+    #[arg(long, value_name = "FILE")]
+    pub file: Option<PathBuf>,
+    /// The configuration whose `auth.keys_file` to use.
+    #[arg(long, value_name = "FILE", env = "SEMLB_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// What to do.
+    #[command(subcommand)]
+    pub action: KeysAction,
+}
+
+/// What `semlb keys` does.
+#[derive(Debug, Subcommand)]
+pub enum KeysAction {
+    /// Make a key for a tenant and print it (once).
+    Add {
+        /// The tenant the key names (its callers share a response cache).
+        #[arg(long)]
+        tenant: String,
+        /// A model name or alias the key may use (repeatable) [default: every model].
+        #[arg(long = "model", value_name = "NAME")]
+        models: Vec<String>,
+    },
+    /// List the keys (ids, tenants, models; never the keys).
+    List,
+    /// Remove a key.
+    Revoke {
+        /// Its id (`semlb keys list`).
+        id: String,
+    },
+}
+
+/// Runs `semlb keys`.
+pub fn run(args: &KeysArgs, out: &mut impl Write) -> Result<()> {
+    let path = match (&args.file, &args.config) {
+        (Some(file), _) => file.clone(),
+        (None, Some(config)) => ServeConfig::load(Some(config))?
+            .auth
+            .keys_file
+            .with_context(|| format!("{} sets no auth.keys_file; give --file", config.display()))?,
+        (None, None) => bail!("give --file, or --config with an auth.keys_file"),
+    };
+    match &args.action {
+        KeysAction::Add { tenant, models } => {
+            let mut file = KeysFile::read(&path, true)?;
+            let (key, entry) = file
+                .add(tenant, models.clone(), Some(now_rfc3339()))
+                .map_err(anyhow::Error::msg)?;
+            file.write(&path)?;
+            if args.json {
+                let v = json!({"key": key, "id": entry.id, "tenant": entry.tenant, "models": entry.models});
+                writeln!(out, "{v}")?;
+            } else {
+                writeln!(out, "{key}")?;
+                writeln!(
+                    out,
+                    "added {} for tenant {:?} to {}; shown only now. Apply with a reload (systemctl reload semlb).",
+                    entry.id,
+                    entry.tenant,
+                    path.display()
+                )?;
+            }
+        }
+        KeysAction::List => {
+            let file = KeysFile::read(&path, false)?;
+            if args.json {
+                writeln!(out, "{}", serde_json::to_string_pretty(&file.keys)?)?;
+            } else {
+                writeln!(out, "{:<18} {:<24} {:<22} models", "id", "tenant", "created")?;
+                for k in &file.keys {
+                    let models = if k.models.is_empty() {
+                        "(every model)".to_owned()
+                    } else {
+                        k.models.join(", ")
+                    };
+                    let created = k.created.as_deref().unwrap_or("-");
+                    writeln!(out, "{:<18} {:<24} {:<22} {models}", k.id, k.tenant, created)?;
+                }
+            }
+        }
+        KeysAction::Revoke { id } => {
+            let mut file = KeysFile::read(&path, false)?;
+            if !file.revoke(id) {
+                bail!("{} has no key {id:?} (semlb keys list shows the ids)", path.display());
+            }
+            file.write(&path)?;
+            writeln!(out, "revoked {id}. Apply with a reload (systemctl reload semlb).")?;
+        }
+    }
+    Ok(())
+}
+
+/// The time now as RFC 3339 UTC, to the second.
+fn now_rfc3339() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rest) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rest / 3600,
+        rest % 3600 / 60,
+        rest % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn dates_are_rfc3339() {
+        let d = super::now_rfc3339();
+        assert_eq!(d.len(), 20, "{d}");
+        assert!(
+            d.starts_with("20") && d.ends_with('Z') && d.as_bytes()[10] == b'T',
+            "{d}"
+        );
+    }
+}
