@@ -2,7 +2,10 @@
 //! chat prompt: what a dispatcher does between receiving a request and
 //! sending it upstream (the HTTP parts aside).
 //!
-//! 1. `parse_render`: parse the JSON body and render the chat messages;
+//! 1. `parse_render`: parse the JSON body and render the chat messages
+//!    (`authenticate`: the caller of a key among 1 000, when `[auth]` is
+//!    on; `pool_lookup`: the model pool of a name among 16 pools and 64
+//!    aliases);
 //! 2. `tokenize`: the real tokenizer (bundled phi-2; Qwen3 too when
 //!    ../shared holds it);
 //! 3. `hash_blocks`: the 16-token block chain;
@@ -129,6 +132,51 @@ fn dispatch(c: &mut Criterion) {
                     )
                     .unwrap(),
                 )
+            })
+        });
+        // Client authentication: the caller of a request's key among 1 000
+        // keys (SHA-256 of the key and a map lookup).
+        let mut file = semlb::auth::KeysFile::default();
+        let made: Vec<String> = (0..1000)
+            .map(|n| file.add(&format!("tenant-{n}"), Vec::new(), None).unwrap().0)
+            .collect();
+        let keys = semlb::auth::Keys::new(&file);
+        let requests: Vec<http::HeaderMap> = made
+            .iter()
+            .map(|k| {
+                let mut h = http::HeaderMap::new();
+                h.insert("authorization", format!("Bearer {k}").parse().unwrap());
+                h
+            })
+            .collect();
+        g.bench_function("authenticate", |b| {
+            b.iter(|| {
+                i = (i + 1) % requests.len();
+                black_box(keys.caller(&requests[i]).is_ok())
+            })
+        });
+        // The model pool a request names, among 16 pools with 4 aliases each.
+        let pools_config = semlb::config::ServeConfig {
+            backends: vec![semlb::config::BackendConfig::new("http://127.0.0.1:9")],
+            models: (0..16)
+                .map(|n| semlb::config::ModelConfig {
+                    aliases: (0..4).map(|a| format!("model-{n}-alias-{a}")).collect(),
+                    ..semlb::config::ModelConfig::new(format!("model-{n}"), &["127.0.0.1:9"])
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let pools = semlb::pools::ModelPools::build(
+            &pools_config,
+            &mut semlb::pools::TokenizerLoader::new(&pools_config, 0, None),
+            None,
+        )
+        .unwrap();
+        let names: Vec<String> = (0..64).map(|n| format!("model-{}-alias-{}", n % 16, n % 4)).collect();
+        g.bench_function("pool_lookup", |b| {
+            b.iter(|| {
+                i = (i + 1) % names.len();
+                black_box(pools.find(&names[i]).is_some())
             })
         });
         g.bench_function("tokenize", |b| {

@@ -57,11 +57,14 @@ async fn start_sim(faults: FaultConfig) -> SimServer {
 }
 
 /// An address nobody listens on.
-async fn dead_address() -> String {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    drop(l);
-    format!("http://{addr}")
+/// An address nothing answers: a socket bound to it that never listens,
+/// so connections are refused and, while the socket is held, no other
+/// test's listener can take the port (a port merely freed could be).
+fn dead_address() -> (String, socket2::Socket) {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into()).unwrap();
+    let addr = socket.local_addr().unwrap().as_socket().unwrap();
+    (format!("http://{addr}"), socket)
 }
 
 /// A backend written on a raw socket, for what `semlb-sim` does not do.
@@ -190,6 +193,8 @@ struct Gateway {
     dispatcher: Arc<Dispatcher>,
     servers: Vec<(ServerRef, String)>,
     sims: Vec<SimServer>,
+    /// The dead addresses' sockets, holding their ports.
+    _dead: Vec<socket2::Socket>,
     responder_records: u64,
     expected_records: u64,
     stop: Option<oneshot::Sender<()>>,
@@ -233,8 +238,11 @@ async fn gateway(setup: Setup) -> Gateway {
         started.push(start_sim(FaultConfig::default()).await);
     }
     let mut addresses: Vec<String> = started.iter().map(|s| format!("http://{}", s.addr)).collect();
+    let mut dead = Vec::new();
     for _ in 0..setup.dead {
-        addresses.push(dead_address().await);
+        let (address, socket) = dead_address();
+        addresses.push(address);
+        dead.push(socket);
     }
     for kind in setup.raw {
         addresses.push(format!("http://{}", start_raw_engine(*kind).await));
@@ -274,6 +282,7 @@ async fn gateway(setup: Setup) -> Gateway {
         dispatcher,
         servers,
         sims: started,
+        _dead: dead,
         responder_records: 0,
         expected_records: 0,
         stop: Some(stop),
