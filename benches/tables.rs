@@ -7,7 +7,8 @@
 //! chain, response-cache get and put of 4 KiB, a completion-ring
 //! push and pop, and the in-flight accounting of one request (begin, first
 //! token, end; alone and with another thread doing the same to the same
-//! server) and the reads a routing decision makes of it. Reads run before the insert benches, which evict the
+//! server) and the reads a routing decision makes of it, and a rate-limit
+//! check (a tenant's requests and tokens buckets). Reads run before the insert benches, which evict the
 //! populated entries as a full table does.
 //!
 //! `cargo bench --bench tables`. Figures are reported in issue notes as
@@ -16,7 +17,7 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use shm_layout::{Pop, ResponseKey, Stamp};
+use shm_layout::{Pop, Quota, ResponseKey, Stamp, Taken};
 
 use semlb_test_support::segment::{BenchSegment, chain, key, populate, servers};
 
@@ -197,5 +198,47 @@ fn inflight(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, prefix, responses, rings, inflight);
+/// A rate-limit check as a request makes it: requests and tokens of its
+/// tenant (two takes), alone and with another thread charging the same
+/// tenant; and a check among 10 000 live tenants (the keys spread over the
+/// table).
+fn limits(c: &mut Criterion) {
+    let bench = BenchSegment::create("limits", 64 << 20);
+    let t = bench.segment.tables();
+    let clock = bench.segment.clock();
+    // Large enough never to run out while measured.
+    let requests = Quota::per_minute(u64::MAX / (1 << 40));
+    let tokens = Quota::per_minute(u64::MAX / (1 << 30));
+    let check = |tenant: u64| {
+        let now = clock.now_ns();
+        let a = t.limits.take(tenant, requests, 1, now);
+        let b = t.limits.take(tenant ^ 1, tokens, 2000, now);
+        matches!((a, b), (Taken::Allowed(_), Taken::Allowed(_)))
+    };
+    let mut g = c.benchmark_group("limits");
+    g.bench_function("check_requests_and_tokens", |b| b.iter(|| check(black_box(42 << 1))));
+    for tenant in 0..10_000u64 {
+        check(tenant << 1);
+    }
+    let mut n = 0u64;
+    g.bench_function("check_among_10k_tenants", |b| {
+        b.iter(|| {
+            n = (n + 7919) % 10_000;
+            check(black_box(n << 1))
+        })
+    });
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                check(42 << 1);
+            }
+        });
+        g.bench_function("check_contended", |b| b.iter(|| check(black_box(42 << 1))));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    g.finish();
+}
+
+criterion_group!(benches, prefix, responses, rings, inflight, limits);
 criterion_main!(benches);

@@ -60,13 +60,14 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use shm_layout::{
-    LayoutPlan, Pop, RegionKind, ResponseKey, Role, Segment, ServerRef, ServerState, ServerTag, Stamp, Tables,
+    LayoutPlan, Pop, Quota, RegionKind, ResponseKey, Role, Segment, ServerRef, ServerState, ServerTag, Stamp, Tables,
+    Taken,
 };
 
 /// The smallest segment: every region exists, and scans and random flips cover it
 /// four times faster than a 32 MiB one.
 const SEGMENT_BYTES: u64 = 8 << 20;
-const HEADER_BYTES: usize = 416;
+const HEADER_BYTES: usize = 448;
 const EPOCHS: u64 = 8;
 const ROUNDS: u64 = 25;
 const SEED: u64 = 0x5eed_b17f_11b5;
@@ -203,7 +204,14 @@ struct Model {
     responses: Vec<(ResponseKey, Vec<u8>, bool)>,
     /// Per ring: every record ever pushed into it.
     rings: Vec<(usize, HashSet<Vec<u8>>)>,
+    /// Rate-limit buckets: key and the units left at [`LIMIT_NOW`].
+    limits: Vec<(u64, u64)>,
 }
+
+/// The rate limits' quota and the instant they are read at (fixed, so the
+/// buckets do not refill while a test runs).
+const LIMIT_QUOTA: Quota = Quota::per_minute(1000);
+const LIMIT_NOW: u64 = 3_600_000_000_000;
 
 fn address(rng: &mut Rng, len: usize) -> String {
     let mut a = String::from("http://");
@@ -320,12 +328,26 @@ fn populate(seg: &Segment, rng: &mut Rng, sizes: &Sizes) -> Model {
         rings.push((i, pushed));
     }
 
+    // Rate-limit buckets, each partly used.
+    let limits: Vec<(u64, u64)> = (0..40u64)
+        .map(|i| {
+            let key = rng.next() | 1;
+            let used = 1 + i * 20;
+            assert!(matches!(
+                t.limits.take(key, LIMIT_QUOTA, used, LIMIT_NOW),
+                Taken::Allowed(_)
+            ));
+            (key, 1000 - used)
+        })
+        .collect();
+
     let model = Model {
         servers,
         chains,
         prefix,
         responses,
         rings,
+        limits,
     };
     // Before any corruption, everything reads back exactly.
     assert_eq!(check(&t, &model, true), Ok(()), "fresh segment differs from the model");
@@ -391,6 +413,13 @@ fn check(t: &Tables<'_>, m: &Model, exact: bool) -> Result<(), String> {
                     want.len()
                 ));
             }
+        }
+    }
+    // A bucket reads as it is, or (corrupt) as full: never emptier.
+    for (key, left) in &m.limits {
+        let got = t.limits.peek(*key, LIMIT_QUOTA, LIMIT_NOW).remaining;
+        if got < *left || (exact && got != *left) || got > LIMIT_QUOTA.limit {
+            return Err(format!("limit {key:#x}: {got} left, model {left}"));
         }
     }
     for s in &m.servers {
@@ -533,6 +562,19 @@ fn every_bit(seg: &Segment, m: &Model, words: &[usize], what: &str, backing: &st
         "{backing}: {what}: restored segment differs"
     );
     eprintln!("bitflip {backing}: every bit of {} {what} words flipped", words.len());
+}
+
+#[test]
+fn every_bit_of_limit_slots() {
+    on_both_backings("limits", |seg, backing| {
+        let m = populate(seg, &mut Rng(SEED), &SMALL);
+        let words: Vec<usize> = populated_words(seg)
+            .into_iter()
+            .filter(|w| region_words(seg, RegionKind::Limits).contains(w))
+            .collect();
+        assert_eq!(words.len(), 2 * m.limits.len(), "two words per slot");
+        every_bit(seg, &m, &words, "limit slot", backing);
+    });
 }
 
 #[test]

@@ -27,15 +27,15 @@
 //!
 //! ```text
 //!  offset 0                                                     segment_bytes
-//!  ┌────────┬─────────┬────────┬──────────┬──────────┬────────────┬──────────┬──────────────┬─────────┬─────────────┬──────────────┐
-//!  │ header │ servers │ ledger │ registry │  stats   │ rings × 64 │ response │ response log │ segment │ segment log │ prefix table │
-//!  │ 4 KiB  │ 128×384B│ 512 KiB│ 128×64 B │ 128×8 KiB│ ctl + ring │  index   │ ctl + ring   │  index  │ ctl + ring  │ 64 B buckets │
-//!  └────────┴─────────┴────────┴──────────┴──────────┴────────────┴──────────┴──────────────┴─────────┴─────────────┴──────────────┘
+//!  ┌────────┬─────────┬────────┬──────────┬──────────┬─────────┬────────────┬──────────┬──────────────┬─────────┬─────────────┬──────────────┐
+//!  │ header │ servers │ ledger │ registry │  stats   │ limits  │ rings × 64 │ response │ response log │ segment │ segment log │ prefix table │
+//!  │ 4 KiB  │ 128×384B│ 512 KiB│ 128×64 B │ 128×8 KiB│ 256 KiB │ ctl + ring │  index   │ ctl + ring   │  index  │ ctl + ring  │ 64 B buckets │
+//!  └────────┴─────────┴────────┴──────────┴──────────┴─────────┴────────────┴──────────┴──────────────┴─────────┴─────────────┴──────────────┘
 //!   every region starts on a 4 KiB boundary; sizes derive from the segment
 //!   size (see [`plan`]) and are recorded in the header's region table
 //! ```
 //!
-//! ## Header (416 bytes at offset 0; frozen by compile-time asserts)
+//! ## Header (448 bytes at offset 0; frozen by compile-time asserts)
 //!
 //! | offset | field | meaning |
 //! | ---: | --- | --- |
@@ -48,7 +48,7 @@
 //! | 48 | `creator_pid` | pid of the creating supervisor |
 //! | 56 | `header_checksum` | seahash of every field but `state` and itself |
 //! | 64 | `seed[4]` | random per segment; keys slot fingerprints and record checksums |
-//! | 96 | `regions[10]` | per region, in [`RegionKind`] order: `offset`, `bytes`, `count`, `param` (4 × u64) |
+//! | 96 | `regions[11]` | per region, in [`RegionKind`] order: `offset`, `bytes`, `count`, `param` (4 × u64) |
 //!
 //! ## Regions
 //!
@@ -58,6 +58,7 @@
 //! | ledger | 32 B cell (counts and toggle bits in 128 bits, then the intent of the op under way) per process × server | 128 × 128 | 128 | [`server_table`] |
 //! | registry | 64 B process slot | 128 | – | [`registry`] |
 //! | stats | 8 KiB block of [`STAT_WORDS`] `u64` counters per process slot | 128 | 1024 (words per block) | [`stats`] |
+//! | limits | 64 B bucket of 4 × 128-bit slots (a GCRA token bucket each: its `tat` bound to its key) | 4 096 | – | [`limit_table`] |
 //! | rings | 256 B control + `param` bytes | 64 | ring bytes | [`completion_ring`] |
 //! | response index | 64 B bucket of 4 × 128-bit slots | buckets | – | [`response_log`] |
 //! | response log | 256 B control + `count` bytes | log bytes | max value bytes | [`response_log`] |
@@ -90,7 +91,7 @@
 //! member locks) and lets a starting supervisor adopt the segment an
 //! earlier one left ([`Segment::claim`]); the tables are
 //! [`prefix_table`], [`response_log`], [`server_table`] (with its
-//! [`load_figures`]), [`completion_ring`]
+//! [`load_figures`]), [`limit_table`], [`completion_ring`]
 //! (carrying [`completion`] records), [`registry`] and [`stats`]. `bucket`, `mix`,
 //! `words` and `sync` are the private building blocks.
 
@@ -104,6 +105,7 @@ pub mod completion;
 pub mod completion_ring;
 pub mod error;
 pub mod header;
+pub mod limit_table;
 pub mod load_figures;
 #[cfg(all(test, loom))]
 mod loom_models;
@@ -125,10 +127,11 @@ pub use completion::{Completion, CompletionRecord, Continuation, ContinuationRef
 pub use completion_ring::{CompletionRing, Pop, PushError, RingStats};
 pub use error::{ClaimError, CreateError, NameError, OpenError, PlanError, RemoveError};
 pub use header::{HeaderInfo, LAYOUT_VERSION, MAGIC, STATE_READY};
+pub use limit_table::{BucketState, LimitTable, Quota, Taken};
 pub use load_figures::LoadFigures;
 #[cfg(not(loom))]
 pub use ownership::{Claim, Claimed, Membership, Ownership};
-pub use plan::{LayoutPlan, PlanOptions, Region, RegionKind, SERVER_SLOTS, STAT_WORDS};
+pub use plan::{LIMIT_SLOTS, LayoutPlan, PlanOptions, Region, RegionKind, SERVER_SLOTS, STAT_WORDS};
 pub use prefix_table::{InsertOutcome, MATCH_CAPACITY, PrefixEntry, PrefixMatch, PrefixTable, ServerSet, Stamp};
 pub use registry::{ProcessInfo, ProcessState, Registry, Role};
 pub use response_log::{PutError, ResponseKey, ResponseLog, ResponseLogStats};

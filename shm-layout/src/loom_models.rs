@@ -13,6 +13,7 @@
 //!   a miss or exactly one of the values ever written for that key;
 //! * ring records: a consumer racing a producer gets `Empty`/`Pending` or
 //!   exactly the record pushed, and never the same record twice.
+//! * rate limits: two takers of a bucket's last unit: exactly one gets it.
 
 use loom::sync::Arc;
 use loom::thread;
@@ -164,5 +165,28 @@ fn loom_ring_consumer_racing_producer() {
             seen,
             vec![b"rec-zero".to_vec(), b"rec-one".to_vec(), b"rec-two".to_vec()]
         );
+    });
+}
+
+#[test]
+fn loom_limits_two_takers_of_the_last_unit() {
+    use crate::limit_table::{LimitTable, Quota, Taken};
+    // A bucket of 2 units per minute with one left: two processes take one
+    // each; in every interleaving exactly one gets it, and the bucket ends
+    // empty (no charge lost, none doubled).
+    model(|| {
+        let buckets: Arc<Vec<Bucket>> = Arc::new((0..2).map(|_| Bucket::new()).collect());
+        let q = Quota::per_minute(2);
+        let now = 1_000;
+        assert!(matches!(
+            LimitTable::new(&buckets, 9).take(7, q, 1, now),
+            Taken::Allowed(_)
+        ));
+        let b = buckets.clone();
+        let other = thread::spawn(move || matches!(LimitTable::new(&b, 9).take(7, q, 1, now), Taken::Allowed(_)));
+        let mine = matches!(LimitTable::new(&buckets, 9).take(7, q, 1, now), Taken::Allowed(_));
+        let theirs = other.join().unwrap();
+        assert!(mine ^ theirs, "exactly one of the two: {mine} {theirs}");
+        assert_eq!(LimitTable::new(&buckets, 9).peek(7, q, now).remaining, 0);
     });
 }

@@ -11,6 +11,7 @@
 //! | in-flight ledger | [`PROCESS_SLOTS`] × [`SERVER_SLOTS`] × 32 B | fixed (512 KiB) |
 //! | process registry | [`PROCESS_SLOTS`] × 64 B | fixed |
 //! | stats | [`PROCESS_SLOTS`] × [`STAT_WORDS`] × 8 B | fixed (1 MiB) |
+//! | limits | [`LIMIT_SLOTS`] × 16 B | fixed (256 KiB): rate-limit buckets |
 //! | completion rings | [`RING_COUNT`] × (256 B + ring bytes) | ring bytes = 1/8 of the rest / [`RING_COUNT`], rounded down to a power of two, clamped to 16 KiB ..= 4 MiB |
 //! | response index | 1/64 of three quarters of half of what is left after the rings | 64-byte buckets of 4 slots |
 //! | response log | the rest of those three quarters, less a page of control | byte ring; one value may take at most `max_response_fraction` of it (default 1/8) |
@@ -44,6 +45,8 @@ pub const MAX_SEGMENT_BYTES: u64 = 1 << 40;
 pub const DEFAULT_MAX_RESPONSE_FRACTION: f64 = 0.125;
 /// Counters per process block of the stats region.
 pub const STAT_WORDS: usize = 1024;
+/// Slots of the rate-limit table (4 per 64-byte bucket).
+pub const LIMIT_SLOTS: u64 = 16_384;
 
 pub(crate) const SERVER_SLOT_BYTES: u64 = 384;
 pub(crate) const LEDGER_CELL_BYTES: u64 = 32;
@@ -80,10 +83,12 @@ pub enum RegionKind {
     SegmentIndex = 8,
     /// Token-segment store record log.
     SegmentLog = 9,
+    /// Rate-limit buckets ([`crate::limit_table`]).
+    Limits = 10,
 }
 
 /// Number of regions.
-pub const REGION_COUNT: usize = 10;
+pub const REGION_COUNT: usize = 11;
 
 impl RegionKind {
     /// All regions in address order.
@@ -92,6 +97,7 @@ impl RegionKind {
         RegionKind::Ledger,
         RegionKind::Registry,
         RegionKind::Stats,
+        RegionKind::Limits,
         RegionKind::Rings,
         RegionKind::ResponseIndex,
         RegionKind::ResponseLog,
@@ -113,6 +119,7 @@ impl RegionKind {
             RegionKind::Prefix => "prefix table",
             RegionKind::SegmentIndex => "segment index",
             RegionKind::SegmentLog => "segment log",
+            RegionKind::Limits => "rate limits",
         }
     }
 }
@@ -212,12 +219,14 @@ impl LayoutPlan {
             servers,
         );
         place(RegionKind::Registry, processes * PROCESS_SLOT_BYTES, processes, 0);
-        let fixed_end = place(
+        place(
             RegionKind::Stats,
             processes * STAT_BLOCK_BYTES,
             processes,
             STAT_WORDS as u64,
         );
+        let limit_buckets = LIMIT_SLOTS / crate::bucket::WAYS as u64;
+        let fixed_end = place(RegionKind::Limits, limit_buckets * BUCKET_BYTES, limit_buckets, 0);
 
         let rings = u64::from(RING_COUNT);
         let per_ring = ((size - fixed_end) / 8 / rings).clamp(MIN_RING_BYTES, MAX_RING_BYTES);

@@ -25,6 +25,7 @@ use crate::bucket::Bucket;
 use crate::completion_ring::{CompletionRing, RingControl};
 use crate::error::{CreateError, NameError, OpenError, RemoveError};
 use crate::header::{HeaderInfo, HeaderInit, LAYOUT_VERSION, MAGIC, RawHeader, STATE_READY};
+use crate::limit_table::LimitTable;
 use crate::plan::{HEADER_BYTES, LOG_CONTROL_BYTES, LayoutPlan, PAGE, RING_CONTROL_BYTES, RegionKind};
 use crate::prefix_table::{PrefixTable, Stamp};
 use crate::registry::{ProcessSlot, Registry};
@@ -138,6 +139,11 @@ pub struct SegmentClock {
 }
 
 impl SegmentClock {
+    /// Nanoseconds since the segment was created (the rate limits' clock).
+    pub fn now_ns(&self) -> u64 {
+        monotonic_ns().saturating_sub(self.origin_ns)
+    }
+
     /// Milliseconds since the segment was created.
     pub fn now_ms(&self) -> u64 {
         monotonic_ns().saturating_sub(self.origin_ns) / 1_000_000
@@ -166,6 +172,8 @@ pub struct Tables<'a> {
     pub registry: Registry<'a>,
     /// Per-process counters (metrics), one block per registry slot.
     pub stats: Stats<'a>,
+    /// Rate-limit buckets.
+    pub limits: LimitTable<'a>,
     /// The rings region as atomic words: other processes write it through
     /// atomics, so it is never viewed as plain bytes (which would claim it
     /// does not change while borrowed).
@@ -534,6 +542,7 @@ impl Segment {
         let segment_index = self.info.region(RegionKind::SegmentIndex);
         let segment_log = self.info.region(RegionKind::SegmentLog);
         let prefix = self.info.region(RegionKind::Prefix);
+        let limits = self.info.region(RegionKind::Limits);
         let control: &[LogControl] = self.region(RegionKind::ResponseLog, 0, 1);
         let segment_control: &[LogControl] = self.region(RegionKind::SegmentLog, 0, 1);
         Tables {
@@ -561,6 +570,7 @@ impl Segment {
             ),
             registry: Registry::new(self.region::<ProcessSlot>(RegionKind::Registry, 0, registry.count)),
             stats: Stats::new(self.region::<StatBlock>(RegionKind::Stats, 0, stats.count)),
+            limits: LimitTable::new(self.region::<Bucket>(RegionKind::Limits, 0, limits.count), seed[3]),
             rings: self.region::<AtomicU64>(
                 RegionKind::Rings,
                 0,
