@@ -381,9 +381,9 @@ fn percent(part: u64, whole: u64) -> String {
     format!("{:.2} %", part as f64 * 100.0 / whole as f64)
 }
 
-/// `2025-01-31 12:34:56.789 UTC` from milliseconds since the Unix epoch.
-pub fn utc_from_unix_ms(ms: u64) -> String {
-    let secs = ms / 1000;
+/// The civil date and time (UTC) of `secs` seconds since the Unix epoch:
+/// `(year, month, day, hour, minute, second)`.
+fn civil_from_unix_secs(secs: u64) -> (u64, u64, u64, u64, u64, u64) {
     let (days, rem) = (secs / 86_400, secs % 86_400);
     // Howard Hinnant's civil_from_days, for days since 1970-01-01 >= 0.
     let z = days + 719_468;
@@ -395,13 +395,22 @@ pub fn utc_from_unix_ms(ms: u64) -> String {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + u64::from(month <= 2);
+    (year, month, day, rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// `2025-01-31 12:34:56.789 UTC` from milliseconds since the Unix epoch.
+pub fn utc_from_unix_ms(ms: u64) -> String {
+    let (year, month, day, h, m, s) = civil_from_unix_secs(ms / 1000);
     format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}.{:03} UTC",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
+        "{year:04}-{month:02}-{day:02} {h:02}:{m:02}:{s:02}.{:03} UTC",
         ms % 1000
     )
+}
+
+/// `2025-01-31T12:34:56Z` (RFC 3339) from seconds since the Unix epoch.
+pub fn rfc3339_from_unix_secs(secs: u64) -> String {
+    let (year, month, day, h, m, s) = civil_from_unix_secs(secs);
+    format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{s:02}Z")
 }
 
 #[cfg(test)]
