@@ -767,6 +767,32 @@ mod tests {
         assert_eq!(seen.iter().filter(|o| o.short).count(), 4);
     }
 
+    /// Pushes into ring 0 the record of an answer to a prompt of
+    /// `prompt_tokens` whose chain is `prompt_blocks`, to be extended from
+    /// `continuation`.
+    fn push_answer(
+        t: Tables<'_>,
+        server: ServerRef,
+        prompt_tokens: u32,
+        prompt_blocks: &[u64],
+        continuation: shm_layout::ContinuationRef<'_>,
+    ) {
+        let rec = CompletionRecord {
+            server,
+            prompt_tokens,
+            output_tokens: 0,
+            prompt_blocks,
+            full_blocks: &[],
+            continuation: Some(continuation),
+            response: None,
+            prediction: None,
+            timing: None,
+        };
+        let mut buf = Vec::new();
+        rec.encode_into(&mut buf);
+        t.ring(0).push(&buf).unwrap();
+    }
+
     /// A record with a continuation teaches the chain of the prompt's
     /// tokens followed by the answer's, as if the dispatcher had hashed it.
     #[test]
@@ -787,27 +813,15 @@ mod tests {
         hasher.chain(&all, &mut want);
         assert!(want.len() > prompt_chain.len());
         let tail = &prompt[prompt_chain.len() * 16..];
-        let rec = CompletionRecord {
-            server,
-            prompt_tokens: prompt.len() as u32,
-            output_tokens: 0,
-            prompt_blocks: &prompt_chain,
-            full_blocks: &[],
-            continuation: Some(ContinuationRef {
-                root: hasher.root(),
-                block_size: 16,
-                tokenizer: 0,
-                tail,
-                form: AnswerForm::Text.to_byte(false),
-                answer: Some(answer.as_bytes()),
-            }),
-            response: None,
-            prediction: None,
-            timing: None,
+        let continuation = ContinuationRef {
+            root: hasher.root(),
+            block_size: 16,
+            tokenizer: 0,
+            tail,
+            form: AnswerForm::Text.to_byte(false),
+            answer: Some(answer.as_bytes()),
         };
-        let mut buf = Vec::new();
-        rec.encode_into(&mut buf);
-        t.ring(0).push(&buf).unwrap();
+        push_answer(t, server, prompt.len() as u32, &prompt_chain, continuation);
         let mut r = Responder::new(t, tok.clone());
         assert_eq!(r.drain(0, Stamp(1), 0, |_, _| true), 1);
         let m = t.prefix.longest_prefix_match(&want, |s| t.servers.is_live(s));
@@ -834,27 +848,15 @@ mod tests {
         assert_ne!(bytes.encode(answer), bundled.encode(answer));
         let hasher = BlockHasher::new(BlockHasher::root_for("pool", 3), 4);
         let push = |tokenizer: u64| {
-            let rec = CompletionRecord {
-                server,
-                prompt_tokens: 2,
-                output_tokens: 0,
-                prompt_blocks: &[],
-                full_blocks: &[],
-                continuation: Some(ContinuationRef {
-                    root: hasher.root(),
-                    block_size: 4,
-                    tokenizer,
-                    tail: &[1, 2],
-                    form: AnswerForm::Text.to_byte(false),
-                    answer: Some(answer.as_bytes()),
-                }),
-                response: None,
-                prediction: None,
-                timing: None,
+            let continuation = ContinuationRef {
+                root: hasher.root(),
+                block_size: 4,
+                tokenizer,
+                tail: &[1, 2],
+                form: AnswerForm::Text.to_byte(false),
+                answer: Some(answer.as_bytes()),
             };
-            let mut buf = Vec::new();
-            rec.encode_into(&mut buf);
-            t.ring(0).push(&buf).unwrap();
+            push_answer(t, server, 2, &[], continuation);
         };
         let asked = std::cell::RefCell::new(Vec::new());
         let tokenization = Tokenization {
