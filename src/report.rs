@@ -41,6 +41,10 @@ pub struct Report {
     pub segments: ResponseLogStats,
     /// Occupied segment-index slots.
     pub segment_index_occupancy: u64,
+    /// Rate-limit buckets not full now, and slots any bucket holds.
+    pub limits: (usize, usize),
+    /// Rate-limit slots.
+    pub limit_capacity: usize,
     /// Registered servers.
     pub servers: Vec<ServerInfo>,
     /// Registry slots ever used.
@@ -119,6 +123,8 @@ impl Report {
             response_index_capacity: tables.responses.index_capacity(),
             segments: tables.segments.stats(),
             segment_index_occupancy: tables.segments.index_occupancy(),
+            limits: tables.limits.occupancy(segment.clock().now_ns()),
+            limit_capacity: tables.limits.capacity(),
             servers: tables.servers.servers().collect(),
             processes: tables
                 .registry
@@ -192,6 +198,11 @@ impl Report {
             self.prefix_occupancy,
             self.prefix_capacity,
             percent(self.prefix_occupancy, self.prefix_capacity)
+        );
+        let _ = writeln!(
+            w,
+            "rate limits       {} buckets in use ({} slots held) / {} slots",
+            self.limits.0, self.limits.1, self.limit_capacity
         );
         let r = &self.responses;
         let _ = writeln!(
@@ -333,6 +344,7 @@ impl Report {
             },
             "regions": regions,
             "prefix_table": {"occupancy": self.prefix_occupancy, "capacity": self.prefix_capacity},
+            "rate_limits": {"in_use": self.limits.0, "held": self.limits.1, "capacity": self.limit_capacity},
             "response_cache": {
                 "records": r.records,
                 "refused": r.refused,
