@@ -31,8 +31,6 @@ use semlb::responder_loop::ResponderLoop;
 use semlb::segment_store::ShmSegmentStore;
 use semlb::store::RoutingStore;
 use semlb::store::redis::{RedisRouting, RedisWriteBack};
-use semlb_tokenizer::Tokenizer;
-use semlb_tokenizer::chat::ChatTemplate;
 use shm_layout::{Membership, OpenError, Segment};
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -81,16 +79,6 @@ fn open_segment(name: &str) -> Result<Segment> {
         }
     }
     bail!("shm segment {name} did not become ready")
-}
-
-/// The gateway's tokenizer: the configured `tokenizer.json`, else the
-/// bundled one, with a segment cache of `segment_cache_bytes` (0: none).
-pub(crate) fn load_tokenizer(config: &ServeConfig, segment_cache_bytes: u64) -> Result<Tokenizer> {
-    let tokenizer = match &config.tokenizer {
-        Some(path) => Tokenizer::from_file(path)?,
-        None => Tokenizer::bundled(),
-    };
-    Ok(tokenizer.with_segment_cache(usize::try_from(segment_cache_bytes).unwrap_or(usize::MAX)))
 }
 
 fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) -> Result<()> {
@@ -277,10 +265,13 @@ fn run_responder(segment: &Arc<Segment>, args: &ChildArgs, config: &ServeConfig)
     // upgrade, what the old dispatchers still push is written back here.
     let rings: Vec<usize> = rings_for(args.index, config.responders, tables.ring_count()).collect();
     // Answers are new text: no local segment cache (the word cache stays);
-    // their segments go to the shared store for the next turn.
-    let tokenizer = load_tokenizer(config, 0)?.with_shared_segments(Arc::new(ShmSegmentStore::new(segment.clone())));
+    // their segments go to the shared store for the next turn. The global
+    // tokenizer now; a pool's own when a record first names it, from the
+    // configuration as it is then (a reload may have added the pool).
+    let mut loader = TokenizerLoader::new(config, 0, Some(Arc::new(ShmSegmentStore::new(segment.clone()))));
+    let global = loader.global()?;
     let responder = match config.store.kind {
-        StoreKind::Shm => Responder::new(tables, tokenizer),
+        StoreKind::Shm => Responder::new(tables, global.tokenizer),
         StoreKind::Redis => Responder::with_sink(
             tables,
             Box::new(RedisWriteBack::new(
@@ -289,22 +280,17 @@ fn run_responder(segment: &Arc<Segment>, args: &ChildArgs, config: &ServeConfig)
                 config.response_cache.ttl(),
                 format!("responder {}", args.index),
             )),
-            tokenizer,
+            global.tokenizer,
         ),
     };
-    let responder = responder.forgetting(config.learn_from_reports);
-    // Pools with tokenizers of their own: loaded when a record names one,
-    // from the configuration as it is then (a reload may have added it).
-    let mut loader = TokenizerLoader::new(config, 0, Some(Arc::new(ShmSegmentStore::new(segment.clone()))));
     let serve = args.serve.clone();
-    let responder = responder.with_model_tokenizers(Box::new(move |id| {
-        let config = ServeConfig::resolve(serve.config.as_deref(), serve.overrides()).ok()?;
-        loader.by_id(&config, id)
-    }));
-    let responder = responder.with_chat_template(ChatTemplate::resolve(
-        config.chat_template.as_deref(),
-        config.tokenizer.as_deref(),
-    )?);
+    let responder = responder
+        .forgetting(config.learn_from_reports)
+        .with_chat_template(global.template)
+        .with_model_tokenizers(Box::new(move |id| {
+            let config = ServeConfig::resolve(serve.config.as_deref(), serve.overrides()).ok()?;
+            loader.by_id(&config, id)
+        }));
     ResponderLoop::new(segment, responder, rings, args.slot, args.incarnation).run(&STOP);
     Ok(())
 }

@@ -185,41 +185,35 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// The pool `spec` describes; the same pool in `previous` with the same
-    /// policy configuration gives it its policy.
-    fn new(spec: Self, previous: Option<&ModelPools>) -> Arc<Self> {
-        let kept = previous
-            .and_then(|p| p.pools.iter().find(|old| old.name == spec.name))
-            .filter(|old| old.policy_config == spec.policy_config)
-            .map(|old| old.policy.current_arc());
-        Arc::new(match kept {
-            Some(policy) => Self {
-                policy: SwappablePolicy::from_arc(policy),
-                ..spec
-            },
-            None => spec,
-        })
-    }
-
-    /// A pool with a new policy built from `policy_config`.
-    fn spec(
+    /// A pool; its policy is the same pool's in `previous` when that was
+    /// built from the same `policy_config` (with what it learned), else a
+    /// new one.
+    fn new(
         name: Option<String>,
         model: Option<&ModelConfig>,
         members: Members,
         tokenization: Tokenization,
         block_size: usize,
         policy_config: PolicyConfig,
-    ) -> Self {
-        Self {
+        previous: Option<&ModelPools>,
+    ) -> Arc<Self> {
+        let policy = match previous
+            .and_then(|p| p.pools.iter().find(|old| old.name == name))
+            .filter(|old| old.policy_config == policy_config)
+        {
+            Some(old) => SwappablePolicy::from_arc(old.policy.current_arc()),
+            None => SwappablePolicy::new(crate::routing::build(&policy_config)),
+        };
+        Arc::new(Self {
             name,
             aliases: model.map(|m| m.aliases.clone()).unwrap_or_default(),
             base: model.and_then(|m| m.base.clone()),
             members,
             tokenization,
             block_size: block_size.max(1),
-            policy: SwappablePolicy::new(crate::routing::build(&policy_config)),
+            policy,
             policy_config,
-        }
+        })
     }
 
     /// Its name (`None`: the implicit pool).
@@ -304,15 +298,15 @@ impl ModelPools {
         previous: Option<&ModelPools>,
     ) -> Result<Self, PoolError> {
         if config.models.is_empty() {
-            let spec = Pool::spec(
+            let pool = Pool::new(
                 None,
                 None,
                 Members::every(),
                 loader.global()?,
                 config.block_size,
                 config.policy.clone(),
+                previous,
             );
-            let pool = Pool::new(spec, previous);
             return Ok(Self {
                 pools: vec![pool],
                 names: HashMap::new(),
@@ -342,15 +336,15 @@ impl ModelPools {
             for name in model.names() {
                 names.insert(name.to_owned(), index);
             }
-            let spec = Pool::spec(
+            pools.push(Pool::new(
                 Some(model.name.clone()),
                 Some(model),
                 members,
                 loader.for_model(settings)?,
                 settings.block_size.unwrap_or(config.block_size),
                 model.policy.clone().unwrap_or_else(|| config.policy.clone()),
-            );
-            pools.push(Pool::new(spec, previous));
+                previous,
+            ));
         }
         Ok(Self { pools, names })
     }

@@ -272,8 +272,8 @@ impl<'a> Responder<'a> {
 
     /// Renders chat answers with `template` to store their segments as the
     /// next prompt will have them (see the module docs).
-    pub fn with_chat_template(mut self, template: ChatTemplate) -> Self {
-        self.template = Some(Arc::new(template));
+    pub fn with_chat_template(mut self, template: impl Into<Arc<ChatTemplate>>) -> Self {
+        self.template = Some(template.into());
         self
     }
 

@@ -345,11 +345,6 @@ impl Dispatcher {
         self.identity
     }
 
-    /// The name of its (first pool's) routing policy.
-    pub fn policy_name(&self) -> &'static str {
-        self.pools().pools()[0].policy().name()
-    }
-
     /// Lets in only the keys of `keys` from now on (`None`: every
     /// request; at start and on reload).
     pub fn set_keys(&self, keys: Option<Keys>) {

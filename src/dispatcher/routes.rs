@@ -111,7 +111,10 @@ async fn passthrough(
     let pools = dispatcher.pools();
     let mut pool = None;
     let mut bytes = bytes;
-    if let Ok(Json::Object(body)) = Json::parse(&bytes)
+    // Without pools or keys any server takes it: nothing to read.
+    let by_model = !pools.is_implicit() || caller.is_some();
+    if by_model
+        && let Ok(Json::Object(body)) = Json::parse(&bytes)
         && let Some(Json::String(model)) = body.get("model")
     {
         match pools.find(model) {

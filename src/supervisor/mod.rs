@@ -121,32 +121,30 @@ fn supervise(args: &ServeArgs) -> Result<()> {
         config.shm_name.clone_from(&i.shm);
     }
     // Load what every dispatcher will load, so a bad file is one clear error
-    // here rather than a crash loop of children, and say which engine runs.
-    let tokenizer = crate::child::load_tokenizer(&config, 0)?;
+    // here rather than a crash loop of children, and say which engine runs:
+    // the global tokenizer and template, then every model pool's (each file
+    // once), and the keys.
+    let mut loader = semlb::pools::TokenizerLoader::new(&config, 0, None);
+    let global = loader.global()?;
     tracing::info!(
-        tokenizer = %config.tokenizer.as_deref().map_or("bundled phi-2".into(), |p| p.display().to_string()),
-        engine = %tokenizer.engine(),
+        tokenizer = %global.name,
+        engine = %global.tokenizer.engine(),
         "tokenizer: {}",
-        tokenizer.engine()
+        global.tokenizer.engine()
     );
-    drop(tokenizer);
-    let template =
-        semlb_tokenizer::chat::ChatTemplate::resolve(config.chat_template.as_deref(), config.tokenizer.as_deref())?;
-    let renderer = template.renderer_name();
+    let renderer = global.template.renderer_name();
     let source = match (&config.chat_template, &config.tokenizer) {
         (Some(path), _) => path.display().to_string(),
         (None, Some(path)) if renderer != "canonical" => format!("{} (the model file's own)", path.display()),
         _ => "none given".into(),
     };
     tracing::info!(renderer, "chat template {source}: {renderer} renderer");
-    // Likewise every model pool's tokenizer and template, and the keys.
-    let pools =
-        semlb::pools::ModelPools::build(&config, &mut semlb::pools::TokenizerLoader::new(&config, 0, None), None)?;
+    let pools = semlb::pools::ModelPools::build(&config, &mut loader, None)?;
     if !pools.is_implicit() {
         let names: Vec<&str> = pools.pools().iter().filter_map(|p| p.name()).collect();
         tracing::info!(models = names.len(), "model pools: {}", names.join(", "));
     }
-    drop(pools);
+    drop((pools, loader, global));
     if let Some(path) = &config.auth.keys_file {
         let keys = semlb::auth::Keys::load(path)?;
         tracing::info!(
