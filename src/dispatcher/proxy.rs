@@ -238,7 +238,7 @@ impl<'d> Attempts<'d> {
             prompt_tokens: u32::try_from(self.prompt_tokens()).unwrap_or(u32::MAX),
             session: self.ctx.as_ref().and_then(|c| c.session),
             inference: self.ctx.is_some(),
-            pool: self.outbound.pool.as_deref(),
+            pool: self.outbound.pool.as_ref(),
             continuation: self.ctx.as_ref().map(|c| EndProbe {
                 tokens: &c.prompt_tokens,
                 chain,
@@ -248,14 +248,14 @@ impl<'d> Attempts<'d> {
         };
         match choose(dispatcher, route, &self.failed, self.first_lookup.take()).await {
             Routed::Chosen(chosen, guard) => Ok((chosen, guard)),
-            Routed::Wait { lookup, asked } => {
+            Routed::Wait { lookup, asked, pool } => {
                 let waiting = Waiting {
                     chain: chain.to_vec(),
                     prompt_tokens: route.prompt_tokens,
                     session: route.session,
                     prefix: lookup.routing_prefix(),
                     exclude: self.failed.clone(),
-                    pool: self.outbound.pool.clone(),
+                    pool,
                     seen: asked || !self.failed.is_empty(),
                 };
                 self.wait(waiting, &lookup).await

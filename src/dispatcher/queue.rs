@@ -85,8 +85,8 @@ pub(super) struct Waiting {
     pub prefix: PrefixMatch,
     pub exclude: Vec<ServerRef>,
     /// Its model pool: the servers it may go to and the policy that
-    /// routes it (`None`: any server, least load).
-    pub pool: Option<Arc<Pool>>,
+    /// routes it.
+    pub pool: Arc<Pool>,
     /// Whether the policy has been asked about it already (then every look
     /// from the queue is a [repeat](crate::routing::RouteInput::repeat)).
     pub seen: bool,
@@ -221,7 +221,7 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
                     continue;
                 }
                 let r = &w.request;
-                let members = r.pool.as_deref().map_or(Members::all(), Pool::members);
+                let members = r.pool.members();
                 let eligible: &[Candidate] =
                     if r.exclude.is_empty() && members.is_every() {
                         &candidates
@@ -233,15 +233,12 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
                         }));
                         &kept
                     };
-                let policy = match &r.pool {
-                    Some(pool) => pool.policy().current_arc(),
-                    None => Arc::new(crate::routing::least_load::LeastLoad::new()),
-                };
+                let policy = r.pool.policy().current_arc();
                 let input = RouteInput {
                     prompt_blocks: u32::try_from(r.chain.len()).unwrap_or(u32::MAX),
                     chain: &r.chain,
                     prompt_tokens: r.prompt_tokens,
-                    block_tokens: r.pool.as_deref().map_or(1, Pool::block_tokens),
+                    block_tokens: r.pool.block_tokens(),
                     session: r.session,
                     repeat: r.seen,
                     prefix: &r.prefix,

@@ -30,7 +30,7 @@ pub(super) struct RouteRequest<'a> {
     pub inference: bool,
     /// The model pool it is for (`None`: a request without a model, which
     /// any server may take).
-    pub pool: Option<&'a Pool>,
+    pub pool: Option<&'a Arc<Pool>>,
     /// What a lookup needs to find the conversation this prompt continues.
     pub continuation: Option<EndProbe<'a>>,
 }
@@ -49,6 +49,8 @@ pub(super) enum Routed {
         /// non-empty queue unasked, and its first look from the queue is
         /// its first look at all).
         asked: bool,
+        /// The pool whose policy holds it (and routes it from the queue).
+        pool: Arc<Pool>,
     },
     /// No server is available.
     NoServer,
@@ -132,7 +134,7 @@ pub(super) async fn choose(
         continuation,
         pool,
     } = route;
-    let members = pool.map_or(Members::all(), Pool::members);
+    let members = pool.map_or(Members::all(), |p| p.members());
     let stale_after_ms = dispatcher.config().health.stale_after_ms;
     let mut lookup = match first {
         Some(l) => l,
@@ -150,9 +152,17 @@ pub(super) async fn choose(
     };
     // Requests that are not inference go to the least loaded server.
     let policy: Option<Arc<dyn Policy>> = pool.filter(|_| inference).map(|p| p.policy().current_arc());
-    let holds = policy.as_ref().is_some_and(|p| p.holds_requests());
-    if holds && !lookup.candidates.is_empty() && dispatcher.queued() > 0 {
-        return Routed::Wait { lookup, asked: false };
+    // The pool whose policy holds requests, if it does.
+    let holder = pool.filter(|_| policy.as_ref().is_some_and(|p| p.holds_requests()));
+    if let Some(pool) = holder
+        && !lookup.candidates.is_empty()
+        && dispatcher.queued() > 0
+    {
+        return Routed::Wait {
+            lookup,
+            asked: false,
+            pool: pool.clone(),
+        };
     }
     let prefix = lookup.routing_prefix();
     loop {
@@ -163,7 +173,7 @@ pub(super) async fn choose(
             prompt_blocks: u32::try_from(chain.len()).unwrap_or(u32::MAX),
             chain,
             prompt_tokens,
-            block_tokens: pool.map_or(1, Pool::block_tokens),
+            block_tokens: pool.map_or(1, |p| p.block_tokens()),
             session,
             repeat: !exclude.is_empty(),
             prefix: &prefix,
@@ -174,10 +184,13 @@ pub(super) async fn choose(
             None => dispatcher.least_load().choose(&input),
         };
         let Some(choice) = decision else {
-            return if holds {
-                Routed::Wait { lookup, asked: true }
-            } else {
-                Routed::NoServer
+            return match holder {
+                Some(pool) => Routed::Wait {
+                    lookup,
+                    asked: true,
+                    pool: pool.clone(),
+                },
+                None => Routed::NoServer,
             };
         };
         if inference && exclude.is_empty() {
@@ -194,7 +207,7 @@ pub(super) async fn choose(
             lookup.candidates.retain(|c| c.server != server);
             continue;
         };
-        let guard = if holds {
+        let guard = if let Some(pool) = holder {
             let Some(guard) = InflightGuard::begin(dispatcher, server, u64::from(prompt_tokens)) else {
                 lookup.candidates.retain(|c| c.server != server);
                 continue;
@@ -202,7 +215,11 @@ pub(super) async fn choose(
             let counted = dispatcher.local().candidate(server, stale_after_ms);
             if policy.as_ref().is_some_and(|p| !p.admits(&counted)) {
                 drop(guard);
-                return Routed::Wait { lookup, asked: true };
+                return Routed::Wait {
+                    lookup,
+                    asked: true,
+                    pool: pool.clone(),
+                };
             }
             Some(guard)
         } else {
