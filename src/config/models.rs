@@ -18,7 +18,7 @@
 //! | `tokenizer` | path | the global `tokenizer` | its `tokenizer.json` (or GGUF file) |
 //! | `chat_template` | path | the global `chat_template`, or the model's GGUF tokenizer's | its `tokenizer_config.json` (or GGUF file) |
 //! | `block_size` | integer | the global `block_size` | its engines' KV block size |
-//! | `[model.policy]` | table | the global `[policy]` | its routing policy: a whole `[policy]` table, not merged with the global one |
+//! | `[model.policy]` | table | the global `[policy]` | its routing policy: a whole `[policy]` table, not merged with the global one; its `queue` table is not used (the gateway queue is one per dispatcher, with the global `[policy.queue]`) |
 //!
 //! Pools change on reload (SIGHUP): dispatchers and response processes load
 //! a changed pool's tokenizer, and keep a pool's policy (with what it
