@@ -690,10 +690,12 @@ async fn a_turn_sent_as_the_engine_closes_the_last_streams_connection_is_answere
         messages.push(("user".into(), format!("And on day {turn}?")));
     }
     let s = gw.dispatcher.stats();
-    // Each turn after the first went out on the connection the engine was
-    // closing, and was sent again on a new one: no failure, no retry
-    // elsewhere, nothing against the engine's health.
-    assert_eq!(s.stale_connections, turns - 1, "{s:?}");
+    // A turn after the first goes out on the connection the engine is
+    // closing, and is sent again on a new one, unless the pool saw the
+    // close first (a loaded machine may let it): at least one turn met the
+    // race, and none failed, was retried elsewhere or counted against the
+    // engine's health.
+    assert!((1..turns).contains(&s.stale_connections), "{s:?}");
     assert_eq!((s.upstream_errors, s.retries, s.server_errors), (0, 0, 0), "{s:?}");
     gw.stop().await;
 }
