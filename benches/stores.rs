@@ -4,7 +4,10 @@
 //! load) against [`RedisStore::dispatch_lookup`] (the same reads from a
 //! private loopback `redis-server`: one pipeline, or the naive walk of one
 //! round trip per block), and a response process's write-back of one record
-//! on each. The tables hold 4 096 warmed 16-block conversations over four
+//! on each; and a request's rate-limit check on each
+//! ([`RoutingStore::take_limits`]: three buckets, a tenant's requests and
+//! tokens and its model's tokens, through the async interface the
+//! dispatcher awaits; on Redis one script round trip). The tables hold 4 096 warmed 16-block conversations over four
 //! servers; lookups draw from them, so prefixes match. Without
 //! `redis-server` the Redis benches are skipped with a message.
 //!
@@ -17,7 +20,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use semlb::store::LookupRequest;
+use semlb::rate_limit::{RateLimits, RequestBuckets, Scope};
+use semlb::store::redis::RedisRouting;
+use semlb::store::{LookupRequest, RoutingStore};
 use semlb::store::WriteBack;
 use semlb::store::WriteStats;
 use semlb::store::redis::client::{RedisStore, WriteItem};
@@ -149,6 +154,41 @@ fn stores(c: &mut Criterion) {
     }
     g.finish();
     drop(store);
+
+    let mut g = c.benchmark_group("rate_limit");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let roomy = RateLimits {
+        requests_per_minute: Some(u64::MAX / 4),
+        tokens_per_minute: Some(u64::MAX / 4),
+    };
+    let tenant = roomy.buckets(Scope::Tenant, "bench-tenant");
+    let model = RateLimits {
+        requests_per_minute: None,
+        ..roomy
+    }
+    .buckets(Scope::Model, "bench-model");
+    let charges = RequestBuckets::new(&tenant, &model).admission(700);
+    g.bench_function("shm", |b| {
+        b.iter(|| black_box(runtime.block_on(shm.take_limits(&charges))))
+    });
+    if let Some(r) = &redis {
+        let config = semlb::config::RedisConfig {
+            url: r.url(),
+            namespace: "bench-limits".into(),
+            ..Default::default()
+        };
+        let routing = runtime
+            .block_on(async { RedisRouting::start(segment.clone(), 2, &config, "bench") })
+            .expect("redis store");
+        g.bench_function("redis", |b| {
+            b.iter(|| black_box(runtime.block_on(routing.take_limits(&charges))))
+        });
+        assert_eq!(routing.stats().failures, 0, "every Redis check answered");
+    }
+    g.finish();
     drop(redis);
 }
 

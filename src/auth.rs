@@ -32,8 +32,20 @@
 //! created = "2026-11-25T10:00:00Z"
 //! ```
 //!
-//! A file that does not parse, or lists a digest twice, is refused: at
-//! start the gateway does not start, on reload the running keys stay.
+//! A tenant's rate limits ([`crate::rate_limit`]) are `[[tenant]]` tables
+//! (`semlb keys limit`); `name = "*"` gives every tenant without its own
+//! table those limits, each tenant its own buckets:
+//!
+//! ```toml
+//! [[tenant]]
+//! name = "search-team"
+//! requests_per_minute = 600
+//! tokens_per_minute = 200000
+//! ```
+//!
+//! A file that does not parse, lists a digest twice, or a tenant twice, is
+//! refused: at start the gateway does not start, on reload the running
+//! keys stay.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -41,6 +53,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use crate::rate_limit::{Bucket, RateLimits, Scope};
 use crate::response_cache::API_KEY_HEADERS;
 
 /// Prefix of the keys `semlb keys add` makes.
@@ -87,6 +100,33 @@ pub struct KeyEntry {
     pub created: Option<String>,
 }
 
+/// One tenant's settings (a `[[tenant]]` table).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantEntry {
+    /// The tenant (`*`: every tenant without an entry of its own).
+    pub name: String,
+    /// Its requests per minute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_minute: Option<u64>,
+    /// Its prompt and output tokens per minute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_minute: Option<u64>,
+}
+
+impl TenantEntry {
+    /// Its limits.
+    pub fn limits(&self) -> RateLimits {
+        RateLimits {
+            requests_per_minute: self.requests_per_minute,
+            tokens_per_minute: self.tokens_per_minute,
+        }
+    }
+}
+
+/// The name of the `[[tenant]]` entry for every tenant without one.
+pub const EVERY_TENANT: &str = "*";
+
 /// The keys file's contents.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -94,6 +134,9 @@ pub struct KeysFile {
     /// Its entries, in the file's order.
     #[serde(default, rename = "key")]
     pub keys: Vec<KeyEntry>,
+    /// Tenants' settings.
+    #[serde(default, rename = "tenant", skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<TenantEntry>,
 }
 
 impl KeysFile {
@@ -133,17 +176,50 @@ impl KeysFile {
             {
                 return Err(format!("key[{i}].sha256 must be 64 lower-case hex digits"));
             }
-            if k.tenant.is_empty() || k.tenant.len() > MAX_TENANT_BYTES || k.tenant.chars().any(char::is_control) {
-                return Err(format!(
-                    "key[{i}].tenant must be 1 to {MAX_TENANT_BYTES} bytes without control characters"
-                ));
-            }
+            check_tenant_name(&k.tenant).map_err(|e| format!("key[{i}].tenant {e}"))?;
             if k.id.is_empty() || !ids.insert(k.id.as_str()) {
                 return Err(format!("key[{i}].id {:?} is empty or not unique", k.id));
             }
             if !digests.insert(k.sha256.as_str()) {
                 return Err(format!("key[{i}] has the digest of an earlier key"));
             }
+        }
+        let mut tenants = std::collections::HashSet::new();
+        for (i, t) in self.tenants.iter().enumerate() {
+            if !tenants.insert(t.name.as_str()) {
+                return Err(format!("tenant[{i}] {:?} is listed twice", t.name));
+            }
+            check_tenant_name(&t.name).map_err(|e| format!("tenant[{i}].name {e}"))?;
+            t.limits()
+                .check()
+                .map_err(|field| format!("tenant[{i}].{field} {}", RateLimits::AT_LEAST_ONE))?;
+        }
+        Ok(())
+    }
+
+    /// The limits of `tenant`: its own entry's, else the `*` entry's, else
+    /// none.
+    pub fn limits_of(&self, tenant: &str) -> RateLimits {
+        let find = |name: &str| self.tenants.iter().find(|t| t.name == name);
+        find(tenant)
+            .or_else(|| find(EVERY_TENANT))
+            .map(TenantEntry::limits)
+            .unwrap_or_default()
+    }
+
+    /// Sets `tenant`'s limits (none: removes its entry).
+    pub fn set_limits(&mut self, tenant: &str, limits: RateLimits) -> Result<(), String> {
+        check_tenant_name(tenant).map_err(|e| format!("tenant {e}"))?;
+        limits
+            .check()
+            .map_err(|field| format!("{field} {}", RateLimits::AT_LEAST_ONE))?;
+        self.tenants.retain(|t| t.name != tenant);
+        if !limits.is_empty() {
+            self.tenants.push(TenantEntry {
+                name: tenant.to_owned(),
+                requests_per_minute: limits.requests_per_minute,
+                tokens_per_minute: limits.tokens_per_minute,
+            });
         }
         Ok(())
     }
@@ -214,6 +290,16 @@ impl KeysFile {
     }
 }
 
+/// Whether `name` may name a tenant.
+fn check_tenant_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > MAX_TENANT_BYTES || name.chars().any(char::is_control) {
+        return Err(format!(
+            "must be 1 to {MAX_TENANT_BYTES} bytes without control characters"
+        ));
+    }
+    Ok(())
+}
+
 /// The SHA-256 digest of `bytes`.
 fn digest(bytes: &[u8]) -> [u8; 32] {
     let d = ring::digest::digest(&ring::digest::SHA256, bytes);
@@ -244,6 +330,8 @@ pub struct Caller {
     pub tenant: String,
     /// The models it may use (`None`: every model).
     models: Option<Vec<String>>,
+    /// Its tenant's rate-limit buckets.
+    pub limits: Vec<Bucket>,
 }
 
 impl Caller {
@@ -307,6 +395,7 @@ impl Keys {
                     key_id: k.id.clone(),
                     tenant: k.tenant.clone(),
                     models: (!k.models.is_empty()).then(|| k.models.clone()),
+                    limits: file.limits_of(&k.tenant).buckets(Scope::Tenant, &k.tenant),
                 };
                 Some((digest.try_into().ok()?, Arc::new(caller)))
             })
@@ -413,6 +502,36 @@ mod tests {
             Err(Refusal::Invalid),
             "two different keys"
         );
+    }
+
+    #[test]
+    fn tenants_get_their_own_limits_else_the_default_ones() {
+        let mut file = KeysFile::default();
+        let (a, _) = file.add("a", vec![], None).unwrap();
+        let (b, _) = file.add("b", vec![], None).unwrap();
+        let limited = |rpm| RateLimits {
+            requests_per_minute: Some(rpm),
+            tokens_per_minute: None,
+        };
+        assert!(Keys::new(&file).caller(&headers(&[("api-key", &a)])).unwrap().limits.is_empty());
+        file.set_limits("a", limited(5)).unwrap();
+        file.set_limits(EVERY_TENANT, limited(9)).unwrap();
+        assert!(file.set_limits("a", limited(0)).unwrap_err().contains("requests_per_minute"));
+        assert_eq!(file.limits_of("a"), limited(5));
+        assert_eq!(file.limits_of("b"), limited(9));
+        let keys = Keys::new(&file);
+        let of = |key: &str| keys.caller(&headers(&[("api-key", key)])).unwrap().limits.clone();
+        let (la, lb) = (of(&a), of(&b));
+        assert_eq!((la.len(), lb.len()), (1, 1));
+        assert_eq!((la[0].quota.limit, lb[0].quota.limit), (5, 9));
+        assert_ne!(la[0].key, lb[0].key, "the default gives each tenant a bucket of its own");
+        // No figures: the entry goes.
+        file.set_limits("a", RateLimits::default()).unwrap();
+        assert_eq!(file.limits_of("a"), limited(9));
+        let text = toml::to_string(&file).unwrap();
+        assert!(text.contains("[[tenant]]") && text.contains("name = \"*\""), "{text}");
+        file.tenants.push(file.tenants[0].clone());
+        assert!(file.check().unwrap_err().contains("twice"));
     }
 
     #[test]

@@ -6,6 +6,10 @@
 //! * `semlb keys list` prints every key's id, tenant, models and date,
 //!   never a key.
 //! * `semlb keys revoke ID` removes a key.
+//! * `semlb keys limit --tenant T [--requests-per-minute N]
+//!   [--tokens-per-minute N]` sets a tenant's rate limits (`--tenant '*'`:
+//!   every tenant without limits of its own; neither figure: no limits);
+//!   `list` shows them after the keys.
 //!
 //! The file is `--file`, else the configuration's `auth.keys_file`
 //! (`--config`, `$SEMLB_CONFIG`). It is written whole and renamed into
@@ -19,6 +23,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use semlb::auth::KeysFile;
 use semlb::config::ServeConfig;
+use semlb::rate_limit::RateLimits;
 use serde_json::json;
 
 /// `semlb keys`.
@@ -56,6 +61,18 @@ pub enum KeysAction {
     Revoke {
         /// Its id (`semlb keys list`).
         id: String,
+    },
+    /// Set a tenant's rate limits (neither figure: remove them).
+    Limit {
+        /// The tenant (`*`: every tenant without limits of its own).
+        #[arg(long)]
+        tenant: String,
+        /// Requests per minute.
+        #[arg(long, value_name = "N")]
+        requests_per_minute: Option<u64>,
+        /// Prompt and output tokens per minute.
+        #[arg(long, value_name = "N")]
+        tokens_per_minute: Option<u64>,
     },
 }
 
@@ -105,7 +122,46 @@ pub fn run(args: &KeysArgs, out: &mut impl Write) -> Result<()> {
                     let created = k.created.as_deref().unwrap_or("-");
                     writeln!(out, "{:<18} {:<24} {:<22} {models}", k.id, k.tenant, created)?;
                 }
+                if !file.tenants.is_empty() {
+                    writeln!(
+                        out,
+                        "\n{:<24} {:>20} {:>20}",
+                        "tenant", "requests/minute", "tokens/minute"
+                    )?;
+                    let figure = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |n| n.to_string());
+                    for t in &file.tenants {
+                        writeln!(
+                            out,
+                            "{:<24} {:>20} {:>20}",
+                            t.name,
+                            figure(t.requests_per_minute),
+                            figure(t.tokens_per_minute)
+                        )?;
+                    }
+                }
             }
+        }
+        KeysAction::Limit {
+            tenant,
+            requests_per_minute,
+            tokens_per_minute,
+        } => {
+            let mut file = KeysFile::read(&path, true)?;
+            let limits = RateLimits {
+                requests_per_minute: *requests_per_minute,
+                tokens_per_minute: *tokens_per_minute,
+            };
+            file.set_limits(tenant, limits).map_err(anyhow::Error::msg)?;
+            file.write(&path)?;
+            let what = if limits.is_empty() {
+                "no limits".to_owned()
+            } else {
+                serde_json::to_string(&limits)?
+            };
+            writeln!(
+                out,
+                "tenant {tenant:?}: {what}. Apply with a reload (systemctl reload semlb)."
+            )?;
         }
         KeysAction::Revoke { id } => {
             let mut file = KeysFile::read(&path, false)?;

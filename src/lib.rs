@@ -12,6 +12,7 @@
 //! | [`auth`] | client authentication: the keys file of key digests, the caller (tenant, allowed models) a request's key names |
 //! | [`pools`] | model pools: the pool a request's `model` names, its servers, tokenizer, block size and policy |
 //! | [`prompt`] | the routing text of an OpenAI request: completions prompt forms, rendered chat messages |
+//! | [`rate_limit`] | requests and tokens per minute per tenant and per model: the buckets a request is charged to, all-or-none admission, OpenAI's `x-ratelimit-*` headers and 429 |
 //! | [`context_limit`] | a prompt no live engine's context can take gets the engines' 400 at the gateway |
 //! | [`blocks`] | token ids → the chain of block hashes the shm prefix table is keyed by |
 //! | [`continuation`] | conversations that continue on the server that answered them: prompt end keys, the credit for an answer not yet written back |
@@ -54,6 +55,7 @@ pub mod health;
 pub mod metrics;
 pub mod pools;
 pub mod prompt;
+pub mod rate_limit;
 pub mod reactor_watch;
 pub mod responder;
 pub mod responder_loop;

@@ -29,6 +29,7 @@ use semlb_tokenizer::{SharedSegments, Tokenizer};
 
 use crate::config::models::backend_index;
 use crate::config::{ModelConfig, ServeConfig};
+use crate::rate_limit::{Bucket, Scope};
 use crate::routing::swappable::SwappablePolicy;
 use crate::routing::{Members, PolicyConfig};
 use crate::store::server_id;
@@ -182,6 +183,8 @@ pub struct Pool {
     policy: SwappablePolicy,
     /// The configuration `policy` was built from.
     policy_config: PolicyConfig,
+    /// Its rate-limit buckets (every tenant's requests to it).
+    limits: Vec<Bucket>,
 }
 
 impl Pool {
@@ -204,6 +207,10 @@ impl Pool {
             Some(old) => SwappablePolicy::from_arc(old.policy.current_arc()),
             None => SwappablePolicy::new(crate::routing::build(&policy_config)),
         };
+        let limits = match (model, &name) {
+            (Some(m), Some(name)) => m.limits().buckets(Scope::Model, name),
+            _ => Vec::new(),
+        };
         Arc::new(Self {
             name,
             aliases: model.map(|m| m.aliases.clone()).unwrap_or_default(),
@@ -213,7 +220,13 @@ impl Pool {
             block_size: block_size.max(1),
             policy,
             policy_config,
+            limits,
         })
+    }
+
+    /// Its rate-limit buckets.
+    pub fn limits(&self) -> &[Bucket] {
+        &self.limits
     }
 
     /// Its name (`None`: the implicit pool).

@@ -68,6 +68,15 @@ impl Quota {
         u64::try_from(ns).unwrap_or(u64::MAX)
     }
 
+    /// The bucket that will be full again in `ahead` ns (what a store
+    /// keeping `tat` elsewhere reports).
+    pub fn state(self, ahead: u64) -> BucketState {
+        BucketState {
+            remaining: self.remaining(ahead),
+            reset_ns: ahead,
+        }
+    }
+
     /// The units a bucket holds when it will be full again in `ahead` ns.
     fn remaining(self, ahead: u64) -> u64 {
         let room = self.period_ns.saturating_sub(ahead);
@@ -176,6 +185,16 @@ impl<'a> LimitTable<'a> {
             Some(now_ns + ahead)
         });
         state
+    }
+
+    /// Gives back `n` units a [`take`](Self::take) charged (a request
+    /// refused by another of its limits): `tat` moves back by their cost,
+    /// never before `now_ns` (a bucket is never fuller than full). An
+    /// absent or full bucket is left as it is.
+    pub fn refund(&self, key: u64, quota: Quota, n: u64, now_ns: u64) {
+        self.update(key, quota, now_ns, |tat| {
+            (tat > now_ns).then(|| tat.saturating_sub(quota.cost(n)).max(now_ns))
+        });
     }
 
     /// `key`'s bucket now, unchanged.
@@ -336,6 +355,28 @@ mod tests {
         // A minute of quiet: full again.
         assert_eq!(t.peek(7, q, now + 61 * SEC).remaining, 60);
         assert!(matches!(t.take(7, q, 60, now + 61 * SEC), Taken::Allowed(_)));
+    }
+
+    #[test]
+    fn a_refund_gives_back_what_a_take_charged_and_never_more_than_full() {
+        let (b, seed) = table(8);
+        let t = LimitTable::new(&b, seed);
+        let q = Quota::per_minute(100);
+        let now = 7 * SEC;
+        assert!(matches!(t.take(3, q, 30, now), Taken::Allowed(s) if s.remaining == 70));
+        t.refund(3, q, 10, now);
+        assert_eq!(t.peek(3, q, now).remaining, 80);
+        t.refund(3, q, 500, now);
+        assert_eq!(
+            t.peek(3, q, now),
+            BucketState {
+                remaining: 100,
+                reset_ns: 0
+            }
+        );
+        // An absent key is not written.
+        t.refund(4, q, 5, now);
+        assert_eq!(t.occupancy(now).1, 1);
     }
 
     #[test]

@@ -30,6 +30,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use super::{BackendConfig, ConfigError, MAX_BLOCK_SIZE, quoted};
+use crate::rate_limit::RateLimits;
 use crate::routing::PolicyConfig;
 
 /// Most `[[model]]` tables.
@@ -64,6 +65,13 @@ pub struct ModelConfig {
     /// Its routing policy; `None`: the global `[policy]`.
     #[serde(default)]
     pub policy: Option<PolicyConfig>,
+    /// Requests per minute to it, every tenant's together
+    /// ([`crate::rate_limit`]).
+    #[serde(default)]
+    pub requests_per_minute: Option<u64>,
+    /// Prompt and output tokens per minute of it, every tenant's together.
+    #[serde(default)]
+    pub tokens_per_minute: Option<u64>,
 }
 
 impl ModelConfig {
@@ -78,6 +86,16 @@ impl ModelConfig {
             chat_template: None,
             block_size: None,
             policy: None,
+            requests_per_minute: None,
+            tokens_per_minute: None,
+        }
+    }
+
+    /// Its rate limits.
+    pub fn limits(&self) -> RateLimits {
+        RateLimits {
+            requests_per_minute: self.requests_per_minute,
+            tokens_per_minute: self.tokens_per_minute,
         }
     }
 
@@ -164,6 +182,10 @@ pub(super) fn validate_models(models: &[ModelConfig], backends: &[BackendConfig]
                 ));
             }
         }
+        model
+            .limits()
+            .check()
+            .map_err(|field| E::invalid(format!("model[{i}].{field}"), 0, RateLimits::AT_LEAST_ONE))?;
         if let Some(policy) = &model.policy {
             policy
                 .validate()

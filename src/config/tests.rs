@@ -193,6 +193,8 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "metrics_flavor",
         "[[model]]",
         "aliases",
+        "requests_per_minute",
+        "tokens_per_minute",
         "backends",
         "base",
         "[model.policy]",
@@ -1465,5 +1467,8 @@ backends = ["10.0.0.2:8000"]
     assert_eq!(field, "model[0].name");
     let (field, ..) = with(&|c| c.models[0].policy.as_mut().unwrap().queue.capacity = 0);
     assert_eq!(field, "model[0].policy.queue.capacity");
+    let (field, _, reason) = with(&|c| c.models[1].tokens_per_minute = Some(0));
+    assert_eq!(field, "model[1].tokens_per_minute");
+    assert!(reason.contains("at least 1"), "{reason}");
     assert!(parse_err("[[model]]\nname = \"m\"\nbackend = [\"x\"]\n").contains("unknown field"));
 }

@@ -18,6 +18,7 @@ use super::http::{
     upstream_headers,
 };
 use super::proxy::{InferenceCtx, Outbound, forward};
+use super::rate;
 use super::route;
 use super::sse;
 use super::timing::{DispatchTiming, Mark};
@@ -108,6 +109,10 @@ pub(super) async fn inference(
         );
         return json_response(StatusCode::BAD_REQUEST, &exceeded.body(parsed.prompt_param()));
     }
+    let mut admitted = match rate::admit(dispatcher, caller, &pool, prompt_tokens.len() as u64).await {
+        Ok(a) => a,
+        Err(refused) => return refused,
+    };
     // The namespace's seed with Redis (hosts sharing it hash alike), else
     // the segment's.
     let store = dispatcher.store();
@@ -181,6 +186,7 @@ pub(super) async fn inference(
         );
         timing.observe(dispatcher, false, answered);
         set_header(response.headers_mut(), DISPATCH_HEADER, &timing.header(answered));
+        admitted.set_headers(&mut response);
         return response;
     }
     timing.mark(Mark::Cache);
@@ -216,6 +222,7 @@ pub(super) async fn inference(
         model: parsed.model.to_string(),
         session,
         strip_usage,
+        output: admitted.output.take(),
     };
     let outbound = Outbound {
         method: Method::POST,
@@ -229,7 +236,9 @@ pub(super) async fn inference(
         body: asked.unwrap_or(bytes),
         pool: Some(pool),
     };
-    forward(dispatcher, outbound, Some(ctx)).await
+    let mut response = forward(dispatcher, outbound, Some(ctx)).await;
+    admitted.set_headers(&mut response);
+    response
 }
 
 /// The answer to `parsed` from a fresh cached body (`None` if a streaming

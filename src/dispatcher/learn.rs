@@ -11,6 +11,7 @@ use super::Dispatcher;
 use crate::answer::{AnswerForm, answer_text};
 use crate::blocks::BlockHasher;
 use crate::pools::Pool;
+use crate::rate_limit::OutputBuckets;
 
 /// What a finished answer teaches: everything of the request the completion
 /// record needs.
@@ -38,6 +39,9 @@ pub(super) struct Learn {
     /// The model pool it was routed in (whose policy learns from its
     /// timing, and whose tokenizer reads its answer).
     pub pool: Option<Arc<Pool>>,
+    /// The rate-limit buckets its output tokens are charged to (the relay
+    /// takes them: it charges an answer also when it does not end well).
+    pub output: Option<OutputBuckets>,
 }
 
 /// Builds the completion record of a finished answer (`answer`, in

@@ -25,20 +25,25 @@
 //!    longer than 4 KiB), token-id prompts are taken as given; the tokens are
 //!    hashed into a block chain ([`crate::blocks`]) rooted at the model and
 //!    the segment's seed.
-//! 3. **Response cache**: the tenant (API key, or global), the exact key and
+//! 3. **Rate limits**: the caller's tenant's and the pool's buckets
+//!    ([`crate::rate_limit`]) are charged one request and the prompt's
+//!    tokens, all or none (429 `rate_limit_exceeded` with `Retry-After`
+//!    when one has no room); the answer carries `x-ratelimit-*` headers and
+//!    its output tokens are charged when it ends.
+//! 4. **Response cache**: the tenant (API key, or global), the exact key and
 //!    the cacheability ([`crate::response_cache`]); a fresh entry answers
 //!    at once without a server — as stored for JSON, replayed as SSE chunks
 //!    for a streaming request (`sse::replay`).
 //!    The cache lookup, the prefix match and the servers' load come from
 //!    the store in one call ([`crate::store::RoutingStore::lookup`]: shared
 //!    memory, or one Redis round trip).
-//! 4. **Routing**: the live servers ([`crate::routing::live_candidates`]),
+//! 5. **Routing**: the live servers ([`crate::routing::live_candidates`]),
 //!    the longest prefix match of the chain, the configured policy (which a
 //!    configuration reload replaces in place: [`Dispatcher::set_policy`]). No
 //!    server: 503 with `Retry-After: 1`. When the store cannot be reached
 //!    the lookup has no prefix and local load only: the policy then
 //!    chooses on load.
-//! 5. **Proxy**: the request is counted in flight to the server in the
+//! 6. **Proxy**: the request is counted in flight to the server in the
 //!    store (the shm ledger; on Redis also the published counts; a drop
 //!    guard ends it exactly once), the original body and the end-to-end
 //!    headers go to `<server><path>`; a connection failure or a 5xx head
@@ -50,7 +55,7 @@
 //!    count ([`crate::failure::Origin`]). The answer is streamed through as
 //!    it arrives (`relay::Relay`); a client that leaves drops the upstream
 //!    request.
-//! 6. **Learning**: a complete 2xx answer becomes a completion record —
+//! 7. **Learning**: a complete 2xx answer becomes a completion record —
 //!    prompt chain, chain of prompt + answer, token counts and, for a
 //!    cacheable 200, the body — pushed into this dispatcher's ring for a
 //!    response process ([`crate::responder`]). A streamed answer is cached
@@ -68,6 +73,7 @@
 //! | --- | --- |
 //! | `routes` | the route table: which handler answers a method and path; `/health`, `/metrics`, the generic `/v1/*` proxy |
 //! | `inference` | the front half of an inference request: body → parse → tokens → block chain → cache key → lookup; cached answers |
+//! | `rate` | the request's rate-limit buckets charged before it is routed ([`crate::rate_limit`]): 429, or the `x-ratelimit-*` headers of its answer |
 //! | `route` | one attempt's routing decision (policy, or least load for other routes), the holding policies' check once counted, passive health |
 //! | `proxy` | the attempts of one request: route, send, retry elsewhere on a retryable [`crate::failure::Failure`], then the gateway's headers |
 //! | `relay` | the answer streamed to the client as it arrives, with a copy kept to learn from |
@@ -108,6 +114,7 @@ mod learn;
 mod models;
 mod proxy;
 mod queue;
+mod rate;
 mod relay;
 mod route;
 mod routes;

@@ -49,6 +49,7 @@ use crate::failure::Failure;
 use crate::metrics::QueueOutcome;
 use crate::pools::Pool;
 use crate::prompt::Endpoint;
+use crate::rate_limit::OutputBuckets;
 use crate::routing::Reason;
 use crate::store::Lookup;
 
@@ -103,6 +104,8 @@ pub(super) struct InferenceCtx {
     /// The gateway asked for the stream's usage, which the client did not
     /// (see `super::usage`).
     pub strip_usage: bool,
+    /// The rate-limit buckets its output tokens are charged to.
+    pub output: Option<OutputBuckets>,
 }
 
 impl InferenceCtx {
@@ -558,6 +561,7 @@ impl<'d> Attempts<'d> {
                 prediction: self.last_prediction,
                 timing: None,
                 pool: self.outbound.pool.clone(),
+                output: c.output.take(),
             }),
             _ => None,
         };

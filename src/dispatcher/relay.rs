@@ -29,6 +29,12 @@
 //! client did not ask for ([`super::usage`]); the copy kept to learn from
 //! has it.
 //!
+//! An answer whose request has token limits ([`crate::rate_limit`]) is
+//! charged its output tokens when the relay ends, however it ends: the
+//! engine's `usage.completion_tokens` when the copy kept has it, else a
+//! quarter of the answer text's bytes (a stream its client left is charged
+//! what was relayed).
+//!
 //! For an inference request the relay also records the gateway's latency
 //! metrics ([`RelayTimer`]): TTFT when the first body frame is handed to
 //! the client, the request's duration when the relay ends (body done,
@@ -50,8 +56,9 @@ use super::inflight::InflightGuard;
 use super::learn::{Learn, push_completion};
 use super::route::{passive_failure, passive_success};
 use super::usage::UsageStrip;
-use crate::answer::{AnswerForm, EventStreamText, Reported};
+use crate::answer::{AnswerForm, EventStreamText, Reported, answer_text};
 use crate::failure::Failure;
+use crate::rate_limit::{OutputBuckets, output_tokens};
 
 /// Largest non-streaming answer kept to learn from (bytes).
 const MAX_JSON_CAPTURE: usize = 32 << 20;
@@ -144,6 +151,23 @@ impl Capture {
             _ => None,
         }
     }
+
+    /// The output tokens of the answer so far: as the engine reported
+    /// them, else estimated from the text's bytes (0 for an answer too
+    /// large to have been kept).
+    fn output_tokens(&self) -> u64 {
+        let (text_bytes, reported) = match self {
+            Capture::Json { buf, overflow: false } => answer_text(AnswerForm::Json, buf),
+            Capture::RawStream { buf, .. } => answer_text(AnswerForm::EventStream, buf),
+            Capture::Stream(c) if !c.overflow => {
+                return output_tokens(c.reported.completion_tokens, c.text.len() as u64);
+            }
+            _ => None,
+        }
+        .map(|(text, reported)| (text.len() as u64, reported))
+        .unwrap_or_default();
+        output_tokens(reported.completion_tokens, text_bytes)
+    }
 }
 
 /// What is relayed: a server's answer body, the server's base URL and the
@@ -175,6 +199,8 @@ pub(super) struct Relay {
     strip: Option<UsageStrip>,
     /// The answer is an event stream.
     sse: bool,
+    /// The rate-limit buckets its output tokens are charged to.
+    output: Option<OutputBuckets>,
 }
 
 impl Relay {
@@ -187,11 +213,12 @@ impl Relay {
         dispatcher: Arc<Dispatcher>,
         upstream: Upstream,
         deadline: Pin<Box<Sleep>>,
-        learn: Option<Learn>,
+        mut learn: Option<Learn>,
         sse: bool,
         timer: Option<RelayTimer>,
         strip_usage: bool,
     ) -> Self {
+        let output = learn.as_mut().and_then(|l| l.output.take());
         let capture = learn.as_ref().map(|learn| {
             if sse {
                 // A stream that may be cached is kept whole while it can
@@ -224,6 +251,16 @@ impl Relay {
             timer,
             strip: (sse && strip_usage).then(UsageStrip::default),
             sse,
+            output,
+        }
+    }
+
+    /// Charges the answer's output tokens to its buckets (once).
+    fn charge_output(&mut self) {
+        let Some(buckets) = self.output.take() else { return };
+        let tokens = self.capture.as_ref().map_or(0, Capture::output_tokens);
+        if tokens > 0 {
+            self.dispatcher.store().charge_limits(&buckets.charges(tokens));
         }
     }
 
@@ -238,6 +275,7 @@ impl Relay {
     /// generation it asked for), as the passive health check tells apart.
     fn fail(&mut self, failure: fn(String) -> Failure) {
         self.finished = true;
+        self.charge_output();
         if let Some(g) = self.guard.take() {
             let server = g.server();
             self.dispatcher.metrics().upstream(server.slot, false);
@@ -268,6 +306,7 @@ impl Relay {
     fn end(&mut self) {
         self.finished = true;
         self.timer = None;
+        self.charge_output();
         // Only a 2xx inference answer (one to learn from) is evidence for
         // the tuner: an error's latency says nothing of the route.
         let inference = self.learn.is_some();
@@ -300,6 +339,14 @@ impl Relay {
             }
             push_completion(&self.dispatcher, learn, form, answer);
         }
+    }
+}
+
+impl Drop for Relay {
+    /// A relay dropped before its end (the client went away) is charged
+    /// what it relayed.
+    fn drop(&mut self) {
+        self.charge_output();
     }
 }
 

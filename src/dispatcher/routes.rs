@@ -13,6 +13,7 @@ use super::http::{Body, error_response, full_response, json_response, set_header
 use super::inference::{inference, with_model};
 use super::models::models;
 use super::proxy::{Outbound, Relayed, forward};
+use super::rate;
 use crate::auth::Caller;
 use crate::body::Json;
 use crate::metrics::{DURATION, EndpointLabel, Snapshot};
@@ -136,6 +137,14 @@ async fn passthrough(
             }
         }
     }
+    // Its limits: one request (its tokens are not counted here).
+    let admitted = match &pool {
+        Some(pool) => match rate::admit(dispatcher, caller, pool, 0).await {
+            Ok(a) => a,
+            Err(refused) => return refused,
+        },
+        None => Default::default(),
+    };
     let outbound = Outbound {
         method: parts.method,
         path_and_query: parts
@@ -146,7 +155,9 @@ async fn passthrough(
         body: bytes,
         pool,
     };
-    forward(dispatcher, outbound, None).await
+    let mut response = forward(dispatcher, outbound, None).await;
+    admitted.set_headers(&mut response);
+    response
 }
 
 /// `GET /health`: 200 when a server is live.

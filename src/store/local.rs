@@ -16,6 +16,11 @@
 //! stays a plain read of the table (no clock, no configuration), as the
 //! benchmarks, `/health` and `/v1/models` use it.
 //!
+//! The segment's rate-limit table is here too ([`LocalState::take_limits`],
+//! [`LocalState::charge_limits`]): the shm store's limits, and the Redis
+//! store's while Redis cannot be reached (limits per host then, not per
+//! namespace).
+//!
 //! The shm store answers a lookup with these candidates and the segment's
 //! prefix table and response cache ([`super::shm`]); the Redis store with
 //! these candidates, raised to the counts every host published, and
@@ -26,6 +31,7 @@ use std::sync::Arc;
 use shm_layout::{Segment, ServerRef};
 
 use crate::health::fresh_load;
+use crate::rate_limit::{self, Charge, Verdict};
 use crate::routing::Members;
 use crate::routing::{Candidate, candidate, live_candidates};
 
@@ -47,6 +53,17 @@ impl LocalState {
     /// The segment.
     pub fn segment(&self) -> &Arc<Segment> {
         &self.segment
+    }
+
+    /// Takes a request's rate-limit `charges` from the segment's limit
+    /// table, all or none ([`rate_limit::take`]).
+    pub fn take_limits(&self, charges: &[Charge]) -> Verdict {
+        rate_limit::take(&self.segment.tables().limits, charges, self.segment.clock().now_ns())
+    }
+
+    /// Charges `charges` to the segment's limit table, room or not.
+    pub fn charge_limits(&self, charges: &[Charge]) {
+        rate_limit::charge(&self.segment.tables().limits, charges, self.segment.clock().now_ns());
     }
 
     /// Fills `out` with the live servers of `members` not in `exclude`,

@@ -43,6 +43,15 @@
 //! engine reports an eviction ([`WriteBack::demote_before`]), then cannot
 //! set aside a conversation that was running meanwhile.
 //!
+//! # Rate limits
+//!
+//! The buckets of [`crate::rate_limit`] live in the segment's limit table
+//! with the shm store ([`RoutingStore::take_limits`]: one CAS per bucket),
+//! and in Redis with the Redis store (one script round trip taking every
+//! bucket of a request at once, timed by Redis's clock, so every host of
+//! the namespace charges the same buckets). During a Redis outage the
+//! limits fall back to the segment's table: per host, not per namespace.
+//!
 //! # Failures
 //!
 //! A lookup never fails. When Redis cannot be reached or does not answer
@@ -66,6 +75,7 @@ use shm_layout::{Completion, PrefixMatch, ResponseKey, ServerRef, Stamp};
 
 use crate::config::StoreKind;
 use crate::continuation::EndProbe;
+use crate::rate_limit::{Charge, Verdict};
 use crate::routing::Candidate;
 use crate::routing::Members;
 
@@ -201,6 +211,19 @@ pub trait RoutingStore: Send + Sync + fmt::Debug {
     /// before the response process refreshes the whole chain: a match
     /// counts a server's deepest entry it accepts.
     fn touch_route(&self, server: ServerRef, last: u64);
+
+    /// Takes a request's rate-limit `charges`, all or none
+    /// ([`crate::rate_limit`]); the segment's limit table unless the store
+    /// keeps its own.
+    fn take_limits<'a>(&'a self, charges: &'a [Charge]) -> StoreFuture<'a, Verdict> {
+        Box::pin(std::future::ready(self.local().take_limits(charges)))
+    }
+
+    /// Charges `charges` room or not (an answer's output tokens), without
+    /// waiting.
+    fn charge_limits(&self, charges: &[Charge]) {
+        self.local().charge_limits(charges);
+    }
 
     /// Its counters.
     fn stats(&self) -> StoreStats;

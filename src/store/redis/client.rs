@@ -16,6 +16,7 @@
 //! | `{ns}:written` | STRING | completion records written back so far (all response processes; for operators and tests) | none |
 //! | `{ns}:horizon` | HASH | field = server id, value = its horizon (Unix ms): its fields stamped before it are not matched ([`RedisStore::raise_horizon`]) | [`HORIZON_SPAN`], renewed by every raise |
 //! | `{ns}:seed` | STRING | the namespace's chain seed, 16 hex digits: every host roots its block chains in it | none |
+//! | `{ns}:rl:<key, 16 hex digits>` | STRING | a rate-limit bucket's `tat` (Redis time, µs; `super::limits`) | when the bucket is full again |
 //! | `{ns}:owners` | ZSET | member = owner (a process: host, pid, random), score = its lease's end (Redis time, ms) | a day after the last publication |
 //!
 //! In-flight counts are kept per process and published whole (absolute

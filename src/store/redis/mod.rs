@@ -49,6 +49,7 @@
 
 pub mod client;
 pub mod credentials;
+mod limits;
 mod scripts;
 pub mod server_id;
 pub mod url;
@@ -69,10 +70,12 @@ use super::local::LocalState;
 use super::{Lookup, LookupRequest, RoutingStore, StoreFuture, StoreStats, WriteBack, WriteStats, answer_blocks};
 use crate::config::{RedisConfig, RedisLookup, StoreKind};
 use crate::continuation::EndProbe;
+use crate::rate_limit::{Charge, Verdict};
 use client::{
     DispatchLookup, INFLIGHT_LEASE, INSERT_SCRIPT, LANES, LPM_SCRIPT, PUBLISH_SCRIPT, RedisStore, SUM_SCRIPT, ServerId,
     StoreError, WriteItem, lookup_pipeline, owner_id, parse_lookup, publish_args,
 };
+use limits::{LIMIT_SCRIPT, Mode, limit_pipeline, parse_verdict};
 
 /// Milliseconds since the Unix epoch: the prefix stamps written to Redis
 /// (shared by every host, unlike a segment's clock).
@@ -161,6 +164,7 @@ struct Names {
     sum: String,
     publish: String,
     insert: String,
+    limit: String,
 }
 
 impl Names {
@@ -245,6 +249,7 @@ impl RedisRouting {
             sum: hash(SUM_SCRIPT),
             publish: hash(PUBLISH_SCRIPT),
             insert: hash(INSERT_SCRIPT),
+            limit: hash(LIMIT_SCRIPT),
         };
         let store = Arc::new(Self {
             local: LocalState::new(segment, process),
@@ -451,9 +456,13 @@ impl RedisRouting {
             return;
         };
         let timeout = self.config.timeout();
-        tokio::spawn(async move {
-            let _ = tokio::time::timeout(timeout, pipe.query_async::<()>(&mut conn)).await;
-        });
+        // Also called as a response body is dropped, which may be after
+        // the runtime has gone: then there is nothing to send it on.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = tokio::time::timeout(timeout, pipe.query_async::<()>(&mut conn)).await;
+            });
+        }
     }
 
     fn up(&self) {
@@ -508,7 +517,7 @@ impl RedisRouting {
 }
 
 async fn load_scripts(conn: &mut MultiplexedConnection) -> Result<(), redis::RedisError> {
-    for code in [INSERT_SCRIPT, LPM_SCRIPT, PUBLISH_SCRIPT, SUM_SCRIPT] {
+    for code in [INSERT_SCRIPT, LPM_SCRIPT, PUBLISH_SCRIPT, SUM_SCRIPT, LIMIT_SCRIPT] {
         redis::cmd("SCRIPT")
             .arg("LOAD")
             .arg(code)
@@ -660,6 +669,35 @@ impl RoutingStore for RedisRouting {
                 .ignore();
         }
         self.send_detached(pipe);
+    }
+
+    fn take_limits<'a>(&'a self, charges: &'a [Charge]) -> StoreFuture<'a, Verdict> {
+        Box::pin(async move {
+            const OP: &str = "rate limit";
+            let pipe = limit_pipeline(&self.names.namespace, &self.names.limit, Mode::Take, charges);
+            let asked = async {
+                let replies = self.query(OP, &pipe).await?;
+                parse_verdict(&replies, charges).map_err(|detail| StoreError::Protocol { op: OP, detail })
+            };
+            // Redis unreachable or slow: this host's table limits alone.
+            match self.guarded(OP, asked).await {
+                Some(verdict) => verdict,
+                None => self.local.take_limits(charges),
+            }
+        })
+    }
+
+    fn charge_limits(&self, charges: &[Charge]) {
+        if self.health.down.load(Relaxed) || self.conn.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
+            self.local.charge_limits(charges);
+            return;
+        }
+        self.send_detached(limit_pipeline(
+            &self.names.namespace,
+            &self.names.limit,
+            Mode::Charge,
+            charges,
+        ));
     }
 
     fn stats(&self) -> StoreStats {

@@ -1,0 +1,171 @@
+//! Rate-limit buckets in Redis ([`crate::rate_limit`]): every bucket of a
+//! request charged in one round trip by [`LIMIT_SCRIPT`], which reads
+//! Redis's clock, so every host sharing the namespace charges the same
+//! buckets by the same time. A bucket is the key `{ns}:rl:<key, 16 hex
+//! digits>`, a STRING holding its `tat` (Redis time, µs), expiring when the
+//! bucket is full again.
+
+use redis::Value;
+use shm_layout::BucketState;
+
+pub(crate) use super::scripts::LIMIT_SCRIPT;
+use crate::rate_limit::{Charge, Verdict};
+
+/// Nanoseconds per microsecond (the script keeps µs: a Lua number holds
+/// Unix µs exactly, not ns).
+const NS_PER_US: u64 = 1000;
+
+/// Whether the script takes (all or none) or charges (room or not).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// All or none, within the limits.
+    Take,
+    /// Room or not (output tokens).
+    Charge,
+}
+
+/// The `EVALSHA` of [`LIMIT_SCRIPT`] (hash `sha`) for `charges` under
+/// namespace `ns`.
+pub(crate) fn limit_pipeline(ns: &str, sha: &str, mode: Mode, charges: &[Charge]) -> redis::Pipeline {
+    let mut pipe = redis::pipe();
+    let cmd = pipe.cmd("EVALSHA").arg(sha).arg(charges.len());
+    for c in charges {
+        cmd.arg(format!("{ns}:rl:{:016x}", c.key));
+    }
+    cmd.arg(match mode {
+        Mode::Take => "take",
+        Mode::Charge => "charge",
+    });
+    for c in charges {
+        cmd.arg(c.quota.limit.max(1))
+            .arg((c.quota.period_ns / NS_PER_US).max(1))
+            .arg(c.n);
+    }
+    pipe
+}
+
+/// The verdict in the script's reply to a take of `charges`.
+pub(crate) fn parse_verdict(replies: &[Value], charges: &[Charge]) -> Result<Verdict, String> {
+    let Some(Value::Array(reply)) = replies.first() else {
+        return Err(format!("the limit script answered {replies:?}"));
+    };
+    let int = |i: usize| match reply.get(i) {
+        Some(Value::Int(n)) => Ok(*n),
+        other => Err(format!("the limit script's reply has {other:?} at {i}")),
+    };
+    let index = |i: usize| {
+        let k = usize::try_from(int(i)?).map_err(|_| "a negative key index".to_owned())?;
+        (1..=charges.len())
+            .contains(&k)
+            .then_some(k - 1)
+            .ok_or_else(|| format!("key index {k} of {}", charges.len()))
+    };
+    let ns = |i: usize| int(i).map(|us| u64::try_from(us).unwrap_or(0) * NS_PER_US);
+    match int(0)? {
+        0 if reply.len() == charges.len() + 1 => Ok(Verdict::Allowed(
+            charges
+                .iter()
+                .enumerate()
+                .map(|(i, c)| ns(i + 1).map(|ahead| c.quota.state(ahead)))
+                .collect::<Result<Vec<BucketState>, String>>()?,
+        )),
+        -1 => Ok(Verdict::TooLarge { index: index(1)? }),
+        -2 => {
+            let i = index(1)?;
+            Ok(Verdict::Limited {
+                index: i,
+                state: charges[i].quota.state(ns(3)?),
+                retry_after_ns: ns(2)?,
+            })
+        }
+        other => Err(format!("the limit script answered {other} with {} values", reply.len())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shm_layout::Quota;
+
+    const SEC: u64 = 1_000_000_000;
+
+    fn charges() -> Vec<Charge> {
+        vec![
+            Charge {
+                key: 0xab,
+                quota: Quota::per_minute(60),
+                n: 1,
+            },
+            Charge {
+                key: 0xcd,
+                quota: Quota::per_minute(1000),
+                n: 300,
+            },
+        ]
+    }
+
+    #[test]
+    fn the_pipeline_names_the_buckets_and_their_quotas_in_microseconds() {
+        let pipe = limit_pipeline("ns", "sha", Mode::Take, &charges());
+        let packed = String::from_utf8_lossy(&pipe.get_packed_pipeline()).into_owned();
+        let args: Vec<&str> = packed.split("\r\n").filter(|l| !l.starts_with(['*', '$'])).collect();
+        assert_eq!(
+            args,
+            [
+                "EVALSHA",
+                "sha",
+                "2",
+                "ns:rl:00000000000000ab",
+                "ns:rl:00000000000000cd",
+                "take",
+                "60",
+                "60000000",
+                "1",
+                "1000",
+                "60000000",
+                "300",
+                ""
+            ]
+        );
+    }
+
+    #[test]
+    fn replies_become_verdicts_and_bad_replies_errors() {
+        let c = charges();
+        let reply = |v: &[i64]| vec![Value::Array(v.iter().map(|n| Value::Int(*n)).collect())];
+        let Verdict::Allowed(states) = parse_verdict(&reply(&[0, 1_000_000, 18_000_000]), &c).unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            states,
+            [
+                BucketState {
+                    remaining: 59,
+                    reset_ns: SEC
+                },
+                BucketState {
+                    remaining: 700,
+                    reset_ns: 18 * SEC
+                }
+            ]
+        );
+        assert_eq!(
+            parse_verdict(&reply(&[-1, 2]), &c).unwrap(),
+            Verdict::TooLarge { index: 1 }
+        );
+        assert_eq!(
+            parse_verdict(&reply(&[-2, 1, 500_000, 60_000_000]), &c).unwrap(),
+            Verdict::Limited {
+                index: 0,
+                state: BucketState {
+                    remaining: 0,
+                    reset_ns: 60 * SEC
+                },
+                retry_after_ns: SEC / 2
+            }
+        );
+        for bad in [reply(&[0, 1]), reply(&[-2, 3, 1, 1]), reply(&[7]), vec![Value::Nil]] {
+            assert!(parse_verdict(&bad, &c).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,404 @@
+//! Rate limits end to end: keys and tenant limits made with `semlb keys`,
+//! model limits in `[[model]]`, a real `semlb serve` with several
+//! dispatchers, clients that send the next request the instant an answer
+//! ends.
+//!
+//! * A tenant's requests per minute hold across three dispatchers (each
+//!   takes a third of the burst while the others are stopped with
+//!   SIGSTOP, then six clients flood them all): its burst is let in and
+//!   the limit is never exceeded by more than what the bucket refilled
+//!   meanwhile; then 429 `rate_limit_exceeded` with
+//!   `Retry-After` and OpenAI's `x-ratelimit-*` headers. Another tenant is
+//!   not affected. A dispatcher killed with SIGKILL loses nothing: the
+//!   bucket is in the segment, and the restarted one keeps refusing.
+//! * A model's tokens per minute are charged the prompt's tokens when it
+//!   is let in and the answer's when it ends: the next request sees both;
+//!   a prompt larger than the whole limit is refused for good (no
+//!   `Retry-After`).
+//! * With `--store redis`, two gateway hosts on one namespace share a
+//!   tenant's bucket; when Redis dies, each host keeps serving and
+//!   limiting on its own table.
+//!
+//! Bounds use the time the requests took only for the bucket's refill
+//! (one request per 2.5 s at 24 per minute): a limit kept per process or
+//! per host would let in a multiple of it.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use semlb_test_support as support;
+use serde_json::{Value, json};
+use support::TempDir;
+use support::gateway::{Gateway, answered_by_gateway, sim, sim_with, user};
+use support::http::{Response, http};
+use support::process::{Proc, assert_ok, run as semlb};
+use support::redis::RedisServer;
+
+/// Requests per minute of the limited tenant: one more every 2.5 s.
+const RPM: u64 = 24;
+
+fn add_key(file: &str, tenant: &str) -> String {
+    let v: Value = serde_json::from_str(&assert_ok(&semlb(&[
+        "keys", "--file", file, "--json", "add", "--tenant", tenant,
+    ])))
+    .unwrap();
+    v["key"].as_str().unwrap().to_owned()
+}
+
+/// A keys file with a key for `burst` (limited to [`RPM`]) and one for
+/// `calm` (no limits): (file, burst's key, calm's key).
+fn keys(dir: &TempDir) -> (String, String, String) {
+    let file = dir.0.join("keys.toml").display().to_string();
+    let burst = add_key(&file, "burst");
+    let calm = add_key(&file, "calm");
+    let set = assert_ok(&semlb(&[
+        "keys",
+        "--file",
+        &file,
+        "limit",
+        "--tenant",
+        "burst",
+        "--requests-per-minute",
+        &RPM.to_string(),
+    ]));
+    assert!(set.contains("\"requests_per_minute\":24"), "{set}");
+    let listed = assert_ok(&semlb(&["keys", "--file", &file, "list"]));
+    assert!(listed.contains("burst") && listed.contains("24"), "{listed}");
+    (file, burst, calm)
+}
+
+/// One request as agents send it: streamed, with a fresh prompt (no cache
+/// hit), the key in `api-key`.
+fn ask(addr: &str, key: &str, i: u64) -> Response {
+    let body = json!({
+        "model": "semlb-sim",
+        "messages": [user(&format!("Request {i}: summarise the incident report."))],
+        "max_tokens": 8,
+        "stream": true,
+    });
+    http(addr, "POST", "/v1/chat/completions", Some(&body), &[("api-key", key)]).expect("request")
+}
+
+/// Checks a 429 of the requests limit: its body and headers.
+fn assert_limited(r: &Response) {
+    let error = answered_by_gateway(r, 429, "over the limit");
+    assert_eq!(error["error"]["code"], "rate_limit_exceeded", "{error}");
+    assert_eq!(error["error"]["type"], "requests", "{error}");
+    assert!(
+        error["error"]["message"].as_str().unwrap().contains("tenant 'burst'"),
+        "{error}"
+    );
+    let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
+    let retry_ms: u64 = r.header("retry-after-ms").unwrap().parse().unwrap();
+    assert!(
+        (1..=3).contains(&retry) && retry_ms <= 2500 && retry * 1000 >= retry_ms,
+        "{retry} s, {retry_ms} ms"
+    );
+    assert_eq!(r.header("x-ratelimit-limit-requests"), Some("24"));
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("0"));
+    assert!(r.header("x-ratelimit-reset-requests").unwrap().ends_with('s'));
+}
+
+/// The most requests a [`RPM`] bucket, full at `start`, lets in by now.
+fn most_let_in(start: Instant) -> u64 {
+    RPM + (start.elapsed().as_millis() as u64 * RPM).div_ceil(60_000) + 1
+}
+
+fn dispatcher_pids(shm: &str) -> Vec<(u16, u32)> {
+    let seg = shm_layout::Segment::open(shm).expect("segment");
+    seg.tables()
+        .registry
+        .processes()
+        .filter(|p| p.role == Some(shm_layout::Role::Dispatcher) && p.state == shm_layout::ProcessState::Running)
+        .map(|p| (p.slot, p.pid))
+        .collect()
+}
+
+/// Requests each dispatcher let through (cache bypassed: sampled answers).
+fn served_per_dispatcher(shm: &str) -> Vec<u64> {
+    let seg = shm_layout::Segment::open(shm).expect("segment");
+    let t = seg.tables();
+    dispatcher_pids(shm)
+        .iter()
+        .map(|(slot, _)| semlb::metrics::Metrics::new(t.stats, *slot).cache_count(semlb::metrics::CacheResult::Bypass))
+        .collect()
+}
+
+/// Six clients send `key`'s requests back to back until each has been
+/// refused once; returns the requests let in (each answer checked).
+fn flood(addr: &str, key: &str, next: &AtomicU64) -> u64 {
+    let let_in = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..6 {
+            s.spawn(|| {
+                loop {
+                    let r = ask(addr, key, next.fetch_add(1, Relaxed));
+                    if r.status == 429 {
+                        assert_limited(&r);
+                        return;
+                    }
+                    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                    assert_eq!(r.header("x-ratelimit-limit-requests"), Some("24"));
+                    let remaining: u64 = r.header("x-ratelimit-remaining-requests").unwrap().parse().unwrap();
+                    assert!(remaining < RPM);
+                    let_in.fetch_add(1, Relaxed);
+                }
+            });
+        }
+    });
+    let_in.into_inner()
+}
+
+#[test]
+fn a_tenants_limit_holds_across_dispatchers_and_a_killed_one() {
+    let dir = TempDir::new("rate-limits");
+    let (keys_file, burst, calm) = keys(&dir);
+    let engine = sim();
+    let shm = support::process::unique("rl", "tenant");
+    let gw = Gateway::builder()
+        .shm(&shm)
+        .tag("rl-tenant")
+        .dispatchers(3)
+        .backends(&[&engine])
+        .config(&format!("[auth]\nkeys_file = \"{keys_file}\"\n"))
+        .start();
+    let addr = gw.addr().to_owned();
+    let next = AtomicU64::new(0);
+
+    // A third of the burst through each dispatcher: the others are
+    // stopped (SIGSTOP) while it takes its share, so it alone accepts.
+    let start = Instant::now();
+    let dispatchers = dispatcher_pids(&shm);
+    assert_eq!(dispatchers.len(), 3);
+    let share = RPM / 3;
+    for (_, pid) in &dispatchers {
+        let others = dispatchers.iter().filter(|(_, p)| p != pid);
+        for (_, other) in others.clone() {
+            kill(Pid::from_raw(*other as i32), Signal::SIGSTOP).unwrap();
+        }
+        for _ in 0..share {
+            let r = ask(&addr, &burst, next.fetch_add(1, Relaxed));
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        }
+        for (_, other) in others {
+            kill(Pid::from_raw(*other as i32), Signal::SIGCONT).unwrap();
+        }
+    }
+    assert_eq!(
+        served_per_dispatcher(&shm),
+        [share; 3],
+        "each dispatcher let in its share"
+    );
+    // The bucket is empty for every dispatcher now.
+    let let_in = 3 * share + flood(&addr, &burst, &next);
+    let most = most_let_in(start);
+    assert!(
+        (RPM..=most).contains(&let_in),
+        "{let_in} let in; the limit allows {RPM} to {most}"
+    );
+    // Another tenant is not limited.
+    for i in 0..30 {
+        let r = ask(&addr, &calm, 10_000 + i);
+        assert_eq!(r.status, 200, "calm's request {i}");
+        assert_eq!(r.header("x-ratelimit-limit-requests"), None, "calm has no limits");
+    }
+
+    // Kill every dispatcher but one with SIGKILL, one after another, and
+    // keep asking: the bucket lives in the segment, not in them.
+    let mut more = 0;
+    for (_, pid) in dispatcher_pids(&shm).into_iter().skip(1) {
+        kill(Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
+        for _ in 0..10 {
+            let r = ask(&addr, &burst, next.fetch_add(1, Relaxed));
+            match r.status {
+                200 => more += 1,
+                429 => assert_limited(&r),
+                other => panic!("{other}: {}", String::from_utf8_lossy(&r.body)),
+            }
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while dispatcher_pids(&shm).len() < 3 {
+        assert!(Instant::now() < deadline, "the dispatchers were not restarted");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    more += flood(&addr, &burst, &next);
+    let most = most_let_in(start);
+    eprintln!(
+        "let in: {let_in}, then {more} across the kills, in {:?} (at most {most})",
+        start.elapsed()
+    );
+    assert!(
+        let_in + more <= most,
+        "{let_in} + {more} let in across the kills; the limit allows {most}"
+    );
+}
+
+#[test]
+fn a_models_tokens_are_charged_for_prompts_and_answers() {
+    let engine = sim_with("0.01", &["--model", "small"]);
+    let gw = Gateway::builder()
+        .tag("rl-tokens")
+        .config(&format!(
+            "[[backend]]\nurl = \"http://{}\"\nname = \"e\"\n[[model]]\nname = \"small\"\nbackends = [\"e\"]\ntokens_per_minute = 600\n",
+            engine.addr
+        ))
+        .start();
+    let addr = gw.addr().to_owned();
+    let request = |text: &str, stream: bool, max_tokens: u64| {
+        let mut body = json!({
+            "model": "small",
+            "messages": [user(text)],
+            "max_tokens": max_tokens,
+            "temperature": 0.7,
+        });
+        if stream {
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        http(&addr, "POST", "/v1/chat/completions", Some(&body), &[]).expect("request")
+    };
+    let remaining = |r: &Response| -> i64 { r.header("x-ratelimit-remaining-tokens").unwrap().parse().unwrap() };
+    let usage = |r: &Response| -> (i64, i64) {
+        let body = String::from_utf8_lossy(&r.body);
+        let u = if r
+            .header("content-type")
+            .is_some_and(|c| c.starts_with("text/event-stream"))
+        {
+            body.lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+                .find(|v| v["usage"].is_object())
+                .map(|v| v["usage"].clone())
+                .expect("a usage chunk")
+        } else {
+            serde_json::from_str::<Value>(&body).unwrap()["usage"].clone()
+        };
+        (
+            u["prompt_tokens"].as_i64().unwrap(),
+            u["completion_tokens"].as_i64().unwrap(),
+        )
+    };
+
+    // A prompt larger than a minute of the limit never passes.
+    let huge = "lorem ipsum dolor sit amet ".repeat(200);
+    let r = request(&huge, false, 4);
+    let error = answered_by_gateway(&r, 429, "too large");
+    assert_eq!(error["error"]["type"], "tokens");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("Request too large for model 'small'"),
+        "{error}"
+    );
+    assert_eq!(r.header("retry-after"), None);
+
+    // Each request's admission charges its prompt; the answer's tokens are
+    // charged when it ends, before the next request is sent. The bucket
+    // refills 10 tokens a second meanwhile.
+    let mut last: Option<(i64, Instant, i64)> = None;
+    for (i, stream) in [false, true, false, true].into_iter().enumerate() {
+        let sent = Instant::now();
+        let r = request(&format!("Question {i}: how do tides work?"), stream, 12);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.header("x-ratelimit-limit-tokens"), Some("600"));
+        let (prompt, output) = usage(&r);
+        assert!(prompt > 0 && output > 0);
+        let now = remaining(&r);
+        if let Some((before, at, last_output)) = last {
+            let refill = (at.elapsed().as_millis() as u64 * 10).div_ceil(1000) as i64 + 1;
+            let expected = before - last_output - prompt;
+            assert!(
+                (expected..=expected + refill).contains(&now),
+                "request {i}: {now} tokens left, expected {expected} (+ at most {refill} refilled)"
+            );
+        } else {
+            assert!(
+                (600 - prompt..=600 - prompt + 1).contains(&now),
+                "{now} after a {prompt}-token prompt"
+            );
+        }
+        last = Some((now, sent, output));
+    }
+
+    // Embeddings count as requests of the model: they carry its headers.
+    let r = http(
+        &addr,
+        "POST",
+        "/v1/embeddings",
+        Some(&json!({"model": "small", "input": "x"})),
+        &[],
+    )
+    .unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-ratelimit-limit-tokens"), Some("600"));
+}
+
+#[test]
+fn two_gateways_on_one_redis_share_a_tenants_bucket() {
+    let Some(redis) = RedisServer::start() else { return };
+    let dir = TempDir::new("rate-limits-redis");
+    let (keys_file, burst, _) = keys(&dir);
+    let engine = sim();
+    let gateway = |tag: &str| -> Gateway {
+        Gateway::builder()
+            .tag(tag)
+            .backends(&[&engine as &Proc])
+            .redis(&redis.url(), "limits")
+            .config(&format!("[auth]\nkeys_file = \"{keys_file}\"\n"))
+            .start()
+    };
+    let (a, b) = (gateway("rl-redis-a"), gateway("rl-redis-b"));
+    let next = AtomicU64::new(0);
+    let start = Instant::now();
+    let (mut let_in, mut refused) = (0, [0, 0]);
+    // Alternate hosts until each has refused twice.
+    while refused.iter().any(|n| *n < 2) {
+        let i = next.fetch_add(1, Relaxed);
+        let host = (i % 2) as usize;
+        let r = ask([a.addr(), b.addr()][host], &burst, i);
+        match r.status {
+            200 => let_in += 1,
+            429 => {
+                assert_limited(&r);
+                refused[host] += 1;
+            }
+            other => panic!("{other}: {}", String::from_utf8_lossy(&r.body)),
+        }
+        assert!(i < 10 * RPM, "never limited: the hosts do not share the bucket");
+    }
+    let most = most_let_in(start);
+    eprintln!(
+        "let in through two hosts: {let_in} in {:?} (at most {most})",
+        start.elapsed()
+    );
+    assert!(
+        (RPM..=most).contains(&let_in),
+        "{let_in} let in through two hosts; the limit allows {RPM} to {most}"
+    );
+    let buckets: Vec<String> = redis::cmd("KEYS").arg("limits:rl:*").query(&mut redis.raw()).unwrap();
+    assert_eq!(buckets.len(), 1, "one bucket, in Redis: {buckets:?}");
+
+    // Redis gone: each host keeps serving, within the limit on its own
+    // (its segment's table).
+    redis.signal(nix::sys::signal::Signal::SIGKILL);
+    let outage = Instant::now();
+    let mut let_in = 0;
+    for i in 0..2 * RPM {
+        let r = ask(a.addr(), &burst, 100_000 + i);
+        match r.status {
+            200 => let_in += 1,
+            429 => assert_limited(&r),
+            other => panic!("{other} during the outage: {}", String::from_utf8_lossy(&r.body)),
+        }
+    }
+    let most = most_let_in(outage);
+    eprintln!("let in by host A during the outage: {let_in} (at most {most})");
+    assert!(
+        (RPM..=most).contains(&let_in),
+        "{let_in} let in by one host during the outage; its own table allows {RPM} to {most}"
+    );
+}
