@@ -53,6 +53,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use crate::fair_share::Priority;
 use crate::rate_limit::{Bucket, RateLimits, Scope};
 use crate::response_cache::API_KEY_HEADERS;
 
@@ -112,9 +113,43 @@ pub struct TenantEntry {
     /// Its prompt and output tokens per minute.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_minute: Option<u64>,
+    /// Its class in the gateway queue (default interactive).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<Priority>,
+    /// Its weight in the gateway queue's fair share (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<u32>,
 }
 
 impl TenantEntry {
+    /// An entry for `name` that sets nothing.
+    pub fn named(name: &str) -> Self {
+        Self {
+            name: name.to_owned(),
+            requests_per_minute: None,
+            tokens_per_minute: None,
+            priority: None,
+            weight: None,
+        }
+    }
+
+    /// Whether it sets nothing.
+    pub fn is_empty(&self) -> bool {
+        self.limits().is_empty() && self.priority.is_none() && self.weight.is_none()
+    }
+
+    /// Whether its settings are usable (`what` names it in the error).
+    fn check(&self, what: &str) -> Result<(), String> {
+        check_tenant_name(&self.name).map_err(|e| format!("{what}.name {e}"))?;
+        self.limits()
+            .check()
+            .map_err(|field| format!("{what}.{field} {}", RateLimits::AT_LEAST_ONE))?;
+        if self.weight == Some(0) || self.weight.is_some_and(|w| w > MAX_WEIGHT) {
+            return Err(format!("{what}.weight must be between 1 and {MAX_WEIGHT}"));
+        }
+        Ok(())
+    }
+
     /// Its limits.
     pub fn limits(&self) -> RateLimits {
         RateLimits {
@@ -123,6 +158,9 @@ impl TenantEntry {
         }
     }
 }
+
+/// Largest fair-share weight of a tenant.
+pub const MAX_WEIGHT: u32 = 1000;
 
 /// The name of the `[[tenant]]` entry for every tenant without one.
 pub const EVERY_TENANT: &str = "*";
@@ -189,37 +227,30 @@ impl KeysFile {
             if !tenants.insert(t.name.as_str()) {
                 return Err(format!("tenant[{i}] {:?} is listed twice", t.name));
             }
-            check_tenant_name(&t.name).map_err(|e| format!("tenant[{i}].name {e}"))?;
-            t.limits()
-                .check()
-                .map_err(|field| format!("tenant[{i}].{field} {}", RateLimits::AT_LEAST_ONE))?;
+            t.check(&format!("tenant[{i}]"))?;
         }
         Ok(())
     }
 
-    /// The limits of `tenant`: its own entry's, else the `*` entry's, else
+    /// The settings of `tenant`: its own entry, else the `*` entry, else
     /// none.
-    pub fn limits_of(&self, tenant: &str) -> RateLimits {
+    pub fn tenant(&self, tenant: &str) -> Option<&TenantEntry> {
         let find = |name: &str| self.tenants.iter().find(|t| t.name == name);
-        find(tenant)
-            .or_else(|| find(EVERY_TENANT))
-            .map(TenantEntry::limits)
-            .unwrap_or_default()
+        find(tenant).or_else(|| find(EVERY_TENANT))
     }
 
-    /// Sets `tenant`'s limits (none: removes its entry).
-    pub fn set_limits(&mut self, tenant: &str, limits: RateLimits) -> Result<(), String> {
-        check_tenant_name(tenant).map_err(|e| format!("tenant {e}"))?;
-        limits
-            .check()
-            .map_err(|field| format!("{field} {}", RateLimits::AT_LEAST_ONE))?;
-        self.tenants.retain(|t| t.name != tenant);
-        if !limits.is_empty() {
-            self.tenants.push(TenantEntry {
-                name: tenant.to_owned(),
-                requests_per_minute: limits.requests_per_minute,
-                tokens_per_minute: limits.tokens_per_minute,
-            });
+    /// The limits of `tenant` ([`tenant`](Self::tenant)'s).
+    pub fn limits_of(&self, tenant: &str) -> RateLimits {
+        self.tenant(tenant).map(TenantEntry::limits).unwrap_or_default()
+    }
+
+    /// Replaces the entry of `entry.name` (one that sets nothing removes
+    /// it).
+    pub fn set_tenant(&mut self, entry: TenantEntry) -> Result<(), String> {
+        entry.check("tenant")?;
+        self.tenants.retain(|t| t.name != entry.name);
+        if !entry.is_empty() {
+            self.tenants.push(entry);
         }
         Ok(())
     }
@@ -332,6 +363,10 @@ pub struct Caller {
     models: Option<Vec<String>>,
     /// Its tenant's rate-limit buckets.
     pub limits: Vec<Bucket>,
+    /// Its tenant's class in the gateway queue.
+    pub priority: Priority,
+    /// Its tenant's fair-share weight.
+    pub weight: u32,
 }
 
 impl Caller {
@@ -396,6 +431,8 @@ impl Keys {
                     tenant: k.tenant.clone(),
                     models: (!k.models.is_empty()).then(|| k.models.clone()),
                     limits: file.limits_of(&k.tenant).buckets(Scope::Tenant, &k.tenant),
+                    priority: file.tenant(&k.tenant).and_then(|t| t.priority).unwrap_or_default(),
+                    weight: file.tenant(&k.tenant).and_then(|t| t.weight).unwrap_or(1),
                 };
                 Some((digest.try_into().ok()?, Arc::new(caller)))
             })
@@ -513,10 +550,32 @@ mod tests {
             requests_per_minute: Some(rpm),
             tokens_per_minute: None,
         };
-        assert!(Keys::new(&file).caller(&headers(&[("api-key", &a)])).unwrap().limits.is_empty());
-        file.set_limits("a", limited(5)).unwrap();
-        file.set_limits(EVERY_TENANT, limited(9)).unwrap();
-        assert!(file.set_limits("a", limited(0)).unwrap_err().contains("requests_per_minute"));
+        assert!(
+            Keys::new(&file)
+                .caller(&headers(&[("api-key", &a)]))
+                .unwrap()
+                .limits
+                .is_empty()
+        );
+        let set = |file: &mut KeysFile, name: &str, limits: RateLimits| {
+            file.set_tenant(TenantEntry {
+                requests_per_minute: limits.requests_per_minute,
+                tokens_per_minute: limits.tokens_per_minute,
+                ..TenantEntry::named(name)
+            })
+        };
+        set(&mut file, "a", limited(5)).unwrap();
+        set(&mut file, EVERY_TENANT, limited(9)).unwrap();
+        assert!(
+            set(&mut file, "a", limited(0))
+                .unwrap_err()
+                .contains("requests_per_minute")
+        );
+        let heavy = TenantEntry {
+            weight: Some(0),
+            ..TenantEntry::named("a")
+        };
+        assert!(file.set_tenant(heavy).unwrap_err().contains("weight"));
         assert_eq!(file.limits_of("a"), limited(5));
         assert_eq!(file.limits_of("b"), limited(9));
         let keys = Keys::new(&file);
@@ -524,9 +583,12 @@ mod tests {
         let (la, lb) = (of(&a), of(&b));
         assert_eq!((la.len(), lb.len()), (1, 1));
         assert_eq!((la[0].quota.limit, lb[0].quota.limit), (5, 9));
-        assert_ne!(la[0].key, lb[0].key, "the default gives each tenant a bucket of its own");
-        // No figures: the entry goes.
-        file.set_limits("a", RateLimits::default()).unwrap();
+        assert_ne!(
+            la[0].key, lb[0].key,
+            "the default gives each tenant a bucket of its own"
+        );
+        // Nothing set: the entry goes.
+        file.set_tenant(TenantEntry::named("a")).unwrap();
         assert_eq!(file.limits_of("a"), limited(9));
         let text = toml::to_string(&file).unwrap();
         assert!(text.contains("[[tenant]]") && text.contains("name = \"*\""), "{text}");

@@ -7,9 +7,11 @@
 //!   never a key.
 //! * `semlb keys revoke ID` removes a key.
 //! * `semlb keys limit --tenant T [--requests-per-minute N]
-//!   [--tokens-per-minute N]` sets a tenant's rate limits (`--tenant '*'`:
-//!   every tenant without limits of its own; neither figure: no limits);
-//!   `list` shows them after the keys.
+//!   [--tokens-per-minute N] [--priority interactive|batch] [--weight N]`
+//!   sets a tenant's rate limits ([`semlb::rate_limit`]) and its class and
+//!   weight in the gateway queue ([`semlb::fair_share`]) (`--tenant '*'`:
+//!   every tenant without settings of its own; none given: removes its
+//!   settings); `list` shows them after the keys.
 //!
 //! The file is `--file`, else the configuration's `auth.keys_file`
 //! (`--config`, `$SEMLB_CONFIG`). It is written whole and renamed into
@@ -21,9 +23,9 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
-use semlb::auth::KeysFile;
+use semlb::auth::{KeysFile, TenantEntry};
 use semlb::config::ServeConfig;
-use semlb::rate_limit::RateLimits;
+use semlb::fair_share::Priority;
 use serde_json::json;
 
 /// `semlb keys`.
@@ -62,9 +64,11 @@ pub enum KeysAction {
         /// Its id (`semlb keys list`).
         id: String,
     },
-    /// Set a tenant's rate limits (neither figure: remove them).
+    /// Set a tenant's rate limits, class and weight (none given: remove
+    /// its settings).
+    #[command(alias = "tenant")]
     Limit {
-        /// The tenant (`*`: every tenant without limits of its own).
+        /// The tenant (`*`: every tenant without settings of its own).
         #[arg(long)]
         tenant: String,
         /// Requests per minute.
@@ -73,6 +77,12 @@ pub enum KeysAction {
         /// Prompt and output tokens per minute.
         #[arg(long, value_name = "N")]
         tokens_per_minute: Option<u64>,
+        /// Its class in the gateway queue: interactive or batch.
+        #[arg(long, value_name = "CLASS", value_parser = parse_priority)]
+        priority: Option<Priority>,
+        /// Its weight in the gateway queue's fair share (1 to 1000).
+        #[arg(long, value_name = "N")]
+        weight: Option<u32>,
     },
 }
 
@@ -145,19 +155,24 @@ pub fn run(args: &KeysArgs, out: &mut impl Write) -> Result<()> {
             tenant,
             requests_per_minute,
             tokens_per_minute,
+            priority,
+            weight,
         } => {
             let mut file = KeysFile::read(&path, true)?;
-            let limits = RateLimits {
+            let entry = TenantEntry {
                 requests_per_minute: *requests_per_minute,
                 tokens_per_minute: *tokens_per_minute,
+                priority: *priority,
+                weight: *weight,
+                ..TenantEntry::named(tenant)
             };
-            file.set_limits(tenant, limits).map_err(anyhow::Error::msg)?;
-            file.write(&path)?;
-            let what = if limits.is_empty() {
-                "no limits".to_owned()
+            let what = if entry.is_empty() {
+                "no settings".to_owned()
             } else {
-                serde_json::to_string(&limits)?
+                serde_json::to_string(&entry)?
             };
+            file.set_tenant(entry).map_err(anyhow::Error::msg)?;
+            file.write(&path)?;
             writeln!(
                 out,
                 "tenant {tenant:?}: {what}. Apply with a reload (systemctl reload semlb)."
@@ -173,6 +188,15 @@ pub fn run(args: &KeysArgs, out: &mut impl Write) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A class named on the command line.
+fn parse_priority(text: &str) -> Result<Priority, String> {
+    match text {
+        "interactive" => Ok(Priority::Interactive),
+        "batch" => Ok(Priority::Batch),
+        other => Err(format!("{other:?} is not a class: interactive or batch")),
+    }
 }
 
 /// The time now as RFC 3339 UTC, to the second.

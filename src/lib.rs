@@ -20,6 +20,7 @@
 //! | [`routing`] | policies that choose a server from the prefix match and the shared load figures |
 //! | [`reactor_watch`] | a dispatcher's heartbeat on its own thread, beating while its reactor pulses |
 //! | [`dispatcher`] | a dispatcher process's HTTP front, one module per step in request order: routes, inference (parse, tokenize, look up), route, proxy (attempts and retries), relay, learn (the completion record), queue |
+//! | [`fair_share`] | the gateway queue's order: priority classes with a starvation bound, and a token-weighted fair share among tenants (virtual token counters) |
 //! | [`failure`] | why a proxied request failed: client, engine or gateway, and whether a retry may help |
 //! | [`fuzzing`] | the bodies of the fuzz targets (`tests/fuzz`) and the properties they check |
 //! | [`responder`] | what a response process does with a completion record: prefix write-back, response caching |
@@ -50,6 +51,7 @@ pub mod context_limit;
 pub mod continuation;
 pub mod dispatcher;
 pub mod failure;
+pub mod fair_share;
 pub mod fuzzing;
 pub mod health;
 pub mod metrics;

@@ -53,6 +53,8 @@
 //! | `policy.queue.capacity` | integer | `1024` | requests waiting at the gateway, all dispatchers together (1 to 1 000 000); one more gets 503 with `Retry-After` |
 //! | `policy.queue.max_wait_ms` | integer | `60000` | a request waiting longer gets 503 (1 ms to 1 hour) |
 //! | `policy.queue.recheck_ms` | integer | `5` | how often queued requests are looked at again without a local signal (1 to 1000) |
+//! | `policy.queue.fair_share` | bool | `true` | among the waiting requests of a class, the tenant that has received the least service first ([`crate::fair_share`]); `false`: oldest first |
+//! | `policy.queue.batch_max_delay_ms` | integer | `10000` | a batch request waiting this long goes before interactive ones (1 ms to 1 hour) |
 //! | `[policy.cache_aware]` | table | | thresholds of the `cache_aware` policy, checked whatever the kind ([`crate::routing::cache_aware::CacheAwareParams`]) |
 //! | `policy.cache_aware.cache_threshold` | float | `0.5` | share of the prompt's blocks (0 to 1) a server must hold, strictly more than, to get the request for its cache |
 //! | `policy.cache_aware.balance_abs_threshold` | integer | `32` | load is imbalanced only if the busiest server has more than this many requests in flight above the least busy ... |

@@ -204,6 +204,8 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "capacity",
         "max_wait_ms",
         "recheck_ms",
+        "fair_share",
+        "batch_max_delay_ms",
         "[policy.cache_aware]",
         "cache_threshold",
         "balance_abs_threshold",

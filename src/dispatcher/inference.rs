@@ -27,10 +27,11 @@ use crate::auth::Caller;
 use crate::blocks::BlockHasher;
 use crate::config::StoreKind;
 use crate::continuation::{EndProbe, answer_tokens_estimate};
+use crate::fair_share::{PRIORITY_HEADER, Priority, Share};
 use crate::metrics::CacheResult;
 use crate::pools::Pool;
 use crate::prompt::{self, Endpoint, RoutingInput};
-use crate::response_cache::{self, Cacheability, Tenant};
+use crate::response_cache::{self, Cacheability, Scope, Tenant};
 use crate::store::LookupRequest;
 
 /// Routing texts longer than this are tokenized on the blocking pool. The
@@ -208,6 +209,7 @@ pub(super) async fn inference(
         .then(|| with_include_usage(&bytes, parsed.body.get("stream_options").is_some()))
         .flatten();
     let strip_usage = asked.is_some();
+    let prompt_tokens_len = prompt_tokens.len() as u64;
     let ctx = InferenceCtx {
         timing,
         end_key: hasher.prompt_end_key(&prompt_tokens, &chain),
@@ -223,6 +225,17 @@ pub(super) async fn inference(
         session,
         strip_usage,
         output: admitted.output.take(),
+        share: Share {
+            tenant: match caller {
+                Some(c) => Tenant::named(Scope::Tenant, &c.tenant).0,
+                None => Tenant::of(Scope::Tenant, &parts.headers).0,
+            },
+            priority: caller
+                .map_or(Priority::Interactive, |c| c.priority)
+                .lowered_by(parts.headers.get(PRIORITY_HEADER).map(HeaderValue::as_bytes)),
+            weight: caller.map_or(1, |c| c.weight),
+            cost: Share::cost_of(prompt_tokens_len, parsed.requested_output()),
+        },
     };
     let outbound = Outbound {
         method: Method::POST,

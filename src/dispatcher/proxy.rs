@@ -46,6 +46,7 @@ use super::timing::DispatchTiming;
 use crate::blocks::BlockHasher;
 use crate::continuation::EndProbe;
 use crate::failure::Failure;
+use crate::fair_share::{Priority, Share};
 use crate::metrics::QueueOutcome;
 use crate::pools::Pool;
 use crate::prompt::Endpoint;
@@ -106,6 +107,8 @@ pub(super) struct InferenceCtx {
     pub strip_usage: bool,
     /// The rate-limit buckets its output tokens are charged to.
     pub output: Option<OutputBuckets>,
+    /// Its tenant, class and cost in the gateway queue.
+    pub share: Share,
 }
 
 impl InferenceCtx {
@@ -248,6 +251,7 @@ impl<'d> Attempts<'d> {
                 hasher: c.hasher,
                 answer_tokens: c.answer_tokens,
             }),
+            share: self.ctx.as_ref().map(|c| c.share),
         };
         match choose(dispatcher, route, &self.failed, self.first_lookup.take()).await {
             Routed::Chosen(chosen, guard) => Ok((chosen, guard)),
@@ -260,6 +264,12 @@ impl<'d> Attempts<'d> {
                     exclude: self.failed.clone(),
                     pool,
                     seen: asked || !self.failed.is_empty(),
+                    share: route.share.unwrap_or(Share {
+                        tenant: 0,
+                        priority: Priority::Interactive,
+                        weight: 1,
+                        cost: route.prompt_tokens.into(),
+                    }),
                 };
                 self.wait(waiting, &lookup).await
             }

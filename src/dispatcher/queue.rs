@@ -4,7 +4,7 @@
 //!
 //! # Shape
 //!
-//! One FIFO queue per dispatcher process, with global accounting: the
+//! One queue per dispatcher process, with global accounting: the
 //! load a queued request is judged by is the segment's (every dispatcher's
 //! in-flight and pending counts, and the scraped engine figures), so a
 //! server freed by any dispatcher is seen by all. The queue's capacity
@@ -25,11 +25,15 @@
 //! next request in line sees the load it adds) and handed to its task. The
 //! pump ends when the queue is empty.
 //!
-//! **First in, first out.** While requests wait, a new request of this
-//! dispatcher joins the queue behind them instead of being routed on
-//! arrival, so none overtakes (each look still routes every waiting
-//! request that can go: one waiting for a full candidate does not hold up
-//! the ones behind it that can go elsewhere).
+//! **In order, none overtaking.** While requests wait, a new request of
+//! this dispatcher joins the queue instead of being routed on arrival,
+//! and each look offers the waiting requests to their policies in the
+//! queue's order ([`crate::fair_share`]): interactive before batch (a
+//! batch request waiting `batch_max_delay_ms` first of all), and within a
+//! class the tenant that has received the least service first, oldest
+//! request first within a tenant (`fair_share = false`: oldest first).
+//! One waiting for a full candidate does not hold up the ones behind it
+//! that can go elsewhere.
 //!
 //! **Choosing and counting.** A policy reads the load, then the request is
 //! counted; between the two, another dispatcher may fill the same server.
@@ -46,7 +50,6 @@
 //! in-flight and pending counts and the scraped figures, which is what the
 //! holding policies judge fullness by.
 
-use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -55,6 +58,7 @@ use tokio::sync::{Notify, oneshot};
 
 use super::Dispatcher;
 use super::inflight::InflightGuard;
+use crate::fair_share::{FairQueue, Order, Share};
 use crate::metrics::QueueOutcome;
 use crate::pools::Pool;
 use crate::routing::Members;
@@ -90,18 +94,19 @@ pub(super) struct Waiting {
     /// Whether the policy has been asked about it already (then every look
     /// from the queue is a [repeat](crate::routing::RouteInput::repeat)).
     pub seen: bool,
+    /// Its tenant, class and cost, which order the queue.
+    pub share: Share,
 }
 
 #[derive(Debug)]
 struct Waiter {
     request: Waiting,
-    since: Instant,
     reply: oneshot::Sender<Result<Admitted, QueueExit>>,
 }
 
 #[derive(Debug, Default)]
 struct State {
-    waiters: VecDeque<Waiter>,
+    waiters: FairQueue<Waiter>,
     pump_running: bool,
 }
 
@@ -146,6 +151,12 @@ impl GatewayQueue {
         self.lock().waiters.len()
     }
 
+    /// Counts a request of `share` routed without waiting (its tenant's
+    /// service, for the fair share).
+    pub fn charge(&self, share: &Share) {
+        self.lock().waiters.charge(share);
+    }
+
     /// Something that may free a server happened (a request started or
     /// ended): look at the queue again.
     pub fn wake(&self) {
@@ -167,11 +178,8 @@ pub(super) async fn wait_in_queue(dispatcher: &Arc<Dispatcher>, request: Waiting
         if state.waiters.len() >= queue.share() {
             return Err(QueueExit::Full);
         }
-        state.waiters.push_back(Waiter {
-            request,
-            since: Instant::now(),
-            reply: tx,
-        });
+        let share = request.share;
+        state.waiters.push(share, Instant::now(), Waiter { request, reply: tx });
         if !state.pump_running {
             state.pump_running = true;
             tokio::spawn(pump(dispatcher.clone()));
@@ -201,83 +209,27 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
         {
             let mut state = queue.lock();
             let max_wait = Duration::from_millis(params.max_wait_ms);
-            let mut i = 0;
-            while i < state.waiters.len() {
-                let w = &state.waiters[i];
+            let gone = state
+                .waiters
+                .remove_where(|w, waited| w.reply.is_closed() || waited >= max_wait);
+            for (w, waited) in gone {
                 if w.reply.is_closed() {
-                    dispatcher
-                        .metrics()
-                        .queue_left(QueueOutcome::Abandoned, w.since.elapsed());
-                    state.waiters.remove(i);
-                    continue;
+                    dispatcher.metrics().queue_left(QueueOutcome::Abandoned, waited);
+                } else {
+                    dispatcher.metrics().queue_left(QueueOutcome::Timeout, waited);
+                    let _ = w.reply.send(Err(QueueExit::Timeout));
                 }
-                if w.since.elapsed() >= max_wait {
-                    if let Some(w) = state.waiters.remove(i) {
-                        dispatcher
-                            .metrics()
-                            .queue_left(QueueOutcome::Timeout, w.since.elapsed());
-                        let _ = w.reply.send(Err(QueueExit::Timeout));
-                    }
-                    continue;
-                }
-                let r = &w.request;
-                let members = r.pool.members();
-                let eligible: &[Candidate] =
-                    if r.exclude.is_empty() && members.is_every() {
-                        &candidates
-                    } else {
-                        let servers = &dispatcher.segment().tables().servers;
-                        kept.clear();
-                        kept.extend(candidates.iter().filter(|c| {
-                            !r.exclude.contains(&c.server) && members.admits(servers.id_of(c.server.slot))
-                        }));
-                        &kept
-                    };
-                let policy = r.pool.policy().current_arc();
-                let input = RouteInput {
-                    prompt_blocks: u32::try_from(r.chain.len()).unwrap_or(u32::MAX),
-                    chain: &r.chain,
-                    prompt_tokens: r.prompt_tokens,
-                    block_tokens: r.pool.block_tokens(),
-                    session: r.session,
-                    repeat: r.seen,
-                    prefix: &r.prefix,
-                    candidates: eligible,
-                };
-                let decision = policy.choose(&input);
-                let tokens = u64::from(r.prompt_tokens);
-                state.waiters[i].request.seen = true;
-                let Some(choice) = decision else {
-                    i += 1;
-                    continue;
-                };
-                let Some(guard) = InflightGuard::begin(&dispatcher, choice.server, tokens) else {
-                    // Re-registered since the read: not a candidate any more.
-                    candidates.retain(|c| c.server != choice.server);
-                    continue;
-                };
-                let counted = dispatcher.local().candidate(choice.server, stale_after_ms);
-                if !policy.admits(&counted) {
-                    // Another dispatcher filled it since the read: it stays
-                    // full for this look.
-                    drop(guard);
-                    if let Some(c) = candidates.iter_mut().find(|c| c.server == choice.server) {
-                        *c = counted;
-                    }
-                    i += 1;
-                    continue;
-                }
-                // The next request in line sees the load this one adds.
-                if let Some(c) = candidates.iter_mut().find(|c| c.server == choice.server) {
-                    c.inflight += 1;
-                    c.inflight_tokens += tokens;
-                    c.pending += 1;
-                    c.pending_tokens += tokens;
-                }
-                let Some(w) = state.waiters.remove(i) else { break };
-                let waited = w.since.elapsed();
+            }
+            let order = Order {
+                fair_share: params.fair_share,
+                batch_max_delay: Duration::from_millis(params.batch_max_delay_ms),
+            };
+            let routed = state.waiters.look(order, |w| {
+                route_waiting(&dispatcher, &mut w.request, &mut candidates, &mut kept)
+            });
+            for (w, admitted, waited) in routed {
                 // A client gone meanwhile drops the guard: the count is undone.
-                let outcome = match w.reply.send(Ok(Admitted { choice, guard })) {
+                let outcome = match w.reply.send(Ok(admitted)) {
                     Ok(()) => QueueOutcome::Routed,
                     Err(_) => QueueOutcome::Abandoned,
                 };
@@ -293,5 +245,70 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
             () = queue.wake.notified() => {}
             () = tokio::time::sleep(recheck) => {}
         }
+    }
+}
+
+/// Asks `r`'s policy again with `candidates` (this look's, updated with
+/// what it routes): the server it may go to now, counted in flight, or
+/// `None` while every server it may use is full.
+fn route_waiting(
+    dispatcher: &Arc<Dispatcher>,
+    r: &mut Waiting,
+    candidates: &mut Vec<Candidate>,
+    kept: &mut Vec<Candidate>,
+) -> Option<Admitted> {
+    let stale_after_ms = dispatcher.config().health.stale_after_ms;
+    let policy = r.pool.policy().current_arc();
+    let tokens = u64::from(r.prompt_tokens);
+    loop {
+        let members = r.pool.members();
+        let eligible: &[Candidate] = if r.exclude.is_empty() && members.is_every() {
+            candidates
+        } else {
+            let servers = &dispatcher.segment().tables().servers;
+            kept.clear();
+            kept.extend(
+                candidates
+                    .iter()
+                    .filter(|c| !r.exclude.contains(&c.server) && members.admits(servers.id_of(c.server.slot))),
+            );
+            kept
+        };
+        let input = RouteInput {
+            prompt_blocks: u32::try_from(r.chain.len()).unwrap_or(u32::MAX),
+            chain: &r.chain,
+            prompt_tokens: r.prompt_tokens,
+            block_tokens: r.pool.block_tokens(),
+            session: r.session,
+            repeat: r.seen,
+            prefix: &r.prefix,
+            candidates: eligible,
+        };
+        let decision = policy.choose(&input);
+        r.seen = true;
+        let choice = decision?;
+        let Some(guard) = InflightGuard::begin(dispatcher, choice.server, tokens) else {
+            // Re-registered since the read: not a candidate any more.
+            candidates.retain(|c| c.server != choice.server);
+            continue;
+        };
+        let counted = dispatcher.local().candidate(choice.server, stale_after_ms);
+        if !policy.admits(&counted) {
+            // Another dispatcher filled it since the read: it stays full
+            // for this look.
+            drop(guard);
+            if let Some(c) = candidates.iter_mut().find(|c| c.server == choice.server) {
+                *c = counted;
+            }
+            return None;
+        }
+        // The next request in line sees the load this one adds.
+        if let Some(c) = candidates.iter_mut().find(|c| c.server == choice.server) {
+            c.inflight += 1;
+            c.inflight_tokens += tokens;
+            c.pending += 1;
+            c.pending_tokens += tokens;
+        }
+        return Some(Admitted { choice, guard });
     }
 }

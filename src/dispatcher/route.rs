@@ -11,6 +11,7 @@ use super::Dispatcher;
 use super::inflight::InflightGuard;
 use crate::continuation::EndProbe;
 use crate::failure::Failure;
+use crate::fair_share::Share;
 use crate::pools::Pool;
 use crate::routing::Members;
 use crate::routing::{Policy, Reason, RouteInput};
@@ -33,6 +34,8 @@ pub(super) struct RouteRequest<'a> {
     pub pool: Option<&'a Arc<Pool>>,
     /// What a lookup needs to find the conversation this prompt continues.
     pub continuation: Option<EndProbe<'a>>,
+    /// Its tenant, class and cost in the gateway queue (inference only).
+    pub share: Option<Share>,
 }
 
 /// The outcome of [`choose`].
@@ -116,7 +119,7 @@ pub(super) async fn lookup(dispatcher: &Dispatcher, request: LookupRequest<'_>) 
 ///
 /// With a policy that [holds requests](crate::routing::Policy::holds_requests):
 /// a request arriving while others wait in this dispatcher's queue joins
-/// them (first in, first out: none overtakes), and a chosen server is
+/// them (the queue then orders them: [`crate::fair_share`]), and a chosen server is
 /// counted at once and checked again with the policy
 /// ([`admits`](crate::routing::Policy::admits)): if another dispatcher
 /// filled it meanwhile, the request is uncounted and queued.
@@ -133,6 +136,7 @@ pub(super) async fn choose(
         inference,
         continuation,
         pool,
+        share,
     } = route;
     let members = pool.map_or(Members::all(), |p| p.members());
     let stale_after_ms = dispatcher.config().health.stale_after_ms;
@@ -220,6 +224,10 @@ pub(super) async fn choose(
                     asked: true,
                     pool: pool.clone(),
                 };
+            }
+            // Service its tenant received without waiting.
+            if let Some(share) = &share {
+                dispatcher.queue().charge(share);
             }
             Some(guard)
         } else {

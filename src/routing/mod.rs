@@ -550,6 +550,13 @@ pub struct QueueParams {
     /// A request starting or ending through this dispatcher wakes the queue
     /// at once. Default 5; 1 to 1000.
     pub recheck_ms: u64,
+    /// Among the waiting requests of a class, the tenant that has received
+    /// the least service goes first ([`crate::fair_share`]); `false`:
+    /// oldest first. Default true.
+    pub fair_share: bool,
+    /// A batch request that has waited this long goes before interactive
+    /// ones (the starvation bound). Default 10 000; 1 ms to 1 hour.
+    pub batch_max_delay_ms: u64,
 }
 
 impl Default for QueueParams {
@@ -558,6 +565,8 @@ impl Default for QueueParams {
             capacity: 1024,
             max_wait_ms: 60_000,
             recheck_ms: 5,
+            fair_share: true,
+            batch_max_delay_ms: 10_000,
         }
     }
 }
@@ -585,6 +594,13 @@ impl QueueParams {
             1,
             1000,
             "milliseconds between looks at the queue",
+        )?;
+        in_range(
+            "batch_max_delay_ms",
+            self.batch_max_delay_ms,
+            1,
+            3_600_000,
+            "milliseconds a batch request waits behind interactive ones",
         )
     }
 }
