@@ -17,7 +17,8 @@
 //! | `llama` | [`replay::real_engine`] | `cache_aware`, `round_robin`, `consistent_hash` and `least_load` in front of real `llama-server` engines (SmolLM2-135M on CPU) and in front of the simulator calibrated to them, on small closed-loop chats: throughput, TTFT, the engines' cached-token share |
 //! | `proxy` | [`proxy`] | the gateway's cost as a proxy against nginx in front of the same engine (front pinned to its own core): req/s, latency and added latency, CPU µs per request |
 //! | `state` | [`state`] | what keeping the routing state is worth: the first 60 s after a restart with the segment kept (hot restart) and not, and two gateway hosts on one Redis sharing a namespace or not: cached share of prompt tokens, TTFT p50/p90 |
-//! | `all` | here | every report in turn (but `state`) |
+//! | `tenants` | [`tenants`] | the noisy neighbour: a quiet tenant's TTFT beside a flooding one, with engine queues, the gateway queue oldest first, and the gateway queue with fair share |
+//! | `all` | here | every report in turn (but `state` and `tenants`) |
 //!
 //! The gateway processes it measures are the `semlb` binary next to this
 //! one ([`semlb_exe`]): `cargo build --release -p semlb -p semlb-bench`
@@ -38,7 +39,9 @@ pub mod proxy;
 pub mod redis_server;
 pub mod replay;
 pub mod scaling;
+pub mod sse_client;
 pub mod state;
+pub mod tenants;
 pub mod tokenizer;
 pub mod workload;
 
@@ -86,6 +89,9 @@ pub enum BenchCommand {
     /// What keeping the routing state is worth: a restart with and
     /// without the segment kept, two gateway hosts sharing Redis or not.
     State(state::StateArgs),
+    /// The noisy neighbour: a quiet tenant's TTFT beside a flooding one,
+    /// engine queues vs the gateway queue oldest first vs fair share.
+    Tenants(tenants::TenantsArgs),
     /// Every report with its default settings.
     All(Common),
     /// A load process of `scaling` (not for direct use).
@@ -145,6 +151,7 @@ pub fn run(command: &BenchCommand) -> Result<()> {
         BenchCommand::Tokenizer(args) => tokenizer::run(args),
         BenchCommand::Proxy(args) => proxy::run(args),
         BenchCommand::State(args) => state::run(args),
+        BenchCommand::Tenants(args) => tenants::run(args),
         BenchCommand::BenchWorker(args) => scaling::run_worker(args),
         BenchCommand::All(common) => {
             tokenizer::run(&tokenizer::TokenizerArgs::with(common.clone()))?;
