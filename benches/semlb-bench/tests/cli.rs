@@ -13,7 +13,16 @@ use semlb_test_support::process::{assert_ok, run as semlb};
 #[test]
 fn semlb_bench_runs_semlb_bench() {
     let text = assert_ok(&semlb(&["bench", "--help"]));
-    for report in ["dispatch", "scaling", "e2e", "replay", "tokenizer", "proxy", "all"] {
+    for report in [
+        "dispatch",
+        "scaling",
+        "e2e",
+        "replay",
+        "tokenizer",
+        "proxy",
+        "tenants",
+        "all",
+    ] {
         assert!(text.contains(report), "{report} missing:\n{text}");
     }
     assert!(text.contains("semlb bench"), "{text}");
@@ -72,6 +81,44 @@ fn bench_proxy_runs_and_writes_json() {
     assert!(out.join("proxy.svg").is_file());
     if !nginx {
         eprintln!("nginx is not installed: its rows were not run");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// `semlb bench tenants` runs its three modes end to end and writes both
+/// tenants' figures; a smoke test, no figure is checked.
+#[test]
+fn bench_tenants_runs_and_writes_json() {
+    let out = std::env::temp_dir().join(format!("semlb-test-cli-tenants-{}", std::process::id()));
+    let out_arg = out.display().to_string();
+    let text = assert_ok(&semlb(&[
+        "bench",
+        "tenants",
+        "--noisy",
+        "3",
+        "--max-tokens",
+        "4",
+        "--warm-secs",
+        "0",
+        "--window-secs",
+        "1",
+        "--out",
+        &out_arg,
+    ]));
+    assert!(text.contains("gateway queue, fair share"), "{text}");
+    let json = std::fs::read_to_string(out.join("tenants.json")).expect("tenants.json written");
+    let v: serde_json::Value = serde_json::from_str(&json).expect("valid JSON");
+    for mode in [
+        "engine_queues",
+        "gateway_queue__oldest_first",
+        "gateway_queue__fair_share",
+    ] {
+        for tenant in ["quiet", "noisy"] {
+            assert!(
+                v[mode][tenant]["requests"].as_u64().is_some_and(|n| n > 0),
+                "{mode} {tenant}: {v}"
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&out);
 }
