@@ -43,6 +43,19 @@
 //! tokens_per_minute = 200000
 //! ```
 //!
+//! The same table sets the tenant's class and weight in the gateway queue
+//! (`priority = "batch"`, `weight = 2`: [`crate::fair_share`]) and
+//! `isolate_prefixes = true`, which keeps its prompts' prefixes apart from
+//! every other tenant's: its block chains are rooted in a salt of its own
+//! (so the prefix table never matches another tenant's entries, in either
+//! store), its cached answers are its own whatever the response cache's
+//! scope, and engines that take vLLM's `cache_salt` (`[[backend]]
+//! cache_salt = true`) get the salt with each of its requests, so their
+//! prefix caches keep it apart too. This closes the timing side channel of
+//! a shared prefix (another tenant's prompt answered faster because it is
+//! cached) at the cost of sharing: the tenant's prompts reuse only its own
+//! prefixes. A tenant's own entry replaces the `*` entry whole.
+//!
 //! A file that does not parse, lists a digest twice, or a tenant twice, is
 //! refused: at start the gateway does not start, on reload the running
 //! keys stay.
@@ -119,6 +132,11 @@ pub struct TenantEntry {
     /// Its weight in the gateway queue's fair share (default 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight: Option<u32>,
+    /// Its prompts' prefixes are kept apart from every other tenant's:
+    /// its block chains are salted, and so is its engines' prefix cache
+    /// where they take vLLM's `cache_salt` (default false).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolate_prefixes: Option<bool>,
 }
 
 impl TenantEntry {
@@ -130,12 +148,13 @@ impl TenantEntry {
             tokens_per_minute: None,
             priority: None,
             weight: None,
+            isolate_prefixes: None,
         }
     }
 
     /// Whether it sets nothing.
     pub fn is_empty(&self) -> bool {
-        self.limits().is_empty() && self.priority.is_none() && self.weight.is_none()
+        self.limits().is_empty() && self.priority.is_none() && self.weight.is_none() && self.isolate_prefixes.is_none()
     }
 
     /// Whether its settings are usable (`what` names it in the error).
@@ -367,6 +386,8 @@ pub struct Caller {
     pub priority: Priority,
     /// Its tenant's fair-share weight.
     pub weight: u32,
+    /// Its tenant's prefixes are kept apart from other tenants'.
+    pub isolate_prefixes: bool,
 }
 
 impl Caller {
@@ -433,6 +454,7 @@ impl Keys {
                     limits: file.limits_of(&k.tenant).buckets(Scope::Tenant, &k.tenant),
                     priority: file.tenant(&k.tenant).and_then(|t| t.priority).unwrap_or_default(),
                     weight: file.tenant(&k.tenant).and_then(|t| t.weight).unwrap_or(1),
+                    isolate_prefixes: file.tenant(&k.tenant).and_then(|t| t.isolate_prefixes).unwrap_or(false),
                 };
                 Some((digest.try_into().ok()?, Arc::new(caller)))
             })

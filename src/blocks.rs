@@ -48,6 +48,12 @@ impl BlockHasher {
         )
     }
 
+    /// `root` salted with `tenant`'s salt ([`TenantSalt`]): the root of
+    /// the chains of a tenant whose prefixes are kept apart.
+    pub fn salted_root(root: u64, salt: &TenantSalt) -> u64 {
+        seahash::hash_seeded(&root.to_le_bytes(), salt.key, !salt.key, 0x7361_6c74, 0x726f_6f74)
+    }
+
     /// Tokens per block.
     pub fn block_size(&self) -> usize {
         self.block_size
@@ -142,12 +148,53 @@ impl BlockHasher {
     }
 }
 
+/// The salt of a tenant whose prompts' prefixes are kept apart from other
+/// tenants' (`isolate_prefixes`, [`crate::auth`]): derived from its name
+/// and the chain seed (the segment's, or the Redis namespace's, so every
+/// host sharing a namespace salts alike), so it is stable and cannot be
+/// guessed by a client without the seed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TenantSalt {
+    /// What its chains' root is salted with ([`BlockHasher::salted_root`]).
+    pub key: u64,
+    /// What engines get as vLLM's `cache_salt` (32 hex digits).
+    pub engine: String,
+}
+
+impl TenantSalt {
+    /// The salt of `tenant` under chain seed `seed`.
+    pub fn new(tenant: &str, seed: u64) -> Self {
+        let wide = xxhash_rust::xxh3::xxh3_128_with_seed(tenant.as_bytes(), seed ^ 0x5341_4c54);
+        Self {
+            key: (wide as u64) | 1,
+            engine: format!("{wide:032x}"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn hasher() -> BlockHasher {
         BlockHasher::new(BlockHasher::root_for("qwen3-8b", 42), 16)
+    }
+
+    #[test]
+    fn salted_roots_are_apart_by_tenant_and_seed_and_stable() {
+        let root = BlockHasher::root_for("m", 7);
+        let a = TenantSalt::new("a", 7);
+        assert_eq!(a, TenantSalt::new("a", 7), "stable");
+        assert_eq!(a.engine.len(), 32);
+        let roots = [
+            root,
+            BlockHasher::salted_root(root, &a),
+            BlockHasher::salted_root(root, &TenantSalt::new("b", 7)),
+            BlockHasher::salted_root(root, &TenantSalt::new("a", 8)),
+        ];
+        let distinct: std::collections::HashSet<u64> = roots.into_iter().collect();
+        assert_eq!(distinct.len(), 4);
+        assert_ne!(a.engine, TenantSalt::new("b", 7).engine);
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //!   never a key.
 //! * `semlb keys revoke ID` removes a key.
 //! * `semlb keys limit --tenant T [--requests-per-minute N]
-//!   [--tokens-per-minute N] [--priority interactive|batch] [--weight N]`
+//!   [--tokens-per-minute N] [--priority interactive|batch] [--weight N]
+//!   [--isolate-prefixes]`
 //!   sets a tenant's rate limits ([`semlb::rate_limit`]) and its class and
 //!   weight in the gateway queue ([`semlb::fair_share`]) (`--tenant '*'`:
 //!   every tenant without settings of its own; none given: removes its
@@ -83,6 +84,9 @@ pub enum KeysAction {
         /// Its weight in the gateway queue's fair share (1 to 1000).
         #[arg(long, value_name = "N")]
         weight: Option<u32>,
+        /// Keep its prompts' prefixes apart from other tenants'.
+        #[arg(long)]
+        isolate_prefixes: bool,
     },
 }
 
@@ -135,17 +139,24 @@ pub fn run(args: &KeysArgs, out: &mut impl Write) -> Result<()> {
                 if !file.tenants.is_empty() {
                     writeln!(
                         out,
-                        "\n{:<24} {:>20} {:>20}",
-                        "tenant", "requests/minute", "tokens/minute"
+                        "\n{:<24} {:>16} {:>16} {:<12} {:<7} prefixes",
+                        "tenant", "requests/minute", "tokens/minute", "class", "weight"
                     )?;
                     let figure = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |n| n.to_string());
                     for t in &file.tenants {
+                        let prefixes = if t.isolate_prefixes == Some(true) {
+                            "isolated"
+                        } else {
+                            "shared"
+                        };
                         writeln!(
                             out,
-                            "{:<24} {:>20} {:>20}",
+                            "{:<24} {:>16} {:>16} {:<12} {:<7} {prefixes}",
                             t.name,
                             figure(t.requests_per_minute),
-                            figure(t.tokens_per_minute)
+                            figure(t.tokens_per_minute),
+                            t.priority.unwrap_or_default().name(),
+                            t.weight.unwrap_or(1)
                         )?;
                     }
                 }
@@ -157,6 +168,7 @@ pub fn run(args: &KeysArgs, out: &mut impl Write) -> Result<()> {
             tokens_per_minute,
             priority,
             weight,
+            isolate_prefixes,
         } => {
             let mut file = KeysFile::read(&path, true)?;
             let entry = TenantEntry {
@@ -164,6 +176,7 @@ pub fn run(args: &KeysArgs, out: &mut impl Write) -> Result<()> {
                 tokens_per_minute: *tokens_per_minute,
                 priority: *priority,
                 weight: *weight,
+                isolate_prefixes: isolate_prefixes.then_some(true),
                 ..TenantEntry::named(tenant)
             };
             let what = if entry.is_empty() {

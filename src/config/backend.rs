@@ -24,6 +24,11 @@ pub struct BackendConfig {
     /// How its `/metrics` is read. Default `auto`.
     #[serde(default)]
     pub metrics_flavor: MetricsFlavor,
+    /// Its engine takes vLLM's `cache_salt`: requests of tenants whose
+    /// prefixes are kept apart carry their salt to it
+    /// ([`crate::auth`]'s `isolate_prefixes`). Default false.
+    #[serde(default)]
+    pub cache_salt: bool,
 }
 
 impl BackendConfig {
@@ -34,6 +39,7 @@ impl BackendConfig {
             url: url.into(),
             name: None,
             metrics_flavor: MetricsFlavor::Auto,
+            cache_salt: false,
         }
     }
 

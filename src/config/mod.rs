@@ -46,6 +46,7 @@
 //! | `backend.url` | string | required | `http://host:port`, no path |
 //! | `backend.name` | string | `host:port` | name in logs and metrics (`A-Z a-z 0-9 . _ : -`, at most 64 bytes) |
 //! | `backend.metrics_flavor` | `auto`, `vllm`, `sglang`, `llamacpp` | `auto` | how its `/metrics` is read; `auto` tells from the metric names |
+//! | `backend.cache_salt` | bool | `false` | its engine takes vLLM's `cache_salt`: requests of tenants with `isolate_prefixes` carry their salt to it |
 //! | `[[model]]` | table, repeated | none: one pool of every backend, any model name | a model pool: `name`, `aliases`, `backends`, `base` (LoRA adapters), `tokenizer`, `chat_template`, `block_size`, `[model.policy]` ([`models`]) |
 //! | `[policy]` | table | | the routing policy, [`crate::routing::PolicyConfig`] |
 //! | `policy.kind` | `cache_aware`, `least_load`, `round_robin`, `random`, `selective_push`, `consistent_hash`, `dual_map`, `weighted_scorers`, `cost` | `cache_aware` | which policy ([`crate::routing`]) |

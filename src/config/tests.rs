@@ -191,6 +191,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "url",
         "name",
         "metrics_flavor",
+        "cache_salt",
         "[[model]]",
         "aliases",
         "requests_per_minute",
@@ -348,6 +349,7 @@ check_context = false
             url: "http://10.0.0.1:8000".into(),
             name: Some("gpu-0".into()),
             metrics_flavor: MetricsFlavor::Vllm,
+            cache_salt: false,
         }
     );
     let names: Vec<String> = c.backends.iter().map(BackendConfig::display_name).collect();

@@ -24,7 +24,7 @@ use super::sse;
 use super::timing::{DispatchTiming, Mark};
 use super::usage::with_include_usage;
 use crate::auth::Caller;
-use crate::blocks::BlockHasher;
+use crate::blocks::{BlockHasher, TenantSalt};
 use crate::config::StoreKind;
 use crate::continuation::{EndProbe, answer_tokens_estimate};
 use crate::fair_share::{PRIORITY_HEADER, Priority, Share};
@@ -123,10 +123,15 @@ pub(super) async fn inference(
         None => None,
     };
     let seed = namespace_seed.unwrap_or(dispatcher.segment().header().seed[0]);
-    let hasher = BlockHasher::new(
-        BlockHasher::root_for(pool.chain_model(&parsed.model), seed),
-        pool.block_size(),
-    );
+    // A tenant whose prefixes are kept apart roots its chains in its salt.
+    let salt = caller
+        .filter(|c| c.isolate_prefixes)
+        .map(|c| TenantSalt::new(&c.tenant, seed));
+    let mut root = BlockHasher::root_for(pool.chain_model(&parsed.model), seed);
+    if let Some(salt) = &salt {
+        root = BlockHasher::salted_root(root, salt);
+    }
+    let hasher = BlockHasher::new(root, pool.block_size());
     let mut chain = Vec::with_capacity(prompt_tokens.len() / hasher.block_size() + 1);
     hasher.chain(&prompt_tokens, &mut chain);
     timing.mark(Mark::Hash);
@@ -143,6 +148,9 @@ pub(super) async fn inference(
     let query = parts.uri.query().unwrap_or("");
     let key = (cacheability != Cacheability::Bypass).then(|| {
         let tenant = match caller {
+            // Its answers are its own whatever the scope when its
+            // prefixes are.
+            Some(c) if c.isolate_prefixes => Tenant::named(Scope::Tenant, &c.tenant),
             Some(c) => Tenant::named(rc.scope, &c.tenant),
             None => Tenant::of(rc.scope, &parts.headers),
         };
@@ -248,6 +256,7 @@ pub(super) async fn inference(
         headers: upstream_headers(&parts.headers, caller.is_some()),
         body: asked.unwrap_or(bytes),
         pool: Some(pool),
+        cache_salt: salt.map(|s| s.engine),
     };
     let mut response = forward(dispatcher, outbound, Some(ctx)).await;
     admitted.set_headers(&mut response);

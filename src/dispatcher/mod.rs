@@ -452,6 +452,16 @@ impl Dispatcher {
             .filter(|i| i.server == server)
     }
 
+    /// Whether the backend at `address` takes vLLM's `cache_salt`
+    /// (`[[backend]] cache_salt`).
+    fn takes_cache_salt(&self, address: &str) -> bool {
+        let address = address.trim_end_matches('/');
+        self.config
+            .backends
+            .iter()
+            .any(|b| b.cache_salt && b.url.trim_end_matches('/') == address)
+    }
+
     /// A request started or ended, or got its first token: a server may
     /// have room now, so the gateway queue looks again.
     fn wake_queue(&self) {

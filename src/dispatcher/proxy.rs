@@ -62,12 +62,24 @@ pub(super) struct Outbound {
     pub body: Bytes,
     /// The model pool whose servers may take it (`None`: any server).
     pub pool: Option<Arc<Pool>>,
+    /// Its tenant's salt for engines that take vLLM's `cache_salt` (a
+    /// tenant whose prefixes are kept apart: [`crate::blocks::TenantSalt`]).
+    pub cache_salt: Option<String>,
 }
 
 impl Outbound {
-    /// The request to send to `uri` (the body is shared, not copied).
-    fn request(&self, uri: Uri) -> Request<Full<Bytes>> {
-        let mut request = Request::new(Full::new(self.body.clone()));
+    /// The body to send a server: with the tenant's `cache_salt` when
+    /// `salted` (its engine takes one), else as it is (shared, not copied).
+    fn body_for(&self, salted: bool) -> Bytes {
+        match self.cache_salt.as_deref().filter(|_| salted) {
+            Some(salt) => with_cache_salt(&self.body, salt),
+            None => self.body.clone(),
+        }
+    }
+
+    /// The request to send to `uri` with `body`.
+    fn request(&self, uri: Uri, body: Bytes) -> Request<Full<Bytes>> {
+        let mut request = Request::new(Full::new(body));
         *request.method_mut() = self.method.clone();
         *request.uri_mut() = uri;
         *request.headers_mut() = self.headers.clone();
@@ -393,10 +405,13 @@ impl<'d> Attempts<'d> {
         // be sent this prompt.
         let recorded = self.record_route(server, held).then_some(held);
         let mut deadline = deadline;
+        let body = self
+            .outbound
+            .body_for(self.outbound.cache_salt.is_some() && dispatcher.takes_cache_salt(&address));
         let result = loop {
             let result = tokio::select! {
                 biased;
-                head = dispatcher.client().request(self.outbound.request(uri.clone())) => Ok(head),
+                head = dispatcher.client().request(self.outbound.request(uri.clone(), body.clone())) => Ok(head),
                 () = deadline.as_mut() => Err(()),
             };
             // A connection the server had closed: once per request, the
@@ -642,4 +657,52 @@ pub(super) fn unavailable(message: impl Into<String>, code: &str) -> Response<Bo
     let mut r = error_response(StatusCode::SERVICE_UNAVAILABLE, message, Some(code));
     set_header(r.headers_mut(), "retry-after", "1");
     r
+}
+
+/// `body` (a JSON object) with `"cache_salt": salt`, replacing one the
+/// client sent: put first when the body has none, else the body parsed and
+/// written again.
+fn with_cache_salt(body: &Bytes, salt: &str) -> Bytes {
+    let quoted = serde_json::to_string(salt).expect("a string serializes");
+    let has_salt = memchr::memmem::find(body, b"cache_salt").is_some();
+    let open = body.iter().position(|b| !b.is_ascii_whitespace());
+    if !has_salt && let Some(i) = open.filter(|i| body[*i] == b'{') {
+        let rest = &body[i + 1..];
+        let empty = rest.iter().all(|b| b.is_ascii_whitespace() || *b == b'}');
+        let mut out = Vec::with_capacity(body.len() + quoted.len() + 16);
+        out.extend_from_slice(&body[..=i]);
+        out.extend_from_slice(b"\"cache_salt\":");
+        out.extend_from_slice(quoted.as_bytes());
+        if !empty {
+            out.push(b',');
+        }
+        out.extend_from_slice(rest);
+        return Bytes::from(out);
+    }
+    let Ok(serde_json::Value::Object(mut object)) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return body.clone();
+    };
+    object.insert("cache_salt".into(), serde_json::Value::String(salt.to_owned()));
+    Bytes::from(serde_json::to_vec(&object).expect("a JSON value serializes"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cache_salt_is_put_in_or_replaces_the_clients() {
+        let salted = |body: &'static str| -> serde_json::Value {
+            serde_json::from_slice(&with_cache_salt(&Bytes::from_static(body.as_bytes()), "s1")).unwrap()
+        };
+        assert_eq!(
+            salted(r#" {"model":"m"}"#),
+            serde_json::json!({"model": "m", "cache_salt": "s1"})
+        );
+        assert_eq!(salted("{ }"), serde_json::json!({"cache_salt": "s1"}));
+        assert_eq!(
+            salted(r#"{"cache_salt":"mine","model":"m"}"#),
+            serde_json::json!({"model": "m", "cache_salt": "s1"})
+        );
+    }
 }

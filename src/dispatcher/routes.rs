@@ -154,6 +154,7 @@ async fn passthrough(
         headers: upstream_headers(&parts.headers, caller.is_some()),
         body: bytes,
         pool,
+        cache_salt: None,
     };
     let mut response = forward(dispatcher, outbound, None).await;
     admitted.set_headers(&mut response);

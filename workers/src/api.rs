@@ -23,6 +23,7 @@
 //! | `stream_options.include_usage` | ✓ | ✓ | boolean: a final chunk with empty `choices` and `usage` |
 //! | `n`, `best_of` | ✓ | ✓ | only 1 (`n > 1 is not supported`) |
 //! | `ignore_eos` | ✓ | ✓ | boolean (vLLM extension) |
+//! | `cache_salt` | ✓ | ✓ | non-empty string (vLLM extension): mixed into the prefix cache's first block, so requests with different salts share no cached block |
 //! | `echo` | ✓ | | only `false` |
 //! | `user` | ✓ | ✓ | string, ignored |
 //!
@@ -223,6 +224,9 @@ pub struct GenParams {
     pub include_usage: bool,
     /// `ignore_eos` (vLLM extension): generate exactly `max_tokens`.
     pub ignore_eos: bool,
+    /// `cache_salt` (vLLM extension), hashed: requests with different
+    /// salts share no cached prefix block.
+    pub cache_salt: Option<u64>,
 }
 
 /// The prompt of a completion request.
@@ -388,11 +392,21 @@ fn common_params(obj: &Map<String, Value>, max_tokens: Option<u32>) -> Result<Ge
         Some(other) => return Err(wrong_type("stream_options", "an object", other)),
     };
     let ignore_eos = opt_bool(obj, "ignore_eos")?.unwrap_or(false);
+    let cache_salt = match opt_string(obj, "cache_salt")? {
+        Some(salt) if salt.is_empty() => {
+            return Err(ApiError::bad_request(
+                "`cache_salt` must not be empty",
+                Some("cache_salt"),
+            ));
+        }
+        salt => salt.map(|s| seahash::hash(s.as_bytes())),
+    };
     Ok(GenParams {
         max_tokens,
         stream,
         include_usage,
         ignore_eos,
+        cache_salt,
     })
 }
 
@@ -1061,7 +1075,8 @@ mod tests {
                 max_tokens: Some(7),
                 stream: true,
                 include_usage: true,
-                ignore_eos: true
+                ignore_eos: true,
+                cache_salt: None,
             }
         );
         assert_eq!(

@@ -438,6 +438,11 @@ fn prepare(sim: &Sim, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiEr
             (sim.tokenizer.encode(&text), request.params, model)
         }
     };
+    // A salt keys the whole chain, as vLLM mixes it into the first block.
+    let root = match params.cache_salt {
+        Some(salt) => seahash::hash_seeded(&root.to_le_bytes(), salt, !salt, 0x73616c74, 1).max(1),
+        None => root,
+    };
     Ok(Prepared {
         prompt,
         params,

@@ -540,6 +540,37 @@ async fn repeated_prompt_is_cached_and_faster() {
     server.stop().await;
 }
 
+/// vLLM's `cache_salt`: a prompt cached under one salt is not found
+/// under another or none, and is found again under the same one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_salt_keeps_prefixes_apart() {
+    let server = start(fast()).await;
+    let prompt = long_prompt("salt", 1000);
+    let body = |salt: Option<&str>| {
+        let mut b = json!({"prompt": prompt, "max_tokens": 2});
+        if let Some(salt) = salt {
+            b["cache_salt"] = json!(salt);
+        }
+        b
+    };
+    let cached = |r: &Reply| {
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let first = post(server.addr, "/v1/completions", &body(Some("tenant-a"))).await;
+    assert_eq!(cached(&first), 0);
+    for other in [Some("tenant-b"), None] {
+        let r = post(server.addr, "/v1/completions", &body(other)).await;
+        assert_eq!(cached(&r), 0, "{other:?} finds nothing of tenant-a's");
+    }
+    let again = post(server.addr, "/v1/completions", &body(Some("tenant-a"))).await;
+    assert!(cached(&again) > 500, "the same salt finds it: {}", cached(&again));
+    let empty = post(server.addr, "/v1/completions", &body(Some(""))).await;
+    assert_eq!(empty.status, 400);
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn second_turn_hits_the_first_turns_prompt_and_answer() {
     let server = start(fast()).await;

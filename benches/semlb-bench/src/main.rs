@@ -24,6 +24,9 @@
 //! one ([`semlb_exe`]): `cargo build --release -p semlb -p semlb-bench`
 //! builds both into `target/release/`.
 //!
+//! The reports that drive the gateway as agents do share one streaming
+//! client ([`sse_client`]: TTFT and usage of an SSE answer).
+//!
 //! Every report prints a table on stdout ([`output`]: also the progress bar
 //! on stderr) and writes `<out>/<report>.json` and, where it has
 //! distributions, `<out>/<report>.svg` ([`plot`]). The Redis a report
