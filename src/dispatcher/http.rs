@@ -206,6 +206,16 @@ fn connection_listed(headers: &HeaderMap) -> Vec<String> {
         .collect()
 }
 
+/// `body` (a JSON object) parsed and written again with its field `field`
+/// set to the string `value` (`body` as it is if it is not an object).
+pub(crate) fn with_string_field(body: &Bytes, field: &str, value: &str) -> Bytes {
+    let Ok(serde_json::Value::Object(mut object)) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return body.clone();
+    };
+    object.insert(field.into(), serde_json::Value::String(value.to_owned()));
+    Bytes::from(serde_json::to_vec(&object).expect("a JSON value serializes"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -323,11 +323,7 @@ pub(super) fn with_model(body: &Bytes, model: &str, name: &str) -> Bytes {
         out.extend_from_slice(&body[start + model.len()..]);
         return Bytes::from(out);
     }
-    let Ok(serde_json::Value::Object(mut object)) = serde_json::from_slice::<serde_json::Value>(body) else {
-        return body.clone();
-    };
-    object.insert("model".into(), serde_json::Value::String(name.to_owned()));
-    Bytes::from(serde_json::to_vec(&object).expect("a JSON value serializes"))
+    super::http::with_string_field(body, "model", name)
 }
 
 #[cfg(test)]

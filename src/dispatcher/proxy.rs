@@ -679,11 +679,7 @@ fn with_cache_salt(body: &Bytes, salt: &str) -> Bytes {
         out.extend_from_slice(rest);
         return Bytes::from(out);
     }
-    let Ok(serde_json::Value::Object(mut object)) = serde_json::from_slice::<serde_json::Value>(body) else {
-        return body.clone();
-    };
-    object.insert("cache_salt".into(), serde_json::Value::String(salt.to_owned()));
-    Bytes::from(serde_json::to_vec(&object).expect("a JSON value serializes"))
+    super::http::with_string_field(body, "cache_salt", salt)
 }
 
 #[cfg(test)]

@@ -205,7 +205,7 @@ fn serve(shm: &str, listen: &str, engines: &[Proc], config: &TempFile, extra: &[
 }
 
 /// Waits until `GET /health` answers 200.
-fn wait_health(addr: &str) -> Result<()> {
+pub(crate) fn wait_health(addr: &str) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !semlb_test_support::http::http(addr, "GET", "/health", None, &[]).is_ok_and(|r| r.status == 200) {
         if Instant::now() > deadline {

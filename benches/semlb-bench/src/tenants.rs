@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use clap::Args;
 use serde_json::{Value, json};
 
@@ -225,13 +225,7 @@ fn serve(args: &TenantsArgs, engines: &[Proc], config: &TempFile) -> Result<Proc
         argv.extend(["--backend".to_owned(), format!("http://{}", e.addr)]);
     }
     let proc = ProcBuilder::new(&argv).stderr(Stderr::Tail(40)).try_start()?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !semlb_test_support::http::http(&proc.addr, "GET", "/health", None, &[]).is_ok_and(|r| r.status == 200) {
-        if Instant::now() > deadline {
-            bail!("the gateway at {} did not become ready", proc.addr);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    crate::state::wait_health(&proc.addr)?;
     Ok(proc)
 }
 
