@@ -13,7 +13,7 @@ use nix::unistd::Pid;
 use serde_json::{Value, json};
 use shm_layout::{
     HeaderInfo, LAYOUT_VERSION, MAGIC, ProcessInfo, RegionKind, ResponseLogStats, RingStats, STATE_READY, Segment,
-    ServerInfo,
+    ServerInfo, UsageRow,
 };
 
 use semlb::size::ByteSize;
@@ -45,6 +45,8 @@ pub struct Report {
     pub limits: (usize, usize),
     /// Rate-limit slots.
     pub limit_capacity: usize,
+    /// Usage per tenant and model.
+    pub usage: Vec<UsageRow>,
     /// Registered servers.
     pub servers: Vec<ServerInfo>,
     /// Registry slots ever used.
@@ -125,6 +127,7 @@ impl Report {
             segment_index_occupancy: tables.segments.index_occupancy(),
             limits: tables.limits.occupancy(segment.clock().now_ns()),
             limit_capacity: tables.limits.capacity(),
+            usage: tables.usage.rows(),
             servers: tables.servers.servers().collect(),
             processes: tables
                 .registry
@@ -345,6 +348,7 @@ impl Report {
             "regions": regions,
             "prefix_table": {"occupancy": self.prefix_occupancy, "capacity": self.prefix_capacity},
             "rate_limits": {"in_use": self.limits.0, "held": self.limits.1, "capacity": self.limit_capacity},
+            "usage": self.usage.iter().map(usage_json).collect::<Vec<_>>(),
             "response_cache": {
                 "records": r.records,
                 "refused": r.refused,
@@ -423,6 +427,26 @@ pub fn utc_from_unix_ms(ms: u64) -> String {
 pub fn rfc3339_from_unix_secs(secs: u64) -> String {
     let (year, month, day, h, m, s) = civil_from_unix_secs(secs);
     format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{s:02}Z")
+}
+
+/// One usage row as `semlb shm inspect --json` and `semlb status --json`
+/// write it.
+fn usage_json(r: &UsageRow) -> serde_json::Value {
+    use shm_layout::UsageCounter as C;
+    serde_json::json!({
+        "kind": match r.kind {
+            shm_layout::UsageKind::Tenant => "tenant",
+            shm_layout::UsageKind::Model => "model",
+        },
+        "name": r.name,
+        "requests": r.get(C::Requests),
+        "rate_limited": r.get(C::RateLimited),
+        "cache_hits": r.get(C::CacheHits),
+        "prompt_tokens": r.get(C::PromptTokens),
+        "output_tokens": r.get(C::OutputTokens),
+        "queued": r.get(C::Queued),
+        "queue_seconds": r.get(C::QueueMicros) as f64 / 1e6,
+    })
 }
 
 #[cfg(test)]

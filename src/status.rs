@@ -273,6 +273,36 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
             p.tuned.map_or_else(|| "-".to_owned(), |v| format!("{v}"))
         );
     }
+    if !r.usage.is_empty() {
+        use shm_layout::UsageCounter as C;
+        let _ = writeln!(w);
+        let _ = writeln!(
+            w,
+            "{:<7} {:<24} {:>9} {:>6} {:>9} {:>12} {:>12} {:>8} {:>10}",
+            "USAGE", "NAME", "REQUESTS", "429", "CACHED", "PROMPT TOK", "OUTPUT TOK", "QUEUED", "AVG QUEUE"
+        );
+        for u in &r.usage {
+            let queued = u.get(C::Queued);
+            let _ = writeln!(
+                w,
+                "{:<7} {:<24} {:>9} {:>6} {:>9} {:>12} {:>12} {:>8} {:>10}",
+                match u.kind {
+                    shm_layout::UsageKind::Tenant => "tenant",
+                    shm_layout::UsageKind::Model => "model",
+                },
+                u.name,
+                u.get(C::Requests),
+                u.get(C::RateLimited),
+                u.get(C::CacheHits),
+                u.get(C::PromptTokens),
+                u.get(C::OutputTokens),
+                queued,
+                u.get(C::QueueMicros)
+                    .checked_div(queued)
+                    .map_or_else(|| "-".to_owned(), |us| format!("{} ms", us / 1000))
+            );
+        }
+    }
     out
 }
 

@@ -31,7 +31,7 @@ use nix::unistd::Pid;
 use semlb_test_support as support;
 use serde_json::{Value, json};
 use support::TempDir;
-use support::gateway::{Gateway, answered_by_gateway, sim, sim_with, user};
+use support::gateway::{Gateway, answered_by_gateway, sample, sim, sim_with, user};
 use support::http::{Response, http};
 use support::process::{Proc, assert_ok, run as semlb};
 use support::redis::RedisServer;
@@ -230,6 +230,21 @@ fn a_tenants_limit_holds_across_dispatchers_and_a_killed_one() {
         "let in: {let_in}, then {more} across the kills, in {:?} (at most {most})",
         start.elapsed()
     );
+    // What the gateway counted for each tenant, as /metrics and `semlb
+    // status` show it.
+    let m = gw.metrics();
+    assert_eq!(
+        sample(&m, "semlb_tenant_requests_total{tenant=\"burst\"}"),
+        Some((let_in + more) as f64),
+        "{m}"
+    );
+    assert!(sample(&m, "semlb_tenant_rate_limited_total{tenant=\"burst\"}").is_some_and(|n| n >= 12.0));
+    assert_eq!(sample(&m, "semlb_tenant_requests_total{tenant=\"calm\"}"), Some(30.0));
+    let status = assert_ok(&semlb(&["status", "--shm-name", &shm, "--once"]));
+    assert!(
+        status.lines().any(|l| l.starts_with("tenant") && l.contains("burst")),
+        "{status}"
+    );
     assert!(
         let_in + more <= most,
         "{let_in} + {more} let in across the kills; the limit allows {most}"
@@ -300,6 +315,7 @@ fn a_models_tokens_are_charged_for_prompts_and_answers() {
     // charged when it ends, before the next request is sent. The bucket
     // refills 10 tokens a second meanwhile.
     let mut last: Option<(i64, Instant, i64)> = None;
+    let (mut prompts, mut outputs) = (0, 0);
     for (i, stream) in [false, true, false, true].into_iter().enumerate() {
         let sent = Instant::now();
         let r = request(&format!("Question {i}: how do tides work?"), stream, 12);
@@ -307,6 +323,8 @@ fn a_models_tokens_are_charged_for_prompts_and_answers() {
         assert_eq!(r.header("x-ratelimit-limit-tokens"), Some("600"));
         let (prompt, output) = usage(&r);
         assert!(prompt > 0 && output > 0);
+        prompts += prompt;
+        outputs += output;
         let now = remaining(&r);
         if let Some((before, at, last_output)) = last {
             let refill = (at.elapsed().as_millis() as u64 * 10).div_ceil(1000) as i64 + 1;
@@ -335,6 +353,21 @@ fn a_models_tokens_are_charged_for_prompts_and_answers() {
     .unwrap();
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-ratelimit-limit-tokens"), Some("600"));
+
+    // The model's counts: five requests let in, one refused, and the
+    // tokens of the four chats as their usage says.
+    let m = gw.metrics();
+    let metric = |series: &str| sample(&m, series).unwrap_or_else(|| panic!("{series} in\n{m}"));
+    assert_eq!(metric("semlb_model_requests_total{model=\"small\"}"), 5.0);
+    assert_eq!(metric("semlb_model_rate_limited_total{model=\"small\"}"), 1.0);
+    assert_eq!(
+        metric("semlb_model_tokens_total{model=\"small\",type=\"prompt\"}"),
+        prompts as f64
+    );
+    assert_eq!(
+        metric("semlb_model_tokens_total{model=\"small\",type=\"output\"}"),
+        outputs as f64
+    );
 }
 
 #[test]

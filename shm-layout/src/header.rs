@@ -1,4 +1,4 @@
-//! The segment header: the first 448 bytes of every segment (its fields;
+//! The segment header: the first 480 bytes of every segment (its fields;
 //! the rest of the header page is reserved).
 //!
 //! It is written once by the creator, with the `state` word stored last
@@ -12,7 +12,7 @@ use std::mem::{offset_of, size_of};
 use crate::plan::{
     BUCKET_BYTES, HEADER_BYTES, LEDGER_CELL_BYTES, LOG_CONTROL_BYTES, LayoutPlan, MAX_RING_BYTES, PAGE,
     PROCESS_SLOT_BYTES, PROCESS_SLOTS, REGION_COUNT, RING_CONTROL_BYTES, RING_COUNT, Region, RegionKind,
-    SERVER_SLOT_BYTES, SERVER_SLOTS, STAT_BLOCK_BYTES, STAT_WORDS,
+    SERVER_SLOT_BYTES, SERVER_SLOTS, STAT_BLOCK_BYTES, STAT_WORDS, USAGE_ENTRY_BYTES, USAGE_SLOTS,
 };
 // The header is only ever used in a real segment, never in a loom model,
 // so it takes std atomics directly (and its size asserts hold under loom).
@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// `b"SEMLBSHM"` read as a little-endian `u64`.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"SEMLBSHM");
 /// Version of the layout described in the crate docs. Bump on any change.
-pub const LAYOUT_VERSION: u64 = 11;
+pub const LAYOUT_VERSION: u64 = 12;
 /// `state` while the creator initialises the segment (the zero of a new object).
 pub const STATE_INITIALISING: u64 = 0;
 /// `state` once the segment may be used (`b"READY\0\0\0"`).
@@ -55,9 +55,9 @@ pub(crate) struct RawHeader {
 
 // The layout freeze: these numbers are the documented field table.
 const _: () = assert!(size_of::<RawRegion>() == 32);
-// 448 bytes of fields, a multiple of the 64-byte alignment.
-const _: () = assert!(offset_of!(RawHeader, regions) + size_of::<[RawRegion; REGION_COUNT]>() == 448);
-const _: () = assert!(size_of::<RawHeader>() == 448);
+// 480 bytes of fields; the struct is padded to the 64-byte alignment.
+const _: () = assert!(offset_of!(RawHeader, regions) + size_of::<[RawRegion; REGION_COUNT]>() == 480);
+const _: () = assert!(size_of::<RawHeader>() == 512);
 const _: () = assert!(size_of::<RawHeader>() as u64 <= HEADER_BYTES);
 const _: () = assert!(offset_of!(RawHeader, magic) == 0);
 const _: () = assert!(offset_of!(RawHeader, layout_version) == 8);
@@ -187,6 +187,7 @@ impl HeaderInfo {
                     }
                     fixed(r, u64::from(RING_COUNT), RING_CONTROL_BYTES + r.param)
                 }
+                RegionKind::Usage => fixed(r, USAGE_SLOTS, USAGE_ENTRY_BYTES),
                 RegionKind::ResponseIndex | RegionKind::SegmentIndex | RegionKind::Prefix | RegionKind::Limits => {
                     r.count.checked_mul(BUCKET_BYTES)
                 }

@@ -27,15 +27,15 @@
 //!
 //! ```text
 //!  offset 0                                                     segment_bytes
-//!  ┌────────┬─────────┬────────┬──────────┬──────────┬─────────┬────────────┬──────────┬──────────────┬─────────┬─────────────┬──────────────┐
-//!  │ header │ servers │ ledger │ registry │  stats   │ limits  │ rings × 64 │ response │ response log │ segment │ segment log │ prefix table │
-//!  │ 4 KiB  │ 128×384B│ 512 KiB│ 128×64 B │ 128×8 KiB│ 256 KiB │ ctl + ring │  index   │ ctl + ring   │  index  │ ctl + ring  │ 64 B buckets │
-//!  └────────┴─────────┴────────┴──────────┴──────────┴─────────┴────────────┴──────────┴──────────────┴─────────┴─────────────┴──────────────┘
+//!  ┌────────┬─────────┬────────┬──────────┬──────────┬─────────┬─────────┬────────────┬──────────┬──────────────┬─────────┬─────────────┬──────────────┐
+//!  │ header │ servers │ ledger │ registry │  stats   │ limits  │  usage  │ rings × 64 │ response │ response log │ segment │ segment log │ prefix table │
+//!  │ 4 KiB  │ 128×384B│ 512 KiB│ 128×64 B │ 128×8 KiB│ 256 KiB │ 128 KiB │ ctl + ring │  index   │ ctl + ring   │  index  │ ctl + ring  │ 64 B buckets │
+//!  └────────┴─────────┴────────┴──────────┴──────────┴─────────┴─────────┴────────────┴──────────┴──────────────┴─────────┴─────────────┴──────────────┘
 //!   every region starts on a 4 KiB boundary; sizes derive from the segment
 //!   size (see [`plan`]) and are recorded in the header's region table
 //! ```
 //!
-//! ## Header (448 bytes at offset 0; frozen by compile-time asserts)
+//! ## Header (480 bytes at offset 0; frozen by compile-time asserts)
 //!
 //! | offset | field | meaning |
 //! | ---: | --- | --- |
@@ -48,7 +48,7 @@
 //! | 48 | `creator_pid` | pid of the creating supervisor |
 //! | 56 | `header_checksum` | seahash of every field but `state` and itself |
 //! | 64 | `seed[4]` | random per segment; keys slot fingerprints and record checksums |
-//! | 96 | `regions[11]` | per region, in [`RegionKind`] order: `offset`, `bytes`, `count`, `param` (4 × u64) |
+//! | 96 | `regions[12]` | per region, in [`RegionKind`] order: `offset`, `bytes`, `count`, `param` (4 × u64) |
 //!
 //! ## Regions
 //!
@@ -59,6 +59,7 @@
 //! | registry | 64 B process slot | 128 | – | [`registry`] |
 //! | stats | 8 KiB block of [`STAT_WORDS`] `u64` counters per process slot | 128 | 1024 (words per block) | [`stats`] |
 //! | limits | 64 B bucket of 4 × 128-bit slots (a GCRA token bucket each: its `tat` bound to its key) | 4 096 | – | [`limit_table`] |
+//! | usage | 128 B entry: keyed hash of (kind, name), kind and length, name, 7 counters | 1 024 | – | [`usage_table`] |
 //! | rings | 256 B control + `param` bytes | 64 | ring bytes | [`completion_ring`] |
 //! | response index | 64 B bucket of 4 × 128-bit slots | buckets | – | [`response_log`] |
 //! | response log | 256 B control + `count` bytes | log bytes | max value bytes | [`response_log`] |
@@ -121,6 +122,7 @@ pub mod segment;
 pub mod server_table;
 pub mod stats;
 mod sync;
+pub mod usage_table;
 mod words;
 
 pub use completion::{Completion, CompletionRecord, Continuation, ContinuationRef, DecodeError, Prediction, Timing};
@@ -131,7 +133,7 @@ pub use limit_table::{BucketState, LimitTable, Quota, Taken};
 pub use load_figures::LoadFigures;
 #[cfg(not(loom))]
 pub use ownership::{Claim, Claimed, Membership, Ownership};
-pub use plan::{LIMIT_SLOTS, LayoutPlan, PlanOptions, Region, RegionKind, SERVER_SLOTS, STAT_WORDS};
+pub use plan::{LIMIT_SLOTS, LayoutPlan, PlanOptions, Region, RegionKind, SERVER_SLOTS, STAT_WORDS, USAGE_SLOTS};
 pub use prefix_table::{InsertOutcome, MATCH_CAPACITY, PrefixEntry, PrefixMatch, PrefixTable, ServerSet, Stamp};
 pub use registry::{ProcessInfo, ProcessState, Registry, Role};
 pub use response_log::{PutError, ResponseKey, ResponseLog, ResponseLogStats};
@@ -142,3 +144,4 @@ pub use server_table::{
     ServerTable, ServerTag,
 };
 pub use stats::Stats;
+pub use usage_table::{USAGE_COUNTERS, UsageCounter, UsageKind, UsageRow, UsageTable};

@@ -12,6 +12,7 @@
 //! | process registry | [`PROCESS_SLOTS`] × 64 B | fixed |
 //! | stats | [`PROCESS_SLOTS`] × [`STAT_WORDS`] × 8 B | fixed (1 MiB) |
 //! | limits | [`LIMIT_SLOTS`] × 16 B | fixed (256 KiB): rate-limit buckets |
+//! | usage | [`USAGE_SLOTS`] × 128 B | fixed (128 KiB): counts per tenant and model |
 //! | completion rings | [`RING_COUNT`] × (256 B + ring bytes) | ring bytes = 1/8 of the rest / [`RING_COUNT`], rounded down to a power of two, clamped to 16 KiB ..= 4 MiB |
 //! | response index | 1/64 of three quarters of half of what is left after the rings | 64-byte buckets of 4 slots |
 //! | response log | the rest of those three quarters, less a page of control | byte ring; one value may take at most `max_response_fraction` of it (default 1/8) |
@@ -47,6 +48,8 @@ pub const DEFAULT_MAX_RESPONSE_FRACTION: f64 = 0.125;
 pub const STAT_WORDS: usize = 1024;
 /// Slots of the rate-limit table (4 per 64-byte bucket).
 pub const LIMIT_SLOTS: u64 = 16_384;
+/// Entries of the usage table (one per tenant or model).
+pub const USAGE_SLOTS: u64 = 1024;
 
 pub(crate) const SERVER_SLOT_BYTES: u64 = 384;
 pub(crate) const LEDGER_CELL_BYTES: u64 = 32;
@@ -55,6 +58,7 @@ pub(crate) const STAT_BLOCK_BYTES: u64 = 8 * STAT_WORDS as u64;
 pub(crate) const RING_CONTROL_BYTES: u64 = 256;
 pub(crate) const LOG_CONTROL_BYTES: u64 = 256;
 pub(crate) const BUCKET_BYTES: u64 = 64;
+pub(crate) const USAGE_ENTRY_BYTES: u64 = 128;
 const MIN_RING_BYTES: u64 = 16 << 10;
 pub(crate) const MAX_RING_BYTES: u64 = 4 << 20;
 
@@ -85,10 +89,12 @@ pub enum RegionKind {
     SegmentLog = 9,
     /// Rate-limit buckets ([`crate::limit_table`]).
     Limits = 10,
+    /// Usage per tenant and model ([`crate::usage_table`]).
+    Usage = 11,
 }
 
 /// Number of regions.
-pub const REGION_COUNT: usize = 11;
+pub const REGION_COUNT: usize = 12;
 
 impl RegionKind {
     /// All regions in address order.
@@ -98,6 +104,7 @@ impl RegionKind {
         RegionKind::Registry,
         RegionKind::Stats,
         RegionKind::Limits,
+        RegionKind::Usage,
         RegionKind::Rings,
         RegionKind::ResponseIndex,
         RegionKind::ResponseLog,
@@ -120,6 +127,7 @@ impl RegionKind {
             RegionKind::SegmentIndex => "segment index",
             RegionKind::SegmentLog => "segment log",
             RegionKind::Limits => "rate limits",
+            RegionKind::Usage => "usage",
         }
     }
 }
@@ -226,7 +234,8 @@ impl LayoutPlan {
             STAT_WORDS as u64,
         );
         let limit_buckets = LIMIT_SLOTS / crate::bucket::WAYS as u64;
-        let fixed_end = place(RegionKind::Limits, limit_buckets * BUCKET_BYTES, limit_buckets, 0);
+        place(RegionKind::Limits, limit_buckets * BUCKET_BYTES, limit_buckets, 0);
+        let fixed_end = place(RegionKind::Usage, USAGE_SLOTS * USAGE_ENTRY_BYTES, USAGE_SLOTS, 0);
 
         let rings = u64::from(RING_COUNT);
         let per_ring = ((size - fixed_end) / 8 / rings).clamp(MIN_RING_BYTES, MAX_RING_BYTES);

@@ -33,6 +33,7 @@ use crate::response_log::{LogControl, ResponseLog};
 use crate::server_table::{LedgerCell, ServerSlot, ServerTable};
 use crate::stats::{StatBlock, Stats};
 use crate::sync::{AtomicU64, u128_is_lock_free};
+use crate::usage_table::{UsageEntry, UsageTable};
 
 /// Longest segment name accepted (without the leading `/`).
 pub const MAX_NAME_LEN: usize = 200;
@@ -174,6 +175,8 @@ pub struct Tables<'a> {
     pub stats: Stats<'a>,
     /// Rate-limit buckets.
     pub limits: LimitTable<'a>,
+    /// Usage per tenant and model.
+    pub usage: UsageTable<'a>,
     /// The rings region as atomic words: other processes write it through
     /// atomics, so it is never viewed as plain bytes (which would claim it
     /// does not change while borrowed).
@@ -543,6 +546,7 @@ impl Segment {
         let segment_log = self.info.region(RegionKind::SegmentLog);
         let prefix = self.info.region(RegionKind::Prefix);
         let limits = self.info.region(RegionKind::Limits);
+        let usage = self.info.region(RegionKind::Usage);
         let control: &[LogControl] = self.region(RegionKind::ResponseLog, 0, 1);
         let segment_control: &[LogControl] = self.region(RegionKind::SegmentLog, 0, 1);
         Tables {
@@ -571,6 +575,10 @@ impl Segment {
             registry: Registry::new(self.region::<ProcessSlot>(RegionKind::Registry, 0, registry.count)),
             stats: Stats::new(self.region::<StatBlock>(RegionKind::Stats, 0, stats.count)),
             limits: LimitTable::new(self.region::<Bucket>(RegionKind::Limits, 0, limits.count), seed[3]),
+            usage: UsageTable::new(
+                self.region::<UsageEntry>(RegionKind::Usage, 0, usage.count),
+                seed[3].rotate_left(29),
+            ),
             rings: self.region::<AtomicU64>(
                 RegionKind::Rings,
                 0,

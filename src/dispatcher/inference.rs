@@ -12,7 +12,10 @@ use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 
+use shm_layout::UsageCounter;
+
 use super::Dispatcher;
+use super::accounting;
 use super::http::{
     BACKEND_HEADER, Body, CACHE_HEADER, DISPATCH_HEADER, full_response, json_response, set_header, set_static_header,
     upstream_headers,
@@ -180,6 +183,12 @@ pub(super) async fn inference(
         && let Some(mut response) = cached_answer(&stored, endpoint, &parsed)
     {
         dispatcher.metrics().cache(CacheResult::Hit);
+        accounting::count(
+            dispatcher,
+            caller.map(|c| c.tenant.as_str()),
+            pool.name(),
+            &[(UsageCounter::CacheHits, 1)],
+        );
         timing.mark(Mark::Cache);
         let answered = timing.start.elapsed().as_nanos() as u64;
         tracing::debug!(
@@ -233,6 +242,7 @@ pub(super) async fn inference(
         session,
         strip_usage,
         output: admitted.output.take(),
+        tenant: caller.map(|c| Arc::from(c.tenant.as_str())),
         share: Share {
             tenant: match caller {
                 Some(c) => Tenant::named(Scope::Tenant, &c.tenant).0,

@@ -42,6 +42,8 @@ pub(super) struct Learn {
     /// The rate-limit buckets its output tokens are charged to (the relay
     /// takes them: it charges an answer also when it does not end well).
     pub output: Option<OutputBuckets>,
+    /// Its caller's tenant (for the usage counts of its output tokens).
+    pub tenant: Option<Arc<str>>,
 }
 
 /// Builds the completion record of a finished answer (`answer`, in

@@ -82,6 +82,7 @@
 //! | `queue` | the gateway queue of the holding policies and its pump |
 //! | `models` | `GET /v1/models`: the live servers' lists merged |
 //! | `client_io` | the client's connection, its writes bounded in time |
+//! | `accounting` | a request's counts per tenant and per model in the segment's usage table (`semlb status`, `/metrics`) |
 //! | `inflight`, `timing`, `http`, `sse` | a request's in-flight count; its dispatch timing; HTTP helpers and OpenAI errors; SSE replay of cached answers |
 //!
 //! [`Dispatcher`] is defined here, with every method it has; its parts are
@@ -106,6 +107,7 @@
 //! on while an answer waits to be written (`client_io`: the connection is
 //! closed, which ends the upstream request and releases its count).
 
+mod accounting;
 mod client_io;
 mod http;
 mod inference;

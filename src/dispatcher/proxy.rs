@@ -32,7 +32,10 @@ use http_body_util::Full;
 use shm_layout::{Prediction, ResponseKey, ServerRef};
 use tokio::time::Sleep;
 
+use shm_layout::UsageCounter;
+
 use super::Dispatcher;
+use super::accounting;
 use super::http::{
     BACKEND_HEADER, Body, CACHE_HEADER, DISPATCH_HEADER, QUEUE_HEADER, ROUTE_HEADER, client_response_headers,
     error_response, set_header, set_static_header,
@@ -121,6 +124,8 @@ pub(super) struct InferenceCtx {
     pub output: Option<OutputBuckets>,
     /// Its tenant, class and cost in the gateway queue.
     pub share: Share,
+    /// Its caller's tenant (with `[auth]`), for the usage counts.
+    pub tenant: Option<Arc<str>>,
 }
 
 impl InferenceCtx {
@@ -313,7 +318,17 @@ impl<'d> Attempts<'d> {
                 )));
             }
         };
-        self.queued_ms = Some(self.queued_ms.unwrap_or(0) + since.elapsed().as_millis() as u64);
+        let waited = since.elapsed();
+        self.queued_ms = Some(self.queued_ms.unwrap_or(0) + waited.as_millis() as u64);
+        accounting::count(
+            dispatcher,
+            self.ctx.as_ref().and_then(|c| c.tenant.as_deref()),
+            self.outbound.pool.as_ref().and_then(|p| p.name()),
+            &[
+                (UsageCounter::Queued, 1),
+                (UsageCounter::QueueMicros, waited.as_micros() as u64),
+            ],
+        );
         let server = admitted.guard.server();
         let Some(info) = dispatcher.registration(server) else {
             let address = format!("the server in slot {}", server.slot);
@@ -587,6 +602,7 @@ impl<'d> Attempts<'d> {
                 timing: None,
                 pool: self.outbound.pool.clone(),
                 output: c.output.take(),
+                tenant: c.tenant.clone(),
             }),
             _ => None,
         };

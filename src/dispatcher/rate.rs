@@ -1,11 +1,15 @@
 //! The rate-limit step ([`crate::rate_limit`]): a request's buckets (its
 //! tenant's and its model pool's) charged through the store before it is
 //! routed, 429 when they have no room, and the `x-ratelimit-*` headers of
-//! the answer when they do.
+//! the answer when they do. It also counts the request, let in or
+//! refused, for its tenant and model (`super::accounting`).
 
 use http::{Response, StatusCode};
 
+use shm_layout::UsageCounter;
+
 use super::Dispatcher;
+use super::accounting;
 use super::http::{Body, json_response};
 use crate::auth::Caller;
 use crate::pools::Pool;
@@ -37,18 +41,25 @@ pub(super) async fn admit(
     pool: &Pool,
     prompt_tokens: u64,
 ) -> Result<Admitted, Response<Body>> {
+    let tenant = caller.map(|c| c.tenant.as_str());
+    let let_in = [(UsageCounter::Requests, 1), (UsageCounter::PromptTokens, prompt_tokens)];
     let buckets = RequestBuckets::new(caller.map_or(&[], |c| &c.limits), pool.limits());
     if buckets.is_empty() {
+        accounting::count(dispatcher, tenant, pool.name(), &let_in);
         return Ok(Admitted::default());
     }
     let charges = buckets.admission(prompt_tokens);
     let verdict = dispatcher.store().take_limits(&charges).await;
     match buckets.outcome(&verdict, prompt_tokens) {
-        Outcome::Allowed(headroom) => Ok(Admitted {
-            headroom: Some(headroom),
-            output: buckets.output(),
-        }),
+        Outcome::Allowed(headroom) => {
+            accounting::count(dispatcher, tenant, pool.name(), &let_in);
+            Ok(Admitted {
+                headroom: Some(headroom),
+                output: buckets.output(),
+            })
+        }
         Outcome::Refused(refusal) => {
+            accounting::count(dispatcher, tenant, pool.name(), &[(UsageCounter::RateLimited, 1)]);
             tracing::debug!(
                 tenant = caller.map(|c| c.tenant.as_str()),
                 model = pool.name(),

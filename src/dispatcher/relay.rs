@@ -50,7 +50,10 @@ use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
 use std::time::Instant;
 use tokio::time::Sleep;
 
+use shm_layout::UsageCounter;
+
 use super::Dispatcher;
+use super::accounting;
 use super::http::{Body, BoxError};
 use super::inflight::InflightGuard;
 use super::learn::{Learn, push_completion};
@@ -201,6 +204,8 @@ pub(super) struct Relay {
     sse: bool,
     /// The rate-limit buckets its output tokens are charged to.
     output: Option<OutputBuckets>,
+    /// Whose output tokens are counted (tenant, model pool), until they are.
+    counted: Option<(Option<Arc<str>>, Option<String>)>,
 }
 
 impl Relay {
@@ -219,6 +224,10 @@ impl Relay {
         strip_usage: bool,
     ) -> Self {
         let output = learn.as_mut().and_then(|l| l.output.take());
+        let counted = learn.as_ref().and_then(|l| {
+            let model = l.pool.as_ref().and_then(|p| p.name()).map(str::to_owned);
+            (l.tenant.is_some() || model.is_some()).then(|| (l.tenant.clone(), model))
+        });
         let capture = learn.as_ref().map(|learn| {
             if sse {
                 // A stream that may be cached is kept whole while it can
@@ -252,15 +261,31 @@ impl Relay {
             strip: (sse && strip_usage).then(UsageStrip::default),
             sse,
             output,
+            counted,
         }
     }
 
-    /// Charges the answer's output tokens to its buckets (once).
+    /// Charges the answer's output tokens to its buckets and counts them
+    /// for its tenant and model (once).
     fn charge_output(&mut self) {
-        let Some(buckets) = self.output.take() else { return };
+        let (buckets, counted) = (self.output.take(), self.counted.take());
+        if buckets.is_none() && counted.is_none() {
+            return;
+        }
         let tokens = self.capture.as_ref().map_or(0, Capture::output_tokens);
-        if tokens > 0 {
+        if tokens == 0 {
+            return;
+        }
+        if let Some(buckets) = buckets {
             self.dispatcher.store().charge_limits(&buckets.charges(tokens));
+        }
+        if let Some((tenant, model)) = counted {
+            accounting::count(
+                &self.dispatcher,
+                tenant.as_deref(),
+                model.as_deref(),
+                &[(UsageCounter::OutputTokens, tokens)],
+            );
         }
     }
 

@@ -46,7 +46,7 @@
 
 use std::fmt::Write as _;
 
-use shm_layout::{LoadFigures, ProcessState, Role, STAT_WORDS, ServerState, Stats, Tables};
+use shm_layout::{LoadFigures, ProcessState, Role, STAT_WORDS, ServerState, Stats, Tables, UsageRow};
 
 use crate::responder::ResponderStats;
 

@@ -24,6 +24,8 @@ pub struct Snapshot {
     /// The weight each running dispatcher's `cost` policy tunes:
     /// `(registry slot, weight)`.
     pub cost_weights: Vec<(u16, f64)>,
+    /// Usage per tenant and model ([`shm_layout::usage_table`]).
+    pub usage: Vec<UsageRow>,
 }
 
 impl Snapshot {
@@ -73,6 +75,7 @@ impl Snapshot {
             ring_dropped: (0..tables.ring_count()).map(|i| tables.ring(i).stats().dropped).sum(),
             restarts,
             cost_weights,
+            usage: tables.usage.rows(),
         }
     }
 
@@ -449,6 +452,8 @@ impl Snapshot {
             }
         }
 
+        self.render_usage(o);
+
         let gauges = [
             (
                 "semlb_prefix_table_entries",
@@ -516,6 +521,59 @@ impl Snapshot {
                 self.counter(h.sum_word()) as f64 / h.scale,
             );
             sample(o, &format!("{name}_count"), &labels, cumulative);
+        }
+    }
+}
+
+impl Snapshot {
+    /// The usage families, per tenant (`semlb_tenant_*{tenant}`) and per
+    /// model (`semlb_model_*{model}`).
+    fn render_usage(&self, o: &mut String) {
+        use shm_layout::{UsageCounter as C, UsageKind};
+        for (kind, who) in [(UsageKind::Tenant, "tenant"), (UsageKind::Model, "model")] {
+            let rows: Vec<&UsageRow> = self.usage.iter().filter(|r| r.kind == kind).collect();
+            let counters = [
+                ("requests_total", "Inference requests let in", C::Requests),
+                (
+                    "rate_limited_total",
+                    "Requests refused by a rate limit (429)",
+                    C::RateLimited,
+                ),
+                (
+                    "cache_hits_total",
+                    "Requests answered from the response cache",
+                    C::CacheHits,
+                ),
+                ("queued_total", "Requests that waited in the gateway queue", C::Queued),
+            ];
+            for (suffix, help, counter) in counters {
+                let name = format!("semlb_{who}_{suffix}");
+                family(o, &name, "counter", &format!("{help}, per {who}."));
+                for r in &rows {
+                    sample(o, &name, &[(who, &r.name)], r.get(counter));
+                }
+            }
+            let name = format!("semlb_{who}_tokens_total");
+            family(
+                o,
+                &name,
+                "counter",
+                &format!("Prompt tokens (the gateway's count) and output tokens, per {who}."),
+            );
+            for r in &rows {
+                sample(o, &name, &[(who, &r.name), ("type", "prompt")], r.get(C::PromptTokens));
+                sample(o, &name, &[(who, &r.name), ("type", "output")], r.get(C::OutputTokens));
+            }
+            let name = format!("semlb_{who}_queue_seconds_total");
+            family(
+                o,
+                &name,
+                "counter",
+                &format!("Seconds requests waited in the gateway queue, summed, per {who}."),
+            );
+            for r in &rows {
+                sample_f(o, &name, &[(who, &r.name)], r.get(C::QueueMicros) as f64 / 1e6);
+            }
         }
     }
 }

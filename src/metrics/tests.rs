@@ -15,6 +15,7 @@ fn empty() -> Snapshot {
         ring_dropped: 0,
         restarts: [0; 2],
         cost_weights: Vec::new(),
+        usage: Vec::new(),
     }
 }
 

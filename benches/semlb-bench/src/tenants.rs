@@ -106,10 +106,12 @@ pub fn run(args: &TenantsArgs) -> Result<()> {
     for (mode, config) in modes(args) {
         let engines = start_engines(args)?;
         let config = TempFile::try_new("bench-tenants", &config)?;
-        let mut gateway = serve(args, &engines, &config)?;
+        let shm = semlb_test_support::process::unique("bench-tenants", "gw");
+        let mut gateway = serve(args, &shm, &engines, &config)?;
         let addr: SocketAddr = gateway.addr.parse()?;
         let samples = load(args, addr);
         gateway.stop();
+        let _ = shm_layout::Segment::remove(&shm);
         let from = Duration::from_secs(args.warm_secs);
         let mut figures = serde_json::Map::new();
         for (quiet, tenant) in [(true, "quiet"), (false, "noisy")] {
@@ -196,15 +198,14 @@ fn start_engines(args: &TenantsArgs) -> Result<Vec<Proc>> {
         .collect()
 }
 
-/// `semlb serve` in front of `engines` with `config`.
-fn serve(args: &TenantsArgs, engines: &[Proc], config: &TempFile) -> Result<Proc> {
-    let shm = semlb_test_support::process::unique("bench-tenants", "gw");
+/// `semlb serve` on segment `shm` in front of `engines` with `config`.
+fn serve(args: &TenantsArgs, shm: &str, engines: &[Proc], config: &TempFile) -> Result<Proc> {
     let mut argv: Vec<String> = [
         "serve",
         "--listen",
         "127.0.0.1:0",
         "--shm-name",
-        &shm,
+        shm,
         "--shm-size",
         "64MiB",
     ]
