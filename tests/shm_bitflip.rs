@@ -67,7 +67,7 @@ use shm_layout::{
 /// The smallest segment: every region exists, and scans and random flips cover it
 /// four times faster than a 32 MiB one.
 const SEGMENT_BYTES: u64 = 8 << 20;
-const HEADER_BYTES: usize = 448;
+const HEADER_BYTES: usize = 480;
 const EPOCHS: u64 = 8;
 const ROUNDS: u64 = 25;
 const SEED: u64 = 0x5eed_b17f_11b5;
