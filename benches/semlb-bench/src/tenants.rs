@@ -293,6 +293,5 @@ fn load(args: &TenantsArgs, addr: SocketAddr) -> Vec<Sample> {
             let _ = t.await;
         }
     });
-    let all = samples.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    all
+    samples.lock().unwrap_or_else(|p| p.into_inner()).clone()
 }
