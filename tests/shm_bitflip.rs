@@ -37,9 +37,11 @@
 //!    dead producer, as documented). Eight fresh segments × 25 rounds, fixed
 //!    seed.
 //! 3. Targeted sweeps flip every single bit of some populated prefix slots,
-//!    response records with their index slots, server slots, and ring
-//!    records and control words, checking after each flip and restoring it.
-//! 4. Every bit of the 352-byte header, and random patterns, make
+//!    response records with their index slots, server slots, rate-limit
+//!    slots, usage entries (a row reads as written, or is missing, or has a
+//!    wrong sum: never a name that was not written), and ring records and
+//!    control words, checking after each flip and restoring it.
+//! 4. Every bit of the 480-byte header, and random patterns, make
 //!    [`Segment::open`] fail with an error (never a panic); the rest of the
 //!    header page is reserved padding that `open` ignores.
 //!
@@ -61,7 +63,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use shm_layout::{
     LayoutPlan, Pop, Quota, RegionKind, ResponseKey, Role, Segment, ServerRef, ServerState, ServerTag, Stamp, Tables,
-    Taken,
+    Taken, UsageCounter, UsageKind, UsageRow,
 };
 
 /// The smallest segment: every region exists, and scans and random flips cover it
@@ -206,6 +208,8 @@ struct Model {
     rings: Vec<(usize, HashSet<Vec<u8>>)>,
     /// Rate-limit buckets: key and the units left at [`LIMIT_NOW`].
     limits: Vec<(u64, u64)>,
+    /// The usage table's rows.
+    usage: Vec<UsageRow>,
 }
 
 /// The rate limits' quota and the instant they are read at (fixed, so the
@@ -341,6 +345,25 @@ fn populate(seg: &Segment, rng: &mut Rng, sizes: &Sizes) -> Model {
         })
         .collect();
 
+    // Usage of a few tenants and models.
+    for i in 0..24u64 {
+        let (kind, name) = if i % 3 == 0 {
+            (UsageKind::Model, format!("model-{i}"))
+        } else {
+            (UsageKind::Tenant, format!("tenant-{i}"))
+        };
+        assert!(t.usage.add(
+            kind,
+            &name,
+            &[
+                (UsageCounter::Requests, i + 1),
+                (UsageCounter::PromptTokens, 100 * i + 7)
+            ]
+        ));
+    }
+    let usage = t.usage.rows();
+    assert_eq!(usage.len(), 24);
+
     let model = Model {
         servers,
         chains,
@@ -348,6 +371,7 @@ fn populate(seg: &Segment, rng: &mut Rng, sizes: &Sizes) -> Model {
         responses,
         rings,
         limits,
+        usage,
     };
     // Before any corruption, everything reads back exactly.
     assert_eq!(check(&t, &model, true), Ok(()), "fresh segment differs from the model");
@@ -420,6 +444,17 @@ fn check(t: &Tables<'_>, m: &Model, exact: bool) -> Result<(), String> {
         let got = t.limits.peek(*key, LIMIT_QUOTA, LIMIT_NOW).remaining;
         if got < *left || (exact && got != *left) || got > LIMIT_QUOTA.limit {
             return Err(format!("limit {key:#x}: {got} left, model {left}"));
+        }
+    }
+    // Usage rows read as written, or (corrupt) are missing or have one
+    // wrong sum: never a name or kind that was not written.
+    let rows = t.usage.rows();
+    if exact && rows != m.usage {
+        return Err(format!("usage: {rows:?}, model {:?}", m.usage));
+    }
+    for r in &rows {
+        if !m.usage.iter().any(|w| w.kind == r.kind && w.name == r.name) {
+            return Err(format!("usage: a row never written: {r:?}"));
         }
     }
     for s in &m.servers {
@@ -574,6 +609,22 @@ fn every_bit_of_limit_slots() {
             .collect();
         assert_eq!(words.len(), 2 * m.limits.len(), "two words per slot");
         every_bit(seg, &m, &words, "limit slot", backing);
+    });
+}
+
+#[test]
+fn every_bit_of_usage_entries() {
+    on_both_backings("usage", |seg, backing| {
+        let m = populate(seg, &mut Rng(SEED), &SMALL);
+        let words: Vec<usize> = populated_words(seg)
+            .into_iter()
+            .filter(|w| region_words(seg, RegionKind::Usage).contains(w))
+            .collect();
+        assert!(
+            words.len() >= 4 * m.usage.len(),
+            "key, meta, name and counters of each entry"
+        );
+        every_bit(seg, &m, &words, "usage entry", backing);
     });
 }
 
