@@ -171,6 +171,17 @@ pub struct Bucket {
     pub owner: Arc<str>,
 }
 
+impl Bucket {
+    /// `n` units of it.
+    pub fn charge(&self, n: u64) -> Charge {
+        Charge {
+            key: self.key,
+            quota: self.quota,
+            n,
+        }
+    }
+}
+
 /// `n` units of a bucket, as a store takes them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Charge {
@@ -260,13 +271,11 @@ impl RequestBuckets {
     pub fn admission(&self, prompt_tokens: u64) -> Vec<Charge> {
         self.buckets
             .iter()
-            .map(|b| Charge {
-                key: b.key,
-                quota: b.quota,
-                n: match b.unit {
+            .map(|b| {
+                b.charge(match b.unit {
                     Unit::Requests => 1,
                     Unit::Tokens => prompt_tokens,
-                },
+                })
             })
             .collect()
     }
@@ -344,14 +353,7 @@ pub struct OutputBuckets {
 impl OutputBuckets {
     /// The charges of `tokens` output tokens.
     pub fn charges(&self, tokens: u64) -> Vec<Charge> {
-        self.buckets
-            .iter()
-            .map(|b| Charge {
-                key: b.key,
-                quota: b.quota,
-                n: tokens,
-            })
-            .collect()
+        self.buckets.iter().map(|b| b.charge(tokens)).collect()
     }
 }
 

@@ -243,7 +243,8 @@ pub(super) async fn inference(
         strip_usage,
         output: admitted.output.take(),
         tenant: caller.map(|c| Arc::from(c.tenant.as_str())),
-        share: Share {
+        // Only a policy that holds requests orders them by it.
+        share: pool.policy().current_arc().holds_requests().then(|| Share {
             tenant: match caller {
                 Some(c) => Tenant::named(Scope::Tenant, &c.tenant).0,
                 None => Tenant::of(Scope::Tenant, &parts.headers).0,
@@ -253,7 +254,7 @@ pub(super) async fn inference(
                 .lowered_by(parts.headers.get(PRIORITY_HEADER).map(HeaderValue::as_bytes)),
             weight: caller.map_or(1, |c| c.weight),
             cost: Share::cost_of(prompt_tokens_len, parsed.requested_output()),
-        },
+        }),
     };
     let outbound = Outbound {
         method: Method::POST,

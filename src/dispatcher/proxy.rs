@@ -122,8 +122,9 @@ pub(super) struct InferenceCtx {
     pub strip_usage: bool,
     /// The rate-limit buckets its output tokens are charged to.
     pub output: Option<OutputBuckets>,
-    /// Its tenant, class and cost in the gateway queue.
-    pub share: Share,
+    /// Its tenant, class and cost in the gateway queue (`None`: its pool's
+    /// policy never queues).
+    pub share: Option<Share>,
     /// Its caller's tenant (with `[auth]`), for the usage counts.
     pub tenant: Option<Arc<str>>,
 }
@@ -268,7 +269,7 @@ impl<'d> Attempts<'d> {
                 hasher: c.hasher,
                 answer_tokens: c.answer_tokens,
             }),
-            share: self.ctx.as_ref().map(|c| c.share),
+            share: self.ctx.as_ref().and_then(|c| c.share),
         };
         match choose(dispatcher, route, &self.failed, self.first_lookup.take()).await {
             Routed::Chosen(chosen, guard) => Ok((chosen, guard)),

@@ -61,6 +61,7 @@ use super::route::{passive_failure, passive_success};
 use super::usage::UsageStrip;
 use crate::answer::{AnswerForm, EventStreamText, Reported, answer_text};
 use crate::failure::Failure;
+use crate::pools::Pool;
 use crate::rate_limit::{OutputBuckets, output_tokens};
 
 /// Largest non-streaming answer kept to learn from (bytes).
@@ -205,7 +206,15 @@ pub(super) struct Relay {
     /// The rate-limit buckets its output tokens are charged to.
     output: Option<OutputBuckets>,
     /// Whose output tokens are counted (tenant, model pool), until they are.
-    counted: Option<(Option<Arc<str>>, Option<String>)>,
+    counted: Option<Counted>,
+}
+
+/// Whose output tokens an answer counts for (`super::accounting`).
+#[derive(Debug)]
+struct Counted {
+    tenant: Option<Arc<str>>,
+    /// A named model pool.
+    pool: Option<Arc<Pool>>,
 }
 
 impl Relay {
@@ -225,8 +234,11 @@ impl Relay {
     ) -> Self {
         let output = learn.as_mut().and_then(|l| l.output.take());
         let counted = learn.as_ref().and_then(|l| {
-            let model = l.pool.as_ref().and_then(|p| p.name()).map(str::to_owned);
-            (l.tenant.is_some() || model.is_some()).then(|| (l.tenant.clone(), model))
+            let pool = l.pool.clone().filter(|p| p.name().is_some());
+            (l.tenant.is_some() || pool.is_some()).then(|| Counted {
+                tenant: l.tenant.clone(),
+                pool,
+            })
         });
         let capture = learn.as_ref().map(|learn| {
             if sse {
@@ -279,11 +291,11 @@ impl Relay {
         if let Some(buckets) = buckets {
             self.dispatcher.store().charge_limits(&buckets.charges(tokens));
         }
-        if let Some((tenant, model)) = counted {
+        if let Some(Counted { tenant, pool }) = counted {
             accounting::count(
                 &self.dispatcher,
                 tenant.as_deref(),
-                model.as_deref(),
+                pool.as_ref().and_then(|p| p.name()),
                 &[(UsageCounter::OutputTokens, tokens)],
             );
         }

@@ -173,17 +173,17 @@ pub fn run(args: &StateArgs) -> Result<()> {
 
 /// Fresh simulated engines: every mode starts with empty KV caches.
 fn start_engines(args: &StateArgs) -> Result<Vec<Proc>> {
-    (0..args.engines)
+    start_sims(args.engines, &args.time_scale.to_string(), &[])
+}
+
+/// `n` fresh simulated engines at `time_scale`, with `extra` arguments of
+/// `semlb __sim`.
+pub(crate) fn start_sims(n: usize, time_scale: &str, extra: &[&str]) -> Result<Vec<Proc>> {
+    (0..n)
         .map(|_| {
-            ProcBuilder::new([
-                "__sim",
-                "--listen",
-                "127.0.0.1:0",
-                "--time-scale",
-                &args.time_scale.to_string(),
-            ])
-            .try_start()
-            .map_err(anyhow::Error::from)
+            let mut argv = vec!["__sim", "--listen", "127.0.0.1:0", "--time-scale", time_scale];
+            argv.extend_from_slice(extra);
+            ProcBuilder::new(argv).try_start().map_err(anyhow::Error::from)
         })
         .collect()
 }

@@ -179,23 +179,10 @@ impl Figures {
     }
 }
 
-/// Fresh simulated engines in real time.
+/// Fresh simulated engines in real time, `--max-num-seqs` each.
 fn start_engines(args: &TenantsArgs) -> Result<Vec<Proc>> {
-    (0..args.engines)
-        .map(|_| {
-            ProcBuilder::new([
-                "__sim",
-                "--listen",
-                "127.0.0.1:0",
-                "--time-scale",
-                "1",
-                "--max-num-seqs",
-                &args.max_num_seqs.to_string(),
-            ])
-            .try_start()
-            .map_err(anyhow::Error::from)
-        })
-        .collect()
+    let seqs = args.max_num_seqs.to_string();
+    crate::state::start_sims(args.engines, "1", &["--max-num-seqs", &seqs])
 }
 
 /// `semlb serve` on segment `shm` in front of `engines` with `config`.
