@@ -17,6 +17,25 @@
 //! | `GET /admin/tables` | fill of the prefix table and the response cache's index |
 //! | `POST /admin/flush/prefixes` | empties the prefix table (`{"removed": n}`) |
 //! | `POST /admin/flush/responses` | empties the response cache (`{"removed": n}`) |
+//! | `GET /admin/models` | the model pools in force, each as its `[[model]]` table in JSON with `"source"`: `config` (the configuration file's) or `admin` (added or replaced here) |
+//! | `GET /admin/models/{name}` | one pool |
+//! | `POST /admin/models` `{"name": ..., "backends": [...], ...}` | adds a pool (`201`; `409` if a pool answers to its name or an alias) |
+//! | `PUT /admin/models/{name}` `{...}` | adds or replaces the pool `name` whole (`200` replaced, `201` added) |
+//! | `DELETE /admin/models/{name}` | removes a pool (`404` unknown; `409` while adapters name it as their base) |
+//!
+//! A pool's body is a `[[model]]` table in JSON, with the same keys and
+//! checks ([`semlb::config::models`]); its backends are `[[backend]]`
+//! names or URLs (a URL the file does not list becomes a backend while a
+//! pool names it); `tokenizer` and `chat_template` are absolute paths on
+//! the gateway host and are loaded before the change is taken. A name with
+//! `/` (`meta-llama/Llama-3.1-8B`) goes in the path as it is, or
+//! percent-encoded. Pool changes are kept in `admin.models_file`
+//! ([`semlb::config::ModelChanges`]; without it they answer `409`), so they
+//! outlive reloads, restarts of a dispatcher and of the service. A change
+//! is a reload: the supervisor applies it, then every dispatcher; the
+//! answer comes once every dispatcher routes by it (its `dispatchers`
+//! field says how many do), so the next request already sees it, or, if
+//! one has not within [`APPLY_PATIENCE`], `202` with `"applied": false`.
 //!
 //! This module only speaks HTTP: each request becomes a [`Request`] sent
 //! over a channel to the supervisor's loop ([`crate::supervisor`]; its
@@ -27,20 +46,25 @@
 //! servers added here and not listed there.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::{Method, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use semlb::config::BackendConfig;
+use semlb::config::{BackendConfig, ModelConfig};
 use serde::Deserialize;
 use serde_json::{Value, json};
+use shm_layout::{ProcessState, Role, Segment};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
 /// Largest request body accepted.
 const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// How long a pool change waits for every dispatcher to route by it.
+pub const APPLY_PATIENCE: Duration = Duration::from_secs(30);
 
 /// What an admin request asks the supervisor to do.
 #[derive(Debug)]
@@ -61,6 +85,20 @@ pub enum Request {
     FlushPrefixes,
     /// Empty the response cache.
     FlushResponses,
+    /// List the model pools.
+    ListModels,
+    /// One model pool, by name.
+    GetModel(String),
+    /// Add a pool (`replace` false: refused if its name is taken) or add
+    /// or replace it (`replace` true).
+    SetModel {
+        /// The pool (not yet validated).
+        model: Box<ModelConfig>,
+        /// Whether a pool of its name is replaced.
+        replace: bool,
+    },
+    /// Remove the pool of this name.
+    RemoveModel(String),
 }
 
 /// The supervisor's answer: a status and a JSON body.
@@ -70,12 +108,28 @@ pub struct Reply {
     pub status: StatusCode,
     /// JSON body.
     pub body: Value,
+    /// The configuration revision the change made: the answer waits until
+    /// every dispatcher runs it ([`APPLY_PATIENCE`]).
+    pub revision: Option<u64>,
 }
 
 impl Reply {
     /// A success with `body`.
     pub fn new(status: StatusCode, body: Value) -> Self {
-        Self { status, body }
+        Self {
+            status,
+            body,
+            revision: None,
+        }
+    }
+
+    /// A change that made configuration `revision`: answered once every
+    /// dispatcher runs it.
+    pub fn applied(status: StatusCode, body: Value, revision: u64) -> Self {
+        Self {
+            revision: Some(revision),
+            ..Self::new(status, body)
+        }
     }
 
     /// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`.
@@ -85,10 +139,10 @@ impl Reply {
         } else {
             "invalid_request_error"
         };
-        Self {
+        Self::new(
             status,
-            body: json!({"error": {"message": message.into(), "type": kind, "param": null, "code": code}}),
-        }
+            json!({"error": {"message": message.into(), "type": kind, "param": null, "code": code}}),
+        )
     }
 
     /// `404`: no server in `slot`.
@@ -120,14 +174,60 @@ pub const MAX_ADMIN_CONNECTIONS: usize = 16;
 
 /// Serves the admin API on `listener` until the task is dropped; each
 /// request is checked against `token` and handed to `commands`; at most
-/// [`MAX_ADMIN_CONNECTIONS`] connections at once.
-pub async fn serve(listener: TcpListener, token: String, commands: mpsc::Sender<Command>) {
+/// [`MAX_ADMIN_CONNECTIONS`] connections at once. `segment` tells when
+/// the dispatchers run a change.
+pub async fn serve(listener: TcpListener, token: String, commands: mpsc::Sender<Command>, segment: Arc<Segment>) {
     let token: Arc<[u8]> = Arc::from(token.into_bytes());
     crate::side_listener::serve(listener, "admin API", MAX_ADMIN_CONNECTIONS, move |request| {
-        let (token, commands) = (token.clone(), commands.clone());
-        async move { respond(handle(request, &token, &commands).await) }
+        let (token, commands, segment) = (token.clone(), commands.clone(), segment.clone());
+        async move {
+            let mut reply = handle(request, &token, &commands).await;
+            if let Some(revision) = reply.revision {
+                await_dispatchers(&segment, revision, &mut reply).await;
+            }
+            respond(reply)
+        }
     })
     .await;
+}
+
+/// Waits until every dispatcher (starting or running) runs configuration
+/// `revision` or later, for up to [`APPLY_PATIENCE`], and says in `reply`
+/// how many do (`202` with `"applied": false` when not all).
+async fn await_dispatchers(segment: &Segment, revision: u64, reply: &mut Reply) {
+    let registry = segment.tables().registry;
+    let count = || {
+        let dispatchers = registry.processes().filter(|p| {
+            p.role == Some(Role::Dispatcher) && matches!(p.state, ProcessState::Starting | ProcessState::Running)
+        });
+        dispatchers.fold((0, 0), |(applied, all), p| {
+            (applied + usize::from(p.revision >= revision), all + 1)
+        })
+    };
+    let deadline = tokio::time::Instant::now() + APPLY_PATIENCE;
+    // Other processes publish in shared memory: nothing to wait on but
+    // the table itself, looked at every few milliseconds.
+    let (mut applied, mut all) = count();
+    while applied < all && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        (applied, all) = count();
+    }
+    if let Some(body) = reply.body.as_object_mut() {
+        body.insert("revision".into(), json!(revision));
+        body.insert("dispatchers".into(), json!({"applied": applied, "running": all}));
+        body.insert("applied".into(), json!(applied == all));
+        if applied < all {
+            reply.status = StatusCode::ACCEPTED;
+            body.insert(
+                "message".into(),
+                json!(format!(
+                    "the change is kept and the supervisor applied it, but {} of {all} dispatchers do not route by it after {} s; see the gateway's log",
+                    all - applied,
+                    APPLY_PATIENCE.as_secs()
+                )),
+            );
+        }
+    }
 }
 
 /// Whether `a` and `b` are equal, in a time that depends on their lengths
@@ -197,6 +297,20 @@ fn route(method: &Method, path: &str) -> Result<RouteKind, Reply> {
             Method::GET => Ok(RouteKind::Slot(Request::Tables)),
             _ => Err(allow("GET")),
         },
+        ["admin", "models"] => match *method {
+            Method::GET => Ok(RouteKind::Slot(Request::ListModels)),
+            Method::POST => Ok(RouteKind::AddModel),
+            _ => Err(allow("GET or POST")),
+        },
+        ["admin", "models", name @ ..] => {
+            let name = model_name(&name.join("/"))?;
+            match *method {
+                Method::GET => Ok(RouteKind::Slot(Request::GetModel(name))),
+                Method::PUT => Ok(RouteKind::PutModel(name)),
+                Method::DELETE => Ok(RouteKind::Slot(Request::RemoveModel(name))),
+                _ => Err(allow("GET, PUT or DELETE")),
+            }
+        }
         ["admin", "flush", what @ ("prefixes" | "responses")] => match *method {
             Method::POST => Ok(RouteKind::Slot(if *what == "prefixes" {
                 Request::FlushPrefixes
@@ -208,11 +322,30 @@ fn route(method: &Method, path: &str) -> Result<RouteKind, Reply> {
         _ => Err(Reply::error(
             StatusCode::NOT_FOUND,
             format!(
-                "no admin route {method} {path}; see /admin/servers, /admin/servers/{{slot}}[/drain|/undrain], /admin/tables, /admin/flush/prefixes, /admin/flush/responses"
+                "no admin route {method} {path}; see /admin/servers, /admin/servers/{{slot}}[/drain|/undrain], /admin/models[/{{name}}], /admin/tables, /admin/flush/prefixes, /admin/flush/responses"
             ),
             "not_found",
         )),
     }
+}
+
+/// A model's name as the path gives it (percent-decoded).
+fn model_name(text: &str) -> Result<String, Reply> {
+    let decoded = percent_encoding::percent_decode_str(text).decode_utf8().map_err(|_| {
+        Reply::error(
+            StatusCode::BAD_REQUEST,
+            "the model name in the path is not UTF-8 once percent-decoded",
+            "invalid_model_name",
+        )
+    })?;
+    if decoded.is_empty() {
+        return Err(Reply::error(
+            StatusCode::BAD_REQUEST,
+            "name the model: /admin/models/{name}",
+            "invalid_model_name",
+        ));
+    }
+    Ok(decoded.into_owned())
 }
 
 /// What a route needs: a body to parse, or nothing more.
@@ -221,8 +354,66 @@ enum RouteKind {
     List,
     /// `POST /admin/servers`: parse the body.
     Add,
+    /// `POST /admin/models`: parse the body.
+    AddModel,
+    /// `PUT /admin/models/{name}`: parse the body.
+    PutModel(String),
     /// A request that needs no body.
     Slot(Request),
+}
+
+/// The request's body as JSON, at most [`MAX_BODY_BYTES`]; `shape` says
+/// what it should look like in the error for one that is not JSON.
+async fn json_body(request: http::Request<Incoming>, shape: &str) -> Result<Value, Reply> {
+    let body = match Limited::new(request.into_body(), MAX_BODY_BYTES).collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(e) => {
+            let too_large = e.downcast_ref::<http_body_util::LengthLimitError>().is_some();
+            return Err(if too_large {
+                Reply::error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!("the body is larger than {MAX_BODY_BYTES} bytes"),
+                    "body_too_large",
+                )
+            } else {
+                Reply::error(
+                    StatusCode::BAD_REQUEST,
+                    format!("cannot read the body: {e}"),
+                    "bad_body",
+                )
+            });
+        }
+    };
+    serde_json::from_slice(&body).map_err(|e| {
+        Reply::error(
+            StatusCode::BAD_REQUEST,
+            format!("the body must be JSON {shape}: {e}"),
+            "invalid_json",
+        )
+    })
+}
+
+/// A model pool from a JSON body (`named`: the name the path gives, which
+/// the body may leave out or must repeat).
+fn model_of(mut body: Value, named: Option<&str>) -> Result<ModelConfig, Reply> {
+    let bad = |message: String| Reply::error(StatusCode::BAD_REQUEST, message, "invalid_model");
+    let Some(object) = body.as_object_mut() else {
+        return Err(bad("the body must be a JSON object: a [[model]] table".into()));
+    };
+    if let Some(named) = named {
+        match object.get("name") {
+            None => {
+                object.insert("name".into(), json!(named));
+            }
+            Some(name) if name == named => {}
+            Some(name) => {
+                return Err(bad(format!(
+                    "the body names {name}, the path {named:?}; rename a pool by adding the new one and removing the old"
+                )));
+            }
+        }
+    }
+    serde_json::from_value(body).map_err(|e| bad(format!("not a [[model]] table: {e}")))
 }
 
 /// Answers one request.
@@ -242,39 +433,39 @@ async fn handle(request: http::Request<Incoming>, token: &[u8], commands: &mpsc:
         RouteKind::List => Request::ListServers,
         RouteKind::Slot(command) => command,
         RouteKind::Add => {
-            let body = match Limited::new(request.into_body(), MAX_BODY_BYTES).collect().await {
-                Ok(body) => body.to_bytes(),
-                Err(e) => {
-                    let too_large = e.downcast_ref::<http_body_util::LengthLimitError>().is_some();
-                    return if too_large {
-                        Reply::error(
-                            StatusCode::PAYLOAD_TOO_LARGE,
-                            format!("the body is larger than {MAX_BODY_BYTES} bytes"),
-                            "body_too_large",
-                        )
-                    } else {
-                        Reply::error(
-                            StatusCode::BAD_REQUEST,
-                            format!("cannot read the body: {e}"),
-                            "bad_body",
-                        )
-                    };
-                }
-            };
-            match serde_json::from_slice::<AddServer>(&body) {
+            let shape = r#"{"url": "http://host:port", "name": "..."} (name optional)"#;
+            let parsed = json_body(request, shape).await.and_then(|body| {
+                serde_json::from_value::<AddServer>(body).map_err(|e| {
+                    Reply::error(
+                        StatusCode::BAD_REQUEST,
+                        format!("the body must be JSON {shape}: {e}"),
+                        "invalid_json",
+                    )
+                })
+            });
+            match parsed {
                 Ok(add) => Request::AddServer(BackendConfig {
                     name: add.name,
                     ..BackendConfig::new(add.url)
                 }),
-                Err(e) => {
-                    return Reply::error(
-                        StatusCode::BAD_REQUEST,
-                        format!(
-                            "the body must be JSON {{\"url\": \"http://host:port\", \"name\": \"...\"}} (name optional): {e}"
-                        ),
-                        "invalid_json",
-                    );
-                }
+                Err(reply) => return reply,
+            }
+        }
+        RouteKind::AddModel | RouteKind::PutModel(_) => {
+            let named = match &kind {
+                RouteKind::PutModel(name) => Some(name.clone()),
+                _ => None,
+            };
+            let shape = r#"{"name": "...", "backends": ["..."], ...} (a [[model]] table)"#;
+            let model = json_body(request, shape)
+                .await
+                .and_then(|body| model_of(body, named.as_deref()));
+            match model {
+                Ok(model) => Request::SetModel {
+                    model: Box::new(model),
+                    replace: named.is_some(),
+                },
+                Err(reply) => return reply,
             }
         }
     };

@@ -31,7 +31,7 @@ use semlb::responder_loop::ResponderLoop;
 use semlb::segment_store::ShmSegmentStore;
 use semlb::store::RoutingStore;
 use semlb::store::redis::{RedisRouting, RedisWriteBack};
-use shm_layout::{Membership, OpenError, Segment};
+use shm_layout::{Membership, OpenError, SUPERVISOR_SLOT, Segment};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::cli::{ChildArgs, ChildRole, SimArgs};
@@ -128,6 +128,7 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
             )?),
         };
         let keys = config.auth.keys_file.as_deref().map(Keys::load).transpose()?;
+        let registry_segment = segment.clone();
         let mut dispatcher = Dispatcher::new(segment, identity, Arc::new(config), loader)?;
         dispatcher.set_keys(keys);
         if let Some(store) = store {
@@ -136,6 +137,7 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
         let dispatcher = Arc::new(dispatcher);
         tokio::spawn(reload_models_on_hup(
             hup,
+            registry_segment,
             dispatcher.clone(),
             args.serve.clone(),
             running,
@@ -189,31 +191,44 @@ fn spawn_heartbeat(segment: Arc<Segment>, slot: u16, incarnation: u32, watch: Ar
 /// not load and a keys file that does not read keep what runs. Also
 /// checks once at start, for a reload signalled before the handler was
 /// installed.
+///
+/// Each time, it first reads the configuration revision the supervisor
+/// published (in its registry slot, 0), and once it runs what it resolved
+/// after that, publishes the same revision in its own slot: the admin API
+/// answers a pool change when every dispatcher has (a pool that failed to
+/// build publishes nothing, and the admin API says so).
 async fn reload_models_on_hup(
     mut hup: tokio::signal::unix::Signal,
+    segment: Arc<Segment>,
     dispatcher: Arc<Dispatcher>,
     serve: crate::cli::ServeArgs,
     mut running: (Vec<ModelConfig>, semlb::routing::PolicyConfig),
 ) {
-    let ring = dispatcher.identity().ring;
+    let identity = dispatcher.identity();
+    let ring = identity.ring;
+    let registry = segment.tables().registry;
     let mut first = true;
     loop {
+        let wanted = registry.get(SUPERVISOR_SLOT).map_or(0, |p| p.revision);
         match ServeConfig::resolve(serve.config.as_deref(), serve.overrides()) {
             Ok(new) => {
+                let mut runs_it = true;
                 if (&new.models, &new.policy) != (&running.0, &running.1) {
-                    let wanted = (new.models.clone(), new.policy.clone());
+                    let wanted_pools = (new.models.clone(), new.policy.clone());
                     let (models, kind) = (new.models.len(), new.policy.kind);
                     let d = dispatcher.clone();
                     let config = new.clone();
                     match tokio::task::spawn_blocking(move || d.set_models(&config)).await {
                         Ok(Ok(())) => {
                             tracing::info!(dispatcher = ring, models, policy = %kind, "dispatcher {ring}: {models} model pools, routing policy now {kind}");
-                            running = wanted;
+                            running = wanted_pools;
                         }
                         Ok(Err(e)) => {
+                            runs_it = false;
                             tracing::warn!(dispatcher = ring, error = %e, "dispatcher {ring}: keeping the running model pools: {e}")
                         }
                         Err(e) => {
+                            runs_it = false;
                             tracing::warn!(dispatcher = ring, error = %e, "dispatcher {ring}: reloading the model pools failed: {e}")
                         }
                     }
@@ -222,6 +237,9 @@ async fn reload_models_on_hup(
                 // it at every reload (at start it was read already).
                 if !first {
                     reload_keys(&dispatcher, &new, ring);
+                }
+                if runs_it {
+                    registry.publish_revision(identity.slot, identity.incarnation, wanted);
                 }
             }
             Err(e) => tracing::warn!(

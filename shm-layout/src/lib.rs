@@ -135,7 +135,7 @@ pub use load_figures::LoadFigures;
 pub use ownership::{Claim, Claimed, Membership, Ownership};
 pub use plan::{LIMIT_SLOTS, LayoutPlan, PlanOptions, Region, RegionKind, SERVER_SLOTS, STAT_WORDS, USAGE_SLOTS};
 pub use prefix_table::{InsertOutcome, MATCH_CAPACITY, PrefixEntry, PrefixMatch, PrefixTable, ServerSet, Stamp};
-pub use registry::{ProcessInfo, ProcessState, Registry, Role};
+pub use registry::{ProcessInfo, ProcessState, Registry, Role, SUPERVISOR_SLOT};
 pub use response_log::{PutError, ResponseKey, ResponseLog, ResponseLogStats};
 #[cfg(not(loom))]
 pub use segment::{Segment, SegmentClock, Tables, shm_path};

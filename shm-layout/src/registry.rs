@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! ProcessSlot (64 B)
-//! ┌ state (incarnation:32 | role:8 | state:8) · pid · heartbeat_ms · started_ms · restarts · tuned · pad
+//! ┌ state (incarnation:32 | role:8 | state:8) · pid · heartbeat_ms · started_ms · restarts · tuned · revision · pad
 //! ```
 //!
 //! The supervisor [`claim`](Registry::claim)s a slot before starting a child
@@ -12,8 +12,19 @@
 //! it [`exited`](Registry::mark_exited) when it reaps it. Every write after
 //! the claim names the incarnation, so a late write from a previous
 //! incarnation of the slot is ignored. No step holds a lock.
+//!
+//! The configuration revision ([`publish_revision`](Registry::publish_revision))
+//! tells who runs which configuration: the supervisor publishes, in its
+//! slot, the revision it has applied before it tells the dispatchers to
+//! reload; each dispatcher publishes, in its own slot, the revision it read
+//! there before resolving the configuration, once it runs what it
+//! resolved. The admin API answers a pool change once every dispatcher has
+//! caught up. (The word was padding before; 0 there means none.)
 
 use crate::sync::{AtomicU64, Ordering};
+
+/// The slot the supervisor registers itself in.
+pub const SUPERVISOR_SLOT: u16 = 0;
 
 /// What a process does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +101,9 @@ pub struct ProcessInfo {
     /// dispatcher routing with the `cost` policy publishes its weight
     /// between cache and load ([`Registry::publish_tuned`]).
     pub tuned: Option<f64>,
+    /// The configuration revision the process runs (0: none published;
+    /// [`Registry::publish_revision`]).
+    pub revision: u64,
 }
 
 #[repr(C, align(64))]
@@ -102,7 +116,9 @@ pub(crate) struct ProcessSlot {
     restarts: AtomicU64,
     /// `f64` bits of the published tuned value; 0 = none.
     tuned: AtomicU64,
-    _pad: [u64; 2],
+    /// The configuration revision it runs; 0 = none.
+    revision: AtomicU64,
+    _pad: [u64; 1],
 }
 
 #[cfg(not(loom))]
@@ -118,7 +134,8 @@ impl ProcessSlot {
             started_ms: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
             tuned: AtomicU64::new(0),
-            _pad: [0; 2],
+            revision: AtomicU64::new(0),
+            _pad: [0; 1],
         }
     }
 }
@@ -186,6 +203,7 @@ impl<'a> Registry<'a> {
         }
         s.pid.store(0, Ordering::Relaxed);
         s.tuned.store(0, Ordering::Relaxed);
+        s.revision.store(0, Ordering::Relaxed);
         s.started_ms.store(now_ms, Ordering::Relaxed);
         s.heartbeat_ms.store(now_ms, Ordering::Relaxed);
         s.state
@@ -242,6 +260,20 @@ impl<'a> Registry<'a> {
         true
     }
 
+    /// Publishes the configuration revision the process in `slot` runs
+    /// (see the module docs; a revision only grows, so a late, smaller one
+    /// is ignored). False if the slot moved on.
+    pub fn publish_revision(&self, slot: u16, incarnation: u32, revision: u64) -> bool {
+        let Some(s) = self.slots.get(usize::from(slot)) else {
+            return false;
+        };
+        if (s.state.load(Ordering::Acquire) >> 32) as u32 != incarnation {
+            return false;
+        }
+        s.revision.fetch_max(revision, Ordering::AcqRel);
+        true
+    }
+
     /// Called by the supervisor once the child is reaped.
     pub fn mark_exited(&self, slot: u16, incarnation: u32) -> bool {
         self.transition(
@@ -274,6 +306,7 @@ impl<'a> Registry<'a> {
             started_ms: s.started_ms.load(Ordering::Relaxed),
             restarts: s.restarts.load(Ordering::Relaxed),
             tuned: Some(f64::from_bits(s.tuned.load(Ordering::Relaxed))).filter(|v| *v != 0.0 && v.is_finite()),
+            revision: s.revision.load(Ordering::Acquire),
         })
     }
 
@@ -320,5 +353,26 @@ mod tests {
         assert!(!r.attach(slot, inc, 1, 40));
         assert!(!r.mark_exited(slot, inc));
         assert_eq!(r.processes().count(), 1);
+    }
+
+    #[test]
+    fn revisions_only_grow_and_start_over_with_an_incarnation() {
+        let slots: Vec<ProcessSlot> = (0..2).map(|_| ProcessSlot::new()).collect();
+        let r = Registry::new(&slots);
+        let inc = r.claim(1, Role::Dispatcher, 10);
+        assert_eq!(r.get(1).unwrap().revision, 0);
+        assert!(r.publish_revision(1, inc, 7));
+        assert!(
+            r.publish_revision(1, inc, 5),
+            "a late, smaller one is taken and ignored"
+        );
+        assert_eq!(r.get(1).unwrap().revision, 7);
+        assert!(!r.publish_revision(1, inc + 1, 9), "another incarnation's");
+        assert!(!r.publish_revision(9, inc, 9), "beyond the registry");
+        assert_eq!(r.get(1).unwrap().revision, 7);
+        let inc2 = r.claim(1, Role::Dispatcher, 20);
+        assert_eq!(r.get(1).unwrap().revision, 0, "a new incarnation publishes its own");
+        assert!(r.publish_revision(1, inc2, 3));
+        assert_eq!(r.get(1).unwrap().revision, 3);
     }
 }

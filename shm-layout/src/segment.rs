@@ -252,7 +252,7 @@ pub(crate) fn owner_pid(path: &str) -> Option<u32> {
     let registered = segment
         .tables()
         .registry
-        .get(0)
+        .get(crate::SUPERVISOR_SLOT)
         .filter(|p| p.role == Some(crate::Role::Supervisor) && p.pid != 0)
         .map(|p| p.pid);
     registered.or(u32::try_from(segment.header().creator_pid).ok())

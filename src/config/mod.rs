@@ -3,7 +3,7 @@
 //!
 //! The code: this module holds the top level (the keys, [`ServeConfig`],
 //! loading and the flags); `backend.rs` the `[[backend]]` table and its URL;
-//! `models.rs` the `[[model]]` pools; `sections.rs` the optional sections (`[response_cache]`, `[store]`,
+//! `models.rs` the `[[model]]` pools; `model_changes.rs` the pools the admin API changed (`admin.models_file`, merged over them); `sections.rs` the optional sections (`[response_cache]`, `[store]`,
 //! `[limits]`, `[health]`, `[admin]`); `validate.rs` [`ServeConfig::validate`];
 //! `tests.rs` the tests.
 //!
@@ -138,6 +138,7 @@
 //! | `admin.listen` | `"ip:port"` | not set: no admin API | where the admin API accepts HTTP; keep it on loopback or a management network |
 //! | `admin.token` | string | not set | the bearer token every admin request must send (16 to 4096 visible ASCII characters); required with `listen`, or `token_file` |
 //! | `admin.token_file` | path | not set | a file holding the token instead (trailing whitespace ignored); it must not be readable by others (`chmod 0600`) |
+//! | `admin.models_file` | path | not set: pools change by reload only | where the admin API keeps the model pools it added, changed or removed ([`ModelChanges`]); merged over the `[[model]]` tables at every start and reload; its directory must be writable by semlb |
 //! | `[auth]` | table | | client authentication ([`crate::auth`]) |
 //! | `auth.keys_file` | path | not set: no authentication | the keys file `semlb keys` writes (SHA-256 digests of the keys, a tenant and the models each may use); every `/v1/...` request then needs a listed key (401, 403 for a model it may not use). Re-read on reload |
 //! | `[metrics]` | table | | where Prometheus scrapes the gateway |
@@ -168,6 +169,7 @@ use crate::routing::{PolicyConfig, PolicyKind};
 use crate::size::ByteSize;
 
 mod backend;
+mod model_changes;
 pub mod models;
 mod sections;
 #[cfg(test)]
@@ -175,6 +177,7 @@ mod tests;
 mod validate;
 
 pub use backend::{BackendConfig, BackendUrl, MetricsFlavor};
+pub use model_changes::ModelChanges;
 pub use models::ModelConfig;
 pub use sections::*;
 
@@ -476,6 +479,7 @@ impl ServeConfig {
             &mut config.tokenizer,
             &mut config.chat_template,
             &mut config.admin.token_file,
+            &mut config.admin.models_file,
             &mut config.auth.keys_file,
         ]
         .into_iter()
@@ -566,9 +570,27 @@ impl ServeConfig {
 
     /// The configuration `semlb serve` runs with: the file (if any), the
     /// flags over it, validated.
+    /// With `admin.models_file` set, the pools the admin API changed are
+    /// merged over the file's ([`ModelChanges`]).
     pub fn resolve(path: Option<&Path>, overrides: ServeOverrides) -> Result<Self, ConfigError> {
+        Self::resolve_with(path, overrides, None)
+    }
+
+    /// [`resolve`](Self::resolve), with `changes` merged instead of the
+    /// contents of `admin.models_file` (the admin API checks a change
+    /// before it writes it).
+    pub fn resolve_with(
+        path: Option<&Path>,
+        overrides: ServeOverrides,
+        changes: Option<&ModelChanges>,
+    ) -> Result<Self, ConfigError> {
         let mut config = Self::load(path)?;
         config.apply(overrides);
+        match (changes, &config.admin.models_file) {
+            (Some(changes), _) => changes.merge_into(&mut config),
+            (None, Some(file)) => ModelChanges::load(file)?.merge_into(&mut config),
+            (None, None) => {}
+        }
         config.validate()?;
         Ok(config)
     }

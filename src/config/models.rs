@@ -20,7 +20,9 @@
 //! | `block_size` | integer | the global `block_size` | its engines' KV block size |
 //! | `[model.policy]` | table | the global `[policy]` | its routing policy: a whole `[policy]` table, not merged with the global one; its `queue` table is not used (the gateway queue is one per dispatcher, with the global `[policy.queue]`) |
 //!
-//! Pools change on reload (SIGHUP): dispatchers and response processes load
+//! Pools change on reload (SIGHUP) and through the admin API, which keeps
+//! its changes in `admin.models_file` ([`super::ModelChanges`]), merged
+//! over these tables: dispatchers and response processes load
 //! a changed pool's tokenizer, and keep a pool's policy (with what it
 //! learned) while its configuration stays the same.
 

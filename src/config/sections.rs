@@ -368,6 +368,10 @@ pub struct AdminConfig {
     /// its owner may read it (0600 or 0400); that is checked when the
     /// supervisor starts ([`AdminConfig::read_token`]).
     pub token_file: Option<PathBuf>,
+    /// Where the admin API keeps the model pools it changed
+    /// ([`super::ModelChanges`]); `None` (the default): pools change by
+    /// reload only, and the admin API's pool changes answer 409.
+    pub models_file: Option<PathBuf>,
 }
 
 impl AdminConfig {

@@ -167,6 +167,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
     let mut c = ServeConfig::from_toml(&text, Path::new(EXAMPLE_PATH)).unwrap();
     // admin.token and admin.token_file are alternatives; the example shows both.
     assert!(c.admin.listen.is_some() && c.admin.token.is_some() && c.admin.token_file.is_some());
+    assert!(c.admin.models_file.as_ref().is_some_and(|p| p.is_absolute()), "{c:?}");
     c.admin.token = None;
     c.validate().unwrap();
     assert!(c.tokenizer.is_some() && c.chat_template.is_some(), "{c:?}");
@@ -280,6 +281,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "listen",
         "token",
         "token_file",
+        "models_file",
     ] {
         let present = text.lines().any(|l| {
             l.split(" #").next().unwrap_or("").trim() == key
@@ -1034,6 +1036,13 @@ fn each_validation_rule() {
             "admin token file empty",
             |c| c.admin.token_file = Some(PathBuf::new()),
             "admin.token_file",
+            "\"\"",
+            "must not be empty",
+        ),
+        (
+            "admin models file empty",
+            |c| c.admin.models_file = Some(PathBuf::new()),
+            "admin.models_file",
             "\"\"",
             "must not be empty",
         ),

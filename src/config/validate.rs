@@ -234,6 +234,9 @@ impl ServeConfig {
         if admin.token_file.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
             return Err(E::invalid("admin.token_file", "\"\"", "must not be empty"));
         }
+        if admin.models_file.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+            return Err(E::invalid("admin.models_file", "\"\"", "must not be empty"));
+        }
         let Some(listen) = admin.listen else {
             return Ok(());
         };

@@ -49,6 +49,7 @@
 //! | [`backends`] | the registered backends: add, drain, retire; a reload's backend list |
 //! | [`reload`] | the configuration again on SIGHUP, the settings that need a restart pinned |
 //! | [`admin`] | the admin API's commands carried out on the backends and the segment |
+//! | [`model_admin`] | the admin API's model pool changes: checked, kept in `admin.models_file`, applied as a reload |
 //! | [`status`] | readiness probe, watchdog and `STATUS=` line for systemd |
 //! | [`upgrade`] | zero-downtime binary upgrade: the successor started on SIGUSR2, the sockets and segment handed over |
 //! | [`sims`] | the simulated engines of `--demo` |
@@ -56,6 +57,7 @@
 mod admin;
 mod backends;
 mod children;
+mod model_admin;
 mod reload;
 mod segment;
 mod sims;
@@ -72,7 +74,7 @@ use anyhow::{Context, Result};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use semlb::config::ServeConfig;
-use shm_layout::{Role, Segment};
+use shm_layout::{Role, SUPERVISOR_SLOT, Segment};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 
@@ -208,8 +210,10 @@ fn supervise(args: &ServeArgs) -> Result<()> {
             backends.configure(backend)?;
         }
         backends.settle(config.drain_timeout());
-        let me = tables.registry.claim(0, Role::Supervisor, clock.now_ms());
-        tables.registry.attach(0, me, std::process::id(), clock.now_ms());
+        let me = tables.registry.claim(SUPERVISOR_SLOT, Role::Supervisor, clock.now_ms());
+        tables
+            .registry
+            .attach(SUPERVISOR_SLOT, me, std::process::id(), clock.now_ms());
         let listener = match inherited_listener.take() {
             Some(listener) => listener,
             None => TcpListener::bind(config.listen).with_context(|| format!("cannot listen on {}", config.listen))?,
@@ -300,6 +304,11 @@ struct Supervisor<'a> {
     exe: std::path::PathBuf,
     /// The successor an upgrade is starting.
     successor: Option<Successor>,
+    /// This supervisor's incarnation in its registry slot.
+    incarnation: u32,
+    /// The configuration revision applied last (published in the
+    /// registry: [`Supervisor::publish_revision`]).
+    revision: u64,
 }
 
 /// The descriptors an upgrade hands over besides the listener, and the
@@ -356,7 +365,12 @@ impl<'a> Supervisor<'a> {
         // The listener is bound and its address was printed already.
         let probe_addr = status::probe_address(listener.local_addr().unwrap_or(config.listen));
         let keep_segment = config.keep_segment && args.demo.is_none();
-        Ok(Self {
+        let incarnation = segment
+            .tables()
+            .registry
+            .get(SUPERVISOR_SLOT)
+            .map_or(0, |p| p.incarnation);
+        let mut supervisor = Self {
             segment,
             config,
             args,
@@ -370,7 +384,24 @@ impl<'a> Supervisor<'a> {
             handover,
             exe: upgrade::installed_exe()?,
             successor: None,
-        })
+            incarnation,
+            revision: 0,
+        };
+        supervisor.publish_revision();
+        Ok(supervisor)
+    }
+
+    /// Takes a new configuration revision and publishes it in the
+    /// supervisor's registry slot, before the dispatchers are told to
+    /// reload: a segment-clock millisecond, so a later supervisor's (after
+    /// an upgrade or a restart) is larger too.
+    fn publish_revision(&mut self) -> u64 {
+        self.revision = (self.revision + 1).max(self.segment.clock().now_ms());
+        self.segment
+            .tables()
+            .registry
+            .publish_revision(SUPERVISOR_SLOT, self.incarnation, self.revision);
+        self.revision
     }
 
     /// Keeps the children running until SIGTERM/SIGINT or a crash loop,
@@ -408,7 +439,12 @@ impl<'a> Supervisor<'a> {
             Some((listener, token)) => {
                 let listener = tokio::net::TcpListener::from_std(listener)?;
                 tracing::info!("admin API on http://{}", listener.local_addr()?);
-                Some(tokio::spawn(crate::admin::serve(listener, token, admin_tx.clone())))
+                Some(tokio::spawn(crate::admin::serve(
+                    listener,
+                    token,
+                    admin_tx.clone(),
+                    side.clone(),
+                )))
             }
             None => None,
         };
@@ -425,6 +461,9 @@ impl<'a> Supervisor<'a> {
                     if admin::is_scan(&request) {
                         let (side, store) = (side.clone(), self.config.store.kind);
                         tokio::task::spawn_blocking(move || reply.send(admin::scan(request, &side, store)));
+                    } else if model_admin::is_model_request(&request) {
+                        let answer = self.answer_model_request(request).await;
+                        let _ = reply.send(answer);
                     } else {
                         let answer = admin::answer(request, self.segment, &mut self.backends, &self.config);
                         let _ = reply.send(answer);
@@ -539,18 +578,28 @@ impl<'a> Supervisor<'a> {
     /// while running (see the module docs); a configuration that does not
     /// resolve is logged and the running one kept.
     fn reload(&mut self) {
-        let new = match reload::reloaded_config(self.args, &self.config) {
-            Ok(new) => new,
+        match reload::reloaded_config(self.args, &self.config, None) {
+            Ok(new) => {
+                self.apply(new);
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "reload rejected, keeping the running configuration: {e}");
                 self.reload_error = Some(e);
-                return;
             }
-        };
+        }
+    }
+
+    /// Puts a reloaded configuration in force (see the module docs) and
+    /// returns its revision: the backends take its list, the dispatchers
+    /// are told to resolve the configuration again, the health checks
+    /// restart with it.
+    fn apply(&mut self, new: ServeConfig) -> u64 {
         self.reload_error = None;
         let (added, removed) = self.backends.apply(&new.backends, new.drain_timeout());
         // The dispatchers resolve the configuration again themselves (with
-        // the same flags) and take its routing policy.
+        // the same flags) and take its routing policy and pools; each says
+        // in the registry when it runs this revision.
+        let revision = self.publish_revision();
         self.children.signal_dispatchers(Signal::SIGHUP);
         tracing::info!(
             added,
@@ -568,6 +617,7 @@ impl<'a> Supervisor<'a> {
         if let Err(e) = self.restart_health() {
             tracing::error!("reload: cannot restart the health checks: {e:#}");
         }
+        revision
     }
 
     /// (Re)starts the health checks and load scraping with the running

@@ -18,14 +18,20 @@
 //!   when the supervisor forwards them SIGHUP. A keys file that does not
 //!   read rejects the reload.
 
-use semlb::config::ServeConfig;
+use semlb::config::{ModelChanges, ServeConfig};
 
 use crate::cli::ServeArgs;
 
 /// The configuration file and the command line `args` again, with the
 /// settings that need a restart kept at their `running` values (each
-/// change of one is logged). The error is one line, naming the key.
-pub(super) fn reloaded_config(args: &ServeArgs, running: &ServeConfig) -> Result<ServeConfig, String> {
+/// change of one is logged), and the admin API's pool `changes` merged
+/// (`None`: those in `admin.models_file`). The error is one line, naming
+/// the key.
+pub(super) fn reloaded_config(
+    args: &ServeArgs,
+    running: &ServeConfig,
+    changes: Option<&ModelChanges>,
+) -> Result<ServeConfig, String> {
     let one_line = |e: &dyn std::fmt::Display| {
         e.to_string()
             .lines()
@@ -34,7 +40,8 @@ pub(super) fn reloaded_config(args: &ServeArgs, running: &ServeConfig) -> Result
             .collect::<Vec<_>>()
             .join(" ")
     };
-    let mut new = ServeConfig::resolve(args.config.as_deref(), args.overrides()).map_err(|e| one_line(&e))?;
+    let mut new =
+        ServeConfig::resolve_with(args.config.as_deref(), args.overrides(), changes).map_err(|e| one_line(&e))?;
     let old = running;
     let mut kept = Vec::new();
     macro_rules! keep {
