@@ -17,10 +17,15 @@
 //! # Fair share (VTC)
 //!
 //! Every tenant has a **virtual counter**: the service it has received, in
-//! weighted tokens (`prompt + 2 × requested output`, the paper's weights
-//! for input and output tokens, divided by the tenant's `weight`). Among
-//! the waiting requests of a class, the next to go is the oldest of the
-//! tenant with the lowest counter, and its cost is added at once. A tenant
+//! weighted tokens (`prompt + 2 × output`, the paper's weights for input
+//! and output tokens, divided by the tenant's `weight`). Among the waiting
+//! requests of a class, the next to go is the oldest of the tenant with
+//! the lowest counter, and its cost is added at once, with the output it
+//! asked for (`max_tokens`, else 256, at most 4096) standing in for the
+//! output it will get; when the answer ends, the counter is settled with
+//! the output tokens it really got ([`FairQueue::settle`]), so a tenant
+//! asking for far more than it uses is not held back for it, and one whose
+//! answers run long pays for them. A tenant
 //! that starts waiting after an idle spell has its counter lifted to the
 //! lowest counter of the tenants waiting, so it cannot bank service while
 //! idle and then crowd the others out. The result: a tenant sending a
@@ -91,22 +96,41 @@ pub struct Share {
     pub priority: Priority,
     /// Its tenant's weight (at least 1).
     pub weight: u32,
-    /// Its cost in tokens: `prompt + 2 × output` ([`Share::cost_of`]).
+    /// Its cost in tokens: `prompt + 2 × output`.
     pub cost: u64,
+    /// The output tokens its cost counts (settled when the answer ends).
+    pub output: u64,
 }
 
 impl Share {
-    /// The cost of a request of `prompt` tokens asking for `output` output
-    /// tokens (`None`: [`DEFAULT_OUTPUT_TOKENS`]; at most
-    /// [`MAX_CHARGED_OUTPUT`]).
-    pub fn cost_of(prompt: u64, output: Option<u64>) -> u64 {
-        prompt + 2 * output.unwrap_or(DEFAULT_OUTPUT_TOKENS).min(MAX_CHARGED_OUTPUT)
+    /// A request of `tenant` in class `priority` with `weight`, of
+    /// `prompt` tokens asking for `output` output tokens (`None`:
+    /// [`DEFAULT_OUTPUT_TOKENS`]; counted up to [`MAX_CHARGED_OUTPUT`]).
+    pub fn new(tenant: u64, priority: Priority, weight: u32, prompt: u64, output: Option<u64>) -> Self {
+        let output = output.unwrap_or(DEFAULT_OUTPUT_TOKENS).min(MAX_CHARGED_OUTPUT);
+        Self {
+            tenant,
+            priority,
+            weight,
+            cost: prompt.saturating_add(2 * output),
+            output,
+        }
     }
 
-    /// Its cost as its tenant's counter counts it (per unit of weight, in
-    /// thousandths).
-    fn weighted(&self) -> u64 {
-        self.cost.saturating_mul(1000) / u64::from(self.weight.max(1))
+    /// The same request once charged: it orders as before and costs
+    /// nothing more (a retry on another server).
+    pub fn charged(self) -> Self {
+        Self {
+            cost: 0,
+            output: 0,
+            ..self
+        }
+    }
+
+    /// `tokens` as its tenant's counter counts them (per unit of weight,
+    /// in thousandths).
+    fn weighted(&self, tokens: u64) -> u64 {
+        tokens.saturating_mul(1000) / u64::from(self.weight.max(1))
     }
 }
 
@@ -206,7 +230,18 @@ impl<T> FairQueue<T> {
             self.counters.retain(|t, _| lanes.iter().any(|l| l.tenant == *t));
         }
         let c = self.counters.entry(share.tenant).or_insert(0);
-        *c = c.saturating_add(share.weighted());
+        *c = c.saturating_add(share.weighted(share.cost));
+    }
+
+    /// Settles the charge of a request of `share` (charged already) whose
+    /// answer had `output` tokens: its tenant's counter counts those
+    /// instead of the output it was charged for.
+    pub fn settle(&mut self, share: &Share, output: u64) {
+        if let Some(c) = self.counters.get_mut(&share.tenant) {
+            *c = c
+                .saturating_add(share.weighted(2 * output))
+                .saturating_sub(share.weighted(2 * share.output));
+        }
     }
 
     /// Removes every request `gone` says is gone (its client left, it
@@ -283,7 +318,31 @@ mod tests {
             priority,
             weight: 1,
             cost,
+            output: 0,
         }
+    }
+
+    #[test]
+    fn a_charge_is_settled_with_the_output_the_answer_had() {
+        let mut q = FairQueue::<u32>::default();
+        // 100 prompt tokens asking for 256 (the default): 612 charged.
+        let asked = Share::new(1, Priority::Interactive, 1, 100, None);
+        assert_eq!((asked.cost, asked.output), (612, 256));
+        q.charge(&asked);
+        assert_eq!(q.counter(1), 612_000);
+        q.settle(&asked, 10);
+        assert_eq!(q.counter(1), 120_000, "100 + 2 × 10");
+        // Weighted, and an answer longer than asked for (a cap ignored).
+        let heavy = Share::new(2, Priority::Interactive, 4, 100, Some(50));
+        q.charge(&heavy);
+        q.settle(&heavy, 150);
+        assert_eq!(q.counter(2), (100 + 2 * 150) * 1000 / 4);
+        // A retry costs nothing more; settling a tenant with no counter
+        // (forgotten) does nothing.
+        q.charge(&heavy.charged());
+        assert_eq!(q.counter(2), 100_000);
+        q.settle(&Share::new(3, Priority::Batch, 1, 0, Some(8)), 0);
+        assert_eq!(q.counter(3), 0);
     }
 
     const ORDER: Order = Order {

@@ -12,6 +12,10 @@
 //!   flood's wait behind each other: the trickle's median wait is under
 //!   half the flood's. The control, in the same test: with `fair_share =
 //!   false` (oldest first) the trickle waits as long as everyone.
+//! * Settlement: two tenants flood with equally short answers, one asking
+//!   for 200 times the output it gets (`max_tokens`). Charged for what it
+//!   got, it gets about half the answers (at least a third is asserted;
+//!   charged for what it asked, it would get almost none).
 //! * Priority: a flood of batch requests (`x-semlb-priority: batch`)
 //!   does not hold back an interactive client: its requests wait under
 //!   half as long as the batch ones.
@@ -113,6 +117,68 @@ fn a_trickle_is_served_at_its_pace_while_another_tenant_floods() {
             );
         }
     }
+}
+
+#[test]
+fn a_tenant_is_charged_for_the_output_it_got_not_the_output_it_asked_for() {
+    // Two tenants flood with three clients each, every answer 10 tokens
+    // long; one asks for 2 000 (max_tokens) each time. Charged up front
+    // only, it would look 100 times as served and get almost nothing;
+    // settled with the answers' lengths, the two share the engine.
+    let engine = sim_at("1");
+    let gw = gateway(&engine, true, "settle");
+    let addr = gw.addr();
+    let answered = Mutex::new(Vec::new());
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        for c in 0..6 {
+            let (done, answered) = (&done, &answered);
+            s.spawn(move || {
+                let greedy = c % 2 == 0;
+                let (key, max_tokens) = if greedy {
+                    ("greedy-team", 2000)
+                } else {
+                    ("exact-team", MAX_TOKENS)
+                };
+                let mut i = 0;
+                while !done.load(Relaxed) {
+                    let r = chat(
+                        addr,
+                        &[user(&format!("Client {c}, request {i}: summarise the news."))],
+                        json!({"stream": true, "max_tokens": max_tokens, "temperature": 0.8}),
+                        &[("api-key", key), ("x-semlb-output-tokens", "10")],
+                    );
+                    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                    let body = String::from_utf8_lossy(&r.body);
+                    let finish = if body.contains("\"finish_reason\":\"stop\"") {
+                        "stop"
+                    } else {
+                        "length"
+                    };
+                    let mut answered = answered.lock().unwrap();
+                    answered.push((greedy, finish));
+                    if answered.len() >= 48 {
+                        done.store(true, Relaxed);
+                    }
+                    i += 1;
+                }
+            });
+        }
+    });
+    let answered = answered.into_inner().unwrap();
+    // The first six went out before the queue had anything to order.
+    let ordered = &answered[6..];
+    let greedy = ordered.iter().filter(|(g, _)| *g).count();
+    eprintln!("answered after the first six: greedy {greedy} of {}", ordered.len());
+    assert!(
+        answered.iter().all(|(g, finish)| !*g || *finish == "stop"),
+        "the greedy tenant's answers are shorter than it asked for"
+    );
+    assert!(
+        3 * greedy >= ordered.len(),
+        "the greedy tenant got {greedy} of {} answers: charged for what it asked, not what it got",
+        ordered.len()
+    );
 }
 
 #[test]

@@ -244,17 +244,21 @@ pub(super) async fn inference(
         output: admitted.output.take(),
         tenant: caller.map(|c| Arc::from(c.tenant.as_str())),
         // Only a policy that holds requests orders them by it.
-        share: pool.policy().current_arc().holds_requests().then(|| Share {
-            tenant: match caller {
-                Some(c) => Tenant::named(Scope::Tenant, &c.tenant).0,
-                None => Tenant::of(Scope::Tenant, &parts.headers).0,
-            },
-            priority: caller
-                .map_or(Priority::Interactive, |c| c.priority)
-                .lowered_by(parts.headers.get(PRIORITY_HEADER).map(HeaderValue::as_bytes)),
-            weight: caller.map_or(1, |c| c.weight),
-            cost: Share::cost_of(prompt_tokens_len, parsed.requested_output()),
+        share: pool.policy().current_arc().holds_requests().then(|| {
+            Share::new(
+                match caller {
+                    Some(c) => Tenant::named(Scope::Tenant, &c.tenant).0,
+                    None => Tenant::of(Scope::Tenant, &parts.headers).0,
+                },
+                caller
+                    .map_or(Priority::Interactive, |c| c.priority)
+                    .lowered_by(parts.headers.get(PRIORITY_HEADER).map(HeaderValue::as_bytes)),
+                caller.map_or(1, |c| c.weight),
+                prompt_tokens_len,
+                parsed.requested_output(),
+            )
         }),
+        charged: None,
     };
     let outbound = Outbound {
         method: Method::POST,

@@ -44,6 +44,9 @@ pub(super) struct Learn {
     pub output: Option<OutputBuckets>,
     /// Its caller's tenant (for the usage counts of its output tokens).
     pub tenant: Option<Arc<str>>,
+    /// Its share in the gateway queue, as charged (the relay settles it
+    /// with the output tokens the answer had).
+    pub share: Option<crate::fair_share::Share>,
 }
 
 /// Builds the completion record of a finished answer (`answer`, in

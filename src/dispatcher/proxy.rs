@@ -123,8 +123,11 @@ pub(super) struct InferenceCtx {
     /// The rate-limit buckets its output tokens are charged to.
     pub output: Option<OutputBuckets>,
     /// Its tenant, class and cost in the gateway queue (`None`: its pool's
-    /// policy never queues).
+    /// policy never queues); once routed, a retry's costs nothing more.
     pub share: Option<Share>,
+    /// Its share as the first routing charged it, settled with the output
+    /// tokens its answer had when the relay ends.
+    pub charged: Option<Share>,
     /// Its caller's tenant (with `[auth]`), for the usage counts.
     pub tenant: Option<Arc<str>>,
 }
@@ -271,7 +274,7 @@ impl<'d> Attempts<'d> {
             }),
             share: self.ctx.as_ref().and_then(|c| c.share),
         };
-        match choose(dispatcher, route, &self.failed, self.first_lookup.take()).await {
+        let routed = match choose(dispatcher, route, &self.failed, self.first_lookup.take()).await {
             Routed::Chosen(chosen, guard) => Ok((chosen, guard)),
             Routed::Wait { lookup, asked, pool } => {
                 let waiting = Waiting {
@@ -282,17 +285,27 @@ impl<'d> Attempts<'d> {
                     exclude: self.failed.clone(),
                     pool,
                     seen: asked || !self.failed.is_empty(),
-                    share: route.share.unwrap_or(Share {
-                        tenant: 0,
-                        priority: Priority::Interactive,
-                        weight: 1,
-                        cost: route.prompt_tokens.into(),
-                    }),
+                    share: route.share.unwrap_or(Share::new(
+                        0,
+                        Priority::Interactive,
+                        1,
+                        route.prompt_tokens.into(),
+                        Some(0),
+                    )),
                 };
                 self.wait(waiting, &lookup).await
             }
             Routed::NoServer => Err(Next::Answer(self.no_server())),
+        };
+        // Routed: its tenant was charged (a retry is not charged again).
+        if routed.is_ok()
+            && let Some(c) = &mut self.ctx
+            && c.charged.is_none()
+        {
+            c.charged = c.share;
+            c.share = c.share.map(Share::charged);
         }
+        routed
     }
 
     /// Step 1, when every server the policy would use is full: the wait
@@ -604,6 +617,7 @@ impl<'d> Attempts<'d> {
                 pool: self.outbound.pool.clone(),
                 output: c.output.take(),
                 tenant: c.tenant.clone(),
+                share: c.charged.take(),
             }),
             _ => None,
         };

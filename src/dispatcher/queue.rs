@@ -157,6 +157,12 @@ impl GatewayQueue {
         self.lock().waiters.charge(share);
     }
 
+    /// Settles the charge of a request of `share` whose answer had
+    /// `output` tokens ([`crate::fair_share::FairQueue::settle`]).
+    pub fn settle(&self, share: &Share, output: u64) {
+        self.lock().waiters.settle(share, output);
+    }
+
     /// Something that may free a server happened (a request started or
     /// ended): look at the queue again.
     pub fn wake(&self) {

@@ -61,6 +61,7 @@ use super::route::{passive_failure, passive_success};
 use super::usage::UsageStrip;
 use crate::answer::{AnswerForm, EventStreamText, Reported, answer_text};
 use crate::failure::Failure;
+use crate::fair_share::Share;
 use crate::pools::Pool;
 use crate::rate_limit::{OutputBuckets, output_tokens};
 
@@ -207,6 +208,8 @@ pub(super) struct Relay {
     output: Option<OutputBuckets>,
     /// Whose output tokens are counted (tenant, model pool), until they are.
     counted: Option<Counted>,
+    /// Its charge in the gateway queue's fair share, until settled.
+    share: Option<Share>,
 }
 
 /// Whose output tokens an answer counts for (`super::accounting`).
@@ -233,6 +236,7 @@ impl Relay {
         strip_usage: bool,
     ) -> Self {
         let output = learn.as_mut().and_then(|l| l.output.take());
+        let share = learn.as_mut().and_then(|l| l.share.take());
         let counted = learn.as_ref().and_then(|l| {
             let pool = l.pool.clone().filter(|p| p.name().is_some());
             (l.tenant.is_some() || pool.is_some()).then(|| Counted {
@@ -274,17 +278,21 @@ impl Relay {
             sse,
             output,
             counted,
+            share,
         }
     }
 
-    /// Charges the answer's output tokens to its buckets and counts them
-    /// for its tenant and model (once).
+    /// Charges the answer's output tokens to its buckets, counts them for
+    /// its tenant and model, and settles its fair-share charge (once).
     fn charge_output(&mut self) {
-        let (buckets, counted) = (self.output.take(), self.counted.take());
-        if buckets.is_none() && counted.is_none() {
+        let (buckets, counted, share) = (self.output.take(), self.counted.take(), self.share.take());
+        if buckets.is_none() && counted.is_none() && share.is_none() {
             return;
         }
         let tokens = self.capture.as_ref().map_or(0, Capture::output_tokens);
+        if let Some(share) = share {
+            self.dispatcher.queue().settle(&share, tokens);
+        }
         if tokens == 0 {
             return;
         }
