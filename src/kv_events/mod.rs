@@ -1,0 +1,19 @@
+//! The engines' own KV cache events (vLLM's publisher, issue 20): what an
+//! engine says it holds, applied to the prefix table as confirmed entries.
+//!
+//! The prefix table is an estimate built from what the gateway sent; an
+//! engine that publishes KV events (`--kv-events-config`) says exactly
+//! which blocks it stored and evicted. This module reads those events.
+//!
+//! | module | concept |
+//! | --- | --- |
+//! | [`wire`] | vLLM's wire format: the PUB message's frames and the msgpack batch, in every layout vLLM's releases have used |
+//!
+//! Built so far: the format, pinned by test vectors made with msgspec
+//! (`testdata/`). Still to come: the subscription (a response-side
+//! process per backend endpoint, gaps replayed), mapping the engine's
+//! blocks to the gateway's chain hashes through the token ids each
+//! `BlockStored` carries, confirmed entries in the prefix table, the
+//! `precise` routing mode, and the simulator publishing the same events.
+
+pub mod wire;
