@@ -29,7 +29,7 @@
 //! | [`config`] | `semlb serve` configuration: TOML file, flags over it, validation |
 //! | [`metrics`] | the gateway's Prometheus `/metrics`: counters in the segment's stats region, gauges read at scrape time |
 //! | [`health`] | health of the inference servers: active and passive checks, circuit breakers, `/metrics` load scraping |
-//! | [`kv_events`] | the engines' own KV cache events (vLLM's publisher): the wire format, decoded |
+//! | [`kv_events`] | the engines' own KV cache events (vLLM's publisher): the wire format decoded, an engine's block hashes mapped to the gateway's chain |
 //! | [`segment_store`] | the token segments every process shares: the tokenizer's second-level cache in the shm segment |
 //! | [`size`] | human byte sizes (`256MiB`) |
 //! | [`store`] | where the routing state lives, behind one interface: shm (default) or Redis ([`store::redis`]; its client, [`store::redis::client`]: prefix entries, responses, in-flight counters and round trips; the Lua scripts it runs in Redis, `store::redis::scripts`; credentials and TLS, [`store::redis::credentials`]; URLs without their passwords, [`store::redis::url`]; servers named by ids of their addresses, [`store::redis::server_id`]); what this host knows whatever the store ([`store::local`]: live candidates with fresh load, the in-flight ledger) |

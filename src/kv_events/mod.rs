@@ -8,12 +8,14 @@
 //! | module | concept |
 //! | --- | --- |
 //! | [`wire`] | vLLM's wire format: the PUB message's frames and the msgpack batch, in every layout vLLM's releases have used |
+//! | [`engine_blocks`] | one engine's block hashes mapped to the gateway's chain hashes, computed from the token ids its events carry |
 //!
 //! Built so far: the format, pinned by test vectors made with msgspec
-//! (`testdata/`). Still to come: the subscription (a response-side
-//! process per backend endpoint, gaps replayed), mapping the engine's
-//! blocks to the gateway's chain hashes through the token ids each
-//! `BlockStored` carries, confirmed entries in the prefix table, the
-//! `precise` routing mode, and the simulator publishing the same events.
+//! (`testdata/`), and the mapping of an engine's blocks to the gateway's
+//! chain hashes. Still to come: the subscription (a response-side task
+//! per backend endpoint, gaps replayed), confirmed entries in the prefix
+//! table, the `precise` routing mode, and the simulator publishing the
+//! same events.
 
+pub mod engine_blocks;
 pub mod wire;
