@@ -171,6 +171,29 @@ impl Allocation {
     }
 }
 
+/// What the cache did to its blocks, as an engine publishing KV cache
+/// events (vLLM's `BlockStored`, `BlockRemoved`, `AllBlocksCleared`) tells
+/// it; recorded only once [`PrefixCache::record_events`] is called.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// Blocks `first..first + hashes.len()` of the request just allocated
+    /// or released were registered under `hashes`; `parent` is the hash of
+    /// its block `first - 1`, if any. (The caller holds the request's
+    /// tokens: block `i` is tokens `i * block_size..(i + 1) * block_size`.)
+    Stored {
+        /// The request's first block stored.
+        first: usize,
+        /// The stored blocks' hashes, in order.
+        hashes: Vec<BlockHash>,
+        /// The hash of the block before the first.
+        parent: Option<BlockHash>,
+    },
+    /// Blocks evicted, by hash.
+    Removed(Vec<BlockHash>),
+    /// Every block forgotten ([`PrefixCache::reset`]).
+    Cleared,
+}
+
 /// The KV cache: blocks, their hashes, reference counts and the LRU of
 /// cached unreferenced blocks. See the [module docs](self) for the model.
 #[derive(Debug)]
@@ -193,6 +216,8 @@ pub struct PrefixCache {
     lru_len: usize,
     /// Blocks with at least one reference.
     referenced: usize,
+    /// The events not yet taken, when recording ([`CacheEvent`]).
+    events: Option<Vec<CacheEvent>>,
 }
 
 impl PrefixCache {
@@ -213,7 +238,49 @@ impl PrefixCache {
             lru_tail: NIL,
             lru_len: 0,
             referenced: 0,
+            events: None,
         }
+    }
+
+    /// Records what happens to the blocks from now on, for
+    /// [`take_events`](Self::take_events).
+    pub fn record_events(&mut self) {
+        self.events.get_or_insert_with(Vec::new);
+    }
+
+    /// The events recorded since the last call, in order (none unless
+    /// [`record_events`](Self::record_events) was called). Take them after
+    /// each [`allocate`](Self::allocate) and [`release`](Self::release):
+    /// a `Stored` event's block numbers are that request's.
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Records that blocks `first..` of a request were stored under
+    /// `stored`, the request's hashes being `hashes`.
+    fn record_stored(&mut self, hashes: &[BlockHash], first: usize, stored: &[BlockHash]) {
+        if let Some(events) = &mut self.events
+            && !stored.is_empty()
+        {
+            events.push(CacheEvent::Stored {
+                first,
+                hashes: stored.to_vec(),
+                parent: first.checked_sub(1).map(|i| hashes[i]),
+            });
+        }
+    }
+
+    /// Registers blocks `range` of a request (its `blocks` and `hashes`),
+    /// recording each run of newly registered ones.
+    fn register_run(&mut self, blocks: &[usize], hashes: &[BlockHash], range: std::ops::Range<usize>) {
+        let mut run_start = range.start;
+        for i in range.clone() {
+            if !self.register(blocks[i], hashes[i]) {
+                self.record_stored(hashes, run_start, &hashes[run_start..i]);
+                run_start = i + 1;
+            }
+        }
+        self.record_stored(hashes, run_start, &hashes[run_start..range.end]);
     }
 
     /// Tokens per block.
@@ -262,6 +329,9 @@ impl PrefixCache {
         }
         self.cached.clear();
         (self.lru_head, self.lru_tail, self.lru_len) = (NIL, NIL, 0);
+        if let Some(events) = &mut self.events {
+            events.push(CacheEvent::Cleared);
+        }
         true
     }
 
@@ -323,9 +393,7 @@ impl PrefixCache {
             blocks.push(b);
         }
         let full_prompt_blocks = (prompt_len / self.block_size as usize).min(hashes.len()).min(needed);
-        for (&b, &h) in blocks.iter().zip(hashes).take(full_prompt_blocks).skip(hit) {
-            self.register(b, h);
-        }
+        self.register_run(&blocks, hashes, hit..full_prompt_blocks.max(hit));
         Some(Allocation {
             blocks,
             cached_blocks: hit,
@@ -342,10 +410,10 @@ impl PrefixCache {
     ///
     /// `hashes` are the request's [`block_hashes`] of prompt + output.
     pub fn release(&mut self, allocation: Allocation, hashes: &[BlockHash], computed_tokens: usize) {
-        let full = (computed_tokens / self.block_size as usize).min(hashes.len());
-        for (&b, &h) in allocation.blocks.iter().zip(hashes).take(full) {
-            self.register(b, h);
-        }
+        let full = (computed_tokens / self.block_size as usize)
+            .min(hashes.len())
+            .min(allocation.blocks.len());
+        self.register_run(&allocation.blocks, hashes, 0..full);
         for &b in allocation.blocks.iter().rev() {
             self.unpin(b);
         }
@@ -378,20 +446,28 @@ impl PrefixCache {
         self.lru_unlink(b);
         if let Some(h) = self.blocks[b].hash.take() {
             self.cached.remove(&h);
+            if let Some(events) = &mut self.events {
+                match events.last_mut() {
+                    Some(CacheEvent::Removed(hashes)) => hashes.push(h),
+                    _ => events.push(CacheEvent::Removed(vec![h])),
+                }
+            }
         }
         b
     }
 
     /// Registers block `b` under `h` unless it already has a hash or
-    /// another block holds `h`.
-    fn register(&mut self, b: usize, h: BlockHash) {
+    /// another block holds `h`; whether it was newly registered.
+    fn register(&mut self, b: usize, h: BlockHash) -> bool {
         if self.blocks[b].hash.is_some() {
-            return;
+            return false;
         }
         if let std::collections::hash_map::Entry::Vacant(slot) = self.cached.entry(h) {
             slot.insert(b);
             self.blocks[b].hash = Some(h);
+            return true;
         }
+        false
     }
 
     fn pin(&mut self, b: usize) {
@@ -703,6 +779,66 @@ mod tests {
         assert!(!c.contains(ha[1]) && c.contains(ha[0]));
         assert!(hx.iter().all(|&h| c.contains(h)));
         assert_eq!(c.cached_blocks(), 6);
+    }
+
+    #[test]
+    fn recorded_events_say_what_was_stored_evicted_and_cleared() {
+        let mut c = PrefixCache::new(BS, 6);
+        let hold = |c: &mut PrefixCache, t: &[u32], output: usize| {
+            let h = hashes(t);
+            let prompt = t.len() - output;
+            let a = c.allocate(&h, prompt, t.len()).expect("fits");
+            let at_admission = c.take_events();
+            c.release(a, &h, t.len());
+            (h, at_admission, c.take_events())
+        };
+        assert_eq!(hold(&mut c, &toks(0, 8), 0).1, [], "nothing recorded before asked");
+        c.record_events();
+        // A 9-token prompt: blocks 0 and 1 are cached already, block 2 is a
+        // partial one; 3 output tokens fill it, stored at release.
+        let a = concat(&toks(0, 9), &toks(50, 3));
+        let (ha, at_admission, at_release) = hold(&mut c, &a, 3);
+        assert_eq!(at_admission, []);
+        assert_eq!(
+            at_release,
+            [CacheEvent::Stored {
+                first: 2,
+                hashes: vec![ha[2]],
+                parent: Some(ha[1]),
+            }]
+        );
+        // A new 12-token prompt takes the 3 free blocks (none evicted) and
+        // stores all three at admission, from the root.
+        let (hb, at_admission, at_release) = hold(&mut c, &toks(100, 12), 0);
+        assert_eq!(
+            at_admission,
+            [CacheEvent::Stored {
+                first: 0,
+                hashes: hb.clone(),
+                parent: None,
+            }]
+        );
+        assert_eq!(at_release, [], "stored already");
+        // Another evicts the three least recently used, tail first: one
+        // Removed event, before the store.
+        let (hc, at_admission, _) = hold(&mut c, &toks(200, 12), 0);
+        assert_eq!(
+            at_admission,
+            [
+                CacheEvent::Removed(vec![ha[2], ha[1], ha[0]]),
+                CacheEvent::Stored {
+                    first: 0,
+                    hashes: hc.clone(),
+                    parent: None,
+                },
+            ]
+        );
+        // Each Stored and Removed event leaves the cache as it says.
+        assert!(hb.iter().chain(&hc).all(|h| c.contains(*h)));
+        assert!(!ha.iter().any(|h| c.contains(*h)));
+        assert!(c.reset());
+        assert_eq!(c.take_events(), [CacheEvent::Cleared]);
+        assert_eq!(c.take_events(), [], "taken");
     }
 
     #[test]
