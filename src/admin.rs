@@ -85,20 +85,27 @@ pub enum Request {
     FlushPrefixes,
     /// Empty the response cache.
     FlushResponses,
-    /// List the model pools.
-    ListModels,
-    /// One model pool, by name.
-    GetModel(String),
+    /// About the model pools.
+    Models(ModelRequest),
+}
+
+/// What an admin request asks about the model pools.
+#[derive(Debug)]
+pub enum ModelRequest {
+    /// List them.
+    List,
+    /// One, by name.
+    Get(String),
     /// Add a pool (`replace` false: refused if its name is taken) or add
     /// or replace it (`replace` true).
-    SetModel {
+    Set {
         /// The pool (not yet validated).
         model: Box<ModelConfig>,
         /// Whether a pool of its name is replaced.
         replace: bool,
     },
     /// Remove the pool of this name.
-    RemoveModel(String),
+    Remove(String),
 }
 
 /// The supervisor's answer: a status and a JSON body.
@@ -298,16 +305,16 @@ fn route(method: &Method, path: &str) -> Result<RouteKind, Reply> {
             _ => Err(allow("GET")),
         },
         ["admin", "models"] => match *method {
-            Method::GET => Ok(RouteKind::Slot(Request::ListModels)),
+            Method::GET => Ok(RouteKind::Slot(Request::Models(ModelRequest::List))),
             Method::POST => Ok(RouteKind::AddModel),
             _ => Err(allow("GET or POST")),
         },
         ["admin", "models", name @ ..] => {
             let name = model_name(&name.join("/"))?;
             match *method {
-                Method::GET => Ok(RouteKind::Slot(Request::GetModel(name))),
+                Method::GET => Ok(RouteKind::Slot(Request::Models(ModelRequest::Get(name)))),
                 Method::PUT => Ok(RouteKind::PutModel(name)),
-                Method::DELETE => Ok(RouteKind::Slot(Request::RemoveModel(name))),
+                Method::DELETE => Ok(RouteKind::Slot(Request::Models(ModelRequest::Remove(name)))),
                 _ => Err(allow("GET, PUT or DELETE")),
             }
         }
@@ -461,10 +468,10 @@ async fn handle(request: http::Request<Incoming>, token: &[u8], commands: &mpsc:
                 .await
                 .and_then(|body| model_of(body, named.as_deref()));
             match model {
-                Ok(model) => Request::SetModel {
+                Ok(model) => Request::Models(ModelRequest::Set {
                     model: Box::new(model),
                     replace: named.is_some(),
-                },
+                }),
                 Err(reply) => return reply,
             }
         }

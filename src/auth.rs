@@ -376,8 +376,8 @@ fn new_key() -> Result<String, String> {
 pub struct Caller {
     /// Its key's id.
     pub key_id: String,
-    /// Its tenant.
-    pub tenant: String,
+    /// Its tenant (shared: each request's usage counts hold it).
+    pub tenant: Arc<str>,
     /// The models it may use (`None`: every model).
     models: Option<Vec<String>>,
     /// Its tenant's rate-limit buckets.
@@ -449,7 +449,7 @@ impl Keys {
                     .ok()?;
                 let caller = Caller {
                     key_id: k.id.clone(),
-                    tenant: k.tenant.clone(),
+                    tenant: Arc::from(k.tenant.as_str()),
                     models: (!k.models.is_empty()).then(|| k.models.clone()),
                     limits: file.limits_of(&k.tenant).buckets(Scope::Tenant, &k.tenant),
                     priority: file.tenant(&k.tenant).and_then(|t| t.priority).unwrap_or_default(),
@@ -534,10 +534,7 @@ mod tests {
             headers(&[("x-api-key", &key), ("authorization", &bearer)]),
         ] {
             let caller = keys.caller(&h).unwrap();
-            assert_eq!(
-                (caller.tenant.as_str(), caller.key_id.as_str()),
-                ("team-a", entry.id.as_str())
-            );
+            assert_eq!((&*caller.tenant, caller.key_id.as_str()), ("team-a", entry.id.as_str()));
         }
         let caller = keys.caller(&headers(&[("api-key", &key)])).unwrap();
         assert!(caller.may_use("alpha", "alpha") && caller.may_use("default", "alpha"));

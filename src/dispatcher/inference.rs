@@ -185,7 +185,7 @@ pub(super) async fn inference(
         dispatcher.metrics().cache(CacheResult::Hit);
         accounting::count(
             dispatcher,
-            caller.map(|c| c.tenant.as_str()),
+            caller.map(|c| &*c.tenant),
             pool.name(),
             &[(UsageCounter::CacheHits, 1)],
         );
@@ -242,7 +242,7 @@ pub(super) async fn inference(
         session,
         strip_usage,
         output: admitted.output.take(),
-        tenant: caller.map(|c| Arc::from(c.tenant.as_str())),
+        tenant: caller.map(|c| c.tenant.clone()),
         // Only a policy that holds requests orders them by it.
         share: pool.policy().current_arc().holds_requests().then(|| {
             Share::new(
@@ -258,7 +258,7 @@ pub(super) async fn inference(
                 parsed.requested_output(),
             )
         }),
-        charged: None,
+        charged: false,
     };
     let outbound = Outbound {
         method: Method::POST,

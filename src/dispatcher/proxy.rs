@@ -123,11 +123,11 @@ pub(super) struct InferenceCtx {
     /// The rate-limit buckets its output tokens are charged to.
     pub output: Option<OutputBuckets>,
     /// Its tenant, class and cost in the gateway queue (`None`: its pool's
-    /// policy never queues); once routed, a retry's costs nothing more.
+    /// policy never queues).
     pub share: Option<Share>,
-    /// Its share as the first routing charged it, settled with the output
-    /// tokens its answer had when the relay ends.
-    pub charged: Option<Share>,
+    /// A routing charged its share already: a retry costs nothing more,
+    /// and the relay settles the charge when the answer ends.
+    pub charged: bool,
     /// Its caller's tenant (with `[auth]`), for the usage counts.
     pub tenant: Option<Arc<str>>,
 }
@@ -272,7 +272,10 @@ impl<'d> Attempts<'d> {
                 hasher: c.hasher,
                 answer_tokens: c.answer_tokens,
             }),
-            share: self.ctx.as_ref().and_then(|c| c.share),
+            share: self
+                .ctx
+                .as_ref()
+                .and_then(|c| c.share.map(|s| if c.charged { s.charged() } else { s })),
         };
         let routed = match choose(dispatcher, route, &self.failed, self.first_lookup.take()).await {
             Routed::Chosen(chosen, guard) => Ok((chosen, guard)),
@@ -300,10 +303,8 @@ impl<'d> Attempts<'d> {
         // Routed: its tenant was charged (a retry is not charged again).
         if routed.is_ok()
             && let Some(c) = &mut self.ctx
-            && c.charged.is_none()
         {
-            c.charged = c.share;
-            c.share = c.share.map(Share::charged);
+            c.charged = true;
         }
         routed
     }
@@ -617,7 +618,7 @@ impl<'d> Attempts<'d> {
                 pool: self.outbound.pool.clone(),
                 output: c.output.take(),
                 tenant: c.tenant.clone(),
-                share: c.charged.take(),
+                share: c.share.filter(|_| c.charged),
             }),
             _ => None,
         };

@@ -41,7 +41,7 @@ pub(super) async fn admit(
     pool: &Pool,
     prompt_tokens: u64,
 ) -> Result<Admitted, Response<Body>> {
-    let tenant = caller.map(|c| c.tenant.as_str());
+    let tenant = caller.map(|c| &*c.tenant);
     let let_in = [(UsageCounter::Requests, 1), (UsageCounter::PromptTokens, prompt_tokens)];
     let buckets = RequestBuckets::new(caller.map_or(&[], |c| &c.limits), pool.limits());
     if buckets.is_empty() {
@@ -60,12 +60,7 @@ pub(super) async fn admit(
         }
         Outcome::Refused(refusal) => {
             accounting::count(dispatcher, tenant, pool.name(), &[(UsageCounter::RateLimited, 1)]);
-            tracing::debug!(
-                tenant = caller.map(|c| c.tenant.as_str()),
-                model = pool.name(),
-                "rate limited: {}",
-                refusal.message
-            );
+            tracing::debug!(tenant, model = pool.name(), "rate limited: {}", refusal.message);
             Err(too_many_requests(&refusal))
         }
     }

@@ -32,7 +32,7 @@ pub(super) fn answer(request: Request, segment: &Segment, backends: &mut Backend
         R::Undrain(slot) => drain(segment, backends, slot, false),
         R::Remove(slot) => remove(segment, backends, config, slot),
         R::Tables | R::FlushPrefixes | R::FlushResponses => scan(request, segment, config.store.kind),
-        R::ListModels | R::GetModel(_) | R::SetModel { .. } | R::RemoveModel(_) => Reply::error(
+        R::Models(_) => Reply::error(
             S::INTERNAL_SERVER_ERROR,
             "a model request is not a backend request",
             "internal",

@@ -461,7 +461,7 @@ impl<'a> Supervisor<'a> {
                     if admin::is_scan(&request) {
                         let (side, store) = (side.clone(), self.config.store.kind);
                         tokio::task::spawn_blocking(move || reply.send(admin::scan(request, &side, store)));
-                    } else if model_admin::is_model_request(&request) {
+                    } else if let crate::admin::Request::Models(request) = request {
                         let answer = self.answer_model_request(request).await;
                         let _ = reply.send(answer);
                     } else {

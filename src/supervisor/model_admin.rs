@@ -27,25 +27,16 @@ use serde_json::{Value, json};
 
 use super::Supervisor;
 use super::reload::reloaded_config;
-use crate::admin::{Reply, Request};
-
-/// Whether `request` is about the model pools.
-pub(super) fn is_model_request(request: &Request) -> bool {
-    matches!(
-        request,
-        Request::ListModels | Request::GetModel(_) | Request::SetModel { .. } | Request::RemoveModel(_)
-    )
-}
+use crate::admin::{ModelRequest, Reply};
 
 impl Supervisor<'_> {
-    /// Carries out a [model request](is_model_request) and answers it.
-    pub(super) async fn answer_model_request(&mut self, request: Request) -> Reply {
+    /// Carries out a model request and answers it.
+    pub(super) async fn answer_model_request(&mut self, request: ModelRequest) -> Reply {
         match request {
-            Request::ListModels => self.list_models(),
-            Request::GetModel(name) => self.get_model(&name),
-            Request::SetModel { model, replace } => self.set_model(*model, replace).await,
-            Request::RemoveModel(name) => self.remove_model(&name),
-            _ => Reply::error(S::INTERNAL_SERVER_ERROR, "not a model request", "internal"),
+            ModelRequest::List => self.list_models(),
+            ModelRequest::Get(name) => self.get_model(&name),
+            ModelRequest::Set { model, replace } => self.set_model(*model, replace).await,
+            ModelRequest::Remove(name) => self.remove_model(&name),
         }
     }
 
