@@ -77,6 +77,17 @@ impl<'a> Object<'a> {
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
+
+    /// The object with every string copied out of the body it borrows.
+    pub fn into_owned(self) -> Object<'static> {
+        Object {
+            entries: self
+                .entries
+                .into_iter()
+                .map(|(k, v)| (Cow::Owned(k.into_owned()), v.into_owned()))
+                .collect(),
+        }
+    }
 }
 
 impl<'a> Json<'a> {
@@ -143,6 +154,19 @@ impl<'a> Json<'a> {
     /// Whether it is `null`.
     pub fn is_null(&self) -> bool {
         matches!(self, Json::Null)
+    }
+
+    /// The value with every string copied out of the body it borrows (to
+    /// keep a request parsed on another thread).
+    pub fn into_owned(self) -> Json<'static> {
+        match self {
+            Json::Null => Json::Null,
+            Json::Bool(b) => Json::Bool(b),
+            Json::Number(n) => Json::Number(n),
+            Json::String(s) => Json::String(Cow::Owned(s.into_owned())),
+            Json::Array(a) => Json::Array(a.into_iter().map(Json::into_owned).collect()),
+            Json::Object(o) => Json::Object(o.into_owned()),
+        }
     }
 
     /// What it is, for error messages ("a string", "an array", ...).

@@ -37,6 +37,9 @@ use tokio::signal::unix::{SignalKind, signal};
 use crate::cli::{ChildArgs, ChildRole, SimArgs};
 use semlb::reactor_watch::{self, ReactorState, ReactorWatch};
 
+/// Threads of a dispatcher's blocking pool (tokio's default is 512).
+const DISPATCHER_BLOCKING_THREADS: usize = 8;
+
 /// The fd a dispatcher finds the listening socket on (the supervisor puts
 /// it there before exec).
 pub const LISTEN_FD: RawFd = 3;
@@ -102,7 +105,13 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
     std_listener.set_nonblocking(true)?;
     let watch = Arc::new(ReactorWatch::new(segment.clock().now_ms()));
     spawn_heartbeat(segment.clone(), identity.slot, identity.incarnation, watch.clone())?;
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    // The blocking pool takes the work that grows with a request (parsing a
+    // large body, tokenizing a long prompt): bounded, so a flood of such
+    // requests queues for its threads instead of starting hundreds.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(DISPATCHER_BLOCKING_THREADS)
+        .build()?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(std_listener)?;
         let pulse_segment = segment.clone();

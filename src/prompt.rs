@@ -77,6 +77,22 @@ pub struct ParsedRequest<'a> {
 }
 
 impl ParsedRequest<'_> {
+    /// The request with nothing borrowed from its body (one parsed on the
+    /// blocking pool comes back this way).
+    pub fn into_owned(self) -> ParsedRequest<'static> {
+        ParsedRequest {
+            endpoint: self.endpoint,
+            model: Cow::Owned(self.model.into_owned()),
+            stream: self.stream,
+            input: match self.input {
+                RoutingInput::Text(text) => RoutingInput::Text(Cow::Owned(text.into_owned())),
+                RoutingInput::Tokens(ids) => RoutingInput::Tokens(ids),
+            },
+            earlier_answer_bytes: self.earlier_answer_bytes,
+            body: self.body.into_owned(),
+        }
+    }
+
     /// The output tokens the request asks for at most: a chat's
     /// `max_completion_tokens`, else `max_tokens` (both checked positive
     /// integers by [`parse`]); `None` if it does not say.
@@ -163,11 +179,11 @@ impl RequestError {
 }
 
 /// Bounds on the work one request makes the gateway do before it reaches
-/// an engine: parsing and chat rendering run on the dispatcher's reactor,
-/// which also serves every other connection of the process. 480 000
-/// one-byte messages (a 14 MiB body) took 0.77 s to parse and render with
-/// a Jinja template on this 2-core machine; 4 096 messages of 4 000 bytes
-/// (15 MiB) took 23 ms.
+/// an engine. 480 000 one-byte messages (a 14 MiB body) took 0.77 s to
+/// parse and render with a Jinja template on this 2-core machine; 4 096
+/// messages of 4 000 bytes (15 MiB) took 23 ms. (The dispatcher parses
+/// bodies over 256 KiB on its blocking pool, so such a parse holds one
+/// blocking thread, not the reactor that serves every connection.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RequestLimits {
     /// Most chat messages (more: 400 `array_above_max_length`, as OpenAI

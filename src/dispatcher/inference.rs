@@ -17,8 +17,8 @@ use shm_layout::UsageCounter;
 use super::Dispatcher;
 use super::accounting;
 use super::http::{
-    BACKEND_HEADER, Body, CACHE_HEADER, DISPATCH_HEADER, full_response, json_response, set_header, set_static_header,
-    upstream_headers,
+    BACKEND_HEADER, Body, CACHE_HEADER, DISPATCH_HEADER, error_response, full_response, json_response, set_header,
+    set_static_header, upstream_headers,
 };
 use super::proxy::{InferenceCtx, Outbound, forward};
 use super::rate;
@@ -32,7 +32,7 @@ use crate::config::StoreKind;
 use crate::continuation::{EndProbe, answer_tokens_estimate};
 use crate::fair_share::{PRIORITY_HEADER, Priority, Share};
 use crate::metrics::CacheResult;
-use crate::pools::Pool;
+use crate::pools::{ModelPools, Pool};
 use crate::prompt::{self, Endpoint, RoutingInput};
 use crate::response_cache::{self, Cacheability, Scope, Tenant};
 use crate::store::LookupRequest;
@@ -42,6 +42,57 @@ use crate::store::LookupRequest;
 /// its segment cache holds), so this bounds the time one request holds the
 /// reactor to about a millisecond; shorter texts cost less than the hand-off.
 const BLOCKING_TOKENIZE_BYTES: usize = 48 << 10;
+
+/// Bodies longer than this are parsed, and their chats rendered, on the
+/// blocking pool: parsing costs about 40 ns a byte for the worst shapes
+/// (hundreds of thousands of tiny messages), so a body of the 16 MiB limit
+/// would hold the reactor, and every other request of the dispatcher, for
+/// up to 0.6 s. Below this (about 10 µs of parsing) the hand-off would
+/// cost more than it saves.
+const BLOCKING_PARSE_BYTES: usize = 256 << 10;
+
+/// The pool `model` names, if the caller may use it.
+fn pick_pool(pools: &ModelPools, caller: Option<&Caller>, model: &str) -> Result<Arc<Pool>, prompt::RequestError> {
+    let pool = pools
+        .find(model)
+        .ok_or_else(|| prompt::RequestError::model_not_found(model))?;
+    if caller.is_some_and(|c| !c.may_use(model, pool.chain_model(model))) {
+        return Err(prompt::RequestError::model_not_allowed(model));
+    }
+    Ok(pool.clone())
+}
+
+/// Parses and checks a request body and picks its pool: inline, or on the
+/// blocking pool for a body over [`BLOCKING_PARSE_BYTES`] (whose parsed
+/// form then owns its strings).
+async fn parse<'b>(
+    pools: Arc<ModelPools>,
+    caller: Option<&Caller>,
+    endpoint: Endpoint,
+    body: &'b Bytes,
+    limits: prompt::RequestLimits,
+) -> Result<(prompt::ParsedRequest<'b>, Arc<Pool>), Response<Body>> {
+    let refused = |e: prompt::RequestError| json_response(e.status, &e.body());
+    if body.len() <= BLOCKING_PARSE_BYTES {
+        return prompt::parse_with(endpoint, body, &limits, |m| pick_pool(&pools, caller, m)).map_err(refused);
+    }
+    let (body, caller) = (body.clone(), caller.cloned());
+    let parsed = tokio::task::spawn_blocking(move || {
+        prompt::parse_with(endpoint, &body, &limits, |m| pick_pool(&pools, caller.as_ref(), m))
+            .map(|(parsed, pool)| (parsed.into_owned(), pool))
+    })
+    .await;
+    match parsed {
+        Ok(parsed) => parsed.map_err(refused),
+        // The parser does not panic (fuzzed: tests/fuzz's `request`
+        // target): a task that did not finish is the runtime shutting down.
+        Err(e) => Err(error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the gateway is shutting down ({e})"),
+            None,
+        )),
+    }
+}
 
 pub(super) async fn inference(
     dispatcher: &Arc<Dispatcher>,
@@ -61,19 +112,9 @@ pub(super) async fn inference(
         max_messages: limits.max_messages as usize,
         max_prompt_bytes: usize::try_from(limits.max_prompt_bytes.bytes()).unwrap_or(usize::MAX),
     };
-    let pools = dispatcher.pools();
-    let pick = |model: &str| {
-        let pool = pools
-            .find(model)
-            .ok_or_else(|| prompt::RequestError::model_not_found(model))?;
-        if caller.is_some_and(|c| !c.may_use(model, pool.chain_model(model))) {
-            return Err(prompt::RequestError::model_not_allowed(model));
-        }
-        Ok(pool.clone())
-    };
-    let (mut parsed, pool) = match prompt::parse_with(endpoint, &bytes, &request_limits, pick) {
+    let (mut parsed, pool) = match parse(dispatcher.pools(), caller, endpoint, &bytes, request_limits).await {
         Ok(p) => p,
-        Err(e) => return json_response(e.status, &e.body()),
+        Err(r) => return r,
     };
     timing.mark(Mark::Parse);
     let session = session_key(&pool, &parts.headers, &parsed);
