@@ -139,8 +139,12 @@ pub struct RedisConfig {
     pub namespace: String,
     /// Seconds a prefix entry lives after its last refresh.
     pub prefix_ttl_secs: u64,
-    /// Connect and reply deadline, in ms.
+    /// Reply deadline of every operation, in ms (later: an outage).
     pub timeout_ms: u64,
+    /// Deadline of a dispatcher's first connection (TCP, TLS, `AUTH`, the
+    /// scripts and the namespace's seed), in ms; reconnections during an
+    /// outage keep `timeout_ms`.
+    pub connect_timeout_ms: u64,
     /// Probe interval during an outage, in ms.
     pub retry_ms: u64,
     /// How the longest prefix is looked up.
@@ -164,6 +168,7 @@ impl Default for RedisConfig {
             namespace: "semlb".to_owned(),
             prefix_ttl_secs: 3600,
             timeout_ms: 100,
+            connect_timeout_ms: 1000,
             retry_ms: 1000,
             lookup: RedisLookup::Script,
             write_backlog: 10_000,
@@ -183,6 +188,11 @@ impl RedisConfig {
     /// [`timeout_ms`](Self::timeout_ms) as a duration.
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms)
+    }
+
+    /// [`connect_timeout_ms`](Self::connect_timeout_ms) as a duration.
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
     }
 
     /// [`retry_ms`](Self::retry_ms) as a duration.

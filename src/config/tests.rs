@@ -260,6 +260,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "namespace",
         "prefix_ttl_secs",
         "timeout_ms",
+        "connect_timeout_ms",
         "retry_ms",
         "lookup",
         "write_backlog",

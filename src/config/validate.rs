@@ -132,6 +132,13 @@ impl ServeConfig {
                 "must be between 1 and 60000",
             ));
         }
+        if !(r.timeout_ms..=60_000).contains(&r.connect_timeout_ms) {
+            return Err(E::invalid(
+                "store.redis.connect_timeout_ms",
+                r.connect_timeout_ms,
+                "must be between store.redis.timeout_ms and 60000",
+            ));
+        }
         if !(10..=60_000).contains(&r.retry_ms) {
             return Err(E::invalid(
                 "store.redis.retry_ms",

@@ -260,7 +260,7 @@ fn log_redis_reachability(config: &ServeConfig) -> Result<()> {
     let client = credentials::client(r)?;
     let url = credentials::redacted(&r.url);
     let reachable = client
-        .get_connection_with_timeout(r.timeout())
+        .get_connection_with_timeout(r.connect_timeout())
         .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
     match reachable {
         Ok(_) => tracing::info!(

@@ -279,10 +279,9 @@ impl RedisRouting {
         if let Some(conn) = self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone() {
             return Ok(conn);
         }
-        let timeout = self.config.timeout();
         let settings = AsyncConnectionConfig::new()
-            .set_connection_timeout(timeout)
-            .set_response_timeout(timeout);
+            .set_connection_timeout(self.deadline())
+            .set_response_timeout(self.config.timeout());
         let mut conn = self
             .client
             .get_multiplexed_async_connection_with_config(&settings)
@@ -384,6 +383,17 @@ impl RedisRouting {
         self.query("publish", &pipe).await.map(drop)
     }
 
+    /// The deadline of an operation: `connect_timeout_ms` until this process
+    /// has connected once (the first connection's TLS handshake, `AUTH`,
+    /// scripts and seed may take longer than a reply), then `timeout_ms`.
+    fn deadline(&self) -> Duration {
+        if self.chain_seed.get().is_some() {
+            self.config.timeout()
+        } else {
+            self.config.connect_timeout()
+        }
+    }
+
     /// Runs `op` under the deadline with the outage bookkeeping; `None` when
     /// Redis is not to be asked now or failed.
     async fn guarded<T>(&self, name: &'static str, op: impl Future<Output = Result<T, StoreError>>) -> Option<T> {
@@ -391,11 +401,12 @@ impl RedisRouting {
         if attempt == Attempt::Skip {
             return None;
         }
-        let result = match tokio::time::timeout(self.config.timeout(), op).await {
+        let deadline = self.deadline();
+        let result = match tokio::time::timeout(deadline, op).await {
             Ok(r) => r,
             Err(_) => Err(StoreError::Timeout {
                 op: name,
-                timeout: self.config.timeout(),
+                timeout: deadline,
             }),
         };
         let out = match result {
