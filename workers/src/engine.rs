@@ -91,7 +91,8 @@ use tokio::time::Instant;
 
 use crate::config::EngineConfig;
 use crate::histogram::{E2E_BUCKETS, Histogram, TTFT_BUCKETS};
-use crate::prefix_cache::{Allocation, BlockHash, PrefixCache, blocks_for, chained_hashes};
+use crate::kv_events::{KvEvent, WireHash};
+use crate::prefix_cache::{Allocation, BlockHash, CacheEvent, PrefixCache, blocks_for, chained_hashes};
 
 /// How far (real time) the scheduler may lag behind its virtual clock before
 /// the clock restarts from now.
@@ -108,6 +109,18 @@ pub struct EngineRequest {
     /// Its prefix-cache root: 0, or its LoRA adapter's
     /// ([`EngineConfig::cache_root`]).
     pub root: u64,
+    /// What its KV cache events say of its blocks beyond their tokens.
+    pub keys: BlockKeys,
+}
+
+/// What a request's blocks carry besides their tokens, as its KV cache
+/// events name it ([`crate::kv_events::KvEvent::Stored`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BlockKeys {
+    /// Its LoRA adapter, if it names one.
+    pub lora_name: Option<String>,
+    /// Its `cache_salt`, if it has one.
+    pub salt: Option<String>,
 }
 
 /// Token counts of a finished request (OpenAI `usage`).
@@ -254,6 +267,7 @@ impl Engine {
             counters: Counters::default(),
             ttft: Histogram::new(TTFT_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
+            events: None,
         };
         let shared = Arc::new(Shared {
             config: Arc::clone(&config),
@@ -279,7 +293,12 @@ impl Engine {
     /// events; dropping the stream aborts the request.
     pub fn submit(&self, request: EngineRequest) -> Result<EngineStream, SubmitError> {
         let config = &self.config;
-        let EngineRequest { prompt, output, root } = request;
+        let EngineRequest {
+            prompt,
+            output,
+            root,
+            keys,
+        } = request;
         if prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
         }
@@ -304,8 +323,10 @@ impl Engine {
         let (tx, rx) = mpsc::unbounded_channel();
         let pending = Pending {
             prompt_len: prompt.len(),
+            prompt,
             output,
             hashes,
+            keys,
             tx,
             submitted: Instant::now(),
         };
@@ -318,7 +339,23 @@ impl Engine {
     /// Empties the prefix cache (vLLM's `/reset_prefix_cache`); false, and
     /// nothing changed, while a running request holds blocks.
     pub fn reset_prefix_cache(&self) -> bool {
-        self.inner.shared.lock().cache.reset()
+        let mut state = self.inner.shared.lock();
+        let reset = state.cache.reset();
+        state.collect_events(None);
+        state.flush_events();
+        reset
+    }
+
+    /// The KV cache events from now on: one batch per scheduler step that
+    /// stored, evicted or cleared blocks, for [`crate::kv_events::Publisher`]
+    /// (a second call replaces the first receiver).
+    pub fn kv_events(&self) -> mpsc::UnboundedReceiver<Vec<KvEvent>> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut state = self.inner.shared.lock();
+        state.cache.record_events();
+        state.cache.take_events();
+        state.events = Some(Events { tx, batch: Vec::new() });
+        rx
     }
 
     /// A snapshot of the state and counters, taken under one lock.
@@ -393,9 +430,12 @@ impl Shared {
 /// A queued request.
 struct Pending {
     prompt_len: usize,
+    /// The prompt's tokens (for the KV cache events of its blocks).
+    prompt: Vec<u32>,
     output: Vec<u32>,
     /// Block hashes of prompt + output.
     hashes: Vec<BlockHash>,
+    keys: BlockKeys,
     tx: mpsc::UnboundedSender<Event>,
     submitted: Instant,
 }
@@ -419,6 +459,12 @@ struct Counters {
     requests_aborted: u64,
 }
 
+/// Where the KV cache events go, and the current step's.
+struct Events {
+    tx: mpsc::UnboundedSender<Vec<KvEvent>>,
+    batch: Vec<KvEvent>,
+}
+
 /// The scheduler's state (behind `Shared::state`).
 struct State {
     cache: PrefixCache,
@@ -431,9 +477,53 @@ struct State {
     counters: Counters,
     ttft: Histogram,
     e2e: Histogram,
+    /// The KV cache events' sink, once [`Engine::kv_events`] was called.
+    events: Option<Events>,
 }
 
 impl State {
+    /// Turns what the cache recorded into wire events, `req` being the
+    /// request whose blocks it just allocated or released (its tokens fill
+    /// the stored blocks).
+    fn collect_events(&mut self, req: Option<&Pending>) {
+        let Some(events) = &mut self.events else { return };
+        let block_size = self.block_size;
+        for e in self.cache.take_events() {
+            events.batch.push(match e {
+                CacheEvent::Stored { first, hashes, parent } => {
+                    let Some(req) = req else { continue };
+                    let tokens = req.prompt.iter().chain(&req.output);
+                    KvEvent::Stored {
+                        token_ids: tokens
+                            .skip(first * block_size)
+                            .take(hashes.len() * block_size)
+                            .copied()
+                            .collect(),
+                        block_hashes: hashes.into_iter().map(WireHash::from).collect(),
+                        parent: parent.map(WireHash::from),
+                        block_size: block_size as u32,
+                        lora_name: req.keys.lora_name.clone(),
+                        // vLLM mixes a salt into a request's first block only.
+                        salt: req.keys.salt.clone().filter(|_| first == 0),
+                    }
+                }
+                CacheEvent::Removed(hashes) => KvEvent::Removed(hashes.into_iter().map(WireHash::from).collect()),
+                CacheEvent::Cleared => KvEvent::Cleared,
+            });
+        }
+    }
+
+    /// Publishes the step's events, if any.
+    fn flush_events(&mut self) {
+        if let Some(events) = &mut self.events
+            && !events.batch.is_empty()
+            && events.tx.send(std::mem::take(&mut events.batch)).is_err()
+        {
+            // The publisher is gone: stop recording.
+            self.events = None;
+        }
+    }
+
     fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
@@ -462,6 +552,7 @@ impl State {
                 self.waiting.push_front(req);
                 break;
             };
+            self.collect_events(Some(&req));
             let cached_tokens = alloc.cached_blocks() * self.block_size;
             self.counters.prefix_cache_queries += req.prompt_len as u64;
             self.counters.prefix_cache_hits += cached_tokens as u64;
@@ -570,6 +661,7 @@ impl State {
     fn release(&mut self, r: Running) {
         let computed = r.req.prompt_len + r.generated.saturating_sub(1);
         self.cache.release(r.alloc, &r.req.hashes, computed);
+        self.collect_events(Some(&r.req));
     }
 }
 
@@ -577,7 +669,12 @@ impl State {
 async fn run(shared: Arc<Shared>) {
     let config = Arc::clone(&shared.config);
     loop {
-        let end = shared.lock().begin_step(&config);
+        let end = {
+            let mut state = shared.lock();
+            let end = state.begin_step(&config);
+            state.flush_events();
+            end
+        };
         match end {
             Some(end) => {
                 if end > Instant::now() {
@@ -586,7 +683,9 @@ async fn run(shared: Arc<Shared>) {
                     // Catching up (or a zero-length step): let others run.
                     tokio::task::yield_now().await;
                 }
-                shared.lock().end_step(end, &config);
+                let mut state = shared.lock();
+                state.end_step(end, &config);
+                state.flush_events();
             }
             None => {
                 if shared.closed.load(Ordering::Acquire) {
@@ -655,6 +754,7 @@ mod tests {
             prompt: (base..base + prompt).collect(),
             output: (0..output).map(|i| 900_000 + i).collect(),
             root: 0,
+            keys: BlockKeys::default(),
         }
     }
 
@@ -682,6 +782,68 @@ mod tests {
             default_output_tokens: 128,
             time_scale: 1.0,
         }
+    }
+
+    /// Every event batch published so far, flattened.
+    fn drain(rx: &mut mpsc::UnboundedReceiver<Vec<KvEvent>>) -> Vec<KvEvent> {
+        std::iter::from_fn(|| rx.try_recv().ok()).flatten().collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn kv_events_tell_what_the_cache_stored_evicted_and_cleared() {
+        // 4 blocks of 16 tokens: a second 48-token request evicts the first's.
+        let engine = Engine::start(EngineConfig {
+            kv_capacity_tokens: 64,
+            ..config()
+        });
+        let mut rx = engine.kv_events();
+        let first = EngineRequest {
+            keys: BlockKeys {
+                lora_name: None,
+                salt: Some("s1".into()),
+            },
+            ..req(0, 40, 10)
+        };
+        finish(engine.submit(first.clone()).unwrap()).await;
+        let events = drain(&mut rx);
+        let hashes = chained_hashes(0, first.prompt.iter().chain(&first.output).copied(), 16);
+        // At admission its two full prompt blocks; at its end the third,
+        // which its prompt and answer filled (40 + 10 - 1 computed tokens).
+        assert_eq!(
+            events,
+            [
+                KvEvent::Stored {
+                    block_hashes: hashes[..2].iter().map(|h| WireHash::from(*h)).collect(),
+                    parent: None,
+                    token_ids: (0..32).collect(),
+                    block_size: 16,
+                    lora_name: None,
+                    salt: Some("s1".into()),
+                },
+                KvEvent::Stored {
+                    block_hashes: vec![WireHash::from(hashes[2])],
+                    parent: Some(WireHash::from(hashes[1])),
+                    token_ids: (32..40).chain(900_000..900_008).collect(),
+                    block_size: 16,
+                    lora_name: None,
+                    salt: None,
+                },
+            ]
+        );
+        // A request of 4 blocks needs them all: the first's three go.
+        finish(engine.submit(req(1000, 60, 4)).unwrap()).await;
+        let events = drain(&mut rx);
+        let KvEvent::Removed(removed) = &events[0] else {
+            panic!("{events:?}")
+        };
+        let mut removed: Vec<WireHash> = removed.clone();
+        removed.sort_by_key(|h| format!("{h:?}"));
+        let mut expected: Vec<WireHash> = hashes[..3].iter().map(|h| WireHash::from(*h)).collect();
+        expected.sort_by_key(|h| format!("{h:?}"));
+        assert_eq!(removed, expected);
+        assert!(matches!(&events[1], KvEvent::Stored { parent: None, token_ids, .. } if token_ids[0] == 1000));
+        assert!(engine.reset_prefix_cache());
+        assert_eq!(drain(&mut rx), [KvEvent::Cleared]);
     }
 
     #[tokio::test(start_paused = true)]
@@ -765,6 +927,7 @@ mod tests {
                     prompt: prompt2,
                     output: vec![1, 2],
                     root: 0,
+                    keys: BlockKeys::default(),
                 })
                 .expect("accepted"),
         )

@@ -14,6 +14,7 @@
 //! | [`prefix_cache`] | vLLM-style block KV cache: chained block hashes, LRU of unreferenced blocks |
 //! | [`histogram`] | the latency histograms the engine records, with vLLM's bucket bounds |
 //! | [`engine`] | continuous batching: FIFO queue, batch limits, prefill/decode timing, stats |
+//! | [`kv_events`] | the engine's KV cache events published as vLLM publishes them (ZeroMQ, msgpack, replay) |
 //! | [`metrics`] | the Prometheus text exposition of the engine's stats (vLLM and SGLang names) |
 //! | [`api`] | OpenAI request/response types, validation, error bodies |
 //! | [`faults`] | fault injection: 500s, mid-stream resets, delay, hang, exit |
@@ -35,6 +36,7 @@ pub mod config;
 pub mod engine;
 pub mod faults;
 pub mod histogram;
+pub mod kv_events;
 pub mod metrics;
 pub mod output_vocab;
 pub mod prefix_cache;

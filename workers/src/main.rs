@@ -23,6 +23,7 @@ use semlb_tokenizer::chat::ChatTemplate;
 use semlb_workers::config::EngineConfig;
 use semlb_workers::engine::Engine;
 use semlb_workers::faults::FaultConfig;
+use semlb_workers::kv_events::{KvEventsConfig, Publisher};
 use semlb_workers::metrics::MetricsFlavor;
 use semlb_workers::server::{Sim, serve};
 use tokio::signal::unix::{Signal, SignalKind, signal};
@@ -112,6 +113,13 @@ struct Args {
     /// --metrics-flavor llamacpp].
     #[arg(long)]
     props: bool,
+
+    /// Publish KV cache events as vLLM does, configured by vLLM's own JSON:
+    /// `{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+    /// "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}` (port 0: a free
+    /// one; the bound endpoints are printed).
+    #[arg(long, value_name = "JSON")]
+    kv_events_config: Option<String>,
 }
 
 /// The library's defaults, so the flags' defaults cannot drift from them.
@@ -205,11 +213,31 @@ async fn run(args: Args) -> Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let addr = listener.local_addr().context("reading the bound address")?;
-    let sim = Sim::new(Engine::start(config), tokenizer, template, faults, args.metrics_flavor);
+    let kv_events = args
+        .kv_events_config
+        .as_deref()
+        .map(KvEventsConfig::from_vllm_json)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("invalid --kv-events-config: {e}"))?
+        .flatten();
+    let engine = Engine::start(config);
+    let published = match &kv_events {
+        Some(events) => Some(
+            Publisher::start(events, engine.kv_events())
+                .await
+                .map_err(anyhow::Error::msg)?,
+        ),
+        None => None,
+    };
+    let sim = Sim::new(engine, tokenizer, template, faults, args.metrics_flavor);
     let props = args.props || args.metrics_flavor == MetricsFlavor::Llamacpp;
     let sim = Arc::new(sim.with_props(props));
 
     let mut stdout = std::io::stdout().lock();
+    if let Some(bound) = &published {
+        let replay = bound.replay_endpoint.as_deref().unwrap_or("none");
+        writeln!(stdout, "semlb-sim kv events on {} replay {replay}", bound.endpoint).context("writing to stdout")?;
+    }
     writeln!(stdout, "semlb-sim listening on http://{addr}").context("writing to stdout")?;
     stdout.flush().context("writing to stdout")?;
     drop(stdout);

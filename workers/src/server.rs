@@ -71,7 +71,7 @@ use crate::api::{
     ResponseMeta,
 };
 use crate::config::EngineConfig;
-use crate::engine::{Engine, EngineRequest, EngineStream, Event, SubmitError, Usage};
+use crate::engine::{BlockKeys, Engine, EngineRequest, EngineStream, Event, SubmitError, Usage};
 use crate::faults::{Decision, FaultConfig, Faults};
 use crate::metrics::{self, MetricsFlavor};
 use crate::output_vocab::OutputVocab;
@@ -526,7 +526,19 @@ async fn inference(
     let output = sim.vocab.generate(seed, n as usize);
     let mut events = sim
         .engine
-        .submit(EngineRequest { prompt, output, root })
+        .submit(EngineRequest {
+            prompt,
+            output,
+            root,
+            keys: BlockKeys {
+                // The base model's blocks name no adapter.
+                lora_name: (model != config.model_name).then(|| model.clone()),
+                // The simulator keeps a salt's hash, not the salt: its
+                // events name the hash (a gateway only needs to see that
+                // the block has extra keys).
+                salt: params.cache_salt.map(|h| format!("{h:016x}")),
+            },
+        })
         .map_err(|e| ApiError::from_submit(&e, endpoint.prompt_param()))?;
     let engine_gone = || ApiError::server_error(StatusCode::INTERNAL_SERVER_ERROR, "The engine dropped the request");
     let Some(Event::FirstToken {
