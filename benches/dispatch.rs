@@ -110,6 +110,10 @@ fn dispatch(c: &mut Criterion) {
             };
             hasher.chain(&tokenizer.encode(&text), &mut chain);
             t.prefix.insert_chain(&chain, servers[i % 4], Stamp(1));
+            // Two of the four engines publish KV events (the precise lookup).
+            if i % 4 < 2 {
+                t.confirmed.insert_chain(&chain, servers[i % 4], Stamp(1));
+            }
             texts.push(text);
         }
         let tokens = tokenizer.encode(&texts[0]);
@@ -221,9 +225,22 @@ fn dispatch(c: &mut Criterion) {
         g.bench_function("prefix_lookup", |b| {
             b.iter(|| {
                 i = (i + 1) % chains.len();
-                black_box(prefix_match(&t, seg.clock().now_ms(), &chains[i], &[]))
+                black_box(prefix_match(&t, seg.clock().now_ms(), &chains[i], &[], None))
             })
         });
+        for s in &servers[..2] {
+            t.servers.set_kv_events(*s, Some(shm_layout::KvEventsSync::Complete));
+        }
+        // The precise source: the estimate and the confirmed table.
+        g.bench_function("prefix_lookup_precise", |b| {
+            b.iter(|| {
+                i = (i + 1) % chains.len();
+                black_box(prefix_match(&t, seg.clock().now_ms(), &chains[i], &[], Some(2)))
+            })
+        });
+        for s in &servers[..2] {
+            t.servers.set_kv_events(*s, None);
+        }
         let matches: Vec<_> = chains
             .iter()
             .map(|ch| t.prefix.longest_prefix_match(ch, |s| t.servers.is_live(s)))
@@ -266,7 +283,7 @@ fn dispatch(c: &mut Criterion) {
                     &p.body,
                 );
                 let hit = t.responses.get_into(k, &mut buf).is_some();
-                let m = prefix_match(&t, seg.clock().now_ms(), &chain, &[]);
+                let m = prefix_match(&t, seg.clock().now_ms(), &chain, &[], None);
                 live_candidates(&t, &mut candidates);
                 let tokens = (chain.len() * 16) as u32;
                 let input = RouteInput::new(&chain, tokens, 16, &m, &candidates);

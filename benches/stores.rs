@@ -93,6 +93,7 @@ fn stores(c: &mut Criterion) {
                 exclude: &[],
                 stale_after_ms: u64::MAX,
                 continuation: None,
+                precise: None,
             }))
         })
     });

@@ -25,6 +25,7 @@ use semlb::config::ModelConfig;
 use semlb::config::ServeConfig;
 use semlb::config::StoreKind;
 use semlb::dispatcher::{self, Dispatcher, Identity};
+use semlb::kv_events::subscriber::{self as kv_events, Followers};
 use semlb::pools::TokenizerLoader;
 use semlb::responder::{Responder, rings_for};
 use semlb::responder_loop::ResponderLoop;
@@ -310,6 +311,20 @@ fn run_responder(segment: &Arc<Segment>, args: &ChildArgs, config: &ServeConfig)
             global.tokenizer,
         ),
     };
+    // The engines' KV cache events this process follows, on a thread of
+    // its own (the ring loop below never waits on a socket).
+    let serve = args.serve.clone();
+    let followers = Followers {
+        segment: segment.clone(),
+        slot: args.slot,
+        index: args.index,
+        responders: config.responders,
+        resolve: Box::new(move || ServeConfig::resolve(serve.config.as_deref(), serve.overrides()).ok()),
+    };
+    let events = std::thread::Builder::new()
+        .name("kv-events".into())
+        .spawn(move || kv_events::run(followers, &STOP))
+        .context("starting the KV events thread")?;
     let serve = args.serve.clone();
     let responder = responder
         .forgetting(config.learn_from_reports)
@@ -319,6 +334,10 @@ fn run_responder(segment: &Arc<Segment>, args: &ChildArgs, config: &ServeConfig)
             loader.by_id(&config, id)
         }));
     ResponderLoop::new(segment, responder, rings, args.slot, args.incarnation).run(&STOP);
+    match events.join() {
+        Ok(result) => result.context("the KV events thread")?,
+        Err(_) => anyhow::bail!("the KV events thread panicked"),
+    }
     Ok(())
 }
 
@@ -366,12 +385,16 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
         };
         config.validate().map_err(anyhow::Error::msg)?;
         let mut sim = Sim::bundled(config, FaultConfig::default());
+        let published = semlb_workers::kv_events::publish(sim.engine(), args.kv_events_config.as_deref())
+            .await
+            .map_err(|e| anyhow::anyhow!("--kv-events-config: {e}"))?;
         if args.no_metrics {
             sim = sim.with_metrics_flavor(semlb_workers::metrics::MetricsFlavor::None);
         }
         let sim = sim.with_props(args.props);
         let listener = tokio::net::TcpListener::bind(args.listen).await?;
-        println!("semlb-sim listening on http://{}", listener.local_addr()?);
+        let events = published.as_ref().map(|b| b.describe()).unwrap_or_default();
+        println!("semlb-sim {events}listening on http://{}", listener.local_addr()?);
         use std::io::Write;
         std::io::stdout().flush()?;
         let mut term = signal(SignalKind::terminate())?;

@@ -362,6 +362,10 @@ pub struct SimArgs {
     /// as `llama-server` does.
     #[arg(long)]
     pub props: bool,
+    /// Publish KV cache events as vLLM does (vLLM's `--kv-events-config`
+    /// JSON; see `semlb-sim --kv-events-config`).
+    #[arg(long, value_name = "JSON")]
+    pub kv_events_config: Option<String>,
     /// How it logs to stderr.
     #[command(flatten)]
     pub log: LogArgs,

@@ -274,6 +274,14 @@ impl Pool {
         &self.policy_config
     }
 
+    /// Its prefix source as a lookup takes it ([`crate::store::LookupRequest::precise`]):
+    /// the confirm window with `[policy.prefix] source = "precise"`.
+    pub fn precise(&self) -> Option<u16> {
+        let prefix = &self.policy_config().prefix;
+        (prefix.source == crate::routing::PrefixSource::Precise)
+            .then(|| u16::try_from(prefix.confirm_window_secs).unwrap_or(u16::MAX))
+    }
+
     /// What its chains are rooted at for a request naming `model`: its
     /// name, or `model` itself in the implicit pool.
     pub fn chain_model<'m>(&'m self, model: &'m str) -> &'m str {

@@ -352,6 +352,7 @@ fn empty_lookup() -> LookupRequest<'static> {
         exclude: &[],
         stale_after_ms: u64::MAX,
         continuation: None,
+        precise: None,
     }
 }
 
@@ -503,6 +504,7 @@ fn both_stores_give_the_same_routing_decisions() {
                     exclude,
                     stale_after_ms: u64::MAX,
                     continuation: None,
+                    precise: None,
                 };
                 let (a, b) = (shm.lookup(request).await, redis.lookup(request).await);
                 assert_eq!(summary(&a), summary(&b), "chain {chain:x?} excluding {exclude:?}");
@@ -565,6 +567,7 @@ fn both_stores_learn_at_dispatch_credit_continuations_and_take_back() {
             hasher,
             answer_tokens: 128,
         }),
+        precise: None,
     };
     let (second, c2): (&'static [u32], &'static [u64]) = (second.leak(), c2.leak());
     let (stranger, c3): (&'static [u32], &'static [u64]) = (stranger.leak(), c3.leak());

@@ -1,4 +1,4 @@
-//! The segment header: the first 480 bytes of every segment (its fields;
+//! The segment header: the first 512 bytes of every segment (its fields;
 //! the rest of the header page is reserved).
 //!
 //! It is written once by the creator, with the `state` word stored last
@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// `b"SEMLBSHM"` read as a little-endian `u64`.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"SEMLBSHM");
 /// Version of the layout described in the crate docs. Bump on any change.
-pub const LAYOUT_VERSION: u64 = 12;
+pub const LAYOUT_VERSION: u64 = 13;
 /// `state` while the creator initialises the segment (the zero of a new object).
 pub const STATE_INITIALISING: u64 = 0;
 /// `state` once the segment may be used (`b"READY\0\0\0"`).
@@ -55,8 +55,8 @@ pub(crate) struct RawHeader {
 
 // The layout freeze: these numbers are the documented field table.
 const _: () = assert!(size_of::<RawRegion>() == 32);
-// 480 bytes of fields; the struct is padded to the 64-byte alignment.
-const _: () = assert!(offset_of!(RawHeader, regions) + size_of::<[RawRegion; REGION_COUNT]>() == 480);
+// 512 bytes of fields, a multiple of the 64-byte alignment.
+const _: () = assert!(offset_of!(RawHeader, regions) + size_of::<[RawRegion; REGION_COUNT]>() == 512);
 const _: () = assert!(size_of::<RawHeader>() == 512);
 const _: () = assert!(size_of::<RawHeader>() as u64 <= HEADER_BYTES);
 const _: () = assert!(offset_of!(RawHeader, magic) == 0);
@@ -188,9 +188,11 @@ impl HeaderInfo {
                     fixed(r, u64::from(RING_COUNT), RING_CONTROL_BYTES + r.param)
                 }
                 RegionKind::Usage => fixed(r, USAGE_SLOTS, USAGE_ENTRY_BYTES),
-                RegionKind::ResponseIndex | RegionKind::SegmentIndex | RegionKind::Prefix | RegionKind::Limits => {
-                    r.count.checked_mul(BUCKET_BYTES)
-                }
+                RegionKind::ResponseIndex
+                | RegionKind::SegmentIndex
+                | RegionKind::Prefix
+                | RegionKind::Confirmed
+                | RegionKind::Limits => r.count.checked_mul(BUCKET_BYTES),
                 RegionKind::ResponseLog | RegionKind::SegmentLog => {
                     if !r.count.is_multiple_of(8) || r.param == 0 || r.param > r.count / 2 || !r.param.is_multiple_of(8)
                     {

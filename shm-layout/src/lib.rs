@@ -27,15 +27,15 @@
 //!
 //! ```text
 //!  offset 0                                                     segment_bytes
-//!  ┌────────┬─────────┬────────┬──────────┬──────────┬─────────┬─────────┬────────────┬──────────┬──────────────┬─────────┬─────────────┬──────────────┐
-//!  │ header │ servers │ ledger │ registry │  stats   │ limits  │  usage  │ rings × 64 │ response │ response log │ segment │ segment log │ prefix table │
-//!  │ 4 KiB  │ 128×384B│ 512 KiB│ 128×64 B │ 128×8 KiB│ 256 KiB │ 128 KiB │ ctl + ring │  index   │ ctl + ring   │  index  │ ctl + ring  │ 64 B buckets │
-//!  └────────┴─────────┴────────┴──────────┴──────────┴─────────┴─────────┴────────────┴──────────┴──────────────┴─────────┴─────────────┴──────────────┘
+//!  ┌────────┬─────────┬────────┬──────────┬──────────┬─────────┬─────────┬────────────┬──────────┬──────────────┬─────────┬─────────────┬──────────────┬──────────────┐
+//!  │ header │ servers │ ledger │ registry │  stats   │ limits  │  usage  │ rings × 64 │ response │ response log │ segment │ segment log │  confirmed   │ prefix table │
+//!  │ 4 KiB  │ 128×384B│ 512 KiB│ 128×64 B │ 128×8 KiB│ 256 KiB │ 128 KiB │ ctl + ring │  index   │ ctl + ring   │  index  │ ctl + ring  │ 64 B buckets │ 64 B buckets │
+//!  └────────┴─────────┴────────┴──────────┴──────────┴─────────┴─────────┴────────────┴──────────┴──────────────┴─────────┴─────────────┴──────────────┴──────────────┘
 //!   every region starts on a 4 KiB boundary; sizes derive from the segment
 //!   size (see [`plan`]) and are recorded in the header's region table
 //! ```
 //!
-//! ## Header (480 bytes at offset 0; frozen by compile-time asserts)
+//! ## Header (512 bytes at offset 0; frozen by compile-time asserts)
 //!
 //! | offset | field | meaning |
 //! | ---: | --- | --- |
@@ -48,7 +48,7 @@
 //! | 48 | `creator_pid` | pid of the creating supervisor |
 //! | 56 | `header_checksum` | seahash of every field but `state` and itself |
 //! | 64 | `seed[4]` | random per segment; keys slot fingerprints and record checksums |
-//! | 96 | `regions[12]` | per region, in [`RegionKind`] order: `offset`, `bytes`, `count`, `param` (4 × u64) |
+//! | 96 | `regions[13]` | per region, in [`RegionKind`] order: `offset`, `bytes`, `count`, `param` (4 × u64) |
 //!
 //! ## Regions
 //!
@@ -65,6 +65,7 @@
 //! | response log | 256 B control + `count` bytes | log bytes | max value bytes | [`response_log`] |
 //! | segment index | 64 B bucket of 4 × 128-bit slots | buckets | – | [`response_log`] (a second keyed log: token segments) |
 //! | segment log | 256 B control + `count` bytes | log bytes | max value bytes | [`response_log`] |
+//! | confirmed prefixes | 64 B bucket of 4 × 128-bit slots | buckets | – | [`prefix_table`] (a second table: the blocks engines said they hold, from their KV cache events) |
 //! | prefix table | 64 B bucket of 4 × 128-bit slots | buckets | – | [`prefix_table`] |
 //!
 //! # Why it survives `kill -9` at any instruction
@@ -140,8 +141,8 @@ pub use response_log::{PutError, ResponseKey, ResponseLog, ResponseLogStats};
 #[cfg(not(loom))]
 pub use segment::{Segment, SegmentClock, Tables, shm_path};
 pub use server_table::{
-    EngineContext, HORIZON_SPAN_S, MAX_CHARGED_TOKENS, Reclaimed, RegisterError, ServerInfo, ServerRef, ServerState,
-    ServerTable, ServerTag,
+    EngineContext, HORIZON_SPAN_S, KvEventsSync, MAX_CHARGED_TOKENS, Reclaimed, RegisterError, ServerInfo, ServerRef,
+    ServerState, ServerTable, ServerTag,
 };
 pub use stats::Stats;
 pub use usage_table::{USAGE_COUNTERS, UsageCounter, UsageKind, UsageRow, UsageTable};

@@ -18,13 +18,15 @@
 //! | response log | the rest of those three quarters, less a page of control | byte ring; one value may take at most `max_response_fraction` of it (default 1/8) |
 //! | segment index | 1/64 of the last quarter of that half | 64-byte buckets of 4 slots |
 //! | segment log | the rest of that quarter, less a page of control | byte ring of token-id segments; one may take at most `max_response_fraction` of it |
-//! | prefix table | the other half | 64-byte buckets of 4 slots |
+//! | confirmed prefixes | 1/9 of the other half | 64-byte buckets of 4 slots: what engines said they hold (KV events) |
+//! | prefix table | the rest of that half | 64-byte buckets of 4 slots |
 //!
 //! Every region starts on a 4 KiB boundary. For `--shm-size 256MiB` this
-//! gives 7.85 M prefix slots (≈ 125 M tokens of prefix at 16 tokens a
-//! block), an 88 MiB response log with 92 K index slots, a 29 MiB segment
-//! log with 30 K index slots, and 64 rings of 256 KiB (`semlb shm inspect`
-//! prints the figures of any segment).
+//! gives 6.98 M prefix slots (≈ 112 M tokens of prefix at 16 tokens a
+//! block), 0.87 M confirmed slots (the blocks of about 35 engines of
+//! 400 K tokens, at a table 40 % full), an 88 MiB response log with 92 K
+//! index slots, a 29 MiB segment log with 30 K index slots, and 64 rings of
+//! 256 KiB (`semlb shm inspect` prints the figures of any segment).
 
 use crate::error::PlanError;
 
@@ -91,10 +93,13 @@ pub enum RegionKind {
     Limits = 10,
     /// Usage per tenant and model ([`crate::usage_table`]).
     Usage = 11,
+    /// Prefix-table buckets of the engines' confirmed blocks (their KV
+    /// cache events), apart from the gateway's estimate in [`Self::Prefix`].
+    Confirmed = 12,
 }
 
 /// Number of regions.
-pub const REGION_COUNT: usize = 12;
+pub const REGION_COUNT: usize = 13;
 
 impl RegionKind {
     /// All regions in address order.
@@ -110,6 +115,7 @@ impl RegionKind {
         RegionKind::ResponseLog,
         RegionKind::SegmentIndex,
         RegionKind::SegmentLog,
+        RegionKind::Confirmed,
         RegionKind::Prefix,
     ];
 
@@ -128,6 +134,7 @@ impl RegionKind {
             RegionKind::SegmentLog => "segment log",
             RegionKind::Limits => "rate limits",
             RegionKind::Usage => "usage",
+            RegionKind::Confirmed => "confirmed prefixes",
         }
     }
 }
@@ -265,7 +272,14 @@ impl LayoutPlan {
         );
         let log_end = keyed_log(RegionKind::SegmentIndex, RegionKind::SegmentLog, segment_share);
 
-        let prefix_bytes = align_down(size - log_end, PAGE);
+        let confirmed_bytes = align_down((size - log_end) / 9, PAGE).max(PAGE);
+        let confirmed_end = place(
+            RegionKind::Confirmed,
+            confirmed_bytes,
+            confirmed_bytes / BUCKET_BYTES,
+            0,
+        );
+        let prefix_bytes = align_down(size - confirmed_end, PAGE);
         let cursor = place(RegionKind::Prefix, prefix_bytes, prefix_bytes / BUCKET_BYTES, 0);
         debug_assert!(cursor <= size);
         Ok(Self {
@@ -292,6 +306,11 @@ impl LayoutPlan {
     /// Prefix-table slots (4 per bucket).
     pub fn prefix_slots(&self) -> u64 {
         self.region(RegionKind::Prefix).count * crate::bucket::WAYS as u64
+    }
+
+    /// Confirmed-prefix slots (4 per bucket).
+    pub fn confirmed_slots(&self) -> u64 {
+        self.region(RegionKind::Confirmed).count * crate::bucket::WAYS as u64
     }
 }
 
@@ -348,6 +367,10 @@ mod tests {
         let small = LayoutPlan::for_size(64 << 20).unwrap();
         let big = LayoutPlan::for_size(256 << 20).unwrap();
         assert!(big.prefix_slots() > 3 * small.prefix_slots());
+        assert!(big.confirmed_slots() > 3 * small.confirmed_slots());
+        // The estimate keeps eight ninths, the confirmed blocks one.
+        let ratio = big.prefix_slots() as f64 / big.confirmed_slots() as f64;
+        assert!((7.9..8.1).contains(&ratio), "{ratio}");
         assert_eq!(big.region(RegionKind::Rings).param, 256 << 10);
     }
 

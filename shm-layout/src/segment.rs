@@ -159,8 +159,13 @@ impl SegmentClock {
 /// Typed views of every region of one segment.
 #[derive(Debug, Clone, Copy)]
 pub struct Tables<'a> {
-    /// Prefix hash → servers.
+    /// Prefix hash → servers: the gateway's estimate, from what it sent.
     pub prefix: PrefixTable<'a>,
+    /// Prefix hash → servers whose engines said they hold it (their KV
+    /// cache events, `semlb::kv_events`): written only by the event
+    /// subscribers, so the estimate never overwrites what an engine
+    /// confirmed, nor the other way round.
+    pub confirmed: PrefixTable<'a>,
     /// Exact request → cached response.
     pub responses: ResponseLog<'a>,
     /// Digest of a text segment → its token ids (the tokenizer's store
@@ -545,12 +550,19 @@ impl Segment {
         let segment_index = self.info.region(RegionKind::SegmentIndex);
         let segment_log = self.info.region(RegionKind::SegmentLog);
         let prefix = self.info.region(RegionKind::Prefix);
+        let confirmed = self.info.region(RegionKind::Confirmed);
         let limits = self.info.region(RegionKind::Limits);
         let usage = self.info.region(RegionKind::Usage);
         let control: &[LogControl] = self.region(RegionKind::ResponseLog, 0, 1);
         let segment_control: &[LogControl] = self.region(RegionKind::SegmentLog, 0, 1);
         Tables {
             prefix: PrefixTable::new(self.region::<Bucket>(RegionKind::Prefix, 0, prefix.count), seed[0]),
+            // Another seed: an entry of one table never checks out in the
+            // other (a bit flip in a region offset reads as misses).
+            confirmed: PrefixTable::new(
+                self.region::<Bucket>(RegionKind::Confirmed, 0, confirmed.count),
+                seed[0].rotate_left(23) ^ seed[2],
+            ),
             responses: ResponseLog::new(
                 &control[0],
                 self.region::<Bucket>(RegionKind::ResponseIndex, 0, index.count),

@@ -29,6 +29,17 @@ pub struct BackendConfig {
     /// ([`crate::auth`]'s `isolate_prefixes`). Default false.
     #[serde(default)]
     pub cache_salt: bool,
+    /// Its engine's KV cache events: the ZeroMQ PUB endpoint it publishes
+    /// on (vLLM's `--kv-events-config` `endpoint`, as this host reaches it:
+    /// `tcp://host:port`). A response process subscribes and keeps the
+    /// blocks the engine holds in the confirmed prefix table
+    /// ([`crate::kv_events`]). Default none.
+    #[serde(default)]
+    pub kv_events: Option<String>,
+    /// Its engine's replay socket for lost events (vLLM's
+    /// `replay_endpoint`, `tcp://host:port`), if it has one. Default none.
+    #[serde(default)]
+    pub kv_events_replay: Option<String>,
 }
 
 impl BackendConfig {
@@ -40,12 +51,42 @@ impl BackendConfig {
             name: None,
             metrics_flavor: MetricsFlavor::Auto,
             cache_salt: false,
+            kv_events: None,
+            kv_events_replay: None,
+        }
+    }
+
+    /// Whether `endpoint` is one a subscriber can connect to:
+    /// `tcp://host:port`, host a name or an IP address. The error is the
+    /// reason only.
+    pub fn check_events_endpoint(endpoint: &str) -> Result<(), String> {
+        let Some(rest) = endpoint.strip_prefix("tcp://") else {
+            return Err("must be tcp://host:port (the address this host reaches the engine's socket at)".to_owned());
+        };
+        let (host, port) = rest
+            .rsplit_once(':')
+            .ok_or_else(|| "has no port (tcp://host:port)".to_owned())?;
+        if host.is_empty() || host == "*" || host.contains('/') {
+            return Err(
+                "needs the engine's host name or address (an engine binds *, a subscriber connects to a host)"
+                    .to_owned(),
+            );
+        }
+        match port.parse::<u16>() {
+            Ok(p) if p > 0 => Ok(()),
+            _ => Err(format!("port {port:?} is not 1 to 65535")),
         }
     }
 
     /// Its URL taken apart; errors say what is wrong with it.
     pub fn parsed_url(&self) -> Result<BackendUrl, String> {
         self.url.parse()
+    }
+
+    /// How the server table names it: `http://host:port`, or the reason
+    /// its URL does not parse.
+    pub fn server_address(&self) -> Result<String, String> {
+        self.parsed_url().map(|url| format!("http://{}", url.authority()))
     }
 
     /// Whether [`name`](Self::name), if given, is a valid name: 1 to

@@ -353,6 +353,8 @@ check_context = false
             name: Some("gpu-0".into()),
             metrics_flavor: MetricsFlavor::Vllm,
             cache_salt: false,
+            kv_events: None,
+            kv_events_replay: None,
         }
     );
     let names: Vec<String> = c.backends.iter().map(BackendConfig::display_name).collect();

@@ -321,6 +321,25 @@ impl ServeConfig {
             if let (Some(name), Err(reason)) = (&backend.name, backend.check_name()) {
                 return Err(E::invalid(format!("backend[{i}].name"), quoted(name), reason));
             }
+            for (field, endpoint) in [
+                ("kv_events", &backend.kv_events),
+                ("kv_events_replay", &backend.kv_events_replay),
+            ] {
+                if let Some(endpoint) = endpoint
+                    && let Err(reason) = BackendConfig::check_events_endpoint(endpoint)
+                {
+                    return Err(E::invalid(format!("backend[{i}].{field}"), quoted(endpoint), reason));
+                }
+            }
+            if backend.kv_events.is_none()
+                && let Some(replay) = &backend.kv_events_replay
+            {
+                return Err(E::invalid(
+                    format!("backend[{i}].kv_events_replay"),
+                    quoted(replay),
+                    "replays the events of a kv_events endpoint: set kv_events too",
+                ));
+            }
             let name = backend.display_name();
             if let Some(first) = names.insert(name.clone(), i) {
                 return Err(E::invalid(

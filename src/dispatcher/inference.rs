@@ -218,6 +218,7 @@ pub(super) async fn inference(
             hasher,
             answer_tokens,
         }),
+        precise: pool.precise(),
     };
     let mut lookup = route::lookup(dispatcher, request).await;
     if let Some(stored) = lookup.response.take()

@@ -150,6 +150,7 @@ pub(super) async fn choose(
                 members,
                 stale_after_ms,
                 continuation: continuation.filter(|_| inference),
+                precise: pool.and_then(|p| p.precise()),
             };
             self::lookup(dispatcher, request).await
         }

@@ -188,35 +188,48 @@ impl Checker {
 
     /// `GET url`, at most `limit` bytes of body, all within `timeout`.
     async fn get(&self, url: &str, limit: usize, timeout: Duration) -> Result<(StatusCode, Bytes), CheckError> {
-        let bad_url = |detail: String| CheckError::BadUrl {
-            url: url.to_owned(),
-            detail,
-        };
-        let uri: Uri = url.parse().map_err(|e: http::uri::InvalidUri| bad_url(e.to_string()))?;
-        let request = Request::get(uri)
-            .header(header::USER_AGENT, "semlb-health")
-            .body(Empty::new())
-            .map_err(|e| bad_url(e.to_string()))?;
-        let exchange = async {
-            let response = self
-                .client
-                .request(request)
-                .await
-                .map_err(|e| CheckError::Connect(crate::error_chain(&e)))?;
-            let status = response.status();
-            let body = Limited::new(response.into_body(), limit)
-                .collect()
-                .await
-                .map_err(|e| CheckError::Body(e.to_string()))?
-                .to_bytes();
-            Ok((status, body))
-        };
-        match tokio::time::timeout(timeout, exchange).await {
-            Ok(result) => result,
-            Err(_) => Err(CheckError::Timeout(timeout)),
-        }
+        get(&self.client, url, limit, timeout).await
     }
+}
 
+/// `GET url` through `client`, at most `limit` bytes of body, all within
+/// `timeout` (the checker's, and the KV event subscribers' look at an
+/// engine's `/v1/models`).
+pub(crate) async fn get(
+    client: &Client<HttpConnector, Empty<Bytes>>,
+    url: &str,
+    limit: usize,
+    timeout: Duration,
+) -> Result<(StatusCode, Bytes), CheckError> {
+    let bad_url = |detail: String| CheckError::BadUrl {
+        url: url.to_owned(),
+        detail,
+    };
+    let uri: Uri = url.parse().map_err(|e: http::uri::InvalidUri| bad_url(e.to_string()))?;
+    let request = Request::get(uri)
+        .header(header::USER_AGENT, "semlb-health")
+        .body(Empty::new())
+        .map_err(|e| bad_url(e.to_string()))?;
+    let exchange = async {
+        let response = client
+            .request(request)
+            .await
+            .map_err(|e| CheckError::Connect(crate::error_chain(&e)))?;
+        let status = response.status();
+        let body = Limited::new(response.into_body(), limit)
+            .collect()
+            .await
+            .map_err(|e| CheckError::Body(e.to_string()))?
+            .to_bytes();
+        Ok((status, body))
+    };
+    match tokio::time::timeout(timeout, exchange).await {
+        Ok(result) => result,
+        Err(_) => Err(CheckError::Timeout(timeout)),
+    }
+}
+
+impl Checker {
     /// One active check of the server at `address`.
     async fn probe(&self, address: &str) -> Result<(), CheckError> {
         let url = format!("{address}{}", self.health.path);

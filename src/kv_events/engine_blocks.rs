@@ -44,6 +44,12 @@ pub enum Skip {
     /// subscription).
     #[error("its parent block is not known")]
     UnknownParent,
+    /// Its blocks carry extra keys (a `cache_salt`, multimodal inputs): the
+    /// engine's hash covers more than the tokens, which a gateway chain of
+    /// those tokens would not (a salted tenant's blocks would otherwise
+    /// match everyone's prompts of the same text).
+    #[error("its blocks carry extra keys (a cache salt or multimodal inputs)")]
+    ExtraKeys,
     /// Its token ids are not its blocks' (`block_size` × blocks).
     #[error("{tokens} token ids for {blocks} blocks of {block_size}")]
     Tokens {
@@ -86,6 +92,9 @@ impl EngineBlocks {
     /// Maps a `BlockStored`'s blocks, hashed with `hasher` (the pool the
     /// blocks belong to: its root and block size): our hashes, in order.
     pub fn stored(&mut self, event: &BlockStored, hasher: &BlockHasher) -> Result<Vec<u64>, Skip> {
+        if event.extra_keys {
+            return Err(Skip::ExtraKeys);
+        }
         let block_size = hasher.block_size();
         if event.block_size as usize != block_size {
             return Err(Skip::BlockSize {
@@ -139,6 +148,7 @@ mod tests {
             lora_name: None,
             medium: Some("GPU".into()),
             group: None,
+            extra_keys: false,
         }
     }
 
@@ -196,6 +206,9 @@ mod tests {
                 block_size: 16
             })
         );
+        let mut salted = stored(&[1, 2], None, &tokens, 16);
+        salted.extra_keys = true;
+        assert_eq!(engine.stored(&salted, &hasher), Err(Skip::ExtraKeys));
         assert!(engine.is_empty(), "nothing mapped from a skipped event");
         // Bytes hashes map like integers.
         let mut sha = stored(&[], None, &tokens[..16], 16);

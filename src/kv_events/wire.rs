@@ -82,6 +82,9 @@ pub struct BlockStored {
     pub medium: Option<String>,
     /// The KV cache group (hybrid models have several).
     pub group: Option<u32>,
+    /// Some block carries extra keys (a `cache_salt`, multimodal inputs):
+    /// its hash covers more than its tokens.
+    pub extra_keys: bool,
 }
 
 /// Blocks the engine no longer holds.
@@ -283,6 +286,11 @@ fn event(value: &Value) -> Result<KvEvent, WireError> {
                 medium: optional(f.get(5), "BlockStored.medium", as_string)?,
                 lora_name: optional(f.get(6), "BlockStored.lora_name", as_string)?,
                 group: optional(f.get(8), "BlockStored.group_idx", as_u32)?,
+                extra_keys: match f.get(7) {
+                    None => false,
+                    Some(Value::Array(keys)) => keys.iter().any(|k| !k.is_nil()),
+                    other => return Err(shape("BlockStored.extra_keys", other)),
+                },
             })
         }
         "BlockRemoved" => {
@@ -340,6 +348,8 @@ mod tests {
                 lora_name: text(&e["lora_name"]),
                 medium: text(&e["medium"]),
                 group: small(&e["group"]),
+                // No vector's extra keys name anything (`[None]` at most).
+                extra_keys: false,
             }),
             "removed" => KvEvent::Removed(BlockRemoved {
                 block_hashes: hashes(&e["block_hashes"]),
@@ -387,6 +397,47 @@ mod tests {
             panic!()
         };
         assert_eq!(s.block_hashes, [EngineHash::Int(i128::from(u64::MAX))]);
+    }
+
+    #[test]
+    fn the_simulators_encoding_is_vllms_byte_for_byte() {
+        use semlb_workers::kv_events::{KvEvent as Published, WireHash, encode_batch};
+        // make_vectors.py's `maps` vector (vLLM's main), built by the
+        // simulator's encoder from what the vector's JSON says it holds.
+        let sha4: Vec<u8> = (0..32u32).map(|k| ((4 * 37 + k * 11) % 256) as u8).collect();
+        let events = [
+            Published::Stored {
+                block_hashes: vec![WireHash::Bytes(sha4.clone())],
+                parent: None,
+                token_ids: (100..116).collect(),
+                block_size: 16,
+                lora_name: None,
+                salt: None,
+            },
+            Published::Removed(vec![WireHash::Bytes(sha4)]),
+            Published::Cleared,
+        ];
+        let (payload, _) = vector("maps");
+        assert_eq!(encode_batch(1_732_000_002.0, &events, None), payload);
+        // And what the simulator sends (integer hashes, a salt, a rank)
+        // reads back.
+        let salted = [Published::Stored {
+            block_hashes: vec![WireHash::from(u64::MAX), WireHash::from(7u64)],
+            parent: Some(WireHash::from(1u64 << 63)),
+            token_ids: (0..32).collect(),
+            block_size: 16,
+            lora_name: Some("sql".into()),
+            salt: Some("s".into()),
+        }];
+        let batch = decode_batch(&encode_batch(2.5, &salted, Some(3))).unwrap();
+        assert_eq!(batch.data_parallel_rank, Some(3));
+        let KvEvent::Stored(s) = &batch.events[0] else { panic!() };
+        assert_eq!(s.block_hashes, [EngineHash::Int(-1), EngineHash::Int(7)]);
+        assert_eq!(s.parent, Some(EngineHash::Int(i128::from(i64::MIN))));
+        assert_eq!(
+            (s.lora_name.as_deref(), s.extra_keys, s.group),
+            (Some("sql"), true, Some(0))
+        );
     }
 
     #[test]

@@ -34,6 +34,8 @@
 //! | `semlb_store_degraded_lookups_total` | counter | – |
 //! | `semlb_responder_*_total` | counter | records, blocks, responses stored, write-back failures and drops |
 //! | `semlb_prefix_table_evictions_total` | counter | prefix entries evicted from full buckets by write-backs |
+//! | `semlb_kv_event_*_total` | counter | the engines' KV cache events applied: batches, blocks stored and removed, events skipped, caches cleared, gaps, gaps replayed |
+//! | `semlb_kv_event_lag_seconds` | histogram | from a batch's engine timestamp to its application |
 //! | `semlb_ttft_seconds` | histogram | – |
 //! | `semlb_request_duration_seconds` | histogram | – |
 //! | `semlb_dispatch_seconds` | histogram | `stage` (tokenize, lookup, route, total) |
@@ -240,7 +242,47 @@ const PREDICTION: usize = LEARN + 4;
 const PREDICTION_WORDS: usize = 4;
 /// Times a server's prefix entries were forgotten (its cache was lost).
 const FORGOTTEN: usize = PREDICTION + SERVERS * PREDICTION_WORDS;
-const END: usize = FORGOTTEN + 1;
+/// The engines' KV cache events applied by the response processes
+/// ([`crate::kv_events`]): batches, blocks stored, blocks removed, stored
+/// events skipped, caches cleared, gaps seen, gaps a replay filled.
+const KV_EVENTS: usize = FORGOTTEN + 1;
+const KV_EVENT_COUNTERS: [(&str, &str); 7] = [
+    (
+        "semlb_kv_event_batches_total",
+        "KV event batches applied to the confirmed prefix table.",
+    ),
+    (
+        "semlb_kv_event_blocks_stored_total",
+        "Blocks engines said they stored, inserted as confirmed.",
+    ),
+    (
+        "semlb_kv_event_blocks_removed_total",
+        "Blocks engines said they evicted, removed from the confirmed table.",
+    ),
+    (
+        "semlb_kv_event_skipped_total",
+        "BlockStored events not applied (another block size, a parent never seen, extra keys, an unknown adapter or KV cache group).",
+    ),
+    (
+        "semlb_kv_event_cleared_total",
+        "AllBlocksCleared events and engine restarts: a server's confirmed entries all removed.",
+    ),
+    (
+        "semlb_kv_event_gaps_total",
+        "Sequence gaps seen in an engine's event stream (events lost).",
+    ),
+    (
+        "semlb_kv_event_gaps_replayed_total",
+        "Gaps the engine's replay socket filled.",
+    ),
+];
+/// From an engine's batch timestamp to its application to the table.
+pub const KV_EVENT_LAG: Histogram = Histogram {
+    base: KV_EVENTS + KV_EVENT_COUNTERS.len(),
+    bounds: LATENCY_BOUNDS,
+    scale: 1e6,
+};
+const END: usize = KV_EVENT_LAG.base + Histogram::words(LATENCY_BOUNDS);
 const _: () = assert!(END <= STAT_WORDS, "the metrics outgrew a stats block");
 
 /// What the response cache did for an inference request.

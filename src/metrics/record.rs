@@ -95,6 +95,30 @@ impl<'a> Metrics<'a> {
         self.add(FORGOTTEN, 1);
     }
 
+    /// KV cache events applied ([`crate::kv_events::follower::Applied`]).
+    pub fn kv_events(&self, applied: &crate::kv_events::follower::Applied) {
+        let counts = [
+            applied.batches,
+            applied.stored,
+            applied.removed,
+            applied.skipped,
+            applied.cleared,
+        ];
+        for (i, n) in counts.into_iter().enumerate() {
+            if n > 0 {
+                self.add(KV_EVENTS + i, n);
+            }
+        }
+    }
+
+    /// A gap in an engine's event stream, and whether its replay filled it.
+    pub fn kv_event_gap(&self, replayed: bool) {
+        self.add(KV_EVENTS + 5, 1);
+        if replayed {
+            self.add(KV_EVENTS + 6, 1);
+        }
+    }
+
     /// One store lookup answered by the fallback.
     pub fn degraded_lookup(&self) {
         self.add(DEGRADED, 1);

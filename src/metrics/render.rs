@@ -160,6 +160,17 @@ impl Snapshot {
             "Times a server's prefix entries were all forgotten because its engine reported that it lost its cache (flushed or restarted).",
         );
         sample(o, "semlb_prefix_servers_forgotten_total", &[], self.counter(FORGOTTEN));
+        for (k, (name, help)) in KV_EVENT_COUNTERS.into_iter().enumerate() {
+            family(o, name, "counter", help);
+            sample(o, name, &[], self.counter(KV_EVENTS + k));
+        }
+        self.histogram(
+            o,
+            "semlb_kv_event_lag_seconds",
+            "From an engine's KV event batch (its timestamp) to its application to the confirmed prefix table.",
+            &[KV_EVENT_LAG],
+            &[],
+        );
 
         family(
             o,

@@ -513,6 +513,8 @@ pub struct PolicyConfig {
     pub weighted_scorers: WeightedScorersParams,
     /// The `cost` policy.
     pub cost: CostParams,
+    /// Where the prefix-aware policies' prefix matches come from.
+    pub prefix: PrefixParams,
 }
 
 impl PolicyConfig {
@@ -529,7 +531,62 @@ impl PolicyConfig {
         self.weighted_scorers
             .validate()
             .map_err(|e| e.within("weighted_scorers"))?;
-        self.cost.validate().map_err(|e| e.within("cost"))
+        self.cost.validate().map_err(|e| e.within("cost"))?;
+        self.prefix.validate().map_err(|e| e.within("prefix"))
+    }
+}
+
+/// Where a lookup's prefix matches come from (`[policy.prefix] source`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefixSource {
+    /// The gateway's estimate: the prefix table built from what it sent
+    /// (corrected by what engines report of cached tokens).
+    #[default]
+    Estimate,
+    /// The engines' own word where a backend publishes KV cache events
+    /// (`[[backend]] kv_events`): its confirmed blocks, plus the gateway's
+    /// entries for it younger than `confirm_window_secs` (sent, not yet
+    /// confirmed); the estimate for the other backends
+    /// ([`crate::kv_events`]).
+    Precise,
+}
+
+/// `[policy.prefix]`: the prefix matches the prefix-aware policies
+/// (`cache_aware`, `weighted_scorers`, `dual_map`, `cost`, ...) see.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefixParams {
+    /// `estimate` (default) or `precise`.
+    pub source: PrefixSource,
+    /// With `precise`: how long the gateway's own entries for an engine
+    /// whose events it follows completely still count, in seconds: the
+    /// time from sending a prompt to the engine's event for its blocks
+    /// (an engine stores a prompt's blocks when it schedules it), so that a
+    /// burst sharing a new prefix meets it before the confirmation does.
+    /// Default 2; 1 to 60.
+    pub confirm_window_secs: u64,
+}
+
+impl Default for PrefixParams {
+    fn default() -> Self {
+        Self {
+            source: PrefixSource::Estimate,
+            confirm_window_secs: 2,
+        }
+    }
+}
+
+impl PrefixParams {
+    /// Checks the ranges; the error names the field, its value and the reason.
+    pub fn validate(&self) -> Result<(), InvalidParam> {
+        in_range(
+            "confirm_window_secs",
+            self.confirm_window_secs,
+            1,
+            60,
+            "seconds the gateway's own entries count before an engine confirms them",
+        )
     }
 }
 

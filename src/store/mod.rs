@@ -99,6 +99,10 @@ pub struct LookupRequest<'a> {
     /// Look for the servers whose earlier prompt this one continues
     /// (a prompt that carries an earlier answer).
     pub continuation: Option<EndProbe<'a>>,
+    /// `Some(window)`: the precise prefix source, with the gateway's own
+    /// entries for an engine whose events it follows counting `window`
+    /// seconds ([`crate::kv_events::precise`]); `None`: the estimate.
+    pub precise: Option<u16>,
 }
 
 /// What the store knows for one routing decision.

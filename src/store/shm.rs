@@ -12,6 +12,7 @@ use shm_layout::{Completion, PrefixMatch, Segment, ServerRef, Stamp, Tables};
 use super::local::LocalState;
 use super::{Lookup, LookupRequest, RoutingStore, StoreFuture, StoreStats, WriteBack, WriteStats, answer_blocks};
 use crate::config::StoreKind;
+use crate::kv_events::precise;
 use crate::response_cache::{encode_entry, fresh_body};
 
 /// A dispatcher's view of the segment's tables.
@@ -55,7 +56,13 @@ impl ShmStore {
             }
         }
         if !request.chain.is_empty() {
-            lookup.prefix = prefix_match(&tables, segment.clock().now_ms(), request.chain, request.exclude);
+            lookup.prefix = prefix_match(
+                &tables,
+                segment.clock().now_ms(),
+                request.chain,
+                request.exclude,
+                request.precise,
+            );
         }
         if let Some(probe) = request.continuation.filter(|_| !lookup.prefix.is_empty()) {
             let mut probes = Vec::new();
@@ -73,17 +80,25 @@ impl ShmStore {
 
 /// The longest match of `chain` in `tables`' prefix table at segment time
 /// `now_ms`, among the live servers not in `exclude`, each server's entries
-/// older than its horizon set aside: the shm store's prefix lookup.
-pub fn prefix_match(tables: &Tables<'_>, now_ms: u64, chain: &[u64], exclude: &[ServerRef]) -> PrefixMatch {
+/// older than its horizon set aside: the shm store's prefix lookup. With
+/// `precise` (the confirm window, seconds), servers whose engines' events
+/// are followed are matched as [`precise`] says.
+pub fn prefix_match(
+    tables: &Tables<'_>,
+    now_ms: u64,
+    chain: &[u64],
+    exclude: &[ServerRef],
+    precise: Option<u16>,
+) -> PrefixMatch {
     let now_s = now_ms / 1000;
-    tables
-        .prefix
-        .longest_prefix_match_within(chain, Stamp(now_s as u16), |t| {
-            tables
-                .servers
-                .entry_max_age(t, now_s)
-                .filter(|_| !exclude.iter().any(|s| s.tag() == t))
-        })
+    let now = Stamp(now_s as u16);
+    let estimate = tables.prefix.longest_prefix_match_within(chain, now, |t| {
+        precise::estimate_max_age(&tables.servers, t, now_s, precise).filter(|_| !exclude.iter().any(|s| s.tag() == t))
+    });
+    match precise {
+        Some(_) => precise::merge(estimate, &precise::confirmed_match(tables, now, chain, exclude)),
+        None => estimate,
+    }
 }
 
 impl RoutingStore for ShmStore {
@@ -222,6 +237,7 @@ mod tests {
                     exclude: &[],
                     stale_after_ms: u64::MAX,
                     continuation: None,
+                    precise: None,
                 })
                 .prefix;
             (m.blocks_for(a.tag()), m.blocks_for(b.tag()))

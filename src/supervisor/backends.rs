@@ -77,7 +77,7 @@ pub(super) struct Counts {
 /// How a backend is named in the server table: `http://host:port`, or the
 /// reason its URL does not parse.
 pub(super) fn address_of(backend: &BackendConfig) -> Result<String, String> {
-    backend.parsed_url().map(|url| format!("http://{}", url.authority()))
+    backend.server_address()
 }
 
 impl<'a> Backends<'a> {

@@ -234,6 +234,26 @@ pub struct Bound {
     pub replay_endpoint: Option<String>,
 }
 
+impl Bound {
+    /// How the simulator's start line names the endpoints, before its
+    /// `listening on http://ADDR` (which ends the line: scripts read the
+    /// address there): `kv events on tcp://A replay tcp://B; `.
+    pub fn describe(&self) -> String {
+        let replay = self.replay_endpoint.as_deref().unwrap_or("none");
+        format!("kv events on {} replay {replay}; ", self.endpoint)
+    }
+}
+
+/// Publishes `engine`'s KV cache events as vLLM's `--kv-events-config`
+/// JSON says (`None`: the flag was not given, or says no events). Returns
+/// the bound endpoints.
+pub async fn publish(engine: &crate::engine::Engine, config_json: Option<&str>) -> Result<Option<Bound>, String> {
+    let Some(config) = config_json.map(KvEventsConfig::from_vllm_json).transpose()?.flatten() else {
+        return Ok(None);
+    };
+    Publisher::start(&config, engine.kv_events()).await.map(Some)
+}
+
 /// An endpoint as the ZeroMQ crate binds it: vLLM's `*` is every IPv4
 /// address.
 fn bindable(endpoint: &str) -> String {

@@ -23,7 +23,7 @@ use semlb_tokenizer::chat::ChatTemplate;
 use semlb_workers::config::EngineConfig;
 use semlb_workers::engine::Engine;
 use semlb_workers::faults::FaultConfig;
-use semlb_workers::kv_events::{KvEventsConfig, Publisher};
+use semlb_workers::kv_events;
 use semlb_workers::metrics::MetricsFlavor;
 use semlb_workers::server::{Sim, serve};
 use tokio::signal::unix::{Signal, SignalKind, signal};
@@ -213,32 +213,17 @@ async fn run(args: Args) -> Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let addr = listener.local_addr().context("reading the bound address")?;
-    let kv_events = args
-        .kv_events_config
-        .as_deref()
-        .map(KvEventsConfig::from_vllm_json)
-        .transpose()
-        .map_err(|e| anyhow::anyhow!("invalid --kv-events-config: {e}"))?
-        .flatten();
     let engine = Engine::start(config);
-    let published = match &kv_events {
-        Some(events) => Some(
-            Publisher::start(events, engine.kv_events())
-                .await
-                .map_err(anyhow::Error::msg)?,
-        ),
-        None => None,
-    };
+    let published = kv_events::publish(&engine, args.kv_events_config.as_deref())
+        .await
+        .map_err(|e| anyhow::anyhow!("--kv-events-config: {e}"))?;
     let sim = Sim::new(engine, tokenizer, template, faults, args.metrics_flavor);
     let props = args.props || args.metrics_flavor == MetricsFlavor::Llamacpp;
     let sim = Arc::new(sim.with_props(props));
 
     let mut stdout = std::io::stdout().lock();
-    if let Some(bound) = &published {
-        let replay = bound.replay_endpoint.as_deref().unwrap_or("none");
-        writeln!(stdout, "semlb-sim kv events on {} replay {replay}", bound.endpoint).context("writing to stdout")?;
-    }
-    writeln!(stdout, "semlb-sim listening on http://{addr}").context("writing to stdout")?;
+    let events = published.as_ref().map(kv_events::Bound::describe).unwrap_or_default();
+    writeln!(stdout, "semlb-sim {events}listening on http://{addr}").context("writing to stdout")?;
     stdout.flush().context("writing to stdout")?;
     drop(stdout);
 

@@ -11,6 +11,7 @@
 //! | admission | `f32` bits of the learned admission limit | response processes ([`ServerTable::adjust_admission_limit`]) |
 //! | engine slots | requests the engine runs at once | the health checker, from llama.cpp's `/props` ([`ServerTable::set_engine_slots`]) |
 //! | engine context | `counts_output:1 \| tokens:31` ([`EngineContext`]) | the health checker, from `/v1/models` (`max_model_len`) or llama.cpp's `/props` ([`ServerTable::set_engine_context`]) |
+//! | KV events | [`KvEventsSync`] | the response process subscribed to the engine's KV cache events ([`ServerTable::set_kv_events`]) |
 
 use super::{HORIZON_SPAN_S, ServerRef, ServerSlot, ServerTable, ServerTag};
 use crate::sync::{AtomicU64, Ordering};
@@ -49,6 +50,45 @@ impl EngineContext {
             tokens,
             counts_output: v >> 31 == 1,
         })
+    }
+}
+
+/// How far the confirmed prefix table follows one engine's KV cache
+/// events (stored in the KV-events word: 1 or 2; 0 is "no events").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvEventsSync {
+    /// Every event since a state the subscriber knew (the engine's start,
+    /// or a cache cleared) has been applied: the confirmed entries are the
+    /// engine's cache, so lookups may trust them alone.
+    Complete,
+    /// Events were lost (a gap the engine could not replay, a subscriber
+    /// that joined late): the confirmed entries are a part of the engine's
+    /// cache, so lookups add them to the gateway's estimate.
+    Partial,
+}
+
+impl KvEventsSync {
+    /// Lower-case name, as `semlb status` and `/admin/servers` print it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Complete => "complete",
+            Self::Partial => "partial",
+        }
+    }
+
+    fn pack(self) -> u32 {
+        match self {
+            Self::Complete => 1,
+            Self::Partial => 2,
+        }
+    }
+
+    fn unpack(v: u32) -> Option<Self> {
+        match v {
+            1 => Some(Self::Complete),
+            2 => Some(Self::Partial),
+            _ => None,
+        }
     }
 }
 
@@ -168,6 +208,27 @@ impl ServerTable<'_> {
             .and_then(EngineContext::unpack)
     }
 
+    /// Records how far the confirmed prefix table follows `server`'s
+    /// engine's KV cache events (`None`: not at all, e.g. its subscriber
+    /// stopped). Returns false (nothing stored) if `server` is not current.
+    pub fn set_kv_events(&self, server: ServerRef, sync: Option<KvEventsSync>) -> bool {
+        self.set_reported(server, |s| &s.kv_events, sync.map(KvEventsSync::pack))
+    }
+
+    /// How far the confirmed prefix table follows `server`'s engine, if its
+    /// events are subscribed to ([`set_kv_events`](Self::set_kv_events)).
+    #[inline]
+    pub fn kv_events(&self, server: ServerRef) -> Option<KvEventsSync> {
+        self.reported(server, |s| &s.kv_events).and_then(KvEventsSync::unpack)
+    }
+
+    /// [`kv_events`](Self::kv_events) of the live registration `tag` names
+    /// (`None` also when it is not live).
+    #[inline]
+    pub fn kv_events_of(&self, tag: ServerTag) -> Option<KvEventsSync> {
+        self.kv_events(self.live(tag)?)
+    }
+
     /// Stores `value` (`None`: 0, nothing) in `server`'s word `word`, if
     /// the registration is current.
     fn set_reported(&self, server: ServerRef, word: fn(&ServerSlot) -> &AtomicU64, value: Option<u32>) -> bool {
@@ -280,6 +341,29 @@ mod tests {
         let a2 = t.register(13, "http://a2", 0).unwrap();
         assert_eq!(a2.slot, a.slot);
         assert_eq!(t.engine_slots(a2), None, "a new registration starts without them");
+    }
+
+    #[test]
+    fn kv_events_sync_is_per_registration() {
+        let (s, l) = parts();
+        let t = ServerTable::new(&s, &l, 1);
+        let a = t.register(11, "http://a", 0).unwrap();
+        let b = t.register(12, "http://b", 0).unwrap();
+        assert_eq!(t.kv_events(a), None, "no events until a subscriber says");
+        assert!(t.set_kv_events(a, Some(KvEventsSync::Complete)));
+        assert_eq!((t.kv_events(a), t.kv_events(b)), (Some(KvEventsSync::Complete), None));
+        assert!(t.set_kv_events(a, Some(KvEventsSync::Partial)));
+        assert_eq!(t.get(a.slot).unwrap().kv_events, Some(KvEventsSync::Partial));
+        assert!(t.set_kv_events(a, None));
+        assert_eq!(t.kv_events(a), None);
+        assert!(t.set_kv_events(a, Some(KvEventsSync::Complete)) && t.retire(a));
+        assert!(!t.set_kv_events(a, Some(KvEventsSync::Complete)), "not current");
+        let a2 = t.register(13, "http://a2", 0).unwrap();
+        assert_eq!(
+            (a2.slot, t.kv_events(a2)),
+            (a.slot, None),
+            "a new registration starts unsubscribed"
+        );
     }
 
     #[test]

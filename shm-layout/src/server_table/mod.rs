@@ -11,6 +11,7 @@
 //! ├ line 1 ─ requests word (128-bit: in flight:32 | pending:32 | toggles:64)
 //! │          · scraped load (128-bit)
 //! │          · tokens word (128-bit: prompt tokens in flight:32 | pending:32 | toggles:64)
+//! │          · KV events (generation:32 | sync:32)
 //! └ lines 2-5 ─ address, up to 256 bytes
 //! ```
 //!
@@ -50,7 +51,9 @@
 //!   (llama.cpp's `total_slots`), which replace the learned admission
 //!   limit ([`ServerTable::set_engine_slots`]); per registration too, as
 //!   is its **engine context**, the tokens of prompt and output its engine
-//!   takes per request ([`ServerTable::set_engine_context`]).
+//!   takes per request ([`ServerTable::set_engine_context`]), and how far
+//!   the confirmed prefix table follows its engine's **KV cache events**
+//!   ([`ServerTable::set_kv_events`]).
 
 use crate::load_figures::LoadFigures;
 use crate::mix::mix64;
@@ -61,7 +64,7 @@ use crate::words::{load_bytes, store_bytes, words_for};
 mod facts;
 mod ledger;
 
-pub use facts::EngineContext;
+pub use facts::{EngineContext, KvEventsSync};
 pub use ledger::{MAX_CHARGED_TOKENS, Reclaimed};
 
 /// Longest server address stored (bytes of UTF-8).
@@ -184,6 +187,9 @@ pub struct ServerInfo {
     /// The tokens its engine takes per request, if it said
     /// ([`ServerTable::set_engine_context`]).
     pub engine_context: Option<EngineContext>,
+    /// How far the confirmed prefix table follows its engine's KV cache
+    /// events, if it publishes them ([`ServerTable::set_kv_events`]).
+    pub kv_events: Option<KvEventsSync>,
 }
 
 /// Why a server could not be registered.
@@ -214,7 +220,8 @@ pub(crate) struct ServerSlot {
     requests: AtomicU128,
     load: AtomicU128,
     tokens: AtomicU128,
-    _line1: [u64; 2],
+    kv_events: AtomicU64,
+    _line1: u64,
     address: [AtomicU64; MAX_ADDRESS_BYTES / 8],
 }
 
@@ -234,6 +241,8 @@ const _: () = assert!(std::mem::offset_of!(ServerSlot, requests) == 64);
 const _: () = assert!(std::mem::offset_of!(ServerSlot, load) == 80);
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, tokens) == 96);
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::offset_of!(ServerSlot, kv_events) == 112);
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, address) == 128);
 
@@ -266,7 +275,8 @@ impl ServerSlot {
             requests: AtomicU128::new(0),
             load: AtomicU128::new(0),
             tokens: AtomicU128::new(0),
-            _line1: [0; 2],
+            kv_events: AtomicU64::new(0),
+            _line1: 0,
             address: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
@@ -526,6 +536,7 @@ impl<'a> ServerTable<'a> {
                 admission_limit: self.admission_limit(server),
                 engine_slots: self.engine_slots(server),
                 engine_context: self.engine_context(server),
+                kv_events: self.kv_events(server),
             });
         }
         None

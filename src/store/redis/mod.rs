@@ -70,6 +70,7 @@ use super::local::LocalState;
 use super::{Lookup, LookupRequest, RoutingStore, StoreFuture, StoreStats, WriteBack, WriteStats, answer_blocks};
 use crate::config::{RedisConfig, RedisLookup, StoreKind};
 use crate::continuation::EndProbe;
+use crate::kv_events::precise;
 use crate::rate_limit::{Charge, Verdict};
 use client::{
     DispatchLookup, INFLIGHT_LEASE, INSERT_SCRIPT, LANES, LPM_SCRIPT, PUBLISH_SCRIPT, RedisStore, SUM_SCRIPT, ServerId,
@@ -222,6 +223,24 @@ async fn namespace_seed(conn: &mut MultiplexedConnection, namespace: &str, candi
             format!("{key} = {seed:?}"),
         ))
     })
+}
+
+/// The namespace's chain seed ([`namespace_seed`]) on a connection of its
+/// own, within `config`'s connect deadline: for a process that hashes
+/// chains without a [`RedisRouting`] (the KV event subscribers of the
+/// response processes). `candidate` is proposed if there is none yet.
+pub async fn chain_seed_of(config: &RedisConfig, candidate: u64) -> Result<u64, StoreError> {
+    let client = credentials::client(config)?;
+    let settings = AsyncConnectionConfig::new()
+        .set_connection_timeout(config.connect_timeout())
+        .set_response_timeout(config.connect_timeout());
+    let mut conn = client
+        .get_multiplexed_async_connection_with_config(&settings)
+        .await
+        .map_err(StoreError::Connect)?;
+    namespace_seed(&mut conn, &config.namespace, candidate)
+        .await
+        .map_err(StoreError::Connect)
 }
 
 impl RedisRouting {
@@ -611,6 +630,12 @@ impl RoutingStore for RedisRouting {
                 self.degraded.fetch_add(1, Relaxed);
                 self.health.degraded_in_outage.fetch_add(1, Relaxed);
                 lookup.degraded = true;
+                // What the engines confirmed is this host's: it still routes.
+                if request.precise.is_some() {
+                    let segment = self.local.segment();
+                    let now = Stamp((segment.clock().now_ms() / 1000) as u16);
+                    lookup.prefix = precise::confirmed_match(&segment.tables(), now, request.chain, request.exclude);
+                }
                 return lookup;
             };
             self.lookups.fetch_add(1, Relaxed);
@@ -630,6 +655,17 @@ impl RoutingStore for RedisRouting {
                         .and_then(|i| segment_stamp(fetched.refreshed[i].1, segment_now, unix_now));
                     lookup.prefix.add_refreshed(c.server.tag(), depth, refreshed);
                 }
+            }
+            if let Some(window) = request.precise {
+                // The engines' confirmed blocks are this host's (its
+                // response processes follow every engine's events).
+                let tables = self.local.segment().tables();
+                let now = Stamp((segment_now / 1000) as u16);
+                let recent = precise::recent_only(&lookup.prefix, &tables.servers, now, window);
+                lookup.prefix = precise::merge(
+                    recent,
+                    &precise::confirmed_match(&tables, now, request.chain, request.exclude),
+                );
             }
             if let Some(probe) = request.continuation.filter(|_| !lookup.prefix.is_empty()) {
                 lookup.continued = self.continued(&probe, &lookup.prefix).await;

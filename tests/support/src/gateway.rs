@@ -38,6 +38,40 @@ pub fn sim_with(time_scale: &str, extra: &[&str]) -> Proc {
     Proc::start(&args)
 }
 
+/// The ZeroMQ endpoints a simulator publishes its KV cache events on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvEndpoints {
+    /// The PUB socket (`tcp://127.0.0.1:PORT`).
+    pub events: String,
+    /// The replay (ROUTER) socket.
+    pub replay: String,
+}
+
+/// [`sim_with`] publishing its KV cache events (on free loopback ports,
+/// with a replay socket of `buffer_steps` batches), and those endpoints.
+pub fn sim_with_events(time_scale: &str, buffer_steps: usize, extra: &[&str]) -> (Proc, KvEndpoints) {
+    let config = format!(
+        r#"{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0", "buffer_steps": {buffer_steps}}}"#
+    );
+    let mut args = vec!["--kv-events-config", &config];
+    args.extend_from_slice(extra);
+    let proc = sim_with(time_scale, &args);
+    let endpoints = kv_endpoints(&proc.line).unwrap_or_else(|| panic!("no KV event endpoints in {:?}", proc.line));
+    (proc, endpoints)
+}
+
+/// The endpoints a simulator's first line names (`kv events on tcp://A
+/// replay tcp://B; listening on ...`).
+pub fn kv_endpoints(line: &str) -> Option<KvEndpoints> {
+    let rest = line.split_once("kv events on ")?.1;
+    let (events, rest) = rest.split_once(" replay ")?;
+    let (replay, _) = rest.split_once(';')?;
+    Some(KvEndpoints {
+        events: events.to_owned(),
+        replay: replay.to_owned(),
+    })
+}
+
 /// Asserts that `r` is the gateway's own `status` answer, given without
 /// asking an engine (no `x-semlb-backend`), and returns its JSON error
 /// body; `what` names the case in failures.

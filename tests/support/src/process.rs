@@ -174,6 +174,7 @@ impl ProcBuilder {
             child,
             what: self.what,
             addr: String::new(),
+            line: String::new(),
             stderr,
         };
         let line = match rx.recv_timeout(self.within) {
@@ -193,6 +194,7 @@ impl ProcBuilder {
                 });
             }
         };
+        proc.line = line.trim().to_owned();
         match line.trim().rsplit_once("http://") {
             Some((_, addr)) if addr.contains(':') => proc.addr = addr.to_owned(),
             _ => {
@@ -281,6 +283,9 @@ pub struct Proc {
     what: String,
     /// The address it printed (`host:port`).
     pub addr: String,
+    /// The whole line it printed first (a simulator's names its KV event
+    /// endpoints there too).
+    pub line: String,
     /// Its stderr lines (and its children's) as far as read, when captured.
     stderr: Option<Captured>,
 }

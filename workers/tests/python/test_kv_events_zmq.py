@@ -42,8 +42,7 @@ import zmq
 
 BLOCK_SIZE = 16
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-KV_LINE = re.compile(r"^semlb-sim kv events on (tcp://\S+) replay (tcp://\S+)\s*$")
-LISTEN_LINE = re.compile(r"^semlb-sim listening on (http://\S+)\s*$")
+START_LINE = re.compile(r"^semlb-sim kv events on (tcp://\S+) replay (tcp://\S+); listening on (http://\S+)\s*$")
 
 
 class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
@@ -97,21 +96,15 @@ def start_sim(binary):
     cmd = [binary, "--listen", "127.0.0.1:0", "--time-scale", "0.001", "--kv-events-config", json.dumps(config)]
     print("starting: " + " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-    deadline = time.monotonic() + 60
-    endpoints, url = None, None
-    while url is None:
-        if time.monotonic() > deadline or not select.select([proc.stdout], [], [], 1)[0] and proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError("semlb-sim did not say where it listens")
-        line = proc.stdout.readline()
-        if (m := KV_LINE.match(line)) is not None:
-            endpoints = (m.group(1), m.group(2))
-        elif (m := LISTEN_LINE.match(line)) is not None:
-            url = m.group(1)
-    if endpoints is None:
+    if not select.select([proc.stdout], [], [], 60)[0]:
         proc.kill()
-        raise RuntimeError("semlb-sim printed no KV events line")
-    return proc, url, endpoints
+        raise RuntimeError("semlb-sim did not say where it listens within 60 s")
+    line = proc.stdout.readline()
+    m = START_LINE.match(line)
+    if m is None:
+        proc.kill()
+        raise RuntimeError(f"semlb-sim's first line names no KV event endpoints: {line!r}")
+    return proc, m.group(3), (m.group(1), m.group(2))
 
 
 def post(url, path, body=None):

@@ -1,0 +1,358 @@
+//! The engines' KV cache events, end to end: simulated engines publishing
+//! them as vLLM does (ZeroMQ PUB with a replay socket, msgpack batches),
+//! `semlb serve` subscribing from its response process, the confirmed
+//! prefix table in the segment, and the `precise` prefix source routing on
+//! it.
+//!
+//! Shown here:
+//! * blocks an engine stores appear as confirmed entries for its server,
+//!   blocks it evicts disappear, and a cleared cache empties the server's
+//!   entries, while the gateway's estimate keeps what it sent;
+//! * a response process SIGKILLed while the engine keeps publishing is
+//!   restarted, and its subscription catches up from the engine's replay;
+//! * a restarted engine (its sequence starting over) leaves no entry of the
+//!   old cache;
+//! * routing follows what the engines confirm where the estimate is wrong:
+//!   a prompt an engine evicted, and one that reached another engine
+//!   without passing through the gateway, go to the engine that holds them
+//!   (with `source = "estimate"`, the same requests go where the gateway
+//!   sent them before, and find nothing cached).
+//!
+//! Waiting on the table (`wait_for`) is waiting on the thing under test:
+//! the events are applied asynchronously, and the tests read what a
+//! dispatcher would read.
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use serde_json::{Value, json};
+
+use semlb::blocks::BlockHasher;
+use semlb_test_support as support;
+use shm_layout::{KvEventsSync, ServerRef};
+use support::gateway::{Gateway, KvEndpoints, routed, sim_with_events, wait_for};
+use support::http::{Response, http};
+use support::process::Proc;
+
+const PATIENCE: Duration = Duration::from_secs(20);
+
+fn unique(tag: &str) -> String {
+    support::process::unique("kvev", tag)
+}
+
+/// `[[backend]]` tables for `engines`, their events subscribed.
+fn backends(engines: &[(&Proc, &KvEndpoints)]) -> String {
+    engines
+        .iter()
+        .map(|(p, e)| {
+            format!(
+                "[[backend]]\nurl = \"http://{}\"\nkv_events = \"{}\"\nkv_events_replay = \"{}\"\n",
+                p.addr, e.events, e.replay
+            )
+        })
+        .collect()
+}
+
+/// `[policy.prefix] confirm_window_secs` of these gateways.
+const CONFIRM_WINDOW_S: u64 = 1;
+
+/// A gateway in front of `engines` with the prefix `source`.
+fn gateway(tag: &str, engines: &[(&Proc, &KvEndpoints)], source: &str) -> Gateway {
+    let config = format!(
+        "{}[health]\nscrape_interval_ms = 50\n[policy]\nkind = \"cache_aware\"\n[policy.prefix]\nsource = \"{source}\"\nconfirm_window_secs = {CONFIRM_WINDOW_S}\n",
+        backends(engines)
+    );
+    Gateway::builder()
+        .shm(&unique(tag))
+        .tag(tag)
+        .dispatchers(1)
+        .config(&config)
+        .start()
+}
+
+/// `engine`'s current registration.
+fn server(gw: &Gateway, engine: &Proc) -> ServerRef {
+    let address = format!("http://{}", engine.addr);
+    gw.segment
+        .tables()
+        .servers
+        .servers()
+        .find(|s| s.address == address)
+        .map(|s| s.server)
+        .unwrap_or_else(|| panic!("{address} is not registered"))
+}
+
+/// How far the confirmed table follows `engine` now.
+fn sync(gw: &Gateway, engine: &Proc) -> Option<KvEventsSync> {
+    gw.segment.tables().servers.kv_events(server(gw, engine))
+}
+
+/// Waits until the gateway follows every engine's events completely.
+fn followed(gw: &Gateway, engines: &[&Proc]) {
+    wait_for("the engines' events followed from their start", PATIENCE, || {
+        let states: Vec<_> = engines.iter().map(|e| sync(gw, e)).collect();
+        (states.iter().all(|s| *s == Some(KvEventsSync::Complete)), states)
+    });
+}
+
+/// The chain the gateway hashes `ids` to (model `semlb-sim`, its segment's seed).
+fn chain(gw: &Gateway, ids: &[u32]) -> Vec<u64> {
+    let hasher = BlockHasher::new(BlockHasher::root_for("semlb-sim", gw.segment.header().seed[0]), 16);
+    let mut out = Vec::new();
+    hasher.chain(ids, &mut out);
+    out
+}
+
+/// Blocks of `chain` the confirmed table (`confirmed`) or the estimate
+/// lists `engine` for.
+fn depth(gw: &Gateway, engine: &Proc, chain: &[u64], confirmed: bool) -> u32 {
+    let t = gw.segment.tables();
+    let tag = server(gw, engine).tag();
+    let table = if confirmed { t.confirmed } else { t.prefix };
+    table.longest_prefix_match(chain, |s| s == tag).blocks_for(tag)
+}
+
+/// Confirmed entries that list `engine`.
+fn entries_of(gw: &Gateway, engine: &Proc) -> usize {
+    let tag = server(gw, engine).tag();
+    gw.segment
+        .tables()
+        .confirmed
+        .entries()
+        .filter(|(_, e)| e.servers.contains(tag))
+        .count()
+}
+
+/// A prompt of `blocks` full blocks plus 5 tokens, of its own (`seed`).
+fn prompt(seed: u32, blocks: usize) -> Vec<u32> {
+    (0..blocks as u32 * 16 + 5).map(|i| 1000 + seed * 7919 + i).collect()
+}
+
+/// A completion of token ids at `addr` (a gateway, or an engine directly).
+fn complete(addr: &str, ids: &[u32]) -> Response {
+    let body: Value = json!({"model": "semlb-sim", "prompt": ids, "max_tokens": 2});
+    let r = http(addr, "POST", "/v1/completions", Some(&body), &[]).expect("completion");
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    r
+}
+
+fn cached_tokens(r: &Response) -> u64 {
+    r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+#[test]
+fn stored_evicted_and_cleared_blocks_follow_the_engine() {
+    // 64 blocks of KV: a few direct prompts of 20 blocks evict the first.
+    let (engine, events) = sim_with_events("0.01", 10_000, &["--kv-capacity-tokens", "1024"]);
+    let gw = gateway("follow", &[(&engine, &events)], "precise");
+    followed(&gw, &[&engine]);
+
+    let p = prompt(1, 10);
+    let c = chain(&gw, &p);
+    complete(gw.addr(), &p);
+    let confirmed = wait_for("the engine's stored blocks confirmed", PATIENCE, || {
+        let d = depth(&gw, &engine, &c, true);
+        (d == 10, d)
+    });
+    assert_eq!(confirmed, 10);
+    assert_eq!(depth(&gw, &engine, &c, false), 10, "the estimate has them too");
+
+    // Other prompts sent straight to the engine evict p's blocks.
+    for i in 0..4 {
+        complete(&engine.addr, &prompt(100 + i, 20));
+    }
+    wait_for("the evicted blocks gone from the confirmed table", PATIENCE, || {
+        let d = depth(&gw, &engine, &c, true);
+        (d == 0, d)
+    });
+    assert_eq!(
+        depth(&gw, &engine, &c, false),
+        10,
+        "the estimate still lists what the engine evicted: that is what the events correct"
+    );
+    let direct = chain(&gw, &prompt(103, 20));
+    assert_eq!(
+        depth(&gw, &engine, &direct, true),
+        20,
+        "blocks the gateway never sent are confirmed too"
+    );
+
+    // A cleared cache empties the server's confirmed entries.
+    let r = http(&engine.addr, "POST", "/reset_prefix_cache", None, &[]).unwrap();
+    assert_eq!(r.status, 200);
+    wait_for("a cleared engine's entries gone", PATIENCE, || {
+        let n = entries_of(&gw, &engine);
+        (n == 0, n)
+    });
+    assert_eq!(sync(&gw, &engine), Some(KvEventsSync::Complete));
+    let m = gw.metrics();
+    let stored = support::gateway::sample(&m, "semlb_kv_event_blocks_stored_total").unwrap();
+    let removed = support::gateway::sample(&m, "semlb_kv_event_blocks_removed_total").unwrap();
+    let cleared = support::gateway::sample(&m, "semlb_kv_event_cleared_total").unwrap();
+    assert!(
+        stored >= 90.0 && removed >= 10.0 && cleared >= 1.0,
+        "{stored} {removed} {cleared}"
+    );
+    assert!(
+        support::gateway::sample(&m, "semlb_kv_event_lag_seconds_count").unwrap() > 0.0,
+        "the lag from event to table is measured"
+    );
+}
+
+#[test]
+fn a_killed_subscriber_catches_up_from_the_replay() {
+    let (engine, events) = sim_with_events("0.01", 10_000, &[]);
+    let gw = gateway("replay", &[(&engine, &events)], "precise");
+    followed(&gw, &[&engine]);
+    let before = prompt(2, 6);
+    complete(gw.addr(), &before);
+    let c = chain(&gw, &before);
+    wait_for("the first prompt confirmed", PATIENCE, || {
+        let d = depth(&gw, &engine, &c, true);
+        (d == 6, d)
+    });
+
+    // SIGSTOP the response process, let the engine publish, SIGKILL it.
+    let responder = gw
+        .segment
+        .tables()
+        .registry
+        .processes()
+        .find(|p| p.role == Some(shm_layout::Role::Responder) && p.state == shm_layout::ProcessState::Running)
+        .expect("a running responder");
+    let pid = nix::unistd::Pid::from_raw(responder.pid as i32);
+    nix::sys::signal::kill(pid, Signal::SIGSTOP).unwrap();
+    let missed = prompt(3, 8);
+    complete(&engine.addr, &missed);
+    nix::sys::signal::kill(pid, Signal::SIGKILL).unwrap();
+
+    // Its successor subscribes again, and the replay from 0 brings back
+    // both prompts, the one published while nobody listened included.
+    let missed_chain = chain(&gw, &missed);
+    let depths = wait_for("the missed prompt confirmed after the restart", PATIENCE, || {
+        let d = (depth(&gw, &engine, &c, true), depth(&gw, &engine, &missed_chain, true));
+        (d == (6, 8) && sync(&gw, &engine) == Some(KvEventsSync::Complete), d)
+    });
+    assert_eq!(depths, (6, 8));
+}
+
+#[test]
+fn a_restarted_engine_leaves_nothing_of_its_old_cache() {
+    let (engine, events) = sim_with_events("0.01", 10_000, &[]);
+    let gw = gateway("restart", &[(&engine, &events)], "precise");
+    followed(&gw, &[&engine]);
+    let old = prompt(4, 6);
+    complete(gw.addr(), &old);
+    let c = chain(&gw, &old);
+    wait_for("the prompt confirmed", PATIENCE, || {
+        let d = depth(&gw, &engine, &c, true);
+        (d == 6, d)
+    });
+    // The same engine address and sockets, a new process: an empty cache.
+    let (listen, ports) = (engine.addr.clone(), events.clone());
+    drop(engine);
+    let config = format!(
+        r#"{{"enable_kv_cache_events": true, "endpoint": "{}", "replay_endpoint": "{}"}}"#,
+        ports.events, ports.replay
+    );
+    let engine = support::gateway::sim_with("0.01", &["--listen", &listen, "--kv-events-config", &config]);
+    let fresh = prompt(5, 3);
+    let fresh_chain = chain(&gw, &fresh);
+    // Sent until the subscription has reconnected and confirms it.
+    wait_for("the new engine's blocks confirmed, the old ones gone", PATIENCE, || {
+        complete(&engine.addr, &fresh);
+        let d = (depth(&gw, &engine, &c, true), depth(&gw, &engine, &fresh_chain, true));
+        (d == (0, 3), d)
+    });
+    assert_eq!(sync(&gw, &engine), Some(KvEventsSync::Complete));
+}
+
+/// A gateway in front of two engines, `source` as its prefix source, where
+/// the estimate is wrong twice: (1) a prompt the gateway sent to one engine
+/// was then evicted there and reached the other directly; (2) a prompt
+/// reached an engine without passing through the gateway. Returns, for
+/// each case, the (engine that holds it, engine the gateway chose, cached
+/// tokens reported, route).
+fn where_the_estimate_is_wrong(source: &str) -> Vec<(String, String, u64, String)> {
+    let small = ["--kv-capacity-tokens", "1024"];
+    let (a, ea) = sim_with_events("0.01", 10_000, &small);
+    let (b, eb) = sim_with_events("0.01", 10_000, &small);
+    let gw = gateway(&format!("route-{source}"), &[(&a, &ea), (&b, &eb)], source);
+    followed(&gw, &[&a, &b]);
+    let name = |addr: &str| if addr == a.addr { "a" } else { "b" }.to_owned();
+    let engine_of = |addr: &str| if addr == a.addr { &a } else { &b };
+
+    // (1) Sent through the gateway, evicted there, then held by the other.
+    let p = prompt(7, 10);
+    let c = chain(&gw, &p);
+    let first = complete(gw.addr(), &p);
+    let (home, _) = routed(&first);
+    let home = home.trim_start_matches("http://").to_owned();
+    let other = if home == a.addr { &b } else { &a };
+    wait_for("the first turn confirmed", PATIENCE, || {
+        let d = depth(&gw, engine_of(&home), &c, true);
+        (d == 10, d)
+    });
+    let sent_s = gw.segment.clock().now_ms() / 1000;
+    for i in 0..4 {
+        complete(&home, &prompt(200 + i, 20));
+    }
+    complete(&other.addr, &p);
+    wait_for("the eviction and the other engine's blocks confirmed", PATIENCE, || {
+        let d = (depth(&gw, engine_of(&home), &c, true), depth(&gw, other, &c, true));
+        (d == (0, 10), d)
+    });
+    // The gateway's own entries (its record at dispatch, the answer's
+    // write-back) count for the confirm window; the rule under test is
+    // what comes after it (stamps are whole seconds: one more).
+    wait_for("the confirm window over", PATIENCE, || {
+        let now_s = gw.segment.clock().now_ms() / 1000;
+        (now_s > sent_s + CONFIRM_WINDOW_S + 1, now_s)
+    });
+    let mut out = Vec::new();
+    let r = complete(gw.addr(), &p);
+    let (chosen, route) = routed(&r);
+    out.push((
+        name(&other.addr),
+        name(chosen.trim_start_matches("http://")),
+        cached_tokens(&r),
+        route,
+    ));
+
+    // (2) A prompt only the engine has seen.
+    let q = prompt(8, 12);
+    let qc = chain(&gw, &q);
+    complete(&a.addr, &q);
+    wait_for("the direct prompt confirmed", PATIENCE, || {
+        let d = depth(&gw, &a, &qc, true);
+        (d == 12, d)
+    });
+    let r = complete(gw.addr(), &q);
+    let (chosen, route) = routed(&r);
+    out.push((
+        "a".to_owned(),
+        name(chosen.trim_start_matches("http://")),
+        cached_tokens(&r),
+        route,
+    ));
+    out
+}
+
+#[test]
+fn routing_follows_what_the_engines_confirm_where_the_estimate_is_wrong() {
+    let precise = where_the_estimate_is_wrong("precise");
+    for (holder, chosen, cached, route) in &precise {
+        assert_eq!((chosen, route.as_str()), (holder, "prefix"), "{precise:?}");
+        assert!(*cached >= 10 * 16, "the engine found the prompt cached: {precise:?}");
+    }
+    // The control: the estimate sends the evicted prompt back where it
+    // went before (by prefix, finding nothing), and knows nothing of the
+    // direct one.
+    let estimate = where_the_estimate_is_wrong("estimate");
+    let (holder, chosen, cached, route) = &estimate[0];
+    assert_ne!(chosen, holder, "{estimate:?}");
+    assert_eq!((route.as_str(), *cached), ("prefix", 0), "{estimate:?}");
+    assert_ne!(estimate[1].3, "prefix", "{estimate:?}");
+}
