@@ -11,9 +11,14 @@
 //! 3. `hash_blocks`: the 16-token block chain;
 //! 4. `cache_lookup`: the response-cache key and a (missing) lookup;
 //! 5. `prefix_lookup`: longest-prefix match of the chain in a 256 MiB shm
-//!    segment holding 500 such conversations on 4 servers;
+//!    segment holding 500 such conversations on 4 servers
+//!    (`prefix_lookup_precise`: the precise source, two of the servers'
+//!    engines followed through their KV events);
 //! 6. `choose/<policy>`: gather the live servers and run each routing policy;
 //! 7. `total`: all of it.
+//!
+//! And `kv_events/store_and_remove_32_blocks`: what a response process
+//! does with an engine's KV events, per block (decode, hash, apply).
 //!
 //! The prompts are real dialogues (Anthropic HH-RLHF, ../shared/data/prompts)
 //! concatenated to ~2 000 tokens, or a fixed text when ../shared is absent.
@@ -295,5 +300,62 @@ fn dispatch(c: &mut Criterion) {
     let _ = Segment::remove(&name);
 }
 
-criterion_group!(benches, dispatch);
+/// The engines' KV events applied by a response process: one batch that
+/// stores a 32-block prompt (decoded, hashed into the gateway's chain from
+/// its token ids, inserted into the confirmed table) and one that removes
+/// those blocks. Criterion's element rate is per block (64 per iteration).
+fn kv_events(c: &mut Criterion) {
+    use semlb::kv_events::follower::{ChainRoots, Follower};
+    use semlb::kv_events::wire::decode_batch;
+    use semlb_workers::kv_events::{KvEvent, WireHash, encode_batch};
+
+    const BLOCKS: u64 = 32;
+    let name = format!("semlb-bench-kvev-{}", std::process::id());
+    let _ = Segment::remove(&name);
+    let seg = Segment::create(&name, &LayoutPlan::for_size(256 << 20).unwrap()).expect("segment");
+    let t = seg.tables();
+    let server = t.servers.register(1, "http://127.0.0.1:8000", 0).unwrap();
+    let hasher = BlockHasher::new(BlockHasher::root_for("semlb-sim", seg.header().seed[0]), 16);
+    let roots = ChainRoots {
+        base: Some(hasher),
+        adapters: Default::default(),
+    };
+    let mut follower = Follower::new(server, roots);
+    // 1024 prompts of their own, so the table sees new keys.
+    let batches: Vec<(Vec<u8>, Vec<u8>)> = (0..1024u64)
+        .map(|p| {
+            let hashes: Vec<WireHash> = (0..BLOCKS).map(|b| WireHash::from(p << 20 | b)).collect();
+            let stored = KvEvent::Stored {
+                block_hashes: hashes.clone(),
+                parent: None,
+                token_ids: (0..BLOCKS as u32 * 16).map(|i| p as u32 * 100_000 + i).collect(),
+                block_size: 16,
+                lora_name: None,
+                salt: None,
+            };
+            (
+                encode_batch(1.0, &[stored], None),
+                encode_batch(1.0, &[KvEvent::Removed(hashes)], None),
+            )
+        })
+        .collect();
+    let mut g = c.benchmark_group("kv_events");
+    g.throughput(criterion::Throughput::Elements(2 * BLOCKS));
+    let mut i = 0;
+    g.bench_function("store_and_remove_32_blocks", |b| {
+        b.iter(|| {
+            i = (i + 1) % batches.len();
+            let now = seg.clock().stamp();
+            let stored = decode_batch(&batches[i].0).unwrap();
+            let a = follower.apply(&stored, &t, now);
+            let removed = decode_batch(&batches[i].1).unwrap();
+            let r = follower.apply(&removed, &t, now);
+            black_box((a.stored, r.removed))
+        })
+    });
+    g.finish();
+    let _ = Segment::remove(&name);
+}
+
+criterion_group!(benches, dispatch, kv_events);
 criterion_main!(benches);

@@ -518,7 +518,9 @@ fn respond(reply: Reply) -> http::Response<Full<Bytes>> {
 /// the requests its engine says it runs at once, `null` unless it said;
 /// `engine_context`: the tokens its engine takes per request and whether
 /// the requested output counts, `null` unless it said:
-/// [`crate::health::engine_info`]).
+/// [`crate::health::engine_info`]; `kv_events`: how far the confirmed
+/// prefix table follows its engine's KV cache events, `complete` or
+/// `partial`, `null` when they are not followed: [`crate::kv_events`]).
 pub fn server_json(info: &shm_layout::ServerInfo, now_ms: u64, name: Option<&str>, managed: &str) -> Value {
     let load = info.load;
     let scraped = load.scraped_at_ms != 0;
@@ -535,6 +537,7 @@ pub fn server_json(info: &shm_layout::ServerInfo, now_ms: u64, name: Option<&str
         "admission_limit": info.admission_limit,
         "engine_slots": info.engine_slots,
         "engine_context": info.engine_context.map(|c| json!({"tokens": c.tokens, "counts_output": c.counts_output})),
+        "kv_events": info.kv_events.map(|s| s.name()),
         "inflight_requests": info.inflight_requests,
         "inflight_tokens": info.inflight_tokens,
         "load": {

@@ -385,9 +385,10 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
         };
         config.validate().map_err(anyhow::Error::msg)?;
         let mut sim = Sim::bundled(config, FaultConfig::default());
-        let published = semlb_workers::kv_events::publish(sim.engine(), args.kv_events_config.as_deref())
-            .await
-            .map_err(|e| anyhow::anyhow!("--kv-events-config: {e}"))?;
+        let published =
+            semlb_workers::kv_events::publish(args.kv_events_config.as_deref(), || sim.engine().kv_events())
+                .await
+                .map_err(|e| anyhow::anyhow!("--kv-events-config: {e}"))?;
         if args.no_metrics {
             sim = sim.with_metrics_flavor(semlb_workers::metrics::MetricsFlavor::None);
         }

@@ -31,6 +31,10 @@ pub struct Report {
     pub prefix_occupancy: u64,
     /// Prefix-table slots.
     pub prefix_capacity: u64,
+    /// Occupied confirmed-prefix slots (the engines' KV events).
+    pub confirmed_occupancy: u64,
+    /// Confirmed-prefix slots.
+    pub confirmed_capacity: u64,
     /// Response-log counters.
     pub responses: ResponseLogStats,
     /// Occupied response-index slots.
@@ -120,6 +124,8 @@ impl Report {
             creator_alive: Liveness::of(header.creator_pid),
             prefix_occupancy: tables.prefix.occupancy(),
             prefix_capacity: tables.prefix.capacity(),
+            confirmed_occupancy: tables.confirmed.occupancy(),
+            confirmed_capacity: tables.confirmed.capacity(),
             responses: tables.responses.stats(),
             response_index_occupancy: tables.responses.index_occupancy(),
             response_index_capacity: tables.responses.index_capacity(),
@@ -201,6 +207,13 @@ impl Report {
             self.prefix_occupancy,
             self.prefix_capacity,
             percent(self.prefix_occupancy, self.prefix_capacity)
+        );
+        let _ = writeln!(
+            w,
+            "confirmed         {} / {} slots ({})",
+            self.confirmed_occupancy,
+            self.confirmed_capacity,
+            percent(self.confirmed_occupancy, self.confirmed_capacity)
         );
         let _ = writeln!(
             w,
@@ -347,6 +360,7 @@ impl Report {
             },
             "regions": regions,
             "prefix_table": {"occupancy": self.prefix_occupancy, "capacity": self.prefix_capacity},
+            "confirmed_prefixes": {"occupancy": self.confirmed_occupancy, "capacity": self.confirmed_capacity},
             "rate_limits": {"in_use": self.limits.0, "held": self.limits.1, "capacity": self.limit_capacity},
             "usage": self.usage.iter().map(usage_json).collect::<Vec<_>>(),
             "response_cache": {

@@ -101,7 +101,7 @@ fn shm_create_inspect_remove_life_cycle() {
     assert_eq!(v["header"]["state"], "ready");
     assert_eq!(v["header"]["magic_ok"], true);
     assert_eq!(v["header"]["segment_bytes"], 16u64 << 20);
-    assert_eq!(v["regions"].as_array().map(Vec::len), Some(12));
+    assert_eq!(v["regions"].as_array().map(Vec::len), Some(13));
     assert_eq!(v["rate_limits"]["capacity"], 16_384);
     assert_eq!(v["rate_limits"]["in_use"], 0);
     assert_eq!(v["segment_store"]["records"], 0);

@@ -41,7 +41,7 @@
 //!    slots, usage entries (a row reads as written, or is missing, or has a
 //!    wrong sum: never a name that was not written), and ring records and
 //!    control words, checking after each flip and restoring it.
-//! 4. Every bit of the 480-byte header, and random patterns, make
+//! 4. Every bit of the 512-byte header, and random patterns, make
 //!    [`Segment::open`] fail with an error (never a panic); the rest of the
 //!    header page is reserved padding that `open` ignores.
 //!
@@ -69,7 +69,7 @@ use shm_layout::{
 /// The smallest segment: every region exists, and scans and random flips cover it
 /// four times faster than a 32 MiB one.
 const SEGMENT_BYTES: u64 = 8 << 20;
-const HEADER_BYTES: usize = 480;
+const HEADER_BYTES: usize = 512;
 const EPOCHS: u64 = 8;
 const ROUNDS: u64 = 25;
 const SEED: u64 = 0x5eed_b17f_11b5;

@@ -244,14 +244,18 @@ impl Bound {
     }
 }
 
-/// Publishes `engine`'s KV cache events as vLLM's `--kv-events-config`
-/// JSON says (`None`: the flag was not given, or says no events). Returns
-/// the bound endpoints.
-pub async fn publish(engine: &crate::engine::Engine, config_json: Option<&str>) -> Result<Option<Bound>, String> {
+/// Publishes the events `subscribe` starts (an engine's
+/// [`crate::engine::Engine::kv_events`]) as vLLM's `--kv-events-config`
+/// JSON says (`None`: the flag was not given, or says no events; then
+/// `subscribe` is not called). Returns the bound endpoints.
+pub async fn publish(
+    config_json: Option<&str>,
+    subscribe: impl FnOnce() -> mpsc::UnboundedReceiver<Vec<KvEvent>>,
+) -> Result<Option<Bound>, String> {
     let Some(config) = config_json.map(KvEventsConfig::from_vllm_json).transpose()?.flatten() else {
         return Ok(None);
     };
-    Publisher::start(&config, engine.kv_events()).await.map(Some)
+    Publisher::start(&config, subscribe()).await.map(Some)
 }
 
 /// An endpoint as the ZeroMQ crate binds it: vLLM's `*` is every IPv4

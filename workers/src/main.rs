@@ -214,7 +214,7 @@ async fn run(args: Args) -> Result<()> {
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let addr = listener.local_addr().context("reading the bound address")?;
     let engine = Engine::start(config);
-    let published = kv_events::publish(&engine, args.kv_events_config.as_deref())
+    let published = kv_events::publish(args.kv_events_config.as_deref(), || engine.kv_events())
         .await
         .map_err(|e| anyhow::anyhow!("--kv-events-config: {e}"))?;
     let sim = Sim::new(engine, tokenizer, template, faults, args.metrics_flavor);
