@@ -102,11 +102,8 @@ fn back_to_back_conversations_stay_on_their_engine_from_the_first_turn() {
     // With it stopped, nothing is written back: each turn is routed on what
     // the dispatchers recorded when they sent the previous ones.
     let responder = gw
-        .segment
-        .tables()
-        .registry
-        .processes()
-        .find(|p| p.role == Some(shm_layout::Role::Responder) && p.state == shm_layout::ProcessState::Running)
+        .running(shm_layout::Role::Responder)
+        .pop()
         .expect("a running response process");
     let before = sample(&gw.metrics(), "semlb_continued_conversations_total").unwrap_or(0.0);
     let stopped = Stopped(Pid::from_raw(responder.pid as i32));

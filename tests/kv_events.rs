@@ -216,11 +216,8 @@ fn a_killed_subscriber_catches_up_from_the_replay() {
 
     // SIGSTOP the response process, let the engine publish, SIGKILL it.
     let responder = gw
-        .segment
-        .tables()
-        .registry
-        .processes()
-        .find(|p| p.role == Some(shm_layout::Role::Responder) && p.state == shm_layout::ProcessState::Running)
+        .running(shm_layout::Role::Responder)
+        .pop()
         .expect("a running responder");
     let pid = nix::unistd::Pid::from_raw(responder.pid as i32);
     nix::sys::signal::kill(pid, Signal::SIGSTOP).unwrap();

@@ -538,6 +538,16 @@ impl Gateway {
         r.json()["servers"].as_array().expect("a list").clone()
     }
 
+    /// Its running children of `role`, as the registry lists them.
+    pub fn running(&self, role: shm_layout::Role) -> Vec<shm_layout::ProcessInfo> {
+        self.segment
+            .tables()
+            .registry
+            .processes()
+            .filter(|p| p.role == Some(role) && p.state == shm_layout::ProcessState::Running)
+            .collect()
+    }
+
     /// The admin API's entry for the backend `address` (`http://…`).
     pub fn admin_server(&self, address: &str) -> Option<Value> {
         self.admin_servers().into_iter().find(|s| s["address"] == address)

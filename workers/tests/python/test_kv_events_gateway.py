@@ -6,7 +6,7 @@ ZmqEventPublisher does it: a PUB socket sending [topic, seq (8 bytes,
 big-endian), msgpack batch], a ROUTER socket answering replay requests
 [identity, "", start] with [identity, "", seq, payload] per buffered batch
 and [identity, "", -1, ""] at the end, batches encoded by msgspec from
-vLLM's event structs (restated below). `semlb serve` follows it for a
+vLLM's event structs (restated in `vllm_kv_events.py`). `semlb serve` follows it for a
 simulated engine's backend (`kv_events`, `kv_events_replay`), so its own
 ZMTP client (src/kv_events/zmtp.rs) is checked against libzmq's sockets,
 not only against the simulator's.
@@ -35,45 +35,13 @@ import tempfile
 import threading
 import time
 import urllib.request
-from typing import Any
 
 import msgspec
 import zmq
 
+from vllm_kv_events import END_SEQ, BlockRemoved, BlockStored, EventBatch
+
 BLOCK = 16
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-
-
 ENCODER = msgspec.msgpack.Encoder()
 
 

@@ -4,8 +4,8 @@
 A real libzmq peer (pyzmq) subscribes to the simulator's PUB socket and asks
 its ROUTER socket for a replay through a DEALER, as vLLM's example
 subscriber and llm-d do; every payload is decoded by msgspec into vLLM's
-event structs (restated below from `vllm/distributed/kv_events.py`, the
-layout its main branch writes: maps tagged by "type"). So the simulator's
+event structs (restated in `vllm_kv_events.py` from `vllm/distributed/kv_events.py`,
+the layout its main branch writes: maps tagged by "type"). So the simulator's
 wire format and ZeroMQ framing are checked against the implementations
 real engines and routers use, not against semlb's own decoder.
 
@@ -35,53 +35,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from typing import Any
 
 import msgspec
 import zmq
 
+from vllm_kv_events import AllBlocksCleared, BlockStored, END_SEQ, KVEventBatch
+
 BLOCK_SIZE = 16
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 START_LINE = re.compile(r"^semlb-sim kv events on (tcp://\S+) replay (tcp://\S+); listening on (http://\S+)\s*$")
-
-
-class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
 
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 
