@@ -270,7 +270,11 @@ async fn subscribe(target: &Target, ctx: &Context, client: &Client<HttpConnector
                 let frames = message.map_err(|e| format!("the engine's events stopped: {e}"))?;
                 let parts: Vec<&[u8]> = frames.iter().map(|f| f.as_ref()).collect();
                 let Ok((seq, payload)) = split_message(&parts) else { continue };
-                stream.live(seq, payload, replay.as_mut()).await;
+                if stream.live(seq, payload, replay.as_mut()).await == Replay::Broken {
+                    // Its answers may still come: a later replay would
+                    // read them. Gaps from now on leave the table partial.
+                    replay = None;
+                }
             }
             _ = check.tick() => {
                 if registration(&tables, &target.url) != Some(server) {
@@ -364,11 +368,13 @@ impl Stream<'_> {
         self.sequence.applied(seq);
     }
 
-    /// A batch from the live stream.
-    async fn live(&mut self, seq: u64, payload: &[u8], replay: Option<&mut Connection>) {
+    /// A batch from the live stream; says whether the replay connection
+    /// failed.
+    async fn live(&mut self, seq: u64, payload: &[u8], replay: Option<&mut Connection>) -> Replay {
         let before = self.follower.sync();
+        let mut state = Replay::Usable;
         match self.sequence.see(seq) {
-            Step::Duplicate => return,
+            Step::Duplicate => return state,
             Step::Next if self.sequence.next().is_none() && seq != 0 => {
                 // Joined a running stream without its history.
                 self.follower.lost_events();
@@ -388,7 +394,15 @@ impl Stream<'_> {
                             }
                             self.sequence.next() == Some(to)
                         }
-                        Err(_) => false,
+                        Err(e) => {
+                            tracing::warn!(
+                                server = self.follower.server().slot,
+                                "KV events of server {}: the replay failed ({e}); gaps will leave its table partial",
+                                self.follower.server().slot
+                            );
+                            state = Replay::Broken;
+                            false
+                        }
                     },
                     None => false,
                 };
@@ -414,7 +428,17 @@ impl Stream<'_> {
             );
         }
         self.publish();
+        state
     }
+}
+
+/// Whether a subscription's replay connection still serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Replay {
+    /// It answered, or was not asked.
+    Usable,
+    /// A replay failed: its connection is given up.
+    Broken,
 }
 
 /// What a response process's subscriptions need to run ([`run`]).

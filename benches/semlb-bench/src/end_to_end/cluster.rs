@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use semlb::routing::PolicyKind;
-use semlb_test_support::gateway::Gateway;
+use semlb_test_support::gateway::{Gateway, kv_endpoints};
 use semlb_test_support::process::{Proc, ProcBuilder, Stderr};
 
 /// A unique name for this run's resources (shm segment, Redis namespace).
@@ -17,8 +17,15 @@ pub(crate) fn unique_name(tag: &str) -> String {
 
 /// `n` simulated engines (`semlb __sim`) with `time_scale`, serving
 /// `/metrics` or not (`--no-metrics`; their own `/sim/metrics` still shows
-/// their counters).
-pub(crate) fn start_engines(n: usize, time_scale: f64, kv_tokens: Option<u64>, metrics: bool) -> Result<Vec<Proc>> {
+/// their counters), publishing their KV cache events or not (`kv_events`:
+/// on free ports, with a replay socket, as vLLM's `--kv-events-config`).
+pub(crate) fn start_engines(
+    n: usize,
+    time_scale: f64,
+    kv_tokens: Option<u64>,
+    metrics: bool,
+    kv_events: bool,
+) -> Result<Vec<Proc>> {
     (0..n)
         .map(|i| {
             let scale = time_scale.to_string();
@@ -34,6 +41,12 @@ pub(crate) fn start_engines(n: usize, time_scale: f64, kv_tokens: Option<u64>, m
             }
             if let Some(kv) = kv_tokens {
                 args.extend(["--kv-capacity-tokens".to_owned(), kv.to_string()]);
+            }
+            if kv_events {
+                args.extend([
+                    "--kv-events-config".to_owned(),
+                    r#"{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}"#.to_owned(),
+                ]);
             }
             let proc = ProcBuilder::new(args)
                 .what(format!("simulated engine {i}"))
@@ -75,6 +88,10 @@ pub(crate) struct GatewaySpec {
     /// A configuration file's TOML text, passed as `--config` (written to a
     /// file of the run's own, removed with the gateway); `None`: no file.
     pub(crate) config: Option<String>,
+    /// Follow the engines' KV cache events: the engines are `[[backend]]`
+    /// tables of the configuration with their `kv_events` endpoints (the
+    /// engines must publish them), not `--backend` flags.
+    pub(crate) kv_events: bool,
 }
 
 /// Why [`start_gateway`] failed.
@@ -95,13 +112,32 @@ pub(crate) fn start_gateway(spec: &GatewaySpec, engines: &[Proc]) -> Result<Gate
         .tag(&spec.tag)
         .shm_size(&spec.shm_size)
         .dispatchers(spec.dispatchers)
-        .backends(&engines.iter().collect::<Vec<_>>())
         .stderr(Stderr::Tail(40))
         .within(Duration::from_secs(60));
+    let mut config = spec.config.clone();
+    if spec.kv_events {
+        let mut tables = String::new();
+        for e in engines {
+            let Some(at) = kv_endpoints(&e.line) else {
+                return Err(GatewayError::Other(anyhow::anyhow!(
+                    "engine {} publishes no KV events ({:?})",
+                    e.addr,
+                    e.line
+                )));
+            };
+            tables.push_str(&format!(
+                "\n[[backend]]\nurl = \"http://{}\"\nkv_events = \"{}\"\nkv_events_replay = \"{}\"\n",
+                e.addr, at.events, at.replay
+            ));
+        }
+        config = Some(config.unwrap_or_default() + &tables);
+    } else {
+        builder = builder.backends(&engines.iter().collect::<Vec<_>>());
+    }
     if let Some(policy) = spec.policy {
         builder = builder.policy(&policy.to_string());
     }
-    if let Some(text) = &spec.config {
+    if let Some(text) = &config {
         builder = builder.config(text);
     }
     if let Store::Redis { url, namespace } = &spec.store {

@@ -171,7 +171,7 @@ fn run_store(
     bar: &indicatif::ProgressBar,
 ) -> Result<Option<StoreRun>> {
     bar.set_message(format!("e2e {name}: starting"));
-    let engines = start_engines(args.engines, args.time_scale, None, true)?;
+    let engines = start_engines(args.engines, args.time_scale, None, true, false)?;
     let spec = GatewaySpec {
         dispatchers: args.dispatchers,
         policy: None,
@@ -179,6 +179,7 @@ fn run_store(
         shm_size: "64MiB".into(),
         tag: format!("e2e-{name}"),
         config: None,
+        kv_events: false,
     };
     let gateway = match start_gateway(&spec, &engines) {
         Ok(g) => g,

@@ -53,6 +53,9 @@ pub(super) struct RunSpec {
     pub(super) drain_secs: f64,
     /// The gateway's configuration file text.
     pub(super) config: String,
+    /// The engines publish their KV cache events and the gateway follows
+    /// them (a `policy/precise` row).
+    pub(super) kv_events: bool,
 }
 
 /// What one run measured.
@@ -101,7 +104,13 @@ pub(super) fn run_once(
         format!("{} {} ×{}", workload.kind, spec.label, spec.multiplier),
     );
     bar.set_message(format!("{what}: starting"));
-    let engines = start_engines(spec.engines, 1.0 / spec.speedup, spec.kv_tokens, spec.metrics)?;
+    let engines = start_engines(
+        spec.engines,
+        1.0 / spec.speedup,
+        spec.kv_tokens,
+        spec.metrics,
+        spec.kv_events,
+    )?;
     let gateway_spec = GatewaySpec {
         dispatchers: spec.dispatchers,
         policy: Some(policy),
@@ -109,6 +118,7 @@ pub(super) fn run_once(
         shm_size: "256MiB".into(),
         tag: format!("replay-{policy}"),
         config: Some(spec.config.clone()),
+        kv_events: spec.kv_events,
     };
     let gateway = match start_gateway(&gateway_spec, &engines) {
         Ok(g) => g,

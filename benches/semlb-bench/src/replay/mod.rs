@@ -83,7 +83,11 @@
 //! `--compare-feedback` a `policy/no-feedback` row, with
 //! `learn_from_reports = false` (engines' reports counted, not acted on);
 //! `--kv-tokens N` gives the engines a KV cache of N tokens, small enough
-//! to evict often;
+//! to evict often; `--compare-prefix-sources` adds `policy/precise` and
+//! `policy/precise-no-feedback`, whose engines publish their KV cache
+//! events and whose gateway follows them with `[policy.prefix] source =
+//! "precise"` (`confirm_window_secs = 1`), with and without the
+//! `cached_tokens` feedback;
 //! `selective_push` gives two more: `selective_push/unstarted` (its strict
 //! mode) and `selective_push/max8`, its fixed-cap mode (`max_outstanding`
 //! requests in flight per engine, `--max-outstanding 8`; 0 drops the row),
@@ -251,6 +255,12 @@ pub struct ReplayArgs {
     /// `policy/no-feedback` row).
     #[arg(long)]
     pub compare_feedback: bool,
+    /// Also replay each policy with the engines publishing their KV cache
+    /// events and `[policy.prefix] source = "precise"`, with the
+    /// `cached_tokens` feedback (`policy/precise`) and without it
+    /// (`policy/precise-no-feedback`).
+    #[arg(long)]
+    pub compare_prefix_sources: bool,
     /// Also replay `cost` with each of these weights fixed (`tune = false`,
     /// a `cost/w=X` row each), comma-separated: what the tuner chooses
     /// among.
@@ -306,6 +316,7 @@ impl ReplayArgs {
             agents_rate: 1.5,
             compare_learning: false,
             compare_feedback: false,
+            compare_prefix_sources: false,
             cost_weights: Vec::new(),
             kv_tokens: None,
             max_output: 2048,
@@ -391,6 +402,8 @@ struct Arm {
     /// Top-level keys put before it (a key after a table header would
     /// belong to that table).
     top: String,
+    /// The engines publish KV cache events and the gateway follows them.
+    kv_events: bool,
 }
 
 impl Arm {
@@ -410,6 +423,7 @@ impl Arm {
             label: kind.name().to_owned(),
             config: String::new(),
             top: String::new(),
+            kv_events: false,
         }];
         if compare_learning {
             arms.push(Arm {
@@ -417,6 +431,7 @@ impl Arm {
                 label: format!("{kind}/write-back-only"),
                 config: String::new(),
                 top: "learn_at_dispatch = false\n".to_owned(),
+                kv_events: false,
             });
         }
         if compare_feedback {
@@ -425,7 +440,23 @@ impl Arm {
                 label: format!("{kind}/no-feedback"),
                 config: String::new(),
                 top: "learn_from_reports = false\n".to_owned(),
+                kv_events: false,
             });
+        }
+        if args.compare_prefix_sources {
+            // The engines' events, followed from their start: the confirm
+            // window is real seconds (the gateway's floor, 1 s, at speedups
+            // above 2).
+            let precise = "\n[policy.prefix]\nsource = \"precise\"\nconfirm_window_secs = 1\n".to_owned();
+            for (label, top) in [("precise", ""), ("precise-no-feedback", "learn_from_reports = false\n")] {
+                arms.push(Arm {
+                    kind,
+                    label: format!("{kind}/{label}"),
+                    config: precise.clone(),
+                    top: top.to_owned(),
+                    kv_events: true,
+                });
+            }
         }
         if kind == PolicyKind::SelectivePush {
             arms.push(Arm {
@@ -433,6 +464,7 @@ impl Arm {
                 label: format!("{kind}/unstarted"),
                 config: "\n[policy.selective_push]\nmode = \"unstarted\"\n".to_owned(),
                 top: String::new(),
+                kv_events: false,
             });
         }
         if kind == PolicyKind::Cost {
@@ -441,6 +473,7 @@ impl Arm {
                 label: format!("{kind}/w={w}"),
                 config: format!("\n[policy.cost]\ntune = false\ninitial_weight = {w:?}\n"),
                 top: String::new(),
+                kv_events: false,
             }));
         }
         if kind == PolicyKind::SelectivePush && max_outstanding > 0 {
@@ -451,6 +484,7 @@ impl Arm {
                     "\n[policy.selective_push]\nmode = \"max_outstanding\"\nmax_outstanding = {max_outstanding}\n"
                 ),
                 top: String::new(),
+                kv_events: false,
             });
         }
         arms
@@ -562,6 +596,7 @@ fn run_workload(
                 multiplier: multipliers[i],
                 drain_secs: args.drain_secs,
                 config: format!("{}{config}{}", arm.top, arm.config),
+                kv_events: arm.kv_events,
             };
             let run = run_once(&spec, &workload, client, &bar)?;
             let stats = RunStats::of(&run, &sessions, setting.speedup, setting.ttft_slo_s);
