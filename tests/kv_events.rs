@@ -30,7 +30,7 @@ use serde_json::{Value, json};
 use semlb::blocks::BlockHasher;
 use semlb_test_support as support;
 use shm_layout::{KvEventsSync, ServerRef};
-use support::gateway::{Gateway, KvEndpoints, routed, sim_with_events, wait_for};
+use support::gateway::{Gateway, kv_backend_table, kv_endpoints, routed, sim_with_events, wait_for};
 use support::http::{Response, http};
 use support::process::Proc;
 
@@ -40,27 +40,17 @@ fn unique(tag: &str) -> String {
     support::process::unique("kvev", tag)
 }
 
-/// `[[backend]]` tables for `engines`, their events subscribed.
-fn backends(engines: &[(&Proc, &KvEndpoints)]) -> String {
-    engines
-        .iter()
-        .map(|(p, e)| {
-            format!(
-                "[[backend]]\nurl = \"http://{}\"\nkv_events = \"{}\"\nkv_events_replay = \"{}\"\n",
-                p.addr, e.events, e.replay
-            )
-        })
-        .collect()
-}
-
 /// `[policy.prefix] confirm_window_secs` of these gateways.
 const CONFIRM_WINDOW_S: u64 = 1;
 
 /// A gateway in front of `engines` with the prefix `source`.
-fn gateway(tag: &str, engines: &[(&Proc, &KvEndpoints)], source: &str) -> Gateway {
+fn gateway(tag: &str, engines: &[&Proc], source: &str) -> Gateway {
+    let backends: String = engines
+        .iter()
+        .map(|e| kv_backend_table(e).expect("the engine publishes KV events"))
+        .collect();
     let config = format!(
-        "{}[health]\nscrape_interval_ms = 50\n[policy]\nkind = \"cache_aware\"\n[policy.prefix]\nsource = \"{source}\"\nconfirm_window_secs = {CONFIRM_WINDOW_S}\n",
-        backends(engines)
+        "{backends}[health]\nscrape_interval_ms = 50\n[policy]\nkind = \"cache_aware\"\n[policy.prefix]\nsource = \"{source}\"\nconfirm_window_secs = {CONFIRM_WINDOW_S}\n"
     );
     Gateway::builder()
         .shm(&unique(tag))
@@ -145,8 +135,8 @@ fn cached_tokens(r: &Response) -> u64 {
 #[test]
 fn stored_evicted_and_cleared_blocks_follow_the_engine() {
     // 64 blocks of KV: a few direct prompts of 20 blocks evict the first.
-    let (engine, events) = sim_with_events("0.01", 10_000, &["--kv-capacity-tokens", "1024"]);
-    let gw = gateway("follow", &[(&engine, &events)], "precise");
+    let engine = sim_with_events("0.01", 10_000, &["--kv-capacity-tokens", "1024"]);
+    let gw = gateway("follow", &[&engine], "precise");
     followed(&gw, &[&engine]);
 
     let p = prompt(1, 10);
@@ -203,8 +193,8 @@ fn stored_evicted_and_cleared_blocks_follow_the_engine() {
 
 #[test]
 fn a_killed_subscriber_catches_up_from_the_replay() {
-    let (engine, events) = sim_with_events("0.01", 10_000, &[]);
-    let gw = gateway("replay", &[(&engine, &events)], "precise");
+    let engine = sim_with_events("0.01", 10_000, &[]);
+    let gw = gateway("replay", &[&engine], "precise");
     followed(&gw, &[&engine]);
     let before = prompt(2, 6);
     complete(gw.addr(), &before);
@@ -237,8 +227,8 @@ fn a_killed_subscriber_catches_up_from_the_replay() {
 
 #[test]
 fn a_restarted_engine_leaves_nothing_of_its_old_cache() {
-    let (engine, events) = sim_with_events("0.01", 10_000, &[]);
-    let gw = gateway("restart", &[(&engine, &events)], "precise");
+    let engine = sim_with_events("0.01", 10_000, &[]);
+    let gw = gateway("restart", &[&engine], "precise");
     followed(&gw, &[&engine]);
     let old = prompt(4, 6);
     complete(gw.addr(), &old);
@@ -248,7 +238,7 @@ fn a_restarted_engine_leaves_nothing_of_its_old_cache() {
         (d == 6, d)
     });
     // The same engine address and sockets, a new process: an empty cache.
-    let (listen, ports) = (engine.addr.clone(), events.clone());
+    let (listen, ports) = (engine.addr.clone(), kv_endpoints(&engine.line).unwrap());
     drop(engine);
     let config = format!(
         r#"{{"enable_kv_cache_events": true, "endpoint": "{}", "replay_endpoint": "{}"}}"#,
@@ -274,9 +264,9 @@ fn a_restarted_engine_leaves_nothing_of_its_old_cache() {
 /// tokens reported, route).
 fn where_the_estimate_is_wrong(source: &str) -> Vec<(String, String, u64, String)> {
     let small = ["--kv-capacity-tokens", "1024"];
-    let (a, ea) = sim_with_events("0.01", 10_000, &small);
-    let (b, eb) = sim_with_events("0.01", 10_000, &small);
-    let gw = gateway(&format!("route-{source}"), &[(&a, &ea), (&b, &eb)], source);
+    let a = sim_with_events("0.01", 10_000, &small);
+    let b = sim_with_events("0.01", 10_000, &small);
+    let gw = gateway(&format!("route-{source}"), &[&a, &b], source);
     followed(&gw, &[&a, &b]);
     let name = |addr: &str| if addr == a.addr { "a" } else { "b" }.to_owned();
     let engine_of = |addr: &str| if addr == a.addr { &a } else { &b };

@@ -15,8 +15,12 @@
 //! - **hosts**: two gateways (two supervisors and segments) on one private
 //!   `redis-server`, the same engines; every turn goes to one of the two
 //!   at random (as an L4 balancer in front of gateway hosts would send
-//!   it), once with both on one namespace (they share what they learn) and
-//!   once on two (they do not). Reported: cached share and TTFT p50/p90.
+//!   it), once with both on one namespace (they share what they learn),
+//!   once on two (they do not), and once with no Redis at all, each host
+//!   on its own segment, following the engines' KV cache events with
+//!   `[policy.prefix] source = "precise"` (each host sees what the engines
+//!   hold, whichever host sent it: issue 20). Reported: cached share and
+//!   TTFT p50/p90.
 //!
 //! Both use the same engines and client load in each mode, one mode after
 //! the other. Times are wall-clock (the engines run at `--time-scale`).
@@ -274,23 +278,83 @@ fn restart(args: &StateArgs) -> Result<Value> {
     Ok(Value::Object(out))
 }
 
+/// The engines' KV events, published as vLLM's `--kv-events-config` says.
+const KV_EVENTS: [&str; 2] = [
+    "--kv-events-config",
+    r#"{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}"#,
+];
+
+/// How the two hosts of `hosts` know where prefixes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HostsMode {
+    /// One Redis namespace: they share what they learn.
+    Shared,
+    /// A namespace each: each knows only what it sent.
+    Apart,
+    /// No Redis, a segment each, both following the engines' KV events.
+    Precise,
+}
+
+impl HostsMode {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Shared => "one namespace",
+            Self::Apart => "two namespaces",
+            Self::Precise => "no Redis, KV events (precise)",
+        }
+    }
+
+    fn tag(self) -> &'static str {
+        match self {
+            Self::Shared => "shared",
+            Self::Apart => "apart",
+            Self::Precise => "precise",
+        }
+    }
+}
+
+/// A configuration listing `engines` with their KV event endpoints, the
+/// precise prefix source on.
+fn precise_config(engines: &[Proc]) -> Result<String> {
+    let mut text = "[policy.prefix]\nsource = \"precise\"\n".to_owned();
+    for e in engines {
+        let table = semlb_test_support::gateway::kv_backend_table(e)
+            .with_context(|| format!("engine {} publishes no KV events", e.addr))?;
+        text.push_str(&table);
+    }
+    Ok(text)
+}
+
 fn hosts(args: &StateArgs) -> Result<Value> {
     let redis = crate::redis_server::BenchRedis::for_run(&args.common)?
         .context("hosts needs a Redis (redis-server, or --redis-url)")?;
     let mut table = header();
     let mut out = serde_json::Map::new();
-    for shared in [true, false] {
-        let engines = &start_engines(args)?;
-        let mode = if shared { "one namespace" } else { "two namespaces" };
-        let config = TempFile::try_new("bench-state", "")?;
-        let tag = if shared { "shared" } else { "apart" };
-        let run = semlb_test_support::process::unique("bench-hosts", tag);
+    for mode in [HostsMode::Shared, HostsMode::Apart, HostsMode::Precise] {
+        let events = mode == HostsMode::Precise;
+        let engines = &start_sims(
+            args.engines,
+            &args.time_scale.to_string(),
+            if events { &KV_EVENTS } else { &[] },
+        )?;
+        let config = TempFile::try_new(
+            "bench-state",
+            &if events {
+                precise_config(engines)?
+            } else {
+                String::new()
+            },
+        )?;
+        let run = semlb_test_support::process::unique("bench-hosts", mode.tag());
         let gateways: Vec<Proc> = ["a", "b"]
             .iter()
             .map(|host| {
-                let namespace = if shared { run.clone() } else { format!("{run}-{host}") };
+                let namespace = match mode {
+                    HostsMode::Shared => run.clone(),
+                    _ => format!("{run}-{host}"),
+                };
                 let shm = format!("{run}-{host}");
-                let extra = [
+                let redis_flags = [
                     "--store",
                     "redis",
                     "--redis-url",
@@ -298,9 +362,12 @@ fn hosts(args: &StateArgs) -> Result<Value> {
                     "--redis-namespace",
                     &namespace,
                 ];
-                serve(&shm, "127.0.0.1:0", engines, &config, &extra)
+                // The precise hosts list the engines in their configuration.
+                let (backends, extra): (&[Proc], &[&str]) = if events { (&[], &[]) } else { (engines, &redis_flags) };
+                serve(&shm, "127.0.0.1:0", backends, &config, extra)
             })
             .collect::<Result<_>>()?;
+        let mode = mode.label();
         let addrs = gateways
             .iter()
             .map(|g| g.addr.parse::<SocketAddr>())
@@ -316,7 +383,7 @@ fn hosts(args: &StateArgs) -> Result<Value> {
             let _ = shm_layout::Segment::remove(&format!("{run}-{host}"));
         }
     }
-    print_table("state: two gateway hosts on one Redis, every turn to either", &table);
+    print_table("state: two gateway hosts, every turn to either", &table);
     Ok(Value::Object(out))
 }
 

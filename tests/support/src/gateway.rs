@@ -48,16 +48,31 @@ pub struct KvEndpoints {
 }
 
 /// [`sim_with`] publishing its KV cache events (on free loopback ports,
-/// with a replay socket of `buffer_steps` batches), and those endpoints.
-pub fn sim_with_events(time_scale: &str, buffer_steps: usize, extra: &[&str]) -> (Proc, KvEndpoints) {
+/// with a replay socket of `buffer_steps` batches; [`kv_endpoints`] of its
+/// `line` names them).
+pub fn sim_with_events(time_scale: &str, buffer_steps: usize, extra: &[&str]) -> Proc {
     let config = format!(
         r#"{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0", "buffer_steps": {buffer_steps}}}"#
     );
     let mut args = vec!["--kv-events-config", &config];
     args.extend_from_slice(extra);
     let proc = sim_with(time_scale, &args);
-    let endpoints = kv_endpoints(&proc.line).unwrap_or_else(|| panic!("no KV event endpoints in {:?}", proc.line));
-    (proc, endpoints)
+    assert!(
+        kv_endpoints(&proc.line).is_some(),
+        "no KV event endpoints in {:?}",
+        proc.line
+    );
+    proc
+}
+
+/// A `[[backend]]` table for the simulator `engine`, its KV events
+/// followed (`None`: `engine` publishes none).
+pub fn kv_backend_table(engine: &Proc) -> Option<String> {
+    let at = kv_endpoints(&engine.line)?;
+    Some(format!(
+        "\n[[backend]]\nurl = \"http://{}\"\nkv_events = \"{}\"\nkv_events_replay = \"{}\"\n",
+        engine.addr, at.events, at.replay
+    ))
 }
 
 /// The endpoints a simulator's first line names (`kv events on tcp://A

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use semlb::routing::PolicyKind;
-use semlb_test_support::gateway::{Gateway, kv_endpoints};
+use semlb_test_support::gateway::{Gateway, kv_backend_table};
 use semlb_test_support::process::{Proc, ProcBuilder, Stderr};
 
 /// A unique name for this run's resources (shm segment, Redis namespace).
@@ -118,17 +118,14 @@ pub(crate) fn start_gateway(spec: &GatewaySpec, engines: &[Proc]) -> Result<Gate
     if spec.kv_events {
         let mut tables = String::new();
         for e in engines {
-            let Some(at) = kv_endpoints(&e.line) else {
+            let Some(table) = kv_backend_table(e) else {
                 return Err(GatewayError::Other(anyhow::anyhow!(
                     "engine {} publishes no KV events ({:?})",
                     e.addr,
                     e.line
                 )));
             };
-            tables.push_str(&format!(
-                "\n[[backend]]\nurl = \"http://{}\"\nkv_events = \"{}\"\nkv_events_replay = \"{}\"\n",
-                e.addr, at.events, at.replay
-            ));
+            tables.push_str(&table);
         }
         config = Some(config.unwrap_or_default() + &tables);
     } else {
