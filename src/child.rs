@@ -379,6 +379,7 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
             lora_adapters: args.lora_adapters.clone(),
             time_scale: args.time_scale,
             kv_capacity_tokens: args.kv_capacity_tokens.unwrap_or(defaults.kv_capacity_tokens),
+            block_size: args.block_size.unwrap_or(defaults.block_size),
             max_num_seqs: args.max_num_seqs.unwrap_or(defaults.max_num_seqs),
             max_model_len: args.max_model_len.unwrap_or(defaults.max_model_len),
             ..defaults

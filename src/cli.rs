@@ -343,6 +343,9 @@ pub struct SimArgs {
     /// A LoRA adapter it also serves (repeatable; see `semlb-sim --lora`).
     #[arg(long = "lora", value_name = "NAME")]
     pub lora_adapters: Vec<String>,
+    /// Tokens per KV block [default: the simulator's, 16, vLLM's].
+    #[arg(long, value_name = "TOKENS")]
+    pub block_size: Option<u32>,
     /// KV-cache capacity in tokens [default: the simulator's, 400 000];
     /// a small one makes the engine evict often.
     #[arg(long, value_name = "TOKENS")]

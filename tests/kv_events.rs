@@ -192,6 +192,42 @@ fn stored_evicted_and_cleared_blocks_follow_the_engine() {
 }
 
 #[test]
+fn an_engine_with_other_blocks_is_named_once_and_its_events_skipped() {
+    let engine = sim_with_events("0.01", 10_000, &["--block-size", "32"]);
+    let gw = Gateway::builder()
+        .shm(&unique("blocks"))
+        .tag("blocks")
+        .dispatchers(1)
+        .config(&format!(
+            "{}[policy.prefix]\nsource = \"precise\"\n",
+            kv_backend_table(&engine).unwrap()
+        ))
+        .stderr(support::process::Stderr::CaptureEcho)
+        .start();
+    followed(&gw, &[&engine]);
+    for i in 0..3 {
+        complete(gw.addr(), &prompt(300 + i, 4));
+    }
+    let skipped = wait_for("the events skipped", PATIENCE, || {
+        let n = support::gateway::sample(&gw.metrics(), "semlb_kv_event_skipped_total").unwrap_or(0.0);
+        (n >= 3.0, n)
+    });
+    assert!(skipped >= 3.0);
+    assert_eq!(
+        entries_of(&gw, &engine),
+        0,
+        "nothing confirmed under the wrong block size"
+    );
+    let log = gw.proc.stderr_text();
+    assert_eq!(
+        log.matches("the engine's blocks hold 32 tokens, the gateway's 16")
+            .count(),
+        1,
+        "said once: {log}"
+    );
+}
+
+#[test]
 fn a_killed_subscriber_catches_up_from_the_replay() {
     let engine = sim_with_events("0.01", 10_000, &[]);
     let gw = gateway("replay", &[&engine], "precise");

@@ -28,6 +28,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::engine_blocks::Skip;
 use super::follower::{Applied, ChainRoots, Follower, Sequence, Step};
 use super::wire::{decode_batch, split_message};
 use super::zmtp::{Connection, SocketType};
@@ -228,6 +229,7 @@ async fn subscribe(target: &Target, ctx: &Context, client: &Client<HttpConnector
         None => None,
     };
     let mut stream = Stream {
+        told_block_size: false,
         follower: Follower::new(server, roots),
         sequence: Sequence::default(),
         tables: &tables,
@@ -326,6 +328,8 @@ async fn fetch_replay(dealer: &mut Connection, from: u64) -> Result<Vec<(u64, By
 
 /// One subscription's state while it runs.
 struct Stream<'a> {
+    /// Whether a block-size mismatch was logged.
+    told_block_size: bool,
     follower: Follower,
     sequence: Sequence,
     tables: &'a Tables<'a>,
@@ -352,8 +356,20 @@ impl Stream<'_> {
         };
         let done: Applied = self.follower.apply(&batch, self.tables, self.segment.clock().stamp());
         self.metrics.kv_events(&done);
-        if let Some(skip) = self.follower.take_skip() {
-            tracing::debug!(server = self.follower.server().slot, "a KV event not applied: {skip}");
+        match self.follower.take_skip() {
+            // A configuration error, not a lost event: said once, loudly.
+            Some(skip @ Skip::BlockSize { engine, gateway }) if !self.told_block_size => {
+                self.told_block_size = true;
+                tracing::warn!(
+                    server = self.follower.server().slot,
+                    engine_block_size = engine,
+                    gateway_block_size = gateway,
+                    "KV events of server {}: {skip}; none of its blocks can match a prompt's chain: set the gateway's block_size (or the model's) to {engine}, as the engine's --block-size",
+                    self.follower.server().slot
+                );
+            }
+            Some(skip) => tracing::debug!(server = self.follower.server().slot, "a KV event not applied: {skip}"),
+            None => {}
         }
         Some(batch.ts)
     }
