@@ -53,6 +53,7 @@ use http::header::{self, HeaderValue};
 use http::{Method, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
+use semlb::auth::constant_time_eq;
 use semlb::config::{BackendConfig, ModelConfig};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -235,16 +236,6 @@ async fn await_dispatchers(segment: &Segment, revision: u64, reply: &mut Reply) 
             );
         }
     }
-}
-
-/// Whether `a` and `b` are equal, in a time that depends on their lengths
-/// only (not on where they differ).
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
-    std::hint::black_box(diff) == 0
 }
 
 /// Whether the request carries `Authorization: Bearer <token>`.

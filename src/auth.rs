@@ -504,6 +504,16 @@ impl Keys {
     }
 }
 
+/// Whether `a` and `b` are equal, in a time that depends on their lengths
+/// only (not on where they differ).
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

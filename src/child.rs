@@ -138,8 +138,10 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
             )?),
         };
         let keys = config.auth.keys_file.as_deref().map(Keys::load).transpose()?;
+        let (peers, peer_token) = dispatcher::peering_of(&config)?;
         let registry_segment = segment.clone();
-        let mut dispatcher = Dispatcher::new(segment, identity, Arc::new(config), loader)?;
+        let mut dispatcher =
+            Dispatcher::new(segment, identity, Arc::new(config), loader)?.with_peers(peers, peer_token);
         dispatcher.set_keys(keys);
         if let Some(store) = store {
             dispatcher = dispatcher.with_store(store);

@@ -185,6 +185,11 @@ impl<T> FairQueue<T> {
         self.len == 0
     }
 
+    /// When the longest-waiting request arrived (`None`: none waits).
+    pub fn oldest(&self) -> Option<Instant> {
+        self.lanes.iter().filter_map(|l| l.items.front().map(|i| i.0)).min()
+    }
+
     /// `tenant`'s counter.
     pub fn counter(&self, tenant: u64) -> u64 {
         self.counters.get(&tenant).copied().unwrap_or(0)

@@ -49,6 +49,14 @@
 //! | `backend.cache_salt` | bool | `false` | its engine takes vLLM's `cache_salt`: requests of tenants with `isolate_prefixes` carry their salt to it |
 //! | `[[model]]` | table, repeated | none: one pool of every backend, any model name | a model pool: `name`, `aliases`, `backends`, `base` (LoRA adapters), `tokenizer`, `chat_template`, `block_size`, `[model.policy]` ([`models`]) |
 //! | `[policy]` | table | | the routing policy, [`crate::routing::PolicyConfig`] |
+//! | `[peering]` | table | | this gateway as a region among peer gateways ([`crate::peers`]; `peers.rs`) |
+//! | `peering.region` | string | not set | this gateway's region name; required with `[[peer]]` or `peering.token_file` |
+//! | `peering.token_file` | path | not set | the token peers present to read this gateway's load (`GET /semlb/peer/load`); not set: not served |
+//! | `peering.poll_ms` | integer | `250` | how often each dispatcher asks each peer for its load |
+//! | `peering.max_age_ms` | integer | `1500` | a peer's load older than this is not used |
+//! | `peering.forward_after_ms` | integer | `500` | forward only when the local queue's expected wait exceeds this (and the peer's round trip) |
+//! | `peering.delay_penalty_ms` | integer | `200` | a round trip this long costs a peer as much as all its free servers, when peers are ranked |
+//! | `[[peer]]` | table, repeated | none | another region's gateway: `url`, `region`, `token_file` (what it expects), `delay_ms` (added latency, for tests) |
 //! | `policy.kind` | `cache_aware`, `least_load`, `round_robin`, `random`, `selective_push`, `consistent_hash`, `dual_map`, `weighted_scorers`, `cost` | `cache_aware` | which policy ([`crate::routing`]) |
 //! | `[policy.queue]` | table | | the gateway queue of `selective_push` and `dual_map` ([`crate::routing::QueueParams`]) |
 //! | `policy.queue.capacity` | integer | `1024` | requests waiting at the gateway, all dispatchers together (1 to 1 000 000); one more gets 503 with `Retry-After` |
@@ -171,6 +179,7 @@ use crate::size::ByteSize;
 mod backend;
 mod model_changes;
 pub mod models;
+mod peers;
 mod sections;
 #[cfg(test)]
 mod tests;
@@ -179,6 +188,7 @@ mod validate;
 pub use backend::{BackendConfig, BackendUrl, MetricsFlavor};
 pub use model_changes::ModelChanges;
 pub use models::ModelConfig;
+pub use peers::{MAX_PEERS, PeerConfig, PeeringConfig};
 pub use sections::*;
 
 /// Default `listen` address.
@@ -360,6 +370,12 @@ pub struct ServeConfig {
     pub metrics: MetricsConfig,
     /// Client authentication (`[auth]`); off unless `auth.keys_file` is set.
     pub auth: AuthConfig,
+    /// This gateway as a region among peer gateways (`[peering]`,
+    /// [`crate::peers`]).
+    pub peering: PeeringConfig,
+    /// The peer gateways of other regions (`[[peer]]` tables).
+    #[serde(rename = "peer")]
+    pub peers: Vec<PeerConfig>,
     /// On SIGTERM the dispatchers stop accepting and let requests in flight
     /// finish for up to this many seconds before the supervisor stops them.
     /// Default 30.
@@ -400,6 +416,8 @@ impl Default for ServeConfig {
             admin: AdminConfig::default(),
             metrics: MetricsConfig::default(),
             auth: AuthConfig::default(),
+            peering: PeeringConfig::default(),
+            peers: Vec::new(),
             drain_timeout_secs: 30,
         }
     }

@@ -422,7 +422,7 @@ impl AdminConfig {
 /// The text of `path`, a regular file that gives its group and others no
 /// permission, opened once and checked on the open handle; the reason
 /// otherwise.
-fn read_private(path: &std::path::Path) -> Result<String, String> {
+pub(super) fn read_private(path: &std::path::Path) -> Result<String, String> {
     use std::io::Read;
     use std::os::unix::fs::PermissionsExt;
     let mut file = std::fs::File::open(path).map_err(|e| format!("cannot read it: {e}"))?;

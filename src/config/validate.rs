@@ -93,6 +93,7 @@ impl ServeConfig {
         self.validate_health()?;
         self.validate_admin()?;
         self.validate_metrics()?;
+        peers::validate_peering(&self.peering, &self.peers)?;
         if self.drain_timeout_secs > MAX_TIMEOUT_SECS {
             return Err(E::invalid(
                 "drain_timeout_secs",

@@ -18,8 +18,9 @@ use super::Dispatcher;
 use super::accounting;
 use super::http::{
     BACKEND_HEADER, Body, CACHE_HEADER, DISPATCH_HEADER, error_response, full_response, json_response, set_header,
-    set_static_header, upstream_headers,
+    set_static_header, upstream_headers, upstream_request_headers,
 };
+use super::peer_forward::PeerCopy;
 use super::proxy::{InferenceCtx, Outbound, forward};
 use super::rate;
 use super::route;
@@ -260,6 +261,17 @@ pub(super) async fn inference(
     // A streamed answer reports its usage (the engine's cached tokens) only
     // when asked: ask on the client's behalf, and keep it from the client.
     // An alias: the engines know the model by its pool's name.
+    // A peer gateway gets the client's request as it came, once: never one
+    // a peer forwarded here.
+    let forwarded_here = parts.headers.contains_key(crate::peers::HOP_HEADER);
+    if forwarded_here {
+        dispatcher.metrics().peer(crate::metrics::PeerEvent::Received);
+    }
+    let peer = (dispatcher.peers().is_some() && !forwarded_here).then(|| PeerCopy {
+        headers: upstream_request_headers(&parts.headers),
+        body: bytes.clone(),
+        model: parsed.model.to_string(),
+    });
     let bytes = match pool.upstream_name(&parsed.model) {
         Some(name) => with_model(&bytes, &parsed.model, name),
         None => bytes.clone(),
@@ -314,6 +326,7 @@ pub(super) async fn inference(
         body: asked.unwrap_or(bytes),
         pool: Some(pool),
         cache_salt: salt.map(|s| s.engine),
+        peer,
     };
     let mut response = forward(dispatcher, outbound, Some(ctx)).await;
     admitted.set_headers(&mut response);

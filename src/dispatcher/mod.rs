@@ -9,6 +9,7 @@
 //! | `GET /v1/models` | the configured model pools ([`crate::pools`]); without them, the live servers' model lists merged, deduplicated by `id` |
 //! | `GET /health` | 200 when at least one server is live, else 503 |
 //! | `GET /metrics` | Prometheus text of the whole gateway ([`crate::metrics`]) |
+//! | `GET /semlb/peer/load` | this gateway's load for its peers, with `x-semlb-peer-token` ([`crate::peers::summary`]; 404 without `peering.token_file`) |
 //! | any other `/v1/...` | proxied to the least loaded live server of the pool its body's `model` names (unknown: 404), else of all |
 //!
 //! Other paths get 404, wrong methods 405 (with `Allow`), all with an
@@ -76,6 +77,7 @@
 //! | `rate` | the request's rate-limit buckets charged before it is routed ([`crate::rate_limit`]): 429, or the `x-ratelimit-*` headers of its answer |
 //! | `route` | one attempt's routing decision (policy, or least load for other routes), the holding policies' check once counted, passive health |
 //! | `proxy` | the attempts of one request: route, send, retry elsewhere on a retryable [`crate::failure::Failure`], then the gateway's headers |
+//! | `peer_forward` | peer gateways ([`crate::peers`]): the load summary served them, the polls of theirs, a request forwarded to one and its answer relayed back |
 //! | `relay` | the answer streamed to the client as it arrives, with a copy kept to learn from |
 //! | `usage` | the usage of streamed answers asked for on the client's behalf (`stream_options.include_usage`) and kept from it |
 //! | `learn` | the completion record a finished answer becomes, pushed into this dispatcher's ring |
@@ -114,6 +116,7 @@ mod inference;
 mod inflight;
 mod learn;
 mod models;
+mod peer_forward;
 mod proxy;
 mod queue;
 mod rate;
@@ -125,6 +128,7 @@ mod timing;
 mod usage;
 
 /// The stream rewriters the fuzz targets reach ([`crate::fuzzing`]).
+pub use peer_forward::peering_of;
 pub use sse::replay;
 pub use usage::UsageStrip;
 
@@ -150,6 +154,7 @@ use crate::auth::Keys;
 use crate::config::ServeConfig;
 use crate::health::PassiveHealth;
 use crate::metrics::Metrics;
+use crate::peers::book::PeerBook;
 use crate::pools::{ModelPools, Pool, PoolError, Tokenization, TokenizerLoader};
 use crate::routing::least_load::LeastLoad;
 use crate::store::RoutingStore;
@@ -226,6 +231,11 @@ pub struct Dispatcher {
     client: UpstreamClient,
     health: PassiveHealth,
     queue: queue::GatewayQueue,
+    /// Its view of the peer gateways (`None`: no `[[peer]]`).
+    peers: Option<Arc<PeerBook>>,
+    /// The token peers present to read this gateway's load (`None`: not
+    /// served).
+    peer_token: Option<String>,
     /// Each tokenizer's segment counters last added to the metrics.
     segments_reported: std::sync::Mutex<std::collections::HashMap<u64, semlb_tokenizer::SegmentCacheStats>>,
 }
@@ -275,8 +285,12 @@ impl Dispatcher {
             store,
             cacheable_stream_bytes,
             client,
+            peers: None,
+            peer_token: None,
             segments_reported: std::sync::Mutex::default(),
         };
+        // Requests a predecessor in this slot left queued when it was killed.
+        dispatcher.metrics().settle_queue();
         let first = dispatcher.pools().pools()[0].clone();
         dispatcher.publish_tuned(first.policy().tuned_weight());
         Ok(dispatcher)
@@ -318,6 +332,23 @@ impl Dispatcher {
     pub fn with_store(mut self, store: Arc<dyn RoutingStore>) -> Self {
         self.store = store;
         self
+    }
+
+    /// With `peers` to forward to, and the token peers must present to
+    /// read its load ([`peer_forward::peering_of`]).
+    pub fn with_peers(mut self, peers: Option<PeerBook>, token: Option<String>) -> Self {
+        self.peers = peers.map(Arc::new);
+        self.peer_token = token;
+        self
+    }
+
+    /// Its view of the peer gateways, with peers.
+    pub fn peers(&self) -> Option<&Arc<PeerBook>> {
+        self.peers.as_ref()
+    }
+
+    fn peer_token(&self) -> Option<&str> {
+        self.peer_token.as_deref()
     }
 
     /// Its routing-state store.
@@ -486,6 +517,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut connections = JoinSet::new();
+    peer_forward::start_polls(&dispatcher);
     tokio::pin!(shutdown);
     loop {
         tokio::select! {

@@ -23,6 +23,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -42,6 +43,7 @@ use super::http::{
 };
 use super::inflight::InflightGuard;
 use super::learn::Learn;
+use super::peer_forward::{self, PeerCopy};
 use super::queue::{QueueExit, Waiting, wait_in_queue};
 use super::relay::{Relay, RelayTimer, Upstream};
 use super::route::{Chosen, RouteRequest, Routed, choose, passive_failure};
@@ -68,6 +70,10 @@ pub(super) struct Outbound {
     /// Its tenant's salt for engines that take vLLM's `cache_salt` (a
     /// tenant whose prefixes are kept apart: [`crate::blocks::TenantSalt`]).
     pub cache_salt: Option<String>,
+    /// The client's request as it came, for a peer gateway, when it may be
+    /// forwarded to one ([`crate::peers`]; `None`: it may not, e.g. it was
+    /// forwarded here).
+    pub peer: Option<PeerCopy>,
 }
 
 impl Outbound {
@@ -155,7 +161,7 @@ pub(super) async fn forward(
     // One timer for the whole request: the wait for a head, then the
     // relayed body (registering a timer is not free at 20 K requests/s).
     let mut timer = Box::pin(tokio::time::sleep_until(deadline));
-    let mut attempts = Attempts::new(dispatcher, outbound, ctx);
+    let mut attempts = Attempts::new(dispatcher, outbound, ctx, deadline);
     let response = loop {
         let (chosen, admitted) = match attempts.route().await {
             Ok(routed) => routed,
@@ -219,11 +225,22 @@ struct Attempts<'d> {
     /// passive health only if another server then answers it with a 2xx
     /// (see [`crate::failure`]).
     answered_5xx: Vec<(ServerRef, String, Failure)>,
+    /// The request's deadline.
+    deadline: tokio::time::Instant,
+    /// A peer gateway was tried already (a request is offered to one once).
+    tried_peer: AtomicBool,
 }
 
 impl<'d> Attempts<'d> {
-    fn new(dispatcher: &'d Arc<Dispatcher>, outbound: Outbound, mut ctx: Option<InferenceCtx>) -> Self {
+    fn new(
+        dispatcher: &'d Arc<Dispatcher>,
+        outbound: Outbound,
+        mut ctx: Option<InferenceCtx>,
+        deadline: tokio::time::Instant,
+    ) -> Self {
         Self {
+            deadline,
+            tried_peer: AtomicBool::new(false),
             dispatcher,
             outbound,
             first_lookup: ctx.as_mut().and_then(|c| c.lookup.take()),
@@ -280,6 +297,9 @@ impl<'d> Attempts<'d> {
         let routed = match choose(dispatcher, route, &self.failed, self.first_lookup.take()).await {
             Routed::Chosen(chosen, guard) => Ok((chosen, guard)),
             Routed::Wait { lookup, asked, pool } => {
+                if let Some(answer) = self.to_peer().await {
+                    return Err(Next::Answer(answer));
+                }
                 let waiting = Waiting {
                     chain: chain.to_vec(),
                     prompt_tokens: route.prompt_tokens,
@@ -307,6 +327,58 @@ impl<'d> Attempts<'d> {
             c.charged = true;
         }
         routed
+    }
+
+    /// Step 1, when every server the policy would use is full and the
+    /// local queue's expected wait is long: a peer gateway's answer, if one
+    /// with room takes the request (see [`crate::peers`]). `None`: it
+    /// waits here (no peer, no peer with room, or the peer failed: then it
+    /// is not asked again until its next summary).
+    async fn to_peer(&self) -> Option<Response<Body>> {
+        let dispatcher = self.dispatcher;
+        let (book, copy) = (dispatcher.peers()?, self.outbound.peer.as_ref()?);
+        if self.tried_peer.swap(true, Ordering::Relaxed) {
+            return None;
+        }
+        let now = Instant::now();
+        let wait = dispatcher.queue().expected_wait(now);
+        let peer = book.choose(&copy.model, wait, now)?;
+        let start = self.ctx.as_ref().map(|c| c.timing.start);
+        let sent = peer_forward::send(
+            dispatcher,
+            &peer,
+            &self.outbound.method,
+            &self.outbound.path_and_query,
+            copy,
+            self.deadline,
+            start,
+        )
+        .await;
+        match sent {
+            Ok(answer) => {
+                tracing::debug!(
+                    peer = %peer.address,
+                    region = %peer.region,
+                    expected_wait_ms = wait.map(|w| w.as_millis() as u64),
+                    "every local server is full (the local queue's expected wait: {wait:?}): forwarded to {} ({})",
+                    peer.region,
+                    peer.address
+                );
+                Some(answer)
+            }
+            Err(why) => {
+                book.failed(peer.index);
+                dispatcher.metrics().peer(crate::metrics::PeerEvent::ForwardFailed);
+                tracing::warn!(
+                    peer = %peer.address,
+                    region = %peer.region,
+                    "forwarding to peer gateway {} ({}) failed, the request waits here: {why}",
+                    peer.region,
+                    peer.address
+                );
+                None
+            }
+        }
     }
 
     /// Step 1, when every server the policy would use is full: the wait

@@ -108,6 +108,52 @@ struct Waiter {
 struct State {
     waiters: FairQueue<Waiter>,
     pump_running: bool,
+    /// How fast the queue drains ([`GatewayQueue::expected_wait`]).
+    drain: DrainRate,
+}
+
+/// Weight of a new interval in the drain rate's moving average.
+const DRAIN_WEIGHT: f64 = 0.2;
+
+/// The interval between departures from a queue while it is not empty
+/// (a moving average): how long each request ahead of a newcomer holds it
+/// up.
+#[derive(Debug, Default)]
+struct DrainRate {
+    /// When the queue last became non-empty (`None` while empty).
+    busy_since: Option<Instant>,
+    /// The last departure while busy.
+    last: Option<Instant>,
+    /// The moving average.
+    interval: Option<Duration>,
+}
+
+impl DrainRate {
+    fn entered(&mut self, now: Instant) {
+        if self.busy_since.is_none() {
+            self.busy_since = Some(now);
+            self.last = None;
+        }
+    }
+
+    /// One departure (`now`); several at one look each count (the later
+    /// ones after 0).
+    fn departed(&mut self, now: Instant) {
+        let Some(from) = self.last.or(self.busy_since) else {
+            return;
+        };
+        let gap = now.saturating_duration_since(from);
+        self.interval = Some(match self.interval {
+            Some(old) => old.mul_f64(1.0 - DRAIN_WEIGHT) + gap.mul_f64(DRAIN_WEIGHT),
+            None => gap,
+        });
+        self.last = Some(now);
+    }
+
+    fn emptied(&mut self) {
+        self.busy_since = None;
+        self.last = None;
+    }
 }
 
 /// A dispatcher's gateway queue.
@@ -151,6 +197,19 @@ impl GatewayQueue {
         self.lock().waiters.len()
     }
 
+    /// How long a request queued now would wait: the requests ahead of it,
+    /// and itself, times the interval between departures, or the oldest
+    /// waiter's wait so far if that is longer (a queue that has not drained
+    /// lately). `None` while unknown: the queue is empty and has never
+    /// drained.
+    pub fn expected_wait(&self, now: Instant) -> Option<Duration> {
+        let state = self.lock();
+        let ahead = u32::try_from(state.waiters.len() + 1).unwrap_or(u32::MAX);
+        let by_rate = state.drain.interval.map(|i| i.saturating_mul(ahead));
+        let oldest = state.waiters.oldest().map(|t| now.saturating_duration_since(t));
+        by_rate.max(oldest)
+    }
+
     /// Counts a request of `share` routed without waiting (its tenant's
     /// service, for the fair share).
     pub fn charge(&self, share: &Share) {
@@ -185,7 +244,9 @@ pub(super) async fn wait_in_queue(dispatcher: &Arc<Dispatcher>, request: Waiting
             return Err(QueueExit::Full);
         }
         let share = request.share;
-        state.waiters.push(share, Instant::now(), Waiter { request, reply: tx });
+        let now = Instant::now();
+        state.drain.entered(now);
+        state.waiters.push(share, now, Waiter { request, reply: tx });
         if !state.pump_running {
             state.pump_running = true;
             tokio::spawn(pump(dispatcher.clone()));
@@ -233,6 +294,10 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
             let routed = state.waiters.look(order, |w| {
                 route_waiting(&dispatcher, &mut w.request, &mut candidates, &mut kept)
             });
+            let now = Instant::now();
+            for _ in &routed {
+                state.drain.departed(now);
+            }
             for (w, admitted, waited) in routed {
                 // A client gone meanwhile drops the guard: the count is undone.
                 let outcome = match w.reply.send(Ok(admitted)) {
@@ -242,6 +307,7 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
                 dispatcher.metrics().queue_left(outcome, waited);
             }
             if state.waiters.is_empty() {
+                state.drain.emptied();
                 state.pump_running = false;
                 return;
             }

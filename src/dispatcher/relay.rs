@@ -92,7 +92,8 @@ impl RelayTimer {
         }
     }
 
-    fn frame(&mut self) {
+    /// A body frame was handed to the client (the first one is the TTFT).
+    pub(super) fn frame(&mut self) {
         if !self.first_frame {
             self.first_frame = true;
             self.dispatcher

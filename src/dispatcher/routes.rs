@@ -27,7 +27,7 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
     let method = request.method().clone();
     let allowed = match path.as_str() {
         "/v1/completions" | "/v1/chat/completions" => Some(Method::POST),
-        "/v1/models" | "/health" | "/metrics" => Some(Method::GET),
+        "/v1/models" | "/health" | "/metrics" | crate::peers::LOAD_PATH => Some(Method::GET),
         _ => None,
     };
     // Client authentication, on every /v1 route.
@@ -58,6 +58,7 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
         ("/v1/chat/completions", _) => inference(&dispatcher, request, Endpoint::ChatCompletions, caller).await,
         ("/v1/models", _) => models(&dispatcher, caller).await,
         ("/health", _) => health(&dispatcher),
+        (crate::peers::LOAD_PATH, _) => super::peer_forward::load_summary(&dispatcher, request.headers()),
         // With a metrics listener of its own, /metrics is not a route here.
         ("/metrics", _) if dispatcher.config().metrics.listen.is_none() => metrics(&dispatcher).await,
         (p, _) if p.starts_with("/v1/") => passthrough(&dispatcher, request, caller).await,
@@ -155,6 +156,7 @@ async fn passthrough(
         body: bytes,
         pool,
         cache_salt: None,
+        peer: None,
     };
     let mut response = forward(dispatcher, outbound, None).await;
     admitted.set_headers(&mut response);

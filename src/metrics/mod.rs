@@ -287,7 +287,40 @@ pub const KV_EVENT_LAG: Histogram = Histogram {
     bounds: KV_LAG_BOUNDS,
     scale: 1e6,
 };
-const END: usize = KV_EVENT_LAG.base + Histogram::words(KV_LAG_BOUNDS);
+/// Peer gateways ([`crate::peers`]): requests forwarded, forwards that
+/// failed (the request then queued here), requests received forwarded.
+const PEERS: usize = KV_EVENT_LAG.base + Histogram::words(KV_LAG_BOUNDS);
+const PEER_COUNTERS: [(&str, &str); 4] = [
+    (
+        "semlb_peer_forwarded_total",
+        "Requests forwarded to a peer gateway (every local server full, the local queue's expected wait too long).",
+    ),
+    (
+        "semlb_peer_forward_failures_total",
+        "Forwards a peer did not take (unreachable, or a 5xx head): the request went to the local queue.",
+    ),
+    (
+        "semlb_peer_received_total",
+        "Requests a peer gateway forwarded here (never forwarded again).",
+    ),
+    (
+        "semlb_peer_load_served_total",
+        "Load summaries served to peer gateways (GET /semlb/peer/load with the peering token).",
+    ),
+];
+/// What happened with a peer gateway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerEvent {
+    /// A request was forwarded to a peer.
+    Forwarded = 0,
+    /// A forward failed; the request queued locally.
+    ForwardFailed = 1,
+    /// A request arrived forwarded by a peer.
+    Received = 2,
+    /// A peer read this gateway's load summary.
+    LoadServed = 3,
+}
+const END: usize = PEERS + PEER_COUNTERS.len();
 const _: () = assert!(END <= STAT_WORDS, "the metrics outgrew a stats block");
 
 /// What the response cache did for an inference request.
@@ -331,7 +364,8 @@ pub struct QueueTotals {
 
 impl QueueTotals {
     /// Requests waiting now: entered less left. A dispatcher killed with
-    /// requests queued leaves them counted until the segment is recreated.
+    /// requests queued leaves them counted until its successor starts
+    /// ([`Metrics::settle_queue`]).
     pub fn depth(&self) -> u64 {
         self.entered.saturating_sub(self.routed + self.abandoned + self.timeout)
     }

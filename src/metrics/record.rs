@@ -119,6 +119,11 @@ impl<'a> Metrics<'a> {
         }
     }
 
+    /// Something happened with a peer gateway.
+    pub fn peer(&self, event: PeerEvent) {
+        self.add(PEERS + event as usize, 1);
+    }
+
     /// One store lookup answered by the fallback.
     pub fn degraded_lookup(&self) {
         self.add(DEGRADED, 1);
@@ -180,6 +185,30 @@ impl<'a> Metrics<'a> {
         self.add(QUEUE + 1 + outcome as usize, 1);
         if outcome != QueueOutcome::Full {
             self.observe_duration(QUEUE_WAIT, waited);
+        }
+    }
+
+    /// Requests waiting in every dispatcher's gateway queue now (a few
+    /// words summed over the processes, not the whole region).
+    pub fn queue_depth(&self) -> u64 {
+        let at = |k: usize| self.stats.sum(QUEUE + k);
+        let left = at(1 + QueueOutcome::Routed as usize)
+            + at(1 + QueueOutcome::Abandoned as usize)
+            + at(1 + QueueOutcome::Timeout as usize);
+        at(0).saturating_sub(left)
+    }
+
+    /// At a dispatcher's start: requests its block still counts as queued
+    /// were its predecessor's in this slot, killed with them waiting; they
+    /// are counted abandoned, so the depth is right again.
+    pub fn settle_queue(&self) {
+        let at = |k: usize| self.get(QUEUE + k);
+        let left = at(1 + QueueOutcome::Routed as usize)
+            + at(1 + QueueOutcome::Abandoned as usize)
+            + at(1 + QueueOutcome::Timeout as usize);
+        let stranded = at(0).saturating_sub(left);
+        if stranded > 0 {
+            self.add(QUEUE + 1 + QueueOutcome::Abandoned as usize, stranded);
         }
     }
 

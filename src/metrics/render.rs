@@ -164,6 +164,10 @@ impl Snapshot {
             family(o, name, "counter", help);
             sample(o, name, &[], self.counter(KV_EVENTS + k));
         }
+        for (k, (name, help)) in PEER_COUNTERS.into_iter().enumerate() {
+            family(o, name, "counter", help);
+            sample(o, name, &[], self.counter(PEERS + k));
+        }
         self.histogram(
             o,
             "semlb_kv_event_lag_seconds",

@@ -88,7 +88,7 @@ pub mod swappable;
 
 pub use members::Members;
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 #[cfg(test)]
 mod tests;
 pub mod weight_bandit;

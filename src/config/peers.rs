@@ -1,0 +1,222 @@
+//! `[peering]` and `[[peer]]`: this gateway as one region of a group of
+//! peer gateways (SkyLB's two-layer forwarding, [`crate::peers`]).
+//!
+//! ```toml
+//! [peering]
+//! region = "eu-west"
+//! token_file = "/etc/semlb/peer-token"   # what peers must present to read our load
+//!
+//! [[peer]]
+//! url = "http://gw.us-east.internal:8080"
+//! region = "us-east"
+//! token_file = "/etc/semlb/us-east-token"  # what we present to it
+//! ```
+//!
+//! Tokens are read from files only its owner may read (as `admin.token_file`),
+//! never written in the configuration.
+
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+use super::sections::{check_admin_token, read_private};
+use super::{BackendUrl, ConfigError, quoted};
+
+/// At most this many peers.
+pub const MAX_PEERS: usize = 16;
+
+/// `[peering]`: this gateway's region and how it works with its peers.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeeringConfig {
+    /// This gateway's region name (in the load summary it serves, and in
+    /// the hop header of the requests it forwards). Required with peers or
+    /// a token.
+    pub region: Option<String>,
+    /// A file holding the token peers present (`x-semlb-peer-token`) to read
+    /// this gateway's load summary (`GET /semlb/peer/load`). `None`: the
+    /// summary is not served (404), and no peer can forward here by load.
+    pub token_file: Option<PathBuf>,
+    /// How often each dispatcher asks each peer for its load (ms).
+    pub poll_ms: u64,
+    /// A peer's summary older than this (ms since it was received) is not
+    /// used: the peer is treated as unknown, and nothing is forwarded to it.
+    pub max_age_ms: u64,
+    /// Forward a request (rather than queue it) only when the local queue's
+    /// expected wait is longer than this (ms), and longer than the peer's
+    /// round trip.
+    pub forward_after_ms: u64,
+    /// A peer's round trip that costs as much as all of its servers'
+    /// spare capacity, when peers are ranked (ms): a peer scores its free
+    /// share of servers less its round trip over this.
+    pub delay_penalty_ms: u64,
+}
+
+impl Default for PeeringConfig {
+    fn default() -> Self {
+        Self {
+            region: None,
+            token_file: None,
+            poll_ms: 250,
+            max_age_ms: 1500,
+            forward_after_ms: 500,
+            delay_penalty_ms: 200,
+        }
+    }
+}
+
+/// One `[[peer]]`: another region's gateway.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerConfig {
+    /// Its OpenAI-compatible front: `http://host:port`, no path.
+    pub url: String,
+    /// Its region name (logs, metrics, the summary check).
+    pub region: String,
+    /// A file holding the token it expects (its `peering.token_file`'s
+    /// contents). Required.
+    pub token_file: PathBuf,
+    /// Latency added before every request to it, load polls and forwarded
+    /// requests alike (ms): an inter-region delay for tests and benchmarks
+    /// on one machine. Default 0.
+    #[serde(default)]
+    pub delay_ms: u64,
+}
+
+impl PeerConfig {
+    /// Its base URL as requests are sent to it: `http://host:port`.
+    pub fn address(&self) -> Result<String, String> {
+        self.url.parse::<BackendUrl>().map(|u| u.to_string())
+    }
+
+    /// The token it expects, read from its file.
+    pub fn read_token(&self) -> Result<String, ConfigError> {
+        read_token_file("peer.token_file", &self.token_file)
+    }
+}
+
+impl PeeringConfig {
+    /// The token peers must present, if this gateway serves its summary.
+    pub fn read_token(&self) -> Result<Option<String>, ConfigError> {
+        self.token_file
+            .as_ref()
+            .map(|p| read_token_file("peering.token_file", p))
+            .transpose()
+    }
+}
+
+fn read_token_file(field: &str, path: &std::path::Path) -> Result<String, ConfigError> {
+    let shown = quoted(&path.display().to_string());
+    let invalid = |reason: String| ConfigError::invalid(field, &shown, reason);
+    let text = read_private(path).map_err(invalid)?;
+    let token = text.trim_end().to_owned();
+    check_admin_token(&token).map_err(|reason| invalid(format!("its contents: {reason}")))?;
+    Ok(token)
+}
+
+/// Whether `name` is a region name: 1 to 64 of `A-Z a-z 0-9 . _ : -`.
+fn check_region(name: &str) -> Result<(), String> {
+    let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-');
+    if name.is_empty() || name.len() > 64 || !name.chars().all(ok) {
+        return Err("must be 1 to 64 letters, digits or . _ : - (it is a header value and a metrics label)".into());
+    }
+    Ok(())
+}
+
+/// Checks `[peering]` and the `[[peer]]` list (not the token files, which
+/// are read when the dispatchers start).
+pub(super) fn validate_peering(peering: &PeeringConfig, peers: &[PeerConfig]) -> Result<(), ConfigError> {
+    use ConfigError as E;
+    if (!peers.is_empty() || peering.token_file.is_some()) && peering.region.is_none() {
+        return Err(E::invalid(
+            "peering.region",
+            "(not set)",
+            "is required with [[peer]] tables or peering.token_file: name this gateway's region",
+        ));
+    }
+    if let Some(region) = &peering.region {
+        check_region(region).map_err(|r| E::invalid("peering.region", quoted(region), r))?;
+    }
+    for (field, value, range) in [
+        ("peering.poll_ms", peering.poll_ms, 10..=60_000),
+        ("peering.max_age_ms", peering.max_age_ms, 10..=600_000),
+        ("peering.forward_after_ms", peering.forward_after_ms, 0..=3_600_000),
+        ("peering.delay_penalty_ms", peering.delay_penalty_ms, 1..=3_600_000),
+    ] {
+        if !range.contains(&value) {
+            return Err(E::invalid(
+                field,
+                value,
+                format!("must be between {} and {}", range.start(), range.end()),
+            ));
+        }
+    }
+    if peering.max_age_ms < peering.poll_ms {
+        return Err(E::invalid(
+            "peering.max_age_ms",
+            peering.max_age_ms,
+            format!(
+                "must be at least peering.poll_ms = {} (else every summary is stale before the next)",
+                peering.poll_ms
+            ),
+        ));
+    }
+    if peers.len() > MAX_PEERS {
+        return Err(E::invalid("peer", peers.len(), format!("at most {MAX_PEERS} peers")));
+    }
+    let mut seen = Vec::new();
+    for p in peers {
+        let address = p.address().map_err(|r| E::invalid("peer.url", quoted(&p.url), r))?;
+        if seen.contains(&address) {
+            return Err(E::invalid("peer.url", quoted(&p.url), "is listed twice"));
+        }
+        seen.push(address);
+        check_region(&p.region).map_err(|r| E::invalid("peer.region", quoted(&p.region), r))?;
+        if peering.region.as_deref() == Some(p.region.as_str()) {
+            return Err(E::invalid(
+                "peer.region",
+                quoted(&p.region),
+                "is this gateway's own region (peering.region); a peer is another region's gateway",
+            ));
+        }
+        if p.delay_ms > 60_000 {
+            return Err(E::invalid("peer.delay_ms", p.delay_ms, "must be at most 60000"));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer(url: &str, region: &str) -> PeerConfig {
+        PeerConfig {
+            url: url.into(),
+            region: region.into(),
+            token_file: "/nonexistent".into(),
+            delay_ms: 0,
+        }
+    }
+
+    #[test]
+    fn peers_need_a_region_of_our_own_and_distinct_urls() {
+        let mut peering = PeeringConfig::default();
+        let peers = vec![peer("http://127.0.0.1:9000", "b")];
+        let e = validate_peering(&peering, &peers).unwrap_err().to_string();
+        assert!(e.contains("peering.region"), "{e}");
+        peering.region = Some("a".into());
+        validate_peering(&peering, &peers).unwrap();
+        let twice = vec![peer("http://127.0.0.1:9000", "b"), peer("http://127.0.0.1:9000/", "c")];
+        let e = validate_peering(&peering, &twice).unwrap_err().to_string();
+        assert!(e.contains("twice"), "{e}");
+        let own = vec![peer("http://127.0.0.1:9000", "a")];
+        let e = validate_peering(&peering, &own).unwrap_err().to_string();
+        assert!(e.contains("own region"), "{e}");
+        let bad = vec![peer("ftp://x", "b")];
+        assert!(validate_peering(&peering, &bad).is_err());
+        peering.max_age_ms = 100;
+        let e = validate_peering(&peering, &peers).unwrap_err().to_string();
+        assert!(e.contains("max_age_ms"), "{e}");
+    }
+}

@@ -1,0 +1,290 @@
+//! Peer gateways on the dispatcher's side ([`crate::peers`]): the load
+//! summary it serves them, its polls of theirs, and a request forwarded to
+//! one with its answer relayed back.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
+use tokio::time::Sleep;
+
+use super::Dispatcher;
+use super::http::{Body, BoxError, client_response_headers, error_response, json_response, set_header};
+use super::relay::RelayTimer;
+use crate::config::{ConfigError, ServeConfig};
+use crate::metrics::PeerEvent;
+use crate::peers::book::{Peer, PeerBook};
+use crate::peers::summary::LoadSummary;
+use crate::peers::{HOP_HEADER, LOAD_PATH, PEER_HEADER, TOKEN_HEADER};
+use crate::routing::live_candidates;
+
+/// The most bytes of a peer's load summary read.
+const MAX_SUMMARY_BYTES: usize = 64 << 10;
+
+/// What a request forwarded to a peer carries: the client's request as it
+/// came (the peer is a gateway, and applies its own rules to it).
+#[derive(Debug)]
+pub(super) struct PeerCopy {
+    /// The client's end-to-end headers, its API keys included.
+    pub headers: HeaderMap,
+    /// The client's body.
+    pub body: Bytes,
+    /// The model it asks for (a peer must serve it).
+    pub model: String,
+}
+
+/// The peer book `config` describes (its peers' tokens read from their
+/// files), and the token peers must present here; `None` for each when
+/// not configured.
+pub fn peering_of(config: &ServeConfig) -> Result<(Option<PeerBook>, Option<String>), ConfigError> {
+    let token = config.peering.read_token()?;
+    if config.peers.is_empty() {
+        return Ok((None, token));
+    }
+    let mut peers = Vec::with_capacity(config.peers.len());
+    for (i, p) in config.peers.iter().enumerate() {
+        let peer_token = p.read_token()?;
+        let peer = Peer::new(i, p, peer_token).map_err(|reason| ConfigError::Invalid {
+            field: "peer.url".into(),
+            value: p.url.clone(),
+            reason,
+        })?;
+        peers.push(peer);
+    }
+    Ok((Some(PeerBook::new(&config.peering, peers, config.dispatchers)), token))
+}
+
+/// Starts one task per peer that polls its load every `peering.poll_ms`.
+pub(super) fn start_polls(dispatcher: &Arc<Dispatcher>) {
+    let Some(book) = dispatcher.peers() else { return };
+    for peer in book.peers() {
+        tokio::spawn(poll(dispatcher.clone(), peer));
+    }
+}
+
+async fn poll(dispatcher: Arc<Dispatcher>, peer: Peer) {
+    let every = Duration::from_millis(dispatcher.config().peering.poll_ms);
+    let timeout = Duration::from_millis(dispatcher.config().peering.max_age_ms);
+    let Ok(uri) = format!("{}{LOAD_PATH}", peer.address).parse::<Uri>() else {
+        return;
+    };
+    let mut warned = false;
+    loop {
+        let start = Instant::now();
+        let next = tokio::time::Instant::now() + every;
+        let answer = tokio::time::timeout(timeout, fetch_summary(&dispatcher, &peer, uri.clone())).await;
+        let Some(book) = dispatcher.peers() else { return };
+        match answer {
+            Ok(Ok(summary)) if summary.region == peer.region => {
+                warned = false;
+                book.summary(peer.index, summary, start.elapsed(), Instant::now());
+            }
+            failed => {
+                let why = match failed {
+                    Ok(Ok(summary)) => format!(
+                        "it says its region is {:?}, not {:?} as [[peer]] says",
+                        summary.region, peer.region
+                    ),
+                    Ok(Err(e)) => e,
+                    Err(_) => format!("no answer within {} ms", timeout.as_millis()),
+                };
+                if !warned {
+                    warned = true;
+                    tracing::warn!(
+                        peer = %peer.address,
+                        region = %peer.region,
+                        "peer gateway {} ({}): its load is unknown, nothing is forwarded to it: {why}",
+                        peer.address,
+                        peer.region
+                    );
+                }
+                book.unreachable(peer.index);
+            }
+        }
+        tokio::time::sleep_until(next).await;
+    }
+}
+
+/// One poll of `peer`'s load summary at `uri`.
+async fn fetch_summary(dispatcher: &Dispatcher, peer: &Peer, uri: Uri) -> Result<LoadSummary, String> {
+    if !peer.delay.is_zero() {
+        tokio::time::sleep(peer.delay).await;
+    }
+    let mut request = Request::new(Full::new(Bytes::new()));
+    *request.uri_mut() = uri;
+    let token = HeaderValue::from_str(&peer.token).map_err(|e| e.to_string())?;
+    request.headers_mut().insert(TOKEN_HEADER, token);
+    let response = dispatcher
+        .client()
+        .request(request)
+        .await
+        .map_err(|e| crate::error_chain(&e))?;
+    let status = response.status();
+    let body = Limited::new(response.into_body(), MAX_SUMMARY_BYTES)
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    if !status.is_success() {
+        return Err(format!(
+            "{LOAD_PATH} answered {status}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(200)])
+        ));
+    }
+    serde_json::from_slice(&body).map_err(|e| format!("its summary does not parse: {e}"))
+}
+
+/// `GET /semlb/peer/load`: this gateway's load, for a peer presenting the
+/// token (`peering.token_file`); 404 when none is configured, 401 for a
+/// wrong or missing token.
+pub(super) fn load_summary(dispatcher: &Dispatcher, headers: &HeaderMap) -> Response<Body> {
+    let (Some(token), Some(region)) = (dispatcher.peer_token(), dispatcher.config().peering.region.as_deref()) else {
+        return error_response(
+            StatusCode::NOT_FOUND,
+            format!("{LOAD_PATH} is not served: this gateway has no peering.token_file"),
+            Some("unknown_url"),
+        );
+    };
+    let presented = headers.get(TOKEN_HEADER).map_or(&b""[..], HeaderValue::as_bytes);
+    if !crate::auth::constant_time_eq(presented, token.as_bytes()) {
+        return error_response(
+            StatusCode::UNAUTHORIZED,
+            format!("{LOAD_PATH} needs the peering token in {TOKEN_HEADER}"),
+            Some("invalid_peer_token"),
+        );
+    }
+    let mut candidates = Vec::new();
+    live_candidates(&dispatcher.segment().tables(), &mut candidates);
+    let pools = dispatcher.pools();
+    let models = if pools.is_implicit() {
+        Vec::new()
+    } else {
+        pools.names().map(|(name, _)| name.to_owned()).collect()
+    };
+    let summary = LoadSummary::of(region, &candidates, dispatcher.metrics().queue_depth(), models);
+    dispatcher.metrics().peer(PeerEvent::LoadServed);
+    match serde_json::to_value(&summary) {
+        Ok(v) => json_response(StatusCode::OK, &v),
+        Err(e) => error_response(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), None),
+    }
+}
+
+/// Sends `copy` (a `method` request for `path_and_query`) to `peer` with
+/// this gateway's region in the hop header, and relays its answer until
+/// `deadline`. `start`: when the request arrived (its TTFT and duration
+/// are recorded). A connection failure or a 5xx head is the error (the
+/// request has not reached a client yet, and may go elsewhere).
+pub(super) async fn send(
+    dispatcher: &Arc<Dispatcher>,
+    peer: &Peer,
+    method: &Method,
+    path_and_query: &str,
+    copy: &PeerCopy,
+    deadline: tokio::time::Instant,
+    start: Option<Instant>,
+) -> Result<Response<Body>, String> {
+    let uri = format!("{}{path_and_query}", peer.address)
+        .parse::<Uri>()
+        .map_err(|e| e.to_string())?;
+    let mut request = Request::new(Full::new(copy.body.clone()));
+    *request.method_mut() = method.clone();
+    *request.uri_mut() = uri;
+    *request.headers_mut() = copy.headers.clone();
+    let region = dispatcher.config().peering.region.as_deref().unwrap_or("");
+    if let Ok(v) = HeaderValue::from_str(region) {
+        request.headers_mut().insert(HOP_HEADER, v);
+    }
+    if !peer.delay.is_zero() {
+        tokio::time::sleep(peer.delay).await;
+    }
+    let head = tokio::select! {
+        biased;
+        head = dispatcher.client().request(request) => head.map_err(|e| crate::error_chain(&e))?,
+        () = tokio::time::sleep_until(deadline) => return Err("no answer head before the request's deadline".into()),
+    };
+    if head.status().is_server_error() {
+        return Err(format!("it answered {}", head.status()));
+    }
+    let (parts, incoming) = head.into_parts();
+    let relay = PeerRelay {
+        inner: incoming,
+        deadline: Box::pin(tokio::time::sleep_until(deadline)),
+        timer: start.map(|s| RelayTimer::new(dispatcher.clone(), s)),
+        finished: false,
+    };
+    let mut response = Response::new(relay.boxed_unsync());
+    *response.status_mut() = parts.status;
+    client_response_headers(&parts.headers, response.headers_mut());
+    set_header(response.headers_mut(), PEER_HEADER, &peer.region);
+    dispatcher.metrics().peer(PeerEvent::Forwarded);
+    Ok(response)
+}
+
+/// A peer's answer relayed to the client as it arrives, until the
+/// request's deadline. The peer learns from it; this gateway does not.
+struct PeerRelay {
+    inner: Incoming,
+    deadline: Pin<Box<Sleep>>,
+    timer: Option<RelayTimer>,
+    finished: bool,
+}
+
+impl HttpBody for PeerRelay {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if this.finished {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if frame.is_data()
+                    && let Some(t) = this.timer.as_mut()
+                {
+                    t.frame();
+                }
+                if this.inner.is_end_stream() {
+                    this.finished = true;
+                    this.timer = None;
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.finished = true;
+                this.timer = None;
+                Poll::Ready(Some(Err(Box::new(e))))
+            }
+            Poll::Ready(None) => {
+                this.finished = true;
+                this.timer = None;
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                if this.deadline.as_mut().poll(cx).is_ready() {
+                    this.finished = true;
+                    this.timer = None;
+                    return Poll::Ready(Some(Err(
+                        "semlb: the peer gateway's answer outlived the request's deadline".into(),
+                    )));
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.finished
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}

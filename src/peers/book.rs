@@ -1,0 +1,304 @@
+//! A dispatcher's view of its peers: their last load summaries, round
+//! trips and failures, and the choice of a peer to forward to.
+//!
+//! Each dispatcher polls every peer itself (`crate::dispatcher::peer_forward`
+//! runs the poller) and keeps its own book: no state is shared between
+//! dispatchers, and a dispatcher that restarts has a full view within one
+//! poll. So that `D` dispatchers that read the same summary do not all
+//! send its free servers a request each, a dispatcher counts what it
+//! forwarded to a peer since its last summary against a `1/D` share of
+//! that peer's free servers (rounded up).
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::summary::LoadSummary;
+use crate::config::{PeerConfig, PeeringConfig};
+
+/// Weight of a new round trip in the moving average.
+const RTT_WEIGHT: f64 = 0.3;
+
+/// A peer as the poller and the forwarding path reach it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Peer {
+    /// Its index in the book.
+    pub index: usize,
+    /// `http://host:port`.
+    pub address: String,
+    /// Its region.
+    pub region: String,
+    /// The token it expects on load polls.
+    pub token: String,
+    /// Latency added before every request to it (`peer.delay_ms`).
+    pub delay: Duration,
+}
+
+impl Peer {
+    /// The peer `config` with its token `token`, at `index`.
+    pub fn new(index: usize, config: &PeerConfig, token: String) -> Result<Self, String> {
+        Ok(Self {
+            index,
+            address: config.address()?,
+            region: config.region.clone(),
+            token,
+            delay: Duration::from_millis(config.delay_ms),
+        })
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    peer: Peer,
+    /// Its last summary and when it arrived.
+    summary: Option<(LoadSummary, Instant)>,
+    /// Moving average of its polls' round trips.
+    rtt: Option<Duration>,
+    /// Requests forwarded to it since its last summary.
+    sent: u32,
+    /// A forwarded request failed there since its last summary.
+    failed: bool,
+}
+
+/// What [`PeerBook::status`] reports of a peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerStatus {
+    /// The peer.
+    pub peer: Peer,
+    /// Its last summary, with its age.
+    pub summary: Option<(LoadSummary, Duration)>,
+    /// Its average round trip.
+    pub rtt: Option<Duration>,
+}
+
+/// The peers of one dispatcher and what it knows of them.
+#[derive(Debug)]
+pub struct PeerBook {
+    entries: Mutex<Vec<Entry>>,
+    max_age: Duration,
+    forward_after: Duration,
+    delay_penalty_ms: f64,
+    /// Dispatchers of this gateway (each has a book).
+    dispatchers: u32,
+}
+
+impl PeerBook {
+    /// A book of `peers`, under `peering`'s rules, for one of `dispatchers`.
+    pub fn new(peering: &PeeringConfig, peers: Vec<Peer>, dispatchers: usize) -> Self {
+        Self {
+            entries: Mutex::new(
+                peers
+                    .into_iter()
+                    .map(|peer| Entry {
+                        peer,
+                        summary: None,
+                        rtt: None,
+                        sent: 0,
+                        failed: false,
+                    })
+                    .collect(),
+            ),
+            max_age: Duration::from_millis(peering.max_age_ms),
+            forward_after: Duration::from_millis(peering.forward_after_ms),
+            delay_penalty_ms: peering.delay_penalty_ms.max(1) as f64,
+            dispatchers: u32::try_from(dispatchers.max(1)).unwrap_or(u32::MAX),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Entry>> {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The peers, to poll.
+    pub fn peers(&self) -> Vec<Peer> {
+        self.lock().iter().map(|e| e.peer.clone()).collect()
+    }
+
+    /// Whether it has peers at all.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    /// A poll of peer `index` answered `summary` after `rtt`.
+    pub fn summary(&self, index: usize, summary: LoadSummary, rtt: Duration, now: Instant) {
+        if let Some(e) = self.lock().get_mut(index) {
+            e.summary = Some((summary, now));
+            e.rtt = Some(match e.rtt {
+                Some(old) => old.mul_f64(1.0 - RTT_WEIGHT) + rtt.mul_f64(RTT_WEIGHT),
+                None => rtt,
+            });
+            e.sent = 0;
+            e.failed = false;
+        }
+    }
+
+    /// A poll of peer `index` failed: what it said before is not used.
+    pub fn unreachable(&self, index: usize) {
+        if let Some(e) = self.lock().get_mut(index) {
+            e.summary = None;
+        }
+    }
+
+    /// A request forwarded to peer `index` failed: it gets no more until
+    /// its next summary.
+    pub fn failed(&self, index: usize) {
+        if let Some(e) = self.lock().get_mut(index) {
+            e.failed = true;
+        }
+    }
+
+    /// The peer to forward a request for `model` to, when the local queue
+    /// would keep it `local_wait` (`None`: unknown, the queue never
+    /// drained yet): see the [module docs](super) for the rule. The peer is
+    /// counted as sent one more request.
+    pub fn choose(&self, model: &str, local_wait: Option<Duration>, now: Instant) -> Option<Peer> {
+        if local_wait.unwrap_or_default() < self.forward_after {
+            return None;
+        }
+        let mut entries = self.lock();
+        let mut best: Option<(f64, usize)> = None;
+        for (i, e) in entries.iter().enumerate() {
+            let Some((summary, at)) = &e.summary else { continue };
+            if e.failed || now.saturating_duration_since(*at) > self.max_age || !summary.serves(model) {
+                continue;
+            }
+            let share = summary.free.div_ceil(self.dispatchers);
+            if share <= e.sent || summary.servers == 0 {
+                continue;
+            }
+            let rtt = e.rtt.unwrap_or_default();
+            if local_wait.is_some_and(|wait| rtt >= wait) {
+                continue;
+            }
+            // Its free share of servers, less what this dispatcher sent it.
+            let left = f64::from(share - e.sent) / f64::from(share);
+            let free = left * f64::from(summary.free) / f64::from(summary.servers);
+            let score = free - rtt.as_secs_f64() * 1000.0 / self.delay_penalty_ms;
+            if best.is_none_or(|(s, _)| score > s) {
+                best = Some((score, i));
+            }
+        }
+        let (_, i) = best?;
+        let e = &mut entries[i];
+        e.sent += 1;
+        Some(e.peer.clone())
+    }
+
+    /// Every peer with what this dispatcher knows of it.
+    pub fn status(&self, now: Instant) -> Vec<PeerStatus> {
+        self.lock()
+            .iter()
+            .map(|e| PeerStatus {
+                peer: e.peer.clone(),
+                summary: e
+                    .summary
+                    .as_ref()
+                    .map(|(s, at)| (s.clone(), now.saturating_duration_since(*at))),
+                rtt: e.rtt,
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer(index: usize, region: &str) -> Peer {
+        Peer {
+            index,
+            address: format!("http://127.0.0.1:{}", 9000 + index),
+            region: region.into(),
+            token: "t".repeat(32),
+            delay: Duration::ZERO,
+        }
+    }
+
+    fn summary(region: &str, servers: u32, free: u32) -> LoadSummary {
+        LoadSummary {
+            region: region.into(),
+            servers,
+            free,
+            spare: u64::from(free),
+            pending: 0,
+            inflight: 0,
+            queue: 0,
+            models: vec![],
+        }
+    }
+
+    fn book(dispatchers: usize) -> PeerBook {
+        let peering = PeeringConfig {
+            region: Some("a".into()),
+            forward_after_ms: 100,
+            max_age_ms: 1000,
+            delay_penalty_ms: 200,
+            ..PeeringConfig::default()
+        };
+        PeerBook::new(&peering, vec![peer(0, "b"), peer(1, "c")], dispatchers)
+    }
+
+    const LONG: Option<Duration> = Some(Duration::from_secs(2));
+
+    #[test]
+    fn nothing_is_forwarded_without_a_fresh_summary_with_room_or_a_long_local_wait() {
+        let b = book(1);
+        let now = Instant::now();
+        assert_eq!(b.choose("m", LONG, now), None, "no summary yet");
+        b.summary(0, summary("b", 2, 0), Duration::from_millis(5), now);
+        assert_eq!(b.choose("m", LONG, now), None, "no free server");
+        b.summary(0, summary("b", 2, 1), Duration::from_millis(5), now);
+        assert_eq!(
+            b.choose("m", Some(Duration::from_millis(50)), now),
+            None,
+            "short local wait"
+        );
+        assert_eq!(b.choose("m", None, now), None, "an unknown wait is no wait");
+        assert_eq!(b.choose("m", LONG, now + Duration::from_secs(2)), None, "stale");
+        assert_eq!(b.choose("m", LONG, now).map(|p| p.index), Some(0));
+        assert_eq!(b.choose("m", LONG, now), None, "its one free server was taken");
+        b.summary(0, summary("b", 2, 1), Duration::from_millis(5), now);
+        b.failed(0);
+        assert_eq!(b.choose("m", LONG, now), None, "failed since its summary");
+        b.summary(0, summary("b", 2, 1), Duration::from_millis(5), now);
+        b.unreachable(0);
+        assert_eq!(b.choose("m", LONG, now), None, "unreachable");
+    }
+
+    #[test]
+    fn the_freer_peer_wins_unless_it_is_much_further() {
+        let b = book(1);
+        let now = Instant::now();
+        b.summary(0, summary("b", 4, 1), Duration::from_millis(5), now);
+        b.summary(1, summary("c", 4, 4), Duration::from_millis(5), now);
+        assert_eq!(b.choose("m", LONG, now).map(|p| p.region), Some("c".into()));
+        // c 300 ms away: 1.0 - 1.5 < 0.25 - 0.025.
+        let b = book(1);
+        b.summary(0, summary("b", 4, 1), Duration::from_millis(5), now);
+        b.summary(1, summary("c", 4, 4), Duration::from_millis(300), now);
+        assert_eq!(b.choose("m", LONG, now).map(|p| p.region), Some("b".into()));
+        // A peer further than the local wait is not worth it.
+        let b = book(1);
+        b.summary(1, summary("c", 4, 4), Duration::from_millis(300), now);
+        assert_eq!(b.choose("m", Some(Duration::from_millis(200)), now), None);
+    }
+
+    #[test]
+    fn dispatchers_share_a_peers_free_servers() {
+        let b = book(4);
+        let now = Instant::now();
+        b.summary(0, summary("b", 8, 8), Duration::from_millis(1), now);
+        let sent = (0..10).filter_map(|_| b.choose("m", LONG, now)).count();
+        assert_eq!(sent, 2, "8 free servers shared by 4 dispatchers");
+    }
+
+    #[test]
+    fn a_peer_not_serving_the_model_is_skipped() {
+        let b = book(1);
+        let now = Instant::now();
+        let mut s = summary("b", 2, 2);
+        s.models = vec!["other".into()];
+        b.summary(0, s, Duration::from_millis(1), now);
+        assert_eq!(b.choose("m", LONG, now), None);
+        assert!(b.choose("other", LONG, now).is_some());
+    }
+}

@@ -1,0 +1,58 @@
+//! Peer gateways across regions: SkyLB's two-layer forwarding.
+//!
+//! SkyLB (Xia et al., 2025) runs one balancer per region. Each serves its
+//! own engines first; when every local engine is full and requests would
+//! wait behind a long local backlog, it forwards them to a peer region's
+//! balancer that has spare capacity, at most once per request. Regions
+//! whose peaks do not coincide then lend each other capacity.
+//!
+//! # The pieces
+//!
+//! | piece | where |
+//! | --- | --- |
+//! | `[peering]`, `[[peer]]` | [`crate::config::PeeringConfig`], [`crate::config::PeerConfig`] |
+//! | the load summary a gateway serves its peers: `GET /semlb/peer/load` with `x-semlb-peer-token` | [`summary`] |
+//! | each dispatcher's view of its peers, polled every `peering.poll_ms`, and the choice of a peer | [`book`] |
+//! | the forwarded request, its streamed answer relayed back | `crate::dispatcher::peer_forward` |
+//!
+//! # The rules
+//!
+//! - **When.** A request whose pool's policy holds requests
+//!   (`selective_push`, `dual_map`) finds every local server full, and the
+//!   local gateway queue's expected wait (its length ahead of the request
+//!   times the recent interval between departures, or the oldest waiter's
+//!   age if longer) exceeds `peering.forward_after_ms`.
+//! - **Where.** A peer whose summary is fresh (received within
+//!   `peering.max_age_ms`), that serves the request's model and has a free
+//!   server left after what this dispatcher sent it since that summary; of
+//!   those, the highest free share of servers less its round trip over
+//!   `peering.delay_penalty_ms`. A peer whose round trip is longer than the
+//!   local expected wait is not worth it.
+//! - **Once only.** The forwarded request carries `x-semlb-hop: <origin
+//!   region>`; a request that carries it is never forwarded again (it
+//!   waits in the local queue like any other).
+//! - **Streaming.** The peer's answer (JSON or SSE) is relayed to the
+//!   client as it arrives, under the request's deadline.
+//! - **Failure.** A peer that cannot be reached, or answers a 5xx head,
+//!   is not asked again until its next good summary, and the request goes
+//!   to the local queue.
+//!
+//! The body forwarded is the client's as it came (the peer applies its own
+//! model aliases and usage handling), with the client's headers; the peer,
+//! as a gateway, authenticates and rate-limits it by its own rules.
+
+pub mod book;
+pub mod summary;
+
+/// The header a forwarded request carries: the region that forwarded it.
+pub const HOP_HEADER: &str = "x-semlb-hop";
+
+/// The header carrying a peer's token on load polls.
+pub const TOKEN_HEADER: &str = "x-semlb-peer-token";
+
+/// The path of the load summary.
+pub const LOAD_PATH: &str = "/semlb/peer/load";
+
+/// The answer header naming the peer region that answered a forwarded
+/// request (set by the gateway that forwarded it).
+pub const PEER_HEADER: &str = "x-semlb-peer";

@@ -1,0 +1,93 @@
+//! The load summary a gateway serves its peers (`GET /semlb/peer/load`).
+//!
+//! Compact and cheap: it is read from the segment's server table and a few
+//! stats words (no table scan), by whichever dispatcher the poll reaches,
+//! and is the same whichever that is.
+//!
+//! ```json
+//! {"region":"eu-west","servers":4,"free":1,"spare":3,"pending":5,
+//!  "inflight":19,"queue":0,"models":["qwen3"],"age_ms":0}
+//! ```
+
+use serde::{Deserialize, Serialize};
+
+use crate::routing::Candidate;
+
+/// One gateway's load as its peers see it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadSummary {
+    /// Its region.
+    pub region: String,
+    /// Its live servers.
+    pub servers: u32,
+    /// Live servers with no request estimated to wait in their engine
+    /// ([`Candidate::pending_estimate`] 0): those that take one more now.
+    pub free: u32,
+    /// Requests its servers could still admit: the sum over live servers
+    /// of their admission limit less what they run.
+    pub spare: u64,
+    /// Requests sent to its servers and not started yet.
+    pub pending: u64,
+    /// Requests in flight to its servers.
+    pub inflight: u64,
+    /// Requests waiting in its gateway queues.
+    pub queue: u64,
+    /// The model names it serves (its pools' names and aliases); empty:
+    /// any (no `[[model]]` pools).
+    pub models: Vec<String>,
+}
+
+impl LoadSummary {
+    /// The summary of `region` with live servers `candidates`, `queue`
+    /// requests waiting and pools serving `models`.
+    pub fn of(region: &str, candidates: &[Candidate], queue: u64, models: Vec<String>) -> Self {
+        let mut s = Self {
+            region: region.to_owned(),
+            servers: u32::try_from(candidates.len()).unwrap_or(u32::MAX),
+            free: 0,
+            spare: 0,
+            pending: 0,
+            inflight: 0,
+            queue,
+            models,
+        };
+        for c in candidates {
+            if c.pending_estimate() == 0 {
+                s.free += 1;
+            }
+            s.spare += u64::from(c.admission).saturating_sub(c.inflight);
+            s.pending += c.pending;
+            s.inflight += c.inflight;
+        }
+        s
+    }
+
+    /// Whether it serves `model`.
+    pub fn serves(&self, model: &str) -> bool {
+        self.models.is_empty() || self.models.iter().any(|m| m == model)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routing::test_support::{Fixture, cand};
+
+    #[test]
+    fn free_servers_are_those_with_nothing_waiting() {
+        let f = Fixture::new(2);
+        let mut busy = cand(f.s[0], 3, 300);
+        busy.admission = 2;
+        let idle = cand(f.s[1], 0, 0);
+        let s = LoadSummary::of("a", &[busy, idle], 4, vec![]);
+        assert_eq!(s.servers, 2);
+        assert_eq!(s.free, 1, "{s:?}");
+        assert_eq!(s.inflight, 3);
+        assert_eq!(s.queue, 4);
+        assert!(s.serves("anything"));
+        let s = LoadSummary::of("a", &[idle], 0, vec!["m".into()]);
+        assert!(s.serves("m") && !s.serves("n"));
+        let json = serde_json::to_string(&s).unwrap();
+        assert_eq!(serde_json::from_str::<LoadSummary>(&json).unwrap(), s);
+    }
+}

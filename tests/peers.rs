@@ -1,0 +1,252 @@
+//! Peer gateways across regions (SkyLB's forwarding, `semlb::peers`), end
+//! to end: two gateways on one machine, each a region with its own
+//! simulated engine in real time, behind `selective_push` with
+//! `max_outstanding = 1` (an engine running one request is full).
+//!
+//! * Forwarding only when full: with region A's engine idle a request is
+//!   served in A; with it busy, the next one is forwarded to B (answered
+//!   by B's engine, `x-semlb-peer: b`), streamed or not, and the stream
+//!   arrives intact.
+//! * Never twice: a request that carries the hop header (forwarded once
+//!   already) waits in the full region's queue although its peer has
+//!   room; the same request without it is forwarded.
+//! * A dead peer: B stops while A still holds its last summary; requests
+//!   to a full A are answered (after a failed forward, from A's queue),
+//!   none fails.
+//!
+//! What A knows of B is waited for through B's own counter of the load
+//! summaries it served: A polls one at a time, so once B has served two,
+//! A has read the first.
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+use semlb_test_support as support;
+use serde_json::{Value, json};
+use support::TempDir;
+use support::gateway::{Gateway, chat, samples, sim_at, stream_text, user, wait_for};
+use support::http::http;
+use support::process::Proc;
+
+/// The token both regions use, one file each.
+const TOKEN: &str = "0123456789abcdef0123456789abcdef";
+
+/// A private token file in `dir`.
+fn token_file(dir: &TempDir, name: &str) -> String {
+    let path = dir.0.join(name);
+    std::fs::write(&path, format!("{TOKEN}\n")).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path.display().to_string()
+}
+
+const HOLDING: &str =
+    "[policy]\nkind = \"selective_push\"\n[policy.selective_push]\nmode = \"max_outstanding\"\nmax_outstanding = 1\n";
+
+/// Region `region`'s gateway in front of `engine`, serving its load with
+/// the token, with `peers` (`(url, region)`) polled every `poll_ms`.
+fn region(
+    dir: &TempDir,
+    region: &str,
+    engine: &Proc,
+    peers: &[(&str, &str)],
+    poll_ms: u64,
+    max_age_ms: u64,
+) -> Gateway {
+    let mut config = format!(
+        "{HOLDING}[peering]\nregion = \"{region}\"\ntoken_file = \"{}\"\npoll_ms = {poll_ms}\nmax_age_ms = {max_age_ms}\nforward_after_ms = 0\n",
+        token_file(dir, &format!("{region}.token"))
+    );
+    for (url, name) in peers {
+        config.push_str(&format!(
+            "[[peer]]\nurl = \"http://{url}\"\nregion = \"{name}\"\ntoken_file = \"{}\"\n",
+            token_file(dir, &format!("{region}-to-{name}.token"))
+        ));
+    }
+    Gateway::builder()
+        .tag(region)
+        .dispatchers(1)
+        .backends(&[engine])
+        .config(&config)
+        .start()
+}
+
+/// A metric of `gw`, summed over its series.
+fn counter(gw: &Gateway, name: &str) -> f64 {
+    samples(&gw.metrics(), name).iter().map(|(_, v)| v).sum()
+}
+
+/// Waits until `peer` has served two load summaries (so the gateway
+/// polling it has read one).
+fn polled(peer: &Gateway) {
+    wait_for("a peer's load summary to be read", Duration::from_secs(20), || {
+        let n = counter(peer, "semlb_peer_load_served_total");
+        (n >= 2.0, n)
+    });
+}
+
+/// Keeps `gw`'s one engine busy with a long request (from another
+/// thread) until the returned handle is joined; returns once the gateway
+/// counts it in flight.
+fn occupy(gw: &Gateway, tokens: u64) -> std::thread::JoinHandle<u16> {
+    let addr = gw.addr().to_owned();
+    let handle = std::thread::spawn(move || {
+        chat(
+            &addr,
+            &[user("Write a long story about a lighthouse keeper.")],
+            json!({"max_tokens": tokens, "ignore_eos": true}),
+            &[],
+        )
+        .status
+    });
+    wait_for("the long request in flight", Duration::from_secs(20), || {
+        let n = counter(gw, "semlb_server_inflight_requests");
+        (n >= 1.0, n)
+    });
+    handle
+}
+
+fn ask(addr: &str, text: &str, stream: bool, headers: &[(&str, &str)]) -> support::http::Response {
+    chat(
+        addr,
+        &[user(text)],
+        json!({"max_tokens": 8, "stream": stream, "temperature": 0}),
+        headers,
+    )
+}
+
+#[test]
+fn a_full_region_forwards_to_its_peer_once_and_streams_intact() {
+    let dir = TempDir::new("peers");
+    let (engine_a, engine_b) = (sim_at("1"), sim_at("1"));
+    let b = region(&dir, "b", &engine_b, &[], 50, 2000);
+    let a = region(&dir, "a", &engine_a, &[(b.addr(), "b")], 50, 2000);
+    polled(&b);
+    // The summary is for peers only.
+    let load = |token: &str| {
+        http(
+            b.addr(),
+            "GET",
+            "/semlb/peer/load",
+            None,
+            &[("x-semlb-peer-token", token)],
+        )
+        .unwrap()
+    };
+    assert_eq!(load("not-the-token").status, 401);
+    let summary = load(TOKEN).json();
+    assert_eq!(
+        (summary["region"].as_str(), summary["servers"].as_u64()),
+        (Some("b"), Some(1)),
+        "{summary}"
+    );
+
+    // A's engine idle: served at home.
+    let r = ask(a.addr(), "Hello from region A.", false, &[]);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.header("x-semlb-peer"), None, "an idle region serves its own");
+    assert_eq!(
+        r.header("x-semlb-backend"),
+        Some(format!("http://{}", engine_a.addr).as_str())
+    );
+
+    // A's engine busy: forwarded to B, JSON and SSE.
+    let long = occupy(&a, 400);
+    let r = ask(a.addr(), "Region A is full: who answers?", false, &[]);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.header("x-semlb-peer"), Some("b"), "forwarded to the peer");
+    assert_eq!(
+        r.header("x-semlb-backend"),
+        Some(format!("http://{}", engine_b.addr).as_str())
+    );
+    assert!(
+        !r.json()["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .is_empty()
+    );
+    // (Another prompt: the first is in B's response cache now.)
+    let r = ask(a.addr(), "Region A is still full: who streams?", true, &[]);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-semlb-peer"), Some("b"));
+    assert_eq!(
+        r.header("x-semlb-backend"),
+        Some(format!("http://{}", engine_b.addr).as_str())
+    );
+    assert!(r.header("content-type").unwrap_or("").starts_with("text/event-stream"));
+    let (streamed, done) = stream_text(&r);
+    assert!(done, "the relayed stream ends with [DONE]");
+    let chunks = String::from_utf8_lossy(&r.body).matches("data: ").count();
+    assert!(
+        chunks >= 8 && !streamed.is_empty(),
+        "one chunk per token, relayed: {chunks}"
+    );
+    assert!(counter(&a, "semlb_peer_forwarded_total") >= 2.0);
+    assert!(counter(&b, "semlb_peer_received_total") >= 2.0);
+    assert_eq!(long.join().unwrap(), 200);
+}
+
+#[test]
+fn a_forwarded_request_is_never_forwarded_again() {
+    let dir = TempDir::new("peers-hop");
+    let (engine_a, engine_b) = (sim_at("1"), sim_at("1"));
+    let a = region(&dir, "a", &engine_a, &[], 50, 2000);
+    let b = region(&dir, "b", &engine_b, &[(a.addr(), "a")], 50, 2000);
+    polled(&a);
+    let long = occupy(&b, 300);
+    // As A would forward it: B is full and A has room, yet B keeps it.
+    let r = ask(b.addr(), "Forwarded once already.", false, &[("x-semlb-hop", "a")]);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.header("x-semlb-peer"), None, "not forwarded a second time");
+    assert_eq!(
+        r.header("x-semlb-backend"),
+        Some(format!("http://{}", engine_b.addr).as_str())
+    );
+    assert!(r.header("x-semlb-queue-ms").is_some(), "it waited in B's queue");
+    assert_eq!(counter(&b, "semlb_peer_forwarded_total"), 0.0);
+    // The control: such a request from a client is forwarded (another
+    // prompt: the first is in B's response cache now).
+    let long2 = occupy(&b, 300);
+    let r = ask(b.addr(), "Straight from a client.", false, &[]);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-semlb-peer"), Some("a"));
+    for h in [long, long2] {
+        assert_eq!(h.join().unwrap(), 200);
+    }
+}
+
+#[test]
+fn a_dead_peer_costs_no_failed_request() {
+    let dir = TempDir::new("peers-dead");
+    let (engine_a, engine_b) = (sim_at("1"), sim_at("1"));
+    let b = region(&dir, "b", &engine_b, &[], 50, 2000);
+    // A polls rarely and trusts a summary for long: after B dies, A still
+    // believes it has room.
+    let a = region(&dir, "a", &engine_a, &[(b.addr(), "b")], 5_000, 60_000);
+    wait_for("A's first poll", Duration::from_secs(20), || {
+        let n = counter(&b, "semlb_peer_load_served_total");
+        (n >= 1.0, n)
+    });
+    drop(b);
+    let long = occupy(&a, 100);
+    let answers: Vec<Value> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|i| {
+                let addr = a.addr();
+                s.spawn(move || {
+                    let r = ask(addr, &format!("Client {i} while the peer is dead."), i % 2 == 0, &[]);
+                    json!({"status": r.status, "peer": r.header("x-semlb-peer"), "body": String::from_utf8_lossy(&r.body)})
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for answer in &answers {
+        assert_eq!(answer["status"], 200, "{answer}");
+        assert_eq!(answer["peer"], Value::Null, "{answer}");
+    }
+    assert!(
+        counter(&a, "semlb_peer_forward_failures_total") >= 1.0,
+        "the dead peer was tried, and the request fell back to the local queue"
+    );
+    assert_eq!(long.join().unwrap(), 200);
+}
