@@ -40,6 +40,7 @@ pub mod output;
 pub mod plot;
 pub mod proxy;
 pub mod redis_server;
+pub mod regions;
 pub mod replay;
 pub mod scaling;
 pub mod sse_client;
@@ -95,6 +96,9 @@ pub enum BenchCommand {
     /// The noisy neighbour: a quiet tenant's TTFT beside a flooding one,
     /// engine queues vs the gateway queue oldest first vs fair share.
     Tenants(tenants::TenantsArgs),
+    /// Two regions whose peaks do not coincide: each alone, pooled by
+    /// overflow, SkyLB-style forwarding between peer gateways.
+    Regions(regions::RegionsArgs),
     /// Every report with its default settings.
     All(Common),
     /// A load process of `scaling` (not for direct use).
@@ -155,6 +159,7 @@ pub fn run(command: &BenchCommand) -> Result<()> {
         BenchCommand::Proxy(args) => proxy::run(args),
         BenchCommand::State(args) => state::run(args),
         BenchCommand::Tenants(args) => tenants::run(args),
+        BenchCommand::Regions(args) => regions::run(args),
         BenchCommand::BenchWorker(args) => scaling::run_worker(args),
         BenchCommand::All(common) => {
             tokenizer::run(&tokenizer::TokenizerArgs::with(common.clone()))?;

@@ -1,0 +1,352 @@
+//! `semlb bench regions`: two regions whose peaks do not coincide (issue
+//! 21's benchmark, a compressed version of SkyLB's setup).
+//!
+//! Each region is a gateway (`selective_push`, `max_outstanding` = the
+//! engines' `--max-num-seqs`, so requests wait at the gateway rather than
+//! in an engine) in front of its own simulated engines in real time. Each
+//! gets open-loop Poisson arrivals of streamed chats at a rate that follows
+//! a compressed day: `base + peak × max(0, sin)` over `--period-secs`,
+//! region B half a period behind A, so one region is overloaded while the
+//! other is quiet, then the reverse. Three runs on fresh processes with
+//! the same arrival times:
+//!
+//! | mode | what it is |
+//! | --- | --- |
+//! | `alone` | no peers: each region serves its own load |
+//! | `overflow` | peers, `forward_after_ms = 0`: a request that finds every local server full goes to the peer with room at once |
+//! | `skylb` | peers, `forward_after_ms = --forward-after-ms`: only when the local queue would hold it longer, ranked by free servers less round trip |
+//!
+//! Every request to a peer, load polls included, first waits `--delay-ms`
+//! (the inter-region delay, `[[peer]] delay_ms`).
+//!
+//! Reported per mode and region of arrival: requests, failures, TTFT
+//! p50/p99, SLO attainment (TTFT within `--slo-ms`), goodput (answers
+//! within the SLO per second) and how many the region forwarded.
+
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::Args;
+use serde_json::{Value, json};
+
+use crate::Common;
+use crate::output::{Table, print_table, quantile, sort, write_json};
+use crate::sse_client::stream;
+use semlb_test_support::process::{Proc, ProcBuilder, Stderr};
+use semlb_test_support::rng::Rng;
+use semlb_test_support::{TempDir, TempFile};
+
+/// `semlb bench regions`.
+#[derive(Debug, Clone, Args)]
+pub struct RegionsArgs {
+    /// Output directory.
+    #[command(flatten)]
+    pub common: Common,
+    /// Simulated engines per region.
+    #[arg(long, default_value_t = 2)]
+    pub engines: usize,
+    /// Sequences each engine runs at once (`--max-num-seqs`).
+    #[arg(long, default_value_t = 4)]
+    pub max_num_seqs: usize,
+    /// Arrivals per second in a region's quiet hours.
+    #[arg(long, default_value_t = 2.0)]
+    pub base_rps: f64,
+    /// Arrivals per second added at a region's peak.
+    #[arg(long, default_value_t = 14.0)]
+    pub peak_rps: f64,
+    /// Seconds of one compressed day (the run is one day).
+    #[arg(long, default_value_t = 40)]
+    pub period_secs: u64,
+    /// Output tokens of every request.
+    #[arg(long, default_value_t = 48)]
+    pub max_tokens: u64,
+    /// Latency added before every request to a peer (ms).
+    #[arg(long, default_value_t = 25)]
+    pub delay_ms: u64,
+    /// `forward_after_ms` of the `skylb` mode.
+    #[arg(long, default_value_t = 300)]
+    pub forward_after_ms: u64,
+    /// The TTFT objective (ms).
+    #[arg(long, default_value_t = 1000)]
+    pub slo_ms: u64,
+    /// Seed of the arrival times.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// The modes: (name, peers, forward_after_ms).
+fn modes(args: &RegionsArgs) -> [(&'static str, bool, u64); 3] {
+    [
+        ("alone", false, 0),
+        ("overflow", true, 0),
+        ("skylb", true, args.forward_after_ms),
+    ]
+}
+
+const TOKEN: &str = "bench-regions-token-0123456789abcdef";
+
+/// One request as its client saw it.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    region: usize,
+    ttft: Option<Duration>,
+}
+
+/// Runs the report.
+pub fn run(args: &RegionsArgs) -> Result<()> {
+    let arrivals = [arrivals(args, 0), arrivals(args, 1)];
+    let mut table = Table::new([
+        "mode",
+        "region",
+        "requests",
+        "failed",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "SLO att.",
+        "goodput/s",
+        "forwarded",
+    ]);
+    let mut report = serde_json::Map::new();
+    let dir = TempDir::new("bench-regions");
+    let token = dir.0.join("peer.token");
+    std::fs::write(&token, format!("{TOKEN}\n"))?;
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600))?;
+    let token = token.display().to_string();
+    for (mode, peers, forward_after_ms) in modes(args) {
+        let seqs = args.max_num_seqs.to_string();
+        let engines = [
+            crate::state::start_sims(args.engines, "1", &["--max-num-seqs", &seqs])?,
+            crate::state::start_sims(args.engines, "1", &["--max-num-seqs", &seqs])?,
+        ];
+        // Each region's address is known once it runs; a peer's is given to
+        // the other at its start, so B starts first with A's port reserved.
+        let ports = [free_port()?, free_port()?];
+        let mut gateways = Vec::new();
+        for r in 0..2 {
+            let peer = peers.then(|| (ports[1 - r], REGION[1 - r]));
+            let config = config(args, r, peer, forward_after_ms, &token);
+            let config = TempFile::try_new("bench-regions", &config)?;
+            let shm = semlb_test_support::process::unique("bench-regions", REGION[r]);
+            gateways.push((serve(&shm, ports[r], &engines[r], &config)?, shm, config));
+        }
+        for (g, _, _) in &gateways {
+            crate::state::wait_health(&g.addr)?;
+        }
+        let addrs: Vec<SocketAddr> = gateways
+            .iter()
+            .map(|(g, _, _)| g.addr.parse())
+            .collect::<Result<_, _>>()?;
+        let samples = load(args, &addrs, &arrivals);
+        let forwarded: Vec<f64> = gateways.iter().map(|(g, _, _)| forwarded_count(&g.addr)).collect();
+        for (mut g, shm, _) in gateways {
+            g.stop();
+            let _ = shm_layout::Segment::remove(&shm);
+        }
+        let mut figures = serde_json::Map::new();
+        for (r, name) in [(Some(0), "A"), (Some(1), "B"), (None, "both")] {
+            let f = Figures::of(&samples, r, args);
+            let fwd = r.map_or(forwarded.iter().sum(), |r| forwarded[r]);
+            table.row(vec![
+                mode.to_owned(),
+                name.to_owned(),
+                f.requests.to_string(),
+                f.failed.to_string(),
+                format!("{:.0}", f.p50),
+                format!("{:.0}", f.p99),
+                format!("{:.1} %", 100.0 * f.attainment),
+                format!("{:.2}", f.goodput),
+                format!("{fwd:.0}"),
+            ]);
+            let mut j = f.json();
+            j["forwarded"] = json!(fwd);
+            figures.insert(name.to_owned(), j);
+        }
+        report.insert(mode.to_owned(), Value::Object(figures));
+    }
+    print_table(
+        &format!(
+            "regions: two regions of {} engines × {} sequences, {}–{} req/s each over a {} s day, B half a day behind A; {} ms to the peer; SLO TTFT ≤ {} ms",
+            args.engines,
+            args.max_num_seqs,
+            args.base_rps,
+            args.base_rps + args.peak_rps,
+            args.period_secs,
+            args.delay_ms,
+            args.slo_ms
+        ),
+        &table,
+    );
+    let path = write_json(&args.common.out, "regions", &Value::Object(report))?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
+const REGION: [&str; 2] = ["a", "b"];
+
+/// Region `r`'s configuration, with its peer `(port, name)` if any.
+fn config(args: &RegionsArgs, r: usize, peer: Option<(u16, &str)>, forward_after_ms: u64, token: &str) -> String {
+    let mut c = format!(
+        "[policy]\nkind = \"selective_push\"\n[policy.selective_push]\nmode = \"max_outstanding\"\nmax_outstanding = {}\n\
+         [peering]\nregion = \"{}\"\ntoken_file = \"{token}\"\npoll_ms = 100\nmax_age_ms = 1000\nforward_after_ms = {forward_after_ms}\n",
+        args.max_num_seqs, REGION[r]
+    );
+    if let Some((port, name)) = peer {
+        c.push_str(&format!(
+            "[[peer]]\nurl = \"http://127.0.0.1:{port}\"\nregion = \"{name}\"\ntoken_file = \"{token}\"\ndelay_ms = {}\n",
+            args.delay_ms
+        ));
+    }
+    c
+}
+
+/// A free loopback port (bound, then released).
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// `semlb serve` on segment `shm` and `port` in front of `engines`.
+fn serve(shm: &str, port: u16, engines: &[Proc], config: &TempFile) -> Result<Proc> {
+    let listen = format!("127.0.0.1:{port}");
+    let mut argv: Vec<String> = [
+        "serve",
+        "--listen",
+        &listen,
+        "--shm-name",
+        shm,
+        "--shm-size",
+        "64MiB",
+        "--dispatchers",
+        "1",
+        "--responders",
+        "1",
+        "--config",
+        config.path(),
+    ]
+    .map(str::to_owned)
+    .into();
+    for e in engines {
+        argv.extend(["--backend".to_owned(), format!("http://{}", e.addr)]);
+    }
+    Ok(ProcBuilder::new(&argv).stderr(Stderr::Tail(40)).try_start()?)
+}
+
+/// `semlb_peer_forwarded_total` of the gateway at `addr`.
+fn forwarded_count(addr: &str) -> f64 {
+    semlb_test_support::http::http(addr, "GET", "/metrics", None, &[])
+        .ok()
+        .and_then(|r| {
+            semlb_test_support::gateway::sample(&String::from_utf8_lossy(&r.body), "semlb_peer_forwarded_total")
+        })
+        .unwrap_or(0.0)
+}
+
+/// Region `r`'s arrival times: a Poisson process of rate
+/// `base + peak × max(0, sin(2π t / period − π r))`, by thinning.
+fn arrivals(args: &RegionsArgs, r: usize) -> Vec<Duration> {
+    let mut rng = Rng::from_seed(args.seed ^ (0x5eed_0000 + r as u64));
+    let period = args.period_secs as f64;
+    let max_rate = args.base_rps + args.peak_rps;
+    let mut t = 0.0;
+    let mut out = Vec::new();
+    loop {
+        let u = rng.unit().max(1e-12);
+        t += -u.ln() / max_rate;
+        if t >= period {
+            return out;
+        }
+        let phase = 2.0 * std::f64::consts::PI * t / period - std::f64::consts::PI * r as f64;
+        let rate = args.base_rps + args.peak_rps * phase.sin().max(0.0);
+        if rng.unit() * max_rate < rate {
+            out.push(Duration::from_secs_f64(t));
+        }
+    }
+}
+
+/// Sends every arrival of both regions to its region's gateway at its
+/// time (open loop); every sample.
+fn load(args: &RegionsArgs, addrs: &[SocketAddr], arrivals: &[Vec<Duration>; 2]) -> Vec<Sample> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let max_tokens = args.max_tokens;
+    runtime.block_on(async {
+        let start = tokio::time::Instant::now();
+        let mut tasks = Vec::new();
+        for (r, times) in arrivals.iter().enumerate() {
+            for (i, at) in times.iter().enumerate() {
+                let (addr, samples, at) = (addrs[r], samples.clone(), *at);
+                tasks.push(tokio::spawn(async move {
+                    tokio::time::sleep_until(start + at).await;
+                    let body = json!({
+                        "model": "semlb-sim",
+                        "messages": [{"role": "user", "content": format!("Region {} request {i}: plan a trip to city {}.", REGION[r], i % 89)}],
+                        "stream": true,
+                        "max_tokens": max_tokens,
+                        "ignore_eos": true,
+                        "temperature": 0.8,
+                    });
+                    let answer = stream(addr, &body, &[]).await;
+                    samples
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(Sample {
+                            region: r,
+                            ttft: answer.ok().map(|a| a.ttft),
+                        });
+                }));
+            }
+        }
+        for t in tasks {
+            let _ = t.await;
+        }
+    });
+    samples.lock().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+/// Figures of the samples of region `r` (`None`: both).
+struct Figures {
+    requests: usize,
+    failed: usize,
+    p50: f64,
+    p99: f64,
+    attainment: f64,
+    goodput: f64,
+}
+
+impl Figures {
+    fn of(samples: &[Sample], r: Option<usize>, args: &RegionsArgs) -> Self {
+        let mine: Vec<&Sample> = samples.iter().filter(|s| r.is_none_or(|r| s.region == r)).collect();
+        let mut ttfts: Vec<f64> = mine
+            .iter()
+            .filter_map(|s| s.ttft)
+            .map(|t| t.as_secs_f64() * 1e3)
+            .collect();
+        sort(&mut ttfts);
+        let good = ttfts.iter().filter(|t| **t <= args.slo_ms as f64).count();
+        Figures {
+            requests: mine.len(),
+            failed: mine.len() - ttfts.len(),
+            p50: quantile(&ttfts, 0.5),
+            p99: quantile(&ttfts, 0.99),
+            attainment: good as f64 / mine.len().max(1) as f64,
+            goodput: good as f64 / args.period_secs as f64,
+        }
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "requests": self.requests,
+            "failed": self.failed,
+            "ttft_p50_ms": self.p50,
+            "ttft_p99_ms": self.p99,
+            "slo_attainment": self.attainment,
+            "goodput_per_s": self.goodput,
+        })
+    }
+}
