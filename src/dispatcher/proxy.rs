@@ -734,7 +734,9 @@ impl<'d> Attempts<'d> {
         if let Some(ms) = self.queued_ms {
             set_header(headers, QUEUE_HEADER, &ms.to_string());
         }
-        if let Some(c) = &self.ctx {
+        // A peer gateway's answer keeps what the peer's cache did.
+        let forwarded = headers.contains_key(crate::peers::PEER_HEADER);
+        if let Some(c) = self.ctx.as_ref().filter(|_| !forwarded) {
             set_static_header(headers, CACHE_HEADER, c.cache);
             if let Some(sent) = self.dispatch_ns {
                 set_header(headers, DISPATCH_HEADER, &c.timing.header(sent));
