@@ -164,6 +164,17 @@ fn a_full_region_forwards_to_its_peer_once_and_streams_intact() {
             .unwrap()
             .is_empty()
     );
+    // Again, once B has stored the answer (what is tested is that B's
+    // word on its cache reaches the client, not how soon B stores it): B
+    // answers from its response cache, and the client hears so.
+    b.written_back(semlb::metrics::responder_records);
+    let again = ask(a.addr(), "Region A is full: who answers?", false, &[]);
+    assert_eq!(again.header("x-semlb-peer"), Some("b"), "{:?}", again.headers);
+    assert_eq!(
+        (again.header("x-semlb-cache"), again.header("x-semlb-backend")),
+        (Some("hit"), Some("cache"))
+    );
+    assert_eq!(again.json()["choices"], r.json()["choices"]);
     // (Another prompt: the first is in B's response cache now.)
     let r = ask(a.addr(), "Region A is still full: who streams?", true, &[]);
     assert_eq!(r.status, 200);
@@ -193,6 +204,17 @@ fn a_forwarded_request_is_never_forwarded_again() {
     let b = region(&dir, "b", &engine_b, &[(a.addr(), "a")], 50, 2000);
     polled(&a);
     let long = occupy(&b, 300);
+    // Its one engine runs one request: full for its policy, so B tells its
+    // peers it has no free server.
+    let load = http(
+        b.addr(),
+        "GET",
+        "/semlb/peer/load",
+        None,
+        &[("x-semlb-peer-token", TOKEN)],
+    )
+    .unwrap();
+    assert_eq!(load.json()["free"], 0, "{}", load.json());
     // As A would forward it: B is full and A has room, yet B keeps it.
     let r = ask(b.addr(), "Forwarded once already.", false, &[("x-semlb-hop", "a")]);
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));

@@ -19,10 +19,10 @@ use super::http::{Body, BoxError, client_response_headers, error_response, json_
 use super::relay::RelayTimer;
 use crate::config::{ConfigError, ServeConfig};
 use crate::metrics::PeerEvent;
-use crate::peers::book::{Peer, PeerBook};
+use crate::peers::book::{Forward, Peer, PeerBook};
 use crate::peers::summary::LoadSummary;
 use crate::peers::{HOP_HEADER, LOAD_PATH, PEER_HEADER, TOKEN_HEADER};
-use crate::routing::live_candidates;
+use crate::routing::{Candidate, live_candidates};
 
 /// The most bytes of a peer's load summary read.
 const MAX_SUMMARY_BYTES: usize = 64 << 10;
@@ -167,7 +167,21 @@ pub(super) fn load_summary(dispatcher: &Dispatcher, headers: &HeaderMap) -> Resp
     } else {
         pools.names().map(|(name, _)| name.to_owned()).collect()
     };
-    let summary = LoadSummary::of(region, &candidates, dispatcher.metrics().queue_depth(), models);
+    // Free: what the (first) pool's holding policy would send one more
+    // request to, asked as it asks once a request is counted.
+    let policy = pools.pools()[0].policy().current_arc();
+    let free = |c: &Candidate| {
+        if policy.holds_requests() {
+            policy.admits(&Candidate {
+                inflight: c.inflight + 1,
+                pending: c.pending + 1,
+                ..*c
+            })
+        } else {
+            c.pending_estimate() == 0
+        }
+    };
+    let summary = LoadSummary::of(region, &candidates, free, dispatcher.metrics().queue_depth(), models);
     dispatcher.metrics().peer(PeerEvent::LoadServed);
     match serde_json::to_value(&summary) {
         Ok(v) => json_response(StatusCode::OK, &v),
@@ -182,13 +196,18 @@ pub(super) fn load_summary(dispatcher: &Dispatcher, headers: &HeaderMap) -> Resp
 /// request has not reached a client yet, and may go elsewhere).
 pub(super) async fn send(
     dispatcher: &Arc<Dispatcher>,
-    peer: &Peer,
+    forward: Forward,
     method: &Method,
     path_and_query: &str,
     copy: &PeerCopy,
     deadline: tokio::time::Instant,
     start: Option<Instant>,
 ) -> Result<Response<Body>, String> {
+    let peer = forward.peer.clone();
+    let ended = ForwardEnd {
+        dispatcher: dispatcher.clone(),
+        forward,
+    };
     let uri = format!("{}{path_and_query}", peer.address)
         .parse::<Uri>()
         .map_err(|e| e.to_string())?;
@@ -217,6 +236,7 @@ pub(super) async fn send(
         deadline: Box::pin(tokio::time::sleep_until(deadline)),
         timer: start.map(|s| RelayTimer::new(dispatcher.clone(), s)),
         finished: false,
+        _ended: ended,
     };
     let mut response = Response::new(relay.boxed_unsync());
     *response.status_mut() = parts.status;
@@ -233,6 +253,23 @@ struct PeerRelay {
     deadline: Pin<Box<Sleep>>,
     timer: Option<RelayTimer>,
     finished: bool,
+    /// Tells the peer book when the relay is dropped.
+    _ended: ForwardEnd,
+}
+
+/// Tells the peer book that a forwarded request ended when dropped (its
+/// answer ended, failed, or its client left; or it never got a head).
+struct ForwardEnd {
+    dispatcher: Arc<Dispatcher>,
+    forward: Forward,
+}
+
+impl Drop for ForwardEnd {
+    fn drop(&mut self) {
+        if let Some(book) = self.dispatcher.peers() {
+            book.ended(&self.forward);
+        }
+    }
 }
 
 impl HttpBody for PeerRelay {

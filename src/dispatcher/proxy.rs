@@ -342,11 +342,12 @@ impl<'d> Attempts<'d> {
         }
         let now = Instant::now();
         let wait = dispatcher.queue().expected_wait(now);
-        let peer = book.choose(&copy.model, wait, now)?;
+        let forward = book.choose(&copy.model, wait, now)?;
+        let peer = forward.peer.clone();
         let start = self.ctx.as_ref().map(|c| c.timing.start);
         let sent = peer_forward::send(
             dispatcher,
-            &peer,
+            forward,
             &self.outbound.method,
             &self.outbound.path_and_query,
             copy,
@@ -368,6 +369,7 @@ impl<'d> Attempts<'d> {
             }
             Err(why) => {
                 book.failed(peer.index);
+                // (The forward ended with `send`: its guard is dropped.)
                 dispatcher.metrics().peer(crate::metrics::PeerEvent::ForwardFailed);
                 tracing::warn!(
                     peer = %peer.address,

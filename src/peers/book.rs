@@ -7,7 +7,11 @@
 //! poll. So that `D` dispatchers that read the same summary do not all
 //! send its free servers a request each, a dispatcher counts what it
 //! forwarded to a peer since its last summary against a `1/D` share of
-//! that peer's free servers (rounded up).
+//! that peer's free servers (rounded up). A forwarded request that ends
+//! gives its server back at once: before the next summary it is no longer
+//! counted as sent; after it (the summary saw it running) it adds a free
+//! server to that summary's. So a client that sends its next request the
+//! instant an answer ends finds the room that answer left.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -55,8 +59,23 @@ struct Entry {
     rtt: Option<Duration>,
     /// Requests forwarded to it since its last summary.
     sent: u32,
+    /// Summaries received (the generation of the last one).
+    generation: u64,
+    /// Requests that were in flight there when its last summary was taken
+    /// (forwarded before it) and have ended since: the servers they held
+    /// are free again, which the summary could not know.
+    released: u32,
     /// A forwarded request failed there since its last summary.
     failed: bool,
+}
+
+/// A request forwarded to a peer, as [`PeerBook::choose`] chose it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Forward {
+    /// The peer.
+    pub peer: Peer,
+    /// The generation of the summary it was chosen by.
+    generation: u64,
 }
 
 /// What [`PeerBook::status`] reports of a peer.
@@ -93,6 +112,8 @@ impl PeerBook {
                         summary: None,
                         rtt: None,
                         sent: 0,
+                        generation: 0,
+                        released: 0,
                         failed: false,
                     })
                     .collect(),
@@ -127,6 +148,8 @@ impl PeerBook {
                 None => rtt,
             });
             e.sent = 0;
+            e.released = 0;
+            e.generation += 1;
             e.failed = false;
         }
     }
@@ -149,8 +172,9 @@ impl PeerBook {
     /// The peer to forward a request for `model` to, when the local queue
     /// would keep it `local_wait` (`None`: unknown, the queue never
     /// drained yet): see the [module docs](super) for the rule. The peer is
-    /// counted as sent one more request.
-    pub fn choose(&self, model: &str, local_wait: Option<Duration>, now: Instant) -> Option<Peer> {
+    /// counted as sent one more request; tell [`ended`](Self::ended) when
+    /// it ends.
+    pub fn choose(&self, model: &str, local_wait: Option<Duration>, now: Instant) -> Option<Forward> {
         if local_wait.unwrap_or_default() < self.forward_after {
             return None;
         }
@@ -161,7 +185,7 @@ impl PeerBook {
             if e.failed || now.saturating_duration_since(*at) > self.max_age || !summary.serves(model) {
                 continue;
             }
-            let share = summary.free.div_ceil(self.dispatchers);
+            let share = summary.free.div_ceil(self.dispatchers) + e.released;
             if share <= e.sent || summary.servers == 0 {
                 continue;
             }
@@ -171,7 +195,8 @@ impl PeerBook {
             }
             // Its free share of servers, less what this dispatcher sent it.
             let left = f64::from(share - e.sent) / f64::from(share);
-            let free = left * f64::from(summary.free) / f64::from(summary.servers);
+            let free = left * f64::from(summary.free + e.released).min(f64::from(summary.servers))
+                / f64::from(summary.servers);
             let score = free - rtt.as_secs_f64() * 1000.0 / self.delay_penalty_ms;
             if best.is_none_or(|(s, _)| score > s) {
                 best = Some((score, i));
@@ -180,7 +205,24 @@ impl PeerBook {
         let (_, i) = best?;
         let e = &mut entries[i];
         e.sent += 1;
-        Some(e.peer.clone())
+        Some(Forward {
+            peer: e.peer.clone(),
+            generation: e.generation,
+        })
+    }
+
+    /// A request forwarded as `forward` ended (its answer ended, failed or
+    /// was dropped): the server it took there is free again. Before the
+    /// peer's next summary, it is no longer counted as sent; after one
+    /// (which saw it running), that summary's free servers are one more.
+    pub fn ended(&self, forward: &Forward) {
+        if let Some(e) = self.lock().get_mut(forward.peer.index) {
+            if e.generation == forward.generation {
+                e.sent = e.sent.saturating_sub(1);
+            } else {
+                e.released += 1;
+            }
+        }
     }
 
     /// Every peer with what this dispatcher knows of it.
@@ -254,7 +296,7 @@ mod tests {
         );
         assert_eq!(b.choose("m", None, now), None, "an unknown wait is no wait");
         assert_eq!(b.choose("m", LONG, now + Duration::from_secs(2)), None, "stale");
-        assert_eq!(b.choose("m", LONG, now).map(|p| p.index), Some(0));
+        assert_eq!(b.choose("m", LONG, now).map(|f| f.peer.index), Some(0));
         assert_eq!(b.choose("m", LONG, now), None, "its one free server was taken");
         b.summary(0, summary("b", 2, 1), Duration::from_millis(5), now);
         b.failed(0);
@@ -270,16 +312,33 @@ mod tests {
         let now = Instant::now();
         b.summary(0, summary("b", 4, 1), Duration::from_millis(5), now);
         b.summary(1, summary("c", 4, 4), Duration::from_millis(5), now);
-        assert_eq!(b.choose("m", LONG, now).map(|p| p.region), Some("c".into()));
+        assert_eq!(b.choose("m", LONG, now).map(|f| f.peer.region), Some("c".into()));
         // c 300 ms away: 1.0 - 1.5 < 0.25 - 0.025.
         let b = book(1);
         b.summary(0, summary("b", 4, 1), Duration::from_millis(5), now);
         b.summary(1, summary("c", 4, 4), Duration::from_millis(300), now);
-        assert_eq!(b.choose("m", LONG, now).map(|p| p.region), Some("b".into()));
+        assert_eq!(b.choose("m", LONG, now).map(|f| f.peer.region), Some("b".into()));
         // A peer further than the local wait is not worth it.
         let b = book(1);
         b.summary(1, summary("c", 4, 4), Duration::from_millis(300), now);
         assert_eq!(b.choose("m", Some(Duration::from_millis(200)), now), None);
+    }
+
+    #[test]
+    fn a_forward_that_ended_after_a_summary_frees_its_server() {
+        let b = book(1);
+        let now = Instant::now();
+        b.summary(0, summary("b", 1, 1), Duration::from_millis(1), now);
+        let first = b.choose("m", LONG, now).expect("room");
+        // A summary taken while it runs: no free server.
+        b.summary(0, summary("b", 1, 0), Duration::from_millis(1), now);
+        assert_eq!(b.choose("m", LONG, now), None);
+        b.ended(&first);
+        let second = b.choose("m", LONG, now).expect("its server is free again");
+        assert_eq!(b.choose("m", LONG, now), None, "taken again");
+        // One that ends before any newer summary gives back what it took.
+        b.ended(&second);
+        assert!(b.choose("m", LONG, now).is_some());
     }
 
     #[test]

@@ -20,8 +20,9 @@ pub struct LoadSummary {
     pub region: String,
     /// Its live servers.
     pub servers: u32,
-    /// Live servers with no request estimated to wait in their engine
-    /// ([`Candidate::pending_estimate`] 0): those that take one more now.
+    /// Live servers that take one more request now: those its holding
+    /// policy would send one to (not full), else those with no request
+    /// estimated to wait in their engine ([`Candidate::pending_estimate`]).
     pub free: u32,
     /// Requests its servers could still admit: the sum over live servers
     /// of their admission limit less what they run.
@@ -38,9 +39,16 @@ pub struct LoadSummary {
 }
 
 impl LoadSummary {
-    /// The summary of `region` with live servers `candidates`, `queue`
-    /// requests waiting and pools serving `models`.
-    pub fn of(region: &str, candidates: &[Candidate], queue: u64, models: Vec<String>) -> Self {
+    /// The summary of `region` with live servers `candidates` (those
+    /// `free` says take one more now), `queue` requests waiting and pools
+    /// serving `models`.
+    pub fn of(
+        region: &str,
+        candidates: &[Candidate],
+        free: impl Fn(&Candidate) -> bool,
+        queue: u64,
+        models: Vec<String>,
+    ) -> Self {
         let mut s = Self {
             region: region.to_owned(),
             servers: u32::try_from(candidates.len()).unwrap_or(u32::MAX),
@@ -52,7 +60,7 @@ impl LoadSummary {
             models,
         };
         for c in candidates {
-            if c.pending_estimate() == 0 {
+            if free(c) {
                 s.free += 1;
             }
             s.spare += u64::from(c.admission).saturating_sub(c.inflight);
@@ -79,13 +87,14 @@ mod tests {
         let mut busy = cand(f.s[0], 3, 300);
         busy.admission = 2;
         let idle = cand(f.s[1], 0, 0);
-        let s = LoadSummary::of("a", &[busy, idle], 4, vec![]);
+        let nothing_waiting = |c: &Candidate| c.pending_estimate() == 0;
+        let s = LoadSummary::of("a", &[busy, idle], nothing_waiting, 4, vec![]);
         assert_eq!(s.servers, 2);
         assert_eq!(s.free, 1, "{s:?}");
         assert_eq!(s.inflight, 3);
         assert_eq!(s.queue, 4);
         assert!(s.serves("anything"));
-        let s = LoadSummary::of("a", &[idle], 0, vec!["m".into()]);
+        let s = LoadSummary::of("a", &[idle], nothing_waiting, 0, vec!["m".into()]);
         assert!(s.serves("m") && !s.serves("n"));
         let json = serde_json::to_string(&s).unwrap();
         assert_eq!(serde_json::from_str::<LoadSummary>(&json).unwrap(), s);

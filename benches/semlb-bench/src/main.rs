@@ -18,6 +18,7 @@
 //! | `proxy` | [`proxy`] | the gateway's cost as a proxy against nginx in front of the same engine (front pinned to its own core): req/s, latency and added latency, CPU µs per request |
 //! | `state` | [`state`] | what keeping the routing state is worth: the first 60 s after a restart with the segment kept (hot restart) and not, and two gateway hosts on one Redis sharing a namespace or not: cached share of prompt tokens, TTFT p50/p90 |
 //! | `tenants` | [`tenants`] | the noisy neighbour: a quiet tenant's TTFT beside a flooding one, with engine queues, the gateway queue oldest first, and the gateway queue with fair share |
+//! | `regions` | [`regions`] | two regions whose peaks do not coincide: each alone, pooled by overflow, SkyLB-style forwarding between peer gateways (goodput, TTFT, SLO attainment) |
 //! | `all` | here | every report in turn (but `state` and `tenants`) |
 //!
 //! The gateway processes it measures are the `semlb` binary next to this
