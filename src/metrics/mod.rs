@@ -374,12 +374,19 @@ impl QueueTotals {
 /// The gateway queues' totals in `counters` (every stats word summed over
 /// processes).
 pub fn queue_total(counters: &[u64]) -> QueueTotals {
-    let at = |k: usize| counters.get(QUEUE + k).copied().unwrap_or(0);
-    QueueTotals {
-        entered: at(0),
-        routed: at(1 + QueueOutcome::Routed as usize),
-        abandoned: at(1 + QueueOutcome::Abandoned as usize),
-        timeout: at(1 + QueueOutcome::Timeout as usize),
-        full: at(1 + QueueOutcome::Full as usize),
+    QueueTotals::read(|i| counters.get(i).copied().unwrap_or(0))
+}
+
+impl QueueTotals {
+    /// The queue's counters, each read by `word` (its stats index).
+    fn read(word: impl Fn(usize) -> u64) -> Self {
+        let at = |k: usize| word(QUEUE + k);
+        Self {
+            entered: at(0),
+            routed: at(1 + QueueOutcome::Routed as usize),
+            abandoned: at(1 + QueueOutcome::Abandoned as usize),
+            timeout: at(1 + QueueOutcome::Timeout as usize),
+            full: at(1 + QueueOutcome::Full as usize),
+        }
     }
 }

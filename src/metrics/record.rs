@@ -191,22 +191,14 @@ impl<'a> Metrics<'a> {
     /// Requests waiting in every dispatcher's gateway queue now (a few
     /// words summed over the processes, not the whole region).
     pub fn queue_depth(&self) -> u64 {
-        let at = |k: usize| self.stats.sum(QUEUE + k);
-        let left = at(1 + QueueOutcome::Routed as usize)
-            + at(1 + QueueOutcome::Abandoned as usize)
-            + at(1 + QueueOutcome::Timeout as usize);
-        at(0).saturating_sub(left)
+        QueueTotals::read(|i| self.stats.sum(i)).depth()
     }
 
     /// At a dispatcher's start: requests its block still counts as queued
     /// were its predecessor's in this slot, killed with them waiting; they
     /// are counted abandoned, so the depth is right again.
     pub fn settle_queue(&self) {
-        let at = |k: usize| self.get(QUEUE + k);
-        let left = at(1 + QueueOutcome::Routed as usize)
-            + at(1 + QueueOutcome::Abandoned as usize)
-            + at(1 + QueueOutcome::Timeout as usize);
-        let stranded = at(0).saturating_sub(left);
+        let stranded = QueueTotals::read(|i| self.get(i)).depth();
         if stranded > 0 {
             self.add(QUEUE + 1 + QueueOutcome::Abandoned as usize, stranded);
         }

@@ -78,17 +78,6 @@ pub struct Forward {
     generation: u64,
 }
 
-/// What [`PeerBook::status`] reports of a peer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PeerStatus {
-    /// The peer.
-    pub peer: Peer,
-    /// Its last summary, with its age.
-    pub summary: Option<(LoadSummary, Duration)>,
-    /// Its average round trip.
-    pub rtt: Option<Duration>,
-}
-
 /// The peers of one dispatcher and what it knows of them.
 #[derive(Debug)]
 pub struct PeerBook {
@@ -132,11 +121,6 @@ impl PeerBook {
     /// The peers, to poll.
     pub fn peers(&self) -> Vec<Peer> {
         self.lock().iter().map(|e| e.peer.clone()).collect()
-    }
-
-    /// Whether it has peers at all.
-    pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
     }
 
     /// A poll of peer `index` answered `summary` after `rtt`.
@@ -223,21 +207,6 @@ impl PeerBook {
                 e.released += 1;
             }
         }
-    }
-
-    /// Every peer with what this dispatcher knows of it.
-    pub fn status(&self, now: Instant) -> Vec<PeerStatus> {
-        self.lock()
-            .iter()
-            .map(|e| PeerStatus {
-                peer: e.peer.clone(),
-                summary: e
-                    .summary
-                    .as_ref()
-                    .map(|(s, at)| (s.clone(), now.saturating_duration_since(*at))),
-                rtt: e.rtt,
-            })
-            .collect()
     }
 }
 

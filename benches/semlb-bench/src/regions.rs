@@ -35,7 +35,6 @@ use serde_json::{Value, json};
 use crate::Common;
 use crate::output::{Table, print_table, quantile, sort, write_json};
 use crate::sse_client::stream;
-use semlb_test_support::process::{Proc, ProcBuilder, Stderr};
 use semlb_test_support::rng::Rng;
 use semlb_test_support::{TempDir, TempFile};
 
@@ -130,10 +129,11 @@ pub fn run(args: &RegionsArgs) -> Result<()> {
             let config = config(args, r, peer, forward_after_ms, &token);
             let config = TempFile::try_new("bench-regions", &config)?;
             let shm = semlb_test_support::process::unique("bench-regions", REGION[r]);
-            gateways.push((serve(&shm, ports[r], &engines[r], &config)?, shm, config));
-        }
-        for (g, _, _) in &gateways {
-            crate::state::wait_health(&g.addr)?;
+            // One dispatcher a region (`state::serve` waits for its health;
+            // its peer need not be up: polls retry).
+            let listen = format!("127.0.0.1:{}", ports[r]);
+            let gateway = crate::state::serve(&shm, &listen, &engines[r], &config, &["--dispatchers", "1"])?;
+            gateways.push((gateway, shm, config));
         }
         let addrs: Vec<SocketAddr> = gateways
             .iter()
@@ -205,32 +205,6 @@ fn config(args: &RegionsArgs, r: usize, peer: Option<(u16, &str)>, forward_after
 /// A free loopback port (bound, then released).
 fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-/// `semlb serve` on segment `shm` and `port` in front of `engines`.
-fn serve(shm: &str, port: u16, engines: &[Proc], config: &TempFile) -> Result<Proc> {
-    let listen = format!("127.0.0.1:{port}");
-    let mut argv: Vec<String> = [
-        "serve",
-        "--listen",
-        &listen,
-        "--shm-name",
-        shm,
-        "--shm-size",
-        "64MiB",
-        "--dispatchers",
-        "1",
-        "--responders",
-        "1",
-        "--config",
-        config.path(),
-    ]
-    .map(str::to_owned)
-    .into();
-    for e in engines {
-        argv.extend(["--backend".to_owned(), format!("http://{}", e.addr)]);
-    }
-    Ok(ProcBuilder::new(&argv).stderr(Stderr::Tail(40)).try_start()?)
 }
 
 /// `semlb_peer_forwarded_total` of the gateway at `addr`.

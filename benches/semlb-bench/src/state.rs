@@ -193,12 +193,16 @@ pub(crate) fn start_sims(n: usize, time_scale: &str, extra: &[&str]) -> Result<V
 }
 
 /// `semlb serve` on segment `shm` and `listen`, in front of `engines`,
-/// with `config` (TOML) and `extra` flags.
-fn serve(shm: &str, listen: &str, engines: &[Proc], config: &TempFile, extra: &[&str]) -> Result<Proc> {
+/// with `config` (TOML) and `extra` flags, once it answers `/health`.
+pub(crate) fn serve(shm: &str, listen: &str, engines: &[Proc], config: &TempFile, extra: &[&str]) -> Result<Proc> {
     let mut args: Vec<String> = ["serve", "--listen", listen, "--shm-name", shm, "--shm-size", "256MiB"]
         .map(str::to_owned)
         .into();
-    args.extend(["--dispatchers", "2", "--responders", "1", "--config", config.path()].map(str::to_owned));
+    // Two dispatchers unless `extra` says how many.
+    if !extra.contains(&"--dispatchers") {
+        args.extend(["--dispatchers", "2"].map(str::to_owned));
+    }
+    args.extend(["--responders", "1", "--config", config.path()].map(str::to_owned));
     for e in engines {
         args.extend(["--backend".to_owned(), format!("http://{}", e.addr)]);
     }
