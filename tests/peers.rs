@@ -10,6 +10,11 @@
 //! * Never twice: a request that carries the hop header (forwarded once
 //!   already) waits in the full region's queue although its peer has
 //!   room; the same request without it is forwarded.
+//! * Affinity: a conversation whose first turn was forwarded to B (A was
+//!   full) sends its next turn, the instant the first answer ends, to B
+//!   although A is idle now, while B has room; with B full it is served
+//!   at home. The control, with `affinity_secs = 0`, serves the next turn
+//!   at home.
 //! * A dead peer: B stops while A still holds its last summary; requests
 //!   to a full A are answered (after a failed forward, from A's queue),
 //!   none fails.
@@ -52,8 +57,21 @@ fn region(
     poll_ms: u64,
     max_age_ms: u64,
 ) -> Gateway {
+    region_with(dir, region, engine, peers, poll_ms, max_age_ms, "")
+}
+
+/// [`region`] with more `[peering]` keys (`peering`: TOML lines).
+fn region_with(
+    dir: &TempDir,
+    region: &str,
+    engine: &Proc,
+    peers: &[(&str, &str)],
+    poll_ms: u64,
+    max_age_ms: u64,
+    peering: &str,
+) -> Gateway {
     let mut config = format!(
-        "{HOLDING}[peering]\nregion = \"{region}\"\ntoken_file = \"{}\"\npoll_ms = {poll_ms}\nmax_age_ms = {max_age_ms}\nforward_after_ms = 0\n",
+        "{HOLDING}[peering]\nregion = \"{region}\"\ntoken_file = \"{}\"\npoll_ms = {poll_ms}\nmax_age_ms = {max_age_ms}\nforward_after_ms = 0\n{peering}",
         token_file(dir, &format!("{region}.token"))
     );
     for (url, name) in peers {
@@ -271,4 +289,90 @@ fn a_dead_peer_costs_no_failed_request() {
         "the dead peer was tried, and the request fell back to the local queue"
     );
     assert_eq!(long.join().unwrap(), 200);
+}
+
+/// The first turn of a conversation, long enough to span several blocks.
+const OPENING: &str = "I keep a lighthouse on a rocky island far to the north. Every night I climb the \
+     spiral stairs, trim the wick, polish the great lens and watch the ships pass through the \
+     strait. Last winter a storm broke two of the windows and the supply boat did not come for \
+     three weeks. Tell me how to prepare the station for the next winter.";
+
+/// Turn 1 of a conversation through `a` while its engine is busy
+/// (forwarded to its peer), then turn 2 the instant turn 1's answer ends,
+/// streamed as agents do, with `a`'s engine idle by then: the peer region
+/// that answered turn 2 (`None`: served at home) and turn 1's.
+fn two_turns(a: &Gateway, topic: &str) -> (Option<String>, Option<String>) {
+    let long = occupy(a, 40);
+    let first = vec![user(&format!("{OPENING} ({topic})"))];
+    let r1 = chat(a.addr(), &first, json!({"max_tokens": 16, "stream": true}), &[]);
+    assert_eq!(r1.status, 200, "{}", String::from_utf8_lossy(&r1.body));
+    let (answer, done) = stream_text(&r1);
+    assert!(done);
+    assert_eq!(long.join().unwrap(), 200);
+    wait_for("the region's engine idle again", Duration::from_secs(20), || {
+        let n = counter(a, "semlb_server_inflight_requests");
+        (n == 0.0, n)
+    });
+    let mut second = first.clone();
+    second.push(json!({"role": "assistant", "content": answer}));
+    second.push(user("And what should I stock in the pantry?"));
+    let r2 = chat(a.addr(), &second, json!({"max_tokens": 8, "stream": true}), &[]);
+    assert_eq!(r2.status, 200, "{}", String::from_utf8_lossy(&r2.body));
+    assert!(stream_text(&r2).1);
+    (
+        r2.header("x-semlb-peer").map(str::to_owned),
+        r1.header("x-semlb-peer").map(str::to_owned),
+    )
+}
+
+#[test]
+fn a_conversation_forwarded_to_a_peer_keeps_going_there_while_warm() {
+    let dir = TempDir::new("peers-affinity");
+    let (engine_a, engine_b) = (sim_at("1"), sim_at("1"));
+    let b = region(&dir, "b", &engine_b, &[], 50, 2000);
+    let a = region(&dir, "a", &engine_a, &[(b.addr(), "b")], 50, 2000);
+    polled(&b);
+    let (second, first) = two_turns(&a, "one");
+    assert_eq!(first.as_deref(), Some("b"), "turn 1 found A full");
+    assert_eq!(
+        second.as_deref(),
+        Some("b"),
+        "turn 2 follows its prefix to B, A idle or not"
+    );
+
+    // B full (and A has read so): the conversation's next turn is served
+    // at home.
+    let long_b = occupy(&b, 400);
+    let served = counter(&b, "semlb_peer_load_served_total");
+    wait_for("A to read B's summary since", Duration::from_secs(20), || {
+        let n = counter(&b, "semlb_peer_load_served_total");
+        (n >= served + 2.0, n)
+    });
+    let mut third = vec![user(&format!("{OPENING} (one)"))];
+    third.push(json!({"role": "assistant", "content": "Board the windows."}));
+    third.push(user("And the pantry?"));
+    let r = chat(a.addr(), &third, json!({"max_tokens": 8, "stream": true}), &[]);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-semlb-peer"), None, "its peer is full: served at home");
+    assert_eq!(long_b.join().unwrap(), 200);
+}
+
+#[test]
+fn without_affinity_a_forwarded_conversation_comes_home() {
+    let dir = TempDir::new("peers-no-affinity");
+    let (engine_a, engine_b) = (sim_at("1"), sim_at("1"));
+    let b = region(&dir, "b", &engine_b, &[], 50, 2000);
+    let a = region_with(
+        &dir,
+        "a",
+        &engine_a,
+        &[(b.addr(), "b")],
+        50,
+        2000,
+        "affinity_secs = 0\n",
+    );
+    polled(&b);
+    let (second, first) = two_turns(&a, "two");
+    assert_eq!(first.as_deref(), Some("b"), "turn 1 found A full");
+    assert_eq!(second, None, "A idle serves turn 2 itself");
 }

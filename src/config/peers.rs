@@ -50,6 +50,12 @@ pub struct PeeringConfig {
     /// spare capacity, when peers are ranked (ms): a peer scores its free
     /// share of servers less its round trip over this.
     pub delay_penalty_ms: u64,
+    /// A conversation forwarded to a peer keeps going there (its next turn
+    /// is forwarded even when a local server has room) while its last turn
+    /// there is at most this old (s) and the peer says its engines keep
+    /// entries that long ([`crate::peers::affinity`]). 0: no affinity
+    /// (every request is served here while a local server has room).
+    pub affinity_secs: u64,
 }
 
 impl Default for PeeringConfig {
@@ -61,6 +67,7 @@ impl Default for PeeringConfig {
             max_age_ms: 1500,
             forward_after_ms: 500,
             delay_penalty_ms: 200,
+            affinity_secs: 300,
         }
     }
 }
@@ -142,6 +149,7 @@ pub(super) fn validate_peering(peering: &PeeringConfig, peers: &[PeerConfig]) ->
         ("peering.max_age_ms", peering.max_age_ms, 10..=600_000),
         ("peering.forward_after_ms", peering.forward_after_ms, 0..=3_600_000),
         ("peering.delay_penalty_ms", peering.delay_penalty_ms, 1..=3_600_000),
+        ("peering.affinity_secs", peering.affinity_secs, 0..=3_600),
     ] {
         if !range.contains(&value) {
             return Err(E::invalid(

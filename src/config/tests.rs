@@ -288,6 +288,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "max_age_ms",
         "forward_after_ms",
         "delay_penalty_ms",
+        "affinity_secs",
         "[admin]",
         "listen",
         "token",

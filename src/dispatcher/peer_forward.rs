@@ -181,7 +181,15 @@ pub(super) fn load_summary(dispatcher: &Dispatcher, headers: &HeaderMap) -> Resp
             c.pending_estimate() == 0
         }
     };
-    let summary = LoadSummary::of(region, &candidates, free, dispatcher.metrics().queue_depth(), models);
+    let mut summary = LoadSummary::of(region, &candidates, free, dispatcher.metrics().queue_depth(), models);
+    let tables = dispatcher.segment().tables();
+    let now_s = dispatcher.segment().clock().now_ms() / 1000;
+    summary.warm_s = candidates
+        .iter()
+        .filter_map(|c| tables.servers.entry_max_age(c.server.tag(), now_s))
+        .filter(|age| *age < u16::MAX)
+        .min()
+        .map(u32::from);
     dispatcher.metrics().peer(PeerEvent::LoadServed);
     match serde_json::to_value(&summary) {
         Ok(v) => json_response(StatusCode::OK, &v),

@@ -52,7 +52,10 @@ use crate::blocks::BlockHasher;
 use crate::continuation::EndProbe;
 use crate::failure::Failure;
 use crate::fair_share::{Priority, Share};
+use crate::metrics::PeerEvent;
 use crate::metrics::QueueOutcome;
+use crate::peers::affinity;
+use crate::peers::book::{Forward, PeerBook};
 use crate::pools::Pool;
 use crate::prompt::Endpoint;
 use crate::rate_limit::OutputBuckets;
@@ -294,6 +297,9 @@ impl<'d> Attempts<'d> {
                 .as_ref()
                 .and_then(|c| c.share.map(|s| if c.charged { s.charged() } else { s })),
         };
+        if let Some(answer) = self.to_warm_peer().await {
+            return Err(Next::Answer(answer));
+        }
         let routed = match choose(dispatcher, route, &self.failed, self.first_lookup.take()).await {
             Routed::Chosen(chosen, guard) => Ok((chosen, guard)),
             Routed::Wait { lookup, asked, pool } => {
@@ -343,6 +349,49 @@ impl<'d> Attempts<'d> {
         let now = Instant::now();
         let wait = dispatcher.queue().expected_wait(now);
         let forward = book.choose(&copy.model, wait, now)?;
+        let why = format!("every local server is full (the local queue's expected wait: {wait:?})");
+        self.forward(book, forward, copy, why).await
+    }
+
+    /// Step 1, on the first decision, before any local server is asked: the
+    /// answer of the peer gateway this request's conversation went to, if
+    /// its prompt is still warm there (deeper than at any local server) and
+    /// the peer has room ([`crate::peers::affinity`]). `None`: it is routed
+    /// here.
+    async fn to_warm_peer(&self) -> Option<Response<Body>> {
+        let dispatcher = self.dispatcher;
+        let (book, copy, ctx) = (dispatcher.peers()?, self.outbound.peer.as_ref()?, self.ctx.as_ref()?);
+        let lookup = self.first_lookup.as_ref()?;
+        let affinity_secs = dispatcher.config().peering.affinity_secs;
+        if affinity_secs == 0 || ctx.chain.is_empty() || self.tried_peer.load(Ordering::Relaxed) {
+            return None;
+        }
+        let now = Instant::now();
+        let segment = dispatcher.segment();
+        let warm = affinity::matched(
+            &segment.tables().prefix,
+            &affinity::peer_chain(&ctx.chain),
+            segment.clock().stamp(),
+            &book.warm_ages(affinity_secs, now),
+        )?;
+        let local = lookup.routing_prefix().best().map_or(0, |(_, blocks)| blocks);
+        if warm.blocks <= local {
+            return None;
+        }
+        let forward = book.choose_warm(warm.index, &copy.model, now)?;
+        self.tried_peer.store(true, Ordering::Relaxed);
+        let why = format!(
+            "its conversation is warm there ({} blocks of the prompt, {local} at the best local server)",
+            warm.blocks
+        );
+        self.forward(book, forward, copy, why).await
+    }
+
+    /// Sends the request to the peer `forward` names: its answer, recorded
+    /// as the peer its prompt's conversation went to; `None` if it failed
+    /// (the peer is not asked again until its next summary).
+    async fn forward(&self, book: &PeerBook, forward: Forward, copy: &PeerCopy, why: String) -> Option<Response<Body>> {
+        let dispatcher = self.dispatcher;
         let peer = forward.peer.clone();
         let start = self.ctx.as_ref().map(|c| c.timing.start);
         let sent = peer_forward::send(
@@ -360,21 +409,31 @@ impl<'d> Attempts<'d> {
                 tracing::debug!(
                     peer = %peer.address,
                     region = %peer.region,
-                    expected_wait_ms = wait.map(|w| w.as_millis() as u64),
-                    "every local server is full (the local queue's expected wait: {wait:?}): forwarded to {} ({})",
+                    "forwarded to {} ({}): {why}",
                     peer.region,
                     peer.address
                 );
+                if let Some(ctx) = self.ctx.as_ref().filter(|c| !c.chain.is_empty())
+                    && dispatcher.config().peering.affinity_secs > 0
+                {
+                    let segment = dispatcher.segment();
+                    affinity::record(
+                        &segment.tables().prefix,
+                        &affinity::peer_chain(&ctx.chain),
+                        affinity::peer_ref(&peer),
+                        segment.clock().stamp(),
+                    );
+                }
                 Some(answer)
             }
-            Err(why) => {
+            Err(failure) => {
                 book.failed(peer.index);
                 // (The forward ended with `send`: its guard is dropped.)
-                dispatcher.metrics().peer(crate::metrics::PeerEvent::ForwardFailed);
+                dispatcher.metrics().peer(PeerEvent::ForwardFailed);
                 tracing::warn!(
                     peer = %peer.address,
                     region = %peer.region,
-                    "forwarding to peer gateway {} ({}) failed, the request waits here: {why}",
+                    "forwarding to peer gateway {} ({}) failed, the request is served here: {failure}",
                     peer.region,
                     peer.address
                 );

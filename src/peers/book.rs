@@ -16,6 +16,8 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use shm_layout::ServerRef;
+
 use super::summary::LoadSummary;
 use crate::config::{PeerConfig, PeeringConfig};
 
@@ -165,34 +167,74 @@ impl PeerBook {
         let mut entries = self.lock();
         let mut best: Option<(f64, usize)> = None;
         for (i, e) in entries.iter().enumerate() {
-            let Some((summary, at)) = &e.summary else { continue };
-            if e.failed || now.saturating_duration_since(*at) > self.max_age || !summary.serves(model) {
-                continue;
-            }
-            let share = summary.free.div_ceil(self.dispatchers) + e.released;
-            if share <= e.sent || summary.servers == 0 {
-                continue;
-            }
+            let Some(free) = self.room(e, model, now) else { continue };
             let rtt = e.rtt.unwrap_or_default();
             if local_wait.is_some_and(|wait| rtt >= wait) {
                 continue;
             }
-            // Its free share of servers, less what this dispatcher sent it.
-            let left = f64::from(share - e.sent) / f64::from(share);
-            let free = left * f64::from(summary.free + e.released).min(f64::from(summary.servers))
-                / f64::from(summary.servers);
             let score = free - rtt.as_secs_f64() * 1000.0 / self.delay_penalty_ms;
             if best.is_none_or(|(s, _)| score > s) {
                 best = Some((score, i));
             }
         }
         let (_, i) = best?;
-        let e = &mut entries[i];
+        Some(Self::take(&mut entries[i]))
+    }
+
+    /// Peer `index`, for a request for `model` that continues a
+    /// conversation it served ([`super::affinity`]), when its summary is
+    /// fresh and shows room: the local queue's wait does not matter. The
+    /// peer is counted as sent one more request, as by [`choose`](Self::choose).
+    pub fn choose_warm(&self, index: usize, model: &str, now: Instant) -> Option<Forward> {
+        let mut entries = self.lock();
+        let e = entries.get_mut(index)?;
+        self.room(e, model, now)?;
+        Some(Self::take(e))
+    }
+
+    /// For each peer, how old (s) an entry of a conversation forwarded to
+    /// it may be and still be warm there: `affinity_secs`, or less when its
+    /// summary says its engines evict sooner; `None` for a peer without a
+    /// fresh summary (its load, so its room, is unknown).
+    pub fn warm_ages(&self, affinity_secs: u64, now: Instant) -> Vec<(ServerRef, Option<u16>)> {
+        let cap = u16::try_from(affinity_secs).unwrap_or(u16::MAX);
+        self.lock()
+            .iter()
+            .map(|e| {
+                let age = e
+                    .summary
+                    .as_ref()
+                    .filter(|(_, at)| cap > 0 && !e.failed && now.saturating_duration_since(*at) <= self.max_age)
+                    .map(|(s, _)| s.warm_s.map_or(cap, |w| cap.min(u16::try_from(w).unwrap_or(u16::MAX))));
+                (super::affinity::peer_ref(&e.peer), age)
+            })
+            .collect()
+    }
+
+    /// Whether `e` takes a request for `model` now: its summary is fresh,
+    /// it serves the model, has not failed since and has a free server in
+    /// this dispatcher's share. `Some(its free share of servers, less what
+    /// this dispatcher sent it)`.
+    fn room(&self, e: &Entry, model: &str, now: Instant) -> Option<f64> {
+        let (summary, at) = e.summary.as_ref()?;
+        if e.failed || now.saturating_duration_since(*at) > self.max_age || !summary.serves(model) {
+            return None;
+        }
+        let share = summary.free.div_ceil(self.dispatchers) + e.released;
+        if share <= e.sent || summary.servers == 0 {
+            return None;
+        }
+        let left = f64::from(share - e.sent) / f64::from(share);
+        Some(left * f64::from(summary.free + e.released).min(f64::from(summary.servers)) / f64::from(summary.servers))
+    }
+
+    /// Counts one more request sent to `e`.
+    fn take(e: &mut Entry) -> Forward {
         e.sent += 1;
-        Some(Forward {
+        Forward {
             peer: e.peer.clone(),
             generation: e.generation,
-        })
+        }
     }
 
     /// A request forwarded as `forward` ended (its answer ended, failed or
@@ -234,6 +276,7 @@ mod tests {
             inflight: 0,
             queue: 0,
             models: vec![],
+            warm_s: None,
         }
     }
 
@@ -328,5 +371,29 @@ mod tests {
         b.summary(0, s, Duration::from_millis(1), now);
         assert_eq!(b.choose("m", LONG, now), None);
         assert!(b.choose("other", LONG, now).is_some());
+    }
+
+    #[test]
+    fn a_warm_peer_is_chosen_by_room_alone_and_its_window_follows_its_evictions() {
+        let b = book(1);
+        let now = Instant::now();
+        assert!(
+            b.warm_ages(300, now).iter().all(|(_, age)| age.is_none()),
+            "no summary yet"
+        );
+        b.summary(0, summary("b", 1, 1), Duration::from_millis(1), now);
+        let mut evicting = summary("c", 1, 0);
+        evicting.warm_s = Some(40);
+        b.summary(1, evicting, Duration::from_millis(1), now);
+        let ages: Vec<_> = b.warm_ages(300, now).into_iter().map(|(_, a)| a).collect();
+        assert_eq!(ages, [Some(300), Some(40)]);
+        assert!(b.warm_ages(0, now).iter().all(|(_, age)| age.is_none()), "affinity off");
+        // No local wait needed; room still is.
+        assert_eq!(b.choose_warm(1, "m", now), None, "c has no free server");
+        let f = b.choose_warm(0, "m", now).expect("b has room");
+        assert_eq!(b.choose_warm(0, "m", now), None, "its one free server was taken");
+        b.ended(&f);
+        assert!(b.choose_warm(0, "m", now).is_some());
+        assert_eq!(b.choose_warm(0, "m", now + Duration::from_secs(5)), None, "stale");
     }
 }

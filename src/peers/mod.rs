@@ -11,6 +11,7 @@
 //! | piece | where |
 //! | --- | --- |
 //! | `[peering]`, `[[peer]]` | [`crate::config::PeeringConfig`], [`crate::config::PeerConfig`] |
+//! | a conversation forwarded to a peer keeps going there while warm there | [`affinity`] |
 //! | the load summary a gateway serves its peers: `GET /semlb/peer/load` with `x-semlb-peer-token` | [`summary`] |
 //! | each dispatcher's view of its peers, polled every `peering.poll_ms`, and the choice of a peer | [`book`] |
 //! | the forwarded request, its streamed answer relayed back | `crate::dispatcher::peer_forward` |
@@ -31,6 +32,11 @@
 //! - **Once only.** The forwarded request carries `x-semlb-hop: <origin
 //!   region>`; a request that carries it is never forwarded again (it
 //!   waits in the local queue like any other).
+//! - **Affinity.** A request that continues a conversation forwarded to a
+//!   peer (its prompt's chain matches the peer deeper than any local
+//!   server: [`affinity`]) goes to that peer again while the entry is warm
+//!   there and the peer's summary shows room, even when a local server has
+//!   room; else it is routed here as any other.
 //! - **Streaming.** The peer's answer (JSON or SSE) is relayed to the
 //!   client as it arrives, under the request's deadline.
 //! - **Failure.** A peer that cannot be reached, or answers a 5xx head,
@@ -41,6 +47,7 @@
 //! model aliases and usage handling), with the client's headers; the peer,
 //! as a gateway, authenticates and rate-limits it by its own rules.
 
+pub mod affinity;
 pub mod book;
 pub mod summary;
 

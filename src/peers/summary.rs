@@ -6,7 +6,7 @@
 //!
 //! ```json
 //! {"region":"eu-west","servers":4,"free":1,"spare":3,"pending":5,
-//!  "inflight":19,"queue":0,"models":["qwen3"],"age_ms":0}
+//!  "inflight":19,"queue":0,"models":["qwen3"],"warm_s":240}
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -36,6 +36,13 @@ pub struct LoadSummary {
     /// The model names it serves (its pools' names and aliases); empty:
     /// any (no `[[model]]` pools).
     pub models: Vec<String>,
+    /// How long its engines keep what they cached (s): the shortest time
+    /// since any of its live engines was seen to evict (the server's
+    /// horizon, `shm_layout::ServerTable::entry_max_age`). `None`: none was
+    /// seen to evict. A conversation forwarded there is warm while its
+    /// last turn there is younger ([`super::affinity`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm_s: Option<u32>,
 }
 
 impl LoadSummary {
@@ -58,6 +65,7 @@ impl LoadSummary {
             inflight: 0,
             queue,
             models,
+            warm_s: None,
         };
         for c in candidates {
             if free(c) {
@@ -97,6 +105,10 @@ mod tests {
         let s = LoadSummary::of("a", &[idle], nothing_waiting, 0, vec!["m".into()]);
         assert!(s.serves("m") && !s.serves("n"));
         let json = serde_json::to_string(&s).unwrap();
+        assert!(!json.contains("warm_s"), "said only when known: {json}");
         assert_eq!(serde_json::from_str::<LoadSummary>(&json).unwrap(), s);
+        let evicting = LoadSummary { warm_s: Some(40), ..s };
+        let json = serde_json::to_string(&evicting).unwrap();
+        assert_eq!(serde_json::from_str::<LoadSummary>(&json).unwrap(), evicting);
     }
 }

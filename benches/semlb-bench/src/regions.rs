@@ -4,24 +4,30 @@
 //! Each region is a gateway (`selective_push`, `max_outstanding` = the
 //! engines' `--max-num-seqs`, so requests wait at the gateway rather than
 //! in an engine) in front of its own simulated engines in real time. Each
-//! gets open-loop Poisson arrivals of streamed chats at a rate that follows
+//! gets open-loop Poisson arrivals of conversations at a rate that follows
 //! a compressed day: `base + peak × max(0, sin)` over `--period-secs`,
 //! region B half a period behind A, so one region is overloaded while the
-//! other is quiet, then the reverse. Three runs on fresh processes with
-//! the same arrival times:
+//! other is quiet, then the reverse. A conversation opens with a document
+//! of about `--context-words` words of its own and has `--turns` streamed
+//! turns, each sent the instant the last answer ends (as agents do), each
+//! carrying the whole conversation so far: a turn served where the last
+//! one was finds its prefix cached, one served elsewhere prefills it all.
+//! Four runs on fresh processes with the same arrival times:
 //!
 //! | mode | what it is |
 //! | --- | --- |
 //! | `alone` | no peers: each region serves its own load |
-//! | `overflow` | peers, `forward_after_ms = 0`: a request that finds every local server full goes to the peer with room at once |
-//! | `skylb` | peers, `forward_after_ms = --forward-after-ms`: only when the local queue would hold it longer, ranked by free servers less round trip |
+//! | `overflow` | peers, `forward_after_ms = 0`, no affinity: a request that finds every local server full goes to the peer with room at once |
+//! | `skylb-no-affinity` | peers, `forward_after_ms = --forward-after-ms`: only when the local queue would hold it longer, ranked by free servers less round trip; no affinity |
+//! | `skylb` | as `skylb-no-affinity`, and a conversation forwarded to a peer keeps going there while warm and the peer has room (`affinity_secs = 300`) |
 //!
 //! Every request to a peer, load polls included, first waits `--delay-ms`
 //! (the inter-region delay, `[[peer]] delay_ms`).
 //!
-//! Reported per mode and region of arrival: requests, failures, TTFT
-//! p50/p99, SLO attainment (TTFT within `--slo-ms`), goodput (answers
-//! within the SLO per second) and how many the region forwarded.
+//! Reported per mode and region of arrival: requests (turns), failures,
+//! TTFT p50/p99, SLO attainment (TTFT within `--slo-ms`), goodput (answers
+//! within the SLO per second), the cached share of later turns' prompts
+//! (as the engines' usage reports it) and how many the region forwarded.
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
@@ -50,12 +56,18 @@ pub struct RegionsArgs {
     /// Sequences each engine runs at once (`--max-num-seqs`).
     #[arg(long, default_value_t = 4)]
     pub max_num_seqs: usize,
-    /// Arrivals per second in a region's quiet hours.
-    #[arg(long, default_value_t = 2.0)]
+    /// Conversations starting per second in a region's quiet hours.
+    #[arg(long, default_value_t = 0.7)]
     pub base_rps: f64,
-    /// Arrivals per second added at a region's peak.
-    #[arg(long, default_value_t = 14.0)]
+    /// Conversations starting per second added at a region's peak.
+    #[arg(long, default_value_t = 4.0)]
     pub peak_rps: f64,
+    /// Turns of a conversation.
+    #[arg(long, default_value_t = 3)]
+    pub turns: usize,
+    /// Words of the document a conversation opens with.
+    #[arg(long, default_value_t = 1500)]
+    pub context_words: usize,
     /// Seconds of one compressed day (the run is one day).
     #[arg(long, default_value_t = 40)]
     pub period_secs: u64,
@@ -76,12 +88,28 @@ pub struct RegionsArgs {
     pub seed: u64,
 }
 
-/// The modes: (name, peers, forward_after_ms).
-fn modes(args: &RegionsArgs) -> [(&'static str, bool, u64); 3] {
+/// A mode: whether regions peer, and their `forward_after_ms` and
+/// `affinity_secs`.
+struct Mode {
+    name: &'static str,
+    peers: bool,
+    forward_after_ms: u64,
+    affinity_secs: u64,
+}
+
+/// The modes, in the order run.
+fn modes(args: &RegionsArgs) -> [Mode; 4] {
+    let mode = |name, peers, forward_after_ms, affinity_secs| Mode {
+        name,
+        peers,
+        forward_after_ms,
+        affinity_secs,
+    };
     [
-        ("alone", false, 0),
-        ("overflow", true, 0),
-        ("skylb", true, args.forward_after_ms),
+        mode("alone", false, 0, 0),
+        mode("overflow", true, 0, 0),
+        mode("skylb-no-affinity", true, args.forward_after_ms, 0),
+        mode("skylb", true, args.forward_after_ms, 300),
     ]
 }
 
@@ -91,7 +119,11 @@ const TOKEN: &str = "bench-regions-token-0123456789abcdef";
 #[derive(Debug, Clone, Copy)]
 struct Sample {
     region: usize,
+    /// Its turn in its conversation (0: the first).
+    turn: usize,
     ttft: Option<Duration>,
+    prompt_tokens: u64,
+    cached_tokens: u64,
 }
 
 /// Runs the report.
@@ -106,6 +138,8 @@ pub fn run(args: &RegionsArgs) -> Result<()> {
         "TTFT p99 ms",
         "SLO att.",
         "goodput/s",
+        "later turns cached",
+        "later TTFT p50",
         "forwarded",
     ]);
     let mut report = serde_json::Map::new();
@@ -114,7 +148,7 @@ pub fn run(args: &RegionsArgs) -> Result<()> {
     std::fs::write(&token, format!("{TOKEN}\n"))?;
     std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600))?;
     let token = token.display().to_string();
-    for (mode, peers, forward_after_ms) in modes(args) {
+    for mode in modes(args) {
         let seqs = args.max_num_seqs.to_string();
         let engines = [
             crate::state::start_sims(args.engines, "1", &["--max-num-seqs", &seqs])?,
@@ -125,8 +159,8 @@ pub fn run(args: &RegionsArgs) -> Result<()> {
         let ports = [free_port()?, free_port()?];
         let mut gateways = Vec::new();
         for r in 0..2 {
-            let peer = peers.then(|| (ports[1 - r], REGION[1 - r]));
-            let config = config(args, r, peer, forward_after_ms, &token);
+            let peer = mode.peers.then(|| (ports[1 - r], REGION[1 - r]));
+            let config = config(args, r, peer, &mode, &token);
             let config = TempFile::try_new("bench-regions", &config)?;
             let shm = semlb_test_support::process::unique("bench-regions", REGION[r]);
             // One dispatcher a region (`state::serve` waits for its health;
@@ -150,7 +184,7 @@ pub fn run(args: &RegionsArgs) -> Result<()> {
             let f = Figures::of(&samples, r, args);
             let fwd = r.map_or(forwarded.iter().sum(), |r| forwarded[r]);
             table.row(vec![
-                mode.to_owned(),
+                mode.name.to_owned(),
                 name.to_owned(),
                 f.requests.to_string(),
                 f.failed.to_string(),
@@ -158,21 +192,25 @@ pub fn run(args: &RegionsArgs) -> Result<()> {
                 format!("{:.0}", f.p99),
                 format!("{:.1} %", 100.0 * f.attainment),
                 format!("{:.2}", f.goodput),
+                format!("{:.1} %", 100.0 * f.later_cached),
+                format!("{:.0}", f.later_p50),
                 format!("{fwd:.0}"),
             ]);
             let mut j = f.json();
             j["forwarded"] = json!(fwd);
             figures.insert(name.to_owned(), j);
         }
-        report.insert(mode.to_owned(), Value::Object(figures));
+        report.insert(mode.name.to_owned(), Value::Object(figures));
     }
     print_table(
         &format!(
-            "regions: two regions of {} engines × {} sequences, {}–{} req/s each over a {} s day, B half a day behind A; {} ms to the peer; SLO TTFT ≤ {} ms",
+            "regions: two regions of {} engines × {} sequences, {}–{} conversations/s each ({} turns, a {}-word document) over a {} s day, B half a day behind A; {} ms to the peer; SLO TTFT ≤ {} ms",
             args.engines,
             args.max_num_seqs,
             args.base_rps,
             args.base_rps + args.peak_rps,
+            args.turns,
+            args.context_words,
             args.period_secs,
             args.delay_ms,
             args.slo_ms
@@ -187,11 +225,11 @@ pub fn run(args: &RegionsArgs) -> Result<()> {
 const REGION: [&str; 2] = ["a", "b"];
 
 /// Region `r`'s configuration, with its peer `(port, name)` if any.
-fn config(args: &RegionsArgs, r: usize, peer: Option<(u16, &str)>, forward_after_ms: u64, token: &str) -> String {
+fn config(args: &RegionsArgs, r: usize, peer: Option<(u16, &str)>, mode: &Mode, token: &str) -> String {
     let mut c = format!(
         "[policy]\nkind = \"selective_push\"\n[policy.selective_push]\nmode = \"max_outstanding\"\nmax_outstanding = {}\n\
-         [peering]\nregion = \"{}\"\ntoken_file = \"{token}\"\npoll_ms = 100\nmax_age_ms = 1000\nforward_after_ms = {forward_after_ms}\n",
-        args.max_num_seqs, REGION[r]
+         [peering]\nregion = \"{}\"\ntoken_file = \"{token}\"\npoll_ms = 100\nmax_age_ms = 1000\nforward_after_ms = {}\naffinity_secs = {}\n",
+        args.max_num_seqs, REGION[r], mode.forward_after_ms, mode.affinity_secs
     );
     if let Some((port, name)) = peer {
         c.push_str(&format!(
@@ -239,8 +277,57 @@ fn arrivals(args: &RegionsArgs, r: usize) -> Vec<Duration> {
     }
 }
 
-/// Sends every arrival of both regions to its region's gateway at its
-/// time (open loop); every sample.
+/// Words documents are made of.
+const WORDS: [&str; 32] = [
+    "harbour",
+    "ledger",
+    "invoice",
+    "turbine",
+    "glacier",
+    "orchard",
+    "pipeline",
+    "quarterly",
+    "freight",
+    "meadow",
+    "contract",
+    "sensor",
+    "voltage",
+    "granite",
+    "lantern",
+    "shipment",
+    "clause",
+    "forecast",
+    "reservoir",
+    "bridge",
+    "tenant",
+    "audit",
+    "compressor",
+    "vineyard",
+    "signal",
+    "warranty",
+    "corridor",
+    "battery",
+    "estuary",
+    "payroll",
+    "beacon",
+    "terminal",
+];
+
+/// Conversation `id`'s opening: a document of `words` words of its own.
+fn document(id: u64, words: usize) -> String {
+    let mut rng = Rng::from_seed(id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xd0c);
+    let mut text = format!("Document {id}. ");
+    for i in 0..words {
+        text.push_str(WORDS[rng.below(WORDS.len() as u64) as usize]);
+        text.push_str(if i % 12 == 11 { ". " } else { " " });
+    }
+    text.push_str("\nSummarise this document.");
+    text
+}
+
+/// Starts every conversation of both regions at its region's gateway at
+/// its time (open loop), each turn sent the instant the last answer ends;
+/// every turn's sample.
 fn load(args: &RegionsArgs, addrs: &[SocketAddr], arrivals: &[Vec<Duration>; 2]) -> Vec<Sample> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -248,31 +335,40 @@ fn load(args: &RegionsArgs, addrs: &[SocketAddr], arrivals: &[Vec<Duration>; 2])
         .build()
         .expect("a runtime");
     let samples = Arc::new(Mutex::new(Vec::new()));
-    let max_tokens = args.max_tokens;
+    let (max_tokens, turns, words) = (args.max_tokens, args.turns, args.context_words);
     runtime.block_on(async {
         let start = tokio::time::Instant::now();
         let mut tasks = Vec::new();
         for (r, times) in arrivals.iter().enumerate() {
             for (i, at) in times.iter().enumerate() {
                 let (addr, samples, at) = (addrs[r], samples.clone(), *at);
+                let id = (r as u64) << 32 | i as u64;
                 tasks.push(tokio::spawn(async move {
                     tokio::time::sleep_until(start + at).await;
-                    let body = json!({
-                        "model": "semlb-sim",
-                        "messages": [{"role": "user", "content": format!("Region {} request {i}: plan a trip to city {}.", REGION[r], i % 89)}],
-                        "stream": true,
-                        "max_tokens": max_tokens,
-                        "ignore_eos": true,
-                        "temperature": 0.8,
-                    });
-                    let answer = stream(addr, &body, &[]).await;
-                    samples
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .push(Sample {
-                            region: r,
-                            ttft: answer.ok().map(|a| a.ttft),
+                    let mut messages = vec![json!({"role": "user", "content": document(id, words)})];
+                    for turn in 0..turns {
+                        let body = json!({
+                            "model": "semlb-sim",
+                            "messages": messages,
+                            "stream": true,
+                            "stream_options": {"include_usage": true},
+                            "max_tokens": max_tokens,
+                            "ignore_eos": true,
+                            "temperature": 0.8,
                         });
+                        let answer = stream(addr, &body, &[]).await.ok();
+                        let sample = Sample {
+                            region: r,
+                            turn,
+                            ttft: answer.as_ref().map(|a| a.ttft),
+                            prompt_tokens: answer.as_ref().map_or(0, |a| a.prompt_tokens),
+                            cached_tokens: answer.as_ref().map_or(0, |a| a.cached_tokens),
+                        };
+                        samples.lock().unwrap_or_else(|p| p.into_inner()).push(sample);
+                        let Some(answer) = answer else { break };
+                        messages.push(json!({"role": "assistant", "content": answer.text}));
+                        messages.push(json!({"role": "user", "content": format!("Now point {} of it, in more detail.", turn + 1)}));
+                    }
                 }));
             }
         }
@@ -291,6 +387,10 @@ struct Figures {
     p99: f64,
     attainment: f64,
     goodput: f64,
+    /// Cached share of the prompt tokens of turns after the first.
+    later_cached: f64,
+    /// TTFT p50 of turns after the first (ms).
+    later_p50: f64,
 }
 
 impl Figures {
@@ -303,6 +403,16 @@ impl Figures {
             .collect();
         sort(&mut ttfts);
         let good = ttfts.iter().filter(|t| **t <= args.slo_ms as f64).count();
+        let later: Vec<&&Sample> = mine.iter().filter(|s| s.turn > 0 && s.ttft.is_some()).collect();
+        let (prompt, cached) = later
+            .iter()
+            .fold((0, 0), |(p, c), s| (p + s.prompt_tokens, c + s.cached_tokens));
+        let mut later_ttfts: Vec<f64> = later
+            .iter()
+            .filter_map(|s| s.ttft)
+            .map(|t| t.as_secs_f64() * 1e3)
+            .collect();
+        sort(&mut later_ttfts);
         Figures {
             requests: mine.len(),
             failed: mine.len() - ttfts.len(),
@@ -310,6 +420,8 @@ impl Figures {
             p99: quantile(&ttfts, 0.99),
             attainment: good as f64 / mine.len().max(1) as f64,
             goodput: good as f64 / args.period_secs as f64,
+            later_cached: cached as f64 / prompt.max(1) as f64,
+            later_p50: quantile(&later_ttfts, 0.5),
         }
     }
 
@@ -321,6 +433,8 @@ impl Figures {
             "ttft_p99_ms": self.p99,
             "slo_attainment": self.attainment,
             "goodput_per_s": self.goodput,
+            "later_turns_cached": self.later_cached,
+            "later_turns_ttft_p50_ms": self.later_p50,
         })
     }
 }
