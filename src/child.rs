@@ -138,10 +138,9 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
             )?),
         };
         let keys = config.auth.keys_file.as_deref().map(Keys::load).transpose()?;
-        let (peers, peer_token) = dispatcher::peering_of(&config)?;
+        let peering = dispatcher::Peering::of(&config)?;
         let registry_segment = segment.clone();
-        let mut dispatcher =
-            Dispatcher::new(segment, identity, Arc::new(config), loader)?.with_peers(peers, peer_token);
+        let mut dispatcher = Dispatcher::new(segment, identity, Arc::new(config), loader)?.with_peering(peering);
         dispatcher.set_keys(keys);
         if let Some(store) = store {
             dispatcher = dispatcher.with_store(store);
@@ -249,6 +248,7 @@ async fn reload_models_on_hup(
                 // it at every reload (at start it was read already).
                 if !first {
                     reload_keys(&dispatcher, &new, ring);
+                    reload_peering(&dispatcher, &new, ring);
                 }
                 if runs_it {
                     registry.publish_revision(identity.slot, identity.incarnation, wanted);
@@ -280,6 +280,23 @@ fn reload_keys(dispatcher: &Dispatcher, config: &ServeConfig, ring: usize) {
             }
         }
         Err(e) => tracing::warn!(dispatcher = ring, error = %e, "dispatcher {ring}: keeping the running API keys: {e}"),
+    }
+}
+
+/// Applies `config`'s `[peering]` and `[[peer]]` (their token files read
+/// again, so a rotated token is taken) when they changed; a token file
+/// that does not read keeps what runs.
+fn reload_peering(dispatcher: &Arc<Dispatcher>, config: &ServeConfig, ring: usize) {
+    match dispatcher::Peering::of(config) {
+        Ok(peering) => {
+            let n = peering.peer_count();
+            if dispatcher.set_peering(peering) {
+                tracing::info!(dispatcher = ring, peers = n, "dispatcher {ring}: {n} peer gateways");
+            }
+        }
+        Err(e) => {
+            tracing::warn!(dispatcher = ring, error = %e, "dispatcher {ring}: keeping the running peer gateways: {e}")
+        }
     }
 }
 

@@ -15,6 +15,9 @@
 //!   although A is idle now, while B has room; with B full it is served
 //!   at home. The control, with `affinity_secs = 0`, serves the next turn
 //!   at home.
+//! * A reload: a region started without peers forwards nothing; after its
+//!   configuration gains B and a SIGHUP, it forwards to B; after B is
+//!   removed again, nothing.
 //! * A dead peer: B stops while A still holds its last summary; requests
 //!   to a full A are answered (after a failed forward, from A's queue),
 //!   none fails.
@@ -31,7 +34,7 @@ use serde_json::{Value, json};
 use support::TempDir;
 use support::gateway::{Gateway, chat, samples, sim_at, stream_text, user, wait_for};
 use support::http::http;
-use support::process::Proc;
+use support::process::{Proc, Stderr};
 
 /// The token both regions use, one file each.
 const TOKEN: &str = "0123456789abcdef0123456789abcdef";
@@ -70,6 +73,23 @@ fn region_with(
     max_age_ms: u64,
     peering: &str,
 ) -> Gateway {
+    Gateway::builder()
+        .tag(region)
+        .dispatchers(1)
+        .backends(&[engine])
+        .config(&region_toml(dir, region, peers, poll_ms, max_age_ms, peering))
+        .start()
+}
+
+/// Region `region`'s configuration: [`region_with`]'s.
+fn region_toml(
+    dir: &TempDir,
+    region: &str,
+    peers: &[(&str, &str)],
+    poll_ms: u64,
+    max_age_ms: u64,
+    peering: &str,
+) -> String {
     let mut config = format!(
         "{HOLDING}[peering]\nregion = \"{region}\"\ntoken_file = \"{}\"\npoll_ms = {poll_ms}\nmax_age_ms = {max_age_ms}\nforward_after_ms = 0\n{peering}",
         token_file(dir, &format!("{region}.token"))
@@ -80,12 +100,7 @@ fn region_with(
             token_file(dir, &format!("{region}-to-{name}.token"))
         ));
     }
-    Gateway::builder()
-        .tag(region)
-        .dispatchers(1)
-        .backends(&[engine])
-        .config(&config)
-        .start()
+    config
 }
 
 /// A metric of `gw`, summed over its series.
@@ -375,4 +390,50 @@ fn without_affinity_a_forwarded_conversation_comes_home() {
     let (second, first) = two_turns(&a, "two");
     assert_eq!(first.as_deref(), Some("b"), "turn 1 found A full");
     assert_eq!(second, None, "A idle serves turn 2 itself");
+}
+
+#[test]
+fn a_reload_adds_and_removes_a_peer() {
+    let dir = TempDir::new("peers-reload");
+    let (engine_a, engine_b) = (sim_at("1"), sim_at("1"));
+    let b = region(&dir, "b", &engine_b, &[], 50, 2000);
+    let path = dir.0.join("a.toml");
+    let write = |peers: &[(&str, &str)]| std::fs::write(&path, region_toml(&dir, "a", peers, 50, 2000, "")).unwrap();
+    write(&[]);
+    let a = Gateway::builder()
+        .tag("a")
+        .dispatchers(1)
+        .backends(&[&engine_a])
+        .args(&["--config", &path.display().to_string()])
+        .stderr(Stderr::CaptureEcho)
+        .start();
+    let reload = |peers: &[(&str, &str)]| {
+        let from = a.proc.stderr_text().len();
+        write(peers);
+        a.proc.signal(nix::sys::signal::Signal::SIGHUP);
+        a.proc.wait_stderr(
+            from,
+            &format!("dispatcher 0: {} peer gateways", peers.len()),
+            Duration::from_secs(20),
+        );
+    };
+    let full_region_asks = |text: &str| {
+        let long = occupy(&a, 60);
+        let r = ask(a.addr(), text, false, &[]);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        assert_eq!(long.join().unwrap(), 200);
+        r.header("x-semlb-peer").map(str::to_owned)
+    };
+    assert_eq!(full_region_asks("No peer yet."), None, "no peer: it waits at home");
+
+    reload(&[(b.addr(), "b")]);
+    let served = counter(&b, "semlb_peer_load_served_total");
+    wait_for("A to read B's load", Duration::from_secs(20), || {
+        let n = counter(&b, "semlb_peer_load_served_total");
+        (n >= served + 2.0, n)
+    });
+    assert_eq!(full_region_asks("A peer now.").as_deref(), Some("b"));
+
+    reload(&[]);
+    assert_eq!(full_region_asks("The peer is gone again."), None);
 }

@@ -128,7 +128,7 @@ mod timing;
 mod usage;
 
 /// The stream rewriters the fuzz targets reach ([`crate::fuzzing`]).
-pub use peer_forward::peering_of;
+pub use peer_forward::Peering;
 pub use sse::replay;
 pub use usage::UsageStrip;
 
@@ -231,11 +231,9 @@ pub struct Dispatcher {
     client: UpstreamClient,
     health: PassiveHealth,
     queue: queue::GatewayQueue,
-    /// Its view of the peer gateways (`None`: no `[[peer]]`).
-    peers: Option<Arc<PeerBook>>,
-    /// The token peers present to read this gateway's load (`None`: not
-    /// served).
-    peer_token: Option<String>,
+    /// `[peering]` and its view of the peer gateways (replaced whole by a
+    /// reload that changes them, [`set_peering`](Self::set_peering)).
+    peering: std::sync::RwLock<Arc<Peering>>,
     /// Each tokenizer's segment counters last added to the metrics.
     segments_reported: std::sync::Mutex<std::collections::HashMap<u64, semlb_tokenizer::SegmentCacheStats>>,
 }
@@ -285,8 +283,7 @@ impl Dispatcher {
             store,
             cacheable_stream_bytes,
             client,
-            peers: None,
-            peer_token: None,
+            peering: std::sync::RwLock::new(Arc::new(Peering::default())),
             segments_reported: std::sync::Mutex::default(),
         };
         // Requests a predecessor in this slot left queued when it was killed.
@@ -334,21 +331,36 @@ impl Dispatcher {
         self
     }
 
-    /// With `peers` to forward to, and the token peers must present to
-    /// read its load ([`peer_forward::peering_of`]).
-    pub fn with_peers(mut self, peers: Option<PeerBook>, token: Option<String>) -> Self {
-        self.peers = peers.map(Arc::new);
-        self.peer_token = token;
+    /// With `peering` ([`Peering::of`]): its peers to forward to, and the
+    /// token peers must present to read its load.
+    pub fn with_peering(self, peering: Peering) -> Self {
+        *self.peering.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(peering);
         self
     }
 
-    /// Its view of the peer gateways, with peers.
-    pub fn peers(&self) -> Option<&Arc<PeerBook>> {
-        self.peers.as_ref()
+    /// Runs `peering` from now on, unless it is the same as what runs (the
+    /// same settings, peers and tokens: then what the book knows is kept);
+    /// whether it changed. The new peers are polled at once; requests
+    /// forwarded already end in the book they were chosen from. Call it
+    /// inside the dispatcher's runtime.
+    pub fn set_peering(self: &Arc<Self>, peering: Peering) -> bool {
+        if self.peering().same_as(&peering) {
+            return false;
+        }
+        let peering = Arc::new(peering);
+        *self.peering.write().unwrap_or_else(|e| e.into_inner()) = peering.clone();
+        peer_forward::start_polls(self, &peering);
+        true
     }
 
-    fn peer_token(&self) -> Option<&str> {
-        self.peer_token.as_deref()
+    /// `[peering]` as it runs, with the peer book.
+    pub fn peering(&self) -> Arc<Peering> {
+        self.peering.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Its view of the peer gateways, with peers.
+    pub fn peers(&self) -> Option<Arc<PeerBook>> {
+        self.peering.read().unwrap_or_else(|e| e.into_inner()).book.clone()
     }
 
     /// Its routing-state store.
@@ -517,7 +529,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut connections = JoinSet::new();
-    peer_forward::start_polls(&dispatcher);
+    peer_forward::start_polls(&dispatcher, &dispatcher.peering());
     tokio::pin!(shutdown);
     loop {
         tokio::select! {

@@ -17,10 +17,10 @@ use tokio::time::Sleep;
 use super::Dispatcher;
 use super::http::{Body, BoxError, client_response_headers, error_response, json_response, set_header};
 use super::relay::RelayTimer;
-use crate::config::{ConfigError, ServeConfig};
+use crate::config::{ConfigError, PeeringConfig, ServeConfig};
 use crate::metrics::PeerEvent;
 use crate::peers::book::{Forward, Peer, PeerBook};
-use crate::peers::summary::LoadSummary;
+use crate::peers::summary::{LoadSummary, warm_s};
 use crate::peers::{HOP_HEADER, LOAD_PATH, PEER_HEADER, TOKEN_HEADER};
 use crate::routing::{Candidate, live_candidates};
 
@@ -39,38 +39,70 @@ pub(super) struct PeerCopy {
     pub model: String,
 }
 
-/// The peer book `config` describes (its peers' tokens read from their
-/// files), and the token peers must present here; `None` for each when
-/// not configured.
-pub fn peering_of(config: &ServeConfig) -> Result<(Option<PeerBook>, Option<String>), ConfigError> {
-    let token = config.peering.read_token()?;
-    if config.peers.is_empty() {
-        return Ok((None, token));
-    }
-    let mut peers = Vec::with_capacity(config.peers.len());
-    for (i, p) in config.peers.iter().enumerate() {
-        let peer_token = p.read_token()?;
-        let peer = Peer::new(i, p, peer_token).map_err(|reason| ConfigError::Invalid {
-            field: "peer.url".into(),
-            value: p.url.clone(),
-            reason,
-        })?;
-        peers.push(peer);
-    }
-    Ok((Some(PeerBook::new(&config.peering, peers, config.dispatchers)), token))
+/// What a dispatcher runs of `[peering]` and `[[peer]]`: built at start,
+/// replaced whole when a reload changes them or their token files
+/// ([`Dispatcher::set_peering`]).
+#[derive(Debug, Default)]
+pub struct Peering {
+    /// `[peering]`.
+    pub config: PeeringConfig,
+    /// The peers and what this dispatcher knows of them (`None`: no peers).
+    pub book: Option<Arc<PeerBook>>,
+    /// The token peers present to read this gateway's load (`None`: its
+    /// load is not served).
+    token: Option<String>,
+    /// The peers as configured, with their tokens (to tell a change).
+    peers: Vec<Peer>,
 }
 
-/// Starts one task per peer that polls its load every `peering.poll_ms`.
-pub(super) fn start_polls(dispatcher: &Arc<Dispatcher>) {
-    let Some(book) = dispatcher.peers() else { return };
+impl Peering {
+    /// What `config` describes, its token files read.
+    pub fn of(config: &ServeConfig) -> Result<Self, ConfigError> {
+        let token = config.peering.read_token()?;
+        let mut peers = Vec::with_capacity(config.peers.len());
+        for (i, p) in config.peers.iter().enumerate() {
+            let peer_token = p.read_token()?;
+            let peer = Peer::new(i, p, peer_token).map_err(|reason| ConfigError::Invalid {
+                field: "peer.url".into(),
+                value: p.url.clone(),
+                reason,
+            })?;
+            peers.push(peer);
+        }
+        let book =
+            (!peers.is_empty()).then(|| Arc::new(PeerBook::new(&config.peering, peers.clone(), config.dispatchers)));
+        Ok(Self {
+            config: config.peering.clone(),
+            book,
+            token,
+            peers,
+        })
+    }
+
+    /// Whether `other` has the same settings, peers and tokens (then a
+    /// reload keeps this one, with what its book knows).
+    pub fn same_as(&self, other: &Self) -> bool {
+        (&self.config, &self.peers, &self.token) == (&other.config, &other.peers, &other.token)
+    }
+
+    /// Peers configured.
+    pub fn peer_count(&self) -> usize {
+        self.peers.len()
+    }
+}
+
+/// Starts one task per peer of `book` that polls its load every
+/// `peering.poll_ms`, until `book` is no longer the dispatcher's.
+pub(super) fn start_polls(dispatcher: &Arc<Dispatcher>, peering: &Peering) {
+    let Some(book) = &peering.book else { return };
+    let every = Duration::from_millis(peering.config.poll_ms);
+    let timeout = Duration::from_millis(peering.config.max_age_ms);
     for peer in book.peers() {
-        tokio::spawn(poll(dispatcher.clone(), peer));
+        tokio::spawn(poll(dispatcher.clone(), book.clone(), peer, every, timeout));
     }
 }
 
-async fn poll(dispatcher: Arc<Dispatcher>, peer: Peer) {
-    let every = Duration::from_millis(dispatcher.config().peering.poll_ms);
-    let timeout = Duration::from_millis(dispatcher.config().peering.max_age_ms);
+async fn poll(dispatcher: Arc<Dispatcher>, book: Arc<PeerBook>, peer: Peer, every: Duration, timeout: Duration) {
     let Ok(uri) = format!("{}{LOAD_PATH}", peer.address).parse::<Uri>() else {
         return;
     };
@@ -79,7 +111,9 @@ async fn poll(dispatcher: Arc<Dispatcher>, peer: Peer) {
         let start = Instant::now();
         let next = tokio::time::Instant::now() + every;
         let answer = tokio::time::timeout(timeout, fetch_summary(&dispatcher, &peer, uri.clone())).await;
-        let Some(book) = dispatcher.peers() else { return };
+        if !dispatcher.peers().is_some_and(|current| Arc::ptr_eq(&current, &book)) {
+            return;
+        }
         match answer {
             Ok(Ok(summary)) if summary.region == peer.region => {
                 warned = false;
@@ -144,7 +178,8 @@ async fn fetch_summary(dispatcher: &Dispatcher, peer: &Peer, uri: Uri) -> Result
 /// token (`peering.token_file`); 404 when none is configured, 401 for a
 /// wrong or missing token.
 pub(super) fn load_summary(dispatcher: &Dispatcher, headers: &HeaderMap) -> Response<Body> {
-    let (Some(token), Some(region)) = (dispatcher.peer_token(), dispatcher.config().peering.region.as_deref()) else {
+    let peering = dispatcher.peering();
+    let (Some(token), Some(region)) = (peering.token.as_deref(), peering.config.region.as_deref()) else {
         return error_response(
             StatusCode::NOT_FOUND,
             format!("{LOAD_PATH} is not served: this gateway has no peering.token_file"),
@@ -182,14 +217,8 @@ pub(super) fn load_summary(dispatcher: &Dispatcher, headers: &HeaderMap) -> Resp
         }
     };
     let mut summary = LoadSummary::of(region, &candidates, free, dispatcher.metrics().queue_depth(), models);
-    let tables = dispatcher.segment().tables();
     let now_s = dispatcher.segment().clock().now_ms() / 1000;
-    summary.warm_s = candidates
-        .iter()
-        .filter_map(|c| tables.servers.entry_max_age(c.server.tag(), now_s))
-        .filter(|age| *age < u16::MAX)
-        .min()
-        .map(u32::from);
+    summary.warm_s = warm_s(&dispatcher.segment().tables().servers, &candidates, now_s);
     dispatcher.metrics().peer(PeerEvent::LoadServed);
     match serde_json::to_value(&summary) {
         Ok(v) => json_response(StatusCode::OK, &v),
@@ -204,18 +233,14 @@ pub(super) fn load_summary(dispatcher: &Dispatcher, headers: &HeaderMap) -> Resp
 /// request has not reached a client yet, and may go elsewhere).
 pub(super) async fn send(
     dispatcher: &Arc<Dispatcher>,
-    forward: Forward,
+    guard: ForwardGuard,
     method: &Method,
     path_and_query: &str,
     copy: &PeerCopy,
     deadline: tokio::time::Instant,
     start: Option<Instant>,
 ) -> Result<Response<Body>, String> {
-    let peer = forward.peer.clone();
-    let ended = ForwardEnd {
-        dispatcher: dispatcher.clone(),
-        forward,
-    };
+    let peer = guard.forward.peer.clone();
     let uri = format!("{}{path_and_query}", peer.address)
         .parse::<Uri>()
         .map_err(|e| e.to_string())?;
@@ -223,8 +248,8 @@ pub(super) async fn send(
     *request.method_mut() = method.clone();
     *request.uri_mut() = uri;
     *request.headers_mut() = copy.headers.clone();
-    let region = dispatcher.config().peering.region.as_deref().unwrap_or("");
-    if let Ok(v) = HeaderValue::from_str(region) {
+    let region = dispatcher.peering().config.region.clone().unwrap_or_default();
+    if let Ok(v) = HeaderValue::from_str(&region) {
         request.headers_mut().insert(HOP_HEADER, v);
     }
     if !peer.delay.is_zero() {
@@ -244,7 +269,7 @@ pub(super) async fn send(
         deadline: Box::pin(tokio::time::sleep_until(deadline)),
         timer: start.map(|s| RelayTimer::new(dispatcher.clone(), s)),
         finished: false,
-        _ended: ended,
+        _ended: guard,
     };
     let mut response = Response::new(relay.boxed_unsync());
     *response.status_mut() = parts.status;
@@ -262,21 +287,27 @@ struct PeerRelay {
     timer: Option<RelayTimer>,
     finished: bool,
     /// Tells the peer book when the relay is dropped.
-    _ended: ForwardEnd,
+    _ended: ForwardGuard,
 }
 
-/// Tells the peer book that a forwarded request ended when dropped (its
+/// A request forwarded as `forward`: tells the book it was chosen from
+/// (a reload may have replaced it since) that it ended when dropped (its
 /// answer ended, failed, or its client left; or it never got a head).
-struct ForwardEnd {
-    dispatcher: Arc<Dispatcher>,
+pub(super) struct ForwardGuard {
+    book: Arc<PeerBook>,
     forward: Forward,
 }
 
-impl Drop for ForwardEnd {
+impl ForwardGuard {
+    /// The guard of `forward`, chosen from `book`.
+    pub(super) fn new(book: Arc<PeerBook>, forward: Forward) -> Self {
+        Self { book, forward }
+    }
+}
+
+impl Drop for ForwardGuard {
     fn drop(&mut self) {
-        if let Some(book) = self.dispatcher.peers() {
-            book.ended(&self.forward);
-        }
+        self.book.ended(&self.forward);
     }
 }
 

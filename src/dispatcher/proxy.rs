@@ -342,7 +342,8 @@ impl<'d> Attempts<'d> {
     /// is not asked again until its next summary).
     async fn to_peer(&self) -> Option<Response<Body>> {
         let dispatcher = self.dispatcher;
-        let (book, copy) = (dispatcher.peers()?, self.outbound.peer.as_ref()?);
+        let peering = dispatcher.peering();
+        let (book, copy) = (peering.book.clone()?, self.outbound.peer.as_ref()?);
         if self.tried_peer.swap(true, Ordering::Relaxed) {
             return None;
         }
@@ -350,7 +351,8 @@ impl<'d> Attempts<'d> {
         let wait = dispatcher.queue().expected_wait(now);
         let forward = book.choose(&copy.model, wait, now)?;
         let why = format!("every local server is full (the local queue's expected wait: {wait:?})");
-        self.forward(book, forward, copy, why).await
+        self.forward(book, forward, copy, why, peering.config.affinity_secs)
+            .await
     }
 
     /// Step 1, on the first decision, before any local server is asked: the
@@ -360,9 +362,13 @@ impl<'d> Attempts<'d> {
     /// here.
     async fn to_warm_peer(&self) -> Option<Response<Body>> {
         let dispatcher = self.dispatcher;
-        let (book, copy, ctx) = (dispatcher.peers()?, self.outbound.peer.as_ref()?, self.ctx.as_ref()?);
-        let lookup = self.first_lookup.as_ref()?;
-        let affinity_secs = dispatcher.config().peering.affinity_secs;
+        let (copy, ctx, lookup) = (
+            self.outbound.peer.as_ref()?,
+            self.ctx.as_ref()?,
+            self.first_lookup.as_ref()?,
+        );
+        let peering = dispatcher.peering();
+        let (book, affinity_secs) = (peering.book.clone()?, peering.config.affinity_secs);
         if affinity_secs == 0 || ctx.chain.is_empty() || self.tried_peer.load(Ordering::Relaxed) {
             return None;
         }
@@ -384,19 +390,27 @@ impl<'d> Attempts<'d> {
             "its conversation is warm there ({} blocks of the prompt, {local} at the best local server)",
             warm.blocks
         );
-        self.forward(book, forward, copy, why).await
+        self.forward(book, forward, copy, why, affinity_secs).await
     }
 
-    /// Sends the request to the peer `forward` names: its answer, recorded
-    /// as the peer its prompt's conversation went to; `None` if it failed
-    /// (the peer is not asked again until its next summary).
-    async fn forward(&self, book: &PeerBook, forward: Forward, copy: &PeerCopy, why: String) -> Option<Response<Body>> {
+    /// Sends the request to the peer `forward` (of `book`) names: its
+    /// answer, recorded as the peer its prompt's conversation went to when
+    /// `affinity_secs` is not 0; `None` if it failed (the peer is not asked
+    /// again until its next summary).
+    async fn forward(
+        &self,
+        book: Arc<PeerBook>,
+        forward: Forward,
+        copy: &PeerCopy,
+        why: String,
+        affinity_secs: u64,
+    ) -> Option<Response<Body>> {
         let dispatcher = self.dispatcher;
         let peer = forward.peer.clone();
         let start = self.ctx.as_ref().map(|c| c.timing.start);
         let sent = peer_forward::send(
             dispatcher,
-            forward,
+            peer_forward::ForwardGuard::new(book.clone(), forward),
             &self.outbound.method,
             &self.outbound.path_and_query,
             copy,
@@ -414,13 +428,13 @@ impl<'d> Attempts<'d> {
                     peer.address
                 );
                 if let Some(ctx) = self.ctx.as_ref().filter(|c| !c.chain.is_empty())
-                    && dispatcher.config().peering.affinity_secs > 0
+                    && affinity_secs > 0
                 {
                     let segment = dispatcher.segment();
                     affinity::record(
                         &segment.tables().prefix,
                         &affinity::peer_chain(&ctx.chain),
-                        affinity::peer_ref(&peer),
+                        affinity::peer_ref(peer.index, &peer.address),
                         segment.clock().stamp(),
                     );
                 }

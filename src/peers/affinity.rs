@@ -23,11 +23,11 @@
 //! as the peer book is), refreshed and evicted like any other entry. A
 //! peer is a [`ServerRef`] whose slot is its index in the peer list and
 //! whose generation is a hash of its address, so a reordered `[[peer]]`
-//! list after a restart does not send a conversation to the wrong region.
+//! list after a reload or a restart does not send a conversation to the
+//! wrong region.
 
 use shm_layout::{PrefixTable, ServerRef, ServerTag, Stamp};
 
-use super::book::Peer;
 use crate::routing::random::mix;
 
 /// Mixed into every key of a peer's chain ("peerprfx").
@@ -38,11 +38,12 @@ pub fn peer_chain(chain: &[u64]) -> Vec<u64> {
     chain.iter().map(|k| mix(k ^ KEYSPACE)).collect()
 }
 
-/// How a peer appears in the prefix table.
-pub fn peer_ref(peer: &Peer) -> ServerRef {
+/// How the peer at `index` of the peer list, at `address`, appears in
+/// the prefix table.
+pub fn peer_ref(index: usize, address: &str) -> ServerRef {
     ServerRef {
-        slot: u16::try_from(peer.index).unwrap_or(u16::MAX),
-        generation: (seahash::hash(peer.address.as_bytes()) & 0xffff_ffff) as u32,
+        slot: u16::try_from(index).unwrap_or(u16::MAX),
+        generation: (seahash::hash(address.as_bytes()) & 0xffff_ffff) as u32,
     }
 }
 
@@ -83,20 +84,12 @@ pub fn matched(
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use shm_layout::{LayoutPlan, Segment};
 
     use super::*;
 
-    fn peer(index: usize) -> Peer {
-        Peer {
-            index,
-            address: format!("http://10.1.0.{index}:8080"),
-            region: format!("r{index}"),
-            token: "t".repeat(32),
-            delay: Duration::ZERO,
-        }
+    fn peer(index: usize) -> ServerRef {
+        peer_ref(index, &format!("http://10.1.0.{index}:8080"))
     }
 
     fn chain(seed: u64, len: u64) -> Vec<u64> {
@@ -109,7 +102,7 @@ mod tests {
     fn a_continued_prompt_finds_the_peer_its_last_turn_went_to_while_young_enough() {
         let seg = Segment::heap(&LayoutPlan::for_size(8 << 20).unwrap());
         let t = seg.tables();
-        let (b, c) = (peer_ref(&peer(0)), peer_ref(&peer(1)));
+        let (b, c) = (peer(0), peer(1));
         let now = Stamp(1000);
         let turn1 = chain(7, 6);
         record(&t.prefix, &peer_chain(&turn1), b, now);
@@ -140,11 +133,10 @@ mod tests {
         let t = seg.tables();
         let now = Stamp(5);
         let turn = peer_chain(&chain(3, 4));
-        record(&t.prefix, &turn, peer_ref(&peer(0)), now);
-        // After a restart index 0 is another address.
-        let mut other = peer(0);
-        other.address = "http://10.9.9.9:8080".into();
-        assert_eq!(matched(&t.prefix, &turn, now, &[(peer_ref(&other), Some(60))]), None);
-        assert!(matched(&t.prefix, &turn, now, &[(peer_ref(&peer(0)), Some(60))]).is_some());
+        record(&t.prefix, &turn, peer(0), now);
+        // After a reload index 0 is another address.
+        let other = peer_ref(0, "http://10.9.9.9:8080");
+        assert_eq!(matched(&t.prefix, &turn, now, &[(other, Some(60))]), None);
+        assert!(matched(&t.prefix, &turn, now, &[(peer(0), Some(60))]).is_some());
     }
 }

@@ -206,7 +206,7 @@ impl PeerBook {
                     .as_ref()
                     .filter(|(_, at)| cap > 0 && !e.failed && now.saturating_duration_since(*at) <= self.max_age)
                     .map(|(s, _)| s.warm_s.map_or(cap, |w| cap.min(u16::try_from(w).unwrap_or(u16::MAX))));
-                (super::affinity::peer_ref(&e.peer), age)
+                (super::affinity::peer_ref(e.peer.index, &e.peer.address), age)
             })
             .collect()
     }

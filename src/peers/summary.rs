@@ -11,6 +11,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use shm_layout::ServerTable;
+
 use crate::routing::Candidate;
 
 /// One gateway's load as its peers see it.
@@ -84,6 +86,18 @@ impl LoadSummary {
     }
 }
 
+/// How long the engines of `candidates` keep what they cached, at
+/// segment second `now_s` ([`LoadSummary::warm_s`]): the shortest time
+/// since one of them was seen to evict (its horizon); `None` if none was.
+pub fn warm_s(servers: &ServerTable<'_>, candidates: &[Candidate], now_s: u64) -> Option<u32> {
+    candidates
+        .iter()
+        .filter_map(|c| servers.entry_max_age(c.server.tag(), now_s))
+        .filter(|age| *age < u16::MAX)
+        .min()
+        .map(u32::from)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -110,5 +124,18 @@ mod tests {
         let evicting = LoadSummary { warm_s: Some(40), ..s };
         let json = serde_json::to_string(&evicting).unwrap();
         assert_eq!(serde_json::from_str::<LoadSummary>(&json).unwrap(), evicting);
+    }
+
+    #[test]
+    fn warm_is_the_shortest_time_since_an_engine_evicted() {
+        let f = Fixture::new(2);
+        let servers = &f.seg.tables().servers;
+        let both = [cand(f.s[0], 0, 0), cand(f.s[1], 0, 0)];
+        assert_eq!(warm_s(servers, &both, 100), None, "nothing evicted");
+        assert!(servers.raise_horizon(f.s[0], 40));
+        assert_eq!(warm_s(servers, &both, 100), Some(60));
+        assert!(servers.raise_horizon(f.s[1], 90));
+        assert_eq!(warm_s(servers, &both, 100), Some(10));
+        assert_eq!(warm_s(servers, &both[..1], 100), Some(60), "only live candidates count");
     }
 }

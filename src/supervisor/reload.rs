@@ -14,9 +14,11 @@
 //!   the new drain timeout for backends removed from then on.
 //! * **Applied at once** by the supervisor ([`super`]): the backends
 //!   ([`super::backends`]), the health checks, and the routing policy, the
-//!   model pools and the keys file (`[auth]`), which the dispatchers take
-//!   when the supervisor forwards them SIGHUP. A keys file that does not
-//!   read rejects the reload.
+//!   model pools, the keys file (`[auth]`) and the peer gateways
+//!   (`[peering]`, `[[peer]]`, their token files read again), which the
+//!   dispatchers take when the supervisor forwards them SIGHUP. A keys
+//!   file that does not read rejects the reload; a peer token file that
+//!   does not read keeps the running peers (each dispatcher logs it).
 
 use semlb::config::{ModelChanges, ServeConfig};
 
