@@ -233,6 +233,33 @@ fn dispatch(c: &mut Criterion) {
                 black_box(prefix_match(&t, seg.clock().now_ms(), &chains[i], &[], None))
             })
         });
+        // With peer gateways: a turn's match against the conversations
+        // forwarded to peers (every other prompt went to one).
+        let peers = [
+            (semlb::peers::affinity::peer_ref(0, "http://10.1.0.1:8080"), Some(300)),
+            (semlb::peers::affinity::peer_ref(1, "http://10.1.0.2:8080"), Some(300)),
+        ];
+        for (n, ch) in chains.iter().enumerate().step_by(2) {
+            let peer = peers[n / 2 % 2].0;
+            semlb::peers::affinity::record(
+                &t.prefix,
+                &semlb::peers::affinity::peer_chain(ch),
+                peer,
+                seg.clock().stamp(),
+            );
+        }
+        g.bench_function("peer_affinity_lookup", |b| {
+            b.iter(|| {
+                i = (i + 1) % chains.len();
+                let chain = semlb::peers::affinity::peer_chain(&chains[i]);
+                black_box(semlb::peers::affinity::matched(
+                    &t.prefix,
+                    &chain,
+                    seg.clock().stamp(),
+                    &peers,
+                ))
+            })
+        });
         for s in &servers[..2] {
             t.servers.set_kv_events(*s, Some(shm_layout::KvEventsSync::Complete));
         }
