@@ -108,12 +108,13 @@ fn counter(gw: &Gateway, name: &str) -> f64 {
     samples(&gw.metrics(), name).iter().map(|(_, v)| v).sum()
 }
 
-/// Waits until `peer` has served two load summaries (so the gateway
-/// polling it has read one).
+/// Waits until `peer` has served two more load summaries (so the gateway
+/// polling it has read one taken from now on).
 fn polled(peer: &Gateway) {
+    let served = counter(peer, "semlb_peer_load_served_total");
     wait_for("a peer's load summary to be read", Duration::from_secs(20), || {
         let n = counter(peer, "semlb_peer_load_served_total");
-        (n >= 2.0, n)
+        (n >= served + 2.0, n)
     });
 }
 
@@ -358,11 +359,7 @@ fn a_conversation_forwarded_to_a_peer_keeps_going_there_while_warm() {
     // B full (and A has read so): the conversation's next turn is served
     // at home.
     let long_b = occupy(&b, 400);
-    let served = counter(&b, "semlb_peer_load_served_total");
-    wait_for("A to read B's summary since", Duration::from_secs(20), || {
-        let n = counter(&b, "semlb_peer_load_served_total");
-        (n >= served + 2.0, n)
-    });
+    polled(&b);
     let mut third = vec![user(&format!("{OPENING} (one)"))];
     third.push(json!({"role": "assistant", "content": "Board the windows."}));
     third.push(user("And the pantry?"));
@@ -427,11 +424,7 @@ fn a_reload_adds_and_removes_a_peer() {
     assert_eq!(full_region_asks("No peer yet."), None, "no peer: it waits at home");
 
     reload(&[(b.addr(), "b")]);
-    let served = counter(&b, "semlb_peer_load_served_total");
-    wait_for("A to read B's load", Duration::from_secs(20), || {
-        let n = counter(&b, "semlb_peer_load_served_total");
-        (n >= served + 2.0, n)
-    });
+    polled(&b);
     assert_eq!(full_region_asks("A peer now.").as_deref(), Some("b"));
 
     reload(&[]);
