@@ -103,6 +103,32 @@ fn region_toml(
     config
 }
 
+/// Region A polling region B, each in front of its own engine.
+struct Regions {
+    a: Gateway,
+    b: Gateway,
+    engine_a: Proc,
+    engine_b: Proc,
+    _dir: TempDir,
+}
+
+/// [`Regions`] (`a_peering`: more `[peering]` lines for A), once A has
+/// read B's load.
+fn a_polling_b(tag: &str, a_peering: &str) -> Regions {
+    let dir = TempDir::new(tag);
+    let (engine_a, engine_b) = (sim_at("1"), sim_at("1"));
+    let b = region(&dir, "b", &engine_b, &[], 50, 2000);
+    let a = region_with(&dir, "a", &engine_a, &[(b.addr(), "b")], 50, 2000, a_peering);
+    polled(&b);
+    Regions {
+        a,
+        b,
+        engine_a,
+        engine_b,
+        _dir: dir,
+    }
+}
+
 /// A metric of `gw`, summed over its series.
 fn counter(gw: &Gateway, name: &str) -> f64 {
     samples(&gw.metrics(), name).iter().map(|(_, v)| v).sum()
@@ -150,11 +176,8 @@ fn ask(addr: &str, text: &str, stream: bool, headers: &[(&str, &str)]) -> suppor
 
 #[test]
 fn a_full_region_forwards_to_its_peer_once_and_streams_intact() {
-    let dir = TempDir::new("peers");
-    let (engine_a, engine_b) = (sim_at("1"), sim_at("1"));
-    let b = region(&dir, "b", &engine_b, &[], 50, 2000);
-    let a = region(&dir, "a", &engine_a, &[(b.addr(), "b")], 50, 2000);
-    polled(&b);
+    let r = a_polling_b("peers", "");
+    let (a, b, engine_a, engine_b) = (&r.a, &r.b, &r.engine_a, &r.engine_b);
     // The summary is for peers only.
     let load = |token: &str| {
         http(
@@ -184,7 +207,7 @@ fn a_full_region_forwards_to_its_peer_once_and_streams_intact() {
     );
 
     // A's engine busy: forwarded to B, JSON and SSE.
-    let long = occupy(&a, 400);
+    let long = occupy(a, 400);
     let r = ask(a.addr(), "Region A is full: who answers?", false, &[]);
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     assert_eq!(r.header("x-semlb-peer"), Some("b"), "forwarded to the peer");
@@ -225,8 +248,8 @@ fn a_full_region_forwards_to_its_peer_once_and_streams_intact() {
         chunks >= 8 && !streamed.is_empty(),
         "one chunk per token, relayed: {chunks}"
     );
-    assert!(counter(&a, "semlb_peer_forwarded_total") >= 2.0);
-    assert!(counter(&b, "semlb_peer_received_total") >= 2.0);
+    assert!(counter(a, "semlb_peer_forwarded_total") >= 2.0);
+    assert!(counter(b, "semlb_peer_received_total") >= 2.0);
     assert_eq!(long.join().unwrap(), 200);
 }
 
@@ -343,12 +366,9 @@ fn two_turns(a: &Gateway, topic: &str) -> (Option<String>, Option<String>) {
 
 #[test]
 fn a_conversation_forwarded_to_a_peer_keeps_going_there_while_warm() {
-    let dir = TempDir::new("peers-affinity");
-    let (engine_a, engine_b) = (sim_at("1"), sim_at("1"));
-    let b = region(&dir, "b", &engine_b, &[], 50, 2000);
-    let a = region(&dir, "a", &engine_a, &[(b.addr(), "b")], 50, 2000);
-    polled(&b);
-    let (second, first) = two_turns(&a, "one");
+    let r = a_polling_b("peers-affinity", "");
+    let (a, b) = (&r.a, &r.b);
+    let (second, first) = two_turns(a, "one");
     assert_eq!(first.as_deref(), Some("b"), "turn 1 found A full");
     assert_eq!(
         second.as_deref(),
@@ -358,8 +378,8 @@ fn a_conversation_forwarded_to_a_peer_keeps_going_there_while_warm() {
 
     // B full (and A has read so): the conversation's next turn is served
     // at home.
-    let long_b = occupy(&b, 400);
-    polled(&b);
+    let long_b = occupy(b, 400);
+    polled(b);
     let mut third = vec![user(&format!("{OPENING} (one)"))];
     third.push(json!({"role": "assistant", "content": "Board the windows."}));
     third.push(user("And the pantry?"));
@@ -371,20 +391,8 @@ fn a_conversation_forwarded_to_a_peer_keeps_going_there_while_warm() {
 
 #[test]
 fn without_affinity_a_forwarded_conversation_comes_home() {
-    let dir = TempDir::new("peers-no-affinity");
-    let (engine_a, engine_b) = (sim_at("1"), sim_at("1"));
-    let b = region(&dir, "b", &engine_b, &[], 50, 2000);
-    let a = region_with(
-        &dir,
-        "a",
-        &engine_a,
-        &[(b.addr(), "b")],
-        50,
-        2000,
-        "affinity_secs = 0\n",
-    );
-    polled(&b);
-    let (second, first) = two_turns(&a, "two");
+    let r = a_polling_b("peers-no-affinity", "affinity_secs = 0\n");
+    let (second, first) = two_turns(&r.a, "two");
     assert_eq!(first.as_deref(), Some("b"), "turn 1 found A full");
     assert_eq!(second, None, "A idle serves turn 2 itself");
 }

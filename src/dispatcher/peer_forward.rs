@@ -51,8 +51,6 @@ pub struct Peering {
     /// The token peers present to read this gateway's load (`None`: its
     /// load is not served).
     token: Option<String>,
-    /// The peers as configured, with their tokens (to tell a change).
-    peers: Vec<Peer>,
 }
 
 impl Peering {
@@ -69,25 +67,28 @@ impl Peering {
             })?;
             peers.push(peer);
         }
-        let book =
-            (!peers.is_empty()).then(|| Arc::new(PeerBook::new(&config.peering, peers.clone(), config.dispatchers)));
+        let book = (!peers.is_empty()).then(|| Arc::new(PeerBook::new(&config.peering, peers, config.dispatchers)));
         Ok(Self {
             config: config.peering.clone(),
             book,
             token,
-            peers,
         })
+    }
+
+    /// The peers configured, with their tokens.
+    fn peers(&self) -> Vec<Peer> {
+        self.book.as_ref().map_or_else(Vec::new, |b| b.peers())
     }
 
     /// Whether `other` has the same settings, peers and tokens (then a
     /// reload keeps this one, with what its book knows).
     pub fn same_as(&self, other: &Self) -> bool {
-        (&self.config, &self.peers, &self.token) == (&other.config, &other.peers, &other.token)
+        (&self.config, &self.token) == (&other.config, &other.token) && self.peers() == other.peers()
     }
 
     /// Peers configured.
     pub fn peer_count(&self) -> usize {
-        self.peers.len()
+        self.peers().len()
     }
 }
 
@@ -248,8 +249,7 @@ pub(super) async fn send(
     *request.method_mut() = method.clone();
     *request.uri_mut() = uri;
     *request.headers_mut() = copy.headers.clone();
-    let region = dispatcher.peering().config.region.clone().unwrap_or_default();
-    if let Ok(v) = HeaderValue::from_str(&region) {
+    if let Ok(v) = HeaderValue::from_str(guard.book.region()) {
         request.headers_mut().insert(HOP_HEADER, v);
     }
     if !peer.delay.is_zero() {

@@ -84,6 +84,8 @@ pub struct Forward {
 #[derive(Debug)]
 pub struct PeerBook {
     entries: Mutex<Vec<Entry>>,
+    /// This gateway's region (`peering.region`: the hop header's value).
+    region: String,
     max_age: Duration,
     forward_after: Duration,
     delay_penalty_ms: f64,
@@ -109,6 +111,7 @@ impl PeerBook {
                     })
                     .collect(),
             ),
+            region: peering.region.clone().unwrap_or_default(),
             max_age: Duration::from_millis(peering.max_age_ms),
             forward_after: Duration::from_millis(peering.forward_after_ms),
             delay_penalty_ms: peering.delay_penalty_ms.max(1) as f64,
@@ -118,6 +121,11 @@ impl PeerBook {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Entry>> {
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// This gateway's region, which the requests it forwards name.
+    pub fn region(&self) -> &str {
+        &self.region
     }
 
     /// The peers, to poll.
