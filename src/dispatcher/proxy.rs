@@ -427,8 +427,11 @@ impl<'d> Attempts<'d> {
                     peer.region,
                     peer.address
                 );
+                // Only an answer makes the conversation warm there (not a
+                // refusal: a 4xx of the peer's keys or limits).
                 if let Some(ctx) = self.ctx.as_ref().filter(|c| !c.chain.is_empty())
                     && affinity_secs > 0
+                    && answer.status().is_success()
                 {
                     let segment = dispatcher.segment();
                     affinity::record(
