@@ -16,7 +16,11 @@
 //!   refilled meanwhile);
 //! * **no charge lost**: a kill loses at most the byte of the unit it was
 //!   about to report, so the bytes are at least the limit less one per
-//!   kill, and the bucket ends empty.
+//!   kill.
+//!
+//! Both are counted with what the bucket holds when the test ends: it
+//! refills about one unit per 86 ms, so a slow final kill can leave a unit
+//! or two in it, and those were not charged.
 //!
 //! A charge is one compare-and-swap, so a kill can only land before or
 //! after it: there is nothing to reclaim. The children are this test binary
@@ -128,24 +132,25 @@ fn a_killed_charger_never_lets_more_than_the_limit_through() {
     for c in children.drain(..) {
         given += kill_and_count(c);
     }
-    let elapsed = clock.now_ns() - start_ns;
-    let refilled = (u128::from(elapsed) * u128::from(QUOTA.limit)).div_ceil(u128::from(QUOTA.period_ns)) as u64;
+    let now = clock.now_ns();
+    // What the bucket refilled since before its first take (rounded up),
+    // and what it holds now: the units charged are the limit plus the
+    // refill less what is left.
+    let refilled = (u128::from(now - start_ns) * u128::from(QUOTA.limit)).div_ceil(u128::from(QUOTA.period_ns)) as u64;
+    let left = t.limits.peek(KEY, QUOTA, now).remaining;
     eprintln!(
-        "{kills} kills ({charging} while the bucket had units), {given} units reported given of {} (+{refilled} refilled)",
+        "{kills} kills ({charging} while the bucket had units), {given} units reported given of {} \
+         (+{refilled} refilled, {left} left in the bucket)",
         QUOTA.limit
     );
     assert!(
-        given <= QUOTA.limit + refilled,
-        "{given} units given, more than the limit {} (+{refilled} refilled)",
+        given + left <= QUOTA.limit + refilled,
+        "{given} units given and {left} left, more than the limit {} (+{refilled} refilled)",
         QUOTA.limit
     );
     assert!(
-        given + kills >= QUOTA.limit,
-        "{given} reported + {kills} kills < {}: charges were lost",
+        given + kills + left >= QUOTA.limit,
+        "{given} reported + {kills} kills + {left} left < {}: charges were lost",
         QUOTA.limit
     );
-    assert!(matches!(
-        t.limits.take(KEY, QUOTA, 1, clock.now_ns()),
-        Taken::Limited { .. }
-    ));
 }
