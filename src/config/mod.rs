@@ -100,7 +100,7 @@
 //! | `policy.cost.initial_weight` | float | `0.0625` | weight of queued work against uncached prompt tokens to start from (1/16 to 16) |
 //! | `policy.cost.tune` | bool | `true` | tune the weight online from TTFT |
 //! | `policy.cost.explore` | float | `0.05` | share of epochs routed with another weight (0 to 0.5) |
-//! | `policy.cost.epoch_requests` | int | `32` | requests per epoch: an epoch's requests share one weight and are its evidence together (1 to 4096) |
+//! | `policy.cost.epoch_requests` | int | `32` | requests per epoch: an epoch's requests share one weight and are its evidence together; one that changes the weight adds half an epoch of washout (1 to 4096) |
 //! | `policy.cost.running_request_tokens` | integer | `16` | prefill tokens one decoding request counts as queued work |
 //! | `policy.cost.bounded_load` | boolean | `true` | skip servers above `(1 + load_epsilon)` × the average requests in flight |
 //! | `policy.cost.load_epsilon` | float | `0.25` | the bound's slack (0 to 100) |
@@ -264,7 +264,8 @@ pub enum ConfigError {
 }
 
 impl ConfigError {
-    fn invalid(field: impl Into<String>, value: impl fmt::Display, reason: impl Into<String>) -> Self {
+    /// `field = value` is refused for `reason`.
+    pub(crate) fn invalid(field: impl Into<String>, value: impl fmt::Display, reason: impl Into<String>) -> Self {
         Self::Invalid {
             field: field.into(),
             value: value.to_string(),

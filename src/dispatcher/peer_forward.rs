@@ -60,11 +60,8 @@ impl Peering {
         let mut peers = Vec::with_capacity(config.peers.len());
         for (i, p) in config.peers.iter().enumerate() {
             let peer_token = p.read_token()?;
-            let peer = Peer::new(i, p, peer_token).map_err(|reason| ConfigError::Invalid {
-                field: "peer.url".into(),
-                value: p.url.clone(),
-                reason,
-            })?;
+            let peer = Peer::new(i, p, peer_token)
+                .map_err(|reason| ConfigError::invalid("peer.url", format!("{:?}", p.url), reason))?;
             peers.push(peer);
         }
         let book = (!peers.is_empty()).then(|| Arc::new(PeerBook::new(&config.peering, peers, config.dispatchers)));
