@@ -48,7 +48,8 @@
 //! `epoch_requests` requests is routed with one weight of a grid from
 //! 1/16 to 16, mostly the one whose requests have seen the lowest TTFT
 //! lately, sometimes another (`explore`), and the TTFTs its answers show
-//! are that weight's evidence. `tune = false`
+//! are that weight's evidence (after a washout, when the epoch changed
+//! the weight). `tune = false`
 //! keeps `initial_weight`. Each dispatcher tunes its own weight from the
 //! requests it routes and publishes it (`semlb_cost_weight` in
 //! `/metrics`, the `WEIGHT` column of `semlb status`).
@@ -59,7 +60,7 @@ use serde::{Deserialize, Serialize};
 
 use super::least_load::least_loaded_where;
 use super::load_bound::LoadBound;
-use super::weight_bandit::{EPOCH_REQUESTS, WeightBandit, arm_near, weight_of};
+use super::weight_bandit::{Draw, EPOCH_REQUESTS, WeightBandit, arm_near, weight_of};
 use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, in_range, in_range_f64};
 
 /// The weight `λ` tuning starts from by default: cache first.
@@ -80,7 +81,9 @@ pub struct CostParams {
     pub explore: f64,
     /// Requests of an epoch: every request of an epoch is routed with the
     /// same weight, and the TTFTs of an epoch's requests are that weight's
-    /// evidence together (see [`WeightBandit`]). Default 32; 1 to 4096.
+    /// evidence together (see [`WeightBandit`]). An epoch that changes the
+    /// weight is half as long again, its first half-epoch a washout that
+    /// is not counted. Default 32; 1 to 4096.
     pub epoch_requests: u32,
     /// Prefill tokens one request decoding at a server counts as queued
     /// work. Default 16; 0 to 1 000 000.
@@ -181,12 +184,15 @@ impl Policy for Cost {
     }
 
     fn choose(&self, input: &RouteInput<'_>) -> Option<Choice> {
-        let arm = if self.params.tune {
+        let draw = if self.params.tune {
             self.bandit.draw()
         } else {
-            self.fixed_arm()
+            Draw {
+                arm: self.fixed_arm(),
+                measured: false,
+            }
         };
-        let weight = weight_of(arm);
+        let weight = weight_of(draw.arm);
         let bound = self
             .params
             .bounded_load
@@ -207,7 +213,7 @@ impl Policy for Cost {
         Some(Choice {
             server: server.server,
             reason: Reason::Cost {
-                arm: self.params.tune.then_some(arm),
+                arm: draw.measured.then_some(draw.arm),
             },
         })
     }
@@ -335,13 +341,19 @@ mod tests {
         });
         assert_eq!(p.tuned_weight(), Some(INITIAL_WEIGHT));
         // Requests routed with a weight above 1 see a tenth of the TTFT.
+        // (Those in the washout of an epoch that switched arms are not
+        // tagged: their TTFT is not evidence.)
+        let mut tagged = 0;
         for _ in 0..30_000 {
-            let Reason::Cost { arm: Some(arm) } = p.choose(&input_for(&chain, 64, &prefix, &cands)).unwrap().reason
-            else {
-                panic!("untagged choice");
+            let Reason::Cost { arm } = p.choose(&input_for(&chain, 64, &prefix, &cands)).unwrap().reason else {
+                panic!("not a cost choice");
             };
-            p.observe(arm, if arm > 4 { 10_000 } else { 100_000 });
+            if let Some(arm) = arm {
+                p.observe(arm, if arm > 4 { 10_000 } else { 100_000 });
+                tagged += 1;
+            }
         }
+        assert!(tagged > 25_000, "{tagged} of 30 000 choices tagged");
         assert!(p.tuned_weight().unwrap() > 1.0, "{:?}", p.bandit.snapshot());
     }
 

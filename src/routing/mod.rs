@@ -236,7 +236,8 @@ pub enum Reason {
         permille: u16,
     },
     /// The lowest cost, at the weight of the tuner's `arm`
-    /// ([`weight_bandit::weight_of`]; `None` when the weight is fixed).
+    /// ([`weight_bandit::weight_of`]; `None` when the weight is fixed, or
+    /// when the request is in the washout of an epoch that switched arms).
     Cost {
         /// The arm whose weight routed the request: its answer's TTFT is
         /// that arm's evidence ([`Policy::observe`]).

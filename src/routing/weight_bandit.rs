@@ -28,6 +28,23 @@
 //!   weight 16 against the rest: per request, the same share of slow
 //!   first tokens on every arm (35–45 %); per epoch of 32, 42–47 % at
 //!   weight 16 against 22–34 % at the others.
+//! * **Washout.** An epoch whose arm differs from the last epoch's is
+//!   longer by half: its first `epoch_requests / 2` requests are routed
+//!   with its arm but their TTFTs are not counted, and `epoch_requests`
+//!   are after them. The first ones share the engines with the last
+//!   epoch's requests still in flight, and with the recomputes its moves
+//!   caused, so what they wait
+//!   is partly the last arm's doing (the *carryover* that switchback
+//!   experiments drop as a burn-in). Exploring epochs nearly always follow
+//!   the leader's, so without the washout each explored arm carries some
+//!   of the leader's cost, and the leader some of theirs: the gap between
+//!   them shrinks. An epoch that continues the last one's arm is measured
+//!   whole. (Lengthened rather than cut: an explored epoch brings as much
+//!   evidence as before, and costs half as many requests again.)
+//!   Measured in the unit tests (a world whose harm lingers for 16
+//!   requests, epochs of 32): weight 16 adds 2 to `ln(TTFT)` once its
+//!   harm has built up; the tuner sees a gap of 1.98 with the washout,
+//!   1.61 without.
 //! * **Reward.** When the answer ends, its time to first token is a
 //!   sample of its arm: the first byte of a stream, or the whole latency
 //!   of a non-streamed answer (its decode time is the same, on average,
@@ -71,6 +88,9 @@ use super::random::Random;
 pub const ARMS: usize = 9;
 /// The arm of weight 1 (the grid is `2^(arm − UNIT_ARM)`).
 pub const UNIT_ARM: u8 = 4;
+/// In [`WeightBandit`]'s `epoch`: its arm differs from the last epoch's
+/// (it starts with a washout).
+const SWITCHED: u8 = 0x80;
 /// Requests of an epoch (and of a batch), by default.
 pub const EPOCH_REQUESTS: u32 = 32;
 /// Batches after which an old batch counts `1/e` as much as a new one.
@@ -121,15 +141,30 @@ struct Evidence {
     open: [(u32, f64); ARMS],
 }
 
+/// The arm a request is routed with ([`WeightBandit::draw`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Draw {
+    /// The arm of the request's epoch.
+    pub arm: u8,
+    /// Whether its TTFT is the arm's evidence: false in the washout of an
+    /// epoch that switched arms.
+    pub measured: bool,
+}
+
 /// The tuner (see the [module docs](self)).
 #[derive(Debug)]
 pub struct WeightBandit {
     leader: AtomicU8,
-    /// The current epoch's arm.
-    current: AtomicU8,
+    /// The epoch in force: the draw it started at (above the low byte) and
+    /// its arm, with [`SWITCHED`] when it differs from the last epoch's (in
+    /// the low byte). One word, so a draw reads them together.
+    epoch: AtomicU64,
     /// Requests drawn so far.
     drawn: AtomicU64,
+    /// Requests of an epoch that are measured.
     epoch_requests: u32,
+    /// Requests at the start of a switched epoch that are not measured.
+    washout: u32,
     explore: f64,
     evidence: Mutex<Evidence>,
     rng: Random,
@@ -146,11 +181,13 @@ impl WeightBandit {
     /// The same, drawing from `rng`.
     fn with_rng(initial_weight: f64, explore: f64, epoch_requests: u32, rng: Random) -> Self {
         let start = arm_near(initial_weight);
+        let epoch_requests = epoch_requests.max(1);
         Self {
             leader: AtomicU8::new(start),
-            current: AtomicU8::new(start),
+            epoch: AtomicU64::new(u64::from(start)),
             drawn: AtomicU64::new(0),
-            epoch_requests: epoch_requests.max(1),
+            epoch_requests,
+            washout: epoch_requests / 2,
             explore,
             evidence: Mutex::new(Evidence::default()),
             rng,
@@ -162,22 +199,40 @@ impl WeightBandit {
         self.leader.load(Ordering::Relaxed)
     }
 
-    /// The arm a request is routed with: its epoch's (see the rule).
-    pub fn draw(&self) -> u8 {
-        let drawn = self.drawn.fetch_add(1, Ordering::Relaxed);
-        if !drawn.is_multiple_of(u64::from(self.epoch_requests)) {
-            return self.current.load(Ordering::Relaxed);
+    /// The arm a request is routed with: its epoch's, and whether it is
+    /// measured (see the rule).
+    pub fn draw(&self) -> Draw {
+        let i = self.drawn.fetch_add(1, Ordering::Relaxed);
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let (start, arm, switched) = (epoch >> 8, epoch as u8 & !SWITCHED, epoch as u8 & SWITCHED != 0);
+        let washout = if switched { u64::from(self.washout) } else { 0 };
+        let end = start + washout + u64::from(self.epoch_requests);
+        if i != end {
+            // In this epoch, measured after its washout. (A draw that
+            // overtook the one opening its epoch, before or after the
+            // epoch's word changed, is routed with the arm it read and not
+            // measured: it straddles two epochs.)
+            return Draw {
+                arm,
+                measured: i >= start + washout && i < end,
+            };
         }
+        // This draw opens the next epoch: no other draw has its number.
         let leader = self.leader();
-        let arm = if self.rng.unit() >= self.explore {
+        let next = if self.rng.unit() >= self.explore {
             leader
         } else {
             // Any other arm, uniformly.
             let other = self.rng.below(ARMS - 1) as u8;
             if other >= leader { other + 1 } else { other }
         };
-        self.current.store(arm, Ordering::Relaxed);
-        arm
+        let switched = next != arm && self.washout > 0;
+        let flag = if switched { SWITCHED } else { 0 };
+        self.epoch.store(i << 8 | u64::from(next | flag), Ordering::Release);
+        Draw {
+            arm: next,
+            measured: !switched,
+        }
     }
 
     /// A request routed with `arm` saw its first token after `ttft_us`.
@@ -259,9 +314,11 @@ mod tests {
         let mut changes = 0;
         for _ in 0..requests {
             let before = bandit.leader();
-            let arm = bandit.draw();
+            let Draw { arm, measured } = bandit.draw();
             let jitter = (noise.unit() * 2.0 - 1.0).exp();
-            bandit.observe(arm, (ttft(arm) * jitter) as u32);
+            if measured {
+                bandit.observe(arm, (ttft(arm) * jitter) as u32);
+            }
             changes += usize::from(bandit.leader() != before);
         }
         changes
@@ -317,13 +374,17 @@ mod tests {
     /// A world where requests interfere: what a request waits depends on
     /// the weights of the 16 requests before it, not its own (a move's
     /// recompute delays the requests batched with it). Weights 8 and 16
-    /// hurt; the tuner starts at 16.
-    fn interfering(epoch_requests: u32, seed: u64) -> WeightBandit {
-        let bandit = WeightBandit::with_rng(16.0, 0.5, epoch_requests, Random::with_seed(seed));
+    /// hurt; the tuner starts at 16. `washout`: whether the start of a
+    /// switched epoch is left out.
+    fn interfering(epoch_requests: u32, washout: bool, seed: u64) -> WeightBandit {
+        let mut bandit = WeightBandit::with_rng(16.0, 0.5, epoch_requests, Random::with_seed(seed));
+        if !washout {
+            bandit.washout = 0;
+        }
         let noise = Random::with_seed(seed ^ 0xabcd);
         let mut recent = std::collections::VecDeque::from([0.0; 16]);
         for _ in 0..4000 {
-            let arm = bandit.draw();
+            let Draw { arm, measured } = bandit.draw();
             recent.pop_front();
             recent.push_back(match arm {
                 8 => 1.0,
@@ -332,7 +393,9 @@ mod tests {
             });
             let harm = recent.iter().sum::<f64>() / 16.0;
             let jitter = (noise.unit() * 2.0 - 1.0).exp();
-            bandit.observe(arm, (20_000.0 * (2.0 * harm).exp() * jitter) as u32);
+            if measured {
+                bandit.observe(arm, (20_000.0 * (2.0 * harm).exp() * jitter) as u32);
+            }
         }
         bandit
     }
@@ -349,17 +412,63 @@ mod tests {
     #[test]
     fn epochs_see_the_cost_a_weight_puts_on_the_requests_after_it() {
         for seed in 0..10 {
-            let by_epoch = interfering(EPOCH_REQUESTS, seed);
+            let by_epoch = interfering(EPOCH_REQUESTS, true, seed);
             assert!(by_epoch.leader() < 7, "seed {seed}: {:?}", by_epoch.snapshot());
             // Per request, every arm shares the harm alike: weight 16
             // looks hardly worse than the others.
-            let by_request = interfering(1, seed);
+            let by_request = interfering(1, true, seed);
             let (epoch_gap, request_gap) = (gap(&by_epoch), gap(&by_request));
             assert!(
                 epoch_gap > 0.5 && request_gap < epoch_gap / 3.0,
                 "seed {seed}: gap {epoch_gap:.2} by epoch, {request_gap:.2} by request"
             );
         }
+    }
+
+    #[test]
+    fn an_epoch_that_switches_arms_starts_with_a_washout() {
+        // Exploring every epoch: each is another arm than the leader (which
+        // stays put without evidence), now and then the same as the last.
+        let bandit = WeightBandit::with_rng(1.0, 1.0, 8, Random::with_seed(3));
+        let draws: Vec<Draw> = (0..2000).map(|_| bandit.draw()).collect();
+        // Runs of one arm: the leader's first epoch, measured whole, then
+        // switched epochs of 4 + 8 requests, each perhaps followed by more
+        // of the same arm, measured whole.
+        let runs: Vec<&[Draw]> = draws.chunk_by(|a, b| a.arm == b.arm).collect();
+        assert!(runs[0].iter().all(|d| d.arm == UNIT_ARM && d.measured));
+        assert_eq!(runs[0].len(), 8);
+        let mut merged = 0;
+        for (r, run) in runs.iter().enumerate().skip(1).take(runs.len() - 2) {
+            let measured: Vec<bool> = run.iter().map(|d| d.measured).collect();
+            assert_eq!(measured[..4], [false; 4], "run {r}");
+            assert!(measured[4..].iter().all(|m| *m), "run {r}");
+            assert_eq!((run.len() - 12) % 8, 0, "run {r}: {} requests", run.len());
+            merged += usize::from(run.len() > 12);
+        }
+        assert!(merged > 0, "no epoch continued the last one's arm");
+        // Never exploring: the leader's epochs follow each other, measured
+        // whole.
+        let steady = WeightBandit::with_rng(1.0, 0.0, 8, Random::with_seed(3));
+        assert!((0..80).map(|_| steady.draw()).all(|d| d.arm == UNIT_ARM && d.measured));
+    }
+
+    #[test]
+    fn the_washout_widens_the_gap_the_last_arms_carryover_hides() {
+        // Without it, an explored epoch right after one of weight 16 (the
+        // leader) measures its start, where weight 16's harm lingers, and
+        // weight 16's epochs after an explored one measure their start,
+        // where it has not built up yet.
+        let (mut with, mut without) = (0.0, 0.0);
+        for seed in 0..10 {
+            with += gap(&interfering(EPOCH_REQUESTS, true, seed));
+            without += gap(&interfering(EPOCH_REQUESTS, false, seed));
+        }
+        // Weight 16's harm, built up, is 2 in ln(TTFT).
+        let (with, without) = (with / 10.0, without / 10.0);
+        assert!(
+            with > 1.9 && without < 0.9 * with,
+            "mean gap {with:.2} with the washout, {without:.2} without"
+        );
     }
 
     #[test]
