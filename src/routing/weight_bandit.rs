@@ -203,21 +203,36 @@ impl WeightBandit {
     /// measured (see the rule).
     pub fn draw(&self) -> Draw {
         let i = self.drawn.fetch_add(1, Ordering::Relaxed);
-        let epoch = self.epoch.load(Ordering::Acquire);
-        let (start, arm, switched) = (epoch >> 8, epoch as u8 & !SWITCHED, epoch as u8 & SWITCHED != 0);
-        let washout = if switched { u64::from(self.washout) } else { 0 };
-        let end = start + washout + u64::from(self.epoch_requests);
-        if i != end {
-            // In this epoch, measured after its washout. (A draw that
-            // overtook the one opening its epoch, before or after the
-            // epoch's word changed, is routed with the arm it read and not
-            // measured: it straddles two epochs.)
-            return Draw {
-                arm,
-                measured: i >= start + washout && i < end,
-            };
+        let mut epoch = self.epoch.load(Ordering::Acquire);
+        loop {
+            let (start, arm, switched) = (epoch >> 8, epoch as u8 & !SWITCHED, epoch as u8 & SWITCHED != 0);
+            let washout = if switched { u64::from(self.washout) } else { 0 };
+            let end = start + washout + u64::from(self.epoch_requests);
+            if i < end {
+                // (A draw that read its epoch late, `i < start`, is
+                // routed with its arm, not measured.)
+                return Draw {
+                    arm,
+                    measured: i >= start + washout,
+                };
+            }
+            // Past the epoch's end: the next epoch starts there, opened by
+            // whichever draw past it gets here first (not only the draw
+            // numbered `end`, which may be slow to come).
+            let next = self.next_arm(arm);
+            match self
+                .epoch
+                .compare_exchange(epoch, end << 8 | u64::from(next), Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => epoch = end << 8 | u64::from(next),
+                Err(seen) => epoch = seen,
+            }
         }
-        // This draw opens the next epoch: no other draw has its number.
+    }
+
+    /// The arm of the epoch after one of `last`, with [`SWITCHED`] if it
+    /// differs: the leader, or for a share `explore` another arm.
+    fn next_arm(&self, last: u8) -> u8 {
         let leader = self.leader();
         let next = if self.rng.unit() >= self.explore {
             leader
@@ -226,12 +241,10 @@ impl WeightBandit {
             let other = self.rng.below(ARMS - 1) as u8;
             if other >= leader { other + 1 } else { other }
         };
-        let switched = next != arm && self.washout > 0;
-        let flag = if switched { SWITCHED } else { 0 };
-        self.epoch.store(i << 8 | u64::from(next | flag), Ordering::Release);
-        Draw {
-            arm: next,
-            measured: !switched,
+        if next != last && self.washout > 0 {
+            next | SWITCHED
+        } else {
+            next
         }
     }
 
@@ -450,6 +463,30 @@ mod tests {
         // whole.
         let steady = WeightBandit::with_rng(1.0, 0.0, 8, Random::with_seed(3));
         assert!((0..80).map(|_| steady.draw()).all(|d| d.arm == UNIT_ARM && d.measured));
+    }
+
+    #[test]
+    fn epochs_go_on_under_concurrent_draws() {
+        // Eight threads drawing at once; then one, which must still see
+        // epochs open and switch (an epoch whose opening draw was slow
+        // is opened by the next one past its end).
+        let bandit = WeightBandit::with_rng(1.0, 1.0, 8, Random::with_seed(5));
+        let measured = std::sync::atomic::AtomicU64::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    for _ in 0..10_000 {
+                        measured.fetch_add(u64::from(bandit.draw().measured), Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+        // Epochs of 4 + 8 (8 counted), or 8 when an arm repeats: at least
+        // two thirds counted.
+        let measured = measured.into_inner();
+        assert!(measured >= 80_000 * 2 / 3, "{measured} of 80 000 draws counted");
+        let after: Vec<Draw> = (0..120).map(|_| bandit.draw()).collect();
+        assert!(after.chunk_by(|a, b| a.arm == b.arm).count() > 3, "{after:?}");
     }
 
     #[test]
