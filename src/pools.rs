@@ -282,6 +282,12 @@ impl Pool {
             .then(|| u16::try_from(prefix.confirm_window_secs).unwrap_or(u16::MAX))
     }
 
+    /// Whether its policy sees matches that end at a shared header as none
+    /// (`[policy.prefix] shared_headers`).
+    pub fn shared_headers(&self) -> bool {
+        self.policy_config().prefix.shared_headers
+    }
+
     /// What its chains are rooted at for a request naming `model`: its
     /// name, or `model` itself in the implicit pool.
     pub fn chain_model<'m>(&'m self, model: &'m str) -> &'m str {

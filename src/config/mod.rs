@@ -66,9 +66,9 @@
 //! | `policy.queue.batch_max_delay_ms` | integer | `10000` | a batch request waiting this long goes before interactive ones (1 ms to 1 hour) |
 //! | `[policy.cache_aware]` | table | | thresholds of the `cache_aware` policy, checked whatever the kind ([`crate::routing::cache_aware::CacheAwareParams`]) |
 //! | `policy.cache_aware.cache_threshold` | float | `0.5` | share of the prompt's blocks (0 to 1) a server must hold, strictly more than, to get the request for its cache |
-//! | `policy.cache_aware.balance_abs_threshold` | integer | `32` | load is imbalanced only if the busiest server has more than this many requests in flight above the least busy ... |
+//! | `policy.cache_aware.balance_abs_threshold` | integer | `32` | the prefix winner is overloaded only if it has more than this many requests in flight above the least busy server ... |
 //! | `policy.cache_aware.balance_rel_threshold` | float | `1.1` | ... and more than this multiple (at least 1) of its load; then the least loaded server gets the request |
-//! | `policy.cache_aware.scale_to_engine_slots` | bool | `true` | where engines reported their slots (llama.cpp's `/props`), the absolute threshold is at most an eighth of the fewest, rounded up (1 for up to 8 slots) |
+//! | `policy.cache_aware.scale_to_capacity` | bool | `true` | the absolute threshold is at most an eighth of what the winner's engine runs at once, rounded up: its reported slots (llama.cpp's `/props`), else its learned admission limit, else 8 (`scale_to_engine_slots`, the old name, is still read) |
 //! | `[policy.selective_push]` | table | | SkyLB's selective pushing ([`crate::routing::selective_push`]) |
 //! | `policy.selective_push.mode` | `pending`, `unstarted`, `max_outstanding` | `pending` | when a server is full: estimated pending requests (scraped queue, tracked by the gateway) above `max_pending`; or requests without a first token above `max_pending` (strict); or `max_outstanding` requests in flight |
 //! | `policy.selective_push.max_pending` | integer | `0` | pending requests (sent, no first token; scraped `waiting` corrected by the gateway's accounting) a server may have and still take more |
@@ -91,7 +91,7 @@
 //! | `policy.dual_map.max_pending` | integer | `0` | a candidate is full above this many pending requests (then rebalance or wait) |
 //! | `policy.dual_map.virtual_nodes` | integer | `100` | points per server on each of the two rings |
 //! | `[policy.weighted_scorers]` | table | | llm-d-style weighted scoring ([`crate::routing::weighted_scorers`]) |
-//! | `policy.weighted_scorers.prefix_weight` | float | `2` | weight of the prefix-match score |
+//! | `policy.weighted_scorers.prefix_weight` | float | `3` | weight of the prefix-match score |
 //! | `policy.weighted_scorers.queue_weight` | float | `1` | weight of the queue (pending) score |
 //! | `policy.weighted_scorers.kv_cache_weight` | float | `1` | weight of the KV-cache usage score |
 //! | `policy.weighted_scorers.load_weight` | float | `1` | weight of the in-flight load score |
@@ -104,6 +104,10 @@
 //! | `policy.cost.running_request_tokens` | integer | `16` | prefill tokens one decoding request counts as queued work |
 //! | `policy.cost.bounded_load` | boolean | `true` | skip servers above `(1 + load_epsilon)` × the average requests in flight |
 //! | `policy.cost.load_epsilon` | float | `0.25` | the bound's slack (0 to 100) |
+//! | `[policy.prefix]` | table | | the prefix matches the prefix-aware policies see ([`crate::routing::PrefixParams`]) |
+//! | `policy.prefix.source` | `estimate`, `precise` | `estimate` | the table the gateway builds from what it sent, or the engines' KV events where followed ([`crate::kv_events`]) |
+//! | `policy.prefix.confirm_window_secs` | integer | `2` | with `precise`: how long the gateway's own entries count before an engine confirms them (1 to 60) |
+//! | `policy.prefix.shared_headers` | bool | `true` | a match that ends at a shared header (a prefix more than two other recent prompts diverged right after: a system prompt) counts as none, so such prompts go by load ([`crate::routing::shared_header`]) |
 //! | `[response_cache]` | table | | the exact-response cache |
 //! | `response_cache.enabled` | bool | `true` | answer repeated deterministic requests from the cache |
 //! | `response_cache.ttl_secs` | integer | `300` | how long a cached response is served (1 s to 1 year) |

@@ -157,6 +157,7 @@ use crate::metrics::Metrics;
 use crate::peers::book::PeerBook;
 use crate::pools::{ModelPools, Pool, PoolError, Tokenization, TokenizerLoader};
 use crate::routing::least_load::LeastLoad;
+use crate::routing::shared_header::SharedHeaders;
 use crate::store::RoutingStore;
 use crate::store::local::LocalState;
 use crate::store::shm::ShmStore;
@@ -223,6 +224,9 @@ pub struct Dispatcher {
     keys: std::sync::RwLock<Option<Arc<Keys>>>,
     /// How requests that are not inference choose a server.
     least_load: LeastLoad,
+    /// The prefixes many different prompts diverge at, which the
+    /// policies see as weak evidence ([`crate::routing::shared_header`]).
+    shared_headers: SharedHeaders,
     store: Arc<dyn RoutingStore>,
     /// The most bytes of a cacheable event stream kept whole to learn from
     /// and cache: what one completion record and one cached response can
@@ -280,6 +284,7 @@ impl Dispatcher {
             loader: std::sync::Mutex::new(loader),
             keys: std::sync::RwLock::new(None),
             least_load: LeastLoad::new(),
+            shared_headers: SharedHeaders::new(),
             store,
             cacheable_stream_bytes,
             client,
@@ -463,6 +468,10 @@ impl Dispatcher {
 
     fn least_load(&self) -> &LeastLoad {
         &self.least_load
+    }
+
+    fn shared_headers(&self) -> &SharedHeaders {
+        &self.shared_headers
     }
 
     /// The host's candidates and this dispatcher's ledger row (its

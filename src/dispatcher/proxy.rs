@@ -302,7 +302,12 @@ impl<'d> Attempts<'d> {
         }
         let routed = match choose(dispatcher, route, &self.failed, self.first_lookup.take()).await {
             Routed::Chosen(chosen, guard) => Ok((chosen, guard)),
-            Routed::Wait { lookup, asked, pool } => {
+            Routed::Wait {
+                lookup,
+                header_blocks,
+                asked,
+                pool,
+            } => {
                 if let Some(answer) = self.to_peer().await {
                     return Err(Next::Answer(answer));
                 }
@@ -311,6 +316,7 @@ impl<'d> Attempts<'d> {
                     prompt_tokens: route.prompt_tokens,
                     session: route.session,
                     prefix: lookup.routing_prefix(),
+                    header_blocks,
                     exclude: self.failed.clone(),
                     pool,
                     seen: asked || !self.failed.is_empty(),

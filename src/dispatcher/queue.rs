@@ -87,6 +87,8 @@ pub(super) struct Waiting {
     pub prompt_tokens: u32,
     pub session: Option<u64>,
     pub prefix: PrefixMatch,
+    /// Its shared header, in blocks ([`crate::routing::RouteInput::header_blocks`]).
+    pub header_blocks: u32,
     pub exclude: Vec<ServerRef>,
     /// Its model pool: the servers it may go to and the policy that
     /// routes it.
@@ -354,6 +356,7 @@ fn route_waiting(
             session: r.session,
             repeat: r.seen,
             prefix: &r.prefix,
+            header_blocks: r.header_blocks,
             candidates: eligible,
         };
         let decision = policy.choose(&input);

@@ -48,6 +48,9 @@ pub(super) enum Routed {
     Wait {
         /// The lookup the request was routed with.
         lookup: Lookup,
+        /// The prompt's shared header, in blocks (see
+        /// [`RouteInput::header_blocks`]).
+        header_blocks: u32,
         /// Whether the policy was asked (else the request joined a
         /// non-empty queue unasked, and its first look from the queue is
         /// its first look at all).
@@ -157,6 +160,17 @@ pub(super) async fn choose(
     };
     // Requests that are not inference go to the least loaded server.
     let policy: Option<Arc<dyn Policy>> = pool.filter(|_| inference).map(|p| p.policy().current_arc());
+    let prefix = lookup.routing_prefix();
+    let header_blocks = match pool {
+        Some(pool) if inference && pool.shared_headers() => {
+            let mut depths = [0u32; shm_layout::MATCH_CAPACITY];
+            for (depth, (_, blocks)) in depths.iter_mut().zip(prefix.iter()) {
+                *depth = blocks;
+            }
+            dispatcher.shared_headers().observe(chain, &depths, !exclude.is_empty())
+        }
+        _ => 0,
+    };
     // The pool whose policy holds requests, if it does.
     let holder = pool.filter(|_| policy.as_ref().is_some_and(|p| p.holds_requests()));
     if let Some(pool) = holder
@@ -165,11 +179,11 @@ pub(super) async fn choose(
     {
         return Routed::Wait {
             lookup,
+            header_blocks,
             asked: false,
             pool: pool.clone(),
         };
     }
-    let prefix = lookup.routing_prefix();
     loop {
         if lookup.candidates.is_empty() {
             return Routed::NoServer;
@@ -182,6 +196,7 @@ pub(super) async fn choose(
             session,
             repeat: !exclude.is_empty(),
             prefix: &prefix,
+            header_blocks,
             candidates: &lookup.candidates,
         };
         let decision = match &policy {
@@ -192,6 +207,7 @@ pub(super) async fn choose(
             return match holder {
                 Some(pool) => Routed::Wait {
                     lookup,
+                    header_blocks,
                     asked: true,
                     pool: pool.clone(),
                 },
@@ -222,6 +238,7 @@ pub(super) async fn choose(
                 drop(guard);
                 return Routed::Wait {
                     lookup,
+                    header_blocks,
                     asked: true,
                     pool: pool.clone(),
                 };

@@ -11,26 +11,26 @@
 //!
 //! # Rule
 //!
-//! With `load` = [`Candidate::inflight`], `min`/`max` the least/greatest
-//! load over the candidates, and
-//! `overloaded(x) = x - min > balance_abs_threshold && x > balance_rel_threshold × min`:
+//! With `load` = [`Candidate::inflight`], `min` the least load over the
+//! candidates, and, for a server `w`,
+//! `overloaded(w) = load(w) − min > abs(w) && load(w) > balance_rel_threshold × min`,
+//! where `abs(w)` is the absolute threshold scaled to what `w` can take
+//! (see [Capacity](#capacity)):
 //!
-//! 1. **Imbalanced system** — `overloaded(max)`, both conditions, as SGLang
-//!    checks them: least load ([`Reason::LeastLoad`]). The absolute
-//!    threshold is scaled to engines that said how many requests they run
-//!    at once (see [Engine slots](#engine-slots)).
-//! 2. **Prompt shorter than one block** (`prompt_blocks == 0`): nothing to
+//! 1. **Prompt shorter than one block** (`prompt_blocks == 0`): nothing to
 //!    match; least load.
-//! 3. **Prefix winner**: the candidate holding the most leading blocks.
-//!    Entries of the match for servers that are not candidates (gone down,
-//!    draining, re-registered since the lookup) are ignored; among
-//!    candidates with equally many blocks the less loaded wins (fewer
-//!    in-flight requests, then tokens), then the one the match lists first
-//!    (the most recently refreshed). If its ratio
+//! 2. **Prefix winner**: the candidate holding the most leading blocks
+//!    *past the prompt's shared header* ([`RouteInput::useful_blocks`]: a
+//!    match that ends at a system prompt many conversations open with is
+//!    no evidence of where this one belongs; see
+//!    [`super::shared_header`]). Entries of the match for servers that are
+//!    not candidates (gone down, draining, re-registered since the lookup)
+//!    are ignored; among candidates with equally many blocks the less
+//!    loaded wins (fewer in-flight requests, then tokens), then the one
+//!    the match lists first (the most recently refreshed). If its ratio
 //!    `blocks / prompt_blocks > cache_threshold` (strictly, as in SGLang)
-//!    and it is not `overloaded` itself, it gets the request
-//!    ([`Reason::Prefix`]).
-//! 4. Otherwise least load.
+//!    and it is not `overloaded`, it gets the request ([`Reason::Prefix`]).
+//! 3. Otherwise least load.
 //!
 //! Least load is [`super::least_load`]'s rule: fewest in-flight requests,
 //! then fewest in-flight prompt tokens, then in turn among exact ties (a
@@ -38,12 +38,26 @@
 //! sends cache misses to the least-loaded worker, breaking ties at random
 //! (its first router sent them to the worker with the smallest tree).
 //!
-//! The winner's own overload check (step 3) is the per-server guard the
-//! design asks for. With the thresholds shared with step 1 it never fires on
-//! its own: `overloaded` grows with its argument and the winner's load is at
-//! most `max`, so an overloaded winner implies an imbalanced system, which
-//! step 1 already routed by load. It costs one comparison and keeps the
-//! winner guarded should the two checks ever be given separate thresholds.
+//! # Where this departs from SGLang
+//!
+//! SGLang routes *every* request by load while the system is imbalanced
+//! (`max − min` over both thresholds), and judges imbalance against an
+//! absolute 32 requests. Both fail a small fleet:
+//!
+//! * 32 is an eighth of a 256-sequence vLLM engine. With four engines and
+//!   sixteen clients the spread can never reach it, so affinity always
+//!   wins; and since every conversation of one application opens with the
+//!   same system prompt, every conversation matched the engine that first
+//!   computed it: 500 of 500 requests on one of four engines, 63 req/s
+//!   where SMG served 340 (issue 38). Here the threshold is scaled to the
+//!   engine's capacity, and a shared header does not count as a match.
+//! * A system-wide imbalance moves conversations whose own engine is not
+//!   the busy one, and loses their cache for nothing. Here only a
+//!   request whose winner is itself overloaded goes by load, so the
+//!   conversations of the busiest engine move first. (With shared
+//!   thresholds SGLang's check fires whenever this one does for some
+//!   winner: `overloaded` grows with its argument and no winner is above
+//!   `max`.)
 //!
 //! # Load
 //!
@@ -57,22 +71,21 @@
 //! balances on (`Worker::load()`, the router's own in-flight count). What
 //! the count misses is load from clients that bypass the gateway.
 //!
-//! # Engine slots
+//! # Capacity
 //!
-//! SGLang's absolute threshold of 32 requests is sized for engines that run
-//! hundreds of sequences at once (vLLM's default `max_num_seqs` is 256: 32
-//! is an eighth of it). An engine that said how many requests it runs at
-//! once ([`Candidate::admission_reported`]: llama.cpp's slots, from
-//! `/props`) is full long before that: two-slot engines never differ by 32
-//! requests in flight, so the system never counts as imbalanced and
-//! conversations pile up on whichever engine first held their system
-//! prompt (measured with two llama.cpp engines: 27 % fewer requests per
-//! second than `least_load`, 1.8× its TTFT p90). So with
-//! `scale_to_engine_slots` (the default), when some candidates reported
-//! their slots, the absolute threshold is at most an eighth of the fewest
-//! reported slots, rounded up: 1 for engines of up to 8 slots, 4 for 32,
-//! and `balance_abs_threshold` unchanged from 256 slots on. Limits the
-//! gateway only learned are estimates and scale nothing.
+//! The rule is [`super::balance`]'s, which the other prefix-aware
+//! policies share. With `scale_to_capacity` (the default), `abs(w)` is an eighth of the
+//! requests `w`'s engine runs at once, rounded up, at least 1 and at most
+//! `balance_abs_threshold`: SGLang's 32 of vLLM's 256 sequences, kept as a
+//! proportion. What an engine runs at once is [`Candidate::admission`]:
+//! the number the engine reported (llama.cpp's slots, from `/props`), else
+//! the admission limit the gateway learns from the latencies it measures
+//! ([`crate::capacity`]; it grows while requests are not slowed by those
+//! in flight), else [`crate::capacity::INITIAL_LIMIT`] (8) before anything
+//! is learned. So two-slot llama.cpp engines are balanced at a spread of
+//! 1, a sim or vLLM engine whose latencies show no queue at 40 in flight
+//! at 5, and a 256-sequence engine at 32. Without scaling,
+//! `balance_abs_threshold` as it is.
 //!
 //! # Parameters
 //!
@@ -89,6 +102,7 @@ use std::sync::atomic::AtomicU64;
 
 use serde::{Deserialize, Serialize};
 
+use super::balance::{Balance, least_inflight};
 use super::least_load::least_loaded;
 use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, best_prefix};
 
@@ -102,24 +116,25 @@ pub struct CacheAwareParams {
     /// 0.0 = any matched block counts; 1.0 = never route by prefix.
     /// Default 0.5 (SGLang's library default; its CLI uses 0.3).
     pub cache_threshold: f64,
-    /// Absolute load spread: the system is imbalanced only if the busiest
-    /// server has more than this many requests in flight above the least
-    /// busy one. Default 32 (SGLang's library default; its CLI uses 64).
+    /// Absolute load spread: the prefix winner is overloaded only if it
+    /// has more than this many requests in flight above the least busy
+    /// server. With `scale_to_capacity`, the most it is scaled to.
+    /// Default 32 (SGLang's library default; its CLI uses 64).
     pub balance_abs_threshold: u64,
-    /// Relative load spread (>= 1.0): the system is imbalanced only if the
-    /// busiest server also has more than this multiple of the least busy
-    /// one's requests in flight. Default 1.1 (SGLang's library default; its
-    /// CLI uses 1.5).
+    /// Relative load spread (>= 1.0): the winner is overloaded only if it
+    /// also has more than this multiple of the least busy server's
+    /// requests in flight. Default 1.1 (SGLang's library default; its CLI
+    /// uses 1.5).
     pub balance_rel_threshold: f64,
-    /// Where engines reported how many requests they run at once, cap
-    /// `balance_abs_threshold` at an eighth of the fewest reported (at
-    /// least 1; see the [module docs](self#engine-slots)). Default true.
-    pub scale_to_engine_slots: bool,
+    /// Scale the absolute threshold to the winner's capacity: an eighth of
+    /// the requests its engine runs at once (reported, else learned), at
+    /// least 1 and at most `balance_abs_threshold` (see the
+    /// [module docs](self#capacity)). Default true. (`scale_to_engine_slots`,
+    /// its name before issue 38, when only reported slots scaled it, is
+    /// still read.)
+    #[serde(alias = "scale_to_engine_slots")]
+    pub scale_to_capacity: bool,
 }
-
-/// Engine slots per request of absolute load spread when the threshold is
-/// scaled (SGLang's 32 of vLLM's 256 sequences).
-pub const SLOTS_PER_ABS_THRESHOLD: u32 = 8;
 
 impl Default for CacheAwareParams {
     fn default() -> Self {
@@ -127,7 +142,7 @@ impl Default for CacheAwareParams {
             cache_threshold: 0.5,
             balance_abs_threshold: 32,
             balance_rel_threshold: 1.1,
-            scale_to_engine_slots: true,
+            scale_to_capacity: true,
         }
     }
 }
@@ -153,23 +168,22 @@ impl CacheAwareParams {
         Ok(())
     }
 
-    /// The absolute threshold among `candidates`: `balance_abs_threshold`,
-    /// capped at `⌈slots / 8⌉` (at least 1) for the fewest slots a
-    /// candidate's engine reported, when `scale_to_engine_slots`.
+    /// Its thresholds as the shared [`Balance`] rule.
     #[inline]
-    pub fn abs_threshold(&self, candidates: &[Candidate]) -> u64 {
-        let fewest_slots = candidates
-            .iter()
-            .filter(|c| c.admission_reported)
-            .map(|c| c.admission)
-            .min();
-        match fewest_slots {
-            Some(slots) if self.scale_to_engine_slots => {
-                let scaled = u64::from(slots.div_ceil(SLOTS_PER_ABS_THRESHOLD).max(1));
-                self.balance_abs_threshold.min(scaled)
-            }
-            _ => self.balance_abs_threshold,
+    pub fn balance(&self) -> Balance {
+        Balance {
+            abs: self.balance_abs_threshold,
+            rel: self.balance_rel_threshold,
+            scale_to_capacity: self.scale_to_capacity,
         }
+    }
+
+    /// The absolute threshold of server `c`: `balance_abs_threshold`,
+    /// capped at `⌈admission / 8⌉` (at least 1) when `scale_to_capacity`
+    /// ([`Balance::abs_threshold`]).
+    #[inline]
+    pub fn abs_threshold(&self, c: &Candidate) -> u64 {
+        self.balance().abs_threshold(c)
     }
 
     /// Whether `load` is out of balance with `min`: above it by more than
@@ -177,7 +191,7 @@ impl CacheAwareParams {
     /// `balance_rel_threshold` times it.
     #[inline]
     pub fn overloaded(&self, load: u64, min: u64, abs: u64) -> bool {
-        load.saturating_sub(min) > abs && load as f64 > self.balance_rel_threshold * min as f64
+        self.balance().beyond(load, min, abs)
     }
 }
 
@@ -226,16 +240,13 @@ impl Policy for CacheAware {
 
     fn choose(&self, input: &RouteInput<'_>) -> Option<Choice> {
         let candidates = input.candidates;
-        let (min, max) = candidates
-            .iter()
-            .fold((u64::MAX, 0), |(lo, hi), c| (lo.min(c.inflight), hi.max(c.inflight)));
-        let abs = self.params.abs_threshold(candidates);
-        if candidates.is_empty() || self.params.overloaded(max, min, abs) || input.prompt_blocks == 0 {
+        if candidates.is_empty() || input.prompt_blocks == 0 {
             return self.least_load(candidates);
         }
         if let Some((winner, blocks)) = best_prefix(input, |_| true) {
             let ratio = f64::from(blocks) / f64::from(input.prompt_blocks);
-            if ratio > self.params.cache_threshold && !self.params.overloaded(winner.inflight, min, abs) {
+            let overloaded = self.params.balance().overloaded(winner, least_inflight(candidates));
+            if ratio > self.params.cache_threshold && !overloaded {
                 return Some(Choice {
                     server: winner.server,
                     reason: Reason::Prefix { blocks },
@@ -249,16 +260,28 @@ impl Policy for CacheAware {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::routing::test_support::{Fixture, cand, choice, input};
-    use shm_layout::PrefixMatch;
+    use crate::routing::test_support::{self, Fixture, choice, input};
+    use shm_layout::{PrefixMatch, ServerRef};
 
     fn params(cache_threshold: f64, abs: u64, rel: f64) -> CacheAwareParams {
         CacheAwareParams {
             cache_threshold,
             balance_abs_threshold: abs,
             balance_rel_threshold: rel,
-            scale_to_engine_slots: true,
+            scale_to_capacity: true,
         }
+    }
+
+    /// A candidate whose engine runs 256 requests at once (vLLM's
+    /// default): the scaled threshold is SGLang's 32, so the tests of
+    /// the threshold arithmetic see the configured one.
+    fn cand(server: ServerRef, inflight: u64, inflight_tokens: u64) -> Candidate {
+        with_capacity(test_support::cand(server, inflight, inflight_tokens), 256)
+    }
+
+    /// `c` whose engine runs `n` at once (learned).
+    fn with_capacity(c: Candidate, n: u32) -> Candidate {
+        Candidate { admission: n, ..c }
     }
 
     fn prefix(blocks: u32) -> Reason {
@@ -272,7 +295,7 @@ mod tests {
             (p.cache_threshold, p.balance_abs_threshold, p.balance_rel_threshold),
             (0.5, 32, 1.1)
         );
-        assert!(p.scale_to_engine_slots);
+        assert!(p.scale_to_capacity);
         assert_eq!(p.validate(), Ok(()));
         assert_eq!(CacheAware::default().params(), &p);
     }
@@ -407,15 +430,20 @@ mod tests {
     }
 
     #[test]
-    fn imbalance_is_judged_on_all_candidates_not_just_the_winner() {
-        // SGLang's rule: any imbalance routes by load, even when the
-        // prefix winner itself is lightly loaded.
+    fn imbalance_is_judged_at_the_winner_not_the_whole_system() {
+        // Unlike SGLang, a busy server elsewhere does not move a
+        // conversation off its own, lightly loaded engine.
         let f = Fixture::new(3);
         let chain = Fixture::chain(8, 10);
         f.hold(1, &chain);
         let m = f.matched(&chain);
         let p = CacheAware::new(params(0.5, 10, 2.0));
         let cands = [cand(f.s[0], 40, 0), cand(f.s[1], 3, 0), cand(f.s[2], 2, 0)];
+        assert_eq!(p.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[1], prefix(10)));
+        // The busy server's own conversations go by load.
+        f.hold(0, &chain);
+        let m = f.matched(&chain);
+        let cands = [cand(f.s[0], 40, 0), cand(f.s[1], 41, 0), cand(f.s[2], 2, 0)];
         assert_eq!(
             p.choose(&input(10, &m, &cands)).unwrap(),
             choice(f.s[2], Reason::LeastLoad)
@@ -447,63 +475,100 @@ mod tests {
     }
 
     #[test]
-    fn engines_that_reported_few_slots_are_balanced_at_a_threshold_scaled_to_them() {
-        let f = Fixture::new(2);
+    fn the_absolute_threshold_is_an_eighth_of_what_the_winner_runs_at_once() {
+        let f = Fixture::new(4);
         let chain = Fixture::chain(10, 10);
         f.hold(0, &chain);
         let m = f.matched(&chain);
+        let p = CacheAware::default();
         let slots = |c: Candidate, n: u32| Candidate {
             admission: n,
             admission_reported: true,
             ..c
         };
-        let p = CacheAware::default();
-        // Two-slot engines: the threshold is 1, so the holder 2 above the
-        // other (and above 1.1 × it) is overloaded.
+        // Two-slot llama.cpp engines: the threshold is 1, so the holder 2
+        // above the idlest (and above 1.1 × it) is overloaded.
         let cands = [slots(cand(f.s[0], 3, 0), 2), slots(cand(f.s[1], 1, 0), 2)];
-        assert_eq!(p.params().abs_threshold(&cands), 1);
+        assert_eq!(p.params().abs_threshold(&cands[0]), 1);
         assert_eq!(
-            p.choose(&input(10, &m, &cands)).unwrap(),
+            p.choose(&input(10, &m, &cands[..2])).unwrap(),
             choice(f.s[1], Reason::LeastLoad)
         );
         // 1 above is within it.
         let cands = [slots(cand(f.s[0], 2, 0), 2), slots(cand(f.s[1], 1, 0), 2)];
         assert_eq!(p.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[0], prefix(10)));
-        // The same loads without reported slots: SGLang's 32 keeps the cache.
-        let cands = [cand(f.s[0], 3, 0), cand(f.s[1], 1, 0)];
-        assert_eq!(p.params().abs_threshold(&cands), 32);
-        assert_eq!(p.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[0], prefix(10)));
-        // Nor when scaling is off.
-        let off = CacheAware::new(CacheAwareParams {
-            scale_to_engine_slots: false,
-            ..CacheAwareParams::default()
-        });
-        let cands = [slots(cand(f.s[0], 3, 0), 2), slots(cand(f.s[1], 1, 0), 2)];
-        assert_eq!(off.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[0], prefix(10)));
-        // An eighth of the fewest slots, rounded up; never above the
-        // configured threshold; a learned limit scales nothing.
-        for (fewest, other, abs) in [
-            (1, 64, 1),
-            (8, 8, 1),
-            (9, 512, 2),
-            (32, 256, 4),
-            (256, 300, 32),
-            (4096, 4096, 32),
-        ] {
-            let cands = [slots(cand(f.s[0], 0, 0), other), slots(cand(f.s[1], 0, 0), fewest)];
-            assert_eq!(p.params().abs_threshold(&cands), abs, "{fewest} slots");
-        }
-        let learned = Candidate {
-            admission: 2,
-            ..cand(f.s[0], 0, 0)
+        // Engines that report nothing: the learned limit scales it the
+        // same way (four engines and sixteen clients, issue 38: 32 would
+        // never be reached, so the holder would take everything).
+        let four = |loads: [u64; 4], limit: u32| -> Vec<Candidate> {
+            (0..4)
+                .map(|i| with_capacity(cand(f.s[i], loads[i], 0), limit))
+                .collect()
         };
-        assert_eq!(p.params().abs_threshold(&[learned]), 32);
+        let cands = four([7, 3, 3, 3], 16);
+        assert_eq!(p.params().abs_threshold(&cands[0]), 2);
+        assert_eq!(p.choose(&input(10, &m, &cands)).unwrap().reason, Reason::LeastLoad);
+        let cands = four([5, 3, 4, 4], 16);
+        assert_eq!(p.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[0], prefix(10)));
+        // Before anything is learned (8 at once): 1.
+        let cands = four([5, 3, 4, 4], crate::capacity::INITIAL_LIMIT);
+        assert_eq!(p.choose(&input(10, &m, &cands)).unwrap().reason, Reason::LeastLoad);
+        // An eighth of the winner's capacity, rounded up, never above the
+        // configured threshold.
+        for (n, abs) in [(1, 1), (8, 1), (9, 2), (32, 4), (40, 5), (256, 32), (4096, 32)] {
+            assert_eq!(
+                p.params().abs_threshold(&with_capacity(cand(f.s[0], 0, 0), n)),
+                abs,
+                "{n}"
+            );
+        }
+        // Without scaling, the configured threshold as it is.
+        let off = CacheAwareParams {
+            scale_to_capacity: false,
+            ..CacheAwareParams::default()
+        };
+        assert_eq!(off.abs_threshold(&with_capacity(cand(f.s[0], 0, 0), 2)), 32);
+        let cands = four([7, 3, 3, 3], 16);
+        assert_eq!(
+            CacheAware::new(off).choose(&input(10, &m, &cands)).unwrap(),
+            choice(f.s[0], prefix(10))
+        );
     }
 
     #[test]
-    fn overloaded_winner_implies_imbalanced_system() {
-        // Documented property: with shared thresholds, the winner's check
-        // can only fire when the system check does.
+    fn the_old_key_scale_to_engine_slots_is_still_read() {
+        let p: CacheAwareParams = serde_json::from_str(r#"{"scale_to_engine_slots": false}"#).unwrap();
+        assert!(!p.scale_to_capacity);
+    }
+
+    #[test]
+    fn a_match_that_ends_at_the_shared_header_goes_by_load() {
+        let f = Fixture::new(3);
+        // 40 blocks of system prompt shared by every conversation, then a
+        // conversation's own 4.
+        let chain = Fixture::chain(20, 44);
+        f.hold(0, &chain[..40]);
+        let m = f.matched(&chain);
+        let cands = [cand(f.s[0], 1, 0), cand(f.s[1], 0, 0), cand(f.s[2], 0, 0)];
+        let p = CacheAware::default();
+        let mut with_header = input(44, &m, &cands);
+        // Unknown as shared: the system prompt's holder, by prefix.
+        assert_eq!(p.choose(&with_header).unwrap(), choice(f.s[0], prefix(40)));
+        // Known as shared: by load.
+        with_header.header_blocks = 40;
+        assert_eq!(p.choose(&with_header).unwrap().reason, Reason::LeastLoad);
+        // A conversation that went past it keeps its engine.
+        f.hold(2, &chain[..43]);
+        let m = f.matched(&chain);
+        let mut later = input(44, &m, &cands);
+        later.header_blocks = 40;
+        assert_eq!(p.choose(&later).unwrap(), choice(f.s[2], prefix(43)));
+    }
+
+    #[test]
+    fn an_overloaded_winner_implies_sglangs_imbalanced_system() {
+        // Documented property: at one threshold, SGLang's system check
+        // fires whenever the winner's does.
         let p = params(0.5, 7, 1.3);
         for min in 0..40u64 {
             for winner in min..80 {

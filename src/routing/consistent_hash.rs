@@ -33,6 +33,17 @@
 //!    `ceil((1 + load_epsilon) × (requests in flight + 1) / servers)`.
 //!    Some server is always under the bound, and a session leaves its
 //!    server only while that server carries more than its share.
+//! 4. **Where the session's cache is.** Before the ring: the server under
+//!    the bound that holds the most of the prompt past its shared header
+//!    ([`super::best_prefix`]), if one holds any. The ring places a
+//!    session; the prefix table keeps it where its history is cached. A
+//!    session that the bound moved off its home stays where it went
+//!    instead of flapping back and forth as its home's load crosses the
+//!    bound (each move recomputing its history: 86–89 % of later turns
+//!    stayed in `tests/shared_prompt.rs` without this, issue 38), and one
+//!    whose home was down keeps its new server when the home returns. A
+//!    new conversation has nothing of its own cached, so the ring places
+//!    it (a shared system prompt does not count: [`RouteInput::useful_blocks`]).
 
 use std::sync::atomic::AtomicU64;
 
@@ -41,7 +52,7 @@ use serde::{Deserialize, Serialize};
 use super::least_load::least_loaded;
 use super::load_bound::LoadBound;
 use super::ring::HashRing;
-use super::{Choice, InvalidParam, Policy, Reason, RouteInput, SessionSource, in_range};
+use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, SessionSource, best_prefix, in_range};
 
 /// Tuning of the [`ConsistentHash`] policy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -167,8 +178,15 @@ impl Policy for ConsistentHash {
             .params
             .bounded_load
             .then(|| LoadBound::over(candidates, self.params.load_epsilon));
+        let admits = |c: &Candidate| bound.is_none_or(|b| b.admits(c));
+        if let Some((holder, _)) = best_prefix(input, admits) {
+            return Some(Choice {
+                server: holder.server,
+                reason: Reason::Session,
+            });
+        }
         self.ring
-            .walk(key, candidates, |c| bound.is_none_or(|b| b.admits(c)))
+            .walk(key, candidates, admits)
             .or_else(|| least_loaded(candidates, &self.turn))
             .map(|c| Choice {
                 server: c.server,

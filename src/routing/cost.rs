@@ -10,7 +10,7 @@
 //!
 //! ```text
 //! cost(c) = uncached(c) + λ · queued(c)
-//! uncached(c) = P − (leading blocks the prefix table lists c for) × block tokens
+//! uncached(c) = P − (leading blocks the prefix table lists c for, past the shared header) × block tokens
 //! queued(c)   = pending prompt tokens at c
 //!             + (queued requests the engine shows beyond those) × their mean prompt tokens
 //!             + running_request_tokens × (requests at c past their first token)
@@ -60,6 +60,7 @@ use serde::{Deserialize, Serialize};
 
 use super::least_load::least_loaded_where;
 use super::load_bound::LoadBound;
+use super::random::Random;
 use super::weight_bandit::{Draw, EPOCH_REQUESTS, WeightBandit, arm_near, weight_of};
 use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, in_range, in_range_f64};
 
@@ -149,10 +150,20 @@ pub struct Cost {
 impl Cost {
     /// A policy with `params` (validated).
     pub fn new(params: CostParams) -> Self {
+        Self::with_rng(params, Random::new())
+    }
+
+    /// The same, its tuner's draws (which epochs explore, and with which
+    /// weight) determined by `seed`: reproducible runs (tests, simulation).
+    pub fn with_seed(params: CostParams, seed: u64) -> Self {
+        Self::with_rng(params, Random::with_seed(seed))
+    }
+
+    fn with_rng(params: CostParams, rng: Random) -> Self {
         let explore = if params.tune { params.explore } else { 0.0 };
         Self {
             params,
-            bandit: WeightBandit::new(params.initial_weight, explore, params.epoch_requests),
+            bandit: WeightBandit::with_rng(params.initial_weight, explore, params.epoch_requests, rng),
             turn: AtomicU64::new(0),
         }
     }
@@ -173,7 +184,7 @@ impl Cost {
     /// `c`'s cost for `input` at weight `weight`.
     fn cost(&self, input: &RouteInput<'_>, c: &Candidate, weight: f64) -> f64 {
         let prompt = u64::from(input.prompt_tokens);
-        let cached = u64::from(input.prefix.blocks_for(c.server.tag())) * u64::from(input.block_tokens);
+        let cached = u64::from(input.useful_blocks(c.server.tag())) * u64::from(input.block_tokens);
         prompt.saturating_sub(cached) as f64 + weight * self.queued(c, prompt)
     }
 }

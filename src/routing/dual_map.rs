@@ -15,8 +15,20 @@
 //!    `L` blocks (`chain[L - 1]` names exactly that prefix). `L` runs over
 //!    the multiples of `min_prefix_blocks` up to `max_prefix_blocks` and the
 //!    prompt's length (a prompt shorter than `min_prefix_blocks` is hashed
-//!    whole), and is the *shortest* such length whose prefix is not hot,
-//!    else the longest. Steps of `min_prefix_blocks` rather than doublings:
+//!    whole), and is the *shortest* such length whose prefix is not hot
+//!    and that goes past the prompt's known shared header
+//!    ([`RouteInput::header_blocks`], detected from how prompts diverge,
+//!    [`super::shared_header`]), else the longest. (The sketch needs
+//!    [`MIN_HOT_REQUESTS`] requests per dispatcher before a system prompt
+//!    is hot; sixteen conversations starting at once were all hashed by
+//!    it until then, two engines taking 14 of them.) Every length of a new request is counted, not only
+//!    those up to the chosen one: a shared system prompt of `h` blocks is
+//!    then hot at every length after its first few requests, and the
+//!    hashed length goes straight past it. (Counting only up to the chosen
+//!    length, it crept past the header one step per few requests, each
+//!    conversation's hashed prefix and two homes changing turn by turn on
+//!    the way: 52–59 % of later turns stayed on their engine in
+//!    `tests/shared_prompt.rs`, issue 38.) Steps of `min_prefix_blocks` rather than doublings:
 //!    the first cold length past a hot shared prefix is then the same for
 //!    every turn of a conversation long enough to reach it, so a session
 //!    keeps its two homes while the shared prefix spreads. Only the lengths
@@ -42,7 +54,21 @@
 //! 4. **Choice.** The candidate holding more of the prompt (ties: the lower
 //!    estimate, then candidate 1: [`Reason::HashCandidate`]), unless its
 //!    estimate breaks `ttft_slo_ms` and the other's is lower: then the other
-//!    ([`Reason::Slo`]).
+//!    ([`Reason::Slo`]). **The conversation's engine first:** when a
+//!    server that is not full holds more of the prompt past its shared
+//!    header than either candidate (a conversation whose earlier turns
+//!    were hashed by another prefix length: its first turns came before
+//!    the system prompt was hot, or a server was added to the rings
+//!    since), it gets the request ([`Reason::Prefix`]), unless its
+//!    estimate breaks `ttft_slo_ms` and the chosen candidate's is lower
+//!    (the rule between the two candidates, with the holder as the one
+//!    holding more). (Not "unless its estimate is higher": the estimate
+//!    counts the whole prompts of the requests pending there, cached or
+//!    not, so an engine busy with conversations that are mostly cached
+//!    looked slower than a cold one that must prefill this whole history.)
+//!    Where the two hash homes and
+//!    the cache already agree, this changes nothing; where they do not,
+//!    moving would only recompute the conversation's history elsewhere.
 //! 5. **Hotspot rebalancing.** If the chosen server is full (its
 //!    [pending estimate](Candidate::pending_estimate) is above
 //!    `max_pending`), the request goes to the other candidate if that one is
@@ -61,7 +87,7 @@ use serde::{Deserialize, Serialize};
 
 use super::least_load::least_loaded_where;
 use super::ring::HashRing;
-use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, in_range, in_range_f64};
+use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, best_prefix, in_range, in_range_f64};
 
 /// Tuning of the [`DualMap`] policy.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -226,10 +252,11 @@ impl DualMap {
         }
     }
 
-    /// The hashed prefix length in blocks for `chain` (see rule 1), counting
+    /// The hashed prefix length in blocks for `chain` whose first
+    /// `header` blocks are a known shared header (see rule 1), counting
     /// this request into the hotness sketch unless it is a `repeat`. 0 for
     /// an empty chain.
-    fn prefix_blocks(&self, chain: &[u64], servers: usize, repeat: bool) -> usize {
+    fn prefix_blocks(&self, chain: &[u64], header: u32, servers: usize, repeat: bool) -> usize {
         if chain.is_empty() {
             return 0;
         }
@@ -242,14 +269,24 @@ impl DualMap {
         let threshold = (share * recent as f64).max(f64::from(MIN_HOT_REQUESTS - 1));
         let longest = chain.len().min(self.params.max_prefix_blocks as usize);
         let step = self.params.min_prefix_blocks as usize;
-        let mut level = step.min(longest);
+        let mut chosen = None;
+        // The first length past the shared header: inside it, every
+        // length is hot as soon as the sketch has seen enough of it.
+        let skip = (header as usize / step) * step;
+        let mut level = (skip + step).min(longest);
         loop {
             let count = if repeat {
                 self.hotness.count(chain[level - 1])
             } else {
                 self.hotness.bump(chain[level - 1])
             };
-            if f64::from(count) <= threshold || level == longest {
+            if chosen.is_none() && (f64::from(count) <= threshold || level == longest) {
+                chosen = Some(level);
+                if repeat {
+                    break;
+                }
+            }
+            if level == longest {
                 break;
             }
             level = (level + step).min(longest);
@@ -257,12 +294,12 @@ impl DualMap {
         if !repeat {
             self.hotness.finish(self.params.window);
         }
-        level
+        chosen.unwrap_or(longest)
     }
 
     /// Estimated TTFT at `c` in milliseconds (rule 3).
     fn estimate_ms(&self, input: &RouteInput<'_>, c: &Candidate) -> f64 {
-        let cached = u64::from(input.prefix.blocks_for(c.server.tag())) * u64::from(input.block_tokens);
+        let cached = u64::from(input.useful_blocks(c.server.tag())) * u64::from(input.block_tokens);
         let uncached = u64::from(input.prompt_tokens).saturating_sub(cached);
         (c.pending_tokens + uncached) as f64 * 1000.0 / self.params.prefill_tokens_per_sec
     }
@@ -285,7 +322,7 @@ impl Policy for DualMap {
     }
 
     fn choose(&self, input: &RouteInput<'_>) -> Option<Choice> {
-        let blocks = self.prefix_blocks(input.chain, input.candidates.len(), input.repeat);
+        let blocks = self.prefix_blocks(input.chain, input.header_blocks, input.candidates.len(), input.repeat);
         if blocks == 0 {
             return least_loaded_where(input.candidates, |c| !self.full(c), &self.turn).map(|c| Choice {
                 server: c.server,
@@ -293,7 +330,7 @@ impl Policy for DualMap {
             });
         }
         let (first, second) = self.candidates(input.chain[blocks - 1], input.candidates)?;
-        let held = |c: &Candidate| input.prefix.blocks_for(c.server.tag());
+        let held = |c: &Candidate| input.useful_blocks(c.server.tag());
         // (candidate, which, estimated TTFT in ms)
         let mut preferred = (first, 1u8, self.estimate_ms(input, first));
         let mut other = second.map(|c| (c, 2u8, self.estimate_ms(input, c)));
@@ -317,6 +354,19 @@ impl Policy for DualMap {
             && o.2 < preferred.2
         {
             (pick, reason, alternative) = (o, Reason::Slo, Some(preferred));
+        }
+        // The conversation's engine, when neither home holds as much of it,
+        // unless its estimate breaks the SLO where the pick's does not.
+        let homes_hold = held(first).max(second.map_or(0, held));
+        if let Some((holder, blocks)) = best_prefix(input, |c| !self.full(c))
+            && blocks > homes_hold
+            && (self.estimate_ms(input, holder) <= self.params.ttft_slo_ms as f64
+                || self.estimate_ms(input, holder) < pick.2)
+        {
+            return Some(Choice {
+                server: holder.server,
+                reason: Reason::Prefix { blocks },
+            });
         }
         if !self.full(pick.0) {
             return Some(Choice {
@@ -552,15 +602,24 @@ mod tests {
             chain
         };
         for c in 0..40 {
-            p.prefix_blocks(&conversation(c, 6), 4, false);
+            p.prefix_blocks(&conversation(c, 6), 0, 4, false);
         }
         // Levels 4 and 8 are inside the hot system prompt; 12 is the first
         // with the conversation's own blocks, whatever its length.
         for turn_blocks in [6, 10, 20, 40] {
-            assert_eq!(p.prefix_blocks(&conversation(999, turn_blocks), 4, false), 12);
+            assert_eq!(p.prefix_blocks(&conversation(999, turn_blocks), 0, 4, false), 12);
         }
         // A cold prompt: the shortest length.
-        assert_eq!(p.prefix_blocks(&Fixture::chain(77, 30), 4, false), 4);
+        assert_eq!(p.prefix_blocks(&Fixture::chain(77, 30), 0, 4, false), 4);
+        // A known shared header of 9 blocks: the first length past it,
+        // hot or not (the header's own lengths were never counted here).
+        let fresh = DualMap::new(DualMapParams {
+            min_prefix_blocks: 4,
+            ..DualMapParams::default()
+        });
+        assert_eq!(fresh.prefix_blocks(&Fixture::chain(78, 30), 9, 4, false), 12);
+        assert_eq!(fresh.prefix_blocks(&Fixture::chain(79, 30), 8, 4, false), 12);
+        assert_eq!(fresh.prefix_blocks(&Fixture::chain(80, 10), 9, 4, false), 10);
     }
 
     #[test]
@@ -571,15 +630,15 @@ mod tests {
             ..DualMapParams::default()
         });
         let chain = Fixture::chain(11, 8);
-        assert_eq!(p.prefix_blocks(&chain, 4, false), 2, "cold: the shortest prefix");
+        assert_eq!(p.prefix_blocks(&chain, 0, 4, false), 2, "cold: the shortest prefix");
         for _ in 0..1000 {
-            assert_eq!(p.prefix_blocks(&chain, 4, true), 2);
+            assert_eq!(p.prefix_blocks(&chain, 0, 4, true), 2);
         }
         // Counted requests do make it hot: 21 > max(1/4 of the 21 recent, 7).
         for _ in 0..20 {
-            p.prefix_blocks(&chain, 4, false);
+            p.prefix_blocks(&chain, 0, 4, false);
         }
-        assert!(p.prefix_blocks(&chain, 4, true) > 2);
+        assert!(p.prefix_blocks(&chain, 0, 4, true) > 2);
     }
 
     #[test]

@@ -22,6 +22,19 @@
 //! A pool's policy is a [`swappable::SwappablePolicy`]: a reload replaces it
 //! while requests are being routed.
 //!
+//! # Shared headers
+//!
+//! The prefix-aware policies route on [`RouteInput::useful_blocks`], not
+//! on the raw match: a match that does not go past the prompt's *shared
+//! header* (a prefix many different prompts diverge right after, such as
+//! one application's system prompt, detected per dispatcher by
+//! [`shared_header`]) counts as none. Every conversation of an
+//! application matches its system prompt on whichever engine first
+//! computed it; followed, that match sends all of them there. Seen as no
+//! evidence, a new conversation goes by load and its engine computes the
+//! header once, while its later turns match past the header and stay.
+//! `[policy.prefix] shared_headers = false` turns this off.
+//!
 //! # Holding requests at the gateway
 //!
 //! A policy whose [`Policy::holds_requests`] is true may answer `None` while
@@ -73,6 +86,7 @@
 //!   what the gateway sends past them between two scrapes that saw no
 //!   queue is queued all the same.
 
+pub mod balance;
 pub mod cache_aware;
 pub mod consistent_hash;
 pub mod cost;
@@ -84,6 +98,7 @@ pub mod random;
 mod ring;
 pub mod round_robin;
 pub mod selective_push;
+pub mod shared_header;
 pub mod swappable;
 
 pub use members::Members;
@@ -173,6 +188,11 @@ pub struct RouteInput<'a> {
     pub repeat: bool,
     /// Which servers hold how many leading blocks (only live servers).
     pub prefix: &'a PrefixMatch,
+    /// Leading blocks of the prompt that are a shared header (a prefix
+    /// many different prompts open with, [`shared_header`]); 0 when its
+    /// match is its own. A match of at most this many blocks is weak
+    /// evidence: [`useful_blocks`](Self::useful_blocks) counts it as none.
+    pub header_blocks: u32,
     /// The servers that may take the request; never empty when a policy is asked.
     pub candidates: &'a [Candidate],
 }
@@ -195,8 +215,20 @@ impl<'a> RouteInput<'a> {
             session: None,
             repeat: false,
             prefix,
+            header_blocks: 0,
             candidates,
         }
+    }
+
+    /// Leading blocks of the prompt the server `tag` holds that say where
+    /// the prompt belongs: its match, or 0 when the match does not go past
+    /// the prompt's shared header ([`header_blocks`](Self::header_blocks)).
+    /// The prefix-aware policies route on this, so a prompt whose match is
+    /// only a system prompt goes by load.
+    #[inline]
+    pub fn useful_blocks(&self, tag: shm_layout::ServerTag) -> u32 {
+        let blocks = self.prefix.blocks_for(tag);
+        if blocks > self.header_blocks { blocks } else { 0 }
     }
 }
 
@@ -358,14 +390,16 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
 /// `keep` accepts, with that count: ties go to the less loaded (fewer
 /// in-flight requests, then tokens), then to the one the match lists first
 /// (the most recently refreshed). Entries for servers that are not
-/// candidates are ignored. `None` when no kept candidate holds a block.
+/// candidates are ignored, and so are matches that do not go past the
+/// prompt's shared header ([`RouteInput::useful_blocks`]). `None` when no
+/// kept candidate holds a useful block.
 pub(crate) fn best_prefix<'c>(
     input: &RouteInput<'c>,
     keep: impl Fn(&Candidate) -> bool,
 ) -> Option<(&'c Candidate, u32)> {
     let mut best: Option<(&'c Candidate, u32)> = None;
     for (tag, blocks) in input.prefix.iter() {
-        if blocks == 0 {
+        if blocks <= input.header_blocks {
             continue;
         }
         let Some(c) = input.candidates.iter().find(|c| c.server.tag() == tag) else {
@@ -567,6 +601,12 @@ pub struct PrefixParams {
     /// burst sharing a new prefix meets it before the confirmation does.
     /// Default 2; 1 to 60.
     pub confirm_window_secs: u64,
+    /// A match that ends at a shared header (a prefix many different
+    /// prompts open with, such as a system prompt: [`shared_header`]) is
+    /// weak evidence, and the policies route such a prompt by load
+    /// ([`RouteInput::useful_blocks`]). `false`: every match counts
+    /// (before issue 38). Default true.
+    pub shared_headers: bool,
 }
 
 impl Default for PrefixParams {
@@ -574,6 +614,7 @@ impl Default for PrefixParams {
         Self {
             source: PrefixSource::Estimate,
             confirm_window_secs: 2,
+            shared_headers: true,
         }
     }
 }

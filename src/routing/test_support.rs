@@ -72,6 +72,7 @@ pub(crate) fn input<'a>(prompt_blocks: u32, prefix: &'a PrefixMatch, candidates:
         session: None,
         repeat: false,
         prefix,
+        header_blocks: 0,
         candidates,
     }
 }
@@ -91,6 +92,7 @@ pub(crate) fn input_for<'a>(
         session: None,
         repeat: false,
         prefix,
+        header_blocks: 0,
         candidates,
     }
 }

@@ -60,7 +60,7 @@ fn validate_accepts_the_defaults_and_the_range_ends() {
                 cache_threshold: t,
                 balance_abs_threshold: 0,
                 balance_rel_threshold: rel,
-                scale_to_engine_slots: true,
+                scale_to_capacity: true,
             },
             ..PolicyConfig::default()
         };
@@ -118,7 +118,7 @@ fn config_deserializes_with_defaults() {
             cache_threshold: 0.3,
             balance_abs_threshold: 64,
             balance_rel_threshold: 1.1,
-            scale_to_engine_slots: true,
+            scale_to_capacity: true,
         }
     );
     // Integers are accepted for the float fields.
@@ -171,7 +171,7 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
         cache_threshold: 0.2,
         balance_abs_threshold: 3,
         balance_rel_threshold: 1.2,
-        scale_to_engine_slots: true,
+        scale_to_capacity: true,
     };
     let policies: Vec<(Box<dyn Policy>, Option<CacheAwareParams>)> = vec![
         (
@@ -220,7 +220,13 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
         }
         let min_key = candidates.iter().map(load_key).min();
         let min_load = candidates.iter().map(|c| c.inflight).min().unwrap_or(0);
-        let route = input_for(&chain[..prompt_blocks], prompt_blocks as u32 * 16, &m, &candidates);
+        let mut route = input_for(&chain[..prompt_blocks], prompt_blocks as u32 * 16, &m, &candidates);
+        // A third of the prompts open with a shared header.
+        if g.below(3) == 0 {
+            route.header_blocks = g.below(prompt_blocks as u64 + 1) as u32;
+        }
+        let header = route.header_blocks;
+        let useful = |c: &Candidate| Some(m.blocks_for(c.server.tag())).filter(|b| *b > header).unwrap_or(0);
         for (p, params) in &policies {
             let Some(choice) = p.choose(&route) else {
                 assert!(candidates.is_empty(), "{} chose nothing", p.name());
@@ -232,23 +238,44 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
             match choice.reason {
                 Reason::Prefix { blocks } => {
                     prefix_choices += 1;
-                    assert!(blocks > 0 && blocks == m.blocks_for(chosen.server.tag()));
-                    // No candidate holds more (no candidate is full here).
-                    assert!(candidates.iter().all(|c| m.blocks_for(c.server.tag()) <= blocks));
-                    if p.name() != "selective_push" {
-                        let params = params.expect("only cache_aware and selective_push route by prefix");
-                        assert!(f64::from(blocks) > params.cache_threshold * prompt_blocks as f64);
-                        assert!(!params.overloaded(chosen.inflight, min_load, params.abs_threshold(&candidates)));
+                    assert!(blocks > header && blocks == m.blocks_for(chosen.server.tag()));
+                    // No candidate holds more past the header (no
+                    // candidate is full here).
+                    assert!(candidates.iter().all(|c| useful(c) <= blocks));
+                    match params {
+                        Some(params) => {
+                            assert!(f64::from(blocks) > params.cache_threshold * prompt_blocks as f64);
+                            assert!(!params.overloaded(chosen.inflight, min_load, params.abs_threshold(chosen)));
+                        }
+                        None => assert!(
+                            ["selective_push", "dual_map"].contains(&p.name()),
+                            "{} routed by prefix",
+                            p.name()
+                        ),
                     }
                 }
                 Reason::LeastLoad => assert_eq!(Some(load_key(chosen)), min_key, "{}", p.name()),
                 Reason::RoundRobin => assert_eq!(p.name(), "round_robin"),
                 Reason::Random => assert_eq!(p.name(), "random"),
-                Reason::Session => assert_eq!(p.name(), "consistent_hash"),
+                Reason::Session => {
+                    assert_eq!(p.name(), "consistent_hash");
+                    // Where the session's cache is, when some server
+                    // under the load bound holds any of it past the header.
+                    let bound = LoadBound::over(&candidates, ConsistentHashParams::default().load_epsilon);
+                    let best = candidates
+                        .iter()
+                        .filter(|c| bound.admits(c))
+                        .map(useful)
+                        .max()
+                        .unwrap_or(0);
+                    if best > 0 {
+                        assert_eq!(useful(chosen), best);
+                    }
+                }
                 Reason::HashCandidate { candidate, blocks } => {
                     assert_eq!(p.name(), "dual_map");
                     assert!(candidate == 1 || candidate == 2);
-                    assert_eq!(blocks, m.blocks_for(chosen.server.tag()));
+                    assert_eq!(blocks, useful(chosen));
                 }
                 Reason::Slo | Reason::Rebalanced => assert_eq!(p.name(), "dual_map"),
                 Reason::Scored { permille } => {
@@ -261,7 +288,7 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
                     // flight is decoding, 16 tokens of work each; the
                     // cheapest of the servers under the load bound.
                     let cost = |c: &Candidate| {
-                        let cached = m.blocks_for(c.server.tag()).min(prompt_blocks as u32);
+                        let cached = useful(c).min(prompt_blocks as u32);
                         u64::from(prompt_blocks as u32 - cached) * 16 + c.inflight * 16
                     };
                     let bound = LoadBound::over(&candidates, CostParams::default().load_epsilon);

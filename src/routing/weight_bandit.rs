@@ -179,7 +179,7 @@ impl WeightBandit {
     }
 
     /// The same, drawing from `rng`.
-    fn with_rng(initial_weight: f64, explore: f64, epoch_requests: u32, rng: Random) -> Self {
+    pub(super) fn with_rng(initial_weight: f64, explore: f64, epoch_requests: u32, rng: Random) -> Self {
         let start = arm_near(initial_weight);
         let epoch_requests = epoch_requests.max(1);
         Self {

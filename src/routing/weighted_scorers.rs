@@ -7,10 +7,17 @@
 //!
 //! | scorer | weight key | score of server `c` |
 //! | --- | --- | --- |
-//! | prefix | `prefix_weight` | blocks of the prompt `c` holds / blocks of the prompt (0 for a prompt shorter than a block) |
+//! | prefix | `prefix_weight` | blocks of the prompt `c` holds / blocks of the prompt (0 for a prompt shorter than a block, and for a match that does not go past the prompt's shared header: [`RouteInput::useful_blocks`]) |
 //! | queue | `queue_weight` | `(max − q) / (max − min)` over the candidates' [pending estimates](Candidate::pending_estimate) `q` (1 when all are equal) |
 //! | KV cache | `kv_cache_weight` | `1 − KV-cache usage` from the last scrape (1 before the first scrape; where the engine reports no usage, the mean of the servers that do) |
 //! | load | `load_weight` | `(max − n) / (max − min)` over the requests in flight `n` (1 when all are equal) |
+//!
+//! A server the shared balance rule finds **overloaded** ([`super::balance`]:
+//! more than an eighth of what its engine runs at once above the least
+//! loaded, and 1.1 × it) scores 0 on prefix: min-max normalised load
+//! scores can never outweigh a good prefix score, so without this the
+//! conversations of an engine stay on it however busy it gets, and
+//! engines added next to it take only new conversations.
 //!
 //! The combined score is `Σ weight × score / Σ weight`. The queue and load
 //! scorers are min-max normalised over the candidates, as llm-d's queue
@@ -25,14 +32,22 @@
 //!   land on the one best server before its load moves (the thundering
 //!   herd).
 //!
-//! Defaults: prefix 2, queue 1, KV cache 1, load 1: a full prefix match is
-//! worth as much as being the emptiest server on two of the three load
-//! signals.
+//! Defaults: prefix 3, queue 1, KV cache 1, load 1: a full prefix match is
+//! worth as much as being the emptiest server on all three load signals
+//! (llm-d's default profile also weighs its prefix scorer 3, against 2
+//! each for queue and KV cache). At prefix 2 (the default before issue
+//! 38), one request more in flight and one more pending, each min-max
+//! normalised to a whole point, outweighed a conversation's 93 % match on
+//! its own engine: 75–86 % of later turns stayed in
+//! `tests/shared_prompt.rs`, the rest recomputing their history
+//! elsewhere. Real imbalance moves conversations through the balance
+//! rule instead.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
+use super::balance::{Balance, least_inflight};
 use super::random::Random;
 use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, in_range_f64};
 
@@ -51,7 +66,7 @@ pub enum Pick {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct WeightedScorersParams {
-    /// Weight of the prefix-match score. Default 2.
+    /// Weight of the prefix-match score. Default 3.
     pub prefix_weight: f64,
     /// Weight of the queue score. Default 1.
     pub queue_weight: f64,
@@ -66,7 +81,7 @@ pub struct WeightedScorersParams {
 impl Default for WeightedScorersParams {
     fn default() -> Self {
         Self {
-            prefix_weight: 2.0,
+            prefix_weight: 3.0,
             queue_weight: 1.0,
             kv_cache_weight: 1.0,
             load_weight: 1.0,
@@ -154,11 +169,12 @@ impl WeightedScorers {
         } else {
             kv_sum / f64::from(kv_known)
         };
+        let min_inflight = least_inflight(input.candidates);
         for c in input.candidates {
-            let prefix = if input.prompt_blocks == 0 {
+            let prefix = if input.prompt_blocks == 0 || Balance::DEFAULT.overloaded(c, min_inflight) {
                 0.0
             } else {
-                f64::from(input.prefix.blocks_for(c.server.tag())) / f64::from(input.prompt_blocks)
+                f64::from(input.useful_blocks(c.server.tag())) / f64::from(input.prompt_blocks)
             };
             let queue = min_max(c.pending_estimate(), qmin, qmax);
             let kv = c.load.kv_usage().map_or(kv_absent, |kv| 1.0 - kv);
@@ -303,15 +319,35 @@ mod tests {
     }
 
     #[test]
+    fn an_overloaded_server_scores_no_prefix() {
+        let f = Fixture::new(2);
+        let chain = Fixture::chain(2, 10);
+        f.hold(0, &chain);
+        let m = f.matched(&chain);
+        let p = WeightedScorers::new(WeightedScorersParams::default());
+        let sixteen = |c: Candidate| Candidate { admission: 16, ..c };
+        // The holder 2 above the other (abs 2 for 16 at once): its prefix
+        // outweighs the load scores.
+        let cands = [sixteen(cand(f.s[0], 6, 0)), sixteen(cand(f.s[1], 4, 0))];
+        assert_eq!(p.choose(&input(10, &m, &cands)).unwrap().server, f.s[0]);
+        // 3 above: overloaded, no prefix score, the other wins on load.
+        let cands = [sixteen(cand(f.s[0], 7, 0)), sixteen(cand(f.s[1], 4, 0))];
+        assert_eq!(p.choose(&input(10, &m, &cands)).unwrap().server, f.s[1]);
+    }
+
+    #[test]
     fn each_scorer_alone_picks_its_own_best_server() {
         let f = Fixture::new(4);
         let chain = Fixture::chain(1, 10);
         f.hold(0, &chain);
         let m = f.matched(&chain);
-        // 0: holds the prompt; 1: fewest pending; 2: emptiest KV cache; 3: fewest in flight.
+        // 0: holds the prompt; 1: fewest pending; 2: emptiest KV cache; 3:
+        // fewest in flight. Server 0 runs 256 at once: 4 above the idlest
+        // is within the balance rule.
         let cands = [
             Candidate {
                 pending: 3,
+                admission: 256,
                 ..kv(cand(f.s[0], 5, 0), 5000)
             },
             Candidate {

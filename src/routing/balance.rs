@@ -1,0 +1,130 @@
+//! When a server a prompt's cache points to is too busy to follow it: the
+//! balance rule the prefix-aware policies share, measured against what
+//! each engine can take.
+//!
+//! A server `w` is **overloaded** when
+//! `load(w) − min > abs(w) && load(w) > rel × min`, with `load` the
+//! requests in flight through the gateway ([`Candidate::inflight`]),
+//! `min` the least load over the candidates, `rel` a ratio (SGLang's 1.1)
+//! and `abs(w)` an eighth of the requests `w`'s engine runs at once,
+//! rounded up, at least 1, at most a cap (SGLang's 32, which is an eighth
+//! of vLLM's 256 sequences). What an engine runs at once is
+//! [`Candidate::admission`]: the number it reported (llama.cpp's slots),
+//! else the admission limit the gateway learns ([`crate::capacity`]),
+//! else [`crate::capacity::INITIAL_LIMIT`].
+//!
+//! An absolute 32 alone is out of reach of a small fleet: four engines
+//! with sixteen clients never differ by 32, so affinity always won
+//! (issue 38). Scaled to capacity, the conversations of an engine that
+//! carries several more than the idlest move to it, which is also how
+//! engines added at runtime next to a loaded one get their share of the
+//! conversations that started before them.
+//!
+//! `cache_aware` applies it with its own thresholds
+//! ([`super::CacheAwareParams`]); `weighted_scorers` with [`Balance::DEFAULT`]
+//! (an overloaded server's prefix score is 0).
+
+use super::Candidate;
+
+/// Requests an engine runs at once per request of absolute load spread
+/// (SGLang's 32 of vLLM's 256 sequences).
+pub const CAPACITY_PER_ABS_THRESHOLD: u32 = 8;
+
+/// The thresholds of the balance rule.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Balance {
+    /// The absolute threshold, or its cap when `scale_to_capacity`.
+    pub abs: u64,
+    /// The relative threshold (>= 1).
+    pub rel: f64,
+    /// Scale the absolute threshold to the server's capacity.
+    pub scale_to_capacity: bool,
+}
+
+impl Balance {
+    /// SGLang's library thresholds (32, 1.1), scaled to capacity.
+    pub const DEFAULT: Self = Self {
+        abs: 32,
+        rel: 1.1,
+        scale_to_capacity: true,
+    };
+
+    /// The absolute threshold of server `c`: `abs`, capped at
+    /// `⌈admission / 8⌉` (at least 1) when `scale_to_capacity`.
+    #[inline]
+    pub fn abs_threshold(&self, c: &Candidate) -> u64 {
+        if self.scale_to_capacity {
+            let scaled = u64::from(c.admission.div_ceil(CAPACITY_PER_ABS_THRESHOLD).max(1));
+            self.abs.min(scaled)
+        } else {
+            self.abs
+        }
+    }
+
+    /// Whether `load` is out of balance with `min`: above it by more than
+    /// `abs` AND more than `rel` times it.
+    #[inline]
+    pub fn beyond(&self, load: u64, min: u64, abs: u64) -> bool {
+        load.saturating_sub(min) > abs && load as f64 > self.rel * min as f64
+    }
+
+    /// Whether `c` is overloaded against the least load `min`.
+    #[inline]
+    pub fn overloaded(&self, c: &Candidate, min: u64) -> bool {
+        self.beyond(c.inflight, min, self.abs_threshold(c))
+    }
+}
+
+/// The least requests in flight over `candidates` (0 when empty).
+#[inline]
+pub fn least_inflight(candidates: &[Candidate]) -> u64 {
+    candidates.iter().map(|c| c.inflight).min().unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routing::test_support::{Fixture, cand};
+
+    #[test]
+    fn the_threshold_is_an_eighth_of_capacity_within_one_and_the_cap() {
+        let f = Fixture::new(1);
+        let at = |n: u32| Candidate {
+            admission: n,
+            ..cand(f.s[0], 0, 0)
+        };
+        for (n, abs) in [(1, 1), (2, 1), (8, 1), (9, 2), (16, 2), (40, 5), (256, 32), (4096, 32)] {
+            assert_eq!(Balance::DEFAULT.abs_threshold(&at(n)), abs, "{n}");
+        }
+        let fixed = Balance {
+            scale_to_capacity: false,
+            ..Balance::DEFAULT
+        };
+        assert_eq!(fixed.abs_threshold(&at(2)), 32);
+    }
+
+    #[test]
+    fn overloaded_needs_both_thresholds() {
+        let f = Fixture::new(1);
+        let at = |inflight: u64| Candidate {
+            admission: 16,
+            ..cand(f.s[0], inflight, 0)
+        };
+        let b = Balance::DEFAULT;
+        // abs 2: 3 above is over it, 2 is not.
+        assert!(b.overloaded(&at(7), 4));
+        assert!(!b.overloaded(&at(6), 4));
+        // An engine of 256 sequences: 32 above.
+        let big = |inflight: u64| Candidate {
+            admission: 256,
+            ..at(inflight)
+        };
+        assert!(!b.overloaded(&big(322), 290));
+        assert!(b.overloaded(&big(330), 290));
+        // 3 above 37 is over abs 2, but not 1.1 × 37.
+        assert!(!b.overloaded(&at(40), 37));
+        assert!(b.overloaded(&at(3), 0));
+        assert_eq!(least_inflight(&[at(5), at(2), at(9)]), 2);
+        assert_eq!(least_inflight(&[]), 0);
+    }
+}

@@ -1,0 +1,304 @@
+//! Shared headers: the leading blocks many different prompts open with (a
+//! system prompt, an agent's tool definitions), told apart from the part
+//! of a prompt that belongs to one conversation.
+//!
+//! A prefix match is evidence of where a prompt's KV cache lives. A match
+//! that ends inside a conversation's own history (its earlier turns) is
+//! strong evidence: only the engine that served the conversation holds
+//! it. A match that ends at a **shared header** is weak evidence: every
+//! conversation of the application opens with it, so once traffic spreads
+//! it is warm on every engine that serves any of them, and paying its
+//! prefill once more on another engine is amortised over all the
+//! conversations that engine then serves. A router that follows it
+//! anyway sends every new conversation to the engine that first computed
+//! the system prompt (SGLang's old collapse: 500 of 500 requests on one
+//! of four engines, measured in issue 38), and learning at dispatch makes
+//! it worse: the first request's prefix, recorded when it is sent, pulls
+//! the next concurrent first requests onto the engine that is still
+//! computing it.
+//!
+//! # Rule
+//!
+//! For each new request (not a retry or another look from the gateway
+//! queue), with `d` the deepest match any server has of its chain and `P`
+//! its blocks: when `0 < d < P`, the prompt **diverges** from what the
+//! gateway has sent after block `d` (its blocks past `d` are new), at
+//! the prefix `chain[d − 1]`. A conversation's next turn diverges where
+//! its own last turn ended, a point no other prompt reaches; new
+//! conversations on one system prompt all diverge at its end. So:
+//!
+//! * each divergence is counted under its prefix in a sketch of
+//!   [`CELLS`] cells (a key's fingerprint and a count in one atomic word;
+//!   an idle cell is taken over, a busy one kept, so a rare prefix never
+//!   borrows a hot one's count), all counts halved every
+//!   [`WINDOW`] requests;
+//! * the request's **shared header** is the deepest of its match depths
+//!   (one per server) at which at least [`DIVERGENCES`] *other* recent
+//!   prompts diverged: `d` itself for a new conversation on a system
+//!   prompt, and for a conversation's later turn the depth at which the
+//!   *other* engines match it (the system prompt they computed for other
+//!   conversations), while its own engine matches its whole history.
+//!
+//! [`DIVERGENCES`] is 2, not 1: a document or long context that two or
+//! three requests share (the Mooncake trace has a few of 13–51 blocks of
+//! 512 tokens) is worth keeping together, while a system prompt is the
+//! divergence point of nearly every new conversation (the Mooncake trace's
+//! one-block header: 1 272 of 1 750 requests in its first 600 s).
+//!
+//! The policies then treat a match of at most the header's depth as no
+//! match ([`super::RouteInput::useful_blocks`]): the request goes by load,
+//! and the engine it goes to computes the header once and holds it from
+//! then on. A conversation's later turns match past the header and keep
+//! their engine, and the other engines' header matches do not compete
+//! with it (a scoring policy saw them as 70–87 % matches, close enough to
+//! its own engine's 98 % that one request more in flight there moved the
+//! conversation).
+//!
+//! Each dispatcher keeps its own sketch (per process: nothing in shared
+//! memory), so with `n` dispatchers up to `n × DIVERGENCES` new
+//! conversations follow a new system prompt to its first engine before it
+//! counts as shared. Counting and reading never lock: one atomic
+//! read-modify-write per new request, two with the halving.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Cells of the sketch.
+pub const CELLS: usize = 4096;
+
+/// Requests between halvings of the counts.
+pub const WINDOW: u64 = 1024;
+
+/// Earlier divergences at a prefix (other prompts) that make it a shared
+/// header.
+pub const DIVERGENCES: u32 = 2;
+
+/// Bits of a cell holding the count (the rest hold the key's fingerprint).
+const COUNT_BITS: u32 = 16;
+const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
+
+/// Recent divergence counts per prefix.
+#[derive(Debug)]
+pub struct SharedHeaders {
+    cells: Box<[AtomicU64]>,
+    /// Requests counted since the start (drives the halving).
+    seen: AtomicU64,
+}
+
+impl Default for SharedHeaders {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SharedHeaders {
+    /// An empty sketch.
+    pub fn new() -> Self {
+        Self {
+            cells: (0..CELLS).map(|_| AtomicU64::new(0)).collect(),
+            seen: AtomicU64::new(0),
+        }
+    }
+
+    /// The shared header of a request whose chain is `chain` and whose
+    /// matches on the servers are `depths` (blocks, one per server): its
+    /// depth in blocks, or 0 when it opens with none the sketch knows.
+    /// Counts the request's divergence (after its deepest match) unless it
+    /// is a `repeat` (the same request asked about again).
+    ///
+    /// The header is the deepest match depth that is a known divergence
+    /// point: the deepest itself when other prompts diverged there too (a
+    /// new conversation on a system prompt), or a shallower one (a
+    /// conversation's later turn: its own engine matches its history,
+    /// the other engines the system prompt they computed for other
+    /// conversations; those matches are the header, and count as none).
+    pub fn observe(&self, chain: &[u64], depths: &[u32], repeat: bool) -> u32 {
+        let deepest = depths.iter().copied().max().unwrap_or(0);
+        let d = deepest as usize;
+        let mut header = 0;
+        if d > 0 && d < chain.len() {
+            let key = chain[d - 1];
+            // A repeat was counted on its first look: the others are the rest.
+            let earlier = if repeat {
+                self.count(key).saturating_sub(1)
+            } else {
+                self.bump(key)
+            };
+            if earlier >= DIVERGENCES {
+                header = deepest;
+            }
+        }
+        if !repeat {
+            self.tick();
+        }
+        if header == 0 {
+            for &depth in depths {
+                let at = depth as usize;
+                if depth > header && at > 0 && at < d && self.count(chain[at - 1]) >= DIVERGENCES {
+                    header = depth;
+                }
+            }
+        }
+        header
+    }
+
+    /// The cell of `key`, and the fingerprint it is stored under there
+    /// (never 0: 0 marks an empty cell).
+    fn slot(&self, key: u64) -> (&AtomicU64, u64) {
+        let cell = &self.cells[(key as usize) % CELLS];
+        let fingerprint = (key >> COUNT_BITS) | 1;
+        (cell, fingerprint)
+    }
+
+    /// The recent divergences counted under `key`.
+    fn count(&self, key: u64) -> u32 {
+        let (cell, fingerprint) = self.slot(key);
+        let v = cell.load(Ordering::Relaxed);
+        if v >> COUNT_BITS == fingerprint {
+            (v & COUNT_MASK) as u32
+        } else {
+            0
+        }
+    }
+
+    /// Counts one divergence under `key`; returns the count before it.
+    /// A cell held by another key is taken over only when its count is at
+    /// most 1 (a key seen once, or decayed): a hot prefix keeps its cell.
+    fn bump(&self, key: u64) -> u32 {
+        let (cell, fingerprint) = self.slot(key);
+        let mut v = cell.load(Ordering::Relaxed);
+        loop {
+            let (next, before) = if v >> COUNT_BITS == fingerprint {
+                let n = v & COUNT_MASK;
+                ((fingerprint << COUNT_BITS) | (n + 1).min(COUNT_MASK), n as u32)
+            } else if v & COUNT_MASK <= 1 {
+                ((fingerprint << COUNT_BITS) | 1, 0)
+            } else {
+                return 0;
+            };
+            match cell.compare_exchange_weak(v, next, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return before,
+                Err(now) => v = now,
+            }
+        }
+    }
+
+    /// Ends counting one request; every [`WINDOW`] requests, halves every
+    /// count (a racing bump may be lost: the sketch is an estimate).
+    fn tick(&self) {
+        if (self.seen.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(WINDOW) {
+            for cell in self.cells.iter() {
+                let v = cell.load(Ordering::Relaxed);
+                if v != 0 {
+                    let halved = (v & !COUNT_MASK) | ((v & COUNT_MASK) / 2);
+                    let _ = cell.compare_exchange(v, halved, Ordering::Relaxed, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A chain: `header` blocks shared by every conversation, then
+    /// `own` blocks of conversation `c`.
+    fn chain(header: usize, c: u64, own: usize) -> Vec<u64> {
+        (0..header as u64)
+            .map(|i| 0x5eed_0000 + i)
+            .chain((0..own as u64).map(|i| (c << 20) + i + 1))
+            .collect()
+    }
+
+    #[test]
+    fn a_prefix_many_prompts_diverge_at_is_a_header_after_the_third() {
+        let h = SharedHeaders::new();
+        let depths: Vec<u32> = (0..5).map(|c| h.observe(&chain(50, c, 3), &[50], false)).collect();
+        // The first two conversations to diverge there follow the match;
+        // from the third on, the match is a shared header.
+        assert_eq!(depths, [0, 0, 50, 50, 50]);
+    }
+
+    #[test]
+    fn a_conversation_that_continues_its_own_history_is_never_a_header() {
+        let h = SharedHeaders::new();
+        // Turn t of one conversation matches everything up to its last
+        // turn's end, a different point each time.
+        for t in 1..20usize {
+            let c = chain(50, 7, t * 4 + 3);
+            assert_eq!(h.observe(&c, &[50 + t as u32 * 4], false), 0, "turn {t}");
+        }
+    }
+
+    #[test]
+    fn a_whole_match_or_none_is_not_a_divergence_and_repeats_do_not_count() {
+        let h = SharedHeaders::new();
+        let c = chain(10, 1, 2);
+        assert_eq!(h.observe(&c, &[0], false), 0);
+        assert_eq!(h.observe(&c, &[12], false), 0);
+        // Asked about again (a retry, the queue): read, not counted.
+        for _ in 0..10 {
+            assert_eq!(h.observe(&chain(10, 2, 2), &[10], true), 0);
+        }
+        assert_eq!(h.observe(&chain(10, 3, 2), &[10], false), 0);
+        assert_eq!(h.observe(&chain(10, 4, 2), &[10], false), 0);
+        // Asked again, the fourth still counts two others before it.
+        assert_eq!(h.observe(&chain(10, 4, 2), &[10], true), 0);
+        assert_eq!(h.observe(&chain(10, 5, 2), &[10], false), 10);
+        assert_eq!(h.observe(&chain(10, 5, 2), &[10], true), 10);
+    }
+
+    #[test]
+    fn a_later_turn_sees_the_other_engines_header_matches_as_the_header() {
+        let h = SharedHeaders::new();
+        for c in 0..4 {
+            h.observe(&chain(50, c, 3), &[50], false);
+        }
+        // Conversation 9's third turn: its own engine holds 58 blocks, two
+        // others the system prompt they computed for other conversations.
+        let turn = chain(50, 9, 12);
+        assert_eq!(h.observe(&turn, &[58, 50, 50], false), 50);
+        // A prompt whose shallower matches are not a known header.
+        let other = chain(30, 9, 30);
+        assert_eq!(h.observe(&other, &[58, 30], false), 0);
+        // No match at all.
+        assert_eq!(h.observe(&other, &[], false), 0);
+    }
+
+    #[test]
+    fn counts_fade_when_the_header_stops_being_used() {
+        let h = SharedHeaders::new();
+        for c in 0..4 {
+            h.observe(&chain(8, c, 2), &[8], false);
+        }
+        assert_eq!(h.count(chain(8, 0, 2)[7]), 4);
+        // Two windows of other traffic: 4 → 2 → 1.
+        for i in 0..2 * WINDOW {
+            h.observe(&[i], &[0], false);
+        }
+        assert_eq!(h.count(chain(8, 0, 2)[7]), 1);
+        assert_eq!(h.observe(&chain(8, 9, 2), &[8], false), 0);
+    }
+
+    #[test]
+    fn a_rare_prefix_never_borrows_a_hot_ones_count() {
+        let h = SharedHeaders::new();
+        let hot = 0x1234_5678_9abc_def0u64;
+        // Another key in the same cell, with another fingerprint.
+        let rare = hot.wrapping_add(CELLS as u64 * 7919);
+        assert_eq!(hot as usize % CELLS, rare as usize % CELLS);
+        for _ in 0..5 {
+            h.bump(hot);
+        }
+        assert_eq!(h.bump(rare), 0);
+        assert_eq!(h.count(rare), 0);
+        assert_eq!(h.count(hot), 5);
+        // A cell whose key was seen once is taken over.
+        let once = 0x0fed_cba9_8765_4321u64;
+        let other = once.wrapping_add(CELLS as u64 * 104_729);
+        h.bump(once);
+        assert_eq!(h.bump(other), 0);
+        assert_eq!(h.count(other), 1);
+        assert_eq!(h.count(once), 0);
+    }
+}
