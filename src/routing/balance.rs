@@ -7,11 +7,17 @@
 //! requests in flight through the gateway ([`Candidate::inflight`]),
 //! `min` the least load over the candidates, `rel` a ratio (SGLang's 1.1)
 //! and `abs(w)` an eighth of the requests `w`'s engine runs at once,
-//! rounded up, at least 1, at most a cap (SGLang's 32, which is an eighth
-//! of vLLM's 256 sequences). What an engine runs at once is
-//! [`Candidate::admission`]: the number it reported (llama.cpp's slots),
-//! else the admission limit the gateway learns ([`crate::capacity`]),
-//! else [`crate::capacity::INITIAL_LIMIT`].
+//! rounded up, at most a cap (SGLang's 32, which is an eighth of vLLM's
+//! 256 sequences) and at least 1 where the engine reported the number
+//! (llama.cpp's slots: two-slot engines are balanced at a spread of 1),
+//! else at least [`UNREPORTED_FLOOR`]. What an engine runs at once is
+//! [`Candidate::admission`]: the number it reported, else the admission
+//! limit the gateway learns ([`crate::capacity`]), else
+//! [`crate::capacity::INITIAL_LIMIT`]. A learned limit is a lower bound
+//! until requests queue (it starts at 8 and grows only while it binds),
+//! and a client's next turn often arrives before its last answer is
+//! uncounted, so a spread of 2 on an engine that said nothing is noise:
+//! at 1, back-to-back conversations over three engines moved.
 //!
 //! An absolute 32 alone is out of reach of a small fleet: four engines
 //! with sixteen clients never differ by 32, so affinity always won
@@ -29,6 +35,10 @@ use super::Candidate;
 /// Requests an engine runs at once per request of absolute load spread
 /// (SGLang's 32 of vLLM's 256 sequences).
 pub const CAPACITY_PER_ABS_THRESHOLD: u32 = 8;
+
+/// The least absolute threshold of an engine that did not report what it
+/// runs at once (see the [module docs](self)).
+pub const UNREPORTED_FLOOR: u32 = 2;
 
 /// The thresholds of the balance rule.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -50,11 +60,13 @@ impl Balance {
     };
 
     /// The absolute threshold of server `c`: `abs`, capped at
-    /// `⌈admission / 8⌉` (at least 1) when `scale_to_capacity`.
+    /// `⌈admission / 8⌉` (at least 1 for a reported number, else
+    /// [`UNREPORTED_FLOOR`]) when `scale_to_capacity`.
     #[inline]
     pub fn abs_threshold(&self, c: &Candidate) -> u64 {
         if self.scale_to_capacity {
-            let scaled = u64::from(c.admission.div_ceil(CAPACITY_PER_ABS_THRESHOLD).max(1));
+            let floor = if c.admission_reported { 1 } else { UNREPORTED_FLOOR };
+            let scaled = u64::from(c.admission.div_ceil(CAPACITY_PER_ABS_THRESHOLD).max(floor));
             self.abs.min(scaled)
         } else {
             self.abs
@@ -93,7 +105,15 @@ mod tests {
             admission: n,
             ..cand(f.s[0], 0, 0)
         };
+        let reported = |n: u32| Candidate {
+            admission_reported: true,
+            ..at(n)
+        };
         for (n, abs) in [(1, 1), (2, 1), (8, 1), (9, 2), (16, 2), (40, 5), (256, 32), (4096, 32)] {
+            assert_eq!(Balance::DEFAULT.abs_threshold(&reported(n)), abs, "{n}");
+        }
+        // Learned or assumed: at least 2.
+        for (n, abs) in [(1, 2), (8, 2), (16, 2), (24, 3), (40, 5), (4096, 32)] {
             assert_eq!(Balance::DEFAULT.abs_threshold(&at(n)), abs, "{n}");
         }
         let fixed = Balance {

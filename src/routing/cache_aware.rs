@@ -74,18 +74,19 @@
 //! # Capacity
 //!
 //! The rule is [`super::balance`]'s, which the other prefix-aware
-//! policies share. With `scale_to_capacity` (the default), `abs(w)` is an eighth of the
-//! requests `w`'s engine runs at once, rounded up, at least 1 and at most
-//! `balance_abs_threshold`: SGLang's 32 of vLLM's 256 sequences, kept as a
+//! policies share. With `scale_to_capacity` (the default), `abs(w)` is an
+//! eighth of the requests `w`'s engine runs at once, rounded up, at most
+//! `balance_abs_threshold` and at least 1 (2 where the engine did not
+//! report the number): SGLang's 32 of vLLM's 256 sequences, kept as a
 //! proportion. What an engine runs at once is [`Candidate::admission`]:
 //! the number the engine reported (llama.cpp's slots, from `/props`), else
 //! the admission limit the gateway learns from the latencies it measures
 //! ([`crate::capacity`]; it grows while requests are not slowed by those
 //! in flight), else [`crate::capacity::INITIAL_LIMIT`] (8) before anything
 //! is learned. So two-slot llama.cpp engines are balanced at a spread of
-//! 1, a sim or vLLM engine whose latencies show no queue at 40 in flight
-//! at 5, and a 256-sequence engine at 32. Without scaling,
-//! `balance_abs_threshold` as it is.
+//! 1, a sim or vLLM engine at 2 until its latencies show no queue with
+//! more than 16 in flight (5 at 40), and a 256-sequence engine at 32.
+//! Without scaling, `balance_abs_threshold` as it is.
 //!
 //! # Parameters
 //!
@@ -510,12 +511,15 @@ mod tests {
         assert_eq!(p.choose(&input(10, &m, &cands)).unwrap().reason, Reason::LeastLoad);
         let cands = four([5, 3, 4, 4], 16);
         assert_eq!(p.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[0], prefix(10)));
-        // Before anything is learned (8 at once): 1.
+        // Before anything is learned (8 at once), an engine that said
+        // nothing is given 2: a spread of 2 is noise, 3 is not.
         let cands = four([5, 3, 4, 4], crate::capacity::INITIAL_LIMIT);
+        assert_eq!(p.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[0], prefix(10)));
+        let cands = four([6, 3, 4, 4], crate::capacity::INITIAL_LIMIT);
         assert_eq!(p.choose(&input(10, &m, &cands)).unwrap().reason, Reason::LeastLoad);
         // An eighth of the winner's capacity, rounded up, never above the
         // configured threshold.
-        for (n, abs) in [(1, 1), (8, 1), (9, 2), (32, 4), (40, 5), (256, 32), (4096, 32)] {
+        for (n, abs) in [(1, 2), (8, 2), (9, 2), (32, 4), (40, 5), (256, 32), (4096, 32)] {
             assert_eq!(
                 p.params().abs_threshold(&with_capacity(cand(f.s[0], 0, 0), n)),
                 abs,

@@ -21,7 +21,9 @@
 //!    [`super::shared_header`]), else the longest. (The sketch needs
 //!    [`MIN_HOT_REQUESTS`] requests per dispatcher before a system prompt
 //!    is hot; sixteen conversations starting at once were all hashed by
-//!    it until then, two engines taking 14 of them.) Every length of a new request is counted, not only
+//!    it until then, two engines taking 14 of them. With `hot_share =
+//!    1.0`, DualMap's fixed-length hashing, the header is not skipped
+//!    either.) Every length of a new request is counted, not only
 //!    those up to the chosen one: a shared system prompt of `h` blocks is
 //!    then hot at every length after its first few requests, and the
 //!    hashed length goes straight past it. (Counting only up to the chosen
@@ -271,8 +273,14 @@ impl DualMap {
         let step = self.params.min_prefix_blocks as usize;
         let mut chosen = None;
         // The first length past the shared header: inside it, every
-        // length is hot as soon as the sketch has seen enough of it.
-        let skip = (header as usize / step) * step;
+        // length is hot as soon as the sketch has seen enough of it. (Not
+        // with `hot_share = 1.0`: no prefix is ever hot, DualMap's own
+        // fixed-length hashing.)
+        let skip = if self.params.hot_share < 1.0 {
+            (header as usize / step) * step
+        } else {
+            0
+        };
         let mut level = (skip + step).min(longest);
         loop {
             let count = if repeat {

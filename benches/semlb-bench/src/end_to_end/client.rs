@@ -77,6 +77,9 @@ pub(crate) struct Outcome {
     pub(crate) dispatch: Option<[u64; 7]>,
     /// `x-semlb-backend`.
     pub(crate) backend: Option<String>,
+    /// The simulated engine that answered, whatever the front: the
+    /// per-process salt of its response id ([`engine_of`]).
+    pub(crate) engine: Option<String>,
     /// What went wrong, if anything.
     pub(crate) error: Option<String>,
 }
@@ -118,6 +121,8 @@ pub(crate) async fn request_with(
     let mut outcome = Outcome::default();
     // The start of a failed answer's body, for its error.
     let mut failed_body = String::new();
+    // The start of the body, for the engine's response id.
+    let mut head: Vec<u8> = Vec::new();
     let run = async {
         let mut request =
             http::Request::post(format!("http://{addr}{path}")).header(http::header::CONTENT_TYPE, "application/json");
@@ -140,6 +145,7 @@ pub(crate) async fn request_with(
         let mut body = response.into_body();
         if !streamed {
             let bytes = body.collect().await.map_err(|e| format!("body: {e}"))?.to_bytes();
+            head.extend_from_slice(&bytes[..bytes.len().min(HEAD_BYTES)]);
             if let Some(keep) = keep.as_deref_mut() {
                 keep.extend_from_slice(&bytes);
             }
@@ -154,6 +160,9 @@ pub(crate) async fn request_with(
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| format!("body: {e}"))?;
             if let Some(data) = frame.data_ref() {
+                if head.len() < HEAD_BYTES {
+                    head.extend_from_slice(&data[..data.len().min(HEAD_BYTES - head.len())]);
+                }
                 if let Some(keep) = keep.as_deref_mut() {
                     keep.extend_from_slice(data);
                 }
@@ -171,6 +180,9 @@ pub(crate) async fn request_with(
         Err(_) => outcome.error = Some(format!("timeout after {REQUEST_TIMEOUT:?}")),
     }
     outcome.latency = since.elapsed();
+    if outcome.status == 200 {
+        outcome.engine = engine_of(&head);
+    }
     if outcome.error.is_none() && outcome.status != 200 {
         outcome.error = Some(if failed_body.is_empty() {
             format!("HTTP {}", outcome.status)
@@ -181,6 +193,23 @@ pub(crate) async fn request_with(
         outcome.error = Some("stream ended without [DONE]".into());
     }
     outcome
+}
+
+/// Bytes of an answer's start kept for [`engine_of`].
+const HEAD_BYTES: usize = 1024;
+
+/// The simulated engine that wrote an answer starting with `head` (JSON,
+/// or the SSE stream's first event): the simulator's response ids are
+/// `cmpl-<salt><counter>` and `chatcmpl-<salt><counter>`, 16 hex digits
+/// each, the salt drawn once per engine process, so the salt names the
+/// engine whichever front passed the answer on. `None` for any other id.
+pub(crate) fn engine_of(head: &[u8]) -> Option<String> {
+    let text = String::from_utf8_lossy(head);
+    let after = &text[text.find("\"id\"")? + 4..];
+    let value = after.trim_start().strip_prefix(':')?.trim_start().strip_prefix('"')?;
+    let id = &value[..value.find('"')?];
+    let hex = &id[id.rfind('-')? + 1..];
+    (hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit())).then(|| hex[..16].to_owned())
 }
 
 /// Incremental scanner of a server-sent-event stream: counts `data:`
@@ -264,6 +293,17 @@ mod tests {
         assert!(!s.feed(b": comment\n\n"));
         assert!(s.feed(b"event: x\ndata: {}\n\n"));
         assert!(!s.feed(b"data: {}\n\n"));
+    }
+
+    #[test]
+    fn the_engine_is_the_salt_of_the_response_id() {
+        let chunk = br#"data: {"id":"cmpl-12bc24eed0216e530000000000000007","object":"text_completion"}"#;
+        assert_eq!(engine_of(chunk).as_deref(), Some("12bc24eed0216e53"));
+        let json = br#"{"id": "chatcmpl-a54f910138e8018f00000000000000b3","object":"chat.completion"}"#;
+        assert_eq!(engine_of(json).as_deref(), Some("a54f910138e8018f"));
+        assert_eq!(engine_of(br#"{"id":"chatcmpl-xyz"}"#), None);
+        assert_eq!(engine_of(br#"{"object":"list"}"#), None);
+        assert_eq!(engine_of(b"data: {\"id\":\"cmpl-12bc"), None);
     }
 
     #[test]

@@ -92,6 +92,9 @@ pub(crate) struct GatewaySpec {
     /// tables of the configuration with their `kv_events` endpoints (the
     /// engines must publish them), not `--backend` flags.
     pub(crate) kv_events: bool,
+    /// The admin API on a free loopback port with this token (see
+    /// [`Gateway::admin_addr`]).
+    pub(crate) admin_token: Option<String>,
 }
 
 /// Why [`start_gateway`] failed.
@@ -114,6 +117,10 @@ pub(crate) fn start_gateway(spec: &GatewaySpec, engines: &[Proc]) -> Result<Gate
         .dispatchers(spec.dispatchers)
         .stderr(Stderr::Tail(40))
         .within(Duration::from_secs(60));
+    if let Some(token) = &spec.admin_token {
+        // The admin API's address is read from the log: keep enough of it.
+        builder = builder.stderr(Stderr::Tail(400)).admin(token);
+    }
     let mut config = spec.config.clone();
     if spec.kv_events {
         let mut tables = String::new();

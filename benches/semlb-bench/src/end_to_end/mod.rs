@@ -180,6 +180,7 @@ fn run_store(
         tag: format!("e2e-{name}"),
         config: None,
         kv_events: false,
+        admin_token: None,
     };
     let gateway = match start_gateway(&spec, &engines) {
         Ok(g) => g,

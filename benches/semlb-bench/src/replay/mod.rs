@@ -1,9 +1,10 @@
-//! `semlb bench replay`: every routing policy on the same workloads and
-//! engines, with TTFT objectives and goodput.
+//! `semlb bench replay`: every routing policy, and the peer routers a
+//! user would pick instead (SMG, vllm-router, SGLang's router), on the same
+//! workloads and engines, with TTFT objectives and goodput.
 //!
 //! # Workloads
 //!
-//! `--workloads` (default all five, see [`workload`](super::workload)):
+//! `--workloads` (default all eight, see [`workload`](super::workload)):
 //!
 //! | workload | requests | sessions | default speedup | default duration | default TTFT SLO |
 //! | --- | --- | --- | --- | --- | --- |
@@ -12,8 +13,12 @@
 //! | `hot-prefix` | agent sessions on six hot system prompts ([`hot_prefix`]): 4.5 sessions/s (`--hot-prefix-rate`), ~16 req/s of ~5 900-token prompts, ~70 % of the prefill capacity with the system prompts cached | yes | 4 | 120 s | 2 s |
 //! | `agents` | closed-loop agent sessions of 5–20 chat calls on four shared system prompts ([`agents`]), each call sent the instant the previous answer ends: 1.5 sessions/s (`--agents-rate`), ~19 calls/s, 18 % of the prefill capacity when every session stays on one engine, 235 % when none does | yes | 2 | 60 s | 1 s |
 //! | `chat` | closed-loop multi-turn chats on four shared system prompts ([`chat`]): 400 conversations of 2–6 turns (`--chat-conversations`) sent by 16 clients (`--chat-clients`), each sending its next turn the instant its answer ends and starting a new conversation when one ends; no session ids; run on each of four engine sets ([`ChatSet`], `--chat-sets`) | no header (the same-engine share is still computed) | 10 | its conversations | 1 s |
+//! | `shared-prompt` | the `chat` closed loop on **one** ~900-token system prompt: 50 conversations of 6–14 turns (`--shared-prompt-conversations`), 16 clients; on the engine sets | no header | 10 | its conversations | 1 s |
+//! | `burst` | a hot-prefix burst ([`burst`]): background chat sessions on four system prompts (2 sessions/s, `--burst-background-rate`), then 48 sessions (`--burst-sessions`) on one brand-new ~2 000-token system prompt within 0.1 trace seconds at 40 % of the duration, 3–5 turns each, every call sent when the previous answer ends | yes | 4 | 40 s | 2 s |
+//! | `scale-out` | the `shared-prompt` closed loop starting on **one** engine; the other `--engines` − 1 are added at run time once a quarter of its requests are answered; on the engine sets | no header | 10 | its conversations | 1 s |
 //!
-//! Every request but the `agents` and `chat` calls (chat requests whose
+//! Every request but the chat calls of `agents`, `chat`, `shared-prompt`,
+//! `burst` and `scale-out` (chat requests whose
 //! history holds the engine's real answers, `temperature` 1, `ignore_eos`,
 //! `max_tokens` = the call's output; see [`agents`], [`chat`]) is a streaming
 //! `/v1/completions` request whose `prompt` is
@@ -39,7 +44,11 @@
 //! reused but whose 2 000–6 000-token system prompt alone takes up to 0.6 s
 //! when it is not. `--ttft-slo S` sets one objective for all.
 //!
-//! # The `chat` workload's engine sets
+//! # The closed loops' engine sets
+//!
+//! `chat`, `shared-prompt` and `scale-out` run on the engine sets of
+//! `--chat-sets`, each a table of its own; what follows is `chat`'s
+//! reason for them.
 //!
 //! `chat` is the robustness check: a closed loop has no offered rate, so
 //! what a policy loses by holding requests it should have sent, or by
@@ -50,6 +59,48 @@
 //! `--metrics`), clients that stream or not (a non-streamed answer is read
 //! whole: its TTFT is its latency, the first token the client sees). Its
 //! goodput column reads "closed loop" and it has no sweep (×1 only).
+//!
+//! # Peer routers
+//!
+//! `--peers smg,vllm-router,sglang-router` (default: all three; `--peers
+//! none` or an empty list: none) adds a row per peer router after semlb's,
+//! on the same fresh engines and the same requests, through the same load
+//! generator: `smg` 1.13.0, `vllm-router` 0.1.17 and `sglang-router` 0.3.2
+//! from PyPI, installed by the bench into private virtual environments
+//! (`--peers-dir`, default `target/bench-peers/`), each started with its
+//! own defaults and `--policy cache_aware`; see [`peers`] for the command
+//! lines, the core budget and how each adds a worker. Before its first run
+//! each peer is started once in front of one engine and sent one token-id
+//! completion and one chat call: a peer that cannot be installed or
+//! started is skipped with one line saying why, and one that refuses a
+//! workload's kind of request (`smg` and `sglang-router` refuse token-id
+//! prompts) has a row marked `†` saying so instead of figures. A peer's
+//! row has no prediction column (a counter of semlb's gateway). Which
+//! engine answered a request is read from the answer's id, the same way for
+//! every front (the simulator's ids carry a per-process salt).
+//!
+//! # The workloads that break routers
+//!
+//! `shared-prompt` (one system prompt, 16 in flight, 4 engines) is the
+//! one a router that follows the longest prefix alone collapses onto one
+//! engine; `burst` the one where a new hot prefix arrives 48 times at once;
+//! `scale-out` the one where engines appear while the load runs, and the
+//! engine sets the ones with and without engine metrics. After the table of
+//! `burst` and `scale-out` comes one of their own figures ([`phases`]):
+//!
+//! * `burst`: of the burst's requests (its new system prompt), the TTFT,
+//!   the SLO attainment, the share the busiest engine served and the
+//!   engines used;
+//! * `scale-out`: when the engines were added (trace seconds), how many
+//!   adds the front accepted, requests per trace second before and after,
+//!   the share of the requests sent after the add that the new engines
+//!   served, and the trace seconds until 40 consecutive requests gave the
+//!   new engines 75 % of their fair share (3/4 with 4 engines: 56 %).
+//!   semlb's engines are added through its admin API (`POST
+//!   /admin/servers`, the gateway started with `--admin-listen` and a
+//!   token file), the peers' through their own (`POST /workers`, `POST
+//!   /add_worker?url=`). The three engines are started with the others and
+//!   left idle until they are added.
 //!
 //! # Time
 //!
@@ -150,8 +201,11 @@
 //!
 //! After the tables, a **summary** gives each row's throughput as a share
 //! of `least_load`'s on every workload and engine set: requests per second
-//! for `chat`, goodput for the others; the best is marked `*`, and a share
-//! under 90 % `!`.
+//! for a closed loop, goodput for the others; the best is marked `*`, a
+//! share under 90 % `!`, the best peer router `^`, a row not run `†`; its
+//! last column is `cache_aware`'s throughput as a share of the best
+//! peer's. Each peer adds its runs (about as long as a policy's) and ~5 s
+//! of installation check and pre-flight per invocation.
 //!
 //! Output: the tables on stdout, `<out>/replay.json` (every run, sweep
 //! points included, with the engines' counters and the gateway
@@ -164,11 +218,14 @@ mod chat_set;
 mod counters;
 mod drive;
 mod gateway_config;
+mod peers;
+mod phases;
 pub mod real_engine;
 mod report;
 mod sessions;
 mod stats;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -179,16 +236,19 @@ use semlb_tokenizer::Tokenizer;
 use serde_json::{Value, json};
 
 pub use self::chat_set::ChatSet;
-use self::drive::{RunSpec, run_once};
+use self::drive::{FrontSpec, RunSpec, run_once};
+pub use self::peers::Peer;
+use self::peers::{Install, Peers, Support};
 use self::report::{
     Point, PolicyReport, WorkloadReport, print_report, print_summary, report_json, report_name, write_plots,
 };
 use self::stats::{GOODPUT_ATTAINMENT, RunStats};
 use super::Common;
 use super::dispatch_path::{PROMPTS_FILE, TOKENIZER_FILE};
-use super::end_to_end::{LoadClient, read_dialogues};
+use super::end_to_end::{LoadClient, read_dialogues, start_engines};
 use super::output;
 use super::workload::agents::{self, AgentsParams};
+use super::workload::burst::{self, BurstParams};
 use super::workload::chat::{self, ChatParams};
 use super::workload::hh_rlhf::{self, HhRlhfParams};
 use super::workload::hot_prefix::{self, HotPrefixParams};
@@ -200,7 +260,8 @@ pub struct ReplayArgs {
     /// Common flags.
     #[command(flatten)]
     pub common: Common,
-    /// Workloads to replay, comma-separated [default: all: mooncake,hh-rlhf,hot-prefix,agents].
+    /// Workloads to replay, comma-separated [default: all:
+    /// mooncake,hh-rlhf,hot-prefix,agents,chat,shared-prompt,burst,scale-out].
     #[arg(long, value_name = "LIST", value_delimiter = ',', value_enum)]
     pub workloads: Vec<WorkloadKind>,
     /// The Mooncake trace [default: <data>/traces/conversation_trace.jsonl].
@@ -291,9 +352,29 @@ pub struct ReplayArgs {
     /// Conversations of the `chat` workload.
     #[arg(long, value_name = "N", default_value_t = 400)]
     pub chat_conversations: usize,
-    /// Clients of the `chat` workload (its requests in flight).
+    /// Clients of the `chat` and `shared-prompt` workloads (their
+    /// requests in flight).
     #[arg(long, value_name = "N", default_value_t = 16)]
     pub chat_clients: usize,
+    /// Conversations of the `shared-prompt` and `scale-out` workloads.
+    #[arg(long, value_name = "N", default_value_t = 50)]
+    pub shared_prompt_conversations: usize,
+    /// Sessions of the `burst` workload's burst.
+    #[arg(long, value_name = "N", default_value_t = burst::BURST_SESSIONS)]
+    pub burst_sessions: usize,
+    /// Background sessions of the `burst` workload per trace second.
+    #[arg(long, value_name = "R", default_value_t = 2.0)]
+    pub burst_background_rate: f64,
+    /// Peer routers replayed as rows next to semlb's policies,
+    /// comma-separated; `none` or an empty list: none [default: all:
+    /// smg,vllm-router,sglang-router].
+    #[arg(long, value_name = "LIST", value_delimiter = ',', num_args = 0..)]
+    pub peers: Option<Vec<String>>,
+    /// Where the peers' private virtual environments are installed
+    /// [default: bench-peers/ in the target directory this binary runs
+    /// from].
+    #[arg(long, value_name = "DIR")]
+    pub peers_dir: Option<PathBuf>,
 }
 
 impl ReplayArgs {
@@ -326,6 +407,11 @@ impl ReplayArgs {
             chat_sets: Vec::new(),
             chat_conversations: 400,
             chat_clients: 16,
+            shared_prompt_conversations: 50,
+            burst_sessions: burst::BURST_SESSIONS,
+            burst_background_rate: 2.0,
+            peers: None,
+            peers_dir: None,
         }
     }
 
@@ -336,8 +422,9 @@ impl ReplayArgs {
             WorkloadKind::HhRlhf => (1.0, 20.0, 1.0),
             WorkloadKind::HotPrefix => (4.0, 120.0, 2.0),
             WorkloadKind::Agents => (2.0, 60.0, 1.0),
+            WorkloadKind::Burst => (4.0, 40.0, 2.0),
             // A closed loop has no duration: its conversations set it.
-            WorkloadKind::Chat => (10.0, 0.0, 1.0),
+            WorkloadKind::Chat | WorkloadKind::SharedPrompt | WorkloadKind::ScaleOut => (10.0, 0.0, 1.0),
         };
         Setting {
             speedup: self.speedup.unwrap_or(speedup),
@@ -390,11 +477,21 @@ fn sweep_order(multipliers: &[f64], mut passes: impl FnMut(usize) -> Result<bool
     Ok(ran)
 }
 
+/// What a row's front is: semlb's gateway with a policy, or a peer
+/// router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ArmFront {
+    /// semlb with this routing policy.
+    Policy(PolicyKind),
+    /// A peer router.
+    Peer(Peer),
+}
+
 /// What one row of a table replays: a policy, with extra configuration
-/// for a variant of it.
+/// for a variant of it, or a peer router.
 #[derive(Debug, Clone)]
 struct Arm {
-    kind: PolicyKind,
+    front: ArmFront,
     /// The row's name: the policy's, or `policy/variant`.
     label: String,
     /// TOML appended to the run's gateway configuration.
@@ -419,7 +516,7 @@ impl Arm {
             ..
         } = *args;
         let mut arms = vec![Arm {
-            kind,
+            front: ArmFront::Policy(kind),
             label: kind.name().to_owned(),
             config: String::new(),
             top: String::new(),
@@ -427,7 +524,7 @@ impl Arm {
         }];
         if compare_learning {
             arms.push(Arm {
-                kind,
+                front: ArmFront::Policy(kind),
                 label: format!("{kind}/write-back-only"),
                 config: String::new(),
                 top: "learn_at_dispatch = false\n".to_owned(),
@@ -436,7 +533,7 @@ impl Arm {
         }
         if compare_feedback {
             arms.push(Arm {
-                kind,
+                front: ArmFront::Policy(kind),
                 label: format!("{kind}/no-feedback"),
                 config: String::new(),
                 top: "learn_from_reports = false\n".to_owned(),
@@ -450,7 +547,7 @@ impl Arm {
             let precise = "\n[policy.prefix]\nsource = \"precise\"\nconfirm_window_secs = 1\n".to_owned();
             for (label, top) in [("precise", ""), ("precise-no-feedback", "learn_from_reports = false\n")] {
                 arms.push(Arm {
-                    kind,
+                    front: ArmFront::Policy(kind),
                     label: format!("{kind}/{label}"),
                     config: precise.clone(),
                     top: top.to_owned(),
@@ -460,7 +557,7 @@ impl Arm {
         }
         if kind == PolicyKind::SelectivePush {
             arms.push(Arm {
-                kind,
+                front: ArmFront::Policy(kind),
                 label: format!("{kind}/unstarted"),
                 config: "\n[policy.selective_push]\nmode = \"unstarted\"\n".to_owned(),
                 top: String::new(),
@@ -469,7 +566,7 @@ impl Arm {
         }
         if kind == PolicyKind::Cost {
             arms.extend(args.cost_weights.iter().map(|w| Arm {
-                kind,
+                front: ArmFront::Policy(kind),
                 label: format!("{kind}/w={w}"),
                 config: format!("\n[policy.cost]\ntune = false\ninitial_weight = {w:?}\n"),
                 top: String::new(),
@@ -478,7 +575,7 @@ impl Arm {
         }
         if kind == PolicyKind::SelectivePush && max_outstanding > 0 {
             arms.push(Arm {
-                kind,
+                front: ArmFront::Policy(kind),
                 label: format!("{kind}/max{max_outstanding}"),
                 config: format!(
                     "\n[policy.selective_push]\nmode = \"max_outstanding\"\nmax_outstanding = {max_outstanding}\n"
@@ -488,6 +585,30 @@ impl Arm {
             });
         }
         arms
+    }
+
+    /// The row of peer router `peer`.
+    fn peer(peer: Peer) -> Arm {
+        Arm {
+            front: ArmFront::Peer(peer),
+            label: peer.name().to_owned(),
+            config: String::new(),
+            top: String::new(),
+            kv_events: false,
+        }
+    }
+
+    /// What kind of row it is: the policy's name, or `peer`.
+    fn kind_name(&self) -> &'static str {
+        match self.front {
+            ArmFront::Policy(kind) => kind.name(),
+            ArmFront::Peer(_) => "peer",
+        }
+    }
+
+    /// Whether it is a peer router's row.
+    fn is_peer(&self) -> bool {
+        matches!(self.front, ArmFront::Peer(_))
     }
 }
 
@@ -549,6 +670,22 @@ fn load_workload(args: &ReplayArgs, kind: WorkloadKind, setting: &Setting) -> Re
             seed: args.seed,
             shape: chat::ChatShape::default(),
         }),
+        WorkloadKind::SharedPrompt | WorkloadKind::ScaleOut => chat::build_as(
+            kind,
+            &ChatParams {
+                conversations: args.shared_prompt_conversations,
+                max_output: args.max_output,
+                seed: args.seed,
+                shape: chat::ChatShape::shared_prompt(),
+            },
+        ),
+        WorkloadKind::Burst => burst::build(&BurstParams {
+            background_sessions_per_s: args.burst_background_rate,
+            duration_s: setting.duration_s,
+            burst_sessions: args.burst_sessions,
+            max_output: args.max_output,
+            seed: args.seed,
+        }),
     };
     if let Some(n) = args.limit {
         workload.requests.truncate(n);
@@ -559,14 +696,31 @@ fn load_workload(args: &ReplayArgs, kind: WorkloadKind, setting: &Setting) -> Re
     Ok(Some(workload))
 }
 
-/// Every policy's sweep on `workload` (on engine set `set` for `chat`;
-/// a closed loop is run at ×1 only: it has no rate to multiply).
+/// Why peer `peer`'s row is not run on `workload`, if it is not: it is
+/// not installed or did not start (`support` has no entry), or it refuses
+/// the workload's kind of request.
+fn peer_skip(peer: Peer, workload: &Workload, peers: &HashMap<Peer, (Install, Support)>) -> Option<String> {
+    let Some((_, support)) = peers.get(&peer) else {
+        return Some("not installed or did not start (see above)".to_owned());
+    };
+    let (refused, what) = if workload.kind.token_ids() {
+        (&support.token_ids, "token-id prompts")
+    } else {
+        (&support.chat, "chat calls")
+    };
+    refused.as_ref().err().map(|e| format!("refuses {what}: {e}"))
+}
+
+/// Every row's sweep on `workload` (on engine set `set` for a closed
+/// loop, which is run at ×1 only: it has no rate to multiply).
+#[allow(clippy::too_many_arguments)]
 fn run_workload(
     args: &ReplayArgs,
     workload: Arc<Workload>,
     set: Option<ChatSet>,
     setting: Setting,
     policies: &[PolicyKind],
+    peers: &(Vec<Peer>, HashMap<Peer, (Install, Support)>),
     multipliers: &[f64],
     client: &LoadClient,
 ) -> Result<WorkloadReport> {
@@ -577,14 +731,41 @@ fn run_workload(
     let sessions: Vec<Option<u64>> = workload.requests.iter().map(|r| r.session).collect();
     let bar = output::progress(0, &report_name(workload.kind, set));
     let base_rate = (!closed_loop).then(|| workload.offered_rate());
-    let arms: Vec<Arm> = policies.iter().flat_map(|&k| Arm::of(k, args)).collect();
+    // A scale-out run adds the engines once a quarter of its requests are
+    // answered.
+    let scale_out_at = (workload.kind == WorkloadKind::ScaleOut).then(|| workload.requests.len().div_ceil(4));
+    let arms: Vec<Arm> = policies
+        .iter()
+        .flat_map(|&k| Arm::of(k, args))
+        .chain(peers.0.iter().map(|&p| Arm::peer(p)))
+        .collect();
     let mut reports = Vec::with_capacity(arms.len());
     for arm in arms {
         let mut points = Vec::new();
+        let front = match arm.front {
+            ArmFront::Policy(policy) => FrontSpec::Semlb {
+                policy,
+                config: format!("{}{config}{}", arm.top, arm.config),
+                kv_events: arm.kv_events,
+            },
+            ArmFront::Peer(peer) => match peer_skip(peer, &workload, &peers.1) {
+                Some(why) => {
+                    reports.push(PolicyReport {
+                        arm,
+                        points,
+                        not_run: multipliers.to_vec(),
+                        skipped: Some(why),
+                    });
+                    continue;
+                }
+                None => FrontSpec::Peer(peers.1[&peer].0.clone()),
+            },
+        };
+        let mut failed = None;
         let order = sweep_order(multipliers, |i| {
             bar.inc_length(n);
             let spec = RunSpec {
-                policy: arm.kind,
+                front: front.clone(),
                 label: arm.label.clone(),
                 engines: args.engines,
                 dispatchers: args.dispatchers,
@@ -595,26 +776,44 @@ fn run_workload(
                 speedup: setting.speedup,
                 multiplier: multipliers[i],
                 drain_secs: args.drain_secs,
-                config: format!("{}{config}{}", arm.top, arm.config),
-                kv_events: arm.kv_events,
+                scale_out_at,
             };
-            let run = run_once(&spec, &workload, client, &bar)?;
+            let run = match run_once(&spec, &workload, client, &bar) {
+                Ok(run) => run,
+                // A peer that fails to start loses its row, not the report.
+                Err(e) if arm.is_peer() => {
+                    failed = Some(format!("{e:#}"));
+                    return Ok(false);
+                }
+                Err(e) => return Err(e),
+            };
             let stats = RunStats::of(&run, &sessions, setting.speedup, setting.ttft_slo_s);
             let pass = stats.attainment >= GOODPUT_ATTAINMENT;
             points.push(Point {
                 multiplier: multipliers[i],
                 offered: base_rate.map(|r| r * multipliers[i]),
+                burst: phases::burst_stats(&workload, &run, setting.speedup, setting.ttft_slo_s),
+                scale_out: phases::scale_out_stats(&run, args.engines, setting.speedup),
                 run,
                 stats,
             });
-            Ok(pass)
+            Ok(pass && failed.is_none())
         })?;
+        if let Some(e) = &failed {
+            bar.suspend(|| println!("{}: {} failed: {e}", report_name(workload.kind, set), arm.label));
+        }
         points.sort_by(|a, b| a.multiplier.total_cmp(&b.multiplier));
         let not_run = (0..multipliers.len())
-            .filter(|i| !order.contains(i))
+            .filter(|&i| !order.contains(&i) || !points.iter().any(|p| p.multiplier == multipliers[i]))
             .map(|i| multipliers[i])
             .collect();
-        reports.push(PolicyReport { arm, points, not_run });
+        let skipped = points.is_empty().then(|| failed.unwrap_or_else(|| "no run".to_owned()));
+        reports.push(PolicyReport {
+            arm,
+            points,
+            not_run,
+            skipped,
+        });
     }
     bar.finish_and_clear();
     Ok(WorkloadReport {
@@ -624,6 +823,59 @@ fn run_workload(
         config,
         policies: reports,
     })
+}
+
+/// The peers of `--peers`, each installed in `<dir>/<name>/venv` and
+/// checked in front of one engine ([`peers::preflight`]); a line for
+/// each, saying why one is left out.
+fn prepare_peers(args: &ReplayArgs) -> Result<Peers> {
+    let list = peers::parse_peers(args.peers.as_deref())?;
+    let mut out = Peers::default();
+    if list.is_empty() {
+        return Ok(out);
+    }
+    let dir = match &args.peers_dir {
+        Some(d) => d.clone(),
+        None => std::env::current_exe()?
+            .parent()
+            .and_then(|p| p.parent())
+            .map_or_else(|| PathBuf::from("target"), PathBuf::from)
+            .join("bench-peers"),
+    };
+    for peer in list {
+        let (package, version) = peer.package();
+        let ready = match peers::install(peer, &dir) {
+            Err(e) => Err(format!("cannot install {package}=={version}: {e}")),
+            Ok(install) => {
+                let engine = start_engines(1, 0.1, None, true, false)?;
+                let url = format!("http://{}", engine[0].addr);
+                match peers::preflight(&install, &url) {
+                    Err(e) => Err(format!("{e}")),
+                    Ok(support) => {
+                        println!(
+                            "peer {peer}: {package} {version} in {} ({}); token-id prompts: {}; chat calls: {}",
+                            install.venv.display(),
+                            if install.reused { "reused" } else { "installed" },
+                            support
+                                .token_ids
+                                .as_ref()
+                                .map_or_else(|e| format!("refused ({e})"), |()| "taken".to_owned()),
+                            support
+                                .chat
+                                .as_ref()
+                                .map_or_else(|e| format!("refused ({e})"), |()| "taken".to_owned()),
+                        );
+                        Ok((install, support))
+                    }
+                }
+            }
+        };
+        if let Err(why) = &ready {
+            println!("skipping the {peer} rows: {why}");
+        }
+        out.rows.push((peer, ready));
+    }
+    Ok(out)
 }
 
 /// Runs the report.
@@ -640,8 +892,11 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
     if !(args.hh_rlhf_rate > 0.0 && args.hot_prefix_rate > 0.0) {
         bail!("--hh-rlhf-rate and --hot-prefix-rate must be positive");
     }
-    if args.chat_conversations == 0 || args.chat_clients == 0 {
-        bail!("--chat-conversations and --chat-clients must be at least 1");
+    if args.chat_conversations == 0 || args.chat_clients == 0 || args.shared_prompt_conversations == 0 {
+        bail!("--chat-conversations, --chat-clients and --shared-prompt-conversations must be at least 1");
+    }
+    if !(args.burst_background_rate > 0.0 && args.burst_background_rate.is_finite()) {
+        bail!("--burst-background-rate must be a positive number");
     }
     let multipliers = sweep_multipliers(&args.sweep)?;
     let kinds: Vec<WorkloadKind> = if args.workloads.is_empty() {
@@ -659,21 +914,39 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
     } else {
         args.chat_sets.iter().copied().map(Some).collect()
     };
+    let prepared = prepare_peers(args)?;
+    let peers = (
+        prepared.rows.iter().map(|(p, _)| *p).collect::<Vec<Peer>>(),
+        prepared.ready(),
+    );
     let client = LoadClient::new()?;
     let mut reports = Vec::new();
     for kind in kinds {
+        if kind == WorkloadKind::ScaleOut && args.engines < 2 {
+            println!("skipping scale-out: it adds engines to the first one, so it needs --engines 2 or more");
+            continue;
+        }
         let setting = args.setting(kind);
         let Some(workload) = load_workload(args, kind, &setting)? else {
             continue;
         };
         let workload = Arc::new(workload);
-        let sets = if kind == WorkloadKind::Chat {
+        let sets = if kind.closed_loop() {
             &chat_sets[..]
         } else {
             &[None][..]
         };
         for &set in sets {
-            let report = run_workload(args, workload.clone(), set, setting, &policies, &multipliers, &client)?;
+            let report = run_workload(
+                args,
+                workload.clone(),
+                set,
+                setting,
+                &policies,
+                &peers,
+                &multipliers,
+                &client,
+            )?;
             print_report(args, &report, &multipliers);
             reports.push(report);
         }
@@ -690,6 +963,23 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
         "seed": args.seed,
         "drain_secs": args.drain_secs,
         "goodput_attainment": GOODPUT_ATTAINMENT,
+        "peers": prepared.rows.iter().map(|(peer, ready)| {
+            let (package, version) = peer.package();
+            match ready {
+                Ok((install, support)) => json!({
+                    "peer": peer.name(),
+                    "package": package,
+                    "version": version,
+                    "venv": install.venv,
+                    "command_in_front_of_one_engine": support.command,
+                    "takes_token_id_prompts": support.token_ids.is_ok(),
+                    "token_id_prompts_refused_with": support.token_ids.as_ref().err(),
+                    "takes_chat_calls": support.chat.is_ok(),
+                    "chat_calls_refused_with": support.chat.as_ref().err(),
+                }),
+                Err(why) => json!({"peer": peer.name(), "package": package, "version": version, "skipped": why}),
+            }
+        }).collect::<Vec<Value>>(),
         "times": "trace seconds (measured wall-clock x speedup)",
         "workloads": reports.iter().map(|r| report_json(r, &multipliers)).collect::<Vec<Value>>(),
     });
@@ -734,6 +1024,40 @@ mod tests {
     }
 
     #[test]
+    fn a_peer_row_is_skipped_on_requests_its_router_refuses() {
+        use crate::workload::chat::{ChatParams, ChatShape};
+        let support = |token_ids: Result<(), String>| Support {
+            token_ids,
+            chat: Ok(()),
+            command: Vec::new(),
+        };
+        let install = |peer| Install {
+            peer,
+            venv: PathBuf::from("/v"),
+            reused: true,
+        };
+        let ready: HashMap<Peer, (Install, Support)> = [
+            (Peer::Smg, (install(Peer::Smg), support(Err("HTTP 400".into())))),
+            (Peer::VllmRouter, (install(Peer::VllmRouter), support(Ok(())))),
+        ]
+        .into();
+        let token_ids = Workload::new(WorkloadKind::HotPrefix, Vec::new(), String::new(), 0);
+        let chat = chat::build(&ChatParams {
+            conversations: 2,
+            max_output: 64,
+            seed: 0,
+            shape: ChatShape::default(),
+        });
+        assert_eq!(
+            peer_skip(Peer::Smg, &token_ids, &ready).as_deref(),
+            Some("refuses token-id prompts: HTTP 400")
+        );
+        assert_eq!(peer_skip(Peer::Smg, &chat, &ready), None);
+        assert_eq!(peer_skip(Peer::VllmRouter, &token_ids, &ready), None);
+        assert!(peer_skip(Peer::SglangRouter, &chat, &ready).is_some_and(|w| w.contains("not installed")));
+    }
+
+    #[test]
     fn defaults_differ_per_workload_and_flags_override_them() {
         let common = Common {
             out: PathBuf::from("x"),
@@ -747,6 +1071,10 @@ mod tests {
         assert_eq!((s.speedup, s.duration_s, s.ttft_slo_s), (20.0, 600.0, 10.0));
         let s = args.setting(WorkloadKind::HhRlhf);
         assert_eq!((s.speedup, s.duration_s, s.ttft_slo_s), (1.0, 20.0, 1.0));
+        let s = args.setting(WorkloadKind::Burst);
+        assert_eq!((s.speedup, s.duration_s, s.ttft_slo_s), (4.0, 40.0, 2.0));
+        let s = args.setting(WorkloadKind::ScaleOut);
+        assert_eq!((s.speedup, s.ttft_slo_s), (10.0, 1.0));
         args.speedup = Some(5.0);
         args.ttft_slo = Some(3.0);
         let s = args.setting(WorkloadKind::HotPrefix);

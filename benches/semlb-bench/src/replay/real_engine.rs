@@ -573,9 +573,10 @@ fn run_once(
         stream: !args.plain,
         progress: bar.clone(),
         pin_slots: arm.pin.then_some(args.slots),
+        answered: None,
     };
     let drain = Duration::from_secs_f64(args.drain_secs.max(0.0));
-    let (outcomes, wall_s, _) = client.runtime.block_on(sessions::send(
+    let sessions::Sent { outcomes, wall_s, .. } = client.runtime.block_on(sessions::send(
         workload.clone(),
         sender,
         Start::Clients(args.clients),

@@ -1,6 +1,7 @@
 //! What `semlb bench replay` reports: a table per workload (and engine
-//! set), the summary of every policy against `least_load`, the JSON, and
-//! the plots.
+//! set), with the burst's and the scale-out's own figures after theirs;
+//! the summary of every row against `least_load` and of `cache_aware`
+//! against the best peer router; the JSON; and the plots.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -10,6 +11,7 @@ use serde_json::{Value, json};
 
 use super::chat_set::ChatSet;
 use super::drive::RunResult;
+use super::phases::{BurstStats, REACH, SHARE_WINDOW, ScaleOutStats};
 use super::stats::{GOODPUT_ATTAINMENT, RunStats, goodput};
 use super::{Arm, ReplayArgs, Setting};
 use crate::end_to_end::{ms, p50_90_99};
@@ -32,6 +34,10 @@ pub(super) struct Point {
     pub(super) run: RunResult,
     /// Its figures.
     pub(super) stats: RunStats,
+    /// The burst's own figures (`burst`).
+    pub(super) burst: Option<BurstStats>,
+    /// The scale-out's figures (`scale-out`).
+    pub(super) scale_out: Option<ScaleOutStats>,
 }
 
 /// One policy on one workload: its sweep.
@@ -40,17 +46,20 @@ pub(super) struct PolicyReport {
     pub(super) arm: Arm,
     /// In multiplier order.
     pub(super) points: Vec<Point>,
-    /// Multipliers the search did not need.
+    /// Multipliers the search did not need (or could not run).
     pub(super) not_run: Vec<f64>,
+    /// Why the row was not run (a peer that refuses the workload's
+    /// requests or did not start); it then has no points.
+    pub(super) skipped: Option<String>,
 }
 
 impl PolicyReport {
-    /// The m = 1 run.
-    fn base(&self) -> &Point {
+    /// The m = 1 run (else the first run; `None` for a row not run).
+    fn base(&self) -> Option<&Point> {
         self.points
             .iter()
             .find(|p| p.multiplier == 1.0)
-            .unwrap_or(&self.points[0])
+            .or_else(|| self.points.first())
     }
 
     /// The highest offered rate with enough attainment (`None` below the
@@ -96,13 +105,38 @@ impl WorkloadReport {
     }
 
     /// What each row's throughput is judged by: requests per second for a
-    /// closed loop, else the goodput (0 below the sweep's lowest rate).
-    fn throughput(&self, p: &PolicyReport) -> f64 {
-        if self.workload.kind.closed_loop() {
-            p.base().stats.req_per_s
+    /// closed loop, else the goodput (0 below the sweep's lowest rate);
+    /// `None` for a row not run.
+    fn throughput(&self, p: &PolicyReport) -> Option<f64> {
+        let base = p.base()?;
+        Some(if self.workload.kind.closed_loop() {
+            base.stats.req_per_s
         } else {
             p.goodput().unwrap_or(0.0)
-        }
+        })
+    }
+
+    /// The peer row with the highest throughput, if any peer ran.
+    fn best_peer(&self) -> Option<&PolicyReport> {
+        self.policies
+            .iter()
+            .filter(|p| p.arm.is_peer())
+            .filter_map(|p| Some((p, self.throughput(p)?)))
+            // The first of equals.
+            .fold(None, |best: Option<(&PolicyReport, f64)>, (p, t)| match best {
+                Some((_, b)) if b >= t => best,
+                _ => Some((p, t)),
+            })
+            .map(|(p, _)| p)
+    }
+
+    /// `cache_aware`'s throughput over the best peer's (`None` without
+    /// either, or when the best peer served nothing).
+    fn cache_aware_vs_best_peer(&self) -> Option<(f64, &str)> {
+        let peer = self.best_peer()?;
+        let ours = self.policies.iter().find(|p| p.arm.label == "cache_aware")?;
+        let (base, ours) = (self.throughput(peer)?, self.throughput(ours)?);
+        (base > 0.0).then(|| (ours / base, peer.arm.label.as_str()))
     }
 }
 
@@ -132,7 +166,12 @@ pub(super) fn print_report(args: &ReplayArgs, report: &WorkloadReport, multiplie
         "errors",
     ]);
     for p in &report.policies {
-        let base = p.base();
+        let Some(base) = p.base() else {
+            let mut row = vec![format!("{} (†)", p.arm.label)];
+            row.extend(std::iter::repeat_n("-".to_owned(), 13));
+            table.row(row);
+            continue;
+        };
         let s = &base.stats;
         let t = p50_90_99(&s.ttft_s);
         table.row([
@@ -166,14 +205,18 @@ pub(super) fn print_report(args: &ReplayArgs, report: &WorkloadReport, multiplie
     let title = match report.set {
         Some(set) => format!(
             "semlb bench replay, {}: {} requests from {}, sent by {} clients each sending its next request the \
-             instant its answer ends (a closed loop: no offered rate, req/s is the throughput); {}; {} engines; \
+             instant its answer ends (a closed loop: no offered rate, req/s is the throughput); {}; {}; \
              speedup {}x (times in trace seconds); TTFT SLO {} s",
             report.name(),
             w.requests.len(),
             w.source,
             args.chat_clients,
             set.describe(),
-            args.engines,
+            if w.kind == WorkloadKind::ScaleOut {
+                format!("1 engine, {} once a quarter of the requests are answered", args.engines)
+            } else {
+                format!("{} engines", args.engines)
+            },
             report.setting.speedup,
             report.setting.ttft_slo_s,
         ),
@@ -207,6 +250,13 @@ pub(super) fn print_report(args: &ReplayArgs, report: &WorkloadReport, multiplie
         report.setting.ttft_slo_s,
         GOODPUT_ATTAINMENT * 100.0
     );
+    for p in &report.policies {
+        if let Some(why) = &p.skipped {
+            println!("†{}: not run: {why}", p.arm.label);
+        }
+    }
+    print_peer_notes(report);
+    print_phases(report);
     for p in &report.policies {
         for q in &p.points {
             let at = format!("{} {}", p.arm.label, times(q.multiplier));
@@ -255,14 +305,17 @@ pub(super) fn report_json(report: &WorkloadReport, multipliers: &[f64]) -> Value
                         "imbalance_cv_requests": s.cv_requests,
                         "same_engine_share": s.same_engine,
                         "prediction_accuracy": s.prediction,
-                        "gateway": {
-                            "records": q.run.gateway.records,
-                            "predicted_tokens": q.run.gateway.predicted,
-                            "confirmed_tokens": q.run.gateway.confirmed,
-                            "shortfalls": q.run.gateway.shortfalls,
-                            "demotions": q.run.gateway.demotions,
-                            "servers_forgotten": q.run.gateway.forgotten,
-                        },
+                        "gateway": q.run.gateway.map(|g| json!({
+                            "records": g.records,
+                            "predicted_tokens": g.predicted,
+                            "confirmed_tokens": g.confirmed,
+                            "shortfalls": g.shortfalls,
+                            "demotions": g.demotions,
+                            "servers_forgotten": g.forgotten,
+                        })),
+                        "peer_command": q.run.command.as_ref().map(|c| c.join(" ")),
+                        "burst": q.burst.as_ref().map(burst_json),
+                        "scale_out": q.scale_out.as_ref().map(|so| scale_out_json(so, &q.run)),
                         "wall_s": q.run.wall_s,
                         "generator_lag_ms": {"p99": q.run.lag_ms[0], "max": q.run.lag_ms[1]},
                         "engines": q.run.engines.iter().map(|e| json!({
@@ -280,7 +333,8 @@ pub(super) fn report_json(report: &WorkloadReport, multipliers: &[f64]) -> Value
             let closed = w.kind.closed_loop();
             json!({
                 "policy": p.arm.label,
-                "kind": p.arm.kind.name(),
+                "kind": p.arm.kind_name(),
+                "skipped": p.skipped,
                 "goodput_requests_per_s": if closed { None } else { Some(goodput.unwrap_or(0.0)) },
                 "goodput_below_lowest_rate": !closed && goodput.is_none(),
                 "throughput_vs_least_load": report.relative(p),
@@ -309,6 +363,8 @@ pub(super) fn report_json(report: &WorkloadReport, multipliers: &[f64]) -> Value
         "ttft_slo_s": report.setting.ttft_slo_s,
         "sweep": multipliers,
         "gateway_config": report.config,
+        "best_peer": report.best_peer().map(|p| p.arm.label.clone()),
+        "cache_aware_vs_best_peer": report.cache_aware_vs_best_peer().map(|(x, _)| x),
         "policies": policies,
     })
 }
@@ -327,9 +383,11 @@ pub(super) fn write_plots(args: &ReplayArgs, reports: &[WorkloadReport]) -> Resu
             series: r
                 .policies
                 .iter()
-                .map(|p| Series {
-                    label: p.arm.label.clone(),
-                    values: p.base().stats.ttft_s.clone(),
+                .filter_map(|p| {
+                    Some(Series {
+                        label: p.arm.label.clone(),
+                        values: p.base()?.stats.ttft_s.clone(),
+                    })
                 })
                 .collect(),
         })
@@ -341,6 +399,7 @@ pub(super) fn write_plots(args: &ReplayArgs, reports: &[WorkloadReport]) -> Resu
         let lines: Vec<Line> = r
             .policies
             .iter()
+            .filter(|p| !p.points.is_empty())
             .map(|p| Line {
                 label: p.arm.label.clone(),
                 points: p
@@ -368,46 +427,319 @@ pub(super) fn write_plots(args: &ReplayArgs, reports: &[WorkloadReport]) -> Resu
 
 impl WorkloadReport {
     /// `p`'s throughput over `least_load`'s on this workload (`None`
-    /// without a `least_load` row, or when it served nothing).
+    /// without a `least_load` row, when it served nothing, or for a row not
+    /// run).
     fn relative(&self, p: &PolicyReport) -> Option<f64> {
         let least_load = self.policies.iter().find(|q| q.arm.label == "least_load")?;
-        let base = self.throughput(least_load);
-        (base > 0.0).then(|| self.throughput(p) / base)
+        let base = self.throughput(least_load)?;
+        (base > 0.0).then_some(())?;
+        Some(self.throughput(p)? / base)
     }
+}
+
+/// A summary cell: `p`'s share of `least_load`'s throughput, marked `*`
+/// for the best row, `!` under [`SAFE_SHARE`], `^` for the best peer.
+fn summary_cell(r: &WorkloadReport, p: &PolicyReport, best: f64, best_peer: Option<&str>) -> String {
+    let Some(x) = r.relative(p) else {
+        return if p.skipped.is_some() {
+            "†".to_owned()
+        } else {
+            "-".to_owned()
+        };
+    };
+    let mut mark = String::new();
+    if best > 0.0 && r.throughput(p).is_some_and(|t| t >= best) {
+        mark.push('*');
+    } else if x < SAFE_SHARE {
+        mark.push('!');
+    }
+    if best_peer == Some(p.arm.label.as_str()) {
+        mark.push('^');
+    }
+    format!("{:.0}%{mark}", x * 100.0)
 }
 
 /// Prints the summary: per workload, every row's throughput (req/s of a
 /// closed loop, else goodput) as a share of `least_load`'s, the best
-/// marked `*` and those under [`SAFE_SHARE`] marked `!`.
+/// marked `*`, those under [`SAFE_SHARE`] `!` and the best peer `^`; and
+/// `cache_aware`'s throughput as a share of the best peer's.
 pub(super) fn print_summary(reports: &[WorkloadReport]) {
     let Some(first) = reports.first() else { return };
     let labels: Vec<&str> = first.policies.iter().map(|p| p.arm.label.as_str()).collect();
-    let mut table = Table::new(std::iter::once("workload").chain(labels.iter().copied()));
+    let mut table = Table::new(
+        std::iter::once("workload")
+            .chain(labels.iter().copied())
+            .chain(["cache_aware / best peer"]),
+    );
     for r in reports {
-        let best = r.policies.iter().map(|p| r.throughput(p)).fold(0.0, f64::max);
-        let cells = labels.iter().map(|label| {
-            let Some(p) = r.policies.iter().find(|p| p.arm.label == *label) else {
-                return "-".to_owned();
-            };
-            let mark = if best > 0.0 && r.throughput(p) >= best {
-                "*"
-            } else if r.relative(p).is_some_and(|x| x < SAFE_SHARE) {
-                "!"
-            } else {
-                ""
-            };
-            r.relative(p)
-                .map_or_else(|| "-".to_owned(), |x| format!("{:.0}%{mark}", x * 100.0))
-        });
-        table.row(std::iter::once(r.name()).chain(cells));
+        let best = r.policies.iter().filter_map(|p| r.throughput(p)).fold(0.0, f64::max);
+        let best_peer = r.best_peer().map(|p| p.arm.label.as_str());
+        let cells = labels
+            .iter()
+            .map(|label| match r.policies.iter().find(|p| p.arm.label == *label) {
+                Some(p) => summary_cell(r, p, best, best_peer),
+                None => "-".to_owned(),
+            });
+        let versus = r
+            .cache_aware_vs_best_peer()
+            .map_or_else(|| "-".to_owned(), |(x, peer)| format!("{:.0}% of {peer}", x * 100.0));
+        table.row(std::iter::once(r.name()).chain(cells).chain([versus]));
     }
     output::print_table(
-        "semlb bench replay: each policy's throughput as a share of least_load's on the same engines (req/s for a \
-         closed loop, goodput otherwise)",
+        "semlb bench replay: each row's throughput as a share of least_load's on the same engines (req/s for a \
+         closed loop, goodput otherwise), and cache_aware's as a share of the best peer router's",
         &table,
     );
     println!(
-        "*: the best on the workload; !: under {:.0} % of least_load's",
+        "*: the best on the workload; !: under {:.0} % of least_load's; ^: the best peer router; †: not run (see \
+         the workload's table)",
         SAFE_SHARE * 100.0
     );
+}
+
+/// Prints what the peer rows of `report` need to be read with: which
+/// requests they took, and how they were started.
+fn print_peer_notes(report: &WorkloadReport) {
+    let peers: Vec<&PolicyReport> = report.policies.iter().filter(|p| p.arm.is_peer()).collect();
+    if peers.is_empty() {
+        return;
+    }
+    let kind = if report.workload.kind.token_ids() {
+        "/v1/completions with the prompt as an array of token ids"
+    } else {
+        "/v1/chat/completions"
+    };
+    println!(
+        "peer routers ({}): each with its own defaults (cache_aware), sent {kind}; no prediction column (semlb's \
+         own counter).",
+        peers
+            .iter()
+            .map(|p| p.arm.label.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if report.workload.kind.token_ids() && peers.iter().any(|p| p.base().is_some()) {
+        println!(
+            "  token-id prompts: semlb routes on the ids' 16-token blocks; a peer that takes them routes on what its \
+             version derives from an id array (see the replay module docs for what the pinned versions do)"
+        );
+    }
+    if let Some(p) = peers.iter().find_map(|p| p.base()?.run.command.as_ref()) {
+        println!("  e.g. {}", p.join(" "));
+    }
+}
+
+/// Prints the burst's and the scale-out's own figures of `report`'s rows.
+fn print_phases(report: &WorkloadReport) {
+    let rows: Vec<(&PolicyReport, &Point)> = report.policies.iter().filter_map(|p| Some((p, p.base()?))).collect();
+    if rows.iter().any(|(_, q)| q.burst.is_some()) {
+        let mut table = Table::new([
+            "policy",
+            "burst requests",
+            "answered",
+            "TTFT p50 s",
+            "p90",
+            "p99",
+            "SLO att.",
+            "busiest engine",
+            "engines used",
+        ]);
+        for (p, q) in &rows {
+            let Some(b) = &q.burst else { continue };
+            let t = p50_90_99(&b.ttft_s);
+            table.row([
+                p.arm.label.clone(),
+                b.requests.to_string(),
+                b.answered.to_string(),
+                ms(t[0]),
+                ms(t[1]),
+                ms(t[2]),
+                format!("{:.1}%", b.attainment * 100.0),
+                format!("{:.1}%", b.busiest_share * 100.0),
+                b.engines.to_string(),
+            ]);
+        }
+        output::print_table(
+            &format!(
+                "{}: the burst's own requests (its new system prompt), ×1",
+                report.name()
+            ),
+            &table,
+        );
+        println!(
+            "busiest engine: of the burst's answered requests, the share the engine that served most of them served \
+             (1/engines: spread evenly; 100%: all on one)."
+        );
+    }
+    if rows.iter().any(|(_, q)| q.scale_out.is_some()) {
+        let mut table = Table::new([
+            "policy",
+            "added at s",
+            "engines added",
+            "req/s before",
+            "req/s after",
+            "new engines' share after",
+            "time to share s",
+        ]);
+        let mut fair = 0.0;
+        for (p, q) in &rows {
+            let Some(so) = &q.scale_out else { continue };
+            fair = so.fair_share;
+            table.row([
+                p.arm.label.clone(),
+                so.at_s.map_or_else(|| "never".to_owned(), |t| format!("{t:.1}")),
+                format!("{}/{}", so.added.0, so.added.1),
+                format!("{:.2}", so.before_req_per_s),
+                format!("{:.2}", so.after_req_per_s),
+                so.new_share
+                    .map_or_else(|| "-".to_owned(), |x| format!("{:.1}%", x * 100.0)),
+                so.time_to_share_s
+                    .map_or_else(|| "never".to_owned(), |t| format!("{t:.1}")),
+            ]);
+        }
+        output::print_table(
+            &format!("{}: from one engine to more, added at run time, ×1", report.name()),
+            &table,
+        );
+        println!(
+            "added at: trace seconds after the start, once a quarter of the requests were answered; req/s before / \
+             after: answers that ended before / after it per trace second; new engines' share: of the requests sent \
+             after it; time to share: trace seconds from it until {SHARE_WINDOW} consecutive requests gave the new \
+             engines {:.0} % of their fair share ({:.1} %).",
+            REACH * 100.0,
+            REACH * fair * 100.0
+        );
+        for (p, q) in &rows {
+            if let Some(e) = q.scale_out.as_ref().and_then(|so| so.add_error.as_ref()) {
+                println!("{}: an add failed: {e}", p.arm.label);
+            }
+        }
+    }
+}
+
+/// The JSON of a burst's figures.
+fn burst_json(b: &BurstStats) -> Value {
+    let t = p50_90_99(&b.ttft_s);
+    json!({
+        "requests": b.requests,
+        "answered": b.answered,
+        "ttft_s": {"p50": t[0], "p90": t[1], "p99": t[2]},
+        "slo_attainment": b.attainment,
+        "busiest_engine_share": b.busiest_share,
+        "engines_used": b.engines,
+    })
+}
+
+/// The JSON of a scale-out's figures and adds.
+fn scale_out_json(so: &ScaleOutStats, run: &RunResult) -> Value {
+    json!({
+        "added_at_s": so.at_s,
+        "added": so.added.0,
+        "asked": so.added.1,
+        "adds": run.scale_out.as_ref().map(|s| s.added.iter().map(|a| json!({
+            "engine": a.url,
+            "status": a.answer.as_ref().ok(),
+            "error": a.answer.as_ref().err(),
+            "ms": a.ms,
+        })).collect::<Vec<Value>>()),
+        "requests_per_s_before": so.before_req_per_s,
+        "requests_per_s_after": so.after_req_per_s,
+        "new_engines_share_after": so.new_share,
+        "fair_share": so.fair_share,
+        "reach": REACH,
+        "window_requests": SHARE_WINDOW,
+        "time_to_share_s": so.time_to_share_s,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::peers::Peer;
+    use crate::workload::Workload;
+    use semlb::routing::PolicyKind;
+
+    /// A row that served `req_per_s` at ×1 (`None`: not run).
+    fn row(arm: Arm, req_per_s: Option<f64>) -> PolicyReport {
+        let points = req_per_s
+            .map(|r| Point {
+                multiplier: 1.0,
+                offered: None,
+                run: RunResult {
+                    outcomes: Vec::new(),
+                    finished_s: Vec::new(),
+                    wall_s: 1.0,
+                    engines: Vec::new(),
+                    gateway: None,
+                    lag_ms: [0.0; 2],
+                    command: None,
+                    scale_out: None,
+                },
+                stats: RunStats {
+                    req_per_s: r,
+                    ..RunStats::default()
+                },
+                burst: None,
+                scale_out: None,
+            })
+            .into_iter()
+            .collect();
+        PolicyReport {
+            skipped: req_per_s.is_none().then(|| "refuses token-id prompts".to_owned()),
+            arm,
+            points,
+            not_run: Vec::new(),
+        }
+    }
+
+    fn policy(kind: PolicyKind) -> Arm {
+        Arm::of(
+            kind,
+            &super::super::ReplayArgs::with(crate::Common {
+                out: PathBuf::from("x"),
+                redis_url: None,
+                redis_server: PathBuf::from("redis-server"),
+                no_redis: true,
+                data: None,
+            }),
+        )
+        .remove(0)
+    }
+
+    #[test]
+    fn the_summary_marks_the_best_peer_and_compares_cache_aware_with_it() {
+        let report = WorkloadReport {
+            workload: Arc::new(Workload::new(WorkloadKind::Chat, Vec::new(), String::new(), 0)),
+            set: Some(ChatSet::Stream),
+            setting: Setting {
+                speedup: 10.0,
+                duration_s: 0.0,
+                ttft_slo_s: 1.0,
+            },
+            config: String::new(),
+            policies: vec![
+                row(policy(PolicyKind::CacheAware), Some(30.0)),
+                row(policy(PolicyKind::LeastLoad), Some(25.0)),
+                row(Arm::peer(Peer::Smg), Some(28.0)),
+                row(Arm::peer(Peer::VllmRouter), Some(20.0)),
+                row(Arm::peer(Peer::SglangRouter), None),
+            ],
+        };
+        let p = |i: usize| &report.policies[i];
+        assert_eq!(report.best_peer().map(|p| p.arm.label.as_str()), Some("smg"));
+        let (x, peer) = report.cache_aware_vs_best_peer().unwrap();
+        assert!((x - 30.0 / 28.0).abs() < 1e-12 && peer == "smg");
+        assert!((report.relative(p(0)).unwrap() - 1.2).abs() < 1e-12);
+        assert_eq!(report.relative(p(4)), None);
+        let cell = |i| summary_cell(&report, p(i), 30.0, Some("smg"));
+        assert_eq!(cell(0), "120%*");
+        assert_eq!(cell(1), "100%");
+        assert_eq!(cell(2), "112%^");
+        assert_eq!(cell(3), "80%!");
+        assert_eq!(cell(4), "†");
+        // Equal peers: the first is the best.
+        let mut tied = report;
+        tied.policies[3] = row(Arm::peer(Peer::VllmRouter), Some(28.0));
+        assert_eq!(tied.best_peer().map(|p| p.arm.label.as_str()), Some("smg"));
+    }
 }

@@ -34,10 +34,20 @@ use crate::end_to_end::{Outcome, request_with};
 use crate::output;
 use crate::workload::{SESSION_HEADER, Workload};
 
-/// Per request: its outcome and output tokens; the real seconds from the
-/// first session's start to the last completion; the start lag (ms): p99,
-/// max.
-pub(super) type Sent = (Vec<(Outcome, u32)>, f64, [f64; 2]);
+/// What a workload's sending did.
+#[derive(Debug)]
+pub(super) struct Sent {
+    /// Per request, in the workload's order: its outcome and output tokens.
+    pub(super) outcomes: Vec<(Outcome, u32)>,
+    /// Real seconds from the start to the last completion.
+    pub(super) wall_s: f64,
+    /// The start lag (ms): p99, max.
+    pub(super) lag_ms: [f64; 2],
+    /// Per request: real seconds from `t0` to its end (`None`: never sent).
+    pub(super) finished_s: Vec<Option<f64>>,
+    /// The instant times are measured from.
+    pub(super) t0: Instant,
+}
 
 /// How sessions start.
 #[derive(Debug, Clone, Copy)]
@@ -63,6 +73,8 @@ pub(super) struct Sender {
     /// Pin each session to one of this many engine slots: its calls carry
     /// llama.cpp's `id_slot` = the session's number modulo it.
     pub(super) pin_slots: Option<u32>,
+    /// Counts the calls answered (for a run that acts once some are).
+    pub(super) answered: Option<Arc<AtomicUsize>>,
 }
 
 /// Per call sent: its request index, outcome, output tokens and the real
@@ -116,17 +128,19 @@ pub(super) async fn send(
 ) -> Sent {
     let sessions = sessions_of(&workload);
     let t0 = Instant::now() + Duration::from_millis(50);
+    let mut finished_s = vec![None; workload.requests.len()];
     let (done, lags) = match start {
         Start::Scheduled => scheduled(&workload, sessions, &sender, t0, real_s, drain).await,
         Start::Clients(n) => (clients(&workload, sessions, &sender, t0, n, drain).await, Vec::new()),
     };
     let mut outcomes: Vec<Option<(Outcome, u32)>> = vec![None; workload.requests.len()];
     let mut wall: f64 = 0.0;
-    for (i, outcome, tokens, finished_s) in done.into_iter().flatten() {
+    for (i, outcome, tokens, finished) in done.into_iter().flatten() {
         if outcome.ok() {
-            wall = wall.max(finished_s);
+            wall = wall.max(finished);
         }
         outcomes[i] = Some((outcome, tokens));
+        finished_s[i] = Some(finished);
     }
     let outcomes = outcomes
         .into_iter()
@@ -145,11 +159,13 @@ pub(super) async fn send(
         .collect();
     let mut lags = lags;
     output::sort(&mut lags);
-    (
+    Sent {
         outcomes,
-        wall,
-        [output::quantile(&lags, 0.99), lags.last().copied().unwrap_or(0.0)],
-    )
+        wall_s: wall,
+        lag_ms: [output::quantile(&lags, 0.99), lags.last().copied().unwrap_or(0.0)],
+        finished_s,
+        t0,
+    }
 }
 
 /// Every session a task of its own, started at its scheduled time; what
@@ -286,6 +302,9 @@ async fn run_session(workload: &Workload, calls: &[usize], sender: &Sender, t0: 
         )
         .await;
         sender.progress.inc(1);
+        if let Some(answered) = &sender.answered {
+            answered.fetch_add(1, Ordering::Relaxed);
+        }
         let ok = outcome.ok();
         let finished = (sent + outcome.latency).duration_since(t0).as_secs_f64();
         done.push((i, outcome, r.output_tokens, finished));

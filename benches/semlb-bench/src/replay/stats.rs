@@ -49,12 +49,14 @@ pub(super) fn goodput(points: &[(f64, f64)]) -> Option<f64> {
 
 /// Of the answered requests that follow an answered request of their
 /// session, the share that went to the same engine (`None` when no
-/// request does).
+/// request does). The engine is the one named by the answer's id
+/// ([`Outcome::engine`]), else `x-semlb-backend`.
 fn same_engine(outcomes: &[(Outcome, u32)], sessions: &[Option<u64>]) -> Option<f64> {
     let mut previous: std::collections::HashMap<u64, &str> = std::collections::HashMap::new();
     let (mut same, mut pairs) = (0usize, 0usize);
     for ((o, _), session) in outcomes.iter().zip(sessions) {
-        let (Some(session), Some(backend), true) = (session, o.backend.as_deref(), o.ok()) else {
+        let engine = o.engine.as_deref().or(o.backend.as_deref());
+        let (Some(session), Some(backend), true) = (session, engine, o.ok()) else {
             continue;
         };
         if let Some(before) = previous.insert(*session, backend) {
@@ -115,7 +117,7 @@ impl RunStats {
             cv_prefill: coefficient_of_variation(&run.engines.iter().map(EngineCounters::uncached).collect::<Vec<_>>()),
             cv_requests: coefficient_of_variation(&run.engines.iter().map(|e| e.requests).collect::<Vec<_>>()),
             same_engine: same_engine(&run.outcomes, sessions),
-            prediction: run.gateway.accuracy(),
+            prediction: run.gateway.and_then(|g| g.accuracy()),
             first_error: run.outcomes.iter().find_map(|(o, _)| o.error.clone()),
         }
     }

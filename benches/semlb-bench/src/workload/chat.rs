@@ -75,6 +75,23 @@ pub struct ChatShape {
     pub output: (u32, u32),
 }
 
+impl ChatShape {
+    /// The `shared-prompt` workload: one system prompt of 700 words
+    /// (about 900 tokens) that every conversation opens with, 6–14 turns
+    /// (10 on average: 50 conversations are about 500 requests), the
+    /// `chat` workload's questions and answers. The most common shape of
+    /// real traffic (one application, one system prompt), and the one on
+    /// which a router that follows the longest prefix alone sends every
+    /// conversation to the engine that first computed the system prompt.
+    pub fn shared_prompt() -> Self {
+        Self {
+            system_prompt_words: vec![700],
+            turns: (6, 14),
+            ..Self::default()
+        }
+    }
+}
+
 impl Default for ChatShape {
     /// The `chat` workload of `semlb bench replay` ([`SYSTEM_PROMPT_WORDS`],
     /// [`TURNS`], 10–40-word questions, [`OUTPUT`]).
@@ -90,6 +107,12 @@ impl Default for ChatShape {
 
 /// The workload of `params`.
 pub fn build(params: &ChatParams) -> Workload {
+    build_as(WorkloadKind::Chat, params)
+}
+
+/// The workload of `params`, reported as `kind` (`chat` or
+/// `shared-prompt`).
+pub fn build_as(kind: WorkloadKind, params: &ChatParams) -> Workload {
     let shape = &params.shape;
     let mut rng = Rng(params.seed ^ 0x6368_6174);
     let systems: Vec<String> = shape
@@ -139,7 +162,7 @@ pub fn build(params: &ChatParams) -> Workload {
         systems.len(),
         params.seed
     );
-    let mut workload = Workload::new(WorkloadKind::Chat, requests, source, 0);
+    let mut workload = Workload::new(kind, requests, source, 0);
     workload.systems = systems;
     workload
 }

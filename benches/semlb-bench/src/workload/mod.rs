@@ -15,6 +15,9 @@
 //! | `hot-prefix` | [`hot_prefix`] | a generated agent workload: six long system prompts with Zipf popularity, multi-step sessions |
 //! | `agents` | [`agents`] | closed-loop agent sessions of chat calls, each sent the instant the previous answer ends, on four shared system prompts |
 //! | `chat` | [`chat`] | closed-loop multi-turn chats on four shared system prompts, a fixed number of clients (16) each starting its next conversation when one ends |
+//! | `shared-prompt` | [`chat`] ([`chat::ChatShape::shared_prompt`]) | the same closed loop on **one** system prompt: 50 conversations of 6–14 turns, 16 clients (one application, one system prompt: the shape that collapses cache-aware routers onto one engine) |
+//! | `burst` | [`burst`] | a hot-prefix burst: background chat sessions on four system prompts, then 48 new sessions on one brand-new ~2 000-token system prompt within 0.1 trace seconds, each a few turns |
+//! | `scale-out` | [`chat`] ([`chat::ChatShape::shared_prompt`]) | the `shared-prompt` closed loop starting on **one** engine; the others are added at run time once a quarter of its requests are done |
 //!
 //! The multi-turn generators schedule turn k+1 open-loop, at turn k's
 //! arrival plus its *expected* duration on an idle engine
@@ -23,12 +26,16 @@
 //! does not delay the next turn (as in the Mooncake trace, whose arrival
 //! times were recorded, not reacted to), so every policy is offered the same
 //! requests at the same times; the schedule is a function of the seed only.
-//! The `agents` and `chat` workloads are the exceptions, by design: their
-//! calls are chat requests that carry the engine's earlier answers, sent
-//! when the previous call ends ([`Request::chat`]); `chat` has no schedule
-//! at all (its clients start a conversation when the last one ends).
+//! The `agents`, `chat`, `shared-prompt`, `burst` and `scale-out`
+//! workloads are the exceptions, by design: their calls are chat requests
+//! that carry the engine's earlier answers, sent when the previous call
+//! ends ([`Request::chat`]); `agents` and `burst` start their sessions at
+//! scheduled times, the closed loops (`chat`, `shared-prompt`,
+//! `scale-out`) have no schedule at all (their clients start a
+//! conversation when the last one ends).
 
 pub mod agents;
+pub mod burst;
 pub mod chat;
 pub mod hh_rlhf;
 pub mod hot_prefix;
@@ -106,6 +113,9 @@ pub struct Workload {
     pub truncated: usize,
     /// The system prompts chat calls name ([`ChatCall::system`]).
     pub systems: Vec<String>,
+    /// The system prompt whose calls are reported on their own (the
+    /// `burst` workload's new one).
+    pub burst_system: Option<usize>,
 }
 
 impl Workload {
@@ -118,6 +128,7 @@ impl Workload {
             source,
             truncated,
             systems: Vec::new(),
+            burst_system: None,
         }
     }
 
@@ -158,11 +169,28 @@ pub enum WorkloadKind {
     Agents,
     /// Closed-loop multi-turn chats, a fixed number of clients.
     Chat,
+    /// Closed-loop multi-turn chats that all open with one system prompt.
+    SharedPrompt,
+    /// Background chat sessions, then a burst of new sessions on one new
+    /// long system prompt.
+    Burst,
+    /// The `shared-prompt` closed loop, from one engine to `--engines`
+    /// engines added at run time.
+    ScaleOut,
 }
 
 impl WorkloadKind {
     /// Every workload, in report order.
-    pub const ALL: [Self; 5] = [Self::Mooncake, Self::HhRlhf, Self::HotPrefix, Self::Agents, Self::Chat];
+    pub const ALL: [Self; 8] = [
+        Self::Mooncake,
+        Self::HhRlhf,
+        Self::HotPrefix,
+        Self::Agents,
+        Self::Chat,
+        Self::SharedPrompt,
+        Self::Burst,
+        Self::ScaleOut,
+    ];
 
     /// Its name on the command line and in outputs.
     pub const fn name(self) -> &'static str {
@@ -172,6 +200,9 @@ impl WorkloadKind {
             Self::HotPrefix => "hot-prefix",
             Self::Agents => "agents",
             Self::Chat => "chat",
+            Self::SharedPrompt => "shared-prompt",
+            Self::Burst => "burst",
+            Self::ScaleOut => "scale-out",
         }
     }
 
@@ -179,14 +210,30 @@ impl WorkloadKind {
     /// sending its next request when its answer ends: it has no offered
     /// rate, only the throughput the policy reaches.
     pub const fn closed_loop(self) -> bool {
-        matches!(self, Self::Chat)
+        matches!(self, Self::Chat | Self::SharedPrompt | Self::ScaleOut)
+    }
+
+    /// True for a workload of chat calls built from a session's messages
+    /// as it goes ([`Request::chat`]).
+    pub const fn chat_calls(self) -> bool {
+        matches!(
+            self,
+            Self::Agents | Self::Chat | Self::SharedPrompt | Self::Burst | Self::ScaleOut
+        )
     }
 
     /// True when its requests carry their session id in
-    /// [`SESSION_HEADER`]. `chat`'s do not, as most chat clients send
-    /// none: `consistent_hash` then keys on a conversation's opening.
+    /// [`SESSION_HEADER`]. `chat`'s, `shared-prompt`'s and `scale-out`'s
+    /// do not, as most chat clients send none: `consistent_hash` then keys
+    /// on a conversation's opening.
     pub const fn sends_session_ids(self) -> bool {
-        !matches!(self, Self::Chat)
+        !matches!(self, Self::Chat | Self::SharedPrompt | Self::ScaleOut)
+    }
+
+    /// True when its requests are token-id completions (`prompt` an array
+    /// of token ids), not chat calls.
+    pub const fn token_ids(self) -> bool {
+        !self.chat_calls()
     }
 }
 
