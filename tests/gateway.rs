@@ -327,13 +327,20 @@ fn shared_system_prompt() -> String {
         .repeat(8)
 }
 
-/// The imbalance rule of `cache_aware` over real processes: a burst of
-/// requests sharing one learned prefix goes to the engine holding it until
-/// that engine has more than `balance_abs_threshold` (32) requests in
-/// flight above the idlest one (and 1.1 times as many); from then on the
-/// burst spreads to the other engines by load, and every client gets a 200.
+/// A burst of requests sharing one learned, written-back prefix (a system
+/// prompt many clients share), over real processes with `cache_aware`:
+/// the burst is spread by load, and every client gets a 200.
+///
+/// Before issue 38 the engine holding the prefix took the burst until it
+/// had more than `balance_abs_threshold` (32) requests in flight above the
+/// idlest one (asserted here then: 33 or more of 80 on it). Now each
+/// dispatcher follows the prefix only until more than `DIVERGENCES` other
+/// prompts diverged right after it; from then on it is a shared header,
+/// its match counts as none, and the burst goes by load; and an engine
+/// more than its capacity-scaled threshold above the idlest loses its
+/// prefix's requests anyway.
 #[test]
-fn a_hot_prefix_spreads_once_its_engine_is_overloaded() {
+fn a_hot_prefix_burst_is_spread_by_load_not_piled_on_its_engine() {
     const CLIENTS: usize = 80;
     // Real-time engines (a decode step is 10-15 ms): a 200-token answer
     // takes 2-3 s, so the whole burst is in flight at once.
@@ -380,19 +387,15 @@ fn a_hot_prefix_spreads_once_its_engine_is_overloaded() {
         slowest = slowest.max(took);
     }
     eprintln!("hot prefix on {hot}; burst of {CLIENTS} spread as {per_backend:?}; slowest {slowest:?}");
-    let on_hot = per_backend.get(&hot).copied().unwrap_or(0);
-    assert!(
-        on_hot > 32,
-        "the engine holding the prefix takes the burst until it is 33 ahead: {per_backend:?}"
+    assert_eq!(per_backend.len(), 3, "every engine took part: {per_backend:?}");
+    // Two dispatchers (the default), each following the prefix for at most
+    // DIVERGENCES + 1 requests before it is a shared header.
+    let followed = 2 * (semlb::routing::shared_header::DIVERGENCES as usize + 1);
+    let (most, least) = (
+        per_backend.values().max().copied().unwrap_or(0),
+        per_backend.values().min().copied().unwrap_or(0),
     );
-    assert!(
-        on_hot < CLIENTS,
-        "once overloaded, the hot engine's share spreads to the others: {per_backend:?}"
-    );
-    assert!(
-        per_backend.iter().all(|(b, n)| *b == hot || *n < on_hot),
-        "the hot engine got the most: {per_backend:?}"
-    );
+    assert!(most <= least + followed, "{per_backend:?}");
 }
 
 /// `kill -9` of the engine a conversation lives on costs its clients

@@ -42,7 +42,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Barrier, mpsc};
 use std::time::{Duration, Instant};
 
 use semlb::routing::PolicyKind;
@@ -164,10 +164,28 @@ struct Turn {
 /// Conversation `i`: [`TURNS`] streamed turns back to back once `start`
 /// releases it; stops at the first failed turn.
 fn converse(addr: &str, i: usize, system: &str, start: &Barrier) -> Vec<Turn> {
+    converse_for(addr, i, system, start, TURNS, None)
+}
+
+/// [`converse`] with `n` turns, saying `i` on `mark`'s channel when its
+/// turn `mark.0` (1-based) has ended, and going on at once.
+fn converse_for(
+    addr: &str,
+    i: usize,
+    system: &str,
+    start: &Barrier,
+    n: usize,
+    mark: Option<(usize, mpsc::Sender<usize>)>,
+) -> Vec<Turn> {
     let mut messages = vec![json!({"role": "system", "content": system}), user(&first_question(i))];
     start.wait();
-    let mut turns = Vec::with_capacity(TURNS);
-    for t in 0..TURNS {
+    let mut turns = Vec::with_capacity(n);
+    for t in 0..n {
+        if let Some((after, tx)) = &mark
+            && t == *after
+        {
+            let _ = tx.send(i);
+        }
         let body = json!({
             "model": "semlb-sim",
             "messages": messages,
@@ -490,4 +508,115 @@ fn a_shared_system_prompt_spreads_and_conversations_stay_with_engine_metrics() {
 #[test]
 fn a_shared_system_prompt_spreads_and_conversations_stay_without_engine_metrics() {
     every_policy(false);
+}
+
+/// Turns of a scale-out conversation.
+const SCALE_TURNS: usize = 8;
+/// Turns every conversation has ended before the engines are added.
+const SCALE_AFTER: usize = 2;
+/// Least share of the turns sent after the add that the added engines
+/// take (their fair share is 3/4).
+const MIN_ADDED_SHARE: f64 = 0.5;
+/// Least share of the conversations (all started before the add) that
+/// move to an added engine.
+const MIN_MOVED: f64 = 0.5;
+
+/// One engine, 16 conversations of [`SCALE_TURNS`] turns on the shared
+/// system prompt, and, once every conversation has ended
+/// [`SCALE_AFTER`] turns, three engines added through the admin API (the
+/// clients do not pause: they go on sending each turn the instant the
+/// last one ends). The turns sent after the add: the added engines' share,
+/// and how many of the conversations (all started before) moved to one.
+/// `None` when the run had a failed turn (then the error).
+fn scale_out(kind: PolicyKind) -> Result<(f64, usize, Vec<usize>), String> {
+    let engines: Vec<Proc> = (0..ENGINES).map(|_| sim_with(TIME_SCALE, &[])).collect();
+    let tag = format!("scale-{}", kind.name());
+    let gw = Gateway::builder()
+        .shm(&unique(&tag))
+        .tag(&tag)
+        .backends(&[&engines[0]])
+        .dispatchers(2)
+        .policy(kind.name())
+        .admin("scale-out-admin-token-0123456789")
+        .start();
+    let system = Arc::new(system_prompt());
+    let start = Arc::new(Barrier::new(CLIENTS));
+    let (tx, rx) = mpsc::channel();
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|i| {
+            let (addr, system, start, tx) = (gw.addr().to_owned(), system.clone(), start.clone(), tx.clone());
+            std::thread::spawn(move || converse_for(&addr, i, &system, &start, SCALE_TURNS, Some((SCALE_AFTER, tx))))
+        })
+        .collect();
+    drop(tx);
+    // Every conversation has ended its first turns (a client that failed
+    // drops its sender: the loop ends short).
+    let ready = rx.iter().take(CLIENTS).count();
+    for engine in &engines[1..] {
+        let r = gw.admin(
+            "POST",
+            "/admin/servers",
+            Some(&json!({"url": format!("http://{}", engine.addr)}).to_string()),
+        );
+        assert_eq!(r.status, 201, "adding an engine: {r:?}");
+    }
+    let added = Instant::now();
+    let conversations: Vec<Vec<Turn>> = clients.into_iter().map(|c| c.join().expect("a client")).collect();
+    if let Some(e) = conversations.iter().flatten().find_map(|t| t.error.clone()) {
+        return Err(format!("{ready} conversations reached the add; {e}"));
+    }
+    let new: Vec<String> = engines[1..].iter().map(|e| format!("http://{}", e.addr)).collect();
+    let after: Vec<&Turn> = conversations.iter().flatten().filter(|t| t.sent >= added).collect();
+    let on_new = after.iter().filter(|t| new.contains(&t.backend)).count();
+    let moved = conversations
+        .iter()
+        .filter(|c| c.iter().any(|t| t.sent >= added && new.contains(&t.backend)))
+        .count();
+    let per_engine = std::iter::once(format!("http://{}", engines[0].addr))
+        .chain(new.iter().cloned())
+        .map(|e| after.iter().filter(|t| t.backend == e).count())
+        .collect();
+    Ok((on_new as f64 / after.len().max(1) as f64, moved, per_engine))
+}
+
+/// Scale-out, for every policy: three engines added next to a loaded one
+/// take at least half of the turns sent after they were added, and at
+/// least half of the conversations that started before move to them.
+/// For the policies that follow a conversation's cache this is the
+/// balance rule at work ([`semlb::routing::balance`], each policy's bound
+/// on load): the engine that carried all sixteen conversations is far
+/// above the idlest, so its conversations go by load until it is not.
+/// Only counts are asserted.
+#[test]
+fn engines_added_next_to_a_loaded_one_take_over_running_conversations() {
+    let only = std::env::var("SEMLB_TEST_POLICIES").ok();
+    let wanted = |kind: PolicyKind| only.as_deref().is_none_or(|o| o.split(',').any(|n| n == kind.name()));
+    let mut table = String::new();
+    let mut failing = Vec::new();
+    for kind in PolicyKind::ALL.into_iter().filter(|k| wanted(*k)) {
+        let line = match scale_out(kind) {
+            Ok((share, moved, per_engine)) => {
+                let ok = share >= MIN_ADDED_SHARE && moved as f64 >= MIN_MOVED * CLIENTS as f64;
+                if !ok {
+                    failing.push(kind.name());
+                }
+                format!(
+                    "{:16} {}  after the add: per engine (old, added…) {per_engine:?}, added engines' share {:.0} %, {moved} of {CLIENTS} conversations moved to them\n",
+                    kind.name(),
+                    if ok { "ok  " } else { "FAIL" },
+                    share * 100.0
+                )
+            }
+            Err(e) => {
+                failing.push(kind.name());
+                format!("{:16} FAIL {e}\n", kind.name())
+            }
+        };
+        eprint!("[scale-out] {line}");
+        table.push_str(&line);
+    }
+    assert!(
+        failing.is_empty(),
+        "scale-out from 1 to {ENGINES} engines under {CLIENTS} running conversations fails for {failing:?}\n{table}"
+    );
 }

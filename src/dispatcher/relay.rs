@@ -388,6 +388,14 @@ impl Relay {
     }
 }
 
+/// Whether an event-stream frame ends with the stream's last event,
+/// `data: [DONE]` (OpenAI's, vLLM's and SGLang's streams end so; an event
+/// split across frames is not seen here, and the stream then ends at its
+/// `None` as before).
+fn ends_with_done(frame: &[u8]) -> bool {
+    frame.trim_ascii_end().ends_with(b"data: [DONE]")
+}
+
 impl Drop for Relay {
     /// A relay dropped before its end (the client went away) is charged
     /// what it relayed.
@@ -431,8 +439,15 @@ impl HttpBody for Relay {
             };
             this.passed(&data);
             // With a Content-Length, hyper stops polling once that many
-            // bytes are out: the end is seen here, not as `None`.
-            let ending = this.inner.is_end_stream();
+            // bytes are out: the end is seen here, not as `None`. An event
+            // stream ends with its `data: [DONE]` event: the answer is
+            // done then, and ended before the event goes out, so that a
+            // client that sends its next turn the instant it reads it
+            // finds the request no longer counted in flight (ended only at
+            // the `None` after it, the count lagged the client whenever
+            // the dispatcher was slow to poll again, and the next turn saw
+            // its own engine one request busier than it was).
+            let ending = this.inner.is_end_stream() || (this.sse && ends_with_done(&data));
             let out = match this.strip.as_mut() {
                 // Passed on less the usage the client did not ask for.
                 Some(strip) if ending => [strip.feed(&data), strip.finish()].concat().into(),
@@ -459,5 +474,20 @@ impl HttpBody for Relay {
             return SizeHint::default();
         }
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ends_with_done;
+
+    #[test]
+    fn the_last_event_of_a_stream_is_seen_in_its_frame() {
+        assert!(ends_with_done(b"data: [DONE]\n\n"));
+        assert!(ends_with_done(b"data: {\"choices\":[]}\n\ndata: [DONE]\r\n\r\n"));
+        assert!(!ends_with_done(b"data: {\"choices\":[]}\n\n"));
+        // Split across frames: not seen here (the stream ends at `None`).
+        assert!(!ends_with_done(b"data: [DO"));
+        assert!(!ends_with_done(b""));
     }
 }

@@ -27,8 +27,12 @@
 //! conversations that started before them.
 //!
 //! `cache_aware` applies it with its own thresholds
-//! ([`super::CacheAwareParams`]); `weighted_scorers` with [`Balance::DEFAULT`]
-//! (an overloaded server's prefix score is 0).
+//! ([`super::CacheAwareParams`]); the other prefix-aware policies with
+//! [`Balance::DEFAULT`]: `weighted_scorers` (an overloaded server's prefix
+//! score is 0), `selective_push` (an overloaded server is not the prefix
+//! choice) and `dual_map` (an overloaded conversation engine is not kept
+//! over the hash candidates). `cost` and `consistent_hash` have their own
+//! bound on load ([`super::load_bound`]).
 
 use super::Candidate;
 

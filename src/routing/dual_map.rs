@@ -61,7 +61,8 @@
 //!    header than either candidate (a conversation whose earlier turns
 //!    were hashed by another prefix length: its first turns came before
 //!    the system prompt was hot, or a server was added to the rings
-//!    since), it gets the request ([`Reason::Prefix`]), unless its
+//!    since) and the shared balance rule does not find it overloaded
+//!    ([`super::balance`]), it gets the request ([`Reason::Prefix`]), unless its
 //!    estimate breaks `ttft_slo_ms` and the chosen candidate's is lower
 //!    (the rule between the two candidates, with the holder as the one
 //!    holding more). (Not "unless its estimate is higher": the estimate
@@ -87,6 +88,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
+use super::balance::{Balance, least_inflight};
 use super::least_load::least_loaded_where;
 use super::ring::HashRing;
 use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, best_prefix, in_range, in_range_f64};
@@ -366,7 +368,9 @@ impl Policy for DualMap {
         // The conversation's engine, when neither home holds as much of it,
         // unless its estimate breaks the SLO where the pick's does not.
         let homes_hold = held(first).max(second.map_or(0, held));
-        if let Some((holder, blocks)) = best_prefix(input, |c| !self.full(c))
+        let min = least_inflight(input.candidates);
+        let keeps = |c: &Candidate| !self.full(c) && !Balance::DEFAULT.overloaded(c, min);
+        if let Some((holder, blocks)) = best_prefix(input, keeps)
             && blocks > homes_hold
             && (self.estimate_ms(input, holder) <= self.params.ttft_slo_ms as f64
                 || self.estimate_ms(input, holder) < pick.2)

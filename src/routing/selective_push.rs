@@ -30,8 +30,14 @@
 //!    its gateway queue ([`Policy::holds_requests`]), looking again when a
 //!    request starts or ends.
 //! 3. Among the free candidates, the one holding the longest prefix of the
-//!    prompt ([`Reason::Prefix`]; ties to the less loaded), else the least
-//!    loaded ([`Reason::LeastLoad`], the rule of [`super::least_load`]).
+//!    prompt past its shared header ([`Reason::Prefix`]; ties to the less
+//!    loaded) unless the shared balance rule finds it overloaded
+//!    ([`super::balance`]: more than an eighth of what its engine runs at
+//!    once above the least loaded), else the least loaded
+//!    ([`Reason::LeastLoad`], the rule of [`super::least_load`]). An engine
+//!    with no queue is never full, so without the balance rule the
+//!    conversations of one engine stayed on it however many engines were
+//!    added next to it.
 //!
 //! The queue is FIFO per dispatcher: when a server frees up, the oldest
 //! waiting request whose choice is possible gets it, still by prefix.
@@ -40,6 +46,7 @@ use std::sync::atomic::AtomicU64;
 
 use serde::{Deserialize, Serialize};
 
+use super::balance::{Balance, least_inflight};
 use super::least_load::least_loaded_where;
 use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, best_prefix, in_range};
 
@@ -142,7 +149,9 @@ impl Policy for SelectivePush {
 
     fn choose(&self, input: &RouteInput<'_>) -> Option<Choice> {
         let free = |c: &Candidate| !self.params.full(c);
-        if let Some((c, blocks)) = best_prefix(input, free) {
+        let min = least_inflight(input.candidates);
+        let balanced = |c: &Candidate| free(c) && !Balance::DEFAULT.overloaded(c, min);
+        if let Some((c, blocks)) = best_prefix(input, balanced) {
             return Some(Choice {
                 server: c.server,
                 reason: Reason::Prefix { blocks },

@@ -37,7 +37,18 @@
 //!   prompts diverged: `d` itself for a new conversation on a system
 //!   prompt, and for a conversation's later turn the depth at which the
 //!   *other* engines match it (the system prompt they computed for other
-//!   conversations), while its own engine matches its whole history.
+//!   conversations), while its own engine matches its whole history;
+//! * or, shallower than `d`, a depth two servers *besides* the deepest one
+//!   hold: three engines computed that prefix, for three different
+//!   requests, which is what [`DIVERGENCES`] asks of a header. This needs
+//!   no count: a dispatcher that saw few of the conversations open (each
+//!   keeps its own sketch, and the first questions of a chat app often
+//!   share words past the system prompt, so they diverge at several
+//!   depths) still knows a later turn's header from where the others
+//!   match it. (Without it, a scoring policy saw the other engines' header
+//!   matches as 87 % matches against the conversation's own 97 %, close
+//!   enough that one request more in flight moved it: 84–89 % of later
+//!   turns stayed in `tests/shared_prompt.rs`.)
 //!
 //! [`DIVERGENCES`] is 2, not 1: a document or long context that two or
 //! three requests share (the Mooncake trace has a few of 13–51 blocks of
@@ -131,6 +142,16 @@ impl SharedHeaders {
             self.tick();
         }
         if header == 0 {
+            // Shallower matches: a known divergence point, or a prefix two
+            // servers besides the deepest one hold (three engines computed
+            // it, for three different requests).
+            let mut sorted = [0u32; shm_layout::MATCH_CAPACITY];
+            let n = depths.len().min(sorted.len());
+            sorted[..n].copy_from_slice(&depths[..n]);
+            sorted.sort_unstable_by(|a, b| b.cmp(a));
+            if sorted[2] < deepest {
+                header = sorted[2];
+            }
             for &depth in depths {
                 let at = depth as usize;
                 if depth > header && at > 0 && at < d && self.count(chain[at - 1]) >= DIVERGENCES {
@@ -258,9 +279,16 @@ mod tests {
         // others the system prompt they computed for other conversations.
         let turn = chain(50, 9, 12);
         assert_eq!(h.observe(&turn, &[58, 50, 50], false), 50);
-        // A prompt whose shallower matches are not a known header.
+        // A prompt whose shallower match is not a known header.
         let other = chain(30, 9, 30);
         assert_eq!(h.observe(&other, &[58, 30], false), 0);
+        // Two servers besides the deepest one hold 30 blocks of it: three
+        // engines computed them, a header whatever the counts.
+        // (Asked again as repeats: its own divergence was counted once.)
+        assert_eq!(h.observe(&other, &[58, 30, 0, 30], true), 30);
+        assert_eq!(h.observe(&other, &[58, 30, 40], true), 30);
+        // Several at the deepest depth: nothing shallower is implied.
+        assert_eq!(h.observe(&other, &[58, 58, 58], true), 0);
         // No match at all.
         assert_eq!(h.observe(&other, &[], false), 0);
     }

@@ -32,14 +32,20 @@
 //! they are X times longer: they are the routers' defaults, not tuned.
 //!
 //! What the pinned versions do with the replay's requests, found with
-//! [`preflight`] (one token-id completion and one chat call through the
-//! router in front of one engine, before the peer's first run):
+//! [`preflight`] (one text completion, one token-id completion and one
+//! chat call through the router in front of one engine, before the peer's
+//! first run):
 //!
-//! * `smg` and `sglang-router` reject a `/v1/completions` request whose
-//!   `prompt` is an array of token ids (HTTP 400: their request type takes
-//!   a string or strings), so their rows on the token-id workloads
-//!   (`mooncake`, `hh-rlhf`, `hot-prefix`) are not run and say so; chat
-//!   calls they route on the messages' text.
+//! * every one takes a `/v1/completions` request whose `prompt` is a
+//!   string, the form `mooncake`, `hh-rlhf` and `hot-prefix` are sent in
+//!   by default (`--prompt-form text`, to every row alike; see
+//!   [`text`](crate::workload::text)); `smg` and `sglang-router` route it
+//!   on its characters.
+//! * `smg` and `sglang-router` reject one whose `prompt` is an array of
+//!   token ids (HTTP 400 and 422: their request type takes a string or
+//!   strings), so with `--prompt-form tokens` their rows on those three
+//!   workloads are not run and say so; chat calls they route on the
+//!   messages' text.
 //! * `vllm-router` takes token-id prompts. For chat calls it first asks a
 //!   worker for `POST /v1/chat/completions/render` and `POST /tokenize`
 //!   (vLLM's endpoints) to route on token ids; the simulator serves
@@ -503,10 +509,13 @@ impl Drop for PeerProc {
     }
 }
 
-/// What a peer does with the replay's two kinds of request, from
+/// What a peer does with the replay's kinds of request, from
 /// [`preflight`].
 #[derive(Debug, Clone)]
 pub(super) struct Support {
+    /// A streamed `/v1/completions` with a text `prompt`: `Err` with the
+    /// answer when it is refused.
+    pub(super) text: Result<(), String>,
     /// A streamed `/v1/completions` with a token-id `prompt`: `Err` with
     /// the answer when it is refused.
     pub(super) token_ids: Result<(), String>,
@@ -530,10 +539,40 @@ fn verdict(r: Result<semlb_test_support::http::Response, String>) -> Result<(), 
 }
 
 /// Starts `install` in front of `engine` (`http://host:port`) and sends
-/// one token-id completion and one chat call through it.
+/// one text completion, one token-id completion and one chat call through
+/// it.
 pub(super) fn preflight(install: &Install, engine: &str) -> Result<Support, StartError> {
     let proc = PeerProc::start(install, &[engine.to_owned()])?;
-    let completion = super::drive::completion_body(&[1, 2, 3, 4], 1);
+    // A text completion, as the completions workloads send them by default.
+    let completion = serde_json::json!({
+        "model": "semlb-sim",
+        "stream": true,
+        "ignore_eos": true,
+        "temperature": 1.0,
+        "max_tokens": 1,
+        "prompt": "the cache of the engine\n",
+    })
+    .to_string();
+    let text = verdict(http_bytes(
+        &proc.addr,
+        "POST",
+        "/v1/completions",
+        Some(completion.as_bytes()),
+        &[],
+    ));
+    // A token-id completion, as the token-id workloads send them (built
+    // here: `drive` uses this module, so this one does not use `drive`).
+    let completion = bytes::Bytes::from(
+        serde_json::json!({
+            "model": "semlb-sim",
+            "stream": true,
+            "ignore_eos": true,
+            "temperature": 1.0,
+            "max_tokens": 1,
+            "prompt": [1, 2, 3, 4],
+        })
+        .to_string(),
+    );
     let token_ids = verdict(http_bytes(
         &proc.addr,
         "POST",
@@ -556,6 +595,7 @@ pub(super) fn preflight(install: &Install, engine: &str) -> Result<Support, Star
         &[],
     ));
     Ok(Support {
+        text,
         token_ids,
         chat,
         command: proc.command.clone(),
