@@ -1,7 +1,8 @@
 //! The counters at the end of a replay run: the prefix-cache, token and
 //! request counters of one simulated engine, and the gateway's comparison
-//! of what it predicted the engines held with what they reported, read from
-//! their Prometheus `/metrics` text. [`drive`](super::drive) reads them
+//! of what it predicted the engines held with what they reported (and the
+//! `cost` policy's tuned weight, per dispatcher), read from their
+//! Prometheus `/metrics` text. [`drive`](super::drive) reads them
 //! after a run; [`stats`](super::stats) turns them into hit rates,
 //! imbalance and prediction accuracy.
 
@@ -31,6 +32,31 @@ pub(super) fn metric_sum(text: &str, name: &str) -> Option<f64> {
         }
     }
     found
+}
+
+/// Every sample of metric `name` (exact name) in a Prometheus text
+/// exposition: its label text (between the braces, empty without labels)
+/// and its value, in the text's order.
+pub(super) fn metric_samples(text: &str, name: &str) -> Vec<(String, f64)> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let line = line.trim();
+        let Some(rest) = line.strip_prefix(name) else { continue };
+        let (labels, value) = if let Some(inner) = rest.strip_prefix('{') {
+            match inner.rfind('}') {
+                Some(i) => (&inner[..i], &inner[i + 1..]),
+                None => continue,
+            }
+        } else if rest.starts_with(' ') {
+            ("", rest)
+        } else {
+            continue; // a longer name with this prefix
+        };
+        if let Some(v) = value.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) {
+            out.push((labels.to_owned(), v));
+        }
+    }
+    out
 }
 
 /// One engine's counters at the end of a run.
@@ -63,8 +89,8 @@ impl EngineCounters {
 }
 
 /// The gateway's prediction counters at the end of a run, summed over
-/// servers.
-#[derive(Debug, Clone, Copy, Default)]
+/// servers, and the `cost` policy's weights.
+#[derive(Debug, Clone, Default)]
 pub(super) struct GatewayCounters {
     /// Answers whose engine's report the response processes read.
     pub(super) records: f64,
@@ -78,6 +104,10 @@ pub(super) struct GatewayCounters {
     pub(super) demotions: f64,
     /// Times a server was forgotten everywhere (a lost cache).
     pub(super) forgotten: f64,
+    /// The `cost` policy's weight λ as each dispatcher left it
+    /// (`semlb_cost_weight{dispatcher}`): the dispatcher's registry slot
+    /// and the weight, by slot; empty for the other policies.
+    pub(super) cost_weights: Vec<(String, f64)>,
 }
 
 impl GatewayCounters {
@@ -91,6 +121,7 @@ impl GatewayCounters {
             shortfalls: m("semlb_prefix_shortfalls_total"),
             demotions: m("semlb_prefix_demotions_total"),
             forgotten: m("semlb_prefix_servers_forgotten_total"),
+            cost_weights: cost_weights(text),
         }
     }
 
@@ -98,6 +129,28 @@ impl GatewayCounters {
     pub(super) fn accuracy(&self) -> Option<f64> {
         (self.predicted > 0.0).then(|| self.confirmed / self.predicted)
     }
+}
+
+/// The `semlb_cost_weight` samples of a gateway's `/metrics` text: the
+/// `dispatcher` label (the whole label text without one) and the weight,
+/// by dispatcher.
+fn cost_weights(text: &str) -> Vec<(String, f64)> {
+    let mut out: Vec<(String, f64)> = metric_samples(text, "semlb_cost_weight")
+        .into_iter()
+        .map(|(labels, w)| {
+            let slot = labels
+                .split(',')
+                .find_map(|l| l.trim().strip_prefix("dispatcher="))
+                .map_or(labels.as_str(), |v| v.trim_matches('"'))
+                .to_owned();
+            (slot, w)
+        })
+        .collect();
+    out.sort_by(|a, b| {
+        let num = |s: &str| s.parse::<u64>().ok();
+        num(&a.0).cmp(&num(&b.0)).then_with(|| a.0.cmp(&b.0))
+    });
+    out
 }
 
 #[cfg(test)]
@@ -119,5 +172,27 @@ mod tests {
         assert_eq!(metric_sum(text, "vllm:missing_total"), None);
         let c = EngineCounters::parse(text);
         assert_eq!((c.hits, c.queries, c.uncached()), (650.0, 1000.0, 0.0));
+    }
+
+    #[test]
+    fn the_cost_weight_is_read_per_dispatcher() {
+        let text = "# HELP semlb_cost_weight The cost policy's weight.\n\
+                    # TYPE semlb_cost_weight gauge\n\
+                    semlb_cost_weight{dispatcher=\"10\"} 0.25\n\
+                    semlb_cost_weight{dispatcher=\"3\"} 0.0625\n\
+                    semlb_cost_weight_other{dispatcher=\"1\"} 9\n\
+                    semlb_prefix_predicted_tokens_total 100\n";
+        let g = GatewayCounters::parse(text);
+        assert_eq!(g.cost_weights, [("3".to_owned(), 0.0625), ("10".to_owned(), 0.25)]);
+        assert_eq!(g.predicted, 100.0);
+        assert!(
+            GatewayCounters::parse("semlb_prefix_predicted_tokens_total 1\n")
+                .cost_weights
+                .is_empty()
+        );
+        assert_eq!(
+            metric_samples("x{a=\"b\"} 1\nx 2 17\nxy 3\n", "x"),
+            [("a=\"b\"".to_owned(), 1.0), (String::new(), 2.0)]
+        );
     }
 }

@@ -294,6 +294,27 @@ pub(super) fn completion_body(tokens: &[u32], max_tokens: u32) -> Bytes {
     Bytes::from(s)
 }
 
+/// The JSON body of a completion request with `prompt` as its prompt
+/// text, otherwise as [`completion_body`]'s.
+pub(super) fn completion_text_body(prompt: &str, max_tokens: u32) -> Bytes {
+    let mut s = String::with_capacity(prompt.len() + prompt.len() / 8 + 160);
+    s.push_str(r#"{"model":"semlb-sim","stream":true,"ignore_eos":true,"temperature":1.0,"max_tokens":"#);
+    let _ = write!(s, "{max_tokens}");
+    s.push_str(r#","prompt":"#);
+    s.push_str(&serde_json::to_string(prompt).expect("a string serializes"));
+    s.push('}');
+    Bytes::from(s)
+}
+
+/// The body of completion request `r`: its text in the text form, else
+/// its token ids.
+fn request_body(r: &Request) -> Bytes {
+    match &r.text {
+        Some(text) => completion_text_body(&text.text(), r.output_tokens),
+        None => completion_body(&r.prompt, r.output_tokens),
+    }
+}
+
 /// Sends `workload` through `spec`'s fresh front in front of fresh
 /// engines.
 pub(super) fn run_once(
@@ -390,9 +411,11 @@ pub(super) fn run_once(
     }
     let sent = client.runtime.block_on(async move {
         // Bodies are built ahead on a thread of their own, so that bursts of
-        // simultaneous arrivals are not delayed by building them; the first
-        // ones before the clock starts (traces start with a burst).
-        let body = |r: &Request| completion_body(&r.prompt, r.output_tokens);
+        // simultaneous arrivals are not delayed by building them (a text
+        // prompt is its pieces joined and escaped: ~70 KB for `mooncake`);
+        // the first ones before the clock starts (traces start with a
+        // burst).
+        let body = request_body;
         let mut primed = workload
             .requests
             .iter()
@@ -541,7 +564,7 @@ mod tests {
     }
 
     #[test]
-    fn bodies_are_token_id_completions() {
+    fn bodies_are_token_id_or_text_completions() {
         let v: Value = serde_json::from_slice(&completion_body(&[5, 6, 7], 9)).unwrap();
         assert_eq!(v["prompt"], json!([5, 6, 7]));
         assert_eq!(v["max_tokens"], 9);
@@ -549,5 +572,25 @@ mod tests {
             (v["stream"].as_bool(), v["ignore_eos"].as_bool()),
             (Some(true), Some(true))
         );
+        let mut r = Request {
+            at_s: 0.0,
+            prompt: vec![5, 6],
+            text: Some(crate::workload::text::TextPrompt(vec![
+                "say \"hi\"\n".into(),
+                "then\tstop".into(),
+            ])),
+            output_tokens: 4,
+            session: None,
+            chat: None,
+        };
+        let v: Value = serde_json::from_slice(&request_body(&r)).unwrap();
+        assert_eq!(v["prompt"], "say \"hi\"\nthen\tstop");
+        assert_eq!(
+            (v["max_tokens"].as_u64(), v["temperature"].as_f64()),
+            (Some(4), Some(1.0))
+        );
+        r.text = None;
+        let v: Value = serde_json::from_slice(&request_body(&r)).unwrap();
+        assert_eq!(v["prompt"], json!([5, 6]));
     }
 }

@@ -21,15 +21,24 @@
 //! `burst` and `scale-out` (chat requests whose
 //! history holds the engine's real answers, `temperature` 1, `ignore_eos`,
 //! `max_tokens` = the call's output; see [`agents`], [`chat`]) is a streaming
-//! `/v1/completions` request whose `prompt` is
-//! the array of token ids (the gateway and the simulator take token-id
-//! prompts as they are), with `max_tokens` = its output length (capped by
+//! `/v1/completions` request whose `prompt` is text (`--prompt-form text`,
+//! the default, sent to every row alike: real clients send text, and
+//! `smg` and `sglang-router` take nothing else): `hh-rlhf`'s dialogues
+//! themselves, and for the synthetic token ids of `mooncake` and
+//! `hot-prefix` chunks of text as many tokens long with the engines'
+//! tokenizer, equal pieces equal text, built so that their tokens are the
+//! token-id form's lengths and shared prefixes ([`text`]; the replay
+//! measures it when it loads the workload, prints one line and puts it in
+//! the JSON as `text_fidelity`). `--prompt-form tokens` sends the array of
+//! token ids instead (the gateway and the simulator take token-id prompts
+//! as they are). Either way with `max_tokens` = its output length (capped by
 //! `--max-output`), `ignore_eos` (the engine generates exactly that many
 //! tokens) and `temperature` 1 (never answered from the response cache);
 //! requests of a session carry `x-session-id: <session>`, which
 //! session-affine policies route on. `mooncake` needs `<data>/traces/` (or
 //! `--trace`), `hh-rlhf` `<data>/prompts/` and, for Qwen3 token ids,
-//! `<data>/tokenizers/` (else the bundled phi-2 tokenizer); without them
+//! `<data>/tokenizers/` (else the bundled phi-2 tokenizer; the engines
+//! tokenize text with phi-2 either way); without them
 //! those workloads are skipped with a message. `--duration S` and
 //! `--limit N` shorten every workload (the first S trace seconds of the
 //! trace, or a window of S trace seconds of the generated workloads; the
@@ -70,11 +79,13 @@
 //! (`--peers-dir`, default `target/bench-peers/`), each started with its
 //! own defaults and `--policy cache_aware`; see [`peers`] for the command
 //! lines, the core budget and how each adds a worker. Before its first run
-//! each peer is started once in front of one engine and sent one token-id
-//! completion and one chat call: a peer that cannot be installed or
-//! started is skipped with one line saying why, and one that refuses a
-//! workload's kind of request (`smg` and `sglang-router` refuse token-id
-//! prompts) has a row marked `†` saying so instead of figures. A peer's
+//! each peer is started once in front of one engine and sent one text
+//! completion, one token-id completion and one chat call: a peer that
+//! cannot be installed or started is skipped with one line saying why,
+//! and one that refuses a workload's kind of request (`smg` and
+//! `sglang-router` refuse token-id prompts, so with `--prompt-form tokens`
+//! they have no figures on `mooncake`, `hh-rlhf` and `hot-prefix`) has a
+//! row marked `†` saying so instead of figures. A peer's
 //! row has no prediction column (a counter of semlb's gateway). Which
 //! engine answered a request is read from the answer's id, the same way for
 //! every front (the simulator's ids carry a per-process salt).
@@ -179,7 +190,12 @@
 //! tokens the routing predicted the chosen engine held, the share it
 //! reported cached: the gateway's `semlb_prefix_confirmed_tokens_total` /
 //! `semlb_prefix_predicted_tokens_total`, with the shortfalls, demotions
-//! and forgotten servers in the JSON); errors.
+//! and forgotten servers in the JSON); errors. The title says how the
+//! prompts were sent. Under the table, the `cost` rows' weight: λ as each
+//! dispatcher left it at the end of each run (the gateway's
+//! `semlb_cost_weight{dispatcher}`, read with its counters; in the JSON as
+//! `cost_weights_at_end`), to show whether the tuner moved from where it
+//! starts within the run.
 //!
 //! # Run time
 //!
@@ -252,7 +268,8 @@ use super::workload::burst::{self, BurstParams};
 use super::workload::chat::{self, ChatParams};
 use super::workload::hh_rlhf::{self, HhRlhfParams};
 use super::workload::hot_prefix::{self, HotPrefixParams};
-use super::workload::{Workload, WorkloadKind, mooncake};
+use super::workload::text::{self, Fidelity, TextGen};
+use super::workload::{PromptForm, Workload, WorkloadKind, mooncake};
 
 /// `semlb bench replay` flags.
 #[derive(Debug, Clone, Args)]
@@ -291,6 +308,12 @@ pub struct ReplayArgs {
     /// Send at most the first N requests of each workload.
     #[arg(long, value_name = "N")]
     pub limit: Option<usize>,
+    /// How the completions of mooncake, hh-rlhf and hot-prefix carry
+    /// their prompt, to every row alike: `text` (a string the engines
+    /// tokenize into the trace's lengths and shared prefixes) or `tokens`
+    /// (an array of token ids, which smg and sglang-router refuse).
+    #[arg(long, value_name = "FORM", value_enum, default_value_t = PromptForm::Text)]
+    pub prompt_form: PromptForm,
     /// TTFT objective, trace seconds [default: mooncake 10, hh-rlhf 1,
     /// hot-prefix 2].
     #[arg(long, value_name = "S")]
@@ -390,6 +413,7 @@ impl ReplayArgs {
             speedup: None,
             duration: None,
             limit: None,
+            prompt_form: PromptForm::Text,
             ttft_slo: None,
             sweep: vec![0.5, 1.0, 1.5, 2.0],
             hh_rlhf_rate: 90.0,
@@ -615,6 +639,12 @@ impl Arm {
 /// The workload `kind`, or `None` (with a message) when its data is missing.
 fn load_workload(args: &ReplayArgs, kind: WorkloadKind, setting: &Setting) -> Result<Option<Workload>> {
     let data = args.common.data_dir();
+    // The text form is built for the engines' tokenizer.
+    let engine_tokenizer = text::engine_tokenizer();
+    let text_gen = (args.prompt_form == PromptForm::Text).then(|| TextGen::new(&engine_tokenizer));
+    // What the fidelity line must add: a token-id form in another
+    // tokenizer's ids.
+    let mut ids_note = "";
     let mut workload = match kind {
         WorkloadKind::Mooncake => {
             let Some(path) = args
@@ -628,7 +658,14 @@ fn load_workload(args: &ReplayArgs, kind: WorkloadKind, setting: &Setting) -> Re
                 );
                 return Ok(None);
             };
-            mooncake::load(&path, setting.duration_s, args.limit, args.max_output, args.seed)?
+            mooncake::load(
+                &path,
+                setting.duration_s,
+                args.limit,
+                args.max_output,
+                args.seed,
+                text_gen.as_ref(),
+            )?
         }
         WorkloadKind::HhRlhf => {
             let Some(path) = data.as_ref().map(|d| d.join(PROMPTS_FILE)).filter(|p| p.is_file()) else {
@@ -640,8 +677,12 @@ fn load_workload(args: &ReplayArgs, kind: WorkloadKind, setting: &Setting) -> Re
                 bail!("{} holds no dialogues", path.display());
             }
             let tokenizer = match data.as_ref().map(|d| d.join(TOKENIZER_FILE)).filter(|p| p.is_file()) {
-                Some(p) => Tokenizer::from_file(&p)
-                    .map_err(|e| anyhow::anyhow!("cannot load the tokenizer {}: {e}", p.display()))?,
+                Some(p) => {
+                    ids_note = " (the token-id form is Qwen3's ids, and its lengths and outputs Qwen3 tokens; the \
+                                engines count phi-2 tokens, hence the length difference)";
+                    Tokenizer::from_file(&p)
+                        .map_err(|e| anyhow::anyhow!("cannot load the tokenizer {}: {e}", p.display()))?
+                }
                 None => Tokenizer::bundled(),
             };
             let params = HhRlhfParams {
@@ -650,14 +691,23 @@ fn load_workload(args: &ReplayArgs, kind: WorkloadKind, setting: &Setting) -> Re
                 max_output: args.max_output,
                 seed: args.seed,
             };
-            hh_rlhf::build(&dialogues, &tokenizer, &params, &path.display().to_string())
+            hh_rlhf::build(
+                &dialogues,
+                &tokenizer,
+                &params,
+                &path.display().to_string(),
+                text_gen.is_some(),
+            )
         }
-        WorkloadKind::HotPrefix => hot_prefix::build(&HotPrefixParams {
-            sessions_per_s: args.hot_prefix_rate,
-            duration_s: setting.duration_s,
-            max_output: args.max_output,
-            seed: args.seed,
-        }),
+        WorkloadKind::HotPrefix => hot_prefix::build(
+            &HotPrefixParams {
+                sessions_per_s: args.hot_prefix_rate,
+                duration_s: setting.duration_s,
+                max_output: args.max_output,
+                seed: args.seed,
+            },
+            text_gen.as_ref(),
+        ),
         WorkloadKind::Agents => agents::build(&AgentsParams {
             sessions_per_s: args.agents_rate,
             duration_s: setting.duration_s,
@@ -693,6 +743,14 @@ fn load_workload(args: &ReplayArgs, kind: WorkloadKind, setting: &Setting) -> Re
     if workload.requests.is_empty() {
         bail!("{kind}: no requests (raise --duration or the rate)");
     }
+    if workload.prompt_form() == Some(PromptForm::Text) {
+        let f = Fidelity::measure(&workload.requests, &engine_tokenizer);
+        println!(
+            "{kind}, text form, measured with the engines' tokenizer (bundled phi-2): {}{ids_note}",
+            f.describe()
+        );
+        workload.fidelity = Some(f);
+    }
     Ok(Some(workload))
 }
 
@@ -703,10 +761,10 @@ fn peer_skip(peer: Peer, workload: &Workload, peers: &HashMap<Peer, (Install, Su
     let Some((_, support)) = peers.get(&peer) else {
         return Some("not installed or did not start (see above)".to_owned());
     };
-    let (refused, what) = if workload.kind.token_ids() {
-        (&support.token_ids, "token-id prompts")
-    } else {
-        (&support.chat, "chat calls")
+    let (refused, what) = match workload.prompt_form() {
+        Some(PromptForm::Tokens) => (&support.token_ids, "token-id prompts"),
+        Some(PromptForm::Text) => (&support.text, "text prompts"),
+        None => (&support.chat, "chat calls"),
     };
     refused.as_ref().err().map(|e| format!("refuses {what}: {e}"))
 }
@@ -852,18 +910,18 @@ fn prepare_peers(args: &ReplayArgs) -> Result<Peers> {
                 match peers::preflight(&install, &url) {
                     Err(e) => Err(format!("{e}")),
                     Ok(support) => {
+                        let verdict = |r: &Result<(), String>| {
+                            r.as_ref()
+                                .map_or_else(|e| format!("refused ({e})"), |()| "taken".to_owned())
+                        };
                         println!(
-                            "peer {peer}: {package} {version} in {} ({}); token-id prompts: {}; chat calls: {}",
+                            "peer {peer}: {package} {version} in {} ({}); text prompts: {}; token-id prompts: {}; \
+                             chat calls: {}",
                             install.venv.display(),
                             if install.reused { "reused" } else { "installed" },
-                            support
-                                .token_ids
-                                .as_ref()
-                                .map_or_else(|e| format!("refused ({e})"), |()| "taken".to_owned()),
-                            support
-                                .chat
-                                .as_ref()
-                                .map_or_else(|e| format!("refused ({e})"), |()| "taken".to_owned()),
+                            verdict(&support.text),
+                            verdict(&support.token_ids),
+                            verdict(&support.chat),
                         );
                         Ok((install, support))
                     }
@@ -960,6 +1018,7 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
         "engines": args.engines,
         "dispatchers": args.dispatchers,
         "max_output": args.max_output,
+        "prompt_form": args.prompt_form.name(),
         "seed": args.seed,
         "drain_secs": args.drain_secs,
         "goodput_attainment": GOODPUT_ATTAINMENT,
@@ -972,6 +1031,8 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
                     "version": version,
                     "venv": install.venv,
                     "command_in_front_of_one_engine": support.command,
+                    "takes_text_prompts": support.text.is_ok(),
+                    "text_prompts_refused_with": support.text.as_ref().err(),
                     "takes_token_id_prompts": support.token_ids.is_ok(),
                     "token_id_prompts_refused_with": support.token_ids.as_ref().err(),
                     "takes_chat_calls": support.chat.is_ok(),
@@ -1027,6 +1088,7 @@ mod tests {
     fn a_peer_row_is_skipped_on_requests_its_router_refuses() {
         use crate::workload::chat::{ChatParams, ChatShape};
         let support = |token_ids: Result<(), String>| Support {
+            text: Ok(()),
             token_ids,
             chat: Ok(()),
             command: Vec::new(),

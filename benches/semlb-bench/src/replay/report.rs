@@ -17,7 +17,7 @@ use super::{Arm, ReplayArgs, Setting};
 use crate::end_to_end::{ms, p50_90_99};
 use crate::output::{self, Table};
 use crate::plot::{self, Line, Panel, Series};
-use crate::workload::{MAX_MODEL_LEN, Workload, WorkloadKind, engine_prefill_tokens_per_s};
+use crate::workload::{MAX_MODEL_LEN, PromptForm, Workload, WorkloadKind, engine_prefill_tokens_per_s};
 
 /// Below this share of `least_load`'s throughput a policy is flagged in
 /// the summary: the issue's bar for a policy that is safe to pick.
@@ -222,7 +222,7 @@ pub(super) fn print_report(args: &ReplayArgs, report: &WorkloadReport, multiplie
         ),
         None => format!(
             "semlb bench replay, {}: {} requests over {:.0} s ({:.2} req/s, {:.0} prompt tokens/s = {:.0} % of {} engines' \
-         prefill without reuse) from {}; speedup {}x (times in trace seconds); TTFT SLO {} s; sweep {}{}",
+         prefill without reuse) from {}{}; speedup {}x (times in trace seconds); TTFT SLO {} s; sweep {}{}",
             w.kind,
             w.requests.len(),
             w.span_s(),
@@ -231,6 +231,8 @@ pub(super) fn print_report(args: &ReplayArgs, report: &WorkloadReport, multiplie
             100.0 * w.offered_prompt_tokens_per_s() / capacity,
             args.engines,
             w.source,
+            w.prompt_form()
+                .map_or_else(String::new, |f| format!("; {}", f.describe())),
             report.setting.speedup,
             report.setting.ttft_slo_s,
             multipliers.iter().map(|m| times(*m)).collect::<Vec<_>>().join(","),
@@ -255,6 +257,7 @@ pub(super) fn print_report(args: &ReplayArgs, report: &WorkloadReport, multiplie
             println!("†{}: not run: {why}", p.arm.label);
         }
     }
+    print_cost_weights(report);
     print_peer_notes(report);
     print_phases(report);
     for p in &report.policies {
@@ -305,7 +308,7 @@ pub(super) fn report_json(report: &WorkloadReport, multipliers: &[f64]) -> Value
                         "imbalance_cv_requests": s.cv_requests,
                         "same_engine_share": s.same_engine,
                         "prediction_accuracy": s.prediction,
-                        "gateway": q.run.gateway.map(|g| json!({
+                        "gateway": q.run.gateway.as_ref().map(|g| json!({
                             "records": g.records,
                             "predicted_tokens": g.predicted,
                             "confirmed_tokens": g.confirmed,
@@ -313,6 +316,12 @@ pub(super) fn report_json(report: &WorkloadReport, multipliers: &[f64]) -> Value
                             "demotions": g.demotions,
                             "servers_forgotten": g.forgotten,
                         })),
+                        "cost_weights_at_end": q.run.gateway.as_ref()
+                            .filter(|g| !g.cost_weights.is_empty())
+                            .map(|g| g.cost_weights.iter().map(|(slot, w)| json!({
+                                "dispatcher": slot,
+                                "weight": w,
+                            })).collect::<Vec<Value>>()),
                         "peer_command": q.run.command.as_ref().map(|c| c.join(" ")),
                         "burst": q.burst.as_ref().map(burst_json),
                         "scale_out": q.scale_out.as_ref().map(|so| scale_out_json(so, &q.run)),
@@ -351,6 +360,8 @@ pub(super) fn report_json(report: &WorkloadReport, multipliers: &[f64]) -> Value
             "clients_stream": s.stream(),
         })),
         "closed_loop": w.kind.closed_loop(),
+        "prompt_form": w.prompt_form().map(PromptForm::name),
+        "text_fidelity": w.fidelity.as_ref().map(|f| f.json()),
         "source": w.source,
         "requests": w.requests.len(),
         "sessions": w.has_sessions(),
@@ -497,6 +508,44 @@ pub(super) fn print_summary(reports: &[WorkloadReport]) {
     );
 }
 
+/// The weights `cost` left in `run`, as `0.0625, 0.25` (one per
+/// dispatcher; `None` without any).
+fn cost_weights(run: &RunResult) -> Option<String> {
+    let g = run.gateway.as_ref().filter(|g| !g.cost_weights.is_empty())?;
+    Some(
+        g.cost_weights
+            .iter()
+            .map(|(_, w)| format!("{w}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+    )
+}
+
+/// Prints the weight λ each row of `cost` (and its fixed-weight variants)
+/// ended each run with, per dispatcher.
+fn print_cost_weights(report: &WorkloadReport) {
+    let lines: Vec<String> = report
+        .policies
+        .iter()
+        .filter_map(|p| {
+            let runs: Vec<String> = p
+                .points
+                .iter()
+                .filter_map(|q| Some(format!("{} {}", times(q.multiplier), cost_weights(&q.run)?)))
+                .collect();
+            (!runs.is_empty()).then(|| format!("{}: {}", p.arm.label, runs.join("; ")))
+        })
+        .collect();
+    if !lines.is_empty() {
+        println!(
+            "weight: the cost policy's λ at the end of each run, per dispatcher (semlb_cost_weight; tuning starts \
+             from {}): {}",
+            semlb::routing::cost::INITIAL_WEIGHT,
+            lines.join(" | ")
+        );
+    }
+}
+
 /// Prints what the peer rows of `report` need to be read with: which
 /// requests they took, and how they were started.
 fn print_peer_notes(report: &WorkloadReport) {
@@ -504,10 +553,11 @@ fn print_peer_notes(report: &WorkloadReport) {
     if peers.is_empty() {
         return;
     }
-    let kind = if report.workload.kind.token_ids() {
-        "/v1/completions with the prompt as an array of token ids"
-    } else {
-        "/v1/chat/completions"
+    let form = report.workload.prompt_form();
+    let kind = match form {
+        Some(PromptForm::Text) => "/v1/completions with the prompt as text",
+        Some(PromptForm::Tokens) => "/v1/completions with the prompt as an array of token ids",
+        None => "/v1/chat/completions",
     };
     println!(
         "peer routers ({}): each with its own defaults (cache_aware), sent {kind}; no prediction column (semlb's \
@@ -518,7 +568,7 @@ fn print_peer_notes(report: &WorkloadReport) {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    if report.workload.kind.token_ids() && peers.iter().any(|p| p.base().is_some()) {
+    if form == Some(PromptForm::Tokens) && peers.iter().any(|p| p.base().is_some()) {
         println!(
             "  token-id prompts: semlb routes on the ids' 16-token blocks; a peer that takes them routes on what its \
              version derives from an id array (see the replay module docs for what the pinned versions do)"

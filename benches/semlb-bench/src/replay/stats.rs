@@ -117,7 +117,7 @@ impl RunStats {
             cv_prefill: coefficient_of_variation(&run.engines.iter().map(EngineCounters::uncached).collect::<Vec<_>>()),
             cv_requests: coefficient_of_variation(&run.engines.iter().map(|e| e.requests).collect::<Vec<_>>()),
             same_engine: same_engine(&run.outcomes, sessions),
-            prediction: run.gateway.and_then(|g| g.accuracy()),
+            prediction: run.gateway.as_ref().and_then(|g| g.accuracy()),
             first_error: run.outcomes.iter().find_map(|(o, _)| o.error.clone()),
         }
     }

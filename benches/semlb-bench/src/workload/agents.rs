@@ -90,6 +90,7 @@ pub fn build(params: &AgentsParams) -> Workload {
             requests.push(Request {
                 at_s: t,
                 prompt: Vec::new(),
+                text: None,
                 output_tokens: output,
                 session: Some(session),
                 chat: Some(ChatCall {

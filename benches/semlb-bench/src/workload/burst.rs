@@ -110,6 +110,7 @@ fn session(
         requests.push(Request {
             at_s: at,
             prompt: Vec::new(),
+            text: None,
             output_tokens: output,
             session: Some(session),
             chat: Some(ChatCall {

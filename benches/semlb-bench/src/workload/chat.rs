@@ -142,6 +142,7 @@ pub fn build_as(kind: WorkloadKind, params: &ChatParams) -> Workload {
             requests.push(Request {
                 at_s: 0.0,
                 prompt: Vec::new(),
+                text: None,
                 output_tokens: output,
                 session: Some(conversation as u64),
                 chat: Some(ChatCall {

@@ -26,6 +26,12 @@
 //! mean [`THINK_MEAN_S`] (see the [workload docs](super)). The session id
 //! is the conversation index.
 //!
+//! In the text form ([`text`](super::text), the replay's default) the
+//! prompt is those pieces' text itself, which the engines tokenize with
+//! their own tokenizer (the bundled phi-2 one: with the data directory's
+//! Qwen3 tokenizer the token-id form's lengths, outputs and the offered
+//! load are Qwen3 tokens, the engines' prompt counters phi-2 ones).
+//!
 //! # Load
 //!
 //! Prompts are short: ~100 Qwen3 tokens on average (~25 for a first turn, each
@@ -44,6 +50,7 @@ use semlb_test_support::Rng;
 use crate::end_to_end::Dialogue;
 use semlb_tokenizer::Tokenizer;
 
+use super::text::TextPrompt;
 use super::{Window, Workload, WorkloadKind, expected_turn_s, exponential};
 
 /// Mean think time between an answer and the next question, trace seconds.
@@ -66,8 +73,15 @@ pub struct HhRlhfParams {
     pub seed: u64,
 }
 
-/// The conversations of `dialogues` (non-empty) tokenized with `tokenizer`.
-pub(crate) fn build(dialogues: &[Dialogue], tokenizer: &Tokenizer, params: &HhRlhfParams, source: &str) -> Workload {
+/// The conversations of `dialogues` (non-empty) tokenized with
+/// `tokenizer`; with `text`, in the text form too.
+pub(crate) fn build(
+    dialogues: &[Dialogue],
+    tokenizer: &Tokenizer,
+    params: &HhRlhfParams,
+    source: &str,
+    text: bool,
+) -> Workload {
     let mut rng = Rng::from_seed(params.seed ^ 0x4848_524C_4846);
     let mut window = Window::new(params.duration_s, params.max_output);
     let mut start = -WARM_UP_S;
@@ -81,6 +95,7 @@ pub(crate) fn build(dialogues: &[Dialogue], tokenizer: &Tokenizer, params: &HhRl
             conversation / dialogues.len() as u64,
         );
         let mut history: Vec<u32> = Vec::new();
+        let mut history_text = text.then(TextPrompt::default);
         let mut at = start;
         for (turn, (human, answer)) in dialogues[index].turns.iter().enumerate() {
             let human = if turn == 0 && pass > 0 {
@@ -89,11 +104,24 @@ pub(crate) fn build(dialogues: &[Dialogue], tokenizer: &Tokenizer, params: &HhRl
                 human.clone()
             };
             let before = history.len();
-            history.extend(tokenizer.encode(&format!("\n\nHuman: {human}\n\nAssistant:")));
-            let answer_tokens = tokenizer.encode(&format!(" {answer}"));
-            let output_tokens = window.turn(at, &history, answer_tokens.len() as u32, conversation);
+            let (question, answer) = (format!("\n\nHuman: {human}\n\nAssistant:"), format!(" {answer}"));
+            history.extend(tokenizer.encode(&question));
+            let answer_tokens = tokenizer.encode(&answer);
+            if let Some(h) = history_text.as_mut() {
+                h.push(question);
+            }
+            let output_tokens = window.turn(
+                at,
+                &history,
+                history_text.as_ref(),
+                answer_tokens.len() as u32,
+                conversation,
+            );
             at += expected_turn_s(history.len() - before, output_tokens) + exponential(&mut rng, THINK_MEAN_S);
             history.extend(answer_tokens);
+            if let Some(h) = history_text.as_mut() {
+                h.push(answer);
+            }
         }
     }
     let Window {
@@ -142,18 +170,18 @@ mod tests {
     fn conversations_are_deterministic_in_the_seed() {
         let tok = Tokenizer::bundled();
         let (a, b) = (
-            build(&dialogues(), &tok, &params(1), "x"),
-            build(&dialogues(), &tok, &params(1), "x"),
+            build(&dialogues(), &tok, &params(1), "x", false),
+            build(&dialogues(), &tok, &params(1), "x", false),
         );
         assert_eq!(a.requests, b.requests);
-        let c = build(&dialogues(), &tok, &params(2), "x");
+        let c = build(&dialogues(), &tok, &params(2), "x", false);
         assert_ne!(a.requests, c.requests);
     }
 
     #[test]
     fn each_turn_extends_the_previous_turns_prompt_and_answer() {
         let tok = Tokenizer::bundled();
-        let w = build(&dialogues(), &tok, &params(3), "x");
+        let w = build(&dialogues(), &tok, &params(3), "x", false);
         let mut by_session: HashMap<u64, Vec<&Request>> = HashMap::new();
         for r in &w.requests {
             by_session.entry(r.session.unwrap()).or_default().push(r);
@@ -188,9 +216,30 @@ mod tests {
     }
 
     #[test]
+    fn the_text_form_is_the_dialogues_text() {
+        let tok = Tokenizer::bundled();
+        let (ids, texts) = (
+            build(&dialogues(), &tok, &params(5), "x", false),
+            build(&dialogues(), &tok, &params(5), "x", true),
+        );
+        assert_eq!(ids.requests.len(), texts.requests.len());
+        for (a, b) in ids.requests.iter().zip(&texts.requests) {
+            assert_eq!(
+                (a.at_s, &a.prompt, a.output_tokens),
+                (b.at_s, &b.prompt, b.output_tokens)
+            );
+            let t = b.text.as_ref().unwrap().text();
+            assert!(t.starts_with("\n\nHuman: ") && t.ends_with("\n\nAssistant:"), "{t:?}");
+            // Tokenized whole, as the engine does, it is the pieces' ids.
+            assert_eq!(tok.encode(&t), b.prompt);
+        }
+        assert!(ids.requests.iter().all(|r| r.text.is_none()));
+    }
+
+    #[test]
     fn turns_arrive_at_the_configured_rate_within_the_window() {
         let tok = Tokenizer::bundled();
-        let w = build(&dialogues(), &tok, &params(4), "x");
+        let w = build(&dialogues(), &tok, &params(4), "x", false);
         // 20 conversations/s of 3 turns: 60 turns/s, 3 000 in 50 s.
         assert!((2700..=3300).contains(&w.requests.len()), "{}", w.requests.len());
         assert!(w.requests.iter().all(|r| (0.0..50.0).contains(&r.at_s)));

@@ -20,6 +20,13 @@
 //!   its expected duration on an idle engine and an exponential tool time
 //!   of mean [`TOOL_MEAN_S`] (see the [workload docs](super)). The session id
 //!   is the session index.
+//! * In the text form ([`text`](super::text), the replay's default) each
+//!   piece of synthetic tokens (a system prompt, a user part, an answer
+//!   and the tool result after it) is instead a chunk of text of as many
+//!   tokens with the engines' tokenizer, seeded by the piece, so that
+//!   every step's text extends the previous step's and the six system
+//!   prompts are six texts. The arrival times, lengths and outputs are the
+//!   token-id form's (the text has seeds of its own).
 //!
 //! # Load
 //!
@@ -42,8 +49,11 @@
 //! live sessions' histories (≈ 45 sessions of ~6 000 tokens) fit in one
 //! engine's.
 
-use semlb_test_support::Rng;
+use std::sync::Arc;
 
+use semlb_test_support::{Rng, mix};
+
+use super::text::{TextGen, TextPrompt};
 use super::{Window, Workload, WorkloadKind, expected_turn_s, exponential, random_tokens, uniform};
 
 /// Lengths of the system prompts, hottest first.
@@ -90,6 +100,22 @@ pub fn system_prompts(seed: u64) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// The system prompts' text: as many tokens as [`SYSTEM_PROMPT_TOKENS`]
+/// with the tokenizer `text` was built for.
+pub fn system_texts(text: &TextGen, seed: u64) -> Vec<Arc<str>> {
+    SYSTEM_PROMPT_TOKENS
+        .iter()
+        .enumerate()
+        .map(|(k, n)| text.chunk(mix(seed ^ 0x5359_5354_454D ^ ((k as u64) << 48)), *n).into())
+        .collect()
+}
+
+/// The seed of piece `piece` (0: the user part; j: what follows step j's
+/// answer) of session `session`'s text.
+fn piece_seed(seed: u64, session: u64, piece: u64) -> u64 {
+    mix(mix(seed ^ 0x484F_5450_5245) ^ session.rotate_left(20) ^ piece)
+}
+
 /// The popularity of each system prompt (sums to 1).
 pub fn popularity() -> Vec<f64> {
     let w: Vec<f64> = (0..SYSTEM_PROMPT_TOKENS.len())
@@ -99,9 +125,10 @@ pub fn popularity() -> Vec<f64> {
     w.iter().map(|x| x / total).collect()
 }
 
-/// The sessions.
-pub fn build(params: &HotPrefixParams) -> Workload {
+/// The sessions; with `text`, in the text form too.
+pub fn build(params: &HotPrefixParams, text: Option<&TextGen>) -> Workload {
     let systems = system_prompts(params.seed);
+    let system_text = text.map(|t| system_texts(t, params.seed));
     let popularity = popularity();
     let mut rng = Rng::from_seed(params.seed ^ 0x4854_5052_4546);
     let mut window = Window::new(params.duration_s, params.max_output);
@@ -122,14 +149,23 @@ pub fn build(params: &HotPrefixParams) -> Workload {
         let mut history = systems[k].clone();
         let mut new_tokens = uniform(&mut rng, USER_TOKENS.0, USER_TOKENS.1) as usize;
         history.extend(random_tokens(&mut rng, new_tokens));
+        let mut history_text = text.zip(system_text.as_ref()).map(|(t, s)| {
+            TextPrompt(vec![
+                s[k].clone(),
+                t.chunk(piece_seed(params.seed, session, 0), new_tokens).into(),
+            ])
+        });
         let mut at = start;
-        for _ in 0..uniform(&mut rng, STEPS.0, STEPS.1) {
+        for step in 1..=uniform(&mut rng, STEPS.0, STEPS.1) {
             let output = uniform(&mut rng, OUTPUT_TOKENS.0, OUTPUT_TOKENS.1);
-            let output_tokens = window.turn(at, &history, output, session);
+            let output_tokens = window.turn(at, &history, history_text.as_ref(), output, session);
             at += expected_turn_s(new_tokens, output_tokens) + exponential(&mut rng, TOOL_MEAN_S);
             let tool = uniform(&mut rng, TOOL_TOKENS.0, TOOL_TOKENS.1) as usize;
             new_tokens = output_tokens as usize + tool;
             history.extend(random_tokens(&mut rng, new_tokens));
+            if let (Some(t), Some(h)) = (text, history_text.as_mut()) {
+                h.push(t.chunk(piece_seed(params.seed, session, u64::from(step)), new_tokens));
+            }
         }
     }
     let Window {
@@ -167,15 +203,15 @@ mod tests {
 
     #[test]
     fn sessions_are_deterministic_in_the_seed() {
-        let a = build(&params(1));
-        assert_eq!(a.requests, build(&params(1)).requests);
-        assert_ne!(a.requests, build(&params(2)).requests);
+        let a = build(&params(1), None);
+        assert_eq!(a.requests, build(&params(1), None).requests);
+        assert_ne!(a.requests, build(&params(2), None).requests);
         assert!(a.requests.windows(2).all(|p| p[0].at_s <= p[1].at_s));
     }
 
     #[test]
     fn each_step_extends_the_previous_one() {
-        let w = build(&params(3));
+        let w = build(&params(3), None);
         let mut by_session: HashMap<u64, Vec<&Request>> = HashMap::new();
         for r in &w.requests {
             by_session.entry(r.session.unwrap()).or_default().push(r);
@@ -198,8 +234,43 @@ mod tests {
     }
 
     #[test]
+    fn the_text_form_has_the_same_requests_with_text_of_their_length() {
+        let tok = semlb_tokenizer::Tokenizer::bundled();
+        let text = TextGen::new(&tok);
+        let short = HotPrefixParams {
+            duration_s: 10.0,
+            ..params(6)
+        };
+        let (ids, texts) = (build(&short, None), build(&short, Some(&text)));
+        assert_eq!(ids.requests.len(), texts.requests.len());
+        let systems = system_texts(&text, 6);
+        for (k, s) in systems.iter().enumerate() {
+            assert_eq!(tok.encode(s).len(), SYSTEM_PROMPT_TOKENS[k]);
+        }
+        let mut last: HashMap<u64, String> = HashMap::new();
+        for (a, b) in ids.requests.iter().zip(&texts.requests) {
+            assert_eq!(
+                (a.at_s, &a.prompt, a.output_tokens, a.session),
+                (b.at_s, &b.prompt, b.output_tokens, b.session)
+            );
+            let t = b.text.as_ref().unwrap().text();
+            assert!(systems.iter().any(|s| t.starts_with(&**s)));
+            // Every step's text extends the previous step's.
+            if let Some(prev) = last.get(&b.session.unwrap()) {
+                assert!(t.starts_with(prev.as_str()));
+            }
+            last.insert(b.session.unwrap(), t);
+        }
+        // Token counts equal the ids' (a sample: tokenizing all is slow
+        // in debug builds).
+        for r in texts.requests.iter().step_by(7) {
+            assert_eq!(tok.encode(&r.text.as_ref().unwrap().text()).len(), r.prompt.len());
+        }
+    }
+
+    #[test]
     fn the_hottest_system_prompt_is_the_most_frequent() {
-        let w = build(&params(4));
+        let w = build(&params(4), None);
         let systems = system_prompts(4);
         let mut count = [0usize; 6];
         for r in &w.requests {
@@ -216,7 +287,7 @@ mod tests {
 
     #[test]
     fn steps_arrive_at_the_configured_rate_within_the_window() {
-        let w = build(&params(5));
+        let w = build(&params(5), None);
         // 12 sessions/s of 3.5 steps: 42 requests/s, 4 200 in 100 s.
         let n = w.requests.len();
         assert!((3800..=4600).contains(&n), "{n}");

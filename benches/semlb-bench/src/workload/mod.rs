@@ -1,9 +1,10 @@
-//! The workloads `semlb bench replay` sends: lists of timed requests with
-//! token-id prompts.
+//! The workloads `semlb bench replay` sends: lists of timed requests,
+//! completions with a prompt or chat calls.
 //!
 //! A [`Workload`] is a list of [`Request`]s in arrival order: an arrival
 //! time in *trace seconds* (the replay divides it by its speedup and by a
-//! sweep's rate multiplier), the prompt's token ids, the number of tokens
+//! sweep's rate multiplier), the prompt's token ids and, in the text form
+//! ([`PromptForm::Text`], see [`text`]), its text, the number of tokens
 //! to generate, and an optional session id (sent as `x-session-id`, which
 //! session-affine policies such as `consistent_hash` route on, except by
 //! `chat`'s clients: [`WorkloadKind::sends_session_ids`]).
@@ -40,6 +41,7 @@ pub mod chat;
 pub mod hh_rlhf;
 pub mod hot_prefix;
 pub mod mooncake;
+pub mod text;
 
 use std::fmt;
 
@@ -47,6 +49,8 @@ use clap::ValueEnum;
 use semlb_workers::config::EngineConfig;
 
 use semlb_test_support::Rng;
+
+use self::text::{Fidelity, TextPrompt};
 
 /// The header a request's session id is sent in.
 pub const SESSION_HEADER: &str = "x-session-id";
@@ -65,6 +69,10 @@ pub struct Request {
     pub at_s: f64,
     /// The prompt's token ids.
     pub prompt: Vec<u32>,
+    /// The prompt as text, sent instead of the ids in the text form
+    /// ([`PromptForm::Text`]; `None` in the token-id form and for chat
+    /// calls).
+    pub text: Option<TextPrompt>,
     /// Tokens to generate (`max_tokens` with `ignore_eos`).
     pub output_tokens: u32,
     /// The session (conversation, agent run) it belongs to, if the
@@ -116,6 +124,9 @@ pub struct Workload {
     /// The system prompt whose calls are reported on their own (the
     /// `burst` workload's new one).
     pub burst_system: Option<usize>,
+    /// How close the text form comes to the token-id form, measured with
+    /// the engines' tokenizer (text form only).
+    pub fidelity: Option<Fidelity>,
 }
 
 impl Workload {
@@ -129,6 +140,19 @@ impl Workload {
             truncated,
             systems: Vec::new(),
             burst_system: None,
+            fidelity: None,
+        }
+    }
+
+    /// How its prompts are sent: `None` for chat calls, else text when its
+    /// requests carry their text.
+    pub fn prompt_form(&self) -> Option<PromptForm> {
+        if self.kind.chat_calls() {
+            None
+        } else if self.requests.first().is_some_and(|r| r.text.is_some()) {
+            Some(PromptForm::Text)
+        } else {
+            Some(PromptForm::Tokens)
         }
     }
 
@@ -230,10 +254,44 @@ impl WorkloadKind {
         !matches!(self, Self::Chat | Self::SharedPrompt | Self::ScaleOut)
     }
 
-    /// True when its requests are token-id completions (`prompt` an array
-    /// of token ids), not chat calls.
-    pub const fn token_ids(self) -> bool {
+    /// True when its requests are completions (`prompt` a text or an array
+    /// of token ids, [`PromptForm`]), not chat calls.
+    pub const fn completions(self) -> bool {
         !self.chat_calls()
+    }
+}
+
+/// How the completions workloads' prompts are sent (`--prompt-form`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum PromptForm {
+    /// A string: the text form ([`text`]).
+    #[default]
+    Text,
+    /// An array of token ids.
+    Tokens,
+}
+
+impl PromptForm {
+    /// Its name on the command line and in outputs.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Text => "text",
+            Self::Tokens => "tokens",
+        }
+    }
+
+    /// What a request's prompt is, in words.
+    pub const fn describe(self) -> &'static str {
+        match self {
+            Self::Text => "prompts as text",
+            Self::Tokens => "prompts as arrays of token ids",
+        }
+    }
+}
+
+impl fmt::Display for PromptForm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -279,16 +337,25 @@ impl Window {
     }
 
     /// Adds the turn of `session` arriving `at` with `history` as its
-    /// prompt and `output` tokens to generate, fitted to the context,
-    /// if `at` falls in the window; returns the output tokens it is sent
-    /// with.
-    pub(super) fn turn(&mut self, at: f64, history: &[u32], output: u32, session: u64) -> u32 {
+    /// prompt (and `text`, its text form) and `output` tokens to generate,
+    /// fitted to the context, if `at` falls in the window; returns the
+    /// output tokens it is sent with. A prompt cut to the context keeps its
+    /// whole text (the generators' prompts are far shorter).
+    pub(super) fn turn(
+        &mut self,
+        at: f64,
+        history: &[u32],
+        text: Option<&TextPrompt>,
+        output: u32,
+        session: u64,
+    ) -> u32 {
         let (prompt_len, output_tokens, cut) = fit_to_context(history.len() as u32, output, self.max_output);
         if (0.0..self.duration_s).contains(&at) {
             self.truncated += usize::from(cut);
             self.requests.push(Request {
                 at_s: at,
                 prompt: history[..prompt_len as usize].to_vec(),
+                text: text.cloned(),
                 output_tokens,
                 session: Some(session),
                 chat: None,
@@ -371,6 +438,7 @@ mod tests {
         let r = |at_s: f64| Request {
             at_s,
             prompt: vec![1; 10],
+            text: None,
             output_tokens: 1,
             session: None,
             chat: None,
