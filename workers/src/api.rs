@@ -261,7 +261,7 @@ pub struct ChatRequest {
 }
 
 /// Parses the body as a JSON object.
-fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+pub(crate) fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(map)) => Ok(map),
         Ok(_) => Err(ApiError::bad_request("The request body must be a JSON object", None)),
@@ -284,7 +284,7 @@ fn type_name(v: &Value) -> &'static str {
     }
 }
 
-fn wrong_type(param: &str, expected: &str, got: &Value) -> ApiError {
+pub(crate) fn wrong_type(param: &str, expected: &str, got: &Value) -> ApiError {
     ApiError::bad_request(
         format!("`{param}` must be {expected}, not {}", type_name(got)),
         Some(param),
@@ -292,11 +292,11 @@ fn wrong_type(param: &str, expected: &str, got: &Value) -> ApiError {
 }
 
 /// A field that is absent or `null` → `None`.
-fn field<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+pub(crate) fn field<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     obj.get(key).filter(|v| !v.is_null())
 }
 
-fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError> {
+pub(crate) fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError> {
     match field(obj, key) {
         None => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
@@ -304,7 +304,7 @@ fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiErro
     }
 }
 
-fn opt_string(obj: &Map<String, Value>, key: &str) -> Result<Option<String>, ApiError> {
+pub(crate) fn opt_string(obj: &Map<String, Value>, key: &str) -> Result<Option<String>, ApiError> {
     match field(obj, key) {
         None => Ok(None),
         Some(Value::String(s)) => Ok(Some(s.clone())),
@@ -312,7 +312,7 @@ fn opt_string(obj: &Map<String, Value>, key: &str) -> Result<Option<String>, Api
     }
 }
 
-fn opt_int(obj: &Map<String, Value>, key: &str) -> Result<Option<i64>, ApiError> {
+pub(crate) fn opt_int(obj: &Map<String, Value>, key: &str) -> Result<Option<i64>, ApiError> {
     match field(obj, key) {
         None => Ok(None),
         Some(v @ Value::Number(n)) => match n.as_i64() {

@@ -17,6 +17,8 @@
 //! | [`kv_events`] | the engine's KV cache events published as vLLM publishes them (ZeroMQ, msgpack, replay) |
 //! | [`metrics`] | the Prometheus text exposition of the engine's stats (vLLM and SGLang names) |
 //! | [`api`] | OpenAI request/response types, validation, error bodies |
+//! | [`vllm_api`] | vLLM's tokenization endpoints: `/tokenize`, `/detokenize`, the render routes, `/version` |
+//! | [`sglang_api`] | SGLang's server-information endpoints (`/model_info`, `/server_info`, `/v1/loads`), a deliberate hybrid so SGLang's routers can manage the simulator |
 //! | [`faults`] | fault injection: 500s, mid-stream resets, delay, hang, exit |
 //! | [`server`] | the HTTP front: routes, JSON and SSE responses |
 //!
@@ -41,3 +43,5 @@ pub mod metrics;
 pub mod output_vocab;
 pub mod prefix_cache;
 pub mod server;
+pub mod sglang_api;
+pub mod vllm_api;

@@ -217,7 +217,15 @@ async fn run(args: Args) -> Result<()> {
     let published = kv_events::publish(args.kv_events_config.as_deref(), || engine.kv_events())
         .await
         .map_err(|e| anyhow::anyhow!("--kv-events-config: {e}"))?;
-    let sim = Sim::new(engine, tokenizer, template, faults, args.metrics_flavor);
+    // SGLang's `/model_info` names the tokenizer file, absolute so that a
+    // router started elsewhere can load it too.
+    let tokenizer_path = args.tokenizer.as_ref().map(|p| {
+        std::path::absolute(p)
+            .unwrap_or_else(|_| p.clone())
+            .display()
+            .to_string()
+    });
+    let sim = Sim::new(engine, tokenizer, template, faults, args.metrics_flavor).with_tokenizer_path(tokenizer_path);
     let props = args.props || args.metrics_flavor == MetricsFlavor::Llamacpp;
     let sim = Arc::new(sim.with_props(props));
 

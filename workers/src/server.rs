@@ -12,6 +12,8 @@
 //! | `GET /props` | with [`Sim::with_props`] (on by default for `--metrics-flavor llamacpp`): llama.cpp's server properties, `total_slots` = `max_num_seqs` and each slot's `n_ctx`, as `llama-server` answers; else 404 |
 //! | `GET /sim/metrics` | the same counters in vLLM's names, whatever the flavor: the simulator's own window for benchmarks and tests (no gateway scrapes it), so an engine set without metrics can still be measured |
 //! | `POST /reset_prefix_cache` | empties the prefix cache, as vLLM's: 200; 409 `busy` while requests hold blocks (vLLM then only logs that it could not) |
+//! | `POST /tokenize`, `POST /detokenize`, `POST /v1/chat/completions/render`, `POST /v1/completions/render`, `GET /version` | vLLM's tokenization endpoints (see [`crate::vllm_api`]): the ids the simulator computes for the same body |
+//! | `GET /model_info`, `GET /get_model_info`, `GET /server_info`, `GET /get_server_info`, `GET /v1/loads` | SGLang's server-information endpoints (see [`crate::sglang_api`]), so that SGLang's routers can manage the simulator; `/v1/loads` only with the `vllm`, `sglang` and `both` metric flavors (else 404, as `/metrics` without metrics: an engine set that reports no load reports none there either) |
 //!
 //! Other methods on these paths get 405 (with `Allow`), other paths 404,
 //! both with an OpenAI error body.
@@ -75,6 +77,7 @@ use crate::engine::{BlockKeys, Engine, EngineRequest, EngineStream, Event, Submi
 use crate::faults::{Decision, FaultConfig, Faults};
 use crate::metrics::{self, MetricsFlavor};
 use crate::output_vocab::OutputVocab;
+use crate::{sglang_api, vllm_api};
 use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::ChatTemplate;
 
@@ -100,6 +103,8 @@ pub struct Sim {
     flavor: MetricsFlavor,
     /// Answers `GET /props` as llama.cpp does.
     props: bool,
+    /// The tokenizer file `/model_info` and `/server_info` name, if any.
+    tokenizer_path: Option<String>,
     /// Set when the server stops; releases requests left hanging.
     closing: watch::Sender<bool>,
     /// Counter for response ids.
@@ -139,6 +144,14 @@ impl Sim {
         self
     }
 
+    /// The same server naming `path` as its tokenizer in SGLang's
+    /// `/model_info` and `/server_info` (`None`: the model's name, as
+    /// SGLang reports a tokenizer loaded with the model).
+    pub fn with_tokenizer_path(mut self, path: Option<String>) -> Self {
+        self.tokenizer_path = path;
+        self
+    }
+
     /// A server state around a started `engine`. The output vocabulary is
     /// picked from `tokenizer`.
     pub fn new(
@@ -162,6 +175,7 @@ impl Sim {
             faults: Faults::new(faults),
             flavor,
             props: flavor == MetricsFlavor::Llamacpp,
+            tokenizer_path: None,
             closing: watch::Sender::new(false),
             next_id: AtomicU64::new(0),
             id_salt,
@@ -273,7 +287,11 @@ impl Drop for Completion {
 fn allowed_method(path: &str) -> Option<&'static str> {
     match path {
         "/v1/completions" | "/v1/chat/completions" | "/v1/embeddings" | "/reset_prefix_cache" => Some("POST"),
+        "/tokenize" | "/detokenize" | "/v1/chat/completions/render" | "/v1/completions/render" => Some("POST"),
         "/v1/models" | "/health" | "/metrics" | "/props" | "/sim/metrics" => Some("GET"),
+        "/version" | "/model_info" | "/get_model_info" | "/server_info" | "/get_server_info" | "/v1/loads" => {
+            Some("GET")
+        }
         _ => None,
     }
 }
@@ -317,6 +335,38 @@ async fn handle(sim: Arc<Sim>, request: Request<Incoming>) -> Result<Response<Bo
         (None, Some(_)) => match path.as_str() {
             "/health" => full_response(StatusCode::OK, None, Bytes::new()),
             "/v1/embeddings" => embeddings(&sim, request).await.unwrap_or_else(error_response),
+            "/tokenize" | "/detokenize" | "/v1/chat/completions/render" | "/v1/completions/render" => {
+                tokenization(&sim, request, &path).await.unwrap_or_else(error_response)
+            }
+            "/version" => json_response(vllm_api::version_body()),
+            "/model_info" | "/get_model_info" => json_response(sglang_api::model_info_body(
+                sim.engine.config(),
+                sim.tokenizer_path.as_deref(),
+            )),
+            "/server_info" | "/get_server_info" => json_response(sglang_api::server_info_body(
+                sim.engine.config(),
+                sim.tokenizer_path.as_deref(),
+                sim.flavor != MetricsFlavor::None,
+            )),
+            // Only an engine that reports its load as vLLM or SGLang does:
+            // `--metrics-flavor none` and `llamacpp` report none here either.
+            "/v1/loads"
+                if !matches!(
+                    sim.flavor,
+                    MetricsFlavor::Vllm | MetricsFlavor::Sglang | MetricsFlavor::Both
+                ) =>
+            {
+                error_response(ApiError::path_not_found(request.method().as_str(), &path))
+            }
+            "/v1/loads" => match sglang_api::loads_query(request.uri().query()) {
+                Ok(rank) => json_response(sglang_api::loads_body(
+                    &sim.engine.stats(),
+                    sim.engine.config(),
+                    rank,
+                    SystemTime::now(),
+                )),
+                Err(e) => error_response(e),
+            },
             "/reset_prefix_cache" if sim.engine.reset_prefix_cache() => {
                 full_response(StatusCode::OK, None, Bytes::new())
             }
@@ -373,6 +423,10 @@ fn full_response(status: StatusCode, content_type: Option<&'static str>, body: B
             .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     }
     response
+}
+
+fn json_response(body: Bytes) -> Response<Body> {
+    full_response(StatusCode::OK, Some("application/json"), body)
 }
 
 fn error_response(error: ApiError) -> Response<Body> {
@@ -482,6 +536,64 @@ async fn embeddings(sim: &Arc<Sim>, request: Request<Incoming>) -> Result<Respon
         Some("application/json"),
         api::embedding_body(&model, &tokens),
     ))
+}
+
+/// Checks the model a tokenization body names (none: the base model): the
+/// 404 for one the engine does not serve.
+fn served_model(sim: &Sim, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(model) if sim.engine.config().cache_root(model).is_none() => Err(ApiError::model_not_found(model)),
+        _ => Ok(()),
+    }
+}
+
+/// vLLM's tokenization endpoints ([`vllm_api`]): a chat or completion body
+/// is parsed, rendered and tokenized by [`prepare`], the code inference
+/// requests go through, so the ids are the ones the engine would cache.
+async fn tokenization(sim: &Arc<Sim>, request: Request<Incoming>, path: &str) -> Result<Response<Body>, ApiError> {
+    let body = read_body(request.into_body()).await?;
+    let max_model_len = sim.engine.config().max_model_len;
+    let answer = match path {
+        "/tokenize" => {
+            let request = vllm_api::TokenizeRequest::parse(&body)?;
+            let tokens = match request.input {
+                vllm_api::TokenizeInput::Prompt(text) => {
+                    served_model(sim, request.model.as_deref())?;
+                    sim.tokenizer.encode(&text)
+                }
+                vllm_api::TokenizeInput::Chat => prepare(sim, Endpoint::Chat, &body)?.prompt,
+            };
+            let strs = request
+                .return_token_strs
+                .then(|| tokens.iter().map(|&id| sim.tokenizer.decode(&[id])).collect());
+            vllm_api::tokenize_body(&tokens, max_model_len, strs)
+        }
+        "/detokenize" => {
+            let request = vllm_api::DetokenizeRequest::parse(&body, sim.tokenizer.vocab_size())?;
+            served_model(sim, request.model.as_deref())?;
+            vllm_api::detokenize_body(&sim.tokenizer.decode(&request.tokens))
+        }
+        _ => {
+            let endpoint = if path == "/v1/completions/render" {
+                Endpoint::Completions
+            } else {
+                Endpoint::Chat
+            };
+            let prepared = prepare(sim, endpoint, &body)?;
+            let param = endpoint.prompt_param();
+            let max_tokens =
+                vllm_api::render_max_tokens(prepared.prompt.len(), prepared.params.max_tokens, max_model_len, param)?;
+            let id = sim.response_id(endpoint);
+            let rendered = vllm_api::generate_request(&body, &prepared.prompt, id, max_tokens, &prepared.params)?;
+            // The completions route answers one request per prompt.
+            let rendered = match endpoint {
+                Endpoint::Completions => serde_json::Value::Array(vec![rendered]),
+                Endpoint::Chat => rendered,
+            };
+            Bytes::from(rendered.to_string())
+        }
+    };
+    Ok(json_response(answer))
 }
 
 /// Answers an inference request (after the hang and delay faults).
@@ -707,6 +819,24 @@ mod tests {
         assert_eq!(allowed_method("/health"), Some("GET"));
         assert_eq!(allowed_method("/v1/models"), Some("GET"));
         assert_eq!(allowed_method("/v1/embeddings"), Some("POST"));
+        for path in [
+            "/tokenize",
+            "/detokenize",
+            "/v1/chat/completions/render",
+            "/v1/completions/render",
+        ] {
+            assert_eq!(allowed_method(path), Some("POST"), "{path}");
+        }
+        for path in [
+            "/version",
+            "/model_info",
+            "/get_model_info",
+            "/server_info",
+            "/get_server_info",
+            "/v1/loads",
+        ] {
+            assert_eq!(allowed_method(path), Some("GET"), "{path}");
+        }
         assert_eq!(allowed_method("/v1/rerank"), None);
         assert_eq!(allowed_method("/"), None);
     }

@@ -1223,3 +1223,284 @@ async fn props_say_the_slots_as_llama_cpp_does() {
     assert_eq!(reply.json()["error"]["code"], "not_found", "{:?}", reply.body);
     vllm.stop().await;
 }
+
+// ----- the endpoints routers ask a worker for (vLLM's and SGLang's) -----
+
+/// vLLM's `/tokenize`, `/detokenize` and render routes answer the ids the
+/// engine itself computes for the same body (its usage counts them), in
+/// vLLM's shapes, and every bad request is the simulator's 4xx.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_tokenization_gives_the_engines_own_ids() {
+    let server = start(fast()).await;
+    let messages = json!([
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three rivers."}
+    ]);
+    // vllm-router's /tokenize body for a chat call.
+    let r = post(
+        server.addr,
+        "/tokenize",
+        &json!({"model": MODEL, "continue_final_message": false, "messages": messages}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(r.header("content-type"), "application/json");
+    let t = r.json();
+    let tokens: Vec<u64> = t["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .filter_map(Value::as_u64)
+        .collect();
+    assert_eq!(t["count"], tokens.len());
+    assert_eq!(t["max_model_len"], fast().max_model_len);
+    assert_eq!(t["token_strs"], Value::Null);
+    let chat = json!({"model": MODEL, "messages": messages, "max_tokens": 4, "stream": false});
+    let used = post(server.addr, "/v1/chat/completions", &chat).await.json();
+    assert_eq!(used["usage"]["prompt_tokens"], tokens.len(), "the engine's count");
+    // Render: vLLM's GenerateRequest with the same ids.
+    let r = post(server.addr, "/v1/chat/completions/render", &chat).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    let g = r.json();
+    assert_eq!(g["token_ids"], json!(tokens));
+    assert!(g["request_id"].as_str().is_some_and(|id| id.starts_with("chatcmpl-")));
+    assert_eq!(g["model"], MODEL);
+    assert_eq!(g["sampling_params"]["max_tokens"], 4);
+    assert_eq!(g["stream"], false);
+    assert_eq!(g["features"], Value::Null);
+
+    // A text prompt: the ids of a /v1/completions text prompt.
+    let text = "Rivers: the Nile, the Amazon and the Yangtze.";
+    let r = post(
+        server.addr,
+        "/tokenize",
+        &json!({"prompt": text, "add_special_tokens": true, "return_token_strs": true}),
+    )
+    .await
+    .json();
+    assert_eq!(r["tokens"], json!(server.sim.tokenizer().encode(text)));
+    let strs: Vec<&str> = r["token_strs"]
+        .as_array()
+        .expect("strs")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(strs.concat(), text);
+    let count = r["count"].as_u64().expect("count");
+    let used = post(
+        server.addr,
+        "/v1/completions",
+        &json!({"prompt": text, "max_tokens": 1}),
+    )
+    .await
+    .json();
+    assert_eq!(used["usage"]["prompt_tokens"], count);
+    let d = post(server.addr, "/detokenize", &json!({"tokens": r["tokens"]})).await;
+    assert_eq!(d.status, StatusCode::OK, "{}", d.text());
+    assert_eq!(d.json(), json!({"prompt": text}));
+    let g = post(server.addr, "/v1/completions/render", &json!({"prompt": text}))
+        .await
+        .json();
+    assert_eq!(g[0]["token_ids"], r["tokens"]);
+    assert!(g[0]["request_id"].as_str().is_some_and(|id| id.starts_with("cmpl-")));
+    assert_eq!(
+        g[0]["sampling_params"]["max_tokens"],
+        u64::from(fast().max_model_len) - count
+    );
+    let v = get(server.addr, "/version").await;
+    assert_eq!(v.status, StatusCode::OK);
+    assert!(v.json()["version"].as_str().is_some_and(|s| !s.is_empty()));
+
+    // Errors: the model, the body, the options the simulator lacks, the
+    // context, the vocabulary; never a 5xx, never an engine request.
+    let finished = server.sim.engine().stats().requests_finished;
+    let vocab = server.sim.tokenizer().vocab_size();
+    let user = json!([{"role": "user", "content": "hi"}]);
+    for (path, body, status, param) in [
+        (
+            "/tokenize",
+            json!({"model": "nope", "prompt": "x"}),
+            StatusCode::NOT_FOUND,
+            Some("model"),
+        ),
+        (
+            "/tokenize",
+            json!({"model": "nope", "messages": user}),
+            StatusCode::NOT_FOUND,
+            Some("model"),
+        ),
+        (
+            "/detokenize",
+            json!({"model": "nope", "tokens": [1]}),
+            StatusCode::NOT_FOUND,
+            Some("model"),
+        ),
+        (
+            "/v1/chat/completions/render",
+            json!({"model": "nope", "messages": user}),
+            StatusCode::NOT_FOUND,
+            Some("model"),
+        ),
+        ("/tokenize", json!({}), StatusCode::BAD_REQUEST, Some("prompt")),
+        (
+            "/tokenize",
+            json!({"prompt": [1, 2]}),
+            StatusCode::BAD_REQUEST,
+            Some("prompt"),
+        ),
+        (
+            "/tokenize",
+            json!({"messages": []}),
+            StatusCode::BAD_REQUEST,
+            Some("messages"),
+        ),
+        (
+            "/tokenize",
+            json!({"messages": user, "add_generation_prompt": false}),
+            StatusCode::BAD_REQUEST,
+            Some("add_generation_prompt"),
+        ),
+        (
+            "/detokenize",
+            json!({"tokens": [vocab]}),
+            StatusCode::BAD_REQUEST,
+            Some("tokens"),
+        ),
+        (
+            "/detokenize",
+            json!({"tokens": "1 2"}),
+            StatusCode::BAD_REQUEST,
+            Some("tokens"),
+        ),
+        (
+            "/v1/chat/completions/render",
+            json!({"messages": "hi"}),
+            StatusCode::BAD_REQUEST,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions/render",
+            json!({"messages": user, "max_tokens": fast().max_model_len}),
+            StatusCode::BAD_REQUEST,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions/render",
+            json!({"messages": user, "priority": "high"}),
+            StatusCode::BAD_REQUEST,
+            Some("priority"),
+        ),
+        (
+            "/v1/completions/render",
+            json!({"prompt": ""}),
+            StatusCode::BAD_REQUEST,
+            Some("prompt"),
+        ),
+    ] {
+        let r = post(server.addr, path, &body).await;
+        assert_eq!(r.status, status, "{path} {body}: {}", r.text());
+        let error = &r.json()["error"];
+        assert!(
+            error["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{path} {body}"
+        );
+        assert_eq!(error["param"].as_str(), param, "{path} {body}");
+    }
+    let r = post(
+        server.addr,
+        "/v1/chat/completions/render",
+        &json!({"messages": user, "max_tokens": fast().max_model_len}),
+    )
+    .await;
+    assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+    let valid = json!({"model": MODEL, "messages": user}).to_string();
+    for path in ["/tokenize", "/v1/chat/completions/render"] {
+        for cut in 0..valid.len() {
+            let r = call(server.addr, Method::POST, path, &[], &valid[..cut]).await;
+            assert_eq!(r.status, StatusCode::BAD_REQUEST, "{path} {:?}", &valid[..cut]);
+        }
+        let r = call(server.addr, Method::GET, path, &[], "").await;
+        assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED, "{path}");
+        assert_eq!(r.header("allow"), "POST");
+    }
+    assert_eq!(server.sim.engine().stats().requests_finished, finished);
+    server.stop().await;
+}
+
+/// SGLang's `/model_info`, `/server_info` (and their `/get_` names) and
+/// `/v1/loads` describe the engine; the load report follows a request in
+/// flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_info_describes_the_engine() {
+    let server = start(EngineConfig {
+        time_scale: 0.1,
+        ..fast()
+    })
+    .await;
+    for path in ["/model_info", "/get_model_info"] {
+        let r = get(server.addr, path).await;
+        assert_eq!(r.status, StatusCode::OK, "{path}");
+        assert_eq!(r.header("content-type"), "application/json");
+        let v = r.json();
+        assert_eq!(v["model_path"], MODEL, "{path}");
+        assert_eq!(v["tokenizer_path"], MODEL, "{path}");
+        assert_eq!(v["is_generation"], true, "{path}");
+    }
+    for path in ["/server_info", "/get_server_info"] {
+        let v = get(server.addr, path).await.json();
+        assert_eq!(v["served_model_name"], MODEL, "{path}");
+        assert_eq!(v["model_path"], MODEL, "{path}");
+        assert_eq!(v["dp_size"], 1, "{path}");
+        assert_eq!(v["context_length"], fast().max_model_len, "{path}");
+        assert_eq!(v["max_running_requests"], fast().max_num_seqs, "{path}");
+        assert_eq!(v["page_size"], fast().block_size, "{path}");
+    }
+    let idle = get(server.addr, "/v1/loads?include=core,disagg,queues,memory")
+        .await
+        .json();
+    assert_eq!(idle["dp_rank_count"], 1);
+    assert_eq!(idle["loads"][0]["num_running_reqs"], 0);
+    let capacity = fast().kv_capacity_tokens / u64::from(fast().block_size) * u64::from(fast().block_size);
+    assert_eq!(idle["loads"][0]["max_total_num_tokens"], capacity);
+    // 300 decode steps of ~1 ms (time scale 0.1): one request in flight.
+    let addr = server.addr;
+    let running = tokio::spawn(async move {
+        let body = json!({"prompt": "a long answer", "max_tokens": 300, "ignore_eos": true});
+        post(addr, "/v1/completions", &body).await
+    });
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let v = get(server.addr, "/v1/loads").await.json();
+        if v["loads"][0]["num_running_reqs"] == 1 {
+            assert!(v["loads"][0]["num_used_tokens"].as_u64().is_some_and(|n| n > 0));
+            assert!(v["loads"][0]["token_usage"].as_f64().is_some_and(|u| u > 0.0));
+            break;
+        }
+        assert!(!running.is_finished(), "the request never showed on /v1/loads");
+        assert!(Instant::now() < deadline, "the request never showed on /v1/loads");
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(within("request", running).await.expect("task").status, StatusCode::OK);
+    assert_eq!(get(server.addr, "/v1/loads?dp_rank=1").await.json()["loads"], json!([]));
+    for (method, path, status) in [
+        (Method::GET, "/v1/loads?include=everything", StatusCode::BAD_REQUEST),
+        (Method::GET, "/v1/loads?dp_rank=first", StatusCode::BAD_REQUEST),
+        (Method::POST, "/server_info", StatusCode::METHOD_NOT_ALLOWED),
+        (Method::POST, "/get_model_info", StatusCode::METHOD_NOT_ALLOWED),
+        (Method::DELETE, "/version", StatusCode::METHOD_NOT_ALLOWED),
+    ] {
+        let r = call(server.addr, method.clone(), path, &[], "").await;
+        assert_eq!(r.status, status, "{method} {path}");
+        assert!(r.json()["error"]["message"].as_str().is_some());
+    }
+    server.stop().await;
+
+    // An engine that reports no load reports none on /v1/loads either.
+    for flavor in [MetricsFlavor::None, MetricsFlavor::Llamacpp] {
+        let server = start_full(fast(), FaultConfig::default(), flavor).await;
+        assert_eq!(get(server.addr, "/v1/loads").await.status, StatusCode::NOT_FOUND);
+        let info = get(server.addr, "/server_info").await.json();
+        assert_eq!(info["enable_metrics"], flavor != MetricsFlavor::None);
+        server.stop().await;
+    }
+}

@@ -46,24 +46,34 @@
 //!   strings), so with `--prompt-form tokens` their rows on those three
 //!   workloads are not run and say so; chat calls they route on the
 //!   messages' text.
-//! * `vllm-router` takes token-id prompts. For chat calls it first asks a
-//!   worker for `POST /v1/chat/completions/render` and `POST /tokenize`
-//!   (vLLM's endpoints) to route on token ids; the simulator serves
-//!   neither, so it routes without them.
+//! * `vllm-router` takes token-id prompts. For chat calls it first asks
+//!   every worker for `POST /v1/chat/completions/render` (vLLM's
+//!   endpoint; `POST /tokenize` when that fails) and routes on the token
+//!   ids it returns, as in front of real vLLM; text completions through
+//!   `/v1/completions/render`.
 //!
 //! What they ask a worker for (seen with a stand-in worker that logs every
 //! request, over a router's first 12 s): `smg` `GET /health`, `/v1/models`
 //! (the model's name and length), `/server_info` then `/get_server_info`,
-//! `/model_info` then `/get_model_info`, `/version`, and for its load
-//! monitor `/v1/loads?include=...` then `/loads?model=...` (SGLang's load
-//! report); `sglang-router` `GET /health`, `/server_info`,
-//! `/get_server_info`, `/model_info`, `/get_model_info` (without them it
-//! registers a worker as model `unknown`); `vllm-router` `GET /health`
-//! only (then every 60 s), and per chat call the two `POST`s above. The
-//! simulator serves `/health`, `/v1/models` and `/metrics` (not with
-//! `--no-metrics`); the SGLang and render/tokenize endpoints answer 404,
-//! which every peer treats as "not available" and starts anyway. None of
-//! them reads `/metrics` by default.
+//! `/model_info` then `/get_model_info`, `/version` (with it, smg takes the
+//! simulator for vLLM), and for its load monitor `/v1/loads?include=...`
+//! (SGLang's load report; every 10 s) then `/loads?model=...`;
+//! `sglang-router` `GET /health`, `/server_info`, `/get_server_info`,
+//! `/model_info`, `/get_model_info` (the model's name comes from there);
+//! `vllm-router` `GET /health` only (then every 60 s), and per chat call
+//! the render above. The simulator serves all of them as vLLM and SGLang
+//! do (`semlb_workers::vllm_api`, `semlb_workers::sglang_api`; a
+//! deliberate hybrid, so that every peer manages it as it manages its own
+//! engines), except `/loads?model=` (in neither engine) and, on the
+//! engine sets without metrics, `/v1/loads` and `/metrics`: those engines
+//! stand for ones that show no load, and semlb's gateway gets none there
+//! either. `sglang-router` 0.3.2 sends a burst of requests that share a
+//! system prompt to one engine: its least-load fallback breaks ties by
+//! registry order (`min_by_key`), and the radix tree then holds the
+//! shared prefix there, above its 0.3 match threshold; load overrides it
+//! only past 64 requests and 1.5× (read in its source and seen with the
+//! endpoints served or not). smg 1.13 breaks such ties by requests
+//! processed.
 //!
 //! A peer reports no prediction accuracy (that column is semlb's own).
 
