@@ -1,34 +1,38 @@
 //! The `cost` policy tunes its weight between cache and load from the TTFT
-//! its requests see (`semlb::routing::weight_bandit`), on two workloads
-//! built so that the right direction is known, each started from the
-//! wrong end of the grid:
-//!
-//! * **Load matters.** Two engines that run one request at a time
-//!   (`--max-num-seqs 1`), conversations on a shared system prompt with
-//!   short histories. A cache-heavy weight (1/16) keeps sending every
-//!   conversation to the engine that holds the system prompt and its
-//!   history, where requests queue behind each other; a recompute costs
-//!   little. The weight must rise. (The policy's load bound, on by
-//!   default, caps such a pile-up whatever the weight; it is off in both
-//!   tests so that the weight alone decides.)
-//! * **Cache matters.** Two engines with a large batch and cache, short
-//!   conversations each on its own ~9 800-token document. A load-heavy
-//!   weight (16) moves a conversation whenever the other engine has a
-//!   little less work queued, and each move recomputes the document (and
-//!   delays the requests batched with it); queueing costs little. The
-//!   weight must fall.
+//! its requests see (`semlb::routing::weight_bandit`): through the gateway
+//! binary and simulated engine processes over HTTP, on a workload built so
+//! that the right direction is known, started from the wrong end of the
+//! grid. **Load matters**: two engines that run one request at a time
+//! (`--max-num-seqs 1`), conversations on a shared system prompt with
+//! short histories. A cache-heavy weight (1/16) keeps sending every
+//! conversation to the engine that holds the system prompt and its
+//! history, where requests queue behind each other; a recompute costs
+//! little. The weight must rise. (The policy's load bound, on by default,
+//! caps such a pile-up whatever the weight; it is off here so that the
+//! weight alone decides.)
 //!
 //! Clients stream, as most do, and send their next turn the instant an
 //! answer ends. The gateway runs one dispatcher, so one tuner sees every
 //! request; `explore = 0.5` and epochs of 16 requests so that a
-//! test-sized run (1 280 and 2 560 requests) tries every arm often enough
-//! (production keeps the defaults 0.1 and 32). Nothing here is timed: the
+//! test-sized run (1 280 requests) tries every arm often enough
+//! (production keeps the defaults 0.05 and 32). Nothing here is timed: the
 //! assertion is on the weight the gateway publishes.
 //!
-//! With a weight drawn per request instead of per epoch, the second test
-//! failed in 3 of 4 runs: every weight's requests waited alike through the
-//! recomputes moves caused, so weight 16 looked no worse (see
-//! `routing::weight_bandit`).
+//! The opposite contest, **cache matters** (conversations on their own
+//! ~9 800-token documents on engines with a large batch and cache: from 16
+//! the weight must fall, since moving a conversation recomputes its document),
+//! was a test here too until `tests/cost_tuner.rs` replaced it. Here it was
+//! flaky (quarantined from 2026-11-25: a failure in 13 runs alone, 2 in 2
+//! inside `.ci/run`): what the tuner compares are TTFTs measured in the
+//! machine's time, which carry the noise of whatever else the cores run, so
+//! no run can be repeated and one outcome cannot be told from chance.
+//! `tests/cost_tuner.rs` runs the gateway's routing loop (the same policy,
+//! shm tables and the simulator's scheduler) on tokio's paused clock
+//! instead, where a seed's run is the same on any machine. Its runs showed
+//! why one run could not settle it: the tuner left weight 16 within this
+//! test's 2 560 requests in 24 runs of 30, by its draws alone, and with no
+//! routing choice at all (one engine) it left it in 6 of 30 all the same.
+//! So it asserts over ten seeds that most fall.
 
 use std::sync::{Arc, Barrier};
 
@@ -41,11 +45,6 @@ use support::process::Proc;
 fn unique(tag: &str) -> String {
     support::process::unique("cost", tag)
 }
-
-/// The two tests run one after the other: each is a contest between
-/// routing choices, measured in time, and the other's processes on the
-/// same cores would only add noise.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// A simulated engine whose simulated second lasts `time_scale` real
 /// seconds, with `extra` arguments.
@@ -74,48 +73,14 @@ fn turn(addr: &str, messages: &mut Vec<Value>, c: usize, t: usize, max_tokens: u
     messages.push(json!({"role": "assistant", "content": answer}));
 }
 
-/// `clients` clients, started together, each holding `sessions`
-/// conversations one after the other, of `turns` streamed turns of
-/// `max_tokens` tokens, closed-loop; the first message of client `c`'s
-/// conversation `s` is `opening(c, s)`. Every answer must be a 200 that
-/// ends with `[DONE]`.
-fn conversations(
-    gw: &Gateway,
-    clients: usize,
-    sessions: usize,
-    turns: usize,
-    max_tokens: u32,
-    opening: fn(usize, usize) -> Value,
-) {
-    let barrier = Arc::new(Barrier::new(clients));
-    let threads: Vec<_> = (0..clients)
-        .map(|c| {
-            let (barrier, addr) = (barrier.clone(), gw.addr().to_owned());
-            std::thread::spawn(move || {
-                barrier.wait();
-                for s in 0..sessions {
-                    let mut messages = vec![opening(c, s)];
-                    for t in 0..turns {
-                        turn(&addr, &mut messages, c, t, max_tokens);
-                    }
-                }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().expect("client");
-    }
-}
-
 /// A gateway with one dispatcher routing with `cost` from
 /// `initial_weight`, exploring half the time, without the load bound
 /// (here only the weight may spread or keep conversations; the bound
 /// would move them off an engine with more than its share whatever the
-/// weight, and has its own tests in `routing::load_bound`); `extra` adds
-/// to the `[policy.cost]` table.
-fn gateway(tag: &str, engines: &[&Proc], initial_weight: f64, extra: &str) -> Gateway {
+/// weight, and has its own tests in `routing::load_bound`).
+fn gateway(tag: &str, engines: &[&Proc], initial_weight: f64) -> Gateway {
     let config = format!(
-        "[policy]\nkind = \"cost\"\n[policy.cost]\ninitial_weight = {initial_weight}\nexplore = 0.5\nepoch_requests = 16\nbounded_load = false\n{extra}"
+        "[policy]\nkind = \"cost\"\n[policy.cost]\ninitial_weight = {initial_weight}\nexplore = 0.5\nepoch_requests = 16\nbounded_load = false\n"
     );
     Gateway::builder()
         .shm(&unique(tag))
@@ -127,11 +92,10 @@ fn gateway(tag: &str, engines: &[&Proc], initial_weight: f64, extra: &str) -> Ga
 
 #[test]
 fn the_weight_rises_when_requests_queue_behind_a_cached_prefix() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let serial = ["--max-num-seqs", "1"];
     let engines = [engine("0.1", &serial), engine("0.1", &serial)];
     let refs: Vec<&Proc> = engines.iter().collect();
-    let gw = gateway("load", &refs, 1.0 / 16.0, "");
+    let gw = gateway("load", &refs, 1.0 / 16.0);
     assert_eq!(weights(&gw), [1.0 / 16.0], "published before any request");
     // Groups of four conversations start together on a system prompt new
     // to the gateway (a team's new agent): the first request of a group
@@ -161,39 +125,4 @@ fn the_weight_rises_when_requests_queue_behind_a_cached_prefix() {
     let w = weights(&gw);
     eprintln!("weights after the run: {w:?}");
     assert!(w[0] > 1.0 / 16.0, "the weight did not rise from 1/16: {w:?}");
-}
-
-#[test]
-#[ignore = "flaky (failed 3 of 7 runs on 2026-11-25; on 2026-11-28 1 of 13 run alone but 2 of 2 in .ci/run, with and without the tuner's washout): .ci/run runs it apart and reports it without failing until it is understood"]
-fn the_weight_falls_when_moving_a_conversation_recomputes_its_document() {
-    // Each client holds short conversations (5 turns) one after the
-    // other, each on a new ~9 800-token document, and the caches are large
-    // enough to evict nothing: a conversation that stays finds its
-    // document, one that moves recomputes it, and a new conversation's
-    // first prompt queues ~9 800 tokens ahead of the others on its engine,
-    // which a load-heavy weight flees. (With ~4 900-token documents the
-    // weight stayed at 16 in 1 of 2 runs here: a move cost too little
-    // against the noise of the shared machine.)
-    // The engines are slower than in the other test (a simulated second
-    // is 0.3 s), so that a recompute stands out from the gateway's own
-    // time in a debug build.
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let kv = ["--kv-capacity-tokens", "400000"];
-    let engines = [engine("0.3", &kv), engine("0.3", &kv)];
-    let refs: Vec<&Proc> = engines.iter().collect();
-    // Each request decoding at an engine counts as 1 000 tokens of work
-    // (an operator's setting for decode-heavy engines): at weight 16 a
-    // conversation moves whenever the other engine has one request fewer
-    // decoding, at 1/16 almost never.
-    let gw = gateway("cache", &refs, 16.0, "running_request_tokens = 1000\n");
-    fn opening(c: usize, s: usize) -> Value {
-        // Unique from the first token: no block is shared between
-        // conversations.
-        let document: String = (0..1800).map(|i| format!("c{c}s{s} line {i}; ")).collect();
-        json!({"role": "system", "content": format!("Document {s} of client {c}: {document}")})
-    }
-    conversations(&gw, 8, 64, 5, 8, opening);
-    let w = weights(&gw);
-    eprintln!("weights after the run: {w:?}");
-    assert!(w[0] < 16.0, "the weight did not fall from 16: {w:?}");
 }

@@ -9,7 +9,7 @@
 //!
 //! | policy | module | idea |
 //! | --- | --- | --- |
-//! | `cache_aware` (default) | [`cache_aware`] | SGLang's router: longest prefix match above a threshold unless the load is imbalanced; else least load |
+//! | `cache_aware` (default) | [`cache_aware`] | SGLang's router: longest prefix match past the shared header above a threshold unless that server is overloaded (thresholds scaled to its capacity, [`balance`]); else least load |
 //! | `least_load` | [`least_load`] | fewest requests in flight |
 //! | `round_robin` | [`round_robin`] | in turn |
 //! | `random` | [`random`] | uniformly at random |

@@ -23,8 +23,9 @@
 //!   with it wait through that prefill whatever their own weight. With a
 //!   weight per request that cost lands on every arm alike and no arm
 //!   looks worse; with a weight per epoch it lands, mostly, on the arm
-//!   that caused it (a *switchback* experiment). Measured in
-//!   `tests/cost.rs`: conversations on their own documents, two engines,
+//!   that caused it (a *switchback* experiment). Measured with the
+//!   process test of `tests/cost.rs` that `tests/cost_tuner.rs` replaced:
+//!   conversations on their own documents, two engines,
 //!   weight 16 against the rest: per request, the same share of slow
 //!   first tokens on every arm (35–45 %); per epoch of 32, 42–47 % at
 //!   weight 16 against 22–34 % at the others.
