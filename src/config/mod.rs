@@ -69,6 +69,7 @@
 //! | `policy.cache_aware.balance_abs_threshold` | integer | `32` | the prefix winner is overloaded only if it has more than this many requests in flight above the least busy server ... |
 //! | `policy.cache_aware.balance_rel_threshold` | float | `1.1` | ... and more than this multiple (at least 1) of its load; then the least loaded server gets the request |
 //! | `policy.cache_aware.scale_to_capacity` | bool | `true` | the absolute threshold is at most an eighth of what the winner's engine runs at once, rounded up: its reported slots (llama.cpp's `/props`), else its learned admission limit, else 8 (`scale_to_engine_slots`, the old name, is still read) |
+//! | `policy.cache_aware.weigh_queued_prefill` | bool | `true` | the winner also loses the request when the prefill work queued there (uncached prompt tokens without a first token yet) beyond the least queued server is more than its cache saves |
 //! | `[policy.selective_push]` | table | | SkyLB's selective pushing ([`crate::routing::selective_push`]) |
 //! | `policy.selective_push.mode` | `pending`, `unstarted`, `max_outstanding` | `pending` | when a server is full: estimated pending requests (scraped queue, tracked by the gateway) above `max_pending`; or requests without a first token above `max_pending` (strict); or `max_outstanding` requests in flight |
 //! | `policy.selective_push.max_pending` | integer | `0` | pending requests (sent, no first token; scraped `waiting` corrected by the gateway's accounting) a server may have and still take more |

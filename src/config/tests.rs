@@ -215,6 +215,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "balance_abs_threshold",
         "balance_rel_threshold",
         "scale_to_capacity",
+        "weigh_queued_prefill",
         "[policy.selective_push]",
         "mode",
         "max_pending",

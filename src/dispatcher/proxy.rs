@@ -269,6 +269,21 @@ impl<'d> Attempts<'d> {
         self.ctx.as_ref().map_or(0, |c| c.prompt_tokens.len() as u64)
     }
 
+    /// The prefill work of the request at a server predicted to hold
+    /// `predicted` of its leading blocks: what the ledger counts in flight
+    /// ([`crate::routing::uncached_tokens`]).
+    fn prefill_tokens(&self, predicted: u32) -> u64 {
+        let block = self
+            .ctx
+            .as_ref()
+            .map_or(0, |c| u32::try_from(c.hasher.block_size()).unwrap_or(u32::MAX));
+        crate::routing::uncached_tokens(
+            u32::try_from(self.prompt_tokens()).unwrap_or(u32::MAX),
+            predicted,
+            block,
+        )
+    }
+
     /// A failure that another server may fix: remembered, the server avoided.
     fn failed_on(&mut self, server: ServerRef, failure: Failure) {
         self.failed.push(server);
@@ -569,7 +584,7 @@ impl<'d> Attempts<'d> {
         self.attempt += 1;
         let mut guard = match admitted {
             Some(g) => g,
-            None => match InflightGuard::begin(dispatcher, server, self.prompt_tokens()) {
+            None => match InflightGuard::begin(dispatcher, server, self.prefill_tokens(predicted)) {
                 Some(g) => g,
                 None => {
                     self.failed_on(server, Failure::Reregistered { address });

@@ -333,7 +333,6 @@ fn route_waiting(
 ) -> Option<Admitted> {
     let stale_after_ms = dispatcher.config().health.stale_after_ms;
     let policy = r.pool.policy().current_arc();
-    let tokens = u64::from(r.prompt_tokens);
     loop {
         let members = r.pool.members();
         let eligible: &[Candidate] = if r.exclude.is_empty() && members.is_every() {
@@ -362,6 +361,12 @@ fn route_waiting(
         let decision = policy.choose(&input);
         r.seen = true;
         let choice = decision?;
+        // Its prefill work there: the prompt less what that server holds.
+        let tokens = crate::routing::uncached_tokens(
+            r.prompt_tokens,
+            r.prefix.blocks_for(choice.server.tag()),
+            r.pool.block_tokens(),
+        );
         let Some(guard) = InflightGuard::begin(dispatcher, choice.server, tokens) else {
             // Re-registered since the read: not a candidate any more.
             candidates.retain(|c| c.server != choice.server);

@@ -229,7 +229,9 @@ pub(super) async fn choose(
             continue;
         };
         let guard = if let Some(pool) = holder {
-            let Some(guard) = InflightGuard::begin(dispatcher, server, u64::from(prompt_tokens)) else {
+            let work =
+                crate::routing::uncached_tokens(prompt_tokens, prefix.blocks_for(server.tag()), pool.block_tokens());
+            let Some(guard) = InflightGuard::begin(dispatcher, server, work) else {
                 lookup.candidates.retain(|c| c.server != server);
                 continue;
             };

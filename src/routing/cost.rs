@@ -1,8 +1,10 @@
 //! `cost`: each server's cost of taking the request, in prefill tokens;
-//! the cheapest wins. The weight between cache and load tunes itself from
-//! the times to first token the requests see (after NVIDIA Dynamo's KV
-//! router cost, in the gateway's own terms, with the weight learned
-//! online instead of set by hand).
+//! the cheapest wins. The weight between cache and load is set
+//! (`initial_weight`) and corrected online, slowly, from the times to
+//! first token the requests see (after NVIDIA Dynamo's KV router cost, in
+//! the gateway's own terms). The correction is slow: thousands of requests
+//! per dispatcher from a wrong start (`tests/cost_tuner.rs`), more than a
+//! replay sends, so set the weight; do not count on the tuner to find it.
 //!
 //! # Cost
 //!
@@ -11,15 +13,15 @@
 //! ```text
 //! cost(c) = uncached(c) + λ · queued(c)
 //! uncached(c) = P − (leading blocks the prefix table lists c for, past the shared header) × block tokens
-//! queued(c)   = pending prompt tokens at c
+//! queued(c)   = pending prefill tokens at c (their prompts less what c was predicted to hold)
 //!             + (queued requests the engine shows beyond those) × their mean prompt tokens
 //!             + running_request_tokens × (requests at c past their first token)
 //! ```
 //!
 //! * `uncached` is the prefill the request itself would cost there.
-//! * `queued` is the work ahead of it: the prompts of the requests the
-//!   gateway sent there that have no first token yet (the shm ledger's
-//!   pending tokens), the requests the engine's scrape or learned
+//! * `queued` is the work ahead of it: the uncached prompt tokens of the
+//!   requests the gateway sent there that have no first token yet (the
+//!   shm ledger's pending tokens), the requests the engine's scrape or learned
 //!   admission limit says are queued beyond those
 //!   ([`Candidate::pending_estimate`], e.g. sent by another gateway
 //!   host), and a charge per request decoding there, which slows every

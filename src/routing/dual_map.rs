@@ -48,11 +48,11 @@
 //!    keys): candidate 1 on ring 1, candidate 2 the first other server on
 //!    ring 2.
 //! 3. **Estimated TTFT** of a candidate `c`:
-//!    `(pending prompt tokens at c + this prompt's tokens not cached at c)
-//!    / prefill_tokens_per_sec`, where pending tokens are the prompt tokens
-//!    of the requests the gateway sent to `c` that have no first token yet
-//!    ([`Candidate::pending_tokens`]), and "cached" is what the prefix
-//!    table says `c` holds of this prompt.
+//!    `(pending prefill tokens at c + this prompt's tokens not cached at c)
+//!    / prefill_tokens_per_sec`, where pending prefill tokens are the
+//!    uncached prompt tokens of the requests the gateway sent to `c` that
+//!    have no first token yet ([`Candidate::pending_tokens`]), and "cached"
+//!    is what the prefix table says `c` holds of this prompt.
 //! 4. **Choice.** The candidate holding more of the prompt (ties: the lower
 //!    estimate, then candidate 1: [`Reason::HashCandidate`]), unless its
 //!    estimate breaks `ttft_slo_ms` and the other's is lower: then the other
@@ -65,10 +65,10 @@
 //!    ([`super::balance`]), it gets the request ([`Reason::Prefix`]), unless its
 //!    estimate breaks `ttft_slo_ms` and the chosen candidate's is lower
 //!    (the rule between the two candidates, with the holder as the one
-//!    holding more). (Not "unless its estimate is higher": the estimate
-//!    counts the whole prompts of the requests pending there, cached or
-//!    not, so an engine busy with conversations that are mostly cached
-//!    looked slower than a cold one that must prefill this whole history.)
+//!    holding more). (Not "unless its estimate is higher": a holder with
+//!    some work pending would then lose the conversation to a cold engine
+//!    that must prefill its whole history, whenever that history is
+//!    shorter than the work pending.)
 //!    Where the two hash homes and
 //!    the cache already agree, this changes nothing; where they do not,
 //!    moving would only recompute the conversation's history elsewhere.

@@ -14,8 +14,10 @@
 //! Ties are broken by
 //!
 //! 1. fewest in-flight requests,
-//! 2. then fewest in-flight prompt tokens ([`Candidate::inflight_tokens`]:
-//!    a server busy with one long prompt is busier than one with a short one),
+//! 2. then the least prefill work in flight ([`Candidate::inflight_tokens`],
+//!    the uncached prompt tokens: a server busy with one long new prompt
+//!    is busier than one with a short one, or with a conversation's next
+//!    turn whose history it holds),
 //! 3. then in turn: a per-policy counter picks among the servers still tied,
 //!    so equal servers share the requests instead of the first slot taking
 //!    every one of them (which is what a plain `min_by_key` would do when

@@ -129,12 +129,16 @@ pub struct Candidate {
     pub server: ServerRef,
     /// Requests in flight to it through the gateway (all dispatchers).
     pub inflight: u64,
-    /// Prompt tokens of those requests.
+    /// Their prefill work: the prompt tokens the server was not predicted
+    /// to hold when each was sent ([`uncached_tokens`]). (Whole prompt
+    /// tokens before issue 38: a conversation's next turn, mostly cached,
+    /// counted as its whole history, so an engine busy with cached
+    /// conversations looked as loaded as one prefilling long new prompts.)
     pub inflight_tokens: u64,
     /// Of those, the requests without a first token yet (queued or in
     /// prefill at the engine), counted by this host's dispatchers.
     pub pending: u64,
-    /// Prompt tokens of the pending requests.
+    /// Prefill work of the pending requests (as `inflight_tokens`).
     pub pending_tokens: u64,
     /// Its last scraped engine load (zeros until scraped, or when stale).
     pub load: LoadFigures,
@@ -417,6 +421,15 @@ pub(crate) fn best_prefix<'c>(
         }
     }
     best
+}
+
+/// The prefill work a request of `prompt_tokens` tokens brings to a server
+/// that holds `cached_blocks` of its leading blocks of `block_tokens`:
+/// what the gateway counts in flight and pending for it
+/// ([`Candidate::inflight_tokens`], [`Candidate::pending_tokens`]).
+#[inline]
+pub fn uncached_tokens(prompt_tokens: u32, cached_blocks: u32, block_tokens: u32) -> u64 {
+    u64::from(prompt_tokens).saturating_sub(u64::from(cached_blocks) * u64::from(block_tokens))
 }
 
 /// `server` as the table has it now: its in-flight and pending counts and

@@ -61,6 +61,7 @@ fn validate_accepts_the_defaults_and_the_range_ends() {
                 balance_abs_threshold: 0,
                 balance_rel_threshold: rel,
                 scale_to_capacity: true,
+                weigh_queued_prefill: true,
             },
             ..PolicyConfig::default()
         };
@@ -119,6 +120,7 @@ fn config_deserializes_with_defaults() {
             balance_abs_threshold: 64,
             balance_rel_threshold: 1.1,
             scale_to_capacity: true,
+            weigh_queued_prefill: true,
         }
     );
     // Integers are accepted for the float fields.
@@ -172,6 +174,7 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
         balance_abs_threshold: 3,
         balance_rel_threshold: 1.2,
         scale_to_capacity: true,
+        weigh_queued_prefill: true,
     };
     let policies: Vec<(Box<dyn Policy>, Option<CacheAwareParams>)> = vec![
         (
