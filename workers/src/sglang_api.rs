@@ -40,7 +40,7 @@
 //! metric flavors: an engine set started to report no load (`none`, or
 //! llama.cpp's `llamacpp`) reports none through this route either.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 use bytes::Bytes;
 use serde_json::{Value, json};
@@ -195,33 +195,14 @@ pub fn loads_body(stats: &EngineStats, config: &EngineConfig, rank_selected: boo
 /// `t` as Python's `datetime.now(timezone.utc).isoformat()` writes it:
 /// `2026-01-15T19:32:23.123456+00:00`.
 fn iso_utc(t: SystemTime) -> String {
-    let since = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = since.as_secs();
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Howard Hinnant's civil-from-days, for days since 1970-01-01.
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:06}+00:00",
-        rem / 3_600,
-        rem % 3_600 / 60,
-        rem % 60,
-        since.subsec_micros()
-    )
+    chrono::DateTime::<chrono::Utc>::from(t).to_rfc3339_opts(chrono::SecondsFormat::Micros, false)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::histogram::Histogram;
-    use std::time::Duration;
+    use std::time::{Duration, UNIX_EPOCH};
 
     fn config() -> EngineConfig {
         EngineConfig {
