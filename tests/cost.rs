@@ -9,7 +9,12 @@
 //! history, where requests queue behind each other; a recompute costs
 //! little. The weight must rise. (The policy's load bound, on by default,
 //! caps such a pile-up whatever the weight; it is off here so that the
-//! weight alone decides.)
+//! weight alone decides. So is the shared-header rule,
+//! `[policy.prefix] shared_headers`: it counts a system prompt that
+//! several conversations diverge from as no match at all, which spreads
+//! the groups' first turns whatever the weight and leaves the tuner no
+//! contest to learn from; with it on, this run ends at 1/16, measured
+//! 2026-11-28, and that is the right outcome there: nothing piles up.)
 //!
 //! Clients stream, as most do, and send their next turn the instant an
 //! answer ends. The gateway runs one dispatcher, so one tuner sees every
@@ -77,10 +82,13 @@ fn turn(addr: &str, messages: &mut Vec<Value>, c: usize, t: usize, max_tokens: u
 /// `initial_weight`, exploring half the time, without the load bound
 /// (here only the weight may spread or keep conversations; the bound
 /// would move them off an engine with more than its share whatever the
-/// weight, and has its own tests in `routing::load_bound`).
+/// weight, and has its own tests in `routing::load_bound`) and without
+/// the shared-header rule (which would spread the groups' first turns
+/// whatever the weight; its own tests are in `routing::shared_header` and
+/// `tests/shared_prompt.rs`).
 fn gateway(tag: &str, engines: &[&Proc], initial_weight: f64) -> Gateway {
     let config = format!(
-        "[policy]\nkind = \"cost\"\n[policy.cost]\ninitial_weight = {initial_weight}\nexplore = 0.5\nepoch_requests = 16\nbounded_load = false\n"
+        "[policy]\nkind = \"cost\"\n[policy.cost]\ninitial_weight = {initial_weight}\nexplore = 0.5\nepoch_requests = 16\nbounded_load = false\n[policy.prefix]\nshared_headers = false\n"
     );
     Gateway::builder()
         .shm(&unique(tag))
