@@ -14,7 +14,9 @@
 //!    segment holding 500 such conversations on 4 servers
 //!    (`prefix_lookup_precise`: the precise source, two of the servers'
 //!    engines followed through their KV events);
-//! 6. `choose/<policy>`: gather the live servers and run each routing policy;
+//! 6. `choose/<policy>`: gather the live servers and run each routing policy
+//!    (`shared_header`: the shared-header check every new request makes
+//!    before it, [`semlb::routing::shared_header`]);
 //! 7. `total`: all of it.
 //!
 //! And `kv_events/store_and_remove_32_blocks`: what a response process
@@ -293,6 +295,19 @@ fn dispatch(c: &mut Criterion) {
                 })
             });
         }
+        // The shared-header check each new request makes (one sketch
+        // count, the matches' depths sorted, a few reads).
+        let headers = semlb::routing::shared_header::SharedHeaders::new();
+        g.bench_function("shared_header", |b| {
+            b.iter(|| {
+                i = (i + 1) % matches.len();
+                let mut depths = [0u32; shm_layout::MATCH_CAPACITY];
+                for (d, (_, blocks)) in depths.iter_mut().zip(matches[i].iter()) {
+                    *d = blocks;
+                }
+                black_box(headers.observe(&chains[i], &depths, false))
+            })
+        });
         g.bench_function("total", |b| {
             b.iter(|| {
                 i = (i + 1) % bodies.len();

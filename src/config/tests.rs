@@ -216,6 +216,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "balance_rel_threshold",
         "scale_to_capacity",
         "weigh_queued_prefill",
+        "queued_prefill_margin",
         "[policy.selective_push]",
         "mode",
         "max_pending",

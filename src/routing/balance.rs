@@ -84,17 +84,26 @@ impl Balance {
         load.saturating_sub(min) > abs && load as f64 > self.rel * min as f64
     }
 
-    /// Whether `c` is overloaded against the least load `min`.
+    /// Whether `c` is overloaded against `least`, the least busy candidate
+    /// ([`least_busy`]; `None`: no other load to compare with, a load of
+    /// 0). The absolute threshold is the smaller of `c`'s and `least`'s:
+    /// a learned admission limit only grows while requests queue, so an
+    /// engine that was loaded alone has learned more than engines added
+    /// next to it, and judged by its own yardstick alone it would keep
+    /// conversations the new engines should take.
     #[inline]
-    pub fn overloaded(&self, c: &Candidate, min: u64) -> bool {
-        self.beyond(c.inflight, min, self.abs_threshold(c))
+    pub fn overloaded(&self, c: &Candidate, least: Option<&Candidate>) -> bool {
+        let own = self.abs_threshold(c);
+        let abs = least.map_or(own, |l| own.min(self.abs_threshold(l)));
+        self.beyond(c.inflight, least.map_or(0, |l| l.inflight), abs)
     }
 }
 
-/// The least requests in flight over `candidates` (0 when empty).
+/// The candidate with the fewest requests in flight (the first of equals;
+/// `None` when empty).
 #[inline]
-pub fn least_inflight(candidates: &[Candidate]) -> u64 {
-    candidates.iter().map(|c| c.inflight).min().unwrap_or(0)
+pub fn least_busy(candidates: &[Candidate]) -> Option<&Candidate> {
+    candidates.iter().min_by_key(|c| c.inflight)
 }
 
 #[cfg(test)]
@@ -136,19 +145,40 @@ mod tests {
         };
         let b = Balance::DEFAULT;
         // abs 2: 3 above is over it, 2 is not.
-        assert!(b.overloaded(&at(7), 4));
-        assert!(!b.overloaded(&at(6), 4));
+        assert!(b.overloaded(&at(7), Some(&at(4))));
+        assert!(!b.overloaded(&at(6), Some(&at(4))));
         // An engine of 256 sequences: 32 above.
         let big = |inflight: u64| Candidate {
             admission: 256,
             ..at(inflight)
         };
-        assert!(!b.overloaded(&big(322), 290));
-        assert!(b.overloaded(&big(330), 290));
+        assert!(!b.overloaded(&big(322), Some(&big(290))));
+        assert!(b.overloaded(&big(330), Some(&big(290))));
         // 3 above 37 is over abs 2, but not 1.1 × 37.
-        assert!(!b.overloaded(&at(40), 37));
-        assert!(b.overloaded(&at(3), 0));
-        assert_eq!(least_inflight(&[at(5), at(2), at(9)]), 2);
-        assert_eq!(least_inflight(&[]), 0);
+        assert!(!b.overloaded(&at(40), Some(&at(37))));
+        assert!(b.overloaded(&at(3), Some(&at(0))));
+        assert!(b.overloaded(&at(3), None));
+        assert_eq!(least_busy(&[at(5), at(2), at(9)]).map(|c| c.inflight), Some(2));
+        assert_eq!(least_busy(&[]), None);
+    }
+
+    #[test]
+    fn the_smaller_threshold_of_the_two_engines_counts() {
+        let f = Fixture::new(2);
+        // An engine that learned 64 at once (abs 8) next to a new one
+        // still at the initial 8 (abs 2): 3 above it is too many.
+        let old = |inflight: u64| Candidate {
+            admission: 64,
+            ..cand(f.s[0], inflight, 0)
+        };
+        let new = |inflight: u64| Candidate {
+            admission: 8,
+            ..cand(f.s[1], inflight, 0)
+        };
+        let b = Balance::DEFAULT;
+        assert!(b.overloaded(&old(10), Some(&new(7))));
+        assert!(!b.overloaded(&old(9), Some(&new(7))));
+        // Two engines that both learned 64: 8 above is within.
+        assert!(!b.overloaded(&old(15), Some(&old(7))));
     }
 }

@@ -105,7 +105,7 @@ impl Default for CostParams {
             tune: true,
             explore: 0.05,
             epoch_requests: EPOCH_REQUESTS,
-            running_request_tokens: 16,
+            running_request_tokens: super::RUNNING_REQUEST_TOKENS,
             bounded_load: true,
             load_epsilon: 0.25,
         }
@@ -177,10 +177,7 @@ impl Cost {
 
     /// Work queued at `c` ahead of a new request, in prefill tokens.
     fn queued(&self, c: &Candidate, prompt_tokens: u64) -> f64 {
-        let mean_pending = c.pending_tokens.checked_div(c.pending).unwrap_or(prompt_tokens);
-        let beyond = c.pending_estimate().saturating_sub(c.pending);
-        let running = c.inflight.saturating_sub(c.pending);
-        (c.pending_tokens + beyond * mean_pending + running * self.params.running_request_tokens) as f64
+        c.queued_work(prompt_tokens, self.params.running_request_tokens) as f64
     }
 
     /// `c`'s cost for `input` at weight `weight`.

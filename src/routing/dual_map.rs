@@ -88,7 +88,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use super::balance::{Balance, least_inflight};
+use super::balance::{Balance, least_busy};
 use super::least_load::least_loaded_where;
 use super::ring::HashRing;
 use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, best_prefix, in_range, in_range_f64};
@@ -368,8 +368,8 @@ impl Policy for DualMap {
         // The conversation's engine, when neither home holds as much of it,
         // unless its estimate breaks the SLO where the pick's does not.
         let homes_hold = held(first).max(second.map_or(0, held));
-        let min = least_inflight(input.candidates);
-        let keeps = |c: &Candidate| !self.full(c) && !Balance::DEFAULT.overloaded(c, min);
+        let least = least_busy(input.candidates);
+        let keeps = |c: &Candidate| !self.full(c) && !Balance::DEFAULT.overloaded(c, least);
         if let Some((holder, blocks)) = best_prefix(input, keeps)
             && blocks > homes_hold
             && (self.estimate_ms(input, holder) <= self.params.ttft_slo_ms as f64

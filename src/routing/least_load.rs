@@ -52,11 +52,22 @@ pub(crate) fn least_loaded_where<'c>(
     keep: impl Fn(&Candidate) -> bool,
     turn: &AtomicU64,
 ) -> Option<&'c Candidate> {
+    least_by(candidates, load_key, keep, turn)
+}
+
+/// The candidate `keep` accepts with the smallest `key`, in turn among
+/// equals (`turn` rotates); `None` when `keep` accepts none.
+pub(crate) fn least_by<'c, K: Ord + Copy>(
+    candidates: &'c [Candidate],
+    key: impl Fn(&Candidate) -> K,
+    keep: impl Fn(&Candidate) -> bool,
+    turn: &AtomicU64,
+) -> Option<&'c Candidate> {
     // Pass 1: the smallest key and how many candidates share it.
     let mut min = None;
     let mut ties = 0u64;
     for c in candidates.iter().filter(|c| keep(c)) {
-        let k = load_key(c);
+        let k = key(c);
         match min {
             Some(m) if k > m => {}
             Some(m) if k == m => ties += 1,
@@ -73,10 +84,7 @@ pub(crate) fn least_loaded_where<'c>(
     } else {
         0
     };
-    candidates
-        .iter()
-        .filter(|c| keep(c) && load_key(c) == min)
-        .nth(n as usize)
+    candidates.iter().filter(|c| keep(c) && key(c) == min).nth(n as usize)
 }
 
 /// Sends each request to the server with the fewest requests in flight.

@@ -152,7 +152,27 @@ pub struct Candidate {
     pub admission_reported: bool,
 }
 
+/// Prefill tokens a request decoding at a server counts as work queued
+/// ahead of a new one, by default ([`Candidate::queued_work`]): one step
+/// of the engine's batch.
+pub const RUNNING_REQUEST_TOKENS: u64 = 16;
+
 impl Candidate {
+    /// Work queued at this server ahead of a new request of
+    /// `prompt_tokens`, in prefill tokens: the pending requests' prefill
+    /// work, the requests its engine shows queued beyond those at their
+    /// mean size (`prompt_tokens` when none is pending), and
+    /// `running_request_tokens` for each request past its first token.
+    /// `cost` weighs it against a server's uncached tokens; `cache_aware`
+    /// falls back to its least.
+    #[inline]
+    pub fn queued_work(&self, prompt_tokens: u64, running_request_tokens: u64) -> u64 {
+        let mean_pending = self.pending_tokens.checked_div(self.pending).unwrap_or(prompt_tokens);
+        let beyond = self.pending_estimate().saturating_sub(self.pending);
+        let running = self.inflight.saturating_sub(self.pending);
+        self.pending_tokens + beyond * mean_pending + running * running_request_tokens
+    }
+
     /// Requests estimated to be queued at the engine now (see the
     /// [module docs](self#pending-requests)).
     #[inline]

@@ -46,7 +46,7 @@ use std::sync::atomic::AtomicU64;
 
 use serde::{Deserialize, Serialize};
 
-use super::balance::{Balance, least_inflight};
+use super::balance::{Balance, least_busy};
 use super::least_load::least_loaded_where;
 use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, best_prefix, in_range};
 
@@ -149,8 +149,8 @@ impl Policy for SelectivePush {
 
     fn choose(&self, input: &RouteInput<'_>) -> Option<Choice> {
         let free = |c: &Candidate| !self.params.full(c);
-        let min = least_inflight(input.candidates);
-        let balanced = |c: &Candidate| free(c) && !Balance::DEFAULT.overloaded(c, min);
+        let least = least_busy(input.candidates);
+        let balanced = |c: &Candidate| free(c) && !Balance::DEFAULT.overloaded(c, least);
         if let Some((c, blocks)) = best_prefix(input, balanced) {
             return Some(Choice {
                 server: c.server,

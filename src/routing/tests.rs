@@ -62,6 +62,7 @@ fn validate_accepts_the_defaults_and_the_range_ends() {
                 balance_rel_threshold: rel,
                 scale_to_capacity: true,
                 weigh_queued_prefill: true,
+                queued_prefill_margin: crate::routing::cache_aware::QUEUED_PREFILL_MARGIN,
             },
             ..PolicyConfig::default()
         };
@@ -121,6 +122,7 @@ fn config_deserializes_with_defaults() {
             balance_rel_threshold: 1.1,
             scale_to_capacity: true,
             weigh_queued_prefill: true,
+            queued_prefill_margin: crate::routing::cache_aware::QUEUED_PREFILL_MARGIN,
         }
     );
     // Integers are accepted for the float fields.
@@ -175,6 +177,7 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
         balance_rel_threshold: 1.2,
         scale_to_capacity: true,
         weigh_queued_prefill: true,
+        queued_prefill_margin: crate::routing::cache_aware::QUEUED_PREFILL_MARGIN,
     };
     let policies: Vec<(Box<dyn Policy>, Option<CacheAwareParams>)> = vec![
         (
@@ -222,7 +225,7 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
             }
         }
         let min_key = candidates.iter().map(load_key).min();
-        let min_load = candidates.iter().map(|c| c.inflight).min().unwrap_or(0);
+        let least = balance::least_busy(&candidates);
         let mut route = input_for(&chain[..prompt_blocks], prompt_blocks as u32 * 16, &m, &candidates);
         // A third of the prompts open with a shared header.
         if g.below(3) == 0 {
@@ -245,12 +248,12 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
                     // No candidate holds more past the header (no
                     // candidate is full here); for the policies that skip
                     // overloaded servers for the prefix, no other such one.
-                    let rival = |c: &&Candidate| params.is_some() || !balance::Balance::DEFAULT.overloaded(c, min_load);
+                    let rival = |c: &&Candidate| params.is_some() || !balance::Balance::DEFAULT.overloaded(c, least);
                     assert!(candidates.iter().filter(rival).all(|c| useful(c) <= blocks));
                     match params {
                         Some(params) => {
                             assert!(f64::from(blocks) > params.cache_threshold * prompt_blocks as f64);
-                            assert!(!params.overloaded(chosen.inflight, min_load, params.abs_threshold(chosen)));
+                            assert!(!params.balance().overloaded(chosen, least));
                         }
                         None => assert!(
                             ["selective_push", "dual_map"].contains(&p.name()),

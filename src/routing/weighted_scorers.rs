@@ -47,7 +47,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use super::balance::{Balance, least_inflight};
+use super::balance::{Balance, least_busy};
 use super::random::Random;
 use super::{Candidate, Choice, InvalidParam, Policy, Reason, RouteInput, in_range_f64};
 
@@ -169,9 +169,9 @@ impl WeightedScorers {
         } else {
             kv_sum / f64::from(kv_known)
         };
-        let min_inflight = least_inflight(input.candidates);
+        let least = least_busy(input.candidates);
         for c in input.candidates {
-            let prefix = if input.prompt_blocks == 0 || Balance::DEFAULT.overloaded(c, min_inflight) {
+            let prefix = if input.prompt_blocks == 0 || Balance::DEFAULT.overloaded(c, least) {
                 0.0
             } else {
                 f64::from(input.useful_blocks(c.server.tag())) / f64::from(input.prompt_blocks)
@@ -342,8 +342,9 @@ mod tests {
         f.hold(0, &chain);
         let m = f.matched(&chain);
         // 0: holds the prompt; 1: fewest pending; 2: emptiest KV cache; 3:
-        // fewest in flight. Server 0 runs 256 at once: 4 above the idlest
-        // is within the balance rule.
+        // fewest in flight. Servers 0 and 3 (the idlest) run 256 at once:
+        // 4 above the idlest is within the balance rule (which takes the
+        // smaller threshold of the two).
         let cands = [
             Candidate {
                 pending: 3,
@@ -360,6 +361,7 @@ mod tests {
             },
             Candidate {
                 pending: 2,
+                admission: 256,
                 ..kv(cand(f.s[3], 1, 0), 9000)
             },
         ];
