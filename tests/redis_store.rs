@@ -356,7 +356,16 @@ fn empty_lookup() -> LookupRequest<'static> {
     }
 }
 
+/// **Quarantined 2026-11-28** (an open defect, not a fix): it failed in 1
+/// of 2 full runs and 1 of 3 runs alone on that day (`no new connection`:
+/// 7 connections against 6), with no change to the store since it last
+/// passed in CI. Suspected: a reply that misses its deadline on a path
+/// other than the lookup (the publish loop's writes during the 400 ms
+/// busy script) fails with an error `StoreError::is_timeout` does not
+/// recognise, so `down` drops the shared connection and the next call
+/// opens another. Run it with `--ignored`.
 #[test]
+#[ignore = "flaky since 2026-11-28: the shared connection is sometimes reopened after a slow reply (open defect)"]
 fn a_slow_redis_reply_degrades_a_lookup_but_keeps_the_shared_connection() {
     let server = redis_or_skip!();
     let Stores { runtime, redis, .. } = Stores::new(&server, "slow");
