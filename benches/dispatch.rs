@@ -301,11 +301,7 @@ fn dispatch(c: &mut Criterion) {
         g.bench_function("shared_header", |b| {
             b.iter(|| {
                 i = (i + 1) % matches.len();
-                let mut depths = [0u32; shm_layout::MATCH_CAPACITY];
-                for (d, (_, blocks)) in depths.iter_mut().zip(matches[i].iter()) {
-                    *d = blocks;
-                }
-                black_box(headers.observe(&chains[i], &depths, false))
+                black_box(headers.observe_match(&chains[i], &matches[i], false))
             })
         });
         g.bench_function("total", |b| {

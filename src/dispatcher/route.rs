@@ -163,11 +163,9 @@ pub(super) async fn choose(
     let prefix = lookup.routing_prefix();
     let header_blocks = match pool {
         Some(pool) if inference && pool.shared_headers() => {
-            let mut depths = [0u32; shm_layout::MATCH_CAPACITY];
-            for (depth, (_, blocks)) in depths.iter_mut().zip(prefix.iter()) {
-                *depth = blocks;
-            }
-            dispatcher.shared_headers().observe(chain, &depths, !exclude.is_empty())
+            dispatcher
+                .shared_headers()
+                .observe_match(chain, &prefix, !exclude.is_empty())
         }
         _ => 0,
     };

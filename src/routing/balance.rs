@@ -167,14 +167,12 @@ mod tests {
         let f = Fixture::new(2);
         // An engine that learned 64 at once (abs 8) next to a new one
         // still at the initial 8 (abs 2): 3 above it is too many.
-        let old = |inflight: u64| Candidate {
-            admission: 64,
-            ..cand(f.s[0], inflight, 0)
+        let engine = |s: usize, admission: u32, inflight: u64| Candidate {
+            admission,
+            ..cand(f.s[s], inflight, 0)
         };
-        let new = |inflight: u64| Candidate {
-            admission: 8,
-            ..cand(f.s[1], inflight, 0)
-        };
+        let old = |inflight: u64| engine(0, 64, inflight);
+        let new = |inflight: u64| engine(1, 8, inflight);
         let b = Balance::DEFAULT;
         assert!(b.overloaded(&old(10), Some(&new(7))));
         assert!(!b.overloaded(&old(9), Some(&new(7))));

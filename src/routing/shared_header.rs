@@ -110,6 +110,15 @@ impl SharedHeaders {
         }
     }
 
+    /// [`observe`](Self::observe) with the depths of a prefix table match.
+    pub fn observe_match(&self, chain: &[u64], matched: &shm_layout::PrefixMatch, repeat: bool) -> u32 {
+        let mut depths = [0u32; shm_layout::MATCH_CAPACITY];
+        for (depth, (_, blocks)) in depths.iter_mut().zip(matched.iter()) {
+            *depth = blocks;
+        }
+        self.observe(chain, &depths, repeat)
+    }
+
     /// The shared header of a request whose chain is `chain` and whose
     /// matches on the servers are `depths` (blocks, one per server): its
     /// depth in blocks, or 0 when it opens with none the sketch knows.
