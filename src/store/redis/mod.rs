@@ -183,6 +183,10 @@ pub struct RedisRouting {
     config: RedisConfig,
     client: redis::Client,
     conn: Mutex<Option<MultiplexedConnection>>,
+    /// Held while a connection is opened, so that the tasks finding none
+    /// (a burst of lookups at start or after an outage, and the publishing
+    /// task) wait for one connection instead of each opening its own.
+    connecting: tokio::sync::Mutex<()>,
     names: Names,
     health: Health,
     /// This process's requests and prompt tokens in flight per server slot.
@@ -275,6 +279,7 @@ impl RedisRouting {
             config: config.clone(),
             client,
             conn: Mutex::new(None),
+            connecting: tokio::sync::Mutex::new(()),
             names,
             health: Health::new(),
             counts: (0..SERVER_SLOTS)
@@ -295,7 +300,12 @@ impl RedisRouting {
 
     /// The open connection, or a new one with the scripts loaded.
     async fn connection(&self) -> Result<MultiplexedConnection, StoreError> {
-        if let Some(conn) = self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+        let open = || self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(conn) = open() {
+            return Ok(conn);
+        }
+        let _one_at_a_time = self.connecting.lock().await;
+        if let Some(conn) = open() {
             return Ok(conn);
         }
         let settings = AsyncConnectionConfig::new()
