@@ -54,7 +54,11 @@
 //!    have no first token yet ([`Candidate::pending_tokens`]), and "cached"
 //!    is what the prefix table says `c` holds of this prompt.
 //! 4. **Choice.** The candidate holding more of the prompt (ties: the lower
-//!    estimate, then candidate 1: [`Reason::HashCandidate`]), unless its
+//!    estimate, then candidate 1: [`Reason::HashCandidate`]; but a
+//!    candidate the shared balance rule finds overloaded, [`super::balance`],
+//!    comes after one it does not, whatever they hold: after a scale-out a
+//!    conversation whose two homes are its loaded old engine and a new one
+//!    moves to the new one, issue 38), unless its
 //!    estimate breaks `ttft_slo_ms` and the other's is lower: then the other
 //!    ([`Reason::Slo`]). **The conversation's engine first:** when a
 //!    server that is not full holds more of the prompt past its shared
@@ -344,12 +348,16 @@ impl Policy for DualMap {
         // (candidate, which, estimated TTFT in ms)
         let mut preferred = (first, 1u8, self.estimate_ms(input, first));
         let mut other = second.map(|c| (c, 2u8, self.estimate_ms(input, c)));
-        // Preferred: more blocks held, then the lower estimate, then candidate 1.
-        if let Some(o) = other
-            && (held(o.0) > held(preferred.0) || (held(o.0) == held(preferred.0) && o.2 < preferred.2))
-        {
-            other = Some(preferred);
-            preferred = o;
+        // Preferred: not out of balance, then more blocks held, then the
+        // lower estimate, then candidate 1.
+        let least = least_busy(input.candidates);
+        let balanced = |c: &Candidate| !Balance::DEFAULT.overloaded(c, least);
+        if let Some(o) = other {
+            let key = |c: &(&Candidate, u8, f64)| (balanced(c.0), held(c.0));
+            if key(&o) > key(&preferred) || (key(&o) == key(&preferred) && o.2 < preferred.2) {
+                other = Some(preferred);
+                preferred = o;
+            }
         }
         let (mut pick, mut reason) = (
             preferred,
@@ -368,8 +376,7 @@ impl Policy for DualMap {
         // The conversation's engine, when neither home holds as much of it,
         // unless its estimate breaks the SLO where the pick's does not.
         let homes_hold = held(first).max(second.map_or(0, held));
-        let least = least_busy(input.candidates);
-        let keeps = |c: &Candidate| !self.full(c) && !Balance::DEFAULT.overloaded(c, least);
+        let keeps = |c: &Candidate| !self.full(c) && balanced(c);
         if let Some((holder, blocks)) = best_prefix(input, keeps)
             && blocks > homes_hold
             && (self.estimate_ms(input, holder) <= self.params.ttft_slo_ms as f64
@@ -492,6 +499,35 @@ mod tests {
             ..params()
         });
         assert_eq!(relaxed.choose(&input_for(&chain, 96, &m, &cands)).unwrap().server, a);
+    }
+
+    #[test]
+    fn an_overloaded_home_gives_the_conversation_to_its_other_home() {
+        // A conversation on its home `a`, the other home `b` cold: `a` keeps
+        // it while the spread is within the balance threshold (2 for an
+        // engine that reported no capacity), and gives it up beyond.
+        let f = Fixture::new(4);
+        let p = DualMap::new(params());
+        let idle: Vec<Candidate> = f.s.iter().map(|&s| cand(s, 0, 0)).collect();
+        let chain = Fixture::chain(3, 6);
+        let (a, b) = pair(&p, &chain, &idle);
+        let slot = |s: ServerPair| f.s.iter().position(|&x| x == s).unwrap();
+        f.hold(slot(a), &chain);
+        let m = f.matched(&chain);
+        let loaded =
+            |n: u64| -> Vec<Candidate> { f.s.iter().map(|&s| cand(s, if s == a { n } else { 0 }, 0)).collect() };
+        let within = loaded(2);
+        assert_eq!(p.choose(&input_for(&chain, 96, &m, &within)).unwrap().server, a);
+        let beyond = loaded(3);
+        let c = p.choose(&input_for(&chain, 96, &m, &beyond)).unwrap();
+        assert_eq!(c.server, b, "{c:?}");
+        assert_eq!(
+            c.reason,
+            Reason::HashCandidate {
+                candidate: 2,
+                blocks: 0
+            }
+        );
     }
 
     #[test]

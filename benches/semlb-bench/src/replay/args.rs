@@ -90,6 +90,12 @@ pub struct ReplayArgs {
     /// among.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub cost_weights: Vec<f64>,
+    /// Another row: POLICY with the gateway configuration FILE (TOML,
+    /// appended to the run's; a table the run already writes, such as
+    /// `[health]`, cannot be repeated, and a key must sit under a table),
+    /// named LABEL. Repeatable.
+    #[arg(long = "variant", value_name = "LABEL=POLICY[@FILE]", value_parser = super::variant::parse_variant)]
+    pub variants: Vec<super::variant::Variant>,
     /// The engines' KV cache in tokens (the simulator's
     /// `--kv-capacity-tokens`; small values make them evict often)
     /// [default: the simulator's, 400 000].
@@ -163,6 +169,7 @@ impl ReplayArgs {
             compare_feedback: false,
             compare_prefix_sources: false,
             cost_weights: Vec::new(),
+            variants: Vec::new(),
             kv_tokens: None,
             max_output: 2048,
             dispatchers: 2,

@@ -241,6 +241,7 @@ pub mod real_engine;
 mod report;
 mod sessions;
 mod stats;
+mod variant;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -598,9 +599,23 @@ fn run_workload(
     // A scale-out run adds the engines once a quarter of its requests are
     // answered.
     let scale_out_at = (workload.kind == WorkloadKind::ScaleOut).then(|| workload.requests.len().div_ceil(4));
+    let variants = args
+        .variants
+        .iter()
+        .map(|v| {
+            Ok(Arm {
+                front: ArmFront::Policy(v.policy),
+                label: v.label.clone(),
+                config: format!("\n{}", v.config_text()?),
+                top: String::new(),
+                kv_events: false,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
     let arms: Vec<Arm> = policies
         .iter()
         .flat_map(|&k| Arm::of(k, args))
+        .chain(variants)
         .chain(peers.0.iter().map(|&p| Arm::peer(p)))
         .collect();
     let mut reports = Vec::with_capacity(arms.len());

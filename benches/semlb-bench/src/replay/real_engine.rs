@@ -141,8 +141,8 @@ pub struct LlamaArgs {
     pub repeats: usize,
     /// Another row: POLICY with the gateway configuration FILE (TOML,
     /// appended to --gateway-config's), named LABEL. Repeatable.
-    #[arg(long = "variant", value_name = "LABEL=POLICY[@FILE]", value_parser = parse_variant)]
-    pub variants: Vec<Variant>,
+    #[arg(long = "variant", value_name = "LABEL=POLICY[@FILE]", value_parser = super::variant::parse_variant)]
+    pub variants: Vec<super::variant::Variant>,
     /// llama.cpp's slot pinning: each conversation's requests carry
     /// `id_slot` = its number modulo --slots (`on`), or not (`off`), or
     /// every row both ways (`both`).
@@ -159,32 +159,6 @@ pub enum PinSlots {
     On,
     /// Every row both ways.
     Both,
-}
-
-/// `--variant`: a policy with a configuration of its own.
-#[derive(Debug, Clone)]
-pub struct Variant {
-    label: String,
-    policy: PolicyKind,
-    config: Option<PathBuf>,
-}
-
-fn parse_variant(text: &str) -> Result<Variant, String> {
-    let (label, rest) = text
-        .split_once('=')
-        .ok_or_else(|| format!("{text:?}: expected LABEL=POLICY[@FILE]"))?;
-    let (policy, config) = match rest.split_once('@') {
-        Some((p, f)) => (p, Some(PathBuf::from(f))),
-        None => (rest, None),
-    };
-    if label.is_empty() {
-        return Err(format!("{text:?}: the label is empty"));
-    }
-    Ok(Variant {
-        label: label.to_owned(),
-        policy: policy.parse().map_err(|e| format!("{text:?}: {e}"))?,
-        config,
-    })
 }
 
 /// One row of the report: what a run is.
@@ -212,14 +186,10 @@ impl Arm {
             })
             .collect();
         for v in &args.variants {
-            let config = match &v.config {
-                Some(path) => std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?,
-                None => String::new(),
-            };
             arms.push(Self {
                 label: v.label.clone(),
                 policy: v.policy,
-                config,
+                config: v.config_text()?,
                 pin: false,
             });
         }
@@ -796,20 +766,6 @@ impl Figures {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_variant_is_a_label_a_policy_and_perhaps_a_file() {
-        let v = parse_variant("ca/abs1=cache_aware@/tmp/abs1.toml").unwrap();
-        assert_eq!(
-            (v.label.as_str(), v.policy, v.config),
-            ("ca/abs1", PolicyKind::CacheAware, Some(PathBuf::from("/tmp/abs1.toml")))
-        );
-        let v = parse_variant("plain=least_load").unwrap();
-        assert_eq!((v.policy, v.config), (PolicyKind::LeastLoad, None));
-        for bad in ["cache_aware", "=cache_aware", "x=no_such_policy"] {
-            assert!(parse_variant(bad).is_err(), "{bad}");
-        }
-    }
 
     #[test]
     fn the_decode_step_goes_through_both_measurements() {
