@@ -433,6 +433,17 @@ mod tests {
 
     type ServerPair = shm_layout::ServerRef;
 
+    /// Idle candidates of `f`, a 6-block chain from `seed`, and its two
+    /// homes `(a, b)`, with `a` holding the whole chain.
+    fn held_by_first_home(f: &Fixture, p: &DualMap, seed: u64) -> (Vec<Candidate>, Vec<u64>, ServerPair, ServerPair) {
+        let idle: Vec<Candidate> = f.s.iter().map(|&s| cand(s, 0, 0)).collect();
+        let chain = Fixture::chain(seed, 6);
+        let (a, b) = pair(p, &chain, &idle);
+        let slot = f.s.iter().position(|&x| x == a).unwrap();
+        f.hold(slot, &chain);
+        (idle, chain, a, b)
+    }
+
     #[test]
     fn a_cold_prompt_goes_to_the_candidate_holding_more_of_it() {
         let f = Fixture::new(6);
@@ -469,11 +480,7 @@ mod tests {
             max_pending: 100,
             ..params()
         });
-        let idle: Vec<Candidate> = f.s.iter().map(|&s| cand(s, 0, 0)).collect();
-        let chain = Fixture::chain(2, 6);
-        let (a, b) = pair(&p, &chain, &idle);
-        let slot = |s: ServerPair| f.s.iter().position(|&x| x == s).unwrap();
-        f.hold(slot(a), &chain);
+        let (idle, chain, a, b) = held_by_first_home(&f, &p, 2);
         let m = f.matched(&chain);
         // a holds everything but has 2 000 pending prompt tokens: 200 ms > 100 ms; b: 96 tokens = 9.6 ms.
         let cands: Vec<Candidate> = idle
@@ -508,11 +515,7 @@ mod tests {
         // engine that reported no capacity), and gives it up beyond.
         let f = Fixture::new(4);
         let p = DualMap::new(params());
-        let idle: Vec<Candidate> = f.s.iter().map(|&s| cand(s, 0, 0)).collect();
-        let chain = Fixture::chain(3, 6);
-        let (a, b) = pair(&p, &chain, &idle);
-        let slot = |s: ServerPair| f.s.iter().position(|&x| x == s).unwrap();
-        f.hold(slot(a), &chain);
+        let (_, chain, a, b) = held_by_first_home(&f, &p, 3);
         let m = f.matched(&chain);
         let loaded =
             |n: u64| -> Vec<Candidate> { f.s.iter().map(|&s| cand(s, if s == a { n } else { 0 }, 0)).collect() };
@@ -535,11 +538,7 @@ mod tests {
         let f = Fixture::new(6);
         let p = DualMap::new(params());
         assert!(p.holds_requests());
-        let idle: Vec<Candidate> = f.s.iter().map(|&s| cand(s, 0, 0)).collect();
-        let chain = Fixture::chain(3, 6);
-        let (a, b) = pair(&p, &chain, &idle);
-        let slot = |s: ServerPair| f.s.iter().position(|&x| x == s).unwrap();
-        f.hold(slot(a), &chain);
+        let (idle, chain, a, b) = held_by_first_home(&f, &p, 3);
         let m = f.matched(&chain);
         let with = |pending_a: u64, tokens_a: u64, pending_b: u64, tokens_b: u64| -> Vec<Candidate> {
             idle.iter()
