@@ -72,6 +72,12 @@ pub struct ParsedRequest<'a> {
     /// last assistant message, when a later message follows it (a
     /// conversation's next turn); 0 otherwise and for completions.
     pub earlier_answer_bytes: usize,
+    /// Bytes of the routing text before any message's text: the chat
+    /// template's opening (its role markers and any system prompt of its
+    /// own), the same for every conversation the template renders. 0 for
+    /// completions, and when the first message's text cannot be found in
+    /// the rendered prompt.
+    pub template_bytes: usize,
     /// The whole body.
     pub body: Object<'a>,
 }
@@ -89,6 +95,7 @@ impl ParsedRequest<'_> {
                 RoutingInput::Tokens(ids) => RoutingInput::Tokens(ids),
             },
             earlier_answer_bytes: self.earlier_answer_bytes,
+            template_bytes: self.template_bytes,
             body: self.body.into_owned(),
         }
     }
@@ -260,11 +267,15 @@ pub fn parse_with<'a, P: Templated>(
         }
     };
     check_numbers(&body)?;
-    let (input, earlier_answer_bytes) = match endpoint {
-        Endpoint::Completions => (completions_input(body.get("prompt"))?, 0),
+    let (input, earlier_answer_bytes, template_bytes) = match endpoint {
+        Endpoint::Completions => (completions_input(body.get("prompt"))?, 0, 0),
         Endpoint::ChatCompletions => {
-            let (text, answer) = chat_text(body.get("messages"), template, limits.max_messages)?;
-            (RoutingInput::Text(Cow::Owned(text)), answer)
+            let chat = chat_text(body.get("messages"), template, limits.max_messages)?;
+            (
+                RoutingInput::Text(Cow::Owned(chat.text)),
+                chat.earlier_answer_bytes,
+                chat.template_bytes,
+            )
         }
     };
     if let RoutingInput::Text(text) = &input
@@ -292,6 +303,7 @@ pub fn parse_with<'a, P: Templated>(
         stream,
         input,
         earlier_answer_bytes,
+        template_bytes,
         body,
     };
     Ok((parsed, picked))
@@ -476,13 +488,23 @@ pub fn opening(body: &Object<'_>) -> Option<u64> {
     None
 }
 
-/// The rendered messages, and the bytes of the last assistant message's
-/// text when another message follows it.
+/// A chat request's messages, rendered.
+struct ChatText {
+    /// The rendered prompt.
+    text: String,
+    /// Bytes of the last assistant message's text when another message
+    /// follows it ([`ParsedRequest::earlier_answer_bytes`]).
+    earlier_answer_bytes: usize,
+    /// Bytes before the first message text ([`ParsedRequest::template_bytes`]).
+    template_bytes: usize,
+}
+
+/// Renders the messages.
 fn chat_text(
     messages: Option<&Json<'_>>,
     template: &ChatTemplate,
     max_messages: usize,
-) -> Result<(String, usize), RequestError> {
+) -> Result<ChatText, RequestError> {
     let param = Some("messages");
     let messages = match messages {
         None | Some(Json::Null) => return Err(RequestError::new("'messages' is required", param)),
@@ -539,7 +561,24 @@ fn chat_text(
     let text = template
         .render(&rendered)
         .map_err(|e| RequestError::new(e.to_string(), param))?;
-    Ok((text, earlier_answer))
+    Ok(ChatText {
+        template_bytes: template_bytes(&text, &rendered),
+        text,
+        earlier_answer_bytes: earlier_answer,
+    })
+}
+
+/// Where the first message with text starts in `text` (its first
+/// occurrence, trimmed as templates often trim it): everything before is
+/// the template's own. 0 when it is not found (a template that rewrites
+/// the text) or no message has text.
+fn template_bytes(text: &str, messages: &[ChatMessage<'_>]) -> usize {
+    messages
+        .iter()
+        .map(|m| m.content.trim())
+        .find(|t| !t.is_empty())
+        .and_then(|first| text.find(first))
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -655,6 +694,15 @@ mod tests {
         // An assistant message last (a prefill to continue) is not an earlier answer.
         let last = r#"{"model":"m","messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hel"}]}"#;
         assert_eq!(chat(last).unwrap().earlier_answer_bytes, 0);
+        // The template's opening: what comes before the first message text.
+        assert_eq!(chat(one).unwrap().template_bytes, "<|system|>\n".len());
+        let empty_first =
+            r#"{"model":"m","messages":[{"role":"system","content":" "},{"role":"user","content":"Hi"}]}"#;
+        assert_eq!(
+            chat(empty_first).unwrap().template_bytes,
+            "<|system|>\n \n<|user|>\n".len()
+        );
+        assert_eq!(completion(r#"{"model":"m","prompt":"Hi"}"#).unwrap().template_bytes, 0);
         // A tool-calling assistant message has null content.
         assert!(chat(r#"{"model":"m","messages":[{"role":"assistant","content":null,"tool_calls":[]}]}"#).is_ok());
     }

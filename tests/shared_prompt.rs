@@ -39,6 +39,11 @@
 //! (`x-semlb-route`), the stay share, the time requests were held in the
 //! gateway queue (`x-semlb-queue-ms`) and any failed turn, so that a red
 //! run is a finding; the same table is printed (`--nocapture`) on success.
+//!
+//! Two smaller shapes follow: engines added next to a loaded one under
+//! running conversations ([`engines_added_next_to_a_loaded_one_take_over_running_conversations`]),
+//! and new conversations whose only shared text is the chat template's own
+//! opening ([`a_chat_templates_opening_does_not_hold_new_conversations_together`]).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -625,5 +630,59 @@ fn engines_added_next_to_a_loaded_one_take_over_running_conversations() {
     assert!(
         failing.is_empty(),
         "scale-out from 1 to {ENGINES} engines under {CLIENTS} running conversations fails for {failing:?}\n{table}"
+    );
+}
+
+/// The chat template's own opening, the same for every conversation it
+/// renders (here a default system prompt of about 90 tokens, five
+/// blocks, as Qwen2.5's template adds one), is no reason to keep new
+/// conversations together: on a cold gateway (one dispatcher, two idle
+/// engines, the default policy) short first questions sent one after the
+/// other go by load, not to the engine that computed the opening first.
+/// (Before the opening counted as header, the first three went to one
+/// engine by prefix: a match of 5 of 6 blocks, until the shared-header
+/// sketch had seen two prompts diverge there.)
+#[test]
+fn a_chat_templates_opening_does_not_hold_new_conversations_together() {
+    let dir = support::TempDir::new("template-opening");
+    let template = "{% if messages[0]['role'] != 'system' %}<|im_start|>system\n\
+        You are Atlas, the assistant of the Northwind Outfitters support desk. You answer \
+        questions about orders, returns, repairs and warranties of outdoor equipment in \
+        plain words, you never invent an order number, a policy or a date, and when you do \
+        not know something you say so and offer to hand the question to a person of the \
+        support team, who answers within one working day.<|im_end|>\n{% endif %}\
+        {% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}\
+        {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let config_path = dir.0.join("tokenizer_config.json");
+    std::fs::write(&config_path, json!({ "chat_template": template }).to_string()).unwrap();
+    let engines: Vec<Proc> = (0..2).map(|_| sim_with("0.01", &[])).collect();
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let gw = Gateway::builder()
+        .tag("template-opening")
+        .backends(&refs)
+        .dispatchers(1)
+        .config(&format!("chat_template = \"{}\"\n", config_path.display()))
+        .start();
+    let mut routes = Vec::new();
+    for i in 0..6 {
+        let question = format!("Customer {i} asks: where is order {}?", 40_000 + i * 7_919);
+        let r = support::gateway::chat(gw.addr(), &[user(&question)], json!({}), &[]);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        routes.push(routed(&r));
+    }
+    let on = |engine: &Proc| {
+        routes
+            .iter()
+            .filter(|(backend, _)| backend.ends_with(&engine.addr))
+            .count()
+    };
+    let per_engine: Vec<usize> = engines.iter().map(on).collect();
+    assert!(
+        routes.iter().all(|(_, reason)| !reason.starts_with("prefix")),
+        "a match of the template's opening routed by prefix: {routes:?}"
+    );
+    assert!(
+        per_engine.iter().all(|&n| n >= 2),
+        "new conversations held together: per engine {per_engine:?}, {routes:?}"
     );
 }

@@ -65,7 +65,7 @@
 //! | `policy.queue.fair_share` | bool | `true` | among the waiting requests of a class, the tenant that has received the least service first ([`crate::fair_share`]); `false`: oldest first |
 //! | `policy.queue.batch_max_delay_ms` | integer | `10000` | a batch request waiting this long goes before interactive ones (1 ms to 1 hour) |
 //! | `[policy.cache_aware]` | table | | thresholds of the `cache_aware` policy, checked whatever the kind ([`crate::routing::cache_aware::CacheAwareParams`]) |
-//! | `policy.cache_aware.cache_threshold` | float | `0.5` | share of the prompt's blocks (0 to 1) a server must hold, strictly more than, to get the request for its cache |
+//! | `policy.cache_aware.cache_threshold` | float | `0.3` | share of the prompt's blocks (0 to 1) a server must hold, strictly more than, to get the request for its cache |
 //! | `policy.cache_aware.balance_abs_threshold` | integer | `32` | the prefix winner is overloaded only if it has more than this many requests in flight above the least busy server ... |
 //! | `policy.cache_aware.balance_rel_threshold` | float | `1.1` | ... and more than this multiple (at least 1) of its load; then the least loaded server gets the request |
 //! | `policy.cache_aware.scale_to_capacity` | bool | `true` | the absolute threshold is at most an eighth of what the winner's engine runs at once, rounded up: its reported slots (llama.cpp's `/props`), else its learned admission limit, else 8 (`scale_to_engine_slots`, the old name, is still read) |

@@ -417,7 +417,7 @@ fn policy_table() {
     let c = parse("[policy.cache_aware]\nbalance_abs_threshold = 64\n").unwrap();
     assert_eq!(c.policy.kind, PolicyKind::CacheAware);
     assert_eq!(c.policy.cache_aware.balance_abs_threshold, 64);
-    assert_eq!(c.policy.cache_aware.cache_threshold, 0.5);
+    assert_eq!(c.policy.cache_aware.cache_threshold, 0.3);
     let msg = parse_err("[policy]\nkind = \"fastest\"\n");
     assert!(
         msg.contains("unknown variant `fastest`") && msg.contains("line 2"),

@@ -36,6 +36,7 @@ use crate::metrics::CacheResult;
 use crate::pools::{ModelPools, Pool};
 use crate::prompt::{self, Endpoint, RoutingInput};
 use crate::response_cache::{self, Cacheability, Scope, Tenant};
+use crate::routing::shared_header;
 use crate::store::LookupRequest;
 
 /// Routing texts longer than this are tokenized on the blocking pool. The
@@ -179,6 +180,13 @@ pub(super) async fn inference(
     let hasher = BlockHasher::new(root, pool.block_size());
     let mut chain = Vec::with_capacity(prompt_tokens.len() / hasher.block_size() + 1);
     hasher.chain(&prompt_tokens, &mut chain);
+    let template_blocks = match &parsed.input {
+        RoutingInput::Text(text) if parsed.template_bytes >= hasher.block_size() => {
+            let opening = tokenizer.encode(&text[..parsed.template_bytes]);
+            shared_header::template_blocks(&prompt_tokens, &opening, hasher.block_size())
+        }
+        _ => 0,
+    };
     timing.mark(Mark::Hash);
 
     // Response cache.
@@ -287,6 +295,7 @@ pub(super) async fn inference(
         answer_tokens,
         prompt_tokens,
         chain,
+        template_blocks,
         hasher,
         store_key: key.filter(|_| cacheability.writes()),
         cache,

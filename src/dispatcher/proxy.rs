@@ -109,6 +109,9 @@ pub(super) struct InferenceCtx {
     pub timing: DispatchTiming,
     pub prompt_tokens: Vec<u32>,
     pub chain: Vec<u64>,
+    /// Leading blocks of the chain that are the chat template's own text
+    /// (see [`super::route::RouteRequest::template_blocks`]).
+    pub template_blocks: u32,
     pub hasher: BlockHasher,
     /// The prompt's end key ([`BlockHasher::end_key`]).
     pub end_key: u64,
@@ -298,6 +301,7 @@ impl<'d> Attempts<'d> {
         let route = RouteRequest {
             chain,
             prompt_tokens: u32::try_from(self.prompt_tokens()).unwrap_or(u32::MAX),
+            template_blocks: self.ctx.as_ref().map_or(0, |c| c.template_blocks),
             session: self.ctx.as_ref().and_then(|c| c.session),
             inference: self.ctx.is_some(),
             pool: self.outbound.pool.as_ref(),

@@ -24,6 +24,9 @@ pub(super) struct RouteRequest<'a> {
     pub chain: &'a [u64],
     /// Prompt tokens.
     pub prompt_tokens: u32,
+    /// Leading blocks that are the chat template's own text, the same for
+    /// every conversation (counted as shared header: [`RouteInput::header_blocks`]).
+    pub template_blocks: u32,
     /// The hashed session key.
     pub session: Option<u64>,
     /// An inference request (routed by its pool's policy; others by least
@@ -135,6 +138,7 @@ pub(super) async fn choose(
     let RouteRequest {
         chain,
         prompt_tokens,
+        template_blocks,
         session,
         inference,
         continuation,
@@ -163,9 +167,10 @@ pub(super) async fn choose(
     let prefix = lookup.routing_prefix();
     let header_blocks = match pool {
         Some(pool) if inference && pool.shared_headers() => {
-            dispatcher
+            let observed = dispatcher
                 .shared_headers()
-                .observe_match(chain, &prefix, !exclude.is_empty())
+                .observe_match(chain, &prefix, !exclude.is_empty());
+            observed.max(template_blocks)
         }
         _ => 0,
     };

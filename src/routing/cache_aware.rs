@@ -131,27 +131,24 @@
 //!
 //! # Parameters
 //!
-//! [`CacheAwareParams`] defaults are those of SGLang's library
-//! `CacheAwareConfig::default()`: `cache_threshold = 0.5`,
-//! `balance_abs_threshold = 32`, `balance_rel_threshold = 1.1`. (The
-//! command lines users run SGLang's router, SMG and vllm-router with
-//! default to `--cache-threshold 0.3 --balance-abs-threshold 64
-//! --balance-rel-threshold 1.5`.)
+//! [`CacheAwareParams`]: `cache_threshold = 0.3`, the default of the
+//! command lines users run SGLang's router, SMG and vllm-router with;
+//! `balance_abs_threshold = 32` and `balance_rel_threshold = 1.1`, SGLang's
+//! library `CacheAwareConfig::default()` (its command line: 64 and 1.5).
 //!
-//! Why not 0.3 (measured 2026-11-28, issue 38): on the replay's `hh-rlhf`
-//! chats (~100-token prompts, a new turn often more than twice the
-//! previous prompt, so a conversation's own engine holds half of the
-//! prompt or less) 0.5 keeps 51 % of later turns on their engine and 91 %
-//! of requests within the TTFT objective at 1.5x the rate; 0.49, 58 % and
-//! 96 %; 0.3, 74 % and 100 % (vllm-router, at 0.3: 79 %), the other
-//! workloads within their run-to-run spread. But the peers match the
-//! messages' text, and semlb the rendered prompt, whose first block is
-//! the chat template's opening: at 0.3 a 3-block prompt matching only
-//! that block goes by prefix, so short distinct prompts stick to the first
-//! engine until the shared-header sketch has seen the opening diverge
-//! (`tests/models.rs` sent 5 such requests to one of two engines in 4 of
-//! 12 runs). Lowering it needs the template's opening counted as header
-//! first.
+//! Why 0.3 and not the library's 0.5 (measured 2026-11-28, issue 38): on
+//! the replay's `hh-rlhf` chats (~100-token prompts, a new turn often
+//! more than twice the previous prompt, so a conversation's own engine
+//! holds half of the prompt or less) 0.5 keeps 51 % of later turns on
+//! their engine and 91 % of requests within the TTFT objective at 1.5x
+//! the rate; 0.49, 58 % and 96 %; 0.3, 74 % and 100 % (vllm-router, at
+//! 0.3: 79 %), the other workloads within their run-to-run spread. The
+//! peers match the messages' text and semlb the rendered prompt, which
+//! opens with the chat template's own text (role markers, a date line, a
+//! default system prompt): whole blocks of it count as shared header
+//! from the first request on ([`super::shared_header`]'s template
+//! opening), so a short prompt whose only match is the template does not
+//! stick to the engine that computed it.
 //!
 //! Choosing never allocates: a handful of passes over the candidates and
 //! the (at most 8) match entries, and at most one atomic add.
@@ -172,9 +169,9 @@ pub struct CacheAwareParams {
     /// Fraction of the prompt's blocks (0.0–1.0) the best-matching server
     /// must hold, strictly more than, to get the request for its cache.
     /// 0.0 = any matched block counts; 1.0 = never route by prefix.
-    /// Default 0.5 (SGLang's library default; the command lines of its
-    /// router, SMG and vllm-router use 0.3: see the
-    /// [module docs](self#parameters) for why not here yet).
+    /// Default 0.3 (the command lines of SGLang's router, SMG and
+    /// vllm-router; SGLang's library says 0.5: see the
+    /// [module docs](self#parameters) for why 0.3).
     pub cache_threshold: f64,
     /// Absolute load spread: the prefix winner is overloaded only if it
     /// has more than this many requests in flight above the least busy
@@ -209,7 +206,7 @@ pub struct CacheAwareParams {
 impl Default for CacheAwareParams {
     fn default() -> Self {
         Self {
-            cache_threshold: 0.5,
+            cache_threshold: 0.3,
             balance_abs_threshold: 32,
             balance_rel_threshold: 1.1,
             scale_to_capacity: true,
@@ -382,11 +379,11 @@ mod tests {
     }
 
     #[test]
-    fn defaults_are_sglangs_library_defaults() {
+    fn defaults_are_the_peers_threshold_and_sglangs_library_balance() {
         let p = CacheAwareParams::default();
         assert_eq!(
             (p.cache_threshold, p.balance_abs_threshold, p.balance_rel_threshold),
-            (0.5, 32, 1.1)
+            (0.3, 32, 1.1)
         );
         assert!(p.scale_to_capacity);
         assert_eq!(p.validate(), Ok(()));
@@ -418,7 +415,7 @@ mod tests {
     fn prefix_below_threshold_goes_to_least_load() {
         let f = Fixture::new(3);
         let chain = Fixture::chain(2, 10);
-        f.hold(1, &chain[..4]);
+        f.hold(1, &chain[..2]);
         let m = f.matched(&chain);
         let cands = [cand(f.s[0], 2, 0), cand(f.s[1], 1, 0), cand(f.s[2], 0, 0)];
         let c = CacheAware::default().choose(&input(10, &m, &cands)).unwrap();
@@ -429,19 +426,19 @@ mod tests {
     fn prefix_exactly_at_threshold_is_not_enough() {
         let f = Fixture::new(2);
         let chain = Fixture::chain(3, 10);
-        f.hold(0, &chain[..5]);
+        f.hold(0, &chain[..3]);
         let m = f.matched(&chain);
         let cands = [cand(f.s[0], 1, 0), cand(f.s[1], 0, 0)];
         let p = CacheAware::default();
-        // 5 / 10 == 0.5: not strictly above.
+        // 3 / 10 == 0.3: not strictly above.
         assert_eq!(
             p.choose(&input(10, &m, &cands)).unwrap(),
             choice(f.s[1], Reason::LeastLoad)
         );
         // One more block is.
-        f.hold(0, &chain[..6]);
+        f.hold(0, &chain[..4]);
         let m = f.matched(&chain);
-        assert_eq!(p.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[0], prefix(6)));
+        assert_eq!(p.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[0], prefix(4)));
     }
 
     #[test]

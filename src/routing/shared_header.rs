@@ -65,6 +65,20 @@
 //! its own engine's 98 % that one request more in flight there moved the
 //! conversation).
 //!
+//! # The chat template's opening
+//!
+//! One header is known before any traffic: the text a chat template puts
+//! before the first message (role markers, a date line, a default system
+//! prompt such as Qwen2.5's "You are Qwen, created by Alibaba Cloud…").
+//! Every conversation the template renders opens with it, so a match
+//! that ends within it says nothing of where a conversation belongs; yet
+//! at a cold start the sketch has seen no divergence there, and a short
+//! prompt whose one matched block is that opening went to the engine
+//! that computed it. The dispatcher finds where the first message's text
+//! starts in the rendered prompt ([`crate::prompt::ParsedRequest::template_bytes`]),
+//! and the whole blocks before it ([`template_blocks`]) count as header
+//! from the first request on.
+//!
 //! Each dispatcher keeps its own sketch (per process: nothing in shared
 //! memory), so with `n` dispatchers up to `n × DIVERGENCES` new
 //! conversations follow a new system prompt to its first engine before it
@@ -227,9 +241,33 @@ impl SharedHeaders {
     }
 }
 
+/// Whole blocks of `block_size` tokens at the start of a prompt whose
+/// tokens are `prompt` that lie within its opening, tokenized alone as
+/// `opening`: the leading tokens the two share (the opening's last token
+/// may merge with the text after it in the whole prompt, and then counts
+/// as not shared), in whole blocks.
+pub fn template_blocks(prompt: &[u32], opening: &[u32], block_size: usize) -> u32 {
+    let shared = prompt.iter().zip(opening).take_while(|(a, b)| a == b).count();
+    u32::try_from(shared / block_size.max(1)).unwrap_or(u32::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_opening_counts_in_whole_blocks_of_the_tokens_it_shares_with_the_prompt() {
+        let prompt: Vec<u32> = (0..40).collect();
+        // 33 shared tokens: two whole blocks of 16.
+        assert_eq!(template_blocks(&prompt, &prompt[..33], 16), 2);
+        // The opening's last token merged with the message's first in the
+        // whole prompt: 31 shared, one block.
+        let mut merged = prompt[..32].to_vec();
+        merged[31] = 999;
+        assert_eq!(template_blocks(&prompt, &merged, 16), 1);
+        assert_eq!(template_blocks(&prompt, &[], 16), 0);
+        assert_eq!(template_blocks(&prompt[..10], &prompt[..10], 16), 0);
+    }
 
     /// A chain: `header` blocks shared by every conversation, then
     /// `own` blocks of conversation `c`.
