@@ -217,6 +217,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "scale_to_capacity",
         "weigh_queued_prefill",
         "queued_prefill_margin",
+        "saved_tokens_per_spread",
         "[policy.selective_push]",
         "mode",
         "max_pending",

@@ -27,7 +27,9 @@
 //! conversations that started before them.
 //!
 //! `cache_aware` applies it with its own thresholds
-//! ([`super::CacheAwareParams`]); the other prefix-aware policies with
+//! ([`super::CacheAwareParams`]), the winner's absolute threshold raised
+//! by what its cache is worth to the request ([`Balance::overloaded_with`]:
+//! its `saved_tokens_per_spread`); the other prefix-aware policies with
 //! [`Balance::DEFAULT`]: `weighted_scorers` (an overloaded server's prefix
 //! score is 0), `selective_push` (an overloaded server is not the prefix
 //! choice) and `dual_map` (an overloaded conversation engine is not kept
@@ -93,8 +95,17 @@ impl Balance {
     /// conversations the new engines should take.
     #[inline]
     pub fn overloaded(&self, c: &Candidate, least: Option<&Candidate>) -> bool {
+        self.overloaded_with(c, least, 0)
+    }
+
+    /// [`overloaded`](Self::overloaded) with the absolute threshold raised
+    /// by `extra` requests, up to `abs` (what keeping the request there is
+    /// worth: `cache_aware`'s `saved_tokens_per_spread`).
+    #[inline]
+    pub fn overloaded_with(&self, c: &Candidate, least: Option<&Candidate>, extra: u64) -> bool {
         let own = self.abs_threshold(c);
-        let abs = least.map_or(own, |l| own.min(self.abs_threshold(l)));
+        let scaled = least.map_or(own, |l| own.min(self.abs_threshold(l)));
+        let abs = scaled.saturating_add(extra).min(self.abs.max(scaled));
         self.beyond(c.inflight, least.map_or(0, |l| l.inflight), abs)
     }
 }
@@ -178,5 +189,23 @@ mod tests {
         assert!(!b.overloaded(&old(9), Some(&new(7))));
         // Two engines that both learned 64: 8 above is within.
         assert!(!b.overloaded(&old(15), Some(&old(7))));
+    }
+
+    #[test]
+    fn what_keeping_is_worth_raises_the_threshold_up_to_the_cap() {
+        let f = Fixture::new(1);
+        let at = |inflight: u64| Candidate {
+            admission: 16,
+            ..cand(f.s[0], inflight, 0)
+        };
+        let b = Balance::DEFAULT;
+        // abs 2, raised by 3: 5 above is within, 6 is not.
+        assert!(b.overloaded(&at(9), Some(&at(4))));
+        assert!(!b.overloaded_with(&at(9), Some(&at(4)), 3));
+        assert!(b.overloaded_with(&at(10), Some(&at(4)), 3));
+        // Never above the configured cap.
+        let capped = Balance { abs: 4, ..b };
+        assert!(capped.overloaded_with(&at(9), Some(&at(4)), 100));
+        assert!(!capped.overloaded_with(&at(8), Some(&at(4)), 100));
     }
 }

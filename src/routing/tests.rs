@@ -63,6 +63,7 @@ fn validate_accepts_the_defaults_and_the_range_ends() {
                 scale_to_capacity: true,
                 weigh_queued_prefill: true,
                 queued_prefill_margin: crate::routing::cache_aware::QUEUED_PREFILL_MARGIN,
+                saved_tokens_per_spread: 0,
             },
             ..PolicyConfig::default()
         };
@@ -112,17 +113,18 @@ fn config_deserializes_with_defaults() {
         }
     );
     let c: PolicyConfig =
-        serde_json::from_str(r#"{"cache_aware": {"cache_threshold": 0.3, "balance_abs_threshold": 64}}"#).unwrap();
+        serde_json::from_str(r#"{"cache_aware": {"cache_threshold": 0.4, "balance_abs_threshold": 64}}"#).unwrap();
     assert_eq!(c.kind, PolicyKind::CacheAware);
     assert_eq!(
         c.cache_aware,
         CacheAwareParams {
-            cache_threshold: 0.3,
+            cache_threshold: 0.4,
             balance_abs_threshold: 64,
             balance_rel_threshold: 1.1,
             scale_to_capacity: true,
             weigh_queued_prefill: true,
             queued_prefill_margin: crate::routing::cache_aware::QUEUED_PREFILL_MARGIN,
+            saved_tokens_per_spread: crate::routing::cache_aware::SAVED_TOKENS_PER_SPREAD,
         }
     );
     // Integers are accepted for the float fields.
@@ -178,6 +180,7 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
         scale_to_capacity: true,
         weigh_queued_prefill: true,
         queued_prefill_margin: crate::routing::cache_aware::QUEUED_PREFILL_MARGIN,
+        saved_tokens_per_spread: 0,
     };
     let policies: Vec<(Box<dyn Policy>, Option<CacheAwareParams>)> = vec![
         (
@@ -253,7 +256,8 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
                     match params {
                         Some(params) => {
                             assert!(f64::from(blocks) > params.cache_threshold * prompt_blocks as f64);
-                            assert!(!params.balance().overloaded(chosen, least));
+                            let own = u64::from(blocks - header) * 16;
+                            assert!(!params.winner_overloaded(chosen, &candidates, own));
                         }
                         None => assert!(
                             ["selective_push", "dual_map"].contains(&p.name()),
