@@ -568,16 +568,23 @@ fn chat_text(
     })
 }
 
-/// Where the first message with text starts in `text` (its first
-/// occurrence, trimmed as templates often trim it): everything before is
-/// the template's own. 0 when it is not found (a template that rewrites
-/// the text) or no message has text.
+/// Bytes of a message's text [`template_bytes`] looks for: enough to
+/// tell it from the template's own text, and a search of a long message
+/// costs no more than a short one's.
+const TEMPLATE_PROBE_BYTES: usize = 64;
+
+/// Where the first message with text starts in `text` (the first
+/// occurrence of its first [`TEMPLATE_PROBE_BYTES`], trimmed as templates
+/// often trim it; an earlier occurrence in the template's own text only
+/// makes the opening shorter): everything before is the template's own.
+/// 0 when it is not found (a template that rewrites the text) or no
+/// message has text.
 fn template_bytes(text: &str, messages: &[ChatMessage<'_>]) -> usize {
     messages
         .iter()
         .map(|m| m.content.trim())
         .find(|t| !t.is_empty())
-        .and_then(|first| text.find(first))
+        .and_then(|first| text.find(&first[..first.floor_char_boundary(TEMPLATE_PROBE_BYTES)]))
         .unwrap_or(0)
 }
 
@@ -703,6 +710,12 @@ mod tests {
             "<|system|>\n \n<|user|>\n".len()
         );
         assert_eq!(completion(r#"{"model":"m","prompt":"Hi"}"#).unwrap().template_bytes, 0);
+        // A long first message, cut inside a multi-byte character.
+        let long = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"a{}"}}]}}"#,
+            "é".repeat(100)
+        );
+        assert_eq!(chat(&long).unwrap().template_bytes, "<|user|>\n".len());
         // A tool-calling assistant message has null content.
         assert!(chat(r#"{"model":"m","messages":[{"role":"assistant","content":null,"tool_calls":[]}]}"#).is_ok());
     }
