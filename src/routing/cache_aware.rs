@@ -274,14 +274,6 @@ impl CacheAwareParams {
         }
     }
 
-    /// The absolute threshold of server `c`: `balance_abs_threshold`,
-    /// capped at `⌈admission / 8⌉` (at least 1) when `scale_to_capacity`
-    /// ([`Balance::abs_threshold`]).
-    #[inline]
-    pub fn abs_threshold(&self, c: &Candidate) -> u64 {
-        self.balance().abs_threshold(c)
-    }
-
     /// Whether the prefix winner `winner` is overloaded against the least
     /// busy of `candidates` when the request holds `own_tokens` of its own
     /// cache there (its match past the shared header): the balance rule
@@ -291,14 +283,6 @@ impl CacheAwareParams {
     pub fn winner_overloaded(&self, winner: &Candidate, candidates: &[Candidate], own_tokens: u64) -> bool {
         let extra = own_tokens.checked_div(self.saved_tokens_per_spread).unwrap_or(0);
         self.balance().overloaded_with(winner, least_busy(candidates), extra)
-    }
-
-    /// Whether `load` is out of balance with `min`: above it by more than
-    /// `abs` (see [`abs_threshold`](Self::abs_threshold)) AND more than
-    /// `balance_rel_threshold` times it.
-    #[inline]
-    pub fn overloaded(&self, load: u64, min: u64, abs: u64) -> bool {
-        self.balance().beyond(load, min, abs)
     }
 }
 
@@ -633,14 +617,14 @@ mod tests {
         let m = f.matched(&chain);
         let p = CacheAware::new(params(0.5, 4, 1.5));
         // The winner is 6 above the least loaded and 2× it: overloaded.
-        assert!(p.params().overloaded(12, 6, 4));
+        assert!(p.params().balance().beyond(12, 6, 4));
         let cands = [cand(f.s[0], 6, 0), cand(f.s[1], 7, 0), cand(f.s[2], 12, 0)];
         assert_eq!(
             p.choose(&input(10, &m, &cands)).unwrap(),
             choice(f.s[0], Reason::LeastLoad)
         );
         // One request fewer and it is within the absolute threshold.
-        assert!(!p.params().overloaded(10, 6, 4));
+        assert!(!p.params().balance().beyond(10, 6, 4));
         let cands = [cand(f.s[0], 6, 0), cand(f.s[1], 7, 0), cand(f.s[2], 10, 0)];
         assert_eq!(p.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[2], prefix(10)));
         // Above by more than abs but not rel × min: not overloaded.
@@ -664,7 +648,7 @@ mod tests {
         // Two-slot llama.cpp engines: the threshold is 1, so the holder 2
         // above the idlest (and above 1.1 × it) is overloaded.
         let cands = [slots(cand(f.s[0], 3, 0), 2), slots(cand(f.s[1], 1, 0), 2)];
-        assert_eq!(p.params().abs_threshold(&cands[0]), 1);
+        assert_eq!(p.params().balance().abs_threshold(&cands[0]), 1);
         assert_eq!(
             p.choose(&input(10, &m, &cands[..2])).unwrap(),
             choice(f.s[1], Reason::LeastLoad)
@@ -681,7 +665,7 @@ mod tests {
                 .collect()
         };
         let cands = four([7, 3, 3, 3], 16);
-        assert_eq!(p.params().abs_threshold(&cands[0]), 2);
+        assert_eq!(p.params().balance().abs_threshold(&cands[0]), 2);
         assert_eq!(p.choose(&input(10, &m, &cands)).unwrap().reason, Reason::LeastLoad);
         let cands = four([5, 3, 4, 4], 16);
         assert_eq!(p.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[0], prefix(10)));
@@ -695,7 +679,9 @@ mod tests {
         // configured threshold.
         for (n, abs) in [(1, 2), (8, 2), (9, 2), (32, 4), (40, 5), (256, 32), (4096, 32)] {
             assert_eq!(
-                p.params().abs_threshold(&with_capacity(cand(f.s[0], 0, 0), n)),
+                p.params()
+                    .balance()
+                    .abs_threshold(&with_capacity(cand(f.s[0], 0, 0), n)),
                 abs,
                 "{n}"
             );
@@ -705,7 +691,7 @@ mod tests {
             scale_to_capacity: false,
             ..CacheAwareParams::default()
         };
-        assert_eq!(off.abs_threshold(&with_capacity(cand(f.s[0], 0, 0), 2)), 32);
+        assert_eq!(off.balance().abs_threshold(&with_capacity(cand(f.s[0], 0, 0), 2)), 32);
         let cands = four([7, 3, 3, 3], 16);
         assert_eq!(
             CacheAware::new(off).choose(&input(10, &m, &cands)).unwrap(),
@@ -833,8 +819,8 @@ mod tests {
         for min in 0..40u64 {
             for winner in min..80 {
                 for max in winner..90 {
-                    if p.overloaded(winner, min, 7) {
-                        assert!(p.overloaded(max, min, 7), "min {min} winner {winner} max {max}");
+                    if p.balance().beyond(winner, min, 7) {
+                        assert!(p.balance().beyond(max, min, 7), "min {min} winner {winner} max {max}");
                     }
                 }
             }
