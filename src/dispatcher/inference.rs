@@ -181,7 +181,8 @@ pub(super) async fn inference(
     let mut chain = Vec::with_capacity(prompt_tokens.len() / hasher.block_size() + 1);
     hasher.chain(&prompt_tokens, &mut chain);
     let template_blocks = match &parsed.input {
-        RoutingInput::Text(text) if parsed.template_bytes >= hasher.block_size() => {
+        // Only the shared-header rule reads it: no tokenizing for nothing.
+        RoutingInput::Text(text) if pool.shared_headers() && parsed.template_bytes >= hasher.block_size() => {
             let opening = tokenizer.encode(&text[..parsed.template_bytes]);
             shared_header::template_blocks(&prompt_tokens, &opening, hasher.block_size())
         }

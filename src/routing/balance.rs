@@ -104,8 +104,9 @@ impl Balance {
     #[inline]
     pub fn overloaded_with(&self, c: &Candidate, least: Option<&Candidate>, extra: u64) -> bool {
         let own = self.abs_threshold(c);
+        // Never above `abs`, which caps every scaled threshold too.
         let scaled = least.map_or(own, |l| own.min(self.abs_threshold(l)));
-        let abs = scaled.saturating_add(extra).min(self.abs.max(scaled));
+        let abs = scaled.saturating_add(extra).min(self.abs);
         self.beyond(c.inflight, least.map_or(0, |l| l.inflight), abs)
     }
 }
@@ -121,6 +122,15 @@ pub fn least_busy(candidates: &[Candidate]) -> Option<&Candidate> {
 mod tests {
     use super::*;
     use crate::routing::test_support::{Fixture, cand};
+
+    /// A candidate for `server`, whose engine runs `admission` requests at
+    /// once (learned, not reported), with `inflight` in flight.
+    fn engine(server: shm_layout::ServerRef, admission: u32, inflight: u64) -> Candidate {
+        Candidate {
+            admission,
+            ..cand(server, inflight, 0)
+        }
+    }
 
     #[test]
     fn the_threshold_is_an_eighth_of_capacity_within_one_and_the_cap() {
@@ -150,10 +160,7 @@ mod tests {
     #[test]
     fn overloaded_needs_both_thresholds() {
         let f = Fixture::new(1);
-        let at = |inflight: u64| Candidate {
-            admission: 16,
-            ..cand(f.s[0], inflight, 0)
-        };
+        let at = |inflight: u64| engine(f.s[0], 16, inflight);
         let b = Balance::DEFAULT;
         // abs 2: 3 above is over it, 2 is not.
         assert!(b.overloaded(&at(7), Some(&at(4))));
@@ -178,12 +185,8 @@ mod tests {
         let f = Fixture::new(2);
         // An engine that learned 64 at once (abs 8) next to a new one
         // still at the initial 8 (abs 2): 3 above it is too many.
-        let engine = |s: usize, admission: u32, inflight: u64| Candidate {
-            admission,
-            ..cand(f.s[s], inflight, 0)
-        };
-        let old = |inflight: u64| engine(0, 64, inflight);
-        let new = |inflight: u64| engine(1, 8, inflight);
+        let old = |inflight: u64| engine(f.s[0], 64, inflight);
+        let new = |inflight: u64| engine(f.s[1], 8, inflight);
         let b = Balance::DEFAULT;
         assert!(b.overloaded(&old(10), Some(&new(7))));
         assert!(!b.overloaded(&old(9), Some(&new(7))));
@@ -194,10 +197,7 @@ mod tests {
     #[test]
     fn what_keeping_is_worth_raises_the_threshold_up_to_the_cap() {
         let f = Fixture::new(1);
-        let at = |inflight: u64| Candidate {
-            admission: 16,
-            ..cand(f.s[0], inflight, 0)
-        };
+        let at = |inflight: u64| engine(f.s[0], 16, inflight);
         let b = Balance::DEFAULT;
         // abs 2, raised by 3: 5 above is within, 6 is not.
         assert!(b.overloaded(&at(9), Some(&at(4))));
