@@ -322,6 +322,7 @@ mod tests {
             load: Default::default(),
             admission: crate::capacity::INITIAL_LIMIT,
             admission_reported: false,
+            started_since_scrape: 0,
         };
         let chosen = |pending| {
             let lookup = Lookup {

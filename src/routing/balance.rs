@@ -141,6 +141,7 @@ mod tests {
         };
         let reported = |n: u32| Candidate {
             admission_reported: true,
+            started_since_scrape: 0,
             ..at(n)
         };
         for (n, abs) in [(1, 1), (2, 1), (8, 1), (9, 2), (16, 2), (40, 5), (256, 32), (4096, 32)] {

@@ -643,6 +643,7 @@ mod tests {
         let slots = |c: Candidate, n: u32| Candidate {
             admission: n,
             admission_reported: true,
+            started_since_scrape: 0,
             ..c
         };
         // Two-slot llama.cpp engines: the threshold is 1, so the holder 2

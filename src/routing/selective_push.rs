@@ -258,6 +258,25 @@ mod tests {
         );
         let p = SelectivePushParams::default();
         assert!(p.full(&c));
+        // The scrape saw 2 waiting with 2 pending; 3 sent since. Until
+        // both have started, what was sent since queues behind them...
+        c.load = scraped(2, 2);
+        c.pending = 4;
+        c.started_since_scrape = 1;
+        assert_eq!(c.pending_estimate(), 4, "1 of the 2 still waiting, 3 behind it");
+        // ...once they have, the queue the scrape saw is gone and the
+        // engine is taken to batch what it gets, as with no queue.
+        c.pending = 3;
+        c.started_since_scrape = 2;
+        assert_eq!(c.pending_estimate(), 0, "the queue seen at the scrape drained");
+        assert!(!p.full(&c));
+        // Waiting beyond the gateway's own (another client's): all of
+        // them must have started.
+        c.load = scraped(5, 2);
+        assert_eq!(c.pending_estimate(), 6, "5 waiting + 3 since − 2");
+        c.started_since_scrape = 5;
+        assert_eq!(c.pending_estimate(), 0);
+        c.started_since_scrape = 0;
         // The engine had room at the scrape: what was sent since is batched.
         c.load = scraped(0, 1);
         assert_eq!(c.pending_estimate(), 0);
@@ -275,6 +294,7 @@ mod tests {
         let slots = |inflight| Candidate {
             admission: 2,
             admission_reported: true,
+            started_since_scrape: 0,
             load: LoadFigures {
                 scraped_at_ms: 1,
                 ..LoadFigures::default()
@@ -292,6 +312,7 @@ mod tests {
         // queue overrules it.
         let learned = Candidate {
             admission_reported: false,
+            started_since_scrape: 0,
             ..slots(2)
         };
         assert_eq!(learned.pending_estimate(), 0);

@@ -59,6 +59,7 @@ pub(crate) fn cand(server: ServerRef, inflight: u64, inflight_tokens: u64) -> Ca
         load: LoadFigures::default(),
         admission: crate::capacity::INITIAL_LIMIT,
         admission_reported: false,
+        started_since_scrape: 0,
     }
 }
 

@@ -203,6 +203,7 @@ impl ServerTable<'_> {
     pub fn first_token(&self, process: u16, server: ServerRef, prompt_tokens: u64) {
         if self.is_current(server) {
             self.apply(process, server.slot, Op::FirstToken, prompt_tokens, Stores::All);
+            self.count_started(server);
         }
     }
 
@@ -214,7 +215,20 @@ impl ServerTable<'_> {
         if self.is_current(server) {
             let op = if started { Op::EndStarted } else { Op::EndPending };
             self.apply(process, server.slot, op, prompt_tokens, Stores::All);
+            if !started {
+                self.count_started(server);
+            }
         }
+    }
+
+    /// One more request left `server`'s pending ones since the scrape
+    /// ([`ServerTable::started_since_scrape`]). Not in the ledger: a
+    /// count of events, reset at every scrape, with nothing to take back
+    /// when a process dies.
+    fn count_started(&self, server: ServerRef) {
+        self.slots[usize::from(server.slot)]
+            .started_since_scrape
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// Applies `op` of `process`'s request of `prompt_tokens` to `slot`'s
@@ -398,6 +412,46 @@ mod tests {
     /// other processes' requests in flight around it: reclaiming it leaves
     /// exactly the others' counts.
     #[test]
+    fn requests_leaving_the_pending_ones_are_counted_from_each_scrape() {
+        let (s, l) = parts();
+        let t = ServerTable::new(&s, &l, 1);
+        let a = t.register(1, "a", 0).unwrap();
+        for _ in 0..4 {
+            assert!(t.begin_request(3, a, 10));
+        }
+        t.first_token(3, a, 10);
+        t.end_request(3, a, 10, false);
+        assert_eq!(t.started_since_scrape(a), 2, "a first token, and an end before one");
+        t.end_request(3, a, 10, true);
+        assert_eq!(
+            t.started_since_scrape(a),
+            2,
+            "ending after the first token is no second start"
+        );
+        assert!(t.store_load(
+            a,
+            LoadFigures {
+                waiting: 1,
+                ..LoadFigures::default()
+            }
+        ));
+        assert_eq!(t.started_since_scrape(a), 0, "a scrape starts the count again");
+        t.first_token(4, a, 10);
+        assert_eq!(t.started_since_scrape(a), 1);
+        // A new registration of the slot starts from zero.
+        assert!(t.retire(a));
+        let b = t.register(2, "b", 0).unwrap();
+        assert_eq!(b.slot, a.slot);
+        assert_eq!(t.started_since_scrape(b), 0);
+        t.first_token(4, a, 10);
+        assert_eq!(
+            t.started_since_scrape(b),
+            0,
+            "the old registration's requests count nowhere"
+        );
+    }
+
+    #[test]
     fn a_kill_between_any_two_stores_is_reclaimed_exactly() {
         let stops = [Stores::Intent, Stores::Requests, Stores::Tokens, Stores::All];
         let ops = [Op::Begin, Op::FirstToken, Op::EndStarted, Op::EndPending];
@@ -492,7 +546,7 @@ mod tests {
         let t = ServerTable::new(&s, &l, 1);
         let a = t.register(1, "a", 0).unwrap();
         assert!(t.begin_request(0, a, 5));
-        t.retire(a);
+        assert!(t.retire(a));
         let b = t.register(2, "b", 0).unwrap();
         assert_eq!(t.inflight(b), (0, 0), "a reused slot starts from zero");
         t.end_request(0, a, 5, false);

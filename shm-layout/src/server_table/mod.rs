@@ -12,6 +12,7 @@
 //! │          · scraped load (128-bit)
 //! │          · tokens word (128-bit: prompt tokens in flight:32 | pending:32 | toggles:64)
 //! │          · KV events (generation:32 | sync:32)
+//! │          · started since the scrape (64)
 //! └ lines 2-5 ─ address, up to 256 bytes
 //! ```
 //!
@@ -221,7 +222,7 @@ pub(crate) struct ServerSlot {
     load: AtomicU128,
     tokens: AtomicU128,
     kv_events: AtomicU64,
-    _line1: u64,
+    started_since_scrape: AtomicU64,
     address: [AtomicU64; MAX_ADDRESS_BYTES / 8],
 }
 
@@ -243,6 +244,8 @@ const _: () = assert!(std::mem::offset_of!(ServerSlot, load) == 80);
 const _: () = assert!(std::mem::offset_of!(ServerSlot, tokens) == 96);
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, kv_events) == 112);
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::offset_of!(ServerSlot, started_since_scrape) == 120);
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, address) == 128);
 
@@ -276,7 +279,7 @@ impl ServerSlot {
             load: AtomicU128::new(0),
             tokens: AtomicU128::new(0),
             kv_events: AtomicU64::new(0),
-            _line1: 0,
+            started_since_scrape: AtomicU64::new(0),
             address: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
@@ -376,6 +379,7 @@ impl<'a> ServerTable<'a> {
             };
             self.zero_counters(server.slot);
             slot.load.store(0, Ordering::Relaxed);
+            slot.started_since_scrape.store(0, Ordering::Relaxed);
             slot.id.store(id, Ordering::Relaxed);
             slot.registered_ms.store(now_ms, Ordering::Relaxed);
             store_bytes(&slot.address[..words_for(bytes.len())], bytes);
@@ -552,15 +556,32 @@ impl<'a> ServerTable<'a> {
             .is_some_and(|(s, _)| s.generation == server.generation)
     }
 
-    /// Stores freshly scraped figures. False if `server` is stale.
+    /// Stores freshly scraped figures and restarts the count of requests
+    /// that stopped being pending since ([`Self::started_since_scrape`]).
+    /// False if `server` is stale.
+    ///
+    /// The two stores are not one atomic step: a request that starts
+    /// between them is not counted, and a reader between them sees the new
+    /// figures with the old count. Either errs by the few requests of a
+    /// microsecond in how fast the engine's queue is taken to drain.
     pub fn store_load(&self, server: ServerRef, figures: LoadFigures) -> bool {
         if !self.is_current(server) {
             return false;
         }
-        self.slots[usize::from(server.slot)]
-            .load
-            .store(figures.pack(), Ordering::Release);
+        let slot = &self.slots[usize::from(server.slot)];
+        slot.load.store(figures.pack(), Ordering::Release);
+        slot.started_since_scrape.store(0, Ordering::Release);
         true
+    }
+
+    /// Requests to `server` that stopped being pending (first token, or
+    /// ended without one) since its figures were last stored
+    /// ([`Self::store_load`]); since its registration if never. What the
+    /// gateway has seen of the engine's queue at the scrape draining.
+    pub fn started_since_scrape(&self, server: ServerRef) -> u64 {
+        self.slots[usize::from(server.slot)]
+            .started_since_scrape
+            .load(Ordering::Acquire)
     }
 
     /// The last scraped figures of `server`'s slot.

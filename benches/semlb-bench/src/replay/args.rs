@@ -91,9 +91,9 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub cost_weights: Vec<f64>,
     /// Another row: POLICY with the gateway configuration FILE (TOML,
-    /// appended to the run's; a table the run already writes, such as
-    /// `[health]`, cannot be repeated, and a key must sit under a table),
-    /// named LABEL. Repeatable.
+    /// merged into the run's: its keys replace the run's, table by table,
+    /// so `[policy.dual_map] max_pending = 4` keeps the run's scaled
+    /// `ttft_slo_ms`), named LABEL. Repeatable.
     #[arg(long = "variant", value_name = "LABEL=POLICY[@FILE]", value_parser = super::variant::parse_variant)]
     pub variants: Vec<super::variant::Variant>,
     /// The engines' KV cache in tokens (the simulator's

@@ -30,9 +30,60 @@ pub(super) fn gateway_config(speedup: f64, ttft_slo_s: f64) -> String {
     )
 }
 
+/// `base` with `extra`'s keys put in, table by table (a key of both:
+/// `extra`'s value; a table of both: merged the same way), as TOML text.
+/// A row's own settings (a variant's file, a mode) may so name a table
+/// the run already writes, such as `[policy.dual_map]`.
+pub(super) fn merged(base: &str, extra: &str) -> Result<String, toml::de::Error> {
+    fn merge(into: &mut toml::Table, from: toml::Table) {
+        for (key, value) in from {
+            match (into.get_mut(&key), value) {
+                (Some(toml::Value::Table(old)), toml::Value::Table(new)) => merge(old, new),
+                (_, value) => {
+                    into.insert(key, value);
+                }
+            }
+        }
+    }
+    let mut table: toml::Table = base.parse()?;
+    merge(&mut table, extra.parse()?);
+    Ok(table.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rows_settings_are_merged_into_the_runs_tables() {
+        let base = gateway_config(1.0, 1.0);
+        let text = merged(
+            &format!("learn_at_dispatch = false\n{base}"),
+            "\n[policy.dual_map]\nmax_pending = 4\n[policy.cost]\ntune = false\n",
+        )
+        .unwrap();
+        let config = semlb::config::ServeConfig::from_toml(
+            &format!("{text}\n[[backend]]\nurl = \"http://127.0.0.1:1\"\n"),
+            std::path::Path::new("replay.toml"),
+        )
+        .unwrap();
+        config.validate().unwrap();
+        let p = &config.policy;
+        // The row's key, the run's scaled ones beside it, a new table, a top-level key.
+        assert_eq!(
+            (
+                p.dual_map.max_pending,
+                p.dual_map.ttft_slo_ms,
+                p.dual_map.prefill_tokens_per_sec
+            ),
+            (4, 1000, 10_000.0)
+        );
+        assert!(!p.cost.tune);
+        assert!(!config.learn_at_dispatch);
+        assert_eq!(config.health.scrape_interval_ms, 1000);
+        // What is not TOML is an error, not a silently dropped row.
+        assert!(merged(&base, "[policy.dual_map\n").is_err());
+    }
 
     #[test]
     fn time_parameters_scale_with_the_speedup() {

@@ -247,7 +247,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use semlb::routing::PolicyKind;
 use semlb_tokenizer::Tokenizer;
 use serde_json::{Value, json};
@@ -624,7 +624,8 @@ fn run_workload(
         let front = match arm.front {
             ArmFront::Policy(policy) => FrontSpec::Semlb {
                 policy,
-                config: format!("{}{config}{}", arm.top, arm.config),
+                config: gateway_config::merged(&format!("{}{config}", arm.top), &arm.config)
+                    .with_context(|| format!("the configuration of row {}", arm.label))?,
                 kv_events: arm.kv_events,
             },
             ArmFront::Peer(peer) => match peer_skip(peer, &workload, &peers.1) {
