@@ -218,6 +218,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "weigh_queued_prefill",
         "queued_prefill_margin",
         "saved_tokens_per_spread",
+        "fallback_weighs_own_prefill",
         "[policy.selective_push]",
         "mode",
         "max_pending",

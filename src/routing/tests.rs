@@ -64,6 +64,7 @@ fn validate_accepts_the_defaults_and_the_range_ends() {
                 weigh_queued_prefill: true,
                 queued_prefill_margin: crate::routing::cache_aware::QUEUED_PREFILL_MARGIN,
                 saved_tokens_per_spread: 0,
+                fallback_weighs_own_prefill: false,
             },
             ..PolicyConfig::default()
         };
@@ -125,6 +126,7 @@ fn config_deserializes_with_defaults() {
             weigh_queued_prefill: true,
             queued_prefill_margin: crate::routing::cache_aware::QUEUED_PREFILL_MARGIN,
             saved_tokens_per_spread: crate::routing::cache_aware::SAVED_TOKENS_PER_SPREAD,
+            fallback_weighs_own_prefill: true,
         }
     );
     // Integers are accepted for the float fields.
@@ -181,6 +183,7 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
         weigh_queued_prefill: true,
         queued_prefill_margin: crate::routing::cache_aware::QUEUED_PREFILL_MARGIN,
         saved_tokens_per_spread: 0,
+        fallback_weighs_own_prefill: false,
     };
     let policies: Vec<(Box<dyn Policy>, Option<CacheAwareParams>)> = vec![
         (
