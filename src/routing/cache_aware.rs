@@ -370,7 +370,7 @@ impl CacheAware {
             // queued work, and an engine first to compute a long system
             // prompt would otherwise keep taking conversations that
             // arrive one at a time.
-            let least = least_busy(candidates);
+            let least = if weigh_own { least_busy(candidates) } else { None };
             let eligible = |c: &Candidate| !weigh_own || !self.params.balance().overloaded(c, least);
             let queued = |c: &Candidate| c.queued_work(prompt, RUNNING_REQUEST_TOKENS) + own(c);
             let band = candidates.iter().filter(|c| eligible(c)).map(queued).min().unwrap_or(0)
@@ -606,21 +606,20 @@ mod tests {
         // Server 1 with nothing queued but more conversations decoding
         // than the balance rule allows (engines of 16 at once: a spread
         // above 2): the others, though it would prefill the least.
-        let crowded = [
-            with_capacity(test_support::cand(f.s[0], 1, 0), 16),
-            with_capacity(test_support::cand(f.s[1], 4, 0), 16),
-            with_capacity(test_support::cand(f.s[2], 1, 0), 16),
-        ];
+        let of_16 = |inflight: [u64; 3]| {
+            inflight
+                .iter()
+                .zip(&f.s)
+                .map(|(&n, &s)| with_capacity(test_support::cand(s, n, 0), 16))
+                .collect::<Vec<_>>()
+        };
+        let crowded = of_16([1, 4, 1]);
         first_turn.candidates = &crowded;
         for _ in 0..3 {
             assert_ne!(weighing.choose(&first_turn).unwrap().server, f.s[1]);
         }
         // At a spread of 2 it still may.
-        let within = [
-            with_capacity(test_support::cand(f.s[0], 1, 0), 16),
-            with_capacity(test_support::cand(f.s[1], 3, 0), 16),
-            with_capacity(test_support::cand(f.s[2], 1, 0), 16),
-        ];
+        let within = of_16([1, 3, 1]);
         first_turn.candidates = &within;
         assert_eq!(weighing.choose(&first_turn).unwrap(), choice(f.s[1], Reason::LeastLoad));
     }
