@@ -32,7 +32,7 @@ use serde_json::{Value, json};
 
 use semlb::metrics::responder_records;
 use semlb_test_support as support;
-use support::gateway::{Gateway, chat, routed, sample, samples, sim, sim_at, stream_text, user, wait_for};
+use support::gateway::{Gateway, chat, routed, sample, samples, sim, sim_at, sim_with, stream_text, user, wait_for};
 use support::http::{Response, http};
 use support::process::Proc;
 
@@ -337,6 +337,94 @@ mode = "unstarted"
     );
     let m = gw.metrics();
     assert_eq!(queue_outcome(&m, "routed"), 1.0, "{m}");
+}
+
+/// Reads `conn` (a streamed answer) until its first SSE event arrives.
+fn first_event(conn: &mut TcpStream) {
+    conn.set_read_timeout(Some(WITHIN)).expect("read timeout");
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data:") {
+        let n = std::io::Read::read(conn, &mut buf).expect("the stream's first event");
+        assert!(n > 0, "closed before an event: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+}
+
+/// The scraped queue of `selective_push` (mode `pending`, the default),
+/// read the way an operator's vLLM fleet gives it: the engine's
+/// `/metrics` scraped every few seconds, an engine of 4 sequences. Four
+/// long answers fill its batch and two more wait in the engine's queue;
+/// a scrape sees them (`semlb_server_waiting_requests` 2), and a request
+/// sent then waits in the gateway queue. The four clients leave; the two
+/// queued requests start (their first events reach their clients) and the
+/// held one is routed. The engine has room again, before any new scrape:
+/// two requests sent at once both go straight out. (Before the pending
+/// estimate counted the requests started since the scrape, the queue the
+/// scrape saw stayed in the estimate until the next scrape, and the
+/// second of them waited for the first's first token; issue 38.)
+#[test]
+fn selective_push_sends_again_once_the_queue_a_scrape_saw_has_drained() {
+    let engines = [sim_with("1", &["--max-num-seqs", "4"])];
+    let config = r#"
+[policy]
+kind = "selective_push"
+
+[health]
+scrape_interval_ms = 5000
+stale_after_ms = 20000
+"#;
+    let gw = Gateway::with_config(&unique("drain"), &refs(&engines), config, &["--dispatchers", "1"]);
+    let server = url(&engines[0]);
+    // Four answers of ~1 minute fill the batch.
+    let running: Vec<TcpStream> = (0..4)
+        .map(|i| open_request(gw.addr(), &prompt(&format!("run-{i}"), 4), 5000))
+        .collect();
+    wait_for("a full batch", WITHIN, || {
+        let n = engine_metric(&engines[0], "vllm:num_requests_running");
+        (n == 4.0, n)
+    });
+    // Two more wait in the engine's queue until a scrape has seen them.
+    let mut queued: Vec<TcpStream> = (0..2)
+        .map(|i| open_request(gw.addr(), &prompt(&format!("queued-{i}"), 4), 5000))
+        .collect();
+    wait_for("a scrape that saw the engine's queue", WITHIN, || {
+        let waiting = sample(
+            &gw.metrics(),
+            &format!("semlb_server_waiting_requests{{server=\"{server}\"}}"),
+        );
+        (waiting == Some(2.0), waiting)
+    });
+    // The engine is full: a request sent now waits in the gateway.
+    let addr = gw.addr().to_owned();
+    let held = std::thread::spawn(move || stream(&addr, &prompt("held", 2), 8, &[]));
+    wait_for("the request held in the gateway queue", WITHIN, || {
+        let m = gw.metrics();
+        (queue_depth(&m) == 1.0, queue_depth(&m))
+    });
+    // The four clients leave: the engine aborts them, the two queued ones
+    // start, and the held request goes out.
+    drop(running);
+    for conn in &mut queued {
+        first_event(conn);
+    }
+    let held = held.join().expect("held client");
+    assert_full_stream(&held, "the held request");
+    assert!(held.header("x-semlb-queue-ms").is_some(), "{:?}", held.headers);
+    // Two running of four: two requests at once both go straight out.
+    let addr = gw.addr().to_owned();
+    let answers = burst(2, move |i| stream(&addr, &prompt(&format!("after-{i}"), 2), 8, &[]));
+    for (i, r) in answers.iter().enumerate() {
+        assert_full_stream(r, &format!("request {i} after the drain"));
+        assert!(
+            r.header("x-semlb-queue-ms").is_none(),
+            "request {i} after the drain waited in the gateway: {:?}",
+            r.headers
+        );
+    }
+    let m = gw.metrics();
+    assert_eq!(queue_outcome(&m, "routed"), 1.0, "only the held request waited:\n{m}");
+    drop(queued);
 }
 
 /// Sends a streaming request of exactly `max_tokens` output tokens

@@ -29,15 +29,32 @@
 //! 2. No candidate is free: `None`, and the dispatcher keeps the request in
 //!    its gateway queue ([`Policy::holds_requests`]), looking again when a
 //!    request starts or ends.
-//! 3. Among the free candidates, the one holding the longest prefix of the
-//!    prompt past its shared header ([`Reason::Prefix`]; ties to the less
-//!    loaded) unless the shared balance rule finds it overloaded
-//!    ([`super::balance`]: more than an eighth of what its engine runs at
-//!    once above the least loaded), else the least loaded
-//!    ([`Reason::LeastLoad`], the rule of [`super::least_load`]). An engine
-//!    with no queue is never full, so without the balance rule the
-//!    conversations of one engine stayed on it however many engines were
-//!    added next to it.
+//! 3. **The conversation's engine.** The server holding the longest
+//!    prefix of the prompt past its shared header (ties to a free one,
+//!    then the less loaded), among those the shared balance rule does not
+//!    find overloaded ([`super::balance`]: more than an eighth of what its
+//!    engine runs at once above the least loaded), gets the request
+//!    ([`Reason::Prefix`]); if it is full, the request waits for it in the
+//!    gateway queue (`wait_for_cache`, default true), even while other
+//!    servers are free. An engine with no queue is never full, so without
+//!    the balance rule the conversations of one engine stayed on it
+//!    however many engines were added next to it.
+//! 4. Otherwise (no server holds more than the shared header, or the one
+//!    that does is overloaded): the least loaded free server
+//!    ([`Reason::LeastLoad`], the rule of [`super::least_load`]).
+//!
+//! **Why wait for a full engine** (issue 38). SkyLB's rule sends a request
+//! to any free server. Below saturation a server is full only for a
+//! moment, and that costs little; once every engine's batch is full, a
+//! request whose engine was full took whichever freed first, and
+//! recomputed its conversation there: on HH-RLHF at 1.5x the trace's rate
+//! (4 engines, short multi-turn chats) 57 % of later turns stayed on their
+//! engine, the prefix hit rate fell from 31 % to 20 %, the extra prefill
+//! fed the queue, and 81 % of requests met the 1 s TTFT objective against
+//! 100 % for `cache_aware` and `dual_map`. Waiting for the conversation's
+//! engine (as `dual_map` waits for its two homes): 98 % stay, 33 % hit,
+//! 99.9 % meet it. `wait_for_cache = false` is SkyLB's rule: the longest
+//! prefix among the free servers, else the least loaded free one.
 //!
 //! The queue is FIFO per dispatcher: when a server frees up, the oldest
 //! waiting request whose choice is possible gets it, still by prefix.
@@ -77,6 +94,10 @@ pub struct SelectivePushParams {
     /// Mode `max_outstanding`: a server is full at this many requests in
     /// flight. Default 32; 1 to 1 000 000.
     pub max_outstanding: u64,
+    /// A request whose conversation's engine (the longest prefix past the
+    /// shared header, not overloaded) is full waits for it rather than go
+    /// to a free server. Default true; false is SkyLB's rule.
+    pub wait_for_cache: bool,
 }
 
 impl Default for SelectivePushParams {
@@ -85,6 +106,7 @@ impl Default for SelectivePushParams {
             mode: PushMode::Pending,
             max_pending: 0,
             max_outstanding: 32,
+            wait_for_cache: true,
         }
     }
 }
@@ -150,12 +172,20 @@ impl Policy for SelectivePush {
     fn choose(&self, input: &RouteInput<'_>) -> Option<Choice> {
         let free = |c: &Candidate| !self.params.full(c);
         let least = least_busy(input.candidates);
-        let balanced = |c: &Candidate| free(c) && !Balance::DEFAULT.overloaded(c, least);
-        if let Some((c, blocks)) = best_prefix(input, balanced) {
-            return Some(Choice {
-                server: c.server,
-                reason: Reason::Prefix { blocks },
-            });
+        let balanced = |c: &Candidate| !Balance::DEFAULT.overloaded(c, least);
+        let prefix = |(c, blocks): (&Candidate, u32)| Choice {
+            server: c.server,
+            reason: Reason::Prefix { blocks },
+        };
+        let free_holder = best_prefix(input, |c| free(c) && balanced(c));
+        if self.params.wait_for_cache
+            && let Some((_, deepest)) = best_prefix(input, balanced)
+        {
+            // The conversation's engine, or one as deep that is free; else wait.
+            return free_holder.filter(|&(_, blocks)| blocks == deepest).map(prefix);
+        }
+        if let Some(held) = free_holder {
+            return Some(prefix(held));
         }
         least_loaded_where(input.candidates, free, &self.turn).map(|c| Choice {
             server: c.server,
@@ -200,7 +230,10 @@ mod tests {
         let chain = Fixture::chain(1, 8);
         f.hold(0, &chain);
         let m = f.matched(&chain);
-        let p = SelectivePush::new(SelectivePushParams::default());
+        let p = SelectivePush::new(SelectivePushParams {
+            wait_for_cache: false,
+            ..SelectivePushParams::default()
+        });
         let cands = [waiting(cand(f.s[0], 3, 0), 1), cand(f.s[1], 5, 0), cand(f.s[2], 2, 0)];
         assert_eq!(p.choose(&input(8, &m, &cands)), Some(choice(f.s[2], Reason::LeastLoad)));
         // Its request started: free again, and its prefix wins over lower load.
@@ -209,6 +242,47 @@ mod tests {
             p.choose(&input(8, &m, &cands)),
             Some(choice(f.s[0], Reason::Prefix { blocks: 8 }))
         );
+    }
+
+    #[test]
+    fn a_request_waits_for_its_full_conversation_engine_unless_it_is_overloaded() {
+        let f = Fixture::new(4);
+        let chain = Fixture::chain(1, 8);
+        f.hold(0, &chain);
+        let m = f.matched(&chain);
+        let p = SelectivePush::new(SelectivePushParams::default());
+        // s0 holds the conversation and has a request queued; s2 is free
+        // and idler, but within the balance rule of s0 (abs 2).
+        let cands = [waiting(cand(f.s[0], 3, 0), 1), cand(f.s[1], 5, 0), cand(f.s[2], 2, 0)];
+        assert_eq!(p.choose(&input(8, &m, &cands)), None, "waits for s0");
+        // s0's queue started: it gets the request.
+        let cands = [cand(f.s[0], 3, 0), cand(f.s[1], 5, 0), cand(f.s[2], 2, 0)];
+        assert_eq!(
+            p.choose(&input(8, &m, &cands)),
+            Some(choice(f.s[0], Reason::Prefix { blocks: 8 }))
+        );
+        // Overloaded (3 above s2, and above 1.1 × s2): not waited for.
+        let cands = [waiting(cand(f.s[0], 6, 0), 1), cand(f.s[1], 5, 0), cand(f.s[2], 2, 0)];
+        assert_eq!(p.choose(&input(8, &m, &cands)), Some(choice(f.s[2], Reason::LeastLoad)));
+        // As deep on a free server: that one, no wait.
+        f.hold(3, &chain);
+        let m = f.matched(&chain);
+        let cands = [
+            waiting(cand(f.s[0], 1, 0), 1),
+            cand(f.s[1], 5, 0),
+            cand(f.s[2], 0, 0),
+            cand(f.s[3], 2, 0),
+        ];
+        assert_eq!(
+            p.choose(&input(8, &m, &cands)),
+            Some(choice(f.s[3], Reason::Prefix { blocks: 8 }))
+        );
+        // Only the shared header matched: nothing to wait for.
+        let header = RouteInput {
+            header_blocks: 8,
+            ..input(8, &m, &cands)
+        };
+        assert_eq!(p.choose(&header), Some(choice(f.s[2], Reason::LeastLoad)));
     }
 
     #[test]
@@ -427,6 +501,7 @@ mod tests {
     #[test]
     fn parameters_are_checked() {
         assert_eq!(SelectivePushParams::default().validate(), Ok(()));
+        assert!(SelectivePushParams::default().wait_for_cache);
         let bad = SelectivePushParams {
             max_outstanding: 0,
             ..SelectivePushParams::default()
