@@ -427,6 +427,64 @@ stale_after_ms = 20000
     drop(queued);
 }
 
+/// `selective_push` waits for a conversation's full engine only so long
+/// (`cache_wait_ms`, 500 ms by default). Two engines of one slot each that
+/// say so in `/props`; a conversation's first turn is answered, then a
+/// long answer of the same conversation (an agent's parallel call) takes
+/// its engine's only slot. The next turn, streamed, first waits for that
+/// engine (it holds the history and is not overloaded by one request),
+/// then goes to the idle one: it is answered in full there, after waiting
+/// in the gateway queue, and not after the long answer or the queue's
+/// `max_wait_ms` (a 503), which is what waiting without a bound gave.
+#[test]
+fn selective_push_waits_for_a_conversations_full_engine_only_so_long() {
+    let engines = [
+        sim_with("1", &["--max-num-seqs", "1", "--props"]),
+        sim_with("1", &["--max-num-seqs", "1", "--props"]),
+    ];
+    let config = "[policy]\nkind = \"selective_push\"\n\n[policy.queue]\nmax_wait_ms = 10000\n";
+    let gw = Gateway::with_config(&unique("cachewait"), &refs(&engines), config, &[]);
+    wait_for("both engines' slots read", WITHIN, || {
+        let limits = samples(&gw.metrics(), "semlb_server_admission_limit");
+        (limits.len() == 2 && limits.iter().all(|(_, v)| *v == 1.0), limits)
+    });
+    let question = prompt("conversation", 12);
+    let first = chat(gw.addr(), &[user(&question)], json!({"max_tokens": 8}), &[]);
+    assert_eq!(first.status, 200, "{}", String::from_utf8_lossy(&first.body));
+    let (home, _) = routed(&first);
+    let answer = first.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("an answer")
+        .to_owned();
+    wait_idle(&gw);
+    // The same conversation's long call: ~200 s of output on its engine.
+    let long = open_request(gw.addr(), &format!("{question} Also list every step."), 20000);
+    wait_for("the long call on the conversation's engine", WITHIN, || {
+        let m = inflight(&gw.metrics());
+        (m.get(&home) == Some(&1.0), m)
+    });
+    let next = chat(
+        gw.addr(),
+        &[
+            user(&question),
+            json!({"role": "assistant", "content": answer}),
+            user("And the next step?"),
+        ],
+        json!({"stream": true, "max_tokens": 8}),
+        &[],
+    );
+    assert_full_stream(&next, "the next turn");
+    let (backend, route) = routed(&next);
+    let other: Vec<String> = engines.iter().map(url).filter(|u| *u != home).collect();
+    assert_eq!(vec![backend], other, "went to the idle engine ({route})");
+    assert!(
+        next.header("x-semlb-queue-ms").is_some(),
+        "it waited for its engine first: {:?}",
+        next.headers
+    );
+    drop(long);
+}
+
 /// Sends a streaming request of exactly `max_tokens` output tokens
 /// (`ignore_eos`: the engine otherwise stops at 128) on a raw connection,
 /// kept open and not read, and returns the connection.

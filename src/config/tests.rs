@@ -223,7 +223,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "mode",
         "max_pending",
         "max_outstanding",
-        "wait_for_cache",
+        "cache_wait_ms",
         "[policy.consistent_hash]",
         "key_headers",
         "user_field",

@@ -339,6 +339,7 @@ impl<'d> Attempts<'d> {
                     exclude: self.failed.clone(),
                     pool,
                     seen: asked || !self.failed.is_empty(),
+                    queued_at: Instant::now(),
                     share: route.share.unwrap_or(Share::new(
                         0,
                         Priority::Interactive,

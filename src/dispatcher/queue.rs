@@ -98,6 +98,8 @@ pub(super) struct Waiting {
     pub seen: bool,
     /// Its tenant, class and cost, which order the queue.
     pub share: Share,
+    /// When it joined the queue ([`crate::routing::RouteInput::waited_ms`]).
+    pub queued_at: Instant,
 }
 
 #[derive(Debug)]
@@ -354,6 +356,7 @@ fn route_waiting(
             block_tokens: r.pool.block_tokens(),
             session: r.session,
             repeat: r.seen,
+            waited_ms: u64::try_from(r.queued_at.elapsed().as_millis()).unwrap_or(u64::MAX),
             prefix: &r.prefix,
             header_blocks: r.header_blocks,
             candidates: eligible,

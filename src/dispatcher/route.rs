@@ -198,6 +198,7 @@ pub(super) async fn choose(
             block_tokens: pool.map_or(1, |p| p.block_tokens()),
             session,
             repeat: !exclude.is_empty(),
+            waited_ms: 0,
             prefix: &prefix,
             header_blocks,
             candidates: &lookup.candidates,

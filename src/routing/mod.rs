@@ -228,6 +228,9 @@ pub struct RouteInput<'a> {
     /// the gateway queue): a policy that learns from the traffic it routes
     /// (`dual_map`'s hotness counts) must not count it twice.
     pub repeat: bool,
+    /// How long the request has waited in the gateway queue, in
+    /// milliseconds (0 when it has not waited).
+    pub waited_ms: u64,
     /// Which servers hold how many leading blocks (only live servers).
     pub prefix: &'a PrefixMatch,
     /// Leading blocks of the prompt that are a shared header (a prefix
@@ -256,6 +259,7 @@ impl<'a> RouteInput<'a> {
             block_tokens,
             session: None,
             repeat: false,
+            waited_ms: 0,
             prefix,
             header_blocks: 0,
             candidates,

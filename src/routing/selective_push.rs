@@ -35,8 +35,11 @@
 //!    find overloaded ([`super::balance`]: more than an eighth of what its
 //!    engine runs at once above the least loaded), gets the request
 //!    ([`Reason::Prefix`]); if it is full, the request waits for it in the
-//!    gateway queue (`wait_for_cache`, default true), even while other
-//!    servers are free. An engine with no queue is never full, so without
+//!    gateway queue, even while other servers are free, for up to
+//!    `cache_wait_ms` (default 500 ms; an engine whose batch is full frees
+//!    a place whenever one of its requests ends, while one that is stuck,
+//!    or runs one long answer in its only slot, would otherwise hold the
+//!    conversation until the queue's `max_wait_ms`). An engine with no queue is never full, so without
 //!    the balance rule the conversations of one engine stayed on it
 //!    however many engines were added next to it.
 //! 4. Otherwise (no server holds more than the shared header, or the one
@@ -53,7 +56,7 @@
 //! fed the queue, and 81 % of requests met the 1 s TTFT objective against
 //! 100 % for `cache_aware` and `dual_map`. Waiting for the conversation's
 //! engine (as `dual_map` waits for its two homes): 98 % stay, 33 % hit,
-//! 99.9 % meet it. `wait_for_cache = false` is SkyLB's rule: the longest
+//! 99.9 % meet it. `cache_wait_ms = 0` is SkyLB's rule: the longest
 //! prefix among the free servers, else the least loaded free one.
 //!
 //! The queue is FIFO per dispatcher: when a server frees up, the oldest
@@ -82,6 +85,9 @@ pub enum PushMode {
     MaxOutstanding,
 }
 
+/// The default [`SelectivePushParams::cache_wait_ms`].
+pub const DEFAULT_CACHE_WAIT_MS: u64 = 500;
+
 /// Tuning of the [`SelectivePush`] policy.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -94,10 +100,12 @@ pub struct SelectivePushParams {
     /// Mode `max_outstanding`: a server is full at this many requests in
     /// flight. Default 32; 1 to 1 000 000.
     pub max_outstanding: u64,
-    /// A request whose conversation's engine (the longest prefix past the
-    /// shared header, not overloaded) is full waits for it rather than go
-    /// to a free server. Default true; false is SkyLB's rule.
-    pub wait_for_cache: bool,
+    /// How long a request whose conversation's engine (the longest prefix
+    /// past the shared header, not overloaded) is full waits for it in the
+    /// gateway queue before it may go to another free server, in
+    /// milliseconds. Default 500; 0 (never wait) is SkyLB's rule; at most
+    /// 3 600 000.
+    pub cache_wait_ms: u64,
 }
 
 impl Default for SelectivePushParams {
@@ -106,7 +114,7 @@ impl Default for SelectivePushParams {
             mode: PushMode::Pending,
             max_pending: 0,
             max_outstanding: 32,
-            wait_for_cache: true,
+            cache_wait_ms: DEFAULT_CACHE_WAIT_MS,
         }
     }
 }
@@ -115,6 +123,7 @@ impl SelectivePushParams {
     /// Checks the ranges; the error names the field, its value and the reason.
     pub fn validate(&self) -> Result<(), InvalidParam> {
         in_range("max_pending", self.max_pending, 0, 1_000_000, "pending requests")?;
+        in_range("cache_wait_ms", self.cache_wait_ms, 0, 3_600_000, "milliseconds")?;
         in_range(
             "max_outstanding",
             self.max_outstanding,
@@ -178,7 +187,7 @@ impl Policy for SelectivePush {
             reason: Reason::Prefix { blocks },
         };
         let free_holder = best_prefix(input, |c| free(c) && balanced(c));
-        if self.params.wait_for_cache
+        if input.waited_ms < self.params.cache_wait_ms
             && let Some((_, deepest)) = best_prefix(input, balanced)
         {
             // The conversation's engine, or one as deep that is free; else wait.
@@ -231,7 +240,7 @@ mod tests {
         f.hold(0, &chain);
         let m = f.matched(&chain);
         let p = SelectivePush::new(SelectivePushParams {
-            wait_for_cache: false,
+            cache_wait_ms: 0,
             ..SelectivePushParams::default()
         });
         let cands = [waiting(cand(f.s[0], 3, 0), 1), cand(f.s[1], 5, 0), cand(f.s[2], 2, 0)];
@@ -276,6 +285,18 @@ mod tests {
         assert_eq!(
             p.choose(&input(8, &m, &cands)),
             Some(choice(f.s[3], Reason::Prefix { blocks: 8 }))
+        );
+        // Waited its time for s0: a free server now.
+        let cands = [waiting(cand(f.s[0], 3, 0), 1), cand(f.s[1], 5, 0), cand(f.s[2], 2, 0)];
+        let m = f.matched(&chain);
+        let waited = |ms| RouteInput {
+            waited_ms: ms,
+            ..input(8, &m, &cands)
+        };
+        assert_eq!(p.choose(&waited(DEFAULT_CACHE_WAIT_MS - 1)), None);
+        assert_eq!(
+            p.choose(&waited(DEFAULT_CACHE_WAIT_MS)),
+            Some(choice(f.s[2], Reason::LeastLoad))
         );
         // Only the shared header matched: nothing to wait for.
         let header = RouteInput {
@@ -501,7 +522,17 @@ mod tests {
     #[test]
     fn parameters_are_checked() {
         assert_eq!(SelectivePushParams::default().validate(), Ok(()));
-        assert!(SelectivePushParams::default().wait_for_cache);
+        assert_eq!(SelectivePushParams::default().cache_wait_ms, 500);
+        let long = SelectivePushParams {
+            cache_wait_ms: 3_600_001,
+            ..SelectivePushParams::default()
+        };
+        assert!(
+            long.validate()
+                .unwrap_err()
+                .to_string()
+                .starts_with("cache_wait_ms = 3600001")
+        );
         let bad = SelectivePushParams {
             max_outstanding: 0,
             ..SelectivePushParams::default()
