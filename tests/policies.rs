@@ -428,7 +428,7 @@ stale_after_ms = 20000
 }
 
 /// `selective_push` waits for a conversation's full engine only so long
-/// (`cache_wait_ms`, 500 ms by default). Two engines of one slot each that
+/// (`cache_wait_ms`, 2 s by default). Two engines of one slot each that
 /// say so in `/props`; a conversation's first turn is answered, then a
 /// long answer of the same conversation (an agent's parallel call) takes
 /// its engine's only slot. The next turn, streamed, first waits for that

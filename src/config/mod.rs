@@ -77,7 +77,7 @@
 //! | `policy.selective_push.mode` | `pending`, `unstarted`, `max_outstanding` | `pending` | when a server is full: estimated pending requests (scraped queue, tracked by the gateway) above `max_pending`; or requests without a first token above `max_pending` (strict); or `max_outstanding` requests in flight |
 //! | `policy.selective_push.max_pending` | integer | `0` | pending requests (sent, no first token; scraped `waiting` corrected by the gateway's accounting) a server may have and still take more |
 //! | `policy.selective_push.max_outstanding` | integer | `32` | requests in flight that make a server full in mode `max_outstanding` (1 to 1 000 000) |
-//! | `policy.selective_push.cache_wait_ms` | integer | `500` | how long a request whose conversation's engine (the longest prefix past the shared header, not overloaded by the balance rule) is full waits for it in the gateway queue before it may go to another free server (0 to 3 600 000; 0: SkyLB's rule, any free server, the longest prefix among them first) |
+//! | `policy.selective_push.cache_wait_ms` | integer | `2000` | how long a request whose conversation's engine (the longest prefix past the shared header, not overloaded by the balance rule) is full waits for it in the gateway queue before it may go to another free server (0 to 3 600 000; 0: SkyLB's rule, any free server, the longest prefix among them first) |
 //! | `[policy.consistent_hash]` | table | | session-key consistent hashing ([`crate::routing::consistent_hash`]) |
 //! | `policy.consistent_hash.key_headers` | array of strings | `["x-session-id", "x-user-id"]` | headers carrying the session key, tried in order |
 //! | `policy.consistent_hash.user_field` | boolean | `true` | then the body's `user` field |

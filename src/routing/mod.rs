@@ -13,7 +13,7 @@
 //! | `least_load` | [`least_load`] | fewest requests in flight |
 //! | `round_robin` | [`round_robin`] | in turn |
 //! | `random` | [`random`] | uniformly at random |
-//! | `selective_push` | [`selective_push`] | SkyLB: send only to servers with no pending requests, else hold the request in the gateway queue |
+//! | `selective_push` | [`selective_push`] | SkyLB: send only to servers with no pending requests, else hold the request in the gateway queue (a conversation's own engine waited for up to `cache_wait_ms`) |
 //! | `consistent_hash` | [`consistent_hash`] | SkyLB-CH / vllm-router: a session key on a ring of virtual nodes, with bounded load |
 //! | `dual_map` | [`dual_map`] | DualMap: two hash candidates per adaptive-length prefix, cache match unless a TTFT SLO breaks, hotspot rebalancing |
 //! | `weighted_scorers` | [`weighted_scorers`] | llm-d: weighted prefix, queue, KV-cache and load scores; max or weighted random pick |
@@ -41,7 +41,8 @@
 //! there are candidates: every server it would use is *full* right now. The
 //! dispatcher then keeps the request in its gateway queue
 //! (`crate::dispatcher::queue`) and asks again, with fresh load, whenever a
-//! server's request starts or ends. Other policies answer `None` only when
+//! server's request starts or ends, telling it how long the request has
+//! waited ([`RouteInput::waited_ms`]). Other policies answer `None` only when
 //! there is no candidate at all.
 //!
 //! # Pending requests
