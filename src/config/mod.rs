@@ -91,7 +91,7 @@
 //! | `policy.dual_map.max_prefix_blocks` | integer | `4096` | longest hashed prefix, in blocks (at least `min_prefix_blocks`) |
 //! | `policy.dual_map.hot_share` | float | `0.0` | share of recent requests above which a prefix is hot and the hash extends past it; 0 = `1 / servers` |
 //! | `policy.dual_map.window` | integer | `1024` | requests between halvings of the hotness counts |
-//! | `policy.dual_map.ttft_slo_ms` | integer | `2000` | the TTFT objective: a better cache match that would break it yields to the other candidate |
+//! | `policy.dual_map.ttft_slo_ms` | integer | `2000` | the TTFT objective: a better cache match that would break it yields to the other candidate; a request that waited this long for its two full candidates goes to the least loaded free server |
 //! | `policy.dual_map.prefill_tokens_per_sec` | float | `10000` | the engines' prefill speed, for the TTFT estimate |
 //! | `policy.dual_map.max_pending` | integer | `0` | a candidate is full above this many pending requests (then rebalance or wait) |
 //! | `policy.dual_map.virtual_nodes` | integer | `100` | points per server on each of the two rings |

@@ -83,7 +83,12 @@
 //!    waits in the gateway queue ([`Policy::holds_requests`]). Each time the
 //!    queue is looked at again this rule runs again with fresh load, so a
 //!    request queued for an overloaded candidate moves to its other one as
-//!    soon as that lowers its estimated TTFT.
+//!    soon as that lowers its estimated TTFT. A request that has waited
+//!    `ttft_slo_ms` ([`RouteInput::waited_ms`]) has missed the objective
+//!    anyway: it goes to the least loaded server that is not full
+//!    ([`Reason::LeastLoad`]), so two homes that are stuck, or each busy
+//!    with one long answer in its only slot, do not hold it until the
+//!    queue's `max_wait_ms` (a 503) while other servers are free.
 //!
 //! A prompt shorter than one block has no prefix to hash: the least
 //! loaded server that is not full.
@@ -398,6 +403,12 @@ impl Policy for DualMap {
                 server: o.0.server,
                 reason: Reason::Rebalanced,
             }),
+            _ if input.waited_ms >= self.params.ttft_slo_ms => {
+                least_loaded_where(input.candidates, |c| !self.full(c), &self.turn).map(|c| Choice {
+                    server: c.server,
+                    reason: Reason::LeastLoad,
+                })
+            }
             _ => None,
         }
     }
@@ -576,9 +587,19 @@ mod tests {
         // a is full with a tiny pending prompt (1 token): b would be slower: wait for a.
         let cands = with(1, 1, 0, 0);
         assert_eq!(p.choose(&input_for(&chain, 96, &m, &cands)), None);
-        // Both full: wait. Other servers being free does not matter.
+        // Both full: wait. Other servers being free does not matter...
         let cands = with(1, 500, 1, 500);
         assert_eq!(p.choose(&input_for(&chain, 96, &m, &cands)), None);
+        // ...until the request has waited the TTFT objective: then the
+        // least loaded free server.
+        let waited = |ms| RouteInput {
+            waited_ms: ms,
+            ..input_for(&chain, 96, &m, &cands)
+        };
+        assert_eq!(p.choose(&waited(p.params.ttft_slo_ms - 1)), None);
+        let moved = p.choose(&waited(p.params.ttft_slo_ms)).expect("a free server");
+        assert_eq!(moved.reason, Reason::LeastLoad);
+        assert!(moved.server != a && moved.server != b, "{moved:?}");
     }
 
     #[test]
