@@ -335,6 +335,16 @@ impl DualMap {
     }
 }
 
+impl DualMap {
+    /// The least loaded server that is not full ([`Reason::LeastLoad`]).
+    fn least_loaded_free(&self, candidates: &[Candidate]) -> Option<Choice> {
+        least_loaded_where(candidates, |c| !self.full(c), &self.turn).map(|c| Choice {
+            server: c.server,
+            reason: Reason::LeastLoad,
+        })
+    }
+}
+
 impl Policy for DualMap {
     fn name(&self) -> &'static str {
         "dual_map"
@@ -343,10 +353,7 @@ impl Policy for DualMap {
     fn choose(&self, input: &RouteInput<'_>) -> Option<Choice> {
         let blocks = self.prefix_blocks(input.chain, input.header_blocks, input.candidates.len(), input.repeat);
         if blocks == 0 {
-            return least_loaded_where(input.candidates, |c| !self.full(c), &self.turn).map(|c| Choice {
-                server: c.server,
-                reason: Reason::LeastLoad,
-            });
+            return self.least_loaded_free(input.candidates);
         }
         let (first, second) = self.candidates(input.chain[blocks - 1], input.candidates)?;
         let held = |c: &Candidate| input.useful_blocks(c.server.tag());
@@ -403,12 +410,7 @@ impl Policy for DualMap {
                 server: o.0.server,
                 reason: Reason::Rebalanced,
             }),
-            _ if input.waited_ms >= self.params.ttft_slo_ms => {
-                least_loaded_where(input.candidates, |c| !self.full(c), &self.turn).map(|c| Choice {
-                    server: c.server,
-                    reason: Reason::LeastLoad,
-                })
-            }
+            _ if input.waited_ms >= self.params.ttft_slo_ms => self.least_loaded_free(input.candidates),
             _ => None,
         }
     }

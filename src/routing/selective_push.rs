@@ -530,21 +530,13 @@ mod tests {
             cache_wait_ms: 3_600_001,
             ..SelectivePushParams::default()
         };
-        assert!(
-            long.validate()
-                .unwrap_err()
-                .to_string()
-                .starts_with("cache_wait_ms = 3600001")
-        );
         let bad = SelectivePushParams {
             max_outstanding: 0,
             ..SelectivePushParams::default()
         };
-        assert!(
-            bad.validate()
-                .unwrap_err()
-                .to_string()
-                .starts_with("max_outstanding = 0")
-        );
+        for (params, named) in [(long, "cache_wait_ms = 3600001"), (bad, "max_outstanding = 0")] {
+            let error = params.validate().unwrap_err().to_string();
+            assert!(error.starts_with(named), "{error}");
+        }
     }
 }
