@@ -245,14 +245,7 @@ pub fn parse_with<'a, P: Templated>(
     limits: &RequestLimits,
     pick: impl FnOnce(&str) -> Result<P, RequestError>,
 ) -> Result<(ParsedRequest<'a>, P), RequestError> {
-    let value =
-        Json::parse(body).map_err(|e| RequestError::new(format!("the request body is not valid JSON: {e}"), None))?;
-    let Json::Object(body) = value else {
-        return Err(RequestError::new(
-            format!("the request body must be a JSON object, not {}", value.kind()),
-            None,
-        ));
-    };
+    let body = body_object(body)?;
     let model = request_model(&body)?;
     let picked = pick(&model)?;
     let template = picked.template();
@@ -307,6 +300,20 @@ pub fn parse_with<'a, P: Templated>(
         body,
     };
     Ok((parsed, picked))
+}
+
+/// A request body as the JSON object every API of the gateway takes (400
+/// when it is not valid JSON or not an object).
+pub fn body_object(body: &[u8]) -> Result<Object<'_>, RequestError> {
+    let value =
+        Json::parse(body).map_err(|e| RequestError::new(format!("the request body is not valid JSON: {e}"), None))?;
+    match value {
+        Json::Object(object) => Ok(object),
+        other => Err(RequestError::new(
+            format!("the request body must be a JSON object, not {}", other.kind()),
+            None,
+        )),
+    }
 }
 
 /// The `model` field: required, a non-empty string.

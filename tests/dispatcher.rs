@@ -798,10 +798,24 @@ async fn models_health_and_other_v1_paths() {
     assert_eq!(v["data"][0]["id"], MODEL);
     let health = call(gw.addr, Method::GET, "/health", &[], "").await;
     assert_eq!(health.status, StatusCode::OK);
-    // Another /v1 path is proxied: the sim answers it with its own 404.
-    let other = call(gw.addr, Method::GET, "/v1/rerank", &[], "").await;
+    // A forwarded /v1 endpoint is proxied: the sim answers it with its
+    // own 404 (it serves no rerank).
+    let other = call(
+        gw.addr,
+        Method::POST,
+        "/v1/rerank",
+        &[],
+        r#"{"query": "q", "documents": ["d"]}"#,
+    )
+    .await;
     assert_eq!(other.status, StatusCode::NOT_FOUND);
     assert!(other.headers.contains_key("x-semlb-backend"));
+    // With another method, or another /v1 path, the gateway answers.
+    let get = call(gw.addr, Method::GET, "/v1/rerank", &[], "").await;
+    assert_eq!(get.status, StatusCode::METHOD_NOT_ALLOWED);
+    let unknown = call(gw.addr, Method::POST, "/v1/batches", &[], "{}").await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+    assert!(!unknown.headers.contains_key("x-semlb-backend"));
     gw.stop().await;
 }
 

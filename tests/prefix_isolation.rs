@@ -57,7 +57,7 @@ fn isolated_tenants_share_no_prefix_with_anyone() {
             e.addr
         ));
     }
-    config.push_str(&format!("[auth]\nkeys_file = \"{keys_file}\"\n"));
+    config.push_str(&format!("[auth]\nkeys_file = \"{keys_file}\"\ndebug_headers = true\n"));
     let gw = Gateway::builder().tag("isolation").config(&config).start();
 
     let prompt = format!(

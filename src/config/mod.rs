@@ -157,6 +157,7 @@
 //! | `admin.token_file` | path | not set | a file holding the token instead (trailing whitespace ignored); it must not be readable by others (`chmod 0600`) |
 //! | `admin.models_file` | path | not set: pools change by reload only | where the admin API keeps the model pools it added, changed or removed ([`ModelChanges`]); merged over the `[[model]]` tables at every start and reload; its directory must be writable by semlb |
 //! | `[auth]` | table | | client authentication ([`crate::auth`]) |
+//! | `auth.debug_headers` | bool | false | authenticated callers get the diagnostic `x-semlb-*` answer headers (`-backend`, `-route`, `-cache`, `-dispatch-ns`, `-queue-ms`, a peer's `-peer`) (they name internal addresses and tell whether another tenant recently sent the same prefix or line); without `[auth]` they are always sent. Read when a dispatcher starts |
 //! | `auth.keys_file` | path | not set: no authentication | the keys file `semlb keys` writes (SHA-256 digests of the keys, a tenant and the models each may use); every `/v1/...` request then needs a listed key (401, 403 for a model it may not use). Re-read on reload |
 //! | `[metrics]` | table | | where Prometheus scrapes the gateway |
 //! | `metrics.listen` | `"ip:port"` | not set: `/metrics` on `listen` | a listener of its own for `GET /metrics` (the supervisor serves it); the gateway's `listen` then answers `/metrics` with 404, so clients never see it |

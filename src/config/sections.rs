@@ -349,6 +349,15 @@ pub struct AuthConfig {
     /// The keys file (`semlb keys` writes it); `None` (the default): no
     /// authentication. Read at start and on every reload.
     pub keys_file: Option<std::path::PathBuf>,
+    /// Whether authenticated callers get the gateway's diagnostic headers
+    /// (every [`x-semlb-*`](crate::dispatcher::DIAGNOSTIC_PREFIX) answer
+    /// header: `x-semlb-backend`, `-route`, `-cache`, `-dispatch-ns`,
+    /// `-queue-ms`, a peer's `-peer`).
+    /// Default false: they name internal addresses, and tell one tenant
+    /// whether another recently sent the same prefix (`x-semlb-route:
+    /// prefix`) or line (the tokenize time in `x-semlb-dispatch-ns`).
+    /// Without `[auth]` there are no tenants and they are always sent.
+    pub debug_headers: bool,
 }
 
 /// Where `/metrics` is served (`[metrics]`).

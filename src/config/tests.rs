@@ -289,6 +289,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "passive",
         "[auth]",
         "keys_file",
+        "debug_headers",
         "[peering]",
         "poll_ms",
         "max_age_ms",

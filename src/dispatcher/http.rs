@@ -35,6 +35,26 @@ pub(crate) const ROUTE_HEADER: &str = "x-semlb-route";
 /// (absent when it did not wait).
 pub(crate) const QUEUE_HEADER: &str = "x-semlb-queue-ms";
 
+/// The prefix of the gateway's diagnostic answer headers
+/// (`x-semlb-backend`, `-cache`, `-dispatch-ns`, `-route`, `-queue-ms`, a
+/// peer's `-peer`), which
+/// authenticated callers get only with `auth.debug_headers` (the config's
+/// [`AuthConfig::debug_headers`](crate::config::AuthConfig::debug_headers));
+/// an upstream's headers under it are withheld alike.
+pub const DIAGNOSTIC_PREFIX: &str = "x-semlb-";
+
+/// Removes every [`DIAGNOSTIC_PREFIX`] header from `headers`.
+pub(crate) fn remove_diagnostics(headers: &mut HeaderMap) {
+    let names: Vec<_> = headers
+        .keys()
+        .filter(|k| k.as_str().starts_with(DIAGNOSTIC_PREFIX))
+        .cloned()
+        .collect();
+    for name in names {
+        headers.remove(name);
+    }
+}
+
 /// A body of `bytes`.
 pub(crate) fn full_body(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into())

@@ -51,7 +51,7 @@ const BLOCKING_TOKENIZE_BYTES: usize = 48 << 10;
 /// would hold the reactor, and every other request of the dispatcher, for
 /// up to 0.6 s. Below this (about 10 µs of parsing) the hand-off would
 /// cost more than it saves.
-const BLOCKING_PARSE_BYTES: usize = 256 << 10;
+pub(super) const BLOCKING_PARSE_BYTES: usize = 256 << 10;
 
 /// The pool `model` names, if the caller may use it.
 fn pick_pool(pools: &ModelPools, caller: Option<&Caller>, model: &str) -> Result<Arc<Pool>, prompt::RequestError> {

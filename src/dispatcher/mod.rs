@@ -10,10 +10,13 @@
 //! | `GET /health` | 200 when at least one server is live, else 503 |
 //! | `GET /metrics` | Prometheus text of the whole gateway ([`crate::metrics`]) |
 //! | `GET /semlb/peer/load` | this gateway's load for its peers, with `x-semlb-peer-token` ([`crate::peers::summary`]; 404 without `peering.token_file`) |
-//! | any other `/v1/...` | proxied to the least loaded live server of the pool its body's `model` names (unknown: 404), else of all |
+//! | `POST /v1/embeddings`, `/v1/rerank`, `/v1/score`, `/v1/responses`, `/v1/messages`, `/v1/messages/count_tokens` | charged, then proxied to the least loaded live server of the pool its body's `model` names (unknown: 404; no model where keys or pools make it matter: 400) |
 //!
-//! Other paths get 404, wrong methods 405 (with `Allow`), all with an
-//! OpenAI error body.
+//! Other paths, `/v1/...` included, get 404 from the gateway itself; wrong
+//! methods 405 (with `Allow`); a path with a percent-encoded `/`, `\`,
+//! `.` or control character, a `.` or `..` segment, `//` or a backslash
+//! 400 `invalid_path` before any route is matched; all with an OpenAI
+//! error body.
 //!
 //! # The inference pipeline
 //!
@@ -66,13 +69,16 @@
 //!
 //! Every inference answer carries `x-semlb-cache: hit|miss|bypass` (`miss`:
 //! looked up or refreshed and may be stored; `bypass`: the cache was not
-//! involved) and `x-semlb-backend: <server address | cache>`.
+//! involved) and `x-semlb-backend: <server address | cache>`; an
+//! authenticated caller gets these and the other diagnostic headers
+//! (every [`DIAGNOSTIC_PREFIX`] header) only with `auth.debug_headers`.
 //!
 //! # Modules, in request order
 //!
 //! | module | step |
 //! | --- | --- |
-//! | `routes` | the route table: which handler answers a method and path; `/health`, `/metrics`, the generic `/v1/*` proxy |
+//! | `routes` | the route table: which handler answers a method and path (encoded separators and dot-segments refused first); `/health`, `/metrics` |
+//! | `passthrough` | the engines' other `/v1` endpoints (embeddings, rerank, score, Responses, Messages): model, pool, charge, proxy |
 //! | `inference` | the front half of an inference request: body → parse → tokens → block chain → cache key → lookup; cached answers |
 //! | `rate` | the request's rate-limit buckets charged before it is routed ([`crate::rate_limit`]): 429, or the `x-ratelimit-*` headers of its answer |
 //! | `route` | one attempt's routing decision (policy, or least load for other routes), the holding policies' check once counted, passive health |
@@ -116,6 +122,7 @@ mod inference;
 mod inflight;
 mod learn;
 mod models;
+mod passthrough;
 mod peer_forward;
 mod proxy;
 mod queue;
@@ -128,6 +135,7 @@ mod timing;
 mod usage;
 
 /// The stream rewriters the fuzz targets reach ([`crate::fuzzing`]).
+pub use http::DIAGNOSTIC_PREFIX;
 pub use peer_forward::Peering;
 pub use sse::replay;
 pub use usage::UsageStrip;

@@ -1,6 +1,7 @@
-//! The route table: which handler answers which method and path, and the
-//! small routes (`/health`, `/metrics`, any other `/v1/...` proxied to the
-//! least loaded server). See the [parent module](super) for the list.
+//! The route table: which handler answers which method and path (a path
+//! with encoded separators or dot-segments is refused first), and the
+//! small routes (`/health`, `/metrics`). See the [parent module](super)
+//! for the list.
 
 use std::sync::Arc;
 
@@ -9,15 +10,13 @@ use hyper::body::Incoming;
 use serde_json::json;
 
 use super::Dispatcher;
-use super::http::{Body, error_response, full_response, json_response, set_header, upstream_headers};
-use super::inference::{inference, with_model};
+use super::http::{Body, error_response, full_response, json_response, remove_diagnostics, set_header};
+use super::inference::inference;
 use super::models::models;
-use super::proxy::{Outbound, Relayed, forward};
-use super::rate;
-use crate::auth::Caller;
-use crate::body::Json;
+use super::passthrough;
+use super::proxy::Relayed;
 use crate::metrics::{DURATION, EndpointLabel, Snapshot};
-use crate::prompt::{Endpoint, RequestError};
+use crate::prompt::Endpoint;
 use crate::routing::live_candidates;
 
 /// Answers one request (never fails: errors are responses).
@@ -25,8 +24,17 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
     let start = std::time::Instant::now();
     let path = request.uri().path().to_owned();
     let method = request.method().clone();
+    if let Some(why) = path_refusal(&path) {
+        dispatcher.metrics().request(EndpointLabel::Other, 400);
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            format!("the path {path:?} is refused: {why}"),
+            Some("invalid_path"),
+        );
+    }
     let allowed = match path.as_str() {
         "/v1/completions" | "/v1/chat/completions" => Some(Method::POST),
+        p if passthrough::PATHS.contains(&p) => Some(Method::POST),
         "/v1/models" | "/health" | "/metrics" | crate::peers::LOAD_PATH => Some(Method::GET),
         _ => None,
     };
@@ -61,13 +69,18 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
         (crate::peers::LOAD_PATH, _) => super::peer_forward::load_summary(&dispatcher, request.headers()),
         // With a metrics listener of its own, /metrics is not a route here.
         ("/metrics", _) if dispatcher.config().metrics.listen.is_none() => metrics(&dispatcher).await,
-        (p, _) if p.starts_with("/v1/") => passthrough(&dispatcher, request, caller).await,
+        (p, _) if passthrough::PATHS.contains(&p) => passthrough::passthrough(&dispatcher, request, caller).await,
         _ => error_response(
             StatusCode::NOT_FOUND,
             format!("{method} {path} is not a route of this server"),
             Some("unknown_url"),
         ),
     };
+    // An authenticated caller learns nothing of the fleet or of other
+    // tenants from the answer's headers unless the operator allows it.
+    if caller.is_some() && !dispatcher.config().auth.debug_headers {
+        remove_diagnostics(response.headers_mut());
+    }
     let endpoint = EndpointLabel::of_path(&path);
     let m = dispatcher.metrics();
     m.request(endpoint, response.status().as_u16());
@@ -96,71 +109,35 @@ async fn metrics(dispatcher: &Arc<Dispatcher>) -> Response<Body> {
     }
 }
 
-/// Any other `/v1/...` request: proxied to the least loaded live server
-/// of the model pool its body names (`model`; an unknown one: 404), else
-/// of every server.
-async fn passthrough(
-    dispatcher: &Arc<Dispatcher>,
-    request: Request<Incoming>,
-    caller: Option<&Caller>,
-) -> Response<Body> {
-    let (parts, body) = request.into_parts();
-    let bytes = match dispatcher.read_body(&parts.headers, body).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    // A body naming a model (embeddings, rerank, ...) goes to its pool.
-    let pools = dispatcher.pools();
-    let mut pool = None;
-    let mut bytes = bytes;
-    // Without pools or keys any server takes it: nothing to read.
-    let by_model = !pools.is_implicit() || caller.is_some();
-    if by_model
-        && let Ok(Json::Object(body)) = Json::parse(&bytes)
-        && let Some(Json::String(model)) = body.get("model")
-    {
-        match pools.find(model) {
-            Some(found) if caller.is_some_and(|c| !c.may_use(model, found.chain_model(model))) => {
-                let e = RequestError::model_not_allowed(model);
-                return json_response(e.status, &e.body());
-            }
-            Some(found) => {
-                if let Some(name) = found.upstream_name(model) {
-                    let rewritten = with_model(&bytes, model, name);
-                    drop(body);
-                    bytes = rewritten;
-                }
-                pool = Some(found.clone());
-            }
-            None => {
-                let e = RequestError::model_not_found(model);
-                return json_response(e.status, &e.body());
+/// Why `path` is refused before any route is matched (`None`: it is a
+/// plain path): a percent-encoded `/`, `\\`, `.` or control character,
+/// a `.` or `..` segment, an empty segment or a backslash. The routes
+/// match the path as it comes, while an engine behind the gateway may
+/// decode and resolve it (uvicorn, which serves vLLM and SGLang, decodes
+/// `%2F`): `/v1/chat%2Fcompletions` would be a route the gateway does not
+/// know and an engine does.
+fn path_refusal(path: &str) -> Option<&'static str> {
+    let bytes = path.as_bytes();
+    for (i, &b) in bytes.iter().enumerate() {
+        if b == b'\\' {
+            return Some("a backslash");
+        }
+        if b == b'%' {
+            let hex = |j: usize| bytes.get(j).and_then(|&h| (h as char).to_digit(16));
+            let Some(decoded) = hex(i + 1).zip(hex(i + 2)).map(|(h, l)| (h * 16 + l) as u8) else {
+                return Some("a '%' that is not followed by two hex digits");
+            };
+            if matches!(decoded, b'/' | b'\\' | b'.' | b'%') || decoded.is_ascii_control() {
+                return Some("a percent-encoded '/', '\\', '.', '%' or control character");
             }
         }
     }
-    // Its limits: one request (its tokens are not counted here).
-    let admitted = match &pool {
-        Some(pool) => match rate::admit(dispatcher, caller, pool, 0).await {
-            Ok(a) => a,
-            Err(refused) => return refused,
-        },
-        None => Default::default(),
-    };
-    let outbound = Outbound {
-        method: parts.method,
-        path_and_query: parts
-            .uri
-            .path_and_query()
-            .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned()),
-        headers: upstream_headers(&parts.headers, caller.is_some()),
-        body: bytes,
-        pool,
-        cache_salt: None,
-        peer: None,
-    };
-    let mut response = forward(dispatcher, outbound, None).await;
-    admitted.set_headers(&mut response);
-    response
+    if path.contains("//") {
+        return Some("an empty segment ('//')");
+    }
+    path.split('/')
+        .any(|segment| segment == "." || segment == "..")
+        .then_some("a '.' or '..' segment")
 }
 
 /// `GET /health`: 200 when a server is live.
@@ -179,4 +156,46 @@ fn health(dispatcher: &Dispatcher) -> Response<Body> {
         StatusCode::OK,
         &json!({"status": "ok", "live_servers": candidates.len()}),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::path_refusal;
+
+    #[test]
+    fn plain_paths_pass_and_encoded_separators_and_dot_segments_do_not() {
+        for plain in [
+            "/",
+            "/health",
+            "/v1/chat/completions",
+            "/v1/chat/completions/",
+            "/v1/models/org%20model",
+            "/v1/files/file-abc.jsonl",
+            "/v1/..x/y",
+        ] {
+            assert_eq!(path_refusal(plain), None, "{plain}");
+        }
+        for refused in [
+            "/v1/chat%2Fcompletions",
+            "/v1/chat%2fcompletions",
+            "/v1/%2e%2e/admin",
+            "/v1/%2E",
+            "/v1/a%5cb",
+            "/v1/a%00",
+            "/v1/a%7F",
+            "/v1/a%25",
+            "/v1/a%",
+            "/v1/a%2",
+            "/v1/a%zz",
+            "/v1/./chat/completions",
+            "/v1/../v1/chat/completions",
+            "/v1/..",
+            "/..",
+            "/v1//chat/completions",
+            "//v1/chat/completions",
+            "/v1/chat\\completions",
+        ] {
+            assert!(path_refusal(refused).is_some(), "{refused}");
+        }
+    }
 }

@@ -80,6 +80,9 @@ pub(super) fn reloaded_config(
     if new.drain_timeout_secs != old.drain_timeout_secs {
         at_start.push("drain_timeout_secs");
     }
+    if new.auth.debug_headers != old.auth.debug_headers {
+        at_start.push("auth.debug_headers");
+    }
     if !at_start.is_empty() {
         tracing::warn!(
             "reload: {} changed; dispatchers read that when they start: restart the service to apply it to all",

@@ -1,0 +1,213 @@
+//! The `/v1/*` passthrough: the engines' other OpenAI-compatible endpoints
+//! (embeddings, rerank, score, Responses, Messages), proxied to the least
+//! loaded live server of the pool the body's `model` names.
+//!
+//! # What is forwarded
+//!
+//! Only [`PATHS`], each with `POST`: the endpoints vLLM, SGLang and
+//! llama.cpp serve under `/v1` that name a model in a JSON body. Any other
+//! `/v1/...` path is answered 404 by the gateway itself and never reaches
+//! an engine (it used to be forwarded as it came: `/v1/chat%2Fcompletions`
+//! reached uvicorn, which decodes `%2F`, and ran a chat completion that
+//! was never metered, queued or context-checked; issue 39).
+//!
+//! # Which servers
+//!
+//! The body is parsed (on the blocking pool when larger than
+//! [`BLOCKING_PARSE_BYTES`]) for its `model`:
+//!
+//! * a model the configuration serves: its pool (an alias is rewritten to
+//!   the pool's upstream name), if the caller's key may use it (403);
+//! * an unknown model: 404 `model_not_found`;
+//! * no `model`, or a body that is not a JSON object (serde_json refuses
+//!   what Python's parser takes: `NaN`, a byte-order mark, UTF-16): a 400
+//!   whenever the answer depends on the model, that is with `[auth]` (an
+//!   authenticated caller never falls back to "any server", which would
+//!   pass over the models its key may use) or with `[[model]]` pools
+//!   (which pool?). Only a gateway with neither, where every server serves
+//!   every request alike, forwards such a body to the least loaded server.
+//!
+//! # What is charged
+//!
+//! One request and an estimate of its prompt tokens
+//! ([`estimated_tokens`]: a token per [`BYTES_PER_TOKEN`] bytes of body,
+//! never 0) to the caller's and the pool's rate-limit buckets, before it is
+//! forwarded (429 when they have no room). These endpoints' prompt is not
+//! one text the gateway can tokenize (a batch of inputs, documents to
+//! rank, a Responses input list), and an estimate is what the review asked
+//! for in place of the 0 charged before.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use hyper::body::Incoming;
+
+use super::Dispatcher;
+use super::http::{Body, error_response, json_response, upstream_headers, with_string_field};
+use super::inference::BLOCKING_PARSE_BYTES;
+use super::proxy::{Outbound, forward};
+use super::rate;
+use crate::auth::Caller;
+use crate::pools::{ModelPools, Pool};
+use crate::prompt::RequestError;
+
+/// The `/v1` paths forwarded to an engine, all with `POST`.
+pub(super) const PATHS: [&str; 6] = [
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/v1/score",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+];
+
+/// Body bytes per prompt token charged (the common rule of thumb for
+/// English text in BPE vocabularies; JSON punctuation makes it an
+/// overestimate rather than an underestimate).
+pub const BYTES_PER_TOKEN: usize = 4;
+
+/// The prompt tokens charged for a body of `bytes` bytes: one per
+/// [`BYTES_PER_TOKEN`], at least 1.
+pub fn estimated_tokens(bytes: usize) -> u64 {
+    bytes.div_ceil(BYTES_PER_TOKEN).max(1) as u64
+}
+
+/// The model a passthrough body names (400: not a JSON object, or no
+/// non-empty string `model`).
+fn model_named(body: &[u8]) -> Result<String, RequestError> {
+    let object = crate::prompt::body_object(body)?;
+    crate::prompt::request_model(&object).map(Cow::into_owned)
+}
+
+/// `f(body)`, on the blocking pool when `body` is large (`None`: the
+/// task did not finish, the runtime is shutting down).
+async fn off_reactor_if_large<T: Send + 'static>(
+    body: &Bytes,
+    f: impl FnOnce(&Bytes) -> T + Send + 'static,
+) -> Option<T> {
+    if body.len() <= BLOCKING_PARSE_BYTES {
+        return Some(f(body));
+    }
+    let body = body.clone();
+    tokio::task::spawn_blocking(move || f(&body)).await.ok()
+}
+
+/// The pool of `model` and the upstream name it is rewritten to (an
+/// alias's pool), or the error to answer.
+fn pool_of(
+    pools: &ModelPools,
+    caller: Option<&Caller>,
+    model: &str,
+) -> Result<(Arc<Pool>, Option<String>), RequestError> {
+    let Some(pool) = pools.find(model) else {
+        return Err(RequestError::model_not_found(model));
+    };
+    if caller.is_some_and(|c| !c.may_use(model, pool.chain_model(model))) {
+        return Err(RequestError::model_not_allowed(model));
+    }
+    Ok((pool.clone(), pool.upstream_name(model).map(str::to_owned)))
+}
+
+/// `POST` to one of [`PATHS`]: charged, then proxied (see the
+/// [module docs](self)).
+pub(super) async fn passthrough(
+    dispatcher: &Arc<Dispatcher>,
+    request: Request<Incoming>,
+    caller: Option<&Caller>,
+) -> Response<Body> {
+    let (parts, body) = request.into_parts();
+    let mut bytes = match dispatcher.read_body(&parts.headers, body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    // Without pools or keys every server takes it alike: nothing to read.
+    let pools = dispatcher.pools();
+    let pool;
+    if !pools.is_implicit() || caller.is_some() {
+        let Some(named) = off_reactor_if_large(&bytes, |b| model_named(b)).await else {
+            return shutting_down();
+        };
+        let (found, rename) = match named.and_then(|model| pool_of(&pools, caller, &model)) {
+            Ok(found) => found,
+            Err(e) => return json_response(e.status, &e.body()),
+        };
+        if let Some(name) = rename {
+            let Some(rewritten) = off_reactor_if_large(&bytes, move |b| with_string_field(b, "model", &name)).await
+            else {
+                return shutting_down();
+            };
+            bytes = rewritten;
+        }
+        pool = Some(found);
+    } else {
+        // The implicit pool of every server: its limits, if it has any.
+        pool = pools.pools().first().cloned();
+    }
+    let admitted = match &pool {
+        Some(pool) => match rate::admit(dispatcher, caller, pool, estimated_tokens(bytes.len())).await {
+            Ok(a) => a,
+            Err(refused) => return refused,
+        },
+        None => Default::default(),
+    };
+    let outbound = Outbound {
+        method: parts.method,
+        path_and_query: parts
+            .uri
+            .path_and_query()
+            .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned()),
+        headers: upstream_headers(&parts.headers, caller.is_some()),
+        body: bytes,
+        pool,
+        cache_salt: None,
+        peer: None,
+    };
+    let mut response = forward(dispatcher, outbound, None).await;
+    admitted.set_headers(&mut response);
+    response
+}
+
+/// A blocking task that did not finish: the runtime is shutting down.
+fn shutting_down() -> Response<Body> {
+    error_response(StatusCode::SERVICE_UNAVAILABLE, "the gateway is shutting down", None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_estimate_is_a_token_per_four_bytes_and_never_zero() {
+        assert_eq!(estimated_tokens(0), 1);
+        assert_eq!(estimated_tokens(1), 1);
+        assert_eq!(estimated_tokens(4), 1);
+        assert_eq!(estimated_tokens(5), 2);
+        assert_eq!(estimated_tokens(4_000), 1_000);
+    }
+
+    #[test]
+    fn a_body_must_be_a_json_object_naming_a_model() {
+        assert_eq!(model_named(br#"{"model": "m", "input": "x"}"#).unwrap(), "m");
+        assert_eq!(model_named(br#"{"model": "m\u002Fx"}"#).unwrap(), "m/x");
+        for (body, says) in [
+            (&br#"{"input": "x"}"#[..], "'model' is required"),
+            (br#"{"model": ""}"#, "must not be empty"),
+            (br#"{"model": 1}"#, "must be a string"),
+            (br#"["m"]"#, "must be a JSON object"),
+            (br#"{"model": "m", "x": NaN}"#, "not valid JSON"),
+            (b"\xef\xbb\xbf{\"model\": \"m\"}", "not valid JSON"),
+            (b"", "not valid JSON"),
+        ] {
+            let e = model_named(body).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+            assert!(
+                e.message.contains(says),
+                "{}: {}",
+                String::from_utf8_lossy(body),
+                e.message
+            );
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! No side door to the engines (issue 39, findings 1 and 2), end to end: a
+//! real `semlb serve` in front of simulated engines, requests sent as raw
+//! HTTP the way a hostile client would.
+//!
+//! * A path with a percent-encoded `/`, `\`, `.` or control character, a
+//!   `.` or `..` segment, `//` or a backslash gets 400 `invalid_path` from
+//!   the gateway (uvicorn, which serves vLLM and SGLang, decodes `%2F`:
+//!   `/v1/chat%2Fcompletions` used to be forwarded and run there, unmetered).
+//! * Only the engines' known `/v1` endpoints are forwarded; any other
+//!   `/v1/...` path gets 404 from the gateway, a wrong method 405.
+//! * With keys, a passthrough body that names no model, or that serde_json
+//!   refuses while Python takes it (`NaN`, a byte-order mark), gets 400: an
+//!   authenticated caller never falls back to "any server" (it used to
+//!   reach any engine of any pool, past the models its key may use).
+//! * What is forwarded is charged: an embeddings request counts its
+//!   estimated prompt tokens (a token per 4 bytes of body) to its model.
+
+use semlb_test_support as support;
+use serde_json::{Value, json};
+use support::TempDir;
+use support::gateway::{Gateway, answered_by_gateway, sim, sim_with};
+use support::http::{Response, http, http_bytes};
+use support::process::{Proc, Stderr, assert_ok, run as semlb};
+
+fn add_key(file: &str, tenant: &str, models: &[&str]) -> String {
+    let mut args = vec!["keys", "--file", file, "--json", "add", "--tenant", tenant];
+    for m in models {
+        args.extend(["--model", m]);
+    }
+    let v: Value = serde_json::from_str(&assert_ok(&semlb(&args))).unwrap();
+    v["key"].as_str().unwrap().to_owned()
+}
+
+/// Which of `engines` answered `r` (asserting a 200 from an engine).
+fn engine_of<'a>(r: &Response, engines: &'a [(&str, &Proc)], what: &str) -> &'a str {
+    assert_eq!(r.status, 200, "{what}: {}", String::from_utf8_lossy(&r.body));
+    let backend = r.header("x-semlb-backend").expect("x-semlb-backend");
+    engines
+        .iter()
+        .find(|(_, p)| backend.ends_with(&p.addr))
+        .map(|(n, _)| *n)
+        .unwrap_or_else(|| panic!("{what}: answered by {backend}, no engine of the test"))
+}
+
+#[test]
+fn encoded_separators_dot_segments_and_unknown_v1_paths_never_reach_an_engine() {
+    let engine = sim();
+    let gw = Gateway::builder()
+        .tag("side-doors-paths")
+        .backends(&[&engine])
+        .stderr(Stderr::CaptureEcho)
+        .start();
+    let addr = gw.addr().to_owned();
+    let chat =
+        json!({"model": "semlb-sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).to_string();
+
+    for path in [
+        "/v1/chat%2Fcompletions",
+        "/v1/chat%2fcompletions",
+        "/v1/%2e%2e/v1/chat/completions",
+        "/v1/%2E/chat/completions",
+        "/v1/chat%5Ccompletions",
+        "/v1/chat/completions%00",
+        "/v1/chat%252Fcompletions",
+        "/v1/./chat/completions",
+        "/v1/../v1/chat/completions",
+        "/v1/embeddings/..",
+        "/v1//chat/completions",
+        "/v1/chat\\completions",
+        "/v1/chat/completions%",
+        "/v1/chat/completions%2",
+        "/health/..",
+    ] {
+        let r = http_bytes(&addr, "POST", path, Some(chat.as_bytes()), &[]).expect(path);
+        let error = answered_by_gateway(&r, 400, path);
+        assert_eq!(error["error"]["code"], "invalid_path", "{path}: {error}");
+        assert_eq!(error["error"]["type"], "invalid_request_error", "{path}: {error}");
+    }
+
+    // Paths the engines may serve but the gateway does not forward.
+    for (method, path) in [
+        ("POST", "/v1/fine_tuning/jobs"),
+        ("GET", "/v1/files"),
+        ("DELETE", "/v1/models/sim"),
+        ("POST", "/v1/chat/completions/"),
+        ("POST", "/v1/load_lora_adapter"),
+    ] {
+        let r = http_bytes(&addr, method, path, Some(chat.as_bytes()), &[]).expect(path);
+        let error = answered_by_gateway(&r, 404, path);
+        assert_eq!(error["error"]["code"], "unknown_url", "{method} {path}: {error}");
+    }
+    let r = http(&addr, "GET", "/v1/embeddings", None, &[]).unwrap();
+    answered_by_gateway(&r, 405, "GET /v1/embeddings");
+    assert_eq!(r.header("allow"), Some("POST"));
+
+    // What is on the list still works, and an ordinary chat is untouched.
+    let r = http(
+        &addr,
+        "POST",
+        "/v1/embeddings",
+        Some(&json!({"model": "semlb-sim", "input": "embed me"})),
+        &[],
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert!(r.header("x-semlb-backend").is_some());
+    let r = http_bytes(&addr, "POST", "/v1/chat/completions", Some(chat.as_bytes()), &[]).unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+}
+
+#[test]
+fn an_authenticated_caller_never_falls_back_to_any_server() {
+    let dir = TempDir::new("side-doors-keys");
+    let keys_file = dir.0.join("keys.toml").display().to_string();
+    let alice = add_key(&keys_file, "alice", &["alpha"]);
+    let a = sim_with("0.01", &["--model", "alpha"]);
+    let b = sim_with("0.01", &["--model", "beta"]);
+    let engines: [(&str, &Proc); 2] = [("a", &a), ("b", &b)];
+    let mut config = String::new();
+    for (name, p) in engines {
+        config.push_str(&format!(
+            "[[backend]]\nurl = \"http://{}\"\nname = \"{name}\"\n",
+            p.addr
+        ));
+    }
+    config.push_str(&format!(
+        "[[model]]\nname = \"alpha\"\nbackends = [\"a\"]\n[[model]]\nname = \"beta\"\nbackends = [\"b\"]\n\
+         [auth]\nkeys_file = \"{keys_file}\"\ndebug_headers = true\n"
+    ));
+    let gw = Gateway::builder()
+        .tag("side-doors-keys")
+        .config(&config)
+        .stderr(Stderr::CaptureEcho)
+        .start();
+    let addr = gw.addr().to_owned();
+    let key: [(&str, &str); 1] = [("x-api-key", &alice)];
+    let embed = |body: &[u8]| http_bytes(&addr, "POST", "/v1/embeddings", Some(body), &key).unwrap();
+
+    // Her model: its engine. Another model: 403.
+    let r = embed(br#"{"model": "alpha", "input": "x"}"#);
+    assert_eq!(engine_of(&r, &engines, "alpha"), "a");
+    let error = answered_by_gateway(&embed(br#"{"model": "beta", "input": "x"}"#), 403, "beta");
+    assert_eq!(error["error"]["code"], "model_not_allowed");
+
+    // No model, or a body only Python would read: 400, from the gateway.
+    for (what, body) in [
+        ("no model", br#"{"input": "x"}"#.to_vec()),
+        (
+            "a model that is not a string",
+            br#"{"model": ["beta"], "input": "x"}"#.to_vec(),
+        ),
+        ("NaN", br#"{"model": "beta", "input": "x", "dimensions": NaN}"#.to_vec()),
+        (
+            "a byte-order mark",
+            [b"\xef\xbb\xbf".as_slice(), br#"{"model": "beta", "input": "x"}"#].concat(),
+        ),
+        (
+            "UTF-16",
+            "{\"model\": \"beta\"}"
+                .encode_utf16()
+                .flat_map(u16::to_le_bytes)
+                .collect(),
+        ),
+        ("an array", br#"[{"model": "beta", "input": "x"}]"#.to_vec()),
+    ] {
+        let r = embed(&body);
+        let error = answered_by_gateway(&r, 400, what);
+        assert_eq!(error["error"]["type"], "invalid_request_error", "{what}: {error}");
+    }
+    // The same holds for every forwarded endpoint, e.g. Messages.
+    let r = http_bytes(&addr, "POST", "/v1/messages", Some(br#"{"max_tokens": 4}"#), &key).unwrap();
+    answered_by_gateway(&r, 400, "a Messages body without a model");
+}
+
+#[test]
+fn a_forwarded_request_is_charged_its_estimated_prompt_tokens() {
+    let engine = sim_with("0.01", &["--model", "small"]);
+    let config = format!(
+        "[[backend]]\nurl = \"http://{}\"\nname = \"e\"\n[[model]]\nname = \"small\"\nbackends = [\"e\"]\n\
+         tokens_per_minute = 600\n",
+        engine.addr
+    );
+    let gw = Gateway::builder()
+        .tag("side-doors-charge")
+        .config(&config)
+        .stderr(Stderr::CaptureEcho)
+        .start();
+    let addr = gw.addr().to_owned();
+    let body = br#"{"model": "small", "input": "a text of a few words to embed, and then some more of them"}"#;
+    let r = http_bytes(&addr, "POST", "/v1/embeddings", Some(body), &[]).unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    // A token per 4 bytes of body, charged before it is forwarded.
+    let estimate = body.len().div_ceil(4) as i64;
+    let left: i64 = r.header("x-ratelimit-remaining-tokens").unwrap().parse().unwrap();
+    assert!(
+        (600 - estimate..=600 - estimate + 1).contains(&left),
+        "{left} tokens left after a {}-byte body (estimate {estimate})",
+        body.len()
+    );
+}
