@@ -21,23 +21,11 @@ use std::time::Duration;
 
 use semlb::metrics::responder_records;
 use semlb_test_support as support;
-use serde_json::{Value, json};
+use serde_json::json;
 use support::TempDir;
-use support::gateway::{Gateway, answered_by_gateway, sim_with};
+use support::gateway::{Gateway, add_key, answered_by_gateway, sim_with};
 use support::http::{Response, http};
 use support::process::{Proc, Stderr, assert_ok, run as semlb};
-
-fn add_key(file: &str, tenant: &str, models: &[&str]) -> (String, String) {
-    let mut args = vec!["keys", "--file", file, "--json", "add", "--tenant", tenant];
-    for m in models {
-        args.extend(["--model", m]);
-    }
-    let v: Value = serde_json::from_str(&assert_ok(&semlb(&args))).unwrap();
-    (
-        v["key"].as_str().unwrap().to_owned(),
-        v["id"].as_str().unwrap().to_owned(),
-    )
-}
 
 fn chat(addr: &str, model: &str, headers: &[(&str, &str)]) -> Response {
     let body = json!({

@@ -19,7 +19,7 @@ use semlb_test_support as support;
 use serde_json::{Value, json};
 use shm_layout::EngineContext;
 use support::TempDir;
-use support::gateway::{Gateway, answered_by_gateway, sim_with};
+use support::gateway::{Gateway, answered_by_gateway, engine_of, sim_with};
 use support::http::{Response, http};
 use support::process::{Proc, Stderr};
 
@@ -41,17 +41,6 @@ fn post(addr: &str, path: &str, body: Value) -> Response {
 fn chat(addr: &str, model: &str, text: &str) -> Response {
     let body = json!({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 8});
     post(addr, "/v1/chat/completions", body)
-}
-
-/// Which engine answered `r` (asserting it is a 200).
-fn engine_of<'a>(r: &Response, engines: &'a [(&str, &Proc)], what: &str) -> &'a str {
-    assert_eq!(r.status, 200, "{what}: {}", String::from_utf8_lossy(&r.body));
-    let backend = r.header("x-semlb-backend").expect("x-semlb-backend");
-    engines
-        .iter()
-        .find(|(_, p)| backend.ends_with(&p.addr))
-        .map(|(n, _)| *n)
-        .unwrap_or_else(|| panic!("{what}: answered by {backend}, no engine of the test"))
 }
 
 /// Waits until the server table knows every engine's context.

@@ -14,19 +14,11 @@
 //! * another isolated tenant finds nothing of the first one's.
 
 use semlb_test_support as support;
-use serde_json::{Value, json};
+use serde_json::json;
 use support::TempDir;
-use support::gateway::{Gateway, routed, sim, user};
+use support::gateway::{Gateway, add_key, routed, sim, user};
 use support::http::{Response, http};
 use support::process::{assert_ok, run as semlb};
-
-fn add_key(file: &str, tenant: &str) -> String {
-    let v: Value = serde_json::from_str(&assert_ok(&semlb(&[
-        "keys", "--file", file, "--json", "add", "--tenant", tenant,
-    ])))
-    .unwrap();
-    v["key"].as_str().unwrap().to_owned()
-}
 
 #[test]
 fn isolated_tenants_share_no_prefix_with_anyone() {
@@ -34,7 +26,7 @@ fn isolated_tenants_share_no_prefix_with_anyone() {
     let keys_file = dir.0.join("keys.toml").display().to_string();
     let keys: Vec<String> = ["shared-a", "shared-b", "secret-x", "secret-y"]
         .iter()
-        .map(|t| add_key(&keys_file, t))
+        .map(|t| add_key(&keys_file, t, &[]).0)
         .collect();
     for tenant in ["secret-x", "secret-y"] {
         assert_ok(&semlb(&[

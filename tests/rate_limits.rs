@@ -31,7 +31,7 @@ use nix::unistd::Pid;
 use semlb_test_support as support;
 use serde_json::{Value, json};
 use support::TempDir;
-use support::gateway::{Gateway, answered_by_gateway, sample, sim, sim_with, user};
+use support::gateway::{Gateway, add_key, answered_by_gateway, sample, sim, sim_with, user};
 use support::http::{Response, http};
 use support::process::{Proc, assert_ok, run as semlb};
 use support::redis::RedisServer;
@@ -39,20 +39,12 @@ use support::redis::RedisServer;
 /// Requests per minute of the limited tenant: one more every 2.5 s.
 const RPM: u64 = 24;
 
-fn add_key(file: &str, tenant: &str) -> String {
-    let v: Value = serde_json::from_str(&assert_ok(&semlb(&[
-        "keys", "--file", file, "--json", "add", "--tenant", tenant,
-    ])))
-    .unwrap();
-    v["key"].as_str().unwrap().to_owned()
-}
-
 /// A keys file with a key for `burst` (limited to [`RPM`]) and one for
 /// `calm` (no limits): (file, burst's key, calm's key).
 fn keys(dir: &TempDir) -> (String, String, String) {
     let file = dir.0.join("keys.toml").display().to_string();
-    let burst = add_key(&file, "burst");
-    let calm = add_key(&file, "calm");
+    let burst = add_key(&file, "burst", &[]).0;
+    let calm = add_key(&file, "calm", &[]).0;
     let set = assert_ok(&semlb(&[
         "keys",
         "--file",

@@ -16,31 +16,11 @@
 //!   estimated prompt tokens (a token per 4 bytes of body) to its model.
 
 use semlb_test_support as support;
-use serde_json::{Value, json};
+use serde_json::json;
 use support::TempDir;
-use support::gateway::{Gateway, answered_by_gateway, sim, sim_with};
-use support::http::{Response, http, http_bytes};
-use support::process::{Proc, Stderr, assert_ok, run as semlb};
-
-fn add_key(file: &str, tenant: &str, models: &[&str]) -> String {
-    let mut args = vec!["keys", "--file", file, "--json", "add", "--tenant", tenant];
-    for m in models {
-        args.extend(["--model", m]);
-    }
-    let v: Value = serde_json::from_str(&assert_ok(&semlb(&args))).unwrap();
-    v["key"].as_str().unwrap().to_owned()
-}
-
-/// Which of `engines` answered `r` (asserting a 200 from an engine).
-fn engine_of<'a>(r: &Response, engines: &'a [(&str, &Proc)], what: &str) -> &'a str {
-    assert_eq!(r.status, 200, "{what}: {}", String::from_utf8_lossy(&r.body));
-    let backend = r.header("x-semlb-backend").expect("x-semlb-backend");
-    engines
-        .iter()
-        .find(|(_, p)| backend.ends_with(&p.addr))
-        .map(|(n, _)| *n)
-        .unwrap_or_else(|| panic!("{what}: answered by {backend}, no engine of the test"))
-}
+use support::gateway::{Gateway, add_key, answered_by_gateway, engine_of, sim, sim_with};
+use support::http::{http, http_bytes};
+use support::process::{Proc, Stderr};
 
 #[test]
 fn encoded_separators_dot_segments_and_unknown_v1_paths_never_reach_an_engine() {
@@ -112,7 +92,7 @@ fn encoded_separators_dot_segments_and_unknown_v1_paths_never_reach_an_engine() 
 fn an_authenticated_caller_never_falls_back_to_any_server() {
     let dir = TempDir::new("side-doors-keys");
     let keys_file = dir.0.join("keys.toml").display().to_string();
-    let alice = add_key(&keys_file, "alice", &["alpha"]);
+    let (alice, _) = add_key(&keys_file, "alice", &["alpha"]);
     let a = sim_with("0.01", &["--model", "alpha"]);
     let b = sim_with("0.01", &["--model", "beta"]);
     let engines: [(&str, &Proc); 2] = [("a", &a), ("b", &b)];

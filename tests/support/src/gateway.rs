@@ -101,6 +101,32 @@ pub fn answered_by_gateway(r: &Response, status: u16, what: &str) -> Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{what}: not a JSON error ({e}): {text}"))
 }
 
+/// Which of `engines` (a name and its process each) answered `r`,
+/// asserting a 200 from one of them (`x-semlb-backend` names it).
+pub fn engine_of<'a>(r: &Response, engines: &'a [(&str, &Proc)], what: &str) -> &'a str {
+    assert_eq!(r.status, 200, "{what}: {}", String::from_utf8_lossy(&r.body));
+    let backend = r.header("x-semlb-backend").expect("x-semlb-backend");
+    engines
+        .iter()
+        .find(|(_, p)| backend.ends_with(&p.addr))
+        .map(|(n, _)| *n)
+        .unwrap_or_else(|| panic!("{what}: answered by {backend}, no engine of the test"))
+}
+
+/// A key for `tenant` added to the keys file `file` with `semlb keys`,
+/// limited to `models` (none: every model): (the key, its id).
+pub fn add_key(file: &str, tenant: &str, models: &[&str]) -> (String, String) {
+    let mut args = vec!["keys", "--file", file, "--json", "add", "--tenant", tenant];
+    for m in models {
+        args.extend(["--model", m]);
+    }
+    let v: Value = serde_json::from_str(&crate::process::assert_ok(&crate::process::run(&args))).unwrap();
+    (
+        v["key"].as_str().unwrap().to_owned(),
+        v["id"].as_str().unwrap().to_owned(),
+    )
+}
+
 /// How to start a [`Gateway`]: `semlb serve --listen 127.0.0.1:0` with a
 /// unique shm segment of 32 MiB, 2 dispatchers, 1 responder and the
 /// backends, unless told otherwise.
