@@ -14,12 +14,18 @@
 //!   reach any engine of any pool, past the models its key may use).
 //! * What is forwarded is charged: an embeddings request counts its
 //!   estimated prompt tokens (a token per 4 bytes of body) to its model.
+//! * An authenticated caller gets no `x-semlb-*` header (the gateway's
+//!   diagnostics name engines' addresses and tell whether another tenant
+//!   sent the same prefix; the simulated engine's own `x-semlb-sim-*` are
+//!   withheld alike) unless `auth.debug_headers` is set: routed, streamed,
+//!   cached, refused and passthrough answers alike.
 
+use semlb::metrics::responder_records;
 use semlb_test_support as support;
 use serde_json::json;
 use support::TempDir;
 use support::gateway::{Gateway, add_key, answered_by_gateway, engine_of, sim, sim_with};
-use support::http::{http, http_bytes};
+use support::http::{Response, http, http_bytes};
 use support::process::{Proc, Stderr};
 
 #[test]
@@ -177,4 +183,88 @@ fn a_forwarded_request_is_charged_its_estimated_prompt_tokens() {
         "{left} tokens left after a {}-byte body (estimate {estimate})",
         body.len()
     );
+}
+
+/// The `x-semlb-*` answer headers `r` carries.
+fn diagnostics(r: &Response) -> Vec<String> {
+    r.headers
+        .iter()
+        .map(|(k, _)| k.to_ascii_lowercase())
+        .filter(|k| k.starts_with("x-semlb-"))
+        .collect()
+}
+
+#[test]
+fn an_authenticated_caller_sees_no_diagnostic_header_unless_the_operator_allows_it() {
+    let dir = TempDir::new("keys-debug");
+    let keys_file = dir.0.join("keys.toml").display().to_string();
+    let (alice, _) = add_key(&keys_file, "alice", &[]);
+    let engine = sim_with("0.01", &["--model", "alpha"]);
+    for debug in [false, true] {
+        let gw = Gateway::builder()
+            .tag("keys-debug")
+            .backends(&[&engine])
+            .config(&format!(
+                "[auth]\nkeys_file = \"{keys_file}\"\ndebug_headers = {debug}\n"
+            ))
+            .stderr(Stderr::CaptureEcho)
+            .start();
+        let addr = gw.addr().to_owned();
+        let key = [("Authorization", format!("Bearer {alice}"))];
+        let key: Vec<(&str, &str)> = key.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let question = json!({
+            "model": "alpha",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 8,
+            "temperature": 0,
+        });
+        let chat = || http(&addr, "POST", "/v1/chat/completions", Some(&question), &key).unwrap();
+        // A routed answer, a streamed one, the cached repeat of the first
+        // (once written back), a 4xx of the gateway's and a passthrough.
+        let first = chat();
+        assert_eq!(first.status, 200, "{}", String::from_utf8_lossy(&first.body));
+        let mut streamed_body = json!({
+            "model": "alpha",
+            "messages": [{"role": "user", "content": "Stream it."}],
+            "max_tokens": 8,
+            "stream": true,
+        });
+        let streamed = http(&addr, "POST", "/v1/chat/completions", Some(&streamed_body), &key).unwrap();
+        assert_eq!(streamed.status, 200);
+        // Both answers written back (the first is what the repeat finds).
+        gw.written_back(responder_records);
+        gw.written_back(responder_records);
+        let cached = chat();
+        streamed_body["messages"] = json!("not a list");
+        let refused = http(&addr, "POST", "/v1/chat/completions", Some(&streamed_body), &key).unwrap();
+        assert_eq!(refused.status, 400);
+        let embedded = http(
+            &addr,
+            "POST",
+            "/v1/embeddings",
+            Some(&json!({"model": "alpha", "input": "x"})),
+            &key,
+        )
+        .unwrap();
+        assert_eq!(embedded.status, 200);
+        for (what, r) in [
+            ("routed", &first),
+            ("streamed", &streamed),
+            ("cached", &cached),
+            ("refused", &refused),
+            ("embeddings", &embedded),
+        ] {
+            let seen = diagnostics(r);
+            if debug {
+                if what != "refused" {
+                    assert!(seen.contains(&"x-semlb-backend".to_owned()), "{what}: {seen:?}");
+                }
+            } else {
+                assert!(seen.is_empty(), "{what}: {seen:?} without debug_headers");
+            }
+        }
+        if debug {
+            assert_eq!(cached.header("x-semlb-cache"), Some("hit"), "the repeat was cached");
+        }
+    }
 }

@@ -37,8 +37,8 @@ pub(crate) const QUEUE_HEADER: &str = "x-semlb-queue-ms";
 
 /// The prefix of the gateway's diagnostic answer headers
 /// (`x-semlb-backend`, `-cache`, `-dispatch-ns`, `-route`, `-queue-ms`, a
-/// peer's `-peer`), which
-/// authenticated callers get only with `auth.debug_headers` (the config's
+/// peer's `-peer`), which authenticated callers get only with
+/// `auth.debug_headers` (the config's
 /// [`AuthConfig::debug_headers`](crate::config::AuthConfig::debug_headers));
 /// an upstream's headers under it are withheld alike.
 pub const DIAGNOSTIC_PREFIX: &str = "x-semlb-";

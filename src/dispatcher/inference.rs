@@ -54,7 +54,11 @@ const BLOCKING_TOKENIZE_BYTES: usize = 48 << 10;
 pub(super) const BLOCKING_PARSE_BYTES: usize = 256 << 10;
 
 /// The pool `model` names, if the caller may use it.
-fn pick_pool(pools: &ModelPools, caller: Option<&Caller>, model: &str) -> Result<Arc<Pool>, prompt::RequestError> {
+pub(super) fn pick_pool(
+    pools: &ModelPools,
+    caller: Option<&Caller>,
+    model: &str,
+) -> Result<Arc<Pool>, prompt::RequestError> {
     let pool = pools
         .find(model)
         .ok_or_else(|| prompt::RequestError::model_not_found(model))?;

@@ -134,8 +134,8 @@ mod sse;
 mod timing;
 mod usage;
 
-/// The stream rewriters the fuzz targets reach ([`crate::fuzzing`]).
 pub use http::DIAGNOSTIC_PREFIX;
+/// The stream rewriters the fuzz targets reach ([`crate::fuzzing`]).
 pub use peer_forward::Peering;
 pub use sse::replay;
 pub use usage::UsageStrip;

@@ -46,11 +46,10 @@ use hyper::body::Incoming;
 
 use super::Dispatcher;
 use super::http::{Body, error_response, json_response, upstream_headers, with_string_field};
-use super::inference::BLOCKING_PARSE_BYTES;
+use super::inference::{BLOCKING_PARSE_BYTES, pick_pool};
 use super::proxy::{Outbound, forward};
 use super::rate;
 use crate::auth::Caller;
-use crate::pools::{ModelPools, Pool};
 use crate::prompt::RequestError;
 
 /// The `/v1` paths forwarded to an engine, all with `POST`.
@@ -94,22 +93,6 @@ async fn off_reactor_if_large<T: Send + 'static>(
     tokio::task::spawn_blocking(move || f(&body)).await.ok()
 }
 
-/// The pool of `model` and the upstream name it is rewritten to (an
-/// alias's pool), or the error to answer.
-fn pool_of(
-    pools: &ModelPools,
-    caller: Option<&Caller>,
-    model: &str,
-) -> Result<(Arc<Pool>, Option<String>), RequestError> {
-    let Some(pool) = pools.find(model) else {
-        return Err(RequestError::model_not_found(model));
-    };
-    if caller.is_some_and(|c| !c.may_use(model, pool.chain_model(model))) {
-        return Err(RequestError::model_not_allowed(model));
-    }
-    Ok((pool.clone(), pool.upstream_name(model).map(str::to_owned)))
-}
-
 /// `POST` to one of [`PATHS`]: charged, then proxied (see the
 /// [module docs](self)).
 pub(super) async fn passthrough(
@@ -129,11 +112,11 @@ pub(super) async fn passthrough(
         let Some(named) = off_reactor_if_large(&bytes, |b| model_named(b)).await else {
             return shutting_down();
         };
-        let (found, rename) = match named.and_then(|model| pool_of(&pools, caller, &model)) {
+        let (found, model) = match named.and_then(|model| Ok((pick_pool(&pools, caller, &model)?, model))) {
             Ok(found) => found,
             Err(e) => return json_response(e.status, &e.body()),
         };
-        if let Some(name) = rename {
+        if let Some(name) = found.upstream_name(&model).map(str::to_owned) {
             let Some(rewritten) = off_reactor_if_large(&bytes, move |b| with_string_field(b, "model", &name)).await
             else {
                 return shutting_down();

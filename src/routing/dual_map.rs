@@ -333,9 +333,7 @@ impl DualMap {
         let second = self.rings[1].walk(key, candidates, |c| c.server != first.server);
         Some((first, second))
     }
-}
 
-impl DualMap {
     /// The least loaded server that is not full ([`Reason::LeastLoad`]).
     fn least_loaded_free(&self, candidates: &[Candidate]) -> Option<Choice> {
         least_loaded_where(candidates, |c| !self.full(c), &self.turn).map(|c| Choice {
