@@ -171,7 +171,7 @@ fn stores(c: &mut Criterion) {
         ..roomy
     }
     .buckets(Scope::Model, "bench-model");
-    let charges = RequestBuckets::new(&tenant, &model).admission(700);
+    let charges = RequestBuckets::new(&tenant, &model).admission(700, 0);
     g.bench_function("shm", |b| {
         b.iter(|| black_box(runtime.block_on(shm.take_limits(&charges))))
     });

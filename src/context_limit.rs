@@ -72,6 +72,27 @@ pub fn fits(context: EngineContext, prompt: u64, output: Option<u64>) -> bool {
     needed <= u64::from(context.tokens)
 }
 
+/// The largest context of the live servers of `servers` that `serves`
+/// admits, when every one of them has said its own (`None` otherwise, or
+/// with none live): the most output one answer can have is this less its
+/// prompt.
+pub fn largest(servers: &ServerTable<'_>, serves: impl Fn(Option<u64>) -> bool) -> Option<EngineContext> {
+    let mut largest: Option<EngineContext> = None;
+    for slot in 0..servers.capacity() as u16 {
+        let Some((server, ServerState::Up)) = servers.current(slot) else {
+            continue;
+        };
+        if !serves(servers.id_of(slot)) {
+            continue;
+        }
+        let context = servers.engine_context(server)?;
+        if largest.is_none_or(|l| context.tokens > l.tokens) {
+            largest = Some(context);
+        }
+    }
+    largest
+}
+
 /// Checks a request of `prompt` tokens asking for `output` against the
 /// live servers of `servers` that `serves` (a model pool's members, by
 /// server id) admits (see the [module docs](self)).

@@ -111,6 +111,17 @@ impl ParsedRequest<'_> {
         }
     }
 
+    /// The answers it asks for: the larger of `n` and `best_of` (vLLM
+    /// generates `best_of` and returns `n`), at least 1.
+    pub fn answers(&self) -> u64 {
+        ["n", "best_of"]
+            .into_iter()
+            .filter_map(|name| self.body.get(name).and_then(Json::as_u64))
+            .max()
+            .unwrap_or(1)
+            .max(1)
+    }
+
     /// The field that carries the prompt: `messages` or `prompt`.
     pub fn prompt_param(&self) -> &'static str {
         endpoint_prompt_param(self.endpoint)

@@ -10,19 +10,32 @@
 //! | `[[model]]` | one per model and unit | every tenant's requests to that model (aliases and all) |
 //!
 //! `requests_per_minute` counts requests; `tokens_per_minute` counts prompt
-//! tokens when the request is let in (after tokenization, before routing)
-//! and output tokens when its answer ends: the engine's reported
-//! `usage.completion_tokens`, else a quarter of the answer's bytes (an
-//! answer cut short by its client is charged for what was relayed). A
-//! request is let in only when **every** bucket it is charged to has room
-//! ([`take`]: the units taken from the earlier buckets are given back when
-//! a later one refuses), so a refused request costs nothing. Output tokens
-//! are charged whether or not there is room (the answer was given): the
-//! bucket goes into debt, at most one period deep, and the next requests
-//! wait it out. Other `/v1/...` requests naming a model (embeddings, ...)
-//! are charged one request and no tokens. An answer from the response
-//! cache counts as a request with its prompt tokens (the check comes
-//! before the cache is read), and no output tokens.
+//! and output tokens. A request is let in with its prompt tokens **and a
+//! reservation for its output** taken from its token buckets: the output
+//! it asked for (`max_tokens`, `max_completion_tokens`) times the answers
+//! it asked for (`n`, `best_of`), at most the room left in the largest
+//! live engine's context, else `limits.reserve_output_tokens` (default
+//! 4 096) when it asked for no limit; never more than the bucket's limit
+//! less the prompt, so a prompt that fits is never refused for its
+//! `max_tokens`. When the answer ends, however it ends, the reservation is
+//! settled ([`OutputBuckets::settle`]): the unused part is given back, and
+//! output beyond it is charged whether or not there is room (the answer
+//! was given): the bucket goes into debt, at most
+//! [`shm_layout::limit_table::DEBT_PERIODS`] periods deep, and the next
+//! requests wait it out. An answer's output is the engine's reported
+//! usage (`usage.completion_tokens`, `usage.output_tokens`), which the
+//! gateway always asks a stream for; else an estimate, a token per four
+//! bytes of everything generated in every choice (text, tool calls,
+//! reasoning), never 0 for an answer with text (an answer cut short by its
+//! client is charged for what was relayed; a request that got no answer
+//! gets its whole reservation back). A request is let in only when
+//! **every** bucket it is charged to has room ([`take`]: the units taken
+//! from the earlier buckets are given back when a later one refuses), so a
+//! refused request costs nothing. Other `/v1/...` requests (embeddings,
+//! ...) are charged one request and an estimate of their prompt (a token
+//! per four bytes of body). An answer from the response cache counts as a
+//! request with its prompt tokens (the check comes before the cache is
+//! read), and no output tokens.
 //!
 //! The buckets are GCRA buckets ([`shm_layout::limit_table`]): a minute's
 //! worth of burst, refilled continuously (a limit of 60 per minute gives
@@ -247,6 +260,14 @@ pub fn charge(table: &LimitTable<'_>, charges: &[Charge], now_ns: u64) {
     }
 }
 
+/// Gives every charge back to `table` at `now_ns` (a reservation not
+/// used).
+pub fn refund(table: &LimitTable<'_>, charges: &[Charge], now_ns: u64) {
+    for c in charges.iter().filter(|c| c.n > 0) {
+        table.refund(c.key, c.quota, c.n, now_ns);
+    }
+}
+
 /// The buckets one request is charged to: its tenant's, then its
 /// model's.
 #[derive(Debug, Clone, Default)]
@@ -267,33 +288,41 @@ impl RequestBuckets {
         self.buckets.is_empty()
     }
 
-    /// The charges of a request: one request and `prompt_tokens` tokens.
-    pub fn admission(&self, prompt_tokens: u64) -> Vec<Charge> {
+    /// The charges of a request: one request, and `prompt_tokens` tokens
+    /// plus `reserve` for its output (no more of it than the bucket's
+    /// limit less the prompt: a prompt that fits is never refused for the
+    /// output it asked for).
+    pub fn admission(&self, prompt_tokens: u64, reserve: u64) -> Vec<Charge> {
         self.buckets
             .iter()
             .map(|b| {
                 b.charge(match b.unit {
                     Unit::Requests => 1,
-                    Unit::Tokens => prompt_tokens,
+                    Unit::Tokens => {
+                        prompt_tokens.saturating_add(reserve.min(b.quota.limit.saturating_sub(prompt_tokens)))
+                    }
                 })
             })
             .collect()
     }
 
-    /// The buckets its output tokens go to (`None` if none counts tokens).
-    pub fn output(&self) -> Option<OutputBuckets> {
-        let tokens: Vec<Bucket> = self
+    /// The buckets its output tokens go to, with what `charges` (its
+    /// [`admission`](Self::admission)) reserved in each (`None` if none
+    /// counts tokens).
+    pub fn output(&self, charges: &[Charge], prompt_tokens: u64) -> Option<OutputBuckets> {
+        let tokens: Vec<(Bucket, u64)> = self
             .buckets
             .iter()
-            .filter(|b| b.unit == Unit::Tokens)
-            .cloned()
+            .zip(charges)
+            .filter(|(b, _)| b.unit == Unit::Tokens)
+            .map(|(b, c)| (b.clone(), c.n.saturating_sub(prompt_tokens)))
             .collect();
         (!tokens.is_empty()).then_some(OutputBuckets { buckets: tokens })
     }
 
-    /// What `verdict` on [`admission`](Self::admission)`(prompt_tokens)`
+    /// What `verdict` on `charges` (its [`admission`](Self::admission))
     /// means for the client.
-    pub fn outcome(&self, verdict: &Verdict, prompt_tokens: u64) -> Outcome {
+    pub fn outcome(&self, verdict: &Verdict, charges: &[Charge]) -> Outcome {
         match verdict {
             Verdict::Allowed(states) => {
                 Outcome::Allowed(Headroom::least(self.buckets.iter().zip(states.iter().copied())))
@@ -304,10 +333,7 @@ impl RequestBuckets {
                 retry_after_ns,
             } => {
                 let bucket = &self.buckets[*index];
-                let requested = match bucket.unit {
-                    Unit::Requests => 1,
-                    Unit::Tokens => prompt_tokens,
-                };
+                let requested = charges[*index].n;
                 Outcome::Refused(Refusal {
                     message: format!(
                         "Rate limit reached for {} '{}' on {} per min ({}): Limit {}, Remaining {}, Requested {requested}. Please try again in {}.",
@@ -326,9 +352,10 @@ impl RequestBuckets {
             }
             Verdict::TooLarge { index } => {
                 let bucket = &self.buckets[*index];
+                let requested = charges[*index].n;
                 Outcome::Refused(Refusal {
                     message: format!(
-                        "Request too large for {} '{}' on {} per min ({}): Limit {}, Requested {prompt_tokens}. The input must be smaller.",
+                        "Request too large for {} '{}' on {} per min ({}): Limit {}, Requested {requested}. The input must be smaller.",
                         bucket.scope.name(),
                         bucket.owner,
                         bucket.unit.name(),
@@ -344,16 +371,41 @@ impl RequestBuckets {
     }
 }
 
-/// The token buckets an answer's output is charged to.
+/// The token buckets an answer's output is charged to, each with the
+/// output reserved in it when the request was let in.
 #[derive(Debug, Clone)]
 pub struct OutputBuckets {
-    buckets: Vec<Bucket>,
+    buckets: Vec<(Bucket, u64)>,
+}
+
+/// What settling a reservation does: charges beyond it (room or not) and
+/// refunds of what it did not use.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Settlement {
+    /// Output beyond the reservation, charged room or not.
+    pub charge: Vec<Charge>,
+    /// The unused part of the reservation, given back.
+    pub refund: Vec<Charge>,
 }
 
 impl OutputBuckets {
-    /// The charges of `tokens` output tokens.
-    pub fn charges(&self, tokens: u64) -> Vec<Charge> {
-        self.buckets.iter().map(|b| b.charge(tokens)).collect()
+    /// The settlement of an answer of `tokens` output tokens against the
+    /// reservations.
+    pub fn settle(&self, tokens: u64) -> Settlement {
+        let mut s = Settlement::default();
+        for (bucket, reserved) in &self.buckets {
+            if tokens > *reserved {
+                s.charge.push(bucket.charge(tokens - reserved));
+            } else if tokens < *reserved {
+                s.refund.push(bucket.charge(reserved - tokens));
+            }
+        }
+        s
+    }
+
+    /// The output reserved in its buckets (the largest).
+    pub fn reserved(&self) -> u64 {
+        self.buckets.iter().map(|(_, r)| *r).max().unwrap_or(0)
     }
 }
 
@@ -468,10 +520,14 @@ pub fn duration_text(ns: u64) -> String {
     }
 }
 
-/// Output tokens an answer is charged: the engine's count when it gave
-/// one, else a quarter of `bytes` of answer (rounded up).
-pub fn output_tokens(reported: Option<u64>, bytes: u64) -> u64 {
-    reported.unwrap_or_else(|| bytes.div_ceil(4))
+/// The output a request reserves: what it asked for of each answer
+/// (`max_tokens`, else `default`), at most the room `context_room` left in
+/// the largest live engine's context when that is known, times the
+/// answers it asked for.
+pub fn output_reservation(asked: Option<u64>, answers: u64, default: u64, context_room: Option<u64>) -> u64 {
+    let each = asked.unwrap_or(default);
+    let each = context_room.map_or(each, |room| each.min(room));
+    each.saturating_mul(answers.max(1))
 }
 
 #[cfg(test)]
@@ -514,8 +570,9 @@ mod tests {
         .buckets(Scope::Model, "big");
         let request = RequestBuckets::new(&tenant, &model);
         let now = 100 * SEC;
-        let v = take(&t, &request.admission(300), now);
-        let Outcome::Allowed(h) = request.outcome(&v, 300) else {
+        let charges = request.admission(300, 0);
+        let v = take(&t, &charges, now);
+        let Outcome::Allowed(h) = request.outcome(&v, &charges) else {
             panic!("{v:?}")
         };
         assert_eq!(h.requests.map(|(l, s)| (l, s.remaining)), Some((10, 9)));
@@ -523,8 +580,8 @@ mod tests {
         assert_eq!(h.tokens.map(|(l, s)| (l, s.remaining)), Some((500, 200)));
         // 300 more: the model's bucket refuses, and the tenant's request
         // and tokens are given back.
-        let v = take(&t, &request.admission(300), now);
-        let Outcome::Refused(r) = request.outcome(&v, 300) else {
+        let v = take(&t, &charges, now);
+        let Outcome::Refused(r) = request.outcome(&v, &charges) else {
             panic!("{v:?}")
         };
         assert_eq!(r.unit, Unit::Tokens);
@@ -543,8 +600,9 @@ mod tests {
         assert_eq!(headers["x-ratelimit-limit-tokens"], "500");
         assert_eq!(headers["x-ratelimit-remaining-tokens"], "200");
         // Never fits: too large, no retry.
-        let v = take(&t, &request.admission(600), now);
-        let Outcome::Refused(r) = request.outcome(&v, 600) else {
+        let charges = request.admission(600, 0);
+        let v = take(&t, &charges, now);
+        let Outcome::Refused(r) = request.outcome(&v, &charges) else {
             panic!("{v:?}")
         };
         assert_eq!(r.retry_after_ns, None);
@@ -553,11 +611,55 @@ mod tests {
             "{}",
             r.message
         );
-        // Output tokens go into debt.
-        let out = request.output().unwrap();
-        charge(&t, &out.charges(400), now);
+        // Output tokens beyond the reservation (none here) go into debt.
+        let out = request.output(&request.admission(300, 0), 300).unwrap();
+        let settled = out.settle(400);
+        assert!(settled.refund.is_empty());
+        charge(&t, &settled.charge, now);
         assert_eq!(t.peek(model[0].key, model[0].quota, now).remaining, 0);
         assert_eq!(t.peek(tenant[1].key, tenant[1].quota, now).remaining, 300);
+    }
+
+    #[test]
+    fn output_is_reserved_at_admission_and_settled_at_the_end() {
+        let segment = Segment::heap(&LayoutPlan::for_size(8 << 20).unwrap());
+        let t = segment.tables().limits;
+        let tenant = RateLimits {
+            requests_per_minute: None,
+            tokens_per_minute: Some(10_000),
+        }
+        .buckets(Scope::Tenant, "acme");
+        let request = RequestBuckets::new(&tenant, &[]);
+        let now = 100 * SEC;
+        // 100 prompt tokens and 4 answers of up to 1 000: 4 100 taken.
+        let charges = request.admission(100, output_reservation(Some(1000), 4, 4096, None));
+        assert_eq!(charges[0].n, 4100);
+        assert!(matches!(take(&t, &charges, now), Verdict::Allowed(_)));
+        assert_eq!(t.peek(tenant[0].key, tenant[0].quota, now).remaining, 5900);
+        // Two such requests fit, not a third.
+        assert!(matches!(take(&t, &charges, now), Verdict::Allowed(_)));
+        assert!(matches!(take(&t, &charges, now), Verdict::Limited { .. }));
+        // The first answers 500 tokens: 3 500 come back.
+        let out = request.output(&charges, 100).unwrap();
+        assert_eq!(out.reserved(), 4000);
+        let settled = out.settle(500);
+        assert!(settled.charge.is_empty());
+        refund(&t, &settled.refund, now);
+        assert_eq!(t.peek(tenant[0].key, tenant[0].quota, now).remaining, 5300);
+        // The second answers 4 500 (more than it reserved): 500 charged.
+        let settled = out.settle(4500);
+        assert!(settled.refund.is_empty() && settled.charge[0].n == 500);
+        charge(&t, &settled.charge, now);
+        assert_eq!(t.peek(tenant[0].key, tenant[0].quota, now).remaining, 4800);
+        // A reservation never makes a prompt that fits too large: it is
+        // cut to the limit less the prompt.
+        let charges = request.admission(9_000, 8192);
+        assert_eq!(charges[0].n, 10_000);
+        // The context bounds what is reserved, per answer.
+        assert_eq!(output_reservation(Some(8192), 2, 4096, Some(1000)), 2000);
+        assert_eq!(output_reservation(None, 1, 4096, Some(100_000)), 4096);
+        assert_eq!(output_reservation(None, 1, 4096, None), 4096);
+        assert_eq!(output_reservation(Some(u64::MAX), u64::MAX, 1, None), u64::MAX);
     }
 
     #[test]
@@ -583,7 +685,5 @@ mod tests {
         };
         assert_eq!(zero.check(), Err("requests_per_minute"));
         assert!(both.check().is_ok());
-        assert_eq!(output_tokens(Some(7), 1000), 7);
-        assert_eq!(output_tokens(None, 9), 3);
     }
 }

@@ -11,10 +11,14 @@
 //!   `Retry-After` and OpenAI's `x-ratelimit-*` headers. Another tenant is
 //!   not affected. A dispatcher killed with SIGKILL loses nothing: the
 //!   bucket is in the segment, and the restarted one keeps refusing.
-//! * A model's tokens per minute are charged the prompt's tokens when it
-//!   is let in and the answer's when it ends: the next request sees both;
-//!   a prompt larger than the whole limit is refused for good (no
-//!   `Retry-After`).
+//! * A model's tokens per minute are charged the prompt's tokens and the
+//!   output asked for when it is let in, settled to the answer's when it
+//!   ends: the next request sees both; a prompt larger than the whole
+//!   limit is refused for good (no `Retry-After`).
+//! * The review's metering exploit: 600 streams of `max_tokens` 8 192 at
+//!   once against 200 000 tokens a minute make the engine generate no
+//!   more than the limit, and the tenant is charged at least what it
+//!   generated.
 //! * With `--store redis`, two gateway hosts on one namespace share a
 //!   tenant's bucket; when Redis dies, each host keeps serving and
 //!   limiting on its own table.
@@ -303,8 +307,9 @@ fn a_models_tokens_are_charged_for_prompts_and_answers() {
     );
     assert_eq!(r.header("retry-after"), None);
 
-    // Each request's admission charges its prompt; the answer's tokens are
-    // charged when it ends, before the next request is sent. The bucket
+    // Each request's admission charges its prompt and reserves the 12
+    // tokens it asked for; the reservation is settled with the answer's
+    // tokens when it ends, before the next request is sent. The bucket
     // refills 10 tokens a second meanwhile.
     let mut last: Option<(i64, Instant, i64)> = None;
     let (mut prompts, mut outputs) = (0, 0);
@@ -320,15 +325,15 @@ fn a_models_tokens_are_charged_for_prompts_and_answers() {
         let now = remaining(&r);
         if let Some((before, at, last_output)) = last {
             let refill = (at.elapsed().as_millis() as u64 * 10).div_ceil(1000) as i64 + 1;
-            let expected = before - last_output - prompt;
+            let expected = before + 12 - last_output - prompt - 12;
             assert!(
                 (expected..=expected + refill).contains(&now),
                 "request {i}: {now} tokens left, expected {expected} (+ at most {refill} refilled)"
             );
         } else {
             assert!(
-                (600 - prompt..=600 - prompt + 1).contains(&now),
-                "{now} after a {prompt}-token prompt"
+                (600 - prompt - 12..=600 - prompt - 12 + 1).contains(&now),
+                "{now} after a {prompt}-token prompt and 12 reserved"
             );
         }
         last = Some((now, sent, output));
@@ -423,4 +428,199 @@ fn two_gateways_on_one_redis_share_a_tenants_bucket() {
         (RPM..=most).contains(&let_in),
         "{let_in} let in by one host during the outage; its own table allows {RPM} to {most}"
     );
+}
+
+/// The review's metering exploit (issue 39): 600 streams asking for 8 192
+/// tokens each, sent at once by a tenant limited to 200 000 tokens a
+/// minute, the client asking for no usage (`stream_options` with
+/// `include_usage: false`). Each stream is let in only with its output
+/// reserved, so within the minute the engine generates no more than the
+/// limit (before: every stream was let in for its prompt alone, and the
+/// engine generated 600 × 8 192); what the tenant is charged is at least
+/// what the engine generated.
+#[test]
+fn six_hundred_long_streams_are_held_to_the_tokens_limit() {
+    const TPM: u64 = 200_000;
+    const STREAMS: u64 = 600;
+    const MAX_TOKENS: u64 = 8192;
+    let dir = TempDir::new("rl-exploit");
+    let file = dir.0.join("keys.toml").display().to_string();
+    let key = add_key(&file, "greedy", &[]).0;
+    assert_ok(&semlb(&[
+        "keys",
+        "--file",
+        &file,
+        "limit",
+        "--tenant",
+        "greedy",
+        "--tokens-per-minute",
+        &TPM.to_string(),
+    ]));
+    // A fast engine (a simulated second is a millisecond) that generates
+    // every token asked for.
+    let engine = sim_with("0.001", &["--max-num-seqs", "1024"]);
+    let gw = Gateway::builder()
+        .tag("rl-exploit")
+        .dispatchers(2)
+        .backends(&[&engine])
+        .config(&format!("[auth]\nkeys_file = \"{file}\"\n"))
+        .start();
+    let addr = gw.addr().to_owned();
+    let start = Instant::now();
+    let barrier = std::sync::Barrier::new(STREAMS as usize);
+    let (answered, refused): (Vec<bool>, Vec<bool>) = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..STREAMS)
+            .map(|i| {
+                let (addr, key, barrier) = (&addr, &key, &barrier);
+                s.spawn(move || {
+                    let body = json!({
+                        "model": "semlb-sim",
+                        "messages": [user(&format!("Story {i}: write a very long saga."))],
+                        "max_tokens": MAX_TOKENS,
+                        "temperature": 0.0,
+                        "ignore_eos": true,
+                        "stream": true,
+                        "stream_options": {"include_usage": false},
+                    });
+                    barrier.wait();
+                    let r = http(
+                        addr,
+                        "POST",
+                        "/v1/chat/completions",
+                        Some(&body),
+                        &[("authorization", &format!("Bearer {key}"))],
+                    )
+                    .expect("request");
+                    assert!(
+                        r.status == 200 || r.status == 429,
+                        "{} {}",
+                        r.status,
+                        String::from_utf8_lossy(&r.body)
+                    );
+                    if r.status == 200 {
+                        // The client asked for no usage and gets none.
+                        let text = String::from_utf8_lossy(&r.body);
+                        assert!(!text.contains("\"usage\":{"), "usage the client did not ask for");
+                    }
+                    (r.status == 200, r.status == 429)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).unzip()
+    });
+    let elapsed = start.elapsed();
+    let answered = answered.iter().filter(|a| **a).count() as u64;
+    let refused = refused.iter().filter(|r| **r).count() as u64;
+    assert_eq!(answered + refused, STREAMS);
+    let engine_metrics = http(&engine.addr, "GET", "/metrics", None, &[]).unwrap();
+    let engine_metrics = String::from_utf8_lossy(&engine_metrics.body).into_owned();
+    let generated = support::gateway::samples(&engine_metrics, "vllm:generation_tokens_total")
+        .iter()
+        .map(|(_, v)| *v)
+        .sum::<f64>() as u64;
+    let gw_metrics = gw.metrics();
+    let charged_output = sample(
+        &gw_metrics,
+        "semlb_tenant_tokens_total{tenant=\"greedy\",type=\"output\"}",
+    )
+    .unwrap_or(0.0) as u64;
+    // The bucket refills TPM/60 tokens a second while the streams run.
+    let refill = TPM * elapsed.as_millis() as u64 / 60_000;
+    eprintln!(
+        "{answered} streams answered, {refused} refused in {elapsed:?}: the engine generated {generated} tokens, \
+         the tenant was charged {charged_output} output tokens (limit {TPM}, {refill} refilled)"
+    );
+    assert!(answered >= 1, "the tenant gets its share");
+    assert!(
+        generated <= TPM + refill,
+        "the engine generated {generated} tokens for a tenant limited to {TPM} a minute ({refill} refilled in {elapsed:?})"
+    );
+    assert!(
+        charged_output >= generated,
+        "charged {charged_output} output tokens for {generated} generated"
+    );
+}
+
+/// A reservation an answer did not use is given back when the answer
+/// ends, in the segment's table and in Redis alike: two requests that each
+/// reserve 700 of a 1 000-token minute pass one after the other when the
+/// first answers with less, and the second's headers show the first's
+/// real output, not its reservation.
+#[test]
+fn an_unused_reservation_is_given_back_in_shared_memory_and_in_redis() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("rl-reserve");
+    let file = dir.0.join("keys.toml").display().to_string();
+    let key = add_key(&file, "small", &[]).0;
+    assert_ok(&semlb(&[
+        "keys",
+        "--file",
+        &file,
+        "limit",
+        "--tenant",
+        "small",
+        "--tokens-per-minute",
+        "1000",
+    ]));
+    let engine = sim();
+    let mut stores = vec![None];
+    if let Some(redis) = &redis {
+        stores.push(Some(redis.url()));
+    }
+    for (n, store) in stores.into_iter().enumerate() {
+        let mut builder = Gateway::builder()
+            .tag(&format!("rl-reserve-{n}"))
+            .backends(&[&engine])
+            .config(&format!("[auth]\nkeys_file = \"{file}\"\n"));
+        if let Some(url) = &store {
+            builder = builder.redis(url, "reserve");
+        }
+        let gw = builder.start();
+        let ask = |i: u64| {
+            let body = json!({
+                "model": "semlb-sim",
+                "messages": [user(&format!("Reservation {n}/{i}: one line please."))],
+                "max_tokens": 700,
+                "temperature": 0.0,
+            });
+            http(
+                gw.addr(),
+                "POST",
+                "/v1/chat/completions",
+                Some(&body),
+                &[("x-api-key", key.as_str())],
+            )
+            .unwrap()
+        };
+        let remaining = |r: &Response| -> u64 { r.header("x-ratelimit-remaining-tokens").unwrap().parse().unwrap() };
+        let first = ask(0);
+        assert_eq!(first.status, 200, "{}", String::from_utf8_lossy(&first.body));
+        let usage = serde_json::from_slice::<Value>(&first.body).unwrap()["usage"].clone();
+        let (prompt, output) = (
+            usage["prompt_tokens"].as_u64().unwrap(),
+            usage["completion_tokens"].as_u64().unwrap(),
+        );
+        assert!(output < 300, "the engine answered {output} tokens");
+        // Prompt and 700 reserved.
+        assert!(remaining(&first) <= 1000 - prompt - 700 + 1, "{}", remaining(&first));
+        let second = ask(1);
+        assert_eq!(
+            second.status,
+            200,
+            "{:?}: the first reservation was not given back: {}",
+            store,
+            String::from_utf8_lossy(&second.body)
+        );
+        let refill = 20; // a token per 60 ms, over the test's seconds
+        let expected = 1000 - prompt - output - prompt - 700;
+        let left = remaining(&second);
+        assert!(
+            (expected..=expected + refill).contains(&left),
+            "{store:?}: {left} left, expected {expected} (the first answer's {output} tokens, not its 700 reserved)"
+        );
+        drop(gw);
+        if let Some(redis) = &redis {
+            let _: () = redis::cmd("FLUSHALL").query(&mut redis.raw()).unwrap();
+        }
+    }
 }

@@ -34,13 +34,33 @@
 //! A slot with flipped bits no longer matches its key and reads as absent:
 //! that key starts again from a full bucket (the limit fails open for at
 //! most one period; it never blocks a caller for good). A `tat` further
-//! ahead than any charge can put it (`now + 2τ`) is treated the same way.
+//! ahead than any charge can put it (`now + (1 + DEBT_PERIODS)·τ`) is
+//! treated the same way.
+//!
+//! # Debt
+//!
+//! Output tokens are charged when an answer ends, room or not
+//! ([`LimitTable::charge`]): a bucket may go into debt, up to
+//! [`DEBT_PERIODS`] periods beyond empty (an hour of a per-minute limit),
+//! and every take waits it out. The cap only bounds how long one bucket
+//! can be shut; with output reserved at admission (`semlb`'s rate limits)
+//! a bucket goes into debt only by what answers produced beyond their
+//! reservations.
 
 use crate::bucket::{Bucket, SlotCodec, WAYS, bucket_index};
 use crate::sync::Ordering;
 
 /// Buckets probed for a key: its home bucket and the next.
 const PROBE_BUCKETS: usize = 2;
+
+/// Periods a bucket may be charged beyond empty ([`LimitTable::charge`]).
+pub const DEBT_PERIODS: u64 = 60;
+
+/// How far ahead of `now_ns` a believable `tat` of `quota` may be: a
+/// bucket empty and [`DEBT_PERIODS`] periods in debt.
+fn horizon(quota: Quota, now_ns: u64) -> u64 {
+    now_ns.saturating_add(quota.period_ns.saturating_mul(DEBT_PERIODS + 1))
+}
 
 /// A limit: `limit` units per `period_ns`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -167,14 +187,14 @@ impl<'a> LimitTable<'a> {
 
     /// Charges `n` units to `key`'s bucket whether it has room or not (the
     /// output tokens of an answer already given): the bucket may go into
-    /// debt, up to one period beyond empty, and the next takes wait it
-    /// out. Returns the bucket after the charge.
+    /// debt, up to [`DEBT_PERIODS`] periods beyond empty, and the next
+    /// takes wait it out. Returns the bucket after the charge.
     pub fn charge(&self, key: u64, quota: Quota, n: u64, now_ns: u64) -> BucketState {
         let mut state = BucketState {
             remaining: 0,
             reset_ns: 0,
         };
-        let cap = 2 * quota.period_ns;
+        let cap = horizon(quota, now_ns) - now_ns;
         self.update(key, quota, now_ns, |tat| {
             let new = tat.max(now_ns).saturating_add(quota.cost(n));
             let ahead = (new - now_ns).min(cap);
@@ -239,7 +259,7 @@ impl<'a> LimitTable<'a> {
     fn find(&self, key: u64, quota: Quota, now_ns: u64) -> Option<(usize, usize, u64)> {
         let n = self.buckets.len();
         let home = bucket_index(key, n);
-        let horizon = now_ns.saturating_add(2 * quota.period_ns);
+        let horizon = horizon(quota, now_ns);
         (0..PROBE_BUCKETS.min(n)).find_map(|p| {
             let b = (home + p) % n;
             let slots = self.buckets[b].load();
@@ -267,7 +287,7 @@ impl<'a> LimitTable<'a> {
             let mut own = None;
             let mut free = None;
             let mut nearest: Option<(usize, usize, u128, u64)> = None;
-            let horizon = now_ns.saturating_add(2 * quota.period_ns);
+            let horizon = horizon(quota, now_ns);
             'probe: for p in 0..PROBE_BUCKETS.min(n) {
                 let b = (home + p) % n;
                 let slots = self.buckets[b].load();
@@ -380,7 +400,7 @@ mod tests {
     }
 
     #[test]
-    fn a_charge_after_the_fact_may_go_into_debt_up_to_a_period() {
+    fn a_charge_after_the_fact_may_go_into_debt_up_to_its_cap() {
         let (b, seed) = table(8);
         let t = LimitTable::new(&b, seed);
         let q = Quota::per_minute(1000);
@@ -393,9 +413,17 @@ mod tests {
             panic!()
         };
         assert_eq!(retry_after_ns, 24 * SEC + 60_000_000);
-        let huge = t.charge(1, q, 1_000_000, now);
-        assert_eq!(huge.reset_ns, 120 * SEC, "capped at one period of debt");
-        assert!(matches!(t.take(1, q, 1, now + 121 * SEC), Taken::Allowed(_)));
+        // 30 periods of output beyond the reservations: 30 periods shut.
+        let big = t.charge(1, q, 30_000, now);
+        assert_eq!(big.reset_ns, 84 * SEC + 1800 * SEC);
+        assert!(matches!(t.take(1, q, 1, now + 1800 * SEC), Taken::Limited { .. }));
+        assert!(matches!(t.take(1, q, 1, now + 1825 * SEC), Taken::Allowed(_)));
+        let huge = t.charge(1, q, u64::MAX, now);
+        let cap = (DEBT_PERIODS + 1) * 60 * SEC;
+        assert_eq!(huge.reset_ns, cap, "capped at DEBT_PERIODS of debt");
+        // Shut until a period before the end of the debt.
+        assert!(matches!(t.take(1, q, 1, now + cap - 61 * SEC), Taken::Limited { .. }));
+        assert!(matches!(t.take(1, q, 1, now + cap - 59 * SEC), Taken::Allowed(_)));
     }
 
     #[test]
@@ -440,7 +468,7 @@ mod tests {
             slots[w].store(v, Ordering::Relaxed);
         }
         // A tat further ahead than any charge puts it is not believed.
-        let far = SlotCodec::new(seed).pack(3, now + 10 * 60 * SEC);
+        let far = SlotCodec::new(seed).pack(3, now + (DEBT_PERIODS + 2) * 60 * SEC);
         let w = (0..WAYS)
             .find(|w| b[home].slots[*w].load(Ordering::Relaxed) != 0)
             .unwrap();

@@ -141,6 +141,7 @@
 //! | `limits.max_connections` | integer | `4096` | client connections per dispatcher; one more gets 503 and is closed (1 to 1 000 000) |
 //! | `limits.max_messages` | integer | `4096` | most messages in a chat request (more: 400 `array_above_max_length` before rendering) |
 //! | `limits.max_prompt_bytes` | size | `"8MiB"` | largest prompt text, rendered chat or completions prompt (larger: 413 `prompt_too_large` before tokenizing) |
+//! | `limits.reserve_output_tokens` | integer | `4096` | output tokens a request without `max_tokens` reserves in its `tokens_per_minute` buckets per answer (at most what the largest live context leaves), settled when the answer ends ([`crate::rate_limit`]) |
 //! | `limits.check_context` | bool | `true` | a request no live engine's context can take (their `max_model_len`, llama.cpp's slot context) gets the engines' 400 `context_length_exceeded` from the gateway, once every live engine has said its context |
 //! | `[health]` | table | | health checks and load scraping of the backends ([`crate::health`]) |
 //! | `health.path` | string | `"/health"` | path of the active health check (`GET`; any 2xx is healthy) |

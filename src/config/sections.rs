@@ -237,6 +237,11 @@ pub struct LimitsConfig {
     /// Largest prompt text, a rendered chat or a completions prompt; larger:
     /// 413 before it is tokenized. Default 8 MiB.
     pub max_prompt_bytes: ByteSize,
+    /// Output tokens reserved in a request's token buckets
+    /// ([`crate::rate_limit`]) for each answer it asks for when it sets no
+    /// `max_tokens` (at most what the largest live context leaves); the
+    /// reservation is settled when the answer ends. Default 4096.
+    pub reserve_output_tokens: u64,
 }
 
 impl Default for LimitsConfig {
@@ -251,6 +256,7 @@ impl Default for LimitsConfig {
             max_connections: 4096,
             max_messages: 4096,
             max_prompt_bytes: ByteSize(8 << 20),
+            reserve_output_tokens: 4096,
         }
     }
 }

@@ -106,6 +106,7 @@ fn defaults() {
             max_connections: 4096,
             max_messages: 4096,
             max_prompt_bytes: ByteSize(8 << 20),
+            reserve_output_tokens: 4096,
         }
     );
     assert_eq!(
@@ -265,6 +266,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "max_connections",
         "max_messages",
         "max_prompt_bytes",
+        "reserve_output_tokens",
         "[store]",
         "[store.redis]",
         "url",
@@ -404,6 +406,7 @@ check_context = false
             max_connections: 4096,
             max_messages: 4096,
             max_prompt_bytes: ByteSize(8 << 20),
+            reserve_output_tokens: 4096,
         }
     );
 }

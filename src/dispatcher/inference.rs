@@ -26,7 +26,7 @@ use super::rate;
 use super::route;
 use super::sse;
 use super::timing::{DispatchTiming, Mark};
-use super::usage::with_include_usage;
+use super::usage::{with_include_usage, with_usage_option};
 use crate::auth::Caller;
 use crate::blocks::{BlockHasher, TenantSalt};
 use crate::config::StoreKind;
@@ -66,6 +66,19 @@ pub(super) fn pick_pool(
         return Err(prompt::RequestError::model_not_allowed(model));
     }
     Ok(pool.clone())
+}
+
+/// `f(body)`, on the blocking pool when `body` is large (`None`: the
+/// task did not finish, the runtime is shutting down).
+pub(super) async fn off_reactor_if_large<T: Send + 'static>(
+    body: &Bytes,
+    f: impl FnOnce(&Bytes) -> T + Send + 'static,
+) -> Option<T> {
+    if body.len() <= BLOCKING_PARSE_BYTES {
+        return Some(f(body));
+    }
+    let body = body.clone();
+    tokio::task::spawn_blocking(move || f(&body)).await.ok()
 }
 
 /// Parses and checks a request body and picks its pool: inline, or on the
@@ -160,7 +173,18 @@ pub(super) async fn inference(
         );
         return json_response(StatusCode::BAD_REQUEST, &exceeded.body(parsed.prompt_param()));
     }
-    let mut admitted = match rate::admit(dispatcher, caller, &pool, prompt_tokens.len() as u64).await {
+    // Its output is reserved in its token buckets: what it asked for, at
+    // most what the largest live context leaves.
+    let reserve = || {
+        crate::rate_limit::output_reservation(
+            parsed.requested_output(),
+            parsed.answers(),
+            dispatcher.config().limits.reserve_output_tokens,
+            crate::context_limit::largest(&dispatcher.segment().tables().servers, |id| pool.members().admits(id))
+                .map(|c| u64::from(c.tokens).saturating_sub(prompt_tokens.len() as u64)),
+        )
+    };
+    let mut admitted = match rate::admit(dispatcher, caller, &pool, prompt_tokens.len() as u64, reserve).await {
         Ok(a) => a,
         Err(refused) => return refused,
     };
@@ -289,9 +313,19 @@ pub(super) async fn inference(
         Some(name) => with_model(&bytes, &parsed.model, name),
         None => bytes.clone(),
     };
-    let asked = (parsed.stream && dispatcher.config().stream_usage)
-        .then(|| with_include_usage(&bytes, parsed.body.get("stream_options").is_some()))
-        .flatten();
+    // The usage of a stream is always asked for when its output is
+    // charged (and, with `stream_usage`, to learn the engine's cached
+    // tokens), whatever `stream_options` the client sent.
+    let ask_usage =
+        parsed.stream && !parsed.include_usage() && (dispatcher.config().stream_usage || admitted.output.is_some());
+    let asked = match parsed.body.get("stream_options") {
+        _ if !ask_usage => None,
+        None => with_include_usage(&bytes),
+        Some(_) => match off_reactor_if_large(&bytes, |b| with_usage_option(b)).await {
+            Some(rewritten) => rewritten,
+            None => return error_response(StatusCode::SERVICE_UNAVAILABLE, "the gateway is shutting down", None),
+        },
+    };
     let strip_usage = asked.is_some();
     let prompt_tokens_len = prompt_tokens.len() as u64;
     let ctx = InferenceCtx {
@@ -341,6 +375,7 @@ pub(super) async fn inference(
         pool: Some(pool),
         cache_salt: salt.map(|s| s.engine),
         peer,
+        metered: None,
     };
     let mut response = forward(dispatcher, outbound, Some(ctx)).await;
     admitted.set_headers(&mut response);

@@ -8,10 +8,10 @@ use shm_layout::{CompletionRecord, ContinuationRef, Prediction, ResponseKey, Ser
 use std::sync::Arc;
 
 use super::Dispatcher;
+use super::rate::Reservation;
 use crate::answer::{AnswerForm, answer_text};
 use crate::blocks::BlockHasher;
 use crate::pools::Pool;
-use crate::rate_limit::OutputBuckets;
 
 /// What a finished answer teaches: everything of the request the completion
 /// record needs.
@@ -41,7 +41,7 @@ pub(super) struct Learn {
     pub pool: Option<Arc<Pool>>,
     /// The rate-limit buckets its output tokens are charged to (the relay
     /// takes them: it charges an answer also when it does not end well).
-    pub output: Option<OutputBuckets>,
+    pub output: Option<Reservation>,
     /// Its caller's tenant (for the usage counts of its output tokens).
     pub tenant: Option<Arc<str>>,
     /// Its share in the gateway queue, as charged (the relay settles it

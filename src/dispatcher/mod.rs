@@ -80,12 +80,13 @@
 //! | `routes` | the route table: which handler answers a method and path (encoded separators and dot-segments refused first); `/health`, `/metrics` |
 //! | `passthrough` | the engines' other `/v1` endpoints (embeddings, rerank, score, Responses, Messages): model, pool, charge, proxy |
 //! | `inference` | the front half of an inference request: body → parse → tokens → block chain → cache key → lookup; cached answers |
-//! | `rate` | the request's rate-limit buckets charged before it is routed ([`crate::rate_limit`]): 429, or the `x-ratelimit-*` headers of its answer |
+//! | `rate` | the request's rate-limit buckets charged before it is routed, with its output reserved ([`crate::rate_limit`]): 429, or the `x-ratelimit-*` headers of its answer; the reservation settled when the answer ends |
 //! | `route` | one attempt's routing decision (policy, or least load for other routes), the holding policies' check once counted, passive health |
 //! | `proxy` | the attempts of one request: route, send, retry elsewhere on a retryable [`crate::failure::Failure`], then the gateway's headers |
 //! | `peer_forward` | peer gateways ([`crate::peers`]): the load summary served them, the polls of theirs, a request forwarded to one and its answer relayed back |
 //! | `relay` | the answer streamed to the client as it arrives, with a copy kept to learn from |
-//! | `usage` | the usage of streamed answers asked for on the client's behalf (`stream_options.include_usage`) and kept from it |
+//! | `usage` | the usage of every streamed answer asked for on the client's behalf (`stream_options.include_usage`) and kept from it |
+//! | `meter` | an answer's output tokens, read as it passes: the engine's usage, else an estimate of everything generated |
 //! | `learn` | the completion record a finished answer becomes, pushed into this dispatcher's ring |
 //! | `queue` | the gateway queue of the holding policies and its pump |
 //! | `models` | `GET /v1/models`: the live servers' lists merged |
@@ -121,6 +122,7 @@ mod http;
 mod inference;
 mod inflight;
 mod learn;
+mod meter;
 mod models;
 mod passthrough;
 mod peer_forward;

@@ -14,7 +14,7 @@
 //! # Which servers
 //!
 //! The body is parsed (on the blocking pool when larger than
-//! [`BLOCKING_PARSE_BYTES`]) for its `model`:
+//! [`BLOCKING_PARSE_BYTES`](super::inference::BLOCKING_PARSE_BYTES)) for its `model`:
 //!
 //! * a model the configuration serves: its pool (an alias is rewritten to
 //!   the pool's upstream name), if the caller's key may use it (403);
@@ -35,20 +35,24 @@
 //! forwarded (429 when they have no room). These endpoints' prompt is not
 //! one text the gateway can tokenize (a batch of inputs, documents to
 //! rank, a Responses input list), and an estimate is what the review asked
-//! for in place of the 0 charged before.
+//! for in place of the 0 charged before. The endpoints that generate
+//! (Responses, Messages) also reserve their output as chat does
+//! (`max_output_tokens`, `max_tokens`, else `limits.reserve_output_tokens`),
+//! settled with the output their answer reports (`usage.output_tokens`)
+//! or an estimate of it (`super::meter`) when it ends.
 
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 
 use super::Dispatcher;
 use super::http::{Body, error_response, json_response, upstream_headers, with_string_field};
-use super::inference::{BLOCKING_PARSE_BYTES, pick_pool};
+use super::inference::{off_reactor_if_large, pick_pool};
 use super::proxy::{Outbound, forward};
 use super::rate;
+use super::relay::Metered;
 use crate::auth::Caller;
 use crate::prompt::RequestError;
 
@@ -73,24 +77,27 @@ pub fn estimated_tokens(bytes: usize) -> u64 {
     bytes.div_ceil(BYTES_PER_TOKEN).max(1) as u64
 }
 
-/// The model a passthrough body names (400: not a JSON object, or no
-/// non-empty string `model`).
-fn model_named(body: &[u8]) -> Result<String, RequestError> {
-    let object = crate::prompt::body_object(body)?;
-    crate::prompt::request_model(&object).map(Cow::into_owned)
+/// The paths whose answers are generated output (their output is
+/// reserved and charged).
+const GENERATING: [&str; 2] = ["/v1/responses", "/v1/messages"];
+
+/// What a passthrough body says: the model it names, and the output it
+/// asks for (Responses' `max_output_tokens`, Messages' `max_tokens`).
+#[derive(Debug, PartialEq, Eq)]
+struct Named {
+    model: String,
+    max_output: Option<u64>,
 }
 
-/// `f(body)`, on the blocking pool when `body` is large (`None`: the
-/// task did not finish, the runtime is shutting down).
-async fn off_reactor_if_large<T: Send + 'static>(
-    body: &Bytes,
-    f: impl FnOnce(&Bytes) -> T + Send + 'static,
-) -> Option<T> {
-    if body.len() <= BLOCKING_PARSE_BYTES {
-        return Some(f(body));
-    }
-    let body = body.clone();
-    tokio::task::spawn_blocking(move || f(&body)).await.ok()
+/// The model a passthrough body names and the output it asks for (400: not
+/// a JSON object, or no non-empty string `model`).
+fn model_named(body: &[u8]) -> Result<Named, RequestError> {
+    let object = crate::prompt::body_object(body)?;
+    let model = crate::prompt::request_model(&object).map(Cow::into_owned)?;
+    let max_output = ["max_output_tokens", "max_tokens"]
+        .into_iter()
+        .find_map(|name| object.get(name).and_then(crate::body::Json::as_u64));
+    Ok(Named { model, max_output })
 }
 
 /// `POST` to one of [`PATHS`]: charged, then proxied (see the
@@ -108,11 +115,15 @@ pub(super) async fn passthrough(
     // Without pools or keys every server takes it alike: nothing to read.
     let pools = dispatcher.pools();
     let pool;
+    let mut max_output = None;
     if !pools.is_implicit() || caller.is_some() {
         let Some(named) = off_reactor_if_large(&bytes, |b| model_named(b)).await else {
             return shutting_down();
         };
-        let (found, model) = match named.and_then(|model| Ok((pick_pool(&pools, caller, &model)?, model))) {
+        let (found, model) = match named.and_then(|n| {
+            max_output = n.max_output;
+            Ok((pick_pool(&pools, caller, &n.model)?, n.model))
+        }) {
             Ok(found) => found,
             Err(e) => return json_response(e.status, &e.body()),
         };
@@ -128,12 +139,22 @@ pub(super) async fn passthrough(
         // The implicit pool of every server: its limits, if it has any.
         pool = pools.pools().first().cloned();
     }
-    let admitted = match &pool {
-        Some(pool) => match rate::admit(dispatcher, caller, pool, estimated_tokens(bytes.len())).await {
+    let generates = GENERATING.contains(&parts.uri.path());
+    let reserve = || {
+        let default = dispatcher.config().limits.reserve_output_tokens;
+        if generates { max_output.unwrap_or(default) } else { 0 }
+    };
+    let mut admitted = match &pool {
+        Some(pool) => match rate::admit(dispatcher, caller, pool, estimated_tokens(bytes.len()), reserve).await {
             Ok(a) => a,
             Err(refused) => return refused,
         },
         None => Default::default(),
+    };
+    let metered = Metered {
+        output: admitted.output.take(),
+        tenant: caller.map(|c| c.tenant.clone()),
+        pool: pool.clone(),
     };
     let outbound = Outbound {
         method: parts.method,
@@ -146,6 +167,7 @@ pub(super) async fn passthrough(
         pool,
         cache_salt: None,
         peer: None,
+        metered: Some(metered),
     };
     let mut response = forward(dispatcher, outbound, None).await;
     admitted.set_headers(&mut response);
@@ -172,8 +194,23 @@ mod tests {
 
     #[test]
     fn a_body_must_be_a_json_object_naming_a_model() {
-        assert_eq!(model_named(br#"{"model": "m", "input": "x"}"#).unwrap(), "m");
-        assert_eq!(model_named(br#"{"model": "m\u002Fx"}"#).unwrap(), "m/x");
+        let named = |model: &str, max_output| Named {
+            model: model.to_owned(),
+            max_output,
+        };
+        assert_eq!(
+            model_named(br#"{"model": "m", "input": "x"}"#).unwrap(),
+            named("m", None)
+        );
+        assert_eq!(model_named(br#"{"model": "m\u002Fx"}"#).unwrap(), named("m/x", None));
+        assert_eq!(
+            model_named(br#"{"model": "m", "max_output_tokens": 300}"#).unwrap(),
+            named("m", Some(300))
+        );
+        assert_eq!(
+            model_named(br#"{"model": "m", "max_tokens": 1024, "messages": []}"#).unwrap(),
+            named("m", Some(1024))
+        );
         for (body, says) in [
             (&br#"{"input": "x"}"#[..], "'model' is required"),
             (br#"{"model": ""}"#, "must not be empty"),

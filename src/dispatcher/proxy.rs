@@ -45,7 +45,8 @@ use super::inflight::InflightGuard;
 use super::learn::Learn;
 use super::peer_forward::{self, PeerCopy};
 use super::queue::{QueueExit, Waiting, wait_in_queue};
-use super::relay::{Relay, RelayTimer, Upstream};
+use super::rate::Reservation;
+use super::relay::{Metered, Relay, RelayTimer, Upstream};
 use super::route::{Chosen, RouteRequest, Routed, choose, passive_failure};
 use super::timing::DispatchTiming;
 use crate::blocks::BlockHasher;
@@ -58,7 +59,6 @@ use crate::peers::affinity;
 use crate::peers::book::{Forward, PeerBook};
 use crate::pools::Pool;
 use crate::prompt::Endpoint;
-use crate::rate_limit::OutputBuckets;
 use crate::routing::Reason;
 use crate::store::Lookup;
 
@@ -77,6 +77,9 @@ pub(super) struct Outbound {
     /// forwarded to one ([`crate::peers`]; `None`: it may not, e.g. it was
     /// forwarded here).
     pub peer: Option<PeerCopy>,
+    /// What an answer without an inference context (a passthrough) is
+    /// charged and counted to.
+    pub metered: Option<Metered>,
 }
 
 impl Outbound {
@@ -133,7 +136,7 @@ pub(super) struct InferenceCtx {
     /// (see `super::usage`).
     pub strip_usage: bool,
     /// The rate-limit buckets its output tokens are charged to.
-    pub output: Option<OutputBuckets>,
+    pub output: Option<Reservation>,
     /// Its tenant, class and cost in the gateway queue (`None`: its pool's
     /// policy never queues).
     pub share: Option<Share>,
@@ -813,6 +816,13 @@ impl<'d> Attempts<'d> {
             guard,
         };
         let strip_usage = self.ctx.as_ref().is_some_and(|c| c.strip_usage);
+        // A passthrough's reservation stays with the request (given back
+        // when it ends) unless an answer comes that may carry output.
+        let metered = if parts.status.is_success() {
+            self.outbound.metered.take()
+        } else {
+            None
+        };
         let relay = Relay::new(
             dispatcher.clone(),
             upstream,
@@ -821,6 +831,7 @@ impl<'d> Attempts<'d> {
             sse,
             relay_timer,
             strip_usage,
+            metered,
         );
         let mut response = Response::new(relay.boxed());
         response.extensions_mut().insert(Relayed);

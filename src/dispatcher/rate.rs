@@ -1,8 +1,13 @@
 //! The rate-limit step ([`crate::rate_limit`]): a request's buckets (its
 //! tenant's and its model pool's) charged through the store before it is
-//! routed, 429 when they have no room, and the `x-ratelimit-*` headers of
-//! the answer when they do. It also counts the request, let in or
-//! refused, for its tenant and model (`super::accounting`).
+//! routed, with a reservation for its output, 429 when they have no room,
+//! and the `x-ratelimit-*` headers of the answer when they do. It also
+//! counts the request, let in or refused, for its tenant and model
+//! (`super::accounting`). The reservation ([`Reservation`]) is settled
+//! once, when the answer ends, or given back whole when it is dropped
+//! unsettled (the request got no answer).
+
+use std::sync::Arc;
 
 use http::{Response, StatusCode};
 
@@ -20,8 +25,41 @@ use crate::rate_limit::{Headroom, Outcome, OutputBuckets, Refusal, RequestBucket
 pub(super) struct Admitted {
     /// The headers its answer carries (`None`: no limits apply).
     pub headroom: Option<Headroom>,
-    /// Where its output tokens go when its answer ends.
-    pub output: Option<OutputBuckets>,
+    /// Its output reservation, settled when its answer ends.
+    pub output: Option<Reservation>,
+}
+
+/// The output a request reserved in its token buckets: settled once by
+/// [`settle`](Self::settle) with the tokens its answer produced, or given
+/// back whole when dropped unsettled.
+#[derive(Debug)]
+pub(super) struct Reservation {
+    dispatcher: Arc<Dispatcher>,
+    buckets: Option<OutputBuckets>,
+}
+
+impl Reservation {
+    /// Settles it for an answer of `tokens` output tokens: the unused part
+    /// given back, the excess charged room or not.
+    pub fn settle(mut self, tokens: u64) {
+        self.settle_once(tokens);
+    }
+
+    fn settle_once(&mut self, tokens: u64) {
+        if let Some(buckets) = self.buckets.take() {
+            let settlement = buckets.settle(tokens);
+            let store = self.dispatcher.store();
+            store.charge_limits(&settlement.charge);
+            store.refund_limits(&settlement.refund);
+        }
+    }
+}
+
+impl Drop for Reservation {
+    /// Not settled: the request got no answer.
+    fn drop(&mut self) {
+        self.settle_once(0);
+    }
 }
 
 impl Admitted {
@@ -33,13 +71,15 @@ impl Admitted {
     }
 }
 
-/// Charges one request of `prompt_tokens` tokens from `caller` to `pool`
-/// to their buckets: admitted, or the 429 to answer.
+/// Charges one request of `prompt_tokens` tokens, reserving `reserve()`
+/// tokens of output (asked only when a bucket counts), from `caller` to
+/// `pool` to their buckets: admitted, or the 429 to answer.
 pub(super) async fn admit(
-    dispatcher: &Dispatcher,
+    dispatcher: &Arc<Dispatcher>,
     caller: Option<&Caller>,
     pool: &Pool,
     prompt_tokens: u64,
+    reserve: impl FnOnce() -> u64,
 ) -> Result<Admitted, Response<Body>> {
     let tenant = caller.map(|c| &*c.tenant);
     let let_in = [(UsageCounter::Requests, 1), (UsageCounter::PromptTokens, prompt_tokens)];
@@ -48,14 +88,17 @@ pub(super) async fn admit(
         accounting::count(dispatcher, tenant, pool.name(), &let_in);
         return Ok(Admitted::default());
     }
-    let charges = buckets.admission(prompt_tokens);
+    let charges = buckets.admission(prompt_tokens, reserve());
     let verdict = dispatcher.store().take_limits(&charges).await;
-    match buckets.outcome(&verdict, prompt_tokens) {
+    match buckets.outcome(&verdict, &charges) {
         Outcome::Allowed(headroom) => {
             accounting::count(dispatcher, tenant, pool.name(), &let_in);
             Ok(Admitted {
                 headroom: Some(headroom),
-                output: buckets.output(),
+                output: buckets.output(&charges, prompt_tokens).map(|b| Reservation {
+                    dispatcher: dispatcher.clone(),
+                    buckets: Some(b),
+                }),
             })
         }
         Outcome::Refused(refusal) => {

@@ -29,11 +29,13 @@
 //! client did not ask for ([`super::usage`]); the copy kept to learn from
 //! has it.
 //!
-//! An answer whose request has token limits ([`crate::rate_limit`]) is
-//! charged its output tokens when the relay ends, however it ends: the
-//! engine's `usage.completion_tokens` when the copy kept has it, else a
-//! quarter of the answer text's bytes (a stream its client left is charged
-//! what was relayed).
+//! An answer whose request has token limits ([`crate::rate_limit`]) has
+//! its output reservation settled when the relay ends, however it ends,
+//! with the output an [`OutputMeter`] read as the answer passed: the
+//! engine's reported usage, else a token per four bytes of everything
+//! generated (a stream its client left is charged what was relayed). The
+//! same count goes to its tenant's and model's usage and settles its
+//! fair-share charge.
 //!
 //! For an inference request the relay also records the gateway's latency
 //! metrics ([`RelayTimer`]): TTFT when the first body frame is handed to
@@ -57,13 +59,14 @@ use super::accounting;
 use super::http::{Body, BoxError};
 use super::inflight::InflightGuard;
 use super::learn::{Learn, push_completion};
+use super::meter::OutputMeter;
+use super::rate::Reservation;
 use super::route::{passive_failure, passive_success};
 use super::usage::UsageStrip;
-use crate::answer::{AnswerForm, EventStreamText, Reported, answer_text};
+use crate::answer::{AnswerForm, EventStreamText, Reported};
 use crate::failure::Failure;
 use crate::fair_share::Share;
 use crate::pools::Pool;
-use crate::rate_limit::{OutputBuckets, output_tokens};
 
 /// Largest non-streaming answer kept to learn from (bytes).
 const MAX_JSON_CAPTURE: usize = 32 << 20;
@@ -157,23 +160,6 @@ impl Capture {
             _ => None,
         }
     }
-
-    /// The output tokens of the answer so far: as the engine reported
-    /// them, else estimated from the text's bytes (0 for an answer too
-    /// large to have been kept).
-    fn output_tokens(&self) -> u64 {
-        let (text_bytes, reported) = match self {
-            Capture::Json { buf, overflow: false } => answer_text(AnswerForm::Json, buf),
-            Capture::RawStream { buf, .. } => answer_text(AnswerForm::EventStream, buf),
-            Capture::Stream(c) if !c.overflow => {
-                return output_tokens(c.reported.completion_tokens, c.text.len() as u64);
-            }
-            _ => None,
-        }
-        .map(|(text, reported)| (text.len() as u64, reported))
-        .unwrap_or_default();
-        output_tokens(reported.completion_tokens, text_bytes)
-    }
 }
 
 /// What is relayed: a server's answer body, the server's base URL and the
@@ -205,10 +191,12 @@ pub(super) struct Relay {
     strip: Option<UsageStrip>,
     /// The answer is an event stream.
     sse: bool,
-    /// The rate-limit buckets its output tokens are charged to.
-    output: Option<OutputBuckets>,
+    /// Its output reservation in its rate-limit buckets, until settled.
+    output: Option<Reservation>,
     /// Whose output tokens are counted (tenant, model pool), until they are.
     counted: Option<Counted>,
+    /// Reads the answer's output (when it is charged or counted).
+    meter: Option<OutputMeter>,
     /// Its charge in the gateway queue's fair share, until settled.
     share: Option<Share>,
 }
@@ -221,12 +209,26 @@ struct Counted {
     pool: Option<Arc<Pool>>,
 }
 
+/// What a relay without a [`Learn`] context (an answer forwarded as it
+/// is: `super::passthrough`) charges and counts its output to.
+#[derive(Debug, Default)]
+pub(super) struct Metered {
+    /// Its output reservation.
+    pub output: Option<Reservation>,
+    /// Its caller's tenant.
+    pub tenant: Option<Arc<str>>,
+    /// Its model pool.
+    pub pool: Option<Arc<Pool>>,
+}
+
 impl Relay {
     /// Relays `upstream` until `deadline` fires; `learn` (for a 2xx
     /// inference answer) makes a completion record when it ends; `sse`
     /// tells how to read the answer; `timer` records its latency metrics;
     /// `strip_usage`: the gateway asked for the stream's usage, which the
-    /// client did not.
+    /// client did not; `metered`: what an answer without `learn` is
+    /// charged and counted to.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         dispatcher: Arc<Dispatcher>,
         upstream: Upstream,
@@ -235,16 +237,17 @@ impl Relay {
         sse: bool,
         timer: Option<RelayTimer>,
         strip_usage: bool,
+        metered: Option<Metered>,
     ) -> Self {
-        let output = learn.as_mut().and_then(|l| l.output.take());
         let share = learn.as_mut().and_then(|l| l.share.take());
-        let counted = learn.as_ref().and_then(|l| {
-            let pool = l.pool.clone().filter(|p| p.name().is_some());
-            (l.tenant.is_some() || pool.is_some()).then(|| Counted {
-                tenant: l.tenant.clone(),
-                pool,
-            })
-        });
+        let (output, tenant, pool) = match (learn.as_mut(), metered) {
+            (Some(l), _) => (l.output.take(), l.tenant.clone(), l.pool.clone()),
+            (None, Some(m)) => (m.output, m.tenant, m.pool),
+            (None, None) => (None, None, None),
+        };
+        let pool = pool.filter(|p| p.name().is_some());
+        let counted = (tenant.is_some() || pool.is_some()).then_some(Counted { tenant, pool });
+        let meter = (output.is_some() || counted.is_some() || share.is_some()).then(|| OutputMeter::new(sse));
         let capture = learn.as_ref().map(|learn| {
             if sse {
                 // A stream that may be cached is kept whole while it can
@@ -279,26 +282,28 @@ impl Relay {
             sse,
             output,
             counted,
+            meter,
             share,
         }
     }
 
-    /// Charges the answer's output tokens to its buckets, counts them for
-    /// its tenant and model, and settles its fair-share charge (once).
+    /// Settles the answer's output reservation with the output it
+    /// produced, counts that for its tenant and model, and settles its
+    /// fair-share charge (once).
     fn charge_output(&mut self) {
-        let (buckets, counted, share) = (self.output.take(), self.counted.take(), self.share.take());
-        if buckets.is_none() && counted.is_none() && share.is_none() {
+        let (reservation, counted, share) = (self.output.take(), self.counted.take(), self.share.take());
+        let Some(mut meter) = self.meter.take() else {
             return;
-        }
-        let tokens = self.capture.as_ref().map_or(0, Capture::output_tokens);
+        };
+        let tokens = meter.tokens();
         if let Some(share) = share {
             self.dispatcher.queue().settle(&share, tokens);
         }
+        if let Some(reservation) = reservation {
+            reservation.settle(tokens);
+        }
         if tokens == 0 {
             return;
-        }
-        if let Some(buckets) = buckets {
-            self.dispatcher.store().charge_limits(&buckets.charges(tokens));
         }
         if let Some(Counted { tenant, pool }) = counted {
             accounting::count(
@@ -346,6 +351,9 @@ impl Relay {
         }
         if let Some(capture) = self.capture.as_mut() {
             capture.feed(data);
+        }
+        if let Some(meter) = self.meter.as_mut() {
+            meter.feed(data);
         }
     }
 

@@ -1,12 +1,18 @@
 //! Asking engines for the usage of streamed answers the client did not ask
 //! it for, and keeping it from the client.
 //!
-//! An engine reports the prompt tokens it found cached in the usage of its
-//! answer ([`crate::answer::Reported`]), which a stream carries only with
+//! An engine reports the output tokens of its answer and the prompt tokens
+//! it found cached in the usage of its answer ([`crate::answer::Reported`],
+//! `super::meter`), which a stream carries only with
 //! `stream_options.include_usage`. Most streaming clients do not set it, so
-//! a dispatcher that may ([`crate::config::ServeConfig::stream_usage`])
-//! adds it to the upstream body of a streamed request that has no
-//! `stream_options` ([`with_include_usage`]), and the relay takes out of the
+//! the dispatcher sets it in the upstream body of every streamed request
+//! whose output is charged to a token limit, and of every other one when
+//! it may ([`crate::config::ServeConfig::stream_usage`]): added after the
+//! body's opening brace when there are no `stream_options`
+//! ([`with_include_usage`]), else set in the client's options, the body
+//! written again ([`with_usage_option`]: a client sending
+//! `{"include_usage": false}` or other options no longer hides its
+//! output). The relay takes out of the
 //! stream what the client did not ask for ([`UsageStrip`]): the usage chunk
 //! (empty `choices`, non-null `usage`) and the `"usage":null` member that
 //! OpenAI-style servers add to every other chunk. The answer the client
@@ -33,13 +39,9 @@ const NULL_USAGE: [&[u8]; 4] = [
     br#""usage": null, "#,
 ];
 
-/// `body` (a JSON object) with `stream_options.include_usage` set, when it
-/// has no `stream_options` member (`has_options`); `None` if nothing is to
-/// be changed.
-pub(super) fn with_include_usage(body: &[u8], has_options: bool) -> Option<Bytes> {
-    if has_options {
-        return None;
-    }
+/// `body` (a JSON object without a `stream_options` member) with
+/// `stream_options.include_usage` set; `None` if it is not an object.
+pub(super) fn with_include_usage(body: &[u8]) -> Option<Bytes> {
     let brace = body.iter().position(|b| !b.is_ascii_whitespace())?;
     if body[brace] != b'{' {
         return None;
@@ -51,6 +53,26 @@ pub(super) fn with_include_usage(body: &[u8], has_options: bool) -> Option<Bytes
     Some(out.freeze())
 }
 
+/// `body` (a JSON object with `stream_options`) with
+/// `stream_options.include_usage` set to `true`, its other options kept
+/// (options that are not an object are replaced); `None` if it is not an
+/// object. The body is parsed and written again.
+pub(super) fn with_usage_option(body: &[u8]) -> Option<Bytes> {
+    let Ok(serde_json::Value::Object(mut object)) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return None;
+    };
+    let options = object
+        .entry("stream_options")
+        .or_insert_with(|| serde_json::Value::Object(serde_json::Map::new()));
+    if !options.is_object() {
+        *options = serde_json::Value::Object(serde_json::Map::new());
+    }
+    if let Some(o) = options.as_object_mut() {
+        o.insert("include_usage".into(), serde_json::Value::Bool(true));
+    }
+    serde_json::to_vec(&object).ok().map(Bytes::from)
+}
+
 /// The fields of a chunk that tell a usage chunk.
 #[derive(Deserialize)]
 struct Chunk {
@@ -60,9 +82,14 @@ struct Chunk {
     usage: Option<IgnoredAny>,
 }
 
+/// Longest event held back waiting for its end: past it, what has come is
+/// passed on as it is (a stream without blank lines, from a broken or
+/// hostile engine, is relayed in bounded memory and linear time).
+const MAX_PARTIAL: usize = 1 << 20;
+
 /// Takes the usage the client did not ask for out of an event stream, as
 /// its frames pass: complete events are passed on (less the usage), a
-/// partial one waits for the rest.
+/// partial one waits for the rest (up to [`MAX_PARTIAL`] bytes).
 #[derive(Debug, Default)]
 pub struct UsageStrip {
     /// The start of an event not yet complete.
@@ -75,15 +102,21 @@ impl UsageStrip {
         let mut out = BytesMut::with_capacity(data.len() + self.partial.len());
         if self.partial.is_empty() {
             // The usual case: a frame of whole events.
-            let end = last_event_end(data).unwrap_or(0);
+            let end = last_event_end(data, 0).unwrap_or(0);
             emit(&data[..end], &mut out);
             self.partial.extend_from_slice(&data[end..]);
         } else {
+            // Only the new bytes (and the two before them, which may
+            // start a blank line) can end an event.
+            let from = self.partial.len().saturating_sub(2);
             self.partial.extend_from_slice(data);
-            if let Some(end) = last_event_end(&self.partial) {
+            if let Some(end) = last_event_end(&self.partial, from) {
                 let complete: Vec<u8> = self.partial.drain(..end).collect();
                 emit(&complete, &mut out);
             }
+        }
+        if self.partial.len() > MAX_PARTIAL {
+            strip_null_usage(&std::mem::take(&mut self.partial), &mut out);
         }
         out.freeze()
     }
@@ -114,9 +147,13 @@ fn ends_event(buf: &[u8], i: usize) -> bool {
     buf[i] == b'\n' && i >= 1 && (buf[i - 1] == b'\n' || (i >= 2 && buf[i - 1] == b'\r' && buf[i - 2] == b'\n'))
 }
 
-/// The end (after its blank line) of the last complete event in `buf`.
-fn last_event_end(buf: &[u8]) -> Option<usize> {
-    (1..buf.len()).rev().find(|&i| ends_event(buf, i)).map(|i| i + 1)
+/// The end (after its blank line) of the last complete event in `buf`
+/// whose blank line ends at or after `from`.
+fn last_event_end(buf: &[u8], from: usize) -> Option<usize> {
+    (from.max(1)..buf.len())
+        .rev()
+        .find(|&i| ends_event(buf, i))
+        .map(|i| i + 1)
 }
 
 /// The events of `buf` (each with its blank line), which ends at an
@@ -189,12 +226,27 @@ mod tests {
     #[test]
     fn include_usage_is_added_only_where_no_options_are() {
         let body = br#"  {"model":"m","stream":true}"#;
-        let out = with_include_usage(body, false).unwrap();
+        let out = with_include_usage(body).unwrap();
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["stream_options"]["include_usage"], true);
         assert_eq!(v["model"], "m");
-        assert!(with_include_usage(body, true).is_none());
-        assert!(with_include_usage(b"[1]", false).is_none());
+        assert!(with_include_usage(b"[1]").is_none());
+        // The client's own options: set, the others kept.
+        for (options, expected) in [
+            (
+                r#"{"include_usage":false,"continuous_usage_stats":true}"#,
+                r#"{"include_usage":true,"continuous_usage_stats":true}"#,
+            ),
+            (r#"{}"#, r#"{"include_usage":true}"#),
+            (r#"null"#, r#"{"include_usage":true}"#),
+        ] {
+            let body = format!(r#"{{"model":"m","stream":true,"stream_options":{options}}}"#);
+            let out: serde_json::Value = serde_json::from_slice(&with_usage_option(body.as_bytes()).unwrap()).unwrap();
+            let expected: serde_json::Value = serde_json::from_str(expected).unwrap();
+            assert_eq!(out["stream_options"], expected, "{options}");
+            assert_eq!(out["model"], "m");
+        }
+        assert!(with_usage_option(b"[1]").is_none());
     }
 
     const WITH_USAGE: &str = concat!(
@@ -237,5 +289,21 @@ mod tests {
             &strip.feed(crlf.as_bytes())[..],
             b"data: {\"choices\": [{\"text\": \"x\"}]}\r\n\r\n"
         );
+    }
+
+    #[test]
+    fn a_stream_without_blank_lines_is_passed_on_in_bounded_memory() {
+        // 64 MiB in 4 KiB frames, never a blank line: held back at most
+        // MAX_PARTIAL, everything passed on, in linear time (quadratic
+        // rescanning took minutes here).
+        let frame = vec![b'x'; 4096];
+        let mut strip = UsageStrip::default();
+        let mut passed = 0;
+        for _ in 0..(64 << 20) / frame.len() {
+            passed += strip.feed(&frame).len();
+            assert!(strip.partial.len() <= MAX_PARTIAL + frame.len());
+        }
+        passed += strip.finish().len();
+        assert_eq!(passed, 64 << 20);
     }
 }

@@ -66,6 +66,11 @@ impl LocalState {
         rate_limit::charge(&self.segment.tables().limits, charges, self.segment.clock().now_ns());
     }
 
+    /// Gives `charges` back to the segment's limit table.
+    pub fn refund_limits(&self, charges: &[Charge]) {
+        rate_limit::refund(&self.segment.tables().limits, charges, self.segment.clock().now_ns());
+    }
+
     /// Fills `out` with the live servers of `members` not in `exclude`,
     /// with this host's counts and their scraped figures when at most
     /// `stale_after_ms` old (else zeros).

@@ -229,6 +229,12 @@ pub trait RoutingStore: Send + Sync + fmt::Debug {
         self.local().charge_limits(charges);
     }
 
+    /// Gives `charges` back (the unused part of an output reservation),
+    /// without waiting.
+    fn refund_limits(&self, charges: &[Charge]) {
+        self.local().refund_limits(charges);
+    }
+
     /// Its counters.
     fn stats(&self) -> StoreStats;
 

@@ -22,6 +22,8 @@ pub(crate) enum Mode {
     Take,
     /// Room or not (output tokens).
     Charge,
+    /// Given back (a reservation not used).
+    Refund,
 }
 
 /// The `EVALSHA` of [`LIMIT_SCRIPT`] (hash `sha`) for `charges` under
@@ -35,6 +37,7 @@ pub(crate) fn limit_pipeline(ns: &str, sha: &str, mode: Mode, charges: &[Charge]
     cmd.arg(match mode {
         Mode::Take => "take",
         Mode::Charge => "charge",
+        Mode::Refund => "refund",
     });
     for c in charges {
         cmd.arg(c.quota.limit.max(1))
@@ -127,6 +130,13 @@ mod tests {
                 ""
             ]
         );
+        let refund = limit_pipeline("ns", "sha", Mode::Refund, &charges());
+        assert!(String::from_utf8_lossy(&refund.get_packed_pipeline()).contains("\r\nrefund\r\n"));
+        // The script's debt horizon is the segment table's.
+        assert!(LIMIT_SCRIPT.contains(&format!(
+            "local horizon = {} * period",
+            shm_layout::limit_table::DEBT_PERIODS + 1
+        )));
     }
 
     #[test]

@@ -600,6 +600,22 @@ fn server_id(segment: &Segment, server: ServerRef) -> Option<ServerId> {
 
 impl RedisRouting {
     /// `server`'s id in Redis, if it is still registered.
+    /// Charges or gives back `charges` without waiting: in Redis, or in
+    /// this host's table while Redis is down.
+    fn settle_limits(&self, mode: Mode, charges: &[Charge]) {
+        if charges.is_empty() {
+            return;
+        }
+        if self.health.down.load(Relaxed) || self.conn.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
+            match mode {
+                Mode::Refund => self.local.refund_limits(charges),
+                _ => self.local.charge_limits(charges),
+            }
+            return;
+        }
+        self.send_detached(limit_pipeline(&self.names.namespace, &self.names.limit, mode, charges));
+    }
+
     fn id_of(&self, server: ServerRef) -> Option<ServerId> {
         server_id(self.local.segment(), server)
     }
@@ -745,16 +761,11 @@ impl RoutingStore for RedisRouting {
     }
 
     fn charge_limits(&self, charges: &[Charge]) {
-        if self.health.down.load(Relaxed) || self.conn.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
-            self.local.charge_limits(charges);
-            return;
-        }
-        self.send_detached(limit_pipeline(
-            &self.names.namespace,
-            &self.names.limit,
-            Mode::Charge,
-            charges,
-        ));
+        self.settle_limits(Mode::Charge, charges);
+    }
+
+    fn refund_limits(&self, charges: &[Charge]) {
+        self.settle_limits(Mode::Refund, charges);
     }
 
     fn stats(&self) -> StoreStats {

@@ -118,30 +118,39 @@ return out
 "#;
 
 /// Rate limits (GCRA, as [`shm_layout::limit_table`]): `KEYS` are a
-/// request's buckets, `ARGV[1]` is `take` (all or none) or `charge` (room
-/// or not), then `limit, period (µs), units` per key. A bucket is its
-/// `tat` in Redis's clock (µs), expiring when full again. Returns `{0,
-/// ahead...}` (µs each bucket is from full, after the charge), `{-1, i}`
-/// (key `i` is charged more than it ever holds) or `{-2, i, retry, ahead}`
-/// (key `i` has no room: retry in `retry` µs; nothing was charged).
+/// request's buckets, `ARGV[1]` is `take` (all or none), `charge` (room
+/// or not, into debt up to 60 periods: `DEBT_PERIODS`) or `refund` (give
+/// back, never fuller than full), then `limit, period (µs), units` per
+/// key. A bucket is its `tat` in Redis's clock (µs), expiring when full
+/// again. Returns `{0, ahead...}` (µs each bucket is from full, after the
+/// charge), `{-1, i}` (key `i` is charged more than it ever holds) or
+/// `{-2, i, retry, ahead}` (key `i` has no room: retry in `retry` µs;
+/// nothing was charged).
 pub(crate) const LIMIT_SCRIPT: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local take = ARGV[1] == 'take'
+local mode = ARGV[1]
 local new = {}
 local out = {0}
 for i, key in ipairs(KEYS) do
   local limit = tonumber(ARGV[3 * i - 1])
   local period = tonumber(ARGV[3 * i])
   local n = tonumber(ARGV[3 * i + 1])
+  local horizon = 61 * period
   local tat = tonumber(redis.call('GET', key)) or now
-  if tat < now or tat > now + 2 * period then tat = now end
-  local ahead = tat + math.ceil(n * period / limit) - now
-  if take then
+  if tat < now or tat > now + horizon then tat = now end
+  local cost = math.ceil(n * period / limit)
+  local ahead
+  if mode == 'refund' then
+    ahead = math.max(tat - cost, now) - now
+  else
+    ahead = tat + cost - now
+  end
+  if mode == 'take' then
     if n > limit then return {-1, i} end
     if ahead > period then return {-2, i, ahead - period, tat - now} end
-  elseif ahead > 2 * period then
-    ahead = 2 * period
+  elseif ahead > horizon then
+    ahead = horizon
   end
   new[i] = now + ahead
   out[#out + 1] = ahead
@@ -149,6 +158,8 @@ end
 for i, key in ipairs(KEYS) do
   if new[i] > now then
     redis.call('SET', key, string.format('%d', new[i]), 'PX', math.ceil((new[i] - now) / 1000) + 1)
+  elseif mode == 'refund' then
+    redis.call('DEL', key)
   end
 end
 return out
