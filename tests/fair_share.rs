@@ -19,6 +19,8 @@
 //! * Priority: a flood of batch requests (`x-semlb-priority: batch`)
 //!   does not hold back an interactive client: its requests wait under
 //!   half as long as the batch ones.
+//! * The engines' other endpoints (embeddings) wait in the queue too while
+//!   the engine is full.
 //!
 //! The waits are the gateway's `x-semlb-queue-ms`; the comparisons are
 //! between clients of one run, so a slow machine slows both sides.
@@ -196,4 +198,57 @@ fn batch_requests_do_not_hold_back_interactive_ones() {
         2 * interactive < batch,
         "interactive waited {interactive} ms, batch {batch} ms"
     );
+}
+
+/// The engines' other endpoints wait in the gateway queue too (issue 39:
+/// the passthrough was a side door around it). While a long chat holds
+/// the engine's one place (`max_outstanding = 1`), an embeddings request
+/// is not sent to it: it waits at the gateway until the chat ends, and its
+/// answer says how long (`x-semlb-queue-ms`). Before, it went straight to
+/// the engine, beside the chat.
+#[test]
+fn embeddings_wait_in_the_gateway_queue_while_the_engine_is_full() {
+    let engine = sim_at("1");
+    let gw = gateway(&engine, true, "passthrough-queue");
+    let addr = gw.addr().to_owned();
+    let started = std::sync::Barrier::new(2);
+    std::thread::scope(|s| {
+        let long = s.spawn(|| {
+            let body = json!({
+                "model": "semlb-sim",
+                "messages": [user("Tell a long story.")],
+                "max_tokens": 60,
+                "ignore_eos": true,
+                "stream": true,
+            });
+            // The chat's first bytes are the signal that it runs.
+            use std::io::{Read, Write};
+            let body = body.to_string();
+            let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+            write!(
+                stream,
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .unwrap();
+            let mut buf = [0u8; 4096];
+            let n = stream.read(&mut buf).unwrap();
+            assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+            started.wait();
+            let mut rest = Vec::new();
+            stream.read_to_end(&mut rest).unwrap();
+        });
+        started.wait();
+        let embedding = json!({"model": "semlb-sim", "input": "a sentence to embed"});
+        let r = support::http::http(&addr, "POST", "/v1/embeddings", Some(&embedding), &[]).unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let waited: u64 = r
+            .header("x-semlb-queue-ms")
+            .expect("the embeddings request waited in the gateway queue")
+            .parse()
+            .unwrap();
+        eprintln!("embeddings waited {waited} ms behind a 60-token chat");
+        assert!(waited > 100, "waited only {waited} ms: sent beside the running chat");
+        long.join().unwrap();
+    });
 }

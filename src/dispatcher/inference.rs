@@ -345,21 +345,13 @@ pub(super) async fn inference(
         strip_usage,
         output: admitted.output.take(),
         tenant: caller.map(|c| c.tenant.clone()),
-        // Only a policy that holds requests orders them by it.
-        share: pool.policy().current_arc().holds_requests().then(|| {
-            Share::new(
-                match caller {
-                    Some(c) => Tenant::named(Scope::Tenant, &c.tenant).0,
-                    None => Tenant::of(Scope::Tenant, &parts.headers).0,
-                },
-                caller
-                    .map_or(Priority::Interactive, |c| c.priority)
-                    .lowered_by(parts.headers.get(PRIORITY_HEADER).map(HeaderValue::as_bytes)),
-                caller.map_or(1, |c| c.weight),
-                prompt_tokens_len,
-                parsed.requested_output(),
-            )
-        }),
+        share: share_of(
+            &pool,
+            caller,
+            &parts.headers,
+            prompt_tokens_len,
+            parsed.requested_output(),
+        ),
         charged: false,
     };
     let outbound = Outbound {
@@ -376,10 +368,37 @@ pub(super) async fn inference(
         cache_salt: salt.map(|s| s.engine),
         peer,
         metered: None,
+        share: None,
     };
     let mut response = forward(dispatcher, outbound, Some(ctx)).await;
     admitted.set_headers(&mut response);
     response
+}
+
+/// A request's tenant, class and cost in the gateway queue, when `pool`'s
+/// policy holds requests (only such a policy orders them by it): `prompt`
+/// tokens asking for `output`.
+pub(super) fn share_of(
+    pool: &Pool,
+    caller: Option<&Caller>,
+    headers: &HeaderMap,
+    prompt: u64,
+    output: Option<u64>,
+) -> Option<Share> {
+    pool.policy().current_arc().holds_requests().then(|| {
+        Share::new(
+            match caller {
+                Some(c) => Tenant::named(Scope::Tenant, &c.tenant).0,
+                None => Tenant::of(Scope::Tenant, headers).0,
+            },
+            caller
+                .map_or(Priority::Interactive, |c| c.priority)
+                .lowered_by(headers.get(PRIORITY_HEADER).map(HeaderValue::as_bytes)),
+            caller.map_or(1, |c| c.weight),
+            prompt,
+            output,
+        )
+    })
 }
 
 /// The answer to `parsed` from a fresh cached body (`None` if a streaming

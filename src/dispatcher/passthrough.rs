@@ -40,6 +40,13 @@
 //! (`max_output_tokens`, `max_tokens`, else `limits.reserve_output_tokens`),
 //! settled with the output their answer reports (`usage.output_tokens`)
 //! or an estimate of it (`super::meter`) when it ends.
+//!
+//! # Queued
+//!
+//! In a pool whose policy holds requests (`selective_push`, ...), they
+//! wait in the gateway queue like chats when its servers are full, with
+//! their tenant's share and class ([`share_of`]); the server is then the
+//! least loaded one the policy admits.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -49,7 +56,7 @@ use hyper::body::Incoming;
 
 use super::Dispatcher;
 use super::http::{Body, error_response, json_response, upstream_headers, with_string_field};
-use super::inference::{off_reactor_if_large, pick_pool};
+use super::inference::{off_reactor_if_large, pick_pool, share_of};
 use super::proxy::{Outbound, forward};
 use super::rate;
 use super::relay::Metered;
@@ -155,7 +162,13 @@ pub(super) async fn passthrough(
         output: admitted.output.take(),
         tenant: caller.map(|c| c.tenant.clone()),
         pool: pool.clone(),
+        share: None,
     };
+    // A pool whose policy holds requests queues these as it queues chats.
+    let share = pool.as_ref().and_then(|p| {
+        let output = if generates { max_output } else { Some(0) };
+        share_of(p, caller, &parts.headers, estimated_tokens(bytes.len()), output)
+    });
     let outbound = Outbound {
         method: parts.method,
         path_and_query: parts
@@ -168,6 +181,7 @@ pub(super) async fn passthrough(
         cache_salt: None,
         peer: None,
         metered: Some(metered),
+        share,
     };
     let mut response = forward(dispatcher, outbound, None).await;
     admitted.set_headers(&mut response);

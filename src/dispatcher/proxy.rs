@@ -80,6 +80,9 @@ pub(super) struct Outbound {
     /// What an answer without an inference context (a passthrough) is
     /// charged and counted to.
     pub metered: Option<Metered>,
+    /// Without an inference context: its tenant, class and cost in the
+    /// gateway queue (`None`: it never waits there).
+    pub share: Option<Share>,
 }
 
 impl Outbound {
@@ -238,6 +241,9 @@ struct Attempts<'d> {
     deadline: tokio::time::Instant,
     /// A peer gateway was tried already (a request is offered to one once).
     tried_peer: AtomicBool,
+    /// Without an inference context: a routing charged the outbound's
+    /// share already.
+    share_charged: bool,
 }
 
 impl<'d> Attempts<'d> {
@@ -250,6 +256,7 @@ impl<'d> Attempts<'d> {
         Self {
             deadline,
             tried_peer: AtomicBool::new(false),
+            share_charged: false,
             dispatcher,
             outbound,
             first_lookup: ctx.as_mut().and_then(|c| c.lookup.take()),
@@ -314,10 +321,13 @@ impl<'d> Attempts<'d> {
                 hasher: c.hasher,
                 answer_tokens: c.answer_tokens,
             }),
-            share: self
-                .ctx
-                .as_ref()
-                .and_then(|c| c.share.map(|s| if c.charged { s.charged() } else { s })),
+            share: match &self.ctx {
+                Some(c) => c.share.map(|s| if c.charged { s.charged() } else { s }),
+                None => self
+                    .outbound
+                    .share
+                    .map(|s| if self.share_charged { s.charged() } else { s }),
+            },
         };
         if let Some(answer) = self.to_warm_peer().await {
             return Err(Next::Answer(answer));
@@ -356,10 +366,11 @@ impl<'d> Attempts<'d> {
             Routed::NoServer => Err(Next::Answer(self.no_server())),
         };
         // Routed: its tenant was charged (a retry is not charged again).
-        if routed.is_ok()
-            && let Some(c) = &mut self.ctx
-        {
-            c.charged = true;
+        if routed.is_ok() {
+            match &mut self.ctx {
+                Some(c) => c.charged = true,
+                None => self.share_charged = true,
+            }
         }
         routed
     }
@@ -819,7 +830,8 @@ impl<'d> Attempts<'d> {
         // A passthrough's reservation stays with the request (given back
         // when it ends) unless an answer comes that may carry output.
         let metered = if parts.status.is_success() {
-            self.outbound.metered.take()
+            let share = self.outbound.share.filter(|_| self.share_charged);
+            self.outbound.metered.take().map(|m| Metered { share, ..m })
         } else {
             None
         };

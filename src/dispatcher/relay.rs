@@ -219,6 +219,9 @@ pub(super) struct Metered {
     pub tenant: Option<Arc<str>>,
     /// Its model pool.
     pub pool: Option<Arc<Pool>>,
+    /// Its charge in the gateway queue's fair share, when routing charged
+    /// it.
+    pub share: Option<Share>,
 }
 
 impl Relay {
@@ -239,11 +242,10 @@ impl Relay {
         strip_usage: bool,
         metered: Option<Metered>,
     ) -> Self {
-        let share = learn.as_mut().and_then(|l| l.share.take());
-        let (output, tenant, pool) = match (learn.as_mut(), metered) {
-            (Some(l), _) => (l.output.take(), l.tenant.clone(), l.pool.clone()),
-            (None, Some(m)) => (m.output, m.tenant, m.pool),
-            (None, None) => (None, None, None),
+        let (output, tenant, pool, share) = match (learn.as_mut(), metered) {
+            (Some(l), _) => (l.output.take(), l.tenant.clone(), l.pool.clone(), l.share.take()),
+            (None, Some(m)) => (m.output, m.tenant, m.pool, m.share),
+            (None, None) => (None, None, None, None),
         };
         let pool = pool.filter(|p| p.name().is_some());
         let counted = (tenant.is_some() || pool.is_some()).then_some(Counted { tenant, pool });

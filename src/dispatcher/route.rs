@@ -162,8 +162,11 @@ pub(super) async fn choose(
             self::lookup(dispatcher, request).await
         }
     };
-    // Requests that are not inference go to the least loaded server.
-    let policy: Option<Arc<dyn Policy>> = pool.filter(|_| inference).map(|p| p.policy().current_arc());
+    // Requests that are not inference go to the least loaded server; a
+    // pool whose policy holds requests holds them too (they wait in the
+    // gateway queue when its servers are full).
+    let pool_policy: Option<Arc<dyn Policy>> = pool.map(|p| p.policy().current_arc());
+    let policy = pool_policy.clone().filter(|_| inference);
     let prefix = lookup.routing_prefix();
     let header_blocks = match pool {
         Some(pool) if inference && pool.shared_headers() => {
@@ -175,7 +178,7 @@ pub(super) async fn choose(
         _ => 0,
     };
     // The pool whose policy holds requests, if it does.
-    let holder = pool.filter(|_| policy.as_ref().is_some_and(|p| p.holds_requests()));
+    let holder = pool.filter(|_| pool_policy.as_ref().is_some_and(|p| p.holds_requests()));
     if let Some(pool) = holder
         && !lookup.candidates.is_empty()
         && dispatcher.queued() > 0
@@ -240,7 +243,7 @@ pub(super) async fn choose(
                 continue;
             };
             let counted = dispatcher.local().candidate(server, stale_after_ms);
-            if policy.as_ref().is_some_and(|p| !p.admits(&counted)) {
+            if pool_policy.as_ref().is_some_and(|p| !p.admits(&counted)) {
                 drop(guard);
                 return Routed::Wait {
                     lookup,

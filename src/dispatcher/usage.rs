@@ -89,7 +89,8 @@ const MAX_PARTIAL: usize = 1 << 20;
 
 /// Takes the usage the client did not ask for out of an event stream, as
 /// its frames pass: complete events are passed on (less the usage), a
-/// partial one waits for the rest (up to [`MAX_PARTIAL`] bytes).
+/// partial one waits for the rest (up to a MiB: a longer one is passed on
+/// as it is).
 #[derive(Debug, Default)]
 pub struct UsageStrip {
     /// The start of an event not yet complete.
