@@ -51,10 +51,11 @@
 //! store), its cached answers are its own whatever the response cache's
 //! scope, and engines that take vLLM's `cache_salt` (`[[backend]]
 //! cache_salt = true`) get the salt with each of its requests, so their
-//! prefix caches keep it apart too. This closes the timing side channel of
-//! a shared prefix (another tenant's prompt answered faster because it is
-//! cached) at the cost of sharing: the tenant's prompts reuse only its own
-//! prefixes. A tenant's own entry replaces the `*` entry whole.
+//! prefix caches keep it apart too, as do the tokenizer's segment caches
+//! (its lines are keyed by its salt: [`semlb_tokenizer::Tokenizer::encode_salted`]).
+//! This closes the timing side channel of a shared prefix (another
+//! tenant's prompt answered or tokenized faster because it is cached) at
+//! the cost of sharing: the tenant's prompts reuse only its own prefixes. A tenant's own entry replaces the `*` entry whole.
 //!
 //! A file that does not parse, lists a digest twice, or a tenant twice, is
 //! refused: at start the gateway does not start, on reload the running

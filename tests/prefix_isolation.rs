@@ -16,7 +16,7 @@
 use semlb_test_support as support;
 use serde_json::json;
 use support::TempDir;
-use support::gateway::{Gateway, add_key, routed, sim, user};
+use support::gateway::{Gateway, add_key, routed, sample, sim, user};
 use support::http::{Response, http};
 use support::process::{assert_ok, run as semlb};
 
@@ -116,4 +116,87 @@ fn isolated_tenants_share_no_prefix_with_anyone() {
     // tenants still find theirs.
     let back = ask(&keys[0]);
     assert_eq!(routed(&back), (engine, "prefix".to_owned()));
+}
+
+/// The tokenizer's segment caches are partitioned by tenant for isolated
+/// tenants (issue 39: the `tokenize=` time of a prompt said whether any
+/// tenant had sent or been answered the same lines). Read off the
+/// gateway's own counts of where each segment's ids came from: another
+/// isolated tenant's lines, and a sharing tenant's, are never a cache hit
+/// for an isolated tenant (every segment is tokenized again), while its
+/// own lines are, whichever dispatcher it reaches.
+#[test]
+fn an_isolated_tenant_never_finds_another_tenants_lines_in_the_tokenizer_caches() {
+    let dir = TempDir::new("isolation-segments");
+    let keys_file = dir.0.join("keys.toml").display().to_string();
+    let keys: Vec<String> = ["open", "secret-x", "secret-y"]
+        .iter()
+        .map(|t| add_key(&keys_file, t, &[]).0)
+        .collect();
+    for tenant in ["secret-x", "secret-y"] {
+        assert_ok(&semlb(&[
+            "keys",
+            "--file",
+            &keys_file,
+            "limit",
+            "--tenant",
+            tenant,
+            "--isolate-prefixes",
+        ]));
+    }
+    let engine = sim();
+    let gw = Gateway::builder()
+        .tag("isolation-segments")
+        .dispatchers(2)
+        .backends(&[&engine])
+        .config(&format!("[auth]\nkeys_file = \"{keys_file}\"\n"))
+        .start();
+    // Lines long enough to be kept in the segment caches on their own.
+    let prompt: String = (0..12)
+        .map(|i| {
+            format!("Line {i} of the confidential quarterly plan: revenue targets, hiring, and the launch date.\n")
+        })
+        .collect();
+    let segments = |gw: &Gateway| -> (f64, f64) {
+        let m = gw.metrics();
+        let get =
+            |source: &str| sample(&m, &format!("semlb_tokenizer_segments_total{{source=\"{source}\"}}")).unwrap_or(0.0);
+        (get("local_cache") + get("shared_store"), get("tokenized"))
+    };
+    let ask = |key: &str| {
+        let body = json!({
+            "model": "semlb-sim",
+            "messages": [user(&prompt)],
+            "max_tokens": 2,
+            "temperature": 0.9,
+        });
+        let r = http(
+            gw.addr(),
+            "POST",
+            "/v1/chat/completions",
+            Some(&body),
+            &[("api-key", key)],
+        )
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    };
+    let delta = |key: &str| {
+        let (hits, tokenized) = segments(&gw);
+        ask(key);
+        let (hits_after, tokenized_after) = segments(&gw);
+        (hits_after - hits, tokenized_after - tokenized)
+    };
+    let (_, x_first) = delta(&keys[1]);
+    assert!(x_first >= 12.0, "x's lines were tokenized: {x_first}");
+    for (who, key) in [("secret-y", &keys[2]), ("open", &keys[0])] {
+        let (hits, tokenized) = delta(key);
+        assert_eq!(hits, 0.0, "{who} found x's lines in the tokenizer's caches");
+        assert!(tokenized >= 12.0, "{who}: {tokenized} segments tokenized");
+    }
+    // x's own lines are found again (in either dispatcher's cache or the
+    // store both share), as are y's and the open tenant's.
+    for key in &keys {
+        let (hits, _) = delta(key);
+        assert!(hits >= 12.0, "a tenant's own lines are cached: {hits}");
+    }
 }

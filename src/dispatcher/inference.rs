@@ -142,16 +142,22 @@ pub(super) async fn inference(
         RoutingInput::Text(text) => text.len(),
         RoutingInput::Tokens(_) => 0,
     };
+    // A tenant whose prefixes are kept apart keeps its segments apart in
+    // the tokenizer's caches too: how long its prompt takes to tokenize
+    // says nothing of the lines other tenants sent or were answered.
+    let segment_salt = caller.filter(|c| c.isolate_prefixes).map_or(0, |c| {
+        TenantSalt::new(&c.tenant, dispatcher.segment().header().seed[0]).key
+    });
     let prompt_tokens = match &mut parsed.input {
         RoutingInput::Text(text) if text.len() > BLOCKING_TOKENIZE_BYTES => {
             let (tokenizer, text) = (tokenizer.clone(), text.to_string());
             // Should the task fail, the request routes on load alone.
-            let tokens: Vec<u32> = tokio::task::spawn_blocking(move || tokenizer.encode(&text))
+            let tokens: Vec<u32> = tokio::task::spawn_blocking(move || tokenizer.encode_salted(&text, segment_salt))
                 .await
                 .unwrap_or_default();
             tokens
         }
-        RoutingInput::Text(text) => tokenizer.encode(text),
+        RoutingInput::Text(text) => tokenizer.encode_salted(text, segment_salt),
         RoutingInput::Tokens(ids) => std::mem::take(ids),
     };
     dispatcher.report_segments(pool.tokenization());
@@ -211,7 +217,7 @@ pub(super) async fn inference(
     let template_blocks = match &parsed.input {
         // Only the shared-header rule reads it: no tokenizing for nothing.
         RoutingInput::Text(text) if pool.shared_headers() && parsed.template_bytes >= hasher.block_size() => {
-            let opening = tokenizer.encode(&text[..parsed.template_bytes]);
+            let opening = tokenizer.encode_salted(&text[..parsed.template_bytes], segment_salt);
             shared_header::template_blocks(&prompt_tokens, &opening, hasher.block_size())
         }
         _ => 0,

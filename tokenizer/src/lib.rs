@@ -251,10 +251,26 @@ impl Tokenizer {
 
     /// [`encode`](Self::encode), appending the ids to `out`.
     pub fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
+        self.encode_salted_into(text, 0, out);
+    }
+
+    /// [`encode`](Self::encode) with the segments of `text` kept in the
+    /// segment caches (local and shared) under keys of `salt` alone (0:
+    /// the common keys): a text tokenized under one salt is never a hit
+    /// under another, so how long tokenizing takes says nothing of the
+    /// texts of other salts (a gateway's tenants whose prefixes are kept
+    /// apart). The word cache stays common (a word's ids, not a line's).
+    pub fn encode_salted(&self, text: &str, salt: u64) -> Vec<u32> {
+        let mut out = Vec::new();
+        self.encode_salted_into(text, salt, &mut out);
+        out
+    }
+
+    fn encode_salted_into(&self, text: &str, salt: u64, out: &mut Vec<u32>) {
         match &*self.implementation {
             Implementation::Native(native) => {
                 let mut caches = self.caches.try_lock().ok();
-                native.encode(text, caches.as_deref_mut(), self.shared.as_deref(), out);
+                native.encode(text, caches.as_deref_mut(), self.shared.as_deref(), salt, out);
             }
             Implementation::Hf(hf) => {
                 if let Ok(encoding) = hf.encode(text, false) {
@@ -269,7 +285,7 @@ impl Tokenizer {
     pub fn encode_uncached(&self, text: &str) -> Vec<u32> {
         let mut out = Vec::new();
         match &*self.implementation {
-            Implementation::Native(native) => native.encode(text, None, None, &mut out),
+            Implementation::Native(native) => native.encode(text, None, None, 0, &mut out),
             Implementation::Hf(_) => self.encode_into(text, &mut out),
         }
         out
@@ -293,7 +309,7 @@ impl Tokenizer {
                 native::added::Piece::Added(id, part) => (part, true, vec![id]),
                 native::added::Piece::Text(part) => {
                     let mut ids = Vec::new();
-                    native.encode(part, None, None, &mut ids);
+                    native.encode(part, None, None, 0, &mut ids);
                     (part, false, ids)
                 }
             };
@@ -477,6 +493,43 @@ mod tests {
         fn put(&self, key: u128, ids: &[u32]) {
             self.0.lock().unwrap().insert(key, ids.to_vec());
         }
+    }
+
+    /// Salted segments: the same ids, but what one salt tokenized is
+    /// never a hit, local or shared, under another salt or none.
+    #[test]
+    fn segments_of_one_salt_are_never_found_under_another() {
+        let store: Arc<MemoryStore> = Arc::default();
+        let text = "A line the first tenant wrote, long enough to be kept.\nAnd a second line of it, as long.\n";
+        let a = Tokenizer::bundled()
+            .with_segment_cache(1 << 20)
+            .with_shared_segments(store.clone());
+        let expected = Tokenizer::bundled().encode_uncached(text);
+        assert_eq!(a.encode_salted(text, 7), expected);
+        let first = a.segment_cache_stats();
+        assert!(first.misses >= 2 && first.hits == 0, "{first:?}");
+        // The same salt again: local hits.
+        assert_eq!(a.encode_salted(text, 7), expected);
+        let again = a.segment_cache_stats();
+        assert_eq!(again.hits - first.hits, first.misses);
+        // Another salt, or none: misses again, locally and in the store.
+        for salt in [8, 0] {
+            let before = a.segment_cache_stats();
+            assert_eq!(a.encode_salted(text, salt), expected);
+            let after = a.segment_cache_stats();
+            assert_eq!(
+                (after.hits, after.shared_hits),
+                (before.hits, before.shared_hits),
+                "salt {salt}"
+            );
+            assert_eq!(after.misses - before.misses, first.misses, "salt {salt}");
+        }
+        // Another process with the first salt finds it in the store.
+        let b = Tokenizer::bundled()
+            .with_segment_cache(1 << 20)
+            .with_shared_segments(store.clone());
+        assert_eq!(b.encode_salted(text, 7), expected);
+        assert_eq!(b.segment_cache_stats().shared_hits, first.misses);
     }
 
     /// Two tokenizers (two processes) sharing one store: what one

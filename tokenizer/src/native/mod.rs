@@ -150,24 +150,36 @@ impl NativeTokenizer {
     }
 
     /// Appends the ids of `text` to `out`, using `caches` and the `shared`
-    /// segment store if given.
+    /// segment store if given, its segments keyed apart by `salt` (0: the
+    /// common keys).
     pub(crate) fn encode(
         &self,
         text: &str,
         mut caches: Option<&mut Caches>,
         shared: Option<&dyn SharedSegments>,
+        salt: u64,
         out: &mut Vec<u32>,
     ) {
         self.added.split_raw(text, |piece| match piece {
             Piece::Added(id, _) => out.push(id),
-            Piece::Text(text) => self.encode_piece(text, caches.as_deref_mut(), shared, out),
+            Piece::Text(text) => self.encode_piece(text, caches.as_deref_mut(), shared, salt, out),
         });
     }
 
     /// The key a segment's ids are kept under: its XXH3-128 seeded with
     /// the tokenizer's fingerprint, so tokenizers never share entries.
     pub(crate) fn segment_key(&self, segment: &str) -> u128 {
-        xxhash_rust::xxh3::xxh3_128_with_seed(segment.as_bytes(), self.fingerprint)
+        self.salted_segment_key(segment, 0)
+    }
+
+    /// [`segment_key`](Self::segment_key) under `salt` (0: none): the
+    /// entries of one salt are never found under another.
+    fn salted_segment_key(&self, segment: &str, salt: u64) -> u128 {
+        let seed = match salt {
+            0 => self.fingerprint,
+            salt => xxhash_rust::xxh3::xxh3_64_with_seed(&salt.to_le_bytes(), self.fingerprint),
+        };
+        xxhash_rust::xxh3::xxh3_128_with_seed(segment.as_bytes(), seed)
     }
 
     /// Calls `segment` with each segment of `text`: an added token, or a
@@ -187,6 +199,7 @@ impl NativeTokenizer {
         text: &str,
         mut caches: Option<&mut Caches>,
         shared: Option<&dyn SharedSegments>,
+        salt: u64,
         out: &mut Vec<u32>,
     ) {
         let local = caches.as_ref().is_some_and(|c| c.segments.is_some());
@@ -197,7 +210,7 @@ impl NativeTokenizer {
             if chunk.len() < SEGMENT_MIN_BYTES {
                 return self.encode_uncached(chunk, caches.as_deref_mut().map(|c| &mut c.words), out);
             }
-            let key = self.segment_key(chunk);
+            let key = self.salted_segment_key(chunk, salt);
             if let Some(c) = caches.as_deref_mut()
                 && let Some(ids) = c.segments.as_mut().and_then(|s| s.get(s.hash(&key), &key))
             {
