@@ -435,6 +435,9 @@ impl Refusal {
 #[derive(Debug, Default)]
 pub struct Keys {
     by_digest: HashMap<[u8; 32], Arc<Caller>>,
+    /// The file's tenant rules, for requests a peer gateway forwards as a
+    /// tenant ([`peer_caller`](Self::peer_caller)).
+    file: KeysFile,
 }
 
 impl Keys {
@@ -448,19 +451,21 @@ impl Keys {
                     .map(|i| u8::from_str_radix(&k.sha256[2 * i..2 * i + 2], 16))
                     .collect::<Result<_, _>>()
                     .ok()?;
-                let caller = Caller {
-                    key_id: k.id.clone(),
-                    tenant: Arc::from(k.tenant.as_str()),
-                    models: (!k.models.is_empty()).then(|| k.models.clone()),
-                    limits: file.limits_of(&k.tenant).buckets(Scope::Tenant, &k.tenant),
-                    priority: file.tenant(&k.tenant).and_then(|t| t.priority).unwrap_or_default(),
-                    weight: file.tenant(&k.tenant).and_then(|t| t.weight).unwrap_or(1),
-                    isolate_prefixes: file.tenant(&k.tenant).and_then(|t| t.isolate_prefixes).unwrap_or(false),
-                };
+                let caller = tenant_caller(file, k.id.clone(), &k.tenant, &k.models);
                 Some((digest.try_into().ok()?, Arc::new(caller)))
             })
             .collect();
-        Self { by_digest }
+        Self {
+            by_digest,
+            file: file.clone(),
+        }
+    }
+
+    /// The caller of a request a peer gateway forwarded as `tenant` (the
+    /// peer checked its key and its models): this gateway's rules for the
+    /// tenant (its `*` entry's if it lists none), every model.
+    pub fn peer_caller(&self, tenant: &str) -> Arc<Caller> {
+        Arc::new(tenant_caller(&self.file, format!("peer:{tenant}"), tenant, &[]))
     }
 
     /// The keys in the file at `path`.
@@ -502,6 +507,21 @@ impl Keys {
         }
         let key = presented.ok_or(Refusal::Missing)?;
         self.by_digest.get(&digest(key)).cloned().ok_or(Refusal::Invalid)
+    }
+}
+
+/// A caller of `tenant` under `file`'s tenant rules, with key `key_id`,
+/// allowed `models` (empty: every model).
+fn tenant_caller(file: &KeysFile, key_id: String, tenant: &str, models: &[String]) -> Caller {
+    let entry = file.tenant(tenant);
+    Caller {
+        key_id,
+        tenant: Arc::from(tenant),
+        models: (!models.is_empty()).then(|| models.to_vec()),
+        limits: file.limits_of(tenant).buckets(Scope::Tenant, tenant),
+        priority: entry.and_then(|t| t.priority).unwrap_or_default(),
+        weight: entry.and_then(|t| t.weight).unwrap_or(1),
+        isolate_prefixes: entry.and_then(|t| t.isolate_prefixes).unwrap_or(false),
     }
 }
 

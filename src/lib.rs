@@ -31,6 +31,7 @@
 //! | [`health`] | health of the inference servers: active and passive checks, circuit breakers, `/metrics` load scraping |
 //! | [`kv_events`] | the engines' own KV cache events (vLLM's publisher): the wire format decoded, an engine's block hashes mapped to the gateway's chain |
 //! | [`peers`] | peer gateways in other regions (SkyLB): the load summary they exchange, each dispatcher's view of them, the choice of a peer to forward to |
+//! | [`tls`] | TLS with rustls: the listener's certificate (`[tls]`, mutual TLS with a client CA), the client side of `https://` peers |
 //! | [`segment_store`] | the token segments every process shares: the tokenizer's second-level cache in the shm segment |
 //! | [`size`] | human byte sizes (`256MiB`) |
 //! | [`store`] | where the routing state lives, behind one interface: shm (default) or Redis ([`store::redis`]; its client, [`store::redis::client`]: prefix entries, responses, in-flight counters and round trips; the Lua scripts it runs in Redis, `store::redis::scripts`; credentials and TLS, [`store::redis::credentials`]; URLs without their passwords, [`store::redis::url`]; servers named by ids of their addresses, [`store::redis::server_id`]); what this host knows whatever the store ([`store::local`]: live candidates with fresh load, the in-flight ledger) |
@@ -70,6 +71,7 @@ pub mod routing;
 pub mod segment_store;
 pub mod size;
 pub mod store;
+pub mod tls;
 
 /// An error and its sources, for messages (the upstream HTTP client
 /// nests the cause of a failed connection several levels deep).

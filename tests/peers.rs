@@ -438,3 +438,192 @@ fn a_reload_adds_and_removes_a_peer() {
     reload(&[]);
     assert_eq!(full_region_asks("The peer is gone again."), None);
 }
+
+/// Issue 39, finding 5: peers over mutual TLS, and the tenant forwarded
+/// with the gateway's credential instead of the client's key.
+///
+/// Region B serves HTTPS and asks every client for a certificate of the
+/// peers' CA; it has no key for tenant `acme`, only its tenant rules. A
+/// reaches B as an `https://` peer with that CA and a client certificate;
+/// acme's key is known to A alone. With A's engine busy, acme's request
+/// through A is forwarded to B and served there as acme (B counts it for
+/// acme), though acme's key would get a 401 at B: the key never left A.
+/// B refuses plain HTTP, a client without a certificate, a certificate of
+/// another CA, and a request naming a tenant without the peering token;
+/// a gateway that checks B against another CA never reads B's load.
+#[test]
+fn peers_talk_over_mutual_tls_and_forward_the_tenant_not_its_key() {
+    use support::tls::{self, TlsClient};
+    let dir = TempDir::new("peers-tls");
+    let ca = tls::ca(&dir.0, "peers-ca");
+    let b_cert = tls::signed(&dir.0, &ca, "gw-b");
+    let a_cert = tls::signed(&dir.0, &ca, "gw-a");
+    let other_ca = tls::ca(&dir.0, "other-ca");
+    let rogue = tls::signed(&dir.0, &other_ca, "rogue");
+    let keys_a = dir.0.join("keys-a.toml").display().to_string();
+    let keys_b = dir.0.join("keys-b.toml").display().to_string();
+    let acme_key = support::gateway::add_key(&keys_a, "acme", &[]).0;
+    support::gateway::add_key(&keys_b, "someone-else", &[]);
+    support::process::assert_ok(&support::process::run(&[
+        "keys",
+        "--file",
+        &keys_b,
+        "limit",
+        "--tenant",
+        "acme",
+        "--requests-per-minute",
+        "1000",
+    ]));
+    let (engine_a, engine_b) = (sim_at("1"), sim_at("1"));
+    let as_a = TlsClient {
+        ca: ca.cert.clone(),
+        identity: Some(a_cert.clone()),
+    };
+    let b = Gateway::builder()
+        .tag("b-tls")
+        .dispatchers(1)
+        .backends(&[&engine_b])
+        .config(&format!(
+            "{}[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nclient_ca_file = \"{}\"\n[auth]\nkeys_file = \"{keys_b}\"\n",
+            region_toml(&dir, "b", &[], 50, 2000, ""),
+            b_cert.cert.display(),
+            b_cert.key.display(),
+            ca.cert.display()
+        ))
+        .tls(as_a.clone())
+        .start();
+
+    // What B refuses at its door.
+    assert!(
+        http(b.addr(), "GET", "/health", None, &[]).is_ok_and(|r| r.status != 200)
+            || http(b.addr(), "GET", "/health", None, &[]).is_err(),
+        "plain HTTP is not served"
+    );
+    let without_cert = TlsClient {
+        ca: ca.cert.clone(),
+        identity: None,
+    };
+    assert!(
+        without_cert.request(b.addr(), "GET", "/health", None, &[]).is_err(),
+        "no client certificate"
+    );
+    let from_rogue = TlsClient {
+        ca: ca.cert.clone(),
+        identity: Some(rogue),
+    };
+    assert!(
+        from_rogue.request(b.addr(), "GET", "/health", None, &[]).is_err(),
+        "another CA's certificate"
+    );
+    let forged = b
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            Some(&json!({"model": "semlb-sim", "messages": [user("hi")], "max_tokens": 2})),
+            &[
+                ("x-semlb-hop", "a"),
+                ("x-semlb-peer-tenant", "acme"),
+                ("x-semlb-peer-token", "guess"),
+            ],
+        )
+        .unwrap();
+    assert_eq!(forged.status, 401, "{}", String::from_utf8_lossy(&forged.body));
+    assert_eq!(forged.json()["error"]["code"], "invalid_peer_token");
+    let direct = b
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            Some(&json!({"model": "semlb-sim", "messages": [user("hi")], "max_tokens": 2})),
+            &[("authorization", &format!("Bearer {acme_key}"))],
+        )
+        .unwrap();
+    assert_eq!(direct.status, 401, "B does not know acme's key");
+
+    // A gateway that checks B's certificate against another CA never
+    // reads B's load.
+    let peer_table = |ca_file: &std::path::Path| {
+        format!(
+            "[[peer]]\nurl = \"https://{}\"\nregion = \"b\"\ntoken_file = \"{}\"\nca_file = \"{}\"\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
+            b.addr(),
+            token_file(&dir, "to-b.token"),
+            ca_file.display(),
+            a_cert.cert.display(),
+            a_cert.key.display()
+        )
+    };
+    let wrong = Gateway::builder()
+        .tag("c-tls")
+        .dispatchers(1)
+        .backends(&[&engine_a])
+        .stderr(Stderr::CaptureEcho)
+        .config(&format!(
+            "{HOLDING}[peering]\nregion = \"c\"\npoll_ms = 50\nmax_age_ms = 2000\n{}",
+            peer_table(&other_ca.cert)
+        ))
+        .start();
+    let why = wait_for("the wrong CA's poll to fail", Duration::from_secs(20), || {
+        let text = wrong.proc.stderr_text();
+        let line = text
+            .lines()
+            .find(|l| l.contains("its load is unknown"))
+            .map(str::to_owned);
+        (line.is_some(), line)
+    });
+    eprintln!("with another CA: {why:?}");
+    assert!(
+        why.unwrap().to_lowercase().contains("certificate"),
+        "the reason names the certificate"
+    );
+    assert_eq!(counter(&b, "semlb_peer_load_served_total"), 0.0, "B served no summary");
+    drop(wrong);
+
+    // A: B as an https peer with the right CA and a client certificate.
+    let a = Gateway::builder()
+        .tag("a-tls")
+        .dispatchers(1)
+        .backends(&[&engine_a])
+        .config(&format!(
+            "{HOLDING}[peering]\nregion = \"a\"\npoll_ms = 50\nmax_age_ms = 2000\nforward_after_ms = 0\n{}[auth]\nkeys_file = \"{keys_a}\"\ndebug_headers = true\n",
+            peer_table(&ca.cert)
+        ))
+        .start();
+    polled(&b);
+    let long = {
+        let (addr, key) = (a.addr().to_owned(), acme_key.clone());
+        let handle = std::thread::spawn(move || {
+            chat(
+                &addr,
+                &[user("Write a long story about a lighthouse keeper.")],
+                json!({"max_tokens": 400, "ignore_eos": true}),
+                &[("api-key", &key)],
+            )
+            .status
+        });
+        wait_for("the long request in flight", Duration::from_secs(20), || {
+            let n = counter(&a, "semlb_server_inflight_requests");
+            (n >= 1.0, n)
+        });
+        handle
+    };
+    let r = ask(
+        a.addr(),
+        "Region A is full: who answers acme?",
+        true,
+        &[("x-api-key", &acme_key)],
+    );
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.header("x-semlb-peer"), Some("b"), "forwarded to B over TLS");
+    let (text, done) = stream_text(&r);
+    assert!(done && !text.is_empty());
+    let acme_at_b = support::gateway::sample(&b.metrics(), "semlb_tenant_requests_total{tenant=\"acme\"}");
+    assert_eq!(acme_at_b, Some(1.0), "B served it as acme");
+    assert_eq!(
+        support::gateway::sample(
+            &b.metrics(),
+            "semlb_requests_total{endpoint=\"chat_completions\",code=\"4xx\"}"
+        ),
+        Some(2.0),
+        "only the forged and the direct requests were refused at B"
+    );
+    assert_eq!(long.join().unwrap(), 200);
+}

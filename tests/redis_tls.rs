@@ -37,76 +37,11 @@ impl Drop for TlsRedis {
     }
 }
 
-/// Runs `openssl` with `args` in `dir`.
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("openssl (the test makes its certificates with it)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A CA and a server certificate for 127.0.0.1 signed by it, in `dir`.
+/// A CA and a server certificate for 127.0.0.1 signed by it, in `dir`
+/// (`ca.crt`, `redis.crt`, `redis.key`).
 fn certificates(dir: &Path) {
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=semlb test CA",
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "redis.key",
-            "-out",
-            "redis.csr",
-            "-subj",
-            "/CN=127.0.0.1",
-        ],
-    );
-    std::fs::write(dir.join("ext"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").unwrap();
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "redis.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "redis.crt",
-            "-days",
-            "2",
-            "-extfile",
-            "ext",
-        ],
-    );
+    let ca = support::tls::ca(dir, "ca");
+    support::tls::signed(dir, &ca, "redis");
 }
 
 fn start_tls_redis(dir: &Path) -> Option<TlsRedis> {

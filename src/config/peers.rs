@@ -76,7 +76,8 @@ impl Default for PeeringConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PeerConfig {
-    /// Its OpenAI-compatible front: `http://host:port`, no path.
+    /// Its OpenAI-compatible front: `http://host:port` or, over TLS,
+    /// `https://host:port`; no path.
     pub url: String,
     /// Its region name (logs, metrics, the summary check).
     pub region: String,
@@ -88,12 +89,41 @@ pub struct PeerConfig {
     /// on one machine. Default 0.
     #[serde(default)]
     pub delay_ms: u64,
+    /// With `https://`: the CA (PEM) its certificate must chain to.
+    /// Default: the system's roots.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// With `https://`: this gateway's client certificate (PEM), for a
+    /// peer that asks for one (its `tls.client_ca_file`).
+    #[serde(default)]
+    pub cert_file: Option<PathBuf>,
+    /// The client certificate's private key (PEM, mode 0600).
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
 }
 
 impl PeerConfig {
-    /// Its base URL as requests are sent to it: `http://host:port`.
+    /// Its base URL as requests are sent to it: `http://host:port` or
+    /// `https://host:port`.
     pub fn address(&self) -> Result<String, String> {
-        self.url.parse::<BackendUrl>().map(|u| u.to_string())
+        match self.url.split_once("://") {
+            Some((scheme, rest)) if scheme.eq_ignore_ascii_case("https") => format!("http://{rest}")
+                .parse::<BackendUrl>()
+                .map(|u| format!("https://{}", u.authority())),
+            _ => self.url.parse::<BackendUrl>().map(|u| u.to_string()),
+        }
+    }
+
+    /// Its TLS settings, when its URL is `https://`.
+    pub fn tls(&self) -> Option<crate::tls::PeerTls> {
+        self.address()
+            .ok()
+            .filter(|a| a.starts_with("https://"))
+            .map(|_| crate::tls::PeerTls {
+                ca_file: self.ca_file.clone(),
+                cert_file: self.cert_file.clone(),
+                key_file: self.key_file.clone(),
+            })
     }
 
     /// The token it expects, read from its file.
@@ -190,6 +220,27 @@ pub(super) fn validate_peering(peering: &PeeringConfig, peers: &[PeerConfig]) ->
         if p.delay_ms > 60_000 {
             return Err(E::invalid("peer.delay_ms", p.delay_ms, "must be at most 60000"));
         }
+        let tls_files = [
+            ("peer.ca_file", &p.ca_file),
+            ("peer.cert_file", &p.cert_file),
+            ("peer.key_file", &p.key_file),
+        ];
+        if p.tls().is_none()
+            && let Some((field, Some(path))) = tls_files.iter().find(|(_, f)| f.is_some())
+        {
+            return Err(E::invalid(
+                *field,
+                quoted(&path.display().to_string()),
+                "is for an https:// peer; this one's url is http://",
+            ));
+        }
+        if p.cert_file.is_some() != p.key_file.is_some() {
+            return Err(E::invalid(
+                "peer.cert_file",
+                quoted(&format!("{:?}", p.cert_file)),
+                "peer.cert_file and peer.key_file go together",
+            ));
+        }
     }
     Ok(())
 }
@@ -204,7 +255,36 @@ mod tests {
             region: region.into(),
             token_file: "/nonexistent".into(),
             delay_ms: 0,
+            ca_file: None,
+            cert_file: None,
+            key_file: None,
         }
+    }
+
+    #[test]
+    fn https_peers_keep_their_scheme_and_tls_files_need_it() {
+        let peering = PeeringConfig {
+            region: Some("a".into()),
+            ..PeeringConfig::default()
+        };
+        let https = peer("https://gw.b.internal:8443", "b");
+        assert_eq!(https.address().unwrap(), "https://gw.b.internal:8443");
+        assert!(https.tls().is_some());
+        assert!(validate_peering(&peering, std::slice::from_ref(&https)).is_ok());
+        let plain = PeerConfig {
+            ca_file: Some("/etc/ca.pem".into()),
+            ..peer("http://127.0.0.1:9000", "b")
+        };
+        assert!(plain.tls().is_none());
+        let e = validate_peering(&peering, &[plain]).unwrap_err().to_string();
+        assert!(e.contains("peer.ca_file") && e.contains("https://"), "{e}");
+        let half = PeerConfig {
+            cert_file: Some("/etc/c.pem".into()),
+            ..https
+        };
+        let e = validate_peering(&peering, &[half]).unwrap_err().to_string();
+        assert!(e.contains("go together"), "{e}");
+        assert!(peer("ftp://x:1", "b").address().is_err());
     }
 
     #[test]

@@ -437,7 +437,7 @@ impl AdminConfig {
 /// The text of `path`, a regular file that gives its group and others no
 /// permission, opened once and checked on the open handle; the reason
 /// otherwise.
-pub(super) fn read_private(path: &std::path::Path) -> Result<String, String> {
+pub(crate) fn read_private(path: &std::path::Path) -> Result<String, String> {
     use std::io::Read;
     use std::os::unix::fs::PermissionsExt;
     let mut file = std::fs::File::open(path).map_err(|e| format!("cannot read it: {e}"))?;
@@ -449,7 +449,7 @@ pub(super) fn read_private(path: &std::path::Path) -> Result<String, String> {
     if mode & 0o077 != 0 {
         let who = if mode & 0o007 != 0 { "every user" } else { "its group" };
         return Err(format!(
-            "it is readable by {who} (mode {mode:04o}); the token guards the admin API: chmod 600 it"
+            "it is readable by {who} (mode {mode:04o}); it holds a secret: chmod 600 it"
         ));
     }
     let mut text = String::new();

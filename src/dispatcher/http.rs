@@ -181,6 +181,8 @@ pub(crate) fn upstream_request_headers(from: &HeaderMap) -> HeaderMap {
             || name == header::HOST
             || name == header::CONTENT_LENGTH
             || name == header::ACCEPT_ENCODING
+            || name == crate::peers::TOKEN_HEADER
+            || name == crate::peers::TENANT_HEADER
             || listed.iter().any(|l| l == name.as_str())
         {
             continue;

@@ -314,6 +314,7 @@ pub(super) async fn inference(
         headers: upstream_request_headers(&parts.headers),
         body: bytes.clone(),
         model: parsed.model.to_string(),
+        tenant: caller.map(|c| c.tenant.clone()),
     });
     let bytes = match pool.upstream_name(&parsed.model) {
         Some(name) => with_model(&bytes, &parsed.model, name),

@@ -548,6 +548,12 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut connections = JoinSet::new();
+    // `[tls]`: every connection is a TLS one (checked when the
+    // configuration was read; a file changed since fails the start).
+    let tls = match &dispatcher.config.tls {
+        Some(tls) => Some(tls.acceptor().map_err(std::io::Error::other)?),
+        None => None,
+    };
     peer_forward::start_polls(&dispatcher, &dispatcher.peering());
     tokio::pin!(shutdown);
     loop {
@@ -556,10 +562,13 @@ pub async fn serve(
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept() => match accepted {
                 Ok((stream, _peer)) if connections.len() >= dispatcher.config.limits.max_connections as usize => {
-                    tokio::spawn(refuse_connection(stream));
+                    // Over TLS nothing can be said before a handshake: closed.
+                    if tls.is_none() {
+                        tokio::spawn(refuse_connection(stream));
+                    }
                 }
                 Ok((stream, _peer)) => {
-                    connections.spawn(serve_connection(stream, dispatcher.clone(), stop_rx.clone()));
+                    connections.spawn(accept_connection(stream, tls.clone(), dispatcher.clone(), stop_rx.clone()));
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: pause, do not stop.
@@ -604,15 +613,37 @@ async fn refuse_connection(mut stream: TcpStream) {
     .await;
 }
 
-/// Serves one connection until it closes, or until `stop` is set and its
-/// in-flight request is answered.
-async fn serve_connection(stream: TcpStream, dispatcher: Arc<Dispatcher>, mut stop: watch::Receiver<bool>) {
+/// Sets up an accepted connection (its socket options, its TLS handshake
+/// within the client timeout when `tls`) and serves it.
+async fn accept_connection(
+    stream: TcpStream,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    dispatcher: Arc<Dispatcher>,
+    stop: watch::Receiver<bool>,
+) {
     let _ = stream.set_nodelay(true);
     // A peer that vanished (power, network) without closing is found out.
     let keepalive = socket2::TcpKeepalive::new()
         .with_time(Duration::from_secs(60))
         .with_interval(Duration::from_secs(10));
     let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
+    let Some(acceptor) = tls else {
+        return serve_connection(stream, dispatcher, stop).await;
+    };
+    let client_timeout = dispatcher.config().limits.client_timeout();
+    match tokio::time::timeout(client_timeout, acceptor.accept(stream)).await {
+        Ok(Ok(stream)) => serve_connection(stream, dispatcher, stop).await,
+        Ok(Err(e)) => tracing::debug!(error = %e, "a TLS handshake failed: {e}"),
+        Err(_) => tracing::debug!("a TLS handshake took longer than the client timeout"),
+    }
+}
+
+/// Serves one connection until it closes, or until `stop` is set and its
+/// in-flight request is answered.
+async fn serve_connection<S>(stream: S, dispatcher: Arc<Dispatcher>, mut stop: watch::Receiver<bool>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let client_timeout = dispatcher.config().limits.client_timeout();
     let linger = DRAIN_LINGER.min(dispatcher.config().drain_timeout());
     // Set once draining: every answer from then on says `connection: close`.

@@ -19,9 +19,9 @@ use super::http::{Body, BoxError, client_response_headers, error_response, json_
 use super::relay::RelayTimer;
 use crate::config::{ConfigError, PeeringConfig, ServeConfig};
 use crate::metrics::PeerEvent;
-use crate::peers::book::{Forward, Peer, PeerBook};
+use crate::peers::book::{Forward, Peer, PeerBook, TlsClient};
 use crate::peers::summary::{LoadSummary, warm_s};
-use crate::peers::{HOP_HEADER, LOAD_PATH, PEER_HEADER, TOKEN_HEADER};
+use crate::peers::{HOP_HEADER, LOAD_PATH, PEER_HEADER, TENANT_HEADER, TOKEN_HEADER};
 use crate::routing::{Candidate, live_candidates};
 
 /// The most bytes of a peer's load summary read.
@@ -37,6 +37,9 @@ pub(super) struct PeerCopy {
     pub body: Bytes,
     /// The model it asks for (a peer must serve it).
     pub model: String,
+    /// The tenant this gateway authenticated it as (`None`: no `[auth]`;
+    /// the client's headers then go as they came, its keys included).
+    pub tenant: Option<std::sync::Arc<str>>,
 }
 
 /// What a dispatcher runs of `[peering]` and `[[peer]]`: built at start,
@@ -58,9 +61,15 @@ impl Peering {
     pub fn of(config: &ServeConfig) -> Result<Self, ConfigError> {
         let token = config.peering.read_token()?;
         let mut peers = Vec::with_capacity(config.peers.len());
+        let connect_timeout = Duration::from_millis(config.limits.connect_timeout_ms);
         for (i, p) in config.peers.iter().enumerate() {
             let peer_token = p.read_token()?;
-            let peer = Peer::new(i, p, peer_token)
+            let tls = p
+                .tls()
+                .map(|settings| TlsClient::new(settings, connect_timeout))
+                .transpose()
+                .map_err(|e| ConfigError::invalid("peer.url", format!("{:?}", p.url), e.to_string()))?;
+            let peer = Peer::new(i, p, peer_token, tls)
                 .map_err(|reason| ConfigError::invalid("peer.url", format!("{:?}", p.url), reason))?;
             peers.push(peer);
         }
@@ -152,9 +161,7 @@ async fn fetch_summary(dispatcher: &Dispatcher, peer: &Peer, uri: Uri) -> Result
     *request.uri_mut() = uri;
     let token = HeaderValue::from_str(&peer.token).map_err(|e| e.to_string())?;
     request.headers_mut().insert(TOKEN_HEADER, token);
-    let response = dispatcher
-        .client()
-        .request(request)
+    let response = peer_request(dispatcher, peer, request)
         .await
         .map_err(|e| crate::error_chain(&e))?;
     let status = response.status();
@@ -170,6 +177,47 @@ async fn fetch_summary(dispatcher: &Dispatcher, peer: &Peer, uri: Uri) -> Result
         ));
     }
     serde_json::from_slice(&body).map_err(|e| format!("its summary does not parse: {e}"))
+}
+
+/// The tenant a peer gateway forwarded a request as: `None` when it names
+/// none (the request is authenticated by its own key, if any); else the
+/// tenant, if it also presents this gateway's peering token, or why not.
+pub(super) fn forwarded_tenant<'h>(
+    dispatcher: &Dispatcher,
+    headers: &'h HeaderMap,
+) -> Option<Result<&'h str, &'static str>> {
+    let tenant = headers.get(TENANT_HEADER)?;
+    let peering = dispatcher.peering();
+    let Some(token) = peering.token.as_deref() else {
+        return Some(Err(
+            "this gateway takes no requests forwarded by peers (no peering.token_file)",
+        ));
+    };
+    let presented = headers.get(TOKEN_HEADER).map_or(&b""[..], HeaderValue::as_bytes);
+    if !crate::auth::constant_time_eq(presented, token.as_bytes()) {
+        return Some(Err(
+            "a request forwarded by a peer gateway needs the peering token in x-semlb-peer-token",
+        ));
+    }
+    Some(
+        tenant
+            .to_str()
+            .ok()
+            .filter(|t| !t.is_empty())
+            .ok_or("x-semlb-peer-tenant must name a tenant"),
+    )
+}
+
+/// `request` sent to `peer`: over its HTTPS client, else the dispatcher's.
+async fn peer_request(
+    dispatcher: &Dispatcher,
+    peer: &Peer,
+    request: Request<Full<Bytes>>,
+) -> Result<Response<Incoming>, hyper_util::client::legacy::Error> {
+    match &peer.tls {
+        Some(tls) => tls.client.request(request).await,
+        None => dispatcher.client().request(request).await,
+    }
 }
 
 /// `GET /semlb/peer/load`: this gateway's load, for a peer presenting the
@@ -246,15 +294,28 @@ pub(super) async fn send(
     *request.method_mut() = method.clone();
     *request.uri_mut() = uri;
     *request.headers_mut() = copy.headers.clone();
+    let headers = request.headers_mut();
     if let Ok(v) = HeaderValue::from_str(guard.book.region()) {
-        request.headers_mut().insert(HOP_HEADER, v);
+        headers.insert(HOP_HEADER, v);
+    }
+    // An authenticated client's key stays here: the peer gets this
+    // gateway's credential and the tenant it checked.
+    if let Some(tenant) = &copy.tenant {
+        for name in crate::response_cache::API_KEY_HEADERS {
+            headers.remove(name);
+        }
+        headers.insert(
+            TOKEN_HEADER,
+            HeaderValue::from_str(&peer.token).map_err(|e| e.to_string())?,
+        );
+        headers.insert(TENANT_HEADER, HeaderValue::from_str(tenant).map_err(|e| e.to_string())?);
     }
     if !peer.delay.is_zero() {
         tokio::time::sleep(peer.delay).await;
     }
     let head = tokio::select! {
         biased;
-        head = dispatcher.client().request(request) => head.map_err(|e| crate::error_chain(&e))?,
+        head = peer_request(dispatcher, &peer, request) => head.map_err(|e| crate::error_chain(&e))?,
         () = tokio::time::sleep_until(deadline) => return Err("no answer head before the request's deadline".into()),
     };
     if head.status().is_server_error() {

@@ -38,17 +38,27 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
         "/v1/models" | "/health" | "/metrics" | crate::peers::LOAD_PATH => Some(Method::GET),
         _ => None,
     };
-    // Client authentication, on every /v1 route.
+    // Client authentication, on every /v1 route: the client's key, or a
+    // peer gateway's credential and the tenant it authenticated.
     let caller = match dispatcher.keys() {
-        Some(keys) if path.starts_with("/v1/") => match keys.caller(request.headers()) {
-            Ok(caller) => Some(caller),
-            Err(refusal) => {
-                let mut r = error_response(StatusCode::UNAUTHORIZED, refusal.message(), Some(refusal.code()));
-                set_header(r.headers_mut(), "www-authenticate", "Bearer");
-                dispatcher.metrics().request(EndpointLabel::of_path(&path), 401);
-                return r;
+        Some(keys) if path.starts_with("/v1/") => {
+            match super::peer_forward::forwarded_tenant(&dispatcher, request.headers()) {
+                Some(Ok(tenant)) => Some(keys.peer_caller(tenant)),
+                Some(Err(why)) => {
+                    dispatcher.metrics().request(EndpointLabel::of_path(&path), 401);
+                    return error_response(StatusCode::UNAUTHORIZED, why, Some("invalid_peer_token"));
+                }
+                None => match keys.caller(request.headers()) {
+                    Ok(caller) => Some(caller),
+                    Err(refusal) => {
+                        let mut r = error_response(StatusCode::UNAUTHORIZED, refusal.message(), Some(refusal.code()));
+                        set_header(r.headers_mut(), "www-authenticate", "Bearer");
+                        dispatcher.metrics().request(EndpointLabel::of_path(&path), 401);
+                        return r;
+                    }
+                },
             }
-        },
+        }
         _ => None,
     };
     let caller = caller.as_deref();

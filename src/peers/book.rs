@@ -13,13 +13,14 @@
 //! server to that summary's. So a client that sends its next request the
 //! instant an answer ends finds the room that answer left.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use shm_layout::ServerRef;
 
 use super::summary::LoadSummary;
 use crate::config::{PeerConfig, PeeringConfig};
+use crate::tls::{PeerClient, PeerTls};
 
 /// Weight of a new round trip in the moving average.
 const RTT_WEIGHT: f64 = 0.3;
@@ -29,26 +30,81 @@ const RTT_WEIGHT: f64 = 0.3;
 pub struct Peer {
     /// Its index in the book.
     pub index: usize,
-    /// `http://host:port`.
+    /// `http://host:port` or `https://host:port`.
     pub address: String,
     /// Its region.
     pub region: String,
-    /// The token it expects on load polls.
+    /// The token it expects on load polls and forwarded requests.
     pub token: String,
     /// Latency added before every request to it (`peer.delay_ms`).
     pub delay: Duration,
+    /// Its HTTPS client, for an `https://` peer (`None`: the dispatcher's
+    /// plain HTTP client).
+    pub tls: Option<TlsClient>,
 }
 
 impl Peer {
-    /// The peer `config` with its token `token`, at `index`.
-    pub fn new(index: usize, config: &PeerConfig, token: String) -> Result<Self, String> {
+    /// The peer `config` with its token `token`, at `index`; an
+    /// `https://` one with its client (`tls`).
+    pub fn new(index: usize, config: &PeerConfig, token: String, tls: Option<TlsClient>) -> Result<Self, String> {
         Ok(Self {
             index,
             address: config.address()?,
             region: config.region.clone(),
             token,
             delay: Duration::from_millis(config.delay_ms),
+            tls,
         })
+    }
+}
+
+/// The HTTPS client of an `https://` peer, with the settings and the
+/// digest of the files it was built from: two are the same when those
+/// are (a reload that rotates a certificate builds a new one).
+#[derive(Clone)]
+pub struct TlsClient {
+    /// Its settings.
+    pub settings: PeerTls,
+    /// XXH3 of the CA, certificate and key files' bytes.
+    digest: u64,
+    /// The client (its connection pool shared by clones).
+    pub client: Arc<PeerClient>,
+}
+
+impl TlsClient {
+    /// The client `settings` make (the files read now), connecting within
+    /// `connect_timeout`.
+    pub fn new(settings: PeerTls, connect_timeout: Duration) -> Result<Self, crate::tls::TlsError> {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for path in [&settings.ca_file, &settings.cert_file, &settings.key_file]
+            .into_iter()
+            .flatten()
+        {
+            h.update(&std::fs::read(path).unwrap_or_default());
+            h.update(&[0xff]);
+        }
+        let client = Arc::new(settings.client(connect_timeout)?);
+        Ok(Self {
+            settings,
+            digest: h.digest(),
+            client,
+        })
+    }
+}
+
+impl PartialEq for TlsClient {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.settings, self.digest) == (&other.settings, other.digest)
+    }
+}
+
+impl Eq for TlsClient {}
+
+impl std::fmt::Debug for TlsClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsClient")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
     }
 }
 
@@ -271,6 +327,7 @@ mod tests {
             region: region.into(),
             token: "t".repeat(32),
             delay: Duration::ZERO,
+            tls: None,
         }
     }
 

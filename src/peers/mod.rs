@@ -44,8 +44,26 @@
 //!   to the local queue.
 //!
 //! The body forwarded is the client's as it came (the peer applies its own
-//! model aliases and usage handling), with the client's headers; the peer,
-//! as a gateway, authenticates and rate-limits it by its own rules.
+//! model aliases and usage handling), with the client's headers, but never
+//! the client's API key when this gateway checked it: the request carries
+//! the peer's token (`x-semlb-peer-token`, the gateway's credential) and
+//! the tenant this gateway authenticated (`x-semlb-peer-tenant`), and the
+//! peer, seeing a valid token, serves it as that tenant under its own
+//! tenant rules (limits, class, isolation; the `*` entry for a tenant it
+//! does not list) without asking for a key. A request with the tenant
+//! header and no valid token is refused (401 `invalid_peer_token`). A
+//! gateway without `[auth]` forwards the client's headers as they came
+//! (the peer then authenticates the client's key by its own keys). Engines
+//! never see either header.
+//!
+//! # Transport
+//!
+//! A `[[peer]]` URL may be `https://`: load polls and forwarded requests
+//! then go over TLS (rustls), checked against `peer.ca_file` (else the
+//! system's usual web roots are not used: a CA file is required), with an
+//! optional client certificate (`peer.cert_file`, `peer.key_file`) for a
+//! peer that asks for one. A peer whose certificate does not verify is
+//! unreachable (nothing is forwarded to it, its load is unknown).
 
 pub mod affinity;
 pub mod book;
@@ -54,8 +72,13 @@ pub mod summary;
 /// The header a forwarded request carries: the region that forwarded it.
 pub const HOP_HEADER: &str = "x-semlb-hop";
 
-/// The header carrying a peer's token on load polls.
+/// The header carrying a peer's token on load polls and forwarded
+/// requests.
 pub const TOKEN_HEADER: &str = "x-semlb-peer-token";
+
+/// The header naming the tenant a forwarded request was authenticated as
+/// by the gateway that forwarded it.
+pub const TENANT_HEADER: &str = "x-semlb-peer-tenant";
 
 /// The path of the load summary.
 pub const LOAD_PATH: &str = "/semlb/peer/load";

@@ -147,6 +147,21 @@ fn supervise(args: &ServeArgs) -> Result<()> {
         tracing::info!(models = names.len(), "model pools: {}", names.join(", "));
     }
     drop((pools, loader, global));
+    // The listener's certificate, key and client CA, and the https
+    // peers' files, read and checked before any child starts.
+    if let Some(tls) = &config.tls {
+        tls.server_config()?;
+        tracing::info!(
+            mutual = tls.client_ca_file.is_some(),
+            "TLS on the listener: {}",
+            tls.cert_file.display()
+        );
+    }
+    for peer in &config.peers {
+        if let Some(tls) = peer.tls() {
+            tls.client_config()?;
+        }
+    }
     if let Some(path) = &config.auth.keys_file {
         let keys = semlb::auth::Keys::load(path)?;
         tracing::info!(

@@ -145,6 +145,7 @@ pub struct GatewayBuilder {
     args: Vec<String>,
     stderr: Stderr,
     within: Duration,
+    tls: Option<crate::tls::TlsClient>,
 }
 
 impl Default for GatewayBuilder {
@@ -163,6 +164,7 @@ impl Default for GatewayBuilder {
             args: Vec::new(),
             stderr: Stderr::Inherit,
             within: Duration::from_secs(30),
+            tls: None,
         }
     }
 }
@@ -171,6 +173,13 @@ impl GatewayBuilder {
     /// The shm segment's name (default: a unique one from the tag).
     pub fn shm(mut self, name: &str) -> Self {
         self.shm = Some(name.to_owned());
+        self
+    }
+
+    /// The gateway serves HTTPS (its configuration has `[tls]`): its
+    /// readiness probe and [`Gateway::metrics`] reach it as `client`.
+    pub fn tls(mut self, client: crate::tls::TlsClient) -> Self {
+        self.tls = Some(client);
         self
     }
 
@@ -372,6 +381,7 @@ impl GatewayBuilder {
             _config: config,
             _admin_dir: None,
             keep_segment: false,
+            tls: self.tls.clone(),
         };
         let deadline = Instant::now() + self.within;
         if let Some((dir, _, token)) = admin {
@@ -393,7 +403,7 @@ impl GatewayBuilder {
             }
         }
         loop {
-            if http(gw.addr(), "GET", "/health", None, &[]).is_ok_and(|r| r.status == 200) {
+            if gw.request("GET", "/health", None, &[]).is_ok_and(|r| r.status == 200) {
                 return Ok(gw);
             }
             if !gw.proc.running() {
@@ -446,6 +456,8 @@ pub struct Gateway {
     _admin_dir: Option<TempDir>,
     /// Leave the segment when dropped ([`Gateway::stop_keeping_segment`]).
     keep_segment: bool,
+    /// It serves HTTPS: how to reach it.
+    tls: Option<crate::tls::TlsClient>,
 }
 
 impl Gateway {
@@ -497,9 +509,24 @@ impl Gateway {
         &self.proc.addr
     }
 
+    /// One request to the gateway: over HTTPS when it serves it
+    /// ([`GatewayBuilder::tls`]), else as [`http`].
+    pub fn request(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        headers: &[(&str, &str)],
+    ) -> Result<Response, String> {
+        match &self.tls {
+            Some(tls) => tls.request(&self.proc.addr, method, path, body, headers),
+            None => http(&self.proc.addr, method, path, body, headers),
+        }
+    }
+
     /// The gateway's `/metrics` text.
     pub fn metrics(&self) -> String {
-        let r = http(&self.proc.addr, "GET", "/metrics", None, &[]).expect("gateway metrics");
+        let r = self.request("GET", "/metrics", None, &[]).expect("gateway metrics");
         assert_eq!(r.status, 200, "/metrics: {}", String::from_utf8_lossy(&r.body));
         String::from_utf8_lossy(&r.body).into_owned()
     }

@@ -60,6 +60,11 @@ pub fn http_bytes(
     body: Option<&[u8]>,
     headers: &[(&str, &str)],
 ) -> Result<Response, String> {
+    exchange(addr, &request_bytes(addr, method, path, body, headers))
+}
+
+/// The bytes of an HTTP/1.1 request with `Connection: close`.
+pub fn request_bytes(addr: &str, method: &str, path: &str, body: Option<&[u8]>, headers: &[(&str, &str)]) -> Vec<u8> {
     let payload = body.unwrap_or_default();
     let mut req = format!(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
@@ -74,7 +79,7 @@ pub fn http_bytes(
     req.push_str("\r\n");
     let mut req = req.into_bytes();
     req.extend_from_slice(payload);
-    exchange(addr, &req)
+    req
 }
 
 /// Sends `request` (a whole HTTP/1.1 request, which should ask for
@@ -85,9 +90,19 @@ pub fn http_bytes(
 /// write error is then ignored, and a reset after a complete head ends the
 /// answer instead of failing it.
 pub fn exchange(addr: &str, request: &[u8]) -> Result<Response, String> {
-    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    exchange_over(connect(addr)?, request)
+}
+
+/// A connection to `addr` with 30 s read and write timeouts.
+pub fn connect(addr: &str) -> Result<TcpStream, String> {
+    let s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     s.set_write_timeout(Some(Duration::from_secs(30))).unwrap();
+    Ok(s)
+}
+
+/// [`exchange`] over an open stream `s` (TLS or not).
+pub fn exchange_over(mut s: impl Read + Write, request: &[u8]) -> Result<Response, String> {
     let written = s.write_all(request);
     let mut raw = Vec::new();
     let read = s.read_to_end(&mut raw);

@@ -17,6 +17,7 @@
 //! | [`llama`] | a real engine: llama.cpp's `llama-server` with SmolLM2-135M on a free port ([`llama::LlamaServer`]) |
 //! | [`rng`] | splitmix64: deterministic randomness a failing run can be replayed from |
 //! | [`segment`] | a uniquely named shm segment removed on drop, and table population |
+//! | [`tls`] | certificate authorities and certificates made with `openssl`, HTTPS requests with a trusted CA and a client certificate |
 //!
 //! It depends on `shm-layout` but not on the `semlb` library: it starts the
 //! gateway as a process, so any crate's tests can use it without a cycle.
@@ -35,6 +36,7 @@ pub mod redis;
 pub mod rng;
 pub mod segment;
 pub mod sse;
+pub mod tls;
 
 pub use rng::{Rng, mix};
 
