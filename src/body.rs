@@ -169,6 +169,18 @@ impl<'a> Json<'a> {
         }
     }
 
+    /// About how many bytes it takes written as compact JSON (its strings
+    /// unescaped, numbers as 4): what a prompt part the gateway does not
+    /// tokenize (tools, a response format) is estimated from.
+    pub fn text_bytes(&self) -> usize {
+        match self {
+            Json::Null | Json::Bool(_) | Json::Number(_) => 4,
+            Json::String(s) => s.len() + 2,
+            Json::Array(items) => 2 + items.iter().map(|v| v.text_bytes() + 1).sum::<usize>(),
+            Json::Object(o) => 2 + o.entries().map(|(k, v)| k.len() + 4 + v.text_bytes()).sum::<usize>(),
+        }
+    }
+
     /// What it is, for error messages ("a string", "an array", ...).
     pub fn kind(&self) -> &'static str {
         match self {

@@ -122,6 +122,45 @@ impl ParsedRequest<'_> {
             .max(1)
     }
 
+    /// What the prompt holds beyond its routing text, which the gateway
+    /// does not tokenize: estimated at a token per four bytes (see
+    /// [`PromptExtra`]).
+    pub fn extra(&self) -> PromptExtra {
+        let estimate = |bytes: usize| bytes.div_ceil(4) as u64;
+        match self.endpoint {
+            Endpoint::ChatCompletions => PromptExtra {
+                // Rendered into the prompt by the engine's template.
+                every_prompt: ["tools", "functions", "response_format", "documents"]
+                    .into_iter()
+                    .filter_map(|name| self.body.get(name))
+                    .filter(|v| !matches!(v, Json::Null))
+                    .map(|v| estimate(v.text_bytes()))
+                    .sum(),
+                other_prompts: 0,
+                prompts: 1,
+            },
+            Endpoint::Completions => {
+                let items = self.body.get("prompt").and_then(Json::as_array).unwrap_or_default();
+                let batch = match items.first() {
+                    // A list of strings, or of token-id lists: a batch.
+                    Some(Json::String(_)) | Some(Json::Array(_)) => &items[1..],
+                    _ => &[],
+                };
+                PromptExtra {
+                    every_prompt: 0,
+                    other_prompts: batch
+                        .iter()
+                        .map(|v| match v {
+                            Json::Array(ids) => ids.len() as u64,
+                            other => estimate(other.text_bytes().saturating_sub(2)),
+                        })
+                        .sum(),
+                    prompts: batch.len() as u64 + 1,
+                }
+            }
+        }
+    }
+
     /// The field that carries the prompt: `messages` or `prompt`.
     pub fn prompt_param(&self) -> &'static str {
         endpoint_prompt_param(self.endpoint)
@@ -137,6 +176,23 @@ impl ParsedRequest<'_> {
             .and_then(Json::as_bool)
             .unwrap_or(false)
     }
+}
+
+/// What a request's prompt holds beyond the routing text the gateway
+/// tokenizes: charged to its token limits, and the part in every prompt
+/// counted in the context check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptExtra {
+    /// Tokens in every prompt the engine renders, estimated: a chat's
+    /// `tools`, `functions`, `response_format` and `documents` (the
+    /// template renders them; the gateway's text leaves them out).
+    pub every_prompt: u64,
+    /// Tokens of the other prompts of a completions batch (`prompt` as a
+    /// list: the first one routes); token-id lists counted exactly, texts
+    /// estimated.
+    pub other_prompts: u64,
+    /// Prompts in the request (a batch's, else 1): each gets its answers.
+    pub prompts: u64,
 }
 
 /// A request the gateway refuses: an OpenAI-style `invalid_request_error`.
@@ -626,6 +682,40 @@ mod tests {
             &ChatTemplate::canonical(),
             &RequestLimits::default(),
         )
+    }
+
+    /// The prompt parts the gateway does not tokenize are estimated, and a
+    /// batch's other prompts counted (issue 39: they were charged 0 and
+    /// escaped the context check).
+    #[test]
+    fn tools_and_a_batchs_other_prompts_are_counted() {
+        let tool = r#"{"type":"function","function":{"name":"lookup","description":"Looks a customer up by id.","parameters":{"type":"object","properties":{"id":{"type":"string"}}}}}"#;
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"Hi"}}],"tools":[{tool},{tool}],"response_format":{{"type":"json_object"}}}}"#
+        );
+        let with_tools = chat(&body).unwrap();
+        let extra = with_tools.extra();
+        // Two tools of ~150 bytes and a small format: ~80 tokens.
+        assert!((70..=100).contains(&extra.every_prompt), "{extra:?}");
+        assert_eq!((extra.other_prompts, extra.prompts), (0, 1));
+        let plain = chat(r#"{"model":"m","messages":[{"role":"user","content":"Hi"}],"tools":null}"#).unwrap();
+        assert_eq!(plain.extra().every_prompt, 0);
+        // A batch: the first routes; the others are counted.
+        let batch = completion(r#"{"model":"m","prompt":["first prompt","abcdefgh","ijklmnopqrst"]}"#).unwrap();
+        assert_eq!(
+            batch.extra(),
+            PromptExtra {
+                every_prompt: 0,
+                other_prompts: 2 + 3,
+                prompts: 3
+            }
+        );
+        let ids = completion(r#"{"model":"m","prompt":[[1,2,3],[4,5],[6]]}"#).unwrap();
+        assert_eq!((ids.extra().other_prompts, ids.extra().prompts), (3, 3));
+        let one = completion(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        assert_eq!((one.extra().other_prompts, one.extra().prompts), (0, 1));
+        let n = completion(r#"{"model":"m","prompt":"x","n":3,"best_of":5}"#).unwrap();
+        assert_eq!(n.answers(), 5);
     }
 
     /// A chat's opening is its messages up to the first user message: the

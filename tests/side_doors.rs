@@ -19,6 +19,9 @@
 //!   sent the same prefix; the simulated engine's own `x-semlb-sim-*` are
 //!   withheld alike) unless `auth.debug_headers` is set: routed, streamed,
 //!   cached, refused and passthrough answers alike.
+//! * What the gateway does not tokenize still counts: a chat's `tools`
+//!   in the context check, a completions batch's every prompt in the
+//!   limits.
 
 use semlb::metrics::responder_records;
 use semlb_test_support as support;
@@ -267,4 +270,67 @@ fn an_authenticated_caller_sees_no_diagnostic_header_unless_the_operator_allows_
             assert_eq!(cached.header("x-semlb-cache"), Some("hit"), "the repeat was cached");
         }
     }
+}
+
+/// The prompt parts the gateway does not tokenize are counted (issue 39,
+/// medium finding): a chat whose `tools` take an engine's context past
+/// its end gets the engines' 400 from the gateway (it used to pass the
+/// context check on its messages alone), and a completions batch is
+/// charged for every prompt in it and reserves output for each (it used
+/// to be charged for the first prompt alone).
+#[test]
+fn tools_and_batches_count_in_the_context_check_and_the_limits() {
+    let engine = sim_with("0.01", &["--max-model-len", "600"]);
+    let gw = Gateway::builder()
+        .tag("side-doors-extra")
+        .config(&format!(
+            "[[backend]]\nurl = \"http://{}\"\nname = \"e\"\n[[model]]\nname = \"semlb-sim\"\nbackends = [\"e\"]\ntokens_per_minute = 100000\n",
+            engine.addr
+        ))
+        .start();
+    let tool = json!({"type": "function", "function": {
+        "name": "lookup",
+        "description": "Looks up a record. ".repeat(60),
+        "parameters": {"type": "object", "properties": {"id": {"type": "string"}}}
+    }});
+    let chat = |tools: serde_json::Value| {
+        let body = json!({
+            "model": "semlb-sim",
+            "messages": [{"role": "user", "content": "Find record 7."}],
+            "tools": tools,
+            "max_tokens": 8,
+        });
+        http(gw.addr(), "POST", "/v1/chat/completions", Some(&body), &[]).unwrap()
+    };
+    // One tool (~300 tokens) fits in 600; three (~900) do not.
+    let one = chat(json!([tool]));
+    assert_eq!(one.status, 200, "{}", String::from_utf8_lossy(&one.body));
+    let three = chat(json!([tool, tool, tool]));
+    let error = answered_by_gateway(&three, 400, "tools past the context");
+    assert_eq!(error["error"]["code"], "context_length_exceeded", "{error}");
+
+    // A batch of three prompts of ~100 tokens each, 8 output tokens each:
+    // every prompt and every answer's reservation is taken.
+    let remaining = |r: &Response| -> u64 { r.header("x-ratelimit-remaining-tokens").unwrap().parse().unwrap() };
+    let text = "word ".repeat(100);
+    let single = json!({"model": "semlb-sim", "prompt": text, "max_tokens": 8, "temperature": 0.5});
+    let r = http(gw.addr(), "POST", "/v1/completions", Some(&single), &[]).unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let before = remaining(&r);
+    let batch = json!({"model": "semlb-sim", "prompt": [text, text, text], "max_tokens": 8, "temperature": 0.5});
+    let r = http(gw.addr(), "POST", "/v1/completions", Some(&batch), &[]).unwrap();
+    // (The simulator, unlike vLLM, answers a batch with its own 400; the
+    // gateway let it in, and its headers say what that took.)
+    assert!(
+        r.status == 200 || r.status == 400,
+        "{}",
+        String::from_utf8_lossy(&r.body)
+    );
+    let taken = before as i64 - remaining(&r) as i64;
+    // The single request's 8 reserved come back (its answer had at most 8),
+    // the batch takes 3 prompts (~300 tokens) and 24 reserved.
+    assert!(
+        taken >= 250,
+        "the batch took {taken} tokens: its other prompts were not charged"
+    );
 }

@@ -162,11 +162,18 @@ pub(super) async fn inference(
     };
     dispatcher.report_segments(pool.tokenization());
     timing.mark(Mark::Tokenize);
+    // What the prompt holds beyond the text tokenized (tools, a batch's
+    // other prompts): in the context check and the limits.
+    let extra = parsed.extra();
+    let prompt_in_context = (prompt_tokens.len() as u64).saturating_add(extra.every_prompt);
+    let charged_prompt = (prompt_tokens.len() as u64)
+        .saturating_add(extra.every_prompt.saturating_mul(extra.prompts))
+        .saturating_add(extra.other_prompts);
     if dispatcher.config().limits.check_context
         && let Err(exceeded) = crate::context_limit::check(
             &dispatcher.segment().tables().servers,
             |id| pool.members().admits(id),
-            prompt_tokens.len() as u64,
+            prompt_in_context,
             parsed.requested_output(),
         )
     {
@@ -184,13 +191,13 @@ pub(super) async fn inference(
     let reserve = || {
         crate::rate_limit::output_reservation(
             parsed.requested_output(),
-            parsed.answers(),
+            parsed.answers().saturating_mul(extra.prompts),
             dispatcher.config().limits.reserve_output_tokens,
             crate::context_limit::largest(&dispatcher.segment().tables().servers, |id| pool.members().admits(id))
-                .map(|c| u64::from(c.tokens).saturating_sub(prompt_tokens.len() as u64)),
+                .map(|c| u64::from(c.tokens).saturating_sub(prompt_in_context)),
         )
     };
-    let mut admitted = match rate::admit(dispatcher, caller, &pool, prompt_tokens.len() as u64, reserve).await {
+    let mut admitted = match rate::admit(dispatcher, caller, &pool, charged_prompt, reserve).await {
         Ok(a) => a,
         Err(refused) => return refused,
     };
@@ -334,7 +341,6 @@ pub(super) async fn inference(
         },
     };
     let strip_usage = asked.is_some();
-    let prompt_tokens_len = prompt_tokens.len() as u64;
     let ctx = InferenceCtx {
         timing,
         end_key: hasher.prompt_end_key(&prompt_tokens, &chain),
@@ -352,13 +358,7 @@ pub(super) async fn inference(
         strip_usage,
         output: admitted.output.take(),
         tenant: caller.map(|c| c.tenant.clone()),
-        share: share_of(
-            &pool,
-            caller,
-            &parts.headers,
-            prompt_tokens_len,
-            parsed.requested_output(),
-        ),
+        share: share_of(&pool, caller, &parts.headers, charged_prompt, parsed.requested_output()),
         charged: false,
     };
     let outbound = Outbound {
