@@ -250,6 +250,8 @@ pub struct Dispatcher {
     peering: std::sync::RwLock<Arc<Peering>>,
     /// Each tokenizer's segment counters last added to the metrics.
     segments_reported: std::sync::Mutex<std::collections::HashMap<u64, semlb_tokenizer::SegmentCacheStats>>,
+    /// The implicit pool's last merged `/v1/models` (`models`).
+    merged_models: models::MergedModels,
 }
 
 impl Dispatcher {
@@ -300,6 +302,7 @@ impl Dispatcher {
             client,
             peering: std::sync::RwLock::new(Arc::new(Peering::default())),
             segments_reported: std::sync::Mutex::default(),
+            merged_models: models::MergedModels::default(),
         };
         // Requests a predecessor in this slot left queued when it was killed.
         dispatcher.metrics().settle_queue();
@@ -366,6 +369,11 @@ impl Dispatcher {
         *self.peering.write().unwrap_or_else(|e| e.into_inner()) = peering.clone();
         peer_forward::start_polls(self, &peering);
         true
+    }
+
+    /// The implicit pool's last merged `/v1/models`.
+    fn merged_models(&self) -> &models::MergedModels {
+        &self.merged_models
     }
 
     /// `[peering]` as it runs, with the peer book.
