@@ -690,10 +690,11 @@ fn malformed_requests_get_the_right_4xx_through_the_gateway() {
     );
 }
 
-/// A dispatcher that dies every time it is restarted is a crash loop: the
-/// supervisor restarts it with a growing backoff (100 ms, 200 ms, ...) and,
-/// when the slot needs its 5th restart within 30 s, stops everything, says
-/// so on stderr, exits non-zero and removes the shm segment.
+/// A dispatcher that dies every time it is restarted, with no other
+/// dispatcher serving, is a crash loop: the supervisor restarts it with a
+/// growing backoff (100 ms, 200 ms, ...) and, when the slot needs its 5th
+/// restart within 30 s, stops everything, says so on stderr, exits
+/// non-zero and leaves the shm segment for the next start.
 #[test]
 fn a_crash_looping_dispatcher_stops_the_supervisor() {
     let engines = [sim()];
@@ -752,6 +753,66 @@ fn a_crash_looping_dispatcher_stops_the_supervisor() {
         std::path::Path::new(&format!("/dev/shm/{shm}")).exists(),
         "the segment is left for the next start, which adopts it"
     );
+}
+
+/// A dispatcher that crash-loops while another serves is parked, not the
+/// end of the service (issue 39: a dispatcher killed for its memory by a
+/// hostile client's requests took the whole gateway down after five
+/// kills). One of two dispatcher slots is SIGKILLed five times in a row as
+/// soon as each incarnation runs; the supervisor parks that slot, says so,
+/// keeps running, and the other dispatcher answers every request after it.
+#[test]
+fn a_crash_looping_dispatcher_is_parked_while_another_serves() {
+    let engines = [sim()];
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let shm = unique("park");
+    let mut gw = Gateway::launch(&shm, &refs, &["--dispatchers", "2"], true);
+    let target = gw
+        .segment
+        .tables()
+        .registry
+        .processes()
+        .find(|p| p.role == Some(shm_layout::Role::Dispatcher))
+        .map(|p| p.slot)
+        .expect("a dispatcher slot");
+    let running_in_target = |seg: &shm_layout::Segment| {
+        seg.tables()
+            .registry
+            .processes()
+            .find(|p| p.slot == target && p.state == shm_layout::ProcessState::Running)
+            .map(|p| p.pid)
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut killed: Vec<u32> = Vec::new();
+    while killed.len() < 5 {
+        assert!(Instant::now() < deadline, "only {} kills", killed.len());
+        match running_in_target(&gw.segment) {
+            Some(pid) if pid != 0 && !killed.contains(&pid) => {
+                kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("SIGKILL the dispatcher");
+                killed.push(pid);
+            }
+            _ => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+    let said = Instant::now() + Duration::from_secs(20);
+    while !gw.proc.stderr_text().contains("parked for") {
+        assert!(gw.proc.running(), "the supervisor stopped:\n{}", gw.proc.stderr_text());
+        assert!(Instant::now() < said, "stderr does not say the slot is parked");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(gw.proc.running(), "the supervisor keeps serving");
+    let answered = (0..20)
+        .filter(|i| {
+            let r = chat(
+                gw.addr(),
+                &[user(&format!("still there? {i}"))],
+                json!({"max_tokens": 2}),
+                &[],
+            );
+            r.status == 200
+        })
+        .count();
+    assert_eq!(answered, 20, "the other dispatcher answers every request");
 }
 
 /// A streamed answer passes through the gateway intact: the same chunks, in

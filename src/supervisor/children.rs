@@ -11,8 +11,13 @@
 //! A child that dies is reaped (SIGCHLD), marked exited in the registry,
 //! its in-flight counts reclaimed, and restarted after a backoff (100 ms
 //! doubling to 5 s); a slot that needs 5 restarts within 30 s is a crash
-//! loop, an error that stops the supervisor. A child whose heartbeat is
-//! older than 10 s is hung and is killed (then restarted).
+//! loop. While another child of its role serves, a crash-looping slot is
+//! parked for [`PARK`] and then tried again (a dispatcher killed for its
+//! memory by a hostile client's requests must not take the gateway down
+//! with it); when none does (every dispatcher, or every responder, crash
+//! loops: a bad binary or configuration), the crash loop is an error that
+//! stops the supervisor. A child whose heartbeat is older than 10 s is
+//! hung and is killed (then restarted).
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::OsString;
@@ -36,6 +41,8 @@ const BACKOFF_START: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 const CRASH_WINDOW: Duration = Duration::from_secs(30);
 const CRASH_LIMIT: usize = 5;
+/// How long a crash-looping slot waits while its siblings serve.
+const PARK: Duration = Duration::from_secs(60);
 const HUNG_AFTER_MS: u64 = 10_000;
 /// A heartbeat at most this old is fresh (children beat every 500 ms).
 const FRESH_HEARTBEAT_MS: u64 = 3_000;
@@ -51,6 +58,9 @@ struct Slot {
     restart_at: Option<Instant>,
     backoff: Duration,
     restarts: VecDeque<Instant>,
+    /// Parked after a crash loop while its siblings serve (until
+    /// `restart_at`).
+    parked: bool,
 }
 
 /// The children of one supervisor: their registry slots (1 onwards: the
@@ -92,6 +102,7 @@ impl<'a> Children<'a> {
                 restart_at: Some(Instant::now()),
                 backoff: BACKOFF_START,
                 restarts: VecDeque::new(),
+                parked: false,
             })
             .collect();
         Ok(Self {
@@ -171,6 +182,11 @@ impl<'a> Children<'a> {
     pub(super) fn start_due(&mut self) -> Result<()> {
         let tables = self.segment.tables();
         let clock = self.segment.clock();
+        // Children of each role running now (a crash loop with none of its
+        // role left is the service's failure, else the slot's).
+        let serving =
+            |role: ChildRole, slots: &[Slot]| slots.iter().filter(|s| s.role == role && s.pid.is_some()).count();
+        let serving = [ChildRole::Dispatcher, ChildRole::Responder].map(|r| (r, serving(r, &self.slots)));
         for s in self.slots.iter_mut() {
             let due = s.pid.is_none() && s.restart_at.is_some_and(|t| t <= Instant::now());
             if !due {
@@ -183,11 +199,27 @@ impl<'a> Children<'a> {
                     s.restarts.pop_front();
                 }
                 if s.restarts.len() >= CRASH_LIMIT {
-                    bail!(
-                        "{:?} {} crashed {CRASH_LIMIT} times within {CRASH_WINDOW:?}: crash loop, stopping",
+                    let siblings = serving.iter().find(|(r, _)| *r == s.role).map_or(0, |(_, n)| *n);
+                    if siblings == 0 {
+                        bail!(
+                            "{:?} {} crashed {CRASH_LIMIT} times within {CRASH_WINDOW:?} and no other {:?} serves: crash loop, stopping",
+                            s.role,
+                            s.index,
+                            s.role
+                        );
+                    }
+                    tracing::error!(
+                        child = ?s.role,
+                        index = s.index,
+                        serving = siblings,
+                        "{:?} {} crashed {CRASH_LIMIT} times within {CRASH_WINDOW:?}: crash loop, parked for {PARK:?} while {siblings} other(s) serve",
                         s.role,
                         s.index
                     );
+                    s.restarts.clear();
+                    s.restart_at = Some(started + PARK);
+                    s.parked = true;
+                    continue;
                 }
                 tracing::info!(child = ?s.role, index = s.index, "restarting {:?} {}", s.role, s.index);
                 self.restarts += 1;
@@ -202,6 +234,7 @@ impl<'a> Children<'a> {
                 Ok(pid) => {
                     s.pid = Some(pid);
                     s.restart_at = None;
+                    s.parked = false;
                 }
                 Err(e) => {
                     tracing::error!(child = ?s.role, index = s.index, error = %e, "cannot start {:?} {}: {e}", s.role, s.index);
@@ -239,11 +272,17 @@ impl<'a> Children<'a> {
     }
 
     /// Healthy, for the watchdog: every child attached with a fresh
-    /// heartbeat. A child being restarted, hung or in a crash loop makes
-    /// the supervisor unhealthy until it runs again.
+    /// heartbeat, but for slots parked after a crash loop while a sibling
+    /// of their role serves (the service serves; systemd must not kill it
+    /// for one bad slot). A child being restarted or hung makes the
+    /// supervisor unhealthy until it runs again.
     pub(super) fn healthy(&self) -> bool {
         let now_ms = self.segment.clock().now_ms();
-        self.slots.iter().all(|s| self.running(s, true, now_ms))
+        let fresh = |s: &Slot| self.running(s, true, now_ms);
+        self.slots.iter().all(|s| s.parked || fresh(s))
+            && [ChildRole::Dispatcher, ChildRole::Responder]
+                .iter()
+                .all(|role| self.slots.iter().any(|s| s.role == *role && fresh(s)))
     }
 
     /// The children of `role` that are up with a fresh heartbeat, and how
