@@ -135,23 +135,6 @@ async fn fetch_models(dispatcher: &Dispatcher, address: &str, wait: Duration) ->
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn lists_merge_by_id_in_one_pass_and_are_bounded() {
-        let list = |ids: &[&str]| -> Vec<Value> { ids.iter().map(|id| json!({"id": id})).collect() };
-        let merged = merge([list(&["a", "b"]), list(&["b", "c"]), list(&["a"])].into_iter());
-        let ids: Vec<&str> = merged.iter().map(|m| m["id"].as_str().unwrap()).collect();
-        assert_eq!(ids, ["a", "b", "c"]);
-        // A hostile engine's million models: one pass, at most MAX_MODELS.
-        let huge: Vec<Value> = (0..1_000_000).map(|i| json!({"id": format!("m{i}")})).collect();
-        let merged = merge([huge, list(&["z"])].into_iter());
-        assert_eq!(merged.len(), MAX_MODELS);
-    }
-}
-
 /// The configured models, in OpenAI's list shape (with vLLM's `root` and
 /// `parent` for adapters) and the live servers of each.
 fn configured(dispatcher: &Dispatcher, pools: &ModelPools, caller: Option<&Caller>) -> Response<Body> {
@@ -179,4 +162,21 @@ fn configured(dispatcher: &Dispatcher, pools: &ModelPools, caller: Option<&Calle
         })
         .collect();
     json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_merge_by_id_in_one_pass_and_are_bounded() {
+        let list = |ids: &[&str]| -> Vec<Value> { ids.iter().map(|id| json!({"id": id})).collect() };
+        let merged = merge([list(&["a", "b"]), list(&["b", "c"]), list(&["a"])].into_iter());
+        let ids: Vec<&str> = merged.iter().map(|m| m["id"].as_str().unwrap()).collect();
+        assert_eq!(ids, ["a", "b", "c"]);
+        // A hostile engine's million models: one pass, at most MAX_MODELS.
+        let huge: Vec<Value> = (0..1_000_000).map(|i| json!({"id": format!("m{i}")})).collect();
+        let merged = merge([huge, list(&["z"])].into_iter());
+        assert_eq!(merged.len(), MAX_MODELS);
+    }
 }
