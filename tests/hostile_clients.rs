@@ -24,6 +24,12 @@
 //!   `context_length_exceeded`) and none reaches the engine, while a polite
 //!   client is served at least 99 % of the time.
 //!
+//! * Bodies held at once: past `limits.max_inflight_body_bytes` a body
+//!   gets 503 `server_busy` with `Retry-After` (a stalled 900 KiB body
+//!   holds a 1 MiB budget), and its share comes back when it ends;
+//!   `limits.max_connections_per_ip` closes one address's extra
+//!   connection with a 503.
+//!
 //! Every wait polls a condition with a deadline.
 
 use std::io::{Read, Write};
@@ -429,4 +435,72 @@ fn a_flood_of_generations_outliving_their_deadline_ejects_no_engine() {
     assert_eq!(restarts(&gw), 0.0);
     eprintln!("flood: {ended} requests ended at their deadline");
     polite.report("deadline flood (8 clients)", &gw);
+}
+
+/// Bodies held at once are bounded (issue 39: 4 096 connections × a
+/// 16 MiB body × the JSON tree's amplification could grow a dispatcher
+/// without bound): with `max_inflight_body_bytes` = 1 MiB, one client
+/// that sends 900 KiB of a body and stalls holds its share; another
+/// client's 500 KiB body gets 503 `server_busy` with `Retry-After` at
+/// once, while a small request is still served; once the stalled body
+/// times out (408), the large one passes. One address's connections are
+/// capped with `max_connections_per_ip` = 3: a fourth idle connection
+/// gets 503 `too_many_connections` and is closed, and a slot comes back
+/// when one closes.
+#[test]
+fn bodies_in_flight_and_connections_per_address_are_bounded() {
+    let (_engine, gw) = gateway(
+        "body-budget",
+        "max_body_bytes = \"1MiB\"\nmax_inflight_body_bytes = \"1MiB\"\nmax_connections_per_ip = 3\n",
+    );
+    let big_body = |kib: usize| {
+        let text = "x".repeat(kib << 10);
+        json!({"model": "semlb-sim", "prompt": text, "max_tokens": 1}).to_string()
+    };
+    // The stalled client: 900 KiB declared, most of it sent, never the rest.
+    let stalled_body = big_body(900);
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        stalled_body.len()
+    );
+    let mut stalled = raw(&gw, head.as_bytes());
+    stalled.write_all(&stalled_body.as_bytes()[..800 << 10]).unwrap();
+    let large = big_body(500);
+    let refused = wait_for("the budget to be held", PATIENCE, || {
+        let r = support::http::http_bytes(gw.addr(), "POST", "/v1/completions", Some(large.as_bytes()), &[]).unwrap();
+        (r.status == 503, r)
+    });
+    let error = answered_by_gateway(&refused, 503, "a body past the budget");
+    assert_eq!(error["error"]["code"], "server_busy", "{error}");
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    let mut polite = Polite::default();
+    polite.served(&gw);
+    // The stalled body ends (408 after the client timeout): its share
+    // comes back.
+    let mut answer = String::new();
+    let _ = stalled.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    let r = support::http::http_bytes(gw.addr(), "POST", "/v1/completions", Some(large.as_bytes()), &[]).unwrap();
+    assert_ne!(
+        r.status,
+        503,
+        "the budget was given back: {}",
+        String::from_utf8_lossy(&r.body)
+    );
+
+    // Connections per address (all of this test's are from 127.0.0.1).
+    let idle: Vec<TcpStream> = (0..3).map(|_| raw(&gw, b"")).collect();
+    let mut fourth = raw(&gw, b"");
+    let mut answer = String::new();
+    let _ = fourth.read_to_string(&mut answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 503") && answer.contains("too_many_connections"),
+        "{answer}"
+    );
+    drop(idle);
+    wait_for("a place given back", PATIENCE, || {
+        let r = chat(gw.addr(), &[user("back")], json!({"max_tokens": 1}), &[]);
+        (r.status == 200, r.status)
+    });
+    assert_eq!(restarts(&gw), 0.0);
 }

@@ -140,6 +140,8 @@
 //! | `limits.retries` | integer | `2` | other backends tried when one cannot be reached, before any byte was answered (0 to 10) |
 //! | `limits.client_timeout_secs` | integer | `30` | how long a client may take to send its headers or its body (408), or leave an answer unread (the connection is closed and the engine released); 1 to 3600 |
 //! | `limits.max_connections` | integer | `4096` | client connections per dispatcher; one more gets 503 and is closed (1 to 1 000 000) |
+//! | `limits.max_connections_per_ip` | integer | `0` (no cap) | client connections per dispatcher from one IP address; one more gets 503 and is closed (leave 0 behind a load balancer, which all clients share the address of) |
+//! | `limits.max_inflight_body_bytes` | size | `"256MiB"` | request bodies one dispatcher holds at once (read, parsed, routed); a body past it gets 503 `server_busy` with `Retry-After: 1` (at least `max_body_bytes`) |
 //! | `limits.max_messages` | integer | `4096` | most messages in a chat request (more: 400 `array_above_max_length` before rendering) |
 //! | `limits.max_prompt_bytes` | size | `"8MiB"` | largest prompt text, rendered chat or completions prompt (larger: 413 `prompt_too_large` before tokenizing) |
 //! | `limits.reserve_output_tokens` | integer | `4096` | output tokens a request without `max_tokens` reserves in its `tokens_per_minute` buckets per answer (at most what the largest live context leaves), settled when the answer ends ([`crate::rate_limit`]) |

@@ -231,6 +231,15 @@ pub struct LimitsConfig {
     /// Client connections one dispatcher serves at once; one more is
     /// answered 503 and closed. Default 4096.
     pub max_connections: u32,
+    /// Connections one dispatcher serves at once from one client IP
+    /// address; one more is answered 503 and closed. 0 (the default): no
+    /// such cap (a gateway behind a load balancer sees every client at
+    /// the balancer's address).
+    pub max_connections_per_ip: u32,
+    /// Bytes of request bodies one dispatcher holds at once (read, parsed,
+    /// routed); a body past it gets 503 `server_busy` with `Retry-After`.
+    /// Default 256 MiB (at least `max_body_bytes`).
+    pub max_inflight_body_bytes: ByteSize,
     /// Most messages in a chat request; more: 400 before any is rendered
     /// ([`crate::prompt::RequestLimits`]). Default 4096.
     pub max_messages: u32,
@@ -257,6 +266,8 @@ impl Default for LimitsConfig {
             max_messages: 4096,
             max_prompt_bytes: ByteSize(8 << 20),
             reserve_output_tokens: 4096,
+            max_connections_per_ip: 0,
+            max_inflight_body_bytes: ByteSize(256 << 20),
         }
     }
 }

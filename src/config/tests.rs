@@ -107,6 +107,8 @@ fn defaults() {
             max_messages: 4096,
             max_prompt_bytes: ByteSize(8 << 20),
             reserve_output_tokens: 4096,
+            max_connections_per_ip: 0,
+            max_inflight_body_bytes: ByteSize(256 << 20),
         }
     );
     assert_eq!(
@@ -267,6 +269,8 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "max_messages",
         "max_prompt_bytes",
         "reserve_output_tokens",
+        "max_connections_per_ip",
+        "max_inflight_body_bytes",
         "[store]",
         "[store.redis]",
         "url",
@@ -407,6 +411,8 @@ check_context = false
             max_messages: 4096,
             max_prompt_bytes: ByteSize(8 << 20),
             reserve_output_tokens: 4096,
+            max_connections_per_ip: 0,
+            max_inflight_body_bytes: ByteSize(256 << 20),
         }
     );
 }

@@ -442,6 +442,20 @@ impl ServeConfig {
                 format!("must be between 1 and {MAX_CONNECTIONS}"),
             ));
         }
+        if limits.max_connections_per_ip > limits.max_connections {
+            return Err(E::invalid(
+                "limits.max_connections_per_ip",
+                limits.max_connections_per_ip,
+                format!("must be at most limits.max_connections ({})", limits.max_connections),
+            ));
+        }
+        if limits.max_inflight_body_bytes.bytes() < limits.max_body_bytes.bytes() {
+            return Err(E::invalid(
+                "limits.max_inflight_body_bytes",
+                limits.max_inflight_body_bytes,
+                "must be at least limits.max_body_bytes (else the largest body allowed could never be read)",
+            ));
+        }
         Ok(())
     }
 }

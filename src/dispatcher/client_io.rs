@@ -132,3 +132,77 @@ mod tests {
         let _reader = read.await.unwrap();
     }
 }
+
+/// Connections per client IP address (`limits.max_connections_per_ip`, 0:
+/// no cap), counted by one dispatcher.
+#[derive(Debug, Clone)]
+pub(super) struct PerIp {
+    cap: u32,
+    open: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, u32>>>,
+}
+
+/// One connection counted for its address until dropped.
+#[derive(Debug)]
+pub(super) struct IpSlot {
+    ip: std::net::IpAddr,
+    open: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, u32>>>,
+}
+
+impl PerIp {
+    /// A count capped at `cap` connections an address (0: none).
+    pub fn new(cap: u32) -> Self {
+        Self {
+            cap,
+            open: std::sync::Arc::default(),
+        }
+    }
+
+    /// A place for one more connection from `ip` (`Some(None)`: no cap
+    /// counts it), or `None` if `ip` has `cap` open already.
+    pub fn admit(&self, ip: std::net::IpAddr) -> Option<Option<IpSlot>> {
+        if self.cap == 0 {
+            return Some(None);
+        }
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let n = open.entry(ip).or_insert(0);
+        if *n >= self.cap {
+            return None;
+        }
+        *n += 1;
+        Some(Some(IpSlot {
+            ip,
+            open: self.open.clone(),
+        }))
+    }
+}
+
+impl Drop for IpSlot {
+    fn drop(&mut self) {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = open.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.ip);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod per_ip_tests {
+    use super::*;
+
+    #[test]
+    fn an_address_gets_its_cap_and_its_places_back() {
+        let (a, b) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        let per_ip = PerIp::new(2);
+        let first = per_ip.admit(a).unwrap();
+        let second = per_ip.admit(a).unwrap();
+        assert!(per_ip.admit(a).is_none(), "a third from one address");
+        assert!(per_ip.admit(b).is_some(), "another address is apart");
+        drop(first);
+        assert!(per_ip.admit(a).is_some(), "a place given back");
+        drop(second);
+        assert!(matches!(PerIp::new(0).admit(a), Some(None)), "no cap");
+    }
+}

@@ -103,7 +103,8 @@ pub(crate) async fn read_body(
     body: Incoming,
     max: usize,
     within: std::time::Duration,
-) -> Result<Bytes, Response<Body>> {
+    budget: &BodyBudget,
+) -> Result<(Bytes, BodyPermit), Response<Body>> {
     let too_large = || {
         error_response(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -118,7 +119,28 @@ pub(crate) async fn read_body(
     if declared.is_some_and(|n| n > max as u64) {
         return Err(too_large());
     }
-    let Ok(read) = tokio::time::timeout(within, Limited::new(body, max).collect()).await else {
+    // Its place in the dispatcher's budget of bodies in flight: what it
+    // declares now, what a chunked body brings as it comes.
+    let mut permit = budget.take(declared.unwrap_or(0)).ok_or_else(|| budget.busy())?;
+    let read = async {
+        let mut body = Limited::new(body, max);
+        let mut buf = bytes::BytesMut::with_capacity(declared.unwrap_or(0) as usize);
+        while let Some(frame) = body.frame().await {
+            let Ok(data) = frame?.into_data() else { continue };
+            if !budget.extend(&mut permit, (buf.len() + data.len()) as u64) {
+                return Ok(None);
+            }
+            buf.extend_from_slice(&data);
+        }
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Some(buf.freeze()))
+    };
+    let read = match tokio::time::timeout(within, read).await {
+        Ok(Ok(None)) => return Err(budget.busy()),
+        Ok(Ok(Some(bytes))) => Ok(Ok(bytes)),
+        Ok(Err(e)) => Ok(Err(e)),
+        Err(elapsed) => Err(elapsed),
+    };
+    let Ok(read) = read else {
         // The client's: nothing to count against an engine.
         return Err(error_response(
             StatusCode::REQUEST_TIMEOUT,
@@ -127,7 +149,7 @@ pub(crate) async fn read_body(
         ));
     };
     match read {
-        Ok(collected) => Ok(collected.to_bytes()),
+        Ok(bytes) => Ok((bytes, permit)),
         Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(too_large()),
         Err(e) => {
             // The client's side failed: nothing to count against an engine.
@@ -135,6 +157,81 @@ pub(crate) async fn read_body(
             tracing::debug!(origin = failure.origin().name(), error = %failure, "{failure}");
             Err(error_response(StatusCode::BAD_REQUEST, failure.to_string(), None))
         }
+    }
+}
+
+/// The request bodies a dispatcher holds at once, in KiB
+/// (`limits.max_inflight_body_bytes`): a request whose body would go past
+/// it gets 503 `server_busy` with `Retry-After: 1` (a client flood of large
+/// bodies cannot grow a dispatcher without bound: 4 096 connections × a
+/// 16 MiB body × the JSON tree's amplification was the bound before).
+#[derive(Debug)]
+pub(crate) struct BodyBudget {
+    kib: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+/// A body's place in the [`BodyBudget`], given back when dropped (when
+/// the request's handling ends).
+#[derive(Debug)]
+pub(crate) struct BodyPermit(Option<tokio::sync::OwnedSemaphorePermit>);
+
+impl BodyBudget {
+    /// A budget of `bytes`.
+    pub fn new(bytes: u64) -> Self {
+        let kib = usize::try_from(bytes.div_ceil(1024))
+            .unwrap_or(usize::MAX)
+            .min(tokio::sync::Semaphore::MAX_PERMITS);
+        Self {
+            kib: std::sync::Arc::new(tokio::sync::Semaphore::new(kib)),
+        }
+    }
+
+    fn kib(bytes: u64) -> u32 {
+        u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
+    }
+
+    /// A permit for `bytes` (`None`: the budget has not that much left).
+    fn take(&self, bytes: u64) -> Option<BodyPermit> {
+        match Self::kib(bytes) {
+            0 => Some(BodyPermit(None)),
+            n => self
+                .kib
+                .clone()
+                .try_acquire_many_owned(n)
+                .ok()
+                .map(|p| BodyPermit(Some(p))),
+        }
+    }
+
+    /// Grows `permit` to cover `bytes`; false if the budget has not the
+    /// room.
+    fn extend(&self, permit: &mut BodyPermit, bytes: u64) -> bool {
+        let held = permit.0.as_ref().map_or(0, |p| p.num_permits() as u32);
+        let need = Self::kib(bytes);
+        if need <= held {
+            return true;
+        }
+        match self.kib.clone().try_acquire_many_owned(need - held) {
+            Ok(more) => {
+                match permit.0.as_mut() {
+                    Some(p) => p.merge(more),
+                    None => permit.0 = Some(more),
+                }
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// The 503 of a body past the budget.
+    fn busy(&self) -> Response<Body> {
+        let mut r = error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the gateway holds as many request bodies as it may (limits.max_inflight_body_bytes); retry shortly",
+            Some("server_busy"),
+        );
+        set_static_header(r.headers_mut(), "retry-after", "1");
+        r
     }
 }
 

@@ -121,7 +121,9 @@ pub(super) async fn inference(
 ) -> Response<Body> {
     let mut timing = DispatchTiming::new();
     let (parts, body) = request.into_parts();
-    let bytes = match dispatcher.read_body(&parts.headers, body).await {
+    // The permit holds the body's place in the dispatcher's budget until
+    // the request is handed on.
+    let (bytes, _permit) = match dispatcher.read_body(&parts.headers, body).await {
         Ok(b) => b,
         Err(r) => return r,
     };

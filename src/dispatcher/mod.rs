@@ -252,6 +252,8 @@ pub struct Dispatcher {
     segments_reported: std::sync::Mutex<std::collections::HashMap<u64, semlb_tokenizer::SegmentCacheStats>>,
     /// The implicit pool's last merged `/v1/models` (`models`).
     merged_models: models::MergedModels,
+    /// The request bodies it holds at once.
+    body_budget: http::BodyBudget,
 }
 
 impl Dispatcher {
@@ -288,6 +290,7 @@ impl Dispatcher {
         let dispatcher = Self {
             // Before `config` moves into the struct.
             health: PassiveHealth::new(&config.health),
+            body_budget: http::BodyBudget::new(config.limits.max_inflight_body_bytes.bytes()),
             queue: queue::GatewayQueue::new(config.policy.queue, config.dispatchers),
             segment,
             identity,
@@ -469,9 +472,16 @@ impl Dispatcher {
         &self,
         headers: &::http::HeaderMap,
         body: hyper::body::Incoming,
-    ) -> Result<Bytes, ::http::Response<http::Body>> {
+    ) -> Result<(Bytes, http::BodyPermit), ::http::Response<http::Body>> {
         let max = usize::try_from(self.config.limits.max_body_bytes.0).unwrap_or(usize::MAX);
-        http::read_body(headers, body, max, self.config.limits.client_timeout()).await
+        http::read_body(
+            headers,
+            body,
+            max,
+            self.config.limits.client_timeout(),
+            &self.body_budget,
+        )
+        .await
     }
 
     // The parts the request's steps use.
@@ -563,20 +573,27 @@ pub async fn serve(
         None => None,
     };
     peer_forward::start_polls(&dispatcher, &dispatcher.peering());
+    let per_ip = client_io::PerIp::new(dispatcher.config.limits.max_connections_per_ip);
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             () = &mut shutdown => break,
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept() => match accepted {
-                Ok((stream, _peer)) if connections.len() >= dispatcher.config.limits.max_connections as usize => {
-                    // Over TLS nothing can be said before a handshake: closed.
-                    if tls.is_none() {
-                        tokio::spawn(refuse_connection(stream));
+                Ok((stream, peer)) => {
+                    let per_ip = per_ip.admit(peer.ip());
+                    if connections.len() >= dispatcher.config.limits.max_connections as usize || per_ip.is_none() {
+                        // Over TLS nothing can be said before a handshake: closed.
+                        if tls.is_none() {
+                            tokio::spawn(refuse_connection(stream));
+                        }
+                        continue;
                     }
-                }
-                Ok((stream, _peer)) => {
-                    connections.spawn(accept_connection(stream, tls.clone(), dispatcher.clone(), stop_rx.clone()));
+                    let (tls, dispatcher, stop) = (tls.clone(), dispatcher.clone(), stop_rx.clone());
+                    connections.spawn(async move {
+                        let _counted = per_ip;
+                        accept_connection(stream, tls, dispatcher, stop).await;
+                    });
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: pause, do not stop.

@@ -115,7 +115,7 @@ pub(super) async fn passthrough(
     caller: Option<&Caller>,
 ) -> Response<Body> {
     let (parts, body) = request.into_parts();
-    let mut bytes = match dispatcher.read_body(&parts.headers, body).await {
+    let (mut bytes, _permit) = match dispatcher.read_body(&parts.headers, body).await {
         Ok(b) => b,
         Err(r) => return r,
     };
