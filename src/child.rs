@@ -139,9 +139,11 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
         };
         let keys = config.auth.keys_file.as_deref().map(Keys::load).transpose()?;
         let peering = dispatcher::Peering::of(&config)?;
+        let metrics_token = config.metrics.read_token()?;
         let registry_segment = segment.clone();
         let mut dispatcher = Dispatcher::new(segment, identity, Arc::new(config), loader)?.with_peering(peering);
         dispatcher.set_keys(keys);
+        dispatcher.set_metrics_token(metrics_token);
         if let Some(store) = store {
             dispatcher = dispatcher.with_store(store);
         }
@@ -280,6 +282,12 @@ fn reload_keys(dispatcher: &Dispatcher, config: &ServeConfig, ring: usize) {
             }
         }
         Err(e) => tracing::warn!(dispatcher = ring, error = %e, "dispatcher {ring}: keeping the running API keys: {e}"),
+    }
+    match config.metrics.read_token() {
+        Ok(token) => dispatcher.set_metrics_token(token),
+        Err(e) => {
+            tracing::warn!(dispatcher = ring, error = %e, "dispatcher {ring}: keeping the running metrics token: {e}")
+        }
     }
 }
 

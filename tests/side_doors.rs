@@ -334,3 +334,46 @@ fn tools_and_batches_count_in_the_context_check_and_the_limits() {
         "the batch took {taken} tokens: its other prompts were not charged"
     );
 }
+
+/// `/metrics` names tenants, their live usage and the engines' addresses:
+/// with `[auth]` it is not served to clients on the gateway's address
+/// (issue 39, medium finding). Without a metrics token it answers 404 to
+/// everyone, a valid API key included; with `metrics.token_file`, 401
+/// without the token and 200 with it.
+#[test]
+fn metrics_are_not_for_clients_when_auth_is_on() {
+    let dir = TempDir::new("side-doors-metrics");
+    let keys = dir.0.join("keys.toml").display().to_string();
+    let key = add_key(&keys, "tenant-a", &[]).0;
+    let engine = sim();
+    // An empty [metrics]: no token (the test harness adds one otherwise).
+    let closed = Gateway::builder()
+        .tag("side-doors-metrics-closed")
+        .backends(&[&engine])
+        .config(&format!("[auth]\nkeys_file = \"{keys}\"\n[metrics]\n"))
+        .start();
+    for headers in [vec![], vec![("authorization", format!("Bearer {key}"))]] {
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let r = http(closed.addr(), "GET", "/metrics", None, &headers).unwrap();
+        let error = answered_by_gateway(&r, 404, "metrics with [auth] and no token");
+        assert!(!String::from_utf8_lossy(&r.body).contains("semlb_tenant"), "{error}");
+    }
+    drop(closed);
+    // With a token (the harness's): 401 without it, 200 with it.
+    let open = Gateway::builder()
+        .tag("side-doors-metrics-token")
+        .backends(&[&engine])
+        .config(&format!("[auth]\nkeys_file = \"{keys}\"\n"))
+        .start();
+    let r = http(
+        open.addr(),
+        "GET",
+        "/metrics",
+        None,
+        &[("authorization", &format!("Bearer {key}"))],
+    )
+    .unwrap();
+    let error = answered_by_gateway(&r, 401, "an API key is not the metrics token");
+    assert_eq!(error["error"]["code"], "invalid_metrics_token");
+    assert!(open.metrics().contains("semlb_requests_total"), "the token scrapes");
+}

@@ -165,6 +165,7 @@
 //! | `auth.keys_file` | path | not set: no authentication | the keys file `semlb keys` writes (SHA-256 digests of the keys, a tenant and the models each may use); every `/v1/...` request then needs a listed key (401, 403 for a model it may not use). Re-read on reload |
 //! | `[metrics]` | table | | where Prometheus scrapes the gateway |
 //! | `metrics.listen` | `"ip:port"` | not set: `/metrics` on `listen` | a listener of its own for `GET /metrics` (the supervisor serves it); the gateway's `listen` then answers `/metrics` with 404, so clients never see it |
+//! | `metrics.token_file` | path | not set | a file (mode 0600) holding the bearer token a scrape of `/metrics` on `listen` must present; with `[auth]` and neither this nor `metrics.listen`, `/metrics` on `listen` answers 404 (tenants' usage and engine addresses are not for clients) |
 //!
 //! Sizes are strings such as `"256MiB"`, `"1.5GiB"` or `"100MB"`, or an
 //! integer number of bytes.

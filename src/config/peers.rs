@@ -142,7 +142,7 @@ impl PeeringConfig {
     }
 }
 
-fn read_token_file(field: &str, path: &std::path::Path) -> Result<String, ConfigError> {
+pub(super) fn read_token_file(field: &str, path: &std::path::Path) -> Result<String, ConfigError> {
     let shown = quoted(&path.display().to_string());
     let invalid = |reason: String| ConfigError::invalid(field, &shown, reason);
     let text = read_private(path).map_err(invalid)?;

@@ -385,6 +385,23 @@ pub struct MetricsConfig {
     /// `None` (the default): the gateway's listener serves it.
     #[serde(deserialize_with = "optional_socket_addr")]
     pub listen: Option<SocketAddr>,
+    /// A file holding the bearer token a scrape of the gateway's own
+    /// listener must present (`Authorization: Bearer`). With `[auth]` and
+    /// no `listen`, `/metrics` there is served only to it (404 without a
+    /// token file: tenants' names and usage, engine addresses are not for
+    /// clients). Read when a dispatcher starts and on reload.
+    pub token_file: Option<std::path::PathBuf>,
+}
+
+impl MetricsConfig {
+    /// The token a scrape must present, read from its file (`None`: no
+    /// file set).
+    pub fn read_token(&self) -> Result<Option<String>, ConfigError> {
+        self.token_file
+            .as_ref()
+            .map(|p| super::peers::read_token_file("metrics.token_file", p))
+            .transpose()
+    }
 }
 
 /// The admin API (`[admin]`): an HTTP listener of the supervisor, separate

@@ -254,6 +254,8 @@ pub struct Dispatcher {
     merged_models: models::MergedModels,
     /// The request bodies it holds at once.
     body_budget: http::BodyBudget,
+    /// `metrics.token_file`'s token.
+    metrics_token: std::sync::RwLock<Option<Arc<str>>>,
 }
 
 impl Dispatcher {
@@ -306,6 +308,7 @@ impl Dispatcher {
             peering: std::sync::RwLock::new(Arc::new(Peering::default())),
             segments_reported: std::sync::Mutex::default(),
             merged_models: models::MergedModels::default(),
+            metrics_token: std::sync::RwLock::new(None),
         };
         // Requests a predecessor in this slot left queued when it was killed.
         dispatcher.metrics().settle_queue();
@@ -427,6 +430,17 @@ impl Dispatcher {
     /// request; at start and on reload).
     pub fn set_keys(&self, keys: Option<Keys>) {
         *self.keys.write().unwrap_or_else(|e| e.into_inner()) = keys.map(Arc::new);
+    }
+
+    /// The bearer token a scrape of `/metrics` must present from now on
+    /// (`metrics.token_file`; `None`: none set).
+    pub fn set_metrics_token(&self, token: Option<String>) {
+        *self.metrics_token.write().unwrap_or_else(|e| e.into_inner()) = token.map(Arc::from);
+    }
+
+    /// The bearer token a scrape of `/metrics` must present, if any.
+    fn metrics_token(&self) -> Option<Arc<str>> {
+        self.metrics_token.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The keys it lets in now (`None`: no authentication).

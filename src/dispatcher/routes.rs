@@ -78,7 +78,12 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
         ("/health", _) => health(&dispatcher),
         (crate::peers::LOAD_PATH, _) => super::peer_forward::load_summary(&dispatcher, request.headers()),
         // With a metrics listener of its own, /metrics is not a route here.
-        ("/metrics", _) if dispatcher.config().metrics.listen.is_none() => metrics(&dispatcher).await,
+        ("/metrics", _) if dispatcher.config().metrics.listen.is_none() => {
+            match scrape_refusal(&dispatcher, request.headers()) {
+                Some(refused) => refused,
+                None => metrics(&dispatcher).await,
+            }
+        }
         (p, _) if passthrough::PATHS.contains(&p) => passthrough::passthrough(&dispatcher, request, caller).await,
         _ => error_response(
             StatusCode::NOT_FOUND,
@@ -105,6 +110,38 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
 
 /// `GET /metrics`: the whole gateway's counters (every process's stats
 /// block summed) and the gauges read from the segment, as Prometheus text.
+/// Why a scrape of `/metrics` on the gateway's listener is refused: with
+/// `metrics.token_file`, a request without its bearer token (401); with
+/// `[auth]` and no token file, every request (404: the metrics name
+/// tenants, their usage and the engines' addresses; serve them on
+/// `metrics.listen` or behind a token).
+fn scrape_refusal(dispatcher: &Dispatcher, headers: &http::HeaderMap) -> Option<Response<Body>> {
+    match dispatcher.metrics_token() {
+        Some(token) => {
+            let presented = headers
+                .get(http::header::AUTHORIZATION)
+                .map(|v| v.as_bytes())
+                .and_then(|v| v.strip_prefix(b"Bearer "))
+                .unwrap_or_default();
+            (!crate::auth::constant_time_eq(presented.trim_ascii(), token.as_bytes())).then(|| {
+                let mut r = error_response(
+                    StatusCode::UNAUTHORIZED,
+                    "/metrics needs the metrics token (metrics.token_file) as a bearer token",
+                    Some("invalid_metrics_token"),
+                );
+                set_header(r.headers_mut(), "www-authenticate", "Bearer");
+                r
+            })
+        }
+        None if dispatcher.keys().is_some() => Some(error_response(
+            StatusCode::NOT_FOUND,
+            "/metrics is not served to clients when [auth] is on: scrape metrics.listen, or set metrics.token_file and present its token",
+            Some("unknown_url"),
+        )),
+        None => None,
+    }
+}
+
 async fn metrics(dispatcher: &Arc<Dispatcher>) -> Response<Body> {
     let d = dispatcher.clone();
     // Counting the prefix table's entries scans it: off the reactor.

@@ -162,6 +162,7 @@ fn supervise(args: &ServeArgs) -> Result<()> {
             tls.client_config()?;
         }
     }
+    config.metrics.read_token()?;
     if let Some(path) = &config.auth.keys_file {
         let keys = semlb::auth::Keys::load(path)?;
         tracing::info!(

@@ -317,8 +317,26 @@ impl GatewayBuilder {
             .shm
             .clone()
             .unwrap_or_else(|| crate::process::unique("gw", &self.tag));
-        let config = self
-            .config
+        // With `[auth]`, `/metrics` on the gateway's address needs a token
+        // (metrics.token_file): one is made for [`Gateway::metrics`] unless
+        // the test configures `[metrics]` itself.
+        let mut metrics_token = None;
+        let mut config_text = self.config.clone();
+        if let Some(text) = config_text.as_mut()
+            && text.contains("[auth]")
+            && !text.contains("[metrics]")
+        {
+            let dir = TempDir::new(&format!("{}-metrics", self.tag));
+            let path = dir.0.join("metrics.token");
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            let token = format!("metrics-token-{:016x}{nanos:016x}", std::process::id());
+            write_private(&path, &format!("{token}\n"))?;
+            text.push_str(&format!("\n[metrics]\ntoken_file = \"{}\"\n", path.display()));
+            metrics_token = Some((dir, token));
+        }
+        let config = config_text
             .as_deref()
             .map(|t| TempFile::try_new(&self.tag, t))
             .transpose()?;
@@ -382,6 +400,7 @@ impl GatewayBuilder {
             _admin_dir: None,
             keep_segment: false,
             tls: self.tls.clone(),
+            metrics_token,
         };
         let deadline = Instant::now() + self.within;
         if let Some((dir, _, token)) = admin {
@@ -458,6 +477,8 @@ pub struct Gateway {
     keep_segment: bool,
     /// It serves HTTPS: how to reach it.
     tls: Option<crate::tls::TlsClient>,
+    /// With `[auth]`: the token `/metrics` needs (and its file's dir).
+    metrics_token: Option<(TempDir, String)>,
 }
 
 impl Gateway {
@@ -526,7 +547,11 @@ impl Gateway {
 
     /// The gateway's `/metrics` text.
     pub fn metrics(&self) -> String {
-        let r = self.request("GET", "/metrics", None, &[]).expect("gateway metrics");
+        let bearer = self.metrics_token.as_ref().map(|(_, t)| format!("Bearer {t}"));
+        let headers: Vec<(&str, &str)> = bearer.iter().map(|b| ("authorization", b.as_str())).collect();
+        let r = self
+            .request("GET", "/metrics", None, &headers)
+            .expect("gateway metrics");
         assert_eq!(r.status, 200, "/metrics: {}", String::from_utf8_lossy(&r.body));
         String::from_utf8_lossy(&r.body).into_owned()
     }
