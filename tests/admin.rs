@@ -366,6 +366,12 @@ fn flushes_empty_the_prefix_table_and_the_response_cache() {
     assert_eq!(r.status, 200, "{r:?}");
     assert!(r.json()["removed"].as_u64() >= Some(1), "{r:?}");
     assert_eq!(segment.tables().responses.index_occupancy(), 0);
+    // Erased, not only unlinked: the log holds no record at all.
+    assert_eq!(
+        segment.tables().responses.occupied_bytes(),
+        0,
+        "the cached answers' bytes were erased"
+    );
     let again = chat(&gw.proc.addr, question, deterministic.clone());
     assert_eq!(again.status, 200);
     assert_eq!(again.header("x-semlb-cache"), Some("miss"), "flushed");

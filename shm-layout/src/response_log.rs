@@ -317,6 +317,29 @@ impl<'a> ResponseLog<'a> {
         removed
     }
 
+    /// Empties the cache and erases what it held (the admin API's response
+    /// flush): [`clear`](Self::clear), then one reservation of the whole
+    /// ring laps every record written before it (a reader that copied one
+    /// sees it lapped and misses), then every byte of the ring is zeroed,
+    /// so no cached answer stays in the segment's memory (or its file in
+    /// `/dev/shm`). A record a writer reserves while the ring is zeroed may
+    /// lose bytes: its checksum then fails and it reads as a miss. Returns
+    /// [`clear`](Self::clear)'s count.
+    pub fn erase(&self) -> u64 {
+        let removed = self.clear();
+        self.control.tail.fetch_add(self.cap(), Ordering::AcqRel);
+        fence(Ordering::Release);
+        for word in self.log {
+            word.store(0, Ordering::Relaxed);
+        }
+        removed
+    }
+
+    /// Bytes of the ring that are not zero (0 right after [`erase`](Self::erase)).
+    pub fn occupied_bytes(&self) -> u64 {
+        self.log.iter().filter(|w| w.load(Ordering::Relaxed) != 0).count() as u64 * 8
+    }
+
     /// Counters.
     pub fn stats(&self) -> ResponseLogStats {
         ResponseLogStats {
@@ -406,6 +429,20 @@ mod tests {
         );
         assert_eq!(l.get(ResponseKey(2)), None);
         assert_eq!(l.stats().refused, 1);
+    }
+
+    #[test]
+    fn erase_leaves_no_byte_of_any_value_and_the_log_keeps_working() {
+        let p = parts(64, 4096);
+        let l = log(&p);
+        for i in 0..20u128 {
+            l.put(ResponseKey(i), format!("secret answer {i}").as_bytes()).unwrap();
+        }
+        assert!(l.erase() > 0);
+        assert_eq!(l.occupied_bytes(), 0, "every byte zeroed");
+        assert!((0..20u128).all(|i| l.get(ResponseKey(i)).is_none()));
+        l.put(ResponseKey(7), b"again").unwrap();
+        assert_eq!(l.get(ResponseKey(7)).as_deref(), Some(&b"again"[..]));
     }
 
     #[test]

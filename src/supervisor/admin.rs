@@ -226,7 +226,7 @@ fn flush(segment: &Segment, store: StoreKind, prefixes: bool) -> Reply {
     let removed = if prefixes {
         tables.prefix.clear()
     } else {
-        tables.responses.clear()
+        tables.responses.erase()
     };
     tracing::info!(removed, "admin: {what} flushed ({removed} entries removed)");
     Reply::new(
