@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use super::engine_blocks::Skip;
 use super::follower::{Applied, ChainRoots, Follower, Sequence, Step};
-use super::wire::{decode_batch, split_message};
+use super::wire::{EventBatch, WireError, decode_batch, split_message};
 use super::zmtp::{Connection, SocketType};
 use crate::blocks::BlockHasher;
 use crate::config::{BackendConfig, ServeConfig};
@@ -248,7 +248,7 @@ async fn subscribe(target: &Target, ctx: &Context, client: &Client<HttpConnector
                     stream.sequence.expect(0);
                 }
                 for (seq, payload) in batches {
-                    stream.replayed(seq, &payload);
+                    stream.replayed(seq, &payload).await;
                 }
             }
             Err(e) => tracing::warn!(backend = %target.url, "KV events of {}: no replay ({e})", target.url),
@@ -299,13 +299,39 @@ async fn connect(endpoint: &str, kind: SocketType) -> Result<Connection, String>
     }
 }
 
-/// The batches the engine's replay socket still has from `from` on.
+/// Payloads larger than this are decoded on the blocking pool: one
+/// engine's large batch does not hold up the others' subscriptions on the
+/// response process's event thread.
+const BLOCKING_DECODE_BYTES: usize = 256 << 10;
+
+/// Most bytes of batches one replay collects (an engine's ring holds a few
+/// thousand batches of kilobytes); a longer replay is refused, and the
+/// table stays partial.
+const MAX_REPLAY_BYTES: usize = 64 << 20;
+
+/// Most batches one replay collects.
+const MAX_REPLAY_BATCHES: usize = 1 << 16;
+
+/// `payload` decoded, on the blocking pool when large.
+async fn decode(payload: &[u8]) -> Result<EventBatch, WireError> {
+    if payload.len() <= BLOCKING_DECODE_BYTES {
+        return decode_batch(payload);
+    }
+    let owned = payload.to_vec();
+    tokio::task::spawn_blocking(move || decode_batch(&owned))
+        .await
+        .unwrap_or_else(|e| Err(WireError::Msgpack(format!("the decoding task failed: {e}"))))
+}
+
+/// The batches the engine's replay socket still has from `from` on (at
+/// most [`MAX_REPLAY_BATCHES`] of [`MAX_REPLAY_BYTES`] in all).
 async fn fetch_replay(dealer: &mut Connection, from: u64) -> Result<Vec<(u64, Bytes)>, String> {
     dealer
         .send(&[b"", &from.to_be_bytes()])
         .await
         .map_err(|e| format!("asking a replay: {e}"))?;
     let mut batches = Vec::new();
+    let mut bytes = 0;
     loop {
         let frames = tokio::time::timeout(IO_TIMEOUT, dealer.recv())
             .await
@@ -322,6 +348,13 @@ async fn fetch_replay(dealer: &mut Connection, from: u64) -> Result<Vec<(u64, By
             .as_ref()
             .try_into()
             .map_err(|_| "a replay sequence of other than 8 bytes")?;
+        bytes += payload.len();
+        if bytes > MAX_REPLAY_BYTES || batches.len() >= MAX_REPLAY_BATCHES {
+            return Err(format!(
+                "a replay of over {MAX_REPLAY_BATCHES} batches or {} MiB",
+                MAX_REPLAY_BYTES >> 20
+            ));
+        }
         batches.push((u64::from_be_bytes(seq), payload.clone()));
     }
 }
@@ -345,8 +378,8 @@ impl Stream<'_> {
             .set_kv_events(self.follower.server(), Some(self.follower.sync()));
     }
 
-    fn apply(&mut self, payload: &[u8]) -> Option<f64> {
-        let batch = match decode_batch(payload) {
+    fn apply(&mut self, decoded: Result<EventBatch, WireError>) -> Option<f64> {
+        let batch = match decoded {
             Ok(b) => b,
             Err(e) => {
                 tracing::debug!("an undecodable KV event batch: {e}");
@@ -375,12 +408,12 @@ impl Stream<'_> {
     }
 
     /// A batch from the replay socket (in order, possibly overlapping).
-    fn replayed(&mut self, seq: u64, payload: &[u8]) {
+    async fn replayed(&mut self, seq: u64, payload: &[u8]) {
         match self.sequence.see(seq) {
             Step::Next | Step::Gap { .. } => {}
             Step::Duplicate | Step::Restarted => return,
         }
-        self.apply(payload);
+        self.apply(decode(payload).await);
         self.sequence.applied(seq);
     }
 
@@ -406,7 +439,7 @@ impl Stream<'_> {
                     Some(dealer) => match fetch_replay(dealer, from).await {
                         Ok(batches) => {
                             for (s, p) in batches.into_iter().filter(|(s, _)| *s < to) {
-                                self.replayed(s, &p);
+                                self.replayed(s, &p).await;
                             }
                             self.sequence.next() == Some(to)
                         }
@@ -428,7 +461,7 @@ impl Stream<'_> {
                 }
             }
         }
-        if let Some(ts) = self.apply(payload) {
+        if let Some(ts) = self.apply(decode(payload).await) {
             let now = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64());

@@ -27,9 +27,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 /// Largest frame read (a batch of events is kilobytes to a few megabytes).
-const MAX_FRAME: u64 = 64 << 20;
+const MAX_FRAME: u64 = 16 << 20;
 /// Most frames in one message.
 const MAX_FRAMES: usize = 64;
+/// Most bytes of one message, its frames together: a publisher cannot
+/// make a subscriber hold more (64 frames of the largest size would be
+/// 1 GiB).
+const MAX_MESSAGE: usize = 32 << 20;
 /// TCP keepalive: a silent peer is probed after this long.
 const KEEPALIVE: Duration = Duration::from_secs(10);
 
@@ -169,6 +173,7 @@ impl Connection {
     /// error when the peer closed the connection or broke the protocol.
     pub async fn recv(&mut self) -> Result<Vec<Bytes>, ZmtpError> {
         let mut frames = Vec::new();
+        let mut bytes = 0;
         loop {
             let (flags, body) = self.read_frame().await?;
             if flags & COMMAND != 0 {
@@ -176,6 +181,10 @@ impl Connection {
             }
             if frames.len() == MAX_FRAMES {
                 return Err(ZmtpError::Protocol(format!("a message of over {MAX_FRAMES} frames")));
+            }
+            bytes += body.len();
+            if bytes > MAX_MESSAGE {
+                return Err(ZmtpError::Protocol(format!("a message of over {MAX_MESSAGE} bytes")));
             }
             frames.push(body);
             if flags & MORE == 0 {
@@ -248,6 +257,65 @@ mod tests {
         assert_eq!(property(&m, b"Identity"), Some(&b""[..]));
         assert_eq!(property(&m[..m.len() - 2], b"Identity"), None, "cut short");
         assert_eq!(property(&[200], b"x"), None);
+    }
+
+    /// A hostile publisher: after a proper handshake it sends frames of
+    /// 15 MiB without end, then one frame announcing 1 TiB. The subscriber
+    /// refuses the message once its frames pass [`MAX_MESSAGE`] (it holds
+    /// at most that much, not 64 frames of 16 MiB), and the huge frame
+    /// before reading it.
+    #[tokio::test]
+    async fn a_hostile_publisher_cannot_make_a_subscriber_hold_more_than_a_message() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        async fn publisher(frames: Vec<(u8, u64, usize)>) -> String {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            tokio::spawn(async move {
+                let (mut s, _) = listener.accept().await.unwrap();
+                let mut greeting = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 0, 0x7f, 3, 0];
+                greeting.extend_from_slice(b"NULL");
+                greeting.resize(64, 0);
+                s.write_all(&greeting).await.unwrap();
+                let mut ready = vec![5];
+                ready.extend_from_slice(b"READY");
+                ready.push(11);
+                ready.extend_from_slice(b"Socket-Type");
+                ready.extend_from_slice(&3u32.to_be_bytes());
+                ready.extend_from_slice(b"PUB");
+                s.write_all(&[COMMAND, ready.len() as u8]).await.unwrap();
+                s.write_all(&ready).await.unwrap();
+                // What the subscriber says is read away.
+                let (mut r, mut w) = s.into_split();
+                tokio::spawn(async move {
+                    let mut sink = vec![0; 4096];
+                    while r.read(&mut sink).await.is_ok_and(|n| n > 0) {}
+                });
+                let chunk = vec![7u8; 1 << 20];
+                for (flags, size, send) in frames {
+                    if w.write_all(&[flags | LONG]).await.is_err() || w.write_all(&size.to_be_bytes()).await.is_err() {
+                        return;
+                    }
+                    for _ in 0..send {
+                        if w.write_all(&chunk).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+            format!("tcp://{addr}")
+        }
+        let endless = publisher(vec![(MORE, 15 << 20, 15); 10]).await;
+        let mut sub = Connection::connect(&endless, SocketType::Sub).await.unwrap();
+        match sub.recv().await {
+            Err(ZmtpError::Protocol(why)) => assert!(why.contains("a message of over"), "{why}"),
+            other => panic!("{:?}", other.map(|f| f.len())),
+        }
+        let huge = publisher(vec![(0, 1 << 40, 0)]).await;
+        let mut sub = Connection::connect(&huge, SocketType::Sub).await.unwrap();
+        match sub.recv().await {
+            Err(ZmtpError::Protocol(why)) => assert!(why.contains("a frame of"), "{why}"),
+            other => panic!("{:?}", other.map(|f| f.len())),
+        }
     }
 
     /// The simulator's publisher (the `zeromq` crate) as the peer: a
