@@ -44,6 +44,25 @@ const DISPATCHER_BLOCKING_THREADS: usize = 8;
 /// The fd a dispatcher finds the listening socket on (the supervisor puts
 /// it there before exec).
 pub const LISTEN_FD: RawFd = 3;
+
+/// Whether `fd` is an open socket that listens (`SO_ACCEPTCONN`).
+fn is_listening_socket(fd: RawFd) -> bool {
+    let mut accepting: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `accepting`, a
+    // local of that size; on a descriptor that is not an open socket it
+    // fails (EBADF, ENOTSOCK) without touching it.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_ACCEPTCONN,
+            (&raw mut accepting).cast(),
+            &raw mut len,
+        )
+    };
+    rc == 0 && accepting != 0
+}
 /// How often a dispatcher heartbeats in the registry (a responder's loop
 /// does so itself, as often).
 const HEARTBEAT: Duration = Duration::from_millis(500);
@@ -100,8 +119,13 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
         .tables()
         .ring(identity.ring)
         .set_owner(identity.slot, identity.incarnation);
+    anyhow::ensure!(
+        is_listening_socket(LISTEN_FD),
+        "fd {LISTEN_FD} is not a listening socket: a dispatcher is started by the supervisor, which hands it the listener"
+    );
     // SAFETY: the supervisor put the listening socket on LISTEN_FD for this
-    // process (dup2 before exec) and nothing else in this process owns it.
+    // process (dup2 before exec), checked just above to be one, and nothing
+    // else in this process owns it.
     let std_listener = unsafe { std::net::TcpListener::from_raw_fd(LISTEN_FD) };
     std_listener.set_nonblocking(true)?;
     let watch = Arc::new(ReactorWatch::new(segment.clock().now_ms()));
@@ -433,4 +457,22 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
         .await?;
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod listen_fd_tests {
+    use std::os::fd::AsRawFd;
+
+    use super::is_listening_socket;
+
+    #[test]
+    fn only_a_listening_socket_passes() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        assert!(is_listening_socket(listener.as_raw_fd()));
+        let stream = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        assert!(!is_listening_socket(stream.as_raw_fd()), "a connected socket");
+        let file = std::fs::File::open("/dev/null").unwrap();
+        assert!(!is_listening_socket(file.as_raw_fd()), "a file");
+        assert!(!is_listening_socket(-1), "no descriptor");
+    }
 }

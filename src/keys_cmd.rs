@@ -100,6 +100,14 @@ pub fn run(args: &KeysArgs, out: &mut impl Write) -> Result<()> {
             .with_context(|| format!("{} sets no auth.keys_file; give --file", config.display()))?,
         (None, None) => bail!("give --file, or --config with an auth.keys_file"),
     };
+    // Two `semlb keys` at once (two operators, a script in a loop) each
+    // read, change and write the whole file: one change would be lost.
+    // Changes hold an exclusive lock on `<file>.lock` for their read-modify-
+    // write; reads take none (every write is a rename, never a torn file).
+    let _lock = match &args.action {
+        KeysAction::List => None,
+        _ => Some(lock_for_change(&path)?),
+    };
     match &args.action {
         KeysAction::Add { tenant, models } => {
             let mut file = KeysFile::read(&path, true)?;
@@ -201,6 +209,28 @@ pub fn run(args: &KeysArgs, out: &mut impl Write) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// An exclusive `flock` on `<path>.lock` (created, mode 0600), held until
+/// the returned file is dropped.
+fn lock_for_change(path: &std::path::Path) -> Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut name = path.as_os_str().to_owned();
+    name.push(".lock");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(&name)
+        .with_context(|| format!("opening the lock file {}", std::path::Path::new(&name).display()))?;
+    // SAFETY: flock on a descriptor this function owns; it blocks until the
+    // lock is granted and touches no memory.
+    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("locking the keys file");
+    }
+    Ok(lock)
 }
 
 /// A class named on the command line.

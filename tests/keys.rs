@@ -154,3 +154,32 @@ fn keys_let_callers_in_to_their_models_and_name_their_tenant() {
     assert_eq!(chat(&addr, "beta", &[("api-key", &bob2)]).status, 200);
     assert_eq!(chat(&addr, "alpha", &[("api-key", &alice)]).status, 200);
 }
+
+/// `semlb keys add` run twenty times at once on one file (operators and
+/// scripts do): every key is in the file afterwards (each change holds the
+/// file's lock for its read-modify-write; before, concurrent writes lost
+/// keys).
+#[test]
+fn concurrent_key_changes_lose_nothing() {
+    let dir = TempDir::new("keys-race");
+    let file = dir.0.join("keys.toml").display().to_string();
+    let children: Vec<std::process::Child> = (0..20)
+        .map(|i| {
+            std::process::Command::new(support::process::semlb_exe().unwrap())
+                .args(["keys", "--file", &file, "add", "--tenant", &format!("t{i}")])
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .expect("semlb keys add")
+        })
+        .collect();
+    for mut c in children {
+        assert!(c.wait().unwrap().success());
+    }
+    let listed = assert_ok(&semlb(&["keys", "--file", &file, "list"]));
+    for i in 0..20 {
+        assert!(
+            listed.contains(&format!("t{i} ")) || listed.contains(&format!("t{i}\n")),
+            "t{i} lost:\n{listed}"
+        );
+    }
+}

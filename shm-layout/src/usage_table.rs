@@ -11,7 +11,7 @@
 //! | --- | --- |
 //! | `key` | 0: free; else the keyed hash of (kind, name) with bit 63 clear once the entry is ready, set while its claimer writes the name |
 //! | `meta` | kind (byte 0: [`UsageKind`]) and the name's length (byte 1) |
-//! | `name` | the name's bytes (at most [`USAGE_NAME_BYTES`]; a longer one is cut on a character boundary) |
+//! | `name` | the name's bytes (at most [`USAGE_NAME_BYTES`]; a longer one is cut on a character boundary and ends in `~` and 8 hex digits of a hash of the whole name, so long names never merge) |
 //! | `counters` | [`UsageCounter`] order; plain sums, only ever added to |
 //!
 //! An entry is claimed by one compare-and-swap of `key` from 0 to the key
@@ -126,13 +126,20 @@ pub struct UsageTable<'a> {
     seed: u64,
 }
 
-/// `name` cut to at most [`USAGE_NAME_BYTES`] on a character boundary.
-fn cut(name: &str) -> &str {
-    let mut end = name.len().min(USAGE_NAME_BYTES);
+/// `name` as an entry holds it: itself when it fits in
+/// [`USAGE_NAME_BYTES`]; else cut on a character boundary to leave room
+/// for `~` and 8 hex digits of a hash of the whole name, so two long names
+/// that share their first bytes never count as one.
+fn cut(name: &str) -> std::borrow::Cow<'_, str> {
+    if name.len() <= USAGE_NAME_BYTES {
+        return std::borrow::Cow::Borrowed(name);
+    }
+    let mut end = USAGE_NAME_BYTES - 9;
     while !name.is_char_boundary(end) {
         end -= 1;
     }
-    &name[..end]
+    let digest = xxhash_rust::xxh3::xxh3_64(name.as_bytes()) as u32;
+    std::borrow::Cow::Owned(format!("{}~{digest:08x}", &name[..end]))
 }
 
 impl<'a> UsageTable<'a> {
@@ -157,7 +164,7 @@ impl<'a> UsageTable<'a> {
     /// Adds each `(counter, delta)` to (`kind`, `name`)'s entry, claiming
     /// one if it has none; false if the table is full (nothing counted).
     pub fn add(&self, kind: UsageKind, name: &str, deltas: &[(UsageCounter, u64)]) -> bool {
-        let Some(entry) = self.entry(kind, cut(name)) else {
+        let Some(entry) = self.entry(kind, &cut(name)) else {
             return false;
         };
         for (counter, delta) in deltas {
@@ -283,8 +290,18 @@ mod tests {
             (rows[1].kind, rows[1].get(UsageCounter::OutputTokens)),
             (UsageKind::Model, 5)
         );
-        assert_eq!(rows[2].name, "é".repeat(28), "cut on a character boundary");
+        assert!(
+            rows[2].name.starts_with(&"é".repeat(23)),
+            "cut on a character boundary: {}",
+            rows[2].name
+        );
+        assert!(rows[2].name.len() <= USAGE_NAME_BYTES && rows[2].name.contains('~'));
         assert_eq!(rows[2].get(UsageCounter::RateLimited), 2);
+        // Two long names that share their first 56 bytes stay apart.
+        let (a, b) = (format!("{}-alpha", "t".repeat(60)), format!("{}-beta", "t".repeat(60)));
+        assert!(t.add(UsageKind::Tenant, &a, &[(UsageCounter::Requests, 1)]));
+        assert!(t.add(UsageKind::Tenant, &b, &[(UsageCounter::Requests, 1)]));
+        assert_eq!(t.rows().len(), 5, "two entries, not one");
     }
 
     #[test]

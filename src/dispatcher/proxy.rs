@@ -897,7 +897,10 @@ pub(super) fn unavailable(message: impl Into<String>, code: &str) -> Response<Bo
 /// written again.
 fn with_cache_salt(body: &Bytes, salt: &str) -> Bytes {
     let quoted = serde_json::to_string(salt).expect("a string serializes");
-    let has_salt = memchr::memmem::find(body, b"cache_salt").is_some();
+    // A key the client wrote with escapes (`"cache\u005fsalt"`) is the
+    // same key to the engine's JSON parser, whose last duplicate wins: a
+    // body with any escape is parsed and written again, never prefixed.
+    let has_salt = memchr::memmem::find(body, b"cache_salt").is_some() || memchr::memmem::find(body, b"\\u").is_some();
     let open = body.iter().position(|b| !b.is_ascii_whitespace());
     if !has_salt && let Some(i) = open.filter(|i| body[*i] == b'{') {
         let rest = &body[i + 1..];
@@ -918,6 +921,19 @@ fn with_cache_salt(body: &Bytes, salt: &str) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_escaped_cache_salt_key_cannot_win_over_the_tenants() {
+        // Python's json (vLLM, SGLang) decodes the key and keeps the last
+        // duplicate: the client's escaped salt must not survive.
+        let body = Bytes::from_static(br#"{"model":"m","cache\u005fsalt":"theirs","prompt":"x"}"#);
+        let out = with_cache_salt(&body, "ours");
+        let text = String::from_utf8(out.to_vec()).unwrap();
+        assert!(!text.contains("theirs"), "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["cache_salt"], "ours");
+        assert_eq!(v["prompt"], "x");
+    }
 
     #[test]
     fn the_cache_salt_is_put_in_or_replaces_the_clients() {

@@ -40,6 +40,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use nix::fcntl::{FcntlArg, FdFlag, OFlag, fcntl};
 
+/// Most descriptors handed to a successor (listener, owner, ready pipe,
+/// admin and metrics listeners).
+const MAX_MOVES: usize = 5;
+
 /// The environment variable that makes a supervisor a successor:
 /// `shm=NAME,listen=3,owner=4,ready=5[,admin=6][,metrics=7]`.
 pub(super) const INHERIT_VAR: &str = "SEMLB_INHERIT";
@@ -120,6 +124,13 @@ impl Successor {
             .collect::<Vec<_>>()
             .join(",");
         let moves: Vec<(RawFd, RawFd)> = fds.iter().map(|((_, target), source)| (*source, *target)).collect();
+        // The child's copy of `moves` is parked in a fixed array (nothing
+        // may allocate between fork and exec): checked here, in the parent.
+        anyhow::ensure!(
+            moves.len() <= MAX_MOVES,
+            "{} descriptors to hand over, at most {MAX_MOVES}",
+            moves.len()
+        );
         let args: Vec<OsString> = std::env::args_os().skip(1).collect();
         let mut cmd = Command::new(exe);
         cmd.args(&args).env(INHERIT_VAR, names).stdin(Stdio::null());
@@ -133,7 +144,7 @@ impl Successor {
             cmd.pre_exec(move || {
                 // First out of the way of every target number, then onto
                 // the targets (dup2 leaves the copy open across exec).
-                let mut parked = [0 as RawFd; 5];
+                let mut parked = [0 as RawFd; MAX_MOVES];
                 for (i, (source, _)) in moves.iter().enumerate() {
                     parked[i] = libc::fcntl(*source, libc::F_DUPFD_CLOEXEC, 64);
                     if parked[i] < 0 {
