@@ -138,6 +138,10 @@ pub struct TenantEntry {
     /// where they take vLLM's `cache_salt` (default false).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub isolate_prefixes: Option<bool>,
+    /// Its requests in flight at once on this gateway host (its streams
+    /// included), across every dispatcher; one more gets 429.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_concurrent_requests: Option<u64>,
 }
 
 impl TenantEntry {
@@ -150,12 +154,17 @@ impl TenantEntry {
             priority: None,
             weight: None,
             isolate_prefixes: None,
+            max_concurrent_requests: None,
         }
     }
 
     /// Whether it sets nothing.
     pub fn is_empty(&self) -> bool {
-        self.limits().is_empty() && self.priority.is_none() && self.weight.is_none() && self.isolate_prefixes.is_none()
+        self.limits().is_empty()
+            && self.priority.is_none()
+            && self.weight.is_none()
+            && self.isolate_prefixes.is_none()
+            && self.max_concurrent_requests.is_none()
     }
 
     /// Whether its settings are usable (`what` names it in the error).
@@ -166,6 +175,9 @@ impl TenantEntry {
             .map_err(|field| format!("{what}.{field} {}", RateLimits::AT_LEAST_ONE))?;
         if self.weight == Some(0) || self.weight.is_some_and(|w| w > MAX_WEIGHT) {
             return Err(format!("{what}.weight must be between 1 and {MAX_WEIGHT}"));
+        }
+        if self.max_concurrent_requests == Some(0) {
+            return Err(format!("{what}.max_concurrent_requests {}", RateLimits::AT_LEAST_ONE));
         }
         Ok(())
     }
@@ -389,6 +401,8 @@ pub struct Caller {
     pub weight: u32,
     /// Its tenant's prefixes are kept apart from other tenants'.
     pub isolate_prefixes: bool,
+    /// Its tenant's most requests in flight at once on this host.
+    pub max_concurrent: Option<u64>,
 }
 
 impl Caller {
@@ -522,6 +536,7 @@ fn tenant_caller(file: &KeysFile, key_id: String, tenant: &str, models: &[String
         priority: entry.and_then(|t| t.priority).unwrap_or_default(),
         weight: entry.and_then(|t| t.weight).unwrap_or(1),
         isolate_prefixes: entry.and_then(|t| t.isolate_prefixes).unwrap_or(false),
+        max_concurrent: entry.and_then(|t| t.max_concurrent_requests),
     }
 }
 

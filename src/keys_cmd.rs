@@ -87,6 +87,10 @@ pub enum KeysAction {
         /// Keep its prompts' prefixes apart from other tenants'.
         #[arg(long)]
         isolate_prefixes: bool,
+        /// Its requests in flight at once on a gateway host (streams
+        /// included); one more gets 429.
+        #[arg(long, value_name = "N")]
+        max_concurrent_requests: Option<u64>,
     },
 }
 
@@ -147,8 +151,8 @@ pub fn run(args: &KeysArgs, out: &mut impl Write) -> Result<()> {
                 if !file.tenants.is_empty() {
                     writeln!(
                         out,
-                        "\n{:<24} {:>16} {:>16} {:<12} {:<7} prefixes",
-                        "tenant", "requests/minute", "tokens/minute", "class", "weight"
+                        "\n{:<24} {:>16} {:>16} {:>10} {:<12} {:<7} prefixes",
+                        "tenant", "requests/minute", "tokens/minute", "concurrent", "class", "weight"
                     )?;
                     let figure = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |n| n.to_string());
                     for t in &file.tenants {
@@ -159,10 +163,11 @@ pub fn run(args: &KeysArgs, out: &mut impl Write) -> Result<()> {
                         };
                         writeln!(
                             out,
-                            "{:<24} {:>16} {:>16} {:<12} {:<7} {prefixes}",
+                            "{:<24} {:>16} {:>16} {:>10} {:<12} {:<7} {prefixes}",
                             t.name,
                             figure(t.requests_per_minute),
                             figure(t.tokens_per_minute),
+                            figure(t.max_concurrent_requests),
                             t.priority.unwrap_or_default().name(),
                             t.weight.unwrap_or(1)
                         )?;
@@ -177,6 +182,7 @@ pub fn run(args: &KeysArgs, out: &mut impl Write) -> Result<()> {
             priority,
             weight,
             isolate_prefixes,
+            max_concurrent_requests,
         } => {
             let mut file = KeysFile::read(&path, true)?;
             let entry = TenantEntry {
@@ -185,6 +191,7 @@ pub fn run(args: &KeysArgs, out: &mut impl Write) -> Result<()> {
                 priority: *priority,
                 weight: *weight,
                 isolate_prefixes: isolate_prefixes.then_some(true),
+                max_concurrent_requests: *max_concurrent_requests,
                 ..TenantEntry::named(tenant)
             };
             let what = if entry.is_empty() {

@@ -37,6 +37,11 @@
 //! request with its prompt tokens (the check comes before the cache is
 //! read), and no output tokens.
 //!
+//! A tenant may also have `max_concurrent_requests`: its requests in flight
+//! at once on a gateway host, across its dispatchers, streams included
+//! until they end; one more gets 429 `concurrency_limit_exceeded`
+//! (`crate::dispatcher::concurrency`).
+//!
 //! The buckets are GCRA buckets ([`shm_layout::limit_table`]): a minute's
 //! worth of burst, refilled continuously (a limit of 60 per minute gives
 //! one more request every second, not 60 at the top of each minute).

@@ -133,7 +133,14 @@ impl Report {
             segment_index_occupancy: tables.segments.index_occupancy(),
             limits: tables.limits.occupancy(segment.clock().now_ns()),
             limit_capacity: tables.limits.capacity(),
-            usage: tables.usage.rows(),
+            // The processes' gauges (requests in flight per tenant) are
+            // not usage.
+            usage: tables
+                .usage
+                .rows()
+                .into_iter()
+                .filter(|r| r.kind != shm_layout::UsageKind::Gauge)
+                .collect(),
             servers: tables.servers.servers().collect(),
             processes: tables
                 .registry
@@ -451,6 +458,7 @@ fn usage_json(r: &UsageRow) -> serde_json::Value {
         "kind": match r.kind {
             shm_layout::UsageKind::Tenant => "tenant",
             shm_layout::UsageKind::Model => "model",
+            shm_layout::UsageKind::Gauge => "gauge",
         },
         "name": r.name,
         "requests": r.get(C::Requests),

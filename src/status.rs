@@ -289,6 +289,7 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
                 match u.kind {
                     shm_layout::UsageKind::Tenant => "tenant",
                     shm_layout::UsageKind::Model => "model",
+                    shm_layout::UsageKind::Gauge => "gauge",
                 },
                 u.name,
                 u.get(C::Requests),

@@ -35,7 +35,7 @@ use nix::unistd::Pid;
 use semlb_test_support as support;
 use serde_json::{Value, json};
 use support::TempDir;
-use support::gateway::{Gateway, add_key, answered_by_gateway, sample, sim, sim_with, user};
+use support::gateway::{Gateway, add_key, answered_by_gateway, chat, sample, sim, sim_at, sim_with, user, wait_for};
 use support::http::{Response, http};
 use support::process::{Proc, assert_ok, run as semlb};
 use support::redis::RedisServer;
@@ -623,4 +623,123 @@ fn an_unused_reservation_is_given_back_in_shared_memory_and_in_redis() {
             let _: () = redis::cmd("FLUSHALL").query(&mut redis.raw()).unwrap();
         }
     }
+}
+
+/// A tenant's concurrency limit (`max_concurrent_requests`, issue 39):
+/// ten streams sent at once through two dispatchers by a tenant allowed
+/// three get at most three answers, the rest 429
+/// `concurrency_limit_exceeded` with `Retry-After`; another tenant is not
+/// held back; when both dispatchers are SIGKILLed while the tenant's
+/// streams run, the supervisor zeroes their counts and the tenant is let
+/// in again by the restarted ones (it would otherwise be shut out for
+/// good).
+#[test]
+fn a_tenants_concurrency_limit_holds_across_dispatchers_and_their_deaths() {
+    let dir = TempDir::new("rl-concurrency");
+    let file = dir.0.join("keys.toml").display().to_string();
+    let key = add_key(&file, "narrow", &[]).0;
+    let other = add_key(&file, "wide", &[]).0;
+    assert_ok(&semlb(&[
+        "keys",
+        "--file",
+        &file,
+        "limit",
+        "--tenant",
+        "narrow",
+        "--max-concurrent-requests",
+        "3",
+    ]));
+    let engine = sim_at("1");
+    let shm = support::process::unique("rl", "concurrency");
+    let gw = Gateway::builder()
+        .shm(&shm)
+        .tag("rl-concurrency")
+        .dispatchers(2)
+        .backends(&[&engine])
+        .config(&format!("[auth]\nkeys_file = \"{file}\"\n"))
+        .start();
+    let addr = gw.addr().to_owned();
+    let long = |key: &str, i: usize| {
+        let body = json!({
+            "model": "semlb-sim",
+            "messages": [user(&format!("Stream {i}: a long answer please."))],
+            "max_tokens": 40,
+            "ignore_eos": true,
+            "stream": true,
+        });
+        http(&addr, "POST", "/v1/chat/completions", Some(&body), &[("api-key", key)]).expect("request")
+    };
+    let barrier = std::sync::Barrier::new(10);
+    let statuses: Vec<(u16, String)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..10)
+            .map(|i| {
+                let (barrier, long, key) = (&barrier, &long, &key);
+                s.spawn(move || {
+                    barrier.wait();
+                    let r = long(key, i);
+                    (r.status, String::from_utf8_lossy(&r.body).into_owned())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let answered = statuses.iter().filter(|(s, _)| *s == 200).count();
+    eprintln!("concurrency limit 3: {answered} of 10 simultaneous streams answered");
+    assert!((1..=3).contains(&answered), "{answered} answered: {statuses:?}");
+    for (status, body) in statuses.iter().filter(|(s, _)| *s != 200) {
+        assert_eq!(*status, 429, "{body}");
+        assert!(body.contains("concurrency_limit_exceeded"), "{body}");
+    }
+    assert_eq!(
+        chat(
+            &addr,
+            &[user("another tenant")],
+            json!({"max_tokens": 2}),
+            &[("api-key", &other)]
+        )
+        .status,
+        200
+    );
+
+    // Three streams in flight, then both dispatchers SIGKILLed.
+    let running: Vec<_> = (0..3)
+        .map(|i| {
+            std::thread::spawn({
+                let (addr, key) = (addr.clone(), key.clone());
+                move || {
+                    let body = json!({
+                        "model": "semlb-sim",
+                        "messages": [user(&format!("Held {i}"))],
+                        "max_tokens": 400,
+                        "ignore_eos": true,
+                        "stream": true,
+                    });
+                    let _ = http(&addr, "POST", "/v1/chat/completions", Some(&body), &[("api-key", &key)]);
+                }
+            })
+        })
+        .collect();
+    wait_for("three streams in flight", Duration::from_secs(20), || {
+        let n: f64 = support::gateway::samples(&gw.metrics(), "semlb_server_inflight_requests")
+            .iter()
+            .map(|(_, v)| v)
+            .sum();
+        (n >= 3.0, n)
+    });
+    for (_, pid) in dispatcher_pids(&shm) {
+        kill(Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
+    }
+    for t in running {
+        t.join().unwrap();
+    }
+    let back = wait_for("the tenant let in again", Duration::from_secs(30), || {
+        let r = chat(
+            &addr,
+            &[user("after the kills")],
+            json!({"max_tokens": 2}),
+            &[("api-key", &key)],
+        );
+        (r.status == 200, r.status)
+    });
+    assert_eq!(back, 200);
 }

@@ -44,6 +44,10 @@ pub enum UsageKind {
     Tenant = 1,
     /// A model pool's.
     Model = 2,
+    /// Gauges one process keeps for a name (requests in flight per tenant:
+    /// `semlb`'s concurrency limits), only ever changed by that process,
+    /// zeroed by its supervisor when it dies ([`UsageTable::zero`]).
+    Gauge = 3,
 }
 
 impl UsageKind {
@@ -51,6 +55,7 @@ impl UsageKind {
         match b {
             1 => Some(UsageKind::Tenant),
             2 => Some(UsageKind::Model),
+            3 => Some(UsageKind::Gauge),
             _ => None,
         }
     }
@@ -171,6 +176,69 @@ impl<'a> UsageTable<'a> {
             entry.counters[*counter as usize].fetch_add(*delta, Ordering::Relaxed);
         }
         true
+    }
+
+    /// (`kind`, `name`)'s `counter`, summed over its ready entries; 0
+    /// when it has none. Never claims an entry.
+    pub fn get(&self, kind: UsageKind, name: &str, counter: UsageCounter) -> u64 {
+        let name = cut(name);
+        let n = self.entries.len();
+        if n == 0 {
+            return 0;
+        }
+        let key = self.key(kind, &name);
+        let home = (key % n as u64) as usize;
+        let mut sum = 0u64;
+        for p in 0..n {
+            let entry = &self.entries[(home + p) % n];
+            match entry.key.load(Ordering::Acquire) {
+                0 => break,
+                seen if seen == key => {
+                    sum = sum.wrapping_add(entry.counters[counter as usize].load(Ordering::Relaxed));
+                }
+                _ => {}
+            }
+        }
+        sum
+    }
+
+    /// Subtracts `delta` from (`kind`, `name`)'s `counter` (a gauge going
+    /// down), if it has an entry.
+    pub fn sub(&self, kind: UsageKind, name: &str, counter: UsageCounter, delta: u64) {
+        let name = cut(name);
+        let n = self.entries.len();
+        if n == 0 {
+            return;
+        }
+        let key = self.key(kind, &name);
+        let home = (key % n as u64) as usize;
+        for p in 0..n {
+            let entry = &self.entries[(home + p) % n];
+            match entry.key.load(Ordering::Acquire) {
+                0 => return,
+                seen if seen == key => {
+                    entry.counters[counter as usize].fetch_sub(delta, Ordering::Relaxed);
+                    return;
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Zeroes `counter` of every ready entry of `kind` whose name `which`
+    /// picks (the gauges of a process that died); returns how many were
+    /// not zero.
+    pub fn zero(&self, kind: UsageKind, counter: UsageCounter, which: impl Fn(&str) -> bool) -> usize {
+        let mut zeroed = 0;
+        for row in self.rows().into_iter().filter(|r| r.kind == kind && which(&r.name)) {
+            let key = self.key(kind, &row.name);
+            for entry in self.entries.iter().filter(|e| e.key.load(Ordering::Acquire) == key) {
+                if entry.counters[counter as usize].swap(0, Ordering::Relaxed) != 0 {
+                    zeroed += 1;
+                }
+            }
+        }
+        zeroed
     }
 
     /// (`kind`, `name`)'s ready entry, or a new one.
@@ -302,6 +370,40 @@ mod tests {
         assert!(t.add(UsageKind::Tenant, &a, &[(UsageCounter::Requests, 1)]));
         assert!(t.add(UsageKind::Tenant, &b, &[(UsageCounter::Requests, 1)]));
         assert_eq!(t.rows().len(), 5, "two entries, not one");
+    }
+
+    #[test]
+    fn gauges_go_up_and_down_and_a_dead_processs_are_zeroed() {
+        let e = table(16);
+        let t = UsageTable::new(&e, 5);
+        let up = |name: &str| assert!(t.add(UsageKind::Gauge, name, &[(UsageCounter::Requests, 1)]));
+        up("1:acme");
+        up("1:acme");
+        up("2:acme");
+        assert_eq!(t.get(UsageKind::Gauge, "1:acme", UsageCounter::Requests), 2);
+        assert_eq!(t.get(UsageKind::Gauge, "2:acme", UsageCounter::Requests), 1);
+        assert_eq!(
+            t.get(UsageKind::Gauge, "3:acme", UsageCounter::Requests),
+            0,
+            "none: no entry claimed"
+        );
+        assert_eq!(
+            t.get(UsageKind::Tenant, "1:acme", UsageCounter::Requests),
+            0,
+            "kinds apart"
+        );
+        t.sub(UsageKind::Gauge, "1:acme", UsageCounter::Requests, 1);
+        assert_eq!(t.get(UsageKind::Gauge, "1:acme", UsageCounter::Requests), 1);
+        assert_eq!(
+            t.zero(UsageKind::Gauge, UsageCounter::Requests, |n| n.starts_with("2:")),
+            1
+        );
+        assert_eq!(t.get(UsageKind::Gauge, "2:acme", UsageCounter::Requests), 0);
+        assert_eq!(
+            t.get(UsageKind::Gauge, "1:acme", UsageCounter::Requests),
+            1,
+            "another process's kept"
+        );
     }
 
     #[test]

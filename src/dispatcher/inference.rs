@@ -120,6 +120,11 @@ pub(super) async fn inference(
     caller: Option<&Caller>,
 ) -> Response<Body> {
     let mut timing = DispatchTiming::new();
+    // The tenant's place among its requests in flight, held by the answer.
+    let counted = match super::concurrency::begin(dispatcher, caller) {
+        Ok(c) => c,
+        Err(refused) => return *refused,
+    };
     let (parts, body) = request.into_parts();
     // The permit holds the body's place in the dispatcher's budget until
     // the request is handed on.
@@ -381,7 +386,7 @@ pub(super) async fn inference(
     };
     let mut response = forward(dispatcher, outbound, Some(ctx)).await;
     admitted.set_headers(&mut response);
-    response
+    super::concurrency::hold(response, counted)
 }
 
 /// A request's tenant, class and cost in the gateway queue, when `pool`'s

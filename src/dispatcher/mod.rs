@@ -80,6 +80,7 @@
 //! | `routes` | the route table: which handler answers a method and path (encoded separators and dot-segments refused first); `/health`, `/metrics` |
 //! | `passthrough` | the engines' other `/v1` endpoints (embeddings, rerank, score, Responses, Messages): model, pool, charge, proxy |
 //! | `inference` | the front half of an inference request: body → parse → tokens → block chain → cache key → lookup; cached answers |
+//! | `concurrency` | the tenant's requests in flight on this host, counted while its answer runs: 429 past `max_concurrent_requests` |
 //! | `rate` | the request's rate-limit buckets charged before it is routed, with its output reserved ([`crate::rate_limit`]): 429, or the `x-ratelimit-*` headers of its answer; the reservation settled when the answer ends |
 //! | `route` | one attempt's routing decision (policy, or least load for other routes), the holding policies' check once counted, passive health |
 //! | `proxy` | the attempts of one request: route, send, retry elsewhere on a retryable [`crate::failure::Failure`], then the gateway's headers |
@@ -118,6 +119,7 @@
 
 mod accounting;
 mod client_io;
+pub mod concurrency;
 mod http;
 mod inference;
 mod inflight;

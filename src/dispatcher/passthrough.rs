@@ -114,6 +114,10 @@ pub(super) async fn passthrough(
     request: Request<Incoming>,
     caller: Option<&Caller>,
 ) -> Response<Body> {
+    let counted = match super::concurrency::begin(dispatcher, caller) {
+        Ok(c) => c,
+        Err(refused) => return *refused,
+    };
     let (parts, body) = request.into_parts();
     let (mut bytes, _permit) = match dispatcher.read_body(&parts.headers, body).await {
         Ok(b) => b,
@@ -185,7 +189,7 @@ pub(super) async fn passthrough(
     };
     let mut response = forward(dispatcher, outbound, None).await;
     admitted.set_headers(&mut response);
-    response
+    super::concurrency::hold(response, counted)
 }
 
 /// A blocking task that did not finish: the runtime is shutting down.

@@ -135,6 +135,13 @@ impl<'a> Children<'a> {
                         tracing::warn!(child = ?s.role, index = s.index, pid = pid.as_raw(), "{:?} {} (pid {pid}) exited", s.role, s.index);
                         tables.registry.mark_exited(s.slot, s.incarnation);
                         let r = tables.servers.reclaim_process(s.slot);
+                        // Its tenants' requests in flight died with it.
+                        let slot = s.slot;
+                        tables.usage.zero(
+                            shm_layout::UsageKind::Gauge,
+                            shm_layout::UsageCounter::Requests,
+                            |name| semlb::dispatcher::concurrency::gauge_of(slot, name),
+                        );
                         if r.requests > 0 || r.interrupted > 0 {
                             tracing::info!(
                                 requests = r.requests,
