@@ -487,6 +487,14 @@ impl Keys {
         Ok(Self::new(&KeysFile::read(path, false)?))
     }
 
+    /// How many tenants its keys name.
+    pub fn tenants(&self) -> usize {
+        let mut names: Vec<&str> = self.file.keys.iter().map(|k| k.tenant.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        names.len()
+    }
+
     /// How many keys it lets in.
     pub fn len(&self) -> usize {
         self.by_digest.len()

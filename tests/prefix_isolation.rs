@@ -200,3 +200,70 @@ fn an_isolated_tenant_never_finds_another_tenants_lines_in_the_tokenizer_caches(
         assert!(hits >= 12.0, "a tenant's own lines are cached: {hits}");
     }
 }
+
+/// A tenant's share of the shared tables is bounded (issue 39): with
+/// `auth.tenant_share_percent = 1`, a tenant that sends unique prompts of
+/// three times 1 % of the prefix table's slots gets no more than 1 % of
+/// them learned (plus what the budget refilled meanwhile: 1 % per ten
+/// minutes), while another tenant's prompts are still learned and its
+/// answers cached.
+#[test]
+fn a_flooding_tenant_cannot_fill_the_shared_tables() {
+    let dir = TempDir::new("share-bound");
+    let keys_file = dir.0.join("keys.toml").display().to_string();
+    let flood = add_key(&keys_file, "flood", &[]).0;
+    let quiet = add_key(&keys_file, "quiet", &[]).0;
+    let engine = sim();
+    let gw = Gateway::builder()
+        .tag("share-bound")
+        .shm_size("8MiB")
+        .backends(&[&engine])
+        .config(&format!(
+            "[auth]\nkeys_file = \"{keys_file}\"\ndebug_headers = true\ntenant_share_percent = 1\n"
+        ))
+        .start();
+    let budget = gw.segment.tables().prefix.capacity() / 100;
+    let learned = || sample(&gw.metrics(), "semlb_dispatch_learned_blocks_total").unwrap_or(0.0) as u64;
+    let ask = |key: &str, text: &str| {
+        let body = json!({"model": "semlb-sim", "messages": [user(text)], "max_tokens": 2, "temperature": 0});
+        let r = http(
+            gw.addr(),
+            "POST",
+            "/v1/chat/completions",
+            Some(&body),
+            &[("api-key", key)],
+        )
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        r
+    };
+    // Flood: six unique prompts of about half the budget each (a block is
+    // 16 tokens; a word of this text is two or three).
+    let start = std::time::Instant::now();
+    let before = learned();
+    for i in 0..6 {
+        let text: String = (0..budget * 3).map(|w| format!("f{i}w{w} ")).collect();
+        ask(&flood, &text);
+    }
+    let flooded = learned() - before;
+    let refill = budget * start.elapsed().as_millis() as u64 / 600_000 + 1;
+    eprintln!("share of {budget} blocks: the flood had {flooded} learned (refill {refill})");
+    assert!(flooded > 0, "the flood's first prompts are learned");
+    assert!(
+        flooded <= budget + refill,
+        "{flooded} blocks learned for a tenant whose share is {budget}"
+    );
+    // The quiet tenant is learned and cached as ever.
+    let y = "Quiet's repeated question, deterministic.";
+    let before = learned();
+    ask(&quiet, &format!("{y} {}", "Some context for the question. ".repeat(20)));
+    assert!(learned() > before, "the quiet tenant's prompt is learned");
+    support::gateway::wait_for(
+        "the quiet tenant's answer cached",
+        std::time::Duration::from_secs(20),
+        || {
+            let c = ask(&quiet, y).header("x-semlb-cache").map(str::to_owned);
+            (c.as_deref() == Some("hit"), c)
+        },
+    );
+}

@@ -144,6 +144,7 @@
 //! | `limits.max_inflight_body_bytes` | size | `"256MiB"` | request bodies one dispatcher holds at once (read, parsed, routed); a body past it gets 503 `server_busy` with `Retry-After: 1` (at least `max_body_bytes`) |
 //! | `limits.max_messages` | integer | `4096` | most messages in a chat request (more: 400 `array_above_max_length` before rendering) |
 //! | `limits.max_prompt_bytes` | size | `"8MiB"` | largest prompt text, rendered chat or completions prompt (larger: 413 `prompt_too_large` before tokenizing) |
+//! | `auth.tenant_share_percent` | integer | `50` | with more than one tenant in the keys file, the most of the prefix table's slots and of the response cache's entries one tenant may fill in ten minutes; past it its prompts are routed but not learned or cached (100: no bound) |
 //! | `limits.reserve_output_tokens` | integer | `4096` | output tokens a request without `max_tokens` reserves in its `tokens_per_minute` buckets per answer (at most what the largest live context leaves), settled when the answer ends ([`crate::rate_limit`]) |
 //! | `limits.check_context` | bool | `true` | a request no live engine's context can take (their `max_model_len`, llama.cpp's slot context) gets the engines' 400 `context_length_exceeded` from the gateway, once every live engine has said its context |
 //! | `[health]` | table | | health checks and load scraping of the backends ([`crate::health`]) |

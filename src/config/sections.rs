@@ -360,7 +360,7 @@ impl HealthConfig {
 }
 
 /// Client authentication (`[auth]`, [`crate::auth`]).
-#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AuthConfig {
     /// The keys file (`semlb keys` writes it); `None` (the default): no
@@ -375,6 +375,22 @@ pub struct AuthConfig {
     /// prefix`) or line (the tokenize time in `x-semlb-dispatch-ns`).
     /// Without `[auth]` there are no tenants and they are always sent.
     pub debug_headers: bool,
+    /// The most of the prefix table's slots, and of the response cache's
+    /// entries, one tenant may fill in ten minutes, in percent, when the
+    /// keys file names more than one tenant: past it, the tenant's new
+    /// prompts are routed but not learned and its answers not cached, so one
+    /// tenant cannot evict every other's entries. Default 50; 100: no bound.
+    pub tenant_share_percent: u32,
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        Self {
+            keys_file: None,
+            debug_headers: false,
+            tenant_share_percent: 50,
+        }
+    }
 }
 
 /// Where `/metrics` is served (`[metrics]`).

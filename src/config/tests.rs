@@ -296,6 +296,7 @@ fn example_file_with_every_commented_setting_enabled_parses() {
         "[auth]",
         "keys_file",
         "debug_headers",
+        "tenant_share_percent",
         "[peering]",
         "poll_ms",
         "max_age_ms",

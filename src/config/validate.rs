@@ -94,6 +94,13 @@ impl ServeConfig {
         self.validate_admin()?;
         self.validate_metrics()?;
         peers::validate_peering(&self.peering, &self.peers)?;
+        if !(1..=100).contains(&self.auth.tenant_share_percent) {
+            return Err(E::invalid(
+                "auth.tenant_share_percent",
+                self.auth.tenant_share_percent,
+                "must be between 1 and 100 (100: no bound)",
+            ));
+        }
         if self.drain_timeout_secs > MAX_TIMEOUT_SECS {
             return Err(E::invalid(
                 "drain_timeout_secs",

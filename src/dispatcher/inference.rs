@@ -348,7 +348,18 @@ pub(super) async fn inference(
         },
     };
     let strip_usage = asked.is_some();
+    // What this tenant may add to the tables every tenant shares.
+    let within = super::share::within(dispatcher, caller, chain.len() as u64, cacheability.writes());
+    if within != super::share::Within::ALL {
+        tracing::debug!(
+            tenant = caller.map(|c| &*c.tenant),
+            learn = within.learn,
+            cache = within.cache,
+            "a tenant past its share of the shared tables: its prompt is routed, not learned or cached"
+        );
+    }
     let ctx = InferenceCtx {
+        learn: within.learn,
         timing,
         end_key: hasher.prompt_end_key(&prompt_tokens, &chain),
         answer_tokens,
@@ -356,7 +367,7 @@ pub(super) async fn inference(
         chain,
         template_blocks,
         hasher,
-        store_key: key.filter(|_| cacheability.writes()),
+        store_key: key.filter(|_| cacheability.writes() && within.cache),
         cache,
         lookup: Some(lookup),
         endpoint,

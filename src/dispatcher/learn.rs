@@ -47,6 +47,9 @@ pub(super) struct Learn {
     /// Its share in the gateway queue, as charged (the relay settles it
     /// with the output tokens the answer had).
     pub share: Option<crate::fair_share::Share>,
+    /// Its completion record may be pushed (its tenant is within its
+    /// share of the prefix table: `super::share`).
+    pub record: bool,
 }
 
 /// Builds the completion record of a finished answer (`answer`, in

@@ -82,6 +82,7 @@
 //! | `inference` | the front half of an inference request: body → parse → tokens → block chain → cache key → lookup; cached answers |
 //! | `concurrency` | the tenant's requests in flight on this host, counted while its answer runs: 429 past `max_concurrent_requests` |
 //! | `rate` | the request's rate-limit buckets charged before it is routed, with its output reserved ([`crate::rate_limit`]): 429, or the `x-ratelimit-*` headers of its answer; the reservation settled when the answer ends |
+//! | `share` | a tenant's bounded share of the prefix table and the response cache (`auth.tenant_share_percent`) |
 //! | `route` | one attempt's routing decision (policy, or least load for other routes), the holding policies' check once counted, passive health |
 //! | `proxy` | the attempts of one request: route, send, retry elsewhere on a retryable [`crate::failure::Failure`], then the gateway's headers |
 //! | `peer_forward` | peer gateways ([`crate::peers`]): the load summary served them, the polls of theirs, a request forwarded to one and its answer relayed back |
@@ -134,6 +135,7 @@ mod rate;
 mod relay;
 mod route;
 mod routes;
+mod share;
 mod sse;
 mod timing;
 mod usage;

@@ -146,6 +146,9 @@ pub(super) struct InferenceCtx {
     /// A routing charged its share already: a retry costs nothing more,
     /// and the relay settles the charge when the answer ends.
     pub charged: bool,
+    /// Its prompt may be learned (its tenant is within its share of the
+    /// prefix table: `super::share`).
+    pub learn: bool,
     /// Its caller's tenant (with `[auth]`), for the usage counts.
     pub tenant: Option<Arc<str>>,
 }
@@ -718,7 +721,11 @@ impl<'d> Attempts<'d> {
     /// False for a request that is not inference, or when
     /// `learn_at_dispatch` is off.
     fn record_route(&self, server: ServerRef, held: u32) -> bool {
-        let Some(c) = self.ctx.as_ref().filter(|_| self.dispatcher.config().learn_at_dispatch) else {
+        let Some(c) = self
+            .ctx
+            .as_ref()
+            .filter(|c| c.learn && self.dispatcher.config().learn_at_dispatch)
+        else {
             return false;
         };
         let blocks = c.unlisted(held);
@@ -809,6 +816,7 @@ impl<'d> Attempts<'d> {
                 output: c.output.take(),
                 tenant: c.tenant.clone(),
                 share: c.share.filter(|_| c.charged),
+                record: c.learn,
             }),
             _ => None,
         };

@@ -382,6 +382,10 @@ impl Relay {
             return;
         };
         learn.timing = timing;
+        // A tenant past its share of the prefix table teaches nothing.
+        if !learn.record {
+            return;
+        }
         if let Some(last) = learn
             .chain
             .last()
