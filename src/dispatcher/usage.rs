@@ -36,7 +36,7 @@ const NULL_USAGE: [&[u8]; 4] = [
 /// `body` (a JSON object) with `stream_options.include_usage` set, when it
 /// has no `stream_options` member (`has_options`); `None` if nothing is to
 /// be changed.
-pub(super) fn with_include_usage(body: &[u8], has_options: bool) -> Option<Bytes> {
+pub(crate) fn with_include_usage(body: &[u8], has_options: bool) -> Option<Bytes> {
     if has_options {
         return None;
     }
