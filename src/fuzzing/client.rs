@@ -220,13 +220,18 @@ pub fn body_rewrite(data: &[u8]) {
     let reads_as = |out: &Bytes, expected: Value, what: &str| {
         let got: Value =
             serde_json::from_slice(out).unwrap_or_else(|e| panic!("{what}: the rewritten body does not parse: {e}"));
-        assert_eq!(
-            got,
-            expected,
-            "{what}: {:?} became {:?}",
-            String::from_utf8_lossy(&bytes),
-            String::from_utf8_lossy(out)
-        );
+        // A body written again by serde_json (a rewrite's slow path) may
+        // move a long number by an ulp: its float parsing is not exact
+        // without its `float_roundtrip` feature
+        // (tests/fuzz/regressions/body_rewrite).
+        let written_again = || serde_json::from_slice::<Value>(&serde_json::to_vec(&expected).expect("serializes"));
+        if got != expected && written_again().ok().as_ref() != Some(&got) {
+            panic!(
+                "{what}: {:?} became {:?}: {got:?}, not {expected:?}",
+                String::from_utf8_lossy(&bytes),
+                String::from_utf8_lossy(out)
+            );
+        }
     };
     if let Ok(model) = prompt::request_model(&parsed) {
         let name = ["llama-3-8b", "", "meta-llama/Llama \"3\"\n", "m\u{e9}\u{1f600}"][usize::from(choice & 3)];
