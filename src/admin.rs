@@ -55,7 +55,6 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use semlb::auth::constant_time_eq;
 use semlb::config::{BackendConfig, ModelConfig};
-use serde::Deserialize;
 use serde_json::{Value, json};
 use shm_layout::{ProcessState, Role, Segment};
 use tokio::net::TcpListener;
@@ -165,15 +164,6 @@ impl Reply {
 
 /// One admin request on its way to the supervisor, with where to answer.
 pub type Command = (Request, oneshot::Sender<Reply>);
-
-/// The body of `POST /admin/servers`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct AddServer {
-    url: String,
-    #[serde(default)]
-    name: Option<String>,
-}
 
 /// Admin connections served at once: the admin API shares the
 /// supervisor's runtime with reaping children and the watchdog, so a flood
@@ -393,25 +383,8 @@ async fn json_body(request: http::Request<Incoming>, shape: &str) -> Result<Valu
 
 /// A model pool from a JSON body (`named`: the name the path gives, which
 /// the body may leave out or must repeat).
-fn model_of(mut body: Value, named: Option<&str>) -> Result<ModelConfig, Reply> {
-    let bad = |message: String| Reply::error(StatusCode::BAD_REQUEST, message, "invalid_model");
-    let Some(object) = body.as_object_mut() else {
-        return Err(bad("the body must be a JSON object: a [[model]] table".into()));
-    };
-    if let Some(named) = named {
-        match object.get("name") {
-            None => {
-                object.insert("name".into(), json!(named));
-            }
-            Some(name) if name == named => {}
-            Some(name) => {
-                return Err(bad(format!(
-                    "the body names {name}, the path {named:?}; rename a pool by adding the new one and removing the old"
-                )));
-            }
-        }
-    }
-    serde_json::from_value(body).map_err(|e| bad(format!("not a [[model]] table: {e}")))
+fn model_of(body: Value, named: Option<&str>) -> Result<ModelConfig, Reply> {
+    ModelConfig::from_admin_body(body, named).map_err(|m| Reply::error(StatusCode::BAD_REQUEST, m, "invalid_model"))
 }
 
 /// Answers one request.
@@ -433,7 +406,7 @@ async fn handle(request: http::Request<Incoming>, token: &[u8], commands: &mpsc:
         RouteKind::Add => {
             let shape = r#"{"url": "http://host:port", "name": "..."} (name optional)"#;
             let parsed = json_body(request, shape).await.and_then(|body| {
-                serde_json::from_value::<AddServer>(body).map_err(|e| {
+                BackendConfig::from_admin_body(body).map_err(|e| {
                     Reply::error(
                         StatusCode::BAD_REQUEST,
                         format!("the body must be JSON {shape}: {e}"),
@@ -442,10 +415,7 @@ async fn handle(request: http::Request<Incoming>, token: &[u8], commands: &mpsc:
                 })
             });
             match parsed {
-                Ok(add) => Request::AddServer(BackendConfig {
-                    name: add.name,
-                    ..BackendConfig::new(add.url)
-                }),
+                Ok(backend) => Request::AddServer(backend),
                 Err(reply) => return reply,
             }
         }

@@ -7,6 +7,11 @@
 
 use std::path::Path;
 
+/// Counts allocations, for the targets that bound what their parser
+/// allocates ([`semlb::fuzzing::peak_allocation`]).
+#[global_allocator]
+static ALLOCATOR: semlb::fuzzing::CountingAlloc = semlb::fuzzing::CountingAlloc;
+
 /// Runs every file of the target's corpus and regressions through `body`;
 /// panics naming the file that fails.
 fn replay(target: &str, body: fn(&[u8])) {
@@ -51,7 +56,13 @@ fn config() {
 #[test]
 fn segment_file() {
     replay("segment_file", semlb::fuzzing::segment_file);
-    semlb::fuzzing::remove_segment_file();
+    semlb::fuzzing::remove_shm_files("segment_file");
+}
+
+#[test]
+fn segment_scan() {
+    replay("segment_scan", semlb::fuzzing::segment_scan);
+    semlb::fuzzing::remove_shm_files("segment_scan");
 }
 
 #[test]
@@ -62,4 +73,50 @@ fn completion() {
 #[test]
 fn response_log() {
     replay("response_log", semlb::fuzzing::response_log);
+    semlb::fuzzing::remove_shm_files("response_log");
+}
+
+#[test]
+fn zmtp() {
+    replay("zmtp", semlb::fuzzing::zmtp);
+}
+
+#[test]
+fn kv_batch() {
+    replay("kv_batch", semlb::fuzzing::kv_batch);
+}
+
+#[test]
+fn prometheus() {
+    replay("prometheus", semlb::fuzzing::prometheus);
+}
+
+#[test]
+fn redis_reply() {
+    replay("redis_reply", semlb::fuzzing::redis_reply);
+}
+
+#[test]
+fn peer_summary() {
+    replay("peer_summary", semlb::fuzzing::peer_summary);
+}
+
+#[test]
+fn admin_body() {
+    replay("admin_body", semlb::fuzzing::admin_body);
+}
+
+#[test]
+fn key_headers() {
+    replay("key_headers", semlb::fuzzing::key_headers);
+}
+
+#[test]
+fn body_rewrite() {
+    replay("body_rewrite", semlb::fuzzing::body_rewrite);
+}
+
+#[test]
+fn usage_strip() {
+    replay("usage_strip", semlb::fuzzing::usage_strip);
 }

@@ -64,8 +64,13 @@ pub fn shm_path(name: &str) -> Result<String, NameError> {
 }
 
 enum Memory {
-    Heap { ptr: NonNull<u8>, layout: Layout },
+    Heap {
+        ptr: NonNull<u8>,
+        layout: Layout,
+    },
     Shm(memmap2::MmapRaw),
+    /// A private, copy-on-write mapping ([`Segment::open_copy`]).
+    Copy(memmap2::MmapRaw),
 }
 
 /// A mapped segment with a validated header.
@@ -367,8 +372,43 @@ impl Segment {
         Self::open_object(&fd, &path)
     }
 
+    /// Opens the existing shm segment `name` as a private copy: validated
+    /// as [`open`](Self::open) validates it, but mapped copy-on-write, so
+    /// its tables read what the segment holds and their writes stay in this
+    /// mapping (neither the segment nor the processes sharing it see them).
+    /// For looking into a segment without disturbing it, and for fuzzing
+    /// many damaged copies of one image (`semlb::fuzzing`).
+    pub fn open_copy(name: &str) -> Result<Self, OpenError> {
+        let path = shm_path(name)?;
+        let fd = open_object(&path)?;
+        Self::map_validated(&fd, &path, true)
+    }
+
+    /// Throws away what was written to this private copy
+    /// ([`open_copy`](Self::open_copy)) since it was opened: its tables
+    /// read what the segment holds again, as a new copy would, without a
+    /// new mapping. `false` (and nothing done) for a segment that is not
+    /// a private copy.
+    pub fn discard_copy_writes(&self) -> bool {
+        let Memory::Copy(map) = &self.memory else {
+            return false;
+        };
+        // SAFETY: dropping the private pages of a copy-on-write mapping
+        // only makes them read the shm object again; every view reads
+        // through atomics, which may see any bytes.
+        unsafe { map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) }
+            .expect("madvise(MADV_DONTNEED) of a mapping it made");
+        true
+    }
+
     /// Maps the open shm object `fd` (named `path`) and validates it.
     pub(crate) fn open_object(fd: &OwnedFd, path: &str) -> Result<Self, OpenError> {
+        Self::map_validated(fd, path, false)
+    }
+
+    /// Maps `fd` (named `path`), shared or (`private`) copy-on-write, and
+    /// validates it.
+    fn map_validated(fd: &OwnedFd, path: &str, private: bool) -> Result<Self, OpenError> {
         let path = path.to_owned();
         let os = |step: &'static str, e: io::Error| OpenError::Os {
             name: path.clone(),
@@ -387,13 +427,19 @@ impl Segment {
                 bytes: actual,
             });
         }
-        let map = memmap2::MmapOptions::new()
-            .len(actual as usize)
-            .map_raw(fd.as_raw_fd())
-            .map_err(|e| os("mmap", e))?;
+        let options = memmap2::MmapOptions::new().len(actual as usize).clone();
+        let memory = if private {
+            // SAFETY: a private mapping of a shm object whose size was just
+            // read; like the shared one it is read and written only through
+            // atomics, and lives as long as the segment.
+            unsafe { options.map_copy(fd.as_raw_fd()) }.map(|map| Memory::Copy(map.into()))
+        } else {
+            options.map_raw(fd.as_raw_fd()).map(Memory::Shm)
+        }
+        .map_err(|e| os("mmap", e))?;
         let mut seg = Self {
             len: actual as usize,
-            memory: Memory::Shm(map),
+            memory,
             info: placeholder_info(),
             name: Some(path.clone()),
             views: OnceLock::new(),
@@ -460,7 +506,7 @@ impl Segment {
     fn base(&self) -> *mut u8 {
         match &self.memory {
             Memory::Heap { ptr, .. } => ptr.as_ptr(),
-            Memory::Shm(map) => map.as_mut_ptr(),
+            Memory::Shm(map) | Memory::Copy(map) => map.as_mut_ptr(),
         }
     }
 

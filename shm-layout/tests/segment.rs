@@ -6,7 +6,8 @@
 //! header, group/other permissions and a truncated object; creation refuses
 //! a plan below the minimum size and reports a full /dev/shm as `NoSpace`
 //! up front, leaving nothing behind. Two mappings of one segment in one
-//! process share their data.
+//! process share their data; a private copy ([`Segment::open_copy`]) reads
+//! it and keeps its own writes, until it discards them.
 
 mod shm_support;
 
@@ -340,4 +341,37 @@ fn two_mappings_in_one_process_share_the_data() {
     ));
     r.responses.put(ResponseKey(6), b"after unlink").unwrap();
     assert_eq!(w.responses.get(ResponseKey(6)).as_deref(), Some(&b"after unlink"[..]));
+}
+
+#[test]
+fn a_copy_reads_the_segment_and_keeps_its_writes_to_itself() {
+    let (guard, segment) = create_shm("copy", &small_plan());
+    let t = segment.tables();
+    t.responses.put(ResponseKey(1), b"in the segment").unwrap();
+    assert!(!segment.discard_copy_writes(), "the segment is no copy");
+
+    let copy = Segment::open_copy(&guard.name).expect("open a copy");
+    assert_eq!(copy.header(), segment.header());
+    let c = copy.tables();
+    assert_eq!(c.responses.get(ResponseKey(1)).as_deref(), Some(&b"in the segment"[..]));
+    c.responses.put(ResponseKey(2), b"in the copy").unwrap();
+    assert_eq!(c.responses.get(ResponseKey(2)).as_deref(), Some(&b"in the copy"[..]));
+    assert_eq!(
+        t.responses.get(ResponseKey(2)),
+        None,
+        "the segment never sees the copy's writes"
+    );
+
+    // Discarded, the copy reads the segment again, what it wrote since too.
+    t.responses.put(ResponseKey(3), b"written later").unwrap();
+    assert!(copy.discard_copy_writes());
+    assert_eq!(c.responses.get(ResponseKey(2)), None);
+    assert_eq!(c.responses.get(ResponseKey(3)).as_deref(), Some(&b"written later"[..]));
+
+    // It is validated as an open is.
+    segment.raw_words()[VERSION_WORD].fetch_add(1, Ordering::Relaxed);
+    assert!(matches!(
+        Segment::open_copy(&guard.name),
+        Err(OpenError::VersionMismatch { .. })
+    ));
 }

@@ -56,6 +56,14 @@ impl BackendConfig {
         }
     }
 
+    /// The backend of a `POST /admin/servers` body (`{"url": ..., "name":
+    /// ...}`, `name` optional), with the defaults otherwise; not yet
+    /// validated.
+    pub fn from_admin_body(body: serde_json::Value) -> Result<Self, serde_json::Error> {
+        let AdminServer { url, name } = serde_json::from_value(body)?;
+        Ok(Self { name, ..Self::new(url) })
+    }
+
     /// Whether `endpoint` is one a subscriber can connect to:
     /// `tcp://host:port`, host a name or an IP address. The error is the
     /// reason only.
@@ -112,6 +120,15 @@ impl BackendConfig {
             (None, Err(_)) => self.url.clone(),
         }
     }
+}
+
+/// The body of `POST /admin/servers`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AdminServer {
+    url: String,
+    #[serde(default)]
+    name: Option<String>,
 }
 
 /// Which metrics an engine exposes on `/metrics`, for the load figures.

@@ -101,6 +101,29 @@ impl ModelConfig {
         }
     }
 
+    /// The pool of an admin API body (`POST /admin/models`, or `PUT
+    /// /admin/models/{named}` with `named`, which the body may leave out
+    /// or must repeat), not yet validated; the error says what is wrong.
+    pub fn from_admin_body(mut body: serde_json::Value, named: Option<&str>) -> Result<Self, String> {
+        let Some(object) = body.as_object_mut() else {
+            return Err("the body must be a JSON object: a [[model]] table".into());
+        };
+        if let Some(named) = named {
+            match object.get("name") {
+                None => {
+                    object.insert("name".into(), serde_json::Value::from(named));
+                }
+                Some(name) if name == named => {}
+                Some(name) => {
+                    return Err(format!(
+                        "the body names {name}, the path {named:?}; rename a pool by adding the new one and removing the old"
+                    ));
+                }
+            }
+        }
+        serde_json::from_value(body).map_err(|e| format!("not a [[model]] table: {e}"))
+    }
+
     /// Every name it answers to: its name, then its aliases.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         std::iter::once(self.name.as_str()).chain(self.aliases.iter().map(String::as_str))

@@ -475,7 +475,7 @@ fn session_key(pool: &Pool, headers: &HeaderMap, parsed: &prompt::ParsedRequest<
 /// `body` with its `model` field, whose value is `model` (borrowed from
 /// `body` unless it had escapes), set to `name`: the bytes around it kept
 /// as they are, else the body parsed and written again.
-pub(super) fn with_model(body: &Bytes, model: &str, name: &str) -> Bytes {
+pub(crate) fn with_model(body: &Bytes, model: &str, name: &str) -> Bytes {
     let start = (model.as_ptr() as usize).wrapping_sub(body.as_ptr() as usize);
     let quoted = serde_json::to_string(name).expect("a string serializes");
     if start < body.len() && start + model.len() <= body.len() && body[start..start + model.len()] == *model.as_bytes()

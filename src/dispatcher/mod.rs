@@ -141,10 +141,11 @@ mod timing;
 mod usage;
 
 pub use http::DIAGNOSTIC_PREFIX;
-/// The stream rewriters the fuzz targets reach ([`crate::fuzzing`]).
 pub use peer_forward::Peering;
+/// The stream and body rewriters the fuzz targets reach ([`crate::fuzzing`]).
 pub use sse::replay;
 pub use usage::UsageStrip;
+pub(crate) use {inference::with_model, proxy::with_cache_salt, usage::with_include_usage, usage::with_usage_option};
 
 use std::convert::Infallible;
 use std::future::Future;

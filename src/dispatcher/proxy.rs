@@ -903,12 +903,9 @@ pub(super) fn unavailable(message: impl Into<String>, code: &str) -> Response<Bo
 /// `body` (a JSON object) with `"cache_salt": salt`, replacing one the
 /// client sent: put first when the body has none, else the body parsed and
 /// written again.
-fn with_cache_salt(body: &Bytes, salt: &str) -> Bytes {
+pub(crate) fn with_cache_salt(body: &Bytes, salt: &str) -> Bytes {
     let quoted = serde_json::to_string(salt).expect("a string serializes");
-    // A key the client wrote with escapes (`"cache\u005fsalt"`) is the
-    // same key to the engine's JSON parser, whose last duplicate wins: a
-    // body with any escape is parsed and written again, never prefixed.
-    let has_salt = memchr::memmem::find(body, b"cache_salt").is_some() || memchr::memmem::find(body, b"\\u").is_some();
+    let has_salt = has_cache_salt(body);
     let open = body.iter().position(|b| !b.is_ascii_whitespace());
     if !has_salt && let Some(i) = open.filter(|i| body[*i] == b'{') {
         let rest = &body[i + 1..];
@@ -924,6 +921,22 @@ fn with_cache_salt(body: &Bytes, salt: &str) -> Bytes {
         return Bytes::from(out);
     }
     super::http::with_string_field(body, "cache_salt", salt)
+}
+
+/// Whether the JSON object `body` may have a `cache_salt` member: its
+/// key as such, or (found by reading the keys) written with escapes,
+/// `"cache\u005fsalt"`, which an engine's parser reads as `cache_salt` and
+/// which, after the one put first, would win. Yes when it does not parse.
+fn has_cache_salt(body: &[u8]) -> bool {
+    if memchr::memmem::find(body, b"cache_salt").is_some() {
+        return true;
+    }
+    // Only `\uXXXX` writes a letter or `_` as something else.
+    if memchr::memmem::find(body, br"\u").is_none() {
+        return false;
+    }
+    serde_json::from_slice::<std::collections::HashMap<String, serde::de::IgnoredAny>>(body)
+        .map_or(true, |members| members.contains_key("cache_salt"))
 }
 
 #[cfg(test)]
@@ -956,6 +969,19 @@ mod tests {
         assert_eq!(
             salted(r#"{"cache_salt":"mine","model":"m"}"#),
             serde_json::json!({"model": "m", "cache_salt": "s1"})
+        );
+        // A salt whose key is escaped is the client's too (fuzz target
+        // body_rewrite, tests/fuzz/regressions/body_rewrite): put first,
+        // ours would lose to it in an engine's parser.
+        assert_eq!(
+            salted(r#"{"model":"m","cache\u005fsalt":"another tenant's"}"#),
+            serde_json::json!({"model": "m", "cache_salt": "s1"})
+        );
+        // Other escapes keep the fast path.
+        let body = Bytes::from_static(br#"{"prompt":"caf\u00e9"}"#);
+        assert_eq!(
+            with_cache_salt(&body, "s1"),
+            Bytes::from_static(br#"{"cache_salt":"s1","prompt":"caf\u00e9"}"#)
         );
     }
 }

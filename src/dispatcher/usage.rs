@@ -41,15 +41,23 @@ const NULL_USAGE: [&[u8]; 4] = [
 
 /// `body` (a JSON object without a `stream_options` member) with
 /// `stream_options.include_usage` set; `None` if it is not an object.
-pub(super) fn with_include_usage(body: &[u8]) -> Option<Bytes> {
+pub(crate) fn with_include_usage(body: &[u8]) -> Option<Bytes> {
     let brace = body.iter().position(|b| !b.is_ascii_whitespace())?;
     if body[brace] != b'{' {
         return None;
     }
+    let rest = &body[brace + 1..];
     let mut out = BytesMut::with_capacity(body.len() + INCLUDE_USAGE.len());
     out.extend_from_slice(&body[..=brace]);
-    out.extend_from_slice(INCLUDE_USAGE);
-    out.extend_from_slice(&body[brace + 1..]);
+    // `{}`: the member without the comma that would follow it.
+    let empty = rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
+    let member = if empty {
+        &INCLUDE_USAGE[..INCLUDE_USAGE.len() - 1]
+    } else {
+        INCLUDE_USAGE
+    };
+    out.extend_from_slice(member);
+    out.extend_from_slice(rest);
     Some(out.freeze())
 }
 
@@ -57,7 +65,7 @@ pub(super) fn with_include_usage(body: &[u8]) -> Option<Bytes> {
 /// `stream_options.include_usage` set to `true`, its other options kept
 /// (options that are not an object are replaced); `None` if it is not an
 /// object. The body is parsed and written again.
-pub(super) fn with_usage_option(body: &[u8]) -> Option<Bytes> {
+pub(crate) fn with_usage_option(body: &[u8]) -> Option<Bytes> {
     let Ok(serde_json::Value::Object(mut object)) = serde_json::from_slice::<serde_json::Value>(body) else {
         return None;
     };
@@ -232,6 +240,9 @@ mod tests {
         assert_eq!(v["stream_options"]["include_usage"], true);
         assert_eq!(v["model"], "m");
         assert!(with_include_usage(b"[1]").is_none());
+        // An empty object stays JSON (fuzz target body_rewrite).
+        let empty: serde_json::Value = serde_json::from_slice(&with_include_usage(b" { } ").unwrap()).unwrap();
+        assert_eq!(empty, serde_json::json!({"stream_options": {"include_usage": true}}));
         // The client's own options: set, the others kept.
         for (options, expected) in [
             (

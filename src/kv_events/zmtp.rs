@@ -23,11 +23,13 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 /// Largest frame read (a batch of events is kilobytes to a few megabytes).
 const MAX_FRAME: u64 = 16 << 20;
+/// A frame's body is read in steps of this much (see `read_frame`).
+const FRAME_CHUNK: usize = 64 << 10;
 /// Most frames in one message.
 const MAX_FRAMES: usize = 64;
 /// Most bytes of one message, its frames together: a publisher cannot
@@ -82,10 +84,11 @@ impl SocketType {
     }
 }
 
-/// One ZMTP connection.
+/// One ZMTP connection: over TCP, or (for the fuzz target) any byte
+/// stream.
 #[derive(Debug)]
-pub struct Connection {
-    stream: BufReader<TcpStream>,
+pub struct Connection<S = TcpStream> {
+    stream: BufReader<S>,
 }
 
 impl Connection {
@@ -103,11 +106,25 @@ impl Connection {
                 .with_time(KEEPALIVE)
                 .with_interval(KEEPALIVE),
         )?;
+        Connection::over(tcp, kind).await
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
+    /// Completes the handshake as a `kind` socket over `stream`, an open
+    /// byte stream to the peer.
+    pub(crate) async fn over(stream: S, kind: SocketType) -> Result<Self, ZmtpError> {
         let mut conn = Self {
-            stream: BufReader::new(tcp),
+            stream: BufReader::new(stream),
         };
         conn.handshake(kind).await?;
         Ok(conn)
+    }
+
+    /// The stream under the connection (the fuzz target reads what was
+    /// written to it).
+    pub(crate) fn stream(&self) -> &S {
+        self.stream.get_ref()
     }
 
     async fn handshake(&mut self, kind: SocketType) -> Result<(), ZmtpError> {
@@ -219,8 +236,19 @@ impl Connection {
         if size > MAX_FRAME {
             return Err(ZmtpError::Protocol(format!("a frame of {size} bytes")));
         }
-        let mut body = vec![0; size as usize];
-        self.stream.read_exact(&mut body).await?;
+        // Grown as the bytes arrive, not allocated from the size the peer
+        // announces: nine bytes claiming 64 MiB cost nothing.
+        // Each step at most doubles what has arrived, and the body ends
+        // exactly as large as announced.
+        let size = size as usize;
+        let mut body = Vec::new();
+        while body.len() < size {
+            let at = body.len();
+            let step = (size - at).min(at.max(FRAME_CHUNK));
+            body.reserve_exact(step);
+            body.resize(at + step, 0);
+            self.stream.read_exact(&mut body[at..]).await?;
+        }
         Ok((flags, Bytes::from(body)))
     }
 }
@@ -316,6 +344,45 @@ mod tests {
             Err(ZmtpError::Protocol(why)) => assert!(why.contains("a frame of"), "{why}"),
             other => panic!("{:?}", other.map(|f| f.len())),
         }
+    }
+
+    /// A PUB peer's greeting and READY, then `frames` (flags, body).
+    fn publisher_bytes(frames: &[(u8, &[u8])]) -> Vec<u8> {
+        let mut out = vec![0u8; 64];
+        out[0] = 0xff;
+        out[9] = 0x7f;
+        out[10] = 3;
+        out[12..16].copy_from_slice(b"NULL");
+        out.extend_from_slice(b"\x04\x19\x05READY\x0bSocket-Type\x00\x00\x00\x03PUB");
+        for (flags, body) in frames {
+            out.push(flags | LONG);
+            out.extend_from_slice(&(body.len() as u64).to_be_bytes());
+            out.extend_from_slice(body);
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn a_frame_is_read_as_it_arrives_not_as_large_as_it_says() {
+        // A body of several read steps comes in whole, after a heartbeat.
+        let body: Vec<u8> = (0..200_000u32).map(|i| i as u8).collect();
+        let bytes = publisher_bytes(&[(COMMAND, b"\x04PING"), (MORE, b"topic"), (0, &body)]);
+        let mut sub = Connection::over(tokio::io::join(&bytes[..], tokio::io::sink()), SocketType::Sub)
+            .await
+            .unwrap();
+        let message = sub.recv().await.unwrap();
+        assert_eq!(message, [&b"topic"[..], &body[..]]);
+        // Nine bytes announcing 64 MiB are an end of stream, not 64 MiB
+        // allocated up front (fuzz target zmtp,
+        // tests/fuzz/regressions/zmtp).
+        let mut bytes = publisher_bytes(&[]);
+        bytes.push(LONG);
+        bytes.extend_from_slice(&MAX_FRAME.to_be_bytes());
+        bytes.extend_from_slice(b"short");
+        let mut sub = Connection::over(tokio::io::join(&bytes[..], tokio::io::sink()), SocketType::Sub)
+            .await
+            .unwrap();
+        assert!(matches!(sub.recv().await, Err(ZmtpError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof));
     }
 
     /// The simulator's publisher (the `zeromq` crate) as the peer: a

@@ -284,12 +284,14 @@ impl PeerBook {
         if e.failed || now.saturating_duration_since(*at) > self.max_age || !summary.serves(model) {
             return None;
         }
-        let share = summary.free.div_ceil(self.dispatchers) + e.released;
+        // Saturating: `free` is the peer's word, up to u32::MAX.
+        let share = summary.free.div_ceil(self.dispatchers).saturating_add(e.released);
         if share <= e.sent || summary.servers == 0 {
             return None;
         }
         let left = f64::from(share - e.sent) / f64::from(share);
-        Some(left * f64::from(summary.free + e.released).min(f64::from(summary.servers)) / f64::from(summary.servers))
+        let free = f64::from(summary.free.saturating_add(e.released));
+        Some(left * free.min(f64::from(summary.servers)) / f64::from(summary.servers))
     }
 
     /// Counts one more request sent to `e`.
@@ -415,6 +417,20 @@ mod tests {
         assert_eq!(b.choose("m", LONG, now), None, "taken again");
         // One that ends before any newer summary gives back what it took.
         b.ended(&second);
+        assert!(b.choose("m", LONG, now).is_some());
+    }
+
+    #[test]
+    fn a_peer_claiming_every_server_free_overflows_nothing() {
+        // Fuzz target peer_summary (tests/fuzz/regressions/peer_summary):
+        // `free` is the peer's word; with a forward ended after a newer
+        // summary, share and free counts went past u32::MAX.
+        let b = book(1);
+        let now = Instant::now();
+        b.summary(0, summary("b", u32::MAX, u32::MAX), Duration::from_millis(1), now);
+        let first = b.choose("m", LONG, now).expect("room");
+        b.summary(0, summary("b", u32::MAX, u32::MAX), Duration::from_millis(1), now);
+        b.ended(&first);
         assert!(b.choose("m", LONG, now).is_some());
     }
 
