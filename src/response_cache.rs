@@ -132,13 +132,14 @@ const PRESENTATION_ONLY: [&str; 2] = ["stream", "stream_options"];
 /// URI's query string, forwarded as it came) and `headers` (of which the
 /// [`ANSWER_HEADERS`] count).
 pub fn key(
+    secret: &KeySecret,
     tenant: Tenant,
     endpoint: Endpoint,
     query: &str,
     headers: &http::HeaderMap,
     body: &Object<'_>,
 ) -> shm_layout::ResponseKey {
-    let mut h = Xxh3::new();
+    let mut h = Xxh3::with_secret(secret.0);
     h.update(&tenant.0.to_le_bytes());
     h.update(endpoint.path().as_bytes());
     h.update(&[0]);
@@ -152,6 +153,34 @@ pub fn key(
     }
     hash_object(&mut h, body, &PRESENTATION_ONLY);
     shm_layout::ResponseKey(h.digest128())
+}
+
+/// The secret response-cache keys are hashed with (XXH3's 192-byte secret),
+/// expanded from the chain seed: the segment's, or the Redis namespace's,
+/// so every host sharing a namespace keys alike, and no client knows it. A
+/// client cannot compute a key, so it cannot search offline for a request
+/// whose key collides with another's (another tenant's answer served for
+/// it). XXH3 keyed so is not a cryptographic MAC; the tenant is hashed in
+/// too, and a collision needs the secret.
+#[derive(Clone)]
+pub struct KeySecret([u8; 192]);
+
+impl KeySecret {
+    /// The secret of chain seed `seed`.
+    pub fn new(seed: u64) -> Self {
+        let mut secret = [0u8; 192];
+        for (i, chunk) in secret.chunks_exact_mut(8).enumerate() {
+            let word = xxhash_rust::xxh3::xxh3_64_with_seed(&(i as u64).to_le_bytes(), seed ^ 0x7365_6372_6574);
+            chunk.copy_from_slice(&word.to_le_bytes());
+        }
+        Self(secret)
+    }
+}
+
+impl std::fmt::Debug for KeySecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeySecret(..)")
+    }
 }
 
 /// Feeds `object`'s canonical form to `h`, leaving out the keys in `skip`.
@@ -284,7 +313,7 @@ mod tests {
 
     /// The key without a query string or answer headers.
     fn key(t: Tenant, e: Endpoint, b: &Object<'_>) -> shm_layout::ResponseKey {
-        super::key(t, e, "", &http::HeaderMap::new(), b)
+        super::key(&KeySecret::new(1), t, e, "", &http::HeaderMap::new(), b)
     }
 
     fn body(json: &str) -> Object<'_> {
@@ -424,21 +453,43 @@ mod tests {
     }
 
     #[test]
+    fn keys_depend_on_the_secret() {
+        let b = body(r#"{"model":"m","prompt":"x"}"#);
+        let (t, e) = (Tenant(1), Endpoint::Completions);
+        let none = http::HeaderMap::new();
+        assert_ne!(
+            super::key(&KeySecret::new(1), t, e, "", &none, &b),
+            super::key(&KeySecret::new(2), t, e, "", &none, &b),
+            "another seed, another key: a client cannot compute one"
+        );
+    }
+
+    #[test]
     fn the_query_string_and_the_organization_are_in_the_key() {
         let b = body(r#"{"model":"m","prompt":"x","temperature":0}"#);
         let (t, e) = (Tenant::ANONYMOUS, Endpoint::Completions);
         let none = http::HeaderMap::new();
-        let base = super::key(t, e, "", &none, &b);
-        assert_ne!(super::key(t, e, "api-version=2024-10-21", &none, &b), base);
+        let base = super::key(&KeySecret::new(1), t, e, "", &none, &b);
+        assert_ne!(
+            super::key(&KeySecret::new(1), t, e, "api-version=2024-10-21", &none, &b),
+            base
+        );
         let mut org = http::HeaderMap::new();
         org.insert("openai-organization", http::HeaderValue::from_static("org-a"));
-        assert_ne!(super::key(t, e, "", &org, &b), base);
+        assert_ne!(super::key(&KeySecret::new(1), t, e, "", &org, &b), base);
         let mut other = http::HeaderMap::new();
         other.insert("openai-organization", http::HeaderValue::from_static("org-b"));
-        assert_ne!(super::key(t, e, "", &org, &b), super::key(t, e, "", &other, &b));
+        assert_ne!(
+            super::key(&KeySecret::new(1), t, e, "", &org, &b),
+            super::key(&KeySecret::new(1), t, e, "", &other, &b)
+        );
         let mut unrelated = http::HeaderMap::new();
         unrelated.insert("user-agent", http::HeaderValue::from_static("curl"));
-        assert_eq!(super::key(t, e, "", &unrelated, &b), base, "other headers do not count");
+        assert_eq!(
+            super::key(&KeySecret::new(1), t, e, "", &unrelated, &b),
+            base,
+            "other headers do not count"
+        );
     }
 
     #[test]

@@ -256,7 +256,14 @@ pub(super) async fn inference(
             Some(c) => Tenant::named(rc.scope, &c.tenant),
             None => Tenant::of(rc.scope, &parts.headers),
         };
-        response_cache::key(tenant, endpoint, query, &parts.headers, &parsed.body)
+        response_cache::key(
+            &response_cache::KeySecret::new(seed),
+            tenant,
+            endpoint,
+            query,
+            &parts.headers,
+            &parsed.body,
+        )
     });
     // Without learning at dispatch nothing records end keys: no probes.
     let answer_tokens = if dispatcher.config().learn_at_dispatch {

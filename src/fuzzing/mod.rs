@@ -228,7 +228,14 @@ pub fn request(data: &[u8]) {
             }
             let mut headers = http::HeaderMap::new();
             headers.insert("openai-organization", http::HeaderValue::from_static("org-fuzz"));
-            let _ = response_cache::key(Tenant(7), endpoint, "a=1", &headers, &parsed.body);
+            let _ = response_cache::key(
+                &response_cache::KeySecret::new(7),
+                Tenant(7),
+                endpoint,
+                "a=1",
+                &headers,
+                &parsed.body,
+            );
         }
     }
 }
