@@ -33,6 +33,16 @@
 //! the cell zeroed. Every store is one atomic instruction, so there is no
 //! fifth state.
 //!
+//! The reclaim is itself safe to kill and run again (the supervisor that
+//! runs it may die, and its successor reclaims the same rows). Per cell it
+//! first stores the dead process's whole share (the interrupted op folded
+//! in) as the cell's counts, with the toggle bits the words have now, then
+//! a [`Op::Reclaim`] intent; each subtraction from a global word flips the
+//! dead process's toggle bit, as an op would; the zeroed cell comes last.
+//! A second reclaim then reads, where a bit differs under that intent,
+//! that the word's part is already subtracted, and subtracts only the rest
+//! (subtracting the cell's counts again took live processes' requests).
+//!
 //! Only one live process may own a toggle bit: processes that count
 //! requests must have distinct slots modulo 64. The supervisor numbers its
 //! dispatchers 1 to 64 (at most 64) and the response processes, which count
@@ -67,6 +77,9 @@ pub(crate) enum Op {
     EndStarted = 3,
     /// Ended before any token: no longer in flight nor pending.
     EndPending = 4,
+    /// Not a step of a request: a reclaim of the process is under way
+    /// and the cell holds what it has yet to subtract (see the module docs).
+    Reclaim = 5,
 }
 
 impl Op {
@@ -78,6 +91,7 @@ impl Op {
             Self::FirstToken => (0, -1),
             Self::EndStarted => (-1, 0),
             Self::EndPending => (-1, -1),
+            Self::Reclaim => (0, 0),
         }
     }
 
@@ -87,6 +101,7 @@ impl Op {
             2 => Self::FirstToken,
             3 => Self::EndStarted,
             4 => Self::EndPending,
+            5 => Self::Reclaim,
             _ => return None,
         })
     }
@@ -319,8 +334,10 @@ impl ServerTable<'_> {
 
     /// Takes a dead process's in-flight counts out of every server's totals
     /// (including an op it was killed in the middle of) and zeroes its
-    /// ledger row. Idempotent. Only for a process that is dead: a live one
-    /// would go on changing its row.
+    /// ledger row. Idempotent, and safe to kill part way: run again (by
+    /// another process), it subtracts only what the killed run had not.
+    /// Only for a process that is dead: a live one would go on changing its
+    /// row. One reclaim of a row at a time.
     pub fn reclaim_process(&self, process: u16) -> Reclaimed {
         let mut out = Reclaimed::default();
         for (slot, s) in self.slots.iter().enumerate() {
@@ -333,25 +350,63 @@ impl ServerTable<'_> {
             if share == Share::default() && !mid_requests && !mid_tokens {
                 continue;
             }
-            // The process's share of each word: its cell, plus the op it
-            // applied to the word but not to the cell.
+            // What is left to subtract from each word: the cell's counts,
+            // plus the op the process applied to the word but not to the
+            // cell; or nothing, where an earlier reclaim already did.
             let (mut r, mut p) = (share.requests as i64, share.pending as i64);
             let (mut t, mut pt) = (share.tokens as i64, share.pending_tokens as i64);
-            if let Some((op, n)) = split_intent(cell.intent.load(Ordering::Acquire))
-                && (mid_requests || mid_tokens)
-            {
-                out.interrupted += 1;
-                let (dr, dp) = op.signs();
-                if mid_requests {
-                    (r, p) = (r + dr, p + dp);
+            match split_intent(cell.intent.load(Ordering::Acquire)) {
+                Some((Op::Reclaim, _)) => {
+                    if mid_requests {
+                        (r, p) = (0, 0);
+                    }
+                    if mid_tokens {
+                        (t, pt) = (0, 0);
+                    }
                 }
-                if mid_tokens {
-                    (t, pt) = (t + dr * n as i64, pt + dp * n as i64);
+                Some((op, n)) if mid_requests || mid_tokens => {
+                    out.interrupted += 1;
+                    let (dr, dp) = op.signs();
+                    if mid_requests {
+                        (r, p) = (r + dr, p + dp);
+                    }
+                    if mid_tokens {
+                        (t, pt) = (t + dr * n as i64, pt + dp * n as i64);
+                    }
                 }
+                _ => {}
             }
-            out.requests += r.max(0) as u64;
-            let requests = Self::change(&s.requests, (-r.max(0), -p.max(0)), MAX_REQUESTS, false, None);
-            let tokens = Self::change(&s.tokens, (-t.max(0), -pt.max(0)), MASK32, false, None);
+            let (r, p, t, pt) = (r.max(0) as u64, p.max(0) as u64, t.max(0) as u64, pt.max(0) as u64);
+            out.requests += r;
+            // The cell now says exactly what is left, its bits those of
+            // the words (a kill from here on finds no op mid-way) ...
+            let left = Share {
+                requests: r.min(MASK31),
+                pending: p.min(MASK31),
+                tokens: t.min(MASK32),
+                pending_tokens: pt.min(MASK32),
+                toggle_requests: toggle(requests, process),
+                toggle_tokens: toggle(tokens, process),
+            };
+            cell.counts.store(left.pack(), Ordering::Release);
+            // ... and that a reclaim is under way: from here on a bit that
+            // differs means that word's part was subtracted.
+            cell.intent.store(intent(Op::Reclaim, 0), Ordering::Release);
+            let minus = |a: u64| -(a as i64);
+            let requests = Self::change(
+                &s.requests,
+                (minus(left.requests), minus(left.pending)),
+                MAX_REQUESTS,
+                false,
+                Some(process),
+            );
+            let tokens = Self::change(
+                &s.tokens,
+                (minus(left.tokens), minus(left.pending_tokens)),
+                MASK32,
+                false,
+                Some(process),
+            );
             let zero = Share {
                 toggle_requests: requests.is_some_and(|w| toggle(w, process)),
                 toggle_tokens: tokens.is_some_and(|w| toggle(w, process)),
@@ -475,6 +530,7 @@ mod tests {
                         Op::Begin => &[],
                         Op::FirstToken | Op::EndPending => &[Op::Begin],
                         Op::EndStarted => &[Op::Begin, Op::FirstToken],
+                        Op::Reclaim => unreachable!("not a step of a request"),
                     };
                     for step in setup {
                         assert!(t.apply(5, a.slot, *step, 40, Stores::All));
