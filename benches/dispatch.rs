@@ -212,6 +212,7 @@ fn dispatch(c: &mut Criterion) {
             b.iter(|| {
                 i = (i + 1) % parsed.len();
                 let k = key(
+                    &semlb::response_cache::KeySecret::new(1),
                     Tenant::ANONYMOUS,
                     Endpoint::ChatCompletions,
                     "",
@@ -319,6 +320,7 @@ fn dispatch(c: &mut Criterion) {
                 };
                 hasher.chain(&tokenizer.encode(text), &mut chain);
                 let k = key(
+                    &semlb::response_cache::KeySecret::new(1),
                     Tenant::ANONYMOUS,
                     Endpoint::ChatCompletions,
                     "",

@@ -57,7 +57,7 @@
 //! | `peering.forward_after_ms` | integer | `500` | forward only when the local queue's expected wait exceeds this (and the peer's round trip) |
 //! | `peering.delay_penalty_ms` | integer | `200` | a round trip this long costs a peer as much as all its free servers, when peers are ranked |
 //! | `[[peer]]` | table, repeated | none | another region's gateway: `url` (`http://` or `https://`), `region`, `token_file` (what it expects), `delay_ms` (added latency, for tests); over `https://`, `ca_file` (default: the system's roots), `cert_file` and `key_file` (a client certificate) |
-//! | `[tls]` | table | not set: plain HTTP | the listener serves HTTPS: `cert_file`, `key_file` (PEM, the key mode 0600), `client_ca_file` (mutual TLS: clients must present a certificate of this CA); [`crate::tls`] |
+//! | `[tls]` | table | not set: plain HTTP | the listener serves HTTPS: `cert_file`, `key_file` (PEM, the key mode 0600), `client_ca_file` (mutual TLS: clients must present a certificate of this CA); the `tls` module |
 //! | `policy.kind` | `cache_aware`, `least_load`, `round_robin`, `random`, `selective_push`, `consistent_hash`, `dual_map`, `weighted_scorers`, `cost` | `cache_aware` | which policy ([`crate::routing`]) |
 //! | `[policy.queue]` | table | | the gateway queue of `selective_push` and `dual_map` ([`crate::routing::QueueParams`]) |
 //! | `policy.queue.capacity` | integer | `1024` | requests waiting at the gateway, all dispatchers together (1 to 1 000 000); one more gets 503 with `Retry-After` |
@@ -204,7 +204,7 @@ mod validate;
 pub use backend::{BackendConfig, BackendUrl, MetricsFlavor};
 pub use model_changes::ModelChanges;
 pub use models::ModelConfig;
-pub use peers::{MAX_PEERS, PeerConfig, PeeringConfig};
+pub use peers::{MAX_PEERS, PeerConfig, PeerTls, PeeringConfig};
 pub use sections::*;
 
 /// Default `listen` address.
@@ -394,7 +394,7 @@ pub struct ServeConfig {
     #[serde(rename = "peer")]
     pub peers: Vec<PeerConfig>,
     /// The listener over TLS (`[tls]`; `None`: plain HTTP).
-    pub tls: Option<crate::tls::ListenerTls>,
+    pub tls: Option<ListenerTls>,
     /// On SIGTERM the dispatchers stop accepting and let requests in flight
     /// finish for up to this many seconds before the supervisor stops them.
     /// Default 30.

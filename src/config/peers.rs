@@ -19,7 +19,7 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
-use super::sections::{check_admin_token, read_private};
+use super::sections::read_token_file;
 use super::{BackendUrl, ConfigError, quoted};
 
 /// At most this many peers.
@@ -115,11 +115,11 @@ impl PeerConfig {
     }
 
     /// Its TLS settings, when its URL is `https://`.
-    pub fn tls(&self) -> Option<crate::tls::PeerTls> {
+    pub fn tls(&self) -> Option<PeerTls> {
         self.address()
             .ok()
             .filter(|a| a.starts_with("https://"))
-            .map(|_| crate::tls::PeerTls {
+            .map(|_| PeerTls {
                 ca_file: self.ca_file.clone(),
                 cert_file: self.cert_file.clone(),
                 key_file: self.key_file.clone(),
@@ -140,15 +140,6 @@ impl PeeringConfig {
             .map(|p| read_token_file("peering.token_file", p))
             .transpose()
     }
-}
-
-pub(super) fn read_token_file(field: &str, path: &std::path::Path) -> Result<String, ConfigError> {
-    let shown = quoted(&path.display().to_string());
-    let invalid = |reason: String| ConfigError::invalid(field, &shown, reason);
-    let text = read_private(path).map_err(invalid)?;
-    let token = text.trim_end().to_owned();
-    check_admin_token(&token).map_err(|reason| invalid(format!("its contents: {reason}")))?;
-    Ok(token)
 }
 
 /// Whether `name` is a region name: 1 to 64 of `A-Z a-z 0-9 . _ : -`.
@@ -243,6 +234,17 @@ pub(super) fn validate_peering(peering: &PeeringConfig, peers: &[PeerConfig]) ->
         }
     }
     Ok(())
+}
+
+/// The TLS settings of an `https://` peer, as configured.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PeerTls {
+    /// The CA its certificate must chain to (`None`: the system's roots).
+    pub ca_file: Option<PathBuf>,
+    /// This gateway's client certificate chain, for a peer that asks.
+    pub cert_file: Option<PathBuf>,
+    /// Its private key.
+    pub key_file: Option<PathBuf>,
 }
 
 #[cfg(test)]

@@ -415,7 +415,7 @@ impl MetricsConfig {
     pub fn read_token(&self) -> Result<Option<String>, ConfigError> {
         self.token_file
             .as_ref()
-            .map(|p| super::peers::read_token_file("metrics.token_file", p))
+            .map(|p| read_token_file("metrics.token_file", p))
             .transpose()
     }
 }
@@ -513,4 +513,29 @@ pub(super) fn check_admin_token(token: &str) -> Result<(), String> {
         return Err("a token must be visible ASCII characters only (no spaces)".into());
     }
     Ok(())
+}
+
+/// `[tls]`: the listener serves HTTPS (HTTP/1.1 over TLS 1.2 or 1.3).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerTls {
+    /// The certificate chain it presents (PEM, leaf first).
+    pub cert_file: std::path::PathBuf,
+    /// Its private key (PEM; mode 0600).
+    pub key_file: std::path::PathBuf,
+    /// Clients must present a certificate of this CA (PEM): mutual TLS.
+    /// Default: none asked for.
+    #[serde(default)]
+    pub client_ca_file: Option<std::path::PathBuf>,
+}
+
+/// The token in the private file `path` (setting `field`): its contents,
+/// trailing whitespace dropped, checked as an admin token is.
+pub(super) fn read_token_file(field: &str, path: &std::path::Path) -> Result<String, ConfigError> {
+    let shown = quoted(&path.display().to_string());
+    let invalid = |reason: String| ConfigError::invalid(field, &shown, reason);
+    let text = read_private(path).map_err(invalid)?;
+    let token = text.trim_end().to_owned();
+    check_admin_token(&token).map_err(|reason| invalid(format!("its contents: {reason}")))?;
+    Ok(token)
 }

@@ -588,7 +588,7 @@ pub async fn serve(
     // `[tls]`: every connection is a TLS one (checked when the
     // configuration was read; a file changed since fails the start).
     let tls = match &dispatcher.config.tls {
-        Some(tls) => Some(tls.acceptor().map_err(std::io::Error::other)?),
+        Some(tls) => Some(crate::tls::acceptor(tls).map_err(std::io::Error::other)?),
         None => None,
     };
     peer_forward::start_polls(&dispatcher, &dispatcher.peering());

@@ -19,8 +19,9 @@ use std::time::{Duration, Instant};
 use shm_layout::ServerRef;
 
 use super::summary::LoadSummary;
+use crate::config::PeerTls;
 use crate::config::{PeerConfig, PeeringConfig};
-use crate::tls::{PeerClient, PeerTls};
+use crate::tls::PeerClient;
 
 /// Weight of a new round trip in the moving average.
 const RTT_WEIGHT: f64 = 0.3;
@@ -83,7 +84,7 @@ impl TlsClient {
             h.update(&std::fs::read(path).unwrap_or_default());
             h.update(&[0xff]);
         }
-        let client = Arc::new(settings.client(connect_timeout)?);
+        let client = Arc::new(crate::tls::peer_client(&settings, connect_timeout)?);
         Ok(Self {
             settings,
             digest: h.digest(),

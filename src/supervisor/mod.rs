@@ -150,7 +150,7 @@ fn supervise(args: &ServeArgs) -> Result<()> {
     // The listener's certificate, key and client CA, and the https
     // peers' files, read and checked before any child starts.
     if let Some(tls) = &config.tls {
-        tls.server_config()?;
+        semlb::tls::server_config(tls)?;
         tracing::info!(
             mutual = tls.client_ca_file.is_some(),
             "TLS on the listener: {}",
@@ -159,7 +159,7 @@ fn supervise(args: &ServeArgs) -> Result<()> {
     }
     for peer in &config.peers {
         if let Some(tls) = peer.tls() {
-            tls.client_config()?;
+            semlb::tls::client_config(&tls)?;
         }
     }
     config.metrics.read_token()?;

@@ -19,8 +19,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 pub mod client;
 pub mod server;
 
-pub use client::{PeerClient, PeerTls};
-pub use server::ListenerTls;
+pub use client::{PeerClient, client_config, peer_client};
+pub use server::{acceptor, server_config};
 
 /// Why a TLS setting cannot be used.
 #[derive(Debug, thiserror::Error)]
