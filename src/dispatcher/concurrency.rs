@@ -10,7 +10,7 @@
 //! over every dispatcher slot: past the limit it uncounts itself and gets
 //! 429. Counting first makes the limit strict: two requests racing on two
 //! dispatchers may both be refused, never both let in past it. The count
-//! ends when the answer's body ends or is dropped ([`Counted`] rides on
+//! ends when the answer's body ends or is dropped (`Counted` rides on
 //! it). A usage table too full to hold a new gauge lets requests in
 //! uncounted (the table holds 1 024 names; logged by its `add`).
 

@@ -108,7 +108,7 @@ fn peer_handshake(kind: SocketType) -> Vec<u8> {
 }
 
 /// A KV event batch (msgpack, the third frame of a message). Decoding
-/// holds at most [`BYTES_PER_INPUT_BYTE`] per input byte, and a decoded
+/// holds at most `BYTES_PER_INPUT_BYTE` per input byte, and a decoded
 /// batch written in each of vLLM's layouts (arrays; a batch array of tagged
 /// maps; maps throughout) decodes to itself.
 pub fn kv_batch(data: &[u8]) {
