@@ -513,7 +513,7 @@ impl Keys {
             for value in headers.get_all(name) {
                 let value = value.as_bytes();
                 let key = if name == "authorization" {
-                    value.strip_prefix(b"Bearer ").unwrap_or(value)
+                    crate::response_cache::bearer_token(value)
                 } else {
                     value
                 };

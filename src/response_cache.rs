@@ -97,6 +97,16 @@ impl Tenant {
     }
 }
 
+/// The token of an `Authorization` value: after its `Bearer` scheme, which
+/// is case-insensitive (RFC 9110: `bearer`, `BEARER` are the same), else
+/// the value as it is.
+pub fn bearer_token(value: &[u8]) -> &[u8] {
+    match value.split_at_checked(7) {
+        Some((scheme, token)) if scheme.eq_ignore_ascii_case(b"bearer ") => token,
+        _ => value,
+    }
+}
+
 /// Every non-empty API key a request carries, in [`API_KEY_HEADERS`]
 /// order (a bearer token without its `Bearer `).
 fn api_keys(headers: &http::HeaderMap) -> impl Iterator<Item = &[u8]> {
@@ -105,7 +115,7 @@ fn api_keys(headers: &http::HeaderMap) -> impl Iterator<Item = &[u8]> {
         .flat_map(|name| headers.get_all(*name).iter().map(move |v| (*name, v.as_bytes())))
         .map(|(name, value)| {
             if name == "authorization" {
-                value.strip_prefix(b"Bearer ").unwrap_or(value)
+                bearer_token(value)
             } else {
                 value
             }
@@ -450,6 +460,16 @@ mod tests {
         again.append("authorization", http::HeaderValue::from_static("Bearer sk-alice"));
         again.append("api-key", http::HeaderValue::from_static("sk-alice"));
         assert_eq!(Tenant::of(Scope::Tenant, &again), alice);
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer_token(b"Bearer sk-1"), b"sk-1");
+        assert_eq!(bearer_token(b"bearer sk-1"), b"sk-1");
+        assert_eq!(bearer_token(b"BEARER sk-1"), b"sk-1");
+        assert_eq!(bearer_token(b"sk-1"), b"sk-1", "a bare key");
+        assert_eq!(bearer_token(b"Bear"), b"Bear");
+        assert_eq!(bearer_token("Bearer é".as_bytes()), "é".as_bytes());
     }
 
     #[test]

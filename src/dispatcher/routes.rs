@@ -121,7 +121,7 @@ fn scrape_refusal(dispatcher: &Dispatcher, headers: &http::HeaderMap) -> Option<
             let presented = headers
                 .get(http::header::AUTHORIZATION)
                 .map(|v| v.as_bytes())
-                .and_then(|v| v.strip_prefix(b"Bearer "))
+                .map(crate::response_cache::bearer_token)
                 .unwrap_or_default();
             (!crate::auth::constant_time_eq(presented.trim_ascii(), token.as_bytes())).then(|| {
                 let mut r = error_response(

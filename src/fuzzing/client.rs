@@ -147,7 +147,7 @@ pub fn key_headers(data: &[u8]) {
         .map(|(name, value)| {
             let value = value.as_bytes();
             let key = if name == "authorization" {
-                value.strip_prefix(b"Bearer ").unwrap_or(value)
+                crate::response_cache::bearer_token(value)
             } else {
                 value
             };
