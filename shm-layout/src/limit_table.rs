@@ -29,7 +29,12 @@
 //! the segment-keyed fingerprint in the low half. A key lives in one of the
 //! eight slots of its home bucket and the next. A slot whose `tat` has
 //! passed is a full bucket, the same as no slot: it is reused first. With
-//! all eight slots live, the one nearest to full is replaced.
+//! all eight slots live, a take for a key that has none is refused until
+//! the nearest of them is full again (`Taken::Limited`, its retry the
+//! wait): replacing a live bucket would start its key again from full,
+//! and keys evicting each other would be given many times their limits.
+//! Charges and refunds after the fact (debt, a reservation given back)
+//! still replace the live slot nearest to full.
 //!
 //! A slot with flipped bits no longer matches its key and reads as absent:
 //! that key starts again from a full bucket (the limit fails open for at
@@ -160,7 +165,7 @@ impl<'a> LimitTable<'a> {
             return Taken::TooLarge;
         }
         let mut verdict = Taken::TooLarge;
-        self.update(key, quota, now_ns, |tat| {
+        let full = self.update_or_wait(key, quota, now_ns, false, |tat| {
             let start = tat.max(now_ns);
             let new = start.saturating_add(quota.cost(n));
             let ahead = new - now_ns;
@@ -182,6 +187,18 @@ impl<'a> LimitTable<'a> {
                 None
             }
         });
+        // Its window is full of other live buckets: it waits for the
+        // nearest to be full again, rather than taking that key's slot
+        // (which would start that key again from a full bucket).
+        if let Some(wait) = full {
+            return Taken::Limited {
+                state: BucketState {
+                    remaining: 0,
+                    reset_ns: wait,
+                },
+                retry_after_ns: wait.max(1),
+            };
+        }
         verdict
     }
 
@@ -275,10 +292,24 @@ impl<'a> LimitTable<'a> {
     /// Applies `next` (old `tat`, or `now_ns` for a new or full bucket →
     /// the new `tat`, or `None` to leave it) to `key`'s bucket with a CAS,
     /// again on a lost race.
-    fn update(&self, key: u64, quota: Quota, now_ns: u64, mut next: impl FnMut(u64) -> Option<u64>) {
+    fn update(&self, key: u64, quota: Quota, now_ns: u64, next: impl FnMut(u64) -> Option<u64>) {
+        self.update_or_wait(key, quota, now_ns, true, next);
+    }
+
+    /// [`update`](Self::update); without `evict`, a key without a slot
+    /// whose window holds only other live buckets takes none: `Some(ns)`,
+    /// how long until the nearest of them is full again (and reusable).
+    fn update_or_wait(
+        &self,
+        key: u64,
+        quota: Quota,
+        now_ns: u64,
+        evict: bool,
+        mut next: impl FnMut(u64) -> Option<u64>,
+    ) -> Option<u64> {
         let n = self.buckets.len();
         if n == 0 {
-            return;
+            return None;
         }
         let home = bucket_index(key, n);
         loop {
@@ -310,13 +341,14 @@ impl<'a> LimitTable<'a> {
             let (b, w, old, tat) = match (own, free, nearest) {
                 (Some(own), _, _) => own,
                 (None, Some((b, w, slot)), _) => (b, w, slot, now_ns),
+                (None, None, Some((_, _, _, tat))) if !evict => return Some(tat - now_ns),
                 (None, None, Some((b, w, slot, _))) => (b, w, slot, now_ns),
-                (None, None, None) => return,
+                (None, None, None) => return None,
             };
-            let Some(new) = next(tat) else { return };
+            let new = next(tat)?;
             // A zero tat would read as an empty slot: time starts at 1 ns.
             if self.buckets[b].cas(w, old, self.codec.pack(key, new.max(1))) {
-                return;
+                return None;
             }
         }
     }
@@ -427,7 +459,7 @@ mod tests {
     }
 
     #[test]
-    fn a_full_table_reuses_full_buckets_then_the_nearest_to_full() {
+    fn a_full_window_makes_a_new_key_wait_and_never_restarts_a_live_one() {
         let (b, seed) = table(1);
         let t = LimitTable::new(&b, seed);
         let q = Quota::per_minute(10);
@@ -437,10 +469,38 @@ mod tests {
             assert!(matches!(t.take(k, q, k, now), Taken::Allowed(_)));
         }
         assert_eq!(t.occupancy(now), (4, 4));
-        // A fifth key takes the way nearest to full (key 1, 1 unit used).
-        assert!(matches!(t.take(5, q, 1, now), Taken::Allowed(_)));
-        assert_eq!(t.peek(1, q, now).remaining, 10, "key 1 was replaced");
-        assert_eq!(t.peek(4, q, now).remaining, 6, "key 4 kept");
+        // A fifth key waits for the way nearest to full (key 1: 1 unit
+        // used, full again in 6 s) instead of taking it.
+        let Taken::Limited { retry_after_ns, .. } = t.take(5, q, 1, now) else {
+            panic!("a fifth key let in over a live bucket")
+        };
+        assert_eq!(retry_after_ns, 6 * SEC);
+        assert_eq!(t.peek(1, q, now).remaining, 9, "key 1 kept its use");
+        assert!(
+            matches!(t.take(5, q, 1, now + 6 * SEC), Taken::Allowed(_)),
+            "then it has room"
+        );
+        // Keys that would evict each other are never given more than their
+        // limit: nine keys, four ways, ten units each, tried again and again.
+        let (b, seed) = table(1);
+        let t = LimitTable::new(&b, seed);
+        let mut given = [0u64; 9];
+        for _ in 0..5 {
+            for (k, g) in given.iter_mut().enumerate() {
+                while matches!(t.take(100 + k as u64, q, 1, now), Taken::Allowed(_)) {
+                    *g += 1;
+                }
+            }
+        }
+        assert!(given.iter().all(|g| *g <= 10), "{given:?}");
+        // Charges after the fact still find a slot (debt is recorded).
+        t.charge(200, q, 3, now);
+        assert_eq!(t.peek(200, q, now).remaining, 7);
+        let (b, seed) = table(1);
+        let t = LimitTable::new(&b, seed);
+        for k in 1..=4 {
+            assert!(matches!(t.take(k, q, k, now), Taken::Allowed(_)));
+        }
         // Once they are full again, any key finds room.
         assert_eq!(t.occupancy(now + 61 * SEC).0, 0);
         assert!(matches!(t.take(6, q, 10, now + 61 * SEC), Taken::Allowed(_)));
