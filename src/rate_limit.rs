@@ -42,6 +42,12 @@
 //! until they end; one more gets 429 `concurrency_limit_exceeded`
 //! (`crate::dispatcher::concurrency`).
 //!
+//! In the segment's table, a bucket lives in one of the eight slots of its
+//! probe window; a new bucket whose window is full of other live buckets
+//! waits (429, with when to retry) rather than evict one, which would start
+//! that key again from a full bucket (16 384 slots: a window fills only
+//! when the table nears full).
+//!
 //! The buckets are GCRA buckets ([`shm_layout::limit_table`]): a minute's
 //! worth of burst, refilled continuously (a limit of 60 per minute gives
 //! one more request every second, not 60 at the top of each minute).
