@@ -572,9 +572,13 @@ impl Gateway {
                 .fold((0, 0), |(p, u), s| (p + s.pushed, u + s.used));
             // Popped from the rings is not yet written: the responders count
             // a record once its write is done.
+            // Every record pushed so far, not only as many as were
+            // expected: an earlier answer may have pushed more than one
+            // (a retry, a cache refresh), and counting those would let
+            // this return before the last one is written.
             if pushed >= self.expected_records.get()
                 && used == 0
-                && applied(&t) >= self.expected_records.get()
+                && applied(&t) >= pushed.max(self.expected_records.get())
                 && self.redis_written()
             {
                 return;
