@@ -452,6 +452,9 @@ pub struct Keys {
     /// The file's tenant rules, for requests a peer gateway forwards as a
     /// tenant ([`peer_caller`](Self::peer_caller)).
     file: KeysFile,
+    /// How many tenants its keys name (read on the request path: counted
+    /// once).
+    tenants: usize,
 }
 
 impl Keys {
@@ -472,6 +475,12 @@ impl Keys {
         Self {
             by_digest,
             file: file.clone(),
+            tenants: {
+                let mut names: Vec<&str> = file.keys.iter().map(|k| k.tenant.as_str()).collect();
+                names.sort_unstable();
+                names.dedup();
+                names.len()
+            },
         }
     }
 
@@ -489,10 +498,7 @@ impl Keys {
 
     /// How many tenants its keys name.
     pub fn tenants(&self) -> usize {
-        let mut names: Vec<&str> = self.file.keys.iter().map(|k| k.tenant.as_str()).collect();
-        names.sort_unstable();
-        names.dedup();
-        names.len()
+        self.tenants
     }
 
     /// How many keys it lets in.

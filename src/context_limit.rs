@@ -78,19 +78,27 @@ pub fn fits(context: EngineContext, prompt: u64, output: Option<u64>) -> bool {
 /// prompt.
 pub fn largest(servers: &ServerTable<'_>, serves: impl Fn(Option<u64>) -> bool) -> Option<EngineContext> {
     let mut largest: Option<EngineContext> = None;
-    for slot in 0..servers.capacity() as u16 {
-        let Some((server, ServerState::Up)) = servers.current(slot) else {
-            continue;
-        };
-        if !serves(servers.id_of(slot)) {
-            continue;
-        }
-        let context = servers.engine_context(server)?;
+    for context in live_contexts(servers, serves) {
+        let context = context?;
         if largest.is_none_or(|l| context.tokens > l.tokens) {
             largest = Some(context);
         }
     }
     largest
+}
+
+/// The context of each live (`Up`) server of `servers` that `serves`
+/// admits (`None` for one that has not said its own).
+fn live_contexts<'t>(
+    servers: &'t ServerTable<'_>,
+    serves: impl Fn(Option<u64>) -> bool + 't,
+) -> impl Iterator<Item = Option<EngineContext>> + 't {
+    (0..servers.capacity() as u16).filter_map(move |slot| {
+        let (server, ServerState::Up) = servers.current(slot)? else {
+            return None;
+        };
+        serves(servers.id_of(slot)).then(|| servers.engine_context(server))
+    })
 }
 
 /// Checks a request of `prompt` tokens asking for `output` against the
@@ -103,14 +111,8 @@ pub fn check(
     output: Option<u64>,
 ) -> Result<(), ContextExceeded> {
     let mut largest: Option<EngineContext> = None;
-    for slot in 0..servers.capacity() as u16 {
-        let Some((server, ServerState::Up)) = servers.current(slot) else {
-            continue;
-        };
-        if !serves(servers.id_of(slot)) {
-            continue;
-        }
-        let Some(context) = servers.engine_context(server) else {
+    for context in live_contexts(servers, serves) {
+        let Some(context) = context else {
             return Ok(());
         };
         if fits(context, prompt, output) {

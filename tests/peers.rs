@@ -464,16 +464,7 @@ fn peers_talk_over_mutual_tls_and_forward_the_tenant_not_its_key() {
     let keys_b = dir.0.join("keys-b.toml").display().to_string();
     let acme_key = support::gateway::add_key(&keys_a, "acme", &[]).0;
     support::gateway::add_key(&keys_b, "someone-else", &[]);
-    support::process::assert_ok(&support::process::run(&[
-        "keys",
-        "--file",
-        &keys_b,
-        "limit",
-        "--tenant",
-        "acme",
-        "--requests-per-minute",
-        "1000",
-    ]));
+    support::gateway::limit_tenant(&keys_b, "acme", &["--requests-per-minute", "1000"]);
     let (engine_a, engine_b) = (sim_at("1"), sim_at("1"));
     let as_a = TlsClient {
         ca: ca.cert.clone(),

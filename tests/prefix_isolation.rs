@@ -16,7 +16,7 @@
 use semlb_test_support as support;
 use serde_json::json;
 use support::TempDir;
-use support::gateway::{Gateway, add_key, routed, sample, sim, user};
+use support::gateway::{Gateway, add_key, limit_tenant, routed, sample, sim, user};
 use support::http::{Response, http};
 use support::process::{assert_ok, run as semlb};
 
@@ -29,15 +29,7 @@ fn isolated_tenants_share_no_prefix_with_anyone() {
         .map(|t| add_key(&keys_file, t, &[]).0)
         .collect();
     for tenant in ["secret-x", "secret-y"] {
-        assert_ok(&semlb(&[
-            "keys",
-            "--file",
-            &keys_file,
-            "limit",
-            "--tenant",
-            tenant,
-            "--isolate-prefixes",
-        ]));
+        limit_tenant(&keys_file, tenant, &["--isolate-prefixes"]);
     }
     let listed = assert_ok(&semlb(&["keys", "--file", &keys_file, "list"]));
     assert!(listed.contains("isolated"), "{listed}");
@@ -134,15 +126,7 @@ fn an_isolated_tenant_never_finds_another_tenants_lines_in_the_tokenizer_caches(
         .map(|t| add_key(&keys_file, t, &[]).0)
         .collect();
     for tenant in ["secret-x", "secret-y"] {
-        assert_ok(&semlb(&[
-            "keys",
-            "--file",
-            &keys_file,
-            "limit",
-            "--tenant",
-            tenant,
-            "--isolate-prefixes",
-        ]));
+        limit_tenant(&keys_file, tenant, &["--isolate-prefixes"]);
     }
     let engine = sim();
     let gw = Gateway::builder()

@@ -35,7 +35,9 @@ use nix::unistd::Pid;
 use semlb_test_support as support;
 use serde_json::{Value, json};
 use support::TempDir;
-use support::gateway::{Gateway, add_key, answered_by_gateway, chat, sample, sim, sim_at, sim_with, user, wait_for};
+use support::gateway::{
+    Gateway, add_key, answered_by_gateway, chat, limit_tenant, sample, sim, sim_at, sim_with, user, wait_for,
+};
 use support::http::{Response, http};
 use support::process::{Proc, assert_ok, run as semlb};
 use support::redis::RedisServer;
@@ -49,16 +51,7 @@ fn keys(dir: &TempDir) -> (String, String, String) {
     let file = dir.0.join("keys.toml").display().to_string();
     let burst = add_key(&file, "burst", &[]).0;
     let calm = add_key(&file, "calm", &[]).0;
-    let set = assert_ok(&semlb(&[
-        "keys",
-        "--file",
-        &file,
-        "limit",
-        "--tenant",
-        "burst",
-        "--requests-per-minute",
-        &RPM.to_string(),
-    ]));
+    let set = limit_tenant(&file, "burst", &["--requests-per-minute", &RPM.to_string()]);
     assert!(set.contains("\"requests_per_minute\":24"), "{set}");
     let listed = assert_ok(&semlb(&["keys", "--file", &file, "list"]));
     assert!(listed.contains("burst") && listed.contains("24"), "{listed}");
@@ -446,16 +439,7 @@ fn six_hundred_long_streams_are_held_to_the_tokens_limit() {
     let dir = TempDir::new("rl-exploit");
     let file = dir.0.join("keys.toml").display().to_string();
     let key = add_key(&file, "greedy", &[]).0;
-    assert_ok(&semlb(&[
-        "keys",
-        "--file",
-        &file,
-        "limit",
-        "--tenant",
-        "greedy",
-        "--tokens-per-minute",
-        &TPM.to_string(),
-    ]));
+    limit_tenant(&file, "greedy", &["--tokens-per-minute", &TPM.to_string()]);
     // A fast engine (a simulated second is a millisecond) that generates
     // every token asked for.
     let engine = sim_with("0.001", &["--max-num-seqs", "1024"]);
@@ -552,16 +536,7 @@ fn an_unused_reservation_is_given_back_in_shared_memory_and_in_redis() {
     let dir = TempDir::new("rl-reserve");
     let file = dir.0.join("keys.toml").display().to_string();
     let key = add_key(&file, "small", &[]).0;
-    assert_ok(&semlb(&[
-        "keys",
-        "--file",
-        &file,
-        "limit",
-        "--tenant",
-        "small",
-        "--tokens-per-minute",
-        "1000",
-    ]));
+    limit_tenant(&file, "small", &["--tokens-per-minute", "1000"]);
     let engine = sim();
     let mut stores = vec![None];
     if let Some(redis) = &redis {
@@ -639,16 +614,7 @@ fn a_tenants_concurrency_limit_holds_across_dispatchers_and_their_deaths() {
     let file = dir.0.join("keys.toml").display().to_string();
     let key = add_key(&file, "narrow", &[]).0;
     let other = add_key(&file, "wide", &[]).0;
-    assert_ok(&semlb(&[
-        "keys",
-        "--file",
-        &file,
-        "limit",
-        "--tenant",
-        "narrow",
-        "--max-concurrent-requests",
-        "3",
-    ]));
+    limit_tenant(&file, "narrow", &["--max-concurrent-requests", "3"]);
     let engine = sim_at("1");
     let shm = support::process::unique("rl", "concurrency");
     let gw = Gateway::builder()

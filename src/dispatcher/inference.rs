@@ -257,7 +257,7 @@ pub(super) async fn inference(
             None => Tenant::of(rc.scope, &parts.headers),
         };
         response_cache::key(
-            &response_cache::KeySecret::new(seed),
+            &dispatcher.key_secret(seed),
             tenant,
             endpoint,
             query,

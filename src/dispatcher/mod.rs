@@ -261,6 +261,9 @@ pub struct Dispatcher {
     body_budget: http::BodyBudget,
     /// `metrics.token_file`'s token.
     metrics_token: std::sync::RwLock<Option<Arc<str>>>,
+    /// The response-cache key secret of the first chain seed it saw (the
+    /// seed is the segment's or the Redis namespace's, so it does not change).
+    key_secret: std::sync::OnceLock<(u64, crate::response_cache::KeySecret)>,
 }
 
 impl Dispatcher {
@@ -314,6 +317,7 @@ impl Dispatcher {
             segments_reported: std::sync::Mutex::default(),
             merged_models: models::MergedModels::default(),
             metrics_token: std::sync::RwLock::new(None),
+            key_secret: std::sync::OnceLock::new(),
         };
         // Requests a predecessor in this slot left queued when it was killed.
         dispatcher.metrics().settle_queue();
@@ -380,6 +384,15 @@ impl Dispatcher {
         *self.peering.write().unwrap_or_else(|e| e.into_inner()) = peering.clone();
         peer_forward::start_polls(self, &peering);
         true
+    }
+
+    /// The response-cache key secret of chain seed `seed`: expanded once.
+    fn key_secret(&self, seed: u64) -> std::borrow::Cow<'_, crate::response_cache::KeySecret> {
+        use crate::response_cache::KeySecret;
+        match self.key_secret.get_or_init(|| (seed, KeySecret::new(seed))) {
+            (cached, secret) if *cached == seed => std::borrow::Cow::Borrowed(secret),
+            _ => std::borrow::Cow::Owned(KeySecret::new(seed)),
+        }
     }
 
     /// The implicit pool's last merged `/v1/models`.

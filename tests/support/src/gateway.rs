@@ -127,6 +127,15 @@ pub fn add_key(file: &str, tenant: &str, models: &[&str]) -> (String, String) {
     )
 }
 
+/// Sets `tenant`'s settings in the keys file `file` with `semlb keys
+/// limit` (`settings`: its flags, e.g. `["--tokens-per-minute", "1000"]`);
+/// what it printed.
+pub fn limit_tenant(file: &str, tenant: &str, settings: &[&str]) -> String {
+    let mut args = vec!["keys", "--file", file, "limit", "--tenant", tenant];
+    args.extend_from_slice(settings);
+    crate::process::assert_ok(&crate::process::run(&args))
+}
+
 /// How to start a [`Gateway`]: `semlb serve --listen 127.0.0.1:0` with a
 /// unique shm segment of 32 MiB, 2 dispatchers, 1 responder and the
 /// backends, unless told otherwise.
