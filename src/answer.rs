@@ -32,6 +32,11 @@ use crate::body::Json;
 /// reading gives up (the answer is still relayed, only not learned from).
 const MAX_ANSWER_BYTES: usize = 16 << 20;
 
+/// Longest SSE line kept by a [bounded](EventStreamText::bounded) reading
+/// (an engine's chunk is a few hundred bytes; a line without end is a
+/// broken or hostile engine).
+pub const MAX_BOUNDED_LINE: usize = 1 << 20;
+
 /// How a completion record carries an answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AnswerForm {
@@ -356,7 +361,7 @@ pub fn json_answer(body: &[u8]) -> Option<(String, Reported)> {
 
 /// The answer text of an event stream, read as it passes, event line by
 /// event line (`data: {json}`).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct EventStreamText {
     line: Vec<u8>,
     /// Text of choice 0 so far.
@@ -365,11 +370,52 @@ pub struct EventStreamText {
     pub reported: Reported,
     /// Whether `data: [DONE]` was seen.
     pub done: bool,
-    /// Whether a line or the text grew past the limit (the text is void).
+    /// Whether a line grew past its limit, or (unbounded reading) the text
+    /// past [`MAX_ANSWER_BYTES`]: the text is void.
     pub overflow: bool,
+    /// Whether the text stopped at its bound ([`Self::bounded`]): it holds
+    /// the answer's leading part.
+    pub truncated: bool,
+    /// Longest line kept.
+    line_limit: usize,
+    /// Most text kept.
+    text_limit: usize,
+    /// Whether text past `text_limit` is a truncation rather than an
+    /// overflow.
+    keep_leading: bool,
+}
+
+impl Default for EventStreamText {
+    /// Reads the whole answer (lines and text up to [`MAX_ANSWER_BYTES`]).
+    fn default() -> Self {
+        Self {
+            line: Vec::new(),
+            text: String::new(),
+            reported: Reported::default(),
+            done: false,
+            overflow: false,
+            truncated: false,
+            line_limit: MAX_ANSWER_BYTES,
+            text_limit: MAX_ANSWER_BYTES,
+            keep_leading: false,
+        }
+    }
 }
 
 impl EventStreamText {
+    /// Keeps at most `text_limit` bytes of the text (its leading part, cut
+    /// at a character boundary: [`Self::truncated`]) and lines of at most
+    /// [`MAX_BOUNDED_LINE`]: what a relay keeps of a stream it only learns
+    /// from, which a hostile engine cannot grow.
+    pub fn bounded(text_limit: usize) -> Self {
+        Self {
+            line_limit: MAX_BOUNDED_LINE,
+            text_limit: text_limit.min(MAX_ANSWER_BYTES),
+            keep_leading: true,
+            ..Self::default()
+        }
+    }
+
     /// Feeds the next bytes of the stream.
     pub fn feed(&mut self, mut bytes: &[u8]) {
         while !self.overflow && !bytes.is_empty() {
@@ -388,7 +434,7 @@ impl EventStreamText {
                 }
                 None => {
                     self.line.extend_from_slice(bytes);
-                    if self.line.len() > MAX_ANSWER_BYTES {
+                    if self.line.len() > self.line_limit {
                         self.overflow = true;
                     }
                     return;
@@ -429,9 +475,16 @@ impl EventStreamText {
     }
 
     fn add(&mut self, piece: Option<&str>, reported: Reported) {
-        if let Some(piece) = piece {
-            self.text.push_str(piece);
-            if self.text.len() > MAX_ANSWER_BYTES {
+        if let Some(piece) = piece
+            && !self.truncated
+        {
+            if self.text.len() + piece.len() <= self.text_limit {
+                self.text.push_str(piece);
+            } else if self.keep_leading {
+                let room = self.text_limit - self.text.len();
+                self.text.push_str(&piece[..piece.floor_char_boundary(room)]);
+                self.truncated = true;
+            } else {
                 self.overflow = true;
             }
         }
@@ -624,5 +677,31 @@ mod tests {
             stream_as_response(true, format!("{plain}data: [DONE]\n\n{plain}").as_bytes()),
             None
         );
+    }
+
+    #[test]
+    fn a_bounded_reading_keeps_the_leading_text_and_refuses_an_endless_line() {
+        let chunk = |t: &str| format!("data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{t}\"}}}}]}}\n\n");
+        // 10 bytes of room: "héllo" (6 bytes) whole, then "wörld" cut at
+        // a character boundary (4 bytes: "wö" is 3, "wör" 4).
+        let mut text = EventStreamText::bounded(10);
+        for t in ["héllo", "wörld", "more"] {
+            text.feed(chunk(t).as_bytes());
+        }
+        text.feed(b"data: [DONE]\n\n");
+        assert_eq!(text.text, "héllowör");
+        assert!(text.truncated && !text.overflow && text.done);
+        // A line without end past MAX_BOUNDED_LINE voids the text (the
+        // unbounded reading holds up to MAX_ANSWER_BYTES of it).
+        let mut text = EventStreamText::bounded(10);
+        let frame = vec![b'x'; 64 << 10];
+        for _ in 0..(MAX_BOUNDED_LINE / frame.len() + 2) {
+            text.feed(&frame);
+        }
+        assert!(text.overflow);
+        assert!(text.line.len() <= MAX_BOUNDED_LINE + frame.len());
+        let mut whole = EventStreamText::default();
+        whole.feed(chunk(&"y".repeat(100)).as_bytes());
+        assert_eq!(whole.text.len(), 100, "unbounded");
     }
 }

@@ -41,6 +41,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use semlb_test_support as support;
+use support::attack::{Polite, restarts};
 use support::gateway::{Gateway, answered_by_gateway, chat, sample, sim_at, user, wait_for};
 
 const PATIENCE: Duration = Duration::from_secs(20);
@@ -62,70 +63,6 @@ fn gateway(tag: &str, extra: &str) -> (support::process::Proc, Gateway) {
         .backends(&[&engine])
         .start();
     (engine, gw)
-}
-
-/// A well-behaved client during an attack: how many requests it asked, and
-/// the latencies of those answered 200.
-#[derive(Default)]
-struct Polite {
-    asked: usize,
-    latencies: Vec<Duration>,
-}
-
-impl Polite {
-    /// Asks one chat question with `extra` fields; its status.
-    fn ask(&mut self, gw: &Gateway, extra: serde_json::Value) -> u16 {
-        let t = Instant::now();
-        let r = chat(
-            gw.addr(),
-            &[user(&format!("a polite question number {}", self.asked))],
-            extra,
-            &[],
-        );
-        self.asked += 1;
-        if r.status == 200 {
-            self.latencies.push(t.elapsed());
-        }
-        r.status
-    }
-
-    /// Asks one question that must be answered 200.
-    fn served(&mut self, gw: &Gateway) {
-        let status = self.ask(gw, json!({}));
-        assert_eq!(status, 200, "polite request {}", self.asked);
-    }
-
-    fn answered(&self) -> usize {
-        self.latencies.len()
-    }
-
-    /// Prints the attack's figures for the report (measured, not asserted).
-    fn report(&self, attack: &str, gw: &Gateway) {
-        let mut l = self.latencies.clone();
-        l.sort();
-        let q = |p: f64| {
-            l.get(((l.len() as f64 * p).ceil() as usize).saturating_sub(1))
-                .copied()
-                .unwrap_or_default()
-        };
-        eprintln!(
-            "{attack}: polite {}/{} answered, p50 {:?}, p99 {:?}, restarts {}, dispatchers' peak RSS {:?} KiB",
-            self.answered(),
-            self.asked,
-            q(0.5),
-            q(0.99),
-            restarts(gw),
-            dispatchers_peak_kib(gw)
-        );
-    }
-}
-
-/// The gateway's restarts, all roles.
-fn restarts(gw: &Gateway) -> f64 {
-    support::gateway::samples(&gw.metrics(), "semlb_process_restarts_total")
-        .into_iter()
-        .map(|(_, v)| v)
-        .sum()
 }
 
 /// A raw connection to the gateway with `request` written.
@@ -226,7 +163,7 @@ fn slowloris_connections_are_closed_and_others_served() {
     }
     // Each round of the loop served one polite request with the slow
     // connections still open.
-    assert!(polite.asked >= 1);
+    assert!(polite.asked() >= 1);
     assert_eq!(restarts(&gw), 0.0);
     polite.report("slowloris (200 connections)", &gw);
 }
@@ -283,21 +220,6 @@ fn connections_over_the_cap_get_503_and_the_others_are_served() {
     });
     assert_eq!(status, Ok(200));
     assert_eq!(restarts(&gw), 0.0);
-}
-
-/// The peak resident memory of the gateway's dispatchers, KiB.
-fn dispatchers_peak_kib(gw: &Gateway) -> Vec<u64> {
-    gw.segment
-        .tables()
-        .registry
-        .processes()
-        .filter(|p| p.role == Some(shm_layout::Role::Dispatcher) && p.state == shm_layout::ProcessState::Running)
-        .filter_map(|p| {
-            let status = std::fs::read_to_string(format!("/proc/{}/status", p.pid)).ok()?;
-            let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-            line.split_whitespace().nth(1)?.parse().ok()
-        })
-        .collect()
 }
 
 #[test]
@@ -360,7 +282,7 @@ fn huge_bodies_get_their_4xx_while_a_polite_client_is_served() {
     while started.elapsed() < Duration::from_secs(8) {
         polite.ask(&gw, json!({}));
     }
-    let (asked, answered) = (polite.asked, polite.answered());
+    let (asked, answered) = (polite.asked(), polite.answered());
     stop.store(true, Ordering::Relaxed);
     let sent: Vec<usize> = attackers.into_iter().map(|a| a.join().expect("attacker")).collect();
     assert!(sent.iter().all(|n| *n > 0), "{sent:?}");
@@ -419,7 +341,7 @@ fn a_flood_of_generations_outliving_their_deadline_ejects_no_engine() {
     while started.elapsed() < Duration::from_secs(6) {
         polite.ask(&gw, json!({"max_tokens": 4}));
     }
-    let (asked, answered) = (polite.asked, polite.answered());
+    let (asked, answered) = (polite.asked(), polite.answered());
     stop.store(true, Ordering::Relaxed);
     let ended: usize = flood.into_iter().map(|t| t.join().expect("flood client")).sum();
     assert!(ended >= 8, "{ended} flood requests ended");

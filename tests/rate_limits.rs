@@ -440,6 +440,10 @@ fn six_hundred_long_streams_are_held_to_the_tokens_limit() {
     let file = dir.0.join("keys.toml").display().to_string();
     let key = add_key(&file, "greedy", &[]).0;
     limit_tenant(&file, "greedy", &["--tokens-per-minute", &TPM.to_string()]);
+    // Another tenant asks short questions of the same engine meanwhile
+    // (the attack's figures), each answered exactly POLITE_TOKENS tokens.
+    const POLITE_TOKENS: u64 = 4;
+    let polite_key = add_key(&file, "polite", &[]).0;
     // A fast engine (a simulated second is a millisecond) that generates
     // every token asked for.
     let engine = sim_with("0.001", &["--max-num-seqs", "1024"]);
@@ -452,7 +456,16 @@ fn six_hundred_long_streams_are_held_to_the_tokens_limit() {
     let addr = gw.addr().to_owned();
     let start = Instant::now();
     let barrier = std::sync::Barrier::new(STREAMS as usize);
+    let streaming = std::sync::atomic::AtomicBool::new(true);
+    let polite_bearer = format!("Bearer {polite_key}");
+    let mut polite = support::attack::Polite::with_headers(&[("authorization", &polite_bearer)]);
     let (answered, refused): (Vec<bool>, Vec<bool>) = std::thread::scope(|s| {
+        let (polite_addr, streaming, polite) = (addr.as_str(), &streaming, &mut polite);
+        s.spawn(move || {
+            while streaming.load(std::sync::atomic::Ordering::Relaxed) {
+                polite.ask_at(polite_addr, json!({"max_tokens": POLITE_TOKENS, "ignore_eos": true}));
+            }
+        });
         let handles: Vec<_> = (0..STREAMS)
             .map(|i| {
                 let (addr, key, barrier) = (&addr, &key, &barrier);
@@ -490,7 +503,9 @@ fn six_hundred_long_streams_are_held_to_the_tokens_limit() {
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).unzip()
+        let ends = handles.into_iter().map(|h| h.join().unwrap()).unzip();
+        streaming.store(false, std::sync::atomic::Ordering::Relaxed);
+        ends
     });
     let elapsed = start.elapsed();
     let answered = answered.iter().filter(|a| **a).count() as u64;
@@ -502,6 +517,8 @@ fn six_hundred_long_streams_are_held_to_the_tokens_limit() {
         .iter()
         .map(|(_, v)| *v)
         .sum::<f64>() as u64;
+    // What the engine generated for the greedy tenant.
+    let generated = generated - POLITE_TOKENS * polite.answered() as u64;
     let gw_metrics = gw.metrics();
     let charged_output = sample(
         &gw_metrics,
@@ -523,6 +540,11 @@ fn six_hundred_long_streams_are_held_to_the_tokens_limit() {
         charged_output >= generated,
         "charged {charged_output} output tokens for {generated} generated"
     );
+    polite.report(
+        &format!("metering exploit (600 streams of 8 192: {answered} let in, {generated} generated, {charged_output} charged)"),
+        &gw,
+    );
+    polite.assert_served("metering exploit");
 }
 
 /// A reservation an answer did not use is given back when the answer

@@ -377,3 +377,89 @@ fn metrics_are_not_for_clients_when_auth_is_on() {
     assert_eq!(error["error"]["code"], "invalid_metrics_token");
     assert!(open.metrics().contains("semlb_requests_total"), "the token scrapes");
 }
+
+/// The side doors under a flood (the issue's figures for findings 1 and
+/// 2): two clients without pause for 6 s send encoded paths, dot-segments,
+/// unknown endpoints and bodies that name no model or that only Python
+/// reads, with a key for one model; each gets its 4xx from the gateway,
+/// and the engines see only the polite client's chats (their completed
+/// requests are exactly the polite ones answered), which are answered at
+/// least 99 % of the time.
+#[test]
+fn a_flood_at_the_side_doors_reaches_no_engine_while_a_polite_client_is_served() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use support::attack::{Polite, restarts};
+    let dir = TempDir::new("side-doors-flood");
+    let keys_file = dir.0.join("keys.toml").display().to_string();
+    let (mallory, _) = add_key(&keys_file, "mallory", &["alpha"]);
+    let (polite_key, _) = add_key(&keys_file, "polite", &["semlb-sim"]);
+    let a = sim_with("0.001", &["--model", "alpha"]);
+    let b = sim_with("0.001", &["--model", "semlb-sim"]);
+    let config = format!(
+        "[[backend]]\nurl = \"http://{}\"\nname = \"a\"\n[[backend]]\nurl = \"http://{}\"\nname = \"b\"\n\
+         [[model]]\nname = \"alpha\"\nbackends = [\"a\"]\n[[model]]\nname = \"semlb-sim\"\nbackends = [\"b\"]\n\
+         [auth]\nkeys_file = \"{keys_file}\"\n",
+        a.addr, b.addr
+    );
+    let gw = Gateway::builder()
+        .tag("side-doors-flood")
+        .dispatchers(2)
+        .config(&config)
+        .start();
+    let chat = json!({"model": "semlb-sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        .to_string()
+        .into_bytes();
+    let attacks: Vec<(&str, &str, Vec<u8>, u16)> = vec![
+        ("POST", "/v1/chat%2Fcompletions", chat.clone(), 400),
+        ("POST", "/v1/%2e%2e/v1/chat/completions", chat.clone(), 400),
+        ("POST", "/v1//chat/completions", chat.clone(), 400),
+        ("POST", "/v1/load_lora_adapter", chat.clone(), 404),
+        ("POST", "/v1/embeddings", br#"{"input": "x"}"#.to_vec(), 400),
+        (
+            "POST",
+            "/v1/embeddings",
+            br#"{"model": "semlb-sim", "input": NaN}"#.to_vec(),
+            400,
+        ),
+        ("POST", "/v1/messages", br#"{"max_tokens": 4096}"#.to_vec(), 400),
+        (
+            "POST",
+            "/v1/embeddings",
+            br#"{"model": "semlb-sim", "input": "x"}"#.to_vec(),
+            403,
+        ),
+    ];
+    let attacks = Arc::new(attacks);
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood: Vec<_> = (0..2)
+        .map(|i| {
+            let (addr, stop, attacks, key) = (gw.addr().to_owned(), stop.clone(), attacks.clone(), mallory.clone());
+            std::thread::spawn(move || {
+                let mut sent = 0usize;
+                while !stop.load(Ordering::Relaxed) {
+                    let (method, path, body, status) = &attacks[(sent + i) % attacks.len()];
+                    let r = http_bytes(&addr, method, path, Some(body), &[("api-key", &key)]).expect(path);
+                    answered_by_gateway(&r, *status, path);
+                    sent += 1;
+                }
+                sent
+            })
+        })
+        .collect();
+    let bearer = format!("Bearer {polite_key}");
+    let mut polite = Polite::with_headers(&[("authorization", &bearer)]);
+    polite.ask_for(&gw, 6.0, json!({"max_tokens": 4}));
+    stop.store(true, Ordering::Relaxed);
+    let sent: usize = flood.into_iter().map(|t| t.join().expect("attacker")).sum();
+    let served = support::gateway::engine_counter(&[&a, &b], "vllm:request_success_total");
+    polite.report(&format!("side doors ({sent} requests from 2 clients)"), &gw);
+    assert!(sent >= attacks.len(), "{sent} attacks sent");
+    assert_eq!(
+        served as usize,
+        polite.answered(),
+        "the engines saw only the polite chats"
+    );
+    polite.assert_served("side doors");
+    assert_eq!(restarts(&gw), 0.0);
+}

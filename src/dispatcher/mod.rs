@@ -247,6 +247,10 @@ pub struct Dispatcher {
     /// and cache: what one completion record and one cached response can
     /// hold (fixed by the segment's layout).
     cacheable_stream_bytes: usize,
+    /// The most bytes a completion record carries (fixed by the segment's
+    /// layout): what a relay keeps of an answer's text to learn from is
+    /// bounded by it, so an engine's endless answer grows no dispatcher.
+    max_record: usize,
     client: UpstreamClient,
     health: PassiveHealth,
     queue: queue::GatewayQueue,
@@ -279,14 +283,17 @@ impl Dispatcher {
         let pools = ModelPools::build(&config, &mut loader, None)?;
         let ttl_ms = config.response_cache.ttl_secs.saturating_mul(1000);
         let store = Arc::new(ShmStore::new(segment.clone(), identity.slot, ttl_ms));
-        let cacheable_stream_bytes = {
+        let (cacheable_stream_bytes, max_record) = {
             let tables = segment.tables();
             let record = if identity.ring < tables.ring_count() {
                 tables.ring(identity.ring).max_record()
             } else {
                 0
             };
-            record.min(tables.responses.max_value()).max(relay::RAW_STREAM_BYTES)
+            (
+                record.min(tables.responses.max_value()).max(relay::RAW_STREAM_BYTES),
+                record,
+            )
         };
         let mut connector = HttpConnector::new();
         // Without it, small SSE writes wait for delayed ACKs (~40 ms each).
@@ -312,6 +319,7 @@ impl Dispatcher {
             shared_headers: SharedHeaders::new(),
             store,
             cacheable_stream_bytes,
+            max_record,
             client,
             peering: std::sync::RwLock::new(Arc::new(Peering::default())),
             segments_reported: std::sync::Mutex::default(),
@@ -542,6 +550,10 @@ impl Dispatcher {
 
     fn cacheable_stream_bytes(&self) -> usize {
         self.cacheable_stream_bytes
+    }
+
+    fn max_record(&self) -> usize {
+        self.max_record
     }
 
     fn client(&self) -> &UpstreamClient {

@@ -21,8 +21,13 @@
 //! without waiting (a full ring drops it, counted by the ring). Only an
 //! event stream longer than [`RAW_STREAM_BYTES`] (or, when the answer may
 //! be cached, than what a record and the response cache can hold) is read
-//! as it passes (its text goes into the record instead), and an answer too
-//! large for a record is read when it ends.
+//! as it passes (its text goes into the record instead, at most a record's
+//! worth of it: the leading part, which the next turn reuses), and an
+//! answer too large for a record is read when it ends. What a relay keeps
+//! is bounded by the record size whatever the engine sends: a stream's
+//! text by one record and its lines by 1 MiB, a JSON body by eight records
+//! (at most 32 MiB), so a broken or hostile engine's endless answer is
+//! relayed without growing the dispatcher (`tests/hostile_upstreams.rs`).
 //!
 //! A streamed answer whose usage the gateway asked for on the client's
 //! behalf is passed through a [`UsageStrip`], which takes out what the
@@ -68,8 +73,13 @@ use crate::failure::Failure;
 use crate::fair_share::Share;
 use crate::pools::Pool;
 
-/// Largest non-streaming answer kept to learn from (bytes).
+/// Largest non-streaming answer kept to learn from (bytes), and how many
+/// completion records' worth at most (the answer's text is read out of the
+/// JSON, its escapes undone, then cut to a record; a body this much larger
+/// than a record holds more text than a record carries, and a hostile
+/// engine's endless body is not held).
 const MAX_JSON_CAPTURE: usize = 32 << 20;
+const JSON_CAPTURE_RECORDS: usize = 8;
 
 /// An event stream is kept as it comes up to this many bytes (about 80
 /// chat tokens); a longer one is read as it passes and only its text kept.
@@ -117,10 +127,15 @@ impl Drop for RelayTimer {
 /// The copy of the answer a relay keeps.
 #[derive(Debug)]
 enum Capture {
-    /// A JSON body, whole.
-    Json { buf: Vec<u8>, overflow: bool },
-    /// An event stream as it came, while at most `limit` bytes long.
-    RawStream { buf: Vec<u8>, limit: usize },
+    /// A JSON body, whole, while at most `limit` bytes long.
+    Json { buf: Vec<u8>, overflow: bool, limit: usize },
+    /// An event stream as it came, while at most `limit` bytes long; past
+    /// it, its text up to `text_limit` bytes.
+    RawStream {
+        buf: Vec<u8>,
+        limit: usize,
+        text_limit: usize,
+    },
     /// A longer event stream, read as it passes.
     Stream(EventStreamText),
 }
@@ -128,9 +143,9 @@ enum Capture {
 impl Capture {
     fn feed(&mut self, data: &[u8]) {
         match self {
-            Capture::Json { buf, overflow } => {
+            Capture::Json { buf, overflow, limit } => {
                 if !*overflow {
-                    if buf.len() + data.len() > MAX_JSON_CAPTURE {
+                    if buf.len() + data.len() > *limit {
                         *overflow = true;
                         *buf = Vec::new();
                     } else {
@@ -138,9 +153,9 @@ impl Capture {
                     }
                 }
             }
-            Capture::RawStream { buf, limit } if buf.len() + data.len() <= *limit => buf.extend_from_slice(data),
-            Capture::RawStream { buf, .. } => {
-                let mut stream = EventStreamText::default();
+            Capture::RawStream { buf, limit, .. } if buf.len() + data.len() <= *limit => buf.extend_from_slice(data),
+            Capture::RawStream { buf, text_limit, .. } => {
+                let mut stream = EventStreamText::bounded(*text_limit);
                 stream.feed(buf);
                 stream.feed(data);
                 *self = Capture::Stream(stream);
@@ -154,7 +169,9 @@ impl Capture {
     /// (the other forms carry their report in their bytes).
     fn into_answer(self) -> Option<(AnswerForm, Vec<u8>, Reported)> {
         match self {
-            Capture::Json { buf, overflow: false } => Some((AnswerForm::Json, buf, Reported::default())),
+            Capture::Json {
+                buf, overflow: false, ..
+            } => Some((AnswerForm::Json, buf, Reported::default())),
             Capture::RawStream { buf, .. } => Some((AnswerForm::EventStream, buf, Reported::default())),
             Capture::Stream(c) if !c.overflow => Some((AnswerForm::Text, c.text.into_bytes(), c.reported)),
             _ => None,
@@ -261,11 +278,16 @@ impl Relay {
                 } else {
                     RAW_STREAM_BYTES
                 };
-                Capture::RawStream { buf: Vec::new(), limit }
+                Capture::RawStream {
+                    buf: Vec::new(),
+                    limit,
+                    text_limit: dispatcher.max_record(),
+                }
             } else {
                 Capture::Json {
                     buf: Vec::new(),
                     overflow: false,
+                    limit: MAX_JSON_CAPTURE.min(JSON_CAPTURE_RECORDS * dispatcher.max_record()),
                 }
             }
         });

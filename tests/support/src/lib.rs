@@ -6,6 +6,7 @@
 //!
 //! | module | what |
 //! | --- | --- |
+//! | [`attack`] | the figures of an attack: a well-behaved client's share answered and latencies ([`attack::Polite`]), restarts, each process's peak memory |
 //! | [`process`] | a child of the `semlb` binary that prints its address ([`process::Proc`]), found next to the running executable ([`process::semlb_exe`]) |
 //! | [`gateway`] | `semlb serve` in front of simulated engines ([`gateway::Gateway`], built with options by [`gateway::GatewayBuilder`]), chat requests, Prometheus text, SSE text |
 //! | [`http`] | a minimal HTTP/1.1 client, one request per connection |
@@ -25,6 +26,7 @@
 //! `GatewayBuilder::start`); the bench calls the `try_` forms, which return
 //! an [`Error`].
 
+pub mod attack;
 pub mod client;
 pub mod gateway;
 pub mod http;
