@@ -48,24 +48,7 @@ fn isolated_tenants_share_no_prefix_with_anyone() {
         "Review the following design document carefully. {}",
         "The storage layer writes every record twice and checks both copies on read. ".repeat(40)
     );
-    let ask = |key: &str| -> Response {
-        let body = json!({
-            "model": "semlb-sim",
-            "messages": [user(&prompt)],
-            "max_tokens": 4,
-            "temperature": 0.9,
-        });
-        let r = http(
-            gw.addr(),
-            "POST",
-            "/v1/chat/completions",
-            Some(&body),
-            &[("api-key", key)],
-        )
-        .unwrap();
-        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-        r
-    };
+    let ask = |key: &str| ask(&gw, &prompt, key, 4);
     let cached = |r: &Response| {
         r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
             .as_u64()
@@ -148,21 +131,7 @@ fn an_isolated_tenant_never_finds_another_tenants_lines_in_the_tokenizer_caches(
         (get("local_cache") + get("shared_store"), get("tokenized"))
     };
     let ask = |key: &str| {
-        let body = json!({
-            "model": "semlb-sim",
-            "messages": [user(&prompt)],
-            "max_tokens": 2,
-            "temperature": 0.9,
-        });
-        let r = http(
-            gw.addr(),
-            "POST",
-            "/v1/chat/completions",
-            Some(&body),
-            &[("api-key", key)],
-        )
-        .unwrap();
-        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        ask(&gw, &prompt, key, 2);
     };
     let delta = |key: &str| {
         let (hits, tokenized) = segments(&gw);
@@ -250,4 +219,25 @@ fn a_flooding_tenant_cannot_fill_the_shared_tables() {
             (c.as_deref() == Some("hit"), c)
         },
     );
+}
+
+/// Asks `prompt` (a chat at temperature 0.9, `max_tokens` long) with
+/// `key`; the answer, which must be 200.
+fn ask(gw: &Gateway, prompt: &str, key: &str, max_tokens: u32) -> Response {
+    let body = json!({
+        "model": "semlb-sim",
+        "messages": [user(prompt)],
+        "max_tokens": max_tokens,
+        "temperature": 0.9,
+    });
+    let r = http(
+        gw.addr(),
+        "POST",
+        "/v1/chat/completions",
+        Some(&body),
+        &[("api-key", key)],
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    r
 }

@@ -291,6 +291,15 @@ fn pause(rng: &mut Rng) {
     std::thread::sleep(Duration::from_micros(2_000 + rng.below(18_000)));
 }
 
+/// Runs a checker's `check`; a failure is marked in `failed` (so the kill
+/// loop stops) before it is raised again.
+fn checked(failed: &AtomicBool, check: impl FnOnce()) {
+    if let Err(e) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(check)) {
+        failed.store(true, Ordering::Relaxed);
+        std::panic::resume_unwind(e);
+    }
+}
+
 /// The common kill loop: until `stop_ms`, kills a random child every
 /// 2–20 ms, hands its tally to `dead` (with its slot and incarnation) and starts the
 /// slot's next incarnation (`args(slot, incarnation)`). Returns the kills.
@@ -587,12 +596,7 @@ fn usage_table_under_kills() {
             let mut last = HashMap::new();
             let mut reads = 0u64;
             while !done.load(Ordering::Relaxed) {
-                if let Err(e) =
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check_usage_rows(&t, &known, &mut last)))
-                {
-                    failed.store(true, Ordering::Relaxed);
-                    std::panic::resume_unwind(e);
-                }
+                checked(&failed, || check_usage_rows(&t, &known, &mut last));
                 reads += 1;
                 // Pacing, not synchronisation: leave the CPU to the children.
                 std::thread::sleep(Duration::from_millis(5));
@@ -1006,12 +1010,7 @@ fn segment_store_under_kills() {
             while !done.load(Ordering::Relaxed) {
                 let id = rng.below(u64::from(SEGMENT_KEYS)) as u32;
                 if let Some(bytes) = t.segments.get_into(segment_key(id), &mut buf) {
-                    if let Err(e) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        verify_segment(id, bytes, max, &mut scratch)
-                    })) {
-                        failed.store(true, Ordering::Relaxed);
-                        std::panic::resume_unwind(e);
-                    }
+                    checked(&failed, || verify_segment(id, bytes, max, &mut scratch));
                     hits += 1;
                 }
                 gets += 1;
@@ -1236,17 +1235,14 @@ fn confirmed_table_under_kills() {
             let mut rng = Rng(mix(seed ^ 0xc4ec));
             let mut scans = 0u64;
             while !done.load(Ordering::Relaxed) {
-                if let Err(e) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                checked(&failed, || {
                     for _ in 0..50 {
                         let c = rng.index(CHAINS);
                         let len = 1 + rng.index(CHAIN_LEN);
                         w.check_match(c, len, &t.confirmed.longest_prefix_match(&w.chain(c)[..len], |_| true));
                     }
                     w.check_entries(&t);
-                })) {
-                    failed.store(true, Ordering::Relaxed);
-                    std::panic::resume_unwind(e);
-                }
+                });
                 scans += 1;
                 // Pacing, not synchronisation.
                 std::thread::sleep(Duration::from_millis(20));
