@@ -104,8 +104,8 @@ pub struct ServeArgs {
     /// Tokens per hashed block [default: 16].
     #[arg(long, value_name = "N")]
     pub block_size: Option<usize>,
-    /// Routing policy: cache_aware, least_load, round_robin or random.
-    #[arg(long, value_name = "KIND")]
+    /// Routing policy [default: cache_aware].
+    #[arg(long, value_name = "KIND", value_parser = policy_parser())]
     pub policy: Option<PolicyKind>,
     /// Where the routing state lives: shm (this host's segment) or redis.
     #[arg(long, value_name = "KIND")]
@@ -172,6 +172,19 @@ impl LogArgs {
             self.log_level.clone().into(),
         ]
     }
+}
+
+/// `--policy`: every policy by name, each with its one line in `--help`.
+fn policy_parser() -> impl clap::builder::TypedValueParser<Value = PolicyKind> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new(PolicyKind::ALL.map(|kind| PossibleValue::new(kind.name()).help(kind.summary()))).map(
+        |name| {
+            PolicyKind::ALL
+                .into_iter()
+                .find(|kind| kind.name() == name)
+                .expect("a possible value is a policy's name")
+        },
+    )
 }
 
 /// Checks a `--log-level` as an EnvFilter directive.

@@ -615,7 +615,20 @@ fn chat_text(
             ));
         };
         let role = match m.get("role") {
-            Some(Json::String(r)) if !r.is_empty() => r,
+            Some(Json::String(r)) if CHAT_ROLES.contains(&&**r) => r,
+            Some(Json::String(r)) if !r.is_empty() => {
+                // OpenAI's answer to an unknown role (engines that take any
+                // role would render it into a prompt no model was trained on).
+                return Err(RequestError {
+                    code: Some("invalid_value"),
+                    ..RequestError::new(
+                        format!(
+                            "Invalid value for messages[{i}].role: '{r}'. Supported values are: 'system', 'assistant', 'user', 'function', 'tool', and 'developer'."
+                        ),
+                        param,
+                    )
+                });
+            }
             _ => {
                 return Err(RequestError::new(
                     format!("messages[{i}].role must be a non-empty string"),
@@ -641,6 +654,9 @@ fn chat_text(
         earlier_answer_bytes: earlier_answer,
     })
 }
+
+/// The chat roles OpenAI's API takes; any other is a 400 `invalid_value`.
+const CHAT_ROLES: [&str; 6] = ["system", "developer", "user", "assistant", "tool", "function"];
 
 /// Bytes of a message's text [`template_bytes`] looks for: enough to
 /// tell it from the template's own text, and a search of a long message
@@ -826,6 +842,27 @@ mod tests {
         assert_eq!(chat(&long).unwrap().template_bytes, "<|user|>\n".len());
         // A tool-calling assistant message has null content.
         assert!(chat(r#"{"model":"m","messages":[{"role":"assistant","content":null,"tool_calls":[]}]}"#).is_ok());
+    }
+
+    #[test]
+    fn an_unknown_role_is_openais_400_and_every_known_role_renders() {
+        for role in CHAT_ROLES {
+            let body = format!(r#"{{"model":"m","messages":[{{"role":"{role}","content":"Hi"}}]}}"#);
+            assert!(chat(&body).is_ok(), "{role}");
+        }
+        for role in ["narrator", "User", "ipython"] {
+            let body = format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"Hi"}},{{"role":"{role}","content":"x"}}]}}"#
+            );
+            let e = chat(&body).unwrap_err();
+            assert_eq!(e.status, http::StatusCode::BAD_REQUEST);
+            assert_eq!(e.code, Some("invalid_value"));
+            assert!(
+                e.message.contains(&format!("messages[1].role: '{role}'")),
+                "{}",
+                e.message
+            );
+        }
     }
 
     #[test]

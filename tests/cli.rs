@@ -395,3 +395,19 @@ fn tokenize_jsonl_answers_each_line() {
     );
     assert_eq!(lines[2]["ids"], serde_json::json!([]));
 }
+
+/// `semlb serve --help` lists every routing policy with its line (it used
+/// to name four of the nine), and an unknown one is refused with the list.
+#[test]
+fn serve_help_lists_every_policy() {
+    let help = stdout(&semlb(&["serve", "--help"]));
+    for kind in semlb::routing::PolicyKind::ALL {
+        assert!(
+            help.contains(&format!("- {}:", kind.name())) && help.contains(kind.summary()),
+            "{} is not in serve --help:\n{help}",
+            kind.name()
+        );
+    }
+    let o = semlb(&["serve", "--policy", "nope"]);
+    assert_fails_with(&o, &["invalid value 'nope'", "selective_push", "weighted_scorers"]);
+}

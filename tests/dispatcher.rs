@@ -865,6 +865,12 @@ async fn malformed_requests_get_the_right_4xx() {
             r#"{"model":"m","messages":[{"role":"user","content":[{"text":"x"}]}]}"#,
             Some("messages"),
         ),
+        // An unknown role: OpenAI's 400 (issue 40).
+        (
+            ch,
+            r#"{"model":"m","messages":[{"role":"narrator","content":"x"}]}"#,
+            Some("messages"),
+        ),
     ];
     assert!(cases.len() >= 20);
     for (path, body, param) in cases {

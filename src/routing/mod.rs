@@ -564,6 +564,27 @@ impl PolicyKind {
     }
 }
 
+impl PolicyKind {
+    /// One line on what the policy does, for `semlb serve --help`.
+    pub const fn summary(self) -> &'static str {
+        match self {
+            Self::CacheAware => {
+                "the engine holding the longest cached prefix, unless load is imbalanced; else the least loaded (SGLang's router; the default)"
+            }
+            Self::LeastLoad => "the engine with the fewest requests in flight",
+            Self::RoundRobin => "the engines in turn",
+            Self::Random => "an engine uniformly at random",
+            Self::SelectivePush => {
+                "only to engines that are not full, else the request waits in the gateway queue (SkyLB)"
+            }
+            Self::ConsistentHash => "a session key on a hash ring with bounded load",
+            Self::DualMap => "two hash candidates per prefix, the one likelier to meet the TTFT objective (DualMap)",
+            Self::WeightedScorers => "weighted scores of prefix, queue, KV-cache use and load (llm-d's scorers)",
+            Self::Cost => "the least uncached prefill plus weighted queued work, the weight tuned online",
+        }
+    }
+}
+
 impl fmt::Display for PolicyKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
