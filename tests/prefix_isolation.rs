@@ -48,7 +48,7 @@ fn isolated_tenants_share_no_prefix_with_anyone() {
         "Review the following design document carefully. {}",
         "The storage layer writes every record twice and checks both copies on read. ".repeat(40)
     );
-    let ask = |key: &str| ask(&gw, &prompt, key, 4);
+    let ask = |key: &str| ask(&gw, &prompt, key, 4, 0.9);
     let cached = |r: &Response| {
         r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
             .as_u64()
@@ -131,7 +131,7 @@ fn an_isolated_tenant_never_finds_another_tenants_lines_in_the_tokenizer_caches(
         (get("local_cache") + get("shared_store"), get("tokenized"))
     };
     let ask = |key: &str| {
-        ask(&gw, &prompt, key, 2);
+        ask(&gw, &prompt, key, 2, 0.9);
     };
     let delta = |key: &str| {
         let (hits, tokenized) = segments(&gw);
@@ -177,19 +177,7 @@ fn a_flooding_tenant_cannot_fill_the_shared_tables() {
         .start();
     let budget = gw.segment.tables().prefix.capacity() / 100;
     let learned = || sample(&gw.metrics(), "semlb_dispatch_learned_blocks_total").unwrap_or(0.0) as u64;
-    let ask = |key: &str, text: &str| {
-        let body = json!({"model": "semlb-sim", "messages": [user(text)], "max_tokens": 2, "temperature": 0});
-        let r = http(
-            gw.addr(),
-            "POST",
-            "/v1/chat/completions",
-            Some(&body),
-            &[("api-key", key)],
-        )
-        .unwrap();
-        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-        r
-    };
+    let ask = |key: &str, text: &str| ask(&gw, text, key, 2, 0.0);
     // Flood: six unique prompts of about half the budget each (a block is
     // 16 tokens; a word of this text is two or three).
     let start = std::time::Instant::now();
@@ -221,14 +209,14 @@ fn a_flooding_tenant_cannot_fill_the_shared_tables() {
     );
 }
 
-/// Asks `prompt` (a chat at temperature 0.9, `max_tokens` long) with
-/// `key`; the answer, which must be 200.
-fn ask(gw: &Gateway, prompt: &str, key: &str, max_tokens: u32) -> Response {
+/// Asks `prompt` (a chat, `max_tokens` long at `temperature`) with `key`;
+/// the answer, which must be 200.
+fn ask(gw: &Gateway, prompt: &str, key: &str, max_tokens: u32, temperature: f64) -> Response {
     let body = json!({
         "model": "semlb-sim",
         "messages": [user(prompt)],
         "max_tokens": max_tokens,
-        "temperature": 0.9,
+        "temperature": temperature,
     });
     let r = http(
         gw.addr(),
