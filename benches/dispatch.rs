@@ -30,8 +30,8 @@ use std::hint::black_box;
 use std::path::Path;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use semlb::blocks::BlockHasher;
-use semlb::prompt::{Endpoint, RoutingInput, parse};
+use semlb::openai::prompt::{Endpoint, RoutingInput, parse};
+use semlb::prefix::blocks::BlockHasher;
 use semlb::response_cache::{Tenant, key};
 use semlb::routing::{self, PolicyConfig, RouteInput, live_candidates};
 use semlb::store::shm::prefix_match;
@@ -147,11 +147,11 @@ fn dispatch(c: &mut Criterion) {
         });
         // Client authentication: the caller of a request's key among 1 000
         // keys (SHA-256 of the key and a map lookup).
-        let mut file = semlb::auth::KeysFile::default();
+        let mut file = semlb::tenancy::auth::KeysFile::default();
         let made: Vec<String> = (0..1000)
             .map(|n| file.add(&format!("tenant-{n}"), Vec::new(), None).unwrap().0)
             .collect();
-        let keys = semlb::auth::Keys::new(&file);
+        let keys = semlb::tenancy::auth::Keys::new(&file);
         let requests: Vec<http::HeaderMap> = made
             .iter()
             .map(|k| {

@@ -20,13 +20,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use semlb::rate_limit::{RateLimits, RequestBuckets, Scope};
 use semlb::store::WriteBack;
 use semlb::store::WriteStats;
 use semlb::store::redis::RedisRouting;
 use semlb::store::redis::client::{RedisStore, WriteItem};
 use semlb::store::shm::{ShmStore, ShmWriteBack};
 use semlb::store::{LookupRequest, RoutingStore};
+use semlb::tenancy::rate_limit::{RateLimits, RequestBuckets, Scope};
 use shm_layout::{Completion, LayoutPlan, ResponseKey, Segment, ServerRef, Stamp};
 
 use semlb_test_support::redis::RedisServer;

@@ -29,10 +29,10 @@ use semlb_tokenizer::{SharedSegments, Tokenizer};
 
 use crate::config::models::backend_index;
 use crate::config::{ModelConfig, ServeConfig};
-use crate::rate_limit::{Bucket, Scope};
 use crate::routing::swappable::SwappablePolicy;
 use crate::routing::{Members, PolicyConfig};
 use crate::store::server_id;
+use crate::tenancy::rate_limit::{Bucket, Scope};
 
 /// Why pools could not be built: a tokenizer or template that does not
 /// load (the message names the model and the file).
@@ -301,7 +301,7 @@ impl Pool {
     }
 }
 
-impl crate::prompt::Templated for Arc<Pool> {
+impl crate::openai::prompt::Templated for Arc<Pool> {
     fn template(&self) -> &ChatTemplate {
         &self.tokenization.template
     }

@@ -10,7 +10,7 @@
 //!   The model, the prompt or messages and every generation parameter are
 //!   in the body, so any difference is a different key; a streamed and a
 //!   non-streamed request share an entry (the stream is replayed from the
-//!   stored JSON). The body's parsed tree ([`crate::body`]) is fed to the
+//!   stored JSON). The body's parsed tree ([`crate::openai::body`]) is fed to the
 //!   hash as it is walked: nothing is cloned or serialised again.
 //!   The URI's query string and the headers that may change an answer
 //!   ([`ANSWER_HEADERS`]) are in the key too.
@@ -29,8 +29,8 @@
 
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::body::{Json, Object};
-use crate::prompt::Endpoint;
+use crate::openai::body::{Json, Object};
+use crate::openai::prompt::Endpoint;
 
 /// Who may share cached answers (`response_cache.scope` in the
 /// configuration: `"tenant"` or `"global"`).
@@ -56,7 +56,7 @@ impl Tenant {
     /// Everyone, under [`Scope::Global`].
     pub const GLOBAL: Tenant = Tenant(0x676c_6f62_616c_0000);
 
-    /// The tenant named `name` by the keys file ([`crate::auth`]): every
+    /// The tenant named `name` by the keys file ([`crate::tenancy::auth`]): every
     /// key of that tenant is the same tenant, under [`Scope::Tenant`].
     pub fn named(scope: Scope, name: &str) -> Tenant {
         match scope {

@@ -3,7 +3,7 @@
 //! 404, as llama.cpp without `--metrics` does), with clients that do not
 //! stream: the gateway then sees no engine queue and no first token before
 //! an answer is complete, and learns each server's admission limit from
-//! the latencies it measures (`semlb::capacity`).
+//! the latencies it measures (`semlb::routing::capacity`).
 //!
 //! * A chat workload that does not saturate the engines: each holding
 //!   policy keeps several requests in flight per engine, learns a limit

@@ -105,7 +105,7 @@
 //! a conversation's own are unique to it, and a turn's prompt is the last
 //! prompt, its answer and a 20-token question); the gateway's time per
 //! request, replaced by a random delay before each turn ([`overhead`]);
-//! the continuation credit (`semlb::continuation`: the write-back here is
+//! the continuation credit (`semlb::prefix::continuation`: the write-back here is
 //! instant, so a next turn matches its last answer anyway); the capacity
 //! learner (with a fresh scrape the pending estimate does not use the
 //! admission limit); the response cache (no request repeats); retries and
@@ -117,7 +117,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use futures_util::future::{Either, join_all, select};
-use semlb::blocks::BlockHasher;
+use semlb::prefix::blocks::BlockHasher;
 use semlb::routing::cost::{Cost, CostParams};
 use semlb::routing::shared_header::SharedHeaders;
 use semlb::routing::{Candidate, Policy, Reason, RouteInput, live_candidates};

@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 
 use http::{Method, StatusCode};
 use http_body_util::BodyExt;
+use semlb::config::size::ByteSize;
 use semlb::config::{BackendConfig, ServeConfig};
 use semlb::dispatcher::{Dispatcher, Identity, serve};
 use semlb::pools::TokenizerLoader;
 use semlb::responder::Responder;
-use semlb::size::ByteSize;
 use semlb_test_support as support;
 use semlb_tokenizer::Tokenizer;
 use semlb_workers::config::EngineConfig;

@@ -27,7 +27,7 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 
-use semlb::blocks::BlockHasher;
+use semlb::prefix::blocks::BlockHasher;
 use semlb_test_support as support;
 use shm_layout::{KvEventsSync, ServerRef};
 use support::gateway::{Gateway, kv_backend_table, kv_endpoints, routed, sim_with_events, wait_for};

@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
-use semlb::blocks::BlockHasher;
 use semlb::config::RedisConfig;
-use semlb::continuation::EndProbe;
+use semlb::prefix::blocks::BlockHasher;
+use semlb::prefix::continuation::EndProbe;
 use semlb::routing::{self, PolicyConfig, PolicyKind, RouteInput};
 use semlb::store::WriteStats;
 use semlb::store::redis::client::{InflightLoad, LANES, RedisStore, StoreError};

@@ -1,4 +1,4 @@
-//! The responder loop ([`semlb::responder_loop::ResponderLoop`]) driven
+//! The responder loop ([`semlb::responder::event_loop::ResponderLoop`]) driven
 //! directly, on a real shm segment: a completion record pushed into a
 //! dispatcher's ring while the loop runs is applied (its prefix chain is in
 //! the prefix table, its response in the response cache, its counters in
@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use semlb::responder::event_loop::ResponderLoop;
 use semlb::responder::{Responder, ResponderStats};
-use semlb::responder_loop::ResponderLoop;
 use semlb::response_cache::fresh_body;
 use semlb_tokenizer::Tokenizer;
 use shm_layout::{CompletionRecord, LayoutPlan, ResponseKey, Role, Segment, ServerRef};

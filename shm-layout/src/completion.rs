@@ -23,7 +23,7 @@
 //!
 //! A record may also carry the request's **timing** (flag 16), which the
 //! response process learns the server's admission limit from
-//! (`semlb::capacity`): microseconds from sending the request to its
+//! (`semlb::routing::capacity`): microseconds from sending the request to its
 //! answer's end, and to its first byte for a streamed answer (`u32::MAX`:
 //! not streamed), and the requests the gateway had in flight to the
 //! server once this one was counted.

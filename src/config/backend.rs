@@ -26,7 +26,7 @@ pub struct BackendConfig {
     pub metrics_flavor: MetricsFlavor,
     /// Its engine takes vLLM's `cache_salt`: requests of tenants whose
     /// prefixes are kept apart carry their salt to it
-    /// ([`crate::auth`]'s `isolate_prefixes`). Default false.
+    /// ([`crate::tenancy::auth`]'s `isolate_prefixes`). Default false.
     #[serde(default)]
     pub cache_salt: bool,
     /// Its engine's KV cache events: the ZeroMQ PUB endpoint it publishes

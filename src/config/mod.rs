@@ -32,13 +32,13 @@
 //! | `dispatchers` | integer | CPU cores, at most 64 | dispatcher processes (1 to 64: one completion ring each) |
 //! | `responders` | integer | `1` | response (write-back) processes (1 to `dispatchers`) |
 //! | `shm_name` | string | `"semlb"` | shared-memory segment name (`/dev/shm/NAME`) |
-//! | `shm_size` | size | `"256MiB"` | segment size, 8 MiB to 1 TiB (see [`crate::size`]) |
+//! | `shm_size` | size | `"256MiB"` | segment size, 8 MiB to 1 TiB (see [`crate::config::size`]) |
 //! | `keep_segment` | bool | `true` (`false` with `--demo`) | leave the segment in /dev/shm when the supervisor exits, so the next start adopts its tables (hot restart); `false` removes it on a clean stop |
 //! | `tokenizer` | path | bundled tokenizer | a Hugging Face `tokenizer.json`, or a GGUF model file (the engine's own: its vocabulary and merges, [`semlb_tokenizer::gguf`]) |
 //! | `chat_template` | path | a GGUF `tokenizer`'s template, else the canonical rendering | a Hugging Face `tokenizer_config.json` with a `chat_template`, or a GGUF model file |
 //! | `block_size` | integer | `16` | tokens per prefix block: the engines' KV block size (1 to 1024) |
 //! | `segment_cache_size` | size | `"32MiB"` | per dispatcher: token ids of text segments already seen (earlier turns, shared system prompts), so they are not tokenized again; `0` turns it off (at most 16 GiB) |
-//! | `learn_at_dispatch` | bool | `true` | record a prompt's blocks for its server when it is sent, and credit a conversation's next turn with the answer not yet written back ([`crate::continuation`]); `false` leaves learning to the response processes alone |
+//! | `learn_at_dispatch` | bool | `true` | record a prompt's blocks for its server when it is sent, and credit a conversation's next turn with the answer not yet written back ([`crate::prefix::continuation`]); `false` leaves learning to the response processes alone |
 //! | `learn_from_reports` | bool | `true` | set aside a server's prefix entries older than an eviction its engine reports (its horizon), forget a server in every prefix entry when its engine reports a lost cache or restarts ([`crate::responder`], [`crate::health`]); `false` only counts what engines report |
 //! | `stream_usage` | bool | `true` | ask engines for the usage of a streamed answer whose client did not (`stream_options.include_usage`), to read the prompt tokens they found cached, and take it out of what the client gets; `false` relays such streams untouched, and they report nothing |
 //! | `drain_timeout_secs` | integer | `30` | on SIGTERM, how long requests in flight may still run |
@@ -63,7 +63,7 @@
 //! | `policy.queue.capacity` | integer | `1024` | requests waiting at the gateway, all dispatchers together (1 to 1 000 000); one more gets 503 with `Retry-After` |
 //! | `policy.queue.max_wait_ms` | integer | `60000` | a request waiting longer gets 503 (1 ms to 1 hour) |
 //! | `policy.queue.recheck_ms` | integer | `5` | how often queued requests are looked at again without a local signal (1 to 1000) |
-//! | `policy.queue.fair_share` | bool | `true` | among the waiting requests of a class, the tenant that has received the least service first ([`crate::fair_share`]); `false`: oldest first |
+//! | `policy.queue.fair_share` | bool | `true` | among the waiting requests of a class, the tenant that has received the least service first ([`crate::tenancy::fair_share`]); `false`: oldest first |
 //! | `policy.queue.batch_max_delay_ms` | integer | `10000` | a batch request waiting this long goes before interactive ones (1 ms to 1 hour) |
 //! | `[policy.cache_aware]` | table | | thresholds of the `cache_aware` policy, checked whatever the kind ([`crate::routing::cache_aware::CacheAwareParams`]) |
 //! | `policy.cache_aware.cache_threshold` | float | `0.3` | share of the prompt's blocks (0 to 1) a server must hold, strictly more than, to get the request for its cache |
@@ -145,7 +145,7 @@
 //! | `limits.max_messages` | integer | `4096` | most messages in a chat request (more: 400 `array_above_max_length` before rendering) |
 //! | `limits.max_prompt_bytes` | size | `"8MiB"` | largest prompt text, rendered chat or completions prompt (larger: 413 `prompt_too_large` before tokenizing) |
 //! | `auth.tenant_share_percent` | integer | `50` | with more than one tenant in the keys file, the most of the prefix table's slots and of the response cache's entries one tenant may fill in ten minutes; past it its prompts are routed but not learned or cached (100: no bound) |
-//! | `limits.reserve_output_tokens` | integer | `4096` | output tokens a request without `max_tokens` reserves in its `tokens_per_minute` buckets per answer (at most what the largest live context leaves), settled when the answer ends ([`crate::rate_limit`]) |
+//! | `limits.reserve_output_tokens` | integer | `4096` | output tokens a request without `max_tokens` reserves in its `tokens_per_minute` buckets per answer (at most what the largest live context leaves), settled when the answer ends ([`crate::tenancy::rate_limit`]) |
 //! | `limits.check_context` | bool | `true` | a request no live engine's context can take (their `max_model_len`, llama.cpp's slot context) gets the engines' 400 `context_length_exceeded` from the gateway, once every live engine has said its context |
 //! | `[health]` | table | | health checks and load scraping of the backends ([`crate::health`]) |
 //! | `health.path` | string | `"/health"` | path of the active health check (`GET`; any 2xx is healthy) |
@@ -161,7 +161,7 @@
 //! | `admin.token` | string | not set | the bearer token every admin request must send (16 to 4096 visible ASCII characters); required with `listen`, or `token_file` |
 //! | `admin.token_file` | path | not set | a file holding the token instead (trailing whitespace ignored); it must not be readable by others (`chmod 0600`) |
 //! | `admin.models_file` | path | not set: pools change by reload only | where the admin API keeps the model pools it added, changed or removed ([`ModelChanges`]); merged over the `[[model]]` tables at every start and reload; its directory must be writable by semlb |
-//! | `[auth]` | table | | client authentication ([`crate::auth`]) |
+//! | `[auth]` | table | | client authentication ([`crate::tenancy::auth`]) |
 //! | `auth.debug_headers` | bool | false | authenticated callers get the diagnostic `x-semlb-*` answer headers (`-backend`, `-route`, `-cache`, `-dispatch-ns`, `-queue-ms`, a peer's `-peer`) (they name internal addresses and tell whether another tenant recently sent the same prefix or line); without `[auth]` they are always sent. Read when a dispatcher starts |
 //! | `auth.keys_file` | path | not set: no authentication | the keys file `semlb keys` writes (SHA-256 digests of the keys, a tenant and the models each may use); every `/v1/...` request then needs a listed key (401, 403 for a model it may not use). Re-read on reload |
 //! | `[metrics]` | table | | where Prometheus scrapes the gateway |
@@ -189,14 +189,15 @@ use std::time::Duration;
 use serde::Deserialize;
 use shm_layout::plan::{MAX_SEGMENT_BYTES, MIN_SEGMENT_BYTES, PROCESS_SLOTS, RING_COUNT, SERVER_SLOTS};
 
+use crate::config::size::ByteSize;
 use crate::routing::{PolicyConfig, PolicyKind};
-use crate::size::ByteSize;
 
 mod backend;
 mod model_changes;
 pub mod models;
 mod peers;
 mod sections;
+pub mod size;
 #[cfg(test)]
 mod tests;
 mod validate;
@@ -215,7 +216,7 @@ pub const DEFAULT_SHM_NAME: &str = "semlb";
 /// response log; see [`shm_layout::plan`]).
 pub const DEFAULT_SHM_SIZE: ByteSize = ByteSize(256 << 20);
 /// Default `block_size`, in tokens (see [`ServeConfig::block_size`]).
-pub use crate::blocks::DEFAULT_BLOCK_SIZE;
+pub use crate::prefix::blocks::DEFAULT_BLOCK_SIZE;
 /// Largest `block_size` accepted.
 pub const MAX_BLOCK_SIZE: usize = 1024;
 /// Default `segment_cache_size` (see [`ServeConfig::segment_cache_size`]).
@@ -346,7 +347,7 @@ pub struct ServeConfig {
     /// Learning at dispatch (see [`crate::store`]): a dispatcher records a
     /// prompt's blocks and end key for the server it sends it to, and a
     /// conversation's next turn is credited with the answer the response
-    /// processes have not written back yet ([`crate::continuation`]).
+    /// processes have not written back yet ([`crate::prefix::continuation`]).
     /// Default true; false leaves all learning to the response processes
     /// (the behaviour before it existed, kept for comparison).
     pub learn_at_dispatch: bool,

@@ -32,8 +32,8 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use super::{BackendConfig, ConfigError, MAX_BLOCK_SIZE, quoted};
-use crate::rate_limit::RateLimits;
 use crate::routing::PolicyConfig;
+use crate::tenancy::rate_limit::RateLimits;
 
 /// Most `[[model]]` tables.
 pub const MAX_MODELS: usize = 256;
@@ -68,7 +68,7 @@ pub struct ModelConfig {
     #[serde(default)]
     pub policy: Option<PolicyConfig>,
     /// Requests per minute to it, every tenant's together
-    /// ([`crate::rate_limit`]).
+    /// ([`crate::tenancy::rate_limit`]).
     #[serde(default)]
     pub requests_per_minute: Option<u64>,
     /// Prompt and output tokens per minute of it, every tenant's together.

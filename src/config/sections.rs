@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use shm_layout::plan::DEFAULT_MAX_RESPONSE_FRACTION;
 
 use super::{ConfigError, MAX_ADMIN_TOKEN_BYTES, MIN_ADMIN_TOKEN_BYTES, optional_socket_addr, quoted};
-use crate::size::ByteSize;
+use crate::config::size::ByteSize;
 
 /// Who may be answered with a cached response (`response_cache.scope`:
 /// `"tenant"` or `"global"`).
@@ -219,7 +219,7 @@ pub struct LimitsConfig {
     /// Answer a request that no live engine's context can take with the
     /// engines' own 400 (`context_length_exceeded`) instead of forwarding
     /// it, once every live engine has said its context
-    /// ([`crate::context_limit`]). Default true.
+    /// ([`crate::dispatcher::context_limit`]). Default true.
     pub check_context: bool,
     /// Seconds a client may take to send a request's headers, to send its
     /// body, or to read on while an answer waits to be written to it
@@ -241,13 +241,13 @@ pub struct LimitsConfig {
     /// Default 256 MiB (at least `max_body_bytes`).
     pub max_inflight_body_bytes: ByteSize,
     /// Most messages in a chat request; more: 400 before any is rendered
-    /// ([`crate::prompt::RequestLimits`]). Default 4096.
+    /// ([`crate::openai::prompt::RequestLimits`]). Default 4096.
     pub max_messages: u32,
     /// Largest prompt text, a rendered chat or a completions prompt; larger:
     /// 413 before it is tokenized. Default 8 MiB.
     pub max_prompt_bytes: ByteSize,
     /// Output tokens reserved in a request's token buckets
-    /// ([`crate::rate_limit`]) for each answer it asks for when it sets no
+    /// ([`crate::tenancy::rate_limit`]) for each answer it asks for when it sets no
     /// `max_tokens` (at most what the largest live context leaves); the
     /// reservation is settled when the answer ends. Default 4096.
     pub reserve_output_tokens: u64,
@@ -359,7 +359,7 @@ impl HealthConfig {
     }
 }
 
-/// Client authentication (`[auth]`, [`crate::auth`]).
+/// Client authentication (`[auth]`, [`crate::tenancy::auth`]).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AuthConfig {

@@ -26,7 +26,7 @@ use shm_layout::{Role, UsageCounter, UsageKind};
 
 use super::Dispatcher;
 use super::http::{Body, BoxError, json_response, set_static_header};
-use crate::auth::Caller;
+use crate::tenancy::auth::Caller;
 
 /// The name of the gauge of `tenant`'s requests in flight through the
 /// dispatcher in registry slot `slot`.

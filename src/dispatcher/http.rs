@@ -14,7 +14,7 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 
-use crate::failure::Failure;
+use crate::dispatcher::failure::Failure;
 
 /// Error type of response bodies.
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -1,5 +1,5 @@
 //! The front half of an inference request: body → parse → tokens →
-//! context check ([`crate::context_limit`]) → block chain →
+//! context check ([`crate::dispatcher::context_limit`]) → block chain →
 //! response-cache key → the store's lookup. A fresh cached
 //! answer is returned from here; every other request goes on to the proxy
 //! ([`super::proxy::forward`]) with what it learned
@@ -15,29 +15,29 @@ use hyper::body::Incoming;
 use shm_layout::UsageCounter;
 
 use super::Dispatcher;
-use super::accounting;
+use super::charge;
 use super::http::{
     BACKEND_HEADER, Body, CACHE_HEADER, DISPATCH_HEADER, error_response, full_response, json_response, set_header,
     set_static_header, upstream_headers, upstream_request_headers,
 };
 use super::peer_forward::PeerCopy;
+use super::pick;
 use super::proxy::{InferenceCtx, Outbound, forward};
-use super::rate;
-use super::route;
 use super::sse;
+use super::stream_usage::{with_include_usage, with_usage_option};
+use super::tenant_usage;
 use super::timing::{DispatchTiming, Mark};
-use super::usage::{with_include_usage, with_usage_option};
-use crate::auth::Caller;
-use crate::blocks::{BlockHasher, TenantSalt};
 use crate::config::StoreKind;
-use crate::continuation::{EndProbe, answer_tokens_estimate};
-use crate::fair_share::{PRIORITY_HEADER, Priority, Share};
 use crate::metrics::CacheResult;
+use crate::openai::prompt::{self, Endpoint, RoutingInput};
 use crate::pools::{ModelPools, Pool};
-use crate::prompt::{self, Endpoint, RoutingInput};
+use crate::prefix::blocks::{BlockHasher, TenantSalt};
+use crate::prefix::continuation::{EndProbe, answer_tokens_estimate};
 use crate::response_cache::{self, Cacheability, Scope, Tenant};
 use crate::routing::shared_header;
 use crate::store::LookupRequest;
+use crate::tenancy::auth::Caller;
+use crate::tenancy::fair_share::{PRIORITY_HEADER, Priority, Share};
 
 /// Routing texts longer than this are tokenized on the blocking pool. The
 /// native tokenizer takes about 25 ns per byte of new text (less for text
@@ -177,7 +177,7 @@ pub(super) async fn inference(
         .saturating_add(extra.every_prompt.saturating_mul(extra.prompts))
         .saturating_add(extra.other_prompts);
     if dispatcher.config().limits.check_context
-        && let Err(exceeded) = crate::context_limit::check(
+        && let Err(exceeded) = crate::dispatcher::context_limit::check(
             &dispatcher.segment().tables().servers,
             |id| pool.members().admits(id),
             prompt_in_context,
@@ -196,15 +196,17 @@ pub(super) async fn inference(
     // Its output is reserved in its token buckets: what it asked for, at
     // most what the largest live context leaves.
     let reserve = || {
-        crate::rate_limit::output_reservation(
+        crate::tenancy::rate_limit::output_reservation(
             parsed.requested_output(),
             parsed.answers().saturating_mul(extra.prompts),
             dispatcher.config().limits.reserve_output_tokens,
-            crate::context_limit::largest(&dispatcher.segment().tables().servers, |id| pool.members().admits(id))
-                .map(|c| u64::from(c.tokens).saturating_sub(prompt_in_context)),
+            crate::dispatcher::context_limit::largest(&dispatcher.segment().tables().servers, |id| {
+                pool.members().admits(id)
+            })
+            .map(|c| u64::from(c.tokens).saturating_sub(prompt_in_context)),
         )
     };
-    let mut admitted = match rate::admit(dispatcher, caller, &pool, charged_prompt, reserve).await {
+    let mut admitted = match charge::admit(dispatcher, caller, &pool, charged_prompt, reserve).await {
         Ok(a) => a,
         Err(refused) => return refused,
     };
@@ -285,12 +287,12 @@ pub(super) async fn inference(
         }),
         precise: pool.precise(),
     };
-    let mut lookup = route::lookup(dispatcher, request).await;
+    let mut lookup = pick::lookup(dispatcher, request).await;
     if let Some(stored) = lookup.response.take()
         && let Some(mut response) = cached_answer(&stored, endpoint, &parsed)
     {
         dispatcher.metrics().cache(CacheResult::Hit);
-        accounting::count(
+        tenant_usage::count(
             dispatcher,
             caller.map(|c| &*c.tenant),
             pool.name(),
@@ -468,7 +470,7 @@ fn session_key(pool: &Pool, headers: &HeaderMap, parsed: &prompt::ParsedRequest<
     let from_user = || {
         source
             .user_field
-            .then(|| body.get("user").and_then(crate::body::Json::as_str))
+            .then(|| body.get("user").and_then(crate::openai::body::Json::as_str))
             .flatten()
             .filter(|u| !u.is_empty())
             .map(str::as_bytes)
@@ -499,7 +501,7 @@ pub(crate) fn with_model(body: &Bytes, model: &str, name: &str) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::body::Json;
+    use crate::openai::body::Json;
 
     #[test]
     fn an_alias_is_replaced_by_the_pools_name_and_nothing_else_changes() {

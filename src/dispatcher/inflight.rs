@@ -55,7 +55,7 @@ impl InflightGuard {
 
     /// How long the request has taken so far, for the completion record
     /// (the response processes learn the server's admission limit from
-    /// it: [`crate::capacity`]); `streamed`: the answer is an event stream,
+    /// it: [`crate::routing::capacity`]); `streamed`: the answer is an event stream,
     /// so its first byte is its first token.
     pub fn timing(&self, streamed: bool) -> Timing {
         let us = |d: Duration| u32::try_from(d.as_micros()).unwrap_or(u32::MAX - 1);

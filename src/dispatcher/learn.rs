@@ -8,10 +8,10 @@ use shm_layout::{CompletionRecord, ContinuationRef, Prediction, ResponseKey, Ser
 use std::sync::Arc;
 
 use super::Dispatcher;
-use super::rate::Reservation;
-use crate::answer::{AnswerForm, answer_text};
-use crate::blocks::BlockHasher;
+use super::charge::Reservation;
+use crate::openai::answer::{AnswerForm, answer_text};
 use crate::pools::Pool;
+use crate::prefix::blocks::BlockHasher;
 
 /// What a finished answer teaches: everything of the request the completion
 /// record needs.
@@ -46,7 +46,7 @@ pub(super) struct Learn {
     pub tenant: Option<Arc<str>>,
     /// Its share in the gateway queue, as charged (the relay settles it
     /// with the output tokens the answer had).
-    pub share: Option<crate::fair_share::Share>,
+    pub share: Option<crate::tenancy::fair_share::Share>,
     /// Its completion record may be pushed (its tenant is within its
     /// share of the prefix table: `super::share`).
     pub record: bool,

@@ -1,6 +1,6 @@
 //! What an answer's output costs: the output tokens an answer is charged
-//! to its token buckets (`super::rate`) and counted for its tenant and
-//! model (`super::accounting`).
+//! to its token buckets (`super::charge`) and counted for its tenant and
+//! model (`super::tenant_usage`).
 //!
 //! [`OutputMeter`] reads the answer's bytes as the relay passes them, an
 //! event stream line by line or a JSON body whole, whatever the endpoint
@@ -10,7 +10,7 @@
 //!   `output_tokens` of a `usage` object anywhere in a chunk (a chat
 //!   stream's usage chunk, a Responses `response.completed` event, the
 //!   cumulative counts of Messages' `message_delta`). The gateway always
-//!   asks a stream for it (`super::usage`), so this is the usual figure;
+//!   asks a stream for it (`super::stream_usage`), so this is the usual figure;
 //! - what was **generated**, in bytes: every string under a key that
 //!   holds model output, in every choice (`content`, `text`, a string
 //!   `delta`, `reasoning_content`, `reasoning`, `thinking`, `refusal`,

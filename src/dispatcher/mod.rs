@@ -21,16 +21,16 @@
 //! # The inference pipeline
 //!
 //! 1. **Body**: at most `limits.max_body_bytes` (413, from `Content-Length`
-//!    or while reading), parsed by [`crate::prompt::parse_with`] (400), its
+//!    or while reading), parsed by [`crate::openai::prompt::parse_with`] (400), its
 //!    `model` naming the model pool ([`crate::pools`]; unknown: 404
 //!    `model_not_found`) whose chat template renders it and whose
 //!    tokenizer, block size, servers and policy serve it.
 //! 2. **Tokens**: the routing text is tokenized (on the blocking pool when
 //!    longer than 4 KiB), token-id prompts are taken as given; the tokens are
-//!    hashed into a block chain ([`crate::blocks`]) rooted at the model and
+//!    hashed into a block chain ([`crate::prefix::blocks`]) rooted at the model and
 //!    the segment's seed.
 //! 3. **Rate limits**: the caller's tenant's and the pool's buckets
-//!    ([`crate::rate_limit`]) are charged one request and the prompt's
+//!    ([`crate::tenancy::rate_limit`]) are charged one request and the prompt's
 //!    tokens, all or none (429 `rate_limit_exceeded` with `Retry-After`
 //!    when one has no room); the answer carries `x-ratelimit-*` headers and
 //!    its output tokens are charged when it ends.
@@ -56,7 +56,7 @@
 //!    server's passive health check ([`crate::health::PassiveHealth`]): at
 //!    `health.unhealthy_threshold` in a row it is set `Down` for every
 //!    dispatcher; failures of the client or the gateway itself do not
-//!    count ([`crate::failure::Origin`]). The answer is streamed through as
+//!    count ([`crate::dispatcher::failure::Origin`]). The answer is streamed through as
 //!    it arrives (`relay::Relay`); a client that leaves drops the upstream
 //!    request.
 //! 7. **Learning**: a complete 2xx answer becomes a completion record —
@@ -64,7 +64,7 @@
 //!    cacheable 200, the body — pushed into this dispatcher's ring for a
 //!    response process ([`crate::responder`]). A streamed answer is cached
 //!    too: the response process stores the JSON response the whole stream
-//!    stands for ([`crate::answer::stream_as_response`]), so a repeat is
+//!    stands for ([`crate::openai::answer::stream_as_response`]), so a repeat is
 //!    answered as JSON, or replayed as SSE when it streams.
 //!
 //! Every inference answer carries `x-semlb-cache: hit|miss|bypass` (`miss`:
@@ -81,10 +81,10 @@
 //! | `passthrough` | the engines' other `/v1` endpoints (embeddings, rerank, score, Responses, Messages): model, pool, charge, proxy |
 //! | `inference` | the front half of an inference request: body → parse → tokens → block chain → cache key → lookup; cached answers |
 //! | `concurrency` | the tenant's requests in flight on this host, counted while its answer runs: 429 past `max_concurrent_requests` |
-//! | `rate` | the request's rate-limit buckets charged before it is routed, with its output reserved ([`crate::rate_limit`]): 429, or the `x-ratelimit-*` headers of its answer; the reservation settled when the answer ends |
+//! | `rate` | the request's rate-limit buckets charged before it is routed, with its output reserved ([`crate::tenancy::rate_limit`]): 429, or the `x-ratelimit-*` headers of its answer; the reservation settled when the answer ends |
 //! | `share` | a tenant's bounded share of the prefix table and the response cache (`auth.tenant_share_percent`) |
 //! | `route` | one attempt's routing decision (policy, or least load for other routes), the holding policies' check once counted, passive health |
-//! | `proxy` | the attempts of one request: route, send, retry elsewhere on a retryable [`crate::failure::Failure`], then the gateway's headers |
+//! | `proxy` | the attempts of one request: route, send, retry elsewhere on a retryable [`crate::dispatcher::failure::Failure`], then the gateway's headers |
 //! | `peer_forward` | peer gateways ([`crate::peers`]): the load summary served them, the polls of theirs, a request forwarded to one and its answer relayed back |
 //! | `relay` | the answer streamed to the client as it arrives, with a copy kept to learn from |
 //! | `usage` | the usage of every streamed answer asked for on the client's behalf (`stream_options.include_usage`) and kept from it |
@@ -118,9 +118,12 @@
 //! on while an answer waits to be written (`client_io`: the connection is
 //! closed, which ends the upstream request and releases its count).
 
-mod accounting;
+mod charge;
 mod client_io;
 pub mod concurrency;
+pub mod context_limit;
+mod endpoints;
+pub mod failure;
 mod http;
 mod inference;
 mod inflight;
@@ -129,23 +132,25 @@ mod meter;
 mod models;
 mod passthrough;
 mod peer_forward;
+mod pick;
 mod proxy;
 mod queue;
-mod rate;
+pub mod reactor_watch;
 mod relay;
-mod route;
-mod routes;
 mod share;
 mod sse;
+mod stream_usage;
+mod tenant_usage;
 mod timing;
-mod usage;
 
 pub use http::DIAGNOSTIC_PREFIX;
 pub use peer_forward::Peering;
 /// The stream and body rewriters the fuzz targets reach ([`crate::fuzzing`]).
 pub use sse::replay;
-pub use usage::UsageStrip;
-pub(crate) use {inference::with_model, proxy::with_cache_salt, usage::with_include_usage, usage::with_usage_option};
+pub use stream_usage::UsageStrip;
+pub(crate) use {
+    inference::with_model, proxy::with_cache_salt, stream_usage::with_include_usage, stream_usage::with_usage_option,
+};
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -165,7 +170,6 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::auth::Keys;
 use crate::config::ServeConfig;
 use crate::health::PassiveHealth;
 use crate::metrics::Metrics;
@@ -176,6 +180,7 @@ use crate::routing::shared_header::SharedHeaders;
 use crate::store::RoutingStore;
 use crate::store::local::LocalState;
 use crate::store::shm::ShmStore;
+use crate::tenancy::auth::Keys;
 
 pub use crate::routing::swappable::SwappablePolicy;
 
@@ -235,7 +240,7 @@ pub struct Dispatcher {
     pools: std::sync::RwLock<Arc<ModelPools>>,
     /// Loads the pools' tokenizers, each file once.
     loader: std::sync::Mutex<TokenizerLoader>,
-    /// The keys it lets in (`None`: no authentication; [`crate::auth`]).
+    /// The keys it lets in (`None`: no authentication; [`crate::tenancy::auth`]).
     keys: std::sync::RwLock<Option<Arc<Keys>>>,
     /// How requests that are not inference choose a server.
     least_load: LeastLoad,
@@ -722,7 +727,7 @@ where
         let dispatcher = dispatcher.clone();
         let closing = closing_service.clone();
         async move {
-            let mut response = routes::handle(dispatcher, request).await;
+            let mut response = endpoints::handle(dispatcher, request).await;
             if closing.load(Ordering::Relaxed) {
                 response.headers_mut().insert(
                     hyper::header::CONNECTION,

@@ -20,9 +20,9 @@ use serde_json::{Value, json};
 use super::Dispatcher;
 use super::http::{Body, error_response, full_response, json_response};
 use super::proxy::unavailable;
-use crate::auth::Caller;
 use crate::pools::ModelPools;
 use crate::routing::live_candidates;
+use crate::tenancy::auth::Caller;
 
 /// Largest `/v1/models` answer read from one server.
 const MAX_MODELS_BYTES: usize = 8 << 20;

@@ -55,13 +55,13 @@ use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 
 use super::Dispatcher;
+use super::charge;
 use super::http::{Body, error_response, json_response, upstream_headers, with_string_field};
 use super::inference::{off_reactor_if_large, pick_pool, share_of};
 use super::proxy::{Outbound, forward};
-use super::rate;
 use super::relay::Metered;
-use crate::auth::Caller;
-use crate::prompt::RequestError;
+use crate::openai::prompt::RequestError;
+use crate::tenancy::auth::Caller;
 
 /// The `/v1` paths forwarded to an engine, all with `POST`.
 pub(super) const PATHS: [&str; 6] = [
@@ -99,11 +99,11 @@ struct Named {
 /// The model a passthrough body names and the output it asks for (400: not
 /// a JSON object, or no non-empty string `model`).
 fn model_named(body: &[u8]) -> Result<Named, RequestError> {
-    let object = crate::prompt::body_object(body)?;
-    let model = crate::prompt::request_model(&object).map(Cow::into_owned)?;
+    let object = crate::openai::prompt::body_object(body)?;
+    let model = crate::openai::prompt::request_model(&object).map(Cow::into_owned)?;
     let max_output = ["max_output_tokens", "max_tokens"]
         .into_iter()
-        .find_map(|name| object.get(name).and_then(crate::body::Json::as_u64));
+        .find_map(|name| object.get(name).and_then(crate::openai::body::Json::as_u64));
     Ok(Named { model, max_output })
 }
 
@@ -156,7 +156,7 @@ pub(super) async fn passthrough(
         if generates { max_output.unwrap_or(default) } else { 0 }
     };
     let mut admitted = match &pool {
-        Some(pool) => match rate::admit(dispatcher, caller, pool, estimated_tokens(bytes.len()), reserve).await {
+        Some(pool) => match charge::admit(dispatcher, caller, pool, estimated_tokens(bytes.len()), reserve).await {
             Ok(a) => a,
             Err(refused) => return refused,
         },

@@ -194,7 +194,7 @@ pub(super) fn forwarded_tenant<'h>(
         ));
     };
     let presented = headers.get(TOKEN_HEADER).map_or(&b""[..], HeaderValue::as_bytes);
-    if !crate::auth::constant_time_eq(presented, token.as_bytes()) {
+    if !crate::tenancy::auth::constant_time_eq(presented, token.as_bytes()) {
         return Some(Err(
             "a request forwarded by a peer gateway needs the peering token in x-semlb-peer-token",
         ));
@@ -233,7 +233,7 @@ pub(super) fn load_summary(dispatcher: &Dispatcher, headers: &HeaderMap) -> Resp
         );
     };
     let presented = headers.get(TOKEN_HEADER).map_or(&b""[..], HeaderValue::as_bytes);
-    if !crate::auth::constant_time_eq(presented, token.as_bytes()) {
+    if !crate::tenancy::auth::constant_time_eq(presented, token.as_bytes()) {
         return error_response(
             StatusCode::UNAUTHORIZED,
             format!("{LOAD_PATH} needs the peering token in {TOKEN_HEADER}"),

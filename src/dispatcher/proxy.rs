@@ -4,12 +4,12 @@
 //! head, each in three steps:
 //!
 //! 1. [`Attempts::route`]: a server from the routing decision
-//!    ([`super::route::choose`]), or a wait in the gateway queue when every
+//!    ([`super::pick::choose`]), or a wait in the gateway queue when every
 //!    server the policy would use is full;
 //! 2. [`Attempts::send`]: the request goes there; the head is awaited
 //!    under the request's deadline. A pooled connection that the server
 //!    had closed as the request went out
-//!    ([`crate::failure::is_stale_connection`]) is no failure: the request
+//!    ([`crate::dispatcher::failure::is_stale_connection`]) is no failure: the request
 //!    goes to the same server again on a new connection, once per request;
 //! 3. on a failure that another server may fix ([`Failure::retryable`]:
 //!    a connection error, a 5xx head), the next attempt avoids the servers
@@ -36,7 +36,7 @@ use tokio::time::Sleep;
 use shm_layout::UsageCounter;
 
 use super::Dispatcher;
-use super::accounting;
+use super::charge::Reservation;
 use super::http::{
     BACKEND_HEADER, Body, CACHE_HEADER, DISPATCH_HEADER, QUEUE_HEADER, ROUTE_HEADER, client_response_headers,
     error_response, set_header, set_static_header,
@@ -44,23 +44,23 @@ use super::http::{
 use super::inflight::InflightGuard;
 use super::learn::Learn;
 use super::peer_forward::{self, PeerCopy};
+use super::pick::{Chosen, RouteRequest, Routed, choose, passive_failure};
 use super::queue::{QueueExit, Waiting, wait_in_queue};
-use super::rate::Reservation;
 use super::relay::{Metered, Relay, RelayTimer, Upstream};
-use super::route::{Chosen, RouteRequest, Routed, choose, passive_failure};
+use super::tenant_usage;
 use super::timing::DispatchTiming;
-use crate::blocks::BlockHasher;
-use crate::continuation::EndProbe;
-use crate::failure::Failure;
-use crate::fair_share::{Priority, Share};
+use crate::dispatcher::failure::Failure;
 use crate::metrics::PeerEvent;
 use crate::metrics::QueueOutcome;
+use crate::openai::prompt::Endpoint;
 use crate::peers::affinity;
 use crate::peers::book::{Forward, PeerBook};
 use crate::pools::Pool;
-use crate::prompt::Endpoint;
+use crate::prefix::blocks::BlockHasher;
+use crate::prefix::continuation::EndProbe;
 use crate::routing::Reason;
 use crate::store::Lookup;
+use crate::tenancy::fair_share::{Priority, Share};
 
 /// What a proxied request is: where it goes and what it carries.
 pub(super) struct Outbound {
@@ -71,7 +71,7 @@ pub(super) struct Outbound {
     /// The model pool whose servers may take it (`None`: any server).
     pub pool: Option<Arc<Pool>>,
     /// Its tenant's salt for engines that take vLLM's `cache_salt` (a
-    /// tenant whose prefixes are kept apart: [`crate::blocks::TenantSalt`]).
+    /// tenant whose prefixes are kept apart: [`crate::prefix::blocks::TenantSalt`]).
     pub cache_salt: Option<String>,
     /// The client's request as it came, for a peer gateway, when it may be
     /// forwarded to one ([`crate::peers`]; `None`: it may not, e.g. it was
@@ -116,7 +116,7 @@ pub(super) struct InferenceCtx {
     pub prompt_tokens: Vec<u32>,
     pub chain: Vec<u64>,
     /// Leading blocks of the chain that are the chat template's own text
-    /// (see [`super::route::RouteRequest::template_blocks`]).
+    /// (see [`super::pick::RouteRequest::template_blocks`]).
     pub template_blocks: u32,
     pub hasher: BlockHasher,
     /// The prompt's end key ([`BlockHasher::end_key`]).
@@ -136,7 +136,7 @@ pub(super) struct InferenceCtx {
     /// Its session key, hashed, if the policy uses one and it has one.
     pub session: Option<u64>,
     /// The gateway asked for the stream's usage, which the client did not
-    /// (see `super::usage`).
+    /// (see `super::stream_usage`).
     pub strip_usage: bool,
     /// The rate-limit buckets its output tokens are charged to.
     pub output: Option<Reservation>,
@@ -238,7 +238,7 @@ struct Attempts<'d> {
     resent_stale: bool,
     /// Servers that answered it with a 5xx head: counted against their
     /// passive health only if another server then answers it with a 2xx
-    /// (see [`crate::failure`]).
+    /// (see [`crate::dispatcher::failure`]).
     answered_5xx: Vec<(ServerRef, String, Failure)>,
     /// The request's deadline.
     deadline: tokio::time::Instant,
@@ -528,7 +528,7 @@ impl<'d> Attempts<'d> {
         };
         let waited = since.elapsed();
         self.queued_ms = Some(self.queued_ms.unwrap_or(0) + waited.as_millis() as u64);
-        accounting::count(
+        tenant_usage::count(
             dispatcher,
             self.ctx.as_ref().and_then(|c| c.tenant.as_deref()),
             self.outbound.pool.as_ref().and_then(|p| p.name()),
@@ -640,7 +640,7 @@ impl<'d> Attempts<'d> {
             // A connection the server had closed: once per request, the
             // same server again on a new one (not a failure of the server).
             match &result {
-                Ok(Err(e)) if !self.resent_stale && crate::failure::is_stale_connection(e) => {
+                Ok(Err(e)) if !self.resent_stale && crate::dispatcher::failure::is_stale_connection(e) => {
                     self.resent_stale = true;
                     dispatcher.metrics().stale_connection();
                     tracing::debug!(

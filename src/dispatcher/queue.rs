@@ -28,7 +28,7 @@
 //! **In order, none overtaking.** While requests wait, a new request of
 //! this dispatcher joins the queue instead of being routed on arrival,
 //! and each look offers the waiting requests to their policies in the
-//! queue's order ([`crate::fair_share`]): interactive before batch (a
+//! queue's order ([`crate::tenancy::fair_share`]): interactive before batch (a
 //! batch request waiting `batch_max_delay_ms` first of all), and within a
 //! class the tenant that has received the least service first, oldest
 //! request first within a tenant (`fair_share = false`: oldest first).
@@ -58,11 +58,11 @@ use tokio::sync::{Notify, oneshot};
 
 use super::Dispatcher;
 use super::inflight::InflightGuard;
-use crate::fair_share::{FairQueue, Order, Share};
 use crate::metrics::QueueOutcome;
 use crate::pools::Pool;
 use crate::routing::Members;
 use crate::routing::{Candidate, Choice, QueueParams, RouteInput};
+use crate::tenancy::fair_share::{FairQueue, Order, Share};
 
 /// A request routed out of the queue: the choice, already counted in flight.
 #[derive(Debug)]
@@ -221,7 +221,7 @@ impl GatewayQueue {
     }
 
     /// Settles the charge of a request of `share` whose answer had
-    /// `output` tokens ([`crate::fair_share::FairQueue::settle`]).
+    /// `output` tokens ([`crate::tenancy::fair_share::FairQueue::settle`]).
     pub fn settle(&self, share: &Share, output: u64) {
         self.lock().waiters.settle(share, output);
     }

@@ -14,7 +14,7 @@
 //! the answer as it came (the JSON body, or the event stream) with the
 //! prompt's last partial block (a response process reads the answer's text
 //! out of it, tokenizes it and hashes the chain of prompt + answer:
-//! [`crate::responder`], [`crate::answer`]), the prompt's token count, and
+//! [`crate::responder`], [`crate::openai::answer`]), the prompt's token count, and
 //! the response body when it may be cached (then the answer is not carried
 //! twice). The dispatcher neither parses nor tokenizes the answer; the
 //! record is copied into this dispatcher's completion ring on the reactor,
@@ -31,10 +31,10 @@
 //!
 //! A streamed answer whose usage the gateway asked for on the client's
 //! behalf is passed through a [`UsageStrip`], which takes out what the
-//! client did not ask for ([`super::usage`]); the copy kept to learn from
+//! client did not ask for ([`super::stream_usage`]); the copy kept to learn from
 //! has it.
 //!
-//! An answer whose request has token limits ([`crate::rate_limit`]) has
+//! An answer whose request has token limits ([`crate::tenancy::rate_limit`]) has
 //! its output reservation settled when the relay ends, however it ends,
 //! with the output an [`OutputMeter`] read as the answer passed: the
 //! engine's reported usage, else a token per four bytes of everything
@@ -60,18 +60,18 @@ use tokio::time::Sleep;
 use shm_layout::UsageCounter;
 
 use super::Dispatcher;
-use super::accounting;
+use super::charge::Reservation;
 use super::http::{Body, BoxError};
 use super::inflight::InflightGuard;
 use super::learn::{Learn, push_completion};
 use super::meter::OutputMeter;
-use super::rate::Reservation;
-use super::route::{passive_failure, passive_success};
-use super::usage::UsageStrip;
-use crate::answer::{AnswerForm, EventStreamText, Reported};
-use crate::failure::Failure;
-use crate::fair_share::Share;
+use super::pick::{passive_failure, passive_success};
+use super::stream_usage::UsageStrip;
+use super::tenant_usage;
+use crate::dispatcher::failure::Failure;
+use crate::openai::answer::{AnswerForm, EventStreamText, Reported};
 use crate::pools::Pool;
+use crate::tenancy::fair_share::Share;
 
 /// Largest non-streaming answer kept to learn from (bytes), and how many
 /// completion records' worth at most (the answer's text is read out of the
@@ -218,7 +218,7 @@ pub(super) struct Relay {
     share: Option<Share>,
 }
 
-/// Whose output tokens an answer counts for (`super::accounting`).
+/// Whose output tokens an answer counts for (`super::tenant_usage`).
 #[derive(Debug)]
 struct Counted {
     tenant: Option<Arc<str>>,
@@ -330,7 +330,7 @@ impl Relay {
             return;
         }
         if let Some(Counted { tenant, pool }) = counted {
-            accounting::count(
+            tenant_usage::count(
                 &self.dispatcher,
                 tenant.as_deref(),
                 pool.as_ref().and_then(|p| p.name()),

@@ -15,7 +15,7 @@
 use shm_layout::Quota;
 
 use super::Dispatcher;
-use crate::auth::Caller;
+use crate::tenancy::auth::Caller;
 
 /// The period a share is counted over.
 const PERIOD_NS: u64 = 600_000_000_000;

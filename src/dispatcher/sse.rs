@@ -1,6 +1,6 @@
 //! Replaying a cached non-streaming answer as a stream ([`replay`]).
 //! (Reading the answer text out of a relayed stream is
-//! [`crate::answer`]'s.)
+//! [`crate::openai::answer`]'s.)
 //!
 //! A replay turns a stored `text_completion` / `chat.completion` JSON body
 //! into the chunks an engine would have sent: per choice one chunk with the
@@ -11,7 +11,7 @@
 use bytes::Bytes;
 use serde_json::{Map, Value, json};
 
-use crate::prompt::Endpoint;
+use crate::openai::prompt::Endpoint;
 
 fn event(out: &mut Vec<u8>, value: &Value) {
     out.extend_from_slice(b"data: ");
@@ -108,7 +108,7 @@ mod tests {
         assert_eq!(ev[0]["choices"][0]["delta"]["content"], " hi there");
         assert_eq!(ev[1]["choices"][0]["finish_reason"], "stop");
         assert_eq!(ev[2]["usage"]["completion_tokens"], 2);
-        let read = crate::answer::answer_text(crate::answer::AnswerForm::EventStream, &body);
+        let read = crate::openai::answer::answer_text(crate::openai::answer::AnswerForm::EventStream, &body);
         assert_eq!(
             read.map(|(text, r)| (text, r.completion_tokens)),
             Some((" hi there".to_owned(), Some(2))),
@@ -127,7 +127,10 @@ mod tests {
         assert_eq!(ev.len(), 2);
         assert_eq!(ev[0]["choices"][0]["text"], " a b");
         assert!(ev[0].get("usage").is_none());
-        let read = crate::answer::answer_text(crate::answer::AnswerForm::EventStream, &body);
-        assert_eq!(read, Some((" a b".to_owned(), crate::answer::Reported::default())));
+        let read = crate::openai::answer::answer_text(crate::openai::answer::AnswerForm::EventStream, &body);
+        assert_eq!(
+            read,
+            Some((" a b".to_owned(), crate::openai::answer::Reported::default()))
+        );
     }
 }

@@ -8,12 +8,12 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue};
 use serde_json::Value;
 
-use crate::auth::{KeyEntry, Keys, KeysFile, Refusal};
-use crate::body::Json;
 use crate::config::{BackendConfig, BackendUrl, ModelChanges, ModelConfig, ServeConfig};
 use crate::dispatcher::{UsageStrip, with_cache_salt, with_include_usage, with_model, with_usage_option};
-use crate::prompt;
+use crate::openai::body::Json;
+use crate::openai::prompt;
 use crate::response_cache::{API_KEY_HEADERS, Scope, Tenant};
+use crate::tenancy::auth::{KeyEntry, Keys, KeysFile, Refusal};
 
 /// The configuration an admin API change is made to: two backends and a
 /// pool serving a model on both.

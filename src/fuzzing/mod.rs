@@ -56,10 +56,10 @@ use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::ChatTemplate;
 use shm_layout::{Completion, CompletionRecord, ContinuationRef};
 
-use crate::answer::{self, AnswerForm, EventStreamText};
 use crate::config::ServeConfig;
 use crate::dispatcher::{UsageStrip, replay};
-use crate::prompt::{self, Endpoint, RequestLimits};
+use crate::openai::answer::{self, AnswerForm, EventStreamText};
+use crate::openai::prompt::{self, Endpoint, RequestLimits};
 use crate::response_cache::{self, Tenant};
 
 /// A ChatML template in Jinja, as real models ship them (the canonical

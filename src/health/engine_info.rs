@@ -18,7 +18,7 @@
 //!   each model's `max_model_len`.
 //!
 //! The slot count is exact where the learned admission limit
-//! ([`crate::capacity`]) is an estimate; the context lets the gateway
+//! ([`crate::routing::capacity`]) is an estimate; the context lets the gateway
 //! refuse a request no engine could take instead of forwarding it. The
 //! health checker reads both once per registration (again after the engine
 //! restarted) and stores them in the server table

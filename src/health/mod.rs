@@ -57,7 +57,7 @@
 //! when `/props` did not give the context. A llama.cpp engine says in
 //! `/props` how many requests it runs at once (`total_slots`), which
 //! replaces the learned admission limit for the holding policies
-//! ([`crate::capacity`], [`crate::routing::Candidate::pending_estimate`]),
+//! ([`crate::routing::capacity`], [`crate::routing::Candidate::pending_estimate`]),
 //! and each slot's context (`n_ctx`); vLLM, SGLang and `semlb-sim` give the
 //! context as `max_model_len` in `/v1/models`. The dispatchers answer a
 //! request no live engine can take with the engines' 400 themselves

@@ -1,5 +1,5 @@
 //! One engine's blocks under the gateway's names: the engine's block
-//! hashes mapped to the gateway's chain hashes ([`crate::blocks`]).
+//! hashes mapped to the gateway's chain hashes ([`crate::prefix::blocks`]).
 //!
 //! The engine names a block by its own hash (Python's `hash` or sha256 of
 //! its parent's hash, its tokens and extra keys), which the gateway cannot
@@ -26,7 +26,7 @@
 use std::collections::HashMap;
 
 use super::wire::{BlockRemoved, BlockStored, EngineHash};
-use crate::blocks::BlockHasher;
+use crate::prefix::blocks::BlockHasher;
 
 /// Why a `BlockStored` was not mapped.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

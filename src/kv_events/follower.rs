@@ -28,7 +28,7 @@ use shm_layout::{KvEventsSync, ServerRef, Stamp, Tables};
 
 use super::engine_blocks::{EngineBlocks, Skip};
 use super::wire::{EventBatch, KvEvent};
-use crate::blocks::BlockHasher;
+use crate::prefix::blocks::BlockHasher;
 
 /// Most blocks mapped for one engine (about 100 MB of map): an engine
 /// whose removals were lost would otherwise grow it without bound. Past

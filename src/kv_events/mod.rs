@@ -10,7 +10,6 @@
 //! | [`wire`] | vLLM's wire format: the PUB message's frames and the msgpack batch, in every layout vLLM's releases have used |
 //! | [`engine_blocks`] | one engine's block hashes mapped to the gateway's chain hashes, computed from the token ids its events carry |
 //! | [`follower`] | one engine's batches applied in sequence to the confirmed prefix table, and how far the table follows the engine |
-//! | [`precise`] | the `precise` prefix source: a lookup's match per server from the confirmed table or the estimate |
 //! | [`subscriber`] | the response processes' subscriptions to the engines' ZeroMQ sockets, replays and restarts |
 //! | [`zmtp`] | the client half of ZeroMQ's wire protocol (a SUB and a DEALER connection), so a closed engine is seen at once |
 //!
@@ -23,7 +22,6 @@
 
 pub mod engine_blocks;
 pub mod follower;
-pub mod precise;
 pub mod subscriber;
 pub mod wire;
 pub mod zmtp;

@@ -49,7 +49,7 @@ impl<'a> Metrics<'a> {
 
     /// A request resent on a new connection because the pooled one it went
     /// out on had been closed by the server (see
-    /// [`crate::failure::is_stale_connection`]).
+    /// [`crate::dispatcher::failure::is_stale_connection`]).
     pub fn stale_connection(&self) {
         self.add(STALE_CONNECTIONS, 1);
     }
@@ -72,7 +72,7 @@ impl<'a> Metrics<'a> {
     }
 
     /// A request routed to a server credited with the earlier answer its
-    /// prompt carries ([`crate::continuation`]).
+    /// prompt carries ([`crate::prefix::continuation`]).
     pub fn continued(&self) {
         self.add(CONTINUED, 1);
     }
@@ -312,7 +312,7 @@ pub struct ServerGauges {
     /// Its scraped load, when fresh.
     pub load: Option<LoadFigures>,
     /// The admission limit the holding policies use for it: its engine's
-    /// reported slots, else learned ([`crate::capacity`]), or the initial
+    /// reported slots, else learned ([`crate::routing::capacity`]), or the initial
     /// one.
     pub admission_limit: f64,
 }

@@ -49,7 +49,7 @@ impl Snapshot {
                 state: s.state,
                 inflight: s.inflight_requests,
                 load: crate::health::fresh_load(s.load, now_ms, stale_after_ms),
-                admission_limit: crate::capacity::Admission::of(s.engine_slots, s.admission_limit).value(),
+                admission_limit: crate::routing::capacity::Admission::of(s.engine_slots, s.admission_limit).value(),
             })
             .collect();
         let mut restarts = [0; 2];

@@ -12,8 +12,8 @@
 //! (llama.cpp's slots: two-slot engines are balanced at a spread of 1),
 //! else at least [`UNREPORTED_FLOOR`]. What an engine runs at once is
 //! [`Candidate::admission`]: the number it reported, else the admission
-//! limit the gateway learns ([`crate::capacity`]), else
-//! [`crate::capacity::INITIAL_LIMIT`]. A learned limit is a lower bound
+//! limit the gateway learns ([`crate::routing::capacity`]), else
+//! [`crate::routing::capacity::INITIAL_LIMIT`]. A learned limit is a lower bound
 //! until requests queue (it starts at 8 and grows only while it binds),
 //! and a client's next turn often arrives before its last answer is
 //! uncounted, so a spread of 2 on an engine that said nothing is noise:

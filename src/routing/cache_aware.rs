@@ -143,8 +143,8 @@
 //! proportion. What an engine runs at once is [`Candidate::admission`]:
 //! the number the engine reported (llama.cpp's slots, from `/props`), else
 //! the admission limit the gateway learns from the latencies it measures
-//! ([`crate::capacity`]; it grows while requests are not slowed by those
-//! in flight), else [`crate::capacity::INITIAL_LIMIT`] (8) before anything
+//! ([`crate::routing::capacity`]; it grows while requests are not slowed by those
+//! in flight), else [`crate::routing::capacity::INITIAL_LIMIT`] (8) before anything
 //! is learned. So two-slot llama.cpp engines are balanced at a spread of
 //! 1, a sim or vLLM engine at 2 until its latencies show no queue with
 //! more than 16 in flight (5 at 40), and a 256-sequence engine at 32.
@@ -786,9 +786,9 @@ mod tests {
         assert_eq!(p.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[0], prefix(10)));
         // Before anything is learned (8 at once), an engine that said
         // nothing is given 2: a spread of 2 is noise, 3 is not.
-        let cands = four([5, 3, 4, 4], crate::capacity::INITIAL_LIMIT);
+        let cands = four([5, 3, 4, 4], crate::routing::capacity::INITIAL_LIMIT);
         assert_eq!(p.choose(&input(10, &m, &cands)).unwrap(), choice(f.s[0], prefix(10)));
-        let cands = four([6, 3, 4, 4], crate::capacity::INITIAL_LIMIT);
+        let cands = four([6, 3, 4, 4], crate::routing::capacity::INITIAL_LIMIT);
         assert_eq!(p.choose(&input(10, &m, &cands)).unwrap().reason, Reason::LeastLoad);
         // An eighth of the winner's capacity, rounded up, never above the
         // configured threshold.

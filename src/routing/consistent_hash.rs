@@ -15,7 +15,7 @@
 //!    2. the body's `user` field (`user_field`, default on);
 //!    3. for a chat, its **opening** (`conversation_key`, default on): the
 //!       messages up to and including the first user message, hashed
-//!       ([`crate::prompt::opening`]). Every turn of a
+//!       ([`crate::openai::prompt::opening`]). Every turn of a
 //!       conversation has the same opening, so the conversation stays on
 //!       one server, and conversations that share a system prompt but not
 //!       their first question spread over the ring;

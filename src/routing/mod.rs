@@ -79,7 +79,7 @@
 //!   rate would starve a free engine.)
 //! * no fresh scrape (an engine without metrics, or a stale one): from
 //!   the requests in flight and the server's learned **admission limit**
-//!   `L` ([`Candidate::admission`], [`crate::capacity`]), `estimate =
+//!   `L` ([`Candidate::admission`], [`crate::routing::capacity`]), `estimate =
 //!   max(0, inflight − L + 1)`. The gateway cannot see the engine's
 //!   queue, so it estimates how many requests the engine runs at once
 //!   from the latencies it measures. A server at its limit counts one
@@ -100,6 +100,7 @@
 
 pub mod balance;
 pub mod cache_aware;
+pub mod capacity;
 pub mod consistent_hash;
 pub mod cost;
 pub mod dual_map;
@@ -156,8 +157,8 @@ pub struct Candidate {
     pub load: LoadFigures,
     /// Requests its engine runs at once: the number its engine reported
     /// (`admission_reported`), else the learned admission limit, or
-    /// [`crate::capacity::INITIAL_LIMIT`] before one is learned (see
-    /// [`crate::capacity`]).
+    /// [`crate::routing::capacity::INITIAL_LIMIT`] before one is learned (see
+    /// [`crate::routing::capacity`]).
     pub admission: u32,
     /// `admission` is the engine's own word (llama.cpp's slots, which it
     /// never exceeds), not an estimate.
@@ -372,7 +373,7 @@ pub struct SessionSource {
     pub headers: Vec<String>,
     /// Then the body's `user` field.
     pub user_field: bool,
-    /// Then a chat's opening ([`crate::prompt::opening`]).
+    /// Then a chat's opening ([`crate::openai::prompt::opening`]).
     pub opening: bool,
 }
 
@@ -479,7 +480,8 @@ pub fn uncached_tokens(prompt_tokens: u32, cached_blocks: u32, block_tokens: u32
 /// its last scraped load (however old).
 pub fn candidate(servers: &ServerTable<'_>, server: ServerRef) -> Candidate {
     let ((inflight, inflight_tokens), (pending, pending_tokens)) = servers.inflight_and_pending(server);
-    let admission = crate::capacity::Admission::of(servers.engine_slots(server), servers.admission_limit(server));
+    let admission =
+        crate::routing::capacity::Admission::of(servers.engine_slots(server), servers.admission_limit(server));
     Candidate {
         server,
         inflight,
@@ -488,7 +490,7 @@ pub fn candidate(servers: &ServerTable<'_>, server: ServerRef) -> Candidate {
         pending_tokens,
         load: servers.load(server),
         admission: admission.limit(),
-        admission_reported: matches!(admission, crate::capacity::Admission::Reported(_)),
+        admission_reported: matches!(admission, crate::routing::capacity::Admission::Reported(_)),
         started_since_scrape: servers.started_since_scrape(server),
     }
 }
@@ -728,7 +730,7 @@ pub struct QueueParams {
     /// at once. Default 5; 1 to 1000.
     pub recheck_ms: u64,
     /// Among the waiting requests of a class, the tenant that has received
-    /// the least service goes first ([`crate::fair_share`]); `false`:
+    /// the least service goes first ([`crate::tenancy::fair_share`]); `false`:
     /// oldest first. Default true.
     pub fair_share: bool,
     /// A batch request that has waited this long goes before interactive

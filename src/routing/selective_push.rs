@@ -18,7 +18,7 @@
 //!      scraped `waiting` corrected by what the gateway sent and saw start
 //!      since the scrape; without fresh metrics, the requests in flight
 //!      against the server's learned admission limit,
-//!      [`crate::capacity`]) is above `max_pending` (default 0: a server
+//!      [`crate::routing::capacity`]) is above `max_pending` (default 0: a server
 //!      with any request estimated to wait in its engine takes no more);
 //!    * mode `unstarted`: when more than `max_pending` requests the gateway
 //!      sent to it have no first token yet, whatever its scrapes say (the

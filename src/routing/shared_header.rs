@@ -75,7 +75,7 @@
 //! at a cold start the sketch has seen no divergence there, and a short
 //! prompt whose one matched block is that opening went to the engine
 //! that computed it. The dispatcher finds where the first message's text
-//! starts in the rendered prompt ([`crate::prompt::ParsedRequest::template_bytes`]),
+//! starts in the rendered prompt ([`crate::openai::prompt::ParsedRequest::template_bytes`]),
 //! and the whole blocks before it ([`template_blocks`]) count as header
 //! from the first request on.
 //!

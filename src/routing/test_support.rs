@@ -57,7 +57,7 @@ pub(crate) fn cand(server: ServerRef, inflight: u64, inflight_tokens: u64) -> Ca
         pending: 0,
         pending_tokens: 0,
         load: LoadFigures::default(),
-        admission: crate::capacity::INITIAL_LIMIT,
+        admission: crate::routing::capacity::INITIAL_LIMIT,
         admission_reported: false,
         started_since_scrape: 0,
     }

@@ -31,9 +31,9 @@ use std::sync::Arc;
 use shm_layout::{Segment, ServerRef};
 
 use crate::health::fresh_load;
-use crate::rate_limit::{self, Charge, Verdict};
 use crate::routing::Members;
 use crate::routing::{Candidate, candidate, live_candidates};
+use crate::tenancy::rate_limit::{self, Charge, Verdict};
 
 /// One process's view of the host-local state: the segment, and its row
 /// of the in-flight ledger.

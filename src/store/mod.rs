@@ -29,7 +29,7 @@
 //! turn of a conversation is often routed before that. So a dispatcher
 //! also writes, the moment it sends a prompt to a server
 //! ([`RoutingStore::record_route`]): the prompt's chain for that server and
-//! the prompt's end key ([`crate::continuation`]), after the request is
+//! the prompt's end key ([`crate::prefix::continuation`]), after the request is
 //! counted in flight there, so a request that sees the entries sees the
 //! load too and a burst sharing a new prefix meets the policy's load
 //! rules. An attempt that fails or is refused takes back what it added
@@ -45,7 +45,7 @@
 //!
 //! # Rate limits
 //!
-//! The buckets of [`crate::rate_limit`] live in the segment's limit table
+//! The buckets of [`crate::tenancy::rate_limit`] live in the segment's limit table
 //! with the shm store ([`RoutingStore::take_limits`]: one CAS per bucket),
 //! and in Redis with the Redis store (one script round trip taking every
 //! bucket of a request at once, timed by Redis's clock, so every host of
@@ -64,6 +64,7 @@
 
 pub mod local;
 pub mod redis;
+pub mod segments;
 pub mod shm;
 
 use std::fmt;
@@ -74,10 +75,10 @@ use bytes::Bytes;
 use shm_layout::{Completion, PrefixMatch, ResponseKey, ServerRef, Stamp};
 
 use crate::config::StoreKind;
-use crate::continuation::EndProbe;
-use crate::rate_limit::{Charge, Verdict};
+use crate::prefix::continuation::EndProbe;
 use crate::routing::Candidate;
 use crate::routing::Members;
+use crate::tenancy::rate_limit::{Charge, Verdict};
 
 /// What a dispatcher asks the store for one routing decision.
 #[derive(Debug, Clone, Copy)]
@@ -101,7 +102,7 @@ pub struct LookupRequest<'a> {
     pub continuation: Option<EndProbe<'a>>,
     /// `Some(window)`: the precise prefix source, with the gateway's own
     /// entries for an engine whose events it follows counting `window`
-    /// seconds ([`crate::kv_events::precise`]); `None`: the estimate.
+    /// seconds ([`crate::prefix::precise`]); `None`: the estimate.
     pub precise: Option<u16>,
 }
 
@@ -115,7 +116,7 @@ pub struct Lookup {
     pub prefix: PrefixMatch,
     /// The candidates whose earlier prompt this one continues, credited
     /// with the blocks of the answer they generated after it (not in the
-    /// table yet: see [`crate::continuation`]).
+    /// table yet: see [`crate::prefix::continuation`]).
     pub continued: PrefixMatch,
     /// The live servers of the pool, minus the excluded ones, with their load (scraped
     /// figures only when fresh, else zeros).
@@ -217,7 +218,7 @@ pub trait RoutingStore: Send + Sync + fmt::Debug {
     fn touch_route(&self, server: ServerRef, last: u64);
 
     /// Takes a request's rate-limit `charges`, all or none
-    /// ([`crate::rate_limit`]); the segment's limit table unless the store
+    /// ([`crate::tenancy::rate_limit`]); the segment's limit table unless the store
     /// keeps its own.
     fn take_limits<'a>(&'a self, charges: &'a [Charge]) -> StoreFuture<'a, Verdict> {
         Box::pin(std::future::ready(self.local().take_limits(charges)))

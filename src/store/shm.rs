@@ -12,7 +12,7 @@ use shm_layout::{Completion, PrefixMatch, Segment, ServerRef, Stamp, Tables};
 use super::local::LocalState;
 use super::{Lookup, LookupRequest, RoutingStore, StoreFuture, StoreStats, WriteBack, WriteStats, answer_blocks};
 use crate::config::StoreKind;
-use crate::kv_events::precise;
+use crate::prefix::precise;
 use crate::response_cache::{encode_entry, fresh_body};
 
 /// A dispatcher's view of the segment's tables.

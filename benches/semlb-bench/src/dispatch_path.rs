@@ -20,7 +20,7 @@
 //! | stage | what | where |
 //! | --- | --- | --- |
 //! | tokenize | the prompt text to token ids | every store (done once) |
-//! | hash | token ids to the chain of block hashes ([`semlb::blocks::BlockHasher`]) | every store (done once) |
+//! | hash | token ids to the chain of block hashes ([`semlb::prefix::blocks::BlockHasher`]) | every store (done once) |
 //! | cache | the response-cache lookup of the prompt's key | per store |
 //! | match | the longest-prefix match of the chain | per store |
 //! | update | the write-back a response process makes: insert the prompt + answer chain (which starts with the prompt's chain) for the chosen server, and put the response | per store |
@@ -67,7 +67,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
-use semlb::blocks::BlockHasher;
+use semlb::prefix::blocks::BlockHasher;
 use semlb::store::redis::client::{RedisStore, WriteItem};
 use semlb_tokenizer::Tokenizer;
 use serde_json::{Value, json};
@@ -103,7 +103,7 @@ pub struct DispatchArgs {
     #[arg(long, value_name = "N", default_value_t = 3000)]
     pub requests: usize,
     /// Tokens per block of the hash chain.
-    #[arg(long, value_name = "TOKENS", default_value_t = semlb::blocks::DEFAULT_BLOCK_SIZE)]
+    #[arg(long, value_name = "TOKENS", default_value_t = semlb::prefix::blocks::DEFAULT_BLOCK_SIZE)]
     pub block_size: usize,
     /// Requests run through every store before measuring (not recorded).
     #[arg(long, value_name = "N", default_value_t = 100)]
@@ -116,7 +116,7 @@ impl DispatchArgs {
         Self {
             common,
             requests: 3000,
-            block_size: semlb::blocks::DEFAULT_BLOCK_SIZE,
+            block_size: semlb::prefix::blocks::DEFAULT_BLOCK_SIZE,
             warmup: 100,
         }
     }

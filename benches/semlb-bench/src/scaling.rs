@@ -121,7 +121,7 @@ pub struct ScalingArgs {
     #[arg(long, value_name = "N", default_value_t = 3000)]
     pub requests: usize,
     /// Tokens per block of the hash chain.
-    #[arg(long, value_name = "TOKENS", default_value_t = semlb::blocks::DEFAULT_BLOCK_SIZE)]
+    #[arg(long, value_name = "TOKENS", default_value_t = semlb::prefix::blocks::DEFAULT_BLOCK_SIZE)]
     pub block_size: usize,
     /// Stores to measure, comma-separated (Redis ones are skipped with --no-redis).
     #[arg(
@@ -141,7 +141,7 @@ impl ScalingArgs {
             processes: vec![1, 2, 4],
             secs: 3.0,
             requests: 3000,
-            block_size: semlb::blocks::DEFAULT_BLOCK_SIZE,
+            block_size: semlb::prefix::blocks::DEFAULT_BLOCK_SIZE,
             stores: vec![Store::Shm, Store::Redis1rt, Store::RedisNaive],
         }
     }
@@ -736,11 +736,11 @@ pub fn run_worker(args: &WorkerArgs) -> Result<()> {
                     }
                     let m = t.prefix.longest_prefix_match(&r.prompt, |s| t.servers.is_live(s));
                     routing::live_candidates(&t, &mut candidates);
-                    let tokens = (r.prompt.len() * semlb::blocks::DEFAULT_BLOCK_SIZE) as u32;
+                    let tokens = (r.prompt.len() * semlb::prefix::blocks::DEFAULT_BLOCK_SIZE) as u32;
                     let choice = policy.choose(&RouteInput::new(
                         &r.prompt,
                         tokens,
-                        semlb::blocks::DEFAULT_BLOCK_SIZE as u32,
+                        semlb::prefix::blocks::DEFAULT_BLOCK_SIZE as u32,
                         &m,
                         &candidates,
                     ));
@@ -797,12 +797,12 @@ pub fn run_worker(args: &WorkerArgs) -> Result<()> {
                     }
                     routing::live_candidates(&lt, &mut candidates);
                     let m = redis_match(&found.prefix, &candidates);
-                    let tokens = (r.prompt.len() * semlb::blocks::DEFAULT_BLOCK_SIZE) as u32;
+                    let tokens = (r.prompt.len() * semlb::prefix::blocks::DEFAULT_BLOCK_SIZE) as u32;
                     let choice = policy
                         .choose(&RouteInput::new(
                             &r.prompt,
                             tokens,
-                            semlb::blocks::DEFAULT_BLOCK_SIZE as u32,
+                            semlb::prefix::blocks::DEFAULT_BLOCK_SIZE as u32,
                             &m,
                             &candidates,
                         ))

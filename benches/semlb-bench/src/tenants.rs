@@ -13,7 +13,7 @@
 //! | --- | --- |
 //! | `engine queues` | `cache_aware` (the default): no gateway queue, every request goes to an engine at once and waits in its queue, first come first served |
 //! | `gateway queue, oldest first` | `selective_push` (`max_outstanding` = the engines' sequence slots) with `fair_share = false`: requests wait at the gateway, oldest first |
-//! | `gateway queue, fair share` | the same with `fair_share = true` ([`semlb::fair_share`]) |
+//! | `gateway queue, fair share` | the same with `fair_share = true` ([`semlb::tenancy::fair_share`]) |
 //!
 //! Reported per mode and tenant, over the window after a warm-up: requests
 //! answered and TTFT p50/p90/p99 as the client saw them.

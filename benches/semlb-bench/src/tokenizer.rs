@@ -502,7 +502,7 @@ fn replay(
     // The gateway: a dispatcher (its cache, then the store) and a response
     // process priming the store with each answer, as `Responder` does.
     let segment = std::sync::Arc::new(shm_layout::Segment::heap(&shm_layout::LayoutPlan::for_size(64 << 20)?));
-    let store = std::sync::Arc::new(semlb::segment_store::ShmSegmentStore::new(segment));
+    let store = std::sync::Arc::new(semlb::store::segments::ShmSegmentStore::new(segment));
     let dispatcher = t
         .loaded
         .clone()

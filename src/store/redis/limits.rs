@@ -1,4 +1,4 @@
-//! Rate-limit buckets in Redis ([`crate::rate_limit`]): every bucket of a
+//! Rate-limit buckets in Redis ([`crate::tenancy::rate_limit`]): every bucket of a
 //! request charged in one round trip by [`LIMIT_SCRIPT`], which reads
 //! Redis's clock, so every host sharing the namespace charges the same
 //! buckets by the same time. A bucket is the key `{ns}:rl:<key, 16 hex
@@ -9,7 +9,7 @@ use redis::Value;
 use shm_layout::BucketState;
 
 pub(crate) use super::scripts::LIMIT_SCRIPT;
-use crate::rate_limit::{Charge, Verdict};
+use crate::tenancy::rate_limit::{Charge, Verdict};
 
 /// Nanoseconds per microsecond (the script keeps µs: a Lua number holds
 /// Unix µs exactly, not ns).

@@ -22,7 +22,7 @@
 //!   then walked one `HGETALL` per block, as the sLLM paper's baseline.
 //!   A prompt that carries an earlier answer and matches some server costs
 //!   one more round trip: the `HKEYS` of its end-key probes
-//!   ([`crate::continuation`]).
+//!   ([`crate::prefix::continuation`]).
 //! - Learning at dispatch ([`RoutingStore::record_route`]) sends the
 //!   write-back's insert script for the prompt's chain and end key on the
 //!   same connection without waiting for the reply; taking it back is an
@@ -69,9 +69,9 @@ use shm_layout::{Completion, PrefixMatch, Segment, ServerRef, Stamp};
 use super::local::LocalState;
 use super::{Lookup, LookupRequest, RoutingStore, StoreFuture, StoreStats, WriteBack, WriteStats, answer_blocks};
 use crate::config::{RedisConfig, RedisLookup, StoreKind};
-use crate::continuation::EndProbe;
-use crate::kv_events::precise;
-use crate::rate_limit::{Charge, Verdict};
+use crate::prefix::continuation::EndProbe;
+use crate::prefix::precise;
+use crate::tenancy::rate_limit::{Charge, Verdict};
 use client::{
     DispatchLookup, INFLIGHT_LEASE, INSERT_SCRIPT, LANES, LPM_SCRIPT, PUBLISH_SCRIPT, RedisStore, SUM_SCRIPT, ServerId,
     StoreError, WriteItem, lookup_pipeline, owner_id, parse_lookup, publish_args,

@@ -246,7 +246,7 @@ mod tests {
             json!({"model": MODEL, "messages": [{"role": "user", "content": SHORT_MESSAGE}], "max_tokens": 16})
         );
         let text = format!("{head}{SHORT_MESSAGE}{tail}");
-        let body = semlb::body::Json::parse(text.as_bytes()).unwrap();
+        let body = semlb::openai::body::Json::parse(text.as_bytes()).unwrap();
         assert!(
             !semlb::response_cache::is_deterministic(body.as_object().unwrap()),
             "the requests must bypass the response cache"

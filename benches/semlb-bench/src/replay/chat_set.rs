@@ -5,7 +5,7 @@
 //! and the ones where a policy can fall into a trap of its own: without
 //! engine metrics, a holding policy sees no engine queue; with clients that
 //! do not stream, it sees no first token before an answer is complete
-//! (`semlb::capacity` learns each engine's admission limit for exactly
+//! (`semlb::routing::capacity` learns each engine's admission limit for exactly
 //! this). Each set is its own table, every policy against `least_load` on
 //! the same engines.
 

@@ -26,7 +26,7 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use semlb::answer::{AnswerForm, answer_text};
+use semlb::openai::answer::{AnswerForm, answer_text};
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 

@@ -1,0 +1,125 @@
+//! The rate-limit step ([`crate::tenancy::rate_limit`]): a request's buckets (its
+//! tenant's and its model pool's) charged through the store before it is
+//! routed, with a reservation for its output, 429 when they have no room,
+//! and the `x-ratelimit-*` headers of the answer when they do. It also
+//! counts the request, let in or refused, for its tenant and model
+//! (`super::tenant_usage`). The reservation ([`Reservation`]) is settled
+//! once, when the answer ends, or given back whole when it is dropped
+//! unsettled (the request got no answer).
+
+use std::sync::Arc;
+
+use http::{Response, StatusCode};
+
+use shm_layout::UsageCounter;
+
+use super::Dispatcher;
+use super::http::{Body, json_response};
+use super::tenant_usage;
+use crate::pools::Pool;
+use crate::tenancy::auth::Caller;
+use crate::tenancy::rate_limit::{Headroom, Outcome, OutputBuckets, Refusal, RequestBuckets};
+
+/// A request let in by its limits.
+#[derive(Debug, Default)]
+pub(super) struct Admitted {
+    /// The headers its answer carries (`None`: no limits apply).
+    pub headroom: Option<Headroom>,
+    /// Its output reservation, settled when its answer ends.
+    pub output: Option<Reservation>,
+}
+
+/// The output a request reserved in its token buckets: settled once by
+/// [`settle`](Self::settle) with the tokens its answer produced, or given
+/// back whole when dropped unsettled.
+#[derive(Debug)]
+pub(super) struct Reservation {
+    dispatcher: Arc<Dispatcher>,
+    buckets: Option<OutputBuckets>,
+}
+
+impl Reservation {
+    /// Settles it for an answer of `tokens` output tokens: the unused part
+    /// given back, the excess charged room or not.
+    pub fn settle(mut self, tokens: u64) {
+        self.settle_once(tokens);
+    }
+
+    fn settle_once(&mut self, tokens: u64) {
+        if let Some(buckets) = self.buckets.take() {
+            let settlement = buckets.settle(tokens);
+            let store = self.dispatcher.store();
+            store.charge_limits(&settlement.charge);
+            store.refund_limits(&settlement.refund);
+        }
+    }
+}
+
+impl Drop for Reservation {
+    /// Not settled: the request got no answer.
+    fn drop(&mut self) {
+        self.settle_once(0);
+    }
+}
+
+impl Admitted {
+    /// Sets its headers on `response`.
+    pub fn set_headers(&self, response: &mut Response<Body>) {
+        if let Some(h) = &self.headroom {
+            h.set_headers(response.headers_mut());
+        }
+    }
+}
+
+/// Charges one request of `prompt_tokens` tokens, reserving `reserve()`
+/// tokens of output (asked only when a bucket counts), from `caller` to
+/// `pool` to their buckets: admitted, or the 429 to answer.
+pub(super) async fn admit(
+    dispatcher: &Arc<Dispatcher>,
+    caller: Option<&Caller>,
+    pool: &Pool,
+    prompt_tokens: u64,
+    reserve: impl FnOnce() -> u64,
+) -> Result<Admitted, Response<Body>> {
+    let tenant = caller.map(|c| &*c.tenant);
+    let let_in = [(UsageCounter::Requests, 1), (UsageCounter::PromptTokens, prompt_tokens)];
+    let buckets = RequestBuckets::new(caller.map_or(&[], |c| &c.limits), pool.limits());
+    if buckets.is_empty() {
+        tenant_usage::count(dispatcher, tenant, pool.name(), &let_in);
+        return Ok(Admitted::default());
+    }
+    let charges = buckets.admission(prompt_tokens, reserve());
+    let verdict = dispatcher.store().take_limits(&charges).await;
+    match buckets.outcome(&verdict, &charges) {
+        Outcome::Allowed(headroom) => {
+            tenant_usage::count(dispatcher, tenant, pool.name(), &let_in);
+            Ok(Admitted {
+                headroom: Some(headroom),
+                output: buckets.output(&charges, prompt_tokens).map(|b| Reservation {
+                    dispatcher: dispatcher.clone(),
+                    buckets: Some(b),
+                }),
+            })
+        }
+        Outcome::Refused(refusal) => {
+            tenant_usage::count(dispatcher, tenant, pool.name(), &[(UsageCounter::RateLimited, 1)]);
+            tracing::debug!(tenant, model = pool.name(), "rate limited: {}", refusal.message);
+            Err(too_many_requests(&refusal))
+        }
+    }
+}
+
+/// OpenAI's 429 for `refusal`.
+fn too_many_requests(refusal: &Refusal) -> Response<Body> {
+    let body = serde_json::json!({
+        "error": {
+            "message": refusal.message,
+            "type": refusal.unit.name(),
+            "param": null,
+            "code": "rate_limit_exceeded",
+        }
+    });
+    let mut response = json_response(StatusCode::TOO_MANY_REQUESTS, &body);
+    refusal.set_headers(response.headers_mut());
+    response
+}
