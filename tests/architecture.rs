@@ -1,6 +1,11 @@
 //! The workspace's shape, checked from its source: no import cycle between
 //! the files of a crate, and no source file too long to find one's way in.
 //!
+//! It also keeps the house's plan visible: `src/` shows few entries, the
+//! subsystems lower down (`metrics`, `store`) name nothing that uses them,
+//! no function or file grows past what a reader can hold, and the
+//! library's public functions fail with typed errors, not strings.
+//!
 //! A file's edges are the modules its code names through `crate::…` and
 //! `super::…` paths (use declarations, and paths in code), resolved to the
 //! longest module prefix that exists. A module naming its own descendants
@@ -13,8 +18,23 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// A non-test source file longer than this is to be split.
-const MAX_LINES: usize = 1000;
+/// A non-test source file longer than this (every line before its inline
+/// tests, comments included) is to be split.
+const MAX_LINES: usize = 900;
+
+/// A function longer than this (from its `fn` line to its closing brace)
+/// is to be split into named steps.
+const MAX_FN_LINES: usize = 150;
+
+/// `src/` holds at most this many entries: the library's concerns, its
+/// root and the binary's folder.
+const MAX_TOP_LEVEL: usize = 20;
+
+/// Subsystems the others build on: none may name a module that names it.
+const LOWER_LAYERS: [&str; 2] = ["metrics", "store"];
+
+/// The library crates (their public functions fail with typed errors).
+const LIBRARIES: [&str; 4] = ["src", "shm-layout/src", "tokenizer/src", "workers/src"];
 
 /// Every crate of the workspace: its source directory (from the
 /// workspace root) and its crate roots there.
@@ -290,22 +310,220 @@ fn the_checker_sees_paths_and_cycles() {
 
 #[test]
 fn no_source_file_is_too_long() {
-    let mut files = Vec::new();
-    for (dir, _) in CRATES {
-        rust_files(&workspace().join(dir), &mut files);
-    }
-    let long: Vec<String> = files
+    let long: Vec<String> = all_source_files()
         .iter()
         .filter(|f| !is_test_file(f))
         .filter_map(|f| {
             let text = std::fs::read_to_string(f).unwrap();
             // Inline unit tests (at the end of a file) do not count.
-            let code = text.find("#[cfg(test)]\nmod tests {").map_or(&text[..], |i| &text[..i]);
-            let lines = code.lines().count();
+            let lines = before_tests(&text).lines().count();
             (lines > MAX_LINES).then(|| format!("{} ({lines} lines)", f.display()))
         })
         .collect();
     assert!(long.is_empty(), "split these: {long:?}");
+}
+
+/// Every non-test source file of the workspace's crates, once.
+fn all_source_files() -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for (dir, _) in CRATES {
+        rust_files(&workspace().join(dir), &mut files);
+    }
+    files.sort();
+    files.dedup();
+    files.retain(|f| !is_test_file(f));
+    files
+}
+
+/// `text` before its inline tests.
+fn before_tests(text: &str) -> &str {
+    text.find("#[cfg(test)]\nmod tests {").map_or(text, |i| &text[..i])
+}
+
+/// The functions of `code` longer than `max` lines: `(name, lines)`. A
+/// function is a line whose first word after visibility and qualifiers is
+/// `fn`; its end is the first later line at its indentation that closes a
+/// brace (rustfmt's layout, which CI enforces). Declarations without a
+/// body (`;`) are skipped.
+fn long_functions(code: &str, max: usize) -> Vec<(String, usize)> {
+    let lines: Vec<&str> = code.lines().collect();
+    let mut out = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let trimmed = line.trim_start();
+        let mut rest = trimmed;
+        for prefix in [
+            "pub(crate) ",
+            "pub(super) ",
+            "pub ",
+            "const ",
+            "async ",
+            "unsafe ",
+            "extern \"C\" ",
+        ] {
+            rest = rest.strip_prefix(prefix).unwrap_or(rest);
+        }
+        if rest.starts_with("pub(in ") {
+            rest = rest.split_once(") ").map_or(rest, |(_, r)| r);
+        }
+        let Some(sig) = rest.strip_prefix("fn ") else {
+            continue;
+        };
+        let name: String = sig.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+        let indent = line.len() - trimmed.len();
+        // The signature ends at the first line ending in `{` or `;`.
+        let Some(open) = (i..lines.len()).find(|&j| {
+            let l = lines[j].trim_end();
+            l.ends_with('{') || l.ends_with(';')
+        }) else {
+            continue;
+        };
+        if lines[open].trim_end().ends_with(';') {
+            continue;
+        }
+        let close = (open + 1..lines.len()).find(|&j| {
+            let l = lines[j];
+            l.len() - l.trim_start().len() == indent && l.trim_start().starts_with('}')
+        });
+        if let Some(close) = close
+            && close - i + 1 > max
+        {
+            out.push((name, close - i + 1));
+        }
+    }
+    out
+}
+
+#[test]
+fn no_function_is_too_long() {
+    let long: Vec<String> = all_source_files()
+        .iter()
+        .flat_map(|f| {
+            let text = std::fs::read_to_string(f).unwrap();
+            long_functions(before_tests(&text), MAX_FN_LINES)
+                .into_iter()
+                .map(|(name, n)| format!("{}: fn {name} ({n} lines)", f.display()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(long.is_empty(), "split these into named steps: {long:#?}");
+}
+
+#[test]
+fn the_function_measure_sees_a_long_function() {
+    let body = "        x += 1;\n".repeat(4);
+    let code = format!(
+        "impl A {{\n    pub(crate) async fn grow(\n        a: u8,\n    ) -> u8 {{\n{body}    }}\n    fn decl();\n}}\n"
+    );
+    assert_eq!(long_functions(&code, 7), [("grow".to_owned(), 8)]);
+    assert_eq!(long_functions(&code, 8), []);
+}
+
+#[test]
+fn src_shows_few_entries() {
+    let entries: Vec<String> = std::fs::read_dir(workspace().join("src"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        entries.len() <= MAX_TOP_LEVEL,
+        "src/ has {} entries (at most {MAX_TOP_LEVEL}): group them by concern: {entries:?}",
+        entries.len()
+    );
+    assert!(
+        workspace().join("src/bin/semlb/main.rs").is_file() && !workspace().join("src/main.rs").exists(),
+        "the binary lives in src/bin/semlb/"
+    );
+}
+
+/// The top-level modules of the library that name `lower` in code, and
+/// those `lower` names.
+fn users_and_used(
+    edges: &BTreeMap<Vec<String>, BTreeSet<Vec<String>>>,
+    lower: &str,
+) -> (BTreeSet<String>, BTreeSet<String>) {
+    let (mut users, mut used) = (BTreeSet::new(), BTreeSet::new());
+    for (from, to) in edges {
+        for target in to {
+            if from[0] != lower && target[0] == lower {
+                users.insert(from[0].clone());
+            }
+            if from[0] == lower && target[0] != lower {
+                used.insert(target[0].clone());
+            }
+        }
+    }
+    (users, used)
+}
+
+#[test]
+fn lower_layers_name_nothing_that_uses_them() {
+    let edges = graph(&workspace().join("src"), "lib.rs");
+    for lower in LOWER_LAYERS {
+        let (users, used) = users_and_used(&edges, lower);
+        assert!(
+            !users.is_empty(),
+            "{lower}: nothing uses it? (the checker lost its edges)"
+        );
+        let up: Vec<&String> = used.intersection(&users).collect();
+        assert!(
+            up.is_empty(),
+            "{lower} names {up:?}, which use {lower}: pass it plain values instead"
+        );
+    }
+}
+
+/// Public functions in `code` whose result is `Result<_, String>`.
+fn string_errors(code: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = code;
+    while let Some(i) = rest.find("pub fn ") {
+        let sig_end = rest[i..].find(['{', ';']).map_or(rest.len(), |e| i + e);
+        let sig: String = rest[i..sig_end].split_whitespace().collect::<Vec<_>>().join(" ");
+        if let Some(ret) = sig.split("->").nth(1)
+            && ret.contains("Result<")
+            && ret
+                .trim_end()
+                .trim_end_matches(|c: char| c == '>' || c.is_whitespace())
+                .ends_with("String")
+        {
+            out.push(sig);
+        }
+        rest = &rest[sig_end..];
+    }
+    out
+}
+
+#[test]
+fn public_library_functions_fail_with_typed_errors() {
+    let mut found = Vec::new();
+    for lib in LIBRARIES {
+        let mut files = Vec::new();
+        rust_files(&workspace().join(lib), &mut files);
+        for f in files.iter().filter(|f| !is_test_file(f)) {
+            let rel = f.strip_prefix(workspace()).unwrap();
+            // Binaries: `src/bin/`, and `main.rs` of a library's package.
+            if rel.starts_with("src/bin") || rel.file_name().is_some_and(|n| n == "main.rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(f).unwrap();
+            found.extend(
+                string_errors(&code_of(&text))
+                    .into_iter()
+                    .map(|s| format!("{}: {s}", rel.display())),
+            );
+        }
+    }
+    assert!(found.is_empty(), "public functions failing with a String: {found:#?}");
+}
+
+#[test]
+fn the_string_error_check_sees_one() {
+    assert_eq!(
+        string_errors(
+            "pub fn a(x: u8)\n -> Result<Vec<u8>, String> {\n}\npub fn b() -> Result<String, E> {}\nfn c() -> Result<(), String> {}"
+        ),
+        ["pub fn a(x: u8) -> Result<Vec<u8>, String>"]
+    );
 }
 
 #[test]

@@ -14,7 +14,7 @@
 //! # Which servers
 //!
 //! The body is parsed (on the blocking pool when larger than
-//! [`BLOCKING_PARSE_BYTES`](super::inference::BLOCKING_PARSE_BYTES)) for its `model`:
+//! `inference::parse::BLOCKING_PARSE_BYTES`) for its `model`:
 //!
 //! * a model the configuration serves: its pool (an alias is rewritten to
 //!   the pool's upstream name), if the caller's key may use it (403);

@@ -22,6 +22,7 @@
 //! extra keys (salted or multimodal: their hash is not their tokens'), and
 //! blocks of a model or adapter the gateway has no chain root for.
 
+pub use crate::metrics::counts::Applied;
 use std::collections::HashMap;
 
 use shm_layout::{KvEventsSync, ServerRef, Stamp, Tables};
@@ -109,32 +110,6 @@ impl ChainRoots {
             None => self.base.as_ref(),
             Some(name) => self.adapters.get(name),
         }
-    }
-}
-
-/// What applying some events did (counted into the response process's
-/// metrics).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Applied {
-    /// Batches applied.
-    pub batches: u64,
-    /// Blocks inserted as confirmed.
-    pub stored: u64,
-    /// Blocks whose confirmed entry lost the server.
-    pub removed: u64,
-    /// Stored events not applied (see the module docs for why).
-    pub skipped: u64,
-    /// `AllBlocksCleared` events.
-    pub cleared: u64,
-}
-
-impl std::ops::AddAssign for Applied {
-    fn add_assign(&mut self, o: Self) {
-        self.batches += o.batches;
-        self.stored += o.stored;
-        self.removed += o.removed;
-        self.skipped += o.skipped;
-        self.cleared += o.cleared;
     }
 }
 

@@ -523,7 +523,7 @@ pub fn run(followers: Followers, stop: &std::sync::atomic::AtomicBool) -> std::i
                 continue;
             }
             let Some(config) = (followers.resolve)() else { continue };
-            let Some(seed) = chain_seed(&config, &followers.segment).await else {
+            let Some(seed) = crate::store::chain_seed_for(&config, &followers.segment).await else {
                 continue;
             };
             revision = Some(now);
@@ -556,25 +556,6 @@ pub fn run(followers: Followers, stop: &std::sync::atomic::AtomicBool) -> std::i
         }
     });
     Ok(())
-}
-
-/// The seed chains are rooted in, as the dispatchers root them: the
-/// Redis namespace's with `--store redis` (`None` while Redis cannot be
-/// asked), else the segment's.
-async fn chain_seed(config: &ServeConfig, segment: &Segment) -> Option<u64> {
-    match config.store.kind {
-        crate::config::StoreKind::Shm => Some(segment.header().seed[0]),
-        crate::config::StoreKind::Redis => {
-            let candidate = segment.header().seed[1] ^ segment.clock().now_ms().rotate_left(17);
-            match crate::store::redis::chain_seed_of(&config.store.redis, candidate).await {
-                Ok(seed) => Some(seed),
-                Err(e) => {
-                    tracing::warn!("KV events: the namespace's chain seed cannot be read yet: {e}");
-                    None
-                }
-            }
-        }
-    }
 }
 
 #[cfg(test)]

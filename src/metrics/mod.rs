@@ -50,13 +50,13 @@ use std::fmt::Write as _;
 
 use shm_layout::{LoadFigures, ProcessState, Role, STAT_WORDS, ServerState, Stats, Tables, UsageRow};
 
-use crate::responder::ResponderStats;
-
+pub mod counts;
 mod record;
 mod render;
 #[cfg(test)]
 mod tests;
 
+pub use counts::{Applied, Observation, ResponderStats};
 pub use record::{
     Metrics, PredictionTotals, ServerGauges, cache_total, prediction_total, responder_records, upstream_total,
 };

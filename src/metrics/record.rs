@@ -79,7 +79,7 @@ impl<'a> Metrics<'a> {
 
     /// A response process's comparison of a prediction with what the
     /// engine reported (counted per server).
-    pub fn prediction(&self, o: &crate::responder::Observation) {
+    pub fn prediction(&self, o: &Observation) {
         let slot = usize::from(o.slot);
         if slot < SERVERS {
             let base = PREDICTION + slot * PREDICTION_WORDS;
@@ -95,8 +95,8 @@ impl<'a> Metrics<'a> {
         self.add(FORGOTTEN, 1);
     }
 
-    /// KV cache events applied ([`crate::kv_events::follower::Applied`]).
-    pub fn kv_events(&self, applied: &crate::kv_events::follower::Applied) {
+    /// KV cache events applied ([`Applied`]).
+    pub fn kv_events(&self, applied: &Applied) {
         let counts = [
             applied.batches,
             applied.stored,

@@ -94,7 +94,20 @@ impl Snapshot {
     pub fn render(&self) -> String {
         let mut out = String::with_capacity(16 << 10);
         let o = &mut out;
+        self.render_requests(o);
+        self.render_prefix_learning(o);
+        self.render_cache_and_writes(o);
+        self.render_latencies(o);
+        self.render_queue(o);
+        self.render_dispatch_learning(o);
+        self.render_servers(o);
+        self.render_usage(o);
+        self.render_segment(o);
+        out
+    }
 
+    /// Requests answered and upstream attempts.
+    fn render_requests(&self, o: &mut String) {
         family(
             o,
             "semlb_requests_total",
@@ -127,7 +140,10 @@ impl Snapshot {
                 );
             }
         }
+    }
 
+    /// What the prefix table predicted and the engines confirmed, forgotten servers, KV events, peers.
+    fn render_prefix_learning(&self, o: &mut String) {
         let per_server = [
             (
                 "semlb_prefix_predicted_tokens_total",
@@ -175,7 +191,10 @@ impl Snapshot {
             &[KV_EVENT_LAG],
             &[],
         );
+    }
 
+    /// The response cache, retries, stale connections, completion records, the store, the response processes.
+    fn render_cache_and_writes(&self, o: &mut String) {
         family(
             o,
             "semlb_response_cache_total",
@@ -260,7 +279,10 @@ impl Snapshot {
             family(o, name, "counter", help);
             sample(o, name, &[], self.counter(RESPONDER + i));
         }
+    }
 
+    /// Time to first token, request duration, dispatch stages, prefix match.
+    fn render_latencies(&self, o: &mut String) {
         self.histogram(
             o,
             "semlb_ttft_seconds",
@@ -290,7 +312,10 @@ impl Snapshot {
             &[PREFIX_RATIO],
             &[],
         );
+    }
 
+    /// The gateway queue.
+    fn render_queue(&self, o: &mut String) {
         family(
             o,
             "semlb_queue_requests_total",
@@ -319,7 +344,10 @@ impl Snapshot {
             &[QUEUE_WAIT],
             &[],
         );
+    }
 
+    /// Token segments, learning at dispatch, continued conversations.
+    fn render_dispatch_learning(&self, o: &mut String) {
         family(
             o,
             "semlb_tokenizer_segments_total",
@@ -368,7 +396,10 @@ impl Snapshot {
             "Requests routed to the server credited with the earlier answer their prompt carries, before its blocks were written back.",
         );
         sample(o, "semlb_continued_conversations_total", &[], self.counter(CONTINUED));
+    }
 
+    /// Per-server gauges: in flight, up, state, engine load, admission limit, cost weights.
+    fn render_servers(&self, o: &mut String) {
         family(
             o,
             "semlb_server_inflight_requests",
@@ -466,9 +497,10 @@ impl Snapshot {
                 sample_f(o, "semlb_server_kv_cache_usage_ratio", &labels, kv);
             }
         }
+    }
 
-        self.render_usage(o);
-
+    /// The segment: table sizes, dropped records, process restarts.
+    fn render_segment(&self, o: &mut String) {
         let gauges = [
             (
                 "semlb_prefix_table_entries",
@@ -506,7 +538,6 @@ impl Snapshot {
         for (k, role) in ["dispatcher", "responder"].into_iter().enumerate() {
             sample(o, "semlb_process_restarts_total", &[("role", role)], self.restarts[k]);
         }
-        out
     }
 
     /// One histogram family; `stages` labels the series with `stage`.

@@ -3,7 +3,7 @@
 use super::*;
 use shm_layout::{LayoutPlan, Segment};
 
-use crate::responder::Observation;
+use super::Observation;
 
 fn empty() -> Snapshot {
     Snapshot {

@@ -296,6 +296,38 @@ pub fn answer_blocks(record: &Completion) -> &[u64] {
     &record.full_blocks[if extends { shared } else { 0 }..]
 }
 
+/// The seed a dispatcher roots its block chains in: the store's own when
+/// it has one ([`RoutingStore::chain_seed`]: Redis's namespace seed, which
+/// every host sharing the namespace reads; read first if not yet known),
+/// else `own` (the segment's). Callers need not know which store it is.
+pub async fn chain_seed_or(store: &dyn RoutingStore, own: u64) -> u64 {
+    match store.chain_seed() {
+        Some(seed) => seed,
+        None if store.kind() == StoreKind::Redis => store.await_chain_seed().await.unwrap_or(own),
+        None => own,
+    }
+}
+
+/// The seed chains are rooted in, as the dispatchers root them, for a
+/// process that has no store of its own (the KV-events subscriber): the
+/// Redis namespace's with `--store redis` (`None` while Redis cannot be
+/// asked), else the segment's.
+pub async fn chain_seed_for(config: &crate::config::ServeConfig, segment: &shm_layout::Segment) -> Option<u64> {
+    match config.store.kind {
+        StoreKind::Shm => Some(segment.header().seed[0]),
+        StoreKind::Redis => {
+            let candidate = segment.header().seed[1] ^ segment.clock().now_ms().rotate_left(17);
+            match redis::chain_seed_of(&config.store.redis, candidate).await {
+                Ok(seed) => Some(seed),
+                Err(e) => {
+                    tracing::warn!("KV events: the namespace's chain seed cannot be read yet: {e}");
+                    None
+                }
+            }
+        }
+    }
+}
+
 /// The stable id of the server at `address` (`http://host:port`, as the
 /// supervisor registers it): the same on every gateway host whatever order
 /// it lists its backends in, and across restarts. The server table keeps
