@@ -213,14 +213,14 @@ impl Report {
             "prefix table      {} / {} slots ({})",
             self.prefix_occupancy,
             self.prefix_capacity,
-            percent(self.prefix_occupancy, self.prefix_capacity)
+            percent(self.prefix_occupancy, self.prefix_capacity, 2)
         );
         let _ = writeln!(
             w,
             "confirmed         {} / {} slots ({})",
             self.confirmed_occupancy,
             self.confirmed_capacity,
-            percent(self.confirmed_occupancy, self.confirmed_capacity)
+            percent(self.confirmed_occupancy, self.confirmed_capacity, 2)
         );
         let _ = writeln!(
             w,
@@ -411,43 +411,32 @@ fn kv_usage(load: &shm_layout::LoadFigures) -> String {
         .map_or_else(|| "not reported".to_owned(), |kv| format!("{:.2} %", kv * 100.0))
 }
 
-fn percent(part: u64, whole: u64) -> String {
+/// `part` of `whole` as a percentage with `decimals` places (`-` of nothing).
+pub fn percent(part: u64, whole: u64, decimals: usize) -> String {
     if whole == 0 {
         return "-".into();
     }
-    format!("{:.2} %", part as f64 * 100.0 / whole as f64)
+    format!("{:.decimals$} %", part as f64 * 100.0 / whole as f64)
 }
 
-/// The civil date and time (UTC) of `secs` seconds since the Unix epoch:
-/// `(year, month, day, hour, minute, second)`.
-fn civil_from_unix_secs(secs: u64) -> (u64, u64, u64, u64, u64, u64) {
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Howard Hinnant's civil_from_days, for days since 1970-01-01 >= 0.
-    let z = days + 719_468;
-    let era = z / 146_097;
-    let doe = z % 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + u64::from(month <= 2);
-    (year, month, day, rem / 3600, rem % 3600 / 60, rem % 60)
+/// The UTC time `ms` milliseconds after the Unix epoch, as `format` writes
+/// it (chrono's `strftime` syntax).
+fn utc(ms: u64, format: &str) -> String {
+    let at = i64::try_from(ms)
+        .ok()
+        .and_then(chrono::DateTime::from_timestamp_millis)
+        .unwrap_or_default();
+    at.format(format).to_string()
 }
 
 /// `2025-01-31 12:34:56.789 UTC` from milliseconds since the Unix epoch.
 pub fn utc_from_unix_ms(ms: u64) -> String {
-    let (year, month, day, h, m, s) = civil_from_unix_secs(ms / 1000);
-    format!(
-        "{year:04}-{month:02}-{day:02} {h:02}:{m:02}:{s:02}.{:03} UTC",
-        ms % 1000
-    )
+    utc(ms, "%Y-%m-%d %H:%M:%S%.3f UTC")
 }
 
 /// `2025-01-31T12:34:56Z` (RFC 3339) from seconds since the Unix epoch.
 pub fn rfc3339_from_unix_secs(secs: u64) -> String {
-    let (year, month, day, h, m, s) = civil_from_unix_secs(secs);
-    format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{s:02}Z")
+    utc(secs.saturating_mul(1000), "%Y-%m-%dT%H:%M:%SZ")
 }
 
 /// One usage row as `semlb shm inspect --json` and `semlb status --json`

@@ -30,7 +30,7 @@ use semlb::metrics::{
 };
 
 use crate::cli::StatusArgs;
-use crate::commands::report::Report;
+use crate::commands::report::{Report, percent};
 
 /// Gateway-wide counters a frame shows, from the stats region.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -127,18 +127,19 @@ fn ago(now_ms: u64, at_ms: u64) -> String {
     }
 }
 
-/// `part` of `whole` as a percentage with one decimal.
-fn pct(part: u64, whole: u64) -> String {
-    if whole == 0 {
-        return "-".into();
-    }
-    format!("{:.1} %", part as f64 * 100.0 / whole as f64)
-}
-
 /// One frame of the view.
 pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option<f64>) -> String {
     let mut out = String::new();
     let w = &mut out;
+    summary(w, r, totals, now_ms, answered_per_sec);
+    servers(w, r, totals, now_ms);
+    processes(w, r, now_ms);
+    usage(w, r);
+    out
+}
+
+/// The head: uptime, answers, the cache, the queue, the tables.
+fn summary(w: &mut String, r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option<f64>) {
     let up = now_ms as f64 / 1000.0;
     let _ = writeln!(
         w,
@@ -163,7 +164,7 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
     let _ = writeln!(
         w,
         "cache          {} hit rate ({hits} hits, {misses} misses, {bypasses} not cacheable)",
-        pct(hits, hits + misses)
+        percent(hits, hits + misses, 1)
     );
     let q = totals.queue;
     let _ = writeln!(
@@ -180,20 +181,24 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
         "prefix table   {} of {} entries ({})",
         r.prefix_occupancy,
         r.prefix_capacity,
-        pct(r.prefix_occupancy, r.prefix_capacity)
+        percent(r.prefix_occupancy, r.prefix_capacity, 1)
     );
     let _ = writeln!(
         w,
         "responses      {} cached, {} refused (too large); index {}",
         r.responses.records,
         r.responses.refused,
-        pct(r.response_index_occupancy, r.response_index_capacity)
+        percent(r.response_index_occupancy, r.response_index_capacity, 1)
     );
     let _ = writeln!(
         w,
         "write-back     {} dropped (ring full), {} bytes waiting",
         r.rings.dropped, r.rings.used
     );
+}
+
+/// One line per server: its state, load, share and prediction.
+fn servers(w: &mut String, r: &Report, totals: &Totals, now_ms: u64) {
     let _ = writeln!(w);
     let _ = writeln!(
         w,
@@ -242,9 +247,9 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
                     .map_or("n/a".to_owned(), |kv| format!("{:.1}%", kv * 100.0))
             ),
             ago(now_ms, s.load.scraped_at_ms),
-            pct(ok + failed, all),
+            percent(ok + failed, all, 1),
             failed,
-            pct(confirmed, predicted),
+            percent(confirmed, predicted, 1),
             match Admission::of(s.engine_slots, s.admission_limit) {
                 Admission::Reported(slots) => format!("{slots} slots"),
                 Admission::Learned(l) => format!("{l:.1}"),
@@ -252,6 +257,10 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
             }
         );
     }
+}
+
+/// One line per process: its role, state, heartbeat, restarts.
+fn processes(w: &mut String, r: &Report, now_ms: u64) {
     let _ = writeln!(w);
     let _ = writeln!(
         w,
@@ -273,6 +282,10 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
             p.tuned.map_or_else(|| "-".to_owned(), |v| format!("{v}"))
         );
     }
+}
+
+/// Usage per tenant and per model, when any is counted.
+fn usage(w: &mut String, r: &Report) {
     if !r.usage.is_empty() {
         use shm_layout::UsageCounter as C;
         let _ = writeln!(w);
@@ -304,9 +317,7 @@ pub fn render(r: &Report, totals: &Totals, now_ms: u64, answered_per_sec: Option
             );
         }
     }
-    out
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -317,8 +328,8 @@ mod tests {
         assert_eq!(ago(10_000, 9_600), "0.4 s");
         assert_eq!(ago(100_000, 50_000), "50 s");
         assert_eq!(ago(1_000_000, 100_000), "15 min");
-        assert_eq!(pct(1, 8), "12.5 %");
-        assert_eq!(pct(1, 0), "-");
+        assert_eq!(percent(1, 8, 1), "12.5 %");
+        assert_eq!(percent(1, 0, 1), "-");
     }
 
     #[test]

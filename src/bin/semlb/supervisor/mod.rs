@@ -126,56 +126,7 @@ fn supervise(args: &ServeArgs) -> Result<()> {
         // now says (a new shm_name needs a restart).
         config.shm_name.clone_from(&i.shm);
     }
-    // Load what every dispatcher will load, so a bad file is one clear error
-    // here rather than a crash loop of children, and say which engine runs:
-    // the global tokenizer and template, then every model pool's (each file
-    // once), and the keys.
-    let mut loader = semlb::pools::TokenizerLoader::new(&config, 0, None);
-    let global = loader.global()?;
-    tracing::info!(
-        tokenizer = %global.name,
-        engine = %global.tokenizer.engine(),
-        "tokenizer: {}",
-        global.tokenizer.engine()
-    );
-    let renderer = global.template.renderer_name();
-    let source = match (&config.chat_template, &config.tokenizer) {
-        (Some(path), _) => path.display().to_string(),
-        (None, Some(path)) if renderer != "canonical" => format!("{} (the model file's own)", path.display()),
-        _ => "none given".into(),
-    };
-    tracing::info!(renderer, "chat template {source}: {renderer} renderer");
-    let pools = semlb::pools::ModelPools::build(&config, &mut loader, None)?;
-    if !pools.is_implicit() {
-        let names: Vec<&str> = pools.pools().iter().filter_map(|p| p.name()).collect();
-        tracing::info!(models = names.len(), "model pools: {}", names.join(", "));
-    }
-    drop((pools, loader, global));
-    // The listener's certificate, key and client CA, and the https
-    // peers' files, read and checked before any child starts.
-    if let Some(tls) = &config.tls {
-        semlb::tls::server_config(tls)?;
-        tracing::info!(
-            mutual = tls.client_ca_file.is_some(),
-            "TLS on the listener: {}",
-            tls.cert_file.display()
-        );
-    }
-    for peer in &config.peers {
-        if let Some(tls) = peer.tls() {
-            semlb::tls::client_config(&tls)?;
-        }
-    }
-    config.metrics.read_token()?;
-    if let Some(path) = &config.auth.keys_file {
-        let keys = semlb::tenancy::auth::Keys::load(path)?;
-        tracing::info!(
-            keys = keys.len(),
-            "client authentication: {} API keys from {}",
-            keys.len(),
-            path.display()
-        );
-    }
+    check_before_start(&config)?;
     let (mut inherited_listener, ready_pipe, mut inherited_admin, mut inherited_metrics, inherited_owner) =
         match inherited {
             Some(i) => (Some(i.listener), i.ready, i.admin, i.metrics, Some((i.shm, i.owner))),
@@ -271,6 +222,60 @@ fn supervise(args: &ServeArgs) -> Result<()> {
     let keep = result.as_ref().map_or(keep_at_start, |keep| *keep);
     owned.release(keep);
     result.map(|_| ())
+}
+
+/// Loads and checks what every child will load, so that a bad file is one
+/// clear error here rather than a crash loop of children, and says which
+/// engine runs: the global tokenizer and template, then every model pool's
+/// (each file once), the TLS files, the metrics token and the keys.
+fn check_before_start(config: &ServeConfig) -> Result<()> {
+    let mut loader = semlb::pools::TokenizerLoader::new(config, 0, None);
+    let global = loader.global()?;
+    tracing::info!(
+        tokenizer = %global.name,
+        engine = %global.tokenizer.engine(),
+        "tokenizer: {}",
+        global.tokenizer.engine()
+    );
+    let renderer = global.template.renderer_name();
+    let source = match (&config.chat_template, &config.tokenizer) {
+        (Some(path), _) => path.display().to_string(),
+        (None, Some(path)) if renderer != "canonical" => format!("{} (the model file's own)", path.display()),
+        _ => "none given".into(),
+    };
+    tracing::info!(renderer, "chat template {source}: {renderer} renderer");
+    let pools = semlb::pools::ModelPools::build(config, &mut loader, None)?;
+    if !pools.is_implicit() {
+        let names: Vec<&str> = pools.pools().iter().filter_map(|p| p.name()).collect();
+        tracing::info!(models = names.len(), "model pools: {}", names.join(", "));
+    }
+    drop((pools, loader, global));
+    // The listener's certificate, key and client CA, and the https
+    // peers' files, read and checked before any child starts.
+    if let Some(tls) = &config.tls {
+        semlb::tls::server_config(tls)?;
+        tracing::info!(
+            mutual = tls.client_ca_file.is_some(),
+            "TLS on the listener: {}",
+            tls.cert_file.display()
+        );
+    }
+    for peer in &config.peers {
+        if let Some(tls) = peer.tls() {
+            semlb::tls::client_config(&tls)?;
+        }
+    }
+    config.metrics.read_token()?;
+    if let Some(path) = &config.auth.keys_file {
+        let keys = semlb::tenancy::auth::Keys::load(path)?;
+        tracing::info!(
+            keys = keys.len(),
+            "client authentication: {} API keys from {}",
+            keys.len(),
+            path.display()
+        );
+    }
+    Ok(())
 }
 
 /// Says where the routing state is kept in Redis, and whether Redis

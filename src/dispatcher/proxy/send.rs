@@ -1,0 +1,216 @@
+//! Step 2 of an attempt: the request sent to the chosen server and its
+//! head awaited under the deadline (a stale pooled connection tried again
+//! once on a new one), what a failure counts against, and the attempt's
+//! log line.
+
+use super::*;
+
+impl Attempts<'_> {
+    /// Step 2: sends the request to `chosen` and waits for the head until
+    /// `deadline`; a head that is not a failure is the answer.
+    pub(super) async fn send(
+        &mut self,
+        chosen: Chosen,
+        admitted: Option<InflightGuard>,
+        deadline: Pin<&mut Sleep>,
+    ) -> Result<Head, Next> {
+        let dispatcher = self.dispatcher;
+        let Chosen {
+            server,
+            address,
+            reason,
+            candidates,
+            degraded,
+            held,
+            predicted,
+            refreshed,
+        } = chosen;
+        self.last_reason = Some(reason);
+        self.last_prediction = Prediction {
+            block_size: self
+                .ctx
+                .as_ref()
+                .map_or(0, |c| u32::try_from(c.hasher.block_size()).unwrap_or(u32::MAX)),
+            predicted_blocks: predicted,
+            listed_blocks: held,
+            refreshed,
+            cached_tokens: None,
+        };
+        if self.attempt > 0 {
+            dispatcher.metrics().retry();
+        }
+        self.attempt += 1;
+        let mut guard = match admitted {
+            Some(g) => g,
+            None => match InflightGuard::begin(dispatcher, server, self.prefill_tokens(predicted)) {
+                Some(g) => g,
+                None => {
+                    self.failed_on(server, Failure::Reregistered { address });
+                    return Err(Next::Retry);
+                }
+            },
+        };
+        guard.routed_for(reason);
+        let uri = match format!("{address}{}", self.outbound.path_and_query).parse::<Uri>() {
+            Ok(u) => u,
+            Err(e) => {
+                let detail = e.to_string();
+                self.failed_on(server, Failure::BadAddress { address, detail });
+                return Err(Next::Retry);
+            }
+        };
+        self.log_attempt(&address, reason, candidates, degraded);
+        // Counted in flight there (the guard): now the server is known to
+        // be sent this prompt.
+        let recorded = self.record_route(server, held).then_some(held);
+        let mut deadline = deadline;
+        let body = self
+            .outbound
+            .body_for(self.outbound.cache_salt.is_some() && dispatcher.takes_cache_salt(&address));
+        let result = loop {
+            let result = tokio::select! {
+                biased;
+                head = dispatcher.client().request(self.outbound.request(uri.clone(), body.clone())) => Ok(head),
+                () = deadline.as_mut() => Err(()),
+            };
+            // A connection the server had closed: once per request, the
+            // same server again on a new one (not a failure of the server).
+            match &result {
+                Ok(Err(e)) if !self.resent_stale && crate::dispatcher::failure::is_stale_connection(e) => {
+                    self.resent_stale = true;
+                    dispatcher.metrics().stale_connection();
+                    tracing::debug!(
+                        backend = %address,
+                        error = %crate::error_chain(e),
+                        "{address} had closed the connection the request went out on; sending it again"
+                    );
+                }
+                _ => break result,
+            }
+        };
+        let failure = match result {
+            Ok(Ok(response)) if !response.status().is_server_error() => {
+                if response.status().is_success() {
+                    self.count_5xx_against_their_servers();
+                }
+                return Ok(Head {
+                    response,
+                    server,
+                    address,
+                    guard,
+                    recorded,
+                });
+            }
+            Ok(Ok(r)) => Failure::Status {
+                address: address.clone(),
+                status: r.status(),
+            },
+            Ok(Err(e)) => Failure::Connect {
+                address: address.clone(),
+                detail: crate::error_chain(&e),
+            },
+            Err(()) => Failure::Timeout {
+                address: address.clone(),
+                secs: dispatcher.config().limits.request_timeout_secs,
+            },
+        };
+        dispatcher.metrics().upstream(server.slot, false);
+        if let Some(held) = recorded {
+            self.forget_route(server, held);
+        }
+        // Passive health check: a connection error now; a 5xx head once
+        // another server answered the request (it may be about the request).
+        if let Failure::Status { .. } = failure {
+            self.answered_5xx.push((server, address.clone(), failure.clone()));
+        } else {
+            passive_failure(dispatcher, server, &address, &failure);
+        }
+        if let Failure::Timeout { .. } = failure {
+            return Err(Next::Answer(error_response(
+                StatusCode::GATEWAY_TIMEOUT,
+                failure.to_string(),
+                Some("upstream_timeout"),
+            )));
+        }
+        // Two servers answered it with a 5xx: the request is the likelier
+        // cause, and the others would only be asked the same.
+        let retryable = failure.retryable() && self.answered_5xx.len() < MAX_5XX_ANSWERS;
+        self.failed_on(server, failure);
+        if retryable && self.attempt <= dispatcher.config().limits.retries {
+            Err(Next::Retry)
+        } else {
+            Err(Next::Answer(self.bad_gateway()))
+        }
+    }
+
+    /// Another server answered the request with a 2xx: the 5xx heads the
+    /// earlier ones gave were theirs, and count against their health.
+    pub(super) fn count_5xx_against_their_servers(&mut self) {
+        for (server, address, failure) in self.answered_5xx.drain(..) {
+            passive_failure(self.dispatcher, server, &address, &failure);
+        }
+    }
+
+    /// Learning at dispatch: records the prompt's chain (past the `held`
+    /// blocks the server was listed for already) and end key for `server`,
+    /// which counts the request in flight already (see [`crate::store`]).
+    /// False for a request that is not inference, or when
+    /// `learn_at_dispatch` is off.
+    pub(super) fn record_route(&self, server: ServerRef, held: u32) -> bool {
+        let Some(c) = self
+            .ctx
+            .as_ref()
+            .filter(|c| c.learn && self.dispatcher.config().learn_at_dispatch)
+        else {
+            return false;
+        };
+        let blocks = c.unlisted(held);
+        self.dispatcher.store().record_route(server, blocks, c.end_key);
+        self.dispatcher.metrics().learned_at_dispatch(blocks.len());
+        true
+    }
+
+    /// Takes back [`record_route`](Self::record_route): the attempt failed
+    /// or was refused, so the server must not look warm for the prompt.
+    pub(super) fn forget_route(&self, server: ServerRef, held: u32) {
+        let Some(c) = &self.ctx else { return };
+        self.dispatcher
+            .store()
+            .forget_route(server, c.unlisted(held), c.end_key);
+        self.dispatcher.metrics().unlearned_at_dispatch();
+    }
+
+    /// Records the dispatch time of the first attempt and logs the routing
+    /// decision (one event per attempt: a retry adds one; nothing is
+    /// computed unless debug is enabled).
+    pub(super) fn log_attempt(&mut self, address: &str, reason: Reason, candidates: usize, degraded: bool) {
+        let Some(c) = &self.ctx else { return };
+        // Dispatch ends here for the first attempt: the request goes upstream.
+        let sent = (self.attempt == 1).then(|| c.timing.start.elapsed().as_nanos() as u64);
+        if let Some(sent) = sent {
+            c.timing.observe(self.dispatcher, true, sent);
+            self.dispatch_ns = Some(sent);
+        }
+        tracing::debug!(
+            endpoint = c.endpoint.path(),
+            model = %c.model,
+            prompt_tokens = c.prompt_tokens.len(),
+            blocks = c.chain.len(),
+            cache = c.cache,
+            policy = self.policy_name(),
+            server = %address,
+            reason = reason.name(),
+            matched_blocks = match reason {
+                Reason::Prefix { blocks } => blocks,
+                _ => 0,
+            },
+            candidates,
+            degraded,
+            attempt = self.attempt,
+            dispatch_ns = sent.unwrap_or_else(|| c.timing.start.elapsed().as_nanos() as u64),
+            "{} routed to {address}: {}",
+            c.endpoint.path(),
+            reason
+        );
+    }
+}
