@@ -4,9 +4,14 @@
 //!
 //! Where the engine is: `$LLAMA_SERVER` and `$LLAMA_MODEL` (what the
 //! script prints, and `.ci/run` exports), else the script's cache under
-//! `target/llama-cpp/`. Tests take `None` (after a loud message) when it is
-//! not there, unless `$SEMLB_REQUIRE_LLAMA` is set (as in CI): then its
-//! absence fails the test.
+//! `target/llama-cpp/`. When neither has it, the first test that asks runs
+//! the script itself (once: the others wait on a lock; about 7 minutes on
+//! 2 cores, then cached), so that `cargo test --workspace` on a fresh
+//! machine tests against the real engine too. `$SEMLB_NO_LLAMA_BUILD`
+//! turns that off. Tests take `None` (after a loud message naming the one
+//! command that enables them) when the engine is still not there, unless
+//! `$SEMLB_REQUIRE_LLAMA` is set (as in CI): then its absence fails the
+//! test.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -54,14 +59,76 @@ impl LlamaInstall {
         if install.is_there() {
             return Some(install);
         }
+        let given = std::env::var_os("LLAMA_SERVER").is_some() || std::env::var_os("LLAMA_MODEL").is_some();
+        if !given
+            && std::env::var_os("SEMLB_NO_LLAMA_BUILD").is_none()
+            && let Some(built) = Self::build()
+        {
+            return Some(built);
+        }
         let why = format!(
-            "no llama.cpp engine at {} and {} (run workers/recipes/llama-cpp/get.sh)",
+            "no llama.cpp engine at {} and {}: the real-engine tests need it; \
+             `workers/recipes/llama-cpp/get.sh` builds it (log of the last try: target/llama-cpp/get.log)",
             install.server.display(),
             install.model.display()
         );
         assert!(std::env::var_os("SEMLB_REQUIRE_LLAMA").is_none(), "{why}");
         // Straight to the process's stderr: a skip must not be silent.
         let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
+        None
+    }
+}
+
+/// A failed build is not tried again by other tests within this long (a
+/// test run), but is by a later run.
+const RETRY_FAILED_BUILD: Duration = Duration::from_secs(30 * 60);
+
+impl LlamaInstall {
+    /// Runs `workers/recipes/llama-cpp/get.sh` into the cache under the
+    /// target directory, once for all the tests of all the test binaries
+    /// running now: the first takes a file lock and builds, the others wait
+    /// for it and then find the engine (or the failure it left).
+    fn build() -> Option<Self> {
+        let cached = Self::located().server.ancestors().nth(3)?.to_path_buf();
+        std::fs::create_dir_all(&cached).ok()?;
+        let lock = std::fs::File::create(cached.join(".get.lock")).ok()?;
+        lock.lock().ok()?;
+        let install = Self::located();
+        if install.is_there() {
+            return Some(install);
+        }
+        let failed = cached.join("get.failed");
+        let recent = |p: &std::path::Path| {
+            std::fs::metadata(p)
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t.elapsed().is_ok_and(|age| age < RETRY_FAILED_BUILD))
+        };
+        if recent(&failed) {
+            return None;
+        }
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../workers/recipes/llama-cpp/get.sh");
+        let log_path = cached.join("get.log");
+        let _ = writeln!(
+            std::io::stderr(),
+            "building llama.cpp's llama-server for the real-engine tests, once (about 7 minutes on 2 cores; \
+             cached in {}; log {}; SEMLB_NO_LLAMA_BUILD=1 skips it)",
+            cached.display(),
+            log_path.display()
+        );
+        let log = std::fs::File::create(&log_path).ok()?;
+        let status = Command::new("bash")
+            .arg(&script)
+            .env("SEMLB_LLAMA_DIR", &cached)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().ok()?)
+            .stderr(log)
+            .status();
+        let install = Self::located();
+        if status.is_ok_and(|s| s.success()) && install.is_there() {
+            let _ = std::fs::remove_file(&failed);
+            return Some(install);
+        }
+        let _ = std::fs::write(&failed, b"see get.log\n");
         None
     }
 }
