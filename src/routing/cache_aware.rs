@@ -95,7 +95,7 @@
 //!   trace (prompts of 11 000 tokens on average, engines at 83 % of their
 //!   prefill capacity) both rules together took `cache_aware` from 89.4 %
 //!   of requests within the TTFT objective to 98.7 % (replays of that
-//!   trace move by about ±4 points; see the README).
+//!   trace move by about ±4 points; docs/results/replay-policies.md).
 //! * With `fallback_weighs_own_prefill` (the default) the fallback also
 //!   counts, at each server, the prefill this request would bring there:
 //!   its prompt tokens past what the server holds of it, the shared

@@ -46,7 +46,7 @@
 //! so it is tuned online ([`WeightBandit`]), from 1/16 by default (cache
 //! first: measured on the open-loop workloads of `semlb bench replay`,
 //! 1/16 beat 1/4, 1 and 4 on the session workloads and tied them on the
-//! others; see the README): each epoch of
+//! others; docs/results/replay-policies.md): each epoch of
 //! `epoch_requests` requests is routed with one weight of a grid from
 //! 1/16 to 16, mostly the one whose requests have seen the lowest TTFT
 //! lately, sometimes another (`explore`), and the TTFTs its answers show
