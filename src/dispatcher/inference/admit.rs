@@ -3,27 +3,27 @@
 //! charged to their tenant's and pool's buckets, with a reservation for
 //! their output ([`crate::dispatcher::charge`]), or refused with 429.
 
-use std::sync::Arc;
-
 use http::{Response, StatusCode};
 
 use super::tokenize::Tokens;
 use crate::dispatcher::charge::{self, Admitted};
+use crate::dispatcher::context_limit;
 use crate::dispatcher::http::{Body, json_response};
-use crate::dispatcher::{Dispatcher, context_limit};
-use crate::openai::prompt::{Endpoint, ParsedRequest};
+use crate::openai::prompt::ParsedRequest;
 use crate::pools::Pool;
-use crate::tenancy::auth::Caller;
 
 /// Checks the prompt against the live engines' contexts and charges it.
 pub(super) async fn admit(
-    dispatcher: &Arc<Dispatcher>,
-    caller: Option<&Caller>,
-    endpoint: Endpoint,
+    asked: super::Asked<'_>,
     pool: &Pool,
     parsed: &ParsedRequest<'_>,
     tokens: &Tokens,
 ) -> Result<Admitted, Response<Body>> {
+    let super::Asked {
+        dispatcher,
+        caller,
+        endpoint,
+    } = asked;
     let servers = &dispatcher.segment().tables().servers;
     if dispatcher.config().limits.check_context
         && let Err(exceeded) = context_limit::check(

@@ -8,12 +8,10 @@ use shm_layout::ResponseKey;
 
 use super::parse::Parsed;
 use super::tokenize::Tokens;
-use crate::dispatcher::Dispatcher;
-use crate::openai::prompt::{Endpoint, RoutingInput};
+use crate::openai::prompt::RoutingInput;
 use crate::prefix::blocks::{BlockHasher, TenantSalt};
 use crate::response_cache::{self, Cacheability, Scope, Tenant};
 use crate::routing::shared_header;
-use crate::tenancy::auth::Caller;
 
 /// A request's keys: where its prompt sits in the prefix table, and under
 /// which key its answer is cached.
@@ -30,13 +28,12 @@ pub(super) struct Keyed {
 }
 
 /// Hashes the prompt's tokens and keys the request.
-pub(super) async fn key(
-    dispatcher: &Dispatcher,
-    caller: Option<&Caller>,
-    endpoint: Endpoint,
-    request: &Parsed<'_>,
-    tokens: &Tokens,
-) -> Keyed {
+pub(super) async fn key(asked: super::Asked<'_>, request: &Parsed<'_>, tokens: &Tokens) -> Keyed {
+    let super::Asked {
+        dispatcher,
+        caller,
+        endpoint,
+    } = asked;
     let Parsed {
         parts, parsed, pool, ..
     } = request;

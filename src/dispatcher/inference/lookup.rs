@@ -16,12 +16,11 @@ use crate::dispatcher::http::{
     BACKEND_HEADER, Body, CACHE_HEADER, DISPATCH_HEADER, full_response, set_header, set_static_header,
 };
 use crate::dispatcher::timing::{DispatchTiming, Mark};
-use crate::dispatcher::{Dispatcher, pick, sse, tenant_usage};
+use crate::dispatcher::{pick, sse, tenant_usage};
 use crate::metrics::CacheResult;
 use crate::openai::prompt::{Endpoint, ParsedRequest};
 use crate::prefix::continuation::{EndProbe, answer_tokens_estimate};
 use crate::store::{Lookup, LookupRequest};
-use crate::tenancy::auth::Caller;
 
 /// What the lookup found.
 pub(super) enum Found {
@@ -33,17 +32,19 @@ pub(super) enum Found {
 }
 
 /// Looks the request up; answers it from the response cache if it can.
-#[allow(clippy::too_many_arguments)] // one request's stages so far, each a value of its own
 pub(super) async fn look_up(
-    dispatcher: &Dispatcher,
-    caller: Option<&Caller>,
-    endpoint: Endpoint,
+    asked: super::Asked<'_>,
     request: &Parsed<'_>,
     tokens: &Tokens,
     keyed: &Keyed,
     admitted: &Admitted,
     timing: &mut DispatchTiming,
 ) -> Found {
+    let super::Asked {
+        dispatcher,
+        caller,
+        endpoint,
+    } = asked;
     let Parsed { parsed, pool, .. } = request;
     // Without learning at dispatch nothing records end keys: no probes.
     let answer_tokens = if dispatcher.config().learn_at_dispatch {

@@ -35,6 +35,15 @@ use super::timing::{DispatchTiming, Mark};
 use crate::openai::prompt::Endpoint;
 use crate::tenancy::auth::Caller;
 
+/// What every stage reads: the dispatcher, who asks (with `[auth]`), and
+/// the endpoint asked.
+#[derive(Clone, Copy)]
+struct Asked<'a> {
+    dispatcher: &'a Arc<Dispatcher>,
+    caller: Option<&'a Caller>,
+    endpoint: Endpoint,
+}
+
 /// Answers one inference request: its stages in order.
 pub(super) async fn inference(
     dispatcher: &Arc<Dispatcher>,
@@ -42,6 +51,11 @@ pub(super) async fn inference(
     endpoint: Endpoint,
     caller: Option<&Caller>,
 ) -> Response<Body> {
+    let asked = Asked {
+        dispatcher,
+        caller,
+        endpoint,
+    };
     let mut timing = DispatchTiming::new();
     // The tenant's place among its requests in flight, held by the answer.
     let counted = match super::concurrency::begin(dispatcher, caller) {
@@ -56,31 +70,21 @@ pub(super) async fn inference(
         Err(r) => return r,
     };
     timing.mark(Mark::Read);
-    let mut request = match parse::parse(dispatcher, caller, endpoint, parts, &bytes).await {
+    let mut request = match parse::parse(asked, parts, &bytes).await {
         Ok(p) => p,
         Err(r) => return r,
     };
     timing.mark(Mark::Parse);
-    let tokens = tokenize::tokenize(dispatcher, caller, &request.pool, &mut request.parsed).await;
+    let tokens = tokenize::tokenize(asked, &request.pool, &mut request.parsed).await;
     timing.mark(Mark::Tokenize);
-    let admission = admit::admit(dispatcher, caller, endpoint, &request.pool, &request.parsed, &tokens).await;
+    let admission = admit::admit(asked, &request.pool, &request.parsed, &tokens).await;
     let mut admitted = match admission {
         Ok(a) => a,
         Err(refused) => return refused,
     };
-    let keyed = key::key(dispatcher, caller, endpoint, &request, &tokens).await;
+    let keyed = key::key(asked, &request, &tokens).await;
     timing.mark(Mark::Hash);
-    let found = lookup::look_up(
-        dispatcher,
-        caller,
-        endpoint,
-        &request,
-        &tokens,
-        &keyed,
-        &admitted,
-        &mut timing,
-    )
-    .await;
+    let found = lookup::look_up(asked, &request, &tokens, &keyed, &admitted, &mut timing).await;
     let (lookup, answer_tokens) = match found {
         lookup::Found::Answered(response) => return response,
         lookup::Found::Route { lookup, answer_tokens } => (lookup, answer_tokens),
@@ -92,7 +96,7 @@ pub(super) async fn inference(
         answer_tokens,
         timing,
     };
-    let mut response = send::send(dispatcher, caller, endpoint, request, &bytes, found, &mut admitted).await;
+    let mut response = send::send(asked, request, &bytes, found, &mut admitted).await;
     admitted.set_headers(&mut response);
     super::concurrency::hold(response, counted)
 }

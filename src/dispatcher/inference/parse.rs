@@ -8,7 +8,6 @@ use bytes::Bytes;
 use http::header::{HeaderMap, HeaderValue};
 use http::{Response, StatusCode, request};
 
-use crate::dispatcher::Dispatcher;
 use crate::dispatcher::http::{Body, error_response, json_response};
 use crate::openai::prompt::{self, Endpoint};
 use crate::pools::{ModelPools, Pool};
@@ -35,12 +34,15 @@ pub(super) struct Parsed<'b> {
 /// picks its pool; an unparsable body, an unknown model or one the caller
 /// may not use is answered here.
 pub(super) async fn parse<'b>(
-    dispatcher: &Dispatcher,
-    caller: Option<&Caller>,
-    endpoint: Endpoint,
+    asked: super::Asked<'_>,
     parts: request::Parts,
     bytes: &'b Bytes,
 ) -> Result<Parsed<'b>, Response<Body>> {
+    let super::Asked {
+        dispatcher,
+        caller,
+        endpoint,
+    } = asked;
     let limits = &dispatcher.config().limits;
     let request_limits = prompt::RequestLimits {
         max_messages: limits.max_messages as usize,

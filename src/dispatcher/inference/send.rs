@@ -3,8 +3,6 @@
 //! copy kept for a peer gateway), what the proxy learns from
 //! ([`InferenceCtx`]), and the hand-off to [`forward`].
 
-use std::sync::Arc;
-
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderValue};
 use http::{Method, Response, StatusCode};
@@ -16,10 +14,9 @@ use crate::dispatcher::charge::Admitted;
 use crate::dispatcher::http::{Body, error_response, upstream_headers, upstream_request_headers};
 use crate::dispatcher::peer_forward::PeerCopy;
 use crate::dispatcher::proxy::{InferenceCtx, Outbound, forward};
+use crate::dispatcher::share;
 use crate::dispatcher::stream_usage::{with_include_usage, with_usage_option};
 use crate::dispatcher::timing::DispatchTiming;
-use crate::dispatcher::{Dispatcher, share};
-use crate::openai::prompt::Endpoint;
 use crate::pools::Pool;
 use crate::response_cache::{Scope, Tenant};
 use crate::store::Lookup;
@@ -38,14 +35,17 @@ pub(super) struct Found {
 /// Sends the request to the server its policy picks (or a peer gateway)
 /// and returns the answer the proxy relays.
 pub(super) async fn send(
-    dispatcher: &Arc<Dispatcher>,
-    caller: Option<&Caller>,
-    endpoint: Endpoint,
+    asked: super::Asked<'_>,
     request: Parsed<'_>,
     bytes: &Bytes,
     found: Found,
     admitted: &mut Admitted,
 ) -> Response<Body> {
+    let super::Asked {
+        dispatcher,
+        caller,
+        endpoint,
+    } = asked;
     let Parsed {
         parts,
         parsed,

@@ -3,11 +3,9 @@
 //! are kept apart, and the prompt's size as the context check and the
 //! limits count it.
 
-use crate::dispatcher::Dispatcher;
 use crate::openai::prompt::{ParsedRequest, RoutingInput};
 use crate::pools::Pool;
 use crate::prefix::blocks::TenantSalt;
-use crate::tenancy::auth::Caller;
 
 /// Routing texts longer than this are tokenized on the blocking pool. The
 /// native tokenizer takes about 25 ns per byte of new text (less for text
@@ -30,12 +28,12 @@ pub(super) struct Tokens {
 }
 
 /// Tokenizes `parsed`'s routing text (taking a tokens prompt's ids).
-pub(super) async fn tokenize(
-    dispatcher: &Dispatcher,
-    caller: Option<&Caller>,
-    pool: &Pool,
-    parsed: &mut ParsedRequest<'_>,
-) -> Tokens {
+pub(super) async fn tokenize(asked: super::Asked<'_>, pool: &Pool, parsed: &mut ParsedRequest<'_>) -> Tokens {
+    let super::Asked {
+        dispatcher,
+        caller,
+        endpoint: _,
+    } = asked;
     let tokenizer = &pool.tokenization().tokenizer;
     let text_bytes = match &parsed.input {
         RoutingInput::Text(text) => text.len(),
