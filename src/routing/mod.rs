@@ -787,21 +787,30 @@ impl QueueParams {
 /// `Ok` when `lo <= value <= hi`, else the error `name = value: must be
 /// between lo and hi (what)`.
 pub(crate) fn in_range(name: &str, value: u64, lo: u64, hi: u64, what: &str) -> Result<(), InvalidParam> {
-    if (lo..=hi).contains(&value) {
-        Ok(())
-    } else {
-        Err(InvalidParam::new(
-            name,
-            value,
-            format!("must be between {lo} and {hi} ({what})"),
-        ))
-    }
+    between(name, value, (lo..=hi).contains(&value), (lo, hi), what)
 }
 
 /// `Ok` when `value` is finite and `lo <= value <= hi`, else the error
 /// `name = value: must be between lo and hi (what)`.
 pub(crate) fn in_range_f64(name: &str, value: f64, lo: f64, hi: f64, what: &str) -> Result<(), InvalidParam> {
-    if value.is_finite() && (lo..=hi).contains(&value) {
+    between(
+        name,
+        value,
+        value.is_finite() && (lo..=hi).contains(&value),
+        (lo, hi),
+        what,
+    )
+}
+
+/// `Ok` when `inside`, else `name = value: must be between lo and hi (what)`.
+fn between<T: fmt::Display>(
+    name: &str,
+    value: T,
+    inside: bool,
+    (lo, hi): (T, T),
+    what: &str,
+) -> Result<(), InvalidParam> {
+    if inside {
         Ok(())
     } else {
         Err(InvalidParam::new(

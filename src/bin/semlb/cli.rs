@@ -243,71 +243,45 @@ impl ServeArgs {
     /// the backends the supervisor hands them).
     pub fn to_args(&self) -> Vec<OsString> {
         let mut out: Vec<OsString> = Vec::new();
-        let mut push = |flag: &str, value: String| {
-            out.push(flag.into());
-            out.push(value.into());
+        // Each flag given, with its value as the command line spells it.
+        let mut flag = |name: &str, value: Option<String>| {
+            if let Some(value) = value {
+                out.push(name.into());
+                out.push(value.into());
+            }
         };
-        if let Some(v) = &self.config {
-            push("--config", v.display().to_string());
-        }
-        if let Some(v) = self.listen {
-            push("--listen", v.to_string());
-        }
-        if let Some(v) = self.dispatchers {
-            push("--dispatchers", v.to_string());
-        }
-        if let Some(v) = self.responders {
-            push("--responders", v.to_string());
-        }
-        if let Some(v) = &self.shm_name {
-            push("--shm-name", v.clone());
-        }
-        if let Some(v) = self.shm_size {
-            push("--shm-size", v.0.to_string());
-        }
+        flag("--config", self.config.as_ref().map(|v| v.display().to_string()));
+        flag("--listen", self.listen.map(|v| v.to_string()));
+        flag("--dispatchers", self.dispatchers.map(|v| v.to_string()));
+        flag("--responders", self.responders.map(|v| v.to_string()));
+        flag("--shm-name", self.shm_name.clone());
+        flag("--shm-size", self.shm_size.map(|v| v.0.to_string()));
         for b in &self.backends {
-            push("--backend", b.clone());
+            flag("--backend", Some(b.clone()));
         }
-        if let Some(v) = &self.tokenizer {
-            push("--tokenizer", v.display().to_string());
-        }
-        if let Some(v) = &self.chat_template {
-            push("--chat-template", v.display().to_string());
-        }
-        if let Some(v) = self.block_size {
-            push("--block-size", v.to_string());
-        }
-        if let Some(v) = self.policy {
-            push("--policy", v.to_string());
-        }
-        if let Some(v) = self.store {
-            push("--store", v.to_string());
-        }
-        if let Some(v) = &self.redis_url {
-            push("--redis-url", v.clone());
-        }
-        if let Some(v) = &self.redis_namespace {
-            push("--redis-namespace", v.clone());
-        }
-        if let Some(v) = self.redis_lookup {
-            push(
-                "--redis-lookup",
-                match v {
-                    RedisLookup::Script => "script",
-                    RedisLookup::Naive => "naive",
-                }
-                .to_owned(),
-            );
-        }
-        if let Some(v) = self.admin_listen {
-            push("--admin-listen", v.to_string());
-        }
-        if let Some(v) = &self.admin_token_file {
-            push("--admin-token-file", v.display().to_string());
-        }
-        if let Some(v) = self.metrics_listen {
-            push("--metrics-listen", v.to_string());
-        }
+        flag("--tokenizer", self.tokenizer.as_ref().map(|v| v.display().to_string()));
+        flag(
+            "--chat-template",
+            self.chat_template.as_ref().map(|v| v.display().to_string()),
+        );
+        flag("--block-size", self.block_size.map(|v| v.to_string()));
+        flag("--policy", self.policy.map(|v| v.to_string()));
+        flag("--store", self.store.map(|v| v.to_string()));
+        flag("--redis-url", self.redis_url.clone());
+        flag("--redis-namespace", self.redis_namespace.clone());
+        flag(
+            "--redis-lookup",
+            self.redis_lookup.map(|v| match v {
+                RedisLookup::Script => "script".to_owned(),
+                RedisLookup::Naive => "naive".to_owned(),
+            }),
+        );
+        flag("--admin-listen", self.admin_listen.map(|v| v.to_string()));
+        flag(
+            "--admin-token-file",
+            self.admin_token_file.as_ref().map(|v| v.display().to_string()),
+        );
+        flag("--metrics-listen", self.metrics_listen.map(|v| v.to_string()));
         out.extend(self.log.to_args());
         out
     }

@@ -14,16 +14,15 @@ use crate::pools::Pool;
 
 /// Checks the prompt against the live engines' contexts and charges it.
 pub(super) async fn admit(
-    asked: super::Asked<'_>,
+    super::Asked {
+        dispatcher,
+        caller,
+        endpoint,
+    }: super::Asked<'_>,
     pool: &Pool,
     parsed: &ParsedRequest<'_>,
     tokens: &Tokens,
 ) -> Result<Admitted, Response<Body>> {
-    let super::Asked {
-        dispatcher,
-        caller,
-        endpoint,
-    } = asked;
     let servers = &dispatcher.segment().tables().servers;
     if dispatcher.config().limits.check_context
         && let Err(exceeded) = context_limit::check(

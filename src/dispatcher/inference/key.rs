@@ -28,12 +28,15 @@ pub(super) struct Keyed {
 }
 
 /// Hashes the prompt's tokens and keys the request.
-pub(super) async fn key(asked: super::Asked<'_>, request: &Parsed<'_>, tokens: &Tokens) -> Keyed {
-    let super::Asked {
+pub(super) async fn key(
+    super::Asked {
         dispatcher,
         caller,
         endpoint,
-    } = asked;
+    }: super::Asked<'_>,
+    request: &Parsed<'_>,
+    tokens: &Tokens,
+) -> Keyed {
     let Parsed {
         parts, parsed, pool, ..
     } = request;

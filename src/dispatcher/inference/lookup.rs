@@ -33,18 +33,17 @@ pub(super) enum Found {
 
 /// Looks the request up; answers it from the response cache if it can.
 pub(super) async fn look_up(
-    asked: super::Asked<'_>,
+    super::Asked {
+        dispatcher,
+        caller,
+        endpoint,
+    }: super::Asked<'_>,
     request: &Parsed<'_>,
     tokens: &Tokens,
     keyed: &Keyed,
     admitted: &Admitted,
     timing: &mut DispatchTiming,
 ) -> Found {
-    let super::Asked {
-        dispatcher,
-        caller,
-        endpoint,
-    } = asked;
     let Parsed { parsed, pool, .. } = request;
     // Without learning at dispatch nothing records end keys: no probes.
     let answer_tokens = if dispatcher.config().learn_at_dispatch {

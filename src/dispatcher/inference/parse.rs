@@ -34,15 +34,14 @@ pub(super) struct Parsed<'b> {
 /// picks its pool; an unparsable body, an unknown model or one the caller
 /// may not use is answered here.
 pub(super) async fn parse<'b>(
-    asked: super::Asked<'_>,
-    parts: request::Parts,
-    bytes: &'b Bytes,
-) -> Result<Parsed<'b>, Response<Body>> {
-    let super::Asked {
+    super::Asked {
         dispatcher,
         caller,
         endpoint,
-    } = asked;
+    }: super::Asked<'_>,
+    parts: request::Parts,
+    bytes: &'b Bytes,
+) -> Result<Parsed<'b>, Response<Body>> {
     let limits = &dispatcher.config().limits;
     let request_limits = prompt::RequestLimits {
         max_messages: limits.max_messages as usize,

@@ -35,17 +35,16 @@ pub(super) struct Found {
 /// Sends the request to the server its policy picks (or a peer gateway)
 /// and returns the answer the proxy relays.
 pub(super) async fn send(
-    asked: super::Asked<'_>,
+    super::Asked {
+        dispatcher,
+        caller,
+        endpoint,
+    }: super::Asked<'_>,
     request: Parsed<'_>,
     bytes: &Bytes,
     found: Found,
     admitted: &mut Admitted,
 ) -> Response<Body> {
-    let super::Asked {
-        dispatcher,
-        caller,
-        endpoint,
-    } = asked;
     let Parsed {
         parts,
         parsed,

@@ -28,12 +28,11 @@ pub(super) struct Tokens {
 }
 
 /// Tokenizes `parsed`'s routing text (taking a tokens prompt's ids).
-pub(super) async fn tokenize(asked: super::Asked<'_>, pool: &Pool, parsed: &mut ParsedRequest<'_>) -> Tokens {
-    let super::Asked {
-        dispatcher,
-        caller,
-        endpoint: _,
-    } = asked;
+pub(super) async fn tokenize(
+    super::Asked { dispatcher, caller, .. }: super::Asked<'_>,
+    pool: &Pool,
+    parsed: &mut ParsedRequest<'_>,
+) -> Tokens {
     let tokenizer = &pool.tokenization().tokenizer;
     let text_bytes = match &parsed.input {
         RoutingInput::Text(text) => text.len(),
