@@ -132,7 +132,7 @@ async fn poll(dispatcher: Arc<Dispatcher>, book: Arc<PeerBook>, peer: Peer, ever
                         "it says its region is {:?}, not {:?} as [[peer]] says",
                         summary.region, peer.region
                     ),
-                    Ok(Err(e)) => e,
+                    Ok(Err(e)) => e.to_string(),
                     Err(_) => format!("no answer within {} ms", timeout.as_millis()),
                 };
                 if !warned {
@@ -152,31 +152,58 @@ async fn poll(dispatcher: Arc<Dispatcher>, book: Arc<PeerBook>, peer: Peer, ever
     }
 }
 
+/// Why a peer gateway's summary or answer could not be had.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum PeerError {
+    /// Its token or the tenant is not a header value.
+    #[error("{0}")]
+    Header(#[from] http::header::InvalidHeaderValue),
+    /// Its address and the path do not make a URI.
+    #[error("{0}")]
+    Uri(#[from] http::uri::InvalidUri),
+    /// No answer head (the client's error and its causes).
+    #[error("{}", crate::error_chain(.0))]
+    Request(#[from] hyper_util::client::legacy::Error),
+    /// The answer's body broke off or was too long.
+    #[error("{0}")]
+    Body(Box<dyn std::error::Error + Send + Sync>),
+    /// Its summary endpoint refused.
+    #[error("{LOAD_PATH} answered {status}: {body}")]
+    Refused { status: StatusCode, body: String },
+    /// Its summary is not one.
+    #[error("its summary does not parse: {0}")]
+    Summary(serde_json::Error),
+    /// No head before the request's deadline.
+    #[error("no answer head before the request's deadline")]
+    Deadline,
+    /// A 5xx head (the request may go elsewhere).
+    #[error("it answered {0}")]
+    Answered(StatusCode),
+}
+
 /// One poll of `peer`'s load summary at `uri`.
-async fn fetch_summary(dispatcher: &Dispatcher, peer: &Peer, uri: Uri) -> Result<LoadSummary, String> {
+async fn fetch_summary(dispatcher: &Dispatcher, peer: &Peer, uri: Uri) -> Result<LoadSummary, PeerError> {
     if !peer.delay.is_zero() {
         tokio::time::sleep(peer.delay).await;
     }
     let mut request = Request::new(Full::new(Bytes::new()));
     *request.uri_mut() = uri;
-    let token = HeaderValue::from_str(&peer.token).map_err(|e| e.to_string())?;
+    let token = HeaderValue::from_str(&peer.token)?;
     request.headers_mut().insert(TOKEN_HEADER, token);
-    let response = peer_request(dispatcher, peer, request)
-        .await
-        .map_err(|e| crate::error_chain(&e))?;
+    let response = peer_request(dispatcher, peer, request).await?;
     let status = response.status();
     let body = Limited::new(response.into_body(), MAX_SUMMARY_BYTES)
         .collect()
         .await
-        .map_err(|e| e.to_string())?
+        .map_err(PeerError::Body)?
         .to_bytes();
     if !status.is_success() {
-        return Err(format!(
-            "{LOAD_PATH} answered {status}: {}",
-            String::from_utf8_lossy(&body[..body.len().min(200)])
-        ));
+        return Err(PeerError::Refused {
+            status,
+            body: String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned(),
+        });
     }
-    serde_json::from_slice(&body).map_err(|e| format!("its summary does not parse: {e}"))
+    serde_json::from_slice(&body).map_err(PeerError::Summary)
 }
 
 /// The tenant a peer gateway forwarded a request as: `None` when it names
@@ -285,11 +312,9 @@ pub(super) async fn send(
     copy: &PeerCopy,
     deadline: tokio::time::Instant,
     start: Option<Instant>,
-) -> Result<Response<Body>, String> {
+) -> Result<Response<Body>, PeerError> {
     let peer = guard.forward.peer.clone();
-    let uri = format!("{}{path_and_query}", peer.address)
-        .parse::<Uri>()
-        .map_err(|e| e.to_string())?;
+    let uri = format!("{}{path_and_query}", peer.address).parse::<Uri>()?;
     let mut request = Request::new(Full::new(copy.body.clone()));
     *request.method_mut() = method.clone();
     *request.uri_mut() = uri;
@@ -304,22 +329,19 @@ pub(super) async fn send(
         for name in crate::response_cache::API_KEY_HEADERS {
             headers.remove(name);
         }
-        headers.insert(
-            TOKEN_HEADER,
-            HeaderValue::from_str(&peer.token).map_err(|e| e.to_string())?,
-        );
-        headers.insert(TENANT_HEADER, HeaderValue::from_str(tenant).map_err(|e| e.to_string())?);
+        headers.insert(TOKEN_HEADER, HeaderValue::from_str(&peer.token)?);
+        headers.insert(TENANT_HEADER, HeaderValue::from_str(tenant)?);
     }
     if !peer.delay.is_zero() {
         tokio::time::sleep(peer.delay).await;
     }
     let head = tokio::select! {
         biased;
-        head = peer_request(dispatcher, &peer, request) => head.map_err(|e| crate::error_chain(&e))?,
-        () = tokio::time::sleep_until(deadline) => return Err("no answer head before the request's deadline".into()),
+        head = peer_request(dispatcher, &peer, request) => head?,
+        () = tokio::time::sleep_until(deadline) => return Err(PeerError::Deadline),
     };
     if head.status().is_server_error() {
-        return Err(format!("it answered {}", head.status()));
+        return Err(PeerError::Answered(head.status()));
     }
     let (parts, incoming) = head.into_parts();
     let relay = PeerRelay {

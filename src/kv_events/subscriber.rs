@@ -31,7 +31,7 @@ use std::time::Duration;
 use super::engine_blocks::Skip;
 use super::follower::{Applied, ChainRoots, Follower, Sequence, Step};
 use super::wire::{EventBatch, WireError, decode_batch, split_message};
-use super::zmtp::{Connection, SocketType};
+use super::zmtp::{Connection, SocketType, ZmtpError};
 use crate::config::{BackendConfig, ServeConfig};
 use crate::metrics::{KV_EVENT_LAG, Metrics};
 use crate::prefix::blocks::BlockHasher;
@@ -179,9 +179,9 @@ pub async fn follow(target: Target, ctx: Context) {
     loop {
         match subscribe(&target, &ctx, &client).await {
             Ok(()) => last_error.clear(),
-            Err(e) if e != last_error => {
+            Err(e) if e.to_string() != last_error => {
                 tracing::warn!(backend = %target.url, events = %target.events, "KV events of {}: {e}; retrying", target.url);
-                last_error = e;
+                last_error = e.to_string();
             }
             Err(_) => {}
         }
@@ -206,24 +206,28 @@ impl Drop for ClearOnDrop {
 
 /// One subscription, from connecting to its end: `Ok` when the
 /// registration changed, an error when the engine cannot be followed now.
-async fn subscribe(target: &Target, ctx: &Context, client: &Client<HttpConnector, Empty<Bytes>>) -> Result<(), String> {
+async fn subscribe(
+    target: &Target,
+    ctx: &Context,
+    client: &Client<HttpConnector, Empty<Bytes>>,
+) -> Result<(), FollowError> {
     let tables = ctx.segment.tables();
-    let server = registration(&tables, &target.url).ok_or("not registered (yet)")?;
+    let server = registration(&tables, &target.url).ok_or(FollowError::NotRegistered)?;
     let roots = match &target.roots {
         Some(roots) => roots.clone(),
         None => {
             let url = format!("{}/v1/models", target.url);
             let (status, body) = crate::health::checker::get(client, &url, 1 << 20, IO_TIMEOUT)
                 .await
-                .map_err(|e| format!("reading its models: {e}"))?;
+                .map_err(FollowError::Models)?;
             if !status.is_success() {
-                return Err(format!("{url} answered {status}"));
+                return Err(FollowError::Answered { url, status });
             }
-            served_roots(&body, ctx.block_size, ctx.seed).ok_or(format!("{url} lists no model"))?
+            served_roots(&body, ctx.block_size, ctx.seed).ok_or(FollowError::NoModel(url))?
         }
     };
     let mut sub = connect(&target.events, SocketType::Sub).await?;
-    sub.subscribe(b"").await.map_err(|e| format!("subscribing: {e}"))?;
+    sub.subscribe(b"").await.map_err(FollowError::Subscribe)?;
     let mut replay = match &target.replay {
         Some(at) => Some(connect(at, SocketType::Dealer).await?),
         None => None,
@@ -269,7 +273,7 @@ async fn subscribe(target: &Target, ctx: &Context, client: &Client<HttpConnector
             message = sub.recv() => {
                 // A closed or broken connection: the engine stopped or
                 // restarted; start over.
-                let frames = message.map_err(|e| format!("the engine's events stopped: {e}"))?;
+                let frames = message.map_err(FollowError::Stopped)?;
                 let parts: Vec<&[u8]> = frames.iter().map(|f| f.as_ref()).collect();
                 let Ok((seq, payload)) = split_message(&parts) else { continue };
                 if stream.live(seq, payload, replay.as_mut()).await == Replay::Broken {
@@ -288,15 +292,53 @@ async fn subscribe(target: &Target, ctx: &Context, client: &Client<HttpConnector
     }
 }
 
-async fn connect(endpoint: &str, kind: SocketType) -> Result<Connection, String> {
-    match tokio::time::timeout(IO_TIMEOUT, Connection::connect(endpoint, kind)).await {
+async fn connect(endpoint: &str, kind: SocketType) -> Result<Connection, FollowError> {
+    let endpoint = endpoint.to_owned();
+    match tokio::time::timeout(IO_TIMEOUT, Connection::connect(&endpoint, kind)).await {
         Ok(Ok(c)) => Ok(c),
-        Ok(Err(e)) => Err(format!("cannot connect to {endpoint}: {e}")),
-        Err(_) => Err(format!(
-            "cannot connect to {endpoint} within {} s",
-            IO_TIMEOUT.as_secs()
-        )),
+        Ok(Err(error)) => Err(FollowError::Connect { endpoint, error }),
+        Err(_) => Err(FollowError::ConnectTimeout { endpoint }),
     }
+}
+
+/// Why an engine's events cannot be followed now (logged once while it
+/// lasts; the subscription is tried again).
+#[derive(Debug, thiserror::Error)]
+enum FollowError {
+    #[error("not registered (yet)")]
+    NotRegistered,
+    #[error("reading its models: {0}")]
+    Models(crate::health::checker::CheckError),
+    #[error("{url} answered {status}")]
+    Answered { url: String, status: http::StatusCode },
+    #[error("{0} lists no model")]
+    NoModel(String),
+    #[error("cannot connect to {endpoint}: {error}")]
+    Connect { endpoint: String, error: ZmtpError },
+    #[error("cannot connect to {endpoint} within {} s", IO_TIMEOUT.as_secs())]
+    ConnectTimeout { endpoint: String },
+    #[error("subscribing: {0}")]
+    Subscribe(ZmtpError),
+    #[error("the engine's events stopped: {0}")]
+    Stopped(ZmtpError),
+}
+
+/// Why a replay of an engine's past batches failed (the table then stays
+/// partial until a full replay or the engine's restart).
+#[derive(Debug, thiserror::Error)]
+enum ReplayError {
+    #[error("asking a replay: {0}")]
+    Ask(ZmtpError),
+    #[error("the replay did not end in time")]
+    Timeout,
+    #[error("reading the replay: {0}")]
+    Read(ZmtpError),
+    #[error("a replay message of fewer than 2 frames")]
+    ShortMessage,
+    #[error("a replay sequence of other than 8 bytes")]
+    BadSequence,
+    #[error("a replay of over {MAX_REPLAY_BATCHES} batches or {} MiB", MAX_REPLAY_BYTES >> 20)]
+    TooLong,
 }
 
 /// Payloads larger than this are decoded on the blocking pool: one
@@ -325,35 +367,29 @@ async fn decode(payload: &[u8]) -> Result<EventBatch, WireError> {
 
 /// The batches the engine's replay socket still has from `from` on (at
 /// most [`MAX_REPLAY_BATCHES`] of [`MAX_REPLAY_BYTES`] in all).
-async fn fetch_replay(dealer: &mut Connection, from: u64) -> Result<Vec<(u64, Bytes)>, String> {
+async fn fetch_replay(dealer: &mut Connection, from: u64) -> Result<Vec<(u64, Bytes)>, ReplayError> {
     dealer
         .send(&[b"", &from.to_be_bytes()])
         .await
-        .map_err(|e| format!("asking a replay: {e}"))?;
+        .map_err(ReplayError::Ask)?;
     let mut batches = Vec::new();
     let mut bytes = 0;
     loop {
         let frames = tokio::time::timeout(IO_TIMEOUT, dealer.recv())
             .await
-            .map_err(|_| "the replay did not end in time".to_owned())?
-            .map_err(|e| format!("reading the replay: {e}"))?;
+            .map_err(|_| ReplayError::Timeout)?
+            .map_err(ReplayError::Read)?;
         // [""] seq payload (vLLM), or [""] topic seq payload.
         let [.., seq, payload] = frames.as_slice() else {
-            return Err("a replay message of fewer than 2 frames".to_owned());
+            return Err(ReplayError::ShortMessage);
         };
         if seq.as_ref() == END_SEQ {
             return Ok(batches);
         }
-        let seq: [u8; 8] = seq
-            .as_ref()
-            .try_into()
-            .map_err(|_| "a replay sequence of other than 8 bytes")?;
+        let seq: [u8; 8] = seq.as_ref().try_into().map_err(|_| ReplayError::BadSequence)?;
         bytes += payload.len();
         if bytes > MAX_REPLAY_BYTES || batches.len() >= MAX_REPLAY_BATCHES {
-            return Err(format!(
-                "a replay of over {MAX_REPLAY_BATCHES} batches or {} MiB",
-                MAX_REPLAY_BYTES >> 20
-            ));
+            return Err(ReplayError::TooLong);
         }
         batches.push((u64::from_be_bytes(seq), payload.clone()));
     }
