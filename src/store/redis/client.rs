@@ -100,7 +100,7 @@ use redis::{ErrorKind, RedisError, Value};
 
 use super::connection::millis;
 pub use super::connection::{DEFAULT_TIMEOUT, RedisStore, owner_id};
-pub use super::error::StoreError;
+pub use super::error::{ReplyError, StoreError};
 pub use super::inflight::{INFLIGHT_LEASE, InflightLoad};
 pub(crate) use super::inflight::{parse_inflight, publish_args};
 pub(crate) use super::prefix_entries::parse_lpm;
@@ -159,14 +159,14 @@ pub(crate) fn lookup_pipeline(
 
 /// Parses the replies of a [`lookup_pipeline`] (the prefix stays empty
 /// when it was not scripted).
-pub(crate) fn parse_lookup(replies: Vec<Value>, asked_response: bool) -> Result<DispatchLookup, String> {
+pub(crate) fn parse_lookup(replies: Vec<Value>, asked_response: bool) -> Result<DispatchLookup, ReplyError> {
     let mut replies = replies.into_iter();
-    let mut next = || replies.next().ok_or_else(|| "short pipeline reply".to_owned());
+    let mut next = || replies.next().ok_or(ReplyError::ShortPipeline);
     let response = if asked_response {
         match next()? {
             Value::Nil => None,
             Value::BulkString(b) => unsealed(b),
-            other => return Err(format!("GET returned {other:?}")),
+            other => return Err(ReplyError::Get(other)),
         }
     } else {
         None

@@ -7,7 +7,7 @@ use std::time::Duration;
 use redis::{FromRedisValue, Value};
 
 use super::connection::{RedisStore, ScriptId, millis};
-use super::error::StoreError;
+use super::error::{ReplyError, StoreError};
 use super::server_id::{ServerId, id_field, parse_id};
 
 /// How long a process's published in-flight counts stay counted without
@@ -31,14 +31,15 @@ pub(crate) fn publish_args(owner: &str, counts: impl IntoIterator<Item = (Server
 }
 
 /// Parses a [`SUM_SCRIPT`](super::scripts::SUM_SCRIPT) reply into per-server figures sorted by id.
-pub(crate) fn parse_inflight(reply: &Value) -> Result<Vec<InflightLoad>, String> {
-    let flat: Vec<(String, i64)> = FromRedisValue::from_redis_value(reply).map_err(|e| e.to_string())?;
+pub(crate) fn parse_inflight(reply: &Value) -> Result<Vec<InflightLoad>, ReplyError> {
+    let flat: Vec<(String, i64)> =
+        FromRedisValue::from_redis_value(reply).map_err(|e| ReplyError::Conversion(e.to_string()))?;
     let mut out: Vec<InflightLoad> = Vec::new();
     for (field, n) in flat {
         let (kind, server) = field
             .split_once(':')
             .and_then(|(kind, id)| parse_id(id).map(|s| (kind, s)))
-            .ok_or_else(|| format!("counter field {field:?}"))?;
+            .ok_or_else(|| ReplyError::CounterField(field.clone()))?;
         let i = match out.iter().position(|l| l.server == server) {
             Some(i) => i,
             None => {
@@ -53,7 +54,7 @@ pub(crate) fn parse_inflight(reply: &Value) -> Result<Vec<InflightLoad>, String>
         match kind {
             "req" => out[i].requests = n,
             "tok" => out[i].tokens = n,
-            _ => return Err(format!("counter field {field:?}")),
+            _ => return Err(ReplyError::CounterField(field)),
         }
     }
     out.sort_unstable_by_key(|l| l.server);

@@ -13,7 +13,7 @@ use redis::Value;
 use shm_layout::BucketState;
 
 use super::RedisRouting;
-use super::client::StoreError;
+use super::client::{ReplyError, StoreError};
 pub(crate) use super::scripts::LIMIT_SCRIPT;
 use crate::tenancy::rate_limit::{Charge, Verdict};
 
@@ -54,20 +54,23 @@ pub(crate) fn limit_pipeline(ns: &str, sha: &str, mode: Mode, charges: &[Charge]
 }
 
 /// The verdict in the script's reply to a take of `charges`.
-pub(crate) fn parse_verdict(replies: &[Value], charges: &[Charge]) -> Result<Verdict, String> {
+pub(crate) fn parse_verdict(replies: &[Value], charges: &[Charge]) -> Result<Verdict, ReplyError> {
     let Some(Value::Array(reply)) = replies.first() else {
-        return Err(format!("the limit script answered {replies:?}"));
+        return Err(ReplyError::LimitReply(replies.to_vec()));
     };
     let int = |i: usize| match reply.get(i) {
         Some(Value::Int(n)) => Ok(*n),
-        other => Err(format!("the limit script's reply has {other:?} at {i}")),
+        other => Err(ReplyError::LimitValue(other.cloned(), i)),
     };
     let index = |i: usize| {
-        let k = usize::try_from(int(i)?).map_err(|_| "a negative key index".to_owned())?;
+        let k = usize::try_from(int(i)?).map_err(|_| ReplyError::NegativeIndex)?;
         (1..=charges.len())
             .contains(&k)
             .then_some(k - 1)
-            .ok_or_else(|| format!("key index {k} of {}", charges.len()))
+            .ok_or(ReplyError::KeyIndex {
+                index: k,
+                keys: charges.len(),
+            })
     };
     let ns = |i: usize| int(i).map(|us| u64::try_from(us).unwrap_or(0) * NS_PER_US);
     match int(0)? {
@@ -76,7 +79,7 @@ pub(crate) fn parse_verdict(replies: &[Value], charges: &[Charge]) -> Result<Ver
                 .iter()
                 .enumerate()
                 .map(|(i, c)| ns(i + 1).map(|ahead| c.quota.state(ahead)))
-                .collect::<Result<Vec<BucketState>, String>>()?,
+                .collect::<Result<Vec<BucketState>, ReplyError>>()?,
         )),
         -1 => Ok(Verdict::TooLarge { index: index(1)? }),
         -2 => {
@@ -87,7 +90,10 @@ pub(crate) fn parse_verdict(replies: &[Value], charges: &[Charge]) -> Result<Ver
                 retry_after_ns: ns(2)?,
             })
         }
-        other => Err(format!("the limit script answered {other} with {} values", reply.len())),
+        other => Err(ReplyError::LimitStatus {
+            status: other,
+            values: reply.len(),
+        }),
     }
 }
 

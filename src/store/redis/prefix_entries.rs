@@ -9,7 +9,7 @@ use std::time::Duration;
 use redis::{FromRedisValue, RedisError, Value};
 
 use super::connection::{RedisStore, ScriptId, millis};
-use super::error::StoreError;
+use super::error::{ReplyError, StoreError};
 use super::scripts::RAISE_SCRIPT;
 use super::server_id::{ServerId, id_field, parse_id};
 
@@ -35,12 +35,12 @@ type Stamps = Vec<(ServerId, u64)>;
 
 /// Parses a [`LPM_SCRIPT`](super::scripts::LPM_SCRIPT) reply into `(server, depth)` pairs and
 /// `(server, stamp of its deepest field)` pairs, both sorted by server.
-pub(crate) fn parse_lpm(reply: &Value) -> Result<(Depths, Stamps), String> {
+pub(crate) fn parse_lpm(reply: &Value) -> Result<(Depths, Stamps), ReplyError> {
     let Value::Array(flat) = reply else {
-        return Err(format!("reply {reply:?} is not an array"));
+        return Err(ReplyError::NotArray(reply.clone()));
     };
     if !flat.len().is_multiple_of(3) {
-        return Err(format!("reply length {} is not a multiple of 3", flat.len()));
+        return Err(ReplyError::NotTriples(flat.len()));
     }
     let mut found = Vec::with_capacity(flat.len() / 3);
     let mut stamps = Vec::with_capacity(flat.len() / 3);
@@ -59,7 +59,7 @@ pub(crate) fn parse_lpm(reply: &Value) -> Result<(Depths, Stamps), String> {
                 record(&mut found, server, depth);
                 stamps.push((server, stamp));
             }
-            _ => return Err(format!("triple {triple:?}")),
+            _ => return Err(ReplyError::Triple(triple.to_vec())),
         }
     }
     found.sort_unstable();
@@ -105,7 +105,7 @@ impl RedisStore {
                 _ => {
                     return Err(StoreError::Protocol {
                         op: "lookup",
-                        detail: format!("prefix entry field {field:?} = {stamp:?}"),
+                        detail: ReplyError::EntryField { field, stamp },
                     });
                 }
             }
