@@ -1456,7 +1456,13 @@ fn store_names_parse_back() {
     for kind in [StoreKind::Shm, StoreKind::Redis] {
         assert_eq!(kind.name().parse::<StoreKind>(), Ok(kind));
     }
-    assert!("memcached".parse::<StoreKind>().unwrap_err().contains("shm or redis"));
+    assert!(
+        "memcached"
+            .parse::<StoreKind>()
+            .unwrap_err()
+            .to_string()
+            .contains("shm or redis")
+    );
     assert_eq!("naive".parse::<RedisLookup>(), Ok(RedisLookup::Naive));
 }
 
