@@ -67,46 +67,39 @@ impl BackendConfig {
     /// Whether `endpoint` is one a subscriber can connect to:
     /// `tcp://host:port`, host a name or an IP address. The error is the
     /// reason only.
-    pub fn check_events_endpoint(endpoint: &str) -> Result<(), String> {
+    pub fn check_events_endpoint(endpoint: &str) -> Result<(), BackendError> {
         let Some(rest) = endpoint.strip_prefix("tcp://") else {
-            return Err("must be tcp://host:port (the address this host reaches the engine's socket at)".to_owned());
+            return Err(BackendError::EventsScheme);
         };
-        let (host, port) = rest
-            .rsplit_once(':')
-            .ok_or_else(|| "has no port (tcp://host:port)".to_owned())?;
+        let (host, port) = rest.rsplit_once(':').ok_or(BackendError::EventsNoPort)?;
         if host.is_empty() || host == "*" || host.contains('/') {
-            return Err(
-                "needs the engine's host name or address (an engine binds *, a subscriber connects to a host)"
-                    .to_owned(),
-            );
+            return Err(BackendError::EventsHost);
         }
         match port.parse::<u16>() {
             Ok(p) if p > 0 => Ok(()),
-            _ => Err(format!("port {port:?} is not 1 to 65535")),
+            _ => Err(BackendError::EventsPort(port.to_owned())),
         }
     }
 
     /// Its URL taken apart; errors say what is wrong with it.
-    pub fn parsed_url(&self) -> Result<BackendUrl, String> {
+    pub fn parsed_url(&self) -> Result<BackendUrl, BackendUrlError> {
         self.url.parse()
     }
 
     /// How the server table names it: `http://host:port`, or the reason
     /// its URL does not parse.
-    pub fn server_address(&self) -> Result<String, String> {
+    pub fn server_address(&self) -> Result<String, BackendUrlError> {
         self.parsed_url().map(|url| format!("http://{}", url.authority()))
     }
 
     /// Whether [`name`](Self::name), if given, is a valid name: 1 to
     /// [`MAX_BACKEND_NAME_BYTES`] letters, digits or `. _ : -`. The error
     /// is the reason only.
-    pub fn check_name(&self) -> Result<(), String> {
+    pub fn check_name(&self) -> Result<(), BackendError> {
         let Some(name) = &self.name else { return Ok(()) };
         let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-');
         if name.is_empty() || name.len() > MAX_BACKEND_NAME_BYTES || !name.chars().all(ok_char) {
-            return Err(format!(
-                "must be 1 to {MAX_BACKEND_NAME_BYTES} letters, digits or . _ : - (it is a metrics label)"
-            ));
+            return Err(BackendError::Name);
         }
         Ok(())
     }
@@ -120,6 +113,75 @@ impl BackendConfig {
             (None, Err(_)) => self.url.clone(),
         }
     }
+}
+
+/// What is wrong with a backend's name or KV events endpoint: the reason
+/// only (the caller names the field and the value).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BackendError {
+    /// `name` is not 1 to [`MAX_BACKEND_NAME_BYTES`] of `A-Z a-z 0-9 . _ : -`.
+    #[error("must be 1 to {MAX_BACKEND_NAME_BYTES} letters, digits or . _ : - (it is a metrics label)")]
+    Name,
+    /// An events endpoint that is not `tcp://`.
+    #[error("must be tcp://host:port (the address this host reaches the engine's socket at)")]
+    EventsScheme,
+    /// An events endpoint without a port.
+    #[error("has no port (tcp://host:port)")]
+    EventsNoPort,
+    /// An events endpoint without a host to connect to (`*` is a bind address).
+    #[error("needs the engine's host name or address (an engine binds *, a subscriber connects to a host)")]
+    EventsHost,
+    /// An events endpoint's port (as written) that is not 1 to 65535.
+    #[error("port {0:?} is not 1 to 65535")]
+    EventsPort(String),
+}
+
+/// Why a URL is not a backend's `http://host:port`: the reason only (the
+/// caller names the field and the value).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BackendUrlError {
+    /// Longer than the server table's address field.
+    #[error("it is longer than {MAX_ADDRESS_BYTES} bytes (the server table's address limit)")]
+    TooLong,
+    /// No `scheme://`.
+    #[error("expected http://host:port")]
+    NoScheme,
+    /// A scheme other than `http` (as written).
+    #[error("the scheme must be http, not {0:?} (semlb speaks plain HTTP to inference servers)")]
+    Scheme(String),
+    /// A path, query or fragment (as written, from its `/`, `?` or `#`).
+    #[error("it must not have a path, query or fragment (found {0:?}): the client's path is forwarded as it is")]
+    Path(String),
+    /// `user@` in the authority.
+    #[error("it must not contain user information (user@)")]
+    UserInfo,
+    /// `[` without its `]`.
+    #[error("an IPv6 address must be closed with ']'")]
+    UnclosedIpv6,
+    /// The text in brackets (as written) is not an IPv6 address.
+    #[error("{0:?} is not an IPv6 address")]
+    NotIpv6(String),
+    /// Something other than `:port` (as written) after `]`.
+    #[error("expected ':port' after the IPv6 address, found {0:?}")]
+    AfterIpv6(String),
+    /// No host.
+    #[error("the host is missing")]
+    NoHost,
+    /// An IPv6 address without brackets.
+    #[error("an IPv6 address must be in brackets: http://[::1]:8000")]
+    Ipv6Brackets,
+    /// The host (lower-cased) is neither a DNS name nor an IPv4 address.
+    #[error("{0:?} is not a host name or IP address")]
+    Host(String),
+    /// No port.
+    #[error("the port is missing (expected http://host:port)")]
+    NoPort,
+    /// The port (as written) is not digits.
+    #[error("port {0:?} is not a number")]
+    PortNotNumber(String),
+    /// The port (as written) is 0 or above 65535.
+    #[error("port {0} is not in 1..=65535")]
+    PortRange(String),
 }
 
 /// The body of `POST /admin/servers`.
@@ -191,44 +253,39 @@ fn is_host_name(host: &str) -> bool {
 }
 
 impl FromStr for BackendUrl {
-    type Err = String;
+    type Err = BackendUrlError;
 
     /// Parses `http://host:port` (an optional trailing `/` is allowed).
     /// The error is the reason only; the caller names the field and value.
-    fn from_str(url: &str) -> Result<Self, String> {
+    fn from_str(url: &str) -> Result<Self, BackendUrlError> {
+        use BackendUrlError as E;
         if url.len() > MAX_ADDRESS_BYTES {
-            return Err(format!(
-                "it is longer than {MAX_ADDRESS_BYTES} bytes (the server table's address limit)"
-            ));
+            return Err(E::TooLong);
         }
         let Some((scheme, rest)) = url.split_once("://") else {
-            return Err("expected http://host:port".into());
+            return Err(E::NoScheme);
         };
         if !scheme.eq_ignore_ascii_case("http") {
-            return Err(format!(
-                "the scheme must be http, not {scheme:?} (semlb speaks plain HTTP to inference servers)"
-            ));
+            return Err(E::Scheme(scheme.to_owned()));
         }
         let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
         let (authority, tail) = rest.split_at(end);
         if !tail.is_empty() && tail != "/" {
-            return Err(format!(
-                "it must not have a path, query or fragment (found {tail:?}): the client's path is forwarded as it is"
-            ));
+            return Err(E::Path(tail.to_owned()));
         }
         if authority.contains('@') {
-            return Err("it must not contain user information (user@)".into());
+            return Err(E::UserInfo);
         }
         let bracketed = authority.starts_with('[');
         let (host, port) = if let Some(inner) = authority.strip_prefix('[') {
             let Some((ip, port)) = inner.split_once(']') else {
-                return Err("an IPv6 address must be closed with ']'".into());
+                return Err(E::UnclosedIpv6);
             };
-            let ip: Ipv6Addr = ip.parse().map_err(|_| format!("{ip:?} is not an IPv6 address"))?;
+            let ip: Ipv6Addr = ip.parse().map_err(|_| E::NotIpv6(ip.to_owned()))?;
             match port.strip_prefix(':') {
                 Some(port) => (ip.to_string(), Some(port)),
                 None if port.is_empty() => (ip.to_string(), None),
-                None => return Err(format!("expected ':port' after the IPv6 address, found {port:?}")),
+                None => return Err(E::AfterIpv6(port.to_owned())),
             }
         } else {
             match authority.rsplit_once(':') {
@@ -237,25 +294,25 @@ impl FromStr for BackendUrl {
             }
         };
         if host.is_empty() {
-            return Err("the host is missing".into());
+            return Err(E::NoHost);
         }
         if !bracketed && host.contains(':') {
-            return Err("an IPv6 address must be in brackets: http://[::1]:8000".into());
+            return Err(E::Ipv6Brackets);
         }
         if !bracketed && host.parse::<Ipv4Addr>().is_err() && !is_host_name(&host) {
-            return Err(format!("{host:?} is not a host name or IP address"));
+            return Err(E::Host(host));
         }
         let Some(port) = port.filter(|p| !p.is_empty()) else {
-            return Err("the port is missing (expected http://host:port)".into());
+            return Err(E::NoPort);
         };
         if !port.bytes().all(|b| b.is_ascii_digit()) {
-            return Err(format!("port {port:?} is not a number"));
+            return Err(E::PortNotNumber(port.to_owned()));
         }
         let port = port
             .parse::<u16>()
             .ok()
             .filter(|&p| p != 0)
-            .ok_or_else(|| format!("port {port} is not in 1..=65535"))?;
+            .ok_or_else(|| E::PortRange(port.to_owned()))?;
         Ok(Self { host, port })
     }
 }

@@ -202,9 +202,9 @@ pub mod size;
 mod tests;
 mod validate;
 
-pub use backend::{BackendConfig, BackendUrl, MetricsFlavor};
+pub use backend::{BackendConfig, BackendError, BackendUrl, BackendUrlError, MetricsFlavor};
 pub use model_changes::ModelChanges;
-pub use models::ModelConfig;
+pub use models::{ModelConfig, ModelError};
 pub use peers::{MAX_PEERS, PeerConfig, PeerTls, PeeringConfig};
 pub use sections::*;
 
@@ -281,12 +281,13 @@ pub enum ConfigError {
 }
 
 impl ConfigError {
-    /// `field = value` is refused for `reason`.
-    pub(crate) fn invalid(field: impl Into<String>, value: impl fmt::Display, reason: impl Into<String>) -> Self {
+    /// `field = value` is refused for `reason` (a message, or the typed
+    /// error of the check that refused it, kept as its message).
+    pub(crate) fn invalid(field: impl Into<String>, value: impl fmt::Display, reason: impl fmt::Display) -> Self {
         Self::Invalid {
             field: field.into(),
             value: value.to_string(),
-            reason: reason.into(),
+            reason: reason.to_string(),
         }
     }
 }

@@ -104,9 +104,9 @@ impl ModelConfig {
     /// The pool of an admin API body (`POST /admin/models`, or `PUT
     /// /admin/models/{named}` with `named`, which the body may leave out
     /// or must repeat), not yet validated; the error says what is wrong.
-    pub fn from_admin_body(mut body: serde_json::Value, named: Option<&str>) -> Result<Self, String> {
+    pub fn from_admin_body(mut body: serde_json::Value, named: Option<&str>) -> Result<Self, ModelError> {
         let Some(object) = body.as_object_mut() else {
-            return Err("the body must be a JSON object: a [[model]] table".into());
+            return Err(ModelError::NotObject);
         };
         if let Some(named) = named {
             match object.get("name") {
@@ -115,13 +115,14 @@ impl ModelConfig {
                 }
                 Some(name) if name == named => {}
                 Some(name) => {
-                    return Err(format!(
-                        "the body names {name}, the path {named:?}; rename a pool by adding the new one and removing the old"
-                    ));
+                    return Err(ModelError::Renamed {
+                        body: name.clone(),
+                        path: named.to_owned(),
+                    });
                 }
             }
         }
-        serde_json::from_value(body).map_err(|e| format!("not a [[model]] table: {e}"))
+        serde_json::from_value(body).map_err(ModelError::Table)
     }
 
     /// Every name it answers to: its name, then its aliases.
@@ -130,14 +131,40 @@ impl ModelConfig {
     }
 }
 
+/// Why a model pool from the admin API, or a name of a pool, is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The admin API body is not a JSON object.
+    #[error("the body must be a JSON object: a [[model]] table")]
+    NotObject,
+    /// The body names another pool than the path (`PUT
+    /// /admin/models/{path}`); `body` is its `name`, as JSON.
+    #[error("the body names {body}, the path {path:?}; rename a pool by adding the new one and removing the old")]
+    Renamed {
+        /// The body's `name` value.
+        body: serde_json::Value,
+        /// The name in the path.
+        path: String,
+    },
+    /// The body is not a `[[model]]` table.
+    #[error("not a [[model]] table: {0}")]
+    Table(serde_json::Error),
+    /// A name or alias that is empty or longer than [`MAX_MODEL_NAME_BYTES`].
+    #[error("must be 1 to {MAX_MODEL_NAME_BYTES} bytes")]
+    NameLength,
+    /// A name or alias with control characters or spaces around it.
+    #[error("must have no control characters and no leading or trailing spaces")]
+    NameCharacters,
+}
+
 /// Whether `name` may be a model name: 1 to [`MAX_MODEL_NAME_BYTES`]
 /// bytes, no control characters, no leading or trailing space.
-fn check_model_name(name: &str) -> Result<(), String> {
+fn check_model_name(name: &str) -> Result<(), ModelError> {
     if name.is_empty() || name.len() > MAX_MODEL_NAME_BYTES {
-        return Err(format!("must be 1 to {MAX_MODEL_NAME_BYTES} bytes"));
+        return Err(ModelError::NameLength);
     }
     if name.chars().any(char::is_control) || name.trim() != name {
-        return Err("must have no control characters and no leading or trailing spaces".into());
+        return Err(ModelError::NameCharacters);
     }
     Ok(())
 }

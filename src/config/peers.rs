@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use serde::Deserialize;
 
 use super::sections::read_token_file;
-use super::{BackendUrl, ConfigError, quoted};
+use super::{BackendUrl, BackendUrlError, ConfigError, quoted};
 
 /// At most this many peers.
 pub const MAX_PEERS: usize = 16;
@@ -105,7 +105,7 @@ pub struct PeerConfig {
 impl PeerConfig {
     /// Its base URL as requests are sent to it: `http://host:port` or
     /// `https://host:port`.
-    pub fn address(&self) -> Result<String, String> {
+    pub fn address(&self) -> Result<String, BackendUrlError> {
         match self.url.split_once("://") {
             Some((scheme, rest)) if scheme.eq_ignore_ascii_case("https") => format!("http://{rest}")
                 .parse::<BackendUrl>()
@@ -142,11 +142,17 @@ impl PeeringConfig {
     }
 }
 
+/// A region name that is not 1 to 64 of `A-Z a-z 0-9 . _ : -` (the
+/// reason only: the caller names the field and the value).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("must be 1 to 64 letters, digits or . _ : - (it is a header value and a metrics label)")]
+struct RegionError;
+
 /// Whether `name` is a region name: 1 to 64 of `A-Z a-z 0-9 . _ : -`.
-fn check_region(name: &str) -> Result<(), String> {
+fn check_region(name: &str) -> Result<(), RegionError> {
     let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-');
     if name.is_empty() || name.len() > 64 || !name.chars().all(ok) {
-        return Err("must be 1 to 64 letters, digits or . _ : - (it is a header value and a metrics label)".into());
+        return Err(RegionError);
     }
     Ok(())
 }

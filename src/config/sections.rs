@@ -44,14 +44,19 @@ impl fmt::Display for StoreKind {
     }
 }
 
+/// A store name (`--store`) that names no [`StoreKind`]; it holds the name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown store {0:?}: expected shm or redis")]
+pub struct UnknownStore(pub String);
+
 impl FromStr for StoreKind {
-    type Err = String;
+    type Err = UnknownStore;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "shm" => Ok(Self::Shm),
             "redis" => Ok(Self::Redis),
-            _ => Err(format!("unknown store {s:?}: expected shm or redis")),
+            _ => Err(UnknownStore(s.to_owned())),
         }
     }
 }
@@ -68,14 +73,20 @@ pub enum RedisLookup {
     Naive,
 }
 
+/// A lookup name (`--redis-lookup`) that names no [`RedisLookup`]; it
+/// holds the name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown Redis lookup {0:?}: expected script or naive")]
+pub struct UnknownRedisLookup(pub String);
+
 impl FromStr for RedisLookup {
-    type Err = String;
+    type Err = UnknownRedisLookup;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "script" => Ok(Self::Script),
             "naive" => Ok(Self::Naive),
-            _ => Err(format!("unknown Redis lookup {s:?}: expected script or naive")),
+            _ => Err(UnknownRedisLookup(s.to_owned())),
         }
     }
 }
@@ -471,46 +482,74 @@ impl AdminConfig {
         };
         let shown = quoted(&path.display().to_string());
         let invalid = |reason: String| ConfigError::invalid("admin.token_file", &shown, reason);
-        let text = read_private(path).map_err(invalid)?;
+        let text = read_private(path).map_err(|reason| invalid(reason.to_string()))?;
         let token = text.trim_end().to_owned();
         check_admin_token(&token).map_err(|reason| invalid(format!("its contents: {reason}")))?;
         Ok(Some(token))
     }
 }
 
+/// Why a file that holds a secret is refused: the reason only (the caller
+/// names the key and the file).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum PrivateFileError {
+    /// It cannot be opened or read.
+    #[error("cannot read it: {0}")]
+    Read(std::io::Error),
+    /// It is not a regular file.
+    #[error("it is not a regular file")]
+    NotAFile,
+    /// Its group or every user may read it (`mode`: its permission bits).
+    #[error(
+        "it is readable by {} (mode {mode:04o}); it holds a secret: chmod 600 it",
+        if .mode & 0o007 != 0 { "every user" } else { "its group" }
+    )]
+    Readable {
+        /// Its permission bits.
+        mode: u32,
+    },
+}
+
 /// The text of `path`, a regular file that gives its group and others no
 /// permission, opened once and checked on the open handle; the reason
 /// otherwise.
-pub(crate) fn read_private(path: &std::path::Path) -> Result<String, String> {
+pub(crate) fn read_private(path: &std::path::Path) -> Result<String, PrivateFileError> {
     use std::io::Read;
     use std::os::unix::fs::PermissionsExt;
-    let mut file = std::fs::File::open(path).map_err(|e| format!("cannot read it: {e}"))?;
-    let meta = file.metadata().map_err(|e| format!("cannot read it: {e}"))?;
+    let mut file = std::fs::File::open(path).map_err(PrivateFileError::Read)?;
+    let meta = file.metadata().map_err(PrivateFileError::Read)?;
     if !meta.is_file() {
-        return Err("it is not a regular file".into());
+        return Err(PrivateFileError::NotAFile);
     }
     let mode = meta.permissions().mode() & 0o777;
     if mode & 0o077 != 0 {
-        let who = if mode & 0o007 != 0 { "every user" } else { "its group" };
-        return Err(format!(
-            "it is readable by {who} (mode {mode:04o}); it holds a secret: chmod 600 it"
-        ));
+        return Err(PrivateFileError::Readable { mode });
     }
     let mut text = String::new();
-    file.read_to_string(&mut text)
-        .map_err(|e| format!("cannot read it: {e}"))?;
+    file.read_to_string(&mut text).map_err(PrivateFileError::Read)?;
     Ok(text)
 }
 
+/// Why a bearer token is refused: the reason only.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum TokenError {
+    /// Too short or too long.
+    #[error(
+        "a token must be {MIN_ADMIN_TOKEN_BYTES} to {MAX_ADMIN_TOKEN_BYTES} characters long (e.g. `openssl rand -hex 32`)"
+    )]
+    Length,
+    /// Spaces, control or non-ASCII characters.
+    #[error("a token must be visible ASCII characters only (no spaces)")]
+    Characters,
+}
+
 /// Whether `token` is usable as a bearer token; the reason if not.
-pub(super) fn check_admin_token(token: &str) -> Result<(), String> {
+pub(super) fn check_admin_token(token: &str) -> Result<(), TokenError> {
     if !(MIN_ADMIN_TOKEN_BYTES..=MAX_ADMIN_TOKEN_BYTES).contains(&token.len()) {
-        return Err(format!(
-            "a token must be {MIN_ADMIN_TOKEN_BYTES} to {MAX_ADMIN_TOKEN_BYTES} characters long (e.g. `openssl rand -hex 32`)"
-        ));
+        return Err(TokenError::Length);
     }
     if !token.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err("a token must be visible ASCII characters only (no spaces)".into());
+        return Err(TokenError::Characters);
     }
     Ok(())
 }
@@ -534,7 +573,7 @@ pub struct ListenerTls {
 pub(super) fn read_token_file(field: &str, path: &std::path::Path) -> Result<String, ConfigError> {
     let shown = quoted(&path.display().to_string());
     let invalid = |reason: String| ConfigError::invalid(field, &shown, reason);
-    let text = read_private(path).map_err(invalid)?;
+    let text = read_private(path).map_err(|reason| invalid(reason.to_string()))?;
     let token = text.trim_end().to_owned();
     check_admin_token(&token).map_err(|reason| invalid(format!("its contents: {reason}")))?;
     Ok(token)

@@ -1210,13 +1210,14 @@ fn backend_urls() {
         ("http://a..b:1", "not a host name"),
     ];
     for (url, want) in bad {
-        let err = url.parse::<BackendUrl>().unwrap_err();
+        let err = url.parse::<BackendUrl>().unwrap_err().to_string();
         assert!(err.contains(want), "{url}: {err}");
     }
     let long = format!("http://{}:1", "a.".repeat(130));
     assert!(
         long.parse::<BackendUrl>()
             .unwrap_err()
+            .to_string()
             .contains("longer than 256 bytes")
     );
 }
@@ -1455,7 +1456,13 @@ fn store_names_parse_back() {
     for kind in [StoreKind::Shm, StoreKind::Redis] {
         assert_eq!(kind.name().parse::<StoreKind>(), Ok(kind));
     }
-    assert!("memcached".parse::<StoreKind>().unwrap_err().contains("shm or redis"));
+    assert!(
+        "memcached"
+            .parse::<StoreKind>()
+            .unwrap_err()
+            .to_string()
+            .contains("shm or redis")
+    );
     assert_eq!("naive".parse::<RedisLookup>(), Ok(RedisLookup::Naive));
 }
 

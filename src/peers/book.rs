@@ -20,7 +20,7 @@ use shm_layout::ServerRef;
 
 use super::summary::LoadSummary;
 use crate::config::PeerTls;
-use crate::config::{PeerConfig, PeeringConfig};
+use crate::config::{BackendUrlError, PeerConfig, PeeringConfig};
 use crate::tls::PeerClient;
 
 /// Weight of a new round trip in the moving average.
@@ -46,8 +46,14 @@ pub struct Peer {
 
 impl Peer {
     /// The peer `config` with its token `token`, at `index`; an
-    /// `https://` one with its client (`tls`).
-    pub fn new(index: usize, config: &PeerConfig, token: String, tls: Option<TlsClient>) -> Result<Self, String> {
+    /// `https://` one with its client (`tls`). The error says what is
+    /// wrong with its URL.
+    pub fn new(
+        index: usize,
+        config: &PeerConfig,
+        token: String,
+        tls: Option<TlsClient>,
+    ) -> Result<Self, BackendUrlError> {
         Ok(Self {
             index,
             address: config.address()?,

@@ -593,14 +593,19 @@ impl fmt::Display for PolicyKind {
     }
 }
 
+/// A policy name that names no [`PolicyKind`]; it holds the name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown routing policy {0:?}: expected one of {names}", names = PolicyKind::ALL.map(PolicyKind::name).join(", "))]
+pub struct UnknownPolicy(pub String);
+
 impl FromStr for PolicyKind {
-    type Err = String;
+    type Err = UnknownPolicy;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| {
-            let names: Vec<&str> = Self::ALL.iter().map(|k| k.name()).collect();
-            format!("unknown routing policy {s:?}: expected one of {}", names.join(", "))
-        })
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| UnknownPolicy(s.to_owned()))
     }
 }
 

@@ -15,7 +15,7 @@ fn kind_names_round_trip() {
         assert_eq!(serde_json::from_str::<PolicyKind>(&format!("\"{k}\"")).unwrap(), k);
     }
     assert_eq!(PolicyKind::default(), PolicyKind::CacheAware);
-    let e = "cache-aware".parse::<PolicyKind>().unwrap_err();
+    let e = "cache-aware".parse::<PolicyKind>().unwrap_err().to_string();
     assert!(
         e.contains("\"cache-aware\"") && e.contains("cache_aware, least_load"),
         "{e}"

@@ -13,6 +13,13 @@
 //! | dispatcher, request path | [`RoutingStore`] | [`shm::ShmStore`]: lock-free reads of the segment | [`redis::RedisRouting`]: one pipelined round trip (response `GET`, longest-prefix script, in-flight sum script) |
 //! | response process, off the path | [`WriteBack`] | [`shm::ShmWriteBack`]: inserts into the segment | [`redis::RedisWriteBack`]: one pipeline per batch of records, kept and retried during an outage |
 //!
+//! | module | concern |
+//! | --- | --- |
+//! | [`local`] | what this host's segment knows whichever store holds the shared tables: candidates, in-flight ledgers, the limit table |
+//! | [`shm`] | the shared-memory store |
+//! | [`redis`] | the Redis store. The dispatcher's [`redis::RedisRouting`]: `mod.rs` (connection, the trait), `lookup.rs`, `learn.rs`, `publish.rs` (in-flight counts), `limits.rs`, `health.rs` (outages), `clocks.rs`; the response process's [`redis::RedisWriteBack`]: `write_back.rs`; the synchronous client [`redis::client`] and its data model: `client.rs` (its pipelines), `connection.rs` (round trips), `prefix_entries.rs`, `responses.rs`, `inflight.rs`, `error.rs`, `scripts.rs`; connecting: [`redis::credentials`], [`redis::url`], [`redis::server_id`] |
+//! | [`segments`] | the tokenizer's token segments every process shares, in the segment's segment log |
+//!
 //! The routing policies ([`crate::routing`]) never see the store: a
 //! [`RoutingStore::lookup`] gives them the same [`Lookup`] from either.
 //! The server table (addresses, registrations, health) stays in shared

@@ -95,6 +95,75 @@ pub enum KeysError {
         /// What is wrong, naming the entry.
         reason: String,
     },
+    /// Its entries are not usable.
+    #[error("keys file {}: {reason}", path.display())]
+    Entries {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, naming the entry.
+        reason: KeysFileError,
+    },
+}
+
+/// Why a keys file's entries are not usable, or a key cannot be made: the
+/// reason, naming the entry (`key[2].sha256`; `tenant[0].weight`, or
+/// `tenant.weight` for an entry set on its own).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeysFileError {
+    /// Key `i`'s digest is not 64 lower-case hex digits.
+    #[error("key[{0}].sha256 must be 64 lower-case hex digits")]
+    Digest(usize),
+    /// Key `i`'s tenant is not a tenant name.
+    #[error("key[{0}].tenant must be 1 to {MAX_TENANT_BYTES} bytes without control characters")]
+    KeyTenant(usize),
+    /// A key's id is empty or an earlier key's.
+    #[error("key[{index}].id {id:?} is empty or not unique")]
+    KeyId {
+        /// The key's index in the file.
+        index: usize,
+        /// Its id.
+        id: String,
+    },
+    /// Key `i` has the digest of an earlier key.
+    #[error("key[{0}] has the digest of an earlier key")]
+    SameDigest(usize),
+    /// A tenant has two entries.
+    #[error("tenant[{index}] {name:?} is listed twice")]
+    TenantTwice {
+        /// The second entry's index in the file.
+        index: usize,
+        /// The tenant.
+        name: String,
+    },
+    /// A tenant entry's name is not a tenant name.
+    #[error("{entry}.name must be 1 to {MAX_TENANT_BYTES} bytes without control characters")]
+    TenantName {
+        /// The entry (`tenant[i]`, or `tenant`).
+        entry: String,
+    },
+    /// A tenant entry sets a rate limit of 0.
+    #[error("{entry}.{field} {}", RateLimits::AT_LEAST_ONE)]
+    Limit {
+        /// The entry (`tenant[i]`, or `tenant`).
+        entry: String,
+        /// The limit's key.
+        field: &'static str,
+    },
+    /// A tenant entry's weight is out of range.
+    #[error("{entry}.weight must be between 1 and {MAX_WEIGHT}")]
+    Weight {
+        /// The entry (`tenant[i]`, or `tenant`).
+        entry: String,
+    },
+    /// A tenant entry sets `max_concurrent_requests = 0`.
+    #[error("{entry}.max_concurrent_requests {}", RateLimits::AT_LEAST_ONE)]
+    Concurrency {
+        /// The entry (`tenant[i]`, or `tenant`).
+        entry: String,
+    },
+    /// No random bytes for a new key.
+    #[error("the system's random source failed")]
+    Random,
 }
 
 /// One key's entry (a `[[key]]` table).
@@ -168,16 +237,19 @@ impl TenantEntry {
     }
 
     /// Whether its settings are usable (`what` names it in the error).
-    fn check(&self, what: &str) -> Result<(), String> {
-        check_tenant_name(&self.name).map_err(|e| format!("{what}.name {e}"))?;
+    fn check(&self, what: &str) -> Result<(), KeysFileError> {
+        let entry = || what.to_owned();
+        if !is_tenant_name(&self.name) {
+            return Err(KeysFileError::TenantName { entry: entry() });
+        }
         self.limits()
             .check()
-            .map_err(|field| format!("{what}.{field} {}", RateLimits::AT_LEAST_ONE))?;
+            .map_err(|field| KeysFileError::Limit { entry: entry(), field })?;
         if self.weight == Some(0) || self.weight.is_some_and(|w| w > MAX_WEIGHT) {
-            return Err(format!("{what}.weight must be between 1 and {MAX_WEIGHT}"));
+            return Err(KeysFileError::Weight { entry: entry() });
         }
         if self.max_concurrent_requests == Some(0) {
-            return Err(format!("{what}.max_concurrent_requests {}", RateLimits::AT_LEAST_ONE));
+            return Err(KeysFileError::Concurrency { entry: entry() });
         }
         Ok(())
     }
@@ -228,13 +300,16 @@ impl KeysFile {
             reason,
         };
         let file: Self = toml::from_str(&text).map_err(|e| invalid(e.to_string().trim_end().to_owned()))?;
-        file.check().map_err(invalid)?;
+        file.check().map_err(|reason| KeysError::Entries {
+            path: path.to_owned(),
+            reason,
+        })?;
         Ok(file)
     }
 
     /// Whether the entries are usable: ids and digests well formed and
     /// unique, tenants named.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), KeysFileError> {
         let mut ids = std::collections::HashSet::new();
         let mut digests = std::collections::HashSet::new();
         for (i, k) in self.keys.iter().enumerate() {
@@ -244,20 +319,28 @@ impl KeysFile {
                     .bytes()
                     .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
             {
-                return Err(format!("key[{i}].sha256 must be 64 lower-case hex digits"));
+                return Err(KeysFileError::Digest(i));
             }
-            check_tenant_name(&k.tenant).map_err(|e| format!("key[{i}].tenant {e}"))?;
+            if !is_tenant_name(&k.tenant) {
+                return Err(KeysFileError::KeyTenant(i));
+            }
             if k.id.is_empty() || !ids.insert(k.id.as_str()) {
-                return Err(format!("key[{i}].id {:?} is empty or not unique", k.id));
+                return Err(KeysFileError::KeyId {
+                    index: i,
+                    id: k.id.clone(),
+                });
             }
             if !digests.insert(k.sha256.as_str()) {
-                return Err(format!("key[{i}] has the digest of an earlier key"));
+                return Err(KeysFileError::SameDigest(i));
             }
         }
         let mut tenants = std::collections::HashSet::new();
         for (i, t) in self.tenants.iter().enumerate() {
             if !tenants.insert(t.name.as_str()) {
-                return Err(format!("tenant[{i}] {:?} is listed twice", t.name));
+                return Err(KeysFileError::TenantTwice {
+                    index: i,
+                    name: t.name.clone(),
+                });
             }
             t.check(&format!("tenant[{i}]"))?;
         }
@@ -278,7 +361,7 @@ impl KeysFile {
 
     /// Replaces the entry of `entry.name` (one that sets nothing removes
     /// it).
-    pub fn set_tenant(&mut self, entry: TenantEntry) -> Result<(), String> {
+    pub fn set_tenant(&mut self, entry: TenantEntry) -> Result<(), KeysFileError> {
         entry.check("tenant")?;
         self.tenants.retain(|t| t.name != entry.name);
         if !entry.is_empty() {
@@ -327,7 +410,7 @@ impl KeysFile {
         tenant: &str,
         models: Vec<String>,
         created: Option<String>,
-    ) -> Result<(String, KeyEntry), String> {
+    ) -> Result<(String, KeyEntry), KeysFileError> {
         let key = new_key()?;
         let sha256 = hex(&digest(key.as_bytes()));
         let entry = KeyEntry {
@@ -353,14 +436,10 @@ impl KeysFile {
     }
 }
 
-/// Whether `name` may name a tenant.
-fn check_tenant_name(name: &str) -> Result<(), String> {
-    if name.is_empty() || name.len() > MAX_TENANT_BYTES || name.chars().any(char::is_control) {
-        return Err(format!(
-            "must be 1 to {MAX_TENANT_BYTES} bytes without control characters"
-        ));
-    }
-    Ok(())
+/// Whether `name` may name a tenant: 1 to [`MAX_TENANT_BYTES`] bytes
+/// without control characters.
+fn is_tenant_name(name: &str) -> bool {
+    !(name.is_empty() || name.len() > MAX_TENANT_BYTES || name.chars().any(char::is_control))
 }
 
 /// The SHA-256 digest of `bytes`.
@@ -375,12 +454,12 @@ fn hex(bytes: &[u8]) -> String {
 
 /// A new random key: [`KEY_PREFIX`] and 64 hex digits (32 bytes from the
 /// system's random source).
-fn new_key() -> Result<String, String> {
+fn new_key() -> Result<String, KeysFileError> {
     use ring::rand::SecureRandom;
     let mut bytes = [0u8; 32];
     ring::rand::SystemRandom::new()
         .fill(&mut bytes)
-        .map_err(|_| "the system's random source failed".to_owned())?;
+        .map_err(|_| KeysFileError::Random)?;
     Ok(format!("{KEY_PREFIX}{}", hex(&bytes)))
 }
 
@@ -648,13 +727,14 @@ mod tests {
         assert!(
             set(&mut file, "a", limited(0))
                 .unwrap_err()
+                .to_string()
                 .contains("requests_per_minute")
         );
         let heavy = TenantEntry {
             weight: Some(0),
             ..TenantEntry::named("a")
         };
-        assert!(file.set_tenant(heavy).unwrap_err().contains("weight"));
+        assert!(file.set_tenant(heavy).unwrap_err().to_string().contains("weight"));
         assert_eq!(file.limits_of("a"), limited(5));
         assert_eq!(file.limits_of("b"), limited(9));
         let keys = Keys::new(&file);
@@ -672,7 +752,7 @@ mod tests {
         let text = toml::to_string(&file).unwrap();
         assert!(text.contains("[[tenant]]") && text.contains("name = \"*\""), "{text}");
         file.tenants.push(file.tenants[0].clone());
-        assert!(file.check().unwrap_err().contains("twice"));
+        assert!(file.check().unwrap_err().to_string().contains("twice"));
     }
 
     #[test]

@@ -20,7 +20,7 @@ use std::path::Path;
 
 use redis::{ConnectionInfo, IntoConnectionInfo, RedisConnectionInfo};
 
-use super::client::StoreError;
+use super::error::StoreError;
 use super::url::url_password;
 pub use super::url::{redacted, without_password};
 use crate::config::RedisConfig;

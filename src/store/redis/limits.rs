@@ -3,11 +3,17 @@
 //! Redis's clock, so every host sharing the namespace charges the same
 //! buckets by the same time. A bucket is the key `{ns}:rl:<key, 16 hex
 //! digits>`, a STRING holding its `tat` (Redis time, µs), expiring when the
-//! bucket is full again.
+//! bucket is full again. A dispatcher takes a request's buckets waiting
+//! for the verdict, and charges or refunds them without waiting; while
+//! Redis is down, this host's limit table stands in.
+
+use std::sync::atomic::Ordering::Relaxed;
 
 use redis::Value;
 use shm_layout::BucketState;
 
+use super::RedisRouting;
+use super::client::{ReplyError, StoreError};
 pub(crate) use super::scripts::LIMIT_SCRIPT;
 use crate::tenancy::rate_limit::{Charge, Verdict};
 
@@ -48,20 +54,23 @@ pub(crate) fn limit_pipeline(ns: &str, sha: &str, mode: Mode, charges: &[Charge]
 }
 
 /// The verdict in the script's reply to a take of `charges`.
-pub(crate) fn parse_verdict(replies: &[Value], charges: &[Charge]) -> Result<Verdict, String> {
+pub(crate) fn parse_verdict(replies: &[Value], charges: &[Charge]) -> Result<Verdict, ReplyError> {
     let Some(Value::Array(reply)) = replies.first() else {
-        return Err(format!("the limit script answered {replies:?}"));
+        return Err(ReplyError::LimitReply(replies.to_vec()));
     };
     let int = |i: usize| match reply.get(i) {
         Some(Value::Int(n)) => Ok(*n),
-        other => Err(format!("the limit script's reply has {other:?} at {i}")),
+        other => Err(ReplyError::LimitValue(other.cloned(), i)),
     };
     let index = |i: usize| {
-        let k = usize::try_from(int(i)?).map_err(|_| "a negative key index".to_owned())?;
+        let k = usize::try_from(int(i)?).map_err(|_| ReplyError::NegativeIndex)?;
         (1..=charges.len())
             .contains(&k)
             .then_some(k - 1)
-            .ok_or_else(|| format!("key index {k} of {}", charges.len()))
+            .ok_or(ReplyError::KeyIndex {
+                index: k,
+                keys: charges.len(),
+            })
     };
     let ns = |i: usize| int(i).map(|us| u64::try_from(us).unwrap_or(0) * NS_PER_US);
     match int(0)? {
@@ -70,7 +79,7 @@ pub(crate) fn parse_verdict(replies: &[Value], charges: &[Charge]) -> Result<Ver
                 .iter()
                 .enumerate()
                 .map(|(i, c)| ns(i + 1).map(|ahead| c.quota.state(ahead)))
-                .collect::<Result<Vec<BucketState>, String>>()?,
+                .collect::<Result<Vec<BucketState>, ReplyError>>()?,
         )),
         -1 => Ok(Verdict::TooLarge { index: index(1)? }),
         -2 => {
@@ -81,7 +90,45 @@ pub(crate) fn parse_verdict(replies: &[Value], charges: &[Charge]) -> Result<Ver
                 retry_after_ns: ns(2)?,
             })
         }
-        other => Err(format!("the limit script answered {other} with {} values", reply.len())),
+        other => Err(ReplyError::LimitStatus {
+            status: other,
+            values: reply.len(),
+        }),
+    }
+}
+
+impl RedisRouting {
+    /// What [`RoutingStore::take_limits`](crate::store::RoutingStore::take_limits)
+    /// answers: the script's verdict, or this host's table's while Redis
+    /// cannot be asked.
+    pub(super) async fn take(&self, charges: &[Charge]) -> Verdict {
+        const OP: &str = "rate limit";
+        let pipe = limit_pipeline(&self.names.namespace, &self.names.limit, Mode::Take, charges);
+        let asked = async {
+            let replies = self.query(OP, &pipe).await?;
+            parse_verdict(&replies, charges).map_err(|detail| StoreError::Protocol { op: OP, detail })
+        };
+        // Redis unreachable or slow: this host's table limits alone.
+        match self.guarded(OP, asked).await {
+            Some(verdict) => verdict,
+            None => self.local.take_limits(charges),
+        }
+    }
+
+    /// Charges or gives back `charges` without waiting: in Redis, or in
+    /// this host's table while Redis is down.
+    pub(super) fn settle_limits(&self, mode: Mode, charges: &[Charge]) {
+        if charges.is_empty() {
+            return;
+        }
+        if self.health.down.load(Relaxed) || self.conn.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
+            match mode {
+                Mode::Refund => self.local.refund_limits(charges),
+                _ => self.local.charge_limits(charges),
+            }
+            return;
+        }
+        self.send_detached(limit_pipeline(&self.names.namespace, &self.names.limit, mode, charges));
     }
 }
 

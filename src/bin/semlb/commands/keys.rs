@@ -48,9 +48,7 @@ pub fn run(args: &KeysArgs, out: &mut impl Write) -> Result<()> {
     match &args.action {
         KeysAction::Add { tenant, models } => {
             let mut file = KeysFile::read(&path, true)?;
-            let (key, entry) = file
-                .add(tenant, models.clone(), Some(now_rfc3339()))
-                .map_err(anyhow::Error::msg)?;
+            let (key, entry) = file.add(tenant, models.clone(), Some(now_rfc3339()))?;
             file.write(&path)?;
             if args.json {
                 let v = json!({"key": key, "id": entry.id, "tenant": entry.tenant, "models": entry.models});
@@ -132,7 +130,7 @@ pub fn run(args: &KeysArgs, out: &mut impl Write) -> Result<()> {
             } else {
                 serde_json::to_string(&entry)?
             };
-            file.set_tenant(entry).map_err(anyhow::Error::msg)?;
+            file.set_tenant(entry)?;
             file.write(&path)?;
             writeln!(
                 out,

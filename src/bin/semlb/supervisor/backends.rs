@@ -14,7 +14,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow};
-use semlb::config::BackendConfig;
+use semlb::config::{BackendConfig, BackendUrlError};
 use shm_layout::{Segment, ServerInfo, ServerRef, ServerState};
 
 /// The backends registered in the server table: the configured ones, and
@@ -76,7 +76,7 @@ pub(super) struct Counts {
 
 /// How a backend is named in the server table: `http://host:port`, or the
 /// reason its URL does not parse.
-pub(super) fn address_of(backend: &BackendConfig) -> Result<String, String> {
+pub(super) fn address_of(backend: &BackendConfig) -> Result<String, BackendUrlError> {
     backend.server_address()
 }
 

@@ -384,7 +384,8 @@ async fn json_body(request: http::Request<Incoming>, shape: &str) -> Result<Valu
 /// A model pool from a JSON body (`named`: the name the path gives, which
 /// the body may leave out or must repeat).
 fn model_of(body: Value, named: Option<&str>) -> Result<ModelConfig, Reply> {
-    ModelConfig::from_admin_body(body, named).map_err(|m| Reply::error(StatusCode::BAD_REQUEST, m, "invalid_model"))
+    ModelConfig::from_admin_body(body, named)
+        .map_err(|m| Reply::error(StatusCode::BAD_REQUEST, m.to_string(), "invalid_model"))
 }
 
 /// Answers one request.
