@@ -148,42 +148,40 @@ impl HeaderInfo {
     /// Checks that the regions fit the segment, do not overlap, and hold
     /// what their counts say, so that attaching the tables cannot go out of
     /// bounds whatever bytes the header holds.
-    pub(crate) fn check_regions(&self) -> Result<(), String> {
+    pub(crate) fn check_regions(&self) -> Result<(), RegionError> {
         let mut end = HEADER_BYTES;
         for kind in RegionKind::ALL {
             let r = self.region(kind);
             let name = kind.name();
             if !r.offset.is_multiple_of(PAGE) || r.offset < end {
-                return Err(format!("{name} region at offset {} is misplaced", r.offset));
+                return Err(RegionError::Misplaced { name, offset: r.offset });
             }
             let Some(r_end) = r.offset.checked_add(r.bytes).filter(|e| *e <= self.segment_bytes) else {
-                return Err(format!(
-                    "{name} region ({} bytes at {}) runs past the segment",
-                    r.bytes, r.offset
-                ));
+                return Err(RegionError::PastTheEnd {
+                    name,
+                    bytes: r.bytes,
+                    offset: r.offset,
+                });
             };
             end = r_end;
             let need = match kind {
                 RegionKind::Servers => fixed(r, u64::from(SERVER_SLOTS), SERVER_SLOT_BYTES),
                 RegionKind::Ledger => {
                     if r.param != u64::from(SERVER_SLOTS) {
-                        return Err(format!("{name} rows have {} cells, expected {SERVER_SLOTS}", r.param));
+                        return Err(RegionError::LedgerRow { name, cells: r.param });
                     }
                     fixed(r, u64::from(SERVER_SLOTS * PROCESS_SLOTS), LEDGER_CELL_BYTES)
                 }
                 RegionKind::Registry => fixed(r, u64::from(PROCESS_SLOTS), PROCESS_SLOT_BYTES),
                 RegionKind::Stats => {
                     if r.param != STAT_WORDS as u64 {
-                        return Err(format!("{name} blocks have {} words, expected {STAT_WORDS}", r.param));
+                        return Err(RegionError::StatBlock { name, words: r.param });
                     }
                     fixed(r, u64::from(PROCESS_SLOTS), STAT_BLOCK_BYTES)
                 }
                 RegionKind::Rings => {
                     if !r.param.is_power_of_two() || !(4096..=MAX_RING_BYTES).contains(&r.param) {
-                        return Err(format!(
-                            "{name}: ring size {} is not a power of two in 4 KiB ..= 4 MiB",
-                            r.param
-                        ));
+                        return Err(RegionError::RingSize { name, bytes: r.param });
                     }
                     fixed(r, u64::from(RING_COUNT), RING_CONTROL_BYTES + r.param)
                 }
@@ -196,10 +194,11 @@ impl HeaderInfo {
                 RegionKind::ResponseLog | RegionKind::SegmentLog => {
                     if !r.count.is_multiple_of(8) || r.param == 0 || r.param > r.count / 2 || !r.param.is_multiple_of(8)
                     {
-                        return Err(format!(
-                            "{name}: log of {} bytes with values up to {}",
-                            r.count, r.param
-                        ));
+                        return Err(RegionError::LogShape {
+                            name,
+                            bytes: r.count,
+                            max_value: r.param,
+                        });
                     }
                     LOG_CONTROL_BYTES.checked_add(r.count)
                 }
@@ -207,15 +206,51 @@ impl HeaderInfo {
             match need {
                 Some(n) if n <= r.bytes && r.count > 0 => {}
                 _ => {
-                    return Err(format!(
-                        "{name} region of {} bytes cannot hold {} elements",
-                        r.bytes, r.count
-                    ));
+                    return Err(RegionError::TooSmall {
+                        name,
+                        bytes: r.bytes,
+                        count: r.count,
+                    });
                 }
             }
         }
         Ok(())
     }
+}
+
+/// Why a header's region table is refused ([`HeaderInfo::check_regions`]);
+/// an open reports it as the segment's corruption. `name` is the region's.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum RegionError {
+    /// Not page-aligned, or overlapping the region before it.
+    #[error("{name} region at offset {offset} is misplaced")]
+    Misplaced { name: &'static str, offset: u64 },
+    /// Its end is past the segment's (or overflows).
+    #[error("{name} region ({bytes} bytes at {offset}) runs past the segment")]
+    PastTheEnd {
+        name: &'static str,
+        bytes: u64,
+        offset: u64,
+    },
+    /// The ledger's rows are not one cell per server slot.
+    #[error("{name} rows have {cells} cells, expected {SERVER_SLOTS}")]
+    LedgerRow { name: &'static str, cells: u64 },
+    /// The stats blocks are not [`STAT_WORDS`] words.
+    #[error("{name} blocks have {words} words, expected {STAT_WORDS}")]
+    StatBlock { name: &'static str, words: u64 },
+    /// A ring's size is not a power of two in 4 KiB ..= 4 MiB.
+    #[error("{name}: ring size {bytes} is not a power of two in 4 KiB ..= 4 MiB")]
+    RingSize { name: &'static str, bytes: u64 },
+    /// A log's size or its largest value is not one this layout writes.
+    #[error("{name}: log of {bytes} bytes with values up to {max_value}")]
+    LogShape {
+        name: &'static str,
+        bytes: u64,
+        max_value: u64,
+    },
+    /// The region cannot hold its elements (or holds none).
+    #[error("{name} region of {bytes} bytes cannot hold {count} elements")]
+    TooSmall { name: &'static str, bytes: u64, count: u64 },
 }
 
 /// `count * elem` if `count` is the fixed count this layout version uses
@@ -326,5 +361,40 @@ mod tests {
         let mut c = info();
         c.regions[RegionKind::Prefix as usize].count *= 2;
         assert!(c.check_regions().is_err());
+    }
+
+    #[test]
+    fn a_refused_region_says_which_and_why() {
+        let message = |info: HeaderInfo| info.check_regions().unwrap_err().to_string();
+        let mut a = info();
+        a.regions[RegionKind::Rings as usize].offset = 0;
+        assert_eq!(message(a), "completion rings region at offset 0 is misplaced");
+        let mut b = info();
+        let prefix = b.region(RegionKind::Prefix);
+        b.regions[RegionKind::Prefix as usize].bytes = u64::MAX;
+        assert_eq!(
+            message(b),
+            format!(
+                "prefix table region ({} bytes at {}) runs past the segment",
+                u64::MAX,
+                prefix.offset
+            )
+        );
+        let mut c = info();
+        c.regions[RegionKind::Ledger as usize].param = 7;
+        assert_eq!(
+            message(c),
+            format!("in-flight ledger rows have 7 cells, expected {SERVER_SLOTS}")
+        );
+        let mut d = info();
+        d.regions[RegionKind::Prefix as usize].count *= 2;
+        assert_eq!(
+            message(d),
+            format!(
+                "prefix table region of {} bytes cannot hold {} elements",
+                prefix.bytes,
+                prefix.count * 2
+            )
+        );
     }
 }

@@ -479,7 +479,7 @@ impl Segment {
         }
         info.check_regions().map_err(|reason| OpenError::Corrupt {
             name: path.clone(),
-            reason,
+            reason: reason.to_string(),
         })?;
         if !u128_is_lock_free() {
             return Err(OpenError::Unsupported);

@@ -101,41 +101,123 @@ impl EngineConfig {
     }
 
     /// Checks the values; the error names the field, the value and the reason.
-    pub fn validate(&self) -> Result<(), String> {
-        let bad = |field: &str, value: String, reason: &str| Err(format!("{field} = {value}: {reason}"));
+    pub fn validate(&self) -> Result<(), EngineConfigError> {
         if self.block_size == 0 {
-            return bad("block_size", self.block_size.to_string(), "must be at least 1");
+            return Err(EngineConfigError::ZeroBlockSize);
         }
         if self.num_blocks() < 2 {
-            return bad(
-                "kv_capacity_tokens",
-                self.kv_capacity_tokens.to_string(),
-                "must hold at least 2 blocks",
-            );
+            return Err(EngineConfigError::KvCapacityUnderTwoBlocks(self.kv_capacity_tokens));
         }
         if self.max_num_seqs == 0 {
-            return bad("max_num_seqs", "0".into(), "must be at least 1");
+            return Err(EngineConfigError::ZeroMaxNumSeqs);
         }
         if self.prefill_tokens_per_s.is_nan() || self.prefill_tokens_per_s <= 0.0 {
-            return bad(
-                "prefill_tokens_per_s",
-                self.prefill_tokens_per_s.to_string(),
-                "must be positive",
-            );
+            return Err(EngineConfigError::PrefillSpeedNotPositive(self.prefill_tokens_per_s));
         }
         if [self.decode_step_base_ms, self.decode_step_per_seq_ms]
             .iter()
             .any(|v| v.is_nan() || *v < 0.0)
         {
-            return bad(
-                "decode_step_*_ms",
-                format!("{}/{}", self.decode_step_base_ms, self.decode_step_per_seq_ms),
-                "must not be negative",
-            );
+            return Err(EngineConfigError::NegativeDecodeStep {
+                base_ms: self.decode_step_base_ms,
+                per_seq_ms: self.decode_step_per_seq_ms,
+            });
         }
         if !self.time_scale.is_finite() || self.time_scale <= 0.0 {
-            return bad("time_scale", self.time_scale.to_string(), "must be a positive number");
+            return Err(EngineConfigError::TimeScaleNotPositive(self.time_scale));
         }
         Ok(())
+    }
+}
+
+/// Why an [`EngineConfig`] is refused ([`EngineConfig::validate`]): each
+/// message names the field, the value and the reason.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EngineConfigError {
+    /// `block_size` is 0.
+    #[error("block_size = 0: must be at least 1")]
+    ZeroBlockSize,
+    /// `kv_capacity_tokens` (the value) holds fewer than 2 blocks.
+    #[error("kv_capacity_tokens = {0}: must hold at least 2 blocks")]
+    KvCapacityUnderTwoBlocks(u64),
+    /// `max_num_seqs` is 0.
+    #[error("max_num_seqs = 0: must be at least 1")]
+    ZeroMaxNumSeqs,
+    /// `prefill_tokens_per_s` (the value) is not a positive number.
+    #[error("prefill_tokens_per_s = {0}: must be positive")]
+    PrefillSpeedNotPositive(f64),
+    /// `decode_step_base_ms` or `decode_step_per_seq_ms` is negative (or NaN).
+    #[error("decode_step_*_ms = {base_ms}/{per_seq_ms}: must not be negative")]
+    NegativeDecodeStep {
+        /// `decode_step_base_ms`.
+        base_ms: f64,
+        /// `decode_step_per_seq_ms`.
+        per_seq_ms: f64,
+    },
+    /// `time_scale` (the value) is not a positive, finite number.
+    #[error("time_scale = {0}: must be a positive number")]
+    TimeScaleNotPositive(f64),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_defaults_are_valid() {
+        assert_eq!(EngineConfig::default().validate(), Ok(()));
+    }
+
+    #[test]
+    fn validation_messages_name_the_field_the_value_and_the_reason() {
+        let message = |config: EngineConfig| config.validate().unwrap_err().to_string();
+        let d = EngineConfig::default;
+        for (config, expected) in [
+            (
+                EngineConfig { block_size: 0, ..d() },
+                "block_size = 0: must be at least 1",
+            ),
+            (
+                EngineConfig {
+                    kv_capacity_tokens: 31,
+                    ..d()
+                },
+                "kv_capacity_tokens = 31: must hold at least 2 blocks",
+            ),
+            (
+                EngineConfig { max_num_seqs: 0, ..d() },
+                "max_num_seqs = 0: must be at least 1",
+            ),
+            (
+                EngineConfig {
+                    prefill_tokens_per_s: 0.0,
+                    ..d()
+                },
+                "prefill_tokens_per_s = 0: must be positive",
+            ),
+            (
+                EngineConfig {
+                    prefill_tokens_per_s: f64::NAN,
+                    ..d()
+                },
+                "prefill_tokens_per_s = NaN: must be positive",
+            ),
+            (
+                EngineConfig {
+                    decode_step_per_seq_ms: -0.5,
+                    ..d()
+                },
+                "decode_step_*_ms = 10/-0.5: must not be negative",
+            ),
+            (
+                EngineConfig {
+                    time_scale: f64::INFINITY,
+                    ..d()
+                },
+                "time_scale = inf: must be a positive number",
+            ),
+        ] {
+            assert_eq!(message(config), expected);
+        }
     }
 }

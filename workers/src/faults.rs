@@ -43,17 +43,34 @@ pub struct FaultConfig {
 
 impl FaultConfig {
     /// Checks the values; the error names the flag, the value and the reason.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), FaultConfigError> {
         for (flag, rate) in [("fail_rate", self.fail_rate), ("reset_rate", self.reset_rate)] {
             if !(0.0..=1.0).contains(&rate) {
-                return Err(format!("{flag} = {rate}: must be between 0 and 1"));
+                return Err(FaultConfigError::RateOutOfRange { flag, rate });
             }
         }
         if self.exit_after == Some(0) {
-            return Err("exit_after = 0: must be at least 1".into());
+            return Err(FaultConfigError::ZeroExitAfter);
         }
         Ok(())
     }
+}
+
+/// Why a [`FaultConfig`] is refused ([`FaultConfig::validate`]): each
+/// message names the flag, the value and the reason.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum FaultConfigError {
+    /// `fail_rate` or `reset_rate` is not a fraction.
+    #[error("{flag} = {rate}: must be between 0 and 1")]
+    RateOutOfRange {
+        /// `fail_rate` or `reset_rate`.
+        flag: &'static str,
+        /// Its value.
+        rate: f64,
+    },
+    /// `exit_after` is 0.
+    #[error("exit_after = 0: must be at least 1")]
+    ZeroExitAfter,
 }
 
 /// What to do with one inference request.
@@ -294,6 +311,39 @@ mod tests {
             }
             .validate()
             .is_err()
+        );
+    }
+
+    #[test]
+    fn validation_messages_name_the_flag_the_value_and_the_reason() {
+        let message = |config: FaultConfig| config.validate().unwrap_err().to_string();
+        assert_eq!(
+            message(FaultConfig {
+                fail_rate: 1.5,
+                ..FaultConfig::default()
+            }),
+            "fail_rate = 1.5: must be between 0 and 1"
+        );
+        assert_eq!(
+            message(FaultConfig {
+                reset_rate: -0.1,
+                ..FaultConfig::default()
+            }),
+            "reset_rate = -0.1: must be between 0 and 1"
+        );
+        assert_eq!(
+            message(FaultConfig {
+                fail_rate: f64::NAN,
+                ..FaultConfig::default()
+            }),
+            "fail_rate = NaN: must be between 0 and 1"
+        );
+        assert_eq!(
+            message(FaultConfig {
+                exit_after: Some(0),
+                ..FaultConfig::default()
+            }),
+            "exit_after = 0: must be at least 1"
         );
     }
 }

@@ -60,28 +60,25 @@ impl KvEventsConfig {
     /// `publisher`, `endpoint`, `replay_endpoint`, `buffer_steps`,
     /// `topic`; other keys are vLLM's and ignored). `None` when events are
     /// not enabled or the publisher is `"null"`.
-    pub fn from_vllm_json(text: &str) -> Result<Option<Self>, String> {
-        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+    pub fn from_vllm_json(text: &str) -> Result<Option<Self>, KvEventsConfigError> {
+        let v: serde_json::Value = serde_json::from_str(text).map_err(KvEventsConfigError::NotJson)?;
         let field = |name: &str| v.get(name).filter(|f| !f.is_null());
-        let string = |name: &str| -> Result<Option<String>, String> {
+        let wrong_type = |field, expected| KvEventsConfigError::WrongType { field, expected };
+        let string = |name: &'static str| -> Result<Option<String>, KvEventsConfigError> {
             field(name)
-                .map(|f| {
-                    f.as_str()
-                        .map(str::to_owned)
-                        .ok_or(format!("`{name}` must be a string"))
-                })
+                .map(|f| f.as_str().map(str::to_owned).ok_or(wrong_type(name, "a string")))
                 .transpose()
         };
         let enabled = match field("enable_kv_cache_events") {
             None => false,
-            Some(f) => f.as_bool().ok_or("`enable_kv_cache_events` must be a boolean")?,
+            Some(f) => f.as_bool().ok_or(wrong_type("enable_kv_cache_events", "a boolean"))?,
         };
         let publisher = string("publisher")?.unwrap_or_else(|| "zmq".to_owned());
         if !enabled || publisher == "null" {
             return Ok(None);
         }
         if publisher != "zmq" {
-            return Err(format!("publisher {publisher:?}: only \"zmq\" and \"null\" are known"));
+            return Err(KvEventsConfigError::UnknownPublisher(publisher));
         }
         let buffer_steps = match field("buffer_steps") {
             None => DEFAULT_BUFFER_STEPS,
@@ -89,7 +86,7 @@ impl KvEventsConfig {
                 .as_u64()
                 .and_then(|n| usize::try_from(n).ok())
                 .filter(|n| *n > 0)
-                .ok_or("`buffer_steps` must be a positive integer")?,
+                .ok_or(wrong_type("buffer_steps", "a positive integer"))?,
         };
         Ok(Some(Self {
             endpoint: string("endpoint")?.unwrap_or_else(|| "tcp://*:5557".to_owned()),
@@ -98,6 +95,59 @@ impl KvEventsConfig {
             topic: string("topic")?.unwrap_or_default(),
         }))
     }
+}
+
+/// Why vLLM's `--kv-events-config` JSON is refused
+/// ([`KvEventsConfig::from_vllm_json`]).
+#[derive(Debug, thiserror::Error)]
+pub enum KvEventsConfigError {
+    /// The text is not JSON.
+    #[error("not JSON: {0}")]
+    NotJson(serde_json::Error),
+    /// A key holds a value of the wrong type.
+    #[error("`{field}` must be {expected}")]
+    WrongType {
+        /// The key.
+        field: &'static str,
+        /// What it must be (`a string`, `a boolean`, `a positive integer`).
+        expected: &'static str,
+    },
+    /// `publisher` is neither `"zmq"` nor `"null"` (the name given).
+    #[error("publisher {0:?}: only \"zmq\" and \"null\" are known")]
+    UnknownPublisher(String),
+}
+
+/// Why the publisher's sockets could not be bound ([`Publisher::start`]).
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    /// The PUB socket, at the configured endpoint.
+    #[error("cannot bind the KV events socket {endpoint}: {reason}")]
+    Events {
+        /// The endpoint as configured.
+        endpoint: String,
+        /// What the ZeroMQ crate said.
+        reason: zeromq::ZmqError,
+    },
+    /// The ROUTER socket of replays, at the configured endpoint.
+    #[error("cannot bind the KV events replay socket {endpoint}: {reason}")]
+    Replay {
+        /// The endpoint as configured.
+        endpoint: String,
+        /// What the ZeroMQ crate said.
+        reason: zeromq::ZmqError,
+    },
+}
+
+/// Why events could not be published as `--kv-events-config` says
+/// ([`publish`]): the flag's JSON, or the sockets.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// The flag's JSON is refused.
+    #[error(transparent)]
+    Config(#[from] KvEventsConfigError),
+    /// A socket could not be bound.
+    #[error(transparent)]
+    Bind(#[from] BindError),
 }
 
 /// A block hash on the wire: an integer (Python's `hash`) or bytes
@@ -251,11 +301,11 @@ impl Bound {
 pub async fn publish(
     config_json: Option<&str>,
     subscribe: impl FnOnce() -> mpsc::UnboundedReceiver<Vec<KvEvent>>,
-) -> Result<Option<Bound>, String> {
+) -> Result<Option<Bound>, PublishError> {
     let Some(config) = config_json.map(KvEventsConfig::from_vllm_json).transpose()?.flatten() else {
         return Ok(None);
     };
-    Publisher::start(&config, subscribe()).await.map(Some)
+    Ok(Some(Publisher::start(&config, subscribe()).await?))
 }
 
 /// An endpoint as the ZeroMQ crate binds it: vLLM's `*` is every IPv4
@@ -282,20 +332,23 @@ impl Publisher {
     pub async fn start(
         config: &KvEventsConfig,
         batches: mpsc::UnboundedReceiver<Vec<KvEvent>>,
-    ) -> Result<Bound, String> {
+    ) -> Result<Bound, BindError> {
         let mut publisher = zeromq::PubSocket::new();
         let endpoint = publisher
             .bind(&bindable(&config.endpoint))
             .await
-            .map_err(|e| format!("cannot bind the KV events socket {}: {e}", config.endpoint))?;
+            .map_err(|reason| BindError::Events {
+                endpoint: config.endpoint.clone(),
+                reason,
+            })?;
         let mut replay = None;
         let mut replay_endpoint = None;
         if let Some(at) = &config.replay_endpoint {
             let mut router = zeromq::RouterSocket::new();
-            let bound = router
-                .bind(&bindable(at))
-                .await
-                .map_err(|e| format!("cannot bind the KV events replay socket {at}: {e}"))?;
+            let bound = router.bind(&bindable(at)).await.map_err(|reason| BindError::Replay {
+                endpoint: at.clone(),
+                reason,
+            })?;
             replay_endpoint = Some(bound.to_string());
             replay = Some(router);
         }
@@ -391,10 +444,10 @@ mod tests {
 
     #[test]
     fn reads_vllms_flag() {
-        assert_eq!(KvEventsConfig::from_vllm_json("{}"), Ok(None));
+        assert_eq!(KvEventsConfig::from_vllm_json("{}").unwrap(), None);
         assert_eq!(
-            KvEventsConfig::from_vllm_json(r#"{"enable_kv_cache_events": true, "publisher": "null"}"#),
-            Ok(None)
+            KvEventsConfig::from_vllm_json(r#"{"enable_kv_cache_events": true, "publisher": "null"}"#).unwrap(),
+            None
         );
         let c = KvEventsConfig::from_vllm_json(
             r#"{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
@@ -415,5 +468,33 @@ mod tests {
         assert!(KvEventsConfig::from_vllm_json(r#"{"enable_kv_cache_events": true, "buffer_steps": 0}"#).is_err());
         assert!(KvEventsConfig::from_vllm_json("[").is_err());
         assert_eq!(bindable("tcp://*:5557"), "tcp://0.0.0.0:5557");
+    }
+
+    #[test]
+    fn a_refused_flag_says_why() {
+        let message = |json: &str| KvEventsConfig::from_vllm_json(json).unwrap_err().to_string();
+        assert_eq!(
+            message(r#"{"enable_kv_cache_events": true, "publisher": "nats"}"#),
+            r#"publisher "nats": only "zmq" and "null" are known"#
+        );
+        assert_eq!(
+            message(r#"{"enable_kv_cache_events": "yes"}"#),
+            "`enable_kv_cache_events` must be a boolean"
+        );
+        assert_eq!(
+            message(r#"{"enable_kv_cache_events": true, "buffer_steps": 0}"#),
+            "`buffer_steps` must be a positive integer"
+        );
+        assert_eq!(
+            message(r#"{"enable_kv_cache_events": true, "topic": 5}"#),
+            "`topic` must be a string"
+        );
+        assert_eq!(
+            message("["),
+            format!(
+                "not JSON: {}",
+                serde_json::from_str::<serde_json::Value>("[").unwrap_err()
+            )
+        );
     }
 }

@@ -55,19 +55,22 @@ pub enum MetricsFlavor {
     None,
 }
 
-impl std::str::FromStr for MetricsFlavor {
-    type Err = String;
+/// A metrics flavor name [`MetricsFlavor`] does not know (the name given).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown metrics flavor `{0}` (expected vllm, sglang, both, llamacpp or none)")]
+pub struct UnknownMetricsFlavor(pub String);
 
-    fn from_str(s: &str) -> Result<Self, String> {
+impl std::str::FromStr for MetricsFlavor {
+    type Err = UnknownMetricsFlavor;
+
+    fn from_str(s: &str) -> Result<Self, UnknownMetricsFlavor> {
         match s {
             "vllm" => Ok(Self::Vllm),
             "sglang" => Ok(Self::Sglang),
             "both" => Ok(Self::Both),
             "llamacpp" => Ok(Self::Llamacpp),
             "none" => Ok(Self::None),
-            other => Err(format!(
-                "unknown metrics flavor `{other}` (expected vllm, sglang, both, llamacpp or none)"
-            )),
+            other => Err(UnknownMetricsFlavor(other.to_owned())),
         }
     }
 }
@@ -640,6 +643,10 @@ mod tests {
             Ok("vllm".into())
         );
         assert!("tgi".parse::<MetricsFlavor>().is_err());
+        assert_eq!(
+            "tgi".parse::<MetricsFlavor>().unwrap_err().to_string(),
+            "unknown metrics flavor `tgi` (expected vllm, sglang, both, llamacpp or none)"
+        );
     }
 
     #[test]

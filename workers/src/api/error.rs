@@ -1,0 +1,148 @@
+//! [`ApiError`]: an error answered to the client, its constructors for
+//! each status the simulator answers (400, 404, 405, 409, 413, 5xx) and
+//! its OpenAI-style JSON body.
+
+use bytes::Bytes;
+use http::StatusCode;
+use serde::Serialize;
+
+use crate::engine::SubmitError;
+
+/// An error answered to the client, with an OpenAI-style body:
+/// `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Human-readable message.
+    pub message: String,
+    /// OpenAI error `type` (`invalid_request_error`, `server_error`).
+    pub kind: &'static str,
+    /// The request field at fault, if any.
+    pub param: Option<String>,
+    /// OpenAI error `code` (`model_not_found`, `context_length_exceeded`, ...), if any.
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    /// A 400 `invalid_request_error` about `param`.
+    pub fn bad_request(message: impl Into<String>, param: Option<&str>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: param.map(str::to_owned),
+            code: None,
+        }
+    }
+
+    /// The same error with an OpenAI `code`.
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    /// 404 for a `model` that is not the served one (what vLLM answers).
+    pub fn model_not_found(model: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{model}` does not exist."),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+        }
+    }
+
+    /// 404 for an unknown path.
+    pub fn path_not_found(method: &str, path: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: format!("Not found: {method} {path}"),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("not_found"),
+        }
+    }
+
+    /// 409 for an operation the engine cannot do in its current state
+    /// (resetting the prefix cache while requests hold blocks).
+    pub fn busy(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::CONFLICT,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("busy"),
+        }
+    }
+
+    /// 405 for a known path with the wrong method.
+    pub fn method_not_allowed(method: &str, path: &str) -> Self {
+        Self {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            message: format!("Method {method} is not allowed for {path}"),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("method_not_allowed"),
+        }
+    }
+
+    /// 413 for a request body over the size limit.
+    pub fn payload_too_large(limit: usize) -> Self {
+        Self {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!("The request body exceeds {limit} bytes"),
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    /// A 5xx `server_error` (injected faults, engine gone).
+    pub fn server_error(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    /// The 400 for a request the engine refused. `param` is the prompt's
+    /// field (`prompt` or `messages`).
+    pub fn from_submit(error: &SubmitError, param: &str) -> Self {
+        let e = Self::bad_request(error.to_string(), Some(param));
+        match error {
+            SubmitError::TooLong { .. } | SubmitError::ExceedsKvCapacity { .. } => {
+                e.with_code("context_length_exceeded")
+            }
+            SubmitError::EmptyPrompt | SubmitError::NoOutput => e,
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> Bytes {
+        #[derive(Serialize)]
+        struct Inner<'a> {
+            message: &'a str,
+            #[serde(rename = "type")]
+            kind: &'a str,
+            param: Option<&'a str>,
+            code: Option<&'a str>,
+        }
+        #[derive(Serialize)]
+        struct Outer<'a> {
+            error: Inner<'a>,
+        }
+        let body = Outer {
+            error: Inner {
+                message: &self.message,
+                kind: self.kind,
+                param: self.param.as_deref(),
+                code: self.code,
+            },
+        };
+        Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+    }
+}
