@@ -28,8 +28,8 @@ use clap::Args;
 use serde_json::{Value, json};
 
 use crate::Common;
-use crate::output::{Table, print_table, quantile, sort, write_json};
-use crate::sse_client::stream;
+use crate::output::{Table, print_table, write_json};
+use crate::sse_client::{Answers, Sampled, stream};
 use semlb_test_support::TempFile;
 use semlb_test_support::process::{Proc, ProcBuilder, Stderr};
 
@@ -141,6 +141,12 @@ pub fn run(args: &TenantsArgs) -> Result<()> {
     Ok(())
 }
 
+impl Sampled for Sample {
+    fn ttft(&self) -> Option<Duration> {
+        self.ttft
+    }
+}
+
 /// Figures of one tenant's samples sent from `from` on.
 struct Figures {
     requests: usize,
@@ -152,19 +158,13 @@ struct Figures {
 
 impl Figures {
     fn of(samples: &[Sample], quiet: bool, from: Duration) -> Self {
-        let mine: Vec<&Sample> = samples.iter().filter(|s| s.quiet == quiet && s.at >= from).collect();
-        let mut ttfts: Vec<f64> = mine
-            .iter()
-            .filter_map(|s| s.ttft)
-            .map(|t| t.as_secs_f64() * 1e3)
-            .collect();
-        sort(&mut ttfts);
+        let mine = Answers::of(samples.iter().filter(|s| s.quiet == quiet && s.at >= from));
         Figures {
-            requests: ttfts.len(),
-            failed: mine.len() - ttfts.len(),
-            p50: quantile(&ttfts, 0.5),
-            p90: quantile(&ttfts, 0.9),
-            p99: quantile(&ttfts, 0.99),
+            requests: mine.answered(),
+            failed: mine.failed(),
+            p50: mine.ttft_ms(0.5),
+            p90: mine.ttft_ms(0.9),
+            p99: mine.ttft_ms(0.99),
         }
     }
 
