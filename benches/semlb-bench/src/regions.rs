@@ -329,11 +329,7 @@ fn document(id: u64, words: usize) -> String {
 /// its time (open loop), each turn sent the instant the last answer ends;
 /// every turn's sample.
 fn load(args: &RegionsArgs, addrs: &[SocketAddr], arrivals: &[Vec<Duration>; 2]) -> Vec<Sample> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a runtime");
+    let runtime = crate::sse_client::runtime();
     let samples = Arc::new(Mutex::new(Vec::new()));
     let (max_tokens, turns, words) = (args.max_tokens, args.turns, args.context_words);
     runtime.block_on(async {

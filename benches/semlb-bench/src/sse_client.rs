@@ -1,7 +1,7 @@
 //! A streaming client of the gateway for the reports that drive it as
 //! agents do: one request on a fresh connection, its event stream read to
 //! the end, with the time to the first content chunk and the engine's
-//! usage; and what a set of such requests came to ([`Answers`]: sent,
+//! usage, on the runtime those reports share ([`runtime`]); and what a set of such requests came to ([`Answers`]: sent,
 //! failed, TTFT quantiles, cached share), which those reports fold their
 //! samples into.
 
@@ -26,6 +26,16 @@ pub struct Answer {
     pub prompt_tokens: u64,
     /// Those the engine found cached.
     pub cached_tokens: u64,
+}
+
+/// The two-thread runtime a report's streaming clients run on (panics if
+/// it cannot be built).
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a runtime")
 }
 
 /// POSTs `body` to `addr`'s `/v1/chat/completions` with `headers` and

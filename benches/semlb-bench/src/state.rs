@@ -393,11 +393,7 @@ impl Load {
     /// `args.clients` conversations at once, each turn to one of `addrs`
     /// (chosen at random when there are `spread` of them).
     fn start(args: &StateArgs, addrs: Vec<SocketAddr>, spread: usize) -> Load {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("a runtime");
+        let runtime = crate::sse_client::runtime();
         let started = Instant::now();
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let samples = Arc::new(Mutex::new(Vec::new()));
