@@ -91,12 +91,7 @@ pub fn build(params: &AgentsParams) -> Workload {
                 t,
                 session,
                 output,
-                ChatCall {
-                    system,
-                    step,
-                    message,
-                    prompt_tokens: prompt,
-                },
+                ChatCall::new(system, step, message, prompt),
             ));
             t += expected_turn_s(new_tokens as usize, output);
             let tool = uniform(&mut rng, 40, 300) as usize;

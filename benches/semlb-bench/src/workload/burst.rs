@@ -111,12 +111,7 @@ fn session(
             at,
             session,
             output,
-            ChatCall {
-                system,
-                step,
-                message,
-                prompt_tokens: prompt,
-            },
+            ChatCall::new(system, step, message, prompt),
         ));
         at += expected_turn_s(new_tokens as usize, output);
         prompt += output;

@@ -143,12 +143,7 @@ pub fn build_as(kind: WorkloadKind, params: &ChatParams) -> Workload {
                 0.0,
                 conversation as u64,
                 output,
-                ChatCall {
-                    system,
-                    step,
-                    message,
-                    prompt_tokens: prompt,
-                },
+                ChatCall::new(system, step, message, prompt),
             ));
             prompt += output;
         }

@@ -99,6 +99,19 @@ pub struct ChatCall {
     pub prompt_tokens: u32,
 }
 
+impl ChatCall {
+    /// Call `step` of a session on system prompt `system`, adding
+    /// `message`, of about `prompt_tokens` prompt tokens.
+    pub fn new(system: usize, step: u32, message: String, prompt_tokens: u32) -> Self {
+        ChatCall {
+            system,
+            step,
+            message,
+            prompt_tokens,
+        }
+    }
+}
+
 impl Request {
     /// A call of a closed-loop session: `call` of `session`, sent at `at_s`
     /// (trace seconds; 0 where its client sends it), `output_tokens` long.
