@@ -39,8 +39,8 @@ use clap::Args;
 use serde_json::{Value, json};
 
 use crate::Common;
-use crate::output::{Table, print_table, quantile, sort, write_json};
-use crate::sse_client::stream;
+use crate::output::{Table, print_table, write_json};
+use crate::sse_client::{Answers, Sampled, stream};
 use semlb_test_support::rng::Rng;
 use semlb_test_support::{TempDir, TempFile};
 
@@ -329,11 +329,7 @@ fn document(id: u64, words: usize) -> String {
 /// its time (open loop), each turn sent the instant the last answer ends;
 /// every turn's sample.
 fn load(args: &RegionsArgs, addrs: &[SocketAddr], arrivals: &[Vec<Duration>; 2]) -> Vec<Sample> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a runtime");
+    let runtime = crate::sse_client::runtime();
     let samples = Arc::new(Mutex::new(Vec::new()));
     let (max_tokens, turns, words) = (args.max_tokens, args.turns, args.context_words);
     runtime.block_on(async {
@@ -379,6 +375,15 @@ fn load(args: &RegionsArgs, addrs: &[SocketAddr], arrivals: &[Vec<Duration>; 2])
     samples.lock().unwrap_or_else(|p| p.into_inner()).clone()
 }
 
+impl Sampled for Sample {
+    fn ttft(&self) -> Option<Duration> {
+        self.ttft
+    }
+    fn tokens(&self) -> (u64, u64) {
+        (self.prompt_tokens, self.cached_tokens)
+    }
+}
+
 /// Figures of the samples of region `r` (`None`: both).
 struct Figures {
     requests: usize,
@@ -396,32 +401,18 @@ struct Figures {
 impl Figures {
     fn of(samples: &[Sample], r: Option<usize>, args: &RegionsArgs) -> Self {
         let mine: Vec<&Sample> = samples.iter().filter(|s| r.is_none_or(|r| s.region == r)).collect();
-        let mut ttfts: Vec<f64> = mine
-            .iter()
-            .filter_map(|s| s.ttft)
-            .map(|t| t.as_secs_f64() * 1e3)
-            .collect();
-        sort(&mut ttfts);
-        let good = ttfts.iter().filter(|t| **t <= args.slo_ms as f64).count();
-        let later: Vec<&&Sample> = mine.iter().filter(|s| s.turn > 0 && s.ttft.is_some()).collect();
-        let (prompt, cached) = later
-            .iter()
-            .fold((0, 0), |(p, c), s| (p + s.prompt_tokens, c + s.cached_tokens));
-        let mut later_ttfts: Vec<f64> = later
-            .iter()
-            .filter_map(|s| s.ttft)
-            .map(|t| t.as_secs_f64() * 1e3)
-            .collect();
-        sort(&mut later_ttfts);
+        let all = Answers::of(mine.iter().copied());
+        let later = Answers::of(mine.iter().copied().filter(|s| s.turn > 0));
+        let good = all.within_ms(args.slo_ms as f64);
         Figures {
-            requests: mine.len(),
-            failed: mine.len() - ttfts.len(),
-            p50: quantile(&ttfts, 0.5),
-            p99: quantile(&ttfts, 0.99),
-            attainment: good as f64 / mine.len().max(1) as f64,
+            requests: all.sent,
+            failed: all.failed(),
+            p50: all.ttft_ms(0.5),
+            p99: all.ttft_ms(0.99),
+            attainment: good as f64 / all.sent.max(1) as f64,
             goodput: good as f64 / args.period_secs as f64,
-            later_cached: cached as f64 / prompt.max(1) as f64,
-            later_p50: quantile(&later_ttfts, 0.5),
+            later_cached: later.cached_tokens as f64 / later.prompt_tokens.max(1) as f64,
+            later_p50: later.ttft_ms(0.5),
         }
     }
 

@@ -34,8 +34,8 @@ use clap::Args;
 use serde_json::{Value, json};
 
 use crate::Common;
-use crate::output::{Table, print_table, quantile, sort, write_json};
-use crate::sse_client::stream;
+use crate::output::{Table, print_table, write_json};
+use crate::sse_client::{Answers, Sampled, stream};
 use semlb_test_support::TempFile;
 use semlb_test_support::process::{Proc, ProcBuilder, Stderr};
 use semlb_test_support::rng::Rng;
@@ -82,6 +82,15 @@ struct Sample {
     cached_tokens: u64,
 }
 
+impl Sampled for Sample {
+    fn ttft(&self) -> Option<Duration> {
+        self.ttft
+    }
+    fn tokens(&self) -> (u64, u64) {
+        (self.prompt_tokens, self.cached_tokens)
+    }
+}
+
 /// Figures of the samples sent in one window.
 #[derive(Debug, Default)]
 struct Figures {
@@ -94,33 +103,13 @@ struct Figures {
 
 impl Figures {
     fn of(samples: &[Sample], from: Duration, to: Duration) -> Figures {
-        let window: Vec<&Sample> = samples.iter().filter(|s| s.at >= from && s.at < to).collect();
-        let mut ttfts: Vec<f64> = window
-            .iter()
-            .filter_map(|s| s.ttft)
-            .map(|t| t.as_secs_f64() * 1e3)
-            .collect();
-        sort(&mut ttfts);
-        let prompt: u64 = window
-            .iter()
-            .filter(|s| s.ttft.is_some())
-            .map(|s| s.prompt_tokens)
-            .sum();
-        let cached: u64 = window
-            .iter()
-            .filter(|s| s.ttft.is_some())
-            .map(|s| s.cached_tokens)
-            .sum();
+        let window = Answers::of(samples.iter().filter(|s| s.at >= from && s.at < to));
         Figures {
-            requests: ttfts.len(),
-            failed: window.len() - ttfts.len(),
-            cached_share: if prompt == 0 {
-                0.0
-            } else {
-                cached as f64 / prompt as f64
-            },
-            ttft_p50_ms: quantile(&ttfts, 0.5),
-            ttft_p90_ms: quantile(&ttfts, 0.9),
+            requests: window.answered(),
+            failed: window.failed(),
+            cached_share: window.cached_share(),
+            ttft_p50_ms: window.ttft_ms(0.5),
+            ttft_p90_ms: window.ttft_ms(0.9),
         }
     }
 
@@ -404,11 +393,7 @@ impl Load {
     /// `args.clients` conversations at once, each turn to one of `addrs`
     /// (chosen at random when there are `spread` of them).
     fn start(args: &StateArgs, addrs: Vec<SocketAddr>, spread: usize) -> Load {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("a runtime");
+        let runtime = crate::sse_client::runtime();
         let started = Instant::now();
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let samples = Arc::new(Mutex::new(Vec::new()));

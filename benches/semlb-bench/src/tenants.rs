@@ -28,9 +28,10 @@ use clap::Args;
 use serde_json::{Value, json};
 
 use crate::Common;
-use crate::output::{Table, print_table, quantile, sort, write_json};
-use crate::sse_client::stream;
+use crate::output::{Table, print_table, write_json};
+use crate::sse_client::{Answers, Sampled, stream};
 use semlb_test_support::TempFile;
+use semlb_test_support::gateway::Gateway;
 use semlb_test_support::process::{Proc, ProcBuilder, Stderr};
 
 /// `semlb bench tenants`.
@@ -141,6 +142,12 @@ pub fn run(args: &TenantsArgs) -> Result<()> {
     Ok(())
 }
 
+impl Sampled for Sample {
+    fn ttft(&self) -> Option<Duration> {
+        self.ttft
+    }
+}
+
 /// Figures of one tenant's samples sent from `from` on.
 struct Figures {
     requests: usize,
@@ -152,19 +159,13 @@ struct Figures {
 
 impl Figures {
     fn of(samples: &[Sample], quiet: bool, from: Duration) -> Self {
-        let mine: Vec<&Sample> = samples.iter().filter(|s| s.quiet == quiet && s.at >= from).collect();
-        let mut ttfts: Vec<f64> = mine
-            .iter()
-            .filter_map(|s| s.ttft)
-            .map(|t| t.as_secs_f64() * 1e3)
-            .collect();
-        sort(&mut ttfts);
+        let mine = Answers::of(samples.iter().filter(|s| s.quiet == quiet && s.at >= from));
         Figures {
-            requests: ttfts.len(),
-            failed: mine.len() - ttfts.len(),
-            p50: quantile(&ttfts, 0.5),
-            p90: quantile(&ttfts, 0.9),
-            p99: quantile(&ttfts, 0.99),
+            requests: mine.answered(),
+            failed: mine.failed(),
+            p50: mine.ttft_ms(0.5),
+            p90: mine.ttft_ms(0.9),
+            p99: mine.ttft_ms(0.99),
         }
     }
 
@@ -187,31 +188,12 @@ fn start_engines(args: &TenantsArgs) -> Result<Vec<Proc>> {
 
 /// `semlb serve` on segment `shm` in front of `engines` with `config`.
 fn serve(args: &TenantsArgs, shm: &str, engines: &[Proc], config: &TempFile) -> Result<Proc> {
-    let mut argv: Vec<String> = [
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--shm-name",
-        shm,
-        "--shm-size",
-        "64MiB",
-    ]
-    .map(str::to_owned)
-    .into();
-    argv.extend(
-        [
-            "--dispatchers",
-            &args.dispatchers.to_string(),
-            "--responders",
-            "1",
-            "--config",
-            config.path(),
-        ]
-        .map(str::to_owned),
-    );
-    for e in engines {
-        argv.extend(["--backend".to_owned(), format!("http://{}", e.addr)]);
-    }
+    let argv = Gateway::builder()
+        .shm_size("64MiB")
+        .dispatchers(args.dispatchers)
+        .backends(&engines.iter().collect::<Vec<_>>())
+        .args(&["--config", config.path()])
+        .serve_args(shm);
     let proc = ProcBuilder::new(&argv).stderr(Stderr::Tail(40)).try_start()?;
     crate::state::wait_health(&proc.addr)?;
     Ok(proc)
@@ -219,11 +201,7 @@ fn serve(args: &TenantsArgs, shm: &str, engines: &[Proc], config: &TempFile) -> 
 
 /// Both tenants' clients for `warm_secs + window_secs`; every sample.
 fn load(args: &TenantsArgs, addr: SocketAddr) -> Vec<Sample> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a runtime");
+    let runtime = crate::sse_client::runtime();
     let started = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));
     let samples = Arc::new(Mutex::new(Vec::new()));

@@ -83,7 +83,8 @@ struct Subject {
     template: ChatTemplate,
 }
 
-/// Runs the report.
+/// Runs the report: per tokenizer, the per-token part and the multi-turn
+/// part, then the tables and files.
 pub fn run(args: &TokenizerArgs) -> Result<()> {
     let data = args.common.data_dir();
     let dialogues = dialogues(data.as_deref());
@@ -126,87 +127,12 @@ pub fn run(args: &TokenizerArgs) -> Result<()> {
         let loaded = Tokenizer::from_json(&subject.json, subject.name)?;
         let native = loaded.clone().with_segment_cache(0);
         let engine = native.engine().to_string();
-        let mut sizes = Vec::new();
-        let mut hf_line = Vec::new();
-        let mut native_line = Vec::new();
-        for (label, target) in SIZES {
-            let texts = texts_of(&dialogues, &hf, target, args.per_token.texts);
-            let m = per_token_costs(&hf, &native, &texts, args.per_token.rounds, subject.name, label);
-            per_token.row([
-                subject.name.to_owned(),
-                label.to_owned(),
-                m.tokens.to_string(),
-                format!("{:.3}", m.hf_ns / 1e3),
-                format!("{:.3}", m.native_ns / 1e3),
-                format!("{:.1}x", m.hf_ns / m.native_ns),
-                format!("{:.3}", m.cold_ns / 1e3),
-                format!("{:.1}x", m.hf_ns / m.cold_ns),
-                if m.same { "yes" } else { "NO" }.to_owned(),
-            ]);
-            hf_line.push((target as f64, m.hf_ns / 1e3));
-            native_line.push((target as f64, m.native_ns / 1e3));
-            sizes.push(json!({
-                "text": label, "texts": texts.len(), "tokens": m.tokens,
-                "hf_ns_per_token": m.hf_ns, "native_ns_per_token": m.native_ns,
-                "native_uncached_ns_per_token": m.cold_ns, "same_ids": m.same,
-            }));
-        }
-        lines.push(Line {
-            label: format!("HF, {}", subject.name),
-            points: hf_line,
-        });
-        lines.push(Line {
-            label: format!("native, {}", subject.name),
-            points: native_line,
-        });
-        // Agents: the same dialogues behind long shared system prompts.
-        let system_prompts = texts_of(&dialogues[dialogues.len() / 2..], &hf, 2000, 4);
+        let sizes = per_token_rows(args, subject, &hf, &native, &dialogues, &mut per_token, &mut lines);
         let tokenizers = Tokenizers {
             hf: &hf,
             loaded: &loaded,
         };
-        let mut replays = Vec::new();
-        for (workload, systems) in [
-            ("chat", &[][..]),
-            ("agent: 2K-token system prompt", &system_prompts[..]),
-        ] {
-            let r = replay(
-                &subject.template,
-                &tokenizers,
-                &dialogues,
-                args.conversations,
-                systems,
-                subject.name,
-            )?;
-            replay_table.row([
-                format!("{} + {}", subject.name, subject.template.renderer_name()),
-                workload.to_owned(),
-                r.requests.to_string(),
-                format!("{:.0}", r.tokens as f64 / r.requests.max(1) as f64),
-                format!("{} / {}", human_ns(r.hf.0), human_ns(r.hf.1)),
-                format!("{} / {}", human_ns(r.native.0), human_ns(r.native.1)),
-                format!("{} / {}", human_ns(r.cached.0), human_ns(r.cached.1)),
-                format!("{} / {}", human_ns(r.gateway.0), human_ns(r.gateway.1)),
-                format!("{:.1}x", r.native.1 / r.gateway.1),
-                format!("{:.1}x", r.hf.1 / r.gateway.1),
-                format!("{:.2}", r.priming_ns / 1e3),
-                if r.same { "yes" } else { "NO" }.to_owned(),
-            ]);
-            replays.push(json!({
-                "workload": workload,
-                "template": subject.template.renderer_name(),
-                "requests": r.requests,
-                "tokens": r.tokens,
-                "hf_ns": {"p50": r.hf.0, "mean": r.hf.1},
-                "native_ns": {"p50": r.native.0, "mean": r.native.1},
-                "segment_cache_ns": {"p50": r.cached.0, "mean": r.cached.1},
-                "segment_cache": r.cached_stats,
-                "gateway_ns": {"p50": r.gateway.0, "mean": r.gateway.1},
-                "gateway_segment_cache": r.gateway_stats,
-                "responder_priming_ns_per_answer": r.priming_ns,
-                "same_ids": r.same,
-            }));
-        }
+        let replays = multi_turn_rows(args, subject, &tokenizers, &dialogues, &mut replay_table)?;
         report["tokenizers"].as_array_mut().expect("an array").push(json!({
             "tokenizer": subject.name,
             "engine": engine,
@@ -235,6 +161,111 @@ pub fn run(args: &TokenizerArgs) -> Result<()> {
     )?;
     println!("\nwrote {} and {}", path.display(), svg.display());
     Ok(())
+}
+
+/// The per-token part for `subject`: a row of `table` per text size, its
+/// HF and native lines (µs per token over the size) added to `lines`;
+/// returns the sizes' JSON.
+fn per_token_rows(
+    args: &TokenizerArgs,
+    subject: &Subject,
+    hf: &tokenizers::Tokenizer,
+    native: &Tokenizer,
+    dialogues: &[Vec<(String, String)>],
+    table: &mut Table,
+    lines: &mut Vec<Line>,
+) -> Vec<Value> {
+    let mut sizes = Vec::new();
+    let mut hf_line = Vec::new();
+    let mut native_line = Vec::new();
+    for (label, target) in SIZES {
+        let texts = texts_of(dialogues, hf, target, args.per_token.texts);
+        let m = per_token_costs(hf, native, &texts, args.per_token.rounds, subject.name, label);
+        table.row([
+            subject.name.to_owned(),
+            label.to_owned(),
+            m.tokens.to_string(),
+            format!("{:.3}", m.hf_ns / 1e3),
+            format!("{:.3}", m.native_ns / 1e3),
+            format!("{:.1}x", m.hf_ns / m.native_ns),
+            format!("{:.3}", m.cold_ns / 1e3),
+            format!("{:.1}x", m.hf_ns / m.cold_ns),
+            if m.same { "yes" } else { "NO" }.to_owned(),
+        ]);
+        hf_line.push((target as f64, m.hf_ns / 1e3));
+        native_line.push((target as f64, m.native_ns / 1e3));
+        sizes.push(json!({
+            "text": label, "texts": texts.len(), "tokens": m.tokens,
+            "hf_ns_per_token": m.hf_ns, "native_ns_per_token": m.native_ns,
+            "native_uncached_ns_per_token": m.cold_ns, "same_ids": m.same,
+        }));
+    }
+    lines.push(Line {
+        label: format!("HF, {}", subject.name),
+        points: hf_line,
+    });
+    lines.push(Line {
+        label: format!("native, {}", subject.name),
+        points: native_line,
+    });
+    sizes
+}
+
+/// The multi-turn part for `subject`: a row of `table` per workload (chat,
+/// and agents: the same dialogues behind long shared system prompts);
+/// returns the workloads' JSON.
+fn multi_turn_rows(
+    args: &TokenizerArgs,
+    subject: &Subject,
+    tokenizers: &Tokenizers<'_>,
+    dialogues: &[Vec<(String, String)>],
+    table: &mut Table,
+) -> Result<Vec<Value>> {
+    // Agents: the same dialogues behind long shared system prompts.
+    let system_prompts = texts_of(&dialogues[dialogues.len() / 2..], tokenizers.hf, 2000, 4);
+    let mut replays = Vec::new();
+    for (workload, systems) in [
+        ("chat", &[][..]),
+        ("agent: 2K-token system prompt", &system_prompts[..]),
+    ] {
+        let r = replay(
+            &subject.template,
+            tokenizers,
+            dialogues,
+            args.conversations,
+            systems,
+            subject.name,
+        )?;
+        table.row([
+            format!("{} + {}", subject.name, subject.template.renderer_name()),
+            workload.to_owned(),
+            r.requests.to_string(),
+            format!("{:.0}", r.tokens as f64 / r.requests.max(1) as f64),
+            format!("{} / {}", human_ns(r.hf.0), human_ns(r.hf.1)),
+            format!("{} / {}", human_ns(r.native.0), human_ns(r.native.1)),
+            format!("{} / {}", human_ns(r.cached.0), human_ns(r.cached.1)),
+            format!("{} / {}", human_ns(r.gateway.0), human_ns(r.gateway.1)),
+            format!("{:.1}x", r.native.1 / r.gateway.1),
+            format!("{:.1}x", r.hf.1 / r.gateway.1),
+            format!("{:.2}", r.priming_ns / 1e3),
+            if r.same { "yes" } else { "NO" }.to_owned(),
+        ]);
+        replays.push(json!({
+            "workload": workload,
+            "template": subject.template.renderer_name(),
+            "requests": r.requests,
+            "tokens": r.tokens,
+            "hf_ns": {"p50": r.hf.0, "mean": r.hf.1},
+            "native_ns": {"p50": r.native.0, "mean": r.native.1},
+            "segment_cache_ns": {"p50": r.cached.0, "mean": r.cached.1},
+            "segment_cache": r.cached_stats,
+            "gateway_ns": {"p50": r.gateway.0, "mean": r.gateway.1},
+            "gateway_segment_cache": r.gateway_stats,
+            "responder_priming_ns_per_answer": r.priming_ns,
+            "same_ids": r.same,
+        }));
+    }
+    Ok(replays)
 }
 
 /// The tokenizers measured: phi-2 (bundled, or the data directory's) and

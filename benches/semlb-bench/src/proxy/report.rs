@@ -88,123 +88,178 @@ fn finite(v: f64) -> Value {
     if v.is_finite() { json!(v) } else { Value::Null }
 }
 
+/// The columns of a workload's table.
+const HEADER: [&str; 13] = [
+    "front",
+    "conns",
+    "req/s",
+    "p50",
+    "p99",
+    "added p50",
+    "added p99",
+    "front CPU/req",
+    "semlb/nginx",
+    "front core",
+    "engine CPU/req",
+    "other cores",
+    "errors",
+];
+
 /// Prints a table per workload and the run's settings, and writes
 /// `<out>/proxy.json` and `<out>/proxy.svg`.
 pub(super) fn write(args: &ProxyArgs, run: &Run) -> Result<()> {
-    let header = [
-        "front",
-        "conns",
-        "req/s",
-        "p50",
-        "p99",
-        "added p50",
-        "added p99",
-        "front CPU/req",
-        "semlb/nginx",
-        "front core",
-        "engine CPU/req",
-        "other cores",
-        "errors",
-    ];
     let mut workloads_json = serde_json::Map::new();
     for w in run.workloads {
-        let mut table = Table::new(header);
-        let mut points_json = Vec::new();
-        let mut ratios = serde_json::Map::new();
-        for &c in &args.connections {
-            if let Some(r) = run.cpu_ratio(w.kind, c) {
-                ratios.insert(c.to_string(), json!(r));
-            }
-            for p in run.points.iter().filter(|p| p.workload == w.kind && p.connections == c) {
-                let added = run.added(p);
-                let ratio = (p.front == Front::Semlb).then(|| run.cpu_ratio(w.kind, c)).flatten();
-                table.row([
-                    p.front.name().to_owned(),
-                    c.to_string(),
-                    format!("{:.0}", p.req_per_s()),
-                    time_text(p.latency(0.5)),
-                    time_text(p.latency(0.99)),
-                    added.map_or_else(String::new, |a| time_text(a.0)),
-                    added.map_or_else(String::new, |a| time_text(a.1)),
-                    p.front_cpu_us().map_or_else(String::new, time_text),
-                    ratio.map_or_else(String::new, |r| format!("{r:.2}x")),
-                    if p.front == Front::Direct {
-                        String::new()
-                    } else {
-                        share(p.front_util(), p.front_foreign())
-                    },
-                    time_text(p.per_request_us(p.engine_cpu_s)),
-                    share(p.other_util(), p.other_foreign()),
-                    p.tally.errors().to_string(),
-                ]);
-                points_json.push(json!({
-                    "front": p.front.name(),
-                    "connections": c,
-                    "window_s": p.window_s,
-                    "requests": p.tally.ok(),
-                    "requests_per_s": p.req_per_s(),
-                    "latency_us": quantiles(&p.tally.latency_us),
-                    "ttft_us": if args.stream { quantiles(&p.tally.ttft_us) } else { Value::Null },
-                    "added_latency_us": added.map(|(a50, a99)| json!({"p50": a50, "p99": a99})),
-                    "cpu_us_per_request": {
-                        "front": p.front_cpu_us().map(finite),
-                        "engine": finite(p.per_request_us(p.engine_cpu_s)),
-                        "load_generator": finite(p.per_request_us(p.client_cpu_s)),
-                    },
-                    "cpu_seconds": {
-                        "front": p.front_cpu_s,
-                        "engine": p.engine_cpu_s,
-                        "load_generator": p.client_cpu_s,
-                    },
-                    "utilisation": {
-                        "front_cpus": {"front": p.front_util(), "foreign": p.front_foreign()},
-                        "other_cpus": {"engine_and_load_generator": p.other_util(), "foreign": p.other_foreign()},
-                    },
-                    "semlb_over_nginx_cpu": ratio,
-                    "errors": {
-                        "total": p.tally.errors(),
-                        "non_200": p.tally.statuses.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
-                        "transport": p.tally.transport_errors,
-                        "first": p.tally.first_error,
-                    },
-                    "x_semlb_cache": p.tally.cache,
-                    "reconnects": p.tally.reconnects,
-                }));
-            }
-        }
-        let title = match w.kind {
-            WorkloadKind::Short => format!(
-                "semlb bench proxy: short chat requests ({} B body, max_tokens {}{})",
-                w.body_bytes,
-                args.max_tokens,
-                if args.stream { ", SSE" } else { "" }
-            ),
-            WorkloadKind::Long | WorkloadKind::LongUnseen => format!(
-                "semlb bench proxy: {} (~{:.0} tokens of {}, {} B body, max_tokens {}{})",
-                if w.kind == WorkloadKind::Long {
-                    "long chat prompts, 64 texts in turn behind a per-request tag"
-                } else {
-                    "long chat prompts never seen before (the per-request tag opens every line)"
-                },
-                w.prompt_tokens.unwrap_or(0.0),
-                run.text.dialogues_name,
-                w.body_bytes,
-                args.max_tokens,
-                if args.stream { ", SSE" } else { "" }
-            ),
-        };
-        output::print_table(&title, &table);
-        workloads_json.insert(
-            w.kind.name().to_owned(),
-            json!({
-                "body_bytes": w.body_bytes,
-                "prompt_tokens": w.prompt_tokens,
-                "engine_prompt_tokens": w.engine_prompt_tokens,
-                "points": points_json,
-                "semlb_over_nginx_cpu": ratios,
-            }),
-        );
+        workloads_json.insert(w.kind.name().to_owned(), workload_table(args, run, w));
     }
+    print_settings(args, run);
+    print_warnings(run);
+    let value = json!({
+        "report": "proxy",
+        "settings": {
+            "secs": args.secs,
+            "warmup_secs": args.warmup,
+            "connections": args.connections,
+            "stream": args.stream,
+            "max_tokens": args.max_tokens,
+            "prompt_tokens": args.prompt_tokens,
+            "time_scale": args.time_scale,
+            "front_cpus": run.front_cpus.to_string(),
+            "other_cpus": run.other.to_string(),
+        },
+        "engine": run.engine.description,
+        "tokenizer": run.text.tokenizer_name,
+        "prompt_text": run.text.dialogues_name,
+        "gateway": "semlb serve --dispatchers 1 --responders 1 --shm-size 64MiB",
+        "nginx": match &run.nginx {
+            Some((version, config)) => json!({"version": version, "config": config}),
+            None => json!({"skipped": run.nginx_skipped}),
+        },
+        "process_affinity": placement_json(run),
+        "workloads": workloads_json,
+    });
+    let json_path = output::write_json(&args.common.out, "proxy", &value)?;
+    let svg_path = args.common.out.join("proxy.svg");
+    write_svg(&svg_path, args, run)?;
+    println!("wrote {} and {}", json_path.display(), svg_path.display());
+    Ok(())
+}
+
+/// Prints workload `w`'s table, a row per point, and returns its JSON.
+fn workload_table(args: &ProxyArgs, run: &Run, w: &Workload) -> Value {
+    let mut table = Table::new(HEADER);
+    let mut points_json = Vec::new();
+    let mut ratios = serde_json::Map::new();
+    for &c in &args.connections {
+        if let Some(r) = run.cpu_ratio(w.kind, c) {
+            ratios.insert(c.to_string(), json!(r));
+        }
+        for p in run.points.iter().filter(|p| p.workload == w.kind && p.connections == c) {
+            let added = run.added(p);
+            let ratio = (p.front == Front::Semlb).then(|| run.cpu_ratio(w.kind, c)).flatten();
+            table.row(point_row(p, added, ratio));
+            points_json.push(point_json(args, p, added, ratio));
+        }
+    }
+    output::print_table(&workload_title(args, run, w), &table);
+    json!({
+        "body_bytes": w.body_bytes,
+        "prompt_tokens": w.prompt_tokens,
+        "engine_prompt_tokens": w.engine_prompt_tokens,
+        "points": points_json,
+        "semlb_over_nginx_cpu": ratios,
+    })
+}
+
+/// Point `p`'s row: `added` its p50 and p99 over direct's, `ratio`
+/// semlb's front CPU over nginx's (on semlb's row).
+fn point_row(p: &Point, added: Option<(f64, f64)>, ratio: Option<f64>) -> Vec<String> {
+    vec![
+        p.front.name().to_owned(),
+        p.connections.to_string(),
+        format!("{:.0}", p.req_per_s()),
+        time_text(p.latency(0.5)),
+        time_text(p.latency(0.99)),
+        added.map_or_else(String::new, |a| time_text(a.0)),
+        added.map_or_else(String::new, |a| time_text(a.1)),
+        p.front_cpu_us().map_or_else(String::new, time_text),
+        ratio.map_or_else(String::new, |r| format!("{r:.2}x")),
+        if p.front == Front::Direct {
+            String::new()
+        } else {
+            share(p.front_util(), p.front_foreign())
+        },
+        time_text(p.per_request_us(p.engine_cpu_s)),
+        share(p.other_util(), p.other_foreign()),
+        p.tally.errors().to_string(),
+    ]
+}
+
+/// Point `p`'s JSON (`added` and `ratio` as for [`point_row`]).
+fn point_json(args: &ProxyArgs, p: &Point, added: Option<(f64, f64)>, ratio: Option<f64>) -> Value {
+    json!({
+        "front": p.front.name(),
+        "connections": p.connections,
+        "window_s": p.window_s,
+        "requests": p.tally.ok(),
+        "requests_per_s": p.req_per_s(),
+        "latency_us": quantiles(&p.tally.latency_us),
+        "ttft_us": if args.stream { quantiles(&p.tally.ttft_us) } else { Value::Null },
+        "added_latency_us": added.map(|(a50, a99)| json!({"p50": a50, "p99": a99})),
+        "cpu_us_per_request": {
+            "front": p.front_cpu_us().map(finite),
+            "engine": finite(p.per_request_us(p.engine_cpu_s)),
+            "load_generator": finite(p.per_request_us(p.client_cpu_s)),
+        },
+        "cpu_seconds": {
+            "front": p.front_cpu_s,
+            "engine": p.engine_cpu_s,
+            "load_generator": p.client_cpu_s,
+        },
+        "utilisation": {
+            "front_cpus": {"front": p.front_util(), "foreign": p.front_foreign()},
+            "other_cpus": {"engine_and_load_generator": p.other_util(), "foreign": p.other_foreign()},
+        },
+        "semlb_over_nginx_cpu": ratio,
+        "errors": {
+            "total": p.tally.errors(),
+            "non_200": p.tally.statuses.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+            "transport": p.tally.transport_errors,
+            "first": p.tally.first_error,
+        },
+        "x_semlb_cache": p.tally.cache,
+        "reconnects": p.tally.reconnects,
+    })
+}
+
+/// The title of workload `w`'s table: what its requests are.
+fn workload_title(args: &ProxyArgs, run: &Run, w: &Workload) -> String {
+    match w.kind {
+        WorkloadKind::Short => format!(
+            "semlb bench proxy: short chat requests ({} B body, max_tokens {}{})",
+            w.body_bytes,
+            args.max_tokens,
+            if args.stream { ", SSE" } else { "" }
+        ),
+        WorkloadKind::Long | WorkloadKind::LongUnseen => format!(
+            "semlb bench proxy: {} (~{:.0} tokens of {}, {} B body, max_tokens {}{})",
+            if w.kind == WorkloadKind::Long {
+                "long chat prompts, 64 texts in turn behind a per-request tag"
+            } else {
+                "long chat prompts never seen before (the per-request tag opens every line)"
+            },
+            w.prompt_tokens.unwrap_or(0.0),
+            run.text.dialogues_name,
+            w.body_bytes,
+            args.max_tokens,
+            if args.stream { ", SSE" } else { "" }
+        ),
+    }
+}
+
+/// Prints the CPUs, the engine, the tokenizer, where each server's
+/// processes ran, and why nginx was skipped.
+fn print_settings(args: &ProxyArgs, run: &Run) {
     println!(
         "core columns: this run's share + other processes' share of the CPUs (front: {}, other: {})",
         run.front_cpus, run.other
@@ -232,6 +287,11 @@ pub(super) fn write(args: &ProxyArgs, run: &Run) -> Result<()> {
     if let Some(why) = &run.nginx_skipped {
         println!("nginx skipped: {why}");
     }
+}
+
+/// Warns of rows where other processes used the pinned CPUs, of errors,
+/// and of answers from the response cache.
+fn print_warnings(run: &Run) {
     let busiest = run
         .points
         .iter()
@@ -271,9 +331,11 @@ pub(super) fn write(args: &ProxyArgs, run: &Run) -> Result<()> {
             );
         }
     }
+}
 
-    let placement_json: serde_json::Map<String, Value> = run
-        .placement
+/// Where each server's processes could run, as JSON.
+fn placement_json(run: &Run) -> serde_json::Map<String, Value> {
+    run.placement
         .iter()
         .map(|(what, procs)| {
             (
@@ -284,36 +346,7 @@ pub(super) fn write(args: &ProxyArgs, run: &Run) -> Result<()> {
                     .collect(),
             )
         })
-        .collect();
-    let value = json!({
-        "report": "proxy",
-        "settings": {
-            "secs": args.secs,
-            "warmup_secs": args.warmup,
-            "connections": args.connections,
-            "stream": args.stream,
-            "max_tokens": args.max_tokens,
-            "prompt_tokens": args.prompt_tokens,
-            "time_scale": args.time_scale,
-            "front_cpus": run.front_cpus.to_string(),
-            "other_cpus": run.other.to_string(),
-        },
-        "engine": run.engine.description,
-        "tokenizer": run.text.tokenizer_name,
-        "prompt_text": run.text.dialogues_name,
-        "gateway": "semlb serve --dispatchers 1 --responders 1 --shm-size 64MiB",
-        "nginx": match &run.nginx {
-            Some((version, config)) => json!({"version": version, "config": config}),
-            None => json!({"skipped": run.nginx_skipped}),
-        },
-        "process_affinity": placement_json,
-        "workloads": workloads_json,
-    });
-    let json_path = output::write_json(&args.common.out, "proxy", &value)?;
-    let svg_path = args.common.out.join("proxy.svg");
-    write_svg(&svg_path, args, run)?;
-    println!("wrote {} and {}", json_path.display(), svg_path.display());
-    Ok(())
+        .collect()
 }
 
 /// Per workload, two line charts over the concurrency: the fronts' CPU

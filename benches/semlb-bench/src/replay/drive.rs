@@ -17,6 +17,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use bytes::Bytes;
+use http_body_util::Full;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
 use semlb::routing::PolicyKind;
 use semlb_test_support::gateway::Gateway;
 use semlb_test_support::http::http_bytes;
@@ -351,39 +354,10 @@ pub(super) fn run_once(
             Start::Scheduled
         };
         let answered = spec.scale_out_at.map(|_| Arc::new(AtomicUsize::new(0)));
-        // The adds, once enough calls are answered: the instant they start
-        // and each one's answer.
-        let adder = spec.scale_out_at.zip(answered.clone()).map(|(at, count)| {
-            let adds: Vec<(String, AddRequest)> = engines[routed..]
-                .iter()
-                .map(|e| {
-                    let url = format!("http://{}", e.addr);
-                    (url.clone(), front.add_request(&url))
-                })
-                .collect();
-            client.runtime.spawn(async move {
-                while count.load(Ordering::Relaxed) < at {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                let started = Instant::now();
-                let added = tokio::task::spawn_blocking(move || {
-                    adds.into_iter()
-                        .map(|(url, request)| {
-                            let t = Instant::now();
-                            let answer = request.send();
-                            Added {
-                                url,
-                                answer,
-                                ms: t.elapsed().as_secs_f64() * 1e3,
-                            }
-                        })
-                        .collect::<Vec<_>>()
-                })
-                .await
-                .unwrap_or_default();
-                (started, added)
-            })
-        });
+        let adder = spec
+            .scale_out_at
+            .zip(answered.clone())
+            .map(|(at, count)| spawn_adds(client, &front, &engines[routed..], at, count));
         let sender = Sender {
             http,
             addr,
@@ -395,109 +369,178 @@ pub(super) fn run_once(
         let sent = client
             .runtime
             .block_on(sessions::send(workload, sender, start, real_s, drain));
-        let scale_out = adder.map(|task| {
-            if task.is_finished() {
-                let (started, added) = client.runtime.block_on(task).unwrap_or_else(|_| (sent.t0, Vec::new()));
-                ScaleOut {
-                    at_s: Some(started.saturating_duration_since(sent.t0).as_secs_f64()),
-                    added,
-                }
-            } else {
-                task.abort();
-                ScaleOut::default()
-            }
-        });
+        let scale_out = adder.map(|task| scale_out_of(client, task, sent.t0));
         return finish(client, engines, front, sent, scale_out);
     }
-    let sent = client.runtime.block_on(async move {
-        // Bodies are built ahead on a thread of their own, so that bursts of
-        // simultaneous arrivals are not delayed by building them (a text
-        // prompt is its pieces joined and escaped: ~70 KB for `mooncake`);
-        // the first ones before the clock starts (traces start with a
-        // burst).
-        let body = request_body;
-        let mut primed = workload
-            .requests
-            .iter()
-            .take(PRIMED)
-            .map(body)
-            .collect::<Vec<_>>()
-            .into_iter();
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(PRIMED);
-        let ahead = workload.clone();
-        std::thread::spawn(move || {
-            for r in ahead.requests.iter().skip(PRIMED) {
-                if tx.blocking_send(body(r)).is_err() {
-                    return;
-                }
-            }
-        });
-        let start = Instant::now() + Duration::from_millis(50);
-        let mut tasks = Vec::with_capacity(workload.requests.len());
-        let mut lags = Vec::with_capacity(workload.requests.len());
-        for r in &workload.requests {
-            let Some(body) = (match primed.next() {
-                Some(b) => Some(b),
-                None => rx.recv().await,
-            }) else {
-                break;
-            };
-            let due = start + Duration::from_secs_f64(real_s(r.at_s));
-            tokio::time::sleep_until(due.into()).await;
-            lags.push(due.elapsed().as_secs_f64() * 1e3);
-            let (http, addr, progress) = (http.clone(), addr.clone(), progress.clone());
-            let headers: Vec<(&str, String)> = r.session.map(|s| (SESSION_HEADER, s.to_string())).into_iter().collect();
-            let output_tokens = r.output_tokens;
-            tasks.push(tokio::spawn(async move {
-                let o = request_with(&http, &addr, "/v1/completions", body, &headers, due, None).await;
-                progress.inc(1);
-                (o, output_tokens)
-            }));
+    let sent = client
+        .runtime
+        .block_on(send_completions(workload, http, addr, progress, real_s, drain));
+    finish(client, engines, front, sent, None)
+}
+
+/// The adds of the `unrouted` engines to `front`, made once `count` (the
+/// calls answered) reaches `at`: the instant they start and each one's
+/// answer.
+fn spawn_adds(
+    client: &LoadClient,
+    front: &Front,
+    unrouted: &[Proc],
+    at: usize,
+    count: Arc<AtomicUsize>,
+) -> tokio::task::JoinHandle<(Instant, Vec<Added>)> {
+    let adds: Vec<(String, AddRequest)> = unrouted
+        .iter()
+        .map(|e| {
+            let url = format!("http://{}", e.addr);
+            (url.clone(), front.add_request(&url))
+        })
+        .collect();
+    client.runtime.spawn(async move {
+        while count.load(Ordering::Relaxed) < at {
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        let deadline = tokio::time::Instant::now() + drain;
-        let mut outcomes = Vec::with_capacity(tasks.len());
-        for t in tasks {
-            let abort = t.abort_handle();
-            match tokio::time::timeout_at(deadline, t).await {
-                Ok(Ok(o)) => outcomes.push(o),
-                Ok(Err(e)) => outcomes.push((
+        let started = Instant::now();
+        let added = tokio::task::spawn_blocking(move || {
+            adds.into_iter()
+                .map(|(url, request)| {
+                    let t = Instant::now();
+                    let answer = request.send();
+                    Added {
+                        url,
+                        answer,
+                        ms: t.elapsed().as_secs_f64() * 1e3,
+                    }
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        .unwrap_or_default();
+        (started, added)
+    })
+}
+
+/// What a `scale-out` run's adds did, once its calls are sent (`t0`
+/// their start): nothing if they had not finished (they are stopped).
+fn scale_out_of(client: &LoadClient, task: tokio::task::JoinHandle<(Instant, Vec<Added>)>, t0: Instant) -> ScaleOut {
+    if task.is_finished() {
+        let (started, added) = client.runtime.block_on(task).unwrap_or_else(|_| (t0, Vec::new()));
+        ScaleOut {
+            at_s: Some(started.saturating_duration_since(t0).as_secs_f64()),
+            added,
+        }
+    } else {
+        task.abort();
+        ScaleOut::default()
+    }
+}
+
+/// Sends a completion workload open-loop: each request at its arrival
+/// time (`real_s` of it after the start) to `addr`, then waits at most
+/// `drain` for the answers.
+async fn send_completions(
+    workload: Arc<Workload>,
+    http: Client<HttpConnector, Full<Bytes>>,
+    addr: String,
+    progress: indicatif::ProgressBar,
+    real_s: impl Fn(f64) -> f64,
+    drain: Duration,
+) -> sessions::Sent {
+    // Bodies are built ahead on a thread of their own, so that bursts of
+    // simultaneous arrivals are not delayed by building them (a text
+    // prompt is its pieces joined and escaped: ~70 KB for `mooncake`);
+    // the first ones before the clock starts (traces start with a
+    // burst).
+    let body = request_body;
+    let mut primed = workload
+        .requests
+        .iter()
+        .take(PRIMED)
+        .map(body)
+        .collect::<Vec<_>>()
+        .into_iter();
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(PRIMED);
+    let ahead = workload.clone();
+    std::thread::spawn(move || {
+        for r in ahead.requests.iter().skip(PRIMED) {
+            if tx.blocking_send(body(r)).is_err() {
+                return;
+            }
+        }
+    });
+    let start = Instant::now() + Duration::from_millis(50);
+    let mut tasks = Vec::with_capacity(workload.requests.len());
+    let mut lags = Vec::with_capacity(workload.requests.len());
+    for r in &workload.requests {
+        let Some(body) = (match primed.next() {
+            Some(b) => Some(b),
+            None => rx.recv().await,
+        }) else {
+            break;
+        };
+        let due = start + Duration::from_secs_f64(real_s(r.at_s));
+        tokio::time::sleep_until(due.into()).await;
+        lags.push(due.elapsed().as_secs_f64() * 1e3);
+        let (http, addr, progress) = (http.clone(), addr.clone(), progress.clone());
+        let headers: Vec<(&str, String)> = r.session.map(|s| (SESSION_HEADER, s.to_string())).into_iter().collect();
+        let output_tokens = r.output_tokens;
+        tasks.push(tokio::spawn(async move {
+            let o = request_with(&http, &addr, "/v1/completions", body, &headers, due, None).await;
+            progress.inc(1);
+            (o, output_tokens)
+        }));
+    }
+    let outcomes = collect_outcomes(tasks, tokio::time::Instant::now() + drain, &progress).await;
+    // Outcomes are in arrival order: arrival + latency is a completion.
+    let finished_s: Vec<Option<f64>> = outcomes
+        .iter()
+        .zip(&workload.requests)
+        .map(|((o, _), r)| o.ok().then(|| real_s(r.at_s) + o.latency.as_secs_f64()))
+        .collect();
+    let wall_s = finished_s.iter().flatten().copied().fold(0.0, f64::max);
+    let mut l = lags;
+    output::sort(&mut l);
+    sessions::Sent {
+        outcomes,
+        wall_s,
+        lag_ms: [output::quantile(&l, 0.99), l.last().copied().unwrap_or(0.0)],
+        finished_s,
+        t0: start,
+    }
+}
+
+/// Each task's outcome and output tokens, in order; a task not done by
+/// `deadline` is aborted and counts as unfinished.
+async fn collect_outcomes(
+    tasks: Vec<tokio::task::JoinHandle<(Outcome, u32)>>,
+    deadline: tokio::time::Instant,
+    progress: &indicatif::ProgressBar,
+) -> Vec<(Outcome, u32)> {
+    let mut outcomes = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        let abort = t.abort_handle();
+        match tokio::time::timeout_at(deadline, t).await {
+            Ok(Ok(o)) => outcomes.push(o),
+            Ok(Err(e)) => outcomes.push((
+                Outcome {
+                    error: Some(format!("task: {e}")),
+                    ..Outcome::default()
+                },
+                0,
+            )),
+            Err(_) => {
+                abort.abort();
+                progress.inc(1);
+                outcomes.push((
                     Outcome {
-                        error: Some(format!("task: {e}")),
+                        error: Some("unfinished at the end of the drain time".into()),
                         ..Outcome::default()
                     },
                     0,
-                )),
-                Err(_) => {
-                    abort.abort();
-                    progress.inc(1);
-                    outcomes.push((
-                        Outcome {
-                            error: Some("unfinished at the end of the drain time".into()),
-                            ..Outcome::default()
-                        },
-                        0,
-                    ));
-                }
+                ));
             }
         }
-        // Outcomes are in arrival order: arrival + latency is a completion.
-        let finished_s: Vec<Option<f64>> = outcomes
-            .iter()
-            .zip(&workload.requests)
-            .map(|((o, _), r)| o.ok().then(|| real_s(r.at_s) + o.latency.as_secs_f64()))
-            .collect();
-        let wall_s = finished_s.iter().flatten().copied().fold(0.0, f64::max);
-        let mut l = lags;
-        output::sort(&mut l);
-        sessions::Sent {
-            outcomes,
-            wall_s,
-            lag_ms: [output::quantile(&l, 0.99), l.last().copied().unwrap_or(0.0)],
-            finished_s,
-            t0: start,
-        }
-    });
-    finish(client, engines, front, sent, None)
+    }
+    outcomes
 }
 
 /// How long [`Front::counters`] waits for the response processes to have

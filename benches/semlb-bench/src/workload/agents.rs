@@ -87,19 +87,12 @@ pub fn build(params: &AgentsParams) -> Workload {
         let mut t = at;
         for step in 0..calls {
             let output = uniform(&mut rng, 64, 256).min(params.max_output.max(1));
-            requests.push(Request {
-                at_s: t,
-                prompt: Vec::new(),
-                text: None,
-                output_tokens: output,
-                session: Some(session),
-                chat: Some(ChatCall {
-                    system,
-                    step,
-                    message,
-                    prompt_tokens: prompt,
-                }),
-            });
+            requests.push(Request::chat_call(
+                t,
+                session,
+                output,
+                ChatCall::new(system, step, message, prompt),
+            ));
             t += expected_turn_s(new_tokens as usize, output);
             let tool = uniform(&mut rng, 40, 300) as usize;
             message = format!("Tool result {step}: {}", words(&mut rng, tool));

@@ -107,19 +107,12 @@ fn session(
         prompt += tokens(question + 4);
         new_tokens += tokens(question + 4);
         let output = uniform(rng, OUTPUT.0, OUTPUT.1).min(max_output.max(1));
-        requests.push(Request {
-            at_s: at,
-            prompt: Vec::new(),
-            text: None,
-            output_tokens: output,
-            session: Some(session),
-            chat: Some(ChatCall {
-                system,
-                step,
-                message,
-                prompt_tokens: prompt,
-            }),
-        });
+        requests.push(Request::chat_call(
+            at,
+            session,
+            output,
+            ChatCall::new(system, step, message, prompt),
+        ));
         at += expected_turn_s(new_tokens as usize, output);
         prompt += output;
         new_tokens = output;

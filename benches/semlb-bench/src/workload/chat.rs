@@ -139,19 +139,12 @@ pub fn build_as(kind: WorkloadKind, params: &ChatParams) -> Workload {
             );
             prompt += tokens(question + 4);
             let output = uniform(&mut rng, shape.output.0, shape.output.1).min(params.max_output.max(1));
-            requests.push(Request {
-                at_s: 0.0,
-                prompt: Vec::new(),
-                text: None,
-                output_tokens: output,
-                session: Some(conversation as u64),
-                chat: Some(ChatCall {
-                    system,
-                    step,
-                    message,
-                    prompt_tokens: prompt,
-                }),
-            });
+            requests.push(Request::chat_call(
+                0.0,
+                conversation as u64,
+                output,
+                ChatCall::new(system, step, message, prompt),
+            ));
             prompt += output;
         }
     }

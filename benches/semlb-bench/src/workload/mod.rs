@@ -99,7 +99,33 @@ pub struct ChatCall {
     pub prompt_tokens: u32,
 }
 
+impl ChatCall {
+    /// Call `step` of a session on system prompt `system`, adding
+    /// `message`, of about `prompt_tokens` prompt tokens.
+    pub fn new(system: usize, step: u32, message: String, prompt_tokens: u32) -> Self {
+        ChatCall {
+            system,
+            step,
+            message,
+            prompt_tokens,
+        }
+    }
+}
+
 impl Request {
+    /// A call of a closed-loop session: `call` of `session`, sent at `at_s`
+    /// (trace seconds; 0 where its client sends it), `output_tokens` long.
+    pub fn chat_call(at_s: f64, session: u64, output_tokens: u32, call: ChatCall) -> Request {
+        Request {
+            at_s,
+            prompt: Vec::new(),
+            text: None,
+            output_tokens,
+            session: Some(session),
+            chat: Some(call),
+        }
+    }
+
     /// Its prompt's tokens (estimated for a chat call).
     pub fn prompt_tokens(&self) -> usize {
         self.chat
