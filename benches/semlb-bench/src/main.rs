@@ -1,8 +1,8 @@
 //! # semlb-bench
 //!
 //! `semlb-bench` (also run as `semlb bench`, which execs this binary from
-//! its own directory): the measurements behind the README's Benchmarks
-//! section, run on this machine with real processes, a real tokenizer, real
+//! its own directory): the measurements behind the book's results pages
+//! (`docs/results/`), run on this machine with real processes, a real tokenizer, real
 //! HTTP and a private `redis-server`. It is a crate of its own so that the
 //! gateway binary does not link the plotting and progress-bar crates
 //! (`plotters`, `indicatif`) it needs.
