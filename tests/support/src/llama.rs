@@ -37,7 +37,7 @@ impl LlamaInstall {
     pub fn located() -> Self {
         let target = std::env::var_os("CARGO_TARGET_DIR")
             .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target"));
+            .unwrap_or_else(|| workspace().join("target"));
         let cached = target.join("llama-cpp");
         Self {
             server: std::env::var_os("LLAMA_SERVER")
@@ -79,6 +79,12 @@ impl LlamaInstall {
     }
 }
 
+/// The workspace's root (this crate is `tests/support`).
+fn workspace() -> PathBuf {
+    let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    here.ancestors().nth(2).unwrap_or(here).to_path_buf()
+}
+
 /// A failed build is not tried again by other tests within this long (a
 /// test run), but is by a later run.
 const RETRY_FAILED_BUILD: Duration = Duration::from_secs(30 * 60);
@@ -106,7 +112,7 @@ impl LlamaInstall {
         if recent(&failed) {
             return None;
         }
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../workers/recipes/llama-cpp/get.sh");
+        let script = workspace().join("workers/recipes/llama-cpp/get.sh");
         let log_path = cached.join("get.log");
         let _ = writeln!(
             std::io::stderr(),
