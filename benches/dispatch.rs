@@ -39,6 +39,18 @@ use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::ChatTemplate;
 use shm_layout::{LayoutPlan, Segment, Stamp};
 
+/// The response-cache key of a chat body, as an anonymous client's.
+fn cache_key(body: &semlb::openai::body::Object<'_>) -> shm_layout::ResponseKey {
+    key(
+        &semlb::response_cache::KeySecret::new(1),
+        Tenant::ANONYMOUS,
+        Endpoint::ChatCompletions,
+        "",
+        &http::HeaderMap::new(),
+        body,
+    )
+}
+
 const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/data");
 
 /// Chat bodies of about `target` tokens each: real dialogues if available.
@@ -211,14 +223,7 @@ fn dispatch(c: &mut Criterion) {
         g.bench_function("cache_lookup", |b| {
             b.iter(|| {
                 i = (i + 1) % parsed.len();
-                let k = key(
-                    &semlb::response_cache::KeySecret::new(1),
-                    Tenant::ANONYMOUS,
-                    Endpoint::ChatCompletions,
-                    "",
-                    &http::HeaderMap::new(),
-                    &parsed[i].body,
-                );
+                let k = cache_key(&parsed[i].body);
                 black_box(t.responses.get_into(k, &mut buf).is_some())
             })
         });
@@ -319,14 +324,7 @@ fn dispatch(c: &mut Criterion) {
                     unreachable!()
                 };
                 hasher.chain(&tokenizer.encode(text), &mut chain);
-                let k = key(
-                    &semlb::response_cache::KeySecret::new(1),
-                    Tenant::ANONYMOUS,
-                    Endpoint::ChatCompletions,
-                    "",
-                    &http::HeaderMap::new(),
-                    &p.body,
-                );
+                let k = cache_key(&p.body);
                 let hit = t.responses.get_into(k, &mut buf).is_some();
                 let m = prefix_match(&t, seg.clock().now_ms(), &chain, &[], None);
                 live_candidates(&t, &mut candidates);

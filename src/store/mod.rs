@@ -134,6 +134,19 @@ pub struct Lookup {
 }
 
 impl Lookup {
+    /// A lookup holding `local`'s live candidates for `request`, with no
+    /// match yet: what every store's lookup starts from.
+    pub(crate) fn of_candidates(local: &local::LocalState, request: &LookupRequest<'_>) -> Self {
+        let mut lookup = Lookup::default();
+        local.candidates(
+            request.exclude,
+            request.members,
+            request.stale_after_ms,
+            &mut lookup.candidates,
+        );
+        lookup
+    }
+
     /// The match a policy routes on: the table's, raised by the credit of
     /// continued conversations.
     pub fn routing_prefix(&self) -> PrefixMatch {

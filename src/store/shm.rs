@@ -41,13 +41,7 @@ impl ShmStore {
     pub fn lookup_now(&self, request: LookupRequest<'_>) -> Lookup {
         let segment = self.local.segment();
         let tables = segment.tables();
-        let mut lookup = Lookup::default();
-        self.local.candidates(
-            request.exclude,
-            request.members,
-            request.stale_after_ms,
-            &mut lookup.candidates,
-        );
+        let mut lookup = Lookup::of_candidates(&self.local, &request);
         if let Some(key) = request.response_key {
             let mut buf = Vec::new();
             if let Some(entry) = tables.responses.get_into(key, &mut buf) {

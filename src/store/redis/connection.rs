@@ -73,6 +73,26 @@ pub(super) fn millis(d: Duration) -> u64 {
 }
 
 impl RedisStore {
+    /// A store through `client` that has not connected yet (it connects
+    /// at its first round trip).
+    fn unconnected(client: redis::Client, namespace: &str, ttl: Duration, timeout: Duration) -> Self {
+        Self {
+            client,
+            conn: None,
+            namespace: namespace.to_owned(),
+            ttl,
+            timeout: timeout.max(Duration::from_millis(1)),
+            insert: Script::new(INSERT_SCRIPT),
+            lpm: Script::new(LPM_SCRIPT),
+            publish: Script::new(PUBLISH_SCRIPT),
+            sum: Script::new(SUM_SCRIPT),
+            owner: owner_id(),
+            counts: Vec::new(),
+            round_trips: 0,
+            connects: 0,
+        }
+    }
+
     /// Connects to `url` (`redis://host:port/db`), with prefix entries
     /// expiring `ttl` after their last insert (at least 1 ms) and
     /// [`DEFAULT_TIMEOUT`] on connect, read and write.
@@ -102,21 +122,7 @@ impl RedisStore {
         ttl: Duration,
         timeout: Duration,
     ) -> Result<Self, StoreError> {
-        let mut store = Self {
-            client,
-            conn: None,
-            namespace: namespace.to_owned(),
-            ttl,
-            timeout: timeout.max(Duration::from_millis(1)),
-            insert: Script::new(INSERT_SCRIPT),
-            lpm: Script::new(LPM_SCRIPT),
-            publish: Script::new(PUBLISH_SCRIPT),
-            sum: Script::new(SUM_SCRIPT),
-            owner: owner_id(),
-            counts: Vec::new(),
-            round_trips: 0,
-            connects: 0,
-        };
+        let mut store = Self::unconnected(client, namespace, ttl, timeout);
         store.connection()?;
         Ok(store)
     }
@@ -287,21 +293,8 @@ mod tests {
 
     #[test]
     fn keys_carry_the_namespace_and_fixed_width_hex() {
-        let store = RedisStore {
-            client: redis::Client::open("redis://127.0.0.1:1").unwrap(),
-            conn: None,
-            namespace: "ns".into(),
-            ttl: Duration::from_secs(1),
-            timeout: DEFAULT_TIMEOUT,
-            insert: Script::new(INSERT_SCRIPT),
-            lpm: Script::new(LPM_SCRIPT),
-            publish: Script::new(PUBLISH_SCRIPT),
-            sum: Script::new(SUM_SCRIPT),
-            owner: owner_id(),
-            counts: Vec::new(),
-            round_trips: 0,
-            connects: 0,
-        };
+        let client = redis::Client::open("redis://127.0.0.1:1").unwrap();
+        let store = RedisStore::unconnected(client, "ns", Duration::from_secs(1), DEFAULT_TIMEOUT);
         assert_eq!(store.prefix_key(0xab), "ns:p:00000000000000ab");
         assert_eq!(store.response_key(1), format!("ns:r:{}1", "0".repeat(31)));
         assert_eq!(store.owners_key(), "ns:owners");

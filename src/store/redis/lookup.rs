@@ -22,13 +22,7 @@ impl RedisRouting {
     /// What [`RoutingStore::lookup`](crate::store::RoutingStore::lookup)
     /// answers (see the module docs).
     pub(super) async fn look_up(&self, request: LookupRequest<'_>) -> Lookup {
-        let mut lookup = Lookup::default();
-        self.local.candidates(
-            request.exclude,
-            request.members,
-            request.stale_after_ms,
-            &mut lookup.candidates,
-        );
+        let mut lookup = Lookup::of_candidates(&self.local, &request);
         let Some(fetched) = self.guarded("lookup", self.fetch(request)).await else {
             self.degraded.fetch_add(1, Relaxed);
             self.health.degraded_in_outage.fetch_add(1, Relaxed);
