@@ -179,11 +179,14 @@ pub async fn follow(target: Target, ctx: Context) {
     loop {
         match subscribe(&target, &ctx, &client).await {
             Ok(()) => last_error.clear(),
-            Err(e) if e.to_string() != last_error => {
-                tracing::warn!(backend = %target.url, events = %target.events, "KV events of {}: {e}; retrying", target.url);
-                last_error = e.to_string();
+            Err(e) => {
+                // Said once while the same reason lasts.
+                let e = e.to_string();
+                if e != last_error {
+                    tracing::warn!(backend = %target.url, events = %target.events, "KV events of {}: {e}; retrying", target.url);
+                    last_error = e;
+                }
             }
-            Err(_) => {}
         }
         tokio::time::sleep(RETRY).await;
     }
@@ -293,11 +296,15 @@ async fn subscribe(
 }
 
 async fn connect(endpoint: &str, kind: SocketType) -> Result<Connection, FollowError> {
-    let endpoint = endpoint.to_owned();
-    match tokio::time::timeout(IO_TIMEOUT, Connection::connect(&endpoint, kind)).await {
+    match tokio::time::timeout(IO_TIMEOUT, Connection::connect(endpoint, kind)).await {
         Ok(Ok(c)) => Ok(c),
-        Ok(Err(error)) => Err(FollowError::Connect { endpoint, error }),
-        Err(_) => Err(FollowError::ConnectTimeout { endpoint }),
+        Ok(Err(error)) => Err(FollowError::Connect {
+            endpoint: endpoint.to_owned(),
+            error,
+        }),
+        Err(_) => Err(FollowError::ConnectTimeout {
+            endpoint: endpoint.to_owned(),
+        }),
     }
 }
 

@@ -49,7 +49,7 @@ pub(super) async fn admit(
     let reserve = || {
         crate::tenancy::rate_limit::output_reservation(
             parsed.requested_output(),
-            parsed.answers().saturating_mul(parsed.extra().prompts),
+            parsed.answers().saturating_mul(tokens.prompts),
             dispatcher.config().limits.reserve_output_tokens,
             context_limit::largest(servers, |id| pool.members().admits(id))
                 .map(|c| u64::from(c.tokens).saturating_sub(tokens.in_context)),

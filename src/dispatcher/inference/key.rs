@@ -8,6 +8,7 @@ use shm_layout::ResponseKey;
 
 use super::parse::Parsed;
 use super::tokenize::Tokens;
+use crate::dispatcher::timing::{DispatchTiming, Mark};
 use crate::openai::prompt::RoutingInput;
 use crate::prefix::blocks::{BlockHasher, TenantSalt};
 use crate::response_cache::{self, Cacheability, Scope, Tenant};
@@ -27,7 +28,8 @@ pub(super) struct Keyed {
     pub key: Option<ResponseKey>,
 }
 
-/// Hashes the prompt's tokens and keys the request.
+/// Hashes the prompt's tokens (the `hash` stage of its timing) and keys
+/// the request (counted in the `cache` stage, with the lookup).
 pub(super) async fn key(
     super::Asked {
         dispatcher,
@@ -36,6 +38,7 @@ pub(super) async fn key(
     }: super::Asked<'_>,
     request: &Parsed<'_>,
     tokens: &Tokens,
+    timing: &mut DispatchTiming,
 ) -> Keyed {
     let Parsed {
         parts, parsed, pool, ..
@@ -65,6 +68,7 @@ pub(super) async fn key(
         }
         _ => 0,
     };
+    timing.mark(Mark::Hash);
     let rc = &dispatcher.config().response_cache;
     let header_bytes = |name| parts.headers.get(name).map(HeaderValue::as_bytes);
     let cacheability = response_cache::cacheability(

@@ -82,21 +82,20 @@ pub(super) async fn inference(
         Ok(a) => a,
         Err(refused) => return refused,
     };
-    let keyed = key::key(asked, &request, &tokens).await;
-    timing.mark(Mark::Hash);
+    let keyed = key::key(asked, &request, &tokens, &mut timing).await;
     let found = lookup::look_up(asked, &request, &tokens, &keyed, &admitted, &mut timing).await;
     let (lookup, answer_tokens) = match found {
         lookup::Found::Answered(response) => return response,
         lookup::Found::Route { lookup, answer_tokens } => (lookup, answer_tokens),
     };
-    let found = send::Found {
+    let gathered = send::Gathered {
         tokens,
         keyed,
         lookup,
         answer_tokens,
         timing,
     };
-    let mut response = send::send(asked, request, &bytes, found, &mut admitted).await;
+    let mut response = send::send(asked, request, &bytes, gathered, &mut admitted).await;
     admitted.set_headers(&mut response);
     super::concurrency::hold(response, counted)
 }

@@ -23,8 +23,8 @@ use crate::store::Lookup;
 use crate::tenancy::auth::Caller;
 use crate::tenancy::fair_share::{PRIORITY_HEADER, Priority, Share};
 
-/// What the stages before found out, handed to the proxy.
-pub(super) struct Found {
+/// What the stages before gathered, handed to the proxy.
+pub(super) struct Gathered {
     pub tokens: Tokens,
     pub keyed: Keyed,
     pub lookup: Lookup,
@@ -42,7 +42,7 @@ pub(super) async fn send(
     }: super::Asked<'_>,
     request: Parsed<'_>,
     bytes: &Bytes,
-    found: Found,
+    gathered: Gathered,
     admitted: &mut Admitted,
 ) -> Response<Body> {
     let Parsed {
@@ -51,13 +51,13 @@ pub(super) async fn send(
         pool,
         session,
     } = request;
-    let Found {
+    let Gathered {
         tokens,
         keyed,
         lookup,
         answer_tokens,
         timing,
-    } = found;
+    } = gathered;
     let cache = if keyed.cacheability.writes() {
         dispatcher.metrics().cache(crate::metrics::CacheResult::Miss);
         "miss"

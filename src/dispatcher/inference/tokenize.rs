@@ -25,6 +25,8 @@ pub(super) struct Tokens {
     pub in_context: u64,
     /// Prompt tokens charged to the limits (a batch's every prompt).
     pub charged: u64,
+    /// Prompts in the request (a completions batch has several).
+    pub prompts: u64,
 }
 
 /// Tokenizes `parsed`'s routing text (taking a tokens prompt's ids).
@@ -70,5 +72,6 @@ pub(super) async fn tokenize(
         segment_salt,
         in_context,
         charged,
+        prompts: extra.prompts,
     }
 }
