@@ -641,16 +641,10 @@ enum Found {
     Value,
 }
 
-#[derive(Debug)]
+/// What serde's derived code reports to the probe (never a real failure).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
 struct ProbeError(String);
-
-impl std::fmt::Display for ProbeError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for ProbeError {}
 
 impl de::Error for ProbeError {
     fn custom<T: std::fmt::Display>(msg: T) -> Self {
