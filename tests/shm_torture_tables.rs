@@ -855,11 +855,18 @@ fn limit_table_under_eviction_and_kills() {
     // Still usable: fresh keys, in the packed windows and elsewhere, take.
     let n = (t.limits.capacity() / 4) as u64;
     let span = u64::MAX / n;
+    let hot_homes: HashSet<u64> = hot.iter().map(|k| home(*k, n)).collect();
     for i in 0..64u64 {
         let fresh = if i < 16 {
             bucket_start((i % HOT_WINDOWS) * (n / HOT_WINDOWS), n) + 1 + mix(seed ^ 0xf7e5 ^ i) % (span - 2)
         } else {
-            mix(seed ^ 0xf7e5 ^ i)
+            // Elsewhere: off the packed buckets (a random key homed in one
+            // meets a full window and is rightly refused; seed
+            // 1796580907649085820 drew one).
+            (0u64..)
+                .map(|j| mix(seed ^ 0xf7e5 ^ i ^ (j << 32)))
+                .find(|k| !hot_homes.contains(&home(*k, n)))
+                .expect("a key off the packed buckets")
         };
         match t.limits.take(fresh, LIMIT_QUOTA, 1, clock.now_ns()) {
             Taken::Allowed(_) => {}
