@@ -27,20 +27,14 @@ pub struct Report {
     pub header: HeaderInfo,
     /// Whether the creator's pid names a live process.
     pub creator_alive: Liveness,
-    /// Occupied prefix-table slots.
-    pub prefix_occupancy: u64,
-    /// Prefix-table slots.
-    pub prefix_capacity: u64,
-    /// Occupied confirmed-prefix slots (the engines' KV events).
-    pub confirmed_occupancy: u64,
-    /// Confirmed-prefix slots.
-    pub confirmed_capacity: u64,
+    /// The prefix table's slots.
+    pub prefix: Fill,
+    /// The confirmed-prefix table's slots (the engines' KV events).
+    pub confirmed: Fill,
     /// Response-log counters.
     pub responses: ResponseLogStats,
-    /// Occupied response-index slots.
-    pub response_index_occupancy: u64,
-    /// Response-index slots.
-    pub response_index_capacity: u64,
+    /// The response index's slots.
+    pub response_index: Fill,
     /// Segment-store counters (token segments, [`semlb::store::segments`]).
     pub segments: ResponseLogStats,
     /// Occupied segment-index slots.
@@ -122,13 +116,10 @@ impl Report {
         Self {
             name: segment.name().unwrap_or("(heap)").to_owned(),
             creator_alive: Liveness::of(header.creator_pid),
-            prefix_occupancy: tables.prefix.occupancy(),
-            prefix_capacity: tables.prefix.capacity(),
-            confirmed_occupancy: tables.confirmed.occupancy(),
-            confirmed_capacity: tables.confirmed.capacity(),
+            prefix: Fill::new(tables.prefix.occupancy(), tables.prefix.capacity()),
+            confirmed: Fill::new(tables.confirmed.occupancy(), tables.confirmed.capacity()),
             responses: tables.responses.stats(),
-            response_index_occupancy: tables.responses.index_occupancy(),
-            response_index_capacity: tables.responses.index_capacity(),
+            response_index: Fill::new(tables.responses.index_occupancy(), tables.responses.index_capacity()),
             segments: tables.segments.stats(),
             segment_index_occupancy: tables.segments.index_occupancy(),
             limits: tables.limits.occupancy(segment.clock().now_ns()),
@@ -208,20 +199,8 @@ impl Report {
             );
         }
         let _ = writeln!(w);
-        let _ = writeln!(
-            w,
-            "prefix table      {} / {} slots ({})",
-            self.prefix_occupancy,
-            self.prefix_capacity,
-            percent(self.prefix_occupancy, self.prefix_capacity, 2)
-        );
-        let _ = writeln!(
-            w,
-            "confirmed         {} / {} slots ({})",
-            self.confirmed_occupancy,
-            self.confirmed_capacity,
-            percent(self.confirmed_occupancy, self.confirmed_capacity, 2)
-        );
+        let _ = writeln!(w, "prefix table      {}", self.prefix.show(" / ", "slots", 2));
+        let _ = writeln!(w, "confirmed         {}", self.confirmed.show(" / ", "slots", 2));
         let _ = writeln!(
             w,
             "rate limits       {} buckets in use ({} slots held) / {} slots",
@@ -237,8 +216,8 @@ impl Report {
             ByteSize(r.tail),
             ByteSize(r.capacity),
             ByteSize(r.max_value),
-            self.response_index_occupancy,
-            self.response_index_capacity
+            self.response_index.used,
+            self.response_index.capacity
         );
         let s = &self.segments;
         let _ = writeln!(
@@ -366,8 +345,8 @@ impl Report {
                 "creator_alive": self.creator_alive.as_json(),
             },
             "regions": regions,
-            "prefix_table": {"occupancy": self.prefix_occupancy, "capacity": self.prefix_capacity},
-            "confirmed_prefixes": {"occupancy": self.confirmed_occupancy, "capacity": self.confirmed_capacity},
+            "prefix_table": {"occupancy": self.prefix.used, "capacity": self.prefix.capacity},
+            "confirmed_prefixes": {"occupancy": self.confirmed.used, "capacity": self.confirmed.capacity},
             "rate_limits": {"in_use": self.limits.0, "held": self.limits.1, "capacity": self.limit_capacity},
             "usage": self.usage.iter().map(usage_json).collect::<Vec<_>>(),
             "response_cache": {
@@ -377,8 +356,8 @@ impl Report {
                 "log_tail": r.tail,
                 "log_capacity": r.capacity,
                 "max_value": r.max_value,
-                "index_occupancy": self.response_index_occupancy,
-                "index_capacity": self.response_index_capacity,
+                "index_occupancy": self.response_index.used,
+                "index_capacity": self.response_index.capacity,
             },
             "segment_store": {
                 "records": self.segments.records,
@@ -409,6 +388,37 @@ fn state_name(state: u64) -> &'static str {
 fn kv_usage(load: &shm_layout::LoadFigures) -> String {
     load.kv_usage()
         .map_or_else(|| "not reported".to_owned(), |kv| format!("{:.2} %", kv * 100.0))
+}
+
+/// Slots of a table in use, of how many.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fill {
+    /// Slots in use.
+    pub used: u64,
+    /// Slots in all.
+    pub capacity: u64,
+}
+
+impl Fill {
+    /// `used` of `capacity`.
+    pub fn new(used: u64, capacity: u64) -> Self {
+        Self { used, capacity }
+    }
+
+    /// The share in use, with `decimals` places (`-` of an empty table).
+    pub fn share(&self, decimals: usize) -> String {
+        percent(self.used, self.capacity, decimals)
+    }
+
+    /// `12{between}64 {unit} (18.75 %)`: both counts and the share.
+    pub fn show(&self, between: &str, unit: &str, decimals: usize) -> String {
+        format!(
+            "{}{between}{} {unit} ({})",
+            self.used,
+            self.capacity,
+            self.share(decimals)
+        )
+    }
 }
 
 /// `part` of `whole` as a percentage with `decimals` places (`-` of nothing).
@@ -494,7 +504,7 @@ mod tests {
             .prefix
             .insert_chain(&[1, 2, 3], server, seg.clock().stamp());
         let report = Report::of(&seg);
-        assert_eq!(report.prefix_occupancy, 3);
+        assert_eq!(report.prefix.used, 3);
         assert_eq!(report.creator_alive, Liveness::Alive);
         let text = report.text();
         for needle in [

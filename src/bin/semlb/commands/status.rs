@@ -176,19 +176,13 @@ fn summary(w: &mut String, r: &Report, totals: &Totals, now_ms: u64, answered_pe
         q.timeout,
         q.full
     );
-    let _ = writeln!(
-        w,
-        "prefix table   {} of {} entries ({})",
-        r.prefix_occupancy,
-        r.prefix_capacity,
-        percent(r.prefix_occupancy, r.prefix_capacity, 1)
-    );
+    let _ = writeln!(w, "prefix table   {}", r.prefix.show(" of ", "entries", 1));
     let _ = writeln!(
         w,
         "responses      {} cached, {} refused (too large); index {}",
         r.responses.records,
         r.responses.refused,
-        percent(r.response_index_occupancy, r.response_index_capacity, 1)
+        r.response_index.share(1)
     );
     let _ = writeln!(
         w,
