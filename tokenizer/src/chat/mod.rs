@@ -363,15 +363,13 @@ impl ChatTemplate {
 
 /// Appends the canonical rendering (see [`ChatTemplate::canonical`]).
 fn render_canonical(messages: &[ChatMessage<'_>], out: &mut String) {
-    out.reserve(native::text_len(messages, 6) + 14);
-    for message in messages {
-        out.push_str("<|");
-        out.push_str(&message.role);
-        out.push_str("|>\n");
-        out.push_str(&message.content);
-        out.push('\n');
+    native::Turns {
+        before_role: "<|",
+        after_role: "|>\n",
+        after_content: "\n",
+        generation: "<|assistant|>\n",
     }
-    out.push_str("<|assistant|>\n");
+    .render(messages, out);
 }
 
 #[cfg(test)]

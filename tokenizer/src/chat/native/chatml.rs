@@ -11,18 +11,16 @@
 //! verbatim; an empty conversation is just the generation prompt. It never
 //! fails.
 
-use super::text_len;
+use super::Turns;
 use crate::chat::ChatMessage;
 
 /// Appends the ChatML prompt for `messages` to `out`.
 pub(super) fn render(messages: &[ChatMessage<'_>], out: &mut String) {
-    out.reserve(text_len(messages, 24) + 22);
-    for message in messages {
-        out.push_str("<|im_start|>");
-        out.push_str(&message.role);
-        out.push('\n');
-        out.push_str(&message.content);
-        out.push_str("<|im_end|>\n");
+    Turns {
+        before_role: "<|im_start|>",
+        after_role: "\n",
+        after_content: "<|im_end|>\n",
+        generation: "<|im_start|>assistant\n",
     }
-    out.push_str("<|im_start|>assistant\n");
+    .render(messages, out);
 }

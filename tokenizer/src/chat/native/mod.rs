@@ -218,6 +218,32 @@ impl NativeTemplate {
     }
 }
 
+/// A template that writes every message, whatever its role, as
+/// `{before_role}{role}{after_role}{content}{after_content}`, in order,
+/// then `generation`: ChatML and the canonical rendering.
+pub(super) struct Turns {
+    pub before_role: &'static str,
+    pub after_role: &'static str,
+    pub after_content: &'static str,
+    pub generation: &'static str,
+}
+
+impl Turns {
+    /// Appends the prompt for `messages` to `out`.
+    pub(super) fn render(&self, messages: &[ChatMessage<'_>], out: &mut String) {
+        let marks = self.before_role.len() + self.after_role.len() + self.after_content.len();
+        out.reserve(text_len(messages, marks) + self.generation.len());
+        for message in messages {
+            out.push_str(self.before_role);
+            out.push_str(&message.role);
+            out.push_str(self.after_role);
+            out.push_str(&message.content);
+            out.push_str(self.after_content);
+        }
+        out.push_str(self.generation);
+    }
+}
+
 /// Bytes of the roles and contents of `messages`: with a per-message
 /// allowance, what a renderer reserves before writing.
 pub(super) fn text_len(messages: &[ChatMessage<'_>], per_message: usize) -> usize {
