@@ -204,6 +204,19 @@ impl Bucket {
             n,
         }
     }
+
+    /// `tenant 'acme' on tokens per min (TPM): Limit 1000`, as OpenAI's
+    /// limit messages name a bucket.
+    fn described(&self) -> String {
+        format!(
+            "{} '{}' on {} per min ({}): Limit {}",
+            self.scope.name(),
+            self.owner,
+            self.unit.name(),
+            self.unit.short(),
+            self.quota.limit
+        )
+    }
 }
 
 /// `n` units of a bucket, as a store takes them.
@@ -347,12 +360,8 @@ impl RequestBuckets {
                 let requested = charges[*index].n;
                 Outcome::Refused(Refusal {
                     message: format!(
-                        "Rate limit reached for {} '{}' on {} per min ({}): Limit {}, Remaining {}, Requested {requested}. Please try again in {}.",
-                        bucket.scope.name(),
-                        bucket.owner,
-                        bucket.unit.name(),
-                        bucket.unit.short(),
-                        bucket.quota.limit,
+                        "Rate limit reached for {}, Remaining {}, Requested {requested}. Please try again in {}.",
+                        bucket.described(),
                         state.remaining,
                         duration_text(*retry_after_ns)
                     ),
@@ -366,12 +375,8 @@ impl RequestBuckets {
                 let requested = charges[*index].n;
                 Outcome::Refused(Refusal {
                     message: format!(
-                        "Request too large for {} '{}' on {} per min ({}): Limit {}, Requested {requested}. The input must be smaller.",
-                        bucket.scope.name(),
-                        bucket.owner,
-                        bucket.unit.name(),
-                        bucket.unit.short(),
-                        bucket.quota.limit
+                        "Request too large for {}, Requested {requested}. The input must be smaller.",
+                        bucket.described()
                     ),
                     unit: bucket.unit,
                     retry_after_ns: None,
@@ -602,6 +607,11 @@ mod tests {
             r.message
         );
         assert_eq!(r.retry_after_ns, Some(12 * SEC));
+        assert_eq!(
+            r.message,
+            "Rate limit reached for model 'big' on tokens per min (TPM): Limit 500, Remaining 200, Requested 300. \
+             Please try again in 12s."
+        );
         assert_eq!(t.peek(tenant[0].key, tenant[0].quota, now).remaining, 9);
         assert_eq!(t.peek(tenant[1].key, tenant[1].quota, now).remaining, 700);
         let mut headers = HeaderMap::new();
@@ -617,6 +627,11 @@ mod tests {
             panic!("{v:?}")
         };
         assert_eq!(r.retry_after_ns, None);
+        assert_eq!(
+            r.message,
+            "Request too large for model 'big' on tokens per min (TPM): Limit 500, Requested 600. The input must be \
+             smaller."
+        );
         assert!(
             r.message.starts_with("Request too large for model 'big'"),
             "{}",
