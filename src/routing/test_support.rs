@@ -67,15 +67,7 @@ pub(crate) fn cand(server: ServerRef, inflight: u64, inflight_tokens: u64) -> Ca
 pub(crate) fn input<'a>(prompt_blocks: u32, prefix: &'a PrefixMatch, candidates: &'a [Candidate]) -> RouteInput<'a> {
     RouteInput {
         prompt_blocks,
-        chain: &[],
-        prompt_tokens: prompt_blocks * 16,
-        block_tokens: 16,
-        session: None,
-        repeat: false,
-        waited_ms: 0,
-        prefix,
-        header_blocks: 0,
-        candidates,
+        ..RouteInput::new(&[], prompt_blocks * 16, 16, prefix, candidates)
     }
 }
 
@@ -86,18 +78,7 @@ pub(crate) fn input_for<'a>(
     prefix: &'a PrefixMatch,
     candidates: &'a [Candidate],
 ) -> RouteInput<'a> {
-    RouteInput {
-        prompt_blocks: chain.len() as u32,
-        chain,
-        prompt_tokens,
-        block_tokens: 16,
-        session: None,
-        repeat: false,
-        waited_ms: 0,
-        prefix,
-        header_blocks: 0,
-        candidates,
-    }
+    RouteInput::new(chain, prompt_tokens, 16, prefix, candidates)
 }
 
 /// A choice.
