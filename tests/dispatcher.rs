@@ -700,6 +700,49 @@ async fn a_turn_sent_as_the_engine_closes_the_last_streams_connection_is_answere
     gw.stop().await;
 }
 
+/// Several streams at once leave several connections in the pool that
+/// the engine closes at the next request (llama-server's way): a request
+/// that meets one is sent again on a new connection, never on another of
+/// them. (The pool kept two: the resend met the second and the client got
+/// a 502; CI saw it once, under load, in the test above.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_resend_after_a_closed_connection_never_meets_another() {
+    let gw = gateway(Setup {
+        sims: 0,
+        raw: &[RawEngine::ClosesAfterStream],
+        ..Setup::default()
+    })
+    .await;
+    let ask = |i: usize| {
+        let body = chat(&[("user", &format!("Stream {i}, please."))], json!({"stream": true}));
+        async move { post(gw.addr, "/v1/chat/completions", &body, &[]).await }
+    };
+    for round in 0..4 {
+        // Concurrent streams: each on its own connection, all of which
+        // the engine closes when the next request comes on them.
+        let replies = futures_util::future::join_all((0..3).map(|i| ask(round * 10 + i))).await;
+        for reply in &replies {
+            assert_eq!(reply.status, StatusCode::OK, "round {round}: {}", reply.text());
+        }
+        // One request at a time now: each may meet one of them.
+        for i in 0..3 {
+            let reply = ask(round * 10 + 5 + i).await;
+            assert_eq!(
+                reply.status,
+                StatusCode::OK,
+                "round {round}, request {i}: {}",
+                reply.text()
+            );
+            let events = sse::events(reply.text());
+            assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        }
+    }
+    let s = gw.dispatcher.stats();
+    assert!(s.stale_connections >= 1, "{s:?}");
+    assert_eq!((s.upstream_errors, s.retries, s.server_errors), (0, 0, 0), "{s:?}");
+    gw.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_request_every_engine_fails_is_tried_on_two_and_ejects_none() {
     // Three engines that all choke on one request (500) and answer the rest.

@@ -257,6 +257,11 @@ pub struct Dispatcher {
     /// bounded by it, so an engine's endless answer grows no dispatcher.
     max_record: usize,
     client: UpstreamClient,
+    /// A client without a pool, for sending a request again after a pooled
+    /// connection turned out closed: the pool may hold another connection
+    /// the server is closing (hyper keeps the connection it opened while
+    /// an idle one was checked out), and the request must not meet it.
+    fresh_client: UpstreamClient,
     health: PassiveHealth,
     queue: queue::GatewayQueue,
     /// `[peering]` and its view of the peer gateways (replaced whole by a
@@ -308,6 +313,11 @@ impl Dispatcher {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .pool_timer(TokioTimer::new())
+            .build(connector.clone());
+        // Keeps no connection: a request it sends always goes out on a new
+        // one (see `fresh_client`).
+        let fresh_client = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(0)
             .build(connector);
         let dispatcher = Self {
             // Before `config` moves into the struct.
@@ -326,6 +336,7 @@ impl Dispatcher {
             cacheable_stream_bytes,
             max_record,
             client,
+            fresh_client,
             peering: std::sync::RwLock::new(Arc::new(Peering::default())),
             segments_reported: std::sync::Mutex::default(),
             merged_models: models::MergedModels::default(),
@@ -559,6 +570,10 @@ impl Dispatcher {
 
     fn max_record(&self) -> usize {
         self.max_record
+    }
+
+    fn fresh_client(&self) -> &UpstreamClient {
+        &self.fresh_client
     }
 
     fn client(&self) -> &UpstreamClient {

@@ -67,10 +67,11 @@ impl Attempts<'_> {
         let body = self
             .outbound
             .body_for(self.outbound.cache_salt.is_some() && dispatcher.takes_cache_salt(&address));
+        let mut client = dispatcher.client();
         let result = loop {
             let result = tokio::select! {
                 biased;
-                head = dispatcher.client().request(self.outbound.request(uri.clone(), body.clone())) => Ok(head),
+                head = client.request(self.outbound.request(uri.clone(), body.clone())) => Ok(head),
                 () = deadline.as_mut() => Err(()),
             };
             // A connection the server had closed: once per request, the
@@ -78,6 +79,9 @@ impl Attempts<'_> {
             match &result {
                 Ok(Err(e)) if !self.resent_stale && crate::dispatcher::failure::is_stale_connection(e) => {
                     self.resent_stale = true;
+                    // Never a pooled one: the pool may hold another
+                    // connection the server is closing.
+                    client = dispatcher.fresh_client();
                     dispatcher.metrics().stale_connection();
                     tracing::debug!(
                         backend = %address,
