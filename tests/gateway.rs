@@ -987,7 +987,15 @@ fn a_redis_outage_under_load_fails_no_request_and_heals_by_itself() {
         std::thread::sleep(Duration::from_millis(10));
     }
     let hit = chat(&gw.proc.addr, &msgs, json!({"temperature": 0}), &[]);
-    assert_eq!(hit.header("x-semlb-cache"), Some("hit"));
+    // (Seen once as a miss, in a full suite on a loaded machine, with no
+    // Redis failure in the log as far as it was printed: the log is in the
+    // message to tell why, should it happen again.)
+    assert_eq!(
+        hit.header("x-semlb-cache"),
+        Some("hit"),
+        "a repeat after the answer reached Redis:\n{}",
+        gw.proc.stderr_text()
+    );
 }
 
 /// `--log-format json --log-level debug`: every stderr line of the
