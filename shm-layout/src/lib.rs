@@ -29,7 +29,7 @@
 //!  offset 0                                                     segment_bytes
 //!  ┌────────┬─────────┬────────┬──────────┬──────────┬─────────┬─────────┬────────────┬──────────┬──────────────┬─────────┬─────────────┬──────────────┬──────────────┐
 //!  │ header │ servers │ ledger │ registry │  stats   │ limits  │  usage  │ rings × 64 │ response │ response log │ segment │ segment log │  confirmed   │ prefix table │
-//!  │ 4 KiB  │ 128×384B│ 512 KiB│ 128×64 B │ 128×8 KiB│ 256 KiB │ 128 KiB │ ctl + ring │  index   │ ctl + ring   │  index  │ ctl + ring  │ 64 B buckets │ 64 B buckets │
+//!  │ 4 KiB  │ 128×448B│ 512 KiB│ 128×64 B │ 128×8 KiB│ 256 KiB │ 128 KiB │ ctl + ring │  index   │ ctl + ring   │  index  │ ctl + ring  │ 64 B buckets │ 64 B buckets │
 //!  └────────┴─────────┴────────┴──────────┴──────────┴─────────┴─────────┴────────────┴──────────┴──────────────┴─────────┴─────────────┴──────────────┴──────────────┘
 //!   every region starts on a 4 KiB boundary; sizes derive from the segment
 //!   size (see [`plan`]) and are recorded in the header's region table
@@ -54,7 +54,7 @@
 //!
 //! | region | element | `count` | `param` | module |
 //! | --- | --- | --- | --- | --- |
-//! | servers | 384 B server slot | 128 | – | [`server_table`] |
+//! | servers | 448 B server slot | 128 | – | [`server_table`] |
 //! | ledger | 32 B cell (counts and toggle bits in 128 bits, then the intent of the op under way) per process × server | 128 × 128 | 128 | [`server_table`] |
 //! | registry | 64 B process slot | 128 | – | [`registry`] |
 //! | stats | 8 KiB block of [`STAT_WORDS`] `u64` counters per process slot | 128 | 1024 (words per block) | [`stats`] |
@@ -141,8 +141,8 @@ pub use response_log::{PutError, ResponseKey, ResponseLog, ResponseLogStats};
 #[cfg(not(loom))]
 pub use segment::{Segment, SegmentClock, Tables, shm_path};
 pub use server_table::{
-    EngineContext, HORIZON_SPAN_S, KvEventsSync, MAX_CHARGED_TOKENS, Reclaimed, RegisterError, ServerInfo, ServerRef,
-    ServerState, ServerTable, ServerTag,
+    Disaggregation, EngineContext, HORIZON_SPAN_S, KvEventsSync, MAX_CHARGED_TOKENS, Reclaimed, RegisterError,
+    ServerInfo, ServerRef, ServerRole, ServerState, ServerTable, ServerTag,
 };
 pub use stats::Stats;
 pub use usage_table::{USAGE_COUNTERS, UsageCounter, UsageKind, UsageRow, UsageTable};

@@ -7,7 +7,7 @@
 //! | region | size | derived how |
 //! | --- | --- | --- |
 //! | header | 4 KiB | fixed |
-//! | server table | [`SERVER_SLOTS`] × 384 B | fixed |
+//! | server table | [`SERVER_SLOTS`] × 448 B | fixed |
 //! | in-flight ledger | [`PROCESS_SLOTS`] × [`SERVER_SLOTS`] × 32 B | fixed (512 KiB) |
 //! | process registry | [`PROCESS_SLOTS`] × 64 B | fixed |
 //! | stats | [`PROCESS_SLOTS`] × [`STAT_WORDS`] × 8 B | fixed (1 MiB) |
@@ -53,7 +53,7 @@ pub const LIMIT_SLOTS: u64 = 16_384;
 /// Entries of the usage table (one per tenant or model).
 pub const USAGE_SLOTS: u64 = 1024;
 
-pub(crate) const SERVER_SLOT_BYTES: u64 = 384;
+pub(crate) const SERVER_SLOT_BYTES: u64 = 448;
 pub(crate) const LEDGER_CELL_BYTES: u64 = 32;
 pub(crate) const PROCESS_SLOT_BYTES: u64 = 64;
 pub(crate) const STAT_BLOCK_BYTES: u64 = 8 * STAT_WORDS as u64;

@@ -2,7 +2,7 @@
 //! ledger that keeps load counters right when a dispatcher dies.
 //!
 //! ```text
-//! ServerSlot (384 B, 64-aligned)
+//! ServerSlot (448 B, 64-aligned)
 //! ┌ line 0 ─ state (generation:32 | check:24 | state:8) · id · address meta (len | check) · registered_ms
 //! │          · horizon (generation:32 | segment second + 1:32)
 //! │          · admission limit (generation:32 | f32 bits:32)
@@ -13,7 +13,8 @@
 //! │          · tokens word (128-bit: prompt tokens in flight:32 | pending:32 | toggles:64)
 //! │          · KV events (generation:32 | sync:32)
 //! │          · started since the scrape (64)
-//! └ lines 2-5 ─ address, up to 256 bytes
+//! ├ lines 2-5 ─ address, up to 256 bytes
+//! └ line 6 ─ role (generation:32 | bootstrap port:16 | role:8, [`ServerRole`]) · 7 words reserved
 //! ```
 //!
 //! * A slot's address and id change only while it is `Configuring`, and
@@ -64,9 +65,11 @@ use crate::words::{load_bytes, store_bytes, words_for};
 
 mod facts;
 mod ledger;
+mod role;
 
 pub use facts::{EngineContext, KvEventsSync};
 pub use ledger::{MAX_CHARGED_TOKENS, Reclaimed};
+pub use role::{Disaggregation, ServerRole};
 
 /// Longest server address stored (bytes of UTF-8).
 pub const MAX_ADDRESS_BYTES: usize = 256;
@@ -191,6 +194,8 @@ pub struct ServerInfo {
     /// How far the confirmed prefix table follows its engine's KV cache
     /// events, if it publishes them ([`ServerTable::set_kv_events`]).
     pub kv_events: Option<KvEventsSync>,
+    /// Its part in disaggregated serving ([`ServerTable::set_disaggregation`]).
+    pub disaggregation: Disaggregation,
 }
 
 /// Why a server could not be registered.
@@ -224,6 +229,8 @@ pub(crate) struct ServerSlot {
     kv_events: AtomicU64,
     started_since_scrape: AtomicU64,
     address: [AtomicU64; MAX_ADDRESS_BYTES / 8],
+    role: AtomicU64,
+    _reserved: [AtomicU64; 7],
 }
 
 #[cfg(not(loom))]
@@ -248,6 +255,8 @@ const _: () = assert!(std::mem::offset_of!(ServerSlot, kv_events) == 112);
 const _: () = assert!(std::mem::offset_of!(ServerSlot, started_since_scrape) == 120);
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, address) == 128);
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::offset_of!(ServerSlot, role) == 384);
 
 /// One ledger cell: what one process has in flight to one server, how
 /// much of it is still pending (no first token yet), and the op it is
@@ -281,6 +290,8 @@ impl ServerSlot {
             kv_events: AtomicU64::new(0),
             started_since_scrape: AtomicU64::new(0),
             address: std::array::from_fn(|_| AtomicU64::new(0)),
+            role: AtomicU64::new(0),
+            _reserved: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
 }
@@ -349,11 +360,23 @@ impl<'a> ServerTable<'a> {
         &self.ledger[usize::from(process) * self.slots.len() + usize::from(slot)]
     }
 
-    /// Registers a server in the first free slot, with a new generation.
-    /// One process (the supervisor) registers servers; a slot left
-    /// `Configuring` by a registrant that died is taken by the next
-    /// registration.
+    /// Registers a server that prefills and decodes (see
+    /// [`register_as`](Self::register_as)).
     pub fn register(&self, id: u64, address: &str, now_ms: u64) -> Result<ServerRef, RegisterError> {
+        self.register_as(id, address, now_ms, Disaggregation::default())
+    }
+
+    /// Registers a server of role `pd` in the first free slot, with a new
+    /// generation. One process (the supervisor) registers servers; a slot
+    /// left `Configuring` by a registrant that died is taken by the next
+    /// registration.
+    pub fn register_as(
+        &self,
+        id: u64,
+        address: &str,
+        now_ms: u64,
+        pd: Disaggregation,
+    ) -> Result<ServerRef, RegisterError> {
         let bytes = address.as_bytes();
         if bytes.len() > MAX_ADDRESS_BYTES {
             return Err(RegisterError::AddressTooLong { len: bytes.len() });
@@ -385,6 +408,8 @@ impl<'a> ServerTable<'a> {
             store_bytes(&slot.address[..words_for(bytes.len())], bytes);
             let meta = bytes.len() as u64 | (self.address_check(generation, id, now_ms, bytes) << 16);
             slot.address_meta.store(meta, Ordering::Relaxed);
+            slot.role
+                .store((u64::from(generation) << 32) | u64::from(pd.pack()), Ordering::Relaxed);
             slot.state
                 .store(self.state_word(generation, ServerState::Up), Ordering::Release);
             return Ok(server);
@@ -541,6 +566,7 @@ impl<'a> ServerTable<'a> {
                 engine_slots: self.engine_slots(server),
                 engine_context: self.engine_context(server),
                 kv_events: self.kv_events(server),
+                disaggregation: self.disaggregation(server),
             });
         }
         None
