@@ -8,6 +8,7 @@ use serde::Deserialize;
 use shm_layout::server_table::MAX_ADDRESS_BYTES;
 
 use super::MAX_BACKEND_NAME_BYTES;
+use super::disaggregation::BackendRole;
 
 /// One inference server (a `[[backend]]` table).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -40,6 +41,13 @@ pub struct BackendConfig {
     /// `replay_endpoint`, `tcp://host:port`), if it has one. Default none.
     #[serde(default)]
     pub kv_events_replay: Option<String>,
+    /// Its part in disaggregated serving. Default `both`.
+    #[serde(default)]
+    pub role: BackendRole,
+    /// SGLang: the port of its engine's bootstrap server, when it
+    /// prefills (default: what its `/server_info` says, else 8998).
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
 }
 
 impl BackendConfig {
@@ -53,15 +61,27 @@ impl BackendConfig {
             cache_salt: false,
             kv_events: None,
             kv_events_replay: None,
+            role: BackendRole::Both,
+            bootstrap_port: None,
         }
     }
 
     /// The backend of a `POST /admin/servers` body (`{"url": ..., "name":
-    /// ...}`, `name` optional), with the defaults otherwise; not yet
-    /// validated.
+    /// ..., "role": ..., "bootstrap_port": ...}`, all but `url` optional),
+    /// with the defaults otherwise; not yet validated.
     pub fn from_admin_body(body: serde_json::Value) -> Result<Self, serde_json::Error> {
-        let AdminServer { url, name } = serde_json::from_value(body)?;
-        Ok(Self { name, ..Self::new(url) })
+        let AdminServer {
+            url,
+            name,
+            role,
+            bootstrap_port,
+        } = serde_json::from_value(body)?;
+        Ok(Self {
+            name,
+            role,
+            bootstrap_port,
+            ..Self::new(url)
+        })
     }
 
     /// Whether `endpoint` is one a subscriber can connect to:
@@ -191,6 +211,10 @@ struct AdminServer {
     url: String,
     #[serde(default)]
     name: Option<String>,
+    #[serde(default)]
+    role: BackendRole,
+    #[serde(default)]
+    bootstrap_port: Option<u16>,
 }
 
 /// Which metrics an engine exposes on `/metrics`, for the load figures.

@@ -47,6 +47,12 @@
 //! | `backend.name` | string | `host:port` | name in logs and metrics (`A-Z a-z 0-9 . _ : -`, at most 64 bytes) |
 //! | `backend.metrics_flavor` | `auto`, `vllm`, `sglang`, `llamacpp` | `auto` | how its `/metrics` is read; `auto` tells from the metric names |
 //! | `backend.cache_salt` | bool | `false` | its engine takes vLLM's `cache_salt`: requests of tenants with `isolate_prefixes` carry their salt to it |
+//! | `backend.role` | `both`, `prefill`, `decode` | `both` | its part in disaggregated serving ([`disaggregation`]): a `prefill` engine gets only prefill legs, a `decode` engine the requests and their decode legs |
+//! | `backend.bootstrap_port` | integer | its `/server_info`, else 8998 | SGLang: the port of a prefill engine's bootstrap server (`--disaggregation-bootstrap-port`) |
+//! | `[pd]` | table | | disaggregated serving, for pools with `prefill` backends and backends that decode |
+//! | `pd.protocol` | `vllm-nixl`, `sglang` | `vllm-nixl` | how the two legs are driven: vLLM's NixlConnector (prefill, then decode with its `kv_transfer_params`) or SGLang's bootstrap rendezvous (both at once) |
+//! | `pd.bypass_uncached_tokens` | integer | `256` | a request whose decode engine already holds all but at most this many prompt tokens goes to it alone |
+//! | `pd.prefill_timeout_secs` | integer | `60` | how long a prefill leg may take (1 to 3600) |
 //! | `[[model]]` | table, repeated | none: one pool of every backend, any model name | a model pool: `name`, `aliases`, `backends`, `base` (LoRA adapters), `tokenizer`, `chat_template`, `block_size`, `[model.policy]` ([`models`]) |
 //! | `[policy]` | table | | the routing policy, [`crate::routing::PolicyConfig`] |
 //! | `[peering]` | table | | this gateway as a region among peer gateways ([`crate::peers`]; `peers.rs`) |
@@ -174,8 +180,8 @@
 //! # Flags
 //!
 //! [`ServeOverrides`] has one field per flag: `--listen`, `--dispatchers`,
-//! `--responders`, `--shm-name`, `--shm-size`, `--backend URL`
-//! (repeatable), `--tokenizer`, `--chat-template`, `--block-size`,
+//! `--responders`, `--shm-name`, `--shm-size`, `--backend URL`,
+//! `--prefill URL` and `--decode URL` (repeatable), `--pd-protocol`, `--tokenizer`, `--chat-template`, `--block-size`,
 //! `--policy`, `--store`, `--redis-url`, `--redis-namespace`,
 //! `--redis-lookup`, `--admin-listen`, `--metrics-listen` and `--admin-token-file` (which
 //! replaces a file's `admin.token`).
@@ -193,6 +199,7 @@ use crate::config::size::ByteSize;
 use crate::routing::{PolicyConfig, PolicyKind};
 
 mod backend;
+pub mod disaggregation;
 mod model_changes;
 pub mod models;
 mod peers;
@@ -203,6 +210,7 @@ mod tests;
 mod validate;
 
 pub use backend::{BackendConfig, BackendError, BackendUrl, BackendUrlError, MetricsFlavor};
+pub use disaggregation::{BackendRole, PdConfig, PdProtocol};
 pub use model_changes::ModelChanges;
 pub use models::{ModelConfig, ModelError};
 pub use peers::{MAX_PEERS, PeerConfig, PeerTls, PeeringConfig};
@@ -392,6 +400,8 @@ pub struct ServeConfig {
     /// This gateway as a region among peer gateways (`[peering]`,
     /// [`crate::peers`]).
     pub peering: PeeringConfig,
+    /// Disaggregated prefill and decode (`[pd]`, [`disaggregation`]).
+    pub pd: PdConfig,
     /// The peer gateways of other regions (`[[peer]]` tables).
     #[serde(rename = "peer")]
     pub peers: Vec<PeerConfig>,
@@ -438,6 +448,7 @@ impl Default for ServeConfig {
             metrics: MetricsConfig::default(),
             auth: AuthConfig::default(),
             peering: PeeringConfig::default(),
+            pd: PdConfig::default(),
             peers: Vec::new(),
             tls: None,
             drain_timeout_secs: 30,
@@ -462,6 +473,13 @@ pub struct ServeOverrides {
     /// `--backend URL`, repeatable: when given, these replace the file's
     /// `[[backend]]` list (with no names and `metrics_flavor = "auto"`).
     pub backends: Option<Vec<String>>,
+    /// `--prefill URL`, repeatable: backends of role `prefill`; with
+    /// `--backend` and `--decode`, they replace the file's list.
+    pub prefill: Vec<String>,
+    /// `--decode URL`, repeatable: backends of role `decode`.
+    pub decode: Vec<String>,
+    /// `--pd-protocol vllm-nixl|sglang`.
+    pub pd_protocol: Option<PdProtocol>,
     /// `--tokenizer PATH`.
     pub tokenizer: Option<PathBuf>,
     /// `--chat-template PATH`.
@@ -542,6 +560,9 @@ impl ServeConfig {
             shm_name,
             shm_size,
             backends,
+            prefill,
+            decode,
+            pd_protocol,
             tokenizer,
             chat_template,
             block_size,
@@ -591,8 +612,23 @@ impl ServeConfig {
         if let Some(v) = shm_size {
             self.shm_size = v;
         }
-        if let Some(urls) = backends {
-            self.backends = urls.into_iter().map(BackendConfig::new).collect();
+        if backends.is_some() || !prefill.is_empty() || !decode.is_empty() {
+            let with_role = |role| {
+                move |url| BackendConfig {
+                    role,
+                    ..BackendConfig::new(url)
+                }
+            };
+            self.backends = backends
+                .unwrap_or_default()
+                .into_iter()
+                .map(BackendConfig::new)
+                .chain(prefill.into_iter().map(with_role(BackendRole::Prefill)))
+                .chain(decode.into_iter().map(with_role(BackendRole::Decode)))
+                .collect();
+        }
+        if let Some(v) = pd_protocol {
+            self.pd.protocol = v;
         }
         if let Some(v) = tokenizer {
             self.tokenizer = Some(v);

@@ -338,6 +338,8 @@ metrics_flavor = "vllm"
 [[backend]]
 url = "http://[::1]:30000/"
 metrics_flavor = "sglang"
+role = "prefill"
+bootstrap_port = 9000
 
 [[backend]]
 url = "HTTP://Llama.Local:8080"
@@ -380,7 +382,13 @@ check_context = false
             cache_salt: false,
             kv_events: None,
             kv_events_replay: None,
+            role: BackendRole::Both,
+            bootstrap_port: None,
         }
+    );
+    assert_eq!(
+        (c.backends[1].role, c.backends[1].bootstrap_port),
+        (BackendRole::Prefill, Some(9000))
     );
     let names: Vec<String> = c.backends.iter().map(BackendConfig::display_name).collect();
     assert_eq!(names, ["gpu-0", "[::1]:30000", "llama.local:8080"]);
@@ -1255,6 +1263,9 @@ cache_threshold = 0.25
         shm_name: Some("from-flags".into()),
         shm_size: Some("1GiB".parse().unwrap()),
         backends: None,
+        prefill: Vec::new(),
+        decode: Vec::new(),
+        pd_protocol: Some(PdProtocol::Sglang),
         tokenizer: Some("flag-tokenizer.json".into()),
         chat_template: Some("flag-template.json".into()),
         block_size: Some(64),
@@ -1270,6 +1281,7 @@ cache_threshold = 0.25
     assert_eq!(c.admin.listen, Some("127.0.0.1:9090".parse().unwrap()));
     assert_eq!(c.metrics.listen, Some("127.0.0.1:9091".parse().unwrap()));
     assert_eq!(c.admin.token_file, Some(PathBuf::from("flag-token")));
+    assert_eq!(c.pd.protocol, PdProtocol::Sglang);
     c.validate().unwrap();
     assert_eq!(c.store.kind, StoreKind::Redis);
     assert_eq!(
@@ -1438,6 +1450,27 @@ fn resolve_reads_applies_and_validates() {
     };
     let c = ServeConfig::resolve(None, flags).unwrap();
     assert_eq!(c.backends, [BackendConfig::new("http://b:2")]);
+    // Prefill and decode engines on the command line: with `--backend`,
+    // the whole list, in that order.
+    let flags = ServeOverrides {
+        backends: Some(vec!["http://b:2".into()]),
+        prefill: vec!["http://p:1".into()],
+        decode: vec!["http://d:1".into(), "http://d:2".into()],
+        pd_protocol: Some(PdProtocol::Sglang),
+        ..ServeOverrides::default()
+    };
+    let c = ServeConfig::resolve(Some(&path), flags).unwrap();
+    let roles: Vec<(&str, BackendRole)> = c.backends.iter().map(|b| (b.url.as_str(), b.role)).collect();
+    assert_eq!(
+        roles,
+        [
+            ("http://b:2", BackendRole::Both),
+            ("http://p:1", BackendRole::Prefill),
+            ("http://d:1", BackendRole::Decode),
+            ("http://d:2", BackendRole::Decode)
+        ]
+    );
+    assert_eq!(c.pd.protocol, PdProtocol::Sglang);
     assert!(ServeConfig::resolve(None, ServeOverrides::default()).is_err());
 
     std::fs::write(&path, "dispatchers = 2\nbogus = 1\n").unwrap();

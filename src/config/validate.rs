@@ -88,6 +88,7 @@ impl ServeConfig {
             return Err(E::invalid(e.field, e.value, e.reason));
         }
         self.validate_response_cache()?;
+        self.validate_pd()?;
         self.validate_limits()?;
         self.validate_store()?;
         self.validate_health()?;
@@ -348,6 +349,13 @@ impl ServeConfig {
                     "replays the events of a kv_events endpoint: set kv_events too",
                 ));
             }
+            if backend.bootstrap_port == Some(0) {
+                return Err(E::invalid(
+                    format!("backend[{i}].bootstrap_port"),
+                    0,
+                    "must be 1 to 65535 (the port of the engine's bootstrap server)",
+                ));
+            }
             let name = backend.display_name();
             if let Some(first) = names.insert(name.clone(), i) {
                 return Err(E::invalid(
@@ -356,6 +364,19 @@ impl ServeConfig {
                     format!("backend[{first}] has that name already; names must be unique"),
                 ));
             }
+        }
+        Ok(())
+    }
+
+    fn validate_pd(&self) -> Result<(), ConfigError> {
+        use super::disaggregation::MAX_PREFILL_TIMEOUT_SECS;
+        let secs = self.pd.prefill_timeout_secs;
+        if !(1..=MAX_PREFILL_TIMEOUT_SECS).contains(&secs) {
+            return Err(ConfigError::invalid(
+                "pd.prefill_timeout_secs",
+                secs,
+                format!("must be 1 to {MAX_PREFILL_TIMEOUT_SECS}"),
+            ));
         }
         Ok(())
     }

@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use semlb::config::ServeOverrides;
 use semlb::config::size::ByteSize;
-use semlb::config::{RedisLookup, StoreKind};
+use semlb::config::{PdProtocol, RedisLookup, StoreKind};
 use semlb::routing::PolicyKind;
 use semlb::tenancy::fair_share::Priority;
 
@@ -94,6 +94,18 @@ pub struct ServeArgs {
     /// file's `[[backend]]` list).
     #[arg(long = "backend", value_name = "URL")]
     pub backends: Vec<String>,
+    /// A prefill engine of a disaggregated fleet, `http://host:port`
+    /// (repeatable; with --backend and --decode, replaces the file's list).
+    #[arg(long = "prefill", value_name = "URL")]
+    pub prefill: Vec<String>,
+    /// A decode engine of a disaggregated fleet, `http://host:port` (repeatable).
+    #[arg(long = "decode", value_name = "URL")]
+    pub decode: Vec<String>,
+    /// How a disaggregated fleet's prefill and decode legs are driven:
+    /// vllm-nixl (vLLM's NixlConnector) or sglang (bootstrap rendezvous)
+    /// [default: vllm-nixl].
+    #[arg(long, value_name = "PROTOCOL")]
+    pub pd_protocol: Option<PdProtocol>,
     /// A tokenizer.json, or a GGUF model file (llama.cpp's: its tokenizer and chat template) [default: the bundled phi-2 tokenizer].
     #[arg(long, value_name = "PATH")]
     pub tokenizer: Option<PathBuf>,
@@ -225,6 +237,9 @@ impl ServeArgs {
             shm_name: self.shm_name.clone(),
             shm_size: self.shm_size,
             backends: (!self.backends.is_empty()).then(|| self.backends.clone()),
+            prefill: self.prefill.clone(),
+            decode: self.decode.clone(),
+            pd_protocol: self.pd_protocol,
             tokenizer: self.tokenizer.clone(),
             chat_template: self.chat_template.clone(),
             block_size: self.block_size,
@@ -259,6 +274,13 @@ impl ServeArgs {
         for b in &self.backends {
             flag("--backend", Some(b.clone()));
         }
+        for b in &self.prefill {
+            flag("--prefill", Some(b.clone()));
+        }
+        for b in &self.decode {
+            flag("--decode", Some(b.clone()));
+        }
+        flag("--pd-protocol", self.pd_protocol.map(|p| p.name().to_owned()));
         flag("--tokenizer", self.tokenizer.as_ref().map(|v| v.display().to_string()));
         flag(
             "--chat-template",

@@ -246,10 +246,11 @@ impl Report {
         for s in &self.servers {
             let _ = writeln!(
                 w,
-                "  slot {:<3} gen {:<3} {:<9} id {:<6} {:<28} in flight {} req / {} tok; waiting {} running {} kv {}",
+                "  slot {:<3} gen {:<3} {:<9} {:<7} id {:<6} {:<28} in flight {} req / {} tok; waiting {} running {} kv {}",
                 s.server.slot,
                 s.server.generation,
                 s.state.name(),
+                s.disaggregation.role.name(),
                 s.id,
                 s.address,
                 s.inflight_requests,
@@ -296,6 +297,8 @@ impl Report {
                     "slot": s.server.slot,
                     "generation": s.server.generation,
                     "state": s.state.name(),
+                    "role": s.disaggregation.role.name(),
+                    "bootstrap_port": s.disaggregation.bootstrap_port,
                     "id": s.id,
                     "address": s.address,
                     "registered_ms": s.registered_ms,

@@ -196,10 +196,11 @@ fn servers(w: &mut String, r: &Report, totals: &Totals, now_ms: u64) {
     let _ = writeln!(w);
     let _ = writeln!(
         w,
-        "{:<4} {:<28} {:<9} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>9} {:>6}",
+        "{:<4} {:<28} {:<9} {:<7} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>9} {:>6}",
         "SLOT",
         "SERVER",
         "STATE",
+        "ROLE",
         "IN FLIGHT",
         "TOKENS",
         "WAITING",
@@ -227,10 +228,11 @@ fn servers(w: &mut String, r: &Report, totals: &Totals, now_ms: u64) {
         let dash = |v: String| if scraped { v } else { "-".to_owned() };
         let _ = writeln!(
             w,
-            "{:<4} {:<28} {:<9} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>9} {:>6}",
+            "{:<4} {:<28} {:<9} {:<7} {:>9} {:>10} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>9} {:>6}",
             s.server.slot,
             s.address,
             s.state.name(),
+            s.disaggregation.role.name(),
             s.inflight_requests,
             s.inflight_tokens,
             dash(s.load.waiting.to_string()),

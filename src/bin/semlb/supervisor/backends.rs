@@ -145,15 +145,31 @@ impl<'a> Backends<'a> {
             .segment
             .tables()
             .servers
-            .register(
+            .register_as(
                 semlb::store::server_id(&address),
                 &address,
                 self.segment.clock().now_ms(),
+                backend.role.with_port(backend.bootstrap_port),
             )
             .with_context(|| format!("registering backend {}", backend.url))?;
         self.names.insert(address.clone(), backend.display_name());
         self.live.push((address, server));
         Ok(server)
+    }
+
+    /// Gives `server` the role and bootstrap port `backend` says, if it
+    /// had others (a reload or the admin API changed them).
+    fn keep_role(&self, server: ServerRef, address: &str, backend: &BackendConfig) {
+        let servers = self.segment.tables().servers;
+        let wanted = backend.role.with_port(backend.bootstrap_port);
+        if servers.disaggregation(server) != wanted && servers.set_disaggregation(server, wanted) {
+            tracing::info!(
+                backend = %address,
+                role = wanted.role.name(),
+                "backend {address} is now of role {}",
+                wanted.role.name()
+            );
+        }
     }
 
     /// The live backend in server-table slot `slot`.
@@ -207,13 +223,15 @@ impl<'a> Backends<'a> {
             // Listed in the file: the file's from now on, under its name.
             self.from_admin.remove(&address);
             self.names.insert(address.clone(), backend.display_name());
-            if self.live.iter().any(|(a, _)| *a == address) {
+            if let Some((_, server)) = self.live.iter().find(|(a, _)| *a == address) {
+                self.keep_role(*server, &address, backend);
                 continue;
             }
             added += 1;
             if let Some(i) = self.draining.iter().position(|(a, _, _)| *a == address)
-                && let Some((address, _)) = self.revive(i)
+                && let Some((address, server)) = self.revive(i)
             {
+                self.keep_role(server, &address, backend);
                 tracing::info!(backend = %address, "reload: backend {address} added again (it was still draining)");
                 continue;
             }
@@ -248,6 +266,7 @@ impl<'a> Backends<'a> {
         let server = match again.and_then(|i| self.revive(i)) {
             Some((_, server)) => {
                 self.names.insert(address.to_owned(), name);
+                self.keep_role(server, address, backend);
                 server
             }
             None => self.register(backend).map_err(AddError::Table)?,

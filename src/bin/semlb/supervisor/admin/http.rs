@@ -482,7 +482,9 @@ fn respond(reply: Reply) -> http::Response<Full<Bytes>> {
 /// the requested output counts, `null` unless it said:
 /// [`crate::health::engine_info`]; `kv_events`: how far the confirmed
 /// prefix table follows its engine's KV cache events, `complete` or
-/// `partial`, `null` when they are not followed: [`crate::kv_events`]).
+/// `partial`, `null` when they are not followed: [`crate::kv_events`];
+/// `role`: `both`, `prefill` or `decode`, and `bootstrap_port`, the port
+/// of a prefill engine's bootstrap server when known (SGLang)).
 pub fn server_json(info: &shm_layout::ServerInfo, now_ms: u64, name: Option<&str>, managed: &str) -> Value {
     let load = info.load;
     let scraped = load.scraped_at_ms != 0;
@@ -500,6 +502,8 @@ pub fn server_json(info: &shm_layout::ServerInfo, now_ms: u64, name: Option<&str
         "engine_slots": info.engine_slots,
         "engine_context": info.engine_context.map(|c| json!({"tokens": c.tokens, "counts_output": c.counts_output})),
         "kv_events": info.kv_events.map(|s| s.name()),
+        "role": info.disaggregation.role.name(),
+        "bootstrap_port": info.disaggregation.bootstrap_port,
         "inflight_requests": info.inflight_requests,
         "inflight_tokens": info.inflight_tokens,
         "load": {
