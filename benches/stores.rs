@@ -100,6 +100,7 @@ fn stores(c: &mut Criterion) {
             i = (i + 1) % chains.len();
             black_box(shm.lookup_now(LookupRequest {
                 members: semlb::routing::Members::all(),
+                leg: semlb::routing::Leg::Request,
                 response_key: records[i].response_key,
                 chain: &chains[i],
                 exclude: &[],

@@ -357,6 +357,7 @@ fn connections_received(c: &mut redis::Connection) -> u64 {
 fn empty_lookup() -> LookupRequest<'static> {
     LookupRequest {
         members: semlb::routing::Members::all(),
+        leg: semlb::routing::Leg::Request,
         response_key: None,
         chain: &[],
         exclude: &[],
@@ -532,6 +533,7 @@ fn both_stores_give_the_same_routing_decisions() {
             for exclude in [&[][..], &servers[..1]] {
                 let request = LookupRequest {
                     members: semlb::routing::Members::all(),
+                    leg: semlb::routing::Leg::Request,
                     response_key: key.map(ResponseKey),
                     chain,
                     exclude,
@@ -590,6 +592,7 @@ fn both_stores_learn_at_dispatch_credit_continuations_and_take_back() {
     let end1 = hasher.prompt_end_key(&first, &c1);
     let request = |tokens: &'static [u32], chain: &'static [u64]| LookupRequest {
         members: semlb::routing::Members::all(),
+        leg: semlb::routing::Leg::Request,
         response_key: None,
         chain,
         exclude: &[],

@@ -12,7 +12,7 @@ use super::inflight::InflightGuard;
 use crate::dispatcher::failure::Failure;
 use crate::pools::Pool;
 use crate::prefix::continuation::EndProbe;
-use crate::routing::Members;
+use crate::routing::{Leg, Members};
 use crate::routing::{Policy, Reason, RouteInput};
 use crate::store::{Lookup, LookupRequest};
 use crate::tenancy::fair_share::Share;
@@ -39,6 +39,9 @@ pub(super) struct RouteRequest<'a> {
     pub continuation: Option<EndProbe<'a>>,
     /// Its tenant, class and cost in the gateway queue (inference only).
     pub share: Option<Share>,
+    /// The part of the request the server is chosen for (its prefill
+    /// leg goes to prefill engines).
+    pub leg: Leg,
 }
 
 /// The outcome of [`choose`].
@@ -144,6 +147,7 @@ pub(super) async fn choose(
         continuation,
         pool,
         share,
+        leg,
     } = route;
     let members = pool.map_or(Members::all(), |p| p.members());
     let stale_after_ms = dispatcher.config().health.stale_after_ms;
@@ -155,6 +159,7 @@ pub(super) async fn choose(
                 chain: if inference { chain } else { &[] },
                 exclude,
                 members,
+                leg,
                 stale_after_ms,
                 continuation: continuation.filter(|_| inference),
                 precise: pool.and_then(|p| p.precise()),

@@ -60,8 +60,8 @@ use super::Dispatcher;
 use super::inflight::InflightGuard;
 use crate::metrics::QueueOutcome;
 use crate::pools::Pool;
-use crate::routing::Members;
 use crate::routing::{Candidate, Choice, QueueParams, RouteInput};
+use crate::routing::{Leg, Members};
 use crate::tenancy::fair_share::{FairQueue, Order, Share};
 
 /// A request routed out of the queue: the choice, already counted in flight.
@@ -276,7 +276,7 @@ async fn pump(dispatcher: Arc<Dispatcher>) {
         let stale_after_ms = dispatcher.config().health.stale_after_ms;
         dispatcher
             .local()
-            .candidates(&[], Members::all(), stale_after_ms, &mut candidates);
+            .candidates(&[], Members::all(), Leg::Request, stale_after_ms, &mut candidates);
         {
             let mut state = queue.lock();
             let max_wait = Duration::from_millis(params.max_wait_ms);

@@ -1,8 +1,32 @@
 //! The servers a request may go to: its model pool's, by
 //! [`crate::store::server_id`] (every server for the implicit pool and for
-//! requests without a model).
+//! requests without a model), of the role its part of the work needs
+//! ([`Leg`]: a prefill engine of a disaggregated fleet takes prefill legs,
+//! never a request of its own).
 
 use std::sync::Arc;
+
+use shm_layout::ServerRole;
+
+/// Which part of a request a server is chosen for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Leg {
+    /// The request itself, or its decode leg: servers that decode.
+    #[default]
+    Request,
+    /// The prefill leg of a split request: servers that prefill.
+    Prefill,
+}
+
+impl Leg {
+    /// Whether a server of `role` takes this part.
+    pub const fn admits(self, role: ServerRole) -> bool {
+        match self {
+            Self::Request => role.decodes(),
+            Self::Prefill => role.prefills(),
+        }
+    }
+}
 
 /// The servers of a pool, by [`crate::store::server_id`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -114,7 +114,7 @@ pub mod selective_push;
 pub mod shared_header;
 pub mod swappable;
 
-pub use members::Members;
+pub use members::{Leg, Members};
 #[cfg(test)]
 pub(crate) mod test_support;
 #[cfg(test)]

@@ -31,8 +31,8 @@ use std::sync::Arc;
 use shm_layout::{Segment, ServerRef};
 
 use crate::health::fresh_load;
-use crate::routing::Members;
 use crate::routing::{Candidate, candidate, live_candidates};
+use crate::routing::{Leg, Members};
 use crate::tenancy::rate_limit::{self, Charge, Verdict};
 
 /// One process's view of the host-local state: the segment, and its row
@@ -74,10 +74,17 @@ impl LocalState {
     /// Fills `out` with the live servers of `members` not in `exclude`,
     /// with this host's counts and their scraped figures when at most
     /// `stale_after_ms` old (else zeros).
-    pub fn candidates(&self, exclude: &[ServerRef], members: &Members, stale_after_ms: u64, out: &mut Vec<Candidate>) {
+    pub fn candidates(
+        &self,
+        exclude: &[ServerRef],
+        members: &Members,
+        leg: Leg,
+        stale_after_ms: u64,
+        out: &mut Vec<Candidate>,
+    ) {
         let tables = self.segment.tables();
         live_candidates(&tables, out);
-        out.retain(|c| !exclude.contains(&c.server));
+        out.retain(|c| !exclude.contains(&c.server) && leg.admits(tables.servers.role_of(c.server)));
         if !members.is_every() {
             out.retain(|c| members.admits(tables.servers.id_of(c.server.slot)));
         }
@@ -123,5 +130,39 @@ impl LocalState {
             .tables()
             .servers
             .end_request(self.process, server, prompt_tokens, started);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use shm_layout::{Disaggregation, LayoutPlan, ServerRole};
+
+    use super::*;
+
+    /// A prefill engine of a disaggregated fleet is never a candidate for
+    /// a request of its own, and a decode engine never for a prefill leg.
+    #[test]
+    fn candidates_are_of_the_role_their_leg_needs() {
+        let segment = Arc::new(Segment::heap(&LayoutPlan::for_size(8 << 20).unwrap()));
+        let servers = segment.tables().servers;
+        let register = |id, role| {
+            servers
+                .register_as(id, &format!("http://e{id}:8000"), 0, Disaggregation::of(role))
+                .unwrap()
+        };
+        let both = register(1, ServerRole::Both);
+        let prefill = register(2, ServerRole::Prefill);
+        let decode = register(3, ServerRole::Decode);
+        let local = LocalState::new(segment.clone(), 0);
+        let of = |leg| {
+            let mut out = Vec::new();
+            local.candidates(&[], Members::all(), leg, u64::MAX, &mut out);
+            out.iter().map(|c| c.server).collect::<Vec<_>>()
+        };
+        assert_eq!(of(Leg::Request), [both, decode]);
+        assert_eq!(of(Leg::Prefill), [both, prefill]);
+        // A role changed at runtime counts at once.
+        assert!(servers.set_disaggregation(decode, Disaggregation::of(ServerRole::Both)));
+        assert_eq!(of(Leg::Prefill), [both, prefill, decode]);
     }
 }

@@ -84,7 +84,7 @@ use shm_layout::{Completion, PrefixMatch, ResponseKey, ServerRef, Stamp};
 use crate::config::StoreKind;
 use crate::prefix::continuation::EndProbe;
 use crate::routing::Candidate;
-use crate::routing::Members;
+use crate::routing::{Leg, Members};
 use crate::tenancy::rate_limit::{Charge, Verdict};
 
 /// What a dispatcher asks the store for one routing decision.
@@ -100,6 +100,9 @@ pub struct LookupRequest<'a> {
     /// The servers that may be candidates: the request's model pool
     /// ([`Members::all`] for any server).
     pub members: &'a Members,
+    /// The part of the request they are for: servers of other roles are
+    /// no candidates ([`Leg`]).
+    pub leg: Leg,
     /// Scraped load figures older than this (segment milliseconds) are
     /// left out of the candidates (`health.stale_after_ms`, see
     /// [`crate::health::fresh_load`]); `u64::MAX` keeps any scraped figures.
@@ -141,6 +144,7 @@ impl Lookup {
         local.candidates(
             request.exclude,
             request.members,
+            request.leg,
             request.stale_after_ms,
             &mut lookup.candidates,
         );

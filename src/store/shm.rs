@@ -226,6 +226,7 @@ mod tests {
             let m = store
                 .lookup_now(LookupRequest {
                     members: crate::routing::Members::all(),
+                    leg: crate::routing::Leg::Request,
                     response_key: None,
                     chain: &chain,
                     exclude: &[],

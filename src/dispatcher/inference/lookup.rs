@@ -20,6 +20,7 @@ use crate::dispatcher::{pick, sse, tenant_usage};
 use crate::metrics::CacheResult;
 use crate::openai::prompt::{Endpoint, ParsedRequest};
 use crate::prefix::continuation::{EndProbe, answer_tokens_estimate};
+use crate::routing::Leg;
 use crate::store::{Lookup, LookupRequest};
 
 /// What the lookup found.
@@ -56,6 +57,7 @@ pub(super) async fn look_up(
         chain: &keyed.chain,
         exclude: &[],
         members: pool.members(),
+        leg: Leg::Request,
         stale_after_ms: dispatcher.config().health.stale_after_ms,
         continuation: Some(EndProbe {
             tokens: &tokens.ids,

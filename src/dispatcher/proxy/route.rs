@@ -31,6 +31,7 @@ impl Attempts<'_> {
                     .share
                     .map(|s| if self.share_charged { s.charged() } else { s }),
             },
+            leg: crate::routing::Leg::Request,
         };
         if let Some(answer) = self.to_warm_peer().await {
             return Err(Next::Answer(answer));
