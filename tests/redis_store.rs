@@ -620,7 +620,7 @@ fn both_stores_learn_at_dispatch_credit_continuations_and_take_back() {
         // The first lookup opens the Redis connection detached writes use.
         assert_eq!(view(&redis.lookup(request(second, c2)).await), (vec![], vec![]));
         for store in [&shm as &dyn RoutingStore, &*redis] {
-            store.record_route(servers[1], &c1, end1);
+            store.record_route(servers[1], &c1, Some(end1));
         }
         // Credited: 40 + 128 = 168 tokens reach into 11 blocks (the 11th in
         // part; see `EndProbe::credited_blocks`).
@@ -636,7 +636,7 @@ fn both_stores_learn_at_dispatch_credit_continuations_and_take_back() {
             assert_eq!(view(&store.lookup(request(stranger, c3)).await), (vec![(1, 2)], vec![]));
         }
         for store in [&shm as &dyn RoutingStore, &*redis] {
-            store.forget_route(servers[1], &c1, end1);
+            store.forget_route(servers[1], &c1, Some(end1));
         }
         assert_eq!(view(&shm.lookup(request(second, c2)).await), (vec![], vec![]));
         while view(&redis.lookup(request(second, c2)).await) != (vec![], vec![]) {

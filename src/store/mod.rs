@@ -225,13 +225,14 @@ pub trait RoutingStore: Send + Sync + fmt::Debug {
 
     /// A prompt was sent to `server`: records `blocks` (its chain, less
     /// the leading blocks the server was already listed for) and its
-    /// `end_key` for it, at once on shm, without waiting on Redis. Call it
+    /// `end_key` (`None` for a prefill leg: the engine will not hold the
+    /// answer, which a conversation's next turn continues) for it, at once on shm, without waiting on Redis. Call it
     /// once the request is counted in flight (see the module docs).
-    fn record_route(&self, server: ServerRef, blocks: &[u64], end_key: u64);
+    fn record_route(&self, server: ServerRef, blocks: &[u64], end_key: Option<u64>);
 
     /// Takes back a [`record_route`](Self::record_route) whose attempt
     /// failed or was refused.
-    fn forget_route(&self, server: ServerRef, blocks: &[u64], end_key: u64);
+    fn forget_route(&self, server: ServerRef, blocks: &[u64], end_key: Option<u64>);
 
     /// An answer from `server` to a prompt whose chain ends in block
     /// `last` has just ended: the engine holds the prompt now. Refreshes

@@ -116,12 +116,14 @@ impl RoutingStore for ShmStore {
         self.local.end(server, prompt_tokens, started);
     }
 
-    fn record_route(&self, server: ServerRef, blocks: &[u64], end_key: u64) {
+    fn record_route(&self, server: ServerRef, blocks: &[u64], end_key: Option<u64>) {
         let segment = self.local.segment();
         let prefix = segment.tables().prefix;
         let now = segment.clock().stamp();
         prefix.insert_chain(blocks, server, now);
-        prefix.insert(end_key, server, now);
+        if let Some(end_key) = end_key {
+            prefix.insert(end_key, server, now);
+        }
     }
 
     fn touch_route(&self, server: ServerRef, last: u64) {
@@ -129,9 +131,9 @@ impl RoutingStore for ShmStore {
         segment.tables().prefix.insert(last, server, segment.clock().stamp());
     }
 
-    fn forget_route(&self, server: ServerRef, blocks: &[u64], end_key: u64) {
+    fn forget_route(&self, server: ServerRef, blocks: &[u64], end_key: Option<u64>) {
         let prefix = self.local.segment().tables().prefix;
-        for key in blocks.iter().chain([&end_key]) {
+        for key in blocks.iter().chain(end_key.as_ref()) {
             prefix.remove(*key, server.tag());
         }
     }

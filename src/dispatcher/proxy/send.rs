@@ -169,7 +169,7 @@ impl Attempts<'_> {
             return false;
         };
         let blocks = c.unlisted(held);
-        self.dispatcher.store().record_route(server, blocks, c.end_key);
+        self.dispatcher.store().record_route(server, blocks, Some(c.end_key));
         self.dispatcher.metrics().learned_at_dispatch(blocks.len());
         true
     }
@@ -180,7 +180,7 @@ impl Attempts<'_> {
         let Some(c) = &self.ctx else { return };
         self.dispatcher
             .store()
-            .forget_route(server, c.unlisted(held), c.end_key);
+            .forget_route(server, c.unlisted(held), Some(c.end_key));
         self.dispatcher.metrics().unlearned_at_dispatch();
     }
 

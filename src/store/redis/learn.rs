@@ -59,10 +59,10 @@ impl RedisRouting {
 
     /// Takes `server` out of the entries of `blocks` and `end_key`,
     /// without waiting (an `HDEL` per key).
-    pub(super) fn remove_detached(&self, server: ServerRef, blocks: &[u64], end_key: u64) {
+    pub(super) fn remove_detached(&self, server: ServerRef, blocks: &[u64], end_key: Option<u64>) {
         let Some(id) = self.id_of(server) else { return };
         let mut pipe = redis::pipe();
-        for hash in blocks.iter().chain([&end_key]) {
+        for hash in blocks.iter().chain(end_key.as_ref()) {
             pipe.cmd("HDEL")
                 .arg(self.names.prefix_key(*hash))
                 .arg(server_id::id_field(id))

@@ -339,15 +339,15 @@ impl RoutingStore for RedisRouting {
         self.count(server, -1, -(prompt_tokens as i64));
     }
 
-    fn record_route(&self, server: ServerRef, blocks: &[u64], end_key: u64) {
-        self.insert_detached(server, blocks.iter().chain([&end_key]));
+    fn record_route(&self, server: ServerRef, blocks: &[u64], end_key: Option<u64>) {
+        self.insert_detached(server, blocks.iter().chain(end_key.as_ref()));
     }
 
     fn touch_route(&self, server: ServerRef, last: u64) {
         self.insert_detached(server, [&last].into_iter());
     }
 
-    fn forget_route(&self, server: ServerRef, blocks: &[u64], end_key: u64) {
+    fn forget_route(&self, server: ServerRef, blocks: &[u64], end_key: Option<u64>) {
         self.remove_detached(server, blocks, end_key);
     }
 
