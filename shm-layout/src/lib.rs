@@ -29,7 +29,7 @@
 //!  offset 0                                                     segment_bytes
 //!  ┌────────┬─────────┬────────┬──────────┬──────────┬─────────┬─────────┬────────────┬──────────┬──────────────┬─────────┬─────────────┬──────────────┬──────────────┐
 //!  │ header │ servers │ ledger │ registry │  stats   │ limits  │  usage  │ rings × 64 │ response │ response log │ segment │ segment log │  confirmed   │ prefix table │
-//!  │ 4 KiB  │ 128×448B│ 512 KiB│ 128×64 B │ 128×8 KiB│ 256 KiB │ 128 KiB │ ctl + ring │  index   │ ctl + ring   │  index  │ ctl + ring  │ 64 B buckets │ 64 B buckets │
+//!  │ 4 KiB  │ 128×448B│ 512 KiB│ 128×64 B │128×12 KiB│ 256 KiB │ 128 KiB │ ctl + ring │  index   │ ctl + ring   │  index  │ ctl + ring  │ 64 B buckets │ 64 B buckets │
 //!  └────────┴─────────┴────────┴──────────┴──────────┴─────────┴─────────┴────────────┴──────────┴──────────────┴─────────┴─────────────┴──────────────┴──────────────┘
 //!   every region starts on a 4 KiB boundary; sizes derive from the segment
 //!   size (see [`plan`]) and are recorded in the header's region table
@@ -57,7 +57,7 @@
 //! | servers | 448 B server slot | 128 | – | [`server_table`] |
 //! | ledger | 32 B cell (counts and toggle bits in 128 bits, then the intent of the op under way) per process × server | 128 × 128 | 128 | [`server_table`] |
 //! | registry | 64 B process slot | 128 | – | [`registry`] |
-//! | stats | 8 KiB block of [`STAT_WORDS`] `u64` counters per process slot | 128 | 1024 (words per block) | [`stats`] |
+//! | stats | 12 KiB block of [`STAT_WORDS`] `u64` counters per process slot | 128 | 1536 (words per block) | [`stats`] |
 //! | limits | 64 B bucket of 4 × 128-bit slots (a GCRA token bucket each: its `tat` bound to its key) | 4 096 | – | [`limit_table`] |
 //! | usage | 128 B entry: keyed hash of (kind, name), kind and length, name, 7 counters | 1 024 | – | [`usage_table`] |
 //! | rings | 256 B control + `param` bytes | 64 | ring bytes | [`completion_ring`] |

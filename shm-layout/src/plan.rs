@@ -10,7 +10,7 @@
 //! | server table | [`SERVER_SLOTS`] × 448 B | fixed |
 //! | in-flight ledger | [`PROCESS_SLOTS`] × [`SERVER_SLOTS`] × 32 B | fixed (512 KiB) |
 //! | process registry | [`PROCESS_SLOTS`] × 64 B | fixed |
-//! | stats | [`PROCESS_SLOTS`] × [`STAT_WORDS`] × 8 B | fixed (1 MiB) |
+//! | stats | [`PROCESS_SLOTS`] × [`STAT_WORDS`] × 8 B | fixed (1.5 MiB) |
 //! | limits | [`LIMIT_SLOTS`] × 16 B | fixed (256 KiB): rate-limit buckets |
 //! | usage | [`USAGE_SLOTS`] × 128 B | fixed (128 KiB): counts per tenant and model |
 //! | completion rings | [`RING_COUNT`] × (256 B + ring bytes) | ring bytes = 1/8 of the rest / [`RING_COUNT`], rounded down to a power of two, clamped to 16 KiB ..= 4 MiB |
@@ -47,7 +47,7 @@ pub const MAX_SEGMENT_BYTES: u64 = 1 << 40;
 /// Default share of the response log one cached value may take.
 pub const DEFAULT_MAX_RESPONSE_FRACTION: f64 = 0.125;
 /// Counters per process block of the stats region.
-pub const STAT_WORDS: usize = 1024;
+pub const STAT_WORDS: usize = 1536;
 /// Slots of the rate-limit table (4 per 64-byte bucket).
 pub const LIMIT_SLOTS: u64 = 16_384;
 /// Entries of the usage table (one per tenant or model).
@@ -358,7 +358,7 @@ mod tests {
                 ..big.region(RegionKind::Stats)
             }
         );
-        assert_eq!((s.bytes, s.count, s.param), (1 << 20, 128, 1024));
+        assert_eq!((s.bytes, s.count, s.param), (3 << 19, 128, 1536));
         assert!(small.prefix_slots() > 50_000, "{} prefix slots", small.prefix_slots());
     }
 

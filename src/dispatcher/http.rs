@@ -24,6 +24,9 @@ pub(crate) type Body = UnsyncBoxBody<Bytes, BoxError>;
 
 /// Header naming where an inference answer came from: a server address or `cache`.
 pub(crate) const BACKEND_HEADER: &str = "x-semlb-backend";
+/// Header naming a split request's prefill engine, or `bypass` for a
+/// request of a pool with prefill engines that went to decode alone.
+pub(crate) const PREFILL_HEADER: &str = "x-semlb-prefill";
 /// Header telling what the response cache did: `hit`, `miss` or `bypass`.
 pub(crate) const CACHE_HEADER: &str = "x-semlb-cache";
 /// Header carrying where an inference request's dispatch time went

@@ -77,23 +77,24 @@
 //!
 //! | module | step |
 //! | --- | --- |
-//! | `routes` | the route table: which handler answers a method and path (encoded separators and dot-segments refused first); `/health`, `/metrics` |
+//! | `endpoints` | the route table: which handler answers a method and path (encoded separators and dot-segments refused first); `/health`, `/metrics` |
 //! | `passthrough` | the engines' other `/v1` endpoints (embeddings, rerank, score, Responses, Messages): model, pool, charge, proxy |
 //! | `inference` | the front half of an inference request: body → parse → tokens → block chain → cache key → lookup; cached answers |
 //! | `concurrency` | the tenant's requests in flight on this host, counted while its answer runs: 429 past `max_concurrent_requests` |
-//! | `rate` | the request's rate-limit buckets charged before it is routed, with its output reserved ([`crate::tenancy::rate_limit`]): 429, or the `x-ratelimit-*` headers of its answer; the reservation settled when the answer ends |
+//! | `charge` | the request's rate-limit buckets charged before it is routed, with its output reserved ([`crate::tenancy::rate_limit`]): 429, or the `x-ratelimit-*` headers of its answer; the reservation settled when the answer ends |
 //! | `share` | a tenant's bounded share of the prefix table and the response cache (`auth.tenant_share_percent`) |
-//! | `route` | one attempt's routing decision (policy, or least load for other routes), the holding policies' check once counted, passive health |
+//! | `pick` | one attempt's routing decision (policy, or least load for other routes), the holding policies' check once counted, passive health |
 //! | `proxy` | the attempts of one request: route, send, retry elsewhere on a retryable [`crate::dispatcher::failure::Failure`], then the gateway's headers |
 //! | `peer_forward` | peer gateways ([`crate::peers`]): the load summary served them, the polls of theirs, a request forwarded to one and its answer relayed back |
+//! | `disagg` | disaggregated prefill and decode: the legs' bodies and what passes between them (vLLM's NixlConnector, SGLang's bootstrap rendezvous) |
 //! | `relay` | the answer streamed to the client as it arrives, with a copy kept to learn from |
-//! | `usage` | the usage of every streamed answer asked for on the client's behalf (`stream_options.include_usage`) and kept from it |
+//! | `stream_usage` | the usage of every streamed answer asked for on the client's behalf (`stream_options.include_usage`) and kept from it |
 //! | `meter` | an answer's output tokens, read as it passes: the engine's usage, else an estimate of everything generated |
 //! | `learn` | the completion record a finished answer becomes, pushed into this dispatcher's ring |
 //! | `queue` | the gateway queue of the holding policies and its pump |
 //! | `models` | `GET /v1/models`: the live servers' lists merged |
 //! | `client_io` | the client's connection, its writes bounded in time |
-//! | `accounting` | a request's counts per tenant and per model in the segment's usage table (`semlb status`, `/metrics`) |
+//! | `tenant_usage` | a request's counts per tenant and per model in the segment's usage table (`semlb status`, `/metrics`) |
 //! | `inflight`, `timing`, `http`, `sse` | a request's in-flight count; its dispatch timing; HTTP helpers and OpenAI errors; SSE replay of cached answers |
 //!
 //! [`Dispatcher`] is defined here, with every method it has; its parts are
@@ -122,6 +123,7 @@ mod charge;
 mod client_io;
 pub mod concurrency;
 pub mod context_limit;
+mod disagg;
 mod endpoints;
 pub mod failure;
 mod http;

@@ -189,12 +189,18 @@ pub(super) struct Upstream {
     pub address: String,
     /// The request's in-flight count, ended when the relay ends.
     pub guard: InflightGuard,
+    /// A task that goes with the answer and ends with it (a split
+    /// request's SGLang prefill leg).
+    pub companion: Option<super::proxy::Companion>,
 }
 
 /// The response body of a proxied request (see the module docs).
 #[derive(Debug)]
 pub(super) struct Relay {
     dispatcher: Arc<Dispatcher>,
+    /// A task that ends with the answer (a split request's SGLang prefill
+    /// leg): dropped with the relay.
+    _companion: Option<super::proxy::Companion>,
     /// The base URL of the server answering (for the passive health check).
     address: String,
     inner: Incoming,
@@ -291,7 +297,12 @@ impl Relay {
                 }
             }
         });
-        let Upstream { body, address, guard } = upstream;
+        let Upstream {
+            body,
+            address,
+            guard,
+            companion,
+        } = upstream;
         Self {
             dispatcher,
             address,
@@ -308,6 +319,7 @@ impl Relay {
             counted,
             meter,
             share,
+            _companion: companion,
         }
     }
 

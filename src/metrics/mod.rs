@@ -320,7 +320,42 @@ pub enum PeerEvent {
     /// A peer read this gateway's load summary.
     LoadServed = 3,
 }
-const END: usize = PEERS + PEER_COUNTERS.len();
+/// Disaggregated prefill and decode: requests of pools with prefill
+/// engines by how they were served, the prefill legs that gave the decode
+/// leg nothing, and the prefill legs' durations.
+const PD: usize = PEERS + PEER_COUNTERS.len();
+/// How a request of a pool with prefill engines was served
+/// (`semlb_pd_requests_total{path}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PdPath {
+    /// A prefill leg and a decode leg.
+    Split = 0,
+    /// Its decode engine held the prompt: no prefill leg.
+    Bypass = 1,
+    /// Its decode engine alone for another reason: several choices asked
+    /// for, no prefill engine up, the prefill failed or handed nothing over.
+    DecodeOnly = 2,
+}
+const PD_PATHS: [&str; 3] = ["split", "bypass", "decode_only"];
+/// Why a prefill leg gave its decode leg nothing
+/// (`semlb_pd_handoff_failures_total{reason}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PdFailure {
+    /// No answer, a 5xx or the prefill timeout.
+    PrefillFailed = 0,
+    /// A vLLM prefill answer without `kv_transfer_params` (it stopped at
+    /// its one token).
+    NoParams = 1,
+}
+const PD_FAILURES: [&str; 2] = ["prefill_failed", "no_params"];
+/// The prefill legs, from sending to their answer's end (vLLM) or their
+/// end beside the decode leg (SGLang).
+pub const PD_PREFILL: Histogram = Histogram {
+    base: PD + PD_PATHS.len() + PD_FAILURES.len(),
+    bounds: LATENCY_BOUNDS,
+    scale: 1e6,
+};
+const END: usize = PD_PREFILL.base + Histogram::words(LATENCY_BOUNDS);
 const _: () = assert!(END <= STAT_WORDS, "the metrics outgrew a stats block");
 
 /// What the response cache did for an inference request.

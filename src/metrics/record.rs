@@ -124,6 +124,16 @@ impl<'a> Metrics<'a> {
         self.add(PEERS + event as usize, 1);
     }
 
+    /// A request of a pool with prefill engines was served by `path`.
+    pub fn pd_request(&self, path: PdPath) {
+        self.add(PD + path as usize, 1);
+    }
+
+    /// A prefill leg gave its decode leg nothing.
+    pub fn pd_handoff_failure(&self, why: PdFailure) {
+        self.add(PD + PD_PATHS.len() + why as usize, 1);
+    }
+
     /// One store lookup answered by the fallback.
     pub fn degraded_lookup(&self) {
         self.add(DEGRADED, 1);

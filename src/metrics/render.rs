@@ -184,6 +184,37 @@ impl Snapshot {
             family(o, name, "counter", help);
             sample(o, name, &[], self.counter(PEERS + k));
         }
+        family(
+            o,
+            "semlb_pd_requests_total",
+            "counter",
+            "Requests of pools with prefill engines, by how they were served: split (a prefill and a decode leg), bypass (the decode engine held the prompt), decode_only (several choices, no prefill engine up, or the prefill failed or handed nothing over).",
+        );
+        for (k, path) in PD_PATHS.into_iter().enumerate() {
+            sample(o, "semlb_pd_requests_total", &[("path", path)], self.counter(PD + k));
+        }
+        family(
+            o,
+            "semlb_pd_handoff_failures_total",
+            "counter",
+            "Prefill legs that gave their decode leg nothing: prefill_failed (no answer, a 5xx, the prefill timeout), no_params (a vLLM prefill that stopped at its one token).",
+        );
+        for (k, reason) in PD_FAILURES.into_iter().enumerate() {
+            let word = PD + PD_PATHS.len() + k;
+            sample(
+                o,
+                "semlb_pd_handoff_failures_total",
+                &[("reason", reason)],
+                self.counter(word),
+            );
+        }
+        self.histogram(
+            o,
+            "semlb_pd_prefill_seconds",
+            "Prefill legs of split requests, from sending to their answer's end.",
+            &[PD_PREFILL],
+            &[],
+        );
         self.histogram(
             o,
             "semlb_kv_event_lag_seconds",

@@ -22,6 +22,8 @@
 //! [`Attempts::finish`] adds the gateway's headers. Step 1 is [`route`]'s,
 //! step 2 [`send`]'s; the attempts' state, the relay and the finish are here.
 
+mod pd;
+pub(super) use pd::Companion;
 mod route;
 mod send;
 
@@ -42,8 +44,8 @@ use shm_layout::UsageCounter;
 use super::Dispatcher;
 use super::charge::Reservation;
 use super::http::{
-    BACKEND_HEADER, Body, CACHE_HEADER, DISPATCH_HEADER, QUEUE_HEADER, ROUTE_HEADER, client_response_headers,
-    error_response, set_header, set_static_header,
+    BACKEND_HEADER, Body, CACHE_HEADER, DISPATCH_HEADER, PREFILL_HEADER, QUEUE_HEADER, ROUTE_HEADER,
+    client_response_headers, error_response, set_header, set_static_header,
 };
 use super::inflight::InflightGuard;
 use super::learn::Learn;
@@ -251,6 +253,9 @@ struct Attempts<'d> {
     /// Without an inference context: a routing charged the outbound's
     /// share already.
     share_charged: bool,
+    /// Its split into a prefill and a decode leg, in a pool with prefill
+    /// engines ([`pd`]).
+    pd: pd::PdState,
 }
 
 impl<'d> Attempts<'d> {
@@ -277,6 +282,7 @@ impl<'d> Attempts<'d> {
             last_prediction: Prediction::default(),
             resent_stale: false,
             answered_5xx: Vec::new(),
+            pd: pd::PdState::default(),
         }
     }
 
@@ -365,6 +371,7 @@ impl<'d> Attempts<'d> {
             body: incoming,
             address,
             guard,
+            companion: self.pd.leg.take(),
         };
         let strip_usage = self.ctx.as_ref().is_some_and(|c| c.strip_usage);
         // A passthrough's reservation stays with the request (given back
@@ -400,6 +407,9 @@ impl<'d> Attempts<'d> {
         }
         if let Some(ms) = self.queued_ms {
             set_header(headers, QUEUE_HEADER, &ms.to_string());
+        }
+        if let Some(prefill) = &self.pd.prefill {
+            set_header(headers, PREFILL_HEADER, prefill);
         }
         // A peer gateway's answer keeps what the peer's cache did.
         let forwarded = headers.contains_key(crate::peers::PEER_HEADER);

@@ -67,6 +67,7 @@ impl Attempts<'_> {
         let body = self
             .outbound
             .body_for(self.outbound.cache_salt.is_some() && dispatcher.takes_cache_salt(&address));
+        let body = self.disaggregate(predicted, body).await;
         let mut client = dispatcher.client();
         let result = loop {
             let result = tokio::select! {
