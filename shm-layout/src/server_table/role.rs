@@ -11,7 +11,7 @@
 //! [`ServerTable::set_disaggregation`].
 
 use super::facts::tagged;
-use super::{ServerRef, ServerTable};
+use super::{ServerRef, ServerState, ServerTable};
 use crate::sync::Ordering;
 
 /// What an engine does in disaggregated serving.
@@ -132,6 +132,19 @@ impl ServerTable<'_> {
             .map_or_else(Disaggregation::default, Disaggregation::unpack)
     }
 
+    /// The `Up` servers of `role`, with their ids: a few loads per slot,
+    /// no copy of any address (a pool's check for prefill engines, on
+    /// every request of a pool that may split).
+    pub fn up_of_role(&self, role: ServerRole) -> impl Iterator<Item = (ServerRef, u64)> + '_ {
+        (0..self.slots.len() as u16).filter_map(move |slot| {
+            let (server, state) = self.current(slot)?;
+            if state != ServerState::Up || self.role_of(server) != role {
+                return None;
+            }
+            Some((server, self.id_of(slot)?))
+        })
+    }
+
     /// The role of the current registration of `slot` (routing reads it
     /// for every candidate: one load and no check of the registration,
     /// which the candidate's own reads make).
@@ -162,6 +175,10 @@ mod tests {
         assert_eq!(t.role_of(b), ServerRole::Both);
         assert!(t.set_disaggregation(b, Disaggregation::of(ServerRole::Decode)));
         assert_eq!(t.role_of(b), ServerRole::Decode);
+        assert_eq!(t.up_of_role(ServerRole::Prefill).collect::<Vec<_>>(), [(a, 1)]);
+        assert_eq!(t.up_of_role(ServerRole::Decode).collect::<Vec<_>>(), [(b, 2)]);
+        assert!(t.set_state(a, ServerState::Down));
+        assert_eq!(t.up_of_role(ServerRole::Prefill).count(), 0);
         // Gone with its registration: the slot's next one does both.
         assert!(t.retire(a));
         assert!(!t.set_disaggregation(a, Disaggregation::of(ServerRole::Decode)));

@@ -21,7 +21,7 @@ use http::HeaderMap;
 use http::header::HeaderValue;
 
 use crate::routing::Members;
-use shm_layout::{ServerRole, ServerState};
+use shm_layout::ServerRole;
 
 /// The header both legs of a split request carry, with the same value.
 pub(super) const REQUEST_ID: &str = "x-request-id";
@@ -29,9 +29,9 @@ pub(super) const REQUEST_ID: &str = "x-request-id";
 /// Whether `members` (a pool's servers) has a prefill engine that is up:
 /// only then is a request of the pool split.
 pub(super) fn has_prefill(servers: &shm_layout::ServerTable<'_>, members: &Members) -> bool {
-    servers.servers().any(|s| {
-        s.state == ServerState::Up && s.disaggregation.role == ServerRole::Prefill && members.admits(Some(s.id))
-    })
+    servers
+        .up_of_role(ServerRole::Prefill)
+        .any(|(_, id)| members.admits(Some(id)))
 }
 
 /// The request id both legs carry: the client's `x-request-id`, else a
