@@ -1,0 +1,283 @@
+//! Disaggregated prefill and decode through `semlb serve`, against
+//! simulated engines that play vLLM's NixlConnector and SGLang's bootstrap
+//! rendezvous (`semlb __sim --role prefill|decode --pd-protocol ...`), each
+//! a real process, driven over real HTTP.
+//!
+//! Each engine lists what it received (`GET /sim/requests`): the tests
+//! assert the bodies of both legs field by field, that the prefill's
+//! parameters reach the decode leg verbatim, and what the client gets.
+
+use serde_json::{Value, json};
+
+use semlb_test_support as support;
+use support::gateway::{Gateway, chat, sim_with, user, wait_for};
+use support::http::{Response, http};
+use support::process::Proc;
+
+/// A simulated engine of `role` speaking `protocol`.
+fn engine(role: &str, protocol: &str) -> Proc {
+    let mut args = vec!["--role", role, "--pd-protocol", protocol];
+    if protocol == "sglang" && role == "prefill" {
+        args.extend(["--bootstrap-port", "0"]);
+    }
+    sim_with("0.01", &args)
+}
+
+/// `semlb serve` with these prefill and decode engines.
+fn gateway(tag: &str, prefill: &[&Proc], decode: &[&Proc], extra: &[&str]) -> Gateway {
+    let mut args: Vec<String> = Vec::new();
+    for p in prefill {
+        args.extend(["--prefill".into(), format!("http://{}", p.addr)]);
+    }
+    for d in decode {
+        args.extend(["--decode".into(), format!("http://{}", d.addr)]);
+    }
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
+    Gateway::builder().tag(tag).args(&args).start()
+}
+
+/// The inference requests `engine` received, oldest first.
+fn received(engine: &Proc) -> Vec<Value> {
+    let r = http(&engine.addr, "GET", "/sim/requests", None, &[]).expect("GET /sim/requests");
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["requests"].as_array().cloned().unwrap_or_default()
+}
+
+/// A long shared system prompt: more than `pd.bypass_uncached_tokens`
+/// (256) tokens, so a first turn is split.
+fn system_prompt() -> Value {
+    let text = (0..60)
+        .map(|i| format!("Rule {i}: answer as briefly as the question allows."))
+        .collect::<Vec<_>>()
+        .join(" ");
+    json!({"role": "system", "content": text})
+}
+
+fn completions(gw: &Gateway, body: Value, headers: &[(&str, &str)]) -> Response {
+    gw.request("POST", "/v1/completions", Some(&body), headers).expect("request")
+}
+
+/// The prefill leg of vLLM's NixlConnector, as the issue and vLLM's own
+/// proxy give it: `kv_transfer_params` asking for a remote decode, not
+/// streamed, one token in the field the client used, no `min_tokens`,
+/// `n` 1; everything else as the client sent it.
+fn assert_prefill_leg(leg: &Value, client: &Value) {
+    assert_eq!(leg["leg"], "prefill", "{leg}");
+    let body = &leg["body"];
+    assert_eq!(
+        body["kv_transfer_params"],
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+               "remote_block_ids": null, "remote_host": null, "remote_port": null}),
+        "{body}"
+    );
+    assert_eq!(body["stream"], false, "{body}");
+    assert!(body.get("stream_options").is_none(), "{body}");
+    assert!(body.get("min_tokens").is_none(), "{body}");
+    assert_eq!(body["n"], 1, "{body}");
+    if client.get("max_completion_tokens").is_some() {
+        assert_eq!(body["max_completion_tokens"], 1, "{body}");
+        assert!(body.get("max_tokens").is_none(), "{body}");
+    } else {
+        assert_eq!(body["max_tokens"], 1, "{body}");
+        assert!(body.get("max_completion_tokens").is_none(), "{body}");
+    }
+    for (key, value) in client.as_object().unwrap() {
+        if ![
+            "stream",
+            "stream_options",
+            "min_tokens",
+            "n",
+            "max_tokens",
+            "max_completion_tokens",
+        ]
+        .contains(&key.as_str())
+        {
+            assert_eq!(&body[key], value, "{key} of {body}");
+        }
+    }
+}
+
+/// The decode leg: the client's body with the prefill's parameters.
+fn assert_decode_leg(leg: &Value, client: &Value, prefill: &Proc) -> Value {
+    assert_eq!(leg["leg"], "decode", "{leg}");
+    let body = &leg["body"];
+    let params = &body["kv_transfer_params"];
+    assert_eq!(params["do_remote_prefill"], true, "{body}");
+    assert_eq!(params["do_remote_decode"], false, "{body}");
+    let (host, port) = prefill.addr.rsplit_once(':').unwrap();
+    assert_eq!(params["remote_host"], host, "{body}");
+    assert_eq!(params["remote_port"], port.parse::<u64>().unwrap(), "{body}");
+    assert!(params["remote_block_ids"][0].as_array().is_some_and(|b| !b.is_empty()), "{body}");
+    for (key, value) in client.as_object().unwrap() {
+        if key != "stream_options" {
+            assert_eq!(&body[key], value, "{key} of {body}");
+        }
+    }
+    params.clone()
+}
+
+#[test]
+fn vllm_split_requests_carry_both_legs_as_vllm_expects() {
+    let (p, d) = (engine("prefill", "vllm-nixl"), engine("decode", "vllm-nixl"));
+    let gw = gateway("pd-vllm", &[&p], &[&d], &[]);
+    let prompt = format!("{} Now, the question.", system_prompt()["content"].as_str().unwrap());
+    let cases = [
+        (
+            "/v1/completions",
+            json!({"model": "semlb-sim", "prompt": prompt, "max_tokens": 8, "min_tokens": 2}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "semlb-sim", "prompt": format!("{prompt} Streamed."), "max_tokens": 8, "stream": true}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "semlb-sim", "messages": [system_prompt(), user("Plain chat.")], "max_completion_tokens": 8}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "semlb-sim", "messages": [system_prompt(), user("Streamed chat.")], "max_tokens": 8,
+                   "stream": true, "stream_options": {"include_usage": true}}),
+        ),
+    ];
+    for (i, (path, body)) in cases.iter().enumerate() {
+        let r = gw.request("POST", path, Some(body), &[]).expect("request");
+        assert_eq!(r.status, 200, "case {i}: {}", r.text());
+        assert_eq!(r.header("x-semlb-prefill"), Some(format!("http://{}", p.addr)).as_deref(), "case {i}");
+        assert_eq!(r.header("x-semlb-backend"), Some(format!("http://{}", d.addr)).as_deref(), "case {i}");
+        let prefilled = received(&p);
+        let decoded = received(&d);
+        assert_eq!((prefilled.len(), decoded.len()), (i + 1, i + 1), "case {i}");
+        let (pl, dl) = (&prefilled[i], &decoded[i]);
+        assert_prefill_leg(pl, body);
+        assert_decode_leg(dl, body, &p);
+        // One request id on both legs.
+        assert!(pl["request_id"].as_str().is_some_and(|id| !id.is_empty()), "{pl}");
+        assert_eq!(pl["request_id"], dl["request_id"]);
+        assert_eq!((pl["outcome"].clone(), dl["outcome"].clone()), (json!("completed"), json!("completed")));
+        // The decode engine pulled the prompt: it computed one token of it.
+        let text = r.text();
+        if body["stream"] == true {
+            assert!(text.contains("data: [DONE]"), "case {i}: {text}");
+        } else {
+            let usage = &r.json()["usage"];
+            let prompt_tokens = usage["prompt_tokens"].as_u64().unwrap();
+            assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], prompt_tokens - 1, "case {i}: {text}");
+        }
+    }
+    let metrics = gw.metrics();
+    assert!(
+        metrics.contains("semlb_pd_requests_total{path=\"split\"} 4"),
+        "{}",
+        metrics.lines().filter(|l| l.contains("semlb_pd")).collect::<Vec<_>>().join("\n")
+    );
+}
+
+/// What goes to the decode engine alone: a prefill that stopped at its one
+/// token (EOS: no parameters), a request for several choices, and a
+/// conversation's next turn whose prompt the decode engine holds.
+#[test]
+fn vllm_requests_that_need_no_prefill_go_to_decode_alone() {
+    let (p, d) = (engine("prefill", "vllm-nixl"), engine("decode", "vllm-nixl"));
+    let gw = gateway("pd-alone", &[&p], &[&d], &[]);
+    let long = system_prompt()["content"].as_str().unwrap().to_owned();
+    // EOS at prefill: a one-token answer ends there, with no parameters.
+    let body = json!({"model": "semlb-sim", "prompt": format!("{long} One word."), "max_tokens": 8});
+    let r = completions(&gw, body, &[("x-semlb-output-tokens", "1")]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-semlb-prefill"), None);
+    let (pl, dl) = (received(&p), received(&d));
+    assert_eq!((pl.len(), dl.len()), (1, 1));
+    assert_eq!(pl[0]["leg"], "prefill");
+    assert_eq!(dl[0]["leg"], "plain", "{}", dl[0]);
+    assert!(dl[0]["body"].get("kv_transfer_params").is_none());
+    // Several choices: never split.
+    let body = json!({"model": "semlb-sim", "prompt": format!("{long} Two answers."), "max_tokens": 4, "n": 2});
+    let r = completions(&gw, body, &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(received(&p).len(), 1, "no prefill leg for n = 2");
+    assert_eq!(received(&d).len(), 2);
+    // A conversation: turn 1 split, turn 2 (its decode engine holds turn
+    // 1's prompt and answer) bypasses prefill.
+    let mut messages = vec![system_prompt(), user("First question?")];
+    let first = chat(&gw.proc.addr, &messages, json!({}), &[]);
+    assert_eq!(first.status, 200, "{}", first.text());
+    assert!(first.header("x-semlb-prefill").is_some_and(|v| v != "bypass"));
+    messages.push(first.json()["choices"][0]["message"].clone());
+    messages.push(user("And the second?"));
+    let second = chat(&gw.proc.addr, &messages, json!({}), &[]);
+    assert_eq!(second.status, 200, "{}", second.text());
+    assert_eq!(second.header("x-semlb-prefill"), Some("bypass"));
+    assert_eq!(received(&p).len(), 2, "turn 2 sent no prefill leg");
+    let metrics = gw.metrics();
+    for (path, n) in [("split", 1), ("bypass", 1), ("decode_only", 2)] {
+        let line = format!("semlb_pd_requests_total{{path=\"{path}\"}} {n}");
+        assert!(metrics.contains(&line), "{line} in\n{metrics}");
+    }
+    assert!(metrics.contains("semlb_pd_handoff_failures_total{reason=\"no_params\"} 1"));
+}
+
+/// A dead prefill engine: the request is served by its decode engine
+/// alone, and the decode engine's health is not touched.
+#[test]
+fn a_dead_prefill_engine_leaves_the_decode_engine_serving() {
+    let (mut p, d) = (engine("prefill", "vllm-nixl"), engine("decode", "vllm-nixl"));
+    let gw = gateway("pd-deadp", &[&p], &[&d], &[]);
+    p.kill9();
+    let long = system_prompt()["content"].as_str().unwrap().to_owned();
+    for i in 0..4 {
+        let body = json!({"model": "semlb-sim", "prompt": format!("{long} Question {i}."), "max_tokens": 4});
+        let r = completions(&gw, body, &[]);
+        assert_eq!(r.status, 200, "request {i}: {}", r.text());
+        assert_eq!(r.header("x-semlb-backend"), Some(format!("http://{}", d.addr)).as_deref());
+    }
+    let decode = format!("http://{}", d.addr);
+    let servers = wait_for("the dead prefill engine down", std::time::Duration::from_secs(10), || {
+        let r = http(&gw.proc.addr, "GET", "/metrics", None, &[]).unwrap();
+        let up = |addr: &str| {
+            r.text()
+                .lines()
+                .any(|l| l.starts_with("semlb_server_up{") && l.contains(addr) && l.ends_with(" 1"))
+        };
+        (!up(&format!("http://{}", p.addr)), up(&decode))
+    });
+    assert!(servers, "the decode engine stayed up");
+}
+
+#[test]
+fn sglang_legs_meet_at_the_prefill_engines_bootstrap_server() {
+    let (p, d) = (engine("prefill", "sglang"), engine("decode", "sglang"));
+    let port = support::gateway::bootstrap_port(&p.line).expect("a bootstrap port on the first line");
+    let config = format!(
+        "[pd]\nprotocol = \"sglang\"\n\n[[backend]]\nurl = \"http://{}\"\nrole = \"prefill\"\nbootstrap_port = {port}\n\n\
+         [[backend]]\nurl = \"http://{}\"\nrole = \"decode\"\n",
+        p.addr, d.addr
+    );
+    let gw = Gateway::builder().tag("pd-sglang").config(&config).start();
+    for (i, stream) in [false, true].into_iter().enumerate() {
+        let r = chat(
+            &gw.proc.addr,
+            &[system_prompt(), user(&format!("Question {i}?"))],
+            json!({"stream": stream}),
+            &[],
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-semlb-prefill"), Some(format!("http://{}", p.addr)).as_deref());
+        let (pl, dl) = (received(&p), received(&d));
+        let (pl, dl) = (&pl[i], &dl[i]);
+        for field in ["bootstrap_host", "bootstrap_port", "bootstrap_room"] {
+            assert_eq!(pl["body"][field], dl["body"][field], "{field}: {pl} {dl}");
+        }
+        assert_eq!(pl["body"]["bootstrap_port"], port);
+        assert_eq!(pl["body"]["bootstrap_host"], "127.0.0.1");
+        assert!(pl["body"]["bootstrap_room"].as_u64().is_some_and(|r| r < 1 << 63));
+        assert_eq!(pl["body"]["messages"], dl["body"]["messages"]);
+        assert_eq!((pl["leg"].clone(), dl["leg"].clone()), (json!("prefill"), json!("decode")));
+        let done = wait_for("the prefill leg completed", std::time::Duration::from_secs(10), || {
+            let outcome = received(&p)[i]["outcome"].clone();
+            (outcome == "completed", outcome)
+        });
+        assert_eq!(done, "completed");
+        assert_eq!(dl["outcome"], "completed");
+    }
+}
