@@ -1461,7 +1461,10 @@ mod tests {
         assert_eq!(out.usage.expect("usage").cached_tokens, 99);
         let stats = engine.stats();
         assert_eq!(stats.prefix_cache_hits, 0, "pulled tokens are not local hits");
-        assert_close(stats.e2e.sum(), secs(cfg.prefill_time(1) + cfg.decode_step_time(1) * 2) + 0.007);
+        assert_close(
+            stats.e2e.sum(),
+            secs(cfg.prefill_time(1) + cfg.decode_step_time(1) * 2) + 0.007,
+        );
         // The pulled blocks are cached now: a plain repeat hits them.
         let again = finish(engine.submit(req(0, 100, 2)).expect("accepted")).await;
         assert_eq!(again.cached_tokens, 96);
