@@ -595,6 +595,12 @@ impl Pd {
             engine.pins() as f64,
         );
         metric(
+            "semlb_sim_pd_rooms_open",
+            "gauge",
+            "SGLang bootstrap rooms open now (this prefill engine's).",
+            self.rooms.len() as f64,
+        );
+        metric(
             "semlb_sim_pd_pins_total",
             "counter",
             "vLLM prefill legs whose prompt was held for a remote decode.",
