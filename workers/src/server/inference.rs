@@ -185,22 +185,8 @@ async fn answer(
     let seed = seahash::hash(&prompt.iter().flat_map(|id| id.to_le_bytes()).collect::<Vec<u8>>());
     let output = sim.vocab().generate(seed, plan.n as usize);
 
-    // Before the engine: the decode leg's KV, the SGLang prefill's room.
     let key = pd.pin_key();
-    let hold = KvHandoff {
-        hold_prompt: plan.hold.then_some(key),
-        ..KvHandoff::default()
-    };
-    let mut seat: Option<PrefillSeat> = None;
-    let handoff = match &leg {
-        Leg::Plain | Leg::NixlPrefill => hold,
-        Leg::NixlDecode(remote) => pd.nixl_decode(engine, remote.as_ref(), root, &prompt).await,
-        Leg::SglangDecode(boot) => pd.sglang_decode(engine, boot, root, &prompt).await?,
-        Leg::SglangPrefill { room } => {
-            seat = Some(pd.sglang_prefill_seat(engine, *room).await?);
-            hold
-        }
-    };
+    let (handoff, seat) = before_engine(sim, &leg, plan.hold.then_some(key), root, &prompt).await?;
     let mut pin = PinGuard {
         engine: engine.clone(),
         key: plan.hold.then_some(key),
@@ -284,6 +270,29 @@ async fn answer(
     builder = builder.header(CONTENT_TYPE, "application/json");
     let body = whole_body(json, decision.reset, taken(recorded)?, completion);
     builder.body(body).map_err(server_error)
+}
+
+/// Step 3: what the engine is to know of the leg's KV (the decode leg's
+/// pulled prompt, the key a prefill's prompt is held under), and the
+/// SGLang prefill's seat in its room, once its decode has joined.
+async fn before_engine(
+    sim: &Sim,
+    leg: &Leg,
+    hold: Option<u64>,
+    root: u64,
+    prompt: &[u32],
+) -> Result<(KvHandoff, Option<PrefillSeat>), ApiError> {
+    let (engine, pd) = (sim.engine(), sim.pd());
+    let hold = KvHandoff {
+        hold_prompt: hold,
+        ..KvHandoff::default()
+    };
+    Ok(match leg {
+        Leg::Plain | Leg::NixlPrefill => (hold, None),
+        Leg::NixlDecode(remote) => (pd.nixl_decode(engine, remote.as_ref(), root, prompt).await, None),
+        Leg::SglangDecode(boot) => (pd.sglang_decode(engine, boot, root, prompt).await?, None),
+        Leg::SglangPrefill { room } => (hold, Some(pd.sglang_prefill_seat(engine, *room).await?)),
+    })
 }
 
 /// The JSON answer of `tokens`, with the prefill's `kv_transfer_params`
