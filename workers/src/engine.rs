@@ -1517,4 +1517,35 @@ mod tests {
         // The held prompt stayed cached.
         assert_eq!(engine.cached_prefix_tokens(0, &(0..100).collect::<Vec<_>>()), 96);
     }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_prefill_admitted_beside_a_decode_slows_its_step() {
+        // Aggregated-engine interference: the step that admits B's 2 000
+        // prompt tokens lasts their prefill time, and A waits for it.
+        let cfg = config();
+        let engine = Engine::start(cfg.clone());
+        let mut a = engine.submit(req(0, 16, 10)).expect("accepted");
+        first(&mut a).await;
+        let t0 = Instant::now();
+        a.next().await;
+        let b = engine.submit(req(5000, 2000, 1)).expect("accepted");
+        let out = finish(a).await;
+        let real = secs(t0.elapsed());
+        assert_eq!(out.tokens.len(), 8, "two were read above");
+        let alone = secs(cfg.decode_step_time(1) * 9);
+        assert!(
+            (real - alone - secs(cfg.prefill_time(2000))).abs() < 0.003,
+            "{real} vs {alone} + the prefill"
+        );
+        // B arrived during a decode step and waited for its end (at most
+        // one step); its one token then cost one step: its prefill and
+        // A's decode step.
+        let b = finish(b).await;
+        let one_step = secs(cfg.prefill_time(2000) + cfg.decode_step_time(1));
+        assert!(
+            b.ttft_s >= one_step - 1e-6 && b.ttft_s <= one_step + secs(cfg.decode_step_time(1)) + 1e-6,
+            "{}",
+            b.ttft_s
+        );
+    }
 }

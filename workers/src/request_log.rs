@@ -18,7 +18,8 @@
 //!
 //! `outcome` is `running` until the request ends, then `completed`,
 //! `aborted` or `failed` (with `status`, if an answer was sent, and
-//! `reason`). A body that is not JSON is kept as a string.
+//! `reason`). A body that is not JSON is kept as a string, and a body
+//! over [`MAX_KEPT_BODY`] bytes as the string `<N bytes, not kept>`.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -29,6 +30,9 @@ use serde_json::Value;
 
 /// Requests kept: older ones are forgotten.
 pub const CAPACITY: usize = 256;
+
+/// Largest body kept (so that 256 huge prompts cannot hold gigabytes).
+pub const MAX_KEPT_BODY: usize = 1 << 20;
 
 /// Which leg of disaggregated serving a request was.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -102,7 +106,11 @@ impl RequestLog {
     /// Records a request (a plain leg until [`Recorded::leg`] says
     /// otherwise); the handle says how it ends.
     pub fn record(self: &Arc<Self>, path: &str, request_id: Option<String>, body: &Bytes) -> Recorded {
-        let body = serde_json::from_slice(body).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into()));
+        let body = if body.len() > MAX_KEPT_BODY {
+            Value::String(format!("<{} bytes, not kept>", body.len()))
+        } else {
+            serde_json::from_slice(body).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(body).into()))
+        };
         let mut log = self.lock();
         log.next_seq += 1;
         let seq = log.next_seq;
@@ -213,7 +221,7 @@ mod tests {
         );
         let b = log.record("/v1/chat/completions", None, &Bytes::from_static(b"not json"));
         let c = log.record("/v1/completions", None, &Bytes::new());
-        let d = log.record("/v1/completions", None, &Bytes::new());
+        let d = log.record("/v1/completions", None, &Bytes::from(vec![b' '; MAX_KEPT_BODY + 1]));
         a.leg(LegKind::Prefill);
         a.complete(200);
         b.fail(Some(400), "bad body");
@@ -234,6 +242,10 @@ mod tests {
         );
         assert_eq!(entries[2].outcome, Outcome::Aborted);
         assert_eq!(entries[3].outcome, Outcome::Running);
+        assert_eq!(
+            entries[3].body,
+            Value::String(format!("<{} bytes, not kept>", MAX_KEPT_BODY + 1))
+        );
         drop(d);
         let body: Value = serde_json::from_slice(&log.body()).unwrap();
         assert_eq!(body["requests"][3]["outcome"], "aborted");
