@@ -46,6 +46,28 @@
 //!    that the next turn of the conversation hits them. A request with one
 //!    output token finishes right after its prefill.
 //!
+//! # Disaggregated serving
+//!
+//! [`Engine::submit_with`] takes a [`KvHandoff`] for the two legs of
+//! prefill/decode disaggregation (the protocols are in [`crate::pd`]). A
+//! prefill leg's prompt blocks stay pinned when it finishes
+//! ([`KvHandoff::hold_prompt`], vLLM's delayed free for a remote reader)
+//! until [`Engine::release_pin`]; pinned blocks count as used KV and are
+//! never evicted, and an idle engine whose queue head does not fit beside
+//! them waits for a release. A decode leg whose prompt KV was pulled
+//! ([`KvHandoff::pulled_from`]) counts the pulled tokens as computed at
+//! admission (its full blocks are registered in the prefix cache then, as
+//! any prompt's), so its prefill costs only what it lacks and the last
+//! prompt token; its `cached_tokens` include the pulled tokens, as vLLM's
+//! `num_cached_tokens` does for KV loaded by a connector.
+//!
+//! Interference, the reason for disaggregation, is in the step duration
+//! above: a step that admits prompts lasts their prefill time *plus* the
+//! decode step, so every request decoding in the same batch waits for
+//! the newcomers' prefill. A prefill-only engine's one-token requests
+//! finish at the end of their prefill step; a decode engine fed pulled
+//! prompts pays (almost) no prefill, so its steps stay short.
+//!
 //! # Time
 //!
 //! Durations are simulated; the scheduler sleeps `simulated × time_scale`
@@ -79,7 +101,7 @@
 //!   no preemption (see [`crate::prefix_cache`]).
 //! * Aborts take effect at step boundaries.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -121,6 +143,38 @@ pub struct BlockKeys {
     pub lora_name: Option<String>,
     /// Its `cache_salt`, if it has one.
     pub salt: Option<String>,
+}
+
+/// What a leg of disaggregated serving asks of the engine beyond a plain
+/// request ([`Engine::submit_with`]; `Default`: nothing, a plain request).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KvHandoff {
+    /// A prefill leg: when the request finishes, its prompt's blocks stay
+    /// pinned under this key (never evicted) for a decode engine to read,
+    /// until [`Engine::release_pin`]; [`Engine::pinned`] names them.
+    pub hold_prompt: Option<u64>,
+    /// A decode leg: the prompt's KV from this token on was pulled from a
+    /// prefill engine. At admission the pulled tokens count as computed,
+    /// as the prefix cache's hits do: only the tokens before this one that
+    /// the cache lacks, and the last prompt token (whose logits sample the
+    /// first output token, as vLLM recomputes it), cost prefill time.
+    pub pulled_from: Option<usize>,
+    /// Simulated time the request spent before it was submitted (waiting
+    /// for its KV, transferring it), counted in its TTFT and end-to-end
+    /// latency.
+    pub waited: Duration,
+}
+
+/// A prompt's blocks held for a remote decode ([`KvHandoff::hold_prompt`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PinnedPrompt {
+    /// The physical ids of the blocks the prompt occupies, in order (the
+    /// last one partial when the prompt does not fill it).
+    pub block_ids: Vec<usize>,
+    /// Prompt tokens.
+    pub num_tokens: usize,
+    /// The chained hashes of the prompt's full blocks.
+    pub block_hashes: Vec<BlockHash>,
 }
 
 /// Token counts of a finished request (OpenAI `usage`).
@@ -268,6 +322,7 @@ impl Engine {
             ttft: Histogram::new(TTFT_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
             events: None,
+            pins: HashMap::new(),
         };
         let shared = Arc::new(Shared {
             config: Arc::clone(&config),
@@ -292,6 +347,13 @@ impl Engine {
     /// the cache has (it could never be admitted). Returns the request's
     /// events; dropping the stream aborts the request.
     pub fn submit(&self, request: EngineRequest) -> Result<EngineStream, SubmitError> {
+        self.submit_with(request, KvHandoff::default())
+    }
+
+    /// [`submit`](Self::submit) for a leg of disaggregated serving: a
+    /// prefill leg whose prompt blocks are held when it finishes, a decode
+    /// leg whose prompt KV was pulled (see [`KvHandoff`]).
+    pub fn submit_with(&self, request: EngineRequest, handoff: KvHandoff) -> Result<EngineStream, SubmitError> {
         let config = &self.config;
         let EngineRequest {
             prompt,
@@ -327,6 +389,7 @@ impl Engine {
             output,
             hashes,
             keys,
+            handoff,
             tx,
             submitted: Instant::now(),
         };
@@ -385,6 +448,40 @@ impl Engine {
     pub fn config(&self) -> &EngineConfig {
         &self.config
     }
+
+    /// Prompt tokens of `prompt` (a request's, with its prefix-cache
+    /// `root`) whose KV the prefix cache holds now: its leading cached
+    /// full blocks, at most `floor((len - 1) / block_size)` of them (the
+    /// last prompt token is always recomputed), in tokens.
+    pub fn cached_prefix_tokens(&self, root: u64, prompt: &[u32]) -> usize {
+        let block_size = self.config.block_size;
+        let hashes = chained_hashes(root, prompt.iter().copied(), block_size);
+        let state = self.inner.shared.lock();
+        state.cache.lookup(&hashes, prompt.len()) * block_size as usize
+    }
+
+    /// The prompt blocks held under `key` ([`KvHandoff::hold_prompt`]), if
+    /// they still are.
+    pub fn pinned(&self, key: u64) -> Option<PinnedPrompt> {
+        self.inner.shared.lock().pins.get(&key).map(|pin| pin.info.clone())
+    }
+
+    /// Unpins the prompt blocks held under `key` (they stay cached, as any
+    /// finished request's); false if none were.
+    pub fn release_pin(&self, key: u64) -> bool {
+        let shared = &self.inner.shared;
+        let released = shared.lock().release_pin(key);
+        if released {
+            // Freed blocks may let the queue head in.
+            shared.wake.notify_one();
+        }
+        released
+    }
+
+    /// Prompts held for remote decodes now.
+    pub fn pins(&self) -> usize {
+        self.inner.shared.lock().pins.len()
+    }
 }
 
 /// `n` as a `u32`, saturating (token counts are bounded by `max_model_len`).
@@ -436,8 +533,17 @@ struct Pending {
     /// Block hashes of prompt + output.
     hashes: Vec<BlockHash>,
     keys: BlockKeys,
+    handoff: KvHandoff,
     tx: mpsc::UnboundedSender<Event>,
     submitted: Instant,
+}
+
+/// A finished prefill's prompt blocks, held for a remote decode.
+struct Pin {
+    alloc: Allocation,
+    /// The request's block hashes (to release the allocation).
+    hashes: Vec<BlockHash>,
+    info: PinnedPrompt,
 }
 
 /// A request in the batch.
@@ -479,6 +585,8 @@ struct State {
     e2e: Histogram,
     /// The KV cache events' sink, once [`Engine::kv_events`] was called.
     events: Option<Events>,
+    /// Prompt blocks held for remote decodes, by key.
+    pins: HashMap<u64, Pin>,
 }
 
 impl State {
@@ -553,9 +661,19 @@ impl State {
                 break;
             };
             self.collect_events(Some(&req));
-            let cached_tokens = alloc.cached_blocks() * self.block_size;
+            let hit_tokens = alloc.cached_blocks() * self.block_size;
+            let cached_tokens = match req.handoff.pulled_from {
+                // Pulled: everything from `from` on but the last token; of
+                // the tokens before it, what the cache has.
+                Some(from) => {
+                    let last = req.prompt_len - 1;
+                    let from = from.min(last);
+                    hit_tokens.min(from) + (last - from)
+                }
+                None => hit_tokens,
+            };
             self.counters.prefix_cache_queries += req.prompt_len as u64;
-            self.counters.prefix_cache_hits += cached_tokens as u64;
+            self.counters.prefix_cache_hits += hit_tokens.min(cached_tokens) as u64;
             prefill_tokens += (req.prompt_len - cached_tokens) as u64;
             start = if first_admission {
                 start.max(req.submitted).min(now)
@@ -571,6 +689,10 @@ impl State {
             });
         }
         if self.running.is_empty() {
+            if !self.pins.is_empty() {
+                // Held prompts keep blocks: the head waits for a release.
+                return None;
+            }
             // With nothing running every block is free or evictable, and
             // `submit` rejects requests larger than the cache, so the head
             // always fits. Should it not, drop it rather than spin.
@@ -604,7 +726,7 @@ impl State {
             self.counters.generation_tokens += 1;
             let sent = if first {
                 self.counters.prompt_tokens += r.req.prompt_len as u64;
-                let ttft_s = simulated(r.req.submitted);
+                let ttft_s = simulated(r.req.submitted) + r.req.handoff.waited.as_secs_f64();
                 let event = Event::FirstToken {
                     id,
                     cached_tokens: saturating_u32(r.cached_tokens),
@@ -627,11 +749,17 @@ impl State {
                     completion_tokens: saturating_u32(r.req.output.len()),
                     cached_tokens: saturating_u32(r.cached_tokens),
                 };
-                // A client leaving right after the last token changes nothing.
-                let _ = r.req.tx.send(Event::Finished { usage });
-                self.e2e.observe(simulated(r.req.submitted));
+                self.e2e
+                    .observe(simulated(r.req.submitted) + r.req.handoff.waited.as_secs_f64());
                 self.counters.requests_finished += 1;
-                self.release(r);
+                // Held (the caller finds the pin when it reads `Finished`).
+                let tx = r.req.tx.clone();
+                match r.req.handoff.hold_prompt {
+                    Some(key) => self.hold(r, key),
+                    None => self.release(r),
+                }
+                // A client leaving right after the last token changes nothing.
+                let _ = tx.send(Event::Finished { usage });
             } else {
                 self.running.push(r);
             }
@@ -653,6 +781,34 @@ impl State {
                 }
             }
         }
+    }
+
+    /// Ends a prefill leg: registers what it computed, as
+    /// [`release`](Self::release) does, but keeps its prompt's blocks
+    /// pinned under `key` for a remote decode.
+    fn hold(&mut self, r: Running, key: u64) {
+        self.release_pin(key);
+        let computed = r.req.prompt_len + r.generated.saturating_sub(1);
+        let keep = r.req.prompt_len.div_ceil(self.block_size);
+        let alloc = self.cache.release_keeping(r.alloc, &r.req.hashes, computed, keep);
+        self.collect_events(Some(&r.req));
+        let full = (r.req.prompt_len / self.block_size).min(r.req.hashes.len());
+        let info = PinnedPrompt {
+            block_ids: alloc.block_ids().to_vec(),
+            num_tokens: r.req.prompt_len,
+            block_hashes: r.req.hashes[..full].to_vec(),
+        };
+        let hashes = r.req.hashes;
+        self.pins.insert(key, Pin { alloc, hashes, info });
+    }
+
+    /// Unpins the prompt held under `key`; false if none is.
+    fn release_pin(&mut self, key: u64) -> bool {
+        let Some(pin) = self.pins.remove(&key) else {
+            return false;
+        };
+        self.cache.release(pin.alloc, &pin.hashes, 0);
+        true
     }
 
     /// Releases a request's blocks, registering the ones it computed: the
@@ -689,8 +845,14 @@ async fn run(shared: Arc<Shared>) {
             }
             None => {
                 if shared.closed.load(Ordering::Acquire) {
-                    // No handle is left, so no submission can arrive.
-                    if shared.lock().has_work() {
+                    // No handle is left, so no submission can arrive, and
+                    // no pin can be released but here.
+                    let mut state = shared.lock();
+                    if state.has_work() {
+                        let keys: Vec<u64> = state.pins.keys().copied().collect();
+                        for key in keys {
+                            state.release_pin(key);
+                        }
                         continue;
                     }
                     return;
@@ -1279,5 +1441,111 @@ mod tests {
                 ..config()
             });
         });
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pulled_prompt_costs_only_its_last_token() {
+        let cfg = config();
+        let engine = Engine::start(cfg.clone());
+        // 100 prompt tokens pulled from token 0: 99 count as cached.
+        let handoff = KvHandoff {
+            pulled_from: Some(0),
+            waited: Duration::from_millis(7),
+            ..KvHandoff::default()
+        };
+        let mut s = engine.submit_with(req(0, 100, 3), handoff).expect("accepted");
+        let (cached, ttft) = first(&mut s).await;
+        assert_eq!(cached, 99);
+        assert_close(ttft, secs(cfg.prefill_time(1)) + 0.007);
+        let out = finish(s).await;
+        assert_eq!(out.usage.expect("usage").cached_tokens, 99);
+        let stats = engine.stats();
+        assert_eq!(stats.prefix_cache_hits, 0, "pulled tokens are not local hits");
+        assert_close(
+            stats.e2e.sum(),
+            secs(cfg.prefill_time(1) + cfg.decode_step_time(1) * 2) + 0.007,
+        );
+        // The pulled blocks are cached now: a plain repeat hits them.
+        let again = finish(engine.submit(req(0, 100, 2)).expect("accepted")).await;
+        assert_eq!(again.cached_tokens, 96);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pull_from_past_the_local_prefix_recomputes_the_gap() {
+        let engine = Engine::start(config());
+        // Only 32 tokens are cached locally; the pull started at token 64.
+        finish(engine.submit(req(0, 40, 1)).expect("accepted")).await;
+        assert_eq!(engine.cached_prefix_tokens(0, &(0..100).collect::<Vec<_>>()), 32);
+        let handoff = KvHandoff {
+            pulled_from: Some(64),
+            ..KvHandoff::default()
+        };
+        let mut s = engine.submit_with(req(0, 100, 1), handoff).expect("accepted");
+        // 32 cached + 35 pulled (64..99); 32..64 and the last token computed.
+        assert_eq!(first(&mut s).await.0, 67);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_held_prompt_stays_pinned_until_released() {
+        let cfg = EngineConfig {
+            kv_capacity_tokens: 160,
+            ..config()
+        };
+        let engine = Engine::start(cfg);
+        let handoff = KvHandoff {
+            hold_prompt: Some(7),
+            ..KvHandoff::default()
+        };
+        // 100 prompt tokens: 7 blocks, the last partial.
+        finish(engine.submit_with(req(0, 100, 1), handoff).expect("accepted")).await;
+        let pinned = engine.pinned(7).expect("held");
+        assert_eq!(pinned.num_tokens, 100);
+        assert_eq!(pinned.block_ids.len(), 7);
+        assert_eq!(pinned.block_hashes.len(), 6);
+        assert_eq!(engine.pins(), 1);
+        assert_close(engine.stats().kv_usage, 0.7);
+        // A request needing 4 blocks waits for the pin's release.
+        let mut waiting = engine.submit(req(1000, 50, 10)).expect("accepted");
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(engine.stats().waiting, 1);
+        assert!(engine.release_pin(7));
+        assert!(!engine.release_pin(7), "released once");
+        assert_eq!(engine.pinned(7), None);
+        first(&mut waiting).await;
+        finish(waiting).await;
+        assert_eq!(engine.stats().kv_usage, 0.0);
+        // The held prompt stayed cached.
+        assert_eq!(engine.cached_prefix_tokens(0, &(0..100).collect::<Vec<_>>()), 96);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_prefill_admitted_beside_a_decode_slows_its_step() {
+        // Aggregated-engine interference: the step that admits B's 2 000
+        // prompt tokens lasts their prefill time, and A waits for it.
+        let cfg = config();
+        let engine = Engine::start(cfg.clone());
+        let mut a = engine.submit(req(0, 16, 10)).expect("accepted");
+        first(&mut a).await;
+        let t0 = Instant::now();
+        a.next().await;
+        let b = engine.submit(req(5000, 2000, 1)).expect("accepted");
+        let out = finish(a).await;
+        let real = secs(t0.elapsed());
+        assert_eq!(out.tokens.len(), 8, "two were read above");
+        let alone = secs(cfg.decode_step_time(1) * 9);
+        assert!(
+            (real - alone - secs(cfg.prefill_time(2000))).abs() < 0.003,
+            "{real} vs {alone} + the prefill"
+        );
+        // B arrived during a decode step and waited for its end (at most
+        // one step); its one token then cost one step: its prefill and
+        // A's decode step.
+        let b = finish(b).await;
+        let one_step = secs(cfg.prefill_time(2000) + cfg.decode_step_time(1));
+        assert!(
+            b.ttft_s >= one_step - 1e-6 && b.ttft_s <= one_step + secs(cfg.decode_step_time(1)) + 1e-6,
+            "{}",
+            b.ttft_s
+        );
     }
 }

@@ -20,6 +20,8 @@
 //! | [`vllm_api`] | vLLM's tokenization endpoints: `/tokenize`, `/detokenize`, the render routes, `/version` |
 //! | [`sglang_api`] | SGLang's server-information endpoints (`/model_info`, `/server_info`, `/v1/loads`), a deliberate hybrid so SGLang's routers can manage the simulator |
 //! | [`faults`] | fault injection: 500s, mid-stream resets, delay, hang, exit |
+//! | [`pd`] | disaggregated prefill/decode: vLLM's NIXL handoff and SGLang's bootstrap rendezvous, both legs |
+//! | [`request_log`] | the last inference requests received, their bodies and outcomes (`/sim/requests`) |
 //! | [`server`] | the HTTP front: routes, JSON and SSE responses |
 //!
 //! # Flow
@@ -31,7 +33,11 @@
 //! looks its prompt up in the `prefix_cache`, sleeps the simulated prefill
 //! and decode time (scaled by `time_scale`), and streams events back; the
 //! server turns them into a JSON body or SSE chunks. `/metrics` renders the
-//! engine's stats with `metrics`.
+//! engine's stats with `metrics`. A leg of disaggregated serving goes
+//! through `pd` before the engine (a decode leg pulls its prompt's KV
+//! from its prefill engine) and after it (a prefill leg holds its prompt
+//! for the decode and names it in its answer); `request_log` keeps what
+//! each request was and how it ended.
 
 pub mod api;
 pub mod config;
@@ -41,7 +47,9 @@ pub mod histogram;
 pub mod kv_events;
 pub mod metrics;
 pub mod output_vocab;
+pub mod pd;
 pub mod prefix_cache;
+pub mod request_log;
 pub mod server;
 pub mod sglang_api;
 pub mod vllm_api;

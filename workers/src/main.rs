@@ -2,10 +2,13 @@
 //! like vLLM where routing matters (prefix KV cache, continuous batching,
 //! vLLM metrics), for tests and benchmarks without GPUs.
 //!
-//! This file only turns flags into an [`EngineConfig`], a [`FaultConfig`]
-//! and a [`Sim`], binds the listener, prints
-//! `semlb-sim listening on http://ADDR` (the bound address, so
-//! `--listen 127.0.0.1:0` works for scripts) and runs [`serve`] until
+//! This file only turns flags into an [`EngineConfig`], a [`FaultConfig`],
+//! a [`PdConfig`] and a [`Sim`], binds the listener (and an SGLang prefill
+//! engine's bootstrap port), prints `semlb-sim listening on http://ADDR`
+//! (the bound address, so `--listen 127.0.0.1:0` works for scripts; KV
+//! event endpoints and the bootstrap address come first when there are
+//! any: `semlb-sim kv events on tcp://A replay tcp://B; bootstrap on
+//! HOST:PORT; listening on http://ADDR`) and runs [`serve`] until
 //! SIGTERM or SIGINT (graceful: in-flight requests finish; a second signal
 //! exits at once with status 130) or until `--exit-after` fires (exit
 //! status 0). Every flag is documented in `workers/README.md`.
@@ -25,6 +28,7 @@ use semlb_workers::engine::Engine;
 use semlb_workers::faults::FaultConfig;
 use semlb_workers::kv_events;
 use semlb_workers::metrics::MetricsFlavor;
+use semlb_workers::pd::{Pd, PdConfig, PdProtocol, Role};
 use semlb_workers::server::{Sim, serve};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
@@ -120,11 +124,49 @@ struct Args {
     /// one; the bound endpoints are printed).
     #[arg(long, value_name = "JSON")]
     kv_events_config: Option<String>,
+
+    /// Its part in disaggregated prefill/decode: prefill, decode or both
+    /// (an aggregated engine; in vLLM mode it still takes decode legs, as
+    /// kv_role kv_both).
+    #[arg(long, default_value = "both", value_name = "ROLE")]
+    role: Role,
+    /// The P/D protocol it speaks: vllm-nixl (kv_transfer_params, a pull
+    /// over a side channel) or sglang (bootstrap_room rendezvous).
+    #[arg(long, default_value = "vllm-nixl", value_name = "PROTOCOL")]
+    pd_protocol: PdProtocol,
+    /// SGLang prefill role: the bootstrap server's port (0: a free one;
+    /// the bound one is printed), as SGLang's --disaggregation-bootstrap-port.
+    #[arg(long, default_value_t = pd_defaults().bootstrap_port, value_name = "PORT")]
+    bootstrap_port: u16,
+    /// KV cache bytes per token, for the transfer time [default: Llama-3.1-8B bf16].
+    #[arg(long, default_value_t = pd_defaults().kv_bytes_per_token, value_name = "BYTES")]
+    kv_bytes_per_token: u64,
+    /// KV transfer bandwidth between engines, in GB/s (10^9 bytes/s)
+    /// [default: one 200 Gb/s RDMA NIC].
+    #[arg(long, default_value_t = pd_defaults().kv_transfer_gbps, value_name = "GB_PER_S")]
+    kv_transfer_gbps: f64,
+    /// vLLM prefill: simulated seconds an unpulled prompt stays pinned
+    /// (VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+    #[arg(long, default_value_t = pd_defaults().nixl_abort_timeout_s, value_name = "S")]
+    nixl_abort_timeout_s: f64,
+    /// SGLang prefill: simulated seconds it waits for its decode
+    /// (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT).
+    #[arg(long, default_value_t = pd_defaults().bootstrap_timeout_s, value_name = "S")]
+    bootstrap_timeout_s: f64,
+    /// SGLang decode: simulated seconds it waits for its prefill's KV
+    /// (SGLANG_DISAGGREGATION_WAITING_TIMEOUT).
+    #[arg(long, default_value_t = pd_defaults().waiting_timeout_s, value_name = "S")]
+    waiting_timeout_s: f64,
 }
 
 /// The library's defaults, so the flags' defaults cannot drift from them.
 fn defaults() -> EngineConfig {
     EngineConfig::default()
+}
+
+/// The library's P/D defaults.
+fn pd_defaults() -> PdConfig {
+    PdConfig::default()
 }
 
 impl Args {
@@ -141,6 +183,19 @@ impl Args {
             decode_step_per_seq_ms: self.decode_step_per_seq_ms,
             default_output_tokens: self.default_output_tokens,
             time_scale: self.time_scale,
+        }
+    }
+
+    fn pd_config(&self) -> PdConfig {
+        PdConfig {
+            role: self.role,
+            protocol: self.pd_protocol,
+            bootstrap_port: self.bootstrap_port,
+            kv_bytes_per_token: self.kv_bytes_per_token,
+            kv_transfer_gbps: self.kv_transfer_gbps,
+            nixl_abort_timeout_s: self.nixl_abort_timeout_s,
+            bootstrap_timeout_s: self.bootstrap_timeout_s,
+            waiting_timeout_s: self.waiting_timeout_s,
         }
     }
 
@@ -213,7 +268,11 @@ async fn run(args: Args) -> Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let addr = listener.local_addr().context("reading the bound address")?;
+    let time_scale = config.time_scale;
     let engine = Engine::start(config);
+    let pd = Pd::start(args.pd_config(), addr.ip(), time_scale)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let published = kv_events::publish(args.kv_events_config.as_deref(), || engine.kv_events())
         .await
         .map_err(|e| anyhow::anyhow!("--kv-events-config: {e}"))?;
@@ -225,13 +284,16 @@ async fn run(args: Args) -> Result<()> {
             .display()
             .to_string()
     });
-    let sim = Sim::new(engine, tokenizer, template, faults, args.metrics_flavor).with_tokenizer_path(tokenizer_path);
+    let bootstrap = pd.describe();
+    let sim = Sim::new(engine, tokenizer, template, faults, args.metrics_flavor)
+        .with_tokenizer_path(tokenizer_path)
+        .with_pd(pd);
     let props = args.props || args.metrics_flavor == MetricsFlavor::Llamacpp;
     let sim = Arc::new(sim.with_props(props));
 
     let mut stdout = std::io::stdout().lock();
     let events = published.as_ref().map(kv_events::Bound::describe).unwrap_or_default();
-    writeln!(stdout, "semlb-sim {events}listening on http://{addr}").context("writing to stdout")?;
+    writeln!(stdout, "semlb-sim {events}{bootstrap}listening on http://{addr}").context("writing to stdout")?;
     stdout.flush().context("writing to stdout")?;
     drop(stdout);
 
@@ -262,6 +324,7 @@ mod tests {
         let args = Args::try_parse_from(["semlb-sim"]).unwrap();
         assert_eq!(args.engine_config(), EngineConfig::default());
         assert_eq!(args.fault_config(), FaultConfig::default());
+        assert_eq!(args.pd_config(), PdConfig::default());
         assert_eq!(args.metrics_flavor, MetricsFlavor::Vllm);
         assert_eq!(args.listen, "127.0.0.1:8000");
     }
@@ -294,5 +357,24 @@ mod tests {
         assert_eq!(args.fault_config().delay, Duration::from_millis(7));
         assert_eq!(args.metrics_flavor, MetricsFlavor::Both);
         assert!(Args::try_parse_from(["semlb-sim", "--metrics-flavor", "tgi"]).is_err());
+        let pd = Args::try_parse_from([
+            "semlb-sim",
+            "--role",
+            "prefill",
+            "--pd-protocol",
+            "sglang",
+            "--bootstrap-port",
+            "0",
+            "--waiting-timeout-s",
+            "0.5",
+        ])
+        .unwrap()
+        .pd_config();
+        assert_eq!(
+            (pd.role, pd.protocol, pd.bootstrap_port),
+            (Role::Prefill, PdProtocol::Sglang, 0)
+        );
+        assert_eq!(pd.waiting_timeout_s, 0.5);
+        assert!(Args::try_parse_from(["semlb-sim", "--role", "mixed"]).is_err());
     }
 }

@@ -419,6 +419,32 @@ impl PrefixCache {
         }
     }
 
+    /// [`release`](Self::release), except that the first `keep` blocks
+    /// stay pinned: they come back as an allocation of their own, to hand
+    /// to [`release`](Self::release) later (with no computed tokens: they
+    /// are registered now). This is vLLM's delayed free of a prefill's
+    /// prompt blocks, held until a remote decode has read them.
+    pub fn release_keeping(
+        &mut self,
+        allocation: Allocation,
+        hashes: &[BlockHash],
+        computed_tokens: usize,
+        keep: usize,
+    ) -> Allocation {
+        let full = (computed_tokens / self.block_size as usize)
+            .min(hashes.len())
+            .min(allocation.blocks.len());
+        self.register_run(&allocation.blocks, hashes, 0..full);
+        let keep = keep.min(allocation.blocks.len());
+        for &b in allocation.blocks[keep..].iter().rev() {
+            self.unpin(b);
+        }
+        Allocation {
+            cached_blocks: allocation.cached_blocks.min(keep),
+            blocks: allocation.blocks[..keep].to_vec(),
+        }
+    }
+
     fn free_count(&self) -> usize {
         self.free.len() + (self.capacity - self.blocks.len())
     }
@@ -905,6 +931,32 @@ mod tests {
         );
         assert_eq!(c.cached_blocks(), 2);
         assert_eq!(c.free_blocks(), 14);
+    }
+
+    #[test]
+    fn kept_prompt_blocks_stay_pinned_until_released() {
+        // A prefill leg: 10 prompt tokens (3 blocks, the last partial) and
+        // 1 output token; its 3 prompt blocks are held for a remote reader.
+        let mut c = PrefixCache::new(BS, 4);
+        let all = toks(0, 11);
+        let h = hashes(&all);
+        let a = c.allocate(&h, 10, 11).expect("fits");
+        assert_eq!(a.num_blocks(), 3);
+        let held = c.release_keeping(a, &h, 10, 3);
+        c.check();
+        assert_eq!(held.num_blocks(), 3);
+        assert_eq!(c.referenced_blocks(), 3, "the prompt's blocks are pinned");
+        assert!(c.contains(h[0]) && c.contains(h[1]), "and registered");
+        // Pinned blocks are not evictable: a 2-block request does not fit.
+        let other = hashes(&toks(100, 8));
+        assert!(c.allocate(&other, 7, 8).is_none());
+        c.release(held, &h, 0);
+        c.check();
+        assert_eq!(c.referenced_blocks(), 0);
+        assert_eq!(c.evictable_blocks(), 2, "the full prompt blocks stay cached");
+        let a = c.allocate(&other, 7, 8).expect("fits once released");
+        c.release(a, &other, 7);
+        c.check();
     }
 
     #[test]

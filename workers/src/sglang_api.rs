@@ -17,8 +17,11 @@
 //! `model_path` and `served_model_name` (the served model),
 //! `tokenizer_path` (the `--tokenizer` file, else the model's name, as
 //! SGLang defaults it to the model path), `tp_size`, `dp_size` and
-//! `pp_size` 1, `load_balance_method` `round_robin` and
-//! `disaggregation_mode` `null` (SGLang's defaults), `page_size` (the KV
+//! `pp_size` 1, `load_balance_method` `round_robin` (SGLang's
+//! default), `disaggregation_mode` (the engine's P/D role: `prefill`,
+//! `decode`, or `null` for both) and `disaggregation_bootstrap_port` (the
+//! bound bootstrap port of an SGLang prefill engine, else the configured
+//! one, 8998 by default, as SGLang reports its flag), `page_size` (the KV
 //! block size), `context_length` (`max_model_len`), `max_running_requests`
 //! (`max_num_seqs`, as if given as SGLang's `--max-running-requests`),
 //! `max_total_tokens` `null` (that flag unset), `max_total_num_tokens` (the
@@ -81,9 +84,23 @@ fn kv_tokens(config: &EngineConfig) -> u64 {
     config.num_blocks() * u64::from(config.block_size)
 }
 
+/// What `/server_info` says of disaggregated serving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Disaggregation {
+    /// `disaggregation_mode`: `prefill`, `decode` or `null`.
+    pub mode: &'static str,
+    /// `disaggregation_bootstrap_port`.
+    pub bootstrap_port: u16,
+}
+
 /// The answer to `GET /server_info` (and `/get_server_info`); `metrics`
 /// says whether `/metrics` is served.
-pub fn server_info_body(config: &EngineConfig, tokenizer: Option<&str>, metrics: bool) -> Bytes {
+pub fn server_info_body(
+    config: &EngineConfig,
+    tokenizer: Option<&str>,
+    metrics: bool,
+    disaggregation: Disaggregation,
+) -> Bytes {
     let body = json!({
         "model_path": config.model_name,
         "tokenizer_path": tokenizer_path(config, tokenizer),
@@ -92,7 +109,8 @@ pub fn server_info_body(config: &EngineConfig, tokenizer: Option<&str>, metrics:
         "dp_size": 1,
         "pp_size": 1,
         "load_balance_method": "round_robin",
-        "disaggregation_mode": "null",
+        "disaggregation_mode": disaggregation.mode,
+        "disaggregation_bootstrap_port": disaggregation.bootstrap_port,
         "page_size": config.block_size,
         "context_length": config.max_model_len,
         "max_running_requests": config.max_num_seqs,
@@ -233,7 +251,11 @@ mod tests {
 
     #[test]
     fn server_info_has_what_routers_read() {
-        let v = json_of(server_info_body(&config(), None, true));
+        let null = Disaggregation {
+            mode: "null",
+            bootstrap_port: 8998,
+        };
+        let v = json_of(server_info_body(&config(), None, true, null));
         for (key, value) in [
             ("model_path", json!("m")),
             ("served_model_name", json!("m")),
@@ -241,6 +263,7 @@ mod tests {
             ("dp_size", json!(1)),
             ("load_balance_method", json!("round_robin")),
             ("disaggregation_mode", json!("null")),
+            ("disaggregation_bootstrap_port", json!(8998)),
             ("page_size", json!(16)),
             ("context_length", json!(4096)),
             ("max_running_requests", json!(8)),
@@ -255,8 +278,17 @@ mod tests {
             assert_eq!(v[key], value, "{key}");
         }
         assert_eq!(
-            json_of(server_info_body(&config(), None, false))["enable_metrics"],
+            json_of(server_info_body(&config(), None, false, null))["enable_metrics"],
             false
+        );
+        let prefill = Disaggregation {
+            mode: "prefill",
+            bootstrap_port: 40123,
+        };
+        let v = json_of(server_info_body(&config(), None, true, prefill));
+        assert_eq!(
+            (&v["disaggregation_mode"], &v["disaggregation_bootstrap_port"]),
+            (&json!("prefill"), &json!(40123))
         );
     }
 

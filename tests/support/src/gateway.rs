@@ -87,6 +87,16 @@ pub fn kv_endpoints(line: &str) -> Option<KvEndpoints> {
     })
 }
 
+/// The port of the SGLang bootstrap server a simulator's first line names
+/// (`bootstrap on HOST:PORT; listening on ...`, after the KV event
+/// endpoints if any): an SGLang prefill engine's (`--role prefill
+/// --pd-protocol sglang`); `None` for any other.
+pub fn bootstrap_port(line: &str) -> Option<u16> {
+    let rest = line.split_once("bootstrap on ")?.1;
+    let (addr, _) = rest.split_once(';')?;
+    addr.rsplit_once(':')?.1.parse().ok()
+}
+
 /// Asserts that `r` is the gateway's own `status` answer, given without
 /// asking an engine (no `x-semlb-backend`), and returns its JSON error
 /// body; `what` names the case in failures.

@@ -1,6 +1,7 @@
 //! [`ApiError`]: an error answered to the client, its constructors for
 //! each status the simulator answers (400, 404, 405, 409, 413, 5xx) and
-//! its OpenAI-style JSON body.
+//! its JSON body: OpenAI's, or SGLang's for the errors of SGLang's
+//! disaggregated serving ([`ErrorFormat`]).
 
 use bytes::Bytes;
 use http::StatusCode;
@@ -8,8 +9,21 @@ use serde::Serialize;
 
 use crate::engine::SubmitError;
 
+/// The shape of an error body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ErrorFormat {
+    /// OpenAI's (and vLLM's): `{"error": {"message", "type", "param", "code"}}`.
+    #[default]
+    OpenAi,
+    /// SGLang's `ErrorResponse`: `{"object": "error", "message", "type",
+    /// "param", "code"}`, `type` the exception's name (`BadRequestError`,
+    /// `InternalServerError`) and `code` the HTTP status.
+    Sglang,
+}
+
 /// An error answered to the client, with an OpenAI-style body:
-/// `{"error": {"message", "type", "param", "code"}}`.
+/// `{"error": {"message", "type", "param", "code"}}` (or SGLang's, see
+/// [`ErrorFormat`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     /// HTTP status.
@@ -22,6 +36,8 @@ pub struct ApiError {
     pub param: Option<String>,
     /// OpenAI error `code` (`model_not_found`, `context_length_exceeded`, ...), if any.
     pub code: Option<&'static str>,
+    /// The body's shape.
+    pub format: ErrorFormat,
 }
 
 impl ApiError {
@@ -33,6 +49,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: param.map(str::to_owned),
             code: None,
+            format: ErrorFormat::OpenAi,
         }
     }
 
@@ -50,6 +67,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: Some("model".into()),
             code: Some("model_not_found"),
+            format: ErrorFormat::OpenAi,
         }
     }
 
@@ -61,6 +79,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("not_found"),
+            format: ErrorFormat::OpenAi,
         }
     }
 
@@ -73,6 +92,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("busy"),
+            format: ErrorFormat::OpenAi,
         }
     }
 
@@ -84,6 +104,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("method_not_allowed"),
+            format: ErrorFormat::OpenAi,
         }
     }
 
@@ -95,6 +116,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: None,
+            format: ErrorFormat::OpenAi,
         }
     }
 
@@ -106,7 +128,14 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: None,
+            format: ErrorFormat::OpenAi,
         }
+    }
+
+    /// The same error in SGLang's shape.
+    pub fn in_sglang_format(mut self) -> Self {
+        self.format = ErrorFormat::Sglang;
+        self
     }
 
     /// The 400 for a request the engine refused. `param` is the prompt's
@@ -123,6 +152,22 @@ impl ApiError {
 
     /// The JSON body.
     pub fn body(&self) -> Bytes {
+        if self.format == ErrorFormat::Sglang {
+            let kind = match self.status {
+                StatusCode::BAD_REQUEST => "BadRequestError",
+                StatusCode::NOT_FOUND => "NotFoundError",
+                StatusCode::INTERNAL_SERVER_ERROR => "InternalServerError",
+                _ => self.kind,
+            };
+            let body = serde_json::json!({
+                "object": "error",
+                "message": self.message,
+                "type": kind,
+                "param": self.param,
+                "code": self.status.as_u16(),
+            });
+            return Bytes::from(body.to_string());
+        }
         #[derive(Serialize)]
         struct Inner<'a> {
             message: &'a str,

@@ -23,8 +23,15 @@ pub fn props_body(model: &str, total_slots: u32, n_ctx: u32) -> Bytes {
 }
 
 /// `GET /v1/models`: the served model, then its LoRA adapters (with the
-/// model as `parent`, as vLLM lists them).
-pub fn models_body<'a>(model: &'a str, adapters: &'a [String], created: u64, max_model_len: u32) -> Bytes {
+/// model as `parent`, as vLLM lists them), each `owned_by` the engine the
+/// simulator plays (`vllm`, `sglang`).
+pub fn models_body<'a>(
+    model: &'a str,
+    adapters: &'a [String],
+    created: u64,
+    max_model_len: u32,
+    owned_by: &'a str,
+) -> Bytes {
     #[derive(Serialize)]
     struct Model<'a> {
         id: &'a str,
@@ -44,7 +51,7 @@ pub fn models_body<'a>(model: &'a str, adapters: &'a [String], created: u64, max
         id,
         object: "model",
         created,
-        owned_by: "semlb-sim",
+        owned_by,
         root: id,
         parent,
         max_model_len,

@@ -42,6 +42,14 @@
 //! `finish_reason` is `"length"` when the output length equals a given
 //! `max_tokens`, else `"stop"`.
 //!
+//! The answer's *natural length* ([`natural_length`]) is where it would
+//! end by itself, with no `max_tokens`: the header's length, else
+//! `default_output_tokens`, and none with `ignore_eos` (it never stops by
+//! itself). The prefill leg of disaggregated serving checks the end of
+//! the answer (EOS) before the length cap, as vLLM's `check_stop` does,
+//! so a prefill leg capped at one token whose natural length is 1 stops
+//! on EOS (see [`crate::pd`]).
+//!
 //! # Responses
 //!
 //! Shapes follow OpenAI (and vLLM): `text_completion` and `chat.completion`
@@ -68,10 +76,10 @@ mod tests;
 pub use chat::ChatRequest;
 pub use completions::{CompletionRequest, Prompt};
 pub use embeddings::{EMBEDDING_DIMENSIONS, EmbeddingRequest, embedding_body};
-pub use error::ApiError;
+pub use error::{ApiError, ErrorFormat};
 pub(crate) use fields::{field, opt_bool, opt_int, opt_string, parse_object, wrong_type};
 pub use info::{models_body, props_body};
-pub use params::{FinishReason, GenParams, output_length, parse_output_override};
+pub use params::{FinishReason, GenParams, natural_length, output_length, parse_output_override};
 pub use response::{
     AssistantMessage, Choice, CompletionResponse, Endpoint, PromptTokensDetails, ResponseMeta, UsageBody,
 };

@@ -106,6 +106,13 @@ pub enum FinishReason {
     Length,
 }
 
+/// Where the answer would end by itself, with no `max_tokens` (see the
+/// module docs): the override header's length, else the default; none
+/// with `ignore_eos` and no header.
+pub fn natural_length(params: &GenParams, override_tokens: Option<u32>, default_output_tokens: u32) -> Option<u32> {
+    override_tokens.or((!params.ignore_eos).then_some(default_output_tokens))
+}
+
 /// The output length and finish reason of a request (see the module docs).
 pub fn output_length(
     params: &GenParams,

@@ -14,11 +14,19 @@
 //! | `POST /reset_prefix_cache` | empties the prefix cache, as vLLM's: 200; 409 `busy` while requests hold blocks (vLLM then only logs that it could not) |
 //! | `POST /tokenize`, `POST /detokenize`, `POST /v1/chat/completions/render`, `POST /v1/completions/render`, `GET /version` | vLLM's tokenization endpoints (see [`crate::vllm_api`]): the ids the simulator computes for the same body |
 //! | `GET /model_info`, `GET /get_model_info`, `GET /server_info`, `GET /get_server_info`, `GET /v1/loads` | SGLang's server-information endpoints (see [`crate::sglang_api`]), so that SGLang's routers can manage the simulator; `/v1/loads` only with the `vllm`, `sglang` and `both` metric flavors (else 404, as `/metrics` without metrics: an engine set that reports no load reports none there either) |
+//! | `GET /sim/requests` | the last inference requests received: path, body, `x-request-id`, leg, outcome (see [`crate::request_log`]) |
+//! | `POST /sim/nixl/query`, `POST /sim/nixl/release` | the NIXL side channel a vLLM decode leg pulls a prefill's prompt through (see [`crate::pd`]) |
+//!
+//! `GET /sim/metrics` also carries the P/D counters (`semlb_sim_pd_*`,
+//! see [`crate::pd::Pd::metrics`]).
 //!
 //! Other methods on these paths get 405 (with `Allow`), other paths 404,
 //! both with an OpenAI error body.
 //!
 //! # An inference request
+//!
+//! [`inference`] has the steps, and the legs of disaggregated serving;
+//! [`tokens`] turns a body into token ids; [`sse`] streams the answer.
 //!
 //! The body (at most [`MAX_BODY_BYTES`]) is parsed and validated by
 //! [`crate::api`]; a chat request's messages are rendered with the
@@ -48,7 +56,10 @@
 //! idle keep-alive connections close at once; requests left hanging by
 //! `--hang-after` are dropped without an answer), and returns.
 
-use std::collections::VecDeque;
+mod inference;
+mod sse;
+mod tokens;
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
@@ -56,11 +67,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use http::header::{ALLOW, CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
+use http::header::{ALLOW, CONTENT_TYPE, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Full, Limited, StreamBody};
-use hyper::body::{Frame, Incoming};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -68,15 +79,14 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::api::{
-    self, ApiError, ChatRequest, Chunk, CompletionRequest, CompletionResponse, Endpoint, FinishReason, Prompt,
-    ResponseMeta,
-};
+use crate::api::{self, ApiError, Endpoint};
 use crate::config::EngineConfig;
-use crate::engine::{BlockKeys, Engine, EngineRequest, EngineStream, Event, SubmitError, Usage};
-use crate::faults::{Decision, FaultConfig, Faults};
+use crate::engine::Engine;
+use crate::faults::{FaultConfig, Faults};
 use crate::metrics::{self, MetricsFlavor};
 use crate::output_vocab::OutputVocab;
+use crate::pd::{self, Pd};
+use crate::request_log::RequestLog;
 use crate::{sglang_api, vllm_api};
 use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::ChatTemplate;
@@ -91,8 +101,9 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Body = UnsyncBoxBody<Bytes, BoxError>;
 
 /// Everything one simulated server needs: the engine, the tokenizer and
-/// chat template, the output vocabulary, the fault state and the metrics
-/// flavor. Shared by all connections behind an [`Arc`].
+/// chat template, the output vocabulary, the fault state, the metrics
+/// flavor, its part in disaggregated serving and the log of requests.
+/// Shared by all connections behind an [`Arc`].
 #[derive(Debug)]
 pub struct Sim {
     engine: Engine,
@@ -113,6 +124,10 @@ pub struct Sim {
     id_salt: u64,
     /// Unix seconds at creation (`created` of the model).
     started: u64,
+    /// Its role and protocol in disaggregated serving, and their state.
+    pd: Pd,
+    /// The last inference requests.
+    requests: Arc<RequestLog>,
 }
 
 impl Sim {
@@ -180,7 +195,37 @@ impl Sim {
             next_id: AtomicU64::new(0),
             id_salt,
             started: unix_now(),
+            pd: Pd::plain(),
+            requests: RequestLog::new(),
         }
+    }
+
+    /// The same server playing its part in disaggregated serving as `pd`
+    /// says (by default, [`Pd::plain`]: an aggregated vLLM-like engine
+    /// that still takes vLLM's P/D legs).
+    pub fn with_pd(mut self, pd: Pd) -> Self {
+        self.pd = pd;
+        self
+    }
+
+    /// Its part in disaggregated serving.
+    pub fn pd(&self) -> &Pd {
+        &self.pd
+    }
+
+    /// The log of the last inference requests (`/sim/requests`).
+    pub fn requests(&self) -> &Arc<RequestLog> {
+        &self.requests
+    }
+
+    /// The chat template messages are rendered with.
+    fn template(&self) -> &ChatTemplate {
+        &self.template
+    }
+
+    /// The output vocabulary answers are drawn from.
+    fn vocab(&self) -> &OutputVocab {
+        &self.vocab
     }
 
     /// The engine.
@@ -209,7 +254,7 @@ impl Sim {
         self.faults.exit_requested()
     }
 
-    /// The next response id for `endpoint`.
+    /// The next response id for `endpoint` (a prefill's request id too).
     fn response_id(&self, endpoint: Endpoint) -> String {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         format!("{}{:016x}{n:016x}", endpoint.id_prefix(), self.id_salt)
@@ -229,6 +274,8 @@ fn unix_now() -> u64 {
 /// connection (such as running out of file descriptors) are reported on
 /// stderr and retried after a short pause; they do not stop the server.
 pub async fn serve(listener: TcpListener, sim: Arc<Sim>, shutdown: impl Future<Output = ()>) -> std::io::Result<()> {
+    // A prefill's `kv_transfer_params` name this address.
+    sim.pd.advertise(listener.local_addr()?);
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut connections = JoinSet::new();
     let exit = sim.faults.exit_signal();
@@ -288,7 +335,8 @@ fn allowed_method(path: &str) -> Option<&'static str> {
     match path {
         "/v1/completions" | "/v1/chat/completions" | "/v1/embeddings" | "/reset_prefix_cache" => Some("POST"),
         "/tokenize" | "/detokenize" | "/v1/chat/completions/render" | "/v1/completions/render" => Some("POST"),
-        "/v1/models" | "/health" | "/metrics" | "/props" | "/sim/metrics" => Some("GET"),
+        "/v1/models" | "/health" | "/metrics" | "/props" | "/sim/metrics" | "/sim/requests" => Some("GET"),
+        pd::NIXL_QUERY_PATH | pd::NIXL_RELEASE_PATH => Some("POST"),
         "/version" | "/model_info" | "/get_model_info" | "/server_info" | "/get_server_info" | "/v1/loads" => {
             Some("GET")
         }
@@ -323,9 +371,7 @@ async fn handle(sim: Arc<Sim>, request: Request<Incoming>) -> Result<Response<Bo
     let response = match (decision, allowed) {
         (Some((endpoint, decision)), _) => {
             let completion = Completion(sim.clone());
-            inference(&sim, request, endpoint, decision, completion)
-                .await
-                .unwrap_or_else(error_response)
+            inference::inference(&sim, request, endpoint, decision, completion).await
         }
         (None, Some(method)) if request.method().as_str() != method => {
             let mut response = error_response(ApiError::method_not_allowed(request.method().as_str(), &path));
@@ -334,10 +380,20 @@ async fn handle(sim: Arc<Sim>, request: Request<Incoming>) -> Result<Response<Bo
         }
         (None, Some(_)) => match path.as_str() {
             "/health" => full_response(StatusCode::OK, None, Bytes::new()),
-            "/v1/embeddings" => embeddings(&sim, request).await.unwrap_or_else(error_response),
+            "/v1/embeddings" => tokens::embeddings(&sim, request).await.unwrap_or_else(error_response),
             "/tokenize" | "/detokenize" | "/v1/chat/completions/render" | "/v1/completions/render" => {
-                tokenization(&sim, request, &path).await.unwrap_or_else(error_response)
+                tokens::tokenization(&sim, request, &path)
+                    .await
+                    .unwrap_or_else(error_response)
             }
+            "/sim/requests" => json_response(sim.requests.body()),
+            pd::NIXL_QUERY_PATH | pd::NIXL_RELEASE_PATH => match read_body(request.into_body()).await {
+                Ok(body) => {
+                    let (status, answer) = sim.pd.nixl_side_channel(&sim.engine, &path, &body);
+                    full_response(status, Some("application/json"), Bytes::from(answer.to_string()))
+                }
+                Err(e) => error_response(e),
+            },
             "/version" => json_response(vllm_api::version_body()),
             "/model_info" | "/get_model_info" => json_response(sglang_api::model_info_body(
                 sim.engine.config(),
@@ -347,6 +403,10 @@ async fn handle(sim: Arc<Sim>, request: Request<Incoming>) -> Result<Response<Bo
                 sim.engine.config(),
                 sim.tokenizer_path.as_deref(),
                 sim.flavor != MetricsFlavor::None,
+                sglang_api::Disaggregation {
+                    mode: sim.pd.config().role.disaggregation_mode(),
+                    bootstrap_port: sim.pd.bootstrap_port(),
+                },
             )),
             // Only an engine that reports its load as vLLM or SGLang does:
             // `--metrics-flavor none` and `llamacpp` report none here either.
@@ -380,6 +440,7 @@ async fn handle(sim: Arc<Sim>, request: Request<Incoming>) -> Result<Response<Bo
                     &config.lora_adapters,
                     sim.started,
                     config.max_model_len,
+                    sim.pd.config().protocol.owned_by(),
                 );
                 full_response(StatusCode::OK, Some("application/json"), body)
             }
@@ -399,7 +460,10 @@ async fn handle(sim: Arc<Sim>, request: Request<Incoming>) -> Result<Response<Bo
                 } else {
                     sim.flavor
                 };
-                let text = metrics::render(&sim.engine.stats(), sim.engine.config(), flavor);
+                let mut text = metrics::render(&sim.engine.stats(), sim.engine.config(), flavor);
+                if path == "/sim/metrics" {
+                    text.push_str(&sim.pd.metrics(&sim.engine));
+                }
                 full_response(StatusCode::OK, Some(metrics::CONTENT_TYPE), Bytes::from(text))
             }
         },
@@ -452,360 +516,6 @@ async fn read_body(body: Incoming) -> Result<Bytes, ApiError> {
     }
 }
 
-/// What a request body asks for: its prompt's token ids, its parameters,
-/// the model it names (the base model when it names none) and that
-/// model's prefix-cache root.
-struct Prepared {
-    prompt: Vec<u32>,
-    params: api::GenParams,
-    model: String,
-    root: u64,
-}
-
-/// The prompt token ids and parameters of a request body.
-fn prepare(sim: &Sim, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
-    let config = sim.engine.config();
-    let check_model = |model: Option<String>| {
-        let model = model.unwrap_or_else(|| config.model_name.clone());
-        match config.cache_root(&model) {
-            Some(root) => Ok((model, root)),
-            None => Err(ApiError::model_not_found(&model)),
-        }
-    };
-    let (prompt, params, (model, root)) = match endpoint {
-        Endpoint::Completions => {
-            let request = CompletionRequest::parse(body)?;
-            let model = check_model(request.model)?;
-            let prompt = match request.prompt {
-                Prompt::Text(text) => sim.tokenizer.encode(&text),
-                Prompt::Tokens(ids) => ids,
-            };
-            (prompt, request.params, model)
-        }
-        Endpoint::Chat => {
-            let request = ChatRequest::parse(body)?;
-            let model = check_model(request.model)?;
-            let text = sim
-                .template
-                .render(&request.messages)
-                .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
-            (sim.tokenizer.encode(&text), request.params, model)
-        }
-    };
-    // A salt keys the whole chain, as vLLM mixes it into the first block.
-    let root = match params.cache_salt {
-        Some(salt) => seahash::hash_seeded(&root.to_le_bytes(), salt, !salt, 0x73616c74, 1).max(1),
-        None => root,
-    };
-    Ok(Prepared {
-        prompt,
-        params,
-        model,
-        root,
-    })
-}
-
-/// `POST /v1/embeddings`: the input's tokens, after the time their
-/// prefill takes (not batched with generation), as a vector
-/// ([`api::embedding_body`]).
-async fn embeddings(sim: &Arc<Sim>, request: Request<Incoming>) -> Result<Response<Body>, ApiError> {
-    let body = read_body(request.into_body()).await?;
-    let request = api::EmbeddingRequest::parse(&body)?;
-    let config = sim.engine.config();
-    let model = request.model.unwrap_or_else(|| config.model_name.clone());
-    if config.cache_root(&model).is_none() {
-        return Err(ApiError::model_not_found(&model));
-    }
-    let tokens = match request.input {
-        Prompt::Text(text) => sim.tokenizer.encode(&text),
-        Prompt::Tokens(ids) => ids,
-    };
-    let limit = config.max_model_len as usize;
-    if tokens.len() > limit {
-        return Err(ApiError::bad_request(
-            format!(
-                "This model's maximum context length is {limit} tokens, the input has {}",
-                tokens.len()
-            ),
-            Some("input"),
-        ));
-    }
-    tokio::time::sleep(config.real(config.prefill_time(tokens.len() as u64))).await;
-    Ok(full_response(
-        StatusCode::OK,
-        Some("application/json"),
-        api::embedding_body(&model, &tokens),
-    ))
-}
-
-/// Checks the model a tokenization body names (none: the base model): the
-/// 404 for one the engine does not serve.
-fn served_model(sim: &Sim, model: Option<&str>) -> Result<(), ApiError> {
-    match model {
-        Some(model) if sim.engine.config().cache_root(model).is_none() => Err(ApiError::model_not_found(model)),
-        _ => Ok(()),
-    }
-}
-
-/// vLLM's tokenization endpoints ([`vllm_api`]): a chat or completion body
-/// is parsed, rendered and tokenized by [`prepare`], the code inference
-/// requests go through, so the ids are the ones the engine would cache.
-async fn tokenization(sim: &Arc<Sim>, request: Request<Incoming>, path: &str) -> Result<Response<Body>, ApiError> {
-    let body = read_body(request.into_body()).await?;
-    let max_model_len = sim.engine.config().max_model_len;
-    let answer = match path {
-        "/tokenize" => {
-            let request = vllm_api::TokenizeRequest::parse(&body)?;
-            let tokens = match request.input {
-                vllm_api::TokenizeInput::Prompt(text) => {
-                    served_model(sim, request.model.as_deref())?;
-                    sim.tokenizer.encode(&text)
-                }
-                vllm_api::TokenizeInput::Chat => prepare(sim, Endpoint::Chat, &body)?.prompt,
-            };
-            let strs = request
-                .return_token_strs
-                .then(|| tokens.iter().map(|&id| sim.tokenizer.decode(&[id])).collect());
-            vllm_api::tokenize_body(&tokens, max_model_len, strs)
-        }
-        "/detokenize" => {
-            let request = vllm_api::DetokenizeRequest::parse(&body, sim.tokenizer.vocab_size())?;
-            served_model(sim, request.model.as_deref())?;
-            vllm_api::detokenize_body(&sim.tokenizer.decode(&request.tokens))
-        }
-        _ => {
-            let endpoint = if path == "/v1/completions/render" {
-                Endpoint::Completions
-            } else {
-                Endpoint::Chat
-            };
-            let prepared = prepare(sim, endpoint, &body)?;
-            let param = endpoint.prompt_param();
-            let max_tokens =
-                vllm_api::render_max_tokens(prepared.prompt.len(), prepared.params.max_tokens, max_model_len, param)?;
-            let id = sim.response_id(endpoint);
-            let rendered = vllm_api::generate_request(&body, &prepared.prompt, id, max_tokens, &prepared.params)?;
-            // The completions route answers one request per prompt.
-            let rendered = match endpoint {
-                Endpoint::Completions => serde_json::Value::Array(vec![rendered]),
-                Endpoint::Chat => rendered,
-            };
-            Bytes::from(rendered.to_string())
-        }
-    };
-    Ok(json_response(answer))
-}
-
-/// Answers an inference request (after the hang and delay faults).
-async fn inference(
-    sim: &Arc<Sim>,
-    request: Request<Incoming>,
-    endpoint: Endpoint,
-    decision: Decision,
-    completion: Completion,
-) -> Result<Response<Body>, ApiError> {
-    if decision.fail {
-        return Err(ApiError::server_error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "Injected failure (semlb-sim --fail-rate)",
-        ));
-    }
-    let override_tokens = request
-        .headers()
-        .get(api::OUTPUT_TOKENS_HEADER)
-        .map(|value| api::parse_output_override(value.as_bytes()))
-        .transpose()?;
-    let body = read_body(request.into_body()).await?;
-    let Prepared {
-        prompt,
-        params,
-        model,
-        root,
-    } = prepare(sim, endpoint, &body)?;
-    let config = sim.engine.config();
-    let (n, finish) = api::output_length(&params, override_tokens, config.default_output_tokens);
-    // Refuse an impossible length before drawing (and allocating) the output.
-    let prompt_len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
-    if u64::from(prompt_len) + u64::from(n) > u64::from(config.max_model_len) {
-        let error = SubmitError::TooLong {
-            prompt: prompt_len,
-            output: n,
-            max: config.max_model_len,
-        };
-        return Err(ApiError::from_submit(&error, endpoint.prompt_param()));
-    }
-    let seed = seahash::hash(&prompt.iter().flat_map(|id| id.to_le_bytes()).collect::<Vec<u8>>());
-    let output = sim.vocab.generate(seed, n as usize);
-    let mut events = sim
-        .engine
-        .submit(EngineRequest {
-            prompt,
-            output,
-            root,
-            keys: BlockKeys {
-                // The base model's blocks name no adapter.
-                lora_name: (model != config.model_name).then(|| model.clone()),
-                // The simulator keeps a salt's hash, not the salt: its
-                // events name the hash (a gateway only needs to see that
-                // the block has extra keys).
-                salt: params.cache_salt.map(|h| format!("{h:016x}")),
-            },
-        })
-        .map_err(|e| ApiError::from_submit(&e, endpoint.prompt_param()))?;
-    let engine_gone = || ApiError::server_error(StatusCode::INTERNAL_SERVER_ERROR, "The engine dropped the request");
-    let Some(Event::FirstToken {
-        id: first,
-        cached_tokens,
-        ttft_s,
-    }) = events.next().await
-    else {
-        return Err(engine_gone());
-    };
-    let meta = ResponseMeta {
-        endpoint,
-        id: sim.response_id(endpoint),
-        created: unix_now(),
-        model,
-    };
-    let mut builder = Response::builder()
-        .header(api::SIM_TTFT_HEADER, format!("{:.3}", ttft_s * 1000.0))
-        .header(api::SIM_CACHED_TOKENS_HEADER, cached_tokens);
-
-    if params.stream {
-        let stream = SseStream {
-            events,
-            meta,
-            tokenizer: sim.tokenizer.clone(),
-            include_usage: params.include_usage,
-            finish,
-            expected: n,
-            tokens: 0,
-            pending: VecDeque::new(),
-            emitted: 0,
-            reset: decision.reset,
-            done: false,
-            _completion: completion,
-        }
-        .start(first);
-        builder = builder
-            .header(CONTENT_TYPE, "text/event-stream")
-            .header(CACHE_CONTROL, "no-cache");
-        let body = StreamBody::new(futures_util::stream::unfold(stream, SseStream::next_frame)).boxed_unsync();
-        return builder
-            .body(body)
-            .map_err(|e| ApiError::server_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()));
-    }
-
-    let mut text = sim.tokenizer.decode(&[first]);
-    let usage = loop {
-        match events.next().await {
-            Some(Event::Token { id }) => text.push_str(&sim.tokenizer.decode(&[id])),
-            Some(Event::Finished { usage }) => break usage,
-            Some(Event::FirstToken { .. }) => {}
-            None => return Err(engine_gone()),
-        }
-    };
-    let json = serde_json::to_vec(&CompletionResponse::new(&meta, text, finish, usage)).unwrap_or_default();
-    builder = builder.header(CONTENT_TYPE, "application/json");
-    let body = if decision.reset {
-        // Head out (hyper flushes while the body is pending), then abort.
-        let cut = futures_util::stream::once(async move {
-            tokio::task::yield_now().await;
-            drop(completion);
-            Err::<Frame<Bytes>, BoxError>(reset_error())
-        });
-        StreamBody::new(cut).boxed_unsync()
-    } else {
-        full_body(Bytes::from(json))
-    };
-    builder
-        .body(body)
-        .map_err(|e| ApiError::server_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
-}
-
-/// The state of one SSE response: the engine's events turned into chunks.
-struct SseStream {
-    events: EngineStream,
-    meta: ResponseMeta,
-    tokenizer: Tokenizer,
-    include_usage: bool,
-    finish: FinishReason,
-    /// Output tokens the request will get.
-    expected: u32,
-    /// Output tokens turned into chunks so far.
-    tokens: u32,
-    /// Chunks ready to send.
-    pending: VecDeque<Bytes>,
-    /// Chunks sent.
-    emitted: u32,
-    /// Cut the stream after the first chunk.
-    reset: bool,
-    /// Nothing more to send after `pending`.
-    done: bool,
-    _completion: Completion,
-}
-
-impl SseStream {
-    /// Queues the opening chunks: the role chunk (chat) and the first token.
-    fn start(mut self, first: u32) -> Self {
-        if self.meta.endpoint == Endpoint::Chat {
-            self.pending
-                .push_back(Chunk::chat_role(&self.meta, self.include_usage).to_sse());
-        }
-        self.push_token(first);
-        self
-    }
-
-    fn push_token(&mut self, id: u32) {
-        self.tokens += 1;
-        let finish = (self.tokens >= self.expected).then_some(self.finish);
-        let text = self.tokenizer.decode(&[id]);
-        self.pending
-            .push_back(Chunk::token(&self.meta, text, finish, self.include_usage).to_sse());
-    }
-
-    fn push_end(&mut self, usage: Usage) {
-        if self.include_usage {
-            self.pending.push_back(Chunk::usage(&self.meta, usage).to_sse());
-        }
-        self.pending.push_back(Bytes::from_static(api::SSE_DONE));
-        self.done = true;
-    }
-
-    /// The next body frame (the `unfold` step).
-    async fn next_frame(mut self) -> Option<(Result<Frame<Bytes>, BoxError>, Self)> {
-        loop {
-            if self.reset && self.emitted >= 1 {
-                if self.done && self.pending.is_empty() {
-                    return None;
-                }
-                // Let hyper flush the first chunk, then abort the connection.
-                tokio::task::yield_now().await;
-                self.done = true;
-                self.pending.clear();
-                return Some((Err(reset_error()), self));
-            }
-            if let Some(chunk) = self.pending.pop_front() {
-                self.emitted += 1;
-                return Some((Ok(Frame::data(chunk)), self));
-            }
-            if self.done {
-                return None;
-            }
-            match self.events.next().await {
-                Some(Event::Token { id }) | Some(Event::FirstToken { id, .. }) => self.push_token(id),
-                Some(Event::Finished { usage }) => self.push_end(usage),
-                // The engine dropped the request: abort rather than end
-                // the stream as if it were complete.
-                None => {
-                    self.done = true;
-                    return Some((Err("semlb-sim: the engine dropped the request".into()), self));
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -837,6 +547,9 @@ mod tests {
         ] {
             assert_eq!(allowed_method(path), Some("GET"), "{path}");
         }
+        assert_eq!(allowed_method("/sim/requests"), Some("GET"));
+        assert_eq!(allowed_method("/sim/nixl/query"), Some("POST"));
+        assert_eq!(allowed_method("/sim/nixl/release"), Some("POST"));
         assert_eq!(allowed_method("/v1/rerank"), None);
         assert_eq!(allowed_method("/"), None);
     }

@@ -1,0 +1,396 @@
+//! One inference request, from its body to its answer, through the leg
+//! of disaggregated serving it is ([`crate::pd`]):
+//!
+//! 1. the body is read and recorded ([`crate::request_log`]), the fault
+//!    decision applied, the prompt prepared ([`prepare`]) and the leg
+//!    named ([`Leg`]);
+//! 2. the output is planned ([`Plan`]): its length, its finish reason
+//!    (a vLLM prefill leg checks EOS before its length cap), whether its
+//!    prompt is held for a decode;
+//! 3. before the engine, a decode leg pulls its prompt's KV (vLLM: from
+//!    the prefill's side channel, else it recomputes; SGLang: through
+//!    the bootstrap rendezvous) and an SGLang prefill leg waits for its
+//!    decode in the room;
+//! 4. the engine runs it; the answer's head goes out with the first
+//!    token (streamed) or the whole answer; a vLLM prefill leg's answer
+//!    carries its `kv_transfer_params`; an SGLang prefill leg answers
+//!    once its decode has taken the KV.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::{Frame, Incoming};
+
+use super::sse::{SseStream, StreamSpec};
+use super::tokens::{Prepared, prepare};
+use super::{Body, BoxError, Completion, Sim, error_response, read_body, reset_error, unix_now};
+use crate::api::{self, ApiError, CompletionResponse, Endpoint, FinishReason, GenParams, ResponseMeta};
+use crate::engine::{BlockKeys, Engine, EngineRequest, Event, KvHandoff, SubmitError, Usage};
+use crate::faults::Decision;
+use crate::pd::{Leg, PrefillSeat};
+use crate::request_log::Recorded;
+
+/// Answers an inference request (after the hang and delay faults), and
+/// records it.
+pub(super) async fn inference(
+    sim: &Arc<Sim>,
+    request: Request<Incoming>,
+    endpoint: Endpoint,
+    decision: Decision,
+    completion: Completion,
+) -> Response<Body> {
+    let path = request.uri().path().to_owned();
+    let headers = request.headers();
+    let request_id = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let override_header = headers.get(api::OUTPUT_TOKENS_HEADER).cloned();
+    let (body, read) = match read_body(request.into_body()).await {
+        Ok(body) => (body, Ok(())),
+        Err(e) => (Bytes::new(), Err(e)),
+    };
+    let mut recorded = Some(sim.requests().record(&path, request_id, &body));
+    let answered = match read {
+        Ok(()) => {
+            answer(
+                sim,
+                endpoint,
+                decision,
+                completion,
+                override_header,
+                &body,
+                &mut recorded,
+            )
+            .await
+        }
+        Err(e) => Err(e),
+    };
+    answered.unwrap_or_else(|e| {
+        if let Some(recorded) = recorded.take() {
+            recorded.fail(Some(e.status.as_u16()), e.message.clone());
+        }
+        error_response(e)
+    })
+}
+
+/// What the engine is to generate for a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Plan {
+    /// Output tokens.
+    n: u32,
+    /// Why it ends.
+    finish: FinishReason,
+    /// Hold its prompt for a decode engine when it ends.
+    hold: bool,
+}
+
+impl Plan {
+    /// The plan of a request of `leg`: as [`api::output_length`] has it,
+    /// except that a vLLM prefill leg stops on EOS when its natural
+    /// length is within its cap (vLLM checks EOS first) and holds its
+    /// prompt only when it ended on the cap and is not streamed, and an
+    /// SGLang prefill leg generates one token and always holds.
+    fn of(leg: &Leg, params: &GenParams, override_tokens: Option<u32>, default_output: u32) -> Plan {
+        let (n, finish) = api::output_length(params, override_tokens, default_output);
+        match leg {
+            Leg::NixlPrefill => {
+                let natural = api::natural_length(params, override_tokens, default_output);
+                let eos = matches!((natural, params.max_tokens), (Some(l), Some(max)) if l <= max);
+                let finish = if eos { FinishReason::Stop } else { finish };
+                Plan {
+                    n,
+                    finish,
+                    hold: finish == FinishReason::Length && !params.stream,
+                }
+            }
+            Leg::SglangPrefill { .. } => Plan {
+                n: 1,
+                finish: FinishReason::Length,
+                hold: true,
+            },
+            _ => Plan { n, finish, hold: false },
+        }
+    }
+}
+
+/// Releases a held prompt unless disarmed: a leg whose client leaves
+/// between the engine's end and the handoff leaves no pin behind.
+struct PinGuard {
+    engine: Engine,
+    key: Option<u64>,
+}
+
+impl Drop for PinGuard {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            self.engine.release_pin(key);
+        }
+    }
+}
+
+/// The request's record, taken by the body that will say how it ended.
+fn taken(recorded: &mut Option<Recorded>) -> Result<Recorded, ApiError> {
+    recorded
+        .take()
+        .ok_or_else(|| server_error("the request's record was taken twice"))
+}
+
+fn server_error(e: impl ToString) -> ApiError {
+    ApiError::server_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+}
+
+/// Steps 1 to 4 of the module docs; an error is answered by the caller.
+async fn answer(
+    sim: &Arc<Sim>,
+    endpoint: Endpoint,
+    decision: Decision,
+    completion: Completion,
+    override_header: Option<HeaderValue>,
+    body: &Bytes,
+    recorded: &mut Option<Recorded>,
+) -> Result<Response<Body>, ApiError> {
+    if decision.fail {
+        return Err(server_error("Injected failure (semlb-sim --fail-rate)"));
+    }
+    let override_tokens = override_header
+        .map(|value| api::parse_output_override(value.as_bytes()))
+        .transpose()?;
+    let Prepared {
+        prompt,
+        params,
+        model,
+        root,
+    } = prepare(sim, endpoint, body)?;
+    let (engine, pd) = (sim.engine(), sim.pd());
+    let leg = pd.leg(body)?;
+    if let Some(recorded) = recorded {
+        recorded.leg(leg.kind());
+    }
+    let config = engine.config();
+    let plan = Plan::of(&leg, &params, override_tokens, config.default_output_tokens);
+    // Refuse an impossible length before drawing (and allocating) the output.
+    let prompt_len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+    if u64::from(prompt_len) + u64::from(plan.n) > u64::from(config.max_model_len) {
+        let error = SubmitError::TooLong {
+            prompt: prompt_len,
+            output: plan.n,
+            max: config.max_model_len,
+        };
+        return Err(ApiError::from_submit(&error, endpoint.prompt_param()));
+    }
+    let seed = seahash::hash(&prompt.iter().flat_map(|id| id.to_le_bytes()).collect::<Vec<u8>>());
+    let output = sim.vocab().generate(seed, plan.n as usize);
+
+    let key = pd.pin_key();
+    let (handoff, seat) = before_engine(sim, &leg, plan.hold.then_some(key), root, &prompt).await?;
+    let mut pin = PinGuard {
+        engine: engine.clone(),
+        key: plan.hold.then_some(key),
+    };
+    let request = EngineRequest {
+        prompt,
+        output,
+        root,
+        keys: BlockKeys {
+            // The base model's blocks name no adapter.
+            lora_name: (model != config.model_name).then(|| model.clone()),
+            // The simulator keeps a salt's hash, not the salt: its
+            // events name the hash (a gateway only needs to see that
+            // the block has extra keys).
+            salt: params.cache_salt.map(|h| format!("{h:016x}")),
+        },
+    };
+    let mut events = engine
+        .submit_with(request, handoff)
+        .map_err(|e| ApiError::from_submit(&e, endpoint.prompt_param()))?;
+    let engine_gone = || server_error("The engine dropped the request");
+    let Some(Event::FirstToken {
+        id: first,
+        cached_tokens,
+        ttft_s,
+    }) = events.next().await
+    else {
+        return Err(engine_gone());
+    };
+    let spec = StreamSpec {
+        meta: ResponseMeta {
+            endpoint,
+            id: sim.response_id(endpoint),
+            created: unix_now(),
+            model,
+        },
+        tokenizer: sim.tokenizer().clone(),
+        include_usage: params.include_usage,
+        finish: plan.finish,
+        expected: plan.n,
+        reset: decision.reset,
+    };
+    let mut builder = Response::builder()
+        .header(api::SIM_TTFT_HEADER, format!("{:.3}", ttft_s * 1000.0))
+        .header(api::SIM_CACHED_TOKENS_HEADER, cached_tokens);
+
+    if params.stream && seat.is_none() {
+        let stream = SseStream::start(spec, events, first, taken(recorded)?, completion);
+        builder = builder
+            .header(CONTENT_TYPE, "text/event-stream")
+            .header(CACHE_CONTROL, "no-cache");
+        let body = StreamBody::new(futures_util::stream::unfold(stream, SseStream::next_frame)).boxed_unsync();
+        return builder.body(body).map_err(server_error);
+    }
+
+    let mut tokens = vec![first];
+    let usage = loop {
+        match events.next().await {
+            Some(Event::Token { id }) => tokens.push(id),
+            Some(Event::Finished { usage }) => break usage,
+            Some(Event::FirstToken { .. }) => {}
+            None => return Err(engine_gone()),
+        }
+    };
+    let mut transfer_params = None;
+    if let Some(mut seat) = seat {
+        pd.sglang_hand_over(&mut seat, engine, key).await?;
+        pin.key = None;
+        if params.stream {
+            let stream = SseStream::finished(spec, &tokens, usage, taken(recorded)?, completion);
+            builder = builder
+                .header(CONTENT_TYPE, "text/event-stream")
+                .header(CACHE_CONTROL, "no-cache");
+            let body = StreamBody::new(futures_util::stream::unfold(stream, SseStream::next_frame)).boxed_unsync();
+            return builder.body(body).map_err(server_error);
+        }
+    } else if let Some(key) = pin.key.take() {
+        transfer_params = pd.nixl_hold(engine, key, &spec.meta.id);
+    }
+    let json = json_answer(sim, &spec, &tokens, usage, transfer_params);
+    builder = builder.header(CONTENT_TYPE, "application/json");
+    let body = whole_body(json, decision.reset, taken(recorded)?, completion);
+    builder.body(body).map_err(server_error)
+}
+
+/// Step 3: what the engine is to know of the leg's KV (the decode leg's
+/// pulled prompt, the key a prefill's prompt is held under), and the
+/// SGLang prefill's seat in its room, once its decode has joined.
+async fn before_engine(
+    sim: &Sim,
+    leg: &Leg,
+    hold: Option<u64>,
+    root: u64,
+    prompt: &[u32],
+) -> Result<(KvHandoff, Option<PrefillSeat>), ApiError> {
+    let (engine, pd) = (sim.engine(), sim.pd());
+    let hold = KvHandoff {
+        hold_prompt: hold,
+        ..KvHandoff::default()
+    };
+    Ok(match leg {
+        Leg::Plain | Leg::NixlPrefill => (hold, None),
+        Leg::NixlDecode(remote) => (pd.nixl_decode(engine, remote.as_ref(), root, prompt).await, None),
+        Leg::SglangDecode(boot) => (pd.sglang_decode(engine, boot, root, prompt).await?, None),
+        Leg::SglangPrefill { room } => (hold, Some(pd.sglang_prefill_seat(engine, *room).await?)),
+    })
+}
+
+/// The JSON answer of `tokens`, with the prefill's `kv_transfer_params`
+/// at the top level if there are any (as vLLM writes them).
+fn json_answer(sim: &Sim, spec: &StreamSpec, tokens: &[u32], usage: Usage, params: Option<serde_json::Value>) -> Bytes {
+    let text: String = tokens.iter().map(|&id| sim.tokenizer().decode(&[id])).collect();
+    let answer = CompletionResponse::new(&spec.meta, text, spec.finish, usage);
+    let bytes = match params {
+        None => serde_json::to_vec(&answer),
+        Some(params) => {
+            let mut value = serde_json::to_value(&answer).unwrap_or_default();
+            value["kv_transfer_params"] = params;
+            serde_json::to_vec(&value)
+        }
+    };
+    Bytes::from(bytes.unwrap_or_default())
+}
+
+/// A non-streamed body: `json` in one frame, the request complete once
+/// hyper asks past it; or, with `reset`, the head alone, then an abort.
+fn whole_body(json: Bytes, reset: bool, recorded: Recorded, completion: Completion) -> Body {
+    if reset {
+        // Head out (hyper flushes while the body is pending), then abort.
+        let cut = futures_util::stream::once(async move {
+            tokio::task::yield_now().await;
+            recorded.fail(Some(200), "cut on purpose (--reset-rate)");
+            drop(completion);
+            Err::<Frame<Bytes>, BoxError>(reset_error())
+        });
+        return StreamBody::new(cut).boxed_unsync();
+    }
+    let state = (Some(json), Some(recorded), completion);
+    let frames = futures_util::stream::unfold(state, |(json, mut recorded, completion)| async move {
+        match json {
+            Some(json) => Some((Ok::<_, BoxError>(Frame::data(json)), (None, recorded, completion))),
+            None => {
+                if let Some(recorded) = recorded.take() {
+                    recorded.complete(200);
+                }
+                None
+            }
+        }
+    });
+    StreamBody::new(frames).boxed_unsync()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pd::RemotePrefill;
+
+    fn params(max_tokens: Option<u32>, stream: bool) -> GenParams {
+        GenParams {
+            max_tokens,
+            stream,
+            ..GenParams::default()
+        }
+    }
+
+    #[test]
+    fn a_vllm_prefill_leg_checks_eos_before_its_cap() {
+        let plan = |p: &GenParams, o| Plan::of(&Leg::NixlPrefill, p, o, 128);
+        // Capped at 1 by the router: held, ends on the cap.
+        let capped = plan(&params(Some(1), false), None);
+        assert_eq!((capped.n, capped.finish, capped.hold), (1, FinishReason::Length, true));
+        // Its natural length is 1: EOS at prefill, nothing held.
+        let eos = plan(&params(Some(1), false), Some(1));
+        assert_eq!((eos.n, eos.finish, eos.hold), (1, FinishReason::Stop, false));
+        // Streamed: nothing held.
+        assert!(!plan(&params(Some(1), true), None).hold);
+        // ignore_eos: never stops by itself.
+        let ignore = GenParams {
+            ignore_eos: true,
+            ..params(Some(1), false)
+        };
+        assert!(plan(&ignore, None).hold);
+        // A plain request with the same numbers keeps the simulator's rule.
+        let plain = Plan::of(&Leg::Plain, &params(Some(1), false), Some(1), 128);
+        assert_eq!((plain.finish, plain.hold), (FinishReason::Length, false));
+    }
+
+    #[test]
+    fn an_sglang_prefill_leg_generates_one_token_and_holds() {
+        let plan = Plan::of(&Leg::SglangPrefill { room: 1 }, &params(Some(500), true), None, 128);
+        assert_eq!(
+            plan,
+            Plan {
+                n: 1,
+                finish: FinishReason::Length,
+                hold: true
+            }
+        );
+        let decode = Leg::NixlDecode(Some(RemotePrefill {
+            engine_id: "e".into(),
+            request_id: "r".into(),
+            host: "h".into(),
+            port: 1,
+        }));
+        assert_eq!(Plan::of(&decode, &params(Some(500), false), None, 128).n, 128);
+    }
+}

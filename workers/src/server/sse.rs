@@ -1,0 +1,172 @@
+//! Server-sent-event answers: [`SseStream`] turns the engine's events
+//! into chunks as they come (the role chunk, one chunk per token, the
+//! usage chunk, `data: [DONE]`), and says how the stream ended to the
+//! request log.
+
+use std::collections::VecDeque;
+
+use bytes::Bytes;
+use hyper::body::Frame;
+use semlb_tokenizer::Tokenizer;
+
+use super::{BoxError, Completion, reset_error};
+use crate::api::{self, Chunk, Endpoint, FinishReason, ResponseMeta};
+use crate::engine::{EngineStream, Event, Usage};
+use crate::request_log::Recorded;
+
+/// The state of one SSE response: the engine's events turned into chunks.
+pub(super) struct SseStream {
+    /// The engine's events; `None` when every chunk is queued already.
+    events: Option<EngineStream>,
+    meta: ResponseMeta,
+    tokenizer: Tokenizer,
+    include_usage: bool,
+    finish: FinishReason,
+    /// Output tokens the request will get.
+    expected: u32,
+    /// Output tokens turned into chunks so far.
+    tokens: u32,
+    /// Chunks ready to send.
+    pending: VecDeque<Bytes>,
+    /// Chunks sent.
+    emitted: u32,
+    /// Cut the stream after the first chunk.
+    reset: bool,
+    /// Nothing more to send after `pending`.
+    done: bool,
+    /// How it ends, for the request log (dropped unended: aborted).
+    recorded: Option<Recorded>,
+    _completion: Completion,
+}
+
+/// What a stream says besides its tokens.
+pub(super) struct StreamSpec {
+    pub(super) meta: ResponseMeta,
+    pub(super) tokenizer: Tokenizer,
+    pub(super) include_usage: bool,
+    pub(super) finish: FinishReason,
+    /// Output tokens the request will get.
+    pub(super) expected: u32,
+    /// Cut the stream after the first chunk (`--reset-rate`).
+    pub(super) reset: bool,
+}
+
+impl SseStream {
+    /// A stream of `events`, its first token `first` already read.
+    pub(super) fn start(
+        spec: StreamSpec,
+        events: EngineStream,
+        first: u32,
+        recorded: Recorded,
+        completion: Completion,
+    ) -> Self {
+        let mut stream = Self::new(spec, Some(events), recorded, completion);
+        stream.push_token(first);
+        stream
+    }
+
+    /// A stream of an answer that is over: its `tokens` and `usage`.
+    pub(super) fn finished(
+        spec: StreamSpec,
+        tokens: &[u32],
+        usage: Usage,
+        recorded: Recorded,
+        completion: Completion,
+    ) -> Self {
+        let mut stream = Self::new(spec, None, recorded, completion);
+        for &id in tokens {
+            stream.push_token(id);
+        }
+        stream.push_end(usage);
+        stream
+    }
+
+    fn new(spec: StreamSpec, events: Option<EngineStream>, recorded: Recorded, completion: Completion) -> Self {
+        let mut stream = Self {
+            events,
+            meta: spec.meta,
+            tokenizer: spec.tokenizer,
+            include_usage: spec.include_usage,
+            finish: spec.finish,
+            expected: spec.expected,
+            tokens: 0,
+            pending: VecDeque::new(),
+            emitted: 0,
+            reset: spec.reset,
+            done: false,
+            recorded: Some(recorded),
+            _completion: completion,
+        };
+        if stream.meta.endpoint == Endpoint::Chat {
+            let role = Chunk::chat_role(&stream.meta, stream.include_usage).to_sse();
+            stream.pending.push_back(role);
+        }
+        stream
+    }
+
+    fn push_token(&mut self, id: u32) {
+        self.tokens += 1;
+        let finish = (self.tokens >= self.expected).then_some(self.finish);
+        let text = self.tokenizer.decode(&[id]);
+        self.pending
+            .push_back(Chunk::token(&self.meta, text, finish, self.include_usage).to_sse());
+    }
+
+    fn push_end(&mut self, usage: Usage) {
+        if self.include_usage {
+            self.pending.push_back(Chunk::usage(&self.meta, usage).to_sse());
+        }
+        self.pending.push_back(Bytes::from_static(api::SSE_DONE));
+        self.done = true;
+    }
+
+    /// Tells the request log how the stream ended.
+    fn end(&mut self, failure: Option<&str>) {
+        if let Some(recorded) = self.recorded.take() {
+            match failure {
+                None => recorded.complete(200),
+                Some(reason) => recorded.fail(Some(200), reason),
+            }
+        }
+    }
+
+    /// The next body frame (the `unfold` step).
+    pub(super) async fn next_frame(mut self) -> Option<(Result<Frame<Bytes>, BoxError>, Self)> {
+        loop {
+            if self.reset && self.emitted >= 1 {
+                if self.done && self.pending.is_empty() {
+                    return None;
+                }
+                // Let hyper flush the first chunk, then abort the connection.
+                tokio::task::yield_now().await;
+                self.done = true;
+                self.pending.clear();
+                self.end(Some("cut on purpose (--reset-rate)"));
+                return Some((Err(reset_error()), self));
+            }
+            if let Some(chunk) = self.pending.pop_front() {
+                self.emitted += 1;
+                return Some((Ok(Frame::data(chunk)), self));
+            }
+            if self.done {
+                self.end(None);
+                return None;
+            }
+            let event = match &mut self.events {
+                Some(events) => events.next().await,
+                None => None,
+            };
+            match event {
+                Some(Event::Token { id }) | Some(Event::FirstToken { id, .. }) => self.push_token(id),
+                Some(Event::Finished { usage }) => self.push_end(usage),
+                // The engine dropped the request: abort rather than end
+                // the stream as if it were complete.
+                None => {
+                    self.done = true;
+                    self.end(Some("the engine dropped the request"));
+                    return Some((Err("semlb-sim: the engine dropped the request".into()), self));
+                }
+            }
+        }
+    }
+}
