@@ -43,18 +43,25 @@ fn received(engine: &Proc) -> Vec<Value> {
     r.json()["requests"].as_array().cloned().unwrap_or_default()
 }
 
-/// A long shared system prompt: more than `pd.bypass_uncached_tokens`
-/// (256) tokens, so a first turn is split.
+/// A long system prompt: more than `pd.bypass_uncached_tokens` (256)
+/// tokens, so a first turn is split (unless a decode engine holds it
+/// already: then every conversation sharing it bypasses prefill).
 fn system_prompt() -> Value {
+    system_prompt_of("Assistant")
+}
+
+/// [`system_prompt`] of its own, from the first block on.
+fn system_prompt_of(name: &str) -> Value {
     let text = (0..60)
         .map(|i| format!("Rule {i}: answer as briefly as the question allows."))
         .collect::<Vec<_>>()
         .join(" ");
-    json!({"role": "system", "content": text})
+    json!({"role": "system", "content": format!("You are {name}. {text}")})
 }
 
 fn completions(gw: &Gateway, body: Value, headers: &[(&str, &str)]) -> Response {
-    gw.request("POST", "/v1/completions", Some(&body), headers).expect("request")
+    gw.request("POST", "/v1/completions", Some(&body), headers)
+        .expect("request")
 }
 
 /// The prefill leg of vLLM's NixlConnector, as the issue and vLLM's own
@@ -107,7 +114,10 @@ fn assert_decode_leg(leg: &Value, client: &Value, prefill: &Proc) -> Value {
     let (host, port) = prefill.addr.rsplit_once(':').unwrap();
     assert_eq!(params["remote_host"], host, "{body}");
     assert_eq!(params["remote_port"], port.parse::<u64>().unwrap(), "{body}");
-    assert!(params["remote_block_ids"][0].as_array().is_some_and(|b| !b.is_empty()), "{body}");
+    assert!(
+        params["remote_block_ids"][0].as_array().is_some_and(|b| !b.is_empty()),
+        "{body}"
+    );
     for (key, value) in client.as_object().unwrap() {
         if key != "stream_options" {
             assert_eq!(&body[key], value, "{key} of {body}");
@@ -120,31 +130,47 @@ fn assert_decode_leg(leg: &Value, client: &Value, prefill: &Proc) -> Value {
 fn vllm_split_requests_carry_both_legs_as_vllm_expects() {
     let (p, d) = (engine("prefill", "vllm-nixl"), engine("decode", "vllm-nixl"));
     let gw = gateway("pd-vllm", &[&p], &[&d], &[]);
-    let prompt = format!("{} Now, the question.", system_prompt()["content"].as_str().unwrap());
+    // Prompts that differ from their first block: no decode engine holds
+    // any of them, so each is split.
+    let prompt = |name: &str| {
+        format!(
+            "{} Now, the question.",
+            system_prompt_of(name)["content"].as_str().unwrap()
+        )
+    };
     let cases = [
         (
             "/v1/completions",
-            json!({"model": "semlb-sim", "prompt": prompt, "max_tokens": 8, "min_tokens": 2}),
+            json!({"model": "semlb-sim", "prompt": prompt("Ada"), "max_tokens": 8, "min_tokens": 2}),
         ),
         (
             "/v1/completions",
-            json!({"model": "semlb-sim", "prompt": format!("{prompt} Streamed."), "max_tokens": 8, "stream": true}),
+            json!({"model": "semlb-sim", "prompt": prompt("Bea"), "max_tokens": 8, "stream": true}),
         ),
         (
             "/v1/chat/completions",
-            json!({"model": "semlb-sim", "messages": [system_prompt(), user("Plain chat.")], "max_completion_tokens": 8}),
+            json!({"model": "semlb-sim", "messages": [system_prompt_of("Cyd"), user("Plain chat.")],
+                   "max_completion_tokens": 8}),
         ),
         (
             "/v1/chat/completions",
-            json!({"model": "semlb-sim", "messages": [system_prompt(), user("Streamed chat.")], "max_tokens": 8,
+            json!({"model": "semlb-sim", "messages": [system_prompt_of("Dee"), user("Streamed chat.")], "max_tokens": 8,
                    "stream": true, "stream_options": {"include_usage": true}}),
         ),
     ];
     for (i, (path, body)) in cases.iter().enumerate() {
         let r = gw.request("POST", path, Some(body), &[]).expect("request");
         assert_eq!(r.status, 200, "case {i}: {}", r.text());
-        assert_eq!(r.header("x-semlb-prefill"), Some(format!("http://{}", p.addr)).as_deref(), "case {i}");
-        assert_eq!(r.header("x-semlb-backend"), Some(format!("http://{}", d.addr)).as_deref(), "case {i}");
+        assert_eq!(
+            r.header("x-semlb-prefill"),
+            Some(format!("http://{}", p.addr)).as_deref(),
+            "case {i}"
+        );
+        assert_eq!(
+            r.header("x-semlb-backend"),
+            Some(format!("http://{}", d.addr)).as_deref(),
+            "case {i}"
+        );
         let prefilled = received(&p);
         let decoded = received(&d);
         assert_eq!((prefilled.len(), decoded.len()), (i + 1, i + 1), "case {i}");
@@ -154,7 +180,10 @@ fn vllm_split_requests_carry_both_legs_as_vllm_expects() {
         // One request id on both legs.
         assert!(pl["request_id"].as_str().is_some_and(|id| !id.is_empty()), "{pl}");
         assert_eq!(pl["request_id"], dl["request_id"]);
-        assert_eq!((pl["outcome"].clone(), dl["outcome"].clone()), (json!("completed"), json!("completed")));
+        assert_eq!(
+            (pl["outcome"].clone(), dl["outcome"].clone()),
+            (json!("completed"), json!("completed"))
+        );
         // The decode engine pulled the prompt: it computed one token of it.
         let text = r.text();
         if body["stream"] == true {
@@ -162,14 +191,22 @@ fn vllm_split_requests_carry_both_legs_as_vllm_expects() {
         } else {
             let usage = &r.json()["usage"];
             let prompt_tokens = usage["prompt_tokens"].as_u64().unwrap();
-            assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], prompt_tokens - 1, "case {i}: {text}");
+            assert_eq!(
+                usage["prompt_tokens_details"]["cached_tokens"],
+                prompt_tokens - 1,
+                "case {i}: {text}"
+            );
         }
     }
     let metrics = gw.metrics();
     assert!(
         metrics.contains("semlb_pd_requests_total{path=\"split\"} 4"),
         "{}",
-        metrics.lines().filter(|l| l.contains("semlb_pd")).collect::<Vec<_>>().join("\n")
+        metrics
+            .lines()
+            .filter(|l| l.contains("semlb_pd"))
+            .collect::<Vec<_>>()
+            .join("\n")
     );
 }
 
@@ -182,7 +219,7 @@ fn vllm_requests_that_need_no_prefill_go_to_decode_alone() {
     let gw = gateway("pd-alone", &[&p], &[&d], &[]);
     let long = system_prompt()["content"].as_str().unwrap().to_owned();
     // EOS at prefill: a one-token answer ends there, with no parameters.
-    let body = json!({"model": "semlb-sim", "prompt": format!("{long} One word."), "max_tokens": 8});
+    let body = json!({"model": "semlb-sim", "prompt": format!("One word. {long}"), "max_tokens": 8});
     let r = completions(&gw, body, &[("x-semlb-output-tokens", "1")]);
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-semlb-prefill"), None);
@@ -191,15 +228,23 @@ fn vllm_requests_that_need_no_prefill_go_to_decode_alone() {
     assert_eq!(pl[0]["leg"], "prefill");
     assert_eq!(dl[0]["leg"], "plain", "{}", dl[0]);
     assert!(dl[0]["body"].get("kv_transfer_params").is_none());
-    // Several choices: never split.
-    let body = json!({"model": "semlb-sim", "prompt": format!("{long} Two answers."), "max_tokens": 4, "n": 2});
+    // Several choices: never split (the simulator itself refuses n > 1
+    // with a 400; the request reached it whole).
+    let body = json!({"model": "semlb-sim", "prompt": format!("Two answers. {long}"), "max_tokens": 4, "n": 2});
     let r = completions(&gw, body, &[]);
-    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.header("x-semlb-backend"),
+        Some(format!("http://{}", d.addr)).as_deref(),
+        "{}",
+        r.text()
+    );
     assert_eq!(received(&p).len(), 1, "no prefill leg for n = 2");
-    assert_eq!(received(&d).len(), 2);
+    let dl = received(&d);
+    assert_eq!((dl.len(), dl[1]["body"]["n"].clone()), (2, json!(2)));
+    assert!(dl[1]["body"].get("kv_transfer_params").is_none());
     // A conversation: turn 1 split, turn 2 (its decode engine holds turn
     // 1's prompt and answer) bypasses prefill.
-    let mut messages = vec![system_prompt(), user("First question?")];
+    let mut messages = vec![system_prompt_of("Eve"), user("First question?")];
     let first = chat(&gw.proc.addr, &messages, json!({}), &[]);
     assert_eq!(first.status, 200, "{}", first.text());
     assert!(first.header("x-semlb-prefill").is_some_and(|v| v != "bypass"));
@@ -229,18 +274,25 @@ fn a_dead_prefill_engine_leaves_the_decode_engine_serving() {
         let body = json!({"model": "semlb-sim", "prompt": format!("{long} Question {i}."), "max_tokens": 4});
         let r = completions(&gw, body, &[]);
         assert_eq!(r.status, 200, "request {i}: {}", r.text());
-        assert_eq!(r.header("x-semlb-backend"), Some(format!("http://{}", d.addr)).as_deref());
+        assert_eq!(
+            r.header("x-semlb-backend"),
+            Some(format!("http://{}", d.addr)).as_deref()
+        );
     }
     let decode = format!("http://{}", d.addr);
-    let servers = wait_for("the dead prefill engine down", std::time::Duration::from_secs(10), || {
-        let r = http(&gw.proc.addr, "GET", "/metrics", None, &[]).unwrap();
-        let up = |addr: &str| {
-            r.text()
-                .lines()
-                .any(|l| l.starts_with("semlb_server_up{") && l.contains(addr) && l.ends_with(" 1"))
-        };
-        (!up(&format!("http://{}", p.addr)), up(&decode))
-    });
+    let servers = wait_for(
+        "the dead prefill engine down",
+        std::time::Duration::from_secs(10),
+        || {
+            let r = http(&gw.proc.addr, "GET", "/metrics", None, &[]).unwrap();
+            let up = |addr: &str| {
+                r.text()
+                    .lines()
+                    .any(|l| l.starts_with("semlb_server_up{") && l.contains(addr) && l.ends_with(" 1"))
+            };
+            (!up(&format!("http://{}", p.addr)), up(&decode))
+        },
+    );
     assert!(servers, "the decode engine stayed up");
 }
 
@@ -262,7 +314,10 @@ fn sglang_legs_meet_at_the_prefill_engines_bootstrap_server() {
             &[],
         );
         assert_eq!(r.status, 200, "{}", r.text());
-        assert_eq!(r.header("x-semlb-prefill"), Some(format!("http://{}", p.addr)).as_deref());
+        assert_eq!(
+            r.header("x-semlb-prefill"),
+            Some(format!("http://{}", p.addr)).as_deref()
+        );
         let (pl, dl) = (received(&p), received(&d));
         let (pl, dl) = (&pl[i], &dl[i]);
         for field in ["bootstrap_host", "bootstrap_port", "bootstrap_room"] {
@@ -272,7 +327,10 @@ fn sglang_legs_meet_at_the_prefill_engines_bootstrap_server() {
         assert_eq!(pl["body"]["bootstrap_host"], "127.0.0.1");
         assert!(pl["body"]["bootstrap_room"].as_u64().is_some_and(|r| r < 1 << 63));
         assert_eq!(pl["body"]["messages"], dl["body"]["messages"]);
-        assert_eq!((pl["leg"].clone(), dl["leg"].clone()), (json!("prefill"), json!("decode")));
+        assert_eq!(
+            (pl["leg"].clone(), dl["leg"].clone()),
+            (json!("prefill"), json!("decode"))
+        );
         let done = wait_for("the prefill leg completed", std::time::Duration::from_secs(10), || {
             let outcome = received(&p)[i]["outcome"].clone();
             (outcome == "completed", outcome)

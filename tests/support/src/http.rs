@@ -32,6 +32,11 @@ impl Response {
         serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
     }
 
+    /// The body as text (invalid UTF-8 replaced).
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
     /// The OpenAI-style error message, asserting the body has one.
     pub fn error_message(&self) -> String {
         let body = self.json();
