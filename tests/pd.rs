@@ -339,3 +339,101 @@ fn sglang_legs_meet_at_the_prefill_engines_bootstrap_server() {
         assert_eq!(dl["outcome"], "completed");
     }
 }
+
+/// A client that leaves while its legs run (SGLang: both at once) ends
+/// both: each engine sees its client go away.
+#[test]
+fn a_client_that_leaves_ends_both_legs() {
+    use std::io::Write;
+    // Real time: the prefill of this prompt takes its engine about half a
+    // second, time enough to see both legs running.
+    let sglang = |role: &str| {
+        let mut args = vec!["--role", role, "--pd-protocol", "sglang"];
+        if role == "prefill" {
+            args.extend(["--bootstrap-port", "0"]);
+        }
+        sim_with("1", &args)
+    };
+    let (p, d) = (sglang("prefill"), sglang("decode"));
+    let port = support::gateway::bootstrap_port(&p.line).expect("a bootstrap port");
+    let config = format!(
+        "[pd]\nprotocol = \"sglang\"\n\n[[backend]]\nurl = \"http://{}\"\nrole = \"prefill\"\nbootstrap_port = {port}\n\n\
+         [[backend]]\nurl = \"http://{}\"\nrole = \"decode\"\n",
+        p.addr, d.addr
+    );
+    let gw = Gateway::builder().tag("pd-leave").config(&config).start();
+    let prompt = " alpha".repeat(5000);
+    let body = json!({"model": "semlb-sim", "prompt": prompt, "max_tokens": 64, "stream": true}).to_string();
+    let mut client = std::net::TcpStream::connect(&gw.proc.addr).unwrap();
+    write!(
+        client,
+        "POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let running = |e: &Proc| received(e).first().is_some_and(|r| r["outcome"] == "running");
+    wait_for("both legs running", std::time::Duration::from_secs(10), || {
+        (running(&p) && running(&d), ())
+    });
+    drop(client);
+    let ended = wait_for("both legs ended", std::time::Duration::from_secs(10), || {
+        let (pl, dl) = (received(&p), received(&d));
+        let outcomes = (pl[0]["outcome"].clone(), dl[0]["outcome"].clone());
+        (outcomes.0 != "running" && outcomes.1 != "running", outcomes)
+    });
+    assert_eq!(
+        ended,
+        (json!("aborted"), json!("aborted")),
+        "{:?} {:?}",
+        received(&p),
+        received(&d)
+    );
+}
+
+/// With the routing state in Redis and a tenant limited to three requests
+/// a minute, split requests are routed and charged as any: three pass (each
+/// split: a leg is no request of its own), the fourth gets the 429.
+#[test]
+fn split_requests_are_charged_once_with_the_state_in_redis() {
+    let Some(redis) = support::redis::RedisServer::start() else {
+        return;
+    };
+    let dir = support::TempDir::new("pd-keys");
+    let file = dir.0.join("keys.toml").display().to_string();
+    let key = support::gateway::add_key(&file, "agents", &[]).0;
+    support::gateway::limit_tenant(&file, "agents", &["--requests-per-minute", "3"]);
+    let (p, d) = (engine("prefill", "vllm-nixl"), engine("decode", "vllm-nixl"));
+    let gw = Gateway::builder()
+        .tag("pd-redis")
+        .redis(&redis.url(), "pd")
+        .config(&format!("[auth]\nkeys_file = \"{file}\"\ndebug_headers = true\n"))
+        .args(&[
+            "--prefill".to_owned(),
+            format!("http://{}", p.addr),
+            "--decode".to_owned(),
+            format!("http://{}", d.addr),
+        ])
+        .start();
+    let bearer = format!("Bearer {key}");
+    for i in 0..3 {
+        let r = chat(
+            &gw.proc.addr,
+            &[system_prompt_of(&format!("Agent {i}")), user("Go.")],
+            json!({"stream": true}),
+            &[("authorization", &bearer)],
+        );
+        assert_eq!(r.status, 200, "request {i}: {}", r.text());
+        assert_eq!(
+            r.header("x-semlb-prefill"),
+            Some(format!("http://{}", p.addr)).as_deref()
+        );
+    }
+    let r = chat(
+        &gw.proc.addr,
+        &[system_prompt_of("Agent 3"), user("Go.")],
+        json!({"stream": true}),
+        &[("authorization", &bearer)],
+    );
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!((received(&p).len(), received(&d).len()), (3, 3));
+}
