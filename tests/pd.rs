@@ -437,3 +437,47 @@ fn split_requests_are_charged_once_with_the_state_in_redis() {
     assert_eq!(r.status, 429, "{}", r.text());
     assert_eq!((received(&p).len(), received(&d).len()), (3, 3));
 }
+
+/// Two decode engines: conversations spread over them by load, and each
+/// stays on the engine that decoded its first turn, whose later turns skip
+/// prefill (that engine holds the whole conversation).
+#[test]
+fn conversations_stay_on_their_decode_engine_and_skip_prefill() {
+    let p = engine("prefill", "vllm-nixl");
+    let (d1, d2) = (engine("decode", "vllm-nixl"), engine("decode", "vllm-nixl"));
+    let gw = gateway("pd-conv", &[&p], &[&d1, &d2], &[]);
+    let mut homes = Vec::new();
+    for c in 0..4 {
+        let mut messages = vec![system_prompt_of(&format!("Guide {c}")), user("Where do we start?")];
+        let mut home = None;
+        for turn in 0..3 {
+            let r = chat(&gw.proc.addr, &messages, json!({"stream": true}), &[]);
+            assert_eq!(r.status, 200, "conversation {c}, turn {turn}: {}", r.text());
+            let backend = r.header("x-semlb-backend").unwrap().to_owned();
+            let prefill = r.header("x-semlb-prefill").unwrap().to_owned();
+            match &home {
+                None => {
+                    assert_eq!(
+                        prefill,
+                        format!("http://{}", p.addr),
+                        "conversation {c}: turn 1 is split"
+                    );
+                    home = Some(backend);
+                }
+                Some(home) => {
+                    assert_eq!(&backend, home, "conversation {c}, turn {turn} left its decode engine");
+                    assert_eq!(prefill, "bypass", "conversation {c}, turn {turn}");
+                }
+            }
+            let (answer, _) = support::gateway::stream_text(&r);
+            messages.push(json!({"role": "assistant", "content": answer}));
+            messages.push(user(&format!("And then, step {turn}?")));
+        }
+        homes.push(home.unwrap());
+    }
+    for d in [&d1, &d2] {
+        let n = homes.iter().filter(|h| h.ends_with(&d.addr)).count();
+        assert_eq!(n, 2, "conversations per decode engine: {homes:?}");
+    }
+    assert_eq!(received(&p).len(), 4, "one prefill leg per conversation");
+}

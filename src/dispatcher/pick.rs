@@ -42,6 +42,10 @@ pub(super) struct RouteRequest<'a> {
     /// The part of the request the server is chosen for (its prefill
     /// leg goes to prefill engines).
     pub leg: Leg,
+    /// Its pool has prefill engines: its decode engine is chosen by load,
+    /// the prompt it holds breaking ties ([`crate::routing::decode_leg`]),
+    /// not by the pool's policy.
+    pub split: bool,
 }
 
 /// The outcome of [`choose`].
@@ -148,6 +152,7 @@ pub(super) async fn choose(
         pool,
         share,
         leg,
+        split,
     } = route;
     let members = pool.map_or(Members::all(), |p| p.members());
     let stale_after_ms = dispatcher.config().health.stale_after_ms;
@@ -212,6 +217,7 @@ pub(super) async fn choose(
             candidates: &lookup.candidates,
         };
         let decision = match &policy {
+            Some(_) if split && leg == Leg::Request => crate::routing::decode_leg::choose(&input),
             Some(policy) => policy.choose(&input),
             None => dispatcher.least_load().choose(&input),
         };

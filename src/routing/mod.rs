@@ -103,6 +103,7 @@ pub mod cache_aware;
 pub mod capacity;
 pub mod consistent_hash;
 pub mod cost;
+pub mod decode_leg;
 pub mod dual_map;
 pub mod least_load;
 mod load_bound;

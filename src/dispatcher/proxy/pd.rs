@@ -52,6 +52,9 @@ pub(super) struct PdState {
     pub leg: Option<Companion>,
     /// Prefill engines that failed this request.
     failed: Vec<ServerRef>,
+    /// Whether the request's pool has a prefill engine up (asked once,
+    /// at its first routing).
+    pool_splits: Option<bool>,
 }
 
 /// A task that ends when this is dropped: the SGLang prefill leg that
@@ -74,26 +77,35 @@ enum LegFailure {
 }
 
 impl Attempts<'_> {
+    /// Whether the request may be split: an inference request of a pool
+    /// with a prefill engine up (asked once per request).
+    pub(super) fn splits(&mut self) -> bool {
+        if let Some(splits) = self.pd.pool_splits {
+            return splits;
+        }
+        let splits = match (&self.ctx, &self.outbound.pool) {
+            (Some(_), Some(pool)) => disagg::has_prefill(&self.dispatcher.segment().tables().servers, pool.members()),
+            _ => false,
+        };
+        self.pd.pool_splits = Some(splits);
+        splits
+    }
+
     /// The decode leg's body for an attempt on `decode` (whose table
     /// entries hold `predicted` of the prompt's blocks), `body` being what
     /// it would get unsplit; the prefill leg is run or started here.
     pub(super) async fn disaggregate(&mut self, predicted: u32, body: Bytes) -> Bytes {
         let dispatcher = self.dispatcher;
-        let (Some(c), Some(pool)) = (self.ctx.as_ref(), self.outbound.pool.as_ref()) else {
-            return body;
-        };
         let protocol = dispatcher.config().pd.protocol;
         // A retry of the decode leg: vLLM's parameters name the prefill
         // engine's blocks, which any decode engine may pull.
         if let Some(params) = &self.pd.params {
             return vllm::decode_body(&body, params);
         }
-        if matches!(self.pd.path, Some(Path::Bypass | Path::DecodeOnly)) {
+        if matches!(self.pd.path, Some(Path::Bypass | Path::DecodeOnly)) || !self.splits() {
             return body;
         }
-        if !disagg::has_prefill(&dispatcher.segment().tables().servers, pool.members()) {
-            return body;
-        }
+        let Some(c) = self.ctx.as_ref() else { return body };
         let block = c.hasher.block_size() as u64;
         let uncached = (c.prompt_tokens.len() as u64).saturating_sub(u64::from(predicted) * block);
         if vllm::many_choices(&body) {
@@ -158,6 +170,7 @@ impl Attempts<'_> {
             continuation: None,
             share: None,
             leg: Leg::Prefill,
+            split: false,
         };
         match choose(self.dispatcher, route, &self.pd.failed, None).await {
             // A holding policy counted it already: the leg counts itself.

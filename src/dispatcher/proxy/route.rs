@@ -10,6 +10,7 @@ impl Attempts<'_> {
     /// decision counted the request already.
     pub(super) async fn route(&mut self) -> Result<(Chosen, Option<InflightGuard>), Next> {
         let dispatcher = self.dispatcher;
+        let split = self.splits();
         let chain = self.ctx.as_ref().map_or(&[][..], |c| &c.chain[..]);
         let route = RouteRequest {
             chain,
@@ -32,6 +33,7 @@ impl Attempts<'_> {
                     .map(|s| if self.share_charged { s.charged() } else { s }),
             },
             leg: crate::routing::Leg::Request,
+            split,
         };
         if let Some(answer) = self.to_warm_peer().await {
             return Err(Next::Answer(answer));
