@@ -89,6 +89,20 @@ impl FromStr for PdProtocol {
     }
 }
 
+/// How the decode engine of a request in a pool with prefill engines is
+/// chosen (`pd.decode_by`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DecodeBy {
+    /// By load, the prompt it holds breaking ties
+    /// ([`crate::routing::decode_leg`]).
+    #[default]
+    Load,
+    /// By the pool's policy, as the prefill engine is (a `random` policy
+    /// then pairs at random: the baseline of `semlb bench pd`).
+    Policy,
+}
+
 /// SGLang's default `--disaggregation-bootstrap-port`.
 pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 
@@ -109,6 +123,8 @@ pub struct PdConfig {
     /// How long a prefill leg may take before the request is served by
     /// its decode engine alone (vLLM) or fails over (SGLang). Default 60.
     pub prefill_timeout_secs: u64,
+    /// How the decode engine is chosen. Default `load`.
+    pub decode_by: DecodeBy,
 }
 
 impl Default for PdConfig {
@@ -117,6 +133,7 @@ impl Default for PdConfig {
             protocol: PdProtocol::VllmNixl,
             bypass_uncached_tokens: 256,
             prefill_timeout_secs: 60,
+            decode_by: DecodeBy::Load,
         }
     }
 }

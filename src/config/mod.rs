@@ -53,6 +53,7 @@
 //! | `pd.protocol` | `vllm-nixl`, `sglang` | `vllm-nixl` | how the two legs are driven: vLLM's NixlConnector (prefill, then decode with its `kv_transfer_params`) or SGLang's bootstrap rendezvous (both at once) |
 //! | `pd.bypass_uncached_tokens` | integer | `256` | a request whose decode engine already holds all but at most this many prompt tokens goes to it alone |
 //! | `pd.prefill_timeout_secs` | integer | `60` | how long a prefill leg may take (1 to 3600) |
+//! | `pd.decode_by` | `load`, `policy` | `load` | how the decode engine is chosen: by load with the prompt it holds breaking ties ([`crate::routing::decode_leg`]), or by the pool's policy |
 //! | `[[model]]` | table, repeated | none: one pool of every backend, any model name | a model pool: `name`, `aliases`, `backends`, `base` (LoRA adapters), `tokenizer`, `chat_template`, `block_size`, `[model.policy]` ([`models`]) |
 //! | `[policy]` | table | | the routing policy, [`crate::routing::PolicyConfig`] |
 //! | `[peering]` | table | | this gateway as a region among peer gateways ([`crate::peers`]; `peers.rs`) |
@@ -210,7 +211,7 @@ mod tests;
 mod validate;
 
 pub use backend::{BackendConfig, BackendError, BackendUrl, BackendUrlError, MetricsFlavor};
-pub use disaggregation::{BackendRole, PdConfig, PdProtocol};
+pub use disaggregation::{BackendRole, DecodeBy, PdConfig, PdProtocol};
 pub use model_changes::ModelChanges;
 pub use models::{ModelConfig, ModelError};
 pub use peers::{MAX_PEERS, PeerConfig, PeerTls, PeeringConfig};

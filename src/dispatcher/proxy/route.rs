@@ -10,7 +10,7 @@ impl Attempts<'_> {
     /// decision counted the request already.
     pub(super) async fn route(&mut self) -> Result<(Chosen, Option<InflightGuard>), Next> {
         let dispatcher = self.dispatcher;
-        let split = self.splits();
+        let split = self.splits() && dispatcher.config().pd.decode_by == crate::config::DecodeBy::Load;
         let chain = self.ctx.as_ref().map_or(&[][..], |c| &c.chain[..]);
         let route = RouteRequest {
             chain,
