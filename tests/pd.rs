@@ -300,12 +300,21 @@ fn a_dead_prefill_engine_leaves_the_decode_engine_serving() {
 fn sglang_legs_meet_at_the_prefill_engines_bootstrap_server() {
     let (p, d) = (engine("prefill", "sglang"), engine("decode", "sglang"));
     let port = support::gateway::bootstrap_port(&p.line).expect("a bootstrap port on the first line");
-    let config = format!(
-        "[pd]\nprotocol = \"sglang\"\n\n[[backend]]\nurl = \"http://{}\"\nrole = \"prefill\"\nbootstrap_port = {port}\n\n\
-         [[backend]]\nurl = \"http://{}\"\nrole = \"decode\"\n",
-        p.addr, d.addr
+    // No port given: the gateway reads it from the engine's /server_info.
+    let gw = gateway("pd-sglang", &[&p], &[&d], &["--pd-protocol", "sglang"]);
+    let servers = gw.segment.tables().servers;
+    let learned = wait_for(
+        "the bootstrap port read from /server_info",
+        std::time::Duration::from_secs(10),
+        || {
+            let port = servers
+                .servers()
+                .find(|s| s.address.ends_with(&p.addr))
+                .and_then(|s| s.disaggregation.bootstrap_port);
+            (port.is_some(), port)
+        },
     );
-    let gw = Gateway::builder().tag("pd-sglang").config(&config).start();
+    assert_eq!(learned, Some(port));
     for (i, stream) in [false, true].into_iter().enumerate() {
         let r = chat(
             &gw.proc.addr,
@@ -480,4 +489,49 @@ fn conversations_stay_on_their_decode_engine_and_skip_prefill() {
         assert_eq!(n, 2, "conversations per decode engine: {homes:?}");
     }
     assert_eq!(received(&p).len(), 4, "one prefill leg per conversation");
+}
+
+/// A dead decode engine: the decode leg goes to the other one, with the
+/// parameters the prefill handed over (one prefill leg per request), and
+/// the prefill engine stays up.
+#[test]
+fn a_dead_decode_engine_is_routed_around_with_the_prefill_it_had() {
+    let p = engine("prefill", "vllm-nixl");
+    let (mut d1, d2) = (engine("decode", "vllm-nixl"), engine("decode", "vllm-nixl"));
+    let gw = gateway("pd-deadd", &[&p], &[&d1, &d2], &[]);
+    d1.kill9();
+    for i in 0..6 {
+        let r = chat(
+            &gw.proc.addr,
+            &[system_prompt_of(&format!("Pilot {i}")), user("Status?")],
+            json!({"stream": true}),
+            &[],
+        );
+        assert_eq!(r.status, 200, "request {i}: {}", r.text());
+        assert_eq!(
+            r.header("x-semlb-backend"),
+            Some(format!("http://{}", d2.addr)).as_deref()
+        );
+        assert_eq!(
+            r.header("x-semlb-prefill"),
+            Some(format!("http://{}", p.addr)).as_deref()
+        );
+    }
+    assert_eq!(received(&p).len(), 6, "one prefill leg per request, retries included");
+    let decoded = received(&d2);
+    assert_eq!(decoded.len(), 6);
+    assert!(
+        decoded
+            .iter()
+            .all(|r| r["leg"] == "decode" && r["outcome"] == "completed")
+    );
+    let up = |addr: &str| {
+        gw.segment
+            .tables()
+            .servers
+            .servers()
+            .find(|s| s.address.ends_with(addr))
+            .is_some_and(|s| s.state == shm_layout::ServerState::Up)
+    };
+    assert!(up(&p.addr), "the prefill engine stays up");
 }

@@ -339,7 +339,7 @@ impl Checker {
     /// context if `/props` did not give it. An error only if one of them
     /// got no answer (asked again next round); an answer that says nothing
     /// is an empty [`EngineInfo`].
-    async fn engine_info(&self, address: &str) -> Result<EngineInfo, CheckError> {
+    async fn engine_info(&self, address: &str, wants_port: bool) -> Result<EngineInfo, CheckError> {
         let timeout = self.health.timeout();
         let (status, body) = self.get(&format!("{address}/props"), MAX_INFO_BYTES, timeout).await?;
         let mut info = if status.is_success() {
@@ -353,6 +353,14 @@ impl Checker {
                 .await?;
             if status.is_success() {
                 info.context = engine_info::context_from_models(&body);
+            }
+        }
+        if wants_port {
+            let (status, body) = self
+                .get(&format!("{address}/server_info"), MAX_INFO_BYTES, timeout)
+                .await?;
+            if status.is_success() {
+                info.bootstrap_port = engine_info::bootstrap_port_from_server_info(&body);
             }
         }
         Ok(info)
@@ -384,7 +392,12 @@ impl Checker {
                     let flavor = self.flavors.get(&info.address).copied().unwrap_or_default();
                     self.scrape(&info.address, flavor)
                 })),
-                futures_util::future::join_all(to_ask.iter().map(|info| self.engine_info(&info.address))),
+                futures_util::future::join_all(to_ask.iter().map(|info| {
+                    // A prefill engine whose bootstrap port nobody gave.
+                    let d = info.disaggregation;
+                    let wants_port = d.role == shm_layout::ServerRole::Prefill && d.bootstrap_port.is_none();
+                    self.engine_info(&info.address, wants_port)
+                })),
             );
             for (info, answer) in to_ask.into_iter().zip(answers) {
                 // No answer (refused, timed out): asked again next round.
@@ -398,6 +411,22 @@ impl Checker {
                         backend = %info.address,
                         slots,
                         "backend {}: its engine runs at most {slots} requests at once (/props total_slots); holding policies count what is sent beyond them as queued",
+                        info.address
+                    );
+                }
+                if let Some(port) = said.bootstrap_port
+                    && servers.set_disaggregation(
+                        info.server,
+                        shm_layout::Disaggregation {
+                            bootstrap_port: Some(port),
+                            ..info.disaggregation
+                        },
+                    )
+                {
+                    tracing::info!(
+                        backend = %info.address,
+                        port,
+                        "backend {}: its bootstrap server listens on port {port} (/server_info)",
                         info.address
                     );
                 }

@@ -16,6 +16,10 @@
 //!   (`meta.n_ctx_train`), not what the server takes.
 //! * **vLLM, SGLang, `semlb-sim`**: `/props` is a 404; `/v1/models` gives
 //!   each model's `max_model_len`.
+//! * **SGLang prefill engines** (`[[backend]] role = "prefill"` without a
+//!   `bootstrap_port`): `/server_info` gives the port of the bootstrap
+//!   server their decode partners meet them at
+//!   (`disaggregation_bootstrap_port`).
 //!
 //! The slot count is exact where the learned admission limit
 //! ([`crate::routing::capacity`]) is an estimate; the context lets the gateway
@@ -41,6 +45,8 @@ pub struct EngineInfo {
     pub slots: Option<u32>,
     /// Tokens one request may have.
     pub context: Option<EngineContext>,
+    /// The port of its bootstrap server (an SGLang prefill engine).
+    pub bootstrap_port: Option<u16>,
 }
 
 /// What a `/props` answer's body says: `total_slots`, if an integer in
@@ -74,7 +80,11 @@ pub fn from_props(body: &[u8]) -> EngineInfo {
             tokens,
             counts_output: false,
         });
-    EngineInfo { slots, context }
+    EngineInfo {
+        slots,
+        context,
+        bootstrap_port: None,
+    }
 }
 
 /// The context a `/v1/models` answer's body says: the largest
@@ -99,6 +109,16 @@ pub fn context_from_models(body: &[u8]) -> Option<EngineContext> {
             tokens,
             counts_output: true,
         })
+}
+
+/// The port of an SGLang prefill engine's bootstrap server, as its
+/// `/server_info` (or `/get_server_info`) says it
+/// (`disaggregation_bootstrap_port`, an integer 1 to 65535).
+pub fn bootstrap_port_from_server_info(body: &[u8]) -> Option<u16> {
+    let info: serde_json::Value = serde_json::from_slice(body).ok()?;
+    as_u32(info.get("disaggregation_bootstrap_port")?)
+        .and_then(|p| u16::try_from(p).ok())
+        .filter(|p| *p != 0)
 }
 
 /// A context length: an integer in `MIN_CONTEXT..=EngineContext::MAX_TOKENS`.
@@ -126,7 +146,8 @@ mod tests {
                 context: Some(EngineContext {
                     tokens: 4096,
                     counts_output: false
-                })
+                }),
+                bootstrap_port: None,
             }
         );
         for not_slots in [
@@ -198,5 +219,19 @@ mod tests {
                 String::from_utf8_lossy(not_context)
             );
         }
+    }
+
+    #[test]
+    fn an_sglang_prefill_engine_names_its_bootstrap_port() {
+        let said = |body: &str| bootstrap_port_from_server_info(body.as_bytes());
+        assert_eq!(
+            said(r#"{"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": 8998}"#),
+            Some(8998)
+        );
+        assert_eq!(said(r#"{"disaggregation_bootstrap_port": 0}"#), None);
+        assert_eq!(said(r#"{"disaggregation_bootstrap_port": 70000}"#), None);
+        assert_eq!(said(r#"{"disaggregation_bootstrap_port": "8998"}"#), None);
+        assert_eq!(said(r#"{"disaggregation_mode": "null"}"#), None);
+        assert_eq!(said("not json"), None);
     }
 }
