@@ -535,3 +535,42 @@ fn a_dead_decode_engine_is_routed_around_with_the_prefill_it_had() {
     };
     assert!(up(&p.addr), "the prefill engine stays up");
 }
+
+/// Roles at runtime: a prefill engine added through the admin API is
+/// listed with its role, and the next request of the pool is split.
+#[test]
+fn a_prefill_engine_added_through_the_admin_api_splits_the_next_request() {
+    let (p, d) = (engine("prefill", "vllm-nixl"), engine("decode", "vllm-nixl"));
+    let gw = Gateway::builder()
+        .tag("pd-admin")
+        .admin("a-long-enough-admin-token")
+        .args(&["--decode".to_owned(), format!("http://{}", d.addr)])
+        .start();
+    let ask = |name: &str| chat(&gw.proc.addr, &[system_prompt_of(name), user("Hi.")], json!({}), &[]);
+    let before = ask("Before");
+    assert_eq!(before.status, 200, "{}", before.text());
+    assert_eq!(before.header("x-semlb-prefill"), None, "no prefill engine yet");
+    let decode = gw
+        .admin_server(&format!("http://{}", d.addr))
+        .expect("the decode engine listed");
+    assert_eq!(
+        (decode["role"].clone(), decode["bootstrap_port"].clone()),
+        (json!("decode"), Value::Null)
+    );
+    let body = format!(r#"{{"url": "http://{}", "role": "prefill"}}"#, p.addr);
+    let r = gw.admin("POST", "/admin/servers", Some(&body));
+    assert_eq!(r.status, 201, "{r:?}");
+    let prefill = gw
+        .admin_server(&format!("http://{}", p.addr))
+        .expect("the prefill engine listed");
+    assert_eq!(prefill["role"], "prefill");
+    let after = ask("After");
+    assert_eq!(after.status, 200, "{}", after.text());
+    assert_eq!(
+        after.header("x-semlb-prefill"),
+        Some(format!("http://{}", p.addr)).as_deref()
+    );
+    // A role that is not one: the admin API's 400.
+    let body = format!(r#"{{"url": "http://127.0.0.1:9", "role": "producer"}}"#);
+    assert_eq!(gw.admin("POST", "/admin/servers", Some(&body)).status, 400);
+}
