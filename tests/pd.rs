@@ -571,6 +571,6 @@ fn a_prefill_engine_added_through_the_admin_api_splits_the_next_request() {
         Some(format!("http://{}", p.addr)).as_deref()
     );
     // A role that is not one: the admin API's 400.
-    let body = format!(r#"{{"url": "http://127.0.0.1:9", "role": "producer"}}"#);
-    assert_eq!(gw.admin("POST", "/admin/servers", Some(&body)).status, 400);
+    let body = r#"{"url": "http://127.0.0.1:9", "role": "producer"}"#;
+    assert_eq!(gw.admin("POST", "/admin/servers", Some(body)).status, 400);
 }
