@@ -213,14 +213,7 @@ impl Attempts<'_> {
         let deadline = (tokio::time::Instant::now() + timeout).min(self.deadline);
         let started = Instant::now();
         let answer = tokio::time::timeout_at(deadline, async {
-            let response = dispatcher
-                .client()
-                .request(request)
-                .await
-                .map_err(|e| Failure::Connect {
-                    address: address.clone(),
-                    detail: crate::error_chain(&e),
-                })?;
+            let response = send_leg(dispatcher, request, &address).await?;
             guard.first_token();
             if !response.status().is_success() {
                 return Err(Failure::Status {
@@ -277,14 +270,7 @@ impl Attempts<'_> {
         let task = tokio::spawn(async move {
             let started = Instant::now();
             let leg = async {
-                let response = dispatcher
-                    .client()
-                    .request(request)
-                    .await
-                    .map_err(|e| Failure::Connect {
-                        address: address.clone(),
-                        detail: crate::error_chain(&e),
-                    })?;
+                let response = send_leg(&dispatcher, request, &address).await?;
                 guard.first_token();
                 let status = response.status();
                 let mut body = response.into_body();
@@ -346,4 +332,21 @@ impl Attempts<'_> {
             .store()
             .record_route(prefill.server, c.unlisted(prefill.held), None);
     }
+}
+
+/// Sends a prefill leg to the engine at `address`: its answer's head, or
+/// the failure to reach it.
+async fn send_leg(
+    dispatcher: &Dispatcher,
+    request: Request<Full<Bytes>>,
+    address: &str,
+) -> Result<Response<hyper::body::Incoming>, Failure> {
+    dispatcher
+        .client()
+        .request(request)
+        .await
+        .map_err(|e| Failure::Connect {
+            address: address.to_owned(),
+            detail: crate::error_chain(&e),
+        })
 }

@@ -93,6 +93,18 @@ struct Room {
     state: watch::Sender<State>,
 }
 
+impl Room {
+    /// A room no leg has entered yet.
+    fn open() -> Arc<Self> {
+        Arc::new(Self {
+            state: watch::Sender::new(State::Open {
+                prefill: false,
+                decode: false,
+            }),
+        })
+    }
+}
+
 /// Why a rendezvous failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RendezvousError {
@@ -164,14 +176,7 @@ impl Rooms {
     /// A prefill leg enters room `id`.
     pub fn join_prefill(self: &Arc<Self>, id: u64) -> Result<PrefillSeat, RendezvousError> {
         let mut rooms = self.lock();
-        let room = rooms.entry(id).or_insert_with(|| {
-            Arc::new(Room {
-                state: watch::Sender::new(State::Open {
-                    prefill: false,
-                    decode: false,
-                }),
-            })
-        });
+        let room = rooms.entry(id).or_insert_with(Room::open);
         let joined = room.state.send_if_modified(|state| match state {
             State::Open { prefill, .. } if !*prefill => {
                 *prefill = true;
@@ -193,14 +198,7 @@ impl Rooms {
     /// A decode leg enters room `id` (its long poll).
     fn join_decode(self: &Arc<Self>, id: u64) -> Result<DecodeSeat, StatusCode> {
         let mut rooms = self.lock();
-        let room = rooms.entry(id).or_insert_with(|| {
-            Arc::new(Room {
-                state: watch::Sender::new(State::Open {
-                    prefill: false,
-                    decode: false,
-                }),
-            })
-        });
+        let room = rooms.entry(id).or_insert_with(Room::open);
         let mut refusal = StatusCode::OK;
         room.state.send_if_modified(|state| match state {
             State::Open { decode, .. } if !*decode => {

@@ -600,60 +600,56 @@ impl Pd {
             "SGLang bootstrap rooms open now (this prefill engine's).",
             self.rooms.len() as f64,
         );
-        metric(
-            "semlb_sim_pd_pins_total",
-            "counter",
-            "vLLM prefill legs whose prompt was held for a remote decode.",
-            get(&c.pins),
-        );
-        metric(
-            "semlb_sim_pd_pins_released_total",
-            "counter",
-            "Held prompts released by their decode's pull.",
-            get(&c.pins_released),
-        );
-        metric(
-            "semlb_sim_pd_pins_expired_total",
-            "counter",
-            "Held prompts freed by the abort timeout, never pulled.",
-            get(&c.pins_expired),
-        );
-        metric(
-            "semlb_sim_pd_pulls_total",
-            "counter",
-            "Decode legs whose prompt KV was pulled.",
-            get(&c.pulls),
-        );
-        metric(
-            "semlb_sim_pd_pulled_tokens_total",
-            "counter",
-            "Prompt tokens pulled by decode legs.",
-            get(&c.pulled_tokens),
-        );
-        metric(
-            "semlb_sim_pd_recomputes_total",
-            "counter",
-            "vLLM decode legs that recomputed their prompt.",
-            get(&c.recomputes),
-        );
-        metric(
-            "semlb_sim_pd_handoffs_total",
-            "counter",
-            "SGLang prefill legs whose decode took the KV.",
-            get(&c.handoffs),
-        );
-        metric(
-            "semlb_sim_pd_rendezvous_timeouts_total",
-            "counter",
-            "SGLang legs whose partner or KV did not come in time.",
-            get(&c.rendezvous_timeouts),
-        );
-        metric(
-            "semlb_sim_pd_rendezvous_abandoned_total",
-            "counter",
-            "SGLang legs whose partner was aborted.",
-            get(&c.rendezvous_abandoned),
-        );
+        let counters: [(&str, &str, &AtomicU64); 9] = [
+            (
+                "semlb_sim_pd_pins_total",
+                "vLLM prefill legs whose prompt was held for a remote decode.",
+                &c.pins,
+            ),
+            (
+                "semlb_sim_pd_pins_released_total",
+                "Held prompts released by their decode's pull.",
+                &c.pins_released,
+            ),
+            (
+                "semlb_sim_pd_pins_expired_total",
+                "Held prompts freed by the abort timeout, never pulled.",
+                &c.pins_expired,
+            ),
+            (
+                "semlb_sim_pd_pulls_total",
+                "Decode legs whose prompt KV was pulled.",
+                &c.pulls,
+            ),
+            (
+                "semlb_sim_pd_pulled_tokens_total",
+                "Prompt tokens pulled by decode legs.",
+                &c.pulled_tokens,
+            ),
+            (
+                "semlb_sim_pd_recomputes_total",
+                "vLLM decode legs that recomputed their prompt.",
+                &c.recomputes,
+            ),
+            (
+                "semlb_sim_pd_handoffs_total",
+                "SGLang prefill legs whose decode took the KV.",
+                &c.handoffs,
+            ),
+            (
+                "semlb_sim_pd_rendezvous_timeouts_total",
+                "SGLang legs whose partner or KV did not come in time.",
+                &c.rendezvous_timeouts,
+            ),
+            (
+                "semlb_sim_pd_rendezvous_abandoned_total",
+                "SGLang legs whose partner was aborted.",
+                &c.rendezvous_abandoned,
+            ),
+        ];
+        for (name, help, value) in counters {
+            metric(name, "counter", help, get(value));
+        }
         out
     }
 }
