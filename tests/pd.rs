@@ -574,3 +574,32 @@ fn a_prefill_engine_added_through_the_admin_api_splits_the_next_request() {
     let body = r#"{"url": "http://127.0.0.1:9", "role": "producer"}"#;
     assert_eq!(gw.admin("POST", "/admin/servers", Some(body)).status, 400);
 }
+
+/// vLLM: a client that leaves during the prefill leg ends it, and no
+/// decode leg is sent.
+#[test]
+fn a_client_that_leaves_during_the_prefill_ends_it() {
+    use std::io::Write;
+    let vllm = |role: &str| sim_with("1", &["--role", role, "--pd-protocol", "vllm-nixl"]);
+    let (p, d) = (vllm("prefill"), vllm("decode"));
+    let gw = gateway("pd-leave-v", &[&p], &[&d], &[]);
+    let body =
+        json!({"model": "semlb-sim", "prompt": " beta".repeat(5000), "max_tokens": 64, "stream": true}).to_string();
+    let mut client = std::net::TcpStream::connect(&gw.proc.addr).unwrap();
+    write!(
+        client,
+        "POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    wait_for("the prefill leg running", std::time::Duration::from_secs(10), || {
+        (received(&p).first().is_some_and(|r| r["outcome"] == "running"), ())
+    });
+    drop(client);
+    let outcome = wait_for("the prefill leg ended", std::time::Duration::from_secs(10), || {
+        let outcome = received(&p)[0]["outcome"].clone();
+        (outcome != "running", outcome)
+    });
+    assert_eq!(outcome, "aborted");
+    assert!(received(&d).is_empty(), "no decode leg: {:?}", received(&d));
+}
