@@ -86,11 +86,11 @@
 //! | `pick` | one attempt's routing decision (policy, or least load for other routes), the holding policies' check once counted, passive health |
 //! | `proxy` | the attempts of one request: route, send, retry elsewhere on a retryable [`crate::dispatcher::failure::Failure`], then the gateway's headers |
 //! | `peer_forward` | peer gateways ([`crate::peers`]): the load summary served them, the polls of theirs, a request forwarded to one and its answer relayed back |
-//! | `disagg` | disaggregated prefill and decode: the legs' bodies and what passes between them (vLLM's NixlConnector, SGLang's bootstrap rendezvous) |
 //! | `relay` | the answer streamed to the client as it arrives, with a copy kept to learn from |
 //! | `stream_usage` | the usage of every streamed answer asked for on the client's behalf (`stream_options.include_usage`) and kept from it |
 //! | `meter` | an answer's output tokens, read as it passes: the engine's usage, else an estimate of everything generated |
 //! | `learn` | the completion record a finished answer becomes, pushed into this dispatcher's ring |
+//! | `disagg` | disaggregated prefill and decode: the legs' bodies and what passes between them (vLLM's NixlConnector, SGLang's bootstrap rendezvous) |
 //! | `queue` | the gateway queue of the holding policies and its pump |
 //! | `models` | `GET /v1/models`: the live servers' lists merged |
 //! | `client_io` | the client's connection, its writes bounded in time |

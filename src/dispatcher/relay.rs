@@ -191,7 +191,7 @@ pub(super) struct Upstream {
     pub guard: InflightGuard,
     /// A task that goes with the answer and ends with it (a split
     /// request's SGLang prefill leg).
-    pub companion: Option<super::proxy::Companion>,
+    pub companion: Option<super::disagg::Companion>,
 }
 
 /// The response body of a proxied request (see the module docs).
@@ -200,7 +200,7 @@ pub(super) struct Relay {
     dispatcher: Arc<Dispatcher>,
     /// A task that ends with the answer (a split request's SGLang prefill
     /// leg): dropped with the relay.
-    _companion: Option<super::proxy::Companion>,
+    _companion: Option<super::disagg::Companion>,
     /// The base URL of the server answering (for the passive health check).
     address: String,
     inner: Incoming,

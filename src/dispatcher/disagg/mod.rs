@@ -34,6 +34,24 @@ pub(super) fn has_prefill(servers: &shm_layout::ServerTable<'_>, members: &Membe
         .any(|(_, id)| members.admits(Some(id)))
 }
 
+/// A task that ends when this is dropped: the SGLang prefill leg that
+/// goes with a decode leg's answer (the relay holds it).
+#[derive(Debug)]
+pub(super) struct Companion(tokio::task::AbortHandle);
+
+impl Companion {
+    /// Ends the task of `handle` when dropped.
+    pub fn new(handle: tokio::task::AbortHandle) -> Self {
+        Self(handle)
+    }
+}
+
+impl Drop for Companion {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// The request id both legs carry: the client's `x-request-id`, else a
 /// new one, put in `headers`.
 pub(super) fn request_id(headers: &mut HeaderMap) -> String {

@@ -23,7 +23,6 @@
 //! step 2 [`send`]'s; the attempts' state, the relay and the finish are here.
 
 mod pd;
-pub(super) use pd::Companion;
 mod route;
 mod send;
 

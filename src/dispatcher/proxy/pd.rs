@@ -28,7 +28,7 @@ use serde_json::{Map, Value};
 
 use super::*;
 use crate::config::PdProtocol;
-use crate::dispatcher::disagg::{self, sglang::Rendezvous, vllm};
+use crate::dispatcher::disagg::{self, Companion, sglang::Rendezvous, vllm};
 use crate::metrics::{PD_PREFILL, PdFailure, PdPath as Path};
 use crate::routing::Leg;
 
@@ -55,17 +55,6 @@ pub(super) struct PdState {
     /// Whether the request's pool has a prefill engine up (asked once,
     /// at its first routing).
     pool_splits: Option<bool>,
-}
-
-/// A task that ends when this is dropped: the SGLang prefill leg that
-/// goes with a decode leg's answer.
-#[derive(Debug)]
-pub(in crate::dispatcher) struct Companion(tokio::task::AbortHandle);
-
-impl Drop for Companion {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 /// A prefill leg that did not give what the decode leg needs.
@@ -301,7 +290,7 @@ impl Attempts<'_> {
                 passive_failure(&dispatcher, server, &address, &failure);
             }
         });
-        self.pd.leg = Some(Companion(task.abort_handle()));
+        self.pd.leg = Some(Companion::new(task.abort_handle()));
     }
 
     /// The prefill leg on `prefill` failed: its engine is avoided for this
