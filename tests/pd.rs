@@ -454,7 +454,11 @@ fn split_requests_are_charged_once_with_the_state_in_redis() {
 fn conversations_stay_on_their_decode_engine_and_skip_prefill() {
     let p = engine("prefill", "vllm-nixl");
     let (d1, d2) = (engine("decode", "vllm-nixl"), engine("decode", "vllm-nixl"));
-    let gw = gateway("pd-conv", &[&p], &[&d1, &d2], &[]);
+    // One dispatcher: the conversations come one after another, so every
+    // first turn finds both engines idle and the tie goes in turn, and
+    // each dispatcher process keeps its own turn (with two, both may start
+    // on the same engine: 3 and 1 were seen).
+    let gw = gateway("pd-conv", &[&p], &[&d1, &d2], &["--dispatchers", "1"]);
     let mut homes = Vec::new();
     for c in 0..4 {
         let mut messages = vec![system_prompt_of(&format!("Guide {c}")), user("Where do we start?")];
