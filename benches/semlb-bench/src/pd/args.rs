@@ -62,7 +62,8 @@ pub struct PdArgs {
     /// 0 runs every point.
     #[arg(long, value_name = "SHARE", default_value_t = 0.5)]
     pub stop_attainment: f64,
-    /// Simulated seconds of Poisson arrivals per load point.
+    /// Simulated seconds of Poisson arrivals per load point (rate ×
+    /// window of them).
     #[arg(long, value_name = "SECS", default_value_t = 60.0)]
     pub window_secs: f64,
     /// Simulated seconds after a load point's last arrival that its

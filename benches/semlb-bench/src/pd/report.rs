@@ -186,6 +186,7 @@ pub(super) fn interference_table(args: &PdArgs, sweeps: &[Sweep]) -> Table {
         "goodput/s",
         "split",
         "bypass",
+        "gateway µs p90",
     ]);
     for s in sweeps {
         for p in &s.points {
@@ -204,6 +205,7 @@ pub(super) fn interference_table(args: &PdArgs, sweeps: &[Sweep]) -> Table {
                 format!("{:.2}", p.goodput),
                 pct(f.share(0)),
                 pct(f.share(1)),
+                format!("{:.0}", f.dispatch_us[1]),
             ]);
         }
     }

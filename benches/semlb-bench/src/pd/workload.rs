@@ -2,7 +2,7 @@
 //! in `--seed`, so that every topology gets the same ones.
 //!
 //! - **Interference** ([`interference`]): Poisson arrivals at the load
-//!   point's rate over `--window-secs`; each a one-message chat whose
+//!   point's rate over `--window-secs` ([`poisson`]); each a one-message chat whose
 //!   prompt is `--prompt-tokens` tokens of text of its own (distinct from
 //!   its first block on, so no prefix cache hides its prefill) and whose
 //!   answer is `--output-tokens` tokens long (the simulator's
@@ -14,6 +14,13 @@
 //!   question of `--question-tokens` tokens, sent after an exponential
 //!   think time of mean `--think-secs`, carrying the whole conversation
 //!   so far (the history the engines may hold).
+//!
+//! Arrivals are a Poisson process given its number of arrivals: rate ×
+//! window arrival times drawn uniformly over the window, in order (the
+//! order statistics of uniform draws are a Poisson process's arrival times
+//! given their count). Every load point thus offers exactly its rate: an
+//! unconditioned draw over a 60 s window lands up to a fifth away from it,
+//! and not in the order of the rates.
 //!
 //! Texts are chunks of one-token words ([`TextGen`]), so a chunk of `n`
 //! tokens is `n` tokens to the engines' and the gateway's tokenizer; the
@@ -71,18 +78,15 @@ pub(super) struct Conversation {
     pub thinks_s: Vec<f64>,
 }
 
-/// Poisson arrivals at `rate` per second over `window` seconds, drawn
-/// from `seed`, each made into an item by `make` (given the generator and
-/// the arrival time).
+/// Poisson arrivals at `rate` per second over `window` seconds, given
+/// their number (`rate × window`, rounded), drawn from `seed`, each made
+/// into an item by `make` (given the generator and the arrival time).
 fn poisson<T>(seed: u64, rate: f64, window: f64, mut make: impl FnMut(&mut Rng, f64) -> T) -> Vec<T> {
     let mut rng = Rng::from_seed(mix(seed));
-    let mut out = Vec::new();
-    let mut t = exponential(&mut rng, 1.0 / rate);
-    while t < window {
-        out.push(make(&mut rng, t));
-        t += exponential(&mut rng, 1.0 / rate);
-    }
-    out
+    let count = (rate * window).round() as usize;
+    let mut times: Vec<f64> = (0..count).map(|_| rng.unit() * window).collect();
+    times.sort_by(f64::total_cmp);
+    times.into_iter().map(|t| make(&mut rng, t)).collect()
 }
 
 /// An exponential draw of mean `mean`.
@@ -171,8 +175,13 @@ mod tests {
     fn interference_is_poisson_at_the_rate_and_in_the_ranges() {
         let a = args(&["--window-secs", "1000"]);
         let reqs = interference(&a, 4.0);
-        assert!((3600..4400).contains(&reqs.len()), "{}", reqs.len());
+        assert_eq!(reqs.len(), 4000);
         assert!(reqs.windows(2).all(|w| w[0].at_s <= w[1].at_s));
+        assert!(reqs.iter().all(|r| (0.0..1000.0).contains(&r.at_s)));
+        // Poisson: exponential gaps, mean 1/4 s, as many above the mean as
+        // e^-1 of them.
+        let above = reqs.windows(2).filter(|w| w[1].at_s - w[0].at_s > 0.25).count();
+        assert!((1300..1650).contains(&above), "{above}");
         assert!(reqs.iter().all(|r| (4096..=8192).contains(&r.prompt_tokens)));
         assert!(reqs.iter().all(|r| (256..=512).contains(&r.output_tokens)));
         // The same requests for every topology; others for another seed.
