@@ -19,7 +19,8 @@
 //! | `state` | [`state`] | what keeping the routing state is worth: the first 60 s after a restart with the segment kept (hot restart) and not, and two gateway hosts on one Redis sharing a namespace or not: cached share of prompt tokens, TTFT p50/p90 |
 //! | `tenants` | [`tenants`] | the noisy neighbour: a quiet tenant's TTFT beside a flooding one, with engine queues, the gateway queue oldest first, and the gateway queue with fair share |
 //! | `regions` | [`regions`] | two regions whose peaks do not coincide: each alone, pooled by overflow, SkyLB-style forwarding between peer gateways (goodput, TTFT, SLO attainment) |
-//! | `all` | here | every report in turn (but `state` and `tenants`) |
+//! | `pd` | [`pd`] | disaggregated prefill and decode against aggregated serving at equal engine count, on simulated engines in simulated time: long prompts with long answers over a load sweep (TTFT, TPOT, goodput at a TTFT and TPOT objective, share split and bypassed), and multi-turn conversations (cache-aware against random pairing, bypassed later turns against aggregated serving) |
+//! | `all` | here | every report in turn (but `state`, `tenants`, `regions` and `pd`) |
 //!
 //! The gateway processes it measures are the `semlb` binary next to this
 //! one ([`semlb_exe`]): `cargo build --release -p semlb -p semlb-bench`
@@ -38,6 +39,7 @@
 pub mod dispatch_path;
 pub mod end_to_end;
 pub mod output;
+pub mod pd;
 pub mod plot;
 pub mod proxy;
 pub mod redis_server;
@@ -100,6 +102,9 @@ pub enum BenchCommand {
     /// Two regions whose peaks do not coincide: each alone, pooled by
     /// overflow, SkyLB-style forwarding between peer gateways.
     Regions(regions::RegionsArgs),
+    /// Disaggregated prefill and decode against aggregated serving:
+    /// goodput under interference, pairing and bypass on conversations.
+    Pd(pd::PdArgs),
     /// Every report with its default settings.
     All(Common),
     /// A load process of `scaling` (not for direct use).
@@ -161,6 +166,7 @@ pub fn run(command: &BenchCommand) -> Result<()> {
         BenchCommand::State(args) => state::run(args),
         BenchCommand::Tenants(args) => tenants::run(args),
         BenchCommand::Regions(args) => regions::run(args),
+        BenchCommand::Pd(args) => pd::run(args),
         BenchCommand::BenchWorker(args) => scaling::run_worker(args),
         BenchCommand::All(common) => {
             tokenizer::run(&tokenizer::TokenizerArgs::with(common.clone()))?;

@@ -1,7 +1,8 @@
 //! A streaming client of the gateway for the reports that drive it as
 //! agents do: one request on a fresh connection, its event stream read to
-//! the end, with the time to the first content chunk and the engine's
-//! usage, on the runtime those reports share ([`runtime`]); and what a set of such requests came to ([`Answers`]: sent,
+//! the end, with the times to the first and last content chunks, the
+//! answer's headers and the engine's usage, on the runtime those reports
+//! share ([`runtime`]); and what a set of such requests came to ([`Answers`]: sent,
 //! failed, TTFT quantiles, cached share), which those reports fold their
 //! samples into.
 
@@ -20,6 +21,15 @@ use crate::output;
 pub struct Answer {
     /// Time to the first content chunk.
     pub ttft: Duration,
+    /// Time to the last content chunk.
+    pub last_token: Duration,
+    /// Content chunks received (one token each from a vLLM-like engine).
+    pub content_chunks: u64,
+    /// The answer's tokens, as the engine's usage says (0 without a usage
+    /// chunk: `stream_options.include_usage` not asked for).
+    pub completion_tokens: u64,
+    /// The answer's headers (`x-semlb-backend`, `x-semlb-prefill`, …).
+    pub headers: http::HeaderMap,
     /// The answer's text.
     pub text: String,
     /// The prompt's tokens, as the engine's usage says.
@@ -58,8 +68,10 @@ pub async fn stream(addr: SocketAddr, body: &Value, headers: &[(&str, &str)]) ->
     if response.status() != 200 {
         bail!("status {}", response.status());
     }
+    let headers = response.headers().clone();
     let mut body = response.into_body();
-    let (mut buf, mut text, mut ttft, mut usage) = (Vec::new(), String::new(), None, (0, 0));
+    let (mut buf, mut text, mut ttft, mut usage) = (Vec::new(), String::new(), None, (0, 0, 0));
+    let (mut last_token, mut content_chunks) = (Duration::ZERO, 0);
     while let Some(frame) = body.frame().await {
         let Ok(data) = frame?.into_data() else { continue };
         buf.extend_from_slice(&data);
@@ -73,7 +85,9 @@ pub async fn stream(addr: SocketAddr, body: &Value, headers: &[(&str, &str)]) ->
                     continue;
                 };
                 if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
-                    ttft.get_or_insert_with(|| sent.elapsed());
+                    last_token = sent.elapsed();
+                    ttft.get_or_insert(last_token);
+                    content_chunks += 1;
                     text.push_str(t);
                 }
                 if let Some(p) = v["usage"]["prompt_tokens"].as_u64() {
@@ -82,6 +96,7 @@ pub async fn stream(addr: SocketAddr, body: &Value, headers: &[(&str, &str)]) ->
                         v["usage"]["prompt_tokens_details"]["cached_tokens"]
                             .as_u64()
                             .unwrap_or(0),
+                        v["usage"]["completion_tokens"].as_u64().unwrap_or(0),
                     );
                 }
             }
@@ -89,6 +104,10 @@ pub async fn stream(addr: SocketAddr, body: &Value, headers: &[(&str, &str)]) ->
     }
     Ok(Answer {
         ttft: ttft.context("no content")?,
+        last_token,
+        content_chunks,
+        completion_tokens: usage.2,
+        headers,
         text,
         prompt_tokens: usage.0,
         cached_tokens: usage.1,

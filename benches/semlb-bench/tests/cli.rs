@@ -122,3 +122,61 @@ fn bench_tenants_runs_and_writes_json() {
     }
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// `semlb bench pd` runs both parts end to end (simulated engines in
+/// every role, the gateway as a P/D router, streaming clients) on a tiny
+/// workload and writes its JSON; a smoke test, no figure is checked.
+#[test]
+fn bench_pd_runs_and_writes_json() {
+    let out = std::env::temp_dir().join(format!("semlb-test-cli-pd-{}", std::process::id()));
+    let out_arg = out.display().to_string();
+    let text = assert_ok(&semlb(&[
+        "bench",
+        "pd",
+        "--engines",
+        "2",
+        "--topologies",
+        "agg,1p1d",
+        "--conv-topology",
+        "1p1d",
+        "--rates",
+        "2",
+        "--window-secs",
+        "3",
+        "--prompt-tokens",
+        "400-600",
+        "--output-tokens",
+        "8-16",
+        "--conv-rate",
+        "2",
+        "--conv-secs",
+        "1",
+        "--turns",
+        "2",
+        "--doc-tokens",
+        "300-400",
+        "--turn-output-tokens",
+        "8",
+        "--think-secs",
+        "0.1",
+        "--time-scale",
+        "0.02",
+        "--conv-time-scale",
+        "0.02",
+        "--out",
+        &out_arg,
+    ]));
+    assert!(text.contains("1P+1D") && text.contains("random pairing"), "{text}");
+    let json = std::fs::read_to_string(out.join("pd.json")).expect("pd.json written");
+    let v: serde_json::Value = serde_json::from_str(&json).expect("valid JSON");
+    for t in 0..2 {
+        let point = &v["interference"]["topologies"][t]["points"][0]["figures"];
+        assert!(point["answered"].as_u64().is_some_and(|n| n > 0), "{point}");
+    }
+    let split = &v["interference"]["topologies"][1]["points"][0]["figures"]["served"]["split"];
+    assert!(split.as_u64().is_some_and(|n| n > 0), "{v}");
+    let setups = v["conversations"]["setups"].as_object().expect("setups");
+    assert_eq!(setups.len(), 3, "{v}");
+    assert!(out.join("pd.svg").is_file());
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -80,6 +80,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 
+pub(crate) use self::client::parse_dispatch;
 pub(crate) use self::client::{LoadClient, Outcome, SseScan, request_with};
 pub(crate) use self::cluster::{GatewayError, GatewaySpec, Store, start_engines, start_gateway, unique_name};
 use self::dialogue::load_dialogues;
