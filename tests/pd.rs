@@ -296,6 +296,48 @@ fn a_dead_prefill_engine_leaves_the_decode_engine_serving() {
     assert!(servers, "the decode engine stayed up");
 }
 
+/// `semlb status` and `semlb shm inspect` show each backend's role.
+#[test]
+fn status_and_inspect_show_the_roles() {
+    let (p, d) = (engine("prefill", "vllm-nixl"), engine("decode", "vllm-nixl"));
+    let gw = gateway("pd-status", &[&p], &[&d], &[]);
+    let status = support::process::assert_ok(&support::process::run(&["status", "--once", "--shm-name", &gw.shm]));
+    for (engine, role) in [(&p, "prefill"), (&d, "decode")] {
+        let row = status
+            .lines()
+            .find(|l| l.contains(&engine.addr))
+            .unwrap_or_else(|| panic!("no row for {} in\n{status}", engine.addr));
+        assert!(row.split_whitespace().any(|w| w == role), "{role} in {row:?}");
+    }
+    let inspect = support::process::assert_ok(&support::process::run(&[
+        "shm",
+        "inspect",
+        "--json",
+        "--shm-name",
+        &gw.shm,
+    ]));
+    let v: Value = serde_json::from_str(&inspect).unwrap();
+    let roles: Vec<(String, String)> = v["servers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["address"].as_str().unwrap().to_owned(),
+                s["role"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert!(
+        roles.contains(&(format!("http://{}", p.addr), "prefill".into())),
+        "{roles:?}"
+    );
+    assert!(
+        roles.contains(&(format!("http://{}", d.addr), "decode".into())),
+        "{roles:?}"
+    );
+}
+
 #[test]
 fn sglang_legs_meet_at_the_prefill_engines_bootstrap_server() {
     let (p, d) = (engine("prefill", "sglang"), engine("decode", "sglang"));
