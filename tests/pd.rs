@@ -14,13 +14,18 @@ use support::gateway::{Gateway, chat, sim_with, user, wait_for};
 use support::http::{Response, http};
 use support::process::Proc;
 
-/// A simulated engine of `role` speaking `protocol`.
+/// A simulated engine of `role` speaking `protocol`, at 100x real speed.
 fn engine(role: &str, protocol: &str) -> Proc {
+    engine_at(role, protocol, "0.01")
+}
+
+/// [`engine`] whose simulated second lasts `time_scale` real seconds.
+fn engine_at(role: &str, protocol: &str, time_scale: &str) -> Proc {
     let mut args = vec!["--role", role, "--pd-protocol", protocol];
     if protocol == "sglang" && role == "prefill" {
         args.extend(["--bootstrap-port", "0"]);
     }
-    sim_with("0.01", &args)
+    sim_with(time_scale, &args)
 }
 
 /// `semlb serve` with these prefill and decode engines.
@@ -398,14 +403,7 @@ fn a_client_that_leaves_ends_both_legs() {
     use std::io::Write;
     // Real time: the prefill of this prompt takes its engine about half a
     // second, time enough to see both legs running.
-    let sglang = |role: &str| {
-        let mut args = vec!["--role", role, "--pd-protocol", "sglang"];
-        if role == "prefill" {
-            args.extend(["--bootstrap-port", "0"]);
-        }
-        sim_with("1", &args)
-    };
-    let (p, d) = (sglang("prefill"), sglang("decode"));
+    let (p, d) = (engine_at("prefill", "sglang", "1"), engine_at("decode", "sglang", "1"));
     let port = support::gateway::bootstrap_port(&p.line).expect("a bootstrap port");
     let config = format!(
         "[pd]\nprotocol = \"sglang\"\n\n[[backend]]\nurl = \"http://{}\"\nrole = \"prefill\"\nbootstrap_port = {port}\n\n\
@@ -626,8 +624,10 @@ fn a_prefill_engine_added_through_the_admin_api_splits_the_next_request() {
 #[test]
 fn a_client_that_leaves_during_the_prefill_ends_it() {
     use std::io::Write;
-    let vllm = |role: &str| sim_with("1", &["--role", role, "--pd-protocol", "vllm-nixl"]);
-    let (p, d) = (vllm("prefill"), vllm("decode"));
+    let (p, d) = (
+        engine_at("prefill", "vllm-nixl", "1"),
+        engine_at("decode", "vllm-nixl", "1"),
+    );
     let gw = gateway("pd-leave-v", &[&p], &[&d], &[]);
     let body =
         json!({"model": "semlb-sim", "prompt": " beta".repeat(5000), "max_tokens": 64, "stream": true}).to_string();
