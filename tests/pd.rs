@@ -362,13 +362,25 @@ fn sglang_legs_meet_at_the_prefill_engines_bootstrap_server() {
         },
     );
     assert_eq!(learned, Some(port));
-    for (i, stream) in [false, true].into_iter().enumerate() {
+    // SGLang numbers the rooms of `n` sequences itself: `n` 2 is split too
+    // (the simulator answers it 400, `n > 1` being beyond what it plays).
+    for (i, (stream, n)) in [(false, 1), (true, 1), (false, 2)].into_iter().enumerate() {
         let r = chat(
             &gw.proc.addr,
             &[system_prompt(), user(&format!("Question {i}?"))],
-            json!({"stream": stream}),
+            json!({"stream": stream, "n": n}),
             &[],
         );
+        let (pl, dl) = (received(&p), received(&d));
+        assert_eq!(
+            (pl[i]["body"]["n"].clone(), dl[i]["body"]["n"].clone()),
+            (json!(n), json!(n))
+        );
+        if n > 1 {
+            assert_eq!(r.status, 400, "{}", r.text());
+            assert_eq!(pl[i]["body"]["bootstrap_room"], dl[i]["body"]["bootstrap_room"]);
+            continue;
+        }
         assert_eq!(r.status, 200, "{}", r.text());
         assert_eq!(
             r.header("x-semlb-prefill"),
@@ -648,4 +660,133 @@ fn a_client_that_leaves_during_the_prefill_ends_it() {
     });
     assert_eq!(outcome, "aborted");
     assert!(received(&d).is_empty(), "no decode leg: {:?}", received(&d));
+}
+
+/// SGLang: a decode engine cannot serve a request alone (it waits for a
+/// prefill partner). With no prefill engine in the pool a request goes to
+/// an aggregated engine (role `both`), or, with none, gets a clear 503;
+/// the decode engine never sees it.
+#[test]
+fn sglang_without_a_prefill_engine_goes_to_an_aggregated_engine_or_is_refused() {
+    let (d, b) = (engine("decode", "sglang"), engine("both", "sglang"));
+    let config = format!(
+        "[pd]\nprotocol = \"sglang\"\n\n[[backend]]\nurl = \"http://{}\"\nrole = \"decode\"\n\n\
+         [[backend]]\nurl = \"http://{}\"\nrole = \"both\"\n",
+        d.addr, b.addr
+    );
+    let gw = Gateway::builder().tag("pd-sg-whole").config(&config).start();
+    for i in 0..4 {
+        let r = chat(
+            &gw.proc.addr,
+            &[system_prompt_of(&format!("Whole {i}")), user("Hi.")],
+            json!({"stream": i % 2 == 0}),
+            &[],
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(
+            r.header("x-semlb-backend"),
+            Some(format!("http://{}", b.addr)).as_deref()
+        );
+        assert_eq!(r.header("x-semlb-prefill"), None);
+    }
+    assert!(received(&d).is_empty(), "{:?}", received(&d));
+    assert_eq!(received(&b).len(), 4);
+
+    let gw = Gateway::builder()
+        .tag("pd-sg-none")
+        .config(&format!(
+            "[pd]\nprotocol = \"sglang\"\n\n[[backend]]\nurl = \"http://{}\"\nrole = \"decode\"\n",
+            d.addr
+        ))
+        .start();
+    let r = chat(&gw.proc.addr, &[system_prompt(), user("Hi.")], json!({}), &[]);
+    assert_eq!(r.status, 503, "{}", r.text());
+    let error = &r.json()["error"];
+    assert_eq!(error["code"], "no_server_available", "{error}");
+    assert!(
+        error["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("no prefill engine is up")),
+        "{error}"
+    );
+    assert!(received(&d).is_empty(), "{:?}", received(&d));
+}
+
+/// SGLang: a prefill leg that fails ends its decode leg (which would wait
+/// for it) and the request is split again on another prefill engine; the
+/// decode engine is not blamed. The failing engine is stopped with
+/// SIGSTOP: its leg runs into `pd.prefill_timeout_secs`.
+#[test]
+fn a_failed_sglang_prefill_leg_ends_its_decode_leg_and_is_tried_elsewhere() {
+    use nix::sys::signal::Signal;
+    let (p1, p2, d) = (
+        engine("prefill", "sglang"),
+        engine("prefill", "sglang"),
+        engine("decode", "sglang"),
+    );
+    let config = format!(
+        "[pd]\nprotocol = \"sglang\"\nprefill_timeout_secs = 1\n\n[policy]\nkind = \"cache_aware\"\n\n\
+         [[backend]]\nurl = \"http://{}\"\nrole = \"prefill\"\nbootstrap_port = {}\n\n\
+         [[backend]]\nurl = \"http://{}\"\nrole = \"prefill\"\nbootstrap_port = {}\n\n\
+         [[backend]]\nurl = \"http://{}\"\nrole = \"decode\"\n",
+        p1.addr,
+        support::gateway::bootstrap_port(&p1.line).expect("a bootstrap port"),
+        p2.addr,
+        support::gateway::bootstrap_port(&p2.line).expect("a bootstrap port"),
+        d.addr
+    );
+    let gw = Gateway::builder().tag("pd-sg-fail").config(&config).start();
+    let ask = |q: &str| chat(&gw.proc.addr, &[system_prompt(), user(q)], json!({}), &[]);
+    let first = ask("First?");
+    assert_eq!(first.status, 200, "{}", first.text());
+    let warm = first.header("x-semlb-prefill").expect("split").to_owned();
+    let (stopped, other) = if warm.ends_with(&p1.addr) {
+        (&p1, &p2)
+    } else {
+        (&p2, &p1)
+    };
+    // The prompt is warm on `stopped`: the next turn's prefill goes there.
+    stopped.signal(Signal::SIGSTOP);
+    let second = ask("Second?");
+    stopped.signal(Signal::SIGCONT);
+    assert_eq!(second.status, 200, "{}", second.text());
+    assert_eq!(
+        second.header("x-semlb-prefill"),
+        Some(format!("http://{}", other.addr)).as_deref()
+    );
+    assert_eq!(
+        second.header("x-semlb-backend"),
+        Some(format!("http://{}", d.addr)).as_deref()
+    );
+    let decoded = received(&d);
+    let outcomes: Vec<_> = decoded.iter().map(|r| r["outcome"].as_str().unwrap_or("")).collect();
+    assert_eq!(outcomes, ["completed", "aborted", "completed"], "{decoded:?}");
+    // The ended decode leg waited in the stopped engine's room.
+    assert_eq!(decoded[1]["body"]["bootstrap_host"], "127.0.0.1");
+    assert_ne!(
+        decoded[1]["body"]["bootstrap_room"],
+        decoded[2]["body"]["bootstrap_room"]
+    );
+    let metrics = gw.metrics();
+    assert!(
+        metrics.contains("semlb_pd_handoff_failures_total{reason=\"prefill_failed\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("semlb_pd_requests_total{path=\"split\"} 2"),
+        "{metrics}"
+    );
+    // Three prefill legs (one failed); two decode legs answered (the one
+    // ended before its answer began is not a leg that answered).
+    assert!(metrics.contains("semlb_pd_prefill_seconds_count 3"), "{metrics}");
+    assert!(metrics.contains("semlb_pd_decode_seconds_count 2"), "{metrics}");
+    let up = |addr: &str| {
+        gw.segment
+            .tables()
+            .servers
+            .servers()
+            .find(|s| s.address.ends_with(addr))
+            .is_some_and(|s| s.state == shm_layout::ServerState::Up)
+    };
+    assert!(up(&d.addr), "the decode engine stays up");
 }

@@ -121,7 +121,8 @@ pub struct PdConfig {
     /// engine alone (a conversation's later turn). Default 256.
     pub bypass_uncached_tokens: u32,
     /// How long a prefill leg may take before the request is served by
-    /// its decode engine alone (vLLM) or fails over (SGLang). Default 60.
+    /// its decode engine alone (vLLM), or its decode leg is ended and the
+    /// request split again on another prefill engine (SGLang). Default 60.
     pub prefill_timeout_secs: u64,
     /// How the decode engine is chosen. Default `load`.
     pub decode_by: DecodeBy,

@@ -192,6 +192,8 @@ pub(super) struct Upstream {
     /// A task that goes with the answer and ends with it (a split
     /// request's SGLang prefill leg).
     pub companion: Option<super::disagg::Companion>,
+    /// A split request's decode leg: when it was sent.
+    pub decode_leg: Option<Instant>,
 }
 
 /// The response body of a proxied request (see the module docs).
@@ -199,8 +201,12 @@ pub(super) struct Upstream {
 pub(super) struct Relay {
     dispatcher: Arc<Dispatcher>,
     /// A task that ends with the answer (a split request's SGLang prefill
-    /// leg): dropped with the relay.
-    _companion: Option<super::disagg::Companion>,
+    /// leg): dropped with the relay. Its failure before the answer's first
+    /// byte ends the answer (its decode leg waits for that partner).
+    companion: Option<super::disagg::Companion>,
+    /// A split request's decode leg: when it was sent (its duration is
+    /// observed when the answer ends, well or not).
+    decode_leg: Option<Instant>,
     /// The base URL of the server answering (for the passive health check).
     address: String,
     inner: Incoming,
@@ -302,6 +308,7 @@ impl Relay {
             address,
             guard,
             companion,
+            decode_leg,
         } = upstream;
         Self {
             dispatcher,
@@ -319,7 +326,17 @@ impl Relay {
             counted,
             meter,
             share,
-            _companion: companion,
+            companion,
+            decode_leg,
+        }
+    }
+
+    /// A split request's decode leg ended: its duration.
+    fn decode_leg_ended(&mut self) {
+        if let Some(sent) = self.decode_leg.take() {
+            self.dispatcher
+                .metrics()
+                .observe_duration(crate::metrics::PD_DECODE, sent.elapsed());
         }
     }
 
@@ -362,6 +379,7 @@ impl Relay {
     /// generation it asked for), as the passive health check tells apart.
     fn fail(&mut self, failure: fn(String) -> Failure) {
         self.finished = true;
+        self.decode_leg_ended();
         self.charge_output();
         if let Some(g) = self.guard.take() {
             let server = g.server();
@@ -374,9 +392,26 @@ impl Relay {
         self.timer = None;
     }
 
+    /// Ends a relay whose companion leg failed (`failed`) before the
+    /// answer began: not a failure of the server answering.
+    fn partner_failed(&mut self, failed: &super::disagg::LegFailed) -> BoxError {
+        self.finished = true;
+        self.decode_leg_ended();
+        self.charge_output();
+        self.guard = None;
+        self.learn = None;
+        self.capture = None;
+        self.timer = None;
+        format!("semlb: the prefill leg failed ({})", failed.failure).into()
+    }
+
     /// The bookkeeping of a data frame from upstream: first token, TTFT,
     /// the copy kept to learn from.
     fn passed(&mut self, data: &[u8]) {
+        // The answer began: its companion handed over what it had to.
+        if let Some(c) = self.companion.as_mut() {
+            c.handed_over();
+        }
         if let Some(t) = self.timer.as_mut() {
             t.frame();
         }
@@ -395,6 +430,7 @@ impl Relay {
 
     fn end(&mut self) {
         self.finished = true;
+        self.decode_leg_ended();
         self.timer = None;
         self.charge_output();
         // Only a 2xx inference answer (one to learn from) is evidence for
@@ -474,6 +510,9 @@ impl HttpBody for Relay {
                     return Poll::Ready((!rest.is_empty()).then(|| Ok(Frame::data(rest))));
                 }
                 Poll::Pending => {
+                    if let Some(Poll::Ready(failed)) = this.companion.as_mut().map(|c| c.poll_failed(cx)) {
+                        return Poll::Ready(Some(Err(this.partner_failed(&failed))));
+                    }
                     if this.deadline.as_mut().poll(cx).is_ready() {
                         this.fail(|address| Failure::Deadline { address });
                         return Poll::Ready(Some(Err("semlb: upstream request timed out".into())));

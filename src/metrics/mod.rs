@@ -322,7 +322,7 @@ pub enum PeerEvent {
 }
 /// Disaggregated prefill and decode: requests of pools with prefill
 /// engines by how they were served, the prefill legs that gave the decode
-/// leg nothing, and the prefill legs' durations.
+/// leg nothing, and both legs' durations.
 const PD: usize = PEERS + PEER_COUNTERS.len();
 /// How a request of a pool with prefill engines was served
 /// (`semlb_pd_requests_total{path}`).
@@ -355,7 +355,13 @@ pub const PD_PREFILL: Histogram = Histogram {
     bounds: LATENCY_BOUNDS,
     scale: 1e6,
 };
-const END: usize = PD_PREFILL.base + Histogram::words(LATENCY_BOUNDS);
+/// The decode legs of split requests, from sending to their answer's end.
+pub const PD_DECODE: Histogram = Histogram {
+    base: PD_PREFILL.base + Histogram::words(LATENCY_BOUNDS),
+    bounds: LATENCY_BOUNDS,
+    scale: 1e6,
+};
+const END: usize = PD_DECODE.base + Histogram::words(LATENCY_BOUNDS);
 const _: () = assert!(END <= STAT_WORDS, "the metrics outgrew a stats block");
 
 /// What the response cache did for an inference request.

@@ -217,6 +217,13 @@ impl Snapshot {
         );
         self.histogram(
             o,
+            "semlb_pd_decode_seconds",
+            "Decode legs of split requests, from sending to their answer's end (a client that left is not counted).",
+            &[PD_DECODE],
+            &[],
+        );
+        self.histogram(
+            o,
             "semlb_kv_event_lag_seconds",
             "From an engine's KV event batch (its timestamp) to its application to the confirmed prefix table.",
             &[KV_EVENT_LAG],

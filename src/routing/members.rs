@@ -16,6 +16,10 @@ pub enum Leg {
     Request,
     /// The prefill leg of a split request: servers that prefill.
     Prefill,
+    /// The request served whole by an aggregated server (role `both`):
+    /// an SGLang P/D pool's request that cannot be split (an SGLang
+    /// decode engine has no prefill of its own).
+    Whole,
 }
 
 impl Leg {
@@ -24,6 +28,7 @@ impl Leg {
         match self {
             Self::Request => role.decodes(),
             Self::Prefill => role.prefills(),
+            Self::Whole => matches!(role, ServerRole::Both),
         }
     }
 }

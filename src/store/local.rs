@@ -161,6 +161,7 @@ mod tests {
         };
         assert_eq!(of(Leg::Request), [both, decode]);
         assert_eq!(of(Leg::Prefill), [both, prefill]);
+        assert_eq!(of(Leg::Whole), [both]);
         // A role changed at runtime counts at once.
         assert!(servers.set_disaggregation(decode, Disaggregation::of(ServerRole::Both)));
         assert_eq!(of(Leg::Prefill), [both, prefill, decode]);

@@ -10,45 +10,112 @@
 //! Whether a request is split, and the prefill leg itself, are the
 //! proxy's ([`super::proxy`], its `pd` step): the decode engine is chosen
 //! first, as for any request; a request it already holds all but
-//! `pd.bypass_uncached_tokens` of goes to it alone (bypass), as does one
-//! asking for several choices, one whose pool has no prefill engine up,
-//! and one whose prefill failed on two engines or handed nothing over.
+//! `pd.bypass_uncached_tokens` of goes to it alone (bypass, vLLM), as
+//! does one asking for several sequences (vLLM), one whose pool has no
+//! prefill engine up, and one whose prefill failed on two engines or
+//! handed nothing over (SGLang: to an aggregated engine instead, since an
+//! SGLang decode engine cannot serve alone).
 
 pub(super) mod sglang;
 pub(super) mod vllm;
 
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use http::HeaderMap;
 use http::header::HeaderValue;
+use tokio::sync::oneshot;
 
+use shm_layout::{ServerRef, ServerRole};
+
+use super::failure::Failure;
 use crate::routing::Members;
-use shm_layout::ServerRole;
 
 /// The header both legs of a split request carry, with the same value.
 pub(super) const REQUEST_ID: &str = "x-request-id";
 
-/// Whether `members` (a pool's servers) has a prefill engine that is up:
-/// only then is a request of the pool split.
-pub(super) fn has_prefill(servers: &shm_layout::ServerTable<'_>, members: &Members) -> bool {
-    servers
-        .up_of_role(ServerRole::Prefill)
-        .any(|(_, id)| members.admits(Some(id)))
+/// Whether `members` (a pool's servers) has an engine of `role` up: a
+/// request of the pool is split only when it has a prefill engine up.
+pub(super) fn has_up(servers: &shm_layout::ServerTable<'_>, members: &Members, role: ServerRole) -> bool {
+    servers.up_of_role(role).any(|(_, id)| members.admits(Some(id)))
 }
 
-/// A task that ends when this is dropped: the SGLang prefill leg that
-/// goes with a decode leg's answer (the relay holds it).
+/// A leg that runs beside the answer (SGLang's prefill leg): it ends when
+/// this is dropped, and tells when it failed (the answer it goes with
+/// cannot come then: its decode leg waits for a partner that is gone).
 #[derive(Debug)]
-pub(super) struct Companion(tokio::task::AbortHandle);
+pub(super) struct Companion {
+    task: tokio::task::AbortHandle,
+    /// Its failure, once (`None`: reported already, or the leg ended well).
+    failed: Option<oneshot::Receiver<LegFailed>>,
+}
+
+/// A companion leg's failure: the server it was on, and what happened.
+#[derive(Debug)]
+pub(super) struct LegFailed {
+    /// The prefill engine.
+    pub server: ServerRef,
+    /// What went wrong there.
+    pub failure: Failure,
+}
 
 impl Companion {
-    /// Ends the task of `handle` when dropped.
-    pub fn new(handle: tokio::task::AbortHandle) -> Self {
-        Self(handle)
+    /// The leg of `task`, which sends on `failed` if it fails (and drops
+    /// it unsent if it ends well).
+    pub fn new(task: tokio::task::AbortHandle, failed: oneshot::Receiver<LegFailed>) -> Self {
+        Self {
+            task,
+            failed: Some(failed),
+        }
+    }
+
+    /// Ready with the leg's failure; pending for ever once it ended well
+    /// or its failure was taken.
+    pub fn poll_failed(&mut self, cx: &mut Context<'_>) -> Poll<LegFailed> {
+        let Some(rx) = self.failed.as_mut() else {
+            return Poll::Pending;
+        };
+        match Pin::new(rx).poll(cx) {
+            Poll::Ready(Ok(failed)) => {
+                self.failed = None;
+                Poll::Ready(failed)
+            }
+            Poll::Ready(Err(_)) => {
+                self.failed = None;
+                Poll::Pending
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    /// What it had to hand over reached its partner: a later failure of
+    /// the leg no longer matters to the answer.
+    pub fn handed_over(&mut self) {
+        self.failed = None;
+    }
+
+    /// The leg's failure, if it failed already.
+    pub fn try_failed(&mut self) -> Option<LegFailed> {
+        let failed = self.failed.as_mut()?.try_recv().ok();
+        if failed.is_some() {
+            self.failed = None;
+        }
+        failed
+    }
+}
+
+/// The failure of `companion`'s leg, when it comes (never, without one).
+pub(super) async fn failed(companion: &mut Option<Companion>) -> LegFailed {
+    match companion {
+        Some(c) => std::future::poll_fn(|cx| c.poll_failed(cx)).await,
+        None => std::future::pending().await,
     }
 }
 
 impl Drop for Companion {
     fn drop(&mut self) {
-        self.0.abort();
+        self.task.abort();
     }
 }
 

@@ -24,7 +24,9 @@ impl Rendezvous {
         Self {
             host: bootstrap_host(address),
             port,
-            room: super::random_u64() >> 1,
+            // Below 2^62: SGLang numbers the rooms of a request's `n`
+            // sequences from it upward, within 2^63.
+            room: super::random_u64() >> 2,
         }
     }
 

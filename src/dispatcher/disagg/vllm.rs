@@ -73,15 +73,6 @@ pub(in crate::dispatcher) fn decode_body(body: &Bytes, params: &Map<String, Valu
     Bytes::from(serde_json::to_vec(&object).expect("a JSON value serializes"))
 }
 
-/// Whether a request asks for more than one choice (`n` > 1): the
-/// handover has one consumer, so such a request goes to decode alone.
-pub(in crate::dispatcher) fn many_choices(body: &[u8]) -> bool {
-    serde_json::from_slice::<Value>(body)
-        .ok()
-        .and_then(|v| v.get("n").and_then(Value::as_u64))
-        .is_some_and(|n| n > 1)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,12 +130,5 @@ mod tests {
         assert!(params_of(br#"{"kv_transfer_params":null}"#).is_none());
         assert!(params_of(br#"{"kv_transfer_params":{}}"#).is_none());
         assert!(params_of(b"not json").is_none());
-    }
-
-    #[test]
-    fn many_choices_are_told() {
-        assert!(many_choices(br#"{"n":2}"#));
-        assert!(!many_choices(br#"{"n":1}"#));
-        assert!(!many_choices(br#"{"prompt":"x"}"#));
     }
 }

@@ -118,6 +118,7 @@ pub(super) async fn send(
         timing,
         end_key: keyed.hasher.prompt_end_key(&tokens.ids, &keyed.chain),
         answer_tokens,
+        choices: parsed.answers(),
         template_blocks: keyed.template_blocks,
         hasher: keyed.hasher,
         store_key: keyed.key.filter(|_| keyed.cacheability.writes() && within.cache),

@@ -128,6 +128,8 @@ pub(super) struct InferenceCtx {
     pub end_key: u64,
     /// Tokens of the earlier answer the prompt carries (estimated; 0: none).
     pub answer_tokens: u32,
+    /// The sequences it asks to generate (`n`, `best_of`; at least 1).
+    pub choices: u64,
     /// Where a 200 answer may be stored.
     pub store_key: Option<ResponseKey>,
     /// The `x-semlb-cache` value.
@@ -371,6 +373,7 @@ impl<'d> Attempts<'d> {
             address,
             guard,
             companion: self.pd.leg.take(),
+            decode_leg: self.pd.decode_sent.take(),
         };
         let strip_usage = self.ctx.as_ref().is_some_and(|c| c.strip_usage);
         // A passthrough's reservation stays with the request (given back

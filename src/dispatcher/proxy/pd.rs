@@ -4,33 +4,39 @@
 //! protocols).
 //!
 //! The decode engine is the attempt's own choice (the policy over the
-//! engines that decode). A request is served by it alone when it asks
-//! for several choices, when it holds all but `pd.bypass_uncached_tokens`
-//! of the prompt (vLLM only: an SGLang decode engine always meets a
-//! prefill partner), when no prefill engine is up, or when the prefill
-//! leg failed on two engines or (vLLM) handed nothing over. Else the
-//! prefill engine is chosen by the pool's policy over the prefill engines
-//! (where the prompt is warm, under its load rule), and:
+//! engines that decode). vLLM: a request is served by it alone when it
+//! asks for several sequences, when it holds all but
+//! `pd.bypass_uncached_tokens` of the prompt, when no prefill engine is
+//! up, or when the prefill leg failed on two engines or handed nothing
+//! over. SGLang: a decode engine cannot serve a request alone, so such a
+//! request is routed whole to an aggregated engine (role `both`,
+//! [`Leg::Whole`]), or refused when the pool has none. Else the prefill
+//! engine is chosen by the pool's policy over the prefill engines (where
+//! the prompt is warm, under its load rule), and:
 //!
 //! - vLLM: the prefill leg runs first, under `pd.prefill_timeout_secs`;
 //!   its `kv_transfer_params` go into the decode leg's body (kept for a
 //!   retry of the decode leg on another engine);
 //! - SGLang: the prefill leg runs beside the decode leg, with the same
 //!   rendezvous; it lives as long as the decode leg's answer is relayed
-//!   (a client that leaves ends both).
+//!   (a client that leaves ends both), and its failure ends the decode
+//!   leg (which waits for it): before the answer began, the request is
+//!   split again on another prefill engine.
 //!
 //! A failed prefill leg counts against its engine's health, never the
 //! decode engine's. The prompt is learned on the prefill engine (without
-//! its end: that engine never holds the answer) once its leg succeeded.
+//! its end: that engine never holds the answer), and forgotten if its
+//! SGLang leg fails.
 
 use http_body_util::BodyExt;
 use serde_json::{Map, Value};
 
 use super::*;
 use crate::config::PdProtocol;
-use crate::dispatcher::disagg::{self, Companion, sglang::Rendezvous, vllm};
+use crate::dispatcher::disagg::{self, Companion, LegFailed, sglang::Rendezvous, vllm};
 use crate::metrics::{PD_PREFILL, PdFailure, PdPath as Path};
 use crate::routing::Leg;
+use shm_layout::ServerRole;
 
 /// Most bytes of a prefill answer read (one token and its parameters).
 const MAX_PREFILL_ANSWER: usize = 1 << 20;
@@ -51,10 +57,16 @@ pub(super) struct PdState {
     /// SGLang: the prefill leg in flight (ended when dropped).
     pub leg: Option<Companion>,
     /// Prefill engines that failed this request.
-    failed: Vec<ServerRef>,
+    pub failed: Vec<ServerRef>,
     /// Whether the request's pool has a prefill engine up (asked once,
     /// at its first routing).
     pool_splits: Option<bool>,
+    /// When the attempt's decode leg went out (`None`: the attempt is not
+    /// a split request's decode leg).
+    pub decode_sent: Option<Instant>,
+    /// SGLang: it goes to an aggregated engine whole (its pool has decode
+    /// engines and no prefill engine could take its prefill leg).
+    pub whole: bool,
 }
 
 /// A prefill leg that did not give what the decode leg needs.
@@ -73,38 +85,77 @@ impl Attempts<'_> {
             return splits;
         }
         let splits = match (&self.ctx, &self.outbound.pool) {
-            (Some(_), Some(pool)) => disagg::has_prefill(&self.dispatcher.segment().tables().servers, pool.members()),
+            (Some(_), Some(pool)) => disagg::has_up(
+                &self.dispatcher.segment().tables().servers,
+                pool.members(),
+                ServerRole::Prefill,
+            ),
             _ => false,
         };
         self.pd.pool_splits = Some(splits);
         splits
     }
 
+    /// What the attempt's server is chosen for: the request (or its decode
+    /// leg), or, for an inference request of an SGLang pool that cannot be
+    /// split while the pool has decode engines up, an aggregated engine
+    /// (an SGLang decode engine cannot serve a request alone).
+    pub(super) fn leg(&mut self) -> Leg {
+        if self.pd.whole {
+            return Leg::Whole;
+        }
+        if self.dispatcher.config().pd.protocol != PdProtocol::Sglang || self.ctx.is_none() || self.splits() {
+            return Leg::Request;
+        }
+        let decodes = self.outbound.pool.as_ref().is_some_and(|pool| {
+            disagg::has_up(
+                &self.dispatcher.segment().tables().servers,
+                pool.members(),
+                ServerRole::Decode,
+            )
+        });
+        self.pd.whole = decodes;
+        if decodes { Leg::Whole } else { Leg::Request }
+    }
+
     /// The decode leg's body for an attempt on `decode` (whose table
     /// entries hold `predicted` of the prompt's blocks), `body` being what
     /// it would get unsplit; the prefill leg is run or started here.
-    pub(super) async fn disaggregate(&mut self, predicted: u32, body: Bytes) -> Bytes {
+    /// `Err`: `decode` cannot serve it (an SGLang decode engine, and no
+    /// prefill engine could take the prefill leg): route it again, whole.
+    pub(super) async fn disaggregate(&mut self, decode: ServerRef, predicted: u32, body: Bytes) -> Result<Bytes, Next> {
         let dispatcher = self.dispatcher;
         let protocol = dispatcher.config().pd.protocol;
+        self.pd.decode_sent = None;
         // A retry of the decode leg: vLLM's parameters name the prefill
         // engine's blocks, which any decode engine may pull.
         if let Some(params) = &self.pd.params {
-            return vllm::decode_body(&body, params);
+            self.pd.decode_sent = Some(Instant::now());
+            return Ok(vllm::decode_body(&body, params));
         }
-        if matches!(self.pd.path, Some(Path::Bypass | Path::DecodeOnly)) || !self.splits() {
-            return body;
+        if self.pd.whole || matches!(self.pd.path, Some(Path::Bypass | Path::DecodeOnly)) || !self.splits() {
+            return Ok(body);
         }
-        let Some(c) = self.ctx.as_ref() else { return body };
+        let Some(c) = self.ctx.as_ref() else { return Ok(body) };
+        let sglang = protocol == PdProtocol::Sglang;
+        // An SGLang engine of role `both` is an aggregated one (SGLang's
+        // `null` mode): it serves the request whole, and it is not split.
+        if sglang && dispatcher.segment().tables().servers.role_of(decode) == ServerRole::Both {
+            return Ok(body);
+        }
         let block = c.hasher.block_size() as u64;
         let uncached = (c.prompt_tokens.len() as u64).saturating_sub(u64::from(predicted) * block);
-        if vllm::many_choices(&body) {
-            return self.decided(Path::DecodeOnly, None, body);
+        // vLLM's handoff has one consumer; SGLang numbers the rooms of
+        // the `n` sequences itself (the room, plus 1 for each next one,
+        // on both engines alike).
+        if !sglang && c.choices > 1 {
+            return Ok(self.decided(Path::DecodeOnly, None, body));
         }
-        if protocol == PdProtocol::VllmNixl && uncached <= u64::from(dispatcher.config().pd.bypass_uncached_tokens) {
-            return self.decided(Path::Bypass, Some("bypass".into()), body);
+        if !sglang && uncached <= u64::from(dispatcher.config().pd.bypass_uncached_tokens) {
+            return Ok(self.decided(Path::Bypass, Some("bypass".into()), body));
         }
         disagg::request_id(&mut self.outbound.headers);
-        for _ in 0..PREFILL_TRIES {
+        while self.pd.failed.len() < PREFILL_TRIES {
             let Some(prefill) = self.choose_prefill().await else {
                 break;
             };
@@ -113,7 +164,7 @@ impl Attempts<'_> {
                     Ok(params) => {
                         let decode = vllm::decode_body(&body, &params);
                         self.pd.params = Some(params);
-                        return self.decided(Path::Split, Some(prefill.address), decode);
+                        return Ok(self.decided(Path::Split, Some(prefill.address), decode));
                     }
                     Err(LegFailure::NothingHandedOver) => break,
                     Err(LegFailure::Engine(failure)) => self.prefill_failed(&prefill, &failure),
@@ -128,20 +179,60 @@ impl Attempts<'_> {
                         .unwrap_or(crate::config::disaggregation::DEFAULT_BOOTSTRAP_PORT);
                     let rendezvous = Rendezvous::at(&prefill.address, port);
                     let Some(decode) = rendezvous.body(&body) else { break };
-                    self.start_sglang_prefill(&prefill, &rendezvous);
-                    return self.decided(Path::Split, Some(prefill.address), decode);
+                    if !self.start_sglang_prefill(&prefill, &rendezvous) {
+                        break;
+                    }
+                    return Ok(self.decided(Path::Split, Some(prefill.address), decode));
                 }
             }
         }
-        self.decided(Path::DecodeOnly, None, body)
+        if sglang {
+            // Its decode engine would wait for a prefill that never comes.
+            self.pd.whole = true;
+            tracing::debug!(
+                decode = decode.slot,
+                "no prefill engine could take the prefill leg: an SGLang decode engine cannot serve the request alone"
+            );
+            return Err(Next::Retry);
+        }
+        Ok(self.decided(Path::DecodeOnly, None, body))
     }
 
-    /// Records how the request is served, and returns `body`.
+    /// Records how the request is served (counted once: a request split
+    /// again after its prefill leg failed is not counted twice), and
+    /// returns `body`.
     fn decided(&mut self, path: Path, prefill: Option<String>, body: Bytes) -> Bytes {
-        self.pd.path = Some(path);
+        if path == Path::Split {
+            self.pd.decode_sent = Some(Instant::now());
+        }
+        if self.pd.path.replace(path).is_none() {
+            self.dispatcher.metrics().pd_request(path);
+        }
         self.pd.prefill = prefill;
-        self.dispatcher.metrics().pd_request(path);
         body
+    }
+
+    /// The SGLang prefill leg that went with the attempt on `decode`
+    /// failed (`failed`) before the decode leg's answer began: the decode
+    /// leg is ended (it waits for that partner), the prefill engine
+    /// avoided, and the request split again. Not a failure of `decode`.
+    pub(super) fn prefill_leg_failed(&mut self, decode: ServerRef, recorded: Option<u32>, failed: LegFailed) -> Next {
+        if let Some(held) = recorded {
+            self.forget_route(decode, held);
+        }
+        self.pd.leg = None;
+        tracing::debug!(
+            prefill = %failed.failure,
+            "the prefill leg failed ({}): its decode leg is ended, and the request split again",
+            failed.failure
+        );
+        self.pd.failed.push(failed.server);
+        self.last_failure = Some(failed.failure);
+        if self.attempt <= self.dispatcher.config().limits.retries {
+            Next::Retry
+        } else {
+            Next::Answer(self.bad_gateway())
+        }
     }
 
     /// A prefill engine for the request: the pool's policy over the
@@ -241,21 +332,25 @@ impl Attempts<'_> {
         Ok(params)
     }
 
-    /// SGLang's prefill leg on `prefill`, started beside the decode leg:
-    /// it reads its answer to the end (the engine aborts a leg whose
-    /// client left), and ends with the decode leg's answer.
-    fn start_sglang_prefill(&mut self, prefill: &Chosen, rendezvous: &Rendezvous) {
+    /// SGLang's prefill leg on `prefill`, started beside the decode leg
+    /// (`false`: it could not be): it reads its answer to the end (the
+    /// engine aborts a leg whose client left), ends with the decode leg's
+    /// answer, and tells the decode leg when it failed.
+    fn start_sglang_prefill(&mut self, prefill: &Chosen, rendezvous: &Rendezvous) -> bool {
         let dispatcher = self.dispatcher.clone();
         let Some(request) = self.prefill_request(prefill, Some(rendezvous)) else {
-            return;
+            return false;
         };
         let Some(mut guard) = InflightGuard::begin(&dispatcher, prefill.server, self.prefill_tokens(prefill.predicted))
         else {
-            return;
+            return false;
         };
-        self.learn_prefill(prefill);
+        // Learned as it starts (a concurrent request with the same prefix
+        // then finds it there), forgotten if it fails.
+        let learned = self.learn_prefill(prefill);
         let (server, address) = (prefill.server, prefill.address.clone());
         let timeout = dispatcher.config().pd.prefill_timeout();
+        let (tell, failed) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(async move {
             let started = Instant::now();
             let leg = async {
@@ -288,9 +383,15 @@ impl Attempts<'_> {
             if let Err(failure) = outcome {
                 dispatcher.metrics().pd_handoff_failure(PdFailure::PrefillFailed);
                 passive_failure(&dispatcher, server, &address, &failure);
+                if let Some(blocks) = learned {
+                    dispatcher.store().forget_route(server, &blocks, None);
+                }
+                // The decode leg may have ended already: nobody to tell.
+                let _ = tell.send(LegFailed { server, failure });
             }
         });
-        self.pd.leg = Some(Companion::new(task.abort_handle()));
+        self.pd.leg = Some(Companion::new(task.abort_handle(), failed));
+        true
     }
 
     /// The prefill leg on `prefill` failed: its engine is avoided for this
@@ -308,18 +409,16 @@ impl Attempts<'_> {
     }
 
     /// The prefill engine computed (or is computing) the prompt: its table
-    /// entries say so, without the prompt's end (it never holds the answer).
-    fn learn_prefill(&self, prefill: &Chosen) {
-        let Some(c) = self
+    /// entries say so, without the prompt's end (it never holds the
+    /// answer). The blocks recorded, if any.
+    fn learn_prefill(&self, prefill: &Chosen) -> Option<Vec<u64>> {
+        let c = self
             .ctx
             .as_ref()
-            .filter(|c| c.learn && self.dispatcher.config().learn_at_dispatch)
-        else {
-            return;
-        };
-        self.dispatcher
-            .store()
-            .record_route(prefill.server, c.unlisted(prefill.held), None);
+            .filter(|c| c.learn && self.dispatcher.config().learn_at_dispatch)?;
+        let blocks = c.unlisted(prefill.held);
+        self.dispatcher.store().record_route(prefill.server, blocks, None);
+        Some(blocks.to_vec())
     }
 }
 

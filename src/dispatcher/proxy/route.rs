@@ -11,6 +11,9 @@ impl Attempts<'_> {
     pub(super) async fn route(&mut self) -> Result<(Chosen, Option<InflightGuard>), Next> {
         let dispatcher = self.dispatcher;
         let split = self.splits() && dispatcher.config().pd.decode_by == crate::config::DecodeBy::Load;
+        let leg = self.leg();
+        // The first lookup is the request's (engines that decode).
+        let first_lookup = self.first_lookup.take().filter(|_| leg == crate::routing::Leg::Request);
         let chain = self.ctx.as_ref().map_or(&[][..], |c| &c.chain[..]);
         let route = RouteRequest {
             chain,
@@ -32,13 +35,13 @@ impl Attempts<'_> {
                     .share
                     .map(|s| if self.share_charged { s.charged() } else { s }),
             },
-            leg: crate::routing::Leg::Request,
+            leg,
             split,
         };
         if let Some(answer) = self.to_warm_peer().await {
             return Err(Next::Answer(answer));
         }
-        let routed = match choose(dispatcher, route, &self.failed, self.first_lookup.take()).await {
+        let routed = match choose(dispatcher, route, &self.failed, first_lookup).await {
             Routed::Chosen(chosen, guard) => Ok((chosen, guard)),
             Routed::Wait {
                 lookup,
@@ -270,7 +273,13 @@ impl Attempts<'_> {
                 c.endpoint.path()
             );
         }
-        if self.attempt == 0 {
+        if self.pd.whole && self.pd.failed.is_empty() {
+            unavailable(
+                "no prefill engine is up in this pool, and an SGLang decode engine cannot serve a request alone \
+                 (the pool has no engine of role `both` up)",
+                "no_server_available",
+            )
+        } else if self.attempt == 0 {
             unavailable("no inference server is available", "no_server_available")
         } else {
             self.bad_gateway()

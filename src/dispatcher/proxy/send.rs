@@ -67,13 +67,24 @@ impl Attempts<'_> {
         let body = self
             .outbound
             .body_for(self.outbound.cache_salt.is_some() && dispatcher.takes_cache_salt(&address));
-        let body = self.disaggregate(predicted, body).await;
+        let body = match self.disaggregate(server, predicted, body).await {
+            Ok(body) => body,
+            Err(next) => {
+                if let Some(held) = recorded {
+                    self.forget_route(server, held);
+                }
+                return Err(next);
+            }
+        };
         let mut client = dispatcher.client();
         let result = loop {
             let result = tokio::select! {
                 biased;
+                // A split request's SGLang prefill leg failed: the decode
+                // leg waits for a partner that is gone.
+                failed = crate::dispatcher::disagg::failed(&mut self.pd.leg) => Err(Some(failed)),
                 head = client.request(self.outbound.request(uri.clone(), body.clone())) => Ok(head),
-                () = deadline.as_mut() => Err(()),
+                () = deadline.as_mut() => Err(None),
             };
             // A connection the server had closed: once per request, the
             // same server again on a new one (not a failure of the server).
@@ -93,6 +104,18 @@ impl Attempts<'_> {
                 _ => break result,
             }
         };
+        let result = match result {
+            Err(Some(failed)) => return Err(self.prefill_leg_failed(server, recorded, failed)),
+            Err(None) => Err(()),
+            Ok(head) => Ok(head),
+        };
+        // A decode leg that failed because its prefill leg did is not the
+        // decode engine's failure.
+        if matches!(&result, Ok(Ok(r)) if r.status().is_server_error())
+            && let Some(failed) = self.pd.leg.as_mut().and_then(|leg| leg.try_failed())
+        {
+            return Err(self.prefill_leg_failed(server, recorded, failed));
+        }
         let failure = match result {
             Ok(Ok(response)) if !response.status().is_server_error() => {
                 if response.status().is_success() {
