@@ -5,6 +5,17 @@
 
 use super::*;
 
+/// The HTTP client's error.
+type ClientError = hyper_util::client::legacy::Error;
+
+/// What ended the wait for a head, other than the head.
+enum Waited {
+    /// The request's deadline.
+    Deadline,
+    /// A split request's SGLang prefill leg failed.
+    PartnerFailed(crate::dispatcher::disagg::LegFailed),
+}
+
 impl Attempts<'_> {
     /// Step 2: sends the request to `chosen` and waits for the head until
     /// `deadline`; a head that is not a failure is the answer.
@@ -63,7 +74,6 @@ impl Attempts<'_> {
         // Counted in flight there (the guard): now the server is known to
         // be sent this prompt.
         let recorded = self.record_route(server, held).then_some(held);
-        let mut deadline = deadline;
         let body = self
             .outbound
             .body_for(self.outbound.cache_salt.is_some() && dispatcher.takes_cache_salt(&address));
@@ -76,37 +86,10 @@ impl Attempts<'_> {
                 return Err(next);
             }
         };
-        let mut client = dispatcher.client();
-        let result = loop {
-            let result = tokio::select! {
-                biased;
-                // A split request's SGLang prefill leg failed: the decode
-                // leg waits for a partner that is gone.
-                failed = crate::dispatcher::disagg::failed(&mut self.pd.leg) => Err(Some(failed)),
-                head = client.request(self.outbound.request(uri.clone(), body.clone())) => Ok(head),
-                () = deadline.as_mut() => Err(None),
-            };
-            // A connection the server had closed: once per request, the
-            // same server again on a new one (not a failure of the server).
-            match &result {
-                Ok(Err(e)) if !self.resent_stale && crate::dispatcher::failure::is_stale_connection(e) => {
-                    self.resent_stale = true;
-                    // Never a pooled one: the pool may hold another
-                    // connection the server is closing.
-                    client = dispatcher.fresh_client();
-                    dispatcher.metrics().stale_connection();
-                    tracing::debug!(
-                        backend = %address,
-                        error = %crate::error_chain(e),
-                        "{address} had closed the connection the request went out on; sending it again"
-                    );
-                }
-                _ => break result,
-            }
-        };
+        let result = self.head(&uri, &body, &address, deadline).await;
         let result = match result {
-            Err(Some(failed)) => return Err(self.prefill_leg_failed(server, recorded, failed)),
-            Err(None) => Err(()),
+            Err(Waited::PartnerFailed(failed)) => return Err(self.prefill_leg_failed(server, recorded, failed)),
+            Err(Waited::Deadline) => Err(()),
             Ok(head) => Ok(head),
         };
         // A decode leg that failed because its prefill leg did is not the
@@ -168,6 +151,46 @@ impl Attempts<'_> {
             Err(Next::Retry)
         } else {
             Err(Next::Answer(self.bad_gateway()))
+        }
+    }
+
+    /// The head of the answer to the request (`body` to `uri`, the server
+    /// at `address`), or what ended the wait first: the deadline, or a
+    /// split request's SGLang prefill leg failing (the decode leg waits for
+    /// a partner that is gone). A connection the server had closed is
+    /// tried again once per request on a new one (not a failure of the
+    /// server).
+    async fn head(
+        &mut self,
+        uri: &Uri,
+        body: &Bytes,
+        address: &str,
+        mut deadline: Pin<&mut Sleep>,
+    ) -> Result<Result<Response<hyper::body::Incoming>, ClientError>, Waited> {
+        let dispatcher = self.dispatcher;
+        let mut client = dispatcher.client();
+        loop {
+            let result = tokio::select! {
+                biased;
+                failed = crate::dispatcher::disagg::failed(&mut self.pd.leg) => Err(Waited::PartnerFailed(failed)),
+                head = client.request(self.outbound.request(uri.clone(), body.clone())) => Ok(head),
+                () = deadline.as_mut() => Err(Waited::Deadline),
+            };
+            match &result {
+                Ok(Err(e)) if !self.resent_stale && crate::dispatcher::failure::is_stale_connection(e) => {
+                    self.resent_stale = true;
+                    // Never a pooled one: the pool may hold another
+                    // connection the server is closing.
+                    client = dispatcher.fresh_client();
+                    dispatcher.metrics().stale_connection();
+                    tracing::debug!(
+                        backend = %address,
+                        error = %crate::error_chain(e),
+                        "{address} had closed the connection the request went out on; sending it again"
+                    );
+                }
+                _ => return result,
+            }
         }
     }
 
