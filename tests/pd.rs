@@ -790,3 +790,50 @@ fn a_failed_sglang_prefill_leg_ends_its_decode_leg_and_is_tried_elsewhere() {
     };
     assert!(up(&d.addr), "the decode engine stays up");
 }
+
+/// SGLang: a decode leg that fails (its engine killed) ends its prefill
+/// leg, which would otherwise wait in its room for a partner that never
+/// comes; the request is split again with another decode engine.
+#[test]
+fn a_failed_sglang_decode_leg_ends_its_prefill_leg() {
+    let p = engine("prefill", "sglang");
+    let (mut d1, d2) = (engine("decode", "sglang"), engine("decode", "sglang"));
+    let gw = gateway("pd-sg-deadd", &[&p], &[&d1, &d2], &["--pd-protocol", "sglang"]);
+    support::gateway::bootstrap_port(&p.line).expect("a bootstrap port");
+    wait_for(
+        "the bootstrap port read from /server_info",
+        std::time::Duration::from_secs(10),
+        || {
+            let servers = gw.segment.tables().servers;
+            let port = servers
+                .servers()
+                .find(|s| s.address.ends_with(&p.addr))
+                .and_then(|s| s.disaggregation.bootstrap_port);
+            (port.is_some(), ())
+        },
+    );
+    d1.kill9();
+    for i in 0..4 {
+        let r = chat(
+            &gw.proc.addr,
+            &[system_prompt_of(&format!("Navigator {i}")), user("Course?")],
+            json!({"stream": i % 2 == 1}),
+            &[],
+        );
+        assert_eq!(r.status, 200, "request {i}: {}", r.text());
+        assert_eq!(r.header("x-semlb-backend"), Some(format!("http://{}", d2.addr)).as_deref());
+    }
+    // Every prefill leg ends: completed with its decode leg, or aborted
+    // with the one that failed (none left waiting in its room).
+    let legs = wait_for("every prefill leg ended", std::time::Duration::from_secs(10), || {
+        let legs = received(&p);
+        (legs.iter().all(|l| l["outcome"] != "running"), legs)
+    });
+    let outcomes: Vec<_> = legs.iter().map(|l| l["outcome"].as_str().unwrap_or("")).collect();
+    assert_eq!(outcomes.iter().filter(|o| **o == "completed").count(), 4, "{legs:?}");
+    assert!(
+        outcomes.iter().all(|o| *o == "completed" || *o == "aborted"),
+        "{legs:?}"
+    );
+    assert!(received(&d2).iter().all(|l| l["outcome"] == "completed"));
+}

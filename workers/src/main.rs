@@ -28,7 +28,7 @@ use semlb_workers::engine::Engine;
 use semlb_workers::faults::FaultConfig;
 use semlb_workers::kv_events;
 use semlb_workers::metrics::MetricsFlavor;
-use semlb_workers::pd::{Pd, PdConfig, PdProtocol, Role};
+use semlb_workers::pd::{Pd, PdConfig};
 use semlb_workers::server::{Sim, serve};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
@@ -125,48 +125,14 @@ struct Args {
     #[arg(long, value_name = "JSON")]
     kv_events_config: Option<String>,
 
-    /// Its part in disaggregated prefill/decode: prefill, decode or both
-    /// (an aggregated engine; in vLLM mode it still takes decode legs, as
-    /// kv_role kv_both).
-    #[arg(long, default_value = "both", value_name = "ROLE")]
-    role: Role,
-    /// The P/D protocol it speaks: vllm-nixl (kv_transfer_params, a pull
-    /// over a side channel) or sglang (bootstrap_room rendezvous).
-    #[arg(long, default_value = "vllm-nixl", value_name = "PROTOCOL")]
-    pd_protocol: PdProtocol,
-    /// SGLang prefill role: the bootstrap server's port (0: a free one;
-    /// the bound one is printed), as SGLang's --disaggregation-bootstrap-port.
-    #[arg(long, default_value_t = pd_defaults().bootstrap_port, value_name = "PORT")]
-    bootstrap_port: u16,
-    /// KV cache bytes per token, for the transfer time [default: Llama-3.1-8B bf16].
-    #[arg(long, default_value_t = pd_defaults().kv_bytes_per_token, value_name = "BYTES")]
-    kv_bytes_per_token: u64,
-    /// KV transfer bandwidth between engines, in GB/s (10^9 bytes/s)
-    /// [default: one 200 Gb/s RDMA NIC].
-    #[arg(long, default_value_t = pd_defaults().kv_transfer_gbps, value_name = "GB_PER_S")]
-    kv_transfer_gbps: f64,
-    /// vLLM prefill: simulated seconds an unpulled prompt stays pinned
-    /// (VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
-    #[arg(long, default_value_t = pd_defaults().nixl_abort_timeout_s, value_name = "S")]
-    nixl_abort_timeout_s: f64,
-    /// SGLang prefill: simulated seconds it waits for its decode
-    /// (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT).
-    #[arg(long, default_value_t = pd_defaults().bootstrap_timeout_s, value_name = "S")]
-    bootstrap_timeout_s: f64,
-    /// SGLang decode: simulated seconds it waits for its prefill's KV
-    /// (SGLANG_DISAGGREGATION_WAITING_TIMEOUT).
-    #[arg(long, default_value_t = pd_defaults().waiting_timeout_s, value_name = "S")]
-    waiting_timeout_s: f64,
+    /// Disaggregated prefill/decode.
+    #[command(flatten)]
+    pd: PdConfig,
 }
 
 /// The library's defaults, so the flags' defaults cannot drift from them.
 fn defaults() -> EngineConfig {
     EngineConfig::default()
-}
-
-/// The library's P/D defaults.
-fn pd_defaults() -> PdConfig {
-    PdConfig::default()
 }
 
 impl Args {
@@ -183,19 +149,6 @@ impl Args {
             decode_step_per_seq_ms: self.decode_step_per_seq_ms,
             default_output_tokens: self.default_output_tokens,
             time_scale: self.time_scale,
-        }
-    }
-
-    fn pd_config(&self) -> PdConfig {
-        PdConfig {
-            role: self.role,
-            protocol: self.pd_protocol,
-            bootstrap_port: self.bootstrap_port,
-            kv_bytes_per_token: self.kv_bytes_per_token,
-            kv_transfer_gbps: self.kv_transfer_gbps,
-            nixl_abort_timeout_s: self.nixl_abort_timeout_s,
-            bootstrap_timeout_s: self.bootstrap_timeout_s,
-            waiting_timeout_s: self.waiting_timeout_s,
         }
     }
 
@@ -270,7 +223,7 @@ async fn run(args: Args) -> Result<()> {
     let addr = listener.local_addr().context("reading the bound address")?;
     let time_scale = config.time_scale;
     let engine = Engine::start(config);
-    let pd = Pd::start(args.pd_config(), addr.ip(), time_scale)
+    let pd = Pd::start(args.pd.clone(), addr.ip(), time_scale)
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let published = kv_events::publish(args.kv_events_config.as_deref(), || engine.kv_events())
@@ -324,13 +277,14 @@ mod tests {
         let args = Args::try_parse_from(["semlb-sim"]).unwrap();
         assert_eq!(args.engine_config(), EngineConfig::default());
         assert_eq!(args.fault_config(), FaultConfig::default());
-        assert_eq!(args.pd_config(), PdConfig::default());
+        assert_eq!(args.pd, PdConfig::default());
         assert_eq!(args.metrics_flavor, MetricsFlavor::Vllm);
         assert_eq!(args.listen, "127.0.0.1:8000");
     }
 
     #[test]
     fn flags_parse() {
+        use semlb_workers::pd::{PdProtocol, Role};
         let args = Args::try_parse_from([
             "semlb-sim",
             "--listen",
@@ -369,7 +323,7 @@ mod tests {
             "0.5",
         ])
         .unwrap()
-        .pd_config();
+        .pd;
         assert_eq!(
             (pd.role, pd.protocol, pd.bootstrap_port),
             (Role::Prefill, PdProtocol::Sglang, 0)

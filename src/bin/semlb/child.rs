@@ -418,7 +418,7 @@ fn stop_on(sig: libc::c_int) -> std::io::Result<()> {
 pub fn run_sim(args: &SimArgs) -> Result<()> {
     use semlb_workers::config::EngineConfig;
     use semlb_workers::faults::FaultConfig;
-    use semlb_workers::pd::{Pd, PdConfig};
+    use semlb_workers::pd::Pd;
     use semlb_workers::server::{Sim, serve};
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -437,21 +437,10 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
             ..defaults
         };
         config.validate().map_err(anyhow::Error::msg)?;
-        let pd_defaults = PdConfig::default();
-        let pd_config = PdConfig {
-            role: args.role,
-            protocol: args.pd_protocol,
-            bootstrap_port: args.bootstrap_port.unwrap_or(pd_defaults.bootstrap_port),
-            kv_bytes_per_token: args.kv_bytes_per_token.unwrap_or(pd_defaults.kv_bytes_per_token),
-            kv_transfer_gbps: args.kv_transfer_gbps.unwrap_or(pd_defaults.kv_transfer_gbps),
-            nixl_abort_timeout_s: args.nixl_abort_timeout_s.unwrap_or(pd_defaults.nixl_abort_timeout_s),
-            bootstrap_timeout_s: args.bootstrap_timeout_s.unwrap_or(pd_defaults.bootstrap_timeout_s),
-            waiting_timeout_s: args.waiting_timeout_s.unwrap_or(pd_defaults.waiting_timeout_s),
-        };
         let time_scale = config.time_scale;
         let listener = tokio::net::TcpListener::bind(args.listen).await?;
         let addr = listener.local_addr()?;
-        let pd = Pd::start(pd_config, addr.ip(), time_scale).await?;
+        let pd = Pd::start(args.pd.clone(), addr.ip(), time_scale).await?;
         let bootstrap = pd.describe();
         let mut sim = Sim::bundled(config, FaultConfig::default()).with_pd(pd);
         let published =

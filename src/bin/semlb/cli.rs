@@ -379,38 +379,9 @@ pub struct SimArgs {
     /// JSON; see `semlb-sim --kv-events-config`).
     #[arg(long, value_name = "JSON")]
     pub kv_events_config: Option<String>,
-    /// Its part in disaggregated prefill/decode: prefill, decode or both
-    /// (see `semlb-sim --role`).
-    #[arg(long, default_value = "both", value_name = "ROLE")]
-    pub role: semlb_workers::pd::Role,
-    /// The P/D protocol it speaks: vllm-nixl or sglang (see `semlb-sim
-    /// --pd-protocol`).
-    #[arg(long, default_value = "vllm-nixl", value_name = "PROTOCOL")]
-    pub pd_protocol: semlb_workers::pd::PdProtocol,
-    /// SGLang prefill role: the bootstrap server's port (0: a free one,
-    /// printed on the first line) [default: 8998, SGLang's].
-    #[arg(long, value_name = "PORT")]
-    pub bootstrap_port: Option<u16>,
-    /// KV cache bytes per token, for the KV transfer time [default: the
-    /// simulator's, 131 072, Llama-3.1-8B bf16].
-    #[arg(long, value_name = "BYTES")]
-    pub kv_bytes_per_token: Option<u64>,
-    /// KV transfer bandwidth between engines in GB/s [default: the
-    /// simulator's, 25].
-    #[arg(long, value_name = "GB_PER_S")]
-    pub kv_transfer_gbps: Option<f64>,
-    /// vLLM prefill: simulated seconds an unpulled prompt stays pinned
-    /// [default: 480, vLLM's].
-    #[arg(long, value_name = "S")]
-    pub nixl_abort_timeout_s: Option<f64>,
-    /// SGLang prefill: simulated seconds it waits for its decode
-    /// [default: 300, SGLang's].
-    #[arg(long, value_name = "S")]
-    pub bootstrap_timeout_s: Option<f64>,
-    /// SGLang decode: simulated seconds it waits for its prefill's KV
-    /// [default: 300, SGLang's].
-    #[arg(long, value_name = "S")]
-    pub waiting_timeout_s: Option<f64>,
+    /// Disaggregated prefill/decode (the same flags as `semlb-sim`'s).
+    #[command(flatten)]
+    pub pd: semlb_workers::pd::PdConfig,
     /// How it logs to stderr.
     #[command(flatten)]
     pub log: LogArgs,

@@ -185,23 +185,42 @@ impl std::str::FromStr for PdProtocol {
 /// | `nixl_abort_timeout_s` | 480 s | vLLM's `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` |
 /// | `bootstrap_timeout_s` | 300 s | SGLang's `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT` |
 /// | `waiting_timeout_s` | 300 s | SGLang's `SGLANG_DISAGGREGATION_WAITING_TIMEOUT` |
-#[derive(Debug, Clone, PartialEq)]
+///
+/// It is also the flags of `semlb-sim` and `semlb __sim` (one declaration,
+/// flattened into both).
+#[derive(Debug, Clone, PartialEq, clap::Args)]
 pub struct PdConfig {
-    /// What the engine does.
+    /// Its part in disaggregated prefill/decode: prefill, decode or both
+    /// (an aggregated engine; in vLLM mode it still takes decode legs, as
+    /// kv_role kv_both).
+    #[arg(long = "role", default_value = "both", value_name = "ROLE")]
     pub role: Role,
-    /// Which protocol it speaks.
+    /// The P/D protocol it speaks: vllm-nixl (kv_transfer_params, a pull
+    /// over a side channel) or sglang (bootstrap_room rendezvous).
+    #[arg(long = "pd-protocol", default_value = "vllm-nixl", value_name = "PROTOCOL")]
     pub protocol: PdProtocol,
-    /// SGLang prefill engines: the bootstrap server's port (0: a free one).
+    /// SGLang prefill role: the bootstrap server's port (0: a free one;
+    /// the bound one is printed), as SGLang's --disaggregation-bootstrap-port.
+    #[arg(long, default_value_t = PdConfig::default().bootstrap_port, value_name = "PORT")]
     pub bootstrap_port: u16,
-    /// KV cache bytes per token (the model's).
+    /// KV cache bytes per token, for the transfer time [default: Llama-3.1-8B bf16].
+    #[arg(long, default_value_t = PdConfig::default().kv_bytes_per_token, value_name = "BYTES")]
     pub kv_bytes_per_token: u64,
-    /// KV transfer bandwidth between engines, in GB/s (10^9 bytes per second).
+    /// KV transfer bandwidth between engines, in GB/s (10^9 bytes/s)
+    /// [default: one 200 Gb/s RDMA NIC].
+    #[arg(long, default_value_t = PdConfig::default().kv_transfer_gbps, value_name = "GB_PER_S")]
     pub kv_transfer_gbps: f64,
-    /// vLLM prefill: how long an unread prompt stays pinned (simulated seconds).
+    /// vLLM prefill: simulated seconds an unpulled prompt stays pinned
+    /// (VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+    #[arg(long, default_value_t = PdConfig::default().nixl_abort_timeout_s, value_name = "S")]
     pub nixl_abort_timeout_s: f64,
-    /// SGLang prefill: how long it waits for its decode (simulated seconds).
+    /// SGLang prefill: simulated seconds it waits for its decode
+    /// (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT).
+    #[arg(long, default_value_t = PdConfig::default().bootstrap_timeout_s, value_name = "S")]
     pub bootstrap_timeout_s: f64,
-    /// SGLang decode: how long it waits for its prefill's KV (simulated seconds).
+    /// SGLang decode: simulated seconds it waits for its prefill's KV
+    /// (SGLANG_DISAGGREGATION_WAITING_TIMEOUT).
+    #[arg(long, default_value_t = PdConfig::default().waiting_timeout_s, value_name = "S")]
     pub waiting_timeout_s: f64,
 }
 
