@@ -6,11 +6,17 @@
 //! Each engine lists what it received (`GET /sim/requests`): the tests
 //! assert the bodies of both legs field by field, that the prefill's
 //! parameters reach the decode leg verbatim, and what the client gets.
+//! The last one has every engine publish its KV cache events to a gateway
+//! in precise prefix mode: each leg goes where the events of the engines
+//! of its role say the prompt is.
+
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
 use semlb_test_support as support;
-use support::gateway::{Gateway, chat, sim_with, user, wait_for};
+use shm_layout::{KvEventsSync, ServerRef};
+use support::gateway::{Gateway, chat, kv_backend_table, sim_with, sim_with_events, user, wait_for};
 use support::http::{Response, http};
 use support::process::Proc;
 
@@ -21,11 +27,23 @@ fn engine(role: &str, protocol: &str) -> Proc {
 
 /// [`engine`] whose simulated second lasts `time_scale` real seconds.
 fn engine_at(role: &str, protocol: &str, time_scale: &str) -> Proc {
+    sim_with(time_scale, &pd_flags(role, protocol))
+}
+
+/// [`engine`] publishing its KV cache events (vLLM's `--kv-events-config`,
+/// on free loopback ports, which its start line names).
+fn engine_publishing(role: &str, protocol: &str) -> Proc {
+    sim_with_events("0.01", 10_000, &pd_flags(role, protocol))
+}
+
+/// The simulator's flags for an engine of `role` speaking `protocol` (an
+/// SGLang prefill engine's bootstrap server on a free port).
+fn pd_flags<'a>(role: &'a str, protocol: &'a str) -> Vec<&'a str> {
     let mut args = vec!["--role", role, "--pd-protocol", protocol];
     if protocol == "sglang" && role == "prefill" {
         args.extend(["--bootstrap-port", "0"]);
     }
-    sim_with(time_scale, &args)
+    args
 }
 
 /// `semlb serve` with these prefill and decode engines.
@@ -836,4 +854,221 @@ fn a_failed_sglang_decode_leg_ends_its_prefill_leg() {
         "{legs:?}"
     );
     assert!(received(&d2).iter().all(|l| l["outcome"] == "completed"));
+}
+
+/// `[policy.prefix] confirm_window_secs` of [`precise_gateway`].
+const CONFIRM_WINDOW_S: u64 = 1;
+
+/// How long an engine's KV events may take to reach the confirmed table.
+const EVENTS_PATIENCE: Duration = Duration::from_secs(20);
+
+/// `semlb serve` in precise prefix mode (`cache_aware`, one dispatcher)
+/// over these prefill and decode engines, following every engine's KV
+/// events, with learning at dispatch off: nothing the gateway sends is
+/// recorded for an engine, so what a prefill engine holds is known from
+/// its events alone, and a decode engine's answers, written back by the
+/// response process, count only for the confirm window.
+fn precise_gateway(tag: &str, prefill: &[&Proc], decode: &[&Proc]) -> Gateway {
+    let table = |engine: &Proc, role: &str| {
+        let table = kv_backend_table(engine).expect("the engine publishes KV events");
+        format!("{table}role = \"{role}\"\n")
+    };
+    let backends: String = prefill
+        .iter()
+        .map(|p| table(p, "prefill"))
+        .chain(decode.iter().map(|d| table(d, "decode")))
+        .collect();
+    let config = format!(
+        "learn_at_dispatch = false\n{backends}\n[policy]\nkind = \"cache_aware\"\n\n\
+         [policy.prefix]\nsource = \"precise\"\nconfirm_window_secs = {CONFIRM_WINDOW_S}\n"
+    );
+    Gateway::builder().tag(tag).dispatchers(1).config(&config).start()
+}
+
+/// `engine`'s current registration in `gw`'s server table.
+fn server_of(gw: &Gateway, engine: &Proc) -> ServerRef {
+    let address = format!("http://{}", engine.addr);
+    gw.segment
+        .tables()
+        .servers
+        .servers()
+        .find(|s| s.address == address)
+        .map(|s| s.server)
+        .unwrap_or_else(|| panic!("{address} is not registered"))
+}
+
+/// Leading blocks of `chain` the confirmed table (what the engines' events
+/// said) lists `engine` for.
+fn confirmed_depth(gw: &Gateway, engine: &Proc, chain: &[u64]) -> u32 {
+    let tag = server_of(gw, engine).tag();
+    gw.segment
+        .tables()
+        .confirmed
+        .longest_prefix_match(chain, |s| s == tag)
+        .blocks_for(tag)
+}
+
+/// The block chain `gw` hashes a request `body` to (`semlb tokenize` on
+/// its segment: the dispatcher's own parsing, rendering and hashing).
+fn chain_of(gw: &Gateway, body: &Value) -> Vec<u64> {
+    let out = support::process::run(&["tokenize", "--json", "--shm-name", &gw.shm, "--body", &body.to_string()]);
+    let v: Value = serde_json::from_str(&support::process::assert_ok(&out)).expect("tokenize --json");
+    v["blocks"]
+        .as_array()
+        .expect("blocks")
+        .iter()
+        .map(|b| u64::from_str_radix(b.as_str().expect("a hex block hash"), 16).expect("hex"))
+        .collect()
+}
+
+/// Precise mode over a vLLM P/D fleet learns from the KV events of both
+/// roles, and from nothing else: a long prompt that a prefill engine
+/// computed (and the gateway never saw) gets its prefill leg there, and
+/// a conversation's next turn, once the gateway's own record of its
+/// first answer is past the confirm window, goes to the decode engine
+/// whose events say it holds the first turn (pulled, then decoded), with
+/// no prefill leg.
+#[test]
+fn precise_mode_routes_both_legs_on_the_events_of_both_roles() {
+    let protocol = "vllm-nixl";
+    let prefill = [
+        engine_publishing("prefill", protocol),
+        engine_publishing("prefill", protocol),
+    ];
+    let decode = [
+        engine_publishing("decode", protocol),
+        engine_publishing("decode", protocol),
+    ];
+    let gw = precise_gateway("pd-precise", &[&prefill[0], &prefill[1]], &[&decode[0], &decode[1]]);
+    let engines = [&prefill[0], &prefill[1], &decode[0], &decode[1]];
+    wait_for(
+        "every engine's events followed from their start",
+        EVENTS_PATIENCE,
+        || {
+            let states: Vec<_> = engines
+                .iter()
+                .map(|e| gw.segment.tables().servers.kv_events(server_of(&gw, e)))
+                .collect();
+            (states.iter().all(|s| *s == Some(KvEventsSync::Complete)), states)
+        },
+    );
+
+    // Prefill role. Four long prompts (40 blocks, past the bypass), each
+    // computed by a prefill engine directly, two by each, in an order no
+    // choice blind to the events gives (in turn alternates, by load picks
+    // one engine for all): only the prefill engines' events tell the
+    // gateway where they are.
+    let holders = [0, 0, 1, 1];
+    let prompt = |i: u32| -> Vec<u32> { (0..40 * 16 + 5).map(|t| 1000 + i * 7919 + t).collect() };
+    let body = |i: u32| json!({"model": "semlb-sim", "prompt": prompt(i), "max_tokens": 8});
+    for (i, &h) in holders.iter().enumerate() {
+        let r = http(&prefill[h].addr, "POST", "/v1/completions", Some(&body(i as u32)), &[]).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    for (i, &h) in holders.iter().enumerate() {
+        let chain = chain_of(&gw, &body(i as u32));
+        assert_eq!(chain.len(), 40);
+        wait_for(
+            &format!("prompt {i} confirmed on prefill engine {h}"),
+            EVENTS_PATIENCE,
+            || {
+                let d = confirmed_depth(&gw, &prefill[h], &chain);
+                (d == 40, d)
+            },
+        );
+    }
+    for (i, &h) in holders.iter().enumerate() {
+        let r = completions(&gw, body(i as u32), &[]);
+        assert_eq!(r.status, 200, "prompt {i}: {}", r.text());
+        assert_eq!(
+            r.header("x-semlb-prefill"),
+            Some(format!("http://{}", prefill[h].addr)).as_deref(),
+            "prompt {i}'s prefill leg goes to the engine that holds it"
+        );
+        let legs = received(&prefill[h]);
+        assert_eq!(legs.last().unwrap()["leg"], "prefill", "{legs:?}");
+    }
+
+    // Decode role. A conversation's first turn is split; the decode engine
+    // that served it pulled its prompt and decoded its answer (32 tokens:
+    // two blocks at least past the prompt's).
+    let chat_body = |messages: &[Value]| json!({"model": "semlb-sim", "messages": messages, "max_tokens": 32});
+    let answer_length = [("x-semlb-output-tokens", "32")];
+    let mut messages = vec![system_prompt_of("Archivist"), user("Where is the first record?")];
+    let first = gw
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            Some(&chat_body(&messages)),
+            &answer_length,
+        )
+        .expect("request");
+    assert_eq!(first.status, 200, "{}", first.text());
+    assert!(
+        first.header("x-semlb-prefill").is_some_and(|p| p != "bypass"),
+        "turn 1 is split: {:?}",
+        first.header("x-semlb-prefill")
+    );
+    let home = first.header("x-semlb-backend").expect("x-semlb-backend").to_owned();
+    let home = decode
+        .iter()
+        .find(|d| home == format!("http://{}", d.addr))
+        .unwrap_or_else(|| panic!("{home} is not a decode engine"));
+    let usage = &first.json()["usage"];
+    let computed = usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap() - 1;
+    let turn1 = chain_of(&gw, &chat_body(&messages));
+    messages.push(first.json()["choices"][0]["message"].clone());
+    messages.push(user("And where is the second?"));
+    let turn2 = chain_of(&gw, &chat_body(&messages));
+    // Its events: the pulled prompt's blocks, then the blocks its answer
+    // filled (turn 2's prompt starts with both).
+    let held = wait_for(
+        "turn 1's prompt and answer confirmed on its decode engine",
+        EVENTS_PATIENCE,
+        || {
+            let d = confirmed_depth(&gw, home, &turn2);
+            (u64::from(d) == computed / 16, d)
+        },
+    );
+    assert!(
+        held as usize > turn1.len(),
+        "the answer's blocks too: {held} of {}",
+        turn1.len()
+    );
+    // The gateway's own entries for turn 1 (its answer written back) count
+    // for the confirm window: past it, only the events do (segment
+    // stamps are whole seconds: one more).
+    gw.written_back(semlb::metrics::responder_records);
+    let written_s = gw.segment.clock().now_ms() / 1000;
+    wait_for("the confirm window over", EVENTS_PATIENCE, || {
+        let now_s = gw.segment.clock().now_ms() / 1000;
+        (now_s > written_s + CONFIRM_WINDOW_S + 1, now_s)
+    });
+    let legs_before = (received(&prefill[0]).len(), received(&prefill[1]).len());
+    let second = gw
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            Some(&chat_body(&messages)),
+            &answer_length,
+        )
+        .expect("request");
+    assert_eq!(second.status, 200, "{}", second.text());
+    assert_eq!(
+        (second.header("x-semlb-backend"), second.header("x-semlb-prefill")),
+        (Some(format!("http://{}", home.addr)).as_deref(), Some("bypass")),
+        "turn 2 goes to the decode engine that holds turn 1, without a prefill leg"
+    );
+    assert_eq!(
+        (received(&prefill[0]).len(), received(&prefill[1]).len()),
+        legs_before,
+        "no prefill leg for turn 2"
+    );
+    let cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(
+        cached >= u64::from(held) * 16,
+        "the decode engine found turn 1 cached: {cached}"
+    );
 }

@@ -13,12 +13,12 @@
 //! | [`subscriber`] | the response processes' subscriptions to the engines' ZeroMQ sockets, replays and restarts |
 //! | [`zmtp`] | the client half of ZeroMQ's wire protocol (a SUB and a DEALER connection), so a closed engine is seen at once |
 //!
-//! Built so far: the format, pinned by test vectors made with msgspec
-//! (`testdata/`), and the mapping of an engine's blocks to the gateway's
-//! chain hashes. Still to come: the subscription (a response-side task
-//! per backend endpoint, gaps replayed), confirmed entries in the prefix
-//! table, the `precise` routing mode, and the simulator publishing the
-//! same events.
+//! The format is pinned by test vectors made with msgspec (`testdata/`).
+//! Every backend with `kv_events` is followed, whatever its role in
+//! disaggregated serving: a prefill engine's events say which prompt
+//! blocks it computed, a decode engine's which it pulled and decoded, and
+//! the `precise` prefix source ([`crate::prefix::precise`]) routes each
+//! leg on them (`tests/pd.rs`).
 
 pub mod engine_blocks;
 pub mod follower;

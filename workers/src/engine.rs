@@ -1519,6 +1519,66 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn kv_events_of_both_legs_say_what_each_engine_holds() {
+        // A prefill engine and a decode engine of 8 blocks each.
+        let cfg = EngineConfig {
+            kv_capacity_tokens: 128,
+            ..config()
+        };
+        let (prefill, decode) = (Engine::start(cfg.clone()), Engine::start(cfg));
+        let (mut p_rx, mut d_rx) = (prefill.kv_events(), decode.kv_events());
+        let stored = |hashes: &[BlockHash], parent: Option<BlockHash>, token_ids: Vec<u32>| KvEvent::Stored {
+            block_hashes: hashes.iter().map(|h| WireHash::from(*h)).collect(),
+            parent: parent.map(WireHash::from),
+            token_ids,
+            block_size: 16,
+            lora_name: None,
+            salt: None,
+        };
+        // The prefill leg: its 6 full prompt blocks (of 100 tokens), stored
+        // at admission, stay pinned for the decode; their release frees
+        // them as a finished request's (still cached: nothing evicted).
+        let leg = req(0, 100, 1);
+        let hold = KvHandoff {
+            hold_prompt: Some(1),
+            ..KvHandoff::default()
+        };
+        finish(prefill.submit_with(leg.clone(), hold).expect("accepted")).await;
+        let hashes = chained_hashes(0, leg.prompt.iter().copied(), 16);
+        assert_eq!(drain(&mut p_rx), [stored(&hashes[..6], None, (0..96).collect())]);
+        assert!(prefill.release_pin(1));
+        assert_eq!(drain(&mut p_rx), []);
+        assert_eq!(prefill.cached_prefix_tokens(0, &leg.prompt), 96);
+        // The decode leg pulled the prompt: its full blocks are stored at
+        // admission (as vLLM caches them once the KV arrived), and the
+        // block its answer filled at its end (100 + 20 - 1 computed).
+        let turn = req(0, 100, 20);
+        let pulled = KvHandoff {
+            pulled_from: Some(0),
+            ..KvHandoff::default()
+        };
+        finish(decode.submit_with(turn.clone(), pulled.clone()).expect("accepted")).await;
+        let all = chained_hashes(0, turn.prompt.iter().chain(&turn.output).copied(), 16);
+        assert_eq!(
+            drain(&mut d_rx),
+            [
+                stored(&all[..6], None, (0..96).collect()),
+                stored(&all[6..7], Some(all[5]), (96..100).chain(900_000..900_012).collect()),
+            ]
+        );
+        // Another pulled prompt needs all 8 blocks: the first's 7 are
+        // evicted (tail first), then its own are stored.
+        let next = req(5000, 100, 20);
+        finish(decode.submit_with(next.clone(), pulled).expect("accepted")).await;
+        let events = drain(&mut d_rx);
+        let removed: Vec<WireHash> = all[..7].iter().rev().map(|h| WireHash::from(*h)).collect();
+        assert_eq!(events[0], KvEvent::Removed(removed), "{events:?}");
+        let next_hashes = chained_hashes(0, next.prompt.iter().copied(), 16);
+        assert_eq!(events[1], stored(&next_hashes[..6], None, (5000..5096).collect()));
+        assert_eq!(events.len(), 3, "and its answer's block: {events:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_prefill_admitted_beside_a_decode_slows_its_step() {
         // Aggregated-engine interference: the step that admits B's 2 000
         // prompt tokens lasts their prefill time, and A waits for it.
