@@ -736,6 +736,19 @@ fn sglang_without_a_prefill_engine_goes_to_an_aggregated_engine_or_is_refused() 
 /// SIGSTOP: its leg runs into `pd.prefill_timeout_secs`.
 #[test]
 fn a_failed_sglang_prefill_leg_ends_its_decode_leg_and_is_tried_elsewhere() {
+    failed_sglang_prefill_leg_is_tried_elsewhere("pd-sg-fail", false);
+}
+
+/// The same for a streamed answer, whose decode leg sends its head at once
+/// and its first token only once the prefill leg handed over: a prefill
+/// leg failing in between is tried elsewhere too, and the client gets the
+/// whole stream (not one cut after its head).
+#[test]
+fn a_failed_sglang_prefill_leg_before_a_streams_first_token_is_tried_elsewhere() {
+    failed_sglang_prefill_leg_is_tried_elsewhere("pd-sg-fail-s", true);
+}
+
+fn failed_sglang_prefill_leg_is_tried_elsewhere(tag: &str, stream: bool) {
     use nix::sys::signal::Signal;
     let (p1, p2, d) = (
         engine("prefill", "sglang"),
@@ -753,8 +766,15 @@ fn a_failed_sglang_prefill_leg_ends_its_decode_leg_and_is_tried_elsewhere() {
         support::gateway::bootstrap_port(&p2.line).expect("a bootstrap port"),
         d.addr
     );
-    let gw = Gateway::builder().tag("pd-sg-fail").config(&config).start();
-    let ask = |q: &str| chat(&gw.proc.addr, &[system_prompt(), user(q)], json!({}), &[]);
+    let gw = Gateway::builder().tag(tag).config(&config).start();
+    let ask = |q: &str| {
+        chat(
+            &gw.proc.addr,
+            &[system_prompt(), user(q)],
+            json!({"stream": stream}),
+            &[],
+        )
+    };
     let first = ask("First?");
     assert_eq!(first.status, 200, "{}", first.text());
     let warm = first.header("x-semlb-prefill").expect("split").to_owned();
@@ -768,6 +788,9 @@ fn a_failed_sglang_prefill_leg_ends_its_decode_leg_and_is_tried_elsewhere() {
     let second = ask("Second?");
     stopped.signal(Signal::SIGCONT);
     assert_eq!(second.status, 200, "{}", second.text());
+    if stream {
+        assert!(second.text().trim_end().ends_with("data: [DONE]"), "{}", second.text());
+    }
     assert_eq!(
         second.header("x-semlb-prefill"),
         Some(format!("http://{}", other.addr)).as_deref()
@@ -839,7 +862,10 @@ fn a_failed_sglang_decode_leg_ends_its_prefill_leg() {
             &[],
         );
         assert_eq!(r.status, 200, "request {i}: {}", r.text());
-        assert_eq!(r.header("x-semlb-backend"), Some(format!("http://{}", d2.addr)).as_deref());
+        assert_eq!(
+            r.header("x-semlb-backend"),
+            Some(format!("http://{}", d2.addr)).as_deref()
+        );
     }
     // Every prefill leg ends: completed with its decode leg, or aborted
     // with the one that failed (none left waiting in its room).

@@ -194,6 +194,8 @@ pub(super) struct Upstream {
     pub companion: Option<super::disagg::Companion>,
     /// A split request's decode leg: when it was sent.
     pub decode_leg: Option<Instant>,
+    /// The body's first data, read before the relay began.
+    pub first: Option<Bytes>,
 }
 
 /// The response body of a proxied request (see the module docs).
@@ -207,6 +209,8 @@ pub(super) struct Relay {
     /// A split request's decode leg: when it was sent (its duration is
     /// observed when the answer ends, well or not).
     decode_leg: Option<Instant>,
+    /// The body's first data, read before the relay began: relayed first.
+    first: Option<Bytes>,
     /// The base URL of the server answering (for the passive health check).
     address: String,
     inner: Incoming,
@@ -309,6 +313,7 @@ impl Relay {
             guard,
             companion,
             decode_leg,
+            first,
         } = upstream;
         Self {
             dispatcher,
@@ -328,6 +333,7 @@ impl Relay {
             share,
             companion,
             decode_leg,
+            first,
         }
     }
 
@@ -498,7 +504,11 @@ impl HttpBody for Relay {
             if this.finished {
                 return Poll::Ready(None);
             }
-            let frame = match Pin::new(&mut this.inner).poll_frame(cx) {
+            let polled = match this.first.take() {
+                Some(data) => Poll::Ready(Some(Ok(Frame::data(data)))),
+                None => Pin::new(&mut this.inner).poll_frame(cx),
+            };
+            let frame = match polled {
                 Poll::Ready(Some(Ok(frame))) => frame,
                 Poll::Ready(Some(Err(e))) => {
                     this.fail(|address| Failure::Body { address });
@@ -560,7 +570,19 @@ impl HttpBody for Relay {
         if self.strip.is_some() {
             return SizeHint::default();
         }
-        self.inner.size_hint()
+        let hint = self.inner.size_hint();
+        match &self.first {
+            Some(first) => {
+                let first = first.len() as u64;
+                let mut ahead = SizeHint::new();
+                ahead.set_lower(hint.lower() + first);
+                if let Some(upper) = hint.upper() {
+                    ahead.set_upper(upper + first);
+                }
+                ahead
+            }
+            None => hint,
+        }
     }
 }
 

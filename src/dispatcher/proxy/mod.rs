@@ -210,6 +210,10 @@ struct Head {
     /// The blocks the server was already listed for, when the prompt was
     /// recorded for it at dispatch.
     recorded: Option<u32>,
+    /// The answer's first data, read already (a split request's SGLang
+    /// decode leg streams: its head comes at once, its first data only
+    /// once the prefill leg handed over).
+    first: Option<Bytes>,
 }
 
 /// What follows a step that did not produce the answer.
@@ -329,6 +333,7 @@ impl<'d> Attempts<'d> {
             address,
             guard,
             recorded,
+            first,
         } = head;
         let (parts, incoming) = response.into_parts();
         if let Some(held) = recorded.filter(|_| !parts.status.is_success()) {
@@ -374,6 +379,7 @@ impl<'d> Attempts<'d> {
             guard,
             companion: self.pd.leg.take(),
             decode_leg: self.pd.decode_sent.take(),
+            first,
         };
         let strip_usage = self.ctx.as_ref().is_some_and(|c| c.strip_usage);
         // A passthrough's reservation stays with the request (given back

@@ -8,12 +8,15 @@ use super::*;
 /// The HTTP client's error.
 type ClientError = hyper_util::client::legacy::Error;
 
-/// What ended the wait for a head, other than the head.
+/// What ended the wait for a head (or a split request's first data),
+/// other than what was waited for.
 enum Waited {
     /// The request's deadline.
     Deadline,
     /// A split request's SGLang prefill leg failed.
     PartnerFailed(crate::dispatcher::disagg::LegFailed),
+    /// The answer broke before its first data.
+    Broken(String),
 }
 
 impl Attempts<'_> {
@@ -86,10 +89,12 @@ impl Attempts<'_> {
                 return Err(next);
             }
         };
-        let result = self.head(&uri, &body, &address, deadline).await;
+        let mut deadline = deadline;
+        let result = self.head(&uri, &body, &address, deadline.as_mut()).await;
         let result = match result {
             Err(Waited::PartnerFailed(failed)) => return Err(self.prefill_leg_failed(server, recorded, failed)),
-            Err(Waited::Deadline) => Err(()),
+            // Only the wait for a first data frame ends so.
+            Err(Waited::Deadline | Waited::Broken(_)) => Err(()),
             Ok(head) => Ok(head),
         };
         // A decode leg that failed because its prefill leg did is not the
@@ -101,16 +106,30 @@ impl Attempts<'_> {
         }
         let failure = match result {
             Ok(Ok(response)) if !response.status().is_server_error() => {
-                if response.status().is_success() {
-                    self.count_5xx_against_their_servers();
+                match self.first_of_decode_stream(response, deadline.as_mut()).await {
+                    Ok((response, first)) => {
+                        if response.status().is_success() {
+                            self.count_5xx_against_their_servers();
+                        }
+                        return Ok(Head {
+                            response,
+                            server,
+                            address,
+                            guard,
+                            recorded,
+                            first,
+                        });
+                    }
+                    Err(Waited::PartnerFailed(failed)) => return Err(self.prefill_leg_failed(server, recorded, failed)),
+                    Err(Waited::Deadline) => Failure::Timeout {
+                        address: address.clone(),
+                        secs: dispatcher.config().limits.request_timeout_secs,
+                    },
+                    Err(Waited::Broken(detail)) => Failure::Connect {
+                        address: address.clone(),
+                        detail,
+                    },
                 }
-                return Ok(Head {
-                    response,
-                    server,
-                    address,
-                    guard,
-                    recorded,
-                });
             }
             Ok(Ok(r)) => Failure::Status {
                 address: address.clone(),
@@ -192,6 +211,45 @@ impl Attempts<'_> {
                 _ => return result,
             }
         }
+    }
+
+    /// A split request's SGLang decode leg that streams sends its head at
+    /// once and its first data only after the prefill leg handed over: that
+    /// data is waited for here, so that a prefill leg failing before it is
+    /// still tried again elsewhere rather than cutting a begun answer.
+    /// Every other answer is returned as it is.
+    async fn first_of_decode_stream(
+        &mut self,
+        response: Response<hyper::body::Incoming>,
+        mut deadline: Pin<&mut Sleep>,
+    ) -> Result<(Response<hyper::body::Incoming>, Option<Bytes>), Waited> {
+        let streams = response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+        if self.pd.leg.is_none() || !response.status().is_success() || !streams {
+            return Ok((response, None));
+        }
+        let (parts, mut body) = response.into_parts();
+        let frame = tokio::select! {
+            biased;
+            failed = crate::dispatcher::disagg::failed(&mut self.pd.leg) => return Err(Waited::PartnerFailed(failed)),
+            frame = http_body_util::BodyExt::frame(&mut body) => frame,
+            () = deadline.as_mut() => return Err(Waited::Deadline),
+        };
+        let first = match frame {
+            Some(Ok(frame)) => frame.into_data().ok(),
+            Some(Err(e)) => return Err(Waited::Broken(crate::error_chain(&e))),
+            None => None,
+        };
+        // Handed over: a later failure of the prefill leg no longer matters.
+        if first.is_some()
+            && let Some(leg) = self.pd.leg.as_mut()
+        {
+            leg.handed_over();
+        }
+        Ok((Response::from_parts(parts, body), first))
     }
 
     /// Another server answered the request with a 2xx: the 5xx heads the
