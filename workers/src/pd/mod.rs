@@ -42,7 +42,10 @@
 //! KV until the decode has taken it, and then answers a normal one-token
 //! completion (`finish_reason: "length"`, as SGLang's prefill finishes
 //! with `FINISH_LENGTH(0)`), streamed or not as the body asks. The
-//! decode-role engine waits for the KV, pulls what it lacks and decodes.
+//! decode-role engine waits for the KV, pulls what it lacks and decodes;
+//! a streamed decode leg gets its answer's head at once, before the KV
+//! (SGLang's `StreamingResponse` starts before it), and an error after
+//! that as an error event and `data: [DONE]`.
 //! A leg whose partner does not come times out (the bootstrap and waiting
 //! timeouts) with a 500; a leg whose partner is cancelled fails at once.
 //! A decode-role engine serves a request without a room as a plain

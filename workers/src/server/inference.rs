@@ -54,6 +54,17 @@ pub(super) async fn inference(
         Err(e) => (Bytes::new(), Err(e)),
     };
     let mut recorded = Some(sim.requests().record(&path, request_id, &body));
+    if read.is_ok() && streamed_sglang_decode_leg(sim, &body) {
+        return head_first(
+            sim.clone(),
+            endpoint,
+            decision,
+            completion,
+            override_header,
+            body,
+            recorded,
+        );
+    }
     let answered = match read {
         Ok(()) => {
             answer(
@@ -75,6 +86,63 @@ pub(super) async fn inference(
         }
         error_response(e)
     })
+}
+
+/// Whether `body` is a streamed SGLang decode leg (a room, `stream: true`).
+fn streamed_sglang_decode_leg(sim: &Sim, body: &Bytes) -> bool {
+    let streams = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("stream")?.as_bool())
+        .unwrap_or(false);
+    streams && matches!(sim.pd().leg(body), Ok(Leg::SglangDecode(_)))
+}
+
+/// SGLang's decode server answers a streamed request's head at once (its
+/// `StreamingResponse` starts before the prefill's KV arrives), so a
+/// router sees the head long before the first token; the answer follows
+/// in the body, and an error after the head as an OpenAI-style error
+/// event and `data: [DONE]` (as SGLang streams one).
+fn head_first(
+    sim: Arc<Sim>,
+    endpoint: Endpoint,
+    decision: Decision,
+    completion: Completion,
+    override_header: Option<HeaderValue>,
+    body: Bytes,
+    mut recorded: Option<Recorded>,
+) -> Response<Body> {
+    use futures_util::StreamExt;
+    let rest = async move {
+        match answer(
+            &sim,
+            endpoint,
+            decision,
+            completion,
+            override_header,
+            &body,
+            &mut recorded,
+        )
+        .await
+        {
+            Ok(response) => response.into_body(),
+            Err(e) => {
+                if let Some(recorded) = recorded.take() {
+                    recorded.fail(Some(e.status.as_u16()), e.message.clone());
+                }
+                let error = serde_json::json!({"object": "error", "message": e.message, "code": e.status.as_u16()});
+                let events = format!("data: {error}\n\ndata: [DONE]\n\n");
+                http_body_util::Full::new(Bytes::from(events))
+                    .map_err(|never| match never {})
+                    .boxed_unsync()
+            }
+        }
+    };
+    let frames = futures_util::stream::once(rest).flat_map(http_body_util::BodyStream::new);
+    let mut response = Response::new(StreamBody::new(frames).boxed_unsync());
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
 }
 
 /// What the engine is to generate for a request.
