@@ -66,6 +66,35 @@ fn received(engine: &Proc) -> Vec<Value> {
     r.json()["requests"].as_array().cloned().unwrap_or_default()
 }
 
+/// Whether the gateway holds the engine at `addr` up.
+fn is_up(gw: &Gateway, addr: &str) -> bool {
+    gw.segment
+        .tables()
+        .servers
+        .servers()
+        .find(|s| s.address.ends_with(addr))
+        .is_some_and(|s| s.state == shm_layout::ServerState::Up)
+}
+
+/// The bootstrap port the gateway read from `prefill`'s `/server_info`
+/// (waited for: the health checker reads it).
+fn learned_bootstrap_port(gw: &Gateway, prefill: &Proc) -> u16 {
+    wait_for(
+        "the bootstrap port read from /server_info",
+        std::time::Duration::from_secs(10),
+        || {
+            let port = gw
+                .segment
+                .tables()
+                .servers
+                .servers()
+                .find(|s| s.address.ends_with(&prefill.addr))
+                .and_then(|s| s.disaggregation.bootstrap_port);
+            (port.is_some(), port.unwrap_or(0))
+        },
+    )
+}
+
 /// A long system prompt: more than `pd.bypass_uncached_tokens` (256)
 /// tokens, so a first turn is split (unless a decode engine holds it
 /// already: then every conversation sharing it bypasses prefill).
@@ -367,19 +396,7 @@ fn sglang_legs_meet_at_the_prefill_engines_bootstrap_server() {
     let port = support::gateway::bootstrap_port(&p.line).expect("a bootstrap port on the first line");
     // No port given: the gateway reads it from the engine's /server_info.
     let gw = gateway("pd-sglang", &[&p], &[&d], &["--pd-protocol", "sglang"]);
-    let servers = gw.segment.tables().servers;
-    let learned = wait_for(
-        "the bootstrap port read from /server_info",
-        std::time::Duration::from_secs(10),
-        || {
-            let port = servers
-                .servers()
-                .find(|s| s.address.ends_with(&p.addr))
-                .and_then(|s| s.disaggregation.bootstrap_port);
-            (port.is_some(), port)
-        },
-    );
-    assert_eq!(learned, Some(port));
+    assert_eq!(learned_bootstrap_port(&gw, &p), port);
     // SGLang numbers the rooms of `n` sequences itself: `n` 2 is split too
     // (the simulator answers it 400, `n > 1` being beyond what it plays).
     for (i, (stream, n)) in [(false, 1), (true, 1), (false, 2)].into_iter().enumerate() {
@@ -599,15 +616,7 @@ fn a_dead_decode_engine_is_routed_around_with_the_prefill_it_had() {
             .iter()
             .all(|r| r["leg"] == "decode" && r["outcome"] == "completed")
     );
-    let up = |addr: &str| {
-        gw.segment
-            .tables()
-            .servers
-            .servers()
-            .find(|s| s.address.ends_with(addr))
-            .is_some_and(|s| s.state == shm_layout::ServerState::Up)
-    };
-    assert!(up(&p.addr), "the prefill engine stays up");
+    assert!(is_up(&gw, &p.addr), "the prefill engine stays up");
 }
 
 /// Roles at runtime: a prefill engine added through the admin API is
@@ -821,15 +830,7 @@ fn failed_sglang_prefill_leg_is_tried_elsewhere(tag: &str, stream: bool) {
     // ended before its answer began is not a leg that answered).
     assert!(metrics.contains("semlb_pd_prefill_seconds_count 3"), "{metrics}");
     assert!(metrics.contains("semlb_pd_decode_seconds_count 2"), "{metrics}");
-    let up = |addr: &str| {
-        gw.segment
-            .tables()
-            .servers
-            .servers()
-            .find(|s| s.address.ends_with(addr))
-            .is_some_and(|s| s.state == shm_layout::ServerState::Up)
-    };
-    assert!(up(&d.addr), "the decode engine stays up");
+    assert!(is_up(&gw, &d.addr), "the decode engine stays up");
 }
 
 /// SGLang: a decode leg that fails (its engine killed) ends its prefill
@@ -840,19 +841,8 @@ fn a_failed_sglang_decode_leg_ends_its_prefill_leg() {
     let p = engine("prefill", "sglang");
     let (mut d1, d2) = (engine("decode", "sglang"), engine("decode", "sglang"));
     let gw = gateway("pd-sg-deadd", &[&p], &[&d1, &d2], &["--pd-protocol", "sglang"]);
-    support::gateway::bootstrap_port(&p.line).expect("a bootstrap port");
-    wait_for(
-        "the bootstrap port read from /server_info",
-        std::time::Duration::from_secs(10),
-        || {
-            let servers = gw.segment.tables().servers;
-            let port = servers
-                .servers()
-                .find(|s| s.address.ends_with(&p.addr))
-                .and_then(|s| s.disaggregation.bootstrap_port);
-            (port.is_some(), ())
-        },
-    );
+    let port = support::gateway::bootstrap_port(&p.line).expect("a bootstrap port");
+    assert_eq!(learned_bootstrap_port(&gw, &p), port);
     d1.kill9();
     for i in 0..4 {
         let r = chat(
@@ -1096,5 +1086,36 @@ fn precise_mode_routes_both_legs_on_the_events_of_both_roles() {
     assert!(
         cached >= u64::from(held) * 16,
         "the decode engine found turn 1 cached: {cached}"
+    );
+}
+
+/// The response cache applies to split requests as to any: an exact
+/// repeat is answered by the gateway, and neither engine sees a leg.
+#[test]
+fn a_repeated_split_request_is_answered_from_the_cache_without_a_leg() {
+    let (p, d) = (engine("prefill", "vllm-nixl"), engine("decode", "vllm-nixl"));
+    let gw = gateway("pd-cache", &[&p], &[&d], &[]);
+    let messages = [system_prompt_of("Librarian"), user("Which shelf?")];
+    let deterministic = json!({"temperature": 0});
+    let first = chat(&gw.proc.addr, &messages, deterministic.clone(), &[]);
+    assert_eq!(first.status, 200, "{}", first.text());
+    assert_eq!(first.header("x-semlb-cache"), Some("miss"));
+    assert_eq!(
+        first.header("x-semlb-prefill"),
+        Some(format!("http://{}", p.addr)).as_deref()
+    );
+    gw.written_back(semlb::metrics::responder_records);
+    let again = chat(&gw.proc.addr, &messages, deterministic, &[]);
+    assert_eq!(again.header("x-semlb-cache"), Some("hit"), "{}", again.text());
+    assert_eq!(again.json()["choices"], first.json()["choices"]);
+    assert_eq!(
+        (received(&p).len(), received(&d).len()),
+        (1, 1),
+        "no leg for the repeat"
+    );
+    let metrics = gw.metrics();
+    assert!(
+        metrics.contains("semlb_pd_requests_total{path=\"split\"} 1"),
+        "{metrics}"
     );
 }

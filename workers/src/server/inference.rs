@@ -81,11 +81,16 @@ pub(super) async fn inference(
         Err(e) => Err(e),
     };
     answered.unwrap_or_else(|e| {
-        if let Some(recorded) = recorded.take() {
-            recorded.fail(Some(e.status.as_u16()), e.message.clone());
-        }
+        failed(&mut recorded, &e);
         error_response(e)
     })
+}
+
+/// The request's record says it failed with `e` (unless its body took it).
+fn failed(recorded: &mut Option<Recorded>, e: &ApiError) {
+    if let Some(recorded) = recorded.take() {
+        recorded.fail(Some(e.status.as_u16()), e.message.clone());
+    }
 }
 
 /// Whether `body` is a streamed SGLang decode leg (a room, `stream: true`).
@@ -126,9 +131,7 @@ fn head_first(
         {
             Ok(response) => response.into_body(),
             Err(e) => {
-                if let Some(recorded) = recorded.take() {
-                    recorded.fail(Some(e.status.as_u16()), e.message.clone());
-                }
+                failed(&mut recorded, &e);
                 let error = serde_json::json!({"object": "error", "message": e.message, "code": e.status.as_u16()});
                 let events = format!("data: {error}\n\ndata: [DONE]\n\n");
                 http_body_util::Full::new(Bytes::from(events))
