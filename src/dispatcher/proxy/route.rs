@@ -12,8 +12,6 @@ impl Attempts<'_> {
         let dispatcher = self.dispatcher;
         let split = self.splits() && dispatcher.config().pd.decode_by == crate::config::DecodeBy::Load;
         let leg = self.leg();
-        // The first lookup is the request's (engines that decode).
-        let first_lookup = self.first_lookup.take().filter(|_| leg == crate::routing::Leg::Request);
         let chain = self.ctx.as_ref().map_or(&[][..], |c| &c.chain[..]);
         let route = RouteRequest {
             chain,
@@ -41,6 +39,9 @@ impl Attempts<'_> {
         if let Some(answer) = self.to_warm_peer().await {
             return Err(Next::Answer(answer));
         }
+        // Taken only now: the warm-peer check reads it. It is the
+        // request's (engines that decode): another leg looks up anew.
+        let first_lookup = self.first_lookup.take().filter(|_| leg == crate::routing::Leg::Request);
         let routed = match choose(dispatcher, route, &self.failed, first_lookup).await {
             Routed::Chosen(chosen, guard) => Ok((chosen, guard)),
             Routed::Wait {
