@@ -406,14 +406,23 @@ fn sglang_legs_meet_at_the_prefill_engines_bootstrap_server() {
             json!({"stream": stream, "n": n}),
             &[],
         );
-        let (pl, dl) = (received(&p), received(&d));
-        assert_eq!(
-            (pl[i]["body"]["n"].clone(), dl[i]["body"]["n"].clone()),
-            (json!(n), json!(n))
-        );
         if n > 1 {
+            // Split: the decode leg carries the room. The simulator's 400
+            // may come before the prefill leg reached its engine (the legs
+            // run at once, and the answer ends both): its room is compared
+            // only if it came.
             assert_eq!(r.status, 400, "{}", r.text());
-            assert_eq!(pl[i]["body"]["bootstrap_room"], dl[i]["body"]["bootstrap_room"]);
+            assert_eq!(
+                r.header("x-semlb-prefill"),
+                Some(format!("http://{}", p.addr)).as_deref()
+            );
+            let (pl, dl) = (received(&p), received(&d));
+            assert_eq!(dl[i]["body"]["n"], json!(n), "{}", dl[i]);
+            assert!(dl[i]["body"]["bootstrap_room"].as_u64().is_some(), "{}", dl[i]);
+            if let Some(pl) = pl.get(i) {
+                assert_eq!(pl["body"]["bootstrap_room"], dl[i]["body"]["bootstrap_room"]);
+                assert_eq!(pl["body"]["n"], json!(n));
+            }
             continue;
         }
         assert_eq!(r.status, 200, "{}", r.text());
@@ -1118,4 +1127,62 @@ fn a_repeated_split_request_is_answered_from_the_cache_without_a_leg() {
         metrics.contains("semlb_pd_requests_total{path=\"split\"} 1"),
         "{metrics}"
     );
+}
+
+/// SGLang: a request whose prefill leg failed on two prefill engines goes
+/// whole to an aggregated engine, and the answer names no prefill engine.
+/// Both prefill engines are stopped (SIGSTOP): each leg runs into
+/// `pd.prefill_timeout_secs`.
+#[test]
+fn an_sglang_request_whose_prefill_failed_twice_goes_whole_to_an_aggregated_engine() {
+    use nix::sys::signal::Signal;
+    let (p1, p2) = (engine("prefill", "sglang"), engine("prefill", "sglang"));
+    let (d, b) = (engine("decode", "sglang"), engine("both", "sglang"));
+    let mut config = "[pd]\nprotocol = \"sglang\"\nprefill_timeout_secs = 1\n\n".to_owned();
+    for p in [&p1, &p2] {
+        let port = support::gateway::bootstrap_port(&p.line).expect("a bootstrap port");
+        config += &format!(
+            "[[backend]]\nurl = \"http://{}\"\nrole = \"prefill\"\nbootstrap_port = {port}\n\n",
+            p.addr
+        );
+    }
+    config += &format!(
+        "[[backend]]\nurl = \"http://{}\"\nrole = \"decode\"\n\n[[backend]]\nurl = \"http://{}\"\nrole = \"both\"\n",
+        d.addr, b.addr
+    );
+    // The first decode choice, among idle engines tied on every count, is
+    // the first in table order: `d` (asserted below through its legs).
+    // One dispatcher: ties rotate per process.
+    let gw = Gateway::builder()
+        .tag("pd-sg-twice")
+        .dispatchers(1)
+        .config(&config)
+        .start();
+    p1.signal(Signal::SIGSTOP);
+    p2.signal(Signal::SIGSTOP);
+    let r = chat(&gw.proc.addr, &[system_prompt(), user("Anyone?")], json!({}), &[]);
+    p1.signal(Signal::SIGCONT);
+    p2.signal(Signal::SIGCONT);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.header("x-semlb-backend"),
+        Some(format!("http://{}", b.addr)).as_deref()
+    );
+    assert_eq!(r.header("x-semlb-prefill"), None, "no failed prefill engine named");
+    assert_eq!(received(&b).len(), 1);
+    // The request was split first (on `d`), and every split attempt's
+    // decode leg was ended with its failed prefill leg: the second attempt
+    // goes to `d` again (then whole after a second failure) or, as ties
+    // rotate, to `b` at once.
+    let decoded = received(&d);
+    assert!(
+        !decoded.is_empty() && decoded.iter().all(|l| l["outcome"] == "aborted"),
+        "{decoded:?}"
+    );
+    let failures = gw
+        .metrics()
+        .lines()
+        .find_map(|l| l.strip_prefix("semlb_pd_handoff_failures_total{reason=\"prefill_failed\"} "))
+        .and_then(|v| v.parse::<u32>().ok());
+    assert_eq!(failures, Some(decoded.len() as u32));
 }

@@ -133,7 +133,12 @@ impl Attempts<'_> {
             self.pd.decode_sent = Some(Instant::now());
             return Ok(vllm::decode_body(&body, params));
         }
-        if self.pd.whole || matches!(self.pd.path, Some(Path::Bypass | Path::DecodeOnly)) || !self.splits() {
+        if self.pd.whole {
+            // An earlier attempt's prefill engine (failed) is not named.
+            self.pd.prefill = None;
+            return Ok(body);
+        }
+        if matches!(self.pd.path, Some(Path::Bypass | Path::DecodeOnly)) || !self.splits() {
             return Ok(body);
         }
         let Some(c) = self.ctx.as_ref() else { return Ok(body) };
@@ -141,6 +146,7 @@ impl Attempts<'_> {
         // An SGLang engine of role `both` is an aggregated one (SGLang's
         // `null` mode): it serves the request whole, and it is not split.
         if sglang && dispatcher.segment().tables().servers.role_of(decode) == ServerRole::Both {
+            self.pd.prefill = None;
             return Ok(body);
         }
         let block = c.hasher.block_size() as u64;
