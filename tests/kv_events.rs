@@ -62,14 +62,9 @@ fn gateway(tag: &str, engines: &[&Proc], source: &str) -> Gateway {
 
 /// `engine`'s current registration.
 fn server(gw: &Gateway, engine: &Proc) -> ServerRef {
-    let address = format!("http://{}", engine.addr);
-    gw.segment
-        .tables()
-        .servers
-        .servers()
-        .find(|s| s.address == address)
+    gw.listed(engine)
         .map(|s| s.server)
-        .unwrap_or_else(|| panic!("{address} is not registered"))
+        .unwrap_or_else(|| panic!("{} is not registered", engine.addr))
 }
 
 /// How far the confirmed table follows `engine` now.

@@ -66,13 +66,9 @@ fn received(engine: &Proc) -> Vec<Value> {
     r.json()["requests"].as_array().cloned().unwrap_or_default()
 }
 
-/// Whether the gateway holds the engine at `addr` up.
-fn is_up(gw: &Gateway, addr: &str) -> bool {
-    gw.segment
-        .tables()
-        .servers
-        .servers()
-        .find(|s| s.address.ends_with(addr))
+/// Whether the gateway holds `engine` up.
+fn is_up(gw: &Gateway, engine: &Proc) -> bool {
+    gw.listed(engine)
         .is_some_and(|s| s.state == shm_layout::ServerState::Up)
 }
 
@@ -83,13 +79,7 @@ fn learned_bootstrap_port(gw: &Gateway, prefill: &Proc) -> u16 {
         "the bootstrap port read from /server_info",
         std::time::Duration::from_secs(10),
         || {
-            let port = gw
-                .segment
-                .tables()
-                .servers
-                .servers()
-                .find(|s| s.address.ends_with(&prefill.addr))
-                .and_then(|s| s.disaggregation.bootstrap_port);
+            let port = gw.listed(prefill).and_then(|s| s.disaggregation.bootstrap_port);
             (port.is_some(), port.unwrap_or(0))
         },
     )
@@ -625,7 +615,7 @@ fn a_dead_decode_engine_is_routed_around_with_the_prefill_it_had() {
             .iter()
             .all(|r| r["leg"] == "decode" && r["outcome"] == "completed")
     );
-    assert!(is_up(&gw, &p.addr), "the prefill engine stays up");
+    assert!(is_up(&gw, &p), "the prefill engine stays up");
 }
 
 /// Roles at runtime: a prefill engine added through the admin API is
@@ -839,7 +829,7 @@ fn failed_sglang_prefill_leg_is_tried_elsewhere(tag: &str, stream: bool) {
     // ended before its answer began is not a leg that answered).
     assert!(metrics.contains("semlb_pd_prefill_seconds_count 3"), "{metrics}");
     assert!(metrics.contains("semlb_pd_decode_seconds_count 2"), "{metrics}");
-    assert!(is_up(&gw, &d.addr), "the decode engine stays up");
+    assert!(is_up(&gw, &d), "the decode engine stays up");
 }
 
 /// SGLang: a decode leg that fails (its engine killed) ends its prefill
@@ -912,14 +902,9 @@ fn precise_gateway(tag: &str, prefill: &[&Proc], decode: &[&Proc]) -> Gateway {
 
 /// `engine`'s current registration in `gw`'s server table.
 fn server_of(gw: &Gateway, engine: &Proc) -> ServerRef {
-    let address = format!("http://{}", engine.addr);
-    gw.segment
-        .tables()
-        .servers
-        .servers()
-        .find(|s| s.address == address)
+    gw.listed(engine)
         .map(|s| s.server)
-        .unwrap_or_else(|| panic!("{address} is not registered"))
+        .unwrap_or_else(|| panic!("{} is not registered", engine.addr))
 }
 
 /// Leading blocks of `chain` the confirmed table (what the engines' events

@@ -168,6 +168,14 @@ impl InferenceCtx {
     }
 }
 
+/// Whether an answer with `headers` is an event stream (SSE).
+fn is_event_stream(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"))
+}
+
 /// Marks a response whose body is a [`Relay`] (it records its own duration).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Relayed;
@@ -340,11 +348,7 @@ impl<'d> Attempts<'d> {
             // Refused (a 4xx): the server did not take the prompt in.
             self.forget_route(server, held);
         }
-        let sse = parts
-            .headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+        let sse = is_event_stream(&parts.headers);
         let learn = match &mut self.ctx {
             Some(c) if parts.status.is_success() => Some(Learn {
                 server,

@@ -353,7 +353,7 @@ impl Attempts<'_> {
         };
         // Learned as it starts (a concurrent request with the same prefix
         // then finds it there), forgotten if it fails.
-        let learned = self.learn_prefill(prefill);
+        let learned = self.learn_prefill(prefill).map(<[u64]>::to_vec);
         let (server, address) = (prefill.server, prefill.address.clone());
         let timeout = dispatcher.config().pd.prefill_timeout();
         let (tell, failed) = tokio::sync::oneshot::channel();
@@ -417,14 +417,14 @@ impl Attempts<'_> {
     /// The prefill engine computed (or is computing) the prompt: its table
     /// entries say so, without the prompt's end (it never holds the
     /// answer). The blocks recorded, if any.
-    fn learn_prefill(&self, prefill: &Chosen) -> Option<Vec<u64>> {
+    fn learn_prefill(&self, prefill: &Chosen) -> Option<&[u64]> {
         let c = self
             .ctx
             .as_ref()
             .filter(|c| c.learn && self.dispatcher.config().learn_at_dispatch)?;
         let blocks = c.unlisted(prefill.held);
         self.dispatcher.store().record_route(prefill.server, blocks, None);
-        Some(blocks.to_vec())
+        Some(blocks)
     }
 }
 

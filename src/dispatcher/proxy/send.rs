@@ -223,12 +223,7 @@ impl Attempts<'_> {
         response: Response<hyper::body::Incoming>,
         mut deadline: Pin<&mut Sleep>,
     ) -> Result<(Response<hyper::body::Incoming>, Option<Bytes>), Waited> {
-        let streams = response
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
-        if self.pd.leg.is_none() || !response.status().is_success() || !streams {
+        if self.pd.leg.is_none() || !response.status().is_success() || !is_event_stream(response.headers()) {
             return Ok((response, None));
         }
         let (parts, mut body) = response.into_parts();

@@ -647,6 +647,13 @@ impl Gateway {
             .expect("admin request")
     }
 
+    /// `engine`'s entry in the segment's server table (`None`: not
+    /// registered).
+    pub fn listed(&self, engine: &Proc) -> Option<shm_layout::ServerInfo> {
+        let address = format!("http://{}", engine.addr);
+        self.segment.tables().servers.servers().find(|s| s.address == address)
+    }
+
     /// `GET /admin/servers`: the server list.
     pub fn admin_servers(&self) -> Vec<Value> {
         let r = self.admin("GET", "/admin/servers", None);
