@@ -37,6 +37,7 @@
 //! that a response process applies ([`responder`]).
 
 pub mod config;
+pub mod discovery;
 pub mod dispatcher;
 pub mod fuzzing;
 pub mod health;

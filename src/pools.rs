@@ -26,6 +26,7 @@ use std::sync::Arc;
 
 use semlb_tokenizer::chat::ChatTemplate;
 use semlb_tokenizer::{SharedSegments, Tokenizer};
+use shm_layout::PoolTag;
 
 use crate::config::models::backend_index;
 use crate::config::{ModelConfig, ServeConfig};
@@ -358,6 +359,8 @@ impl ModelPools {
                     .filter_map(|r| backend_index(&config.backends, r))
                     .filter_map(|i| config.backends[i].parsed_url().ok())
                     .map(|url| server_id(&url.to_string())),
+                // Discovered servers name the pool (an adapter's: its base's).
+                PoolTag::of(&settings.name),
             );
             let index = pools.len();
             for name in model.names() {
@@ -416,6 +419,10 @@ mod tests {
     use super::*;
     use crate::config::BackendConfig;
 
+    fn key(id: u64, pool: PoolTag) -> shm_layout::MemberKey {
+        shm_layout::MemberKey { id, pool }
+    }
+
     fn config(models: Vec<ModelConfig>) -> ServeConfig {
         ServeConfig {
             backends: vec![
@@ -436,7 +443,7 @@ mod tests {
         let pools = ModelPools::build(&c, &mut TokenizerLoader::new(&c, 0, None), None).unwrap();
         assert!(pools.is_implicit());
         let pool = pools.find("anything").unwrap();
-        assert!(pool.members().admits(Some(12345)));
+        assert!(pool.members().admits(Some(key(12345, PoolTag::NONE))));
         assert_eq!(pool.chain_model("anything"), "anything");
         assert_eq!(pool.upstream_name("anything"), None);
         assert_eq!(pool.tokenization().id, 0);
@@ -453,7 +460,7 @@ mod tests {
         let pools = ModelPools::build(&c, &mut TokenizerLoader::new(&c, 0, None), None).unwrap();
         assert!(!pools.is_implicit());
         assert!(pools.find("nope").is_none());
-        let id = |port| Some(server_id(&format!("http://127.0.0.1:{port}")));
+        let id = |port| Some(key(server_id(&format!("http://127.0.0.1:{port}")), PoolTag::NONE));
         let big = pools.find("default").unwrap();
         assert_eq!(big.name(), Some("big"));
         assert_eq!(big.upstream_name("default"), Some("big"));
@@ -466,6 +473,16 @@ mod tests {
         let sql = pools.find("big-sql").unwrap();
         assert_eq!((sql.base(), sql.chain_model("big-sql")), (Some("big"), "big-sql"));
         assert!(sql.members().admits(id(9001)) && !sql.members().admits(id(9002)));
+        // A server discovery registered in a pool, by its name: the pool's
+        // (and its adapters'), not another's.
+        let found = Some(key(77, PoolTag::of("big")));
+        assert!(big.members().admits(found) && sql.members().admits(found));
+        assert!(!small.members().admits(found));
+        assert!(
+            !big.members().admits(Some(key(77, PoolTag::of("default")))),
+            "by name, not alias"
+        );
+        assert!(!big.members().admits(Some(key(77, PoolTag::NONE))));
         assert_eq!(
             pools.names().map(|(n, _)| n).collect::<Vec<_>>(),
             ["big", "default", "small", "big-sql"]

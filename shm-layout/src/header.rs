@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// `b"SEMLBSHM"` read as a little-endian `u64`.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"SEMLBSHM");
 /// Version of the layout described in the crate docs. Bump on any change.
-pub const LAYOUT_VERSION: u64 = 15;
+pub const LAYOUT_VERSION: u64 = 16;
 /// `state` while the creator initialises the segment (the zero of a new object).
 pub const STATE_INITIALISING: u64 = 0;
 /// `state` once the segment may be used (`b"READY\0\0\0"`).

@@ -201,6 +201,7 @@ use crate::routing::{PolicyConfig, PolicyKind};
 
 mod backend;
 pub mod disaggregation;
+pub mod discovery;
 mod model_changes;
 pub mod models;
 mod peers;
@@ -212,6 +213,7 @@ mod validate;
 
 pub use backend::{BackendConfig, BackendError, BackendUrl, BackendUrlError, MetricsFlavor};
 pub use disaggregation::{BackendRole, DecodeBy, PdConfig, PdProtocol};
+pub use discovery::{DiscoveryConfig, DiscoveryKind};
 pub use model_changes::ModelChanges;
 pub use models::{ModelConfig, ModelError};
 pub use peers::{MAX_PEERS, PeerConfig, PeerTls, PeeringConfig};
@@ -403,6 +405,9 @@ pub struct ServeConfig {
     pub peering: PeeringConfig,
     /// Disaggregated prefill and decode (`[pd]`, [`disaggregation`]).
     pub pd: PdConfig,
+    /// Backends found at run time (`[discovery]`): an endpoints file or
+    /// Kubernetes ([`crate::discovery`]).
+    pub discovery: DiscoveryConfig,
     /// The peer gateways of other regions (`[[peer]]` tables).
     #[serde(rename = "peer")]
     pub peers: Vec<PeerConfig>,
@@ -450,6 +455,7 @@ impl Default for ServeConfig {
             auth: AuthConfig::default(),
             peering: PeeringConfig::default(),
             pd: PdConfig::default(),
+            discovery: DiscoveryConfig::default(),
             peers: Vec::new(),
             tls: None,
             drain_timeout_secs: 30,
@@ -504,6 +510,18 @@ pub struct ServeOverrides {
     pub admin_token_file: Option<PathBuf>,
     /// `--metrics-listen ADDR`.
     pub metrics_listen: Option<SocketAddr>,
+    /// `--discovery KIND`.
+    pub discovery: Option<DiscoveryKind>,
+    /// `--discovery-file PATH`.
+    pub discovery_file: Option<PathBuf>,
+    /// `--discovery-selector SELECTOR`.
+    pub discovery_selector: Option<String>,
+    /// `--discovery-namespace NAMESPACE`.
+    pub discovery_namespace: Option<String>,
+    /// `--discovery-port PORT`.
+    pub discovery_port: Option<u16>,
+    /// `--inference-pool NAME`.
+    pub inference_pool: Option<String>,
 }
 
 impl ServeConfig {
@@ -540,6 +558,8 @@ impl ServeConfig {
             &mut config.admin.token_file,
             &mut config.admin.models_file,
             &mut config.auth.keys_file,
+            &mut config.discovery.path,
+            &mut config.discovery.kubeconfig,
         ]
         .into_iter()
         .chain(model_files)
@@ -575,7 +595,20 @@ impl ServeConfig {
             admin_listen,
             admin_token_file,
             metrics_listen,
+            discovery,
+            discovery_file,
+            discovery_selector,
+            discovery_namespace,
+            discovery_port,
+            inference_pool,
         } = overrides;
+        let d = &mut self.discovery;
+        d.kind = discovery.or(d.kind);
+        d.path = discovery_file.or(d.path.take());
+        d.selector = discovery_selector.or(d.selector.take());
+        d.namespace = discovery_namespace.or(d.namespace.take());
+        d.port = discovery_port.or(d.port);
+        d.inference_pool = inference_pool.or(d.inference_pool.take());
         if let Some(v) = metrics_listen {
             self.metrics.listen = Some(v);
         }

@@ -181,7 +181,12 @@ pub fn backend_index(backends: &[BackendConfig], reference: &str) -> Option<usiz
 
 /// Checks the `[[model]]` tables against each other and the backends; the
 /// first problem, naming `model[i].key`.
-pub(super) fn validate_models(models: &[ModelConfig], backends: &[BackendConfig]) -> Result<(), ConfigError> {
+/// With `discovered`, a pool may list no backend: discovery adds them.
+pub(super) fn validate_models(
+    models: &[ModelConfig],
+    backends: &[BackendConfig],
+    discovered: bool,
+) -> Result<(), ConfigError> {
     use ConfigError as E;
     if models.len() > MAX_MODELS {
         return Err(E::invalid(
@@ -246,7 +251,7 @@ pub(super) fn validate_models(models: &[ModelConfig], backends: &[BackendConfig]
     }
     for (i, model) in models.iter().enumerate() {
         let Some(base_name) = &model.base else {
-            if model.backends.is_empty() {
+            if model.backends.is_empty() && !discovered {
                 return Err(E::invalid(
                     format!("model[{i}].backends"),
                     "[]",

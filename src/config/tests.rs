@@ -1277,7 +1277,23 @@ cache_threshold = 0.25
         admin_listen: Some("127.0.0.1:9090".parse().unwrap()),
         admin_token_file: Some("flag-token".into()),
         metrics_listen: Some("127.0.0.1:9091".parse().unwrap()),
+        discovery: Some(DiscoveryKind::Kubernetes),
+        discovery_file: Some("flag-endpoints.yaml".into()),
+        discovery_selector: Some("app=vllm".into()),
+        discovery_namespace: Some("llm".into()),
+        discovery_port: Some(8000),
+        inference_pool: Some("pool".into()),
     });
+    assert_eq!(c.discovery.kind, Some(DiscoveryKind::Kubernetes));
+    assert_eq!(c.discovery.path, Some(PathBuf::from("flag-endpoints.yaml")));
+    assert_eq!(
+        (c.discovery.selector.as_deref(), c.discovery.namespace.as_deref()),
+        (Some("app=vllm"), Some("llm"))
+    );
+    assert_eq!(
+        (c.discovery.port, c.discovery.inference_pool.as_deref()),
+        (Some(8000), Some("pool"))
+    );
     assert_eq!(c.admin.listen, Some("127.0.0.1:9090".parse().unwrap()));
     assert_eq!(c.metrics.listen, Some("127.0.0.1:9091".parse().unwrap()));
     assert_eq!(c.admin.token_file, Some(PathBuf::from("flag-token")));
@@ -1555,4 +1571,72 @@ backends = ["10.0.0.2:8000"]
     assert_eq!(field, "model[1].tokens_per_minute");
     assert!(reason.contains("at least 1"), "{reason}");
     assert!(parse_err("[[model]]\nname = \"m\"\nbackend = [\"x\"]\n").contains("unknown field"));
+}
+
+#[test]
+fn discovery_needs_what_its_kind_reads_and_replaces_the_backend_list_requirement() {
+    let base = |section: &str| {
+        let text = format!("{section}\n");
+        ServeConfig::from_toml(&text, Path::new("/etc/semlb/semlb.toml"))
+            .and_then(|c| c.validate())
+            .map_err(|e| e.to_string())
+    };
+    base("[discovery]\nkind = \"file\"\npath = \"endpoints.yaml\"").unwrap();
+    let c = ServeConfig::from_toml(
+        "[discovery]\nkind = \"file\"\npath = \"endpoints.yaml\"\n",
+        Path::new("/etc/semlb/semlb.toml"),
+    )
+    .unwrap();
+    assert_eq!(
+        c.discovery.path,
+        Some(PathBuf::from("/etc/semlb/endpoints.yaml")),
+        "relative to the file"
+    );
+    base("[discovery]\nkind = \"kubernetes\"\nselector = \"app=vllm\"\nport = 8000").unwrap();
+    base("[discovery]\nkind = \"kubernetes\"\nservice = \"vllm\"").unwrap();
+    base("[discovery]\nkind = \"inference-pool\"\ninference_pool = \"vllm\"").unwrap();
+    for (section, says) in [
+        ("", "at least one backend is needed"),
+        ("[discovery]\nkind = \"file\"", "discovery.path"),
+        (
+            "[discovery]\nkind = \"file\"\npath = \"e.yaml\"\npoll_ms = 1",
+            "discovery.poll_ms",
+        ),
+        ("[discovery]\nkind = \"kubernetes\"", "discovery.selector"),
+        (
+            "[discovery]\nkind = \"kubernetes\"\nselector = \"app=vllm\"",
+            "discovery.port",
+        ),
+        (
+            "[discovery]\nkind = \"kubernetes\"\nselector = \"app=vllm\"\nservice = \"s\"\nport = 1",
+            "not both",
+        ),
+        (
+            "[discovery]\nkind = \"kubernetes\"\nselector = \"app in vllm\"\nport = 1",
+            "parentheses",
+        ),
+        (
+            "[discovery]\nkind = \"kubernetes\"\nselector = \"app=vllm\"\nport = 1\ndecode_selector = \"role=\"\nprefill_selector = \"!\"",
+            "discovery.prefill_selector",
+        ),
+        ("[discovery]\nkind = \"inference-pool\"", "discovery.inference_pool"),
+        (
+            "[discovery]\nkind = \"kubernetes\"\nservice = \"s\"\n[[model]]\nname = \"m\"",
+            "discovery.model",
+        ),
+        (
+            "[discovery]\nkind = \"kubernetes\"\nservice = \"s\"\nmodel = \"x\"\n[[model]]\nname = \"m\"",
+            "no [[model]] has that name",
+        ),
+        ("[discovery]\nkind = \"dns\"", "unknown variant"),
+    ] {
+        let e = match base(section) {
+            Err(e) => e,
+            Ok(()) => panic!("{section:?} validated"),
+        };
+        assert!(e.contains(says), "{section:?}: {e}");
+    }
+    // A pool with no backend of its own is fine when discovery finds them.
+    base("[discovery]\nkind = \"kubernetes\"\nservice = \"s\"\nmodel_label = \"model\"\n[[model]]\nname = \"m\"")
+        .unwrap();
 }

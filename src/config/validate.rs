@@ -81,7 +81,8 @@ impl ServeConfig {
             ));
         }
         self.validate_backends()?;
-        models::validate_models(&self.models, &self.backends)?;
+        models::validate_models(&self.models, &self.backends, self.discovery.is_on())?;
+        self.discovery.validate(&self.models)?;
         if let Err(e) = self.policy.validate() {
             // The field is relative to `[policy]`.
             let e = e.within("policy");
@@ -300,11 +301,11 @@ impl ServeConfig {
     fn validate_backends(&self) -> Result<(), ConfigError> {
         use ConfigError as E;
 
-        if self.backends.is_empty() {
+        if self.backends.is_empty() && !self.discovery.is_on() {
             return Err(E::invalid(
                 "backend",
                 "[]",
-                "at least one backend is needed ([[backend]] url = \"http://host:port\", or --backend URL)",
+                "at least one backend is needed ([[backend]] url = \"http://host:port\", or --backend URL), or [discovery] to find them",
             ));
         }
         if self.backends.len() > MAX_BACKENDS {

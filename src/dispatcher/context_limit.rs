@@ -19,7 +19,7 @@
 //! engine can take the request.
 
 use serde_json::{Value, json};
-use shm_layout::{EngineContext, ServerState, ServerTable};
+use shm_layout::{EngineContext, MemberKey, ServerState, ServerTable};
 
 /// A request no live engine can take: the largest context among them, and
 /// what the request needs.
@@ -76,7 +76,7 @@ pub fn fits(context: EngineContext, prompt: u64, output: Option<u64>) -> bool {
 /// admits, when every one of them has said its own (`None` otherwise, or
 /// with none live): the most output one answer can have is this less its
 /// prompt.
-pub fn largest(servers: &ServerTable<'_>, serves: impl Fn(Option<u64>) -> bool) -> Option<EngineContext> {
+pub fn largest(servers: &ServerTable<'_>, serves: impl Fn(Option<MemberKey>) -> bool) -> Option<EngineContext> {
     let mut largest: Option<EngineContext> = None;
     for context in live_contexts(servers, serves) {
         let context = context?;
@@ -91,13 +91,13 @@ pub fn largest(servers: &ServerTable<'_>, serves: impl Fn(Option<u64>) -> bool) 
 /// admits (`None` for one that has not said its own).
 fn live_contexts<'t>(
     servers: &'t ServerTable<'_>,
-    serves: impl Fn(Option<u64>) -> bool + 't,
+    serves: impl Fn(Option<MemberKey>) -> bool + 't,
 ) -> impl Iterator<Item = Option<EngineContext>> + 't {
     (0..servers.capacity() as u16).filter_map(move |slot| {
         let (server, ServerState::Up) = servers.current(slot)? else {
             return None;
         };
-        serves(servers.id_of(slot)).then(|| servers.engine_context(server))
+        serves(servers.membership(slot)).then(|| servers.engine_context(server))
     })
 }
 
@@ -106,7 +106,7 @@ fn live_contexts<'t>(
 /// server id) admits (see the [module docs](self)).
 pub fn check(
     servers: &ServerTable<'_>,
-    serves: impl Fn(Option<u64>) -> bool,
+    serves: impl Fn(Option<MemberKey>) -> bool,
     prompt: u64,
     output: Option<u64>,
 ) -> Result<(), ContextExceeded> {
@@ -172,7 +172,7 @@ mod tests {
         assert_eq!(check(servers, |_| true, 5000, None), Ok(()), "b has not said");
         assert!(servers.set_engine_context(b, Some(VLLM)));
         assert_eq!(check(servers, |_| true, 5000, Some(100)), Ok(()), "b takes it");
-        let only_a = |id: Option<u64>| id == Some(1);
+        let only_a = |key: Option<MemberKey>| key.is_some_and(|k| k.id == 1);
         assert!(check(servers, only_a, 5000, Some(100)).is_err(), "a's pool: a cannot");
         let refused = check(servers, |_| true, 8100, Some(100)).unwrap_err();
         assert_eq!(

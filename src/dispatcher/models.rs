@@ -141,7 +141,10 @@ fn configured(dispatcher: &Dispatcher, pools: &ModelPools, caller: Option<&Calle
     let tables = dispatcher.segment().tables();
     let mut candidates = Vec::new();
     live_candidates(&tables, &mut candidates);
-    let ids: Vec<Option<u64>> = candidates.iter().map(|c| tables.servers.id_of(c.server.slot)).collect();
+    let keys: Vec<_> = candidates
+        .iter()
+        .map(|c| tables.servers.membership(c.server.slot))
+        .collect();
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -157,7 +160,7 @@ fn configured(dispatcher: &Dispatcher, pools: &ModelPools, caller: Option<&Calle
                 "owned_by": "semlb",
                 "root": pool.base().unwrap_or(name),
                 "parent": pool.base(),
-                "live_servers": ids.iter().filter(|i| pool.members().admits(**i)).count(),
+                "live_servers": keys.iter().filter(|k| pool.members().admits(**k)).count(),
             })
         })
         .collect();

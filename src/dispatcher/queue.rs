@@ -345,7 +345,7 @@ fn route_waiting(
             kept.extend(
                 candidates
                     .iter()
-                    .filter(|c| !r.exclude.contains(&c.server) && members.admits(servers.id_of(c.server.slot))),
+                    .filter(|c| !r.exclude.contains(&c.server) && members.admits(servers.membership(c.server.slot))),
             );
             kept
         };

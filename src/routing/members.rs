@@ -1,12 +1,13 @@
 //! The servers a request may go to: its model pool's, by
-//! [`crate::store::server_id`] (every server for the implicit pool and for
-//! requests without a model), of the role its part of the work needs
+//! [`crate::store::server_id`] or, for servers found by discovery, by the
+//! pool their registration names ([`PoolTag`]) (every server for the
+//! implicit pool and for requests without a model), of the role its part of the work needs
 //! ([`Leg`]: a prefill engine of a disaggregated fleet takes prefill legs,
 //! never a request of its own).
 
 use std::sync::Arc;
 
-use shm_layout::ServerRole;
+use shm_layout::{MemberKey, PoolTag, ServerRole};
 
 /// Which part of a request a server is chosen for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -33,17 +34,26 @@ impl Leg {
     }
 }
 
-/// The servers of a pool, by [`crate::store::server_id`].
+/// The servers of a pool: those it lists, by [`crate::store::server_id`],
+/// and those registered in it by discovery (their [`PoolTag`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Members(Option<Arc<[u64]>>);
+pub struct Members {
+    /// The ids it lists; `None`: every server (the implicit pool).
+    ids: Option<Arc<[u64]>>,
+    /// Its tag: a server registered with it is a member too.
+    pool: PoolTag,
+}
 
 /// [`Members::every`], for borrowing.
-static EVERY: Members = Members(None);
+static EVERY: Members = Members {
+    ids: None,
+    pool: PoolTag::NONE,
+};
 
 impl Members {
     /// Every server (the implicit pool).
     pub fn every() -> Self {
-        Self(None)
+        Self::default()
     }
 
     /// Every server, borrowed for as long as needed.
@@ -51,21 +61,24 @@ impl Members {
         &EVERY
     }
 
-    /// The servers with these ids.
-    pub fn of(ids: impl IntoIterator<Item = u64>) -> Self {
-        Self(Some(ids.into_iter().collect()))
+    /// The servers with these ids, and those registered in pool `pool`.
+    pub fn of(ids: impl IntoIterator<Item = u64>, pool: PoolTag) -> Self {
+        Self {
+            ids: Some(ids.into_iter().collect()),
+            pool,
+        }
     }
 
-    /// Whether the server with id `id` (`None`: not readable) serves it.
-    pub fn admits(&self, id: Option<u64>) -> bool {
-        match &self.0 {
+    /// Whether the server `key` says (`None`: not readable) serves it.
+    pub fn admits(&self, key: Option<MemberKey>) -> bool {
+        match &self.ids {
             None => true,
-            Some(ids) => id.is_some_and(|id| ids.contains(&id)),
+            Some(ids) => key.is_some_and(|k| ids.contains(&k.id) || (!k.pool.is_none() && k.pool == self.pool)),
         }
     }
 
     /// Whether this is every server.
     pub fn is_every(&self) -> bool {
-        self.0.is_none()
+        self.ids.is_none()
     }
 }

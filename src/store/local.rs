@@ -86,7 +86,7 @@ impl LocalState {
         live_candidates(&tables, out);
         out.retain(|c| !exclude.contains(&c.server) && leg.admits(tables.servers.role_of(c.server)));
         if !members.is_every() {
-            out.retain(|c| members.admits(tables.servers.id_of(c.server.slot)));
+            out.retain(|c| members.admits(tables.servers.membership(c.server.slot)));
         }
         let now_ms = self.segment.clock().now_ms();
         for c in out.iter_mut() {

@@ -14,7 +14,8 @@
 //! │          · KV events (generation:32 | sync:32)
 //! │          · started since the scrape (64)
 //! ├ lines 2-5 ─ address, up to 256 bytes
-//! └ line 6 ─ role (generation:32 | bootstrap port:16 | role:8, [`ServerRole`]) · 7 words reserved
+//! └ line 6 ─ role (generation:32 | bootstrap port:16 | role:8, [`ServerRole`])
+//!            · pool (generation:32 | pool tag:32, [`PoolTag`]) · 6 words reserved
 //! ```
 //!
 //! * A slot's address and id change only while it is `Configuring`, and
@@ -65,10 +66,12 @@ use crate::words::{load_bytes, store_bytes, words_for};
 
 mod facts;
 mod ledger;
+mod pool;
 mod role;
 
 pub use facts::{EngineContext, KvEventsSync};
 pub use ledger::{MAX_CHARGED_TOKENS, Reclaimed};
+pub use pool::{MemberKey, PoolTag};
 pub use role::{Disaggregation, ServerRole};
 
 /// Longest server address stored (bytes of UTF-8).
@@ -230,7 +233,8 @@ pub(crate) struct ServerSlot {
     started_since_scrape: AtomicU64,
     address: [AtomicU64; MAX_ADDRESS_BYTES / 8],
     role: AtomicU64,
-    _reserved: [AtomicU64; 7],
+    pool: AtomicU64,
+    _reserved: [AtomicU64; 6],
 }
 
 #[cfg(not(loom))]
@@ -291,6 +295,7 @@ impl ServerSlot {
             started_since_scrape: AtomicU64::new(0),
             address: std::array::from_fn(|_| AtomicU64::new(0)),
             role: AtomicU64::new(0),
+            pool: AtomicU64::new(0),
             _reserved: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
@@ -377,6 +382,20 @@ impl<'a> ServerTable<'a> {
         now_ms: u64,
         pd: Disaggregation,
     ) -> Result<ServerRef, RegisterError> {
+        self.register_in(id, address, now_ms, pd, PoolTag::NONE)
+    }
+
+    /// Registers a server of role `pd` in the model pool `pool` (servers
+    /// found by discovery, which a pool does not list by id: see
+    /// [`PoolTag`]); otherwise as [`register_as`](Self::register_as).
+    pub fn register_in(
+        &self,
+        id: u64,
+        address: &str,
+        now_ms: u64,
+        pd: Disaggregation,
+        pool: PoolTag,
+    ) -> Result<ServerRef, RegisterError> {
         let bytes = address.as_bytes();
         if bytes.len() > MAX_ADDRESS_BYTES {
             return Err(RegisterError::AddressTooLong { len: bytes.len() });
@@ -410,6 +429,8 @@ impl<'a> ServerTable<'a> {
             slot.address_meta.store(meta, Ordering::Relaxed);
             slot.role
                 .store((u64::from(generation) << 32) | u64::from(pd.pack()), Ordering::Relaxed);
+            slot.pool
+                .store((u64::from(generation) << 32) | u64::from(pool.0), Ordering::Relaxed);
             slot.state
                 .store(self.state_word(generation, ServerState::Up), Ordering::Release);
             return Ok(server);

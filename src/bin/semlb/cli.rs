@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use semlb::config::ServeOverrides;
 use semlb::config::size::ByteSize;
-use semlb::config::{PdProtocol, RedisLookup, StoreKind};
+use semlb::config::{DiscoveryKind, PdProtocol, RedisLookup, StoreKind};
 use semlb::routing::PolicyKind;
 use semlb::tenancy::fair_share::Priority;
 
@@ -145,6 +145,27 @@ pub struct ServeArgs {
     /// (`[metrics] listen`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Find backends at run time (`[discovery] kind`): file, kubernetes or
+    /// inference-pool.
+    #[arg(long, value_name = "KIND")]
+    pub discovery: Option<DiscoveryKind>,
+    /// The endpoints file of `--discovery file` (`discovery.path`).
+    #[arg(long, value_name = "PATH")]
+    pub discovery_file: Option<PathBuf>,
+    /// The engine Pods' label selector of `--discovery kubernetes`
+    /// (`discovery.selector`), e.g. `app=vllm`.
+    #[arg(long, value_name = "SELECTOR")]
+    pub discovery_selector: Option<String>,
+    /// The Kubernetes namespace to discover in (`discovery.namespace`).
+    #[arg(long, value_name = "NAMESPACE")]
+    pub discovery_namespace: Option<String>,
+    /// The discovered engines' port (`discovery.port`).
+    #[arg(long, value_name = "PORT")]
+    pub discovery_port: Option<u16>,
+    /// The InferencePool of `--discovery inference-pool`
+    /// (`discovery.inference_pool`).
+    #[arg(long, value_name = "NAME")]
+    pub inference_pool: Option<String>,
     /// Also start N simulated engines (default 3) on loopback and use them
     /// as the backends: the gateway runs on one machine with no GPU. Unless
     /// given, --listen is then 127.0.0.1:8080 and --shm-name semlb-demo.
@@ -251,6 +272,12 @@ impl ServeArgs {
             admin_listen: self.admin_listen,
             admin_token_file: self.admin_token_file.clone(),
             metrics_listen: self.metrics_listen,
+            discovery: self.discovery,
+            discovery_file: self.discovery_file.clone(),
+            discovery_selector: self.discovery_selector.clone(),
+            discovery_namespace: self.discovery_namespace.clone(),
+            discovery_port: self.discovery_port,
+            inference_pool: self.inference_pool.clone(),
         }
     }
 
@@ -304,6 +331,15 @@ impl ServeArgs {
             self.admin_token_file.as_ref().map(|v| v.display().to_string()),
         );
         flag("--metrics-listen", self.metrics_listen.map(|v| v.to_string()));
+        flag("--discovery", self.discovery.map(|v| v.to_string()));
+        flag(
+            "--discovery-file",
+            self.discovery_file.as_ref().map(|v| v.display().to_string()),
+        );
+        flag("--discovery-selector", self.discovery_selector.clone());
+        flag("--discovery-namespace", self.discovery_namespace.clone());
+        flag("--discovery-port", self.discovery_port.map(|v| v.to_string()));
+        flag("--inference-pool", self.inference_pool.clone());
         out.extend(self.log.to_args());
         out
     }

@@ -38,7 +38,9 @@ pub(super) const REQUEST_ID: &str = "x-request-id";
 /// Whether `members` (a pool's servers) has an engine of `role` up: a
 /// request of the pool is split only when it has a prefill engine up.
 pub(super) fn has_up(servers: &shm_layout::ServerTable<'_>, members: &Members, role: ServerRole) -> bool {
-    servers.up_of_role(role).any(|(_, id)| members.admits(Some(id)))
+    servers
+        .up_of_role(role)
+        .any(|(server, _)| members.admits(servers.membership(server.slot)))
 }
 
 /// A leg that runs beside the answer (SGLang's prefill leg): it ends when

@@ -8,14 +8,18 @@
 //! or after `drain_timeout_secs`; one listed again while still draining is
 //! `Up` again; unchanged ones are not touched (their prefix entries, load
 //! and counts stay). A reload applies the file's list with
-//! [`Backends::apply`], the admin API one backend at a time.
+//! [`Backends::apply`], the admin API one backend at a time, discovery a
+//! source's whole set with [`Backends::discovered`]. Each manages its own:
+//! a reload leaves discovered backends alone, discovery leaves configured
+//! and added ones alone (a backend both configured and discovered is the
+//! configuration's).
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow};
 use semlb::config::{BackendConfig, BackendUrlError};
-use shm_layout::{Segment, ServerInfo, ServerRef, ServerState};
+use shm_layout::{PoolTag, Segment, ServerInfo, ServerRef, ServerState};
 
 /// The backends registered in the server table: the configured ones, and
 /// the removed ones still draining.
@@ -32,6 +36,8 @@ pub(super) struct Backends<'a> {
     /// Addresses of live backends added through the admin API and not (or
     /// not yet) listed in the configuration.
     from_admin: HashSet<String>,
+    /// Addresses of live backends found by discovery and not configured.
+    from_discovery: HashSet<String>,
     /// Registrations an earlier supervisor left, not yet configured or
     /// drained ([`Backends::adopt`]).
     adopted: Vec<(String, ServerRef)>,
@@ -89,6 +95,7 @@ impl<'a> Backends<'a> {
             draining: Vec::new(),
             names: HashMap::new(),
             from_admin: HashSet::new(),
+            from_discovery: HashSet::new(),
             adopted: Vec::new(),
         }
     }
@@ -140,16 +147,23 @@ impl<'a> Backends<'a> {
     /// Registers `backend` in the server table (state `Up`: dispatchers
     /// route to it at once) and counts it as configured.
     pub(super) fn register(&mut self, backend: &BackendConfig) -> Result<ServerRef> {
+        self.register_in(backend, PoolTag::NONE)
+    }
+
+    /// [`Backends::register`], in model pool `pool` (discovery's backends,
+    /// which no pool lists).
+    fn register_in(&mut self, backend: &BackendConfig, pool: PoolTag) -> Result<ServerRef> {
         let address = address_of(backend).map_err(|e| anyhow!("backend {}: {e}", backend.url))?;
         let server = self
             .segment
             .tables()
             .servers
-            .register_as(
+            .register_in(
                 semlb::store::server_id(&address),
                 &address,
                 self.segment.clock().now_ms(),
                 backend.role.with_port(backend.bootstrap_port),
+                pool,
             )
             .with_context(|| format!("registering backend {}", backend.url))?;
         self.names.insert(address.clone(), backend.display_name());
@@ -183,6 +197,7 @@ impl<'a> Backends<'a> {
         let (address, server) = self.live.remove(i);
         self.segment.tables().servers.set_state(server, ServerState::Draining);
         self.from_admin.remove(&address);
+        self.from_discovery.remove(&address);
         self.draining.push((address.clone(), server, until));
         address
     }
@@ -214,7 +229,12 @@ impl<'a> Backends<'a> {
         }
         let (mut added, mut removed) = (0, 0);
         let until = Instant::now() + drain_timeout;
-        while let Some(i) = self.live.iter().position(|(a, _)| !wanted.iter().any(|(w, _)| w == a)) {
+        // Discovered backends are discovery's to remove.
+        while let Some(i) = self
+            .live
+            .iter()
+            .position(|(a, _)| !self.from_discovery.contains(a) && !wanted.iter().any(|(w, _)| w == a))
+        {
             let address = self.start_draining(i, until);
             tracing::info!(backend = %address, "reload: backend {address} removed; draining it");
             removed += 1;
@@ -222,6 +242,7 @@ impl<'a> Backends<'a> {
         for (address, backend) in wanted {
             // Listed in the file: the file's from now on, under its name.
             self.from_admin.remove(&address);
+            self.from_discovery.remove(&address);
             self.names.insert(address.clone(), backend.display_name());
             if let Some((_, server)) = self.live.iter().find(|(a, _)| *a == address) {
                 self.keep_role(*server, &address, backend);
@@ -275,6 +296,67 @@ impl<'a> Backends<'a> {
         Ok(server)
     }
 
+    /// Makes `found` (a discovery source's whole set: address, backend,
+    /// pool) the discovered backends, as [`Backends::apply`] does for the
+    /// configured ones: those no longer found drain (retired at the
+    /// latest after `drain_timeout`), new ones register in their pool,
+    /// returning ones (still draining) are `Up` again, the others keep
+    /// their registration (their role and pool follow the source). A
+    /// backend configured or added through the admin API is left to
+    /// them. Returns how many were added and removed.
+    pub(super) fn discovered(
+        &mut self,
+        found: &[(String, BackendConfig, PoolTag)],
+        drain_timeout: Duration,
+    ) -> (usize, usize) {
+        let (mut added, mut removed) = (0, 0);
+        let until = Instant::now() + drain_timeout;
+        while let Some(i) = self
+            .live
+            .iter()
+            .position(|(a, _)| self.from_discovery.contains(a) && !found.iter().any(|(f, _, _)| f == a))
+        {
+            let address = self.start_draining(i, until);
+            tracing::info!(backend = %address, "discovery: backend {address} is gone; draining it");
+            removed += 1;
+        }
+        let servers = self.segment.tables().servers;
+        for (address, backend, pool) in found {
+            if let Some((_, server)) = self.live.iter().find(|(a, _)| a == address) {
+                if self.from_discovery.contains(address) {
+                    self.keep_role(*server, address, backend);
+                    if servers.pool_of(*server) != *pool {
+                        servers.set_pool(*server, *pool);
+                    }
+                }
+                continue;
+            }
+            self.names.insert(address.clone(), backend.display_name());
+            if let Some(i) = self.draining.iter().position(|(a, _, _)| a == address)
+                && let Some((address, server)) = self.revive(i)
+            {
+                self.keep_role(server, &address, backend);
+                servers.set_pool(server, *pool);
+                tracing::info!(backend = %address, "discovery: backend {address} is back (it was still draining)");
+                self.from_discovery.insert(address);
+                added += 1;
+                continue;
+            }
+            match self.register_in(backend, *pool) {
+                Ok(server) => {
+                    tracing::info!(backend = %address, slot = server.slot, "discovery: backend {address} ({}) added", backend.display_name());
+                    self.from_discovery.insert(address.clone());
+                    added += 1;
+                }
+                Err(e) => {
+                    self.names.remove(address);
+                    tracing::error!(backend = %address, "discovery: cannot add backend {address}: {e:#}");
+                }
+            }
+        }
+        (added, removed)
+    }
+
     /// Drains the live backend in `slot`, to be retired once drained (or at
     /// `until`: [`Backends::retire_drained`]); returns its address, `None`
     /// if no live backend is there.
@@ -308,6 +390,8 @@ impl<'a> Backends<'a> {
             "removing"
         } else if self.from_admin.contains(&info.address) {
             "admin"
+        } else if self.from_discovery.contains(&info.address) {
+            "discovery"
         } else {
             "config"
         };

@@ -47,6 +47,7 @@
 //! | [`segment`] | the segment: claimed (created, adopted, replaced) at start, kept or removed at exit |
 //! | [`children`] | child slots: spawn, reap, restart with backoff, crash loops, hung children, stop |
 //! | [`backends`] | the registered backends: add, drain, retire; a reload's backend list |
+//! | [`discovered`] | backends found at run time: the discovery source followed, each set reconciled with the server table |
 //! | [`reload`] | the configuration again on SIGHUP, the settings that need a restart pinned |
 //! | [`admin`] | the admin API: its HTTP side (`admin::http`, bearer token), its commands carried out on the backends and the segment, and its model pool changes (`admin::models`: checked, kept in `admin.models_file`, applied as a reload) |
 //! | [`systemd`] | readiness probe, watchdog and `STATUS=` line for systemd |
@@ -59,6 +60,7 @@
 mod admin;
 mod backends;
 mod children;
+mod discovered;
 pub(crate) mod metrics_listener;
 mod reload;
 pub(crate) mod sd_notify;
@@ -84,6 +86,7 @@ use tokio::sync::mpsc;
 
 use self::backends::Backends;
 use self::children::Children;
+use self::discovered::Discovery;
 use self::systemd::Reports;
 use self::upgrade::{Progress, Successor};
 use crate::cli::{ChildRole, ServeArgs};
@@ -335,6 +338,10 @@ struct Supervisor<'a> {
     /// The configuration revision applied last (published in the
     /// registry: [`Supervisor::publish_revision`]).
     revision: u64,
+    /// Backends found at run time ([`discovered`]).
+    discovery: Discovery,
+    /// A configuration was applied since discovery last reconciled.
+    rediscover_due: bool,
 }
 
 /// The descriptors an upgrade hands over besides the listener, and the
@@ -412,6 +419,8 @@ impl<'a> Supervisor<'a> {
             successor: None,
             incarnation,
             revision: 0,
+            discovery: Discovery::default(),
+            rediscover_due: false,
         };
         supervisor.publish_revision();
         Ok(supervisor)
@@ -442,6 +451,7 @@ impl<'a> Supervisor<'a> {
         let mut usr2 = signal(SignalKind::user_defined2())?;
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         self.restart_health()?;
+        self.discovery = Discovery::start(&self.config.discovery).await?;
         // Admin requests reach this loop as commands; the sender is kept
         // here too, so `recv` never ends without an admin API.
         let (admin_tx, mut admin_rx) = mpsc::channel::<admin::http::Command>(16);
@@ -495,9 +505,13 @@ impl<'a> Supervisor<'a> {
                         let _ = reply.send(answer);
                     }
                 }
+                () = self.discovery.changed() => self.follow_discovery(),
                 _ = usr2.recv() => self.begin_upgrade(),
                 _ = chld.recv() => {}
                 _ = tick.tick() => {}
+            }
+            if std::mem::take(&mut self.rediscover_due) {
+                self.rediscover().await;
             }
             if let Some(successor) = &mut self.successor {
                 match successor.progress() {
@@ -621,6 +635,7 @@ impl<'a> Supervisor<'a> {
     /// restart with it.
     fn apply(&mut self, new: ServeConfig) -> u64 {
         self.reload_error = None;
+        self.rediscover_due = true;
         let (added, removed) = self.backends.apply(&new.backends, new.drain_timeout());
         // The dispatchers resolve the configuration again themselves (with
         // the same flags) and take its routing policy and pools; each says

@@ -1,0 +1,252 @@
+//! Discovery from a file (`[discovery] kind = "file"`), end to end: a real
+//! `semlb serve` follows an endpoints file while clients send requests,
+//! and what it serves follows the file (the server table and the admin
+//! API say how each backend is managed). Kubernetes discovery is tested in
+//! `tests/discovery_kubernetes.rs`.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::time::Duration;
+
+use semlb_test_support::TempDir;
+use semlb_test_support::gateway::{Gateway, chat, routed, sim, sim_with, user, wait_for};
+use semlb_test_support::process::{Proc, Stderr};
+use serde_json::json;
+
+const TOKEN: &str = "discovery-test-token-0123456789";
+
+/// A file entry for `engine`.
+fn entry(engine: &Proc, extra: &str) -> String {
+    format!("  - url: http://{}\n{extra}", engine.addr)
+}
+
+fn endpoints(entries: &[String]) -> String {
+    format!("endpoints:\n{}", entries.concat())
+}
+
+/// Writes `text` to `path` the way a deploy tool does: a new file renamed
+/// over the old one (the old inode stays with whoever had it open).
+fn replace_atomically(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// The addresses `semlb` routes to now, as the admin API lists them
+/// (`up`, and managed by discovery).
+fn discovered_up(gw: &Gateway) -> BTreeSet<String> {
+    gw.admin_servers()
+        .iter()
+        .filter(|s| s["state"] == "up" && s["managed"] == "discovery")
+        .map(|s| s["address"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+fn addresses(engines: &[&Proc]) -> BTreeSet<String> {
+    engines.iter().map(|e| format!("http://{}", e.addr)).collect()
+}
+
+/// Waits until the gateway routes to exactly `engines` (and has retired
+/// every other backend it found).
+fn follows(gw: &Gateway, engines: &[&Proc], what: &str) {
+    let want = addresses(engines);
+    wait_for(what, Duration::from_secs(20), || {
+        let listed: BTreeSet<String> = gw
+            .admin_servers()
+            .iter()
+            .map(|s| s["address"].as_str().unwrap().to_owned())
+            .collect();
+        let up = discovered_up(gw);
+        (up == want && listed == want, (up, listed))
+    });
+}
+
+/// Sends `n` new conversations (each its own prompt, so load decides) and
+/// returns the engines that answered.
+fn served_by(gw: &Gateway, n: usize, tag: &str) -> BTreeSet<String> {
+    (0..n)
+        .map(|i| {
+            let r = chat(
+                gw.addr(),
+                &[user(&format!("{tag} conversation {i}: tell me about rivers"))],
+                json!({}),
+                &[],
+            );
+            assert_eq!(r.status, 200, "{}", r.text());
+            routed(&r).0
+        })
+        .collect()
+}
+
+#[test]
+fn the_gateway_serves_what_the_endpoints_file_lists_as_it_changes() {
+    let (a, b, c) = (sim(), sim(), sim());
+    let dir = TempDir::new("discovery");
+    let file = dir.0.join("endpoints.yaml");
+    std::fs::write(&file, endpoints(&[entry(&a, ""), entry(&b, "")])).unwrap();
+    let gw = Gateway::builder()
+        .tag("discovery-file")
+        .admin(TOKEN)
+        .stderr(Stderr::CaptureEcho)
+        .args(&["--discovery", "file", "--discovery-file", file.to_str().unwrap()])
+        .config("[discovery]\npoll_ms = 20\n")
+        .start();
+    follows(&gw, &[&a, &b], "the file's two engines");
+    let served = served_by(&gw, 12, "first");
+    assert!(served.is_subset(&addresses(&[&a, &b])), "{served:?}");
+
+    // Changed in place: one engine out, one in.
+    std::fs::write(&file, endpoints(&[entry(&b, ""), entry(&c, "")])).unwrap();
+    follows(&gw, &[&b, &c], "b and c after the file changed in place");
+    let served = served_by(&gw, 12, "second");
+    assert!(served.is_subset(&addresses(&[&b, &c])), "{served:?}");
+
+    // Replaced atomically (rename over it).
+    replace_atomically(&file, &endpoints(&[entry(&c, "")]));
+    follows(&gw, &[&c], "c alone after an atomic replace");
+    assert_eq!(served_by(&gw, 4, "third"), addresses(&[&c]));
+
+    // A broken file: refused, logged, and the last good set kept.
+    let from = gw.proc.stderr_text().len();
+    std::fs::write(&file, "endpoints:\n  - url: http://nowhere\n    colour: red\n").unwrap();
+    gw.proc.wait_stderr(
+        from,
+        "is refused, keeping the endpoints found before",
+        Duration::from_secs(20),
+    );
+    assert_eq!(served_by(&gw, 4, "broken"), addresses(&[&c]));
+    // Read again (a new inode, the same broken text): not logged again.
+    replace_atomically(&file, "endpoints:\n  - url: http://nowhere\n    colour: red\n");
+    // A removed file: logged once too, and the set kept.
+    std::fs::remove_file(&file).unwrap();
+    gw.proc.wait_stderr(from, "cannot read", Duration::from_secs(20));
+    assert_eq!(served_by(&gw, 4, "missing"), addresses(&[&c]));
+    // Fixed: followed again.
+    std::fs::write(&file, endpoints(&[entry(&a, ""), entry(&c, "")])).unwrap();
+    follows(&gw, &[&a, &c], "a and c once the file is good again");
+    let log = gw.proc.stderr_text();
+    assert_eq!(
+        log[from..].matches("is refused").count(),
+        1,
+        "the broken file is logged once:\n{}",
+        &log[from..]
+    );
+    assert_eq!(log[from..].matches("cannot read").count(), 1, "{}", &log[from..]);
+}
+
+#[test]
+fn a_reload_keeps_what_discovery_found_and_discovery_keeps_configured_backends() {
+    let (configured, found) = (sim(), sim());
+    let dir = TempDir::new("discovery");
+    let file = dir.0.join("endpoints.json");
+    std::fs::write(
+        &file,
+        json!({"endpoints": [{"url": format!("http://{}", found.addr)}]}).to_string(),
+    )
+    .unwrap();
+    let gw = Gateway::builder()
+        .tag("discovery-reload")
+        .admin(TOKEN)
+        .stderr(Stderr::CaptureEcho)
+        .backends(&[&configured])
+        .config(&format!(
+            "[discovery]\nkind = \"file\"\npath = {:?}\npoll_ms = 20\n",
+            file.to_str().unwrap()
+        ))
+        .start();
+    let managed = |engine: &Proc| {
+        gw.admin_server(&format!("http://{}", engine.addr))
+            .map(|s| s["managed"].as_str().unwrap().to_owned())
+    };
+    wait_for("the found engine", Duration::from_secs(20), || {
+        (managed(&found).as_deref() == Some("discovery"), managed(&found))
+    });
+    assert_eq!(managed(&configured).as_deref(), Some("config"));
+    // A reload applies the file's (flags') backend list: the found engine stays.
+    let from = gw.proc.stderr_text().len();
+    gw.proc.signal(nix::sys::signal::Signal::SIGHUP);
+    gw.proc.wait_stderr(from, "reloaded:", Duration::from_secs(20));
+    assert_eq!(gw.admin_servers().len(), 2);
+    assert_eq!(managed(&found).as_deref(), Some("discovery"));
+    // An empty file: discovery's engine drains, the configured one stays.
+    std::fs::write(&file, "[]").unwrap();
+    wait_for("the found engine gone", Duration::from_secs(20), || {
+        (managed(&found).is_none(), managed(&found))
+    });
+    assert_eq!(managed(&configured).as_deref(), Some("config"));
+    let r = chat(gw.addr(), &[user("still served")], json!({}), &[]);
+    assert_eq!(r.status, 200);
+    assert_eq!(routed(&r).0, format!("http://{}", configured.addr));
+}
+
+#[test]
+fn discovered_engines_serve_the_pool_their_model_names() {
+    let (qwen, llama) = (
+        sim_with("0.01", &["--model", "qwen"]),
+        sim_with("0.01", &["--model", "llama"]),
+    );
+    let unknown = sim_with("0.01", &["--model", "mistral"]);
+    let dir = TempDir::new("discovery");
+    let file = dir.0.join("endpoints.yaml");
+    std::fs::write(
+        &file,
+        endpoints(&[
+            entry(&qwen, "    model: qwen-chat\n"),
+            entry(&llama, "    model: llama\n"),
+            entry(&unknown, "    model: mistral\n"),
+        ]),
+    )
+    .unwrap();
+    let gw = Gateway::builder()
+        .tag("discovery-pools")
+        .admin(TOKEN)
+        .stderr(Stderr::CaptureEcho)
+        .config(&format!(
+            "[discovery]\nkind = \"file\"\npath = {:?}\npoll_ms = 20\n\n\
+             [[model]]\nname = \"qwen\"\naliases = [\"qwen-chat\"]\n\n[[model]]\nname = \"llama\"\n",
+            file.to_str().unwrap()
+        ))
+        .start();
+    follows(&gw, &[&qwen, &llama], "the two engines whose model has a pool");
+    gw.proc.wait_stderr(0, "which no [[model]] has", Duration::from_secs(5));
+    for (model, engine) in [("qwen", &qwen), ("qwen-chat", &qwen), ("llama", &llama)] {
+        let served: BTreeSet<String> = (0..6)
+            .map(|i| {
+                let r = chat(
+                    gw.addr(),
+                    &[user(&format!("{model} {i}: a question"))],
+                    json!({"model": model}),
+                    &[],
+                );
+                assert_eq!(r.status, 200, "{}", r.text());
+                routed(&r).0
+            })
+            .collect();
+        assert_eq!(served, addresses(&[engine]), "model {model}");
+    }
+    // An engine's model changes (it was redeployed with another; here
+    // the file says so): it moves to the other pool.
+    std::fs::write(
+        &file,
+        endpoints(&[entry(&qwen, "    model: llama\n"), entry(&llama, "    model: llama\n")]),
+    )
+    .unwrap();
+    wait_for("qwen's engine in the llama pool", Duration::from_secs(20), || {
+        let r = gw.request("GET", "/v1/models", None, &[]).unwrap();
+        let live: Vec<(String, u64)> = r.json()["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                (
+                    m["id"].as_str().unwrap().to_owned(),
+                    m["live_servers"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        let ok = live.contains(&("llama".into(), 2)) && live.contains(&("qwen".into(), 0));
+        (ok, live)
+    });
+    let r = chat(gw.addr(), &[user("no engine left")], json!({"model": "qwen"}), &[]);
+    assert_eq!(r.status, 503, "{}", r.text());
+}
