@@ -10,6 +10,7 @@
 //! | [`process`] | a child of the `semlb` binary that prints its address ([`process::Proc`]), found next to the running executable ([`process::semlb_exe`]) |
 //! | [`gateway`] | `semlb serve` in front of simulated engines ([`gateway::Gateway`], built with options by [`gateway::GatewayBuilder`]), chat requests, Prometheus text, SSE text |
 //! | [`http`] | a minimal HTTP/1.1 client, one request per connection |
+//! | [`kube_api`] | a stand-in of the Kubernetes API server's list and watch (Pods, EndpointSlices, InferencePools) for discovery tests ([`kube_api::KubeApi`]), with object builders |
 //! | [`keepalive`] | a blocking HTTP/1.1 client on one keep-alive connection, reconnecting when the server says `connection: close`, as agents' clients do |
 //! | [`notify`] | the `$NOTIFY_SOCKET` a test owns in systemd's place: every datagram, and waits for lines |
 //! | [`client`] | the async HTTP/1.1 client of in-process tests (a dispatcher or the simulator on the test's runtime), with deadlines |
@@ -31,6 +32,7 @@ pub mod client;
 pub mod gateway;
 pub mod http;
 pub mod keepalive;
+pub mod kube_api;
 pub mod llama;
 pub mod notify;
 pub mod process;
