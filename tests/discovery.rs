@@ -32,50 +32,8 @@ fn replace_atomically(path: &Path, text: &str) {
     std::fs::rename(&tmp, path).unwrap();
 }
 
-/// The addresses `semlb` routes to now, as the admin API lists them
-/// (`up`, and managed by discovery).
-fn discovered_up(gw: &Gateway) -> BTreeSet<String> {
-    gw.admin_servers()
-        .iter()
-        .filter(|s| s["state"] == "up" && s["managed"] == "discovery")
-        .map(|s| s["address"].as_str().unwrap().to_owned())
-        .collect()
-}
-
 fn addresses(engines: &[&Proc]) -> BTreeSet<String> {
     engines.iter().map(|e| format!("http://{}", e.addr)).collect()
-}
-
-/// Waits until the gateway routes to exactly `engines` (and has retired
-/// every other backend it found).
-fn follows(gw: &Gateway, engines: &[&Proc], what: &str) {
-    let want = addresses(engines);
-    wait_for(what, Duration::from_secs(20), || {
-        let listed: BTreeSet<String> = gw
-            .admin_servers()
-            .iter()
-            .map(|s| s["address"].as_str().unwrap().to_owned())
-            .collect();
-        let up = discovered_up(gw);
-        (up == want && listed == want, (up, listed))
-    });
-}
-
-/// Sends `n` new conversations (each its own prompt, so load decides) and
-/// returns the engines that answered.
-fn served_by(gw: &Gateway, n: usize, tag: &str) -> BTreeSet<String> {
-    (0..n)
-        .map(|i| {
-            let r = chat(
-                gw.addr(),
-                &[user(&format!("{tag} conversation {i}: tell me about rivers"))],
-                json!({}),
-                &[],
-            );
-            assert_eq!(r.status, 200, "{}", r.text());
-            routed(&r).0
-        })
-        .collect()
 }
 
 #[test]
@@ -91,20 +49,20 @@ fn the_gateway_serves_what_the_endpoints_file_lists_as_it_changes() {
         .args(&["--discovery", "file", "--discovery-file", file.to_str().unwrap()])
         .config("[discovery]\npoll_ms = 20\n")
         .start();
-    follows(&gw, &[&a, &b], "the file's two engines");
-    let served = served_by(&gw, 12, "first");
+    gw.wait_discovered(&[&a, &b], "the file's two engines");
+    let served = gw.served_by(12, "first");
     assert!(served.is_subset(&addresses(&[&a, &b])), "{served:?}");
 
     // Changed in place: one engine out, one in.
     std::fs::write(&file, endpoints(&[entry(&b, ""), entry(&c, "")])).unwrap();
-    follows(&gw, &[&b, &c], "b and c after the file changed in place");
-    let served = served_by(&gw, 12, "second");
+    gw.wait_discovered(&[&b, &c], "b and c after the file changed in place");
+    let served = gw.served_by(12, "second");
     assert!(served.is_subset(&addresses(&[&b, &c])), "{served:?}");
 
     // Replaced atomically (rename over it).
     replace_atomically(&file, &endpoints(&[entry(&c, "")]));
-    follows(&gw, &[&c], "c alone after an atomic replace");
-    assert_eq!(served_by(&gw, 4, "third"), addresses(&[&c]));
+    gw.wait_discovered(&[&c], "c alone after an atomic replace");
+    assert_eq!(gw.served_by(4, "third"), addresses(&[&c]));
 
     // A broken file: refused, logged, and the last good set kept.
     let from = gw.proc.stderr_text().len();
@@ -114,16 +72,16 @@ fn the_gateway_serves_what_the_endpoints_file_lists_as_it_changes() {
         "is refused, keeping the endpoints found before",
         Duration::from_secs(20),
     );
-    assert_eq!(served_by(&gw, 4, "broken"), addresses(&[&c]));
+    assert_eq!(gw.served_by(4, "broken"), addresses(&[&c]));
     // Read again (a new inode, the same broken text): not logged again.
     replace_atomically(&file, "endpoints:\n  - url: http://nowhere\n    colour: red\n");
     // A removed file: logged once too, and the set kept.
     std::fs::remove_file(&file).unwrap();
     gw.proc.wait_stderr(from, "cannot read", Duration::from_secs(20));
-    assert_eq!(served_by(&gw, 4, "missing"), addresses(&[&c]));
+    assert_eq!(gw.served_by(4, "missing"), addresses(&[&c]));
     // Fixed: followed again.
     std::fs::write(&file, endpoints(&[entry(&a, ""), entry(&c, "")])).unwrap();
-    follows(&gw, &[&a, &c], "a and c once the file is good again");
+    gw.wait_discovered(&[&a, &c], "a and c once the file is good again");
     let log = gw.proc.stderr_text();
     assert_eq!(
         log[from..].matches("is refused").count(),
@@ -207,7 +165,7 @@ fn discovered_engines_serve_the_pool_their_model_names() {
             file.to_str().unwrap()
         ))
         .start();
-    follows(&gw, &[&qwen, &llama], "the two engines whose model has a pool");
+    gw.wait_discovered(&[&qwen, &llama], "the two engines whose model has a pool");
     gw.proc.wait_stderr(0, "which no [[model]] has", Duration::from_secs(5));
     for (model, engine) in [("qwen", &qwen), ("qwen-chat", &qwen), ("llama", &llama)] {
         let served: BTreeSet<String> = (0..6)

@@ -8,12 +8,12 @@
 
 use std::collections::BTreeMap;
 
+use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{ApiResource, DynamicObject};
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::{WatchStreamExt, watcher as watch_stream};
 use kube::{Api, Client};
-use futures_util::StreamExt;
 use tokio::sync::watch;
 
 use super::super::Endpoints;
@@ -199,7 +199,10 @@ mod tests {
         for (spec, says) in [
             (json!({"targetPorts": [{"number": 8000}]}), "matchLabels is empty"),
             (json!({"selector": {"matchLabels": {"app": "vllm"}}}), "targetPorts"),
-            (json!({"selector": {"matchLabels": {"app": 3}}, "targetPorts": [{"number": 1}]}), "matchLabels"),
+            (
+                json!({"selector": {"matchLabels": {"app": 3}}, "targetPorts": [{"number": 1}]}),
+                "matchLabels",
+            ),
         ] {
             let e = PoolSpec::of(&pool(spec)).unwrap_err();
             assert!(e.contains(says), "{e}");

@@ -104,7 +104,11 @@ impl PodRules {
         self.model_label
             .as_ref()
             .and_then(|k| m.labels.as_ref()?.get(k))
-            .or_else(|| self.model_annotation.as_ref().and_then(|k| m.annotations.as_ref()?.get(k)))
+            .or_else(|| {
+                self.model_annotation
+                    .as_ref()
+                    .and_then(|k| m.annotations.as_ref()?.get(k))
+            })
             .cloned()
     }
 
@@ -207,7 +211,8 @@ mod tests {
             ("Succeeded", "True", false),
         ] {
             assert!(
-                r.endpoints(&pod(labels.clone(), phase, ready, deleting), &[]).is_empty(),
+                r.endpoints(&pod(labels.clone(), phase, ready, deleting), &[])
+                    .is_empty(),
                 "{phase} {ready} {deleting}"
             );
         }
@@ -216,7 +221,8 @@ mod tests {
     #[test]
     fn ports_come_from_the_setting_a_named_container_port_or_the_pool() {
         let p = pod(json!({}), "Running", "True", false);
-        let urls = |r: &PodRules, targets: &[u16]| r.endpoints(&p, targets).into_iter().map(|e| e.url).collect::<Vec<_>>();
+        let urls =
+            |r: &PodRules, targets: &[u16]| r.endpoints(&p, targets).into_iter().map(|e| e.url).collect::<Vec<_>>();
         assert_eq!(urls(&rules(None, Some("http")), &[]), ["http://10.1.2.3:8000"]);
         assert_eq!(urls(&rules(None, Some("grpc")), &[]), Vec::<String>::new());
         assert_eq!(urls(&rules(Some(30000), Some("http")), &[]), ["http://10.1.2.3:30000"]);
@@ -224,7 +230,12 @@ mod tests {
             urls(&rules(None, None), &[8000, 8001]),
             ["http://10.1.2.3:8000", "http://10.1.2.3:8001"]
         );
-        assert!(rules(None, None).endpoints(&p, &[8000, 8001]).iter().all(|e| e.name.is_none()));
+        assert!(
+            rules(None, None)
+                .endpoints(&p, &[8000, 8001])
+                .iter()
+                .all(|e| e.name.is_none())
+        );
         // The model from the annotation when the label is absent.
         assert_eq!(
             rules(Some(1), None).endpoints(&p, &[])[0].model.as_deref(),
@@ -234,7 +245,14 @@ mod tests {
 
     #[test]
     fn roles_come_from_the_selectors_or_llm_d_s_label() {
-        let labelled = |role: &str| pod(json!({"app": "vllm", "llm-d.ai/role": role, "tier": role}), "Running", "True", false);
+        let labelled = |role: &str| {
+            pod(
+                json!({"app": "vllm", "llm-d.ai/role": role, "tier": role}),
+                "Running",
+                "True",
+                false,
+            )
+        };
         let plain = rules(Some(8000), None);
         assert_eq!(plain.endpoints(&labelled("prefill"), &[])[0].role, BackendRole::Prefill);
         assert_eq!(plain.endpoints(&labelled("decode"), &[])[0].role, BackendRole::Decode);
@@ -246,7 +264,10 @@ mod tests {
             BackendRole::Prefill,
             "the selectors, not the label"
         );
-        assert_eq!(by_selector.endpoints(&labelled("prefill"), &[])[0].role, BackendRole::Both);
+        assert_eq!(
+            by_selector.endpoints(&labelled("prefill"), &[])[0].role,
+            BackendRole::Both
+        );
     }
 
     #[test]

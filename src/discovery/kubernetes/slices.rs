@@ -41,7 +41,10 @@ impl SliceRules {
         let ports = slice.ports.as_deref().unwrap_or_default();
         let number = |p: &k8s_openapi::api::discovery::v1::EndpointPort| p.port.and_then(|n| u16::try_from(n).ok());
         if let Some(name) = &self.port_name {
-            return ports.iter().find(|p| p.name.as_deref() == Some(name.as_str())).and_then(number);
+            return ports
+                .iter()
+                .find(|p| p.name.as_deref() == Some(name.as_str()))
+                .and_then(number);
         }
         if let Some(port) = self.port {
             return ports

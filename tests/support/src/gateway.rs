@@ -675,6 +675,41 @@ impl Gateway {
     pub fn admin_server(&self, address: &str) -> Option<Value> {
         self.admin_servers().into_iter().find(|s| s["address"] == address)
     }
+
+    /// Waits (20 s at most) until the admin API lists exactly `engines`,
+    /// each `up` and managed by discovery: the gateway routes to them and
+    /// has retired every other backend it found.
+    pub fn wait_discovered(&self, engines: &[&Proc], what: &str) {
+        let want: std::collections::BTreeSet<String> = engines.iter().map(|e| format!("http://{}", e.addr)).collect();
+        wait_for(what, Duration::from_secs(20), || {
+            let servers = self.admin_servers();
+            let address = |s: &Value| s["address"].as_str().unwrap_or_default().to_owned();
+            let listed: std::collections::BTreeSet<String> = servers.iter().map(address).collect();
+            let up: std::collections::BTreeSet<String> = servers
+                .iter()
+                .filter(|s| s["state"] == "up" && s["managed"] == "discovery")
+                .map(address)
+                .collect();
+            (up == want && listed == want, (up, listed))
+        });
+    }
+
+    /// Sends `n` new conversations (each its own prompt, so load decides
+    /// where each goes), each answered 200; the backends that answered.
+    pub fn served_by(&self, n: usize, tag: &str) -> std::collections::BTreeSet<String> {
+        (0..n)
+            .map(|i| {
+                let r = chat(
+                    self.addr(),
+                    &[user(&format!("{tag} conversation {i}: tell me about rivers"))],
+                    json!({}),
+                    &[],
+                );
+                assert_eq!(r.status, 200, "{}", r.text());
+                routed(&r).0
+            })
+            .collect()
+    }
 }
 
 impl Drop for Gateway {
