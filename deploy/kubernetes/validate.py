@@ -52,7 +52,9 @@ import time
 import tomllib
 from pathlib import Path
 
+import kubernetes_validate
 import yaml
+from kubernetes_validate.utils import SchemaNotFoundError, ValidationError, VersionNotSupportedError
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -671,6 +673,179 @@ def check_overlay(name: str, objects: list[dict], problems: Problems, facts: dic
                 problems.add(at, "no backendRefs")
 
 
+def check_objects(name: str, objects: list[dict], version: str, facts: dict, problems: Problems,
+                  counts: dict) -> None:
+    """Schemas (or the hand-written checks), then the cross-references."""
+    for obj in objects:
+        at = f"{name} {obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
+        checker = HAND_CHECKED.get((obj.get("apiVersion"), obj.get("kind")))
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+            counts["schema"] += 1
+            if checker:
+                problems.add(at, "has a bundled schema now: drop its hand-written check")
+        except SchemaNotFoundError:
+            if checker is None:
+                problems.add(at, f"no schema for {obj.get('apiVersion')} {obj.get('kind')} and no check of it here")
+            else:
+                checker(at, obj, problems)
+                counts["hand"] += 1
+        except ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            problems.add(at, f"Kubernetes {version} schema: {path}: {e.message}")
+        except VersionNotSupportedError:
+            problems.add(at, f"kubernetes-validate has no schemas for {version}")
+    try:
+        check_overlay(name, objects, problems, facts)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, StopIteration) as e:
+        problems.add(name, f"malformed objects ({type(e).__name__}: {e})")
+
+
+# ---------------------------------------------------------------- self-test
+
+
+def find(objects: list[dict], kind: str) -> dict:
+    return next(o for o in objects if o["kind"] == kind)
+
+
+def semlb_container(objects: list[dict]) -> dict:
+    return find(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+
+
+def pod_spec(objects: list[dict]) -> dict:
+    return find(objects, "Deployment")["spec"]["template"]["spec"]
+
+
+def edit_config(objects: list[dict], old: str, new: str) -> None:
+    cm = find(objects, "ConfigMap")
+    assert old in cm["data"]["semlb.toml"], old
+    cm["data"]["semlb.toml"] = cm["data"]["semlb.toml"].replace(old, new)
+
+
+def shm_volume(objects: list[dict]) -> dict:
+    return next(v for v in pod_spec(objects)["volumes"] if v["name"] == "dev-shm")
+
+
+# (overlay, what is broken, how, a text the report must then contain)
+MUTATIONS = [
+    ("standalone", "an unknown field in the container", lambda o: semlb_container(o).update(bogus=1),
+     "'bogus' was unexpected"),
+    ("standalone", "a probe threshold of the wrong type",
+     lambda o: semlb_container(o)["readinessProbe"].update(failureThreshold="2"), "is not of type"),
+    ("standalone", "the Service selecting other pods",
+     lambda o: find(o, "Service")["spec"]["selector"].update({"app.kubernetes.io/name": "other"}),
+     "does not select the pods"),
+    ("standalone", "the Service's target port not a container port",
+     lambda o: find(o, "Service")["spec"]["ports"][0].update(targetPort="web"), "is not a container port"),
+    ("standalone", "a probe on a port the container lacks",
+     lambda o: semlb_container(o)["livenessProbe"]["tcpSocket"].update(port=8081), "is not a container port"),
+    ("standalone", "a readiness path that is no route",
+     lambda o: semlb_container(o)["readinessProbe"]["httpGet"].update(path="/ready"),
+     "is not a route of the HTTP front"),
+    ("standalone", "liveness on /health",
+     lambda o: semlb_container(o).update(livenessProbe={"httpGet": {"path": "/health", "port": "http"}}),
+     "would restart every semlb"),
+    ("standalone", "/dev/shm smaller than the segment",
+     lambda o: shm_volume(o)["emptyDir"].update(sizeLimit="128Mi"), "is smaller than the segment"),
+    ("standalone", "a --shm-size flag larger than /dev/shm",
+     lambda o: semlb_container(o)["args"].extend(["--shm-size", "1GiB"]), "is smaller than the segment"),
+    ("standalone", "/dev/shm on disk", lambda o: shm_volume(o)["emptyDir"].pop("medium"), "medium: Memory"),
+    ("standalone", "a memory limit the segment does not fit",
+     lambda o: semlb_container(o)["resources"]["limits"].update(memory="256Mi"), "must be set and above"),
+    ("standalone", "a grace period shorter than the drain",
+     lambda o: pod_spec(o).update(terminationGracePeriodSeconds=30), "terminationGracePeriodSeconds 30 <"),
+    ("standalone", "a longer drain_timeout_secs",
+     lambda o: edit_config(o, "drain_timeout_secs = 30", "drain_timeout_secs = 60"), "drain_timeout_secs 60"),
+    ("standalone", "semlb.toml that does not parse",
+     lambda o: edit_config(o, 'shm_size = "256MiB"', "shm_size = 256MiB"), "does not parse"),
+    ("standalone", "an unknown key in semlb.toml",
+     lambda o: edit_config(o, "keep_segment = true", "keep_segment = true\nkeep_segmnet = true"),
+     "unknown key keep_segmnet"),
+    ("standalone", "an unknown key in [discovery]",
+     lambda o: edit_config(o, 'selector = "app=vllm"', 'selector = "app=vllm"\nlabels = "x"'),
+     "unknown key discovery.labels"),
+    ("standalone", "a listen port that is not the container port",
+     lambda o: edit_config(o, 'listen = "0.0.0.0:8080"', 'listen = "0.0.0.0:9090"'), "container port http"),
+    ("standalone", "an unknown flag", lambda o: semlb_container(o)["args"].append("--shm-sise"),
+     "is not a flag of semlb serve"),
+    ("standalone", "an undefined $(VAR)", lambda o: semlb_container(o)["env"].clear(), "which env does not define"),
+    ("standalone", "RBAC without EndpointSlices",
+     lambda o: find(o, "Role")["rules"].pop(1), "may not get/list/watch endpointslices"),
+    ("standalone", "RBAC that writes",
+     lambda o: find(o, "Role")["rules"][0]["verbs"].append("delete"), "grants more than reading"),
+    ("standalone", "root allowed", lambda o: pod_spec(o)["securityContext"].pop("runAsNonRoot"), "runAsNonRoot"),
+    ("standalone", "a writable root file system",
+     lambda o: semlb_container(o)["securityContext"].update(readOnlyRootFilesystem=False), "readOnlyRootFilesystem"),
+    ("standalone", "privilege escalation allowed",
+     lambda o: semlb_container(o)["securityContext"].pop("allowPrivilegeEscalation"), "allowPrivilegeEscalation"),
+    ("standalone", "a capability added",
+     lambda o: semlb_container(o)["securityContext"]["capabilities"].update(add=["NET_ADMIN"]), "capabilities"),
+    ("standalone", "no seccomp profile",
+     lambda o: pod_spec(o)["securityContext"].pop("seccompProfile"), "seccompProfile"),
+    ("standalone", "the PodDisruptionBudget selecting other pods",
+     lambda o: find(o, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"].update(
+         {"app.kubernetes.io/component": "x"}), "PodDisruptionBudget"),
+    ("epp", "two probe handlers",
+     lambda o: semlb_container(o)["readinessProbe"].update(tcpSocket={"port": 9002}), "exactly one handler"),
+    ("epp", "the pool's picker another Service",
+     lambda o: find(o, "InferencePool")["spec"]["endpointPickerRef"].update(name="semlb"),
+     "which is not a Service of the manifests"),
+    ("epp", "the pool's picker port not the Service's",
+     lambda o: find(o, "InferencePool")["spec"]["endpointPickerRef"]["port"].update(number=9003),
+     "is not a port of Service"),
+    ("epp", "the pool without a picker port",
+     lambda o: find(o, "InferencePool")["spec"]["endpointPickerRef"].pop("port"), "port is required"),
+    ("epp", "a bad failureMode",
+     lambda o: find(o, "InferencePool")["spec"]["endpointPickerRef"].update(failureMode="Open"),
+     "is not FailOpen or FailClose"),
+    ("epp", "an unknown field in the pool (v1alpha2's targetPortNumber)",
+     lambda o: find(o, "InferencePool")["spec"].update(targetPortNumber=8000), "unknown field 'targetPortNumber'"),
+    ("epp", "a pool without targetPorts",
+     lambda o: find(o, "InferencePool")["spec"].pop("targetPorts"), "spec.targetPorts is required"),
+    ("epp", "a pool selecting semlb itself",
+     lambda o: find(o, "InferencePool")["spec"]["selector"].update(
+         matchLabels={"app.kubernetes.io/name": "semlb"}), "selects semlb's own pods"),
+    ("epp", "the route to another pool",
+     lambda o: find(o, "HTTPRoute")["spec"]["rules"][0]["backendRefs"][0].update(name="other"),
+     "is not an InferencePool of the manifests"),
+    ("epp", "a route without a parent",
+     lambda o: find(o, "HTTPRoute")["spec"].pop("parentRefs"), "spec.parentRefs must list"),
+    ("epp", "a route timeout that is no duration",
+     lambda o: find(o, "HTTPRoute")["spec"]["rules"][0]["timeouts"].update(request="10 minutes"),
+     "is not a Gateway API duration"),
+    ("epp", "the EPP Service without appProtocol http2",
+     lambda o: find(o, "Service")["spec"]["ports"][0].pop("appProtocol"), "appProtocol must be http2"),
+    ("epp", "[epp] listen on another port",
+     lambda o: edit_config(o, 'listen = "0.0.0.0:9002"', 'listen = "0.0.0.0:9005"'), "[epp] listen"),
+    ("epp", "the configuration naming another pool",
+     lambda o: edit_config(o, 'inference_pool = "vllm"', 'inference_pool = "llama"'), "names no InferencePool"),
+    ("epp", "a discovery kind semlb does not have",
+     lambda o: edit_config(o, 'kind = "inference-pool"', 'kind = "inferencepool"'), "discovery.kind is"),
+    ("epp", "RBAC without InferencePools",
+     lambda o: find(o, "Role")["rules"].pop(2), "may not get/list/watch inferencepools"),
+    ("epp", "an object of a kind nothing checks",
+     lambda o: o.append({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+                         "metadata": {"name": "inference-gateway"}, "spec": {}}), "and no check of it here"),
+]
+
+
+def self_test(rendered: dict, version: str, facts: dict) -> int:
+    """Each mutation of the rendered objects must be reported."""
+    import copy
+    missed = 0
+    for name, what, mutate, expected in MUTATIONS:
+        objects = copy.deepcopy(rendered[name])
+        mutate(objects)
+        problems = Problems()
+        check_objects(name, objects, version, dict(facts, summary=[]), problems, {"schema": 0, "hand": 0})
+        if not any(expected in p for p in problems.items):
+            missed += 1
+            print(f"self-test: NOT CAUGHT: {name}: {what} (expected {expected!r}; got {problems.items})",
+                  file=sys.stderr)
+    print(f"self-test: {len(MUTATIONS) - missed} of {len(MUTATIONS)} broken manifests caught")
+    return 1 if missed else 0
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -686,6 +861,8 @@ def main() -> int:
     parser.add_argument("--kubectl", default=os.environ.get("KUBECTL", "kubectl"))
     parser.add_argument("--kubernetes-version", help="schemas to validate against (default: kubectl's version)")
     parser.add_argument("--dir", default=str(HERE), help="where the overlays are (default: beside this file)")
+    parser.add_argument("--self-test", action="store_true",
+                        help="then break the rendered objects in known ways and check that each is caught")
     opts = parser.parse_args()
 
     kubectl = shutil.which(opts.kubectl)
@@ -693,8 +870,6 @@ def main() -> int:
         print(f"validate.py: kubectl ({opts.kubectl}) not found: it renders the manifests "
               "(`kubectl kustomize`); install kubectl 1.27 or later (kustomize 5)", file=sys.stderr)
         return 2
-    import kubernetes_validate
-    from kubernetes_validate.utils import SchemaNotFoundError, ValidationError, VersionNotSupportedError
 
     version = opts.kubernetes_version or kubectl_minor(kubectl) + ".0"
     bundled = kubernetes_validate.utils.all_versions()
@@ -709,7 +884,8 @@ def main() -> int:
         "summary": [],
     }
     problems = Problems()
-    schema_checked = hand_checked = 0
+    counts = {"schema": 0, "hand": 0}
+    rendered = {}
     for name in OVERLAYS:
         start = time.monotonic()
         render = subprocess.run([kubectl, "kustomize", str(Path(opts.dir) / name)], capture_output=True,
@@ -718,39 +894,23 @@ def main() -> int:
             problems.add(name, f"kubectl kustomize failed: {render.stderr.strip()}")
             continue
         objects = [o for o in yaml.safe_load_all(render.stdout) if o is not None]
-        for obj in objects:
-            at = f"{name} {obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
-            checker = HAND_CHECKED.get((obj.get("apiVersion"), obj.get("kind")))
-            try:
-                kubernetes_validate.validate(obj, version, strict=True)
-                schema_checked += 1
-                if checker:
-                    problems.add(at, "has a bundled schema now: drop its hand-written check")
-            except SchemaNotFoundError:
-                if checker is None:
-                    problems.add(at, f"no schema for {obj.get('apiVersion')} {obj.get('kind')} and no check of it here")
-                else:
-                    checker(at, obj, problems)
-                    hand_checked += 1
-            except ValidationError as e:
-                path = ".".join(str(p) for p in e.path)
-                problems.add(at, f"Kubernetes {version} schema: {path}: {e.message}")
-            except VersionNotSupportedError:
-                problems.add(at, f"kubernetes-validate has no schemas for {version}")
-        check_overlay(name, objects, problems, facts)
+        rendered[name] = objects
+        check_objects(name, objects, version, facts, problems, counts)
         print(f"{name}: rendered {len(objects)} objects ({', '.join(sorted({o['kind'] for o in objects}))}), "
               f"checked in {time.monotonic() - start:.2f} s")
     for line in facts["summary"]:
         print(f"  {line}")
-    print(f"{schema_checked} objects validated against the Kubernetes {version} schemas "
+    print(f"{counts['schema']} objects validated against the Kubernetes {version} schemas "
           f"(kubernetes-validate {kubernetes_validate.__version__}, strict, bundled), "
-          f"{hand_checked} by their specifications here (InferencePool, HTTPRoute)")
+          f"{counts['hand']} by their specifications here (InferencePool, HTTPRoute)")
     if problems.items:
         print(f"{len(problems.items)} problem(s):", file=sys.stderr)
         for p in problems.items:
             print(f"  {p}", file=sys.stderr)
         return 1
     print("manifests: no problem found")
+    if opts.self_test:
+        return self_test(rendered, version, facts)
     return 0
 
 
