@@ -42,6 +42,7 @@ the version). .ci/run runs this in its step "Kubernetes manifests".
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -55,6 +56,11 @@ from pathlib import Path
 import kubernetes_validate
 import yaml
 from kubernetes_validate.utils import SchemaNotFoundError, ValidationError, VersionNotSupportedError
+
+# Each validation reads its kind's schema and the version's definitions
+# (megabytes of JSON) from the package's files again; read each once.
+kubernetes_validate.utils.schema_contents = functools.lru_cache(maxsize=None)(
+    kubernetes_validate.utils.schema_contents)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
