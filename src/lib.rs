@@ -21,6 +21,7 @@
 //! | [`store`] | where the routing state lives, behind one interface: shm (default) or Redis; what this host knows whatever the store; the tokenizer's token segments in shm |
 //! | [`dispatcher`] | a dispatcher process's HTTP front, one module per step in request order (endpoints, inference, charge, pick, proxy, relay, learn, queue), the context check, the reactor's heartbeat, why a request failed |
 //! | [`responder`] | a response process: what it does with a completion record (prefix write-back, response caching), and its loop |
+//! | [`discovery`] | backends found at run time: an endpoints file, Kubernetes Pods, EndpointSlices or an InferencePool, followed as sets the supervisor reconciles |
 //! | [`health`] | health of the inference servers: active and passive checks, circuit breakers, `/metrics` load scraping |
 //! | [`kv_events`] | the engines' own KV cache events (vLLM's publisher): the wire format decoded, an engine's block hashes mapped to the gateway's chain |
 //! | [`peers`] | peer gateways in other regions (SkyLB): the load summary they exchange, each dispatcher's view of them, the choice of a peer to forward to |

@@ -208,3 +208,38 @@ fn discovered_engines_serve_the_pool_their_model_names() {
     let r = chat(gw.addr(), &[user("no engine left")], json!({"model": "qwen"}), &[]);
     assert_eq!(r.status, 503, "{}", r.text());
 }
+
+#[test]
+fn a_restart_keeps_serving_what_was_discovered_until_discovery_says_otherwise() {
+    let (a, b) = (sim(), sim());
+    let dir = TempDir::new("discovery");
+    let file = dir.0.join("endpoints.yaml");
+    std::fs::write(&file, endpoints(&[entry(&a, "")])).unwrap();
+    let config = format!(
+        "[discovery]\nkind = \"file\"\npath = {:?}\npoll_ms = 20\n",
+        file.to_str().unwrap()
+    );
+    let first = Gateway::builder()
+        .tag("discovery-restart")
+        .admin(TOKEN)
+        .config(&config)
+        .start();
+    first.wait_discovered(&[&a], "a");
+    let registered = first.listed(&a).expect("a registered").server;
+    let shm = first.shm.clone();
+    first.stop_keeping_segment();
+    // The file is gone when the gateway comes back (as an API server can
+    // be): the engine it had is kept, with its registration, and served.
+    std::fs::remove_file(&file).unwrap();
+    let second = Gateway::builder()
+        .tag("discovery-restart")
+        .shm(&shm)
+        .admin(TOKEN)
+        .config(&config)
+        .start();
+    assert_eq!(second.served_by(4, "after the restart"), addresses(&[&a]));
+    assert_eq!(second.listed(&a).expect("a still registered").server, registered);
+    // Once discovery says, its set is followed.
+    std::fs::write(&file, endpoints(&[entry(&b, "")])).unwrap();
+    second.wait_discovered(&[&b], "b once the file is back");
+}

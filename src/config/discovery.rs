@@ -9,7 +9,7 @@ use std::str::FromStr;
 
 use serde::Deserialize;
 
-use super::{ConfigError, MetricsFlavor, quoted};
+use super::{ConfigError, quoted};
 
 /// Where backends are discovered (`discovery.kind`, `--discovery`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
@@ -105,11 +105,6 @@ pub struct DiscoveryConfig {
     /// Kubernetes: a kubeconfig file; default in-cluster (the pod's
     /// service account), else `$KUBECONFIG` or `~/.kube/config`.
     pub kubeconfig: Option<PathBuf>,
-    /// How discovered engines' `/metrics` are read.
-    pub metrics_flavor: MetricsFlavor,
-    /// The port discovered engines publish KV cache events on (vLLM's
-    /// ZeroMQ PUB endpoint, `tcp://ip:port`); default none.
-    pub kv_events_port: Option<u16>,
 }
 
 impl Default for DiscoveryConfig {
@@ -130,8 +125,6 @@ impl Default for DiscoveryConfig {
             decode_selector: None,
             inference_pool: None,
             kubeconfig: None,
-            metrics_flavor: MetricsFlavor::Auto,
-            kv_events_port: None,
         }
     }
 }

@@ -54,6 +54,7 @@
 //! | `pd.bypass_uncached_tokens` | integer | `256` | a request whose decode engine already holds all but at most this many prompt tokens goes to it alone |
 //! | `pd.prefill_timeout_secs` | integer | `60` | how long a prefill leg may take (1 to 3600) |
 //! | `pd.decode_by` | `load`, `policy` | `load` | how the decode engine is chosen: by load with the prompt it holds breaking ties ([`crate::routing::decode_leg`]), or by the pool's policy |
+//! | `[discovery]` | table | not set | backends found at run time: `kind` (`file`, `kubernetes`, `inference-pool`) and what it reads ([`discovery`], [`crate::discovery`]) |
 //! | `[[model]]` | table, repeated | none: one pool of every backend, any model name | a model pool: `name`, `aliases`, `backends`, `base` (LoRA adapters), `tokenizer`, `chat_template`, `block_size`, `[model.policy]` ([`models`]) |
 //! | `[policy]` | table | | the routing policy, [`crate::routing::PolicyConfig`] |
 //! | `[peering]` | table | | this gateway as a region among peer gateways ([`crate::peers`]; `peers.rs`) |

@@ -1640,3 +1640,13 @@ fn discovery_needs_what_its_kind_reads_and_replaces_the_backend_list_requirement
     base("[discovery]\nkind = \"kubernetes\"\nservice = \"s\"\nmodel_label = \"model\"\n[[model]]\nname = \"m\"")
         .unwrap();
 }
+
+#[test]
+fn the_kubernetes_manifests_configuration_validates() {
+    // deploy/kubernetes's ConfigMap, read by this parser (validate.py
+    // checks the manifests around it).
+    let text = include_str!("../../deploy/kubernetes/standalone/semlb.toml");
+    let c = ServeConfig::from_toml(text, Path::new("/etc/semlb/semlb.toml")).unwrap();
+    c.validate().unwrap();
+    assert_eq!(c.discovery.kind, Some(DiscoveryKind::Kubernetes));
+}

@@ -9,8 +9,6 @@
 //!     bootstrap_port: 8998   # SGLang prefill engines
 //!     name: prefill-0        # default host:port
 //!     weight: 1              # 0 takes it out (drained); see below
-//!     metrics_flavor: vllm   # default discovery.metrics_flavor
-//!     kv_events: tcp://10.0.0.11:5557
 //! ```
 //!
 //! A bare list of entries is read too, and JSON is YAML. Unknown keys,
@@ -37,7 +35,7 @@ use serde::Deserialize;
 use tokio::sync::watch;
 
 use super::{Endpoint, Endpoints};
-use crate::config::{BackendConfig, BackendRole, DiscoveryConfig, MetricsFlavor};
+use crate::config::{BackendConfig, BackendRole, DiscoveryConfig};
 
 /// Why a file of endpoints is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -72,10 +70,6 @@ struct Entry {
     model: Option<String>,
     #[serde(default)]
     weight: Option<u32>,
-    #[serde(default)]
-    metrics_flavor: Option<MetricsFlavor>,
-    #[serde(default)]
-    kv_events: Option<String>,
 }
 
 /// The file's two forms.
@@ -85,10 +79,9 @@ struct Document {
     endpoints: Vec<Entry>,
 }
 
-/// The endpoints `text` lists (entries of weight 0 left out), with
-/// `defaults`' metrics flavor where an entry says none; and whether an
-/// entry gave a weight other than 0 or 1.
-pub fn parse(text: &str, defaults: &DiscoveryConfig) -> Result<(Vec<Endpoint>, bool), FileError> {
+/// The endpoints `text` lists (entries of weight 0 left out), and whether
+/// an entry gave a weight other than 0 or 1.
+pub fn parse(text: &str) -> Result<(Vec<Endpoint>, bool), FileError> {
     let value: serde_yaml_ng::Value = serde_yaml_ng::from_str(text).map_err(|e| FileError::Parse(e.to_string()))?;
     let entries: Vec<Entry> = match value {
         serde_yaml_ng::Value::Null => Ok(Vec::new()),
@@ -111,8 +104,6 @@ pub fn parse(text: &str, defaults: &DiscoveryConfig) -> Result<(Vec<Endpoint>, b
             role: entry.role,
             bootstrap_port: entry.bootstrap_port,
             model: entry.model.clone(),
-            metrics_flavor: entry.metrics_flavor.unwrap_or(defaults.metrics_flavor),
-            kv_events: entry.kv_events.clone(),
         };
         let backend: BackendConfig = endpoint.backend();
         let address = backend.server_address().map_err(|e| wrong(e.to_string()))?;
@@ -198,7 +189,7 @@ pub async fn follow(config: DiscoveryConfig, tx: watch::Sender<Option<Endpoints>
             continue;
         }
         seen_text = Some(hash);
-        match parse(&text, &config) {
+        match parse(&text) {
             Ok((endpoints, weighted)) => {
                 if weighted && !weights_logged {
                     tracing::warn!(file = %path.display(), "discovery: {} gives weights other than 0 and 1; semlb balances by measured load and does not apply them", path.display());
@@ -219,15 +210,15 @@ mod tests {
     use super::*;
 
     fn read(text: &str) -> Result<Vec<Endpoint>, FileError> {
-        parse(text, &DiscoveryConfig::default()).map(|(e, _)| e)
+        parse(text).map(|(e, _)| e)
     }
 
     #[test]
     fn both_forms_and_json_read_alike() {
-        let yaml = "endpoints:\n  - url: http://10.0.0.1:8000\n    model: qwen\n    role: prefill\n    bootstrap_port: 8998\n  - url: http://10.0.0.2:8000\n    name: b\n    metrics_flavor: vllm\n";
-        let list = "- url: http://10.0.0.1:8000\n  model: qwen\n  role: prefill\n  bootstrap_port: 8998\n- {url: 'http://10.0.0.2:8000', name: b, metrics_flavor: vllm}\n";
+        let yaml = "endpoints:\n  - url: http://10.0.0.1:8000\n    model: qwen\n    role: prefill\n    bootstrap_port: 8998\n  - url: http://10.0.0.2:8000\n    name: b\n";
+        let list = "- url: http://10.0.0.1:8000\n  model: qwen\n  role: prefill\n  bootstrap_port: 8998\n- {url: 'http://10.0.0.2:8000', name: b}\n";
         let json = r#"{"endpoints": [{"url": "http://10.0.0.1:8000", "model": "qwen", "role": "prefill", "bootstrap_port": 8998},
-            {"url": "http://10.0.0.2:8000", "name": "b", "metrics_flavor": "vllm"}]}"#;
+            {"url": "http://10.0.0.2:8000", "name": "b"}]}"#;
         let a = read(yaml).unwrap();
         assert_eq!(a, read(list).unwrap());
         assert_eq!(a, read(json).unwrap());
@@ -236,21 +227,16 @@ mod tests {
         assert_eq!(a[0].model.as_deref(), Some("qwen"));
         assert_eq!(a[0].bootstrap_port, Some(8998));
         assert_eq!(a[1].name.as_deref(), Some("b"));
-        assert_eq!(a[1].metrics_flavor, MetricsFlavor::Vllm);
         assert_eq!(read("").unwrap(), []);
         assert_eq!(read("endpoints: []").unwrap(), []);
     }
 
     #[test]
     fn weight_zero_takes_an_endpoint_out() {
-        let (e, weighted) = parse(
-            "- {url: 'http://a:1', weight: 0}\n- {url: 'http://b:1', weight: 1}\n",
-            &DiscoveryConfig::default(),
-        )
-        .unwrap();
+        let (e, weighted) = parse("- {url: 'http://a:1', weight: 0}\n- {url: 'http://b:1', weight: 1}\n").unwrap();
         assert_eq!(e.iter().map(|e| e.url.as_str()).collect::<Vec<_>>(), ["http://b:1"]);
         assert!(!weighted);
-        let (_, weighted) = parse("- {url: 'http://a:1', weight: 3}\n", &DiscoveryConfig::default()).unwrap();
+        let (_, weighted) = parse("- {url: 'http://a:1', weight: 3}\n").unwrap();
         assert!(weighted);
     }
 

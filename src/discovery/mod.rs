@@ -30,7 +30,7 @@ use std::sync::Arc;
 use shm_layout::PoolTag;
 use tokio::sync::watch;
 
-use crate::config::{BackendConfig, BackendRole, DiscoveryConfig, DiscoveryKind, MetricsFlavor, ModelConfig};
+use crate::config::{BackendConfig, BackendRole, DiscoveryConfig, DiscoveryKind, ModelConfig};
 
 /// One engine a source found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,10 +46,6 @@ pub struct Endpoint {
     /// The model it serves, as the source says (a label, an annotation, a
     /// file entry); `None`: `discovery.model`.
     pub model: Option<String>,
-    /// How its `/metrics` are read.
-    pub metrics_flavor: MetricsFlavor,
-    /// Its KV cache events endpoint, if it publishes them.
-    pub kv_events: Option<String>,
 }
 
 impl Endpoint {
@@ -61,8 +57,6 @@ impl Endpoint {
             role: BackendRole::Both,
             bootstrap_port: None,
             model: None,
-            metrics_flavor: MetricsFlavor::Auto,
-            kv_events: None,
         }
     }
 
@@ -70,8 +64,6 @@ impl Endpoint {
     pub fn backend(&self) -> BackendConfig {
         BackendConfig {
             name: self.name.clone(),
-            metrics_flavor: self.metrics_flavor,
-            kv_events: self.kv_events.clone(),
             role: self.role,
             bootstrap_port: self.bootstrap_port,
             ..BackendConfig::new(self.url.clone())

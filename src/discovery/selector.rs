@@ -25,15 +25,32 @@ enum Requirement {
     NotIn(String, Vec<String>),
 }
 
+/// Why a selector does not parse: what is wrong, quoting the part.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct SelectorError(String);
+
+impl From<String> for SelectorError {
+    fn from(s: String) -> Self {
+        Self(s)
+    }
+}
+
+impl From<&str> for SelectorError {
+    fn from(s: &str) -> Self {
+        Self(s.to_owned())
+    }
+}
+
 /// A parsed label selector; the empty one matches everything.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Selector(Vec<Requirement>);
 
 impl Selector {
     /// Parses `text`; the error says what is wrong.
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, SelectorError> {
         let mut requirements = Vec::new();
-        for part in split_requirements(text)? {
+        for part in split_requirements(text).map_err(SelectorError)? {
             let part = part.trim();
             if part.is_empty() {
                 if text.trim().is_empty() {
@@ -41,7 +58,7 @@ impl Selector {
                 }
                 return Err("an empty requirement (two commas, or a trailing one)".into());
             }
-            requirements.push(requirement(part)?);
+            requirements.push(requirement(part).map_err(SelectorError)?);
         }
         Ok(Self(requirements))
     }
@@ -221,7 +238,7 @@ mod tests {
             match Selector::parse(selector) {
                 Ok(s) if says.is_empty() => assert!(s.matches(&labels(&[("app", "")]))),
                 Ok(s) => panic!("{selector:?} parsed: {s:?}"),
-                Err(e) => assert!(e.contains(says), "{selector:?}: {e}"),
+                Err(e) => assert!(e.to_string().contains(says), "{selector:?}: {e}"),
             }
         }
     }

@@ -31,6 +31,11 @@ pub fn resource() -> ApiResource {
     }
 }
 
+/// Why a pool cannot be followed: what is missing or wrong in its spec.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct PoolSpecError(String);
+
 /// What of a pool's spec the gateway follows.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolSpec {
@@ -42,7 +47,11 @@ pub struct PoolSpec {
 
 impl PoolSpec {
     /// Reads `object`'s spec; the error says what is missing.
-    pub fn of(object: &DynamicObject) -> Result<Self, String> {
+    pub fn of(object: &DynamicObject) -> Result<Self, PoolSpecError> {
+        Self::read(object).map_err(PoolSpecError)
+    }
+
+    fn read(object: &DynamicObject) -> Result<Self, String> {
         let spec = object.data.get("spec").ok_or("it has no spec")?;
         let labels: BTreeMap<String, String> = spec
             .pointer("/selector/matchLabels")
@@ -126,6 +135,7 @@ pub async fn follow_pool(
                         }
                     }
                     Err(why) => {
+                        let why = why.to_string();
                         if refused.as_deref() != Some(&why) {
                             tracing::error!(watch = %what, "discovery: {what} cannot be followed: {why}; keeping the endpoints found before");
                             refused = Some(why);
@@ -204,7 +214,7 @@ mod tests {
                 "matchLabels",
             ),
         ] {
-            let e = PoolSpec::of(&pool(spec)).unwrap_err();
+            let e = PoolSpec::of(&pool(spec)).unwrap_err().to_string();
             assert!(e.contains(says), "{e}");
         }
     }

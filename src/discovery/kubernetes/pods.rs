@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::Pod;
 
 use super::super::Endpoint;
 use super::super::selector::Selector;
-use crate::config::{BackendRole, DiscoveryConfig, MetricsFlavor};
+use crate::config::{BackendRole, DiscoveryConfig};
 
 /// llm-d's label for a Pod's part in disaggregated serving.
 pub const LLM_D_ROLE_LABEL: &str = "llm-d.ai/role";
@@ -34,10 +34,6 @@ pub struct PodRules {
     pub prefill: Option<Selector>,
     /// Pods that decode.
     pub decode: Option<Selector>,
-    /// How their `/metrics` are read.
-    pub metrics_flavor: MetricsFlavor,
-    /// Their KV events port.
-    pub kv_events_port: Option<u16>,
 }
 
 impl PodRules {
@@ -52,8 +48,6 @@ impl PodRules {
             model_annotation: config.model_annotation.clone(),
             prefill: selector(&config.prefill_selector),
             decode: selector(&config.decode_selector),
-            metrics_flavor: config.metrics_flavor,
-            kv_events_port: config.kv_events_port,
         }
     }
 
@@ -129,8 +123,6 @@ impl PodRules {
                 role,
                 bootstrap_port: None,
                 model: model.clone(),
-                metrics_flavor: self.metrics_flavor,
-                kv_events: self.kv_events_port.map(|p| format!("tcp://{}:{p}", bracketed(ip))),
             })
             .collect()
     }
@@ -274,10 +266,7 @@ mod tests {
     fn ipv6_pods_are_bracketed() {
         let mut p = pod(json!({}), "Running", "True", false);
         p.status.as_mut().unwrap().pod_ip = Some("fd00::1".into());
-        let mut r = rules(Some(8000), None);
-        r.kv_events_port = Some(5557);
-        let e = r.endpoints(&p, &[]);
+        let e = rules(Some(8000), None).endpoints(&p, &[]);
         assert_eq!(e[0].url, "http://[fd00::1]:8000");
-        assert_eq!(e[0].kv_events.as_deref(), Some("tcp://[fd00::1]:5557"));
     }
 }

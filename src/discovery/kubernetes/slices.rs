@@ -11,7 +11,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::super::Endpoint;
 use super::pods::bracketed;
-use crate::config::{BackendRole, DiscoveryConfig, MetricsFlavor};
+use crate::config::{BackendRole, DiscoveryConfig};
 
 /// The label that ties a slice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -21,8 +21,6 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub struct SliceRules {
     port: Option<u16>,
     port_name: Option<String>,
-    metrics_flavor: MetricsFlavor,
-    kv_events_port: Option<u16>,
 }
 
 impl SliceRules {
@@ -31,8 +29,6 @@ impl SliceRules {
         Self {
             port: config.port,
             port_name: config.port_name.clone(),
-            metrics_flavor: config.metrics_flavor,
-            kv_events_port: config.kv_events_port,
         }
     }
 
@@ -87,8 +83,6 @@ impl SliceRules {
                     role: BackendRole::Both,
                     bootstrap_port: None,
                     model: None,
-                    metrics_flavor: self.metrics_flavor,
-                    kv_events: self.kv_events_port.map(|p| format!("tcp://{}:{p}", bracketed(ip))),
                 })
             })
             .collect()

@@ -132,10 +132,24 @@ impl<'a> Backends<'a> {
 
     /// Drains the adopted registrations no backend of the configuration
     /// kept: retired once nothing is in flight to them, or after
-    /// `drain_timeout`.
-    pub(super) fn settle(&mut self, drain_timeout: Duration) {
+    /// `drain_timeout`. With `discovering`, they are kept as discovered
+    /// instead (an upgrade or a restart of a gateway whose engines are
+    /// discovered keeps serving them): discovery's first set then drains
+    /// those it does not find ([`Backends::discovered`]).
+    pub(super) fn settle(&mut self, drain_timeout: Duration, discovering: bool) {
         let until = Instant::now() + drain_timeout;
         let servers = self.segment.tables().servers;
+        if discovering {
+            // Their states stay (a server the health checks took out stays
+            // out until they bring it back).
+            for (address, server) in std::mem::take(&mut self.adopted) {
+                tracing::info!(backend = %address, "backend {address} is not configured; kept until discovery says");
+                self.names.insert(address.clone(), address.clone());
+                self.from_discovery.insert(address.clone());
+                self.live.push((address, server));
+            }
+            return;
+        }
         for (address, server) in std::mem::take(&mut self.adopted) {
             servers.set_state(server, ServerState::Draining);
             tracing::info!(backend = %address, "backend {address} is no longer configured; draining it");

@@ -184,7 +184,7 @@ fn supervise(args: &ServeArgs) -> Result<()> {
         for backend in &config.backends {
             backends.configure(backend)?;
         }
-        backends.settle(config.drain_timeout());
+        backends.settle(config.drain_timeout(), config.discovery.is_on());
         let me = tables.registry.claim(SUPERVISOR_SLOT, Role::Supervisor, clock.now_ms());
         tables
             .registry

@@ -2,6 +2,9 @@
 
 use super::*;
 use crate::http::http;
+use serde_json::json;
+use std::net::TcpStream;
+use std::time::UNIX_EPOCH;
 
 const WAIT: Duration = Duration::from_secs(5);
 const SHORT: Duration = Duration::from_millis(300);
