@@ -1277,7 +1277,9 @@ cache_threshold = 0.25
         admin_listen: Some("127.0.0.1:9090".parse().unwrap()),
         admin_token_file: Some("flag-token".into()),
         metrics_listen: Some("127.0.0.1:9091".parse().unwrap()),
+        epp_listen: Some("127.0.0.1:9002".parse().unwrap()),
     });
+    assert_eq!(c.epp.listen, Some("127.0.0.1:9002".parse().unwrap()));
     assert_eq!(c.admin.listen, Some("127.0.0.1:9090".parse().unwrap()));
     assert_eq!(c.metrics.listen, Some("127.0.0.1:9091".parse().unwrap()));
     assert_eq!(c.admin.token_file, Some(PathBuf::from("flag-token")));

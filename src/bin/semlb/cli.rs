@@ -145,6 +145,11 @@ pub struct ServeArgs {
     /// (`[metrics] listen`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Also serve the Gateway API Inference Extension's endpoint picker
+    /// (Envoy's external processing, gRPC) on this address, from every
+    /// dispatcher (`[epp] listen`).
+    #[arg(long, value_name = "ADDR")]
+    pub epp_listen: Option<SocketAddr>,
     /// Also start N simulated engines (default 3) on loopback and use them
     /// as the backends: the gateway runs on one machine with no GPU. Unless
     /// given, --listen is then 127.0.0.1:8080 and --shm-name semlb-demo.
@@ -251,6 +256,7 @@ impl ServeArgs {
             admin_listen: self.admin_listen,
             admin_token_file: self.admin_token_file.clone(),
             metrics_listen: self.metrics_listen,
+            epp_listen: self.epp_listen,
         }
     }
 
@@ -304,6 +310,7 @@ impl ServeArgs {
             self.admin_token_file.as_ref().map(|v| v.display().to_string()),
         );
         flag("--metrics-listen", self.metrics_listen.map(|v| v.to_string()));
+        flag("--epp-listen", self.epp_listen.map(|v| v.to_string()));
         out.extend(self.log.to_args());
         out
     }
