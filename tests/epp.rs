@@ -754,3 +754,94 @@ fn two_pickers_on_one_segment_see_each_others_routing() {
     assert_eq!(handled(&gw, other.0), before_other + 1, "the other dispatcher picked");
     assert_eq!(again, engine, "it routed the conversation where the first learned it");
 }
+
+/// Removes the segment and stops the successor (no child of the test)
+/// when dropped.
+struct Successor {
+    shm: String,
+    pid: Option<u32>,
+}
+
+impl Drop for Successor {
+    fn drop(&mut self) {
+        if let Some(pid) = self.pid {
+            let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
+            let deadline = std::time::Instant::now() + PATIENCE;
+            while kill(Pid::from_raw(pid as i32), None).is_ok() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let _ = shm_layout::Segment::remove(&self.shm);
+    }
+}
+
+#[test]
+fn the_picker_listener_is_handed_over_in_an_upgrade() {
+    use support::process::ProcBuilder;
+    let engine = sim();
+    let shm = unique("upgrade");
+    let mut successor = Successor {
+        shm: shm.clone(),
+        pid: None,
+    };
+    let args = Gateway::builder()
+        .backends(&[&engine])
+        .args(&["--epp-listen", "127.0.0.1:0"])
+        .serve_args(&shm);
+    let mut old = ProcBuilder::new(&args).what("the gateway to upgrade").start();
+    let addr = old
+        .line
+        .split_once("grpc://")
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .expect("a picker address")
+        .to_owned();
+    let segment = shm_layout::Segment::open(&shm).expect("the segment");
+    let supervisor = || {
+        segment
+            .tables()
+            .registry
+            .processes()
+            .find(|p| p.role == Some(shm_layout::Role::Supervisor) && p.state == shm_layout::ProcessState::Running)
+            .map(|p| p.pid)
+    };
+    let envoy = Envoy {
+        rt: tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap(),
+        addr,
+    };
+    wait_for("the picker to be ready", PATIENCE, || {
+        let s = envoy.health("readiness");
+        (s == 1, s)
+    });
+    let body = chat_body(&[user("Before the upgrade")], json!({}));
+    assert!(matches!(envoy.open().request(&[], &body, 1, None), Pick::Routed { .. }));
+
+    let old_pid = old.pid().as_raw() as u32;
+    kill(old.pid(), Signal::SIGUSR2).expect("SIGUSR2");
+    // The old supervisor exits once the successor said it is ready; the
+    // successor's dispatchers then answer on the same picker address: it
+    // was handed the socket (binding `--epp-listen 127.0.0.1:0` anew would
+    // listen elsewhere; a fixed port would not bind while the old
+    // supervisor held it, and the upgrade would fail).
+    let status = old
+        .wait_exit(Duration::from_secs(60))
+        .expect("the old supervisor exits");
+    assert_eq!(status.code(), Some(0));
+    let new_pid = supervisor().expect("a supervisor");
+    assert_ne!(new_pid, old_pid);
+    successor.pid = Some(new_pid);
+    wait_for("the successor's picker to be ready", PATIENCE, || {
+        let s = envoy.health("readiness");
+        (s == 1, s)
+    });
+    let body = chat_body(&[user("After the upgrade")], json!({}));
+    let pick = envoy.open().request(&[], &body, 1, None);
+    assert_eq!(
+        pick.endpoint(),
+        engine.addr,
+        "the successor's dispatchers pick on the same address"
+    );
+}
