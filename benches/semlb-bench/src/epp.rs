@@ -3,11 +3,13 @@
 //! the HTTP proxy's dispatcher spends on a request.
 //!
 //! One simulated engine at a tiny time scale and `semlb serve` with one
-//! dispatcher, one responder, a throw-away segment and the picker. Two
-//! workloads: a short chat (a one-line question) and a 2 000-token chat
-//! (a user message of about 2 000 tokens); every request's text is new
-//! (words drawn from a seeded generator), so each decision tokenizes
-//! and hashes its whole prompt.
+//! dispatcher, one responder, a throw-away segment and the picker. Three
+//! workloads: a short chat (a one-line question), a 2 000-token chat (a
+//! user message of 2 000 common words, one of 64 texts in turn behind a
+//! line naming the request: a new prompt every time whose lines the
+//! tokenizer's segment cache holds, as for a conversation's history),
+//! and the same with the request's tag opening every line (nothing
+//! cached: the whole prompt tokenized).
 //!
 //! * **picker**: a client from Envoy's own protos plays Envoy, one stream
 //!   at a time on one HTTP/2 connection: the request's headers and body
@@ -17,6 +19,11 @@
 //!   the request ends, is learned and charged, as behind a real Envoy.
 //! * **proxy**: the same requests as HTTP to the dispatcher on one
 //!   keep-alive connection (the engine answers them).
+//!
+//! Each at `--concurrency` requests at once (default 1 and 8): streams
+//! multiplexed on one HTTP/2 connection for the picker (as Envoy does),
+//! keep-alive connections for the proxy. At 1 the dispatcher sleeps and
+//! wakes for every message, which the CPU per request includes.
 //!
 //! **CPU per request** is the dispatcher process's user + system CPU over
 //! the run (`/proc`), divided by the requests: for the picker the whole
@@ -55,43 +62,99 @@ pub struct EppArgs {
     /// requests).
     #[arg(long, default_value_t = 1000)]
     pub requests: usize,
+    /// Streams (picker, on one HTTP/2 connection) or keep-alive
+    /// connections (proxy) at once, one point each.
+    #[arg(long, value_name = "N,…", value_delimiter = ',', default_value = "1,8")]
+    pub concurrency: Vec<usize>,
 }
 
 impl EppArgs {
     /// The defaults with `common`.
     pub fn with(common: Common) -> Self {
-        Self { common, requests: 1000 }
+        Self {
+            common,
+            requests: 1000,
+            concurrency: vec![1, 8],
+        }
     }
 }
 
 /// A workload's request bodies.
 struct Workload {
     name: &'static str,
+    /// Words of the user's message (about one token each).
     words: usize,
+    /// Every line opens with the request's tag: no line was seen before,
+    /// so the tokenizer's segment cache has nothing of it.
+    unseen: bool,
 }
 
-const WORKLOADS: [Workload; 2] = [
+const WORKLOADS: [Workload; 3] = [
     Workload {
         name: "short chat",
-        words: 12,
+        words: 0,
+        unseen: false,
     },
     Workload {
         name: "2 000-token chat",
-        words: 1500,
+        words: 2000,
+        unseen: false,
+    },
+    Workload {
+        name: "2 000-token chat, unseen lines",
+        words: 2000,
+        unseen: true,
     },
 ];
 
-/// A chat body whose user text is `words` words drawn from `rng`.
-fn body(rng: &mut semlb_test_support::rng::Rng, words: usize) -> String {
-    const VOCABULARY: [&str; 16] = [
-        "engine", "prefix", "cache", "token", "gateway", "request", "answer", "block", "segment", "policy", "load",
-        "server", "route", "prompt", "table", "stream",
+/// Texts the long requests take in turn.
+const TEXTS: usize = 64;
+/// Words per line of a long text.
+const LINE_WORDS: usize = 50;
+
+/// `TEXTS` texts of `words` common words (about a token each) in lines
+/// of [`LINE_WORDS`].
+fn texts(words: usize) -> Vec<Vec<String>> {
+    const VOCABULARY: [&str; 24] = [
+        "the", "engine", "holds", "a", "cache", "of", "every", "prompt", "and", "gateway", "routes", "each", "request",
+        "to", "where", "its", "prefix", "is", "warm", "while", "load", "stays", "even", "today",
     ];
-    let text: Vec<String> = (0..words)
-        .map(|_| format!("{}{}", VOCABULARY[rng.index(VOCABULARY.len())], rng.below(100)))
-        .collect();
-    json!({"model": "semlb-sim", "max_tokens": 4, "messages": [{"role": "user", "content": text.join(" ")}]})
-        .to_string()
+    let mut rng = semlb_test_support::rng::Rng::from_seed(42);
+    (0..TEXTS)
+        .map(|_| {
+            (0..words.div_ceil(LINE_WORDS))
+                .map(|_| {
+                    let line: Vec<&str> = (0..LINE_WORDS)
+                        .map(|_| VOCABULARY[rng.index(VOCABULARY.len())])
+                        .collect();
+                    line.join(" ")
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Request `i`'s body: a one-line question, or a tag line and long text
+/// `i % TEXTS` (each line behind the tag when `unseen`).
+fn body(workload: &Workload, texts: &[Vec<String>], i: usize) -> String {
+    let content = if workload.words == 0 {
+        format!("Question {i}: what is {i} cubed?")
+    } else {
+        let tag = format!("Request {i} of the run.");
+        let text = &texts[i % texts.len()];
+        let lines: Vec<String> = text
+            .iter()
+            .map(|l| {
+                if workload.unseen {
+                    format!("{tag} {l}")
+                } else {
+                    l.clone()
+                }
+            })
+            .collect();
+        format!("{tag}\n{}", lines.join("\n"))
+    };
+    json!({"model": "semlb-sim", "max_tokens": 4, "messages": [{"role": "user", "content": content}]}).to_string()
 }
 
 fn message(request: processing_request::Request) -> ProcessingRequest {
@@ -102,7 +165,7 @@ fn message(request: processing_request::Request) -> ProcessingRequest {
 }
 
 /// A canned engine answer (JSON with usage).
-const ANSWER: &str = r#"{"id":"c","object":"chat.completion","model":"semlb-sim","choices":[{"index":0,"message":{"role":"assistant","content":"Four words of answer."},"finish_reason":"length"}],"usage":{"prompt_tokens":10,"completion_tokens":4,"total_tokens":14,"prompt_tokens_details":{"cached_tokens":0}}}"#;
+const ANSWER: &str = r#"{"id":"c","object":"chat.completion","model":"semlb-sim","choices":[{"index":0,"message":{"role":"assistant","content":"Four words of answer."},"finish_reason":"length"}],"usage":{"prompt_tokens":10,"completion_tokens":4,"total_tokens":14}}"#;
 
 /// One request through the picker as Envoy sends it; the round trip of the
 /// decision (headers and body in, both answers out), nanoseconds.
@@ -176,48 +239,73 @@ fn quantiles(mut ns: Vec<f64>) -> (f64, f64) {
     (quantile(&ns, 0.5) / 1e3, quantile(&ns, 0.99) / 1e3)
 }
 
-/// The picker's figures on `workload`.
-fn picker(addr: &str, pid: i32, workload: &Workload, requests: usize) -> Result<Figures> {
+/// `bodies` in `concurrency` nearly equal parts.
+fn parts(bodies: Vec<String>, concurrency: usize) -> Vec<Vec<String>> {
+    let mut out: Vec<Vec<String>> = vec![Vec::new(); concurrency.max(1)];
+    let n = out.len();
+    for (i, b) in bodies.into_iter().enumerate() {
+        out[i % n].push(b);
+    }
+    out
+}
+
+/// What one run of a path is asked.
+struct Run<'a> {
+    /// The dispatcher's pid.
+    pid: i32,
+    workload: &'a Workload,
+    texts: &'a [Vec<String>],
+    requests: usize,
+    /// Streams (picker) or connections (proxy) at once.
+    concurrency: usize,
+}
+
+/// The picker's figures: `run.concurrency` streams at once on one HTTP/2
+/// connection, as Envoy multiplexes them.
+fn picker(addr: &str, run: &Run<'_>) -> Result<Figures> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let mut rng = semlb_test_support::rng::Rng::from_seed(7 + workload.words as u64);
+    let warmup = run.requests.min(200);
     runtime.block_on(async {
         let mut client = ExternalProcessorClient::connect(format!("http://{addr}")).await?;
-        for _ in 0..requests.min(200) {
-            through_picker(&mut client, body(&mut rng, workload.words)).await?;
+        for i in 0..warmup {
+            through_picker(&mut client, body(run.workload, run.texts, i)).await?;
         }
-        let bodies: Vec<String> = (0..requests).map(|_| body(&mut rng, workload.words)).collect();
-        let before = CpuSnapshot::of(&[pid]);
-        let mut ns = Vec::with_capacity(requests);
-        for b in bodies {
-            ns.push(through_picker(&mut client, b).await?);
-        }
-        let cpu = cpu_between(&before, &CpuSnapshot::of(&[pid]));
+        let bodies: Vec<String> = (warmup..warmup + run.requests)
+            .map(|i| body(run.workload, run.texts, i))
+            .collect();
+        let before = CpuSnapshot::of(&[run.pid]);
+        let streams = parts(bodies, run.concurrency).into_iter().map(|part| {
+            let mut client = client.clone();
+            async move {
+                let mut ns = Vec::with_capacity(part.len());
+                for b in part {
+                    ns.push(through_picker(&mut client, b).await?);
+                }
+                Ok::<_, anyhow::Error>(ns)
+            }
+        });
+        let ns: Vec<f64> = futures_util::future::try_join_all(streams).await?.concat();
+        let cpu = cpu_between(&before, &CpuSnapshot::of(&[run.pid]));
         let (p50_us, p99_us) = quantiles(ns);
         Ok(Figures {
             p50_us,
             p99_us,
-            cpu_us: cpu * 1e6 / requests as f64,
+            cpu_us: cpu * 1e6 / run.requests as f64,
             dispatch_p50_us: None,
         })
     })
 }
 
-/// The HTTP proxy's figures on `workload`.
-fn proxy(addr: &str, pid: i32, workload: &Workload, requests: usize) -> Result<Figures> {
-    let mut rng = semlb_test_support::rng::Rng::from_seed(11 + workload.words as u64);
+/// One keep-alive connection's requests through the proxy: round trips
+/// and dispatch times (ns).
+fn proxied(addr: &str, bodies: Vec<String>) -> Result<(Vec<f64>, Vec<f64>)> {
     let mut client = semlb_test_support::keepalive::KeepAlive::new(addr);
-    let path = "/v1/chat/completions";
-    for _ in 0..requests.min(200) {
-        client
-            .post(path, &body(&mut rng, workload.words), &[])
-            .map_err(anyhow::Error::msg)?;
-    }
-    let bodies: Vec<String> = (0..requests).map(|_| body(&mut rng, workload.words)).collect();
-    let before = CpuSnapshot::of(&[pid]);
-    let (mut ns, mut dispatch) = (Vec::with_capacity(requests), Vec::with_capacity(requests));
+    let (mut ns, mut dispatch) = (Vec::with_capacity(bodies.len()), Vec::with_capacity(bodies.len()));
     for b in bodies {
         let start = Instant::now();
-        let answer = client.post(path, &b, &[]).map_err(anyhow::Error::msg)?;
+        let answer = client
+            .post("/v1/chat/completions", &b, &[])
+            .map_err(anyhow::Error::msg)?;
         ns.push(start.elapsed().as_nanos() as f64);
         if answer.status != 200 {
             bail!("the proxy answered {}", answer.status);
@@ -236,13 +324,48 @@ fn proxy(addr: &str, pid: i32, workload: &Workload, requests: usize) -> Result<F
             dispatch.push(d);
         }
     }
-    let cpu = cpu_between(&before, &CpuSnapshot::of(&[pid]));
+    Ok((ns, dispatch))
+}
+
+/// The HTTP proxy's figures: `run.concurrency` keep-alive connections.
+fn proxy(addr: &str, run: &Run<'_>) -> Result<Figures> {
+    // Request numbers of their own: no prompt repeats the picker's.
+    let first = 1_000_000;
+    let warmup = run.requests.min(200);
+    let warm: Vec<String> = (first..first + warmup)
+        .map(|i| body(run.workload, run.texts, i))
+        .collect();
+    proxied(addr, warm)?;
+    let bodies: Vec<String> = (first + warmup..first + warmup + run.requests)
+        .map(|i| body(run.workload, run.texts, i))
+        .collect();
+    let before = CpuSnapshot::of(&[run.pid]);
+    let results: Vec<Result<(Vec<f64>, Vec<f64>)>> = std::thread::scope(|scope| {
+        let threads: Vec<_> = parts(bodies, run.concurrency)
+            .into_iter()
+            .map(|part| scope.spawn(move || proxied(addr, part)))
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| {
+                t.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a client thread panicked")))
+            })
+            .collect()
+    });
+    let cpu = cpu_between(&before, &CpuSnapshot::of(&[run.pid]));
+    let (mut ns, mut dispatch) = (Vec::new(), Vec::new());
+    for r in results {
+        let (n, d) = r?;
+        ns.extend(n);
+        dispatch.extend(d);
+    }
     let (p50_us, p99_us) = quantiles(ns);
     let dispatch_p50_us = (!dispatch.is_empty()).then(|| quantiles(dispatch).0);
     Ok(Figures {
         p50_us,
         p99_us,
-        cpu_us: cpu * 1e6 / requests as f64,
+        cpu_us: cpu * 1e6 / run.requests as f64,
         dispatch_p50_us,
     })
 }
@@ -281,6 +404,7 @@ pub fn run(args: &EppArgs) -> Result<()> {
     let pid = dispatcher_pid(&shm)?;
     let mut table = Table::new([
         "workload",
+        "at once",
         "path",
         "round trip p50",
         "p99",
@@ -288,32 +412,44 @@ pub fn run(args: &EppArgs) -> Result<()> {
         "dispatcher CPU / request",
     ]);
     let mut rows = Vec::new();
+    let long = texts(2000);
     for workload in &WORKLOADS {
-        let p = picker(&picker_addr, pid, workload, args.requests)?;
-        let h = proxy(gw.addr(), pid, workload, args.requests)?;
-        for (path, f) in [("picker (ext_proc)", &p), ("HTTP proxy", &h)] {
-            table.row([
-                workload.name.to_owned(),
-                path.to_owned(),
-                format!("{:.1} µs", f.p50_us),
-                format!("{:.1} µs", f.p99_us),
-                f.dispatch_p50_us.map_or("-".to_owned(), |d| format!("{d:.1} µs")),
-                format!("{:.1} µs", f.cpu_us),
-            ]);
-            rows.push(json!({
-                "workload": workload.name,
-                "path": path,
-                "round_trip_p50_us": f.p50_us,
-                "round_trip_p99_us": f.p99_us,
-                "dispatch_p50_us": f.dispatch_p50_us,
-                "cpu_us_per_request": f.cpu_us,
-            }));
+        for &concurrency in &args.concurrency {
+            let run = Run {
+                pid,
+                workload,
+                texts: &long,
+                requests: args.requests,
+                concurrency,
+            };
+            let p = picker(&picker_addr, &run)?;
+            let h = proxy(gw.addr(), &run)?;
+            for (path, f) in [("picker (ext_proc)", &p), ("HTTP proxy", &h)] {
+                table.row([
+                    workload.name.to_owned(),
+                    concurrency.to_string(),
+                    path.to_owned(),
+                    format!("{:.1} µs", f.p50_us),
+                    format!("{:.1} µs", f.p99_us),
+                    f.dispatch_p50_us.map_or("-".to_owned(), |d| format!("{d:.1} µs")),
+                    format!("{:.1} µs", f.cpu_us),
+                ]);
+                rows.push(json!({
+                    "workload": workload.name,
+                    "concurrency": concurrency,
+                    "path": path,
+                    "round_trip_p50_us": f.p50_us,
+                    "round_trip_p99_us": f.p99_us,
+                    "dispatch_p50_us": f.dispatch_p50_us,
+                    "cpu_us_per_request": f.cpu_us,
+                }));
+            }
+            eprintln!(
+                "{} at {concurrency}: the picker's CPU per decision is {:.2} of the proxy's per request",
+                workload.name,
+                p.cpu_us / h.cpu_us
+            );
         }
-        eprintln!(
-            "{}: the picker's CPU per decision is {:.2} of the proxy's per request",
-            workload.name,
-            p.cpu_us / h.cpu_us
-        );
     }
     print_table(
         &format!("endpoint picker vs HTTP proxy ({} requests each)", args.requests),

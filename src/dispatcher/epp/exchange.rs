@@ -155,7 +155,9 @@ impl<'d> Exchange<'d> {
     async fn route(&mut self, with_body: bool, end: bool) -> Vec<ProcessingResponse> {
         let head = self.head.take().unwrap_or_default();
         let body = with_body.then(|| Bytes::from(std::mem::take(&mut self.body)));
-        match decide(self.dispatcher, head, body, self.subset.as_deref()).await {
+        // Boxed: the stages' state is large, and the exchange's future is
+        // moved (into its task) before it runs.
+        match Box::pin(decide(self.dispatcher, head, body, self.subset.as_deref())).await {
             Decision::Answer(response) => {
                 self.phase = Phase::Done;
                 vec![immediate(response).await]
