@@ -380,6 +380,15 @@ fn inflight(gw: &Gateway) -> u64 {
     t.servers.servers().map(|s| t.servers.inflight(s.server).0).sum()
 }
 
+/// Waits until no request is in flight (a cancelled stream's count ends
+/// once the picker sees the cancel).
+fn wait_until_idle(gw: &Gateway, what: &str) {
+    wait_for(what, PATIENCE, || {
+        let n = inflight(gw);
+        (n == 0, n)
+    });
+}
+
 /// A whole request through the picker: picked, forwarded, answered.
 fn through(envoy: &Envoy, extra: &[(&str, &str)], body: &[u8]) -> (String, support::http::Response, Vec<u8>) {
     let mut stream = envoy.open();
@@ -497,10 +506,7 @@ fn a_cancelled_stream_releases_its_count() {
     assert!(matches!(stream.request(&[], &body, 1, None), Pick::Routed { .. }));
     assert_eq!(inflight(&gw), 1);
     drop(stream);
-    wait_for("the cancelled request's count to end", PATIENCE, || {
-        let n = inflight(&gw);
-        (n == 0, n)
-    });
+    wait_until_idle(&gw, "the cancelled request's count to end");
     // Cancelled in the middle of the answer.
     let mut stream = envoy.open();
     let pick = stream.request(
@@ -535,10 +541,7 @@ fn a_cancelled_stream_releases_its_count() {
     stream.recv();
     assert_eq!(inflight(&gw), 1);
     drop(stream);
-    wait_for("the count of the request cancelled mid-answer to end", PATIENCE, || {
-        let n = inflight(&gw);
-        (n == 0, n)
-    });
+    wait_until_idle(&gw, "the count of the request cancelled mid-answer to end");
 }
 
 #[test]
@@ -570,10 +573,7 @@ fn conversations_sharing_a_system_prompt_spread_while_in_flight() {
     assert_eq!(inflight(&gw), 12);
     assert_eq!(per_engine.len(), 3, "every engine took some: {per_engine:?}");
     drop(held);
-    wait_for("the held requests' counts to end", PATIENCE, || {
-        let n = inflight(&gw);
-        (n == 0, n)
-    });
+    wait_until_idle(&gw, "the held requests' counts to end");
 }
 
 #[test]
