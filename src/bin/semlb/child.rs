@@ -50,15 +50,19 @@ pub const LISTEN_FD: RawFd = 3;
 pub const EPP_FD: RawFd = 4;
 
 /// The endpoint picker's listening socket, when `config` has one (the
-/// supervisor handed it over on [`EPP_FD`]).
+/// supervisor handed it over on [`EPP_FD`]). A file that gained
+/// `[epp] listen` since the supervisor started (a dispatcher restarted
+/// after a reload) has none: HTTP only until a restart.
 fn epp_listener(config: &ServeConfig) -> Result<Option<std::net::TcpListener>> {
     if config.epp.listen.is_none() {
         return Ok(None);
     }
-    anyhow::ensure!(
-        is_listening_socket(EPP_FD),
-        "fd {EPP_FD} is not a listening socket: with [epp] listen the supervisor hands a dispatcher the endpoint picker's listener"
-    );
+    if !is_listening_socket(EPP_FD) {
+        tracing::warn!(
+            "[epp] listen is set, but the supervisor was started without the endpoint picker's listener: this dispatcher serves HTTP only until the service restarts"
+        );
+        return Ok(None);
+    }
     // SAFETY: the supervisor put the picker's listening socket on EPP_FD
     // for this process (dup2 before exec), checked just above to be one,
     // and nothing else in this process owns it.
