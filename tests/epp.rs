@@ -845,3 +845,31 @@ fn the_picker_listener_is_handed_over_in_an_upgrade() {
         "the successor's dispatchers pick on the same address"
     );
 }
+
+#[test]
+fn a_message_out_of_order_is_a_grpc_error_and_the_picker_serves_on() {
+    let engine = sim();
+    let gw = gateway("order", &[&engine], &[]);
+    let envoy = Envoy::of(&gw);
+    // A body before any headers: Envoy's mistake, not a client's.
+    let mut stream = envoy.open();
+    stream.send(
+        processing_request::Request::RequestBody(HttpBody {
+            body: b"{}".to_vec(),
+            end_of_stream: true,
+            ..HttpBody::default()
+        }),
+        None,
+    );
+    let rx = &mut stream.rx;
+    let answer = envoy
+        .rt
+        .block_on(async { tokio::time::timeout(PATIENCE, rx.message()).await })
+        .expect("an answer in time");
+    let status = answer.expect_err("a gRPC error");
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    assert_eq!(inflight(&gw), 0);
+    // The next stream is served.
+    let body = chat_body(&[user("In order this time")], json!({}));
+    assert_eq!(envoy.open().request(&[], &body, 1, None).endpoint(), engine.addr);
+}
