@@ -190,7 +190,9 @@ impl ExtProc<'_> {
             metadata_context: metadata,
             ..ProcessingRequest::default()
         };
-        self.rt.block_on(tx.send(message)).expect("send to the picker");
+        // The picker may have ended the stream already (an immediate
+        // response before the body's last chunk): what it answered tells.
+        let _ = self.rt.block_on(tx.send(message));
     }
 
     fn recv(&mut self) -> ProcessingResponse {
@@ -654,7 +656,9 @@ fn errors_come_back_as_immediate_responses_and_health_follows_the_engines() {
         .shm(&unique("errors"))
         .tag("epp-errors")
         .backends(&[&engine])
-        .config(&format!("[auth]\nkeys_file = \"{keys}\"\n"))
+        .config(&format!(
+            "[auth]\nkeys_file = \"{keys}\"\n[limits]\nmax_body_bytes = \"64KiB\"\n"
+        ))
         .args(&["--epp-listen", "127.0.0.1:0"])
         .start();
     let envoy = Envoy::of(&gw);
@@ -672,6 +676,10 @@ fn errors_come_back_as_immediate_responses_and_health_follows_the_engines() {
         .request(&[], b"{\"model\": \"semlb-sim\", \"messages\": [", 2, None);
     let (body, _) = error_of(&pick, 400);
     assert_eq!(body["error"]["type"], "invalid_request_error");
+    // A body over `limits.max_body_bytes`, in chunks: 413.
+    let long = chat_body(&[user(&"many words ".repeat(7000))], json!({}));
+    let (body, _) = error_of(&envoy.open().request(&[], &long, 4, None), 413);
+    assert_eq!(body["error"]["code"], "payload_too_large", "{body}");
     // A tenant past its rate limit: 429 with Retry-After.
     let ask = |i: usize| {
         envoy.open().request(

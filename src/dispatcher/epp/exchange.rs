@@ -6,7 +6,7 @@
 //! | Envoy sends | the picker answers |
 //! | --- | --- |
 //! | request headers | nothing yet; with `end_of_stream` (no body) the pick, then the headers' answer |
-//! | a request body chunk | nothing: buffered, until the last one (`end_of_stream`) |
+//! | a request body chunk | nothing: buffered, until the last one (`end_of_stream`); past `limits.max_body_bytes`, an immediate 413 |
 //! | the last chunk | the pick: the headers' answer (destination, `clear_route_cache`, dynamic metadata), then the body as streamed body responses; or an immediate response |
 //! | request trailers | (the pick, if the body did not end before) the trailers' answer |
 //! | response headers | the headers' answer; the answer's relay begins |
@@ -28,7 +28,7 @@ use super::pick::{Decision, Routed, decide};
 use super::wire::{self, Head};
 use crate::dispatcher::Dispatcher;
 use crate::dispatcher::concurrency::Counted;
-use crate::dispatcher::http::Body;
+use crate::dispatcher::http::{Body, body_too_large};
 use crate::dispatcher::proxy::Picked;
 
 /// Where the exchange is.
@@ -98,6 +98,14 @@ impl<'d> Exchange<'d> {
                 Ok(Vec::new())
             }
             (Phase::RequestBody, Request::RequestBody(b)) => {
+                // At most `limits.max_body_bytes` buffered, as the HTTP
+                // front reads.
+                let max = usize::try_from(self.dispatcher.config().limits.max_body_bytes.0).unwrap_or(usize::MAX);
+                if self.body.len().saturating_add(b.body.len()) > max {
+                    self.phase = Phase::Done;
+                    self.body = Vec::new();
+                    return Ok(vec![immediate(body_too_large(max)).await]);
+                }
                 self.body.extend_from_slice(&b.body);
                 if b.end_of_stream {
                     return Ok(self.route(true, true).await);
