@@ -465,6 +465,12 @@ fn a_buffered_chat_is_picked_with_fallbacks_learned_and_charged() {
     );
     let output = sample(&m, "semlb_tenant_tokens_total{tenant=\"team-a\",type=\"output\"}").unwrap_or(0.0);
     assert!(output > 0.0, "output tokens charged: {output}");
+    // Counted as the HTTP front's requests are.
+    assert_eq!(
+        sample(&m, "semlb_requests_total{endpoint=\"chat_completions\",code=\"200\"}"),
+        Some(2.0),
+        "{m}"
+    );
 }
 
 #[test]

@@ -30,6 +30,7 @@ use crate::dispatcher::Dispatcher;
 use crate::dispatcher::concurrency::Counted;
 use crate::dispatcher::http::{Body, body_too_large};
 use crate::dispatcher::proxy::Picked;
+use crate::metrics::EndpointLabel;
 
 /// Where the exchange is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,6 +51,9 @@ enum Phase {
 pub struct Exchange<'d> {
     dispatcher: &'d Arc<Dispatcher>,
     phase: Phase,
+    /// The request's `semlb_requests_total` label (counted with the
+    /// status of its answer, the engine's or the gateway's).
+    label: EndpointLabel,
     head: Option<Head>,
     subset: Option<Vec<String>>,
     body: Vec<u8>,
@@ -66,6 +70,7 @@ impl<'d> Exchange<'d> {
         Self {
             dispatcher,
             phase: Phase::RequestHeaders,
+            label: EndpointLabel::Other,
             head: None,
             subset: None,
             body: Vec::new(),
@@ -89,7 +94,9 @@ impl<'d> Exchange<'d> {
         };
         match (self.phase, request) {
             (Phase::RequestHeaders, Request::RequestHeaders(h)) => {
-                self.head = Some(wire::read_head(h.headers.as_ref()));
+                let head = wire::read_head(h.headers.as_ref());
+                self.label = EndpointLabel::of_path(head.path.split('?').next().unwrap_or(""));
+                self.head = Some(head);
                 self.subset = wire::subset_hint(message.metadata_context.as_ref());
                 if h.end_of_stream {
                     return Ok(self.route(false, true).await);
@@ -104,6 +111,7 @@ impl<'d> Exchange<'d> {
                 if self.body.len().saturating_add(b.body.len()) > max {
                     self.phase = Phase::Done;
                     self.body = Vec::new();
+                    self.dispatcher.metrics().request(self.label, 413);
                     return Ok(vec![immediate(body_too_large(max)).await]);
                 }
                 self.body.extend_from_slice(&b.body);
@@ -168,6 +176,9 @@ impl<'d> Exchange<'d> {
         match Box::pin(decide(self.dispatcher, head, body, self.subset.as_deref())).await {
             Decision::Answer(response) => {
                 self.phase = Phase::Done;
+                self.dispatcher
+                    .metrics()
+                    .request(self.label, response.status().as_u16());
                 vec![immediate(response).await]
             }
             Decision::Routed(routed) => {
@@ -198,6 +209,7 @@ impl<'d> Exchange<'d> {
             .status
             .and_then(|s| StatusCode::from_u16(s).ok())
             .unwrap_or(StatusCode::OK);
+        self.dispatcher.metrics().request(self.label, status.as_u16());
         let (response, feed) = picked.answer(status, head.headers);
         self.answer = Some(Answer::new(response.into_body(), feed));
     }
