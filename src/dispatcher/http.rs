@@ -229,8 +229,21 @@ impl BodyBudget {
         }
     }
 
+    /// Holds `bytes` in `permit` (taken first when `None`); false if the
+    /// budget has not the room (a body buffered as it comes: the endpoint
+    /// picker's).
+    pub(crate) fn hold(&self, permit: &mut Option<BodyPermit>, bytes: u64) -> bool {
+        match permit {
+            Some(p) => self.extend(p, bytes),
+            None => {
+                *permit = self.take(bytes);
+                permit.is_some()
+            }
+        }
+    }
+
     /// The 503 of a body past the budget.
-    fn busy(&self) -> Response<Body> {
+    pub(crate) fn busy(&self) -> Response<Body> {
         let mut r = error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "the gateway holds as many request bodies as it may (limits.max_inflight_body_bytes); retry shortly",

@@ -568,6 +568,11 @@ impl Dispatcher {
         self.store.local()
     }
 
+    /// The request bodies it holds at once.
+    fn body_budget(&self) -> &http::BodyBudget {
+        &self.body_budget
+    }
+
     fn cacheable_stream_bytes(&self) -> usize {
         self.cacheable_stream_bytes
     }

@@ -6,7 +6,7 @@
 //! | Envoy sends | the picker answers |
 //! | --- | --- |
 //! | request headers | nothing yet; with `end_of_stream` (no body) the pick, then the headers' answer |
-//! | a request body chunk | nothing: buffered, until the last one (`end_of_stream`); past `limits.max_body_bytes`, an immediate 413 |
+//! | a request body chunk | nothing: buffered, until the last one (`end_of_stream`); past `limits.max_body_bytes`, an immediate 413; past the dispatcher's `limits.max_inflight_body_bytes`, an immediate 503 |
 //! | the last chunk | the pick: the headers' answer (destination, `clear_route_cache`, dynamic metadata), then the body as streamed body responses; or an immediate response |
 //! | request trailers | (the pick, if the body did not end before) the trailers' answer |
 //! | response headers | the headers' answer; the answer's relay begins |
@@ -28,7 +28,7 @@ use super::pick::{Decision, Routed, decide};
 use super::wire::{self, Head};
 use crate::dispatcher::Dispatcher;
 use crate::dispatcher::concurrency::Counted;
-use crate::dispatcher::http::{Body, body_too_large};
+use crate::dispatcher::http::{Body, BodyPermit, body_too_large};
 use crate::dispatcher::proxy::Picked;
 use crate::metrics::EndpointLabel;
 
@@ -57,6 +57,9 @@ pub struct Exchange<'d> {
     head: Option<Head>,
     subset: Option<Vec<String>>,
     body: Vec<u8>,
+    /// The buffered body's place in the dispatcher's budget of bodies in
+    /// flight (`limits.max_inflight_body_bytes`), until the pick.
+    permit: Option<BodyPermit>,
     /// The request routed, until its answer's headers come.
     picked: Option<Picked<'d>>,
     /// Its tenant's place among its requests in flight, until the end.
@@ -74,6 +77,7 @@ impl<'d> Exchange<'d> {
             head: None,
             subset: None,
             body: Vec::new(),
+            permit: None,
             picked: None,
             counted: None,
             answer: None,
@@ -113,6 +117,13 @@ impl<'d> Exchange<'d> {
                     self.body = Vec::new();
                     self.dispatcher.metrics().request(self.label, 413);
                     return Ok(vec![immediate(body_too_large(max)).await]);
+                }
+                let budget = self.dispatcher.body_budget();
+                if !budget.hold(&mut self.permit, (self.body.len() + b.body.len()) as u64) {
+                    self.phase = Phase::Done;
+                    self.body = Vec::new();
+                    self.dispatcher.metrics().request(self.label, 503);
+                    return Ok(vec![immediate(budget.busy()).await]);
                 }
                 self.body.extend_from_slice(&b.body);
                 if b.end_of_stream {
@@ -171,6 +182,8 @@ impl<'d> Exchange<'d> {
     async fn route(&mut self, with_body: bool, end: bool) -> Vec<ProcessingResponse> {
         let head = self.head.take().unwrap_or_default();
         let body = with_body.then(|| Bytes::from(std::mem::take(&mut self.body)));
+        // Handed on: the budget's place goes with the pick.
+        let _permit = self.permit.take();
         // Boxed: the stages' state is large, and the exchange's future is
         // moved (into its task) before it runs.
         match Box::pin(decide(self.dispatcher, head, body, self.subset.as_deref())).await {
