@@ -87,10 +87,8 @@ OVERLAYS = {
 # ([discovery], [epp]); once it does, the reference alone decides. The
 # flags are accepted beside docs/reference/cli.md's (drop them here once
 # it lists them).
-PENDING_KEYS = {
-    "epp": {"epp", "epp.listen"},
-}
-PENDING_FLAGS = {"--epp-listen"}
+PENDING_KEYS: dict = {}
+PENDING_FLAGS: set = set()
 DISCOVERY_KINDS = {"kubernetes", "inference-pool", "file"}
 
 # What discovery reads from the API server: (API group, resource).

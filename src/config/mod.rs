@@ -175,6 +175,8 @@
 //! | `[metrics]` | table | | where Prometheus scrapes the gateway |
 //! | `metrics.listen` | `"ip:port"` | not set: `/metrics` on `listen` | a listener of its own for `GET /metrics` (the supervisor serves it); the gateway's `listen` then answers `/metrics` with 404, so clients never see it |
 //! | `metrics.token_file` | path | not set | a file (mode 0600) holding the bearer token a scrape of `/metrics` on `listen` must present; with `[auth]` and neither this nor `metrics.listen`, `/metrics` on `listen` answers 404 (tenants' usage and engine addresses are not for clients) |
+//! | `[epp]` | table | | the Gateway API Inference Extension's endpoint picker |
+//! | `epp.listen` | `"ip:port"` | not set: no picker | every dispatcher also serves Envoy's external processing (`envoy.service.ext_proc.v3`) and `grpc.health.v1` on this address ([`crate::dispatcher::epp`]) |
 //!
 //! Sizes are strings such as `"256MiB"`, `"1.5GiB"` or `"100MB"`, or an
 //! integer number of bytes.
@@ -185,7 +187,7 @@
 //! `--responders`, `--shm-name`, `--shm-size`, `--backend URL`,
 //! `--prefill URL` and `--decode URL` (repeatable), `--pd-protocol`, `--tokenizer`, `--chat-template`, `--block-size`,
 //! `--policy`, `--store`, `--redis-url`, `--redis-namespace`,
-//! `--redis-lookup`, `--admin-listen`, `--metrics-listen` and `--admin-token-file` (which
+//! `--redis-lookup`, `--admin-listen`, `--metrics-listen`, `--epp-listen` and `--admin-token-file` (which
 //! replaces a file's `admin.token`).
 
 use std::collections::HashMap;
@@ -399,6 +401,8 @@ pub struct ServeConfig {
     pub admin: AdminConfig,
     /// Where `/metrics` is served (`[metrics]`).
     pub metrics: MetricsConfig,
+    /// The endpoint picker's listener (`[epp]`); off unless `epp.listen` is set.
+    pub epp: EppConfig,
     /// Client authentication (`[auth]`); off unless `auth.keys_file` is set.
     pub auth: AuthConfig,
     /// This gateway as a region among peer gateways (`[peering]`,
@@ -453,6 +457,7 @@ impl Default for ServeConfig {
             health: HealthConfig::default(),
             admin: AdminConfig::default(),
             metrics: MetricsConfig::default(),
+            epp: EppConfig::default(),
             auth: AuthConfig::default(),
             peering: PeeringConfig::default(),
             pd: PdConfig::default(),
@@ -523,6 +528,8 @@ pub struct ServeOverrides {
     pub discovery_port: Option<u16>,
     /// `--inference-pool NAME`.
     pub inference_pool: Option<String>,
+    /// `--epp-listen ADDR`.
+    pub epp_listen: Option<SocketAddr>,
 }
 
 impl ServeConfig {
@@ -602,6 +609,7 @@ impl ServeConfig {
             discovery_namespace,
             discovery_port,
             inference_pool,
+            epp_listen,
         } = overrides;
         let d = &mut self.discovery;
         d.kind = discovery.or(d.kind);
@@ -610,6 +618,9 @@ impl ServeConfig {
         d.namespace = discovery_namespace.or(d.namespace.take());
         d.port = discovery_port.or(d.port);
         d.inference_pool = inference_pool.or(d.inference_pool.take());
+        if let Some(v) = epp_listen {
+            self.epp.listen = Some(v);
+        }
         if let Some(v) = metrics_listen {
             self.metrics.listen = Some(v);
         }

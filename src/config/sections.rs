@@ -404,6 +404,18 @@ impl Default for AuthConfig {
     }
 }
 
+/// The endpoint picker (`[epp]`): Envoy's external processing service
+/// beside the HTTP front ([`crate::dispatcher::epp`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EppConfig {
+    /// The address every dispatcher also accepts gRPC on as the Gateway API
+    /// Inference Extension's endpoint picker (`envoy.service.ext_proc.v3`
+    /// and `grpc.health.v1`); `None` (the default): no picker.
+    #[serde(deserialize_with = "optional_socket_addr")]
+    pub listen: Option<SocketAddr>,
+}
+
 /// Where `/metrics` is served (`[metrics]`).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]

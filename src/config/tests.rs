@@ -1283,7 +1283,9 @@ cache_threshold = 0.25
         discovery_namespace: Some("llm".into()),
         discovery_port: Some(8000),
         inference_pool: Some("pool".into()),
+        epp_listen: Some("127.0.0.1:9002".parse().unwrap()),
     });
+    assert_eq!(c.epp.listen, Some("127.0.0.1:9002".parse().unwrap()));
     assert_eq!(c.discovery.kind, Some(DiscoveryKind::Kubernetes));
     assert_eq!(c.discovery.path, Some(PathBuf::from("flag-endpoints.yaml")));
     assert_eq!(
@@ -1649,4 +1651,9 @@ fn the_kubernetes_manifests_configuration_validates() {
     let c = ServeConfig::from_toml(text, Path::new("/etc/semlb/semlb.toml")).unwrap();
     c.validate().unwrap();
     assert_eq!(c.discovery.kind, Some(DiscoveryKind::Kubernetes));
+    let text = include_str!("../../deploy/kubernetes/epp/picker/semlb.toml");
+    let c = ServeConfig::from_toml(text, Path::new("/etc/semlb/semlb.toml")).unwrap();
+    c.validate().unwrap();
+    assert_eq!(c.discovery.kind, Some(DiscoveryKind::InferencePool));
+    assert!(c.epp.listen.is_some());
 }

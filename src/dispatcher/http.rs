@@ -98,6 +98,15 @@ pub(crate) fn error_response(status: StatusCode, message: impl Into<String>, cod
     json_response(status, &body)
 }
 
+/// 413 for a request body over the limit of `max` bytes.
+pub(crate) fn body_too_large(max: usize) -> Response<Body> {
+    error_response(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!("the request body is larger than the limit of {max} bytes"),
+        Some("payload_too_large"),
+    )
+}
+
 /// Reads a request body of at most `max` bytes within `within` (413
 /// beyond, from `Content-Length` or while reading; 408 when it takes
 /// longer; 400 when it cannot be read).
@@ -108,13 +117,7 @@ pub(crate) async fn read_body(
     within: std::time::Duration,
     budget: &BodyBudget,
 ) -> Result<(Bytes, BodyPermit), Response<Body>> {
-    let too_large = || {
-        error_response(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("the request body is larger than the limit of {max} bytes"),
-            Some("payload_too_large"),
-        )
-    };
+    let too_large = || body_too_large(max);
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -226,8 +229,21 @@ impl BodyBudget {
         }
     }
 
+    /// Holds `bytes` in `permit` (taken first when `None`); false if the
+    /// budget has not the room (a body buffered as it comes: the endpoint
+    /// picker's).
+    pub(crate) fn hold(&self, permit: &mut Option<BodyPermit>, bytes: u64) -> bool {
+        match permit {
+            Some(p) => self.extend(p, bytes),
+            None => {
+                *permit = self.take(bytes);
+                permit.is_some()
+            }
+        }
+    }
+
     /// The 503 of a body past the budget.
-    fn busy(&self) -> Response<Body> {
+    pub(crate) fn busy(&self) -> Response<Body> {
         let mut r = error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "the gateway holds as many request bodies as it may (limits.max_inflight_body_bytes); retry shortly",

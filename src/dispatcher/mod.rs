@@ -95,6 +95,7 @@
 //! | `models` | `GET /v1/models`: the live servers' lists merged |
 //! | `client_io` | the client's connection, its writes bounded in time |
 //! | `tenant_usage` | a request's counts per tenant and per model in the segment's usage table (`semlb status`, `/metrics`) |
+//! | `epp` | the Gateway API Inference Extension's endpoint picker: Envoy's ext_proc over gRPC, the same stages and routing, the answer relayed as the proxy's |
 //! | `inflight`, `timing`, `http`, `sse` | a request's in-flight count; its dispatch timing; HTTP helpers and OpenAI errors; SSE replay of cached answers |
 //!
 //! [`Dispatcher`] is defined here, with every method it has; its parts are
@@ -125,6 +126,7 @@ pub mod concurrency;
 pub mod context_limit;
 mod disagg;
 mod endpoints;
+pub mod epp;
 pub mod failure;
 mod http;
 mod inference;
@@ -564,6 +566,11 @@ impl Dispatcher {
     /// store's).
     fn local(&self) -> &LocalState {
         self.store.local()
+    }
+
+    /// The request bodies it holds at once.
+    fn body_budget(&self) -> &http::BodyBudget {
+        &self.body_budget
     }
 
     fn cacheable_stream_bytes(&self) -> usize {

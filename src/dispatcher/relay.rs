@@ -179,12 +179,53 @@ impl Capture {
     }
 }
 
+/// The body a relay reads: an engine's answer as the upstream client
+/// receives it, or one fed to it chunk by chunk (the endpoint picker's:
+/// Envoy streams the engine's answer through it, [`super::epp`]).
+#[derive(Debug)]
+pub(super) enum UpstreamBody {
+    /// From the upstream client.
+    Engine(Incoming),
+    /// Fed by [`fed`]'s sender; it ends when the sender is dropped.
+    Fed(tokio::sync::mpsc::UnboundedReceiver<Bytes>),
+}
+
+/// A body that is fed: its chunks go in through the sender, which ends
+/// it when dropped.
+pub(super) fn fed() -> (tokio::sync::mpsc::UnboundedSender<Bytes>, UpstreamBody) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    (tx, UpstreamBody::Fed(rx))
+}
+
+impl UpstreamBody {
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self {
+            UpstreamBody::Engine(body) => Pin::new(body).poll_frame(cx),
+            UpstreamBody::Fed(rx) => rx.poll_recv(cx).map(|chunk| chunk.map(|c| Ok(Frame::data(c)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            UpstreamBody::Engine(body) => body.is_end_stream(),
+            UpstreamBody::Fed(rx) => rx.is_closed() && rx.is_empty(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            UpstreamBody::Engine(body) => body.size_hint(),
+            UpstreamBody::Fed(_) => SizeHint::default(),
+        }
+    }
+}
+
 /// What is relayed: a server's answer body, the server's base URL and the
 /// request's in-flight count.
 #[derive(Debug)]
 pub(super) struct Upstream {
     /// The answer's body.
-    pub body: Incoming,
+    pub body: UpstreamBody,
     /// The server's base URL (for the passive health check).
     pub address: String,
     /// The request's in-flight count, ended when the relay ends.
@@ -213,7 +254,7 @@ pub(super) struct Relay {
     first: Option<Bytes>,
     /// The base URL of the server answering (for the passive health check).
     address: String,
-    inner: Incoming,
+    inner: UpstreamBody,
     deadline: Pin<Box<Sleep>>,
     guard: Option<InflightGuard>,
     capture: Option<Capture>,
@@ -506,7 +547,7 @@ impl HttpBody for Relay {
             }
             let polled = match this.first.take() {
                 Some(data) => Poll::Ready(Some(Ok(Frame::data(data)))),
-                None => Pin::new(&mut this.inner).poll_frame(cx),
+                None => this.inner.poll_frame(cx),
             };
             let frame = match polled {
                 Poll::Ready(Some(Ok(frame))) => frame,

@@ -15,6 +15,7 @@
 //! | `tokenizer` | [`tokenizer`] | HF `tokenizers` against the native engine: µs per token on short, 2K- and 8K-token texts, and per request on multi-turn chats with and without the segment cache |
 //! | `replay` | [`replay`] | every routing policy and the peer routers (SMG, vllm-router, SGLang's router, installed into private virtual environments) on the same workloads ([`workload`]: the Mooncake trace, HH-RLHF chats, hot-prefix agent sessions, closed-loop agents, a hot-prefix burst, and closed-loop chats — on four shared system prompts, on one, and on one engine scaled out at run time — on four engine sets: with and without `/metrics`, streamed and not): throughput, TTFT, SLO attainment, goodput from a rate sweep, prefix hits, load imbalance, the burst's spread, the scale-out's take-up, every row against `least_load` and `cache_aware` against the best peer |
 //! | `llama` | [`replay::real_engine`] | `cache_aware`, `round_robin`, `consistent_hash` and `least_load` in front of real `llama-server` engines (SmolLM2-135M on CPU) and in front of the simulator calibrated to them, on small closed-loop chats: throughput, TTFT, the engines' cached-token share |
+//! | `epp` | [`epp`] | the endpoint picker's decision (`--epp-listen`, Envoy's ext_proc): round trip p50/p99 and dispatcher CPU per decision on a short and a 2 000-token chat, beside the HTTP proxy's dispatcher CPU per request |
 //! | `proxy` | [`proxy`] | the gateway's cost as a proxy against nginx in front of the same engine (front pinned to its own core): req/s, latency and added latency, CPU µs per request |
 //! | `state` | [`state`] | what keeping the routing state is worth: the first 60 s after a restart with the segment kept (hot restart) and not, and two gateway hosts on one Redis sharing a namespace or not: cached share of prompt tokens, TTFT p50/p90 |
 //! | `tenants` | [`tenants`] | the noisy neighbour: a quiet tenant's TTFT beside a flooding one, with engine queues, the gateway queue oldest first, and the gateway queue with fair share |
@@ -38,6 +39,7 @@
 
 pub mod dispatch_path;
 pub mod end_to_end;
+pub mod epp;
 pub mod output;
 pub mod pd;
 pub mod plot;
@@ -93,6 +95,9 @@ pub enum BenchCommand {
     Tokenizer(tokenizer::TokenizerArgs),
     /// semlb against nginx in front of the same engine: latency, CPU per request.
     Proxy(proxy::ProxyArgs),
+    /// The endpoint picker's decision cost (Envoy's ext_proc) beside the
+    /// HTTP proxy's per request.
+    Epp(epp::EppArgs),
     /// What keeping the routing state is worth: a restart with and
     /// without the segment kept, two gateway hosts sharing Redis or not.
     State(state::StateArgs),
@@ -163,6 +168,7 @@ pub fn run(command: &BenchCommand) -> Result<()> {
         BenchCommand::Llama(args) => replay::real_engine::run(args),
         BenchCommand::Tokenizer(args) => tokenizer::run(args),
         BenchCommand::Proxy(args) => proxy::run(args),
+        BenchCommand::Epp(args) => epp::run(args),
         BenchCommand::State(args) => state::run(args),
         BenchCommand::Tenants(args) => tenants::run(args),
         BenchCommand::Regions(args) => regions::run(args),

@@ -45,6 +45,32 @@ const DISPATCHER_BLOCKING_THREADS: usize = 8;
 /// it there before exec).
 pub const LISTEN_FD: RawFd = 3;
 
+/// The fd a dispatcher finds the endpoint picker's listening socket on,
+/// with `[epp] listen` (the supervisor puts it there before exec).
+pub const EPP_FD: RawFd = 4;
+
+/// The endpoint picker's listening socket, when `config` has one (the
+/// supervisor handed it over on [`EPP_FD`]). A file that gained
+/// `[epp] listen` since the supervisor started (a dispatcher restarted
+/// after a reload) has none: HTTP only until a restart.
+fn epp_listener(config: &ServeConfig) -> Result<Option<std::net::TcpListener>> {
+    if config.epp.listen.is_none() {
+        return Ok(None);
+    }
+    if !is_listening_socket(EPP_FD) {
+        tracing::warn!(
+            "[epp] listen is set, but the supervisor was started without the endpoint picker's listener: this dispatcher serves HTTP only until the service restarts"
+        );
+        return Ok(None);
+    }
+    // SAFETY: the supervisor put the picker's listening socket on EPP_FD
+    // for this process (dup2 before exec), checked just above to be one,
+    // and nothing else in this process owns it.
+    let listener = unsafe { std::net::TcpListener::from_raw_fd(EPP_FD) };
+    listener.set_nonblocking(true)?;
+    Ok(Some(listener))
+}
+
 /// Whether `fd` is an open socket that listens (`SO_ACCEPTCONN`).
 fn is_listening_socket(fd: RawFd) -> bool {
     let mut accepting: libc::c_int = 0;
@@ -128,6 +154,7 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
     // else in this process owns it.
     let std_listener = unsafe { std::net::TcpListener::from_raw_fd(LISTEN_FD) };
     std_listener.set_nonblocking(true)?;
+    let epp = epp_listener(&config)?;
     let watch = Arc::new(ReactorWatch::new(segment.clock().now_ms()));
     spawn_heartbeat(segment.clone(), identity.slot, identity.incarnation, watch.clone())?;
     // The blocking pool takes the work that grows with a request (parsing a
@@ -179,10 +206,29 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
             args.serve.clone(),
             running,
         ));
-        dispatcher::serve(listener, dispatcher, async move {
+        // SIGTERM stops both fronts: the HTTP one and the endpoint picker.
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
             term.recv().await;
-        })
-        .await?;
+            stop_tx.send_replace(true);
+        });
+        let stopped = |mut stop: tokio::sync::watch::Receiver<bool>| async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        let epp = match epp {
+            Some(l) => {
+                let listener = tokio::net::TcpListener::from_std(l)?;
+                let serving = dispatcher::epp::serve(listener, dispatcher.clone(), stopped(stop_rx.clone()));
+                Some(tokio::spawn(serving))
+            }
+            None => None,
+        };
+        dispatcher::serve(listener, dispatcher, stopped(stop_rx)).await?;
+        if let Some(epp) = epp
+            && let Ok(Err(e)) = epp.await
+        {
+            tracing::warn!(error = %e, "the endpoint picker stopped with an error: {e}");
+        }
         Ok(())
     })
 }

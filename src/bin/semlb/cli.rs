@@ -166,6 +166,11 @@ pub struct ServeArgs {
     /// (`discovery.inference_pool`).
     #[arg(long, value_name = "NAME")]
     pub inference_pool: Option<String>,
+    /// Also serve the Gateway API Inference Extension's endpoint picker
+    /// (Envoy's external processing, gRPC) on this address, from every
+    /// dispatcher (`[epp] listen`).
+    #[arg(long, value_name = "ADDR")]
+    pub epp_listen: Option<SocketAddr>,
     /// Also start N simulated engines (default 3) on loopback and use them
     /// as the backends: the gateway runs on one machine with no GPU. Unless
     /// given, --listen is then 127.0.0.1:8080 and --shm-name semlb-demo.
@@ -278,6 +283,7 @@ impl ServeArgs {
             discovery_namespace: self.discovery_namespace.clone(),
             discovery_port: self.discovery_port,
             inference_pool: self.inference_pool.clone(),
+            epp_listen: self.epp_listen,
         }
     }
 
@@ -340,6 +346,7 @@ impl ServeArgs {
         flag("--discovery-namespace", self.discovery_namespace.clone());
         flag("--discovery-port", self.discovery_port.map(|v| v.to_string()));
         flag("--inference-pool", self.inference_pool.clone());
+        flag("--epp-listen", self.epp_listen.map(|v| v.to_string()));
         out.extend(self.log.to_args());
         out
     }

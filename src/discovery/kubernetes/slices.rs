@@ -113,7 +113,6 @@ mod tests {
         SliceRules {
             port,
             port_name: port_name.map(str::to_owned),
-            ..SliceRules::default()
         }
     }
 

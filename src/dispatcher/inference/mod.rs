@@ -13,6 +13,10 @@
 //!
 //! Each stage either hands its result to the next or answers the client
 //! (an error in the API's own shape, or the cached answer).
+//!
+//! [`prepare`] runs the stages after the read; the HTTP front hands what
+//! it prepared to the proxy, the endpoint picker ([`super::epp`]) to the
+//! picking proxy ([`super::proxy::pick`]).
 
 mod admit;
 mod key;
@@ -23,14 +27,17 @@ mod tokenize;
 
 use std::sync::Arc;
 
-use http::{Request, Response};
+use bytes::Bytes;
+use http::{Request, Response, request};
 use hyper::body::Incoming;
 
 pub(super) use self::parse::{off_reactor_if_large, pick_pool};
 pub(super) use self::send::share_of;
 pub(crate) use self::send::with_model;
 use super::Dispatcher;
+use super::charge::Admitted;
 use super::http::Body;
+use super::proxy::{InferenceCtx, Outbound, forward};
 use super::timing::{DispatchTiming, Mark};
 use crate::openai::prompt::Endpoint;
 use crate::tenancy::auth::Caller;
@@ -51,11 +58,6 @@ pub(super) async fn inference(
     endpoint: Endpoint,
     caller: Option<&Caller>,
 ) -> Response<Body> {
-    let asked = Asked {
-        dispatcher,
-        caller,
-        endpoint,
-    };
     let mut timing = DispatchTiming::new();
     // The tenant's place among its requests in flight, held by the answer.
     let counted = match super::concurrency::begin(dispatcher, caller) {
@@ -70,22 +72,54 @@ pub(super) async fn inference(
         Err(r) => return r,
     };
     timing.mark(Mark::Read);
-    let mut request = match parse::parse(asked, parts, &bytes).await {
-        Ok(p) => p,
-        Err(r) => return r,
+    let Ready {
+        outbound,
+        ctx,
+        admitted,
+    } = match prepare(dispatcher, caller, endpoint, parts, &bytes, timing).await {
+        Ok(ready) => ready,
+        Err(answer) => return answer,
     };
+    let mut response = forward(dispatcher, outbound, Some(ctx)).await;
+    admitted.set_headers(&mut response);
+    super::concurrency::hold(response, counted)
+}
+
+/// An inference request ready to be routed: what goes upstream, what the
+/// proxy learns from, and its charge (the `x-ratelimit-*` headers of its
+/// answer).
+pub(in crate::dispatcher) struct Ready {
+    pub outbound: Outbound,
+    pub ctx: InferenceCtx,
+    pub admitted: Admitted,
+}
+
+/// The stages after the read of an inference request (head `parts`, body
+/// `bytes`, arrived as `timing` started): parse, tokenize, admit, key, look
+/// up, the request as it goes upstream. `Err`: the answer already (an
+/// error in the API's shape, or the response cache's answer).
+pub(in crate::dispatcher) async fn prepare(
+    dispatcher: &Arc<Dispatcher>,
+    caller: Option<&Caller>,
+    endpoint: Endpoint,
+    parts: request::Parts,
+    bytes: &Bytes,
+    mut timing: DispatchTiming,
+) -> Result<Ready, Response<Body>> {
+    let asked = Asked {
+        dispatcher,
+        caller,
+        endpoint,
+    };
+    let mut request = parse::parse(asked, parts, bytes).await?;
     timing.mark(Mark::Parse);
     let tokens = tokenize::tokenize(asked, &request.pool, &mut request.parsed).await;
     timing.mark(Mark::Tokenize);
-    let admission = admit::admit(asked, &request.pool, &request.parsed, &tokens).await;
-    let mut admitted = match admission {
-        Ok(a) => a,
-        Err(refused) => return refused,
-    };
+    let mut admitted = admit::admit(asked, &request.pool, &request.parsed, &tokens).await?;
     let keyed = key::key(asked, &request, &tokens, &mut timing).await;
     let found = lookup::look_up(asked, &request, &tokens, &keyed, &admitted, &mut timing).await;
     let (lookup, answer_tokens) = match found {
-        lookup::Found::Answered(response) => return response,
+        lookup::Found::Answered(response) => return Err(response),
         lookup::Found::Route { lookup, answer_tokens } => (lookup, answer_tokens),
     };
     let gathered = send::Gathered {
@@ -95,9 +129,12 @@ pub(super) async fn inference(
         answer_tokens,
         timing,
     };
-    let mut response = send::send(asked, request, &bytes, gathered, &mut admitted).await;
-    admitted.set_headers(&mut response);
-    super::concurrency::hold(response, counted)
+    let (outbound, ctx) = send::prepare(asked, request, bytes, gathered, &mut admitted).await?;
+    Ok(Ready {
+        outbound,
+        ctx,
+        admitted,
+    })
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! Stage 6, send: the request as it goes upstream (the pool's model name
 //! for an alias, the stream's usage asked for on the client's behalf, a
-//! copy kept for a peer gateway), what the proxy learns from
-//! ([`InferenceCtx`]), and the hand-off to [`forward`].
+//! copy kept for a peer gateway) and what the proxy learns from
+//! ([`InferenceCtx`]), for the hand-off to the proxy.
 
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderValue};
@@ -13,7 +13,7 @@ use super::tokenize::Tokens;
 use crate::dispatcher::charge::Admitted;
 use crate::dispatcher::http::{Body, error_response, upstream_headers, upstream_request_headers};
 use crate::dispatcher::peer_forward::PeerCopy;
-use crate::dispatcher::proxy::{InferenceCtx, Outbound, forward};
+use crate::dispatcher::proxy::{InferenceCtx, Outbound};
 use crate::dispatcher::share;
 use crate::dispatcher::stream_usage::{with_include_usage, with_usage_option};
 use crate::dispatcher::timing::DispatchTiming;
@@ -32,9 +32,9 @@ pub(super) struct Gathered {
     pub timing: DispatchTiming,
 }
 
-/// Sends the request to the server its policy picks (or a peer gateway)
-/// and returns the answer the proxy relays.
-pub(super) async fn send(
+/// The request as it goes to the server its policy picks (or a peer
+/// gateway), and what the proxy learns from; `Err`: the gateway's answer.
+pub(super) async fn prepare(
     super::Asked {
         dispatcher,
         caller,
@@ -44,7 +44,7 @@ pub(super) async fn send(
     bytes: &Bytes,
     gathered: Gathered,
     admitted: &mut Admitted,
-) -> Response<Body> {
+) -> Result<(Outbound, InferenceCtx), Response<Body>> {
     let Parsed {
         parts,
         parsed,
@@ -94,7 +94,13 @@ pub(super) async fn send(
         None => with_include_usage(&bytes),
         Some(_) => match off_reactor_if_large(&bytes, |b| with_usage_option(b)).await {
             Some(rewritten) => rewritten,
-            None => return error_response(StatusCode::SERVICE_UNAVAILABLE, "the gateway is shutting down", None),
+            None => {
+                return Err(error_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the gateway is shutting down",
+                    None,
+                ));
+            }
         },
     };
     let strip_usage = asked.is_some();
@@ -151,7 +157,7 @@ pub(super) async fn send(
         metered: None,
         share: None,
     };
-    forward(dispatcher, outbound, Some(ctx)).await
+    Ok((outbound, ctx))
 }
 
 /// A request's tenant, class and cost in the gateway queue, when `pool`'s

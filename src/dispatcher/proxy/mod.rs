@@ -21,10 +21,16 @@
 //! A head that is not a failure is relayed ([`super::relay::Relay`]), and
 //! [`Attempts::finish`] adds the gateway's headers. Step 1 is [`route`]'s,
 //! step 2 [`send`]'s; the attempts' state, the relay and the finish are here.
+//! [`picked`] runs step 1 and counts the request for a proxy that sends
+//! it itself (the endpoint picker's Envoy), then relays the answer that
+//! proxy streams back.
 
 mod pd;
+mod picked;
 mod route;
 mod send;
+
+pub(super) use picked::{Picked, pick};
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -51,7 +57,7 @@ use super::learn::Learn;
 use super::peer_forward::{self, PeerCopy};
 use super::pick::{Chosen, RouteRequest, Routed, choose, passive_failure};
 use super::queue::{QueueExit, Waiting, wait_in_queue};
-use super::relay::{Metered, Relay, RelayTimer, Upstream};
+use super::relay::{Metered, Relay, RelayTimer, Upstream, UpstreamBody};
 use super::tenant_usage;
 use super::timing::DispatchTiming;
 use crate::dispatcher::failure::Failure;
@@ -209,7 +215,7 @@ pub(super) async fn forward(
 
 /// An answer head from a server, not a failure.
 struct Head {
-    response: Response<hyper::body::Incoming>,
+    response: Response<UpstreamBody>,
     server: ServerRef,
     /// The server's base URL.
     address: String,

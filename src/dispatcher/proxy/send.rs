@@ -29,6 +29,9 @@ impl Attempts<'_> {
         deadline: Pin<&mut Sleep>,
     ) -> Result<Head, Next> {
         let dispatcher = self.dispatcher;
+        let Some(guard) = self.commit(&chosen, admitted) else {
+            return Err(Next::Retry);
+        };
         let Chosen {
             server,
             address,
@@ -37,34 +40,8 @@ impl Attempts<'_> {
             degraded,
             held,
             predicted,
-            refreshed,
+            ..
         } = chosen;
-        self.last_reason = Some(reason);
-        self.last_prediction = Prediction {
-            block_size: self
-                .ctx
-                .as_ref()
-                .map_or(0, |c| u32::try_from(c.hasher.block_size()).unwrap_or(u32::MAX)),
-            predicted_blocks: predicted,
-            listed_blocks: held,
-            refreshed,
-            cached_tokens: None,
-        };
-        if self.attempt > 0 {
-            dispatcher.metrics().retry();
-        }
-        self.attempt += 1;
-        let mut guard = match admitted {
-            Some(g) => g,
-            None => match InflightGuard::begin(dispatcher, server, self.prefill_tokens(predicted)) {
-                Some(g) => g,
-                None => {
-                    self.failed_on(server, Failure::Reregistered { address });
-                    return Err(Next::Retry);
-                }
-            },
-        };
-        guard.routed_for(reason);
         let uri = match format!("{address}{}", self.outbound.path_and_query).parse::<Uri>() {
             Ok(u) => u,
             Err(e) => {
@@ -112,7 +89,7 @@ impl Attempts<'_> {
                             self.count_5xx_against_their_servers();
                         }
                         return Ok(Head {
-                            response,
+                            response: response.map(UpstreamBody::Engine),
                             server,
                             address,
                             guard,
@@ -171,6 +148,42 @@ impl Attempts<'_> {
         } else {
             Err(Next::Answer(self.bad_gateway()))
         }
+    }
+
+    /// The attempt goes to `chosen`: what it was chosen for and expected
+    /// to hold is remembered, and the request is counted in flight there
+    /// (`admitted`: counted already by the decision). `None`: the server's
+    /// registration is stale (it is avoided: try again).
+    pub(super) fn commit(&mut self, chosen: &Chosen, admitted: Option<InflightGuard>) -> Option<InflightGuard> {
+        let dispatcher = self.dispatcher;
+        self.last_reason = Some(chosen.reason);
+        self.last_prediction = Prediction {
+            block_size: self
+                .ctx
+                .as_ref()
+                .map_or(0, |c| u32::try_from(c.hasher.block_size()).unwrap_or(u32::MAX)),
+            predicted_blocks: chosen.predicted,
+            listed_blocks: chosen.held,
+            refreshed: chosen.refreshed,
+            cached_tokens: None,
+        };
+        if self.attempt > 0 {
+            dispatcher.metrics().retry();
+        }
+        self.attempt += 1;
+        let mut guard = match admitted {
+            Some(g) => g,
+            None => match InflightGuard::begin(dispatcher, chosen.server, self.prefill_tokens(chosen.predicted)) {
+                Some(g) => g,
+                None => {
+                    let address = chosen.address.clone();
+                    self.failed_on(chosen.server, Failure::Reregistered { address });
+                    return None;
+                }
+            },
+        };
+        guard.routed_for(chosen.reason);
+        Some(guard)
     }
 
     /// The head of the answer to the request (`body` to `uri`, the server

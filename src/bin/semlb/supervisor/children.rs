@@ -2,7 +2,8 @@
 //! dispatcher and responder, each filled by re-running this binary as
 //! `semlb __child` ([`Children`]).
 //!
-//! The dispatchers inherit the listening socket as fd [`LISTEN_FD`], each
+//! The dispatchers inherit the listening socket as fd [`LISTEN_FD`] (and
+//! the endpoint picker's, with `[epp] listen`, as fd [`EPP_FD`]), each
 //! with its own completion ring; the responders split the rings among
 //! themselves. Every child gets `PR_SET_PDEATHSIG`, so it dies with the
 //! supervisor, and starts without `NOTIFY_SOCKET`/`WATCHDOG_*`: only the
@@ -33,7 +34,7 @@ use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 use shm_layout::{ProcessState, Role, Segment};
 
-use crate::child::LISTEN_FD;
+use crate::child::{EPP_FD, LISTEN_FD};
 use crate::cli::ChildRole;
 use crate::supervisor::sd_notify;
 
@@ -70,6 +71,8 @@ pub(super) struct Children<'a> {
     segment: &'a Segment,
     /// The listening socket the dispatchers inherit.
     listener: &'a TcpListener,
+    /// The endpoint picker's listening socket they inherit too, if any.
+    epp: Option<RawFd>,
     /// The flags children are started with (after `__child --role ...`).
     args: Vec<OsString>,
     /// Environment variables children get (a Redis password).
@@ -108,11 +111,19 @@ impl<'a> Children<'a> {
         Ok(Self {
             segment,
             listener,
+            epp: None,
             args,
             env,
             slots,
             restarts: 0,
         })
+    }
+
+    /// The same children, whose dispatchers also inherit the endpoint
+    /// picker's listening socket `epp` (`None`: no picker).
+    pub(super) fn with_epp(mut self, epp: Option<RawFd>) -> Self {
+        self.epp = epp;
+        self
     }
 
     /// The listening socket's descriptor (an upgrade hands it over).
@@ -236,8 +247,8 @@ impl<'a> Children<'a> {
                 ChildRole::Responder => Role::Responder,
             };
             s.incarnation = tables.registry.claim(s.slot, role, clock.now_ms());
-            let fd = (s.role == ChildRole::Dispatcher).then(|| self.listener.as_raw_fd());
-            match spawn(s, fd, &self.args, &self.env) {
+            let fds = (s.role == ChildRole::Dispatcher).then(|| (self.listener.as_raw_fd(), self.epp));
+            match spawn(s, fds, &self.args, &self.env) {
                 Ok(pid) => {
                     s.pid = Some(pid);
                     s.restart_at = None;
@@ -394,10 +405,11 @@ fn place(segment: &Segment, dispatchers: usize, responders: usize) -> Result<Vec
 
 /// Starts the child of slot `s`: `semlb __child` with `serve_args` and
 /// `env`, and
-/// for a dispatcher the listening socket `listen_fd` on [`LISTEN_FD`].
+/// for a dispatcher the listening socket `listen_fds.0` on [`LISTEN_FD`]
+/// and the endpoint picker's, `listen_fds.1`, on [`EPP_FD`].
 fn spawn(
     s: &Slot,
-    listen_fd: Option<RawFd>,
+    listen_fds: Option<(RawFd, Option<RawFd>)>,
     serve_args: &[OsString],
     env: &[(OsString, OsString)],
 ) -> std::io::Result<Pid> {
@@ -432,7 +444,7 @@ fn spawn(
     let supervisor = std::process::id() as libc::pid_t;
     // SAFETY: the closure runs in the forked child before exec and only makes
     // async-signal-safe system calls (signal, prctl, getppid, dup2, fcntl,
-    // _exit).
+    // close, _exit) on descriptors captured by value.
     unsafe {
         cmd.pre_exec(move || {
             // Ignored across exec until a dispatcher installs its reload
@@ -447,13 +459,23 @@ fn spawn(
                 // The supervisor died between fork and prctl.
                 libc::_exit(1);
             }
-            if let Some(fd) = listen_fd {
-                if fd != LISTEN_FD && libc::dup2(fd, LISTEN_FD) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                let flags = libc::fcntl(LISTEN_FD, libc::F_GETFD);
-                if flags < 0 || libc::fcntl(LISTEN_FD, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
-                    return Err(std::io::Error::last_os_error());
+            if let Some((fd, epp)) = listen_fds {
+                // The picker's socket first out of the way of both
+                // targets (the HTTP one may land on its number).
+                let parked = match epp {
+                    Some(epp) => {
+                        let parked = libc::fcntl(epp, libc::F_DUPFD_CLOEXEC, 64);
+                        if parked < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        Some(parked)
+                    }
+                    None => None,
+                };
+                inherit_as(fd, LISTEN_FD)?;
+                if let Some(parked) = parked {
+                    inherit_as(parked, EPP_FD)?;
+                    libc::close(parked);
                 }
             }
             Ok(())
@@ -461,4 +483,21 @@ fn spawn(
     }
     let child = cmd.spawn()?;
     Ok(Pid::from_raw(child.id() as i32))
+}
+
+/// Puts `fd` on `target` in a forked child before exec, open across the
+/// exec. Only async-signal-safe calls (dup2, fcntl).
+fn inherit_as(fd: RawFd, target: RawFd) -> std::io::Result<()> {
+    // SAFETY: dup2 and fcntl on plain descriptor numbers; they touch no
+    // memory of this process.
+    unsafe {
+        if fd != target && libc::dup2(fd, target) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let flags = libc::fcntl(target, libc::F_GETFD);
+        if flags < 0 || libc::fcntl(target, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }

@@ -130,9 +130,13 @@ fn supervise(args: &ServeArgs) -> Result<()> {
         config.shm_name.clone_from(&i.shm);
     }
     check_before_start(&config)?;
+    let mut inherited_epp = None;
     let (mut inherited_listener, ready_pipe, mut inherited_admin, mut inherited_metrics, inherited_owner) =
         match inherited {
-            Some(i) => (Some(i.listener), i.ready, i.admin, i.metrics, Some((i.shm, i.owner))),
+            Some(mut i) => {
+                inherited_epp = i.epp.take();
+                (Some(i.listener), i.ready, i.admin, i.metrics, Some((i.shm, i.owner)))
+            }
             None => (None, None, None, None, None),
         };
     // The admin API's token and address, before anything starts.
@@ -165,6 +169,15 @@ fn supervise(args: &ServeArgs) -> Result<()> {
         ),
         (None, _) => None,
     };
+    // The endpoint picker's listener: the dispatchers inherit it beside
+    // the HTTP one (a successor keeps its predecessor's).
+    let epp = match (config.epp.listen, inherited_epp.take()) {
+        (Some(_), Some(listener)) => Some(listener),
+        (Some(addr), None) => {
+            Some(TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr} for the endpoint picker"))?)
+        }
+        (None, _) => None,
+    };
     let owned = match inherited_owner {
         Some((shm, owner)) => segment::inherit(&shm, owner)?,
         None => segment::claim(&config)?,
@@ -195,7 +208,12 @@ fn supervise(args: &ServeArgs) -> Result<()> {
         };
         let addr = listener.local_addr()?;
         // Not println!: a successor's stdout may be a pipe nobody reads any more.
-        let _ = writeln!(std::io::stdout(), "semlb listening on http://{addr}");
+        // One line, the HTTP address last (what scripts and tests read).
+        let picker = match &epp {
+            Some(epp) => format!("grpc://{} (endpoint picker) and on ", epp.local_addr()?),
+            None => String::new(),
+        };
+        let _ = writeln!(std::io::stdout(), "semlb listening on {picker}http://{addr}");
         tracing::info!(
             shm = %name,
             "shm segment {name} ({}), {} dispatchers, {} responders, {} backends, policy {}",
@@ -213,6 +231,7 @@ fn supervise(args: &ServeArgs) -> Result<()> {
             owner: owned.owner_fd(),
             admin: admin.as_ref().map(|(l, _)| l.as_raw_fd()),
             metrics: metrics.as_ref().map(AsRawFd::as_raw_fd),
+            epp: epp.as_ref().map(AsRawFd::as_raw_fd),
             ready: ready_pipe,
         };
         let supervisor = Supervisor::new(segment, config, args, &listener, backends, &notify, handover)?;
@@ -353,6 +372,8 @@ struct Handover {
     admin: Option<RawFd>,
     /// The metrics listener.
     metrics: Option<RawFd>,
+    /// The endpoint picker's listener (the dispatchers inherit it).
+    epp: Option<RawFd>,
     /// Where to say ready to the supervisor that started this one.
     ready: Option<std::fs::File>,
 }
@@ -394,7 +415,8 @@ impl<'a> Supervisor<'a> {
             config.responders,
             child_args,
             child_env,
-        )?;
+        )?
+        .with_epp(handover.epp);
         // The listener is bound and its address was printed already.
         let probe_addr = systemd::probe_address(listener.local_addr().unwrap_or(config.listen));
         let keep_segment = config.keep_segment && args.demo.is_none();
@@ -587,6 +609,7 @@ impl<'a> Supervisor<'a> {
             owner: self.handover.owner,
             admin: self.handover.admin,
             metrics: self.handover.metrics,
+            epp: self.handover.epp,
         };
         match Successor::start(&self.exe, handover) {
             Ok(successor) => {

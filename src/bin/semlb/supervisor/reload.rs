@@ -6,9 +6,11 @@
 //!
 //! * **Needs a restart** (logged, running values kept): `listen`,
 //!   `dispatchers`, `responders`, `shm_name`, `shm_size`, `tokenizer`,
-//!   `chat_template`, `block_size`, `[store]`, `[admin]`. Children are
-//!   started with these pinned as flags, so a child restarted after the
-//!   file changed still matches the running segment and processes.
+//!   `chat_template`, `block_size`, `[store]`, `[admin]`, `[epp]`. Children
+//!   are started with these pinned as flags, so a child restarted after
+//!   the file changed still matches the running segment and processes (a
+//!   file that gained `[epp] listen` leaves a restarted dispatcher without
+//!   a picker: the supervisor has no listener to hand it).
 //! * **Read when a dispatcher starts** (logged): `[limits]`,
 //!   `[response_cache]`, `drain_timeout_secs`; the supervisor itself uses
 //!   the new drain timeout for backends removed from then on.
@@ -64,6 +66,7 @@ pub(super) fn reloaded_config(
     keep!(block_size);
     keep!(store);
     keep!(admin);
+    keep!(epp);
     if !kept.is_empty() {
         tracing::warn!(
             "reload: {} changed; that needs a restart (systemctl restart semlb): keeping the running values",
@@ -121,5 +124,10 @@ pub(super) fn pinned_args(args: &ServeArgs, config: &ServeConfig) -> ServeArgs {
     ));
     pinned.redis_namespace = Some(config.store.redis.namespace.clone());
     pinned.redis_lookup = Some(config.store.redis.lookup);
+    // The picker's listener is the supervisor's: a file that drops it
+    // leaves it to the dispatchers until a restart.
+    if config.epp.listen.is_some() {
+        pinned.epp_listen = config.epp.listen;
+    }
     pinned
 }

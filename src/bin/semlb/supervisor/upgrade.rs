@@ -41,11 +41,11 @@ use anyhow::{Context, Result, bail};
 use nix::fcntl::{FcntlArg, FdFlag, OFlag, fcntl};
 
 /// Most descriptors handed to a successor (listener, owner, ready pipe,
-/// admin and metrics listeners).
-const MAX_MOVES: usize = 5;
+/// admin, metrics and endpoint-picker listeners).
+const MAX_MOVES: usize = 6;
 
 /// The environment variable that makes a supervisor a successor:
-/// `shm=NAME,listen=3,owner=4,ready=5[,admin=6][,metrics=7]`.
+/// `shm=NAME,listen=3,owner=4,ready=5[,admin=6][,metrics=7][,epp=8]`.
 pub(super) const INHERIT_VAR: &str = "SEMLB_INHERIT";
 
 /// How long a successor may take to say it is ready.
@@ -57,6 +57,7 @@ const OWNER: (&str, RawFd) = ("owner", 4);
 const READY: (&str, RawFd) = ("ready", 5);
 const ADMIN: (&str, RawFd) = ("admin", 6);
 const METRICS: (&str, RawFd) = ("metrics", 7);
+const EPP: (&str, RawFd) = ("epp", 8);
 
 /// The path of the binary this process was started from, as it was at
 /// start (once the file is replaced, `/proc/self/exe` reads "... (deleted)").
@@ -82,6 +83,8 @@ pub(super) struct Handover<'a> {
     pub admin: Option<RawFd>,
     /// The metrics listener.
     pub metrics: Option<RawFd>,
+    /// The endpoint picker's listener (`[epp] listen`).
+    pub epp: Option<RawFd>,
 }
 
 /// How a successor is doing.
@@ -119,6 +122,7 @@ impl Successor {
         ];
         fds.extend(handover.admin.map(|fd| (ADMIN, fd)));
         fds.extend(handover.metrics.map(|fd| (METRICS, fd)));
+        fds.extend(handover.epp.map(|fd| (EPP, fd)));
         let names = std::iter::once(format!("shm={}", handover.shm))
             .chain(fds.iter().map(|((name, target), _)| format!("{name}={target}")))
             .collect::<Vec<_>>()
@@ -208,6 +212,8 @@ pub(super) struct Inherited {
     pub admin: Option<TcpListener>,
     /// The metrics listener, if the old supervisor had one.
     pub metrics: Option<TcpListener>,
+    /// The endpoint picker's listener, if the old supervisor had one.
+    pub epp: Option<TcpListener>,
 }
 
 impl Inherited {
@@ -226,7 +232,7 @@ impl Inherited {
                 shm = Some(v.to_owned());
                 continue;
             }
-            let known = [LISTEN, OWNER, READY, ADMIN, METRICS];
+            let known = [LISTEN, OWNER, READY, ADMIN, METRICS, EPP];
             let Some(&(_, fd)) = known.iter().find(|(n, fd)| *n == name && v == fd.to_string()) else {
                 bail!("SEMLB_INHERIT: unexpected {part}");
             };
@@ -250,6 +256,7 @@ impl Inherited {
         let ready = take(READY.0).map(File::from);
         let admin = take(ADMIN.0).map(TcpListener::from);
         let metrics = take(METRICS.0).map(TcpListener::from);
+        let epp = take(EPP.0).map(TcpListener::from);
         if let Some((name, _)) = fds.first() {
             bail!("SEMLB_INHERIT names {name} twice");
         }
@@ -260,6 +267,7 @@ impl Inherited {
             ready,
             admin,
             metrics,
+            epp,
         }))
     }
 }
