@@ -34,26 +34,7 @@ pub async fn follow<K>(
     let mut by_object: BTreeMap<String, Vec<Endpoint>> = BTreeMap::new();
     let mut relist: Option<BTreeMap<String, Vec<Endpoint>>> = None;
     let mut failing = false;
-    loop {
-        let next = tokio::select! {
-            next = stream.next() => next,
-            () = tx.closed() => return,
-        };
-        let Some(next) = next else { return };
-        let event = match next {
-            Ok(event) => event,
-            Err(e) => {
-                if !failing {
-                    tracing::warn!(watch = %what, "discovery: watching {what} failed: {e}; keeping the endpoints found before and retrying");
-                    failing = true;
-                }
-                continue;
-            }
-        };
-        if failing {
-            tracing::info!(watch = %what, "discovery: watching {what} again");
-            failing = false;
-        }
+    while let Some(event) = next_event(&mut stream, &tx, &what, &mut failing).await {
         let complete = match event {
             Event::Init => {
                 relist = Some(BTreeMap::new());
@@ -80,6 +61,39 @@ pub async fn follow<K>(
         };
         if complete {
             send(&tx, &by_object, &what);
+        }
+    }
+}
+
+/// The watch's next event, until every receiver of `tx` is gone (`None`).
+/// Errors (the watcher retries them, backing off) are logged once until
+/// an event comes again; `failing` says whether the last was one.
+pub async fn next_event<K, S>(
+    stream: &mut std::pin::Pin<&mut S>,
+    tx: &watch::Sender<Option<Endpoints>>,
+    what: &str,
+    failing: &mut bool,
+) -> Option<Event<K>>
+where
+    S: futures_util::Stream<Item = Result<Event<K>, watcher::Error>>,
+{
+    loop {
+        let next = tokio::select! {
+            next = stream.next() => next?,
+            () = tx.closed() => return None,
+        };
+        match next {
+            Ok(event) => {
+                if std::mem::take(failing) {
+                    tracing::info!(watch = %what, "discovery: watching {what} again");
+                }
+                return Some(event);
+            }
+            Err(e) => {
+                if !std::mem::replace(failing, true) {
+                    tracing::warn!(watch = %what, "discovery: watching {what} failed: {e}; keeping the endpoints found before and retrying");
+                }
+            }
         }
     }
 }

@@ -8,7 +8,6 @@
 
 use std::collections::BTreeMap;
 
-use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{ApiResource, DynamicObject};
 use kube::runtime::watcher::{self, Event};
@@ -17,7 +16,7 @@ use kube::{Api, Client};
 use tokio::sync::watch;
 
 use super::super::Endpoints;
-use super::follow::follow;
+use super::follow::{follow, next_event};
 use super::pods::PodRules;
 
 /// The InferencePool resource, v1.
@@ -101,23 +100,7 @@ pub async fn follow_pool(
     let what = format!("InferencePool {namespace}/{name}");
     let mut pods: Option<(PoolSpec, tokio::task::AbortHandle)> = None;
     let (mut failing, mut seen, mut refused) = (false, false, None::<String>);
-    loop {
-        let next = tokio::select! {
-            next = stream.next() => next,
-            () = tx.closed() => break,
-        };
-        let Some(next) = next else { break };
-        let event = match next {
-            Ok(event) => event,
-            Err(e) => {
-                if !failing {
-                    tracing::warn!(watch = %what, "discovery: watching {what} failed: {e}; keeping the endpoints found before and retrying");
-                    failing = true;
-                }
-                continue;
-            }
-        };
-        failing = false;
+    while let Some(event) = next_event(&mut stream, &tx, &what, &mut failing).await {
         match event {
             Event::Init => seen = false,
             Event::InitApply(pool) | Event::Apply(pool) => {
