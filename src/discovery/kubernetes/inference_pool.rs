@@ -96,7 +96,7 @@ pub async fn follow_pool(
 ) {
     let pools: Api<DynamicObject> = Api::namespaced_with(client.clone(), &namespace, &resource());
     let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let mut stream = std::pin::pin!(watch_stream(pools, config).default_backoff());
+    let mut stream = std::pin::pin!(watch_stream(pools, config).backoff(super::follow::backoff()));
     let what = format!("InferencePool {namespace}/{name}");
     let mut pods: Option<(PoolSpec, tokio::task::AbortHandle)> = None;
     let (mut failing, mut seen, mut refused) = (false, false, None::<String>);
