@@ -22,6 +22,7 @@
 //! [`selector`] parses and matches Kubernetes label selectors.
 
 pub mod file;
+#[cfg(feature = "kubernetes")]
 pub mod kubernetes;
 pub mod selector;
 
@@ -99,8 +100,16 @@ pub async fn spawn(config: &DiscoveryConfig) -> Result<Option<Found>, DiscoveryE
         DiscoveryKind::File => {
             tokio::spawn(file::follow(config.clone(), tx));
         }
+        #[cfg(feature = "kubernetes")]
         DiscoveryKind::Kubernetes | DiscoveryKind::InferencePool => {
             kubernetes::spawn(config, tx).await?;
+        }
+        #[cfg(not(feature = "kubernetes"))]
+        DiscoveryKind::Kubernetes | DiscoveryKind::InferencePool => {
+            drop(tx);
+            return Err(DiscoveryError::Kubernetes(
+                "this semlb was built without its `kubernetes` feature".into(),
+            ));
         }
     }
     Ok(Some(rx))

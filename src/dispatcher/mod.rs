@@ -126,6 +126,7 @@ pub mod concurrency;
 pub mod context_limit;
 mod disagg;
 mod endpoints;
+#[cfg(feature = "epp")]
 pub mod epp;
 pub mod failure;
 mod http;

@@ -215,19 +215,24 @@ fn run_dispatcher(segment: Arc<Segment>, args: &ChildArgs, config: ServeConfig) 
         let stopped = |mut stop: tokio::sync::watch::Receiver<bool>| async move {
             let _ = stop.wait_for(|s| *s).await;
         };
-        let epp = match epp {
+        let epp: Option<tokio::task::JoinHandle<()>> = match epp {
+            #[cfg(feature = "epp")]
             Some(l) => {
                 let listener = tokio::net::TcpListener::from_std(l)?;
                 let serving = dispatcher::epp::serve(listener, dispatcher.clone(), stopped(stop_rx.clone()));
-                Some(tokio::spawn(serving))
+                Some(tokio::spawn(async move {
+                    if let Err(e) = serving.await {
+                        tracing::warn!(error = %e, "the endpoint picker stopped with an error: {e}");
+                    }
+                }))
             }
+            #[cfg(not(feature = "epp"))]
+            Some(_) => anyhow::bail!("epp.listen is set, but this semlb was built without its `epp` feature"),
             None => None,
         };
         dispatcher::serve(listener, dispatcher, stopped(stop_rx)).await?;
-        if let Some(epp) = epp
-            && let Ok(Err(e)) = epp.await
-        {
-            tracing::warn!(error = %e, "the endpoint picker stopped with an error: {e}");
+        if let Some(epp) = epp {
+            let _ = epp.await;
         }
         Ok(())
     })
