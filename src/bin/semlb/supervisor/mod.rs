@@ -169,6 +169,9 @@ fn supervise(args: &ServeArgs) -> Result<()> {
         ),
         (None, _) => None,
     };
+    if config.epp.listen.is_some() && !cfg!(feature = "epp") {
+        anyhow::bail!("epp.listen is set, but this semlb was built without its `epp` feature");
+    }
     // The endpoint picker's listener: the dispatchers inherit it beside
     // the HTTP one (a successor keeps its predecessor's).
     let epp = match (config.epp.listen, inherited_epp.take()) {
