@@ -155,7 +155,7 @@ fn lists(api: &KubeApi) -> usize {
 }
 
 #[test]
-fn the_api_server_away_for_half_a_minute_leaves_the_backends_serving() {
+fn the_api_server_away_for_a_minute_leaves_the_backends_serving() {
     let api = KubeApi::start(None);
     let (a, b) = (sim_on("127.0.0.1:0", "0.01"), sim_on("127.0.0.1:0", "0.01"));
     let vllm = [("app", "vllm")];
@@ -172,10 +172,10 @@ fn the_api_server_away_for_half_a_minute_leaves_the_backends_serving() {
     api.wait_watching(Resource::Pods, Duration::from_secs(10));
     let from = gw.proc.stderr_text().len();
     api.set_away(true);
-    // Half a minute without the API server: the watcher retries, backing
-    // off to its cap (5 s plus jitter) after four tries; the backends stay
-    // and clients are served by both throughout.
-    let until = Instant::now() + Duration::from_secs(30);
+    // A minute without the API server (the figure): the watcher
+    // retries, backing off to its cap (5 s plus jitter) after four tries;
+    // the backends stay and clients are served by both throughout.
+    let until = Instant::now() + Duration::from_secs(60);
     let mut served = BTreeSet::new();
     let mut round = 0;
     while Instant::now() < until {
