@@ -231,7 +231,12 @@ impl ServerTable<'_> {
 
     /// Stores `value` (`None`: 0, nothing) in `server`'s word `word`, if
     /// the registration is current.
-    fn set_reported(&self, server: ServerRef, word: fn(&ServerSlot) -> &AtomicU64, value: Option<u32>) -> bool {
+    pub(super) fn set_reported(
+        &self,
+        server: ServerRef,
+        word: fn(&ServerSlot) -> &AtomicU64,
+        value: Option<u32>,
+    ) -> bool {
         let Some(s) = self.slots.get(usize::from(server.slot)) else {
             return false;
         };
@@ -250,7 +255,7 @@ impl ServerTable<'_> {
 
     /// The value of `server`'s word `word`, if set for this registration.
     #[inline]
-    fn reported(&self, server: ServerRef, word: fn(&ServerSlot) -> &AtomicU64) -> Option<u32> {
+    pub(super) fn reported(&self, server: ServerRef, word: fn(&ServerSlot) -> &AtomicU64) -> Option<u32> {
         let w = word(self.slots.get(usize::from(server.slot))?).load(Ordering::Relaxed);
         tagged(w, server.generation)
     }

@@ -52,32 +52,13 @@ impl ServerTable<'_> {
     /// Puts `server` in pool `pool` (`NONE`: none). Returns false (nothing
     /// stored) if `server` is not current.
     pub fn set_pool(&self, server: ServerRef, pool: PoolTag) -> bool {
-        let Some(s) = self.slots.get(usize::from(server.slot)) else {
-            return false;
-        };
-        let new = (u64::from(server.generation) << 32) | u64::from(pool.0);
-        let mut current = s.pool.load(Ordering::Acquire);
-        loop {
-            if !self.is_current(server) {
-                return false;
-            }
-            match s
-                .pool
-                .compare_exchange_weak(current, new, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return true,
-                Err(now) => current = now,
-            }
-        }
+        self.set_reported(server, |s| &s.pool, Some(pool.0))
     }
 
     /// The pool `server`'s registration names ([`PoolTag::NONE`] if none).
     #[inline]
     pub fn pool_of(&self, server: ServerRef) -> PoolTag {
-        self.slots
-            .get(usize::from(server.slot))
-            .and_then(|s| tagged(s.pool.load(Ordering::Relaxed), server.generation))
-            .map_or(PoolTag::NONE, PoolTag)
+        self.reported(server, |s| &s.pool).map_or(PoolTag::NONE, PoolTag)
     }
 
     /// The id and pool of `slot`'s current registration (any state but

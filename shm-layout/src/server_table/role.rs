@@ -10,9 +10,7 @@
 //! the registration without it, and changed later with
 //! [`ServerTable::set_disaggregation`].
 
-use super::facts::tagged;
 use super::{ServerRef, ServerState, ServerTable};
-use crate::sync::Ordering;
 
 /// What an engine does in disaggregated serving.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -103,32 +101,14 @@ impl ServerTable<'_> {
     /// Changes `server`'s role and bootstrap port. Returns false (nothing
     /// stored) if `server` is not current.
     pub fn set_disaggregation(&self, server: ServerRef, d: Disaggregation) -> bool {
-        let Some(s) = self.slots.get(usize::from(server.slot)) else {
-            return false;
-        };
-        let new = (u64::from(server.generation) << 32) | u64::from(d.pack());
-        let mut current = s.role.load(Ordering::Acquire);
-        loop {
-            if !self.is_current(server) {
-                return false;
-            }
-            match s
-                .role
-                .compare_exchange_weak(current, new, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return true,
-                Err(now) => current = now,
-            }
-        }
+        self.set_reported(server, |s| &s.role, Some(d.pack()))
     }
 
     /// `server`'s role and bootstrap port (an engine that does both, if
     /// nothing was said for this registration).
     #[inline]
     pub fn disaggregation(&self, server: ServerRef) -> Disaggregation {
-        self.slots
-            .get(usize::from(server.slot))
-            .and_then(|s| tagged(s.role.load(Ordering::Relaxed), server.generation))
+        self.reported(server, |s| &s.role)
             .map_or_else(Disaggregation::default, Disaggregation::unpack)
     }
 
