@@ -1,6 +1,10 @@
-//! `envoy.service.ext_proc.v3.ExternalProcessor/Process`: one task per
-//! stream runs its [`Exchange`]; the stream's end or Envoy's cancel drops
-//! it, and with it the request's in-flight count and charges (guards).
+//! `envoy.service.ext_proc.v3.ExternalProcessor/Process`: each stream's
+//! answers are a stream its [`Exchange`] yields into as it reads Envoy's
+//! messages. It runs in the task that sends the answers (hyper's, one
+//! per HTTP/2 stream): no task and channel of its own, so a message and
+//! its answers cost no extra wakeup. The stream's end or Envoy's cancel
+//! (hyper drops the answers) drops the exchange, and with it the
+//! request's in-flight count and charges (guards).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -8,14 +12,10 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use futures_util::Stream;
-use tokio::sync::mpsc;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::exchange::Exchange;
 use crate::dispatcher::Dispatcher;
-
-/// Answers buffered per stream before the exchange waits for Envoy.
-const BUFFERED: usize = 16;
 
 /// The picker's ext_proc service.
 #[derive(Debug, Clone)]
@@ -41,51 +41,38 @@ impl ExternalProcessor for Picker {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        let inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel(BUFFERED);
-        tokio::spawn(run(self.dispatcher.clone(), inbound, tx));
-        let answers = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|a| (a, rx)) });
-        Ok(Response::new(Box::pin(answers)))
+        Ok(Response::new(Box::pin(answers(
+            self.dispatcher.clone(),
+            request.into_inner(),
+        ))))
     }
 }
 
-/// Runs one stream's exchange until it is over, Envoy ends the stream, or
-/// Envoy stops reading the answers (it cancelled).
-async fn run(
+/// The answers to the messages of `inbound`, in order, until the exchange
+/// is over, Envoy ends the stream, or a message is out of order (a gRPC
+/// error, the last answer).
+fn answers(
     dispatcher: Arc<Dispatcher>,
     mut inbound: Streaming<ProcessingRequest>,
-    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
-) {
-    let mut exchange = Exchange::new(&dispatcher);
-    loop {
-        let message = tokio::select! {
-            message = inbound.message() => message,
-            () = tx.closed() => return,
-        };
-        let message = match message {
-            Ok(Some(m)) => m,
-            // The stream ended, or broke: the exchange is dropped.
-            Ok(None) | Err(_) => return,
-        };
-        let answers = tokio::select! {
-            answers = exchange.handle(message) => answers,
-            () = tx.closed() => return,
-        };
-        match answers {
-            Ok(answers) => {
-                for answer in answers {
-                    if tx.send(Ok(answer)).await.is_err() {
-                        return;
+) -> impl Stream<Item = Result<ProcessingResponse, Status>> + Send {
+    async_stream::stream! {
+        let mut exchange = Exchange::new(&dispatcher);
+        // The stream ended (`None`) or broke: the exchange is dropped.
+        while let Ok(Some(message)) = inbound.message().await {
+            match exchange.handle(message).await {
+                Ok(answers) => {
+                    for answer in answers {
+                        yield Ok(answer);
                     }
                 }
+                Err(status) => {
+                    yield Err(status);
+                    break;
+                }
             }
-            Err(status) => {
-                let _ = tx.send(Err(status)).await;
-                return;
+            if exchange.done() {
+                break;
             }
-        }
-        if exchange.done() {
-            return;
         }
     }
 }
