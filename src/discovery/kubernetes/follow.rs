@@ -1,9 +1,9 @@
 //! One watch followed to sets of endpoints: kube-rs's watcher lists, then
 //! watches from the list's resourceVersion (with bookmarks), lists again
 //! when the API server says 410 Gone, and backs off on errors
-//! ([`backoff`]: 0.5 s doubling to 5 s, plus jitter). Each object's engines are kept by object; after a
-//! (re)list is complete and after each change, the whole set is sent if
-//! it changed. While the API server cannot be reached nothing is sent, so
+//! ([`backoff`]: 0.5 s doubling to 5 s, plus jitter). Each object's
+//! engines are kept by object; after a (re)list is complete and after
+//! each change, the whole set is sent if it changed. While the API server cannot be reached nothing is sent, so
 //! the backends found last stay.
 
 use std::collections::BTreeMap;
