@@ -22,7 +22,7 @@ use nix::unistd::Pid;
 use semlb::dispatcher::epp::header_list;
 use semlb_test_support as support;
 use serde_json::{Value, json};
-use support::gateway::{Gateway, sample, sim, user, wait_for};
+use support::gateway::{Gateway, sample, sim, sim_with, user, wait_for};
 use support::http::http_bytes;
 use support::process::Proc;
 use tokio::runtime::Runtime;
@@ -96,6 +96,7 @@ impl Envoy {
             .into_inner();
         ExtProc {
             rt: &self.rt,
+            answer_headers: HashMap::new(),
             tx: Some(tx),
             rx: inbound,
         }
@@ -133,6 +134,8 @@ impl Envoy {
 /// One ext_proc stream: one HTTP request through "Envoy".
 struct ExtProc<'r> {
     rt: &'r Runtime,
+    /// The headers the picker set on the answer's head, once it came.
+    answer_headers: HashMap<String, String>,
     tx: Option<mpsc::Sender<ProcessingRequest>>,
     rx: Streaming<ProcessingResponse>,
 }
@@ -327,7 +330,19 @@ impl ExtProc<'_> {
             None,
         );
         match self.recv().response {
-            Some(processing_response::Response::ResponseHeaders(_)) => {}
+            Some(processing_response::Response::ResponseHeaders(h)) => {
+                self.answer_headers = h
+                    .response
+                    .and_then(|c| c.header_mutation)
+                    .map(|m| {
+                        m.set_headers
+                            .into_iter()
+                            .filter_map(|o| o.header)
+                            .map(|h| (h.key, String::from_utf8_lossy(&h.raw_value).into_owned()))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+            }
             other => panic!("expected the response headers' answer, got {other:?}"),
         }
         let size = body.len().div_ceil(chunks.max(1)).max(1);
@@ -550,6 +565,148 @@ fn a_cancelled_stream_releases_its_count() {
     assert_eq!(inflight(&gw), 1);
     drop(stream);
     wait_until_idle(&gw, "the count of the request cancelled mid-answer to end");
+}
+
+/// A simulated engine of `role` in disaggregated serving, speaking
+/// `protocol` (an SGLang prefill engine's bootstrap server on a free port).
+fn pd_engine(role: &str, protocol: &str) -> Proc {
+    let mut args = vec!["--role", role, "--pd-protocol", protocol];
+    if protocol == "sglang" && role == "prefill" {
+        args.extend(["--bootstrap-port", "0"]);
+    }
+    sim_with("0.01", &args)
+}
+
+/// A picker in front of these prefill and decode engines.
+fn pd_gateway(tag: &str, prefill: &Proc, decode: &[&Proc], extra: &[&str]) -> Gateway {
+    let mut args: Vec<String> = vec!["--prefill".into(), format!("http://{}", prefill.addr)];
+    for d in decode {
+        args.extend(["--decode".into(), format!("http://{}", d.addr)]);
+    }
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    gateway(tag, &[], &args)
+}
+
+/// The inference requests `engine` received, oldest first (each with its
+/// `leg` and `body`).
+fn received(engine: &Proc) -> Vec<Value> {
+    let r = support::http::http(&engine.addr, "GET", "/sim/requests", None, &[]).expect("GET /sim/requests");
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["requests"].as_array().cloned().unwrap_or_default()
+}
+
+/// A first turn of more than `pd.bypass_uncached_tokens` (256) tokens no
+/// engine holds: split.
+fn long_first_turn(name: &str) -> Vec<u8> {
+    let rules = (0..60)
+        .map(|i| format!("Rule {i}: answer as briefly as the question allows."))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let system = json!({"role": "system", "content": format!("You are {name}. {rules}")});
+    chat_body(&[system, user("Where does the prefill run?")], json!({}))
+}
+
+/// vLLM's NixlConnector through the picker: the picker runs the prefill
+/// leg itself and hands Envoy the decode leg's body (the prefill's
+/// `kv_transfer_params`) with a decode engine picked and only decode
+/// engines as fallbacks; the decode engine pulls the prompt.
+#[test]
+fn a_split_request_is_prefilled_by_the_picker_and_decoded_where_envoy_sends_it() {
+    let p = pd_engine("prefill", "vllm-nixl");
+    let decode = [pd_engine("decode", "vllm-nixl"), pd_engine("decode", "vllm-nixl")];
+    let gw = pd_gateway("pd-vllm", &p, &[&decode[0], &decode[1]], &[]);
+    let envoy = Envoy::of(&gw);
+    let mut stream = envoy.open();
+    let pick = stream.request(&[], &long_first_turn("Ada"), 2, None);
+    let Pick::Routed { endpoints, body: sent } = &pick else {
+        panic!("not routed: {pick:?}");
+    };
+    let decodes: HashSet<&str> = decode.iter().map(|d| d.addr.as_str()).collect();
+    assert_eq!(endpoints.len(), 2, "the pick and the other decode engine: {endpoints:?}");
+    assert!(
+        endpoints.iter().all(|e| decodes.contains(e.as_str())),
+        "decode engines only, never the prefill engine {}: {endpoints:?}",
+        p.addr
+    );
+    // The prefill leg ran before the pick was answered.
+    let prefilled = received(&p);
+    assert_eq!(prefilled.len(), 1, "{prefilled:?}");
+    assert_eq!(prefilled[0]["leg"], "prefill", "{}", prefilled[0]);
+    assert_eq!(prefilled[0]["body"]["max_tokens"], 1, "{}", prefilled[0]);
+    let sent_json: Value = serde_json::from_slice(sent).expect("the body sent is JSON");
+    let params = &sent_json["kv_transfer_params"];
+    assert_eq!(params["do_remote_prefill"], true, "{sent_json}");
+    let (host, port) = p.addr.rsplit_once(':').expect("host:port");
+    assert_eq!(params["remote_host"], host, "{sent_json}");
+    assert_eq!(params["remote_port"], port.parse::<u64>().expect("a port"), "{sent_json}");
+    // Envoy sends it to the decode engine picked, which pulls the prompt:
+    // it computes one token of it.
+    let answer = forward(&endpoints[0], sent);
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    let usage = &answer.json()["usage"];
+    let prompt_tokens = usage["prompt_tokens"].as_u64().expect("usage");
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], prompt_tokens - 1, "{usage}");
+    let decoded: Vec<Value> = decode.iter().flat_map(received).collect();
+    assert_eq!(decoded.len(), 1, "{decoded:?}");
+    assert_eq!(decoded[0]["leg"], "decode", "{}", decoded[0]);
+    let passed = stream.answer(200, "application/json", &answer.body, 2);
+    assert_eq!(passed, answer.body);
+    assert_eq!(
+        stream.answer_headers.get("x-semlb-prefill").map(String::as_str),
+        Some(format!("http://{}", p.addr).as_str()),
+        "the client's answer names the prefill engine, as the HTTP front's does"
+    );
+    assert_eq!(inflight(&gw), 0);
+    let m = gw.metrics();
+    assert_eq!(sample(&m, "semlb_pd_requests_total{path=\"split\"}"), Some(1.0), "{m}");
+}
+
+/// SGLang's rendezvous through the picker: the picker starts the prefill
+/// leg on the prefill engine and hands Envoy the decode leg's body with
+/// the same bootstrap room; the prefill leg lasts as long as the answer.
+#[test]
+fn an_sglang_split_meets_its_prefill_leg_at_the_bootstrap_server() {
+    let p = pd_engine("prefill", "sglang");
+    let d = pd_engine("decode", "sglang");
+    let port = support::gateway::bootstrap_port(&p.line).expect("a bootstrap port on the first line");
+    let gw = pd_gateway("pd-sglang", &p, &[&d], &["--pd-protocol", "sglang"]);
+    // The gateway reads the port from the engine's /server_info.
+    wait_for("the bootstrap port read from /server_info", PATIENCE, || {
+        let learned = gw.listed(&p).and_then(|s| s.disaggregation.bootstrap_port);
+        (learned == Some(port), learned)
+    });
+    let envoy = Envoy::of(&gw);
+    let mut stream = envoy.open();
+    let pick = stream.request(&[], &long_first_turn("Bea"), 2, None);
+    let Pick::Routed { endpoints, body: sent } = &pick else {
+        panic!("not routed: {pick:?}");
+    };
+    assert_eq!(endpoints, &[d.addr.clone()], "the decode engine, no fallback");
+    let sent_json: Value = serde_json::from_slice(sent).expect("the body sent is JSON");
+    assert_eq!(sent_json["bootstrap_port"], port, "{sent_json}");
+    assert_eq!(sent_json["bootstrap_host"], "127.0.0.1", "{sent_json}");
+    assert!(sent_json["bootstrap_room"].as_u64().is_some(), "{sent_json}");
+    // The decode engine waits for its prefill leg, which the picker began.
+    let answer = forward(&endpoints[0], sent);
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    let prefilled = received(&p);
+    assert_eq!(prefilled.len(), 1, "{prefilled:?}");
+    for field in ["bootstrap_host", "bootstrap_port", "bootstrap_room"] {
+        assert_eq!(prefilled[0]["body"][field], sent_json[field], "{field}");
+    }
+    let passed = stream.answer(200, "application/json", &answer.body, 1);
+    assert_eq!(passed, answer.body);
+    assert_eq!(
+        stream.answer_headers.get("x-semlb-prefill").map(String::as_str),
+        Some(format!("http://{}", p.addr).as_str())
+    );
+    let done = wait_for("the prefill leg completed", PATIENCE, || {
+        let outcome = received(&p)[0]["outcome"].clone();
+        (outcome == "completed", outcome)
+    });
+    assert_eq!(done, "completed");
+    assert_eq!(inflight(&gw), 0);
 }
 
 #[test]

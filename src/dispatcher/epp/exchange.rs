@@ -141,7 +141,7 @@ impl<'d> Exchange<'d> {
             (Phase::Upstream, Request::RequestTrailers(_)) => Ok(vec![wire::trailers(true)]),
             (Phase::Upstream, Request::ResponseHeaders(h)) => {
                 let head = wire::read_head(h.headers.as_ref());
-                self.begin_answer(head);
+                let prefill = self.begin_answer(head);
                 if h.end_of_stream {
                     self.pass(Vec::new(), true);
                 }
@@ -150,7 +150,7 @@ impl<'d> Exchange<'d> {
                 } else {
                     Phase::ResponseBody
                 };
-                Ok(vec![wire::response_headers()])
+                Ok(vec![wire::response_headers(prefill.as_ref())])
             }
             (Phase::ResponseBody, Request::ResponseBody(b)) => {
                 let out = self.pass(b.body, b.end_of_stream);
@@ -213,18 +213,20 @@ impl<'d> Exchange<'d> {
         }
     }
 
-    /// The engine's answer head came: its relay begins.
-    fn begin_answer(&mut self, head: Head) {
-        let Some(picked) = self.picked.take() else {
-            return;
-        };
+    /// The engine's answer head came: its relay begins. Returns the
+    /// prefill engine of a split request (the HTTP front's
+    /// `x-semlb-prefill`), for the client's answer.
+    fn begin_answer(&mut self, head: Head) -> Option<http::HeaderValue> {
+        let picked = self.picked.take()?;
         let status = head
             .status
             .and_then(|s| StatusCode::from_u16(s).ok())
             .unwrap_or(StatusCode::OK);
         self.dispatcher.metrics().request(self.label, status.as_u16());
         let (response, feed) = picked.answer(status, head.headers);
+        let prefill = response.headers().get(crate::dispatcher::http::PREFILL_HEADER).cloned();
         self.answer = Some(Answer::new(response.into_body(), feed));
+        prefill
     }
 
     /// Passes an answer chunk through its relay.

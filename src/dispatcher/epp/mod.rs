@@ -26,8 +26,10 @@
 //!
 //! The picker supports the body mode the Inference Extension configures
 //! (`FULL_DUPLEX_STREAMED`): it answers the request's headers only once
-//! its body has ended. Disaggregated prefill and decode is not done
-//! through it (Envoy sends the request to one engine).
+//! its body has ended. In a pool with prefill engines it splits requests
+//! as the proxy does ([`crate::dispatcher::proxy`]'s `pd`): it runs (vLLM)
+//! or starts (SGLang) the prefill leg itself and hands Envoy the decode
+//! leg's body, with a decode engine as the destination.
 
 mod answer;
 mod exchange;

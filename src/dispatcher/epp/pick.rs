@@ -233,8 +233,10 @@ fn outside(dispatcher: &Dispatcher, subset: &[String]) -> Vec<ServerRef> {
         .collect()
 }
 
-/// The pick, then up to [`FALLBACKS`] other live servers of its pool
-/// (least loaded first, none of `avoid`), as `ip:port`, comma-separated.
+/// The pick, then up to [`FALLBACKS`] other live servers of its pool and
+/// role (least loaded first, none of `avoid`), as `ip:port`,
+/// comma-separated: a split request's decode leg falls back on decode
+/// engines only, which can pull the same prefill.
 fn endpoints(dispatcher: &Dispatcher, picked: &Picked<'_>, avoid: &[ServerRef]) -> String {
     let tables = dispatcher.segment().tables();
     let mut out = host_port(picked.address());
@@ -243,6 +245,7 @@ fn endpoints(dispatcher: &Dispatcher, picked: &Picked<'_>, avoid: &[ServerRef]) 
     live.retain(|c| {
         c.server != picked.server()
             && !avoid.contains(&c.server)
+            && picked.same_leg(c.server)
             && picked.admits(tables.servers.membership(c.server.slot))
     });
     live.sort_by_key(|c| (c.inflight, c.inflight_tokens));

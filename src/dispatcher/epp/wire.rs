@@ -2,6 +2,7 @@
 //! out, the destination's header and dynamic metadata, streamed body
 //! mutations, immediate responses, the subset hint.
 
+use crate::dispatcher::http::PREFILL_HEADER;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap as EnvoyHeaders, HeaderValue, HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse, ProcessingResponse,
@@ -156,11 +157,19 @@ pub fn routed_headers(endpoints: &str, body_len: Option<usize>) -> ProcessingRes
     }
 }
 
-/// The answer to the response's headers: passed on as they are.
-pub fn response_headers() -> ProcessingResponse {
+/// The answer to the response's headers: passed on as they are, with
+/// `x-semlb-prefill` naming the prefill engine of a split request.
+pub fn response_headers(prefill: Option<&http::HeaderValue>) -> ProcessingResponse {
+    let header_mutation = prefill.map(|p| HeaderMutation {
+        set_headers: vec![header(PREFILL_HEADER, p.as_bytes())],
+        ..HeaderMutation::default()
+    });
     ProcessingResponse {
         response: Some(processing_response::Response::ResponseHeaders(HeadersResponse {
-            response: Some(CommonResponse::default()),
+            response: Some(CommonResponse {
+                header_mutation,
+                ..CommonResponse::default()
+            }),
         })),
         ..ProcessingResponse::default()
     }

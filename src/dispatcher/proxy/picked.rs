@@ -1,9 +1,12 @@
 //! The attempts of a request that another proxy sends (the endpoint
 //! picker's, [`crate::dispatcher::epp`]): step 1 as for every request
 //! ([`Attempts::route`]: the policy, the gateway queue, no server), the
-//! request counted in flight and learned at dispatch as step 2 does, but
-//! nothing sent; then the answer that proxy streams back is relayed
-//! through the same [`Relay`] (learning, usage, charges, in-flight count).
+//! request counted in flight and learned at dispatch as step 2 does, and,
+//! in a pool with prefill engines, its prefill leg run or started as step
+//! 2 does ([`pd`](super::pd): the body that proxy sends is then the decode
+//! leg's); then the answer that proxy streams back is relayed through the
+//! same [`Relay`] (learning, usage, charges, in-flight count, an SGLang
+//! prefill leg kept as long as the answer).
 
 use super::*;
 
@@ -18,6 +21,8 @@ pub(in crate::dispatcher) struct Picked<'d> {
     /// The blocks the server was already listed for, when the prompt was
     /// recorded for it at dispatch.
     recorded: Option<u32>,
+    /// The body to send it (the decode leg's, for a split request).
+    body: Bytes,
 }
 
 /// Routes an inference request for another proxy, avoiding the servers
@@ -49,12 +54,28 @@ pub(in crate::dispatcher) async fn pick<'d>(
         };
         attempts.log_attempt(&chosen.address, chosen.reason, chosen.candidates, chosen.degraded);
         let recorded = attempts.record_route(chosen.server, chosen.held).then_some(chosen.held);
+        let dispatcher = attempts.dispatcher;
+        let salted = attempts.outbound.cache_salt.is_some() && dispatcher.takes_cache_salt(&chosen.address);
+        let body = attempts.outbound.body_for(salted);
+        let body = match attempts.disaggregate(chosen.server, chosen.predicted, body).await {
+            Ok(body) => body,
+            Err(next) => {
+                if let Some(held) = recorded {
+                    attempts.forget_route(chosen.server, held);
+                }
+                match next {
+                    Next::Answer(r) => return Err(attempts.finish(r)),
+                    Next::Retry => continue,
+                }
+            }
+        };
         return Ok(Picked {
             attempts,
             server: chosen.server,
             address: chosen.address,
             guard,
             recorded,
+            body,
         });
     }
 }
@@ -71,11 +92,17 @@ impl Picked<'_> {
     }
 
     /// The body to send it: with the tenant's `cache_salt` when its
-    /// engine takes one.
+    /// engine takes one; a split request's decode leg (vLLM: with the
+    /// prefill's `kv_transfer_params`; SGLang: with the rendezvous).
     pub fn body(&self) -> Bytes {
-        let outbound = &self.attempts.outbound;
-        let salted = outbound.cache_salt.is_some() && self.attempts.dispatcher.takes_cache_salt(&self.address);
-        outbound.body_for(salted)
+        self.body.clone()
+    }
+
+    /// Whether `server` serves the same leg as the pick (its role): a
+    /// fallback of a decode leg is a decode engine, never a prefill one.
+    pub fn same_leg(&self, server: ServerRef) -> bool {
+        let servers = &self.attempts.dispatcher.segment().tables().servers;
+        servers.role_of(server) == servers.role_of(self.server)
     }
 
     /// Whether the server `key` says (its id and pool) serves the
