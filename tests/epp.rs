@@ -682,7 +682,7 @@ fn an_sglang_split_meets_its_prefill_leg_at_the_bootstrap_server() {
     let Pick::Routed { endpoints, body: sent } = &pick else {
         panic!("not routed: {pick:?}");
     };
-    assert_eq!(endpoints, &[d.addr.clone()], "the decode engine, no fallback");
+    assert_eq!(endpoints, std::slice::from_ref(&d.addr), "the decode engine, no fallback");
     let sent_json: Value = serde_json::from_slice(sent).expect("the body sent is JSON");
     assert_eq!(sent_json["bootstrap_port"], port, "{sent_json}");
     assert_eq!(sent_json["bootstrap_host"], "127.0.0.1", "{sent_json}");
