@@ -243,3 +243,58 @@ fn a_restart_keeps_serving_what_was_discovered_until_discovery_says_otherwise() 
     std::fs::write(&file, endpoints(&[entry(&b, "")])).unwrap();
     second.wait_discovered(&[&b], "b once the file is back");
 }
+
+/// An endpoints file's `weight` is the engine's share: in turn, an engine
+/// of weight 3 takes three requests for every one of an engine of weight
+/// 1; a weight changed in the file applies to the engine where it is, and
+/// the admin API refuses a weight out of range.
+#[test]
+fn weights_in_the_endpoints_file_share_the_requests() {
+    let (light, heavy) = (sim(), sim());
+    let dir = TempDir::new("discovery-weights");
+    let file = dir.0.join("endpoints.yaml");
+    std::fs::write(
+        &file,
+        endpoints(&[entry(&light, "    weight: 1\n"), entry(&heavy, "    weight: 3\n")]),
+    )
+    .unwrap();
+    let gw = Gateway::builder()
+        .tag("discovery-weights")
+        .admin(TOKEN)
+        .dispatchers(1)
+        .args(&["--policy", "round_robin"])
+        .config(&format!(
+            "[discovery]\nkind = \"file\"\npath = {:?}\npoll_ms = 20\n",
+            file.to_str().unwrap()
+        ))
+        .start();
+    gw.wait_discovered(&[&light, &heavy], "both engines");
+    let count = |n: usize, tag: &str| -> (usize, usize) {
+        let mut at_heavy = 0;
+        for i in 0..n {
+            let r = chat(gw.addr(), &[user(&format!("{tag} {i}: a question"))], json!({}), &[]);
+            assert_eq!(r.status, 200, "{}", r.text());
+            at_heavy += usize::from(routed(&r).0 == format!("http://{}", heavy.addr));
+        }
+        (n - at_heavy, at_heavy)
+    };
+    // One dispatcher's turns: 1 then 3, exactly.
+    assert_eq!(count(40, "first"), (10, 30));
+    // The weights swapped in the file: the same registrations, new weights.
+    std::fs::write(
+        &file,
+        endpoints(&[entry(&light, "    weight: 3\n"), entry(&heavy, "\n")]),
+    )
+    .unwrap();
+    wait_for("the new weights applied", Duration::from_secs(20), || {
+        let (l, h) = count(8, "probe");
+        (l == 6 && h == 2, (l, h))
+    });
+    let r = gw.admin(
+        "POST",
+        "/admin/servers",
+        Some(&format!("{{\"url\": \"http://{}\", \"weight\": 0}}", sim().addr)),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("invalid_weight"), "{}", r.text());
+}

@@ -623,7 +623,11 @@ fn a_split_request_is_prefilled_by_the_picker_and_decoded_where_envoy_sends_it()
         panic!("not routed: {pick:?}");
     };
     let decodes: HashSet<&str> = decode.iter().map(|d| d.addr.as_str()).collect();
-    assert_eq!(endpoints.len(), 2, "the pick and the other decode engine: {endpoints:?}");
+    assert_eq!(
+        endpoints.len(),
+        2,
+        "the pick and the other decode engine: {endpoints:?}"
+    );
     assert!(
         endpoints.iter().all(|e| decodes.contains(e.as_str())),
         "decode engines only, never the prefill engine {}: {endpoints:?}",
@@ -639,14 +643,22 @@ fn a_split_request_is_prefilled_by_the_picker_and_decoded_where_envoy_sends_it()
     assert_eq!(params["do_remote_prefill"], true, "{sent_json}");
     let (host, port) = p.addr.rsplit_once(':').expect("host:port");
     assert_eq!(params["remote_host"], host, "{sent_json}");
-    assert_eq!(params["remote_port"], port.parse::<u64>().expect("a port"), "{sent_json}");
+    assert_eq!(
+        params["remote_port"],
+        port.parse::<u64>().expect("a port"),
+        "{sent_json}"
+    );
     // Envoy sends it to the decode engine picked, which pulls the prompt:
     // it computes one token of it.
     let answer = forward(&endpoints[0], sent);
     assert_eq!(answer.status, 200, "{}", answer.text());
     let usage = &answer.json()["usage"];
     let prompt_tokens = usage["prompt_tokens"].as_u64().expect("usage");
-    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], prompt_tokens - 1, "{usage}");
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"],
+        prompt_tokens - 1,
+        "{usage}"
+    );
     let decoded: Vec<Value> = decode.iter().flat_map(received).collect();
     assert_eq!(decoded.len(), 1, "{decoded:?}");
     assert_eq!(decoded[0]["leg"], "decode", "{}", decoded[0]);
@@ -682,7 +694,11 @@ fn an_sglang_split_meets_its_prefill_leg_at_the_bootstrap_server() {
     let Pick::Routed { endpoints, body: sent } = &pick else {
         panic!("not routed: {pick:?}");
     };
-    assert_eq!(endpoints, std::slice::from_ref(&d.addr), "the decode engine, no fallback");
+    assert_eq!(
+        endpoints,
+        std::slice::from_ref(&d.addr),
+        "the decode engine, no fallback"
+    );
     let sent_json: Value = serde_json::from_slice(sent).expect("the body sent is JSON");
     assert_eq!(sent_json["bootstrap_port"], port, "{sent_json}");
     assert_eq!(sent_json["bootstrap_host"], "127.0.0.1", "{sent_json}");

@@ -12,11 +12,15 @@
 //!   cached tokens, even on the engine that holds the prompt), then finds
 //!   its own prefix the next time;
 //! * another isolated tenant finds nothing of the first one's.
+//!
+//! And the salt reaches engines that are not in the configuration:
+//! discovered ones (`[discovery] cache_salt`, an endpoints file's entry
+//! saying otherwise) and those the admin API adds.
 
 use semlb_test_support as support;
 use serde_json::json;
 use support::TempDir;
-use support::gateway::{Gateway, add_key, limit_tenant, routed, sample, sim, user};
+use support::gateway::{Gateway, add_key, limit_tenant, routed, sample, sim, user, wait_for};
 use support::http::{Response, http};
 use support::process::{assert_ok, run as semlb};
 
@@ -228,4 +232,86 @@ fn ask(gw: &Gateway, prompt: &str, key: &str, max_tokens: u32, temperature: f64)
     .unwrap();
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     r
+}
+
+/// The bodies of the inference requests `engine` received.
+fn bodies(engine: &support::process::Proc) -> Vec<serde_json::Value> {
+    let r = http(&engine.addr, "GET", "/sim/requests", None, &[]).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["requests"]
+        .as_array()
+        .map(|a| a.iter().map(|r| r["body"].clone()).collect())
+        .unwrap_or_default()
+}
+
+/// Engines the gateway found or was given at run time take the salt as
+/// their registration says: a discovered engine by `[discovery]
+/// cache_salt`, one whose endpoints-file entry says `cache_salt: false`
+/// not, one added through the admin API by its body's `cache_salt`.
+#[test]
+fn discovered_and_added_engines_get_the_salt_as_their_registration_says() {
+    const TOKEN: &str = "isolation-admin-token-0123456789";
+    let dir = TempDir::new("isolation-discovered");
+    let keys_file = dir.0.join("keys.toml").display().to_string();
+    let (open, _) = add_key(&keys_file, "open", &[]);
+    let (secret, _) = add_key(&keys_file, "secret", &[]);
+    limit_tenant(&keys_file, "secret", &["--isolate-prefixes"]);
+    let (salted, unsalted, added) = (sim(), sim(), sim());
+    let file = dir.0.join("endpoints.yaml");
+    std::fs::write(
+        &file,
+        format!(
+            "endpoints:\n  - url: http://{}\n  - url: http://{}\n    cache_salt: false\n",
+            salted.addr, unsalted.addr
+        ),
+    )
+    .unwrap();
+    let gw = Gateway::builder()
+        .tag("isolation-discovered")
+        .admin(TOKEN)
+        .args(&["--policy", "round_robin"])
+        .config(&format!(
+            "[discovery]\nkind = \"file\"\npath = \"{}\"\npoll_ms = 20\ncache_salt = true\n\
+             [auth]\nkeys_file = \"{keys_file}\"\n",
+            file.display()
+        ))
+        .start();
+    gw.wait_discovered(&[&salted, &unsalted], "the file's two engines");
+    let r = gw.admin(
+        "POST",
+        "/admin/servers",
+        Some(&format!("{{\"url\": \"http://{}\", \"cache_salt\": true}}", added.addr)),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    wait_for("the added engine listed", std::time::Duration::from_secs(10), || {
+        let listed = gw.listed(&added).is_some();
+        (listed, listed)
+    });
+    // Round robin: each tenant's requests reach every engine.
+    for i in 0..9 {
+        for (tenant, key) in [("secret", &secret), ("open", &open)] {
+            let prompt = format!("Request {i} of {tenant}: summarise the storage layer's design in one line.");
+            ask(&gw, &prompt, key, 2, 0.9);
+        }
+    }
+    for (engine, takes) in [(&salted, true), (&unsalted, false), (&added, true)] {
+        let bodies = bodies(engine);
+        let mut secrets = 0;
+        for body in &bodies {
+            let text = body["messages"][0]["content"].as_str().unwrap_or_default();
+            let isolated = text.contains(" of secret:");
+            secrets += usize::from(isolated);
+            let salt = body.get("cache_salt").and_then(|s| s.as_str());
+            assert_eq!(
+                salt.is_some(),
+                isolated && takes,
+                "{}: salted iff the isolated tenant's and the engine takes it: {body}",
+                engine.addr
+            );
+            if let Some(salt) = salt {
+                assert_eq!(salt.len(), 32, "{salt}");
+            }
+        }
+        assert!(secrets > 0, "round robin sent the isolated tenant to {}", engine.addr);
+    }
 }

@@ -141,8 +141,8 @@ pub use response_log::{PutError, ResponseKey, ResponseLog, ResponseLogStats};
 #[cfg(not(loom))]
 pub use segment::{Segment, SegmentClock, Tables, shm_path};
 pub use server_table::{
-    Disaggregation, EngineContext, HORIZON_SPAN_S, KvEventsSync, MAX_CHARGED_TOKENS, MemberKey, PoolTag, Reclaimed,
-    RegisterError, ServerInfo, ServerRef, ServerRole, ServerState, ServerTable, ServerTag,
+    Disaggregation, EngineContext, EngineSettings, HORIZON_SPAN_S, KvEventsSync, MAX_CHARGED_TOKENS, MemberKey,
+    PoolTag, Reclaimed, RegisterError, ServerInfo, ServerRef, ServerRole, ServerState, ServerTable, ServerTag,
 };
 pub use stats::Stats;
 pub use usage_table::{USAGE_COUNTERS, UsageCounter, UsageKind, UsageRow, UsageTable};

@@ -48,6 +48,18 @@ pub struct BackendConfig {
     /// prefills (default: what its `/server_info` says, else 8998).
     #[serde(default)]
     pub bootstrap_port: Option<u16>,
+    /// Its capacity relative to the other backends' (1 to
+    /// [`MAX_WEIGHT`]): the routing policies compare loads per unit of
+    /// weight. Default 1.
+    #[serde(default = "one")]
+    pub weight: u32,
+}
+
+/// The largest backend weight.
+pub const MAX_WEIGHT: u32 = 1000;
+
+fn one() -> u32 {
+    1
 }
 
 impl BackendConfig {
@@ -63,25 +75,53 @@ impl BackendConfig {
             kv_events_replay: None,
             role: BackendRole::Both,
             bootstrap_port: None,
+            weight: 1,
         }
     }
 
     /// The backend of a `POST /admin/servers` body (`{"url": ..., "name":
-    /// ..., "role": ..., "bootstrap_port": ...}`, all but `url` optional),
-    /// with the defaults otherwise; not yet validated.
+    /// ..., "role": ..., "bootstrap_port": ..., "cache_salt": ...,
+    /// "metrics_flavor": ...}`, all but `url` optional), with the defaults
+    /// otherwise; not yet validated.
     pub fn from_admin_body(body: serde_json::Value) -> Result<Self, serde_json::Error> {
         let AdminServer {
             url,
             name,
             role,
             bootstrap_port,
+            cache_salt,
+            metrics_flavor,
+            weight,
         } = serde_json::from_value(body)?;
         Ok(Self {
             name,
             role,
             bootstrap_port,
+            cache_salt,
+            metrics_flavor,
+            weight,
             ..Self::new(url)
         })
+    }
+
+    /// What its registration carries for the request path and the health
+    /// checker ([`shm_layout::EngineSettings`]).
+    pub fn engine_settings(&self) -> shm_layout::EngineSettings {
+        shm_layout::EngineSettings {
+            cache_salt: self.cache_salt,
+            metrics: self.metrics_flavor.code(),
+            weight: u16::try_from(self.weight.clamp(1, MAX_WEIGHT)).unwrap_or(1),
+        }
+    }
+
+    /// Whether its weight is 1 to [`MAX_WEIGHT`]. The error is the reason
+    /// only.
+    pub fn check_weight(&self) -> Result<(), BackendError> {
+        if (1..=MAX_WEIGHT).contains(&self.weight) {
+            Ok(())
+        } else {
+            Err(BackendError::Weight)
+        }
     }
 
     /// Whether `endpoint` is one a subscriber can connect to:
@@ -154,6 +194,9 @@ pub enum BackendError {
     /// An events endpoint's port (as written) that is not 1 to 65535.
     #[error("port {0:?} is not 1 to 65535")]
     EventsPort(String),
+    /// A weight that is not 1 to [`MAX_WEIGHT`].
+    #[error("must be 1 to {MAX_WEIGHT}")]
+    Weight,
 }
 
 /// Why a URL is not a backend's `http://host:port`: the reason only (the
@@ -215,6 +258,12 @@ struct AdminServer {
     role: BackendRole,
     #[serde(default)]
     bootstrap_port: Option<u16>,
+    #[serde(default)]
+    cache_salt: bool,
+    #[serde(default)]
+    metrics_flavor: MetricsFlavor,
+    #[serde(default = "one")]
+    weight: u32,
 }
 
 /// Which metrics an engine exposes on `/metrics`, for the load figures.
@@ -230,6 +279,28 @@ pub enum MetricsFlavor {
     Sglang,
     /// llama.cpp's `llama-server --metrics` (`llamacpp:requests_processing`, ...).
     Llamacpp,
+}
+
+impl MetricsFlavor {
+    /// Its code in a registration's settings ([`shm_layout::EngineSettings::metrics`]).
+    pub const fn code(self) -> u8 {
+        match self {
+            Self::Auto => 0,
+            Self::Vllm => 1,
+            Self::Sglang => 2,
+            Self::Llamacpp => 3,
+        }
+    }
+
+    /// The flavor of `code` (an unknown code: `Auto`).
+    pub const fn of_code(code: u8) -> Self {
+        match code {
+            1 => Self::Vllm,
+            2 => Self::Sglang,
+            3 => Self::Llamacpp,
+            _ => Self::Auto,
+        }
+    }
 }
 
 /// A backend URL taken apart: `http://host:port`.
@@ -338,5 +409,44 @@ impl FromStr for BackendUrl {
             .filter(|&p| p != 0)
             .ok_or_else(|| E::PortRange(port.to_owned()))?;
         Ok(Self { host, port })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_flavors_round_trip_through_their_codes() {
+        for flavor in [
+            MetricsFlavor::Auto,
+            MetricsFlavor::Vllm,
+            MetricsFlavor::Sglang,
+            MetricsFlavor::Llamacpp,
+        ] {
+            assert_eq!(MetricsFlavor::of_code(flavor.code()), flavor);
+        }
+        assert_eq!(MetricsFlavor::of_code(200), MetricsFlavor::Auto);
+    }
+
+    #[test]
+    fn an_admin_body_carries_the_engine_settings() {
+        let b = BackendConfig::from_admin_body(serde_json::json!({
+            "url": "http://10.0.0.1:8000", "cache_salt": true, "metrics_flavor": "sglang"
+        }))
+        .unwrap();
+        assert_eq!(
+            b.engine_settings(),
+            shm_layout::EngineSettings {
+                cache_salt: true,
+                metrics: MetricsFlavor::Sglang.code(),
+                weight: 1
+            }
+        );
+        assert!(BackendConfig::from_admin_body(serde_json::json!({"url": "http://a:1", "cache": 1})).is_err());
+        let heavy = BackendConfig::from_admin_body(serde_json::json!({"url": "http://a:1", "weight": 3})).unwrap();
+        assert_eq!((heavy.engine_settings().weight, heavy.check_weight()), (3, Ok(())));
+        let none = BackendConfig::from_admin_body(serde_json::json!({"url": "http://a:1", "weight": 0})).unwrap();
+        assert_eq!(none.check_weight(), Err(BackendError::Weight));
     }
 }

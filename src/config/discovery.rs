@@ -9,7 +9,7 @@ use std::str::FromStr;
 
 use serde::Deserialize;
 
-use super::{ConfigError, quoted};
+use super::{ConfigError, MetricsFlavor, quoted};
 
 /// Where backends are discovered (`discovery.kind`, `--discovery`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
@@ -105,6 +105,12 @@ pub struct DiscoveryConfig {
     /// Kubernetes: a kubeconfig file; default in-cluster (the pod's
     /// service account), else `$KUBECONFIG` or `~/.kube/config`.
     pub kubeconfig: Option<PathBuf>,
+    /// The discovered engines take vLLM's `cache_salt` (a file entry may
+    /// say otherwise), as `[[backend]] cache_salt`.
+    pub cache_salt: bool,
+    /// How the discovered engines' `/metrics` are read (a file entry may
+    /// say otherwise), as `[[backend]] metrics_flavor`.
+    pub metrics_flavor: MetricsFlavor,
 }
 
 impl Default for DiscoveryConfig {
@@ -125,6 +131,8 @@ impl Default for DiscoveryConfig {
             decode_selector: None,
             inference_pool: None,
             kubeconfig: None,
+            cache_salt: false,
+            metrics_flavor: MetricsFlavor::Auto,
         }
     }
 }

@@ -49,6 +49,7 @@
 //! | `backend.cache_salt` | bool | `false` | its engine takes vLLM's `cache_salt`: requests of tenants with `isolate_prefixes` carry their salt to it |
 //! | `backend.role` | `both`, `prefill`, `decode` | `both` | its part in disaggregated serving ([`disaggregation`]): a `prefill` engine gets only prefill legs, a `decode` engine the requests and their decode legs |
 //! | `backend.bootstrap_port` | integer | its `/server_info`, else 8998 | SGLang: the port of a prefill engine's bootstrap server (`--disaggregation-bootstrap-port`) |
+//! | `backend.weight` | integer, 1 to 1000 | `1` | its capacity relative to the others': the routing policies compare loads per unit of weight ([`crate::routing::Candidate::per_weight`]) |
 //! | `[pd]` | table | | disaggregated serving, for pools with `prefill` backends and backends that decode |
 //! | `pd.protocol` | `vllm-nixl`, `sglang` | `vllm-nixl` | how the two legs are driven: vLLM's NixlConnector (prefill, then decode with its `kv_transfer_params`) or SGLang's bootstrap rendezvous (both at once) |
 //! | `pd.bypass_uncached_tokens` | integer | `256` | a request whose decode engine already holds all but at most this many prompt tokens goes to it alone |
@@ -214,7 +215,7 @@ pub mod size;
 mod tests;
 mod validate;
 
-pub use backend::{BackendConfig, BackendError, BackendUrl, BackendUrlError, MetricsFlavor};
+pub use backend::{BackendConfig, BackendError, BackendUrl, BackendUrlError, MAX_WEIGHT, MetricsFlavor};
 pub use disaggregation::{BackendRole, DecodeBy, PdConfig, PdProtocol};
 pub use discovery::{DiscoveryConfig, DiscoveryKind};
 pub use model_changes::ModelChanges;

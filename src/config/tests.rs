@@ -384,6 +384,7 @@ check_context = false
             kv_events_replay: None,
             role: BackendRole::Both,
             bootstrap_port: None,
+            weight: 1,
         }
     );
     assert_eq!(
@@ -524,7 +525,7 @@ fn unknown_keys_are_rejected_naming_key_and_line() {
         ("listen = \"0.0.0.0:1\"\nlisten_addr = \"x\"\n", "listen_addr", 2),
         ("\n\n[limits]\nretries = 1\nmax_retries = 3\n", "max_retries", 5),
         ("[response_cache]\nttl = 5\n", "ttl", 2),
-        ("[[backend]]\nurl = \"http://a:1\"\nweight = 2\n", "weight", 3),
+        ("[[backend]]\nurl = \"http://a:1\"\nweigth = 2\n", "weigth", 3),
         ("[policy]\nthreshhold = 0.5\n", "threshhold", 2),
         ("[policy.cache_aware]\nthreshold = 0.5\n", "threshold", 2),
         ("[health]\ninterval = 5\n", "interval", 2),
@@ -774,6 +775,20 @@ fn each_validation_rule() {
             "backend[0].name",
             "\"\"",
             "1 to 64",
+        ),
+        (
+            "weight 0",
+            |c| c.backends[0].weight = 0,
+            "backend[0].weight",
+            "0",
+            "1 to 1000",
+        ),
+        (
+            "weight too large",
+            |c| c.backends[0].weight = 1001,
+            "backend[0].weight",
+            "1001",
+            "1 to 1000",
         ),
         (
             "ttl 0",

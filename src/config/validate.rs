@@ -331,6 +331,13 @@ impl ServeConfig {
             if let (Some(name), Err(reason)) = (&backend.name, backend.check_name()) {
                 return Err(E::invalid(format!("backend[{i}].name"), quoted(name), reason));
             }
+            if let Err(reason) = backend.check_weight() {
+                return Err(E::invalid(
+                    format!("backend[{i}].weight"),
+                    backend.weight.to_string(),
+                    reason,
+                ));
+            }
             for (field, endpoint) in [
                 ("kv_events", &backend.kv_events),
                 ("kv_events_replay", &backend.kv_events_replay),

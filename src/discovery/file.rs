@@ -8,7 +8,9 @@
 //!     role: prefill          # both (default), prefill or decode
 //!     bootstrap_port: 8998   # SGLang prefill engines
 //!     name: prefill-0        # default host:port
-//!     weight: 1              # 0 takes it out (drained); see below
+//!     weight: 1              # its share of the load, relative; 0 takes it out (drained)
+//!     cache_salt: true       # default discovery.cache_salt
+//!     metrics_flavor: vllm   # default discovery.metrics_flavor
 //! ```
 //!
 //! A bare list of entries is read too, and JSON is YAML. Unknown keys,
@@ -24,9 +26,10 @@
 //! update swaps a `..data` symlink in the directory. A `stat` a second
 //! costs nothing next to that.
 //!
-//! `weight` is read, and 0 takes an engine out of the set (it drains);
-//! other weights are not applied by the routing policies, which balance by
-//! the load they measure (logged once per file).
+//! `weight` (1 to [`MAX_WEIGHT`], default 1) is the engine's capacity
+//! relative to the others': the routing policies compare loads per unit
+//! of weight (`[[backend]] weight`). 0 takes an engine out of the set (it
+//! drains).
 
 use std::path::Path;
 use std::time::Duration;
@@ -35,7 +38,7 @@ use serde::Deserialize;
 use tokio::sync::watch;
 
 use super::{Endpoint, Endpoints};
-use crate::config::{BackendConfig, BackendRole, DiscoveryConfig};
+use crate::config::{BackendConfig, BackendRole, DiscoveryConfig, MAX_WEIGHT, MetricsFlavor};
 
 /// Why a file of endpoints is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -70,6 +73,10 @@ struct Entry {
     model: Option<String>,
     #[serde(default)]
     weight: Option<u32>,
+    #[serde(default)]
+    cache_salt: Option<bool>,
+    #[serde(default)]
+    metrics_flavor: Option<MetricsFlavor>,
 }
 
 /// The file's two forms.
@@ -79,9 +86,8 @@ struct Document {
     endpoints: Vec<Entry>,
 }
 
-/// The endpoints `text` lists (entries of weight 0 left out), and whether
-/// an entry gave a weight other than 0 or 1.
-pub fn parse(text: &str) -> Result<(Vec<Endpoint>, bool), FileError> {
+/// The endpoints `text` lists (entries of weight 0 left out).
+pub fn parse(text: &str) -> Result<Vec<Endpoint>, FileError> {
     let value: serde_yaml_ng::Value = serde_yaml_ng::from_str(text).map_err(|e| FileError::Parse(e.to_string()))?;
     let entries: Vec<Entry> = match value {
         serde_yaml_ng::Value::Null => Ok(Vec::new()),
@@ -91,7 +97,6 @@ pub fn parse(text: &str) -> Result<(Vec<Endpoint>, bool), FileError> {
     .map_err(|e| FileError::Parse(e.to_string()))?;
     let mut endpoints: Vec<Endpoint> = Vec::with_capacity(entries.len());
     let mut addresses = Vec::with_capacity(entries.len());
-    let mut weighted = false;
     for (index, entry) in entries.into_iter().enumerate() {
         let wrong = |reason: String| FileError::Entry {
             index,
@@ -104,8 +109,11 @@ pub fn parse(text: &str) -> Result<(Vec<Endpoint>, bool), FileError> {
             role: entry.role,
             bootstrap_port: entry.bootstrap_port,
             model: entry.model.clone(),
+            cache_salt: entry.cache_salt,
+            metrics_flavor: entry.metrics_flavor,
+            weight: entry.weight.unwrap_or(1).max(1),
         };
-        let backend: BackendConfig = endpoint.backend();
+        let backend: BackendConfig = endpoint.backend(&DiscoveryConfig::default());
         let address = backend.server_address().map_err(|e| wrong(e.to_string()))?;
         backend.check_name().map_err(|e| wrong(format!("name: {e}")))?;
         if entry.bootstrap_port == Some(0) {
@@ -115,12 +123,14 @@ pub fn parse(text: &str) -> Result<(Vec<Endpoint>, bool), FileError> {
             return Err(wrong(format!("the same server as endpoint {first}")));
         }
         addresses.push(address);
-        weighted |= entry.weight.is_some_and(|w| w > 1);
+        if entry.weight.is_some_and(|w| w > MAX_WEIGHT) {
+            return Err(wrong(format!("weight: must be 0 (out) to {MAX_WEIGHT}")));
+        }
         if entry.weight != Some(0) {
             endpoints.push(endpoint);
         }
     }
-    Ok((endpoints, weighted))
+    Ok(endpoints)
 }
 
 /// What tells that a file may have changed without reading it.
@@ -154,7 +164,6 @@ pub async fn follow(config: DiscoveryConfig, tx: watch::Sender<Option<Endpoints>
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let (mut seen_stamp, mut seen_text): (Option<Stamp>, Option<u64>) = (None, None);
     let mut missing_logged = false;
-    let mut weights_logged = false;
     loop {
         tick.tick().await;
         if tx.is_closed() {
@@ -190,11 +199,7 @@ pub async fn follow(config: DiscoveryConfig, tx: watch::Sender<Option<Endpoints>
         }
         seen_text = Some(hash);
         match parse(&text) {
-            Ok((endpoints, weighted)) => {
-                if weighted && !weights_logged {
-                    tracing::warn!(file = %path.display(), "discovery: {} gives weights other than 0 and 1; semlb balances by measured load and does not apply them", path.display());
-                    weights_logged = true;
-                }
+            Ok(endpoints) => {
                 tracing::info!(file = %path.display(), endpoints = endpoints.len(), "discovery: {} lists {} endpoints", path.display(), endpoints.len());
                 tx.send_replace(Some(std::sync::Arc::new(endpoints)));
             }
@@ -210,7 +215,7 @@ mod tests {
     use super::*;
 
     fn read(text: &str) -> Result<Vec<Endpoint>, FileError> {
-        parse(text).map(|(e, _)| e)
+        parse(text)
     }
 
     #[test]
@@ -232,12 +237,13 @@ mod tests {
     }
 
     #[test]
-    fn weight_zero_takes_an_endpoint_out() {
-        let (e, weighted) = parse("- {url: 'http://a:1', weight: 0}\n- {url: 'http://b:1', weight: 1}\n").unwrap();
+    fn weight_zero_takes_an_endpoint_out_and_others_are_kept() {
+        let e = parse("- {url: 'http://a:1', weight: 0}\n- {url: 'http://b:1', weight: 1}\n").unwrap();
         assert_eq!(e.iter().map(|e| e.url.as_str()).collect::<Vec<_>>(), ["http://b:1"]);
-        assert!(!weighted);
-        let (_, weighted) = parse("- {url: 'http://a:1', weight: 3}\n").unwrap();
-        assert!(weighted);
+        assert_eq!(e[0].weight, 1);
+        let e = parse("- {url: 'http://a:1', weight: 3}\n- url: http://b:1\n").unwrap();
+        assert_eq!((e[0].weight, e[1].weight), (3, 1));
+        assert_eq!(e[0].backend(&DiscoveryConfig::default()).weight, 3);
     }
 
     #[test]
@@ -257,6 +263,7 @@ mod tests {
             ("- url: http://a:1\n  role: leader\n", "unknown variant"),
             ("- url: http://a:1\n  name: 'two words'\n", "name"),
             ("- url: http://a:1\n  bootstrap_port: 0\n", "bootstrap_port"),
+            ("- url: http://a:1\n  weight: 1001\n", "weight"),
             ("[{", ""),
             ("42", "invalid type"),
         ] {

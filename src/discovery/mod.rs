@@ -31,7 +31,7 @@ use std::sync::Arc;
 use shm_layout::PoolTag;
 use tokio::sync::watch;
 
-use crate::config::{BackendConfig, BackendRole, DiscoveryConfig, DiscoveryKind, ModelConfig};
+use crate::config::{BackendConfig, BackendRole, DiscoveryConfig, DiscoveryKind, MetricsFlavor, ModelConfig};
 
 /// One engine a source found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,6 +47,15 @@ pub struct Endpoint {
     /// The model it serves, as the source says (a label, an annotation, a
     /// file entry); `None`: `discovery.model`.
     pub model: Option<String>,
+    /// Its engine takes vLLM's `cache_salt` (a file entry's); `None`:
+    /// `discovery.cache_salt`.
+    pub cache_salt: Option<bool>,
+    /// How its `/metrics` are read (a file entry's); `None`:
+    /// `discovery.metrics_flavor`.
+    pub metrics_flavor: Option<MetricsFlavor>,
+    /// Its capacity relative to the others' (a file entry's; 1 to
+    /// [`crate::config::MAX_WEIGHT`]).
+    pub weight: u32,
 }
 
 impl Endpoint {
@@ -58,15 +67,22 @@ impl Endpoint {
             role: BackendRole::Both,
             bootstrap_port: None,
             model: None,
+            cache_salt: None,
+            metrics_flavor: None,
+            weight: 1,
         }
     }
 
-    /// The backend it is registered as, as if configured.
-    pub fn backend(&self) -> BackendConfig {
+    /// The backend it is registered as, as if configured, with what it
+    /// does not say taken from `[discovery]`.
+    pub fn backend(&self, discovery: &DiscoveryConfig) -> BackendConfig {
         BackendConfig {
             name: self.name.clone(),
             role: self.role,
             bootstrap_port: self.bootstrap_port,
+            cache_salt: self.cache_salt.unwrap_or(discovery.cache_salt),
+            metrics_flavor: self.metrics_flavor.unwrap_or(discovery.metrics_flavor),
+            weight: self.weight,
             ..BackendConfig::new(self.url.clone())
         }
     }

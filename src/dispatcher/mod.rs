@@ -608,14 +608,10 @@ impl Dispatcher {
             .filter(|i| i.server == server)
     }
 
-    /// Whether the backend at `address` takes vLLM's `cache_salt`
-    /// (`[[backend]] cache_salt`).
-    fn takes_cache_salt(&self, address: &str) -> bool {
-        let address = address.trim_end_matches('/');
-        self.config
-            .backends
-            .iter()
-            .any(|b| b.cache_salt && b.url.trim_end_matches('/') == address)
+    /// Whether `server`'s engine takes vLLM's `cache_salt` (`[[backend]]
+    /// cache_salt`, the admin API's, discovery's: its registration says).
+    fn takes_cache_salt(&self, server: shm_layout::ServerRef) -> bool {
+        self.segment.tables().servers.settings(server).cache_salt
     }
 
     /// A request started or ended, or got its first token: a server may

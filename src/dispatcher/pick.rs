@@ -338,6 +338,7 @@ mod tests {
             admission: crate::routing::capacity::INITIAL_LIMIT,
             admission_reported: false,
             started_since_scrape: 0,
+            weight: 1,
         };
         let chosen = |pending| {
             let lookup = Lookup {

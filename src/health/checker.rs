@@ -17,7 +17,7 @@
 //!   it, one set back `Up` by someone else closes it, a draining one resets
 //!   it.
 //! * **scrapes**, every `health.scrape_interval_ms`: `GET <address>/metrics`
-//!   of every server not down, parsed for the server's `metrics_flavor`
+//!   of every server not down, parsed for the `metrics_flavor` its registration carries
 //!   ([`super::prometheus::extract`]) and stored with the segment clock's
 //!   time ([`ServerTable::store_load`]).
 //!
@@ -112,7 +112,7 @@ type HealthClient = Client<HttpConnector, Empty<Bytes>>;
 
 /// Starts the health task on the current tokio runtime (the supervisor's):
 /// active checks and scrapes of every server in `segment`'s server table,
-/// with `config.health`'s settings and each backend's `metrics_flavor`, until
+/// with `config.health`'s settings and each registration's `metrics_flavor`, until
 /// the handle is aborted or the runtime stops. The state it keeps besides
 /// the table (breakers' counts) is rebuilt from the table, so a reload may
 /// abort the task and spawn it again with a new configuration.
@@ -132,9 +132,6 @@ pub fn spawn(segment: Arc<Segment>, config: Arc<ServeConfig>) -> JoinHandle<()> 
 struct Checker {
     segment: Arc<Segment>,
     health: HealthConfig,
-    /// `metrics_flavor` by registered address (`http://host:port`, as the
-    /// supervisor registers backends); unknown addresses are `auto`.
-    flavors: HashMap<String, MetricsFlavor>,
     client: HealthClient,
     /// Forget a restarted server's prefix entries (`learn_from_reports`).
     forgets: bool,
@@ -142,11 +139,6 @@ struct Checker {
 
 impl Checker {
     fn new(segment: Arc<Segment>, config: &ServeConfig) -> Self {
-        let flavors = config
-            .backends
-            .iter()
-            .filter_map(|b| Some((b.parsed_url().ok()?.to_string(), b.metrics_flavor)))
-            .collect();
         let health = config.health.clone();
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
@@ -159,7 +151,6 @@ impl Checker {
         Self {
             segment,
             health,
-            flavors,
             client,
             forgets: config.learn_from_reports,
         }
@@ -389,7 +380,7 @@ impl Checker {
             let to_ask: Vec<&ServerInfo> = servers.iter().filter(|s| !asked.contains(&s.server)).collect();
             let (results, answers) = tokio::join!(
                 futures_util::future::join_all(servers.iter().map(|info| {
-                    let flavor = self.flavors.get(&info.address).copied().unwrap_or_default();
+                    let flavor = MetricsFlavor::of_code(self.servers().settings(info.server).metrics);
                     self.scrape(&info.address, flavor)
                 })),
                 futures_util::future::join_all(to_ask.iter().map(|info| {

@@ -4,7 +4,9 @@
 //!
 //! A server `w` is **overloaded** when
 //! `load(w) − min > abs(w) && load(w) > rel × min`, with `load` the
-//! requests in flight through the gateway ([`Candidate::inflight`]),
+//! requests in flight through the gateway ([`Candidate::inflight`]) per
+//! unit of the server's weight ([`Candidate::per_weight`]; `abs` counts
+//! requests per unit of weight too),
 //! `min` the least load over the candidates, `rel` a ratio (SGLang's 1.1)
 //! and `abs(w)` an eighth of the requests `w`'s engine runs at once,
 //! rounded up, at most a cap (SGLang's 32, which is an eighth of vLLM's
@@ -36,7 +38,7 @@
 //! over the hash candidates). `cost` and `consistent_hash` have their own
 //! bound on load ([`super::load_bound`]).
 
-use super::Candidate;
+use super::{Candidate, LOAD_UNIT};
 
 /// Requests an engine runs at once per request of absolute load spread
 /// (SGLang's 32 of vLLM's 256 sequences).
@@ -107,15 +109,19 @@ impl Balance {
         // Never above `abs`, which caps every scaled threshold too.
         let scaled = least.map_or(own, |l| own.min(self.abs_threshold(l)));
         let abs = scaled.saturating_add(extra).min(self.abs);
-        self.beyond(c.inflight, least.map_or(0, |l| l.inflight), abs)
+        self.beyond(
+            c.weighted_inflight(),
+            least.map_or(0, Candidate::weighted_inflight),
+            abs.saturating_mul(LOAD_UNIT),
+        )
     }
 }
 
-/// The candidate with the fewest requests in flight (the first of equals;
-/// `None` when empty).
+/// The candidate with the fewest requests in flight per unit of weight
+/// (the first of equals; `None` when empty).
 #[inline]
 pub fn least_busy(candidates: &[Candidate]) -> Option<&Candidate> {
-    candidates.iter().min_by_key(|c| c.inflight)
+    candidates.iter().min_by_key(|c| c.weighted_inflight())
 }
 
 #[cfg(test)]

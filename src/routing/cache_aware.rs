@@ -372,9 +372,9 @@ impl CacheAware {
             // arrive one at a time.
             let least = if weigh_own { least_busy(candidates) } else { None };
             let eligible = |c: &Candidate| !weigh_own || !self.params.balance().overloaded(c, least);
-            let queued = |c: &Candidate| c.queued_work(prompt, RUNNING_REQUEST_TOKENS) + own(c);
+            let queued = |c: &Candidate| c.per_weight(c.queued_work(prompt, RUNNING_REQUEST_TOKENS) + own(c));
             let band = candidates.iter().filter(|c| eligible(c)).map(queued).min().unwrap_or(0)
-                + self.params.queued_prefill_margin;
+                + self.params.queued_prefill_margin.saturating_mul(super::LOAD_UNIT);
             least_by(candidates, load_key, |c| eligible(c) && queued(c) <= band, &self.turn)
         } else {
             least_loaded(candidates, &self.turn)

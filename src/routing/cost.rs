@@ -184,7 +184,9 @@ impl Cost {
     fn cost(&self, input: &RouteInput<'_>, c: &Candidate, weight: f64) -> f64 {
         let prompt = u64::from(input.prompt_tokens);
         let cached = u64::from(input.useful_blocks(c.server.tag())) * u64::from(input.block_tokens);
-        prompt.saturating_sub(cached) as f64 + weight * self.queued(c, prompt)
+        // Per unit of the server's weight: a server of twice the capacity
+        // gets through the same work in half the time.
+        (prompt.saturating_sub(cached) as f64 + weight * self.queued(c, prompt)) / f64::from(c.weight.max(1))
     }
 }
 

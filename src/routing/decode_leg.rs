@@ -22,7 +22,7 @@ use std::cmp::Reverse;
 use std::sync::atomic::AtomicU64;
 
 use super::least_load::{least_by, load_key};
-use super::{Choice, Reason, RouteInput};
+use super::{Candidate, Choice, LOAD_UNIT, Reason, RouteInput};
 
 /// Requests in flight by which a decode engine may exceed the least
 /// loaded one and still be chosen for the prompt it holds.
@@ -34,11 +34,11 @@ static TURN: AtomicU64 = AtomicU64::new(0);
 /// The decode engine for `input` (see the [module docs](self)); `None`
 /// only without candidates.
 pub fn choose(input: &RouteInput<'_>) -> Option<Choice> {
-    let least = input.candidates.iter().map(|c| c.inflight).min()?;
+    let least = input.candidates.iter().map(Candidate::weighted_inflight).min()?;
     let chosen = least_by(
         input.candidates,
         |c| (Reverse(input.useful_blocks(c.server.tag())), load_key(c)),
-        |c| c.inflight <= least + LOAD_SLACK,
+        |c| c.weighted_inflight() <= least + LOAD_SLACK * LOAD_UNIT,
         &TURN,
     )?;
     let blocks = input.useful_blocks(chosen.server.tag());

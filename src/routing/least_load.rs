@@ -2,7 +2,8 @@
 //!
 //! # Rule
 //!
-//! Load is [`Candidate::inflight`]: the requests in flight to the server
+//! Load is [`Candidate::inflight`] (per unit of the server's weight,
+//! [`Candidate::per_weight`]): the requests in flight to the server
 //! through every dispatcher of the gateway, read from the shm server table
 //! at routing time. It is exact and current (a dispatcher counts a request
 //! before proxying it and uncounts it when the response ends), unlike the
@@ -32,10 +33,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::{Candidate, Choice, Policy, Reason, RouteInput};
 
 /// The load key least-load ordering compares: in-flight requests, then
-/// in-flight prompt tokens.
+/// in-flight prompt tokens, each per unit of the server's weight.
 #[inline]
 pub(crate) fn load_key(c: &Candidate) -> (u64, u64) {
-    (c.inflight, c.inflight_tokens)
+    (c.weighted_inflight(), c.per_weight(c.inflight_tokens))
 }
 
 /// The least-loaded candidate (see the [module docs](self) for the

@@ -1,6 +1,8 @@
 //! Bounded load (Mirrokni, Thorup & Zadimoghaddam, "Consistent Hashing
 //! with Bounded Loads", 2018): a server may take a request only while that
-//! keeps it at or under `ceil((1 + ε) × (requests in flight + 1) / servers)`.
+//! keeps it at or under `ceil((1 + ε) × (requests in flight + 1) / servers)`
+//! (a server of weight `w`: `ceil((1 + ε) × (requests in flight + 1) × w /
+//! the servers' weights)`, its weighted share).
 //!
 //! A policy that prefers a server for its cache or its session
 //! (`consistent_hash`, `cost`) skips the servers over the bound, so no
@@ -12,16 +14,18 @@
 
 use super::{Candidate, InvalidParam, in_range_f64};
 
-/// The most requests in flight a server may reach by taking one more.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct LoadBound(u64);
+/// The most requests in flight a server of weight 1 may reach by taking
+/// one more (a server of weight `w`: `w` times as many, its share).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct LoadBound(f64);
 
 impl LoadBound {
     /// The bound over `candidates` (not empty) with slack `epsilon`.
     pub(crate) fn over(candidates: &[Candidate], epsilon: f64) -> Self {
         let total: u64 = candidates.iter().map(|c| c.inflight).sum();
-        let share = (total + 1) as f64 / candidates.len().max(1) as f64;
-        Self(((1.0 + epsilon) * share).ceil() as u64)
+        let weights: u64 = candidates.iter().map(|c| u64::from(c.weight.max(1))).sum();
+        let share = (total + 1) as f64 / weights.max(1) as f64;
+        Self((1.0 + epsilon) * share)
     }
 
     /// Checks a policy's `load_epsilon` (0 to 100).
@@ -31,7 +35,7 @@ impl LoadBound {
 
     /// Whether `c` may take one more request.
     pub(crate) fn admits(self, c: &Candidate) -> bool {
-        c.inflight < self.0
+        c.inflight < (self.0 * f64::from(c.weight.max(1))).ceil() as u64
     }
 }
 
@@ -46,12 +50,27 @@ mod tests {
         // 10 + 1 + 1 in flight, one more: ceil(1.25 × 13 / 3) = 6.
         let cands = [cand(f.s[0], 10, 0), cand(f.s[1], 1, 0), cand(f.s[2], 1, 0)];
         let bound = LoadBound::over(&cands, 0.25);
-        assert_eq!(bound, LoadBound(6));
+        assert_eq!(bound, LoadBound((1.0 + 0.25) * (13.0 / 3.0)));
         assert!(!bound.admits(&cands[0]));
         assert!(bound.admits(&cands[1]));
         // Five in flight may take a sixth; six may not.
         assert!(bound.admits(&cand(f.s[0], 5, 0)));
         assert!(!bound.admits(&cand(f.s[0], 6, 0)));
+    }
+
+    #[test]
+    fn a_server_of_weight_w_takes_w_shares() {
+        let f = Fixture::new(3);
+        let weighted = |i: usize, inflight: u64, weight: u32| Candidate {
+            weight,
+            ..cand(f.s[i], inflight, 0)
+        };
+        // 11 in flight, one more, weights 1 + 2 + 1: a share of 3 per unit.
+        let cands = [weighted(0, 3, 1), weighted(1, 5, 2), weighted(2, 3, 1)];
+        let bound = LoadBound::over(&cands, 0.0);
+        assert!(!bound.admits(&cands[0]), "3 of a bound of 3");
+        assert!(bound.admits(&cands[1]), "5 of a bound of 6");
+        assert!(!bound.admits(&weighted(1, 6, 2)));
     }
 
     #[test]

@@ -20,7 +20,8 @@
 //! | `cost` | [`cost`] | Dynamo's cost: uncached prompt tokens + λ × work queued at the server, λ tuned online from TTFT ([`weight_bandit`]) |
 //!
 //! A pool's policy is a [`swappable::SwappablePolicy`]: a reload replaces it
-//! while requests are being routed.
+//! while requests are being routed. Servers of unequal capacity carry a
+//! weight, and loads are compared per unit of it ([`weights`]).
 //!
 //! # Shared headers
 //!
@@ -122,6 +123,7 @@ pub(crate) mod test_support;
 mod tests;
 pub mod weight_bandit;
 pub mod weighted_scorers;
+pub mod weights;
 
 use std::fmt;
 use std::str::FromStr;
@@ -135,6 +137,8 @@ pub use cost::CostParams;
 pub use dual_map::DualMapParams;
 pub use selective_push::{PushMode, SelectivePushParams};
 pub use weighted_scorers::{Pick, WeightedScorersParams};
+pub use weights::LOAD_UNIT;
+pub(crate) use weights::{by_weight, total_weight};
 
 /// One server a request may go to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,6 +172,10 @@ pub struct Candidate {
     /// without one) since `load` was scraped: how far the queue the scrape
     /// saw has drained ([`Self::pending_estimate`]).
     pub started_since_scrape: u64,
+    /// Its capacity relative to the other servers' (`[[backend]] weight`,
+    /// at least 1): loads are compared per unit of weight
+    /// ([`Self::per_weight`]).
+    pub weight: u32,
 }
 
 /// Prefill tokens a request decoding at a server counts as work queued
@@ -493,6 +501,7 @@ pub fn candidate(servers: &ServerTable<'_>, server: ServerRef) -> Candidate {
         admission: admission.limit(),
         admission_reported: matches!(admission, crate::routing::capacity::Admission::Reported(_)),
         started_since_scrape: servers.started_since_scrape(server),
+        weight: u32::from(servers.settings(server).weight.max(1)),
     }
 }
 

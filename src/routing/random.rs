@@ -1,4 +1,5 @@
-//! `random`: a candidate drawn uniformly at random.
+//! `random`: a candidate drawn uniformly at random (in proportion to the
+//! servers' weights, `[[backend]] weight`).
 //!
 //! # Rule
 //!
@@ -89,9 +90,10 @@ impl Policy for Random {
         if input.candidates.is_empty() {
             return None;
         }
-        let i = self.below(input.candidates.len());
+        let total = super::total_weight(input.candidates);
+        let draw = ((u128::from(self.next_u64()) * u128::from(total)) >> 64) as u64;
         Some(Choice {
-            server: input.candidates[i].server,
+            server: super::by_weight(input.candidates, draw)?.server,
             reason: Reason::Random,
         })
     }

@@ -17,7 +17,9 @@
 //! that ignores load and cache anyway; SGLang's `round_robin` is likewise a
 //! counter local to its router.
 //!
-//! Prefix matches and load are ignored. Choosing never allocates.
+//! A server of weight `w` (`[[backend]] weight`) takes `w` turns in a row
+//! per round. Prefix matches and load are ignored. Choosing never
+//! allocates.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -43,13 +45,13 @@ impl Policy for RoundRobin {
     }
 
     fn choose(&self, input: &RouteInput<'_>) -> Option<Choice> {
-        let n = input.candidates.len() as u64;
-        if n == 0 {
+        let total = super::total_weight(input.candidates);
+        if total == 0 {
             return None;
         }
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        let turn = self.next.fetch_add(1, Ordering::Relaxed) % total;
         Some(Choice {
-            server: input.candidates[i as usize].server,
+            server: super::by_weight(input.candidates, turn)?.server,
             reason: Reason::RoundRobin,
         })
     }

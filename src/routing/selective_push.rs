@@ -142,7 +142,7 @@ impl SelectivePushParams {
         match self.mode {
             PushMode::Pending => c.pending_estimate() > self.max_pending,
             PushMode::Unstarted => c.pending > self.max_pending,
-            PushMode::MaxOutstanding => c.inflight >= self.max_outstanding,
+            PushMode::MaxOutstanding => c.inflight >= self.max_outstanding * u64::from(c.weight.max(1)),
         }
     }
 
@@ -153,7 +153,7 @@ impl SelectivePushParams {
         match self.mode {
             PushMode::Pending => counted.pending_estimate() <= self.max_pending + 1,
             PushMode::Unstarted => counted.pending <= self.max_pending + 1,
-            PushMode::MaxOutstanding => counted.inflight <= self.max_outstanding,
+            PushMode::MaxOutstanding => counted.inflight <= self.max_outstanding * u64::from(counted.weight.max(1)),
         }
     }
 }

@@ -60,6 +60,7 @@ pub(crate) fn cand(server: ServerRef, inflight: u64, inflight_tokens: u64) -> Ca
         admission: crate::routing::capacity::INITIAL_LIMIT,
         admission_reported: false,
         started_since_scrape: 0,
+        weight: 1,
     }
 }
 

@@ -319,3 +319,94 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
         "prefix routing exercised only {prefix_choices} times"
     );
 }
+
+/// Servers of weights 1, 2 and 1 (`[[backend]] weight`), new prompts that
+/// no server holds arriving while none ends: every policy that balances
+/// by load or in turn gives the server of weight 2 about twice the
+/// requests of each other, and the least-load rule exactly its share.
+/// `consistent_hash` and `dual_map` take their servers from hash rings
+/// whose arcs are not weighted (a key keeps its place on the ring); only
+/// their load rules are, so the heavier server takes more, not twice.
+#[test]
+fn every_balancing_policy_shares_requests_by_weight() {
+    let f = Fixture::new(3);
+    let weights = [1u32, 2, 1];
+    let policies: Vec<Box<dyn Policy>> = vec![
+        Box::new(cache_aware::CacheAware::default()),
+        Box::new(least_load::LeastLoad::new()),
+        Box::new(round_robin::RoundRobin::new()),
+        Box::new(random::Random::with_seed(11)),
+        Box::new(selective_push::SelectivePush::new(Default::default())),
+        Box::new(consistent_hash::ConsistentHash::new(Default::default())),
+        Box::new(dual_map::DualMap::new(Default::default())),
+        Box::new(weighted_scorers::WeightedScorers::with_seed(Default::default(), 5)),
+        Box::new(cost::Cost::new(CostParams {
+            initial_weight: 1.0,
+            tune: false,
+            ..CostParams::default()
+        })),
+    ];
+    for p in &policies {
+        let mut inflight = [0u64; 3];
+        // Random and the hash rings are sampled: more draws.
+        let requests = if matches!(p.name(), "random") { 4000 } else { 400 };
+        for r in 0..requests {
+            let chain = Fixture::chain(r + 50_000, 4);
+            let m = f.matched(&chain);
+            let candidates: Vec<Candidate> = (0..3)
+                .map(|i| Candidate {
+                    admission: 1 << 20,
+                    weight: weights[i],
+                    ..cand(f.s[i], inflight[i], 0)
+                })
+                .collect();
+            let mut route = input_for(&chain, 64, &m, &candidates);
+            route.session = Some(r);
+            let choice = p.choose(&route).expect("a choice");
+            let i = f.s.iter().position(|s| *s == choice.server).expect("a candidate");
+            inflight[i] += 1;
+        }
+        let share = inflight[1] as f64 / (inflight[0] + inflight[2]) as f64;
+        let ringed = matches!(p.name(), "consistent_hash" | "dual_map");
+        let expected = if ringed { 0.6..=1.1 } else { 0.9..=1.1 };
+        assert!(
+            expected.contains(&share),
+            "{}: the server of weight 2 took {} against {} and {}",
+            p.name(),
+            inflight[1],
+            inflight[0],
+            inflight[2]
+        );
+        if matches!(p.name(), "least_load" | "round_robin") {
+            assert_eq!(inflight, [100, 200, 100], "{}", p.name());
+        }
+    }
+}
+
+#[test]
+fn by_weight_gives_each_candidate_its_weight_in_draws() {
+    let f = Fixture::new(3);
+    let cands: Vec<Candidate> = [1u32, 3, 2]
+        .iter()
+        .enumerate()
+        .map(|(i, w)| Candidate {
+            weight: *w,
+            ..cand(f.s[i], 0, 0)
+        })
+        .collect();
+    assert_eq!(total_weight(&cands), 6);
+    let drawn: Vec<usize> = (0..6)
+        .map(|d| {
+            f.s.iter()
+                .position(|s| *s == by_weight(&cands, d).unwrap().server)
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(drawn, [0, 1, 1, 1, 2, 2]);
+    assert_eq!(by_weight(&[], 0), None);
+    // Every weight 1: the draw is the index.
+    let ones: Vec<Candidate> = (0..3).map(|i| cand(f.s[i], 0, 0)).collect();
+    for d in 0..3 {
+        assert_eq!(by_weight(&ones, d).unwrap().server, f.s[d as usize]);
+    }
+}

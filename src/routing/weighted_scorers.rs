@@ -155,7 +155,7 @@ impl WeightedScorers {
                 .fold((u64::MAX, 0), |(lo, hi), c| (lo.min(f(c)), hi.max(f(c))))
         };
         let (qmin, qmax) = fold(Candidate::pending_estimate);
-        let (lmin, lmax) = fold(|c| c.inflight);
+        let (lmin, lmax) = fold(Candidate::weighted_inflight);
         let total = p.prefix_weight + p.queue_weight + p.kv_cache_weight + p.load_weight;
         // A server whose engine reports no KV-cache usage scores the mean of
         // those that do (1 if none do): neither favoured nor penalised.
@@ -178,7 +178,7 @@ impl WeightedScorers {
             };
             let queue = min_max(c.pending_estimate(), qmin, qmax);
             let kv = c.load.kv_usage().map_or(kv_absent, |kv| 1.0 - kv);
-            let load = min_max(c.inflight, lmin, lmax);
+            let load = min_max(c.weighted_inflight(), lmin, lmax);
             let score =
                 (p.prefix_weight * prefix + p.queue_weight * queue + p.kv_cache_weight * kv + p.load_weight * load)
                     / total;

@@ -231,10 +231,15 @@ fn a_chain_being_written_is_matched_whole_or_not_at_all() {
     };
     let (b, seed) = table(1 << 16);
     let t = PrefixTable::new(&b, seed);
-    let (round, done) = (AtomicU64::new(0), AtomicBool::new(false));
+    let (round, done, reading) = (AtomicU64::new(0), AtomicBool::new(false), AtomicBool::new(false));
     let (mut whole, mut none) = (0u64, 0u64);
     std::thread::scope(|s| {
         s.spawn(|| {
+            // The writes must overlap the reads: on a busy machine the
+            // reader may not be scheduled before 4 000 rounds are over.
+            while !reading.load(Ordering::Acquire) {
+                std::thread::yield_now();
+            }
             for r in 1..=ROUNDS {
                 round.store(r, Ordering::Release);
                 t.insert_chain(&chain_of(r), srv(1, 0), Stamp(0));
@@ -244,6 +249,7 @@ fn a_chain_being_written_is_matched_whole_or_not_at_all() {
             done.store(true, Ordering::Release);
         });
         while !done.load(Ordering::Acquire) {
+            reading.store(true, Ordering::Release);
             let chain = chain_of(round.load(Ordering::Acquire));
             let depth = t.longest_prefix_match(&chain, |_| true).blocks_for(srv(1, 0).tag());
             match u64::from(depth) {

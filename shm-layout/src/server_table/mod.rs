@@ -15,7 +15,9 @@
 //! │          · started since the scrape (64)
 //! ├ lines 2-5 ─ address, up to 256 bytes
 //! └ line 6 ─ role (generation:32 | bootstrap port:16 | role:8, [`ServerRole`])
-//!            · pool (generation:32 | pool tag:32, [`PoolTag`]) · 6 words reserved
+//!            · pool (generation:32 | pool tag:32, [`PoolTag`])
+//!            · settings (generation:32 | weight:16 | metrics:8 | cache_salt:1 | set:1, [`EngineSettings`])
+//!            · 5 words reserved
 //! ```
 //!
 //! * A slot's address and id change only while it is `Configuring`, and
@@ -68,11 +70,13 @@ mod facts;
 mod ledger;
 mod pool;
 mod role;
+mod settings;
 
 pub use facts::{EngineContext, KvEventsSync};
 pub use ledger::{MAX_CHARGED_TOKENS, Reclaimed};
 pub use pool::{MemberKey, PoolTag};
 pub use role::{Disaggregation, ServerRole};
+pub use settings::EngineSettings;
 
 /// Longest server address stored (bytes of UTF-8).
 pub const MAX_ADDRESS_BYTES: usize = 256;
@@ -234,7 +238,8 @@ pub(crate) struct ServerSlot {
     address: [AtomicU64; MAX_ADDRESS_BYTES / 8],
     role: AtomicU64,
     pool: AtomicU64,
-    _reserved: [AtomicU64; 6],
+    settings: AtomicU64,
+    _reserved: [AtomicU64; 5],
 }
 
 #[cfg(not(loom))]
@@ -261,6 +266,8 @@ const _: () = assert!(std::mem::offset_of!(ServerSlot, started_since_scrape) == 
 const _: () = assert!(std::mem::offset_of!(ServerSlot, address) == 128);
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(ServerSlot, role) == 384);
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::offset_of!(ServerSlot, settings) == 400);
 
 /// One ledger cell: what one process has in flight to one server, how
 /// much of it is still pending (no first token yet), and the op it is
@@ -296,6 +303,7 @@ impl ServerSlot {
             address: std::array::from_fn(|_| AtomicU64::new(0)),
             role: AtomicU64::new(0),
             pool: AtomicU64::new(0),
+            settings: AtomicU64::new(0),
             _reserved: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
@@ -382,12 +390,13 @@ impl<'a> ServerTable<'a> {
         now_ms: u64,
         pd: Disaggregation,
     ) -> Result<ServerRef, RegisterError> {
-        self.register_in(id, address, now_ms, pd, PoolTag::NONE)
+        self.register_in(id, address, now_ms, pd, PoolTag::NONE, EngineSettings::default())
     }
 
     /// Registers a server of role `pd` in the model pool `pool` (servers
     /// found by discovery, which a pool does not list by id: see
-    /// [`PoolTag`]); otherwise as [`register_as`](Self::register_as).
+    /// [`PoolTag`]), its engine's `settings` known before any request
+    /// sees it; otherwise as [`register_as`](Self::register_as).
     pub fn register_in(
         &self,
         id: u64,
@@ -395,6 +404,7 @@ impl<'a> ServerTable<'a> {
         now_ms: u64,
         pd: Disaggregation,
         pool: PoolTag,
+        settings: EngineSettings,
     ) -> Result<ServerRef, RegisterError> {
         let bytes = address.as_bytes();
         if bytes.len() > MAX_ADDRESS_BYTES {
@@ -431,6 +441,10 @@ impl<'a> ServerTable<'a> {
                 .store((u64::from(generation) << 32) | u64::from(pd.pack()), Ordering::Relaxed);
             slot.pool
                 .store((u64::from(generation) << 32) | u64::from(pool.0), Ordering::Relaxed);
+            slot.settings.store(
+                (u64::from(generation) << 32) | u64::from(settings.pack()),
+                Ordering::Relaxed,
+            );
             slot.state
                 .store(self.state_word(generation, ServerState::Up), Ordering::Release);
             return Ok(server);

@@ -85,7 +85,14 @@ mod tests {
         let t = ServerTable::new(&s, &l, 1);
         let qwen = PoolTag::of("qwen");
         let a = t
-            .register_in(1, "http://a:8000", 0, Disaggregation::default(), qwen)
+            .register_in(
+                1,
+                "http://a:8000",
+                0,
+                Disaggregation::default(),
+                qwen,
+                Default::default(),
+            )
             .unwrap();
         assert_eq!(t.pool_of(a), qwen);
         assert_eq!(t.membership(a.slot), Some(MemberKey { id: 1, pool: qwen }));

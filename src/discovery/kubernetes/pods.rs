@@ -123,6 +123,9 @@ impl PodRules {
                 role,
                 bootstrap_port: None,
                 model: model.clone(),
+                cache_salt: None,
+                metrics_flavor: None,
+                weight: 1,
             })
             .collect()
     }

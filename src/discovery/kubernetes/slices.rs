@@ -83,6 +83,9 @@ impl SliceRules {
                     role: BackendRole::Both,
                     bootstrap_port: None,
                     model: None,
+                    cache_salt: None,
+                    metrics_flavor: None,
+                    weight: 1,
                 })
             })
             .collect()

@@ -56,7 +56,7 @@ impl Attempts<'_> {
         let recorded = self.record_route(server, held).then_some(held);
         let body = self
             .outbound
-            .body_for(self.outbound.cache_salt.is_some() && dispatcher.takes_cache_salt(&address));
+            .body_for(self.outbound.cache_salt.is_some() && dispatcher.takes_cache_salt(server));
         let body = match self.disaggregate(server, predicted, body).await {
             Ok(body) => body,
             Err(next) => {

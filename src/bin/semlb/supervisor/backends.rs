@@ -178,6 +178,7 @@ impl<'a> Backends<'a> {
                 self.segment.clock().now_ms(),
                 backend.role.with_port(backend.bootstrap_port),
                 pool,
+                backend.engine_settings(),
             )
             .with_context(|| format!("registering backend {}", backend.url))?;
         self.names.insert(address.clone(), backend.display_name());
@@ -185,10 +186,21 @@ impl<'a> Backends<'a> {
         Ok(server)
     }
 
-    /// Gives `server` the role and bootstrap port `backend` says, if it
-    /// had others (a reload or the admin API changed them).
+    /// Gives `server` the role, bootstrap port and engine settings
+    /// `backend` says, if it had others (a reload, the admin API or
+    /// discovery changed them).
     fn keep_role(&self, server: ServerRef, address: &str, backend: &BackendConfig) {
         let servers = self.segment.tables().servers;
+        let settings = backend.engine_settings();
+        if servers.settings(server) != settings && servers.set_settings(server, settings) {
+            tracing::info!(
+                backend = %address,
+                cache_salt = settings.cache_salt,
+                "backend {address}: cache_salt {}, metrics {:?}",
+                settings.cache_salt,
+                backend.metrics_flavor
+            );
+        }
         let wanted = backend.role.with_port(backend.bootstrap_port);
         if servers.disaggregation(server) != wanted && servers.set_disaggregation(server, wanted) {
             tracing::info!(

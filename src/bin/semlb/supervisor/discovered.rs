@@ -74,7 +74,7 @@ impl Discovery {
     ) -> Vec<(String, semlb::config::BackendConfig, PoolTag)> {
         let mut wanted = Vec::with_capacity(endpoints.len());
         for endpoint in endpoints.iter() {
-            let backend = endpoint.backend();
+            let backend = endpoint.backend(&config.discovery);
             let refused = address_of(&backend).map_err(|e| e.to_string()).and_then(|address| {
                 semlb::discovery::pool_of(
                     endpoint.model.as_deref(),

@@ -95,6 +95,13 @@ fn add(backends: &mut Backends<'_>, backend: &BackendConfig) -> Reply {
         let name = backend.name.as_deref().unwrap_or_default();
         return Reply::error(S::BAD_REQUEST, format!("name {name:?}: {reason}"), "invalid_name");
     }
+    if let Err(reason) = backend.check_weight() {
+        return Reply::error(
+            S::BAD_REQUEST,
+            format!("weight {}: {reason}", backend.weight),
+            "invalid_weight",
+        );
+    }
     let server = match backends.add(&address, backend) {
         Ok(server) => server,
         Err(AddError::AlreadyRegistered { slot }) => {

@@ -1,0 +1,108 @@
+//! What the operator said of a registration's engine that the request path
+//! and the health checker need, whoever registered it (the configuration,
+//! the admin API, discovery): whether its engine takes vLLM's
+//! `cache_salt`, how its `/metrics` are read, and its weight (its share
+//! of the load, relative to the others').
+//!
+//! Stored in the slot's settings word like the other facts of a
+//! registration (`generation:32 | weight:16 | metrics:8 | cache_salt:1 |
+//! set:1`, 0:
+//! nothing said, which reads as the defaults), written while the slot is
+//! `Configuring` by [`ServerTable::register_in`] (so no request reaches
+//! the engine before its settings are known: a tenant's salt never goes
+//! missing on a new engine's first requests), and changed later with
+//! [`ServerTable::set_settings`] (a reload, the admin API).
+
+use super::{ServerRef, ServerTable};
+
+/// A registration's engine settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineSettings {
+    /// Its engine takes vLLM's `cache_salt`: the requests of tenants
+    /// whose prefixes are kept apart carry their salt to it.
+    pub cache_salt: bool,
+    /// How its `/metrics` are read: a code the gateway defines (0: tell
+    /// from the metric names).
+    pub metrics: u8,
+    /// Its capacity relative to the other engines' (at least 1): the
+    /// load-balancing rules compare loads per unit of weight, so an engine
+    /// of weight 2 carries twice the requests of one of weight 1.
+    pub weight: u16,
+}
+
+impl Default for EngineSettings {
+    fn default() -> Self {
+        Self {
+            cache_salt: false,
+            metrics: 0,
+            weight: 1,
+        }
+    }
+}
+
+impl EngineSettings {
+    pub(super) fn pack(self) -> u32 {
+        1 | (u32::from(self.cache_salt) << 1) | (u32::from(self.metrics) << 8) | (u32::from(self.weight.max(1)) << 16)
+    }
+
+    pub(super) fn unpack(v: u32) -> Self {
+        Self {
+            cache_salt: v & 2 != 0,
+            metrics: (v >> 8) as u8,
+            weight: ((v >> 16) as u16).max(1),
+        }
+    }
+}
+
+impl ServerTable<'_> {
+    /// Sets `server`'s engine settings. Returns false (nothing stored) if
+    /// `server` is not current.
+    pub fn set_settings(&self, server: ServerRef, settings: EngineSettings) -> bool {
+        self.set_reported(server, |s| &s.settings, Some(settings.pack()))
+    }
+
+    /// `server`'s engine settings (the defaults if none were set, or if
+    /// `server` is not current).
+    #[inline]
+    pub fn settings(&self, server: ServerRef) -> EngineSettings {
+        self.reported(server, |s| &s.settings)
+            .map(EngineSettings::unpack)
+            .unwrap_or_default()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::super::tests::parts;
+    use super::super::{Disaggregation, PoolTag};
+    use super::*;
+
+    #[test]
+    fn settings_are_set_at_registration_and_die_with_it() {
+        let (s, l) = parts();
+        let t = ServerTable::new(&s, &l, 1);
+        let salted = EngineSettings {
+            cache_salt: true,
+            metrics: 2,
+            weight: 65535,
+        };
+        let a = t
+            .register_in(1, "http://a:8000", 0, Disaggregation::default(), PoolTag::NONE, salted)
+            .unwrap();
+        assert_eq!(t.settings(a), salted);
+        let plain = EngineSettings {
+            weight: 1,
+            ..EngineSettings::default()
+        };
+        assert!(t.set_settings(a, plain));
+        assert_eq!(t.settings(a), plain);
+        assert!(t.set_settings(a, salted));
+        assert!(t.retire(a));
+        // A new registration of the slot does not inherit them.
+        let again = t.register(2, "http://b:8000", 0).unwrap();
+        assert_eq!(again.slot, a.slot);
+        assert_eq!(t.settings(again), EngineSettings::default());
+        assert!(!t.set_settings(a, salted), "a stale registration is not written");
+        assert_eq!(t.settings(again), EngineSettings::default());
+    }
+}
