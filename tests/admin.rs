@@ -145,9 +145,16 @@ fn bad_input_gets_4xx_with_error_bodies() {
         (
             "POST",
             "/admin/servers",
-            Some(r#"{"url": "http://127.0.0.1:1", "weight": 2}"#),
+            Some(r#"{"url": "http://127.0.0.1:1", "priority": 2}"#),
             400,
-            "unknown field `weight`",
+            "unknown field `priority`",
+        ),
+        (
+            "POST",
+            "/admin/servers",
+            Some(r#"{"url": "http://127.0.0.1:1", "weight": 1001}"#),
+            400,
+            "must be 1 to 1000",
         ),
         (
             "POST",

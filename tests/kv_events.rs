@@ -374,3 +374,67 @@ fn routing_follows_what_the_engines_confirm_where_the_estimate_is_wrong() {
     assert_eq!((route.as_str(), *cached), ("prefix", 0), "{estimate:?}");
     assert_ne!(estimate[1].3, "prefix", "{estimate:?}");
 }
+
+/// Engines the gateway finds or is given at run time are followed too:
+/// an endpoints file's entry naming its engine's events endpoints, and an
+/// engine the admin API adds with `kv_events`; a prompt sent straight to
+/// each engine is confirmed for it, and an events endpoint on another
+/// host than the engine's is refused (a registration carries ports on
+/// the engine's own host).
+#[test]
+fn discovered_and_added_engines_are_followed() {
+    const TOKEN: &str = "kv-events-admin-token-0123456789";
+    let found = sim_with_events("0.01", 10_000, &[]);
+    let added = sim_with_events("0.01", 10_000, &[]);
+    let at = |e: &Proc| kv_endpoints(&e.line).expect("the engine publishes KV events");
+    let dir = support::TempDir::new("kvev-discovered");
+    let file = dir.0.join("endpoints.yaml");
+    std::fs::write(
+        &file,
+        format!(
+            "- url: http://{}\n  kv_events: {}\n  kv_events_replay: {}\n",
+            found.addr,
+            at(&found).events,
+            at(&found).replay
+        ),
+    )
+    .unwrap();
+    let gw = Gateway::builder()
+        .shm(&unique("discovered"))
+        .tag("kvev-discovered")
+        .dispatchers(1)
+        .admin(TOKEN)
+        .config(&format!(
+            "[discovery]\nkind = \"file\"\npath = {:?}\npoll_ms = 20\n[policy.prefix]\nsource = \"precise\"\n",
+            file.to_str().unwrap()
+        ))
+        .start();
+    wait_for("the file's engine registered", PATIENCE, || {
+        let listed = gw.listed(&found).is_some();
+        (listed, listed)
+    });
+    let body = |events: &str| {
+        format!(
+            "{{\"url\": \"http://{}\", \"kv_events\": \"{events}\", \"kv_events_replay\": \"{}\"}}",
+            added.addr,
+            at(&added).replay
+        )
+    };
+    let elsewhere = at(&added).events.replace("127.0.0.1", "127.0.0.2");
+    let r = gw.admin("POST", "/admin/servers", Some(&body(&elsewhere)));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("invalid_kv_events"), "{}", r.text());
+    let r = gw.admin("POST", "/admin/servers", Some(&body(&at(&added).events)));
+    assert_eq!(r.status, 201, "{}", r.text());
+    followed(&gw, &[&found, &added]);
+    for (i, engine) in [&found, &added].into_iter().enumerate() {
+        let p = prompt(200 + i as u32, 10);
+        let c = chain(&gw, &p);
+        complete(&engine.addr, &p);
+        let d = wait_for("blocks stored on the engine confirmed", PATIENCE, || {
+            let d = depth(&gw, engine, &c, true);
+            (d == 10, d)
+        });
+        assert_eq!(d, 10, "{}", engine.addr);
+    }
+}

@@ -92,6 +92,8 @@ impl BackendConfig {
             cache_salt,
             metrics_flavor,
             weight,
+            kv_events,
+            kv_events_replay,
         } = serde_json::from_value(body)?;
         Ok(Self {
             name,
@@ -100,6 +102,8 @@ impl BackendConfig {
             cache_salt,
             metrics_flavor,
             weight,
+            kv_events,
+            kv_events_replay,
             ..Self::new(url)
         })
     }
@@ -111,7 +115,34 @@ impl BackendConfig {
             cache_salt: self.cache_salt,
             metrics: self.metrics_flavor.code(),
             weight: u16::try_from(self.weight.clamp(1, MAX_WEIGHT)).unwrap_or(1),
+            kv_events_port: self.kv_events.as_deref().and_then(|e| self.port_on_own_host(e)),
+            kv_replay_port: self.kv_events_replay.as_deref().and_then(|e| self.port_on_own_host(e)),
         }
+    }
+
+    /// The port of `endpoint` (`tcp://host:port`) if its host is this
+    /// backend's (what a registration can carry: the subscriber of an
+    /// engine found at run time connects to the engine's host).
+    pub fn port_on_own_host(&self, endpoint: &str) -> Option<u16> {
+        let url = self.parsed_url().ok()?;
+        let (host, port) = endpoint.strip_prefix("tcp://")?.rsplit_once(':')?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let ip = |h: &str| h.parse::<std::net::IpAddr>().ok();
+        let same = host.eq_ignore_ascii_case(&url.host) || (ip(host).is_some() && ip(host) == ip(&url.host));
+        same.then(|| port.parse().ok()).flatten().filter(|p| *p != 0)
+    }
+
+    /// Whether its KV events endpoints, if any, are `tcp://host:port` on
+    /// its own host: what a backend registered at run time (the admin
+    /// API, discovery) can carry. The error is the reason only.
+    pub fn check_events_on_own_host(&self) -> Result<(), BackendError> {
+        for endpoint in [&self.kv_events, &self.kv_events_replay].into_iter().flatten() {
+            Self::check_events_endpoint(endpoint)?;
+            if self.port_on_own_host(endpoint).is_none() {
+                return Err(BackendError::EventsElsewhere);
+            }
+        }
+        Ok(())
     }
 
     /// Whether its weight is 1 to [`MAX_WEIGHT`]. The error is the reason
@@ -194,6 +225,10 @@ pub enum BackendError {
     /// An events endpoint's port (as written) that is not 1 to 65535.
     #[error("port {0:?} is not 1 to 65535")]
     EventsPort(String),
+    /// A backend registered at run time whose events endpoint is not on
+    /// its own host.
+    #[error("must be on the engine's own host (tcp://<the url's host>:port) for an engine added at run time")]
+    EventsElsewhere,
     /// A weight that is not 1 to [`MAX_WEIGHT`].
     #[error("must be 1 to {MAX_WEIGHT}")]
     Weight,
@@ -264,6 +299,10 @@ struct AdminServer {
     metrics_flavor: MetricsFlavor,
     #[serde(default = "one")]
     weight: u32,
+    #[serde(default)]
+    kv_events: Option<String>,
+    #[serde(default)]
+    kv_events_replay: Option<String>,
 }
 
 /// Which metrics an engine exposes on `/metrics`, for the load figures.
@@ -440,7 +479,7 @@ mod tests {
             shm_layout::EngineSettings {
                 cache_salt: true,
                 metrics: MetricsFlavor::Sglang.code(),
-                weight: 1
+                ..shm_layout::EngineSettings::default()
             }
         );
         assert!(BackendConfig::from_admin_body(serde_json::json!({"url": "http://a:1", "cache": 1})).is_err());
@@ -448,5 +487,32 @@ mod tests {
         assert_eq!((heavy.engine_settings().weight, heavy.check_weight()), (3, Ok(())));
         let none = BackendConfig::from_admin_body(serde_json::json!({"url": "http://a:1", "weight": 0})).unwrap();
         assert_eq!(none.check_weight(), Err(BackendError::Weight));
+    }
+
+    #[test]
+    fn kv_events_ports_are_carried_only_on_the_engines_own_host() {
+        let with = |url: &str, events: &str, replay: Option<&str>| BackendConfig {
+            kv_events: Some(events.into()),
+            kv_events_replay: replay.map(Into::into),
+            ..BackendConfig::new(url)
+        };
+        let b = with(
+            "http://10.0.0.7:8000",
+            "tcp://10.0.0.7:5557",
+            Some("tcp://10.0.0.7:5558"),
+        );
+        let s = b.engine_settings();
+        assert_eq!((s.kv_events_port, s.kv_replay_port), (Some(5557), Some(5558)));
+        assert_eq!(b.check_events_on_own_host(), Ok(()));
+        let named = with("http://Engine-0.ns.svc:8000", "tcp://engine-0.ns.svc:5557", None);
+        assert_eq!(named.engine_settings().kv_events_port, Some(5557));
+        let v6 = with("http://[::1]:8000", "tcp://[0:0::1]:5557", None);
+        assert_eq!(v6.engine_settings().kv_events_port, Some(5557));
+        let elsewhere = with("http://10.0.0.7:8000", "tcp://10.0.0.8:5557", None);
+        assert_eq!(elsewhere.engine_settings().kv_events_port, None);
+        assert_eq!(elsewhere.check_events_on_own_host(), Err(BackendError::EventsElsewhere));
+        let bound = with("http://10.0.0.7:8000", "tcp://*:5557", None);
+        assert_eq!(bound.check_events_on_own_host(), Err(BackendError::EventsHost));
+        assert_eq!(BackendConfig::new("http://a:1").engine_settings().kv_events_port, None);
     }
 }

@@ -111,6 +111,12 @@ pub struct DiscoveryConfig {
     /// How the discovered engines' `/metrics` are read (a file entry may
     /// say otherwise), as `[[backend]] metrics_flavor`.
     pub metrics_flavor: MetricsFlavor,
+    /// The port the discovered engines publish their KV cache events on,
+    /// on their own address (vLLM's `--kv-events-config` endpoint
+    /// `tcp://*:5557`); a file entry may say otherwise. Default none.
+    pub kv_events_port: Option<u16>,
+    /// The port of their replay socket (`replay_endpoint`). Default none.
+    pub kv_events_replay_port: Option<u16>,
 }
 
 impl Default for DiscoveryConfig {
@@ -133,6 +139,8 @@ impl Default for DiscoveryConfig {
             kubeconfig: None,
             cache_salt: false,
             metrics_flavor: MetricsFlavor::Auto,
+            kv_events_port: None,
+            kv_events_replay_port: None,
         }
     }
 }

@@ -11,6 +11,8 @@
 //!     weight: 1              # its share of the load, relative; 0 takes it out (drained)
 //!     cache_salt: true       # default discovery.cache_salt
 //!     metrics_flavor: vllm   # default discovery.metrics_flavor
+//!     kv_events: tcp://10.0.0.11:5557        # on its own host; default discovery.kv_events_port
+//!     kv_events_replay: tcp://10.0.0.11:5558 # default discovery.kv_events_replay_port
 //! ```
 //!
 //! A bare list of entries is read too, and JSON is YAML. Unknown keys,
@@ -77,6 +79,10 @@ struct Entry {
     cache_salt: Option<bool>,
     #[serde(default)]
     metrics_flavor: Option<MetricsFlavor>,
+    #[serde(default)]
+    kv_events: Option<String>,
+    #[serde(default)]
+    kv_events_replay: Option<String>,
 }
 
 /// The file's two forms.
@@ -112,10 +118,15 @@ pub fn parse(text: &str) -> Result<Vec<Endpoint>, FileError> {
             cache_salt: entry.cache_salt,
             metrics_flavor: entry.metrics_flavor,
             weight: entry.weight.unwrap_or(1).max(1),
+            kv_events: entry.kv_events.clone(),
+            kv_events_replay: entry.kv_events_replay.clone(),
         };
         let backend: BackendConfig = endpoint.backend(&DiscoveryConfig::default());
         let address = backend.server_address().map_err(|e| wrong(e.to_string()))?;
         backend.check_name().map_err(|e| wrong(format!("name: {e}")))?;
+        backend
+            .check_events_on_own_host()
+            .map_err(|e| wrong(format!("kv_events: {e}")))?;
         if entry.bootstrap_port == Some(0) {
             return Err(wrong("bootstrap_port: must be a port, 1 to 65535".into()));
         }
@@ -264,6 +275,7 @@ mod tests {
             ("- url: http://a:1\n  name: 'two words'\n", "name"),
             ("- url: http://a:1\n  bootstrap_port: 0\n", "bootstrap_port"),
             ("- url: http://a:1\n  weight: 1001\n", "weight"),
+            ("- url: http://a:1\n  kv_events: tcp://b:5557\n", "own host"),
             ("[{", ""),
             ("42", "invalid type"),
         ] {

@@ -26,6 +26,7 @@ pub mod file;
 pub mod kubernetes;
 pub mod selector;
 
+use std::str::FromStr;
 use std::sync::Arc;
 
 use shm_layout::PoolTag;
@@ -56,6 +57,12 @@ pub struct Endpoint {
     /// Its capacity relative to the others' (a file entry's; 1 to
     /// [`crate::config::MAX_WEIGHT`]).
     pub weight: u32,
+    /// Its KV cache events endpoint, `tcp://` on its own host (a file
+    /// entry's); `None`: `discovery.kv_events_port` on its address.
+    pub kv_events: Option<String>,
+    /// Its replay endpoint (a file entry's); `None`:
+    /// `discovery.kv_events_replay_port`.
+    pub kv_events_replay: Option<String>,
 }
 
 impl Endpoint {
@@ -70,12 +77,23 @@ impl Endpoint {
             cache_salt: None,
             metrics_flavor: None,
             weight: 1,
+            kv_events: None,
+            kv_events_replay: None,
         }
     }
 
     /// The backend it is registered as, as if configured, with what it
     /// does not say taken from `[discovery]`.
     pub fn backend(&self, discovery: &DiscoveryConfig) -> BackendConfig {
+        let on_host = |port: Option<u16>| {
+            let url = crate::config::BackendUrl::from_str(&self.url).ok()?;
+            let host = if url.host.contains(':') {
+                format!("[{}]", url.host)
+            } else {
+                url.host
+            };
+            Some(format!("tcp://{host}:{}", port?))
+        };
         BackendConfig {
             name: self.name.clone(),
             role: self.role,
@@ -83,6 +101,11 @@ impl Endpoint {
             cache_salt: self.cache_salt.unwrap_or(discovery.cache_salt),
             metrics_flavor: self.metrics_flavor.unwrap_or(discovery.metrics_flavor),
             weight: self.weight,
+            kv_events: self.kv_events.clone().or_else(|| on_host(discovery.kv_events_port)),
+            kv_events_replay: self
+                .kv_events_replay
+                .clone()
+                .or_else(|| on_host(discovery.kv_events_replay_port)),
             ..BackendConfig::new(self.url.clone())
         }
     }
@@ -162,6 +185,38 @@ pub fn pool_of(model: Option<&str>, default: Option<&str>, models: &[ModelConfig
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_an_endpoint_does_not_say_comes_from_discovery() {
+        let discovery = DiscoveryConfig {
+            cache_salt: true,
+            metrics_flavor: MetricsFlavor::Vllm,
+            kv_events_port: Some(5557),
+            kv_events_replay_port: Some(5558),
+            ..DiscoveryConfig::default()
+        };
+        let b = Endpoint::at("http://10.1.2.3:8000").backend(&discovery);
+        assert_eq!(b.kv_events.as_deref(), Some("tcp://10.1.2.3:5557"));
+        assert_eq!(b.kv_events_replay.as_deref(), Some("tcp://10.1.2.3:5558"));
+        assert!(b.cache_salt);
+        assert_eq!(b.metrics_flavor, MetricsFlavor::Vllm);
+        let v6 = Endpoint::at("http://[fd00::7]:8000").backend(&discovery);
+        assert_eq!(v6.kv_events.as_deref(), Some("tcp://[fd00::7]:5557"));
+        assert_eq!(v6.engine_settings().kv_events_port, Some(5557));
+        let own = Endpoint {
+            cache_salt: Some(false),
+            kv_events: Some("tcp://10.1.2.3:6000".into()),
+            weight: 4,
+            ..Endpoint::at("http://10.1.2.3:8000")
+        }
+        .backend(&discovery);
+        assert_eq!(
+            (own.cache_salt, own.kv_events.as_deref(), own.weight),
+            (false, Some("tcp://10.1.2.3:6000"), 4)
+        );
+        let plain = Endpoint::at("http://10.1.2.3:8000").backend(&DiscoveryConfig::default());
+        assert_eq!((plain.kv_events, plain.cache_salt, plain.weight), (None, false, 1));
+    }
 
     #[test]
     fn endpoints_join_the_pool_their_model_names() {

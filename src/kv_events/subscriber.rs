@@ -1,7 +1,10 @@
 //! Subscriptions to the engines' KV cache events, run by the response
 //! processes: one task per backend with `kv_events` set, in the response
 //! process `j` of `m` that follows the backends `j, j + m, ...` of the
-//! configuration's list.
+//! configuration's list, and one per engine registered at run time
+//! (discovery, the admin API) whose registration carries a KV events port
+//! on its host, in the response process `j` that follows the server-table
+//! slots `j, j + m, ...` ([`registered_targets`]).
 //!
 //! One subscription ([`follow`]):
 //!
@@ -85,20 +88,75 @@ pub fn targets(config: &ServeConfig, index: usize, responders: usize, seed: u64)
         .collect()
 }
 
+/// The engines registered at run time (by discovery or the admin API,
+/// not in the configuration) whose registration carries a KV events port
+/// ([`shm_layout::EngineSettings::kv_events_port`], on the engine's own
+/// host) that response process `index` of `responders` follows (those in
+/// slots `index, index + responders, ...`), with the chain roots of the
+/// pool their registration names.
+pub fn registered_targets(
+    tables: &Tables<'_>,
+    config: &ServeConfig,
+    index: usize,
+    responders: usize,
+    seed: u64,
+) -> Vec<Target> {
+    let configured: Vec<String> = config.backends.iter().filter_map(|b| b.server_address().ok()).collect();
+    tables
+        .servers
+        .servers()
+        .filter(|s| usize::from(s.server.slot) % responders.max(1) == index && !configured.contains(&s.address))
+        .filter_map(|s| {
+            let settings = tables.servers.settings(s.server);
+            let port = settings.kv_events_port?;
+            let url: crate::config::BackendUrl = s.address.parse().ok()?;
+            let host = if url.host.contains(':') {
+                format!("[{}]", url.host)
+            } else {
+                url.host
+            };
+            let pool = tables.servers.pool_of(s.server);
+            let roots = if pool.is_none() {
+                configured_roots(config, &BackendConfig::new(s.address.clone()), seed)
+            } else {
+                roots_of(config, seed, |m| {
+                    shm_layout::PoolTag::of(m.base.as_deref().unwrap_or(&m.name)) == pool
+                })
+            };
+            Some(Target {
+                url: s.address.clone(),
+                events: format!("tcp://{host}:{port}"),
+                replay: settings.kv_replay_port.map(|p| format!("tcp://{host}:{p}")),
+                roots,
+            })
+        })
+        .collect()
+}
+
 /// The chain roots of `backend`'s blocks from the `[[model]]` pools that
 /// list it (by name or URL): the base model's pool and its adapters'.
 /// `None` without `[[model]]` tables (the implicit pool roots a request's
 /// chain at whatever model it names: the engine's own names are asked).
 fn configured_roots(config: &ServeConfig, backend: &BackendConfig, seed: u64) -> Option<ChainRoots> {
-    if config.models.is_empty() {
-        return None;
-    }
     let url = backend.server_address().ok()?;
     let lists_it = |names: &[String]| {
         names
             .iter()
             .any(|n| *n == backend.display_name() || *n == backend.url || *n == url)
     };
+    roots_of(config, seed, |m| lists_it(&m.backends))
+}
+
+/// The chain roots of the `[[model]]` pools `serves` takes: the base
+/// model's and its adapters'. `None` without `[[model]]` tables.
+fn roots_of(
+    config: &ServeConfig,
+    seed: u64,
+    serves: impl Fn(&crate::config::ModelConfig) -> bool,
+) -> Option<ChainRoots> {
+    if config.models.is_empty() {
+        return None;
+    }
     // An adapter's blocks are its base model's size.
     let block_size = |m: &crate::config::ModelConfig| {
         let base = m
@@ -108,7 +166,7 @@ fn configured_roots(config: &ServeConfig, backend: &BackendConfig, seed: u64) ->
         base.unwrap_or(m).block_size.unwrap_or(config.block_size)
     };
     let mut roots = ChainRoots::default();
-    for model in config.models.iter().filter(|m| lists_it(&m.backends)) {
+    for model in config.models.iter().filter(|m| serves(m)) {
         let hasher = BlockHasher::new(BlockHasher::root_for(&model.name, seed), block_size(model));
         match &model.base {
             None if roots.base.is_none() => roots.base = Some(hasher),
@@ -558,19 +616,30 @@ pub fn run(followers: Followers, stop: &std::sync::atomic::AtomicBool) -> std::i
         let tables = followers.segment.tables();
         let mut running: Vec<(Target, tokio::task::JoinHandle<()>)> = Vec::new();
         let mut revision = None;
+        let mut current: Option<(ServeConfig, u64)> = None;
         let mut tick = tokio::time::interval(CHECK);
         while !stop.load(Ordering::Relaxed) {
             tick.tick().await;
             let now = tables.registry.get(shm_layout::SUPERVISOR_SLOT).map(|p| p.revision);
-            if revision == Some(now) {
-                continue;
+            if revision != Some(now)
+                && let Some(config) = (followers.resolve)()
+                && let Some(seed) = crate::store::chain_seed_for(&config, &followers.segment).await
+            {
+                revision = Some(now);
+                current = Some((config, seed));
             }
-            let Some(config) = (followers.resolve)() else { continue };
-            let Some(seed) = crate::store::chain_seed_for(&config, &followers.segment).await else {
-                continue;
-            };
-            revision = Some(now);
-            let wanted = targets(&config, followers.index, followers.responders, seed);
+            // Engines registered at run time come and go between reloads:
+            // the server table is looked at every time.
+            let Some((config, seed)) = &current else { continue };
+            let seed = *seed;
+            let mut wanted = targets(config, followers.index, followers.responders, seed);
+            wanted.extend(registered_targets(
+                &tables,
+                config,
+                followers.index,
+                followers.responders,
+                seed,
+            ));
             running.retain(|(t, task)| {
                 let keep = wanted.contains(t) && !task.is_finished();
                 if !keep {

@@ -25,6 +25,10 @@
 //! keep-alive connections for the proxy. At 1 the dispatcher sleeps and
 //! wakes for every message, which the CPU per request includes.
 //!
+//! * **ext_proc floor**: the picker's exchange against a server that only
+//!   answers ([`crate::epp_floor`], a process of its own): what gRPC,
+//!   HTTP/2, tokio and the kernel cost before any of the picker's work.
+//!
 //! **CPU per request** is the dispatcher process's user + system CPU over
 //! the run (`/proc`), divided by the requests: for the picker the whole
 //! exchange (decision and the relayed answer), for the proxy the whole
@@ -383,6 +387,45 @@ fn dispatcher_pid(shm: &str) -> Result<i32> {
     Ok(pid as i32)
 }
 
+/// The ext_proc floor's process ([`crate::epp_floor`]), killed when
+/// dropped.
+struct Floor {
+    child: std::process::Child,
+    addr: String,
+}
+
+impl Floor {
+    fn start() -> Result<Self> {
+        use std::io::BufRead;
+        let exe = std::env::current_exe().context("cannot find this executable")?;
+        let mut child = std::process::Command::new(exe)
+            .arg("__null-ext-proc")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .context("starting the ext_proc floor")?;
+        let stdout = child.stdout.take().context("the floor's stdout")?;
+        let mut addr = String::new();
+        std::io::BufReader::new(stdout).read_line(&mut addr)?;
+        let addr = addr.trim().to_owned();
+        if addr.is_empty() {
+            let _ = child.kill();
+            bail!("the ext_proc floor printed no address");
+        }
+        Ok(Self { child, addr })
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+}
+
+impl Drop for Floor {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// Runs the report.
 pub fn run(args: &EppArgs) -> Result<()> {
     use semlb_test_support::gateway::{Gateway, sim_at};
@@ -402,6 +445,7 @@ pub fn run(args: &EppArgs) -> Result<()> {
         .context("the gateway printed no picker address")?
         .to_owned();
     let pid = dispatcher_pid(&shm)?;
+    let floor = Floor::start()?;
     let mut table = Table::new([
         "workload",
         "at once",
@@ -424,7 +468,18 @@ pub fn run(args: &EppArgs) -> Result<()> {
             };
             let p = picker(&picker_addr, &run)?;
             let h = proxy(gw.addr(), &run)?;
-            for (path, f) in [("picker (ext_proc)", &p), ("HTTP proxy", &h)] {
+            let n = picker(
+                &floor.addr,
+                &Run {
+                    pid: floor.pid(),
+                    ..run
+                },
+            )?;
+            for (path, f) in [
+                ("picker (ext_proc)", &p),
+                ("HTTP proxy", &h),
+                ("ext_proc floor (answers only)", &n),
+            ] {
                 table.row([
                     workload.name.to_owned(),
                     concurrency.to_string(),

@@ -15,7 +15,7 @@
 //! | `tokenizer` | [`tokenizer`] | HF `tokenizers` against the native engine: µs per token on short, 2K- and 8K-token texts, and per request on multi-turn chats with and without the segment cache |
 //! | `replay` | [`replay`] | every routing policy and the peer routers (SMG, vllm-router, SGLang's router, installed into private virtual environments) on the same workloads ([`workload`]: the Mooncake trace, HH-RLHF chats, hot-prefix agent sessions, closed-loop agents, a hot-prefix burst, and closed-loop chats — on four shared system prompts, on one, and on one engine scaled out at run time — on four engine sets: with and without `/metrics`, streamed and not): throughput, TTFT, SLO attainment, goodput from a rate sweep, prefix hits, load imbalance, the burst's spread, the scale-out's take-up, every row against `least_load` and `cache_aware` against the best peer |
 //! | `llama` | [`replay::real_engine`] | `cache_aware`, `round_robin`, `consistent_hash` and `least_load` in front of real `llama-server` engines (SmolLM2-135M on CPU) and in front of the simulator calibrated to them, on small closed-loop chats: throughput, TTFT, the engines' cached-token share |
-//! | `epp` | [`epp`] | the endpoint picker's decision (`--epp-listen`, Envoy's ext_proc): round trip p50/p99 and dispatcher CPU per decision on a short and a 2 000-token chat, beside the HTTP proxy's dispatcher CPU per request |
+//! | `epp` | [`epp`], [`epp_floor`] | the endpoint picker's decision (`--epp-listen`, Envoy's ext_proc): round trip p50/p99 and dispatcher CPU per decision on a short and a 2 000-token chat, beside the HTTP proxy's dispatcher CPU per request and an ext_proc server that only answers (the floor) |
 //! | `proxy` | [`proxy`] | the gateway's cost as a proxy against nginx in front of the same engine (front pinned to its own core): req/s, latency and added latency, CPU µs per request |
 //! | `state` | [`state`] | what keeping the routing state is worth: the first 60 s after a restart with the segment kept (hot restart) and not, and two gateway hosts on one Redis sharing a namespace or not: cached share of prompt tokens, TTFT p50/p90 |
 //! | `tenants` | [`tenants`] | the noisy neighbour: a quiet tenant's TTFT beside a flooding one, with engine queues, the gateway queue oldest first, and the gateway queue with fair share |
@@ -40,6 +40,7 @@
 pub mod dispatch_path;
 pub mod end_to_end;
 pub mod epp;
+pub mod epp_floor;
 pub mod output;
 pub mod pd;
 pub mod plot;
@@ -115,6 +116,9 @@ pub enum BenchCommand {
     /// A load process of `scaling` (not for direct use).
     #[command(name = "__bench-worker", hide = true)]
     BenchWorker(scaling::WorkerArgs),
+    /// The ext_proc floor of `epp`: answers only (not for direct use).
+    #[command(name = "__null-ext-proc", hide = true)]
+    NullExtProc(epp_floor::NullArgs),
 }
 
 /// Flags every report takes.
@@ -174,6 +178,7 @@ pub fn run(command: &BenchCommand) -> Result<()> {
         BenchCommand::Regions(args) => regions::run(args),
         BenchCommand::Pd(args) => pd::run(args),
         BenchCommand::BenchWorker(args) => scaling::run_worker(args),
+        BenchCommand::NullExtProc(args) => epp_floor::run(args),
         BenchCommand::All(common) => {
             tokenizer::run(&tokenizer::TokenizerArgs::with(common.clone()))?;
             dispatch_path::run(&dispatch_path::DispatchArgs::with(common.clone()))?;

@@ -17,7 +17,7 @@
 //! └ line 6 ─ role (generation:32 | bootstrap port:16 | role:8, [`ServerRole`])
 //!            · pool (generation:32 | pool tag:32, [`PoolTag`])
 //!            · settings (generation:32 | weight:16 | metrics:8 | cache_salt:1 | set:1, [`EngineSettings`])
-//!            · 5 words reserved
+//!            · KV ports (generation:32 | events port:16 | replay port:16) · 4 words reserved
 //! ```
 //!
 //! * A slot's address and id change only while it is `Configuring`, and
@@ -239,7 +239,8 @@ pub(crate) struct ServerSlot {
     role: AtomicU64,
     pool: AtomicU64,
     settings: AtomicU64,
-    _reserved: [AtomicU64; 5],
+    kv_ports: AtomicU64,
+    _reserved: [AtomicU64; 4],
 }
 
 #[cfg(not(loom))]
@@ -304,6 +305,7 @@ impl ServerSlot {
             role: AtomicU64::new(0),
             pool: AtomicU64::new(0),
             settings: AtomicU64::new(0),
+            kv_ports: AtomicU64::new(0),
             _reserved: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
@@ -443,6 +445,10 @@ impl<'a> ServerTable<'a> {
                 .store((u64::from(generation) << 32) | u64::from(pool.0), Ordering::Relaxed);
             slot.settings.store(
                 (u64::from(generation) << 32) | u64::from(settings.pack()),
+                Ordering::Relaxed,
+            );
+            slot.kv_ports.store(
+                (u64::from(generation) << 32) | u64::from(settings.pack_ports()),
                 Ordering::Relaxed,
             );
             slot.state

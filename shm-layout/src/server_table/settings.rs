@@ -1,12 +1,14 @@
 //! What the operator said of a registration's engine that the request path
 //! and the health checker need, whoever registered it (the configuration,
 //! the admin API, discovery): whether its engine takes vLLM's
-//! `cache_salt`, how its `/metrics` are read, and its weight (its share
-//! of the load, relative to the others').
+//! `cache_salt`, how its `/metrics` are read, its weight (its share of
+//! the load, relative to the others'), and the ports of its KV cache
+//! events on its host.
 //!
-//! Stored in the slot's settings word like the other facts of a
-//! registration (`generation:32 | weight:16 | metrics:8 | cache_salt:1 |
-//! set:1`, 0:
+//! Stored in two slot words like the other facts of a registration: the
+//! settings word (`generation:32 | weight:16 | metrics:8 | cache_salt:1 |
+//! set:1`) and the KV-ports word (`generation:32 | events port:16 |
+//! replay port:16`), 0:
 //! nothing said, which reads as the defaults), written while the slot is
 //! `Configuring` by [`ServerTable::register_in`] (so no request reaches
 //! the engine before its settings are known: a tenant's salt never goes
@@ -28,6 +30,11 @@ pub struct EngineSettings {
     /// load-balancing rules compare loads per unit of weight, so an engine
     /// of weight 2 carries twice the requests of one of weight 1.
     pub weight: u16,
+    /// The port its engine publishes its KV cache events on, on the
+    /// engine's host (vLLM's `--kv-events-config` `endpoint`), if it does.
+    pub kv_events_port: Option<u16>,
+    /// The port of its engine's replay socket for lost events, if any.
+    pub kv_replay_port: Option<u16>,
 }
 
 impl Default for EngineSettings {
@@ -36,6 +43,8 @@ impl Default for EngineSettings {
             cache_salt: false,
             metrics: 0,
             weight: 1,
+            kv_events_port: None,
+            kv_replay_port: None,
         }
     }
 }
@@ -45,11 +54,18 @@ impl EngineSettings {
         1 | (u32::from(self.cache_salt) << 1) | (u32::from(self.metrics) << 8) | (u32::from(self.weight.max(1)) << 16)
     }
 
-    pub(super) fn unpack(v: u32) -> Self {
+    pub(super) fn pack_ports(self) -> u32 {
+        (u32::from(self.kv_events_port.unwrap_or(0)) << 16) | u32::from(self.kv_replay_port.unwrap_or(0))
+    }
+
+    pub(super) fn unpack(v: u32, ports: u32) -> Self {
+        let port = |p: u32| Some(p as u16).filter(|p| *p != 0);
         Self {
             cache_salt: v & 2 != 0,
             metrics: (v >> 8) as u8,
             weight: ((v >> 16) as u16).max(1),
+            kv_events_port: port(ports >> 16),
+            kv_replay_port: port(ports & 0xffff),
         }
     }
 }
@@ -58,15 +74,17 @@ impl ServerTable<'_> {
     /// Sets `server`'s engine settings. Returns false (nothing stored) if
     /// `server` is not current.
     pub fn set_settings(&self, server: ServerRef, settings: EngineSettings) -> bool {
-        self.set_reported(server, |s| &s.settings, Some(settings.pack()))
+        self.set_reported(server, |s| &s.kv_ports, Some(settings.pack_ports()))
+            && self.set_reported(server, |s| &s.settings, Some(settings.pack()))
     }
 
     /// `server`'s engine settings (the defaults if none were set, or if
     /// `server` is not current).
     #[inline]
     pub fn settings(&self, server: ServerRef) -> EngineSettings {
+        let ports = self.reported(server, |s| &s.kv_ports).unwrap_or(0);
         self.reported(server, |s| &s.settings)
-            .map(EngineSettings::unpack)
+            .map(|v| EngineSettings::unpack(v, ports))
             .unwrap_or_default()
     }
 }
@@ -85,6 +103,8 @@ mod tests {
             cache_salt: true,
             metrics: 2,
             weight: 65535,
+            kv_events_port: Some(5557),
+            kv_replay_port: Some(65535),
         };
         let a = t
             .register_in(1, "http://a:8000", 0, Disaggregation::default(), PoolTag::NONE, salted)

@@ -126,6 +126,8 @@ impl PodRules {
                 cache_salt: None,
                 metrics_flavor: None,
                 weight: 1,
+                kv_events: None,
+                kv_events_replay: None,
             })
             .collect()
     }

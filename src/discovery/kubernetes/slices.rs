@@ -86,6 +86,8 @@ impl SliceRules {
                     cache_salt: None,
                     metrics_flavor: None,
                     weight: 1,
+                    kv_events: None,
+                    kv_events_replay: None,
                 })
             })
             .collect()

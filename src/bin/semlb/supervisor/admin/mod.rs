@@ -102,6 +102,9 @@ fn add(backends: &mut Backends<'_>, backend: &BackendConfig) -> Reply {
             "invalid_weight",
         );
     }
+    if let Err(reason) = backend.check_events_on_own_host() {
+        return Reply::error(S::BAD_REQUEST, format!("kv_events: {reason}"), "invalid_kv_events");
+    }
     let server = match backends.add(&address, backend) {
         Ok(server) => server,
         Err(AddError::AlreadyRegistered { slot }) => {
