@@ -282,3 +282,108 @@ fn an_inference_pool_s_pods_are_followed_on_its_target_port() {
     api.delete(Resource::InferencePools, NS, "vllm");
     gw.wait_discovered(&[], "nothing once the pool is deleted");
 }
+
+/// Whether this machine lets a process make a user and mount namespace
+/// and mount a tmpfs on `/run` in it (what the in-cluster test needs to
+/// put a service account where kube-rs reads it).
+fn mount_namespaces_work() -> bool {
+    std::process::Command::new("unshare")
+        .args(["-rm", "sh", "-c", "mount -t tmpfs tmpfs /run && mkdir -p /run/secrets"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// A TLS front for `upstream` (the stand-in speaks plain HTTP) with
+/// `server`'s certificate, as the API server presents one of the
+/// cluster's CA: its port (it serves while the runtime lives).
+fn tls_front(server: &semlb_test_support::tls::CertFiles, upstream: String) -> (tokio::runtime::Runtime, u16) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let acceptor = semlb::tls::server::acceptor(&semlb::config::ListenerTls {
+        cert_file: server.cert.clone(),
+        key_file: server.key.clone(),
+        client_ca_file: None,
+    })
+    .expect("a TLS acceptor");
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    rt.spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (acceptor, upstream) = (acceptor.clone(), upstream.clone());
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let Ok(mut plain) = tokio::net::TcpStream::connect(&upstream).await else {
+                    return;
+                };
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+            });
+        }
+    });
+    (rt, port)
+}
+
+/// In a Pod: no kubeconfig, the `kubernetes` Service's address in
+/// `KUBERNETES_SERVICE_HOST` / `_PORT`, and the Pod's service account
+/// (token, the cluster's CA, namespace) mounted at
+/// `/var/run/secrets/kubernetes.io/serviceaccount`. Played here by
+/// running `semlb` in a mount namespace of its own (`unshare -rm`, a tmpfs
+/// on `/run`) with those files, against the stand-in behind TLS with a
+/// certificate of that CA. The Pods of the service account's namespace
+/// are found, and every request carried its token. A machine that does
+/// not let a process make the namespaces (some container runtimes) skips
+/// the test, saying so.
+#[test]
+fn in_a_pod_the_service_account_is_used() {
+    const SA_TOKEN: &str = "service-account-token-of-the-pod";
+    if !mount_namespaces_work() {
+        eprintln!("skipped: this machine does not let a process make a mount namespace (unshare -rm)");
+        return;
+    }
+    let api = KubeApi::start(Some(SA_TOKEN));
+    let dir = TempDir::new("kube-in-cluster");
+    let ca = semlb_test_support::tls::ca(&dir.0, "cluster-ca");
+    let server = semlb_test_support::tls::signed(&dir.0, &ca, "apiserver");
+    let upstream = api.url().trim_start_matches("http://").to_owned();
+    let (_front, port) = tls_front(&server, upstream);
+    let sa = dir.0.join("serviceaccount");
+    std::fs::create_dir(&sa).unwrap();
+    std::fs::write(sa.join("token"), SA_TOKEN).unwrap();
+    std::fs::copy(&ca.cert, sa.join("ca.crt")).unwrap();
+    std::fs::write(sa.join("namespace"), NS).unwrap();
+    let engine = sim_on("127.0.0.1:0", "0.01");
+    api.apply(Resource::Pods, pod_of("a", &engine, &[("app", "vllm")]).build());
+    let home = dir.0.join("home");
+    std::fs::create_dir(&home).unwrap();
+    let script = "set -e; mount -t tmpfs tmpfs /run; \
+                  mkdir -p /run/secrets/kubernetes.io/serviceaccount; \
+                  cp \"$SA\"/token \"$SA\"/ca.crt \"$SA\"/namespace /run/secrets/kubernetes.io/serviceaccount/; \
+                  exec \"$@\"";
+    let gw = Gateway::builder()
+        .tag("kube-in-cluster")
+        .admin(TOKEN)
+        .stderr(Stderr::CaptureEcho)
+        .wrapped("unshare", &["-rm", "sh", "-c", script, "sh"])
+        .env("SA", sa.to_str().unwrap())
+        .env("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        .env("KUBERNETES_SERVICE_PORT", &port.to_string())
+        .env("HOME", home.to_str().unwrap())
+        .env("KUBECONFIG", "")
+        .config("[discovery]\nkind = \"kubernetes\"\nselector = \"app=vllm\"\nport_name = \"http\"\n")
+        .start();
+    gw.wait_discovered(&[&engine], "the Pod of the service account's namespace");
+    assert_eq!(gw.served_by(4, "in-cluster"), addresses(&[&engine]));
+    let requests = api.requests();
+    assert!(!requests.is_empty());
+    assert!(requests.iter().all(|r| r.authorized), "{requests:?}");
+    assert!(
+        requests.iter().all(|r| r.path.contains("/api/v1/namespaces/llm/pods")),
+        "{requests:?}"
+    );
+}

@@ -6,7 +6,7 @@
 //! ([`LOAD_UNIT`]) so that with every weight 1 each comparison is the one
 //! on the loads themselves. The in-turn and random policies draw
 //! [`by_weight`]. The hash rings' arcs are not weighted (a key keeps its
-//! place on the ring); their load bound is ([`super::load_bound`]).
+//! place on the ring); their load bound is (`load_bound`).
 
 use super::Candidate;
 

@@ -165,6 +165,10 @@ pub struct GatewayBuilder {
     stderr: Stderr,
     within: Duration,
     tls: Option<crate::tls::TlsClient>,
+    /// A program `semlb` runs under (`unshare`, ...), with its arguments
+    /// before semlb's path.
+    wrapper: Option<(String, Vec<String>)>,
+    env: Vec<(String, String)>,
 }
 
 impl Default for GatewayBuilder {
@@ -184,11 +188,26 @@ impl Default for GatewayBuilder {
             stderr: Stderr::Inherit,
             within: Duration::from_secs(30),
             tls: None,
+            wrapper: None,
+            env: Vec::new(),
         }
     }
 }
 
 impl GatewayBuilder {
+    /// Runs `semlb` under `program` `args` (then semlb's path and its
+    /// arguments): a process it execs, such as `unshare`.
+    pub fn wrapped(mut self, program: &str, args: &[&str]) -> Self {
+        self.wrapper = Some((program.to_owned(), args.iter().map(|a| (*a).to_owned()).collect()));
+        self
+    }
+
+    /// One more environment variable for `semlb`.
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.env.push((key.to_owned(), value.to_owned()));
+        self
+    }
+
     /// The shm segment's name (default: a unique one from the tag).
     pub fn shm(mut self, name: &str) -> Self {
         self.shm = Some(name.to_owned());
@@ -381,7 +400,19 @@ impl GatewayBuilder {
         };
         let redis = arg_value("--redis-url").zip(arg_value("--redis-namespace"));
         let what = format!("the gateway ({}; semlb serve)", self.tag);
-        let proc = match ProcBuilder::new(&args)
+        let mut builder = match &self.wrapper {
+            Some((program, before)) => {
+                let mut wrapped: Vec<String> = before.clone();
+                wrapped.push(crate::process::exe().to_owned());
+                wrapped.extend(args.iter().cloned());
+                ProcBuilder::new(&wrapped).program(program)
+            }
+            None => ProcBuilder::new(&args),
+        };
+        for (k, v) in &self.env {
+            builder = builder.env(k, v);
+        }
+        let proc = match builder
             .what(what.clone())
             .stderr(self.stderr)
             .within(self.within)

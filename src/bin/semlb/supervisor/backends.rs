@@ -123,6 +123,10 @@ impl<'a> Backends<'a> {
             let (address, server) = self.adopted.swap_remove(i);
             let servers = self.segment.tables().servers;
             servers.transition(server, ServerState::Draining, ServerState::Up);
+            // The configuration's role and settings (an earlier binary's
+            // registration may carry none: its dispatchers read them from
+            // the configuration).
+            self.keep_role(server, &address, backend);
             self.names.insert(address.clone(), backend.display_name());
             self.live.push((address, server));
             return Ok(server);
