@@ -9,6 +9,7 @@
 //! | [`attack`] | the figures of an attack: a well-behaved client's share answered and latencies ([`attack::Polite`]), restarts, each process's peak memory |
 //! | [`process`] | a child of the `semlb` binary that prints its address ([`process::Proc`]), found next to the running executable ([`process::semlb_exe`]) |
 //! | [`gateway`] | `semlb serve` in front of simulated engines ([`gateway::Gateway`], built with options by [`gateway::GatewayBuilder`]), chat requests, Prometheus text, SSE text |
+//! | [`engines`] | simulated engines (`semlb __sim`) at a time scale, on an address, publishing KV events; what their first line says |
 //! | [`http`] | a minimal HTTP/1.1 client, one request per connection |
 //! | [`kube_api`] | a stand-in of the Kubernetes API server's list and watch (Pods, EndpointSlices, InferencePools) for discovery tests ([`kube_api::KubeApi`]), with object builders |
 //! | [`keepalive`] | a blocking HTTP/1.1 client on one keep-alive connection, reconnecting when the server says `connection: close`, as agents' clients do |
@@ -29,6 +30,7 @@
 
 pub mod attack;
 pub mod client;
+pub mod engines;
 pub mod gateway;
 pub mod http;
 pub mod keepalive;
