@@ -356,10 +356,16 @@ impl BackendUrl {
     /// `host:port`, with an IPv6 host in brackets: what to connect to and
     /// the `Host` header.
     pub fn authority(&self) -> String {
+        format!("{}:{}", self.bracketed_host(), self.port)
+    }
+
+    /// The host as a URL or `host:port` writes it: an IPv6 address in
+    /// brackets.
+    pub fn bracketed_host(&self) -> String {
         if self.host.contains(':') {
-            format!("[{}]:{}", self.host, self.port)
+            format!("[{}]", self.host)
         } else {
-            format!("{}:{}", self.host, self.port)
+            self.host.clone()
         }
     }
 }

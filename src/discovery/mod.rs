@@ -26,7 +26,6 @@ pub mod file;
 pub mod kubernetes;
 pub mod selector;
 
-use std::str::FromStr;
 use std::sync::Arc;
 
 use shm_layout::PoolTag;
@@ -86,13 +85,8 @@ impl Endpoint {
     /// does not say taken from `[discovery]`.
     pub fn backend(&self, discovery: &DiscoveryConfig) -> BackendConfig {
         let on_host = |port: Option<u16>| {
-            let url = crate::config::BackendUrl::from_str(&self.url).ok()?;
-            let host = if url.host.contains(':') {
-                format!("[{}]", url.host)
-            } else {
-                url.host
-            };
-            Some(format!("tcp://{host}:{}", port?))
+            let url: crate::config::BackendUrl = self.url.parse().ok()?;
+            Some(format!("tcp://{}:{}", url.bracketed_host(), port?))
         };
         BackendConfig {
             name: self.name.clone(),

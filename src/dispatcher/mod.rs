@@ -611,7 +611,7 @@ impl Dispatcher {
     /// Whether `server`'s engine takes vLLM's `cache_salt` (`[[backend]]
     /// cache_salt`, the admin API's, discovery's: its registration says).
     fn takes_cache_salt(&self, server: shm_layout::ServerRef) -> bool {
-        self.segment.tables().servers.settings(server).cache_salt
+        self.segment.tables().servers.takes_cache_salt(server)
     }
 
     /// A request started or ended, or got its first token: a server may

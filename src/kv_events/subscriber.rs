@@ -110,11 +110,7 @@ pub fn registered_targets(
             let settings = tables.servers.settings(s.server);
             let port = settings.kv_events_port?;
             let url: crate::config::BackendUrl = s.address.parse().ok()?;
-            let host = if url.host.contains(':') {
-                format!("[{}]", url.host)
-            } else {
-                url.host
-            };
+            let host = url.bracketed_host();
             let pool = tables.servers.pool_of(s.server);
             let roots = if pool.is_none() {
                 configured_roots(config, &BackendConfig::new(s.address.clone()), seed)

@@ -501,7 +501,7 @@ pub fn candidate(servers: &ServerTable<'_>, server: ServerRef) -> Candidate {
         admission: admission.limit(),
         admission_reported: matches!(admission, crate::routing::capacity::Admission::Reported(_)),
         started_since_scrape: servers.started_since_scrape(server),
-        weight: u32::from(servers.settings(server).weight.max(1)),
+        weight: u32::from(servers.weight(server)),
     }
 }
 

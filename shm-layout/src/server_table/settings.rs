@@ -78,6 +78,22 @@ impl ServerTable<'_> {
             && self.set_reported(server, |s| &s.settings, Some(settings.pack()))
     }
 
+    /// `server`'s weight (1 if none was set): one word read, as routing
+    /// reads it for every candidate.
+    #[inline]
+    pub fn weight(&self, server: ServerRef) -> u16 {
+        self.reported(server, |s| &s.settings)
+            .map_or(1, |v| EngineSettings::unpack(v, 0).weight)
+    }
+
+    /// Whether `server`'s engine takes vLLM's `cache_salt`: one word read,
+    /// as the request path reads it.
+    #[inline]
+    pub fn takes_cache_salt(&self, server: ServerRef) -> bool {
+        self.reported(server, |s| &s.settings)
+            .is_some_and(|v| EngineSettings::unpack(v, 0).cache_salt)
+    }
+
     /// `server`'s engine settings (the defaults if none were set, or if
     /// `server` is not current).
     #[inline]
@@ -110,6 +126,7 @@ mod tests {
             .register_in(1, "http://a:8000", 0, Disaggregation::default(), PoolTag::NONE, salted)
             .unwrap();
         assert_eq!(t.settings(a), salted);
+        assert_eq!((t.weight(a), t.takes_cache_salt(a)), (65535, true));
         let plain = EngineSettings {
             weight: 1,
             ..EngineSettings::default()
@@ -122,6 +139,7 @@ mod tests {
         let again = t.register(2, "http://b:8000", 0).unwrap();
         assert_eq!(again.slot, a.slot);
         assert_eq!(t.settings(again), EngineSettings::default());
+        assert_eq!((t.weight(again), t.takes_cache_salt(again)), (1, false));
         assert!(!t.set_settings(a, salted), "a stale registration is not written");
         assert_eq!(t.settings(again), EngineSettings::default());
     }

@@ -50,7 +50,10 @@ use super::Dispatcher;
 
 pub use health::{LIVENESS, READINESS};
 pub use pick::{FAIRNESS_HEADER, OBJECTIVE_HEADER, REWRITE_HEADER};
-pub use wire::{DESTINATION_HEADER, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE, header_list};
+pub use wire::{
+    DESTINATION_HEADER, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE, header_list, response_headers, routed_headers,
+    streamed_body,
+};
 
 /// Why the picker stopped.
 #[derive(Debug, thiserror::Error)]

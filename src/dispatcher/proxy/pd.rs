@@ -272,8 +272,7 @@ impl Attempts<'_> {
         let uri = format!("{}{}", prefill.address, self.outbound.path_and_query)
             .parse::<Uri>()
             .ok()?;
-        let salted = self.outbound.cache_salt.is_some() && self.dispatcher.takes_cache_salt(prefill.server);
-        let base = self.outbound.body_for(salted);
+        let base = self.body_to(prefill.server);
         let body = match rendezvous {
             Some(r) => r.body(&base)?,
             None => vllm::prefill_body(&base)?,

@@ -54,9 +54,7 @@ pub(in crate::dispatcher) async fn pick<'d>(
         };
         attempts.log_attempt(&chosen.address, chosen.reason, chosen.candidates, chosen.degraded);
         let recorded = attempts.record_route(chosen.server, chosen.held).then_some(chosen.held);
-        let dispatcher = attempts.dispatcher;
-        let salted = attempts.outbound.cache_salt.is_some() && dispatcher.takes_cache_salt(chosen.server);
-        let body = attempts.outbound.body_for(salted);
+        let body = attempts.body_to(chosen.server);
         let body = match attempts.disaggregate(chosen.server, chosen.predicted, body).await {
             Ok(body) => body,
             Err(next) => {

@@ -54,9 +54,7 @@ impl Attempts<'_> {
         // Counted in flight there (the guard): now the server is known to
         // be sent this prompt.
         let recorded = self.record_route(server, held).then_some(held);
-        let body = self
-            .outbound
-            .body_for(self.outbound.cache_salt.is_some() && dispatcher.takes_cache_salt(server));
+        let body = self.body_to(server);
         let body = match self.disaggregate(server, predicted, body).await {
             Ok(body) => body,
             Err(next) => {
@@ -285,6 +283,13 @@ impl Attempts<'_> {
         self.dispatcher.store().record_route(server, blocks, Some(c.end_key));
         self.dispatcher.metrics().learned_at_dispatch(blocks.len());
         true
+    }
+
+    /// The body to send `server`: with the tenant's `cache_salt` when its
+    /// engine takes one (its registration says).
+    pub(super) fn body_to(&self, server: ServerRef) -> Bytes {
+        let salted = self.outbound.cache_salt.is_some() && self.dispatcher.takes_cache_salt(server);
+        self.outbound.body_for(salted)
     }
 
     /// Takes back [`record_route`](Self::record_route): the attempt failed

@@ -126,7 +126,7 @@ impl<'a> Backends<'a> {
             // The configuration's role and settings (an earlier binary's
             // registration may carry none: its dispatchers read them from
             // the configuration).
-            self.keep_role(server, &address, backend);
+            self.keep_facts(server, &address, backend);
             self.names.insert(address.clone(), backend.display_name());
             self.live.push((address, server));
             return Ok(server);
@@ -193,7 +193,7 @@ impl<'a> Backends<'a> {
     /// Gives `server` the role, bootstrap port and engine settings
     /// `backend` says, if it had others (a reload, the admin API or
     /// discovery changed them).
-    fn keep_role(&self, server: ServerRef, address: &str, backend: &BackendConfig) {
+    fn keep_facts(&self, server: ServerRef, address: &str, backend: &BackendConfig) {
         let servers = self.segment.tables().servers;
         let settings = backend.engine_settings();
         if servers.settings(server) != settings && servers.set_settings(server, settings) {
@@ -275,14 +275,14 @@ impl<'a> Backends<'a> {
             self.from_discovery.remove(&address);
             self.names.insert(address.clone(), backend.display_name());
             if let Some((_, server)) = self.live.iter().find(|(a, _)| *a == address) {
-                self.keep_role(*server, &address, backend);
+                self.keep_facts(*server, &address, backend);
                 continue;
             }
             added += 1;
             if let Some(i) = self.draining.iter().position(|(a, _, _)| *a == address)
                 && let Some((address, server)) = self.revive(i)
             {
-                self.keep_role(server, &address, backend);
+                self.keep_facts(server, &address, backend);
                 tracing::info!(backend = %address, "reload: backend {address} added again (it was still draining)");
                 continue;
             }
@@ -317,7 +317,7 @@ impl<'a> Backends<'a> {
         let server = match again.and_then(|i| self.revive(i)) {
             Some((_, server)) => {
                 self.names.insert(address.to_owned(), name);
-                self.keep_role(server, address, backend);
+                self.keep_facts(server, address, backend);
                 server
             }
             None => self.register(backend).map_err(AddError::Table)?,
@@ -354,7 +354,7 @@ impl<'a> Backends<'a> {
         for (address, backend, pool) in found {
             if let Some((_, server)) = self.live.iter().find(|(a, _)| a == address) {
                 if self.from_discovery.contains(address) {
-                    self.keep_role(*server, address, backend);
+                    self.keep_facts(*server, address, backend);
                     if servers.pool_of(*server) != *pool {
                         servers.set_pool(*server, *pool);
                     }
@@ -365,7 +365,7 @@ impl<'a> Backends<'a> {
             if let Some(i) = self.draining.iter().position(|(a, _, _)| a == address)
                 && let Some((address, server)) = self.revive(i)
             {
-                self.keep_role(server, &address, backend);
+                self.keep_facts(server, &address, backend);
                 servers.set_pool(server, *pool);
                 tracing::info!(backend = %address, "discovery: backend {address} is back (it was still draining)");
                 self.from_discovery.insert(address);
