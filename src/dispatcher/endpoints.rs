@@ -33,7 +33,7 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
         );
     }
     let allowed = match path.as_str() {
-        "/v1/completions" | "/v1/chat/completions" => Some(Method::POST),
+        "/v1/completions" | "/v1/chat/completions" | "/v1/responses" | "/v1/messages" => Some(Method::POST),
         p if passthrough::PATHS.contains(&p) => Some(Method::POST),
         "/v1/models" | "/health" | "/metrics" | crate::peers::LOAD_PATH => Some(Method::GET),
         _ => None,
@@ -74,6 +74,8 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
         }
         ("/v1/completions", _) => inference(&dispatcher, request, Endpoint::Completions, caller).await,
         ("/v1/chat/completions", _) => inference(&dispatcher, request, Endpoint::ChatCompletions, caller).await,
+        ("/v1/responses", _) => inference(&dispatcher, request, Endpoint::Responses, caller).await,
+        ("/v1/messages", _) => inference(&dispatcher, request, Endpoint::Messages, caller).await,
         ("/v1/models", _) => models(&dispatcher, caller).await,
         ("/health", _) => health(&dispatcher),
         (crate::peers::LOAD_PATH, _) => super::peer_forward::load_summary(&dispatcher, request.headers()),
@@ -96,6 +98,10 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
     if caller.is_some() && !dispatcher.config().auth.debug_headers {
         remove_diagnostics(response.headers_mut());
     }
+    // Anthropic's clients read errors in Anthropic's shape.
+    if path.starts_with("/v1/messages") {
+        response = anthropic_shaped(response).await;
+    }
     let endpoint = EndpointLabel::of_path(&path);
     let m = dispatcher.metrics();
     m.request(endpoint, response.status().as_u16());
@@ -106,6 +112,37 @@ pub(super) async fn handle(dispatcher: Arc<Dispatcher>, request: Request<Incomin
         m.observe_duration(DURATION, start.elapsed());
     }
     response
+}
+
+/// `response` with an error the gateway answered itself (a JSON body it
+/// built, not an engine's relayed answer) in Anthropic's error shape
+/// ([`crate::openai::anthropic::error_body`]).
+async fn anthropic_shaped(response: Response<Body>) -> Response<Body> {
+    use http_body_util::BodyExt;
+    let gateways = response.extensions().get::<Relayed>().is_none()
+        && (response.status().is_client_error() || response.status().is_server_error())
+        && response
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes() == b"application/json");
+    if !gateways {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    // The gateway's own error bodies are whole: collecting does not wait.
+    let Ok(bytes) = body.collect().await.map(|c| c.to_bytes()) else {
+        return error_response(parts.status, "the error body could not be read", None);
+    };
+    let shaped = match serde_json::from_slice::<serde_json::Value>(&bytes) {
+        Ok(v) if v.get("error").is_some_and(|e| e.get("message").is_some()) => {
+            crate::openai::anthropic::error_body(parts.status, &v)
+                .to_string()
+                .into()
+        }
+        _ => bytes,
+    };
+    parts.headers.remove(http::header::CONTENT_LENGTH);
+    Response::from_parts(parts, super::http::full_body(shaped))
 }
 
 /// `GET /metrics`: the whole gateway's counters (every process's stats

@@ -519,12 +519,36 @@ impl Relay {
     }
 }
 
-/// Whether an event-stream frame ends with the stream's last event,
-/// `data: [DONE]` (OpenAI's, vLLM's and SGLang's streams end so; an event
-/// split across frames is not seen here, and the stream then ends at its
-/// `None` as before).
+/// Whether an event-stream frame ends with the stream's last event: chat
+/// and completions streams end with `data: [DONE]` (OpenAI's, vLLM's and
+/// SGLang's), a Responses stream with its `response.completed` (or
+/// `.failed`, `.incomplete`) event, a Messages stream with `message_stop`.
+/// An event split across frames is not seen here, and the stream then
+/// ends at its `None` as before.
 fn ends_with_done(frame: &[u8]) -> bool {
-    frame.trim_ascii_end().ends_with(b"data: [DONE]")
+    const LAST_EVENTS: [&[u8]; 4] = [
+        b"\"message_stop\"",
+        b"\"response.completed\"",
+        b"\"response.failed\"",
+        b"\"response.incomplete\"",
+    ];
+    let frame = frame.trim_ascii_end();
+    if frame.ends_with(b"data: [DONE]") {
+        return true;
+    }
+    // The last event: after the last blank line, and a whole one.
+    let Some(last_line) = frame.rsplit(|b| *b == b'\n').next() else {
+        return false;
+    };
+    if !last_line.starts_with(b"data:") || !last_line.trim_ascii_end().ends_with(b"}") {
+        return false;
+    }
+    let start = memchr::memmem::rfind(frame, b"\n\n").map_or(0, |i| i + 2);
+    let event = &frame[start..];
+    LAST_EVENTS.iter().any(|name| {
+        memchr::memmem::find_iter(event, name).any(|at| at == 0 || event[at - 1] != b'\\')
+            && (memchr::memmem::find(event, b"\"type\"").is_some() || event.starts_with(b"event:"))
+    })
 }
 
 impl Drop for Relay {
@@ -639,5 +663,18 @@ mod tests {
         // Split across frames: not seen here (the stream ends at `None`).
         assert!(!ends_with_done(b"data: [DO"));
         assert!(!ends_with_done(b""));
+        // Responses and Messages streams end with their last event.
+        assert!(ends_with_done(
+            b"event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{}}\n\n"
+        ));
+        assert!(ends_with_done(
+            b"event: message_stop\ndata: {\"type\": \"message_stop\"}\n\n"
+        ));
+        assert!(!ends_with_done(
+            b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"\\\"message_stop\\\"\"}\n\n"
+        ));
+        assert!(!ends_with_done(
+            b"event: message_delta\ndata: {\"type\":\"message_delta\"}\n\n"
+        ));
     }
 }

@@ -29,6 +29,8 @@ pub fn replay(endpoint: Endpoint, stored: &[u8], include_usage: bool) -> Option<
     let object = match endpoint {
         Endpoint::Completions => "text_completion",
         Endpoint::ChatCompletions => "chat.completion.chunk",
+        // Not replayed as a stream yet: a miss.
+        Endpoint::Responses | Endpoint::Messages => return None,
     };
     let chunk = |choices: Value| {
         let mut c = json!({
@@ -69,6 +71,7 @@ pub fn replay(endpoint: Endpoint, stored: &[u8], include_usage: bool) -> Option<
                     json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish}),
                 )
             }
+            Endpoint::Responses | Endpoint::Messages => return None,
         };
         event(&mut out, &chunk(Value::Array(vec![content])));
         event(&mut out, &chunk(Value::Array(vec![end])));

@@ -217,7 +217,11 @@ pub fn stream_as_response(chat: bool, stream: &[u8]) -> Option<Vec<u8>> {
 }
 
 /// The fields of a response or stream chunk that the answer is read from;
-/// serde skips every other field without building it.
+/// serde skips every other field without building it. One shape reads the
+/// four APIs: chat and completions (`choices`), the Responses API
+/// (`output` items, `response.output_text.delta` events, the response of
+/// `response.completed`) and Messages (`content` blocks, `content_block_delta`
+/// events, the message of `message_start`).
 #[derive(Debug, Deserialize)]
 struct Response<'a> {
     #[serde(borrow, default)]
@@ -227,6 +231,80 @@ struct Response<'a> {
     /// llama.cpp's server's own timings.
     #[serde(default)]
     timings: Option<Timings>,
+    /// An event's type (Responses and Messages streams), a Messages
+    /// body's (`message`).
+    #[serde(borrow, default, rename = "type")]
+    kind: Option<Cow<'a, str>>,
+    /// What a body is (`response` for a Responses body).
+    #[serde(borrow, default)]
+    object: Option<Cow<'a, str>>,
+    /// A Responses text delta (a string), or a Messages block delta.
+    #[serde(borrow, default)]
+    delta: Option<Delta<'a>>,
+    /// A Responses body's output items.
+    #[serde(borrow, default)]
+    output: Vec<Item<'a>>,
+    /// A Messages body's content blocks.
+    #[serde(borrow, default)]
+    content: Option<Blocks<'a>>,
+    /// The response a Responses event carries (`response.completed`).
+    #[serde(borrow, default)]
+    response: Option<Box<Response<'a>>>,
+    /// The message a Messages `message_start` event carries.
+    #[serde(borrow, default)]
+    message: Option<Box<Response<'a>>>,
+}
+
+/// A Responses text delta, or a Messages block delta (`text_delta`'s text).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Delta<'a> {
+    Text(#[serde(borrow)] Cow<'a, str>),
+    Block {
+        #[serde(borrow, default, rename = "type")]
+        kind: Option<Cow<'a, str>>,
+        #[serde(borrow, default)]
+        text: Option<Cow<'a, str>>,
+    },
+    Other(serde::de::IgnoredAny),
+}
+
+/// A Messages body's `content` (a list of blocks; anything else read as
+/// no text).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Blocks<'a> {
+    List(#[serde(borrow)] Vec<Part<'a>>),
+    Other(serde::de::IgnoredAny),
+}
+
+/// A Responses output item.
+#[derive(Debug, Deserialize)]
+struct Item<'a> {
+    #[serde(borrow, default, rename = "type")]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    content: Option<Blocks<'a>>,
+}
+
+/// A content part or block (`output_text`, `text`, ...).
+#[derive(Debug, Deserialize)]
+struct Part<'a> {
+    #[serde(borrow, default, rename = "type")]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+}
+
+impl<'a> Blocks<'a> {
+    /// The text of its parts of type `kind`, joined.
+    fn text_of(&self, kind: &str, out: &mut String) {
+        if let Blocks::List(parts) = self {
+            for part in parts.iter().filter(|p| p.kind.as_deref() == Some(kind)) {
+                out.push_str(part.text.as_deref().unwrap_or_default());
+            }
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -247,12 +325,23 @@ struct Message<'a> {
     content: Option<Cow<'a, str>>,
 }
 
+/// A `usage` object of any of the APIs.
 #[derive(Debug, Deserialize)]
 struct Usage {
+    /// Chat and completions.
     #[serde(default)]
     completion_tokens: Option<u64>,
+    /// Responses and Messages.
+    #[serde(default)]
+    output_tokens: Option<u64>,
     #[serde(default)]
     prompt_tokens_details: Option<PromptTokensDetails>,
+    /// Responses.
+    #[serde(default)]
+    input_tokens_details: Option<PromptTokensDetails>,
+    /// Messages.
+    #[serde(default)]
+    cache_read_input_tokens: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -275,32 +364,84 @@ fn ms_to_us(ms: f64) -> Option<u64> {
 }
 
 impl<'a> Response<'a> {
-    /// Choice 0's text (`text`, else `message.content`, else
-    /// `delta.content`), and what it reports; `None` if there is no choice.
-    fn answer(&self) -> (Option<&str>, Reported) {
+    /// Whether it is an answer or chunk of any API (it has choices, or is
+    /// a Responses or Messages body or event).
+    fn is_answer(&self) -> bool {
+        !self.choices.is_empty() || self.kind.is_some() || self.object.as_deref() == Some("response")
+    }
+
+    /// The answer's text in it (choice 0's `text`, else `message.content`,
+    /// else `delta.content`; a Responses body's `output_text` parts or
+    /// text delta; a Messages body's `text` blocks or `text_delta`), and
+    /// what it reports; `None` if it holds no answer text.
+    fn answer(&self) -> (Option<Cow<'_, str>>, Reported) {
+        (self.text(), self.reported())
+    }
+
+    fn text(&self) -> Option<Cow<'_, str>> {
         let choice = self
             .choices
             .iter()
             .find(|c| c.index == Some(0))
             .or_else(|| self.choices.first());
-        let text = choice.and_then(|c| {
-            c.text
+        if let Some(c) = choice {
+            return c
+                .text
                 .as_deref()
                 .or_else(|| c.message.as_ref().and_then(|m| m.content.as_deref()))
                 .or_else(|| c.delta.as_ref().and_then(|m| m.content.as_deref()))
-        });
-        (text, self.reported())
+                .map(Cow::Borrowed);
+        }
+        match (self.kind.as_deref(), &self.delta) {
+            (Some("response.output_text.delta"), Some(Delta::Text(t))) => return Some(Cow::Borrowed(t)),
+            (Some("content_block_delta"), Some(Delta::Block { kind, text }))
+                if kind.as_deref() == Some("text_delta") =>
+            {
+                return text.as_deref().map(Cow::Borrowed);
+            }
+            _ => {}
+        }
+        match self.object.as_deref().or(self.kind.as_deref()) {
+            Some("response") => {
+                let mut text = String::new();
+                for item in self.output.iter().filter(|i| i.kind.as_deref() == Some("message")) {
+                    if let Some(content) = &item.content {
+                        content.text_of("output_text", &mut text);
+                    }
+                }
+                Some(Cow::Owned(text))
+            }
+            Some("message") => {
+                let mut text = String::new();
+                if let Some(content) = &self.content {
+                    content.text_of("text", &mut text);
+                }
+                Some(Cow::Owned(text))
+            }
+            _ => None,
+        }
     }
 
     fn reported(&self) -> Reported {
         let usage = self.usage.as_ref();
-        Reported {
-            completion_tokens: usage.and_then(|u| u.completion_tokens),
+        let own = Reported {
+            completion_tokens: usage.and_then(|u| u.completion_tokens.or(u.output_tokens)),
             cached_tokens: usage
-                .and_then(|u| u.prompt_tokens_details.as_ref())
-                .and_then(|d| d.cached_tokens)
+                .and_then(|u| {
+                    u.prompt_tokens_details
+                        .as_ref()
+                        .or(u.input_tokens_details.as_ref())
+                        .and_then(|d| d.cached_tokens)
+                        .or(u.cache_read_input_tokens)
+                })
                 .or_else(|| self.timings.as_ref().and_then(|t| t.cache_n)),
             decode_us: self.timings.as_ref().and_then(|t| t.predicted_ms).and_then(ms_to_us),
+        };
+        // What an event's response or message reports.
+        let inner = self.response.as_deref().or(self.message.as_deref());
+        match inner {
+            Some(inner) => inner.reported().or_later(own),
+            None => own,
         }
     }
 }
@@ -337,10 +478,10 @@ fn reported(v: &Json<'_>) -> Reported {
 /// The answer text of a non-streaming response body and what it reports.
 pub fn json_answer(body: &[u8]) -> Option<(String, Reported)> {
     if let Ok(response) = serde_json::from_slice::<Response<'_>>(body)
-        && !response.choices.is_empty()
+        && response.is_answer()
     {
         let (text, tokens) = response.answer();
-        return Some((text.unwrap_or_default().to_owned(), tokens));
+        return Some((text.unwrap_or_default().into_owned(), tokens));
     }
     let v = Json::parse(body).ok()?;
     let choice = choice_zero(&v)?.as_object()?;
@@ -455,7 +596,7 @@ impl EventStreamText {
         }
         if let Ok(chunk) = serde_json::from_slice::<Response<'_>>(data) {
             let (piece, tokens) = chunk.answer();
-            self.add(piece, tokens);
+            self.add(piece.as_deref(), tokens);
             return;
         }
         let Ok(chunk) = Json::parse(data) else {
@@ -515,6 +656,48 @@ mod tests {
             cached_tokens,
             decode_us: None,
         }
+    }
+
+    /// The Responses API's and Anthropic Messages' bodies and streams give
+    /// their answer text and usage (output tokens, cached prompt tokens);
+    /// reasoning and tool-call deltas are not answer text.
+    #[test]
+    fn responses_and_messages_answers_are_read() {
+        let responses_body = r#"{"id":"resp_1","object":"response","output":[{"type":"reasoning","content":[{"type":"reasoning_text","text":"hmm"}]},{"type":"message","role":"assistant","content":[{"type":"output_text","text":"Hi "},{"type":"output_text","text":"there"}]},{"type":"function_call","name":"f","arguments":"{}"}],"usage":{"input_tokens":40,"output_tokens":7,"input_tokens_details":{"cached_tokens":32}}}"#;
+        assert_eq!(
+            answer_text(AnswerForm::Json, responses_body.as_bytes()),
+            Some(("Hi there".to_owned(), reported(Some(7), Some(32))))
+        );
+        let responses_stream = concat!(
+            "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"object\":\"response\",\"output\":[],\"usage\":null}}\n\n",
+            "event: response.reasoning_text.delta\ndata: {\"type\":\"response.reasoning_text.delta\",\"delta\":\"think\"}\n\n",
+            "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Hel\"}\n\n",
+            "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"lo\"}\n\n",
+            "event: response.function_call_arguments.delta\ndata: {\"type\":\"response.function_call_arguments.delta\",\"delta\":\"{}\"}\n\n",
+            "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"object\":\"response\",\"usage\":{\"input_tokens\":9,\"output_tokens\":2,\"input_tokens_details\":{\"cached_tokens\":8}}}}\n\n",
+        );
+        assert_eq!(
+            answer_text(AnswerForm::EventStream, responses_stream.as_bytes()),
+            Some(("Hello".to_owned(), reported(Some(2), Some(8))))
+        );
+        let messages_body = r#"{"id":"msg_1","type":"message","role":"assistant","content":[{"type":"thinking","thinking":"x"},{"type":"text","text":"Bonjour"},{"type":"tool_use","id":"t","name":"f","input":{}}],"usage":{"input_tokens":3,"cache_read_input_tokens":64,"output_tokens":5}}"#;
+        assert_eq!(
+            answer_text(AnswerForm::Json, messages_body.as_bytes()),
+            Some(("Bonjour".to_owned(), reported(Some(5), Some(64))))
+        );
+        let messages_stream = concat!(
+            "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"type\":\"message\",\"content\":[],\"usage\":{\"input_tokens\":3,\"cache_read_input_tokens\":64,\"output_tokens\":1}}}\n\n",
+            "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n",
+            "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Bon\"}}\n\n",
+            "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":1,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"{}\"}}\n\n",
+            "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"jour\"}}\n\n",
+            "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":5}}\n\n",
+            "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+        );
+        assert_eq!(
+            answer_text(AnswerForm::EventStream, messages_stream.as_bytes()),
+            Some(("Bonjour".to_owned(), reported(Some(5), Some(64))))
+        );
     }
 
     #[test]

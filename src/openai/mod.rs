@@ -1,14 +1,27 @@
-//! The OpenAI API's bodies as the gateway reads and rewrites them: the
-//! request body parsed once ([`body`]), the routing text of a request
-//! ([`prompt`]: completions prompt forms, rendered chat messages) and the
-//! answer text of a response, JSON or event stream ([`answer`]).
+//! The inference APIs' bodies as the gateway reads and rewrites them:
+//! the request body parsed once ([`body`]), the routing text of a request
+//! ([`prompt`]: completions prompt forms; a conversation of chat
+//! completions, the Responses API or Anthropic's Messages API rendered by
+//! the chat template) and the answer text of a response, JSON or event
+//! stream ([`answer`]).
 //!
 //! | module | step |
 //! | --- | --- |
 //! | [`body`] | the request body parsed once: a JSON tree borrowing its strings from the body |
-//! | [`prompt`] | the routing text of an OpenAI request: completions prompt forms, rendered chat messages |
-//! | [`answer`] | the answer text of an OpenAI response (JSON body or event stream), read by the response processes |
+//! | [`prompt`] | the routing text of a request: which endpoint, its checks, completions prompt forms, the conversation rendered |
+//! | [`conversation`] | a conversation as the chat template gets it (what vLLM gives it): messages, tool calls, tool results, reasoning, tools |
+//! | [`chat`] | a chat completions request's messages and tools |
+//! | [`responses`] | a Responses API request's instructions, input items and tools |
+//! | [`anthropic`] | an Anthropic Messages request's system, content blocks and tools; errors in Anthropic's shape |
+//! | [`answer`] | the answer text of a response (JSON body or event stream, of any of the four APIs), read by the response processes |
 
 pub mod answer;
+pub mod anthropic;
 pub mod body;
+pub mod chat;
+pub mod conversation;
 pub mod prompt;
+pub mod responses;
+
+#[cfg(test)]
+mod tests;

@@ -23,7 +23,7 @@ use std::borrow::Cow;
 use std::hash::Hasher;
 
 use seahash::SeaHasher;
-use semlb_tokenizer::chat::{ChatMessage, ChatTemplate};
+use semlb_tokenizer::chat::ChatTemplate;
 use serde_json::Value;
 
 use crate::openai::body::{Json, Object};
@@ -35,6 +35,10 @@ pub enum Endpoint {
     Completions,
     /// `POST /v1/chat/completions`.
     ChatCompletions,
+    /// `POST /v1/responses` (OpenAI's Responses API).
+    Responses,
+    /// `POST /v1/messages` (Anthropic's Messages API).
+    Messages,
 }
 
 impl Endpoint {
@@ -43,7 +47,15 @@ impl Endpoint {
         match self {
             Endpoint::Completions => "/v1/completions",
             Endpoint::ChatCompletions => "/v1/chat/completions",
+            Endpoint::Responses => "/v1/responses",
+            Endpoint::Messages => "/v1/messages",
         }
+    }
+
+    /// Whether its prompt is a conversation rendered by the chat template
+    /// (its answer is the assistant's next message).
+    pub fn is_chat(self) -> bool {
+        self != Endpoint::Completions
     }
 }
 
@@ -107,7 +119,8 @@ impl ParsedRequest<'_> {
         let field = |name| self.body.get(name).and_then(Json::as_u64);
         match self.endpoint {
             Endpoint::ChatCompletions => field("max_completion_tokens").or_else(|| field("max_tokens")),
-            Endpoint::Completions => field("max_tokens"),
+            Endpoint::Completions | Endpoint::Messages => field("max_tokens"),
+            Endpoint::Responses => field("max_output_tokens"),
         }
     }
 
@@ -128,9 +141,15 @@ impl ParsedRequest<'_> {
     pub fn extra(&self) -> PromptExtra {
         let estimate = |bytes: usize| bytes.div_ceil(4) as u64;
         match self.endpoint {
+            Endpoint::Responses | Endpoint::Messages => PromptExtra {
+                every_prompt: 0,
+                other_prompts: 0,
+                prompts: 1,
+            },
             Endpoint::ChatCompletions => PromptExtra {
-                // Rendered into the prompt by the engine's template.
-                every_prompt: ["tools", "functions", "response_format", "documents"]
+                // In the engine's prompt but not in the gateway's text
+                // (`tools` are rendered into it).
+                every_prompt: ["functions", "response_format", "documents"]
                     .into_iter()
                     .filter_map(|name| self.body.get(name))
                     .filter(|v| !matches!(v, Json::Null))
@@ -167,8 +186,12 @@ impl ParsedRequest<'_> {
     }
 
     /// Whether a streamed answer should end with a usage chunk
-    /// (`stream_options.include_usage`).
+    /// (`stream_options.include_usage`; Responses and Messages streams
+    /// always report their usage).
     pub fn include_usage(&self) -> bool {
+        if matches!(self.endpoint, Endpoint::Responses | Endpoint::Messages) {
+            return true;
+        }
         self.body
             .get("stream_options")
             .and_then(Json::as_object)
@@ -184,8 +207,8 @@ impl ParsedRequest<'_> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PromptExtra {
     /// Tokens in every prompt the engine renders, estimated: a chat's
-    /// `tools`, `functions`, `response_format` and `documents` (the
-    /// template renders them; the gateway's text leaves them out).
+    /// `functions`, `response_format` and `documents` (the gateway's text
+    /// leaves them out; `tools` it renders as the template does).
     pub every_prompt: u64,
     /// Tokens of the other prompts of a completions batch (`prompt` as a
     /// list: the first one routes); token-id lists counted exactly, texts
@@ -210,7 +233,8 @@ pub struct RequestError {
 }
 
 impl RequestError {
-    fn new(message: impl Into<String>, param: Option<&'static str>) -> Self {
+    /// A 400 `invalid_request_error` naming `param`.
+    pub(crate) fn new(message: impl Into<String>, param: Option<&'static str>) -> Self {
         Self {
             message: message.into(),
             param,
@@ -327,10 +351,16 @@ pub fn parse_with<'a, P: Templated>(
         }
     };
     check_numbers(&body)?;
-    let (input, earlier_answer_bytes, template_bytes) = match endpoint {
-        Endpoint::Completions => (completions_input(body.get("prompt"))?, 0, 0),
-        Endpoint::ChatCompletions => {
-            let chat = chat_text(body.get("messages"), template, limits.max_messages)?;
+    let conversation = match endpoint {
+        Endpoint::Completions => None,
+        Endpoint::ChatCompletions => Some(super::chat::conversation(&body, limits.max_messages)?),
+        Endpoint::Responses => Some(super::responses::conversation(&body, limits.max_messages)?),
+        Endpoint::Messages => Some(super::anthropic::conversation(&body, limits.max_messages)?),
+    };
+    let (input, earlier_answer_bytes, template_bytes) = match conversation {
+        None => (completions_input(body.get("prompt"))?, 0, 0),
+        Some(conversation) => {
+            let chat = conversation.render(template, endpoint_prompt_param(endpoint))?;
             (
                 RoutingInput::Text(Cow::Owned(chat.text)),
                 chat.earlier_answer_bytes,
@@ -345,11 +375,7 @@ pub fn parse_with<'a, P: Templated>(
             message: format!(
                 "the prompt is {} bytes{}, more than the gateway's limit of {} bytes",
                 text.len(),
-                if endpoint == Endpoint::ChatCompletions {
-                    " rendered"
-                } else {
-                    ""
-                },
+                if endpoint.is_chat() { " rendered" } else { "" },
                 limits.max_prompt_bytes
             ),
             param: Some(endpoint_prompt_param(endpoint)),
@@ -399,9 +425,27 @@ pub fn request_model<'a>(body: &Object<'a>) -> Result<Cow<'a, str>, RequestError
 /// The field of `endpoint`'s requests that carries the prompt.
 fn endpoint_prompt_param(endpoint: Endpoint) -> &'static str {
     match endpoint {
-        Endpoint::ChatCompletions => "messages",
+        Endpoint::ChatCompletions | Endpoint::Messages => "messages",
         Endpoint::Completions => "prompt",
+        Endpoint::Responses => "input",
     }
+}
+
+/// 400 `array_above_max_length` (as OpenAI answers) for a list of `len`
+/// messages or items, `param`, longer than `max`.
+pub(super) fn check_message_count(len: usize, max: usize, param: &'static str) -> Result<(), RequestError> {
+    if len <= max {
+        return Ok(());
+    }
+    Err(RequestError {
+        code: Some("array_above_max_length"),
+        ..RequestError::new(
+            format!(
+                "Invalid '{param}': array too long. Expected an array with maximum length {max}, but got an array with length {len} instead."
+            ),
+            Some(param),
+        )
+    })
 }
 
 /// Generation parameters every engine validates; checking their types here
@@ -415,7 +459,7 @@ fn check_numbers(body: &Object<'_>) -> Result<(), RequestError> {
         "seed",
         "n",
     ];
-    const COUNTS: [&str; 2] = ["max_tokens", "max_completion_tokens"];
+    const COUNTS: [&str; 3] = ["max_tokens", "max_completion_tokens", "max_output_tokens"];
     for name in NUMBERS.into_iter().chain(COUNTS) {
         match body.get(name) {
             None | Some(Json::Null) => {}
@@ -493,51 +537,6 @@ fn completions_input<'a>(prompt: Option<&Json<'a>>) -> Result<RoutingInput<'a>, 
     }
 }
 
-/// A message's text: its `content` string (borrowed), its text parts
-/// joined, or empty.
-fn message_text<'b>(i: usize, content: Option<&'b Json<'_>>) -> Result<Cow<'b, str>, RequestError> {
-    let param = Some("messages");
-    match content {
-        None | Some(Json::Null) => Ok(Cow::Borrowed("")),
-        Some(Json::String(s)) => Ok(Cow::Borrowed(s)),
-        Some(Json::Array(parts)) => {
-            let mut text = String::new();
-            for (j, part) in parts.iter().enumerate() {
-                let Json::Object(part) = part else {
-                    return Err(RequestError::new(
-                        format!("messages[{i}].content[{j}] must be an object"),
-                        param,
-                    ));
-                };
-                match (part.get("type").and_then(Json::as_str), part.get("text")) {
-                    (Some("text"), Some(Json::String(t))) => text.push_str(t),
-                    (Some("text"), _) => {
-                        return Err(RequestError::new(
-                            format!("messages[{i}].content[{j}].text must be a string"),
-                            param,
-                        ));
-                    }
-                    (Some(_), _) => {} // images, audio, ...: not part of the routing text
-                    (None, _) => {
-                        return Err(RequestError::new(
-                            format!("messages[{i}].content[{j}] needs a 'type'"),
-                            param,
-                        ));
-                    }
-                }
-            }
-            Ok(Cow::Owned(text))
-        }
-        Some(v) => Err(RequestError::new(
-            format!(
-                "messages[{i}].content must be a string, a list of parts or null, not {}",
-                v.kind()
-            ),
-            param,
-        )),
-    }
-}
-
 /// A chat's **opening**, hashed: its messages up to and including the
 /// first `user` message (roles and texts, each length-prefixed). Every
 /// turn of a conversation has the same opening, and conversations that
@@ -550,7 +549,7 @@ pub fn opening(body: &Object<'_>) -> Option<u64> {
     for (i, m) in body.get("messages")?.as_array()?.iter().enumerate() {
         let m = m.as_object()?;
         let role = m.get("role")?.as_str()?;
-        let text = message_text(i, m.get("content")).ok()?;
+        let text = super::chat::message_text(i, m.get("content")).ok()?;
         h.write_usize(role.len());
         h.write(role.as_bytes());
         h.write_usize(text.len());
@@ -560,122 +559,6 @@ pub fn opening(body: &Object<'_>) -> Option<u64> {
         }
     }
     None
-}
-
-/// A chat request's messages, rendered.
-struct ChatText {
-    /// The rendered prompt.
-    text: String,
-    /// Bytes of the last assistant message's text when another message
-    /// follows it ([`ParsedRequest::earlier_answer_bytes`]).
-    earlier_answer_bytes: usize,
-    /// Bytes before the first message text ([`ParsedRequest::template_bytes`]).
-    template_bytes: usize,
-}
-
-/// Renders the messages.
-fn chat_text(
-    messages: Option<&Json<'_>>,
-    template: &ChatTemplate,
-    max_messages: usize,
-) -> Result<ChatText, RequestError> {
-    let param = Some("messages");
-    let messages = match messages {
-        None | Some(Json::Null) => return Err(RequestError::new("'messages' is required", param)),
-        Some(Json::Array(m)) if m.is_empty() => {
-            return Err(RequestError::new("'messages' must not be empty", param));
-        }
-        Some(Json::Array(m)) if m.len() > max_messages => {
-            return Err(RequestError {
-                code: Some("array_above_max_length"),
-                ..RequestError::new(
-                    format!(
-                        "Invalid 'messages': array too long. Expected an array with maximum length {max_messages}, but got an array with length {} instead.",
-                        m.len()
-                    ),
-                    param,
-                )
-            });
-        }
-        Some(Json::Array(m)) => m,
-        Some(v) => {
-            return Err(RequestError::new(
-                format!("'messages' must be a list, not {}", v.kind()),
-                param,
-            ));
-        }
-    };
-    let mut rendered = Vec::with_capacity(messages.len());
-    let mut last_answer = None;
-    for (i, m) in messages.iter().enumerate() {
-        let Json::Object(m) = m else {
-            return Err(RequestError::new(
-                format!("messages[{i}] must be an object, not {}", m.kind()),
-                param,
-            ));
-        };
-        let role = match m.get("role") {
-            Some(Json::String(r)) if CHAT_ROLES.contains(&&**r) => r,
-            Some(Json::String(r)) if !r.is_empty() => {
-                // OpenAI's answer to an unknown role (engines that take any
-                // role would render it into a prompt no model was trained on).
-                return Err(RequestError {
-                    code: Some("invalid_value"),
-                    ..RequestError::new(
-                        format!(
-                            "Invalid value for messages[{i}].role: '{r}'. Supported values are: 'system', 'assistant', 'user', 'function', 'tool', and 'developer'."
-                        ),
-                        param,
-                    )
-                });
-            }
-            _ => {
-                return Err(RequestError::new(
-                    format!("messages[{i}].role must be a non-empty string"),
-                    param,
-                ));
-            }
-        };
-        let text = message_text(i, m.get("content"))?;
-        if &**role == "assistant" {
-            last_answer = Some((i, text.len()));
-        }
-        rendered.push(ChatMessage::new(&**role, text));
-    }
-    let earlier_answer = last_answer
-        .filter(|(i, _)| i + 1 < messages.len())
-        .map_or(0, |(_, n)| n);
-    let text = template
-        .render(&rendered)
-        .map_err(|e| RequestError::new(e.to_string(), param))?;
-    Ok(ChatText {
-        template_bytes: template_bytes(&text, &rendered),
-        text,
-        earlier_answer_bytes: earlier_answer,
-    })
-}
-
-/// The chat roles OpenAI's API takes; any other is a 400 `invalid_value`.
-const CHAT_ROLES: [&str; 6] = ["system", "developer", "user", "assistant", "tool", "function"];
-
-/// Bytes of a message's text [`template_bytes`] looks for: enough to
-/// tell it from the template's own text, and a search of a long message
-/// costs no more than a short one's.
-const TEMPLATE_PROBE_BYTES: usize = 64;
-
-/// Where the first message with text starts in `text` (the first
-/// occurrence of its first [`TEMPLATE_PROBE_BYTES`], trimmed as templates
-/// often trim it; an earlier occurrence in the template's own text only
-/// makes the opening shorter): everything before is the template's own.
-/// 0 when it is not found (a template that rewrites the text) or no
-/// message has text.
-fn template_bytes(text: &str, messages: &[ChatMessage<'_>]) -> usize {
-    messages
-        .iter()
-        .map(|m| m.content.trim())
-        .find(|t| !t.is_empty())
-        .and_then(|first| text.find(&first[..first.floor_char_boundary(TEMPLATE_PROBE_BYTES)]))
-        .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -702,7 +585,8 @@ mod tests {
 
     /// The prompt parts the gateway does not tokenize are estimated, and a
     /// batch's other prompts counted (issue 39: they were charged 0 and
-    /// escaped the context check).
+    /// escaped the context check). Tools are rendered into the text (issue
+    /// 43), so counted with it, not estimated again.
     #[test]
     fn tools_and_a_batchs_other_prompts_are_counted() {
         let tool = r#"{"type":"function","function":{"name":"lookup","description":"Looks a customer up by id.","parameters":{"type":"object","properties":{"id":{"type":"string"}}}}}"#;
@@ -711,8 +595,12 @@ mod tests {
         );
         let with_tools = chat(&body).unwrap();
         let extra = with_tools.extra();
-        // Two tools of ~150 bytes and a small format: ~80 tokens.
-        assert!((70..=100).contains(&extra.every_prompt), "{extra:?}");
+        // A small format: ~6 tokens; the tools are in the text.
+        assert!((4..=8).contains(&extra.every_prompt), "{extra:?}");
+        let RoutingInput::Text(text) = &with_tools.input else {
+            panic!("text")
+        };
+        assert_eq!(text.matches("Looks a customer up by id.").count(), 2, "{text}");
         assert_eq!((extra.other_prompts, extra.prompts), (0, 1));
         let plain = chat(r#"{"model":"m","messages":[{"role":"user","content":"Hi"}],"tools":null}"#).unwrap();
         assert_eq!(plain.extra().every_prompt, 0);
@@ -819,7 +707,8 @@ mod tests {
             panic!("text")
         };
         assert!(t2.starts_with(&format!("{t1}Hello!\n")), "{t2:?}");
-        assert!(t2.contains("How are you?"));
+        // Text parts joined with a newline, as vLLM joins them.
+        assert!(t2.contains("How\n are you?"), "{t2:?}");
         assert_eq!(chat(one).unwrap().earlier_answer_bytes, 0);
         assert_eq!(chat(two).unwrap().earlier_answer_bytes, "Hello!".len());
         // An assistant message last (a prefill to continue) is not an earlier answer.
@@ -846,7 +735,7 @@ mod tests {
 
     #[test]
     fn an_unknown_role_is_openais_400_and_every_known_role_renders() {
-        for role in CHAT_ROLES {
+        for role in super::super::chat::CHAT_ROLES {
             let body = format!(r#"{{"model":"m","messages":[{{"role":"{role}","content":"Hi"}}]}}"#);
             assert!(chat(&body).is_ok(), "{role}");
         }

@@ -88,6 +88,8 @@ pub async fn decide<'d>(
     let endpoint = match head.path.split('?').next().unwrap_or("") {
         "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
         "/v1/completions" => Some(Endpoint::Completions),
+        "/v1/responses" => Some(Endpoint::Responses),
+        "/v1/messages" => Some(Endpoint::Messages),
         _ => None,
     };
     let (outbound, ctx) = match (endpoint, body) {

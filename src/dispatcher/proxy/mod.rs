@@ -363,7 +363,7 @@ impl<'d> Attempts<'d> {
                 chain: std::mem::take(&mut c.chain),
                 hasher: c.hasher,
                 cache_key: c.store_key.filter(|_| parts.status == StatusCode::OK),
-                chat: c.endpoint == Endpoint::ChatCompletions,
+                chat: c.endpoint.is_chat(),
                 prediction: self.last_prediction,
                 timing: None,
                 pool: self.outbound.pool.clone(),

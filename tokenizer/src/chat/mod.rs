@@ -69,9 +69,11 @@ use std::sync::Arc;
 
 mod jinja;
 mod native;
+mod value;
 
 use jinja::JinjaTemplate;
 use native::{NativeTemplate, RenderOptions};
+pub use value::{TemplateValue, python_float_repr};
 
 /// Why a GGUF file gives no template.
 const NO_GGUF_TEMPLATE: &str = "no tokenizer.chat_template in its metadata";
@@ -93,12 +95,19 @@ pub enum TemplateError {
 
 /// One chat message, content already flattened to text. The strings are
 /// borrowed (from a request body, say) or owned.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ChatMessage<'a> {
     /// `system`, `user`, `assistant`, `tool`, ...
     pub role: Cow<'a, str>,
     /// The text.
     pub content: Cow<'a, str>,
+    /// What else the engine hands the template with the message, in order:
+    /// an assistant message's `tool_calls` (each `{id, type, function:
+    /// {name, arguments}}`, the arguments parsed as `json.loads` parses
+    /// them), a tool message's `tool_call_id` and `name`, an assistant
+    /// message's `reasoning_content`. Empty for a plain message; a message
+    /// with fields is rendered by minijinja (or canonically).
+    pub fields: Vec<(Cow<'a, str>, TemplateValue<'a>)>,
 }
 
 impl<'a> ChatMessage<'a> {
@@ -107,7 +116,20 @@ impl<'a> ChatMessage<'a> {
         Self {
             role: role.into(),
             content: content.into(),
+            fields: Vec::new(),
         }
+    }
+
+    /// The message with field `name` set to `value` (added after the
+    /// others).
+    pub fn with(mut self, name: impl Into<Cow<'a, str>>, value: TemplateValue<'a>) -> Self {
+        self.fields.push((name.into(), value));
+        self
+    }
+
+    /// Its field `name`, if it has one.
+    pub fn field(&self, name: &str) -> Option<&TemplateValue<'a>> {
+        self.fields.iter().find(|(k, _)| k == name).map(|(_, v)| v)
     }
 
     /// The message with strings of its own.
@@ -115,8 +137,25 @@ impl<'a> ChatMessage<'a> {
         ChatMessage {
             role: Cow::Owned(self.role.into_owned()),
             content: Cow::Owned(self.content.into_owned()),
+            fields: self
+                .fields
+                .into_iter()
+                .map(|(k, v)| (Cow::Owned(k.into_owned()), v.into_owned()))
+                .collect(),
         }
     }
+}
+
+/// What a chat template renders besides the messages: the request's
+/// `tools` (each as the engine hands it, `{type: "function", function:
+/// {name, description, parameters}}`) and its `chat_template_kwargs`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RenderInputs<'a> {
+    /// `tools`, when the request has any (a template told none renders as
+    /// it does without the variable).
+    pub tools: Option<Vec<TemplateValue<'a>>>,
+    /// Further template variables (`enable_thinking`, ...).
+    pub variables: Vec<(Cow<'a, str>, TemplateValue<'a>)>,
 }
 
 /// The special tokens a chat template is given, from the tokenizer config.
@@ -321,34 +360,38 @@ impl ChatTemplate {
     /// [`render`](Self::render), appending to `out`; on an error `out` is
     /// left as it was.
     pub fn render_into(&self, messages: &[ChatMessage<'_>], out: &mut String) -> Result<(), TemplateError> {
-        self.render_with(messages, None, out)
+        self.render_with(messages, &RenderInputs::default(), out)
     }
 
-    /// [`render_into`](Self::render_into), with one extra template variable
-    /// (such as `enable_thinking`) for the tests. A native renderer that
-    /// does not support the variable leaves the rendering to minijinja.
-    fn render_with(
+    /// [`render_into`](Self::render_into), with the request's `tools` and
+    /// template variables. A native renderer renders plain messages with
+    /// no tools (and Qwen3's `enable_thinking`); anything else is rendered
+    /// by minijinja, given what an engine gives the template.
+    pub fn render_with(
         &self,
         messages: &[ChatMessage<'_>],
-        extra: Option<(&str, minijinja::Value)>,
+        inputs: &RenderInputs<'_>,
         out: &mut String,
     ) -> Result<(), TemplateError> {
         match &self.renderer {
             Renderer::Canonical => {
-                render_canonical(messages, out);
+                render_canonical(messages, inputs, out);
                 Ok(())
             }
             Renderer::Jinja(jinja) => {
-                out.push_str(&jinja.render(messages, extra)?);
+                out.push_str(&jinja.render(messages, inputs)?);
                 Ok(())
             }
             Renderer::Native { template, jinja } => {
-                let options = match &extra {
-                    None => Some(RenderOptions::default()),
-                    Some((name, value)) => template.options_for(name, value),
+                let plain = inputs.tools.is_none() && messages.iter().all(|m| m.fields.is_empty());
+                let options = match &inputs.variables[..] {
+                    _ if !plain => None,
+                    [] => Some(RenderOptions::default()),
+                    [(name, value)] => template.options_for(name, &value.to_template()),
+                    _ => None,
                 };
                 let Some(options) = options else {
-                    out.push_str(&jinja.render(messages, extra)?);
+                    out.push_str(&jinja.render(messages, inputs)?);
                     return Ok(());
                 };
                 let start = out.len();
@@ -361,15 +404,37 @@ impl ChatTemplate {
     }
 }
 
+/// The canonical rendering's turns.
+const CANONICAL: native::Turns = native::Turns {
+    before_role: "<|",
+    after_role: "|>\n",
+    after_content: "\n",
+    generation: "<|assistant|>\n",
+};
+
 /// Appends the canonical rendering (see [`ChatTemplate::canonical`]).
-fn render_canonical(messages: &[ChatMessage<'_>], out: &mut String) {
-    native::Turns {
-        before_role: "<|",
-        after_role: "|>\n",
-        after_content: "\n",
-        generation: "<|assistant|>\n",
+fn render_canonical(messages: &[ChatMessage<'_>], inputs: &RenderInputs<'_>, out: &mut String) {
+    if inputs.tools.is_none() && messages.iter().all(|m| m.fields.is_empty()) {
+        return CANONICAL.render(messages, out);
     }
-    .render(messages, out);
+    if let Some(tools) = &inputs.tools {
+        out.push_str("<|tools|>\n");
+        for tool in tools {
+            out.push_str(&tool.to_json());
+            out.push('\n');
+        }
+    }
+    for message in messages {
+        CANONICAL.render_turn(message, out);
+        if let Some(TemplateValue::Array(calls)) = message.field("tool_calls") {
+            for call in calls {
+                out.push_str("<|tool_call|>\n");
+                out.push_str(&call.get("function").unwrap_or(call).to_json());
+                out.push('\n');
+            }
+        }
+    }
+    out.push_str(CANONICAL.generation);
 }
 
 #[cfg(test)]
@@ -415,10 +480,14 @@ mod tests {
         t: &ChatTemplate,
         messages: &[ChatMessage<'_>],
         name: &str,
-        value: minijinja::Value,
+        value: TemplateValue<'static>,
     ) -> Result<String, TemplateError> {
         let mut out = String::new();
-        t.render_with(messages, Some((name, value)), &mut out)?;
+        let inputs = RenderInputs {
+            tools: None,
+            variables: vec![(Cow::Owned(name.to_owned()), value)],
+        };
+        t.render_with(messages, &inputs, &mut out)?;
         Ok(out)
     }
 
@@ -543,7 +612,7 @@ mod tests {
         // enable_thinking=false: turn 1's generation prompt ends with an empty
         // think block that turn 2 does not contain; the shared prefix stops
         // at `<|im_start|>assistant\n`.
-        let p1_no_think = render_extra(&t, &turn1, "enable_thinking", minijinja::Value::from(false)).unwrap();
+        let p1_no_think = render_extra(&t, &turn1, "enable_thinking", TemplateValue::Bool(false)).unwrap();
         assert_eq!(p1_no_think, format!("{p1}<think>\n\n</think>\n\n"));
         assert!(!next(answer).starts_with(&p1_no_think));
     }
@@ -561,7 +630,7 @@ mod tests {
             msg("user", "Again"),
         ];
         for value in [false, true] {
-            let value = minijinja::Value::from(value);
+            let value = TemplateValue::Bool(value);
             assert_eq!(
                 render_extra(&native, &turns, "enable_thinking", value.clone()).unwrap(),
                 render_extra(&jinja, &turns, "enable_thinking", value).unwrap()
@@ -569,7 +638,7 @@ mod tests {
         }
         // A variable the native renderer does not know goes to minijinja,
         // which sees it (here: a non-boolean enable_thinking is not false).
-        let odd = minijinja::Value::from(0);
+        let odd = TemplateValue::Int(0);
         assert_eq!(
             render_extra(&native, &turns, "enable_thinking", odd.clone()).unwrap(),
             render_extra(&jinja, &turns, "enable_thinking", odd).unwrap()

@@ -9,7 +9,7 @@ use super::params::common_params;
 use super::{ApiError, GenParams};
 
 /// A validated `POST /v1/chat/completions` request.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ChatRequest {
     /// `model`, if given.
     pub model: Option<String>,

@@ -234,13 +234,18 @@ impl Turns {
         let marks = self.before_role.len() + self.after_role.len() + self.after_content.len();
         out.reserve(text_len(messages, marks) + self.generation.len());
         for message in messages {
-            out.push_str(self.before_role);
-            out.push_str(&message.role);
-            out.push_str(self.after_role);
-            out.push_str(&message.content);
-            out.push_str(self.after_content);
+            self.render_turn(message, out);
         }
         out.push_str(self.generation);
+    }
+
+    /// Appends one message's turn.
+    pub(super) fn render_turn(&self, message: &ChatMessage<'_>, out: &mut String) {
+        out.push_str(self.before_role);
+        out.push_str(&message.role);
+        out.push_str(self.after_role);
+        out.push_str(&message.content);
+        out.push_str(self.after_content);
     }
 }
 
