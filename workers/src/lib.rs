@@ -22,6 +22,7 @@
 //! | [`faults`] | fault injection: 500s, mid-stream resets, delay, hang, exit |
 //! | [`pd`] | disaggregated prefill/decode: vLLM's NIXL handoff and SGLang's bootstrap rendezvous, both legs |
 //! | [`request_log`] | the last inference requests received, their bodies and outcomes (`/sim/requests`) |
+//! | [`response_store`] | the stored answers of `/v1/responses`, which `previous_response_id` continues |
 //! | [`server`] | the HTTP front: routes, JSON and SSE responses |
 //!
 //! # Flow
@@ -50,6 +51,7 @@ pub mod output_vocab;
 pub mod pd;
 pub mod prefix_cache;
 pub mod request_log;
+pub mod response_store;
 pub mod server;
 pub mod sglang_api;
 pub mod vllm_api;

@@ -1068,9 +1068,10 @@ async fn bad_input_gets_openai_errors() {
         case(CHAT, json!({"messages": user("x"), "n": 3}), BAD, Some("n")),
         case(
             CHAT,
-            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+            // Image parts are skipped (not text); a part that is no object is refused.
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}, "x"]}]}),
             BAD,
-            Some("messages[0].content[0]"),
+            Some("messages[0].content[1]"),
         ),
         case(CHAT, json!({"messages": user(&long)}), BAD, Some("messages")),
     ];

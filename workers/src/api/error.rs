@@ -1,7 +1,8 @@
 //! [`ApiError`]: an error answered to the client, its constructors for
 //! each status the simulator answers (400, 404, 405, 409, 413, 5xx) and
-//! its JSON body: OpenAI's, or SGLang's for the errors of SGLang's
-//! disaggregated serving ([`ErrorFormat`]).
+//! its JSON body: OpenAI's, SGLang's for the errors of SGLang's
+//! disaggregated serving, or Anthropic's on `/v1/messages`
+//! ([`ErrorFormat`]).
 
 use bytes::Bytes;
 use http::StatusCode;
@@ -19,6 +20,24 @@ pub enum ErrorFormat {
     /// "param", "code"}`, `type` the exception's name (`BadRequestError`,
     /// `InternalServerError`) and `code` the HTTP status.
     Sglang,
+    /// Anthropic's: `{"type": "error", "error": {"type", "message"}}`,
+    /// the error `type` named after the status (`invalid_request_error`,
+    /// `not_found_error`, `request_too_large`, `api_error`, ...).
+    Anthropic,
+}
+
+/// Anthropic's error type for an HTTP status.
+pub fn anthropic_error_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        400 | 405 | 409 | 422 => "invalid_request_error",
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        _ => "api_error",
+    }
 }
 
 /// An error answered to the client, with an OpenAI-style body:
@@ -132,6 +151,25 @@ impl ApiError {
         }
     }
 
+    /// 404 for a `previous_response_id` the store does not hold (vLLM's
+    /// answer).
+    pub fn response_not_found(id: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: format!("Response with id '{id}' not found."),
+            kind: "invalid_request_error",
+            param: Some("previous_response_id".into()),
+            code: Some("response_not_found"),
+            format: ErrorFormat::OpenAi,
+        }
+    }
+
+    /// The same error in Anthropic's shape.
+    pub fn in_anthropic_format(mut self) -> Self {
+        self.format = ErrorFormat::Anthropic;
+        self
+    }
+
     /// The same error in SGLang's shape.
     pub fn in_sglang_format(mut self) -> Self {
         self.format = ErrorFormat::Sglang;
@@ -152,6 +190,13 @@ impl ApiError {
 
     /// The JSON body.
     pub fn body(&self) -> Bytes {
+        if self.format == ErrorFormat::Anthropic {
+            let body = serde_json::json!({
+                "type": "error",
+                "error": {"type": anthropic_error_type(self.status), "message": self.message},
+            });
+            return Bytes::from(body.to_string());
+        }
         if self.format == ErrorFormat::Sglang {
             let kind = match self.status {
                 StatusCode::BAD_REQUEST => "BadRequestError",

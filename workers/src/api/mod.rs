@@ -61,29 +61,45 @@
 //! chunk with empty `choices` and the usage (all other chunks then carry
 //! `"usage": null`, as OpenAI does), then `data: [DONE]`.
 
+mod answer;
 mod chat;
 mod completions;
+mod conversation;
 mod embeddings;
 mod error;
 mod fields;
 mod info;
+mod messages;
+mod messages_out;
 mod params;
 mod response;
+mod responses;
+mod responses_out;
 mod stream;
 #[cfg(test)]
 mod tests;
+mod tool_call;
 
+pub use answer::AnswerSpec;
 pub use chat::ChatRequest;
 pub use completions::{CompletionRequest, Prompt};
+pub use conversation::{Conversation, Ordered, ToolChoice};
 pub use embeddings::{EMBEDDING_DIMENSIONS, EmbeddingRequest, embedding_body};
-pub use error::{ApiError, ErrorFormat};
+pub use error::{ApiError, ErrorFormat, anthropic_error_type};
 pub(crate) use fields::{field, opt_bool, opt_int, opt_string, parse_object, wrong_type};
 pub use info::{models_body, props_body};
+pub use messages::MessagesRequest;
+pub use messages_out::{MessagesUsage, stop_reason};
 pub use params::{FinishReason, GenParams, natural_length, output_length, parse_output_override};
 pub use response::{
-    AssistantMessage, Choice, CompletionResponse, Endpoint, PromptTokensDetails, ResponseMeta, UsageBody,
+    AssistantMessage, Choice, CompletionResponse, Endpoint, FunctionBody, PromptTokensDetails, ResponseMeta,
+    ToolCallBody, UsageBody,
 };
-pub use stream::{Chunk, ChunkChoice, Delta, SSE_DONE};
+pub use responses::{InputItem, ResponsesEcho, ResponsesRequest};
+pub use stream::{
+    Chunk, ChunkChoice, Delta, EventWriter, FunctionDelta, SSE_DONE, ToolCallDelta, data_event, named_event,
+};
+pub use tool_call::{InOrder, ToolCall};
 
 /// Header that overrides the output length (see [`output_length`]).
 pub const OUTPUT_TOKENS_HEADER: &str = "x-semlb-output-tokens";

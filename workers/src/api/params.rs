@@ -98,12 +98,14 @@ pub fn parse_output_override(value: &[u8]) -> Result<u32, ApiError> {
 
 /// Why generation stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     /// The answer ended by itself.
     Stop,
     /// The answer hit `max_tokens`.
     Length,
+    /// The answer is a tool call (chat: `tool_calls`).
+    ToolCalls,
 }
 
 /// Where the answer would end by itself, with no `max_tokens` (see the

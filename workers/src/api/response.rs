@@ -1,9 +1,10 @@
 //! Non-streaming answers: which endpoint a response is for, its `usage`,
-//! and the `text_completion` / `chat.completion` object.
+//! and the `text_completion` / `chat.completion` object (a chat answer's
+//! message holds text, or a tool call with `content: null`).
 
 use serde::Serialize;
 
-use super::FinishReason;
+use super::{FinishReason, ToolCall};
 use crate::engine::Usage;
 
 /// Which endpoint a response belongs to.
@@ -13,6 +14,10 @@ pub enum Endpoint {
     Completions,
     /// `/v1/chat/completions`.
     Chat,
+    /// `/v1/responses` (OpenAI's Responses API).
+    Responses,
+    /// `/v1/messages` (Anthropic's Messages API).
+    Messages,
 }
 
 impl Endpoint {
@@ -20,16 +25,24 @@ impl Endpoint {
     pub fn prompt_param(self) -> &'static str {
         match self {
             Endpoint::Completions => "prompt",
-            Endpoint::Chat => "messages",
+            Endpoint::Chat | Endpoint::Messages => "messages",
+            Endpoint::Responses => "input",
         }
     }
 
-    /// Prefix of response ids (`cmpl-`, `chatcmpl-`).
+    /// Prefix of response ids (`cmpl-`, `chatcmpl-`, `resp_`, `msg_`).
     pub fn id_prefix(self) -> &'static str {
         match self {
             Endpoint::Completions => "cmpl-",
             Endpoint::Chat => "chatcmpl-",
+            Endpoint::Responses => "resp_",
+            Endpoint::Messages => "msg_",
         }
+    }
+
+    /// Whether the request is a conversation rendered by the chat template.
+    pub fn is_chat(self) -> bool {
+        self != Endpoint::Completions
     }
 }
 
@@ -71,7 +84,7 @@ impl From<Usage> for UsageBody {
 pub struct ResponseMeta {
     /// Which endpoint.
     pub endpoint: Endpoint,
-    /// `id` (`cmpl-…` / `chatcmpl-…`).
+    /// `id` (`cmpl-…`, `chatcmpl-…`, `resp_…`, `msg_…`).
     pub id: String,
     /// `created`, Unix seconds.
     pub created: u64,
@@ -79,13 +92,59 @@ pub struct ResponseMeta {
     pub model: String,
 }
 
+impl ResponseMeta {
+    /// The hexadecimal part of the id, which the ids of the answer's
+    /// parts (items, tool calls) share.
+    pub fn id_hex(&self) -> &str {
+        self.id.strip_prefix(self.endpoint.id_prefix()).unwrap_or(&self.id)
+    }
+}
+
+/// A tool call of a chat answer: `{"id", "type": "function", "function":
+/// {"name", "arguments"}}`, the arguments as JSON text.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ToolCallBody {
+    /// `call_…`.
+    pub id: String,
+    /// Always `function`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The function called.
+    pub function: FunctionBody,
+}
+
+/// `function` of a [`ToolCallBody`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FunctionBody {
+    /// The tool's name.
+    pub name: String,
+    /// The arguments, JSON text.
+    pub arguments: String,
+}
+
+impl From<&ToolCall> for ToolCallBody {
+    fn from(call: &ToolCall) -> Self {
+        Self {
+            id: call.id.clone(),
+            kind: "function",
+            function: FunctionBody {
+                name: call.name.clone(),
+                arguments: call.arguments_json.clone(),
+            },
+        }
+    }
+}
+
 /// The assistant message of a chat answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct AssistantMessage {
     /// Always `assistant`.
     pub role: &'static str,
-    /// The answer.
-    pub content: String,
+    /// The answer's text; `null` for a tool call.
+    pub content: Option<String>,
+    /// The tool call, if the answer is one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallBody>>,
 }
 
 /// One choice of a non-streaming answer.
@@ -123,16 +182,32 @@ pub struct CompletionResponse {
 }
 
 impl CompletionResponse {
-    /// The answer `text` for `meta`'s endpoint.
+    /// The answer `text` for `meta`'s endpoint (completions or chat).
     pub fn new(meta: &ResponseMeta, text: String, finish_reason: FinishReason, usage: Usage) -> Self {
+        Self::of(meta, text, None, finish_reason, usage)
+    }
+
+    /// A chat answer that is `call`.
+    pub fn tool_call(meta: &ResponseMeta, call: &ToolCall, usage: Usage) -> Self {
+        Self::of(meta, String::new(), Some(call), FinishReason::ToolCalls, usage)
+    }
+
+    fn of(
+        meta: &ResponseMeta,
+        text: String,
+        call: Option<&ToolCall>,
+        finish_reason: FinishReason,
+        usage: Usage,
+    ) -> Self {
         let (object, text, message) = match meta.endpoint {
             Endpoint::Completions => ("text_completion", Some(text), None),
-            Endpoint::Chat => (
+            _ => (
                 "chat.completion",
                 None,
                 Some(AssistantMessage {
                     role: "assistant",
-                    content: text,
+                    content: call.is_none().then_some(text),
+                    tool_calls: call.map(|c| vec![c.into()]),
                 }),
             ),
         };

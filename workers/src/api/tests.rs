@@ -1,6 +1,7 @@
-//! The OpenAI API's unit tests: prompt forms, parameter checks, chat
-//! messages, the output-length rule and override header, response, chunk
-//! and error shapes.
+//! The API's unit tests: prompt forms, parameter checks, chat messages
+//! (tools, tool calls, reasoning), Responses and Messages requests, the
+//! output-length rule and override header, response, chunk, event and
+//! error shapes.
 
 use http::StatusCode;
 use serde_json::Value;
@@ -148,6 +149,7 @@ fn chat_messages() {
     )
     .unwrap();
     let msgs: Vec<(&str, &str)> = r
+        .conversation
         .messages
         .iter()
         .map(|m| (m.role.as_ref(), m.content.as_ref()))
@@ -163,8 +165,29 @@ fn chat_messages() {
         (r#"{"messages":[{"role":1,"content":"hi"}]}"#, "messages[0].role"),
         (r#"{"messages":[{"role":"user","content":5}]}"#, "messages[0].content"),
         (
-            r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#,
+            r#"{"messages":[{"role":"user","content":["hi"]}]}"#,
             "messages[0].content[0]",
+        ),
+        (
+            r#"{"messages":[{"role":"user","content":[{"text":"hi"}]}]}"#,
+            "messages[0].content[0]",
+        ),
+        (
+            r#"{"messages":[{"role":"assistant","tool_calls":[{"function":{}}]}]}"#,
+            "messages[0].tool_calls[0].function.name",
+        ),
+        (
+            r#"{"messages":[{"role":"assistant","tool_calls":{}}]}"#,
+            "messages[0].tool_calls",
+        ),
+        (
+            r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]}"#,
+            "tools[0]",
+        ),
+        (r#"{"messages":[{"role":"user","content":"x"}],"tools":{}}"#, "tools"),
+        (
+            r#"{"messages":[{"role":"user","content":"x"}],"tool_choice":3}"#,
+            "tool_choice",
         ),
         (
             r#"{"messages":[{"role":"user","content":[{"type":"text"}]}]}"#,

@@ -24,14 +24,17 @@ use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
 
-use super::sse::{SseStream, StreamSpec};
+use semlb_tokenizer::chat::ChatMessage;
+
+use super::sse::{OnFinish, SseStream, StreamSpec};
 use super::tokens::{Prepared, prepare};
-use super::{Body, BoxError, Completion, Sim, error_response, read_body, reset_error, unix_now};
-use crate::api::{self, ApiError, CompletionResponse, Endpoint, FinishReason, GenParams, ResponseMeta};
-use crate::engine::{BlockKeys, Engine, EngineRequest, Event, KvHandoff, SubmitError, Usage};
+use super::{Body, BoxError, Completion, Sim, error_response, read_body, reset_error, tools, unix_now};
+use crate::api::{self, AnswerSpec, ApiError, Endpoint, FinishReason, GenParams, ResponseMeta};
+use crate::engine::{BlockKeys, Engine, EngineRequest, EngineStream, Event, KvHandoff, SubmitError, Usage};
 use crate::faults::Decision;
 use crate::pd::{Leg, PrefillSeat};
 use crate::request_log::Recorded;
+use crate::response_store::StoredResponse;
 
 /// Answers an inference request (after the hang and delay faults), and
 /// records it.
@@ -82,8 +85,16 @@ pub(super) async fn inference(
     };
     answered.unwrap_or_else(|e| {
         failed(&mut recorded, &e);
-        error_response(e)
+        error_response(in_shape(endpoint, e))
     })
+}
+
+/// The error in the shape of `endpoint`'s API (Anthropic's on `/v1/messages`).
+pub(super) fn in_shape(endpoint: Endpoint, e: ApiError) -> ApiError {
+    match endpoint {
+        Endpoint::Messages => e.in_anthropic_format(),
+        _ => e,
+    }
 }
 
 /// The request's record says it failed with `e` (unless its body took it).
@@ -214,6 +225,105 @@ fn server_error(e: impl ToString) -> ApiError {
     ApiError::server_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
 }
 
+/// What the engine is to generate, and what the answer is.
+struct Planned {
+    plan: Plan,
+    /// The prompt's seed.
+    seed: u64,
+    /// A tool call's output tokens.
+    call_tokens: Option<Vec<u32>>,
+    /// The answer's API, id, finish reason, tool call and length.
+    answer: AnswerSpec,
+}
+
+/// Step 2: the output of a request of `leg` (its length; a tool call's
+/// tokens, its rendering) and the answer it makes.
+fn plan_output(
+    sim: &Arc<Sim>,
+    prepared: &Prepared,
+    leg: &Leg,
+    override_tokens: Option<u32>,
+    endpoint: Endpoint,
+) -> Planned {
+    let Prepared {
+        prompt, params, chat, ..
+    } = prepared;
+    let config = sim.engine().config();
+    let seed = seahash::hash(&prompt.iter().flat_map(|id| id.to_le_bytes()).collect::<Vec<u8>>());
+    let meta = ResponseMeta {
+        endpoint,
+        id: sim.response_id(endpoint),
+        created: unix_now(),
+        model: prepared.model.clone(),
+    };
+    // A prefill leg generates no call: its decode leg answers.
+    let call = match (leg, chat) {
+        (Leg::NixlPrefill | Leg::SglangPrefill { .. }, _) | (_, None) => None,
+        (_, Some(chat)) => tools::tool_answer(sim, chat, seed, &meta),
+    };
+    // A call that would not fit in max_tokens is not made: the answer is text.
+    let call = call.filter(|(_, tokens)| params.max_tokens.is_none_or(|max| max as usize >= tokens.len()));
+    let (plan, call, call_tokens) = match call {
+        Some((call, tokens)) => {
+            let plan = Plan {
+                n: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+                finish: FinishReason::ToolCalls,
+                hold: false,
+            };
+            (plan, Some(call), Some(tokens))
+        }
+        None => (
+            Plan::of(leg, params, override_tokens, config.default_output_tokens),
+            None,
+            None,
+        ),
+    };
+    Planned {
+        plan,
+        seed,
+        call_tokens,
+        answer: AnswerSpec {
+            meta,
+            finish: plan.finish,
+            call,
+            include_usage: params.include_usage,
+            expected: plan.n,
+            echo: prepared.echo.clone(),
+        },
+    }
+}
+
+impl Planned {
+    /// The output tokens (a call's, or words drawn from the prompt's
+    /// seed), and what stores a Responses answer once it is finished:
+    /// the conversation and the answer (the call, or its text).
+    fn draw(&mut self, sim: &Arc<Sim>, prepared: &Prepared) -> (Vec<u32>, Option<OnFinish>) {
+        let output = match self.call_tokens.take() {
+            Some(tokens) => tokens,
+            None => sim.vocab().generate(self.seed, self.plan.n as usize),
+        };
+        let on_finish = match (&prepared.echo, &prepared.chat) {
+            (Some(echo), Some(chat)) if echo.store => {
+                let message = match &self.answer.call {
+                    Some(call) => call.message(),
+                    None => {
+                        let text: String = output.iter().map(|&id| sim.tokenizer().decode(&[id])).collect();
+                        ChatMessage::new("assistant", text)
+                    }
+                };
+                let stored = StoredResponse {
+                    messages: chat.conversation.messages.clone(),
+                    output: message,
+                };
+                let (sim, id) = (sim.clone(), self.answer.meta.id.clone());
+                Some(Box::new(move || sim.responses().insert(id, stored)) as OnFinish)
+            }
+            _ => None,
+        };
+        (output, on_finish)
+    }
+}
+
 /// Steps 1 to 4 of the module docs; an error is answered by the caller.
 async fn answer(
     sim: &Arc<Sim>,
@@ -230,21 +340,17 @@ async fn answer(
     let override_tokens = override_header
         .map(|value| api::parse_output_override(value.as_bytes()))
         .transpose()?;
-    let Prepared {
-        prompt,
-        params,
-        model,
-        root,
-    } = prepare(sim, endpoint, body)?;
+    let prepared = prepare(sim, endpoint, body)?;
     let (engine, pd) = (sim.engine(), sim.pd());
     let leg = pd.leg(body)?;
     if let Some(recorded) = recorded {
         recorded.leg(leg.kind());
     }
     let config = engine.config();
-    let plan = Plan::of(&leg, &params, override_tokens, config.default_output_tokens);
     // Refuse an impossible length before drawing (and allocating) the output.
-    let prompt_len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+    let prompt_len = u32::try_from(prepared.prompt.len()).unwrap_or(u32::MAX);
+    let mut planned = plan_output(sim, &prepared, &leg, override_tokens, endpoint);
+    let plan = planned.plan;
     if u64::from(prompt_len) + u64::from(plan.n) > u64::from(config.max_model_len) {
         let error = SubmitError::TooLong {
             prompt: prompt_len,
@@ -253,12 +359,17 @@ async fn answer(
         };
         return Err(ApiError::from_submit(&error, endpoint.prompt_param()));
     }
-    let seed = seahash::hash(&prompt.iter().flat_map(|id| id.to_le_bytes()).collect::<Vec<u8>>());
-    let output = sim.vocab().generate(seed, plan.n as usize);
-
+    let (output, on_finish) = planned.draw(sim, &prepared);
+    let Prepared {
+        prompt,
+        params,
+        model,
+        root,
+        ..
+    } = prepared;
     let key = pd.pin_key();
     let (handoff, seat) = before_engine(sim, &leg, plan.hold.then_some(key), root, &prompt).await?;
-    let mut pin = PinGuard {
+    let pin = PinGuard {
         engine: engine.clone(),
         key: plan.hold.then_some(key),
     };
@@ -278,7 +389,6 @@ async fn answer(
     let mut events = engine
         .submit_with(request, handoff)
         .map_err(|e| ApiError::from_submit(&e, endpoint.prompt_param()))?;
-    let engine_gone = || server_error("The engine dropped the request");
     let Some(Event::FirstToken {
         id: first,
         cached_tokens,
@@ -288,59 +398,96 @@ async fn answer(
         return Err(engine_gone());
     };
     let spec = StreamSpec {
-        meta: ResponseMeta {
-            endpoint,
-            id: sim.response_id(endpoint),
-            created: unix_now(),
-            model,
-        },
+        answer: planned.answer,
         tokenizer: sim.tokenizer().clone(),
-        include_usage: params.include_usage,
-        finish: plan.finish,
-        expected: plan.n,
+        prompt_tokens: prompt_len,
+        cached_tokens,
         reset: decision.reset,
+        on_finish,
     };
-    let mut builder = Response::builder()
+    let head = Response::builder()
         .header(api::SIM_TTFT_HEADER, format!("{:.3}", ttft_s * 1000.0))
         .header(api::SIM_CACHED_TOKENS_HEADER, cached_tokens);
-
-    if params.stream && seat.is_none() {
-        let stream = SseStream::start(spec, events, first, taken(recorded)?, completion);
-        builder = builder
-            .header(CONTENT_TYPE, "text/event-stream")
-            .header(CACHE_CONTROL, "no-cache");
-        let body = StreamBody::new(futures_util::stream::unfold(stream, SseStream::next_frame)).boxed_unsync();
-        return builder.body(body).map_err(server_error);
-    }
-
-    let mut tokens = vec![first];
-    let usage = loop {
-        match events.next().await {
-            Some(Event::Token { id }) => tokens.push(id),
-            Some(Event::Finished { usage }) => break usage,
-            Some(Event::FirstToken { .. }) => {}
-            None => return Err(engine_gone()),
-        }
+    let answering = Answering {
+        spec,
+        head,
+        stream: params.stream,
+        reset: decision.reset,
+        recorded,
+        completion,
     };
-    let mut transfer_params = None;
-    if let Some(mut seat) = seat {
-        pd.sglang_hand_over(&mut seat, engine, key).await?;
-        pin.key = None;
-        if params.stream {
-            let stream = SseStream::finished(spec, &tokens, usage, taken(recorded)?, completion);
-            builder = builder
-                .header(CONTENT_TYPE, "text/event-stream")
-                .header(CACHE_CONTROL, "no-cache");
-            let body = StreamBody::new(futures_util::stream::unfold(stream, SseStream::next_frame)).boxed_unsync();
-            return builder.body(body).map_err(server_error);
+    answering.respond(sim, events, first, seat, (pin, key)).await
+}
+
+fn engine_gone() -> ApiError {
+    server_error("The engine dropped the request")
+}
+
+/// An answer under way: the engine has sent its first token.
+struct Answering<'r> {
+    spec: StreamSpec,
+    head: http::response::Builder,
+    stream: bool,
+    reset: bool,
+    recorded: &'r mut Option<Recorded>,
+    completion: Completion,
+}
+
+impl Answering<'_> {
+    /// Step 4: the answer streamed as the engine's events come, or whole
+    /// once the engine has finished (an SGLang prefill leg's once its
+    /// decode has taken the KV; a vLLM prefill leg's with its
+    /// `kv_transfer_params`).
+    async fn respond(
+        mut self,
+        sim: &Arc<Sim>,
+        mut events: EngineStream,
+        first: u32,
+        seat: Option<PrefillSeat>,
+        (mut pin, key): (PinGuard, u64),
+    ) -> Result<Response<Body>, ApiError> {
+        let (engine, pd) = (sim.engine(), sim.pd());
+        if self.stream && seat.is_none() {
+            let stream = SseStream::start(self.spec, events, first, taken(self.recorded)?, self.completion);
+            return streamed(self.head, stream);
         }
-    } else if let Some(key) = pin.key.take() {
-        transfer_params = pd.nixl_hold(engine, key, &spec.meta.id);
+        let mut tokens = vec![first];
+        let usage = loop {
+            match events.next().await {
+                Some(Event::Token { id }) => tokens.push(id),
+                Some(Event::Finished { usage }) => break usage,
+                Some(Event::FirstToken { .. }) => {}
+                None => return Err(engine_gone()),
+            }
+        };
+        let mut transfer_params = None;
+        if let Some(mut seat) = seat {
+            pd.sglang_hand_over(&mut seat, engine, key).await?;
+            pin.key = None;
+            if self.stream {
+                let stream = SseStream::finished(self.spec, &tokens, usage, taken(self.recorded)?, self.completion);
+                return streamed(self.head, stream);
+            }
+        } else if let Some(key) = pin.key.take() {
+            transfer_params = pd.nixl_hold(engine, key, &self.spec.answer.meta.id);
+        }
+        if let Some(on_finish) = self.spec.on_finish.take() {
+            on_finish();
+        }
+        let json = json_answer(sim, &self.spec, &tokens, usage, transfer_params);
+        let head = self.head.header(CONTENT_TYPE, "application/json");
+        let body = whole_body(json, self.reset, taken(self.recorded)?, self.completion);
+        head.body(body).map_err(server_error)
     }
-    let json = json_answer(sim, &spec, &tokens, usage, transfer_params);
-    builder = builder.header(CONTENT_TYPE, "application/json");
-    let body = whole_body(json, decision.reset, taken(recorded)?, completion);
-    builder.body(body).map_err(server_error)
+}
+
+/// A streamed answer's response.
+fn streamed(head: http::response::Builder, stream: SseStream) -> Result<Response<Body>, ApiError> {
+    let head = head
+        .header(CONTENT_TYPE, "text/event-stream")
+        .header(CACHE_CONTROL, "no-cache");
+    let body = StreamBody::new(futures_util::stream::unfold(stream, SseStream::next_frame)).boxed_unsync();
+    head.body(body).map_err(server_error)
 }
 
 /// Step 3: what the engine is to know of the leg's KV (the decode leg's
@@ -370,16 +517,15 @@ async fn before_engine(
 /// at the top level if there are any (as vLLM writes them).
 fn json_answer(sim: &Sim, spec: &StreamSpec, tokens: &[u32], usage: Usage, params: Option<serde_json::Value>) -> Bytes {
     let text: String = tokens.iter().map(|&id| sim.tokenizer().decode(&[id])).collect();
-    let answer = CompletionResponse::new(&spec.meta, text, spec.finish, usage);
-    let bytes = match params {
-        None => serde_json::to_vec(&answer),
+    let body = spec.answer.body(text, usage);
+    match params {
+        None => body,
         Some(params) => {
-            let mut value = serde_json::to_value(&answer).unwrap_or_default();
+            let mut value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
             value["kv_transfer_params"] = params;
-            serde_json::to_vec(&value)
+            Bytes::from(serde_json::to_vec(&value).unwrap_or_default())
         }
-    };
-    Bytes::from(bytes.unwrap_or_default())
+    }
 }
 
 /// A non-streamed body: `json` in one frame, the request complete once

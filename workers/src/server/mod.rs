@@ -59,6 +59,7 @@
 mod inference;
 mod sse;
 mod tokens;
+mod tools;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -87,6 +88,7 @@ use crate::metrics::{self, MetricsFlavor};
 use crate::output_vocab::OutputVocab;
 use crate::pd::{self, Pd};
 use crate::request_log::RequestLog;
+use crate::response_store::ResponseStore;
 use crate::{sglang_api, vllm_api};
 use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::ChatTemplate;
@@ -128,6 +130,8 @@ pub struct Sim {
     pd: Pd,
     /// The last inference requests.
     requests: Arc<RequestLog>,
+    /// The stored answers of `/v1/responses`.
+    responses: ResponseStore,
 }
 
 impl Sim {
@@ -197,6 +201,7 @@ impl Sim {
             started: unix_now(),
             pd: Pd::plain(),
             requests: RequestLog::new(),
+            responses: ResponseStore::new(),
         }
     }
 
@@ -216,6 +221,11 @@ impl Sim {
     /// The log of the last inference requests (`/sim/requests`).
     pub fn requests(&self) -> &Arc<RequestLog> {
         &self.requests
+    }
+
+    /// The stored answers of `/v1/responses` (`previous_response_id`).
+    pub fn responses(&self) -> &ResponseStore {
+        &self.responses
     }
 
     /// The chat template messages are rendered with.
@@ -334,6 +344,7 @@ impl Drop for Completion {
 fn allowed_method(path: &str) -> Option<&'static str> {
     match path {
         "/v1/completions" | "/v1/chat/completions" | "/v1/embeddings" | "/reset_prefix_cache" => Some("POST"),
+        "/v1/responses" | "/v1/messages" => Some("POST"),
         "/tokenize" | "/detokenize" | "/v1/chat/completions/render" | "/v1/completions/render" => Some("POST"),
         "/v1/models" | "/health" | "/metrics" | "/props" | "/sim/metrics" | "/sim/requests" => Some("GET"),
         pd::NIXL_QUERY_PATH | pd::NIXL_RELEASE_PATH => Some("POST"),
@@ -351,6 +362,8 @@ async fn handle(sim: Arc<Sim>, request: Request<Incoming>) -> Result<Response<Bo
     let endpoint = match path.as_str() {
         "/v1/completions" => Some(Endpoint::Completions),
         "/v1/chat/completions" => Some(Endpoint::Chat),
+        "/v1/responses" => Some(Endpoint::Responses),
+        "/v1/messages" => Some(Endpoint::Messages),
         _ => None,
     };
     let decision = match endpoint {
@@ -374,7 +387,12 @@ async fn handle(sim: Arc<Sim>, request: Request<Incoming>) -> Result<Response<Bo
             inference::inference(&sim, request, endpoint, decision, completion).await
         }
         (None, Some(method)) if request.method().as_str() != method => {
-            let mut response = error_response(ApiError::method_not_allowed(request.method().as_str(), &path));
+            let error = ApiError::method_not_allowed(request.method().as_str(), &path);
+            let error = match endpoint {
+                Some(endpoint) => inference::in_shape(endpoint, error),
+                None => error,
+            };
+            let mut response = error_response(error);
             response.headers_mut().insert(ALLOW, HeaderValue::from_static(method));
             response
         }

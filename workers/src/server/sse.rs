@@ -1,7 +1,9 @@
 //! Server-sent-event answers: [`SseStream`] turns the engine's events
-//! into chunks as they come (the role chunk, one chunk per token, the
-//! usage chunk, `data: [DONE]`), and says how the stream ended to the
-//! request log.
+//! into server-sent events as they come, through the answer's
+//! [`EventWriter`] (OpenAI's chunks and `data: [DONE]`, the Responses
+//! API's or Anthropic's named events), runs the answer's finishing hook
+//! (a Responses answer is stored then), and says how the stream ended to
+//! the request log.
 
 use std::collections::VecDeque;
 
@@ -10,7 +12,7 @@ use hyper::body::Frame;
 use semlb_tokenizer::Tokenizer;
 
 use super::{BoxError, Completion, reset_error};
-use crate::api::{self, Chunk, Endpoint, FinishReason, ResponseMeta};
+use crate::api::{AnswerSpec, EventWriter};
 use crate::engine::{EngineStream, Event, Usage};
 use crate::request_log::Recorded;
 
@@ -18,13 +20,12 @@ use crate::request_log::Recorded;
 pub(super) struct SseStream {
     /// The engine's events; `None` when every chunk is queued already.
     events: Option<EngineStream>,
-    meta: ResponseMeta,
     tokenizer: Tokenizer,
-    include_usage: bool,
-    finish: FinishReason,
-    /// Output tokens the request will get.
-    expected: u32,
-    /// Output tokens turned into chunks so far.
+    /// Turns tokens into events.
+    writer: Box<dyn EventWriter>,
+    /// Runs when the engine has finished the answer.
+    on_finish: Option<OnFinish>,
+    /// Output tokens turned into events so far.
     tokens: u32,
     /// Chunks ready to send.
     pending: VecDeque<Bytes>,
@@ -39,16 +40,23 @@ pub(super) struct SseStream {
     _completion: Completion,
 }
 
+/// What runs once the engine has finished an answer, before its last
+/// events go out (storing a Responses answer).
+pub(super) type OnFinish = Box<dyn FnOnce() + Send>;
+
 /// What a stream says besides its tokens.
 pub(super) struct StreamSpec {
-    pub(super) meta: ResponseMeta,
+    /// The answer: its API, id, finish reason, tool call, length.
+    pub(super) answer: AnswerSpec,
     pub(super) tokenizer: Tokenizer,
-    pub(super) include_usage: bool,
-    pub(super) finish: FinishReason,
-    /// Output tokens the request will get.
-    pub(super) expected: u32,
+    /// Prompt tokens, and those served from the cache (Anthropic's
+    /// `message_start` tells them).
+    pub(super) prompt_tokens: u32,
+    pub(super) cached_tokens: u32,
     /// Cut the stream after the first chunk (`--reset-rate`).
     pub(super) reset: bool,
+    /// Runs when the engine has finished the answer.
+    pub(super) on_finish: Option<OnFinish>,
 }
 
 impl SseStream {
@@ -84,11 +92,9 @@ impl SseStream {
     fn new(spec: StreamSpec, events: Option<EngineStream>, recorded: Recorded, completion: Completion) -> Self {
         let mut stream = Self {
             events,
-            meta: spec.meta,
+            writer: spec.answer.writer(spec.prompt_tokens, spec.cached_tokens),
+            on_finish: spec.on_finish,
             tokenizer: spec.tokenizer,
-            include_usage: spec.include_usage,
-            finish: spec.finish,
-            expected: spec.expected,
             tokens: 0,
             pending: VecDeque::new(),
             emitted: 0,
@@ -97,26 +103,21 @@ impl SseStream {
             recorded: Some(recorded),
             _completion: completion,
         };
-        if stream.meta.endpoint == Endpoint::Chat {
-            let role = Chunk::chat_role(&stream.meta, stream.include_usage).to_sse();
-            stream.pending.push_back(role);
-        }
+        stream.writer.start(&mut stream.pending);
         stream
     }
 
     fn push_token(&mut self, id: u32) {
-        self.tokens += 1;
-        let finish = (self.tokens >= self.expected).then_some(self.finish);
         let text = self.tokenizer.decode(&[id]);
-        self.pending
-            .push_back(Chunk::token(&self.meta, text, finish, self.include_usage).to_sse());
+        self.writer.token(self.tokens, &text, &mut self.pending);
+        self.tokens += 1;
     }
 
     fn push_end(&mut self, usage: Usage) {
-        if self.include_usage {
-            self.pending.push_back(Chunk::usage(&self.meta, usage).to_sse());
+        if let Some(on_finish) = self.on_finish.take() {
+            on_finish();
         }
-        self.pending.push_back(Bytes::from_static(api::SSE_DONE));
+        self.writer.end(usage, &mut self.pending);
         self.done = true;
     }
 

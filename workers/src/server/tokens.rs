@@ -1,26 +1,54 @@
-//! From a request body to token ids: [`prepare`] (the prompt of a chat
-//! or completions body, rendered and tokenized, its parameters, model and
-//! prefix-cache root), which inference requests and vLLM's tokenization
-//! routes share ([`tokenization`]), and the embeddings route.
+//! From a request body to token ids: [`prepare`] (the prompt of a
+//! completions body, or of a conversation — chat, Responses, Messages —
+//! rendered and tokenized, its parameters, model and prefix-cache root),
+//! which inference requests and vLLM's tokenization routes share
+//! ([`tokenization`]), and the embeddings route.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
+use semlb_tokenizer::chat::RenderInputs;
 
 use super::{Body, Sim, full_response, json_response, read_body};
-use crate::api::{self, ApiError, ChatRequest, CompletionRequest, Endpoint, Prompt};
+use crate::api::{
+    self, ApiError, ChatRequest, CompletionRequest, Conversation, Endpoint, MessagesRequest, Prompt, ResponsesEcho,
+    ResponsesRequest,
+};
 use crate::vllm_api;
+
+/// A conversation and its rendered prompt text.
+pub(super) struct Chat {
+    pub(super) conversation: Conversation,
+    pub(super) text: String,
+}
 
 /// What a request body asks for: its prompt's token ids, its parameters,
 /// the model it names (the base model when it names none) and that
-/// model's prefix-cache root.
+/// model's prefix-cache root; a conversation's messages and text; what a
+/// Responses answer repeats.
 pub(super) struct Prepared {
     pub(super) prompt: Vec<u32>,
     pub(super) params: api::GenParams,
     pub(super) model: String,
     pub(super) root: u64,
+    pub(super) chat: Option<Chat>,
+    pub(super) echo: Option<ResponsesEcho>,
+}
+
+/// Renders `conversation` with the simulator's chat template (`param`:
+/// the field a template error names).
+pub(super) fn render(sim: &Sim, conversation: &Conversation, param: &str) -> Result<String, ApiError> {
+    let inputs = RenderInputs {
+        tools: conversation.tools.clone(),
+        variables: Vec::new(),
+    };
+    let mut text = String::new();
+    sim.template()
+        .render_with(&conversation.messages, &inputs, &mut text)
+        .map_err(|e| ApiError::bad_request(e.to_string(), Some(param)))?;
+    Ok(text)
 }
 
 /// The prompt token ids and parameters of a request body.
@@ -33,7 +61,8 @@ pub(super) fn prepare(sim: &Sim, endpoint: Endpoint, body: &[u8]) -> Result<Prep
             None => Err(ApiError::model_not_found(&model)),
         }
     };
-    let (prompt, params, (model, root)) = match endpoint {
+    let mut echo = None;
+    let (conversation, params, (model, root)) = match endpoint {
         Endpoint::Completions => {
             let request = CompletionRequest::parse(body)?;
             let model = check_model(request.model)?;
@@ -41,29 +70,57 @@ pub(super) fn prepare(sim: &Sim, endpoint: Endpoint, body: &[u8]) -> Result<Prep
                 Prompt::Text(text) => sim.tokenizer().encode(&text),
                 Prompt::Tokens(ids) => ids,
             };
-            (prompt, request.params, model)
+            let (model, root) = model;
+            return Ok(Prepared {
+                prompt,
+                root: salted(root, request.params.cache_salt),
+                params: request.params,
+                model,
+                chat: None,
+                echo: None,
+            });
         }
         Endpoint::Chat => {
             let request = ChatRequest::parse(body)?;
-            let model = check_model(request.model)?;
-            let text = sim
-                .template()
-                .render(&request.messages)
-                .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))?;
-            (sim.tokenizer().encode(&text), request.params, model)
+            (request.conversation, request.params, check_model(request.model)?)
+        }
+        Endpoint::Responses => {
+            let request = ResponsesRequest::parse(body)?;
+            let model = check_model(request.model.clone())?;
+            let history = match &request.echo.previous_response_id {
+                Some(id) => sim
+                    .responses()
+                    .get(id)
+                    .ok_or_else(|| ApiError::response_not_found(id))?
+                    .history(),
+                None => Vec::new(),
+            };
+            let conversation = request.messages(history);
+            echo = Some(request.echo);
+            (conversation, request.params, model)
+        }
+        Endpoint::Messages => {
+            let request = MessagesRequest::parse(body)?;
+            (request.conversation, request.params, check_model(request.model)?)
         }
     };
-    // A salt keys the whole chain, as vLLM mixes it into the first block.
-    let root = match params.cache_salt {
-        Some(salt) => seahash::hash_seeded(&root.to_le_bytes(), salt, !salt, 0x73616c74, 1).max(1),
-        None => root,
-    };
+    let text = render(sim, &conversation, endpoint.prompt_param())?;
     Ok(Prepared {
-        prompt,
+        prompt: sim.tokenizer().encode(&text),
+        root: salted(root, params.cache_salt),
         params,
         model,
-        root,
+        chat: Some(Chat { conversation, text }),
+        echo,
     })
+}
+
+/// A salt keys the whole chain, as vLLM mixes it into the first block.
+fn salted(root: u64, salt: Option<u64>) -> u64 {
+    match salt {
+        Some(salt) => seahash::hash_seeded(&root.to_le_bytes(), salt, !salt, 0x73616c74, 1).max(1),
+        None => root,
+    }
 }
 
 /// `POST /v1/embeddings`: the input's tokens, after the time their
@@ -153,7 +210,7 @@ pub(super) async fn tokenization(
             // The completions route answers one request per prompt.
             let rendered = match endpoint {
                 Endpoint::Completions => serde_json::Value::Array(vec![rendered]),
-                Endpoint::Chat => rendered,
+                _ => rendered,
             };
             Bytes::from(rendered.to_string())
         }
