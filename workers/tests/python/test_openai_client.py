@@ -17,6 +17,7 @@ Plain python3, no pytest:
 Only loopback traffic: the simulator listens on 127.0.0.1.
 """
 
+import json
 import os
 import re
 import select
@@ -268,6 +269,155 @@ class Checks:
             check(err.status_code == 400, f"status {err.status_code}")
             return
         raise AssertionError("max_tokens=-1 was accepted")
+
+    # ----- tools through chat completions -----
+
+    def test_chat_tool_call_loop(self):
+        # Tool call, tool result, text, next question: from the second turn
+        # on, each prompt hits the cached blocks of the one before.
+        messages = [
+            {"role": "system", "content": "You look things up before answering. " * 6},
+            {"role": "user", "content": "What is the weather in Paris?"},
+        ]
+        cached = []
+        for turn in range(4):
+            resp = self.client.chat.completions.create(model=self.model, messages=messages, tools=TOOLS)
+            choice = resp.choices[0]
+            check_usage(resp.usage)
+            cached.append(cached_tokens(resp.usage))
+            if turn % 2 == 0:
+                check(choice.finish_reason == "tool_calls", f"turn {turn}: finish_reason {choice.finish_reason!r}")
+                call = choice.message.tool_calls[0]
+                check(call.function.name == "get_weather", f"tool {call.function.name!r}")
+                check(set(json.loads(call.function.arguments)) == {"city"}, f"arguments {call.function.arguments!r}")
+                check(choice.message.content is None, f"content {choice.message.content!r}")
+                messages.append(choice.message.model_dump(exclude_none=True))
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C."})
+            else:
+                check(choice.finish_reason == "stop", f"turn {turn}: finish_reason {choice.finish_reason!r}")
+                check_text(choice.message.content)
+                messages.append({"role": "assistant", "content": choice.message.content})
+                messages.append({"role": "user", "content": "And in Rome?"})
+        check(all(c > 0 for c in cached[1:]), f"cached_tokens {cached}")
+        check(cached == sorted(cached) and len(set(cached[1:])) == 3, f"cached_tokens do not grow: {cached}")
+
+    def test_chat_tool_call_stream(self):
+        stream = self.client.chat.completions.create(
+            model=self.model,
+            messages=[{"role": "user", "content": "Weather in Oslo?"}],
+            tools=TOOLS,
+            stream=True,
+        )
+        name, arguments, finish = None, "", None
+        for chunk in stream:
+            for choice in chunk.choices:
+                for call in choice.delta.tool_calls or []:
+                    name = call.function.name or name
+                    arguments += call.function.arguments or ""
+                finish = choice.finish_reason or finish
+        check(name == "get_weather", f"name {name!r}")
+        check(set(json.loads(arguments)) == {"city"}, f"arguments {arguments!r}")
+        check(finish == "tool_calls", f"finish_reason {finish!r}")
+
+    # ----- the Responses API -----
+
+    def test_responses(self):
+        resp = self.client.responses.create(
+            model=self.model, instructions="Be brief.", input="Say something.", max_output_tokens=8
+        )
+        check(resp.object == "response", f"object {resp.object!r}")
+        check(resp.id.startswith("resp_"), f"id {resp.id!r}")
+        check(resp.status == "incomplete", f"status {resp.status!r} at max_output_tokens")
+        check_text(resp.output_text)
+        check(resp.usage.output_tokens == 8, f"output_tokens {resp.usage.output_tokens}")
+        check(resp.usage.total_tokens == resp.usage.input_tokens + 8, "total_tokens")
+        check(resp.output[0].type == "message" and resp.output[0].role == "assistant", f"output {resp.output}")
+
+    def test_responses_stream(self):
+        stream = self.client.responses.create(model=self.model, input="Stream something.", stream=True)
+        kinds, text, final = [], "", None
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                text += event.delta
+            if event.type == "response.completed":
+                final = event.response
+        check(kinds[:2] == ["response.created", "response.in_progress"], f"first events {kinds[:2]}")
+        check(kinds[-1] == "response.completed", f"last event {kinds[-1]}")
+        check(final is not None and final.output_text == text, "the deltas add up to the output")
+        check(final.status == "completed", f"status {final.status!r}")
+        check_text(text)
+        with self.client.responses.stream(model=self.model, input="Stream something.") as helper:
+            for _ in helper:
+                pass
+            again = helper.get_final_response()
+        check(again.output_text == text, "the stream helper reads the same answer")
+
+    def test_responses_tool_loop_continues_stored_responses(self):
+        tools = [
+            {
+                "type": "function",
+                "name": "get_weather",
+                "description": "The weather in a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            }
+        ]
+        first = self.client.responses.create(
+            model=self.model, instructions="You look things up. " * 8, input="Weather in Paris?", tools=tools
+        )
+        call = first.output[0]
+        check(call.type == "function_call" and call.name == "get_weather", f"output {first.output}")
+        check(set(json.loads(call.arguments)) == {"city"}, f"arguments {call.arguments!r}")
+        second = self.client.responses.create(
+            model=self.model,
+            instructions="You look things up. " * 8,
+            previous_response_id=first.id,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny."}],
+            tools=tools,
+        )
+        check(second.output[0].type == "message", f"after the result: {second.output}")
+        check_text(second.output_text)
+        cached = second.usage.input_tokens_details.cached_tokens
+        check(cached > 0, f"cached_tokens {cached} after a stored response")
+        # Instructions do not carry over: the same ones again keep the prefix.
+        stream = self.client.responses.create(
+            model=self.model,
+            instructions="You look things up. " * 8,
+            previous_response_id=second.id,
+            input="And in Rome?",
+            tools=tools,
+            stream=True,
+        )
+        arguments, done = "", None
+        for event in stream:
+            if event.type == "response.function_call_arguments.delta":
+                arguments += event.delta
+            if event.type == "response.completed":
+                done = event.response
+        check(done.output[0].type == "function_call", f"streamed output {done.output}")
+        check(arguments == done.output[0].arguments, "the argument deltas add up")
+        check(done.usage.input_tokens_details.cached_tokens > cached, "cached tokens grow")
+
+    def test_responses_unknown_previous_id_is_404(self):
+        try:
+            self.client.responses.create(model=self.model, input="hi", previous_response_id="resp_unknown")
+        except openai.NotFoundError as err:
+            check(err.status_code == 404, f"status {err.status_code}")
+            check("resp_unknown" in str(err), f"message {err}")
+            return
+        raise AssertionError("an unknown previous_response_id was accepted")
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 def main():
