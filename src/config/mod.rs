@@ -129,6 +129,10 @@
 //! | `response_cache.scope` | `tenant`, `global` | `tenant` | who shares cached responses: callers with the same API key, or everyone |
 //! | `response_cache.max_value_fraction` | float | `0.125` | largest share of the response log one response may take, in (0, 0.5] |
 //! | `response_cache.cache_nondeterministic` | bool | `false` | also cache requests that sample (`temperature` > 0, no `seed`) |
+//! | `[sessions]` | table | | agent sessions kept on their engines by the prefix-aware policies ([`crate::routing::affinity`]) |
+//! | `sessions.enabled` | bool | `true` | read a request's session key and keep its session on its engine while the load rule allows |
+//! | `sessions.headers` | array of strings | `["x-session-id", "x-session-affinity"]` | headers carrying the session key, tried in order |
+//! | `sessions.fields` | array of strings | `["prompt_cache_key", "metadata.user_id", "safety_identifier", "user"]` | then body fields (a dotted name is nested), tried in order |
 //! | `[store]` | table | | where the routing state lives ([`crate::store`]) |
 //! | `store.kind` | `shm`, `redis` | `shm` | the host's shared-memory segment, or a Redis server (shared by every host using it) |
 //! | `[store.redis]` | table | | the Redis store, used when `kind = "redis"` (checked whatever the kind) |
@@ -392,6 +396,8 @@ pub struct ServeConfig {
     pub policy: PolicyConfig,
     /// The exact-response cache (`[response_cache]`).
     pub response_cache: ResponseCacheConfig,
+    /// Agent sessions kept on their engines (`[sessions]`).
+    pub sessions: SessionsConfig,
     /// Request limits (`[limits]`).
     pub limits: LimitsConfig,
     /// Where the routing state lives.
@@ -453,6 +459,7 @@ impl Default for ServeConfig {
             models: Vec::new(),
             policy: PolicyConfig::default(),
             response_cache: ResponseCacheConfig::default(),
+            sessions: SessionsConfig::default(),
             limits: LimitsConfig::default(),
             store: StoreConfig::default(),
             health: HealthConfig::default(),

@@ -130,6 +130,38 @@ impl ResponseCacheConfig {
     }
 }
 
+/// Agent sessions (`[sessions]`): where a request's conversation key is
+/// read from, for the prefix-aware policies to keep a session on its
+/// engine ([`crate::routing::affinity`]).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SessionsConfig {
+    /// Keep sessions on their engines. Default true.
+    pub enabled: bool,
+    /// Request headers carrying the key, tried in order (any case).
+    /// Default `["x-session-id", "x-session-affinity"]`.
+    pub headers: Vec<String>,
+    /// Then body fields, tried in order; a dotted name reads a nested
+    /// field. Default `["prompt_cache_key", "metadata.user_id",
+    /// "safety_identifier", "user"]`.
+    pub fields: Vec<String>,
+}
+
+impl Default for SessionsConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            headers: vec!["x-session-id".into(), "x-session-affinity".into()],
+            fields: vec![
+                "prompt_cache_key".into(),
+                "metadata.user_id".into(),
+                "safety_identifier".into(),
+                "user".into(),
+            ],
+        }
+    }
+}
+
 /// Where the routing state lives (`[store]`).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]

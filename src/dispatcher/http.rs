@@ -15,6 +15,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 
 use crate::dispatcher::failure::Failure;
+use crate::openai::body::Json;
 
 /// Error type of response bodies.
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -344,14 +345,59 @@ fn connection_listed(headers: &HeaderMap) -> Vec<String> {
         .collect()
 }
 
-/// `body` (a JSON object) parsed and written again with its field `field`
-/// set to the string `value` (`body` as it is if it is not an object).
+/// `body` (a JSON object) with its top-level `field` set to the string
+/// `value` (see [`with_field`]).
 pub(crate) fn with_string_field(body: &Bytes, field: &str, value: &str) -> Bytes {
-    let Ok(serde_json::Value::Object(mut object)) = serde_json::from_slice::<serde_json::Value>(body) else {
+    with_field(body, field, &serde_json::to_string(value).expect("a string serializes"))
+}
+
+/// `body` (a JSON object) with its top-level `field` set to `raw` (JSON
+/// text), the rest in the client's order: the body is not written again
+/// through a map that would sort the keys of its objects (tool parameters
+/// among them, which the engine renders into the prompt in the order
+/// given). Without such a member, it is added at the object's end and
+/// every other byte stays as the client sent it; with one (its key
+/// escaped or not, given once or more), the body is written again from
+/// its parsed tree in document order without it, so nothing of the
+/// client's value reaches the engine. A body that is not an object comes
+/// back as it was.
+pub(crate) fn with_field(body: &Bytes, field: &str, raw: &str) -> Bytes {
+    let trimmed = body.trim_ascii();
+    let (Some(b'{'), Some(b'}')) = (trimmed.first(), trimmed.last()) else {
         return body.clone();
     };
-    object.insert(field.into(), serde_json::Value::String(value.to_owned()));
-    Bytes::from(serde_json::to_vec(&object).expect("a JSON value serializes"))
+    let name = serde_json::to_string(field).expect("a string serializes");
+    // Only `\uXXXX` writes a key's letter as something else.
+    let may_have =
+        memchr::memmem::find(body, field.as_bytes()).is_some() || memchr::memmem::find(body, br"\u").is_some();
+    if may_have && let Ok(Json::Object(mut object)) = Json::parse(body) {
+        if object.get(field).is_some() {
+            object.remove(field);
+            let mut out = String::with_capacity(body.len() + raw.len());
+            object.write_compact(&mut out);
+            out.pop();
+            if !object.is_empty() {
+                out.push(',');
+            }
+            out.push_str(&name);
+            out.push(':');
+            out.push_str(raw);
+            out.push('}');
+            return Bytes::from(out);
+        }
+    }
+    let close = body.len() - 1 - body.iter().rev().position(|b| *b == b'}').unwrap_or(0);
+    let empty = trimmed[1..trimmed.len() - 1].trim_ascii().is_empty();
+    let mut out = Vec::with_capacity(body.len() + name.len() + raw.len() + 2);
+    out.extend_from_slice(&body[..close]);
+    if !empty {
+        out.push(b',');
+    }
+    out.extend_from_slice(name.as_bytes());
+    out.push(b':');
+    out.extend_from_slice(raw.as_bytes());
+    out.extend_from_slice(&body[close..]);
+    Bytes::from(out)
 }
 
 #[cfg(test)]
@@ -372,6 +418,25 @@ mod tests {
         let names: Vec<&str> = out.keys().map(HeaderName::as_str).collect();
         assert_eq!(names.len(), 2, "{names:?}");
         assert!(out.contains_key(header::AUTHORIZATION) && out.contains_key(header::CONTENT_TYPE));
+    }
+
+    #[test]
+    fn a_field_is_added_without_reordering_the_body() {
+        let body = Bytes::from_static(br#" {"prompt":"a","tools":[{"p":{"z":1,"a":2.5e-7}}]} "#);
+        let out = with_string_field(&body, "model", "b\"c");
+        assert_eq!(
+            &out[..],
+            br#" {"prompt":"a","tools":[{"p":{"z":1,"a":2.5e-7}}],"model":"b\"c"} "#
+        );
+        // A member the body has is written again without it, in order.
+        let body = Bytes::from_static(br#"{"model":"a","tools":[{"p":{"z":1,"a":2}}],"mod\u0065l":"x"}"#);
+        let out = with_string_field(&body, "model", "b");
+        assert_eq!(&out[..], br#"{"tools":[{"p":{"z":1,"a":2}}],"model":"b"}"#);
+        assert_eq!(
+            &with_field(&Bytes::from_static(b"{ }"), "x", "null")[..],
+            br#"{ "x":null}"#
+        );
+        assert_eq!(&with_field(&Bytes::from_static(b"[1]"), "x", "null")[..], b"[1]");
     }
 
     #[test]

@@ -50,6 +50,10 @@ pub(super) struct Learn {
     /// Its completion record may be pushed (its tenant is within its
     /// share of the prefix table: `super::share`).
     pub record: bool,
+    /// The engine stores the answer: its id is read as it passes and
+    /// recorded for the server, with this tenant's salt
+    /// ([`super::stored_response`]).
+    pub stored: Option<(u64, super::stored_response::StoredId)>,
 }
 
 /// Builds the completion record of a finished answer (`answer`, in

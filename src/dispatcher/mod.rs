@@ -5,12 +5,12 @@
 //!
 //! | route | answer |
 //! | --- | --- |
-//! | `POST /v1/completions`, `POST /v1/chat/completions` | the inference pipeline below (JSON or SSE) |
+//! | `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses` (OpenAI's Responses API), `POST /v1/messages` (Anthropic's Messages API) | the inference pipeline below (JSON or SSE; errors on `/v1/messages` in Anthropic's shape) |
 //! | `GET /v1/models` | the configured model pools ([`crate::pools`]); without them, the live servers' model lists merged, deduplicated by `id` |
 //! | `GET /health` | 200 when at least one server is live, else 503 |
 //! | `GET /metrics` | Prometheus text of the whole gateway ([`crate::metrics`]) |
 //! | `GET /semlb/peer/load` | this gateway's load for its peers, with `x-semlb-peer-token` ([`crate::peers::summary`]; 404 without `peering.token_file`) |
-//! | `POST /v1/embeddings`, `/v1/rerank`, `/v1/score`, `/v1/responses`, `/v1/messages`, `/v1/messages/count_tokens` | charged, then proxied to the least loaded live server of the pool its body's `model` names (unknown: 404; no model where keys or pools make it matter: 400) |
+//! | `POST /v1/embeddings`, `/v1/rerank`, `/v1/score`, `/v1/messages/count_tokens` | charged, then proxied to the least loaded live server of the pool its body's `model` names (unknown: 404; no model where keys or pools make it matter: 400) |
 //!
 //! Other paths, `/v1/...` included, get 404 from the gateway itself; wrong
 //! methods 405 (with `Allow`); a path with a percent-encoded `/`, `\`,
@@ -78,7 +78,7 @@
 //! | module | step |
 //! | --- | --- |
 //! | `endpoints` | the route table: which handler answers a method and path (encoded separators and dot-segments refused first); `/health`, `/metrics` |
-//! | `passthrough` | the engines' other `/v1` endpoints (embeddings, rerank, score, Responses, Messages): model, pool, charge, proxy |
+//! | `passthrough` | the engines' other `/v1` endpoints (embeddings, rerank, score, Messages' `count_tokens`): model, pool, charge, proxy |
 //! | `inference` | the front half of an inference request: body → parse → tokens → block chain → cache key → lookup; cached answers |
 //! | `concurrency` | the tenant's requests in flight on this host, counted while its answer runs: 429 past `max_concurrent_requests` |
 //! | `charge` | the request's rate-limit buckets charged before it is routed, with its output reserved ([`crate::tenancy::rate_limit`]): 429, or the `x-ratelimit-*` headers of its answer; the reservation settled when the answer ends |
@@ -90,6 +90,7 @@
 //! | `stream_usage` | the usage of every streamed answer asked for on the client's behalf (`stream_options.include_usage`) and kept from it |
 //! | `meter` | an answer's output tokens, read as it passes: the engine's usage, else an estimate of everything generated |
 //! | `learn` | the completion record a finished answer becomes, pushed into this dispatcher's ring |
+//! | `stored_response` | the id of a response the engine stores (Responses API, `store` on), read as the answer passes and recorded for its engine ([`crate::routing::affinity`]) |
 //! | `disagg` | disaggregated prefill and decode: the legs' bodies and what passes between them (vLLM's NixlConnector, SGLang's bootstrap rendezvous) |
 //! | `queue` | the gateway queue of the holding policies and its pump |
 //! | `models` | `GET /v1/models`: the live servers' lists merged |
@@ -144,6 +145,7 @@ pub mod reactor_watch;
 mod relay;
 mod share;
 mod sse;
+mod stored_response;
 mod stream_usage;
 mod tenant_usage;
 mod timing;

@@ -1,5 +1,5 @@
 //! The `/v1/*` passthrough: the engines' other OpenAI-compatible endpoints
-//! (embeddings, rerank, score, Responses, Messages), proxied to the least
+//! (embeddings, rerank, score, Messages' token count), proxied to the least
 //! loaded live server of the pool the body's `model` names.
 //!
 //! # What is forwarded
@@ -34,12 +34,9 @@
 //! never 0) to the caller's and the pool's rate-limit buckets, before it is
 //! forwarded (429 when they have no room). These endpoints' prompt is not
 //! one text the gateway can tokenize (a batch of inputs, documents to
-//! rank, a Responses input list), and an estimate is what the review asked
-//! for in place of the 0 charged before. The endpoints that generate
-//! (Responses, Messages) also reserve their output as chat does
-//! (`max_output_tokens`, `max_tokens`, else `limits.reserve_output_tokens`),
-//! settled with the output their answer reports (`usage.output_tokens`)
-//! or an estimate of it (`super::meter`) when it ends.
+//! rank), and an estimate is what the review asked for in place of the 0
+//! charged before. None of them generates output. (The Responses and
+//! Messages APIs, which do, are inference requests: `super::inference`.)
 //!
 //! # Queued
 //!
@@ -64,14 +61,7 @@ use crate::openai::prompt::RequestError;
 use crate::tenancy::auth::Caller;
 
 /// The `/v1` paths forwarded to an engine, all with `POST`.
-pub(super) const PATHS: [&str; 6] = [
-    "/v1/embeddings",
-    "/v1/rerank",
-    "/v1/score",
-    "/v1/responses",
-    "/v1/messages",
-    "/v1/messages/count_tokens",
-];
+pub(super) const PATHS: [&str; 4] = ["/v1/embeddings", "/v1/rerank", "/v1/score", "/v1/messages/count_tokens"];
 
 /// Body bytes per prompt token charged (the common rule of thumb for
 /// English text in BPE vocabularies; JSON punctuation makes it an
@@ -84,27 +74,11 @@ pub fn estimated_tokens(bytes: usize) -> u64 {
     bytes.div_ceil(BYTES_PER_TOKEN).max(1) as u64
 }
 
-/// The paths whose answers are generated output (their output is
-/// reserved and charged).
-const GENERATING: [&str; 2] = ["/v1/responses", "/v1/messages"];
-
-/// What a passthrough body says: the model it names, and the output it
-/// asks for (Responses' `max_output_tokens`, Messages' `max_tokens`).
-#[derive(Debug, PartialEq, Eq)]
-struct Named {
-    model: String,
-    max_output: Option<u64>,
-}
-
-/// The model a passthrough body names and the output it asks for (400: not
-/// a JSON object, or no non-empty string `model`).
-fn model_named(body: &[u8]) -> Result<Named, RequestError> {
+/// The model a passthrough body names (400: not a JSON object, or no
+/// non-empty string `model`).
+fn model_named(body: &[u8]) -> Result<String, RequestError> {
     let object = crate::openai::prompt::body_object(body)?;
-    let model = crate::openai::prompt::request_model(&object).map(Cow::into_owned)?;
-    let max_output = ["max_output_tokens", "max_tokens"]
-        .into_iter()
-        .find_map(|name| object.get(name).and_then(crate::openai::body::Json::as_u64));
-    Ok(Named { model, max_output })
+    crate::openai::prompt::request_model(&object).map(Cow::into_owned)
 }
 
 /// `POST` to one of [`PATHS`]: charged, then proxied (see the
@@ -126,15 +100,11 @@ pub(super) async fn passthrough(
     // Without pools or keys every server takes it alike: nothing to read.
     let pools = dispatcher.pools();
     let pool;
-    let mut max_output = None;
     if !pools.is_implicit() || caller.is_some() {
         let Some(named) = off_reactor_if_large(&bytes, |b| model_named(b)).await else {
             return shutting_down();
         };
-        let (found, model) = match named.and_then(|n| {
-            max_output = n.max_output;
-            Ok((pick_pool(&pools, caller, &n.model)?, n.model))
-        }) {
+        let (found, model) = match named.and_then(|model| Ok((pick_pool(&pools, caller, &model)?, model))) {
             Ok(found) => found,
             Err(e) => return json_response(e.status, &e.body()),
         };
@@ -150,13 +120,9 @@ pub(super) async fn passthrough(
         // The implicit pool of every server: its limits, if it has any.
         pool = pools.pools().first().cloned();
     }
-    let generates = GENERATING.contains(&parts.uri.path());
-    let reserve = || {
-        let default = dispatcher.config().limits.reserve_output_tokens;
-        if generates { max_output.unwrap_or(default) } else { 0 }
-    };
+    // Nothing these endpoints answer is generated output.
     let mut admitted = match &pool {
-        Some(pool) => match charge::admit(dispatcher, caller, pool, estimated_tokens(bytes.len()), reserve).await {
+        Some(pool) => match charge::admit(dispatcher, caller, pool, estimated_tokens(bytes.len()), || 0).await {
             Ok(a) => a,
             Err(refused) => return refused,
         },
@@ -169,10 +135,9 @@ pub(super) async fn passthrough(
         share: None,
     };
     // A pool whose policy holds requests queues these as it queues chats.
-    let share = pool.as_ref().and_then(|p| {
-        let output = if generates { max_output } else { Some(0) };
-        share_of(p, caller, &parts.headers, estimated_tokens(bytes.len()), output)
-    });
+    let share = pool
+        .as_ref()
+        .and_then(|p| share_of(p, caller, &parts.headers, estimated_tokens(bytes.len()), Some(0)));
     let outbound = Outbound {
         method: parts.method,
         path_and_query: parts
@@ -212,23 +177,8 @@ mod tests {
 
     #[test]
     fn a_body_must_be_a_json_object_naming_a_model() {
-        let named = |model: &str, max_output| Named {
-            model: model.to_owned(),
-            max_output,
-        };
-        assert_eq!(
-            model_named(br#"{"model": "m", "input": "x"}"#).unwrap(),
-            named("m", None)
-        );
-        assert_eq!(model_named(br#"{"model": "m\u002Fx"}"#).unwrap(), named("m/x", None));
-        assert_eq!(
-            model_named(br#"{"model": "m", "max_output_tokens": 300}"#).unwrap(),
-            named("m", Some(300))
-        );
-        assert_eq!(
-            model_named(br#"{"model": "m", "max_tokens": 1024, "messages": []}"#).unwrap(),
-            named("m", Some(1024))
-        );
+        assert_eq!(model_named(br#"{"model": "m", "input": "x"}"#).unwrap(), "m");
+        assert_eq!(model_named(br#"{"model": "m\u002Fx"}"#).unwrap(), "m/x");
         for (body, says) in [
             (&br#"{"input": "x"}"#[..], "'model' is required"),
             (br#"{"model": ""}"#, "must not be empty"),

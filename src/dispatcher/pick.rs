@@ -12,6 +12,7 @@ use super::inflight::InflightGuard;
 use crate::dispatcher::failure::Failure;
 use crate::pools::Pool;
 use crate::prefix::continuation::EndProbe;
+use crate::routing::affinity::{self, Affinity};
 use crate::routing::{Leg, Members};
 use crate::routing::{Policy, Reason, RouteInput};
 use crate::store::{Lookup, LookupRequest};
@@ -29,6 +30,8 @@ pub(super) struct RouteRequest<'a> {
     pub template_blocks: u32,
     /// The hashed session key.
     pub session: Option<u64>,
+    /// Where it wants to go (a stored response's engine, its session's).
+    pub affinity: Option<Affinity>,
     /// An inference request (routed by its pool's policy; others by least
     /// load).
     pub inference: bool,
@@ -50,6 +53,8 @@ pub(super) struct RouteRequest<'a> {
 
 /// The outcome of [`choose`].
 pub(super) enum Routed {
+    /// It continues a stored response no live server holds.
+    Unstored,
     /// Send it there (already counted in flight when the policy holds
     /// requests: choosing and counting are then confirmed together).
     Chosen(Chosen, Option<InflightGuard>),
@@ -147,6 +152,7 @@ pub(super) async fn choose(
         prompt_tokens,
         template_blocks,
         session,
+        affinity,
         inference,
         continuation,
         pool,
@@ -172,6 +178,27 @@ pub(super) async fn choose(
             self::lookup(dispatcher, request).await
         }
     };
+    // Where the request wants to go: its stored response's engine only,
+    // or its session's engine credited with the whole prompt.
+    let affine = match affinity {
+        Some(a) if inference => dispatcher.store().holders(a.key(), &lookup.candidates).await,
+        _ => Vec::new(),
+    };
+    let affine_servers = affine;
+    let affine: Vec<_> = affine_servers.iter().map(|s| s.tag()).collect();
+    let chain_blocks = u32::try_from(chain.len()).unwrap_or(u32::MAX);
+    let applied = affinity::apply(
+        affinity.filter(|_| inference),
+        &affine,
+        &mut lookup.candidates,
+        &mut lookup.prefix,
+        chain_blocks,
+    );
+    match applied {
+        affinity::Applied::Missing => return Routed::Unstored,
+        affinity::Applied::Pinned => return pinned(dispatcher, lookup),
+        _ => {}
+    }
     // Requests that are not inference go to the least loaded server; a
     // pool whose policy holds requests holds them too (they wait in the
     // gateway queue when its servers are full).
@@ -241,6 +268,9 @@ pub(super) async fn choose(
             }
         }
         let server = choice.server;
+        if let (Some(Affinity::Session(key)), true) = (affinity, inference) {
+            follow_session(dispatcher, key, server, &affine_servers);
+        }
         let Some(info) = dispatcher.registration(server) else {
             // Re-registered or unreadable meanwhile: ask again without it.
             lookup.candidates.retain(|c| c.server != server);
@@ -273,6 +303,37 @@ pub(super) async fn choose(
         };
         return Routed::Chosen(Chosen::new(server, info.address, choice.reason, &lookup), guard);
     }
+}
+
+/// A session routed to `server`: its key lists `server` alone from now on
+/// (taken off `before`, the engines it listed), so its next turn follows
+/// it rather than going back.
+fn follow_session(dispatcher: &Dispatcher, key: u64, server: ServerRef, before: &[ServerRef]) {
+    let store = dispatcher.store();
+    for old in before.iter().filter(|s| **s != server) {
+        store.forget_route(*old, &[key], None);
+    }
+    store.record_route(server, &[key], None);
+}
+
+/// The choice for a request that continues a stored response, among the
+/// live engines that stored it (`lookup`'s candidates): the least loaded.
+/// It is never held in the gateway queue: no other engine can answer it.
+fn pinned(dispatcher: &Arc<Dispatcher>, mut lookup: Lookup) -> Routed {
+    while let Some(server) = lookup
+        .candidates
+        .iter()
+        .min_by_key(|c| c.weighted_inflight())
+        .map(|c| c.server)
+    {
+        match dispatcher.registration(server) {
+            Some(info) => {
+                return Routed::Chosen(Chosen::new(server, info.address, Reason::StoredResponse, &lookup), None);
+            }
+            None => lookup.candidates.retain(|c| c.server != server),
+        }
+    }
+    Routed::Unstored
 }
 
 /// Passive health check (see [`crate::health`]): a request to `server`

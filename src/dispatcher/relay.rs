@@ -473,6 +473,14 @@ impl Relay {
         if let Some(meter) = self.meter.as_mut() {
             meter.feed(data);
         }
+        if let Some(learn) = self.learn.as_mut()
+            && let Some((salt, watch)) = learn.stored.as_mut()
+            && let Some(id) = watch.feed(data)
+        {
+            let key = crate::routing::affinity::stored_key(*salt, &id);
+            self.dispatcher.store().record_route(learn.server, &[key], None);
+            learn.stored = None;
+        }
     }
 
     fn end(&mut self) {

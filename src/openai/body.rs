@@ -78,6 +78,25 @@ impl<'a> Object<'a> {
         self.entries.is_empty()
     }
 
+    /// Appends it as compact JSON ([`Json::write_compact`]).
+    pub fn write_compact(&self, out: &mut String) {
+        out.push('{');
+        for (i, (k, v)) in self.entries.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            out.push_str(&serde_json::to_string(&**k).expect("a string serializes"));
+            out.push(':');
+            v.write_compact(out);
+        }
+        out.push('}');
+    }
+
+    /// Removes every member named `key`.
+    pub fn remove(&mut self, key: &str) {
+        self.entries.retain(|(k, _)| k != key);
+    }
+
     /// The object with every string copied out of the body it borrows.
     pub fn into_owned(self) -> Object<'static> {
         Object {
@@ -178,6 +197,29 @@ impl<'a> Json<'a> {
             Json::String(s) => s.len() + 2,
             Json::Array(items) => 2 + items.iter().map(|v| v.text_bytes() + 1).sum::<usize>(),
             Json::Object(o) => 2 + o.entries().map(|(k, v)| k.len() + 4 + v.text_bytes()).sum::<usize>(),
+        }
+    }
+
+    /// Appends it as compact JSON: objects in document order (a repeated
+    /// key each time), numbers as serde_json writes them (the same value).
+    pub fn write_compact(&self, out: &mut String) {
+        use std::fmt::Write as _;
+        match self {
+            Json::Null => out.push_str("null"),
+            Json::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            Json::Number(n) => write!(out, "{n}").expect("a String takes writes"),
+            Json::String(s) => out.push_str(&serde_json::to_string(&**s).expect("a string serializes")),
+            Json::Array(items) => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    item.write_compact(out);
+                }
+                out.push(']');
+            }
+            Json::Object(o) => o.write_compact(out),
         }
     }
 

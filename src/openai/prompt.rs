@@ -180,6 +180,34 @@ impl ParsedRequest<'_> {
         }
     }
 
+    /// The stored response a Responses request continues
+    /// (`previous_response_id`), if it names one.
+    pub fn previous_response_id(&self) -> Option<&str> {
+        (self.endpoint == Endpoint::Responses)
+            .then(|| self.body.get("previous_response_id").and_then(Json::as_str))
+            .flatten()
+            .filter(|id| !id.is_empty())
+    }
+
+    /// Whether the engine stores the answer of a Responses request (its
+    /// `store`, true unless `false`), for a later `previous_response_id`.
+    pub fn stores_response(&self) -> bool {
+        self.endpoint == Endpoint::Responses && self.body.get("store").and_then(Json::as_bool) != Some(false)
+    }
+
+    /// Whether a Responses request carries its whole conversation (an
+    /// earlier answer among its input items): without its stored response
+    /// it can still be answered, sent without `previous_response_id`.
+    pub fn carries_history(&self) -> bool {
+        let items = self.body.get("input").and_then(Json::as_array).unwrap_or_default();
+        items.iter().filter_map(Json::as_object).any(|item| {
+            matches!(
+                item.get("type").and_then(Json::as_str),
+                Some("function_call" | "reasoning")
+            ) || item.get("role").and_then(Json::as_str) == Some("assistant")
+        })
+    }
+
     /// The field that carries the prompt: `messages` or `prompt`.
     pub fn prompt_param(&self) -> &'static str {
         endpoint_prompt_param(self.endpoint)

@@ -19,6 +19,11 @@
 //! | `weighted_scorers` | [`weighted_scorers`] | llm-d: weighted prefix, queue, KV-cache and load scores; max or weighted random pick |
 //! | `cost` | [`cost`] | Dynamo's cost: uncached prompt tokens + λ × work queued at the server, λ tuned online from TTFT ([`weight_bandit`]) |
 //!
+//! Before a policy chooses, a request's [`affinity`] applies: a Responses
+//! request continuing a stored response goes only to the engine that
+//! stored it, and an agent session's engine is credited with its whole
+//! prompt (kept there while the load rule allows).
+//!
 //! A pool's policy is a [`swappable::SwappablePolicy`]: a reload replaces it
 //! while requests are being routed. Servers of unequal capacity carry a
 //! weight, and loads are compared per unit of it ([`weights`]).
@@ -99,6 +104,7 @@
 //!   what the gateway sends past them between two scrapes that saw no
 //!   queue is queued all the same.
 
+pub mod affinity;
 pub mod balance;
 pub mod cache_aware;
 pub mod capacity;
@@ -305,6 +311,9 @@ pub enum Reason {
     Random,
     /// Its session key's place on the hash ring.
     Session,
+    /// The engine that stored the response the request continues
+    /// ([`affinity`]).
+    StoredResponse,
     /// One of the request's two hash candidates (1 or 2), for its cache
     /// match of `blocks` blocks.
     HashCandidate {
@@ -343,6 +352,7 @@ impl Reason {
             Self::RoundRobin => "round_robin",
             Self::Random => "random",
             Self::Session => "session",
+            Self::StoredResponse => "stored_response",
             Self::HashCandidate { .. } => "hash_candidate",
             Self::Slo => "slo",
             Self::Rebalanced => "rebalanced",
@@ -360,6 +370,7 @@ impl fmt::Display for Reason {
             Self::RoundRobin => f.write_str("round robin"),
             Self::Random => f.write_str("random"),
             Self::Session => f.write_str("session key on the hash ring"),
+            Self::StoredResponse => f.write_str("the engine that stored the response it continues"),
             Self::HashCandidate { candidate, blocks } => {
                 write!(f, "hash candidate {candidate} with {blocks} blocks cached")
             }

@@ -272,6 +272,7 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
                 Reason::LeastLoad => assert_eq!(Some(load_key(chosen)), min_key, "{}", p.name()),
                 Reason::RoundRobin => assert_eq!(p.name(), "round_robin"),
                 Reason::Random => assert_eq!(p.name(), "random"),
+                Reason::StoredResponse => panic!("{}: only the dispatcher pins to a stored response", p.name()),
                 Reason::Session => {
                     assert_eq!(p.name(), "consistent_hash");
                     // Where the session's cache is, when some server

@@ -234,6 +234,12 @@ pub trait RoutingStore: Send + Sync + fmt::Debug {
     /// failed or was refused.
     fn forget_route(&self, server: ServerRef, blocks: &[u64], end_key: Option<u64>);
 
+    /// The servers of `among` that an affinity key lists (a stored
+    /// response's engine, a session's: [`crate::routing::affinity`]),
+    /// written with [`record_route`](Self::record_route). Empty when the
+    /// store cannot be asked.
+    fn holders<'a>(&'a self, key: u64, among: &'a [Candidate]) -> StoreFuture<'a, Vec<ServerRef>>;
+
     /// An answer from `server` to a prompt whose chain ends in block
     /// `last` has just ended: the engine holds the prompt now. Refreshes
     /// that entry, so that a horizon raised while the request ran (on

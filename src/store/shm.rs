@@ -14,6 +14,7 @@ use super::{Lookup, LookupRequest, RoutingStore, StoreFuture, StoreStats, WriteB
 use crate::config::StoreKind;
 use crate::prefix::precise;
 use crate::response_cache::{encode_entry, fresh_body};
+use crate::routing::Candidate;
 
 /// A dispatcher's view of the segment's tables.
 #[derive(Debug)]
@@ -136,6 +137,19 @@ impl RoutingStore for ShmStore {
         for key in blocks.iter().chain(end_key.as_ref()) {
             prefix.remove(*key, server.tag());
         }
+    }
+
+    fn holders<'a>(&'a self, key: u64, among: &'a [Candidate]) -> StoreFuture<'a, Vec<ServerRef>> {
+        let listed = self.local.segment().tables().prefix.lookup(key).map(|e| e.servers);
+        let holders = match listed {
+            Some(servers) => among
+                .iter()
+                .filter(|c| servers.contains(c.server.tag()))
+                .map(|c| c.server)
+                .collect(),
+            None => Vec::new(),
+        };
+        Box::pin(std::future::ready(holders))
     }
 
     fn stats(&self) -> StoreStats {

@@ -8,9 +8,13 @@ use bytes::Bytes;
 use http::header::{HeaderMap, HeaderValue};
 use http::{Response, StatusCode, request};
 
+use crate::config::SessionsConfig;
 use crate::dispatcher::http::{Body, error_response, json_response};
+use crate::openai::body::Json;
 use crate::openai::prompt::{self, Endpoint};
 use crate::pools::{ModelPools, Pool};
+use crate::prefix::blocks::TenantSalt;
+use crate::routing::affinity::{self, Affinity};
 use crate::tenancy::auth::Caller;
 
 /// Bodies longer than this are parsed, and their chats rendered, on the
@@ -22,12 +26,16 @@ use crate::tenancy::auth::Caller;
 pub(in crate::dispatcher) const BLOCKING_PARSE_BYTES: usize = 256 << 10;
 
 /// A parsed inference request: its head, its parsed body (borrowing the
-/// body's bytes), the pool it is for, and its session key.
+/// body's bytes), the pool it is for, its session key (for the policy's
+/// hash ring), and where it wants to go ([`Affinity`]).
 pub(super) struct Parsed<'b> {
     pub parts: request::Parts,
     pub parsed: prompt::ParsedRequest<'b>,
     pub pool: Arc<Pool>,
     pub session: Option<u64>,
+    pub affinity: Option<Affinity>,
+    /// The tenant's salt of its affinity keys (0: no tenants).
+    pub affinity_salt: u64,
 }
 
 /// Parses `bytes` (the body of the request whose head is `parts`) and
@@ -49,11 +57,17 @@ pub(super) async fn parse<'b>(
     };
     let (parsed, pool) = parse_body(dispatcher.pools(), caller, endpoint, bytes, request_limits).await?;
     let session = session_key(&pool, &parts.headers, &parsed);
+    let affinity_salt = caller.map_or(0, |c| {
+        TenantSalt::new(&c.tenant, dispatcher.segment().header().seed[0]).key
+    });
+    let affinity = affinity(&dispatcher.config().sessions, affinity_salt, &parts.headers, &parsed);
     Ok(Parsed {
         parts,
         parsed,
         pool,
         session,
+        affinity,
+        affinity_salt,
     })
 }
 
@@ -143,4 +157,42 @@ fn session_key(pool: &Pool, headers: &HeaderMap, parsed: &prompt::ParsedRequest<
         .or_else(from_user)
         .map(seahash::hash)
         .or_else(|| source.opening.then(|| prompt::opening(&parsed.body)).flatten())
+}
+
+/// Where a request wants to go: the engine that stored the response a
+/// Responses request continues (`previous_response_id`), else its
+/// session's engine (the first of `sessions`' headers, then body fields,
+/// it carries), keyed for the tenant salted `salt`.
+fn affinity(
+    sessions: &SessionsConfig,
+    salt: u64,
+    headers: &HeaderMap,
+    parsed: &prompt::ParsedRequest<'_>,
+) -> Option<Affinity> {
+    if let Some(previous) = parsed.previous_response_id() {
+        return Some(Affinity::Stored(affinity::stored_key(salt, previous)));
+    }
+    if !sessions.enabled {
+        return None;
+    }
+    let from_header = sessions
+        .headers
+        .iter()
+        .find_map(|name| headers.get(name.as_str()))
+        .map(HeaderValue::as_bytes)
+        .filter(|v| !v.is_empty());
+    let from_field = || {
+        sessions.fields.iter().find_map(|path| {
+            let mut parts = path.split('.');
+            let first = parsed.body.get(parts.next()?)?;
+            let value = parts.try_fold(first, |v, name| v.as_object()?.get(name))?;
+            match value {
+                Json::String(s) if !s.is_empty() => Some(s.as_bytes()),
+                _ => None,
+            }
+        })
+    };
+    from_header
+        .or_else(from_field)
+        .map(|value| Affinity::Session(affinity::session_key(salt, value)))
 }

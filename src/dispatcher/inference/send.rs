@@ -50,6 +50,8 @@ pub(super) async fn prepare(
         parsed,
         pool,
         session,
+        affinity,
+        affinity_salt,
     } = request;
     let Gathered {
         tokens,
@@ -133,6 +135,11 @@ pub(super) async fn prepare(
         endpoint,
         model: parsed.model.to_string(),
         session,
+        affinity,
+        affinity_salt,
+        previous_response_id: parsed.previous_response_id().map(str::to_owned),
+        carries_history: parsed.carries_history(),
+        stores_response: parsed.stores_response(),
         strip_usage,
         output: admitted.output.take(),
         tenant: caller.map(|c| c.tenant.clone()),

@@ -70,6 +70,7 @@ use crate::pools::Pool;
 use crate::prefix::blocks::BlockHasher;
 use crate::prefix::continuation::EndProbe;
 use crate::routing::Reason;
+use crate::routing::affinity::Affinity;
 use crate::store::Lookup;
 use crate::tenancy::fair_share::{Priority, Share};
 
@@ -148,6 +149,20 @@ pub(super) struct InferenceCtx {
     pub model: String,
     /// Its session key, hashed, if the policy uses one and it has one.
     pub session: Option<u64>,
+    /// Where it wants to go: the engine of the stored response it
+    /// continues, or its session's ([`crate::routing::affinity`]).
+    pub affinity: Option<Affinity>,
+    /// The tenant's salt of its affinity keys.
+    pub affinity_salt: u64,
+    /// The `previous_response_id` it continues (for the 404 when no
+    /// engine holds it).
+    pub previous_response_id: Option<String>,
+    /// It carries its whole conversation: sent without
+    /// `previous_response_id` when no engine holds that response.
+    pub carries_history: bool,
+    /// The engine stores its answer (a Responses request with `store` on):
+    /// the answer's id is recorded for that engine.
+    pub stores_response: bool,
     /// The gateway asked for the stream's usage, which the client did not
     /// (see `super::stream_usage`).
     pub strip_usage: bool,
@@ -370,6 +385,7 @@ impl<'d> Attempts<'d> {
                 output: c.output.take(),
                 tenant: c.tenant.clone(),
                 share: c.share.filter(|_| c.charged),
+                stored: c.stores_response.then(|| (c.affinity_salt, Default::default())),
                 record: c.learn,
             }),
             _ => None,

@@ -251,6 +251,8 @@ impl Attempts<'_> {
             prompt_tokens: u32::try_from(c.prompt_tokens.len()).unwrap_or(u32::MAX),
             template_blocks: c.template_blocks,
             session: c.session,
+            // A prefill engine stores nothing the request continues.
+            affinity: None,
             inference: true,
             pool: self.outbound.pool.as_ref(),
             continuation: None,
@@ -261,7 +263,7 @@ impl Attempts<'_> {
         match choose(self.dispatcher, route, &self.pd.failed, None).await {
             // A holding policy counted it already: the leg counts itself.
             Routed::Chosen(chosen, _guard) => Some(chosen),
-            Routed::Wait { .. } | Routed::NoServer => None,
+            Routed::Wait { .. } | Routed::NoServer | Routed::Unstored => None,
         }
     }
 

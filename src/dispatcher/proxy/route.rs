@@ -18,6 +18,7 @@ impl Attempts<'_> {
             prompt_tokens: u32::try_from(self.prompt_tokens()).unwrap_or(u32::MAX),
             template_blocks: self.ctx.as_ref().map_or(0, |c| c.template_blocks),
             session: self.ctx.as_ref().and_then(|c| c.session),
+            affinity: self.ctx.as_ref().and_then(|c| c.affinity),
             inference: self.ctx.is_some(),
             pool: self.outbound.pool.as_ref(),
             continuation: self.ctx.as_ref().map(|c| EndProbe {
@@ -74,6 +75,7 @@ impl Attempts<'_> {
                 self.wait(waiting, &lookup).await
             }
             Routed::NoServer => Err(Next::Answer(self.no_server())),
+            Routed::Unstored => return self.unstored().await,
         };
         // Routed: its tenant was charged (a retry is not charged again).
         if routed.is_ok() {
@@ -83,6 +85,31 @@ impl Attempts<'_> {
             }
         }
         routed
+    }
+
+    /// Step 1, for a request continuing a stored response that no live
+    /// engine holds (its engine is gone, the key was evicted, or it was
+    /// never stored through this gateway): one that carries its whole
+    /// conversation is routed as a new one, sent without
+    /// `previous_response_id`; any other is answered 404, as the engine
+    /// would answer an id it does not know.
+    async fn unstored(&mut self) -> Result<(Chosen, Option<InflightGuard>), Next> {
+        let Some(ctx) = self.ctx.as_mut().filter(|c| c.affinity.is_some()) else {
+            return Err(Next::Answer(self.no_server()));
+        };
+        ctx.affinity = None;
+        if !ctx.carries_history {
+            let id = ctx.previous_response_id.take().unwrap_or_default();
+            return Err(Next::Answer(error_response(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "Response with id '{id}' not found: no engine of this gateway holds it (its engine may have restarted or left)."
+                ),
+                Some("response_not_found"),
+            )));
+        }
+        self.outbound.body = crate::dispatcher::http::with_field(&self.outbound.body, "previous_response_id", "null");
+        Box::pin(self.route()).await
     }
 
     /// Step 1, when every server the policy would use is full and the

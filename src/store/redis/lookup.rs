@@ -7,7 +7,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 
 use bytes::Bytes;
-use shm_layout::{PrefixMatch, Stamp};
+use shm_layout::{PrefixMatch, ServerRef, Stamp};
 
 use super::RedisRouting;
 use super::client::{self, DispatchLookup, ServerId, StoreError, lookup_pipeline, parse_lookup};
@@ -16,6 +16,7 @@ use super::server_id;
 use crate::config::RedisLookup;
 use crate::prefix::continuation::EndProbe;
 use crate::prefix::precise;
+use crate::routing::Candidate;
 use crate::store::{Lookup, LookupRequest};
 
 impl RedisRouting {
@@ -122,6 +123,31 @@ impl RedisRouting {
             }
         }
         Ok(found)
+    }
+
+    /// The candidates of `among` that the prefix-table key `key` lists (an
+    /// affinity key): one `HKEYS` round trip; none when it fails.
+    pub(super) async fn listed_for(&self, key: u64, among: &[Candidate]) -> Vec<ServerRef> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("HKEYS").arg(self.names.prefix_key(key));
+        let Some(replies) = self.guarded("affinity", self.query("affinity", &pipe)).await else {
+            return Vec::new();
+        };
+        let fields: Vec<String> = replies
+            .first()
+            .map(|r| redis::FromRedisValue::from_redis_value(r).unwrap_or_default())
+            .unwrap_or_default();
+        let servers = self.local.segment().tables().servers;
+        among
+            .iter()
+            .filter(|c| {
+                servers
+                    .id_of(c.server.slot)
+                    .map(server_id::id_field)
+                    .is_some_and(|id| fields.contains(&id))
+            })
+            .map(|c| c.server)
+            .collect()
     }
 
     /// The servers of `prefix` whose earlier prompt this one continues:

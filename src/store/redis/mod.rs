@@ -101,6 +101,7 @@ use shm_layout::{Segment, ServerRef};
 use super::local::LocalState;
 use super::{Lookup, LookupRequest, RoutingStore, StoreFuture, StoreStats};
 use crate::config::{RedisConfig, StoreKind};
+use crate::routing::Candidate;
 use crate::tenancy::rate_limit::{Charge, Verdict};
 use client::{StoreError, owner_id};
 use clocks::unix_ms;
@@ -349,6 +350,10 @@ impl RoutingStore for RedisRouting {
 
     fn forget_route(&self, server: ServerRef, blocks: &[u64], end_key: Option<u64>) {
         self.remove_detached(server, blocks, end_key);
+    }
+
+    fn holders<'a>(&'a self, key: u64, among: &'a [Candidate]) -> StoreFuture<'a, Vec<ServerRef>> {
+        Box::pin(self.listed_for(key, among))
     }
 
     fn take_limits<'a>(&'a self, charges: &'a [Charge]) -> StoreFuture<'a, Verdict> {
