@@ -9,8 +9,9 @@
 //! | `--hang-after N` | after `N` inference requests, every further request on any path is read and never answered (until the server stops) |
 //! | `--exit-after N` | once `N` inference requests have completed, the server stops gracefully (stops accepting, finishes in-flight requests) and `semlb-sim` exits with status 0 |
 //!
-//! Only inference requests (`POST /v1/completions`, `POST
-//! /v1/chat/completions`) are counted and subject to `--fail-rate` and
+//! Only inference requests (`POST /v1/completions`,
+//! `/v1/chat/completions`, `/v1/responses`, `/v1/messages`) are counted
+//! and subject to `--fail-rate` and
 //! `--reset-rate`; `/health`, `/metrics` and `/v1/models` are not, so
 //! probing a server does not change its fault pattern.
 //!

@@ -16,7 +16,7 @@
 //! | [`engine`] | continuous batching: FIFO queue, batch limits, prefill/decode timing, stats |
 //! | [`kv_events`] | the engine's KV cache events published as vLLM publishes them (ZeroMQ, msgpack, replay) |
 //! | [`metrics`] | the Prometheus text exposition of the engine's stats (vLLM and SGLang names) |
-//! | [`api`] | OpenAI request/response types, validation, error bodies |
+//! | [`api`] | the APIs' requests and answers (completions, chat, OpenAI's Responses, Anthropic's Messages), conversations as the chat template gets them, tool calls, streamed events, validation, error bodies |
 //! | [`vllm_api`] | vLLM's tokenization endpoints: `/tokenize`, `/detokenize`, the render routes, `/version` |
 //! | [`sglang_api`] | SGLang's server-information endpoints (`/model_info`, `/server_info`, `/v1/loads`), a deliberate hybrid so SGLang's routers can manage the simulator |
 //! | [`faults`] | fault injection: 500s, mid-stream resets, delay, hang, exit |
@@ -29,7 +29,8 @@
 //!
 //! `server` parses a request with `api`, renders and tokenizes the prompt
 //! with `semlb_tokenizer` (the gateway's own tokenizer and chat templates),
-//! draws the output tokens with `output_vocab`, and submits both to the
+//! draws the output tokens with `output_vocab` (or, for a tool call,
+//! renders the call's turn with the template), and submits both to the
 //! `engine`. The engine queues the request until the batch has room,
 //! looks its prompt up in the `prefix_cache`, sleeps the simulated prefill
 //! and decode time (scaled by `time_scale`), and streams events back; the

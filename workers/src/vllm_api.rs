@@ -27,7 +27,8 @@
 //! simulator differs from vLLM it differs here alike, and says so:
 //!
 //! - fields the simulator's chat endpoint ignores (`chat_template`,
-//!   `chat_template_kwargs`, `tools`) are ignored here too;
+//!   `chat_template_kwargs`) are ignored here too; `tools` are rendered,
+//!   as the chat endpoint renders them;
 //! - the simulator always renders the generation prompt, so
 //!   `add_generation_prompt: false` and `continue_final_message: true` are
 //!   a 400 (vLLM honours them), and both at once is vLLM's own 400;

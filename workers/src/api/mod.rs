@@ -1,31 +1,81 @@
-//! The OpenAI API as `semlb-sim` speaks it: request parsing and validation
-//! for `POST /v1/completions` and `POST /v1/chat/completions`, the response
-//! and streaming-chunk types, and OpenAI-style error bodies.
+//! The APIs `semlb-sim` speaks, as vLLM serves them: request parsing and
+//! validation for `POST /v1/completions`, `POST /v1/chat/completions`,
+//! `POST /v1/responses` (OpenAI's Responses API) and `POST /v1/messages`
+//! (Anthropic's Messages API), the answers and their streamed events, and
+//! the error bodies (OpenAI's; Anthropic's on `/v1/messages`).
+//!
+//! # Layout
+//!
+//! | module | concept |
+//! | --- | --- |
+//! | `fields`, `params` | reading typed fields; the generation parameters every API shares, the output-length rule |
+//! | `completions`, `chat` | the completions prompt; the chat messages, tools and tool choice |
+//! | `conversation` | a conversation as vLLM hands it to the chat template, whichever API: text parts, tool calls (arguments parsed as `json.loads` parses them), tool results, reasoning, tools in the chat form, key order kept |
+//! | `responses`, `messages` | Responses and Messages requests as conversations (their mapping tables are there) |
+//! | `tool_call` | the tool call the simulator answers with: its arguments, the message it becomes, its streamed pieces |
+//! | `response`, `stream` | OpenAI's answers and chunks ([`EventWriter`]: the events of a streamed answer, whichever API) |
+//! | `responses_out`, `messages_out` | Responses and Messages answers and their named events |
+//! | `answer` | [`AnswerSpec`]: one answer, whole or streamed, whichever API |
+//! | `error` | [`ApiError`] and its bodies |
+//! | `embeddings`, `info` | `/v1/embeddings`; `/v1/models` and `/props` |
 //!
 //! # Requests
 //!
 //! Bodies are parsed with `serde_json` into a [`serde_json::Value`] and then
-//! checked field by field, so that every problem becomes a 400 with an
-//! OpenAI error body naming the offending `param` (never a panic, never a
-//! 5xx). Unknown fields are ignored: OpenAI clients send many. Sampling
-//! parameters (`temperature`, `top_p`, `top_k`, `seed`, penalties, `stop`,
+//! checked field by field, so that every problem becomes a 400 naming the
+//! offending `param` (never a panic, never a 5xx). Conversations are read a
+//! second time keeping key order (a tool's `parameters`, a call's
+//! arguments reach the template in the order the client sent them).
+//! Unknown fields are ignored: clients send many. Sampling parameters
+//! (`temperature`, `top_p`, `top_k`, `seed`, penalties, `stop`,
 //! `logprobs`, ...) are type-checked where their type is simple and
 //! otherwise ignored; the simulator's answers do not depend on them.
 //!
-//! | field | completions | chat | accepted |
-//! | --- | --- | --- | --- |
-//! | `model` | ✓ | ✓ | optional; if given it must be the served name, else **404** (as vLLM) |
-//! | `prompt` | ✓ | | string, `[string]` (one element), `[int]` token ids, `[[int]]` (one element); not empty |
-//! | `messages` | | ✓ | non-empty array of `{role, content}`; content is a string, `null`, or an array of `{"type": "text", "text": ...}` parts (joined with `\n`) |
-//! | `max_tokens` | ✓ | ✓ | integer ≥ 1 or `null` |
-//! | `max_completion_tokens` | | ✓ | integer ≥ 1 or `null`; wins over `max_tokens` |
-//! | `stream` | ✓ | ✓ | boolean |
-//! | `stream_options.include_usage` | ✓ | ✓ | boolean: a final chunk with empty `choices` and `usage` |
-//! | `n`, `best_of` | ✓ | ✓ | only 1 (`n > 1 is not supported`) |
-//! | `ignore_eos` | ✓ | ✓ | boolean (vLLM extension) |
-//! | `cache_salt` | ✓ | ✓ | non-empty string (vLLM extension): mixed into the prefix cache's first block, so requests with different salts share no cached block |
-//! | `echo` | ✓ | | only `false` |
-//! | `user` | ✓ | ✓ | string, ignored |
+//! | field | completions | chat | Responses | Messages | accepted |
+//! | --- | --- | --- | --- | --- | --- |
+//! | `model` | ✓ | ✓ | ✓ | ✓ | optional; if given it must be the served name, else **404** (as vLLM) |
+//! | `prompt` | ✓ | | | | string, `[string]` (one element), `[int]` token ids, `[[int]]` (one element); not empty |
+//! | `messages` | | ✓ | | ✓ | non-empty array; chat: `{role, content, tool_calls, tool_call_id, name, reasoning}` (below); Messages: see `messages` |
+//! | `input`, `instructions` | | | ✓ | | a string or an array of items (see `responses`); `instructions` a system message first |
+//! | `system` | | | | ✓ | a string or text blocks |
+//! | `tools` | | ✓ | ✓ | ✓ | function tools, rendered by the template (other tools left out) |
+//! | `tool_choice` | | ✓ | ✓ | ✓ | `"none"` / `{"type": "none"}`: no tool call; a named tool: that one; anything else: the first |
+//! | `max_tokens` | ✓ | ✓ | | ✓ | integer ≥ 1 or `null`; **required** by Messages |
+//! | `max_completion_tokens` | | ✓ | | | integer ≥ 1 or `null`; wins over `max_tokens` |
+//! | `max_output_tokens` | | | ✓ | | integer ≥ 1 or `null` |
+//! | `previous_response_id`, `store` | | | ✓ | | continue a stored response (404 `response_not_found` if unknown); `store: false` keeps the answer out of the store |
+//! | `stream` | ✓ | ✓ | ✓ | ✓ | boolean |
+//! | `stream_options.include_usage` | ✓ | ✓ | | | boolean: a final chunk with empty `choices` and `usage` |
+//! | `n`, `best_of` | ✓ | ✓ | ✓ | ✓ | only 1 (`n > 1 is not supported`) |
+//! | `ignore_eos` | ✓ | ✓ | ✓ | ✓ | boolean (vLLM extension) |
+//! | `cache_salt` | ✓ | ✓ | ✓ | ✓ | non-empty string (vLLM extension): mixed into the prefix cache's first block, so requests with different salts share no cached block |
+//! | `echo` | ✓ | | | | only `false` |
+//! | `user` | ✓ | ✓ | ✓ | | string, ignored |
+//!
+//! A chat message's `content` is a string, `null` (empty) or an array of
+//! parts: `text`, `input_text`, `output_text`, `refusal` and `thinking`
+//! parts are text (joined with `\n`), other parts (`image_url`, ...) are
+//! left out, a part that is not an object is a 400. An assistant's
+//! `tool_calls` go to the template as sent, each `function.arguments`
+//! parsed (a JSON string giving an object or a list: that value; an
+//! object or a list: as is; else `{}`; an empty list is dropped); a tool
+//! message's `tool_call_id`, any message's `name` and an assistant's
+//! `reasoning` / `reasoning_content` (given as both) too.
+//!
+//! # Tool calls
+//!
+//! A conversation with tools whose last message is not a tool result is
+//! answered with one call ([`ToolCall`]) to its first tool (or the named
+//! one), arguments `{"<first property>": "<word>"}`; its output tokens are
+//! the template's rendering of that assistant turn (see
+//! `crate::server`), so the next turn is a cache hit. After a tool result
+//! the answer is text. A call that would not fit in `max_tokens` is not
+//! made (the answer is text); the `x-semlb-output-tokens` header does not
+//! apply to a call. Chat: `message.tool_calls` (`call_…`, arguments as
+//! JSON text), `content: null`, `finish_reason: "tool_calls"`; streamed,
+//! a delta naming the call, then deltas with pieces of the arguments.
+//! Responses: a `function_call` item (`fc_…`, `call_id` `call_…`);
+//! Messages: a `tool_use` block (`toolu_…`), `stop_reason: "tool_use"`.
 //!
 //! # Output length
 //!
@@ -50,7 +100,7 @@
 //! so a prefill leg capped at one token whose natural length is 1 stops
 //! on EOS (see [`crate::pd`]).
 //!
-//! # Responses
+//! # Answers
 //!
 //! Shapes follow OpenAI (and vLLM): `text_completion` and `chat.completion`
 //! objects with `choices[{index, text | message, finish_reason, logprobs:
@@ -60,6 +110,19 @@
 //! carrying `finish_reason` (as vLLM does), then, with `include_usage`, a
 //! chunk with empty `choices` and the usage (all other chunks then carry
 //! `"usage": null`, as OpenAI does), then `data: [DONE]`.
+//!
+//! Responses: a `response` object (`resp_…`, `status` `completed`, or
+//! `incomplete` at `max_output_tokens`, `output` with one `message` or
+//! `function_call` item, `usage {input_tokens, input_tokens_details:
+//! {cached_tokens}, output_tokens, output_tokens_details, total_tokens}`);
+//! streamed as named events (`response.created` ... `response.completed`,
+//! see `responses_out`), no `[DONE]`. Messages: Anthropic's `message`
+//! (`msg_…`, one `text` or `tool_use` block, `stop_reason` `end_turn`,
+//! `max_tokens` or `tool_use`, `usage {input_tokens` (uncached),
+//! `output_tokens, cache_read_input_tokens, cache_creation_input_tokens}`);
+//! streamed as Anthropic's events (`message_start` ... `message_stop`, see
+//! `messages_out`). Errors on `/v1/messages` are Anthropic's: `{"type":
+//! "error", "error": {"type", "message"}}`.
 
 mod answer;
 mod chat;

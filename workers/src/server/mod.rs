@@ -5,7 +5,9 @@
 //! | route | answer |
 //! | --- | --- |
 //! | `POST /v1/completions` | a completion, JSON or SSE (see [`crate::api`]) |
-//! | `POST /v1/chat/completions` | a chat completion, JSON or SSE |
+//! | `POST /v1/chat/completions` | a chat completion, JSON or SSE (a tool call when the request has tools) |
+//! | `POST /v1/responses` | OpenAI's Responses API: a `response`, JSON or named events; stored for `previous_response_id` (see [`crate::response_store`]) |
+//! | `POST /v1/messages` | Anthropic's Messages API: a `message`, JSON or Anthropic's events; errors in Anthropic's shape |
 //! | `GET /v1/models` | the OpenAI model list with the one served model |
 //! | `GET /health` | 200 with an empty body, as vLLM |
 //! | `GET /metrics` | the Prometheus exposition (see [`crate::metrics`]); 404 with [`MetricsFlavor::None`] |
@@ -21,20 +23,27 @@
 //! see [`crate::pd::Pd::metrics`]).
 //!
 //! Other methods on these paths get 405 (with `Allow`), other paths 404,
-//! both with an OpenAI error body.
+//! both with an OpenAI error body (Anthropic's on `/v1/messages`).
 //!
 //! # An inference request
 //!
 //! [`inference`] has the steps, and the legs of disaggregated serving;
-//! [`tokens`] turns a body into token ids; [`sse`] streams the answer.
+//! [`tokens`] turns a body into token ids; `tools` decides a conversation's
+//! tool call and its tokens; [`sse`] streams the answer.
 //!
 //! The body (at most [`MAX_BODY_BYTES`]) is parsed and validated by
-//! [`crate::api`]; a chat request's messages are rendered with the
-//! configured [`ChatTemplate`]; the prompt text is tokenized. The output
-//! length follows [`api::output_length`], and the output token ids are
-//! [`OutputVocab::generate`]`(seahash(prompt ids as little-endian u32
-//! bytes), n)`, so the same prompt always gets the same answer; each
-//! token's text is `Tokenizer::decode(&[id])`. The request is submitted to
+//! [`crate::api`]; a conversation's messages (chat, Responses — after the
+//! stored conversation it continues — or Messages) are rendered with the
+//! configured [`ChatTemplate`], with the request's tools; the prompt text
+//! is tokenized. The output length follows [`api::output_length`], and the
+//! output token ids are [`OutputVocab::generate`]`(seahash(prompt ids as
+//! little-endian u32 bytes), n)`, so the same prompt always gets the same
+//! answer; each token's text is `Tokenizer::decode(&[id])`. A tool call's
+//! output tokens are instead the template's rendering of the assistant
+//! turn that holds it, past the prompt (`render(messages + [call])`
+//! without the generation prompt, minus `render(messages)`), so that the
+//! next turn, which renders the call the client sends back, extends the
+//! prompt and output the engine cached. The request is submitted to
 //! the [`Engine`]; the response head is sent once the engine reports the
 //! first token, with two extra headers:
 //!
