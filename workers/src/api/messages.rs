@@ -222,7 +222,7 @@ fn tools(body: &Ordered) -> Result<Option<Vec<Ordered>>, ApiError> {
         if !matches!(tool, TemplateValue::Object(_)) {
             return Err(not_a(&param, "an object", tool));
         }
-        let Some(schema) = get(tool, "input_schema") else {
+        let Some(schema) = tool.get("input_schema") else {
             continue; // a server tool
         };
         let Some(name) = string_field(tool, "name") else {

@@ -114,7 +114,8 @@
 //! Responses: a `response` object (`resp_…`, `status` `completed`, or
 //! `incomplete` at `max_output_tokens`, `output` with one `message` or
 //! `function_call` item, `usage {input_tokens, input_tokens_details:
-//! {cached_tokens}, output_tokens, output_tokens_details, total_tokens}`);
+//! {cached_tokens, cache_write_tokens: 0}, output_tokens,
+//! output_tokens_details, total_tokens}`);
 //! streamed as named events (`response.created` ... `response.completed`,
 //! see `responses_out`), no `[DONE]`. Messages: Anthropic's `message`
 //! (`msg_…`, one `text` or `tool_use` block, `stop_reason` `end_turn`,

@@ -28,7 +28,9 @@ use crate::engine::Usage;
 fn usage_value(usage: Usage) -> Value {
     json!({
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        // The openai client's model requires `cache_write_tokens` (0: the
+        // engine reports no cache writes).
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.prompt_tokens.saturating_add(usage.completion_tokens),

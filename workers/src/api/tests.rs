@@ -669,7 +669,7 @@ fn responses_answers() {
     );
     assert_eq!(
         v["usage"],
-        serde_json::json!({"input_tokens":10,"input_tokens_details":{"cached_tokens":8},"output_tokens":3,
+        serde_json::json!({"input_tokens":10,"input_tokens_details":{"cached_tokens":8,"cache_write_tokens":0},"output_tokens":3,
             "output_tokens_details":{"reasoning_tokens":0},"total_tokens":13})
     );
     let cut = spec(Endpoint::Responses, "resp_ab", None, FinishReason::Length);
