@@ -6,7 +6,10 @@
 //!    named ([`Leg`]);
 //! 2. the output is planned ([`Plan`]): its length, its finish reason
 //!    (a vLLM prefill leg checks EOS before its length cap), whether its
-//!    prompt is held for a decode;
+//!    prompt is held for a decode; a conversation with tools is answered
+//!    with a tool call, whose tokens are its rendering (`tools`); a
+//!    Responses answer to be stored gets the hook that stores it when
+//!    the engine finishes;
 //! 3. before the engine, a decode leg pulls its prompt's KV (vLLM: from
 //!    the prefill's side channel, else it recomputes; SGLang: through
 //!    the bootstrap rendezvous) and an SGLang prefill leg waits for its

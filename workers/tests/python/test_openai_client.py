@@ -5,7 +5,9 @@ Starts the simulator itself (the binary named by the environment variable
 SEMLB_SIM, default target/debug/semlb-sim) with
 `--listen 127.0.0.1:0 --time-scale 0.001`, reads the address from its first
 stdout line (`semlb-sim listening on http://ADDR`), runs the checks with
-`openai.OpenAI(base_url=..., api_key="x")`, stops the simulator with SIGTERM
+`openai.OpenAI(base_url=..., api_key="x")` (completions, chat with and
+without tools, `responses.create` streamed and not, with tools and
+`previous_response_id`, `responses.stream`), stops the simulator with SIGTERM
 and waits for it. Prints one line per check and a final
 `N passed, M failed`; exits non-zero when a check failed.
 
