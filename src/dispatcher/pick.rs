@@ -186,6 +186,9 @@ pub(super) async fn choose(
     };
     let affine_servers = affine;
     let affine: Vec<_> = affine_servers.iter().map(|s| s.tag()).collect();
+    // What the engines hold, before a session's credit: what the shared
+    // headers are learned from and the match metrics count.
+    let held = lookup.routing_prefix();
     let chain_blocks = u32::try_from(chain.len()).unwrap_or(u32::MAX);
     let applied = affinity::apply(
         affinity.filter(|_| inference),
@@ -209,7 +212,7 @@ pub(super) async fn choose(
         Some(pool) if inference && pool.shared_headers() => {
             let observed = dispatcher
                 .shared_headers()
-                .observe_match(chain, &prefix, !exclude.is_empty());
+                .observe_match(chain, &held, !exclude.is_empty());
             observed.max(template_blocks)
         }
         _ => 0,
@@ -237,6 +240,15 @@ pub(super) async fn choose(
             prompt_tokens,
             block_tokens: pool.map_or(1, |p| p.block_tokens()),
             session,
+            session_engine: (applied == affinity::Applied::Credited)
+                .then(|| {
+                    lookup
+                        .candidates
+                        .iter()
+                        .map(|c| c.server.tag())
+                        .find(|t| affine.contains(t))
+                })
+                .flatten(),
             repeat: !exclude.is_empty(),
             waited_ms: 0,
             prefix: &prefix,
@@ -262,14 +274,21 @@ pub(super) async fn choose(
         if inference && exclude.is_empty() {
             // The first choice of the request: how much of its prompt it has.
             let tag = choice.server.tag();
-            dispatcher.metrics().prefix_match(prefix.blocks_for(tag), chain.len());
+            dispatcher.metrics().prefix_match(held.blocks_for(tag), chain.len());
             if lookup.continued.blocks_for(tag) > lookup.prefix.blocks_for(tag) {
                 dispatcher.metrics().continued();
             }
         }
         let server = choice.server;
+        let mut reason = choice.reason;
         if let (Some(Affinity::Session(key)), true) = (affinity, inference) {
             follow_session(dispatcher, key, server, &affine_servers);
+            // Kept on its session's engine by the credit.
+            if affine.contains(&server.tag())
+                && matches!(reason, Reason::Prefix { blocks } if blocks > held.blocks_for(server.tag()))
+            {
+                reason = Reason::Session;
+            }
         }
         let Some(info) = dispatcher.registration(server) else {
             // Re-registered or unreadable meanwhile: ask again without it.
@@ -301,7 +320,7 @@ pub(super) async fn choose(
         } else {
             None
         };
-        return Routed::Chosen(Chosen::new(server, info.address, choice.reason, &lookup), guard);
+        return Routed::Chosen(Chosen::new(server, info.address, reason, &lookup), guard);
     }
 }
 

@@ -355,6 +355,7 @@ fn route_waiting(
             prompt_tokens: r.prompt_tokens,
             block_tokens: r.pool.block_tokens(),
             session: r.session,
+            session_engine: None,
             repeat: r.seen,
             waited_ms: u64::try_from(r.queued_at.elapsed().as_millis()).unwrap_or(u64::MAX),
             prefix: &r.prefix,

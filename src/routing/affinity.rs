@@ -23,7 +23,7 @@
 //! | affinity | its servers among the candidates | none of them |
 //! | --- | --- | --- |
 //! | stored response | the only candidates | the request is answered 404 by the gateway, or, when it carries its whole conversation, sent without `previous_response_id` to any engine |
-//! | session | credited with the whole prompt: a prefix-aware policy keeps the session there unless its load rule moves it | the policy routes as usual |
+//! | session | credited with the whole prompt and a block more (deeper than any engine's own match): a prefix-aware policy keeps the session there unless its load rule moves it | the policy routes as usual |
 //!
 //! A session has one engine: when the policy moves it, its dispatcher
 //! records the new engine and takes the old one off the key, so the next
@@ -85,7 +85,7 @@ pub enum Applied {
     Pinned,
     /// No live candidate stored the response.
     Missing,
-    /// The session's engine is credited with the whole prompt.
+    /// The session's engine is credited with the whole prompt and a block.
     Credited,
     /// The session has no live engine among the candidates (new, or its
     /// engine is gone): the policy routes as usual.
@@ -116,8 +116,10 @@ pub fn apply(
         Some(Affinity::Session(_)) => {
             let mut credited = false;
             for c in candidates.iter().filter(|c| listed(c)) {
-                // `add` keeps the deeper of the two.
-                prefix.add(c.server.tag(), chain_blocks.max(1));
+                // One block past the whole prompt: deeper than any other
+                // engine's match, even one that holds all of it (sessions
+                // sharing their prompts). `add` keeps the deeper of two.
+                prefix.add(c.server.tag(), chain_blocks.saturating_add(1));
                 credited = true;
             }
             if credited { Applied::Credited } else { Applied::Unplaced }

@@ -315,6 +315,23 @@ impl CacheAwareParams {
     }
 }
 
+impl CacheAwareParams {
+    /// [`winner_overloaded`](Self::winner_overloaded) for the engine of the
+    /// request's agent session ([`RouteInput::session_engine`]): the
+    /// threshold raised to at least half what the engine runs at once (up
+    /// to `balance_abs_threshold`). A client that names its session asks
+    /// to keep it together; the spread of a few requests that sessions
+    /// taking turns make on engines of 16 at once (an eighth: 2) moved a
+    /// third of 20 agents' later steps (measured 2026-12-07, issue 43).
+    #[inline]
+    pub fn session_overloaded(&self, winner: &Candidate, candidates: &[Candidate], own_tokens: u64) -> bool {
+        let extra = own_tokens.checked_div(self.saved_tokens_per_spread).unwrap_or(0);
+        let half = u64::from(winner.admission.div_ceil(2));
+        self.balance()
+            .overloaded_with(winner, least_busy(candidates), extra.max(half))
+    }
+}
+
 /// The default [`CacheAwareParams::queued_prefill_margin`].
 pub const QUEUED_PREFILL_MARGIN: u64 = 2048;
 
@@ -405,7 +422,11 @@ impl Policy for CacheAware {
         if let Some((winner, blocks)) = best_prefix(input, |_| true) {
             let ratio = f64::from(blocks) / f64::from(input.prompt_blocks);
             let own = u64::from(blocks.saturating_sub(input.header_blocks)) * u64::from(input.block_tokens);
-            let overloaded = self.params.winner_overloaded(winner, candidates, own);
+            let overloaded = if input.session_engine == Some(winner.server.tag()) {
+                self.params.session_overloaded(winner, candidates, own)
+            } else {
+                self.params.winner_overloaded(winner, candidates, own)
+            };
             let queued_too_long = self.params.weigh_queued_prefill && {
                 let least_queued = candidates.iter().map(|c| c.pending_tokens).min().unwrap_or(0);
                 let saved = u64::from(blocks) * u64::from(input.block_tokens);

@@ -241,6 +241,10 @@ pub struct RouteInput<'a> {
     /// The request's session key, hashed, when the policy asked for one
     /// ([`Policy::session_source`]) and the request has it.
     pub session: Option<u64>,
+    /// The engine its agent session is on, credited in `prefix` with the
+    /// whole prompt ([`affinity`]): `cache_aware` judges it overloaded at
+    /// half its capacity rather than an eighth.
+    pub session_engine: Option<shm_layout::ServerTag>,
     /// The same request asked about again (a retry, or another look from
     /// the gateway queue): a policy that learns from the traffic it routes
     /// (`dual_map`'s hotness counts) must not count it twice.
@@ -275,6 +279,7 @@ impl<'a> RouteInput<'a> {
             prompt_tokens,
             block_tokens,
             session: None,
+            session_engine: None,
             repeat: false,
             waited_ms: 0,
             prefix,
@@ -309,7 +314,8 @@ pub enum Reason {
     RoundRobin,
     /// Drawn at random.
     Random,
-    /// Its session key's place on the hash ring.
+    /// Its session key: its place on the hash ring (`consistent_hash`),
+    /// or its session's engine ([`affinity`]).
     Session,
     /// The engine that stored the response the request continues
     /// ([`affinity`]).
@@ -369,7 +375,7 @@ impl fmt::Display for Reason {
             Self::LeastLoad => f.write_str("least load"),
             Self::RoundRobin => f.write_str("round robin"),
             Self::Random => f.write_str("random"),
-            Self::Session => f.write_str("session key on the hash ring"),
+            Self::Session => f.write_str("its session key"),
             Self::StoredResponse => f.write_str("the engine that stored the response it continues"),
             Self::HashCandidate { candidate, blocks } => {
                 write!(f, "hash candidate {candidate} with {blocks} blocks cached")
