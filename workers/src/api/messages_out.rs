@@ -20,7 +20,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use super::conversation::Ordered;
-use super::stream::{EventWriter, named_event};
+use super::stream::{EventWriter, to_json, typed_event};
 use super::tool_call::InOrder;
 use super::{FinishReason, ResponseMeta, ToolCall};
 use crate::engine::Usage;
@@ -133,7 +133,7 @@ impl MessagesAnswer {
         let input = self.call.as_ref().map_or(&NO_INPUT, |c| &c.arguments);
         let usage = MessagesUsage::new(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens);
         let message = self.message(vec![self.block(text, input)], Some(stop_reason(self.finish)), usage);
-        Bytes::from(serde_json::to_vec(&message).unwrap_or_default())
+        Bytes::from(to_json(&message))
     }
 }
 
@@ -162,17 +162,14 @@ impl MessagesWriter {
 impl EventWriter for MessagesWriter {
     fn start(&mut self, out: &mut VecDeque<Bytes>) {
         let usage = MessagesUsage::new(self.prompt.0, self.prompt.1, 1);
-        let message = self.answer.message(Vec::new(), None, usage);
-        out.push_back(named_event(
-            "message_start",
-            &json!({"type": "message_start", "message": message}),
-        ));
-        let block = self.answer.block("", &NO_INPUT);
-        out.push_back(named_event(
+        let message = to_json(&self.answer.message(Vec::new(), None, usage));
+        out.push_back(typed_event("message_start", &[("message", message)]));
+        let block = to_json(&self.answer.block("", &NO_INPUT));
+        out.push_back(typed_event(
             "content_block_start",
-            &json!({"type": "content_block_start", "index": 0, "content_block": block}),
+            &[("index", "0".into()), ("content_block", block)],
         ));
-        out.push_back(named_event("ping", &json!({"type": "ping"})));
+        out.push_back(typed_event("ping", &[]));
     }
 
     fn token(&mut self, index: u32, text: &str, out: &mut VecDeque<Bytes>) {
@@ -183,24 +180,20 @@ impl EventWriter for MessagesWriter {
                 piece => json!({"type": "input_json_delta", "partial_json": piece}),
             },
         };
-        out.push_back(named_event(
+        out.push_back(typed_event(
             "content_block_delta",
-            &json!({"type": "content_block_delta", "index": 0, "delta": delta}),
+            &[("index", "0".into()), ("delta", delta.to_string())],
         ));
     }
 
     fn end(&mut self, usage: Usage, out: &mut VecDeque<Bytes>) {
-        out.push_back(named_event(
-            "content_block_stop",
-            &json!({"type": "content_block_stop", "index": 0}),
-        ));
+        out.push_back(typed_event("content_block_stop", &[("index", "0".into())]));
         let usage = MessagesUsage::new(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens);
-        let delta = json!({
-            "type": "message_delta",
-            "delta": {"stop_reason": stop_reason(self.answer.finish), "stop_sequence": null},
-            "usage": usage,
-        });
-        out.push_back(named_event("message_delta", &delta));
-        out.push_back(named_event("message_stop", &json!({"type": "message_stop"})));
+        let delta = json!({"stop_reason": stop_reason(self.answer.finish), "stop_sequence": null});
+        out.push_back(typed_event(
+            "message_delta",
+            &[("delta", delta.to_string()), ("usage", to_json(&usage))],
+        ));
+        out.push_back(typed_event("message_stop", &[]));
     }
 }

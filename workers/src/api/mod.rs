@@ -161,7 +161,7 @@ pub use response::{
 };
 pub use responses::{InputItem, ResponsesEcho, ResponsesRequest};
 pub use stream::{
-    Chunk, ChunkChoice, Delta, EventWriter, FunctionDelta, SSE_DONE, ToolCallDelta, data_event, named_event,
+    Chunk, ChunkChoice, Delta, EventWriter, FunctionDelta, SSE_DONE, ToolCallDelta, data_event, typed_event,
 };
 pub use tool_call::{InOrder, ToolCall};
 

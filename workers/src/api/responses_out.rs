@@ -1,7 +1,7 @@
 //! Answers of `POST /v1/responses`: the `response` object and its output
 //! item (a `message` with one `output_text` part, or a `function_call`),
 //! and the named server-sent events of a streamed answer
-//! ([`ResponsesWriter`]).
+//! ([`ResponsesWriter`]). Members come in OpenAI's order (`id` first).
 //!
 //! A stream is `response.created` and `response.in_progress` (the response
 //! `in_progress`, no output), `response.output_item.added`, then for text
@@ -18,23 +18,143 @@
 use std::collections::VecDeque;
 
 use bytes::Bytes;
-use serde_json::{Value, json};
+use serde::Serialize;
+use serde_json::Value;
 
-use super::stream::{EventWriter, named_event};
+use super::stream::{EventWriter, to_json, typed_event};
 use super::{FinishReason, ResponseMeta, ResponsesEcho, ToolCall};
 use crate::engine::Usage;
 
+/// `usage.input_tokens_details`.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct InputDetails {
+    cached_tokens: u32,
+    /// 0: the engine reports no cache writes (the openai client's model
+    /// requires the member).
+    cache_write_tokens: u32,
+}
+
+/// `usage.output_tokens_details`.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct OutputDetails {
+    reasoning_tokens: u32,
+}
+
 /// `usage` of a response.
-fn usage_value(usage: Usage) -> Value {
-    json!({
-        "input_tokens": usage.prompt_tokens,
-        // The openai client's model requires `cache_write_tokens` (0: the
-        // engine reports no cache writes).
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
-        "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": usage.prompt_tokens.saturating_add(usage.completion_tokens),
-    })
+#[derive(Debug, Clone, Copy, Serialize)]
+struct ResponsesUsage {
+    input_tokens: u32,
+    input_tokens_details: InputDetails,
+    output_tokens: u32,
+    output_tokens_details: OutputDetails,
+    total_tokens: u32,
+}
+
+impl From<Usage> for ResponsesUsage {
+    fn from(u: Usage) -> Self {
+        Self {
+            input_tokens: u.prompt_tokens,
+            input_tokens_details: InputDetails {
+                cached_tokens: u.cached_tokens,
+                cache_write_tokens: 0,
+            },
+            output_tokens: u.completion_tokens,
+            output_tokens_details: OutputDetails { reasoning_tokens: 0 },
+            total_tokens: u.prompt_tokens.saturating_add(u.completion_tokens),
+        }
+    }
+}
+
+/// An `output_text` part.
+#[derive(Debug, Clone, Serialize)]
+struct TextPart<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    text: &'a str,
+    annotations: [(); 0],
+    logprobs: [(); 0],
+}
+
+fn text_part(text: &str) -> TextPart<'_> {
+    TextPart {
+        kind: "output_text",
+        text,
+        annotations: [],
+        logprobs: [],
+    }
+}
+
+/// An output item.
+#[derive(Debug, Clone, Serialize)]
+#[serde(untagged)]
+enum Item<'a> {
+    Message {
+        #[serde(rename = "type")]
+        kind: &'static str,
+        id: String,
+        status: &'static str,
+        role: &'static str,
+        content: Vec<TextPart<'a>>,
+    },
+    FunctionCall {
+        #[serde(rename = "type")]
+        kind: &'static str,
+        id: String,
+        call_id: &'a str,
+        name: &'a str,
+        arguments: &'a str,
+        status: &'static str,
+    },
+}
+
+/// `incomplete_details`.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct IncompleteDetails {
+    reason: &'static str,
+}
+
+/// `text`: the output format.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct TextConfig {
+    format: TextFormat,
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+struct TextFormat {
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
+/// The `response` object, members in OpenAI's order.
+#[derive(Debug, Clone, Serialize)]
+struct ResponseObject<'a> {
+    id: &'a str,
+    object: &'static str,
+    created_at: u64,
+    status: &'static str,
+    background: bool,
+    error: Option<()>,
+    incomplete_details: Option<IncompleteDetails>,
+    instructions: Option<&'a str>,
+    max_output_tokens: Option<u32>,
+    max_tool_calls: Option<()>,
+    metadata: serde_json::Map<String, Value>,
+    model: &'a str,
+    output: Vec<Item<'a>>,
+    parallel_tool_calls: bool,
+    previous_response_id: Option<&'a str>,
+    reasoning: Option<()>,
+    service_tier: &'static str,
+    store: bool,
+    temperature: &'a Value,
+    text: TextConfig,
+    tool_choice: &'a Value,
+    tools: &'a [Value],
+    top_logprobs: u32,
+    top_p: &'a Value,
+    truncation: &'static str,
+    usage: Option<ResponsesUsage>,
+    user: Option<()>,
 }
 
 /// The pieces of one Responses answer.
@@ -58,84 +178,83 @@ impl ResponsesAnswer {
     }
 
     /// The output item, `status` `in_progress` or `completed`, with `text`
-    /// (a message; `None`: no content part yet) or the call's arguments.
-    fn item(&self, status: &str, text: Option<&str>, arguments: &str) -> Value {
+    /// (a message; `None`: no content part yet) or the call's arguments
+    /// (all of them once completed).
+    fn item<'a>(&'a self, status: &'static str, text: Option<&'a str>) -> Item<'a> {
         match &self.call {
-            Some(call) => json!({
-                "type": "function_call",
-                "id": self.item_id(),
-                "call_id": call.id,
-                "name": call.name,
-                "arguments": arguments,
-                "status": status,
-            }),
-            None => json!({
-                "type": "message",
-                "id": self.item_id(),
-                "status": status,
-                "role": "assistant",
-                "content": text.map(|t| vec![text_part(t)]).unwrap_or_default(),
-            }),
+            Some(call) => Item::FunctionCall {
+                kind: "function_call",
+                id: self.item_id(),
+                call_id: &call.id,
+                name: &call.name,
+                arguments: if status == "completed" {
+                    &call.arguments_json
+                } else {
+                    ""
+                },
+                status,
+            },
+            None => Item::Message {
+                kind: "message",
+                id: self.item_id(),
+                status,
+                role: "assistant",
+                content: text.map(|t| vec![text_part(t)]).unwrap_or_default(),
+            },
         }
     }
 
     /// The `response` object: `in_progress` with no output, or finished
-    /// with its output item and usage.
-    fn response(&self, done: Option<(&str, Usage)>) -> Value {
+    /// with its output item (of `text`) and usage.
+    fn response<'a>(&'a self, done: Option<(&'a str, Usage)>) -> ResponseObject<'a> {
         let incomplete = done.is_some() && self.finish == FinishReason::Length;
         let status = match done {
             None => "in_progress",
             Some(_) if incomplete => "incomplete",
             Some(_) => "completed",
         };
-        let output = match done {
-            Some((text, _)) => {
-                let arguments = self.call.as_ref().map_or("", |c| c.arguments_json.as_str());
-                vec![self.item("completed", Some(text), arguments)]
-            }
-            None => Vec::new(),
-        };
         let echo = &self.echo;
-        json!({
-            "id": self.meta.id,
-            "object": "response",
-            "created_at": self.meta.created,
-            "status": status,
-            "background": false,
-            "error": null,
-            "incomplete_details": incomplete.then(|| json!({"reason": "max_output_tokens"})),
-            "instructions": echo.instructions,
-            "max_output_tokens": echo.max_output_tokens,
-            "max_tool_calls": null,
-            "metadata": {},
-            "model": self.meta.model,
-            "output": output,
-            "parallel_tool_calls": true,
-            "previous_response_id": echo.previous_response_id,
-            "reasoning": null,
-            "service_tier": "auto",
-            "store": echo.store,
-            "temperature": echo.temperature,
-            "text": {"format": {"type": "text"}},
-            "tool_choice": echo.tool_choice,
-            "tools": echo.tools,
-            "top_logprobs": 0,
-            "top_p": echo.top_p,
-            "truncation": "disabled",
-            "usage": done.map(|(_, usage)| usage_value(usage)),
-            "user": null,
-        })
+        ResponseObject {
+            id: &self.meta.id,
+            object: "response",
+            created_at: self.meta.created,
+            status,
+            background: false,
+            error: None,
+            incomplete_details: incomplete.then_some(IncompleteDetails {
+                reason: "max_output_tokens",
+            }),
+            instructions: echo.instructions.as_deref(),
+            max_output_tokens: echo.max_output_tokens,
+            max_tool_calls: None,
+            metadata: serde_json::Map::new(),
+            model: &self.meta.model,
+            output: done
+                .map(|(text, _)| vec![self.item("completed", Some(text))])
+                .unwrap_or_default(),
+            parallel_tool_calls: true,
+            previous_response_id: echo.previous_response_id.as_deref(),
+            reasoning: None,
+            service_tier: "auto",
+            store: echo.store,
+            temperature: &echo.temperature,
+            text: TextConfig {
+                format: TextFormat { kind: "text" },
+            },
+            tool_choice: &echo.tool_choice,
+            tools: &echo.tools,
+            top_logprobs: 0,
+            top_p: &echo.top_p,
+            truncation: "disabled",
+            usage: done.map(|(_, usage)| usage.into()),
+            user: None,
+        }
     }
 
     /// The non-streamed answer of `text` (ignored for a call).
     pub fn body(&self, text: &str, usage: Usage) -> Bytes {
-        Bytes::from(self.response(Some((text, usage))).to_string())
+        Bytes::from(to_json(&self.response(Some((text, usage)))))
     }
-}
-
-/// An `output_text` part.
-fn text_part(text: &str) -> Value {
-    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
 }
 
 /// The events of a streamed Responses answer (see the module docs).
@@ -161,81 +280,88 @@ impl ResponsesWriter {
         }
     }
 
-    /// Queues event `kind` with `data`'s fields.
-    fn push(&mut self, out: &mut VecDeque<Bytes>, kind: &str, mut data: Value) {
-        if let Value::Object(map) = &mut data {
-            map.insert("type".into(), kind.into());
-            map.insert("sequence_number".into(), self.sequence.into());
-        }
+    /// Queues event `kind`: `type`, `sequence_number`, then `fields`.
+    fn push(&mut self, out: &mut VecDeque<Bytes>, kind: &str, fields: Vec<(&str, String)>) {
+        let mut all = vec![("sequence_number", self.sequence.to_string())];
+        all.extend(fields);
         self.sequence += 1;
-        out.push_back(named_event(kind, &data));
+        out.push_back(typed_event(kind, &all));
+    }
+
+    /// The fields locating the output item (and its content part).
+    fn at(&self, part: bool) -> Vec<(&'static str, String)> {
+        let mut fields = vec![
+            ("item_id", to_json(&self.answer.item_id())),
+            ("output_index", "0".into()),
+        ];
+        if part {
+            fields.push(("content_index", "0".into()));
+        }
+        fields
     }
 }
 
 impl EventWriter for ResponsesWriter {
     fn start(&mut self, out: &mut VecDeque<Bytes>) {
-        let response = self.answer.response(None);
-        self.push(out, "response.created", json!({"response": response}));
-        self.push(out, "response.in_progress", json!({"response": response}));
-        let item = self.answer.item("in_progress", None, "");
+        let response = to_json(&self.answer.response(None));
+        self.push(out, "response.created", vec![("response", response.clone())]);
+        self.push(out, "response.in_progress", vec![("response", response)]);
+        let item = to_json(&self.answer.item("in_progress", None));
         self.push(
             out,
             "response.output_item.added",
-            json!({"output_index": 0, "item": item}),
+            vec![("output_index", "0".into()), ("item", item)],
         );
         if self.answer.call.is_none() {
-            let id = self.answer.item_id();
-            let part = json!({"type": "output_text", "text": "", "annotations": []});
-            self.push(
-                out,
-                "response.content_part.added",
-                json!({"item_id": id, "output_index": 0, "content_index": 0, "part": part}),
-            );
+            let mut fields = self.at(true);
+            fields.push(("part", r#"{"type":"output_text","text":"","annotations":[]}"#.into()));
+            self.push(out, "response.content_part.added", fields);
         }
     }
 
     fn token(&mut self, index: u32, text: &str, out: &mut VecDeque<Bytes>) {
-        let id = self.answer.item_id();
-        match &self.answer.call {
+        let piece = match &self.answer.call {
             None => {
                 self.text.push_str(text);
-                let data = json!({"item_id": id, "output_index": 0, "content_index": 0, "delta": text, "logprobs": []});
-                self.push(out, "response.output_text.delta", data);
+                let mut fields = self.at(true);
+                fields.extend([("delta", to_json(&text)), ("logprobs", "[]".into())]);
+                self.push(out, "response.output_text.delta", fields);
+                return;
             }
-            Some(call) => {
-                let piece = call.piece(index, self.expected).to_owned();
-                if !piece.is_empty() {
-                    let data = json!({"item_id": id, "output_index": 0, "delta": piece});
-                    self.push(out, "response.function_call_arguments.delta", data);
-                }
-            }
+            Some(call) => call.piece(index, self.expected).to_owned(),
+        };
+        if !piece.is_empty() {
+            let mut fields = self.at(false);
+            fields.push(("delta", to_json(&piece)));
+            self.push(out, "response.function_call_arguments.delta", fields);
         }
     }
 
     fn end(&mut self, usage: Usage, out: &mut VecDeque<Bytes>) {
-        let id = self.answer.item_id();
         let text = std::mem::take(&mut self.text);
         match &self.answer.call {
             None => {
-                let data = json!({"item_id": id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []});
-                self.push(out, "response.output_text.done", data);
-                let data = json!({"item_id": id, "output_index": 0, "content_index": 0, "part": text_part(&text)});
-                self.push(out, "response.content_part.done", data);
+                let mut fields = self.at(true);
+                fields.extend([("text", to_json(&text)), ("logprobs", "[]".into())]);
+                self.push(out, "response.output_text.done", fields);
+                let mut fields = self.at(true);
+                fields.push(("part", to_json(&text_part(&text))));
+                self.push(out, "response.content_part.done", fields);
             }
             Some(call) => {
-                let data =
-                    json!({"item_id": id, "output_index": 0, "name": call.name, "arguments": call.arguments_json});
-                self.push(out, "response.function_call_arguments.done", data);
+                let (name, arguments) = (to_json(&call.name), to_json(&call.arguments_json));
+                let mut fields = self.at(false);
+                fields.extend([("name", name), ("arguments", arguments)]);
+                self.push(out, "response.function_call_arguments.done", fields);
             }
         }
-        let arguments = self.answer.call.as_ref().map_or("", |c| c.arguments_json.as_str());
-        let item = self.answer.item("completed", Some(&text), arguments);
+        let item = to_json(&self.answer.item("completed", Some(&text)));
         self.push(
             out,
             "response.output_item.done",
-            json!({"output_index": 0, "item": item}),
+            vec![("output_index", "0".into()), ("item", item)],
         );
-        let response = self.answer.response(Some((&text, usage)));
-        self.push(out, "response.completed", json!({"response": response}));
+        let response = to_json(&self.answer.response(Some((&text, usage))));
+        self.push(out, "response.completed", vec![("response", response)]);
     }
 }

@@ -38,11 +38,23 @@ pub fn data_event(data: &impl Serialize) -> Bytes {
     Bytes::from(out)
 }
 
-/// `event: {name}\ndata: {json}\n\n`.
-pub fn named_event(name: &str, data: &impl Serialize) -> Bytes {
-    let mut out = format!("event: {name}\ndata: ").into_bytes();
-    serde_json::to_writer(&mut out, data).unwrap_or_default();
-    out.extend_from_slice(b"\n\n");
+/// `v` as JSON text.
+pub fn to_json(v: &impl Serialize) -> String {
+    // Serializing these plain values cannot fail.
+    serde_json::to_string(v).unwrap_or_default()
+}
+
+/// `event: {name}\ndata: {"type": name, fields...}\n\n`, the fields (each
+/// a key and its value as JSON text) in the order given, after `type`.
+pub fn typed_event(name: &str, fields: &[(&str, String)]) -> Bytes {
+    let mut out = format!("event: {name}\ndata: {{\"type\":{}", to_json(&name));
+    for (key, value) in fields {
+        out.push(',');
+        out.push_str(&to_json(key));
+        out.push(':');
+        out.push_str(value);
+    }
+    out.push_str("}\n\n");
     Bytes::from(out)
 }
 

@@ -657,7 +657,16 @@ fn chat_tool_call_answers() {
 #[test]
 fn responses_answers() {
     let text = spec(Endpoint::Responses, "resp_ab", None, FinishReason::Stop);
-    let v: Value = serde_json::from_slice(&text.body(" a b c".into(), USAGE)).unwrap();
+    // OpenAI's member order: the id first (a gateway reads it from the head).
+    let body = text.body(" a b c".into(), USAGE);
+    assert!(body.starts_with(br#"{"id":"resp_ab","object":"response","created_at":5,"status":"completed""#));
+    let mut writer = text.writer(10, 8);
+    let mut head = std::collections::VecDeque::new();
+    writer.start(&mut head);
+    assert!(head[0].starts_with(
+        b"event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_ab\""
+    ));
+    let v: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(
         (v["object"].as_str(), v["status"].as_str()),
         (Some("response"), Some("completed"))
