@@ -1,4 +1,6 @@
-//! Replaying a cached non-streaming answer as a stream ([`replay`]).
+//! Replaying a cached non-streaming answer as a stream ([`replay`]; a
+//! Responses or Messages answer as its API's events:
+//! [`crate::openai::agent_streams`]).
 //! (Reading the answer text out of a relayed stream is
 //! [`crate::openai::answer`]'s.)
 //!
@@ -11,6 +13,7 @@
 use bytes::Bytes;
 use serde_json::{Map, Value, json};
 
+use crate::openai::agent_streams::AgentStream;
 use crate::openai::prompt::Endpoint;
 
 fn event(out: &mut Vec<u8>, value: &Value) {
@@ -24,12 +27,16 @@ fn event(out: &mut Vec<u8>, value: &Value) {
 /// `stored` is not a response of that endpoint (then it is treated as a
 /// miss).
 pub fn replay(endpoint: Endpoint, stored: &[u8], include_usage: bool) -> Option<Bytes> {
+    match endpoint {
+        Endpoint::Responses => return AgentStream::Responses.replay(stored).map(Bytes::from),
+        Endpoint::Messages => return AgentStream::Messages.replay(stored).map(Bytes::from),
+        Endpoint::Completions | Endpoint::ChatCompletions => {}
+    }
     let v: Value = serde_json::from_slice(stored).ok()?;
     let choices = v.get("choices")?.as_array()?;
     let object = match endpoint {
         Endpoint::Completions => "text_completion",
         Endpoint::ChatCompletions => "chat.completion.chunk",
-        // Not replayed as a stream yet: a miss.
         Endpoint::Responses | Endpoint::Messages => return None,
     };
     let chunk = |choices: Value| {

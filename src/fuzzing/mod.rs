@@ -191,16 +191,18 @@ fn chunks(data: &[u8]) -> (Vec<&[u8]>, &[u8]) {
     (out, rest)
 }
 
-/// A request body: byte 0 picks the endpoint (bit 0) and the chat template
-/// (bit 1); the rest is the body.
+/// A request body: byte 0 picks the endpoint (bits 0 and 2: completions,
+/// chat, Responses, Messages) and the chat template (bit 1); the rest is
+/// the body.
 pub fn request(data: &[u8]) {
     let Some((&choice, body)) = data.split_first() else {
         return;
     };
-    let endpoint = if choice & 1 == 0 {
-        Endpoint::Completions
-    } else {
-        Endpoint::ChatCompletions
+    let endpoint = match (choice & 1, choice >> 2 & 1) {
+        (0, 0) => Endpoint::Completions,
+        (1, 0) => Endpoint::ChatCompletions,
+        (0, _) => Endpoint::Responses,
+        _ => Endpoint::Messages,
     };
     let template = &templates()[usize::from(choice >> 1 & 1)];
     let limits = RequestLimits::default();
@@ -287,6 +289,16 @@ pub fn event_stream(data: &[u8]) {
             let mut read = EventStreamText::default();
             read.feed(&events);
             assert!(read.done, "a replayed stream ends with [DONE]");
+        }
+    }
+    for endpoint in [Endpoint::Responses, Endpoint::Messages] {
+        if let Some(events) = replay(endpoint, whole, true) {
+            let api = crate::openai::agent_streams::AgentStream::of(&events);
+            assert!(api.is_some(), "a replayed stream names its API");
+            assert!(
+                api.and_then(|api| api.as_response(&events)).is_some(),
+                "a replayed stream stands for a whole answer"
+            );
         }
     }
 }

@@ -121,7 +121,8 @@ pub fn answer_text(form: AnswerForm, bytes: &[u8]) -> Option<(String, Reported)>
     }
 }
 
-/// The non-streaming response a whole event stream stands for: the JSON
+/// The non-streaming response a whole event stream stands for (a
+/// Responses or Messages stream: [`super::agent_streams`]): the JSON
 /// body (`chat.completion` when `chat`, else `text_completion`) with every
 /// choice's text joined, its `finish_reason`, and the stream's `usage`, so
 /// a streamed answer can be cached and served again as JSON or replayed
@@ -130,6 +131,9 @@ pub fn answer_text(form: AnswerForm, bytes: &[u8]) -> Option<(String, Reported)>
 /// anything the body would lose (tool calls, reasoning text, log
 /// probabilities): such an answer is not cached.
 pub fn stream_as_response(chat: bool, stream: &[u8]) -> Option<Vec<u8>> {
+    if let Some(api) = super::agent_streams::AgentStream::of(stream) {
+        return api.as_response(stream);
+    }
     let text = std::str::from_utf8(stream).ok()?;
     let mut head: Option<Map<String, Value>> = None;
     // index → (text, finish_reason)

@@ -14,7 +14,9 @@
 //! | [`responses`] | a Responses API request's instructions, input items and tools |
 //! | [`anthropic`] | an Anthropic Messages request's system, content blocks and tools; errors in Anthropic's shape |
 //! | [`answer`] | the answer text of a response (JSON body or event stream, of any of the four APIs), read by the response processes |
+//! | [`agent_streams`] | Responses and Messages event streams as the whole answers they stand for, and stored answers replayed as such streams (the response cache) |
 
+pub mod agent_streams;
 pub mod answer;
 pub mod anthropic;
 pub mod body;

@@ -179,7 +179,7 @@ mod tests {
         assert_eq!(credited, Applied::Credited);
         assert_eq!(
             (prefix.blocks_for(a.server.tag()), prefix.blocks_for(b.server.tag())),
-            (3, 4)
+            (3, 5)
         );
         let unplaced = apply(Some(Affinity::Session(5)), &[], &mut candidates, &mut prefix, 4);
         assert_eq!(unplaced, Applied::Unplaced);

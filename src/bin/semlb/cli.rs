@@ -521,8 +521,8 @@ pub struct TokenizeArgs {
     /// Read the request body from a file (`-`: stdin).
     #[arg(long, value_name = "FILE", conflicts_with_all = ["text", "jsonl"])]
     pub body_file: Option<PathBuf>,
-    /// The endpoint a body is for [default: chat if it has `messages`,
-    /// else completions].
+    /// The endpoint a body is for [default: Responses if it has `input`,
+    /// chat if it has `messages`, else completions].
     #[arg(long, value_name = "ENDPOINT")]
     pub endpoint: Option<EndpointArg>,
     /// Read one JSON string (a text) or object (a body) per line on stdin;
@@ -565,6 +565,10 @@ pub enum EndpointArg {
     Chat,
     /// `/v1/completions`.
     Completions,
+    /// `/v1/responses` (OpenAI's Responses API).
+    Responses,
+    /// `/v1/messages` (Anthropic's Messages API).
+    Messages,
 }
 
 /// `semlb keys`.

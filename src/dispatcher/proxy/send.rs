@@ -328,6 +328,10 @@ impl Attempts<'_> {
             },
             candidates,
             degraded,
+            // The affinity key (a session's, a stored response's), hashed
+            // with the tenant's salt: the same for every turn of a session.
+            session = c.affinity.map(|a| format!("{:016x}", a.key())),
+            stored_response = c.previous_response_id.as_deref(),
             attempt = self.attempt,
             dispatch_ns = sent.unwrap_or_else(|| c.timing.start.elapsed().as_nanos() as u64),
             "{} routed to {address}: {}",

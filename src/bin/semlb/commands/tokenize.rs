@@ -205,12 +205,14 @@ fn report_body(tools: &Tools, endpoint: Option<EndpointArg>, body: &[u8]) -> Res
     let endpoint = match endpoint {
         Some(EndpointArg::Chat) => Endpoint::ChatCompletions,
         Some(EndpointArg::Completions) => Endpoint::Completions,
-        None => match serde_json::from_slice::<Value>(body)
-            .ok()
-            .and_then(|v| v.get("messages").cloned())
-        {
-            Some(_) => Endpoint::ChatCompletions,
-            None => Endpoint::Completions,
+        Some(EndpointArg::Responses) => Endpoint::Responses,
+        Some(EndpointArg::Messages) => Endpoint::Messages,
+        // A body with `messages` may be chat or Messages: chat unless
+        // `--endpoint messages` says otherwise.
+        None => match serde_json::from_slice::<Value>(body).ok() {
+            Some(v) if v.get("input").is_some() => Endpoint::Responses,
+            Some(v) if v.get("messages").is_some() => Endpoint::ChatCompletions,
+            _ => Endpoint::Completions,
         },
     };
     let (parsed, tools) = prompt::parse_with(endpoint, body, &prompt::RequestLimits::default(), |model| {
