@@ -178,26 +178,10 @@ pub(super) async fn choose(
             self::lookup(dispatcher, request).await
         }
     };
-    // Where the request wants to go: its stored response's engine only,
-    // or its session's engine credited with the whole prompt.
-    let affine = match affinity {
-        Some(a) if inference => dispatcher.store().holders(a.key(), &lookup.candidates).await,
-        _ => Vec::new(),
-    };
-    let affine_servers = affine;
-    let affine: Vec<_> = affine_servers.iter().map(|s| s.tag()).collect();
-    // What the engines hold, before a session's credit: what the shared
-    // headers are learned from and the match metrics count.
-    let held = lookup.routing_prefix();
     let chain_blocks = u32::try_from(chain.len()).unwrap_or(u32::MAX);
-    let applied = affinity::apply(
-        affinity.filter(|_| inference),
-        &affine,
-        &mut lookup.candidates,
-        &mut lookup.prefix,
-        chain_blocks,
-    );
-    match applied {
+    let placed = Placed::of(dispatcher, affinity.filter(|_| inference), chain_blocks, &mut lookup).await;
+    let held = &placed.held;
+    match placed.applied {
         affinity::Applied::Missing => return Routed::Unstored,
         affinity::Applied::Pinned => return pinned(dispatcher, lookup),
         _ => {}
@@ -212,7 +196,7 @@ pub(super) async fn choose(
         Some(pool) if inference && pool.shared_headers() => {
             let observed = dispatcher
                 .shared_headers()
-                .observe_match(chain, &held, !exclude.is_empty());
+                .observe_match(chain, held, !exclude.is_empty());
             observed.max(template_blocks)
         }
         _ => 0,
@@ -240,15 +224,7 @@ pub(super) async fn choose(
             prompt_tokens,
             block_tokens: pool.map_or(1, |p| p.block_tokens()),
             session,
-            session_engine: (applied == affinity::Applied::Credited)
-                .then(|| {
-                    lookup
-                        .candidates
-                        .iter()
-                        .map(|c| c.server.tag())
-                        .find(|t| affine.contains(t))
-                })
-                .flatten(),
+            session_engine: placed.session_engine,
             repeat: !exclude.is_empty(),
             waited_ms: 0,
             prefix: &prefix,
@@ -280,16 +256,7 @@ pub(super) async fn choose(
             }
         }
         let server = choice.server;
-        let mut reason = choice.reason;
-        if let (Some(Affinity::Session(key)), true) = (affinity, inference) {
-            follow_session(dispatcher, key, server, &affine_servers);
-            // Kept on its session's engine by the credit.
-            if affine.contains(&server.tag())
-                && matches!(reason, Reason::Prefix { blocks } if blocks > held.blocks_for(server.tag()))
-            {
-                reason = Reason::Session;
-            }
-        }
+        let reason = placed.follow(dispatcher, server, choice.reason);
         let Some(info) = dispatcher.registration(server) else {
             // Re-registered or unreadable meanwhile: ask again without it.
             lookup.candidates.retain(|c| c.server != server);
@@ -321,6 +288,73 @@ pub(super) async fn choose(
             None
         };
         return Routed::Chosen(Chosen::new(server, info.address, reason, &lookup), guard);
+    }
+}
+
+/// What a request's affinity made of its lookup ([`affinity::apply`]).
+struct Placed {
+    /// The affinity applied (`None`: none, or not an inference request).
+    affinity: Option<Affinity>,
+    /// What the engines hold, before a session's credit: what the shared
+    /// headers are learned from and the match metrics count.
+    held: shm_layout::PrefixMatch,
+    /// The servers its key lists.
+    affine: Vec<ServerRef>,
+    applied: affinity::Applied,
+    /// The session's engine, credited with the whole prompt.
+    session_engine: Option<shm_layout::ServerTag>,
+}
+
+impl Placed {
+    /// Applies `affinity` to `lookup`, for a prompt of `chain_blocks`
+    /// blocks: a stored response's engines become the only candidates, a
+    /// session's engine is credited with the whole prompt.
+    async fn of(dispatcher: &Dispatcher, affinity: Option<Affinity>, chain_blocks: u32, lookup: &mut Lookup) -> Self {
+        let affine = match affinity {
+            Some(a) => dispatcher.store().holders(a.key(), &lookup.candidates).await,
+            None => Vec::new(),
+        };
+        let tags: Vec<_> = affine.iter().map(|s| s.tag()).collect();
+        let held = lookup.routing_prefix();
+        let applied = affinity::apply(
+            affinity,
+            &tags,
+            &mut lookup.candidates,
+            &mut lookup.prefix,
+            chain_blocks,
+        );
+        let session_engine = (applied == affinity::Applied::Credited)
+            .then(|| {
+                lookup
+                    .candidates
+                    .iter()
+                    .map(|c| c.server.tag())
+                    .find(|t| tags.contains(t))
+            })
+            .flatten();
+        Self {
+            affinity,
+            held,
+            affine,
+            applied,
+            session_engine,
+        }
+    }
+
+    /// A session sent to `server` follows it there ([`follow_session`]);
+    /// the reason of the choice, `Session` when the key's credit kept it
+    /// on its engine.
+    fn follow(&self, dispatcher: &Dispatcher, server: ServerRef, reason: Reason) -> Reason {
+        let Some(Affinity::Session(key)) = self.affinity else {
+            return reason;
+        };
+        follow_session(dispatcher, key, server, &self.affine);
+        let credited = matches!(reason, Reason::Prefix { blocks } if blocks > self.held.blocks_for(server.tag()));
+        if self.affine.contains(&server) && credited {
+            Reason::Session
+        } else {
+            reason
+        }
     }
 }
 

@@ -98,7 +98,11 @@ fn text_messages_only(response: &Value) -> Option<Vec<(Value, Vec<String>)>> {
             let parts = item["content"].as_array()?;
             let texts = parts
                 .iter()
-                .map(|p| (p["type"] == "output_text").then(|| p["text"].as_str().map(str::to_owned)).flatten())
+                .map(|p| {
+                    (p["type"] == "output_text")
+                        .then(|| p["text"].as_str().map(str::to_owned))
+                        .flatten()
+                })
                 .collect::<Option<Vec<String>>>()?;
             Some((item.clone(), texts))
         })
@@ -188,7 +192,11 @@ fn replay_responses(body: &Value, out: &mut Vec<u8>) -> Option<()> {
         let mut added = item.clone();
         added["status"] = json!("in_progress");
         added["content"] = json!([]);
-        emit(out, "response.output_item.added", obj(json!({"output_index": i, "item": added})));
+        emit(
+            out,
+            "response.output_item.added",
+            obj(json!({"output_index": i, "item": added})),
+        );
         for (j, text) in texts.iter().enumerate() {
             let at = json!({"item_id": id, "output_index": i, "content_index": j});
             let empty = json!({"type": "output_text", "text": "", "annotations": []});
@@ -199,11 +207,23 @@ fn replay_responses(body: &Value, out: &mut Vec<u8>) -> Option<()> {
                 m
             };
             emit(out, "response.content_part.added", with(json!({"part": empty})));
-            emit(out, "response.output_text.delta", with(json!({"delta": text, "logprobs": []})));
-            emit(out, "response.output_text.done", with(json!({"text": text, "logprobs": []})));
+            emit(
+                out,
+                "response.output_text.delta",
+                with(json!({"delta": text, "logprobs": []})),
+            );
+            emit(
+                out,
+                "response.output_text.done",
+                with(json!({"text": text, "logprobs": []})),
+            );
             emit(out, "response.content_part.done", with(json!({"part": part})));
         }
-        emit(out, "response.output_item.done", obj(json!({"output_index": i, "item": item})));
+        emit(
+            out,
+            "response.output_item.done",
+            obj(json!({"output_index": i, "item": item})),
+        );
     }
     emit(out, "response.completed", obj(json!({"response": body})));
     Some(())
@@ -220,7 +240,11 @@ fn replay_messages(body: &Value, out: &mut Vec<u8>) -> Option<()> {
     start["content"] = json!([]);
     start["stop_reason"] = Value::Null;
     start["stop_sequence"] = Value::Null;
-    event(out, "message_start", &json!({"type": "message_start", "message": start}));
+    event(
+        out,
+        "message_start",
+        &json!({"type": "message_start", "message": start}),
+    );
     for (i, text) in texts.iter().enumerate() {
         event(
             out,
@@ -232,7 +256,11 @@ fn replay_messages(body: &Value, out: &mut Vec<u8>) -> Option<()> {
             "content_block_delta",
             &json!({"type": "content_block_delta", "index": i, "delta": {"type": "text_delta", "text": text}}),
         );
-        event(out, "content_block_stop", &json!({"type": "content_block_stop", "index": i}));
+        event(
+            out,
+            "content_block_stop",
+            &json!({"type": "content_block_stop", "index": i}),
+        );
     }
     let delta = json!({"type": "message_delta", "delta": {"stop_reason": body["stop_reason"],
         "stop_sequence": body["stop_sequence"]}, "usage": {"output_tokens": body["usage"]["output_tokens"]}});
@@ -276,7 +304,10 @@ mod tests {
         let stream = AgentStream::Messages.replay(MESSAGE.as_bytes()).unwrap();
         let cut = &stream[..stream.len() - 40];
         assert!(AgentStream::Messages.as_response(cut).is_none());
-        let tool = MESSAGE.replace(r#"{"type":"text","text":"Bonjour"}"#, r#"{"type":"tool_use","id":"t","name":"f","input":{}}"#);
+        let tool = MESSAGE.replace(
+            r#"{"type":"text","text":"Bonjour"}"#,
+            r#"{"type":"tool_use","id":"t","name":"f","input":{}}"#,
+        );
         assert!(AgentStream::Messages.replay(tool.as_bytes()).is_none());
         assert_eq!(AgentStream::of(b"data: {\"choices\":[]}\n\n"), None);
     }

@@ -24,7 +24,7 @@ use serde_json::{Value, json};
 use super::body::{Json, Object};
 use super::chat::set_reasoning;
 use super::conversation::{Conversation, call_arguments, function_tool, string_field, template_value, tool_call};
-use super::prompt::{RequestError, check_message_count};
+use super::request_error::{RequestError, check_message_count};
 
 /// System blocks vLLM drops (Claude Code's billing line, which changes
 /// with every request and is no prompt).

@@ -9,7 +9,7 @@ use semlb_tokenizer::chat::{ChatMessage, TemplateValue};
 
 use super::body::{Json, Object};
 use super::conversation::{Conversation, call_arguments, function_tool, parts_text, string_field, template_value};
-use super::prompt::RequestError;
+use super::request_error::RequestError;
 
 /// The chat roles OpenAI's API takes; any other is a 400 `invalid_value`.
 pub(super) const CHAT_ROLES: [&str; 6] = ["system", "developer", "user", "assistant", "tool", "function"];
@@ -52,7 +52,7 @@ pub(super) fn conversation<'b>(body: &Object<'b>, max_messages: usize) -> Result
             ));
         }
     };
-    super::prompt::check_message_count(messages.len(), max_messages, "messages")?;
+    super::request_error::check_message_count(messages.len(), max_messages, "messages")?;
     let mut out = Conversation {
         messages: Vec::with_capacity(messages.len()),
         tools: tools(body)?,

@@ -9,6 +9,7 @@
 //! | --- | --- |
 //! | [`body`] | the request body parsed once: a JSON tree borrowing its strings from the body |
 //! | [`prompt`] | the routing text of a request: which endpoint, its checks, completions prompt forms, the conversation rendered |
+//! | [`request_error`] | a request the gateway refuses, in OpenAI's error shape |
 //! | [`conversation`] | a conversation as the chat template gets it (what vLLM gives it): messages, tool calls, tool results, reasoning, tools |
 //! | [`chat`] | a chat completions request's messages and tools |
 //! | [`responses`] | a Responses API request's instructions, input items and tools |
@@ -23,7 +24,5 @@ pub mod body;
 pub mod chat;
 pub mod conversation;
 pub mod prompt;
+pub mod request_error;
 pub mod responses;
-
-#[cfg(test)]
-mod tests;

@@ -24,9 +24,9 @@ use std::hash::Hasher;
 
 use seahash::SeaHasher;
 use semlb_tokenizer::chat::ChatTemplate;
-use serde_json::Value;
 
 use crate::openai::body::{Json, Object};
+pub use crate::openai::request_error::RequestError;
 
 /// Which OpenAI endpoint a request is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -246,64 +246,6 @@ pub struct PromptExtra {
     pub prompts: u64,
 }
 
-/// A request the gateway refuses: an OpenAI-style `invalid_request_error`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
-pub struct RequestError {
-    /// Human-readable message.
-    pub message: String,
-    /// The offending parameter, if one.
-    pub param: Option<&'static str>,
-    /// The status: 400, or 413 for a prompt over the size limit.
-    pub status: http::StatusCode,
-    /// OpenAI's error code, where it has one.
-    pub code: Option<&'static str>,
-}
-
-impl RequestError {
-    /// A 400 `invalid_request_error` naming `param`.
-    pub(crate) fn new(message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self {
-            message: message.into(),
-            param,
-            status: http::StatusCode::BAD_REQUEST,
-            code: None,
-        }
-    }
-
-    /// OpenAI's 404 for a model the gateway does not serve.
-    pub fn model_not_found(model: &str) -> Self {
-        Self {
-            message: format!("The model `{model}` does not exist or you do not have access to it."),
-            param: Some("model"),
-            status: http::StatusCode::NOT_FOUND,
-            code: Some("model_not_found"),
-        }
-    }
-
-    /// 403 for a model the caller's key may not use ([`crate::tenancy::auth`]).
-    pub fn model_not_allowed(model: &str) -> Self {
-        Self {
-            message: format!("Your API key may not use the model `{model}`."),
-            param: Some("model"),
-            status: http::StatusCode::FORBIDDEN,
-            code: Some("model_not_allowed"),
-        }
-    }
-
-    /// The JSON error body (`{"error": {...}}`).
-    pub fn body(&self) -> Value {
-        serde_json::json!({
-            "error": {
-                "message": self.message,
-                "type": "invalid_request_error",
-                "param": self.param,
-                "code": self.code,
-            }
-        })
-    }
-}
-
 /// Bounds on the work one request makes the gateway do before it reaches
 /// an engine. 480 000 one-byte messages (a 14 MiB body) took 0.77 s to
 /// parse and render with a Jinja template on this 2-core machine; 4 096
@@ -457,23 +399,6 @@ fn endpoint_prompt_param(endpoint: Endpoint) -> &'static str {
         Endpoint::Completions => "prompt",
         Endpoint::Responses => "input",
     }
-}
-
-/// 400 `array_above_max_length` (as OpenAI answers) for a list of `len`
-/// messages or items, `param`, longer than `max`.
-pub(super) fn check_message_count(len: usize, max: usize, param: &'static str) -> Result<(), RequestError> {
-    if len <= max {
-        return Ok(());
-    }
-    Err(RequestError {
-        code: Some("array_above_max_length"),
-        ..RequestError::new(
-            format!(
-                "Invalid '{param}': array too long. Expected an array with maximum length {max}, but got an array with length {len} instead."
-            ),
-            Some(param),
-        )
-    })
 }
 
 /// Generation parameters every engine validates; checking their types here

@@ -27,7 +27,7 @@ use semlb_tokenizer::chat::{ChatMessage, TemplateValue};
 use super::body::{Json, Object};
 use super::chat::{TEXT_PARTS, set_reasoning};
 use super::conversation::{Conversation, call_arguments, function_tool, parts_text, string_field, template_value};
-use super::prompt::{RequestError, check_message_count};
+use super::request_error::{RequestError, check_message_count};
 
 /// Roles a Responses `message` item takes.
 const ROLES: [&str; 4] = ["user", "assistant", "system", "developer"];
