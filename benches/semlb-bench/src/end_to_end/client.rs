@@ -66,12 +66,14 @@ impl LoadClient {
 pub(crate) struct Outcome {
     /// HTTP status (0: no answer).
     pub(crate) status: u16,
-    /// From the reference instant to the first SSE `data:` event (to the
-    /// whole answer when it is not streamed).
+    /// From the reference instant to the first output event of the SSE
+    /// stream ([`SseScan`]; to the whole answer when it is not streamed).
     pub(crate) ttft: Option<Duration>,
     /// From the reference instant to the end of the answer.
     pub(crate) latency: Duration,
-    /// The stream ended with `data: [DONE]`, or a JSON answer was a 200.
+    /// The stream ended with `data: [DONE]` (or a Responses or Messages
+    /// stream with its last event, [`SseScan`]), or a JSON answer was a
+    /// 200.
     pub(crate) done: bool,
     /// `x-semlb-dispatch-ns`, parsed ([`DISPATCH_STAGES`] order).
     pub(crate) dispatch: Option<[u64; 7]>,
@@ -82,6 +84,10 @@ pub(crate) struct Outcome {
     pub(crate) engine: Option<String>,
     /// What went wrong, if anything.
     pub(crate) error: Option<String>,
+    /// The prompt tokens and, of those, the cached ones, as the answer's
+    /// usage says (filled by the reports that read it: the replay's
+    /// tool-calling agents).
+    pub(crate) usage: Option<(u64, u64)>,
 }
 
 impl Outcome {
@@ -190,7 +196,7 @@ pub(crate) async fn request_with(
             format!("HTTP {}: {failed_body}", outcome.status)
         });
     } else if outcome.error.is_none() && !outcome.done {
-        outcome.error = Some("stream ended without [DONE]".into());
+        outcome.error = Some("stream ended without [DONE] (response.completed, message_stop)".into());
     }
     outcome
 }
@@ -200,7 +206,8 @@ const HEAD_BYTES: usize = 1024;
 
 /// The simulated engine that wrote an answer starting with `head` (JSON,
 /// or the SSE stream's first event): the simulator's response ids are
-/// `cmpl-<salt><counter>` and `chatcmpl-<salt><counter>`, 16 hex digits
+/// `cmpl-<salt><counter>`, `chatcmpl-<salt><counter>`, `resp_…` and
+/// `msg_…` (Responses, Messages), 16 hex digits
 /// each, the salt drawn once per engine process, so the salt names the
 /// engine whichever front passed the answer on. `None` for any other id.
 pub(crate) fn engine_of(head: &[u8]) -> Option<String> {
@@ -208,46 +215,97 @@ pub(crate) fn engine_of(head: &[u8]) -> Option<String> {
     let after = &text[text.find("\"id\"")? + 4..];
     let value = after.trim_start().strip_prefix(':')?.trim_start().strip_prefix('"')?;
     let id = &value[..value.find('"')?];
-    let hex = &id[id.rfind('-')? + 1..];
+    let hex = &id[id.rfind(['-', '_'])? + 1..];
     (hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit())).then(|| hex[..16].to_owned())
 }
 
 /// Incremental scanner of a server-sent-event stream: counts `data:`
-/// events and notices `data: [DONE]`.
+/// events, notices the first *output* event and the stream's end.
+///
+/// An event without an `event:` name (chat and completions chunks) is
+/// output. Of the named events of the Responses and Messages APIs, the
+/// output ones are those carrying generated tokens
+/// (`response.output_text.delta`, `response.function_call_arguments.delta`
+/// and any other `response.*.delta`; Anthropic's `content_block_delta`);
+/// their lifecycle events (`response.created`, `message_start`,
+/// `content_block_start`, `ping`, ...) are not. Any other name counts as
+/// output. The stream ends with `data: [DONE]`, or with the event
+/// `response.completed` / `response.incomplete` (Responses) or
+/// `message_stop` (Messages), which have no `[DONE]` after them.
 #[derive(Debug, Default)]
 pub(crate) struct SseScan {
     pending: Vec<u8>,
     /// `data:` events other than `[DONE]` seen so far.
     pub(crate) data_events: u32,
-    /// `data: [DONE]` was seen.
+    /// Of those, output events.
+    pub(crate) output_events: u32,
+    /// `data: [DONE]`, or a Responses or Messages stream's last event,
+    /// was seen.
     pub(crate) done: bool,
+}
+
+/// The named events of the Responses and Messages APIs that carry no
+/// generated token.
+const LIFECYCLE_EVENTS: [&str; 7] = [
+    "message_start",
+    "content_block_start",
+    "content_block_stop",
+    "message_delta",
+    "message_stop",
+    "ping",
+    "error",
+];
+
+/// Named events that end a stream with no `data: [DONE]` after them.
+const END_EVENTS: [&str; 3] = ["response.completed", "response.incomplete", "message_stop"];
+
+/// Whether an event named `name` carries generated tokens.
+fn is_output_event(name: &[u8]) -> bool {
+    let name = String::from_utf8_lossy(name);
+    if name.starts_with("response.") {
+        return name.ends_with(".delta");
+    }
+    !LIFECYCLE_EVENTS.contains(&name.as_ref())
 }
 
 impl SseScan {
     /// Feeds the next bytes of the stream; true when they complete the
-    /// first `data:` event that is not `[DONE]` (the time to first token).
+    /// first output event (the time to first token).
     pub(crate) fn feed(&mut self, bytes: &[u8]) -> bool {
-        let before = self.data_events;
+        let before = self.output_events;
         let searched_from = self.pending.len().saturating_sub(1);
         self.pending.extend(bytes.iter().copied().filter(|b| *b != b'\r'));
         let mut start = 0;
         let mut from = searched_from;
         while let Some(pos) = self.pending[from..].windows(2).position(|w| w == b"\n\n") {
             let end = from + pos;
+            let mut name: Option<&[u8]> = None;
+            let mut data = false;
             for line in self.pending[start..end].split(|b| *b == b'\n') {
-                if let Some(data) = line.strip_prefix(b"data:") {
-                    if data.trim_ascii() == b"[DONE]" {
+                if let Some(n) = line.strip_prefix(b"event:") {
+                    name = Some(n.trim_ascii());
+                } else if let Some(d) = line.strip_prefix(b"data:") {
+                    if d.trim_ascii() == b"[DONE]" {
                         self.done = true;
                     } else {
-                        self.data_events += 1;
+                        data = true;
                     }
                 }
+            }
+            if data {
+                self.data_events += 1;
+                if name.is_none_or(is_output_event) {
+                    self.output_events += 1;
+                }
+            }
+            if name.is_some_and(|n| END_EVENTS.iter().any(|e| e.as_bytes() == n)) {
+                self.done = true;
             }
             start = end + 2;
             from = start;
         }
         self.pending.drain(..start);
-        before == 0 && self.data_events > 0
+        before == 0 && self.output_events > 0
     }
 }
 
@@ -290,6 +348,19 @@ mod tests {
         assert!(!s.feed(b"data: [DONE]\r\n\r\n"));
         assert!(s.done && s.data_events == 0);
         let mut s = SseScan::default();
+        assert!(!s.feed(b"event: response.created\ndata: {}\n\nevent: response.output_item.added\ndata: {}\n\n"));
+        assert!(s.feed(b"event: response.function_call_arguments.delta\ndata: {}\n\n"));
+        assert!(!s.done);
+        assert!(!s.feed(b"event: response.completed\ndata: {}\n\n"));
+        assert!(s.done && s.data_events == 4 && s.output_events == 1);
+        let mut s = SseScan::default();
+        assert!(!s.feed(
+            b"event: message_start\ndata: {}\n\nevent: content_block_start\ndata: {}\n\nevent: ping\ndata: {}\n\n"
+        ));
+        assert!(s.feed(b"event: content_block_delta\ndata: {}\n\n"));
+        assert!(!s.feed(b"event: message_delta\ndata: {}\n\nevent: message_stop\ndata: {}\n\n"));
+        assert!(s.done);
+        let mut s = SseScan::default();
         assert!(!s.feed(b": comment\n\n"));
         assert!(s.feed(b"event: x\ndata: {}\n\n"));
         assert!(!s.feed(b"data: {}\n\n"));
@@ -304,6 +375,11 @@ mod tests {
         assert_eq!(engine_of(br#"{"id":"chatcmpl-xyz"}"#), None);
         assert_eq!(engine_of(br#"{"object":"list"}"#), None);
         assert_eq!(engine_of(b"data: {\"id\":\"cmpl-12bc"), None);
+        let created = br#"event: response.created
+data: {"type":"response.created","response":{"id":"resp_a54f910138e8018f00000000000000b3"}}"#;
+        assert_eq!(engine_of(created).as_deref(), Some("a54f910138e8018f"));
+        let start = br#"{"id":"msg_12bc24eed0216e530000000000000007","type":"message"}"#;
+        assert_eq!(engine_of(start).as_deref(), Some("12bc24eed0216e53"));
     }
 
     #[test]

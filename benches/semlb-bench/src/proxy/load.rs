@@ -82,10 +82,18 @@ pub fn tag_lines(text: &str, newline: &str, tag: &str) -> String {
 }
 
 impl Requests {
-    /// The whole HTTP request for a body.
+    /// The whole HTTP request for a body to `/v1/chat/completions`.
     pub fn http(body: &[u8]) -> Vec<u8> {
+        Self::http_to("/v1/chat/completions", body)
+    }
+
+    /// The whole HTTP request for a body to `path`.
+    pub fn http_to(path: &str, body: &[u8]) -> Vec<u8> {
         let mut out = Vec::with_capacity(body.len() + 128);
-        out.extend_from_slice(REQUEST_HEAD.as_bytes());
+        out.extend_from_slice(
+            format!("POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: ")
+                .as_bytes(),
+        );
         out.extend_from_slice(format!("{}\r\n\r\n", body.len()).as_bytes());
         out.extend_from_slice(body);
         out
@@ -315,7 +323,7 @@ async fn connection(plan: Plan, requests: Arc<Requests>, id: usize, interrupt: I
                         tally.first_error = Some(format!("HTTP {}", answer.status));
                     }
                 } else if plan.stream && !answer.done {
-                    tally.error("a stream ended without data: [DONE]".into());
+                    tally.error("a stream ended without data: [DONE] (response.completed, message_stop)".into());
                 } else {
                     tally.latency_us.push((end - start).as_secs_f64() * 1e6);
                     if let Some(t) = answer.first_event {
@@ -546,6 +554,7 @@ mod tests {
         .await;
         let mut c = Conn::new(TcpStream::connect(&addr).await.unwrap());
         let req = Requests::http(b"{}");
+        assert!(Requests::http_to("/v1/messages", b"{}").starts_with(b"POST /v1/messages HTTP/1.1\r\n"));
         let a = c.exchange(&req, false).await.unwrap();
         assert_eq!((a.status, a.close, a.cache.as_deref()), (200, false, Some("bypass")));
         let a = c.exchange(&req, true).await.unwrap();

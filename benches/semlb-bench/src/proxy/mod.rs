@@ -91,14 +91,27 @@
 //!   as it does for shared system prompts, documents and earlier turns;
 //! * **long-unseen**: the same prompts with the tag opening every line, so
 //!   no line of any request was seen before (the tokenizer's word cache
-//!   still serves common words, as for any new text).
+//!   still serves common words, as for any new text);
+//! * **short-responses**: the short request as OpenAI's Responses API,
+//!   `POST /v1/responses` with `{"model":"semlb-sim","input":"Say hello in
+//!   one short sentence please.","max_output_tokens":16,"store":false}`;
+//! * **short-messages**: the short request as Anthropic's Messages API,
+//!   `POST /v1/messages` with `{"model":"semlb-sim","messages":[{"role":
+//!   "user","content":"Say hello in one short sentence please."}],
+//!   "max_tokens":16}`. Both are inference through the gateway (rendered
+//!   with the chat template and routed by prefix, as chat completions);
+//!   beside `short` they give the gateway's CPU per request for each API.
 //!
 //! Neither has `temperature` 0 or a `seed`, so both are non-deterministic
 //! (`semlb::response_cache::is_deterministic`): the gateway neither looks
 //! them up in its response cache nor stores them, and each answer's
 //! `x-semlb-cache` header (counted in the JSON) says `bypass`. Both are
 //! non-streaming by default; `--stream` adds `"stream":true` (SSE; then
-//! the time to the first event is recorded too). Every answer has 16 output
+//! the time to the first output event is recorded too: the first chunk of
+//! chat, the first `response.output_text.delta` of Responses, the first
+//! `content_block_delta` of Messages; a Responses stream is complete at
+//! `response.completed`, a Messages stream at `message_stop`, chat's at
+//! `data: [DONE]`). Every answer has 16 output
 //! tokens (`--max-tokens`).
 //!
 //! # Measurement
@@ -293,6 +306,10 @@ pub enum WorkloadKind {
     /// The same prompts with the per-request tag opening every line, so no
     /// line was seen before: tokenization with no segment cache hit.
     LongUnseen,
+    /// The short request as OpenAI's Responses API (`POST /v1/responses`).
+    ShortResponses,
+    /// The short request as Anthropic's Messages API (`POST /v1/messages`).
+    ShortMessages,
 }
 
 impl WorkloadKind {
@@ -301,6 +318,17 @@ impl WorkloadKind {
             WorkloadKind::Short => "short",
             WorkloadKind::Long => "long",
             WorkloadKind::LongUnseen => "long-unseen",
+            WorkloadKind::ShortResponses => "short-responses",
+            WorkloadKind::ShortMessages => "short-messages",
+        }
+    }
+
+    /// The path its requests go to.
+    fn path(self) -> &'static str {
+        match self {
+            WorkloadKind::ShortResponses => "/v1/responses",
+            WorkloadKind::ShortMessages => "/v1/messages",
+            WorkloadKind::Short | WorkloadKind::Long | WorkloadKind::LongUnseen => "/v1/chat/completions",
         }
     }
 }

@@ -163,6 +163,7 @@ fn workload_table(args: &ProxyArgs, run: &Run, w: &Workload) -> Value {
     }
     output::print_table(&workload_title(args, run, w), &table);
     json!({
+        "path": w.path,
         "body_bytes": w.body_bytes,
         "prompt_tokens": w.prompt_tokens,
         "engine_prompt_tokens": w.engine_prompt_tokens,
@@ -237,6 +238,18 @@ fn workload_title(args: &ProxyArgs, run: &Run, w: &Workload) -> String {
     match w.kind {
         WorkloadKind::Short => format!(
             "semlb bench proxy: short chat requests ({} B body, max_tokens {}{})",
+            w.body_bytes,
+            args.max_tokens,
+            if args.stream { ", SSE" } else { "" }
+        ),
+        WorkloadKind::ShortResponses | WorkloadKind::ShortMessages => format!(
+            "semlb bench proxy: short {} requests (POST {}, {} B body, max tokens {}{})",
+            if w.kind == WorkloadKind::ShortResponses {
+                "Responses API"
+            } else {
+                "Messages API"
+            },
+            w.path,
             w.body_bytes,
             args.max_tokens,
             if args.stream { ", SSE" } else { "" }

@@ -139,8 +139,9 @@ pub(super) fn check(addr: &str, workload: &Workload, front: Front) -> Result<Opt
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
     write!(
         s,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+        "POST {} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
          Content-Length: {}\r\nConnection: close\r\n\r\n",
+        workload.path,
         body.len()
     )?;
     s.write_all(&body)?;
@@ -156,8 +157,13 @@ pub(super) fn check(addr: &str, workload: &Workload, front: Front) -> Result<Opt
             text.chars().take(600).collect::<String>()
         );
     }
-    // `"prompt_tokens":N` in the JSON body, or in the stream's last events.
-    Ok(text
-        .rsplit_once("\"prompt_tokens\":")
-        .and_then(|(_, rest)| rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()))
+    // `"prompt_tokens":N` in the JSON body, or in the stream's last events
+    // (Responses: `"input_tokens":N`; Messages: `"input_tokens":N` uncached
+    // plus `"cache_read_input_tokens":M`).
+    let number = |key: &str| -> Option<u64> {
+        text.rsplit_once(key)
+            .and_then(|(_, rest)| rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+    };
+    Ok(number("\"prompt_tokens\":")
+        .or_else(|| number("\"input_tokens\":").map(|n| n + number("\"cache_read_input_tokens\":").unwrap_or(0))))
 }

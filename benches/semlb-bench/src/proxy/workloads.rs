@@ -25,6 +25,8 @@ const LONG_TEXTS: usize = 64;
 /// A workload's requests and what describes them.
 pub(super) struct Workload {
     pub(super) kind: WorkloadKind,
+    /// The path its requests go to.
+    pub(super) path: &'static str,
     pub(super) requests: Arc<Requests>,
     /// Request body size (the first request's), bytes.
     pub(super) body_bytes: usize,
@@ -189,6 +191,22 @@ fn chat_parts(max_tokens: u32, stream: bool) -> (String, String) {
     (head, tail)
 }
 
+/// The short request's body in the Responses or Messages API.
+fn api_body(kind: WorkloadKind, max_tokens: u32, stream: bool) -> String {
+    let mut body = match kind {
+        WorkloadKind::ShortResponses => serde_json::json!({
+            "model": MODEL, "input": SHORT_MESSAGE, "max_output_tokens": max_tokens, "store": false,
+        }),
+        _ => serde_json::json!({
+            "model": MODEL, "messages": [{"role": "user", "content": SHORT_MESSAGE}], "max_tokens": max_tokens,
+        }),
+    };
+    if stream {
+        body["stream"] = true.into();
+    }
+    body.to_string()
+}
+
 /// The requests of workload `kind` (with `--prompt-tokens`, `--max-tokens`
 /// and `--stream` from `args`) on the text of `text`.
 pub(super) fn build_workload(kind: WorkloadKind, args: &ProxyArgs, text: &TextSource) -> Workload {
@@ -196,6 +214,13 @@ pub(super) fn build_workload(kind: WorkloadKind, args: &ProxyArgs, text: &TextSo
     let (requests, prompt_tokens) = match kind {
         WorkloadKind::Short => (
             Requests::Fixed(Requests::http(format!("{head}{SHORT_MESSAGE}{tail}").as_bytes())),
+            None,
+        ),
+        WorkloadKind::ShortResponses | WorkloadKind::ShortMessages => (
+            Requests::Fixed(Requests::http_to(
+                kind.path(),
+                api_body(kind, args.max_tokens, args.stream).as_bytes(),
+            )),
             None,
         ),
         WorkloadKind::Long | WorkloadKind::LongUnseen => {
@@ -224,6 +249,7 @@ pub(super) fn build_workload(kind: WorkloadKind, args: &ProxyArgs, text: &TextSo
     let body_bytes = requests.body(0, 0).len();
     Workload {
         kind,
+        path: kind.path(),
         requests: Arc::new(requests),
         body_bytes,
         prompt_tokens,
@@ -254,6 +280,21 @@ mod tests {
         let (head, tail) = chat_parts(4, true);
         let v: Value = serde_json::from_str(&format!("{head}x{tail}")).unwrap();
         assert_eq!(v["stream"], true);
+    }
+
+    #[test]
+    fn api_bodies_are_the_documented_json() {
+        let r: Value = serde_json::from_str(&api_body(WorkloadKind::ShortResponses, 16, false)).unwrap();
+        assert_eq!(
+            r,
+            json!({"model": MODEL, "input": SHORT_MESSAGE, "max_output_tokens": 16, "store": false})
+        );
+        let m: Value = serde_json::from_str(&api_body(WorkloadKind::ShortMessages, 16, true)).unwrap();
+        assert_eq!(
+            m,
+            json!({"model": MODEL, "messages": [{"role": "user", "content": SHORT_MESSAGE}], "max_tokens": 16,
+                   "stream": true})
+        );
     }
 
     #[test]

@@ -8,6 +8,7 @@ use semlb::routing::PolicyKind;
 
 use super::chat_set::ChatSet;
 use crate::Common;
+use crate::workload::agent_api::AgentsApi;
 use crate::workload::burst;
 use crate::workload::{PromptForm, WorkloadKind};
 
@@ -71,6 +72,14 @@ pub struct ReplayArgs {
     /// New `agents` sessions per trace second.
     #[arg(long, value_name = "R", default_value_t = 1.5)]
     pub agents_rate: f64,
+    /// The APIs the `agents` sessions speak, comma-separated, a table
+    /// each (`agents`, `agents/chat-tools`, `agents/responses`,
+    /// `agents/messages`): `chat` (chat completions without tools, the
+    /// plain workload), or a tool-calling loop over `chat-tools` (chat
+    /// completions), `responses` (OpenAI's Responses API) or `messages`
+    /// (Anthropic's Messages API).
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_enum, default_value = "chat")]
+    pub agents_api: Vec<AgentsApi>,
     /// Also replay each policy with `learn_at_dispatch = false` (a
     /// `policy/write-back-only` row).
     #[arg(long)]
@@ -165,6 +174,7 @@ impl ReplayArgs {
             hh_rlhf_rate: 90.0,
             hot_prefix_rate: 4.5,
             agents_rate: 1.5,
+            agents_api: vec![AgentsApi::Chat],
             compare_learning: false,
             compare_feedback: false,
             compare_prefix_sources: false,

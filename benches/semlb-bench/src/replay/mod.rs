@@ -11,7 +11,7 @@
 //! | `mooncake` | the Mooncake conversation trace ([`mooncake`]): ~3 req/s, ~12 000-token prompts sharing 512-token blocks, ~58 % of the prefill capacity with perfect reuse | no | 20 | 600 s | 10 s |
 //! | `hh-rlhf` | HH-RLHF chats ([`hh_rlhf`]): 90 conversations/s (`--hh-rlhf-rate`), ~220 req/s of ~100-token prompts, ~55 % of the prefill capacity without reuse | yes | 1 | 20 s | 1 s |
 //! | `hot-prefix` | agent sessions on six hot system prompts ([`hot_prefix`]): 4.5 sessions/s (`--hot-prefix-rate`), ~16 req/s of ~5 900-token prompts, ~70 % of the prefill capacity with the system prompts cached | yes | 4 | 120 s | 2 s |
-//! | `agents` | closed-loop agent sessions of 5–20 chat calls on four shared system prompts ([`agents`]), each call sent the instant the previous answer ends: 1.5 sessions/s (`--agents-rate`), ~19 calls/s, 18 % of the prefill capacity when every session stays on one engine, 235 % when none does | yes | 2 | 60 s | 1 s |
+//! | `agents` | closed-loop agent sessions of 5–20 chat calls on four shared system prompts ([`agents`]), each call sent the instant the previous answer ends: 1.5 sessions/s (`--agents-rate`), ~19 calls/s, 18 % of the prefill capacity when every session stays on one engine, 235 % when none does; over chat completions, or as tool-calling loops over chat completions, the Responses API or the Messages API (`--agents-api`, below) | yes | 2 | 60 s | 1 s |
 //! | `chat` | closed-loop multi-turn chats on four shared system prompts ([`chat`]): 400 conversations of 2–6 turns (`--chat-conversations`) sent by 16 clients (`--chat-clients`), each sending its next turn the instant its answer ends and starting a new conversation when one ends; no session ids; run on each of four engine sets ([`ChatSet`], `--chat-sets`) | no header (the same-engine share is still computed) | 10 | its conversations | 1 s |
 //! | `shared-prompt` | the `chat` closed loop on **one** ~900-token system prompt: 50 conversations of 6–14 turns (`--shared-prompt-conversations`), 16 clients; on the engine sets | no header | 10 | its conversations | 1 s |
 //! | `burst` | a hot-prefix burst ([`burst`]): background chat sessions on four system prompts (2 sessions/s, `--burst-background-rate`), then 48 sessions (`--burst-sessions`) on one brand-new ~2 000-token system prompt within 0.1 trace seconds at 40 % of the duration, 3–5 turns each, every call sent when the previous answer ends | yes | 4 | 40 s | 2 s |
@@ -58,6 +58,37 @@
 //! `chat`, `shared-prompt` and `scale-out` run on the engine sets of
 //! `--chat-sets`, each a table of its own; what follows is `chat`'s
 //! reason for them.
+//!
+//! # Agents over the Responses and Messages APIs
+//!
+//! `--agents-api chat,chat-tools,responses,messages` (default `chat`)
+//! runs the `agents` workload once per API listed, each a table of its
+//! own (`agents`, `agents/chat-tools`, `agents/responses`,
+//! `agents/messages`): the same sessions, schedule and seed, only the wire
+//! API differs, so the API is a flag of the workload rather than a
+//! workload of its own (as the engine sets are for `chat`). `chat` is the
+//! plain workload (chat completions without tools, tool results sent as
+//! user messages). The other three are a tool-calling agent loop
+//! ([`agent_api`](super::workload::agent_api)): every call carries three
+//! function tools and the whole conversation (Responses: `store: false`,
+//! no `previous_response_id`), streamed; the engine answers a call whose
+//! last message is not a tool result with a tool call (as long as the
+//! template renders it), which the next call sends back with its result
+//! (the workload's tool-result text), and a tool result with text
+//! (`max_tokens` of the call, `ignore_eos`), after which the next call
+//! sends the workload's next message as a user message. TTFT is the time
+//! to the first output event (chat's first chunk,
+//! `response.output_text.delta` / `response.function_call_arguments.delta`,
+//! `content_block_delta`), and the table's `usage cached` column is Σ
+//! cached / Σ prompt tokens as each API's usage reports them (chat
+//! `prompt_tokens_details.cached_tokens` / `prompt_tokens`, Responses
+//! `input_tokens_details.cached_tokens` / `input_tokens`, Messages
+//! `cache_read_input_tokens` / (`input_tokens` +
+//! `cache_read_input_tokens`)), beside the engines' own prefix hit rate.
+//! Goodput, SLO attainment and the rest are as for every workload. A peer
+//! is sent one such call per API before its first run; a peer that does
+//! not answer it with the engine's stream has its rows on that API
+//! skipped, with the answer it gave.
 //!
 //! `chat` is the robustness check: a closed loop has no offered rate, so
 //! what a policy loses by holding requests it should have sent, or by
@@ -265,6 +296,7 @@ use self::stats::{GOODPUT_ATTAINMENT, RunStats};
 use super::dispatch_path::{PROMPTS_FILE, TOKENIZER_FILE};
 use super::end_to_end::{LoadClient, read_dialogues, start_engines};
 use super::output;
+use super::workload::agent_api::AgentsApi;
 use super::workload::agents::{self, AgentsParams};
 use super::workload::burst::{self, BurstParams};
 use super::workload::chat::{self, ChatParams};
@@ -568,10 +600,13 @@ fn peer_skip(peer: Peer, workload: &Workload, peers: &HashMap<Peer, (Install, Su
     let Some((_, support)) = peers.get(&peer) else {
         return Some("not installed or did not start (see above)".to_owned());
     };
-    let (refused, what) = match workload.prompt_form() {
-        Some(PromptForm::Tokens) => (&support.token_ids, "token-id prompts"),
-        Some(PromptForm::Text) => (&support.text, "text prompts"),
-        None => (&support.chat, "chat calls"),
+    let (refused, what) = match (workload.prompt_form(), workload.api) {
+        (Some(PromptForm::Tokens), _) => (&support.token_ids, "token-id prompts"),
+        (Some(PromptForm::Text), _) => (&support.text, "text prompts"),
+        (None, AgentsApi::Chat) => (&support.chat, "chat calls"),
+        (None, AgentsApi::ChatTools) => (&support.chat_tools, "chat calls with tools"),
+        (None, AgentsApi::Responses) => (&support.responses, "Responses API calls (POST /v1/responses)"),
+        (None, AgentsApi::Messages) => (&support.messages, "Messages API calls (POST /v1/messages)"),
     };
     refused.as_ref().err().map(|e| format!("refuses {what}: {e}"))
 }
@@ -594,7 +629,7 @@ fn run_workload(
     let config = gateway_config::gateway_config(setting.speedup, setting.ttft_slo_s);
     let n = workload.requests.len() as u64;
     let sessions: Vec<Option<u64>> = workload.requests.iter().map(|r| r.session).collect();
-    let bar = output::progress(0, &report_name(workload.kind, set));
+    let bar = output::progress(0, &report_name(&workload, set));
     let base_rate = (!closed_loop).then(|| workload.offered_rate());
     // A scale-out run adds the engines once a quarter of its requests are
     // answered.
@@ -680,7 +715,7 @@ fn run_workload(
             Ok(pass && failed.is_none())
         })?;
         if let Some(e) = &failed {
-            bar.suspend(|| println!("{}: {} failed: {e}", report_name(workload.kind, set), arm.label));
+            bar.suspend(|| println!("{}: {} failed: {e}", report_name(&workload, set), arm.label));
         }
         points.sort_by(|a, b| a.multiplier.total_cmp(&b.multiplier));
         let not_run = (0..multipliers.len())
@@ -738,12 +773,15 @@ fn prepare_peers(args: &ReplayArgs) -> Result<Peers> {
                         };
                         println!(
                             "peer {peer}: {package} {version} in {} ({}); text prompts: {}; token-id prompts: {}; \
-                             chat calls: {}",
+                             chat calls: {}; chat calls with tools: {}; Responses calls: {}; Messages calls: {}",
                             install.venv.display(),
                             if install.reused { "reused" } else { "installed" },
                             verdict(&support.text),
                             verdict(&support.token_ids),
                             verdict(&support.chat),
+                            verdict(&support.chat_tools),
+                            verdict(&support.responses),
+                            verdict(&support.messages),
                         );
                         Ok((install, support))
                     }
@@ -810,25 +848,37 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
         let Some(workload) = load_workload(args, kind, &setting)? else {
             continue;
         };
-        let workload = Arc::new(workload);
-        let sets = if kind.closed_loop() {
-            &chat_sets[..]
+        // An `agents` workload once per API of `--agents-api`.
+        let apis = if kind == WorkloadKind::Agents {
+            let mut apis = args.agents_api.clone();
+            apis.dedup();
+            apis
         } else {
-            &[None][..]
+            vec![AgentsApi::Chat]
         };
-        for &set in sets {
-            let report = run_workload(
-                args,
-                workload.clone(),
-                set,
-                setting,
-                &policies,
-                &peers,
-                &multipliers,
-                &client,
-            )?;
-            print_report(args, &report, &multipliers);
-            reports.push(report);
+        for api in apis {
+            let mut workload = workload.clone();
+            workload.api = api;
+            let workload = Arc::new(workload);
+            let sets = if kind.closed_loop() {
+                &chat_sets[..]
+            } else {
+                &[None][..]
+            };
+            for &set in sets {
+                let report = run_workload(
+                    args,
+                    workload.clone(),
+                    set,
+                    setting,
+                    &policies,
+                    &peers,
+                    &multipliers,
+                    &client,
+                )?;
+                print_report(args, &report, &multipliers);
+                reports.push(report);
+            }
         }
     }
     if reports.is_empty() {
@@ -859,6 +909,12 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
                     "token_id_prompts_refused_with": support.token_ids.as_ref().err(),
                     "takes_chat_calls": support.chat.is_ok(),
                     "chat_calls_refused_with": support.chat.as_ref().err(),
+                    "takes_chat_calls_with_tools": support.chat_tools.is_ok(),
+                    "chat_calls_with_tools_refused_with": support.chat_tools.as_ref().err(),
+                    "takes_responses_calls": support.responses.is_ok(),
+                    "responses_calls_refused_with": support.responses.as_ref().err(),
+                    "takes_messages_calls": support.messages.is_ok(),
+                    "messages_calls_refused_with": support.messages.as_ref().err(),
                 }),
                 Err(why) => json!({"peer": peer.name(), "package": package, "version": version, "skipped": why}),
             }
@@ -913,6 +969,9 @@ mod tests {
             text: Ok(()),
             token_ids,
             chat: Ok(()),
+            chat_tools: Ok(()),
+            responses: Ok(()),
+            messages: Err("HTTP 404".into()),
             command: Vec::new(),
         };
         let install = |peer| Install {
@@ -937,6 +996,12 @@ mod tests {
             Some("refuses token-id prompts: HTTP 400")
         );
         assert_eq!(peer_skip(Peer::Smg, &chat, &ready), None);
+        let mut messages = chat.clone();
+        messages.api = AgentsApi::Messages;
+        assert_eq!(
+            peer_skip(Peer::VllmRouter, &messages, &ready).as_deref(),
+            Some("refuses Messages API calls (POST /v1/messages): HTTP 404")
+        );
         assert_eq!(peer_skip(Peer::VllmRouter, &token_ids, &ready), None);
         assert!(peer_skip(Peer::SglangRouter, &chat, &ready).is_some_and(|w| w.contains("not installed")));
     }

@@ -52,6 +52,27 @@
 //!   ids it returns, as in front of real vLLM; text completions through
 //!   `/v1/completions/render`.
 //!
+//! * the tool-calling agents (`--agents-api`, see
+//!   [`agent_api`](crate::workload::agent_api)): each peer is sent the
+//!   first call of a session in each API, streamed, and must answer with
+//!   the engine's stream (ending `[DONE]` with a tool call,
+//!   `response.completed`, `message_stop`). `smg` 1.13 passes
+//!   `/v1/responses` and `/v1/messages` to the engines when started as
+//!   here (HTTP workers, `smg launch --worker-urls`), but its Responses
+//!   request type refuses fields it does not know (`ignore_eos`: HTTP 400
+//!   `unknown field`), so Responses calls set their length with the
+//!   simulator's `x-semlb-output-tokens` header instead, for every row
+//!   alike. `vllm-router` 0.1.17 passes both. `sglang-router` 0.3.2 passes
+//!   `/v1/responses` (a first version of the client, which sent the
+//!   `function_call` item back without its `id` and `status` and the
+//!   assistant's text as a `message` item of `output_text` parts, got HTTP
+//!   400 `data did not match any variant of untagged enum ResponseInput`
+//!   from the second call on; sent back as the SDKs send them, they pass)
+//!   and has no `/v1/messages` (HTTP 404): its
+//!   rows on `agents/messages` are skipped. Every peer forwards the
+//!   header: the engines see the same prompts and generate the same
+//!   tokens whatever the row.
+//!
 //! What they ask a worker for (seen with a stand-in worker that logs every
 //! request, over a router's first 12 s): `smg` `GET /health`, `/v1/models`
 //! (the model's name and length), `/server_info` then `/get_server_info`,
@@ -90,6 +111,8 @@ use serde_json::Value;
 use thiserror::Error;
 
 use semlb_test_support::http::http_bytes;
+
+use crate::workload::agent_api::{AgentsApi, Turn};
 
 /// One peer router.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
@@ -531,6 +554,15 @@ pub(super) struct Support {
     pub(super) token_ids: Result<(), String>,
     /// A `/v1/chat/completions` call.
     pub(super) chat: Result<(), String>,
+    /// A streamed `/v1/chat/completions` call with tools, answered with
+    /// the engine's tool call.
+    pub(super) chat_tools: Result<(), String>,
+    /// A streamed `POST /v1/responses` call with tools, answered with the
+    /// engine's events (ending `response.completed`).
+    pub(super) responses: Result<(), String>,
+    /// A streamed `POST /v1/messages` call with tools, answered with the
+    /// engine's events (ending `message_stop`).
+    pub(super) messages: Result<(), String>,
     /// The command line it was started with.
     pub(super) command: Vec<String>,
 }
@@ -549,8 +581,9 @@ fn verdict(r: Result<semlb_test_support::http::Response, String>) -> Result<(), 
 }
 
 /// Starts `install` in front of `engine` (`http://host:port`) and sends
-/// one text completion, one token-id completion and one chat call through
-/// it.
+/// one text completion, one token-id completion, one chat call, and the
+/// tool-calling agents' first call over chat completions, the Responses
+/// API and the Messages API through it.
 pub(super) fn preflight(install: &Install, engine: &str) -> Result<Support, StartError> {
     let proc = PeerProc::start(install, &[engine.to_owned()])?;
     // A text completion, as the completions workloads send them by default.
@@ -604,10 +637,38 @@ pub(super) fn preflight(install: &Install, engine: &str) -> Result<Support, Star
         Some(chat.as_bytes()),
         &[],
     ));
+    // The tool-calling agents' first call in each API, streamed: the
+    // engine answers it with a tool call.
+    let agent = |api: AgentsApi, ends: &str| {
+        let body = api
+            .body("You are an agent.", &[Turn::User("Find the cache.".into())], 64, true)
+            .to_string();
+        let header = api.header(64);
+        let headers: Vec<(&str, &str)> = header.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let answer = http_bytes(&proc.addr, "POST", api.path(), Some(body.as_bytes()), &headers);
+        let whole = |r: &semlb_test_support::http::Response| {
+            let text = String::from_utf8_lossy(&r.body);
+            // The engine's answer, passed on: its events to the last.
+            text.contains(ends) && (ends != "[DONE]" || text.contains("tool_calls"))
+        };
+        match answer {
+            Ok(r) if r.status == 200 && !whole(&r) => Err(format!(
+                "HTTP 200 but not the engine's streamed tool call (no {ends}): {}",
+                String::from_utf8_lossy(&r.body).chars().take(200).collect::<String>()
+            )),
+            other => verdict(other),
+        }
+    };
+    let chat_tools = agent(AgentsApi::ChatTools, "[DONE]");
+    let responses = agent(AgentsApi::Responses, "response.completed");
+    let messages = agent(AgentsApi::Messages, "message_stop");
     Ok(Support {
         text,
         token_ids,
         chat,
+        chat_tools,
+        responses,
+        messages,
         command: proc.command.clone(),
     })
 }

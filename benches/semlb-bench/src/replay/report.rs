@@ -75,12 +75,13 @@ impl PolicyReport {
     }
 }
 
-/// A report's name: the workload's, with the engine set it ran on:
-/// `chat/no-metrics-plain`.
-pub(super) fn report_name(kind: WorkloadKind, set: Option<ChatSet>) -> String {
+/// A report's name: the workload's ([`Workload::name`]: with an `agents`
+/// workload's API), with the engine set it ran on: `chat/no-metrics-plain`,
+/// `agents/responses`.
+pub(super) fn report_name(workload: &Workload, set: Option<ChatSet>) -> String {
     match set {
-        Some(set) => format!("{kind}/{set}"),
-        None => kind.to_string(),
+        Some(set) => format!("{}/{set}", workload.name()),
+        None => workload.name(),
     }
 }
 
@@ -101,7 +102,7 @@ pub(super) struct WorkloadReport {
 impl WorkloadReport {
     /// The workload's name, with its engine set ([`report_name`]).
     fn name(&self) -> String {
-        report_name(self.workload.kind, self.set)
+        report_name(&self.workload, self.set)
     }
 
     /// What each row's throughput is judged by: requests per second for a
@@ -159,6 +160,7 @@ pub(super) fn print_report(args: &ReplayArgs, report: &WorkloadReport, multiplie
         "goodput req/s",
         "attainment by rate",
         "prefix hit rate",
+        "usage cached",
         "prefill CV",
         "requests CV",
         "same engine",
@@ -168,7 +170,7 @@ pub(super) fn print_report(args: &ReplayArgs, report: &WorkloadReport, multiplie
     for p in &report.policies {
         let Some(base) = p.base() else {
             let mut row = vec![format!("{} (†)", p.arm.label)];
-            row.extend(std::iter::repeat_n("-".to_owned(), 13));
+            row.extend(std::iter::repeat_n("-".to_owned(), 14));
             table.row(row);
             continue;
         };
@@ -192,6 +194,8 @@ pub(super) fn print_report(args: &ReplayArgs, report: &WorkloadReport, multiplie
                 .collect::<Vec<_>>()
                 .join(" "),
             format!("{:.1}%", s.hit_rate * 100.0),
+            s.reported_cached
+                .map_or_else(|| "-".to_owned(), |(f, _, _)| format!("{:.1}%", f * 100.0)),
             format!("{:.3}", s.cv_prefill),
             format!("{:.3}", s.cv_requests),
             s.same_engine
@@ -223,7 +227,7 @@ pub(super) fn print_report(args: &ReplayArgs, report: &WorkloadReport, multiplie
         None => format!(
             "semlb bench replay, {}: {} requests over {:.0} s ({:.2} req/s, {:.0} prompt tokens/s = {:.0} % of {} engines' \
          prefill without reuse) from {}{}; speedup {}x (times in trace seconds); TTFT SLO {} s; sweep {}{}",
-            w.kind,
+            report.name(),
             w.requests.len(),
             w.span_s(),
             w.offered_rate(),
@@ -231,8 +235,15 @@ pub(super) fn print_report(args: &ReplayArgs, report: &WorkloadReport, multiplie
             100.0 * w.offered_prompt_tokens_per_s() / capacity,
             args.engines,
             w.source,
-            w.prompt_form()
-                .map_or_else(String::new, |f| format!("; {}", f.describe())),
+            match w.prompt_form() {
+                Some(f) => format!("; {}", f.describe()),
+                None if w.api.tools() => format!(
+                    "; streamed tool-calling calls over {} ({}), the engine's tool calls sent back with their results",
+                    w.api.name(),
+                    w.api.path(),
+                ),
+                None => String::new(),
+            },
             report.setting.speedup,
             report.setting.ttft_slo_s,
             multipliers.iter().map(|m| times(*m)).collect::<Vec<_>>().join(","),
@@ -247,7 +258,7 @@ pub(super) fn print_report(args: &ReplayArgs, report: &WorkloadReport, multiplie
     println!(
         "req/s, TTFT, SLO attainment, prefix hit rate and CVs from the ×1 run. SLO att.: share of all requests with \
          TTFT <= {} s (errors miss); goodput: highest offered rate (req/s) with >= {:.0}% attainment; prefix hit \
-         rate: Σ hits / Σ queries (tokens) over the engines; prefill CV: coefficient of variation across engines of \
+         rate: Σ hits / Σ queries (tokens) over the engines; usage cached: Σ cached / Σ prompt tokens as the answers' usage reported them (the tool-calling agents' APIs: chat prompt_tokens_details.cached_tokens, Responses input_tokens_details.cached_tokens, Messages cache_read_input_tokens / (input_tokens + cache_read_input_tokens)); prefill CV: coefficient of variation across engines of \
          uncached prompt tokens (prefill busy time); requests CV: of requests served; same engine: of the answered requests following an answered request of their session, the share sent to the same engine; prediction: of the prompt tokens the routing predicted the chosen engine held, the share it reported cached.",
         report.setting.ttft_slo_s,
         GOODPUT_ATTAINMENT * 100.0
@@ -304,6 +315,9 @@ pub(super) fn report_json(report: &WorkloadReport, multipliers: &[f64]) -> Value
                         "ttft_s": {"p50": t[0], "p90": t[1], "p99": t[2]},
                         "latency_s": {"p50": l[0], "p90": l[1], "p99": l[2]},
                         "prefix_cache_hit_rate": s.hit_rate,
+                        "usage_cached_share": s.reported_cached.map(|(f, _, _)| f),
+                        "usage_prompt_tokens": s.reported_cached.map(|(_, p, _)| p),
+                        "usage_cached_tokens": s.reported_cached.map(|(_, _, c)| c),
                         "imbalance_cv_prefill_busy": s.cv_prefill,
                         "imbalance_cv_requests": s.cv_requests,
                         "same_engine_share": s.same_engine,
@@ -354,6 +368,8 @@ pub(super) fn report_json(report: &WorkloadReport, multipliers: &[f64]) -> Value
         .collect();
     json!({
         "workload": w.kind.name(),
+        "api": w.api.name(),
+        "api_path": w.api.path(),
         "engine_set": report.set.map(|s| json!({
             "name": s.name(),
             "engines_metrics": s.metrics(),
@@ -406,7 +422,10 @@ pub(super) fn write_plots(args: &ReplayArgs, reports: &[WorkloadReport]) -> Resu
     plot::cdf_svg(&svg, &panels)?;
     paths.push(svg);
     for r in reports.iter().filter(|r| !r.workload.kind.closed_loop()) {
-        let path = args.common.out.join(format!("replay-{}-slo.svg", r.workload.kind));
+        let path = args
+            .common
+            .out
+            .join(format!("replay-{}-slo.svg", r.workload.name().replace('/', "-")));
         let lines: Vec<Line> = r
             .policies
             .iter()
@@ -424,7 +443,8 @@ pub(super) fn write_plots(args: &ReplayArgs, reports: &[WorkloadReport]) -> Resu
             &path,
             &format!(
                 "{}: share of requests with TTFT <= {} s",
-                r.workload.kind, r.setting.ttft_slo_s
+                r.name(),
+                r.setting.ttft_slo_s
             ),
             "offered requests per trace second",
             "SLO attainment %",
@@ -557,7 +577,7 @@ fn print_peer_notes(report: &WorkloadReport) {
     let kind = match form {
         Some(PromptForm::Text) => "/v1/completions with the prompt as text",
         Some(PromptForm::Tokens) => "/v1/completions with the prompt as an array of token ids",
-        None => "/v1/chat/completions",
+        None => report.workload.api.path(),
     };
     println!(
         "peer routers ({}): each with its own defaults (cache_aware), sent {kind}; no prediction column (semlb's \

@@ -12,6 +12,13 @@
 //!   order, each starting the next the instant its last ends, so the
 //!   requests in flight stay at the number of clients (a closed loop).
 //!
+//! An `agents` workload with a tool-calling API (`--agents-api
+//! chat-tools|responses|messages`, [`crate::workload::agent_api`]) sends
+//! each call with the tools and the whole conversation in that API, the
+//! engine's answer (a tool call or text) added to it, then the call's
+//! message as the tool call's result or as the next user message; each
+//! outcome keeps the usage its answer reported (prompt and cached tokens).
+//!
 //! A call's times are measured from when it is sent: in a closed loop
 //! that is when the client would send it, so there is no schedule to fall
 //! behind within a session. Answers are streamed or not (`stream`); one
@@ -32,6 +39,7 @@ use tokio::sync::Notify;
 
 use crate::end_to_end::{Outcome, request_with};
 use crate::output;
+use crate::workload::agent_api::{Reading, Turn};
 use crate::workload::{SESSION_HEADER, Workload};
 
 /// What a workload's sending did.
@@ -264,6 +272,9 @@ async fn clients(
 /// One session's calls in order. Stops at the first failed call (the next
 /// calls would need its answer).
 async fn run_session(workload: &Workload, calls: &[usize], sender: &Sender, t0: Instant) -> Done {
+    if workload.api.tools() {
+        return run_tool_session(workload, calls, sender, t0).await;
+    }
     let mut done = Vec::with_capacity(calls.len());
     let mut messages: Vec<Value> = Vec::new();
     let mut answer = Vec::new();
@@ -316,6 +327,89 @@ async fn run_session(workload: &Workload, calls: &[usize], sender: &Sender, t0: 
     done
 }
 
+/// The turn a call of a tool-calling session adds after `previous` (the
+/// engine's last answer; `None` for the first call): the result of the
+/// engine's tool call, else a user message; its text is the call's
+/// message either way.
+fn next_turn(previous: Option<&Turn>, message: &str) -> Turn {
+    match previous {
+        Some(Turn::Call { id, .. }) => Turn::Result {
+            id: id.clone(),
+            output: message.to_owned(),
+        },
+        _ => Turn::User(message.to_owned()),
+    }
+}
+
+/// One tool-calling session's calls in order, in `workload.api`
+/// ([`crate::workload::agent_api`]): every call carries the tools and the
+/// whole conversation; the engine's answer (a tool call or text) is added
+/// to it, then the call's message as that call's result or as the next
+/// user message. Each outcome carries the usage its answer reported.
+/// Stops at the first failed call or an answer it cannot read.
+async fn run_tool_session(workload: &Workload, calls: &[usize], sender: &Sender, t0: Instant) -> Done {
+    let api = workload.api;
+    let mut done = Vec::with_capacity(calls.len());
+    let mut turns: Vec<Turn> = Vec::new();
+    let mut answer = Vec::new();
+    let mut system = "";
+    for &i in calls {
+        let r = &workload.requests[i];
+        let Some(call) = &r.chat else { break };
+        if turns.is_empty() {
+            system = &workload.systems[call.system];
+        }
+        let turn = next_turn(turns.last(), &call.message);
+        turns.push(turn);
+        let headers: Vec<(&str, String)> = r
+            .session
+            .filter(|_| workload.kind.sends_session_ids())
+            .map(|s| (SESSION_HEADER, s.to_string()))
+            .into_iter()
+            .chain(api.header(r.output_tokens))
+            .collect();
+        let body =
+            Bytes::from(serde_json::to_vec(&api.body(system, &turns, r.output_tokens, sender.stream)).expect("JSON"));
+        answer.clear();
+        let sent = Instant::now();
+        let mut outcome = request_with(
+            &sender.http,
+            &sender.addr,
+            api.path(),
+            body,
+            &headers,
+            sent,
+            Some(&mut answer),
+        )
+        .await;
+        sender.progress.inc(1);
+        if let Some(answered) = &sender.answered {
+            answered.fetch_add(1, Ordering::Relaxed);
+        }
+        let reading = if outcome.ok() {
+            api.read(&answer, sender.stream)
+        } else {
+            Reading::default()
+        };
+        outcome.usage = reading.usage;
+        if outcome.ok() && reading.turn.is_none() {
+            outcome.error = Some(format!(
+                "an answer the client cannot read as a {} answer: {}",
+                api.name(),
+                String::from_utf8_lossy(&answer[..answer.len().min(300)])
+            ));
+        }
+        let ok = outcome.ok();
+        let finished = (sent + outcome.latency).duration_since(t0).as_secs_f64();
+        done.push((i, outcome, r.output_tokens, finished));
+        match reading.turn {
+            Some(turn) if ok => turns.push(turn),
+            _ => break,
+        }
+    }
+    done
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -348,5 +442,27 @@ mod tests {
         assert!(body.get("id_slot").is_none());
         let pinned: Value = serde_json::from_slice(&chat_body(&[], 7, true, Some(1))).unwrap();
         assert_eq!(pinned["id_slot"], 1);
+    }
+
+    #[test]
+    fn a_tool_call_is_answered_with_its_result_and_text_with_a_user_message() {
+        assert_eq!(next_turn(None, "Task 1"), Turn::User("Task 1".into()));
+        let call = Turn::Call {
+            id: "call_7".into(),
+            item: None,
+            name: "run_query".into(),
+            arguments: "{}".into(),
+        };
+        assert_eq!(
+            next_turn(Some(&call), "Tool result 0"),
+            Turn::Result {
+                id: "call_7".into(),
+                output: "Tool result 0".into()
+            }
+        );
+        assert_eq!(
+            next_turn(Some(&Turn::Assistant("ok".into())), "Tool result 1"),
+            Turn::User("Tool result 1".into())
+        );
     }
 }

@@ -67,6 +67,17 @@ fn same_engine(outcomes: &[(Outcome, u32)], sessions: &[Option<u64>]) -> Option<
     (pairs > 0).then(|| same as f64 / pairs as f64)
 }
 
+/// Σ cached / Σ prompt tokens over the answered requests whose usage was
+/// read, with the two sums; `None` without any.
+fn reported_cached(outcomes: &[(Outcome, u32)]) -> Option<(f64, u64, u64)> {
+    let (prompt, cached) = outcomes
+        .iter()
+        .filter(|(o, _)| o.ok())
+        .filter_map(|(o, _)| o.usage)
+        .fold((0, 0), |(p, c), (dp, dc)| (p + dp, c + dc));
+    (prompt > 0).then(|| (cached as f64 / prompt as f64, prompt, cached))
+}
+
 /// The figures of a [`RunResult`], in trace time.
 #[derive(Debug, Default)]
 pub(super) struct RunStats {
@@ -87,6 +98,10 @@ pub(super) struct RunStats {
     /// Prompt tokens the engines reported cached / those the routing
     /// predicted they held (`None` when nothing was predicted).
     pub(super) prediction: Option<f64>,
+    /// Of the prompt tokens the answered requests' usage reported, the
+    /// share it reported cached, with the two sums (`None` when no answer
+    /// was read for its usage: only the tool-calling agents are).
+    pub(super) reported_cached: Option<(f64, u64, u64)>,
     pub(super) first_error: Option<String>,
 }
 
@@ -118,6 +133,7 @@ impl RunStats {
             cv_requests: coefficient_of_variation(&run.engines.iter().map(|e| e.requests).collect::<Vec<_>>()),
             same_engine: same_engine(&run.outcomes, sessions),
             prediction: run.gateway.as_ref().and_then(|g| g.accuracy()),
+            reported_cached: reported_cached(&run.outcomes),
             first_error: run.outcomes.iter().find_map(|(o, _)| o.error.clone()),
         }
     }
@@ -175,6 +191,29 @@ mod tests {
         // Session 1: a, a, c (1 of 2 stayed); session 2: b, b (1 of 1).
         assert_eq!(same_engine(&outcomes, &sessions), Some(2.0 / 3.0));
         assert_eq!(same_engine(&outcomes[..2], &sessions[..2]), None);
+    }
+
+    #[test]
+    fn reported_cached_tokens_sum_over_the_answered() {
+        let with = |usage, status| {
+            (
+                Outcome {
+                    status,
+                    done: true,
+                    usage,
+                    ..Outcome::default()
+                },
+                1,
+            )
+        };
+        let outcomes = [
+            with(Some((100, 50)), 200),
+            with(Some((300, 250)), 200),
+            with(None, 200),
+            with(Some((1000, 0)), 500),
+        ];
+        assert_eq!(reported_cached(&outcomes), Some((0.75, 400, 300)));
+        assert_eq!(reported_cached(&outcomes[2..]), None);
     }
 
     #[test]

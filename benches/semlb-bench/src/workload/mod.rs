@@ -35,6 +35,7 @@
 //! `scale-out`) have no schedule at all (their clients start a
 //! conversation when the last one ends).
 
+pub mod agent_api;
 pub mod agents;
 pub mod burst;
 pub mod chat;
@@ -50,6 +51,7 @@ use semlb_workers::config::EngineConfig;
 
 use semlb_test_support::Rng;
 
+use self::agent_api::AgentsApi;
 use self::text::{Fidelity, TextPrompt};
 
 /// The header a request's session id is sent in.
@@ -153,6 +155,9 @@ pub struct Workload {
     /// How close the text form comes to the token-id form, measured with
     /// the engines' tokenizer (text form only).
     pub fidelity: Option<Fidelity>,
+    /// The API its sessions speak (`agents`: `--agents-api`; chat
+    /// completions for the others).
+    pub api: AgentsApi,
 }
 
 impl Workload {
@@ -167,6 +172,7 @@ impl Workload {
             systems: Vec::new(),
             burst_system: None,
             fidelity: None,
+            api: AgentsApi::Chat,
         }
     }
 
@@ -198,6 +204,16 @@ impl Workload {
     /// Prompt tokens per trace second over [`span_s`](Self::span_s).
     pub fn offered_prompt_tokens_per_s(&self) -> f64 {
         self.requests.iter().map(|r| r.prompt_tokens() as f64).sum::<f64>() / self.span_s().max(1e-9)
+    }
+
+    /// Its name in reports: the workload's, with the API of an `agents`
+    /// workload that does not speak plain chat (`agents/responses`).
+    pub fn name(&self) -> String {
+        if self.api == AgentsApi::Chat {
+            self.kind.to_string()
+        } else {
+            format!("{}/{}", self.kind, self.api.name())
+        }
     }
 
     /// True when the requests carry session ids.
