@@ -510,7 +510,12 @@ fn limits_context_and_cache_apply_to_both_apis() {
         let mut streamed = b.clone();
         streamed["stream"] = json!(true);
         let r = http(gw.addr(), "POST", path, Some(&streamed), &[("authorization", &bearer)]).unwrap();
-        assert_eq!((r.status, r.header("x-semlb-cache")), (200, Some("hit")), "{path}: {}", r.text());
+        assert_eq!(
+            (r.status, r.header("x-semlb-cache")),
+            (200, Some("hit")),
+            "{path}: {}",
+            r.text()
+        );
         assert_eq!(text(streamed_whole(path, &r)), text(first.json()), "{path}: replayed");
     }
     // The tenant's token bucket: spent by large prompts, then 429 in each
