@@ -60,18 +60,21 @@
 //!   `/v1/responses` and `/v1/messages` to the engines when started as
 //!   here (HTTP workers, `smg launch --worker-urls`), but its Responses
 //!   request type refuses fields it does not know (`ignore_eos`: HTTP 400
-//!   `unknown field`), so Responses calls set their length with the
-//!   simulator's `x-semlb-output-tokens` header instead, for every row
-//!   alike. `vllm-router` 0.1.17 passes both. `sglang-router` 0.3.2 passes
+//!   `unknown field`), so Responses calls go without it, for every row
+//!   alike (no peer forwards the simulator's `x-semlb-output-tokens`
+//!   header, which semlb's gateway does: tried, the peers' engines
+//!   generated fewer tokens than semlb's), their text answers
+//!   min(`max_output_tokens`, the engine's default) long for every row.
+//!   `vllm-router` 0.1.17 passes both. `sglang-router` 0.3.2 passes
 //!   `/v1/responses` (a first version of the client, which sent the
 //!   `function_call` item back without its `id` and `status` and the
 //!   assistant's text as a `message` item of `output_text` parts, got HTTP
 //!   400 `data did not match any variant of untagged enum ResponseInput`
 //!   from the second call on; sent back as the SDKs send them, they pass)
 //!   and has no `/v1/messages` (HTTP 404): its
-//!   rows on `agents/messages` are skipped. Every peer forwards the
-//!   header: the engines see the same prompts and generate the same
-//!   tokens whatever the row.
+//!   rows on `agents/messages` are skipped. On every API the engines see
+//!   the same prompts and generate the same tokens whatever the row
+//!   (their counters in the JSON say so).
 //!
 //! What they ask a worker for (seen with a stand-in worker that logs every
 //! request, over a router's first 12 s): `smg` `GET /health`, `/v1/models`
@@ -643,9 +646,7 @@ pub(super) fn preflight(install: &Install, engine: &str) -> Result<Support, Star
         let body = api
             .body("You are an agent.", &[Turn::User("Find the cache.".into())], 64, true)
             .to_string();
-        let header = api.header(64);
-        let headers: Vec<(&str, &str)> = header.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        let answer = http_bytes(&proc.addr, "POST", api.path(), Some(body.as_bytes()), &headers);
+        let answer = http_bytes(&proc.addr, "POST", api.path(), Some(body.as_bytes()), &[]);
         let whole = |r: &semlb_test_support::http::Response| {
             let text = String::from_utf8_lossy(&r.body);
             // The engine's answer, passed on: its events to the last.

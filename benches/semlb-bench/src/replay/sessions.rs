@@ -366,7 +366,6 @@ async fn run_tool_session(workload: &Workload, calls: &[usize], sender: &Sender,
             .filter(|_| workload.kind.sends_session_ids())
             .map(|s| (SESSION_HEADER, s.to_string()))
             .into_iter()
-            .chain(api.header(r.output_tokens))
             .collect();
         let body =
             Bytes::from(serde_json::to_vec(&api.body(system, &turns, r.output_tokens, sender.stream)).expect("JSON"));

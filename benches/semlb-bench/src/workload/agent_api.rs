@@ -27,10 +27,12 @@
 //! response, a Messages stream's prompt tokens in `message_start`. Every
 //! call has `max_tokens` (`max_output_tokens`) = the workload's output
 //! length, `ignore_eos` and `temperature` 1, as the plain calls, but for
-//! Responses calls, which carry the simulator's `x-semlb-output-tokens`
-//! header instead of `ignore_eos` (smg's Responses request type refuses
-//! fields it does not know); a text answer is that long either way, a
-//! tool call as long as the template renders it. A Responses tool call is
+//! Responses calls, which have no `ignore_eos` (smg's Responses request
+//! type refuses fields it does not know, and the simulator's
+//! `x-semlb-output-tokens` header is dropped by every peer router), so a
+//! Responses text answer is min(`max_output_tokens`, the engine's default
+//! output length) long, the same for every row; a tool call is as long as
+//! the template renders it. A Responses tool call is
 //! sent back as the output item came (with its `id` and `status`), an
 //! assistant text as `{type: message, role: assistant, content: text}`.
 
@@ -206,8 +208,9 @@ impl AgentsApi {
                 body["input"] = input.into();
                 body["max_output_tokens"] = max_tokens.into();
                 body["store"] = false.into();
-                // smg's Responses type refuses unknown fields: the output
-                // length is the simulator's header instead ([`Self::header`]).
+                // smg's Responses type refuses unknown fields: no
+                // `ignore_eos` (the answer ends where the engine would end
+                // it, at most `max_output_tokens`).
                 if let Some(o) = body.as_object_mut() {
                     o.remove("ignore_eos");
                 }
@@ -247,15 +250,6 @@ impl AgentsApi {
             body["tools"] = self.tools_json();
         }
         body
-    }
-
-    /// The header a call of `max_tokens` output tokens carries: Responses
-    /// calls set their length with the simulator's `x-semlb-output-tokens`
-    /// (capped by `max_output_tokens`: exactly that many tokens, as
-    /// `ignore_eos` gives the others), since smg's Responses request type
-    /// refuses `ignore_eos`.
-    pub fn header(self, max_tokens: u32) -> Option<(&'static str, String)> {
-        (self == Self::Responses).then(|| ("x-semlb-output-tokens", max_tokens.to_string()))
     }
 
     /// What an answer of this API says: `bytes` a JSON body, or the event
@@ -522,8 +516,7 @@ mod tests {
             (r["input"][1]["id"].as_str(), r["input"][1]["status"].as_str()),
             (Some("fc_1"), Some("completed"))
         );
-        assert!(r.get("ignore_eos").is_none() && AgentsApi::Responses.header(64).is_some());
-        assert!(AgentsApi::Messages.header(64).is_none());
+        assert!(r.get("ignore_eos").is_none());
         assert_eq!(AgentsApi::Messages.body("s", &[], 1, false)["ignore_eos"], true);
         let m = AgentsApi::Messages.body("sys", &turns, 64, false);
         let roles: Vec<&str> = m["messages"]
