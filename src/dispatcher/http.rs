@@ -370,21 +370,22 @@ pub(crate) fn with_field(body: &Bytes, field: &str, raw: &str) -> Bytes {
     // Only `\uXXXX` writes a key's letter as something else.
     let may_have =
         memchr::memmem::find(body, field.as_bytes()).is_some() || memchr::memmem::find(body, br"\u").is_some();
-    if may_have && let Ok(Json::Object(mut object)) = Json::parse(body) {
-        if object.get(field).is_some() {
-            object.remove(field);
-            let mut out = String::with_capacity(body.len() + raw.len());
-            object.write_compact(&mut out);
-            out.pop();
-            if !object.is_empty() {
-                out.push(',');
-            }
-            out.push_str(&name);
-            out.push(':');
-            out.push_str(raw);
-            out.push('}');
-            return Bytes::from(out);
+    if may_have
+        && let Ok(Json::Object(mut object)) = Json::parse(body)
+        && object.get(field).is_some()
+    {
+        object.remove(field);
+        let mut out = String::with_capacity(body.len() + raw.len());
+        object.write_compact(&mut out);
+        out.pop();
+        if !object.is_empty() {
+            out.push(',');
         }
+        out.push_str(&name);
+        out.push(':');
+        out.push_str(raw);
+        out.push('}');
+        return Bytes::from(out);
     }
     let close = body.len() - 1 - body.iter().rev().position(|b| *b == b'}').unwrap_or(0);
     let empty = trimmed[1..trimmed.len() - 1].trim_ascii().is_empty();

@@ -260,12 +260,16 @@
 //! one panel per workload) and `<out>/replay-<workload>-slo.svg` (SLO
 //! attainment against the offered rate, one line per policy; none for
 //! `chat`).
+//!
+//! A workload's trace or prompts are loaded, at the setting's size, by
+//! [`loading`].
 
 mod args;
 mod chat_set;
 mod counters;
 mod drive;
 mod gateway_config;
+mod loading;
 mod peers;
 mod phases;
 pub mod real_engine;
@@ -280,30 +284,23 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use semlb::routing::PolicyKind;
-use semlb_tokenizer::Tokenizer;
 use serde_json::{Value, json};
 
 pub use self::args::ReplayArgs;
 use self::args::Setting;
 pub use self::chat_set::ChatSet;
 use self::drive::{FrontSpec, RunSpec, run_once};
+use self::loading::load_workload;
 pub use self::peers::Peer;
 use self::peers::{Install, Peers, Support};
 use self::report::{
     Point, PolicyReport, WorkloadReport, print_report, print_summary, report_json, report_name, write_plots,
 };
 use self::stats::{GOODPUT_ATTAINMENT, RunStats};
-use super::dispatch_path::{PROMPTS_FILE, TOKENIZER_FILE};
-use super::end_to_end::{LoadClient, read_dialogues, start_engines};
+use super::end_to_end::{LoadClient, start_engines};
 use super::output;
 use super::workload::agent_api::AgentsApi;
-use super::workload::agents::{self, AgentsParams};
-use super::workload::burst::{self, BurstParams};
-use super::workload::chat::{self, ChatParams};
-use super::workload::hh_rlhf::{self, HhRlhfParams};
-use super::workload::hot_prefix::{self, HotPrefixParams};
-use super::workload::text::{self, Fidelity, TextGen};
-use super::workload::{PromptForm, Workload, WorkloadKind, mooncake};
+use super::workload::{PromptForm, Workload, WorkloadKind};
 
 /// The multipliers of `--sweep`: positive, sorted, deduplicated, with 1.
 fn sweep_multipliers(sweep: &[f64]) -> Result<Vec<f64>> {
@@ -473,124 +470,6 @@ impl Arm {
     fn is_peer(&self) -> bool {
         matches!(self.front, ArmFront::Peer(_))
     }
-}
-
-/// The workload `kind`, or `None` (with a message) when its data is missing.
-fn load_workload(args: &ReplayArgs, kind: WorkloadKind, setting: &Setting) -> Result<Option<Workload>> {
-    let data = args.common.data_dir();
-    // The text form is built for the engines' tokenizer.
-    let engine_tokenizer = text::engine_tokenizer();
-    let text_gen = (args.prompt_form == PromptForm::Text).then(|| TextGen::new(&engine_tokenizer));
-    // What the fidelity line must add: a token-id form in another
-    // tokenizer's ids.
-    let mut ids_note = "";
-    let mut workload = match kind {
-        WorkloadKind::Mooncake => {
-            let Some(path) = args
-                .trace
-                .clone()
-                .or_else(|| data.as_ref().map(|d| d.join(mooncake::TRACE_FILE)))
-            else {
-                println!(
-                    "skipping mooncake: no trace (pass --trace PATH or --data DIR with {})",
-                    mooncake::TRACE_FILE
-                );
-                return Ok(None);
-            };
-            mooncake::load(
-                &path,
-                setting.duration_s,
-                args.limit,
-                args.max_output,
-                args.seed,
-                text_gen.as_ref(),
-            )?
-        }
-        WorkloadKind::HhRlhf => {
-            let Some(path) = data.as_ref().map(|d| d.join(PROMPTS_FILE)).filter(|p| p.is_file()) else {
-                println!("skipping hh-rlhf: no dialogues (pass --data DIR with {PROMPTS_FILE})");
-                return Ok(None);
-            };
-            let dialogues = read_dialogues(&path)?;
-            if dialogues.is_empty() {
-                bail!("{} holds no dialogues", path.display());
-            }
-            let tokenizer = match data.as_ref().map(|d| d.join(TOKENIZER_FILE)).filter(|p| p.is_file()) {
-                Some(p) => {
-                    ids_note = " (the token-id form is Qwen3's ids, and its lengths and outputs Qwen3 tokens; the \
-                                engines count phi-2 tokens, hence the length difference)";
-                    Tokenizer::from_file(&p)
-                        .map_err(|e| anyhow::anyhow!("cannot load the tokenizer {}: {e}", p.display()))?
-                }
-                None => Tokenizer::bundled(),
-            };
-            let params = HhRlhfParams {
-                conversations_per_s: args.hh_rlhf_rate,
-                duration_s: setting.duration_s,
-                max_output: args.max_output,
-                seed: args.seed,
-            };
-            hh_rlhf::build(
-                &dialogues,
-                &tokenizer,
-                &params,
-                &path.display().to_string(),
-                text_gen.is_some(),
-            )
-        }
-        WorkloadKind::HotPrefix => hot_prefix::build(
-            &HotPrefixParams {
-                sessions_per_s: args.hot_prefix_rate,
-                duration_s: setting.duration_s,
-                max_output: args.max_output,
-                seed: args.seed,
-            },
-            text_gen.as_ref(),
-        ),
-        WorkloadKind::Agents => agents::build(&AgentsParams {
-            sessions_per_s: args.agents_rate,
-            duration_s: setting.duration_s,
-            max_output: args.max_output,
-            seed: args.seed,
-        }),
-        WorkloadKind::Chat => chat::build(&ChatParams {
-            conversations: args.chat_conversations,
-            max_output: args.max_output,
-            seed: args.seed,
-            shape: chat::ChatShape::default(),
-        }),
-        WorkloadKind::SharedPrompt | WorkloadKind::ScaleOut => chat::build_as(
-            kind,
-            &ChatParams {
-                conversations: args.shared_prompt_conversations,
-                max_output: args.max_output,
-                seed: args.seed,
-                shape: chat::ChatShape::shared_prompt(),
-            },
-        ),
-        WorkloadKind::Burst => burst::build(&BurstParams {
-            background_sessions_per_s: args.burst_background_rate,
-            duration_s: setting.duration_s,
-            burst_sessions: args.burst_sessions,
-            max_output: args.max_output,
-            seed: args.seed,
-        }),
-    };
-    if let Some(n) = args.limit {
-        workload.requests.truncate(n);
-    }
-    if workload.requests.is_empty() {
-        bail!("{kind}: no requests (raise --duration or the rate)");
-    }
-    if workload.prompt_form() == Some(PromptForm::Text) {
-        let f = Fidelity::measure(&workload.requests, &engine_tokenizer);
-        println!(
-            "{kind}, text form, measured with the engines' tokenizer (bundled phi-2): {}{ids_note}",
-            f.describe()
-        );
-        workload.fidelity = Some(f);
-    }
-    Ok(Some(workload))
 }
 
 /// Why peer `peer`'s row is not run on `workload`, if it is not: it is
@@ -938,6 +817,7 @@ pub fn run(args: &ReplayArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::workload::chat;
 
     #[test]
     fn sweeps_always_hold_one_and_reject_nonsense() {
