@@ -7,7 +7,10 @@
 //! once, when the answer ends, or given back whole when it is dropped
 //! unsettled (the request got no answer).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use http::{Response, StatusCode};
 
@@ -38,10 +41,42 @@ pub(super) struct Reservation {
     buckets: Option<OutputBuckets>,
 }
 
+/// A settlement under way in the store ([`Reservation::settle`]).
+pub(super) struct Settling(Pin<Box<dyn Future<Output = ()> + Send>>);
+
+impl Future for Settling {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        self.0.as_mut().poll(cx)
+    }
+}
+
+impl std::fmt::Debug for Settling {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Settling")
+    }
+}
+
 impl Reservation {
     /// Settles it for an answer of `tokens` output tokens: the unused part
-    /// given back, the excess charged room or not.
-    pub fn settle(mut self, tokens: u64) {
+    /// given back, the excess charged room or not. The answer's end waits
+    /// for the future: a client sends its next request the instant it
+    /// reads that end, and that request must find the refund (in Redis,
+    /// possibly through another dispatcher; given back without waiting,
+    /// the next request raced it and was refused the tokens).
+    pub fn settle(mut self, tokens: u64) -> Settling {
+        let settlement = self.buckets.take().map(|b| b.settle(tokens));
+        let dispatcher = self.dispatcher.clone();
+        Settling(Box::pin(async move {
+            if let Some(settlement) = settlement {
+                dispatcher.store().settle_limits(&settlement).await;
+            }
+        }))
+    }
+
+    /// Settles it without waiting (a relay that did not end well).
+    pub fn settle_detached(mut self, tokens: u64) {
         self.settle_once(tokens);
     }
 

@@ -60,7 +60,7 @@ use tokio::time::Sleep;
 use shm_layout::UsageCounter;
 
 use super::Dispatcher;
-use super::charge::Reservation;
+use super::charge::{Reservation, Settling};
 use super::http::{Body, BoxError};
 use super::inflight::InflightGuard;
 use super::learn::{Learn, push_completion};
@@ -273,6 +273,10 @@ pub(super) struct Relay {
     meter: Option<OutputMeter>,
     /// Its charge in the gateway queue's fair share, until settled.
     share: Option<Share>,
+    /// The answer's settlement in the store, under way: its last frame
+    /// (`held`) goes out when that is done.
+    settling: Option<Settling>,
+    held: Option<Bytes>,
 }
 
 /// Whose output tokens an answer counts for (`super::tenant_usage`).
@@ -375,6 +379,8 @@ impl Relay {
             companion,
             decode_leg,
             first,
+            settling: None,
+            held: None,
         }
     }
 
@@ -389,8 +395,10 @@ impl Relay {
 
     /// Settles the answer's output reservation with the output it
     /// produced, counts that for its tenant and model, and settles its
-    /// fair-share charge (once).
-    fn charge_output(&mut self) {
+    /// fair-share charge (once). An answer that ended well (`wait`) keeps
+    /// the reservation's settlement to wait for in `settling`; any other
+    /// end settles it without waiting.
+    fn charge_output(&mut self, wait: bool) {
         let (reservation, counted, share) = (self.output.take(), self.counted.take(), self.share.take());
         let Some(mut meter) = self.meter.take() else {
             return;
@@ -399,8 +407,10 @@ impl Relay {
         if let Some(share) = share {
             self.dispatcher.queue().settle(&share, tokens);
         }
-        if let Some(reservation) = reservation {
-            reservation.settle(tokens);
+        match reservation {
+            Some(reservation) if wait => self.settling = Some(reservation.settle(tokens)),
+            Some(reservation) => reservation.settle_detached(tokens),
+            None => {}
         }
         if tokens == 0 {
             return;
@@ -427,7 +437,7 @@ impl Relay {
     fn fail(&mut self, failure: fn(String) -> Failure) {
         self.finished = true;
         self.decode_leg_ended();
-        self.charge_output();
+        self.charge_output(false);
         if let Some(g) = self.guard.take() {
             let server = g.server();
             self.dispatcher.metrics().upstream(server.slot, false);
@@ -444,7 +454,7 @@ impl Relay {
     fn partner_failed(&mut self, failed: &super::disagg::LegFailed) -> BoxError {
         self.finished = true;
         self.decode_leg_ended();
-        self.charge_output();
+        self.charge_output(false);
         self.guard = None;
         self.learn = None;
         self.capture = None;
@@ -487,7 +497,7 @@ impl Relay {
         self.finished = true;
         self.decode_leg_ended();
         self.timer = None;
-        self.charge_output();
+        self.charge_output(true);
         // Only a 2xx inference answer (one to learn from) is evidence for
         // the tuner: an error's latency says nothing of the route.
         let inference = self.learn.is_some();
@@ -563,7 +573,7 @@ impl Drop for Relay {
     /// A relay dropped before its end (the client went away) is charged
     /// what it relayed.
     fn drop(&mut self) {
-        self.charge_output();
+        self.charge_output(false);
     }
 }
 
@@ -574,6 +584,14 @@ impl HttpBody for Relay {
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
         loop {
+            // The answer's last frame waits for its settlement.
+            if let Some(settling) = this.settling.as_mut() {
+                if Pin::new(settling).poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                this.settling = None;
+                return Poll::Ready(this.held.take().map(|data| Ok(Frame::data(data))));
+            }
             if this.finished {
                 return Poll::Ready(None);
             }
@@ -590,6 +608,10 @@ impl HttpBody for Relay {
                 Poll::Ready(None) => {
                     let rest = this.strip.as_mut().map(UsageStrip::finish).unwrap_or_default();
                     this.end();
+                    if this.settling.is_some() {
+                        this.held = (!rest.is_empty()).then_some(rest);
+                        continue;
+                    }
                     return Poll::Ready((!rest.is_empty()).then(|| Ok(Frame::data(rest))));
                 }
                 Poll::Pending => {
@@ -626,6 +648,10 @@ impl HttpBody for Relay {
             };
             if ending {
                 this.end();
+                if this.settling.is_some() {
+                    this.held = Some(out);
+                    continue;
+                }
             }
             // A stripped frame with nothing left for the client is not sent.
             if out.is_empty() && !ending && this.strip.is_some() {
@@ -636,7 +662,7 @@ impl HttpBody for Relay {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.finished
+        self.finished && self.settling.is_none() && self.held.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -85,7 +85,7 @@ use crate::config::StoreKind;
 use crate::prefix::continuation::EndProbe;
 use crate::routing::Candidate;
 use crate::routing::{Leg, Members};
-use crate::tenancy::rate_limit::{Charge, Verdict};
+use crate::tenancy::rate_limit::{Charge, Settlement, Verdict};
 
 /// What a dispatcher asks the store for one routing decision.
 #[derive(Debug, Clone, Copy)]
@@ -253,6 +253,16 @@ pub trait RoutingStore: Send + Sync + fmt::Debug {
     /// keeps its own.
     fn take_limits<'a>(&'a self, charges: &'a [Charge]) -> StoreFuture<'a, Verdict> {
         Box::pin(std::future::ready(self.local().take_limits(charges)))
+    }
+
+    /// Settles an answer's output reservation (charges beyond it, room or
+    /// not, and the refund of what it did not use): done when the store
+    /// holds them, so that the client's next request, sent the instant the
+    /// answer ends, is limited by what this one really used.
+    fn settle_limits<'a>(&'a self, settlement: &'a Settlement) -> StoreFuture<'a, ()> {
+        self.charge_limits(&settlement.charge);
+        self.refund_limits(&settlement.refund);
+        Box::pin(std::future::ready(()))
     }
 
     /// Charges `charges` room or not (an answer's output tokens), without

@@ -15,7 +15,7 @@ use shm_layout::BucketState;
 use super::RedisRouting;
 use super::client::{ReplyError, StoreError};
 pub(crate) use super::scripts::LIMIT_SCRIPT;
-use crate::tenancy::rate_limit::{Charge, Verdict};
+use crate::tenancy::rate_limit::{Charge, Settlement, Verdict};
 
 /// Nanoseconds per microsecond (the script keeps µs: a Lua number holds
 /// Unix µs exactly, not ns).
@@ -36,7 +36,14 @@ pub(crate) enum Mode {
 /// namespace `ns`.
 pub(crate) fn limit_pipeline(ns: &str, sha: &str, mode: Mode, charges: &[Charge]) -> redis::Pipeline {
     let mut pipe = redis::pipe();
-    let cmd = pipe.cmd("EVALSHA").arg(sha).arg(charges.len());
+    pipe.add_command(limit_command(ns, sha, mode, charges));
+    pipe
+}
+
+/// The command of [`limit_pipeline`].
+fn limit_command(ns: &str, sha: &str, mode: Mode, charges: &[Charge]) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(sha).arg(charges.len());
     for c in charges {
         cmd.arg(format!("{ns}:rl:{:016x}", c.key));
     }
@@ -50,7 +57,7 @@ pub(crate) fn limit_pipeline(ns: &str, sha: &str, mode: Mode, charges: &[Charge]
             .arg((c.quota.period_ns / NS_PER_US).max(1))
             .arg(c.n);
     }
-    pipe
+    cmd
 }
 
 /// The verdict in the script's reply to a take of `charges`.
@@ -115,9 +122,33 @@ impl RedisRouting {
         }
     }
 
+    /// Settles an answer's reservation, done when Redis has it: the
+    /// charges beyond it and the refund of what it did not use in one
+    /// round trip, so that the client's next request, sent the instant the
+    /// answer ends (on any dispatcher of any host), finds them. While Redis
+    /// cannot be asked (or does not answer in time), this host's table
+    /// takes them, as it takes the requests then.
+    pub(super) async fn settle(&self, settlement: &Settlement) {
+        const OP: &str = "rate limit settlement";
+        if settlement.charge.is_empty() && settlement.refund.is_empty() {
+            return;
+        }
+        let (ns, sha) = (&self.names.namespace, &self.names.limit);
+        let mut pipe = redis::pipe();
+        for (mode, charges) in [(Mode::Charge, &settlement.charge), (Mode::Refund, &settlement.refund)] {
+            if !charges.is_empty() {
+                pipe.add_command(limit_command(ns, sha, mode, charges));
+            }
+        }
+        if self.guarded(OP, self.query(OP, &pipe)).await.is_none() {
+            self.local.charge_limits(&settlement.charge);
+            self.local.refund_limits(&settlement.refund);
+        }
+    }
+
     /// Charges or gives back `charges` without waiting: in Redis, or in
     /// this host's table while Redis is down.
-    pub(super) fn settle_limits(&self, mode: Mode, charges: &[Charge]) {
+    pub(super) fn settle_detached(&self, mode: Mode, charges: &[Charge]) {
         if charges.is_empty() {
             return;
         }

@@ -102,7 +102,7 @@ use super::local::LocalState;
 use super::{Lookup, LookupRequest, RoutingStore, StoreFuture, StoreStats};
 use crate::config::{RedisConfig, StoreKind};
 use crate::routing::Candidate;
-use crate::tenancy::rate_limit::{Charge, Verdict};
+use crate::tenancy::rate_limit::{Charge, Settlement, Verdict};
 use client::{StoreError, owner_id};
 use clocks::unix_ms;
 use health::Health;
@@ -360,12 +360,16 @@ impl RoutingStore for RedisRouting {
         Box::pin(self.take(charges))
     }
 
+    fn settle_limits<'a>(&'a self, settlement: &'a Settlement) -> StoreFuture<'a, ()> {
+        Box::pin(self.settle(settlement))
+    }
+
     fn charge_limits(&self, charges: &[Charge]) {
-        self.settle_limits(Mode::Charge, charges);
+        self.settle_detached(Mode::Charge, charges);
     }
 
     fn refund_limits(&self, charges: &[Charge]) {
-        self.settle_limits(Mode::Refund, charges);
+        self.settle_detached(Mode::Refund, charges);
     }
 
     fn stats(&self) -> StoreStats {
