@@ -107,6 +107,7 @@ fn stores(c: &mut Criterion) {
                 stale_after_ms: u64::MAX,
                 continuation: None,
                 precise: None,
+                affinity: None,
             }))
         })
     });

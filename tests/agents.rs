@@ -31,6 +31,7 @@ use semlb_test_support as support;
 use support::gateway::{Gateway, add_key, limit_tenant, routed, sim};
 use support::http::{Response, http};
 use support::process::Proc;
+use support::redis::RedisServer;
 
 fn unique(tag: &str) -> String {
     support::process::unique("agents", tag)
@@ -357,6 +358,51 @@ fn a_stored_response_is_continued_on_the_engine_that_stored_it() {
     assert_eq!(gw.stop_keeping_segment(), Some(0));
     let gw = start();
     continue_all(&gw, 2);
+}
+
+/// Stored responses with the routing state in Redis, across two gateways
+/// (two hosts) on one Redis: chains begun through one are continued
+/// through either in turn, each step sent the instant the previous answer
+/// ended, and every step reaches the engine that stored its previous
+/// response (the record is in Redis before the answer's end reaches the
+/// client: a continuation through the other host finds it).
+#[test]
+fn a_stored_response_is_continued_through_another_host_on_one_redis() {
+    let Some(redis) = RedisServer::start() else { return };
+    let engines = [sim(), sim(), sim()];
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let host = |tag: &str| {
+        Gateway::builder()
+            .shm(&unique(tag))
+            .backends(&refs)
+            .dispatchers(2)
+            .redis(&redis.url(), "stored")
+            .start()
+    };
+    let hosts = [host("stored-a"), host("stored-b")];
+    let mut chains: Vec<(String, String)> = (0..4)
+        .map(|i| {
+            let r = continued(hosts[0].addr(), 10 + i, None, &format!("Chain {i}: begin."));
+            assert_eq!(r.status, 200, "{}", r.text());
+            (r.json()["id"].as_str().unwrap().to_owned(), routed(&r).0)
+        })
+        .collect();
+    let engines_used: BTreeSet<&String> = chains.iter().map(|(_, e)| e).collect();
+    assert!(engines_used.len() > 1, "the chains spread: {chains:?}");
+    for step in 0..6 {
+        for (i, (id, engine)) in chains.iter_mut().enumerate() {
+            let gw = &hosts[(step + i) % 2];
+            let r = continued(gw.addr(), 10 + i, Some(id), &format!("Chain {i}, step {step}: go on."));
+            assert_eq!(r.status, 200, "chain {i} step {step}: {}", r.text());
+            let (backend, route) = routed(&r);
+            assert_eq!(
+                (&backend, route.as_str()),
+                (&*engine, "stored_response"),
+                "chain {i} step {step}"
+            );
+            *id = r.json()["id"].as_str().unwrap().to_owned();
+        }
+    }
 }
 
 /// The engine of each turn of a session `s` of agent sessions over

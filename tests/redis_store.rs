@@ -364,6 +364,7 @@ fn empty_lookup() -> LookupRequest<'static> {
         stale_after_ms: u64::MAX,
         continuation: None,
         precise: None,
+        affinity: None,
     }
 }
 
@@ -540,6 +541,7 @@ fn both_stores_give_the_same_routing_decisions() {
                     stale_after_ms: u64::MAX,
                     continuation: None,
                     precise: None,
+                    affinity: None,
                 };
                 let (a, b) = (shm.lookup(request).await, redis.lookup(request).await);
                 assert_eq!(summary(&a), summary(&b), "chain {chain:x?} excluding {exclude:?}");
@@ -604,6 +606,7 @@ fn both_stores_learn_at_dispatch_credit_continuations_and_take_back() {
             answer_tokens: 128,
         }),
         precise: None,
+        affinity: None,
     };
     let (second, c2): (&'static [u32], &'static [u64]) = (second.leak(), c2.leak());
     let (stranger, c3): (&'static [u32], &'static [u64]) = (stranger.leak(), c3.leak());
@@ -643,6 +646,57 @@ fn both_stores_learn_at_dispatch_credit_continuations_and_take_back() {
             assert!(Instant::now() < deadline, "Redis kept the record taken back");
             tokio::task::yield_now().await;
         }
+    });
+    assert_eq!(redis.stats().degraded_lookups, 0);
+}
+
+/// An affinity key (a stored response's, a session's) read with the
+/// lookup, in its one round trip: the servers it lists among the
+/// candidates, the same as `holders` reads them apart, in both stores; an
+/// unknown key lists none; a lookup that asks for none reads none.
+#[test]
+fn a_lookup_reads_an_affinity_keys_servers_in_its_round_trip() {
+    let server = redis_or_skip!();
+    let Stores {
+        runtime,
+        servers,
+        shm,
+        redis,
+        ..
+    } = Stores::new(&server, "affinity-read");
+    let (key, unknown) = (0x5e55_1011_u64, 0x0dd_u64);
+    let request = |affinity| LookupRequest {
+        affinity,
+        ..empty_lookup()
+    };
+    let slots = |v: &[ServerRef]| -> Vec<u16> {
+        let mut s: Vec<u16> = v.iter().map(|s| s.slot).collect();
+        s.sort_unstable();
+        s
+    };
+    runtime.block_on(async {
+        // Opens the connection detached writes use.
+        assert_eq!(redis.lookup(request(None)).await.affine, None);
+        for store in [&shm as &dyn RoutingStore, &*redis] {
+            store.record_route(servers[2], &[key], None);
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let read = redis.lookup(request(Some(key))).await;
+            let affine = read.affine.expect("Redis reads the key with the lookup");
+            if slots(&affine) == vec![2] {
+                assert_eq!(slots(&redis.holders(key, &read.candidates).await), vec![2]);
+                break;
+            }
+            assert!(Instant::now() < deadline, "Redis never listed the key's server");
+            tokio::task::yield_now().await;
+        }
+        let read = redis.lookup(request(Some(unknown))).await;
+        assert_eq!(read.affine, Some(Vec::new()), "an unknown key lists nobody");
+        // The segment's store reads the key apart (no round trip to save).
+        let read = shm.lookup(request(Some(key))).await;
+        assert_eq!(read.affine, None);
+        assert_eq!(slots(&shm.holders(key, &read.candidates).await), vec![2]);
     });
     assert_eq!(redis.stats().degraded_lookups, 0);
 }

@@ -44,6 +44,24 @@ pub(super) struct Reservation {
 /// A settlement under way in the store ([`Reservation::settle`]).
 pub(super) struct Settling(Pin<Box<dyn Future<Output = ()> + Send>>);
 
+impl Settling {
+    /// `work` as a settlement to wait for.
+    pub fn new(work: impl Future<Output = ()> + Send + 'static) -> Self {
+        Self(Box::pin(work))
+    }
+
+    /// Both of `a` and `b`, one after the other.
+    pub fn both(a: Option<Settling>, b: Option<Settling>) -> Option<Settling> {
+        match (a, b) {
+            (Some(a), Some(b)) => Some(Self::new(async move {
+                a.await;
+                b.await;
+            })),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
 impl Future for Settling {
     type Output = ();
 
@@ -68,11 +86,11 @@ impl Reservation {
     pub fn settle(mut self, tokens: u64) -> Settling {
         let settlement = self.buckets.take().map(|b| b.settle(tokens));
         let dispatcher = self.dispatcher.clone();
-        Settling(Box::pin(async move {
+        Settling::new(async move {
             if let Some(settlement) = settlement {
                 dispatcher.store().settle_limits(&settlement).await;
             }
-        }))
+        })
     }
 
     /// Settles it without waiting (a relay that did not end well).

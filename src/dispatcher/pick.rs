@@ -174,6 +174,7 @@ pub(super) async fn choose(
                 stale_after_ms,
                 continuation: continuation.filter(|_| inference),
                 precise: pool.and_then(|p| p.precise()),
+                affinity: affinity.filter(|_| inference).map(Affinity::key),
             };
             self::lookup(dispatcher, request).await
         }
@@ -310,9 +311,10 @@ impl Placed {
     /// blocks: a stored response's engines become the only candidates, a
     /// session's engine is credited with the whole prompt.
     async fn of(dispatcher: &Dispatcher, affinity: Option<Affinity>, chain_blocks: u32, lookup: &mut Lookup) -> Self {
-        let affine = match affinity {
-            Some(a) => dispatcher.store().holders(a.key(), &lookup.candidates).await,
-            None => Vec::new(),
+        let affine = match (affinity, lookup.affine.take()) {
+            (Some(_), Some(read)) => read,
+            (Some(a), None) => dispatcher.store().holders(a.key(), &lookup.candidates).await,
+            (None, _) => Vec::new(),
         };
         let tags: Vec<_> = affine.iter().map(|s| s.tag()).collect();
         let held = lookup.routing_prefix();

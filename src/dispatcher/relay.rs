@@ -277,6 +277,9 @@ pub(super) struct Relay {
     /// (`held`) goes out when that is done.
     settling: Option<Settling>,
     held: Option<Bytes>,
+    /// The record of the stored response the answer carries, waited for
+    /// with the settlement at its end.
+    recording: Option<Settling>,
 }
 
 /// Whose output tokens an answer counts for (`super::tenant_usage`).
@@ -381,6 +384,7 @@ impl Relay {
             first,
             settling: None,
             held: None,
+            recording: None,
         }
     }
 
@@ -408,7 +412,9 @@ impl Relay {
             self.dispatcher.queue().settle(&share, tokens);
         }
         match reservation {
-            Some(reservation) if wait => self.settling = Some(reservation.settle(tokens)),
+            Some(reservation) if wait => {
+                self.settling = Settling::both(self.settling.take(), Some(reservation.settle(tokens)));
+            }
             Some(reservation) => reservation.settle_detached(tokens),
             None => {}
         }
@@ -488,7 +494,10 @@ impl Relay {
             && let Some(id) = watch.feed(data)
         {
             let key = crate::routing::affinity::stored_key(*salt, &id);
-            self.dispatcher.store().record_route(learn.server, &[key], None);
+            let (dispatcher, server) = (self.dispatcher.clone(), learn.server);
+            self.recording = Some(Settling::new(async move {
+                dispatcher.store().record_affinity(server, key).await;
+            }));
             learn.stored = None;
         }
     }
@@ -497,6 +506,7 @@ impl Relay {
         self.finished = true;
         self.decode_leg_ended();
         self.timer = None;
+        self.settling = self.recording.take();
         self.charge_output(true);
         // Only a 2xx inference answer (one to learn from) is evidence for
         // the tuner: an error's latency says nothing of the route.

@@ -79,15 +79,17 @@ pub fn redis_reply(data: &[u8]) {
             check_sealed(bytes);
         }
     }
-    for asked_response in [false, true] {
-        if let Ok(lookup) = client::parse_lookup(whole.clone(), asked_response) {
+    for (asked_response, asked_affinity) in [(false, false), (true, false), (false, true), (true, true)] {
+        if let Ok(lookup) = client::parse_lookup(whole.clone(), asked_response, asked_affinity) {
             let DispatchLookup {
                 response,
                 prefix,
                 refreshed,
                 loads,
+                holders,
             } = lookup;
             assert!(asked_response || response.is_none(), "a response nobody asked for");
+            assert_eq!(asked_affinity, holders.is_some(), "holders asked for and given");
             check_match(&prefix, &refreshed);
             check_sorted_servers(&loads.iter().map(|l: &InflightLoad| l.server).collect::<Vec<_>>());
         }

@@ -23,7 +23,9 @@ use serde_json::{Value, json};
 
 use super::body::{Json, Object};
 use super::chat::set_reasoning;
-use super::conversation::{Conversation, call_arguments, function_tool, string_field, template_value, tool_call};
+use super::conversation::{
+    Conversation, Wording, call_arguments, function_tool, string_field, template_value, tool_call, tool_list,
+};
 use super::request_error::{RequestError, check_message_count};
 
 /// System blocks vLLM drops (Claude Code's billing line, which changes
@@ -205,27 +207,15 @@ fn blocks_message<'b>(
 
 /// The request's client tools in the chat form (server tools left out).
 fn tools<'b>(body: &Object<'b>) -> Result<Option<Vec<TemplateValue<'b>>>, RequestError> {
-    let param = Some("tools");
-    let tools = match body.get("tools") {
-        None | Some(Json::Null) => return Ok(None),
-        Some(Json::Array(tools)) => tools,
-        Some(v) => {
-            return Err(RequestError::new(
-                format!("tools: must be a list, not {}", v.kind()),
-                param,
-            ));
-        }
-    };
-    let mut out = Vec::with_capacity(tools.len());
-    for (i, tool) in tools.iter().enumerate() {
-        let Some(tool) = tool.as_object() else {
-            return Err(RequestError::new(format!("tools.{i}: must be an object"), param));
-        };
+    let tools = tool_list(body, Wording::Anthropic, |i, tool| {
         let Some(schema) = tool.get("input_schema") else {
-            continue; // a server tool
+            return Ok(None); // a server tool
         };
         let Some(name) = string_field(tool, "name") else {
-            return Err(RequestError::new(format!("tools.{i}.name: Field required"), param));
+            return Err(RequestError::new(
+                format!("tools.{i}.name: Field required"),
+                Some("tools"),
+            ));
         };
         let mut parameters = template_value(schema);
         if let TemplateValue::Object(pairs) = &mut parameters
@@ -236,14 +226,14 @@ fn tools<'b>(body: &Object<'b>) -> Result<Option<Vec<TemplateValue<'b>>>, Reques
                 (Cow::Borrowed("type"), TemplateValue::String(Cow::Borrowed("object"))),
             );
         }
-        out.push(function_tool(
+        Ok(Some(function_tool(
             name.clone(),
             tool.get("description"),
             Some(parameters),
             None,
-        ));
-    }
-    Ok((!out.is_empty()).then_some(out))
+        )))
+    })?;
+    Ok(tools.filter(|t| !t.is_empty()))
 }
 
 /// Anthropic's error type for an HTTP status.

@@ -8,7 +8,9 @@ use std::borrow::Cow;
 use semlb_tokenizer::chat::{ChatMessage, TemplateValue};
 
 use super::body::{Json, Object};
-use super::conversation::{Conversation, call_arguments, function_tool, parts_text, string_field, template_value};
+use super::conversation::{
+    Conversation, Wording, call_arguments, function_tool, parts_text, string_field, template_value, tool_list,
+};
 use super::request_error::RequestError;
 
 /// The chat roles OpenAI's API takes; any other is a 400 `invalid_value`.
@@ -181,20 +183,8 @@ fn tool_calls<'b>(i: usize, calls: Option<&Json<'b>>) -> Result<Option<TemplateV
 /// model dumps (`None`: no tools; 400: a malformed tool).
 fn tools<'b>(body: &Object<'b>) -> Result<Option<Vec<TemplateValue<'b>>>, RequestError> {
     let param = Some("tools");
-    let tools = match body.get("tools") {
-        None | Some(Json::Null) => return Ok(None),
-        Some(Json::Array(tools)) => tools,
-        Some(v) => {
-            return Err(RequestError::new(
-                format!("'tools' must be a list, not {}", v.kind()),
-                param,
-            ));
-        }
-    };
-    let mut out = Vec::with_capacity(tools.len());
-    for (i, tool) in tools.iter().enumerate() {
-        let function = tool
-            .as_object()
+    tool_list(body, Wording::OpenAi, |i, tool| {
+        let function = Some(tool)
             .filter(|t| t.get("type").and_then(Json::as_str).is_none_or(|t| t == "function"))
             .and_then(|t| t.get("function"))
             .and_then(Json::as_object);
@@ -210,12 +200,11 @@ fn tools<'b>(body: &Object<'b>) -> Result<Option<Vec<TemplateValue<'b>>>, Reques
                 param,
             ));
         };
-        out.push(function_tool(
+        Ok(Some(function_tool(
             name.clone(),
             function.get("description"),
             function.get("parameters").map(template_value),
             function.get("strict"),
-        ));
-    }
-    Ok(Some(out))
+        )))
+    })
 }

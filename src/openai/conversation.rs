@@ -54,7 +54,7 @@ impl<'b> Conversation<'b> {
     /// error names).
     pub fn render(&self, template: &ChatTemplate, param: &'static str) -> Result<ChatText, RequestError> {
         let inputs = RenderInputs {
-            tools: self.tools.clone(),
+            tools: self.tools.as_deref(),
             variables: Vec::new(),
         };
         let mut text = String::new();
@@ -171,6 +171,52 @@ pub fn tool_call<'b>(id: Cow<'b, str>, name: Cow<'b, str>, arguments: TemplateVa
             ]),
         ),
     ])
+}
+
+/// How an API words a malformed field: OpenAI's (`'tools' must be a
+/// list`, `tools[0]`) or Anthropic's, which is pydantic's (`tools: must be
+/// a list`, `tools.0`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wording {
+    /// Chat completions and Responses.
+    OpenAi,
+    /// Messages.
+    Anthropic,
+}
+
+/// The request's `tools`, each object given to `tool` with its index to
+/// make its chat form ([`function_tool`]; `None`: a tool the template is
+/// not given, such as a server tool). `None`: the request has no `tools`;
+/// 400: `tools` is not a list of objects, or `tool` refused one.
+pub fn tool_list<'b>(
+    body: &Object<'b>,
+    wording: Wording,
+    mut tool: impl FnMut(usize, &Object<'b>) -> Result<Option<TemplateValue<'b>>, RequestError>,
+) -> Result<Option<Vec<TemplateValue<'b>>>, RequestError> {
+    let param = Some("tools");
+    let tools = match body.get("tools") {
+        None | Some(Json::Null) => return Ok(None),
+        Some(Json::Array(tools)) => tools,
+        Some(v) => {
+            let message = match wording {
+                Wording::OpenAi => format!("'tools' must be a list, not {}", v.kind()),
+                Wording::Anthropic => format!("tools: must be a list, not {}", v.kind()),
+            };
+            return Err(RequestError::new(message, param));
+        }
+    };
+    let mut out = Vec::with_capacity(tools.len());
+    for (i, t) in tools.iter().enumerate() {
+        let Some(t) = t.as_object() else {
+            let message = match wording {
+                Wording::OpenAi => format!("tools[{i}] must be an object"),
+                Wording::Anthropic => format!("tools.{i}: must be an object"),
+            };
+            return Err(RequestError::new(message, param));
+        };
+        out.extend(tool(i, t)?);
+    }
+    Ok(Some(out))
 }
 
 /// A function tool as vLLM's `model_dump()` writes it (see the [module

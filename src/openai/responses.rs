@@ -26,7 +26,9 @@ use semlb_tokenizer::chat::{ChatMessage, TemplateValue};
 
 use super::body::{Json, Object};
 use super::chat::{TEXT_PARTS, set_reasoning};
-use super::conversation::{Conversation, call_arguments, function_tool, parts_text, string_field, template_value};
+use super::conversation::{
+    Conversation, Wording, call_arguments, function_tool, parts_text, string_field, template_value, tool_list,
+};
 use super::request_error::{RequestError, check_message_count};
 
 /// Roles a Responses `message` item takes.
@@ -202,34 +204,22 @@ fn push_call<'b>(out: &mut Conversation<'b>, call: TemplateValue<'b>) {
 /// The request's function tools in the chat form (others left out; 400:
 /// a function tool without a name).
 fn tools<'b>(body: &Object<'b>) -> Result<Option<Vec<TemplateValue<'b>>>, RequestError> {
-    let param = Some("tools");
-    let tools = match body.get("tools") {
-        None | Some(Json::Null) => return Ok(None),
-        Some(Json::Array(tools)) => tools,
-        Some(v) => {
-            return Err(RequestError::new(
-                format!("'tools' must be a list, not {}", v.kind()),
-                param,
-            ));
-        }
-    };
-    let mut out = Vec::with_capacity(tools.len());
-    for (i, tool) in tools.iter().enumerate() {
-        let Some(tool) = tool.as_object() else {
-            return Err(RequestError::new(format!("tools[{i}] must be an object"), param));
-        };
+    let tools = tool_list(body, Wording::OpenAi, |i, tool| {
         if tool.get("type").and_then(Json::as_str) != Some("function") {
-            continue;
+            return Ok(None);
         }
         let Some(name) = string_field(tool, "name") else {
-            return Err(RequestError::new(format!("tools[{i}].name must be a string"), param));
+            return Err(RequestError::new(
+                format!("tools[{i}].name must be a string"),
+                Some("tools"),
+            ));
         };
-        out.push(function_tool(
+        Ok(Some(function_tool(
             name.clone(),
             tool.get("description"),
             tool.get("parameters").map(template_value),
             tool.get("strict"),
-        ));
-    }
-    Ok((!out.is_empty()).then_some(out))
+        )))
+    })?;
+    Ok(tools.filter(|t| !t.is_empty()))
 }

@@ -114,6 +114,9 @@ pub struct LookupRequest<'a> {
     /// entries for an engine whose events it follows counting `window`
     /// seconds ([`crate::prefix::precise`]); `None`: the estimate.
     pub precise: Option<u16>,
+    /// An affinity key ([`crate::routing::affinity`]) whose servers to read
+    /// in the same round trip, where the store has round trips.
+    pub affinity: Option<u64>,
 }
 
 /// What the store knows for one routing decision.
@@ -134,6 +137,9 @@ pub struct Lookup {
     /// The store could not be asked: the answer is this host's fallback
     /// (no prefix, no cached response, local load only).
     pub degraded: bool,
+    /// The candidates the request's affinity key lists, when read with
+    /// the lookup (`None`: not read; [`RoutingStore::holders`] reads them).
+    pub affine: Option<Vec<ServerRef>>,
 }
 
 impl Lookup {
@@ -229,6 +235,15 @@ pub trait RoutingStore: Send + Sync + fmt::Debug {
     /// answer, which a conversation's next turn continues) for it, at once on shm, without waiting on Redis. Call it
     /// once the request is counted in flight (see the module docs).
     fn record_route(&self, server: ServerRef, blocks: &[u64], end_key: Option<u64>);
+
+    /// Records an affinity key ([`crate::routing::affinity`]: a stored
+    /// response's) for `server`, done when the store holds it: the client's
+    /// continuation, sent the instant the answer ends, through any
+    /// dispatcher of any host, must find it.
+    fn record_affinity<'a>(&'a self, server: ServerRef, key: u64) -> StoreFuture<'a, ()> {
+        self.record_route(server, &[key], None);
+        Box::pin(std::future::ready(()))
+    }
 
     /// Takes back a [`record_route`](Self::record_route) whose attempt
     /// failed or was refused.

@@ -249,6 +249,7 @@ mod tests {
                     stale_after_ms: u64::MAX,
                     continuation: None,
                     precise: None,
+                    affinity: None,
                 })
                 .prefix;
             (m.blocks_for(a.tag()), m.blocks_for(b.tag()))

@@ -89,7 +89,7 @@ fn tool_conversations_render_as_jinja2_renders_them() {
                 .and_then(TemplateValue::as_str)
                 .map(|set| items(spec.get("tool_sets").unwrap().get(set).unwrap()));
             let inputs = RenderInputs {
-                tools,
+                tools: tools.as_deref(),
                 variables: Vec::<(Cow<'static, str>, TemplateValue<'static>)>::new(),
             };
             let mut got = String::new();
@@ -121,8 +121,9 @@ fn an_agents_next_turn_extends_its_previous_prompt() {
         .find(|c| c.get("name").and_then(TemplateValue::as_str) == Some("tool call and result"))
         .unwrap();
     let messages: Vec<ChatMessage<'static>> = items(case.get("messages").unwrap()).iter().map(message).collect();
+    let tools = items(spec.get("tool_sets").unwrap().get("main").unwrap());
     let inputs = RenderInputs {
-        tools: Some(items(spec.get("tool_sets").unwrap().get("main").unwrap())),
+        tools: Some(&tools),
         variables: Vec::new(),
     };
     let mut templates = vec![("canonical".to_owned(), ChatTemplate::canonical())];

@@ -21,6 +21,7 @@ use crate::metrics::CacheResult;
 use crate::openai::prompt::{Endpoint, ParsedRequest};
 use crate::prefix::continuation::{EndProbe, answer_tokens_estimate};
 use crate::routing::Leg;
+use crate::routing::affinity::Affinity;
 use crate::store::{Lookup, LookupRequest};
 
 /// What the lookup found.
@@ -66,6 +67,7 @@ pub(super) async fn look_up(
             answer_tokens,
         }),
         precise: pool.precise(),
+        affinity: request.affinity.map(Affinity::key),
     };
     let mut lookup = pick::lookup(dispatcher, lookup_request).await;
     let Some(mut response) = lookup

@@ -121,22 +121,31 @@ pub struct DispatchLookup {
     pub refreshed: Vec<(ServerId, u64)>,
     /// In-flight figures per server over every live owner, sorted by server.
     pub loads: Vec<InflightLoad>,
+    /// The servers an affinity key lists (their id fields), if one was
+    /// asked for.
+    pub holders: Option<Vec<String>>,
 }
 
 /// The one-round-trip pipeline of a dispatcher's lookup: `GET` of the
-/// response (when `response_key` is given), the in-flight sum script, and
+/// response (when `response_key` is given), `HKEYS` of the affinity key
+/// (when `affinity` is given: a stored response's or a session's, see
+/// [`crate::routing::affinity`]), the in-flight sum script, and
 /// (when `scripted` and the chain is not empty) the longest-prefix script.
 pub(crate) fn lookup_pipeline(
     namespace: &str,
     lpm_hash: &str,
     sum_hash: &str,
     response_key: Option<u128>,
+    affinity: Option<u64>,
     chain: &[u64],
     scripted: bool,
 ) -> redis::Pipeline {
     let mut pipe = redis::pipe();
     if let Some(key) = response_key {
         pipe.cmd("GET").arg(format!("{namespace}:r:{key:032x}"));
+    }
+    if let Some(key) = affinity {
+        pipe.cmd("HKEYS").arg(format!("{namespace}:p:{key:016x}"));
     }
     pipe.cmd("EVALSHA")
         .arg(sum_hash)
@@ -159,7 +168,11 @@ pub(crate) fn lookup_pipeline(
 
 /// Parses the replies of a [`lookup_pipeline`] (the prefix stays empty
 /// when it was not scripted).
-pub(crate) fn parse_lookup(replies: Vec<Value>, asked_response: bool) -> Result<DispatchLookup, ReplyError> {
+pub(crate) fn parse_lookup(
+    replies: Vec<Value>,
+    asked_response: bool,
+    asked_affinity: bool,
+) -> Result<DispatchLookup, ReplyError> {
     let mut replies = replies.into_iter();
     let mut next = || replies.next().ok_or(ReplyError::ShortPipeline);
     let response = if asked_response {
@@ -167,6 +180,15 @@ pub(crate) fn parse_lookup(replies: Vec<Value>, asked_response: bool) -> Result<
             Value::Nil => None,
             Value::BulkString(b) => unsealed(b),
             other => return Err(ReplyError::Get(other)),
+        }
+    } else {
+        None
+    };
+    let holders = if asked_affinity {
+        let reply = next()?;
+        match redis::FromRedisValue::from_redis_value(&reply) {
+            Ok(fields) => Some(fields),
+            Err(_) => return Err(ReplyError::Holders(reply)),
         }
     } else {
         None
@@ -181,6 +203,7 @@ pub(crate) fn parse_lookup(replies: Vec<Value>, asked_response: bool) -> Result<
         prefix,
         refreshed,
         loads,
+        holders,
     })
 }
 
@@ -219,6 +242,7 @@ impl RedisStore {
             self.lpm.get_hash(),
             self.sum.get_hash(),
             response_key,
+            None,
             chain,
             !naive,
         );
@@ -240,8 +264,8 @@ impl RedisStore {
                 other => break other.map_err(|e| self.fail(OP, e))?,
             }
         };
-        let mut lookup =
-            parse_lookup(replies, response_key.is_some()).map_err(|detail| StoreError::Protocol { op: OP, detail })?;
+        let mut lookup = parse_lookup(replies, response_key.is_some(), false)
+            .map_err(|detail| StoreError::Protocol { op: OP, detail })?;
         if naive {
             lookup.prefix = self.longest_prefix_match_naive(chain)?;
         }
@@ -318,7 +342,7 @@ mod tests {
     fn a_lookup_sends_at_most_the_leading_blocks() {
         let keys_sent = |blocks: usize| {
             let chain: Vec<u64> = (0..blocks as u64).collect();
-            let pipe = lookup_pipeline("ns", "lpm", "sum", None, &chain, true);
+            let pipe = lookup_pipeline("ns", "lpm", "sum", None, None, &chain, true);
             let lpm = pipe.cmd_iter().nth(1).expect("the prefix script");
             lpm.args_iter()
                 .filter(|a| matches!(a, redis::Arg::Simple(k) if k.starts_with(b"ns:p:")))

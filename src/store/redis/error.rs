@@ -71,6 +71,10 @@ pub enum ReplyError {
     /// The response `GET` answered neither nil nor bytes.
     #[error("GET returned {0:?}")]
     Get(Value),
+    /// The affinity key's `HKEYS` answered something other than a list of
+    /// fields.
+    #[error("HKEYS returned {0:?}")]
+    Holders(Value),
     /// An in-flight counter field that is not `req:<id>` or `tok:<id>`.
     #[error("counter field {0:?}")]
     CounterField(String),

@@ -42,19 +42,40 @@ impl RedisRouting {
 
     /// Records `server` for `keys` now, without waiting (one insert script).
     pub(super) fn insert_detached<'k>(&self, server: ServerRef, keys: impl Iterator<Item = &'k u64> + Clone) {
+        if let Some(pipe) = self.insert_pipeline(server, keys) {
+            self.send_detached(pipe);
+        }
+    }
+
+    /// Records `server` for `key`, done when Redis has it (or failed: an
+    /// outage, which the lookups then see too).
+    pub(super) async fn insert_now(&self, server: ServerRef, key: u64) {
+        const OP: &str = "affinity record";
+        if let Some(pipe) = self.insert_pipeline(server, [&key].into_iter()) {
+            self.guarded(OP, self.query(OP, &pipe)).await;
+        }
+    }
+
+    /// The insert script's call recording `server` for `keys` (`None`:
+    /// the server is no longer registered).
+    fn insert_pipeline<'k>(
+        &self,
+        server: ServerRef,
+        keys: impl Iterator<Item = &'k u64> + Clone,
+    ) -> Option<redis::Pipeline> {
         let names = &self.names;
+        let id = self.id_of(server)?;
         let mut pipe = redis::pipe();
         let cmd = pipe.cmd("EVALSHA").arg(&names.insert).arg(keys.clone().count());
         for hash in keys {
             cmd.arg(names.prefix_key(*hash));
         }
-        let Some(id) = self.id_of(server) else { return };
         cmd.arg(server_id::id_field(id))
             .arg(unix_ms())
             .arg(self.config.prefix_ttl().as_millis() as u64)
             .arg(LANES)
             .ignore();
-        self.send_detached(pipe);
+        Some(pipe)
     }
 
     /// Takes `server` out of the entries of `blocks` and `end_key`,

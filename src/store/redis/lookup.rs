@@ -38,6 +38,7 @@ impl RedisRouting {
         };
         self.lookups.fetch_add(1, Relaxed);
         lookup.response = fetched.response.map(Bytes::from);
+        lookup.affine = fetched.holders.map(|fields| self.listed(&fields, &lookup.candidates));
         let candidates = &mut lookup.candidates;
         let servers = self.local.segment().tables().servers;
         // Redis names servers by id; this host's candidates by slot.
@@ -88,11 +89,12 @@ impl RedisRouting {
             &names.lpm,
             &names.sum,
             request.response_key.map(|k| k.0),
+            request.affinity,
             request.chain,
             scripted,
         );
         let replies = self.query(OP, &pipe).await?;
-        let mut lookup = parse_lookup(replies, request.response_key.is_some())
+        let mut lookup = parse_lookup(replies, request.response_key.is_some(), request.affinity.is_some())
             .map_err(|detail| StoreError::Protocol { op: OP, detail })?;
         if !scripted && !request.chain.is_empty() {
             lookup.prefix = self.naive_match(request.chain).await?;
@@ -137,6 +139,12 @@ impl RedisRouting {
             .first()
             .map(|r| redis::FromRedisValue::from_redis_value(r).unwrap_or_default())
             .unwrap_or_default();
+        self.listed(&fields, among)
+    }
+
+    /// The candidates of `among` whose id `fields` (a prefix entry's
+    /// fields) name.
+    fn listed(&self, fields: &[String], among: &[Candidate]) -> Vec<ServerRef> {
         let servers = self.local.segment().tables().servers;
         among
             .iter()

@@ -344,6 +344,10 @@ impl RoutingStore for RedisRouting {
         self.insert_detached(server, blocks.iter().chain(end_key.as_ref()));
     }
 
+    fn record_affinity<'a>(&'a self, server: ServerRef, key: u64) -> StoreFuture<'a, ()> {
+        Box::pin(self.insert_now(server, key))
+    }
+
     fn touch_route(&self, server: ServerRef, last: u64) {
         self.insert_detached(server, [&last].into_iter());
     }

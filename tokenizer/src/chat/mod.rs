@@ -153,7 +153,7 @@ impl<'a> ChatMessage<'a> {
 pub struct RenderInputs<'a> {
     /// `tools`, when the request has any (a template told none renders as
     /// it does without the variable).
-    pub tools: Option<Vec<TemplateValue<'a>>>,
+    pub tools: Option<&'a [TemplateValue<'a>]>,
     /// Further template variables (`enable_thinking`, ...).
     pub variables: Vec<(Cow<'a, str>, TemplateValue<'a>)>,
 }
@@ -417,7 +417,7 @@ fn render_canonical(messages: &[ChatMessage<'_>], inputs: &RenderInputs<'_>, out
     if inputs.tools.is_none() && messages.iter().all(|m| m.fields.is_empty()) {
         return CANONICAL.render(messages, out);
     }
-    if let Some(tools) = &inputs.tools {
+    if let Some(tools) = inputs.tools {
         out.push_str("<|tools|>\n");
         for tool in tools {
             out.push_str(&tool.to_json());

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use super::conversation::{
     Conversation, Ordered, TEXT_PARTS, ToolChoice, call_arguments, function_tool, get, not_a, ordered_body, parts_text,
-    set_reasoning, string, string_field,
+    set_reasoning, string, string_field, tool_list,
 };
 use super::fields::{opt_limit, opt_string, parse_object, wrong_type};
 use super::params::common_params;
@@ -120,38 +120,28 @@ fn message(i: usize, item: &Ordered) -> Result<ChatMessage<'static>, ApiError> {
 
 /// The request's `tools`: `{"type": "function", "function": {...}}` each.
 fn tools(body: &Ordered) -> Result<Option<Vec<Ordered>>, ApiError> {
-    let tools = match get(body, "tools") {
-        None => return Ok(None),
-        Some(TemplateValue::Array(tools)) => tools,
-        Some(other) => return Err(not_a("tools", "an array", other)),
-    };
-    let mut out = Vec::with_capacity(tools.len());
-    for (i, tool) in tools.iter().enumerate() {
-        let param = format!("tools[{i}]");
-        let function = match tool {
-            TemplateValue::Object(_) if string_field(tool, "type").is_none_or(|t| t == "function") => {
-                get(tool, "function")
-            }
-            _ => None,
+    tool_list(body, |tool, param| {
+        let function = match string_field(tool, "type").is_none_or(|t| t == "function") {
+            true => get(tool, "function"),
+            false => None,
         };
         let Some(function @ TemplateValue::Object(_)) = function else {
             return Err(ApiError::bad_request(
                 format!("`{param}` must be an object of type `function` with a `function` object"),
-                Some(&param),
+                Some(param),
             ));
         };
         let Some(name) = string_field(function, "name") else {
             let p = format!("{param}.function.name");
             return Err(ApiError::bad_request(format!("`{p}` must be a string"), Some(&p)));
         };
-        out.push(function_tool(
+        Ok(Some(function_tool(
             name,
             function.get("description"),
             function.get("parameters").cloned(),
             function.get("strict"),
-        ));
-    }
-    Ok(Some(out))
+        )))
+    })
 }
 
 /// `tool_choice`: `"none"`, `"auto"`, `"required"`, or `{"type":

@@ -180,6 +180,30 @@ pub fn tool_call(id: &str, name: &str, arguments: Ordered) -> Ordered {
     ])
 }
 
+/// The request's `tools`, each object given to `tool` with its index
+/// (`param`, `tools[i]`) to make its chat form (`None`: left out, such as
+/// a server tool). `None`: no `tools`; 400: `tools` is not an array of
+/// objects, or `tool` refused one.
+pub fn tool_list(
+    body: &Ordered,
+    mut tool: impl FnMut(&Ordered, &str) -> Result<Option<Ordered>, ApiError>,
+) -> Result<Option<Vec<Ordered>>, ApiError> {
+    let tools = match get(body, "tools") {
+        None => return Ok(None),
+        Some(TemplateValue::Array(tools)) => tools,
+        Some(other) => return Err(not_a("tools", "an array", other)),
+    };
+    let mut out = Vec::with_capacity(tools.len());
+    for (i, t) in tools.iter().enumerate() {
+        let param = format!("tools[{i}]");
+        if !matches!(t, TemplateValue::Object(_)) {
+            return Err(not_a(&param, "an object", t));
+        }
+        out.extend(tool(t, &param)?);
+    }
+    Ok(Some(out))
+}
+
 /// A function tool in the chat form (see the module docs).
 pub fn function_tool(
     name: &str,

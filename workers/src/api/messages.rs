@@ -23,7 +23,7 @@ use semlb_tokenizer::chat::{ChatMessage, TemplateValue};
 
 use super::conversation::{
     Conversation, Ordered, ToolChoice, call_arguments, function_tool, get, not_a, ordered_body, set_reasoning, string,
-    string_field, tool_call,
+    string_field, tool_call, tool_list,
 };
 use super::fields::{opt_limit, opt_string, parse_object};
 use super::params::common_params;
@@ -211,19 +211,9 @@ fn blocks_message(out: &mut Conversation, param: &str, role: &str, blocks: &[Ord
 
 /// The request's client tools in the chat form (server tools left out).
 fn tools(body: &Ordered) -> Result<Option<Vec<Ordered>>, ApiError> {
-    let tools = match get(body, "tools") {
-        None => return Ok(None),
-        Some(TemplateValue::Array(tools)) => tools,
-        Some(other) => return Err(not_a("tools", "an array", other)),
-    };
-    let mut out = Vec::with_capacity(tools.len());
-    for (i, tool) in tools.iter().enumerate() {
-        let param = format!("tools[{i}]");
-        if !matches!(tool, TemplateValue::Object(_)) {
-            return Err(not_a(&param, "an object", tool));
-        }
+    let tools = tool_list(body, |tool, param| {
         let Some(schema) = tool.get("input_schema") else {
-            continue; // a server tool
+            return Ok(None); // a server tool
         };
         let Some(name) = string_field(tool, "name") else {
             let p = format!("{param}.name");
@@ -235,9 +225,14 @@ fn tools(body: &Ordered) -> Result<Option<Vec<Ordered>>, ApiError> {
         {
             pairs.insert(0, (Cow::Borrowed("type"), string("object")));
         }
-        out.push(function_tool(name, tool.get("description"), Some(parameters), None));
-    }
-    Ok((!out.is_empty()).then_some(out))
+        Ok(Some(function_tool(
+            name,
+            tool.get("description"),
+            Some(parameters),
+            None,
+        )))
+    })?;
+    Ok(tools.filter(|t| !t.is_empty()))
 }
 
 /// `tool_choice`: `{"type": "auto" | "any" | "tool" | "none", "name"?}`.

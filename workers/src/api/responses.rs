@@ -24,7 +24,7 @@ use serde_json::Value;
 
 use super::conversation::{
     Conversation, Ordered, TEXT_PARTS, ToolChoice, call_arguments, function_tool, get, not_a, ordered_body, parts_text,
-    push_call, set_reasoning, string, string_field, tool_call,
+    push_call, set_reasoning, string, string_field, tool_call, tool_list,
 };
 use super::fields::{opt_bool, opt_limit, opt_string, parse_object};
 use super::params::common_params;
@@ -286,30 +286,20 @@ fn input_item(i: usize, item: &Ordered) -> Result<Option<InputItem>, ApiError> {
 
 /// The request's function tools in the chat form (others left out).
 fn tools(body: &Ordered) -> Result<Option<Vec<Ordered>>, ApiError> {
-    let tools = match get(body, "tools") {
-        None => return Ok(None),
-        Some(TemplateValue::Array(tools)) => tools,
-        Some(other) => return Err(not_a("tools", "an array", other)),
-    };
-    let mut out = Vec::with_capacity(tools.len());
-    for (i, tool) in tools.iter().enumerate() {
-        let param = format!("tools[{i}]");
-        if !matches!(tool, TemplateValue::Object(_)) {
-            return Err(not_a(&param, "an object", tool));
-        }
+    let tools = tool_list(body, |tool, param| {
         if string_field(tool, "type") != Some("function") {
-            continue;
+            return Ok(None);
         }
         let Some(name) = string_field(tool, "name") else {
             let p = format!("{param}.name");
             return Err(ApiError::bad_request(format!("`{p}` must be a string"), Some(&p)));
         };
-        out.push(function_tool(
+        Ok(Some(function_tool(
             name,
             tool.get("description"),
             tool.get("parameters").cloned(),
             tool.get("strict"),
-        ));
-    }
-    Ok((!out.is_empty()).then_some(out))
+        )))
+    })?;
+    Ok(tools.filter(|t| !t.is_empty()))
 }

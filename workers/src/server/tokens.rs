@@ -41,7 +41,7 @@ pub(super) struct Prepared {
 /// the field a template error names).
 pub(super) fn render(sim: &Sim, conversation: &Conversation, param: &str) -> Result<String, ApiError> {
     let inputs = RenderInputs {
-        tools: conversation.tools.clone(),
+        tools: conversation.tools.as_deref(),
         variables: Vec::new(),
     };
     let mut text = String::new();

@@ -47,7 +47,7 @@ fn call_text(sim: &Sim, chat: &Chat, call: &ToolCall) -> String {
     let mut messages = chat.conversation.messages.clone();
     messages.push(call.message());
     let inputs = RenderInputs {
-        tools: chat.conversation.tools.clone(),
+        tools: chat.conversation.tools.as_deref(),
         variables: vec![("add_generation_prompt".into(), TemplateValue::Bool(false))],
     };
     let mut full = String::new();
