@@ -47,6 +47,15 @@ fn gateway(tag: &str, engines: &[&Proc], config: &str) -> Gateway {
         .start()
 }
 
+/// The value of the sample `name{labels}` in a `/metrics` text (0 when
+/// absent).
+fn sample(metrics: &str, series: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0)
+}
+
 const PATHS: [&str; 3] = ["/v1/chat/completions", "/v1/responses", "/v1/messages"];
 
 /// A system prompt of about 300 tokens, distinct per `tag`.
@@ -353,6 +362,23 @@ fn a_stored_response_is_continued_on_the_engine_that_stored_it() {
                   {"role": "user", "content": "Again?"}]});
     let r = http(gw.addr(), "POST", "/v1/responses", Some(&whole), &[]).expect("request");
     assert_eq!(r.status, 200, "a whole conversation is answered: {}", r.text());
+    // What `semlb status` and /metrics show of it: 20 continued, 2 not
+    // found (the 404 and the whole conversation sent without the id).
+    let m = gw.metrics();
+    let stored = |outcome: &str| {
+        sample(
+            &m,
+            &format!("semlb_affinity_routes_total{{kind=\"stored_response\",outcome=\"{outcome}\"}}"),
+        )
+    };
+    assert_eq!((stored("continued"), stored("not_found")), (20, 2), "{m}");
+    let responses = |code: &str| {
+        sample(
+            &m,
+            &format!("semlb_requests_total{{endpoint=\"responses\",code=\"{code}\"}}"),
+        )
+    };
+    assert_eq!((responses("200"), responses("404")), (25, 1), "{m}");
 
     // After a hot restart the table is the segment's: the chains go on.
     assert_eq!(gw.stop_keeping_segment(), Some(0));
@@ -480,6 +506,20 @@ fn agent_sessions_keyed_by_header_stay_on_their_engines() {
     let (kept, later, per_engine) = stayed(&sessions);
     assert_eq!(kept, later, "by key alone: {sessions:?}");
     assert!(per_engine.len() > 1, "spread: {per_engine:?}");
+    // What `semlb status` and /metrics show: 40 sessions begun, every
+    // later turn of the 200 kept or moved, and 200 Messages answered.
+    let m = gw.metrics();
+    let session = |outcome: &str| {
+        sample(
+            &m,
+            &format!("semlb_affinity_routes_total{{kind=\"session\",outcome=\"{outcome}\"}}"),
+        )
+    };
+    let (kept, moved, new) = (session("kept"), session("moved"), session("new"));
+    assert_eq!((new, kept + moved), (40, 160), "{m}");
+    assert!(kept * 100 >= 160 * 95, "{kept} kept, {moved} moved");
+    let answered = sample(&m, "semlb_requests_total{endpoint=\"messages\",code=\"200\"}");
+    assert_eq!(answered, 200, "{m}");
 }
 
 #[test]

@@ -10,6 +10,7 @@ use shm_layout::{ServerRef, Stamp};
 use super::Dispatcher;
 use super::inflight::InflightGuard;
 use crate::dispatcher::failure::Failure;
+use crate::metrics::AffinityOutcome;
 use crate::pools::Pool;
 use crate::prefix::continuation::EndProbe;
 use crate::routing::affinity::{self, Affinity};
@@ -182,10 +183,8 @@ pub(super) async fn choose(
     let chain_blocks = u32::try_from(chain.len()).unwrap_or(u32::MAX);
     let placed = Placed::of(dispatcher, affinity.filter(|_| inference), chain_blocks, &mut lookup).await;
     let held = &placed.held;
-    match placed.applied {
-        affinity::Applied::Missing => return Routed::Unstored,
-        affinity::Applied::Pinned => return pinned(dispatcher, lookup),
-        _ => {}
+    if let affinity::Applied::Missing | affinity::Applied::Pinned = placed.applied {
+        return stored_response(dispatcher, placed.applied, lookup);
     }
     // Requests that are not inference go to the least loaded server; a
     // pool whose policy holds requests holds them too (they wait in the
@@ -351,6 +350,16 @@ impl Placed {
             return reason;
         };
         follow_session(dispatcher, key, server, &self.affine);
+        let outcome = if self.affine.is_empty() {
+            AffinityOutcome::SessionNew
+        } else if self.affine.contains(&server) {
+            AffinityOutcome::SessionKept
+        } else {
+            AffinityOutcome::SessionMoved
+        };
+        dispatcher.metrics().affinity(outcome);
+        // The key is a salted hash: no client's session value in the logs.
+        tracing::debug!(session = %format_args!("{key:016x}"), server = server.slot, ?outcome, "agent session routed");
         let credited = matches!(reason, Reason::Prefix { blocks } if blocks > self.held.blocks_for(server.tag()));
         if self.affine.contains(&server) && credited {
             Reason::Session
@@ -369,6 +378,21 @@ fn follow_session(dispatcher: &Dispatcher, key: u64, server: ServerRef, before: 
         store.forget_route(*old, &[key], None);
     }
     store.record_route(server, &[key], None);
+}
+
+/// The route of a request that continues a stored response: to an engine
+/// that stored it ([`pinned`]), or [`Routed::Unstored`] when none did
+/// (`Missing`), counted either way.
+fn stored_response(dispatcher: &Arc<Dispatcher>, applied: affinity::Applied, lookup: Lookup) -> Routed {
+    let routed = match applied {
+        affinity::Applied::Pinned => pinned(dispatcher, lookup),
+        _ => Routed::Unstored,
+    };
+    dispatcher.metrics().affinity(match routed {
+        Routed::Unstored => AffinityOutcome::StoredNotFound,
+        _ => AffinityOutcome::StoredContinued,
+    });
+    routed
 }
 
 /// The choice for a request that continues a stored response, among the

@@ -75,6 +75,10 @@ pub enum EndpointLabel {
     Health = 3,
     /// Everything else (other `/v1/*`, `/metrics`, unknown paths).
     Other = 4,
+    /// `POST /v1/responses`.
+    Responses = 5,
+    /// `POST /v1/messages`.
+    Messages = 6,
 }
 
 impl EndpointLabel {
@@ -85,12 +89,37 @@ impl EndpointLabel {
             "/v1/chat/completions" => Self::ChatCompletions,
             "/v1/models" => Self::Models,
             "/health" => Self::Health,
+            "/v1/responses" => Self::Responses,
+            "/v1/messages" => Self::Messages,
             _ => Self::Other,
         }
     }
 }
 
-const ENDPOINTS: [&str; 5] = ["completions", "chat_completions", "models", "health", "other"];
+const ENDPOINTS: [&str; 7] = [
+    "completions",
+    "chat_completions",
+    "models",
+    "health",
+    "other",
+    "responses",
+    "messages",
+];
+/// Endpoints of the first layout, counted from word [`REQUESTS`]; those
+/// after them (added later) from [`MORE_REQUESTS`], at the block's end,
+/// so that no older word moved (processes of two versions side by side
+/// during an upgrade share the stats region).
+const FIRST_ENDPOINTS: usize = 5;
+
+/// The word counting requests to endpoint `e` answered with status label
+/// `c`.
+const fn request_word(e: usize, c: usize) -> usize {
+    if e < FIRST_ENDPOINTS {
+        REQUESTS + e * CODE_LABELS.len() + c
+    } else {
+        MORE_REQUESTS + (e - FIRST_ENDPOINTS) * CODE_LABELS.len() + c
+    }
+}
 /// Status codes counted exactly; others go to their class.
 const EXACT_CODES: [u16; 10] = [200, 400, 404, 405, 413, 429, 500, 502, 503, 504];
 const CODE_LABELS: [&str; 15] = [
@@ -110,7 +139,7 @@ const SERVERS: usize = shm_layout::plan::SERVER_SLOTS as usize;
 
 // The index map: word offsets in a process's stats block.
 const REQUESTS: usize = 0;
-const UPSTREAM: usize = REQUESTS + ENDPOINTS.len() * CODE_LABELS.len();
+const UPSTREAM: usize = REQUESTS + FIRST_ENDPOINTS * CODE_LABELS.len();
 const CACHE: usize = UPSTREAM + SERVERS * 2;
 const RETRIES: usize = CACHE + 3;
 const RECORDS: usize = RETRIES + 1;
@@ -361,7 +390,41 @@ pub const PD_DECODE: Histogram = Histogram {
     bounds: LATENCY_BOUNDS,
     scale: 1e6,
 };
-const END: usize = PD_DECODE.base + Histogram::words(LATENCY_BOUNDS);
+/// Requests to the endpoints added after the first layout
+/// ([`request_word`]).
+const MORE_REQUESTS: usize = PD_DECODE.base + Histogram::words(LATENCY_BOUNDS);
+/// Routing decisions an affinity made ([`crate::routing::affinity`]), by
+/// kind and outcome (`semlb_affinity_routes_total`).
+const AFFINITY: usize = MORE_REQUESTS + (ENDPOINTS.len() - FIRST_ENDPOINTS) * CODE_LABELS.len();
+const AFFINITY_OUTCOMES: [(&str, &str); 5] = [
+    ("session", "kept"),
+    ("session", "moved"),
+    ("session", "new"),
+    ("stored_response", "continued"),
+    ("stored_response", "not_found"),
+];
+/// What an affinity made of a routing decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AffinityOutcome {
+    /// A session's turn stayed on its engine.
+    SessionKept = 0,
+    /// A session's turn moved off its engine (full, or no longer a
+    /// candidate) and its session follows it.
+    SessionMoved = 1,
+    /// A session's first turn (or one whose engine is gone).
+    SessionNew = 2,
+    /// A stored response continued on an engine that stored it.
+    StoredContinued = 3,
+    /// No live engine stored the response: 404, or sent whole.
+    StoredNotFound = 4,
+}
+
+/// The affinity counters in `counters` (every stats word summed over
+/// processes), in [`AffinityOutcome`] order.
+pub fn affinity_totals(counters: &[u64]) -> [u64; 5] {
+    std::array::from_fn(|k| counters.get(AFFINITY + k).copied().unwrap_or(0))
+}
+const END: usize = AFFINITY + AFFINITY_OUTCOMES.len();
 const _: () = assert!(END <= STAT_WORDS, "the metrics outgrew a stats block");
 
 /// What the response cache did for an inference request.

@@ -26,7 +26,7 @@ impl<'a> Metrics<'a> {
 
     /// One answered request.
     pub fn request(&self, endpoint: EndpointLabel, status: u16) {
-        self.add(REQUESTS + endpoint as usize * CODE_LABELS.len() + code_index(status), 1);
+        self.add(request_word(endpoint as usize, code_index(status)), 1);
     }
 
     /// One upstream attempt to the server in `slot`: answered in full (`ok`)
@@ -117,6 +117,11 @@ impl<'a> Metrics<'a> {
         if replayed {
             self.add(KV_EVENTS + 6, 1);
         }
+    }
+
+    /// An affinity made a routing decision.
+    pub fn affinity(&self, outcome: AffinityOutcome) {
+        self.add(AFFINITY + outcome as usize, 1);
     }
 
     /// Something happened with a peer gateway.
@@ -229,7 +234,7 @@ impl<'a> Metrics<'a> {
         for e in 0..ENDPOINTS.len() {
             for (c, label) in CODE_LABELS.iter().enumerate() {
                 if class.is_none_or(|k| label.as_bytes()[0] == b'0' + k as u8) {
-                    n += self.get(REQUESTS + e * CODE_LABELS.len() + c);
+                    n += self.get(request_word(e, c));
                 }
             }
         }

@@ -116,7 +116,7 @@ impl Snapshot {
         );
         for (e, endpoint) in ENDPOINTS.iter().enumerate() {
             for (c, code) in CODE_LABELS.iter().enumerate() {
-                let n = self.counter(REQUESTS + e * CODE_LABELS.len() + c);
+                let n = self.counter(request_word(e, c));
                 if n > 0 {
                     sample(o, "semlb_requests_total", &[("endpoint", endpoint), ("code", code)], n);
                 }
@@ -179,6 +179,20 @@ impl Snapshot {
         for (k, (name, help)) in KV_EVENT_COUNTERS.into_iter().enumerate() {
             family(o, name, "counter", help);
             sample(o, name, &[], self.counter(KV_EVENTS + k));
+        }
+        family(
+            o,
+            "semlb_affinity_routes_total",
+            "counter",
+            "Routing decisions an affinity made: a session's turn kept on its engine, moved off it (full) or new; a stored response continued on its engine or not found.",
+        );
+        for (k, (kind, outcome)) in AFFINITY_OUTCOMES.into_iter().enumerate() {
+            sample(
+                o,
+                "semlb_affinity_routes_total",
+                &[("kind", kind), ("outcome", outcome)],
+                self.counter(AFFINITY + k),
+            );
         }
         for (k, (name, help)) in PEER_COUNTERS.into_iter().enumerate() {
             family(o, name, "counter", help);

@@ -26,7 +26,8 @@ use semlb::routing::capacity::Admission;
 use shm_layout::Segment;
 
 use semlb::metrics::{
-    CacheResult, PredictionTotals, QueueTotals, cache_total, prediction_total, queue_total, upstream_total,
+    CacheResult, PredictionTotals, QueueTotals, affinity_totals, cache_total, prediction_total, queue_total,
+    upstream_total,
 };
 
 use crate::cli::StatusArgs;
@@ -45,6 +46,8 @@ pub struct Totals {
     pub prediction: Vec<(u16, u64, u64)>,
     /// The gateway queues.
     pub queue: QueueTotals,
+    /// Affinity decisions, in [`semlb::metrics::AffinityOutcome`] order.
+    pub affinity: [u64; 5],
 }
 
 impl Totals {
@@ -72,6 +75,7 @@ impl Totals {
                 })
                 .collect(),
             queue: queue_total(counters),
+            affinity: affinity_totals(counters),
         }
     }
 }
@@ -175,6 +179,11 @@ fn summary(w: &mut String, r: &Report, totals: &Totals, now_ms: u64, answered_pe
         q.abandoned,
         q.timeout,
         q.full
+    );
+    let [kept, moved, new, continued, not_found] = totals.affinity;
+    let _ = writeln!(
+        w,
+        "sessions       {kept} turns kept on their engine, {moved} moved (engine full), {new} new; stored responses {continued} continued, {not_found} not found"
     );
     let _ = writeln!(w, "prefix table   {}", r.prefix.show(" of ", "entries", 1));
     let _ = writeln!(
@@ -361,6 +370,7 @@ mod tests {
                 timeout: 1,
                 full: 3,
             },
+            affinity: [40, 2, 8, 11, 1],
         };
         let frame = render(&report, &totals, 1_000, Some(12.5));
         assert!(
@@ -374,6 +384,12 @@ mod tests {
             "{frame}"
         );
         assert!(frame.contains("12.5 req/s"), "{frame}");
+        assert!(
+            frame.contains(
+                "40 turns kept on their engine, 2 moved (engine full), 8 new; stored responses 11 continued, 1 not found"
+            ),
+            "{frame}"
+        );
         let server = frame.lines().find(|l| l.contains("http://10.0.0.1:8000")).unwrap();
         for cell in [
             "up", " 1 ", "500", " 3 ", " 7 ", "81.2%", "0.1 s", "100.0 %", " 2", "75.0 %",
