@@ -584,6 +584,13 @@ impl Drop for Relay {
     /// what it relayed.
     fn drop(&mut self) {
         self.charge_output(false);
+        // A client gone while the end waited for its settlement (or the
+        // stored response's record): finished without it.
+        if let Some(settling) = self.settling.take()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(settling);
+        }
     }
 }
 
