@@ -129,6 +129,10 @@
 //! | `response_cache.scope` | `tenant`, `global` | `tenant` | who shares cached responses: callers with the same API key, or everyone |
 //! | `response_cache.max_value_fraction` | float | `0.125` | largest share of the response log one response may take, in (0, 0.5] |
 //! | `response_cache.cache_nondeterministic` | bool | `false` | also cache requests that sample (`temperature` > 0, no `seed`) |
+//! | `[resume]` | table | | streams resumed on another engine when theirs breaks mid-answer ([`crate::dispatcher::resume`]) |
+//! | `resume.enabled` | bool | `true` | resume a chat completions stream whose engine dies, stalls or sends an error event after the first byte |
+//! | `resume.max_attempts` | integer | `2` | resumptions of one answer at most (0 to 10); past them the client gets an error event and `data: [DONE]` |
+//! | `resume.stall_ms` | integer | `30000` | a stream that sends nothing for this long after its first byte is broken (0: never; else at least 100) |
 //! | `[sessions]` | table | | agent sessions kept on their engines by the prefix-aware policies ([`crate::routing::affinity`]) |
 //! | `sessions.enabled` | bool | `true` | read a request's session key and keep its session on its engine while the load rule allows |
 //! | `sessions.headers` | array of strings | `["x-session-id", "x-session-affinity"]` | headers carrying the session key, tried in order |
@@ -398,6 +402,8 @@ pub struct ServeConfig {
     pub response_cache: ResponseCacheConfig,
     /// Agent sessions kept on their engines (`[sessions]`).
     pub sessions: SessionsConfig,
+    /// Broken streams resumed on another engine (`[resume]`).
+    pub resume: ResumeConfig,
     /// Request limits (`[limits]`).
     pub limits: LimitsConfig,
     /// Where the routing state lives.
@@ -460,6 +466,7 @@ impl Default for ServeConfig {
             policy: PolicyConfig::default(),
             response_cache: ResponseCacheConfig::default(),
             sessions: SessionsConfig::default(),
+            resume: ResumeConfig::default(),
             limits: LimitsConfig::default(),
             store: StoreConfig::default(),
             health: HealthConfig::default(),

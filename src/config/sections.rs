@@ -162,6 +162,37 @@ impl Default for SessionsConfig {
     }
 }
 
+/// Streams resumed on another engine when theirs breaks mid-answer
+/// (`[resume]`, [`crate::dispatcher::resume`]).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ResumeConfig {
+    /// Resume broken chat streams. Default true.
+    pub enabled: bool,
+    /// Resumptions of one answer at most. Default 2.
+    pub max_attempts: u32,
+    /// A stream that sends nothing for this long after its first byte is
+    /// broken (0: never). Default 30 000 ms.
+    pub stall_ms: u64,
+}
+
+impl Default for ResumeConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_attempts: 2,
+            stall_ms: 30_000,
+        }
+    }
+}
+
+impl ResumeConfig {
+    /// [`stall_ms`](Self::stall_ms) as a duration (`None`: never).
+    pub fn stall(&self) -> Option<std::time::Duration> {
+        (self.stall_ms > 0).then(|| std::time::Duration::from_millis(self.stall_ms))
+    }
+}
+
 /// Where the routing state lives (`[store]`).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]

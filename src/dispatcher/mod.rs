@@ -87,6 +87,7 @@
 //! | `proxy` | the attempts of one request: route, send, retry elsewhere on a retryable [`crate::dispatcher::failure::Failure`], then the gateway's headers |
 //! | `peer_forward` | peer gateways ([`crate::peers`]): the load summary served them, the polls of theirs, a request forwarded to one and its answer relayed back |
 //! | `relay` | the answer streamed to the client as it arrives, with a copy kept to learn from |
+//! | `resume` | a chat stream whose engine breaks after its first byte, continued on another engine as one answer |
 //! | `stream_usage` | the usage of every streamed answer asked for on the client's behalf (`stream_options.include_usage`) and kept from it |
 //! | `meter` | an answer's output tokens, read as it passes: the engine's usage, else an estimate of everything generated |
 //! | `learn` | the completion record a finished answer becomes, pushed into this dispatcher's ring |
@@ -143,6 +144,7 @@ mod proxy;
 mod queue;
 pub mod reactor_watch;
 mod relay;
+mod resume;
 mod share;
 mod sse;
 mod stored_response;

@@ -66,6 +66,7 @@ use super::inflight::InflightGuard;
 use super::learn::{Learn, push_completion};
 use super::meter::OutputMeter;
 use super::pick::{passive_failure, passive_success};
+use super::resume::{Attempt, Break, Passed, Resume, ResumedHead};
 use super::stream_usage::UsageStrip;
 use super::tenant_usage;
 use crate::dispatcher::failure::Failure;
@@ -280,6 +281,15 @@ pub(super) struct Relay {
     /// The record of the stored response the answer carries, waited for
     /// with the settlement at its end.
     recording: Option<Settling>,
+    /// A chat stream's resumption when its engine breaks ([`super::resume`]).
+    resume: Option<Box<Resume>>,
+    /// The next attempt of a broken stream, until its head.
+    resuming: Option<Attempt>,
+    /// Why the stream broke, to be handled before anything else is read.
+    broken: Option<Break>,
+    /// Fires when a resumable stream has sent nothing for `resume.stall_ms`
+    /// (armed by its first data).
+    stall: Option<Pin<Box<Sleep>>>,
 }
 
 /// Whose output tokens an answer counts for (`super::tenant_usage`).
@@ -385,7 +395,79 @@ impl Relay {
             settling: None,
             held: None,
             recording: None,
+            resume: None,
+            resuming: None,
+            broken: None,
+            stall: None,
         }
+    }
+
+    /// Resumes the stream as `resume` says when its engine breaks (a chat
+    /// stream: [`super::resume`]).
+    pub fn resumable(mut self, resume: Resume) -> Self {
+        self.resume = Some(Box::new(resume));
+        self
+    }
+
+    /// The stream broke (`why`): the engine's failure is counted, its
+    /// in-flight count ended and its body dropped; then the next attempt
+    /// is under way, or `Err` holds the events that end the client's
+    /// stream.
+    fn break_stream(&mut self, why: Break) -> Result<(), Bytes> {
+        let Some(resume) = self.resume.as_mut() else {
+            return Err(Bytes::new());
+        };
+        self.stall = None;
+        self.inner = fed().1;
+        let Some(guard) = self.guard.take() else {
+            return Err(Bytes::new());
+        };
+        let server = guard.server();
+        drop(guard);
+        self.dispatcher.metrics().upstream(server.slot, false);
+        let failure = Failure::Body {
+            address: self.address.clone(),
+        };
+        passive_failure(&self.dispatcher, server, &self.address, &failure);
+        let attempt = resume.broke(server, why, self.deadline.deadline())?;
+        self.resuming = Some(attempt);
+        Ok(())
+    }
+
+    /// A resumed attempt's head came: its body is relayed from now on, as
+    /// the same answer.
+    fn resumed_on(&mut self, head: ResumedHead) {
+        if let Some(resume) = &self.resume {
+            resume.resumed();
+        }
+        self.inner = UpstreamBody::Engine(head.body);
+        self.address = head.address;
+        self.guard = Some(head.guard);
+        if let Some(learn) = self.learn.as_mut() {
+            learn.server = head.server;
+        }
+    }
+
+    /// Ends a broken stream that is not resumed: charged what it relayed,
+    /// nothing learned; `end` (its error event and `data: [DONE]`) is the
+    /// client's last frame.
+    fn end_broken(&mut self, end: Bytes) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        // What the usage strip held (an event longer than a whole event
+        // may be: `resume::events`) goes first.
+        let held = self.strip.as_mut().map(UsageStrip::finish).unwrap_or_default();
+        let end = if held.is_empty() {
+            end
+        } else {
+            [held, end].concat().into()
+        };
+        self.finished = true;
+        self.decode_leg_ended();
+        self.charge_output(false);
+        self.guard = None;
+        self.learn = None;
+        self.capture = None;
+        self.timer = None;
+        Poll::Ready((!end.is_empty()).then(|| Ok(Frame::data(end))))
     }
 
     /// A split request's decode leg ended: its duration.
@@ -612,15 +694,51 @@ impl HttpBody for Relay {
             if this.finished {
                 return Poll::Ready(None);
             }
+            if let Some(attempt) = this.resuming.as_mut() {
+                match Pin::new(attempt).poll(cx) {
+                    Poll::Pending => {
+                        if this.deadline.as_mut().poll(cx).is_ready() {
+                            this.resuming = None;
+                            let end = Bytes::from_static(b"data: [DONE]\n\n");
+                            return this.end_broken(end);
+                        }
+                        return Poll::Pending;
+                    }
+                    Poll::Ready(Ok(head)) => {
+                        this.resuming = None;
+                        this.resumed_on(head);
+                    }
+                    Poll::Ready(Err(why)) => {
+                        this.resuming = None;
+                        let end = this.resume.as_ref().map(|r| r.attempt_failed(&why)).unwrap_or_default();
+                        return this.end_broken(end);
+                    }
+                }
+            }
+            if let Some(why) = this.broken.take() {
+                match this.break_stream(why) {
+                    Ok(()) => continue,
+                    Err(end) => return this.end_broken(end),
+                }
+            }
             let polled = match this.first.take() {
                 Some(data) => Poll::Ready(Some(Ok(Frame::data(data)))),
                 None => this.inner.poll_frame(cx),
             };
             let frame = match polled {
                 Poll::Ready(Some(Ok(frame))) => frame,
+                Poll::Ready(Some(Err(_))) if this.resume.is_some() => {
+                    this.broken = Some(Break::Cut);
+                    continue;
+                }
                 Poll::Ready(Some(Err(e))) => {
                     this.fail(|address| Failure::Body { address });
                     return Poll::Ready(Some(Err(Box::new(e))));
+                }
+                // A chat stream that ends before its `data: [DONE]` broke.
+                Poll::Ready(None) if this.resume.as_ref().is_some_and(|r| !r.done()) => {
+                    this.broken = Some(Break::Cut);
+                    continue;
                 }
                 Poll::Ready(None) => {
                     let rest = this.strip.as_mut().map(UsageStrip::finish).unwrap_or_default();
@@ -639,12 +757,44 @@ impl HttpBody for Relay {
                         this.fail(|address| Failure::Deadline { address });
                         return Poll::Ready(Some(Err("semlb: upstream request timed out".into())));
                     }
+                    if this
+                        .stall
+                        .as_mut()
+                        .is_some_and(|stall| stall.as_mut().poll(cx).is_ready())
+                    {
+                        this.broken = Some(Break::Stall);
+                        continue;
+                    }
                     return Poll::Pending;
                 }
             };
             let data = match frame.into_data() {
                 Ok(data) => data,
                 Err(other) => return Poll::Ready(Some(Ok(other))),
+            };
+            // A chat stream goes on in whole events; an error event breaks it.
+            let data = match this.resume.as_mut() {
+                Some(resume) => {
+                    let data = match resume.pass(data) {
+                        Passed::Events(data) => data,
+                        Passed::Broke(data) => {
+                            this.broken = Some(Break::ErrorEvent);
+                            data
+                        }
+                    };
+                    if let Some(stall) = resume.stall() {
+                        let at = tokio::time::Instant::now() + stall;
+                        match this.stall.as_mut() {
+                            Some(sleep) => sleep.as_mut().reset(at),
+                            None => this.stall = Some(Box::pin(tokio::time::sleep_until(at))),
+                        }
+                    }
+                    if data.is_empty() {
+                        continue;
+                    }
+                    data
+                }
+                None => data,
             };
             this.passed(&data);
             // With a Content-Length, hyper stops polling once that many
@@ -656,7 +806,7 @@ impl HttpBody for Relay {
             // the `None` after it, the count lagged the client whenever
             // the dispatcher was slow to poll again, and the next turn saw
             // its own engine one request busier than it was).
-            let ending = this.inner.is_end_stream() || (this.sse && ends_with_done(&data));
+            let ending = this.broken.is_none() && (this.inner.is_end_stream() || (this.sse && ends_with_done(&data)));
             let out = match this.strip.as_mut() {
                 // Passed on less the usage the client did not ask for.
                 Some(strip) if ending => [strip.feed(&data), strip.finish()].concat().into(),
@@ -683,7 +833,7 @@ impl HttpBody for Relay {
     }
 
     fn size_hint(&self) -> SizeHint {
-        if self.strip.is_some() {
+        if self.strip.is_some() || self.resume.is_some() {
             return SizeHint::default();
         }
         let hint = self.inner.size_hint();

@@ -424,7 +424,47 @@ pub enum AffinityOutcome {
 pub fn affinity_totals(counters: &[u64]) -> [u64; 5] {
     std::array::from_fn(|k| counters.get(AFFINITY + k).copied().unwrap_or(0))
 }
-const END: usize = AFFINITY + AFFINITY_OUTCOMES.len();
+/// Chat streams broken after their first byte, by why and what became
+/// of them (`semlb_stream_resumptions_total`, [`crate::dispatcher`]'s
+/// resumption).
+const RESUMPTIONS: usize = AFFINITY + AFFINITY_OUTCOMES.len();
+const RESUME_REASONS: [&str; 3] = ["cut", "error_event", "stall"];
+const RESUME_OUTCOMES: [&str; 4] = ["resumed", "failed", "not_resumed", "whole"];
+
+/// Why a stream broke after its first byte.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamBreak {
+    /// The connection was reset or closed, or the body ended without its
+    /// `data: [DONE]`.
+    Cut = 0,
+    /// The engine sent an error event.
+    ErrorEvent = 1,
+    /// Nothing came for `resume.stall_ms`.
+    Stall = 2,
+}
+
+impl StreamBreak {
+    /// Its name (the metric's `reason`, and in logs).
+    pub fn name(self) -> &'static str {
+        RESUME_REASONS[self as usize]
+    }
+}
+
+/// What became of a broken stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResumeOutcome {
+    /// Another engine took it up and the answer went on.
+    Resumed = 0,
+    /// No engine took up the continuation: the client got an error event.
+    Failed = 1,
+    /// It could not be resumed (see `docs/operating/resumption.md`): the
+    /// client got an error event.
+    NotResumed = 2,
+    /// The answer had finished; only its `data: [DONE]` was missing.
+    Whole = 3,
+}
+
+const END: usize = RESUMPTIONS + RESUME_REASONS.len() * RESUME_OUTCOMES.len();
 const _: () = assert!(END <= STAT_WORDS, "the metrics outgrew a stats block");
 
 /// What the response cache did for an inference request.

@@ -124,6 +124,11 @@ impl<'a> Metrics<'a> {
         self.add(AFFINITY + outcome as usize, 1);
     }
 
+    /// A stream broke after its first byte (`why`) and `outcome` became of it.
+    pub fn stream_break(&self, why: StreamBreak, outcome: ResumeOutcome) {
+        self.add(RESUMPTIONS + why as usize * RESUME_OUTCOMES.len() + outcome as usize, 1);
+    }
+
     /// Something happened with a peer gateway.
     pub fn peer(&self, event: PeerEvent) {
         self.add(PEERS + event as usize, 1);

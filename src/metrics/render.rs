@@ -194,6 +194,22 @@ impl Snapshot {
                 self.counter(AFFINITY + k),
             );
         }
+        family(
+            o,
+            "semlb_stream_resumptions_total",
+            "counter",
+            "Chat streams broken after their first byte (cut, error event, stall): resumed on another engine, failed (no engine took the continuation), not resumed (not resumable, or attempts used up), or whole (only the end was missing).",
+        );
+        for (r, reason) in RESUME_REASONS.into_iter().enumerate() {
+            for (k, outcome) in RESUME_OUTCOMES.into_iter().enumerate() {
+                sample(
+                    o,
+                    "semlb_stream_resumptions_total",
+                    &[("reason", reason), ("outcome", outcome)],
+                    self.counter(RESUMPTIONS + r * RESUME_OUTCOMES.len() + k),
+                );
+            }
+        }
         for (k, (name, help)) in PEER_COUNTERS.into_iter().enumerate() {
             family(o, name, "counter", help);
             sample(o, name, &[], self.counter(PEERS + k));

@@ -8,6 +8,7 @@
 //! | `--delay-ms N` | every response (any path) waits `N` real milliseconds first (not scaled by `time_scale`) |
 //! | `--hang-after N` | after `N` inference requests, every further request on any path is read and never answered (until the server stops) |
 //! | `--exit-after N` | once `N` inference requests have completed, the server stops gracefully (stops accepting, finishes in-flight requests) and `semlb-sim` exits with status 0 |
+//! | `--stream-fault KIND` | a streamed answer breaks once `--stream-fault-after N` (default 50) output tokens are out: `die` (the process kills itself with `SIGKILL`, as an engine lost to an out-of-memory kill or a driver reset), `stall` (no further byte, the connection held open, as a hung GPU), `error` (the API's error event, then the stream's end, as vLLM streams a failure: `data: {"error": {...}}` and `data: [DONE]` on chat and completions); only the first `--stream-fault-count K` streamed answers when given |
 //!
 //! Only inference requests (`POST /v1/completions`,
 //! `/v1/chat/completions`, `/v1/responses`, `/v1/messages`) are counted
@@ -40,6 +41,76 @@ pub struct FaultConfig {
     pub exit_after: Option<u64>,
     /// Seed of the fault decisions.
     pub seed: u64,
+    /// How streamed answers break mid-way, if they do.
+    pub stream_fault: Option<StreamFault>,
+}
+
+/// How a streamed answer breaks mid-way (`--stream-fault`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamFault {
+    /// What happens.
+    pub kind: StreamFaultKind,
+    /// Output tokens sent first.
+    pub after: u32,
+    /// Streamed answers that break (the first ones); `None`: every one.
+    pub count: Option<u64>,
+}
+
+/// What a [`StreamFault`] does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamFaultKind {
+    /// The process kills itself with `SIGKILL`.
+    Die,
+    /// Nothing more is sent; the connection stays open.
+    Stall,
+    /// The API's error event ends the stream.
+    Error,
+}
+
+/// The flags of a [`StreamFault`] (`semlb-sim` and `semlb __sim` take
+/// them).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct StreamFaultArgs {
+    /// Break streamed answers mid-way: die (SIGKILL itself), stall (send
+    /// nothing more, keep the connection) or error (the API's error event,
+    /// then the stream's end).
+    #[arg(long, value_name = "KIND")]
+    pub stream_fault: Option<StreamFaultKind>,
+    /// Output tokens a --stream-fault answer sends before it breaks.
+    #[arg(long, default_value_t = 50, value_name = "N")]
+    pub stream_fault_after: u32,
+    /// Only the first K streamed answers break (default: every one).
+    #[arg(long, value_name = "K")]
+    pub stream_fault_count: Option<u64>,
+}
+
+impl StreamFaultArgs {
+    /// The fault the flags ask for, if any.
+    pub fn fault(&self) -> Option<StreamFault> {
+        self.stream_fault.map(|kind| StreamFault {
+            kind,
+            after: self.stream_fault_after,
+            count: self.stream_fault_count,
+        })
+    }
+}
+
+/// A `--stream-fault` value that is none of `die`, `stall`, `error`.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("unknown stream fault `{0}` (expected die, stall or error)")]
+pub struct UnknownStreamFault(pub String);
+
+impl std::str::FromStr for StreamFaultKind {
+    type Err = UnknownStreamFault;
+
+    fn from_str(s: &str) -> Result<Self, UnknownStreamFault> {
+        match s {
+            "die" => Ok(Self::Die),
+            "stall" => Ok(Self::Stall),
+            "error" => Ok(Self::Error),
+            other => Err(UnknownStreamFault(other.to_owned())),
+        }
+    }
 }
 
 impl FaultConfig {
@@ -119,6 +190,8 @@ pub struct Faults {
     completed: AtomicU64,
     hanging: AtomicBool,
     exit: watch::Sender<bool>,
+    /// Streamed answers begun (for `StreamFault::count`).
+    streams: AtomicU64,
 }
 
 impl Faults {
@@ -130,6 +203,7 @@ impl Faults {
             completed: AtomicU64::new(0),
             hanging: AtomicBool::new(false),
             exit: watch::Sender::new(false),
+            streams: AtomicU64::new(0),
         }
     }
 
@@ -152,6 +226,13 @@ impl Faults {
             fail: hit(self.config.fail_rate, seed, index, FAIL_SALT),
             reset: hit(self.config.reset_rate, seed, index, RESET_SALT),
         }
+    }
+
+    /// Counts one streamed answer beginning: how it is to break, if it is.
+    pub fn stream_begins(&self) -> Option<StreamFault> {
+        let fault = self.config.stream_fault?;
+        let index = self.streams.fetch_add(1, Ordering::Relaxed) + 1;
+        fault.count.is_none_or(|k| index <= k).then_some(fault)
     }
 
     /// Whether the server hangs (`--hang-after` was passed): every request
@@ -242,6 +323,28 @@ mod tests {
             let d = always.admit();
             assert!(d.fail && d.reset);
         }
+    }
+
+    #[test]
+    fn only_the_first_streams_break_when_counted() {
+        let fault = StreamFault {
+            kind: "stall".parse().unwrap(),
+            after: 5,
+            count: Some(2),
+        };
+        let faults = Faults::new(FaultConfig {
+            stream_fault: Some(fault),
+            ..FaultConfig::default()
+        });
+        let got: Vec<_> = (0..4).map(|_| faults.stream_begins()).collect();
+        assert_eq!(got, [Some(fault), Some(fault), None, None]);
+        let every = Faults::new(FaultConfig {
+            stream_fault: Some(StreamFault { count: None, ..fault }),
+            ..FaultConfig::default()
+        });
+        assert!((0..10).all(|_| every.stream_begins().is_some()));
+        assert!(Faults::new(FaultConfig::default()).stream_begins().is_none());
+        assert!("crash".parse::<StreamFaultKind>().is_err());
     }
 
     #[test]

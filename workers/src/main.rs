@@ -25,7 +25,7 @@ use semlb_tokenizer::Tokenizer;
 use semlb_tokenizer::chat::ChatTemplate;
 use semlb_workers::config::EngineConfig;
 use semlb_workers::engine::Engine;
-use semlb_workers::faults::FaultConfig;
+use semlb_workers::faults::{FaultConfig, StreamFaultArgs};
 use semlb_workers::kv_events;
 use semlb_workers::metrics::MetricsFlavor;
 use semlb_workers::pd::{Pd, PdConfig};
@@ -105,6 +105,9 @@ struct Args {
     /// Seed of the fault-injection decisions.
     #[arg(long, default_value_t = 0, value_name = "N")]
     seed: u64,
+    /// Streamed answers broken mid-way.
+    #[command(flatten)]
+    stream_faults: StreamFaultArgs,
 
     /// Metric names on /metrics: vllm, sglang, both, llamacpp (llama.cpp's
     /// unlabelled series, no KV gauge), or none (/metrics answers 404, as
@@ -160,6 +163,7 @@ impl Args {
             hang_after: self.hang_after,
             exit_after: self.exit_after,
             seed: self.seed,
+            stream_fault: self.stream_faults.fault(),
         }
     }
 }

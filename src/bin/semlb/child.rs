@@ -493,7 +493,11 @@ pub fn run_sim(args: &SimArgs) -> Result<()> {
         let addr = listener.local_addr()?;
         let pd = Pd::start(args.pd.clone(), addr.ip(), time_scale).await?;
         let bootstrap = pd.describe();
-        let mut sim = Sim::bundled(config, FaultConfig::default()).with_pd(pd);
+        let faults = FaultConfig {
+            stream_fault: args.stream_faults.fault(),
+            ..FaultConfig::default()
+        };
+        let mut sim = Sim::bundled(config, faults).with_pd(pd);
         let published =
             semlb_workers::kv_events::publish(args.kv_events_config.as_deref(), || sim.engine().kv_events())
                 .await

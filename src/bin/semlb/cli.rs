@@ -393,6 +393,9 @@ pub struct SimArgs {
     /// The served model name.
     #[arg(long, default_value = "semlb-sim")]
     pub model: String,
+    /// Streamed answers broken mid-way (`semlb-sim --stream-fault`).
+    #[command(flatten)]
+    pub stream_faults: semlb_workers::faults::StreamFaultArgs,
     /// A LoRA adapter it also serves (repeatable; see `semlb-sim --lora`).
     #[arg(long = "lora", value_name = "NAME")]
     pub lora_adapters: Vec<String>,

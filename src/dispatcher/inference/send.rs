@@ -147,6 +147,8 @@ pub(super) async fn prepare(
         charged: false,
         prompt_tokens: tokens.ids,
         chain: keyed.chain,
+        resume: (endpoint == crate::openai::prompt::Endpoint::ChatCompletions && parsed.stream)
+            .then(|| crate::dispatcher::resume::blocked(&parsed.body)),
     };
     let outbound = Outbound {
         method: Method::POST,

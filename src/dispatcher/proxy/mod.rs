@@ -27,6 +27,7 @@
 
 mod pd;
 mod picked;
+mod resumed;
 mod route;
 mod send;
 
@@ -58,6 +59,7 @@ use super::peer_forward::{self, PeerCopy};
 use super::pick::{Chosen, RouteRequest, Routed, choose, passive_failure};
 use super::queue::{QueueExit, Waiting, wait_in_queue};
 use super::relay::{Metered, Relay, RelayTimer, Upstream, UpstreamBody};
+use super::resume::{Continuation, Resume};
 use super::tenant_usage;
 use super::timing::DispatchTiming;
 use crate::dispatcher::failure::Failure;
@@ -179,6 +181,9 @@ pub(super) struct InferenceCtx {
     pub learn: bool,
     /// Its caller's tenant (with `[auth]`), for the usage counts.
     pub tenant: Option<Arc<str>>,
+    /// A chat stream: resumed when its engine breaks mid-answer, unless
+    /// the reason given ([`super::resume`]).
+    pub resume: Option<Option<&'static str>>,
 }
 
 impl InferenceCtx {
@@ -426,6 +431,28 @@ impl<'d> Attempts<'d> {
             strip_usage,
             metered,
         );
+        // A chat stream goes on elsewhere if its engine breaks: the request
+        // is kept for that (moved: the attempts are over).
+        let blocked = self
+            .ctx
+            .as_ref()
+            .and_then(|c| c.resume)
+            .filter(|_| sse && parts.status.is_success());
+        let relay = match blocked {
+            Some(blocked) => {
+                let outbound = &mut self.outbound;
+                let request = Continuation {
+                    path_and_query: std::mem::take(&mut outbound.path_and_query),
+                    headers: std::mem::take(&mut outbound.headers),
+                    body: std::mem::take(&mut outbound.body),
+                    pool: outbound.pool.clone(),
+                    cache_salt: outbound.cache_salt.take(),
+                    send: resumed::send,
+                };
+                relay.resumable(Resume::new(dispatcher.clone(), request, blocked))
+            }
+            None => relay,
+        };
         let mut response = Response::new(relay.boxed());
         response.extensions_mut().insert(Relayed);
         *response.status_mut() = parts.status;

@@ -67,6 +67,7 @@ use std::borrow::Cow;
 use std::path::Path;
 use std::sync::Arc;
 
+pub mod continue_final;
 mod jinja;
 mod native;
 mod value;
@@ -191,7 +192,8 @@ pub struct ChatTemplate {
 impl ChatTemplate {
     /// The documented canonical rendering (used when no template is given):
     /// each message as `<|{role}|>\n{content}\n`, then the generation
-    /// prompt `<|assistant|>\n`. For example
+    /// prompt `<|assistant|>\n` (unless the variable
+    /// `add_generation_prompt` is `false`). For example
     ///
     /// ```text
     /// <|system|>
@@ -414,7 +416,13 @@ const CANONICAL: native::Turns = native::Turns {
 
 /// Appends the canonical rendering (see [`ChatTemplate::canonical`]).
 fn render_canonical(messages: &[ChatMessage<'_>], inputs: &RenderInputs<'_>, out: &mut String) {
-    if inputs.tools.is_none() && messages.iter().all(|m| m.fields.is_empty()) {
+    // `add_generation_prompt = false` (a tool call's own rendering, a
+    // message to continue) ends after the last turn.
+    let generation = !inputs
+        .variables
+        .iter()
+        .any(|(name, value)| name == "add_generation_prompt" && matches!(value, TemplateValue::Bool(false)));
+    if generation && inputs.tools.is_none() && messages.iter().all(|m| m.fields.is_empty()) {
         return CANONICAL.render(messages, out);
     }
     if let Some(tools) = inputs.tools {
@@ -434,7 +442,9 @@ fn render_canonical(messages: &[ChatMessage<'_>], inputs: &RenderInputs<'_>, out
             }
         }
     }
-    out.push_str(CANONICAL.generation);
+    if generation {
+        out.push_str(CANONICAL.generation);
+    }
 }
 
 #[cfg(test)]

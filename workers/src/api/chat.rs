@@ -6,15 +6,15 @@
 use std::borrow::Cow;
 
 use semlb_tokenizer::chat::{ChatMessage, TemplateValue};
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use super::conversation::{
     Conversation, Ordered, TEXT_PARTS, ToolChoice, call_arguments, function_tool, get, not_a, ordered_body, parts_text,
     set_reasoning, string, string_field, tool_list,
 };
-use super::fields::{opt_limit, opt_string, parse_object, wrong_type};
+use super::fields::{opt_bool, opt_limit, opt_string, parse_object, wrong_type};
 use super::params::common_params;
-use super::{ApiError, GenParams};
+use super::{ApiError, Ending, GenParams};
 
 /// A validated `POST /v1/chat/completions` request.
 #[derive(Debug, Clone, PartialEq)]
@@ -161,6 +161,23 @@ fn tool_choice(body: &Ordered) -> Result<ToolChoice, ApiError> {
     }
 }
 
+/// How the prompt ends: `add_generation_prompt` (default true) and
+/// `continue_final_message` (default false), refused together as vLLM
+/// refuses them.
+fn ending(obj: &Map<String, Value>) -> Result<Ending, ApiError> {
+    let generation = opt_bool(obj, "add_generation_prompt")?;
+    let continue_final = opt_bool(obj, "continue_final_message")?.unwrap_or(false);
+    match (generation.unwrap_or(true), continue_final) {
+        (true, true) => Err(ApiError::bad_request(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            Some("continue_final_message"),
+        )),
+        (_, true) => Ok(Ending::ContinueFinal),
+        (false, false) => Ok(Ending::Bare),
+        (true, false) => Ok(Ending::Generation),
+    }
+}
+
 impl ChatRequest {
     /// Parses and validates a request body.
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
@@ -191,6 +208,7 @@ impl ChatRequest {
             messages,
             tools: tools(&ordered)?,
             tool_choice: tool_choice(&ordered)?,
+            ending: ending(&obj)?,
         };
         Ok(Self {
             model,

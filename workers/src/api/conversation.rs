@@ -55,6 +55,24 @@ pub struct Conversation {
     pub tools: Option<Vec<Ordered>>,
     /// The request's tool choice.
     pub tool_choice: ToolChoice,
+    /// How the prompt ends (chat's `add_generation_prompt` and
+    /// `continue_final_message`).
+    pub ending: Ending,
+}
+
+/// How a rendered conversation ends: with the template's generation
+/// prompt (a new assistant turn, the default), with nothing after the last
+/// message (`add_generation_prompt: false`), or inside the last message,
+/// which the model continues (`continue_final_message: true`, vLLM's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Ending {
+    /// A new assistant turn.
+    #[default]
+    Generation,
+    /// Nothing after the last message.
+    Bare,
+    /// The last message continued.
+    ContinueFinal,
 }
 
 impl Conversation {

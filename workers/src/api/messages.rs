@@ -27,7 +27,7 @@ use super::conversation::{
 };
 use super::fields::{opt_limit, opt_string, parse_object};
 use super::params::common_params;
-use super::{ApiError, GenParams};
+use super::{ApiError, Ending, GenParams};
 
 /// System blocks vLLM drops (a billing line that changes with every request).
 const BILLING_HEADER: &str = "x-anthropic-billing-header";
@@ -57,6 +57,7 @@ impl MessagesRequest {
             messages: Vec::new(),
             tools: tools(&ordered)?,
             tool_choice: tool_choice(&ordered)?,
+            ending: Ending::Generation,
         };
         if let Some(system) = system(&ordered)? {
             conversation.messages.push(ChatMessage::new("system", system));

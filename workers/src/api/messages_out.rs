@@ -196,4 +196,10 @@ impl EventWriter for MessagesWriter {
         ));
         out.push_back(typed_event("message_stop", &[]));
     }
+
+    /// Anthropic's `error` event, which ends the stream.
+    fn error(&mut self, message: &str, out: &mut VecDeque<Bytes>) {
+        let error = json!({"type": "api_error", "message": message});
+        out.push_back(typed_event("error", &[("error", error.to_string())]));
+    }
 }

@@ -147,7 +147,7 @@ mod tool_call;
 pub use answer::AnswerSpec;
 pub use chat::ChatRequest;
 pub use completions::{CompletionRequest, Prompt};
-pub use conversation::{Conversation, Ordered, ToolChoice};
+pub use conversation::{Conversation, Ending, Ordered, ToolChoice};
 pub use embeddings::{EMBEDDING_DIMENSIONS, EmbeddingRequest, embedding_body};
 pub use error::{ApiError, ErrorFormat, anthropic_error_type};
 pub(crate) use fields::{field, opt_bool, opt_int, opt_string, parse_object, wrong_type};

@@ -28,7 +28,7 @@ use super::conversation::{
 };
 use super::fields::{opt_bool, opt_limit, opt_string, parse_object};
 use super::params::common_params;
-use super::{ApiError, GenParams};
+use super::{ApiError, Ending, GenParams};
 
 /// Roles a `message` item takes.
 const ROLES: [&str; 4] = ["user", "assistant", "system", "developer"];
@@ -150,6 +150,7 @@ impl ResponsesRequest {
             messages: Vec::new(),
             tools: tools(&ordered)?,
             tool_choice,
+            ending: Ending::Generation,
         };
         Ok(Self {
             model,

@@ -364,4 +364,14 @@ impl EventWriter for ResponsesWriter {
         let response = to_json(&self.answer.response(Some((&text, usage))));
         self.push(out, "response.completed", vec![("response", response)]);
     }
+
+    /// The Responses stream's `error` event, which ends it.
+    fn error(&mut self, message: &str, out: &mut VecDeque<Bytes>) {
+        let fields = vec![
+            ("code", "\"server_error\"".into()),
+            ("message", to_json(&message)),
+            ("param", "null".into()),
+        ];
+        self.push(out, "error", fields);
+    }
 }

@@ -27,6 +27,16 @@ pub trait EventWriter: Send {
     fn token(&mut self, index: u32, text: &str, out: &mut VecDeque<Bytes>);
     /// The events after the last token, with the answer's `usage`.
     fn end(&mut self, usage: Usage, out: &mut VecDeque<Bytes>);
+    /// The events of a failure mid-answer (`message`), which end the
+    /// stream: vLLM's error event (an OpenAI error object) and
+    /// `data: [DONE]`.
+    fn error(&mut self, message: &str, out: &mut VecDeque<Bytes>) {
+        let error = serde_json::json!({"error": {
+            "message": message, "type": "InternalServerError", "param": null, "code": 500,
+        }});
+        out.push_back(data_event(&error));
+        out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+    }
 }
 
 /// `data: {json}\n\n`.

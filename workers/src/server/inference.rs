@@ -30,9 +30,9 @@ use hyper::body::{Frame, Incoming};
 use semlb_tokenizer::chat::ChatMessage;
 
 use super::sse::{OnFinish, SseStream, StreamSpec};
-use super::tokens::{Prepared, prepare};
+use super::tokens::{Continued, Prepared, prepare, prompt_seed};
 use super::{Body, BoxError, Completion, Sim, error_response, read_body, reset_error, tools, unix_now};
-use crate::api::{self, AnswerSpec, ApiError, Endpoint, FinishReason, GenParams, ResponseMeta};
+use crate::api::{self, AnswerSpec, ApiError, Ending, Endpoint, FinishReason, GenParams, ResponseMeta};
 use crate::engine::{BlockKeys, Engine, EngineRequest, EngineStream, Event, KvHandoff, SubmitError, Usage};
 use crate::faults::Decision;
 use crate::pd::{Leg, PrefillSeat};
@@ -231,8 +231,10 @@ fn server_error(e: impl ToString) -> ApiError {
 /// What the engine is to generate, and what the answer is.
 struct Planned {
     plan: Plan,
-    /// The prompt's seed.
+    /// The prompt's seed (a continued answer's: its first prompt's).
     seed: u64,
+    /// Tokens drawn from the seed that the answer continues.
+    skip: u32,
     /// A tool call's output tokens.
     call_tokens: Option<Vec<u32>>,
     /// The answer's API, id, finish reason, tool call and length.
@@ -252,7 +254,16 @@ fn plan_output(
         prompt, params, chat, ..
     } = prepared;
     let config = sim.engine().config();
-    let seed = seahash::hash(&prompt.iter().flat_map(|id| id.to_le_bytes()).collect::<Vec<u8>>());
+    // A continued answer goes on from the one drawn for the prompt it
+    // began in, when its text is how that one begins.
+    let (seed, skip) = match prepared
+        .continued
+        .as_ref()
+        .and_then(|c| Some((c.seed, drawn_prefix(sim, c)?)))
+    {
+        Some(continued) => continued,
+        None => (prompt_seed(prompt), 0),
+    };
     let meta = ResponseMeta {
         endpoint,
         id: sim.response_id(endpoint),
@@ -262,6 +273,8 @@ fn plan_output(
     // A prefill leg generates no call: its decode leg answers.
     let call = match (leg, chat) {
         (Leg::NixlPrefill | Leg::SglangPrefill { .. }, _) | (_, None) => None,
+        // Nor does an answer that continues a text.
+        (_, Some(chat)) if chat.conversation.ending == Ending::ContinueFinal => None,
         (_, Some(chat)) => tools::tool_answer(sim, chat, seed, &meta),
     };
     // A call that would not fit in max_tokens is not made: the answer is text.
@@ -275,15 +288,22 @@ fn plan_output(
             };
             (plan, Some(call), Some(tokens))
         }
-        None => (
-            Plan::of(leg, params, override_tokens, config.default_output_tokens),
-            None,
-            None,
-        ),
+        // What is left of its natural length (at least a token).
+        None => {
+            let rest = |n: u32| n.saturating_sub(skip).max(1);
+            let plan = Plan::of(
+                leg,
+                params,
+                override_tokens.map(rest),
+                rest(config.default_output_tokens),
+            );
+            (plan, None, None)
+        }
     };
     Planned {
         plan,
         seed,
+        skip,
         call_tokens,
         answer: AnswerSpec {
             meta,
@@ -303,7 +323,11 @@ impl Planned {
     fn draw(&mut self, sim: &Arc<Sim>, prepared: &Prepared) -> (Vec<u32>, Option<OnFinish>) {
         let output = match self.call_tokens.take() {
             Some(tokens) => tokens,
-            None => sim.vocab().generate(self.seed, self.plan.n as usize),
+            None => {
+                let skip = self.skip as usize;
+                let mut drawn = sim.vocab().generate(self.seed, skip + self.plan.n as usize);
+                drawn.split_off(skip)
+            }
         };
         let on_finish = match (&prepared.echo, &prepared.chat) {
             (Some(echo), Some(chat)) if echo.store => {
@@ -325,6 +349,25 @@ impl Planned {
         };
         (output, on_finish)
     }
+}
+
+/// How many tokens drawn from `continued`'s seed make its text; `None`
+/// when the text is not how that answer begins.
+fn drawn_prefix(sim: &Sim, continued: &Continued) -> Option<u32> {
+    let want = continued.text.as_str();
+    let (mut text, mut count) = (String::new(), 0);
+    // Every drawn word is at least a byte long.
+    for id in sim.vocab().generate(continued.seed, want.len()) {
+        if text.len() >= want.len() {
+            break;
+        }
+        text.push_str(&sim.tokenizer().decode(&[id]));
+        count += 1;
+        if !want.starts_with(&text) {
+            return None;
+        }
+    }
+    (text == want).then_some(count)
 }
 
 /// Steps 1 to 4 of the module docs; an error is answered by the caller.
@@ -406,6 +449,7 @@ async fn answer(
         prompt_tokens: prompt_len,
         cached_tokens,
         reset: decision.reset,
+        fault: params.stream.then(|| sim.faults().stream_begins()).flatten(),
         on_finish,
     };
     let head = Response::builder()

@@ -14,6 +14,7 @@ use semlb_tokenizer::Tokenizer;
 use super::{BoxError, Completion, reset_error};
 use crate::api::{AnswerSpec, EventWriter};
 use crate::engine::{EngineStream, Event, Usage};
+use crate::faults::{StreamFault, StreamFaultKind};
 use crate::request_log::Recorded;
 
 /// The state of one SSE response: the engine's events turned into chunks.
@@ -33,6 +34,8 @@ pub(super) struct SseStream {
     emitted: u32,
     /// Cut the stream after the first chunk.
     reset: bool,
+    /// Break it once this many tokens are out (`--stream-fault`).
+    fault: Option<StreamFault>,
     /// Nothing more to send after `pending`.
     done: bool,
     /// How it ends, for the request log (dropped unended: aborted).
@@ -55,6 +58,8 @@ pub(super) struct StreamSpec {
     pub(super) cached_tokens: u32,
     /// Cut the stream after the first chunk (`--reset-rate`).
     pub(super) reset: bool,
+    /// Break the stream mid-way (`--stream-fault`).
+    pub(super) fault: Option<StreamFault>,
     /// Runs when the engine has finished the answer.
     pub(super) on_finish: Option<OnFinish>,
 }
@@ -99,6 +104,7 @@ impl SseStream {
             pending: VecDeque::new(),
             emitted: 0,
             reset: spec.reset,
+            fault: spec.fault,
             done: false,
             recorded: Some(recorded),
             _completion: completion,
@@ -131,6 +137,39 @@ impl SseStream {
         }
     }
 
+    /// Breaks the stream as `--stream-fault` asks, once the chunks of its
+    /// tokens so far are out: the process dies, the stream stalls for
+    /// good, or its error event is queued as its end.
+    async fn break_stream(&mut self, kind: StreamFaultKind) {
+        match kind {
+            StreamFaultKind::Die => {
+                // Give hyper a moment to write the chunks already handed
+                // to it, as a process killed mid-answer has sent them.
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                eprintln!(
+                    "semlb-sim: killing itself mid-stream after {} tokens (--stream-fault die)",
+                    self.tokens
+                );
+                // SAFETY: `kill` with this process's own id and a valid
+                // signal number has no memory effects; SIGKILL ends the
+                // process here.
+                unsafe {
+                    libc::kill(libc::getpid(), libc::SIGKILL);
+                }
+            }
+            StreamFaultKind::Stall => std::future::pending::<()>().await,
+            StreamFaultKind::Error => {
+                let message = format!(
+                    "engine failure after {} tokens (semlb-sim --stream-fault error)",
+                    self.tokens
+                );
+                self.writer.error(&message, &mut self.pending);
+                self.done = true;
+                self.end(Some("failed on purpose (--stream-fault error)"));
+            }
+        }
+    }
+
     /// The next body frame (the `unfold` step).
     pub(super) async fn next_frame(mut self) -> Option<(Result<Frame<Bytes>, BoxError>, Self)> {
         loop {
@@ -148,6 +187,11 @@ impl SseStream {
             if let Some(chunk) = self.pending.pop_front() {
                 self.emitted += 1;
                 return Some((Ok(Frame::data(chunk)), self));
+            }
+            if let Some(fault) = self.fault.filter(|f| !self.done && self.tokens >= f.after) {
+                self.fault = None;
+                self.break_stream(fault.kind).await;
+                continue;
             }
             if self.done {
                 self.end(None);

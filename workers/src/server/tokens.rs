@@ -9,12 +9,13 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
-use semlb_tokenizer::chat::RenderInputs;
+use semlb_tokenizer::chat::continue_final;
+use semlb_tokenizer::chat::{RenderInputs, TemplateValue};
 
 use super::{Body, Sim, full_response, json_response, read_body};
 use crate::api::{
-    self, ApiError, ChatRequest, CompletionRequest, Conversation, Endpoint, MessagesRequest, Prompt, ResponsesEcho,
-    ResponsesRequest,
+    self, ApiError, ChatRequest, CompletionRequest, Conversation, Ending, Endpoint, MessagesRequest, Prompt,
+    ResponsesEcho, ResponsesRequest,
 };
 use crate::vllm_api;
 
@@ -35,20 +36,71 @@ pub(super) struct Prepared {
     pub(super) root: u64,
     pub(super) chat: Option<Chat>,
     pub(super) echo: Option<ResponsesEcho>,
+    /// The partial answer a chat request continues.
+    pub(super) continued: Option<Continued>,
 }
 
 /// Renders `conversation` with the simulator's chat template (`param`:
-/// the field a template error names).
+/// the field a template error names), ending as it asks: a conversation
+/// whose final message is continued is cut right after it, as vLLM has
+/// Hugging Face cut it ([`continue_final`]).
 pub(super) fn render(sim: &Sim, conversation: &Conversation, param: &str) -> Result<String, ApiError> {
+    let variables = match conversation.ending {
+        Ending::Generation => Vec::new(),
+        Ending::Bare | Ending::ContinueFinal => vec![("add_generation_prompt".into(), TemplateValue::Bool(false))],
+    };
     let inputs = RenderInputs {
         tools: conversation.tools.as_deref(),
-        variables: Vec::new(),
+        variables,
     };
     let mut text = String::new();
+    let bad = |e: semlb_tokenizer::chat::TemplateError| ApiError::bad_request(e.to_string(), Some(param));
     sim.template()
         .render_with(&conversation.messages, &inputs, &mut text)
-        .map_err(|e| ApiError::bad_request(e.to_string(), Some(param)))?;
+        .map_err(bad)?;
+    if conversation.ending == Ending::ContinueFinal {
+        let content = conversation.messages.last().map_or("", |m| &m.content);
+        continue_final::cut_after_final(&mut text, content).map_err(bad)?;
+    }
     Ok(text)
+}
+
+/// The seed of a prompt: what the simulator "generates" for it is drawn
+/// from it ([`crate::output_vocab::OutputVocab::generate`]).
+pub(super) fn prompt_seed(prompt: &[u32]) -> u64 {
+    seahash::hash(&prompt.iter().flat_map(|id| id.to_le_bytes()).collect::<Vec<u8>>())
+}
+
+/// A chat request that continues its final assistant message
+/// (`continue_final_message`): the seed of the prompt that message
+/// answers (the conversation before it, with a generation prompt), and
+/// its text. The answer continues the one drawn from that seed when the
+/// text is how that answer begins, as a deterministic model would.
+pub(super) struct Continued {
+    pub(super) seed: u64,
+    pub(super) text: String,
+}
+
+/// What a continued conversation continues (see [`Continued`]); `None`
+/// unless its last message is an assistant's text.
+fn continued(sim: &Sim, conversation: &Conversation, param: &str) -> Result<Option<Continued>, ApiError> {
+    let Some((last, before)) = conversation.messages.split_last() else {
+        return Ok(None);
+    };
+    if conversation.ending != Ending::ContinueFinal || last.role != "assistant" || !last.fields.is_empty() {
+        return Ok(None);
+    }
+    let base = Conversation {
+        messages: before.to_vec(),
+        tools: conversation.tools.clone(),
+        tool_choice: conversation.tool_choice.clone(),
+        ending: Ending::Generation,
+    };
+    let text = render(sim, &base, param)?;
+    Ok(Some(Continued {
+        seed: prompt_seed(&sim.tokenizer().encode(&text)),
+        text: last.content.to_string(),
+    }))
 }
 
 /// The prompt token ids and parameters of a request body.
@@ -78,6 +130,7 @@ pub(super) fn prepare(sim: &Sim, endpoint: Endpoint, body: &[u8]) -> Result<Prep
                 model,
                 chat: None,
                 echo: None,
+                continued: None,
             });
         }
         Endpoint::Chat => {
@@ -110,6 +163,7 @@ pub(super) fn prepare(sim: &Sim, endpoint: Endpoint, body: &[u8]) -> Result<Prep
         root: salted(root, params.cache_salt),
         params,
         model,
+        continued: continued(sim, &conversation, endpoint.prompt_param())?,
         chat: Some(Chat { conversation, text }),
         echo,
     })

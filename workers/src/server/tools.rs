@@ -10,17 +10,13 @@
 //! the client sends back, extends this prompt and its output, and the
 //! blocks the engine cached for both are hits. When the rendering does
 //! not start with the prompt (a template that rewrites earlier turns), or
-//! adds nothing, the output is the call's JSON text. The canonical
-//! template always ends with its generation prompt; it is cut off by hand.
+//! adds nothing, the output is the call's JSON text.
 
 use semlb_tokenizer::chat::{RenderInputs, TemplateValue};
 
 use super::Sim;
 use super::tokens::Chat;
 use crate::api::{self, Endpoint, ToolCall};
-
-/// The canonical template's generation prompt.
-const CANONICAL_GENERATION: &str = "<|assistant|>\n";
 
 /// The call `chat` is answered with, if any, and its output tokens. `seed`
 /// is the prompt's, `meta` the answer's.
@@ -51,15 +47,11 @@ fn call_text(sim: &Sim, chat: &Chat, call: &ToolCall) -> String {
         variables: vec![("add_generation_prompt".into(), TemplateValue::Bool(false))],
     };
     let mut full = String::new();
-    if sim.template().render_with(&messages, &inputs, &mut full).is_ok() {
-        if sim.template().renderer_name() == "canonical" && full.ends_with(CANONICAL_GENERATION) {
-            full.truncate(full.len() - CANONICAL_GENERATION.len());
-        }
-        if let Some(rest) = full.strip_prefix(chat.text.as_str())
-            && !rest.is_empty()
-        {
-            return rest.to_owned();
-        }
+    if sim.template().render_with(&messages, &inputs, &mut full).is_ok()
+        && let Some(rest) = full.strip_prefix(chat.text.as_str())
+        && !rest.is_empty()
+    {
+        return rest.to_owned();
     }
     call.json_text()
 }

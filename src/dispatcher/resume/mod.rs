@@ -1,0 +1,299 @@
+//! An answer that survives its engine: a chat completions stream whose
+//! engine breaks after the client got part of the answer is continued on
+//! another engine of its pool, and the client reads one answer.
+//!
+//! A stream breaks when its connection is reset or closed before its
+//! `data: [DONE]`, when the engine sends an error event (vLLM streams a
+//! failure as `data: {"error": ...}`), or when nothing comes for
+//! `resume.stall_ms` ([`Break`]). The relay ([`super::relay`]) then asks
+//! its [`Resume`] for the next attempt:
+//!
+//! 1. what the client has is read from the events it was given
+//!    ([`sent`]; the relay gives a client whole events only, so a break
+//!    never leaves it inside one): the answer's `id`, `created`, `model`
+//!    and its text so far;
+//! 2. the request is sent again, to an engine of the same pool that has
+//!    not failed this answer, with that text as the assistant's last
+//!    message and `continue_final_message: true`,
+//!    `add_generation_prompt: false` (vLLM, SGLang), and its output budget
+//!    less the tokens already produced ([`request`]);
+//! 3. the new stream is relayed as the continuation of the first
+//!    ([`splice`]): the first answer's `id`, `created` and `model` in
+//!    every chunk, no second opening chunk, and usage that counts the
+//!    original prompt and all the output.
+//!
+//! Not resumed, and ended with an OpenAI error event then `data: [DONE]`
+//! (never a stream that just stops): a request with `n` above 1,
+//! `logprobs`, or structured output (`response_format` with a schema,
+//! vLLM's `guided_*`: a grammar's state cannot be given back to an
+//! engine); a tool call already under way (its arguments are not text to
+//! continue); `resume.enabled = false`; the attempts used up
+//! (`resume.max_attempts`), or no other engine to take it. An answer whose
+//! `finish_reason` had gone is whole: its stream is ended with
+//! `data: [DONE]`.
+
+mod events;
+mod request;
+mod sent;
+mod splice;
+
+pub(super) use request::{Attempt, Continuation, ResumedHead};
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use shm_layout::ServerRef;
+
+use super::Dispatcher;
+use crate::metrics::ResumeOutcome;
+use events::WholeEvents;
+use sent::Sent;
+use splice::Splice;
+
+pub(super) use crate::metrics::StreamBreak as Break;
+
+/// Why a request's stream may not be resumed, if it may not (see the
+/// module docs): `body` is its parsed chat completions body.
+pub(super) fn blocked(body: &crate::openai::body::Object<'_>) -> Option<&'static str> {
+    use crate::openai::body::Json;
+    let number = |key: &str| body.get(key).and_then(Json::as_u64);
+    if number("n").is_some_and(|n| n > 1) || number("best_of").is_some_and(|n| n > 1) {
+        return Some("it asks for more than one choice (n)");
+    }
+    if body.get("logprobs").is_some_and(|v| v.as_bool() == Some(true)) || number("top_logprobs").is_some_and(|n| n > 0)
+    {
+        return Some("it asks for logprobs");
+    }
+    let schema = body
+        .get("response_format")
+        .and_then(Json::as_object)
+        .and_then(|f| f.get("type"))
+        .and_then(Json::as_str)
+        .is_some_and(|t| t != "text");
+    let guided = [
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+    ]
+    .iter()
+    .any(|key| body.get(key).is_some_and(|v| !matches!(v, Json::Null)));
+    if schema || guided {
+        return Some("it asks for structured output (a grammar's state cannot be restored)");
+    }
+    None
+}
+
+/// What a chat stream's answer does when its engine breaks (see the
+/// module docs).
+pub(super) struct Resume {
+    dispatcher: Arc<Dispatcher>,
+    request: Continuation,
+    /// Why it may not be resumed, if it may not.
+    blocked: Option<&'static str>,
+    whole: WholeEvents,
+    sent: Sent,
+    /// Rewrites the current attempt's events, after a resumption.
+    splice: Option<Splice>,
+    /// Resumptions so far.
+    resumed: u32,
+    /// Engines that failed this answer.
+    failed: Vec<ServerRef>,
+    /// `data: [DONE]` went to the client.
+    done: bool,
+    /// Why it broke last.
+    last: Option<Break>,
+}
+
+/// What became of a frame from the engine.
+pub(super) enum Passed {
+    /// Whole events for the client (none, while an event is incomplete).
+    Events(Bytes),
+    /// These events, then the engine's error event (kept from the client).
+    Broke(Bytes),
+}
+
+impl std::fmt::Debug for Resume {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Resume")
+            .field("blocked", &self.blocked)
+            .field("resumed", &self.resumed)
+            .field("failed", &self.failed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Resume {
+    /// The resumption of an answer to `request` (`blocked`: why it may not
+    /// be resumed).
+    pub(super) fn new(dispatcher: Arc<Dispatcher>, request: Continuation, blocked: Option<&'static str>) -> Self {
+        let blocked = blocked.or((!dispatcher.config().resume.enabled).then_some("resume.enabled is false"));
+        Self {
+            dispatcher,
+            request,
+            blocked,
+            whole: WholeEvents::default(),
+            sent: Sent::default(),
+            splice: None,
+            resumed: 0,
+            failed: Vec::new(),
+            done: false,
+            last: None,
+        }
+    }
+
+    /// How long the stream may send nothing before it is broken.
+    pub(super) fn stall(&self) -> Option<Duration> {
+        self.dispatcher.config().resume.stall()
+    }
+
+    /// `data: [DONE]` went to the client: the answer is over.
+    pub(super) fn done(&self) -> bool {
+        self.done
+    }
+
+    /// A frame from the engine, as the client is to get it.
+    pub(super) fn pass(&mut self, data: Bytes) -> Passed {
+        let whole = self.whole.feed(data);
+        if whole.is_empty() {
+            return Passed::Events(whole);
+        }
+        let (events, broke) = match error_at(&whole) {
+            Some(at) => (whole.slice(..at), true),
+            None => (whole, false),
+        };
+        let events = match &self.splice {
+            Some(splice) => splice.rewrite(&events),
+            None => events,
+        };
+        if events.trim_ascii_end().ends_with(b"data: [DONE]") {
+            self.done = true;
+        }
+        if self.blocked.is_none() && !self.whole.overflow {
+            self.sent.push(&events);
+        }
+        if broke {
+            Passed::Broke(events)
+        } else {
+            Passed::Events(events)
+        }
+    }
+
+    /// The stream broke (`why`) on `server`: the next attempt, under way
+    /// until `deadline`, or the events that end the client's stream.
+    pub(super) fn broke(
+        &mut self,
+        server: ServerRef,
+        why: Break,
+        deadline: tokio::time::Instant,
+    ) -> Result<Attempt, Bytes> {
+        self.whole.clear();
+        self.failed.push(server);
+        self.last = Some(why);
+        let count = |outcome| self.dispatcher.metrics().stream_break(why, outcome);
+        let known = !self.sent.overflow && !self.whole.overflow;
+        let summary = (self.blocked.is_none() && known).then(|| self.sent.summary());
+        if summary.as_ref().is_some_and(|s| s.finished) {
+            // The client has the whole answer: only the stream's end is missing.
+            count(ResumeOutcome::Whole);
+            return Err(Bytes::from_static(b"data: [DONE]\n\n"));
+        }
+        let not_resumed = match (&summary, self.blocked) {
+            (_, Some(reason)) => Some(reason),
+            (None, None) => Some("the answer is too long to resume"),
+            (Some(s), None) if s.tool_call => Some("a tool call was under way"),
+            (Some(_), None) if self.resumed >= self.dispatcher.config().resume.max_attempts => {
+                Some("its resumptions are used up (resume.max_attempts)")
+            }
+            _ => None,
+        };
+        if let Some(reason) = not_resumed {
+            count(ResumeOutcome::NotResumed);
+            tracing::warn!(
+                reason = why.name(),
+                resumed = self.resumed,
+                "a chat stream broke ({}) after its first byte and is not resumed: {reason}",
+                why.name()
+            );
+            return Err(error_end(&format!(
+                "the inference server's stream broke ({}) and the answer could not be resumed: {reason}",
+                why.name()
+            )));
+        }
+        let summary = summary.unwrap_or_default();
+        let carried = match &self.request.pool {
+            Some(pool) => pool.tokenization().tokenizer.encode(&summary.text).len() as u64,
+            None => u64::from(summary.chunks),
+        };
+        let Some(body) = request::continuation_body(&self.request.body, &summary.text, carried) else {
+            count(ResumeOutcome::NotResumed);
+            return Err(error_end(
+                "the inference server's stream broke and its request cannot be continued",
+            ));
+        };
+        self.resumed += 1;
+        tracing::info!(
+            reason = why.name(),
+            attempt = self.resumed,
+            carried_tokens = carried,
+            "a chat stream broke ({}) after {carried} tokens: resuming it on another engine (resumption {})",
+            why.name(),
+            self.resumed
+        );
+        self.splice = Some(Splice::new(&summary, carried));
+        Ok((self.request.send)(
+            self.dispatcher.clone(),
+            &self.request,
+            body,
+            self.failed.clone(),
+            deadline,
+        ))
+    }
+
+    /// The next attempt's head came: the answer goes on.
+    pub(super) fn resumed(&self) {
+        if let Some(last) = self.last {
+            self.dispatcher.metrics().stream_break(last, ResumeOutcome::Resumed);
+        }
+    }
+
+    /// The next attempt failed before its head (`why`): the events that
+    /// end the client's stream.
+    pub(super) fn attempt_failed(&self, why: &str) -> Bytes {
+        if let Some(last) = self.last {
+            self.dispatcher.metrics().stream_break(last, ResumeOutcome::Failed);
+        }
+        tracing::warn!(
+            resumed = self.resumed,
+            "a broken chat stream could not be resumed: {why}"
+        );
+        error_end(&format!(
+            "the inference server's stream broke and no engine could resume it: {why}"
+        ))
+    }
+}
+
+/// Where the first error event of `data` (whole events) begins.
+fn error_at(data: &Bytes) -> Option<usize> {
+    if !events::may_hold_error(data) {
+        return None;
+    }
+    let base = data.as_ptr() as usize;
+    events::split(data)
+        .find(|line| events::is_error(line))
+        .map(|line| line.as_ptr() as usize - base)
+}
+
+/// An OpenAI error event with `message`, then `data: [DONE]`: how a
+/// stream that cannot go on ends (the `openai` client raises the error).
+fn error_end(message: &str) -> Bytes {
+    let error = serde_json::json!({"error": {
+        "message": message,
+        "type": "server_error",
+        "param": null,
+        "code": "stream_broken",
+    }});
+    Bytes::from(format!("data: {error}\n\ndata: [DONE]\n\n"))
+}

@@ -1,0 +1,392 @@
+//! Streams that survive their engine (`semlb::dispatcher::resume`), with
+//! real processes: an engine SIGKILLed by this test mid-answer, and the
+//! simulator's own faults (`--stream-fault die|stall|error`). The client
+//! reads one answer: one `id`, no error, `data: [DONE]` last, the text of
+//! the uninterrupted answer (the simulator continues a text it began as a
+//! deterministic model would, so the resumed answer must equal the one
+//! the surviving engine gives the same request whole), and usage that
+//! counts the original prompt and all the output. A stream that may not
+//! be resumed ends with an error event and `data: [DONE]`, never by just
+//! stopping.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use serde_json::{Value, json};
+
+use semlb_test_support as support;
+use support::gateway::{Gateway, user};
+use support::http::http;
+use support::process::{Proc, Stderr};
+
+fn unique(tag: &str) -> String {
+    support::process::unique("resume", tag)
+}
+
+/// A simulated engine whose decode step lasts 3 ms real time (300 tokens
+/// take about a second), with `extra` flags.
+fn slow_sim(extra: &[&str]) -> Proc {
+    support::engines::sim_with("0.3", extra)
+}
+
+/// A chat request's body: one conversation, `tokens` output tokens.
+fn body(topic: &str, tokens: u32, extra: Value) -> Value {
+    let mut body = json!({
+        "model": "semlb-sim",
+        "messages": [
+            {"role": "system", "content": "You are a careful writer."},
+            user(&format!("Write a long report on {topic}.")),
+        ],
+        "max_tokens": tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    if let (Value::Object(b), Value::Object(e)) = (&mut body, extra) {
+        b.extend(e);
+    }
+    body
+}
+
+/// What a client read of a chat stream.
+#[derive(Debug, Default)]
+struct Streamed {
+    /// The `x-semlb-backend` of its head (`host:port`).
+    backend: String,
+    ids: Vec<String>,
+    text: String,
+    /// Chunks with text.
+    chunks: usize,
+    finish: Option<String>,
+    usage: Option<Value>,
+    errors: Vec<Value>,
+    /// `data: [DONE]` came, and was the last event.
+    done_last: bool,
+    /// The raw events, for messages.
+    raw: String,
+}
+
+impl Streamed {
+    fn read_event(&mut self, data: &str) {
+        self.done_last = data == "[DONE]";
+        if self.done_last {
+            return;
+        }
+        let v: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("not JSON ({e}): {data}"));
+        if v.get("error").is_some() {
+            self.errors.push(v);
+            return;
+        }
+        if let Some(id) = v["id"].as_str()
+            && !self.ids.iter().any(|i| i == id)
+        {
+            self.ids.push(id.to_owned());
+        }
+        if let Some(c) = v["choices"].get(0) {
+            if let Some(t) = c["delta"]["content"].as_str().filter(|t| !t.is_empty()) {
+                self.text.push_str(t);
+                self.chunks += 1;
+            }
+            if let Some(f) = c["finish_reason"].as_str() {
+                self.finish = Some(f.to_owned());
+            }
+        }
+        if !v["usage"].is_null() {
+            self.usage = Some(v["usage"].clone());
+        }
+    }
+
+    /// A clean answer: one id, no error, `[DONE]` last.
+    fn assert_clean(&self) {
+        assert!(self.errors.is_empty(), "error events: {:?}\n{}", self.errors, self.raw);
+        assert_eq!(self.ids.len(), 1, "one id: {:?}", self.ids);
+        assert!(self.done_last, "[DONE] last:\n{}", self.raw);
+    }
+}
+
+/// Streams `body` from the gateway at `addr` (HTTP/1.0: the body ends
+/// when the connection closes), calling `progress` with what was read so
+/// far after every read.
+fn stream(addr: &str, body: &Value, mut progress: impl FnMut(&Streamed)) -> Streamed {
+    let mut conn = TcpStream::connect(addr).expect("connect");
+    conn.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let payload = body.to_string();
+    write!(
+        conn,
+        "POST /v1/chat/completions HTTP/1.0\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{payload}",
+        payload.len()
+    )
+    .unwrap();
+    let mut got = Streamed::default();
+    let (mut buf, mut head_done, mut at) = (Vec::new(), false, 0);
+    let mut chunk = [0u8; 16 << 10];
+    loop {
+        let n = conn.read(&mut chunk).expect("read");
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if !head_done {
+            let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                continue;
+            };
+            let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+            assert!(
+                head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
+                "{head}"
+            );
+            got.backend = head
+                .lines()
+                .find_map(|l| l.strip_prefix("x-semlb-backend: "))
+                .unwrap_or_default()
+                .trim_start_matches("http://")
+                .to_owned();
+            head_done = true;
+            at = end + 4;
+        }
+        while let Some(end) = buf[at..].windows(2).position(|w| w == b"\n\n") {
+            let event = String::from_utf8(buf[at..at + end].to_vec()).expect("UTF-8 events");
+            at += end + 2;
+            got.raw.push_str(&event);
+            got.raw.push_str("\n\n");
+            let data = event
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("not a data event: {event:?}"));
+            got.read_event(data);
+        }
+        progress(&got);
+    }
+    assert_eq!(
+        at,
+        buf.len(),
+        "the stream ended inside an event:\n{}",
+        String::from_utf8_lossy(&buf)
+    );
+    got
+}
+
+/// The answer `engine` gives `body` whole (the uninterrupted answer).
+fn reference(engine: &Proc, body: &Value) -> Streamed {
+    stream(&engine.addr, body, |_| {})
+}
+
+/// A gateway over `engines` (least load), with `toml` in its config and
+/// its stderr captured.
+fn gateway(tag: &str, engines: &[&Proc], toml: &str) -> Gateway {
+    Gateway::builder()
+        .shm(&unique(tag))
+        .backends(engines)
+        .policy("least_load")
+        .config(toml)
+        .stderr(Stderr::CaptureEcho)
+        .start()
+}
+
+/// The simulator's own faults: the first stream of the faulty engine
+/// breaks after 40 tokens; the answer completes on the other engine, as
+/// the one answer the other engine gives the request whole.
+fn resumed_after(fault: &str, toml: &str) {
+    let faulty = slow_sim(&[
+        "--stream-fault",
+        fault,
+        "--stream-fault-after",
+        "40",
+        "--stream-fault-count",
+        "1",
+    ]);
+    let good = slow_sim(&[]);
+    let gw = gateway(fault, &[&faulty, &good], toml);
+    // Sent until one lands on the faulty engine (least load: the first
+    // goes to either).
+    for i in 0..6 {
+        let request = body(&format!("rivers {fault} {i}"), 120, json!({}));
+        let got = stream(&gw.proc.addr, &request, |_| {});
+        got.assert_clean();
+        let whole = reference(&good, &request);
+        assert_eq!(
+            got.text, whole.text,
+            "{fault}: the resumed text is the uninterrupted answer's"
+        );
+        assert_eq!(got.finish.as_deref(), Some("length"));
+        assert_eq!(got.usage.as_ref().map(|u| &u["completion_tokens"]), Some(&json!(120)));
+        assert_eq!(
+            got.usage.as_ref().map(|u| &u["prompt_tokens"]),
+            whole.usage.as_ref().map(|u| &u["prompt_tokens"]),
+            "the original prompt's tokens"
+        );
+        if got.backend == faulty.addr {
+            let log = gw
+                .proc
+                .wait_stderr(0, "resuming it on another engine", Duration::from_secs(10));
+            assert!(log.contains(&format!("broke ({})", resume_reason(fault))), "{log}");
+            return;
+        }
+    }
+    panic!("no request reached the faulty engine");
+}
+
+fn resume_reason(fault: &str) -> &'static str {
+    match fault {
+        "die" => "cut",
+        "stall" => "stall",
+        _ => "error_event",
+    }
+}
+
+#[test]
+fn an_engine_that_dies_mid_stream_is_resumed_on_another() {
+    resumed_after("die", "");
+}
+
+#[test]
+fn an_error_event_mid_stream_is_resumed_on_another_engine() {
+    resumed_after("error", "");
+}
+
+#[test]
+fn a_stalled_stream_is_resumed_on_another_engine() {
+    resumed_after("stall", "[resume]\nstall_ms = 300\n");
+}
+
+/// The test's own SIGKILL: after the client has read 50 tokens of a
+/// 300-token answer, the engine streaming it is killed.
+#[test]
+fn an_engine_sigkilled_after_50_tokens_leaves_the_client_one_whole_answer() {
+    let engines = [slow_sim(&[]), slow_sim(&[])];
+    let gw = gateway("sigkill", &[&engines[0], &engines[1]], "");
+    let request = body("the history of bridges", 300, json!({"ignore_eos": true}));
+    let mut killed = None;
+    let got = stream(&gw.proc.addr, &request, |so_far| {
+        if killed.is_none() && so_far.chunks >= 50 {
+            let victim = engines
+                .iter()
+                .find(|e| e.addr == so_far.backend)
+                .expect("the backend is one of ours");
+            kill(victim.pid(), Signal::SIGKILL).expect("SIGKILL");
+            killed = Some((victim.addr.clone(), so_far.chunks));
+        }
+    });
+    let (victim, at) = killed.expect("the engine was killed mid-stream");
+    assert!(at < 300, "killed after {at} of 300 tokens");
+    gw.proc.wait_stderr(0, "(resumption 1)", Duration::from_secs(10));
+    got.assert_clean();
+    let survivor = engines.iter().find(|e| e.addr != victim).unwrap();
+    let whole = reference(survivor, &request);
+    assert_eq!(got.text, whole.text, "the first {at} tokens and their continuation");
+    assert_eq!(got.usage.as_ref().map(|u| &u["completion_tokens"]), Some(&json!(300)));
+    assert_eq!(
+        got.usage.as_ref().map(|u| &u["prompt_tokens"]),
+        whole.usage.as_ref().map(|u| &u["prompt_tokens"])
+    );
+}
+
+/// Every engine breaks every stream after 40 tokens: a 100-token answer
+/// needs two resumptions (40 + 40 + 20) and completes; a 200-token one
+/// runs out of them (`resume.max_attempts = 2`) and ends with an error
+/// event, then `data: [DONE]`.
+#[test]
+fn two_resumptions_complete_an_answer_and_a_third_is_refused() {
+    let engines: Vec<Proc> = (0..3)
+        .map(|_| slow_sim(&["--stream-fault", "error", "--stream-fault-after", "40"]))
+        .collect();
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let gw = gateway("twice", &refs, "");
+    let request = body("lighthouses", 100, json!({}));
+    let got = stream(&gw.proc.addr, &request, |_| {});
+    got.assert_clean();
+    let whole = {
+        // The uninterrupted answer, from an engine without the fault.
+        let clean = slow_sim(&[]);
+        reference(&clean, &request)
+    };
+    assert_eq!(got.text, whole.text);
+    assert_eq!(got.usage.as_ref().map(|u| &u["completion_tokens"]), Some(&json!(100)));
+    let log = gw.proc.wait_stderr(0, "(resumption 2)", Duration::from_secs(10));
+    assert!(log.contains("(resumption 1)"), "{log}");
+
+    let request = body("canals", 200, json!({}));
+    let got = stream(&gw.proc.addr, &request, |_| {});
+    assert!(got.done_last, "[DONE] ends it:\n{}", got.raw);
+    assert_eq!(got.errors.len(), 1, "one error event:\n{}", got.raw);
+    let message = got.errors[0]["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("resume.max_attempts"), "{message}");
+    // What came before the error is the answer's beginning, 120 tokens.
+    assert_eq!(got.chunks, 120, "{}", got.raw);
+}
+
+/// A request the gateway may not resume (a JSON schema, logprobs), or
+/// with resumption off: the client's stream ends with an error event and
+/// `data: [DONE]`, never just stops, and nothing is resent.
+#[test]
+fn a_stream_that_may_not_be_resumed_ends_with_an_error_event_and_done() {
+    let faulty = slow_sim(&["--stream-fault", "error", "--stream-fault-after", "30"]);
+    let gw = gateway("blocked", &[&faulty], "");
+    let schema =
+        json!({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object"}}}});
+    for (extra, why) in [(schema, "structured output"), (json!({"logprobs": true}), "logprobs")] {
+        let got = stream(&gw.proc.addr, &body("maps", 100, extra), |_| {});
+        assert!(got.done_last, "{}", got.raw);
+        assert_eq!(got.errors.len(), 1, "{}", got.raw);
+        let message = got.errors[0]["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(why), "{message}");
+        assert_eq!(got.chunks, 30, "{}", got.raw);
+    }
+    assert!(!gw.proc.stderr_text().contains("resuming it"), "nothing resumed");
+    drop(gw);
+
+    let faulty = slow_sim(&["--stream-fault", "error", "--stream-fault-after", "30"]);
+    let other = slow_sim(&[]);
+    let gw = gateway("off", &[&faulty, &other], "[resume]\nenabled = false\n");
+    for i in 0..6 {
+        let got = stream(&gw.proc.addr, &body(&format!("tides {i}"), 80, json!({})), |_| {});
+        assert!(got.done_last, "{}", got.raw);
+        if got.backend == faulty.addr {
+            assert_eq!(got.errors.len(), 1, "{}", got.raw);
+            let message = got.errors[0]["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.contains("resume.enabled"), "{message}");
+            assert_eq!(got.chunks, 30, "{}", got.raw);
+            return;
+        }
+        got.assert_clean();
+    }
+    panic!("no request reached the faulty engine");
+}
+
+/// The simulator continues a text it began (`continue_final_message`) as
+/// a deterministic model would: the rest of the answer it gives whole.
+#[test]
+fn the_simulators_continuation_is_the_rest_of_its_answer() {
+    let engine = slow_sim(&[]);
+    let ask = |messages: Value, extra: Value| {
+        let mut b = json!({"model": "semlb-sim", "messages": messages, "max_tokens": 30});
+        if let (Value::Object(b), Value::Object(e)) = (&mut b, extra) {
+            b.extend(e);
+        }
+        let r = http(&engine.addr, "POST", "/v1/chat/completions", Some(&b), &[]).expect("request");
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    };
+    let conversation = json!([user("Name the rivers of Europe.")]);
+    let whole = ask(conversation.clone(), json!({}));
+    let text = whole["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+    // The first 12 words (each a token), continued: the other 18.
+    let head: String = text.split(' ').skip(1).take(12).map(|w| format!(" {w}")).collect();
+    assert!(text.starts_with(&head), "{text:?} / {head:?}");
+    let mut continued = conversation.as_array().unwrap().clone();
+    continued.push(json!({"role": "assistant", "content": head}));
+    let rest = ask(
+        Value::Array(continued),
+        json!({"continue_final_message": true, "add_generation_prompt": false, "max_tokens": 18}),
+    );
+    assert_eq!(
+        format!("{head}{}", rest["choices"][0]["message"]["content"].as_str().unwrap()),
+        text
+    );
+    assert_eq!(rest["usage"]["completion_tokens"], 18);
+    // Both on: vLLM's 400.
+    let mut both = json!({"model": "semlb-sim", "messages": conversation, "continue_final_message": true});
+    both["add_generation_prompt"] = json!(true);
+    let r = http(&engine.addr, "POST", "/v1/chat/completions", Some(&both), &[]).expect("request");
+    assert_eq!(r.status, 400, "{}", r.text());
+}
