@@ -13,7 +13,8 @@
 //! deterministic request is answered from the response cache
 //! without the engines computing anything; a prompt longer than the
 //! engine's slot context (from `/props`) is refused at the gateway with the
-//! 400 the engine itself gives it.
+//! 400 the engine itself gives it; a stream whose engine is SIGKILLed
+//! mid-answer completes on the other engine.
 //!
 //! Skipped, loudly, where the engine was not built; required in CI
 //! (`SEMLB_REQUIRE_LLAMA`). The engines are slow (one thread each), so the
@@ -29,6 +30,7 @@ use semlb_test_support as support;
 use support::gateway::{Gateway, Turn, answered_by_gateway, chat, routed, sample, user, wait_for};
 use support::http::http;
 use support::llama::{LlamaInstall, LlamaOptions, LlamaServer};
+use support::sse::stream;
 
 fn unique(tag: &str) -> String {
     support::process::unique("llama", tag)
@@ -182,6 +184,51 @@ fn an_engine_killed_mid_run_is_routed_around() {
         assert_eq!(*status, 200, "a request after the kill failed: {body}");
         assert_ne!(backend, &dead, "answered by the dead engine?");
     }
+}
+
+/// A stream whose engine is SIGKILLed mid-answer completes on the other
+/// engine: the client reads one answer (one `id`, no error event,
+/// `data: [DONE]` last) that begins with what the killed engine sent, and
+/// the gateway logs the resumption. llama.cpp continues the assistant's
+/// last message (its assistant prefill; it does not read
+/// `continue_final_message`).
+#[test]
+fn a_stream_whose_engine_is_killed_completes_on_the_other() {
+    let Some(install) = LlamaInstall::find() else {
+        return;
+    };
+    let mut engines: Vec<LlamaServer> = (0..2).map(|_| LlamaServer::start(&install)).collect();
+    let gw = Gateway::builder()
+        .shm(&unique("resume"))
+        .args(&["--tokenizer", install.model.to_str().expect("a UTF-8 path")])
+        .backend(&engines[0].addr)
+        .backend(&engines[1].addr)
+        .stderr(support::process::Stderr::CaptureEcho)
+        .start();
+    let body = json!({
+        "model": "semlb-sim",
+        "messages": [user("Write a long story about a lighthouse keeper and the sea.")],
+        "max_tokens": 96,
+        "temperature": 0,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let mut killed = None;
+    let got = stream(gw.addr(), &body, |so_far| {
+        if killed.is_none() && so_far.chunks >= 12 {
+            let victim = engines
+                .iter_mut()
+                .find(|e| e.addr == so_far.backend)
+                .expect("one of ours");
+            victim.kill();
+            killed = Some((so_far.text.clone(), so_far.chunks));
+        }
+    });
+    let (before, at) = killed.expect("killed mid-stream");
+    got.assert_clean();
+    assert!(got.text.starts_with(&before), "{:?} / {before:?}", got.text);
+    assert!(got.chunks > at, "the answer went on after the kill: {}", got.raw);
+    gw.proc.wait_stderr(0, "(resumption 1)", Duration::from_secs(30));
 }
 
 #[test]

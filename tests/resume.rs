@@ -9,8 +9,6 @@
 //! be resumed ends with an error event and `data: [DONE]`, never by just
 //! stopping.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::Duration;
 
 use nix::sys::signal::{Signal, kill};
@@ -20,6 +18,7 @@ use semlb_test_support as support;
 use support::gateway::{Gateway, user};
 use support::http::http;
 use support::process::{Proc, Stderr};
+use support::sse::{Streamed, stream, stream_to};
 
 fn unique(tag: &str) -> String {
     support::process::unique("resume", tag)
@@ -47,123 +46,6 @@ fn body(topic: &str, tokens: u32, extra: Value) -> Value {
         b.extend(e);
     }
     body
-}
-
-/// What a client read of a chat stream.
-#[derive(Debug, Default)]
-struct Streamed {
-    /// The `x-semlb-backend` of its head (`host:port`).
-    backend: String,
-    ids: Vec<String>,
-    text: String,
-    /// Chunks with text.
-    chunks: usize,
-    finish: Option<String>,
-    usage: Option<Value>,
-    errors: Vec<Value>,
-    /// `data: [DONE]` came, and was the last event.
-    done_last: bool,
-    /// The raw events, for messages.
-    raw: String,
-}
-
-impl Streamed {
-    fn read_event(&mut self, data: &str) {
-        self.done_last = data == "[DONE]";
-        if self.done_last {
-            return;
-        }
-        let v: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("not JSON ({e}): {data}"));
-        if v.get("error").is_some() {
-            self.errors.push(v);
-            return;
-        }
-        if let Some(id) = v["id"].as_str()
-            && !self.ids.iter().any(|i| i == id)
-        {
-            self.ids.push(id.to_owned());
-        }
-        if let Some(c) = v["choices"].get(0) {
-            if let Some(t) = c["delta"]["content"].as_str().filter(|t| !t.is_empty()) {
-                self.text.push_str(t);
-                self.chunks += 1;
-            }
-            if let Some(f) = c["finish_reason"].as_str() {
-                self.finish = Some(f.to_owned());
-            }
-        }
-        if !v["usage"].is_null() {
-            self.usage = Some(v["usage"].clone());
-        }
-    }
-
-    /// A clean answer: one id, no error, `[DONE]` last.
-    fn assert_clean(&self) {
-        assert!(self.errors.is_empty(), "error events: {:?}\n{}", self.errors, self.raw);
-        assert_eq!(self.ids.len(), 1, "one id: {:?}", self.ids);
-        assert!(self.done_last, "[DONE] last:\n{}", self.raw);
-    }
-}
-
-/// Streams `body` from the gateway at `addr` (HTTP/1.0: the body ends
-/// when the connection closes), calling `progress` with what was read so
-/// far after every read.
-fn stream(addr: &str, body: &Value, mut progress: impl FnMut(&Streamed)) -> Streamed {
-    let mut conn = TcpStream::connect(addr).expect("connect");
-    conn.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let payload = body.to_string();
-    write!(
-        conn,
-        "POST /v1/chat/completions HTTP/1.0\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{payload}",
-        payload.len()
-    )
-    .unwrap();
-    let mut got = Streamed::default();
-    let (mut buf, mut head_done, mut at) = (Vec::new(), false, 0);
-    let mut chunk = [0u8; 16 << 10];
-    loop {
-        let n = conn.read(&mut chunk).expect("read");
-        if n == 0 {
-            break;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        if !head_done {
-            let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
-                continue;
-            };
-            let head = String::from_utf8_lossy(&buf[..end]).into_owned();
-            assert!(
-                head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
-                "{head}"
-            );
-            got.backend = head
-                .lines()
-                .find_map(|l| l.strip_prefix("x-semlb-backend: "))
-                .unwrap_or_default()
-                .trim_start_matches("http://")
-                .to_owned();
-            head_done = true;
-            at = end + 4;
-        }
-        while let Some(end) = buf[at..].windows(2).position(|w| w == b"\n\n") {
-            let event = String::from_utf8(buf[at..at + end].to_vec()).expect("UTF-8 events");
-            at += end + 2;
-            got.raw.push_str(&event);
-            got.raw.push_str("\n\n");
-            let data = event
-                .strip_prefix("data: ")
-                .unwrap_or_else(|| panic!("not a data event: {event:?}"));
-            got.read_event(data);
-        }
-        progress(&got);
-    }
-    assert_eq!(
-        at,
-        buf.len(),
-        "the stream ended inside an event:\n{}",
-        String::from_utf8_lossy(&buf)
-    );
-    got
 }
 
 /// The answer `engine` gives `body` whole (the uninterrupted answer).
@@ -313,6 +195,12 @@ fn two_resumptions_complete_an_answer_and_a_third_is_refused() {
     assert!(message.contains("resume.max_attempts"), "{message}");
     // What came before the error is the answer's beginning, 120 tokens.
     assert_eq!(got.chunks, 120, "{}", got.raw);
+    // Two resumptions each, and the third break not resumed.
+    let metrics = gw.metrics();
+    for (outcome, n) in [("resumed", 4), ("not_resumed", 1), ("failed", 0)] {
+        let line = format!("semlb_stream_resumptions_total{{reason=\"error_event\",outcome=\"{outcome}\"}} {n}");
+        assert!(metrics.lines().any(|l| l == line), "{line} in:\n{metrics}");
+    }
 }
 
 /// A request the gateway may not resume (a JSON schema, logprobs), or
@@ -349,6 +237,53 @@ fn a_stream_that_may_not_be_resumed_ends_with_an_error_event_and_done() {
             return;
         }
         got.assert_clean();
+    }
+    panic!("no request reached the faulty engine");
+}
+
+/// A completions stream is resumed with the text so far on its prompt:
+/// the client reads the faulty engine's first 40 tokens, then what an
+/// engine continues that prompt and text with.
+#[test]
+fn a_completions_stream_is_resumed_from_its_prompt_and_text() {
+    let faulty = slow_sim(&[
+        "--stream-fault",
+        "error",
+        "--stream-fault-after",
+        "40",
+        "--stream-fault-count",
+        "1",
+    ]);
+    let good = slow_sim(&[]);
+    let gw = gateway("completions", &[&faulty, &good], "");
+    let ask = |addr: &str, prompt: &str, tokens: u32| {
+        let body = json!({"model": "semlb-sim", "prompt": prompt, "max_tokens": tokens, "stream": true,
+                          "stream_options": {"include_usage": true}});
+        stream_to(addr, "/v1/completions", &body, |_| {})
+    };
+    for i in 0..6 {
+        let prompt = format!("The story of harbour {i}:");
+        let got = ask(&gw.proc.addr, &prompt, 100);
+        got.assert_clean();
+        if got.backend != faulty.addr {
+            continue;
+        }
+        let whole = ask(&good.addr, &prompt, 100);
+        let head: String = whole
+            .text
+            .split(' ')
+            .skip(1)
+            .take(40)
+            .map(|w| format!(" {w}"))
+            .collect();
+        let rest = ask(&good.addr, &format!("{prompt}{head}"), 60);
+        assert_eq!(got.text, format!("{head}{}", rest.text));
+        assert_eq!(got.usage.as_ref().map(|u| &u["completion_tokens"]), Some(&json!(100)));
+        assert_eq!(
+            got.usage.as_ref().map(|u| &u["prompt_tokens"]),
+            whole.usage.as_ref().map(|u| &u["prompt_tokens"])
+        );
+        return;
     }
     panic!("no request reached the faulty engine");
 }

@@ -17,6 +17,7 @@ use crate::dispatcher::proxy::{InferenceCtx, Outbound};
 use crate::dispatcher::share;
 use crate::dispatcher::stream_usage::{with_include_usage, with_usage_option};
 use crate::dispatcher::timing::DispatchTiming;
+use crate::openai::prompt::Endpoint;
 use crate::pools::Pool;
 use crate::response_cache::{Scope, Tenant};
 use crate::store::Lookup;
@@ -147,8 +148,12 @@ pub(super) async fn prepare(
         charged: false,
         prompt_tokens: tokens.ids,
         chain: keyed.chain,
-        resume: (endpoint == crate::openai::prompt::Endpoint::ChatCompletions && parsed.stream)
-            .then(|| crate::dispatcher::resume::blocked(&parsed.body)),
+        resume: match endpoint {
+            Endpoint::ChatCompletions | Endpoint::Completions if parsed.stream => Some(
+                crate::dispatcher::resume::blocked(&parsed.body, endpoint == Endpoint::Completions),
+            ),
+            _ => None,
+        },
     };
     let outbound = Outbound {
         method: Method::POST,

@@ -447,6 +447,7 @@ impl<'d> Attempts<'d> {
                     body: std::mem::take(&mut outbound.body),
                     pool: outbound.pool.clone(),
                     cache_salt: outbound.cache_salt.take(),
+                    completions: self.ctx.as_ref().is_some_and(|c| c.endpoint == Endpoint::Completions),
                     send: resumed::send,
                 };
                 relay.resumable(Resume::new(dispatcher.clone(), request, blocked))

@@ -1,6 +1,7 @@
-//! An answer that survives its engine: a chat completions stream whose
-//! engine breaks after the client got part of the answer is continued on
-//! another engine of its pool, and the client reads one answer.
+//! An answer that survives its engine: a chat completions or completions
+//! stream whose engine breaks after the client got part of the answer is
+//! continued on another engine of its pool, and the client reads one
+//! answer.
 //!
 //! A stream breaks when its connection is reset or closed before its
 //! `data: [DONE]`, when the engine sends an error event (vLLM streams a
@@ -15,8 +16,9 @@
 //! 2. the request is sent again, to an engine of the same pool that has
 //!    not failed this answer, with that text as the assistant's last
 //!    message and `continue_final_message: true`,
-//!    `add_generation_prompt: false` (vLLM, SGLang), and its output budget
-//!    less the tokens already produced ([`request`]);
+//!    `add_generation_prompt: false` (vLLM, SGLang), or, for completions,
+//!    appended to its prompt; and its output budget less the tokens
+//!    already produced ([`request`]);
 //! 3. the new stream is relayed as the continuation of the first
 //!    ([`splice`]): the first answer's `id`, `created` and `model` in
 //!    every chunk, no second opening chunk, and usage that counts the
@@ -24,7 +26,8 @@
 //!
 //! Not resumed, and ended with an OpenAI error event then `data: [DONE]`
 //! (never a stream that just stops): a request with `n` above 1,
-//! `logprobs`, or structured output (`response_format` with a schema,
+//! `logprobs`, a completions prompt that is not one text, `echo` or a
+//! `suffix`, or structured output (`response_format` with a schema,
 //! vLLM's `guided_*`: a grammar's state cannot be given back to an
 //! engine); a tool call already under way (its arguments are not text to
 //! continue); `resume.enabled = false`; the attempts used up
@@ -54,16 +57,30 @@ use splice::Splice;
 pub(super) use crate::metrics::StreamBreak as Break;
 
 /// Why a request's stream may not be resumed, if it may not (see the
-/// module docs): `body` is its parsed chat completions body.
-pub(super) fn blocked(body: &crate::openai::body::Object<'_>) -> Option<&'static str> {
+/// module docs): `body` is its parsed body, a chat completions one or
+/// (`completions`) a completions one.
+pub(super) fn blocked(body: &crate::openai::body::Object<'_>, completions: bool) -> Option<&'static str> {
     use crate::openai::body::Json;
     let number = |key: &str| body.get(key).and_then(Json::as_u64);
     if number("n").is_some_and(|n| n > 1) || number("best_of").is_some_and(|n| n > 1) {
         return Some("it asks for more than one choice (n)");
     }
-    if body.get("logprobs").is_some_and(|v| v.as_bool() == Some(true)) || number("top_logprobs").is_some_and(|n| n > 0)
-    {
+    let logprobs = body
+        .get("logprobs")
+        .is_some_and(|v| v.as_bool() == Some(true) || v.as_u64().is_some());
+    if logprobs || number("top_logprobs").is_some_and(|n| n > 0) {
         return Some("it asks for logprobs");
+    }
+    if completions {
+        if body.get("prompt").is_none_or(|p| p.as_str().is_none()) {
+            return Some("its prompt is not one text (token ids, or several prompts)");
+        }
+        if body.get("echo").and_then(Json::as_bool) == Some(true) {
+            return Some("it asks for its prompt echoed");
+        }
+        if body.get("suffix").is_some_and(|v| !matches!(v, Json::Null)) {
+            return Some("it has a suffix");
+        }
     }
     let schema = body
         .get("response_format")
@@ -214,7 +231,7 @@ impl Resume {
             tracing::warn!(
                 reason = why.name(),
                 resumed = self.resumed,
-                "a chat stream broke ({}) after its first byte and is not resumed: {reason}",
+                "a stream broke ({}) after its first byte and is not resumed: {reason}",
                 why.name()
             );
             return Err(error_end(&format!(
@@ -227,7 +244,9 @@ impl Resume {
             Some(pool) => pool.tokenization().tokenizer.encode(&summary.text).len() as u64,
             None => u64::from(summary.chunks),
         };
-        let Some(body) = request::continuation_body(&self.request.body, &summary.text, carried) else {
+        let Some(body) =
+            request::continuation_body(&self.request.body, &summary.text, carried, self.request.completions)
+        else {
             count(ResumeOutcome::NotResumed);
             return Err(error_end(
                 "the inference server's stream broke and its request cannot be continued",
@@ -238,7 +257,7 @@ impl Resume {
             reason = why.name(),
             attempt = self.resumed,
             carried_tokens = carried,
-            "a chat stream broke ({}) after {carried} tokens: resuming it on another engine (resumption {})",
+            "a stream broke ({}) after {carried} tokens: resuming it on another engine (resumption {})",
             why.name(),
             self.resumed
         );
@@ -265,10 +284,7 @@ impl Resume {
         if let Some(last) = self.last {
             self.dispatcher.metrics().stream_break(last, ResumeOutcome::Failed);
         }
-        tracing::warn!(
-            resumed = self.resumed,
-            "a broken chat stream could not be resumed: {why}"
-        );
+        tracing::warn!(resumed = self.resumed, "a broken stream could not be resumed: {why}");
         error_end(&format!(
             "the inference server's stream broke and no engine could resume it: {why}"
         ))
@@ -296,4 +312,37 @@ fn error_end(message: &str) -> Bytes {
         "code": "stream_broken",
     }});
     Bytes::from(format!("data: {error}\n\ndata: [DONE]\n\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::openai::body::Json;
+
+    fn why(body: &str, completions: bool) -> Option<&'static str> {
+        let json = Json::parse(body.as_bytes()).unwrap();
+        blocked(json.as_object().unwrap(), completions)
+    }
+
+    #[test]
+    fn what_may_not_be_resumed_is_told_from_the_body() {
+        assert_eq!(why(r#"{"messages":[],"stream":true,"n":1}"#, false), None);
+        assert!(why(r#"{"n":2}"#, false).unwrap().contains("more than one"));
+        assert!(why(r#"{"best_of":3}"#, true).unwrap().contains("more than one"));
+        assert!(why(r#"{"logprobs":true}"#, false).unwrap().contains("logprobs"));
+        assert!(why(r#"{"top_logprobs":2}"#, false).unwrap().contains("logprobs"));
+        assert!(why(r#"{"prompt":"x","logprobs":1}"#, true).unwrap().contains("logprobs"));
+        assert_eq!(why(r#"{"logprobs":false}"#, false), None);
+        let schema = r#"{"response_format":{"type":"json_schema","json_schema":{}}}"#;
+        assert!(why(schema, false).unwrap().contains("structured output"));
+        assert_eq!(why(r#"{"response_format":{"type":"text"}}"#, false), None);
+        assert!(why(r#"{"guided_regex":"a+"}"#, false).unwrap().contains("structured output"));
+        assert_eq!(why(r#"{"guided_regex":null}"#, false), None);
+        // Completions: one text prompt, no echo, no suffix.
+        assert_eq!(why(r#"{"prompt":"Once"}"#, true), None);
+        assert!(why(r#"{"prompt":[1,2,3]}"#, true).unwrap().contains("not one text"));
+        assert!(why(r#"{"prompt":["a","b"]}"#, true).unwrap().contains("not one text"));
+        assert!(why(r#"{"prompt":"a","echo":true}"#, true).unwrap().contains("echoed"));
+        assert!(why(r#"{"prompt":"a","suffix":"z"}"#, true).unwrap().contains("suffix"));
+    }
 }

@@ -58,6 +58,8 @@ pub(in crate::dispatcher) struct Continuation {
     pub body: Bytes,
     pub pool: Option<Arc<Pool>>,
     pub cache_salt: Option<String>,
+    /// A completions request (else chat completions).
+    pub completions: bool,
     pub send: SendAttempt,
 }
 
@@ -66,10 +68,23 @@ pub(in crate::dispatcher) struct Continuation {
 /// message (appended to one the client asked to continue already), with
 /// `continue_final_message: true` and `add_generation_prompt: false`,
 /// and `max_tokens` / `max_completion_tokens` less what was produced
-/// (at least 1). `None` if the body is not such an object.
-pub(super) fn continuation_body(original: &[u8], text: &str, carried: u64) -> Option<Bytes> {
+/// (at least 1); a completions body (`completions`) with `text` appended
+/// to its `prompt`. `None` if the body is not such an object.
+pub(super) fn continuation_body(original: &[u8], text: &str, carried: u64, completions: bool) -> Option<Bytes> {
     let mut body: Value = serde_json::from_slice(original).ok()?;
     let obj = body.as_object_mut()?;
+    for key in ["max_tokens", "max_completion_tokens"] {
+        if let Some(limit) = obj.get(key).and_then(Value::as_u64) {
+            obj.insert(key.into(), limit.saturating_sub(carried).max(1).into());
+        }
+    }
+    if completions {
+        match obj.get_mut("prompt")? {
+            Value::String(prompt) => prompt.push_str(text),
+            _ => return None,
+        }
+        return serde_json::to_vec(&body).ok().map(Bytes::from);
+    }
     let continuing = obj.get("continue_final_message").and_then(Value::as_bool) == Some(true);
     let messages = obj.get_mut("messages")?.as_array_mut()?;
     let role = messages.last()?.get("role").and_then(Value::as_str);
@@ -80,11 +95,6 @@ pub(super) fn continuation_body(original: &[u8], text: &str, carried: u64) -> Op
     }
     obj.insert("continue_final_message".into(), Value::Bool(true));
     obj.insert("add_generation_prompt".into(), Value::Bool(false));
-    for key in ["max_tokens", "max_completion_tokens"] {
-        if let Some(limit) = obj.get(key).and_then(Value::as_u64) {
-            obj.insert(key.into(), limit.saturating_sub(carried).max(1).into());
-        }
-    }
     serde_json::to_vec(&body).ok().map(Bytes::from)
 }
 
@@ -99,7 +109,7 @@ mod tests {
     #[test]
     fn the_continuation_carries_the_text_and_what_is_left_of_the_budget() {
         let original = br#"{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":true,"max_tokens":100,"stream_options":{"include_usage":true}}"#;
-        let body = parsed(&continuation_body(original, " the river", 2).unwrap());
+        let body = parsed(&continuation_body(original, " the river", 2, false).unwrap());
         assert_eq!(
             body["messages"][1],
             json!({"role": "assistant", "content": " the river"})
@@ -110,21 +120,29 @@ mod tests {
         assert_eq!(body["stream"], true);
         assert_eq!(body["stream_options"]["include_usage"], true);
         // A budget used up leaves one token.
-        let body = parsed(&continuation_body(original, "x", 500).unwrap());
+        let body = parsed(&continuation_body(original, "x", 500, false).unwrap());
         assert_eq!(body["max_tokens"], 1);
         // No budget given: none set.
-        let body = parsed(&continuation_body(br#"{"messages":[{"role":"user","content":"Hi"}]}"#, "x", 1).unwrap());
+        let body =
+            parsed(&continuation_body(br#"{"messages":[{"role":"user","content":"Hi"}]}"#, "x", 1, false).unwrap());
         assert!(body.get("max_tokens").is_none());
     }
 
     #[test]
     fn a_prefill_the_client_asked_to_continue_is_extended() {
         let original = br#"{"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Sure:"}],"continue_final_message":true,"add_generation_prompt":false,"max_completion_tokens":10}"#;
-        let body = parsed(&continuation_body(original, " one two", 2).unwrap());
+        let body = parsed(&continuation_body(original, " one two", 2, false).unwrap());
         assert_eq!(body["messages"].as_array().unwrap().len(), 2);
         assert_eq!(body["messages"][1]["content"], "Sure: one two");
         assert_eq!(body["max_completion_tokens"], 8);
-        assert!(continuation_body(b"[1]", "x", 1).is_none());
-        assert!(continuation_body(br#"{"messages":"no"}"#, "x", 1).is_none());
+        assert!(continuation_body(b"[1]", "x", 1, false).is_none());
+        assert!(continuation_body(br#"{"messages":"no"}"#, "x", 1, false).is_none());
+        // Completions: the text goes on the prompt.
+        let original = br#"{"prompt":"Once upon","max_tokens":10,"stream":true}"#;
+        let body = parsed(&continuation_body(original, " a time", 2, true).unwrap());
+        assert_eq!(body["prompt"], "Once upon a time");
+        assert_eq!(body["max_tokens"], 8);
+        assert!(body.get("continue_final_message").is_none());
+        assert!(continuation_body(br#"{"prompt":[1,2]}"#, "x", 1, true).is_none());
     }
 }

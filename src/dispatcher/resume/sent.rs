@@ -73,7 +73,9 @@ impl Sent {
                 continue;
             };
             let delta = choice.get("delta");
-            if let Some(text) = delta.and_then(|d| d.get("content")).and_then(Value::as_str)
+            // A chat chunk's `delta.content`, a completions chunk's `text`.
+            let text = delta.and_then(|d| d.get("content")).or_else(|| choice.get("text"));
+            if let Some(text) = text.and_then(Value::as_str)
                 && !text.is_empty()
             {
                 out.text.push_str(text);
