@@ -287,9 +287,13 @@ pub(super) struct Relay {
     resuming: Option<Attempt>,
     /// Why the stream broke, to be handled before anything else is read.
     broken: Option<Break>,
-    /// Fires when a resumable stream has sent nothing for `resume.stall_ms`
-    /// (armed by its first data).
+    /// Fires when a resumable stream may have sent nothing for
+    /// `resume.stall_ms` (armed by its first data; when it fires early, it
+    /// is set again from `last_data`: one timer per stall period, not one
+    /// reset per frame).
     stall: Option<Pin<Box<Sleep>>>,
+    /// When the last data came (for `stall`).
+    last_data: tokio::time::Instant,
 }
 
 /// Whose output tokens an answer counts for (`super::tenant_usage`).
@@ -399,6 +403,7 @@ impl Relay {
             resuming: None,
             broken: None,
             stall: None,
+            last_data: tokio::time::Instant::now(),
         }
     }
 
@@ -445,6 +450,25 @@ impl Relay {
         self.guard = Some(head.guard);
         if let Some(learn) = self.learn.as_mut() {
             learn.server = head.server;
+        }
+    }
+
+    /// Whether the stream has sent nothing for `resume.stall_ms` (its timer
+    /// fired and no data came since it was set; else it is set again from
+    /// the last data, and polled so that it wakes this task).
+    fn stalled(&mut self, cx: &mut Context<'_>) -> bool {
+        let (Some(sleep), Some(stall)) = (self.stall.as_mut(), self.resume.as_ref().and_then(|r| r.stall())) else {
+            return false;
+        };
+        loop {
+            if sleep.as_mut().poll(cx).is_pending() {
+                return false;
+            }
+            let due = self.last_data + stall;
+            if due <= tokio::time::Instant::now() {
+                return true;
+            }
+            sleep.as_mut().reset(due);
         }
     }
 
@@ -757,11 +781,7 @@ impl HttpBody for Relay {
                         this.fail(|address| Failure::Deadline { address });
                         return Poll::Ready(Some(Err("semlb: upstream request timed out".into())));
                     }
-                    if this
-                        .stall
-                        .as_mut()
-                        .is_some_and(|stall| stall.as_mut().poll(cx).is_ready())
-                    {
+                    if this.stalled(cx) {
                         this.broken = Some(Break::Stall);
                         continue;
                     }
@@ -782,12 +802,11 @@ impl HttpBody for Relay {
                             data
                         }
                     };
-                    if let Some(stall) = resume.stall() {
-                        let at = tokio::time::Instant::now() + stall;
-                        match this.stall.as_mut() {
-                            Some(sleep) => sleep.as_mut().reset(at),
-                            None => this.stall = Some(Box::pin(tokio::time::sleep_until(at))),
-                        }
+                    this.last_data = tokio::time::Instant::now();
+                    if this.stall.is_none()
+                        && let Some(stall) = resume.stall()
+                    {
+                        this.stall = Some(Box::pin(tokio::time::sleep_until(this.last_data + stall)));
                     }
                     if data.is_empty() {
                         continue;

@@ -1,7 +1,10 @@
 //! A chat stream cut into whole events: what a client may be given of it
 //! ([`WholeEvents`]), and which events report a failure ([`is_error`]).
 
+use std::sync::LazyLock;
+
 use bytes::{Bytes, BytesMut};
+use memchr::memmem::{Finder, FinderRev};
 
 /// The longest event held back whole: past it the stream is passed on as
 /// it comes (an engine whose event never ends is not buffered), and it
@@ -52,8 +55,14 @@ impl WholeEvents {
 
 /// The length of `data`'s whole events (0: none ends in it).
 fn end_of_last_event(data: &[u8]) -> usize {
-    let lf = memchr::memmem::rfind(data, b"\n\n").map_or(0, |i| i + 2);
-    let crlf = memchr::memmem::rfind(data, b"\r\n\r\n").map_or(0, |i| i + 4);
+    // An engine's frame is most often whole events: no search then.
+    if data.ends_with(b"\n\n") {
+        return data.len();
+    }
+    static LF: LazyLock<FinderRev<'static>> = LazyLock::new(|| FinderRev::new(b"\n\n"));
+    static CRLF: LazyLock<FinderRev<'static>> = LazyLock::new(|| FinderRev::new(b"\r\n\r\n"));
+    let lf = LF.rfind(data).map_or(0, |i| i + 2);
+    let crlf = CRLF.rfind(data).map_or(0, |i| i + 4);
     lf.max(crlf)
 }
 
@@ -77,7 +86,7 @@ pub(super) fn is_error(line: &[u8]) -> bool {
     let Some(json) = data_json(line) else {
         return false;
     };
-    if memchr::memmem::find(json, b"error").is_none() {
+    if !may_hold_error(json) {
         return false;
     }
     let Ok(value) = serde_json::from_slice::<serde_json::Value>(json) else {
@@ -88,7 +97,8 @@ pub(super) fn is_error(line: &[u8]) -> bool {
 
 /// Whether `data` may hold an error event (a cheap scan first).
 pub(super) fn may_hold_error(data: &[u8]) -> bool {
-    memchr::memmem::find(data, b"error").is_some()
+    static ERROR: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"error"));
+    ERROR.find(data).is_some()
 }
 
 #[cfg(test)]

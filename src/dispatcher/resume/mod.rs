@@ -331,12 +331,20 @@ mod tests {
         assert!(why(r#"{"best_of":3}"#, true).unwrap().contains("more than one"));
         assert!(why(r#"{"logprobs":true}"#, false).unwrap().contains("logprobs"));
         assert!(why(r#"{"top_logprobs":2}"#, false).unwrap().contains("logprobs"));
-        assert!(why(r#"{"prompt":"x","logprobs":1}"#, true).unwrap().contains("logprobs"));
+        assert!(
+            why(r#"{"prompt":"x","logprobs":1}"#, true)
+                .unwrap()
+                .contains("logprobs")
+        );
         assert_eq!(why(r#"{"logprobs":false}"#, false), None);
         let schema = r#"{"response_format":{"type":"json_schema","json_schema":{}}}"#;
         assert!(why(schema, false).unwrap().contains("structured output"));
         assert_eq!(why(r#"{"response_format":{"type":"text"}}"#, false), None);
-        assert!(why(r#"{"guided_regex":"a+"}"#, false).unwrap().contains("structured output"));
+        assert!(
+            why(r#"{"guided_regex":"a+"}"#, false)
+                .unwrap()
+                .contains("structured output")
+        );
         assert_eq!(why(r#"{"guided_regex":null}"#, false), None);
         // Completions: one text prompt, no echo, no suffix.
         assert_eq!(why(r#"{"prompt":"Once"}"#, true), None);
