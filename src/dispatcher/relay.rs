@@ -48,12 +48,13 @@
 //! failed, or the client gone).
 
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
+use memchr::memmem::{Finder, FinderRev};
 use std::time::Instant;
 use tokio::time::Sleep;
 
@@ -677,12 +678,20 @@ fn ends_with_done(frame: &[u8]) -> bool {
     if !last_line.starts_with(b"data:") || !last_line.trim_ascii_end().ends_with(b"}") {
         return false;
     }
-    let start = memchr::memmem::rfind(frame, b"\n\n").map_or(0, |i| i + 2);
+    // Searchers built once: building one costs more than searching a frame.
+    static BLANK: LazyLock<FinderRev<'static>> = LazyLock::new(|| FinderRev::new(b"\n\n"));
+    static TYPE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"type\""));
+    static NAMES: LazyLock<[Finder<'static>; 4]> = LazyLock::new(|| LAST_EVENTS.map(Finder::new));
+    let start = BLANK.rfind(frame).map_or(0, |i| i + 2);
     let event = &frame[start..];
-    LAST_EVENTS.iter().any(|name| {
-        memchr::memmem::find_iter(event, name).any(|at| at == 0 || event[at - 1] != b'\\')
-            && (memchr::memmem::find(event, b"\"type\"").is_some() || event.starts_with(b"event:"))
-    })
+    // Only a typed event (Responses, Messages) can be one of them: a chat
+    // chunk is not searched further.
+    if !event.starts_with(b"event:") && TYPE.find(event).is_none() {
+        return false;
+    }
+    NAMES
+        .iter()
+        .any(|name| name.find_iter(event).any(|at| at == 0 || event[at - 1] != b'\\'))
 }
 
 impl Drop for Relay {

@@ -24,7 +24,10 @@
 //! The member is taken out as bytes: inside a JSON string a `"` is always
 //! escaped, so `,"usage":null` can only be a member of an object.
 
+use std::sync::LazyLock;
+
 use bytes::{Bytes, BytesMut};
+use memchr::memmem::Finder;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 
@@ -186,7 +189,9 @@ fn split_events(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
 /// `choices` and a non-null `usage`.
 fn is_usage_chunk(event: &[u8]) -> bool {
     // Token chunks carry choices: only an event with an empty list is parsed.
-    if find(event, b"\"choices\":[]").is_none() && find(event, b"\"choices\": []").is_none() {
+    static EMPTY: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"choices\":[]"));
+    static EMPTY_SPACED: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"choices\": []"));
+    if EMPTY.find(event).is_none() && EMPTY_SPACED.find(event).is_none() {
         return false;
     }
     event.split(|b| *b == b'\n').any(|line| {
@@ -198,17 +203,13 @@ fn is_usage_chunk(event: &[u8]) -> bool {
     })
 }
 
-/// Where `needle` first occurs in `hay`.
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    memchr::memmem::find(hay, needle)
-}
-
 /// Appends `event` to `out` without its null usage members: each
 /// `"usage"` found is checked against the [`NULL_USAGE`] forms that hold it.
 fn strip_null_usage(event: &[u8], out: &mut BytesMut) {
     let mut rest = event;
     let mut from = 0;
-    while let Some(found) = find(&rest[from..], b"\"usage\"").map(|at| from + at) {
+    static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
+    while let Some(found) = USAGE.find(&rest[from..]).map(|at| from + at) {
         let member = NULL_USAGE.iter().find_map(|form| {
             let lead = form.iter().position(|b| *b == b'"')?;
             let start = found.checked_sub(lead)?;
