@@ -732,7 +732,8 @@ impl HttpBody for Relay {
                     Poll::Pending => {
                         if this.deadline.as_mut().poll(cx).is_ready() {
                             this.resuming = None;
-                            let end = Bytes::from_static(b"data: [DONE]\n\n");
+                            let why = "the request's deadline passed while the continuation waited for an engine";
+                            let end = this.resume.as_ref().map(|r| r.attempt_failed(why)).unwrap_or_default();
                             return this.end_broken(end);
                         }
                         return Poll::Pending;
