@@ -58,7 +58,7 @@ use memchr::memmem::{Finder, FinderRev};
 use std::time::Instant;
 use tokio::time::Sleep;
 
-use shm_layout::UsageCounter;
+use shm_layout::{ServerRef, UsageCounter};
 
 use super::Dispatcher;
 use super::charge::{Reservation, Settling};
@@ -420,22 +420,17 @@ impl Relay {
     /// is under way, or `Err` holds the events that end the client's
     /// stream.
     fn break_stream(&mut self, why: Break) -> Result<(), Bytes> {
-        let Some(resume) = self.resume.as_mut() else {
+        if self.resume.is_none() {
             return Err(Bytes::new());
-        };
+        }
         self.stall = None;
         self.inner = fed().1;
-        let Some(guard) = self.guard.take() else {
+        let Some(server) = self.server_failed(|address| Failure::Body { address }) else {
             return Err(Bytes::new());
         };
-        let server = guard.server();
-        drop(guard);
-        self.dispatcher.metrics().upstream(server.slot, false);
-        let failure = Failure::Body {
-            address: self.address.clone(),
-        };
-        passive_failure(&self.dispatcher, server, &self.address, &failure);
-        let attempt = resume.broke(server, why, self.deadline.deadline())?;
+        let deadline = self.deadline.deadline();
+        let resume = self.resume.as_mut().ok_or_else(Bytes::new)?;
+        let attempt = resume.broke(server, why, deadline)?;
         self.resuming = Some(attempt);
         Ok(())
     }
@@ -485,14 +480,20 @@ impl Relay {
         } else {
             [held, end].concat().into()
         };
+        self.guard = None;
+        self.abandon();
+        Poll::Ready((!end.is_empty()).then(|| Ok(Frame::data(end))))
+    }
+
+    /// Ends a relay that did not end well, once its guard is dealt with:
+    /// charged what it relayed, nothing learned, no latency recorded.
+    fn abandon(&mut self) {
         self.finished = true;
         self.decode_leg_ended();
         self.charge_output(false);
-        self.guard = None;
         self.learn = None;
         self.capture = None;
         self.timer = None;
-        Poll::Ready((!end.is_empty()).then(|| Ok(Frame::data(end))))
     }
 
     /// A split request's decode leg ended: its duration.
@@ -548,30 +549,27 @@ impl Relay {
     /// request's deadline passed while it still came (the client's: a long
     /// generation it asked for), as the passive health check tells apart.
     fn fail(&mut self, failure: fn(String) -> Failure) {
-        self.finished = true;
-        self.decode_leg_ended();
-        self.charge_output(false);
-        if let Some(g) = self.guard.take() {
-            let server = g.server();
-            self.dispatcher.metrics().upstream(server.slot, false);
-            let failure = failure(self.address.clone());
-            passive_failure(&self.dispatcher, server, &self.address, &failure);
-        }
-        self.learn = None;
-        self.capture = None;
-        self.timer = None;
+        self.server_failed(failure);
+        self.abandon();
+    }
+
+    /// The answering server failed the answer (`failure` of its address):
+    /// counted against it and its passive health, its in-flight count
+    /// ended. The server, if the relay still counted one.
+    fn server_failed(&mut self, failure: fn(String) -> Failure) -> Option<ServerRef> {
+        let guard = self.guard.take()?;
+        let server = guard.server();
+        self.dispatcher.metrics().upstream(server.slot, false);
+        let failure = failure(self.address.clone());
+        passive_failure(&self.dispatcher, server, &self.address, &failure);
+        Some(server)
     }
 
     /// Ends a relay whose companion leg failed (`failed`) before the
     /// answer began: not a failure of the server answering.
     fn partner_failed(&mut self, failed: &super::disagg::LegFailed) -> BoxError {
-        self.finished = true;
-        self.decode_leg_ended();
-        self.charge_output(false);
         self.guard = None;
-        self.learn = None;
-        self.capture = None;
-        self.timer = None;
+        self.abandon();
         format!("semlb: the prefill leg failed ({})", failed.failure).into()
     }
 

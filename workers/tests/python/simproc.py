@@ -1,5 +1,6 @@
 """The simulator as a process, for the Python client tests
-(`test_openai_client.py`, `test_anthropic_client.py`): started on a free
+(`test_openai_client.py`, `test_anthropic_client.py`,
+`test_resume_gateway.py`): started on a free
 loopback port with its address read from its first stdout line, its output
 drained, stopped with SIGTERM; and the tests' `check`.
 """
@@ -16,9 +17,10 @@ SHUTDOWN_TIMEOUT_S = 15.0
 LISTEN_LINE = re.compile(r"^semlb-sim listening on (http://\S+)\s*$")
 
 
-def start_sim(binary):
-    """Starts the simulator; returns (process, base URL of the API)."""
-    cmd = [binary, "--listen", "127.0.0.1:0", "--time-scale", "0.001"]
+def start_sim(binary, extra=(), time_scale="0.001"):
+    """Starts the simulator at `time_scale` with `extra` flags; returns
+    (process, base URL of the API)."""
+    cmd = [binary, "--listen", "127.0.0.1:0", "--time-scale", time_scale, *extra]
     print("starting: " + " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -34,6 +34,8 @@ import traceback
 
 import openai
 
+import simproc
+
 RESULTS = []
 
 
@@ -53,9 +55,8 @@ def listening(proc, pattern, what):
 
 
 def start_sim(binary, extra):
-    proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--time-scale", "0.3", *extra],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
-    return proc, listening(proc, r"^semlb-sim listening on (http://\S+)\s*$", "semlb-sim")
+    """A simulated engine at 3 ms a token (simproc's), with `extra` flags."""
+    return simproc.start_sim(binary, extra, time_scale="0.3")
 
 
 def start_gateway(binary, backends, tag):
@@ -137,12 +138,7 @@ def main():
                 check(False, f"{step.__name__} ran to its end")
     finally:
         for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            simproc.stop_sim(p)
     failed = sum(1 for ok, _ in RESULTS if not ok)
     print(f"{len(RESULTS) - failed} passed, {failed} failed", flush=True)
     sys.exit(1 if failed or not RESULTS else 0)
