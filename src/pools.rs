@@ -186,6 +186,8 @@ pub struct Pool {
     policy_config: PolicyConfig,
     /// Its rate-limit buckets (every tenant's requests to it).
     limits: Vec<Bucket>,
+    /// Its `[model.resume]`, if it has one.
+    resume: Option<crate::config::ResumeConfig>,
 }
 
 impl Pool {
@@ -222,7 +224,14 @@ impl Pool {
             policy,
             policy_config,
             limits,
+            resume: model.and_then(|m| m.resume),
         })
+    }
+
+    /// How its streams are resumed: its `[model.resume]`, else `global`
+    /// (the `[resume]` table).
+    pub fn resume<'a>(&'a self, global: &'a crate::config::ResumeConfig) -> &'a crate::config::ResumeConfig {
+        self.resume.as_ref().unwrap_or(global)
     }
 
     /// Its rate-limit buckets.

@@ -786,9 +786,10 @@ fn documented_keys(page: &str) -> BTreeSet<String> {
         .collect()
 }
 
-/// A `[model.policy]` table is a whole `[policy]` table: its keys are
-/// documented once, as `policy.*`, and `model.policy` itself.
-const SAME_AS: [(&str, &str); 1] = [("model.policy.", "policy.")];
+/// A `[model.policy]` table is a whole `[policy]` table, and a
+/// `[model.resume]` a whole `[resume]` table: their keys are documented
+/// once, as `policy.*` and `resume.*`, and the tables themselves.
+const SAME_AS: [(&str, &str); 2] = [("model.policy.", "policy."), ("model.resume.", "resume.")];
 
 /// What is wrong between the keys and the reference.
 fn check_config(keys: &BTreeMap<String, Found>, documented: &BTreeSet<String>) -> Vec<String> {

@@ -325,3 +325,115 @@ fn the_simulators_continuation_is_the_rest_of_its_answer() {
     let r = http(&engine.addr, "POST", "/v1/chat/completions", Some(&both), &[]).expect("request");
     assert_eq!(r.status, 400, "{}", r.text());
 }
+
+/// A non-streamed request whose engine is SIGKILLed while it generates
+/// (the engine accepted the request and had not answered yet) is sent
+/// again to the other engine: the client gets one whole answer, from the
+/// survivor, and never sees the failure.
+#[test]
+fn a_non_streamed_request_whose_engine_dies_before_answering_is_sent_again() {
+    let engines = [slow_sim(&[]), slow_sim(&[])];
+    let gw = gateway("plain-kill", &[&engines[0], &engines[1]], "");
+    let mut request = body(
+        "the history of tunnels",
+        600,
+        json!({"ignore_eos": true, "stream": false}),
+    );
+    request.as_object_mut().unwrap().remove("stream_options");
+    let addr = gw.proc.addr.clone();
+    let client = std::thread::spawn(move || http(&addr, "POST", "/v1/chat/completions", Some(&request), &[]));
+    let running = |e: &Proc| {
+        http(&e.addr, "GET", "/metrics", None, &[]).is_ok_and(|r| {
+            String::from_utf8_lossy(&r.body)
+                .lines()
+                .any(|l| l.starts_with("vllm:num_requests_running") && !l.ends_with(" 0") && !l.ends_with(" 0.0"))
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let victim = loop {
+        if let Some(e) = engines.iter().find(|e| running(e)) {
+            break e;
+        }
+        assert!(std::time::Instant::now() < deadline, "no engine took the request");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    kill(victim.pid(), Signal::SIGKILL).expect("SIGKILL");
+    let answer = client.join().expect("the client thread").expect("an answer");
+    assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+    let survivor = engines.iter().find(|e| e.addr != victim.addr).unwrap();
+    assert_eq!(
+        answer.header("x-semlb-backend"),
+        Some(format!("http://{}", survivor.addr).as_str())
+    );
+    let json = answer.json();
+    assert_eq!(json["usage"]["completion_tokens"], 600, "{json}");
+    assert_eq!(json["choices"][0]["finish_reason"], "length", "{json}");
+}
+
+/// An engine drained through the admin API while it streams an answer:
+/// the stream runs on it until the drain deadline (1 s here), then moves
+/// to the other engine by resumption. The drained engine is alive all
+/// along and never cuts the answer; the client reads one whole answer.
+#[test]
+fn a_stream_on_a_drained_engine_moves_to_another_at_the_drain_deadline() {
+    let engines = [slow_sim(&[]), slow_sim(&[])];
+    let gw = Gateway::builder()
+        .shm(&unique("drain"))
+        .backends(&[&engines[0], &engines[1]])
+        .policy("least_load")
+        .config("drain_timeout_secs = 1\n")
+        .admin("resume-drain-token")
+        .stderr(Stderr::CaptureEcho)
+        .start();
+    let request = body("the history of canals", 1500, json!({"ignore_eos": true}));
+    let mut drained = None;
+    let got = stream(&gw.proc.addr, &request, |so_far| {
+        if drained.is_none() && so_far.chunks >= 50 {
+            let server = gw
+                .admin_servers()
+                .into_iter()
+                .find(|s| s["address"].as_str().is_some_and(|a| a.ends_with(&so_far.backend)))
+                .expect("the answering engine is listed");
+            let deleted = gw.admin("DELETE", &format!("/admin/servers/{}", server["slot"]), None);
+            assert_eq!(deleted.status, 202, "{deleted:?}");
+            drained = Some(so_far.backend.clone());
+        }
+    });
+    let victim = drained.expect("the engine was drained mid-stream");
+    gw.proc.wait_stderr(0, "broke (drain)", Duration::from_secs(10));
+    got.assert_clean();
+    let drained_engine = engines.iter().find(|e| e.addr == victim).unwrap();
+    assert!(
+        http(&drained_engine.addr, "GET", "/health", None, &[]).is_ok_and(|r| r.status == 200),
+        "the drained engine is still alive"
+    );
+    let survivor = engines.iter().find(|e| e.addr != victim).unwrap();
+    let whole = reference(survivor, &request);
+    assert_eq!(got.text, whole.text, "the drained engine's part and its continuation");
+    assert_eq!(got.usage.as_ref().map(|u| &u["completion_tokens"]), Some(&json!(1500)));
+}
+
+/// A pool's `[model.resume]` replaces the global `[resume]`: with
+/// resumption off globally, the pool that turns it on has its broken
+/// stream resumed.
+#[test]
+fn a_pools_resume_table_overrides_the_global_one() {
+    let faulty = slow_sim(&["--stream-fault", "error", "--stream-fault-after", "30"]);
+    let other = slow_sim(&[]);
+    let toml = format!(
+        "[resume]\nenabled = false\n\n[[model]]\nname = \"semlb-sim\"\nbackends = [\"http://{}\", \"http://{}\"]\n\n[model.resume]\nenabled = true\n",
+        faulty.addr, other.addr
+    );
+    let gw = gateway("pool", &[&faulty, &other], &toml);
+    for i in 0..6 {
+        let got = stream(&gw.proc.addr, &body(&format!("estuaries {i}"), 80, json!({})), |_| {});
+        got.assert_clean();
+        assert_eq!(got.usage.as_ref().map(|u| &u["completion_tokens"]), Some(&json!(80)));
+        if got.backend == faulty.addr {
+            gw.proc
+                .wait_stderr(0, "resuming it on another engine", Duration::from_secs(10));
+            return;
+        }
+    }
+    panic!("no request reached the faulty engine");
+}

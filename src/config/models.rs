@@ -18,6 +18,7 @@
 //! | `tokenizer` | path | the global `tokenizer` | its `tokenizer.json` (or GGUF file) |
 //! | `chat_template` | path | the global `chat_template`, or the model's GGUF tokenizer's | its `tokenizer_config.json` (or GGUF file) |
 //! | `block_size` | integer | the global `block_size` | its engines' KV block size |
+//! | `[model.resume]` | table | the global `[resume]` | its streams' resumption: a whole `[resume]` table (`enabled`, `max_attempts`, `stall_ms`), not merged with the global one |
 //! | `[model.policy]` | table | the global `[policy]` | its routing policy: a whole `[policy]` table, not merged with the global one; its `queue` table is not used (the gateway queue is one per dispatcher, with the global `[policy.queue]`) |
 //!
 //! Pools change on reload (SIGHUP) and through the admin API, which keeps
@@ -74,6 +75,9 @@ pub struct ModelConfig {
     /// Prompt and output tokens per minute of it, every tenant's together.
     #[serde(default)]
     pub tokens_per_minute: Option<u64>,
+    /// Its streams' resumption; `None`: the global `[resume]`.
+    #[serde(default)]
+    pub resume: Option<super::ResumeConfig>,
 }
 
 impl ModelConfig {
@@ -90,6 +94,7 @@ impl ModelConfig {
             policy: None,
             requests_per_minute: None,
             tokens_per_minute: None,
+            resume: None,
         }
     }
 
@@ -243,6 +248,9 @@ pub(super) fn validate_models(
             .limits()
             .check()
             .map_err(|field| E::invalid(format!("model[{i}].{field}"), 0, RateLimits::AT_LEAST_ONE))?;
+        if let Some(resume) = &model.resume {
+            resume.validate(&format!("model[{i}].resume"))?;
+        }
         if let Some(policy) = &model.policy {
             policy
                 .validate()

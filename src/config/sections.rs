@@ -164,7 +164,7 @@ impl Default for SessionsConfig {
 
 /// Streams resumed on another engine when theirs breaks mid-answer
 /// (`[resume]`, [`crate::dispatcher::resume`]).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ResumeConfig {
     /// Resume broken chat streams. Default true.
@@ -187,6 +187,28 @@ impl Default for ResumeConfig {
 }
 
 impl ResumeConfig {
+    /// Checks the values; `at` is where the table is (`resume`, or a
+    /// pool's `model[i].resume`).
+    pub(crate) fn validate(&self, at: &str) -> Result<(), super::ConfigError> {
+        use super::ConfigError as E;
+        let max = super::MAX_RETRIES;
+        if self.max_attempts > max {
+            return Err(E::invalid(
+                format!("{at}.max_attempts"),
+                self.max_attempts,
+                format!("must be at most {max}"),
+            ));
+        }
+        if (1..100).contains(&self.stall_ms) {
+            return Err(E::invalid(
+                format!("{at}.stall_ms"),
+                self.stall_ms,
+                "must be 0 (never) or at least 100 (engines pause between tokens)",
+            ));
+        }
+        Ok(())
+    }
+
     /// [`stall_ms`](Self::stall_ms) as a duration (`None`: never).
     pub fn stall(&self) -> Option<std::time::Duration> {
         (self.stall_ms > 0).then(|| std::time::Duration::from_millis(self.stall_ms))

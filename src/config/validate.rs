@@ -19,20 +19,7 @@ impl ServeConfig {
                 format!("must be at most {MAX_DISPATCHERS} (the segment has one completion ring per dispatcher)"),
             ));
         }
-        if self.resume.max_attempts > MAX_RETRIES {
-            return Err(E::invalid(
-                "resume.max_attempts",
-                self.resume.max_attempts,
-                format!("must be at most {MAX_RETRIES}"),
-            ));
-        }
-        if (1..100).contains(&self.resume.stall_ms) {
-            return Err(E::invalid(
-                "resume.stall_ms",
-                self.resume.stall_ms,
-                "must be 0 (never) or at least 100 (engines pause between tokens)",
-            ));
-        }
+        self.resume.validate("resume")?;
         if self.responders == 0 {
             return Err(E::invalid("responders", 0, "must be at least 1"));
         }

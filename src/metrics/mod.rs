@@ -428,7 +428,7 @@ pub fn affinity_totals(counters: &[u64]) -> [u64; 5] {
 /// of them (`semlb_stream_resumptions_total`, [`crate::dispatcher`]'s
 /// resumption).
 const RESUMPTIONS: usize = AFFINITY + AFFINITY_OUTCOMES.len();
-const RESUME_REASONS: [&str; 3] = ["cut", "error_event", "stall"];
+const RESUME_REASONS: [&str; 4] = ["cut", "error_event", "stall", "drain"];
 const RESUME_OUTCOMES: [&str; 4] = ["resumed", "failed", "not_resumed", "whole"];
 
 /// Why a stream broke after its first byte.
@@ -441,6 +441,10 @@ pub enum StreamBreak {
     ErrorEvent = 1,
     /// Nothing came for `resume.stall_ms`.
     Stall = 2,
+    /// Its engine was drained (the admin API, a reload, discovery) and
+    /// retired at the drain deadline with the stream still running: the
+    /// stream moves, though the engine did not fail.
+    Drain = 3,
 }
 
 impl StreamBreak {

@@ -21,7 +21,8 @@
 //! | `tenants` | [`tenants`] | the noisy neighbour: a quiet tenant's TTFT beside a flooding one, with engine queues, the gateway queue oldest first, and the gateway queue with fair share |
 //! | `regions` | [`regions`] | two regions whose peaks do not coincide: each alone, pooled by overflow, SkyLB-style forwarding between peer gateways (goodput, TTFT, SLO attainment) |
 //! | `pd` | [`pd`] | disaggregated prefill and decode against aggregated serving at equal engine count, on simulated engines in simulated time: long prompts with long answers over a load sweep (TTFT, TPOT, goodput at a TTFT and TPOT objective, share split and bypassed), and multi-turn conversations (cache-aware against random pairing, bypassed later turns against aggregated serving) |
-//! | `all` | here | every report in turn (but `state`, `tenants`, `regions` and `pd`) |
+//! | `churn` | [`churn`] | engines SIGKILLed and restarted under a streamed load of long answers: streams completed, goodput, TTFT and wasted prefill and decode, with stream resumption on and off and beside a peer router |
+//! | `all` | here | every report in turn (but `state`, `tenants`, `regions`, `pd` and `churn`) |
 //!
 //! The gateway processes it measures are the `semlb` binary next to this
 //! one ([`semlb_exe`]): `cargo build --release -p semlb -p semlb-bench`
@@ -37,6 +38,7 @@
 //! Benchmarks measure; they assert nothing about speed. Errors travel as
 //! `anyhow::Error` to [`main`], which prints them.
 
+pub mod churn;
 pub mod dispatch_path;
 pub mod end_to_end;
 pub mod epp;
@@ -108,6 +110,9 @@ pub enum BenchCommand {
     /// Two regions whose peaks do not coincide: each alone, pooled by
     /// overflow, SkyLB-style forwarding between peer gateways.
     Regions(regions::RegionsArgs),
+    /// Engines killed under a streamed load: answers completed with
+    /// stream resumption on and off, beside a peer router.
+    Churn(churn::ChurnArgs),
     /// Disaggregated prefill and decode against aggregated serving:
     /// goodput under interference, pairing and bypass on conversations.
     Pd(pd::PdArgs),
@@ -177,6 +182,7 @@ pub fn run(command: &BenchCommand) -> Result<()> {
         BenchCommand::Tenants(args) => tenants::run(args),
         BenchCommand::Regions(args) => regions::run(args),
         BenchCommand::Pd(args) => pd::run(args),
+        BenchCommand::Churn(args) => churn::run(args),
         BenchCommand::BenchWorker(args) => scaling::run_worker(args),
         BenchCommand::NullExtProc(args) => epp_floor::run(args),
         BenchCommand::All(common) => {

@@ -36,6 +36,10 @@ pub struct Answer {
     pub prompt_tokens: u64,
     /// Those the engine found cached.
     pub cached_tokens: u64,
+    /// The stream ended with `data: [DONE]`.
+    pub done: bool,
+    /// An error event (`data: {"error": ...}`) came.
+    pub error_event: bool,
 }
 
 /// The two-thread runtime a report's streaming clients run on (panics if
@@ -72,18 +76,21 @@ pub async fn stream(addr: SocketAddr, body: &Value, headers: &[(&str, &str)]) ->
     let mut body = response.into_body();
     let (mut buf, mut text, mut ttft, mut usage) = (Vec::new(), String::new(), None, (0, 0, 0));
     let (mut last_token, mut content_chunks) = (Duration::ZERO, 0);
+    let (mut done, mut error_event) = (false, false);
     while let Some(frame) = body.frame().await {
         let Ok(data) = frame?.into_data() else { continue };
         buf.extend_from_slice(&data);
         while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
             let event: Vec<u8> = buf.drain(..end + 2).collect();
             for line in String::from_utf8_lossy(&event).lines() {
+                done |= line == "data: [DONE]";
                 let Some(v) = line
                     .strip_prefix("data: ")
                     .and_then(|d| serde_json::from_str::<Value>(d).ok())
                 else {
                     continue;
                 };
+                error_event |= v.get("error").is_some();
                 if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
                     last_token = sent.elapsed();
                     ttft.get_or_insert(last_token);
@@ -111,6 +118,8 @@ pub async fn stream(addr: SocketAddr, body: &Value, headers: &[(&str, &str)]) ->
         text,
         prompt_tokens: usage.0,
         cached_tokens: usage.1,
+        done,
+        error_event,
     })
 }
 

@@ -49,6 +49,7 @@ use bytes::Bytes;
 use shm_layout::ServerRef;
 
 use super::Dispatcher;
+use crate::config::ResumeConfig;
 use crate::metrics::ResumeOutcome;
 use events::WholeEvents;
 use sent::Sent;
@@ -118,6 +119,8 @@ pub(super) struct Resume {
     resumed: u32,
     /// Engines that failed this answer.
     failed: Vec<ServerRef>,
+    /// Its pool's `[resume]` settings.
+    config: ResumeConfig,
     /// `data: [DONE]` went to the client.
     done: bool,
     /// Why it broke last.
@@ -146,8 +149,11 @@ impl Resume {
     /// The resumption of an answer to `request` (`blocked`: why it may not
     /// be resumed).
     pub(super) fn new(dispatcher: Arc<Dispatcher>, request: Continuation, blocked: Option<&'static str>) -> Self {
-        let blocked = blocked.or((!dispatcher.config().resume.enabled).then_some("resume.enabled is false"));
+        let global = &dispatcher.config().resume;
+        let config = *request.pool.as_ref().map_or(global, |p| p.resume(global));
+        let blocked = blocked.or((!config.enabled).then_some("resume.enabled is false"));
         Self {
+            config,
             dispatcher,
             request,
             blocked,
@@ -163,7 +169,7 @@ impl Resume {
 
     /// How long the stream may send nothing before it is broken.
     pub(super) fn stall(&self) -> Option<Duration> {
-        self.dispatcher.config().resume.stall()
+        self.config.stall()
     }
 
     /// `data: [DONE]` went to the client: the answer is over.
@@ -198,6 +204,21 @@ impl Resume {
         }
     }
 
+    /// Whether the stream could move now if its engine stopped serving it
+    /// (a drain): it may be resumed, is resumable as far as it went, has
+    /// no tool call under way, has attempts left and has not finished. A
+    /// stream that may not stays on its engine, which is still alive.
+    pub(super) fn movable(&self) -> bool {
+        if self.blocked.is_some() || self.sent.overflow || self.whole.overflow {
+            return false;
+        }
+        if self.resumed >= self.config.max_attempts {
+            return false;
+        }
+        let summary = self.sent.summary();
+        !summary.tool_call && !summary.finished
+    }
+
     /// The stream broke (`why`) on `server`: the next attempt, under way
     /// until `deadline`, or the events that end the client's stream.
     pub(super) fn broke(
@@ -221,7 +242,7 @@ impl Resume {
             (_, Some(reason)) => Some(reason),
             (None, None) => Some("the answer is too long to resume"),
             (Some(s), None) if s.tool_call => Some("a tool call was under way"),
-            (Some(_), None) if self.resumed >= self.dispatcher.config().resume.max_attempts => {
+            (Some(_), None) if self.resumed >= self.config.max_attempts => {
                 Some("its resumptions are used up (resume.max_attempts)")
             }
             _ => None,

@@ -270,7 +270,7 @@ mod counters;
 mod drive;
 mod gateway_config;
 mod loading;
-mod peers;
+pub(crate) mod peers;
 mod phases;
 pub mod real_engine;
 mod report;

@@ -248,7 +248,7 @@ impl fmt::Display for Peer {
 
 /// The peers of `--peers`: every peer without the flag, none for `none`
 /// or an empty list.
-pub(super) fn parse_peers(list: Option<&[String]>) -> anyhow::Result<Vec<Peer>> {
+pub(crate) fn parse_peers(list: Option<&[String]>) -> anyhow::Result<Vec<Peer>> {
     let Some(list) = list else {
         return Ok(Peer::ALL.to_vec());
     };
@@ -272,7 +272,7 @@ pub(super) fn parse_peers(list: Option<&[String]>) -> anyhow::Result<Vec<Peer>> 
 
 /// Why a peer could not be installed.
 #[derive(Debug, Error)]
-pub(super) enum InstallError {
+pub(crate) enum InstallError {
     /// `python3 -m venv` failed.
     #[error("python3 -m venv {dir}: {why}")]
     Venv {
@@ -296,9 +296,9 @@ pub(super) enum InstallError {
 
 /// An installed peer: its private environment.
 #[derive(Debug, Clone)]
-pub(super) struct Install {
+pub(crate) struct Install {
     /// Which peer.
-    pub(super) peer: Peer,
+    pub(crate) peer: Peer,
     /// The virtual environment.
     pub(super) venv: PathBuf,
     /// It was there already at the pinned version.
@@ -345,7 +345,7 @@ fn installed_version(venv: &Path, package: &str) -> Option<String> {
 
 /// `peer` in `<root>/<name>/venv`, installed at its pinned version unless
 /// it is there already.
-pub(super) fn install(peer: Peer, root: &Path) -> Result<Install, InstallError> {
+pub(crate) fn install(peer: Peer, root: &Path) -> Result<Install, InstallError> {
     let (package, version) = peer.package();
     let venv = root.join(peer.name()).join("venv");
     let reused =
@@ -400,7 +400,7 @@ fn free_port() -> std::io::Result<u16> {
 
 /// Why a peer did not start.
 #[derive(Debug, Error)]
-pub(super) enum StartError {
+pub(crate) enum StartError {
     /// Its process could not be spawned.
     #[error("cannot run {program}: {why}")]
     Spawn {
@@ -423,12 +423,12 @@ pub(super) enum StartError {
 
 /// A running peer router, in a process group of its own: SIGTERM to the
 /// group (then SIGKILL) when dropped.
-pub(super) struct PeerProc {
+pub(crate) struct PeerProc {
     child: Child,
     /// Which peer.
     pub(super) peer: Peer,
     /// Where it listens (`127.0.0.1:port`).
-    pub(super) addr: String,
+    pub(crate) addr: String,
     /// Its command line.
     pub(super) command: Vec<String>,
     /// Its stdout and stderr.
@@ -442,7 +442,7 @@ impl PeerProc {
     /// Starts `install` in front of `workers` (`http://host:port`) and
     /// waits until it answers `/health` and lists every worker as ready;
     /// tries three times (a port taken in between).
-    pub(super) fn start(install: &Install, workers: &[String]) -> Result<PeerProc, StartError> {
+    pub(crate) fn start(install: &Install, workers: &[String]) -> Result<PeerProc, StartError> {
         let mut last = None;
         for _ in 0..3 {
             match Self::try_start(install, workers) {

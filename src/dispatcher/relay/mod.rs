@@ -47,6 +47,8 @@
 //! the client, the request's duration when the relay ends (body done,
 //! failed, or the client gone).
 
+mod resumption;
+
 use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
 use std::task::{Context, Poll};
@@ -288,6 +290,9 @@ pub(super) struct Relay {
     resuming: Option<Attempt>,
     /// Why the stream broke, to be handled before anything else is read.
     broken: Option<Break>,
+    /// A retired engine's stream was found unable to move
+    /// ([`Resume::movable`]): it runs on where it is.
+    stays: bool,
     /// Fires when a resumable stream may have sent nothing for
     /// `resume.stall_ms` (armed by its first data; when it fires early, it
     /// is set again from `last_data`: one timer per stall period, not one
@@ -403,86 +408,10 @@ impl Relay {
             resume: None,
             resuming: None,
             broken: None,
+            stays: false,
             stall: None,
             last_data: tokio::time::Instant::now(),
         }
-    }
-
-    /// Resumes the stream as `resume` says when its engine breaks (a chat
-    /// stream: [`super::resume`]).
-    pub fn resumable(mut self, resume: Resume) -> Self {
-        self.resume = Some(Box::new(resume));
-        self
-    }
-
-    /// The stream broke (`why`): the engine's failure is counted, its
-    /// in-flight count ended and its body dropped; then the next attempt
-    /// is under way, or `Err` holds the events that end the client's
-    /// stream.
-    fn break_stream(&mut self, why: Break) -> Result<(), Bytes> {
-        if self.resume.is_none() {
-            return Err(Bytes::new());
-        }
-        self.stall = None;
-        self.inner = fed().1;
-        let Some(server) = self.server_failed(|address| Failure::Body { address }) else {
-            return Err(Bytes::new());
-        };
-        let deadline = self.deadline.deadline();
-        let resume = self.resume.as_mut().ok_or_else(Bytes::new)?;
-        let attempt = resume.broke(server, why, deadline)?;
-        self.resuming = Some(attempt);
-        Ok(())
-    }
-
-    /// A resumed attempt's head came: its body is relayed from now on, as
-    /// the same answer.
-    fn resumed_on(&mut self, head: ResumedHead) {
-        if let Some(resume) = &self.resume {
-            resume.resumed();
-        }
-        self.inner = UpstreamBody::Engine(head.body);
-        self.address = head.address;
-        self.guard = Some(head.guard);
-        if let Some(learn) = self.learn.as_mut() {
-            learn.server = head.server;
-        }
-    }
-
-    /// Whether the stream has sent nothing for `resume.stall_ms` (its timer
-    /// fired and no data came since it was set; else it is set again from
-    /// the last data, and polled so that it wakes this task).
-    fn stalled(&mut self, cx: &mut Context<'_>) -> bool {
-        let (Some(sleep), Some(stall)) = (self.stall.as_mut(), self.resume.as_ref().and_then(|r| r.stall())) else {
-            return false;
-        };
-        loop {
-            if sleep.as_mut().poll(cx).is_pending() {
-                return false;
-            }
-            let due = self.last_data + stall;
-            if due <= tokio::time::Instant::now() {
-                return true;
-            }
-            sleep.as_mut().reset(due);
-        }
-    }
-
-    /// Ends a broken stream that is not resumed: charged what it relayed,
-    /// nothing learned; `end` (its error event and `data: [DONE]`) is the
-    /// client's last frame.
-    fn end_broken(&mut self, end: Bytes) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        // What the usage strip held (an event longer than a whole event
-        // may be: `resume::events`) goes first.
-        let held = self.strip.as_mut().map(UsageStrip::finish).unwrap_or_default();
-        let end = if held.is_empty() {
-            end
-        } else {
-            [held, end].concat().into()
-        };
-        self.guard = None;
-        self.abandon();
-        Poll::Ready((!end.is_empty()).then(|| Ok(Frame::data(end))))
     }
 
     /// Ends a relay that did not end well, once its guard is dealt with:
@@ -823,6 +752,9 @@ impl HttpBody for Relay {
                 }
                 None => data,
             };
+            if this.retired() && !ends_with_done(&data) {
+                this.broken = Some(Break::Drain);
+            }
             this.passed(&data);
             // With a Content-Length, hyper stops polling once that many
             // bytes are out: the end is seen here, not as `None`. An event
