@@ -66,8 +66,11 @@ fn gateway(tag: &str, engines: &[&Proc], toml: &str) -> Gateway {
 }
 
 /// The simulator's own faults: the first stream of the faulty engine
-/// breaks after 40 tokens; the answer completes on the other engine, as
-/// the one answer the other engine gives the request whole.
+/// breaks after 40 tokens; the answer completes as the one answer the
+/// other engine gives the request whole: on the other engine after a
+/// death or a stall, on the same engine after an error event (it is
+/// alive, and its cache holds the prompt and the text so far: the
+/// continuation finds them there).
 fn resumed_after(fault: &str, toml: &str) {
     let faulty = slow_sim(&[
         "--stream-fault",
@@ -98,14 +101,33 @@ fn resumed_after(fault: &str, toml: &str) {
             "the original prompt's tokens"
         );
         if got.backend == faulty.addr {
-            let log = gw
-                .proc
-                .wait_stderr(0, "resuming it on another engine", Duration::from_secs(10));
+            let on = match fault {
+                "error" => "resuming it on the same engine first",
+                _ => "resuming it on another engine",
+            };
+            let log = gw.proc.wait_stderr(0, on, Duration::from_secs(10));
             assert!(log.contains(&format!("broke ({})", resume_reason(fault))), "{log}");
+            if fault != "die" {
+                // The faulty engine's first request was this one: a prefix
+                // cache hit there is the continuation's.
+                let hits = prefix_cache_hits(&faulty);
+                assert_eq!(hits > 0.0, fault == "error", "{fault}: prefix cache hits {hits}");
+            }
             return;
         }
     }
     panic!("no request reached the faulty engine");
+}
+
+/// `engine`'s `vllm:prefix_cache_hits_total`: prompt tokens it found
+/// cached.
+fn prefix_cache_hits(engine: &Proc) -> f64 {
+    let metrics = http(&engine.addr, "GET", "/metrics", None, &[]).expect("the engine's metrics");
+    String::from_utf8_lossy(&metrics.body)
+        .lines()
+        .filter(|l| l.starts_with("vllm:prefix_cache_hits_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 fn resume_reason(fault: &str) -> &'static str {
@@ -122,7 +144,7 @@ fn an_engine_that_dies_mid_stream_is_resumed_on_another() {
 }
 
 #[test]
-fn an_error_event_mid_stream_is_resumed_on_another_engine() {
+fn an_error_event_mid_stream_is_resumed_on_the_same_engine_first() {
     resumed_after("error", "");
 }
 

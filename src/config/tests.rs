@@ -1672,3 +1672,31 @@ fn the_kubernetes_manifests_configuration_validates() {
     assert_eq!(c.discovery.kind, Some(DiscoveryKind::InferencePool));
     assert!(c.epp.listen.is_some());
 }
+
+#[test]
+fn resume_tables_are_checked_globally_and_per_pool() {
+    let mut config = valid();
+    config.resume.max_attempts = MAX_RETRIES + 1;
+    assert_eq!(invalid(&config).0, "resume.max_attempts");
+    let mut config = valid();
+    config.resume.stall_ms = 50;
+    assert_eq!(invalid(&config).0, "resume.stall_ms");
+    let mut config = valid();
+    config.resume.stall_ms = 0;
+    assert!(config.validate().is_ok(), "0: never");
+    let mut config = valid();
+    config.models = vec![ModelConfig {
+        resume: Some(ResumeConfig {
+            stall_ms: 50,
+            ..ResumeConfig::default()
+        }),
+        ..ModelConfig::new("m", &["http://127.0.0.1:8000"])
+    }];
+    let (field, value, ..) = invalid(&config);
+    assert_eq!((field.as_str(), value.as_str()), ("model[0].resume.stall_ms", "50"));
+    config.models[0].resume = Some(ResumeConfig {
+        enabled: false,
+        ..ResumeConfig::default()
+    });
+    assert!(config.validate().is_ok());
+}

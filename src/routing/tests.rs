@@ -248,6 +248,7 @@ fn choices_always_come_from_the_candidates_and_reasons_hold() {
                 panic!("{} chose {:?}, not a candidate", p.name(), choice.server);
             };
             match choice.reason {
+                Reason::SameEngine => panic!("{} chose by the resumption's reason", p.name()),
                 Reason::Prefix { blocks } => {
                     prefix_choices += 1;
                     assert!(blocks > header && blocks == m.blocks_for(chosen.server.tag()));

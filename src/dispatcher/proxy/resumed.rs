@@ -4,15 +4,18 @@
 //! retries, until an answer head.
 
 use super::*;
-use crate::dispatcher::resume::{Attempt, ResumedHead};
+use crate::dispatcher::resume::{Attempt, ResumedHead, Targets};
+use crate::store::Lookup;
 
-/// Sends `body` (the continuation of `request`) to an engine of its pool
-/// not in `exclude`, until `deadline`: its 2xx head, or why none came.
+/// Sends `body` (the continuation of `request`) to `targets.first` while
+/// it is registered and up, else (or once it failed) to an engine of its
+/// pool not in `targets.exclude`, until `deadline`: its 2xx head, or why
+/// none came.
 pub(in crate::dispatcher) fn send(
     dispatcher: Arc<Dispatcher>,
     request: &Continuation,
     body: Bytes,
-    exclude: Vec<ServerRef>,
+    targets: Targets,
     deadline: tokio::time::Instant,
 ) -> Attempt {
     let outbound = Outbound {
@@ -29,12 +32,22 @@ pub(in crate::dispatcher) fn send(
     Attempt(Box::pin(async move {
         let mut timer = Box::pin(tokio::time::sleep_until(deadline));
         let mut attempts = Attempts::new(&dispatcher, outbound, None, deadline);
-        attempts.failed = exclude;
+        attempts.failed = targets.exclude;
+        let mut first = targets
+            .first
+            .and_then(|server| dispatcher.registration(server))
+            .filter(|info| info.state == shm_layout::ServerState::Up);
         loop {
-            let (chosen, admitted) = match attempts.route().await {
-                Ok(routed) => routed,
-                Err(Next::Retry) => continue,
-                Err(Next::Answer(answer)) => return Err(attempts.why_none(answer.status())),
+            let (chosen, admitted) = match first.take() {
+                Some(info) => (
+                    Chosen::new(info.server, info.address, Reason::SameEngine, &Lookup::default()),
+                    None,
+                ),
+                None => match attempts.route().await {
+                    Ok(routed) => routed,
+                    Err(Next::Retry) => continue,
+                    Err(Next::Answer(answer)) => return Err(attempts.why_none(answer.status())),
+                },
             };
             let head = match attempts.send(chosen, admitted, timer.as_mut()).await {
                 Ok(head) => head,

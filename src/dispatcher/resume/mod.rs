@@ -14,7 +14,9 @@
 //!    never leaves it inside one): the answer's `id`, `created`, `model`
 //!    and its text so far;
 //! 2. the request is sent again, to an engine of the same pool that has
-//!    not failed this answer, with that text as the assistant's last
+//!    not failed this answer (after an error event, to the same engine
+//!    first, once: it is alive and its cache holds the prompt and the
+//!    text so far), with that text as the assistant's last
 //!    message and `continue_final_message: true`,
 //!    `add_generation_prompt: false` (vLLM, SGLang), or, for completions,
 //!    appended to its prompt; and its output budget less the tokens
@@ -40,7 +42,7 @@ mod request;
 mod sent;
 mod splice;
 
-pub(super) use request::{Attempt, Continuation, ResumedHead};
+pub(super) use request::{Attempt, Continuation, ResumedHead, Targets};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -125,6 +127,8 @@ pub(super) struct Resume {
     done: bool,
     /// Why it broke last.
     last: Option<Break>,
+    /// The engine of an error event was asked again (once an answer).
+    asked_again: bool,
 }
 
 /// What became of a frame from the engine.
@@ -164,6 +168,7 @@ impl Resume {
             failed: Vec::new(),
             done: false,
             last: None,
+            asked_again: false,
         }
     }
 
@@ -228,7 +233,15 @@ impl Resume {
         deadline: tokio::time::Instant,
     ) -> Result<Attempt, Bytes> {
         self.whole.clear();
-        self.failed.push(server);
+        // An engine that streamed an error event is alive, and its cache
+        // holds the prompt and the text so far: asked first, once an
+        // answer; any other break rules it out.
+        let first = (why == Break::ErrorEvent && !self.asked_again).then_some(server);
+        if first.is_some() {
+            self.asked_again = true;
+        } else {
+            self.failed.push(server);
+        }
         self.last = Some(why);
         let count = |outcome| self.dispatcher.metrics().stream_break(why, outcome);
         let known = !self.sent.overflow && !self.whole.overflow;
@@ -278,8 +291,13 @@ impl Resume {
             reason = why.name(),
             attempt = self.resumed,
             carried_tokens = carried,
-            "a stream broke ({}) after {carried} tokens: resuming it on another engine (resumption {})",
+            "a stream broke ({}) after {carried} tokens: resuming it on {} (resumption {})",
             why.name(),
+            if first.is_some() {
+                "the same engine first"
+            } else {
+                "another engine"
+            },
             self.resumed
         );
         self.splice = Some(Splice::new(&summary, carried));
@@ -287,7 +305,10 @@ impl Resume {
             self.dispatcher.clone(),
             &self.request,
             body,
-            self.failed.clone(),
+            Targets {
+                first,
+                exclude: self.failed.clone(),
+            },
             deadline,
         ))
     }

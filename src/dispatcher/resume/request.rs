@@ -45,10 +45,20 @@ impl Future for Attempt {
     }
 }
 
-/// Sends a continuation (its body given) to an engine of its pool other
-/// than those listed, until the request's deadline (the proxy's).
+/// Sends a continuation (its body given) to its [`Targets`], until the
+/// request's deadline (the proxy's).
 pub(in crate::dispatcher) type SendAttempt =
-    fn(Arc<Dispatcher>, &Continuation, Bytes, Vec<ServerRef>, tokio::time::Instant) -> Attempt;
+    fn(Arc<Dispatcher>, &Continuation, Bytes, Targets, tokio::time::Instant) -> Attempt;
+
+/// Where a continuation may go: `first`, if it is still registered, then
+/// the pool's engines but `exclude`.
+#[derive(Debug, Clone, Default)]
+pub(in crate::dispatcher) struct Targets {
+    /// The engine asked first (one whose error event said it is alive).
+    pub first: Option<ServerRef>,
+    /// The engines that failed the answer.
+    pub exclude: Vec<ServerRef>,
+}
 
 /// The request an answer began as, to resume it from.
 pub(in crate::dispatcher) struct Continuation {
