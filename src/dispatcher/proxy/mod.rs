@@ -295,6 +295,10 @@ struct Attempts<'d> {
     /// Its split into a prefill and a decode leg, in a pool with prefill
     /// engines ([`pd`]).
     pd: pd::PdState,
+    /// Prompt tokens of a request without an inference context that the
+    /// gateway knows anyway (a stream's continuation: the request's and
+    /// the text carried), counted as its prefill work.
+    known_prompt_tokens: u64,
 }
 
 impl<'d> Attempts<'d> {
@@ -322,6 +326,7 @@ impl<'d> Attempts<'d> {
             resent_stale: false,
             answered_5xx: Vec::new(),
             pd: pd::PdState::default(),
+            known_prompt_tokens: 0,
         }
     }
 
@@ -331,7 +336,9 @@ impl<'d> Attempts<'d> {
     }
 
     fn prompt_tokens(&self) -> u64 {
-        self.ctx.as_ref().map_or(0, |c| c.prompt_tokens.len() as u64)
+        self.ctx
+            .as_ref()
+            .map_or(self.known_prompt_tokens, |c| c.prompt_tokens.len() as u64)
     }
 
     /// The prefill work of the request at a server predicted to hold
@@ -440,6 +447,7 @@ impl<'d> Attempts<'d> {
             .filter(|_| sse && parts.status.is_success());
         let relay = match blocked {
             Some(blocked) => {
+                let prompt_tokens = self.prompt_tokens();
                 let outbound = &mut self.outbound;
                 let request = Continuation {
                     path_and_query: std::mem::take(&mut outbound.path_and_query),
@@ -448,6 +456,7 @@ impl<'d> Attempts<'d> {
                     pool: outbound.pool.clone(),
                     cache_salt: outbound.cache_salt.take(),
                     completions: self.ctx.as_ref().is_some_and(|c| c.endpoint == Endpoint::Completions),
+                    prompt_tokens,
                     send: resumed::send,
                 };
                 relay.resumable(Resume::new(dispatcher.clone(), request, blocked))

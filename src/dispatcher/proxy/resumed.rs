@@ -33,6 +33,7 @@ pub(in crate::dispatcher) fn send(
         let mut timer = Box::pin(tokio::time::sleep_until(deadline));
         let mut attempts = Attempts::new(&dispatcher, outbound, None, deadline);
         attempts.failed = targets.exclude;
+        attempts.known_prompt_tokens = targets.prompt_tokens;
         let mut first = targets
             .first
             .and_then(|server| dispatcher.registration(server))

@@ -308,6 +308,7 @@ impl Resume {
             Targets {
                 first,
                 exclude: self.failed.clone(),
+                prompt_tokens: self.request.prompt_tokens + carried,
             },
             deadline,
         ))

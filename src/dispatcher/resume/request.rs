@@ -58,6 +58,9 @@ pub(in crate::dispatcher) struct Targets {
     pub first: Option<ServerRef>,
     /// The engines that failed the answer.
     pub exclude: Vec<ServerRef>,
+    /// The continuation's prompt tokens: the request's and the text
+    /// carried (its prefill work, as the engine's load counts it).
+    pub prompt_tokens: u64,
 }
 
 /// The request an answer began as, to resume it from.
@@ -70,6 +73,8 @@ pub(in crate::dispatcher) struct Continuation {
     pub cache_salt: Option<String>,
     /// A completions request (else chat completions).
     pub completions: bool,
+    /// The request's prompt tokens (the gateway's count).
+    pub prompt_tokens: u64,
     pub send: SendAttempt,
 }
 
