@@ -41,6 +41,7 @@ use serde_json::{Value, json};
 use crate::Common;
 use crate::output::{Table, print_table, write_json};
 use crate::replay::Peer;
+use crate::replay::counters::{metric_samples, metric_sum};
 use crate::replay::peers::{PeerProc, install};
 use crate::sse_client::{Answer, stream};
 use semlb_test_support::TempFile;
@@ -220,18 +221,10 @@ fn metrics(addr: &str) -> String {
         .unwrap_or_default()
 }
 
-/// The sum of metric `name`'s samples whose line holds `label`.
-fn metric_sum(text: &str, name: &str, label: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// An engine's counters from its `/metrics` (zeros if it does not answer).
 fn engine_work(addr: &str) -> EngineWork {
     let text = metrics(addr);
-    let value = |name: &str| metric_sum(&text, name, "");
+    let value = |name: &str| metric_sum(&text, name).unwrap_or(0.0);
     EngineWork {
         prefilled: value("vllm:prompt_tokens_total") - value("vllm:prefix_cache_hits_total"),
         generated: value("vllm:generation_tokens_total"),
@@ -427,7 +420,11 @@ impl Sample {
 
 /// The resumptions semlb's `/metrics` counted (outcome `resumed`).
 fn resumptions(addr: &str) -> u64 {
-    metric_sum(&metrics(addr), "semlb_stream_resumptions_total", "outcome=\"resumed\"") as u64
+    metric_samples(&metrics(addr), "semlb_stream_resumptions_total")
+        .into_iter()
+        .filter(|(labels, _)| labels.contains("outcome=\"resumed\""))
+        .map(|(_, n)| n)
+        .sum::<f64>() as u64
 }
 
 /// One front's figures.

@@ -8,7 +8,7 @@
 
 /// The sum of the samples of metric `name` (exact name, any labels) in a
 /// Prometheus text exposition; `None` when there is none.
-pub(super) fn metric_sum(text: &str, name: &str) -> Option<f64> {
+pub(crate) fn metric_sum(text: &str, name: &str) -> Option<f64> {
     let mut found = None;
     for line in text.lines() {
         let line = line.trim();
@@ -37,7 +37,7 @@ pub(super) fn metric_sum(text: &str, name: &str) -> Option<f64> {
 /// Every sample of metric `name` (exact name) in a Prometheus text
 /// exposition: its label text (between the braces, empty without labels)
 /// and its value, in the text's order.
-pub(super) fn metric_samples(text: &str, name: &str) -> Vec<(String, f64)> {
+pub(crate) fn metric_samples(text: &str, name: &str) -> Vec<(String, f64)> {
     let mut out = Vec::new();
     for line in text.lines() {
         let line = line.trim();

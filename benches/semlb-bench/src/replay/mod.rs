@@ -266,7 +266,7 @@
 
 mod args;
 mod chat_set;
-mod counters;
+pub(crate) mod counters;
 mod drive;
 mod gateway_config;
 mod loading;
