@@ -214,14 +214,26 @@ impl Resume {
     /// no tool call under way, has attempts left and has not finished. A
     /// stream that may not stays on its engine, which is still alive.
     pub(super) fn movable(&self) -> bool {
-        if self.blocked.is_some() || self.sent.overflow || self.whole.overflow {
-            return false;
-        }
-        if self.resumed >= self.config.max_attempts {
-            return false;
-        }
-        let summary = self.sent.summary();
-        !summary.tool_call && !summary.finished
+        let (summary, refusal) = self.assess();
+        refusal.is_none() && summary.is_some_and(|s| !s.finished)
+    }
+
+    /// What the client has (`None` when it is not known: the stream may
+    /// not be resumed, or its events outgrew the copy), and why the
+    /// answer may not go on elsewhere, if it may not.
+    fn assess(&self) -> (Option<sent::Summary>, Option<&'static str>) {
+        let known = !self.sent.overflow && !self.whole.overflow;
+        let summary = (self.blocked.is_none() && known).then(|| self.sent.summary());
+        let refusal = match (&summary, self.blocked) {
+            (_, Some(reason)) => Some(reason),
+            (None, None) => Some("the answer is too long to resume"),
+            (Some(s), None) if s.tool_call => Some("a tool call was under way"),
+            (Some(_), None) if self.resumed >= self.config.max_attempts => {
+                Some("its resumptions are used up (resume.max_attempts)")
+            }
+            _ => None,
+        };
+        (summary, refusal)
     }
 
     /// The stream broke (`why`) on `server`: the next attempt, under way
@@ -244,22 +256,12 @@ impl Resume {
         }
         self.last = Some(why);
         let count = |outcome| self.dispatcher.metrics().stream_break(why, outcome);
-        let known = !self.sent.overflow && !self.whole.overflow;
-        let summary = (self.blocked.is_none() && known).then(|| self.sent.summary());
+        let (summary, not_resumed) = self.assess();
         if summary.as_ref().is_some_and(|s| s.finished) {
             // The client has the whole answer: only the stream's end is missing.
             count(ResumeOutcome::Whole);
             return Err(Bytes::from_static(b"data: [DONE]\n\n"));
         }
-        let not_resumed = match (&summary, self.blocked) {
-            (_, Some(reason)) => Some(reason),
-            (None, None) => Some("the answer is too long to resume"),
-            (Some(s), None) if s.tool_call => Some("a tool call was under way"),
-            (Some(_), None) if self.resumed >= self.config.max_attempts => {
-                Some("its resumptions are used up (resume.max_attempts)")
-            }
-            _ => None,
-        };
         if let Some(reason) = not_resumed {
             count(ResumeOutcome::NotResumed);
             tracing::warn!(
